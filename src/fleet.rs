@@ -1,0 +1,546 @@
+//! Nodes, backends and their slot counters: the fleet that discovery builds.
+//!
+//! The fleet keeps what placement reads (the [`Topology`]) apart from the backends' services, so
+//! that the read-only [`FleetView`](crate::placement::FleetView) handed to a policy is not
+//! generic over the service type.
+//!
+//! Backends live in a vector and are named internally by their index. An index and its
+//! generation together name one backend for its lifetime: a session table entry that points at
+//! a removed backend is recognised by a changed generation. Removing a backend frees its index
+//! for reuse, but re-inserting the same id before that reuses the index and generation, so the
+//! sessions homed there stay.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use sha2::{Digest, Sha256};
+use tokio::sync::Notify;
+
+/// The name of a backend (one model-server process). Cheap to clone.
+///
+/// ```
+/// use tower_affinity::BackendId;
+///
+/// let id = BackendId::from("gpu-0");
+/// assert_eq!(id.as_str(), "gpu-0");
+/// ```
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BackendId(Arc<str>);
+
+/// The name of a node (a host that runs one or more backends). Cheap to clone.
+///
+/// ```
+/// use tower_affinity::NodeId;
+///
+/// assert_eq!(NodeId::from("host-a").to_string(), "host-a");
+/// ```
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NodeId(Arc<str>);
+
+macro_rules! impl_name {
+    ($t:ident) => {
+        impl $t {
+            /// The name as a string.
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl From<&str> for $t {
+            fn from(s: &str) -> Self {
+                $t(s.into())
+            }
+        }
+
+        impl From<String> for $t {
+            fn from(s: String) -> Self {
+                $t(s.into())
+            }
+        }
+
+        impl fmt::Display for $t {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl fmt::Debug for $t {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                fmt::Debug::fmt(&*self.0, f)
+            }
+        }
+    };
+}
+
+impl_name!(BackendId);
+impl_name!(NodeId);
+
+/// A backend as discovery announces it: its service, its node, its slots, and its prompt-cache
+/// budget if known.
+///
+/// `slots` is the number of requests the backend serves at once (llama.cpp's `--parallel`); the
+/// router never sends more than that unless told to overcommit.
+///
+/// ```
+/// use std::num::NonZeroU32;
+/// use tower_affinity::Backend;
+///
+/// let b = Backend::new("host-a", ())
+///     .slots(NonZeroU32::new(4).unwrap())
+///     .prompt_cache_bytes(64 << 30);
+/// assert_eq!(b.slot_count().get(), 4);
+/// assert_eq!(b.node().as_str(), "host-a");
+/// ```
+#[derive(Clone)]
+pub struct Backend<S> {
+    service: S,
+    node: NodeId,
+    slots: NonZeroU32,
+    prompt_cache_bytes: Option<u64>,
+}
+
+impl<S> Backend<S> {
+    /// A backend on `node` with one slot.
+    pub fn new(node: impl Into<NodeId>, service: S) -> Self {
+        Backend {
+            service,
+            node: node.into(),
+            slots: NonZeroU32::MIN,
+            prompt_cache_bytes: None,
+        }
+    }
+
+    /// Sets how many requests the backend serves at once.
+    pub fn slots(mut self, slots: NonZeroU32) -> Self {
+        self.slots = slots;
+        self
+    }
+
+    /// Records the backend's host-memory prompt-cache budget, for policies that weigh it.
+    pub fn prompt_cache_bytes(mut self, bytes: u64) -> Self {
+        self.prompt_cache_bytes = Some(bytes);
+        self
+    }
+
+    /// The backend's node.
+    pub fn node(&self) -> &NodeId {
+        &self.node
+    }
+
+    /// How many requests the backend serves at once.
+    pub fn slot_count(&self) -> NonZeroU32 {
+        self.slots
+    }
+
+    /// The prompt-cache budget, if known.
+    pub fn prompt_cache_budget(&self) -> Option<u64> {
+        self.prompt_cache_bytes
+    }
+
+    /// The service.
+    pub fn service(&self) -> &S {
+        &self.service
+    }
+}
+
+impl<S> fmt::Debug for Backend<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Backend")
+            .field("node", &self.node)
+            .field("slots", &self.slots)
+            .field("prompt_cache_bytes", &self.prompt_cache_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+// === slots ===
+
+/// Fleet-wide counters shared by every slot guard and waiter.
+#[derive(Debug, Default)]
+pub(crate) struct Capacity {
+    /// Requests dispatched and not yet finished, over all backends.
+    pub(crate) in_flight: AtomicUsize,
+    /// Requests waiting for a slot.
+    pub(crate) waiting: AtomicUsize,
+    /// Woken whenever a slot frees or the fleet grows, if anyone waits.
+    pub(crate) freed: Arc<Notify>,
+}
+
+impl Capacity {
+    pub(crate) fn wake_waiters(&self) {
+        if self.waiting.load(Ordering::Acquire) > 0 {
+            self.freed.notify_waiters();
+        }
+    }
+}
+
+/// One backend's slot counter.
+#[derive(Debug)]
+pub(crate) struct Load {
+    pub(crate) in_flight: AtomicU32,
+    pub(crate) slots: AtomicU32,
+}
+
+impl Load {
+    fn new(slots: NonZeroU32) -> Self {
+        Load {
+            in_flight: AtomicU32::new(0),
+            slots: AtomicU32::new(slots.get()),
+        }
+    }
+
+    /// Takes a slot if one is free.
+    pub(crate) fn try_acquire(&self) -> bool {
+        let slots = self.slots.load(Ordering::Relaxed);
+        self.in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |n| {
+                (n < slots).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    /// Takes a slot whether or not one is free.
+    pub(crate) fn force_acquire(&self) {
+        self.in_flight.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
+/// A taken slot: released exactly once, when dropped.
+pub(crate) struct SlotGuard {
+    load: Arc<Load>,
+    capacity: Arc<Capacity>,
+}
+
+impl SlotGuard {
+    pub(crate) fn new(load: Arc<Load>, capacity: Arc<Capacity>) -> Self {
+        capacity.in_flight.fetch_add(1, Ordering::AcqRel);
+        SlotGuard { load, capacity }
+    }
+}
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        self.load.in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.capacity.in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.capacity.wake_waiters();
+    }
+}
+
+impl fmt::Debug for SlotGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SlotGuard").finish_non_exhaustive()
+    }
+}
+
+// === topology ===
+
+/// What placement may read about one backend.
+#[derive(Debug)]
+pub(crate) struct Member {
+    pub(crate) id: BackendId,
+    pub(crate) node: u32,
+    pub(crate) digest: u64,
+    pub(crate) generation: u32,
+    pub(crate) live: bool,
+    pub(crate) load: Arc<Load>,
+    pub(crate) prompt_cache_bytes: Option<u64>,
+}
+
+/// What placement may read about one node.
+#[derive(Debug)]
+pub(crate) struct NodeEntry {
+    pub(crate) id: NodeId,
+    pub(crate) digest: u64,
+    /// Live backends on this node, by index.
+    pub(crate) backends: Vec<u32>,
+    /// Sum of the live backends' slots.
+    pub(crate) slots: u32,
+}
+
+/// The fleet's shape: nodes, backends and slot counters, without the services.
+#[derive(Debug, Default)]
+pub(crate) struct Topology {
+    pub(crate) members: Vec<Member>,
+    pub(crate) nodes: Vec<NodeEntry>,
+    /// Live backends, by index, in insertion order.
+    pub(crate) live: Vec<u32>,
+    /// Nodes with at least one live backend.
+    pub(crate) live_nodes: Vec<u32>,
+    /// Sum of the live backends' slots.
+    pub(crate) total_slots: u32,
+    by_id: HashMap<BackendId, u32>,
+    node_by_id: HashMap<NodeId, u32>,
+    free: Vec<u32>,
+}
+
+/// A stable 64-bit digest of a name, the same in every process.
+pub(crate) fn name_digest(name: &str) -> u64 {
+    let d = Sha256::digest(name.as_bytes());
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&d[..8]);
+    u64::from_be_bytes(b)
+}
+
+impl Topology {
+    pub(crate) fn member(&self, index: u32) -> &Member {
+        &self.members[index as usize]
+    }
+
+    pub(crate) fn node(&self, index: u32) -> &NodeEntry {
+        &self.nodes[index as usize]
+    }
+
+    pub(crate) fn index_of(&self, id: &BackendId) -> Option<u32> {
+        self.by_id
+            .get(id)
+            .copied()
+            .filter(|&i| self.members[i as usize].live)
+    }
+
+    /// The index of backend `id`, live or removed (until its index is reused).
+    pub(crate) fn index_any(&self, id: &BackendId) -> Option<u32> {
+        self.by_id.get(id).copied()
+    }
+
+    /// The index of a live backend named by `index` and `generation`, if it still exists.
+    pub(crate) fn resolve(&self, index: u32, generation: u32) -> Option<u32> {
+        let m = self.members.get(index as usize)?;
+        (m.live && m.generation == generation).then_some(index)
+    }
+
+    fn node_index(&mut self, id: &NodeId) -> u32 {
+        if let Some(&i) = self.node_by_id.get(id) {
+            return i;
+        }
+        let i = self.nodes.len() as u32;
+        self.nodes.push(NodeEntry {
+            id: id.clone(),
+            digest: name_digest(id.as_str()),
+            backends: Vec::new(),
+            slots: 0,
+        });
+        self.node_by_id.insert(id.clone(), i);
+        i
+    }
+
+    fn attach(&mut self, index: u32) {
+        let m = &self.members[index as usize];
+        let (node, slots) = (m.node, m.load.slots.load(Ordering::Relaxed));
+        let n = &mut self.nodes[node as usize];
+        if n.backends.is_empty() {
+            self.live_nodes.push(node);
+        }
+        n.backends.push(index);
+        n.slots += slots;
+        self.total_slots += slots;
+        self.live.push(index);
+    }
+
+    fn detach(&mut self, index: u32) {
+        let m = &self.members[index as usize];
+        let (node, slots) = (m.node, m.load.slots.load(Ordering::Relaxed));
+        let n = &mut self.nodes[node as usize];
+        n.backends.retain(|&b| b != index);
+        n.slots -= slots;
+        self.total_slots -= slots;
+        if n.backends.is_empty() {
+            self.live_nodes.retain(|&x| x != node);
+        }
+        self.live.retain(|&b| b != index);
+    }
+
+    /// Inserts or updates a backend; returns its index.
+    pub(crate) fn insert(
+        &mut self,
+        id: BackendId,
+        node: &NodeId,
+        slots: NonZeroU32,
+        prompt_cache_bytes: Option<u64>,
+    ) -> u32 {
+        let node = self.node_index(node);
+        if let Some(&index) = self.by_id.get(&id) {
+            let m = &self.members[index as usize];
+            if m.live {
+                // An update: same index and generation, so its sessions stay.
+                self.detach(index);
+            } else {
+                // Re-inserted before its index was reused: take it back.
+                self.free.retain(|&f| f != index);
+            }
+            let m = &mut self.members[index as usize];
+            m.node = node;
+            m.live = true;
+            m.prompt_cache_bytes = prompt_cache_bytes;
+            m.load.slots.store(slots.get(), Ordering::Relaxed);
+            self.attach(index);
+            return index;
+        }
+        let digest = name_digest(id.as_str());
+        let index = if let Some(index) = self.free.pop() {
+            let m = &mut self.members[index as usize];
+            self.by_id.remove(&m.id);
+            *m = Member {
+                id: id.clone(),
+                node,
+                digest,
+                generation: m.generation.wrapping_add(1),
+                live: true,
+                load: Arc::new(Load::new(slots)),
+                prompt_cache_bytes,
+            };
+            index
+        } else {
+            let index = self.members.len() as u32;
+            self.members.push(Member {
+                id: id.clone(),
+                node,
+                digest,
+                generation: 0,
+                live: true,
+                load: Arc::new(Load::new(slots)),
+                prompt_cache_bytes,
+            });
+            index
+        };
+        self.by_id.insert(id, index);
+        self.attach(index);
+        index
+    }
+
+    /// Removes a backend; returns its index if it was live.
+    pub(crate) fn remove(&mut self, id: &BackendId) -> Option<u32> {
+        let index = self.index_of(id)?;
+        self.detach(index);
+        self.members[index as usize].live = false;
+        self.free.push(index);
+        Some(index)
+    }
+}
+
+/// The topology together with the backends' services.
+pub(crate) struct Fleet<B> {
+    pub(crate) topology: Topology,
+    pub(crate) backends: Vec<Option<B>>,
+}
+
+impl<B> Default for Fleet<B> {
+    fn default() -> Self {
+        Fleet {
+            topology: Topology::default(),
+            backends: Vec::new(),
+        }
+    }
+}
+
+impl<S> Fleet<Backend<S>> {
+    pub(crate) fn insert(&mut self, id: BackendId, backend: Backend<S>) {
+        let index =
+            self.topology
+                .insert(id, &backend.node, backend.slots, backend.prompt_cache_bytes)
+                as usize;
+        if self.backends.len() <= index {
+            self.backends.resize_with(index + 1, || None);
+        }
+        self.backends[index] = Some(backend);
+    }
+
+    pub(crate) fn remove(&mut self, id: &BackendId) -> bool {
+        match self.topology.remove(id) {
+            Some(index) => {
+                self.backends[index as usize] = None;
+                true
+            }
+            None => false,
+        }
+    }
+
+    pub(crate) fn service(&self, index: u32) -> Option<&S> {
+        self.backends
+            .get(index as usize)?
+            .as_ref()
+            .map(|b| &b.service)
+    }
+}
+
+/// A snapshot of one backend's state, for metrics and tests.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BackendStatus {
+    /// The backend.
+    pub id: BackendId,
+    /// Its node.
+    pub node: NodeId,
+    /// How many requests it serves at once.
+    pub slots: u32,
+    /// Requests dispatched to it whose response has not ended.
+    pub in_flight: u32,
+}
+
+impl Topology {
+    pub(crate) fn status(&self) -> Vec<BackendStatus> {
+        self.live
+            .iter()
+            .map(|&i| {
+                let m = self.member(i);
+                BackendStatus {
+                    id: m.id.clone(),
+                    node: self.node(m.node).id.clone(),
+                    slots: m.load.slots.load(Ordering::Relaxed),
+                    in_flight: m.load.in_flight.load(Ordering::Relaxed),
+                }
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn nz(n: u32) -> NonZeroU32 {
+        NonZeroU32::new(n).unwrap()
+    }
+
+    #[test]
+    fn reinserting_an_id_keeps_its_index_and_generation() {
+        let mut t = Topology::default();
+        let a = t.insert("a".into(), &"n1".into(), nz(1), None);
+        let g = t.member(a).generation;
+        assert_eq!(t.insert("a".into(), &"n2".into(), nz(3), None), a);
+        assert_eq!(t.member(a).generation, g);
+        assert_eq!(t.node(t.member(a).node).id.as_str(), "n2");
+        assert_eq!(t.node(0).slots, 0);
+        assert_eq!(t.node(1).slots, 3);
+        // Removed then re-inserted before reuse: still the same backend.
+        t.remove(&"a".into());
+        assert_eq!(t.resolve(a, g), None);
+        assert_eq!(t.insert("a".into(), &"n2".into(), nz(3), None), a);
+        assert_eq!(t.resolve(a, g), Some(a));
+    }
+
+    #[test]
+    fn a_reused_index_gets_a_new_generation() {
+        let mut t = Topology::default();
+        let a = t.insert("a".into(), &"n".into(), nz(1), None);
+        let g = t.member(a).generation;
+        t.remove(&"a".into());
+        let b = t.insert("b".into(), &"n".into(), nz(1), None);
+        assert_eq!(a, b);
+        assert_eq!(t.resolve(a, g), None);
+        assert_eq!(t.index_of(&"a".into()), None);
+        assert_eq!(t.live_nodes, vec![0]);
+    }
+
+    #[test]
+    fn slot_counter_never_exceeds_slots_without_force() {
+        let l = Load::new(nz(2));
+        assert!(l.try_acquire());
+        assert!(l.try_acquire());
+        assert!(!l.try_acquire());
+        l.force_acquire();
+        assert_eq!(l.in_flight.load(Ordering::Relaxed), 3);
+    }
+}

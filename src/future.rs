@@ -1,0 +1,316 @@
+//! [`ResponseFuture`]: waiting for a slot, then driving the chosen backend.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+
+use http::HeaderValue;
+use pin_project_lite::pin_project;
+use tokio::sync::futures::OwnedNotified;
+use tokio::time::{Instant, Sleep};
+use tower::util::Oneshot;
+use tower::{Service, ServiceExt};
+
+use crate::error::BoxError;
+use crate::fleet::{Capacity, SlotGuard};
+use crate::key::SessionKey;
+use crate::placement::Placement;
+use crate::service::{Placed, Shared};
+use crate::stats::{bump, Decision};
+use crate::{Backend, Error, Overflow, ResponseBody};
+
+type SharedOf<S, P> = Arc<Shared<Backend<S>, P>>;
+
+pin_project! {
+    /// The response future of [`SessionAffinity`](crate::SessionAffinity).
+    pub struct ResponseFuture<S, P, ReqB>
+    where
+        S: Service<http::Request<ReqB>>,
+    {
+        #[pin]
+        state: State<S, P, ReqB>,
+    }
+}
+
+pin_project! {
+    #[project = StateProj]
+    enum State<S, P, ReqB>
+    where
+        S: Service<http::Request<ReqB>>,
+    {
+        Call {
+            #[pin]
+            fut: Oneshot<S, http::Request<ReqB>>,
+            guard: Option<SlotGuard>,
+            decision: Option<Decision>,
+            shared: SharedOf<S, P>,
+        },
+        Wait {
+            req: Option<http::Request<ReqB>>,
+            key: Option<SessionKey>,
+            shared: SharedOf<S, P>,
+            freed: Pin<Box<OwnedNotified>>,
+            deadline: Pin<Box<Sleep>>,
+            since: Instant,
+            ticket: WaitTicket,
+        },
+        Done {
+            error: Option<Error>,
+        },
+    }
+}
+
+/// Counts a waiting request for as long as it waits, however the wait ends.
+struct WaitTicket(Arc<Capacity>);
+
+impl WaitTicket {
+    fn take(capacity: &Arc<Capacity>, max_queued: usize) -> Option<Self> {
+        let queued = capacity.waiting.fetch_add(1, Ordering::AcqRel);
+        let ticket = WaitTicket(capacity.clone());
+        (queued < max_queued).then_some(ticket)
+    }
+}
+
+impl Drop for WaitTicket {
+    fn drop(&mut self) {
+        self.0.waiting.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A subscription to "a slot freed", registered before the caller looks for a slot so that a
+/// slot freed in between is not missed.
+fn subscribe(capacity: &Capacity) -> Pin<Box<OwnedNotified>> {
+    let mut n = Box::pin(capacity.freed.clone().notified_owned());
+    n.as_mut().enable();
+    n
+}
+
+impl<S, P, ReqB> State<S, P, ReqB>
+where
+    S: Service<http::Request<ReqB>>,
+{
+    fn call(
+        placed: (S, SlotGuard, Decision),
+        req: http::Request<ReqB>,
+        shared: SharedOf<S, P>,
+    ) -> Self {
+        let (service, guard, decision) = placed;
+        State::Call {
+            fut: service.oneshot(req),
+            guard: Some(guard),
+            decision: Some(decision),
+            shared,
+        }
+    }
+
+    fn fail(error: Error) -> Self {
+        State::Done { error: Some(error) }
+    }
+}
+
+impl<S, P, ReqB> ResponseFuture<S, P, ReqB>
+where
+    S: Service<http::Request<ReqB>> + Clone,
+    P: Placement,
+{
+    pub(crate) fn new(
+        shared: SharedOf<S, P>,
+        key: Option<SessionKey>,
+        req: http::Request<ReqB>,
+    ) -> Self {
+        let overflow = shared.overflow;
+        let overcommit = matches!(overflow, Overflow::Overcommit);
+        let state = match shared.place(key, req.extensions(), overcommit, None) {
+            Placed::Dispatch {
+                service,
+                guard,
+                decision,
+            } => State::call((service, guard, decision), req, shared),
+            Placed::Empty => {
+                bump(&shared.counters.no_backends);
+                State::fail(Error::NoBackends)
+            }
+            Placed::Full => match overflow {
+                Overflow::Wait {
+                    max_wait,
+                    max_queued,
+                } => Self::wait(shared, key, req, max_wait, max_queued),
+                Overflow::Overcommit | Overflow::Reject => {
+                    bump(&shared.counters.rejected);
+                    State::fail(Error::Saturated {
+                        retry_after: shared.retry_after(),
+                    })
+                }
+            },
+        };
+        ResponseFuture { state }
+    }
+
+    fn wait(
+        shared: SharedOf<S, P>,
+        key: Option<SessionKey>,
+        req: http::Request<ReqB>,
+        max_wait: std::time::Duration,
+        max_queued: usize,
+    ) -> State<S, P, ReqB> {
+        let Some(ticket) = WaitTicket::take(&shared.capacity, max_queued) else {
+            bump(&shared.counters.rejected);
+            return State::fail(Error::Saturated {
+                retry_after: shared.retry_after(),
+            });
+        };
+        let freed = subscribe(&shared.capacity);
+        // A slot may have freed between the first attempt and the subscription.
+        match shared.place(key, req.extensions(), false, None) {
+            Placed::Dispatch {
+                service,
+                guard,
+                decision,
+            } => {
+                drop(ticket);
+                State::call((service, guard, decision), req, shared)
+            }
+            Placed::Empty => {
+                bump(&shared.counters.no_backends);
+                State::fail(Error::NoBackends)
+            }
+            Placed::Full => State::Wait {
+                req: Some(req),
+                key,
+                freed,
+                deadline: Box::pin(tokio::time::sleep(max_wait)),
+                since: Instant::now(),
+                ticket,
+                shared,
+            },
+        }
+    }
+}
+
+impl<S, P, ReqB, ResB> Future for ResponseFuture<S, P, ReqB>
+where
+    S: Service<http::Request<ReqB>, Response = http::Response<ResB>> + Clone,
+    S::Error: Into<BoxError>,
+    P: Placement,
+{
+    type Output = Result<http::Response<ResponseBody<ResB>>, Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut state = self.project().state;
+        loop {
+            match state.as_mut().project() {
+                StateProj::Call {
+                    fut,
+                    guard,
+                    decision,
+                    shared,
+                } => {
+                    let result = ready!(fut.poll(cx));
+                    let (Some(guard), Some(decision)) = (guard.take(), decision.take()) else {
+                        panic!("ResponseFuture polled after completion");
+                    };
+                    return Poll::Ready(match result {
+                        Ok(res) => Ok(respond(res, guard, decision, shared.decision_headers)),
+                        Err(e) => {
+                            drop(guard);
+                            bump(&shared.counters.backend_errors);
+                            Err(Error::Backend {
+                                backend: decision.backend,
+                                source: e.into(),
+                            })
+                        }
+                    });
+                }
+                StateProj::Wait {
+                    req,
+                    key,
+                    shared,
+                    freed,
+                    deadline,
+                    since,
+                    ..
+                } => {
+                    if freed.as_mut().poll(cx).is_ready() {
+                        *freed = subscribe(&shared.capacity);
+                        let Some(r) = req.take() else {
+                            panic!("ResponseFuture polled after completion");
+                        };
+                        let waited = Some(since.elapsed());
+                        match shared.place(*key, r.extensions(), false, waited) {
+                            Placed::Dispatch {
+                                service,
+                                guard,
+                                decision,
+                            } => {
+                                let shared = shared.clone();
+                                state.set(State::call((service, guard, decision), r, shared));
+                            }
+                            Placed::Empty => {
+                                bump(&shared.counters.no_backends);
+                                state.set(State::fail(Error::NoBackends));
+                            }
+                            Placed::Full => *req = Some(r),
+                        }
+                        continue;
+                    }
+                    if deadline.as_mut().poll(cx).is_ready() {
+                        bump(&shared.counters.rejected);
+                        let retry_after = shared.retry_after();
+                        state.set(State::fail(Error::Saturated { retry_after }));
+                        continue;
+                    }
+                    return Poll::Pending;
+                }
+                StateProj::Done { error } => {
+                    let Some(e) = error.take() else {
+                        panic!("ResponseFuture polled after completion");
+                    };
+                    return Poll::Ready(Err(e));
+                }
+            }
+        }
+    }
+}
+
+fn respond<B>(
+    res: http::Response<B>,
+    guard: SlotGuard,
+    decision: Decision,
+    headers: bool,
+) -> http::Response<ResponseBody<B>> {
+    let (mut parts, body) = res.into_parts();
+    if headers {
+        let h = &mut parts.headers;
+        if let Ok(v) = HeaderValue::from_str(decision.backend.as_str()) {
+            h.insert("x-affinity-backend", v);
+        }
+        if let Ok(v) = HeaderValue::from_str(decision.node.as_str()) {
+            h.insert("x-affinity-node", v);
+        }
+        h.insert(
+            "x-affinity-outcome",
+            HeaderValue::from_static(decision.outcome.as_str()),
+        );
+    }
+    parts.extensions.insert(decision);
+    http::Response::from_parts(parts, ResponseBody::new(body, guard))
+}
+
+impl<S, P, ReqB> fmt::Debug for ResponseFuture<S, P, ReqB>
+where
+    S: Service<http::Request<ReqB>>,
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match &self.state {
+            State::Call { .. } => "calling",
+            State::Wait { .. } => "waiting for a slot",
+            State::Done { .. } => "done",
+        };
+        f.debug_struct("ResponseFuture")
+            .field("state", &state)
+            .finish()
+    }
+}

@@ -1,0 +1,66 @@
+//! Session keys and the extractors that find them on a request.
+//!
+//! A [`SessionKey`] is a fixed-size digest of whatever identifies an agent run: the raw value
+//! is hashed with SHA-256 the moment it is read and never kept, so a 64 KiB header costs the
+//! same memory as a 4-byte one.
+//!
+//! A [`KeyExtractor`] reads a key from a request without consuming it. The built-ins:
+//!
+//! - [`HeaderKey`]: `X-Session-Affinity`, then `X-Session-Id` (configurable);
+//! - [`ExtensionKey`]: a [`SessionKey`] that an earlier layer put in the request's extensions;
+//! - [`FirstOf`]: the first of two extractors that finds a key;
+//! - any `Fn(&Req) -> Option<SessionKey>` closure.
+//!
+//! A request without a key is placed by load alone. Keys are never derived from the prompt:
+//! agents of one swarm share their system prompt and first message, so a prompt hash would make
+//! them all one session.
+
+mod extension;
+mod first_of;
+mod header;
+mod session_key;
+
+pub use extension::ExtensionKey;
+pub use first_of::FirstOf;
+pub use header::HeaderKey;
+pub use session_key::SessionKey;
+
+/// Finds the session key of a request.
+///
+/// Extraction is synchronous and must not consume the request. Return `None` when the request
+/// carries no key; it is then placed by load alone.
+///
+/// Closures implement the trait:
+///
+/// ```
+/// use tower_affinity::key::{KeyExtractor, SessionKey};
+///
+/// let by_user = |req: &http::Request<()>| {
+///     req.uri().query().map(|q| SessionKey::from_bytes(q.as_bytes()))
+/// };
+/// let req = http::Request::get("/v1/chat/completions?user=7").body(()).unwrap();
+/// assert_eq!(by_user.extract(&req), Some(SessionKey::from_bytes(b"user=7")));
+/// ```
+pub trait KeyExtractor<Req> {
+    /// The session key of `req`, if it has one.
+    fn extract(&self, req: &Req) -> Option<SessionKey>;
+}
+
+impl<F, Req> KeyExtractor<Req> for F
+where
+    F: Fn(&Req) -> Option<SessionKey>,
+{
+    fn extract(&self, req: &Req) -> Option<SessionKey> {
+        self(req)
+    }
+}
+
+/// An extractor that never finds a key: every request is placed by load alone.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoKey;
+
+impl<Req> KeyExtractor<Req> for NoKey {
+    fn extract(&self, _: &Req) -> Option<SessionKey> {
+        None
+    }
+}

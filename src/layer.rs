@@ -1,0 +1,119 @@
+//! [`SessionAffinityLayer`]: the builder.
+
+use tower::discover::Discover;
+use tower::Layer;
+
+use crate::key::HeaderKey;
+use crate::placement::NodeThenBackend;
+use crate::service::{Config, SessionAffinity};
+use crate::{Backend, BackendId, Overflow, Sessions};
+
+/// Builds a [`SessionAffinity`] service over a discovery stream.
+///
+/// Defaults: keys from [`HeaderKey`] (`X-Session-Affinity`, then `X-Session-Id`), placement by
+/// [`NodeThenBackend`], [`Overflow::Wait`] up to 60 s, a table of 100,000 sessions forgotten
+/// after an hour idle, no decision headers.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower::Layer;
+/// use tower_affinity::{discover::StaticFleet, Backend, Overflow, SessionAffinityLayer, Sessions};
+/// use tower_affinity::placement::NodeThenBackend;
+///
+/// # fn backend() -> tower::util::BoxCloneService<http::Request<()>, http::Response<()>, std::convert::Infallible> { unimplemented!() }
+/// # fn doc() {
+/// let fleet = StaticFleet::new([("gpu-0", Backend::new("host-a", backend()))]);
+/// let svc = SessionAffinityLayer::new()
+///     .placement(NodeThenBackend::new().load_bound(0.25))
+///     .overflow(Overflow::Wait { max_wait: Duration::from_secs(30), max_queued: 256 })
+///     .sessions(Sessions::new().max_entries(1_000_000))
+///     .decision_headers(true)
+///     .layer(fleet);
+/// # let _ = svc;
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+pub struct SessionAffinityLayer<K = HeaderKey, P = NodeThenBackend> {
+    key: K,
+    placement: P,
+    config: Config,
+}
+
+impl SessionAffinityLayer {
+    /// The layer with its defaults.
+    pub fn new() -> Self {
+        SessionAffinityLayer {
+            key: HeaderKey::default(),
+            placement: NodeThenBackend::new(),
+            config: Config {
+                overflow: Overflow::default(),
+                sessions: Sessions::new(),
+                decision_headers: false,
+            },
+        }
+    }
+}
+
+impl Default for SessionAffinityLayer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<K, P> SessionAffinityLayer<K, P> {
+    /// Sets the key extractor.
+    pub fn key<K2>(self, key: K2) -> SessionAffinityLayer<K2, P> {
+        SessionAffinityLayer {
+            key,
+            placement: self.placement,
+            config: self.config,
+        }
+    }
+
+    /// Sets the placement policy.
+    pub fn placement<P2>(self, placement: P2) -> SessionAffinityLayer<K, P2> {
+        SessionAffinityLayer {
+            key: self.key,
+            placement,
+            config: self.config,
+        }
+    }
+
+    /// Sets what a request does when every candidate is full.
+    pub fn overflow(mut self, overflow: Overflow) -> Self {
+        self.config.overflow = overflow;
+        self
+    }
+
+    /// Sets the session table's bounds.
+    pub fn sessions(mut self, sessions: Sessions) -> Self {
+        self.config.sessions = sessions;
+        self
+    }
+
+    /// Adds `x-affinity-backend`, `x-affinity-node` and `x-affinity-outcome` to every
+    /// response. The same facts are always in the response's extensions as a
+    /// [`Decision`](crate::Decision).
+    pub fn decision_headers(mut self, enabled: bool) -> Self {
+        self.config.decision_headers = enabled;
+        self
+    }
+}
+
+impl<D, K, P, S> Layer<D> for SessionAffinityLayer<K, P>
+where
+    D: Discover<Key = BackendId, Service = Backend<S>>,
+    K: Clone,
+    P: Clone,
+{
+    type Service = SessionAffinity<D, K, P>;
+
+    fn layer(&self, discover: D) -> Self::Service {
+        SessionAffinity::new(
+            discover,
+            self.key.clone(),
+            self.placement.clone(),
+            self.config,
+        )
+    }
+}

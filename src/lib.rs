@@ -1,0 +1,90 @@
+//! Session-affinity load balancing for LLM fleets, as a Tower middleware.
+//!
+//! A coding agent resends its whole conversation every turn. A model server that still holds
+//! that prefix in its prompt cache answers in about a second; any other server reads the
+//! prompt again first, which for a 30,000-token prompt on a modest GPU takes minutes. This
+//! crate keeps each session close to the cache that served it last: the same backend, else
+//! another backend on the same node (which shares the host's prompt cache), else another node,
+//! spilling when capacity is full. Affinity is a preference, not a pin.
+//!
+//! # Shape
+//!
+//! ```text
+//! request -> KeyExtractor -> Placement (key + fleet view + session table) -> preference order
+//!         -> first candidate with a free slot (else wait / overcommit / reject)
+//!         -> slot taken -> backend.oneshot(req) -> response body holds the slot until it ends
+//! ```
+//!
+//! - [`key`]: [`SessionKey`](key::SessionKey) digests, the [`KeyExtractor`](key::KeyExtractor)
+//!   trait and the header and extension extractors.
+//! - [`placement`]: the [`Placement`](placement::Placement) trait over a read-only view, the
+//!   default [`NodeThenBackend`](placement::NodeThenBackend) and the baselines.
+//! - [`discover`]: static and channel-fed discovery streams of [`Backend`]s.
+//! - [`SessionAffinityLayer`] builds [`SessionAffinity`], a `tower::Service` for your axum or
+//!   hyper proxy. Its [`ResponseBody`] releases the request's slot when the body ends.
+//!
+//! # Example
+//!
+//! ```
+//! use std::convert::Infallible;
+//! use std::num::NonZeroU32;
+//! use tower::{service_fn, Layer, ServiceExt};
+//! use tower_affinity::{discover::StaticFleet, Backend, Decision, Outcome, SessionAffinityLayer};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! // Four backends on two nodes; a real proxy would use a hyper-util client per backend.
+//! let backend = |name: &'static str| {
+//!     service_fn(move |_req: http::Request<String>| async move {
+//!         Ok::<_, Infallible>(http::Response::new(name.to_string()))
+//!     })
+//! };
+//! let two = NonZeroU32::new(2).unwrap();
+//! let fleet = StaticFleet::new([
+//!     ("a1", Backend::new("node-a", backend("a1")).slots(two)),
+//!     ("a2", Backend::new("node-a", backend("a2")).slots(two)),
+//!     ("b1", Backend::new("node-b", backend("b1")).slots(two)),
+//!     ("b2", Backend::new("node-b", backend("b2")).slots(two)),
+//! ]);
+//! let svc = SessionAffinityLayer::new().layer(fleet);
+//!
+//! let turn = || {
+//!     http::Request::post("/v1/chat/completions")
+//!         .header("x-session-id", "agent-1")
+//!         .body(String::new())
+//!         .unwrap()
+//! };
+//! let first = svc.clone().oneshot(turn()).await.unwrap();
+//! let second = svc.clone().oneshot(turn()).await.unwrap();
+//! let d1 = first.extensions().get::<Decision>().unwrap();
+//! let d2 = second.extensions().get::<Decision>().unwrap();
+//! assert_eq!(d1.outcome, Outcome::NewSession);
+//! assert_eq!(d2.outcome, Outcome::HomeHit);
+//! assert_eq!(d1.backend, d2.backend);
+//! # }
+//! ```
+
+#![cfg_attr(docsrs, feature(doc_auto_cfg))]
+
+mod body;
+pub mod discover;
+mod error;
+mod fleet;
+mod future;
+pub mod key;
+mod layer;
+mod overflow;
+pub mod placement;
+mod service;
+mod stats;
+mod table;
+
+pub use body::ResponseBody;
+pub use error::{BoxError, Error, ErrorToResponse, ErrorToResponseFuture};
+pub use fleet::{Backend, BackendId, BackendStatus, NodeId};
+pub use future::ResponseFuture;
+pub use layer::SessionAffinityLayer;
+pub use overflow::Overflow;
+pub use service::SessionAffinity;
+pub use stats::{Decision, Outcome, Stats};
+pub use table::Sessions;

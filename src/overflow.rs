@@ -1,0 +1,50 @@
+//! What a request does when no candidate has a free slot.
+
+use std::time::Duration;
+
+/// What a request does when every candidate is full.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_affinity::Overflow;
+///
+/// let o = Overflow::Wait { max_wait: Duration::from_secs(30), max_queued: 256 };
+/// assert_eq!(Overflow::default(), Overflow::Wait { max_wait: Duration::from_secs(60), max_queued: 1024 });
+/// # let _ = o;
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Overflow {
+    /// Wait inside the response future, up to `max_wait`, and be placed again, in the same
+    /// preference order, as soon as any slot frees: a home that frees first gets its session
+    /// back. At most `max_queued` requests wait at once; beyond that, and after `max_wait`, the
+    /// request fails with [`Error::Saturated`](crate::Error::Saturated).
+    ///
+    /// Waiting needs tokio's time driver.
+    Wait {
+        /// The longest a request waits for a slot.
+        max_wait: Duration,
+        /// The most requests waiting at once.
+        max_queued: usize,
+    },
+    /// Send the request to the first candidate anyway, beyond its slots: the backend queues
+    /// it. Fails only when the policy offers no candidate at all.
+    Overcommit,
+    /// Fail at once with [`Error::Saturated`](crate::Error::Saturated).
+    Reject,
+}
+
+impl Overflow {
+    /// The `Retry-After` hint given when a request is refused for lack of slots.
+    pub(crate) const RETRY_AFTER: Duration = Duration::from_secs(1);
+}
+
+impl Default for Overflow {
+    /// Wait up to 60 s, at most 1024 requests at once.
+    fn default() -> Self {
+        Overflow::Wait {
+            max_wait: Duration::from_secs(60),
+            max_queued: 1024,
+        }
+    }
+}

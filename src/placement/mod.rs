@@ -1,0 +1,185 @@
+//! Placement: which backends a request should go to, in order of preference.
+//!
+//! A [`Placement`] is a plain synchronous function over a read-only [`FleetView`], the
+//! session's [`Home`] and the request's facts. It offers candidates to a [`Candidates`] sink,
+//! best first; the service takes the first one with a free slot and tells the policy to stop by
+//! returning [`ControlFlow::Break`]. Offering lazily is what keeps a home hit free of any scan:
+//! the policy offers the home, the slot is free, and nothing else is computed.
+//!
+//! The default policy is [`NodeThenBackend`]. [`RoundRobin`], [`LeastLoaded`] and the
+//! stateless [`Rendezvous`] are baselines behind the same trait, so a simulator or a benchmark
+//! compares like with like.
+//!
+//! Policies need no runtime to test: a [`Snapshot`] is a fleet built by hand, and
+//! [`Snapshot::order`] lists a policy's full preference order.
+//!
+//! ```
+//! use tower_affinity::key::SessionKey;
+//! use tower_affinity::placement::{NodeThenBackend, Snapshot};
+//!
+//! let fleet = Snapshot::new()
+//!     .backend("a1", "node-a", 1)
+//!     .backend("a2", "node-a", 1)
+//!     .backend("b1", "node-b", 1)
+//!     .backend("b2", "node-b", 1);
+//! let key = SessionKey::from_bytes(b"agent-1");
+//! let order = fleet.order(&NodeThenBackend::new(), Some(key), Some("a1"));
+//! // Home first, then its node, then the other node.
+//! assert_eq!(order[..2], ["a1".into(), "a2".into()]);
+//! ```
+
+mod baselines;
+mod node_then_backend;
+pub(crate) mod rendezvous;
+mod snapshot;
+mod view;
+
+use std::fmt;
+use std::ops::ControlFlow;
+use std::sync::Arc;
+
+use crate::fleet::Topology;
+
+pub use baselines::{LeastLoaded, Rendezvous, RoundRobin};
+pub use node_then_backend::NodeThenBackend;
+pub use snapshot::Snapshot;
+pub use view::{BackendRef, FleetView, Home, NodeRef, PlacementRequest};
+
+/// A placement policy.
+///
+/// `place` offers backends to `candidates` in order of preference and stops as soon as an
+/// offer returns [`ControlFlow::Break`] (the service took that backend). It must not block or
+/// do I/O: it runs on every request, under a read lock of the fleet.
+///
+/// A policy that offers nothing leaves the request without a backend; the service then
+/// answers [`Error::NoBackends`](crate::Error::NoBackends) if the fleet is empty, and
+/// otherwise treats the request as finding no free slot.
+pub trait Placement: Send + Sync + 'static {
+    /// Offers candidates for `request`, best first.
+    fn place(
+        &self,
+        fleet: &FleetView<'_>,
+        request: &PlacementRequest<'_>,
+        candidates: &mut Candidates<'_>,
+    );
+}
+
+impl<P: Placement + ?Sized> Placement for Box<P> {
+    fn place(&self, f: &FleetView<'_>, r: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
+        (**self).place(f, r, c)
+    }
+}
+
+impl<P: Placement + ?Sized> Placement for Arc<P> {
+    fn place(&self, f: &FleetView<'_>, r: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
+        (**self).place(f, r, c)
+    }
+}
+
+/// The sink a policy offers its candidates to.
+pub struct Candidates<'a> {
+    topology: &'a Topology,
+    collect: Option<&'a mut Vec<u32>>,
+    first: Option<u32>,
+    chosen: Option<u32>,
+}
+
+impl<'a> Candidates<'a> {
+    /// A sink that takes the first offered backend with a free slot.
+    pub(crate) fn acquire(topology: &'a Topology) -> Self {
+        Candidates {
+            topology,
+            collect: None,
+            first: None,
+            chosen: None,
+        }
+    }
+
+    /// A sink that records every offer and takes nothing.
+    pub(crate) fn collect(topology: &'a Topology, into: &'a mut Vec<u32>) -> Self {
+        Candidates {
+            topology,
+            collect: Some(into),
+            first: None,
+            chosen: None,
+        }
+    }
+
+    /// Offers `backend`. Returns `Break` when the service has taken it (stop offering), and
+    /// `Continue` when it is full (offer the next one).
+    ///
+    /// A backend from another view is ignored.
+    pub fn offer(&mut self, backend: BackendRef<'_>) -> ControlFlow<()> {
+        if self.chosen.is_some() {
+            return ControlFlow::Break(());
+        }
+        if !backend.belongs_to(self.topology) {
+            return ControlFlow::Continue(());
+        }
+        let index = backend.index;
+        self.first.get_or_insert(index);
+        match &mut self.collect {
+            Some(seen) => {
+                if !seen.contains(&index) {
+                    seen.push(index);
+                }
+                ControlFlow::Continue(())
+            }
+            None if self.topology.member(index).load.try_acquire() => {
+                self.chosen = Some(index);
+                ControlFlow::Break(())
+            }
+            None => ControlFlow::Continue(()),
+        }
+    }
+
+    /// The backend whose slot was taken, if any.
+    pub(crate) fn chosen(&self) -> Option<u32> {
+        self.chosen
+    }
+
+    /// The first backend offered, whether or not it had room.
+    pub(crate) fn first(&self) -> Option<u32> {
+        self.first
+    }
+}
+
+impl fmt::Debug for Candidates<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Candidates")
+            .field("first", &self.first)
+            .field("chosen", &self.chosen)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Offers the fleet's backends, most free slots first, starting the scan at `start` so that
+/// ties rotate when the caller rotates `start`. Used for keyless requests by every policy.
+pub(crate) fn most_free_slots(
+    fleet: &FleetView<'_>,
+    start: usize,
+    candidates: &mut Candidates<'_>,
+) -> ControlFlow<()> {
+    let n = fleet.len();
+    if n == 0 {
+        return ControlFlow::Continue(());
+    }
+    let rotated = (0..n).filter_map(|i| fleet.backend_at((start + i) % n));
+    // One pass for the best; the full order only if the best was taken meanwhile.
+    let mut best: Option<BackendRef<'_>> = None;
+    for b in rotated.clone() {
+        if best.is_none_or(|x| b.free_slots() > x.free_slots()) {
+            best = Some(b);
+        }
+    }
+    if let Some(b) = best {
+        candidates.offer(b)?;
+    }
+    let mut rest: Vec<BackendRef<'_>> = rotated.collect();
+    // Stable: ties keep their rotated order.
+    rest.sort_by_key(|b| std::cmp::Reverse(b.free_slots()));
+    for b in rest {
+        candidates.offer(b)?;
+    }
+    ControlFlow::Continue(())
+}

@@ -1,0 +1,124 @@
+use std::num::NonZeroU32;
+use std::sync::atomic::Ordering;
+
+use crate::fleet::Topology;
+use crate::key::SessionKey;
+use crate::BackendId;
+
+use super::{BackendRef, Candidates, FleetView, Home, NodeRef, Placement, PlacementRequest};
+
+/// A fleet built by hand, for testing placement policies without a runtime or services.
+///
+/// ```
+/// use tower_affinity::placement::{LeastLoaded, Snapshot};
+///
+/// let fleet = Snapshot::new()
+///     .backend("a", "node-1", 2)
+///     .backend("b", "node-1", 2)
+///     .in_flight("a", 2);
+/// assert_eq!(fleet.choose(&LeastLoaded::new(), None, None), Some("b".into()));
+/// ```
+#[derive(Debug, Default)]
+pub struct Snapshot {
+    topology: Topology,
+    extensions: http::Extensions,
+}
+
+impl Snapshot {
+    /// An empty fleet.
+    pub fn new() -> Self {
+        Snapshot::default()
+    }
+
+    /// Adds (or updates) backend `id` on `node` with `slots` slots (0 is read as 1).
+    pub fn backend(mut self, id: &str, node: &str, slots: u32) -> Self {
+        let slots = NonZeroU32::new(slots).unwrap_or(NonZeroU32::MIN);
+        self.topology.insert(id.into(), &node.into(), slots, None);
+        self
+    }
+
+    /// Sets how many requests backend `id` is serving. Unknown ids are ignored.
+    pub fn in_flight(self, id: &str, in_flight: u32) -> Self {
+        if let Some(i) = self.topology.index_of(&id.into()) {
+            let load = &self.topology.member(i).load;
+            load.in_flight.store(in_flight, Ordering::Relaxed);
+        }
+        self
+    }
+
+    /// Removes backend `id`; a session homed there keeps the node as its home.
+    pub fn remove(mut self, id: &str) -> Self {
+        self.topology.remove(&id.into());
+        self
+    }
+
+    /// The view a policy would get.
+    pub fn view(&self) -> FleetView<'_> {
+        let in_flight = self
+            .topology
+            .live
+            .iter()
+            .map(|&i| {
+                self.topology
+                    .member(i)
+                    .load
+                    .in_flight
+                    .load(Ordering::Relaxed) as usize
+            })
+            .sum();
+        FleetView {
+            topology: &self.topology,
+            in_flight,
+        }
+    }
+
+    fn home(&self, id: &str) -> Option<Home<'_>> {
+        let index = self.topology.index_any(&id.into())?;
+        let m = self.topology.member(index);
+        Some(Home {
+            backend: m.live.then(|| BackendRef::new(&self.topology, index)),
+            node: NodeRef::new(&self.topology, m.node),
+        })
+    }
+
+    /// Every backend `policy` offers, in its order of preference, for a request with `key`
+    /// whose session was last served by `home` (a backend id, possibly removed).
+    pub fn order<P>(
+        &self,
+        policy: &P,
+        key: Option<SessionKey>,
+        home: Option<&str>,
+    ) -> Vec<BackendId>
+    where
+        P: Placement + ?Sized,
+    {
+        let mut seen = Vec::new();
+        {
+            let view = self.view();
+            let req = PlacementRequest::new(key, home.and_then(|h| self.home(h)), &self.extensions);
+            let mut c = Candidates::collect(&self.topology, &mut seen);
+            policy.place(&view, &req, &mut c);
+        }
+        seen.into_iter()
+            .map(|i| self.topology.member(i).id.clone())
+            .collect()
+    }
+
+    /// The backend the service would choose: the first in `policy`'s order with a free slot.
+    pub fn choose<P>(
+        &self,
+        policy: &P,
+        key: Option<SessionKey>,
+        home: Option<&str>,
+    ) -> Option<BackendId>
+    where
+        P: Placement + ?Sized,
+    {
+        self.order(policy, key, home).into_iter().find(|id| {
+            self.topology.index_of(id).is_some_and(|i| {
+                let l = &self.topology.member(i).load;
+                l.in_flight.load(Ordering::Relaxed) < l.slots.load(Ordering::Relaxed)
+            })
+        })
+    }
+}

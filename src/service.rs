@@ -1,0 +1,304 @@
+//! [`SessionAffinity`]: discovery, placement and dispatch.
+
+use std::fmt;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use parking_lot::{Mutex, RwLock};
+use tokio::time::Instant;
+use tower::discover::{Change, Discover};
+use tower::Service;
+
+use crate::error::BoxError;
+use crate::fleet::{Capacity, Fleet, SlotGuard};
+use crate::future::ResponseFuture;
+use crate::key::{KeyExtractor, SessionKey};
+use crate::placement::{
+    BackendRef, Candidates, FleetView, Home, NodeRef, Placement, PlacementRequest,
+};
+use crate::stats::{bump, Counters, Decision, Outcome, Stats};
+use crate::table::{HomeEntry, SessionStore, SessionTable, Sessions};
+use crate::{Backend, BackendId, BackendStatus, Overflow, ResponseBody};
+
+/// The most discovery changes applied in one readiness poll, so a stream that never stops
+/// yielding cannot hold a caller forever.
+const DRAIN_LIMIT: usize = 256;
+
+/// A load-balancing service that keeps each session close to the cache that served it last.
+///
+/// Built by [`SessionAffinityLayer`](crate::SessionAffinityLayer) over a discovery stream `D`,
+/// with key extractor `K` and placement policy `P`. Cheap to clone: clones share the fleet, the
+/// session table and the counters.
+///
+/// `poll_ready` applies pending discovery changes without blocking and is otherwise always
+/// ready: the key is only known in `call`, so no single backend's readiness means anything.
+/// `call` places the request and drives the chosen backend with `oneshot` inside the response
+/// future, where it also waits for a slot if the [`Overflow`] policy says so.
+pub struct SessionAffinity<D: Discover, K, P> {
+    shared: Arc<Shared<D::Service, P>>,
+    discover: Arc<Mutex<Option<Pin<Box<D>>>>>,
+    key: K,
+}
+
+/// State shared by every clone of the service and by its response futures.
+pub(crate) struct Shared<B, P> {
+    fleet: RwLock<Fleet<B>>,
+    table: SessionTable,
+    placement: P,
+    pub(crate) overflow: Overflow,
+    pub(crate) capacity: Arc<Capacity>,
+    pub(crate) counters: Counters,
+    pub(crate) decision_headers: bool,
+}
+
+/// The result of one placement attempt.
+pub(crate) enum Placed<S> {
+    /// A slot was taken on a backend.
+    Dispatch {
+        service: S,
+        guard: SlotGuard,
+        decision: Decision,
+    },
+    /// No candidate had a free slot.
+    Full,
+    /// The fleet is empty.
+    Empty,
+}
+
+/// Settings the layer hands to the service.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Config {
+    pub(crate) overflow: Overflow,
+    pub(crate) sessions: Sessions,
+    pub(crate) decision_headers: bool,
+}
+
+impl<D, K, P, S> SessionAffinity<D, K, P>
+where
+    D: Discover<Key = BackendId, Service = Backend<S>>,
+{
+    pub(crate) fn new(discover: D, key: K, placement: P, config: Config) -> Self {
+        SessionAffinity {
+            shared: Arc::new(Shared {
+                fleet: RwLock::new(Fleet::default()),
+                table: SessionTable::new(config.sessions),
+                placement,
+                overflow: config.overflow,
+                capacity: Arc::new(Capacity::default()),
+                counters: Counters::default(),
+                decision_headers: config.decision_headers,
+            }),
+            discover: Arc::new(Mutex::new(Some(Box::pin(discover)))),
+            key,
+        }
+    }
+
+    /// A snapshot of the decision counters and gauges.
+    pub fn stats(&self) -> Stats {
+        let s = &self.shared;
+        Stats {
+            sessions: s.table.len(),
+            session_table_bytes: s.table.memory_bytes(),
+            in_flight: s.capacity.in_flight.load(Ordering::Relaxed),
+            waiting: s.capacity.waiting.load(Ordering::Relaxed),
+            ..s.counters.snapshot()
+        }
+    }
+
+    /// The live backends with their slots and in-flight counts.
+    pub fn backends(&self) -> Vec<BackendStatus> {
+        self.shared.fleet.read().topology.status()
+    }
+}
+
+impl<D, K, P, S> SessionAffinity<D, K, P>
+where
+    D: Discover<Key = BackendId, Service = Backend<S>>,
+    D::Error: Into<BoxError>,
+{
+    /// Applies the discovery changes that are ready, without blocking.
+    ///
+    /// A discovery error is logged and counted, and the fleet stays as it was; a stream that
+    /// ends leaves the last fleet in place.
+    fn drain_discovery(&self, cx: &mut Context<'_>) {
+        // Another clone is draining right now: its changes are as good as ours.
+        let Some(mut slot) = self.discover.try_lock() else {
+            return;
+        };
+        for _ in 0..DRAIN_LIMIT {
+            let Some(d) = slot.as_mut() else { return };
+            match d.as_mut().poll_discover(cx) {
+                Poll::Ready(Some(Ok(change))) => self.shared.apply(change),
+                Poll::Ready(Some(Err(e))) => {
+                    let e: BoxError = e.into();
+                    bump(&self.shared.counters.discovery_errors);
+                    tracing::warn!(error = %e, "discovery error; keeping the current fleet");
+                }
+                Poll::Ready(None) => {
+                    tracing::debug!("discovery stream ended; keeping the current fleet");
+                    *slot = None;
+                }
+                Poll::Pending => return,
+            }
+        }
+        // More may be ready: make sure someone polls again soon.
+        cx.waker().wake_by_ref();
+    }
+}
+
+impl<B, P> Shared<B, P> {
+    pub(crate) fn retry_after(&self) -> Duration {
+        Overflow::RETRY_AFTER
+    }
+}
+
+impl<S, P> Shared<Backend<S>, P> {
+    fn apply(&self, change: Change<BackendId, Backend<S>>) {
+        let mut fleet = self.fleet.write();
+        match change {
+            Change::Insert(id, backend) => {
+                tracing::debug!(backend = %id, node = %backend.node(), slots = backend.slot_count(), "backend inserted");
+                fleet.insert(id, backend);
+                drop(fleet);
+                // New room: let waiting requests try again.
+                self.capacity.wake_waiters();
+            }
+            Change::Remove(id) => {
+                if fleet.remove(&id) {
+                    tracing::debug!(backend = %id, "backend removed");
+                }
+            }
+        }
+    }
+}
+
+impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
+    /// Places a request: looks up its home, runs the policy, takes a slot, records the
+    /// decision. With `overcommit`, a request finding no free slot takes the first candidate
+    /// anyway.
+    pub(crate) fn place(
+        &self,
+        key: Option<SessionKey>,
+        extensions: &http::Extensions,
+        overcommit: bool,
+        waited: Option<Duration>,
+    ) -> Placed<S> {
+        let now = Instant::now();
+        let known = key.and_then(|k| self.table.get(k, now));
+        let fleet = self.fleet.read();
+        let t = &fleet.topology;
+        if t.live.is_empty() {
+            return Placed::Empty;
+        }
+        let home_backend = known.and_then(|h| t.resolve(h.backend, h.generation));
+        let home = known.map(|h| Home {
+            backend: home_backend.map(|i| BackendRef::new(t, i)),
+            node: NodeRef::new(t, h.node),
+        });
+        let view = FleetView {
+            topology: t,
+            in_flight: self.capacity.in_flight.load(Ordering::Relaxed),
+        };
+        let mut candidates = Candidates::acquire(t);
+        self.placement.place(
+            &view,
+            &PlacementRequest::new(key, home, extensions),
+            &mut candidates,
+        );
+        let (index, overcommitted) = match (candidates.chosen(), candidates.first()) {
+            (Some(i), _) => (i, false),
+            (None, Some(i)) if overcommit => {
+                t.member(i).load.force_acquire();
+                (i, true)
+            }
+            _ => return Placed::Full,
+        };
+        let m = t.member(index);
+        let guard = SlotGuard::new(m.load.clone(), self.capacity.clone());
+        let Some(service) = fleet.service(index).cloned() else {
+            // Unreachable while the lock is held: a live member always has its service.
+            return Placed::Full;
+        };
+        let outcome = match (key, known) {
+            (None, _) => Outcome::Keyless,
+            (Some(_), None) => Outcome::NewSession,
+            (Some(_), Some(h)) => match home_backend {
+                None => Outcome::Replaced,
+                Some(b) if b == index => Outcome::HomeHit,
+                Some(_) if m.node == h.node => Outcome::SameNodeSpill,
+                Some(_) => Outcome::CrossNodeSpill,
+            },
+        };
+        let decision = Decision {
+            backend: m.id.clone(),
+            node: t.node(m.node).id.clone(),
+            outcome,
+            waited,
+            overcommitted,
+        };
+        let new_home = HomeEntry {
+            backend: index,
+            generation: m.generation,
+            node: m.node,
+        };
+        drop(fleet);
+        if let Some(k) = key {
+            if known != Some(new_home) {
+                self.table.put(k, new_home, now);
+            }
+        }
+        self.counters.record(&decision);
+        Placed::Dispatch {
+            service,
+            guard,
+            decision,
+        }
+    }
+}
+
+impl<D, K, P, S, ReqB, ResB> Service<http::Request<ReqB>> for SessionAffinity<D, K, P>
+where
+    D: Discover<Key = BackendId, Service = Backend<S>>,
+    D::Error: Into<BoxError>,
+    K: KeyExtractor<http::Request<ReqB>>,
+    P: Placement,
+    S: Service<http::Request<ReqB>, Response = http::Response<ResB>> + Clone,
+    S::Error: Into<BoxError>,
+{
+    type Response = http::Response<ResponseBody<ResB>>;
+    type Error = crate::Error;
+    type Future = ResponseFuture<S, P, ReqB>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.drain_discovery(cx);
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<ReqB>) -> Self::Future {
+        let key = self.key.extract(&req);
+        ResponseFuture::new(self.shared.clone(), key, req)
+    }
+}
+
+impl<D: Discover, K: Clone, P> Clone for SessionAffinity<D, K, P> {
+    fn clone(&self) -> Self {
+        SessionAffinity {
+            shared: self.shared.clone(),
+            discover: self.discover.clone(),
+            key: self.key.clone(),
+        }
+    }
+}
+
+impl<D: Discover, K: fmt::Debug, P: fmt::Debug> fmt::Debug for SessionAffinity<D, K, P> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SessionAffinity")
+            .field("key", &self.key)
+            .field("placement", &self.shared.placement)
+            .field("overflow", &self.shared.overflow)
+            .finish_non_exhaustive()
+    }
+}

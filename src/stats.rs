@@ -1,0 +1,194 @@
+//! Decisions, their outcomes, and the counters behind [`SessionAffinity::stats`].
+//!
+//! [`SessionAffinity::stats`]: crate::SessionAffinity::stats
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use crate::{BackendId, NodeId};
+
+/// How a request was placed, relative to its session's home.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// Served by its home backend: the prompt cache is where the last turn left it.
+    HomeHit,
+    /// The home was full; served by another backend on the home's node.
+    SameNodeSpill,
+    /// The home's node was full; served on another node.
+    CrossNodeSpill,
+    /// A session the table did not know (first turn, or forgotten).
+    NewSession,
+    /// The request had no session key; placed by load alone.
+    Keyless,
+    /// The home backend had been removed; the session was placed again.
+    Replaced,
+}
+
+impl Outcome {
+    /// The outcome as it appears in the `x-affinity-outcome` header and in metrics.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Outcome::HomeHit => "home-hit",
+            Outcome::SameNodeSpill => "same-node-spill",
+            Outcome::CrossNodeSpill => "cross-node-spill",
+            Outcome::NewSession => "new-session",
+            Outcome::Keyless => "keyless",
+            Outcome::Replaced => "replaced",
+        }
+    }
+
+    /// Every outcome, in a fixed order.
+    pub const ALL: [Outcome; 6] = [
+        Outcome::HomeHit,
+        Outcome::SameNodeSpill,
+        Outcome::CrossNodeSpill,
+        Outcome::NewSession,
+        Outcome::Keyless,
+        Outcome::Replaced,
+    ];
+}
+
+impl fmt::Display for Outcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Where a request went and why. Every response carries one in its extensions.
+///
+/// ```
+/// # async fn doc(res: http::Response<()>) {
+/// use tower_affinity::Decision;
+///
+/// if let Some(d) = res.extensions().get::<Decision>() {
+///     println!("{} on {}: {}", d.backend, d.node, d.outcome);
+/// }
+/// # }
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Decision {
+    /// The backend that served the request.
+    pub backend: BackendId,
+    /// Its node.
+    pub node: NodeId,
+    /// How the request was placed.
+    pub outcome: Outcome,
+    /// How long the request waited for a slot, if it waited.
+    pub waited: Option<Duration>,
+    /// Whether it was sent beyond the backend's slots ([`Overflow::Overcommit`]).
+    ///
+    /// [`Overflow::Overcommit`]: crate::Overflow::Overcommit
+    pub overcommitted: bool,
+}
+
+/// A snapshot of the service's counters. Counters only grow; gauges are read at the snapshot.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Stats {
+    /// Requests served by their home backend.
+    pub home_hits: u64,
+    /// Requests spilled to another backend on their home's node.
+    pub same_node_spills: u64,
+    /// Requests spilled to another node.
+    pub cross_node_spills: u64,
+    /// Requests of sessions the table did not know.
+    pub new_sessions: u64,
+    /// Requests without a key.
+    pub keyless: u64,
+    /// Requests whose home had been removed.
+    pub replaced: u64,
+    /// Requests that waited for a slot before being placed (also counted by outcome).
+    pub waited: u64,
+    /// Requests sent beyond a backend's slots (also counted by outcome).
+    pub overcommitted: u64,
+    /// Requests refused: no free slot and no room or time to wait.
+    pub rejected: u64,
+    /// Requests refused because the fleet was empty.
+    pub no_backends: u64,
+    /// Requests whose backend failed.
+    pub backend_errors: u64,
+    /// Errors yielded by the discovery stream (the fleet stays as it was).
+    pub discovery_errors: u64,
+    /// Gauge: sessions in the table.
+    pub sessions: usize,
+    /// Gauge: bytes held by the session table.
+    pub session_table_bytes: usize,
+    /// Gauge: requests in flight over the fleet.
+    pub in_flight: usize,
+    /// Gauge: requests waiting for a slot.
+    pub waiting: usize,
+}
+
+impl Stats {
+    /// Requests placed on a backend, by any outcome.
+    pub fn placed(&self) -> u64 {
+        self.home_hits
+            + self.same_node_spills
+            + self.cross_node_spills
+            + self.new_sessions
+            + self.keyless
+            + self.replaced
+    }
+
+    /// The count for one outcome.
+    pub fn outcome(&self, outcome: Outcome) -> u64 {
+        match outcome {
+            Outcome::HomeHit => self.home_hits,
+            Outcome::SameNodeSpill => self.same_node_spills,
+            Outcome::CrossNodeSpill => self.cross_node_spills,
+            Outcome::NewSession => self.new_sessions,
+            Outcome::Keyless => self.keyless,
+            Outcome::Replaced => self.replaced,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    outcomes: [AtomicU64; 6],
+    pub(crate) waited: AtomicU64,
+    pub(crate) overcommitted: AtomicU64,
+    pub(crate) rejected: AtomicU64,
+    pub(crate) no_backends: AtomicU64,
+    pub(crate) backend_errors: AtomicU64,
+    pub(crate) discovery_errors: AtomicU64,
+}
+
+pub(crate) fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+impl Counters {
+    pub(crate) fn record(&self, d: &Decision) {
+        bump(&self.outcomes[d.outcome as usize]);
+        if d.waited.is_some() {
+            bump(&self.waited);
+        }
+        if d.overcommitted {
+            bump(&self.overcommitted);
+        }
+    }
+
+    pub(crate) fn snapshot(&self) -> Stats {
+        let o = |x: Outcome| self.outcomes[x as usize].load(Ordering::Relaxed);
+        let l = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        Stats {
+            home_hits: o(Outcome::HomeHit),
+            same_node_spills: o(Outcome::SameNodeSpill),
+            cross_node_spills: o(Outcome::CrossNodeSpill),
+            new_sessions: o(Outcome::NewSession),
+            keyless: o(Outcome::Keyless),
+            replaced: o(Outcome::Replaced),
+            waited: l(&self.waited),
+            overcommitted: l(&self.overcommitted),
+            rejected: l(&self.rejected),
+            no_backends: l(&self.no_backends),
+            backend_errors: l(&self.backend_errors),
+            discovery_errors: l(&self.discovery_errors),
+            ..Stats::default()
+        }
+    }
+}
