@@ -49,6 +49,12 @@ macro_rules! impl_name {
             }
         }
 
+        impl std::borrow::Borrow<str> for $t {
+            fn borrow(&self) -> &str {
+                &self.0
+            }
+        }
+
         impl From<&str> for $t {
             fn from(s: &str) -> Self {
                 $t(s.into())
@@ -202,6 +208,11 @@ impl Load {
             .is_ok()
     }
 
+    /// Whether a slot is free right now.
+    pub(crate) fn has_free_slot(&self) -> bool {
+        self.in_flight.load(Ordering::Relaxed) < self.slots.load(Ordering::Relaxed)
+    }
+
     /// Takes a slot whether or not one is free.
     pub(crate) fn force_acquire(&self) {
         self.in_flight.fetch_add(1, Ordering::AcqRel);
@@ -293,7 +304,7 @@ impl Topology {
         &self.nodes[index as usize]
     }
 
-    pub(crate) fn index_of(&self, id: &BackendId) -> Option<u32> {
+    pub(crate) fn index_of(&self, id: &str) -> Option<u32> {
         self.by_id
             .get(id)
             .copied()
@@ -301,7 +312,7 @@ impl Topology {
     }
 
     /// The index of backend `id`, live or removed (until its index is reused).
-    pub(crate) fn index_any(&self, id: &BackendId) -> Option<u32> {
+    pub(crate) fn index_any(&self, id: &str) -> Option<u32> {
         self.by_id.get(id).copied()
     }
 
@@ -412,7 +423,7 @@ impl Topology {
 
     /// Removes a backend; returns its index if it was live.
     pub(crate) fn remove(&mut self, id: &BackendId) -> Option<u32> {
-        let index = self.index_of(id)?;
+        let index = self.index_of(id.as_str())?;
         self.detach(index);
         self.members[index as usize].live = false;
         self.free.push(index);
@@ -530,7 +541,7 @@ mod tests {
         let b = t.insert("b".into(), &"n".into(), nz(1), None);
         assert_eq!(a, b);
         assert_eq!(t.resolve(a, g), None);
-        assert_eq!(t.index_of(&"a".into()), None);
+        assert_eq!(t.index_of("a"), None);
         assert_eq!(t.live_nodes, vec![0]);
     }
 

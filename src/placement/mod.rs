@@ -79,9 +79,18 @@ impl<P: Placement + ?Sized> Placement for Arc<P> {
 /// The sink a policy offers its candidates to.
 pub struct Candidates<'a> {
     topology: &'a Topology,
-    collect: Option<&'a mut Vec<u32>>,
+    mode: Mode<'a>,
     first: Option<u32>,
     chosen: Option<u32>,
+}
+
+enum Mode<'a> {
+    /// Take a slot on the first candidate that has one.
+    Acquire,
+    /// Stop at the first candidate that has a free slot, without taking it.
+    Probe,
+    /// Record every candidate; take nothing.
+    Collect(&'a mut Vec<u32>),
 }
 
 impl<'a> Candidates<'a> {
@@ -89,7 +98,17 @@ impl<'a> Candidates<'a> {
     pub(crate) fn acquire(topology: &'a Topology) -> Self {
         Candidates {
             topology,
-            collect: None,
+            mode: Mode::Acquire,
+            first: None,
+            chosen: None,
+        }
+    }
+
+    /// A sink that stops at the first backend with a free slot without taking the slot.
+    pub(crate) fn probe(topology: &'a Topology) -> Self {
+        Candidates {
+            topology,
+            mode: Mode::Probe,
             first: None,
             chosen: None,
         }
@@ -99,7 +118,7 @@ impl<'a> Candidates<'a> {
     pub(crate) fn collect(topology: &'a Topology, into: &'a mut Vec<u32>) -> Self {
         Candidates {
             topology,
-            collect: Some(into),
+            mode: Mode::Collect(into),
             first: None,
             chosen: None,
         }
@@ -118,18 +137,22 @@ impl<'a> Candidates<'a> {
         }
         let index = backend.index;
         self.first.get_or_insert(index);
-        match &mut self.collect {
-            Some(seen) => {
+        let load = &self.topology.member(index).load;
+        let taken = match &mut self.mode {
+            Mode::Collect(seen) => {
                 if !seen.contains(&index) {
                     seen.push(index);
                 }
-                ControlFlow::Continue(())
+                false
             }
-            None if self.topology.member(index).load.try_acquire() => {
-                self.chosen = Some(index);
-                ControlFlow::Break(())
-            }
-            None => ControlFlow::Continue(()),
+            Mode::Acquire => load.try_acquire(),
+            Mode::Probe => load.has_free_slot(),
+        };
+        if taken {
+            self.chosen = Some(index);
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
         }
     }
 

@@ -21,6 +21,7 @@ use super::{BackendRef, Candidates, FleetView, Home, NodeRef, Placement, Placeme
 #[derive(Debug, Default)]
 pub struct Snapshot {
     topology: Topology,
+    in_flight: usize,
     extensions: http::Extensions,
 }
 
@@ -38,16 +39,21 @@ impl Snapshot {
     }
 
     /// Sets how many requests backend `id` is serving. Unknown ids are ignored.
-    pub fn in_flight(self, id: &str, in_flight: u32) -> Self {
-        if let Some(i) = self.topology.index_of(&id.into()) {
+    pub fn in_flight(mut self, id: &str, in_flight: u32) -> Self {
+        if let Some(i) = self.topology.index_of(id) {
             let load = &self.topology.member(i).load;
-            load.in_flight.store(in_flight, Ordering::Relaxed);
+            let old = load.in_flight.swap(in_flight, Ordering::Relaxed);
+            self.in_flight = self.in_flight + in_flight as usize - old as usize;
         }
         self
     }
 
     /// Removes backend `id`; a session homed there keeps the node as its home.
-    pub fn remove(mut self, id: &str) -> Self {
+    pub fn remove(self, id: &str) -> Self {
+        self.in_flight(id, 0).remove_idle(id)
+    }
+
+    fn remove_idle(mut self, id: &str) -> Self {
         self.topology.remove(&id.into());
         self
     }
@@ -73,7 +79,7 @@ impl Snapshot {
     }
 
     fn home(&self, id: &str) -> Option<Home<'_>> {
-        let index = self.topology.index_any(&id.into())?;
+        let index = self.topology.index_any(id)?;
         let m = self.topology.member(index);
         Some(Home {
             backend: m.live.then(|| BackendRef::new(&self.topology, index)),
@@ -105,6 +111,7 @@ impl Snapshot {
     }
 
     /// The backend the service would choose: the first in `policy`'s order with a free slot.
+    /// Takes no slot and allocates nothing.
     pub fn choose<P>(
         &self,
         policy: &P,
@@ -114,11 +121,10 @@ impl Snapshot {
     where
         P: Placement + ?Sized,
     {
-        self.order(policy, key, home).into_iter().find(|id| {
-            self.topology.index_of(id).is_some_and(|i| {
-                let l = &self.topology.member(i).load;
-                l.in_flight.load(Ordering::Relaxed) < l.slots.load(Ordering::Relaxed)
-            })
-        })
+        let view = self.view();
+        let req = PlacementRequest::new(key, home.and_then(|h| self.home(h)), &self.extensions);
+        let mut c = Candidates::probe(&self.topology);
+        policy.place(&view, &req, &mut c);
+        c.chosen().map(|i| self.topology.member(i).id.clone())
     }
 }

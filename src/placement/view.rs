@@ -33,7 +33,7 @@ impl<'a> FleetView<'a> {
 
     /// The live backend named `id`.
     pub fn backend(&self, id: &BackendId) -> Option<BackendRef<'a>> {
-        let i = self.topology.index_of(id)?;
+        let i = self.topology.index_of(id.as_str())?;
         Some(BackendRef::new(self.topology, i))
     }
 
