@@ -13,11 +13,12 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::num::NonZeroU32;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 use tokio::sync::Notify;
+use tokio::time::Instant;
 
 /// The name of a backend (one model-server process). Cheap to clone.
 ///
@@ -165,8 +166,10 @@ impl<S> fmt::Debug for Backend<S> {
 // === slots ===
 
 /// Fleet-wide counters shared by every slot guard and waiter.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Capacity {
+    /// The origin of the fleet's millisecond clock (health cooldowns).
+    epoch: Instant,
     /// Requests dispatched and not yet finished, over all backends.
     pub(crate) in_flight: AtomicUsize,
     /// Requests waiting for a slot.
@@ -176,6 +179,21 @@ pub(crate) struct Capacity {
 }
 
 impl Capacity {
+    pub(crate) fn new() -> Self {
+        Capacity {
+            epoch: Instant::now(),
+            in_flight: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
+            freed: Arc::default(),
+        }
+    }
+
+    /// Milliseconds since the epoch, never 0 (0 means "up" in [`Load::down_until`]).
+    pub(crate) fn now_ms(&self, now: Instant) -> u64 {
+        let ms = now.saturating_duration_since(self.epoch).as_millis();
+        u64::try_from(ms).unwrap_or(u64::MAX - 1).max(1)
+    }
+
     pub(crate) fn wake_waiters(&self) {
         if self.waiting.load(Ordering::Acquire) > 0 {
             self.freed.notify_waiters();
@@ -188,6 +206,8 @@ impl Capacity {
 pub(crate) struct Load {
     pub(crate) in_flight: AtomicU32,
     pub(crate) slots: AtomicU32,
+    /// Down until this time (fleet milliseconds); 0 when up, `u64::MAX` until marked up.
+    pub(crate) down_until: AtomicU64,
 }
 
 impl Load {
@@ -195,7 +215,29 @@ impl Load {
         Load {
             in_flight: AtomicU32::new(0),
             slots: AtomicU32::new(slots.get()),
+            down_until: AtomicU64::new(0),
         }
+    }
+
+    /// Whether the backend is down at `now_ms`. A cooldown that has passed is cleared here,
+    /// and reported as a transition (`true` in the second field) exactly once.
+    pub(crate) fn health(&self, now_ms: u64) -> (bool, bool) {
+        let until = self.down_until.load(Ordering::Relaxed);
+        if until == 0 {
+            return (false, false);
+        }
+        if now_ms < until {
+            return (true, false);
+        }
+        let cleared = self
+            .down_until
+            .compare_exchange(until, 0, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok();
+        (false, cleared)
+    }
+
+    pub(crate) fn mark_down(&self, until_ms: u64) {
+        self.down_until.store(until_ms.max(1), Ordering::Relaxed);
     }
 
     /// Takes a slot if one is free.
@@ -229,6 +271,12 @@ impl SlotGuard {
     pub(crate) fn new(load: Arc<Load>, capacity: Arc<Capacity>) -> Self {
         capacity.in_flight.fetch_add(1, Ordering::AcqRel);
         SlotGuard { load, capacity }
+    }
+
+    /// Marks the backend this slot belongs to down for `cooldown`, then releases the slot.
+    pub(crate) fn fail(self, cooldown: std::time::Duration) {
+        let until = self.capacity.now_ms(Instant::now() + cooldown);
+        self.load.mark_down(until);
     }
 }
 
@@ -488,10 +536,12 @@ pub struct BackendStatus {
     pub slots: u32,
     /// Requests dispatched to it whose response has not ended.
     pub in_flight: u32,
+    /// Whether it is taking requests (not marked down).
+    pub healthy: bool,
 }
 
 impl Topology {
-    pub(crate) fn status(&self) -> Vec<BackendStatus> {
+    pub(crate) fn status(&self, now_ms: u64) -> Vec<BackendStatus> {
         self.live
             .iter()
             .map(|&i| {
@@ -501,6 +551,7 @@ impl Topology {
                     node: self.node(m.node).id.clone(),
                     slots: m.load.slots.load(Ordering::Relaxed),
                     in_flight: m.load.in_flight.load(Ordering::Relaxed),
+                    healthy: !m.load.health(now_ms).0,
                 }
             })
             .collect()

@@ -215,11 +215,18 @@ where
                     return Poll::Ready(match result {
                         Ok(res) => Ok(respond(res, guard, decision, shared.decision_headers)),
                         Err(e) => {
-                            drop(guard);
+                            let e: BoxError = e.into();
+                            let cooldown = shared.failure_cooldown;
+                            if cooldown.is_zero() {
+                                drop(guard);
+                            } else {
+                                tracing::warn!(backend = %decision.backend, error = %e, ?cooldown, "backend failed; marked down");
+                                guard.fail(cooldown);
+                            }
                             bump(&shared.counters.backend_errors);
                             Err(Error::Backend {
                                 backend: decision.backend,
-                                source: e.into(),
+                                source: e,
                             })
                         }
                     });

@@ -1,5 +1,7 @@
 //! [`SessionAffinityLayer`]: the builder.
 
+use std::time::Duration;
+
 use tower::discover::Discover;
 use tower::Layer;
 
@@ -12,7 +14,7 @@ use crate::{Backend, BackendId, Overflow, Sessions};
 ///
 /// Defaults: keys from [`HeaderKey`] (`X-Session-Affinity`, then `X-Session-Id`), placement by
 /// [`NodeThenBackend`], [`Overflow::Wait`] up to 60 s, a table of 100,000 sessions forgotten
-/// after an hour idle, no decision headers.
+/// after an hour idle, a failing backend passed over for 5 s, no decision headers.
 ///
 /// ```
 /// use std::time::Duration;
@@ -49,6 +51,7 @@ impl SessionAffinityLayer {
                 overflow: Overflow::default(),
                 sessions: Sessions::new(),
                 decision_headers: false,
+                failure_cooldown: Duration::from_secs(5),
             },
         }
     }
@@ -88,6 +91,15 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// Sets the session table's bounds.
     pub fn sessions(mut self, sessions: Sessions) -> Self {
         self.config.sessions = sessions;
+        self
+    }
+
+    /// How long a backend whose service returned an error (refused connection, timeout: no
+    /// response at all) is passed over. Default 5 s; zero disables. An HTTP error status is a
+    /// response, not a failure. A request that fails this way can be retried at once: the
+    /// next placement skips the backend (see [`RetryOnce`](crate::RetryOnce)).
+    pub fn failure_cooldown(mut self, cooldown: Duration) -> Self {
+        self.config.failure_cooldown = cooldown;
         self
     }
 

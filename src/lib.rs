@@ -75,6 +75,7 @@ pub mod key;
 mod layer;
 mod overflow;
 pub mod placement;
+mod retry;
 mod service;
 mod stats;
 mod table;
@@ -85,6 +86,11 @@ pub use fleet::{Backend, BackendId, BackendStatus, NodeId};
 pub use future::ResponseFuture;
 pub use layer::SessionAffinityLayer;
 pub use overflow::Overflow;
+pub use retry::RetryOnce;
 pub use service::SessionAffinity;
 pub use stats::{Decision, Outcome, Stats};
 pub use table::Sessions;
+
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -52,6 +52,7 @@ pub(crate) struct Shared<B, P> {
     pub(crate) capacity: Arc<Capacity>,
     pub(crate) counters: Counters,
     pub(crate) decision_headers: bool,
+    pub(crate) failure_cooldown: Duration,
 }
 
 /// The result of one placement attempt.
@@ -64,7 +65,7 @@ pub(crate) enum Placed<S> {
     },
     /// No candidate had a free slot.
     Full,
-    /// The fleet is empty.
+    /// The fleet is empty, or every backend offered is marked down.
     Empty,
 }
 
@@ -74,6 +75,7 @@ pub(crate) struct Config {
     pub(crate) overflow: Overflow,
     pub(crate) sessions: Sessions,
     pub(crate) decision_headers: bool,
+    pub(crate) failure_cooldown: Duration,
 }
 
 impl<D, K, P, S> SessionAffinity<D, K, P>
@@ -87,9 +89,10 @@ where
                 table: SessionTable::new(config.sessions),
                 placement,
                 overflow: config.overflow,
-                capacity: Arc::new(Capacity::default()),
+                capacity: Arc::new(Capacity::new()),
                 counters: Counters::default(),
                 decision_headers: config.decision_headers,
+                failure_cooldown: config.failure_cooldown,
             }),
             discover: Arc::new(Mutex::new(Some(Box::pin(discover)))),
             key,
@@ -108,9 +111,45 @@ where
         }
     }
 
-    /// The live backends with their slots and in-flight counts.
+    /// The live backends with their slots, in-flight counts and health.
     pub fn backends(&self) -> Vec<BackendStatus> {
-        self.shared.fleet.read().topology.status()
+        let now = self.shared.capacity.now_ms(Instant::now());
+        self.shared.fleet.read().topology.status(now)
+    }
+
+    /// Marks backend `id` down: placement passes it over for `cooldown`, or until
+    /// [`mark_up`](Self::mark_up) if `None`. Requests already on it finish. Returns `false` if
+    /// there is no such backend. For health probes; a backend whose service fails is marked
+    /// down on its own (see [`SessionAffinityLayer::failure_cooldown`]).
+    ///
+    /// [`SessionAffinityLayer::failure_cooldown`]: crate::SessionAffinityLayer::failure_cooldown
+    pub fn mark_down(&self, id: &str, cooldown: Option<Duration>) -> bool {
+        let fleet = self.shared.fleet.read();
+        let Some(i) = fleet.topology.index_of(id) else {
+            return false;
+        };
+        let until = match cooldown {
+            Some(c) => self.shared.capacity.now_ms(Instant::now() + c),
+            None => u64::MAX,
+        };
+        fleet.topology.member(i).load.mark_down(until);
+        tracing::warn!(backend = id, ?cooldown, "backend marked down");
+        true
+    }
+
+    /// Marks backend `id` up again. Returns `false` if there is no such backend.
+    pub fn mark_up(&self, id: &str) -> bool {
+        let fleet = self.shared.fleet.read();
+        let Some(i) = fleet.topology.index_of(id) else {
+            return false;
+        };
+        let load = &fleet.topology.member(i).load;
+        if load.down_until.swap(0, Ordering::AcqRel) != 0 {
+            tracing::info!(backend = id, "backend marked up");
+            drop(fleet);
+            self.shared.capacity.wake_waiters();
+        }
+        true
     }
 }
 
@@ -202,7 +241,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             topology: t,
             in_flight: self.capacity.in_flight.load(Ordering::Relaxed),
         };
-        let mut candidates = Candidates::acquire(t);
+        let mut candidates = Candidates::acquire(t, self.capacity.now_ms(now));
         self.placement.place(
             &view,
             &PlacementRequest::new(key, home, extensions),
@@ -214,6 +253,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
                 t.member(i).load.force_acquire();
                 (i, true)
             }
+            (None, None) if candidates.saw_down() => return Placed::Empty,
             _ => return Placed::Full,
         };
         let m = t.member(index);

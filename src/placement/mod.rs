@@ -79,6 +79,8 @@ impl<P: Placement + ?Sized> Placement for Arc<P> {
 /// The sink a policy offers its candidates to.
 pub struct Candidates<'a> {
     topology: &'a Topology,
+    now_ms: u64,
+    down: bool,
     mode: Mode<'a>,
     first: Option<u32>,
     chosen: Option<u32>,
@@ -95,9 +97,11 @@ enum Mode<'a> {
 
 impl<'a> Candidates<'a> {
     /// A sink that takes the first offered backend with a free slot.
-    pub(crate) fn acquire(topology: &'a Topology) -> Self {
+    pub(crate) fn acquire(topology: &'a Topology, now_ms: u64) -> Self {
         Candidates {
             topology,
+            now_ms,
+            down: false,
             mode: Mode::Acquire,
             first: None,
             chosen: None,
@@ -105,9 +109,11 @@ impl<'a> Candidates<'a> {
     }
 
     /// A sink that stops at the first backend with a free slot without taking the slot.
-    pub(crate) fn probe(topology: &'a Topology) -> Self {
+    pub(crate) fn probe(topology: &'a Topology, now_ms: u64) -> Self {
         Candidates {
             topology,
+            now_ms,
+            down: false,
             mode: Mode::Probe,
             first: None,
             chosen: None,
@@ -115,9 +121,11 @@ impl<'a> Candidates<'a> {
     }
 
     /// A sink that records every offer and takes nothing.
-    pub(crate) fn collect(topology: &'a Topology, into: &'a mut Vec<u32>) -> Self {
+    pub(crate) fn collect(topology: &'a Topology, now_ms: u64, into: &'a mut Vec<u32>) -> Self {
         Candidates {
             topology,
+            now_ms,
+            down: false,
             mode: Mode::Collect(into),
             first: None,
             chosen: None,
@@ -127,7 +135,7 @@ impl<'a> Candidates<'a> {
     /// Offers `backend`. Returns `Break` when the service has taken it (stop offering), and
     /// `Continue` when it is full (offer the next one).
     ///
-    /// A backend from another view is ignored.
+    /// A backend marked down is passed over, as is a backend from another view.
     pub fn offer(&mut self, backend: BackendRef<'_>) -> ControlFlow<()> {
         if self.chosen.is_some() {
             return ControlFlow::Break(());
@@ -136,8 +144,17 @@ impl<'a> Candidates<'a> {
             return ControlFlow::Continue(());
         }
         let index = backend.index;
+        let member = self.topology.member(index);
+        let load = &member.load;
+        match load.health(self.now_ms) {
+            (true, _) => {
+                self.down = true;
+                return ControlFlow::Continue(());
+            }
+            (false, true) => tracing::info!(backend = %member.id, "backend up: cooldown over"),
+            (false, false) => {}
+        }
         self.first.get_or_insert(index);
-        let load = &self.topology.member(index).load;
         let taken = match &mut self.mode {
             Mode::Collect(seen) => {
                 if !seen.contains(&index) {
@@ -161,9 +178,14 @@ impl<'a> Candidates<'a> {
         self.chosen
     }
 
-    /// The first backend offered, whether or not it had room.
+    /// The first healthy backend offered, whether or not it had room.
     pub(crate) fn first(&self) -> Option<u32> {
         self.first
+    }
+
+    /// Whether a backend was passed over because it was down.
+    pub(crate) fn saw_down(&self) -> bool {
+        self.down
     }
 }
 

@@ -48,6 +48,14 @@ impl Snapshot {
         self
     }
 
+    /// Marks backend `id` down: the service passes it over until it is marked up.
+    pub fn down(self, id: &str) -> Self {
+        if let Some(i) = self.topology.index_of(id) {
+            self.topology.member(i).load.mark_down(u64::MAX);
+        }
+        self
+    }
+
     /// Removes backend `id`; a session homed there keeps the node as its home.
     pub fn remove(self, id: &str) -> Self {
         self.in_flight(id, 0).remove_idle(id)
@@ -102,7 +110,7 @@ impl Snapshot {
         {
             let view = self.view();
             let req = PlacementRequest::new(key, home.and_then(|h| self.home(h)), &self.extensions);
-            let mut c = Candidates::collect(&self.topology, &mut seen);
+            let mut c = Candidates::collect(&self.topology, 1, &mut seen);
             policy.place(&view, &req, &mut c);
         }
         seen.into_iter()
@@ -123,7 +131,7 @@ impl Snapshot {
     {
         let view = self.view();
         let req = PlacementRequest::new(key, home.and_then(|h| self.home(h)), &self.extensions);
-        let mut c = Candidates::probe(&self.topology);
+        let mut c = Candidates::probe(&self.topology, 1);
         policy.place(&view, &req, &mut c);
         c.chosen().map(|i| self.topology.member(i).id.clone())
     }
