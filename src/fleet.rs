@@ -426,8 +426,10 @@ impl Topology {
                 // An update: same index and generation, so its sessions stay.
                 self.detach(index);
             } else {
-                // Re-inserted before its index was reused: take it back.
+                // Re-inserted before its index was reused: take it back, sessions and all. It
+                // was announced again, so it starts healthy.
                 self.free.retain(|&f| f != index);
+                m.load.down_until.store(0, Ordering::Relaxed);
             }
             let m = &mut self.members[index as usize];
             m.node = node;

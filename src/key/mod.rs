@@ -11,15 +11,20 @@
 //! - [`FirstOf`]: the first of two extractors that finds a key;
 //! - any `Fn(&Req) -> Option<SessionKey>` closure.
 //!
+//! [`BodyKeyLayer`] reads keys from JSON bodies (`prompt_cache_key`, `user`, ...) in front of
+//! the service and hands them over as extensions, with the body's [`PromptFacts`].
+//!
 //! A request without a key is placed by load alone. Keys are never derived from the prompt:
 //! agents of one swarm share their system prompt and first message, so a prompt hash would make
 //! them all one session.
 
+mod body;
 mod extension;
 mod first_of;
 mod header;
 mod session_key;
 
+pub use body::{BodyKey, BodyKeyFuture, BodyKeyLayer, BodyKeyResponseBody, PromptFacts};
 pub use extension::ExtensionKey;
 pub use first_of::FirstOf;
 pub use header::HeaderKey;

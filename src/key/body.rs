@@ -1,0 +1,881 @@
+//! [`BodyKeyLayer`]: buffers a request body (bounded), reads the session key and the prompt
+//! facts from it, and forwards the body unchanged.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use std::time::Duration;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use http::{header, HeaderValue, StatusCode};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::Full;
+use pin_project_lite::pin_project;
+use serde_json::{Map, Value};
+use sha2::{Digest, Sha256};
+use tokio::time::Sleep;
+use tower::util::Oneshot;
+use tower::{Layer, Service};
+
+use super::SessionKey;
+use crate::BoxError;
+
+// === config ===
+
+#[derive(Clone, Debug)]
+struct Config {
+    /// Each field as its path of object keys (`metadata.user_id` is `["metadata", "user_id"]`).
+    fields: Vec<Vec<String>>,
+    limit: usize,
+    read_timeout: Option<Duration>,
+}
+
+impl Config {
+    /// What a body says about its session and its prompt.
+    fn inspect(&self, body: &[u8]) -> (Option<SessionKey>, PromptFacts) {
+        let mut facts = PromptFacts {
+            body_bytes: body.len(),
+            messages: 0,
+            leading_digest: None,
+        };
+        // Most bodies that are not a JSON object are spotted without running the parser.
+        if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+            return (None, facts);
+        }
+        let Ok(Value::Object(object)) = serde_json::from_slice::<Value>(body) else {
+            return (None, facts);
+        };
+        if let Some(Value::Array(messages)) = object.get("messages") {
+            facts.messages = messages.len();
+            let leading = &messages[..messages.len().min(PromptFacts::LEADING_MESSAGES)];
+            if !leading.is_empty() {
+                // Serializing a `Value` cannot fail: its map keys are strings.
+                let bytes = serde_json::to_vec(leading).unwrap_or_default();
+                facts.leading_digest = Some(Sha256::digest(&bytes).into());
+            }
+        }
+        let key = self.fields.iter().find_map(|path| key_at(&object, path));
+        (key, facts)
+    }
+}
+
+/// The key at `path`: a non-blank string (trimmed) or a number (its JSON text).
+fn key_at(object: &Map<String, Value>, path: &[String]) -> Option<SessionKey> {
+    let (last, parents) = path.split_last()?;
+    let mut object = object;
+    for name in parents {
+        object = object.get(name)?.as_object()?;
+    }
+    match object.get(last)? {
+        Value::String(s) => {
+            let trimmed = s.trim_ascii();
+            (!trimmed.is_empty()).then(|| SessionKey::from_bytes(trimmed.as_bytes()))
+        }
+        Value::Number(n) => Some(SessionKey::from_bytes(n.to_string().as_bytes())),
+        _ => None,
+    }
+}
+
+// === PromptFacts ===
+
+/// What a [`BodyKey`] learned about a request's prompt, put in the request's extensions for
+/// placement policies and metrics to read.
+///
+/// The digest covers the first [`LEADING_MESSAGES`](Self::LEADING_MESSAGES) entries of an
+/// OpenAI-style `messages` array (as re-serialized, so insignificant whitespace does not
+/// matter): requests that share it share their system prompt and first message. It is a hint
+/// for grouping prefixes, never a session key: the agents of one swarm all share it.
+///
+/// ```
+/// use tower_affinity::key::PromptFacts;
+///
+/// let body = br#"{"messages":[{"role":"system","content":"be brief"},
+///                              {"role":"user","content":"hi"},
+///                              {"role":"assistant","content":"hello"}]}"#;
+/// let facts = PromptFacts::from_body(body);
+/// assert_eq!(facts.body_bytes, body.len());
+/// assert_eq!(facts.messages, 3);
+/// assert!(facts.leading_digest.is_some());
+///
+/// let other = PromptFacts::from_body(b"not json");
+/// assert_eq!((other.messages, other.leading_digest), (0, None));
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PromptFacts {
+    /// The size of the request body in bytes.
+    pub body_bytes: usize,
+    /// How many entries the body's `messages` array has (0 if none).
+    pub messages: usize,
+    /// The SHA-256 of the leading messages, if the body has any.
+    pub leading_digest: Option<[u8; 32]>,
+}
+
+impl PromptFacts {
+    /// How many messages the digest covers: the system prompt and the first user message.
+    pub const LEADING_MESSAGES: usize = 2;
+
+    /// The facts of a whole request body.
+    pub fn from_body(body: &[u8]) -> Self {
+        let config = Config {
+            fields: Vec::new(),
+            limit: usize::MAX,
+            read_timeout: None,
+        };
+        config.inspect(body).1
+    }
+}
+
+// === BodyKeyLayer ===
+
+/// Buffers each request body (up to a limit), attaches the session key found in its JSON and
+/// the body's [`PromptFacts`], and forwards the request with the very bytes the client sent as
+/// an [`http_body_util::Full`] body.
+///
+/// - The key is read from the first of the configured fields that holds a non-blank string or
+///   a number: by default `prompt_cache_key`, then `user`, then `metadata.user_id`. It goes
+///   into the request's extensions as a [`SessionKey`]; read it with
+///   [`ExtensionKey`](super::ExtensionKey), usually behind the headers:
+///   `FirstOf::new(HeaderKey::default(), ExtensionKey)`.
+/// - A body that is not JSON, or has none of the fields, goes on without a key.
+/// - A body over the limit (default [`DEFAULT_LIMIT`](Self::DEFAULT_LIMIT), 16 MiB: long agent
+///   prompts run to a few hundred kilobytes) is answered `413 Payload Too Large` with a
+///   plain-text reason, from its `Content-Length` before reading when it has one. A body
+///   that fails to arrive is answered `400`, or `408` past the [read
+///   timeout](Self::read_timeout).
+/// - Trailers are dropped: a buffered body has nowhere to carry them.
+///
+/// Buffering is also what makes a request retryable (see [`RetryOnce`](crate::RetryOnce)).
+///
+/// ```
+/// use std::time::Duration;
+/// use tower::{Layer, ServiceBuilder};
+/// use tower_affinity::key::{BodyKeyLayer, ExtensionKey, FirstOf, HeaderKey};
+/// use tower_affinity::{discover::StaticFleet, Backend, SessionAffinityLayer};
+///
+/// # fn backend() -> tower::util::BoxCloneService<http::Request<http_body_util::Full<bytes::Bytes>>, http::Response<String>, std::convert::Infallible> { unimplemented!() }
+/// # fn doc() {
+/// let fleet = StaticFleet::new([("gpu-0", Backend::new("host-a", backend()))]);
+/// let affinity = SessionAffinityLayer::new()
+///     .key(FirstOf::new(HeaderKey::default(), ExtensionKey))
+///     .layer(fleet);
+/// let svc = ServiceBuilder::new()
+///     .layer(
+///         BodyKeyLayer::new()
+///             .limit(4 << 20)
+///             .fields(["conversation_id", "user"])
+///             .read_timeout(Duration::from_secs(30)),
+///     )
+///     .service(affinity);
+/// # let _ = svc;
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+pub struct BodyKeyLayer {
+    config: Arc<Config>,
+}
+
+impl BodyKeyLayer {
+    /// The default body limit: 16 MiB.
+    pub const DEFAULT_LIMIT: usize = 16 << 20;
+
+    /// The default fields, tried in order.
+    pub const DEFAULT_FIELDS: [&'static str; 3] = ["prompt_cache_key", "user", "metadata.user_id"];
+
+    /// The layer with its defaults: the [default fields](Self::DEFAULT_FIELDS), a 16 MiB limit,
+    /// no read timeout.
+    pub fn new() -> Self {
+        BodyKeyLayer {
+            config: Arc::new(Config {
+                fields: Vec::new(),
+                limit: Self::DEFAULT_LIMIT,
+                read_timeout: None,
+            }),
+        }
+        .fields(Self::DEFAULT_FIELDS)
+    }
+
+    /// Sets the largest body buffered, in bytes.
+    ///
+    /// ```
+    /// let layer = tower_affinity::key::BodyKeyLayer::new().limit(1 << 20);
+    /// # let _ = layer;
+    /// ```
+    pub fn limit(mut self, bytes: usize) -> Self {
+        Arc::make_mut(&mut self.config).limit = bytes;
+        self
+    }
+
+    /// Sets the fields that name the session, tried in order. A dot reaches into nested
+    /// objects: `metadata.user_id`.
+    ///
+    /// ```
+    /// let layer = tower_affinity::key::BodyKeyLayer::new().fields(["session.id", "user"]);
+    /// # let _ = layer;
+    /// ```
+    pub fn fields<I>(mut self, fields: I) -> Self
+    where
+        I: IntoIterator,
+        I::Item: AsRef<str>,
+    {
+        Arc::make_mut(&mut self.config).fields = fields
+            .into_iter()
+            .map(|f| f.as_ref().split('.').map(str::to_owned).collect())
+            .collect();
+        self
+    }
+
+    /// Answers `408 Request Timeout` when the whole body has not arrived within `timeout` of
+    /// the call, so a client that trickles its body cannot hold the proxy. Needs tokio's time
+    /// driver.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// let layer = tower_affinity::key::BodyKeyLayer::new().read_timeout(Duration::from_secs(30));
+    /// # let _ = layer;
+    /// ```
+    pub fn read_timeout(mut self, timeout: Duration) -> Self {
+        Arc::make_mut(&mut self.config).read_timeout = Some(timeout);
+        self
+    }
+}
+
+impl Default for BodyKeyLayer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<S> Layer<S> for BodyKeyLayer {
+    type Service = BodyKey<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        BodyKey {
+            inner,
+            config: self.config.clone(),
+        }
+    }
+}
+
+// === BodyKey ===
+
+/// The service of [`BodyKeyLayer`]: see there for what it does.
+///
+/// ```
+/// use std::convert::Infallible;
+/// use bytes::Bytes;
+/// use http_body_util::Full;
+/// use tower::{service_fn, ServiceExt};
+/// use tower_affinity::key::{BodyKey, SessionKey};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let inner = service_fn(|req: http::Request<Full<Bytes>>| async move {
+///     let key = req.extensions().get::<SessionKey>().copied();
+///     Ok::<_, Infallible>(http::Response::new(format!("{key:?}")))
+/// });
+/// let req = http::Request::post("/v1/chat/completions")
+///     .body(Full::new(Bytes::from_static(br#"{"user":"agent-7","messages":[]}"#)))
+///     .unwrap();
+/// let res = BodyKey::new(inner).oneshot(req).await.unwrap();
+/// assert_eq!(res.status(), 200);
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+pub struct BodyKey<S> {
+    inner: S,
+    config: Arc<Config>,
+}
+
+impl<S> BodyKey<S> {
+    /// Wraps `inner` with the defaults of [`BodyKeyLayer::new`].
+    pub fn new(inner: S) -> Self {
+        BodyKeyLayer::new().layer(inner)
+    }
+
+    /// A layer that wraps services in `BodyKey`.
+    pub fn layer() -> BodyKeyLayer {
+        BodyKeyLayer::new()
+    }
+
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S, B, ResB> Service<http::Request<B>> for BodyKey<S>
+where
+    S: Service<http::Request<Full<Bytes>>, Response = http::Response<ResB>> + Clone,
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    type Response = http::Response<BodyKeyResponseBody<ResB>>;
+    type Error = S::Error;
+    type Future = BodyKeyFuture<S, B>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        // The service made ready goes with the request; this one is readied again next time.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let config = self.config.clone();
+        let (parts, body) = req.into_parts();
+
+        let declared = parts
+            .headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(body.size_hint().lower());
+        if declared > config.limit as u64 {
+            return BodyKeyFuture::reject(Rejection::TooLarge(config.limit));
+        }
+        let capacity = usize::try_from(declared).unwrap_or(0).min(config.limit);
+        let deadline = config.read_timeout.map(|t| Box::pin(tokio::time::sleep(t)));
+        BodyKeyFuture {
+            state: State::Reading {
+                body,
+                buf: BytesMut::with_capacity(capacity),
+                parts: Some(parts),
+                service: Some(inner),
+                config,
+                deadline,
+            },
+        }
+    }
+}
+
+// === BodyKeyFuture ===
+
+/// Why a request was answered without reaching the inner service.
+#[derive(Debug)]
+enum Rejection {
+    TooLarge(usize),
+    Timeout(Duration),
+    Read(BoxError),
+}
+
+impl Rejection {
+    fn into_response<B>(self) -> http::Response<BodyKeyResponseBody<B>> {
+        let (status, message) = match self {
+            Rejection::TooLarge(limit) => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("request body is larger than the limit of {limit} bytes\n"),
+            ),
+            Rejection::Timeout(t) => (
+                StatusCode::REQUEST_TIMEOUT,
+                format!("request body did not arrive within {} s\n", t.as_secs_f64()),
+            ),
+            Rejection::Read(e) => (
+                StatusCode::BAD_REQUEST,
+                format!("failed to read the request body: {e}\n"),
+            ),
+        };
+        let mut res = http::Response::new(BodyKeyResponseBody {
+            kind: Kind::Rejection {
+                data: Some(Bytes::from(message)),
+            },
+        });
+        *res.status_mut() = status;
+        res.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; charset=utf-8"),
+        );
+        res
+    }
+}
+
+pin_project! {
+    /// The response future of [`BodyKey`].
+    pub struct BodyKeyFuture<S, B>
+    where
+        S: Service<http::Request<Full<Bytes>>>,
+    {
+        #[pin]
+        state: State<S, B>,
+    }
+}
+
+pin_project! {
+    #[project = StateProj]
+    enum State<S, B>
+    where
+        S: Service<http::Request<Full<Bytes>>>,
+    {
+        Reading {
+            #[pin]
+            body: B,
+            buf: BytesMut,
+            parts: Option<http::request::Parts>,
+            service: Option<S>,
+            config: Arc<Config>,
+            deadline: Option<Pin<Box<Sleep>>>,
+        },
+        Calling {
+            #[pin]
+            fut: Oneshot<S, http::Request<Full<Bytes>>>,
+        },
+        Rejected {
+            rejection: Option<Rejection>,
+        },
+    }
+}
+
+impl<S, B> BodyKeyFuture<S, B>
+where
+    S: Service<http::Request<Full<Bytes>>>,
+{
+    fn reject(rejection: Rejection) -> Self {
+        BodyKeyFuture {
+            state: State::Rejected {
+                rejection: Some(rejection),
+            },
+        }
+    }
+}
+
+impl<S, B, ResB> Future for BodyKeyFuture<S, B>
+where
+    S: Service<http::Request<Full<Bytes>>, Response = http::Response<ResB>>,
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    type Output = Result<http::Response<BodyKeyResponseBody<ResB>>, S::Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut state = self.project().state;
+        loop {
+            match state.as_mut().project() {
+                StateProj::Reading {
+                    mut body,
+                    buf,
+                    parts,
+                    service,
+                    config,
+                    deadline,
+                } => {
+                    let rejection = loop {
+                        match body.as_mut().poll_frame(cx) {
+                            Poll::Ready(Some(Ok(frame))) => {
+                                let Ok(mut data) = frame.into_data() else {
+                                    continue;
+                                };
+                                if buf.len() + data.remaining() > config.limit {
+                                    break Some(Rejection::TooLarge(config.limit));
+                                }
+                                buf.put(&mut data);
+                            }
+                            Poll::Ready(Some(Err(e))) => break Some(Rejection::Read(e.into())),
+                            Poll::Ready(None) => break None,
+                            Poll::Pending => {
+                                let Some(d) = deadline else {
+                                    return Poll::Pending;
+                                };
+                                ready!(d.as_mut().poll(cx));
+                                let timeout = config.read_timeout.unwrap_or_default();
+                                break Some(Rejection::Timeout(timeout));
+                            }
+                        }
+                    };
+                    if let Some(rejection) = rejection {
+                        state.set(State::Rejected {
+                            rejection: Some(rejection),
+                        });
+                        continue;
+                    }
+                    let (Some(mut parts), Some(service)) = (parts.take(), service.take()) else {
+                        panic!("BodyKeyFuture polled after completion");
+                    };
+                    let bytes = std::mem::take(buf).freeze();
+                    let (key, facts) = config.inspect(&bytes);
+                    if let Some(key) = key {
+                        parts.extensions.insert(key);
+                    }
+                    parts.extensions.insert(facts);
+                    let req = http::Request::from_parts(parts, Full::new(bytes));
+                    state.set(State::Calling {
+                        fut: Oneshot::new(service, req),
+                    });
+                }
+                StateProj::Calling { fut } => {
+                    let res = ready!(fut.poll(cx))?;
+                    return Poll::Ready(Ok(res.map(|inner| BodyKeyResponseBody {
+                        kind: Kind::Inner { inner },
+                    })));
+                }
+                StateProj::Rejected { rejection } => {
+                    let Some(rejection) = rejection.take() else {
+                        panic!("BodyKeyFuture polled after completion");
+                    };
+                    return Poll::Ready(Ok(rejection.into_response()));
+                }
+            }
+        }
+    }
+}
+
+impl<S, B> fmt::Debug for BodyKeyFuture<S, B>
+where
+    S: Service<http::Request<Full<Bytes>>>,
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match &self.state {
+            State::Reading { .. } => "reading the body",
+            State::Calling { .. } => "calling",
+            State::Rejected { .. } => "rejected",
+        };
+        f.debug_struct("BodyKeyFuture")
+            .field("state", &state)
+            .finish()
+    }
+}
+
+// === BodyKeyResponseBody ===
+
+pin_project! {
+    /// The response body of [`BodyKey`]: the inner service's body, or the plain-text reason a
+    /// request was refused (`413`, `408`, `400`).
+    ///
+    /// ```
+    /// # fn doc(res: http::Response<tower_affinity::key::BodyKeyResponseBody<String>>) {
+    /// use http_body::Body;
+    ///
+    /// let (_, body) = res.into_parts();
+    /// let _ = body.size_hint();
+    /// # }
+    /// ```
+    pub struct BodyKeyResponseBody<B> {
+        #[pin]
+        kind: Kind<B>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<B> {
+        Inner { #[pin] inner: B },
+        Rejection { data: Option<Bytes> },
+    }
+}
+
+impl<B> Body for BodyKeyResponseBody<B>
+where
+    B: Body,
+    B::Data: From<Bytes>,
+{
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        match self.project().kind.project() {
+            KindProj::Inner { inner } => inner.poll_frame(cx),
+            KindProj::Rejection { data } => {
+                Poll::Ready(data.take().map(|d| Ok(Frame::data(d.into()))))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.kind {
+            Kind::Inner { inner } => inner.is_end_stream(),
+            Kind::Rejection { data } => data.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.kind {
+            Kind::Inner { inner } => inner.size_hint(),
+            Kind::Rejection { data } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+        }
+    }
+}
+
+impl<B> fmt::Debug for BodyKeyResponseBody<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match &self.kind {
+            Kind::Inner { .. } => "inner",
+            Kind::Rejection { .. } => "rejection",
+        };
+        f.debug_struct("BodyKeyResponseBody")
+            .field("kind", &kind)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+    use std::convert::Infallible;
+
+    use http_body_util::BodyExt;
+    use parking_lot::Mutex;
+    use tower::{service_fn, ServiceExt};
+
+    use super::*;
+
+    /// A body of the given chunks, with no declared length.
+    struct Chunks(VecDeque<Bytes>, bool);
+
+    impl Chunks {
+        fn new<const N: usize>(chunks: [&'static [u8]; N]) -> Self {
+            Chunks(chunks.into_iter().map(Bytes::from_static).collect(), false)
+        }
+
+        /// Never finishes after its chunks.
+        fn stalling<const N: usize>(chunks: [&'static [u8]; N]) -> Self {
+            Chunks(chunks.into_iter().map(Bytes::from_static).collect(), true)
+        }
+    }
+
+    impl Body for Chunks {
+        type Data = Bytes;
+        type Error = Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+            match self.0.pop_front() {
+                Some(c) => Poll::Ready(Some(Ok(Frame::data(c)))),
+                None if self.1 => Poll::Pending,
+                None => Poll::Ready(None),
+            }
+        }
+    }
+
+    /// What the inner service saw.
+    #[derive(Clone, Debug, Default)]
+    struct Seen {
+        body: Option<Bytes>,
+        key: Option<SessionKey>,
+        facts: Option<PromptFacts>,
+        headers: Option<http::HeaderMap>,
+    }
+
+    async fn run<B>(layer: BodyKeyLayer, req: http::Request<B>) -> (http::Response<String>, Seen)
+    where
+        B: Body + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        let seen = Arc::new(Mutex::new(Seen::default()));
+        let record = seen.clone();
+        let inner = service_fn(move |req: http::Request<Full<Bytes>>| {
+            let record = record.clone();
+            async move {
+                let (parts, body) = req.into_parts();
+                let body = body.collect().await.unwrap().to_bytes();
+                *record.lock() = Seen {
+                    body: Some(body),
+                    key: parts.extensions.get::<SessionKey>().copied(),
+                    facts: parts.extensions.get::<PromptFacts>().copied(),
+                    headers: Some(parts.headers),
+                };
+                Ok::<_, Infallible>(http::Response::new(Full::new(Bytes::from_static(b"ok"))))
+            }
+        });
+        let res = layer.layer(inner).oneshot(req).await.unwrap();
+        let (parts, body) = res.into_parts();
+        let text = body.collect().await.unwrap().to_bytes();
+        let text = String::from_utf8(text.to_vec()).unwrap();
+        let seen = seen.lock().clone();
+        (http::Response::from_parts(parts, text), seen)
+    }
+
+    fn post(body: &'static [u8]) -> http::Request<Full<Bytes>> {
+        http::Request::post("/v1/chat/completions")
+            .header(header::CONTENT_LENGTH, body.len())
+            .body(Full::new(Bytes::from_static(body)))
+            .unwrap()
+    }
+
+    fn key(raw: &str) -> Option<SessionKey> {
+        Some(SessionKey::from_bytes(raw.as_bytes()))
+    }
+
+    #[tokio::test]
+    async fn prompt_cache_key_is_the_session_key() {
+        let (res, seen) = run(
+            BodyKeyLayer::new(),
+            post(br#"{"prompt_cache_key":"run-1","messages":[]}"#),
+        )
+        .await;
+        assert_eq!(res.status(), 200);
+        assert_eq!(seen.key, key("run-1"));
+    }
+
+    #[tokio::test]
+    async fn fields_are_tried_in_order() {
+        let both = br#"{"metadata":{"user_id":"m"},"user":"u","prompt_cache_key":"p"}"#;
+        assert_eq!(run(BodyKeyLayer::new(), post(both)).await.1.key, key("p"));
+        let user = br#"{"metadata":{"user_id":"m"},"user":"u"}"#;
+        assert_eq!(run(BodyKeyLayer::new(), post(user)).await.1.key, key("u"));
+        let meta = br#"{"metadata":{"user_id":"m"}}"#;
+        assert_eq!(run(BodyKeyLayer::new(), post(meta)).await.1.key, key("m"));
+    }
+
+    #[tokio::test]
+    async fn blank_strings_and_other_types_fall_through() {
+        let body = br#"{"prompt_cache_key":"  ","user":{"id":1},"metadata":{"user_id":"m"}}"#;
+        assert_eq!(run(BodyKeyLayer::new(), post(body)).await.1.key, key("m"));
+        let none = br#"{"prompt_cache_key":"","user":null,"metadata":[]}"#;
+        assert_eq!(run(BodyKeyLayer::new(), post(none)).await.1.key, None);
+    }
+
+    #[tokio::test]
+    async fn a_number_is_a_key_by_its_text() {
+        let body = br#"{"user":42}"#;
+        assert_eq!(run(BodyKeyLayer::new(), post(body)).await.1.key, key("42"));
+    }
+
+    #[tokio::test]
+    async fn a_body_key_equals_the_same_header_key() {
+        use crate::key::{HeaderKey, KeyExtractor};
+        let req = http::Request::get("/")
+            .header("x-session-id", "agent-7")
+            .body(())
+            .unwrap();
+        let body = br#"{"user":"agent-7"}"#;
+        assert_eq!(
+            run(BodyKeyLayer::new(), post(body)).await.1.key,
+            HeaderKey::default().extract(&req)
+        );
+    }
+
+    #[tokio::test]
+    async fn configured_fields_replace_the_defaults() {
+        let layer = BodyKeyLayer::new().fields(["conversation.id"]);
+        let body = br#"{"user":"u","conversation":{"id":"c"}}"#;
+        assert_eq!(run(layer.clone(), post(body)).await.1.key, key("c"));
+        assert_eq!(run(layer, post(br#"{"user":"u"}"#)).await.1.key, None);
+    }
+
+    #[tokio::test]
+    async fn the_body_is_forwarded_byte_for_byte() {
+        let body: &[u8] = b" {\"user\" : \"u\",\n \"z\":1, \"a\":[1.50, 2e3]}  ";
+        let (_, seen) = run(BodyKeyLayer::new(), post(Box::leak(body.into()))).await;
+        assert_eq!(seen.body.as_deref(), Some(body));
+        assert_eq!(seen.key, key("u"));
+    }
+
+    #[tokio::test]
+    async fn a_chunked_body_is_reassembled() {
+        let req = http::Request::post("/")
+            .body(Chunks::new([b"{\"us", b"er\":\"", b"split\"}"]))
+            .unwrap();
+        let (_, seen) = run(BodyKeyLayer::new(), req).await;
+        assert_eq!(seen.body.as_deref(), Some(&b"{\"user\":\"split\"}"[..]));
+        assert_eq!(seen.key, key("split"));
+    }
+
+    #[tokio::test]
+    async fn non_json_passes_through_keyless_and_untouched() {
+        let body: &'static [u8] = b"\x00\xffnot json {\"user\":\"u\"}";
+        let req = http::Request::post("/upload")
+            .header("content-type", "application/octet-stream")
+            .body(Full::new(Bytes::from_static(body)))
+            .unwrap();
+        let (res, seen) = run(BodyKeyLayer::new(), req).await;
+        assert_eq!(res.status(), 200);
+        assert_eq!(seen.body.as_deref(), Some(body));
+        assert_eq!(seen.key, None);
+        assert_eq!(
+            seen.headers.unwrap()["content-type"],
+            "application/octet-stream"
+        );
+        let facts = seen.facts.unwrap();
+        assert_eq!((facts.body_bytes, facts.messages), (body.len(), 0));
+        // Broken JSON is not JSON either.
+        let (_, seen) = run(BodyKeyLayer::new(), post(br#"{"user":"u""#)).await;
+        assert_eq!(seen.key, None);
+    }
+
+    #[tokio::test]
+    async fn an_empty_body_passes_through() {
+        let (res, seen) = run(BodyKeyLayer::new(), post(b"")).await;
+        assert_eq!(res.status(), 200);
+        assert_eq!(seen.body.as_deref(), Some(&b""[..]));
+    }
+
+    #[tokio::test]
+    async fn a_declared_length_over_the_limit_is_413_before_reading() {
+        let req = http::Request::post("/")
+            .header(header::CONTENT_LENGTH, 11)
+            .body(Chunks::stalling([]))
+            .unwrap();
+        let (res, seen) = run(BodyKeyLayer::new().limit(10), req).await;
+        assert_eq!(res.status(), StatusCode::PAYLOAD_TOO_LARGE);
+        assert!(res.body().contains("limit of 10 bytes"), "{}", res.body());
+        assert_eq!(res.headers()["content-type"], "text/plain; charset=utf-8");
+        assert!(seen.body.is_none());
+    }
+
+    #[tokio::test]
+    async fn a_body_growing_over_the_limit_is_413() {
+        let req = http::Request::post("/")
+            .body(Chunks::new([b"12345", b"67890", b"1"]))
+            .unwrap();
+        let (res, seen) = run(BodyKeyLayer::new().limit(10), req).await;
+        assert_eq!(res.status(), StatusCode::PAYLOAD_TOO_LARGE);
+        assert!(seen.body.is_none());
+        // Exactly at the limit is fine.
+        let req = http::Request::post("/")
+            .body(Chunks::new([b"12345", b"67890"]))
+            .unwrap();
+        assert_eq!(
+            run(BodyKeyLayer::new().limit(10), req).await.0.status(),
+            200
+        );
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_body_slower_than_the_read_timeout_is_408() {
+        let req = http::Request::post("/")
+            .body(Chunks::stalling([b"{\"user\""]))
+            .unwrap();
+        let layer = BodyKeyLayer::new().read_timeout(Duration::from_secs(5));
+        let (res, seen) = run(layer, req).await;
+        assert_eq!(res.status(), StatusCode::REQUEST_TIMEOUT);
+        assert!(seen.body.is_none());
+    }
+
+    #[tokio::test]
+    async fn prompt_facts_digest_the_leading_two_messages() {
+        let turn1 =
+            br#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":"task"}]}"#;
+        let turn2 =
+            br#"{"messages": [ {"role":"system","content":"s"}, {"role":"user", "content":"task"},
+                         {"role":"assistant","content":"a"}, {"role":"user","content":"more"}]}"#;
+        let other =
+            br#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":"other"}]}"#;
+        let f1 = run(BodyKeyLayer::new(), post(turn1)).await.1.facts.unwrap();
+        let f2 = run(BodyKeyLayer::new(), post(turn2)).await.1.facts.unwrap();
+        let f3 = run(BodyKeyLayer::new(), post(other)).await.1.facts.unwrap();
+        assert_eq!((f1.messages, f2.messages), (2, 4));
+        assert_eq!(f2.body_bytes, turn2.len());
+        assert!(f1.leading_digest.is_some());
+        assert_eq!(f1.leading_digest, f2.leading_digest);
+        assert_ne!(f1.leading_digest, f3.leading_digest);
+    }
+}

@@ -1,0 +1,372 @@
+//! Properties of the service under random operation: requests, streamed bodies ended or
+//! dropped, futures dropped, backend failures, backends inserted, updated and removed, time
+//! passing. Checked after every step and at the end.
+
+#[path = "../service/mock.rs"]
+mod mock;
+
+use std::collections::{HashMap, HashSet};
+use std::num::NonZeroU32;
+use std::task::Poll;
+use std::time::Duration;
+
+use http_body::Body;
+use mock::{backend, Chunk, MockBody, MockService, Req, Streams};
+use proptest::prelude::*;
+use tokio::sync::mpsc::UnboundedSender;
+use tokio_test::task::{spawn, Spawn};
+use tower::{Layer, Service};
+use tower_affinity::discover::{self, FleetChannel};
+use tower_affinity::key::HeaderKey;
+use tower_affinity::placement::NodeThenBackend;
+use tower_affinity::{
+    Backend, Decision, Error, Overflow, ResponseBody, ResponseFuture, SessionAffinity,
+    SessionAffinityLayer,
+};
+
+const BACKENDS: u8 = 6;
+const SESSIONS: u8 = 10;
+const COOLDOWN: Duration = Duration::from_secs(5);
+
+#[derive(Clone, Copy, Debug)]
+enum Mode {
+    Stream,
+    Hang,
+    Fail,
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Call { session: Option<u8>, mode: Mode },
+    EndBody(usize),
+    DropBody(usize),
+    DropFuture(usize),
+    Insert { backend: u8, node: u8, slots: u32 },
+    Remove(u8),
+    Advance(u64),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (proptest::option::weighted(0.85, 0..SESSIONS), prop_oneof![
+            8 => Just(Mode::Stream), 1 => Just(Mode::Hang), 1 => Just(Mode::Fail)
+        ])
+            .prop_map(|(session, mode)| Op::Call { session, mode }),
+        3 => any::<usize>().prop_map(Op::EndBody),
+        2 => any::<usize>().prop_map(Op::DropBody),
+        1 => any::<usize>().prop_map(Op::DropFuture),
+        1 => (0..BACKENDS, 0..3u8, 1..4u32)
+            .prop_map(|(backend, node, slots)| Op::Insert { backend, node, slots }),
+        1 => (0..BACKENDS).prop_map(Op::Remove),
+        1 => (1..20u64).prop_map(Op::Advance),
+    ]
+}
+
+fn overflow() -> impl Strategy<Value = Overflow> {
+    prop_oneof![
+        Just(Overflow::Reject),
+        Just(Overflow::Overcommit),
+        Just(Overflow::Wait {
+            max_wait: Duration::from_secs(30),
+            max_queued: 4
+        }),
+    ]
+}
+
+type Svc = SessionAffinity<FleetChannel<MockService>, HeaderKey, NodeThenBackend>;
+type Fut = Spawn<ResponseFuture<MockService, NodeThenBackend, String>>;
+type Res = http::Response<ResponseBody<MockBody>>;
+
+struct Open {
+    res: Res,
+    tx: Option<UnboundedSender<Chunk>>,
+}
+
+struct Pending {
+    fut: Fut,
+    session: Option<u8>,
+    stream: bool,
+}
+
+/// What the test knows of the fleet and the sessions, to check the service against.
+#[derive(Default)]
+struct Model {
+    live: HashMap<String, u32>,
+    down_until: HashMap<String, tokio::time::Instant>,
+    homes: HashMap<u8, String>,
+    /// Sessions whose home was removed (or changed) since their last turn.
+    unsure: HashSet<u8>,
+}
+
+fn request(session: Option<u8>, mode: Mode) -> Req {
+    let mut b = http::Request::post("/");
+    if let Some(s) = session {
+        b = b.header("x-session-id", format!("s{s}"));
+    }
+    let mode = match mode {
+        Mode::Stream => "stream",
+        Mode::Hang => "hang",
+        Mode::Fail => "fail",
+    };
+    b.header("x-mode", mode).body(String::new()).unwrap()
+}
+
+struct Harness {
+    svc: Svc,
+    handle: discover::FleetHandle<MockService>,
+    streams: Streams,
+    overflow: Overflow,
+    model: Model,
+    open: Vec<Open>,
+    pending: Vec<Pending>,
+}
+
+impl Harness {
+    fn drain_discovery(&mut self) {
+        let mut ready = spawn(std::future::poll_fn(|cx| self.svc.poll_ready(cx)));
+        assert!(matches!(ready.poll(), Poll::Ready(Ok(()))), "always ready");
+    }
+
+    fn up_backends_with_room(&self) -> Vec<String> {
+        let now = tokio::time::Instant::now();
+        self.svc
+            .backends()
+            .into_iter()
+            .filter(|b| b.in_flight < b.slots)
+            .filter(|b| {
+                self.model
+                    .down_until
+                    .get(b.id.as_str())
+                    .is_none_or(|&t| t <= now)
+            })
+            .map(|b| b.id.to_string())
+            .collect()
+    }
+
+    /// Checks a placement and records it.
+    fn placed(&mut self, d: &Decision, session: Option<u8>, expected_home: Option<&String>) {
+        let id = d.backend.as_str();
+        assert!(
+            self.model.live.contains_key(id),
+            "placed on removed backend {id}"
+        );
+        let now = tokio::time::Instant::now();
+        if let Some(&t) = self.model.down_until.get(id) {
+            assert!(t <= now, "placed on {id}, which is down");
+        }
+        let status = self
+            .svc
+            .backends()
+            .into_iter()
+            .find(|b| b.id.as_str() == id)
+            .unwrap();
+        if !d.overcommitted {
+            assert!(
+                status.in_flight <= status.slots,
+                "{id} beyond its slots: {status:?}"
+            );
+        } else {
+            assert_eq!(self.overflow, Overflow::Overcommit);
+        }
+        if let Some(home) = expected_home {
+            assert_eq!(
+                id, home,
+                "session {session:?} had a free home but went elsewhere"
+            );
+        }
+        if let Some(s) = session {
+            self.model.homes.insert(s, id.to_string());
+            self.model.unsure.remove(&s);
+        }
+    }
+
+    fn settle(&mut self, pending: Pending, poll: Poll<Result<Res, Error>>) {
+        let Pending {
+            fut,
+            session,
+            stream,
+        } = pending;
+        match poll {
+            Poll::Pending => {
+                // Dispatched to a backend that has not answered, or waiting: either way the
+                // model no longer knows the session's home until its next answer.
+                if let Some(s) = session {
+                    self.model.unsure.insert(s);
+                }
+                self.pending.push(Pending {
+                    fut,
+                    session,
+                    stream,
+                });
+            }
+            Poll::Ready(Ok(res)) => {
+                let d = res.extensions().get::<Decision>().cloned().unwrap();
+                self.placed(&d, session, None);
+                let tx = if stream {
+                    let (name, tx) = self.streams.take_last().unwrap();
+                    assert_eq!(name, d.backend.as_str());
+                    Some(tx)
+                } else {
+                    None
+                };
+                self.open.push(Open { res, tx });
+            }
+            Poll::Ready(Err(Error::Backend { backend, .. })) => {
+                let until = tokio::time::Instant::now() + COOLDOWN;
+                self.model.down_until.insert(backend.to_string(), until);
+                // The home is recorded at dispatch, failed or not.
+                if let Some(s) = session {
+                    self.model.homes.insert(s, backend.to_string());
+                    self.model.unsure.remove(&s);
+                }
+            }
+            Poll::Ready(Err(Error::Saturated { .. })) => {}
+            Poll::Ready(Err(Error::NoBackends)) => {
+                assert!(self.up_backends_with_room().is_empty());
+            }
+            Poll::Ready(Err(e)) => panic!("unexpected error {e}"),
+        }
+    }
+
+    fn step(&mut self, op: Op) {
+        match op {
+            Op::Call { session, mode } => {
+                self.drain_discovery();
+                // The home rule: a session whose home is live, up and has a free slot gets it.
+                let room = self.up_backends_with_room();
+                let expected = session
+                    .filter(|s| !self.model.unsure.contains(s))
+                    .and_then(|s| self.model.homes.get(&s))
+                    .filter(|h| room.contains(h))
+                    .cloned();
+                let rejected_with_room = !room.is_empty();
+                let fut = spawn(self.svc.call(request(session, mode)));
+                let mut p = Pending {
+                    fut,
+                    session,
+                    stream: matches!(mode, Mode::Stream),
+                };
+                let poll = p.fut.poll();
+                if let Poll::Ready(Ok(res)) = &poll {
+                    let d = res.extensions().get::<Decision>().unwrap();
+                    if let Some(h) = &expected {
+                        assert_eq!(d.backend.as_str(), h, "free home not taken");
+                    }
+                }
+                if let Poll::Ready(Err(Error::Saturated { .. })) = &poll {
+                    if self.overflow == Overflow::Reject {
+                        assert!(!rejected_with_room, "rejected while {room:?} had room");
+                    }
+                }
+                self.settle(p, poll);
+            }
+            Op::EndBody(i) if !self.open.is_empty() => {
+                let mut o = self.open.swap_remove(i % self.open.len());
+                drop(o.tx.take());
+                let mut body = spawn(std::future::poll_fn(|cx| {
+                    std::pin::Pin::new(o.res.body_mut()).poll_frame(cx)
+                }));
+                loop {
+                    match body.poll() {
+                        Poll::Ready(Some(_)) => continue,
+                        Poll::Ready(None) => break,
+                        Poll::Pending => panic!("an ended stream must end"),
+                    }
+                }
+            }
+            Op::DropBody(i) if !self.open.is_empty() => {
+                drop(self.open.swap_remove(i % self.open.len()));
+            }
+            Op::DropFuture(i) if !self.pending.is_empty() => {
+                drop(self.pending.swap_remove(i % self.pending.len()));
+            }
+            Op::Insert {
+                backend: b,
+                node,
+                slots,
+            } => {
+                let id = format!("b{b}");
+                let svc = backend(&id, &self.streams);
+                let be =
+                    Backend::new(format!("n{node}"), svc).slots(NonZeroU32::new(slots).unwrap());
+                self.handle.insert(id.clone(), be);
+                self.model.live.insert(id, slots);
+                self.drain_discovery();
+            }
+            Op::Remove(b) => {
+                let id = format!("b{b}");
+                self.handle.remove(id.clone());
+                self.model.live.remove(&id);
+                self.model.down_until.remove(&id);
+                for (s, h) in &self.model.homes {
+                    if *h == id {
+                        self.model.unsure.insert(*s);
+                    }
+                }
+                self.drain_discovery();
+            }
+            Op::Advance(secs) => {
+                let mut adv = spawn(tokio::time::advance(Duration::from_secs(secs)));
+                while adv.poll().is_pending() {}
+            }
+            _ => {}
+        }
+        // Waiting requests make progress when slots free, backends come, or time passes.
+        let pending = std::mem::take(&mut self.pending);
+        for mut p in pending {
+            let poll = p.fut.poll();
+            self.settle(p, poll);
+        }
+        assert!(self.svc.stats().waiting <= 4, "the wait queue is bounded");
+    }
+
+    fn finish(mut self) {
+        self.pending.clear();
+        self.open.clear();
+        let stats = self.svc.stats();
+        assert_eq!(stats.in_flight, 0, "{stats:?}");
+        assert_eq!(stats.waiting, 0, "{stats:?}");
+        for b in self.svc.backends() {
+            assert_eq!(b.in_flight, 0, "{b:?}");
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_operation_keeps_every_invariant(
+        overflow in overflow(),
+        ops in proptest::collection::vec(op(), 1..80),
+    ) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let (handle, stream) = discover::channel();
+            let svc = SessionAffinityLayer::new()
+                .overflow(overflow)
+                .failure_cooldown(COOLDOWN)
+                .layer(stream);
+            let mut h = Harness {
+                svc,
+                handle,
+                streams: Streams::default(),
+                overflow,
+                model: Model::default(),
+                open: Vec::new(),
+                pending: Vec::new(),
+            };
+            for b in 0..3u8 {
+                h.step(Op::Insert { backend: b, node: b % 2, slots: 1 });
+            }
+            for op in ops {
+                h.step(op);
+            }
+            h.finish();
+        });
+    }
+}

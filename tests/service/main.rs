@@ -1,0 +1,558 @@
+//! The service's rules, one test each, with mock backends on paused time.
+
+mod mock;
+
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use mock::{backend, MockBody, MockService, Req, Streams};
+use tokio_test::{assert_pending, assert_ready};
+use tower::discover::Discover;
+use tower::{Layer, Service, ServiceExt};
+use tower_affinity::discover::{self, StaticFleet};
+use tower_affinity::key::HeaderKey;
+use tower_affinity::placement::Placement;
+use tower_affinity::{
+    Backend, Decision, Error, Outcome, Overflow, ResponseBody, RetryOnce, SessionAffinity,
+    SessionAffinityLayer,
+};
+
+type Res = http::Response<ResponseBody<MockBody>>;
+
+fn nz(n: u32) -> NonZeroU32 {
+    NonZeroU32::new(n).unwrap()
+}
+
+/// `(backend, node, slots)`
+type Spec<'a> = &'a [(&'a str, &'a str, u32)];
+
+const TWO_BY_TWO: Spec<'static> = &[
+    ("a1", "node-a", 1),
+    ("a2", "node-a", 1),
+    ("b1", "node-b", 1),
+    ("b2", "node-b", 1),
+];
+
+fn fleet(spec: Spec<'_>, streams: &Streams) -> StaticFleet<MockService> {
+    StaticFleet::new(spec.iter().map(|&(id, node, slots)| {
+        (
+            id,
+            Backend::new(node, backend(id, streams)).slots(nz(slots)),
+        )
+    }))
+}
+
+fn request(session: Option<&str>, mode: Option<&str>) -> Req {
+    let mut b = http::Request::post("/v1/chat/completions");
+    if let Some(s) = session {
+        b = b.header("x-session-id", s);
+    }
+    if let Some(m) = mode {
+        b = b.header("x-mode", m);
+    }
+    b.body(String::new()).unwrap()
+}
+
+async fn send<S>(svc: &mut S, session: Option<&str>, mode: Option<&str>) -> Result<Res, Error>
+where
+    S: Service<Req, Response = Res, Error = Error>,
+{
+    svc.ready().await?.call(request(session, mode)).await
+}
+
+fn decision(res: &Res) -> Decision {
+    res.extensions().get::<Decision>().cloned().unwrap()
+}
+
+async fn turn<S>(svc: &mut S, session: &str) -> Decision
+where
+    S: Service<Req, Response = Res, Error = Error>,
+{
+    let res = send(svc, Some(session), None).await.unwrap();
+    let d = decision(&res);
+    res.into_body().collect().await.unwrap();
+    d
+}
+
+fn in_flight<D, K, P, S>(svc: &SessionAffinity<D, K, P>, id: &str) -> u32
+where
+    D: Discover<Key = tower_affinity::BackendId, Service = Backend<S>>,
+{
+    svc.backends()
+        .into_iter()
+        .find(|b| b.id.as_str() == id)
+        .map_or(0, |b| b.in_flight)
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn second_turn_returns_to_its_home() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new().layer(fleet(TWO_BY_TWO, &streams));
+    let first = turn(&mut svc, "s").await;
+    assert_eq!(first.outcome, Outcome::NewSession);
+    for _ in 0..5 {
+        let next = turn(&mut svc, "s").await;
+        assert_eq!(next.outcome, Outcome::HomeHit);
+        assert_eq!(next.backend, first.backend);
+    }
+    let stats = svc.stats();
+    assert_eq!(
+        (stats.new_sessions, stats.home_hits, stats.sessions),
+        (1, 5, 1)
+    );
+    assert_eq!(stats.in_flight, 0);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn spill_order_on_two_nodes_of_two_backends() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::Reject)
+        .layer(fleet(TWO_BY_TWO, &streams));
+    let home = turn(&mut svc, "s").await;
+    // Each earlier turn keeps streaming, so every later turn finds its preferred backend busy.
+    let mut held = Vec::new();
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        let res = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+        seen.push(decision(&res));
+        held.push(res);
+    }
+    assert_eq!(seen[0].outcome, Outcome::HomeHit);
+    assert_eq!(seen[0].backend, home.backend);
+    assert_eq!(seen[1].outcome, Outcome::SameNodeSpill);
+    assert_eq!(seen[1].node, home.node);
+    // Having spilled, the session's home is where it went: the next spill is from there.
+    assert_eq!(seen[2].outcome, Outcome::CrossNodeSpill);
+    assert_ne!(seen[2].node, home.node);
+    assert_eq!(seen[3].outcome, Outcome::SameNodeSpill);
+    assert_eq!(seen[3].node, seen[2].node);
+    let err = send(&mut svc, Some("s"), None).await.unwrap_err();
+    assert!(matches!(err, Error::Saturated { .. }));
+    drop(held);
+    assert_eq!(svc.stats().in_flight, 0);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn header_fall_through_at_the_service() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new().layer(fleet(TWO_BY_TWO, &streams));
+    let by_id = turn(&mut svc, "run-1").await;
+    let req = http::Request::post("/")
+        .header("x-session-affinity", "")
+        .header("x-session-id", "run-1")
+        .body(String::new())
+        .unwrap();
+    let res = svc.ready().await.unwrap().call(req).await.unwrap();
+    assert_eq!(decision(&res).outcome, Outcome::HomeHit);
+    assert_eq!(decision(&res).backend, by_id.backend);
+    // X-Session-Affinity wins when both are set.
+    let req = http::Request::post("/")
+        .header("x-session-affinity", "run-2")
+        .header("x-session-id", "run-1")
+        .body(String::new())
+        .unwrap();
+    let res = svc.ready().await.unwrap().call(req).await.unwrap();
+    assert_eq!(decision(&res).outcome, Outcome::NewSession);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn keyless_placement_goes_by_load() {
+    let streams = Streams::default();
+    let spec: Spec<'_> = &[("a1", "a", 3), ("a2", "a", 3), ("b1", "b", 3)];
+    let mut svc = SessionAffinityLayer::new().layer(fleet(spec, &streams));
+    let mut held = Vec::new();
+    for _ in 0..6 {
+        let res = send(&mut svc, None, Some("stream")).await.unwrap();
+        assert_eq!(decision(&res).outcome, Outcome::Keyless);
+        held.push(res);
+    }
+    // Six keyless requests on nine slots: each backend took two, never three.
+    for id in ["a1", "a2", "b1"] {
+        assert_eq!(in_flight(&svc, id), 2, "{id}");
+    }
+    assert_eq!(
+        svc.stats().sessions,
+        0,
+        "keyless requests leave no session behind"
+    );
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn two_independent_instances_agree_on_new_sessions() {
+    let spec: Spec<'_> = &[
+        ("a1", "a", 2),
+        ("a2", "a", 2),
+        ("b1", "b", 4),
+        ("c1", "c", 1),
+        ("c2", "c", 1),
+        ("c3", "c", 1),
+    ];
+    let reversed: Vec<_> = spec.iter().rev().copied().collect();
+    let (s1, s2) = (Streams::default(), Streams::default());
+    let mut one = SessionAffinityLayer::new().layer(fleet(spec, &s1));
+    let mut two = SessionAffinityLayer::new().layer(fleet(&reversed, &s2));
+    for i in 0..200 {
+        let s = format!("session-{i}");
+        assert_eq!(
+            turn(&mut one, &s).await.backend,
+            turn(&mut two, &s).await.backend,
+            "{s}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn removing_one_backend_moves_only_its_sessions() {
+    let streams = Streams::default();
+    let (handle, stream) = discover::channel();
+    for n in 0..4 {
+        for b in 0..2 {
+            let id = format!("n{n}-b{b}");
+            handle.insert(
+                id.clone(),
+                Backend::new(format!("n{n}"), backend(&id, &streams)).slots(nz(8)),
+            );
+        }
+    }
+    let mut svc = SessionAffinityLayer::new().layer(stream);
+    let mut homes = Vec::new();
+    for i in 0..400 {
+        homes.push(turn(&mut svc, &format!("s{i}")).await);
+    }
+    let victim = homes[0].backend.clone();
+    handle.remove(victim.clone());
+    let mut replaced = 0;
+    for (i, home) in homes.iter().enumerate() {
+        let now = turn(&mut svc, &format!("s{i}")).await;
+        if home.backend == victim {
+            replaced += 1;
+            assert_eq!(now.outcome, Outcome::Replaced);
+            assert_eq!(now.node, home.node, "same node first");
+            assert_ne!(now.backend, victim);
+        } else {
+            assert_eq!(now.outcome, Outcome::HomeHit);
+            assert_eq!(now.backend, home.backend);
+        }
+    }
+    assert!(replaced > 10);
+    assert_eq!(svc.stats().replaced, replaced);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn reinserting_a_backend_keeps_its_sessions() {
+    let streams = Streams::default();
+    let (handle, stream) = discover::channel();
+    handle.insert("a1", Backend::new("a", backend("a1", &streams)));
+    handle.insert("b1", Backend::new("b", backend("b1", &streams)));
+    let mut svc = SessionAffinityLayer::new().layer(stream);
+    let home = turn(&mut svc, "s").await;
+    // An update (more slots) and a quick remove-then-insert both keep the session home.
+    handle.insert(
+        home.backend.clone(),
+        Backend::new(home.node.clone(), backend(home.backend.as_str(), &streams)).slots(nz(4)),
+    );
+    assert_eq!(turn(&mut svc, "s").await.outcome, Outcome::HomeHit);
+    assert_eq!(
+        svc.backends()
+            .iter()
+            .find(|b| b.id == home.backend)
+            .unwrap()
+            .slots,
+        4
+    );
+    handle.remove(home.backend.clone());
+    handle.insert(
+        home.backend.clone(),
+        Backend::new(home.node.clone(), backend(home.backend.as_str(), &streams)),
+    );
+    let again = turn(&mut svc, "s").await;
+    assert_eq!(
+        (again.outcome, again.backend),
+        (Outcome::HomeHit, home.backend)
+    );
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_streamed_body_holds_its_slot_until_its_last_frame() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new().layer(fleet(&[("a1", "a", 1)], &streams));
+    let res = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+    assert_eq!(in_flight(&svc, "a1"), 1, "held after the response headers");
+    let (_, tx) = streams.take().unwrap();
+    let mut body = res.into_body();
+    tx.send(Ok(http_body::Frame::data(Bytes::from_static(b"tok"))))
+        .unwrap();
+    let frame = body.frame().await.unwrap().unwrap();
+    assert_eq!(frame.into_data().unwrap(), "tok");
+    assert_eq!(in_flight(&svc, "a1"), 1, "held while the body streams");
+    drop(tx);
+    assert!(body.frame().await.is_none());
+    assert_eq!(in_flight(&svc, "a1"), 0, "released at the end of the body");
+    drop(body);
+    assert_eq!(svc.stats().in_flight, 0, "and not released twice");
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_dropped_body_releases_its_slot() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new().layer(fleet(&[("a1", "a", 1)], &streams));
+    let res = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+    assert_eq!(in_flight(&svc, "a1"), 1);
+    drop(res);
+    assert_eq!(in_flight(&svc, "a1"), 0);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_dropped_future_releases_its_slot() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new().layer(fleet(&[("a1", "a", 1)], &streams));
+    svc.ready().await.unwrap();
+    let mut fut = tokio_test::task::spawn(svc.call(request(Some("s"), Some("hang"))));
+    assert_pending!(fut.poll());
+    assert_eq!(in_flight(&svc, "a1"), 1);
+    drop(fut);
+    assert_eq!(in_flight(&svc, "a1"), 0);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_failed_backend_releases_its_slot_and_is_passed_over() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .failure_cooldown(Duration::from_secs(5))
+        .layer(fleet(&[("a1", "a", 1), ("a2", "a", 1)], &streams));
+    let home = turn(&mut svc, "s").await;
+    let err = send(&mut svc, Some("s"), Some("fail")).await.unwrap_err();
+    assert!(matches!(&err, Error::Backend { backend, .. } if *backend == home.backend));
+    assert_eq!(err.status(), 502);
+    assert_eq!(svc.stats().in_flight, 0);
+    assert_eq!(svc.stats().backend_errors, 1);
+    let moved = turn(&mut svc, "s").await;
+    assert_ne!(moved.backend, home.backend, "down for its cooldown");
+    assert_eq!(moved.outcome, Outcome::SameNodeSpill);
+    tokio::time::advance(Duration::from_secs(6)).await;
+    assert!(svc.backends().iter().all(|b| b.healthy));
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn retry_once_lands_on_the_next_candidate() {
+    let streams = Streams::default();
+    let svc = SessionAffinityLayer::new().layer(fleet(TWO_BY_TWO, &streams));
+    let mut retrying = tower::retry::RetryLayer::new(RetryOnce::new()).layer(svc.clone());
+    let home = turn(&mut retrying, "s").await;
+    // The home refuses the next turn: the failure never reaches the client, the home is
+    // marked down, and the retry goes next door.
+    let mut req = request(Some("s"), None);
+    req.headers_mut().insert(
+        "x-fail-on",
+        http::HeaderValue::from_str(home.backend.as_str()).unwrap(),
+    );
+    let res = retrying.ready().await.unwrap().call(req).await.unwrap();
+    let d = decision(&res);
+    assert_eq!(d.outcome, Outcome::SameNodeSpill);
+    assert_eq!(d.node, home.node);
+    assert_eq!(svc.stats().backend_errors, 1);
+    drop(res);
+    // Only once: a request that fails on two backends in a row reports the second failure.
+    let mut req = request(Some("s"), Some("fail"));
+    req.headers_mut()
+        .insert("x-fail-on", http::HeaderValue::from_static("none"));
+    let err = retrying.ready().await.unwrap().call(req).await.unwrap_err();
+    assert!(matches!(err, Error::Backend { .. }));
+    assert_eq!(svc.stats().backend_errors, 3);
+    assert_eq!(svc.stats().in_flight, 0);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn wait_returns_the_session_to_its_home_when_the_home_frees_first() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::Wait {
+            max_wait: Duration::from_secs(60),
+            max_queued: 8,
+        })
+        .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
+    // The session's first turn is still streaming on its home; another session fills the rest.
+    let mine = send(&mut svc, Some("mine"), Some("stream")).await.unwrap();
+    let home = decision(&mine).backend;
+    let other = send(&mut svc, Some("other"), Some("stream")).await.unwrap();
+    assert_ne!(decision(&other).backend, home);
+    let (_, first_tx) = streams.take().unwrap();
+    let (_, _other_tx) = streams.take().unwrap();
+
+    svc.ready().await.unwrap();
+    let mut next = tokio_test::task::spawn(svc.call(request(Some("mine"), None)));
+    assert_pending!(next.poll());
+    assert_eq!(svc.stats().waiting, 1);
+    tokio::time::advance(Duration::from_secs(10)).await;
+    assert_pending!(next.poll());
+
+    // The home frees first.
+    drop(first_tx);
+    mine.into_body().collect().await.unwrap();
+    assert!(next.is_woken());
+    let res = assert_ready!(next.poll()).unwrap();
+    let d = decision(&res);
+    assert_eq!((d.backend, d.outcome), (home, Outcome::HomeHit));
+    assert_eq!(d.waited, Some(Duration::from_secs(10)));
+    assert_eq!(svc.stats().waiting, 0);
+    assert_eq!(svc.stats().waited, 1);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn wait_spills_when_another_backend_frees_first() {
+    let streams = Streams::default();
+    let mut svc =
+        SessionAffinityLayer::new().layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
+    let mine = send(&mut svc, Some("mine"), Some("stream")).await.unwrap();
+    let other = send(&mut svc, Some("other"), Some("stream")).await.unwrap();
+    let (_, _mine_tx) = streams.take().unwrap();
+    let (_, other_tx) = streams.take().unwrap();
+    svc.ready().await.unwrap();
+    let mut next = tokio_test::task::spawn(svc.call(request(Some("mine"), None)));
+    assert_pending!(next.poll());
+    drop(other_tx);
+    other.into_body().collect().await.unwrap();
+    let res = assert_ready!(next.poll()).unwrap();
+    assert_eq!(decision(&res).outcome, Outcome::CrossNodeSpill);
+    assert_ne!(decision(&res).backend, decision(&mine).backend);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn wait_gives_up_after_max_wait() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::Wait {
+            max_wait: Duration::from_secs(30),
+            max_queued: 8,
+        })
+        .layer(fleet(&[("a1", "a", 1)], &streams));
+    let _held = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+    let started = tokio::time::Instant::now();
+    let err = send(&mut svc, Some("s"), None).await.unwrap_err();
+    assert_eq!(started.elapsed(), Duration::from_secs(30));
+    assert!(matches!(err, Error::Saturated { .. }));
+    assert_eq!(svc.stats().waiting, 0);
+    assert_eq!(svc.stats().rejected, 1);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn wait_queue_is_bounded() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::Wait {
+            max_wait: Duration::from_secs(30),
+            max_queued: 1,
+        })
+        .layer(fleet(&[("a1", "a", 1)], &streams));
+    let _held = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+    svc.ready().await.unwrap();
+    let mut first = tokio_test::task::spawn(svc.call(request(Some("s"), None)));
+    assert_pending!(first.poll());
+    let mut second = tokio_test::task::spawn(svc.call(request(Some("t"), None)));
+    let err = assert_ready!(second.poll()).unwrap_err();
+    assert!(matches!(err, Error::Saturated { .. }));
+    drop(first);
+    assert_eq!(svc.stats().waiting, 0, "a dropped waiter leaves the queue");
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn reject_fails_at_once_with_a_retry_hint() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::Reject)
+        .layer(fleet(&[("a1", "a", 1)], &streams));
+    let _held = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+    let err = send(&mut svc, Some("s"), None).await.unwrap_err();
+    assert!(err.retry_after().is_some());
+    let res = err.into_response::<MockBody>();
+    assert_eq!(res.status(), 429);
+    assert!(res.headers().contains_key("retry-after"));
+    assert_eq!(svc.stats().rejected, 1);
+    assert_eq!(in_flight(&svc, "a1"), 1);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn overcommit_sends_to_the_first_candidate_anyway() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::Overcommit)
+        .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
+    let first = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+    let _other = send(&mut svc, Some("t"), Some("stream")).await.unwrap();
+    let home = decision(&first).backend;
+    let res = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+    let d = decision(&res);
+    assert_eq!(
+        (d.backend.clone(), d.outcome, d.overcommitted),
+        (home.clone(), Outcome::HomeHit, true)
+    );
+    assert_eq!(in_flight(&svc, home.as_str()), 2, "beyond its one slot");
+    drop(res);
+    drop(first);
+    assert_eq!(in_flight(&svc, home.as_str()), 0);
+    assert_eq!(svc.stats().overcommitted, 1);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn an_empty_fleet_answers_no_backends() {
+    let (_handle, stream) = discover::channel::<MockService>();
+    let mut svc = SessionAffinityLayer::new().layer(stream);
+    let err = send(&mut svc, Some("s"), None).await.unwrap_err();
+    assert!(matches!(err, Error::NoBackends));
+    assert_eq!(err.status(), 503);
+    assert_eq!(svc.stats().no_backends, 1);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn decision_headers_are_opt_in() {
+    let streams = Streams::default();
+    let mut plain = SessionAffinityLayer::new().layer(fleet(TWO_BY_TWO, &streams));
+    let res = send(&mut plain, Some("s"), None).await.unwrap();
+    assert!(!res.headers().contains_key("x-affinity-backend"));
+    let mut with = SessionAffinityLayer::new()
+        .decision_headers(true)
+        .layer(fleet(TWO_BY_TWO, &streams));
+    let res = send(&mut with, Some("s"), None).await.unwrap();
+    let d = decision(&res);
+    assert_eq!(res.headers()["x-affinity-backend"], d.backend.as_str());
+    assert_eq!(res.headers()["x-affinity-node"], d.node.as_str());
+    assert_eq!(res.headers()["x-affinity-outcome"], "new-session");
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn every_policy_works_through_the_same_service() {
+    use tower_affinity::placement::{LeastLoaded, NodeThenBackend, Rendezvous, RoundRobin};
+    let policies: Vec<Box<dyn Placement>> = vec![
+        Box::new(NodeThenBackend::new()),
+        Box::new(RoundRobin::new()),
+        Box::new(LeastLoaded::new()),
+        Box::new(Rendezvous),
+    ];
+    for p in policies {
+        let streams = Streams::default();
+        let mut svc = SessionAffinityLayer::new()
+            .key(HeaderKey::default())
+            .placement(std::sync::Arc::new(p))
+            .layer(fleet(TWO_BY_TWO, &streams));
+        for i in 0..8 {
+            turn(&mut svc, &format!("s{}", i % 3)).await;
+        }
+        assert_eq!(svc.stats().placed(), 8);
+        assert_eq!(svc.stats().in_flight, 0);
+    }
+}
+
+#[test]
+fn the_service_is_send_sync_and_cheap_to_clone() {
+    fn assert_send_sync_clone<T: Send + Sync + Clone>() {}
+    assert_send_sync_clone::<
+        SessionAffinity<
+            StaticFleet<MockService>,
+            HeaderKey,
+            tower_affinity::placement::NodeThenBackend,
+        >,
+    >();
+}
