@@ -326,6 +326,25 @@ mod tests {
     }
 
     #[test]
+    fn a_full_table_costs_under_100_bytes_a_session() {
+        let n = 200_000;
+        let t = SessionTable::new(Sessions::new().max_entries(n));
+        let now = Instant::now();
+        for k in 0..2 * n as u64 {
+            t.put(
+                SessionKey::from_u128(
+                    u128::from(k).wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835),
+                ),
+                home(0),
+                now,
+            );
+        }
+        let per = t.memory_bytes() as f64 / t.len() as f64;
+        assert!(t.len() > n * 9 / 10, "{}", t.len());
+        assert!(per <= 100.0, "{per} bytes a session");
+    }
+
+    #[test]
     fn entry_is_at_most_40_bytes() {
         assert!(std::mem::size_of::<Entry>() <= 40);
     }

@@ -556,3 +556,66 @@ fn the_service_is_send_sync_and_cheap_to_clone() {
         >,
     >();
 }
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_discovery_error_is_counted_and_the_fleet_kept() {
+    use tower::discover::Change;
+    let streams = Streams::default();
+    let changes: Vec<Result<Change<tower_affinity::BackendId, Backend<MockService>>, &str>> = vec![
+        Ok(Change::Insert(
+            "a1".into(),
+            Backend::new("a", backend("a1", &streams)),
+        )),
+        Err("registry unreachable"),
+        Ok(Change::Insert(
+            "b1".into(),
+            Backend::new("b", backend("b1", &streams)),
+        )),
+    ];
+    let mut svc = SessionAffinityLayer::new().layer(tokio_stream::iter(changes));
+    let d = turn(&mut svc, "s").await;
+    assert_eq!(d.outcome, Outcome::NewSession);
+    assert_eq!(
+        svc.backends().len(),
+        2,
+        "changes after the error still apply"
+    );
+    assert_eq!(svc.stats().discovery_errors, 1);
+    // The stream has ended: the fleet stays and requests keep flowing.
+    assert_eq!(turn(&mut svc, "s").await.outcome, Outcome::HomeHit);
+    assert_eq!(svc.backends().len(), 2);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_discovery_stream_that_never_stops_does_not_hold_a_caller() {
+    use tower::discover::Change;
+    // An endless stream of updates to one backend: readiness still returns.
+    let streams = Streams::default();
+    let svc_a1 = backend("a1", &streams);
+    let endless = tokio_stream::iter(std::iter::repeat_with(move || {
+        Ok::<_, std::convert::Infallible>(Change::Insert(
+            tower_affinity::BackendId::from("a1"),
+            Backend::new("a", svc_a1.clone()),
+        ))
+    }));
+    let mut svc = SessionAffinityLayer::new().layer(endless);
+    assert_eq!(turn(&mut svc, "s").await.outcome, Outcome::NewSession);
+    assert_eq!(turn(&mut svc, "s").await.outcome, Outcome::HomeHit);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_64_kib_header_key_is_digested() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new().layer(fleet(TWO_BY_TWO, &streams));
+    let long = "k".repeat(64 * 1024);
+    let first = turn(&mut svc, &long).await;
+    let again = turn(&mut svc, &long).await;
+    assert_eq!(
+        (first.outcome, again.outcome),
+        (Outcome::NewSession, Outcome::HomeHit)
+    );
+    assert!(
+        svc.stats().session_table_bytes < 64 * 1024,
+        "the raw key is not kept"
+    );
+}
