@@ -17,7 +17,9 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
-use tokio::sync::Notify;
+
+use crate::wait::WaitList;
+use parking_lot::Mutex;
 use tokio::time::Instant;
 
 /// The name of a backend (one model-server process). Cheap to clone.
@@ -174,8 +176,8 @@ pub(crate) struct Capacity {
     pub(crate) in_flight: AtomicUsize,
     /// Requests waiting for a slot.
     pub(crate) waiting: AtomicUsize,
-    /// Woken whenever a slot frees or the fleet grows, if anyone waits.
-    pub(crate) freed: Arc<Notify>,
+    /// The requests waiting, in arrival order.
+    pub(crate) waiters: Mutex<WaitList>,
 }
 
 impl Capacity {
@@ -184,7 +186,7 @@ impl Capacity {
             epoch: Instant::now(),
             in_flight: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
-            freed: Arc::default(),
+            waiters: Mutex::default(),
         }
     }
 
@@ -192,12 +194,6 @@ impl Capacity {
     pub(crate) fn now_ms(&self, now: Instant) -> u64 {
         let ms = now.saturating_duration_since(self.epoch).as_millis();
         u64::try_from(ms).unwrap_or(u64::MAX - 1).max(1)
-    }
-
-    pub(crate) fn wake_waiters(&self) {
-        if self.waiting.load(Ordering::Acquire) > 0 {
-            self.freed.notify_waiters();
-        }
     }
 }
 
@@ -265,12 +261,19 @@ impl Load {
 pub(crate) struct SlotGuard {
     load: Arc<Load>,
     capacity: Arc<Capacity>,
+    backend: u32,
+    node: u32,
 }
 
 impl SlotGuard {
-    pub(crate) fn new(load: Arc<Load>, capacity: Arc<Capacity>) -> Self {
+    pub(crate) fn new(load: Arc<Load>, capacity: Arc<Capacity>, backend: u32, node: u32) -> Self {
         capacity.in_flight.fetch_add(1, Ordering::AcqRel);
-        SlotGuard { load, capacity }
+        SlotGuard {
+            load,
+            capacity,
+            backend,
+            node,
+        }
     }
 
     /// Marks the backend this slot belongs to down for `cooldown`, then releases the slot.
@@ -284,7 +287,7 @@ impl Drop for SlotGuard {
     fn drop(&mut self) {
         self.load.in_flight.fetch_sub(1, Ordering::AcqRel);
         self.capacity.in_flight.fetch_sub(1, Ordering::AcqRel);
-        self.capacity.wake_waiters();
+        self.capacity.slot_freed(self.backend, self.node);
     }
 }
 

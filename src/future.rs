@@ -3,23 +3,22 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
 use http::HeaderValue;
 use pin_project_lite::pin_project;
-use tokio::sync::futures::OwnedNotified;
 use tokio::time::{Instant, Sleep};
 use tower::util::Oneshot;
 use tower::{Service, ServiceExt};
 
 use crate::error::BoxError;
-use crate::fleet::{Capacity, SlotGuard};
+use crate::fleet::SlotGuard;
 use crate::key::SessionKey;
 use crate::placement::Placement;
 use crate::service::{Placed, Shared};
 use crate::stats::{bump, Decision};
+use crate::wait::{WaitHome, WaitTicket};
 use crate::{Backend, Error, Overflow, ResponseBody};
 
 type SharedOf<S, P> = Arc<Shared<Backend<S>, P>>;
@@ -52,7 +51,6 @@ pin_project! {
             req: Option<http::Request<ReqB>>,
             key: Option<SessionKey>,
             shared: SharedOf<S, P>,
-            freed: Pin<Box<OwnedNotified>>,
             deadline: Pin<Box<Sleep>>,
             since: Instant,
             ticket: WaitTicket,
@@ -61,31 +59,6 @@ pin_project! {
             error: Option<Error>,
         },
     }
-}
-
-/// Counts a waiting request for as long as it waits, however the wait ends.
-struct WaitTicket(Arc<Capacity>);
-
-impl WaitTicket {
-    fn take(capacity: &Arc<Capacity>, max_queued: usize) -> Option<Self> {
-        let queued = capacity.waiting.fetch_add(1, Ordering::AcqRel);
-        let ticket = WaitTicket(capacity.clone());
-        (queued < max_queued).then_some(ticket)
-    }
-}
-
-impl Drop for WaitTicket {
-    fn drop(&mut self) {
-        self.0.waiting.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-/// A subscription to "a slot freed", registered before the caller looks for a slot so that a
-/// slot freed in between is not missed.
-fn subscribe(capacity: &Capacity) -> Pin<Box<OwnedNotified>> {
-    let mut n = Box::pin(capacity.freed.clone().notified_owned());
-    n.as_mut().enable();
-    n
 }
 
 impl<S, P, ReqB> State<S, P, ReqB>
@@ -133,11 +106,11 @@ where
                 bump(&shared.counters.no_backends);
                 State::fail(Error::NoBackends)
             }
-            Placed::Full => match overflow {
+            Placed::Full { home } => match overflow {
                 Overflow::Wait {
                     max_wait,
                     max_queued,
-                } => Self::wait(shared, key, req, max_wait, max_queued),
+                } => Self::wait(shared, key, req, home, max_wait, max_queued),
                 Overflow::Overcommit | Overflow::Reject => {
                     bump(&shared.counters.rejected);
                     State::fail(Error::Saturated {
@@ -153,17 +126,17 @@ where
         shared: SharedOf<S, P>,
         key: Option<SessionKey>,
         req: http::Request<ReqB>,
+        home: WaitHome,
         max_wait: std::time::Duration,
         max_queued: usize,
     ) -> State<S, P, ReqB> {
-        let Some(ticket) = WaitTicket::take(&shared.capacity, max_queued) else {
+        let Some(ticket) = WaitTicket::take(&shared.capacity, home, max_queued) else {
             bump(&shared.counters.rejected);
             return State::fail(Error::Saturated {
                 retry_after: shared.retry_after(),
             });
         };
-        let freed = subscribe(&shared.capacity);
-        // A slot may have freed between the first attempt and the subscription.
+        // A slot may have freed between the first attempt and joining the queue.
         match shared.place(key, req.extensions(), false, None) {
             Placed::Dispatch {
                 service,
@@ -177,10 +150,9 @@ where
                 bump(&shared.counters.no_backends);
                 State::fail(Error::NoBackends)
             }
-            Placed::Full => State::Wait {
+            Placed::Full { .. } => State::Wait {
                 req: Some(req),
                 key,
-                freed,
                 deadline: Box::pin(tokio::time::sleep(max_wait)),
                 since: Instant::now(),
                 ticket,
@@ -235,13 +207,13 @@ where
                     req,
                     key,
                     shared,
-                    freed,
                     deadline,
                     since,
-                    ..
+                    ticket,
                 } => {
-                    if freed.as_mut().poll(cx).is_ready() {
-                        *freed = subscribe(&shared.capacity);
+                    if !ticket.still_queued(cx.waker()) {
+                        // Woken: back in the queue first, so no wake is missed while it looks.
+                        ticket.requeue(cx.waker());
                         let Some(r) = req.take() else {
                             panic!("ResponseFuture polled after completion");
                         };
@@ -254,14 +226,16 @@ where
                             } => {
                                 let shared = shared.clone();
                                 state.set(State::call((service, guard, decision), r, shared));
+                                continue;
                             }
                             Placed::Empty => {
                                 bump(&shared.counters.no_backends);
                                 state.set(State::fail(Error::NoBackends));
+                                continue;
                             }
-                            Placed::Full => *req = Some(r),
+                            // Still queued, with this task's waker: wait below.
+                            Placed::Full { .. } => *req = Some(r),
                         }
-                        continue;
                     }
                     if deadline.as_mut().poll(cx).is_ready() {
                         bump(&shared.counters.rejected);

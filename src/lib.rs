@@ -4,7 +4,7 @@
 //! that prefix in its prompt cache answers in about a second; any other server reads the
 //! prompt again first, which for a 30,000-token prompt on a modest GPU takes minutes. This
 //! crate keeps each session close to the cache that served it last: the same backend, else
-//! another backend on the same node (which shares the host's prompt cache), else another node,
+//! another backend on the same node (where a move was measured far cheaper), else another node,
 //! spilling when capacity is full. Affinity is a preference, not a pin.
 //!
 //! # Shape
@@ -79,6 +79,7 @@ mod retry;
 mod service;
 mod stats;
 mod table;
+mod wait;
 
 pub use body::ResponseBody;
 pub use error::{BoxError, Error, ErrorToResponse, ErrorToResponseFuture};

@@ -21,6 +21,7 @@ use crate::placement::{
 };
 use crate::stats::{bump, Counters, Decision, Outcome, Stats};
 use crate::table::{HomeEntry, SessionStore, SessionTable, Sessions};
+use crate::wait::WaitHome;
 use crate::{Backend, BackendId, BackendStatus, Overflow, ResponseBody};
 
 /// The most discovery changes applied in one readiness poll, so a stream that never stops
@@ -64,7 +65,7 @@ pub(crate) enum Placed<S> {
         decision: Decision,
     },
     /// No candidate had a free slot.
-    Full,
+    Full { home: WaitHome },
     /// The fleet is empty, or every backend offered is marked down.
     Empty,
 }
@@ -147,7 +148,7 @@ where
         if load.down_until.swap(0, Ordering::AcqRel) != 0 {
             tracing::info!(backend = id, "backend marked up");
             drop(fleet);
-            self.shared.capacity.wake_waiters();
+            self.shared.capacity.wake_all();
         }
         true
     }
@@ -203,7 +204,7 @@ impl<S, P> Shared<Backend<S>, P> {
                 fleet.insert(id, backend);
                 drop(fleet);
                 // New room: let waiting requests try again.
-                self.capacity.wake_waiters();
+                self.capacity.wake_all();
             }
             Change::Remove(id) => {
                 if fleet.remove(&id) {
@@ -247,6 +248,12 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             &PlacementRequest::new(key, home, extensions),
             &mut candidates,
         );
+        let full = || Placed::Full {
+            home: WaitHome {
+                backend: home_backend,
+                node: known.map(|h| h.node),
+            },
+        };
         let (index, overcommitted) = match (candidates.chosen(), candidates.first()) {
             (Some(i), _) => (i, false),
             (None, Some(i)) if overcommit => {
@@ -254,13 +261,13 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
                 (i, true)
             }
             (None, None) if candidates.saw_down() => return Placed::Empty,
-            _ => return Placed::Full,
+            _ => return full(),
         };
         let m = t.member(index);
-        let guard = SlotGuard::new(m.load.clone(), self.capacity.clone());
+        let guard = SlotGuard::new(m.load.clone(), self.capacity.clone(), index, m.node);
         let Some(service) = fleet.service(index).cloned() else {
             // Unreachable while the lock is held: a live member always has its service.
-            return Placed::Full;
+            return full();
         };
         let outcome = match (key, known) {
             (None, _) => Outcome::Keyless,

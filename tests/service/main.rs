@@ -619,3 +619,60 @@ async fn a_64_kib_header_key_is_digested() {
         "the raw key is not kept"
     );
 }
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_freed_slot_goes_to_the_waiter_whose_home_it_is() {
+    let streams = Streams::default();
+    let mut svc =
+        SessionAffinityLayer::new().layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
+    // Two sessions, each streaming on its own home; the whole fleet is busy.
+    let x = send(&mut svc, Some("x"), Some("stream")).await.unwrap();
+    let y = send(&mut svc, Some("y"), Some("stream")).await.unwrap();
+    let (x_home, y_home) = (decision(&x).backend, decision(&y).backend);
+    assert_ne!(x_home, y_home);
+    let (_, x_tx) = streams.take().unwrap();
+    let (_, y_tx) = streams.take().unwrap();
+    // Their next turns wait; y's arrives first.
+    svc.ready().await.unwrap();
+    let mut y_next = tokio_test::task::spawn(svc.call(request(Some("y"), None)));
+    assert_pending!(y_next.poll());
+    let mut x_next = tokio_test::task::spawn(svc.call(request(Some("x"), None)));
+    assert_pending!(x_next.poll());
+    // x's home frees: the slot goes to x, although y has waited longer.
+    drop(x_tx);
+    x.into_body().collect().await.unwrap();
+    assert!(x_next.is_woken());
+    assert!(!y_next.is_woken(), "one freed slot wakes one waiter");
+    let x_res = assert_ready!(x_next.poll()).unwrap();
+    let d = decision(&x_res);
+    assert_eq!((d.backend, d.outcome), (x_home, Outcome::HomeHit));
+    assert_pending!(y_next.poll());
+    drop(y_tx);
+    y.into_body().collect().await.unwrap();
+    let d = decision(&assert_ready!(y_next.poll()).unwrap());
+    assert_eq!((d.backend, d.outcome), (y_home, Outcome::HomeHit));
+    drop(x_res);
+    assert_eq!(svc.stats().in_flight, 0);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_wake_that_is_not_used_is_passed_on() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new().layer(fleet(&[("a1", "a", 1)], &streams));
+    let held = send(&mut svc, None, Some("stream")).await.unwrap();
+    let (_, tx) = streams.take().unwrap();
+    svc.ready().await.unwrap();
+    let mut first = tokio_test::task::spawn(svc.call(request(None, None)));
+    assert_pending!(first.poll());
+    let mut second = tokio_test::task::spawn(svc.call(request(None, None)));
+    assert_pending!(second.poll());
+    drop(tx);
+    held.into_body().collect().await.unwrap();
+    assert!(first.is_woken());
+    assert!(!second.is_woken());
+    // The oldest waiter gives up before it runs: the slot must not be left idle.
+    drop(first);
+    assert!(second.is_woken());
+    assert!(assert_ready!(second.poll()).is_ok());
+    assert_eq!(svc.stats().waiting, 0);
+}

@@ -1,0 +1,313 @@
+//! A simulated llama.cpp server as a tower service.
+//!
+//! A request carries a [`Prompt`]. The backend takes an idle slot, finds the prompt's longest
+//! cached prefix ([`BackendCache`]), and answers after
+//!
+//! ```text
+//! time to first token = queue + restore + uncached tokens / prefill rate + overhead
+//! ```
+//!
+//! where `queue` is the wait for the backend's GPU (prompt processing of concurrent requests is
+//! serialised, as one GPU pair processes one batch of prompt tokens at a time) and `restore` is
+//! the copy of a RAM-cached state into the slot. The response body then streams the answer for
+//! its decode time and frees the slot when it ends, keeping the prompt and the answer as the
+//! slot's KV: that is what the router's slot guard waits for too.
+
+use std::convert::Infallible;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body::{Body, Frame};
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+use tokio::time::{Instant, Sleep};
+
+use crate::cache::{self, Admission, BackendCache, Block, Blocks, RamCache, Source};
+
+/// What a request carries: the prompt, and the answer it will generate (its id lets the
+/// next turn of the same session match it).
+#[derive(Clone, Debug)]
+pub(crate) struct Prompt {
+    pub(crate) blocks: Blocks,
+    pub(crate) answer: Block,
+}
+
+/// Speeds and sizes of one backend class.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Model {
+    /// Prompt tokens processed per second.
+    pub(crate) prefill_tps: f64,
+    /// Tokens of KV restored from the RAM cache per second.
+    pub(crate) restore_tps: f64,
+    /// Tokens generated per second by one slot.
+    pub(crate) decode_tps: f64,
+    /// Fixed cost of a request until its first token: template, sampling, first decode step.
+    pub(crate) overhead: Duration,
+    /// Requests served at once (`--parallel`).
+    pub(crate) slots: u32,
+    /// Host-memory prompt cache budget (`--cache-ram`).
+    pub(crate) ram_bytes: u64,
+    /// KV bytes per token in host memory.
+    pub(crate) kv_bytes_per_token: u64,
+    /// Tokens of KV the GPUs hold over all slots.
+    pub(crate) vram_tokens: u64,
+}
+
+impl Model {
+    /// Restore and prefill time for a prompt of which `reused` tokens were cached, `restored`
+    /// of them copied from RAM.
+    pub(crate) fn work(&self, prompt_tokens: u64, reused: u64, restored: u64) -> Duration {
+        let uncached = prompt_tokens.saturating_sub(reused);
+        Duration::from_secs_f64(
+            restored as f64 / self.restore_tps + uncached as f64 / self.prefill_tps,
+        )
+    }
+
+    /// Time to first token on an idle backend.
+    #[cfg(test)]
+    pub(crate) fn ttft(&self, prompt_tokens: u64, reused: u64, restored: u64) -> Duration {
+        self.work(prompt_tokens, reused, restored) + self.overhead
+    }
+
+    pub(crate) fn decode(&self, tokens: u32) -> Duration {
+        Duration::from_secs_f64(f64::from(tokens) / self.decode_tps)
+    }
+}
+
+/// What the backend did for a request; put in the response's extensions.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Served {
+    pub(crate) reused: u64,
+    pub(crate) source: Source,
+}
+
+struct State {
+    cache: BackendCache,
+    /// When the GPU finishes the prompt work already queued.
+    gpu_free: Instant,
+}
+
+struct Inner {
+    model: Model,
+    state: Mutex<State>,
+    freed: Notify,
+}
+
+/// One simulated backend. Clones share the backend.
+#[derive(Clone)]
+pub(crate) struct SimBackend {
+    inner: Arc<Inner>,
+}
+
+impl SimBackend {
+    pub(crate) fn new(model: Model) -> Self {
+        let ram = RamCache::new(model.ram_bytes, model.kv_bytes_per_token);
+        SimBackend {
+            inner: Arc::new(Inner {
+                model,
+                state: Mutex::new(State {
+                    cache: BackendCache::new(model.slots as usize, model.vram_tokens, ram),
+                    gpu_free: Instant::now(),
+                }),
+                freed: Notify::new(),
+            }),
+        }
+    }
+
+    /// States evicted from the RAM cache so far.
+    pub(crate) fn ram_evictions(&self) -> u64 {
+        self.inner.state.lock().cache.ram().evicted()
+    }
+}
+
+impl fmt::Debug for SimBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SimBackend")
+            .field("model", &self.inner.model)
+            .finish_non_exhaustive()
+    }
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+impl tower::Service<http::Request<Prompt>> for SimBackend {
+    type Response = http::Response<Answer>;
+    type Error = Infallible;
+    type Future = BoxFuture<Result<Self::Response, Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<Prompt>) -> Self::Future {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            let prompt = req.into_body();
+            let (admission, first_token) = admit(&inner, &prompt.blocks).await;
+            tokio::time::sleep_until(first_token).await;
+            let served = Served {
+                reused: admission.reused,
+                source: admission.source,
+            };
+            let mut kv = prompt.blocks.to_vec();
+            kv.push(prompt.answer);
+            let decode = inner.model.decode(prompt.answer.tokens);
+            let body = Answer {
+                lease: Some(Lease {
+                    inner,
+                    slot: admission.slot,
+                    kv: kv.into(),
+                }),
+                done: Box::pin(tokio::time::sleep(decode)),
+            };
+            let mut res = http::Response::new(body);
+            res.extensions_mut().insert(served);
+            Ok(res)
+        })
+    }
+}
+
+/// Takes a slot (waiting for one if the router sent more than the backend has) and queues the
+/// prompt's work on the GPU; returns the admission and the time of the first token.
+async fn admit(inner: &Inner, prompt: &Blocks) -> (Admission, Instant) {
+    loop {
+        let freed = inner.freed.notified();
+        tokio::pin!(freed);
+        freed.as_mut().enable();
+        {
+            let mut s = inner.state.lock();
+            if let Some(a) = s.cache.admit(prompt) {
+                let now = Instant::now();
+                let start = s.gpu_free.max(now);
+                let work = inner
+                    .model
+                    .work(cache::tokens(prompt), a.reused, a.restored);
+                s.gpu_free = start + work;
+                return (a, start + work + inner.model.overhead);
+            }
+        }
+        freed.await;
+    }
+}
+
+/// A slot in use; freed, keeping `kv`, when dropped.
+struct Lease {
+    inner: Arc<Inner>,
+    slot: usize,
+    kv: Blocks,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.inner
+            .state
+            .lock()
+            .cache
+            .release(self.slot, self.kv.clone());
+        self.inner.freed.notify_waiters();
+    }
+}
+
+/// The streamed answer: one frame once decoding is done, then the end. The slot is freed
+/// before the end is reported, so the router's slot and the backend's free together.
+pub(crate) struct Answer {
+    lease: Option<Lease>,
+    done: Pin<Box<Sleep>>,
+}
+
+impl fmt::Debug for Answer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Answer")
+            .field("streaming", &self.lease.is_some())
+            .finish()
+    }
+}
+
+impl Body for Answer {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        if self.lease.is_none() {
+            return Poll::Ready(None);
+        }
+        if self.done.as_mut().poll(cx).is_pending() {
+            return Poll::Pending;
+        }
+        self.lease = None;
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(
+            b"data: [DONE]\n\n",
+        )))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.lease.is_none()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fleet;
+
+    fn secs(d: Duration) -> f64 {
+        d.as_secs_f64()
+    }
+
+    #[test]
+    fn prefill_time_arithmetic() {
+        let radeon = fleet::radeon_vii_pair(4, 8 << 30);
+        let a4000 = fleet::a4000_pair(5, 8 << 30);
+        // A cold 30,000-token prompt: about 150 s on a Radeon VII pair, a third of that on an
+        // A4000 pair.
+        assert!((secs(radeon.ttft(30_000, 0, 0)) - 150.5).abs() < 1e-9);
+        assert!((secs(a4000.ttft(30_000, 0, 0)) - 50.5).abs() < 1e-9);
+        // A warm turn appends a typical tool output to a cached context: about 1.3 s.
+        assert!((secs(radeon.ttft(30_160, 30_000, 0)) - 1.3).abs() < 1e-9);
+        // Restoring 30,000 tokens from RAM is far cheaper than prefilling them.
+        let restored = secs(radeon.ttft(30_160, 30_000, 30_000));
+        assert!((restored - 2.5).abs() < 1e-9, "{restored}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn slot_is_busy_until_the_answer_has_streamed() {
+        use http_body_util::BodyExt;
+        use tower::ServiceExt;
+
+        let model = fleet::radeon_vii_pair(1, 1 << 30);
+        let backend = SimBackend::new(model);
+        let prompt = |answer| Prompt {
+            blocks: vec![Block {
+                id: 1,
+                tokens: 2000,
+            }]
+            .into(),
+            answer: Block {
+                id: answer,
+                tokens: 180,
+            },
+        };
+        let t0 = Instant::now();
+        let res = backend
+            .clone()
+            .oneshot(http::Request::new(prompt(2)))
+            .await
+            .unwrap();
+        assert_eq!(t0.elapsed(), model.ttft(2000, 0, 0));
+        let second = tokio::spawn(backend.clone().oneshot(http::Request::new(prompt(3))));
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(!second.is_finished(), "the only slot is still streaming");
+        res.into_body().collect().await.unwrap();
+        let res2 = second.await.unwrap().unwrap();
+        let served = res2.extensions().get::<Served>().unwrap();
+        assert_eq!((served.source, served.reused), (Source::Slot, 2000));
+    }
+}

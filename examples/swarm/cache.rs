@@ -1,0 +1,406 @@
+//! One backend's prompt cache: the KV each slot keeps, and the host-memory (RAM) cache behind it.
+//!
+//! Prompts are sequences of [`Block`]s. A block is a run of tokens with an identity: equal ids at
+//! equal positions mean equal content, so the reusable part of a cached prompt is its longest
+//! common leading run of blocks with the new one. Agent turns append whole messages, so a
+//! message is a block; Mooncake traces come as 512-token blocks already.
+//!
+//! The behaviour follows llama.cpp's server (`--parallel N`, `--cache-ram`): a request takes the
+//! idle slot whose KV shares the longest prefix with it (if that prefix is at least a tenth of
+//! the prompt, else the least recently used idle slot); whatever that slot held and the new prompt
+//! does not keep is saved to the RAM cache; if the RAM cache holds a longer prefix than the slot,
+//! it is restored into the slot; the rest is prefilled. The slots share one KV budget in VRAM
+//! (llama.cpp's unified KV cache): when a request needs room, idle slots lose their states to the
+//! RAM cache, least recently used first.
+
+use std::sync::Arc;
+
+/// A run of tokens with an identity.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Block {
+    pub(crate) id: u64,
+    pub(crate) tokens: u32,
+}
+
+/// A prompt or a slot's content.
+pub(crate) type Blocks = Arc<[Block]>;
+
+pub(crate) fn tokens(blocks: &[Block]) -> u64 {
+    blocks.iter().map(|b| u64::from(b.tokens)).sum()
+}
+
+/// Tokens in the longest common leading run of blocks.
+pub(crate) fn common_prefix(a: &[Block], b: &[Block]) -> u64 {
+    a.iter()
+        .zip(b)
+        .take_while(|(x, y)| x == y)
+        .map(|(x, _)| u64::from(x.tokens))
+        .sum()
+}
+
+/// llama.cpp's `--slot-prompt-similarity` default: below this share of the prompt, a slot's
+/// prefix is not worth keeping the slot for, and the least recently used idle slot is taken.
+const SLOT_SIMILARITY: f64 = 0.1;
+
+struct Entry {
+    blocks: Blocks,
+    tokens: u64,
+    last_used: u64,
+}
+
+/// The host-memory prompt cache: whole prompt states, least recently used evicted first once
+/// their KV passes the byte budget.
+pub(crate) struct RamCache {
+    budget_bytes: u64,
+    bytes_per_token: u64,
+    entries: Vec<Entry>,
+    used_tokens: u64,
+    clock: u64,
+    evicted: u64,
+}
+
+impl RamCache {
+    pub(crate) fn new(budget_bytes: u64, bytes_per_token: u64) -> Self {
+        RamCache {
+            budget_bytes,
+            bytes_per_token: bytes_per_token.max(1),
+            entries: Vec::new(),
+            used_tokens: 0,
+            clock: 0,
+            evicted: 0,
+        }
+    }
+
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    fn budget_tokens(&self) -> u64 {
+        self.budget_bytes / self.bytes_per_token
+    }
+
+    /// The entry sharing the longest prefix with `prompt`, and that prefix's tokens.
+    pub(crate) fn best(&self, prompt: &[Block]) -> Option<(usize, u64)> {
+        self.entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (i, common_prefix(&e.blocks, prompt)))
+            .filter(|&(_, n)| n > 0)
+            // Ties go to the most recently used entry.
+            .max_by_key(|&(i, n)| (n, self.entries[i].last_used))
+    }
+
+    /// Removes an entry to load it into a slot: the slot owns that state now, and saves it
+    /// back, extended, when it moves on.
+    pub(crate) fn take(&mut self, index: usize) -> Blocks {
+        let e = self.entries.swap_remove(index);
+        self.used_tokens -= e.tokens;
+        e.blocks
+    }
+
+    /// Saves a slot's state. A state that an entry already contains only refreshes that
+    /// entry; entries the new state contains are dropped; a state larger than the whole budget
+    /// is not kept.
+    pub(crate) fn save(&mut self, blocks: Blocks) {
+        let n = tokens(&blocks);
+        if n == 0 || n > self.budget_tokens() {
+            return;
+        }
+        let now = self.tick();
+        if let Some(e) = self
+            .entries
+            .iter_mut()
+            .find(|e| common_prefix(&e.blocks, &blocks) == n)
+        {
+            e.last_used = now;
+            return;
+        }
+        let mut freed = 0;
+        self.entries.retain(|e| {
+            let contained = common_prefix(&e.blocks, &blocks) == e.tokens;
+            if contained {
+                freed += e.tokens;
+            }
+            !contained
+        });
+        self.used_tokens -= freed;
+        self.entries.push(Entry {
+            blocks,
+            tokens: n,
+            last_used: now,
+        });
+        self.used_tokens += n;
+        while self.used_tokens > self.budget_tokens() {
+            let Some((lru, _)) = self
+                .entries
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, e)| e.last_used)
+            else {
+                break;
+            };
+            let e = self.entries.swap_remove(lru);
+            self.used_tokens -= e.tokens;
+            self.evicted += 1;
+        }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// The first block id of every entry, least recently used first.
+    #[cfg(test)]
+    pub(crate) fn lru_order(&self) -> Vec<u64> {
+        let mut v: Vec<_> = self
+            .entries
+            .iter()
+            .map(|e| (e.last_used, e.blocks[0].id))
+            .collect();
+        v.sort_unstable();
+        v.into_iter().map(|(_, id)| id).collect()
+    }
+
+    pub(crate) fn evicted(&self) -> u64 {
+        self.evicted
+    }
+}
+
+/// Where a request's reused prefix came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Source {
+    /// Nothing reused.
+    Cold,
+    /// The slot's own KV.
+    Slot,
+    /// Restored from the RAM cache.
+    Ram,
+}
+
+/// What the cache did for one request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Admission {
+    pub(crate) slot: usize,
+    /// Prompt tokens that need no prefill.
+    pub(crate) reused: u64,
+    /// Tokens copied from RAM into the slot (the whole entry is loaded).
+    pub(crate) restored: u64,
+    pub(crate) source: Source,
+}
+
+struct Slot {
+    kv: Blocks,
+    busy: bool,
+    last_used: u64,
+}
+
+/// A backend's slots and RAM cache.
+pub(crate) struct BackendCache {
+    slots: Vec<Slot>,
+    ram: RamCache,
+    /// Tokens of KV the GPUs hold over all slots (llama.cpp's unified KV cache): idle slots
+    /// lose their state, least recently used first, when a request needs the room.
+    vram_tokens: u64,
+    clock: u64,
+}
+
+impl BackendCache {
+    pub(crate) fn new(slots: usize, vram_tokens: u64, ram: RamCache) -> Self {
+        let empty: Blocks = Arc::new([]);
+        BackendCache {
+            slots: (0..slots)
+                .map(|_| Slot {
+                    kv: empty.clone(),
+                    busy: false,
+                    last_used: 0,
+                })
+                .collect(),
+            ram,
+            vram_tokens,
+            clock: 0,
+        }
+    }
+
+    /// Takes an idle slot for `prompt` and finds its longest cached prefix; `None` when every
+    /// slot is busy.
+    pub(crate) fn admit(&mut self, prompt: &Blocks) -> Option<Admission> {
+        let total = tokens(prompt).max(1);
+        let idle = self.slots.iter().enumerate().filter(|(_, s)| !s.busy);
+        // Longest prefix first; among equals, the least recently used slot, so the others keep
+        // their sessions' states.
+        let (best, lcp) = idle
+            .clone()
+            .map(|(i, s)| (i, common_prefix(&s.kv, prompt)))
+            .max_by_key(|&(i, n)| (n, std::cmp::Reverse(self.slots[i].last_used)))?;
+        let (slot, slot_lcp) = if lcp as f64 / total as f64 >= SLOT_SIMILARITY {
+            (best, lcp)
+        } else {
+            let (i, s) = idle.min_by_key(|(_, s)| s.last_used)?;
+            (i, common_prefix(&s.kv, prompt))
+        };
+        self.clock += 1;
+        let s = &mut self.slots[slot];
+        s.busy = true;
+        s.last_used = self.clock;
+        let old = std::mem::replace(&mut s.kv, prompt.clone());
+        if slot_lcp < tokens(&old) {
+            self.ram.save(old);
+        }
+        let (reused, restored, source) = match self.ram.best(prompt) {
+            Some((i, n)) if n > slot_lcp => {
+                let entry = self.ram.take(i);
+                (n, tokens(&entry), Source::Ram)
+            }
+            _ if slot_lcp > 0 => (slot_lcp, 0, Source::Slot),
+            _ => (0, 0, Source::Cold),
+        };
+        self.make_room();
+        Some(Admission {
+            slot,
+            reused,
+            restored,
+            source,
+        })
+    }
+
+    /// Moves idle slots' states to RAM, least recently used first, until the slots fit in VRAM.
+    fn make_room(&mut self) {
+        loop {
+            let used: u64 = self.slots.iter().map(|s| tokens(&s.kv)).sum();
+            if used <= self.vram_tokens {
+                return;
+            }
+            let Some(lru) = self
+                .slots
+                .iter_mut()
+                .filter(|s| !s.busy && !s.kv.is_empty())
+                .min_by_key(|s| s.last_used)
+            else {
+                return;
+            };
+            let old = std::mem::replace(&mut lru.kv, Arc::new([]));
+            self.ram.save(old);
+        }
+    }
+
+    /// Frees a slot, which keeps `kv` (the prompt and the answer it generated).
+    pub(crate) fn release(&mut self, slot: usize, kv: Blocks) {
+        self.clock += 1;
+        let s = &mut self.slots[slot];
+        s.busy = false;
+        s.kv = kv;
+        s.last_used = self.clock;
+    }
+
+    pub(crate) fn ram(&self) -> &RamCache {
+        &self.ram
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn b(id: u64, tokens: u32) -> Block {
+        Block { id, tokens }
+    }
+
+    fn blocks(v: &[Block]) -> Blocks {
+        v.to_vec().into()
+    }
+
+    #[test]
+    fn common_prefix_counts_tokens_of_equal_leading_blocks() {
+        let x = [b(1, 100), b(2, 50), b(3, 7)];
+        let y = [b(1, 100), b(2, 50), b(4, 7)];
+        assert_eq!(common_prefix(&x, &y), 150);
+        assert_eq!(common_prefix(&x, &x[..1]), 100);
+        assert_eq!(common_prefix(&x, &[b(9, 1)]), 0);
+        // Same id at another position is not the same prefix.
+        assert_eq!(common_prefix(&[b(2, 50)], &x), 0);
+    }
+
+    #[test]
+    fn prefix_matching_against_slot_and_ram_cache() {
+        let mut c = BackendCache::new(1, u64::MAX, RamCache::new(1 << 30, 1));
+        let a1 = blocks(&[b(0, 1000), b(10, 500)]);
+        let first = c.admit(&a1).unwrap();
+        assert_eq!((first.source, first.reused), (Source::Cold, 0));
+        c.release(first.slot, blocks(&[b(0, 1000), b(10, 500), b(11, 200)]));
+
+        // The session's next turn: the slot holds the whole previous context and the answer.
+        let a2 = blocks(&[b(0, 1000), b(10, 500), b(11, 200), b(12, 100)]);
+        let warm = c.admit(&a2).unwrap();
+        assert_eq!(
+            (warm.source, warm.reused, warm.restored),
+            (Source::Slot, 1700, 0)
+        );
+        c.release(warm.slot, a2.clone());
+
+        // Another session shares only the first block: it takes the slot, whose state goes
+        // to RAM.
+        let other = blocks(&[b(0, 1000), b(20, 3000)]);
+        let o = c.admit(&other).unwrap();
+        assert_eq!((o.source, o.reused), (Source::Slot, 1000));
+        c.release(o.slot, other);
+        assert_eq!(c.ram().len(), 1);
+
+        // The first session comes back: the RAM cache has its longer prefix and restores it.
+        let a3 = blocks(&[b(0, 1000), b(10, 500), b(11, 200), b(12, 100), b(13, 50)]);
+        let back = c.admit(&a3).unwrap();
+        assert_eq!(back.source, Source::Ram);
+        assert_eq!((back.reused, back.restored), (1800, 1800));
+    }
+
+    #[test]
+    fn busy_slots_are_not_taken() {
+        let mut c = BackendCache::new(2, u64::MAX, RamCache::new(0, 1));
+        let p = blocks(&[b(1, 10)]);
+        assert!(c.admit(&p).is_some());
+        assert!(c.admit(&p).is_some());
+        assert!(c.admit(&p).is_none());
+        c.release(0, p.clone());
+        assert_eq!(c.admit(&p).unwrap().slot, 0);
+    }
+
+    #[test]
+    fn dissimilar_prompt_takes_the_least_recently_used_idle_slot() {
+        let mut c = BackendCache::new(2, u64::MAX, RamCache::new(0, 1));
+        let x = blocks(&[b(1, 1000)]);
+        let y = blocks(&[b(2, 1000)]);
+        let sx = c.admit(&x).unwrap().slot;
+        let sy = c.admit(&y).unwrap().slot;
+        c.release(sx, x.clone());
+        c.release(sy, y.clone());
+        // Slot sx was freed first: a stranger evicts it, and y keeps its slot.
+        let z = c.admit(&blocks(&[b(3, 1000)])).unwrap();
+        assert_eq!(z.slot, sx);
+        c.release(z.slot, blocks(&[b(3, 1000)]));
+        assert_eq!(c.admit(&y).unwrap().reused, 1000);
+    }
+
+    #[test]
+    fn lru_eviction_order_under_a_budget() {
+        // Room for 3,000 tokens at 2 bytes a token.
+        let mut r = RamCache::new(6000, 2);
+        r.save(blocks(&[b(1, 1000)]));
+        r.save(blocks(&[b(2, 1000)]));
+        r.save(blocks(&[b(3, 1000)]));
+        assert_eq!(r.lru_order(), [1, 2, 3]);
+        // A state the cache already holds refreshes it.
+        r.save(blocks(&[b(1, 1000)]));
+        assert_eq!(r.lru_order(), [2, 3, 1]);
+        // Over budget: the least recently used goes first.
+        r.save(blocks(&[b(4, 1500)]));
+        assert_eq!(r.lru_order(), [1, 4]);
+        assert_eq!(r.evicted(), 2);
+        // An extension replaces the prefix it contains instead of duplicating it.
+        r.save(blocks(&[b(4, 1500), b(5, 100)]));
+        assert_eq!(r.len(), 2);
+        // A state larger than the whole budget is not kept.
+        r.save(blocks(&[b(9, 4000)]));
+        assert_eq!(r.lru_order(), [1, 4]);
+    }
+}

@@ -1,0 +1,520 @@
+//! The swarm study: what session affinity buys an LLM fleet, with numbers and a chart.
+//!
+//! ```text
+//! cargo run --release --example swarm                          # the study's swarm, 8 agents
+//! cargo run --release --example swarm -- --scenario two-on-two
+//! cargo run --release --example swarm -- --scenario overload   # more agents than slots
+//! cargo run --release --example swarm -- --scenario trace --trace mooncake.jsonl
+//! ```
+//!
+//! Agents (or a replayed Mooncake trace) send their turns through the real
+//! [`SessionAffinity`](tower_affinity::SessionAffinity) service, once per placement policy, to
+//! simulated llama.cpp backends ([`backend`]) whose slots and RAM prompt caches decide how much
+//! of each prompt must be read again. Everything runs on tokio's paused clock in one thread, so
+//! a night of fleet time takes seconds and a seed gives the same table every time.
+//!
+//! The model and its calibration are in [`fleet`]; the agents in [`workload`]; the trace
+//! replay in [`trace`]; the metrics in [`report`].
+
+mod backend;
+mod cache;
+mod chart;
+mod fleet;
+mod report;
+mod rng;
+mod sim;
+mod trace;
+mod workload;
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use cache::Source;
+use fleet::{BackendSpec, FleetKind};
+use report::{Row, Table, TurnRecord};
+use sim::{Policy, Svc};
+use workload::AgentConfig;
+
+const USAGE: &str = "\
+usage: cargo run --release --example swarm -- [options]
+
+  --scenario NAME   study (default) | two-on-two | overload | trace | all
+  --sessions N      agents (default: study 8, two-on-two 2, overload 36)
+  --turns N         turns per agent (default 60)
+  --seed N          seed of every random draw (default 1)
+  --trace FILE      Mooncake-format JSONL trace, for --scenario trace (traces are published
+                    in kvcache-ai/Mooncake, FAST25-release/traces/)
+  --ram-cache SIZE  RAM prompt cache of each backend, e.g. 8GiB, 512MiB (default 8GiB);
+                    overload and trace also run at 8 times this
+  --fleet NAME      study | two-slots | datacenter (default: the scenario's own)
+  --out FILE        the SVG chart (default target/swarm-<scenario>.svg)
+";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Scenario {
+    Study,
+    TwoOnTwo,
+    Overload,
+    Trace,
+    All,
+}
+
+impl Scenario {
+    fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "study" => Scenario::Study,
+            "two-on-two" => Scenario::TwoOnTwo,
+            "overload" => Scenario::Overload,
+            "trace" => Scenario::Trace,
+            "all" => Scenario::All,
+            _ => return None,
+        })
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Scenario::Study => "study",
+            Scenario::TwoOnTwo => "two-on-two",
+            Scenario::Overload => "overload",
+            Scenario::Trace => "trace",
+            Scenario::All => "all",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Options {
+    scenario: Scenario,
+    sessions: Option<u32>,
+    turns: u32,
+    seed: u64,
+    trace: Option<PathBuf>,
+    ram_bytes: u64,
+    fleet: Option<FleetKind>,
+    out: Option<PathBuf>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            scenario: Scenario::Study,
+            sessions: None,
+            turns: 60,
+            seed: 1,
+            trace: None,
+            ram_bytes: 8 << 30,
+            fleet: None,
+            out: None,
+        }
+    }
+}
+
+/// `8GiB`, `8G`, `512MiB`, `65536KiB`, or bytes; units are binary.
+fn parse_size(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (n, unit) = s.split_at(split);
+    let n: u64 = n.parse().ok()?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        _ => return None,
+    };
+    n.checked_mul(1 << shift)
+}
+
+fn human_bytes(b: u64) -> String {
+    if b >= 1 << 30 && b % (1 << 30) == 0 {
+        format!("{} GiB", b >> 30)
+    } else {
+        format!("{} MiB", b >> 20)
+    }
+}
+
+fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String> {
+    let mut o = Options::default();
+    let mut args = args.into_iter();
+    while let Some(flag) = args.next() {
+        if flag == "-h" || flag == "--help" {
+            return Err(String::new());
+        }
+        let mut value = || args.next().ok_or(format!("{flag} needs a value"));
+        let bad = |v: &str| format!("{flag}: cannot read {v:?}");
+        match flag.as_str() {
+            "--scenario" => {
+                let v = value()?;
+                o.scenario = Scenario::parse(&v).ok_or_else(|| bad(&v))?;
+            }
+            "--sessions" => {
+                let v = value()?;
+                o.sessions = Some(v.parse().ok().filter(|&n| n > 0).ok_or_else(|| bad(&v))?);
+            }
+            "--turns" => {
+                let v = value()?;
+                o.turns = v.parse().ok().filter(|&n| n > 0).ok_or_else(|| bad(&v))?;
+            }
+            "--seed" => {
+                let v = value()?;
+                o.seed = v.parse().map_err(|_| bad(&v))?;
+            }
+            "--trace" => o.trace = Some(value()?.into()),
+            "--ram-cache" => {
+                let v = value()?;
+                o.ram_bytes = parse_size(&v).ok_or_else(|| bad(&v))?;
+            }
+            "--fleet" => {
+                let v = value()?;
+                o.fleet = Some(FleetKind::parse(&v).ok_or_else(|| bad(&v))?);
+            }
+            "--out" => o.out = Some(value()?.into()),
+            _ => return Err(format!("unknown option {flag}")),
+        }
+    }
+    if o.scenario == Scenario::Trace && o.trace.is_none() {
+        return Err(
+            "--scenario trace needs --trace FILE (Mooncake traces are published in \
+                    kvcache-ai/Mooncake, FAST25-release/traces/)"
+                .into(),
+        );
+    }
+    Ok(o)
+}
+
+/// One policy's run: its turns and the states its backends evicted from RAM.
+struct Run {
+    policy: Policy,
+    records: Vec<TurnRecord>,
+    ram_evictions: u64,
+}
+
+/// Runs `drive` once per policy, each on a fresh fleet and a fresh virtual clock.
+fn run_policies<F, Fut>(fleet: &[BackendSpec], drive: F) -> Vec<Run>
+where
+    F: Fn(Svc) -> Fut,
+    Fut: Future<Output = Vec<TurnRecord>>,
+{
+    Policy::ALL
+        .iter()
+        .map(|&policy| {
+            sim::block_on(async {
+                let (svc, backends) = sim::build(policy, fleet);
+                let records = drive(svc).await;
+                Run {
+                    policy,
+                    records,
+                    ram_evictions: backends.iter().map(|b| b.ram_evictions()).sum(),
+                }
+            })
+        })
+        .collect()
+}
+
+/// TTFT medians of follow-up turns by where they ran, pooled over every policy: the check
+/// against the study's 1.3 s (stayed), 26 s (same node) and 120 s (other node).
+fn calibration_note(runs: &[Run]) -> String {
+    let all: Vec<TurnRecord> = runs.iter().flat_map(|r| r.records.clone()).collect();
+    let [stay, node, cross] = Row::new("all", &all).by_move;
+    let f = |(d, n): (Duration, usize)| format!("{:.1} s ({n} turns)", d.as_secs_f64());
+    format!(
+        "median TTFT of follow-up turns, all policies: same backend {}, same node {}, other node {}",
+        f(stay),
+        f(node),
+        f(cross)
+    )
+}
+
+fn ram_note(runs: &[Run]) -> String {
+    let v: Vec<String> = runs
+        .iter()
+        .map(|r| {
+            let restores = r.records.iter().filter(|t| t.source == Source::Ram).count();
+            format!("{} {}/{}", r.policy.name(), restores, r.ram_evictions)
+        })
+        .collect();
+    format!(
+        "turns restored from RAM / states evicted from RAM: {}",
+        v.join(", ")
+    )
+}
+
+fn table(label: String, title: String, runs: &[Run], ideal: bool, notes: Vec<String>) -> Table {
+    Table {
+        label,
+        title,
+        rows: runs
+            .iter()
+            .map(|r| Row::new(r.policy.name(), &r.records))
+            .collect(),
+        ideal,
+        notes,
+    }
+}
+
+fn agent_runs(fleet: FleetKind, cfg: &AgentConfig, o: &Options, ram: u64) -> Vec<Run> {
+    let specs = fleet.backends(ram);
+    run_policies(&specs, |svc| workload::run(svc, cfg, o.seed))
+}
+
+fn study(o: &Options) -> Table {
+    let fleet = o.fleet.unwrap_or(FleetKind::Study);
+    let cfg = AgentConfig::study(o.sessions.unwrap_or(8), o.turns);
+    let runs = agent_runs(fleet, &cfg, o, o.ram_bytes);
+    let title = format!(
+        "study: {} sessions x {} turns, same system prompt and spec; {}; RAM cache {}; seed {}",
+        cfg.sessions,
+        cfg.turns,
+        fleet.describe(),
+        human_bytes(o.ram_bytes),
+        o.seed
+    );
+    let notes = vec![calibration_note(&runs)];
+    table("study".into(), title, &runs, false, notes)
+}
+
+fn two_on_two(o: &Options) -> Table {
+    let fleet = o.fleet.unwrap_or(FleetKind::TwoSlots);
+    let mut cfg = AgentConfig::study(o.sessions.unwrap_or(2), o.turns);
+    // Both start together, so the first turns find each other's slot busy.
+    cfg.start_spread = Duration::ZERO;
+    let runs = agent_runs(fleet, &cfg, o, o.ram_bytes);
+    let title = format!(
+        "two-on-two: {} sessions x {} turns; {}; RAM cache {}; seed {}",
+        cfg.sessions,
+        cfg.turns,
+        fleet.describe(),
+        human_bytes(o.ram_bytes),
+        o.seed
+    );
+    table("two-on-two".into(), title, &runs, false, vec![])
+}
+
+fn overload(o: &Options) -> Vec<Table> {
+    let fleet = o.fleet.unwrap_or(FleetKind::Study);
+    let cfg = AgentConfig::study(o.sessions.unwrap_or(36), o.turns);
+    [o.ram_bytes, o.ram_bytes * 8]
+        .into_iter()
+        .map(|ram| {
+            let runs = agent_runs(fleet, &cfg, o, ram);
+            let title = format!(
+                "overload: {} sessions x {} turns on 34 slots; {}; RAM cache {}; seed {}",
+                cfg.sessions,
+                cfg.turns,
+                fleet.describe(),
+                human_bytes(ram),
+                o.seed
+            );
+            let notes = vec![ram_note(&runs)];
+            table(
+                format!("overload, {}", human_bytes(ram)),
+                title,
+                &runs,
+                false,
+                notes,
+            )
+        })
+        .collect()
+}
+
+fn replay(o: &Options, path: &Path) -> Result<Vec<Table>, String> {
+    let text =
+        std::fs::read_to_string(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
+    let t = trace::Trace::parse(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let fleet = o.fleet.unwrap_or(FleetKind::Datacenter);
+    let span = t.requests.last().map_or(Duration::ZERO, |r| r.at);
+    let name = path.file_name().map_or_else(
+        || path.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
+    let mut tables = Vec::new();
+    for ram in [o.ram_bytes, o.ram_bytes * 8] {
+        let runs = run_policies(&fleet.backends(ram), |svc| trace::replay(svc, &t));
+        let title = format!(
+            "trace: {name}, {} requests in {} conversations ({} later turns) over {:.0} s, \
+             {}-token blocks; {}; RAM cache {}",
+            t.requests.len(),
+            t.conversations.len(),
+            t.later_turns(),
+            span.as_secs_f64(),
+            trace::BLOCK_TOKENS,
+            fleet.describe(),
+            human_bytes(ram),
+        );
+        let notes = vec![
+            "reuse / ideal: reused prompt tokens as a share of what one infinite cache shared \
+             by the whole fleet would have reused"
+                .into(),
+            ram_note(&runs),
+        ];
+        let label = format!("trace, {}", human_bytes(ram));
+        tables.push(table(label, title, &runs, true, notes));
+    }
+    Ok(tables)
+}
+
+fn run(o: &Options) -> Result<Vec<Table>, String> {
+    Ok(match o.scenario {
+        Scenario::Study => vec![study(o)],
+        Scenario::TwoOnTwo => vec![two_on_two(o)],
+        Scenario::Overload => overload(o),
+        Scenario::Trace => {
+            let path = o.trace.as_deref().ok_or("--trace FILE is required")?;
+            replay(o, path)?
+        }
+        Scenario::All => {
+            let mut v = vec![study(o), two_on_two(o)];
+            v.extend(overload(o));
+            if let Some(path) = o.trace.as_deref() {
+                v.extend(replay(o, path)?);
+            }
+            v
+        }
+    })
+}
+
+fn main() {
+    let o = match parse_args(std::env::args().skip(1)) {
+        Ok(o) => o,
+        Err(e) => {
+            if !e.is_empty() {
+                eprintln!("error: {e}\n");
+            }
+            eprint!("{USAGE}");
+            std::process::exit(if e.is_empty() { 0 } else { 2 });
+        }
+    };
+    let started = Instant::now();
+    let tables = match run(&o) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
+    };
+    for t in &tables {
+        println!("{t}");
+    }
+    let out = o.out.clone().unwrap_or_else(|| {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("target")
+            .join(format!("swarm-{}.svg", o.scenario.name()))
+    });
+    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        let _ = std::fs::create_dir_all(dir);
+    }
+    let title = format!(
+        "tower-affinity swarm study: {} (seed {})",
+        o.scenario.name(),
+        o.seed
+    );
+    match chart::draw(&out, &title, &tables) {
+        Ok(()) => println!("chart: {}", out.display()),
+        Err(e) => eprintln!("chart {}: {e}", out.display()),
+    }
+    println!("ran in {:.2} s", started.elapsed().as_secs_f64());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn options(scenario: Scenario, turns: u32) -> Options {
+        Options {
+            scenario,
+            turns,
+            ..Options::default()
+        }
+    }
+
+    #[test]
+    fn same_seed_same_table() {
+        let o = options(Scenario::Study, 12);
+        let (a, b) = (study(&o), study(&o));
+        assert_eq!(a, b);
+        assert_eq!(a.to_string(), b.to_string());
+        let other = study(&Options { seed: 2, ..o });
+        assert_ne!(a.to_string(), other.to_string());
+    }
+
+    #[test]
+    fn sticky_placement_beats_free_routing_and_two_on_two_always_hits() {
+        let t = study(&options(Scenario::Study, 24));
+        let ntb = t.row("NodeThenBackend").unwrap();
+        assert!(ntb.hit_rate() >= 0.99, "{t}");
+        assert!(
+            ntb.node_moves + ntb.backend_moves <= ntb.follow_ups / 100,
+            "{t}"
+        );
+        for free in ["RoundRobin", "LeastLoaded"] {
+            let r = t.row(free).unwrap();
+            assert!(r.hit_rate() <= ntb.hit_rate() - 0.2, "{t}");
+            assert!(r.node_moves > r.follow_ups / 5, "{t}");
+            assert!(r.p50 > ntb.p50 * 3, "{t}");
+        }
+
+        let t = two_on_two(&options(Scenario::TwoOnTwo, 24));
+        let ntb = t.row("NodeThenBackend").unwrap();
+        assert_eq!(ntb.hits, ntb.eligible, "{t}");
+        assert_eq!(ntb.node_moves + ntb.backend_moves, 0, "{t}");
+    }
+
+    #[test]
+    fn trace_replay_runs_a_small_trace_end_to_end() {
+        let line = |ts: u64, input: u32, ids: &[u64]| {
+            format!(
+                r#"{{"timestamp": {ts}, "input_length": {input}, "output_length": 20, "hash_ids": {ids:?}}}"#
+            )
+        };
+        let text = [
+            line(0, 1100, &[1, 2, 3]),
+            line(100, 1100, &[4, 5, 6]),
+            line(30_000, 2100, &[1, 2, 7, 8, 9]),
+            line(31_000, 2100, &[4, 5, 10, 11, 12]),
+        ]
+        .join("\n");
+        let dir = std::env::temp_dir().join(format!("swarm-trace-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tiny.jsonl");
+        std::fs::write(&path, text).unwrap();
+        let o = Options {
+            scenario: Scenario::Trace,
+            trace: Some(path.clone()),
+            ..Options::default()
+        };
+        let tables = replay(&o, &path).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let t = &tables[0];
+        let ntb = t.row("NodeThenBackend").unwrap();
+        assert_eq!((ntb.turns, ntb.eligible, ntb.hits), (4, 2, 2), "{t}");
+        // Each later turn reuses its first two blocks, all an ideal cache could.
+        assert_eq!((ntb.reused, ntb.ideal), (2048, 2048), "{t}");
+    }
+
+    #[test]
+    fn options_and_sizes() {
+        assert_eq!(parse_size("8GiB"), Some(8 << 30));
+        assert_eq!(parse_size("512MiB"), Some(512 << 20));
+        assert_eq!(parse_size("64g"), Some(64 << 30));
+        assert_eq!(parse_size("12 parsecs"), None);
+        let o = parse_args(
+            [
+                "--scenario",
+                "overload",
+                "--sessions",
+                "40",
+                "--ram-cache",
+                "16GiB",
+            ]
+            .map(String::from),
+        )
+        .unwrap();
+        assert_eq!(
+            (o.scenario, o.sessions, o.ram_bytes),
+            (Scenario::Overload, Some(40), 16 << 30)
+        );
+        assert!(parse_args(["--scenario".to_string(), "trace".to_string()]).is_err());
+    }
+}

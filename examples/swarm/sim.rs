@@ -1,0 +1,168 @@
+//! The driver shared by every scenario: the real `SessionAffinity` service over simulated
+//! backends, one policy at a time, on a paused virtual clock.
+
+use std::future::Future;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http_body_util::BodyExt;
+use tokio::time::Instant;
+use tower::{Layer, ServiceExt};
+use tower_affinity::discover::StaticFleet;
+use tower_affinity::key::HeaderKey;
+use tower_affinity::placement::{LeastLoaded, NodeThenBackend, Placement, Rendezvous, RoundRobin};
+use tower_affinity::{
+    Backend, BackendId, Decision, NodeId, Overflow, SessionAffinity, SessionAffinityLayer, Sessions,
+};
+
+use crate::backend::{Prompt, Served, SimBackend};
+use crate::fleet::BackendSpec;
+use crate::report::TurnRecord;
+
+/// The policies compared, all through the same service.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Policy {
+    RoundRobin,
+    LeastLoaded,
+    Rendezvous,
+    NodeThenBackend,
+}
+
+impl Policy {
+    pub(crate) const ALL: [Policy; 4] = [
+        Policy::RoundRobin,
+        Policy::LeastLoaded,
+        Policy::Rendezvous,
+        Policy::NodeThenBackend,
+    ];
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Policy::RoundRobin => "RoundRobin",
+            Policy::LeastLoaded => "LeastLoaded",
+            Policy::Rendezvous => "Rendezvous",
+            Policy::NodeThenBackend => "NodeThenBackend",
+        }
+    }
+
+    fn placement(self) -> Arc<dyn Placement> {
+        match self {
+            Policy::RoundRobin => Arc::new(RoundRobin::new()),
+            Policy::LeastLoaded => Arc::new(LeastLoaded::new()),
+            Policy::Rendezvous => Arc::new(Rendezvous),
+            Policy::NodeThenBackend => Arc::new(NodeThenBackend::new()),
+        }
+    }
+}
+
+pub(crate) type Svc = SessionAffinity<StaticFleet<SimBackend>, HeaderKey, Arc<dyn Placement>>;
+
+/// The service for `policy` over a fresh fleet, and the fleet's backends.
+pub(crate) fn build(policy: Policy, fleet: &[BackendSpec]) -> (Svc, Vec<SimBackend>) {
+    let sims: Vec<SimBackend> = fleet.iter().map(|s| SimBackend::new(s.model)).collect();
+    let discovery = StaticFleet::new(fleet.iter().zip(&sims).map(|(s, sim)| {
+        let slots = NonZeroU32::new(s.model.slots).unwrap_or(NonZeroU32::MIN);
+        let b = Backend::new(s.node.as_str(), sim.clone())
+            .slots(slots)
+            .prompt_cache_bytes(s.model.ram_bytes);
+        (s.id.as_str(), b)
+    }));
+    let svc = SessionAffinityLayer::new()
+        .key(HeaderKey::default())
+        .placement(policy.placement())
+        // Agents wait as long as it takes: a refused turn would only be retried.
+        .overflow(Overflow::Wait {
+            max_wait: Duration::from_secs(24 * 3600),
+            max_queued: 1 << 20,
+        })
+        .sessions(
+            Sessions::new()
+                .max_entries(1 << 20)
+                .idle_timeout(Duration::from_secs(24 * 3600)),
+        )
+        .layer(discovery);
+    (svc, sims)
+}
+
+/// Runs `f` on a current-thread runtime whose clock is paused: time advances only when every
+/// task waits, straight to the next timer, so hours of fleet time take milliseconds and the
+/// order of events depends on nothing but the inputs. Agents are local tasks (`spawn_local`):
+/// one thread runs everything, so nothing needs to be `Send`.
+pub(crate) fn block_on<F: Future>(f: F) -> F::Output {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .expect("a current-thread runtime");
+    tokio::task::LocalSet::new().block_on(&rt, f)
+}
+
+/// Where a session's previous turn ran.
+#[derive(Clone, Debug)]
+pub(crate) struct Position {
+    backend: BackendId,
+    node: NodeId,
+}
+
+/// What a turn needs besides its prompt.
+pub(crate) struct TurnInput<'a> {
+    pub(crate) session: &'a str,
+    pub(crate) prompt: Prompt,
+    pub(crate) prev_prompt: Option<u64>,
+    pub(crate) compaction: bool,
+    pub(crate) ideal: u64,
+}
+
+/// Sends one turn, reads its answer to the end, and records it.
+pub(crate) async fn turn(
+    svc: &Svc,
+    input: TurnInput<'_>,
+    prev: &mut Option<Position>,
+) -> TurnRecord {
+    let t0 = Instant::now();
+    let res = loop {
+        let req = http::Request::post("/v1/chat/completions")
+            .header("x-session-id", input.session)
+            .body(input.prompt.clone())
+            .expect("a valid request");
+        match svc.clone().oneshot(req).await {
+            Ok(res) => break res,
+            Err(e) => match e.retry_after() {
+                Some(after) => tokio::time::sleep(after).await,
+                None => panic!("simulated backends do not fail: {e}"),
+            },
+        }
+    };
+    let ttft = t0.elapsed();
+    let decision = res
+        .extensions()
+        .get::<Decision>()
+        .cloned()
+        .expect("every response carries a Decision");
+    let served = *res
+        .extensions()
+        .get::<Served>()
+        .expect("the simulated backend reports what it reused");
+    // Reading the answer to its end is what keeps the slot busy while it streams.
+    let _ = res.into_body().collect().await;
+    let (moved_node, moved_backend) = match prev.as_ref() {
+        None => (false, false),
+        Some(p) if p.node != decision.node => (true, false),
+        Some(p) => (false, p.backend != decision.backend),
+    };
+    *prev = Some(Position {
+        backend: decision.backend,
+        node: decision.node,
+    });
+    TurnRecord {
+        prev_prompt: input.prev_prompt,
+        compaction: input.compaction,
+        reused: served.reused,
+        ideal: input.ideal,
+        source: served.source,
+        moved_node,
+        moved_backend,
+        ttft,
+    }
+}

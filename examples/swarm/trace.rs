@@ -1,0 +1,248 @@
+//! Replaying a Mooncake trace (kvcache-ai/Mooncake, `FAST25-release/traces/`).
+//!
+//! One JSON object a line: `timestamp` (arrival, ms), `input_length` and `output_length`
+//! (tokens), `hash_ids` (the prompt's 512-token blocks; ids are chained, so equal ids at equal
+//! positions mean an equal prefix). The trace has no session ids: a request whose blocks extend
+//! all but the last block of an earlier request continues that request's conversation (the last
+//! block of a turn is usually partial, so its hash changes when the next turn appends to it).
+//! A turn that is already continued starts a new conversation instead of a second branch.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use serde::Deserialize;
+use tokio::time::Instant;
+
+use crate::backend::Prompt;
+use crate::cache::{Block, Blocks};
+use crate::report::TurnRecord;
+use crate::sim::{self, Svc, TurnInput};
+
+/// The cache unit of the trace.
+pub(crate) const BLOCK_TOKENS: u32 = 512;
+
+/// Answer blocks: ids no prompt block can have.
+const ANSWER_IDS: u64 = 1 << 63;
+
+#[derive(Debug, Deserialize)]
+struct Line {
+    timestamp: u64,
+    input_length: u32,
+    output_length: u32,
+    hash_ids: Vec<u64>,
+}
+
+/// One request of the trace.
+#[derive(Clone, Debug)]
+pub(crate) struct TraceRequest {
+    pub(crate) at: Duration,
+    pub(crate) blocks: Blocks,
+    pub(crate) input: u32,
+    pub(crate) output: u32,
+    /// What an infinite cache shared by the whole fleet would reuse: the longest prefix of
+    /// blocks any earlier request had.
+    pub(crate) ideal: u64,
+}
+
+/// A parsed trace with its conversations rebuilt.
+#[derive(Clone, Debug)]
+pub(crate) struct Trace {
+    pub(crate) requests: Vec<TraceRequest>,
+    /// Each conversation's requests, in order.
+    pub(crate) conversations: Vec<Vec<usize>>,
+}
+
+impl Trace {
+    pub(crate) fn parse(text: &str) -> Result<Trace, String> {
+        let mut lines = Vec::new();
+        for (n, l) in text.lines().enumerate() {
+            if l.trim().is_empty() {
+                continue;
+            }
+            let line: Line = serde_json::from_str(l).map_err(|e| format!("line {}: {e}", n + 1))?;
+            lines.push(line);
+        }
+        // Arrival order; a stable sort keeps the file's order among equal timestamps.
+        lines.sort_by_key(|l| l.timestamp);
+        let conversations = rebuild_conversations(&lines);
+        let ideal = ideal_reuse(&lines);
+        let requests = lines
+            .iter()
+            .zip(ideal)
+            .map(|(l, ideal)| TraceRequest {
+                at: Duration::from_millis(l.timestamp),
+                blocks: blocks_of(l).into(),
+                input: l.input_length,
+                output: l.output_length,
+                ideal,
+            })
+            .collect();
+        Ok(Trace {
+            requests,
+            conversations,
+        })
+    }
+
+    /// Requests that continue an earlier one.
+    pub(crate) fn later_turns(&self) -> usize {
+        self.requests.len() - self.conversations.len()
+    }
+}
+
+/// The request's blocks: 512 tokens each, the last one holding the rest.
+fn blocks_of(l: &Line) -> Vec<Block> {
+    let n = l.hash_ids.len() as u32;
+    l.hash_ids
+        .iter()
+        .enumerate()
+        .map(|(i, &id)| Block {
+            id,
+            tokens: if (i as u32) + 1 < n {
+                BLOCK_TOKENS
+            } else {
+                l.input_length.saturating_sub(BLOCK_TOKENS * (n - 1)).max(1)
+            },
+        })
+        .collect()
+}
+
+fn rebuild_conversations(lines: &[Line]) -> Vec<Vec<usize>> {
+    // The id of a request's next-to-last block names the prefix a continuation must extend.
+    let mut by_prefix: HashMap<u64, Vec<usize>> = HashMap::new();
+    let mut continued = vec![false; lines.len()];
+    let mut conversation_of = vec![0; lines.len()];
+    let mut conversations: Vec<Vec<usize>> = Vec::new();
+    for (i, l) in lines.iter().enumerate() {
+        let h = &l.hash_ids;
+        let n = h.len();
+        // The longest earlier prefix this request extends by at least one block.
+        let parent = (0..n.saturating_sub(1)).rev().find_map(|k| {
+            by_prefix
+                .get(&h[k])?
+                .iter()
+                .rev()
+                .copied()
+                .find(|&p| lines[p].hash_ids.len() == k + 2 && !continued[p])
+        });
+        match parent {
+            Some(p) => {
+                continued[p] = true;
+                let c = conversation_of[p];
+                conversation_of[i] = c;
+                conversations[c].push(i);
+            }
+            None => {
+                conversation_of[i] = conversations.len();
+                conversations.push(vec![i]);
+            }
+        }
+        if n >= 2 {
+            by_prefix.entry(h[n - 2]).or_default().push(i);
+        }
+    }
+    conversations
+}
+
+fn ideal_reuse(lines: &[Line]) -> Vec<u64> {
+    let mut seen: HashSet<u64> = HashSet::new();
+    lines
+        .iter()
+        .map(|l| {
+            let cached = l.hash_ids.iter().take_while(|id| seen.contains(id)).count() as u64;
+            seen.extend(l.hash_ids.iter().copied());
+            (cached * u64::from(BLOCK_TOKENS)).min(u64::from(l.input_length))
+        })
+        .collect()
+}
+
+/// Replays the trace against `svc`: each request is sent at its timestamp, or when the
+/// previous turn of its conversation has finished if that is later (a client does not send a
+/// turn before it has the answer to the last one).
+pub(crate) async fn replay(svc: Svc, trace: &Trace) -> Vec<TurnRecord> {
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for (c, conv) in trace.conversations.iter().enumerate() {
+        let turns: Vec<(usize, TraceRequest)> = conv
+            .iter()
+            .map(|&i| (i, trace.requests[i].clone()))
+            .collect();
+        let svc = svc.clone();
+        tasks.push(tokio::task::spawn_local(async move {
+            let name = format!("conversation-{c}");
+            let (mut prev, mut prev_prompt) = (None, None);
+            let mut records = Vec::with_capacity(turns.len());
+            for (i, r) in turns {
+                tokio::time::sleep_until(start + r.at).await;
+                let input = TurnInput {
+                    session: &name,
+                    prompt: Prompt {
+                        blocks: r.blocks,
+                        answer: Block {
+                            id: ANSWER_IDS | i as u64,
+                            tokens: r.output,
+                        },
+                    },
+                    prev_prompt,
+                    compaction: false,
+                    ideal: r.ideal,
+                };
+                records.push(sim::turn(&svc, input, &mut prev).await);
+                prev_prompt = Some(u64::from(r.input));
+            }
+            records
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.expect("a conversation task"));
+    }
+    all
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line(ts: u64, input: u32, ids: &[u64]) -> String {
+        format!(
+            r#"{{"timestamp": {ts}, "input_length": {input}, "output_length": 10, "hash_ids": {ids:?}}}"#
+        )
+    }
+
+    #[test]
+    fn sessions_are_rebuilt_from_the_hash_chains() {
+        let text = [
+            // Conversation A, turn 1: two full blocks and a partial one.
+            line(0, 1200, &[1, 2, 3]),
+            // Conversation B shares A's first block only (a common system prompt).
+            line(5, 1100, &[1, 7, 8]),
+            // A, turn 2: keeps 1, 2, replaces the partial 3 and grows.
+            line(10, 2000, &[1, 2, 4, 5]),
+            // A second request extending A's turn 1 again is a new conversation, not a branch.
+            line(12, 1500, &[1, 2, 6]),
+            // B, turn 2.
+            line(20, 1800, &[1, 7, 9, 10]),
+            // A, turn 3.
+            line(30, 2600, &[1, 2, 4, 5, 12, 13]),
+            // Unrelated.
+            line(40, 100, &[20]),
+        ]
+        .join("\n");
+        let t = Trace::parse(&text).unwrap();
+        assert_eq!(
+            t.conversations,
+            vec![vec![0, 2, 5], vec![1, 4], vec![3], vec![6]]
+        );
+        assert_eq!(t.later_turns(), 3);
+        let tokens: Vec<u32> = t.requests[0].blocks.iter().map(|b| b.tokens).collect();
+        assert_eq!(tokens, [512, 512, 176]);
+        let ideal: Vec<u64> = t.requests.iter().map(|r| r.ideal).collect();
+        assert_eq!(ideal, [0, 512, 1024, 1024, 1024, 2048, 0]);
+    }
+
+    #[test]
+    fn a_bad_line_is_reported_with_its_number() {
+        let err = Trace::parse(&format!("{}\nnot json", line(0, 1, &[1]))).unwrap_err();
+        assert!(err.starts_with("line 2"), "{err}");
+    }
+}
