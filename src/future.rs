@@ -51,7 +51,9 @@ pin_project! {
             req: Option<http::Request<ReqB>>,
             key: Option<SessionKey>,
             shared: SharedOf<S, P>,
+            // When the wait ends: at `give_up`, or earlier, when node patience runs out.
             deadline: Pin<Box<Sleep>>,
+            give_up: Instant,
             since: Instant,
             ticket: WaitTicket,
         },
@@ -96,7 +98,8 @@ where
     ) -> Self {
         let overflow = shared.overflow;
         let overcommit = matches!(overflow, Overflow::Overcommit);
-        let state = match shared.place(key, req.extensions(), overcommit, None) {
+        let patient = !shared.node_patience.is_zero();
+        let state = match shared.place(key, req.extensions(), overcommit, None, patient) {
             Placed::Dispatch {
                 service,
                 guard,
@@ -137,7 +140,7 @@ where
             });
         };
         // A slot may have freed between the first attempt and joining the queue.
-        match shared.place(key, req.extensions(), false, None) {
+        match shared.place(key, req.extensions(), false, None, home.only_node) {
             Placed::Dispatch {
                 service,
                 guard,
@@ -150,14 +153,25 @@ where
                 bump(&shared.counters.no_backends);
                 State::fail(Error::NoBackends)
             }
-            Placed::Full { .. } => State::Wait {
-                req: Some(req),
-                key,
-                deadline: Box::pin(tokio::time::sleep(max_wait)),
-                since: Instant::now(),
-                ticket,
-                shared,
-            },
+            Placed::Full { .. } => {
+                let since = Instant::now();
+                // A wait too long to represent is as good as a wait of thirty years.
+                let far = || since + std::time::Duration::from_secs(30 * 365 * 86_400);
+                let give_up = since.checked_add(max_wait).unwrap_or_else(far);
+                let deadline = match since.checked_add(shared.node_patience) {
+                    Some(t) if home.only_node => t.min(give_up),
+                    _ => give_up,
+                };
+                State::Wait {
+                    req: Some(req),
+                    key,
+                    deadline: Box::pin(tokio::time::sleep_until(deadline)),
+                    give_up,
+                    since,
+                    ticket,
+                    shared,
+                }
+            }
         }
     }
 }
@@ -208,42 +222,52 @@ where
                     key,
                     shared,
                     deadline,
+                    give_up,
                     since,
                     ticket,
                 } => {
+                    let mut attempt = false;
                     if !ticket.still_queued(cx.waker()) {
                         // Woken: back in the queue first, so no wake is missed while it looks.
                         ticket.requeue(cx.waker());
-                        let Some(r) = req.take() else {
-                            panic!("ResponseFuture polled after completion");
-                        };
-                        let waited = Some(since.elapsed());
-                        match shared.place(*key, r.extensions(), false, waited) {
-                            Placed::Dispatch {
-                                service,
-                                guard,
-                                decision,
-                            } => {
-                                let shared = shared.clone();
-                                state.set(State::call((service, guard, decision), r, shared));
-                                continue;
-                            }
-                            Placed::Empty => {
-                                bump(&shared.counters.no_backends);
-                                state.set(State::fail(Error::NoBackends));
-                                continue;
-                            }
-                            // Still queued, with this task's waker: wait below.
-                            Placed::Full { .. } => *req = Some(r),
-                        }
+                        attempt = true;
                     }
                     if deadline.as_mut().poll(cx).is_ready() {
-                        bump(&shared.counters.rejected);
-                        let retry_after = shared.retry_after();
-                        state.set(State::fail(Error::Saturated { retry_after }));
-                        continue;
+                        if !ticket.home_node_only() {
+                            bump(&shared.counters.rejected);
+                            let retry_after = shared.retry_after();
+                            state.set(State::fail(Error::Saturated { retry_after }));
+                            continue;
+                        }
+                        // Node patience is over: a slot anywhere will do now.
+                        ticket.widen();
+                        deadline.as_mut().reset(*give_up);
+                        attempt = true;
                     }
-                    return Poll::Pending;
+                    if !attempt {
+                        return Poll::Pending;
+                    }
+                    let Some(r) = req.take() else {
+                        panic!("ResponseFuture polled after completion");
+                    };
+                    let waited = Some(since.elapsed());
+                    let only_node = ticket.home_node_only();
+                    match shared.place(*key, r.extensions(), false, waited, only_node) {
+                        Placed::Dispatch {
+                            service,
+                            guard,
+                            decision,
+                        } => {
+                            let shared = shared.clone();
+                            state.set(State::call((service, guard, decision), r, shared));
+                        }
+                        Placed::Empty => {
+                            bump(&shared.counters.no_backends);
+                            state.set(State::fail(Error::NoBackends));
+                        }
+                        // Still queued, with this task's waker: look at the deadline again.
+                        Placed::Full { .. } => *req = Some(r),
+                    }
                 }
                 StateProj::Done { error } => {
                     let Some(e) = error.take() else {

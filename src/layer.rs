@@ -52,6 +52,7 @@ impl SessionAffinityLayer {
                 sessions: Sessions::new(),
                 decision_headers: false,
                 failure_cooldown: Duration::from_secs(5),
+                node_patience: Duration::ZERO,
             },
         }
     }
@@ -100,6 +101,18 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// next placement skips the backend (see [`RetryOnce`](crate::RetryOnce)).
     pub fn failure_cooldown(mut self, cooldown: Duration) -> Self {
         self.config.failure_cooldown = cooldown;
+        self
+    }
+
+    /// How long a session whose home backend and home node are full waits for a slot on its
+    /// home node before it spills to another node. Default zero: spill at once.
+    ///
+    /// A move between nodes costs the whole prompt again (minutes for a long agent context on a
+    /// modest GPU); a turn on the home node often frees a slot within seconds. Applies only under
+    /// [`Overflow::Wait`], within its `max_wait`; the wait counts as waiting. A home node with
+    /// no healthy backend is not waited for.
+    pub fn node_patience(mut self, patience: Duration) -> Self {
+        self.config.node_patience = patience;
         self
     }
 

@@ -54,6 +54,8 @@ pub(crate) struct Shared<B, P> {
     pub(crate) counters: Counters,
     pub(crate) decision_headers: bool,
     pub(crate) failure_cooldown: Duration,
+    /// How long a session waits for its home node before spilling (under `Overflow::Wait`).
+    pub(crate) node_patience: Duration,
 }
 
 /// The result of one placement attempt.
@@ -77,6 +79,7 @@ pub(crate) struct Config {
     pub(crate) sessions: Sessions,
     pub(crate) decision_headers: bool,
     pub(crate) failure_cooldown: Duration,
+    pub(crate) node_patience: Duration,
 }
 
 impl<D, K, P, S> SessionAffinity<D, K, P>
@@ -94,6 +97,10 @@ where
                 counters: Counters::default(),
                 decision_headers: config.decision_headers,
                 failure_cooldown: config.failure_cooldown,
+                node_patience: match config.overflow {
+                    Overflow::Wait { .. } => config.node_patience,
+                    _ => Duration::ZERO,
+                },
             }),
             discover: Arc::new(Mutex::new(Some(Box::pin(discover)))),
             key,
@@ -218,13 +225,15 @@ impl<S, P> Shared<Backend<S>, P> {
 impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
     /// Places a request: looks up its home, runs the policy, takes a slot, records the
     /// decision. With `overcommit`, a request finding no free slot takes the first candidate
-    /// anyway.
+    /// anyway. With `home_node_only`, a session with a home counts only its home node's
+    /// backends, as long as one of them is healthy: it is waiting for its node.
     pub(crate) fn place(
         &self,
         key: Option<SessionKey>,
         extensions: &http::Extensions,
         overcommit: bool,
         waited: Option<Duration>,
+        home_node_only: bool,
     ) -> Placed<S> {
         let now = Instant::now();
         let known = key.and_then(|k| self.table.get(k, now));
@@ -234,24 +243,35 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             return Placed::Empty;
         }
         let home_backend = known.and_then(|h| t.resolve(h.backend, h.generation));
-        let home = known.map(|h| Home {
+        // A backend can move to another node (discovery updated it): its node now is the home
+        // node. A removed backend leaves the node it had.
+        let home_node = known.map(|h| home_backend.map_or(h.node, |b| t.member(b).node));
+        let home = home_node.map(|node| Home {
             backend: home_backend.map(|i| BackendRef::new(t, i)),
-            node: NodeRef::new(t, h.node),
+            node: NodeRef::new(t, node),
         });
         let view = FleetView {
             topology: t,
             in_flight: self.capacity.in_flight.load(Ordering::Relaxed),
         };
-        let mut candidates = Candidates::acquire(t, self.capacity.now_ms(now));
-        self.placement.place(
-            &view,
-            &PlacementRequest::new(key, home, extensions),
-            &mut candidates,
-        );
+        let request = PlacementRequest::new(key, home, extensions);
+        let now_ms = self.capacity.now_ms(now);
+        let mut only_node = home_node.filter(|_| home_node_only);
+        let candidates = loop {
+            let mut c = Candidates::acquire(t, now_ms).only_node(only_node);
+            self.placement.place(&view, &request, &mut c);
+            // No healthy backend left on the home node: nothing to wait for there.
+            if only_node.is_some() && c.chosen().is_none() && c.first().is_none() {
+                only_node = None;
+                continue;
+            }
+            break c;
+        };
         let full = || Placed::Full {
             home: WaitHome {
                 backend: home_backend,
-                node: known.map(|h| h.node),
+                node: home_node,
+                only_node: only_node.is_some(),
             },
         };
         let (index, overcommitted) = match (candidates.chosen(), candidates.first()) {
@@ -269,13 +289,13 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             // Unreachable while the lock is held: a live member always has its service.
             return full();
         };
-        let outcome = match (key, known) {
+        let outcome = match (key, home_node) {
             (None, _) => Outcome::Keyless,
             (Some(_), None) => Outcome::NewSession,
-            (Some(_), Some(h)) => match home_backend {
+            (Some(_), Some(node)) => match home_backend {
                 None => Outcome::Replaced,
                 Some(b) if b == index => Outcome::HomeHit,
-                Some(_) if m.node == h.node => Outcome::SameNodeSpill,
+                Some(_) if m.node == node => Outcome::SameNodeSpill,
                 Some(_) => Outcome::CrossNodeSpill,
             },
         };

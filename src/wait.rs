@@ -6,6 +6,9 @@
 //! suits best keeps sessions on their own backend or node under overload, where a free-for-all
 //! would hand the slot to whichever waiter happened to run first.
 //!
+//! A waiter held back by node patience waits for its home node only: slots elsewhere do not wake
+//! it until its patience runs out.
+//!
 //! A waiter leaves the queue when it is woken. If it does not use the wake (it was dropped, or
 //! timed out, or found a slot elsewhere), it passes the wake on to the oldest waiter, so a
 //! freed slot is never left with a waiter that could use it asleep.
@@ -22,6 +25,15 @@ use crate::fleet::Capacity;
 pub(crate) struct WaitHome {
     pub(crate) backend: Option<u32>,
     pub(crate) node: Option<u32>,
+    /// Waiting for a slot on its home node only (node patience).
+    pub(crate) only_node: bool,
+}
+
+impl WaitHome {
+    /// Whether a slot freed on `node` can serve this waiter.
+    fn accepts(&self, node: u32) -> bool {
+        !self.only_node || self.node == Some(node)
+    }
 }
 
 #[derive(Debug)]
@@ -62,7 +74,7 @@ impl Capacity {
             .iter()
             .position(|w| w.home.backend == Some(backend))
             .or_else(|| q.iter().position(|w| w.home.node == Some(node)))
-            .or((!q.is_empty()).then_some(0));
+            .or_else(|| q.iter().position(|w| w.home.accepts(node)));
         let waker = list.take(at);
         drop(list);
         if let Some(w) = waker {
@@ -70,9 +82,12 @@ impl Capacity {
         }
     }
 
-    /// Wakes the oldest waiter, to pass on a wake that was not used.
+    /// Wakes the oldest waiter that takes a slot anywhere, to pass on a wake that was not used.
     fn wake_oldest(&self) {
-        let waker = self.waiters.lock().take(Some(0));
+        let mut list = self.waiters.lock();
+        let at = list.queue.iter().position(|w| !w.home.only_node);
+        let waker = list.take(at);
+        drop(list);
         if let Some(w) = waker {
             w.wake();
         }
@@ -141,6 +156,20 @@ impl WaitTicket {
             }
             None => false,
         }
+    }
+
+    /// Stops waiting for the home node only: from now on a slot anywhere will do.
+    pub(crate) fn widen(&mut self) {
+        self.home.only_node = false;
+        let mut list = self.capacity.waiters.lock();
+        if let Some(w) = list.queue.iter_mut().find(|w| w.seq == self.seq) {
+            w.home.only_node = false;
+        }
+    }
+
+    /// Whether the ticket waits for its home node only.
+    pub(crate) fn home_node_only(&self) -> bool {
+        self.home.only_node
     }
 
     /// Queues the ticket again after a wake, keeping its place in arrival order.

@@ -186,6 +186,15 @@ impl BodyKeyLayer {
 
     /// The layer with its defaults: the [default fields](Self::DEFAULT_FIELDS), a 16 MiB limit,
     /// no read timeout.
+    ///
+    /// ```
+    /// use tower_affinity::key::BodyKeyLayer;
+    ///
+    /// assert_eq!(BodyKeyLayer::DEFAULT_LIMIT, 16 * 1024 * 1024);
+    /// assert_eq!(BodyKeyLayer::DEFAULT_FIELDS, ["prompt_cache_key", "user", "metadata.user_id"]);
+    /// let layer = BodyKeyLayer::new();
+    /// # let _ = layer;
+    /// ```
     pub fn new() -> Self {
         BodyKeyLayer {
             config: Arc::new(Config {
@@ -281,7 +290,9 @@ impl<S> Layer<S> for BodyKeyLayer {
 ///     .body(Full::new(Bytes::from_static(br#"{"user":"agent-7","messages":[]}"#)))
 ///     .unwrap();
 /// let res = BodyKey::new(inner).oneshot(req).await.unwrap();
-/// assert_eq!(res.status(), 200);
+/// let expected = format!("{:?}", Some(SessionKey::from_bytes(b"agent-7")));
+/// let body = http_body_util::BodyExt::collect(res.into_body()).await.unwrap().to_bytes();
+/// assert_eq!(body, expected);
 /// # }
 /// ```
 #[derive(Clone, Debug)]
@@ -403,7 +414,22 @@ impl Rejection {
 }
 
 pin_project! {
-    /// The response future of [`BodyKey`].
+    /// The response future of [`BodyKey`]: reads the body, then calls the inner service.
+    ///
+    /// ```
+    /// use bytes::Bytes;
+    /// use http_body_util::Full;
+    /// use tower::Service;
+    /// use tower_affinity::key::{BodyKey, BodyKeyFuture};
+    ///
+    /// fn call<S>(svc: &mut BodyKey<S>, req: http::Request<String>) -> BodyKeyFuture<S, String>
+    /// where
+    ///     S: Service<http::Request<Full<Bytes>>, Response = http::Response<String>> + Clone,
+    /// {
+    ///     svc.call(req)
+    /// }
+    /// # let _ = call::<tower::util::BoxCloneService<http::Request<Full<Bytes>>, http::Response<String>, std::convert::Infallible>>;
+    /// ```
     pub struct BodyKeyFuture<S, B>
     where
         S: Service<http::Request<Full<Bytes>>>,

@@ -79,6 +79,8 @@ impl<P: Placement + ?Sized> Placement for Arc<P> {
 /// The sink a policy offers its candidates to.
 pub struct Candidates<'a> {
     topology: &'a Topology,
+    /// Only backends of this node count (a session waiting for its home node).
+    only_node: Option<u32>,
     now_ms: u64,
     down: bool,
     mode: Mode<'a>,
@@ -100,6 +102,7 @@ impl<'a> Candidates<'a> {
     pub(crate) fn acquire(topology: &'a Topology, now_ms: u64) -> Self {
         Candidates {
             topology,
+            only_node: None,
             now_ms,
             down: false,
             mode: Mode::Acquire,
@@ -112,6 +115,7 @@ impl<'a> Candidates<'a> {
     pub(crate) fn probe(topology: &'a Topology, now_ms: u64) -> Self {
         Candidates {
             topology,
+            only_node: None,
             now_ms,
             down: false,
             mode: Mode::Probe,
@@ -124,6 +128,7 @@ impl<'a> Candidates<'a> {
     pub(crate) fn collect(topology: &'a Topology, now_ms: u64, into: &'a mut Vec<u32>) -> Self {
         Candidates {
             topology,
+            only_node: None,
             now_ms,
             down: false,
             mode: Mode::Collect(into),
@@ -145,6 +150,9 @@ impl<'a> Candidates<'a> {
         }
         let index = backend.index;
         let member = self.topology.member(index);
+        if self.only_node.is_some_and(|n| n != member.node) {
+            return ControlFlow::Continue(());
+        }
         let load = &member.load;
         match load.health(self.now_ms) {
             (true, _) => {
@@ -171,6 +179,12 @@ impl<'a> Candidates<'a> {
         } else {
             ControlFlow::Continue(())
         }
+    }
+
+    /// Counts only the backends of `node`.
+    pub(crate) fn only_node(mut self, node: Option<u32>) -> Self {
+        self.only_node = node;
+        self
     }
 
     /// The backend whose slot was taken, if any.

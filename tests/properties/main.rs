@@ -338,6 +338,7 @@ proptest! {
     #[test]
     fn random_operation_keeps_every_invariant(
         overflow in overflow(),
+        patience in prop_oneof![Just(0u64), Just(5u64)],
         ops in proptest::collection::vec(op(), 1..80),
     ) {
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -350,6 +351,7 @@ proptest! {
             let svc = SessionAffinityLayer::new()
                 .overflow(overflow)
                 .failure_cooldown(COOLDOWN)
+                .node_patience(Duration::from_secs(patience))
                 .layer(stream);
             let mut h = Harness {
                 svc,

@@ -676,3 +676,86 @@ async fn a_wake_that_is_not_used_is_passed_on() {
     assert!(assert_ready!(second.poll()).is_ok());
     assert_eq!(svc.stats().waiting, 0);
 }
+
+fn patient(
+    patience: u64,
+    spec: Spec<'_>,
+    streams: &Streams,
+) -> SessionAffinity<StaticFleet<MockService>, HeaderKey, tower_affinity::placement::NodeThenBackend>
+{
+    SessionAffinityLayer::new()
+        .node_patience(Duration::from_secs(patience))
+        .layer(fleet(spec, streams))
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn node_patience_keeps_a_session_waiting_for_its_node() {
+    let streams = Streams::default();
+    let mut svc = patient(10, &[("a1", "a", 1), ("b1", "b", 1)], &streams);
+    let first = send(&mut svc, Some("x"), Some("stream")).await.unwrap();
+    let home = decision(&first).backend;
+    let (_, tx) = streams.take().unwrap();
+    svc.ready().await.unwrap();
+    let mut next = tokio_test::task::spawn(svc.call(request(Some("x"), None)));
+    assert_pending!(
+        next.poll(),
+        "another node has room, but the home node may free soon"
+    );
+    tokio::time::advance(Duration::from_secs(4)).await;
+    assert_pending!(next.poll());
+    drop(tx);
+    first.into_body().collect().await.unwrap();
+    let res = assert_ready!(next.poll()).unwrap();
+    let d = decision(&res);
+    assert_eq!((d.backend, d.outcome), (home, Outcome::HomeHit));
+    assert_eq!(d.waited, Some(Duration::from_secs(4)));
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn node_patience_spills_when_it_runs_out() {
+    let streams = Streams::default();
+    let mut svc = patient(10, &[("a1", "a", 1), ("b1", "b", 1)], &streams);
+    let first = send(&mut svc, Some("x"), Some("stream")).await.unwrap();
+    let started = tokio::time::Instant::now();
+    let res = send(&mut svc, Some("x"), None).await.unwrap();
+    let d = decision(&res);
+    assert_eq!(started.elapsed(), Duration::from_secs(10));
+    assert_eq!(d.outcome, Outcome::CrossNodeSpill);
+    assert_ne!(d.backend, decision(&first).backend);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn node_patience_is_not_spent_on_a_node_without_a_healthy_backend() {
+    let streams = Streams::default();
+    let mut svc = patient(10, &[("a1", "a", 1), ("b1", "b", 1)], &streams);
+    let home = turn(&mut svc, "x").await;
+    svc.mark_down(home.backend.as_str(), None);
+    let started = tokio::time::Instant::now();
+    let d = turn(&mut svc, "x").await;
+    assert_eq!(started.elapsed(), Duration::ZERO);
+    assert_eq!(d.outcome, Outcome::CrossNodeSpill);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn node_patience_still_takes_a_free_slot_on_the_home_node() {
+    let streams = Streams::default();
+    let mut svc = patient(10, TWO_BY_TWO, &streams);
+    let home = turn(&mut svc, "x").await;
+    let _held = send(&mut svc, Some("x"), Some("stream")).await.unwrap();
+    let started = tokio::time::Instant::now();
+    let d = turn(&mut svc, "x").await;
+    assert_eq!(started.elapsed(), Duration::ZERO);
+    assert_eq!((d.outcome, d.node), (Outcome::SameNodeSpill, home.node));
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn node_patience_applies_only_when_requests_may_wait() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::Reject)
+        .node_patience(Duration::from_secs(10))
+        .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
+    let _held = send(&mut svc, Some("x"), Some("stream")).await.unwrap();
+    let d = turn(&mut svc, "x").await;
+    assert_eq!(d.outcome, Outcome::CrossNodeSpill);
+}
