@@ -440,6 +440,23 @@ mod tests {
     }
 
     #[test]
+    fn under_overload_node_patience_spills_within_the_node_first() {
+        let mut o = options(Scenario::Overload, 20);
+        o.sessions = Some(36);
+        let t = &overload(&o)[0];
+        let patient = t.row("NTB+patience").unwrap();
+        assert!(patient.node_moves < patient.backend_moves, "{t}");
+        let ntb = t.row("NodeThenBackend").unwrap();
+        assert!(patient.node_moves < ntb.node_moves, "{t}");
+        for free in ["RoundRobin", "LeastLoaded"] {
+            let r = t.row(free).unwrap();
+            assert!(ntb.p50 < r.p50, "{t}");
+            assert!(patient.p50 < r.p50, "{t}");
+            assert!(patient.hit_rate() > r.hit_rate() + 0.2, "{t}");
+        }
+    }
+
+    #[test]
     fn sticky_placement_beats_free_routing_and_two_on_two_always_hits() {
         let t = study(&options(Scenario::Study, 24));
         let ntb = t.row("NodeThenBackend").unwrap();

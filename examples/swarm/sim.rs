@@ -27,14 +27,22 @@ pub(crate) enum Policy {
     LeastLoaded,
     Rendezvous,
     NodeThenBackend,
+    /// `NodeThenBackend` with node patience: a session whose node is full waits up to
+    /// [`PATIENCE`] for it before spilling to another node.
+    Patient,
 }
 
+/// The node patience of [`Policy::Patient`]: about one answer's decode time, far less than a
+/// cross-node move costs.
+pub(crate) const PATIENCE: Duration = Duration::from_secs(30);
+
 impl Policy {
-    pub(crate) const ALL: [Policy; 4] = [
+    pub(crate) const ALL: [Policy; 5] = [
         Policy::RoundRobin,
         Policy::LeastLoaded,
         Policy::Rendezvous,
         Policy::NodeThenBackend,
+        Policy::Patient,
     ];
 
     pub(crate) fn name(self) -> &'static str {
@@ -43,6 +51,7 @@ impl Policy {
             Policy::LeastLoaded => "LeastLoaded",
             Policy::Rendezvous => "Rendezvous",
             Policy::NodeThenBackend => "NodeThenBackend",
+            Policy::Patient => "NTB+patience",
         }
     }
 
@@ -51,7 +60,7 @@ impl Policy {
             Policy::RoundRobin => Arc::new(RoundRobin::new()),
             Policy::LeastLoaded => Arc::new(LeastLoaded::new()),
             Policy::Rendezvous => Arc::new(Rendezvous),
-            Policy::NodeThenBackend => Arc::new(NodeThenBackend::new()),
+            Policy::NodeThenBackend | Policy::Patient => Arc::new(NodeThenBackend::new()),
         }
     }
 }
@@ -75,6 +84,11 @@ pub(crate) fn build(policy: Policy, fleet: &[BackendSpec]) -> (Svc, Vec<SimBacke
         .overflow(Overflow::Wait {
             max_wait: Duration::from_secs(24 * 3600),
             max_queued: 1 << 20,
+        })
+        .node_patience(if policy == Policy::Patient {
+            PATIENCE
+        } else {
+            Duration::ZERO
         })
         .sessions(
             Sessions::new()
