@@ -8,11 +8,12 @@ use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use crate::report::Table;
 
-const COLORS: [RGBColor; 4] = [
+const COLORS: [RGBColor; 5] = [
     RGBColor(0xd6, 0x4f, 0x3e),
     RGBColor(0xe8, 0x9f, 0x2b),
     RGBColor(0x4a, 0x7f, 0xc1),
     RGBColor(0x3a, 0x9a, 0x5b),
+    RGBColor(0x1f, 0x5f, 0x3a),
 ];
 
 pub(crate) fn draw(path: &Path, title: &str, tables: &[Table]) -> Result<(), Box<dyn Error>> {
