@@ -278,7 +278,9 @@ impl SlotGuard {
 
     /// Marks the backend this slot belongs to down for `cooldown`, then releases the slot.
     pub(crate) fn fail(self, cooldown: std::time::Duration) {
-        let until = self.capacity.now_ms(Instant::now() + cooldown);
+        let until = Instant::now()
+            .checked_add(cooldown)
+            .map_or(u64::MAX, |t| self.capacity.now_ms(t));
         self.load.mark_down(until);
     }
 }

@@ -136,10 +136,9 @@ where
         let Some(i) = fleet.topology.index_of(id) else {
             return false;
         };
-        let until = match cooldown {
-            Some(c) => self.shared.capacity.now_ms(Instant::now() + c),
-            None => u64::MAX,
-        };
+        let until = cooldown
+            .and_then(|c| Instant::now().checked_add(c))
+            .map_or(u64::MAX, |t| self.shared.capacity.now_ms(t));
         fleet.topology.member(i).load.mark_down(until);
         tracing::warn!(backend = id, ?cooldown, "backend marked down");
         true
