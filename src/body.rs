@@ -9,6 +9,7 @@ use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
 use crate::fleet::SlotGuard;
+use crate::Decision;
 
 pin_project! {
     /// A backend's response body, holding its backend slot until the last frame has been read,
@@ -20,6 +21,7 @@ pin_project! {
         #[pin]
         kind: Kind<B>,
         guard: Option<SlotGuard>,
+        decision: Option<Decision>,
     }
 }
 
@@ -32,11 +34,18 @@ pin_project! {
 }
 
 impl<B> ResponseBody<B> {
-    pub(crate) fn new(inner: B, guard: SlotGuard) -> Self {
+    pub(crate) fn new(inner: B, guard: SlotGuard, decision: Decision) -> Self {
         ResponseBody {
             kind: Kind::Backend { inner },
             guard: Some(guard),
+            decision: Some(decision),
         }
+    }
+
+    /// Where the request went and why; `None` for an error response made by
+    /// [`Error::into_response`](crate::Error::into_response).
+    pub fn decision(&self) -> Option<&Decision> {
+        self.decision.as_ref()
     }
 
     /// A body of fixed bytes that holds no slot: used for error responses.
@@ -46,6 +55,7 @@ impl<B> ResponseBody<B> {
                 data: (!data.is_empty()).then_some(data),
             },
             guard: None,
+            decision: None,
         }
     }
 }

@@ -322,6 +322,8 @@ pub(crate) struct NodeEntry {
     pub(crate) backends: Vec<u32>,
     /// Sum of the live backends' slots.
     pub(crate) slots: u32,
+    /// Whether its live backends all have the same slots (rendezvous can skip the weights).
+    pub(crate) uniform: bool,
 }
 
 /// The fleet's shape: nodes, backends and slot counters, without the services.
@@ -335,6 +337,10 @@ pub(crate) struct Topology {
     pub(crate) live_nodes: Vec<u32>,
     /// Sum of the live backends' slots.
     pub(crate) total_slots: u32,
+    /// Whether the live nodes all have the same slots.
+    pub(crate) nodes_uniform: bool,
+    /// Whether the live backends all have the same slots.
+    pub(crate) backends_uniform: bool,
     by_id: HashMap<BackendId, u32>,
     node_by_id: HashMap<NodeId, u32>,
     free: Vec<u32>,
@@ -385,6 +391,7 @@ impl Topology {
             digest: name_digest(id.as_str()),
             backends: Vec::new(),
             slots: 0,
+            uniform: true,
         });
         self.node_by_id.insert(id.clone(), i);
         i
@@ -401,6 +408,7 @@ impl Topology {
         n.slots += slots;
         self.total_slots += slots;
         self.live.push(index);
+        self.refresh_weights(node);
     }
 
     fn detach(&mut self, index: u32) {
@@ -414,6 +422,24 @@ impl Topology {
             self.live_nodes.retain(|&x| x != node);
         }
         self.live.retain(|&b| b != index);
+        self.refresh_weights(node);
+    }
+
+    /// Whether weights differ: with equal weights, rendezvous ranks by the hash alone, which
+    /// gives the same order without a logarithm per candidate. Runs on discovery changes only.
+    fn refresh_weights(&mut self, node: u32) {
+        let slots = |i: &u32| self.members[*i as usize].load.slots.load(Ordering::Relaxed);
+        let n = &self.nodes[node as usize];
+        let uniform = n.backends.windows(2).all(|w| slots(&w[0]) == slots(&w[1]));
+        let backends_uniform = self.live.windows(2).all(|w| slots(&w[0]) == slots(&w[1]));
+        let node_slots = |i: &u32| self.nodes[*i as usize].slots;
+        let nodes_uniform = self
+            .live_nodes
+            .windows(2)
+            .all(|w| node_slots(&w[0]) == node_slots(&w[1]));
+        self.nodes[node as usize].uniform = uniform;
+        self.backends_uniform = backends_uniform;
+        self.nodes_uniform = nodes_uniform;
     }
 
     /// Inserts or updates a backend; returns its index.

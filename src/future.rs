@@ -199,7 +199,7 @@ where
                         panic!("ResponseFuture polled after completion");
                     };
                     return Poll::Ready(match result {
-                        Ok(res) => Ok(respond(res, guard, decision, shared.decision_headers)),
+                        Ok(res) => Ok(respond(res, guard, decision, shared)),
                         Err(e) => {
                             let e: BoxError = e.into();
                             let cooldown = shared.failure_cooldown;
@@ -280,14 +280,14 @@ where
     }
 }
 
-fn respond<B>(
+fn respond<B, S, P>(
     res: http::Response<B>,
     guard: SlotGuard,
     decision: Decision,
-    headers: bool,
+    shared: &Shared<Backend<S>, P>,
 ) -> http::Response<ResponseBody<B>> {
     let (mut parts, body) = res.into_parts();
-    if headers {
+    if shared.decision_headers {
         let h = &mut parts.headers;
         if let Ok(v) = HeaderValue::from_str(decision.backend.as_str()) {
             h.insert("x-affinity-backend", v);
@@ -300,8 +300,10 @@ fn respond<B>(
             HeaderValue::from_static(decision.outcome.as_str()),
         );
     }
-    parts.extensions.insert(decision);
-    http::Response::from_parts(parts, ResponseBody::new(body, guard))
+    if shared.decision_extension {
+        parts.extensions.insert(decision.clone());
+    }
+    http::Response::from_parts(parts, ResponseBody::new(body, guard, decision))
 }
 
 impl<S, P, ReqB> fmt::Debug for ResponseFuture<S, P, ReqB>

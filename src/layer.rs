@@ -51,6 +51,7 @@ impl SessionAffinityLayer {
                 overflow: Overflow::default(),
                 sessions: Sessions::new(),
                 decision_headers: false,
+                decision_extension: true,
                 failure_cooldown: Duration::from_secs(5),
                 node_patience: Duration::ZERO,
             },
@@ -113,6 +114,15 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// no healthy backend is not waited for.
     pub fn node_patience(mut self, patience: Duration) -> Self {
         self.config.node_patience = patience;
+        self
+    }
+
+    /// Whether every response carries its [`Decision`](crate::Decision) as an extension
+    /// (default: yes). [`ResponseBody::decision`](crate::ResponseBody::decision) has it
+    /// either way; turning the extension off saves the three small allocations that
+    /// `http::Extensions` makes for it on every response.
+    pub fn decision_extension(mut self, enabled: bool) -> Self {
+        self.config.decision_extension = enabled;
         self
     }
 

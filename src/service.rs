@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::pin::Pin;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -40,8 +40,16 @@ const DRAIN_LIMIT: usize = 256;
 /// future, where it also waits for a slot if the [`Overflow`] policy says so.
 pub struct SessionAffinity<D: Discover, K, P> {
     shared: Arc<Shared<D::Service, P>>,
-    discover: Arc<Mutex<Option<Pin<Box<D>>>>>,
+    discover: Arc<Discovery<D>>,
     key: K,
+}
+
+/// The discovery stream, shared by every clone of the service.
+struct Discovery<D> {
+    /// `None` once the stream has ended.
+    stream: Mutex<Option<Pin<Box<D>>>>,
+    /// Set when the stream has ended, so readiness stops taking the lock.
+    ended: AtomicBool,
 }
 
 /// State shared by every clone of the service and by its response futures.
@@ -53,6 +61,7 @@ pub(crate) struct Shared<B, P> {
     pub(crate) capacity: Arc<Capacity>,
     pub(crate) counters: Counters,
     pub(crate) decision_headers: bool,
+    pub(crate) decision_extension: bool,
     pub(crate) failure_cooldown: Duration,
     /// How long a session waits for its home node before spilling (under `Overflow::Wait`).
     pub(crate) node_patience: Duration,
@@ -78,6 +87,7 @@ pub(crate) struct Config {
     pub(crate) overflow: Overflow,
     pub(crate) sessions: Sessions,
     pub(crate) decision_headers: bool,
+    pub(crate) decision_extension: bool,
     pub(crate) failure_cooldown: Duration,
     pub(crate) node_patience: Duration,
 }
@@ -96,13 +106,17 @@ where
                 capacity: Arc::new(Capacity::new()),
                 counters: Counters::default(),
                 decision_headers: config.decision_headers,
+                decision_extension: config.decision_extension,
                 failure_cooldown: config.failure_cooldown,
                 node_patience: match config.overflow {
                     Overflow::Wait { .. } => config.node_patience,
                     _ => Duration::ZERO,
                 },
             }),
-            discover: Arc::new(Mutex::new(Some(Box::pin(discover)))),
+            discover: Arc::new(Discovery {
+                stream: Mutex::new(Some(Box::pin(discover))),
+                ended: AtomicBool::new(false),
+            }),
             key,
         }
     }
@@ -170,8 +184,11 @@ where
     /// A discovery error is logged and counted, and the fleet stays as it was; a stream that
     /// ends leaves the last fleet in place.
     fn drain_discovery(&self, cx: &mut Context<'_>) {
+        if self.discover.ended.load(Ordering::Relaxed) {
+            return;
+        }
         // Another clone is draining right now: its changes are as good as ours.
-        let Some(mut slot) = self.discover.try_lock() else {
+        let Some(mut slot) = self.discover.stream.try_lock() else {
             return;
         };
         for _ in 0..DRAIN_LIMIT {
@@ -186,6 +203,7 @@ where
                 Poll::Ready(None) => {
                     tracing::debug!("discovery stream ended; keeping the current fleet");
                     *slot = None;
+                    self.discover.ended.store(true, Ordering::Relaxed);
                 }
                 Poll::Pending => return,
             }

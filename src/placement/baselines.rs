@@ -119,7 +119,7 @@ impl Placement for Rendezvous {
             let _ = most_free_slots(fleet, 0, c);
             return;
         };
-        let items = fleet.backends().map(|b| (b.rendezvous_score(key), b.index));
+        let items = fleet.backends().map(|b| (b.rank_in_fleet(key), b.index));
         let t = fleet.topology;
         let _ = visit_ranked(items, |i| c.offer(super::BackendRef::new(t, i)));
     }

@@ -2,7 +2,7 @@ use std::ops::ControlFlow;
 
 use crate::key::SessionKey;
 
-use super::rendezvous::{score, visit_ranked};
+use super::rendezvous::visit_ranked;
 use super::{
     most_free_slots, BackendRef, Candidates, FleetView, NodeRef, Placement, PlacementRequest,
 };
@@ -132,7 +132,7 @@ fn offer_node(
         .backends()
         .filter(|b| Some(b.index) != skip)
         .filter(|b| bound.is_none_or(|l| l.admits(b)))
-        .map(|b| (b.rendezvous_score(key), b.index));
+        .map(|b| (b.rank_in_node(key), b.index));
     visit_ranked(items, |i| c.offer(node.backend(i)))
 }
 
@@ -145,10 +145,11 @@ fn offer_nodes(
     c: &mut Candidates<'_>,
 ) -> ControlFlow<()> {
     let t = fleet.topology;
-    let items = t.live_nodes.iter().filter(|&&n| Some(n) != skip).map(|&n| {
-        let e = t.node(n);
-        (score(key, e.digest, e.slots), n)
-    });
+    let items = t
+        .live_nodes
+        .iter()
+        .filter(|&&n| Some(n) != skip)
+        .map(|&n| (NodeRef::new(t, n).rank(key), n));
     visit_ranked(items, |n| {
         offer_node(NodeRef::new(t, n), key, None, bound, c)
     })

@@ -21,15 +21,29 @@ const fn mix(mut x: u64) -> u64 {
     x
 }
 
+/// 53 pseudo-random bits for the pair (key, name).
+fn bits(key: SessionKey, digest: u64) -> u64 {
+    mix(key.lo64() ^ mix(digest ^ key.hi64())) >> 11
+}
+
 /// The weighted rendezvous score of `key` for a name with digest `digest` and weight `weight`.
 pub(crate) fn score(key: SessionKey, digest: u64, weight: u32) -> f64 {
     if weight == 0 {
         return 0.0;
     }
-    let h = mix(key.lo64() ^ mix(digest ^ key.hi64()));
-    // A uniform number in (0, 1): 53 random bits, never 0 or 1.
-    let u = ((h >> 11) as f64 + 0.5) * (1.0 / (1u64 << 53) as f64);
+    // A uniform number in (0, 1), never 0 or 1.
+    let u = (bits(key, digest) as f64 + 0.5) * (1.0 / (1u64 << 53) as f64);
     -f64::from(weight) / u.ln()
+}
+
+/// A number that ranks like [`score`] among names of one weight: `-w / ln(u)` increases with
+/// `u`, so when every weight is equal the bits alone give the same order.
+pub(crate) fn rank(key: SessionKey, digest: u64, weight: u32, uniform: bool) -> f64 {
+    if uniform {
+        bits(key, digest) as f64
+    } else {
+        score(key, digest, weight)
+    }
 }
 
 /// Orders two (score, index) pairs, best first; the index breaks ties so the order is total.
@@ -75,6 +89,18 @@ mod tests {
         }
         let share = f64::from(heavy_wins) / n as f64;
         assert!((share - 0.75).abs() < 0.02, "share {share}");
+    }
+
+    #[test]
+    fn rank_orders_like_score_when_weights_are_equal() {
+        for k in 0..2_000u64 {
+            let key = SessionKey::from_u128(u128::from(mix(k)) << 64 | u128::from(mix(!k)));
+            let (a, b) = (mix(k + 1), mix(k + 2));
+            assert_eq!(
+                score(key, a, 3) > score(key, b, 3),
+                rank(key, a, 3, true) > rank(key, b, 3, true)
+            );
+        }
     }
 
     #[test]

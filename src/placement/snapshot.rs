@@ -68,21 +68,9 @@ impl Snapshot {
 
     /// The view a policy would get.
     pub fn view(&self) -> FleetView<'_> {
-        let in_flight = self
-            .topology
-            .live
-            .iter()
-            .map(|&i| {
-                self.topology
-                    .member(i)
-                    .load
-                    .in_flight
-                    .load(Ordering::Relaxed) as usize
-            })
-            .sum();
         FleetView {
             topology: &self.topology,
-            in_flight,
+            in_flight: self.in_flight,
         }
     }
 

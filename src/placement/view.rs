@@ -118,6 +118,20 @@ impl<'a> BackendRef<'a> {
         rendezvous::score(key, m.digest, m.load.slots.load(Ordering::Relaxed))
     }
 
+    /// Ranks like [`BackendRef::rendezvous_score`] among the backends of its node.
+    pub(crate) fn rank_in_node(&self, key: SessionKey) -> f64 {
+        let m = self.member();
+        let uniform = self.topology.node(m.node).uniform;
+        rendezvous::rank(key, m.digest, m.load.slots.load(Ordering::Relaxed), uniform)
+    }
+
+    /// Ranks like [`BackendRef::rendezvous_score`] among all backends.
+    pub(crate) fn rank_in_fleet(&self, key: SessionKey) -> f64 {
+        let m = self.member();
+        let uniform = self.topology.backends_uniform;
+        rendezvous::rank(key, m.digest, m.load.slots.load(Ordering::Relaxed), uniform)
+    }
+
     pub(crate) fn belongs_to(&self, topology: &Topology) -> bool {
         std::ptr::eq(self.topology, topology)
     }
@@ -178,6 +192,12 @@ impl<'a> NodeRef<'a> {
     pub fn rendezvous_score(&self, key: SessionKey) -> f64 {
         let e = self.entry();
         rendezvous::score(key, e.digest, e.slots)
+    }
+
+    /// Ranks like [`NodeRef::rendezvous_score`] among all nodes.
+    pub(crate) fn rank(&self, key: SessionKey) -> f64 {
+        let e = self.entry();
+        rendezvous::rank(key, e.digest, e.slots, self.topology.nodes_uniform)
     }
 }
 

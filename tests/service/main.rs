@@ -759,3 +759,14 @@ async fn node_patience_applies_only_when_requests_may_wait() {
     let d = turn(&mut svc, "x").await;
     assert_eq!(d.outcome, Outcome::CrossNodeSpill);
 }
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn the_decision_rides_on_the_body_even_without_the_extension() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .decision_extension(false)
+        .layer(fleet(TWO_BY_TWO, &streams));
+    let res = send(&mut svc, Some("s"), None).await.unwrap();
+    assert!(res.extensions().get::<Decision>().is_none());
+    assert_eq!(res.body().decision().unwrap().outcome, Outcome::NewSession);
+}

@@ -1,0 +1,113 @@
+//! Fixed-count scenarios for `valgrind --tool=callgrind`, which counts instructions exactly
+//! where timings on a shared machine are noisy (issue 6: profiling a missed target).
+//!
+//! Each scenario sets up a fleet and runs `N` calls inside `measure*` functions, so that
+//! `--toggle-collect='*measure*'` counts only the measured calls; divide by `N`:
+//!
+//! ```text
+//! cargo bench --bench callgrind --no-run
+//! valgrind --tool=callgrind --toggle-collect='*measure*' \
+//!     target/release/deps/callgrind-<hash> home_hit 10000 16x8
+//! callgrind_annotate --inclusive=yes callgrind.out.<pid>
+//! ```
+//!
+//! Scenarios (whole call path unless `policy_`): `direct`, `home_hit`, `new_session`,
+//! `keyless`, `header_home_hit`, `policy_home_hit`, `policy_new_session`, `policy_keyless`,
+//! `policy_view`. Optional arguments: the fleet (`2x2`, `16x8`, `64x8`, `256x8`; default 16x8)
+//! and the number of sessions placed first (default 1024; home hits cycle over them).
+//!
+//! Run by `cargo bench` without a scenario, it prints this usage and exits.
+
+use std::hint::black_box;
+
+use tower::Layer;
+use tower_affinity::key::ExtensionKey;
+use tower_affinity::placement::NodeThenBackend;
+use tower_affinity::{SessionAffinityLayer, Sessions};
+
+#[path = "common/mod.rs"]
+mod common;
+
+use common::{call_now, header_request, key, mock, request, Req, Shape};
+
+/// Runs `f` on every request; the only code callgrind counts for call-path scenarios.
+#[inline(never)]
+fn measure_calls(reqs: Vec<Req>, f: &mut dyn FnMut(Req)) {
+    for r in reqs {
+        f(r);
+    }
+}
+
+/// Runs `f(i)` for `i` in `0..n`; the only code callgrind counts for policy scenarios.
+#[inline(never)]
+fn measure_policy(n: u64, f: &mut dyn FnMut(u64)) {
+    for i in 0..n {
+        f(i);
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let Some(what) = args.first().filter(|a| !a.starts_with('-')) else {
+        println!("usage: callgrind SCENARIO N [FLEET] [SESSIONS] (see the source's doc comment)");
+        return;
+    };
+    let n: u64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(10_000);
+    let shape = match args.get(2).map(String::as_str).unwrap_or("16x8") {
+        "2x2" => Shape::new(2, 2),
+        "64x8" => Shape::new(64, 8),
+        "256x8" => Shape::new(256, 8),
+        _ => Shape::new(16, 8),
+    };
+    let sessions: u64 = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(1024);
+    match what.as_str() {
+        "direct" => {
+            let mut b = mock();
+            let reqs = (0..n).map(|i| request(Some(key(i % sessions)))).collect();
+            measure_calls(reqs, &mut |r| drop(black_box(call_now(&mut b, r))));
+        }
+        "home_hit" | "new_session" | "keyless" => {
+            let bound = usize::try_from(sessions + sessions / 10).expect("fits");
+            let mut svc = SessionAffinityLayer::new()
+                .key(ExtensionKey)
+                .sessions(Sessions::new().max_entries(bound.max(100_000)))
+                .layer(shape.fleet(1));
+            for i in 0..sessions {
+                drop(call_now(&mut svc, request(Some(key(i)))));
+            }
+            let reqs = (0..n)
+                .map(|i| match what.as_str() {
+                    "home_hit" => request(Some(key(i * 999_983 % sessions))),
+                    "new_session" => request(Some(key((1 << 40) + i))),
+                    _ => request(None),
+                })
+                .collect();
+            measure_calls(reqs, &mut |r| drop(black_box(call_now(&mut svc, r))));
+            eprintln!("{:?}", svc.stats());
+        }
+        "header_home_hit" => {
+            let mut svc = SessionAffinityLayer::new().layer(shape.fleet(1));
+            for i in 0..sessions {
+                drop(call_now(&mut svc, header_request(i)));
+            }
+            let reqs = (0..n).map(|i| header_request(i % sessions)).collect();
+            measure_calls(reqs, &mut |r| drop(black_box(call_now(&mut svc, r))));
+        }
+        "policy_home_hit" | "policy_new_session" | "policy_keyless" | "policy_view" => {
+            let p = NodeThenBackend::new();
+            let snap = shape.snapshot(1);
+            let k = key(0);
+            let home = snap.choose(&p, Some(k), None).expect("room");
+            let home = home.as_str().to_owned();
+            measure_policy(n, &mut |i| match what.as_str() {
+                "policy_home_hit" => drop(black_box(snap.choose(&p, Some(k), Some(&home)))),
+                "policy_new_session" => {
+                    drop(black_box(snap.choose(&p, Some(key(i % sessions)), None)))
+                }
+                "policy_view" => drop(black_box(snap.view().in_flight())),
+                _ => drop(black_box(snap.choose(&p, None, None))),
+            });
+        }
+        other => eprintln!("unknown scenario {other}"),
+    }
+}

@@ -1,0 +1,145 @@
+//! Helpers shared by the bench binaries: fleets of mock backends that answer at once, session
+//! keys, and a driver that runs a service call to completion without a runtime.
+//!
+//! Each bench binary uses only some of these helpers.
+#![allow(dead_code)]
+
+use std::convert::Infallible;
+use std::fmt::Debug;
+use std::future::{ready, Future, Ready};
+use std::num::NonZeroU32;
+use std::pin::pin;
+use std::task::{Context, Poll, Waker};
+
+use bytes::Bytes;
+use http_body_util::Empty;
+use tower::{service_fn, Service};
+use tower_affinity::discover::StaticFleet;
+use tower_affinity::key::SessionKey;
+use tower_affinity::placement::Snapshot;
+use tower_affinity::Backend;
+
+/// The request every bench sends.
+pub(crate) type Req = http::Request<()>;
+/// The response every mock backend gives.
+pub(crate) type Res = http::Response<Empty<Bytes>>;
+
+/// A mock model server that answers at once with an empty body.
+pub(crate) type Mock = tower::util::ServiceFn<fn(Req) -> Ready<Result<Res, Infallible>>>;
+
+fn answer(_req: Req) -> Ready<Result<Res, Infallible>> {
+    ready(Ok(http::Response::new(Empty::new())))
+}
+
+/// One mock backend.
+pub(crate) fn mock() -> Mock {
+    service_fn(answer as fn(Req) -> Ready<Result<Res, Infallible>>)
+}
+
+/// A fleet shape: nodes x backends per node.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Shape {
+    pub(crate) nodes: usize,
+    pub(crate) per_node: usize,
+}
+
+impl Shape {
+    pub(crate) const fn new(nodes: usize, per_node: usize) -> Self {
+        Shape { nodes, per_node }
+    }
+
+    pub(crate) fn label(&self) -> String {
+        format!("{}x{}", self.nodes, self.per_node)
+    }
+
+    /// Every (backend id, node id) pair, node by node.
+    pub(crate) fn names(&self) -> Vec<(String, String)> {
+        let mut v = Vec::with_capacity(self.nodes * self.per_node);
+        for n in 0..self.nodes {
+            for b in 0..self.per_node {
+                v.push((format!("n{n}-b{b}"), format!("n{n}")));
+            }
+        }
+        v
+    }
+
+    /// The fleet as a static discovery stream of mock backends with `slots` slots each.
+    pub(crate) fn fleet(&self, slots: u32) -> StaticFleet<Mock> {
+        let slots = NonZeroU32::new(slots).unwrap_or(NonZeroU32::MIN);
+        StaticFleet::new(
+            self.names()
+                .into_iter()
+                .map(|(id, node)| (id, Backend::new(node, mock()).slots(slots))),
+        )
+    }
+
+    /// The fleet as a hand-built snapshot with `slots` slots each, all idle.
+    pub(crate) fn snapshot(&self, slots: u32) -> Snapshot {
+        self.names()
+            .iter()
+            .fold(Snapshot::new(), |s, (id, node)| s.backend(id, node, slots))
+    }
+}
+
+/// The fleets of the issue: 2x2, 16x8, 64x8, 256x8.
+pub(crate) const SHAPES: [Shape; 4] = [
+    Shape::new(2, 2),
+    Shape::new(16, 8),
+    Shape::new(64, 8),
+    Shape::new(256, 8),
+];
+
+/// A finaliser that spreads every input bit over the output (SplitMix64).
+pub(crate) const fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// The `n`-th distinct session key of a bench: a well-spread 128-bit digest, as SHA-256 would
+/// give, without paying for SHA-256.
+pub(crate) fn key(n: u64) -> SessionKey {
+    SessionKey::from_u128(u128::from(mix(n)) << 64 | u128::from(mix(!n)))
+}
+
+/// A request carrying `key` in its extensions (for [`ExtensionKey`]), or none.
+///
+/// [`ExtensionKey`]: tower_affinity::key::ExtensionKey
+pub(crate) fn request(key: Option<SessionKey>) -> Req {
+    let mut req = http::Request::new(());
+    if let Some(k) = key {
+        req.extensions_mut().insert(k);
+    }
+    req
+}
+
+/// A request carrying session `n` in the `x-session-id` header (for the default `HeaderKey`).
+pub(crate) fn header_request(n: u64) -> Req {
+    let mut req = http::Request::new(());
+    let value = http::HeaderValue::from_str(&format!("agent-{n:08}"))
+        .expect("ascii digits are a valid header value");
+    req.headers_mut().insert("x-session-id", value);
+    req
+}
+
+/// Runs one call to completion: readiness, `call`, and a single poll of the response future,
+/// which must be ready at once (the backends answer at once and never wait for a slot).
+pub(crate) fn call_now<S, R>(svc: &mut S, req: R) -> S::Response
+where
+    S: Service<R>,
+    S::Error: Debug,
+{
+    let mut cx = Context::from_waker(Waker::noop());
+    match svc.poll_ready(&mut cx) {
+        Poll::Ready(Ok(())) => {}
+        Poll::Ready(Err(e)) => panic!("service failed: {e:?}"),
+        Poll::Pending => panic!("service not ready at once"),
+    }
+    let mut fut = pin!(svc.call(req));
+    match fut.as_mut().poll(&mut cx) {
+        Poll::Ready(Ok(res)) => res,
+        Poll::Ready(Err(e)) => panic!("call failed: {e:?}"),
+        Poll::Pending => panic!("call did not complete at once"),
+    }
+}

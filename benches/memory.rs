@@ -1,0 +1,182 @@
+//! Memory per tracked session, and allocations per request (issue 6, part 3).
+//!
+//! A counting global allocator (`stats_alloc`, a thin wrapper over the system allocator that
+//! counts every allocation, reallocation and free) measures the bytes the service holds after
+//! placing `n` distinct sessions, for `n` of 1 thousand, 100 thousand and 1 million, with a
+//! table bounded at `n` entries. The bytes are checked against the table's own accounting,
+//! `stats().session_table_bytes`. Then `2n` more sessions go through the full table, to show
+//! that eviction keeps the footprint flat.
+//!
+//! Second, the allocations one request makes on the whole call path (requests are built before
+//! the counted region; the mock backend itself allocates nothing).
+//!
+//! Counted bytes are the sizes requested from the allocator; the allocator's own per-block
+//! overhead is not included. Not a criterion bench: it prints two Markdown tables.
+//!
+//! Run with `cargo bench --bench memory`.
+
+use std::alloc::System;
+use std::hint::black_box;
+
+use stats_alloc::{Region, StatsAlloc, INSTRUMENTED_SYSTEM};
+use tower::Layer;
+use tower_affinity::key::ExtensionKey;
+use tower_affinity::{SessionAffinityLayer, Sessions};
+
+#[path = "common/mod.rs"]
+mod common;
+
+use common::{call_now, header_request, key, mock, request, Req, Shape};
+
+#[global_allocator]
+static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
+
+/// Bytes allocated and not freed since the region began.
+fn held(region: &Region<'_, System>) -> i64 {
+    let s = region.change();
+    i64::try_from(s.bytes_allocated).expect("fits")
+        - i64::try_from(s.bytes_deallocated).expect("fits")
+}
+
+fn per_session() {
+    let shape = Shape::new(16, 8);
+    println!("## Memory per tracked session (fleet {})\n", shape.label());
+    println!(
+        "| table bound | sessions placed | sessions held | bytes held (allocator) | bytes/session (allocator) | session_table_bytes | bytes/session (accounting) | accounting / allocator | after 2x more sessions: bytes/session (allocator) |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for n in [1_000u64, 100_000, 1_000_000] {
+        let region = Region::new(GLOBAL);
+        let bound = usize::try_from(n).expect("fits");
+        let mut svc = SessionAffinityLayer::new()
+            .key(ExtensionKey)
+            .sessions(Sessions::new().max_entries(bound))
+            .layer(shape.fleet(1));
+        // The first call applies discovery: the fleet is built before the count starts.
+        drop(call_now(&mut svc, request(None)));
+        let empty = held(&region);
+        let empty_table = svc.stats().session_table_bytes;
+        for i in 0..n {
+            drop(call_now(&mut svc, request(Some(key(i)))));
+        }
+        let full = held(&region);
+        let stats = svc.stats();
+        let bytes = full - empty;
+        let sessions = stats.sessions as f64;
+        let accounting = stats.session_table_bytes;
+        // Churn: twice as many new sessions again, each evicting one.
+        for i in n..3 * n {
+            drop(call_now(&mut svc, request(Some(key(i)))));
+        }
+        let churned = held(&region) - empty;
+        let churned_sessions = svc.stats().sessions as f64;
+        println!(
+            "| {n} | {n} | {} | {bytes} | {:.1} | {accounting} | {:.1} | {:.3} | {:.1} |",
+            stats.sessions,
+            bytes as f64 / sessions,
+            accounting as f64 / sessions,
+            (accounting - empty_table) as f64 / bytes as f64,
+            churned as f64 / churned_sessions,
+        );
+        drop(svc);
+    }
+    println!();
+}
+
+/// Allocations and bytes per request over `n` requests made by `make`, counted around `run`.
+fn count(n: u64, make: impl Fn(u64) -> Req, mut run: impl FnMut(Req)) -> (f64, f64) {
+    let reqs: Vec<Req> = (0..n).map(make).collect();
+    let region = Region::new(GLOBAL);
+    for req in reqs {
+        run(req);
+    }
+    let s = region.change();
+    (
+        s.allocations as f64 / n as f64,
+        s.bytes_allocated as f64 / n as f64,
+    )
+}
+
+fn per_request() {
+    const N: u64 = 100_000;
+    const HOT: u64 = 1024;
+    let shape = Shape::new(16, 8);
+    println!(
+        "## Allocations per request (fleet {}, {N} requests each)\n",
+        shape.label()
+    );
+    println!("| path | allocations/request | bytes allocated/request |");
+    println!("|---|---:|---:|");
+    let row = |name: &str, (allocs, bytes): (f64, f64)| {
+        println!("| {name} | {allocs:.2} | {bytes:.1} |");
+    };
+
+    let mut backend = mock();
+    row(
+        "direct to the mock backend",
+        count(
+            N,
+            |i| request(Some(key(i))),
+            |r| drop(black_box(call_now(&mut backend, r))),
+        ),
+    );
+
+    let mut svc = SessionAffinityLayer::new()
+        .key(ExtensionKey)
+        .layer(shape.fleet(1));
+    for i in 0..HOT {
+        drop(call_now(&mut svc, request(Some(key(i)))));
+    }
+    row(
+        "affinity: home hit",
+        count(
+            N,
+            |i| request(Some(key(i % HOT))),
+            |r| drop(black_box(call_now(&mut svc, r))),
+        ),
+    );
+    row(
+        "affinity: new session (table filling, 100,000 bound)",
+        count(
+            N,
+            |i| request(Some(key(HOT + i))),
+            |r| drop(black_box(call_now(&mut svc, r))),
+        ),
+    );
+    row(
+        "affinity: new session (full table, evicting)",
+        count(
+            N,
+            |i| request(Some(key(HOT + N + i))),
+            |r| drop(black_box(call_now(&mut svc, r))),
+        ),
+    );
+    row(
+        "affinity: keyless",
+        count(
+            N,
+            |_| request(None),
+            |r| drop(black_box(call_now(&mut svc, r))),
+        ),
+    );
+
+    let mut svc = SessionAffinityLayer::new().layer(shape.fleet(1));
+    for i in 0..HOT {
+        drop(call_now(&mut svc, header_request(i)));
+    }
+    row(
+        "affinity: home hit, key from header (SHA-256)",
+        count(
+            N,
+            |i| header_request(i % HOT),
+            |r| drop(black_box(call_now(&mut svc, r))),
+        ),
+    );
+    println!();
+}
+
+fn main() {
+    // `cargo bench` passes `--bench` and any filter; this binary has nothing to filter.
+    per_session();
+    per_request();
+}

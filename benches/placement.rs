@@ -1,0 +1,325 @@
+//! Placement decision cost (issue 6, part 1).
+//!
+//! - `policy/*`: the default policy alone, through [`Snapshot::choose`] (probe mode: no slot is
+//!   taken), for a home hit, a same-node spill, a new session and a keyless request, on fleets of
+//!   2x2, 16x8, 64x8 and 256x8 (nodes x backends per node). `policy/view/*` is the cost of
+//!   building the snapshot's view alone, which `choose` pays on every call (the service does
+//!   not: it keeps the fleet-wide in-flight count up to date).
+//! - `call/*`: the whole `SessionAffinity` call path over mock backends that answer at once:
+//!   readiness, key extraction, session-table lookup, placement, slot, backend call, response
+//!   wrapping and dropping the response (which frees the slot). `call/direct` is the same
+//!   request sent straight to one mock backend; the router's own cost is `call/* - call/direct`.
+//! - `key/*`: the SHA-256 digest of a session id alone, and the default `HeaderKey` extractor.
+//! - `table/*`: home hits through the service with 1 thousand, 100 thousand and 1 million
+//!   sessions in the table, on keys spread over the whole table.
+//!
+//! Requests are built outside the timed region, in chunks of 1024.
+//!
+//! Run with `cargo bench --bench placement`.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use tower::Layer;
+use tower_affinity::key::{ExtensionKey, HeaderKey, KeyExtractor, SessionKey};
+use tower_affinity::placement::NodeThenBackend;
+use tower_affinity::{Decision, Outcome, SessionAffinityLayer, Sessions};
+
+#[path = "common/mod.rs"]
+mod common;
+
+use common::{call_now, header_request, key, mock, request, Req, Shape, SHAPES};
+
+/// Requests are built in chunks of this many, outside the timed region.
+const CHUNK: u64 = 1024;
+
+/// Hot keys cycled through by the home-hit and new-session benches.
+const HOT_KEYS: u64 = 1024;
+
+/// Times `run` over `iters` requests made by `build(i)`, building them outside the timing.
+fn chunked(iters: u64, mut build: impl FnMut(u64) -> Req, mut run: impl FnMut(Req)) -> Duration {
+    let mut total = Duration::ZERO;
+    let mut buf = Vec::with_capacity(CHUNK as usize);
+    let mut done = 0;
+    while done < iters {
+        let n = CHUNK.min(iters - done);
+        buf.extend((done..done + n).map(&mut build));
+        let start = Instant::now();
+        for req in buf.drain(..) {
+            run(req);
+        }
+        total += start.elapsed();
+        done += n;
+    }
+    total
+}
+
+fn outcome_of<B>(res: &http::Response<B>) -> Outcome {
+    res.extensions()
+        .get::<Decision>()
+        .map(|d| d.outcome)
+        .expect("every response carries its decision")
+}
+
+/// Key extraction alone: the SHA-256 digest of a session id, and the default extractor reading
+/// it from a header.
+fn keys(c: &mut Criterion) {
+    let mut g = c.benchmark_group("key");
+    g.bench_function("sha256", |b| {
+        b.iter(|| SessionKey::from_bytes(black_box(b"agent-00000042")))
+    });
+    let extractor = HeaderKey::default();
+    let req = header_request(42);
+    g.bench_function("header", |b| b.iter(|| extractor.extract(black_box(&req))));
+    g.finish();
+}
+
+/// The default policy alone, through `Snapshot::choose`.
+fn policy(c: &mut Criterion) {
+    let policy = NodeThenBackend::new();
+    let keys: Vec<SessionKey> = (0..HOT_KEYS).map(key).collect();
+    let mut g = c.benchmark_group("policy");
+    for shape in SHAPES {
+        let label = shape.label();
+        let fleet = shape.snapshot(1);
+        let k = keys[0];
+        let home = fleet
+            .choose(&policy, Some(k), None)
+            .expect("an idle fleet has room");
+        let home = home.as_str().to_owned();
+
+        g.bench_function(BenchmarkId::new("view", &label), |b| {
+            b.iter(|| black_box(fleet.view()).in_flight())
+        });
+
+        g.bench_function(BenchmarkId::new("home_hit", &label), |b| {
+            b.iter(|| fleet.choose(&policy, black_box(Some(k)), Some(&home)))
+        });
+
+        // The home is full: the session spills to another backend on the home's node.
+        let full = shape.snapshot(1).in_flight(&home, 1);
+        let spilled = full
+            .choose(&policy, Some(k), Some(&home))
+            .expect("the home's node has room");
+        assert_eq!(
+            spilled.as_str().split('-').next(),
+            home.split('-').next(),
+            "a same-node spill"
+        );
+        g.bench_function(BenchmarkId::new("same_node_spill", &label), |b| {
+            b.iter(|| full.choose(&policy, black_box(Some(k)), Some(&home)))
+        });
+
+        g.bench_function(BenchmarkId::new("new_session", &label), |b| {
+            let mut i = 0;
+            b.iter(|| {
+                i = (i + 1) % keys.len();
+                fleet.choose(&policy, black_box(Some(keys[i])), None)
+            })
+        });
+
+        g.bench_function(BenchmarkId::new("keyless", &label), |b| {
+            b.iter(|| fleet.choose(&policy, black_box(None), None))
+        });
+    }
+    g.finish();
+}
+
+/// The whole call path, per fleet and outcome.
+fn call(c: &mut Criterion) {
+    let mut g = c.benchmark_group("call");
+
+    // Baselines: the same requests sent straight to one mock backend.
+    g.bench_function("direct", |b| {
+        let mut backend = mock();
+        b.iter_custom(|iters| {
+            chunked(
+                iters,
+                |i| request(Some(key(i % HOT_KEYS))),
+                |req| drop(black_box(call_now(&mut backend, req))),
+            )
+        })
+    });
+    g.bench_function("direct_header", |b| {
+        let mut backend = mock();
+        b.iter_custom(|iters| {
+            chunked(
+                iters,
+                |i| header_request(i % HOT_KEYS),
+                |req| drop(black_box(call_now(&mut backend, req))),
+            )
+        })
+    });
+
+    for shape in SHAPES {
+        let label = shape.label();
+        let layer = SessionAffinityLayer::new().key(ExtensionKey);
+        let svc = layer.layer(shape.fleet(1));
+
+        // Home hits on 1024 sessions placed beforehand.
+        {
+            let mut svc = svc.clone();
+            for i in 0..HOT_KEYS {
+                let res = call_now(&mut svc, request(Some(key(i))));
+                assert_eq!(outcome_of(&res), Outcome::NewSession);
+            }
+            let res = call_now(&mut svc, request(Some(key(0))));
+            assert_eq!(outcome_of(&res), Outcome::HomeHit);
+            drop(res);
+            g.bench_function(BenchmarkId::new("home_hit", &label), |b| {
+                b.iter_custom(|iters| {
+                    chunked(
+                        iters,
+                        |i| request(Some(key(i % HOT_KEYS))),
+                        |req| drop(black_box(call_now(&mut svc, req))),
+                    )
+                })
+            });
+        }
+
+        // Same-node spills: one slot per backend; the session's previous response is still
+        // being read, so its home is full and it spills to the next backend on the node. The
+        // home then moves there, and the next turn spills back (the key's two best backends
+        // on its node take turns).
+        {
+            let mut svc = svc.clone();
+            let k = key(u64::MAX);
+            let mut held = call_now(&mut svc, request(Some(k)));
+            assert_eq!(outcome_of(&held), Outcome::NewSession);
+            for _ in 0..4 {
+                let res = call_now(&mut svc, request(Some(k)));
+                assert_eq!(outcome_of(&res), Outcome::SameNodeSpill);
+                held = res;
+            }
+            let mut held = Some(held);
+            g.bench_function(BenchmarkId::new("same_node_spill", &label), |b| {
+                b.iter_custom(|iters| {
+                    chunked(
+                        iters,
+                        |_| request(Some(k)),
+                        |req| {
+                            let res = call_now(&mut svc, req);
+                            drop(black_box(held.replace(res)));
+                        },
+                    )
+                })
+            });
+            let res = held.take().expect("held");
+            assert_eq!(outcome_of(&res), Outcome::SameNodeSpill);
+        }
+
+        // New sessions: a key never seen before on every call. The table (100,000 entries by
+        // default) fills during warm-up, so most of these also evict an entry.
+        {
+            let mut svc = svc.clone();
+            let mut next = 1u64 << 40;
+            g.bench_function(BenchmarkId::new("new_session", &label), |b| {
+                b.iter_custom(|iters| {
+                    let first = next;
+                    next += iters;
+                    chunked(
+                        iters,
+                        |i| request(Some(key(first + i))),
+                        |req| drop(black_box(call_now(&mut svc, req))),
+                    )
+                })
+            });
+            let res = call_now(&mut svc, request(Some(key(next))));
+            assert_eq!(outcome_of(&res), Outcome::NewSession);
+        }
+
+        {
+            let mut svc = svc.clone();
+            g.bench_function(BenchmarkId::new("keyless", &label), |b| {
+                b.iter_custom(|iters| {
+                    chunked(
+                        iters,
+                        |_| request(None),
+                        |req| drop(black_box(call_now(&mut svc, req))),
+                    )
+                })
+            });
+        }
+    }
+
+    // Home hits with the default extractor: the session id read from a header and hashed
+    // with SHA-256 on every request.
+    {
+        let shape = Shape::new(16, 8);
+        let mut svc = SessionAffinityLayer::new().layer(shape.fleet(1));
+        for i in 0..HOT_KEYS {
+            drop(call_now(&mut svc, header_request(i)));
+        }
+        let res = call_now(&mut svc, header_request(0));
+        assert_eq!(outcome_of(&res), Outcome::HomeHit);
+        drop(res);
+        g.bench_function(BenchmarkId::new("home_hit_header", shape.label()), |b| {
+            b.iter_custom(|iters| {
+                chunked(
+                    iters,
+                    |i| header_request(i % HOT_KEYS),
+                    |req| drop(black_box(call_now(&mut svc, req))),
+                )
+            })
+        });
+    }
+    g.finish();
+}
+
+/// Home hits with 1 thousand to 1 million sessions in the table, on keys spread over it.
+fn table(c: &mut Criterion) {
+    // A prime that divides none of the table sizes: visiting `i * STRIDE mod n` touches every
+    // session once per `n` calls, in an order the caches cannot follow.
+    const STRIDE: u64 = 999_983;
+    let shape = Shape::new(16, 8);
+    let mut g = c.benchmark_group("table");
+    for n in [1_000u64, 100_000, 1_000_000] {
+        // Room for a tenth more than `n`, so that uneven shards evict none of the `n`.
+        let entries = usize::try_from(n + n / 10).expect("fits");
+        let mut svc = SessionAffinityLayer::new()
+            .key(ExtensionKey)
+            .sessions(Sessions::new().max_entries(entries))
+            .layer(shape.fleet(1));
+        for i in 0..n {
+            drop(call_now(&mut svc, request(Some(key(i)))));
+        }
+        let before = svc.stats();
+        assert_eq!(before.sessions, n as usize, "every session is held");
+        let mut cursor = 0u64;
+        g.bench_function(BenchmarkId::new("home_hit", n), |b| {
+            b.iter_custom(|iters| {
+                let first = cursor;
+                cursor += iters;
+                chunked(
+                    iters,
+                    |i| request(Some(key((first + i) * STRIDE % n))),
+                    |req| drop(black_box(call_now(&mut svc, req))),
+                )
+            })
+        });
+        let after = svc.stats();
+        let hits = after.home_hits - before.home_hits;
+        let placed = after.placed() - before.placed();
+        eprintln!(
+            "table/home_hit/{n}: {hits} home hits of {placed} calls; {} sessions, {} table bytes",
+            after.sessions, after.session_table_bytes
+        );
+        assert_eq!(hits, placed, "every measured call is a home hit");
+    }
+    g.finish();
+}
+
+fn config() -> Criterion {
+    Criterion::default()
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2))
+        .sample_size(30)
+}
+
+criterion_group! {
+    name = benches;
+    config = config();
+    targets = keys, policy, call, table
+}
+criterion_main!(benches);

@@ -1,0 +1,231 @@
+//! Service throughput against tower's power-of-two-choices balancer (issue 6, part 2).
+//!
+//! The same 16 mock backends (4 nodes x 4, 8 slots each) answer at once. In the same run:
+//!
+//! - `affinity`: [`SessionAffinity`] with its defaults (session id from the `x-session-id`
+//!   header, hashed with SHA-256; `NodeThenBackend`);
+//! - `p2c`: `tower::balance::p2c::Balance` over `PendingRequests` wrappers of the same backends;
+//! - `p2c_buffer` (multi-threaded only): one `Balance` shared by every caller through
+//!   `tower::buffer::Buffer`, the usual way to share a balancer that is not `Clone`.
+//!
+//! `keyed` requests carry one of 10,000 session ids (a home hit once every session has been
+//! placed); `keyless` requests carry none. Every request is built inside the timed loop, for
+//! every balancer alike; `build` is the cost of building and dropping the request alone.
+//!
+//! `throughput_st` runs one caller on a current-thread runtime. `throughput_mt` runs 32
+//! concurrent callers on a two-worker runtime: each caller owns a clone of the affinity
+//! service, or its own `Balance` (its own load counters), or a clone of the buffered one.
+//!
+//! Criterion's time per element is the wall time per request over all callers; its
+//! elements per second are requests per second.
+//!
+//! Run with `cargo bench --bench throughput`.
+//!
+//! [`SessionAffinity`]: tower_affinity::SessionAffinity
+
+use std::fmt::Debug;
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use tokio::runtime::Runtime;
+use tower::balance::p2c::Balance;
+use tower::buffer::Buffer;
+use tower::discover::ServiceList;
+use tower::load::{CompleteOnResponse, PendingRequests};
+use tower::{Layer, Service, ServiceExt};
+use tower_affinity::SessionAffinityLayer;
+
+#[path = "common/mod.rs"]
+mod common;
+
+use common::{header_request, mock, Mock, Req, Shape};
+
+const SHAPE: Shape = Shape::new(4, 4);
+const SLOTS: u32 = 8;
+const SESSIONS: u64 = 10_000;
+const CALLERS: u64 = 32;
+
+type P2c = Balance<ServiceList<Vec<PendingRequests<Mock>>>, Req>;
+
+fn p2c() -> P2c {
+    let backends = SHAPE
+        .names()
+        .iter()
+        .map(|_| PendingRequests::new(mock(), CompleteOnResponse::default()))
+        .collect::<Vec<_>>();
+    Balance::new(ServiceList::new(backends))
+}
+
+/// How a bench makes its `i`-th request.
+#[derive(Clone, Copy, Debug)]
+enum Mix {
+    Keyed,
+    Keyless,
+}
+
+impl Mix {
+    const ALL: [Mix; 2] = [Mix::Keyed, Mix::Keyless];
+
+    fn name(self) -> &'static str {
+        match self {
+            Mix::Keyed => "keyed",
+            Mix::Keyless => "keyless",
+        }
+    }
+
+    fn request(self, i: u64) -> Req {
+        match self {
+            Mix::Keyed => header_request(i % SESSIONS),
+            Mix::Keyless => http::Request::new(()),
+        }
+    }
+}
+
+/// Sends requests `first, first + step, ...` (`n` of them) one after the other, dropping each
+/// response (which frees its slot).
+async fn drive<S>(svc: &mut S, mix: Mix, first: u64, step: u64, n: u64)
+where
+    S: Service<Req>,
+    S::Error: Debug,
+{
+    for j in 0..n {
+        let req = mix.request(first + j * step);
+        let res = svc
+            .ready()
+            .await
+            .expect("ready")
+            .call(req)
+            .await
+            .expect("answered");
+        drop(black_box(res));
+    }
+}
+
+/// One caller, `iters` requests, on a current-thread runtime.
+fn single<S>(rt: &Runtime, svc: &mut S, mix: Mix, cursor: &mut u64, iters: u64) -> Duration
+where
+    S: Service<Req>,
+    S::Error: Debug,
+{
+    let first = *cursor;
+    *cursor += iters;
+    rt.block_on(async {
+        let start = Instant::now();
+        drive(svc, mix, first, 1, iters).await;
+        start.elapsed()
+    })
+}
+
+/// `CALLERS` concurrent callers sharing `iters` requests, each with its own service handle.
+/// The handles are moved into the tasks and handed back, so that none is built while timed.
+fn concurrent<S>(
+    rt: &Runtime,
+    svcs: &mut Vec<S>,
+    mix: Mix,
+    cursor: &mut u64,
+    iters: u64,
+) -> Duration
+where
+    S: Service<Req> + Send + 'static,
+    S::Error: Debug,
+    S::Future: Send,
+    S::Response: Send,
+{
+    let first = *cursor;
+    *cursor += iters;
+    rt.block_on(async {
+        let start = Instant::now();
+        let tasks: Vec<_> = svcs
+            .drain(..)
+            .zip(0..CALLERS)
+            .map(|(mut svc, c)| {
+                let n = iters / CALLERS + u64::from(c < iters % CALLERS);
+                tokio::spawn(async move {
+                    drive(&mut svc, mix, first + c, CALLERS, n).await;
+                    svc
+                })
+            })
+            .collect();
+        for t in tasks {
+            svcs.push(t.await.expect("caller finished"));
+        }
+        start.elapsed()
+    })
+}
+
+fn single_threaded(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mut g = c.benchmark_group("throughput_st");
+    g.throughput(Throughput::Elements(1));
+    for mix in Mix::ALL {
+        g.bench_function(BenchmarkId::new("build", mix.name()), |b| {
+            let mut i = 0u64;
+            b.iter(|| {
+                i += 1;
+                drop(black_box(mix.request(i)))
+            })
+        });
+        let mut affinity = SessionAffinityLayer::new().layer(SHAPE.fleet(SLOTS));
+        let mut cursor = 0;
+        g.bench_function(BenchmarkId::new("affinity", mix.name()), |b| {
+            b.iter_custom(|iters| single(&rt, &mut affinity, mix, &mut cursor, iters))
+        });
+        let mut balance = p2c();
+        let mut cursor = 0;
+        g.bench_function(BenchmarkId::new("p2c", mix.name()), |b| {
+            b.iter_custom(|iters| single(&rt, &mut balance, mix, &mut cursor, iters))
+        });
+    }
+    g.finish();
+}
+
+fn multi_threaded(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mut g = c.benchmark_group("throughput_mt");
+    g.throughput(Throughput::Elements(1));
+    for mix in Mix::ALL {
+        let affinity = SessionAffinityLayer::new().layer(SHAPE.fleet(SLOTS));
+        let mut handles: Vec<_> = (0..CALLERS).map(|_| affinity.clone()).collect();
+        let mut cursor = 0;
+        g.bench_function(BenchmarkId::new("affinity", mix.name()), |b| {
+            b.iter_custom(|iters| concurrent(&rt, &mut handles, mix, &mut cursor, iters))
+        });
+        let mut balancers: Vec<P2c> = (0..CALLERS).map(|_| p2c()).collect();
+        let mut cursor = 0;
+        g.bench_function(BenchmarkId::new("p2c", mix.name()), |b| {
+            b.iter_custom(|iters| concurrent(&rt, &mut balancers, mix, &mut cursor, iters))
+        });
+        let buffered = {
+            let _guard = rt.enter();
+            Buffer::new(p2c(), 1024)
+        };
+        let mut buffers: Vec<_> = (0..CALLERS).map(|_| buffered.clone()).collect();
+        let mut cursor = 0;
+        g.bench_function(BenchmarkId::new("p2c_buffer", mix.name()), |b| {
+            b.iter_custom(|iters| concurrent(&rt, &mut buffers, mix, &mut cursor, iters))
+        });
+    }
+    g.finish();
+}
+
+fn config() -> Criterion {
+    Criterion::default()
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(3))
+        .sample_size(20)
+}
+
+criterion_group! {
+    name = benches;
+    config = config();
+    targets = single_threaded, multi_threaded
+}
+criterion_main!(benches);
