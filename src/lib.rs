@@ -64,7 +64,21 @@
 //! # }
 //! ```
 
-#![cfg_attr(docsrs, feature(doc_auto_cfg))]
+// Layout: one concept a file.
+//   layer.rs     SessionAffinityLayer, the builder
+//   service.rs   SessionAffinity: discovery, placement attempts, stats
+//   future.rs    ResponseFuture: waiting for a slot, then driving the backend
+//   wait.rs      the wait queue: which waiter a freed slot wakes
+//   body.rs      ResponseBody: holds the slot until the body ends
+//   overflow.rs  what a request does when every candidate is full
+//   error.rs     Error, its HTTP mapping, ErrorToResponse
+//   retry.rs     RetryOnce
+//   fleet.rs     nodes, backends, slot counters, health (discovery applied here)
+//   table.rs     the session table
+//   stats.rs     Decision, Outcome, counters
+//   discover.rs  static and channel-fed discovery
+//   key/         SessionKey, extractors, the body-reading layer
+//   placement/   the Placement trait, its view, rendezvous, NodeThenBackend, baselines
 
 mod body;
 pub mod discover;
