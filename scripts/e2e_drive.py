@@ -105,7 +105,7 @@ def tool_output(run_id: str, session: int, turn: int) -> str:
         f"Tool output for step {turn} (run {run_id}, session {session}):",
         f"$ {tool} src/{rng.choice(_WORDS)}_{session}_{turn}.rs",
     ]
-    for i in range(12):
+    for i in range(5):
         w = rng.sample(_WORDS, 4)
         lines.append(
             f"{i + 1:02d} fn {w[0]}_{w[1]}_{rng.randint(0, 999)}(&mut self, {w[2]}: u{rng.choice([8, 16, 32, 64])}) "

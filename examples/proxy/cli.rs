@@ -1,0 +1,233 @@
+//! The proxy's command line.
+
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use http::uri::Scheme;
+use http::Uri;
+use tower_affinity::Overflow;
+
+use crate::app::{BackendSpec, Config, Policy};
+
+pub(crate) const USAGE: &str = "\
+usage: proxy --listen ADDR --backend NODE=URL[,slots=N][,id=NAME]... [options]
+
+An OpenAI-compatible reverse proxy that keeps each agent session on the llama-server
+that holds its prompt cache: same backend, else same node, else elsewhere.
+
+  --listen ADDR              address to serve on (default 127.0.0.1:8080)
+  --backend NODE=URL[,slots=N][,id=NAME]
+                             a backend on host NODE (repeat for each). slots: requests
+                             it serves at once (llama-server -np); without it, read from
+                             /slots. id: its name (default: the URL's host:port)
+  --policy P                 node-then-backend (default) | round-robin | least-loaded |
+                             rendezvous
+  --overflow O               wait (default) | overcommit | reject: when every
+                             candidate is full
+  --max-wait DURATION        longest wait for a slot with --overflow wait (default 60s)
+  --max-queued N             most requests waiting at once (default 1024)
+  --connect-timeout DURATION backend connect timeout (default 2s)
+  --failure-cooldown DURATION
+                             how long a backend that failed a request is passed over
+                             (default 5s)
+  --probe-interval DURATION  how often /health (and /slots) is polled; 0 turns the
+                             probe off (default 2s)
+  --probe-timeout DURATION   longest wait for a probe answer (default 2s)
+  --no-slots-probe           do not read slot counts from /slots
+  --body-limit SIZE          largest request body, e.g. 16MiB (default); larger is 413
+  --read-timeout DURATION    longest time to receive a request body (default 60s;
+                             0 turns it off); slower is 408
+  -v, --verbose              debug logs
+  -h, --help                 this text
+
+DURATION: 500ms, 2s, 1.5m, 1h, or plain seconds. SIZE: bytes, or with KiB, MiB, GiB.
+Session keys: X-Session-Affinity, then X-Session-Id, then the JSON body's
+prompt_cache_key, user, metadata.user_id.";
+
+/// What the command line asks for.
+#[derive(Debug)]
+pub(crate) enum Command {
+    Run(Args),
+    Help,
+}
+
+#[derive(Debug)]
+pub(crate) struct Args {
+    pub(crate) listen: SocketAddr,
+    pub(crate) verbose: bool,
+    pub(crate) config: Config,
+}
+
+pub(crate) fn parse<I>(args: I) -> Result<Command, String>
+where
+    I: IntoIterator,
+    I::Item: Into<String>,
+{
+    let mut args = args.into_iter().map(Into::into);
+    let mut listen: SocketAddr = ([127, 0, 0, 1], 8080).into();
+    let mut verbose = false;
+    let mut backends = Vec::new();
+    let mut config = Config::new(Vec::new());
+    let mut overflow = "wait".to_string();
+    let mut max_wait = Duration::from_secs(60);
+    let mut max_queued = 1024;
+    while let Some(arg) = args.next() {
+        let (flag, inline) = match arg.split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
+            _ => (arg, None),
+        };
+        let mut value = || {
+            inline
+                .clone()
+                .or_else(|| args.next())
+                .ok_or_else(|| format!("{flag} needs a value"))
+        };
+        match flag.as_str() {
+            "-h" | "--help" => return Ok(Command::Help),
+            "-v" | "--verbose" => verbose = true,
+            "--no-slots-probe" => config.probe_slots = false,
+            "--listen" => {
+                let v = value()?;
+                listen = v
+                    .parse()
+                    .map_err(|e| format!("--listen {v:?}: {e} (expected IP:PORT)"))?;
+            }
+            "--backend" => backends.push(backend(&value()?)?),
+            "--policy" => {
+                let v = value()?;
+                config.policy = Policy::NAMES
+                    .iter()
+                    .find(|(n, _)| *n == v)
+                    .map(|(_, p)| *p)
+                    .ok_or_else(|| format!("--policy {v:?}: expected one of {}", names()))?;
+            }
+            "--overflow" => overflow = value()?,
+            "--max-wait" => max_wait = duration(&flag, &value()?)?,
+            "--max-queued" => {
+                let v = value()?;
+                max_queued = v.parse().map_err(|e| format!("--max-queued {v:?}: {e}"))?;
+            }
+            "--connect-timeout" => config.connect_timeout = duration(&flag, &value()?)?,
+            "--failure-cooldown" => config.failure_cooldown = duration(&flag, &value()?)?,
+            "--probe-interval" => {
+                let d = duration(&flag, &value()?)?;
+                config.probe_interval = (!d.is_zero()).then_some(d);
+            }
+            "--probe-timeout" => config.probe_timeout = duration(&flag, &value()?)?,
+            "--body-limit" => config.body_limit = size(&flag, &value()?)?,
+            "--read-timeout" => {
+                let d = duration(&flag, &value()?)?;
+                config.read_timeout = (!d.is_zero()).then_some(d);
+            }
+            other => return Err(format!("unknown argument {other:?} (see --help)")),
+        }
+    }
+    if backends.is_empty() {
+        return Err("at least one --backend NODE=URL is needed (see --help)".into());
+    }
+    config.overflow = match overflow.as_str() {
+        "wait" => Overflow::Wait {
+            max_wait,
+            max_queued,
+        },
+        "overcommit" => Overflow::Overcommit,
+        "reject" => Overflow::Reject,
+        v => {
+            return Err(format!(
+                "--overflow {v:?}: expected wait, overcommit or reject"
+            ))
+        }
+    };
+    config.backends = backends;
+    Ok(Command::Run(Args {
+        listen,
+        verbose,
+        config,
+    }))
+}
+
+fn names() -> String {
+    let names: Vec<_> = Policy::NAMES.iter().map(|(n, _)| *n).collect();
+    names.join(", ")
+}
+
+/// `NODE=URL[,slots=N][,id=NAME]`.
+pub(crate) fn backend(spec: &str) -> Result<BackendSpec, String> {
+    let bad =
+        |why: &str| format!("--backend {spec:?}: {why} (expected NODE=URL[,slots=N][,id=NAME])");
+    let (node, rest) = spec.split_once('=').ok_or_else(|| bad("no NODE="))?;
+    if node.is_empty() {
+        return Err(bad("empty NODE"));
+    }
+    let mut parts = rest.split(',');
+    let url = parts.next().unwrap_or_default();
+    let uri: Uri = url.parse().map_err(|e| bad(&format!("URL: {e}")))?;
+    let scheme = uri
+        .scheme()
+        .cloned()
+        .ok_or_else(|| bad("URL needs http://"))?;
+    if scheme != Scheme::HTTP {
+        return Err(bad("only http:// backends are supported"));
+    }
+    let authority = uri
+        .authority()
+        .cloned()
+        .ok_or_else(|| bad("URL has no host"))?;
+    if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+        return Err(bad(
+            "URL must be scheme://host:port only: paths are forwarded as sent",
+        ));
+    }
+    let mut slots = None;
+    let mut id = authority.to_string();
+    for option in parts {
+        match option.split_once('=') {
+            Some(("slots", n)) => {
+                let n: u32 = n.parse().map_err(|_| bad("slots must be a number"))?;
+                slots = Some(NonZeroU32::new(n).ok_or_else(|| bad("slots must be at least 1"))?);
+            }
+            Some(("id", name)) if !name.is_empty() => id = name.to_string(),
+            _ => return Err(bad(&format!("unknown option {option:?}"))),
+        }
+    }
+    Ok(BackendSpec {
+        id,
+        node: node.to_string(),
+        scheme,
+        authority,
+        slots,
+    })
+}
+
+/// `500ms`, `2s`, `1.5m`, `1h`, or plain seconds.
+pub(crate) fn duration(flag: &str, v: &str) -> Result<Duration, String> {
+    let bad = || format!("{flag} {v:?}: expected a duration such as 500ms, 2s, 1.5m");
+    let split = v.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(v.len());
+    let (number, unit) = v.split_at(split);
+    let number: f64 = number.trim().parse().map_err(|_| bad())?;
+    let scale = match unit {
+        "ms" => 0.001,
+        "" | "s" => 1.0,
+        "m" | "min" => 60.0,
+        "h" => 3600.0,
+        _ => return Err(bad()),
+    };
+    Duration::try_from_secs_f64(number * scale).map_err(|_| bad())
+}
+
+/// Bytes, or with `KiB`, `MiB`, `GiB`.
+pub(crate) fn size(flag: &str, v: &str) -> Result<usize, String> {
+    let bad = || format!("{flag} {v:?}: expected a size such as 1048576, 512KiB, 16MiB");
+    let split = v.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(v.len());
+    let (number, unit) = v.split_at(split);
+    let number: usize = number.trim().parse().map_err(|_| bad())?;
+    let shift = match unit {
+        "" | "B" => 0,
+        "KiB" => 10,
+        "MiB" => 20,
+        "GiB" => 30,
+        _ => return Err(bad()),
+    };
+    number.checked_mul(1 << shift).ok_or_else(bad)
+}

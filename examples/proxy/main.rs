@@ -1,0 +1,115 @@
+//! An OpenAI-compatible reverse proxy for llama-server fleets, built on `tower-affinity`.
+//!
+//! ```text
+//! cargo run --release --example proxy -- --listen 127.0.0.1:8080 \
+//!     --backend node-a=http://10.0.0.1:8081,slots=2 \
+//!     --backend node-a=http://10.0.0.1:8082,slots=2 \
+//!     --backend node-b=http://10.0.0.2:8081,slots=2 \
+//!     --policy node-then-backend
+//! ```
+//!
+//! Each request's session key comes from `X-Session-Affinity` / `X-Session-Id`, else from the
+//! JSON body (`prompt_cache_key`, `user`, `metadata.user_id`). Requests are forwarded as sent
+//! (only the scheme and authority change), responses stream back frame by frame, and the
+//! backend's slot is held until the response ends. A request whose backend fails before
+//! answering is retried once elsewhere. `/health` (and `/slots`) of each backend is polled;
+//! `GET /metrics` answers in the Prometheus text format. `--help` lists every option.
+
+mod app;
+mod cli;
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use app::Proxy;
+use cli::Command;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = match cli::parse(std::env::args().skip(1)) {
+        Ok(Command::Run(args)) => args,
+        Ok(Command::Help) => {
+            println!("{}", cli::USAGE);
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            eprintln!("proxy: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let level = if args.verbose {
+        tracing::Level::DEBUG
+    } else {
+        tracing::Level::INFO
+    };
+    // Logs go to stderr, coloured only on a terminal so log files stay plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi)
+        .init();
+
+    match run(args).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %e, "proxy stopped");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: cli::Args) -> Result<(), tower_affinity::BoxError> {
+    let config = args.config;
+    let policy = config.policy.name();
+    let probe = config.probe_interval.is_some();
+    for b in &config.backends {
+        let slots = b.slots.map_or("from /slots".to_string(), |n| n.to_string());
+        tracing::info!(backend = %b.id, node = %b.node, url = %format!("{}://{}", b.scheme, b.authority), %slots, "backend");
+    }
+    let proxy = Arc::new(Proxy::new(config).await?);
+    let listener = tokio::net::TcpListener::bind(args.listen).await?;
+    tracing::info!(listen = %listener.local_addr()?, policy, "proxy listening");
+    let mut probes = proxy.probes();
+    if probe {
+        // Before the first request: a loading backend is down and slot counts are known.
+        proxy.probe_all(&mut probes).await;
+    }
+    let probe_tasks = proxy.spawn_probes(probes);
+    app::serve(listener, proxy.router(), shutdown_signal()).await?;
+    drop(probe_tasks);
+    let stats = proxy.affinity().stats();
+    tracing::info!(
+        placed = stats.placed(),
+        home_hits = stats.home_hits,
+        spills = stats.same_node_spills + stats.cross_node_spills,
+        backend_errors = stats.backend_errors,
+        "proxy stopped"
+    );
+    Ok(())
+}
+
+/// Ctrl-C or SIGTERM: stop accepting, let open responses finish.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+    tracing::info!("shutting down: no new connections, open responses finish");
+}

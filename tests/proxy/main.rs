@@ -1,0 +1,810 @@
+//! The proxy example, end to end over loopback HTTP against stub llama-servers.
+//!
+//! Every request has a deadline, every loop a bound: a regression fails fast instead of
+//! hanging.
+
+// The example's own modules, compiled here as they are there; main-only items go unused.
+#[allow(dead_code)]
+#[path = "../../examples/proxy/app.rs"]
+mod app;
+#[allow(dead_code)]
+#[path = "../../examples/proxy/cli.rs"]
+mod cli;
+#[allow(dead_code)]
+#[path = "../support/llama_stub.rs"]
+mod llama_stub;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tower_affinity::Overflow;
+
+use app::{Config, Proxy};
+use llama_stub::Stub;
+
+/// The longest any single request or body read may take.
+const DEADLINE: Duration = Duration::from_secs(5);
+
+// === harness ===
+
+struct Running {
+    addr: SocketAddr,
+    proxy: Arc<Proxy>,
+    client: Client<HttpConnector, Full<Bytes>>,
+    _stop: oneshot::Sender<()>,
+    _server: JoinHandle<std::io::Result<()>>,
+}
+
+/// Config for `(node, stub)` pairs, two slots each, the stub's name as the backend id, no
+/// background probe (tests probe by hand).
+fn config(stubs: &[(&str, &Stub)]) -> Config {
+    let backends = stubs
+        .iter()
+        .map(|(node, stub)| {
+            let spec = format!("{node}={},slots=2,id={}", stub.url(), stub.state.name);
+            cli::backend(&spec).unwrap()
+        })
+        .collect();
+    let mut config = Config::new(backends);
+    config.probe_interval = None;
+    config
+}
+
+async fn start(config: Config) -> Running {
+    let proxy = Arc::new(Proxy::new(config).await.unwrap());
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let server = tokio::spawn(app::serve(listener, proxy.router(), async {
+        let _ = stopped.await;
+    }));
+    Running {
+        addr,
+        proxy,
+        client: Client::builder(TokioExecutor::new()).build_http(),
+        _stop: stop,
+        _server: server,
+    }
+}
+
+struct Answer {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Answer {
+    fn backend(&self) -> &str {
+        self.header("x-affinity-backend")
+    }
+
+    fn outcome(&self) -> &str {
+        self.header("x-affinity-outcome")
+    }
+
+    fn header(&self, name: &str) -> &str {
+        self.headers
+            .get(name)
+            .map_or("-", |v| v.to_str().unwrap_or("?"))
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "{e}: {} {:?}",
+                self.status,
+                String::from_utf8_lossy(&self.body)
+            )
+        })
+    }
+}
+
+impl Running {
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    async fn send(&self, req: Request<Full<Bytes>>) -> Response<Incoming> {
+        tokio::time::timeout(DEADLINE, self.client.request(req))
+            .await
+            .expect("no response in time")
+            .expect("request failed")
+    }
+
+    async fn fetch(&self, req: Request<Full<Bytes>>) -> Answer {
+        let res = self.send(req).await;
+        let (parts, body) = res.into_parts();
+        let body = tokio::time::timeout(DEADLINE, body.collect())
+            .await
+            .expect("no body in time")
+            .expect("body failed")
+            .to_bytes();
+        Answer {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        }
+    }
+
+    async fn post_json(&self, headers: &[(&str, &str)], body: &Value) -> Answer {
+        let mut req = Request::post(self.url("/v1/chat/completions"))
+            .header("content-type", "application/json");
+        for (n, v) in headers {
+            req = req.header(*n, *v);
+        }
+        self.fetch(req.body(Full::new(Bytes::from(body.to_string()))).unwrap())
+            .await
+    }
+
+    async fn get(&self, path: &str) -> Answer {
+        self.fetch(
+            Request::get(self.url(path))
+                .body(Full::new(Bytes::new()))
+                .unwrap(),
+        )
+        .await
+    }
+}
+
+/// An agent conversation: the same system prompt and task as every other, then turns that
+/// append the answer and new tool output.
+struct Conversation {
+    name: String,
+    messages: Vec<Value>,
+    turns: usize,
+}
+
+impl Conversation {
+    fn new(name: &str) -> Self {
+        Conversation {
+            name: name.to_string(),
+            messages: vec![
+                json!({"role": "system", "content": "You are a coding agent. Be brief."}),
+                json!({"role": "user", "content": "Implement the spec in SPEC.md, step by step."}),
+            ],
+            turns: 0,
+        }
+    }
+
+    /// The request body of the next turn, with `extra` fields merged in.
+    fn next(&mut self, extra: Value) -> Value {
+        self.turns += 1;
+        if self.turns > 1 {
+            let output = format!(
+                "tool output {} of {}: {}",
+                self.turns,
+                self.name,
+                "x".repeat(100)
+            );
+            self.messages
+                .push(json!({"role": "user", "content": output}));
+        }
+        let mut body = json!({"model": "stub", "messages": self.messages});
+        if let (Value::Object(b), Value::Object(e)) = (&mut body, extra) {
+            b.extend(e);
+        }
+        body
+    }
+
+    fn answered(&mut self, answer: &Answer) {
+        let content = answer.json()["choices"][0]["message"]["content"].clone();
+        self.messages
+            .push(json!({"role": "assistant", "content": content}));
+    }
+
+    fn prompt_tokens(&self) -> u64 {
+        self.messages
+            .iter()
+            .map(|m| m["content"].as_str().map_or(0, str::len) as u64)
+            .sum()
+    }
+}
+
+fn usage(answer: &Answer) -> (u64, u64) {
+    let u = &answer.json()["usage"];
+    (
+        u["prompt_tokens"].as_u64().unwrap(),
+        u["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap(),
+    )
+}
+
+// === placement ===
+
+#[tokio::test]
+async fn turns_of_a_session_return_to_the_same_backend() {
+    let (a1, a2, b1) = (
+        Stub::start("a1", 2).await,
+        Stub::start("a2", 2).await,
+        Stub::start("b1", 2).await,
+    );
+    let proxy = start(config(&[("node-a", &a1), ("node-a", &a2), ("node-b", &b1)])).await;
+
+    for s in 0..4 {
+        let mut conv = Conversation::new(&format!("agent-{s}"));
+        let sid = conv.name.clone();
+        let mut home = None;
+        let mut previous_prompt = 0;
+        for turn in 1..=4 {
+            let body = conv.next(json!({}));
+            let sent_prompt = conv.prompt_tokens();
+            let answer = proxy.post_json(&[("x-session-id", &sid)], &body).await;
+            assert_eq!(answer.status, 200, "{sid} turn {turn}");
+            assert_eq!(
+                answer.backend(),
+                answer.header("x-stub"),
+                "the header names the stub that answered"
+            );
+            let backend = answer.backend().to_string();
+            let (prompt, cached) = usage(&answer);
+            assert_eq!(prompt, sent_prompt);
+            if turn == 1 {
+                assert_eq!(answer.outcome(), "new-session");
+                home = Some(backend);
+            } else {
+                assert_eq!(answer.outcome(), "home-hit", "{sid} turn {turn}");
+                assert_eq!(Some(backend), home, "{sid} turn {turn} moved");
+                assert_eq!(
+                    cached, previous_prompt,
+                    "{sid} turn {turn}: the whole previous conversation is cached"
+                );
+            }
+            conv.answered(&answer);
+            previous_prompt = conv.prompt_tokens();
+        }
+    }
+    let stats = proxy.proxy.affinity().stats();
+    assert_eq!((stats.new_sessions, stats.home_hits), (4, 12));
+}
+
+// === streaming ===
+
+#[tokio::test]
+async fn a_stream_reaches_the_client_before_it_ends_and_holds_its_slot_until_then() {
+    let a = Stub::start("a", 2).await;
+    let proxy = start(config(&[("node-a", &a)])).await;
+    a.hold_streams();
+
+    let body = Conversation::new("streamer").next(json!({"stream": true}));
+    let req = Request::post(proxy.url("/v1/chat/completions"))
+        .header("x-session-id", "streamer")
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .unwrap();
+    let res = proxy.send(req).await;
+    assert_eq!(res.status(), 200);
+    assert_eq!(res.headers()["content-type"], "text/event-stream");
+    let mut body = res.into_body();
+
+    let first = tokio::time::timeout(DEADLINE, body.frame())
+        .await
+        .expect("the first chunk did not arrive while the stub held the rest")
+        .unwrap()
+        .unwrap()
+        .into_data()
+        .unwrap();
+    let first = String::from_utf8(first.to_vec()).unwrap();
+    assert!(first.starts_with("data: {"), "{first:?}");
+    assert!(first.contains(r#""role":"assistant""#), "{first:?}");
+    assert_eq!(
+        a.state
+            .streams_finished
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+    assert_eq!(
+        proxy.proxy.affinity().backends()[0].in_flight,
+        1,
+        "the slot is held while the stream runs"
+    );
+
+    a.release_streams();
+    let mut rest = String::new();
+    for _ in 0..64 {
+        let Some(frame) = tokio::time::timeout(DEADLINE, body.frame())
+            .await
+            .expect("the stream stalled")
+        else {
+            break;
+        };
+        if let Ok(data) = frame.unwrap().into_data() {
+            rest.push_str(std::str::from_utf8(&data).unwrap());
+        }
+    }
+    assert!(rest.ends_with("data: [DONE]\n\n"), "{rest:?}");
+    assert!(rest.contains(r#""cached_tokens":0"#), "{rest:?}");
+    assert_eq!(
+        proxy.proxy.affinity().backends()[0].in_flight,
+        0,
+        "the slot is free once the stream ended"
+    );
+}
+
+// === health ===
+
+#[tokio::test]
+async fn a_killed_backend_is_skipped_and_its_sessions_placed_again_without_an_error() {
+    let (a, b) = (Stub::start("a", 2).await, Stub::start("b", 2).await);
+    let proxy = start(config(&[("node-a", &a), ("node-b", &b)])).await;
+
+    // Sessions until a few are homed on `a` (rendezvous spreads them; 32 tries are plenty).
+    let mut on_a = Vec::new();
+    for s in 0..32 {
+        let mut conv = Conversation::new(&format!("agent-{s}"));
+        let sid = conv.name.clone();
+        let answer = proxy
+            .post_json(&[("x-session-id", &sid)], &conv.next(json!({})))
+            .await;
+        conv.answered(&answer);
+        if answer.backend() == "a" {
+            on_a.push(conv);
+            if on_a.len() == 3 {
+                break;
+            }
+        }
+    }
+    assert_eq!(on_a.len(), 3, "no sessions homed on a");
+
+    a.kill().await;
+    for conv in &mut on_a {
+        let sid = conv.name.clone();
+        let answer = proxy
+            .post_json(&[("x-session-id", &sid)], &conv.next(json!({})))
+            .await;
+        assert_eq!(
+            answer.status,
+            200,
+            "{sid}: {:?}",
+            String::from_utf8_lossy(&answer.body)
+        );
+        assert_eq!(answer.backend(), "b", "{sid}");
+        let (_, cached) = usage(&answer);
+        assert!(cached < conv.prompt_tokens() / 2, "b never saw {sid}");
+        conv.answered(&answer);
+        // The session's home is now b, where its cache is.
+        let answer = proxy
+            .post_json(&[("x-session-id", &sid)], &conv.next(json!({})))
+            .await;
+        assert_eq!(
+            (answer.backend(), answer.outcome()),
+            ("b", "home-hit"),
+            "{sid}"
+        );
+        conv.answered(&answer);
+    }
+    let stats = proxy.proxy.affinity().stats();
+    assert_eq!(
+        stats.backend_errors, 1,
+        "one failed attempt, then a is passed over"
+    );
+    let backends = proxy.proxy.affinity().backends();
+    let a_status = backends.iter().find(|s| s.id.as_str() == "a").unwrap();
+    assert!(!a_status.healthy);
+
+    let metrics = String::from_utf8(proxy.get("/metrics").await.body.to_vec()).unwrap();
+    assert!(
+        metrics.contains(r#"tower_affinity_backend_healthy{backend="a",node="node-a"} 0"#),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("tower_affinity_backend_errors_total 1"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn the_probe_marks_a_loading_backend_down_until_ready_and_learns_slots() {
+    let (a, b) = (Stub::start("a", 3).await, Stub::start("b", 2).await);
+    let mut config = config(&[("node-a", &a), ("node-b", &b)]);
+    // `a` without slots=: its count comes from /slots.
+    config.backends[0] = cli::backend(&format!("node-a={},id=a", a.url())).unwrap();
+    let proxy = start(config).await;
+    let status = |id: &str| {
+        proxy
+            .proxy
+            .affinity()
+            .backends()
+            .into_iter()
+            .find(|s| s.id.as_str() == id)
+            .unwrap()
+    };
+    assert_eq!(status("a").slots, 1);
+
+    let mut probes = proxy.proxy.probes();
+    proxy.proxy.probe_all(&mut probes).await;
+    assert_eq!(status("a").slots, 3, "read from /slots");
+    assert_eq!(status("b").slots, 2, "given on the command line");
+
+    a.set_health(503);
+    proxy.proxy.probe_all(&mut probes).await;
+    assert!(!status("a").healthy);
+    for i in 0..6 {
+        let answer = proxy
+            .post_json(&[], &Conversation::new(&format!("k{i}")).next(json!({})))
+            .await;
+        assert_eq!((answer.backend(), answer.outcome()), ("b", "keyless"));
+    }
+
+    a.set_health(200);
+    proxy.proxy.probe_all(&mut probes).await;
+    assert!(status("a").healthy);
+    assert_eq!(a.chats(), 0);
+
+    a.kill().await;
+    proxy.proxy.probe_all(&mut probes).await;
+    assert!(!status("a").healthy, "an unreachable backend is down");
+}
+
+// === body keys ===
+
+#[tokio::test]
+async fn body_fields_key_sessions_and_a_header_wins_over_the_body() {
+    let (a1, a2, b1) = (
+        Stub::start("a1", 2).await,
+        Stub::start("a2", 2).await,
+        Stub::start("b1", 2).await,
+    );
+    let proxy = start(config(&[("node-a", &a1), ("node-a", &a2), ("node-b", &b1)])).await;
+
+    let fields = [
+        json!({"prompt_cache_key": "pck-1"}),
+        json!({"user": "user-1"}),
+        json!({"metadata": {"user_id": "meta-1"}}),
+        json!({"user": 12345}),
+    ];
+    for extra in fields {
+        let mut conv = Conversation::new("body");
+        let first = proxy.post_json(&[], &conv.next(extra.clone())).await;
+        assert_eq!(first.outcome(), "new-session", "{extra}");
+        conv.answered(&first);
+        let second = proxy.post_json(&[], &conv.next(extra.clone())).await;
+        assert_eq!(second.outcome(), "home-hit", "{extra}");
+        assert_eq!(second.backend(), first.backend(), "{extra}");
+        let (_, cached) = usage(&second);
+        assert!(cached > 0, "{extra}");
+    }
+
+    // One key, whichever way it comes: header first, then body.
+    let mut conv = Conversation::new("both");
+    let by_header = proxy
+        .post_json(&[("x-session-id", "same-k")], &conv.next(json!({})))
+        .await;
+    conv.answered(&by_header);
+    let by_body = proxy
+        .post_json(&[], &conv.next(json!({"user": "same-k"})))
+        .await;
+    assert_eq!(
+        (by_body.outcome(), by_body.backend()),
+        ("home-hit", by_header.backend())
+    );
+
+    // Header and body disagree: the header is the key, the body's is never recorded.
+    let mut conv = Conversation::new("disagree");
+    let both = proxy
+        .post_json(
+            &[("x-session-affinity", "hdr-k")],
+            &conv.next(json!({"prompt_cache_key": "body-k"})),
+        )
+        .await;
+    assert_eq!(both.outcome(), "new-session");
+    let header_only = proxy
+        .post_json(&[("x-session-affinity", "hdr-k")], &conv.next(json!({})))
+        .await;
+    assert_eq!(header_only.outcome(), "home-hit");
+    let body_only = proxy
+        .post_json(&[], &conv.next(json!({"prompt_cache_key": "body-k"})))
+        .await;
+    assert_eq!(body_only.outcome(), "new-session");
+
+    let keyless = proxy
+        .post_json(&[], &Conversation::new("none").next(json!({"user": ""})))
+        .await;
+    assert_eq!(keyless.outcome(), "keyless");
+}
+
+#[tokio::test]
+async fn an_oversize_body_is_413_and_never_reaches_a_backend() {
+    let a = Stub::start("a", 2).await;
+    let mut config = config(&[("node-a", &a)]);
+    config.body_limit = 1024;
+    let proxy = start(config).await;
+
+    let big = json!({"user": "u", "messages": [{"role": "user", "content": "y".repeat(2048)}]});
+    let answer = proxy.post_json(&[("x-session-id", "s")], &big).await;
+    assert_eq!(answer.status, StatusCode::PAYLOAD_TOO_LARGE);
+    let text = String::from_utf8(answer.body.to_vec()).unwrap();
+    assert!(
+        text.contains("larger than the limit of 1024 bytes"),
+        "{text:?}"
+    );
+    assert_eq!(a.chats(), 0);
+    assert!(a.echoed().is_empty());
+    assert_eq!(proxy.proxy.affinity().stats().placed(), 0);
+
+    let small = json!({"user": "u", "messages": [{"role": "user", "content": "y"}]});
+    assert_eq!(proxy.post_json(&[], &small).await.status, 200);
+}
+
+#[tokio::test]
+async fn a_non_json_request_passes_through_byte_for_byte() {
+    let a = Stub::start("a", 2).await;
+    let proxy = start(config(&[("node-a", &a)])).await;
+
+    let payload: &'static [u8] = b"\x00\x01\xfe\xff{not json\r\n\x7f";
+    let req = Request::post(proxy.url("/upload/raw?x=1&y=%20z"))
+        .header("content-type", "application/octet-stream")
+        .header("x-custom", "kept")
+        .header("authorization", "Bearer secret")
+        .header("keep-alive", "timeout=5")
+        .header("x-per-hop", "dropped")
+        .header("connection", "x-per-hop")
+        .body(Full::new(Bytes::from_static(payload)))
+        .unwrap();
+    let answer = proxy.fetch(req).await;
+    assert_eq!(
+        answer.status,
+        StatusCode::CREATED,
+        "the backend's status comes back"
+    );
+    assert_eq!(&answer.body[..], payload, "the backend's body comes back");
+    assert_eq!(answer.outcome(), "keyless");
+
+    let seen = a.echoed();
+    assert_eq!(seen.len(), 1);
+    let seen = &seen[0];
+    assert_eq!(seen.method, http::Method::POST);
+    assert_eq!(
+        seen.uri.path_and_query().unwrap().as_str(),
+        "/upload/raw?x=1&y=%20z"
+    );
+    assert_eq!(&seen.body[..], payload);
+    assert_eq!(seen.headers["content-type"], "application/octet-stream");
+    assert_eq!(seen.headers["x-custom"], "kept");
+    assert_eq!(seen.headers["authorization"], "Bearer secret");
+    assert_eq!(seen.headers["host"], a.addr.to_string());
+    for hop in ["keep-alive", "x-per-hop"] {
+        assert!(!seen.headers.contains_key(hop), "{hop} is hop-by-hop");
+    }
+
+    let get = proxy.get("/v1/models?limit=1").await;
+    assert_eq!(get.status, StatusCode::CREATED);
+    assert_eq!(
+        a.echoed()[1].uri.path_and_query().unwrap().as_str(),
+        "/v1/models?limit=1"
+    );
+}
+
+// === overflow and metrics ===
+
+#[tokio::test]
+async fn a_full_backend_makes_requests_wait_and_metrics_show_it() {
+    let a = Stub::start("a", 1).await;
+    let mut config = config(&[("node-a", &a)]);
+    config.backends[0] = cli::backend(&format!("node-a={},slots=1,id=a", a.url())).unwrap();
+    config.overflow = Overflow::Wait {
+        max_wait: DEADLINE,
+        max_queued: 8,
+    };
+    let proxy = Arc::new(start(config).await);
+    a.hold_streams();
+
+    let streaming = Conversation::new("first").next(json!({"stream": true}));
+    let req = Request::post(proxy.url("/v1/chat/completions"))
+        .header("x-session-id", "first")
+        .body(Full::new(Bytes::from(streaming.to_string())))
+        .unwrap();
+    let res = proxy.send(req).await;
+    let waiter = {
+        let proxy = proxy.clone();
+        tokio::spawn(async move {
+            let body = Conversation::new("second").next(json!({}));
+            proxy.post_json(&[("x-session-id", "second")], &body).await
+        })
+    };
+    let mut waited = false;
+    for _ in 0..500 {
+        if proxy.proxy.affinity().stats().waiting == 1 {
+            waited = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(waited, "the second request should wait for the only slot");
+    let metrics = String::from_utf8(proxy.get("/metrics").await.body.to_vec()).unwrap();
+    assert!(metrics.contains("tower_affinity_waiting 1"), "{metrics}");
+    assert!(
+        metrics.contains(r#"tower_affinity_backend_in_flight{backend="a",node="node-a"} 1"#),
+        "{metrics}"
+    );
+
+    a.release_streams();
+    tokio::time::timeout(DEADLINE, res.into_body().collect())
+        .await
+        .unwrap()
+        .unwrap();
+    let second = tokio::time::timeout(DEADLINE, waiter)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(second.status, 200);
+
+    let res = proxy.get("/metrics").await;
+    assert_eq!(res.status, 200);
+    assert_eq!(
+        res.header("content-type"),
+        "text/plain; version=0.0.4; charset=utf-8"
+    );
+    let metrics = String::from_utf8(res.body.to_vec()).unwrap();
+    for line in [
+        r#"tower_affinity_decisions_total{outcome="new-session"} 2"#,
+        r#"tower_affinity_decisions_total{outcome="home-hit"} 0"#,
+        "tower_affinity_waited_total 1",
+        "tower_affinity_waiting 0",
+        "tower_affinity_in_flight 0",
+        "tower_affinity_wait_seconds_count 2",
+        r#"tower_affinity_backend_slots{backend="a",node="node-a"} 1"#,
+        r#"tower_affinity_backend_healthy{backend="a",node="node-a"} 1"#,
+        "tower_affinity_backend_errors_total 0",
+        "tower_affinity_rejected_total 0",
+    ] {
+        assert!(metrics.contains(line), "missing {line:?} in\n{metrics}");
+    }
+}
+
+#[tokio::test]
+async fn with_overflow_reject_a_full_fleet_answers_429() {
+    let a = Stub::start("a", 1).await;
+    let mut config = config(&[("node-a", &a)]);
+    config.backends[0] = cli::backend(&format!("node-a={},slots=1,id=a", a.url())).unwrap();
+    config.overflow = Overflow::Reject;
+    let proxy = start(config).await;
+    a.hold_streams();
+
+    let streaming = Conversation::new("first").next(json!({"stream": true}));
+    let req = Request::post(proxy.url("/v1/chat/completions"))
+        .body(Full::new(Bytes::from(streaming.to_string())))
+        .unwrap();
+    let held = proxy.send(req).await;
+    let answer = proxy
+        .post_json(&[], &Conversation::new("second").next(json!({})))
+        .await;
+    assert_eq!(answer.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(answer.header("retry-after"), "1");
+    a.release_streams();
+    drop(held);
+}
+
+// === command line ===
+
+#[test]
+fn the_e2e_command_line_parses() {
+    let args = [
+        "--listen",
+        "127.0.0.1:18080",
+        "--backend",
+        "node-a=http://127.0.0.1:18081,slots=2",
+        "--backend",
+        "node-a=http://127.0.0.1:18082,slots=2",
+        "--backend",
+        "node-b=http://127.0.0.1:18083,slots=2",
+        "--policy",
+        "node-then-backend",
+    ];
+    let cli::Command::Run(run) = cli::parse(args).unwrap() else {
+        panic!("not a run");
+    };
+    assert_eq!(run.listen, "127.0.0.1:18080".parse().unwrap());
+    let c = &run.config;
+    let ids: Vec<_> = c.backends.iter().map(|b| b.id.as_str()).collect();
+    assert_eq!(
+        ids,
+        ["127.0.0.1:18081", "127.0.0.1:18082", "127.0.0.1:18083"]
+    );
+    let nodes: Vec<_> = c.backends.iter().map(|b| b.node.as_str()).collect();
+    assert_eq!(nodes, ["node-a", "node-a", "node-b"]);
+    assert!(c
+        .backends
+        .iter()
+        .all(|b| b.slots.map(|s| s.get()) == Some(2)));
+    assert_eq!(c.policy, app::Policy::NodeThenBackend);
+}
+
+#[test]
+fn every_option_parses_and_bad_values_are_explained() {
+    let args = [
+        "--listen=0.0.0.0:9000",
+        "--backend",
+        "n=http://localhost:8081,id=gpu0",
+        "--policy=round-robin",
+        "--overflow",
+        "wait",
+        "--max-wait",
+        "1.5s",
+        "--max-queued",
+        "7",
+        "--connect-timeout",
+        "250ms",
+        "--failure-cooldown",
+        "1m",
+        "--probe-interval",
+        "0",
+        "--probe-timeout",
+        "3",
+        "--no-slots-probe",
+        "--body-limit",
+        "2MiB",
+        "--read-timeout",
+        "0",
+        "-v",
+    ];
+    let cli::Command::Run(run) = cli::parse(args).unwrap() else {
+        panic!("not a run");
+    };
+    let c = &run.config;
+    assert!(run.verbose);
+    assert_eq!(c.backends[0].id, "gpu0");
+    assert_eq!(c.backends[0].slots, None);
+    assert_eq!(c.policy, app::Policy::RoundRobin);
+    assert_eq!(
+        c.overflow,
+        Overflow::Wait {
+            max_wait: Duration::from_millis(1500),
+            max_queued: 7
+        }
+    );
+    assert_eq!(c.connect_timeout, Duration::from_millis(250));
+    assert_eq!(c.failure_cooldown, Duration::from_secs(60));
+    assert_eq!(c.probe_interval, None);
+    assert_eq!(c.probe_timeout, Duration::from_secs(3));
+    assert!(!c.probe_slots);
+    assert_eq!(c.body_limit, 2 << 20);
+    assert_eq!(c.read_timeout, None);
+
+    for (args, needle) in [
+        (
+            vec!["--policy", "random"],
+            "expected one of node-then-backend",
+        ),
+        (vec!["--backend", "http://x:1"], "no NODE="),
+        (vec!["--backend", "n=http://x:1/v1"], "paths are forwarded"),
+        (vec!["--backend", "n=http://x:1,slots=0"], "at least 1"),
+        (vec!["--backend", "n=https://x:1"], "only http://"),
+        (
+            vec!["--backend", "n=http://x:1", "--max-wait", "soon"],
+            "duration",
+        ),
+        (
+            vec!["--backend", "n=http://x:1", "--overflow", "drop"],
+            "wait, overcommit or reject",
+        ),
+        (vec!["--listen", "127.0.0.1:8080"], "at least one --backend"),
+        (vec!["--bogus"], "unknown argument"),
+        (vec!["--backend"], "needs a value"),
+    ] {
+        let err = cli::parse(args.clone()).unwrap_err();
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+    assert!(matches!(cli::parse(["--help"]), Ok(cli::Command::Help)));
+}
+
+#[tokio::test]
+async fn two_backends_with_one_id_are_refused() {
+    let spec = cli::backend("n=http://127.0.0.1:1").unwrap();
+    let err = Proxy::new(Config::new(vec![spec.clone(), spec]))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("given twice"), "{err}");
+}

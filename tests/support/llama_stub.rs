@@ -1,0 +1,315 @@
+//! A stub llama-server on a loopback port: OpenAI chat completions (plain and streamed), with
+//! a prefix cache per stub so `usage.prompt_tokens_details.cached_tokens` tells whether a turn
+//! found its previous prompt here; `/health`, `/slots`; and an echo of anything else.
+//!
+//! Tokens are counted as bytes of message content: a turn's cached tokens are those of the
+//! longest run of leading messages it shares with a conversation (prompt and answer) this stub
+//! served before.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU16, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::service::TowerToHyperService;
+use parking_lot::Mutex;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio::task::{JoinHandle, JoinSet};
+
+/// The most prompts a stub remembers.
+const CACHED_PROMPTS: usize = 16;
+
+/// A request the stub saw outside the chat endpoint.
+#[derive(Clone, Debug)]
+pub(crate) struct Echoed {
+    pub(crate) method: Method,
+    pub(crate) uri: Uri,
+    pub(crate) headers: HeaderMap,
+    pub(crate) body: Bytes,
+}
+
+#[derive(Debug)]
+pub(crate) struct StubState {
+    pub(crate) name: String,
+    slots: usize,
+    health: AtomicU16,
+    /// Prompts served, as their messages, most recent last.
+    cache: Mutex<Vec<Vec<Value>>>,
+    pub(crate) chats: AtomicUsize,
+    pub(crate) streams_finished: AtomicUsize,
+    /// Streams send their first chunk, then take a permit before the rest.
+    gate: Semaphore,
+    pub(crate) echoed: Mutex<Vec<Echoed>>,
+}
+
+/// A running stub. Dropping it, or [`Stub::kill`], closes its listener and every connection.
+#[derive(Debug)]
+pub(crate) struct Stub {
+    pub(crate) addr: SocketAddr,
+    pub(crate) state: Arc<StubState>,
+    server: JoinHandle<()>,
+}
+
+impl Stub {
+    /// A stub with `slots` slots, streams not held.
+    pub(crate) async fn start(name: &str, slots: usize) -> Stub {
+        let state = Arc::new(StubState {
+            name: name.to_string(),
+            slots,
+            health: AtomicU16::new(200),
+            cache: Mutex::new(Vec::new()),
+            chats: AtomicUsize::new(0),
+            streams_finished: AtomicUsize::new(0),
+            gate: Semaphore::new(Semaphore::MAX_PERMITS),
+            echoed: Mutex::new(Vec::new()),
+        });
+        let router = Router::new()
+            .route("/health", get(health))
+            .route("/slots", get(slots_list))
+            .route("/v1/chat/completions", post(chat))
+            .fallback(echo)
+            .with_state(state.clone());
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        // Connections live in this task's set, so aborting the task closes them all, as a
+        // killed process would.
+        let server = tokio::spawn(async move {
+            let mut connections = JoinSet::new();
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                let service = TowerToHyperService::new(router.clone());
+                connections.spawn(async move {
+                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+                while connections.try_join_next().is_some() {}
+            }
+        });
+        Stub {
+            addr,
+            state,
+            server,
+        }
+    }
+
+    pub(crate) fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Stops the stub: new connections are refused, open ones are closed.
+    pub(crate) async fn kill(&self) {
+        self.server.abort();
+        // Let the runtime run the abort before the caller sends anything.
+        for _ in 0..100 {
+            if self.server.is_finished() {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+    }
+
+    /// What `/health` answers: 200 ready, 503 loading.
+    pub(crate) fn set_health(&self, status: u16) {
+        self.state.health.store(status, Ordering::Relaxed);
+    }
+
+    /// Streams stop after their first chunk until [`Stub::release_streams`].
+    pub(crate) fn hold_streams(&self) {
+        let held = self.state.gate.available_permits();
+        self.state.gate.forget_permits(held);
+    }
+
+    pub(crate) fn release_streams(&self) {
+        self.state
+            .gate
+            .add_permits(Semaphore::MAX_PERMITS - self.state.gate.available_permits());
+    }
+
+    pub(crate) fn chats(&self) -> usize {
+        self.state.chats.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn echoed(&self) -> Vec<Echoed> {
+        self.state.echoed.lock().clone()
+    }
+}
+
+impl Drop for Stub {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+async fn health(State(s): State<Arc<StubState>>) -> Response {
+    let status = StatusCode::from_u16(s.health.load(Ordering::Relaxed)).unwrap();
+    let body = if status == StatusCode::OK {
+        json!({"status": "ok"})
+    } else {
+        json!({"error": {"code": status.as_u16(), "message": "Loading model", "type": "unavailable_error"}})
+    };
+    (status, axum::Json(body)).into_response()
+}
+
+async fn slots_list(State(s): State<Arc<StubState>>) -> Response {
+    let slots: Vec<Value> = (0..s.slots)
+        .map(|id| json!({"id": id, "n_ctx": 4096, "is_processing": false}))
+        .collect();
+    axum::Json(slots).into_response()
+}
+
+fn tokens(messages: &[Value]) -> usize {
+    messages
+        .iter()
+        .map(|m| m["content"].as_str().map_or(0, str::len))
+        .sum()
+}
+
+/// Looks the prompt up in the prefix cache, then remembers it with its answer, as a slot's KV
+/// cache holds the generated tokens too.
+fn cached_tokens(s: &StubState, messages: &[Value], answer: &str) -> usize {
+    let mut cache = s.cache.lock();
+    let best = cache
+        .iter()
+        .map(|prompt| {
+            let shared = prompt
+                .iter()
+                .zip(messages)
+                .take_while(|(a, b)| a == b)
+                .count();
+            tokens(&messages[..shared])
+        })
+        .max()
+        .unwrap_or(0);
+    let mut served = messages.to_vec();
+    served.push(json!({"role": "assistant", "content": answer}));
+    cache.push(served);
+    if cache.len() > CACHED_PROMPTS {
+        cache.remove(0);
+    }
+    best
+}
+
+async fn chat(State(s): State<Arc<StubState>>, body: Bytes) -> Response {
+    let Ok(req) = serde_json::from_slice::<Value>(&body) else {
+        return (StatusCode::BAD_REQUEST, "body is not JSON").into_response();
+    };
+    let messages = req["messages"].as_array().cloned().unwrap_or_default();
+    let n = s.chats.fetch_add(1, Ordering::Relaxed) + 1;
+    let prompt = tokens(&messages);
+    let answer = format!("{} answer {n}", s.name);
+    let cached = cached_tokens(&s, &messages, &answer);
+    let usage = json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": 3,
+        "total_tokens": prompt + 3,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    });
+    if req["stream"].as_bool() != Some(true) {
+        let res = json!({
+            "id": format!("chatcmpl-{n}"),
+            "object": "chat.completion",
+            "model": "stub",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}],
+            "usage": usage,
+        });
+        return ([("x-stub", s.name.clone())], axum::Json(res)).into_response();
+    }
+    let chunk = move |delta: Value, finish: Value, usage: Value| {
+        let c = json!({
+            "id": format!("chatcmpl-{n}"),
+            "object": "chat.completion.chunk",
+            "model": "stub",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+            "usage": usage,
+        });
+        Ok::<_, std::convert::Infallible>(Bytes::from(format!("data: {c}\n\n")))
+    };
+    let words: Vec<String> = answer.split(' ').map(str::to_string).collect();
+    let state = s.clone();
+    let stream = async_stream(move |tx| async move {
+        let _ = tx
+            .send(chunk(
+                json!({"role": "assistant"}),
+                Value::Null,
+                Value::Null,
+            ))
+            .await;
+        // Held here, after the first chunk, while a test checks the client already has it.
+        let permit = state.gate.acquire().await.unwrap();
+        drop(permit);
+        for w in words {
+            let _ = tx
+                .send(chunk(
+                    json!({"content": format!("{w} ")}),
+                    Value::Null,
+                    Value::Null,
+                ))
+                .await;
+        }
+        let _ = tx.send(chunk(json!({}), json!("stop"), usage)).await;
+        let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
+        state.streams_finished.fetch_add(1, Ordering::Relaxed);
+    });
+    (
+        [
+            ("content-type", "text/event-stream"),
+            ("x-stub", s.name.as_str()),
+        ],
+        Body::from_stream(stream),
+    )
+        .into_response()
+}
+
+/// A stream fed by a task through a channel of one: each chunk is written before the next is
+/// produced.
+fn async_stream<F, Fut>(
+    produce: F,
+) -> impl futures_core::Stream<Item = Result<Bytes, std::convert::Infallible>>
+where
+    F: FnOnce(tokio::sync::mpsc::Sender<Result<Bytes, std::convert::Infallible>>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tokio::spawn(produce(tx));
+    ReceiverStream(rx)
+}
+
+struct ReceiverStream<T>(tokio::sync::mpsc::Receiver<T>);
+
+impl<T> futures_core::Stream for ReceiverStream<T> {
+    type Item = T;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<T>> {
+        self.0.poll_recv(cx)
+    }
+}
+
+async fn echo(
+    State(s): State<Arc<StubState>>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    s.echoed.lock().push(Echoed {
+        method,
+        uri,
+        headers,
+        body: body.clone(),
+    });
+    (StatusCode::CREATED, [("x-stub", s.name.clone())], body).into_response()
+}
