@@ -2,9 +2,9 @@
 //!
 //! ```text
 //! cargo run --release --example proxy -- --listen 127.0.0.1:8080 \
-//!     --backend node-a=http://10.0.0.1:8081,slots=2 \
-//!     --backend node-a=http://10.0.0.1:8082,slots=2 \
-//!     --backend node-b=http://10.0.0.2:8081,slots=2 \
+//!     --backend node-a=http://host-a:8081,slots=2 \
+//!     --backend node-a=http://host-a:8082,slots=2 \
+//!     --backend node-b=http://host-b:8081,slots=2 \
 //!     --policy node-then-backend
 //! ```
 //!
