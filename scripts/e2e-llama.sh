@@ -24,17 +24,24 @@
 #   5. restarts the proxy with --policy round-robin and runs the driver again,
 #      without asserting, for comparison.
 #   Exits 0 only if the assertion in 4 passed.  Every process it starts is
-#   killed on exit.
+#   killed on exit.  To redo the setup from scratch: rm -rf ~/.cache/tower-affinity
+#
+# Note: a llama-server slot keeps one conversation's KV cache; with -np 2 a
+# backend serves 2 sessions with full reuse, a 3rd session on the same backend
+# evicts the others (measured: 4 sessions on one 2-slot server -> ~50% hits).
+# So the proxy must not bind more sessions to a backend than its slots.
 #
 # Environment overrides:
 #   TA_CACHE_DIR         cache directory              (~/.cache/tower-affinity)
 #   TA_LLAMA_PORTS       3 llama-server ports         ("18081 18082 18083")
 #   TA_PROXY_PORT        proxy port                   (18080)
+#                        (a busy port is replaced by the next free one)
 #   TA_SESSIONS/TA_TURNS driver shape                 (4 / 5)
 #   TA_LLAMA_THREADS     -t for each llama-server     (1; 3 servers share 2 cores)
 #   TA_LLAMA_EXTRA_ARGS  extra llama-server flags     ("")
 #   TA_BUILD_JOBS        cmake -j                     (2)
 #   TA_LOG_DIR           where logs go                ($TA_CACHE_DIR/logs/<timestamp>)
+#   TA_PROXY_BIN         run this proxy binary instead of building --example proxy
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -64,7 +71,7 @@ for arg in "$@"; do
     case "$arg" in
         --setup-only) SETUP_ONLY=1 ;;
         --no-compare) COMPARE=0 ;;
-        -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
         *) echo "unknown argument: $arg" >&2; exit 64 ;;
     esac
 done
@@ -99,7 +106,8 @@ trap 'exit 143' TERM
 
 # ------------------------------------------------------------------ setup ---
 setup_venv() {
-    if [[ -f "$VENV/.ta-ok" ]]; then
+    if [[ -x "$VENV/bin/cmake" && -x "$VENV/bin/ninja" ]] &&
+        "$PY" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("openai") is None)' 2>/dev/null; then
         say "venv: cached ($VENV)"
         return
     fi
@@ -109,11 +117,10 @@ setup_venv() {
     python3 -m venv "$VENV"
     "$PY" -m pip install -q --disable-pip-version-check cmake ninja openai
     "$PY" -c 'import openai' # sanity
-    touch "$VENV/.ta-ok"
 }
 
 setup_source() {
-    if [[ -f "$SRC/.ta-ok" ]]; then
+    if [[ -f "$SRC/CMakeLists.txt" && -d "$SRC/tools/server" ]]; then
         say "llama.cpp source: cached ($SRC)"
         return
     fi
@@ -161,13 +168,17 @@ for arch in archives:
 if not os.path.exists(os.path.join(out, "CMakeLists.txt")):
     sys.exit("llama.cpp source (CMakeLists.txt) not found in the archive")
 PYEOF
-    mv "$SRC.tmp" "$SRC"
-    touch "$SRC/.ta-ok"
+    mv "$SRC.tmp" "$SRC" # atomic: a half-extracted tree never looks cached
 }
 
 setup_build() {
-    if [[ -x "$LLAMA_SERVER" && -f "$BIN/.ta-ok" ]]; then
+    if [[ -x "$LLAMA_SERVER" ]] && LD_LIBRARY_PATH="$BIN" "$LLAMA_SERVER" --version >/dev/null 2>&1; then
         say "llama-server: cached ($LLAMA_SERVER)"
+        return
+    fi
+    if [[ -x "$BUILD/bin/llama-server" ]] && "$BUILD/bin/llama-server" --version >/dev/null 2>&1; then
+        say "llama-server: already built in $BUILD, installing it"
+        install_server_binary
         return
     fi
     say "llama-server: building from $SRC (about 13 minutes on 2 cores, at nice 19; log: $CACHE/build.log)"
@@ -199,7 +210,6 @@ install_server_binary() {
         die "llama-server has unresolved shared libraries"
     fi
     LD_LIBRARY_PATH="$BIN" "$LLAMA_SERVER" --version >/dev/null 2>&1 || die "$LLAMA_SERVER --version failed"
-    touch "$BIN/.ta-ok"
 }
 
 setup_model() {
@@ -230,6 +240,18 @@ PYEOF
 # -------------------------------------------------------------- processes ---
 port_busy() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
+TAKEN_PORTS=" "
+PICKED_PORT=
+pick_port() { # preferred -> PICKED_PORT = first free port >= preferred not picked before
+    local p=$1
+    while port_busy "$p" || [[ "$TAKEN_PORTS" == *" $p "* ]]; do
+        p=$((p + 1))
+        ((p < $1 + 200)) || die "no free port near $1"
+    done
+    TAKEN_PORTS+="$p "
+    PICKED_PORT=$p
+}
+
 http_code() { curl -s -o /dev/null -m 5 -w '%{http_code}' "$1" 2>/dev/null || true; }
 
 wait_http_200() { # url pid what timeout_s
@@ -248,8 +270,10 @@ start_llama_servers() {
     LLAMA_URLS=()
     local i port pid log
     for i in "${!LLAMA_PORTS[@]}"; do
-        port=${LLAMA_PORTS[$i]}
-        port_busy "$port" && die "port $port is already in use (set TA_LLAMA_PORTS)"
+        pick_port "${LLAMA_PORTS[$i]}"
+        port=$PICKED_PORT
+        [[ "$port" == "${LLAMA_PORTS[$i]}" ]] || say "port ${LLAMA_PORTS[$i]} is busy, using $port"
+        LLAMA_PORTS[i]=$port
         log="$LOG_DIR/llama-$port.log"
         LD_LIBRARY_PATH="$BIN${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$LLAMA_SERVER" \
             -m "$MODEL" -np 2 -c 8192 -t "$LLAMA_THREADS" --host 127.0.0.1 --port "$port" \
@@ -257,7 +281,7 @@ start_llama_servers() {
         pid=$!
         PIDS+=("$pid")
         LLAMA_URLS+=("http://127.0.0.1:$port")
-        say "llama-server #$i: pid $pid on 127.0.0.1:$port (log $log)"
+        say "llama-server #$i: pid $pid on 127.0.0.1:$port: -np 2 -c 8192 -t $LLAMA_THREADS ${LLAMA_EXTRA[*]} (log $log)"
     done
     for i in "${!LLAMA_PORTS[@]}"; do
         port=${LLAMA_PORTS[$i]}
@@ -268,6 +292,12 @@ start_llama_servers() {
 }
 
 build_proxy() {
+    if [[ -n "${TA_PROXY_BIN:-}" ]]; then
+        PROXY_BIN=$TA_PROXY_BIN
+        say "proxy: using TA_PROXY_BIN=$PROXY_BIN (no cargo build)"
+        [[ -x "$PROXY_BIN" ]] || die "TA_PROXY_BIN=$PROXY_BIN is not executable"
+        return
+    fi
     say "proxy: cargo build --release --example proxy"
     (cd "$ROOT" && cargo build --release --example proxy) || die "cargo build --release --example proxy failed"
     PROXY_BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release/examples/proxy"
@@ -324,12 +354,16 @@ say "setup done in $(( $(date +%s) - T_START )) s"
 ((SETUP_ONLY)) && exit 0
 
 command -v curl >/dev/null || die "curl is required"
-command -v cargo >/dev/null || die "cargo is required"
+[[ -n "${TA_PROXY_BIN:-}" ]] || command -v cargo >/dev/null || die "cargo is required"
 LOG_DIR="${TA_LOG_DIR:-$CACHE/logs/$(date +%Y%m%d-%H%M%S)}"
 mkdir -p "$LOG_DIR"
 say "logs in $LOG_DIR"
 
 build_proxy
+PREFERRED_PROXY_PORT=$PROXY_PORT
+pick_port "$PROXY_PORT"
+PROXY_PORT=$PICKED_PORT
+[[ "$PROXY_PORT" == "$PREFERRED_PROXY_PORT" ]] || say "port $PREFERRED_PROXY_PORT is busy, proxy will use $PROXY_PORT"
 start_llama_servers
 
 start_proxy node-then-backend
