@@ -358,7 +358,13 @@ where
         if declared > config.limit as u64 {
             return BodyKeyFuture::reject(Rejection::TooLarge(config.limit));
         }
-        let capacity = usize::try_from(declared).unwrap_or(0).min(config.limit);
+        // A declared length is a claim, not bytes: reserve a little up front and let the
+        // buffer grow as data arrives, so idle clients cannot pin memory by announcing size.
+        const UP_FRONT: usize = 64 * 1024;
+        let capacity = usize::try_from(declared)
+            .unwrap_or(0)
+            .min(config.limit)
+            .min(UP_FRONT);
         let deadline = config.read_timeout.map(|t| Box::pin(tokio::time::sleep(t)));
         BodyKeyFuture {
             state: State::Reading {

@@ -252,6 +252,12 @@ impl Harness {
                     if let Some(h) = &expected {
                         assert_eq!(d.backend.as_str(), h, "free home not taken");
                     }
+                    // Beyond its slots only when no candidate had room.
+                    assert!(
+                        !d.overcommitted || room.is_empty(),
+                        "overcommitted {} while {room:?} had room",
+                        d.backend
+                    );
                 }
                 if let Poll::Ready(Err(Error::Saturated { .. })) = &poll {
                     if self.overflow == Overflow::Reject {
