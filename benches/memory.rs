@@ -160,6 +160,22 @@ fn per_request() {
         ),
     );
 
+    let mut svc = SessionAffinityLayer::new()
+        .key(ExtensionKey)
+        .decision_extension(false)
+        .layer(shape.fleet(1));
+    for i in 0..HOT {
+        drop(call_now(&mut svc, request(Some(key(i)))));
+    }
+    row(
+        "affinity: home hit, `decision_extension(false)`",
+        count(
+            N,
+            |i| request(Some(key(i % HOT))),
+            |r| drop(black_box(call_now(&mut svc, r))),
+        ),
+    );
+
     let mut svc = SessionAffinityLayer::new().layer(shape.fleet(1));
     for i in 0..HOT {
         drop(call_now(&mut svc, header_request(i)));

@@ -4,6 +4,8 @@
 //!
 //! - `affinity`: [`SessionAffinity`] with its defaults (session id from the `x-session-id`
 //!   header, hashed with SHA-256; `NodeThenBackend`);
+//! - `affinity_noext`: the same with `.decision_extension(false)`: no [`Decision`] put in the
+//!   response's extensions (it stays readable from the response body);
 //! - `p2c`: `tower::balance::p2c::Balance` over `PendingRequests` wrappers of the same backends;
 //! - `p2c_buffer` (multi-threaded only): one `Balance` shared by every caller through
 //!   `tower::buffer::Buffer`, the usual way to share a balancer that is not `Clone`.
@@ -22,6 +24,7 @@
 //! Run with `cargo bench --bench throughput`.
 //!
 //! [`SessionAffinity`]: tower_affinity::SessionAffinity
+//! [`Decision`]: tower_affinity::Decision
 
 use std::fmt::Debug;
 use std::hint::black_box;
@@ -174,6 +177,13 @@ fn single_threaded(c: &mut Criterion) {
         g.bench_function(BenchmarkId::new("affinity", mix.name()), |b| {
             b.iter_custom(|iters| single(&rt, &mut affinity, mix, &mut cursor, iters))
         });
+        let mut noext = SessionAffinityLayer::new()
+            .decision_extension(false)
+            .layer(SHAPE.fleet(SLOTS));
+        let mut cursor = 0;
+        g.bench_function(BenchmarkId::new("affinity_noext", mix.name()), |b| {
+            b.iter_custom(|iters| single(&rt, &mut noext, mix, &mut cursor, iters))
+        });
         let mut balance = p2c();
         let mut cursor = 0;
         g.bench_function(BenchmarkId::new("p2c", mix.name()), |b| {
@@ -196,6 +206,14 @@ fn multi_threaded(c: &mut Criterion) {
         let mut handles: Vec<_> = (0..CALLERS).map(|_| affinity.clone()).collect();
         let mut cursor = 0;
         g.bench_function(BenchmarkId::new("affinity", mix.name()), |b| {
+            b.iter_custom(|iters| concurrent(&rt, &mut handles, mix, &mut cursor, iters))
+        });
+        let noext = SessionAffinityLayer::new()
+            .decision_extension(false)
+            .layer(SHAPE.fleet(SLOTS));
+        let mut handles: Vec<_> = (0..CALLERS).map(|_| noext.clone()).collect();
+        let mut cursor = 0;
+        g.bench_function(BenchmarkId::new("affinity_noext", mix.name()), |b| {
             b.iter_custom(|iters| concurrent(&rt, &mut handles, mix, &mut cursor, iters))
         });
         let mut balancers: Vec<P2c> = (0..CALLERS).map(|_| p2c()).collect();

@@ -1,0 +1,457 @@
+#!/usr/bin/env bash
+# Proxy overhead against a peer router (BENCHMARKS.md, part 4). Run by hand, never by CI.
+#
+#   scripts/bench-proxy.sh              # install (cached), build, measure, print the tables
+#
+# What it does, all on 127.0.0.1:
+#   1. installs what it needs: Debian's wrk and nginx-light (apt-get), PyPI's sglang-router in a
+#      venv under $TA_CACHE_DIR/bench-venv (its `smg` entry point runs the router, a Rust
+#      extension, in that python process), and builds `cargo build --release --example proxy`;
+#   2. starts nginx (config in a temp dir, one worker) answering every POST
+#      /v1/chat/completions with one fixed 230-byte chat completion (`return 200`), and
+#      `{"status":"ok"}` on any other path (the routers' health checks);
+#   3. for each target -- nginx directly; our proxy (one backend, 4096 slots, overcommit, so it
+#      never queues or rejects); SGLang's router with --policy round_robin; the same with
+#      --policy cache_aware; our proxy again on one tokio worker thread (TOKIO_WORKER_THREADS=1);
+#      and, as a reference for what a lean proxy costs here, nginx itself as a reverse proxy
+#      (proxy_pass, keep-alive upstream) -- starts it, warms up, then runs wrk with 32
+#      connections and with 1 connection (the added latency alone), each for a fixed duration;
+#   4. prints one Markdown table per connection count: requests/s, p50 and p99 latency, each
+#      as a ratio to direct; the p50 added over direct; the cores each process used during the
+#      run ((utime+stime) / wall time, from /proc/PID/stat for servers and from wrk's own
+#      rusage), and the router's CPU time per request; then ours as a ratio to each SGLang
+#      policy, with the verdicts against the targets (>= 5x requests/s, <= 1/5 added p50).
+#
+# Every request is a POST with a 130-byte JSON body and an X-Session-Id header; requests cycle
+# through $BENCH_SESSIONS sessions (each session's body names it, so cache_aware sees distinct
+# prompts). Every process the script starts is ended on exit.
+#
+# Environment overrides:
+#   TA_CACHE_DIR     cache directory                       (~/.cache/tower-affinity)
+#   BENCH_DURATION   wrk duration of each measured run     (10s)
+#   BENCH_WARMUP     wrk warm-up before each target        (2s)
+#   BENCH_CONNS      connection counts, in order           ("32 1")
+#   BENCH_SESSIONS   distinct session ids                  (1024)
+#   BENCH_PIN        1: wrk and nginx on CPU 0, the router on CPU 1 (taskset); 0: no pinning (0)
+#   BENCH_SGL_LOG    SGLang router --log-level            (warn: no line per request)
+#   BENCH_OUT        also write the tables to this file    (none)
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CACHE="${TA_CACHE_DIR:-$HOME/.cache/tower-affinity}"
+VENV="$CACHE/bench-venv"
+SGLANG_ROUTER_VERSION="0.3.2"
+DURATION="${BENCH_DURATION:-10s}"
+WARMUP="${BENCH_WARMUP:-2s}"
+read -r -a CONNS <<<"${BENCH_CONNS:-32 1}"
+SESSIONS="${BENCH_SESSIONS:-1024}"
+PIN="${BENCH_PIN:-0}"
+SGL_LOG="${BENCH_SGL_LOG:-warn}"
+OUT="${BENCH_OUT:-}"
+CLK_TCK="$(getconf CLK_TCK)"
+
+WORK="$(mktemp -d -t bench-proxy.XXXXXX)"
+PIDS=()
+
+cleanup() {
+    local rc=$?
+    set +e
+    for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do
+        # Its direct children first (wrk under /usr/bin/time), then itself.
+        pkill -TERM -P "${PIDS[i]}" 2>/dev/null
+        kill -TERM "${PIDS[i]}" 2>/dev/null
+    done
+    for pid in "${PIDS[@]}"; do
+        for _ in $(seq 50); do
+            kill -0 "$pid" 2>/dev/null || break
+            sleep 0.1
+        done
+        kill -KILL "$pid" 2>/dev/null
+        wait "$pid" 2>/dev/null
+    done
+    if [[ $rc -ne 0 ]]; then
+        echo "bench-proxy: failed (exit $rc); logs in $WORK" >&2
+    else
+        rm -rf "$WORK"
+    fi
+    exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+log() { echo "bench-proxy: $*" >&2; }
+
+# Ends one process this script started and forgets it.
+stop() {
+    local pid=$1 keep=() p
+    kill -TERM "$pid" 2>/dev/null || true
+    for _ in $(seq 50); do
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.1
+    done
+    kill -KILL "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+    for p in "${PIDS[@]}"; do [[ $p == "$pid" ]] || keep+=("$p"); done
+    PIDS=("${keep[@]+"${keep[@]}"}")
+}
+
+# Runs a command to its end as a tracked child: a signal to this script interrupts the wait at
+# once and the EXIT trap ends the command too.
+run_fg() {
+    local pid rc=0 keep=() p
+    "$@" &
+    pid=$!
+    PIDS+=("$pid")
+    wait "$pid" || rc=$?
+    for p in "${PIDS[@]}"; do [[ $p == "$pid" ]] || keep+=("$p"); done
+    PIDS=("${keep[@]+"${keep[@]}"}")
+    return "$rc"
+}
+
+free_port() {
+    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# Command prefixes that pin to one CPU (empty without BENCH_PIN=1). Used as plain words, not
+# through a function, so that `cmd &` forks the process itself and $! is its pid.
+CPU0=()
+CPU1=()
+if [[ $PIN == 1 ]]; then
+    CPU0=(taskset -c 0)
+    CPU1=(taskset -c 1)
+fi
+
+# --- install ---------------------------------------------------------------------------------
+
+install_deps() {
+    local missing=()
+    command -v wrk >/dev/null || missing+=(wrk)
+    command -v nginx >/dev/null || [[ -x /usr/sbin/nginx ]] || missing+=(nginx-light)
+    if ((${#missing[@]})); then
+        log "installing ${missing[*]}"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            "${missing[@]}" >/dev/null
+        # The package's service may have started the system nginx; it is not ours and not used.
+    fi
+    if [[ ! -x $VENV/bin/smg ]]; then
+        log "installing sglang-router==$SGLANG_ROUTER_VERSION in $VENV"
+        python3 -m venv "$VENV"
+        "$VENV/bin/pip" install -q "sglang-router==$SGLANG_ROUTER_VERSION"
+    fi
+    log "building the proxy example (release)"
+    (cd "$ROOT" && cargo build --release --example proxy -q)
+    # A copy, so that a rebuild in the tree during the run cannot swap the binary under us.
+    cp "$ROOT/target/release/examples/proxy" "$WORK/proxy"
+}
+
+# --- processes -------------------------------------------------------------------------------
+
+wait_http() { # URL what
+    local url=$1 what=$2
+    for _ in $(seq 300); do
+        if curl -sf -o /dev/null -X POST -H 'content-type: application/json' \
+            -H 'x-session-id: probe' \
+            -d '{"model":"m","messages":[{"role":"user","content":"ping"}]}' \
+            "$url/v1/chat/completions"; then
+            return 0
+        fi
+        sleep 0.1
+    done
+    log "$what did not answer at $url within 30 s"
+    return 1
+}
+
+start_nginx() {
+    NGINX_PORT=$(free_port)
+    mkdir -p "$WORK/nginx"
+    cat >"$WORK/nginx/nginx.conf" <<EOF
+worker_processes 1;
+daemon off;
+pid $WORK/nginx/nginx.pid;
+error_log $WORK/nginx/error.log warn;
+events { worker_connections 4096; }
+http {
+    access_log off;
+    client_body_temp_path $WORK/nginx/body;
+    proxy_temp_path $WORK/nginx/proxy;
+    fastcgi_temp_path $WORK/nginx/fastcgi;
+    uwsgi_temp_path $WORK/nginx/uwsgi;
+    scgi_temp_path $WORK/nginx/scgi;
+    keepalive_requests 10000000;
+    keepalive_timeout 300s;
+    server {
+        listen 127.0.0.1:$NGINX_PORT;
+        default_type application/json;
+        location / { return 200 '{"status":"ok"}'; }
+        location = /v1/chat/completions {
+            return 200 '{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}';
+        }
+    }
+}
+EOF
+    "${CPU0[@]}" nginx -e "$WORK/nginx/error.log" -c "$WORK/nginx/nginx.conf" -p "$WORK/nginx" \
+        >"$WORK/nginx.log" 2>&1 &
+    NGINX_PID=$!
+    PIDS+=("$NGINX_PID")
+    BACKEND="http://127.0.0.1:$NGINX_PORT"
+    wait_http "$BACKEND" nginx
+}
+
+# A reference point, not a contender: nginx itself as a reverse proxy (one worker, keep-alive
+# connections to the backend), to show what a lean proxy costs on this machine.
+start_nginx_proxy() {
+    local port
+    port=$(free_port)
+    mkdir -p "$WORK/nginx-proxy"
+    cat >"$WORK/nginx-proxy/nginx.conf" <<EOF
+worker_processes 1;
+daemon off;
+pid $WORK/nginx-proxy/nginx.pid;
+error_log $WORK/nginx-proxy/error.log warn;
+events { worker_connections 4096; }
+http {
+    access_log off;
+    client_body_temp_path $WORK/nginx-proxy/body;
+    proxy_temp_path $WORK/nginx-proxy/proxy;
+    fastcgi_temp_path $WORK/nginx-proxy/fastcgi;
+    uwsgi_temp_path $WORK/nginx-proxy/uwsgi;
+    scgi_temp_path $WORK/nginx-proxy/scgi;
+    keepalive_requests 10000000;
+    keepalive_timeout 300s;
+    upstream backend {
+        server 127.0.0.1:$NGINX_PORT;
+        keepalive 64;
+        keepalive_requests 10000000;
+    }
+    server {
+        listen 127.0.0.1:$port;
+        location / {
+            proxy_pass http://backend;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+        }
+    }
+}
+EOF
+    "${CPU1[@]}" nginx -e "$WORK/nginx-proxy/error.log" -c "$WORK/nginx-proxy/nginx.conf" \
+        -p "$WORK/nginx-proxy" >"$WORK/nginx-proxy.log" 2>&1 &
+    TARGET_PID=$!
+    PIDS+=("$TARGET_PID")
+    TARGET_URL="http://127.0.0.1:$port"
+    wait_http "$TARGET_URL" "nginx as a proxy"
+    # Its master and worker both count as the router.
+    mapfile -t TARGET_PIDS < <(
+        echo "$TARGET_PID"
+        pgrep -P "$TARGET_PID" || true
+    )
+}
+
+# The nginx master and its worker, into the array NGINX_PIDS.
+nginx_pids() { mapfile -t NGINX_PIDS < <(echo "$NGINX_PID"; pgrep -P "$NGINX_PID" || true); }
+
+start_ours() { # [VAR=value for the proxy's environment...]
+    local port
+    port=$(free_port)
+    env "$@" "${CPU1[@]}" "$WORK/proxy" --listen "127.0.0.1:$port" \
+        --backend "node-a=$BACKEND,slots=4096" --overflow overcommit \
+        >"$WORK/proxy.log" 2>&1 &
+    TARGET_PID=$!
+    PIDS+=("$TARGET_PID")
+    TARGET_URL="http://127.0.0.1:$port"
+    wait_http "$TARGET_URL" "our proxy"
+}
+
+start_sglang() { # policy
+    local port prom
+    port=$(free_port)
+    prom=$(free_port)
+    "${CPU1[@]}" "$VENV/bin/smg" launch --host 127.0.0.1 --port "$port" --worker-urls "$BACKEND" \
+        --policy "$1" --prometheus-host 127.0.0.1 --prometheus-port "$prom" \
+        --log-level "$SGL_LOG" >"$WORK/sglang-$1.log" 2>&1 &
+    TARGET_PID=$!
+    PIDS+=("$TARGET_PID")
+    TARGET_URL="http://127.0.0.1:$port"
+    wait_http "$TARGET_URL" "SGLang's router ($1)"
+}
+
+# --- measuring -------------------------------------------------------------------------------
+
+write_lua() {
+    cat >"$WORK/bench.lua" <<EOF
+-- POST /v1/chat/completions, cycling through $SESSIONS sessions (header and body name it).
+local n = $SESSIONS
+local reqs = {}
+local i = 0
+function init(args)
+    for s = 0, n - 1 do
+        local id = string.format("session-%05d", s)
+        local body = '{"model":"m","messages":[{"role":"user","content":"' .. id ..
+            ': say ok"}],"max_tokens":1,"stream":false}'
+        reqs[s] = wrk.format("POST", "/v1/chat/completions",
+            { ["Content-Type"] = "application/json", ["X-Session-Id"] = id }, body)
+    end
+    i = math.random(0, n - 1)
+end
+function request()
+    i = (i + 1) % n
+    return reqs[i]
+end
+function done(summary, latency, requests)
+    local e = summary.errors
+    io.write(string.format("RESULT requests=%d duration_us=%d p50_us=%d p99_us=%d " ..
+        "errors=%d non2xx=%d\n", summary.requests, summary.duration,
+        latency:percentile(50), latency:percentile(99),
+        e.connect + e.read + e.write + e.timeout, e.status))
+end
+EOF
+}
+
+# utime+stime of the given pids, in clock ticks.
+ticks() {
+    local total=0 pid f
+    for pid in "$@"; do
+        [[ -r /proc/$pid/stat ]] || continue
+        # Fields after the command name (which may hold spaces): 14 and 15 are utime, stime.
+        f=$(sed 's/^.*) //' "/proc/$pid/stat")
+        read -r -a a <<<"$f"
+        total=$((total + a[11] + a[12]))
+    done
+    echo "$total"
+}
+
+now_ns() { date +%s%N; }
+
+# run_wrk NAME CONNS DURATION SERVER_PIDS...: prints "RESULT ..." plus cores of each side.
+run_wrk() {
+    local name=$1 conns=$2 dur=$3 url=$4
+    shift 4
+    local nginx_before server_before t0 t1 nginx_after server_after line wrk_cpu
+    nginx_pids
+    nginx_before=$(ticks "${NGINX_PIDS[@]}")
+    server_before=$(ticks "$@")
+    t0=$(now_ns)
+    run_fg "${CPU0[@]}" /usr/bin/time -f "WRKCPU %U %S" -o "$WORK/wrk-time" \
+        wrk -t1 -c"$conns" -d"$dur" --latency -s "$WORK/bench.lua" "$url/v1/chat/completions" \
+        >"$WORK/wrk-$name-c$conns.txt" 2>&1
+    t1=$(now_ns)
+    nginx_after=$(ticks "${NGINX_PIDS[@]}")
+    server_after=$(ticks "$@")
+    line=$(grep '^RESULT' "$WORK/wrk-$name-c$conns.txt")
+    wrk_cpu=$(awk '/^WRKCPU/ { print $2 + $3 }' "$WORK/wrk-time")
+    awk -v line="$line" -v wall_ns=$((t1 - t0)) -v tck="$CLK_TCK" -v wrk="$wrk_cpu" \
+        -v ng=$((nginx_after - nginx_before)) -v sv=$((server_after - server_before)) \
+        -v name="$name" -v c="$conns" 'BEGIN {
+            wall = wall_ns / 1e9
+            printf "%s c=%s %s wall_s=%.3f wrk_cores=%.3f nginx_cores=%.3f router_cores=%.3f\n",
+                name, c, line, wall, wrk / wall, ng / tck / wall, sv / tck / wall
+        }'
+}
+
+measure() { # NAME URL SERVER_PIDS...
+    local name=$1 url=$2 c
+    shift 2
+    log "$name: warm-up $WARMUP"
+    run_fg "${CPU0[@]}" wrk -t1 -c32 -d"$WARMUP" -s "$WORK/bench.lua" \
+        "$url/v1/chat/completions" >/dev/null
+    for c in "${CONNS[@]}"; do
+        log "$name: $c connection(s), $DURATION"
+        run_wrk "$name" "$c" "$DURATION" "$url" "$@" >>"$WORK/results.txt"
+        tail -1 "$WORK/results.txt" >&2
+        if grep -q 'non2xx=[1-9]\|errors=[1-9]' <(tail -1 "$WORK/results.txt"); then
+            log "$name: errors or non-2xx answers (see $WORK/wrk-$name-c$c.txt)"
+        fi
+    done
+}
+
+# --- main ------------------------------------------------------------------------------------
+
+install_deps
+write_lua
+: >"$WORK/results.txt"
+log "load before: $(cut -d' ' -f1-3 /proc/loadavg) on $(nproc) cores; pinning: $PIN"
+start_nginx
+measure direct "$BACKEND"
+
+start_ours
+measure ours "$TARGET_URL" "$TARGET_PID"
+stop "$TARGET_PID"
+
+# The same binary on one tokio worker thread (tokio reads TOKIO_WORKER_THREADS): no hand-offs
+# between threads.
+start_ours TOKIO_WORKER_THREADS=1
+measure ours_1thread "$TARGET_URL" "$TARGET_PID"
+stop "$TARGET_PID"
+
+for policy in round_robin cache_aware; do
+    start_sglang "$policy"
+    measure "sglang_$policy" "$TARGET_URL" "$TARGET_PID"
+    stop "$TARGET_PID"
+done
+start_nginx_proxy
+measure nginx_proxy "$TARGET_URL" "${TARGET_PIDS[@]}"
+stop "$TARGET_PID"
+
+log "load after: $(cut -d' ' -f1-3 /proc/loadavg)"
+
+python3 - "$WORK/results.txt" "$DURATION" "$PIN" <<'PY' | tee "${OUT:-/dev/null}"
+import re, sys
+
+rows = {}
+for line in open(sys.argv[1]):
+    name, c = line.split()[:2]
+    kv = dict(re.findall(r"(\w+)=([\d.]+)", line))
+    rows[(name, int(c[2:]))] = {k: float(v) for k, v in kv.items()}
+
+names = [
+    ("direct", "nginx directly"),
+    ("ours", "our proxy (`node-then-backend`)"),
+    ("sglang_round_robin", "SGLang `round_robin`"),
+    ("sglang_cache_aware", "SGLang `cache_aware`"),
+    ("ours_1thread", "our proxy, 1 tokio worker"),
+    ("nginx_proxy", "reference: nginx `proxy_pass`"),
+]
+
+
+def ms(us):
+    return f"{us / 1000:.3f} ms"
+
+
+for c in sorted({c for _, c in rows}, reverse=True):
+    d = rows[("direct", c)]
+    d["rps"] = d["requests"] / (d["duration_us"] / 1e6)
+    print(f"\n{c} connection{'s' if c > 1 else ''}, wrk -t1 -c{c} -d{sys.argv[2]}"
+          f" (pinned: {'yes' if sys.argv[3] == '1' else 'no'})\n")
+    print("| path | requests/s | / direct | p50 | / direct | added p50 | p99 | / direct "
+          "| errors | cores: wrk / nginx / router | router CPU per request |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+    for key, label in names:
+        r = rows.get((key, c))
+        if r is None:
+            continue
+        r["rps"] = r["requests"] / (r["duration_us"] / 1e6)
+        added = r["p50_us"] - d["p50_us"]
+        r["added"] = added
+        router = "—" if key == "direct" else f"{r['router_cores']:.2f}"
+        per_req = "—" if key == "direct" else f"{r['router_cores'] / r['rps'] * 1e6:.0f} µs"
+        print(f"| {label} | {r['rps']:,.0f} | {r['rps'] / d['rps']:.2f}x | {ms(r['p50_us'])} "
+              f"| {r['p50_us'] / d['p50_us']:.2f}x | {'—' if key == 'direct' else ms(added)} "
+              f"| {ms(r['p99_us'])} | {r['p99_us'] / d['p99_us']:.2f}x "
+              f"| {int(r['errors'] + r['non2xx'])} "
+              f"| {r['wrk_cores']:.2f} / {r['nginx_cores']:.2f} / {router} "
+              f"| {per_req} |")
+    print("\n| ours / SGLang | requests/s | p50 | p99 | added p50 | verdict (≥ 5x requests/s, ≤ 0.20x added p50) |")
+    print("|---|---:|---:|---:|---:|---|")
+    for okey, olabel in [("ours", "ours"), ("ours_1thread", "ours, 1 worker")]:
+        ours = rows.get((okey, c))
+        for key, label in names[2:4]:
+            s = rows.get((key, c))
+            if ours is None or s is None:
+                continue
+            rps = ours["rps"] / s["rps"]
+            added = (ours["added"] / s["added"]) if s["added"] > 0 else float("nan")
+            verdict = " / ".join("pass" if ok else "**miss**" for ok in (rps >= 5, added <= 0.2))
+            print(f"| {olabel} / {label} | {rps:.2f}x | {ours['p50_us'] / s['p50_us']:.2f}x "
+                  f"| {ours['p99_us'] / s['p99_us']:.2f}x | {added:.2f}x | {verdict} |")
+    print()
+PY
