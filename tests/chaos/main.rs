@@ -409,8 +409,13 @@ async fn chaos_ends_every_request_and_loses_no_slot() {
         })
     };
 
-    // The clients: each session's turns in order, at most CONCURRENCY requests at once.
-    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    // The clients: each session's turns in order, at most CONCURRENCY requests at once. A
+    // fresh connection for every request: a stream the proxy cuts ends its connection, and a
+    // pooled client can pick such a connection up as it closes and fail before sending (a
+    // client-side race that real clients retry), which is not what this test is about.
+    let client = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(0)
+        .build_http::<Full<Bytes>>();
     let gate = Arc::new(Semaphore::new(CONCURRENCY));
     let mut sessions = JoinSet::new();
     for s in 0..SESSIONS {
