@@ -8,6 +8,8 @@
 #[allow(dead_code)]
 #[path = "../../examples/proxy/app.rs"]
 mod app;
+#[path = "../support/server.rs"]
+mod server;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -26,8 +28,7 @@ use http::uri::{Authority, Scheme};
 use http::Request;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::service::TowerToHyperService;
+use hyper_util::rt::TokioExecutor;
 use parking_lot::Mutex;
 use tokio::net::TcpListener;
 use tokio::sync::{oneshot, Semaphore};
@@ -87,21 +88,7 @@ impl Stub {
             .route("/health", get(|| async { "ok" }))
             .route("/v1/chat/completions", post(chat))
             .with_state(self.state.clone());
-        let server = tokio::spawn(async move {
-            let mut connections = JoinSet::new();
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    continue;
-                };
-                let service = TowerToHyperService::new(router.clone());
-                connections.spawn(async move {
-                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
-                });
-                while connections.try_join_next().is_some() {}
-            }
-        });
+        let server = server::spawn(listener, router);
         *self.server.lock() = Some(server);
     }
 

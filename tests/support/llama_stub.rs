@@ -6,6 +6,9 @@
 //! longest run of leading messages it shares with a conversation (prompt and answer) this stub
 //! served before.
 
+#[path = "server.rs"]
+mod server;
+
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU16, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -16,13 +19,11 @@ use axum::http::{HeaderMap, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::service::TowerToHyperService;
 use parking_lot::Mutex;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
-use tokio::task::{JoinHandle, JoinSet};
+use tokio::task::JoinHandle;
 
 /// The most prompts a stub remembers.
 const CACHED_PROMPTS: usize = 16;
@@ -79,23 +80,7 @@ impl Stub {
             .with_state(state.clone());
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        // Connections live in this task's set, so aborting the task closes them all, as a
-        // killed process would.
-        let server = tokio::spawn(async move {
-            let mut connections = JoinSet::new();
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    continue;
-                };
-                let service = TowerToHyperService::new(router.clone());
-                connections.spawn(async move {
-                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
-                });
-                while connections.try_join_next().is_some() {}
-            }
-        });
+        let server = server::spawn(listener, router);
         Stub {
             addr,
             state,
