@@ -13,7 +13,8 @@
 //!
 //! Scenarios (whole call path unless `policy_`): `direct`, `home_hit`, `new_session`,
 //! `keyless`, `header_home_hit`, `policy_home_hit`, `policy_new_session`, `policy_keyless`,
-//! `policy_view`. Optional arguments: the fleet (`2x2`, `16x8`, `64x8`, `256x8`; default 16x8)
+//! `policy_view`; `home_hit_noext`, `new_session_noext` and `keyless_noext` build the service
+//! with `.decision_extension(false)`. Optional arguments: the fleet (`2x2`, `16x8`, `64x8`, `256x8`; default 16x8)
 //! and the number of sessions placed first (default 1024; home hits cycle over them).
 //!
 //! Run by `cargo bench` without a scenario, it prints this usage and exits.
@@ -60,7 +61,12 @@ fn main() {
         _ => Shape::new(16, 8),
     };
     let sessions: u64 = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(1024);
-    match what.as_str() {
+    // `home_hit_noext` and the like: the same scenario with `.decision_extension(false)`.
+    let (what, extension) = match what.strip_suffix("_noext") {
+        Some(base) => (base, false),
+        None => (what.as_str(), true),
+    };
+    match what {
         "direct" => {
             let mut b = mock();
             let reqs = (0..n).map(|i| request(Some(key(i % sessions)))).collect();
@@ -70,13 +76,14 @@ fn main() {
             let bound = usize::try_from(sessions + sessions / 10).expect("fits");
             let mut svc = SessionAffinityLayer::new()
                 .key(ExtensionKey)
+                .decision_extension(extension)
                 .sessions(Sessions::new().max_entries(bound.max(100_000)))
                 .layer(shape.fleet(1));
             for i in 0..sessions {
                 drop(call_now(&mut svc, request(Some(key(i)))));
             }
             let reqs = (0..n)
-                .map(|i| match what.as_str() {
+                .map(|i| match what {
                     "home_hit" => request(Some(key(i * 999_983 % sessions))),
                     "new_session" => request(Some(key((1 << 40) + i))),
                     _ => request(None),
@@ -99,7 +106,7 @@ fn main() {
             let k = key(0);
             let home = snap.choose(&p, Some(k), None).expect("room");
             let home = home.as_str().to_owned();
-            measure_policy(n, &mut |i| match what.as_str() {
+            measure_policy(n, &mut |i| match what {
                 "policy_home_hit" => drop(black_box(snap.choose(&p, Some(k), Some(&home)))),
                 "policy_new_session" => {
                     drop(black_box(snap.choose(&p, Some(key(i % sessions)), None)))

@@ -34,16 +34,18 @@ pin_project! {
 }
 
 impl<B> ResponseBody<B> {
-    pub(crate) fn new(inner: B, guard: SlotGuard, decision: Decision) -> Self {
+    pub(crate) fn new(inner: B, guard: SlotGuard, decision: Option<Decision>) -> Self {
         ResponseBody {
             kind: Kind::Backend { inner },
             guard: Some(guard),
-            decision: Some(decision),
+            decision,
         }
     }
 
-    /// Where the request went and why; `None` for an error response made by
-    /// [`Error::into_response`](crate::Error::into_response).
+    /// Where the request went and why, when the service was built with
+    /// [`decision_extension(false)`](crate::SessionAffinityLayer::decision_extension); by
+    /// default the decision is in the response's extensions instead, and this is `None`, as it
+    /// is for an error response made by [`Error::into_response`](crate::Error::into_response).
     pub fn decision(&self) -> Option<&Decision> {
         self.decision.as_ref()
     }

@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
+use crate::stats::Counters;
 use crate::wait::WaitList;
 use parking_lot::Mutex;
 use tokio::time::Instant;
@@ -170,6 +171,8 @@ impl<S> fmt::Debug for Backend<S> {
 /// Fleet-wide counters shared by every slot guard and waiter.
 #[derive(Debug)]
 pub(crate) struct Capacity {
+    /// The decision and error counters behind [`Stats`](crate::Stats).
+    pub(crate) counters: Counters,
     /// The origin of the fleet's millisecond clock (health cooldowns).
     epoch: Instant,
     /// Requests dispatched and not yet finished, over all backends.
@@ -180,20 +183,28 @@ pub(crate) struct Capacity {
     pub(crate) waiters: Mutex<WaitList>,
 }
 
-impl Capacity {
-    pub(crate) fn new() -> Self {
+impl Default for Capacity {
+    fn default() -> Self {
         Capacity {
+            counters: Counters::default(),
             epoch: Instant::now(),
             in_flight: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
             waiters: Mutex::default(),
         }
     }
+}
 
-    /// Milliseconds since the epoch, never 0 (0 means "up" in [`Load::down_until`]).
+impl Capacity {
+    /// Milliseconds since the epoch, never 0 (0 means "up" in [`Load::down_until`]). The
+    /// fleet's one clock: health cooldowns and the session table's idle times read it.
     pub(crate) fn now_ms(&self, now: Instant) -> u64 {
-        let ms = now.saturating_duration_since(self.epoch).as_millis();
-        u64::try_from(ms).unwrap_or(u64::MAX - 1).max(1)
+        let d = now.saturating_duration_since(self.epoch);
+        // No 128-bit division: seconds fit in 64 bits for any real uptime.
+        d.as_secs()
+            .saturating_mul(1000)
+            .saturating_add(u64::from(d.subsec_millis()))
+            .clamp(1, u64::MAX - 1)
     }
 }
 
@@ -204,14 +215,17 @@ pub(crate) struct Load {
     pub(crate) slots: AtomicU32,
     /// Down until this time (fleet milliseconds); 0 when up, `u64::MAX` until marked up.
     pub(crate) down_until: AtomicU64,
+    /// The fleet's counters, so that a slot guard needs this one `Arc` alone.
+    pub(crate) capacity: Arc<Capacity>,
 }
 
 impl Load {
-    fn new(slots: NonZeroU32) -> Self {
+    fn new(slots: NonZeroU32, capacity: Arc<Capacity>) -> Self {
         Load {
             in_flight: AtomicU32::new(0),
             slots: AtomicU32::new(slots.get()),
             down_until: AtomicU64::new(0),
+            capacity,
         }
     }
 
@@ -260,27 +274,31 @@ impl Load {
 /// A taken slot: released exactly once, when dropped.
 pub(crate) struct SlotGuard {
     load: Arc<Load>,
-    capacity: Arc<Capacity>,
     backend: u32,
     node: u32,
 }
 
 impl SlotGuard {
-    pub(crate) fn new(load: Arc<Load>, capacity: Arc<Capacity>, backend: u32, node: u32) -> Self {
-        capacity.in_flight.fetch_add(1, Ordering::AcqRel);
+    /// Counts the slot just taken on `load` in the fleet's total.
+    pub(crate) fn new(load: &Arc<Load>, backend: u32, node: u32) -> Self {
+        load.capacity.in_flight.fetch_add(1, Ordering::AcqRel);
         SlotGuard {
-            load,
-            capacity,
+            load: load.clone(),
             backend,
             node,
         }
+    }
+
+    /// The fleet's counters.
+    pub(crate) fn capacity(&self) -> &Capacity {
+        &self.load.capacity
     }
 
     /// Marks the backend this slot belongs to down for `cooldown`, then releases the slot.
     pub(crate) fn fail(self, cooldown: std::time::Duration) {
         let until = Instant::now()
             .checked_add(cooldown)
-            .map_or(u64::MAX, |t| self.capacity.now_ms(t));
+            .map_or(u64::MAX, |t| self.capacity().now_ms(t));
         self.load.mark_down(until);
     }
 }
@@ -288,8 +306,9 @@ impl SlotGuard {
 impl Drop for SlotGuard {
     fn drop(&mut self) {
         self.load.in_flight.fetch_sub(1, Ordering::AcqRel);
-        self.capacity.in_flight.fetch_sub(1, Ordering::AcqRel);
-        self.capacity.slot_freed(self.backend, self.node);
+        let capacity = &self.load.capacity;
+        capacity.in_flight.fetch_sub(1, Ordering::AcqRel);
+        capacity.slot_freed(self.backend, self.node);
     }
 }
 
@@ -329,6 +348,8 @@ pub(crate) struct NodeEntry {
 /// The fleet's shape: nodes, backends and slot counters, without the services.
 #[derive(Debug, Default)]
 pub(crate) struct Topology {
+    /// The fleet's counters, shared by every backend's [`Load`].
+    pub(crate) capacity: Arc<Capacity>,
     pub(crate) members: Vec<Member>,
     pub(crate) nodes: Vec<NodeEntry>,
     /// Live backends, by index, in insertion order.
@@ -480,7 +501,7 @@ impl Topology {
                 digest,
                 generation: m.generation.wrapping_add(1),
                 live: true,
-                load: Arc::new(Load::new(slots)),
+                load: Arc::new(Load::new(slots, self.capacity.clone())),
                 prompt_cache_bytes,
             };
             index
@@ -492,7 +513,7 @@ impl Topology {
                 digest,
                 generation: 0,
                 live: true,
-                load: Arc::new(Load::new(slots)),
+                load: Arc::new(Load::new(slots, self.capacity.clone())),
                 prompt_cache_bytes,
             });
             index
@@ -631,7 +652,7 @@ mod tests {
 
     #[test]
     fn slot_counter_never_exceeds_slots_without_force() {
-        let l = Load::new(nz(2));
+        let l = Load::new(nz(2), Arc::default());
         assert!(l.try_acquire());
         assert!(l.try_acquire());
         assert!(!l.try_acquire());

@@ -5,6 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
+use std::time::Duration;
 
 use http::HeaderValue;
 use pin_project_lite::pin_project;
@@ -45,7 +46,7 @@ pin_project! {
             fut: Oneshot<S, http::Request<ReqB>>,
             guard: Option<SlotGuard>,
             decision: Option<Decision>,
-            shared: SharedOf<S, P>,
+            finish: Finish,
         },
         Wait {
             req: Option<http::Request<ReqB>>,
@@ -63,21 +64,26 @@ pin_project! {
     }
 }
 
+/// What a response future needs once its backend is chosen: copied out of the service's
+/// shared state, so that a dispatched request holds no reference to it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Finish {
+    pub(crate) decision_headers: bool,
+    pub(crate) decision_extension: bool,
+    pub(crate) failure_cooldown: Duration,
+}
+
 impl<S, P, ReqB> State<S, P, ReqB>
 where
     S: Service<http::Request<ReqB>>,
 {
-    fn call(
-        placed: (S, SlotGuard, Decision),
-        req: http::Request<ReqB>,
-        shared: SharedOf<S, P>,
-    ) -> Self {
+    fn call(placed: (S, SlotGuard, Decision), req: http::Request<ReqB>, finish: Finish) -> Self {
         let (service, guard, decision) = placed;
         State::Call {
             fut: service.oneshot(req),
             guard: Some(guard),
             decision: Some(decision),
-            shared,
+            finish,
         }
     }
 
@@ -92,7 +98,7 @@ where
     P: Placement,
 {
     pub(crate) fn new(
-        shared: SharedOf<S, P>,
+        shared: &SharedOf<S, P>,
         key: Option<SessionKey>,
         req: http::Request<ReqB>,
     ) -> Self {
@@ -104,18 +110,18 @@ where
                 service,
                 guard,
                 decision,
-            } => State::call((service, guard, decision), req, shared),
+            } => State::call((service, guard, decision), req, shared.finish),
             Placed::Empty => {
-                bump(&shared.counters.no_backends);
+                bump(&shared.capacity.counters.no_backends);
                 State::fail(Error::NoBackends)
             }
             Placed::Full { home } => match overflow {
                 Overflow::Wait {
                     max_wait,
                     max_queued,
-                } => Self::wait(shared, key, req, home, max_wait, max_queued),
+                } => Self::wait(shared.clone(), key, req, home, max_wait, max_queued),
                 Overflow::Overcommit | Overflow::Reject => {
-                    bump(&shared.counters.rejected);
+                    bump(&shared.capacity.counters.rejected);
                     State::fail(Error::Saturated {
                         retry_after: shared.retry_after(),
                     })
@@ -130,11 +136,11 @@ where
         key: Option<SessionKey>,
         req: http::Request<ReqB>,
         home: WaitHome,
-        max_wait: std::time::Duration,
+        max_wait: Duration,
         max_queued: usize,
     ) -> State<S, P, ReqB> {
         let Some(ticket) = WaitTicket::take(&shared.capacity, home, max_queued) else {
-            bump(&shared.counters.rejected);
+            bump(&shared.capacity.counters.rejected);
             return State::fail(Error::Saturated {
                 retry_after: shared.retry_after(),
             });
@@ -147,16 +153,16 @@ where
                 decision,
             } => {
                 drop(ticket);
-                State::call((service, guard, decision), req, shared)
+                State::call((service, guard, decision), req, shared.finish)
             }
             Placed::Empty => {
-                bump(&shared.counters.no_backends);
+                bump(&shared.capacity.counters.no_backends);
                 State::fail(Error::NoBackends)
             }
             Placed::Full { .. } => {
                 let since = Instant::now();
                 // A wait too long to represent is as good as a wait of thirty years.
-                let far = || since + std::time::Duration::from_secs(30 * 365 * 86_400);
+                let far = || since + Duration::from_secs(30 * 365 * 86_400);
                 let give_up = since.checked_add(max_wait).unwrap_or_else(far);
                 let deadline = match since.checked_add(shared.node_patience) {
                     Some(t) if home.only_node => t.min(give_up),
@@ -192,24 +198,24 @@ where
                     fut,
                     guard,
                     decision,
-                    shared,
+                    finish,
                 } => {
                     let result = ready!(fut.poll(cx));
                     let (Some(guard), Some(decision)) = (guard.take(), decision.take()) else {
                         panic!("ResponseFuture polled after completion");
                     };
                     return Poll::Ready(match result {
-                        Ok(res) => Ok(respond(res, guard, decision, shared)),
+                        Ok(res) => Ok(respond(res, guard, decision, *finish)),
                         Err(e) => {
                             let e: BoxError = e.into();
-                            let cooldown = shared.failure_cooldown;
+                            bump(&guard.capacity().counters.backend_errors);
+                            let cooldown = finish.failure_cooldown;
                             if cooldown.is_zero() {
                                 drop(guard);
                             } else {
                                 tracing::warn!(backend = %decision.backend, error = %e, ?cooldown, "backend failed; marked down");
                                 guard.fail(cooldown);
                             }
-                            bump(&shared.counters.backend_errors);
                             Err(Error::Backend {
                                 backend: decision.backend,
                                 source: e,
@@ -234,7 +240,7 @@ where
                     }
                     if deadline.as_mut().poll(cx).is_ready() {
                         if !ticket.home_node_only() {
-                            bump(&shared.counters.rejected);
+                            bump(&shared.capacity.counters.rejected);
                             let retry_after = shared.retry_after();
                             state.set(State::fail(Error::Saturated { retry_after }));
                             continue;
@@ -258,11 +264,11 @@ where
                             guard,
                             decision,
                         } => {
-                            let shared = shared.clone();
-                            state.set(State::call((service, guard, decision), r, shared));
+                            let finish = shared.finish;
+                            state.set(State::call((service, guard, decision), r, finish));
                         }
                         Placed::Empty => {
-                            bump(&shared.counters.no_backends);
+                            bump(&shared.capacity.counters.no_backends);
                             state.set(State::fail(Error::NoBackends));
                         }
                         // Still queued, with this task's waker: look at the deadline again.
@@ -280,14 +286,16 @@ where
     }
 }
 
-fn respond<B, S, P>(
+/// The backend's response with the decision attached, its body holding the slot. The decision
+/// goes into the response's extensions, or with `decision_extension(false)` into the body.
+fn respond<B>(
     res: http::Response<B>,
     guard: SlotGuard,
     decision: Decision,
-    shared: &Shared<Backend<S>, P>,
+    finish: Finish,
 ) -> http::Response<ResponseBody<B>> {
     let (mut parts, body) = res.into_parts();
-    if shared.decision_headers {
+    if finish.decision_headers {
         let h = &mut parts.headers;
         if let Ok(v) = HeaderValue::from_str(decision.backend.as_str()) {
             h.insert("x-affinity-backend", v);
@@ -300,9 +308,12 @@ fn respond<B, S, P>(
             HeaderValue::from_static(decision.outcome.as_str()),
         );
     }
-    if shared.decision_extension {
-        parts.extensions.insert(decision.clone());
-    }
+    let decision = if finish.decision_extension {
+        parts.extensions.insert(decision);
+        None
+    } else {
+        Some(decision)
+    };
     http::Response::from_parts(parts, ResponseBody::new(body, guard, decision))
 }
 

@@ -118,17 +118,19 @@ impl<K, P> SessionAffinityLayer<K, P> {
     }
 
     /// Whether every response carries its [`Decision`](crate::Decision) as an extension
-    /// (default: yes). [`ResponseBody::decision`](crate::ResponseBody::decision) has it
-    /// either way; turning the extension off saves the three small allocations that
-    /// `http::Extensions` makes for it on every response.
+    /// (default: yes). Turned off, the decision stays in the response body instead, readable
+    /// through [`ResponseBody::decision`](crate::ResponseBody::decision), which saves the
+    /// allocations `http::Extensions` makes for it on every response (three when the backend's
+    /// response has no extensions yet, one when it has).
     pub fn decision_extension(mut self, enabled: bool) -> Self {
         self.config.decision_extension = enabled;
         self
     }
 
     /// Adds `x-affinity-backend`, `x-affinity-node` and `x-affinity-outcome` to every
-    /// response. The same facts are always in the response's extensions as a
-    /// [`Decision`](crate::Decision).
+    /// response. The same facts are in the response's extensions as a
+    /// [`Decision`](crate::Decision), unless [`decision_extension`](Self::decision_extension)
+    /// is off.
     pub fn decision_headers(mut self, enabled: bool) -> Self {
         self.config.decision_headers = enabled;
         self

@@ -1,6 +1,9 @@
 //! [`SessionAffinity`]: discovery, placement and dispatch.
 
+use std::cell::Cell;
+use std::collections::hash_map::RandomState;
 use std::fmt;
+use std::hash::{BuildHasher, Hasher};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -14,12 +17,12 @@ use tower::Service;
 
 use crate::error::BoxError;
 use crate::fleet::{Capacity, Fleet, SlotGuard};
-use crate::future::ResponseFuture;
+use crate::future::{Finish, ResponseFuture};
 use crate::key::{KeyExtractor, SessionKey};
 use crate::placement::{
     BackendRef, Candidates, FleetView, Home, NodeRef, Placement, PlacementRequest,
 };
-use crate::stats::{bump, Counters, Decision, Outcome, Stats};
+use crate::stats::{bump, Decision, Outcome, Stats};
 use crate::table::{HomeEntry, SessionStore, SessionTable, Sessions};
 use crate::wait::WaitHome;
 use crate::{Backend, BackendId, BackendStatus, Overflow, ResponseBody};
@@ -58,11 +61,10 @@ pub(crate) struct Shared<B, P> {
     table: SessionTable,
     placement: P,
     pub(crate) overflow: Overflow,
+    /// The fleet's counters (the same `Arc` every backend's slot counter holds).
     pub(crate) capacity: Arc<Capacity>,
-    pub(crate) counters: Counters,
-    pub(crate) decision_headers: bool,
-    pub(crate) decision_extension: bool,
-    pub(crate) failure_cooldown: Duration,
+    /// What a response future needs once its backend is chosen.
+    pub(crate) finish: Finish,
     /// How long a session waits for its home node before spilling (under `Overflow::Wait`).
     pub(crate) node_patience: Duration,
 }
@@ -97,17 +99,19 @@ where
     D: Discover<Key = BackendId, Service = Backend<S>>,
 {
     pub(crate) fn new(discover: D, key: K, placement: P, config: Config) -> Self {
+        let fleet = Fleet::default();
         SessionAffinity {
             shared: Arc::new(Shared {
-                fleet: RwLock::new(Fleet::default()),
+                capacity: fleet.topology.capacity.clone(),
+                fleet: RwLock::new(fleet),
                 table: SessionTable::new(config.sessions),
                 placement,
                 overflow: config.overflow,
-                capacity: Arc::new(Capacity::new()),
-                counters: Counters::default(),
-                decision_headers: config.decision_headers,
-                decision_extension: config.decision_extension,
-                failure_cooldown: config.failure_cooldown,
+                finish: Finish {
+                    decision_headers: config.decision_headers,
+                    decision_extension: config.decision_extension,
+                    failure_cooldown: config.failure_cooldown,
+                },
                 node_patience: match config.overflow {
                     Overflow::Wait { .. } => config.node_patience,
                     _ => Duration::ZERO,
@@ -129,7 +133,7 @@ where
             session_table_bytes: s.table.memory_bytes(),
             in_flight: s.capacity.in_flight.load(Ordering::Relaxed),
             waiting: s.capacity.waiting.load(Ordering::Relaxed),
-            ..s.counters.snapshot()
+            ..s.capacity.counters.snapshot()
         }
     }
 
@@ -197,7 +201,7 @@ where
                 Poll::Ready(Some(Ok(change))) => self.shared.apply(change),
                 Poll::Ready(Some(Err(e))) => {
                     let e: BoxError = e.into();
-                    bump(&self.shared.counters.discovery_errors);
+                    bump(&self.shared.capacity.counters.discovery_errors);
                     tracing::warn!(error = %e, "discovery error; keeping the current fleet");
                 }
                 Poll::Ready(None) => {
@@ -252,8 +256,8 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         waited: Option<Duration>,
         home_node_only: bool,
     ) -> Placed<S> {
-        let now = Instant::now();
-        let known = key.and_then(|k| self.table.get(k, now));
+        let now_ms = self.capacity.now_ms(Instant::now());
+        let known = key.and_then(|k| self.table.get(k, now_ms));
         let fleet = self.fleet.read();
         let t = &fleet.topology;
         if t.live.is_empty() {
@@ -271,8 +275,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             topology: t,
             in_flight: self.capacity.in_flight.load(Ordering::Relaxed),
         };
-        let request = PlacementRequest::new(key, home, extensions);
-        let now_ms = self.capacity.now_ms(now);
+        let request = PlacementRequest::new(key, home, extensions).random(random());
         let mut only_node = home_node.filter(|_| home_node_only);
         let candidates = loop {
             let mut c = Candidates::acquire(t, now_ms).only_node(only_node);
@@ -301,7 +304,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             _ => return full(),
         };
         let m = t.member(index);
-        let guard = SlotGuard::new(m.load.clone(), self.capacity.clone(), index, m.node);
+        let guard = SlotGuard::new(&m.load, index, m.node);
         let Some(service) = fleet.service(index).cloned() else {
             // Unreachable while the lock is held: a live member always has its service.
             return full();
@@ -331,16 +334,35 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         drop(fleet);
         if let Some(k) = key {
             if known != Some(new_home) {
-                self.table.put(k, new_home, now);
+                self.table.put(k, new_home, now_ms);
             }
         }
-        self.counters.record(&decision);
+        self.capacity.counters.record(&decision);
         Placed::Dispatch {
             service,
             guard,
             decision,
         }
     }
+}
+
+/// A random number from this thread's generator (xorshift64*, seeded once per thread from the
+/// standard library's randomly keyed hasher): cheap, unshared, and not for secrets.
+fn random() -> u64 {
+    thread_local! {
+        static STATE: Cell<u64> = Cell::new(
+            // Never 0, which xorshift would keep forever.
+            RandomState::new().build_hasher().finish() | 1,
+        );
+    }
+    STATE.with(|s| {
+        let mut x = s.get();
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        s.set(x);
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    })
 }
 
 impl<D, K, P, S, ReqB, ResB> Service<http::Request<ReqB>> for SessionAffinity<D, K, P>
@@ -363,7 +385,7 @@ where
 
     fn call(&mut self, req: http::Request<ReqB>) -> Self::Future {
         let key = self.key.extract(&req);
-        ResponseFuture::new(self.shared.clone(), key, req)
+        ResponseFuture::new(&self.shared, key, req)
     }
 }
 

@@ -17,7 +17,6 @@
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use tokio::time::Instant;
 
 use crate::key::SessionKey;
 
@@ -86,9 +85,10 @@ pub(crate) struct HomeEntry {
 /// What the service needs from a session store.
 pub(crate) trait SessionStore: Send + Sync {
     /// The session's home, if it is known and not idle past the timeout; marks it used.
-    fn get(&self, key: SessionKey, now: Instant) -> Option<HomeEntry>;
+    /// `now_ms` is the fleet's clock (milliseconds since it started).
+    fn get(&self, key: SessionKey, now_ms: u64) -> Option<HomeEntry>;
     /// Records the session's home.
-    fn put(&self, key: SessionKey, home: HomeEntry, now: Instant);
+    fn put(&self, key: SessionKey, home: HomeEntry, now_ms: u64);
     /// Sessions held.
     fn len(&self) -> usize;
     /// Bytes of memory held.
@@ -259,7 +259,6 @@ impl Shard {
 pub(crate) struct SessionTable {
     shards: Box<[Mutex<Shard>]>,
     shard_mask: u64,
-    start: Instant,
     idle_secs: u32,
 }
 
@@ -290,14 +289,14 @@ impl SessionTable {
                 .map(|_| Mutex::new(Shard::new(per_shard)))
                 .collect(),
             shard_mask: shards as u64 - 1,
-            start: Instant::now(),
             idle_secs: u32::try_from(config.idle_timeout.as_secs()).unwrap_or(u32::MAX),
         }
     }
 
-    fn stamp(&self, now: Instant) -> u32 {
-        let secs = now.saturating_duration_since(self.start).as_secs();
-        u32::try_from(secs).unwrap_or(u32::MAX).min(REFERENCED - 1)
+    fn stamp(now_ms: u64) -> u32 {
+        u32::try_from(now_ms / 1000)
+            .unwrap_or(u32::MAX)
+            .min(REFERENCED - 1)
     }
 
     fn shard(&self, key: SessionKey) -> &Mutex<Shard> {
@@ -311,8 +310,8 @@ impl SessionTable {
 }
 
 impl SessionStore for SessionTable {
-    fn get(&self, key: SessionKey, now: Instant) -> Option<HomeEntry> {
-        let now = self.stamp(now);
+    fn get(&self, key: SessionKey, now_ms: u64) -> Option<HomeEntry> {
+        let now = Self::stamp(now_ms);
         let w = words(key);
         let mut shard = self.shard(key).lock();
         let i = shard.find(w)?;
@@ -324,8 +323,8 @@ impl SessionStore for SessionTable {
         Some(e.home)
     }
 
-    fn put(&self, key: SessionKey, home: HomeEntry, now: Instant) {
-        let now = self.stamp(now);
+    fn put(&self, key: SessionKey, home: HomeEntry, now_ms: u64) {
+        let now = Self::stamp(now_ms);
         let entry = Entry {
             key: words(key),
             home,
@@ -393,7 +392,7 @@ mod tests {
     #[test]
     fn an_entry_is_found_after_put() {
         let t = SessionTable::new(Sessions::new().max_entries(10));
-        let now = Instant::now();
+        let now = 1_000u64;
         assert_eq!(t.get(key(1), now), None);
         t.put(key(1), home(3), now);
         assert_eq!(t.get(key(1), now), Some(home(3)));
@@ -405,7 +404,7 @@ mod tests {
     #[test]
     fn table_never_holds_more_than_max_entries() {
         let t = SessionTable::new(Sessions::new().max_entries(5000));
-        let now = Instant::now();
+        let now = 1_000u64;
         for n in 0..50_000 {
             t.put(key(n), home(0), now);
         }
@@ -423,7 +422,7 @@ mod tests {
     #[test]
     fn recently_used_entries_survive_eviction() {
         let t = SessionTable::new(Sessions::new().max_entries(4));
-        let now = Instant::now();
+        let now = 1_000u64;
         for n in 0..4 {
             t.put(key(n), home(n as u32), now);
         }
@@ -446,17 +445,17 @@ mod tests {
     #[test]
     fn idle_entries_are_forgotten() {
         let t = SessionTable::new(Sessions::new().idle_timeout(Duration::from_secs(60)));
-        let now = Instant::now();
+        let now = 1_000u64;
         t.put(key(1), home(1), now);
-        assert!(t.get(key(1), now + Duration::from_secs(60)).is_some());
-        assert_eq!(t.get(key(1), now + Duration::from_secs(122)), None);
+        assert!(t.get(key(1), now + 60_000).is_some());
+        assert_eq!(t.get(key(1), now + 122_000), None);
     }
 
     #[test]
     fn a_full_table_costs_under_100_bytes_a_session() {
         let n = 200_000;
         let t = SessionTable::new(Sessions::new().max_entries(n));
-        let now = Instant::now();
+        let now = 1_000u64;
         for k in 0..2 * n as u64 {
             t.put(
                 SessionKey::from_u128(

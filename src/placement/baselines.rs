@@ -3,7 +3,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::rendezvous::visit_ranked;
-use super::{most_free_slots, Candidates, FleetView, Placement, PlacementRequest};
+use super::{freer_of_two, most_free_slots, Candidates, FleetView, Placement, PlacementRequest};
 
 /// Every request to the next backend in turn, ignoring sessions.
 ///
@@ -97,7 +97,8 @@ impl Placement for LeastLoaded {
 /// whatever served the session last. This is how a purely hashed router behaves: after a spill,
 /// the next turn goes back to the first choice even though the cache now sits elsewhere.
 ///
-/// Keyless requests go to the backend with the most free slots.
+/// Keyless requests go to the freer of two backends sampled at random, as with
+/// [`NodeThenBackend`](super::NodeThenBackend).
 ///
 /// ```
 /// use tower_affinity::key::SessionKey;
@@ -116,7 +117,7 @@ pub struct Rendezvous;
 impl Placement for Rendezvous {
     fn place(&self, fleet: &FleetView<'_>, req: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
         let Some(key) = req.key else {
-            let _ = most_free_slots(fleet, 0, c);
+            let _ = freer_of_two(fleet, req.random, c);
             return;
         };
         let items = fleet.backends().map(|b| (b.rank_in_fleet(key), b.index));

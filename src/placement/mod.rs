@@ -212,6 +212,32 @@ impl fmt::Debug for Candidates<'_> {
     }
 }
 
+/// Offers two backends sampled with `random`, the one with more free slots first (power of
+/// two choices), then, if neither had a free slot, every backend by [`most_free_slots`]. O(1)
+/// while either sample has room, however large the fleet. Used for keyless requests.
+pub(crate) fn freer_of_two(
+    fleet: &FleetView<'_>,
+    random: u64,
+    candidates: &mut Candidates<'_>,
+) -> ControlFlow<()> {
+    let n = fleet.len();
+    if n > 2 {
+        // Two distinct positions: `i`, and `j` at a non-zero distance from it.
+        let i = (random % n as u64) as usize;
+        let j = (i + 1 + ((random >> 32) % (n as u64 - 1)) as usize) % n;
+        if let (Some(a), Some(b)) = (fleet.backend_at(i), fleet.backend_at(j)) {
+            let (first, second) = if b.free_slots() > a.free_slots() {
+                (b, a)
+            } else {
+                (a, b)
+            };
+            candidates.offer(first)?;
+            candidates.offer(second)?;
+        }
+    }
+    most_free_slots(fleet, 0, candidates)
+}
+
 /// Offers the fleet's backends, most free slots first, starting the scan at `start` so that
 /// ties rotate when the caller rotates `start`. Used for keyless requests by every policy.
 pub(crate) fn most_free_slots(

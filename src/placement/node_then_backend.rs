@@ -4,7 +4,7 @@ use crate::key::SessionKey;
 
 use super::rendezvous::visit_ranked;
 use super::{
-    most_free_slots, BackendRef, Candidates, FleetView, NodeRef, Placement, PlacementRequest,
+    freer_of_two, BackendRef, Candidates, FleetView, NodeRef, Placement, PlacementRequest,
 };
 
 /// The default policy: keep a session close to the cache that served it last.
@@ -24,7 +24,8 @@ use super::{
 /// backend already more than `1 + epsilon` times as busy as the fleet on average, so one key
 /// space cannot pile sessions onto one backend; the skipped backends are still offered last.
 ///
-/// A request without a key goes to the backend with the most free slots.
+/// A request without a key goes to the freer of two backends sampled at random (power of two
+/// choices); if neither has a free slot, to the backend with the most free slots.
 ///
 /// Placement is by rendezvous score weighted by slots, at the node level and then within the
 /// node: a new session costs O(nodes + backends on the chosen node); a home hit costs one offer.
@@ -70,7 +71,7 @@ impl NodeThenBackend {
 impl Placement for NodeThenBackend {
     fn place(&self, fleet: &FleetView<'_>, req: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
         let Some(key) = req.key else {
-            let _ = most_free_slots(fleet, 0, c);
+            let _ = freer_of_two(fleet, req.random, c);
             return;
         };
         let _ = match req.home {

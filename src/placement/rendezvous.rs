@@ -12,7 +12,7 @@ use std::ops::ControlFlow;
 use crate::key::SessionKey;
 
 /// A finaliser that spreads every input bit over the output (from MurmurHash3).
-const fn mix(mut x: u64) -> u64 {
+pub(crate) const fn mix(mut x: u64) -> u64 {
     x ^= x >> 33;
     x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
     x ^= x >> 33;
@@ -36,19 +36,22 @@ pub(crate) fn score(key: SessionKey, digest: u64, weight: u32) -> f64 {
     -f64::from(weight) / u.ln()
 }
 
-/// A number that ranks like [`score`] among names of one weight: `-w / ln(u)` increases with
-/// `u`, so when every weight is equal the bits alone give the same order.
-pub(crate) fn rank(key: SessionKey, digest: u64, weight: u32, uniform: bool) -> f64 {
+/// An integer that ranks like [`score`]: higher is better.
+///
+/// When every weight is equal, `-w / ln(u)` increases with `u`, so the bits alone give the same
+/// order without a logarithm. Otherwise the score itself: it is never negative, and the bits of
+/// non-negative floats order like the floats. Ranks of one kind only are ever compared.
+pub(crate) fn rank(key: SessionKey, digest: u64, weight: u32, uniform: bool) -> u64 {
     if uniform {
-        bits(key, digest) as f64
+        bits(key, digest)
     } else {
-        score(key, digest, weight)
+        score(key, digest, weight).to_bits()
     }
 }
 
-/// Orders two (score, index) pairs, best first; the index breaks ties so the order is total.
-pub(crate) fn best_first(a: &(f64, u32), b: &(f64, u32)) -> Ordering {
-    b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
+/// Orders two (rank, index) pairs, best first; the index breaks ties so the order is total.
+pub(crate) fn best_first(a: &(u64, u32), b: &(u64, u32)) -> Ordering {
+    b.0.cmp(&a.0).then(a.1.cmp(&b.1))
 }
 
 /// Visits `items` best score first. The best is found in one pass without allocating; the rest
@@ -58,13 +61,13 @@ pub(crate) fn visit_ranked<I>(
     mut visit: impl FnMut(u32) -> ControlFlow<()>,
 ) -> ControlFlow<()>
 where
-    I: Iterator<Item = (f64, u32)> + Clone,
+    I: Iterator<Item = (u64, u32)> + Clone,
 {
     let Some(best) = items.clone().min_by(best_first) else {
         return ControlFlow::Continue(());
     };
     visit(best.1)?;
-    let mut rest: Vec<(f64, u32)> = items.filter(|&(_, i)| i != best.1).collect();
+    let mut rest: Vec<(u64, u32)> = items.filter(|&(_, i)| i != best.1).collect();
     rest.sort_unstable_by(best_first);
     for (_, i) in rest {
         visit(i)?;
@@ -104,8 +107,20 @@ mod tests {
     }
 
     #[test]
+    fn rank_orders_like_score_when_weights_differ() {
+        for k in 0..2_000u64 {
+            let key = SessionKey::from_u128(u128::from(mix(k)) << 64 | u128::from(mix(!k)));
+            let (a, b) = (mix(k + 1), mix(k + 2));
+            assert_eq!(
+                score(key, a, 1) > score(key, b, 3),
+                rank(key, a, 1, false) > rank(key, b, 3, false)
+            );
+        }
+    }
+
+    #[test]
     fn ranked_visit_goes_best_first_and_stops_on_break() {
-        let items = [(0.5, 0), (2.0, 1), (1.0, 2)];
+        let items = [(5, 0), (20, 1), (10, 2)];
         let mut seen = vec![];
         let _ = visit_ranked(items.iter().copied(), |i| {
             seen.push(i);

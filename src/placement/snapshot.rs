@@ -1,10 +1,11 @@
 use std::num::NonZeroU32;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::fleet::Topology;
 use crate::key::SessionKey;
 use crate::BackendId;
 
+use super::rendezvous;
 use super::{BackendRef, Candidates, FleetView, Home, NodeRef, Placement, PlacementRequest};
 
 /// A fleet built by hand, for testing placement policies without a runtime or services.
@@ -23,6 +24,8 @@ pub struct Snapshot {
     topology: Topology,
     in_flight: usize,
     extensions: http::Extensions,
+    /// How many placements have drawn a random number.
+    draws: AtomicU64,
 }
 
 impl Snapshot {
@@ -74,6 +77,11 @@ impl Snapshot {
         }
     }
 
+    /// The random number of the next placement: a fixed sequence, so tests repeat.
+    fn draw(&self) -> u64 {
+        rendezvous::mix(self.draws.fetch_add(1, Ordering::Relaxed).wrapping_add(1))
+    }
+
     fn home(&self, id: &str) -> Option<Home<'_>> {
         let index = self.topology.index_any(id)?;
         let m = self.topology.member(index);
@@ -97,7 +105,8 @@ impl Snapshot {
         let mut seen = Vec::new();
         {
             let view = self.view();
-            let req = PlacementRequest::new(key, home.and_then(|h| self.home(h)), &self.extensions);
+            let req = PlacementRequest::new(key, home.and_then(|h| self.home(h)), &self.extensions)
+                .random(self.draw());
             let mut c = Candidates::collect(&self.topology, 1, &mut seen);
             policy.place(&view, &req, &mut c);
         }
@@ -118,7 +127,8 @@ impl Snapshot {
         P: Placement + ?Sized,
     {
         let view = self.view();
-        let req = PlacementRequest::new(key, home.and_then(|h| self.home(h)), &self.extensions);
+        let req = PlacementRequest::new(key, home.and_then(|h| self.home(h)), &self.extensions)
+            .random(self.draw());
         let mut c = Candidates::probe(&self.topology, 1);
         policy.place(&view, &req, &mut c);
         c.chosen().map(|i| self.topology.member(i).id.clone())

@@ -119,14 +119,14 @@ impl<'a> BackendRef<'a> {
     }
 
     /// Ranks like [`BackendRef::rendezvous_score`] among the backends of its node.
-    pub(crate) fn rank_in_node(&self, key: SessionKey) -> f64 {
+    pub(crate) fn rank_in_node(&self, key: SessionKey) -> u64 {
         let m = self.member();
         let uniform = self.topology.node(m.node).uniform;
         rendezvous::rank(key, m.digest, m.load.slots.load(Ordering::Relaxed), uniform)
     }
 
     /// Ranks like [`BackendRef::rendezvous_score`] among all backends.
-    pub(crate) fn rank_in_fleet(&self, key: SessionKey) -> f64 {
+    pub(crate) fn rank_in_fleet(&self, key: SessionKey) -> u64 {
         let m = self.member();
         let uniform = self.topology.backends_uniform;
         rendezvous::rank(key, m.digest, m.load.slots.load(Ordering::Relaxed), uniform)
@@ -195,7 +195,7 @@ impl<'a> NodeRef<'a> {
     }
 
     /// Ranks like [`NodeRef::rendezvous_score`] among all nodes.
-    pub(crate) fn rank(&self, key: SessionKey) -> f64 {
+    pub(crate) fn rank(&self, key: SessionKey) -> u64 {
         let e = self.entry();
         rendezvous::rank(key, e.digest, e.slots, self.topology.nodes_uniform)
     }
@@ -229,10 +229,14 @@ pub struct PlacementRequest<'a> {
     pub home: Option<Home<'a>>,
     /// The request's extensions: a layer in front may have put prompt facts there.
     pub extensions: &'a http::Extensions,
+    /// A random number drawn for this placement, for policies that sample (a keyless request
+    /// samples two backends). The service draws a new one for every attempt; a
+    /// [`Snapshot`](super::Snapshot) draws from a fixed sequence, so tests repeat.
+    pub random: u64,
 }
 
 impl<'a> PlacementRequest<'a> {
-    /// A request with the given key and home.
+    /// A request with the given key and home, and 0 as its random number.
     pub fn new(
         key: Option<SessionKey>,
         home: Option<Home<'a>>,
@@ -242,6 +246,13 @@ impl<'a> PlacementRequest<'a> {
             key,
             home,
             extensions,
+            random: 0,
         }
+    }
+
+    /// Sets the request's random number.
+    pub fn random(mut self, random: u64) -> Self {
+        self.random = random;
+        self
     }
 }

@@ -1,7 +1,9 @@
 //! The rules of placement, one test each, on fleets built by hand (no runtime).
 
 use tower_affinity::key::SessionKey;
-use tower_affinity::placement::{LeastLoaded, NodeThenBackend, Rendezvous, RoundRobin, Snapshot};
+use tower_affinity::placement::{
+    LeastLoaded, NodeThenBackend, Placement, Rendezvous, RoundRobin, Snapshot,
+};
 use tower_affinity::BackendId;
 
 fn key(s: &str) -> Option<SessionKey> {
@@ -169,7 +171,9 @@ fn a_backend_marked_down_is_passed_over() {
 }
 
 #[test]
-fn keyless_request_goes_to_the_backend_with_most_free_slots() {
+fn keyless_request_goes_to_the_freer_of_two_sampled_backends() {
+    // Free slots: a1 3, a2 1, b1 2. Every pair of samples has a freer member, and a2 is the
+    // freer of none, so it is never chosen; a1 wins both pairs it is in (two of three).
     let fleet = Snapshot::new()
         .backend("a1", "a", 4)
         .backend("a2", "a", 4)
@@ -177,11 +181,33 @@ fn keyless_request_goes_to_the_backend_with_most_free_slots() {
         .in_flight("a1", 1)
         .in_flight("a2", 3)
         .in_flight("b1", 2);
-    assert_eq!(
-        fleet.choose(&NodeThenBackend::new(), None, None),
-        Some("a1".into())
-    );
-    assert_eq!(fleet.choose(&Rendezvous, None, None), Some("a1".into()));
+    for policy in [&NodeThenBackend::new() as &dyn Placement, &Rendezvous] {
+        let mut chosen = std::collections::HashMap::new();
+        for _ in 0..300 {
+            let id = fleet.choose(policy, None, None).unwrap();
+            *chosen.entry(id.to_string()).or_insert(0) += 1;
+        }
+        assert_eq!(chosen.get("a2"), None, "{chosen:?}");
+        let (a1, b1) = (chosen["a1"], chosen["b1"]);
+        assert!((170..=230).contains(&a1) && a1 + b1 == 300, "{chosen:?}");
+    }
+}
+
+#[test]
+fn keyless_request_finds_the_one_free_slot_when_both_samples_are_full() {
+    let mut fleet = Snapshot::new();
+    for i in 0..16 {
+        fleet = fleet
+            .backend(&format!("b{i}"), "n", 2)
+            .in_flight(&format!("b{i}"), 2);
+    }
+    let fleet = fleet.in_flight("b11", 1);
+    for _ in 0..50 {
+        assert_eq!(
+            fleet.choose(&NodeThenBackend::new(), None, None),
+            Some("b11".into())
+        );
+    }
 }
 
 #[test]
