@@ -90,7 +90,7 @@ fn policy(c: &mut Criterion) {
         let home = home.as_str().to_owned();
 
         g.bench_function(BenchmarkId::new("view", &label), |b| {
-            b.iter(|| black_box(fleet.view()).in_flight())
+            b.iter(|| black_box(fleet.view()).len())
         });
 
         g.bench_function(BenchmarkId::new("home_hit", &label), |b| {

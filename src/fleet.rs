@@ -175,8 +175,6 @@ pub(crate) struct Capacity {
     pub(crate) counters: Counters,
     /// The origin of the fleet's millisecond clock (health cooldowns).
     epoch: Instant,
-    /// Requests dispatched and not yet finished, over all backends.
-    pub(crate) in_flight: AtomicUsize,
     /// Requests waiting for a slot.
     pub(crate) waiting: AtomicUsize,
     /// The requests waiting, in arrival order.
@@ -188,7 +186,6 @@ impl Default for Capacity {
         Capacity {
             counters: Counters::default(),
             epoch: Instant::now(),
-            in_flight: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
             waiters: Mutex::default(),
         }
@@ -279,9 +276,8 @@ pub(crate) struct SlotGuard {
 }
 
 impl SlotGuard {
-    /// Counts the slot just taken on `load` in the fleet's total.
+    /// Holds the slot just taken on `load`.
     pub(crate) fn new(load: &Arc<Load>, backend: u32, node: u32) -> Self {
-        load.capacity.in_flight.fetch_add(1, Ordering::AcqRel);
         SlotGuard {
             load: load.clone(),
             backend,
@@ -306,9 +302,7 @@ impl SlotGuard {
 impl Drop for SlotGuard {
     fn drop(&mut self) {
         self.load.in_flight.fetch_sub(1, Ordering::AcqRel);
-        let capacity = &self.load.capacity;
-        capacity.in_flight.fetch_sub(1, Ordering::AcqRel);
-        capacity.slot_freed(self.backend, self.node);
+        self.load.capacity.slot_freed(self.backend, self.node);
     }
 }
 
@@ -595,6 +589,16 @@ pub struct BackendStatus {
 }
 
 impl Topology {
+    /// Requests in flight over every backend discovery knows, live or removed (a removed
+    /// backend's last requests may still be streaming). O(backends): no request updates a
+    /// fleet-wide counter.
+    pub(crate) fn in_flight(&self) -> usize {
+        self.members
+            .iter()
+            .map(|m| m.load.in_flight.load(Ordering::Relaxed) as usize)
+            .sum()
+    }
+
     pub(crate) fn status(&self, now_ms: u64) -> Vec<BackendStatus> {
         self.live
             .iter()

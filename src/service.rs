@@ -131,7 +131,7 @@ where
         Stats {
             sessions: s.table.len(),
             session_table_bytes: s.table.memory_bytes(),
-            in_flight: s.capacity.in_flight.load(Ordering::Relaxed),
+            in_flight: s.fleet.read().topology.in_flight(),
             waiting: s.capacity.waiting.load(Ordering::Relaxed),
             ..s.capacity.counters.snapshot()
         }
@@ -271,10 +271,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             backend: home_backend.map(|i| BackendRef::new(t, i)),
             node: NodeRef::new(t, node),
         });
-        let view = FleetView {
-            topology: t,
-            in_flight: self.capacity.in_flight.load(Ordering::Relaxed),
-        };
+        let view = FleetView { topology: t };
         let request = PlacementRequest::new(key, home, extensions).random(random());
         let mut only_node = home_node.filter(|_| home_node_only);
         let candidates = loop {

@@ -22,7 +22,6 @@ use super::{BackendRef, Candidates, FleetView, Home, NodeRef, Placement, Placeme
 #[derive(Debug, Default)]
 pub struct Snapshot {
     topology: Topology,
-    in_flight: usize,
     extensions: http::Extensions,
     /// How many placements have drawn a random number.
     draws: AtomicU64,
@@ -42,11 +41,10 @@ impl Snapshot {
     }
 
     /// Sets how many requests backend `id` is serving. Unknown ids are ignored.
-    pub fn in_flight(mut self, id: &str, in_flight: u32) -> Self {
+    pub fn in_flight(self, id: &str, in_flight: u32) -> Self {
         if let Some(i) = self.topology.index_of(id) {
             let load = &self.topology.member(i).load;
-            let old = load.in_flight.swap(in_flight, Ordering::Relaxed);
-            self.in_flight = self.in_flight + in_flight as usize - old as usize;
+            load.in_flight.store(in_flight, Ordering::Relaxed);
         }
         self
     }
@@ -73,7 +71,6 @@ impl Snapshot {
     pub fn view(&self) -> FleetView<'_> {
         FleetView {
             topology: &self.topology,
-            in_flight: self.in_flight,
         }
     }
 

@@ -15,7 +15,6 @@ use super::rendezvous;
 #[derive(Clone, Copy)]
 pub struct FleetView<'a> {
     pub(crate) topology: &'a Topology,
-    pub(crate) in_flight: usize,
 }
 
 impl<'a> FleetView<'a> {
@@ -53,9 +52,9 @@ impl<'a> FleetView<'a> {
         self.topology.live.is_empty()
     }
 
-    /// Requests in flight over the whole fleet.
+    /// Requests in flight over the whole fleet. O(backends): it sums their counters.
     pub fn in_flight(&self) -> usize {
-        self.in_flight
+        self.topology.in_flight()
     }
 }
 
