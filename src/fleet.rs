@@ -315,7 +315,7 @@ impl fmt::Debug for SlotGuard {
 // === topology ===
 
 /// What placement may read about one backend.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct Member {
     pub(crate) id: BackendId,
     pub(crate) node: u32,
@@ -327,7 +327,7 @@ pub(crate) struct Member {
 }
 
 /// What placement may read about one node.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct NodeEntry {
     pub(crate) id: NodeId,
     pub(crate) digest: u64,
@@ -339,8 +339,9 @@ pub(crate) struct NodeEntry {
     pub(crate) uniform: bool,
 }
 
-/// The fleet's shape: nodes, backends and slot counters, without the services.
-#[derive(Debug, Default)]
+/// The fleet's shape: nodes, backends and slot counters, without the services. A clone shares
+/// the slot counters (each backend's [`Load`]) with the original.
+#[derive(Clone, Debug, Default)]
 pub(crate) struct Topology {
     /// The fleet's counters, shared by every backend's [`Load`].
     pub(crate) capacity: Arc<Capacity>,
@@ -528,6 +529,7 @@ impl Topology {
 }
 
 /// The topology together with the backends' services.
+#[derive(Clone)]
 pub(crate) struct Fleet<B> {
     pub(crate) topology: Topology,
     pub(crate) backends: Vec<Option<B>>,

@@ -10,7 +10,8 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use parking_lot::{Mutex, RwLock};
+use arc_swap::ArcSwap;
+use parking_lot::Mutex;
 use tokio::time::Instant;
 use tower::discover::{Change, Discover};
 use tower::Service;
@@ -57,7 +58,8 @@ struct Discovery<D> {
 
 /// State shared by every clone of the service and by its response futures.
 pub(crate) struct Shared<B, P> {
-    fleet: RwLock<Fleet<B>>,
+    /// The current fleet, replaced whole on discovery changes: reading it takes no lock.
+    fleet: ArcSwap<Fleet<B>>,
     table: SessionTable,
     placement: P,
     pub(crate) overflow: Overflow,
@@ -103,7 +105,7 @@ where
         SessionAffinity {
             shared: Arc::new(Shared {
                 capacity: fleet.topology.capacity.clone(),
-                fleet: RwLock::new(fleet),
+                fleet: ArcSwap::from_pointee(fleet),
                 table: SessionTable::new(config.sessions),
                 placement,
                 overflow: config.overflow,
@@ -131,7 +133,7 @@ where
         Stats {
             sessions: s.table.len(),
             session_table_bytes: s.table.memory_bytes(),
-            in_flight: s.fleet.read().topology.in_flight(),
+            in_flight: s.fleet.load().topology.in_flight(),
             waiting: s.capacity.waiting.load(Ordering::Relaxed),
             ..s.capacity.counters.snapshot()
         }
@@ -140,7 +142,7 @@ where
     /// The live backends with their slots, in-flight counts and health.
     pub fn backends(&self) -> Vec<BackendStatus> {
         let now = self.shared.capacity.now_ms(Instant::now());
-        self.shared.fleet.read().topology.status(now)
+        self.shared.fleet.load().topology.status(now)
     }
 
     /// Marks backend `id` down: placement passes it over for `cooldown`, or until
@@ -150,7 +152,7 @@ where
     ///
     /// [`SessionAffinityLayer::failure_cooldown`]: crate::SessionAffinityLayer::failure_cooldown
     pub fn mark_down(&self, id: &str, cooldown: Option<Duration>) -> bool {
-        let fleet = self.shared.fleet.read();
+        let fleet = self.shared.fleet.load();
         let Some(i) = fleet.topology.index_of(id) else {
             return false;
         };
@@ -164,7 +166,7 @@ where
 
     /// Marks backend `id` up again. Returns `false` if there is no such backend.
     pub fn mark_up(&self, id: &str) -> bool {
-        let fleet = self.shared.fleet.read();
+        let fleet = self.shared.fleet.load();
         let Some(i) = fleet.topology.index_of(id) else {
             return false;
         };
@@ -182,23 +184,36 @@ impl<D, K, P, S> SessionAffinity<D, K, P>
 where
     D: Discover<Key = BackendId, Service = Backend<S>>,
     D::Error: Into<BoxError>,
+    S: Clone,
 {
     /// Applies the discovery changes that are ready, without blocking.
     ///
-    /// A discovery error is logged and counted, and the fleet stays as it was; a stream that
-    /// ends leaves the last fleet in place.
+    /// The changes ready at once are applied to one copy of the fleet, which then replaces the
+    /// current one; requests keep reading the fleet they started with. A discovery error is
+    /// logged and counted, and the fleet stays as it was; a stream that ends leaves the last
+    /// fleet in place.
     fn drain_discovery(&self, cx: &mut Context<'_>) {
         if self.discover.ended.load(Ordering::Relaxed) {
             return;
         }
-        // Another clone is draining right now: its changes are as good as ours.
+        // Another clone is draining right now: its changes are as good as ours. Holding the
+        // stream's lock also makes this the fleet's only writer.
         let Some(mut slot) = self.discover.stream.try_lock() else {
             return;
         };
+        let mut next: Option<Fleet<Backend<S>>> = None;
+        let mut inserted = false;
+        let mut more = true;
         for _ in 0..DRAIN_LIMIT {
-            let Some(d) = slot.as_mut() else { return };
+            let Some(d) = slot.as_mut() else {
+                more = false;
+                break;
+            };
             match d.as_mut().poll_discover(cx) {
-                Poll::Ready(Some(Ok(change))) => self.shared.apply(change),
+                Poll::Ready(Some(Ok(change))) => {
+                    let fleet = next.get_or_insert_with(|| Fleet::clone(&self.shared.fleet.load()));
+                    inserted |= apply(fleet, change);
+                }
                 Poll::Ready(Some(Err(e))) => {
                     let e: BoxError = e.into();
                     bump(&self.shared.capacity.counters.discovery_errors);
@@ -209,37 +224,46 @@ where
                     *slot = None;
                     self.discover.ended.store(true, Ordering::Relaxed);
                 }
-                Poll::Pending => return,
+                Poll::Pending => {
+                    more = false;
+                    break;
+                }
             }
         }
-        // More may be ready: make sure someone polls again soon.
-        cx.waker().wake_by_ref();
+        if let Some(fleet) = next {
+            self.shared.fleet.store(Arc::new(fleet));
+            if inserted {
+                // New room: let waiting requests try again, on the new fleet.
+                self.shared.capacity.wake_all();
+            }
+        }
+        if more {
+            // More may be ready: make sure someone polls again soon.
+            cx.waker().wake_by_ref();
+        }
+    }
+}
+
+/// Applies one discovery change to `fleet`; returns whether a backend was inserted.
+fn apply<S>(fleet: &mut Fleet<Backend<S>>, change: Change<BackendId, Backend<S>>) -> bool {
+    match change {
+        Change::Insert(id, backend) => {
+            tracing::debug!(backend = %id, node = %backend.node(), slots = backend.slot_count(), "backend inserted");
+            fleet.insert(id, backend);
+            true
+        }
+        Change::Remove(id) => {
+            if fleet.remove(&id) {
+                tracing::debug!(backend = %id, "backend removed");
+            }
+            false
+        }
     }
 }
 
 impl<B, P> Shared<B, P> {
     pub(crate) fn retry_after(&self) -> Duration {
         Overflow::RETRY_AFTER
-    }
-}
-
-impl<S, P> Shared<Backend<S>, P> {
-    fn apply(&self, change: Change<BackendId, Backend<S>>) {
-        let mut fleet = self.fleet.write();
-        match change {
-            Change::Insert(id, backend) => {
-                tracing::debug!(backend = %id, node = %backend.node(), slots = backend.slot_count(), "backend inserted");
-                fleet.insert(id, backend);
-                drop(fleet);
-                // New room: let waiting requests try again.
-                self.capacity.wake_all();
-            }
-            Change::Remove(id) => {
-                if fleet.remove(&id) {
-                    tracing::debug!(backend = %id, "backend removed");
-                }
-            }
-        }
     }
 }
 
@@ -258,7 +282,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
     ) -> Placed<S> {
         let now_ms = self.capacity.now_ms(Instant::now());
         let known = key.and_then(|k| self.table.get(k, now_ms));
-        let fleet = self.fleet.read();
+        let fleet = self.fleet.load();
         let t = &fleet.topology;
         if t.live.is_empty() {
             return Placed::Empty;

@@ -49,7 +49,7 @@ pub use view::{BackendRef, FleetView, Home, NodeRef, PlacementRequest};
 ///
 /// `place` offers backends to `candidates` in order of preference and stops as soon as an
 /// offer returns [`ControlFlow::Break`] (the service took that backend). It must not block or
-/// do I/O: it runs on every request, under a read lock of the fleet.
+/// do I/O: it runs on every request, on the request's path.
 ///
 /// A policy that offers nothing leaves the request without a backend; the service then
 /// answers [`Error::NoBackends`](crate::Error::NoBackends) if the fleet is empty, and

@@ -319,7 +319,7 @@ async fn turn(
     let exchange = async {
         let res = match client.request(req).await {
             Ok(res) => res,
-            Err(e) => return (End::NoResponse(e.to_string()), None),
+            Err(e) => return (End::NoResponse(chain(&e)), None),
         };
         let backend = res
             .headers()
@@ -339,6 +339,18 @@ async fn turn(
     tokio::time::timeout(DEADLINE, exchange)
         .await
         .unwrap_or((End::Hung, None))
+}
+
+/// An error and its sources, outermost first.
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
 }
 
 const SESSIONS: usize = 1000;
