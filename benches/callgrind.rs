@@ -14,7 +14,8 @@
 //! Scenarios (whole call path unless `policy_`): `direct`, `home_hit`, `new_session`,
 //! `keyless`, `header_home_hit`, `policy_home_hit`, `policy_new_session`, `policy_keyless`,
 //! `policy_view`; `home_hit_noext`, `new_session_noext` and `keyless_noext` build the service
-//! with `.decision_extension(false)`. Optional arguments: the fleet (`2x2`, `16x8`, `64x8`, `256x8`; default 16x8)
+//! with `.decision_extension(false)`; `direct_resext` and `home_hit_resext` use backends whose
+//! responses already carry an extension, as responses through hyper-util's client do. Optional arguments: the fleet (`2x2`, `16x8`, `64x8`, `256x8`; default 16x8)
 //! and the number of sessions placed first (default 1024; home hits cycle over them).
 //!
 //! Run by `cargo bench` without a scenario, it prints this usage and exits.
@@ -29,7 +30,7 @@ use tower_affinity::{SessionAffinityLayer, Sessions};
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{call_now, header_request, key, mock, request, Req, Shape};
+use common::{call_now, header_request, key, mock, mock_with_extension, request, Mock, Req, Shape};
 
 /// Runs `f` on every request; the only code callgrind counts for call-path scenarios.
 #[inline(never)]
@@ -61,14 +62,19 @@ fn main() {
         _ => Shape::new(16, 8),
     };
     let sessions: u64 = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(1024);
-    // `home_hit_noext` and the like: the same scenario with `.decision_extension(false)`.
+    // `home_hit_noext` and the like: the same scenario with `.decision_extension(false)`;
+    // `direct_resext`, `home_hit_resext`: backends whose responses already carry an extension.
     let (what, extension) = match what.strip_suffix("_noext") {
         Some(base) => (base, false),
         None => (what.as_str(), true),
     };
+    let (what, backend): (&str, fn() -> Mock) = match what.strip_suffix("_resext") {
+        Some(base) => (base, mock_with_extension),
+        None => (what, mock),
+    };
     match what {
         "direct" => {
-            let mut b = mock();
+            let mut b = backend();
             let reqs = (0..n).map(|i| request(Some(key(i % sessions)))).collect();
             measure_calls(reqs, &mut |r| drop(black_box(call_now(&mut b, r))));
         }
@@ -78,7 +84,7 @@ fn main() {
                 .key(ExtensionKey)
                 .decision_extension(extension)
                 .sessions(Sessions::new().max_entries(bound.max(100_000)))
-                .layer(shape.fleet(1));
+                .layer(shape.fleet_of(1, backend));
             for i in 0..sessions {
                 drop(call_now(&mut svc, request(Some(key(i)))));
             }

@@ -26,7 +26,7 @@ use tower_affinity::{SessionAffinityLayer, Sessions};
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{call_now, header_request, key, mock, request, Req, Shape};
+use common::{call_now, header_request, key, mock, mock_with_extension, request, Req, Shape};
 
 #[global_allocator]
 static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
@@ -169,6 +169,31 @@ fn per_request() {
     }
     row(
         "affinity: home hit, `decision_extension(false)`",
+        count(
+            N,
+            |i| request(Some(key(i % HOT))),
+            |r| drop(black_box(call_now(&mut svc, r))),
+        ),
+    );
+
+    // A backend whose responses already carry an extension, as hyper-util's client's do.
+    let mut backend = mock_with_extension();
+    row(
+        "direct to a mock backend whose responses carry an extension",
+        count(
+            N,
+            |i| request(Some(key(i))),
+            |r| drop(black_box(call_now(&mut backend, r))),
+        ),
+    );
+    let mut svc = SessionAffinityLayer::new()
+        .key(ExtensionKey)
+        .layer(shape.fleet_of(1, mock_with_extension));
+    for i in 0..HOT {
+        drop(call_now(&mut svc, request(Some(key(i)))));
+    }
+    row(
+        "affinity: home hit, same backend",
         count(
             N,
             |i| request(Some(key(i % HOT))),

@@ -31,9 +31,26 @@ fn answer(_req: Req) -> Ready<Result<Res, Infallible>> {
     ready(Ok(http::Response::new(Empty::new())))
 }
 
+/// What a response through hyper-util's client carries in its extensions (its connection
+/// info), so that its extensions map is already allocated when the router adds to it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ConnInfo(#[allow(dead_code)] u64);
+
+fn answer_with_extension(_req: Req) -> Ready<Result<Res, Infallible>> {
+    let mut res = http::Response::new(Empty::new());
+    res.extensions_mut().insert(ConnInfo(1));
+    ready(Ok(res))
+}
+
 /// One mock backend.
 pub(crate) fn mock() -> Mock {
     service_fn(answer as fn(Req) -> Ready<Result<Res, Infallible>>)
+}
+
+/// One mock backend whose responses already carry an extension, as a real client's do.
+#[allow(dead_code)]
+pub(crate) fn mock_with_extension() -> Mock {
+    service_fn(answer_with_extension as fn(Req) -> Ready<Result<Res, Infallible>>)
 }
 
 /// A fleet shape: nodes x backends per node.
@@ -65,11 +82,16 @@ impl Shape {
 
     /// The fleet as a static discovery stream of mock backends with `slots` slots each.
     pub(crate) fn fleet(&self, slots: u32) -> StaticFleet<Mock> {
+        self.fleet_of(slots, mock)
+    }
+
+    /// The same fleet of backends made by `backend`.
+    pub(crate) fn fleet_of(&self, slots: u32, backend: fn() -> Mock) -> StaticFleet<Mock> {
         let slots = NonZeroU32::new(slots).unwrap_or(NonZeroU32::MIN);
         StaticFleet::new(
             self.names()
                 .into_iter()
-                .map(|(id, node)| (id, Backend::new(node, mock()).slots(slots))),
+                .map(|(id, node)| (id, Backend::new(node, backend()).slots(slots))),
         )
     }
 
