@@ -11,7 +11,8 @@
 //!   request sent straight to one mock backend; the router's own cost is `call/* - call/direct`.
 //! - `key/*`: the SHA-256 digest of a session id alone, and the default `HeaderKey` extractor.
 //! - `table/*`: home hits through the service with 1 thousand, 100 thousand and 1 million
-//!   sessions in the table, on keys spread over the whole table.
+//!   sessions in the table, on keys spread over the whole table; `table/bare_read/*`: one
+//!   dependent random read in a plain array of the same size (the memory latency alone).
 //!
 //! Requests are built outside the timed region, in chunks of 1024.
 //!
@@ -29,7 +30,7 @@ use tower_affinity::{Decision, Outcome, SessionAffinityLayer, Sessions};
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{call_now, header_request, key, mock, request, Req, Shape, SHAPES};
+use common::{call_now, header_request, key, mix, mock, request, Req, Shape, SHAPES};
 
 /// Requests are built in chunks of this many, outside the timed region.
 const CHUNK: u64 = 1024;
@@ -306,6 +307,25 @@ fn table(c: &mut Criterion) {
             after.sessions, after.session_table_bytes
         );
         assert_eq!(hits, placed, "every measured call is a home hit");
+
+        // The bound: one random read in an array as big as the table, each read's address
+        // depending on the last one's value, as a lookup's miss stalls its call. What the
+        // hardware charges for the table's size, with no table code at all.
+        // One cycle through every word (Sattolo's shuffle), so the chain never settles into a
+        // loop small enough to stay in cache.
+        let len = after.session_table_bytes / 8;
+        let mut next: Vec<usize> = (0..len).collect();
+        for i in (1..len).rev() {
+            let j = (mix(i as u64) % i as u64) as usize;
+            next.swap(i, j);
+        }
+        let mut at = 0usize;
+        g.bench_function(BenchmarkId::new("bare_read", n), |b| {
+            b.iter(|| {
+                at = next[at];
+                black_box(at)
+            })
+        });
     }
     g.finish();
 }

@@ -327,7 +327,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         let m = t.member(index);
         let guard = SlotGuard::new(&m.load, index, m.node);
         let Some(service) = fleet.service(index).cloned() else {
-            // Unreachable while the lock is held: a live member always has its service.
+            // Unreachable: within one fleet a live member always has its service.
             return full();
         };
         let outcome = match (key, home_node) {
