@@ -76,7 +76,7 @@ async fn run(args: cli::Args) -> Result<(), tower_affinity::BoxError> {
         proxy.probe_all(&mut probes).await;
     }
     let probe_tasks = proxy.spawn_probes(probes);
-    app::serve(listener, proxy.router(), shutdown_signal()).await?;
+    app::serve(listener, proxy.front(), shutdown_signal()).await?;
     drop(probe_tasks);
     let stats = proxy.affinity().stats();
     tracing::info!(
