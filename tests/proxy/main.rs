@@ -727,6 +727,7 @@ fn the_e2e_command_line_parses() {
         panic!("not a run");
     };
     assert_eq!(run.listen, "127.0.0.1:18080".parse().unwrap());
+    assert_eq!(run.worker_threads, None);
     let c = &run.config;
     let ids: Vec<_> = c.backends.iter().map(|b| b.id.as_str()).collect();
     assert_eq!(
@@ -768,6 +769,8 @@ fn every_option_parses_and_bad_values_are_explained() {
         "2MiB",
         "--read-timeout",
         "0",
+        "--worker-threads",
+        "3",
         "-v",
     ];
     let cli::Command::Run(run) = cli::parse(args).unwrap() else {
@@ -775,6 +778,7 @@ fn every_option_parses_and_bad_values_are_explained() {
     };
     let c = &run.config;
     assert!(run.verbose);
+    assert_eq!(run.worker_threads.map(|n| n.get()), Some(3));
     assert_eq!(c.backends[0].id, "gpu0");
     assert_eq!(c.backends[0].slots, None);
     assert_eq!(c.policy, app::Policy::RoundRobin);
@@ -812,6 +816,10 @@ fn every_option_parses_and_bad_values_are_explained() {
         ),
         (vec!["--listen", "127.0.0.1:8080"], "at least one --backend"),
         (vec!["--bogus"], "unknown argument"),
+        (
+            vec!["--backend", "n=http://x:1", "--worker-threads", "0"],
+            "at least 1",
+        ),
         (vec!["--backend"], "needs a value"),
     ] {
         let err = cli::parse(args.clone()).unwrap_err();
