@@ -4,27 +4,28 @@
 //! this file to run the very same code against stub servers.
 
 use std::collections::HashSet;
+use std::convert::Infallible;
 use std::fmt;
 use std::future::Future;
 use std::num::NonZeroU32;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
-use axum::body::Body as AxumBody;
-use axum::response::IntoResponse;
-use axum::routing::get;
-use axum::Router;
 use bytes::Bytes;
-use http::header::{self, HeaderMap, HeaderName};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{Authority, PathAndQuery, Scheme};
-use http::{Request, Response, StatusCode, Uri, Version};
-use http_body_util::{BodyExt, Empty, Full};
+use http::{Method, Request, Response, StatusCode, Uri, Version};
+use http_body_util::{BodyExt, Either, Empty, Full};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::client::legacy::{Client, ResponseFuture};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use pin_project_lite::pin_project;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
@@ -34,13 +35,15 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use tokio::task::JoinSet;
 use tower::retry::Retry;
-use tower::{Layer, Service, ServiceBuilder, ServiceExt};
+use tower::{Layer, Service, ServiceExt};
 use tower_affinity::discover::{self, FleetChannel, FleetHandle};
-use tower_affinity::key::{BodyKeyLayer, ExtensionKey, FirstOf, HeaderKey};
+use tower_affinity::key::{
+    BodyKey, BodyKeyFuture, BodyKeyLayer, BodyKeyResponseBody, ExtensionKey, FirstOf, HeaderKey,
+};
 use tower_affinity::placement::{LeastLoaded, NodeThenBackend, Placement, Rendezvous, RoundRobin};
 use tower_affinity::{
-    Backend, BackendStatus, BoxError, Decision, ErrorToResponse, Outcome, Overflow, RetryOnce,
-    SessionAffinity, SessionAffinityLayer,
+    Backend, BackendStatus, BoxError, Decision, ErrorToResponse, Outcome, Overflow, ResponseBody,
+    RetryOnce, SessionAffinity, SessionAffinityLayer,
 };
 
 /// The request body once [`BodyKeyLayer`] has buffered it: cloneable, so a failed attempt can
@@ -136,42 +139,118 @@ impl Config {
 // === upstream ===
 
 /// One backend's HTTP client: sends the request to the backend's scheme and authority and
-/// leaves everything else as the client sent it, except hop-by-hop headers.
+/// leaves everything else as the client sent it, except hop-by-hop headers and `Host`.
+///
+/// Cloned for every request it serves, so it is one reference-counted pointer.
 #[derive(Clone, Debug)]
 pub(crate) struct Upstream {
+    inner: Arc<UpstreamInner>,
+}
+
+#[derive(Debug)]
+struct UpstreamInner {
     client: Client<HttpConnector, ReqBody>,
     scheme: Scheme,
     authority: Authority,
+    /// `Host` for the backend, made once: what the client would otherwise format for every
+    /// request (the host, and the port unless it is the scheme's default).
+    host: HeaderValue,
 }
 
-/// Headers that describe one connection, not the message (RFC 9110, section 7.6.1). `Host`
-/// goes too: the client sets it from the backend's authority.
-fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
-        .collect();
-    for name in named {
-        headers.remove(name);
-    }
-    for name in [
-        header::CONNECTION,
-        header::TE,
-        header::TRAILER,
-        header::TRANSFER_ENCODING,
-        header::UPGRADE,
-        header::PROXY_AUTHORIZATION,
-        HeaderName::from_static("keep-alive"),
-        HeaderName::from_static("proxy-connection"),
-    ] {
-        headers.remove(name);
+impl Upstream {
+    fn new(
+        client: Client<HttpConnector, ReqBody>,
+        scheme: Scheme,
+        authority: Authority,
+    ) -> Result<Self, BoxError> {
+        let default_port = if scheme == Scheme::HTTPS { 443 } else { 80 };
+        let host = match authority.port_u16() {
+            Some(port) if port != default_port => format!("{}:{port}", authority.host()),
+            _ => authority.host().to_string(),
+        };
+        let host = HeaderValue::try_from(host)?;
+        Ok(Upstream {
+            inner: Arc::new(UpstreamInner {
+                client,
+                scheme,
+                authority,
+                host,
+            }),
+        })
     }
 }
 
-type UpstreamFuture = Pin<Box<dyn Future<Output = Result<Response<Incoming>, BoxError>> + Send>>;
+/// Headers that describe one connection, not the message (RFC 9110, section 7.6.1), besides
+/// those that `Connection` names. `Connection` comes first; the order is that of
+/// [`hop_by_hop_index`].
+pub(crate) static HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::PROXY_AUTHORIZATION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+];
+
+/// The index in [`HOP_BY_HOP`] of `name`, if it is there: one match on the name's text, the
+/// same for standard and custom names.
+pub(crate) fn hop_by_hop_index(name: &HeaderName) -> Option<usize> {
+    Some(match name.as_str() {
+        "connection" => 0,
+        "te" => 1,
+        "trailer" => 2,
+        "transfer-encoding" => 3,
+        "upgrade" => 4,
+        "proxy-authorization" => 5,
+        "keep-alive" => 6,
+        "proxy-connection" => 7,
+        _ => return None,
+    })
+}
+
+/// Removes the hop-by-hop headers: those of [`HOP_BY_HOP`] and those `Connection` names.
+/// Allocates nothing unless `Connection` has more than one line.
+pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Which of `HOP_BY_HOP` are present, one bit each: one pass over the names, no lookups.
+    // Most requests have none.
+    let mut present = 0u8;
+    for name in headers.keys() {
+        if let Some(i) = hop_by_hop_index(name) {
+            present |= 1 << i;
+        }
+    }
+    if present == 0 {
+        return;
+    }
+    if present & 1 != 0 {
+        // `Connection` (`HOP_BY_HOP[0]`). Its values are handles on the bytes received, not
+        // copies, kept so that the headers they name can be removed.
+        let mut connection = headers.get_all(header::CONNECTION).iter();
+        let first = connection.next().cloned();
+        let more: Vec<HeaderValue> = connection.cloned().collect();
+        for value in first.iter().chain(&more) {
+            let Ok(value) = value.to_str() else { continue };
+            for name in value.split(',').map(str::trim) {
+                // Looked up by `&str`, without making a `HeaderName`: an invalid name finds
+                // nothing. Those of `HOP_BY_HOP` (`keep-alive`, ...) go below.
+                if !name.is_empty()
+                    && !HOP_BY_HOP
+                        .iter()
+                        .any(|h| name.eq_ignore_ascii_case(h.as_str()))
+                {
+                    headers.remove(name);
+                }
+            }
+        }
+    }
+    for (i, name) in HOP_BY_HOP.iter().enumerate() {
+        if present & (1 << i) != 0 {
+            headers.remove(name);
+        }
+    }
+}
 
 impl Service<Request<ReqBody>> for Upstream {
     type Response = Response<Incoming>;
@@ -184,26 +263,67 @@ impl Service<Request<ReqBody>> for Upstream {
     }
 
     fn call(&mut self, mut req: Request<ReqBody>) -> Self::Future {
+        let inner = &*self.inner;
         let mut parts = req.uri().clone().into_parts();
-        parts.scheme = Some(self.scheme.clone());
-        parts.authority = Some(self.authority.clone());
+        parts.scheme = Some(inner.scheme.clone());
+        parts.authority = Some(inner.authority.clone());
         if parts.path_and_query.is_none() {
             parts.path_and_query = Some(PathAndQuery::from_static("/"));
         }
         match Uri::from_parts(parts) {
             Ok(uri) => *req.uri_mut() = uri,
-            Err(e) => return Box::pin(std::future::ready(Err(e.into()))),
+            Err(e) => return UpstreamFuture::failed(e.into()),
         }
         strip_hop_by_hop(req.headers_mut());
-        req.headers_mut().remove(header::HOST);
+        // The client keeps a `Host` it finds.
+        req.headers_mut().insert(header::HOST, inner.host.clone());
         // The backend connection is HTTP/1.1 whatever the client spoke.
         *req.version_mut() = Version::HTTP_11;
-        let fut = self.client.request(req);
-        Box::pin(async move {
-            let mut res = fut.await?;
-            strip_hop_by_hop(res.headers_mut());
-            Ok(res)
-        })
+        UpstreamFuture {
+            state: UpstreamState::Sending(inner.client.request(req)),
+        }
+    }
+}
+
+/// The response future of [`Upstream`]: the client's, with hop-by-hop headers stripped from
+/// the response.
+pub(crate) struct UpstreamFuture {
+    state: UpstreamState,
+}
+
+enum UpstreamState {
+    Sending(ResponseFuture),
+    Failed(Option<BoxError>),
+}
+
+impl UpstreamFuture {
+    fn failed(e: BoxError) -> Self {
+        UpstreamFuture {
+            state: UpstreamState::Failed(Some(e)),
+        }
+    }
+}
+
+impl fmt::Debug for UpstreamFuture {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UpstreamFuture").finish_non_exhaustive()
+    }
+}
+
+impl Future for UpstreamFuture {
+    type Output = Result<Response<Incoming>, BoxError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match &mut self.state {
+            UpstreamState::Sending(fut) => {
+                let mut res = ready!(Pin::new(fut).poll(cx))?;
+                strip_hop_by_hop(res.headers_mut());
+                Poll::Ready(Ok(res))
+            }
+            UpstreamState::Failed(e) => Poll::Ready(Err(e
+                .take()
+                .unwrap_or_else(|| "UpstreamFuture polled after completion".into()))),
+        }
     }
 }
 
@@ -245,18 +365,15 @@ impl Proxy {
         let probe_client = Client::builder(TokioExecutor::new()).build(connector);
 
         let (fleet, discovery) = discover::channel();
-        let upstreams: Vec<_> = config
+        let upstreams = config
             .backends
             .iter()
             .map(|spec| {
-                let upstream = Upstream {
-                    client: client.clone(),
-                    scheme: spec.scheme.clone(),
-                    authority: spec.authority.clone(),
-                };
-                (spec.clone(), upstream)
+                let upstream =
+                    Upstream::new(client.clone(), spec.scheme.clone(), spec.authority.clone())?;
+                Ok((spec.clone(), upstream))
             })
-            .collect();
+            .collect::<Result<Vec<_>, BoxError>>()?;
         for (spec, upstream) in &upstreams {
             let slots = spec.slots.unwrap_or(NonZeroU32::MIN);
             fleet.insert(
@@ -302,29 +419,28 @@ impl Proxy {
         &self.affinity
     }
 
-    /// `/metrics` answered here; every other request goes to a backend.
-    pub(crate) fn router(&self) -> Router {
-        let registry = self.registry.clone();
-        let wait_seconds = self.wait_seconds.clone();
-        let mut body_key = BodyKeyLayer::new().limit(self.config.body_limit);
+    /// The service that [`serve`] runs: `/metrics` answered here, every other request sent to
+    /// a backend.
+    pub(crate) fn front(&self) -> Front {
+        // Headers win over the body (see `Affinity`): a request keyed by a header needs no
+        // parse of its body. Nothing here reads `PromptFacts`.
+        let mut body_key = BodyKeyLayer::new()
+            .limit(self.config.body_limit)
+            .skip_when_header(HeaderKey::default());
         if let Some(t) = self.config.read_timeout {
             body_key = body_key.read_timeout(t);
         }
-        let forward = ServiceBuilder::new()
-            .layer(body_key)
-            .map_response(move |res: Response<_>| {
-                if let Some(d) = res.extensions().get::<Decision>() {
-                    wait_seconds.observe(d.waited.unwrap_or_default().as_secs_f64());
-                }
-                res
-            })
-            .service(ErrorToResponse::new(Retry::new(
-                RetryOnce::new(),
-                self.affinity.clone(),
-            )));
-        Router::new()
-            .route("/metrics", get(move || metrics(registry.clone())))
-            .fallback_service(forward)
+        let forward = body_key.layer(ErrorToResponse::new(Retry::new(
+            RetryOnce::new(),
+            self.affinity.clone(),
+        )));
+        Front {
+            shared: Arc::new(FrontShared {
+                registry: self.registry.clone(),
+                wait_seconds: self.wait_seconds.clone(),
+            }),
+            forward,
+        }
     }
 
     /// A fresh probe state per backend: every backend is taken as up until probed.
@@ -469,19 +585,29 @@ async fn apply_fleet_changes(affinity: &mut Affinity) {
     let _ = ServiceExt::<Request<ReqBody>>::ready(affinity).await;
 }
 
-async fn metrics(registry: Arc<Registry>) -> impl IntoResponse {
-    let mut text = String::new();
-    match prometheus_client::encoding::prometheus_text::encode(&mut text, &registry) {
-        Ok(()) => (
-            [(
-                header::CONTENT_TYPE,
-                prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
-            )],
-            AxumBody::from(text),
-        )
-            .into_response(),
-        Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+/// `GET /metrics` (or `HEAD`): the registry in the Prometheus text format.
+fn metrics(method: &Method, registry: &Registry) -> Response<FrontBody> {
+    let mut res = Response::new(FrontBody::Right(Full::default()));
+    if !matches!(*method, Method::GET | Method::HEAD) {
+        *res.status_mut() = StatusCode::METHOD_NOT_ALLOWED;
+        res.headers_mut()
+            .insert(header::ALLOW, HeaderValue::from_static("GET,HEAD"));
+        return res;
     }
+    let mut text = String::new();
+    match prometheus_client::encoding::prometheus_text::encode(&mut text, registry) {
+        Ok(()) => {
+            *res.body_mut() = FrontBody::Right(Full::new(Bytes::from(text)));
+            res.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static(
+                    prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
+                ),
+            );
+        }
+        Err(_) => *res.status_mut() = StatusCode::INTERNAL_SERVER_ERROR,
+    }
+    res
 }
 
 // === metrics ===
@@ -605,13 +731,137 @@ impl Collector for AffinityCollector {
 
 // === serving ===
 
-/// Serves `router` on `listener` until `shutdown` resolves, then lets open responses finish.
+/// Everything but `/metrics`: the body read for keys, then the balancer, with one retry.
+type Forward = BodyKey<ErrorToResponse<Retry<RetryOnce, Affinity>>>;
+
+/// The response body of [`Front`]: a backend's (or the balancer's refusal), or the proxy's
+/// own answer.
+pub(crate) type FrontBody = Either<BodyKeyResponseBody<ResponseBody<Incoming>>, Full<Bytes>>;
+
+/// The proxy's front service, one clone per request: `/metrics` answered here, every other
+/// request forwarded.
+#[derive(Clone)]
+pub(crate) struct Front {
+    shared: Arc<FrontShared>,
+    forward: Forward,
+}
+
+struct FrontShared {
+    registry: Arc<Registry>,
+    wait_seconds: Histogram,
+}
+
+impl fmt::Debug for Front {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Front").finish_non_exhaustive()
+    }
+}
+
+impl Service<Request<Incoming>> for Front {
+    type Response = Response<FrontBody>;
+    type Error = Infallible;
+    type Future = FrontFuture;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Service::<Request<Incoming>>::poll_ready(&mut self.forward, cx)
+    }
+
+    fn call(&mut self, req: Request<Incoming>) -> Self::Future {
+        if req.uri().path() == "/metrics" {
+            let res = metrics(req.method(), &self.shared.registry);
+            return FrontFuture::Answered { res: Some(res) };
+        }
+        FrontFuture::Forwarding {
+            fut: self.forward.call(req),
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+pin_project! {
+    /// The response future of [`Front`].
+    #[project = FrontFutureProj]
+    pub(crate) enum FrontFuture {
+        Forwarding {
+            #[pin]
+            fut: BodyKeyFuture<ErrorToResponse<Retry<RetryOnce, Affinity>>, Incoming>,
+            shared: Arc<FrontShared>,
+        },
+        Answered {
+            res: Option<Response<FrontBody>>,
+        },
+    }
+}
+
+impl Future for FrontFuture {
+    type Output = Result<Response<FrontBody>, Infallible>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project() {
+            FrontFutureProj::Forwarding { fut, shared } => {
+                let res = ready!(fut.poll(cx))?;
+                if let Some(d) = res.extensions().get::<Decision>() {
+                    let waited = d.waited.unwrap_or_default();
+                    shared.wait_seconds.observe(waited.as_secs_f64());
+                }
+                Poll::Ready(Ok(res.map(Either::Left)))
+            }
+            FrontFutureProj::Answered { res } => Poll::Ready(Ok(res.take().unwrap_or_else(|| {
+                // Polled again after its answer: nothing left to give.
+                let mut res = Response::new(FrontBody::Right(Full::default()));
+                *res.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+                res
+            }))),
+        }
+    }
+}
+
+/// Serves `front` on `listener` until `shutdown` resolves, then stops accepting and lets open
+/// responses finish.
 pub(crate) async fn serve(
     listener: tokio::net::TcpListener,
-    router: Router,
+    front: Front,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .await
+    let builder = auto::Builder::new(TokioExecutor::new());
+    let graceful = GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    accept_error(e).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let service = TowerToHyperService::new(front.clone());
+        let conn = builder.serve_connection(TokioIo::new(stream), service);
+        let conn = graceful.watch(conn.into_owned());
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::trace!(error = %e, "connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
+    Ok(())
+}
+
+/// A failed accept: a connection that went away before it was accepted is nothing; anything
+/// else (out of file descriptors, say) is logged and accepting pauses for a second, so as not
+/// to spin while it lasts.
+async fn accept_error(e: std::io::Error) {
+    use std::io::ErrorKind;
+    if matches!(
+        e.kind(),
+        ErrorKind::ConnectionRefused | ErrorKind::ConnectionAborted | ErrorKind::ConnectionReset
+    ) {
+        return;
+    }
+    tracing::error!(error = %e, "accept failed; pausing for 1 s");
+    tokio::time::sleep(Duration::from_secs(1)).await;
 }

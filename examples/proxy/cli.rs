@@ -1,7 +1,7 @@
 //! The proxy's command line.
 
 use std::net::SocketAddr;
-use std::num::NonZeroU32;
+use std::num::{NonZeroU32, NonZeroUsize};
 use std::time::Duration;
 
 use http::uri::Scheme;
@@ -38,6 +38,8 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
   --body-limit SIZE          largest request body, e.g. 16MiB (default); larger is 413
   --read-timeout DURATION    longest time to receive a request body (default 60s;
                              0 turns it off); slower is 408
+  --worker-threads N         tokio worker threads (default: tokio's, one per CPU
+                             unless TOKIO_WORKER_THREADS says otherwise)
   -v, --verbose              debug logs
   -h, --help                 this text
 
@@ -56,6 +58,8 @@ pub(crate) enum Command {
 pub(crate) struct Args {
     pub(crate) listen: SocketAddr,
     pub(crate) verbose: bool,
+    /// `None`: tokio's default.
+    pub(crate) worker_threads: Option<NonZeroUsize>,
     pub(crate) config: Config,
 }
 
@@ -67,6 +71,7 @@ where
     let mut args = args.into_iter().map(Into::into);
     let mut listen: SocketAddr = ([127, 0, 0, 1], 8080).into();
     let mut verbose = false;
+    let mut worker_threads = None;
     let mut backends = Vec::new();
     let mut config = Config::new(Vec::new());
     let mut overflow = "wait".to_string();
@@ -120,6 +125,12 @@ where
                 let d = duration(&flag, &value()?)?;
                 config.read_timeout = (!d.is_zero()).then_some(d);
             }
+            "--worker-threads" => {
+                let v = value()?;
+                worker_threads = Some(v.parse().map_err(|_| {
+                    format!("--worker-threads {v:?}: expected a number of threads, at least 1")
+                })?);
+            }
             other => return Err(format!("unknown argument {other:?} (see --help)")),
         }
     }
@@ -143,6 +154,7 @@ where
     Ok(Command::Run(Args {
         listen,
         verbose,
+        worker_threads,
         config,
     }))
 }

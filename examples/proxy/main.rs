@@ -24,8 +24,7 @@ use std::sync::Arc;
 use app::Proxy;
 use cli::Command;
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     let args = match cli::parse(std::env::args().skip(1)) {
         Ok(Command::Run(args)) => args,
         Ok(Command::Help) => {
@@ -50,7 +49,16 @@ async fn main() -> ExitCode {
         .with_ansi(ansi)
         .init();
 
-    match run(args).await {
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    runtime.enable_all();
+    if let Some(n) = args.worker_threads {
+        runtime.worker_threads(n.get());
+    }
+    let result = match runtime.build() {
+        Ok(runtime) => runtime.block_on(run(args)),
+        Err(e) => Err(e.into()),
+    };
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = %e, "proxy stopped");
@@ -76,7 +84,7 @@ async fn run(args: cli::Args) -> Result<(), tower_affinity::BoxError> {
         proxy.probe_all(&mut probes).await;
     }
     let probe_tasks = proxy.spawn_probes(probes);
-    app::serve(listener, proxy.router(), shutdown_signal()).await?;
+    app::serve(listener, proxy.front(), shutdown_signal()).await?;
     drop(probe_tasks);
     let stats = proxy.affinity().stats();
     tracing::info!(

@@ -13,13 +13,15 @@ use http::{header, HeaderValue, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
 use pin_project_lite::pin_project;
-use serde_json::{Map, Value};
+use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde::Deserialize;
+use serde_json::Value;
 use sha2::{Digest, Sha256};
-use tokio::time::Sleep;
+use tokio::time::{Instant, Sleep};
 use tower::util::Oneshot;
 use tower::{Layer, Service};
 
-use super::SessionKey;
+use super::{HeaderKey, SessionKey};
 use crate::BoxError;
 
 // === config ===
@@ -28,12 +30,49 @@ use crate::BoxError;
 struct Config {
     /// Each field as its path of object keys (`metadata.user_id` is `["metadata", "user_id"]`).
     fields: Vec<Vec<String>>,
+    /// The distinct first keys of `fields`: the only top-level values the parse keeps whole.
+    tops: Vec<String>,
     limit: usize,
     read_timeout: Option<Duration>,
+    /// The body is left unread when these headers carry a key.
+    skip_when: Option<HeaderKey>,
 }
 
 impl Config {
+    fn new(limit: usize) -> Self {
+        Config {
+            fields: Vec::new(),
+            tops: Vec::new(),
+            limit,
+            read_timeout: None,
+            skip_when: None,
+        }
+    }
+
+    fn set_fields(&mut self, fields: Vec<Vec<String>>) {
+        let mut tops: Vec<String> = Vec::new();
+        for first in fields.iter().filter_map(|path| path.first()) {
+            if !tops.contains(first) {
+                tops.push(first.clone());
+            }
+        }
+        self.fields = fields;
+        self.tops = tops;
+    }
+
+    /// Whether the body is read at all: not when a header already names the session.
+    fn reads(&self, headers: &http::HeaderMap) -> bool {
+        self.skip_when
+            .as_ref()
+            .is_none_or(|header| !header.finds_key(headers))
+    }
+
     /// What a body says about its session and its prompt.
+    ///
+    /// One pass over the body that keeps only what it needs: the top-level values the key
+    /// fields start with and the leading entries of `messages`; everything else is checked and
+    /// skipped without being built. A body is taken as JSON exactly when it parses as a
+    /// [`serde_json::Value`] (same nesting limit, same checks of strings and numbers).
     fn inspect(&self, body: &[u8]) -> (Option<SessionKey>, PromptFacts) {
         let mut facts = PromptFacts {
             body_bytes: body.len(),
@@ -44,31 +83,38 @@ impl Config {
         if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
             return (None, facts);
         }
-        let Ok(Value::Object(object)) = serde_json::from_slice::<Value>(body) else {
-            return (None, facts);
+        let mut de = serde_json::Deserializer::from_slice(body);
+        let found = match de.deserialize_map(TopLevel { tops: &self.tops }) {
+            Ok(found) if de.end().is_ok() => found,
+            _ => return (None, facts),
         };
-        if let Some(Value::Array(messages)) = object.get("messages") {
-            facts.messages = messages.len();
-            let leading = &messages[..messages.len().min(PromptFacts::LEADING_MESSAGES)];
-            if !leading.is_empty() {
-                // Serializing a `Value` cannot fail: its map keys are strings.
-                let bytes = serde_json::to_vec(leading).unwrap_or_default();
-                facts.leading_digest = Some(Sha256::digest(&bytes).into());
+        if let Some(messages) = found.messages {
+            facts.messages = messages.count;
+            if !messages.leading.is_empty() {
+                // The same bytes as `serde_json::to_vec(&leading)`, hashed as they are written.
+                let mut hasher = Sha256::new();
+                if serde_json::to_writer(&mut hasher, &messages.leading).is_ok() {
+                    facts.leading_digest = Some(hasher.finalize().into());
+                }
             }
         }
-        let key = self.fields.iter().find_map(|path| key_at(&object, path));
+        let key = self.fields.iter().find_map(|path| {
+            let (first, rest) = path.split_first()?;
+            let top = self.tops.iter().position(|t| t == first)?;
+            let (_, value) = found.values.iter().find(|(i, _)| *i == top)?;
+            key_at(value, rest)
+        });
         (key, facts)
     }
 }
 
-/// The key at `path`: a non-blank string (trimmed) or a number (its JSON text).
-fn key_at(object: &Map<String, Value>, path: &[String]) -> Option<SessionKey> {
-    let (last, parents) = path.split_last()?;
-    let mut object = object;
-    for name in parents {
-        object = object.get(name)?.as_object()?;
+/// The key at `path` below `value`: a non-blank string (trimmed) or a number (its JSON text).
+fn key_at(value: &Value, path: &[String]) -> Option<SessionKey> {
+    let mut value = value;
+    for name in path {
+        value = value.as_object()?.get(name)?;
     }
-    match object.get(last)? {
+    match value {
         Value::String(s) => {
             let trimmed = s.trim_ascii();
             (!trimmed.is_empty()).then(|| SessionKey::from_bytes(trimmed.as_bytes()))
@@ -76,6 +122,217 @@ fn key_at(object: &Map<String, Value>, path: &[String]) -> Option<SessionKey> {
         Value::Number(n) => Some(SessionKey::from_bytes(n.to_string().as_bytes())),
         _ => None,
     }
+}
+
+// === the parse ===
+
+/// What the top-level object holds that [`Config::inspect`] needs.
+#[derive(Default)]
+struct Found {
+    /// The values of the key fields' first keys, by their index in `Config::tops`. A key
+    /// given twice keeps its last value, as in a parsed `Value`.
+    values: Vec<(usize, Value)>,
+    /// The last `messages` member, if any.
+    messages: Option<Messages>,
+}
+
+/// The top-level object: keeps the members named in `tops` and `messages`, skips the rest.
+struct TopLevel<'a> {
+    tops: &'a [String],
+}
+
+impl<'de> Visitor<'de> for TopLevel<'_> {
+    type Value = Found;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Found, A::Error> {
+        let mut found = Found::default();
+        while let Some(member) = map.next_key_seed(MemberName { tops: self.tops })? {
+            let (top, messages) = match member {
+                Member::Other => {
+                    map.next_value::<Skip>()?;
+                    continue;
+                }
+                Member::Messages => {
+                    found.messages = Some(map.next_value::<Messages>()?);
+                    continue;
+                }
+                Member::Top { index, messages } => (index, messages),
+            };
+            // A key field's first key: kept whole, as it is small and may be nested.
+            let value: Value = map.next_value()?;
+            if messages {
+                found.messages = Some(Messages::of_value(&value));
+            }
+            match found.values.iter_mut().find(|(i, _)| *i == top) {
+                Some((_, v)) => *v = value,
+                None => found.values.push((top, value)),
+            }
+        }
+        Ok(found)
+    }
+}
+
+/// What a member of the top-level object is to the parse.
+enum Member {
+    /// The first key of a key field (at this index of `tops`); `messages` if it also is
+    /// `"messages"`.
+    Top { index: usize, messages: bool },
+    /// `"messages"`, not a key field.
+    Messages,
+    /// Anything else: skipped.
+    Other,
+}
+
+/// Classifies a member name without keeping it.
+struct MemberName<'a> {
+    tops: &'a [String],
+}
+
+impl<'de> DeserializeSeed<'de> for MemberName<'_> {
+    type Value = Member;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Member, D::Error> {
+        deserializer.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for MemberName<'_> {
+    type Value = Member;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a member name")
+    }
+
+    fn visit_str<E: de::Error>(self, name: &str) -> Result<Member, E> {
+        let messages = name == "messages";
+        Ok(match self.tops.iter().position(|t| t == name) {
+            Some(index) => Member::Top { index, messages },
+            None if messages => Member::Messages,
+            None => Member::Other,
+        })
+    }
+}
+
+/// The `messages` member: how many entries it has and the leading ones. Anything but an
+/// array counts as no messages.
+#[derive(Default)]
+struct Messages {
+    count: usize,
+    leading: Vec<Value>,
+}
+
+impl Messages {
+    fn of_value(value: &Value) -> Self {
+        match value {
+            Value::Array(all) => Messages {
+                count: all.len(),
+                leading: all
+                    .iter()
+                    .take(PromptFacts::LEADING_MESSAGES)
+                    .cloned()
+                    .collect(),
+            },
+            _ => Messages::default(),
+        }
+    }
+}
+
+/// Visitor methods for the JSON values a visitor takes in and ignores: scalars and, skipped
+/// member by member, objects. The depth limit of `serde_json` applies to them all.
+macro_rules! ignore_other_values {
+    () => {
+        fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+            Ok(Default::default())
+        }
+
+        fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
+            Ok(Default::default())
+        }
+
+        fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+            Ok(Default::default())
+        }
+
+        fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
+            Ok(Default::default())
+        }
+
+        fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
+            Ok(Default::default())
+        }
+
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(Default::default())
+        }
+
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            while map.next_entry::<Skip, Skip>()?.is_some() {}
+            Ok(Default::default())
+        }
+    };
+}
+
+impl<'de> Deserialize<'de> for Messages {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(MessagesVisitor)
+    }
+}
+
+struct MessagesVisitor;
+
+impl<'de> Visitor<'de> for MessagesVisitor {
+    type Value = Messages;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Messages, A::Error> {
+        let mut messages = Messages::default();
+        while messages.count < PromptFacts::LEADING_MESSAGES {
+            match seq.next_element::<Value>()? {
+                Some(message) => messages.leading.push(message),
+                None => return Ok(messages),
+            }
+            messages.count += 1;
+        }
+        while seq.next_element::<Skip>()?.is_some() {
+            messages.count += 1;
+        }
+        Ok(messages)
+    }
+
+    ignore_other_values!();
+}
+
+/// Any JSON value, checked as `serde_json::Value` would be and then forgotten: nothing is
+/// built, and strings are borrowed from the body where they have no escapes.
+#[derive(Default)]
+struct Skip;
+
+impl<'de> Deserialize<'de> for Skip {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(Skip)
+    }
+}
+
+impl<'de> Visitor<'de> for Skip {
+    type Value = Skip;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Skip, A::Error> {
+        while seq.next_element::<Skip>()?.is_some() {}
+        Ok(Skip)
+    }
+
+    ignore_other_values!();
 }
 
 // === PromptFacts ===
@@ -119,12 +376,7 @@ impl PromptFacts {
 
     /// The facts of a whole request body.
     pub fn from_body(body: &[u8]) -> Self {
-        let config = Config {
-            fields: Vec::new(),
-            limit: usize::MAX,
-            read_timeout: None,
-        };
-        config.inspect(body).1
+        Config::new(usize::MAX).inspect(body).1
     }
 }
 
@@ -139,7 +391,9 @@ impl PromptFacts {
 ///   into the request's extensions as a [`SessionKey`]; read it with
 ///   [`ExtensionKey`](super::ExtensionKey), usually behind the headers:
 ///   `FirstOf::new(HeaderKey::default(), ExtensionKey)`.
-/// - A body that is not JSON, or has none of the fields, goes on without a key.
+/// - A body that is not JSON, or has none of the fields, goes on without a key. The body is
+///   parsed once, keeping only the key fields and the leading messages; a request whose
+///   headers already name its session can skip the parse ([`skip_when_header`]).
 /// - A body over the limit (default [`DEFAULT_LIMIT`](Self::DEFAULT_LIMIT), 16 MiB: long agent
 ///   prompts run to a few hundred kilobytes) is answered `413 Payload Too Large` with a
 ///   plain-text reason, from its `Content-Length` before reading when it has one. A body
@@ -148,6 +402,8 @@ impl PromptFacts {
 /// - Trailers are dropped: a buffered body has nowhere to carry them.
 ///
 /// Buffering is also what makes a request retryable (see [`RetryOnce`](crate::RetryOnce)).
+///
+/// [`skip_when_header`]: Self::skip_when_header
 ///
 /// ```
 /// use std::time::Duration;
@@ -197,11 +453,7 @@ impl BodyKeyLayer {
     /// ```
     pub fn new() -> Self {
         BodyKeyLayer {
-            config: Arc::new(Config {
-                fields: Vec::new(),
-                limit: Self::DEFAULT_LIMIT,
-                read_timeout: None,
-            }),
+            config: Arc::new(Config::new(Self::DEFAULT_LIMIT)),
         }
         .fields(Self::DEFAULT_FIELDS)
     }
@@ -229,10 +481,53 @@ impl BodyKeyLayer {
         I: IntoIterator,
         I::Item: AsRef<str>,
     {
-        Arc::make_mut(&mut self.config).fields = fields
-            .into_iter()
-            .map(|f| f.as_ref().split('.').map(str::to_owned).collect())
-            .collect();
+        Arc::make_mut(&mut self.config).set_fields(
+            fields
+                .into_iter()
+                .map(|f| f.as_ref().split('.').map(str::to_owned).collect())
+                .collect(),
+        );
+        self
+    }
+
+    /// Leaves the body unread when `header` finds a key on the request: such a request gets
+    /// neither a [`SessionKey`] nor [`PromptFacts`] from this layer. Its body is still
+    /// buffered (the limit and the read timeout still apply) and forwarded unchanged.
+    ///
+    /// This saves parsing the body when the key is in a header and headers win anyway, as
+    /// with `FirstOf::new(HeaderKey::default(), ExtensionKey)` behind the layer. Leave it off
+    /// if something behind the layer reads [`PromptFacts`].
+    ///
+    /// ```
+    /// use bytes::Bytes;
+    /// use http_body_util::{BodyExt, Full};
+    /// use tower::{service_fn, Layer, ServiceExt};
+    /// use tower_affinity::key::{BodyKeyLayer, HeaderKey, PromptFacts};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// // Answers whether the body was read.
+    /// let svc = BodyKeyLayer::new()
+    ///     .skip_when_header(HeaderKey::default())
+    ///     .layer(service_fn(|req: http::Request<Full<Bytes>>| async move {
+    ///         let read = req.extensions().get::<PromptFacts>().is_some();
+    ///         Ok::<_, std::convert::Infallible>(http::Response::new(read.to_string()))
+    ///     }));
+    /// let body_read = |req: http::request::Builder| {
+    ///     let svc = svc.clone();
+    ///     async move {
+    ///         let req = req.body(Full::new(Bytes::from_static(br#"{"user":"u"}"#))).unwrap();
+    ///         let res = svc.oneshot(req).await.unwrap();
+    ///         res.into_body().collect().await.unwrap().to_bytes() == "true"
+    ///     }
+    /// };
+    /// let keyed = http::Request::post("/").header("x-session-id", "run-1");
+    /// assert!(!body_read(keyed).await); // the header names the session
+    /// assert!(body_read(http::Request::post("/")).await);
+    /// # }
+    /// ```
+    pub fn skip_when_header(mut self, header: HeaderKey) -> Self {
+        Arc::make_mut(&mut self.config).skip_when = Some(header);
         self
     }
 
@@ -365,16 +660,68 @@ where
             .unwrap_or(0)
             .min(config.limit)
             .min(UP_FRONT);
-        let deadline = config.read_timeout.map(|t| Box::pin(tokio::time::sleep(t)));
+        // The timer itself is only set if the body is not all there at the first poll.
+        let started = config.read_timeout.map(|_| Instant::now());
         BodyKeyFuture {
             state: State::Reading {
                 body,
-                buf: BytesMut::with_capacity(capacity),
+                buf: Buffer::new(capacity),
                 parts: Some(parts),
                 service: Some(inner),
                 config,
-                deadline,
+                started,
+                deadline: None,
             },
+        }
+    }
+}
+
+// === Buffer ===
+
+/// A request body as it arrives. The first chunk is kept as it came, so a body that arrives
+/// in one chunk (most do) is neither copied nor reallocated; later chunks are copied after it.
+#[derive(Debug)]
+struct Buffer {
+    first: Option<Bytes>,
+    rest: BytesMut,
+    /// What to reserve for `rest` once a second chunk arrives.
+    capacity: usize,
+}
+
+impl Buffer {
+    fn new(capacity: usize) -> Self {
+        Buffer {
+            first: None,
+            rest: BytesMut::new(),
+            capacity,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.first.as_ref().map_or(0, Bytes::len) + self.rest.len()
+    }
+
+    fn push(&mut self, mut data: impl Buf) {
+        let n = data.remaining();
+        if n == 0 {
+            return;
+        }
+        if self.first.is_none() && self.rest.is_empty() {
+            // Free for `Bytes` (hyper's chunks): a new handle on the same memory.
+            self.first = Some(data.copy_to_bytes(n));
+            return;
+        }
+        if let Some(first) = self.first.take() {
+            self.rest.reserve(self.capacity.max(first.len() + n));
+            self.rest.put(first);
+        }
+        self.rest.put(data);
+    }
+
+    fn take(&mut self) -> Bytes {
+        match self.first.take() {
+            Some(first) => first,
+            None => std::mem::take(&mut self.rest).freeze(),
         }
     }
 }
@@ -454,10 +801,13 @@ pin_project! {
         Reading {
             #[pin]
             body: B,
-            buf: BytesMut,
+            buf: Buffer,
             parts: Option<http::request::Parts>,
             service: Option<S>,
             config: Arc<Config>,
+            // When the call was made, if there is a read timeout.
+            started: Option<Instant>,
+            // Set at the first poll that finds the body incomplete.
             deadline: Option<Pin<Box<Sleep>>>,
         },
         Calling {
@@ -501,27 +851,36 @@ where
                     parts,
                     service,
                     config,
+                    started,
                     deadline,
                 } => {
                     let rejection = loop {
                         match body.as_mut().poll_frame(cx) {
                             Poll::Ready(Some(Ok(frame))) => {
-                                let Ok(mut data) = frame.into_data() else {
+                                let Ok(data) = frame.into_data() else {
                                     continue;
                                 };
-                                if buf.len() + data.remaining() > config.limit {
+                                if buf.len().saturating_add(data.remaining()) > config.limit {
                                     break Some(Rejection::TooLarge(config.limit));
                                 }
-                                buf.put(&mut data);
+                                buf.push(data);
                             }
                             Poll::Ready(Some(Err(e))) => break Some(Rejection::Read(e.into())),
                             Poll::Ready(None) => break None,
                             Poll::Pending => {
-                                let Some(d) = deadline else {
+                                let (Some(timeout), Some(started)) =
+                                    (config.read_timeout, *started)
+                                else {
                                     return Poll::Pending;
                                 };
+                                let d = deadline.get_or_insert_with(|| {
+                                    Box::pin(match started.checked_add(timeout) {
+                                        Some(at) => tokio::time::sleep_until(at),
+                                        // Past what the clock can tell: tokio's far future.
+                                        None => tokio::time::sleep(timeout),
+                                    })
+                                });
                                 ready!(d.as_mut().poll(cx));
-                                let timeout = config.read_timeout.unwrap_or_default();
                                 break Some(Rejection::Timeout(timeout));
                             }
                         }
@@ -535,12 +894,14 @@ where
                     let (Some(mut parts), Some(service)) = (parts.take(), service.take()) else {
                         panic!("BodyKeyFuture polled after completion");
                     };
-                    let bytes = std::mem::take(buf).freeze();
-                    let (key, facts) = config.inspect(&bytes);
-                    if let Some(key) = key {
-                        parts.extensions.insert(key);
+                    let bytes = buf.take();
+                    if config.reads(&parts.headers) {
+                        let (key, facts) = config.inspect(&bytes);
+                        if let Some(key) = key {
+                            parts.extensions.insert(key);
+                        }
+                        parts.extensions.insert(facts);
                     }
-                    parts.extensions.insert(facts);
                     let req = http::Request::from_parts(parts, Full::new(bytes));
                     state.set(State::Calling {
                         fut: Oneshot::new(service, req),
@@ -909,5 +1270,181 @@ mod tests {
         assert!(f1.leading_digest.is_some());
         assert_eq!(f1.leading_digest, f2.leading_digest);
         assert_ne!(f1.leading_digest, f3.leading_digest);
+    }
+
+    /// The parse before it was made lazy, kept as the reference: a whole `Value`, then the
+    /// key fields and the re-serialized leading messages read from it.
+    fn reference(fields: &[&str], body: &[u8]) -> (Option<SessionKey>, usize, Option<[u8; 32]>) {
+        let Ok(Value::Object(object)) = serde_json::from_slice::<Value>(body) else {
+            return (None, 0, None);
+        };
+        let (mut messages, mut digest) = (0, None);
+        if let Some(Value::Array(all)) = object.get("messages") {
+            messages = all.len();
+            let leading = &all[..all.len().min(PromptFacts::LEADING_MESSAGES)];
+            if !leading.is_empty() {
+                let bytes = serde_json::to_vec(leading).unwrap();
+                digest = Some(Sha256::digest(&bytes).into());
+            }
+        }
+        let key = fields.iter().find_map(|field| {
+            let path: Vec<String> = field.split('.').map(str::to_owned).collect();
+            let (first, rest) = path.split_first()?;
+            key_at(object.get(first)?, rest)
+        });
+        (key, messages, digest)
+    }
+
+    fn config(fields: &[&str]) -> Config {
+        let mut config = Config::new(usize::MAX);
+        config.set_fields(
+            fields
+                .iter()
+                .map(|f| f.split('.').map(str::to_owned).collect())
+                .collect(),
+        );
+        config
+    }
+
+    #[test]
+    fn the_lazy_parse_agrees_with_a_whole_value() {
+        let deep = |n: usize| format!(r#"{{"user":"u","x":{}{}}}"#, "[".repeat(n), "]".repeat(n));
+        let bodies: Vec<Vec<u8>> = [
+            r#"{"user":"u","messages":[{"role":"user","content":"hi"}]}"#.to_string(),
+            r#"{"messages":[{"content":"a","role":"system"},{"role":"user","content":"b"},3,null]}"#.into(),
+            r#"{"messages":[{"z":1.50,"a":2e3,"m":-0,"s":"\u00e9\n"}]}"#.into(),
+            r#"{"messages":[],"user":7}"#.into(),
+            r#"{"messages":{"0":{}},"user":"u"}"#.into(),
+            r#"{"messages":"abc","user":""}"#.into(),
+            r#"{"messages":[1],"messages":[2,3]}"#.into(),
+            r#"{"messages":[1,2],"messages":5}"#.into(),
+            r#"{"user":"a","user":"b"}"#.into(),
+            r#"{"user":"a","user":null}"#.into(),
+            r#"{"metadata":{"user_id":"m"},"metadata":{"other":1}}"#.into(),
+            r#"{"metadata":{"user_id":12.5e1}}"#.into(),
+            r#"{"us\u0065r":"escaped name"}"#.into(),
+            r#"{"prompt_cache_key":"  p  ","user":"u"}"#.into(),
+            r#"{"a":{"b":[true,false,null,{"c":"d"}]},"user":"u"} "#.into(),
+            r#"{"user":"u"} trailing"#.into(),
+            r#"{"user":"u","n":1e400}"#.into(),
+            r#"{"user":"u","n":18446744073709551616}"#.into(),
+            r#"{"user":"u","s":"\ud800"}"#.into(),
+            r#"{"user":"u","s":"bad \x escape"}"#.into(),
+            r#"{"user":"u",}"#.into(),
+            r#"{"user":"u""#.into(),
+            "{}".into(),
+            " \n{\"user\" : \"spaced\"}\n".into(),
+            deep(10),
+            deep(126),
+            deep(127),
+            deep(128),
+            deep(100_000),
+        ]
+        .into_iter()
+        .map(String::into_bytes)
+        .chain([
+            b"{\"user\":\"u\",\"s\":\"\xff\"}".to_vec(),
+            b"{\"user\":\"u\",\"s\":\"tab\there\"}".to_vec(),
+            b"{\"user\":\"\xc3\xa9\"}".to_vec(),
+        ])
+        .collect();
+        let configs: [&[&str]; 4] = [
+            &BodyKeyLayer::DEFAULT_FIELDS,
+            &["messages", "user"],
+            &["messages.0", "a.b"],
+            &[],
+        ];
+        for fields in configs {
+            let config = config(fields);
+            for body in &bodies {
+                let (key, facts) = config.inspect(body);
+                let text = String::from_utf8_lossy(&body[..body.len().min(80)]);
+                assert_eq!(
+                    (key, facts.messages, facts.leading_digest),
+                    reference(fields, body),
+                    "fields {fields:?}, body {text}"
+                );
+                assert_eq!(facts.body_bytes, body.len());
+            }
+        }
+    }
+
+    #[test]
+    fn the_leading_digest_is_over_the_re_serialized_messages() {
+        let body = br#"{"messages":[ {"role":"system", "content":"s"},
+                                     {"role":"user","content":"t"}, {"role":"user"}]}"#;
+        let facts = PromptFacts::from_body(body);
+        let expected: [u8; 32] =
+            Sha256::digest(br#"[{"content":"s","role":"system"},{"content":"t","role":"user"}]"#)
+                .into();
+        assert_eq!(facts.leading_digest, Some(expected));
+        assert_eq!(facts.messages, 3);
+    }
+
+    fn with_session_header(value: &'static str, body: &'static [u8]) -> http::Request<Full<Bytes>> {
+        let mut req = post(body);
+        req.headers_mut()
+            .insert("x-session-id", HeaderValue::from_static(value));
+        req
+    }
+
+    #[tokio::test]
+    async fn skip_when_header_leaves_a_keyed_body_unread() {
+        use crate::key::HeaderKey;
+        let layer = BodyKeyLayer::new().skip_when_header(HeaderKey::default());
+        let body = br#"{"user":"u","messages":[{"role":"user","content":"hi"}]}"#;
+        let (res, seen) = run(layer.clone(), with_session_header("run-1", body)).await;
+        assert_eq!(res.status(), 200);
+        assert_eq!((seen.key, seen.facts), (None, None));
+        assert_eq!(seen.body.as_deref(), Some(&body[..]));
+        // A blank header names no session: the body is read.
+        let (_, seen) = run(layer.clone(), with_session_header(" ", body)).await;
+        assert_eq!(seen.key, key("u"));
+        assert_eq!(seen.facts.map(|f| f.messages), Some(1));
+        // So is a body without the header.
+        let (_, seen) = run(layer, post(body)).await;
+        assert_eq!(seen.key, key("u"));
+        // Without the option, the body is read whatever the headers say.
+        let (_, seen) = run(BodyKeyLayer::new(), with_session_header("run-1", body)).await;
+        assert_eq!(seen.key, key("u"));
+    }
+
+    #[tokio::test]
+    async fn skip_when_header_still_bounds_the_body() {
+        use crate::key::HeaderKey;
+        let layer = BodyKeyLayer::new()
+            .limit(10)
+            .skip_when_header(HeaderKey::new(["x-session-id"]));
+        let (res, seen) = run(layer, with_session_header("run-1", b"12345678901")).await;
+        assert_eq!(res.status(), StatusCode::PAYLOAD_TOO_LARGE);
+        assert!(seen.body.is_none());
+    }
+
+    #[tokio::test]
+    async fn empty_chunks_and_a_single_chunk_are_forwarded_whole() {
+        let req = http::Request::post("/")
+            .body(Chunks::new([b"", b"{\"user\":\"one\"}", b""]))
+            .unwrap();
+        let (_, seen) = run(BodyKeyLayer::new(), req).await;
+        assert_eq!(seen.body.as_deref(), Some(&b"{\"user\":\"one\"}"[..]));
+        assert_eq!(seen.key, key("one"));
+        let req = http::Request::post("/")
+            .body(Chunks::new([b"", b"{\"user\":", b"", b"\"two\"}"]))
+            .unwrap();
+        let (_, seen) = run(BodyKeyLayer::new(), req).await;
+        assert_eq!(seen.body.as_deref(), Some(&b"{\"user\":\"two\"}"[..]));
+        assert_eq!(seen.key, key("two"));
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_read_timeout_past_the_clock_never_fires() {
+        let layer = BodyKeyLayer::new().read_timeout(Duration::MAX);
+        let (res, _) = run(layer.clone(), post(br#"{"user":"u"}"#)).await;
+        assert_eq!(res.status(), 200);
+        let req = http::Request::post("/")
+            .body(Chunks::stalling([b"{"]))
+            .unwrap();
+        let waited = tokio::time::timeout(Duration::from_secs(365 * 86_400), run(layer, req)).await;
+        assert!(waited.is_err(), "still reading a year later");
     }
 }

@@ -75,6 +75,18 @@ impl HeaderKey {
     }
 }
 
+impl HeaderKey {
+    /// Whether the headers carry a key, by the rules of [`extract`](KeyExtractor::extract),
+    /// without digesting it.
+    pub(crate) fn finds_key(&self, headers: &http::HeaderMap) -> bool {
+        self.names.iter().any(|name| {
+            headers
+                .get(name)
+                .is_some_and(|v| !v.as_bytes().trim_ascii().is_empty())
+        })
+    }
+}
+
 impl Default for HeaderKey {
     fn default() -> Self {
         HeaderKey {
@@ -144,6 +156,27 @@ mod tests {
     fn non_utf8_value_is_a_key() {
         let r = req(&[("x-session-id", &[0xff, 0xfe, b'a'])]);
         assert!(HeaderKey::default().extract(&r).is_some());
+    }
+
+    #[test]
+    fn finds_key_agrees_with_extract() {
+        let cases: [&[(&str, &[u8])]; 6] = [
+            &[],
+            &[("x-session-id", b"")],
+            &[("x-session-affinity", b" \t"), ("x-session-id", b"")],
+            &[("x-session-affinity", b" \t"), ("x-session-id", b"b")],
+            &[("x-session-id", b"first"), ("x-session-id", b" ")],
+            &[("x-other", b"a")],
+        ];
+        let key = HeaderKey::default();
+        for headers in cases {
+            let r = req(headers);
+            assert_eq!(
+                key.finds_key(r.headers()),
+                key.extract(&r).is_some(),
+                "{headers:?}"
+            );
+        }
     }
 
     #[test]

@@ -245,7 +245,7 @@ async fn start(backends: Vec<BackendSpec>) -> Running {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
-    let server = tokio::spawn(app::serve(listener, proxy.router(), async {
+    let server = tokio::spawn(app::serve(listener, proxy.front(), async {
         let _ = stopped.await;
     }));
     Running {

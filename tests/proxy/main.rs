@@ -19,6 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use http::header::{self, HeaderName, HeaderValue};
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
@@ -67,7 +68,7 @@ async fn start(config: Config) -> Running {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
-    let server = tokio::spawn(app::serve(listener, proxy.router(), async {
+    let server = tokio::spawn(app::serve(listener, proxy.front(), async {
         let _ = stopped.await;
     }));
     Running {
@@ -665,6 +666,25 @@ async fn a_full_backend_makes_requests_wait_and_metrics_show_it() {
 }
 
 #[tokio::test]
+async fn metrics_answers_get_and_head_only_and_never_reaches_a_backend() {
+    let a = Stub::start("a", 1).await;
+    let proxy = start(config(&[("node-a", &a)])).await;
+    let head = Request::head(proxy.url("/metrics"))
+        .body(Full::default())
+        .unwrap();
+    let head = proxy.fetch(head).await;
+    assert_eq!(head.status, 200);
+    assert!(head.body.is_empty());
+    let post = Request::post(proxy.url("/metrics"))
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap();
+    let post = proxy.fetch(post).await;
+    assert_eq!(post.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(post.header("allow"), "GET,HEAD");
+    assert!(a.echoed().is_empty());
+}
+
+#[tokio::test]
 async fn with_overflow_reject_a_full_fleet_answers_429() {
     let a = Stub::start("a", 1).await;
     let mut config = config(&[("node-a", &a)]);
@@ -707,6 +727,7 @@ fn the_e2e_command_line_parses() {
         panic!("not a run");
     };
     assert_eq!(run.listen, "127.0.0.1:18080".parse().unwrap());
+    assert_eq!(run.worker_threads, None);
     let c = &run.config;
     let ids: Vec<_> = c.backends.iter().map(|b| b.id.as_str()).collect();
     assert_eq!(
@@ -748,6 +769,8 @@ fn every_option_parses_and_bad_values_are_explained() {
         "2MiB",
         "--read-timeout",
         "0",
+        "--worker-threads",
+        "3",
         "-v",
     ];
     let cli::Command::Run(run) = cli::parse(args).unwrap() else {
@@ -755,6 +778,7 @@ fn every_option_parses_and_bad_values_are_explained() {
     };
     let c = &run.config;
     assert!(run.verbose);
+    assert_eq!(run.worker_threads.map(|n| n.get()), Some(3));
     assert_eq!(c.backends[0].id, "gpu0");
     assert_eq!(c.backends[0].slots, None);
     assert_eq!(c.policy, app::Policy::RoundRobin);
@@ -792,6 +816,10 @@ fn every_option_parses_and_bad_values_are_explained() {
         ),
         (vec!["--listen", "127.0.0.1:8080"], "at least one --backend"),
         (vec!["--bogus"], "unknown argument"),
+        (
+            vec!["--backend", "n=http://x:1", "--worker-threads", "0"],
+            "at least 1",
+        ),
         (vec!["--backend"], "needs a value"),
     ] {
         let err = cli::parse(args.clone()).unwrap_err();
@@ -807,4 +835,50 @@ async fn two_backends_with_one_id_are_refused() {
         .await
         .unwrap_err();
     assert!(err.to_string().contains("given twice"), "{err}");
+}
+
+// === hop-by-hop headers ===
+
+#[test]
+fn hop_by_hop_index_finds_each_name_in_order() {
+    for (i, name) in app::HOP_BY_HOP.iter().enumerate() {
+        assert_eq!(app::hop_by_hop_index(name), Some(i), "{name}");
+    }
+    assert_eq!(app::hop_by_hop_index(&header::HOST), None);
+    assert_eq!(
+        app::hop_by_hop_index(&HeaderName::from_static("x-session-id")),
+        None
+    );
+}
+
+#[test]
+fn strip_hop_by_hop_removes_what_connection_names_and_nothing_else() {
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    headers.insert("x-session-id", HeaderValue::from_static("s"));
+    let untouched = headers.clone();
+    app::strip_hop_by_hop(&mut headers);
+    assert_eq!(headers, untouched);
+
+    headers.append(
+        header::CONNECTION,
+        HeaderValue::from_static("Keep-Alive, X-Hop"),
+    );
+    headers.append(
+        header::CONNECTION,
+        HeaderValue::from_static(" x-other ,, close"),
+    );
+    headers.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+    headers.insert("x-hop", HeaderValue::from_static("1"));
+    headers.insert("x-other", HeaderValue::from_static("2"));
+    headers.insert(header::TE, HeaderValue::from_static("trailers"));
+    headers.insert(
+        header::TRANSFER_ENCODING,
+        HeaderValue::from_static("chunked"),
+    );
+    app::strip_hop_by_hop(&mut headers);
+    assert_eq!(headers, untouched);
 }
