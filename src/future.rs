@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
-use http::HeaderValue;
+use http::{HeaderName, HeaderValue};
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 use tower::util::Oneshot;
@@ -286,6 +286,11 @@ where
     }
 }
 
+// Built once, not parsed from a string on every response.
+const BACKEND_HEADER: HeaderName = HeaderName::from_static("x-affinity-backend");
+const NODE_HEADER: HeaderName = HeaderName::from_static("x-affinity-node");
+const OUTCOME_HEADER: HeaderName = HeaderName::from_static("x-affinity-outcome");
+
 /// The backend's response with the decision attached, its body holding the slot. The decision
 /// goes into the response's extensions, or with `decision_extension(false)` into the body.
 fn respond<B>(
@@ -298,13 +303,13 @@ fn respond<B>(
     if finish.decision_headers {
         let h = &mut parts.headers;
         if let Ok(v) = HeaderValue::from_str(decision.backend.as_str()) {
-            h.insert("x-affinity-backend", v);
+            h.insert(BACKEND_HEADER, v);
         }
         if let Ok(v) = HeaderValue::from_str(decision.node.as_str()) {
-            h.insert("x-affinity-node", v);
+            h.insert(NODE_HEADER, v);
         }
         h.insert(
-            "x-affinity-outcome",
+            OUTCOME_HEADER,
             HeaderValue::from_static(decision.outcome.as_str()),
         );
     }
