@@ -19,9 +19,13 @@
 //! service, or its own `Balance` (its own load counters), or a clone of the buffered one.
 //!
 //! Criterion's time per element is the wall time per request over all callers; its
-//! elements per second are requests per second.
+//! elements per second are requests per second. Criterion measures one contender after the
+//! other, so a change in the machine's other load between them moves their ratio; the
+//! `paired` rounds that follow measure the ratios again, in rounds that alternate the
+//! contenders (median and range printed as a table).
 //!
-//! Run with `cargo bench --bench throughput`.
+//! Run with `cargo bench --bench throughput` (`cargo bench --bench throughput -- paired` for
+//! the rounds alone).
 //!
 //! [`SessionAffinity`]: tower_affinity::SessionAffinity
 //! [`Decision`]: tower_affinity::Decision
@@ -30,7 +34,7 @@ use std::fmt::Debug;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
 use tokio::runtime::Runtime;
 use tower::balance::p2c::Balance;
 use tower::buffer::Buffer;
@@ -246,4 +250,113 @@ criterion_group! {
     config = config();
     targets = single_threaded, multi_threaded
 }
-criterion_main!(benches);
+
+/// The ratios, measured in alternating rounds: in each round every contender serves the same
+/// number of requests, one after the other, in an order that rotates from round to round. A
+/// change in the machine's other load then touches every contender alike, and the median of
+/// the rounds' ratios is what the targets are judged on.
+fn paired(rounds: usize, per_round: u64) {
+    let st = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    println!("\n## Paired rounds ({rounds} rounds of {per_round} requests a contender)\n");
+    println!(
+        "| runtime | requests | affinity / p2c: median (min to max) | affinity_noext / p2c: median (min to max) | p2c, median |"
+    );
+    println!("|---|---|---:|---:|---:|");
+    for mix in Mix::ALL {
+        let mut affinity = SessionAffinityLayer::new().layer(SHAPE.fleet(SLOTS));
+        let mut noext = SessionAffinityLayer::new()
+            .decision_extension(false)
+            .layer(SHAPE.fleet(SLOTS));
+        let mut balance = p2c();
+        let mut cursors = [0u64; 3];
+        let times = rounds_of(rounds, |who| match who {
+            0 => single(&st, &mut affinity, mix, &mut cursors[0], per_round),
+            1 => single(&st, &mut noext, mix, &mut cursors[1], per_round),
+            _ => single(&st, &mut balance, mix, &mut cursors[2], per_round),
+        });
+        report("current-thread, 1 caller", mix, per_round, &times);
+    }
+    for mix in Mix::ALL {
+        let affinity = SessionAffinityLayer::new().layer(SHAPE.fleet(SLOTS));
+        let mut affinity: Vec<_> = (0..CALLERS).map(|_| affinity.clone()).collect();
+        let noext = SessionAffinityLayer::new()
+            .decision_extension(false)
+            .layer(SHAPE.fleet(SLOTS));
+        let mut noext: Vec<_> = (0..CALLERS).map(|_| noext.clone()).collect();
+        let mut balancers: Vec<P2c> = (0..CALLERS).map(|_| p2c()).collect();
+        let mut cursors = [0u64; 3];
+        let n = 2 * per_round;
+        let times = rounds_of(rounds, |who| match who {
+            0 => concurrent(&mt, &mut affinity, mix, &mut cursors[0], n),
+            1 => concurrent(&mt, &mut noext, mix, &mut cursors[1], n),
+            _ => concurrent(&mt, &mut balancers, mix, &mut cursors[2], n),
+        });
+        report("2 workers, 32 callers", mix, n, &times);
+    }
+}
+
+/// Runs contenders 0, 1 and 2 once a round, starting with a different one each round; returns
+/// each round's three times.
+fn rounds_of(rounds: usize, mut run: impl FnMut(usize) -> Duration) -> Vec<[Duration; 3]> {
+    // One unmeasured round first: the sessions get placed and the caches warm.
+    for who in 0..3 {
+        run(who);
+    }
+    (0..rounds)
+        .map(|r| {
+            let mut t = [Duration::ZERO; 3];
+            for k in 0..3 {
+                let who = (r + k) % 3;
+                t[who] = run(who);
+            }
+            t
+        })
+        .collect()
+}
+
+fn report(runtime: &str, mix: Mix, n: u64, times: &[[Duration; 3]]) {
+    let stats = |who: usize| {
+        let mut r: Vec<f64> = times
+            .iter()
+            .map(|t| t[2].as_secs_f64() / t[who].as_secs_f64())
+            .collect();
+        r.sort_by(f64::total_cmp);
+        (r[r.len() / 2], r[0], r[r.len() - 1])
+    };
+    let mut p2c: Vec<f64> = times.iter().map(|t| t[2].as_secs_f64()).collect();
+    p2c.sort_by(f64::total_cmp);
+    let p2c_rate = n as f64 / p2c[p2c.len() / 2] / 1e6;
+    let (a, a_min, a_max) = stats(0);
+    let (e, e_min, e_max) = stats(1);
+    println!(
+        "| {runtime} | {} | {a:.2}x ({a_min:.2}x to {a_max:.2}x) | {e:.2}x ({e_min:.2}x to {e_max:.2}x) | {p2c_rate:.2} M/s |",
+        mix.name()
+    );
+}
+
+fn main() {
+    // Criterion runs each benchmark once when `cargo test` runs this binary without `--bench`;
+    // the paired rounds then run once, briefly, too.
+    let bench = std::env::args().any(|a| a == "--bench");
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+    if filters.is_empty() || filters.iter().any(|f| "paired".contains(f.as_str())) {
+        if bench {
+            paired(21, 100_000);
+        } else {
+            paired(1, 1_000);
+        }
+    }
+}

@@ -196,11 +196,11 @@ where
         if self.discover.ended.load(Ordering::Relaxed) {
             return;
         }
-        // Another clone is draining right now: its changes are as good as ours. Holding the
-        // stream's lock also makes this the fleet's only writer.
-        let Some(mut slot) = self.discover.stream.try_lock() else {
-            return;
-        };
+        // If another clone is draining right now, wait for it (a drain is short and never
+        // blocks), so that no caller goes on with a fleet older than the changes that were
+        // ready when it asked: at start-up, concurrent first requests would otherwise find the
+        // fleet still empty. Holding the stream's lock also makes this the fleet's only writer.
+        let mut slot = self.discover.stream.lock();
         let mut next: Option<Fleet<Backend<S>>> = None;
         let mut inserted = false;
         let mut more = true;

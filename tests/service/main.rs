@@ -771,3 +771,33 @@ async fn the_decision_rides_on_the_body_even_without_the_extension() {
     assert!(res.extensions().get::<Decision>().is_none());
     assert_eq!(res.body().decision().unwrap().outcome, Outcome::NewSession);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_first_requests_all_see_the_discovered_fleet() {
+    // Many clones asking at once while one of them applies the first discovery changes: each
+    // waits for that drain rather than going on with the still empty fleet.
+    for _ in 0..20 {
+        let streams = Streams::default();
+        let svc = SessionAffinityLayer::new().layer(fleet(TWO_BY_TWO, &streams));
+        let calls: Vec<_> = (0..32)
+            .map(|i| {
+                let mut svc = svc.clone();
+                let req = request(Some(&format!("first-{i}")), None);
+                tokio::spawn(async move {
+                    let res: Result<Res, Error> = match svc.ready().await {
+                        Ok(svc) => svc.call(req).await,
+                        Err(e) => Err(e),
+                    };
+                    res.map(|r| decision(&r).outcome)
+                })
+            })
+            .collect();
+        for call in calls {
+            let outcome = call.await.unwrap();
+            assert!(
+                !matches!(outcome, Err(Error::NoBackends)),
+                "a first request found no backends"
+            );
+        }
+    }
+}
