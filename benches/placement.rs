@@ -21,7 +21,7 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use criterion::{criterion_group, BenchmarkId, Criterion};
 use tower::Layer;
 use tower_affinity::key::{ExtensionKey, HeaderKey, KeyExtractor, SessionKey};
 use tower_affinity::placement::NodeThenBackend;
@@ -342,4 +342,116 @@ criterion_group! {
     config = config();
     targets = keys, policy, call, table
 }
-criterion_main!(benches);
+/// The router costs again, in rounds that alternate the contenders: each round times the same
+/// number of calls straight to the mock backend and through the service, one after the other
+/// in an order that rotates, so that the machine's other load touches all of them alike. The
+/// router cost of a round is its time per call minus the direct time per call of that round.
+fn paired(rounds: usize, calls: u64) {
+    const N_NEW: u64 = 1 << 40;
+    let small = Shape::new(16, 8);
+    let large = Shape::new(64, 8);
+    let hot = |svc: &mut dyn FnMut(Req)| {
+        for i in 0..HOT_KEYS {
+            svc(request(Some(key(i))));
+        }
+    };
+    let mut direct = mock();
+    let mut home = SessionAffinityLayer::new()
+        .key(ExtensionKey)
+        .layer(small.fleet(1));
+    let mut noext = SessionAffinityLayer::new()
+        .key(ExtensionKey)
+        .decision_extension(false)
+        .layer(small.fleet(1));
+    let mut fresh = SessionAffinityLayer::new()
+        .key(ExtensionKey)
+        .layer(large.fleet(1));
+    hot(&mut |r| drop(call_now(&mut home, r)));
+    hot(&mut |r| drop(call_now(&mut noext, r)));
+    let mut next_new = N_NEW;
+    let names = [
+        "direct to the mock backend",
+        "home hit, 16x8",
+        "home hit, 16x8, `decision_extension(false)`",
+        "new session, 64x8",
+    ];
+    let mut run = |who: usize| -> f64 {
+        let t = match who {
+            0 => chunked(
+                calls,
+                |i| request(Some(key(i % HOT_KEYS))),
+                |r| drop(black_box(call_now(&mut direct, r))),
+            ),
+            1 => chunked(
+                calls,
+                |i| request(Some(key(i % HOT_KEYS))),
+                |r| drop(black_box(call_now(&mut home, r))),
+            ),
+            2 => chunked(
+                calls,
+                |i| request(Some(key(i % HOT_KEYS))),
+                |r| drop(black_box(call_now(&mut noext, r))),
+            ),
+            _ => {
+                let first = next_new;
+                next_new += calls;
+                chunked(
+                    calls,
+                    |i| request(Some(key(first + i))),
+                    |r| drop(black_box(call_now(&mut fresh, r))),
+                )
+            }
+        };
+        t.as_secs_f64() * 1e9 / calls as f64
+    };
+    // One unmeasured round: caches warm, and the new-session table fills to its bound.
+    for who in 0..names.len() {
+        run(who);
+    }
+    let per_call: Vec<[f64; 4]> = (0..rounds)
+        .map(|r| {
+            let mut t = [0.0; 4];
+            for k in 0..names.len() {
+                let who = (r + k) % names.len();
+                t[who] = run(who);
+            }
+            t
+        })
+        .collect();
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        (v[v.len() / 2], v[0], v[v.len() - 1])
+    };
+    println!("\n## Paired rounds ({rounds} rounds of {calls} calls a contender)\n");
+    println!("| path | per call, median | router cost (minus direct), median (min to max) |");
+    println!("|---|---:|---:|");
+    for (who, name) in names.iter().enumerate() {
+        let (t, _, _) = median(per_call.iter().map(|r| r[who]).collect());
+        let cost = if who == 0 {
+            "—".to_string()
+        } else {
+            let (m, lo, hi) = median(per_call.iter().map(|r| r[who] - r[0]).collect());
+            format!("{m:.0} ns ({lo:.0} to {hi:.0} ns)")
+        };
+        println!("| {name} | {t:.0} ns | {cost} |");
+    }
+}
+
+fn main() {
+    // Without `--bench` (`cargo test` runs this binary so), criterion runs each benchmark once
+    // and the paired rounds run once, briefly.
+    let bench = std::env::args().any(|a| a == "--bench");
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+    if filters.is_empty() || filters.iter().any(|f| "paired".contains(f.as_str())) {
+        if bench {
+            paired(21, 200_000);
+        } else {
+            paired(1, 2_000);
+        }
+    }
+}
