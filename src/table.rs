@@ -1,14 +1,15 @@
 //! The session table: key digest -> home backend, node and last-seen time.
 //!
-//! Bounded in entries (CLOCK eviction, an approximation of least-recently-used) and in idle
-//! age (an entry idle longer than the timeout is treated as absent and is the first to be
-//! reused), and sharded by the key's digest so concurrent requests rarely meet on one lock.
+//! Bounded in entries (sampled least-recently-used eviction, among the entries next to where
+//! the new key goes) and in idle age (an entry idle longer than the
+//! timeout is treated as absent and is the first to be reused), and sharded by the key's
+//! digest so concurrent requests rarely meet on one lock.
 //!
 //! Each shard is an open-addressing table (linear probing) whose slots hold the 32-byte entries
 //! themselves, so a lookup in a table far larger than the CPU's caches costs one memory access,
 //! not one for an index and another for the entry. Keys are digests already, so nothing is
-//! hashed: the probe starts where 64 bits of the digest point. The CLOCK hand walks the same
-//! slots. A shard grows by doubling up to its bound at three quarters' load, so a full table
+//! hashed: the probe starts where 64 bits of the digest point. An eviction looks only at the
+//! few entries around that point, which the lookup has just brought into cache. A shard grows by doubling up to its bound at three quarters' load, so a full table
 //! costs about 43 bytes a session (see `BENCHMARKS.md`).
 //!
 //! The service talks to the table through [`SessionStore`], a small interface that a shared
@@ -101,8 +102,8 @@ struct Entry {
     /// The key's digest; all zero marks an empty slot.
     key: [u64; 2],
     home: HomeEntry,
-    /// Seconds since the table was made, in the low 31 bits; the top bit is CLOCK's
-    /// "used since the hand last passed".
+    /// Seconds on the fleet's clock when last used, in the low 31 bits; the top bit is "used
+    /// again since it came in".
     stamp: u32,
 }
 
@@ -126,8 +127,8 @@ impl Entry {
 }
 
 /// One shard: an open-addressing table with linear probing whose slots hold the entries
-/// themselves, so a lookup touches one or two cache lines and nothing else. The CLOCK hand
-/// walks the same slots. Deletion shifts later entries back, so no tombstones build up.
+/// themselves, so a lookup touches one or two cache lines and nothing else, and so does an
+/// eviction. Deletion shifts later entries back, so no tombstones build up.
 #[derive(Debug)]
 struct Shard {
     slots: Vec<Entry>,
@@ -136,28 +137,10 @@ struct Shard {
     bound: usize,
     /// The most slots it grows to: the bound at a load of three quarters.
     max_slots: usize,
-    hand: usize,
-    /// How far the hand moves each step: coprime with the slot count, about 0.618 of it, so
-    /// one lap visits every slot but in an order unrelated to where keys sit. Sweeping in slot
-    /// order would empty the slots behind the hand and pack the ones ahead into long runs.
-    stride: usize,
 }
 
-/// A step about 0.618 of `n` that is coprime with `n`.
-fn stride_for(n: usize) -> usize {
-    fn gcd(a: usize, b: usize) -> usize {
-        if b == 0 {
-            a
-        } else {
-            gcd(b, a % b)
-        }
-    }
-    let mut s = (n as f64 * 0.618) as usize;
-    while s > 1 && gcd(n, s) != 1 {
-        s -= 1;
-    }
-    s.max(1)
-}
+/// How many entries an eviction looks at, next to where the new key goes: four cache lines.
+const SAMPLE: usize = 8;
 
 impl Shard {
     fn new(bound: usize) -> Self {
@@ -168,8 +151,6 @@ impl Shard {
             len: 0,
             bound,
             max_slots,
-            hand: 0,
-            stride: stride_for(n),
         }
     }
 
@@ -206,6 +187,39 @@ impl Shard {
         }
         self.slots[i] = entry;
         self.len += 1;
+    }
+
+    /// The entry to forget so that `key` can come in: the first idle past the timeout, else
+    /// the least recently used, among the first [`SAMPLE`] entries from where `key`'s probe
+    /// starts (the cache lines its lookup has just read); within one second, an entry never
+    /// used since it came in goes before one that was. Sampled least-recently-used: no hand
+    /// walks to slots far from anything in cache.
+    fn victim_near(&mut self, key: [u64; 2], expired: impl Fn(&Entry) -> bool) -> usize {
+        let n = self.slots.len();
+        let mut i = self.start(key);
+        let mut oldest: Option<(u32, usize)> = None;
+        let mut seen = 0;
+        for _ in 0..n {
+            let e = &self.slots[i];
+            if e.key != EMPTY {
+                if expired(e) {
+                    return i;
+                }
+                // Least recently used first; within one second, a session never used since it
+                // came in before one that was.
+                let age = e.seconds() << 1 | u32::from(e.stamp & REFERENCED != 0);
+                if oldest.is_none_or(|(a, _)| age < a) {
+                    oldest = Some((age, i));
+                }
+                seen += 1;
+                if seen == SAMPLE {
+                    break;
+                }
+            }
+            i = if i + 1 == n { 0 } else { i + 1 };
+        }
+        // A full shard holds at least one entry, so the loop saw one.
+        oldest.map_or(i, |(_, at)| at)
     }
 
     /// Removes the entry at `i`, shifting back the entries after it that may move.
@@ -246,8 +260,6 @@ impl Shard {
             vec![Entry::VACANT; (n * 2).min(self.max_slots)],
         );
         self.len = 0;
-        self.hand = 0;
-        self.stride = stride_for(self.slots.len());
         for e in old.into_iter().filter(|e| e.key != EMPTY) {
             self.place(e);
         }
@@ -325,34 +337,21 @@ impl SessionStore for SessionTable {
 
     fn put(&self, key: SessionKey, home: HomeEntry, now_ms: u64) {
         let now = Self::stamp(now_ms);
-        let entry = Entry {
+        let mut entry = Entry {
             key: words(key),
             home,
-            stamp: now | REFERENCED,
+            stamp: now,
         };
         let mut shard = self.shard(key).lock();
         let shard = &mut *shard;
         if let Some(i) = shard.find(entry.key) {
+            // A session placed again is in use.
+            entry.stamp |= REFERENCED;
             shard.slots[i] = entry;
             return;
         }
         if shard.len >= shard.bound {
-            // CLOCK: pass over recently used entries once, clearing their mark; take the
-            // first entry that is unmarked or idle past the timeout. Ends within two laps.
-            let n = shard.slots.len();
-            let victim = loop {
-                let hand = shard.hand;
-                shard.hand = (hand + shard.stride) % n;
-                let e = &mut shard.slots[hand];
-                if e.key == EMPTY {
-                    continue;
-                }
-                if e.stamp & REFERENCED != 0 && !self.expired(e, now) {
-                    e.stamp &= !REFERENCED;
-                } else {
-                    break hand;
-                }
-            };
+            let victim = shard.victim_near(entry.key, |e| self.expired(e, now));
             shard.remove_at(victim);
         }
         shard.grow_for_one_more();
@@ -422,24 +421,53 @@ mod tests {
     #[test]
     fn recently_used_entries_survive_eviction() {
         let t = SessionTable::new(Sessions::new().max_entries(4));
-        let now = 1_000u64;
         for n in 0..4 {
-            t.put(key(n), home(n as u32), now);
+            t.put(key(n), home(n as u32), 1_000);
         }
-        // Full: the hand passes every entry once, clearing its mark, and evicts the first it
-        // comes back to.
-        t.put(key(10), home(10), now);
+        // Full: the search sees all four (the whole shard), and one of them goes.
+        t.put(key(10), home(10), 2_000);
         let survivors: Vec<u64> = (0..4).filter(|&n| t.holds(key(n))).collect();
         assert_eq!(survivors.len(), 3);
-        // Use two of the three; the third is the only entry not used since the hand passed.
+        // Use two of the three; the third is now the least recently used.
         let (a, b, c) = (survivors[0], survivors[1], survivors[2]);
-        t.get(key(a), now);
-        t.get(key(b), now);
-        t.put(key(11), home(11), now);
+        t.get(key(a), 3_000);
+        t.get(key(b), 3_000);
+        t.put(key(11), home(11), 3_000);
         assert!(t.holds(key(a)) && t.holds(key(b)));
         assert!(t.holds(key(10)) && t.holds(key(11)));
-        assert!(!t.holds(key(c)), "the entry not used since is evicted");
+        assert!(!t.holds(key(c)), "the least recently used entry is evicted");
         assert_eq!(t.len(), 4);
+    }
+
+    #[test]
+    fn sessions_in_use_outlive_a_stream_of_one_off_keys() {
+        // 200 sessions take a turn every round; between two rounds 300 one-off keys pass
+        // through a table of 1,000. A least-recently-used table keeps every session in use;
+        // the sampled one must keep nearly all of them, with rounds a second apart and with
+        // every round in the same second.
+        for step_ms in [1_000u64, 0] {
+            let t = SessionTable::new(Sessions::new().max_entries(1000));
+            let mut now = 1_000u64;
+            let mut one_off = 1u64 << 32;
+            for _ in 0..100 {
+                for s in 0..200 {
+                    if t.get(key(s), now).is_none() {
+                        t.put(key(s), home(0), now);
+                    }
+                }
+                for _ in 0..300 {
+                    t.put(key(one_off), home(1), now);
+                    one_off += 1;
+                }
+                now += step_ms;
+            }
+            let kept = (0..200).filter(|&s| t.holds(key(s))).count();
+            assert!(
+                kept >= 196,
+                "kept {kept} of 200 sessions in use ({step_ms} ms a round)"
+            );
+            assert!(t.len() <= 1000);
+        }
     }
 
     #[test]
