@@ -438,20 +438,11 @@ fn paired(rounds: usize, calls: u64) {
 }
 
 fn main() {
-    // Without `--bench` (`cargo test` runs this binary so), criterion runs each benchmark once
-    // and the paired rounds run once, briefly.
-    let bench = std::env::args().any(|a| a == "--bench");
-    let filters: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    benches();
-    Criterion::default().configure_from_args().final_summary();
-    if filters.is_empty() || filters.iter().any(|f| "paired".contains(f.as_str())) {
-        if bench {
+    common::main_with_paired(benches, |full| {
+        if full {
             paired(21, 200_000);
         } else {
             paired(1, 2_000);
         }
-    }
+    });
 }

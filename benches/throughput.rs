@@ -343,20 +343,11 @@ fn report(runtime: &str, mix: Mix, n: u64, times: &[[Duration; 3]]) {
 }
 
 fn main() {
-    // Criterion runs each benchmark once when `cargo test` runs this binary without `--bench`;
-    // the paired rounds then run once, briefly, too.
-    let bench = std::env::args().any(|a| a == "--bench");
-    let filters: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    benches();
-    Criterion::default().configure_from_args().final_summary();
-    if filters.is_empty() || filters.iter().any(|f| "paired".contains(f.as_str())) {
-        if bench {
+    common::main_with_paired(benches, |full| {
+        if full {
             paired(21, 100_000);
         } else {
             paired(1, 1_000);
         }
-    }
+    });
 }

@@ -165,3 +165,23 @@ where
         Poll::Pending => panic!("call did not complete at once"),
     }
 }
+
+/// The `main` of a bench with paired rounds: criterion's groups, then `paired(full)` unless a
+/// filter other than "paired" was given. `full` is false when `cargo test` runs the binary
+/// (without `--bench`): criterion then runs each benchmark once, and the rounds should be
+/// brief too.
+#[allow(dead_code)]
+pub(crate) fn main_with_paired(groups: fn(), paired: impl FnOnce(bool)) {
+    let full = std::env::args().any(|a| a == "--bench");
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    groups();
+    criterion::Criterion::default()
+        .configure_from_args()
+        .final_summary();
+    if filters.is_empty() || filters.iter().any(|f| "paired".contains(f.as_str())) {
+        paired(full);
+    }
+}

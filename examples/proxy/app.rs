@@ -549,7 +549,7 @@ impl Proxy {
 
 /// An error with its causes, as hyper's top-level messages ("client error (Connect)") name
 /// only the step that failed.
-fn causes(e: &(dyn std::error::Error + 'static)) -> String {
+pub(crate) fn causes(e: &(dyn std::error::Error + 'static)) -> String {
     let mut text = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {

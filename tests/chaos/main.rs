@@ -330,7 +330,7 @@ async fn turn(
                 let end = if incomplete {
                     End::CutUnseen
                 } else {
-                    End::NoResponse(chain(&e))
+                    End::NoResponse(app::causes(&e))
                 };
                 return (end, None);
             }
@@ -353,18 +353,6 @@ async fn turn(
     tokio::time::timeout(DEADLINE, exchange)
         .await
         .unwrap_or((End::Hung, None))
-}
-
-/// An error and its sources, outermost first.
-fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }
 
 const SESSIONS: usize = 1000;
