@@ -56,7 +56,9 @@ impl fmt::Display for Outcome {
     }
 }
 
-/// Where a request went and why. Every response carries one in its extensions.
+/// Where a request went and why. Every response carries one in its extensions, or, with
+/// [`decision_extension(false)`](crate::SessionAffinityLayer::decision_extension), in its body
+/// ([`ResponseBody::decision`](crate::ResponseBody::decision)).
 ///
 /// ```
 /// # async fn doc(res: http::Response<()>) {
