@@ -8,6 +8,8 @@
 #[allow(dead_code)]
 #[path = "../../examples/proxy/app.rs"]
 mod app;
+#[path = "../support/proxy.rs"]
+mod proxy;
 #[path = "../support/server.rs"]
 mod server;
 
@@ -241,18 +243,12 @@ async fn start(backends: Vec<BackendSpec>) -> Running {
         max_wait: Duration::from_secs(3),
         max_queued: 4096,
     };
-    let proxy = Arc::new(Proxy::new(config).await.unwrap());
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop, stopped) = oneshot::channel::<()>();
-    let server = tokio::spawn(app::serve(listener, proxy.front(), async {
-        let _ = stopped.await;
-    }));
+    let served = proxy::serve(config).await;
     Running {
-        addr,
-        proxy,
-        _stop: stop,
-        _server: server,
+        addr: served.addr,
+        proxy: served.proxy,
+        _stop: served.stop,
+        _server: served.server,
     }
 }
 

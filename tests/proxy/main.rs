@@ -13,6 +13,8 @@ mod cli;
 #[allow(dead_code)]
 #[path = "../support/llama_stub.rs"]
 mod llama_stub;
+#[path = "../support/proxy.rs"]
+mod proxy;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -27,7 +29,6 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{json, Value};
-use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tower_affinity::Overflow;
@@ -64,19 +65,13 @@ fn config(stubs: &[(&str, &Stub)]) -> Config {
 }
 
 async fn start(config: Config) -> Running {
-    let proxy = Arc::new(Proxy::new(config).await.unwrap());
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (stop, stopped) = oneshot::channel::<()>();
-    let server = tokio::spawn(app::serve(listener, proxy.front(), async {
-        let _ = stopped.await;
-    }));
+    let served = proxy::serve(config).await;
     Running {
-        addr,
-        proxy,
+        addr: served.addr,
+        proxy: served.proxy,
         client: Client::builder(TokioExecutor::new()).build_http(),
-        _stop: stop,
-        _server: server,
+        _stop: served.stop,
+        _server: served.server,
     }
 }
 
