@@ -375,7 +375,7 @@ fn paired(rounds: usize, calls: u64) {
         "home hit, 16x8, `decision_extension(false)`",
         "new session, 64x8",
     ];
-    let mut run = |who: usize| -> f64 {
+    let run = |who: usize| -> f64 {
         let t = match who {
             0 => chunked(
                 calls,
@@ -404,20 +404,8 @@ fn paired(rounds: usize, calls: u64) {
         };
         t.as_secs_f64() * 1e9 / calls as f64
     };
-    // One unmeasured round: caches warm, and the new-session table fills to its bound.
-    for who in 0..names.len() {
-        run(who);
-    }
-    let per_call: Vec<[f64; 4]> = (0..rounds)
-        .map(|r| {
-            let mut t = [0.0; 4];
-            for k in 0..names.len() {
-                let who = (r + k) % names.len();
-                t[who] = run(who);
-            }
-            t
-        })
-        .collect();
+    // The unmeasured first round also fills the new-session table to its bound.
+    let per_call: Vec<[f64; 4]> = common::rotating_rounds(rounds, run);
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
         (v[v.len() / 2], v[0], v[v.len() - 1])

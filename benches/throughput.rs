@@ -277,7 +277,7 @@ fn paired(rounds: usize, per_round: u64) {
             .layer(SHAPE.fleet(SLOTS));
         let mut balance = p2c();
         let mut cursors = [0u64; 3];
-        let times = rounds_of(rounds, |who| match who {
+        let times = common::rotating_rounds::<_, 3>(rounds, |who| match who {
             0 => single(&st, &mut affinity, mix, &mut cursors[0], per_round),
             1 => single(&st, &mut noext, mix, &mut cursors[1], per_round),
             _ => single(&st, &mut balance, mix, &mut cursors[2], per_round),
@@ -294,32 +294,13 @@ fn paired(rounds: usize, per_round: u64) {
         let mut balancers: Vec<P2c> = (0..CALLERS).map(|_| p2c()).collect();
         let mut cursors = [0u64; 3];
         let n = 2 * per_round;
-        let times = rounds_of(rounds, |who| match who {
+        let times = common::rotating_rounds::<_, 3>(rounds, |who| match who {
             0 => concurrent(&mt, &mut affinity, mix, &mut cursors[0], n),
             1 => concurrent(&mt, &mut noext, mix, &mut cursors[1], n),
             _ => concurrent(&mt, &mut balancers, mix, &mut cursors[2], n),
         });
         report("2 workers, 32 callers", mix, n, &times);
     }
-}
-
-/// Runs contenders 0, 1 and 2 once a round, starting with a different one each round; returns
-/// each round's three times.
-fn rounds_of(rounds: usize, mut run: impl FnMut(usize) -> Duration) -> Vec<[Duration; 3]> {
-    // One unmeasured round first: the sessions get placed and the caches warm.
-    for who in 0..3 {
-        run(who);
-    }
-    (0..rounds)
-        .map(|r| {
-            let mut t = [Duration::ZERO; 3];
-            for k in 0..3 {
-                let who = (r + k) % 3;
-                t[who] = run(who);
-            }
-            t
-        })
-        .collect()
 }
 
 fn report(runtime: &str, mix: Mix, n: u64, times: &[[Duration; 3]]) {

@@ -185,3 +185,25 @@ pub(crate) fn main_with_paired(groups: fn(), paired: impl FnOnce(bool)) {
         paired(full);
     }
 }
+
+/// Runs `N` contenders once a round, each round starting with a different one, after one
+/// unmeasured round (caches warm, sessions placed); returns each round's `N` results.
+#[allow(dead_code)]
+pub(crate) fn rotating_rounds<T: Copy + Default, const N: usize>(
+    rounds: usize,
+    mut run: impl FnMut(usize) -> T,
+) -> Vec<[T; N]> {
+    for who in 0..N {
+        run(who);
+    }
+    (0..rounds)
+        .map(|r| {
+            let mut t = [T::default(); N];
+            for k in 0..N {
+                let who = (r + k) % N;
+                t[who] = run(who);
+            }
+            t
+        })
+        .collect()
+}
