@@ -1,17 +1,22 @@
 //! [`ResponseFuture`]: waiting for a slot, then driving the chosen backend.
+//!
+//! Most requests never wait: their slot is taken in `call`, and the chosen backend, when it is
+//! ready at once (as a connection pool or a plain service is), is called right there. The
+//! future then holds only the backend's own future, the slot and the decision. The rarer paths
+//! (a backend not ready yet, a request waiting for a slot) keep what they need in one heap
+//! allocation of their own, so that they do not make every response future larger.
 
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{ready, Context, Poll};
+use std::task::{ready, Context, Poll, Waker};
 use std::time::Duration;
 
 use http::{HeaderName, HeaderValue};
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
-use tower::util::Oneshot;
-use tower::{Service, ServiceExt};
+use tower::Service;
 
 use crate::error::BoxError;
 use crate::fleet::SlotGuard;
@@ -41,26 +46,39 @@ pin_project! {
     where
         S: Service<http::Request<ReqB>>,
     {
+        // The backend has been called.
         Call {
             #[pin]
-            fut: Oneshot<S, http::Request<ReqB>>,
-            guard: Option<SlotGuard>,
-            decision: Option<Decision>,
-            finish: Finish,
+            fut: S::Future,
+            dispatched: Option<Dispatched>,
         },
+        // A slot is taken, but the backend was not ready when the request was placed.
+        Ready {
+            backend: Option<Box<(S, http::Request<ReqB>)>>,
+            dispatched: Option<Dispatched>,
+        },
+        // No free slot yet.
         Wait {
-            req: Option<http::Request<ReqB>>,
-            key: Option<SessionKey>,
-            shared: SharedOf<S, P>,
-            // When the wait ends: at `give_up`, or earlier, when node patience runs out.
-            deadline: Pin<Box<Sleep>>,
-            give_up: Instant,
-            since: Instant,
-            ticket: WaitTicket,
+            waiting: Pin<Box<Waiting<S, P, ReqB>>>,
         },
         Done {
             error: Option<Error>,
         },
+    }
+}
+
+pin_project! {
+    /// A request waiting for a slot.
+    struct Waiting<S, P, ReqB> {
+        req: Option<http::Request<ReqB>>,
+        key: Option<SessionKey>,
+        shared: SharedOf<S, P>,
+        // When the wait ends: at `give_up`, or earlier, when node patience runs out.
+        #[pin]
+        deadline: Sleep,
+        give_up: Instant,
+        since: Instant,
+        ticket: WaitTicket,
     }
 }
 
@@ -73,17 +91,67 @@ pub(crate) struct Finish {
     pub(crate) failure_cooldown: Duration,
 }
 
+/// A request on its way to a backend: the slot it holds and the decision that sent it there.
+struct Dispatched {
+    guard: SlotGuard,
+    decision: Decision,
+    finish: Finish,
+}
+
+impl Dispatched {
+    /// The backend's response with the decision attached, its body holding the slot.
+    fn respond<B>(self, res: http::Response<B>) -> http::Response<ResponseBody<B>> {
+        respond(res, self.guard, self.decision, self.finish)
+    }
+
+    /// The backend failed (in readiness or in the call): counted, and the backend is passed
+    /// over for the failure cooldown.
+    fn fail(self, e: BoxError) -> Error {
+        let Dispatched {
+            guard,
+            decision,
+            finish,
+        } = self;
+        bump(&guard.capacity().counters.backend_errors);
+        let cooldown = finish.failure_cooldown;
+        if cooldown.is_zero() {
+            drop(guard);
+        } else {
+            tracing::warn!(backend = %decision.backend, error = %e, ?cooldown, "backend failed; marked down");
+            guard.fail(cooldown);
+        }
+        Error::Backend {
+            backend: decision.backend,
+            source: e,
+        }
+    }
+}
+
 impl<S, P, ReqB> State<S, P, ReqB>
 where
     S: Service<http::Request<ReqB>>,
+    S::Error: Into<BoxError>,
 {
+    /// Sends the request to its backend: called at once if the backend is ready now (polled
+    /// with a waker that does nothing, which is enough to learn that), else readied later
+    /// with the response future's own waker.
     fn call(placed: (S, SlotGuard, Decision), req: http::Request<ReqB>, finish: Finish) -> Self {
-        let (service, guard, decision) = placed;
-        State::Call {
-            fut: service.oneshot(req),
-            guard: Some(guard),
-            decision: Some(decision),
+        let (mut service, guard, decision) = placed;
+        let dispatched = Dispatched {
+            guard,
+            decision,
             finish,
+        };
+        match service.poll_ready(&mut Context::from_waker(Waker::noop())) {
+            Poll::Ready(Ok(())) => State::Call {
+                fut: service.call(req),
+                dispatched: Some(dispatched),
+            },
+            Poll::Ready(Err(e)) => State::fail(dispatched.fail(e.into())),
+            Poll::Pending => State::Ready {
+                backend: Some(Box::new((service, req))),
+                dispatched: Some(dispatched),
+            },
         }
     }
 
@@ -95,6 +163,7 @@ where
 impl<S, P, ReqB> ResponseFuture<S, P, ReqB>
 where
     S: Service<http::Request<ReqB>> + Clone,
+    S::Error: Into<BoxError>,
     P: Placement,
 {
     pub(crate) fn new(
@@ -169,13 +238,15 @@ where
                     _ => give_up,
                 };
                 State::Wait {
-                    req: Some(req),
-                    key,
-                    deadline: Box::pin(tokio::time::sleep_until(deadline)),
-                    give_up,
-                    since,
-                    ticket,
-                    shared,
+                    waiting: Box::pin(Waiting {
+                        req: Some(req),
+                        key,
+                        deadline: tokio::time::sleep_until(deadline),
+                        give_up,
+                        since,
+                        ticket,
+                        shared,
+                    }),
                 }
             }
         }
@@ -191,94 +262,83 @@ where
     type Output = Result<http::Response<ResponseBody<ResB>>, Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        const POLLED_AFTER_COMPLETION: &str = "ResponseFuture polled after completion";
         let mut state = self.project().state;
         loop {
             match state.as_mut().project() {
-                StateProj::Call {
-                    fut,
-                    guard,
-                    decision,
-                    finish,
-                } => {
+                StateProj::Call { fut, dispatched } => {
                     let result = ready!(fut.poll(cx));
-                    let (Some(guard), Some(decision)) = (guard.take(), decision.take()) else {
-                        panic!("ResponseFuture polled after completion");
-                    };
+                    let d = dispatched.take().expect(POLLED_AFTER_COMPLETION);
                     return Poll::Ready(match result {
-                        Ok(res) => Ok(respond(res, guard, decision, *finish)),
-                        Err(e) => {
-                            let e: BoxError = e.into();
-                            bump(&guard.capacity().counters.backend_errors);
-                            let cooldown = finish.failure_cooldown;
-                            if cooldown.is_zero() {
-                                drop(guard);
-                            } else {
-                                tracing::warn!(backend = %decision.backend, error = %e, ?cooldown, "backend failed; marked down");
-                                guard.fail(cooldown);
-                            }
-                            Err(Error::Backend {
-                                backend: decision.backend,
-                                source: e,
-                            })
-                        }
+                        Ok(res) => Ok(d.respond(res)),
+                        Err(e) => Err(d.fail(e.into())),
                     });
                 }
-                StateProj::Wait {
-                    req,
-                    key,
-                    shared,
-                    deadline,
-                    give_up,
-                    since,
-                    ticket,
+                StateProj::Ready {
+                    backend,
+                    dispatched,
                 } => {
+                    let (service, _) = &mut **backend.as_mut().expect(POLLED_AFTER_COMPLETION);
+                    let ready = ready!(service.poll_ready(cx));
+                    let (mut service, req) = *backend.take().expect(POLLED_AFTER_COMPLETION);
+                    let d = dispatched.take().expect(POLLED_AFTER_COMPLETION);
+                    match ready {
+                        Ok(()) => state.set(State::Call {
+                            fut: service.call(req),
+                            dispatched: Some(d),
+                        }),
+                        Err(e) => return Poll::Ready(Err(d.fail(e.into()))),
+                    }
+                }
+                StateProj::Wait { waiting } => {
+                    let w = waiting.as_mut().project();
                     let mut attempt = false;
-                    if !ticket.still_queued(cx.waker()) {
+                    if !w.ticket.still_queued(cx.waker()) {
                         // Woken: back in the queue first, so no wake is missed while it looks.
-                        ticket.requeue(cx.waker());
+                        w.ticket.requeue(cx.waker());
                         attempt = true;
                     }
+                    let mut deadline = w.deadline;
                     if deadline.as_mut().poll(cx).is_ready() {
-                        if !ticket.home_node_only() {
-                            bump(&shared.capacity.counters.rejected);
-                            let retry_after = shared.retry_after();
+                        if !w.ticket.home_node_only() {
+                            bump(&w.shared.capacity.counters.rejected);
+                            let retry_after = w.shared.retry_after();
                             state.set(State::fail(Error::Saturated { retry_after }));
                             continue;
                         }
                         // Node patience is over: a slot anywhere will do now.
-                        ticket.widen();
-                        deadline.as_mut().reset(*give_up);
+                        w.ticket.widen();
+                        deadline.as_mut().reset(*w.give_up);
                         attempt = true;
                     }
                     if !attempt {
                         return Poll::Pending;
                     }
-                    let Some(r) = req.take() else {
-                        panic!("ResponseFuture polled after completion");
-                    };
-                    let waited = Some(since.elapsed());
-                    let only_node = ticket.home_node_only();
-                    match shared.place(*key, r.extensions(), false, waited, only_node) {
+                    let r = w.req.take().expect(POLLED_AFTER_COMPLETION);
+                    let waited = Some(w.since.elapsed());
+                    let only_node = w.ticket.home_node_only();
+                    match w
+                        .shared
+                        .place(*w.key, r.extensions(), false, waited, only_node)
+                    {
                         Placed::Dispatch {
                             service,
                             guard,
                             decision,
                         } => {
-                            let finish = shared.finish;
+                            let finish = w.shared.finish;
                             state.set(State::call((service, guard, decision), r, finish));
                         }
                         Placed::Empty => {
-                            bump(&shared.capacity.counters.no_backends);
+                            bump(&w.shared.capacity.counters.no_backends);
                             state.set(State::fail(Error::NoBackends));
                         }
                         // Still queued, with this task's waker: look at the deadline again.
-                        Placed::Full { .. } => *req = Some(r),
+                        Placed::Full { .. } => *w.req = Some(r),
                     }
                 }
                 StateProj::Done { error } => {
-                    let Some(e) = error.take() else {
-                        panic!("ResponseFuture polled after completion");
-                    };
+                    let e = error.take().expect(POLLED_AFTER_COMPLETION);
                     return Poll::Ready(Err(e));
                 }
             }
@@ -329,6 +389,7 @@ where
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = match &self.state {
             State::Call { .. } => "calling",
+            State::Ready { .. } => "waiting for its backend to be ready",
             State::Wait { .. } => "waiting for a slot",
             State::Done { .. } => "done",
         };

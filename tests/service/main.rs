@@ -337,6 +337,89 @@ async fn a_failed_backend_releases_its_slot_and_is_passed_over() {
     assert!(svc.backends().iter().all(|b| b.healthy));
 }
 
+/// A backend whose readiness always fails, as a connection pool that cannot connect would.
+#[derive(Clone)]
+struct NeverReady;
+
+impl Service<Req> for NeverReady {
+    type Response = http::Response<MockBody>;
+    type Error = tower_affinity::BoxError;
+    type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Err("no connection to the backend".into()))
+    }
+
+    fn call(&mut self, _: Req) -> Self::Future {
+        unreachable!("called without readiness")
+    }
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_backend_not_ready_at_placement_is_called_once_ready_and_holds_its_slot_meanwhile() {
+    let streams = Streams::default();
+    // One backend with two slots behind a concurrency limit of one, shared by its clones.
+    let limited = MockService::new(tower::limit::ConcurrencyLimit::new(
+        backend("a1", &streams),
+        1,
+    ));
+    let mut svc = SessionAffinityLayer::new().layer(StaticFleet::new([(
+        "a1",
+        Backend::new("a", limited).slots(nz(2)),
+    )]));
+    svc.ready().await.unwrap();
+    let mut first = tokio_test::task::spawn(svc.call(request(Some("s"), Some("hang"))));
+    assert_pending!(first.poll());
+    svc.ready().await.unwrap();
+    let mut second = tokio_test::task::spawn(svc.call(request(Some("s"), None)));
+    assert_pending!(second.poll(), "the limit is taken by the first request");
+    assert_eq!(in_flight(&svc, "a1"), 2, "both hold a slot");
+    drop(first);
+    assert!(
+        second.is_woken(),
+        "the freed limit wakes the waiting request"
+    );
+    let res = assert_ready!(second.poll()).unwrap();
+    assert_eq!(decision(&res).backend.as_str(), "a1");
+    assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), "a1");
+    assert_eq!(in_flight(&svc, "a1"), 0);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_backend_failing_readiness_fails_the_request_and_is_passed_over() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .failure_cooldown(Duration::from_secs(5))
+        .layer(StaticFleet::new([
+            ("a1", Backend::new("a", MockService::new(NeverReady))),
+            ("a2", Backend::new("a", backend("a2", &streams))),
+        ]));
+    // Keyless requests try either backend; within two, one of them lands on `a1`.
+    let mut failed = None;
+    for _ in 0..64 {
+        if let Err(e) = send(&mut svc, None, None).await {
+            failed = Some(e);
+            break;
+        }
+    }
+    let err = failed.expect("a request reached the backend that is never ready");
+    assert!(matches!(&err, Error::Backend { backend, .. } if backend.as_str() == "a1"));
+    assert_eq!(err.status(), 502);
+    assert_eq!(svc.stats().backend_errors, 1);
+    assert_eq!(svc.stats().in_flight, 0);
+    for _ in 0..8 {
+        let res = send(&mut svc, None, None).await.unwrap();
+        assert_eq!(
+            decision(&res).backend.as_str(),
+            "a2",
+            "a1 is down for its cooldown"
+        );
+    }
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn retry_once_lands_on_the_next_candidate() {
     let streams = Streams::default();
