@@ -6,6 +6,9 @@
 //!   header, hashed with SHA-256; `NodeThenBackend`);
 //! - `affinity_noext`: the same with `.decision_extension(false)`: no [`Decision`] put in the
 //!   response's extensions (it stays readable from the response body);
+//! - `affinity_live` (paired rounds only): the defaults again, with the fleet from a
+//!   discovery channel that stays open (as in a proxy whose backends come and go) instead of
+//!   a fixed list whose stream ends;
 //! - `p2c`: `tower::balance::p2c::Balance` over `PendingRequests` wrappers of the same backends;
 //! - `p2c_buffer` (multi-threaded only): one `Balance` shared by every caller through
 //!   `tower::buffer::Buffer`, the usual way to share a balancer that is not `Clone`.
@@ -267,20 +270,23 @@ fn paired(rounds: usize, per_round: u64) {
         .expect("runtime");
     println!("\n## Paired rounds ({rounds} rounds of {per_round} requests a contender)\n");
     println!(
-        "| runtime | requests | affinity / p2c: median (min to max) | affinity_noext / p2c: median (min to max) | p2c, median |"
+        "| runtime | requests | affinity / p2c: median (min to max) | affinity_noext / p2c: median (min to max) | affinity_live / p2c: median (min to max) | p2c, median |"
     );
-    println!("|---|---|---:|---:|---:|");
+    println!("|---|---|---:|---:|---:|---:|");
     for mix in Mix::ALL {
         let mut affinity = SessionAffinityLayer::new().layer(SHAPE.fleet(SLOTS));
         let mut noext = SessionAffinityLayer::new()
             .decision_extension(false)
             .layer(SHAPE.fleet(SLOTS));
+        let (_handle, stream) = SHAPE.live_fleet(SLOTS);
+        let mut live = SessionAffinityLayer::new().layer(stream);
         let mut balance = p2c();
-        let mut cursors = [0u64; 3];
-        let times = common::rotating_rounds::<_, 3>(rounds, |who| match who {
+        let mut cursors = [0u64; CONTENDERS];
+        let times = common::rotating_rounds::<_, CONTENDERS>(rounds, |who| match who {
             0 => single(&st, &mut affinity, mix, &mut cursors[0], per_round),
             1 => single(&st, &mut noext, mix, &mut cursors[1], per_round),
-            _ => single(&st, &mut balance, mix, &mut cursors[2], per_round),
+            2 => single(&st, &mut live, mix, &mut cursors[2], per_round),
+            _ => single(&st, &mut balance, mix, &mut cursors[3], per_round),
         });
         report("current-thread, 1 caller", mix, per_round, &times);
     }
@@ -291,35 +297,45 @@ fn paired(rounds: usize, per_round: u64) {
             .decision_extension(false)
             .layer(SHAPE.fleet(SLOTS));
         let mut noext: Vec<_> = (0..CALLERS).map(|_| noext.clone()).collect();
+        let (_handle, stream) = SHAPE.live_fleet(SLOTS);
+        let live = SessionAffinityLayer::new().layer(stream);
+        let mut live: Vec<_> = (0..CALLERS).map(|_| live.clone()).collect();
         let mut balancers: Vec<P2c> = (0..CALLERS).map(|_| p2c()).collect();
-        let mut cursors = [0u64; 3];
+        let mut cursors = [0u64; CONTENDERS];
         let n = 2 * per_round;
-        let times = common::rotating_rounds::<_, 3>(rounds, |who| match who {
+        let times = common::rotating_rounds::<_, CONTENDERS>(rounds, |who| match who {
             0 => concurrent(&mt, &mut affinity, mix, &mut cursors[0], n),
             1 => concurrent(&mt, &mut noext, mix, &mut cursors[1], n),
-            _ => concurrent(&mt, &mut balancers, mix, &mut cursors[2], n),
+            2 => concurrent(&mt, &mut live, mix, &mut cursors[2], n),
+            _ => concurrent(&mt, &mut balancers, mix, &mut cursors[3], n),
         });
         report("2 workers, 32 callers", mix, n, &times);
     }
 }
 
-fn report(runtime: &str, mix: Mix, n: u64, times: &[[Duration; 3]]) {
-    let stats = |who: usize| {
+/// The contenders of a paired round: `affinity`, `affinity_noext`, `affinity_live`, `p2c`.
+const CONTENDERS: usize = 4;
+const P2C: usize = CONTENDERS - 1;
+
+fn report(runtime: &str, mix: Mix, n: u64, times: &[[Duration; CONTENDERS]]) {
+    let ratio = |who: usize| {
         let mut r: Vec<f64> = times
             .iter()
-            .map(|t| t[2].as_secs_f64() / t[who].as_secs_f64())
+            .map(|t| t[P2C].as_secs_f64() / t[who].as_secs_f64())
             .collect();
         r.sort_by(f64::total_cmp);
-        (r[r.len() / 2], r[0], r[r.len() - 1])
+        let (median, min, max) = (r[r.len() / 2], r[0], r[r.len() - 1]);
+        format!("{median:.2}x ({min:.2}x to {max:.2}x)")
     };
-    let mut p2c: Vec<f64> = times.iter().map(|t| t[2].as_secs_f64()).collect();
+    let mut p2c: Vec<f64> = times.iter().map(|t| t[P2C].as_secs_f64()).collect();
     p2c.sort_by(f64::total_cmp);
     let p2c_rate = n as f64 / p2c[p2c.len() / 2] / 1e6;
-    let (a, a_min, a_max) = stats(0);
-    let (e, e_min, e_max) = stats(1);
     println!(
-        "| {runtime} | {} | {a:.2}x ({a_min:.2}x to {a_max:.2}x) | {e:.2}x ({e_min:.2}x to {e_max:.2}x) | {p2c_rate:.2} M/s |",
-        mix.name()
+        "| {runtime} | {} | {} | {} | {} | {p2c_rate:.2} M/s |",
+        mix.name(),
+        ratio(0),
+        ratio(1),
+        ratio(2),
     );
 }
 

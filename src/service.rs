@@ -5,9 +5,9 @@ use std::collections::hash_map::RandomState;
 use std::fmt;
 use std::hash::{BuildHasher, Hasher};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -40,6 +40,8 @@ const DRAIN_LIMIT: usize = 256;
 ///
 /// `poll_ready` applies pending discovery changes without blocking and is otherwise always
 /// ready: the key is only known in `call`, so no single backend's readiness means anything.
+/// It looks at the discovery stream only after the stream has signalled a change, so with a
+/// quiet stream it writes nothing that the clones share.
 /// `call` places the request and drives the chosen backend with `oneshot` inside the response
 /// future, where it also waits for a slot if the [`Overflow`] policy says so.
 pub struct SessionAffinity<D: Discover, K, P> {
@@ -49,11 +51,39 @@ pub struct SessionAffinity<D: Discover, K, P> {
 }
 
 /// The discovery stream, shared by every clone of the service.
+///
+/// The stream is polled with a waker of its own, which counts its wake-ups. Readiness drains
+/// the stream only when it has been woken since the last drain began, so requests on a quiet
+/// stream read two counters and write nothing shared.
 struct Discovery<D> {
     /// `None` once the stream has ended.
     stream: Mutex<Option<Pin<Box<D>>>>,
-    /// Set when the stream has ended, so readiness stops taking the lock.
-    ended: AtomicBool,
+    signal: Arc<Signal>,
+    /// Wakes `signal`: the waker the stream is polled with.
+    waker: Waker,
+}
+
+/// The discovery stream's wake-ups, and how many of them the last complete drain had seen.
+struct Signal {
+    woken: AtomicU64,
+    drained: AtomicU64,
+}
+
+impl Signal {
+    /// Whether the stream may have changes that no drain has looked for yet.
+    fn due(&self) -> bool {
+        self.drained.load(Ordering::Acquire) != self.woken.load(Ordering::Acquire)
+    }
+}
+
+impl Wake for Signal {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.woken.fetch_add(1, Ordering::AcqRel);
+    }
 }
 
 /// State shared by every clone of the service and by its response futures.
@@ -119,9 +149,17 @@ where
                     _ => Duration::ZERO,
                 },
             }),
-            discover: Arc::new(Discovery {
-                stream: Mutex::new(Some(Box::pin(discover))),
-                ended: AtomicBool::new(false),
+            discover: Arc::new({
+                // Woken once already: the first readiness drains.
+                let signal = Arc::new(Signal {
+                    woken: AtomicU64::new(1),
+                    drained: AtomicU64::new(0),
+                });
+                Discovery {
+                    stream: Mutex::new(Some(Box::pin(discover))),
+                    waker: Waker::from(signal.clone()),
+                    signal,
+                }
             }),
             key,
         }
@@ -193,14 +231,23 @@ where
     /// logged and counted, and the fleet stays as it was; a stream that ends leaves the last
     /// fleet in place.
     fn drain_discovery(&self, cx: &mut Context<'_>) {
-        if self.discover.ended.load(Ordering::Relaxed) {
+        let discovery = &*self.discover;
+        if !discovery.signal.due() {
             return;
         }
         // If another clone is draining right now, wait for it (a drain is short and never
         // blocks), so that no caller goes on with a fleet older than the changes that were
         // ready when it asked: at start-up, concurrent first requests would otherwise find the
-        // fleet still empty. Holding the stream's lock also makes this the fleet's only writer.
-        let mut slot = self.discover.stream.lock();
+        // fleet still empty. (The drain in progress marks the stream drained only when it is
+        // done, so a caller that finds it due waits here.) Holding the stream's lock also makes
+        // this the fleet's only writer.
+        let mut slot = discovery.stream.lock();
+        if !discovery.signal.due() {
+            return;
+        }
+        // Wake-ups from here on are for changes this drain may not see.
+        let seen = discovery.signal.woken.load(Ordering::Acquire);
+        let mut own = Context::from_waker(&discovery.waker);
         let mut next: Option<Fleet<Backend<S>>> = None;
         let mut inserted = false;
         let mut more = true;
@@ -209,7 +256,7 @@ where
                 more = false;
                 break;
             };
-            match d.as_mut().poll_discover(cx) {
+            match d.as_mut().poll_discover(&mut own) {
                 Poll::Ready(Some(Ok(change))) => {
                     let fleet = next.get_or_insert_with(|| Fleet::clone(&self.shared.fleet.load()));
                     inserted |= apply(fleet, change);
@@ -222,7 +269,6 @@ where
                 Poll::Ready(None) => {
                     tracing::debug!("discovery stream ended; keeping the current fleet");
                     *slot = None;
-                    self.discover.ended.store(true, Ordering::Relaxed);
                 }
                 Poll::Pending => {
                     more = false;
@@ -238,8 +284,10 @@ where
             }
         }
         if more {
-            // More may be ready: make sure someone polls again soon.
+            // More may be ready: the stream stays due, and this caller is woken to come back.
             cx.waker().wake_by_ref();
+        } else {
+            discovery.signal.drained.store(seen, Ordering::Release);
         }
     }
 }

@@ -14,7 +14,7 @@ use std::task::{Context, Poll, Waker};
 use bytes::Bytes;
 use http_body_util::Empty;
 use tower::{service_fn, Service};
-use tower_affinity::discover::StaticFleet;
+use tower_affinity::discover::{self, FleetChannel, FleetHandle, StaticFleet};
 use tower_affinity::key::SessionKey;
 use tower_affinity::placement::Snapshot;
 use tower_affinity::Backend;
@@ -93,6 +93,17 @@ impl Shape {
                 .into_iter()
                 .map(|(id, node)| (id, Backend::new(node, backend()).slots(slots))),
         )
+    }
+
+    /// The same fleet as a live discovery channel, as a proxy whose backends come and go has:
+    /// the stream stays open as long as the handle lives.
+    pub(crate) fn live_fleet(&self, slots: u32) -> (FleetHandle<Mock>, FleetChannel<Mock>) {
+        let slots = NonZeroU32::new(slots).unwrap_or(NonZeroU32::MIN);
+        let (handle, stream) = discover::channel();
+        for (id, node) in self.names() {
+            handle.insert(id, Backend::new(node, mock()).slots(slots));
+        }
+        (handle, stream)
     }
 
     /// The fleet as a hand-built snapshot with `slots` slots each, all idle.

@@ -688,6 +688,53 @@ async fn a_discovery_stream_that_never_stops_does_not_hold_a_caller() {
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn readiness_polls_discovery_only_after_the_stream_wakes() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    // The discovery channel, counting how often it is polled.
+    let polls = Arc::new(AtomicUsize::new(0));
+    let (handle, stream) = discover::channel::<MockService>();
+    struct Counted<D> {
+        inner: std::pin::Pin<Box<D>>,
+        polls: Arc<AtomicUsize>,
+    }
+    impl<D: Discover> futures_core::Stream for Counted<D> {
+        type Item = Result<tower::discover::Change<D::Key, D::Service>, D::Error>;
+        fn poll_next(
+            self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Self::Item>> {
+            let this = self.get_mut();
+            this.polls.fetch_add(1, Ordering::Relaxed);
+            this.inner.as_mut().poll_discover(cx)
+        }
+    }
+    let counted = Counted {
+        inner: Box::pin(stream),
+        polls: polls.clone(),
+    };
+    let streams = Streams::default();
+    handle.insert("a1", Backend::new("a", backend("a1", &streams)));
+    let mut svc = SessionAffinityLayer::new().layer(counted);
+    assert_eq!(turn(&mut svc, "s").await.backend.as_str(), "a1");
+    let after_first = polls.load(Ordering::Relaxed);
+    assert!(after_first >= 1, "the first readiness drains the stream");
+    for _ in 0..100 {
+        turn(&mut svc, "s").await;
+    }
+    assert_eq!(
+        polls.load(Ordering::Relaxed),
+        after_first,
+        "a quiet stream is not polled"
+    );
+    // A change wakes the stream; the next readiness applies it.
+    handle.insert("b1", Backend::new("b", backend("b1", &streams)));
+    handle.remove("a1");
+    assert_eq!(turn(&mut svc, "s").await.backend.as_str(), "b1");
+    assert!(polls.load(Ordering::Relaxed) > after_first);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_64_kib_header_key_is_digested() {
     let streams = Streams::default();
     let mut svc = SessionAffinityLayer::new().layer(fleet(TWO_BY_TWO, &streams));
