@@ -32,6 +32,13 @@ mod common;
 
 use common::{call_now, header_request, key, mix, mock, request, Req, Shape, SHAPES};
 
+/// The service the table benches drive: session ids from the request's extensions.
+type Svc = tower_affinity::SessionAffinity<
+    tower_affinity::discover::StaticFleet<common::Mock>,
+    ExtensionKey,
+    NodeThenBackend,
+>;
+
 /// Requests are built in chunks of this many, outside the timed region.
 const CHUNK: u64 = 1024;
 
@@ -268,35 +275,61 @@ fn call(c: &mut Criterion) {
     g.finish();
 }
 
+/// The table sizes of `table/*` and of the paired table rounds.
+const TABLE_SIZES: [u64; 3] = [1_000, 100_000, 1_000_000];
+
+/// A prime that divides none of the table sizes: visiting `i * STRIDE mod n` touches every
+/// session once per `n` calls, in an order the caches cannot follow.
+const STRIDE: u64 = 999_983;
+
+/// A service on 16x8 whose table holds sessions `0..n`, each placed once.
+fn filled_table(n: u64) -> Svc {
+    // Room for a tenth more than `n`, so that uneven shards evict none of the `n`.
+    let entries = usize::try_from(n + n / 10).expect("fits");
+    let mut svc = SessionAffinityLayer::new()
+        .key(ExtensionKey)
+        .sessions(Sessions::new().max_entries(entries))
+        .layer(Shape::new(16, 8).fleet(1));
+    for i in 0..n {
+        drop(call_now(&mut svc, request(Some(key(i)))));
+    }
+    assert_eq!(svc.stats().sessions, n as usize, "every session is held");
+    svc
+}
+
+/// Home hits on `svc`'s `n` sessions, from the `first`-th on: `iters` calls timed.
+fn spread_home_hits(svc: &mut Svc, n: u64, first: u64, iters: u64) -> Duration {
+    chunked(
+        iters,
+        |i| request(Some(key((first + i) * STRIDE % n))),
+        |req| drop(black_box(call_now(svc, req))),
+    )
+}
+
+/// One random cycle through every word of an array of `bytes` bytes (Sattolo's shuffle), so
+/// that a chain of reads never settles into a loop small enough to stay in cache.
+fn random_cycle(bytes: usize) -> Vec<usize> {
+    let len = bytes / 8;
+    let mut next: Vec<usize> = (0..len).collect();
+    for i in (1..len).rev() {
+        let j = (mix(i as u64) % i as u64) as usize;
+        next.swap(i, j);
+    }
+    next
+}
+
 /// Home hits with 1 thousand to 1 million sessions in the table, on keys spread over it.
 fn table(c: &mut Criterion) {
-    // A prime that divides none of the table sizes: visiting `i * STRIDE mod n` touches every
-    // session once per `n` calls, in an order the caches cannot follow.
-    const STRIDE: u64 = 999_983;
-    let shape = Shape::new(16, 8);
     let mut g = c.benchmark_group("table");
-    for n in [1_000u64, 100_000, 1_000_000] {
-        // Room for a tenth more than `n`, so that uneven shards evict none of the `n`.
-        let entries = usize::try_from(n + n / 10).expect("fits");
-        let mut svc = SessionAffinityLayer::new()
-            .key(ExtensionKey)
-            .sessions(Sessions::new().max_entries(entries))
-            .layer(shape.fleet(1));
-        for i in 0..n {
-            drop(call_now(&mut svc, request(Some(key(i)))));
-        }
+    for n in TABLE_SIZES {
+        let mut svc = filled_table(n);
         let before = svc.stats();
-        assert_eq!(before.sessions, n as usize, "every session is held");
         let mut cursor = 0u64;
         g.bench_function(BenchmarkId::new("home_hit", n), |b| {
             b.iter_custom(|iters| {
                 let first = cursor;
                 cursor += iters;
-                chunked(
-                    iters,
-                    |i| request(Some(key((first + i) * STRIDE % n))),
-                    |req| drop(black_box(call_now(&mut svc, req))),
-                )
+                spread_home_hits(&mut svc, n, first, iters)
             })
         });
         let after = svc.stats();
@@ -311,14 +344,7 @@ fn table(c: &mut Criterion) {
         // The bound: one random read in an array as big as the table, each read's address
         // depending on the last one's value, as a lookup's miss stalls its call. What the
         // hardware charges for the table's size, with no table code at all.
-        // One cycle through every word (Sattolo's shuffle), so the chain never settles into a
-        // loop small enough to stay in cache.
-        let len = after.session_table_bytes / 8;
-        let mut next: Vec<usize> = (0..len).collect();
-        for i in (1..len).rev() {
-            let j = (mix(i as u64) % i as u64) as usize;
-            next.swap(i, j);
-        }
+        let next = random_cycle(after.session_table_bytes);
         let mut at = 0usize;
         g.bench_function(BenchmarkId::new("bare_read", n), |b| {
             b.iter(|| {
@@ -406,10 +432,6 @@ fn paired(rounds: usize, calls: u64) {
     };
     // The unmeasured first round also fills the new-session table to its bound.
     let per_call: Vec<[f64; 4]> = common::rotating_rounds(rounds, run);
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        (v[v.len() / 2], v[0], v[v.len() - 1])
-    };
     println!("\n## Paired rounds ({rounds} rounds of {calls} calls a contender)\n");
     println!("| path | per call, median | router cost (minus direct), median (min to max) |");
     println!("|---|---:|---:|");
@@ -425,12 +447,59 @@ fn paired(rounds: usize, calls: u64) {
     }
 }
 
+/// Home hits by table size again, in rotating rounds: 1 thousand, 100 thousand and 1 million
+/// sessions, and one dependent random read in an array as big as the million-session table.
+/// The ratios to 1 thousand are taken within each round.
+fn paired_tables(rounds: usize, calls: u64) {
+    let mut svcs: Vec<(u64, Svc)> = TABLE_SIZES.iter().map(|&n| (n, filled_table(n))).collect();
+    let largest = svcs.last().map_or(0, |(_, s)| s.stats().session_table_bytes);
+    let next = random_cycle(largest);
+    let mut at = 0usize;
+    let mut cursor = 0u64;
+    let run = |who: usize| -> f64 {
+        let t = match svcs.get_mut(who) {
+            Some((n, svc)) => spread_home_hits(svc, *n, cursor, calls),
+            None => {
+                let start = Instant::now();
+                for _ in 0..calls {
+                    at = next[at];
+                }
+                black_box(at);
+                start.elapsed()
+            }
+        };
+        cursor += calls;
+        t.as_secs_f64() * 1e9 / calls as f64
+    };
+    let per_call: Vec<[f64; 4]> = common::rotating_rounds(rounds, run);
+    println!("\n## Paired table rounds ({rounds} rounds of {calls} calls a contender)\n");
+    println!("| sessions | home hit, median | ratio to 1 thousand, median (min to max) |");
+    println!("|---:|---:|---:|");
+    for (who, n) in TABLE_SIZES.iter().enumerate() {
+        let (t, _, _) = median(per_call.iter().map(|r| r[who]).collect());
+        let (m, lo, hi) = median(per_call.iter().map(|r| r[who] / r[0]).collect());
+        println!("| {n} | {t:.0} ns | {m:.2}x ({lo:.2}x to {hi:.2}x) |");
+    }
+    let (t, lo, hi) = median(per_call.iter().map(|r| r[3]).collect());
+    println!(
+        "\nOne random read in a {largest}-byte array: {t:.0} ns, median ({lo:.0} to {hi:.0} ns)."
+    );
+}
+
+/// The median, least and greatest of `v`.
+fn median(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(f64::total_cmp);
+    (v[v.len() / 2], v[0], v[v.len() - 1])
+}
+
 fn main() {
     common::main_with_paired(benches, |full| {
         if full {
             paired(21, 200_000);
+            paired_tables(21, 200_000);
         } else {
             paired(1, 2_000);
+            paired_tables(1, 2_000);
         }
     });
 }
