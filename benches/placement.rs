@@ -452,7 +452,9 @@ fn paired(rounds: usize, calls: u64) {
 /// The ratios to 1 thousand are taken within each round.
 fn paired_tables(rounds: usize, calls: u64) {
     let mut svcs: Vec<(u64, Svc)> = TABLE_SIZES.iter().map(|&n| (n, filled_table(n))).collect();
-    let largest = svcs.last().map_or(0, |(_, s)| s.stats().session_table_bytes);
+    let largest = svcs
+        .last()
+        .map_or(0, |(_, s)| s.stats().session_table_bytes);
     let next = random_cycle(largest);
     let mut at = 0usize;
     let mut cursor = 0u64;
