@@ -212,6 +212,8 @@ pub(crate) struct Load {
     pub(crate) slots: AtomicU32,
     /// Down until this time (fleet milliseconds); 0 when up, `u64::MAX` until marked up.
     pub(crate) down_until: AtomicU64,
+    /// Requests that failed on this backend before it answered.
+    pub(crate) failures: AtomicU64,
     /// The fleet's counters, so that a slot guard needs this one `Arc` alone.
     pub(crate) capacity: Arc<Capacity>,
 }
@@ -222,6 +224,7 @@ impl Load {
             in_flight: AtomicU32::new(0),
             slots: AtomicU32::new(slots.get()),
             down_until: AtomicU64::new(0),
+            failures: AtomicU64::new(0),
             capacity,
         }
     }
@@ -291,6 +294,13 @@ impl SlotGuard {
     }
 
     /// Marks the backend this slot belongs to down for `cooldown`, then releases the slot.
+    /// Counts a request that failed on this backend before it answered, for the backend and
+    /// for the fleet.
+    pub(crate) fn count_failure(&self) {
+        self.load.failures.fetch_add(1, Ordering::Relaxed);
+        crate::stats::bump(&self.capacity().counters.backend_errors);
+    }
+
     pub(crate) fn fail(self, cooldown: std::time::Duration) {
         let until = Instant::now()
             .checked_add(cooldown)
@@ -588,6 +598,10 @@ pub struct BackendStatus {
     pub in_flight: u32,
     /// Whether it is taking requests (not marked down).
     pub healthy: bool,
+    /// Requests that failed on it before it answered (its readiness or its call failed),
+    /// counted since discovery first named it. The fleet's total is
+    /// [`Stats::backend_errors`](crate::Stats::backend_errors).
+    pub failures: u64,
 }
 
 impl Topology {
@@ -612,6 +626,7 @@ impl Topology {
                     slots: m.load.slots.load(Ordering::Relaxed),
                     in_flight: m.load.in_flight.load(Ordering::Relaxed),
                     healthy: !m.load.health(now_ms).0,
+                    failures: m.load.failures.load(Ordering::Relaxed),
                 }
             })
             .collect()

@@ -112,7 +112,7 @@ impl Dispatched {
             decision,
             finish,
         } = self;
-        bump(&guard.capacity().counters.backend_errors);
+        guard.count_failure();
         let cooldown = finish.failure_cooldown;
         if cooldown.is_zero() {
             drop(guard);

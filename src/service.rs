@@ -198,7 +198,8 @@ where
             .and_then(|c| Instant::now().checked_add(c))
             .map_or(u64::MAX, |t| self.shared.capacity.now_ms(t));
         fleet.topology.member(i).load.mark_down(until);
-        tracing::warn!(backend = id, ?cooldown, "backend marked down");
+        // At debug level: the caller (a health probe) knows why, and says so in its own log.
+        tracing::debug!(backend = id, ?cooldown, "backend marked down");
         true
     }
 
@@ -210,7 +211,7 @@ where
         };
         let load = &fleet.topology.member(i).load;
         if load.down_until.swap(0, Ordering::AcqRel) != 0 {
-            tracing::info!(backend = id, "backend marked up");
+            tracing::debug!(backend = id, "backend marked up");
             drop(fleet);
             self.shared.capacity.wake_all();
         }

@@ -725,6 +725,16 @@ impl Collector for AffinityCollector {
                 ConstGauge::new(value(b)).encode(m.encode_family(&labels)?)?;
             }
         }
+        let mut m = enc.encode_descriptor(
+            "tower_affinity_backend_failures",
+            "Requests that failed on the backend before it answered",
+            None,
+            MetricType::Counter,
+        )?;
+        for b in &backends {
+            let labels = [("backend", b.id.as_str()), ("node", b.node.as_str())];
+            ConstCounter::new(b.failures).encode(m.encode_family(&labels)?)?;
+        }
         Ok(())
     }
 }

@@ -389,6 +389,7 @@ async fn a_killed_backend_is_skipped_and_its_sessions_placed_again_without_an_er
     let backends = proxy.proxy.affinity().backends();
     let a_status = backends.iter().find(|s| s.id.as_str() == "a").unwrap();
     assert!(!a_status.healthy);
+    assert_eq!(a_status.failures, 1);
 
     let metrics = String::from_utf8(proxy.get("/metrics").await.body.to_vec()).unwrap();
     assert!(
@@ -397,6 +398,10 @@ async fn a_killed_backend_is_skipped_and_its_sessions_placed_again_without_an_er
     );
     assert!(
         metrics.contains("tower_affinity_backend_errors_total 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(r#"tower_affinity_backend_failures_total{backend="a",node="node-a"} 1"#),
         "{metrics}"
     );
 }

@@ -330,6 +330,13 @@ async fn a_failed_backend_releases_its_slot_and_is_passed_over() {
     assert_eq!(err.status(), 502);
     assert_eq!(svc.stats().in_flight, 0);
     assert_eq!(svc.stats().backend_errors, 1);
+    let failures = |svc: &SessionAffinity<_, _, _>, id: &str| {
+        svc.backends()
+            .into_iter()
+            .find(|b| b.id.as_str() == id)
+            .map(|b| b.failures)
+    };
+    assert_eq!(failures(&svc, home.backend.as_str()), Some(1));
     let moved = turn(&mut svc, "s").await;
     assert_ne!(moved.backend, home.backend, "down for its cooldown");
     assert_eq!(moved.outcome, Outcome::SameNodeSpill);
@@ -410,6 +417,13 @@ async fn a_backend_failing_readiness_fails_the_request_and_is_passed_over() {
     assert_eq!(err.status(), 502);
     assert_eq!(svc.stats().backend_errors, 1);
     assert_eq!(svc.stats().in_flight, 0);
+    let failures: Vec<_> = svc
+        .backends()
+        .into_iter()
+        .map(|b| (b.id.as_str().to_owned(), b.failures))
+        .collect();
+    assert!(failures.contains(&("a1".to_owned(), 1)), "{failures:?}");
+    assert!(failures.contains(&("a2".to_owned(), 0)), "{failures:?}");
     for _ in 0..8 {
         let res = send(&mut svc, None, None).await.unwrap();
         assert_eq!(
