@@ -20,7 +20,13 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// |---|---|---|
 /// | [`NoBackends`](Error::NoBackends) | 503 Service Unavailable | |
 /// | [`Saturated`](Error::Saturated) | 429 Too Many Requests | `Retry-After: <seconds>` |
-/// | [`Backend`](Error::Backend) | 502 Bad Gateway | |
+/// | [`Backend`](Error::Backend) | 502 Bad Gateway; 504 Gateway Timeout if the backend timed out | |
+///
+/// A backend "timed out" when its error, or any error in its [source] chain, is an
+/// [`io::Error`](std::io::Error) of kind [`TimedOut`](std::io::ErrorKind::TimedOut), or the
+/// `Elapsed` error of `tokio::time::timeout` or of `tower::timeout::Timeout`.
+///
+/// [source]: std::error::Error::source
 ///
 /// ```
 /// use std::time::Duration;
@@ -57,6 +63,7 @@ impl Error {
         match self {
             Error::NoBackends => StatusCode::SERVICE_UNAVAILABLE,
             Error::Saturated { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Error::Backend { source, .. } if timed_out(&**source) => StatusCode::GATEWAY_TIMEOUT,
             Error::Backend { .. } => StatusCode::BAD_GATEWAY,
         }
     }
@@ -85,6 +92,22 @@ impl Error {
         }
         res
     }
+}
+
+/// Whether `e` or an error in its source chain is a timeout.
+fn timed_out(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(e);
+    while let Some(e) = next {
+        if e.is::<tokio::time::error::Elapsed>()
+            || e.is::<tower::timeout::error::Elapsed>()
+            || e.downcast_ref::<std::io::Error>()
+                .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+        {
+            return true;
+        }
+        next = e.source();
+    }
+    false
 }
 
 impl fmt::Display for Error {
@@ -209,5 +232,71 @@ where
                 .unwrap_or(Error::NoBackends)
                 .into_response())),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An error that wraps another, as client errors wrap connection errors.
+    #[derive(Debug)]
+    struct Wrapped(BoxError);
+
+    impl fmt::Display for Wrapped {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("request failed")
+        }
+    }
+
+    impl std::error::Error for Wrapped {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&*self.0)
+        }
+    }
+
+    fn backend(source: BoxError) -> Error {
+        Error::Backend {
+            backend: BackendId::from("b"),
+            source,
+        }
+    }
+
+    #[test]
+    fn a_backend_that_timed_out_is_504_anywhere_in_the_chain() {
+        let timed_out = || std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer");
+        assert_eq!(backend(timed_out().into()).status(), 504);
+        assert_eq!(
+            backend(Box::new(Wrapped(Box::new(Wrapped(timed_out().into()))))).status(),
+            504
+        );
+        assert_eq!(
+            backend(Box::new(tower::timeout::error::Elapsed::new())).status(),
+            504
+        );
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .unwrap();
+        let elapsed = rt
+            .block_on(async {
+                tokio::time::timeout(Duration::ZERO, std::future::pending::<()>()).await
+            })
+            .unwrap_err();
+        assert_eq!(backend(Box::new(Wrapped(Box::new(elapsed)))).status(), 504);
+    }
+
+    #[test]
+    fn any_other_backend_failure_is_502() {
+        let refused = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        assert_eq!(backend(refused.into()).status(), 502);
+        assert_eq!(backend("broken".into()).status(), 502);
+        assert_eq!(
+            backend(Box::new(Wrapped("broken".into())))
+                .into_response::<()>()
+                .status(),
+            502
+        );
     }
 }

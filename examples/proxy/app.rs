@@ -109,6 +109,10 @@ pub(crate) struct Config {
     pub(crate) policy: Policy,
     pub(crate) overflow: Overflow,
     pub(crate) connect_timeout: Duration,
+    /// The longest wait for a backend's response headers; `None` waits as long as it takes.
+    /// A backend past it has failed the request: it is passed over for `failure_cooldown`
+    /// and the request is retried once elsewhere.
+    pub(crate) response_timeout: Option<Duration>,
     pub(crate) failure_cooldown: Duration,
     pub(crate) body_limit: usize,
     pub(crate) read_timeout: Option<Duration>,
@@ -126,6 +130,9 @@ impl Config {
             policy: Policy::NodeThenBackend,
             overflow: Overflow::default(),
             connect_timeout: Duration::from_secs(2),
+            // Long: a non-streamed answer comes after its whole prompt is read and its whole
+            // reply written, minutes on modest GPUs.
+            response_timeout: Some(Duration::from_secs(600)),
             failure_cooldown: Duration::from_secs(5),
             body_limit: BodyKeyLayer::DEFAULT_LIMIT,
             read_timeout: Some(Duration::from_secs(60)),
@@ -155,6 +162,7 @@ struct UpstreamInner {
     /// `Host` for the backend, made once: what the client would otherwise format for every
     /// request (the host, and the port unless it is the scheme's default).
     host: HeaderValue,
+    response_timeout: Option<Duration>,
 }
 
 impl Upstream {
@@ -162,6 +170,7 @@ impl Upstream {
         client: Client<HttpConnector, ReqBody>,
         scheme: Scheme,
         authority: Authority,
+        response_timeout: Option<Duration>,
     ) -> Result<Self, BoxError> {
         let default_port = if scheme == Scheme::HTTPS { 443 } else { 80 };
         let host = match authority.port_u16() {
@@ -175,6 +184,7 @@ impl Upstream {
                 scheme,
                 authority,
                 host,
+                response_timeout,
             }),
         })
     }
@@ -279,27 +289,41 @@ impl Service<Request<ReqBody>> for Upstream {
         req.headers_mut().insert(header::HOST, inner.host.clone());
         // The backend connection is HTTP/1.1 whatever the client spoke.
         *req.version_mut() = Version::HTTP_11;
+        let fut = inner.client.request(req);
         UpstreamFuture {
-            state: UpstreamState::Sending(inner.client.request(req)),
+            state: match inner.response_timeout {
+                None => UpstreamState::Sending { fut },
+                Some(after) => UpstreamState::Timed {
+                    fut: tokio::time::timeout(after, fut),
+                    after,
+                },
+            },
         }
     }
 }
 
-/// The response future of [`Upstream`]: the client's, with hop-by-hop headers stripped from
-/// the response.
-pub(crate) struct UpstreamFuture {
-    state: UpstreamState,
+pin_project! {
+    /// The response future of [`Upstream`]: the client's, with hop-by-hop headers stripped
+    /// from the response, and a deadline for the response headers if one is set.
+    pub(crate) struct UpstreamFuture {
+        #[pin]
+        state: UpstreamState,
+    }
 }
 
-enum UpstreamState {
-    Sending(ResponseFuture),
-    Failed(Option<BoxError>),
+pin_project! {
+    #[project = UpstreamProj]
+    enum UpstreamState {
+        Sending { fut: ResponseFuture },
+        Timed { #[pin] fut: tokio::time::Timeout<ResponseFuture>, after: Duration },
+        Failed { error: Option<BoxError> },
+    }
 }
 
 impl UpstreamFuture {
     fn failed(e: BoxError) -> Self {
         UpstreamFuture {
-            state: UpstreamState::Failed(Some(e)),
+            state: UpstreamState::Failed { error: Some(e) },
         }
     }
 }
@@ -313,17 +337,28 @@ impl fmt::Debug for UpstreamFuture {
 impl Future for UpstreamFuture {
     type Output = Result<Response<Incoming>, BoxError>;
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match &mut self.state {
-            UpstreamState::Sending(fut) => {
-                let mut res = ready!(Pin::new(fut).poll(cx))?;
-                strip_hop_by_hop(res.headers_mut());
-                Poll::Ready(Ok(res))
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut res = match self.project().state.project() {
+            UpstreamProj::Sending { fut } => ready!(Pin::new(fut).poll(cx))?,
+            UpstreamProj::Timed { fut, after } => match ready!(fut.poll(cx)) {
+                Ok(res) => res?,
+                // A timeout in the error's chain makes the balancer's answer 504, not 502.
+                Err(_) => {
+                    return Poll::Ready(Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!("no response headers within {after:?}"),
+                    )
+                    .into()))
+                }
+            },
+            UpstreamProj::Failed { error } => {
+                return Poll::Ready(Err(error
+                    .take()
+                    .unwrap_or_else(|| "UpstreamFuture polled after completion".into())))
             }
-            UpstreamState::Failed(e) => Poll::Ready(Err(e
-                .take()
-                .unwrap_or_else(|| "UpstreamFuture polled after completion".into()))),
-        }
+        };
+        strip_hop_by_hop(res.headers_mut());
+        Poll::Ready(Ok(res))
     }
 }
 
@@ -369,8 +404,12 @@ impl Proxy {
             .backends
             .iter()
             .map(|spec| {
-                let upstream =
-                    Upstream::new(client.clone(), spec.scheme.clone(), spec.authority.clone())?;
+                let upstream = Upstream::new(
+                    client.clone(),
+                    spec.scheme.clone(),
+                    spec.authority.clone(),
+                    config.response_timeout,
+                )?;
                 Ok((spec.clone(), upstream))
             })
             .collect::<Result<Vec<_>, BoxError>>()?;

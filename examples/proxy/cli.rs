@@ -28,6 +28,11 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
   --max-wait DURATION        longest wait for a slot with --overflow wait (default 60s)
   --max-queued N             most requests waiting at once (default 1024)
   --connect-timeout DURATION backend connect timeout (default 2s)
+  --response-timeout DURATION
+                             longest wait for a backend's response headers (default
+                             10m; 0 turns it off); a backend past it is passed over
+                             for the failure cooldown, the request is retried once
+                             elsewhere, else 504
   --failure-cooldown DURATION
                              how long a backend that failed a request is passed over
                              (default 5s)
@@ -50,7 +55,7 @@ prompt_cache_key, user, metadata.user_id.";
 /// What the command line asks for.
 #[derive(Debug)]
 pub(crate) enum Command {
-    Run(Args),
+    Run(Box<Args>),
     Help,
 }
 
@@ -114,6 +119,10 @@ where
                 max_queued = v.parse().map_err(|e| format!("--max-queued {v:?}: {e}"))?;
             }
             "--connect-timeout" => config.connect_timeout = duration(&flag, &value()?)?,
+            "--response-timeout" => {
+                let d = duration(&flag, &value()?)?;
+                config.response_timeout = (!d.is_zero()).then_some(d);
+            }
             "--failure-cooldown" => config.failure_cooldown = duration(&flag, &value()?)?,
             "--probe-interval" => {
                 let d = duration(&flag, &value()?)?;
@@ -151,12 +160,12 @@ where
         }
     };
     config.backends = backends;
-    Ok(Command::Run(Args {
+    Ok(Command::Run(Box::new(Args {
         listen,
         verbose,
         worker_threads,
         config,
-    }))
+    })))
 }
 
 fn names() -> String {

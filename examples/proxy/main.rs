@@ -26,7 +26,7 @@ use cli::Command;
 
 fn main() -> ExitCode {
     let args = match cli::parse(std::env::args().skip(1)) {
-        Ok(Command::Run(args)) => args,
+        Ok(Command::Run(args)) => *args,
         Ok(Command::Help) => {
             println!("{}", cli::USAGE);
             return ExitCode::SUCCESS;

@@ -234,6 +234,11 @@ struct Running {
 }
 
 async fn start(backends: Vec<BackendSpec>) -> Running {
+    start_with(backends, |_| {}).await
+}
+
+/// [`start`], with `adjust` applied to the proxy's configuration last.
+async fn start_with(backends: Vec<BackendSpec>, adjust: impl FnOnce(&mut Config)) -> Running {
     let mut config = Config::new(backends);
     config.probe_interval = None;
     config.connect_timeout = Duration::from_millis(500);
@@ -243,6 +248,7 @@ async fn start(backends: Vec<BackendSpec>) -> Running {
         max_wait: Duration::from_secs(3),
         max_queued: 4096,
     };
+    adjust(&mut config);
     let served = proxy::serve(config).await;
     Running {
         addr: served.addr,
@@ -504,6 +510,68 @@ async fn chaos_ends_every_request_and_loses_no_slot() {
     );
     assert_eq!(panics.load(Ordering::Relaxed), 0, "a task panicked");
     assert!(a1.state.chats.load(Ordering::Relaxed) > 0);
+}
+
+/// A backend that takes requests and never answers: past the response timeout it has failed
+/// the request, is passed over, and the request is answered by another backend; when every
+/// backend hangs, the answer is 504.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_that_never_answers_is_passed_over_after_the_response_timeout() {
+    const TIMEOUT: Duration = Duration::from_millis(300);
+    let hung = Stub::start("h1").await;
+    let fine = Stub::start("h2").await;
+    hung.set(HANG, Duration::ZERO);
+    let specs = vec![hung.spec("node-a"), fine.spec("node-a")];
+    let timed = |c: &mut Config| {
+        c.response_timeout = Some(TIMEOUT);
+        c.failure_cooldown = Duration::from_secs(60);
+    };
+    let running = start_with(specs.clone(), timed).await;
+    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+
+    // New sessions until one is placed on the hung backend first (each has even odds).
+    let mut slow = None;
+    for session in 0..32 {
+        let started = tokio::time::Instant::now();
+        let (end, backend) = turn(&client, running.addr, session).await;
+        assert_eq!((end, backend.as_deref()), (End::Complete, Some("h2")));
+        if hung.state.chats.load(Ordering::Relaxed) > 0 {
+            slow = Some(started.elapsed());
+            break;
+        }
+    }
+    let slow = slow.expect("a session was placed on h1 first");
+    assert!(slow >= TIMEOUT, "answered after the timeout: {slow:?}");
+    let failures = |id: &str| {
+        running
+            .proxy
+            .affinity()
+            .backends()
+            .into_iter()
+            .find(|b| b.id.as_str() == id)
+            .map(|b| (b.failures, b.healthy))
+    };
+    assert_eq!(
+        failures("h1"),
+        Some((1, false)),
+        "h1 failed once and is down"
+    );
+    assert_eq!(failures("h2"), Some((0, true)));
+
+    assert!(running.settled().await, "a timed-out request held its slot");
+
+    // Every backend hangs (a second proxy, with neither marked down yet): the first attempt
+    // times out, the retry times out too: 504.
+    fine.set(HANG, Duration::ZERO);
+    let both_hung = start_with(specs, timed).await;
+    let started = tokio::time::Instant::now();
+    let (end, _) = turn(&client, both_hung.addr, 1_000).await;
+    assert_eq!(end, End::Status(504));
+    assert!(started.elapsed() < 4 * TIMEOUT, "{:?}", started.elapsed());
+    assert!(
+        both_hung.settled().await,
+        "a timed-out request held its slot"
+    );
 }
 
 /// A client that goes away releases its slot: while its backend has not answered yet, and in

@@ -758,6 +758,8 @@ fn every_option_parses_and_bad_values_are_explained() {
         "7",
         "--connect-timeout",
         "250ms",
+        "--response-timeout",
+        "0",
         "--failure-cooldown",
         "1m",
         "--probe-interval",
@@ -790,12 +792,20 @@ fn every_option_parses_and_bad_values_are_explained() {
         }
     );
     assert_eq!(c.connect_timeout, Duration::from_millis(250));
+    assert_eq!(c.response_timeout, None);
     assert_eq!(c.failure_cooldown, Duration::from_secs(60));
     assert_eq!(c.probe_interval, None);
     assert_eq!(c.probe_timeout, Duration::from_secs(3));
     assert!(!c.probe_slots);
     assert_eq!(c.body_limit, 2 << 20);
     assert_eq!(c.read_timeout, None);
+
+    let cli::Command::Run(defaults) = cli::parse(["--backend", "n=http://x:1"]).unwrap() else {
+        panic!("not a run");
+    };
+    let d = &defaults.config;
+    assert_eq!(d.response_timeout, Some(Duration::from_secs(600)));
+    assert_eq!(d.read_timeout, Some(Duration::from_secs(60)));
 
     for (args, needle) in [
         (
