@@ -293,7 +293,6 @@ impl SlotGuard {
         &self.load.capacity
     }
 
-    /// Marks the backend this slot belongs to down for `cooldown`, then releases the slot.
     /// Counts a request that failed on this backend before it answered, for the backend and
     /// for the fleet.
     pub(crate) fn count_failure(&self) {
@@ -301,6 +300,7 @@ impl SlotGuard {
         crate::stats::bump(&self.capacity().counters.backend_errors);
     }
 
+    /// Marks the backend this slot belongs to down for `cooldown`, then releases the slot.
     pub(crate) fn fail(self, cooldown: std::time::Duration) {
         let until = Instant::now()
             .checked_add(cooldown)

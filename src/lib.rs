@@ -12,7 +12,7 @@
 //! ```text
 //! request -> KeyExtractor -> Placement (key + fleet view + session table) -> preference order
 //!         -> first candidate with a free slot (else wait / overcommit / reject)
-//!         -> slot taken -> backend.oneshot(req) -> response body holds the slot until it ends
+//!         -> slot taken -> backend called once ready -> response body holds the slot until it ends
 //! ```
 //!
 //! - [`key`]: [`SessionKey`](key::SessionKey) digests, the [`KeyExtractor`](key::KeyExtractor)

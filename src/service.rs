@@ -42,8 +42,10 @@ const DRAIN_LIMIT: usize = 256;
 /// ready: the key is only known in `call`, so no single backend's readiness means anything.
 /// It looks at the discovery stream only after the stream has signalled a change, so with a
 /// quiet stream it writes nothing that the clones share.
-/// `call` places the request and drives the chosen backend with `oneshot` inside the response
-/// future, where it also waits for a slot if the [`Overflow`] policy says so.
+/// `call` places the request and takes a slot on the chosen backend; if that backend is ready
+/// (it is polled once, with a waker that does nothing), `call` calls it at once, and the
+/// response future drives the backend's own future. Otherwise the response future waits for the
+/// backend's readiness, or for a slot if the [`Overflow`] policy says so.
 pub struct SessionAffinity<D: Discover, K, P> {
     shared: Arc<Shared<D::Service, P>>,
     discover: Arc<Discovery<D>>,
