@@ -53,7 +53,7 @@ pin_project! {
             dispatched: Option<Dispatched>,
         },
         // A slot is taken, but the backend was not ready when the request was placed.
-        Ready {
+        NotReady {
             backend: Option<Box<(S, http::Request<ReqB>)>>,
             dispatched: Option<Dispatched>,
         },
@@ -148,7 +148,7 @@ where
                 dispatched: Some(dispatched),
             },
             Poll::Ready(Err(e)) => State::fail(dispatched.fail(e.into())),
-            Poll::Pending => State::Ready {
+            Poll::Pending => State::NotReady {
                 backend: Some(Box::new((service, req))),
                 dispatched: Some(dispatched),
             },
@@ -274,7 +274,7 @@ where
                         Err(e) => Err(d.fail(e.into())),
                     });
                 }
-                StateProj::Ready {
+                StateProj::NotReady {
                     backend,
                     dispatched,
                 } => {
@@ -389,7 +389,7 @@ where
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = match &self.state {
             State::Call { .. } => "calling",
-            State::Ready { .. } => "waiting for its backend to be ready",
+            State::NotReady { .. } => "waiting for its backend to be ready",
             State::Wait { .. } => "waiting for a slot",
             State::Done { .. } => "done",
         };
