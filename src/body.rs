@@ -19,24 +19,80 @@ pin_project! {
     /// the body, not with the response headers.
     pub struct ResponseBody<B> {
         #[pin]
-        kind: Kind<B>,
+        kind: InnerOrBytes<B>,
         guard: Option<SlotGuard>,
         decision: Option<Decision>,
     }
 }
 
 pin_project! {
-    #[project = KindProj]
-    enum Kind<B> {
-        Backend { #[pin] inner: B },
-        Full { data: Option<Bytes> },
+    /// A body that is either another body or a few fixed bytes: the backend's body or an error
+    /// answer here, and the inner service's body or a refusal in
+    /// [`BodyKeyResponseBody`](crate::key::BodyKeyResponseBody).
+    #[project = InnerOrBytesProj]
+    pub(crate) enum InnerOrBytes<B> {
+        Inner { #[pin] inner: B },
+        Bytes { data: Option<Bytes> },
+    }
+}
+
+impl<B> InnerOrBytes<B> {
+    pub(crate) fn bytes(data: Bytes) -> Self {
+        InnerOrBytes::Bytes {
+            data: (!data.is_empty()).then_some(data),
+        }
+    }
+
+    /// What it is, for `Debug`.
+    pub(crate) fn describe(&self) -> &'static str {
+        match self {
+            InnerOrBytes::Inner { .. } => "inner",
+            InnerOrBytes::Bytes { .. } => "bytes",
+        }
+    }
+}
+
+impl<B> Body for InnerOrBytes<B>
+where
+    B: Body,
+    B::Data: From<Bytes>,
+{
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        match self.project() {
+            InnerOrBytesProj::Inner { inner } => inner.poll_frame(cx),
+            InnerOrBytesProj::Bytes { data } => {
+                Poll::Ready(data.take().map(|d| Ok(Frame::data(d.into()))))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            InnerOrBytes::Inner { inner } => inner.is_end_stream(),
+            InnerOrBytes::Bytes { data } => data.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            InnerOrBytes::Inner { inner } => inner.size_hint(),
+            InnerOrBytes::Bytes { data } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.remaining() as u64))
+            }
+        }
     }
 }
 
 impl<B> ResponseBody<B> {
     pub(crate) fn new(inner: B, guard: SlotGuard, decision: Option<Decision>) -> Self {
         ResponseBody {
-            kind: Kind::Backend { inner },
+            kind: InnerOrBytes::Inner { inner },
             guard: Some(guard),
             decision,
         }
@@ -53,9 +109,7 @@ impl<B> ResponseBody<B> {
     /// A body of fixed bytes that holds no slot: used for error responses.
     pub fn full(data: Bytes) -> Self {
         ResponseBody {
-            kind: Kind::Full {
-                data: (!data.is_empty()).then_some(data),
-            },
+            kind: InnerOrBytes::bytes(data),
             guard: None,
             decision: None,
         }
@@ -75,33 +129,20 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         let this = self.project();
-        match this.kind.project() {
-            KindProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d.into())))),
-            KindProj::Backend { inner } => {
-                let frame = ready!(inner.poll_frame(cx));
-                // The end of the stream, or an error that ends it: the slot is free again.
-                if !matches!(frame, Some(Ok(_))) {
-                    this.guard.take();
-                }
-                Poll::Ready(frame)
-            }
+        let frame = ready!(this.kind.poll_frame(cx));
+        // The end of the stream, or an error that ends it: the slot is free again.
+        if !matches!(frame, Some(Ok(_))) {
+            this.guard.take();
         }
+        Poll::Ready(frame)
     }
 
     fn is_end_stream(&self) -> bool {
-        match &self.kind {
-            Kind::Full { data } => data.is_none(),
-            Kind::Backend { inner } => inner.is_end_stream(),
-        }
+        self.kind.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
-        match &self.kind {
-            Kind::Full { data } => {
-                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.remaining() as u64))
-            }
-            Kind::Backend { inner } => inner.size_hint(),
-        }
+        self.kind.size_hint()
     }
 }
 

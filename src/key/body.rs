@@ -22,6 +22,7 @@ use tower::util::Oneshot;
 use tower::{Layer, Service};
 
 use super::{HeaderKey, SessionKey};
+use crate::body::InnerOrBytes;
 use crate::BoxError;
 
 // === config ===
@@ -753,9 +754,7 @@ impl Rejection {
             ),
         };
         let mut res = http::Response::new(BodyKeyResponseBody {
-            kind: Kind::Rejection {
-                data: Some(Bytes::from(message)),
-            },
+            kind: InnerOrBytes::bytes(Bytes::from(message)),
         });
         *res.status_mut() = status;
         res.headers_mut().insert(
@@ -910,7 +909,7 @@ where
                 StateProj::Calling { fut } => {
                     let res = ready!(fut.poll(cx))?;
                     return Poll::Ready(Ok(res.map(|inner| BodyKeyResponseBody {
-                        kind: Kind::Inner { inner },
+                        kind: InnerOrBytes::Inner { inner },
                     })));
                 }
                 StateProj::Rejected { rejection } => {
@@ -956,15 +955,7 @@ pin_project! {
     /// ```
     pub struct BodyKeyResponseBody<B> {
         #[pin]
-        kind: Kind<B>,
-    }
-}
-
-pin_project! {
-    #[project = KindProj]
-    enum Kind<B> {
-        Inner { #[pin] inner: B },
-        Rejection { data: Option<Bytes> },
+        kind: InnerOrBytes<B>,
     }
 }
 
@@ -980,39 +971,22 @@ where
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
-        match self.project().kind.project() {
-            KindProj::Inner { inner } => inner.poll_frame(cx),
-            KindProj::Rejection { data } => {
-                Poll::Ready(data.take().map(|d| Ok(Frame::data(d.into()))))
-            }
-        }
+        self.project().kind.poll_frame(cx)
     }
 
     fn is_end_stream(&self) -> bool {
-        match &self.kind {
-            Kind::Inner { inner } => inner.is_end_stream(),
-            Kind::Rejection { data } => data.is_none(),
-        }
+        self.kind.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
-        match &self.kind {
-            Kind::Inner { inner } => inner.size_hint(),
-            Kind::Rejection { data } => {
-                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
-            }
-        }
+        self.kind.size_hint()
     }
 }
 
 impl<B> fmt::Debug for BodyKeyResponseBody<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let kind = match &self.kind {
-            Kind::Inner { .. } => "inner",
-            Kind::Rejection { .. } => "rejection",
-        };
         f.debug_struct("BodyKeyResponseBody")
-            .field("kind", &kind)
+            .field("kind", &self.kind.describe())
             .finish()
     }
 }
