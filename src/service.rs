@@ -3,6 +3,7 @@
 use std::cell::Cell;
 use std::collections::hash_map::RandomState;
 use std::fmt;
+use std::future::Future;
 use std::hash::{BuildHasher, Hasher};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -259,7 +260,13 @@ where
                 more = false;
                 break;
             };
-            match d.as_mut().poll_discover(&mut own) {
+            // Outside tokio's cooperative budget: a caller whose task has spent its budget
+            // would otherwise be told "pending" by a stream that has a change ready, and go on
+            // with the fleet as it was. DRAIN_LIMIT bounds this loop instead.
+            let next_change = tokio::task::coop::unconstrained(std::future::poll_fn(|cx| {
+                d.as_mut().poll_discover(cx)
+            }));
+            match std::pin::pin!(next_change).poll(&mut own) {
                 Poll::Ready(Some(Ok(change))) => {
                     let fleet = next.get_or_insert_with(|| Fleet::clone(&self.shared.fleet.load()));
                     inserted |= apply(fleet, change);

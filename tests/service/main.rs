@@ -947,3 +947,40 @@ async fn concurrent_first_requests_all_see_the_discovered_fleet() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_announced_before_readiness_is_there_when_readiness_returns() {
+    // Clones keep asking for readiness on both workers while backends are announced one by
+    // one; whichever clone asks after an announcement has been sent finds it applied, even
+    // when another clone is in the middle of a drain.
+    let streams = Streams::default();
+    let (handle, stream) = discover::channel::<MockService>();
+    let svc = SessionAffinityLayer::new().layer(stream);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let busy: Vec<_> = (0..4)
+        .map(|_| {
+            let mut svc = svc.clone();
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    svc.ready().await.unwrap();
+                    tokio::task::yield_now().await;
+                }
+            })
+        })
+        .collect();
+    let mut asker = svc.clone();
+    for i in 0..200 {
+        let id = format!("b{i}");
+        handle.insert(id.as_str(), Backend::new("n", backend(&id, &streams)));
+        asker.ready().await.unwrap();
+        assert!(
+            asker.backends().iter().any(|b| b.id.as_str() == id),
+            "{id} was announced before readiness but is not in the fleet"
+        );
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for task in busy {
+        task.await.unwrap();
+    }
+}
