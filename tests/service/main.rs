@@ -984,3 +984,128 @@ async fn a_backend_announced_before_readiness_is_there_when_readiness_returns() 
         task.await.unwrap();
     }
 }
+
+/// How many requests a contended backend is serving, and the most it ever served at once.
+#[derive(Default)]
+struct Gauge {
+    now: std::sync::atomic::AtomicUsize,
+    max: std::sync::atomic::AtomicUsize,
+    served: std::sync::atomic::AtomicUsize,
+}
+
+/// A response body that yields once, sends one frame and ends, counting itself out of its
+/// backend's gauge when it ends (or is dropped first).
+struct Held {
+    gauge: std::sync::Arc<Gauge>,
+    yielded: bool,
+    sent: bool,
+    counted_out: bool,
+}
+
+impl Held {
+    fn count_out(&mut self) {
+        if !std::mem::replace(&mut self.counted_out, true) {
+            self.gauge
+                .now
+                .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+}
+
+impl http_body::Body for Held {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        use std::task::Poll;
+        if !self.yielded {
+            self.yielded = true;
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
+        if !self.sent {
+            self.sent = true;
+            return Poll::Ready(Some(Ok(http_body::Frame::data(Bytes::from_static(b"x")))));
+        }
+        // Out before the end is reported, which is when the balancer frees the slot.
+        self.count_out();
+        Poll::Ready(None)
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.count_out();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_contention_no_backend_serves_beyond_its_slots_and_every_waiter_is_served() {
+    use std::sync::atomic::Ordering::SeqCst;
+    use std::sync::Arc;
+    const TASKS: usize = 48;
+    const TURNS: usize = 25;
+    let specs = [("a1", 3u32), ("a2", 2)];
+    let gauges: Vec<Arc<Gauge>> = specs.iter().map(|_| Arc::default()).collect();
+    let fleet = StaticFleet::new(specs.iter().zip(&gauges).map(|(&(id, slots), gauge)| {
+        let gauge = gauge.clone();
+        let service = tower::service_fn(move |_req: Req| {
+            let now = gauge.now.fetch_add(1, SeqCst) + 1;
+            gauge.max.fetch_max(now, SeqCst);
+            gauge.served.fetch_add(1, SeqCst);
+            let body = Held {
+                gauge: gauge.clone(),
+                yielded: false,
+                sent: false,
+                counted_out: false,
+            };
+            std::future::ready(Ok::<_, std::convert::Infallible>(http::Response::new(body)))
+        });
+        (id, Backend::new("n", service).slots(nz(slots)))
+    }));
+    let svc = SessionAffinityLayer::new()
+        .overflow(Overflow::Wait {
+            max_wait: Duration::from_secs(60),
+            max_queued: 4096,
+        })
+        .layer(fleet);
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|t| {
+            let mut svc = svc.clone();
+            tokio::spawn(async move {
+                for turn in 0..TURNS {
+                    // Half the callers are sessions, half are keyless.
+                    let session = (t % 2 == 0).then(|| format!("s{t}"));
+                    let req = request(session.as_deref(), None);
+                    let res = svc.ready().await.unwrap().call(req).await.unwrap();
+                    let body = res.into_body().collect().await.unwrap().to_bytes();
+                    assert_eq!(body, "x", "task {t}, turn {turn}");
+                }
+            })
+        })
+        .collect();
+    let all = async {
+        for task in tasks {
+            task.await.unwrap();
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), all)
+        .await
+        .expect("every waiter was served in time");
+    for (&(id, slots), gauge) in specs.iter().zip(&gauges) {
+        let max = gauge.max.load(SeqCst);
+        assert!(
+            max <= slots as usize,
+            "{id} served {max} at once on {slots} slots"
+        );
+        assert_eq!(gauge.now.load(SeqCst), 0, "{id}");
+    }
+    let served: usize = gauges.iter().map(|g| g.served.load(SeqCst)).sum();
+    assert_eq!(served, TASKS * TURNS);
+    let stats = svc.stats();
+    assert_eq!((stats.in_flight, stats.waiting), (0, 0));
+    assert!(stats.waited > 0, "the callers contended for slots");
+}
