@@ -1109,3 +1109,73 @@ async fn under_contention_no_backend_serves_beyond_its_slots_and_every_waiter_is
     assert_eq!((stats.in_flight, stats.waiting), (0, 0));
     assert!(stats.waited > 0, "the callers contended for slots");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_flow_while_discovery_churns_and_no_slot_is_lost() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    // One backend stays; three others are removed and announced again, over and over, while
+    // 32 callers send requests on two workers. Every request is answered, and at the end no
+    // slot is held.
+    let streams = Streams::default();
+    let (handle, stream) = discover::channel::<MockService>();
+    let announce = |id: &str| {
+        handle.insert(
+            id,
+            Backend::new(if id == "a1" { "a" } else { "b" }, backend(id, &streams)).slots(nz(4)),
+        );
+    };
+    for id in ["a1", "b1", "b2", "b3"] {
+        announce(id);
+    }
+    let svc = SessionAffinityLayer::new()
+        .overflow(Overflow::Overcommit)
+        .layer(stream);
+    let stop = Arc::new(AtomicBool::new(false));
+    let churn = {
+        let handle = handle.clone();
+        let streams = streams.clone();
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let mut rounds = 0;
+            while !stop.load(Ordering::Relaxed) && rounds < 10_000 {
+                for id in ["b1", "b2", "b3"] {
+                    handle.remove(id);
+                    tokio::task::yield_now().await;
+                    handle.insert(id, Backend::new("b", backend(id, &streams)).slots(nz(4)));
+                }
+                rounds += 1;
+                tokio::task::yield_now().await;
+            }
+            rounds
+        })
+    };
+    let callers: Vec<_> = (0..32)
+        .map(|t| {
+            let mut svc = svc.clone();
+            tokio::spawn(async move {
+                for turn in 0..50 {
+                    let session = format!("s{}", (t * 50 + turn) % 40);
+                    let req = request(Some(&session), None);
+                    let res = svc.ready().await.unwrap().call(req).await.unwrap();
+                    res.into_body().collect().await.unwrap();
+                }
+            })
+        })
+        .collect();
+    let all = async {
+        for c in callers {
+            c.await.unwrap();
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), all)
+        .await
+        .expect("every request answered in time");
+    stop.store(true, Ordering::Relaxed);
+    let rounds = churn.await.unwrap();
+    assert!(rounds > 0, "the fleet churned");
+    let stats = svc.stats();
+    assert_eq!(stats.in_flight, 0, "{stats:?}");
+    assert_eq!(stats.placed(), 32 * 50);
+    assert!(svc.backends().iter().all(|b| b.in_flight == 0));
+}
