@@ -1,6 +1,7 @@
 //! Properties of the service under random operation: requests, streamed bodies ended or
 //! dropped, futures dropped, backend failures, backends inserted, updated and removed, time
-//! passing. Checked after every step and at the end.
+//! passing; half the backends are ready only at their second readiness poll. Checked after
+//! every step and at the end.
 
 #[path = "../service/mock.rs"]
 mod mock;
@@ -86,6 +87,41 @@ struct Pending {
     fut: Fut,
     session: Option<u8>,
     stream: bool,
+}
+
+/// A backend each clone of which is not ready at its first readiness poll, as a pool that
+/// must connect first: the odd-numbered backends are these, so that requests go both through
+/// a backend called at once and through one readied later.
+struct ReadyOnSecondPoll {
+    inner: MockService,
+    polled: bool,
+}
+
+impl Clone for ReadyOnSecondPoll {
+    fn clone(&self) -> Self {
+        ReadyOnSecondPoll {
+            inner: self.inner.clone(),
+            polled: false,
+        }
+    }
+}
+
+impl Service<Req> for ReadyOnSecondPoll {
+    type Response = <MockService as Service<Req>>::Response;
+    type Error = <MockService as Service<Req>>::Error;
+    type Future = <MockService as Service<Req>>::Future;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> Poll<Result<(), Self::Error>> {
+        if !std::mem::replace(&mut self.polled, true) {
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Req) -> Self::Future {
+        self.inner.call(req)
+    }
 }
 
 /// What the test knows of the fleet and the sessions, to check the service against.
@@ -240,6 +276,7 @@ impl Harness {
                     .filter(|h| room.contains(h))
                     .cloned();
                 let rejected_with_room = !room.is_empty();
+                let waiting_before = self.svc.stats().waiting;
                 let fut = spawn(self.svc.call(request(session, mode)));
                 let mut p = Pending {
                     fut,
@@ -247,6 +284,15 @@ impl Harness {
                     stream: matches!(mode, Mode::Stream),
                 };
                 let poll = p.fut.poll();
+                // The backends answer at once unless told to hang: a request still pending
+                // after its first poll is one waiting for a slot.
+                if poll.is_pending() && !matches!(mode, Mode::Hang) {
+                    assert_eq!(
+                        self.svc.stats().waiting,
+                        waiting_before + 1,
+                        "pending without waiting for a slot"
+                    );
+                }
                 if let Poll::Ready(Ok(res)) = &poll {
                     let d = res.extensions().get::<Decision>().unwrap();
                     if let Some(h) = &expected {
@@ -293,6 +339,14 @@ impl Harness {
             } => {
                 let id = format!("b{b}");
                 let svc = backend(&id, &self.streams);
+                let svc = if b % 2 == 1 {
+                    MockService::new(ReadyOnSecondPoll {
+                        inner: svc,
+                        polled: false,
+                    })
+                } else {
+                    svc
+                };
                 let be =
                     Backend::new(format!("n{node}"), svc).slots(NonZeroU32::new(slots).unwrap());
                 self.handle.insert(id.clone(), be);
