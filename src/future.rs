@@ -314,6 +314,9 @@ where
                     if !attempt {
                         return Poll::Pending;
                     }
+                    // Woken by a freed slot, by the deadline, or by the discovery stream (a
+                    // backend may have come): the changes that are ready go in first.
+                    w.shared.drain_discovery(cx);
                     let r = w.req.take().expect(POLLED_AFTER_COMPLETION);
                     let waited = Some(w.since.elapsed());
                     let only_node = w.ticket.home_node_only();

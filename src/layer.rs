@@ -8,7 +8,7 @@ use tower::Layer;
 use crate::key::HeaderKey;
 use crate::placement::NodeThenBackend;
 use crate::service::{Config, SessionAffinity};
-use crate::{Backend, BackendId, Overflow, Sessions};
+use crate::{Backend, BackendId, BoxError, Overflow, Sessions};
 
 /// Builds a [`SessionAffinity`] service over a discovery stream.
 ///
@@ -139,7 +139,9 @@ impl<K, P> SessionAffinityLayer<K, P> {
 
 impl<D, K, P, S> Layer<D> for SessionAffinityLayer<K, P>
 where
-    D: Discover<Key = BackendId, Service = Backend<S>>,
+    D: Discover<Key = BackendId, Service = Backend<S>> + Send + 'static,
+    D::Error: Into<BoxError>,
+    S: Clone,
     K: Clone,
     P: Clone,
 {

@@ -5,6 +5,7 @@ use std::collections::hash_map::RandomState;
 use std::fmt;
 use std::future::Future;
 use std::hash::{BuildHasher, Hasher};
+use std::marker::PhantomData;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -42,15 +43,19 @@ const DRAIN_LIMIT: usize = 256;
 /// `poll_ready` applies pending discovery changes without blocking and is otherwise always
 /// ready: the key is only known in `call`, so no single backend's readiness means anything.
 /// It looks at the discovery stream only after the stream has signalled a change, so with a
-/// quiet stream it writes nothing that the clones share.
+/// quiet stream it writes nothing that the clones share. A change also wakes the requests
+/// waiting for a slot, which apply it themselves: a backend announced while every slot is
+/// taken serves them without waiting for another request to arrive.
 /// `call` places the request and takes a slot on the chosen backend; if that backend is ready
 /// (it is polled once, with a waker that does nothing), `call` calls it at once, and the
 /// response future drives the backend's own future. Otherwise the response future waits for the
 /// backend's readiness, or for a slot if the [`Overflow`] policy says so.
 pub struct SessionAffinity<D: Discover, K, P> {
+    /// Holds the discovery stream too, behind [`Drain`]: response futures waiting for a slot
+    /// drain it as readiness does.
     shared: Arc<Shared<D::Service, P>>,
-    discover: Arc<Discovery<D>>,
     key: K,
+    _discover: PhantomData<fn() -> D>,
 }
 
 /// The discovery stream, shared by every clone of the service.
@@ -70,6 +75,9 @@ struct Discovery<D> {
 struct Signal {
     woken: AtomicU64,
     drained: AtomicU64,
+    /// The fleet's counters: a wake-up also wakes the requests waiting for a slot, which drain
+    /// the stream themselves (a new backend may have room for them).
+    capacity: Arc<Capacity>,
 }
 
 impl Signal {
@@ -86,7 +94,15 @@ impl Wake for Signal {
 
     fn wake_by_ref(self: &Arc<Self>) {
         self.woken.fetch_add(1, Ordering::AcqRel);
+        self.capacity.wake_all();
     }
+}
+
+/// Applying the discovery changes that are ready to the fleet: by readiness, and by requests
+/// waiting for a slot, which know the service's state but not its discovery stream's type.
+pub(crate) trait Drain<B, P>: Send + Sync {
+    /// Applies the changes that are ready to `shared`'s fleet, without blocking.
+    fn drain(&self, shared: &Shared<B, P>, cx: &mut Context<'_>);
 }
 
 /// State shared by every clone of the service and by its response futures.
@@ -102,6 +118,8 @@ pub(crate) struct Shared<B, P> {
     pub(crate) finish: Finish,
     /// How long a session waits for its home node before spilling (under `Overflow::Wait`).
     pub(crate) node_patience: Duration,
+    /// The discovery stream, for requests waiting for a slot.
+    discovery: Arc<dyn Drain<B, P>>,
 }
 
 /// The result of one placement attempt.
@@ -131,13 +149,27 @@ pub(crate) struct Config {
 
 impl<D, K, P, S> SessionAffinity<D, K, P>
 where
-    D: Discover<Key = BackendId, Service = Backend<S>>,
+    D: Discover<Key = BackendId, Service = Backend<S>> + Send + 'static,
+    D::Error: Into<BoxError>,
+    S: Clone,
 {
     pub(crate) fn new(discover: D, key: K, placement: P, config: Config) -> Self {
         let fleet = Fleet::default();
+        let capacity = fleet.topology.capacity.clone();
+        // Woken once already: the first readiness drains.
+        let signal = Arc::new(Signal {
+            woken: AtomicU64::new(1),
+            drained: AtomicU64::new(0),
+            capacity: capacity.clone(),
+        });
+        let discover = Arc::new(Discovery {
+            stream: Mutex::new(Some(Box::pin(discover))),
+            waker: Waker::from(signal.clone()),
+            signal,
+        });
         SessionAffinity {
             shared: Arc::new(Shared {
-                capacity: fleet.topology.capacity.clone(),
+                capacity,
                 fleet: ArcSwap::from_pointee(fleet),
                 table: SessionTable::new(config.sessions),
                 placement,
@@ -151,23 +183,18 @@ where
                     Overflow::Wait { .. } => config.node_patience,
                     _ => Duration::ZERO,
                 },
-            }),
-            discover: Arc::new({
-                // Woken once already: the first readiness drains.
-                let signal = Arc::new(Signal {
-                    woken: AtomicU64::new(1),
-                    drained: AtomicU64::new(0),
-                });
-                Discovery {
-                    stream: Mutex::new(Some(Box::pin(discover))),
-                    waker: Waker::from(signal.clone()),
-                    signal,
-                }
+                discovery: discover,
             }),
             key,
+            _discover: PhantomData,
         }
     }
+}
 
+impl<D, K, P, S> SessionAffinity<D, K, P>
+where
+    D: Discover<Key = BackendId, Service = Backend<S>>,
+{
     /// A snapshot of the decision counters and gauges.
     pub fn stats(&self) -> Stats {
         let s = &self.shared;
@@ -222,9 +249,9 @@ where
     }
 }
 
-impl<D, K, P, S> SessionAffinity<D, K, P>
+impl<D, S, P> Drain<Backend<S>, P> for Discovery<D>
 where
-    D: Discover<Key = BackendId, Service = Backend<S>>,
+    D: Discover<Key = BackendId, Service = Backend<S>> + Send,
     D::Error: Into<BoxError>,
     S: Clone,
 {
@@ -234,8 +261,8 @@ where
     /// current one; requests keep reading the fleet they started with. A discovery error is
     /// logged and counted, and the fleet stays as it was; a stream that ends leaves the last
     /// fleet in place.
-    fn drain_discovery(&self, cx: &mut Context<'_>) {
-        let discovery = &*self.discover;
+    fn drain(&self, shared: &Shared<Backend<S>, P>, cx: &mut Context<'_>) {
+        let discovery = self;
         if !discovery.signal.due() {
             return;
         }
@@ -268,12 +295,12 @@ where
             }));
             match std::pin::pin!(next_change).poll(&mut own) {
                 Poll::Ready(Some(Ok(change))) => {
-                    let fleet = next.get_or_insert_with(|| Fleet::clone(&self.shared.fleet.load()));
+                    let fleet = next.get_or_insert_with(|| Fleet::clone(&shared.fleet.load()));
                     inserted |= apply(fleet, change);
                 }
                 Poll::Ready(Some(Err(e))) => {
                     let e: BoxError = e.into();
-                    bump(&self.shared.capacity.counters.discovery_errors);
+                    bump(&shared.capacity.counters.discovery_errors);
                     tracing::warn!(error = %e, "discovery error; keeping the current fleet");
                 }
                 Poll::Ready(None) => {
@@ -287,10 +314,10 @@ where
             }
         }
         if let Some(fleet) = next {
-            self.shared.fleet.store(Arc::new(fleet));
+            shared.fleet.store(Arc::new(fleet));
             if inserted {
                 // New room: let waiting requests try again, on the new fleet.
-                self.shared.capacity.wake_all();
+                shared.capacity.wake_all();
             }
         }
         if more {
@@ -320,6 +347,11 @@ fn apply<S>(fleet: &mut Fleet<Backend<S>>, change: Change<BackendId, Backend<S>>
 }
 
 impl<B, P> Shared<B, P> {
+    /// Applies the discovery changes that are ready, without blocking.
+    pub(crate) fn drain_discovery(&self, cx: &mut Context<'_>) {
+        self.discovery.drain(self, cx);
+    }
+
     pub(crate) fn retry_after(&self) -> Duration {
         Overflow::RETRY_AFTER
     }
@@ -458,7 +490,7 @@ where
     type Future = ResponseFuture<S, P, ReqB>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.drain_discovery(cx);
+        self.shared.drain_discovery(cx);
         Poll::Ready(Ok(()))
     }
 
@@ -472,8 +504,8 @@ impl<D: Discover, K: Clone, P> Clone for SessionAffinity<D, K, P> {
     fn clone(&self) -> Self {
         SessionAffinity {
             shared: self.shared.clone(),
-            discover: self.discover.clone(),
             key: self.key.clone(),
+            _discover: PhantomData,
         }
     }
 }

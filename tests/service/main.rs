@@ -751,6 +751,41 @@ async fn readiness_polls_discovery_only_after_the_stream_wakes() {
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_waiting_request_takes_a_backend_announced_while_it_waits() {
+    // Every slot is taken and a request waits; no other request comes. A backend announced
+    // now wakes the waiting request, which finds it.
+    let streams = Streams::default();
+    let (handle, stream) = discover::channel::<MockService>();
+    handle.insert(
+        "a1",
+        Backend::new("a", backend("a1", &streams)).slots(nz(1)),
+    );
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::Wait {
+            max_wait: Duration::from_secs(60),
+            max_queued: 8,
+        })
+        .layer(stream);
+    let held = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+    svc.ready().await.unwrap();
+    let mut waiting = tokio_test::task::spawn(svc.call(request(Some("t"), None)));
+    assert_pending!(waiting.poll());
+    assert_eq!(svc.stats().waiting, 1);
+    handle.insert(
+        "b1",
+        Backend::new("b", backend("b1", &streams)).slots(nz(1)),
+    );
+    assert!(
+        waiting.is_woken(),
+        "the announcement wakes the waiting request"
+    );
+    let res = assert_ready!(waiting.poll()).unwrap();
+    assert_eq!(decision(&res).backend.as_str(), "b1");
+    assert_eq!(svc.stats().waiting, 0);
+    drop(held);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_64_kib_header_key_is_digested() {
     let streams = Streams::default();
     let mut svc = SessionAffinityLayer::new().layer(fleet(TWO_BY_TWO, &streams));
