@@ -60,9 +60,9 @@ pub struct SessionAffinity<D: Discover, K, P> {
 
 /// The discovery stream, shared by every clone of the service.
 ///
-/// The stream is polled with a waker of its own, which counts its wake-ups. Readiness drains
-/// the stream only when it has been woken since the last drain began, so requests on a quiet
-/// stream read two counters and write nothing shared.
+/// The stream is polled with a waker of its own, which counts its wake-ups. Readiness, and a
+/// request waiting for a slot, drain the stream only when it has been woken since the last
+/// drain began, so requests on a quiet stream read two counters and write nothing shared.
 struct Discovery<D> {
     /// `None` once the stream has ended.
     stream: Mutex<Option<Pin<Box<D>>>>,
