@@ -69,7 +69,7 @@
 //   service.rs   SessionAffinity: discovery, placement attempts, stats
 //   future.rs    ResponseFuture: waiting for a slot, then driving the backend
 //   wait.rs      the wait queue: which waiter a freed slot wakes
-//   body.rs      ResponseBody: holds the slot until the body ends
+//   body.rs      ResponseBody: holds the slot until the body ends; InnerOrBytes, shared with key/
 //   overflow.rs  what a request does when every candidate is full
 //   error.rs     Error, its HTTP mapping, ErrorToResponse
 //   retry.rs     RetryOnce
