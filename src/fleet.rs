@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
+use crate::placement::rendezvous::{RankSet, Ranked};
 use crate::stats::Counters;
 use crate::wait::WaitList;
 use parking_lot::Mutex;
@@ -345,8 +346,8 @@ pub(crate) struct NodeEntry {
     pub(crate) backends: Vec<u32>,
     /// Sum of the live backends' slots.
     pub(crate) slots: u32,
-    /// Whether its live backends all have the same slots (rendezvous can skip the weights).
-    pub(crate) uniform: bool,
+    /// Its live backends' rendezvous inputs, weighted by their slots.
+    pub(crate) ranks: RankSet,
 }
 
 /// The fleet's shape: nodes, backends and slot counters, without the services. A clone shares
@@ -363,10 +364,10 @@ pub(crate) struct Topology {
     pub(crate) live_nodes: Vec<u32>,
     /// Sum of the live backends' slots.
     pub(crate) total_slots: u32,
-    /// Whether the live nodes all have the same slots.
-    pub(crate) nodes_uniform: bool,
-    /// Whether the live backends all have the same slots.
-    pub(crate) backends_uniform: bool,
+    /// The live nodes' rendezvous inputs, weighted by their slots.
+    pub(crate) node_ranks: RankSet,
+    /// All live backends' rendezvous inputs, weighted by their slots.
+    pub(crate) backend_ranks: RankSet,
     by_id: HashMap<BackendId, u32>,
     node_by_id: HashMap<NodeId, u32>,
     free: Vec<u32>,
@@ -417,7 +418,7 @@ impl Topology {
             digest: name_digest(id.as_str()),
             backends: Vec::new(),
             slots: 0,
-            uniform: true,
+            ranks: RankSet::default(),
         });
         self.node_by_id.insert(id.clone(), i);
         i
@@ -451,21 +452,37 @@ impl Topology {
         self.refresh_weights(node);
     }
 
-    /// Whether weights differ: with equal weights, rendezvous ranks by the hash alone, which
-    /// gives the same order without a logarithm per candidate. Runs on discovery changes only.
+    /// Rebuilds the rendezvous inputs that `node`'s change touches: its backends', the nodes'
+    /// and the whole fleet's. Runs on discovery changes only.
     fn refresh_weights(&mut self, node: u32) {
-        let slots = |i: &u32| self.members[*i as usize].load.slots.load(Ordering::Relaxed);
-        let n = &self.nodes[node as usize];
-        let uniform = n.backends.windows(2).all(|w| slots(&w[0]) == slots(&w[1]));
-        let backends_uniform = self.live.windows(2).all(|w| slots(&w[0]) == slots(&w[1]));
-        let node_slots = |i: &u32| self.nodes[*i as usize].slots;
-        let nodes_uniform = self
-            .live_nodes
-            .windows(2)
-            .all(|w| node_slots(&w[0]) == node_slots(&w[1]));
-        self.nodes[node as usize].uniform = uniform;
-        self.backends_uniform = backends_uniform;
-        self.nodes_uniform = nodes_uniform;
+        let backend = |i: &u32| {
+            let m = &self.members[*i as usize];
+            Ranked {
+                digest: m.digest,
+                weight: m.load.slots.load(Ordering::Relaxed),
+                index: *i,
+            }
+        };
+        let ranks = RankSet::new(
+            self.nodes[node as usize]
+                .backends
+                .iter()
+                .map(backend)
+                .collect(),
+        );
+        self.backend_ranks = RankSet::new(self.live.iter().map(backend).collect());
+        self.nodes[node as usize].ranks = ranks;
+        let nodes = &self.nodes;
+        self.node_ranks = RankSet::new(
+            self.live_nodes
+                .iter()
+                .map(|&i| Ranked {
+                    digest: nodes[i as usize].digest,
+                    weight: nodes[i as usize].slots,
+                    index: i,
+                })
+                .collect(),
+        );
     }
 
     /// Inserts or updates a backend; returns its index.

@@ -2,7 +2,6 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use super::rendezvous::visit_ranked;
 use super::{freer_of_two, most_free_slots, Candidates, FleetView, Placement, PlacementRequest};
 
 /// Every request to the next backend in turn, ignoring sessions.
@@ -120,8 +119,9 @@ impl Placement for Rendezvous {
             let _ = freer_of_two(fleet, req.random, c);
             return;
         };
-        let items = fleet.backends().map(|b| (b.rank_in_fleet(key), b.index));
         let t = fleet.topology;
-        let _ = visit_ranked(items, |i| c.offer(super::BackendRef::new(t, i)));
+        let _ = t
+            .backend_ranks
+            .visit(key, |_| true, |i| c.offer(super::BackendRef::new(t, i)));
     }
 }

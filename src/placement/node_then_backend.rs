@@ -2,7 +2,6 @@ use std::ops::ControlFlow;
 
 use crate::key::SessionKey;
 
-use super::rendezvous::visit_ranked;
 use super::{
     freer_of_two, BackendRef, Candidates, FleetView, NodeRef, Placement, PlacementRequest,
 };
@@ -129,15 +128,10 @@ fn offer_node(
     bound: Option<&Bound>,
     c: &mut Candidates<'_>,
 ) -> ControlFlow<()> {
-    let items = node
-        .backends()
-        .filter(|b| Some(b.index) != skip)
-        .filter(|b| bound.is_none_or(|l| l.admits(b)))
-        .map(|b| (b.rank_in_node(key), b.index));
-    visit_ranked(items, |i| c.offer(node.backend(i)))
+    let admit = |i: u32| Some(i) != skip && bound.is_none_or(|l| l.admits(&node.backend(i)));
+    node.ranks().visit(key, admit, |i| c.offer(node.backend(i)))
 }
 
-/// Offers every node except `skip`, in the key's rendezvous order.
 fn offer_nodes(
     fleet: &FleetView<'_>,
     key: SessionKey,
@@ -146,12 +140,9 @@ fn offer_nodes(
     c: &mut Candidates<'_>,
 ) -> ControlFlow<()> {
     let t = fleet.topology;
-    let items = t
-        .live_nodes
-        .iter()
-        .filter(|&&n| Some(n) != skip)
-        .map(|&n| (NodeRef::new(t, n).rank(key), n));
-    visit_ranked(items, |n| {
-        offer_node(NodeRef::new(t, n), key, None, bound, c)
-    })
+    t.node_ranks.visit(
+        key,
+        |n| Some(n) != skip,
+        |n| offer_node(NodeRef::new(t, n), key, None, bound, c),
+    )
 }

@@ -50,29 +50,95 @@ pub(crate) fn rank(key: SessionKey, digest: u64, weight: u32, uniform: bool) -> 
 }
 
 /// Orders two (rank, index) pairs, best first; the index breaks ties so the order is total.
-pub(crate) fn best_first(a: &(u64, u32), b: &(u64, u32)) -> Ordering {
+fn best_first(a: &(u64, u32), b: &(u64, u32)) -> Ordering {
     b.0.cmp(&a.0).then(a.1.cmp(&b.1))
 }
 
-/// Visits `items` best score first. The best is found in one pass without allocating; the rest
-/// are sorted only if the visitor asks for more.
-pub(crate) fn visit_ranked<I>(
-    items: I,
-    mut visit: impl FnMut(u32) -> ControlFlow<()>,
-) -> ControlFlow<()>
-where
-    I: Iterator<Item = (u64, u32)> + Clone,
-{
-    let Some(best) = items.clone().min_by(best_first) else {
-        return ControlFlow::Continue(());
-    };
-    visit(best.1)?;
-    let mut rest: Vec<(u64, u32)> = items.filter(|&(_, i)| i != best.1).collect();
-    rest.sort_unstable_by(best_first);
-    for (_, i) in rest {
-        visit(i)?;
+/// One candidate of a rendezvous: a live node or backend, its name's digest and its weight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Ranked {
+    pub(crate) digest: u64,
+    pub(crate) weight: u32,
+    pub(crate) index: u32,
+}
+
+/// The candidates of one rendezvous (the live nodes, one node's live backends, or all live
+/// backends) side by side, so that ranking them all for a new session is one pass over
+/// consecutive memory. Built when discovery changes the fleet, never on the request path.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct RankSet {
+    items: Vec<Ranked>,
+    /// Whether every weight is equal: the hash bits then rank alone, without a logarithm.
+    uniform: bool,
+}
+
+impl RankSet {
+    pub(crate) fn new(items: Vec<Ranked>) -> Self {
+        let uniform = items.windows(2).all(|w| w[0].weight == w[1].weight);
+        RankSet { items, uniform }
     }
-    ControlFlow::Continue(())
+
+    fn rank(&self, key: SessionKey, r: &Ranked) -> u64 {
+        rank(key, r.digest, r.weight, self.uniform)
+    }
+
+    /// The admitted candidate `key` prefers: the highest rank, the lowest index on a tie.
+    pub(crate) fn best(&self, key: SessionKey, admit: impl Fn(u32) -> bool) -> Option<u32> {
+        // The weight test is hoisted out of the loop: one tight loop per kind of rank.
+        if self.uniform {
+            best_by(&self.items, |r| bits(key, r.digest), admit)
+        } else {
+            best_by(
+                &self.items,
+                |r| score(key, r.digest, r.weight).to_bits(),
+                admit,
+            )
+        }
+    }
+
+    /// Visits the admitted candidates best first. The best is found in one pass without
+    /// allocating; the rest are ranked and sorted only if the visitor asks for more.
+    pub(crate) fn visit(
+        &self,
+        key: SessionKey,
+        admit: impl Fn(u32) -> bool,
+        mut visit: impl FnMut(u32) -> ControlFlow<()>,
+    ) -> ControlFlow<()> {
+        let Some(best) = self.best(key, &admit) else {
+            return ControlFlow::Continue(());
+        };
+        visit(best)?;
+        let mut rest: Vec<(u64, u32)> = self
+            .items
+            .iter()
+            .filter(|r| r.index != best && admit(r.index))
+            .map(|r| (self.rank(key, r), r.index))
+            .collect();
+        rest.sort_unstable_by(best_first);
+        for (_, i) in rest {
+            visit(i)?;
+        }
+        ControlFlow::Continue(())
+    }
+}
+
+fn best_by(
+    items: &[Ranked],
+    rank: impl Fn(&Ranked) -> u64,
+    admit: impl Fn(u32) -> bool,
+) -> Option<u32> {
+    // `u32::MAX` is no candidate's index, so any admitted candidate beats the start.
+    let mut best = (0u64, u32::MAX);
+    for r in items {
+        if !admit(r.index) {
+            continue;
+        }
+        let k = rank(r);
+        if k > best.0 || (k == best.0 && r.index < best.1) {
+            best = (k, r.index);
+        }
+    }
+    (best.1 != u32::MAX).then_some(best.1)
 }
 
 #[cfg(test)]
@@ -118,20 +184,71 @@ mod tests {
         }
     }
 
+    const KEY: SessionKey = SessionKey::from_u128(0x0123_4567_89ab_cdef_fedc_ba98_7654_3210);
+
+    /// Twelve candidates with indexes 0, 3, 6, ... and the given weight for each index.
+    fn set(weight: impl Fn(u32) -> u32) -> RankSet {
+        RankSet::new(
+            (0..12u32)
+                .map(|i| Ranked {
+                    digest: mix(u64::from(i) + 100),
+                    weight: weight(i * 3),
+                    index: i * 3,
+                })
+                .collect(),
+        )
+    }
+
+    /// Every admitted candidate, ranked one by one and sorted.
+    fn sorted(s: &RankSet, admit: impl Fn(u32) -> bool) -> Vec<u32> {
+        let mut all: Vec<(u64, u32)> = s
+            .items
+            .iter()
+            .filter(|r| admit(r.index))
+            .map(|r| (rank(KEY, r.digest, r.weight, s.uniform), r.index))
+            .collect();
+        all.sort_by(best_first);
+        all.into_iter().map(|(_, i)| i).collect()
+    }
+
+    fn visited(s: &RankSet, admit: impl Fn(u32) -> bool, stop_after: usize) -> Vec<u32> {
+        let mut seen = vec![];
+        let _ = s.visit(KEY, admit, |i| {
+            seen.push(i);
+            if seen.len() == stop_after {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
+        });
+        seen
+    }
+
     #[test]
     fn ranked_visit_goes_best_first_and_stops_on_break() {
-        let items = [(5, 0), (20, 1), (10, 2)];
-        let mut seen = vec![];
-        let _ = visit_ranked(items.iter().copied(), |i| {
-            seen.push(i);
-            ControlFlow::Continue(())
-        });
-        assert_eq!(seen, vec![1, 2, 0]);
-        let mut seen = vec![];
-        let _ = visit_ranked(items.iter().copied(), |i| {
-            seen.push(i);
-            ControlFlow::Break(())
-        });
-        assert_eq!(seen, vec![1]);
+        let uniform = set(|_| 4);
+        let weighted = set(|i| 1 + i % 5);
+        assert!(uniform.uniform && !weighted.uniform);
+        for s in [&uniform, &weighted] {
+            assert_eq!(visited(s, |_| true, usize::MAX), sorted(s, |_| true));
+            assert_eq!(visited(s, |_| true, 1), sorted(s, |_| true)[..1]);
+            let even = |i: u32| i % 2 == 0;
+            assert_eq!(visited(s, even, usize::MAX), sorted(s, even));
+            assert_eq!(s.best(KEY, even), sorted(s, even).first().copied());
+            assert_eq!(s.best(KEY, |_| false), None);
+            assert!(visited(s, |_| false, usize::MAX).is_empty());
+        }
+    }
+
+    #[test]
+    fn ranked_ties_go_to_the_lowest_index() {
+        let same = |index| Ranked {
+            digest: 42,
+            weight: 1,
+            index,
+        };
+        let s = RankSet::new(vec![same(9), same(2), same(5)]);
+        assert_eq!(s.best(KEY, |_| true), Some(2));
+        assert_eq!(visited(&s, |_| true, usize::MAX), vec![2, 5, 9]);
     }
 }

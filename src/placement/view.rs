@@ -5,7 +5,7 @@ use crate::fleet::{Member, NodeEntry, Topology};
 use crate::key::SessionKey;
 use crate::{BackendId, NodeId};
 
-use super::rendezvous;
+use super::rendezvous::{self, RankSet};
 
 /// A read-only view of the fleet, handed to a [`Placement`](super::Placement).
 ///
@@ -117,20 +117,6 @@ impl<'a> BackendRef<'a> {
         rendezvous::score(key, m.digest, m.load.slots.load(Ordering::Relaxed))
     }
 
-    /// Ranks like [`BackendRef::rendezvous_score`] among the backends of its node.
-    pub(crate) fn rank_in_node(&self, key: SessionKey) -> u64 {
-        let m = self.member();
-        let uniform = self.topology.node(m.node).uniform;
-        rendezvous::rank(key, m.digest, m.load.slots.load(Ordering::Relaxed), uniform)
-    }
-
-    /// Ranks like [`BackendRef::rendezvous_score`] among all backends.
-    pub(crate) fn rank_in_fleet(&self, key: SessionKey) -> u64 {
-        let m = self.member();
-        let uniform = self.topology.backends_uniform;
-        rendezvous::rank(key, m.digest, m.load.slots.load(Ordering::Relaxed), uniform)
-    }
-
     pub(crate) fn belongs_to(&self, topology: &Topology) -> bool {
         std::ptr::eq(self.topology, topology)
     }
@@ -193,10 +179,9 @@ impl<'a> NodeRef<'a> {
         rendezvous::score(key, e.digest, e.slots)
     }
 
-    /// Ranks like [`NodeRef::rendezvous_score`] among all nodes.
-    pub(crate) fn rank(&self, key: SessionKey) -> u64 {
-        let e = self.entry();
-        rendezvous::rank(key, e.digest, e.slots, self.topology.nodes_uniform)
+    /// Its live backends' rendezvous inputs.
+    pub(crate) fn ranks(&self) -> &'a RankSet {
+        &self.entry().ranks
     }
 }
 

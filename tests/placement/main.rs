@@ -300,3 +300,74 @@ fn an_empty_fleet_offers_nothing() {
     assert!(empty.order(&LeastLoaded::new(), None, None).is_empty());
     assert!(empty.order(&Rendezvous, key("s"), None).is_empty());
 }
+
+/// A weighted fleet: nodes of 4, 5 and 4 slots; the middle node's backends differ in slots.
+fn weighted() -> Snapshot {
+    Snapshot::new()
+        .backend("g0a", "gpu-0", 2)
+        .backend("g0b", "gpu-0", 2)
+        .backend("g1a", "gpu-1", 1)
+        .backend("g1b", "gpu-1", 3)
+        .backend("g1c", "gpu-1", 1)
+        .backend("g2a", "gpu-2", 4)
+}
+
+/// New sessions' orders for eight keys, under both rendezvous policies, on both fleets.
+fn new_session_orders() -> Vec<String> {
+    let mut out = vec![];
+    for (name, fleet) in [("2x2", two_by_two()), ("weighted", weighted())] {
+        for i in 0..8 {
+            let k = key(&format!("session-{i}"));
+            for (policy, order) in [
+                ("ntb", fleet.order(&NodeThenBackend::new(), k, None)),
+                ("rdv", fleet.order(&Rendezvous, k, None)),
+            ] {
+                let order: Vec<&str> = order.iter().map(BackendId::as_str).collect();
+                out.push(format!("{name} {i} {policy}: {}", order.join(" ")));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn new_session_order_is_the_same_in_every_version() {
+    // Routers of different versions side by side (a rolling upgrade) must agree on where a new
+    // session goes. These orders were computed once; a change to the digests, the mixing, the
+    // weighting or the tie-break fails here.
+    let pinned = [
+        "2x2 0 ntb: b1 b2 a2 a1",
+        "2x2 0 rdv: a2 b1 a1 b2",
+        "2x2 1 ntb: b1 b2 a2 a1",
+        "2x2 1 rdv: b1 a2 b2 a1",
+        "2x2 2 ntb: a2 a1 b1 b2",
+        "2x2 2 rdv: a2 b1 b2 a1",
+        "2x2 3 ntb: b2 b1 a1 a2",
+        "2x2 3 rdv: b2 b1 a1 a2",
+        "2x2 4 ntb: a1 a2 b1 b2",
+        "2x2 4 rdv: a1 b1 a2 b2",
+        "2x2 5 ntb: b2 b1 a2 a1",
+        "2x2 5 rdv: a2 b2 b1 a1",
+        "2x2 6 ntb: b1 b2 a1 a2",
+        "2x2 6 rdv: a1 a2 b1 b2",
+        "2x2 7 ntb: b1 b2 a2 a1",
+        "2x2 7 rdv: a2 b1 b2 a1",
+        "weighted 0 ntb: g1b g1a g1c g0a g0b g2a",
+        "weighted 0 rdv: g2a g1b g1a g0a g0b g1c",
+        "weighted 1 ntb: g2a g1b g1c g1a g0b g0a",
+        "weighted 1 rdv: g0b g1b g2a g0a g1c g1a",
+        "weighted 2 ntb: g2a g1c g1b g1a g0b g0a",
+        "weighted 2 rdv: g1c g2a g1b g0b g0a g1a",
+        "weighted 3 ntb: g1b g1c g1a g2a g0b g0a",
+        "weighted 3 rdv: g1b g1c g2a g0b g0a g1a",
+        "weighted 4 ntb: g2a g1b g1c g1a g0a g0b",
+        "weighted 4 rdv: g1b g2a g0a g1c g0b g1a",
+        "weighted 5 ntb: g2a g0a g0b g1a g1b g1c",
+        "weighted 5 rdv: g2a g1a g0a g0b g1b g1c",
+        "weighted 6 ntb: g1b g1c g1a g2a g0b g0a",
+        "weighted 6 rdv: g1b g2a g0b g0a g1c g1a",
+        "weighted 7 ntb: g0b g0a g2a g1b g1a g1c",
+        "weighted 7 rdv: g2a g0b g0a g1b g1a g1c",
+    ];
+    assert_eq!(new_session_orders(), pinned);
+}
