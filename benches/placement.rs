@@ -297,11 +297,12 @@ fn filled_table(n: u64) -> Svc {
     svc
 }
 
-/// Home hits on `svc`'s `n` sessions, from the `first`-th on: `iters` calls timed.
-fn spread_home_hits(svc: &mut Svc, n: u64, first: u64, iters: u64) -> Duration {
+/// Home hits on `working` of `svc`'s `n` sessions (spread over the table), from the
+/// `first`-th call on: `iters` calls timed. With `working == n` every session takes its turn.
+fn spread_home_hits(svc: &mut Svc, n: u64, working: u64, first: u64, iters: u64) -> Duration {
     chunked(
         iters,
-        |i| request(Some(key((first + i) * STRIDE % n))),
+        |i| request(Some(key((first + i) % working * STRIDE % n))),
         |req| drop(black_box(call_now(svc, req))),
     )
 }
@@ -329,7 +330,7 @@ fn table(c: &mut Criterion) {
             b.iter_custom(|iters| {
                 let first = cursor;
                 cursor += iters;
-                spread_home_hits(&mut svc, n, first, iters)
+                spread_home_hits(&mut svc, n, n, first, iters)
             })
         });
         let after = svc.stats();
@@ -447,8 +448,13 @@ fn paired(rounds: usize, calls: u64) {
     }
 }
 
+/// How many sessions the working-set rounds keep coming back to, whatever the table holds.
+const WORKING_SET: u64 = 1_000;
+
 /// Home hits by table size again, in rotating rounds: 1 thousand, 100 thousand and 1 million
-/// sessions, and one dependent random read in an array as big as the million-session table.
+/// sessions, each once with every session taking its turn (the working set is the whole table)
+/// and once with the same 1,000 sessions coming back (the working set stays small while the
+/// table grows), and one dependent random read in an array as big as the million-session table.
 /// The ratios to 1 thousand are taken within each round.
 fn paired_tables(rounds: usize, calls: u64) {
     let mut svcs: Vec<(u64, Svc)> = TABLE_SIZES.iter().map(|&n| (n, filled_table(n))).collect();
@@ -458,31 +464,46 @@ fn paired_tables(rounds: usize, calls: u64) {
     let next = random_cycle(largest);
     let mut at = 0usize;
     let mut cursor = 0u64;
+    let sizes = TABLE_SIZES.len();
     let run = |who: usize| -> f64 {
-        let t = match svcs.get_mut(who) {
-            Some((n, svc)) => spread_home_hits(svc, *n, cursor, calls),
-            None => {
-                let start = Instant::now();
-                for _ in 0..calls {
-                    at = next[at];
-                }
-                black_box(at);
-                start.elapsed()
+        let t = if who == sizes {
+            let start = Instant::now();
+            for _ in 0..calls {
+                at = next[at];
             }
+            black_box(at);
+            start.elapsed()
+        } else {
+            // 0..sizes: the whole table; sizes + 1..: the small working set.
+            let (whole, i) = if who < sizes {
+                (true, who)
+            } else {
+                (false, who - sizes - 1)
+            };
+            let (n, svc) = &mut svcs[i];
+            let working = if whole { *n } else { WORKING_SET.min(*n) };
+            spread_home_hits(svc, *n, working, cursor, calls)
         };
         cursor += calls;
         t.as_secs_f64() * 1e9 / calls as f64
     };
-    let per_call: Vec<[f64; 4]> = common::rotating_rounds(rounds, run);
+    let per_call: Vec<[f64; 7]> = common::rotating_rounds(rounds, run);
     println!("\n## Paired table rounds ({rounds} rounds of {calls} calls a contender)\n");
-    println!("| sessions | home hit, median | ratio to 1 thousand, median (min to max) |");
-    println!("|---:|---:|---:|");
+    println!(
+        "| sessions | working set: the whole table, median | ratio to 1 thousand, median (min to max) \
+         | working set: {WORKING_SET} sessions, median | ratio to 1 thousand, median (min to max) |"
+    );
+    println!("|---:|---:|---:|---:|---:|");
     for (who, n) in TABLE_SIZES.iter().enumerate() {
-        let (t, _, _) = median(per_call.iter().map(|r| r[who]).collect());
-        let (m, lo, hi) = median(per_call.iter().map(|r| r[who] / r[0]).collect());
-        println!("| {n} | {t:.0} ns | {m:.2}x ({lo:.2}x to {hi:.2}x) |");
+        let mut cells = vec![];
+        for first in [0, sizes + 1] {
+            let (t, _, _) = median(per_call.iter().map(|r| r[first + who]).collect());
+            let (m, lo, hi) = median(per_call.iter().map(|r| r[first + who] / r[first]).collect());
+            cells.push(format!("{t:.0} ns | {m:.2}x ({lo:.2}x to {hi:.2}x)"));
+        }
+        println!("| {n} | {} | {} |", cells[0], cells[1]);
     }
-    let (t, lo, hi) = median(per_call.iter().map(|r| r[3]).collect());
+    let (t, lo, hi) = median(per_call.iter().map(|r| r[sizes]).collect());
     println!(
         "\nOne random read in a {largest}-byte array: {t:.0} ns, median ({lo:.0} to {hi:.0} ns)."
     );
