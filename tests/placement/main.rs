@@ -6,6 +6,8 @@ use tower_affinity::placement::{
 };
 use tower_affinity::BackendId;
 
+use proptest::prelude::*;
+
 fn key(s: &str) -> Option<SessionKey> {
     Some(SessionKey::from_bytes(s.as_bytes()))
 }
@@ -370,4 +372,63 @@ fn new_session_order_is_the_same_in_every_version() {
         "weighted 7 rdv: g2a g0b g0a g1b g1a g1c",
     ];
     assert_eq!(new_session_orders(), pinned);
+}
+
+/// One change to a fleet: add or update `b{id}` on `n{node}` with `slots`, or remove `b{id}`.
+#[derive(Clone, Debug)]
+enum Change {
+    Put { id: u8, node: u8, slots: u32 },
+    Remove { id: u8 },
+}
+
+fn change() -> impl Strategy<Value = Change> {
+    prop_oneof![
+        3 => (0..24u8, 0..6u8, 1..5u32).prop_map(|(id, node, slots)| Change::Put { id, node, slots }),
+        1 => (0..24u8).prop_map(|id| Change::Remove { id }),
+    ]
+}
+
+/// A new session's order computed from the public scores alone: nodes by their rendezvous
+/// score, best first, and within each node its backends by theirs.
+fn order_from_scores(fleet: &Snapshot, key: SessionKey) -> Vec<BackendId> {
+    let view = fleet.view();
+    let mut nodes: Vec<_> = view.nodes().collect();
+    nodes.sort_by(|a, b| b.rendezvous_score(key).total_cmp(&a.rendezvous_score(key)));
+    let mut order = vec![];
+    for node in nodes {
+        let mut backends: Vec<_> = node.backends().collect();
+        backends.sort_by(|a, b| b.rendezvous_score(key).total_cmp(&a.rendezvous_score(key)));
+        order.extend(backends.iter().map(|b| b.id().clone()));
+    }
+    order
+}
+
+proptest! {
+    /// Whatever discovery did to the fleet (backends added, moved between nodes, resized,
+    /// removed), a new session's order is the one the rendezvous scores give.
+    #[test]
+    fn new_session_order_follows_the_scores_after_any_changes(
+        changes in proptest::collection::vec(change(), 1..40),
+        keys in proptest::collection::vec(any::<u128>(), 1..8),
+    ) {
+        let mut fleet = Snapshot::new();
+        for c in changes {
+            fleet = match c {
+                Change::Put { id, node, slots } => {
+                    fleet.backend(&format!("b{id}"), &format!("n{node}"), slots)
+                }
+                Change::Remove { id } => fleet.remove(&format!("b{id}")),
+            };
+        }
+        for k in keys {
+            let key = SessionKey::from_u128(k);
+            let got = fleet.order(&NodeThenBackend::new(), Some(key), None);
+            prop_assert_eq!(&got, &order_from_scores(&fleet, key));
+            // Stateless rendezvous: every backend by its own score.
+            let mut all: Vec<_> = fleet.view().backends().collect();
+            all.sort_by(|a, b| b.rendezvous_score(key).total_cmp(&a.rendezvous_score(key)));
+            let by_score: Vec<BackendId> = all.iter().map(|b| b.id().clone()).collect();
+            prop_assert_eq!(fleet.order(&Rendezvous, Some(key), None), by_score);
+        }
+    }
 }
