@@ -9,6 +9,11 @@
 //! - `affinity_live` (paired rounds only): the defaults again, with the fleet from a
 //!   discovery channel that stays open (as in a proxy whose backends come and go) instead of
 //!   a fixed list whose stream ends;
+//! - `affinity_bare` (paired rounds only): `affinity_noext` with a stand-in key extractor that
+//!   reads the same headers as the default one but digests the id with a 64-bit FNV-1a hash
+//!   instead of SHA-256. Not a configuration to deploy (the digest is the design's, and this
+//!   one is weak); it measures what the router costs without the two things the design asks
+//!   of every request, the `Decision` extension and the SHA-256 of the key;
 //! - `p2c`: `tower::balance::p2c::Balance` over `PendingRequests` wrappers of the same backends;
 //! - `p2c_buffer` (multi-threaded only): one `Balance` shared by every caller through
 //!   `tower::buffer::Buffer`, the usual way to share a balancer that is not `Clone`.
@@ -44,12 +49,13 @@ use tower::buffer::Buffer;
 use tower::discover::ServiceList;
 use tower::load::{CompleteOnResponse, PendingRequests};
 use tower::{Layer, Service, ServiceExt};
+use tower_affinity::key::SessionKey;
 use tower_affinity::SessionAffinityLayer;
 
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{header_request, mock, Mock, Req, Shape};
+use common::{header_request, mix as mix64, mock, Mock, Req, Shape};
 
 const SHAPE: Shape = Shape::new(4, 4);
 const SLOTS: u32 = 8;
@@ -65,6 +71,25 @@ fn p2c() -> P2c {
         .map(|_| PendingRequests::new(mock(), CompleteOnResponse::default()))
         .collect::<Vec<_>>();
     Balance::new(ServiceList::new(backends))
+}
+
+/// The `affinity_bare` key extractor: the default `HeaderKey`'s headers, in its order, with
+/// FNV-1a in place of SHA-256 (bench only).
+fn bare_key() -> impl Fn(&Req) -> Option<SessionKey> + Clone + Send + Sync + 'static {
+    let names = [
+        http::HeaderName::from_static("x-session-affinity"),
+        http::HeaderName::from_static("x-session-id"),
+    ];
+    move |req: &Req| {
+        names.iter().find_map(|name| {
+            let raw = req.headers().get(name)?.as_bytes().trim_ascii();
+            let h = raw.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+                (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+            });
+            (!raw.is_empty())
+                .then(|| SessionKey::from_u128(u128::from(mix64(h)) << 64 | u128::from(h)))
+        })
+    }
 }
 
 /// How a bench makes its `i`-th request.
@@ -270,9 +295,9 @@ fn paired(rounds: usize, per_round: u64) {
         .expect("runtime");
     println!("\n## Paired rounds ({rounds} rounds of {per_round} requests a contender)\n");
     println!(
-        "| runtime | requests | affinity / p2c: median (min to max) | affinity_noext / p2c: median (min to max) | affinity_live / p2c: median (min to max) | p2c, median |"
+        "| runtime | requests | affinity / p2c: median (min to max) | affinity_noext / p2c: median (min to max) | affinity_live / p2c: median (min to max) | affinity_bare / p2c: median (min to max) | p2c, median |"
     );
-    println!("|---|---|---:|---:|---:|---:|");
+    println!("|---|---|---:|---:|---:|---:|---:|");
     for mix in Mix::ALL {
         let mut affinity = SessionAffinityLayer::new().layer(SHAPE.fleet(SLOTS));
         let mut noext = SessionAffinityLayer::new()
@@ -280,13 +305,18 @@ fn paired(rounds: usize, per_round: u64) {
             .layer(SHAPE.fleet(SLOTS));
         let (_handle, stream) = SHAPE.live_fleet(SLOTS);
         let mut live = SessionAffinityLayer::new().layer(stream);
+        let mut bare = SessionAffinityLayer::new()
+            .key(bare_key())
+            .decision_extension(false)
+            .layer(SHAPE.fleet(SLOTS));
         let mut balance = p2c();
         let mut cursors = [0u64; CONTENDERS];
         let times = common::rotating_rounds::<_, CONTENDERS>(rounds, |who| match who {
             0 => single(&st, &mut affinity, mix, &mut cursors[0], per_round),
             1 => single(&st, &mut noext, mix, &mut cursors[1], per_round),
             2 => single(&st, &mut live, mix, &mut cursors[2], per_round),
-            _ => single(&st, &mut balance, mix, &mut cursors[3], per_round),
+            3 => single(&st, &mut bare, mix, &mut cursors[3], per_round),
+            _ => single(&st, &mut balance, mix, &mut cursors[P2C], per_round),
         });
         report("current-thread, 1 caller", mix, per_round, &times);
     }
@@ -300,6 +330,11 @@ fn paired(rounds: usize, per_round: u64) {
         let (_handle, stream) = SHAPE.live_fleet(SLOTS);
         let live = SessionAffinityLayer::new().layer(stream);
         let mut live: Vec<_> = (0..CALLERS).map(|_| live.clone()).collect();
+        let bare = SessionAffinityLayer::new()
+            .key(bare_key())
+            .decision_extension(false)
+            .layer(SHAPE.fleet(SLOTS));
+        let mut bare: Vec<_> = (0..CALLERS).map(|_| bare.clone()).collect();
         let mut balancers: Vec<P2c> = (0..CALLERS).map(|_| p2c()).collect();
         let mut cursors = [0u64; CONTENDERS];
         let n = 2 * per_round;
@@ -307,14 +342,16 @@ fn paired(rounds: usize, per_round: u64) {
             0 => concurrent(&mt, &mut affinity, mix, &mut cursors[0], n),
             1 => concurrent(&mt, &mut noext, mix, &mut cursors[1], n),
             2 => concurrent(&mt, &mut live, mix, &mut cursors[2], n),
-            _ => concurrent(&mt, &mut balancers, mix, &mut cursors[3], n),
+            3 => concurrent(&mt, &mut bare, mix, &mut cursors[3], n),
+            _ => concurrent(&mt, &mut balancers, mix, &mut cursors[P2C], n),
         });
         report("2 workers, 32 callers", mix, n, &times);
     }
 }
 
-/// The contenders of a paired round: `affinity`, `affinity_noext`, `affinity_live`, `p2c`.
-const CONTENDERS: usize = 4;
+/// The contenders of a paired round: `affinity`, `affinity_noext`, `affinity_live`,
+/// `affinity_bare`, `p2c`.
+const CONTENDERS: usize = 5;
 const P2C: usize = CONTENDERS - 1;
 
 fn report(runtime: &str, mix: Mix, n: u64, times: &[[Duration; CONTENDERS]]) {
@@ -331,11 +368,12 @@ fn report(runtime: &str, mix: Mix, n: u64, times: &[[Duration; CONTENDERS]]) {
     p2c.sort_by(f64::total_cmp);
     let p2c_rate = n as f64 / p2c[p2c.len() / 2] / 1e6;
     println!(
-        "| {runtime} | {} | {} | {} | {} | {p2c_rate:.2} M/s |",
+        "| {runtime} | {} | {} | {} | {} | {} | {p2c_rate:.2} M/s |",
         mix.name(),
         ratio(0),
         ratio(1),
         ratio(2),
+        ratio(3),
     );
 }
 
