@@ -18,6 +18,10 @@
 //! - `p2c_buffer` (multi-threaded only): one `Balance` shared by every caller through
 //!   `tower::buffer::Buffer`, the usual way to share a balancer that is not `Clone`.
 //!
+//! A last set of paired rounds runs `affinity` and `p2c` again over backends whose responses
+//! already carry an extension, as responses through hyper-util's client do (its connection
+//! info): there the `Decision` costs one allocation instead of three.
+//!
 //! `keyed` requests carry one of 10,000 session ids (a home hit once every session has been
 //! placed); `keyless` requests carry none. Every request is built inside the timed loop, for
 //! every balancer alike; `build` is the cost of building and dropping the request alone.
@@ -55,7 +59,7 @@ use tower_affinity::SessionAffinityLayer;
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{header_request, mix as mix64, mock, Mock, Req, Shape};
+use common::{header_request, mix as mix64, mock, mock_with_extension, Mock, Req, Shape};
 
 const SHAPE: Shape = Shape::new(4, 4);
 const SLOTS: u32 = 8;
@@ -65,10 +69,15 @@ const CALLERS: u64 = 32;
 type P2c = Balance<ServiceList<Vec<PendingRequests<Mock>>>, Req>;
 
 fn p2c() -> P2c {
+    p2c_of(mock)
+}
+
+/// `p2c` over backends made by `backend`.
+fn p2c_of(backend: fn() -> Mock) -> P2c {
     let backends = SHAPE
         .names()
         .iter()
-        .map(|_| PendingRequests::new(mock(), CompleteOnResponse::default()))
+        .map(|_| PendingRequests::new(backend(), CompleteOnResponse::default()))
         .collect::<Vec<_>>();
     Balance::new(ServiceList::new(backends))
 }
@@ -349,6 +358,71 @@ fn paired(rounds: usize, per_round: u64) {
     }
 }
 
+/// `affinity` against `p2c` over backends whose responses carry an extension, as a real
+/// client's do, on both runtimes and for both kinds of request.
+fn paired_client_like(rounds: usize, per_round: u64) {
+    let st = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let ratio = |times: Vec<[Duration; 2]>| {
+        let mut r: Vec<f64> = times
+            .iter()
+            .map(|t| t[1].as_secs_f64() / t[0].as_secs_f64())
+            .collect();
+        r.sort_by(f64::total_cmp);
+        format!(
+            "{:.2}x ({:.2}x to {:.2}x)",
+            r[r.len() / 2],
+            r[0],
+            r[r.len() - 1]
+        )
+    };
+    println!(
+        "\n## Paired rounds over backends whose responses carry an extension \
+         ({rounds} rounds of {per_round} requests a contender)\n"
+    );
+    println!("| runtime | requests | affinity / p2c: median (min to max) |");
+    println!("|---|---|---:|");
+    for mix in Mix::ALL {
+        let mut affinity =
+            SessionAffinityLayer::new().layer(SHAPE.fleet_of(SLOTS, mock_with_extension));
+        let mut balance = p2c_of(mock_with_extension);
+        let mut cursors = [0u64; 2];
+        let times = common::rotating_rounds::<_, 2>(rounds, |who| match who {
+            0 => single(&st, &mut affinity, mix, &mut cursors[0], per_round),
+            _ => single(&st, &mut balance, mix, &mut cursors[1], per_round),
+        });
+        println!(
+            "| current-thread, 1 caller | {} | {} |",
+            mix.name(),
+            ratio(times)
+        );
+    }
+    for mix in Mix::ALL {
+        let affinity =
+            SessionAffinityLayer::new().layer(SHAPE.fleet_of(SLOTS, mock_with_extension));
+        let mut affinity: Vec<_> = (0..CALLERS).map(|_| affinity.clone()).collect();
+        let mut balancers: Vec<P2c> = (0..CALLERS).map(|_| p2c_of(mock_with_extension)).collect();
+        let mut cursors = [0u64; 2];
+        let n = 2 * per_round;
+        let times = common::rotating_rounds::<_, 2>(rounds, |who| match who {
+            0 => concurrent(&mt, &mut affinity, mix, &mut cursors[0], n),
+            _ => concurrent(&mt, &mut balancers, mix, &mut cursors[1], n),
+        });
+        println!(
+            "| 2 workers, 32 callers | {} | {} |",
+            mix.name(),
+            ratio(times)
+        );
+    }
+}
+
 /// The contenders of a paired round: `affinity`, `affinity_noext`, `affinity_live`,
 /// `affinity_bare`, `p2c`.
 const CONTENDERS: usize = 5;
@@ -381,8 +455,10 @@ fn main() {
     common::main_with_paired(benches, |full| {
         if full {
             paired(21, 100_000);
+            paired_client_like(21, 100_000);
         } else {
             paired(1, 1_000);
+            paired_client_like(1, 1_000);
         }
     });
 }
