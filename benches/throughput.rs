@@ -198,11 +198,34 @@ where
     })
 }
 
-fn single_threaded(c: &mut Criterion) {
-    let rt = tokio::runtime::Builder::new_current_thread()
+fn current_thread() -> Runtime {
+    tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .expect("runtime");
+        .expect("runtime")
+}
+
+fn two_workers() -> Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// "median (min to max)" of the rounds' ratios of `theirs` to `ours` (rates: ours over theirs).
+fn ratio<const N: usize>(times: &[[Duration; N]], ours: usize, theirs: usize) -> String {
+    let mut r: Vec<f64> = times
+        .iter()
+        .map(|t| t[theirs].as_secs_f64() / t[ours].as_secs_f64())
+        .collect();
+    r.sort_by(f64::total_cmp);
+    let (median, min, max) = (r[r.len() / 2], r[0], r[r.len() - 1]);
+    format!("{median:.2}x ({min:.2}x to {max:.2}x)")
+}
+
+fn single_threaded(c: &mut Criterion) {
+    let rt = current_thread();
     let mut g = c.benchmark_group("throughput_st");
     g.throughput(Throughput::Elements(1));
     for mix in Mix::ALL {
@@ -235,11 +258,7 @@ fn single_threaded(c: &mut Criterion) {
 }
 
 fn multi_threaded(c: &mut Criterion) {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let rt = two_workers();
     let mut g = c.benchmark_group("throughput_mt");
     g.throughput(Throughput::Elements(1));
     for mix in Mix::ALL {
@@ -293,15 +312,8 @@ criterion_group! {
 /// change in the machine's other load then touches every contender alike, and the median of
 /// the rounds' ratios is what the targets are judged on.
 fn paired(rounds: usize, per_round: u64) {
-    let st = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let mt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let st = current_thread();
+    let mt = two_workers();
     println!("\n## Paired rounds ({rounds} rounds of {per_round} requests a contender)\n");
     println!(
         "| runtime | requests | affinity / p2c: median (min to max) | affinity_noext / p2c: median (min to max) | affinity_live / p2c: median (min to max) | affinity_bare / p2c: median (min to max) | p2c, median |"
@@ -361,28 +373,8 @@ fn paired(rounds: usize, per_round: u64) {
 /// `affinity` against `p2c` over backends whose responses carry an extension, as a real
 /// client's do, on both runtimes and for both kinds of request.
 fn paired_client_like(rounds: usize, per_round: u64) {
-    let st = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let mt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let ratio = |times: Vec<[Duration; 2]>| {
-        let mut r: Vec<f64> = times
-            .iter()
-            .map(|t| t[1].as_secs_f64() / t[0].as_secs_f64())
-            .collect();
-        r.sort_by(f64::total_cmp);
-        format!(
-            "{:.2}x ({:.2}x to {:.2}x)",
-            r[r.len() / 2],
-            r[0],
-            r[r.len() - 1]
-        )
-    };
+    let st = current_thread();
+    let mt = two_workers();
     println!(
         "\n## Paired rounds over backends whose responses carry an extension \
          ({rounds} rounds of {per_round} requests a contender)\n"
@@ -401,7 +393,7 @@ fn paired_client_like(rounds: usize, per_round: u64) {
         println!(
             "| current-thread, 1 caller | {} | {} |",
             mix.name(),
-            ratio(times)
+            ratio(&times, 0, 1)
         );
     }
     for mix in Mix::ALL {
@@ -418,7 +410,7 @@ fn paired_client_like(rounds: usize, per_round: u64) {
         println!(
             "| 2 workers, 32 callers | {} | {} |",
             mix.name(),
-            ratio(times)
+            ratio(&times, 0, 1)
         );
     }
 }
@@ -429,25 +421,16 @@ const CONTENDERS: usize = 5;
 const P2C: usize = CONTENDERS - 1;
 
 fn report(runtime: &str, mix: Mix, n: u64, times: &[[Duration; CONTENDERS]]) {
-    let ratio = |who: usize| {
-        let mut r: Vec<f64> = times
-            .iter()
-            .map(|t| t[P2C].as_secs_f64() / t[who].as_secs_f64())
-            .collect();
-        r.sort_by(f64::total_cmp);
-        let (median, min, max) = (r[r.len() / 2], r[0], r[r.len() - 1]);
-        format!("{median:.2}x ({min:.2}x to {max:.2}x)")
-    };
     let mut p2c: Vec<f64> = times.iter().map(|t| t[P2C].as_secs_f64()).collect();
     p2c.sort_by(f64::total_cmp);
     let p2c_rate = n as f64 / p2c[p2c.len() / 2] / 1e6;
     println!(
         "| {runtime} | {} | {} | {} | {} | {} | {p2c_rate:.2} M/s |",
         mix.name(),
-        ratio(0),
-        ratio(1),
-        ratio(2),
-        ratio(3),
+        ratio(times, 0, P2C),
+        ratio(times, 1, P2C),
+        ratio(times, 2, P2C),
+        ratio(times, 3, P2C),
     );
 }
 
