@@ -132,6 +132,7 @@ fn offer_node(
     node.ranks().visit(key, admit, |i| c.offer(node.backend(i)))
 }
 
+/// Offers every node except `skip`, in the key's rendezvous order.
 fn offer_nodes(
     fleet: &FleetView<'_>,
     key: SessionKey,
