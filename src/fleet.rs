@@ -435,6 +435,7 @@ impl Topology {
         n.slots += slots;
         self.total_slots += slots;
         self.live.push(index);
+        self.backend_ranks.put(self.ranked(index));
         self.refresh_weights(node);
     }
 
@@ -449,40 +450,37 @@ impl Topology {
             self.live_nodes.retain(|&x| x != node);
         }
         self.live.retain(|&b| b != index);
+        self.backend_ranks.remove(index);
         self.refresh_weights(node);
     }
 
-    /// Rebuilds the rendezvous inputs that `node`'s change touches: its backends', the nodes'
-    /// and the whole fleet's. Runs on discovery changes only.
+    /// Backend `index`'s rendezvous inputs, weighted by its slots.
+    fn ranked(&self, index: u32) -> Ranked {
+        let m = &self.members[index as usize];
+        Ranked {
+            digest: m.digest,
+            weight: m.load.slots.load(Ordering::Relaxed),
+            index,
+        }
+    }
+
+    /// Brings the rendezvous inputs of `node` up to date after one of its backends came or
+    /// went: its backends' set, and its own place and weight among the nodes. Runs on discovery
+    /// changes only.
     fn refresh_weights(&mut self, node: u32) {
-        let backend = |i: &u32| {
-            let m = &self.members[*i as usize];
-            Ranked {
-                digest: m.digest,
-                weight: m.load.slots.load(Ordering::Relaxed),
-                index: *i,
-            }
-        };
-        let ranks = RankSet::new(
-            self.nodes[node as usize]
-                .backends
-                .iter()
-                .map(backend)
-                .collect(),
-        );
-        self.backend_ranks = RankSet::new(self.live.iter().map(backend).collect());
+        let n = &self.nodes[node as usize];
+        let ranks = RankSet::new(n.backends.iter().map(|&i| self.ranked(i)).collect());
+        let (digest, weight, live) = (n.digest, n.slots, !n.backends.is_empty());
         self.nodes[node as usize].ranks = ranks;
-        let nodes = &self.nodes;
-        self.node_ranks = RankSet::new(
-            self.live_nodes
-                .iter()
-                .map(|&i| Ranked {
-                    digest: nodes[i as usize].digest,
-                    weight: nodes[i as usize].slots,
-                    index: i,
-                })
-                .collect(),
-        );
+        if live {
+            self.node_ranks.put(Ranked {
+                digest,
+                weight,
+                index: node,
+            });
+        } else {
+            self.node_ranks.remove(node);
+        }
     }
 
     /// Inserts or updates a backend; returns its index.

@@ -74,8 +74,23 @@ pub(crate) struct RankSet {
 
 impl RankSet {
     pub(crate) fn new(items: Vec<Ranked>) -> Self {
-        let uniform = items.windows(2).all(|w| w[0].weight == w[1].weight);
+        let uniform = all_equal(&items);
         RankSet { items, uniform }
+    }
+
+    /// Adds `r`, or replaces the candidate with the same index.
+    pub(crate) fn put(&mut self, r: Ranked) {
+        match self.items.iter_mut().find(|x| x.index == r.index) {
+            Some(x) => *x = r,
+            None => self.items.push(r),
+        }
+        self.uniform = all_equal(&self.items);
+    }
+
+    /// Removes the candidate with index `index`, if there is one.
+    pub(crate) fn remove(&mut self, index: u32) {
+        self.items.retain(|x| x.index != index);
+        self.uniform = all_equal(&self.items);
     }
 
     fn rank(&self, key: SessionKey, r: &Ranked) -> u64 {
@@ -120,6 +135,10 @@ impl RankSet {
         }
         ControlFlow::Continue(())
     }
+}
+
+fn all_equal(items: &[Ranked]) -> bool {
+    items.windows(2).all(|w| w[0].weight == w[1].weight)
 }
 
 fn best_by(
@@ -250,5 +269,31 @@ mod tests {
         let s = RankSet::new(vec![same(9), same(2), same(5)]);
         assert_eq!(s.best(KEY, |_| true), Some(2));
         assert_eq!(visited(&s, |_| true, usize::MAX), vec![2, 5, 9]);
+    }
+
+    #[test]
+    fn a_rank_set_follows_puts_and_removes() {
+        let r = |index, weight| Ranked {
+            digest: mix(u64::from(index)),
+            weight,
+            index,
+        };
+        let mut s = RankSet::default();
+        s.put(r(1, 2));
+        s.put(r(4, 2));
+        assert!(s.uniform);
+        s.put(r(4, 3));
+        assert_eq!(
+            s.items,
+            vec![r(1, 2), r(4, 3)],
+            "a put replaces the same index"
+        );
+        assert!(!s.uniform);
+        s.put(r(7, 2));
+        s.remove(4);
+        assert_eq!(s.items, vec![r(1, 2), r(7, 2)]);
+        assert!(s.uniform);
+        s.remove(9);
+        assert_eq!(visited(&s, |_| true, usize::MAX), sorted(&s, |_| true));
     }
 }
