@@ -435,8 +435,10 @@ impl Topology {
         n.slots += slots;
         self.total_slots += slots;
         self.live.push(index);
-        self.backend_ranks.put(self.ranked(index));
-        self.refresh_weights(node);
+        let ranked = self.ranked(index);
+        self.backend_ranks.put(ranked);
+        self.nodes[node as usize].ranks.put(ranked);
+        self.refresh_node(node);
     }
 
     fn detach(&mut self, index: u32) {
@@ -451,7 +453,8 @@ impl Topology {
         }
         self.live.retain(|&b| b != index);
         self.backend_ranks.remove(index);
-        self.refresh_weights(node);
+        self.nodes[node as usize].ranks.remove(index);
+        self.refresh_node(node);
     }
 
     /// Backend `index`'s rendezvous inputs, weighted by its slots.
@@ -464,22 +467,18 @@ impl Topology {
         }
     }
 
-    /// Brings the rendezvous inputs of `node` up to date after one of its backends came or
-    /// went: its backends' set, and its own place and weight among the nodes. Runs on discovery
-    /// changes only.
-    fn refresh_weights(&mut self, node: u32) {
+    /// Brings `node`'s place and weight among the nodes' rendezvous inputs up to date after
+    /// one of its backends came or went. Runs on discovery changes only.
+    fn refresh_node(&mut self, node: u32) {
         let n = &self.nodes[node as usize];
-        let ranks = RankSet::new(n.backends.iter().map(|&i| self.ranked(i)).collect());
-        let (digest, weight, live) = (n.digest, n.slots, !n.backends.is_empty());
-        self.nodes[node as usize].ranks = ranks;
-        if live {
+        if n.backends.is_empty() {
+            self.node_ranks.remove(node);
+        } else {
             self.node_ranks.put(Ranked {
-                digest,
-                weight,
+                digest: n.digest,
+                weight: n.slots,
                 index: node,
             });
-        } else {
-            self.node_ranks.remove(node);
         }
     }
 

@@ -65,7 +65,7 @@ pub(crate) struct Ranked {
 /// The candidates of one rendezvous (the live nodes, one node's live backends, or all live
 /// backends) side by side, so that ranking them all for a new session is one pass over
 /// consecutive memory. Built when discovery changes the fleet, never on the request path.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub(crate) struct RankSet {
     items: Vec<Ranked>,
     /// Whether every weight is equal: the hash bits then rank alone, without a logarithm.
@@ -80,17 +80,22 @@ impl RankSet {
 
     /// Adds `r`, or replaces the candidate with the same index.
     pub(crate) fn put(&mut self, r: Ranked) {
-        match self.items.iter_mut().find(|x| x.index == r.index) {
-            Some(x) => *x = r,
-            None => self.items.push(r),
+        if let Some(x) = self.items.iter_mut().find(|x| x.index == r.index) {
+            *x = r;
+            self.uniform = all_equal(&self.items);
+        } else {
+            self.uniform &= self.items.first().is_none_or(|f| f.weight == r.weight);
+            self.items.push(r);
         }
-        self.uniform = all_equal(&self.items);
     }
 
     /// Removes the candidate with index `index`, if there is one.
     pub(crate) fn remove(&mut self, index: u32) {
         self.items.retain(|x| x.index != index);
-        self.uniform = all_equal(&self.items);
+        // Removing a candidate never makes equal weights unequal.
+        if !self.uniform {
+            self.uniform = all_equal(&self.items);
+        }
     }
 
     fn rank(&self, key: SessionKey, r: &Ranked) -> u64 {
@@ -134,6 +139,12 @@ impl RankSet {
             visit(i)?;
         }
         ControlFlow::Continue(())
+    }
+}
+
+impl Default for RankSet {
+    fn default() -> Self {
+        RankSet::new(Vec::new())
     }
 }
 
