@@ -342,12 +342,11 @@ pub(crate) struct Member {
 pub(crate) struct NodeEntry {
     pub(crate) id: NodeId,
     pub(crate) digest: u64,
-    /// Live backends on this node, by index.
-    pub(crate) backends: Vec<u32>,
+    /// Live backends on this node, in the order they came, with their rendezvous inputs
+    /// (weighted by their slots).
+    pub(crate) backends: RankSet,
     /// Sum of the live backends' slots.
     pub(crate) slots: u32,
-    /// Its live backends' rendezvous inputs, weighted by their slots.
-    pub(crate) ranks: RankSet,
 }
 
 /// The fleet's shape: nodes, backends and slot counters, without the services. A clone shares
@@ -358,16 +357,14 @@ pub(crate) struct Topology {
     pub(crate) capacity: Arc<Capacity>,
     pub(crate) members: Vec<Member>,
     pub(crate) nodes: Vec<NodeEntry>,
-    /// Live backends, by index, in insertion order.
-    pub(crate) live: Vec<u32>,
-    /// Nodes with at least one live backend.
-    pub(crate) live_nodes: Vec<u32>,
+    /// Live backends, in insertion order, with their rendezvous inputs (weighted by their
+    /// slots).
+    pub(crate) live: RankSet,
+    /// Nodes with at least one live backend, with their rendezvous inputs (weighted by their
+    /// live backends' slots).
+    pub(crate) live_nodes: RankSet,
     /// Sum of the live backends' slots.
     pub(crate) total_slots: u32,
-    /// The live nodes' rendezvous inputs, weighted by their slots.
-    pub(crate) node_ranks: RankSet,
-    /// All live backends' rendezvous inputs, weighted by their slots.
-    pub(crate) backend_ranks: RankSet,
     by_id: HashMap<BackendId, u32>,
     node_by_id: HashMap<NodeId, u32>,
     free: Vec<u32>,
@@ -416,9 +413,8 @@ impl Topology {
         self.nodes.push(NodeEntry {
             id: id.clone(),
             digest: name_digest(id.as_str()),
-            backends: Vec::new(),
+            backends: RankSet::default(),
             slots: 0,
-            ranks: RankSet::default(),
         });
         self.node_by_id.insert(id.clone(), i);
         i
@@ -427,17 +423,12 @@ impl Topology {
     fn attach(&mut self, index: u32) {
         let m = &self.members[index as usize];
         let (node, slots) = (m.node, m.load.slots.load(Ordering::Relaxed));
+        let ranked = self.ranked(index);
         let n = &mut self.nodes[node as usize];
-        if n.backends.is_empty() {
-            self.live_nodes.push(node);
-        }
-        n.backends.push(index);
+        n.backends.put(ranked);
         n.slots += slots;
         self.total_slots += slots;
-        self.live.push(index);
-        let ranked = self.ranked(index);
-        self.backend_ranks.put(ranked);
-        self.nodes[node as usize].ranks.put(ranked);
+        self.live.put(ranked);
         self.refresh_node(node);
     }
 
@@ -445,15 +436,10 @@ impl Topology {
         let m = &self.members[index as usize];
         let (node, slots) = (m.node, m.load.slots.load(Ordering::Relaxed));
         let n = &mut self.nodes[node as usize];
-        n.backends.retain(|&b| b != index);
+        n.backends.remove(index);
         n.slots -= slots;
         self.total_slots -= slots;
-        if n.backends.is_empty() {
-            self.live_nodes.retain(|&x| x != node);
-        }
-        self.live.retain(|&b| b != index);
-        self.backend_ranks.remove(index);
-        self.nodes[node as usize].ranks.remove(index);
+        self.live.remove(index);
         self.refresh_node(node);
     }
 
@@ -467,14 +453,15 @@ impl Topology {
         }
     }
 
-    /// Brings `node`'s place and weight among the nodes' rendezvous inputs up to date after
-    /// one of its backends came or went. Runs on discovery changes only.
+    /// Brings `node`'s place and weight among the live nodes up to date after one of its
+    /// backends came or went: a node with no live backend leaves, a new one comes last.
+    /// Runs on discovery changes only.
     fn refresh_node(&mut self, node: u32) {
         let n = &self.nodes[node as usize];
         if n.backends.is_empty() {
-            self.node_ranks.remove(node);
+            self.live_nodes.remove(node);
         } else {
-            self.node_ranks.put(Ranked {
+            self.live_nodes.put(Ranked {
                 digest: n.digest,
                 weight: n.slots,
                 index: node,
@@ -631,8 +618,8 @@ impl Topology {
 
     pub(crate) fn status(&self, now_ms: u64) -> Vec<BackendStatus> {
         self.live
-            .iter()
-            .map(|&i| {
+            .indexes()
+            .map(|i| {
                 let m = self.member(i);
                 BackendStatus {
                     id: m.id.clone(),
@@ -682,7 +669,7 @@ mod tests {
         assert_eq!(a, b);
         assert_eq!(t.resolve(a, g), None);
         assert_eq!(t.index_of("a"), None);
-        assert_eq!(t.live_nodes, vec![0]);
+        assert_eq!(t.live_nodes.indexes().collect::<Vec<_>>(), vec![0]);
     }
 
     #[test]

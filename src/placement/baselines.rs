@@ -121,7 +121,7 @@ impl Placement for Rendezvous {
         };
         let t = fleet.topology;
         let _ = t
-            .backend_ranks
+            .live
             .visit(key, |_| true, |i| c.offer(super::BackendRef::new(t, i)));
     }
 }

@@ -141,7 +141,7 @@ fn offer_nodes(
     c: &mut Candidates<'_>,
 ) -> ControlFlow<()> {
     let t = fleet.topology;
-    t.node_ranks.visit(
+    t.live_nodes.visit(
         key,
         |n| Some(n) != skip,
         |n| offer_node(NodeRef::new(t, n), key, None, bound, c),

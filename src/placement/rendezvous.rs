@@ -64,7 +64,9 @@ pub(crate) struct Ranked {
 
 /// The candidates of one rendezvous (the live nodes, one node's live backends, or all live
 /// backends) side by side, so that ranking them all for a new session is one pass over
-/// consecutive memory. Built when discovery changes the fleet, never on the request path.
+/// consecutive memory. It is also the list of those candidates, in the order they came: the
+/// topology keeps no other. Changed when discovery changes the fleet, never on the request
+/// path.
 #[derive(Clone, Debug)]
 pub(crate) struct RankSet {
     items: Vec<Ranked>,
@@ -78,7 +80,25 @@ impl RankSet {
         RankSet { items, uniform }
     }
 
-    /// Adds `r`, or replaces the candidate with the same index.
+    /// The candidates' indexes, in the order they were first put.
+    pub(crate) fn indexes(&self) -> impl ExactSizeIterator<Item = u32> + Clone + '_ {
+        self.items.iter().map(|r| r.index)
+    }
+
+    /// The index of the candidate at `position` in [`RankSet::indexes`] order.
+    pub(crate) fn index_at(&self, position: usize) -> Option<u32> {
+        self.items.get(position).map(|r| r.index)
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+
+    /// Adds `r` at the end, or replaces the candidate with the same index where it stands.
     pub(crate) fn put(&mut self, r: Ranked) {
         if let Some(x) = self.items.iter_mut().find(|x| x.index == r.index) {
             *x = r;

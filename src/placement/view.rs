@@ -21,12 +21,12 @@ impl<'a> FleetView<'a> {
     /// The live backends, in the order they were discovered.
     pub fn backends(&self) -> impl ExactSizeIterator<Item = BackendRef<'a>> + Clone + 'a {
         let t = self.topology;
-        t.live.iter().map(move |&i| BackendRef::new(t, i))
+        t.live.indexes().map(move |i| BackendRef::new(t, i))
     }
 
     /// The live backend at `position` in [`FleetView::backends`] order.
     pub fn backend_at(&self, position: usize) -> Option<BackendRef<'a>> {
-        let i = *self.topology.live.get(position)?;
+        let i = self.topology.live.index_at(position)?;
         Some(BackendRef::new(self.topology, i))
     }
 
@@ -39,7 +39,7 @@ impl<'a> FleetView<'a> {
     /// The nodes that have at least one live backend.
     pub fn nodes(&self) -> impl ExactSizeIterator<Item = NodeRef<'a>> + Clone + 'a {
         let t = self.topology;
-        t.live_nodes.iter().map(move |&i| NodeRef::new(t, i))
+        t.live_nodes.indexes().map(move |i| NodeRef::new(t, i))
     }
 
     /// How many live backends there are.
@@ -159,8 +159,8 @@ impl<'a> NodeRef<'a> {
         let t = self.topology;
         self.entry()
             .backends
-            .iter()
-            .map(move |&i| BackendRef::new(t, i))
+            .indexes()
+            .map(move |i| BackendRef::new(t, i))
     }
 
     /// The backend at internal index `index`, which must come from this view.
@@ -179,9 +179,9 @@ impl<'a> NodeRef<'a> {
         rendezvous::score(key, e.digest, e.slots)
     }
 
-    /// Its live backends' rendezvous inputs.
+    /// Its live backends, with their rendezvous inputs.
     pub(crate) fn ranks(&self) -> &'a RankSet {
-        &self.entry().ranks
+        &self.entry().backends
     }
 }
 
