@@ -62,6 +62,19 @@ where
     svc.ready().await?.call(request(session, mode)).await
 }
 
+/// Awaits every task, failing with `what` if they are not all done within 30 s (a bound for a
+/// hang, not a timing).
+async fn join_within_30s<T>(tasks: Vec<tokio::task::JoinHandle<T>>, what: &str) {
+    let all = async {
+        for task in tasks {
+            task.await.unwrap();
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), all)
+        .await
+        .expect(what);
+}
+
 fn decision(res: &Res) -> Decision {
     res.extensions().get::<Decision>().cloned().unwrap()
 }
@@ -1122,14 +1135,7 @@ async fn under_contention_no_backend_serves_beyond_its_slots_and_every_waiter_is
             })
         })
         .collect();
-    let all = async {
-        for task in tasks {
-            task.await.unwrap();
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(30), all)
-        .await
-        .expect("every waiter was served in time");
+    join_within_30s(tasks, "every waiter was served in time").await;
     for (&(id, slots), gauge) in specs.iter().zip(&gauges) {
         let max = gauge.max.load(SeqCst);
         assert!(
@@ -1198,14 +1204,7 @@ async fn requests_flow_while_discovery_churns_and_no_slot_is_lost() {
             })
         })
         .collect();
-    let all = async {
-        for c in callers {
-            c.await.unwrap();
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(30), all)
-        .await
-        .expect("every request answered in time");
+    join_within_30s(callers, "every request answered in time").await;
     stop.store(true, Ordering::Relaxed);
     let rounds = churn.await.unwrap();
     assert!(rounds > 0, "the fleet churned");
