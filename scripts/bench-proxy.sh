@@ -13,9 +13,12 @@
 #   3. for each target -- nginx directly; our proxy (one backend, 4096 slots, overcommit, so it
 #      never queues or rejects); SGLang's router with --policy round_robin; the same with
 #      --policy cache_aware; our proxy again on one tokio worker thread (TOKIO_WORKER_THREADS=1);
-#      and, as a reference for what a lean proxy costs here, nginx itself as a reverse proxy
-#      (proxy_pass, keep-alive upstream) -- starts it, warms up, then runs wrk with 32
-#      connections and with 1 connection (the added latency alone), each for a fixed duration;
+#      as a reference for what a lean proxy costs here, nginx itself as a reverse proxy
+#      (proxy_pass, keep-alive upstream); and as the floor of a proxy built from the same HTTP
+#      parts as ours, examples/passthrough.rs on one worker, once over hyper-util's pooled
+#      client and once with one backend connection per client connection -- starts it, warms
+#      up, then runs wrk with 32 connections and with 1 connection (the added latency alone),
+#      each for a fixed duration;
 #   4. prints one Markdown table per connection count: requests/s, p50 and p99 latency, each
 #      as a ratio to direct; the p50 added over direct; the cores each process used during the
 #      run ((utime+stime) / wall time, from /proc/PID/stat for servers and from wrk's own
@@ -140,9 +143,10 @@ install_deps() {
         "$VENV/bin/pip" install -q "sglang-router==$SGLANG_ROUTER_VERSION"
     fi
     log "building the proxy example (release)"
-    (cd "$ROOT" && cargo build --release --example proxy -q)
-    # A copy, so that a rebuild in the tree during the run cannot swap the binary under us.
+    (cd "$ROOT" && cargo build --release --example proxy --example passthrough -q)
+    # Copies, so that a rebuild in the tree during the run cannot swap the binaries under us.
     cp "$ROOT/target/release/examples/proxy" "$WORK/proxy"
+    cp "$ROOT/target/release/examples/passthrough" "$WORK/passthrough"
 }
 
 # --- processes -------------------------------------------------------------------------------
@@ -260,6 +264,21 @@ start_ours() { # [VAR=value for the proxy's environment...]
     PIDS+=("$TARGET_PID")
     TARGET_URL="http://127.0.0.1:$port"
     wait_http "$TARGET_URL" "our proxy"
+}
+
+# The floor, not a contender: examples/passthrough.rs, the same HTTP parts as ours with nothing
+# in between, on one tokio worker. "pool": hyper-util's pooled client, as ours uses;
+# "per-connection": one backend connection per client connection, driven in the same task.
+start_passthrough() { # pool | per-connection
+    local port flag=()
+    port=$(free_port)
+    [[ $1 == per-connection ]] && flag=(--per-connection)
+    TOKIO_WORKER_THREADS=1 "${CPU1[@]}" "$WORK/passthrough" "127.0.0.1:$port" \
+        "${BACKEND#http://}" "${flag[@]}" >"$WORK/passthrough-$1.log" 2>&1 &
+    TARGET_PID=$!
+    PIDS+=("$TARGET_PID")
+    TARGET_URL="http://127.0.0.1:$port"
+    wait_http "$TARGET_URL" "the pass-through ($1)"
 }
 
 start_sglang() { # policy
@@ -392,6 +411,12 @@ start_nginx_proxy
 measure nginx_proxy "$TARGET_URL" "${TARGET_PIDS[@]}"
 stop "$TARGET_PID"
 
+for mode in pool per-connection; do
+    start_passthrough "$mode"
+    measure "passthrough_$mode" "$TARGET_URL" "$TARGET_PID"
+    stop "$TARGET_PID"
+done
+
 log "load after: $(cut -d' ' -f1-3 /proc/loadavg)"
 
 python3 - "$WORK/results.txt" "$DURATION" "$PIN" <<'PY' | tee "${OUT:-/dev/null}"
@@ -410,6 +435,8 @@ names = [
     ("sglang_cache_aware", "SGLang `cache_aware`"),
     ("ours_1thread", "our proxy, 1 tokio worker"),
     ("nginx_proxy", "reference: nginx `proxy_pass`"),
+    ("passthrough_pool", "floor: hyper pass-through, pooled client, 1 worker"),
+    ("passthrough_per-connection", "floor: hyper pass-through, per-connection upstream, 1 worker"),
 ]
 
 
@@ -442,7 +469,10 @@ for c in sorted({c for _, c in rows}, reverse=True):
               f"| {per_req} |")
     print("\n| ours / SGLang | requests/s | p50 | p99 | added p50 | verdict (≥ 5x requests/s, ≤ 0.20x added p50) |")
     print("|---|---:|---:|---:|---:|---|")
-    for okey, olabel in [("ours", "ours"), ("ours_1thread", "ours, 1 worker")]:
+    # The floors' rows show the most any proxy built from the same HTTP parts reached in this run.
+    for okey, olabel in [("ours", "ours"), ("ours_1thread", "ours, 1 worker"),
+                         ("passthrough_pool", "floor, pooled"),
+                         ("passthrough_per-connection", "floor, per-connection")]:
         ours = rows.get((okey, c))
         for key, label in names[2:4]:
             s = rows.get((key, c))

@@ -1,0 +1,190 @@
+//! A reverse proxy that does nothing but forward: no key, no placement, no retry, no metrics.
+//! It is the floor against which `scripts/bench-proxy.sh` measures the proxy example: what the
+//! same HTTP parts (hyper's HTTP/1 server through hyper-util, and an HTTP/1 client) cost on
+//! their own on the same machine.
+//!
+//! ```text
+//! cargo run --release --example passthrough -- 127.0.0.1:8080 127.0.0.1:8081          # pooled
+//! cargo run --release --example passthrough -- 127.0.0.1:8080 127.0.0.1:8081 --per-connection
+//! ```
+//!
+//! Two ways to reach the backend:
+//!
+//! - **pooled** (the default): one hyper-util `Client` shared by every connection, as the proxy
+//!   example does. Each request checks a connection out of the pool and hands the request to
+//!   that connection's own task.
+//! - **`--per-connection`**: each client connection gets one backend connection of its own,
+//!   driven in the same task as the client connection, so a request never leaves the task
+//!   that read it. This is the least an HTTP/1 proxy built on hyper can do per request.
+//!
+//! Requests are forwarded as they come (HTTP/1.1, bodies streamed). Nothing is rewritten but
+//! the URI's scheme and authority for the pooled client. `TOKIO_WORKER_THREADS` sets the
+//! runtime's threads.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use http::uri::{Authority, Scheme};
+use http::{Request, Response, StatusCode, Uri};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::client::conn::http1 as client_http1;
+use hyper::service::service_fn;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use tokio::net::{TcpListener, TcpStream};
+use tower_affinity::BoxError;
+
+/// What the proxy answers with: the backend's body, or a short error of its own.
+type Body = http_body_util::combinators::BoxBody<bytes::Bytes, hyper::Error>;
+
+const USAGE: &str = "usage: passthrough LISTEN_ADDR BACKEND_ADDR [--per-connection]";
+
+fn main() -> std::process::ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let parsed = match args.as_slice() {
+        [listen, backend, rest @ ..] if rest.iter().all(|a| a == "--per-connection") => {
+            match (listen.parse(), backend.parse()) {
+                (Ok(l), Ok(b)) => Some((l, b, !rest.is_empty())),
+                _ => None,
+            }
+        }
+        _ => None,
+    };
+    let Some((listen, backend, per_connection)) = parsed else {
+        eprintln!("{USAGE}");
+        return std::process::ExitCode::from(2);
+    };
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("passthrough: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(listen, backend, per_connection)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("passthrough: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(
+    listen: SocketAddr,
+    backend: SocketAddr,
+    per_connection: bool,
+) -> Result<(), BoxError> {
+    let listener = TcpListener::bind(listen).await?;
+    eprintln!(
+        "passthrough: listening on {}, forwarding to {backend} ({})",
+        listener.local_addr()?,
+        if per_connection {
+            "one backend connection per client connection"
+        } else {
+            "pooled"
+        }
+    );
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    let client: Client<HttpConnector, Incoming> =
+        Client::builder(TokioExecutor::new()).build(connector);
+    let authority = Authority::try_from(backend.to_string())?;
+    loop {
+        let (stream, _) = listener.accept().await?;
+        let _ = stream.set_nodelay(true);
+        if per_connection {
+            tokio::spawn(serve_per_connection(stream, backend));
+        } else {
+            tokio::spawn(serve_pooled(stream, client.clone(), authority.clone()));
+        }
+    }
+}
+
+/// Every request through the shared pooled client.
+async fn serve_pooled(
+    stream: TcpStream,
+    client: Client<HttpConnector, Incoming>,
+    authority: Authority,
+) {
+    let service = service_fn(move |mut req: Request<Incoming>| {
+        let mut parts = req.uri().clone().into_parts();
+        parts.scheme = Some(Scheme::HTTP);
+        parts.authority = Some(authority.clone());
+        let uri = Uri::from_parts(parts);
+        let sent = uri.map(|uri| {
+            *req.uri_mut() = uri;
+            client.request(req)
+        });
+        async move {
+            match sent {
+                Ok(fut) => Ok::<_, Infallible>(match fut.await {
+                    Ok(res) => res.map(BodyExt::boxed),
+                    Err(e) => bad_gateway(&e),
+                }),
+                Err(e) => Ok(bad_gateway(&e)),
+            }
+        }
+    });
+    let builder = auto::Builder::new(TokioExecutor::new());
+    let _ = builder
+        .serve_connection(TokioIo::new(stream), service)
+        .await;
+}
+
+/// One backend connection for this client connection, driven by this task: the client's
+/// requests come one at a time, and each goes out on it.
+async fn serve_per_connection(stream: TcpStream, backend: SocketAddr) {
+    let upstream = match TcpStream::connect(backend).await {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("passthrough: connecting to {backend}: {e}");
+            return;
+        }
+    };
+    let _ = upstream.set_nodelay(true);
+    let (sender, upstream_conn) = match client_http1::handshake(TokioIo::new(upstream)).await {
+        Ok(pair) => pair,
+        Err(e) => {
+            eprintln!("passthrough: handshake with {backend}: {e}");
+            return;
+        }
+    };
+    let sender = Arc::new(tokio::sync::Mutex::new(sender));
+    let service = service_fn(move |req: Request<Incoming>| {
+        let sender = sender.clone();
+        async move {
+            let mut sender = sender.lock().await;
+            let sent = match sender.ready().await {
+                Ok(()) => sender.send_request(req),
+                Err(e) => return Ok::<_, Infallible>(bad_gateway(&e)),
+            };
+            drop(sender);
+            Ok(match sent.await {
+                Ok(res) => res.map(BodyExt::boxed),
+                Err(e) => bad_gateway(&e),
+            })
+        }
+    });
+    let builder = auto::Builder::new(TokioExecutor::new());
+    let server = builder.serve_connection(TokioIo::new(stream), service);
+    // The backend connection lives as long as the client's; both are polled here.
+    tokio::select! {
+        _ = server => {}
+        _ = upstream_conn => {}
+    }
+}
+
+fn bad_gateway(e: &dyn std::fmt::Display) -> Response<Body> {
+    let mut res = Response::new(
+        Full::from(format!("bad gateway: {e}\n"))
+            .map_err(|n| match n {})
+            .boxed(),
+    );
+    *res.status_mut() = StatusCode::BAD_GATEWAY;
+    res
+}
