@@ -46,6 +46,8 @@ use tower_affinity::{
     RetryOnce, SessionAffinity, SessionAffinityLayer,
 };
 
+use crate::per_client;
+
 /// The request body once [`BodyKeyLayer`] has buffered it: cloneable, so a failed attempt can
 /// be retried.
 pub(crate) type ReqBody = Full<Bytes>;
@@ -121,6 +123,18 @@ pub(crate) struct Config {
     pub(crate) probe_timeout: Duration,
     /// Learn the slot count of backends given without `slots=` from llama-server's `/slots`.
     pub(crate) probe_slots: bool,
+    /// How requests reach the backends.
+    pub(crate) upstream: UpstreamMode,
+}
+
+/// How requests reach the backends (`--upstream`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum UpstreamMode {
+    /// One pool of backend connections shared by all client connections.
+    #[default]
+    Pooled,
+    /// Each client connection opens and drives its own (see [`per_client`]).
+    PerClient,
 }
 
 impl Config {
@@ -139,6 +153,7 @@ impl Config {
             probe_interval: Some(Duration::from_secs(2)),
             probe_timeout: Duration::from_secs(2),
             probe_slots: true,
+            upstream: UpstreamMode::Pooled,
         }
     }
 }
@@ -155,38 +170,66 @@ pub(crate) struct Upstream {
 }
 
 #[derive(Debug)]
-struct UpstreamInner {
-    client: Client<HttpConnector, ReqBody>,
+pub(crate) struct UpstreamInner {
+    pub(crate) client: Client<HttpConnector, ReqBody>,
+    /// Connects a client connection's own backend connections (`--upstream per-client`).
+    pub(crate) connector: HttpConnector,
+    /// `scheme://authority/`, what `connector` connects to.
+    pub(crate) base: Uri,
     scheme: Scheme,
     authority: Authority,
     /// `Host` for the backend, made once: what the client would otherwise format for every
     /// request (the host, and the port unless it is the scheme's default).
     host: HeaderValue,
     response_timeout: Option<Duration>,
+    per_client: bool,
 }
 
 impl Upstream {
     fn new(
         client: Client<HttpConnector, ReqBody>,
-        scheme: Scheme,
-        authority: Authority,
-        response_timeout: Option<Duration>,
+        connector: HttpConnector,
+        spec: &BackendSpec,
+        config: &Config,
     ) -> Result<Self, BoxError> {
+        let (scheme, authority) = (spec.scheme.clone(), spec.authority.clone());
         let default_port = if scheme == Scheme::HTTPS { 443 } else { 80 };
         let host = match authority.port_u16() {
             Some(port) if port != default_port => format!("{}:{port}", authority.host()),
             _ => authority.host().to_string(),
         };
         let host = HeaderValue::try_from(host)?;
+        let base = Uri::builder()
+            .scheme(scheme.clone())
+            .authority(authority.clone())
+            .path_and_query("/")
+            .build()?;
         Ok(Upstream {
             inner: Arc::new(UpstreamInner {
                 client,
+                connector,
+                base,
                 scheme,
                 authority,
                 host,
-                response_timeout,
+                response_timeout: config.response_timeout,
+                per_client: config.upstream == UpstreamMode::PerClient,
             }),
         })
+    }
+}
+
+impl UpstreamInner {
+    /// `req` with the backend's scheme and authority in its URI, as the pooled client needs.
+    pub(crate) fn absolute(&self, mut req: Request<ReqBody>) -> Result<Request<ReqBody>, BoxError> {
+        let mut parts = req.uri().clone().into_parts();
+        parts.scheme = Some(self.scheme.clone());
+        parts.authority = Some(self.authority.clone());
+        if parts.path_and_query.is_none() {
+            parts.path_and_query = Some(PathAndQuery::from_static("/"));
+        }
+        *req.uri_mut() = Uri::from_parts(parts)?;
+        Ok(req)
     }
 }
 
@@ -274,30 +317,37 @@ impl Service<Request<ReqBody>> for Upstream {
 
     fn call(&mut self, mut req: Request<ReqBody>) -> Self::Future {
         let inner = &*self.inner;
-        let mut parts = req.uri().clone().into_parts();
-        parts.scheme = Some(inner.scheme.clone());
-        parts.authority = Some(inner.authority.clone());
-        if parts.path_and_query.is_none() {
-            parts.path_and_query = Some(PathAndQuery::from_static("/"));
-        }
-        match Uri::from_parts(parts) {
-            Ok(uri) => *req.uri_mut() = uri,
-            Err(e) => return UpstreamFuture::failed(e.into()),
-        }
         strip_hop_by_hop(req.headers_mut());
         // The client keeps a `Host` it finds.
         req.headers_mut().insert(header::HOST, inner.host.clone());
         // The backend connection is HTTP/1.1 whatever the client spoke.
         *req.version_mut() = Version::HTTP_11;
-        let fut = inner.client.request(req);
-        UpstreamFuture {
-            state: match inner.response_timeout {
-                None => UpstreamState::Sending { fut },
-                Some(after) => UpstreamState::Timed {
-                    fut: tokio::time::timeout(after, fut),
-                    after,
-                },
-            },
+        if let Some(conns) = inner.per_client.then(per_client::current).flatten() {
+            // The request line keeps the client's origin-form target.
+            let fut = per_client::send(conns, &self.inner, req);
+            return UpstreamFuture::new(inner, Route::PerClient(Box::pin(fut)));
+        }
+        match inner.absolute(req) {
+            Ok(req) => UpstreamFuture::new(inner, Route::Pooled(inner.client.request(req))),
+            Err(e) => UpstreamFuture::failed(e),
+        }
+    }
+}
+
+/// Where a request went: through the pooled client, or on a backend connection of its client
+/// connection.
+enum Route {
+    Pooled(ResponseFuture),
+    PerClient(Pin<Box<dyn Future<Output = Result<Response<Incoming>, BoxError>> + Send>>),
+}
+
+impl Future for Route {
+    type Output = Result<Response<Incoming>, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.get_mut() {
+            Route::Pooled(fut) => Pin::new(fut).poll(cx).map_err(Into::into),
+            Route::PerClient(fut) => fut.as_mut().poll(cx),
         }
     }
 }
@@ -314,13 +364,25 @@ pin_project! {
 pin_project! {
     #[project = UpstreamProj]
     enum UpstreamState {
-        Sending { fut: ResponseFuture },
-        Timed { #[pin] fut: tokio::time::Timeout<ResponseFuture>, after: Duration },
+        Sending { fut: Route },
+        Timed { #[pin] fut: tokio::time::Timeout<Route>, after: Duration },
         Failed { error: Option<BoxError> },
     }
 }
 
 impl UpstreamFuture {
+    fn new(inner: &UpstreamInner, fut: Route) -> Self {
+        UpstreamFuture {
+            state: match inner.response_timeout {
+                None => UpstreamState::Sending { fut },
+                Some(after) => UpstreamState::Timed {
+                    fut: tokio::time::timeout(after, fut),
+                    after,
+                },
+            },
+        }
+    }
+
     fn failed(e: BoxError) -> Self {
         UpstreamFuture {
             state: UpstreamState::Failed { error: Some(e) },
@@ -397,19 +459,14 @@ impl Proxy {
         connector.set_connect_timeout(Some(config.connect_timeout));
         connector.set_nodelay(true);
         let client = Client::builder(TokioExecutor::new()).build(connector.clone());
-        let probe_client = Client::builder(TokioExecutor::new()).build(connector);
+        let probe_client = Client::builder(TokioExecutor::new()).build(connector.clone());
 
         let (fleet, discovery) = discover::channel();
         let upstreams = config
             .backends
             .iter()
             .map(|spec| {
-                let upstream = Upstream::new(
-                    client.clone(),
-                    spec.scheme.clone(),
-                    spec.authority.clone(),
-                    config.response_timeout,
-                )?;
+                let upstream = Upstream::new(client.clone(), connector.clone(), spec, &config)?;
                 Ok((spec.clone(), upstream))
             })
             .collect::<Result<Vec<_>, BoxError>>()?;
@@ -477,6 +534,7 @@ impl Proxy {
             shared: Arc::new(FrontShared {
                 registry: self.registry.clone(),
                 wait_seconds: self.wait_seconds.clone(),
+                upstream: self.config.upstream,
             }),
             forward,
         }
@@ -798,6 +856,7 @@ pub(crate) struct Front {
 struct FrontShared {
     registry: Arc<Registry>,
     wait_seconds: Histogram,
+    upstream: UpstreamMode,
 }
 
 impl fmt::Debug for Front {
@@ -889,11 +948,17 @@ pub(crate) async fn serve(
         let service = TowerToHyperService::new(front.clone());
         let conn = builder.serve_connection(TokioIo::new(stream), service);
         let conn = graceful.watch(conn.into_owned());
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
+        let ended = |r: Result<(), BoxError>| {
+            if let Err(e) = r {
                 tracing::trace!(error = %e, "connection ended with an error");
             }
-        });
+        };
+        match front.shared.upstream {
+            UpstreamMode::Pooled => tokio::spawn(async move { ended(conn.await) }),
+            UpstreamMode::PerClient => {
+                tokio::spawn(async move { ended(per_client::WithClientConns::new(conn).await) })
+            }
+        };
     }
     drop(listener);
     graceful.shutdown().await;

@@ -8,7 +8,7 @@ use http::uri::Scheme;
 use http::Uri;
 use tower_affinity::Overflow;
 
-use crate::app::{BackendSpec, Config, Policy};
+use crate::app::{BackendSpec, Config, Policy, UpstreamMode};
 
 pub(crate) const USAGE: &str = "\
 usage: proxy --listen ADDR --backend NODE=URL[,slots=N][,id=NAME]... [options]
@@ -43,6 +43,10 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
   --body-limit SIZE          largest request body, e.g. 16MiB (default); larger is 413
   --read-timeout DURATION    longest time to receive a request body (default 60s;
                              0 turns it off); slower is 408
+  --upstream U               pooled (default): one pool of backend connections for
+                             all clients | per-client: each client connection opens
+                             and drives its own (fewer hand-offs; more connections,
+                             which llama-server pays a thread each for)
   --worker-threads N         tokio worker threads (default: tokio's, one per CPU
                              unless TOKIO_WORKER_THREADS says otherwise)
   -v, --verbose              debug logs
@@ -133,6 +137,13 @@ where
             "--read-timeout" => {
                 let d = duration(&flag, &value()?)?;
                 config.read_timeout = (!d.is_zero()).then_some(d);
+            }
+            "--upstream" => {
+                config.upstream = match value()?.as_str() {
+                    "pooled" => UpstreamMode::Pooled,
+                    "per-client" => UpstreamMode::PerClient,
+                    v => return Err(format!("--upstream {v:?}: expected pooled or per-client")),
+                }
             }
             "--worker-threads" => {
                 let v = value()?;

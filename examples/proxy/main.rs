@@ -17,6 +17,7 @@
 
 mod app;
 mod cli;
+mod per_client;
 
 use std::process::ExitCode;
 use std::sync::Arc;

@@ -8,6 +8,9 @@
 #[allow(dead_code)]
 #[path = "../../examples/proxy/app.rs"]
 mod app;
+#[allow(dead_code)]
+#[path = "../../examples/proxy/per_client.rs"]
+mod per_client;
 #[path = "../support/proxy.rs"]
 mod proxy;
 #[path = "../support/server.rs"]

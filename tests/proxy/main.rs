@@ -13,6 +13,8 @@ mod cli;
 #[allow(dead_code)]
 #[path = "../support/llama_stub.rs"]
 mod llama_stub;
+#[path = "../../examples/proxy/per_client.rs"]
+mod per_client;
 #[path = "../support/proxy.rs"]
 mod proxy;
 
@@ -33,7 +35,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tower_affinity::Overflow;
 
-use app::{Config, Proxy};
+use app::{Config, Proxy, UpstreamMode};
 use llama_stub::Stub;
 
 /// The longest any single request or body read may take.
@@ -61,6 +63,12 @@ fn config(stubs: &[(&str, &Stub)]) -> Config {
         .collect();
     let mut config = Config::new(backends);
     config.probe_interval = None;
+    config
+}
+
+/// `config` reaching its backends the `mode` way.
+fn upstream(mut config: Config, mode: UpstreamMode) -> Config {
+    config.upstream = mode;
     config
 }
 
@@ -222,12 +230,25 @@ fn usage(answer: &Answer) -> (u64, u64) {
 
 #[tokio::test]
 async fn turns_of_a_session_return_to_the_same_backend() {
+    turns_of_a_session_return_to_the_same_backend_with(UpstreamMode::Pooled).await;
+}
+
+#[tokio::test]
+async fn per_client_turns_of_a_session_return_to_the_same_backend() {
+    turns_of_a_session_return_to_the_same_backend_with(UpstreamMode::PerClient).await;
+}
+
+async fn turns_of_a_session_return_to_the_same_backend_with(mode: UpstreamMode) {
     let (a1, a2, b1) = (
         Stub::start("a1", 2).await,
         Stub::start("a2", 2).await,
         Stub::start("b1", 2).await,
     );
-    let proxy = start(config(&[("node-a", &a1), ("node-a", &a2), ("node-b", &b1)])).await;
+    let proxy = start(upstream(
+        config(&[("node-a", &a1), ("node-a", &a2), ("node-b", &b1)]),
+        mode,
+    ))
+    .await;
 
     for s in 0..4 {
         let mut conv = Conversation::new(&format!("agent-{s}"));
@@ -270,8 +291,25 @@ async fn turns_of_a_session_return_to_the_same_backend() {
 
 #[tokio::test]
 async fn a_stream_reaches_the_client_before_it_ends_and_holds_its_slot_until_then() {
+    a_stream_reaches_the_client_before_it_ends_and_holds_its_slot_until_then_with(
+        UpstreamMode::Pooled,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn per_client_a_stream_reaches_the_client_before_it_ends_and_holds_its_slot_until_then() {
+    a_stream_reaches_the_client_before_it_ends_and_holds_its_slot_until_then_with(
+        UpstreamMode::PerClient,
+    )
+    .await;
+}
+
+async fn a_stream_reaches_the_client_before_it_ends_and_holds_its_slot_until_then_with(
+    mode: UpstreamMode,
+) {
     let a = Stub::start("a", 2).await;
-    let proxy = start(config(&[("node-a", &a)])).await;
+    let proxy = start(upstream(config(&[("node-a", &a)]), mode)).await;
     a.hold_streams();
 
     let body = Conversation::new("streamer").next(json!({"stream": true}));
@@ -333,8 +371,25 @@ async fn a_stream_reaches_the_client_before_it_ends_and_holds_its_slot_until_the
 
 #[tokio::test]
 async fn a_killed_backend_is_skipped_and_its_sessions_placed_again_without_an_error() {
+    a_killed_backend_is_skipped_and_its_sessions_placed_again_without_an_error_with(
+        UpstreamMode::Pooled,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn per_client_a_killed_backend_is_skipped_and_its_sessions_placed_again_without_an_error() {
+    a_killed_backend_is_skipped_and_its_sessions_placed_again_without_an_error_with(
+        UpstreamMode::PerClient,
+    )
+    .await;
+}
+
+async fn a_killed_backend_is_skipped_and_its_sessions_placed_again_without_an_error_with(
+    mode: UpstreamMode,
+) {
     let (a, b) = (Stub::start("a", 2).await, Stub::start("b", 2).await);
-    let proxy = start(config(&[("node-a", &a), ("node-b", &b)])).await;
+    let proxy = start(upstream(config(&[("node-a", &a), ("node-b", &b)]), mode)).await;
 
     // Sessions until a few are homed on `a` (rendezvous spreads them; 32 tries are plenty).
     let mut on_a = Vec::new();
@@ -541,8 +596,17 @@ async fn an_oversize_body_is_413_and_never_reaches_a_backend() {
 
 #[tokio::test]
 async fn a_non_json_request_passes_through_byte_for_byte() {
+    a_non_json_request_passes_through_byte_for_byte_with(UpstreamMode::Pooled).await;
+}
+
+#[tokio::test]
+async fn per_client_a_non_json_request_passes_through_byte_for_byte() {
+    a_non_json_request_passes_through_byte_for_byte_with(UpstreamMode::PerClient).await;
+}
+
+async fn a_non_json_request_passes_through_byte_for_byte_with(mode: UpstreamMode) {
     let a = Stub::start("a", 2).await;
-    let proxy = start(config(&[("node-a", &a)])).await;
+    let proxy = start(upstream(config(&[("node-a", &a)]), mode)).await;
 
     let payload: &'static [u8] = b"\x00\x01\xfe\xff{not json\r\n\x7f";
     let req = Request::post(proxy.url("/upload/raw?x=1&y=%20z"))
@@ -571,6 +635,11 @@ async fn a_non_json_request_passes_through_byte_for_byte() {
         seen.uri.path_and_query().unwrap().as_str(),
         "/upload/raw?x=1&y=%20z"
     );
+    assert!(
+        seen.uri.authority().is_none(),
+        "the request line is origin-form: {}",
+        seen.uri
+    );
     assert_eq!(&seen.body[..], payload);
     assert_eq!(seen.headers["content-type"], "application/octet-stream");
     assert_eq!(seen.headers["x-custom"], "kept");
@@ -586,6 +655,106 @@ async fn a_non_json_request_passes_through_byte_for_byte() {
         a.echoed()[1].uri.path_and_query().unwrap().as_str(),
         "/v1/models?limit=1"
     );
+}
+
+/// Sends `n` GETs one after another on one client connection of its own to the proxy.
+async fn gets_on_one_connection(proxy: &Running, n: usize) {
+    let stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let (mut tx, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+    let conn = tokio::spawn(conn);
+    for i in 0..n {
+        let req = Request::get(format!("/v1/models?i={i}"))
+            .header("host", proxy.addr.to_string())
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let res = tokio::time::timeout(DEADLINE, tx.send_request(req))
+            .await
+            .expect("no response in time")
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::CREATED);
+        tokio::time::timeout(DEADLINE, res.into_body().collect())
+            .await
+            .expect("no body in time")
+            .unwrap();
+    }
+    drop(tx);
+    tokio::time::timeout(DEADLINE, conn)
+        .await
+        .expect("the client connection did not close")
+        .unwrap()
+        .unwrap();
+}
+
+#[tokio::test]
+async fn per_client_requests_of_one_client_connection_share_one_backend_connection() {
+    let a = Stub::start("a", 2).await;
+    let proxy = start(upstream(config(&[("node-a", &a)]), UpstreamMode::PerClient)).await;
+
+    gets_on_one_connection(&proxy, 5).await;
+    assert_eq!(a.echoed().len(), 5);
+    assert_eq!(a.connections(), 1, "one backend connection for the five");
+    gets_on_one_connection(&proxy, 3).await;
+    assert_eq!(a.echoed().len(), 8);
+    assert_eq!(
+        a.connections(),
+        2,
+        "one more for the second client connection"
+    );
+}
+
+#[tokio::test]
+async fn per_client_http2_streams_go_through_the_pool_and_are_served() {
+    let n = 6;
+    let a = Stub::start("a", n).await;
+    let mut config = upstream(config(&[("node-a", &a)]), UpstreamMode::PerClient);
+    config.backends[0].slots = std::num::NonZeroU32::new(u32::try_from(n).unwrap());
+    let proxy = start(config).await;
+    a.hold_streams();
+
+    // One HTTP/2 client connection carrying `n` streams at once, each held after its first
+    // chunk. hyper serves each stream in a task of its own, so they go through the pooled
+    // client: one backend connection per stream in flight.
+    let client = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http::<Full<Bytes>>();
+    let mut bodies = Vec::new();
+    for s in 0..n {
+        let body = Conversation::new(&format!("h2-{s}")).next(json!({"stream": true}));
+        let req = Request::post(proxy.url("/v1/chat/completions"))
+            .header("x-session-id", format!("h2-{s}"))
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body.to_string())))
+            .unwrap();
+        let res = tokio::time::timeout(DEADLINE, client.request(req))
+            .await
+            .expect("no response in time")
+            .unwrap();
+        assert_eq!(res.status(), 200, "stream {s}");
+        let mut body = res.into_body();
+        tokio::time::timeout(DEADLINE, body.frame())
+            .await
+            .expect("no first chunk in time")
+            .unwrap()
+            .unwrap();
+        bodies.push(body);
+    }
+    assert_eq!(proxy.proxy.affinity().stats().in_flight, n);
+    assert_eq!(a.connections(), n, "one backend connection per stream");
+
+    a.release_streams();
+    for (s, body) in bodies.into_iter().enumerate() {
+        let rest = tokio::time::timeout(DEADLINE, body.collect())
+            .await
+            .expect("the stream stalled")
+            .unwrap()
+            .to_bytes();
+        let rest = String::from_utf8(rest.to_vec()).unwrap();
+        assert!(rest.ends_with("data: [DONE]\n\n"), "stream {s}: {rest:?}");
+    }
+    assert_eq!(proxy.proxy.affinity().stats().in_flight, 0);
 }
 
 // === overflow and metrics ===
@@ -773,6 +942,8 @@ fn every_option_parses_and_bad_values_are_explained() {
         "0",
         "--worker-threads",
         "3",
+        "--upstream",
+        "per-client",
         "-v",
     ];
     let cli::Command::Run(run) = cli::parse(args).unwrap() else {
@@ -799,6 +970,7 @@ fn every_option_parses_and_bad_values_are_explained() {
     assert!(!c.probe_slots);
     assert_eq!(c.body_limit, 2 << 20);
     assert_eq!(c.read_timeout, None);
+    assert_eq!(c.upstream, UpstreamMode::PerClient);
 
     let cli::Command::Run(defaults) = cli::parse(["--backend", "n=http://x:1"]).unwrap() else {
         panic!("not a run");
@@ -806,6 +978,7 @@ fn every_option_parses_and_bad_values_are_explained() {
     let d = &defaults.config;
     assert_eq!(d.response_timeout, Some(Duration::from_secs(600)));
     assert_eq!(d.read_timeout, Some(Duration::from_secs(60)));
+    assert_eq!(d.upstream, UpstreamMode::Pooled);
 
     for (args, needle) in [
         (
@@ -831,6 +1004,10 @@ fn every_option_parses_and_bad_values_are_explained() {
             "at least 1",
         ),
         (vec!["--backend"], "needs a value"),
+        (
+            vec!["--backend", "n=http://x:1", "--upstream", "shared"],
+            "pooled or per-client",
+        ),
     ] {
         let err = cli::parse(args.clone()).unwrap_err();
         assert!(err.contains(needle), "{args:?}: {err}");

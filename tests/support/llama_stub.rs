@@ -49,6 +49,8 @@ pub(crate) struct StubState {
     /// Streams send their first chunk, then take a permit before the rest.
     gate: Semaphore,
     pub(crate) echoed: Mutex<Vec<Echoed>>,
+    /// Connections accepted.
+    pub(crate) connections: Arc<AtomicUsize>,
 }
 
 /// A running stub. Dropping it, or [`Stub::kill`], closes its listener and every connection.
@@ -71,6 +73,7 @@ impl Stub {
             streams_finished: AtomicUsize::new(0),
             gate: Semaphore::new(Semaphore::MAX_PERMITS),
             echoed: Mutex::new(Vec::new()),
+            connections: Arc::default(),
         });
         let router = Router::new()
             .route("/health", get(health))
@@ -80,7 +83,7 @@ impl Stub {
             .with_state(state.clone());
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let server = server::spawn(listener, router);
+        let server = server::spawn_counted(listener, router, state.connections.clone());
         Stub {
             addr,
             state,
@@ -119,6 +122,11 @@ impl Stub {
         self.state
             .gate
             .add_permits(Semaphore::MAX_PERMITS - self.state.gate.available_permits());
+    }
+
+    /// Connections the stub has accepted.
+    pub(crate) fn connections(&self) -> usize {
+        self.state.connections.load(Ordering::Relaxed)
     }
 
     pub(crate) fn chats(&self) -> usize {

@@ -1,0 +1,181 @@
+//! `--upstream per-client`: backend connections that belong to one client connection.
+//!
+//! With the pooled client (the default), every request is handed from the client connection's
+//! task to a pooled backend connection's own task, and its response handed back. Here each
+//! client connection opens its own backend connections, and its task drives them: a request
+//! and its response stay in the task that read the request. That saves the hand-offs and the
+//! pool's bookkeeping, at the price of more backend connections: one per client connection
+//! and backend it uses (at most [`MAX_PER_BACKEND`]), open as long as the client connection
+//! is. Suits backends that hold many idle connections at little cost; a backend that gives
+//! each open connection a thread of its own, as `llama-server` does, is better served pooled.
+//!
+//! This applies to HTTP/1 client connections, which carry one request at a time. hyper serves
+//! each HTTP/2 stream in a task of its own, outside its connection's task: those requests go
+//! through the pooled client.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+
+use http::Response;
+use hyper::body::Incoming;
+use hyper::client::conn::http1::{self, SendRequest};
+use parking_lot::Mutex;
+use pin_project_lite::pin_project;
+use tower::ServiceExt;
+use tower_affinity::BoxError;
+
+use crate::app::{ReqBody, UpstreamInner};
+
+/// The most backend connections one client connection opens to one backend. An HTTP/1 client
+/// connection needs one: its next request comes once the previous response is sent, and by
+/// then the backend connection is free again. A second one opens only if the backend
+/// connection has not yet taken note that its response ended. Past the bound, requests go
+/// through the pooled client.
+pub(crate) const MAX_PER_BACKEND: usize = 4;
+
+tokio::task_local! {
+    /// The backend connections of the client connection whose task is running.
+    static CONNS: Arc<ClientConns>;
+}
+
+/// A backend connection's own future: it reads and writes that connection.
+type Driver = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// The backend connections of one client connection.
+#[derive(Default)]
+pub(crate) struct ClientConns {
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    /// Every open connection, free or busy, with the backend it goes to.
+    senders: Vec<(Arc<UpstreamInner>, SendRequest<ReqBody>)>,
+    /// Connections opened since the task last looked, for it to drive.
+    opened: Vec<Driver>,
+    /// The task's waker, to have it drive a connection just opened.
+    waker: Option<Waker>,
+}
+
+impl ClientConns {
+    /// A connection to `backend` that is free for a request, taken out; or whether another
+    /// may be opened (`Err(true)`) or the pooled client has to serve (`Err(false)`).
+    fn take(&self, backend: &Arc<UpstreamInner>) -> Result<SendRequest<ReqBody>, bool> {
+        let mut state = self.state.lock();
+        state.senders.retain(|(_, tx)| !tx.is_closed());
+        let mut open = 0;
+        for (i, (b, tx)) in state.senders.iter().enumerate() {
+            if Arc::ptr_eq(b, backend) {
+                if tx.is_ready() {
+                    return Ok(state.senders.swap_remove(i).1);
+                }
+                open += 1;
+            }
+        }
+        Err(open < MAX_PER_BACKEND)
+    }
+
+    /// Puts a connection back, busy or not: it takes the next request once it is free.
+    fn put(&self, backend: Arc<UpstreamInner>, tx: SendRequest<ReqBody>) {
+        self.state.lock().senders.push((backend, tx));
+    }
+
+    /// Hands a new connection's future to the task, and wakes it to drive it.
+    fn drive(&self, driver: Driver) {
+        let mut state = self.state.lock();
+        state.opened.push(driver);
+        if let Some(w) = &state.waker {
+            w.wake_by_ref();
+        }
+    }
+}
+
+/// The backend connections of the running client connection; `None` outside a client
+/// connection's task (an HTTP/2 stream's, say), where the pooled client serves.
+pub(crate) fn current() -> Option<Arc<ClientConns>> {
+    CONNS.try_with(Arc::clone).ok()
+}
+
+/// Sends `req` on one of `conns`' connections to `upstream`, opening one if none is free, or
+/// through the pooled client if `conns` has [`MAX_PER_BACKEND`] to it already.
+pub(crate) fn send(
+    conns: Arc<ClientConns>,
+    upstream: &Arc<UpstreamInner>,
+    req: http::Request<ReqBody>,
+) -> impl Future<Output = Result<Response<Incoming>, BoxError>> + Send + 'static {
+    let upstream = upstream.clone();
+    async move {
+        let mut tx = match conns.take(&upstream) {
+            Ok(tx) => tx,
+            Err(true) => {
+                let io = upstream
+                    .connector
+                    .clone()
+                    .oneshot(upstream.base.clone())
+                    .await?;
+                let (tx, conn) = http1::handshake(io).await?;
+                conns.drive(Box::pin(async move {
+                    if let Err(e) = conn.await {
+                        tracing::debug!(error = %e, "backend connection ended with an error");
+                    }
+                }));
+                tx
+            }
+            Err(false) => return Ok(upstream.client.request(upstream.absolute(req)?).await?),
+        };
+        let sent = tx.send_request(req);
+        conns.put(upstream, tx);
+        Ok(sent.await?)
+    }
+}
+
+pin_project! {
+    /// A client connection's future, driving the backend connections it opens.
+    pub(crate) struct WithClientConns<F> {
+        #[pin]
+        inner: F,
+        conns: Arc<ClientConns>,
+        drivers: Vec<Driver>,
+    }
+}
+
+impl<F> WithClientConns<F> {
+    pub(crate) fn new(inner: F) -> Self {
+        WithClientConns {
+            inner,
+            conns: Arc::default(),
+            drivers: Vec::new(),
+        }
+    }
+}
+
+impl<F: Future> Future for WithClientConns<F> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let this = self.project();
+        {
+            let mut state = this.conns.state.lock();
+            if !state
+                .waker
+                .as_ref()
+                .is_some_and(|w| w.will_wake(cx.waker()))
+            {
+                state.waker = Some(cx.waker().clone());
+            }
+        }
+        drive(this.conns, this.drivers, cx);
+        let out = CONNS.sync_scope(this.conns.clone(), || this.inner.poll(cx));
+        // A request sent in that poll goes out now, not on the next wake.
+        drive(this.conns, this.drivers, cx);
+        out
+    }
+}
+
+/// Polls every backend connection once, newly opened ones too; drops those that ended.
+fn drive(conns: &ClientConns, drivers: &mut Vec<Driver>, cx: &mut Context<'_>) {
+    drivers.append(&mut conns.state.lock().opened);
+    drivers.retain_mut(|d| d.as_mut().poll(cx).is_pending());
+}
