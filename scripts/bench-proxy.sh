@@ -13,6 +13,7 @@
 #   3. for each target -- nginx directly; our proxy (one backend, 4096 slots, overcommit, so it
 #      never queues or rejects); SGLang's router with --policy round_robin; the same with
 #      --policy cache_aware; our proxy again on one tokio worker thread (TOKIO_WORKER_THREADS=1);
+#      our proxy with --upstream per-client, on the default runtime and on one worker;
 #      as a reference for what a lean proxy costs here, nginx itself as a reverse proxy
 #      (proxy_pass, keep-alive upstream); and as the floor of a proxy built from the same HTTP
 #      parts as ours, examples/passthrough.rs on one worker, once over hyper-util's pooled
@@ -254,11 +255,13 @@ EOF
 # The nginx master and its worker, into the array NGINX_PIDS.
 nginx_pids() { mapfile -t NGINX_PIDS < <(echo "$NGINX_PID"; pgrep -P "$NGINX_PID" || true); }
 
-start_ours() { # [VAR=value for the proxy's environment...]
-    local port
+start_ours() { # [VAR=value for the proxy's environment...] [-- proxy options...]
+    local port vars=() opts=()
+    while (($#)) && [[ $1 != -- ]]; do vars+=("$1"); shift; done
+    (($#)) && shift && opts=("$@")
     port=$(free_port)
-    env "$@" "${CPU1[@]}" "$WORK/proxy" --listen "127.0.0.1:$port" \
-        --backend "node-a=$BACKEND,slots=4096" --overflow overcommit \
+    env "${vars[@]+"${vars[@]}"}" "${CPU1[@]}" "$WORK/proxy" --listen "127.0.0.1:$port" \
+        --backend "node-a=$BACKEND,slots=4096" --overflow overcommit "${opts[@]+"${opts[@]}"}" \
         >"$WORK/proxy.log" 2>&1 &
     TARGET_PID=$!
     PIDS+=("$TARGET_PID")
@@ -402,6 +405,15 @@ start_ours TOKIO_WORKER_THREADS=1
 measure ours_1thread "$TARGET_URL" "$TARGET_PID"
 stop "$TARGET_PID"
 
+# Both again with --upstream per-client: each client connection drives its own backend
+# connections (examples/proxy/per_client.rs).
+start_ours -- --upstream per-client
+measure ours_per_client "$TARGET_URL" "$TARGET_PID"
+stop "$TARGET_PID"
+start_ours TOKIO_WORKER_THREADS=1 -- --upstream per-client
+measure ours_per_client_1thread "$TARGET_URL" "$TARGET_PID"
+stop "$TARGET_PID"
+
 for policy in round_robin cache_aware; do
     start_sglang "$policy"
     measure "sglang_$policy" "$TARGET_URL" "$TARGET_PID"
@@ -434,6 +446,8 @@ names = [
     ("sglang_round_robin", "SGLang `round_robin`"),
     ("sglang_cache_aware", "SGLang `cache_aware`"),
     ("ours_1thread", "our proxy, 1 tokio worker"),
+    ("ours_per_client", "our proxy, `--upstream per-client`"),
+    ("ours_per_client_1thread", "our proxy, `--upstream per-client`, 1 tokio worker"),
     ("nginx_proxy", "reference: nginx `proxy_pass`"),
     ("passthrough_pool", "floor: hyper pass-through, pooled client, 1 worker"),
     ("passthrough_per-connection", "floor: hyper pass-through, per-connection upstream, 1 worker"),
@@ -471,6 +485,8 @@ for c in sorted({c for _, c in rows}, reverse=True):
     print("|---|---:|---:|---:|---:|---|")
     # The floors' rows show the most any proxy built from the same HTTP parts reached in this run.
     for okey, olabel in [("ours", "ours"), ("ours_1thread", "ours, 1 worker"),
+                         ("ours_per_client", "ours, per-client"),
+                         ("ours_per_client_1thread", "ours, per-client, 1 worker"),
                          ("passthrough_pool", "floor, pooled"),
                          ("passthrough_per-connection", "floor, per-connection")]:
         ours = rows.get((okey, c))
