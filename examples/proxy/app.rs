@@ -323,7 +323,20 @@ impl Service<Request<ReqBody>> for Upstream {
         // The backend connection is HTTP/1.1 whatever the client spoke.
         *req.version_mut() = Version::HTTP_11;
         if let Some(conns) = inner.per_client.then(per_client::current).flatten() {
-            // The request line keeps the client's origin-form target.
+            // The request line carries the target in origin-form, as the pooled client writes it.
+            if req.uri().authority().is_some() {
+                let mut parts = http::uri::Parts::default();
+                parts.path_and_query = Some(
+                    req.uri()
+                        .path_and_query()
+                        .cloned()
+                        .unwrap_or_else(|| PathAndQuery::from_static("/")),
+                );
+                match Uri::from_parts(parts) {
+                    Ok(uri) => *req.uri_mut() = uri,
+                    Err(e) => return UpstreamFuture::failed(e.into()),
+                }
+            }
             let fut = per_client::send(conns, &self.inner, req);
             return UpstreamFuture::new(inner, Route::PerClient(Box::pin(fut)));
         }

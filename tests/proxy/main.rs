@@ -657,7 +657,8 @@ async fn a_non_json_request_passes_through_byte_for_byte_with(mode: UpstreamMode
     );
 }
 
-/// Sends `n` GETs one after another on one client connection of its own to the proxy.
+/// Sends `n` GETs one after another on one client connection of its own to the proxy; the
+/// first names its target in absolute-form, as a client of a forward proxy would.
 async fn gets_on_one_connection(proxy: &Running, n: usize) {
     let stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
     let (mut tx, conn) =
@@ -666,7 +667,12 @@ async fn gets_on_one_connection(proxy: &Running, n: usize) {
             .unwrap();
     let conn = tokio::spawn(conn);
     for i in 0..n {
-        let req = Request::get(format!("/v1/models?i={i}"))
+        let target = if i == 0 {
+            format!("http://{}/v1/models?i={i}", proxy.addr)
+        } else {
+            format!("/v1/models?i={i}")
+        };
+        let req = Request::get(target)
             .header("host", proxy.addr.to_string())
             .body(Full::new(Bytes::new()))
             .unwrap();
@@ -703,6 +709,10 @@ async fn per_client_requests_of_one_client_connection_share_one_backend_connecti
         2,
         "one more for the second client connection"
     );
+    for seen in a.echoed() {
+        assert!(seen.uri.authority().is_none(), "origin-form: {}", seen.uri);
+        assert!(seen.uri.path().starts_with("/v1/models"), "{}", seen.uri);
+    }
 }
 
 #[tokio::test]
