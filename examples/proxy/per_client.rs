@@ -156,16 +156,6 @@ impl<F: Future> Future for WithClientConns<F> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
         let this = self.project();
-        {
-            let mut state = this.conns.state.lock();
-            if !state
-                .waker
-                .as_ref()
-                .is_some_and(|w| w.will_wake(cx.waker()))
-            {
-                state.waker = Some(cx.waker().clone());
-            }
-        }
         drive(this.conns, this.drivers, cx);
         let out = CONNS.sync_scope(this.conns.clone(), || this.inner.poll(cx));
         // A request sent in that poll goes out now, not on the next wake.
@@ -174,8 +164,19 @@ impl<F: Future> Future for WithClientConns<F> {
     }
 }
 
-/// Polls every backend connection once, newly opened ones too; drops those that ended.
+/// Polls every backend connection once, newly opened ones too, and drops those that ended;
+/// keeps the task's waker for [`ClientConns::drive`]. One lock a call.
 fn drive(conns: &ClientConns, drivers: &mut Vec<Driver>, cx: &mut Context<'_>) {
-    drivers.append(&mut conns.state.lock().opened);
+    {
+        let mut state = conns.state.lock();
+        if !state
+            .waker
+            .as_ref()
+            .is_some_and(|w| w.will_wake(cx.waker()))
+        {
+            state.waker = Some(cx.waker().clone());
+        }
+        drivers.append(&mut state.opened);
+    }
     drivers.retain_mut(|d| d.as_mut().poll(cx).is_pending());
 }
