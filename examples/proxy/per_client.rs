@@ -18,6 +18,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 
+use futures_util::stream::{FuturesUnordered, StreamExt};
 use http::Response;
 use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
@@ -137,7 +138,8 @@ pin_project! {
         #[pin]
         inner: F,
         conns: Arc<ClientConns>,
-        drivers: Vec<Driver>,
+        // Polls only the connections whose waker fired, not every one on every wake.
+        drivers: FuturesUnordered<Driver>,
     }
 }
 
@@ -146,7 +148,7 @@ impl<F> WithClientConns<F> {
         WithClientConns {
             inner,
             conns: Arc::default(),
-            drivers: Vec::new(),
+            drivers: FuturesUnordered::new(),
         }
     }
 }
@@ -164,9 +166,9 @@ impl<F: Future> Future for WithClientConns<F> {
     }
 }
 
-/// Polls every backend connection once, newly opened ones too, and drops those that ended;
-/// keeps the task's waker for [`ClientConns::drive`]. One lock a call.
-fn drive(conns: &ClientConns, drivers: &mut Vec<Driver>, cx: &mut Context<'_>) {
+/// Polls the backend connections that were woken and those newly opened, and drops those
+/// that ended; keeps the task's waker for [`ClientConns::drive`]. One lock a call.
+fn drive(conns: &ClientConns, drivers: &mut FuturesUnordered<Driver>, cx: &mut Context<'_>) {
     {
         let mut state = conns.state.lock();
         if !state
@@ -176,7 +178,8 @@ fn drive(conns: &ClientConns, drivers: &mut Vec<Driver>, cx: &mut Context<'_>) {
         {
             state.waker = Some(cx.waker().clone());
         }
-        drivers.append(&mut state.opened);
+        drivers.extend(state.opened.drain(..));
     }
-    drivers.retain_mut(|d| d.as_mut().poll(cx).is_pending());
+    // `Ready(Some)`: a connection ended; `Ready(None)`: none left; `Pending`: all wait.
+    while let Poll::Ready(Some(())) = drivers.poll_next_unpin(cx) {}
 }
