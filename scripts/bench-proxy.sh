@@ -10,21 +10,32 @@
 #   2. starts nginx (config in a temp dir, one worker) answering every POST
 #      /v1/chat/completions with one fixed 230-byte chat completion (`return 200`), and
 #      `{"status":"ok"}` on any other path (the routers' health checks);
-#   3. for each target -- nginx directly; our proxy (one backend, 4096 slots, overcommit, so it
-#      never queues or rejects); SGLang's router with --policy round_robin; the same with
-#      --policy cache_aware; our proxy again on one tokio worker thread (TOKIO_WORKER_THREADS=1);
+#   3. starts every target up front, each on its own free port, and keeps them all running to
+#      the end -- nginx directly; our proxy (one backend, 4096 slots, overcommit, so it never
+#      queues or rejects); our proxy again on one tokio worker thread (TOKIO_WORKER_THREADS=1);
 #      our proxy with --upstream per-client, on the default runtime and on one worker;
-#      as a reference for what a lean proxy costs here, nginx itself as a reverse proxy
-#      (proxy_pass, keep-alive upstream); and as the floor of a proxy built from the same HTTP
-#      parts as ours, examples/passthrough.rs on one worker, once over hyper-util's pooled
-#      client and once with one backend connection per client connection -- starts it, warms
-#      up, then runs wrk with 32 connections and with 1 connection (the added latency alone),
-#      each for a fixed duration;
-#   4. prints one Markdown table per connection count: requests/s, p50 and p99 latency, each
+#      SGLang's router with --policy round_robin; the same with --policy cache_aware; as a
+#      reference for what a lean proxy costs here, nginx itself as a reverse proxy (proxy_pass,
+#      keep-alive upstream); and as the floor of a proxy built from the same HTTP parts as
+#      ours, examples/passthrough.rs on one worker, once over hyper-util's pooled client and
+#      once with one backend connection per client connection;
+#   4. for each target in turn, warms up, then runs wrk with 32 connections and with 1
+#      connection (the added latency alone), each for a fixed duration;
+#   5. then $BENCH_ROUNDS alternating rounds at 1 connection: in each round every target,
+#      direct included, gets one short wrk -t1 -c1 run, the order rotated by one each round, so
+#      that each target's added p50 is taken against a direct run seconds away, not minutes;
+#   6. prints one Markdown table per connection count: requests/s, p50 and p99 latency, each
 #      as a ratio to direct; the p50 added over direct; the cores each process used during the
 #      run ((utime+stime) / wall time, from /proc/PID/stat for servers and from wrk's own
 #      rusage), and the router's CPU time per request; then ours as a ratio to each SGLang
-#      policy, with the verdicts against the targets (>= 5x requests/s, <= 1/5 added p50).
+#      policy, with the verdicts against the targets (>= 5x requests/s, <= 1/5 added p50);
+#      then, from the rounds, each target's median p50, median added p50 (the round's p50 less
+#      the same round's direct p50) and its spread, and the median router CPU per request;
+#      and the per-round ratios of added p50, ours (and the references) to each SGLang policy,
+#      with the verdict on their median (<= 0.20x).
+#
+# At the defaults it takes about 7 minutes: about 4.5 for starting the targets and measuring
+# them one by one (10 x (2 s warm-up + 2 x 10 s)), then 2.5 for the rounds (5 x 10 x 3 s).
 #
 # Every request is a POST with a 130-byte JSON body and an X-Session-Id header; requests cycle
 # through $BENCH_SESSIONS sessions (each session's body names it, so cache_aware sees distinct
@@ -35,6 +46,8 @@
 #   BENCH_DURATION   wrk duration of each measured run     (10s)
 #   BENCH_WARMUP     wrk warm-up before each target        (2s)
 #   BENCH_CONNS      connection counts, in order           ("32 1")
+#   BENCH_ROUNDS     alternating 1-connection rounds; 0 skips them   (5)
+#   BENCH_ROUND_DURATION  wrk duration of each target in a round     (3s)
 #   BENCH_SESSIONS   distinct session ids                  (1024)
 #   BENCH_PIN        1: wrk and nginx on CPU 0, the router on CPU 1 (taskset); 0: no pinning (0)
 #   BENCH_SGL_LOG    SGLang router --log-level            (warn: no line per request)
@@ -48,6 +61,12 @@ SGLANG_ROUTER_VERSION="0.3.2"
 DURATION="${BENCH_DURATION:-10s}"
 WARMUP="${BENCH_WARMUP:-2s}"
 read -r -a CONNS <<<"${BENCH_CONNS:-32 1}"
+ROUNDS="${BENCH_ROUNDS:-5}"
+ROUND_DURATION="${BENCH_ROUND_DURATION:-3s}"
+if [[ ! $ROUNDS =~ ^[0-9]+$ ]]; then
+    echo "bench-proxy: BENCH_ROUNDS must be a whole number, not '$ROUNDS'" >&2
+    exit 2
+fi
 SESSIONS="${BENCH_SESSIONS:-1024}"
 PIN="${BENCH_PIN:-0}"
 SGL_LOG="${BENCH_SGL_LOG:-warn}"
@@ -56,6 +75,10 @@ CLK_TCK="$(getconf CLK_TCK)"
 
 WORK="$(mktemp -d -t bench-proxy.XXXXXX)"
 PIDS=()
+# The targets, in the order they are measured: name -> URL, and name -> the pids whose CPU time
+# counts as the router's (space-separated; none for direct).
+TARGETS=()
+declare -A TARGET_URLS=() TARGET_ROUTER_PIDS=()
 
 cleanup() {
     local rc=$?
@@ -84,20 +107,6 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 log() { echo "bench-proxy: $*" >&2; }
-
-# Ends one process this script started and forgets it.
-stop() {
-    local pid=$1 keep=() p
-    kill -TERM "$pid" 2>/dev/null || true
-    for _ in $(seq 50); do
-        kill -0 "$pid" 2>/dev/null || break
-        sleep 0.1
-    done
-    kill -KILL "$pid" 2>/dev/null || true
-    wait "$pid" 2>/dev/null || true
-    for p in "${PIDS[@]}"; do [[ $p == "$pid" ]] || keep+=("$p"); done
-    PIDS=("${keep[@]+"${keep[@]}"}")
-}
 
 # Runs a command to its end as a tracked child: a signal to this script interrupts the wait at
 # once and the EXIT trap ends the command too.
@@ -252,17 +261,27 @@ EOF
     )
 }
 
+# Records a started target: add_target NAME URL [ROUTER_PIDS...].
+add_target() {
+    local name=$1 url=$2
+    shift 2
+    TARGETS+=("$name")
+    TARGET_URLS[$name]=$url
+    TARGET_ROUTER_PIDS[$name]="$*"
+}
+
 # The nginx master and its worker, into the array NGINX_PIDS.
 nginx_pids() { mapfile -t NGINX_PIDS < <(echo "$NGINX_PID"; pgrep -P "$NGINX_PID" || true); }
 
-start_ours() { # [VAR=value for the proxy's environment...] [-- proxy options...]
-    local port vars=() opts=()
+start_ours() { # NAME [VAR=value for the proxy's environment...] [-- proxy options...]
+    local name=$1 port vars=() opts=()
+    shift
     while (($#)) && [[ $1 != -- ]]; do vars+=("$1"); shift; done
     (($#)) && shift && opts=("$@")
     port=$(free_port)
     env "${vars[@]+"${vars[@]}"}" "${CPU1[@]}" "$WORK/proxy" --listen "127.0.0.1:$port" \
         --backend "node-a=$BACKEND,slots=4096" --overflow overcommit "${opts[@]+"${opts[@]}"}" \
-        >"$WORK/proxy.log" 2>&1 &
+        >"$WORK/proxy-$name.log" 2>&1 &
     TARGET_PID=$!
     PIDS+=("$TARGET_PID")
     TARGET_URL="http://127.0.0.1:$port"
@@ -344,10 +363,11 @@ ticks() {
 
 now_ns() { date +%s%N; }
 
-# run_wrk NAME CONNS DURATION SERVER_PIDS...: prints "RESULT ..." plus cores of each side.
+# run_wrk WRK_OUT NAME CONNS DURATION URL SERVER_PIDS...: runs wrk (its output into the file
+# WRK_OUT) and prints "NAME c=CONNS RESULT ..." plus cores of each side and the servers' ticks.
 run_wrk() {
-    local name=$1 conns=$2 dur=$3 url=$4
-    shift 4
+    local out=$1 name=$2 conns=$3 dur=$4 url=$5
+    shift 5
     local nginx_before server_before t0 t1 nginx_after server_after line wrk_cpu
     nginx_pids
     nginx_before=$(ticks "${NGINX_PIDS[@]}")
@@ -355,18 +375,18 @@ run_wrk() {
     t0=$(now_ns)
     run_fg "${CPU0[@]}" /usr/bin/time -f "WRKCPU %U %S" -o "$WORK/wrk-time" \
         wrk -t1 -c"$conns" -d"$dur" --latency -s "$WORK/bench.lua" "$url/v1/chat/completions" \
-        >"$WORK/wrk-$name-c$conns.txt" 2>&1
+        >"$out" 2>&1
     t1=$(now_ns)
     nginx_after=$(ticks "${NGINX_PIDS[@]}")
     server_after=$(ticks "$@")
-    line=$(grep '^RESULT' "$WORK/wrk-$name-c$conns.txt")
+    line=$(grep '^RESULT' "$out")
     wrk_cpu=$(awk '/^WRKCPU/ { print $2 + $3 }' "$WORK/wrk-time")
     awk -v line="$line" -v wall_ns=$((t1 - t0)) -v tck="$CLK_TCK" -v wrk="$wrk_cpu" \
         -v ng=$((nginx_after - nginx_before)) -v sv=$((server_after - server_before)) \
         -v name="$name" -v c="$conns" 'BEGIN {
             wall = wall_ns / 1e9
-            printf "%s c=%s %s wall_s=%.3f wrk_cores=%.3f nginx_cores=%.3f router_cores=%.3f\n",
-                name, c, line, wall, wrk / wall, ng / tck / wall, sv / tck / wall
+            printf "%s c=%s %s wall_s=%.3f wrk_cores=%.3f nginx_cores=%.3f router_cores=%.3f " \
+                "router_ticks=%d\n", name, c, line, wall, wrk / wall, ng / tck / wall, sv / tck / wall, sv
         }'
 }
 
@@ -378,11 +398,34 @@ measure() { # NAME URL SERVER_PIDS...
         "$url/v1/chat/completions" >/dev/null
     for c in "${CONNS[@]}"; do
         log "$name: $c connection(s), $DURATION"
-        run_wrk "$name" "$c" "$DURATION" "$url" "$@" >>"$WORK/results.txt"
+        run_wrk "$WORK/wrk-$name-c$c.txt" "$name" "$c" "$DURATION" "$url" "$@" \
+            >>"$WORK/results.txt"
         tail -1 "$WORK/results.txt" >&2
         if grep -q 'non2xx=[1-9]\|errors=[1-9]' <(tail -1 "$WORK/results.txt"); then
             log "$name: errors or non-2xx answers (see $WORK/wrk-$name-c$c.txt)"
         fi
+    done
+}
+
+# ROUNDS rounds of one short 1-connection wrk run per target, direct included; round r starts at
+# the r-th target, so that no target is always measured first or last. One line per run in
+# rounds.txt: "NAME c=1 round=R RESULT ...".
+measure_rounds() {
+    local n=${#TARGETS[@]} r i name url pids=()
+    for ((r = 1; r <= ROUNDS; r++)); do
+        log "round $r of $ROUNDS: 1 connection, $ROUND_DURATION per target"
+        for ((i = 0; i < n; i++)); do
+            name=${TARGETS[(i + r - 1) % n]}
+            url=${TARGET_URLS[$name]}
+            read -r -a pids <<<"${TARGET_ROUTER_PIDS[$name]}"
+            run_wrk "$WORK/wrk-$name-round$r.txt" "$name" 1 "$ROUND_DURATION" "$url" \
+                "${pids[@]+"${pids[@]}"}" >"$WORK/round-line.txt"
+            awk -v r="$r" '{ $2 = $2 " round=" r; print }' "$WORK/round-line.txt" \
+                >>"$WORK/rounds.txt"
+            if grep -q 'non2xx=[1-9]\|errors=[1-9]' "$WORK/round-line.txt"; then
+                log "$name: errors or non-2xx answers in round $r (see $WORK/wrk-$name-round$r.txt)"
+            fi
+        done
     done
 }
 
@@ -393,46 +436,48 @@ write_lua
 : >"$WORK/results.txt"
 log "load before: $(cut -d' ' -f1-3 /proc/loadavg) on $(nproc) cores; pinning: $PIN"
 start_nginx
-measure direct "$BACKEND"
+add_target direct "$BACKEND"
 
-start_ours
-measure ours "$TARGET_URL" "$TARGET_PID"
-stop "$TARGET_PID"
-
+start_ours ours
+add_target ours "$TARGET_URL" "$TARGET_PID"
 # The same binary on one tokio worker thread (tokio reads TOKIO_WORKER_THREADS): no hand-offs
 # between threads.
-start_ours TOKIO_WORKER_THREADS=1
-measure ours_1thread "$TARGET_URL" "$TARGET_PID"
-stop "$TARGET_PID"
-
+start_ours ours_1thread TOKIO_WORKER_THREADS=1
+add_target ours_1thread "$TARGET_URL" "$TARGET_PID"
 # Both again with --upstream per-client: each client connection drives its own backend
 # connections (examples/proxy/per_client.rs).
-start_ours -- --upstream per-client
-measure ours_per_client "$TARGET_URL" "$TARGET_PID"
-stop "$TARGET_PID"
-start_ours TOKIO_WORKER_THREADS=1 -- --upstream per-client
-measure ours_per_client_1thread "$TARGET_URL" "$TARGET_PID"
-stop "$TARGET_PID"
+start_ours ours_per_client -- --upstream per-client
+add_target ours_per_client "$TARGET_URL" "$TARGET_PID"
+start_ours ours_per_client_1thread TOKIO_WORKER_THREADS=1 -- --upstream per-client
+add_target ours_per_client_1thread "$TARGET_URL" "$TARGET_PID"
 
 for policy in round_robin cache_aware; do
     start_sglang "$policy"
-    measure "sglang_$policy" "$TARGET_URL" "$TARGET_PID"
-    stop "$TARGET_PID"
+    add_target "sglang_$policy" "$TARGET_URL" "$TARGET_PID"
 done
 start_nginx_proxy
-measure nginx_proxy "$TARGET_URL" "${TARGET_PIDS[@]}"
-stop "$TARGET_PID"
+add_target nginx_proxy "$TARGET_URL" "${TARGET_PIDS[@]}"
 
 for mode in pool per-connection; do
     start_passthrough "$mode"
-    measure "passthrough_$mode" "$TARGET_URL" "$TARGET_PID"
-    stop "$TARGET_PID"
+    add_target "passthrough_$mode" "$TARGET_URL" "$TARGET_PID"
 done
+
+for name in "${TARGETS[@]}"; do
+    read -r -a router_pids <<<"${TARGET_ROUTER_PIDS[$name]}"
+    measure "$name" "${TARGET_URLS[$name]}" "${router_pids[@]+"${router_pids[@]}"}"
+done
+
+: >"$WORK/rounds.txt"
+if ((ROUNDS > 0)); then
+    measure_rounds
+fi
 
 log "load after: $(cut -d' ' -f1-3 /proc/loadavg)"
 
-python3 - "$WORK/results.txt" "$DURATION" "$PIN" <<'PY' | tee "${OUT:-/dev/null}"
-import re, sys
+python3 - "$WORK/results.txt" "$DURATION" "$PIN" "$WORK/rounds.txt" "$ROUND_DURATION" "$CLK_TCK" \
+    <<'PY' | tee "${OUT:-/dev/null}"
+import math, re, statistics, sys
 
 rows = {}
 for line in open(sys.argv[1]):
@@ -499,5 +544,80 @@ for c in sorted({c for _, c in rows}, reverse=True):
             verdict = " / ".join("pass" if ok else "**miss**" for ok in (rps >= 5, added <= 0.2))
             print(f"| {olabel} / {label} | {rps:.2f}x | {ours['p50_us'] / s['p50_us']:.2f}x "
                   f"| {ours['p99_us'] / s['p99_us']:.2f}x | {added:.2f}x | {verdict} |")
+    print()
+
+# The alternating rounds at 1 connection: each round's added p50 is against that round's direct.
+rounds = {}  # round -> name -> values
+for line in open(sys.argv[4]):
+    name = line.split()[0]
+    kv = {k: float(v) for k, v in re.findall(r"(\w+)=([\d.]+)", line)}
+    rounds.setdefault(int(kv["round"]), {})[name] = kv
+tck = float(sys.argv[6])
+nan = float("nan")
+
+
+def added_in(rnd, key):
+    r, d = rnd.get(key), rnd.get("direct")
+    return nan if r is None or d is None else r["p50_us"] - d["p50_us"]
+
+
+def median(xs):
+    xs = [x for x in xs if not math.isnan(x)]
+    return statistics.median(xs) if xs else nan
+
+
+def spread(xs, fmt):
+    xs = [x for x in xs if not math.isnan(x)]
+    return f"{fmt(min(xs))} – {fmt(max(xs))}" if xs else "nan"
+
+
+def ms_nan(us):
+    return "nan" if math.isnan(us) else ms(us)
+
+
+if rounds:
+    print(f"\n1 connection, {len(rounds)} alternating rounds of {sys.argv[5]} (wrk -t1 -c1)"
+          f" (pinned: {'yes' if sys.argv[3] == '1' else 'no'})\n")
+    print("| path | median p50 | median added p50 | added p50 min – max "
+          "| median router CPU per request | errors |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for key, label in names:
+        runs = [rnd[key] for rnd in rounds.values() if key in rnd]
+        if not runs:
+            continue
+        p50 = median([r["p50_us"] for r in runs])
+        errors = int(sum(r["errors"] + r["non2xx"] for r in runs))
+        if key == "direct":
+            print(f"| {label} | {ms(p50)} | — | — | — | {errors} |")
+            continue
+        added = [added_in(rnd, key) for rnd in rounds.values()]
+        cpu = median([r["router_ticks"] / tck / r["requests"] * 1e6 if r["requests"] else nan
+                      for r in runs])
+        print(f"| {label} | {ms(p50)} | {ms_nan(median(added))} | {spread(added, ms)} "
+              f"| {'nan' if math.isnan(cpu) else f'{cpu:.0f} µs'} | {errors} |")
+
+    print("\nours / SGLang, added p50 at 1 connection (per-round ratios)\n")
+    print("| ours / SGLang | median ratio | min – max | verdict (≤ 0.20x added p50) |")
+    print("|---|---:|---:|---|")
+    for okey, olabel in [("ours", "ours"), ("ours_1thread", "ours, 1 worker"),
+                         ("ours_per_client", "ours, per-client"),
+                         ("ours_per_client_1thread", "ours, per-client, 1 worker"),
+                         ("passthrough_pool", "floor, pooled"),
+                         ("passthrough_per-connection", "floor, per-connection"),
+                         ("nginx_proxy", "nginx `proxy_pass`")]:
+        for key, label in names[2:4]:
+            ratios = []
+            for rnd in rounds.values():
+                o, s = added_in(rnd, okey), added_in(rnd, key)
+                # A ratio only against a positive SGLang added p50 (else nan, left out).
+                ratios.append(o / s if not math.isnan(o) and s > 0 else nan)
+            valid = sum(not math.isnan(x) for x in ratios)
+            if not valid and all(okey not in rnd or key not in rnd for rnd in rounds.values()):
+                continue
+            med = median(ratios)
+            note = "" if valid == len(ratios) else f" ({valid} of {len(ratios)} rounds)"
+            verdict = "pass" if med <= 0.2 else "**miss**"
+            print(f"| {olabel} / {label} | {'nan' if math.isnan(med) else f'{med:.2f}x'}{note} "
+                  f"| {spread(ratios, lambda x: f'{x:.2f}x')} | {verdict} |")
     print()
 PY
