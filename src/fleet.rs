@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
+use crate::cache::CacheModel;
 use crate::placement::rendezvous::{RankSet, Ranked};
 use crate::stats::Counters;
 use crate::wait::WaitList;
@@ -95,22 +96,30 @@ impl_name!(NodeId);
 /// `slots` is the number of requests the backend serves at once (llama.cpp's `--parallel`); the
 /// router never sends more than that unless told to overcommit.
 ///
+/// Its cache budget, in tokens, is what the [cache model](crate::placement) assumes it can hold
+/// of the prompts it served: [`Backend::DEFAULT_CACHE_TOKENS`] unless [`cache_tokens`] says
+/// otherwise.
+///
 /// ```
 /// use std::num::NonZeroU32;
 /// use tower_affinity::Backend;
 ///
 /// let b = Backend::new("host-a", ())
 ///     .slots(NonZeroU32::new(4).unwrap())
-///     .prompt_cache_bytes(64 << 30);
+///     .cache_tokens(4 * 32_768 + 65_536);
 /// assert_eq!(b.slot_count().get(), 4);
 /// assert_eq!(b.node().as_str(), "host-a");
+/// assert_eq!(b.cache_budget(), 196_608);
 /// ```
+///
+/// [`cache_tokens`]: Backend::cache_tokens
 #[derive(Clone)]
 pub struct Backend<S> {
     service: S,
     node: NodeId,
     slots: NonZeroU32,
     prompt_cache_bytes: Option<u64>,
+    cache_tokens: u64,
 }
 
 impl<S> Backend<S> {
@@ -121,7 +130,26 @@ impl<S> Backend<S> {
             node: node.into(),
             slots: NonZeroU32::MIN,
             prompt_cache_bytes: None,
+            cache_tokens: Self::DEFAULT_CACHE_TOKENS,
         }
+    }
+
+    /// The cache budget assumed when none is given: 131,072 tokens, llama.cpp's default 8 GiB
+    /// host-memory prompt cache (`--cache-ram`) at 128 KiB of KV a token (a model of 8 to 30B
+    /// parameters with grouped-query attention) and as much again in the slots' KV.
+    pub const DEFAULT_CACHE_TOKENS: u64 = 131_072;
+
+    /// Sets how many tokens of prompt the backend keeps cached: its slots' KV plus its
+    /// host-memory prompt cache (llama.cpp's `--cache-ram` divided by the model's KV bytes a
+    /// token). The cache model evicts, least recently used first, past this.
+    pub fn cache_tokens(mut self, tokens: u64) -> Self {
+        self.cache_tokens = tokens;
+        self
+    }
+
+    /// The cache budget in tokens.
+    pub fn cache_budget(&self) -> u64 {
+        self.cache_tokens
     }
 
     /// Sets how many requests the backend serves at once.
@@ -163,6 +191,7 @@ impl<S> fmt::Debug for Backend<S> {
             .field("node", &self.node)
             .field("slots", &self.slots)
             .field("prompt_cache_bytes", &self.prompt_cache_bytes)
+            .field("cache_tokens", &self.cache_tokens)
             .finish_non_exhaustive()
     }
 }
@@ -331,10 +360,12 @@ pub(crate) struct Member {
     pub(crate) id: BackendId,
     pub(crate) node: u32,
     pub(crate) digest: u64,
-    pub(crate) generation: u32,
+    pub(crate) generation: u16,
     pub(crate) live: bool,
     pub(crate) load: Arc<Load>,
     pub(crate) prompt_cache_bytes: Option<u64>,
+    /// What its cache probably holds; shared by every copy of the topology, like `load`.
+    pub(crate) cache: Arc<Mutex<CacheModel>>,
 }
 
 /// What placement may read about one node.
@@ -400,7 +431,7 @@ impl Topology {
     }
 
     /// The index of a live backend named by `index` and `generation`, if it still exists.
-    pub(crate) fn resolve(&self, index: u32, generation: u32) -> Option<u32> {
+    pub(crate) fn resolve(&self, index: u32, generation: u16) -> Option<u32> {
         let m = self.members.get(index as usize)?;
         (m.live && m.generation == generation).then_some(index)
     }
@@ -476,6 +507,7 @@ impl Topology {
         node: &NodeId,
         slots: NonZeroU32,
         prompt_cache_bytes: Option<u64>,
+        cache_tokens: u64,
     ) -> u32 {
         let node = self.node_index(node);
         if let Some(&index) = self.by_id.get(&id) {
@@ -493,6 +525,7 @@ impl Topology {
             m.node = node;
             m.live = true;
             m.prompt_cache_bytes = prompt_cache_bytes;
+            m.cache.lock().set_budget(cache_tokens);
             m.load.slots.store(slots.get(), Ordering::Relaxed);
             self.attach(index);
             return index;
@@ -509,6 +542,7 @@ impl Topology {
                 live: true,
                 load: Arc::new(Load::new(slots, self.capacity.clone())),
                 prompt_cache_bytes,
+                cache: Arc::new(Mutex::new(CacheModel::new(cache_tokens))),
             };
             index
         } else {
@@ -521,6 +555,7 @@ impl Topology {
                 live: true,
                 load: Arc::new(Load::new(slots, self.capacity.clone())),
                 prompt_cache_bytes,
+                cache: Arc::new(Mutex::new(CacheModel::new(cache_tokens))),
             });
             index
         };
@@ -557,10 +592,13 @@ impl<B> Default for Fleet<B> {
 
 impl<S> Fleet<Backend<S>> {
     pub(crate) fn insert(&mut self, id: BackendId, backend: Backend<S>) {
-        let index =
-            self.topology
-                .insert(id, &backend.node, backend.slots, backend.prompt_cache_bytes)
-                as usize;
+        let index = self.topology.insert(
+            id,
+            &backend.node,
+            backend.slots,
+            backend.prompt_cache_bytes,
+            backend.cache_tokens,
+        ) as usize;
         if self.backends.len() <= index {
             self.backends.resize_with(index + 1, || None);
         }
@@ -603,6 +641,14 @@ pub struct BackendStatus {
     /// counted since discovery first named it. The fleet's total is
     /// [`Stats::backend_errors`](crate::Stats::backend_errors).
     pub failures: u64,
+    /// Conversations the cache model says it homes: the tips of the prompts it holds.
+    pub conversations: u32,
+    /// Tokens of prompt the cache model says it holds.
+    pub cached_tokens: u64,
+    /// Prompt-chain links the cache model tracks for it.
+    pub cached_blocks: usize,
+    /// Links the cache model evicted to stay within the backend's budget.
+    pub evicted_blocks: u64,
 }
 
 impl Topology {
@@ -616,11 +662,20 @@ impl Topology {
             .sum()
     }
 
+    /// Bytes the live backends' cache models hold.
+    pub(crate) fn cache_model_bytes(&self) -> usize {
+        self.live
+            .indexes()
+            .map(|i| self.member(i).cache.lock().memory_bytes())
+            .sum()
+    }
+
     pub(crate) fn status(&self, now_ms: u64) -> Vec<BackendStatus> {
         self.live
             .indexes()
             .map(|i| {
                 let m = self.member(i);
+                let cache = m.cache.lock();
                 BackendStatus {
                     id: m.id.clone(),
                     node: self.node(m.node).id.clone(),
@@ -628,6 +683,10 @@ impl Topology {
                     in_flight: m.load.in_flight.load(Ordering::Relaxed),
                     healthy: !m.load.health(now_ms).0,
                     failures: m.load.failures.load(Ordering::Relaxed),
+                    conversations: cache.conversations(),
+                    cached_tokens: cache.tokens(),
+                    cached_blocks: cache.blocks(),
+                    evicted_blocks: cache.evicted(),
                 }
             })
             .collect()
@@ -645,9 +704,9 @@ mod tests {
     #[test]
     fn reinserting_an_id_keeps_its_index_and_generation() {
         let mut t = Topology::default();
-        let a = t.insert("a".into(), &"n1".into(), nz(1), None);
+        let a = t.insert("a".into(), &"n1".into(), nz(1), None, 1000);
         let g = t.member(a).generation;
-        assert_eq!(t.insert("a".into(), &"n2".into(), nz(3), None), a);
+        assert_eq!(t.insert("a".into(), &"n2".into(), nz(3), None, 1000), a);
         assert_eq!(t.member(a).generation, g);
         assert_eq!(t.node(t.member(a).node).id.as_str(), "n2");
         assert_eq!(t.node(0).slots, 0);
@@ -655,17 +714,17 @@ mod tests {
         // Removed then re-inserted before reuse: still the same backend.
         t.remove(&"a".into());
         assert_eq!(t.resolve(a, g), None);
-        assert_eq!(t.insert("a".into(), &"n2".into(), nz(3), None), a);
+        assert_eq!(t.insert("a".into(), &"n2".into(), nz(3), None, 1000), a);
         assert_eq!(t.resolve(a, g), Some(a));
     }
 
     #[test]
     fn a_reused_index_gets_a_new_generation() {
         let mut t = Topology::default();
-        let a = t.insert("a".into(), &"n".into(), nz(1), None);
+        let a = t.insert("a".into(), &"n".into(), nz(1), None, 1000);
         let g = t.member(a).generation;
         t.remove(&"a".into());
-        let b = t.insert("b".into(), &"n".into(), nz(1), None);
+        let b = t.insert("b".into(), &"n".into(), nz(1), None, 1000);
         assert_eq!(a, b);
         assert_eq!(t.resolve(a, g), None);
         assert_eq!(t.index_of("a"), None);

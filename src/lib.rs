@@ -81,6 +81,8 @@
 //   placement/   the Placement trait, its view, rendezvous, NodeThenBackend, baselines
 
 mod body;
+mod cache;
+mod chain;
 pub mod discover;
 mod error;
 mod fleet;
@@ -96,6 +98,7 @@ mod table;
 mod wait;
 
 pub use body::ResponseBody;
+pub use chain::{Link, PromptChain};
 pub use error::{BoxError, Error, ErrorToResponse, ErrorToResponseFuture};
 pub use fleet::{Backend, BackendId, BackendStatus, NodeId};
 pub use future::ResponseFuture;

@@ -21,9 +21,10 @@ use tower::Service;
 use crate::error::BoxError;
 use crate::fleet::{Capacity, Fleet, SlotGuard};
 use crate::future::{Finish, ResponseFuture};
-use crate::key::{KeyExtractor, SessionKey};
+use crate::key::{KeyExtractor, PromptFacts, SessionKey};
 use crate::placement::{
-    BackendRef, Candidates, FleetView, Home, NodeRef, Placement, PlacementRequest,
+    wants_prefix, BackendRef, Candidates, FleetView, Home, HomeCache, NodeRef, Placement,
+    PlacementRequest,
 };
 use crate::stats::{bump, Decision, Outcome, Stats};
 use crate::table::{HomeEntry, SessionStore, SessionTable, Sessions};
@@ -201,6 +202,7 @@ where
         Stats {
             sessions: s.table.len(),
             session_table_bytes: s.table.memory_bytes(),
+            cache_model_bytes: s.fleet.load().topology.cache_model_bytes(),
             in_flight: s.fleet.load().topology.in_flight(),
             waiting: s.capacity.waiting.load(Ordering::Relaxed),
             ..s.capacity.counters.snapshot()
@@ -381,12 +383,23 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         // A backend can move to another node (discovery updated it): its node now is the home
         // node. A removed backend leaves the node it had.
         let home_node = known.map(|h| home_backend.map_or(h.node, |b| t.member(b).node));
-        let home = home_node.map(|node| Home {
-            backend: home_backend.map(|i| BackendRef::new(t, i)),
-            node: NodeRef::new(t, node),
+        let chain = extensions
+            .get::<PromptFacts>()
+            .map(|f| &f.chain)
+            .filter(|c| !c.is_empty());
+        let home = home_node.map(|node| {
+            let backend = home_backend.map(|i| BackendRef::new(t, i));
+            let tip = known.map_or(0, |h| h.tip);
+            Home::new(backend, NodeRef::new(t, node)).cache(HomeCache::of(backend, tip, chain))
         });
         let view = FleetView { topology: t };
-        let request = PlacementRequest::new(key, home, extensions).random(random());
+        let prefix = chain
+            .filter(|_| wants_prefix(key, home))
+            .and_then(|c| view.longest_prefix(c));
+        let request = PlacementRequest::new(key, home, extensions)
+            .random(random())
+            .chain(chain)
+            .prefix(prefix);
         let mut only_node = home_node.filter(|_| home_node_only);
         let candidates = loop {
             let mut c = Candidates::acquire(t, now_ms).only_node(only_node);
@@ -398,10 +411,23 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             }
             break c;
         };
+        // A waiter is woken first by a slot where its cache is: its home if that still holds
+        // it, else the backend holding its own prefix.
+        let home_cache = home.map_or(HomeCache::Unknown, |h| h.cache);
+        let own_prefix = prefix.filter(|p| p.own).map(|p| p.backend.index);
+        let (wait_backend, wait_node) = match home_cache {
+            HomeCache::Holds | HomeCache::Unknown | HomeCache::Compacted if home_node.is_some() => {
+                (home_backend, home_node)
+            }
+            _ => (
+                own_prefix,
+                own_prefix.map(|b| t.member(b).node).or(home_node),
+            ),
+        };
         let full = || Placed::Full {
             home: WaitHome {
-                backend: home_backend,
-                node: home_node,
+                backend: wait_backend,
+                node: wait_node,
                 only_node: only_node.is_some(),
             },
         };
@@ -421,13 +447,16 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             return full();
         };
         let outcome = match (key, home_node) {
+            (None, _) if own_prefix == Some(index) => Outcome::PrefixHit,
             (None, _) => Outcome::Keyless,
             (Some(_), None) => Outcome::NewSession,
-            (Some(_), Some(node)) => match home_backend {
-                None => Outcome::Replaced,
-                Some(b) if b == index => Outcome::HomeHit,
-                Some(_) if m.node == node => Outcome::SameNodeSpill,
-                Some(_) => Outcome::CrossNodeSpill,
+            (Some(_), Some(node)) => match (home_cache, home_backend) {
+                (_, None) => Outcome::Replaced,
+                (HomeCache::Evicted, _) => Outcome::ColdHome,
+                (HomeCache::Compacted, _) => Outcome::Compaction,
+                (_, Some(b)) if b == index => Outcome::HomeHit,
+                (_, Some(_)) if m.node == node => Outcome::SameNodeSpill,
+                (_, Some(_)) => Outcome::CrossNodeSpill,
             },
         };
         let decision = Decision {
@@ -440,8 +469,21 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         let new_home = HomeEntry {
             backend: index,
             generation: m.generation,
+            tip: chain.map_or(0, |c| c.tip()),
             node: m.node,
         };
+        if let Some(chain) = chain {
+            // What the chosen backend held already: all of the last turn, on a home hit.
+            let known = match (outcome, known, home_cache) {
+                (Outcome::HomeHit, Some(h), HomeCache::Holds) => {
+                    chain.find_tip(h.tip).map_or(0, |at| at + 1)
+                }
+                _ => prefix
+                    .filter(|p| p.backend.index == index)
+                    .map_or(0, |p| p.links),
+            };
+            m.cache.lock().record_from(chain.links(), known);
+        }
         drop(fleet);
         if let Some(k) = key {
             if known != Some(new_home) {

@@ -24,6 +24,15 @@ pub enum Outcome {
     Keyless,
     /// The home backend had been removed; the session was placed again.
     Replaced,
+    /// The cache model said the home had evicted the session (a *cold home*); it was placed
+    /// like a new session, preferring the backend holding the longest prefix of its prompt.
+    ColdHome,
+    /// The session's prompt no longer extends its last one: the client rewrote its history,
+    /// no cache holds it, and it was placed like a new session.
+    Compaction,
+    /// A request without a key, placed where the cache model says the longest prefix of its
+    /// own conversation is held.
+    PrefixHit,
 }
 
 impl Outcome {
@@ -36,17 +45,23 @@ impl Outcome {
             Outcome::NewSession => "new-session",
             Outcome::Keyless => "keyless",
             Outcome::Replaced => "replaced",
+            Outcome::ColdHome => "cold-home",
+            Outcome::Compaction => "compaction",
+            Outcome::PrefixHit => "prefix-hit",
         }
     }
 
     /// Every outcome, in a fixed order.
-    pub const ALL: [Outcome; 6] = [
+    pub const ALL: [Outcome; 9] = [
         Outcome::HomeHit,
         Outcome::SameNodeSpill,
         Outcome::CrossNodeSpill,
         Outcome::NewSession,
         Outcome::Keyless,
         Outcome::Replaced,
+        Outcome::ColdHome,
+        Outcome::Compaction,
+        Outcome::PrefixHit,
     ];
 }
 
@@ -98,10 +113,16 @@ pub struct Stats {
     pub cross_node_spills: u64,
     /// Requests of sessions the table did not know.
     pub new_sessions: u64,
-    /// Requests without a key.
+    /// Requests without a key, placed by load.
     pub keyless: u64,
     /// Requests whose home had been removed.
     pub replaced: u64,
+    /// Requests whose home the cache model said had evicted their session.
+    pub cold_homes: u64,
+    /// Requests whose prompt no longer extended their session's last one.
+    pub compactions: u64,
+    /// Requests without a key placed where their conversation's prefix is held.
+    pub prefix_hits: u64,
     /// Requests that waited for a slot before being placed (also counted by outcome).
     pub waited: u64,
     /// Requests sent beyond a backend's slots (also counted by outcome).
@@ -118,6 +139,8 @@ pub struct Stats {
     pub sessions: usize,
     /// Gauge: bytes held by the session table.
     pub session_table_bytes: usize,
+    /// Gauge: bytes held by the cache model, over every live backend.
+    pub cache_model_bytes: usize,
     /// Gauge: requests in flight over the fleet.
     pub in_flight: usize,
     /// Gauge: requests waiting for a slot.
@@ -133,6 +156,9 @@ impl Stats {
             + self.new_sessions
             + self.keyless
             + self.replaced
+            + self.cold_homes
+            + self.compactions
+            + self.prefix_hits
     }
 
     /// The count for one outcome.
@@ -144,6 +170,9 @@ impl Stats {
             Outcome::NewSession => self.new_sessions,
             Outcome::Keyless => self.keyless,
             Outcome::Replaced => self.replaced,
+            Outcome::ColdHome => self.cold_homes,
+            Outcome::Compaction => self.compactions,
+            Outcome::PrefixHit => self.prefix_hits,
         }
     }
 }
@@ -157,7 +186,7 @@ const STRIPES: usize = 16;
 #[derive(Debug, Default)]
 #[repr(align(128))]
 struct Stripe {
-    outcomes: [AtomicU64; 6],
+    outcomes: [AtomicU64; Outcome::ALL.len()],
     waited: AtomicU64,
     overcommitted: AtomicU64,
 }
@@ -212,6 +241,9 @@ impl Counters {
             new_sessions: o(Outcome::NewSession),
             keyless: o(Outcome::Keyless),
             replaced: o(Outcome::Replaced),
+            cold_homes: o(Outcome::ColdHome),
+            compactions: o(Outcome::Compaction),
+            prefix_hits: o(Outcome::PrefixHit),
             waited: sum(&|s| &s.waited),
             overcommitted: sum(&|s| &s.overcommitted),
             rejected: l(&self.rejected),

@@ -75,11 +75,14 @@ impl Default for Sessions {
     }
 }
 
-/// Where a session was served last, by internal backend index and generation.
+/// Where a session was served last, by internal backend index and generation, and where its
+/// last prompt ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct HomeEntry {
     pub(crate) backend: u32,
-    pub(crate) generation: u32,
+    pub(crate) generation: u16,
+    /// A fingerprint of the last link of the last turn's prompt chain; 0 if it had none.
+    pub(crate) tip: u16,
     pub(crate) node: u32,
 }
 
@@ -118,6 +121,7 @@ impl Entry {
         home: HomeEntry {
             backend: 0,
             generation: 0,
+            tip: 0,
             node: 0,
         },
         stamp: 0,
@@ -386,6 +390,7 @@ mod tests {
         HomeEntry {
             backend: b,
             generation: 0,
+            tip: 0,
             node: 0,
         }
     }

@@ -59,6 +59,12 @@ pub(crate) struct Model {
 }
 
 impl Model {
+    /// Tokens of prompt the backend keeps: its slots' KV in VRAM and its RAM cache. What the
+    /// router's cache model is told.
+    pub(crate) fn cache_tokens(&self) -> u64 {
+        self.vram_tokens + self.ram_bytes / self.kv_bytes_per_token.max(1)
+    }
+
     /// Restore and prefill time for a prompt of which `reused` tokens were cached, `restored`
     /// of them copied from RAM.
     pub(crate) fn work(&self, prompt_tokens: u64, reused: u64, restored: u64) -> Duration {

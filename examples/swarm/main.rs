@@ -48,6 +48,8 @@ usage: cargo run --release --example swarm -- [options]
   --ram-cache SIZE  RAM prompt cache of each backend, e.g. 8GiB, 512MiB (default 8GiB);
                     overload and trace also run at 8 times this
   --fleet NAME      study | two-slots | datacenter (default: the scenario's own)
+  --keyless         agents send no session key: the router has only their prompt chains
+                    (a trace is replayed both ways whatever this says)
   --out FILE        the SVG chart (default target/swarm-<scenario>.svg)
 ";
 
@@ -93,6 +95,7 @@ struct Options {
     ram_bytes: u64,
     fleet: Option<FleetKind>,
     out: Option<PathBuf>,
+    keyless: bool,
 }
 
 impl Default for Options {
@@ -106,6 +109,7 @@ impl Default for Options {
             ram_bytes: 8 << 30,
             fleet: None,
             out: None,
+            keyless: false,
         }
     }
 }
@@ -171,6 +175,7 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String>
                 o.fleet = Some(FleetKind::parse(&v).ok_or_else(|| bad(&v))?);
             }
             "--out" => o.out = Some(value()?.into()),
+            "--keyless" => o.keyless = true,
             _ => return Err(format!("unknown option {flag}")),
         }
     }
@@ -256,7 +261,20 @@ fn table(label: String, title: String, runs: &[Run], ideal: bool, notes: Vec<Str
 
 fn agent_runs(fleet: FleetKind, cfg: &AgentConfig, o: &Options, ram: u64) -> Vec<Run> {
     let specs = fleet.backends(ram);
-    run_policies(&specs, |svc| workload::run(svc, cfg, o.seed))
+    let cfg = AgentConfig {
+        keyed: !o.keyless,
+        ..cfg.clone()
+    };
+    run_policies(&specs, |svc| workload::run(svc, &cfg, o.seed))
+}
+
+/// How the agents are told apart, for titles.
+fn keys(o: &Options) -> &'static str {
+    if o.keyless {
+        "no session keys"
+    } else {
+        "keyed"
+    }
 }
 
 fn study(o: &Options) -> Table {
@@ -264,9 +282,10 @@ fn study(o: &Options) -> Table {
     let cfg = AgentConfig::study(o.sessions.unwrap_or(8), o.turns);
     let runs = agent_runs(fleet, &cfg, o, o.ram_bytes);
     let title = format!(
-        "study: {} sessions x {} turns, same system prompt and spec; {}; RAM cache {}; seed {}",
+        "study: {} sessions x {} turns, same system prompt and spec, {}; {}; RAM cache {}; seed {}",
         cfg.sessions,
         cfg.turns,
+        keys(o),
         fleet.describe(),
         human_bytes(o.ram_bytes),
         o.seed
@@ -282,9 +301,10 @@ fn two_on_two(o: &Options) -> Table {
     cfg.start_spread = Duration::ZERO;
     let runs = agent_runs(fleet, &cfg, o, o.ram_bytes);
     let title = format!(
-        "two-on-two: {} sessions x {} turns; {}; RAM cache {}; seed {}",
+        "two-on-two: {} sessions x {} turns, {}; {}; RAM cache {}; seed {}",
         cfg.sessions,
         cfg.turns,
+        keys(o),
         fleet.describe(),
         human_bytes(o.ram_bytes),
         o.seed
@@ -300,9 +320,10 @@ fn overload(o: &Options) -> Vec<Table> {
         .map(|ram| {
             let runs = agent_runs(fleet, &cfg, o, ram);
             let title = format!(
-                "overload: {} sessions x {} turns on 34 slots; {}; RAM cache {}; seed {}",
+                "overload: {} sessions x {} turns on 34 slots, {}; {}; RAM cache {}; seed {}",
                 cfg.sessions,
                 cfg.turns,
+                keys(o),
                 fleet.describe(),
                 human_bytes(ram),
                 o.seed
@@ -330,11 +351,21 @@ fn replay(o: &Options, path: &Path) -> Result<Vec<Table>, String> {
         |n| n.to_string_lossy().into_owned(),
     );
     let mut tables = Vec::new();
-    for ram in [o.ram_bytes, o.ram_bytes * 8] {
-        let runs = run_policies(&fleet.backends(ram), |svc| trace::replay(svc, &t));
+    for (ram, keyed) in [
+        (o.ram_bytes, true),
+        (o.ram_bytes * 8, true),
+        (o.ram_bytes, false),
+        (o.ram_bytes * 8, false),
+    ] {
+        let runs = run_policies(&fleet.backends(ram), |svc| trace::replay(svc, &t, keyed));
+        let keys = if keyed {
+            "keyed by the rebuilt conversations"
+        } else {
+            "no session keys"
+        };
         let title = format!(
             "trace: {name}, {} requests in {} conversations ({} later turns) over {:.0} s, \
-             {}-token blocks; {}; RAM cache {}",
+             {}-token blocks, {keys}; {}; RAM cache {}",
             t.requests.len(),
             t.conversations.len(),
             t.later_turns(),
@@ -349,7 +380,11 @@ fn replay(o: &Options, path: &Path) -> Result<Vec<Table>, String> {
                 .into(),
             ram_note(&runs),
         ];
-        let label = format!("trace, {}", human_bytes(ram));
+        let label = format!(
+            "trace, {}{}",
+            human_bytes(ram),
+            if keyed { "" } else { ", keyless" }
+        );
         tables.push(table(label, title, &runs, true, notes));
     }
     Ok(tables)

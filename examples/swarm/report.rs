@@ -3,6 +3,8 @@
 use std::fmt;
 use std::time::Duration;
 
+use tower_affinity::Outcome;
+
 use crate::cache::Source;
 
 /// The study's hit threshold: a turn hits when it reused at least this share of the previous
@@ -12,6 +14,8 @@ pub(crate) const HIT_SHARE: f64 = 0.8;
 /// One turn as the agent saw it.
 #[derive(Clone, Debug)]
 pub(crate) struct TurnRecord {
+    /// How the router placed it.
+    pub(crate) outcome: Outcome,
     /// The previous turn's prompt tokens; `None` on a session's first turn.
     pub(crate) prev_prompt: Option<u64>,
     /// The client rewrote its history: no cache can serve this turn.
@@ -51,6 +55,9 @@ pub(crate) struct Row {
     pub(crate) hits: usize,
     pub(crate) node_moves: usize,
     pub(crate) backend_moves: usize,
+    /// Turns the router placed as a cold home, and as a compaction.
+    pub(crate) cold_homes: usize,
+    pub(crate) compactions: usize,
     pub(crate) p50: Duration,
     pub(crate) p90: Duration,
     pub(crate) reused: u64,
@@ -90,6 +97,14 @@ impl Row {
             hits: records.iter().filter(|r| r.hit()).count(),
             node_moves: records.iter().filter(|r| r.moved_node).count(),
             backend_moves: records.iter().filter(|r| r.moved_backend).count(),
+            cold_homes: records
+                .iter()
+                .filter(|r| r.outcome == Outcome::ColdHome)
+                .count(),
+            compactions: records
+                .iter()
+                .filter(|r| r.outcome == Outcome::Compaction)
+                .count(),
             p50: quantile(&ttft, 0.5),
             p90: quantile(&ttft, 0.9),
             reused: records.iter().map(|r| r.reused).sum(),
@@ -156,8 +171,16 @@ impl fmt::Display for Table {
         writeln!(f, "{}", self.title)?;
         write!(
             f,
-            "{:<16} {:>6} {:>9} {:>14} {:>14} {:>10} {:>10}",
-            "policy", "turns", "hit rate", "node moves", "backend moves", "TTFT p50", "TTFT p90"
+            "{:<16} {:>6} {:>9} {:>14} {:>14} {:>6} {:>8} {:>10} {:>10}",
+            "policy",
+            "turns",
+            "hit rate",
+            "node moves",
+            "backend moves",
+            "cold",
+            "compact",
+            "TTFT p50",
+            "TTFT p90"
         )?;
         if self.ideal {
             write!(f, " {:>13}", "reuse / ideal")?;
@@ -166,12 +189,14 @@ impl fmt::Display for Table {
         for r in &self.rows {
             write!(
                 f,
-                "{:<16} {:>6} {:>8.1}% {:>14} {:>14} {:>10} {:>10}",
+                "{:<16} {:>6} {:>8.1}% {:>14} {:>14} {:>6} {:>8} {:>10} {:>10}",
                 r.policy,
                 r.turns,
                 100.0 * r.hit_rate(),
                 count_share(r.node_moves, r.follow_ups),
                 count_share(r.backend_moves, r.follow_ups),
+                r.cold_homes,
+                r.compactions,
                 secs(r.p50),
                 secs(r.p90),
             )?;
@@ -193,6 +218,7 @@ mod tests {
 
     fn turn(prev: Option<u64>, reused: u64, compaction: bool) -> TurnRecord {
         TurnRecord {
+            outcome: Outcome::HomeHit,
             prev_prompt: prev,
             compaction,
             reused,

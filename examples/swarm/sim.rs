@@ -10,10 +10,11 @@ use http_body_util::BodyExt;
 use tokio::time::Instant;
 use tower::{Layer, ServiceExt};
 use tower_affinity::discover::StaticFleet;
-use tower_affinity::key::HeaderKey;
+use tower_affinity::key::{HeaderKey, PromptFacts};
 use tower_affinity::placement::{LeastLoaded, NodeThenBackend, Placement, Rendezvous, RoundRobin};
 use tower_affinity::{
-    Backend, BackendId, Decision, NodeId, Overflow, SessionAffinity, SessionAffinityLayer, Sessions,
+    Backend, BackendId, Decision, NodeId, Overflow, PromptChain, SessionAffinity,
+    SessionAffinityLayer, Sessions,
 };
 
 use crate::backend::{Prompt, Served, SimBackend};
@@ -74,7 +75,8 @@ pub(crate) fn build(policy: Policy, fleet: &[BackendSpec]) -> (Svc, Vec<SimBacke
         let slots = NonZeroU32::new(s.model.slots).unwrap_or(NonZeroU32::MIN);
         let b = Backend::new(s.node.as_str(), sim.clone())
             .slots(slots)
-            .prompt_cache_bytes(s.model.ram_bytes);
+            .prompt_cache_bytes(s.model.ram_bytes)
+            .cache_tokens(s.model.cache_tokens());
         (s.id.as_str(), b)
     }));
     let svc = SessionAffinityLayer::new()
@@ -121,7 +123,8 @@ pub(crate) struct Position {
 
 /// What a turn needs besides its prompt.
 pub(crate) struct TurnInput<'a> {
-    pub(crate) session: &'a str,
+    /// The session's key, sent as `X-Session-Id`; `None` when the agents send no key.
+    pub(crate) session: Option<&'a str>,
     pub(crate) prompt: Prompt,
     pub(crate) prev_prompt: Option<u64>,
     pub(crate) compaction: bool,
@@ -135,11 +138,17 @@ pub(crate) async fn turn(
     prev: &mut Option<Position>,
 ) -> TurnRecord {
     let t0 = Instant::now();
+    // What a body-reading layer would attach: the chain of the prompt's blocks.
+    let facts = PromptFacts::from_chain(PromptChain::from_blocks(
+        input.prompt.blocks.iter().map(|b| (b.id, b.tokens)),
+    ));
     let res = loop {
-        let req = http::Request::post("/v1/chat/completions")
-            .header("x-session-id", input.session)
-            .body(input.prompt.clone())
-            .expect("a valid request");
+        let mut req = http::Request::post("/v1/chat/completions");
+        if let Some(session) = input.session {
+            req = req.header("x-session-id", session);
+        }
+        let mut req = req.body(input.prompt.clone()).expect("a valid request");
+        req.extensions_mut().insert(facts.clone());
         match svc.clone().oneshot(req).await {
             Ok(res) => break res,
             Err(e) => match e.retry_after() {
@@ -170,6 +179,7 @@ pub(crate) async fn turn(
         node: decision.node,
     });
     TurnRecord {
+        outcome: decision.outcome,
         prev_prompt: input.prev_prompt,
         compaction: input.compaction,
         reused: served.reused,

@@ -158,7 +158,7 @@ fn ideal_reuse(lines: &[Line]) -> Vec<u64> {
 /// Replays the trace against `svc`: each request is sent at its timestamp, or when the
 /// previous turn of its conversation has finished if that is later (a client does not send a
 /// turn before it has the answer to the last one).
-pub(crate) async fn replay(svc: Svc, trace: &Trace) -> Vec<TurnRecord> {
+pub(crate) async fn replay(svc: Svc, trace: &Trace, keyed: bool) -> Vec<TurnRecord> {
     let start = Instant::now();
     let mut tasks = Vec::new();
     for (c, conv) in trace.conversations.iter().enumerate() {
@@ -174,7 +174,7 @@ pub(crate) async fn replay(svc: Svc, trace: &Trace) -> Vec<TurnRecord> {
             for (i, r) in turns {
                 tokio::time::sleep_until(start + r.at).await;
                 let input = TurnInput {
-                    session: &name,
+                    session: keyed.then_some(name.as_str()),
                     prompt: Prompt {
                         blocks: r.blocks,
                         answer: Block {

@@ -51,6 +51,8 @@ pub(crate) struct AgentConfig {
     /// Context tokens past which the agent compacts.
     pub(crate) compact_at: u64,
     pub(crate) summary_tokens: u32,
+    /// Whether agents send their session's key; without one the router has only the chains.
+    pub(crate) keyed: bool,
 }
 
 impl AgentConfig {
@@ -85,6 +87,7 @@ impl AgentConfig {
             },
             compact_at: 60_000,
             summary_tokens: 4_000,
+            keyed: true,
         }
     }
 }
@@ -176,7 +179,7 @@ pub(crate) async fn run(svc: Svc, cfg: &AgentConfig, seed: u64) -> Vec<TurnRecor
                 let answer = prompt.answer;
                 let prompt_tokens = cache::tokens(&prompt.blocks);
                 let input = TurnInput {
-                    session: &name,
+                    session: cfg.keyed.then_some(name.as_str()),
                     prompt,
                     prev_prompt,
                     compaction,

@@ -10,6 +10,16 @@
 //! stateless [`Rendezvous`] are baselines behind the same trait, so a simulator or a benchmark
 //! compares like with like.
 //!
+//! The view also carries the *cache model*: for each backend, the [prompt
+//! chain](crate::PromptChain) links it probably still holds, within the cache budget its
+//! [`Backend`](crate::Backend) declares, least recently used evicted first. Every dispatched
+//! request's chain is recorded on its backend. A policy asks how many of a request's tokens a
+//! backend would reuse ([`BackendRef::cached_tokens`]), which backend holds the longest prefix
+//! ([`FleetView::longest_prefix`]), and how many conversations a backend homes
+//! ([`BackendRef::conversations`]); the service tells it whether a session's home still holds
+//! the session ([`HomeCache`]). One mechanism serves requests without a key, homes that evicted
+//! their session, and compaction alike.
+//!
 //! Policies need no runtime to test: a [`Snapshot`] is a fleet built by hand, and
 //! [`Snapshot::order`] lists a policy's full preference order.
 //!
@@ -42,8 +52,9 @@ use crate::fleet::Topology;
 
 pub use baselines::{LeastLoaded, Rendezvous, RoundRobin};
 pub use node_then_backend::NodeThenBackend;
+pub(crate) use snapshot::wants_prefix;
 pub use snapshot::Snapshot;
-pub use view::{BackendRef, FleetView, Home, NodeRef, PlacementRequest};
+pub use view::{BackendRef, FleetView, Home, HomeCache, NodeRef, PlacementRequest, Prefix};
 
 /// A placement policy.
 ///

@@ -3,7 +3,8 @@ use std::ops::ControlFlow;
 use crate::key::SessionKey;
 
 use super::{
-    freer_of_two, BackendRef, Candidates, FleetView, NodeRef, Placement, PlacementRequest,
+    freer_of_two, most_free_slots, BackendRef, Candidates, FleetView, HomeCache, NodeRef,
+    Placement, PlacementRequest,
 };
 
 /// The default policy: keep a session close to the cache that served it last.
@@ -23,8 +24,30 @@ use super::{
 /// backend already more than `1 + epsilon` times as busy as the fleet on average, so one key
 /// space cannot pile sessions onto one backend; the skipped backends are still offered last.
 ///
-/// A request without a key goes to the freer of two backends sampled at random (power of two
-/// choices); if neither has a free slot, to the backend with the most free slots.
+/// # What the caches hold
+///
+/// When the request carries a [prompt chain](crate::PromptChain) (put there by
+/// [`BodyKeyLayer`](crate::key::BodyKeyLayer)), the cache model decides with it:
+///
+/// - a session whose home still holds its last prompt goes home, as above;
+/// - a session whose home evicted it (a *cold home*) is placed like a new session that prefers
+///   the backend holding the longest prefix of its prompt, when that prefix is its own;
+/// - a session whose prompt no longer extends its last one (*compaction*) is counted apart and
+///   stays where it was if there is room: no cache holds the rewritten prompt, so no backend is
+///   better than its home;
+/// - a request without a key goes to the backend holding the longest prefix of its prompt when
+///   that prefix is the conversation's own (see [`FleetView::longest_prefix`]), then to the
+///   other backends on that backend's node; otherwise it is placed by load;
+/// - new conversations, keyed or keyless, are spread by the conversations each backend homes
+///   (the cache model's count), not only by requests in flight: agents think between turns, so
+///   in flight is near zero when each sends one turn at a time. A keyless one goes to the
+///   backend with the fewest conversations for its slots. A keyed one takes its rendezvous
+///   order, passing over any backend that would home more than `1 + epsilon` times its share of
+///   slots (see [`conversation_bound`](NodeThenBackend::conversation_bound); default
+///   [`DEFAULT_CONVERSATION_BOUND`](NodeThenBackend::DEFAULT_CONVERSATION_BOUND)).
+///
+/// A request without a key or chain goes to the freer of two backends sampled at random (power
+/// of two choices); if neither has a free slot, to the backend with the most free slots.
 ///
 /// Placement is by rendezvous score weighted by slots, at the node level and then within the
 /// node: a new session costs O(nodes + backends on the chosen node); a home hit costs one offer.
@@ -42,39 +65,138 @@ use super::{
 /// // The home is full: the session spills to the other backend on the home's node.
 /// assert_eq!(fleet.choose(&NodeThenBackend::new(), key, Some("a1")), Some("a2".into()));
 /// ```
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 pub struct NodeThenBackend {
     load_bound: Option<f64>,
+    conversation_bound: Option<f64>,
+}
+
+impl Default for NodeThenBackend {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Negative or non-finite values are read as 0.
+fn epsilon(e: f64) -> f64 {
+    if e.is_finite() {
+        e.max(0.0)
+    } else {
+        0.0
+    }
 }
 
 impl NodeThenBackend {
-    /// The policy without a load bound.
+    /// The default [conversation bound](Self::conversation_bound): a backend homes at most a
+    /// quarter more than its share of the conversations (rounded up).
+    pub const DEFAULT_CONVERSATION_BOUND: f64 = 0.25;
+
+    /// The policy with the default conversation bound and no load bound.
     pub const fn new() -> Self {
-        NodeThenBackend { load_bound: None }
+        NodeThenBackend {
+            load_bound: None,
+            conversation_bound: Some(Self::DEFAULT_CONVERSATION_BOUND),
+        }
     }
 
     /// Bounds the load new sessions may add to one backend: a backend whose share of taken
     /// slots would exceed `1 + epsilon` times the fleet's is passed over for new sessions while
     /// another has room below the bound. Negative or non-finite values are read as 0.
     pub fn load_bound(mut self, epsilon: f64) -> Self {
-        let e = if epsilon.is_finite() {
-            epsilon.max(0.0)
-        } else {
-            0.0
-        };
-        self.load_bound = Some(e);
+        self.load_bound = Some(self::epsilon(epsilon));
         self
     }
+
+    /// Bounds the conversations one backend homes: a new keyed session passes over a backend
+    /// that would then home more than `1 + epsilon` times its share of the fleet's
+    /// conversations by slots (rounded up, and never fewer than its slots), while another has
+    /// room below the bound; the skipped backends are still offered last. Negative or non-finite values
+    /// are read as 0.
+    ///
+    /// What it costs agreement: two router replicas place a new session alike as long as
+    /// neither sees its first rendezvous choice at the bound. Each counts the conversations it
+    /// placed itself, so near the bound they may choose differently; a shared session store
+    /// then makes the first placement the one both follow.
+    pub fn conversation_bound(mut self, epsilon: f64) -> Self {
+        self.conversation_bound = Some(self::epsilon(epsilon));
+        self
+    }
+
+    /// New sessions take their rendezvous order without regard to the conversations each
+    /// backend homes.
+    pub fn no_conversation_bound(mut self) -> Self {
+        self.conversation_bound = None;
+        self
+    }
+}
+
+impl NodeThenBackend {
+    /// Offers the backends that hold some of a new conversation's prompt, the longest prefix
+    /// first, passing over any that already homes more than its share of conversations: a
+    /// prefix many conversations share draws new ones only up to the bound, and the bound is
+    /// what spreads them. Among equal prefixes, a keyed conversation takes its rendezvous
+    /// order (so router replicas with the same caches agree) and a keyless one the backend
+    /// with the fewest conversations for its slots. A prompt already held whole is a repeat
+    /// that says nothing of which conversation it is, and draws nothing.
+    /// O(backends x log links).
+    fn offer_holders(
+        &self,
+        fleet: &FleetView<'_>,
+        req: &PlacementRequest<'_>,
+        c: &mut Candidates<'_>,
+    ) -> ControlFlow<()> {
+        let (Some(chain), Some(e)) = (req.chain, self.conversation_bound) else {
+            return ControlFlow::Continue(());
+        };
+        let bound = Bound::conversations(fleet, e);
+        let mut holders: Vec<(usize, u64, BackendRef<'_>)> = fleet
+            .backends()
+            .filter_map(|b| {
+                let links = b.cached_links(chain);
+                let holds = links > 0 && links < chain.len() && bound.admits(&b);
+                let order = match req.key {
+                    // Higher scores first: ranks that sort ascending.
+                    Some(key) => u64::MAX - b.rendezvous_score(key).to_bits(),
+                    None => conversations_per_slot(fleet, &b),
+                };
+                holds.then_some((links, order, b))
+            })
+            .collect();
+        holders.sort_by_key(|&(links, order, _)| (std::cmp::Reverse(links), order));
+        holders.into_iter().try_for_each(|(_, _, b)| c.offer(b))
+    }
+}
+
+/// A backend's conversations (this one included) for its slots, scaled to an integer.
+fn conversations_per_slot(fleet: &FleetView<'_>, b: &BackendRef<'_>) -> u64 {
+    let total_slots = u64::from(fleet.topology.total_slots.max(1));
+    (u64::from(b.conversations()) + 1) * total_slots / u64::from(b.slots().max(1))
 }
 
 impl Placement for NodeThenBackend {
     fn place(&self, fleet: &FleetView<'_>, req: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
         let Some(key) = req.key else {
-            let _ = freer_of_two(fleet, req.random, c);
+            if let Some(p) = req.prefix.filter(|p| p.own) {
+                if offer_near(p.backend, c).is_break() {
+                    return;
+                }
+            }
+            if let Some(chain) = req.chain {
+                if self.offer_holders(fleet, req, c).is_break() {
+                    return;
+                }
+                // Ties are broken by the prompt itself, so a replay places alike every time.
+                let tie = chain.links().last().map_or(req.random, |l| l.digest);
+                let _ = fewest_conversations(fleet, tie, c);
+            } else {
+                let _ = freer_of_two(fleet, req.random, c);
+            }
             return;
         };
         let _ = match req.home {
-            Some(home) => {
+            // A compacted session goes home too: no cache holds its new prompt, so the home is
+            // as good as any, and its node may hold the system prompt.
+            Some(home) if home.cache != HomeCache::Evicted => {
                 // Home, then its node, then everywhere else.
                 let skip = home.backend.map(|b| b.index);
                 if let Some(b) = home.backend {
@@ -82,41 +204,82 @@ impl Placement for NodeThenBackend {
                         return;
                     }
                 }
-                if offer_node(home.node, key, skip, None, c).is_break() {
+                if offer_node(home.node, key, skip, Bound::None, c).is_break() {
                     return;
                 }
-                offer_nodes(fleet, key, Some(home.node.index), None, c)
+                offer_nodes(fleet, key, Some(home.node.index), Bound::None, c)
             }
-            None => {
-                if let Some(e) = self.load_bound {
-                    let bound = Bound::new(fleet, e);
-                    if offer_nodes(fleet, key, None, Some(&bound), c).is_break() {
+            // A cold home, or a new session.
+            _ => {
+                if let Some(p) = req.prefix.filter(|p| p.own) {
+                    if c.offer(p.backend).is_break()
+                        || offer_node(p.backend.node(), key, Some(p.backend.index), Bound::None, c)
+                            .is_break()
+                    {
                         return;
                     }
                 }
-                offer_nodes(fleet, key, None, None, c)
+                if self.offer_holders(fleet, req, c).is_break() {
+                    return;
+                }
+                if let Some(e) = self.load_bound {
+                    let bound = Bound::load(fleet, e);
+                    if offer_nodes(fleet, key, None, bound, c).is_break() {
+                        return;
+                    }
+                }
+                if let Some(e) = self.conversation_bound.filter(|_| req.chain.is_some()) {
+                    let bound = Bound::conversations(fleet, e);
+                    if offer_nodes(fleet, key, None, bound, c).is_break() {
+                        return;
+                    }
+                }
+                offer_nodes(fleet, key, None, Bound::None, c)
             }
         };
     }
 }
 
-/// The utilisation a backend may reach before new sessions pass it over.
-struct Bound {
-    /// Fleet utilisation after this request, times `1 + epsilon`.
-    limit: f64,
+/// Which backends a new session may take on a first pass.
+#[derive(Clone, Copy)]
+enum Bound {
+    None,
+    /// Utilisation after this request must stay within this, times the backend's slots.
+    Load {
+        limit: f64,
+    },
+    /// Conversations homed, times the fleet's slots over the backend's, must stay within this.
+    Conversations {
+        per_slot: f64,
+    },
 }
 
 impl Bound {
-    fn new(fleet: &FleetView<'_>, epsilon: f64) -> Self {
+    fn load(fleet: &FleetView<'_>, epsilon: f64) -> Self {
         let slots = fleet.topology.total_slots.max(1);
         let avg = (fleet.in_flight() + 1) as f64 / f64::from(slots);
-        Bound {
+        Bound::Load {
             limit: (1.0 + epsilon) * avg,
         }
     }
 
+    fn conversations(fleet: &FleetView<'_>, epsilon: f64) -> Self {
+        let slots = fleet.topology.total_slots.max(1);
+        Bound::Conversations {
+            per_slot: (1.0 + epsilon) * (fleet.conversations() + 1) as f64 / f64::from(slots),
+        }
+    }
+
     fn admits(&self, b: &BackendRef<'_>) -> bool {
-        f64::from(b.in_flight() + 1) / f64::from(b.slots().max(1)) <= self.limit
+        let slots = f64::from(b.slots().max(1));
+        match *self {
+            Bound::None => true,
+            Bound::Load { limit } => f64::from(b.in_flight() + 1) / slots <= limit,
+            // A backend may always home as many conversations as it has slots.
+            Bound::Conversations { per_slot } => {
+                f64::from(b.conversations() + 1) <= (per_slot * slots).ceil().max(slots)
+            }
+        }
     }
 }
 
@@ -125,10 +288,10 @@ fn offer_node(
     node: NodeRef<'_>,
     key: SessionKey,
     skip: Option<u32>,
-    bound: Option<&Bound>,
+    bound: Bound,
     c: &mut Candidates<'_>,
 ) -> ControlFlow<()> {
-    let admit = |i: u32| Some(i) != skip && bound.is_none_or(|l| l.admits(&node.backend(i)));
+    let admit = |i: u32| Some(i) != skip && bound.admits(&node.backend(i));
     node.ranks().visit(key, admit, |i| c.offer(node.backend(i)))
 }
 
@@ -137,7 +300,7 @@ fn offer_nodes(
     fleet: &FleetView<'_>,
     key: SessionKey,
     skip: Option<u32>,
-    bound: Option<&Bound>,
+    bound: Bound,
     c: &mut Candidates<'_>,
 ) -> ControlFlow<()> {
     let t = fleet.topology;
@@ -146,4 +309,49 @@ fn offer_nodes(
         |n| Some(n) != skip,
         |n| offer_node(NodeRef::new(t, n), key, None, bound, c),
     )
+}
+
+/// Offers `backend`, then the other backends on its node, most free slots first: where a
+/// keyless conversation's prefix is, and the host-memory cache beside it.
+fn offer_near(backend: BackendRef<'_>, c: &mut Candidates<'_>) -> ControlFlow<()> {
+    c.offer(backend)?;
+    let mut rest: Vec<BackendRef<'_>> = backend
+        .node()
+        .backends()
+        .filter(|b| b.index != backend.index)
+        .collect();
+    rest.sort_by_key(|b| std::cmp::Reverse(b.free_slots()));
+    rest.into_iter().try_for_each(|b| c.offer(b))
+}
+
+/// Offers the backend that homes the fewest conversations for its slots (ties: the most free
+/// slots, then the first from a random start), then every backend by free slots. O(backends).
+fn fewest_conversations(
+    fleet: &FleetView<'_>,
+    random: u64,
+    c: &mut Candidates<'_>,
+) -> ControlFlow<()> {
+    let n = fleet.len();
+    if n == 0 {
+        return ControlFlow::Continue(());
+    }
+    let start = (random % n as u64) as usize;
+    let mut best: Option<(u64, u32, BackendRef<'_>)> = None;
+    for b in (0..n).filter_map(|i| fleet.backend_at((start + i) % n)) {
+        if b.free_slots() == 0 {
+            continue;
+        }
+        let load = conversations_per_slot(fleet, &b);
+        let better = match best {
+            None => true,
+            Some((l, free, _)) => load < l || (load == l && b.free_slots() > free),
+        };
+        if better {
+            best = Some((load, b.free_slots(), b));
+        }
+    }
+    if let Some((_, _, b)) = best {
+        c.offer(b)?;
+    }
+    most_free_slots(fleet, start, c)
 }

@@ -3,10 +3,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::fleet::Topology;
 use crate::key::SessionKey;
-use crate::BackendId;
+use crate::{BackendId, PromptChain};
 
 use super::rendezvous;
-use super::{BackendRef, Candidates, FleetView, Home, NodeRef, Placement, PlacementRequest};
+use super::{
+    BackendRef, Candidates, FleetView, Home, HomeCache, NodeRef, Placement, PlacementRequest,
+};
 
 /// A fleet built by hand, for testing placement policies without a runtime or services.
 ///
@@ -23,6 +25,8 @@ use super::{BackendRef, Candidates, FleetView, Home, NodeRef, Placement, Placeme
 pub struct Snapshot {
     topology: Topology,
     extensions: http::Extensions,
+    chain: Option<PromptChain>,
+    home_cache: HomeCache,
     /// How many placements have drawn a random number.
     draws: AtomicU64,
 }
@@ -36,7 +40,38 @@ impl Snapshot {
     /// Adds (or updates) backend `id` on `node` with `slots` slots (0 is read as 1).
     pub fn backend(mut self, id: &str, node: &str, slots: u32) -> Self {
         let slots = NonZeroU32::new(slots).unwrap_or(NonZeroU32::MIN);
-        self.topology.insert(id.into(), &node.into(), slots, None);
+        self.topology.insert(
+            id.into(),
+            &node.into(),
+            slots,
+            None,
+            crate::Backend::<()>::DEFAULT_CACHE_TOKENS,
+        );
+        self
+    }
+
+    /// Records on backend `id`'s cache model that it served a prompt with `chain`, as the
+    /// service does for every dispatched request. Unknown ids are ignored.
+    pub fn holds(self, id: &str, chain: &PromptChain) -> Self {
+        if let Some(i) = self.topology.index_any(id) {
+            let mut model = self.topology.member(i).cache.lock();
+            let known = model.held(chain.links());
+            model.record(chain.links(), known);
+        }
+        self
+    }
+
+    /// The prompt chain of the requests placed from now on: policies see it, and the longest
+    /// prefix held is looked up for it as the service would.
+    pub fn prompt(mut self, chain: PromptChain) -> Self {
+        self.chain = Some(chain);
+        self
+    }
+
+    /// What the home of the requests placed from now on holds (default
+    /// [`HomeCache::Unknown`]); the service works it out from the session's last turn.
+    pub fn home_cache(mut self, cache: HomeCache) -> Self {
+        self.home_cache = cache;
         self
     }
 
@@ -82,10 +117,27 @@ impl Snapshot {
     fn home(&self, id: &str) -> Option<Home<'_>> {
         let index = self.topology.index_any(id)?;
         let m = self.topology.member(index);
-        Some(Home {
-            backend: m.live.then(|| BackendRef::new(&self.topology, index)),
-            node: NodeRef::new(&self.topology, m.node),
-        })
+        let backend = m.live.then(|| BackendRef::new(&self.topology, index));
+        let cache = if backend.is_some() {
+            self.home_cache
+        } else {
+            HomeCache::Unknown
+        };
+        Some(Home::new(backend, NodeRef::new(&self.topology, m.node)).cache(cache))
+    }
+
+    /// The request a policy gets, with its prefix looked up as the service does.
+    fn request(&self, key: Option<SessionKey>, home: Option<&str>) -> PlacementRequest<'_> {
+        let home = home.and_then(|h| self.home(h));
+        let view = self.view();
+        let chain = self.chain.as_ref();
+        let prefix = chain
+            .filter(|_| wants_prefix(key, home))
+            .and_then(|c| view.longest_prefix(c));
+        PlacementRequest::new(key, home, &self.extensions)
+            .random(self.draw())
+            .chain(chain)
+            .prefix(prefix)
     }
 
     /// Every backend `policy` offers, in its order of preference, for a request with `key`
@@ -102,8 +154,7 @@ impl Snapshot {
         let mut seen = Vec::new();
         {
             let view = self.view();
-            let req = PlacementRequest::new(key, home.and_then(|h| self.home(h)), &self.extensions)
-                .random(self.draw());
+            let req = self.request(key, home);
             let mut c = Candidates::collect(&self.topology, 1, &mut seen);
             policy.place(&view, &req, &mut c);
         }
@@ -124,10 +175,15 @@ impl Snapshot {
         P: Placement + ?Sized,
     {
         let view = self.view();
-        let req = PlacementRequest::new(key, home.and_then(|h| self.home(h)), &self.extensions)
-            .random(self.draw());
+        let req = self.request(key, home);
         let mut c = Candidates::probe(&self.topology, 1);
         policy.place(&view, &req, &mut c);
         c.chosen().map(|i| self.topology.member(i).id.clone())
     }
+}
+
+/// Whether the service looks up the longest prefix for a request: when it has no key, no
+/// home, or a home that evicted it.
+pub(crate) fn wants_prefix(key: Option<SessionKey>, home: Option<Home<'_>>) -> bool {
+    key.is_none() || home.is_none_or(|h| h.cache == HomeCache::Evicted)
 }

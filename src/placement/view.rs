@@ -1,9 +1,10 @@
 use std::fmt;
 use std::sync::atomic::Ordering;
 
+use crate::cache;
 use crate::fleet::{Member, NodeEntry, Topology};
 use crate::key::SessionKey;
-use crate::{BackendId, NodeId};
+use crate::{BackendId, NodeId, PromptChain};
 
 use super::rendezvous::{self, RankSet};
 
@@ -56,6 +57,64 @@ impl<'a> FleetView<'a> {
     pub fn in_flight(&self) -> usize {
         self.topology.in_flight()
     }
+
+    /// Conversations the cache model says the live backends home, in all. O(backends).
+    pub fn conversations(&self) -> u64 {
+        self.backends().map(|b| u64::from(b.conversations())).sum()
+    }
+
+    /// The live backend that the cache model says holds the longest prefix of `chain`, if any
+    /// holds some of it, and whether that prefix is the conversation's own.
+    ///
+    /// The prefix is *own* when exactly one backend holds it that far, the chain goes on past
+    /// it (the request adds to what was served), and at most one other prompt continues it on
+    /// that backend (the conversation's own last turn, whose partial last block or newest
+    /// message this turn rewrote): then it identifies one conversation. A system prompt every
+    /// conversation starts with is held on many backends, or continued by many
+    /// conversations, and is not.
+    /// O(backends x log links): the backends are asked in turn.
+    ///
+    /// ```
+    /// use tower_affinity::placement::Snapshot;
+    /// use tower_affinity::PromptChain;
+    ///
+    /// let turn1 = PromptChain::from_blocks([(1, 2_000), (2, 300)]);
+    /// let turn2 = PromptChain::from_blocks([(1, 2_000), (2, 300), (3, 50), (4, 80)]);
+    /// let fleet = Snapshot::new()
+    ///     .backend("a", "n", 1)
+    ///     .backend("b", "n", 1)
+    ///     .holds("b", &turn1);
+    /// let prefix = fleet.view().longest_prefix(&turn2).unwrap();
+    /// assert_eq!(prefix.backend.id().as_str(), "b");
+    /// assert_eq!((prefix.links, prefix.tokens, prefix.own), (2, 2_300, true));
+    /// ```
+    pub fn longest_prefix(&self, chain: &PromptChain) -> Option<Prefix<'a>> {
+        let mut best: Option<(BackendRef<'a>, usize)> = None;
+        let mut ties = 0;
+        for b in self.backends() {
+            let links = b.cached_links(chain);
+            match best {
+                Some((_, n)) if links < n => {}
+                Some((_, n)) if links == n => ties += 1,
+                _ if links == 0 => {}
+                _ => {
+                    best = Some((b, links));
+                    ties = 0;
+                }
+            }
+        }
+        let (backend, links) = best?;
+        let tip = chain.links()[links - 1].digest;
+        let own = ties == 0
+            && links < chain.len()
+            && backend.member().cache.lock().continuations(tip) <= 1;
+        Some(Prefix {
+            backend,
+            links,
+            tokens: chain.tokens_at(links),
+            own,
+        })
+    }
 }
 
 impl fmt::Debug for FleetView<'_> {
@@ -76,7 +135,7 @@ impl<'a> BackendRef<'a> {
         BackendRef { topology, index }
     }
 
-    fn member(&self) -> &'a Member {
+    pub(crate) fn member(&self) -> &'a Member {
         self.topology.member(self.index)
     }
 
@@ -108,6 +167,34 @@ impl<'a> BackendRef<'a> {
     /// The backend's prompt-cache budget in bytes, if discovery gave one.
     pub fn prompt_cache_bytes(&self) -> Option<u64> {
         self.member().prompt_cache_bytes
+    }
+
+    /// How many leading links of `chain` the cache model says this backend holds.
+    /// O(log links).
+    pub fn cached_links(&self, chain: &PromptChain) -> usize {
+        self.member().cache.lock().held(chain.links())
+    }
+
+    /// How many of `chain`'s tokens the cache model says this backend would reuse: those of
+    /// the longest prefix it holds. O(log links).
+    ///
+    /// ```
+    /// use tower_affinity::placement::Snapshot;
+    /// use tower_affinity::PromptChain;
+    ///
+    /// let served = PromptChain::from_blocks([(1, 1_000), (2, 500)]);
+    /// let next = PromptChain::from_blocks([(1, 1_000), (2, 500), (3, 20)]);
+    /// let fleet = Snapshot::new().backend("a", "n", 1).holds("a", &served);
+    /// assert_eq!(fleet.view().backend(&"a".into()).unwrap().cached_tokens(&next), 1_500);
+    /// ```
+    pub fn cached_tokens(&self, chain: &PromptChain) -> u64 {
+        cache::reuse(&self.member().cache.lock(), chain).1
+    }
+
+    /// Conversations the cache model says this backend homes: the tips of the prompts it
+    /// holds.
+    pub fn conversations(&self) -> u32 {
+        self.member().cache.lock().conversations()
     }
 
     /// This backend's rendezvous score for `key`, weighted by its slots: the higher, the more
@@ -196,11 +283,81 @@ impl fmt::Debug for NodeRef<'_> {
 
 /// Where a session was served last.
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct Home<'a> {
     /// The backend, or `None` if it has been removed since.
     pub backend: Option<BackendRef<'a>>,
     /// The backend's node. It may have no live backend left.
     pub node: NodeRef<'a>,
+    /// What the cache model says the home holds of this request's prompt.
+    pub cache: HomeCache,
+}
+
+impl<'a> Home<'a> {
+    /// A home whose cache is [`HomeCache::Unknown`].
+    pub fn new(backend: Option<BackendRef<'a>>, node: NodeRef<'a>) -> Self {
+        Home {
+            backend,
+            node,
+            cache: HomeCache::Unknown,
+        }
+    }
+
+    /// Sets what the home holds.
+    pub fn cache(mut self, cache: HomeCache) -> Self {
+        self.cache = cache;
+        self
+    }
+}
+
+/// What the cache model says a session's home holds of the session's prompt.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum HomeCache {
+    /// Nothing to go by: this turn or the last carried no prompt chain, or the home is gone.
+    #[default]
+    Unknown,
+    /// The home probably still holds the prompt of the session's last turn.
+    Holds,
+    /// The home probably evicted it (*cold home*): going back there buys nothing.
+    Evicted,
+    /// This turn does not extend the last one (its leading messages changed, or it shrank):
+    /// the client compacted its history, and no cache holds the new prompt.
+    Compacted,
+}
+
+impl HomeCache {
+    /// What `home` holds of `chain`, for a session whose last turn ended at `tip`.
+    pub(crate) fn of(home: Option<BackendRef<'_>>, tip: u16, chain: Option<&PromptChain>) -> Self {
+        let (Some(chain), Some(home)) = (chain.filter(|c| !c.is_empty()), home) else {
+            return HomeCache::Unknown;
+        };
+        if tip == 0 {
+            return HomeCache::Unknown;
+        }
+        match chain.find_tip(tip) {
+            None => HomeCache::Compacted,
+            Some(at) if home.member().cache.lock().holds(chain.links()[at].digest) => {
+                HomeCache::Holds
+            }
+            Some(_) => HomeCache::Evicted,
+        }
+    }
+}
+
+/// The longest prefix of a request's prompt that one backend holds, by the cache model: see
+/// [`FleetView::longest_prefix`].
+#[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
+pub struct Prefix<'a> {
+    /// The backend that holds it.
+    pub backend: BackendRef<'a>,
+    /// How many leading links of the chain it holds.
+    pub links: usize,
+    /// Their tokens: what the backend would reuse.
+    pub tokens: u64,
+    /// Whether the prefix is the conversation's own, not one many conversations share.
+    pub own: bool,
 }
 
 /// What a policy knows about the request it places.
@@ -217,6 +374,13 @@ pub struct PlacementRequest<'a> {
     /// samples two backends). The service draws a new one for every attempt; a
     /// [`Snapshot`](super::Snapshot) draws from a fixed sequence, so tests repeat.
     pub random: u64,
+    /// The request's prompt chain, if a layer in front read one
+    /// ([`PromptFacts`](crate::key::PromptFacts)).
+    pub chain: Option<&'a PromptChain>,
+    /// The longest prefix of the chain that one backend holds, looked up by the service when
+    /// it matters: for requests without a key, new sessions, and sessions whose home is cold.
+    /// `None` otherwise, or when no backend holds any of it.
+    pub prefix: Option<Prefix<'a>>,
 }
 
 impl<'a> PlacementRequest<'a> {
@@ -231,7 +395,21 @@ impl<'a> PlacementRequest<'a> {
             home,
             extensions,
             random: 0,
+            chain: None,
+            prefix: None,
         }
+    }
+
+    /// Sets the request's prompt chain.
+    pub fn chain(mut self, chain: Option<&'a PromptChain>) -> Self {
+        self.chain = chain;
+        self
+    }
+
+    /// Sets the longest prefix held.
+    pub fn prefix(mut self, prefix: Option<Prefix<'a>>) -> Self {
+        self.prefix = prefix;
+        self
     }
 
     /// Sets the request's random number.

@@ -1,0 +1,439 @@
+//! The cache model: which prompt-chain links a backend probably still holds.
+//!
+//! Every dispatched request's [`PromptChain`] is recorded on the backend it went to. The links
+//! form a tree (a link's parent is the link before it in its chain, since a digest covers its
+//! whole prefix); the model keeps the tree within the backend's declared budget of tokens
+//! (its slots' KV plus its host-memory prompt cache), evicting the least recently used *leaf*
+//! first, as llama.cpp drops whole least recently used prompt states. Evicting leaves only
+//! keeps what a backend holds closed under prefixes: if it holds a link it holds every link
+//! before it, so the longest prefix held is found by binary search.
+//!
+//! The leaves are the tips of the conversations the backend served: their count is how many
+//! conversations it homes, which is what new conversations are spread by. A link with more than
+//! one child is a prefix several conversations share.
+//!
+//! Memory: a tracked link costs its 32-byte node and its index entry, about 55 bytes at the
+//! index's usual load (see `BENCHMARKS.md`); a backend tracks at most one link per 16 tokens
+//! of its budget (at least 1,024), so the model of a backend with the default budget stays
+//! under half a megabyte.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use crate::chain::{Link, PromptChain};
+
+const NONE: u32 = u32::MAX;
+
+/// One tracked link.
+#[derive(Clone, Copy, Debug)]
+struct Node {
+    digest: u64,
+    /// Tokens of this link alone (its chain's tokens up to it, less its parent's).
+    tokens: u32,
+    parent: u32,
+    children: u32,
+    /// The leaf list, most recently used first (only while `children == 0`).
+    prev: u32,
+    next: u32,
+}
+
+/// Digests are uniformly random already: the map uses them as they are.
+#[derive(Default)]
+pub(crate) struct Identity(u64);
+
+impl Hasher for Identity {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8) | u64::from(b);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+/// One backend's model.
+#[derive(Debug)]
+pub(crate) struct CacheModel {
+    index: HashMap<u64, u32, BuildHasherDefault<Identity>>,
+    nodes: Vec<Node>,
+    free: Vec<u32>,
+    /// Most and least recently used leaf.
+    head: u32,
+    tail: u32,
+    leaves: u32,
+    tokens: u64,
+    budget: u64,
+    max_blocks: usize,
+    evicted: u64,
+}
+
+impl std::fmt::Debug for Identity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Identity")
+    }
+}
+
+impl CacheModel {
+    /// A model of a cache of `budget` tokens.
+    pub(crate) fn new(budget: u64) -> Self {
+        CacheModel {
+            index: HashMap::default(),
+            nodes: Vec::new(),
+            free: Vec::new(),
+            head: NONE,
+            tail: NONE,
+            leaves: 0,
+            tokens: 0,
+            budget,
+            max_blocks: Self::max_blocks(budget),
+            evicted: 0,
+        }
+    }
+
+    /// The most links a model of `budget` tokens tracks: one per 16 tokens of budget, at least
+    /// 1,024. Chains of tiny messages are held to this bound before the token budget.
+    pub(crate) fn max_blocks(budget: u64) -> usize {
+        usize::try_from(budget / 16).unwrap_or(usize::MAX).max(1024)
+    }
+
+    /// Changes the budget (discovery updated the backend); evicts down to it.
+    pub(crate) fn set_budget(&mut self, budget: u64) {
+        self.budget = budget;
+        self.max_blocks = Self::max_blocks(budget);
+        self.evict();
+    }
+
+    fn node(&self, digest: u64) -> Option<u32> {
+        self.index.get(&digest).copied()
+    }
+
+    /// Whether the link with `digest` is held.
+    pub(crate) fn holds(&self, digest: u64) -> bool {
+        self.index.contains_key(&digest)
+    }
+
+    /// How many leading links of `chain` are held. Holdings are closed under prefixes, so
+    /// this is a binary search: O(log links) lookups.
+    pub(crate) fn held(&self, chain: &[Link]) -> usize {
+        let (mut lo, mut hi) = (0, chain.len());
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if self.holds(chain[mid].digest) {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
+    }
+
+    /// How many other chains continue the link with `digest`: 0 for a conversation's tip.
+    pub(crate) fn continuations(&self, digest: u64) -> u32 {
+        self.node(digest)
+            .map_or(0, |i| self.nodes[i as usize].children)
+    }
+
+    /// Conversations homed here: the tips of the chains it holds.
+    pub(crate) fn conversations(&self) -> u32 {
+        self.leaves
+    }
+
+    /// Tokens held.
+    pub(crate) fn tokens(&self) -> u64 {
+        self.tokens
+    }
+
+    /// Links held.
+    pub(crate) fn blocks(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Links evicted so far.
+    pub(crate) fn evicted(&self) -> u64 {
+        self.evicted
+    }
+
+    /// Bytes of memory held.
+    pub(crate) fn memory_bytes(&self) -> usize {
+        self.nodes.capacity() * std::mem::size_of::<Node>()
+            + self.index.capacity() * (std::mem::size_of::<(u64, u32)>() + 1)
+            + self.free.capacity() * 4
+    }
+
+    /// Records `chain` as held, knowing that at least `at_least` of its leading links are:
+    /// one lookup when that is all of them, a binary search otherwise.
+    pub(crate) fn record_from(&mut self, chain: &[Link], at_least: usize) {
+        let known = match chain.get(at_least) {
+            Some(next) if at_least > 0 && !self.holds(next.digest) => at_least,
+            _ => self.held(chain),
+        };
+        self.record(chain, known);
+    }
+
+    /// Records `chain` as held, `known` of its leading links being held already (from
+    /// [`held`](Self::held), or a cheaper check), and makes its tip the most recently used.
+    pub(crate) fn record(&mut self, chain: &[Link], known: usize) {
+        let Some(last) = chain.last() else {
+            return;
+        };
+        let known = known.min(chain.len());
+        let mut parent = match known {
+            0 => NONE,
+            n => self.node(chain[n - 1].digest).unwrap_or(NONE),
+        };
+        for (i, link) in chain.iter().enumerate().skip(known) {
+            let before = if i == 0 { 0 } else { chain[i - 1].tokens };
+            let tokens = u32::try_from(link.tokens.saturating_sub(before)).unwrap_or(u32::MAX);
+            parent = self.insert(link.digest, tokens, parent);
+        }
+        if let Some(tip) = self.node(last.digest) {
+            if self.nodes[tip as usize].children == 0 {
+                self.unlink(tip);
+                self.push_front(tip);
+            }
+        }
+        self.evict();
+    }
+
+    /// Adds a link under `parent` (or finds it); returns its index.
+    fn insert(&mut self, digest: u64, tokens: u32, parent: u32) -> u32 {
+        if let Some(i) = self.node(digest) {
+            return i;
+        }
+        let node = Node {
+            digest,
+            tokens,
+            parent,
+            children: 0,
+            prev: NONE,
+            next: NONE,
+        };
+        let i = match self.free.pop() {
+            Some(i) => {
+                self.nodes[i as usize] = node;
+                i
+            }
+            None => {
+                self.nodes.push(node);
+                (self.nodes.len() - 1) as u32
+            }
+        };
+        self.index.insert(digest, i);
+        self.tokens += u64::from(tokens);
+        if parent != NONE {
+            let p = &mut self.nodes[parent as usize];
+            p.children += 1;
+            if p.children == 1 {
+                self.unlink(parent);
+            }
+        }
+        self.push_front(i);
+        i
+    }
+
+    fn push_front(&mut self, i: u32) {
+        let old = self.head;
+        {
+            let n = &mut self.nodes[i as usize];
+            n.prev = NONE;
+            n.next = old;
+        }
+        if old != NONE {
+            self.nodes[old as usize].prev = i;
+        } else {
+            self.tail = i;
+        }
+        self.head = i;
+        self.leaves += 1;
+    }
+
+    fn push_back(&mut self, i: u32) {
+        let old = self.tail;
+        {
+            let n = &mut self.nodes[i as usize];
+            n.next = NONE;
+            n.prev = old;
+        }
+        if old != NONE {
+            self.nodes[old as usize].next = i;
+        } else {
+            self.head = i;
+        }
+        self.tail = i;
+        self.leaves += 1;
+    }
+
+    /// Takes leaf `i` out of the leaf list.
+    fn unlink(&mut self, i: u32) {
+        let Node { prev, next, .. } = self.nodes[i as usize];
+        if prev != NONE {
+            self.nodes[prev as usize].next = next;
+        } else {
+            self.head = next;
+        }
+        if next != NONE {
+            self.nodes[next as usize].prev = prev;
+        } else {
+            self.tail = prev;
+        }
+        let n = &mut self.nodes[i as usize];
+        n.prev = NONE;
+        n.next = NONE;
+        self.leaves -= 1;
+    }
+
+    /// Drops least recently used leaves until the model fits its budget.
+    fn evict(&mut self) {
+        while (self.tokens > self.budget || self.index.len() > self.max_blocks) && self.tail != NONE
+        {
+            let i = self.tail;
+            self.unlink(i);
+            let node = self.nodes[i as usize];
+            self.index.remove(&node.digest);
+            self.tokens -= u64::from(node.tokens);
+            self.free.push(i);
+            self.evicted += 1;
+            if node.parent != NONE {
+                let p = &mut self.nodes[node.parent as usize];
+                p.children -= 1;
+                if p.children == 0 {
+                    // Its most recent use was no later than the leaf just evicted, the least
+                    // recently used: it goes last.
+                    self.push_back(node.parent);
+                }
+            }
+        }
+    }
+
+    #[cfg(test)]
+    fn check(&self) {
+        // Every held link's parent is held, the leaf list holds exactly the childless links,
+        // and the token count adds up.
+        let mut leaves = 0;
+        let mut tokens = 0;
+        for (&d, &i) in &self.index {
+            let n = self.nodes[i as usize];
+            assert_eq!(n.digest, d);
+            tokens += u64::from(n.tokens);
+            if n.parent != NONE {
+                assert!(self.holds(self.nodes[n.parent as usize].digest));
+            }
+            if n.children == 0 {
+                leaves += 1;
+            }
+        }
+        assert_eq!(leaves, self.leaves);
+        assert_eq!(tokens, self.tokens);
+        let mut walked = 0;
+        let mut i = self.head;
+        while i != NONE {
+            walked += 1;
+            i = self.nodes[i as usize].next;
+        }
+        assert_eq!(walked, self.leaves);
+    }
+}
+
+/// What the model predicts for one chain on one backend.
+pub(crate) fn reuse(model: &CacheModel, chain: &PromptChain) -> (usize, u64) {
+    let held = model.held(chain.links());
+    (held, chain.tokens_at(held))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chain(ids: &[u64]) -> PromptChain {
+        PromptChain::from_blocks(ids.iter().map(|&id| (id, 100)))
+    }
+
+    #[test]
+    fn a_recorded_chain_is_held_and_its_extensions_are_found() {
+        let mut m = CacheModel::new(10_000);
+        let first = chain(&[1, 2, 3]);
+        m.record(first.links(), 0);
+        let next = chain(&[1, 2, 3, 4, 5]);
+        assert_eq!(reuse(&m, &next), (3, 300));
+        assert_eq!(m.conversations(), 1);
+        m.record(next.links(), 3);
+        assert_eq!(m.conversations(), 1);
+        assert_eq!(m.tokens(), 500);
+        m.check();
+    }
+
+    #[test]
+    fn least_recently_used_conversations_are_evicted_first() {
+        // Room for 1,000 tokens: two conversations of 400 and a third pushes out the oldest.
+        let mut m = CacheModel::new(1_000);
+        let a = chain(&[1, 2, 3, 4]);
+        let b = chain(&[10, 11, 12, 13]);
+        let c = chain(&[20, 21, 22, 23]);
+        m.record(a.links(), 0);
+        m.record(b.links(), 0);
+        // `a` is used again: `b` is now the oldest.
+        m.record(a.links(), m.held(a.links()));
+        m.record(c.links(), 0);
+        assert_eq!(m.held(a.links()), 4);
+        assert_eq!(m.held(c.links()), 4);
+        // `b` lost its tail first: what is left of it is a prefix.
+        assert!(m.held(b.links()) < 4);
+        assert!(m.tokens() <= 1_000);
+        m.check();
+    }
+
+    #[test]
+    fn a_shared_prefix_outlives_the_conversations_that_branch_from_it() {
+        let mut m = CacheModel::new(600);
+        // A system prompt (1, 2) continued by three conversations.
+        for tail in [[3, 4], [5, 6], [7, 8]] {
+            m.record(chain(&[1, 2, tail[0], tail[1]]).links(), 0);
+        }
+        assert_eq!(m.continuations(chain(&[1, 2]).links()[1].digest), 2);
+        assert_eq!(m.held(chain(&[1, 2, 9]).links()), 2);
+        assert_eq!(m.conversations(), 2);
+        m.check();
+    }
+
+    #[test]
+    fn the_model_never_exceeds_its_bounds() {
+        let mut m = CacheModel::new(2_000);
+        for s in 0..200u64 {
+            let ids: Vec<u64> = (0..(s % 13 + 1)).map(|i| s * 100 + i).collect();
+            let c = chain(&ids);
+            let known = m.held(c.links());
+            m.record(c.links(), known);
+            assert!(m.tokens() <= 2_000);
+            assert!(m.blocks() <= CacheModel::max_blocks(2_000));
+        }
+        m.check();
+    }
+
+    #[test]
+    fn a_chain_larger_than_the_budget_keeps_what_fits() {
+        let mut m = CacheModel::new(250);
+        let c = chain(&[1, 2, 3, 4, 5]);
+        m.record(c.links(), 0);
+        assert_eq!(m.held(c.links()), 2);
+        m.check();
+    }
+
+    #[test]
+    fn a_tracked_link_costs_under_80_bytes() {
+        let mut m = CacheModel::new(1 << 30);
+        for s in 0..1_000u64 {
+            let ids: Vec<u64> = (0..50).map(|i| s * 1_000 + i).collect();
+            m.record(chain(&ids).links(), 0);
+        }
+        assert_eq!(m.blocks(), 50_000);
+        let per_block = m.memory_bytes() / m.blocks();
+        assert!(per_block < 80, "{per_block} bytes a link");
+        assert_eq!(std::mem::size_of::<Node>(), 32);
+    }
+}

@@ -1,0 +1,307 @@
+//! [`PromptChain`]: what a request's prompt shares with earlier ones.
+//!
+//! A chain is the prompt's digest at each message boundary, in order, and at fixed blocks
+//! inside long messages. Each digest covers everything before it, so two requests share a link
+//! exactly when they share the whole prompt up to it: the longest run of equal leading links is
+//! the longest prefix a model server could reuse. The [cache model](crate::placement) keeps the
+//! links each backend probably still holds.
+//!
+//! Digests are 64-bit xxh3, not SHA-256: a chain digests every byte of every prompt on the
+//! request path (a 256 KiB body is hashed in a few microseconds), the digests never leave the
+//! process as identities, and a collision costs at most one mispredicted cache hit.
+
+use std::fmt;
+use std::sync::Arc;
+
+use xxhash_rust::xxh3::{xxh3_64_with_seed, Xxh3};
+
+/// One link of a [`PromptChain`]: the digest of the prompt up to a boundary, and the prompt's
+/// size up to and including it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Link {
+    /// Digest of the whole prompt up to this boundary.
+    pub digest: u64,
+    /// Bytes of the prompt up to this boundary.
+    pub bytes: u64,
+    /// Estimated tokens of the prompt up to this boundary.
+    pub tokens: u64,
+}
+
+/// The digests of a prompt at each message boundary, and at fixed blocks inside long
+/// messages, in order.
+///
+/// [`BodyKeyLayer`](crate::key::BodyKeyLayer) builds one for every JSON request it reads (see
+/// [`PromptFacts`](crate::key::PromptFacts)); a simulator or a custom layer builds one from its
+/// own blocks with [`PromptChain::from_blocks`]. Cloning is cheap: the links are shared.
+///
+/// ```
+/// use tower_affinity::PromptChain;
+///
+/// // Two turns of one conversation: the second repeats the first's blocks and adds two.
+/// let first = PromptChain::from_blocks([(1, 2_000), (2, 4_500)]);
+/// let second = PromptChain::from_blocks([(1, 2_000), (2, 4_500), (7, 300), (8, 160)]);
+/// assert_eq!(second.common_prefix(&first), 2);
+/// assert_eq!(second.tokens_at(2), 6_500);
+/// assert_eq!(second.tokens(), 6_960);
+/// // Another conversation that shares only the system prompt.
+/// let other = PromptChain::from_blocks([(1, 2_000), (3, 900)]);
+/// assert_eq!(other.common_prefix(&second), 1);
+/// ```
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct PromptChain {
+    links: Arc<[Link]>,
+}
+
+impl PromptChain {
+    /// The most links a chain keeps; a longer prompt is tracked up to here.
+    pub const MAX_LINKS: usize = 8192;
+
+    /// Builds a chain from blocks given as `(id, tokens)`: equal ids at equal positions are
+    /// equal content (a Mooncake trace's `hash_ids`, or one id per message). Bytes are
+    /// estimated at four a token.
+    pub fn from_blocks<I>(blocks: I) -> Self
+    where
+        I: IntoIterator<Item = (u64, u32)>,
+    {
+        let mut digest = 0u64;
+        let mut tokens = 0u64;
+        let links: Vec<Link> = blocks
+            .into_iter()
+            .take(Self::MAX_LINKS)
+            .map(|(id, t)| {
+                let mut buf = [0u8; 16];
+                buf[..8].copy_from_slice(&digest.to_le_bytes());
+                buf[8..].copy_from_slice(&id.to_le_bytes());
+                digest = xxh3_64_with_seed(&buf, BLOCK_SEED);
+                tokens += u64::from(t);
+                Link {
+                    digest,
+                    bytes: tokens * BYTES_PER_TOKEN,
+                    tokens,
+                }
+            })
+            .collect();
+        PromptChain {
+            links: links.into(),
+        }
+    }
+
+    /// The links, in order.
+    pub fn links(&self) -> &[Link] {
+        &self.links
+    }
+
+    /// How many links the chain has.
+    pub fn len(&self) -> usize {
+        self.links.len()
+    }
+
+    /// Whether the chain has no link (a body with no prompt).
+    pub fn is_empty(&self) -> bool {
+        self.links.is_empty()
+    }
+
+    /// Estimated tokens of the whole prompt (as far as the chain goes).
+    pub fn tokens(&self) -> u64 {
+        self.links.last().map_or(0, |l| l.tokens)
+    }
+
+    /// Estimated tokens of the first `links` links: what a cache holding them reuses.
+    pub fn tokens_at(&self, links: usize) -> u64 {
+        match links.min(self.links.len()) {
+            0 => 0,
+            n => self.links[n - 1].tokens,
+        }
+    }
+
+    /// How many leading links this chain shares with `other`.
+    pub fn common_prefix(&self, other: &PromptChain) -> usize {
+        self.links
+            .iter()
+            .zip(other.links.iter())
+            .take_while(|(a, b)| a.digest == b.digest)
+            .count()
+    }
+
+    /// The position of the last link whose digest's low 16 bits are `tip` (see
+    /// [`PromptChain::tip`]), searching from the end: where the turn this chain extends
+    /// ended.
+    pub(crate) fn find_tip(&self, tip: u16) -> Option<usize> {
+        self.links.iter().rposition(|l| tip_of(l.digest) == tip)
+    }
+
+    /// A 16-bit fingerprint of where this turn ended, never 0 (0 means "no chain"), for the
+    /// session table: the next turn of the same conversation contains it. It is the
+    /// next-to-last link, not the last: a turn whose last block was partial has that block
+    /// rewritten by the next turn (a Mooncake trace's chains do), and a client may rewrite
+    /// the newest message too.
+    pub(crate) fn tip(&self) -> u16 {
+        let n = self.links.len();
+        self.links
+            .get(n.saturating_sub(2))
+            .map_or(0, |l| tip_of(l.digest))
+    }
+}
+
+fn tip_of(digest: u64) -> u16 {
+    (digest as u16).max(1)
+}
+
+impl fmt::Debug for PromptChain {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PromptChain")
+            .field("links", &self.links.len())
+            .field("tokens", &self.tokens())
+            .finish()
+    }
+}
+
+/// Bytes a token is estimated at: English prose and code run at three to five.
+pub(crate) const BYTES_PER_TOKEN: u64 = 4;
+
+/// Seeds of the two ways chains are built, so a block chain never equals a byte chain.
+const BLOCK_SEED: u64 = 0x6b6c_6f63_6b73;
+const BYTE_SEED: u64 = 0x0062_7974_6573;
+
+/// Builds a chain from a prompt's bytes: a link at every [`boundary`](Self::boundary) and
+/// every `block` bytes inside a part.
+pub(crate) struct ChainBuilder {
+    hasher: Xxh3,
+    links: Vec<Link>,
+    /// Bytes fed so far, over the whole prompt.
+    bytes: u64,
+    /// Bytes fed since the last boundary.
+    in_part: u64,
+    block: u64,
+}
+
+impl ChainBuilder {
+    pub(crate) fn new(block: usize) -> Self {
+        ChainBuilder {
+            hasher: Xxh3::with_seed(BYTE_SEED),
+            links: Vec::new(),
+            bytes: 0,
+            in_part: 0,
+            block: block.max(1) as u64,
+        }
+    }
+
+    fn full(&self) -> bool {
+        self.links.len() >= PromptChain::MAX_LINKS
+    }
+
+    fn link(&mut self) {
+        if self.full() {
+            return;
+        }
+        self.links.push(Link {
+            digest: self.hasher.digest(),
+            bytes: self.bytes,
+            tokens: self.bytes.div_ceil(BYTES_PER_TOKEN),
+        });
+    }
+
+    /// Feeds prompt bytes, adding a link each time the current part crosses a block.
+    pub(crate) fn feed(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            let room = self.block - self.in_part % self.block;
+            let take = (room as usize).min(bytes.len());
+            self.hasher.update(&bytes[..take]);
+            self.bytes += take as u64;
+            self.in_part += take as u64;
+            bytes = &bytes[take..];
+            if self.in_part % self.block == 0 {
+                self.link();
+            }
+        }
+    }
+
+    /// Marks where a part of a kind starts, in the digest only (it counts no bytes).
+    pub(crate) fn mark(&mut self, kind: u8) {
+        self.hasher.update(&[0x1d, kind]);
+    }
+
+    /// Ends a part (a message): adds a link unless the last block just added one, and marks
+    /// the boundary in the digest so that the same bytes split otherwise differ.
+    pub(crate) fn boundary(&mut self) {
+        if self.in_part == 0 {
+            return;
+        }
+        if self.in_part % self.block != 0 {
+            self.link();
+        }
+        self.hasher.update(&[0x1e]);
+        self.in_part = 0;
+    }
+
+    pub(crate) fn finish(mut self) -> PromptChain {
+        self.boundary();
+        PromptChain {
+            links: self.links.into(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chain(parts: &[&[u8]], block: usize) -> PromptChain {
+        let mut b = ChainBuilder::new(block);
+        for p in parts {
+            b.feed(p);
+            b.boundary();
+        }
+        b.finish()
+    }
+
+    #[test]
+    fn a_link_at_every_boundary_and_every_block() {
+        let c = chain(&[b"system", &[b'x'; 10], b"hi"], 4);
+        // "system": 6 bytes -> a block at 4, the boundary at 6; ten x: 4, 8, 10; "hi": 2.
+        let bytes: Vec<u64> = c.links().iter().map(|l| l.bytes).collect();
+        assert_eq!(bytes, [4, 6, 10, 14, 16, 18]);
+        assert_eq!(c.tokens(), 5);
+    }
+
+    #[test]
+    fn equal_prefixes_share_links_and_nothing_after_a_difference() {
+        let a = chain(&[b"sys", b"user one", b"answer"], 1024);
+        let b = chain(&[b"sys", b"user one", b"answer", b"tool"], 1024);
+        let c = chain(&[b"sys", b"user two", b"answer"], 1024);
+        assert_eq!(b.common_prefix(&a), 3);
+        assert_eq!(c.common_prefix(&a), 1);
+        // Moving a boundary changes the digest even when the bytes are the same.
+        let d = chain(&[b"sysuser one"], 1024);
+        assert_eq!(d.common_prefix(&a), 0);
+    }
+
+    #[test]
+    fn a_block_boundary_at_the_end_of_a_part_is_one_link() {
+        let c = chain(&[b"abcd", b"efgh"], 4);
+        assert_eq!(c.len(), 2);
+    }
+
+    #[test]
+    fn chains_are_bounded() {
+        let c = PromptChain::from_blocks((0..20_000).map(|i| (i, 1)));
+        assert_eq!(c.len(), PromptChain::MAX_LINKS);
+        let mut b = ChainBuilder::new(1);
+        b.feed(&[0u8; 20_000]);
+        assert_eq!(b.finish().len(), PromptChain::MAX_LINKS);
+    }
+
+    #[test]
+    fn the_tip_is_found_where_the_last_turn_ended() {
+        let first = PromptChain::from_blocks([(1, 10), (2, 10), (3, 5)]);
+        // The next turn rewrites the partial last block and goes on.
+        let next = PromptChain::from_blocks([(1, 10), (2, 10), (4, 10), (5, 10)]);
+        assert_ne!(first.tip(), 0);
+        assert_eq!(next.find_tip(first.tip()), Some(1));
+        // A compaction keeps only the first block.
+        let compacted = PromptChain::from_blocks([(1, 10), (9, 10)]);
+        assert_eq!(compacted.find_tip(first.tip()), None);
+        assert_ne!(PromptChain::from_blocks([(1, 10)]).tip(), 0);
+        assert_eq!(PromptChain::default().tip(), 0);
+    }
+}

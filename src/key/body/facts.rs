@@ -1,0 +1,91 @@
+//! [`PromptFacts`]: what the body says about the prompt.
+
+use super::inspect::Config;
+use crate::PromptChain;
+
+/// What a [`BodyKey`](super::BodyKey) learned about a request's prompt, put in the request's
+/// extensions for placement policies and metrics to read.
+///
+/// The [`chain`](Self::chain) is what the cache model works with: a digest of the prompt at
+/// every message boundary and every [`BLOCK_BYTES`](Self::BLOCK_BYTES) inside a long message
+/// or a text prompt (see the [module](super) for which members make the prompt). The service
+/// reads it from the request's extensions; a layer of your own can put one there with
+/// [`PromptFacts::from_chain`].
+///
+/// The leading digest covers the first [`LEADING_MESSAGES`](Self::LEADING_MESSAGES) entries of an
+/// OpenAI-style `messages` array (as re-serialized, so insignificant whitespace does not
+/// matter): requests that share it share their system prompt and first message. It is a hint
+/// for grouping prefixes, never a session key: the agents of one swarm all share it.
+///
+/// ```
+/// use tower_affinity::key::PromptFacts;
+///
+/// let body = br#"{"messages":[{"role":"system","content":"be brief"},
+///                              {"role":"user","content":"hi"},
+///                              {"role":"assistant","content":"hello"}]}"#;
+/// let facts = PromptFacts::from_body(body);
+/// assert_eq!(facts.body_bytes, body.len());
+/// assert_eq!(facts.messages, 3);
+/// assert!(facts.leading_digest.is_some());
+///
+/// assert_eq!(facts.chain.len(), 3);
+///
+/// // The next turn shares the three messages, and adds two.
+/// let next = br#"{"messages":[{"role":"system","content":"be brief"},
+///                              {"role":"user","content":"hi"},
+///                              {"role":"assistant","content":"hello"},
+///                              {"role":"user","content":"and now?"},
+///                              {"role":"assistant","content":"now this"}]}"#;
+/// assert_eq!(PromptFacts::from_body(next).chain.common_prefix(&facts.chain), 3);
+///
+/// let other = PromptFacts::from_body(b"not json");
+/// assert_eq!((other.messages, other.leading_digest), (0, None));
+/// assert!(other.chain.is_empty());
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PromptFacts {
+    /// The size of the request body in bytes.
+    pub body_bytes: usize,
+    /// How many entries the body's `messages` array has (0 if none).
+    pub messages: usize,
+    /// The SHA-256 of the leading messages, if the body has any.
+    pub leading_digest: Option<[u8; 32]>,
+    /// The prompt's chain: empty if the body has no prompt.
+    pub chain: PromptChain,
+}
+
+impl PromptFacts {
+    /// How many messages the digest covers: the system prompt and the first user message.
+    pub const LEADING_MESSAGES: usize = 2;
+
+    /// The bytes of a block inside a long message or a text prompt: about 512 tokens, the
+    /// block size of vLLM's and Mooncake's KV caches. A message that is partly shared with an
+    /// earlier one matches up to its last whole block in common.
+    pub const BLOCK_BYTES: usize = 2048;
+
+    /// The facts of a whole request body.
+    pub fn from_body(body: &[u8]) -> Self {
+        Config::new(usize::MAX).inspect(body).1
+    }
+
+    /// Facts that carry only a chain, for a layer or a simulator that builds its own (see
+    /// [`PromptChain::from_blocks`]).
+    ///
+    /// ```
+    /// use tower_affinity::key::PromptFacts;
+    /// use tower_affinity::PromptChain;
+    ///
+    /// let mut req = http::Request::new(());
+    /// let chain = PromptChain::from_blocks([(1, 512), (2, 512)]);
+    /// req.extensions_mut().insert(PromptFacts::from_chain(chain));
+    /// ```
+    pub fn from_chain(chain: PromptChain) -> Self {
+        PromptFacts {
+            body_bytes: chain.links().last().map_or(0, |l| l.bytes as usize),
+            messages: 0,
+            leading_digest: None,
+            chain,
+        }
+    }
+}

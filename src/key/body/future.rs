@@ -1,0 +1,314 @@
+//! [`BodyKeyFuture`]: reads the body, then calls the inner service.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use std::time::Duration;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use http::{header, HeaderValue, StatusCode};
+use http_body::Body;
+use http_body_util::Full;
+use pin_project_lite::pin_project;
+use tokio::time::{Instant, Sleep};
+use tower::util::Oneshot;
+use tower::Service;
+
+use super::inspect::Config;
+use super::BodyKeyResponseBody;
+use crate::body::InnerOrBytes;
+use crate::BoxError;
+
+// === Buffer ===
+
+/// A request body as it arrives. The first chunk is kept as it came, so a body that arrives
+/// in one chunk (most do) is neither copied nor reallocated; later chunks are copied after it.
+#[derive(Debug)]
+struct Buffer {
+    first: Option<Bytes>,
+    rest: BytesMut,
+    /// What to reserve for `rest` once a second chunk arrives.
+    capacity: usize,
+}
+
+impl Buffer {
+    fn new(capacity: usize) -> Self {
+        Buffer {
+            first: None,
+            rest: BytesMut::new(),
+            capacity,
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.first.as_ref().map_or(0, Bytes::len) + self.rest.len()
+    }
+
+    fn push(&mut self, mut data: impl Buf) {
+        let n = data.remaining();
+        if n == 0 {
+            return;
+        }
+        if self.first.is_none() && self.rest.is_empty() {
+            // Free for `Bytes` (hyper's chunks): a new handle on the same memory.
+            self.first = Some(data.copy_to_bytes(n));
+            return;
+        }
+        if let Some(first) = self.first.take() {
+            self.rest.reserve(self.capacity.max(first.len() + n));
+            self.rest.put(first);
+        }
+        self.rest.put(data);
+    }
+
+    fn take(&mut self) -> Bytes {
+        match self.first.take() {
+            Some(first) => first,
+            None => std::mem::take(&mut self.rest).freeze(),
+        }
+    }
+}
+
+// === BodyKeyFuture ===
+
+/// Why a request was answered without reaching the inner service.
+#[derive(Debug)]
+pub(super) enum Rejection {
+    TooLarge(usize),
+    Timeout(Duration),
+    Read(BoxError),
+}
+
+impl Rejection {
+    fn into_response<B>(self) -> http::Response<BodyKeyResponseBody<B>> {
+        let (status, message) = match self {
+            Rejection::TooLarge(limit) => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("request body is larger than the limit of {limit} bytes\n"),
+            ),
+            Rejection::Timeout(t) => (
+                StatusCode::REQUEST_TIMEOUT,
+                format!("request body did not arrive within {} s\n", t.as_secs_f64()),
+            ),
+            Rejection::Read(e) => (
+                StatusCode::BAD_REQUEST,
+                format!("failed to read the request body: {e}\n"),
+            ),
+        };
+        let mut res = http::Response::new(BodyKeyResponseBody {
+            kind: InnerOrBytes::bytes(Bytes::from(message)),
+        });
+        *res.status_mut() = status;
+        res.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; charset=utf-8"),
+        );
+        res
+    }
+}
+
+pin_project! {
+    /// The response future of [`BodyKey`]: reads the body, then calls the inner service.
+    ///
+    /// ```
+    /// use bytes::Bytes;
+    /// use http_body_util::Full;
+    /// use tower::Service;
+    /// use tower_affinity::key::{BodyKey, BodyKeyFuture};
+    ///
+    /// fn call<S>(svc: &mut BodyKey<S>, req: http::Request<String>) -> BodyKeyFuture<S, String>
+    /// where
+    ///     S: Service<http::Request<Full<Bytes>>, Response = http::Response<String>> + Clone,
+    /// {
+    ///     svc.call(req)
+    /// }
+    /// # let _ = call::<tower::util::BoxCloneService<http::Request<Full<Bytes>>, http::Response<String>, std::convert::Infallible>>;
+    /// ```
+    pub struct BodyKeyFuture<S, B>
+    where
+        S: Service<http::Request<Full<Bytes>>>,
+    {
+        #[pin]
+        state: State<S, B>,
+    }
+}
+
+pin_project! {
+    #[project = StateProj]
+    enum State<S, B>
+    where
+        S: Service<http::Request<Full<Bytes>>>,
+    {
+        Reading {
+            #[pin]
+            body: B,
+            buf: Buffer,
+            parts: Option<http::request::Parts>,
+            service: Option<S>,
+            config: Arc<Config>,
+            // When the call was made, if there is a read timeout.
+            started: Option<Instant>,
+            // Set at the first poll that finds the body incomplete.
+            deadline: Option<Pin<Box<Sleep>>>,
+        },
+        Calling {
+            #[pin]
+            fut: Oneshot<S, http::Request<Full<Bytes>>>,
+        },
+        Rejected {
+            rejection: Option<Rejection>,
+        },
+    }
+}
+
+impl<S, B> BodyKeyFuture<S, B>
+where
+    S: Service<http::Request<Full<Bytes>>>,
+{
+    /// Reads `body`, then calls `service` with it.
+    pub(super) fn read(
+        service: S,
+        config: Arc<Config>,
+        parts: http::request::Parts,
+        body: B,
+        declared: u64,
+    ) -> Self {
+        // A declared length is a claim, not bytes: reserve a little up front and let the
+        // buffer grow as data arrives, so idle clients cannot pin memory by announcing size.
+        const UP_FRONT: usize = 64 * 1024;
+        let capacity = usize::try_from(declared)
+            .unwrap_or(0)
+            .min(config.limit)
+            .min(UP_FRONT);
+        // The timer itself is only set if the body is not all there at the first poll.
+        let started = config.read_timeout.map(|_| Instant::now());
+        BodyKeyFuture {
+            state: State::Reading {
+                body,
+                buf: Buffer::new(capacity),
+                parts: Some(parts),
+                service: Some(service),
+                config,
+                started,
+                deadline: None,
+            },
+        }
+    }
+
+    pub(super) fn reject(rejection: Rejection) -> Self {
+        BodyKeyFuture {
+            state: State::Rejected {
+                rejection: Some(rejection),
+            },
+        }
+    }
+}
+
+impl<S, B, ResB> Future for BodyKeyFuture<S, B>
+where
+    S: Service<http::Request<Full<Bytes>>, Response = http::Response<ResB>>,
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    type Output = Result<http::Response<BodyKeyResponseBody<ResB>>, S::Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut state = self.project().state;
+        loop {
+            match state.as_mut().project() {
+                StateProj::Reading {
+                    mut body,
+                    buf,
+                    parts,
+                    service,
+                    config,
+                    started,
+                    deadline,
+                } => {
+                    let rejection = loop {
+                        match body.as_mut().poll_frame(cx) {
+                            Poll::Ready(Some(Ok(frame))) => {
+                                let Ok(data) = frame.into_data() else {
+                                    continue;
+                                };
+                                if buf.len().saturating_add(data.remaining()) > config.limit {
+                                    break Some(Rejection::TooLarge(config.limit));
+                                }
+                                buf.push(data);
+                            }
+                            Poll::Ready(Some(Err(e))) => break Some(Rejection::Read(e.into())),
+                            Poll::Ready(None) => break None,
+                            Poll::Pending => {
+                                let (Some(timeout), Some(started)) =
+                                    (config.read_timeout, *started)
+                                else {
+                                    return Poll::Pending;
+                                };
+                                let d = deadline.get_or_insert_with(|| {
+                                    Box::pin(match started.checked_add(timeout) {
+                                        Some(at) => tokio::time::sleep_until(at),
+                                        // Past what the clock can tell: tokio's far future.
+                                        None => tokio::time::sleep(timeout),
+                                    })
+                                });
+                                ready!(d.as_mut().poll(cx));
+                                break Some(Rejection::Timeout(timeout));
+                            }
+                        }
+                    };
+                    if let Some(rejection) = rejection {
+                        state.set(State::Rejected {
+                            rejection: Some(rejection),
+                        });
+                        continue;
+                    }
+                    let (Some(mut parts), Some(service)) = (parts.take(), service.take()) else {
+                        panic!("BodyKeyFuture polled after completion");
+                    };
+                    let bytes = buf.take();
+                    if config.reads(&parts.headers) {
+                        let (key, facts) = config.inspect(&bytes);
+                        if let Some(key) = key {
+                            parts.extensions.insert(key);
+                        }
+                        parts.extensions.insert(facts);
+                    }
+                    let req = http::Request::from_parts(parts, Full::new(bytes));
+                    state.set(State::Calling {
+                        fut: Oneshot::new(service, req),
+                    });
+                }
+                StateProj::Calling { fut } => {
+                    let res = ready!(fut.poll(cx))?;
+                    return Poll::Ready(Ok(res.map(|inner| BodyKeyResponseBody {
+                        kind: InnerOrBytes::Inner { inner },
+                    })));
+                }
+                StateProj::Rejected { rejection } => {
+                    let Some(rejection) = rejection.take() else {
+                        panic!("BodyKeyFuture polled after completion");
+                    };
+                    return Poll::Ready(Ok(rejection.into_response()));
+                }
+            }
+        }
+    }
+}
+
+impl<S, B> fmt::Debug for BodyKeyFuture<S, B>
+where
+    S: Service<http::Request<Full<Bytes>>>,
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match &self.state {
+            State::Reading { .. } => "reading the body",
+            State::Calling { .. } => "calling",
+            State::Rejected { .. } => "rejected",
+        };
+        f.debug_struct("BodyKeyFuture")
+            .field("state", &state)
+            .finish()
+    }
+}

@@ -1,0 +1,351 @@
+//! What a body says: the one pass over a JSON body that finds the session key, the leading
+//! messages and the prompt's members, and the layer's settings that steer it.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::time::Duration;
+
+use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use super::prompt::{self, Part, PartValue, PromptMembers};
+use super::PromptFacts;
+use crate::key::{HeaderKey, SessionKey};
+
+// === config ===
+
+#[derive(Clone, Debug)]
+pub(crate) struct Config {
+    /// Each field as its path of object keys (`metadata.user_id` is `["metadata", "user_id"]`).
+    fields: Vec<Vec<String>>,
+    /// The distinct first keys of `fields`: the only top-level values the parse keeps whole.
+    tops: Vec<String>,
+    pub(crate) limit: usize,
+    pub(crate) read_timeout: Option<Duration>,
+    /// The body is left unread when these headers carry a key.
+    pub(crate) skip_when: Option<HeaderKey>,
+}
+
+impl Config {
+    pub(crate) fn new(limit: usize) -> Self {
+        Config {
+            fields: Vec::new(),
+            tops: Vec::new(),
+            limit,
+            read_timeout: None,
+            skip_when: None,
+        }
+    }
+
+    pub(crate) fn set_fields(&mut self, fields: Vec<Vec<String>>) {
+        let mut tops: Vec<String> = Vec::new();
+        for first in fields.iter().filter_map(|path| path.first()) {
+            if !tops.contains(first) {
+                tops.push(first.clone());
+            }
+        }
+        self.fields = fields;
+        self.tops = tops;
+    }
+
+    /// Whether the body is read at all: not when a header already names the session.
+    pub(crate) fn reads(&self, headers: &http::HeaderMap) -> bool {
+        self.skip_when
+            .as_ref()
+            .is_none_or(|header| !header.finds_key(headers))
+    }
+
+    /// What a body says about its session and its prompt.
+    ///
+    /// One pass over the body that keeps only what it needs: the top-level values the key
+    /// fields start with, and the prompt's members (arrays as their items' raw JSON, strings
+    /// as their text); everything else is checked and skipped without being built. A body is
+    /// taken as JSON exactly when it parses as a [`serde_json::Value`] (the same checks of
+    /// strings and numbers, the same nesting limit).
+    pub(crate) fn inspect(&self, body: &[u8]) -> (Option<SessionKey>, PromptFacts) {
+        let mut facts = PromptFacts {
+            body_bytes: body.len(),
+            messages: 0,
+            leading_digest: None,
+            chain: Default::default(),
+        };
+        // Most bodies that are not a JSON object are spotted without running the parser.
+        if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+            return (None, facts);
+        }
+        let mut de = serde_json::Deserializer::from_slice(body);
+        let found = match de.deserialize_map(TopLevel { tops: &self.tops }) {
+            Ok(found) if de.end().is_ok() => found,
+            _ => return (None, facts),
+        };
+        let Some(chain) = found.prompt.chain() else {
+            return (None, facts);
+        };
+        facts.chain = chain;
+        let messages: Vec<&str> = match found.prompt.get(Part::Messages) {
+            PartValue::Items(items) => items.iter().map(|m| m.get()).collect(),
+            PartValue::Written(items) => items.iter().map(String::as_str).collect(),
+            _ => Vec::new(),
+        };
+        facts.messages = messages.len();
+        let leading: Result<Vec<Value>, _> = messages
+            .iter()
+            .take(PromptFacts::LEADING_MESSAGES)
+            .map(|m| serde_json::from_str(m))
+            .collect();
+        if let Some(leading) = leading.ok().filter(|l| !l.is_empty()) {
+            // The same bytes as `serde_json::to_vec(&leading)`, hashed as they are written.
+            let mut hasher = Sha256::new();
+            if serde_json::to_writer(&mut hasher, &leading).is_ok() {
+                facts.leading_digest = Some(hasher.finalize().into());
+            }
+        }
+        let key = self.fields.iter().find_map(|path| {
+            let (first, rest) = path.split_first()?;
+            let top = self.tops.iter().position(|t| t == first)?;
+            let (_, value) = found.values.iter().find(|(i, _)| *i == top)?;
+            key_at(value, rest)
+        });
+        (key, facts)
+    }
+}
+
+/// The key at `path` below `value`: a non-blank string (trimmed) or a number (its JSON text).
+pub(crate) fn key_at(value: &Value, path: &[String]) -> Option<SessionKey> {
+    let mut value = value;
+    for name in path {
+        value = value.as_object()?.get(name)?;
+    }
+    match value {
+        Value::String(s) => {
+            let trimmed = s.trim_ascii();
+            (!trimmed.is_empty()).then(|| SessionKey::from_bytes(trimmed.as_bytes()))
+        }
+        Value::Number(n) => Some(SessionKey::from_bytes(n.to_string().as_bytes())),
+        _ => None,
+    }
+}
+
+// === the parse ===
+
+/// What the top-level object holds that [`Config::inspect`] needs.
+#[derive(Default)]
+struct Found<'de> {
+    /// The values of the key fields' first keys, by their index in `Config::tops`. A key
+    /// given twice keeps its last value, as in a parsed `Value`.
+    values: Vec<(usize, Value)>,
+    /// The prompt's members.
+    prompt: PromptMembers<'de>,
+}
+
+/// The top-level object: keeps the members named in `tops` and the prompt's members, skips
+/// the rest.
+struct TopLevel<'a> {
+    tops: &'a [String],
+}
+
+impl<'de> Visitor<'de> for TopLevel<'_> {
+    type Value = Found<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Found<'de>, A::Error> {
+        let mut found = Found::default();
+        while let Some(member) = map.next_key_seed(MemberName { tops: self.tops })? {
+            let (top, part) = match member {
+                Member::Other => {
+                    map.next_value::<Skip>()?;
+                    continue;
+                }
+                Member::Prompt(part) => {
+                    found.prompt.set(part, map.next_value::<Kept<'de>>()?.0);
+                    continue;
+                }
+                Member::Top { index, part } => (index, part),
+            };
+            // A key field's first key: kept whole, as it is small and may be nested.
+            let value: Value = map.next_value()?;
+            if let Some(part) = part {
+                found.prompt.set(part, prompt::of_value(&value));
+            }
+            match found.values.iter_mut().find(|(i, _)| *i == top) {
+                Some((_, v)) => *v = value,
+                None => found.values.push((top, value)),
+            }
+        }
+        Ok(found)
+    }
+}
+
+/// What a member of the top-level object is to the parse.
+enum Member {
+    /// The first key of a key field (at this index of `tops`), and the prompt member it also
+    /// is, if it is one.
+    Top { index: usize, part: Option<Part> },
+    /// A prompt member, not a key field.
+    Prompt(Part),
+    /// Anything else: skipped.
+    Other,
+}
+
+/// Classifies a member name without keeping it.
+struct MemberName<'a> {
+    tops: &'a [String],
+}
+
+impl<'de> DeserializeSeed<'de> for MemberName<'_> {
+    type Value = Member;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Member, D::Error> {
+        deserializer.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for MemberName<'_> {
+    type Value = Member;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a member name")
+    }
+
+    fn visit_str<E: de::Error>(self, name: &str) -> Result<Member, E> {
+        let part = Part::of_name(name);
+        Ok(match (self.tops.iter().position(|t| t == name), part) {
+            (Some(index), part) => Member::Top { index, part },
+            (None, Some(part)) => Member::Prompt(part),
+            (None, None) => Member::Other,
+        })
+    }
+}
+
+/// Visitor methods for the JSON values a visitor takes in and ignores: scalars and, skipped
+/// member by member, objects. The depth limit of `serde_json` applies to them all.
+macro_rules! ignore_other_values {
+    () => {
+        fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+            Ok(Default::default())
+        }
+
+        fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
+            Ok(Default::default())
+        }
+
+        fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+            Ok(Default::default())
+        }
+
+        fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
+            Ok(Default::default())
+        }
+
+        fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
+            Ok(Default::default())
+        }
+
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(Default::default())
+        }
+
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            while map.next_entry::<Skip, Skip>()?.is_some() {}
+            Ok(Default::default())
+        }
+    };
+}
+
+/// A prompt member as the parse keeps it: an array's items as raw JSON, a string's text.
+struct Kept<'de>(PartValue<'de>);
+
+impl<'de> Deserialize<'de> for Kept<'de> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(KeptVisitor)
+    }
+}
+
+struct KeptVisitor;
+
+impl<'de> Visitor<'de> for KeptVisitor {
+    type Value = Kept<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Kept<'de>, A::Error> {
+        let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(4096));
+        while let Some(item) = seq.next_element::<&'de RawValue>()? {
+            items.push(item);
+        }
+        Ok(Kept(PartValue::Items(items)))
+    }
+
+    fn visit_borrowed_str<E: de::Error>(self, s: &'de str) -> Result<Kept<'de>, E> {
+        Ok(Kept(PartValue::Text(Cow::Borrowed(s))))
+    }
+
+    fn visit_str<E: de::Error>(self, s: &str) -> Result<Kept<'de>, E> {
+        Ok(Kept(PartValue::Text(Cow::Owned(s.to_owned()))))
+    }
+
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Kept<'de>, E> {
+        Ok(Kept::default())
+    }
+
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Kept<'de>, E> {
+        Ok(Kept::default())
+    }
+
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Kept<'de>, E> {
+        Ok(Kept::default())
+    }
+
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Kept<'de>, E> {
+        Ok(Kept::default())
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Kept<'de>, E> {
+        Ok(Kept::default())
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Kept<'de>, A::Error> {
+        while map.next_entry::<Skip, Skip>()?.is_some() {}
+        Ok(Kept::default())
+    }
+}
+
+impl Default for Kept<'_> {
+    fn default() -> Self {
+        Kept(PartValue::Other)
+    }
+}
+
+/// Any JSON value, checked as `serde_json::Value` would be and then forgotten: nothing is
+/// built, and strings are borrowed from the body where they have no escapes.
+#[derive(Default)]
+struct Skip;
+
+impl<'de> Deserialize<'de> for Skip {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(Skip)
+    }
+}
+
+impl<'de> Visitor<'de> for Skip {
+    type Value = Skip;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Skip, A::Error> {
+        while seq.next_element::<Skip>()?.is_some() {}
+        Ok(Skip)
+    }
+
+    ignore_other_values!();
+}

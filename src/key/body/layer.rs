@@ -1,0 +1,194 @@
+//! [`BodyKeyLayer`]: the builder.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tower::Layer;
+
+use super::inspect::Config;
+use super::BodyKey;
+use crate::key::HeaderKey;
+
+// === BodyKeyLayer ===
+
+/// Buffers each request body (up to a limit), attaches the session key found in its JSON and
+/// the body's [`PromptFacts`], and forwards the request with the very bytes the client sent as
+/// an [`http_body_util::Full`] body.
+///
+/// - The key is read from the first of the configured fields that holds a non-blank string or
+///   a number: by default `prompt_cache_key`, then `user`, then `metadata.user_id`. It goes
+///   into the request's extensions as a [`SessionKey`]; read it with
+///   [`ExtensionKey`](super::ExtensionKey), usually behind the headers:
+///   `FirstOf::new(HeaderKey::default(), ExtensionKey)`.
+/// - A body that is not JSON, or has none of the fields, goes on without a key. The body is
+///   parsed once, keeping only the key fields and the leading messages; a request whose
+///   headers already name its session can skip the parse ([`skip_when_header`]).
+/// - A body over the limit (default [`DEFAULT_LIMIT`](Self::DEFAULT_LIMIT), 16 MiB: long agent
+///   prompts run to a few hundred kilobytes) is answered `413 Payload Too Large` with a
+///   plain-text reason, from its `Content-Length` before reading when it has one. A body
+///   that fails to arrive is answered `400`, or `408` past the [read
+///   timeout](Self::read_timeout).
+/// - Trailers are dropped: a buffered body has nowhere to carry them.
+///
+/// Buffering is also what makes a request retryable (see [`RetryOnce`](crate::RetryOnce)).
+///
+/// [`skip_when_header`]: Self::skip_when_header
+///
+/// ```
+/// use std::time::Duration;
+/// use tower::{Layer, ServiceBuilder};
+/// use tower_affinity::key::{BodyKeyLayer, ExtensionKey, FirstOf, HeaderKey};
+/// use tower_affinity::{discover::StaticFleet, Backend, SessionAffinityLayer};
+///
+/// # fn backend() -> tower::util::BoxCloneService<http::Request<http_body_util::Full<bytes::Bytes>>, http::Response<String>, std::convert::Infallible> { unimplemented!() }
+/// # fn doc() {
+/// let fleet = StaticFleet::new([("gpu-0", Backend::new("host-a", backend()))]);
+/// let affinity = SessionAffinityLayer::new()
+///     .key(FirstOf::new(HeaderKey::default(), ExtensionKey))
+///     .layer(fleet);
+/// let svc = ServiceBuilder::new()
+///     .layer(
+///         BodyKeyLayer::new()
+///             .limit(4 << 20)
+///             .fields(["conversation_id", "user"])
+///             .read_timeout(Duration::from_secs(30)),
+///     )
+///     .service(affinity);
+/// # let _ = svc;
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+pub struct BodyKeyLayer {
+    pub(super) config: Arc<Config>,
+}
+
+impl BodyKeyLayer {
+    /// The default body limit: 16 MiB.
+    pub const DEFAULT_LIMIT: usize = 16 << 20;
+
+    /// The default fields, tried in order.
+    pub const DEFAULT_FIELDS: [&'static str; 3] = ["prompt_cache_key", "user", "metadata.user_id"];
+
+    /// The layer with its defaults: the [default fields](Self::DEFAULT_FIELDS), a 16 MiB limit,
+    /// no read timeout.
+    ///
+    /// ```
+    /// use tower_affinity::key::BodyKeyLayer;
+    ///
+    /// assert_eq!(BodyKeyLayer::DEFAULT_LIMIT, 16 * 1024 * 1024);
+    /// assert_eq!(BodyKeyLayer::DEFAULT_FIELDS, ["prompt_cache_key", "user", "metadata.user_id"]);
+    /// let layer = BodyKeyLayer::new();
+    /// # let _ = layer;
+    /// ```
+    pub fn new() -> Self {
+        BodyKeyLayer {
+            config: Arc::new(Config::new(Self::DEFAULT_LIMIT)),
+        }
+        .fields(Self::DEFAULT_FIELDS)
+    }
+
+    /// Sets the largest body buffered, in bytes.
+    ///
+    /// ```
+    /// let layer = tower_affinity::key::BodyKeyLayer::new().limit(1 << 20);
+    /// # let _ = layer;
+    /// ```
+    pub fn limit(mut self, bytes: usize) -> Self {
+        Arc::make_mut(&mut self.config).limit = bytes;
+        self
+    }
+
+    /// Sets the fields that name the session, tried in order. A dot reaches into nested
+    /// objects: `metadata.user_id`.
+    ///
+    /// ```
+    /// let layer = tower_affinity::key::BodyKeyLayer::new().fields(["session.id", "user"]);
+    /// # let _ = layer;
+    /// ```
+    pub fn fields<I>(mut self, fields: I) -> Self
+    where
+        I: IntoIterator,
+        I::Item: AsRef<str>,
+    {
+        Arc::make_mut(&mut self.config).set_fields(
+            fields
+                .into_iter()
+                .map(|f| f.as_ref().split('.').map(str::to_owned).collect())
+                .collect(),
+        );
+        self
+    }
+
+    /// Leaves the body unread when `header` finds a key on the request: such a request gets
+    /// neither a [`SessionKey`] nor [`PromptFacts`] from this layer. Its body is still
+    /// buffered (the limit and the read timeout still apply) and forwarded unchanged.
+    ///
+    /// This saves parsing the body when the key is in a header and headers win anyway, as
+    /// with `FirstOf::new(HeaderKey::default(), ExtensionKey)` behind the layer. Leave it off
+    /// if something behind the layer reads [`PromptFacts`].
+    ///
+    /// ```
+    /// use bytes::Bytes;
+    /// use http_body_util::{BodyExt, Full};
+    /// use tower::{service_fn, Layer, ServiceExt};
+    /// use tower_affinity::key::{BodyKeyLayer, HeaderKey, PromptFacts};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// // Answers whether the body was read.
+    /// let svc = BodyKeyLayer::new()
+    ///     .skip_when_header(HeaderKey::default())
+    ///     .layer(service_fn(|req: http::Request<Full<Bytes>>| async move {
+    ///         let read = req.extensions().get::<PromptFacts>().is_some();
+    ///         Ok::<_, std::convert::Infallible>(http::Response::new(read.to_string()))
+    ///     }));
+    /// let body_read = |req: http::request::Builder| {
+    ///     let svc = svc.clone();
+    ///     async move {
+    ///         let req = req.body(Full::new(Bytes::from_static(br#"{"user":"u"}"#))).unwrap();
+    ///         let res = svc.oneshot(req).await.unwrap();
+    ///         res.into_body().collect().await.unwrap().to_bytes() == "true"
+    ///     }
+    /// };
+    /// let keyed = http::Request::post("/").header("x-session-id", "run-1");
+    /// assert!(!body_read(keyed).await); // the header names the session
+    /// assert!(body_read(http::Request::post("/")).await);
+    /// # }
+    /// ```
+    pub fn skip_when_header(mut self, header: HeaderKey) -> Self {
+        Arc::make_mut(&mut self.config).skip_when = Some(header);
+        self
+    }
+
+    /// Answers `408 Request Timeout` when the whole body has not arrived within `timeout` of
+    /// the call, so a client that trickles its body cannot hold the proxy. Needs tokio's time
+    /// driver.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// let layer = tower_affinity::key::BodyKeyLayer::new().read_timeout(Duration::from_secs(30));
+    /// # let _ = layer;
+    /// ```
+    pub fn read_timeout(mut self, timeout: Duration) -> Self {
+        Arc::make_mut(&mut self.config).read_timeout = Some(timeout);
+        self
+    }
+}
+
+impl Default for BodyKeyLayer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<S> Layer<S> for BodyKeyLayer {
+    type Service = BodyKey<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        BodyKey {
+            inner,
+            config: self.config.clone(),
+        }
+    }
+}

@@ -1,0 +1,393 @@
+//! The prompt's members, cut into a [`PromptChain`].
+//!
+//! The parse keeps each prompt member of the top-level object: an array as its items' raw
+//! JSON, a string as its text. The chain then takes the members in the order a chat template
+//! renders them (tools, the system prompt, then the conversation) and ends a part at every
+//! item. An item is hashed in a canonical form of its JSON: no whitespace between tokens, and
+//! no `cache_control` member (Anthropic clients move that marker to the newest message every
+//! turn, which would otherwise change an old message's digest).
+
+use std::borrow::Cow;
+
+use serde_json::value::RawValue;
+
+use crate::chain::ChainBuilder;
+use crate::PromptChain;
+
+/// A member of the request that is part of the prompt, in the order the chain takes them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Part {
+    /// `tools`: rendered into the system prompt by chat templates.
+    Tools,
+    /// Anthropic's `system`.
+    System,
+    /// The Responses API's `instructions`.
+    Instructions,
+    /// Chat's and Anthropic's `messages`.
+    Messages,
+    /// The Responses API's `input`.
+    Input,
+    /// Legacy completions' `prompt`.
+    Prompt,
+}
+
+impl Part {
+    pub(crate) const ALL: [Part; 6] = [
+        Part::Tools,
+        Part::System,
+        Part::Instructions,
+        Part::Messages,
+        Part::Input,
+        Part::Prompt,
+    ];
+
+    pub(crate) fn of_name(name: &str) -> Option<Part> {
+        Some(match name {
+            "tools" => Part::Tools,
+            "system" => Part::System,
+            "instructions" => Part::Instructions,
+            "messages" => Part::Messages,
+            "input" => Part::Input,
+            "prompt" => Part::Prompt,
+            _ => return None,
+        })
+    }
+}
+
+/// A prompt member as the parse kept it.
+#[derive(Debug, Default)]
+pub(crate) enum PartValue<'de> {
+    /// An array: its items' raw JSON.
+    Items(Vec<&'de RawValue>),
+    /// A string: its text.
+    Text(Cow<'de, str>),
+    /// An array whose items were parsed already: each item as `serde_json` writes it.
+    Written(Vec<String>),
+    /// Anything else: not part of the prompt.
+    #[default]
+    Other,
+}
+
+/// The prompt members of one body; a member given twice keeps its last value.
+#[derive(Debug, Default)]
+pub(crate) struct PromptMembers<'de> {
+    parts: [PartValue<'de>; Part::ALL.len()],
+}
+
+impl<'de> PromptMembers<'de> {
+    pub(crate) fn set(&mut self, part: Part, value: PartValue<'de>) {
+        self.parts[part as usize] = value;
+    }
+
+    pub(crate) fn get(&self, part: Part) -> &PartValue<'de> {
+        &self.parts[part as usize]
+    }
+
+    /// The chain of the whole prompt, or `None` if an item nests deeper than
+    /// `serde_json::Value` would parse (the parse kept items raw, without that check).
+    pub(crate) fn chain(&self) -> Option<PromptChain> {
+        let mut chain = ChainBuilder::new(super::PromptFacts::BLOCK_BYTES);
+        for part in Part::ALL {
+            match self.get(part) {
+                PartValue::Items(items) => {
+                    for item in items {
+                        chain.mark(part as u8);
+                        canonical(item.get().as_bytes(), &mut chain).ok()?;
+                        chain.boundary();
+                    }
+                }
+                PartValue::Written(items) => {
+                    for item in items {
+                        chain.mark(part as u8);
+                        canonical(item.as_bytes(), &mut chain).ok()?;
+                        chain.boundary();
+                    }
+                }
+                PartValue::Text(text) if !text.is_empty() => {
+                    chain.mark(part as u8);
+                    chain.feed(text.as_bytes());
+                    chain.boundary();
+                }
+                PartValue::Text(_) | PartValue::Other => {}
+            }
+        }
+        Some(chain.finish())
+    }
+}
+
+/// A prompt member the parse kept as a whole value (it is also a key field's first key).
+pub(crate) fn of_value(value: &serde_json::Value) -> PartValue<'static> {
+    match value {
+        serde_json::Value::Array(items) => PartValue::Written(
+            items
+                .iter()
+                .map(|v| serde_json::to_string(v).unwrap_or_default())
+                .collect(),
+        ),
+        serde_json::Value::String(s) => PartValue::Text(Cow::Owned(s.clone())),
+        _ => PartValue::Other,
+    }
+}
+
+// === the canonical form ===
+
+const CACHE_CONTROL: &[u8] = b"\"cache_control\"";
+
+/// Where the canonical bytes go.
+trait Feed {
+    fn feed(&mut self, bytes: &[u8]);
+}
+
+impl Feed for ChainBuilder {
+    fn feed(&mut self, bytes: &[u8]) {
+        ChainBuilder::feed(self, bytes);
+    }
+}
+
+impl Feed for Vec<u8> {
+    fn feed(&mut self, bytes: &[u8]) {
+        self.extend_from_slice(bytes);
+    }
+}
+
+/// Tokens are gathered here and fed in runs; long strings are fed as they stand.
+struct Out<'a, F> {
+    chain: &'a mut F,
+    buf: [u8; 256],
+    len: usize,
+}
+
+impl<F: Feed> Out<'_, F> {
+    fn put(&mut self, bytes: &[u8]) {
+        if self.len + bytes.len() > self.buf.len() {
+            self.flush();
+            if bytes.len() > self.buf.len() {
+                self.chain.feed(bytes);
+                return;
+            }
+        }
+        self.buf[self.len..self.len + bytes.len()].copy_from_slice(bytes);
+        self.len += bytes.len();
+    }
+
+    fn flush(&mut self) {
+        self.chain.feed(&self.buf[..self.len]);
+        self.len = 0;
+    }
+}
+
+fn is_space(b: u8) -> bool {
+    matches!(b, b' ' | b'\t' | b'\n' | b'\r')
+}
+
+fn skip_space(raw: &[u8], mut i: usize) -> usize {
+    while raw.get(i).is_some_and(|&b| is_space(b)) {
+        i += 1;
+    }
+    i
+}
+
+/// The index just past the string that starts (with its quote) at `i`.
+fn string_end(raw: &[u8], i: usize) -> usize {
+    let mut j = i + 1;
+    while let Some(at) = raw.get(j..).and_then(|r| memchr::memchr2(b'"', b'\\', r)) {
+        if raw[j + at] == b'\\' {
+            j += at + 2;
+        } else {
+            return j + at + 1;
+        }
+    }
+    raw.len()
+}
+
+/// The index just past a number, `true`, `false` or `null` starting at `i`.
+fn scalar_end(raw: &[u8], mut i: usize) -> usize {
+    while raw
+        .get(i)
+        .is_some_and(|&b| !matches!(b, b',' | b'}' | b']' | b':') && !is_space(b))
+    {
+        i += 1;
+    }
+    i
+}
+
+/// The index just past the value starting at `i`.
+fn value_end(raw: &[u8], i: usize) -> usize {
+    match raw.get(i) {
+        Some(b'"') => string_end(raw, i),
+        Some(b'{' | b'[') => {
+            let mut depth = 0usize;
+            let mut j = i;
+            while let Some(&b) = raw.get(j) {
+                match b {
+                    b'"' => {
+                        j = string_end(raw, j);
+                        continue;
+                    }
+                    b'{' | b'[' => depth += 1,
+                    b'}' | b']' => {
+                        depth -= 1;
+                        if depth == 0 {
+                            return j + 1;
+                        }
+                    }
+                    _ => {}
+                }
+                j += 1;
+            }
+            raw.len()
+        }
+        _ => scalar_end(raw, i),
+    }
+}
+
+/// How deep an item of a top-level array may nest: `serde_json::Value` parses 128 levels, two
+/// of which are the body's object and the array.
+const MAX_DEPTH: usize = 126;
+
+/// An item nests deeper than [`MAX_DEPTH`].
+#[derive(Debug)]
+struct TooDeep;
+
+/// Feeds the canonical form of one JSON value (already checked by the parse) to `chain`.
+fn canonical(raw: &[u8], chain: &mut impl Feed) -> Result<(), TooDeep> {
+    let mut depth = 0usize;
+    let mut out = Out {
+        chain,
+        buf: [0; 256],
+        len: 0,
+    };
+    // A comma seen and not yet written: it is written before the next token, unless the
+    // member after it is dropped.
+    let mut comma = false;
+    // The member just dropped was the first of its object: the comma after it goes too.
+    let mut drop_comma = false;
+    let mut i = 0;
+    while let Some(&b) = raw.get(i) {
+        match b {
+            _ if is_space(b) => i += 1,
+            b',' => {
+                comma = !std::mem::take(&mut drop_comma);
+                i += 1;
+            }
+            b'"' => {
+                let end = string_end(raw, i);
+                let key_of_dropped = raw.get(i..end) == Some(CACHE_CONTROL) && {
+                    let colon = skip_space(raw, end);
+                    raw.get(colon) == Some(&b':')
+                };
+                if key_of_dropped {
+                    let value = skip_space(raw, skip_space(raw, end) + 1);
+                    i = value_end(raw, value);
+                    if !std::mem::take(&mut comma) {
+                        drop_comma = true;
+                    }
+                    continue;
+                }
+                if std::mem::take(&mut comma) {
+                    out.put(b",");
+                }
+                out.put(&raw[i..end]);
+                i = end;
+            }
+            b'{' | b'[' | b'}' | b']' | b':' => {
+                if std::mem::take(&mut comma) && !matches!(b, b'}' | b']') {
+                    out.put(b",");
+                }
+                match b {
+                    b'{' | b'[' => {
+                        depth += 1;
+                        if depth > MAX_DEPTH {
+                            return Err(TooDeep);
+                        }
+                    }
+                    b'}' | b']' => depth = depth.saturating_sub(1),
+                    _ => {}
+                }
+                drop_comma = false;
+                out.put(&[b]);
+                i += 1;
+            }
+            _ => {
+                let end = scalar_end(raw, i).max(i + 1);
+                if std::mem::take(&mut comma) {
+                    out.put(b",");
+                }
+                out.put(&raw[i..end.min(raw.len())]);
+                i = end;
+            }
+        }
+    }
+    out.flush();
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn canon(json: &str) -> String {
+        let mut got = Vec::new();
+        canonical(json.as_bytes(), &mut got).unwrap();
+        String::from_utf8(got).unwrap()
+    }
+
+    #[test]
+    fn whitespace_between_tokens_goes_and_strings_stay() {
+        assert_eq!(
+            canon(
+                r#" { "role" : "user",  "content" : "a  b\n\"c\"" , "n": [1, 2.5e3 , true, null] } "#
+            ),
+            r#"{"role":"user","content":"a  b\n\"c\"","n":[1,2.5e3,true,null]}"#
+        );
+    }
+
+    #[test]
+    fn cache_control_members_are_dropped_wherever_they_stand() {
+        let bare = r#"{"type":"text","text":"hi"}"#;
+        for marked in [
+            r#"{"type":"text","text":"hi","cache_control":{"type":"ephemeral"}}"#,
+            r#"{"cache_control":{"type":"ephemeral"},"type":"text","text":"hi"}"#,
+            r#"{"type":"text", "cache_control" : {"type":"ephemeral", "ttl":"5m"} ,"text":"hi"}"#,
+        ] {
+            assert_eq!(canon(marked), bare, "{marked}");
+        }
+        assert_eq!(canon(r#"{"cache_control":{}}"#), "{}");
+        // Only a member named so: the same text as a value stays.
+        assert_eq!(
+            canon(r#"["cache_control",{"k":"cache_control"}]"#),
+            r#"["cache_control",{"k":"cache_control"}]"#
+        );
+    }
+
+    #[test]
+    fn nested_markers_go_too() {
+        assert_eq!(
+            canon(
+                r#"{"content":[{"type":"text","text":"a","cache_control":{"type":"ephemeral"}},{"type":"text","text":"b"}]}"#
+            ),
+            r#"{"content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}"#
+        );
+    }
+
+    #[test]
+    fn truncated_input_does_not_panic() {
+        for bad in [
+            r#"{"a":"#,
+            r#""abc"#,
+            r#"{"cache_control":"#,
+            r#"[1,"#,
+            "\\",
+            "}",
+        ] {
+            let _ = canonical(bad.as_bytes(), &mut Vec::new());
+        }
+    }
+
+    #[test]
+    fn items_nest_as_deep_as_a_value_parses() {
+        let deep = |n: usize| format!("{}{}", "[".repeat(n), "]".repeat(n));
+        assert!(canonical(deep(MAX_DEPTH).as_bytes(), &mut Vec::new()).is_ok());
+        assert!(canonical(deep(MAX_DEPTH + 1).as_bytes(), &mut Vec::new()).is_err());
+    }
+}

@@ -1,0 +1,445 @@
+use std::collections::VecDeque;
+use std::convert::Infallible;
+
+use http_body_util::BodyExt;
+use parking_lot::Mutex;
+use tower::{service_fn, ServiceExt};
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, StatusCode};
+use http_body::{Body, Frame};
+use http_body_util::Full;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+use tower::Layer;
+
+use super::inspect::{key_at, Config};
+use super::*;
+use crate::key::SessionKey;
+use crate::BoxError;
+
+/// A body of the given chunks, with no declared length.
+struct Chunks(VecDeque<Bytes>, bool);
+
+impl Chunks {
+    fn new<const N: usize>(chunks: [&'static [u8]; N]) -> Self {
+        Chunks(chunks.into_iter().map(Bytes::from_static).collect(), false)
+    }
+
+    /// Never finishes after its chunks.
+    fn stalling<const N: usize>(chunks: [&'static [u8]; N]) -> Self {
+        Chunks(chunks.into_iter().map(Bytes::from_static).collect(), true)
+    }
+}
+
+impl Body for Chunks {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        match self.0.pop_front() {
+            Some(c) => Poll::Ready(Some(Ok(Frame::data(c)))),
+            None if self.1 => Poll::Pending,
+            None => Poll::Ready(None),
+        }
+    }
+}
+
+/// What the inner service saw.
+#[derive(Clone, Debug, Default)]
+struct Seen {
+    body: Option<Bytes>,
+    key: Option<SessionKey>,
+    facts: Option<PromptFacts>,
+    headers: Option<http::HeaderMap>,
+}
+
+async fn run<B>(layer: BodyKeyLayer, req: http::Request<B>) -> (http::Response<String>, Seen)
+where
+    B: Body + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let record = seen.clone();
+    let inner = service_fn(move |req: http::Request<Full<Bytes>>| {
+        let record = record.clone();
+        async move {
+            let (parts, body) = req.into_parts();
+            let body = body.collect().await.unwrap().to_bytes();
+            *record.lock() = Seen {
+                body: Some(body),
+                key: parts.extensions.get::<SessionKey>().copied(),
+                facts: parts.extensions.get::<PromptFacts>().cloned(),
+                headers: Some(parts.headers),
+            };
+            Ok::<_, Infallible>(http::Response::new(Full::new(Bytes::from_static(b"ok"))))
+        }
+    });
+    let res = layer.layer(inner).oneshot(req).await.unwrap();
+    let (parts, body) = res.into_parts();
+    let text = body.collect().await.unwrap().to_bytes();
+    let text = String::from_utf8(text.to_vec()).unwrap();
+    let seen = seen.lock().clone();
+    (http::Response::from_parts(parts, text), seen)
+}
+
+fn post(body: &'static [u8]) -> http::Request<Full<Bytes>> {
+    http::Request::post("/v1/chat/completions")
+        .header(header::CONTENT_LENGTH, body.len())
+        .body(Full::new(Bytes::from_static(body)))
+        .unwrap()
+}
+
+fn key(raw: &str) -> Option<SessionKey> {
+    Some(SessionKey::from_bytes(raw.as_bytes()))
+}
+
+#[tokio::test]
+async fn prompt_cache_key_is_the_session_key() {
+    let (res, seen) = run(
+        BodyKeyLayer::new(),
+        post(br#"{"prompt_cache_key":"run-1","messages":[]}"#),
+    )
+    .await;
+    assert_eq!(res.status(), 200);
+    assert_eq!(seen.key, key("run-1"));
+}
+
+#[tokio::test]
+async fn fields_are_tried_in_order() {
+    let both = br#"{"metadata":{"user_id":"m"},"user":"u","prompt_cache_key":"p"}"#;
+    assert_eq!(run(BodyKeyLayer::new(), post(both)).await.1.key, key("p"));
+    let user = br#"{"metadata":{"user_id":"m"},"user":"u"}"#;
+    assert_eq!(run(BodyKeyLayer::new(), post(user)).await.1.key, key("u"));
+    let meta = br#"{"metadata":{"user_id":"m"}}"#;
+    assert_eq!(run(BodyKeyLayer::new(), post(meta)).await.1.key, key("m"));
+}
+
+#[tokio::test]
+async fn blank_strings_and_other_types_fall_through() {
+    let body = br#"{"prompt_cache_key":"  ","user":{"id":1},"metadata":{"user_id":"m"}}"#;
+    assert_eq!(run(BodyKeyLayer::new(), post(body)).await.1.key, key("m"));
+    let none = br#"{"prompt_cache_key":"","user":null,"metadata":[]}"#;
+    assert_eq!(run(BodyKeyLayer::new(), post(none)).await.1.key, None);
+}
+
+#[tokio::test]
+async fn a_number_is_a_key_by_its_text() {
+    let body = br#"{"user":42}"#;
+    assert_eq!(run(BodyKeyLayer::new(), post(body)).await.1.key, key("42"));
+}
+
+#[tokio::test]
+async fn a_body_key_equals_the_same_header_key() {
+    use crate::key::{HeaderKey, KeyExtractor};
+    let req = http::Request::get("/")
+        .header("x-session-id", "agent-7")
+        .body(())
+        .unwrap();
+    let body = br#"{"user":"agent-7"}"#;
+    assert_eq!(
+        run(BodyKeyLayer::new(), post(body)).await.1.key,
+        HeaderKey::default().extract(&req)
+    );
+}
+
+#[tokio::test]
+async fn configured_fields_replace_the_defaults() {
+    let layer = BodyKeyLayer::new().fields(["conversation.id"]);
+    let body = br#"{"user":"u","conversation":{"id":"c"}}"#;
+    assert_eq!(run(layer.clone(), post(body)).await.1.key, key("c"));
+    assert_eq!(run(layer, post(br#"{"user":"u"}"#)).await.1.key, None);
+}
+
+#[tokio::test]
+async fn the_body_is_forwarded_byte_for_byte() {
+    let body: &[u8] = b" {\"user\" : \"u\",\n \"z\":1, \"a\":[1.50, 2e3]}  ";
+    let (_, seen) = run(BodyKeyLayer::new(), post(Box::leak(body.into()))).await;
+    assert_eq!(seen.body.as_deref(), Some(body));
+    assert_eq!(seen.key, key("u"));
+}
+
+#[tokio::test]
+async fn a_chunked_body_is_reassembled() {
+    let req = http::Request::post("/")
+        .body(Chunks::new([b"{\"us", b"er\":\"", b"split\"}"]))
+        .unwrap();
+    let (_, seen) = run(BodyKeyLayer::new(), req).await;
+    assert_eq!(seen.body.as_deref(), Some(&b"{\"user\":\"split\"}"[..]));
+    assert_eq!(seen.key, key("split"));
+}
+
+#[tokio::test]
+async fn non_json_passes_through_keyless_and_untouched() {
+    let body: &'static [u8] = b"\x00\xffnot json {\"user\":\"u\"}";
+    let req = http::Request::post("/upload")
+        .header("content-type", "application/octet-stream")
+        .body(Full::new(Bytes::from_static(body)))
+        .unwrap();
+    let (res, seen) = run(BodyKeyLayer::new(), req).await;
+    assert_eq!(res.status(), 200);
+    assert_eq!(seen.body.as_deref(), Some(body));
+    assert_eq!(seen.key, None);
+    assert_eq!(
+        seen.headers.unwrap()["content-type"],
+        "application/octet-stream"
+    );
+    let facts = seen.facts.unwrap();
+    assert_eq!((facts.body_bytes, facts.messages), (body.len(), 0));
+    // Broken JSON is not JSON either.
+    let (_, seen) = run(BodyKeyLayer::new(), post(br#"{"user":"u""#)).await;
+    assert_eq!(seen.key, None);
+}
+
+#[tokio::test]
+async fn an_empty_body_passes_through() {
+    let (res, seen) = run(BodyKeyLayer::new(), post(b"")).await;
+    assert_eq!(res.status(), 200);
+    assert_eq!(seen.body.as_deref(), Some(&b""[..]));
+}
+
+#[tokio::test]
+async fn a_declared_length_over_the_limit_is_413_before_reading() {
+    let req = http::Request::post("/")
+        .header(header::CONTENT_LENGTH, 11)
+        .body(Chunks::stalling([]))
+        .unwrap();
+    let (res, seen) = run(BodyKeyLayer::new().limit(10), req).await;
+    assert_eq!(res.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(res.body().contains("limit of 10 bytes"), "{}", res.body());
+    assert_eq!(res.headers()["content-type"], "text/plain; charset=utf-8");
+    assert!(seen.body.is_none());
+}
+
+#[tokio::test]
+async fn a_body_growing_over_the_limit_is_413() {
+    let req = http::Request::post("/")
+        .body(Chunks::new([b"12345", b"67890", b"1"]))
+        .unwrap();
+    let (res, seen) = run(BodyKeyLayer::new().limit(10), req).await;
+    assert_eq!(res.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(seen.body.is_none());
+    // Exactly at the limit is fine.
+    let req = http::Request::post("/")
+        .body(Chunks::new([b"12345", b"67890"]))
+        .unwrap();
+    assert_eq!(
+        run(BodyKeyLayer::new().limit(10), req).await.0.status(),
+        200
+    );
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_body_slower_than_the_read_timeout_is_408() {
+    let req = http::Request::post("/")
+        .body(Chunks::stalling([b"{\"user\""]))
+        .unwrap();
+    let layer = BodyKeyLayer::new().read_timeout(Duration::from_secs(5));
+    let (res, seen) = run(layer, req).await;
+    assert_eq!(res.status(), StatusCode::REQUEST_TIMEOUT);
+    assert!(seen.body.is_none());
+}
+
+#[tokio::test]
+async fn prompt_facts_digest_the_leading_two_messages() {
+    let turn1 =
+        br#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":"task"}]}"#;
+    let turn2 =
+        br#"{"messages": [ {"role":"system","content":"s"}, {"role":"user", "content":"task"},
+                     {"role":"assistant","content":"a"}, {"role":"user","content":"more"}]}"#;
+    let other =
+        br#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":"other"}]}"#;
+    let f1 = run(BodyKeyLayer::new(), post(turn1)).await.1.facts.unwrap();
+    let f2 = run(BodyKeyLayer::new(), post(turn2)).await.1.facts.unwrap();
+    let f3 = run(BodyKeyLayer::new(), post(other)).await.1.facts.unwrap();
+    assert_eq!((f1.messages, f2.messages), (2, 4));
+    assert_eq!(f2.body_bytes, turn2.len());
+    assert!(f1.leading_digest.is_some());
+    assert_eq!(f1.leading_digest, f2.leading_digest);
+    assert_ne!(f1.leading_digest, f3.leading_digest);
+}
+
+/// The parse before it was made lazy, kept as the reference: a whole `Value`, then the
+/// key fields and the re-serialized leading messages read from it.
+fn reference(fields: &[&str], body: &[u8]) -> (Option<SessionKey>, usize, Option<[u8; 32]>) {
+    let Ok(Value::Object(object)) = serde_json::from_slice::<Value>(body) else {
+        return (None, 0, None);
+    };
+    let (mut messages, mut digest) = (0, None);
+    if let Some(Value::Array(all)) = object.get("messages") {
+        messages = all.len();
+        let leading = &all[..all.len().min(PromptFacts::LEADING_MESSAGES)];
+        if !leading.is_empty() {
+            let bytes = serde_json::to_vec(leading).unwrap();
+            digest = Some(Sha256::digest(&bytes).into());
+        }
+    }
+    let key = fields.iter().find_map(|field| {
+        let path: Vec<String> = field.split('.').map(str::to_owned).collect();
+        let (first, rest) = path.split_first()?;
+        key_at(object.get(first)?, rest)
+    });
+    (key, messages, digest)
+}
+
+fn config(fields: &[&str]) -> Config {
+    let mut config = Config::new(usize::MAX);
+    config.set_fields(
+        fields
+            .iter()
+            .map(|f| f.split('.').map(str::to_owned).collect())
+            .collect(),
+    );
+    config
+}
+
+#[test]
+fn the_lazy_parse_agrees_with_a_whole_value() {
+    let deep = |n: usize| format!(r#"{{"user":"u","x":{}{}}}"#, "[".repeat(n), "]".repeat(n));
+    let bodies: Vec<Vec<u8>> = [
+        r#"{"user":"u","messages":[{"role":"user","content":"hi"}]}"#.to_string(),
+        r#"{"messages":[{"content":"a","role":"system"},{"role":"user","content":"b"},3,null]}"#
+            .into(),
+        r#"{"messages":[{"z":1.50,"a":2e3,"m":-0,"s":"\u00e9\n"}]}"#.into(),
+        r#"{"messages":[],"user":7}"#.into(),
+        r#"{"messages":{"0":{}},"user":"u"}"#.into(),
+        r#"{"messages":"abc","user":""}"#.into(),
+        r#"{"messages":[1],"messages":[2,3]}"#.into(),
+        r#"{"messages":[1,2],"messages":5}"#.into(),
+        r#"{"user":"a","user":"b"}"#.into(),
+        r#"{"user":"a","user":null}"#.into(),
+        r#"{"metadata":{"user_id":"m"},"metadata":{"other":1}}"#.into(),
+        r#"{"metadata":{"user_id":12.5e1}}"#.into(),
+        r#"{"us\u0065r":"escaped name"}"#.into(),
+        r#"{"prompt_cache_key":"  p  ","user":"u"}"#.into(),
+        r#"{"a":{"b":[true,false,null,{"c":"d"}]},"user":"u"} "#.into(),
+        r#"{"user":"u"} trailing"#.into(),
+        r#"{"user":"u","n":1e400}"#.into(),
+        r#"{"user":"u","n":18446744073709551616}"#.into(),
+        r#"{"user":"u","s":"\ud800"}"#.into(),
+        r#"{"user":"u","s":"bad \x escape"}"#.into(),
+        r#"{"user":"u",}"#.into(),
+        r#"{"user":"u""#.into(),
+        "{}".into(),
+        " \n{\"user\" : \"spaced\"}\n".into(),
+        deep(10),
+        deep(126),
+        deep(127),
+        deep(128),
+        deep(100_000),
+    ]
+    .into_iter()
+    .map(String::into_bytes)
+    .chain([
+        b"{\"user\":\"u\",\"s\":\"\xff\"}".to_vec(),
+        b"{\"user\":\"u\",\"s\":\"tab\there\"}".to_vec(),
+        b"{\"user\":\"\xc3\xa9\"}".to_vec(),
+    ])
+    .collect();
+    let configs: [&[&str]; 4] = [
+        &BodyKeyLayer::DEFAULT_FIELDS,
+        &["messages", "user"],
+        &["messages.0", "a.b"],
+        &[],
+    ];
+    for fields in configs {
+        let config = config(fields);
+        for body in &bodies {
+            let (key, facts) = config.inspect(body);
+            let text = String::from_utf8_lossy(&body[..body.len().min(80)]);
+            assert_eq!(
+                (key, facts.messages, facts.leading_digest),
+                reference(fields, body),
+                "fields {fields:?}, body {text}"
+            );
+            assert_eq!(facts.body_bytes, body.len());
+        }
+    }
+}
+
+#[test]
+fn the_leading_digest_is_over_the_re_serialized_messages() {
+    let body = br#"{"messages":[ {"role":"system", "content":"s"},
+                                 {"role":"user","content":"t"}, {"role":"user"}]}"#;
+    let facts = PromptFacts::from_body(body);
+    let expected: [u8; 32] =
+        Sha256::digest(br#"[{"content":"s","role":"system"},{"content":"t","role":"user"}]"#)
+            .into();
+    assert_eq!(facts.leading_digest, Some(expected));
+    assert_eq!(facts.messages, 3);
+}
+
+fn with_session_header(value: &'static str, body: &'static [u8]) -> http::Request<Full<Bytes>> {
+    let mut req = post(body);
+    req.headers_mut()
+        .insert("x-session-id", HeaderValue::from_static(value));
+    req
+}
+
+#[tokio::test]
+async fn skip_when_header_leaves_a_keyed_body_unread() {
+    use crate::key::HeaderKey;
+    let layer = BodyKeyLayer::new().skip_when_header(HeaderKey::default());
+    let body = br#"{"user":"u","messages":[{"role":"user","content":"hi"}]}"#;
+    let (res, seen) = run(layer.clone(), with_session_header("run-1", body)).await;
+    assert_eq!(res.status(), 200);
+    assert_eq!((seen.key, seen.facts), (None, None));
+    assert_eq!(seen.body.as_deref(), Some(&body[..]));
+    // A blank header names no session: the body is read.
+    let (_, seen) = run(layer.clone(), with_session_header(" ", body)).await;
+    assert_eq!(seen.key, key("u"));
+    assert_eq!(seen.facts.map(|f| f.messages), Some(1));
+    // So is a body without the header.
+    let (_, seen) = run(layer, post(body)).await;
+    assert_eq!(seen.key, key("u"));
+    // Without the option, the body is read whatever the headers say.
+    let (_, seen) = run(BodyKeyLayer::new(), with_session_header("run-1", body)).await;
+    assert_eq!(seen.key, key("u"));
+}
+
+#[tokio::test]
+async fn skip_when_header_still_bounds_the_body() {
+    use crate::key::HeaderKey;
+    let layer = BodyKeyLayer::new()
+        .limit(10)
+        .skip_when_header(HeaderKey::new(["x-session-id"]));
+    let (res, seen) = run(layer, with_session_header("run-1", b"12345678901")).await;
+    assert_eq!(res.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(seen.body.is_none());
+}
+
+#[tokio::test]
+async fn empty_chunks_and_a_single_chunk_are_forwarded_whole() {
+    let req = http::Request::post("/")
+        .body(Chunks::new([b"", b"{\"user\":\"one\"}", b""]))
+        .unwrap();
+    let (_, seen) = run(BodyKeyLayer::new(), req).await;
+    assert_eq!(seen.body.as_deref(), Some(&b"{\"user\":\"one\"}"[..]));
+    assert_eq!(seen.key, key("one"));
+    let req = http::Request::post("/")
+        .body(Chunks::new([b"", b"{\"user\":", b"", b"\"two\"}"]))
+        .unwrap();
+    let (_, seen) = run(BodyKeyLayer::new(), req).await;
+    assert_eq!(seen.body.as_deref(), Some(&b"{\"user\":\"two\"}"[..]));
+    assert_eq!(seen.key, key("two"));
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_read_timeout_past_the_clock_never_fires() {
+    let layer = BodyKeyLayer::new().read_timeout(Duration::MAX);
+    let (res, _) = run(layer.clone(), post(br#"{"user":"u"}"#)).await;
+    assert_eq!(res.status(), 200);
+    let req = http::Request::post("/")
+        .body(Chunks::stalling([b"{"]))
+        .unwrap();
+    let waited = tokio::time::timeout(Duration::from_secs(365 * 86_400), run(layer, req)).await;
+    assert!(waited.is_err(), "still reading a year later");
+}
