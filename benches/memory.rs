@@ -20,8 +20,8 @@ use std::hint::black_box;
 
 use stats_alloc::{Region, StatsAlloc, INSTRUMENTED_SYSTEM};
 use tower::Layer;
-use tower_affinity::key::ExtensionKey;
-use tower_affinity::{SessionAffinityLayer, Sessions};
+use tower_affinity::key::{ExtensionKey, PromptFacts};
+use tower_affinity::{PromptChain, SessionAffinityLayer, Sessions};
 
 #[path = "common/mod.rs"]
 mod common;
@@ -79,6 +79,52 @@ fn per_session() {
             churned as f64 / churned_sessions,
         );
         drop(svc);
+    }
+    println!();
+}
+
+/// The cache model's memory: conversations of growing chains placed through the service, the
+/// bytes the allocator saw it take against the links it tracks, and its own accounting
+/// (`stats().cache_model_bytes`).
+fn per_block() {
+    let shape = Shape::new(16, 8);
+    println!(
+        "## Memory per tracked prompt-chain link (fleet {})
+",
+        shape.label()
+    );
+    println!(
+        "| conversations x turns | links tracked | bytes held (allocator, less the session table's) | bytes/link (allocator) | cache_model_bytes | bytes/link (accounting) |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|");
+    for (sessions, turns) in [(128u64, 16u64), (1_024, 16), (4_096, 8)] {
+        let mut svc = SessionAffinityLayer::new()
+            .key(ExtensionKey)
+            .layer(shape.fleet(1));
+        drop(call_now(&mut svc, request(None)));
+        let region = Region::new(GLOBAL);
+        let (empty, empty_table) = (
+            svc.stats().cache_model_bytes,
+            svc.stats().session_table_bytes,
+        );
+        for t in 0..turns {
+            for s in 0..sessions {
+                let chain = PromptChain::from_blocks((0..10 + 2 * t).map(|i| (s << 32 | i, 40)));
+                let mut req = request(Some(key(s)));
+                req.extensions_mut().insert(PromptFacts::from_chain(chain));
+                drop(call_now(&mut svc, req));
+            }
+        }
+        // The session table grows too: its bytes are not the model's.
+        let table = svc.stats().session_table_bytes - empty_table;
+        let bytes = held(&region) - table as i64;
+        let links: usize = svc.backends().iter().map(|b| b.cached_blocks).sum();
+        let accounting = svc.stats().cache_model_bytes - empty;
+        println!(
+            "| {sessions} x {turns} | {links} | {bytes} | {:.1} | {accounting} | {:.1} |",
+            bytes as f64 / links as f64,
+            accounting as f64 / links as f64,
+        );
     }
     println!();
 }
@@ -219,5 +265,6 @@ fn per_request() {
 fn main() {
     // `cargo bench` passes `--bench` and any filter; this binary has nothing to filter.
     per_session();
+    per_block();
     per_request();
 }

@@ -12,10 +12,10 @@
 //! conversations it homes, which is what new conversations are spread by. A link with more than
 //! one child is a prefix several conversations share.
 //!
-//! Memory: a tracked link costs its 32-byte node and its index entry, about 55 bytes at the
-//! index's usual load (see `BENCHMARKS.md`); a backend tracks at most one link per 16 tokens
-//! of its budget (at least 1,024), so the model of a backend with the default budget stays
-//! under half a megabyte.
+//! Memory: a tracked link costs its 32-byte node and its index entry, 64 to 79 bytes as
+//! measured with the index's load (see `BENCHMARKS.md`); a backend tracks at most one link
+//! per 16 tokens of its budget (at least 1,024), so the model of a backend with the default
+//! budget (8,192 links) stays under 700 KB.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -166,12 +166,18 @@ impl CacheModel {
             + self.free.capacity() * 4
     }
 
-    /// Records `chain` as held, knowing that at least `at_least` of its leading links are:
-    /// one lookup when that is all of them, a binary search otherwise.
+    /// Records `chain` as held, knowing that at least `at_least` of its leading links are
+    /// (0 if nothing is known): from there it looks link by link, which on a home hit is the
+    /// one or two links the last turn ended with; with nothing known, a binary search.
     pub(crate) fn record_from(&mut self, chain: &[Link], at_least: usize) {
-        let known = match chain.get(at_least) {
-            Some(next) if at_least > 0 && !self.holds(next.digest) => at_least,
-            _ => self.held(chain),
+        let known = if at_least == 0 {
+            self.held(chain)
+        } else {
+            let mut n = at_least.min(chain.len());
+            while n < chain.len() && self.holds(chain[n].digest) {
+                n += 1;
+            }
+            n
         };
         self.record(chain, known);
     }

@@ -159,9 +159,9 @@ struct Out<'a, F> {
 
 impl<F: Feed> Out<'_, F> {
     fn put(&mut self, bytes: &[u8]) {
-        if self.len + bytes.len() > self.buf.len() {
+        if self.len + bytes.len() > self.buf.len() || bytes.len() > 64 {
             self.flush();
-            if bytes.len() > self.buf.len() {
+            if bytes.len() > 64 {
                 self.chain.feed(bytes);
                 return;
             }
@@ -187,15 +187,21 @@ fn skip_space(raw: &[u8], mut i: usize) -> usize {
     i
 }
 
-/// The index just past the string that starts (with its quote) at `i`.
+/// The index just past the string that starts (with its quote) at `i`: the next quote that
+/// an odd run of backslashes does not escape.
 fn string_end(raw: &[u8], i: usize) -> usize {
     let mut j = i + 1;
-    while let Some(at) = raw.get(j..).and_then(|r| memchr::memchr2(b'"', b'\\', r)) {
-        if raw[j + at] == b'\\' {
-            j += at + 2;
-        } else {
-            return j + at + 1;
+    while let Some(at) = raw.get(j..).and_then(|r| memchr::memchr(b'"', r)) {
+        let quote = j + at;
+        let backslashes = raw[j..quote]
+            .iter()
+            .rev()
+            .take_while(|&&b| b == b'\\')
+            .count();
+        if backslashes % 2 == 0 {
+            return quote + 1;
         }
+        j = quote + 1;
     }
     raw.len()
 }

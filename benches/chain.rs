@@ -1,0 +1,216 @@
+//! The prompt chain of a request body, and what the cache model costs a home hit.
+//!
+//! - `chain/from_body/*`: [`PromptFacts::from_body`] on OpenAI chat bodies of 16 KiB to 1 MiB,
+//!   shaped like a coding agent's: an 8 KiB system prompt, a spec, then turns of short answers
+//!   and tool outputs of a few KiB (code with newlines and quotes, so strings carry escapes).
+//!   This is the whole parse `BodyKeyLayer` runs on every request: the key fields, the
+//!   leading digest and the chain.
+//! - `chain/text_prompt/*`: a prompt of the same size as one string (a legacy completions
+//!   `prompt`), where the chain is 2 KiB blocks of the text.
+//! - `chain/serde_skip/*` and `chain/xxh3/*`: the floors, on the chat bodies: `serde_json`
+//!   checking the body as JSON and building nothing (`IgnoredAny`), and one xxh3 of the bytes.
+//! - Paired rounds (`paired` in the filter, or no filter): home hits on 16x8 through the
+//!   service, with and without a prompt chain on each request, in rotating rounds; the
+//!   difference is what the cache model's lookup and update add to a home hit.
+//!
+//! Run with `cargo bench --bench chain`.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
+use tower::Layer;
+use tower_affinity::key::{ExtensionKey, PromptFacts};
+use tower_affinity::{Decision, Outcome, PromptChain, SessionAffinityLayer};
+
+#[path = "common/mod.rs"]
+mod common;
+
+use common::{call_now, key, request, Shape};
+
+/// A chat body of about `bytes` bytes.
+fn chat_body(bytes: usize) -> Vec<u8> {
+    let code = "fn main() {\n    println!(\"hello, {}\", name);\n}\n".repeat(64);
+    let mut messages = vec![
+        serde_json::json!({"role": "system", "content": "You are a coding agent. ".repeat(350)}),
+        serde_json::json!({"role": "user", "content": "Build the todo app in the spec.\n".repeat(120)}),
+    ];
+    let mut n = 0;
+    while serde_json::to_vec(&messages).map_or(0, |v| v.len()) < bytes {
+        n += 1;
+        messages.push(serde_json::json!({
+            "role": "assistant",
+            "content": format!("Step {n}: reading the file."),
+            "tool_calls": [{"id": format!("call_{n}"), "type": "function",
+                "function": {"name": "read_file", "arguments": "{\"path\":\"src/main.rs\"}"}}]
+        }));
+        messages.push(serde_json::json!({
+            "role": "tool", "tool_call_id": format!("call_{n}"), "content": code
+        }));
+    }
+    serde_json::to_vec(&serde_json::json!({
+        "model": "qwen", "stream": true, "messages": messages
+    }))
+    .expect("a body")
+}
+
+/// A completions body whose prompt is one string of about `bytes` bytes.
+fn text_body(bytes: usize) -> Vec<u8> {
+    let line = "fn main() {\n    println!(\"hello, {}\", name);\n}\n";
+    let prompt = line.repeat(bytes / line.len() + 1);
+    serde_json::to_vec(&serde_json::json!({"model": "qwen", "prompt": prompt})).expect("a body")
+}
+
+const SIZES: [(usize, &str); 4] = [
+    (16 << 10, "16KiB"),
+    (64 << 10, "64KiB"),
+    (256 << 10, "256KiB"),
+    (1 << 20, "1MiB"),
+];
+
+fn from_body(c: &mut Criterion) {
+    let mut g = c.benchmark_group("chain");
+    for (bytes, label) in SIZES {
+        let body = chat_body(bytes);
+        assert!(PromptFacts::from_body(&body).chain.len() > 2);
+        g.throughput(Throughput::Bytes(body.len() as u64));
+        g.bench_function(BenchmarkId::new("from_body", label), |b| {
+            b.iter(|| PromptFacts::from_body(black_box(&body)))
+        });
+        // The floors: serde_json checking the body and building nothing, and one xxh3 of it.
+        g.bench_function(BenchmarkId::new("serde_skip", label), |b| {
+            b.iter(|| serde_json::from_slice::<serde::de::IgnoredAny>(black_box(&body)))
+        });
+        g.bench_function(BenchmarkId::new("xxh3", label), |b| {
+            b.iter(|| xxhash_rust::xxh3::xxh3_64(black_box(&body)))
+        });
+        let text = text_body(bytes);
+        assert!(PromptFacts::from_body(&text).chain.len() > 2);
+        g.throughput(Throughput::Bytes(text.len() as u64));
+        g.bench_function(BenchmarkId::new("text_prompt", label), |b| {
+            b.iter(|| PromptFacts::from_body(black_box(&text)))
+        });
+    }
+}
+
+fn config() -> Criterion {
+    Criterion::default()
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2))
+        .sample_size(30)
+}
+
+criterion_group! {
+    name = benches;
+    config = config();
+    targets = from_body
+}
+
+/// Sessions the paired rounds cycle through.
+const SESSIONS: u64 = 1024;
+/// Turns a session takes before its history starts again (a compaction every 64 turns).
+const TURNS: usize = 64;
+
+/// Session `s`'s chain at turn `t`: a 20-link head, then two links a turn (an answer and a
+/// tool output), each of 50 tokens: eight sessions a backend stay within its cache budget.
+fn chain_of(s: u64, t: usize) -> PromptChain {
+    PromptChain::from_blocks((0..20 + 2 * t as u64).map(|i| (s << 32 | i, 50)))
+}
+
+/// Home hits with and without a chain, in rotating rounds.
+fn paired(rounds: usize, calls: u64) {
+    let shape = Shape::new(16, 8);
+    let mut bare = SessionAffinityLayer::new()
+        .key(ExtensionKey)
+        .layer(shape.fleet(1));
+    let mut chained = SessionAffinityLayer::new()
+        .key(ExtensionKey)
+        .layer(shape.fleet(1));
+    let chains: Vec<Vec<PromptChain>> = (0..SESSIONS)
+        .map(|s| (0..TURNS).map(|t| chain_of(s, t)).collect())
+        .collect();
+    let with_chain = |i: u64| {
+        let s = i % SESSIONS;
+        let turn = (i / SESSIONS) as usize % TURNS;
+        let mut req = request(Some(key(s)));
+        req.extensions_mut()
+            .insert(PromptFacts::from_chain(chains[s as usize][turn].clone()));
+        req
+    };
+    // Every session placed once, so that every measured call is a home hit (or, once in 64
+    // turns, a compaction).
+    for i in 0..SESSIONS {
+        drop(call_now(&mut bare, request(Some(key(i)))));
+        drop(call_now(&mut chained, with_chain(i)));
+    }
+    let mut next = SESSIONS;
+    let mut outcomes = [0u64; 2];
+    // Requests are built in small chunks, outside the timing: a proxy's chain was built by
+    // `BodyKeyLayer` just before the call, so it is in cache, as it is here.
+    const CHUNK: u64 = 64;
+    let mut run = |who: usize| -> f64 {
+        let first = next;
+        next += calls;
+        let mut total = Duration::ZERO;
+        let mut buf = Vec::with_capacity(CHUNK as usize);
+        let mut done = 0;
+        while done < calls {
+            let n = CHUNK.min(calls - done);
+            let from = first + done;
+            if who == 0 {
+                buf.extend((from..from + n).map(|i| request(Some(key(i % SESSIONS)))));
+                let start = Instant::now();
+                for req in buf.drain(..) {
+                    drop(black_box(call_now(&mut bare, req)));
+                }
+                total += start.elapsed();
+            } else {
+                buf.extend((from..from + n).map(with_chain));
+                let start = Instant::now();
+                for req in buf.drain(..) {
+                    let res = black_box(call_now(&mut chained, req));
+                    let hit = res.extensions().get::<Decision>().map(|d| d.outcome)
+                        == Some(Outcome::HomeHit);
+                    outcomes[usize::from(!hit)] += 1;
+                }
+                total += start.elapsed();
+            }
+            done += n;
+        }
+        total.as_secs_f64() * 1e9 / calls as f64
+    };
+    let per_call: Vec<[f64; 2]> = common::rotating_rounds(rounds, &mut run);
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        (v[v.len() / 2], v[0], v[v.len() - 1])
+    };
+    println!(
+        "\n## Paired rounds: home hits, 16x8 ({rounds} rounds of {calls} calls a contender)\n"
+    );
+    println!("| path | per call, median (min to max) |");
+    println!("|---|---:|");
+    for (who, name) in ["without a chain", "with a prompt chain (cache model)"]
+        .iter()
+        .enumerate()
+    {
+        let (m, lo, hi) = median(per_call.iter().map(|r| r[who]).collect());
+        println!("| {name} | {m:.0} ns ({lo:.0} to {hi:.0} ns) |");
+    }
+    let (m, lo, hi) = median(per_call.iter().map(|r| r[1] - r[0]).collect());
+    println!("\nThe cache model adds {m:.0} ns a home hit, median ({lo:.0} to {hi:.0} ns).");
+    println!(
+        "Chained calls that were home hits: {} of {} (the rest: compactions, one turn in {TURNS}).",
+        outcomes[0],
+        outcomes[0] + outcomes[1]
+    );
+}
+
+fn main() {
+    common::main_with_paired(benches, |full| {
+        if full {
+            paired(21, 200_000);
+        } else {
+            paired(1, 2_000);
+        }
+    });
+}
