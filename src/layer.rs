@@ -12,7 +12,8 @@ use crate::{Backend, BackendId, BoxError, Overflow, Sessions};
 
 /// Builds a [`SessionAffinity`] service over a discovery stream.
 ///
-/// Defaults: keys from [`HeaderKey`] (`X-Session-Affinity`, then `X-Session-Id`), placement by
+/// Defaults: keys from [`HeaderKey`] (`X-Session-Affinity`, then `X-Session-Id`, then the agents'
+/// own session headers), placement by
 /// [`NodeThenBackend`], [`Overflow::Wait`] up to 60 s, a table of 100,000 sessions forgotten
 /// after an hour idle, a failing backend passed over for 5 s, no decision headers.
 ///

@@ -1,7 +1,7 @@
 //! The header key extractors over arbitrary header bytes.
 //!
 //! The input is a list of header lines, `\n`-separated. Each line's first byte picks its name
-//! (`x-session-affinity`, `x-session-id`, or the bytes up to the first `:`), the rest is its
+//! (one of `HeaderKey::DEFAULT_NAMES`, or the bytes up to the first `:`), the rest is its
 //! value; lines whose name or value `http` refuses are skipped, as a server would refuse them.
 //! `HeaderKey`, `FirstOf<HeaderKey, ExtensionKey>` and a `HeaderKey` with a configured name
 //! are checked against a plain model of their rules.
@@ -31,9 +31,9 @@ fuzz_target!(|data: &[u8]| {
         let Some((&pick, rest)) = line.split_first() else {
             continue;
         };
-        let (name, value) = match pick % 3 {
-            0 => (Some(HeaderKey::AFFINITY), rest),
-            1 => (Some(HeaderKey::SESSION_ID), rest),
+        let defaults = HeaderKey::DEFAULT_NAMES;
+        let (name, value) = match usize::from(pick) % (defaults.len() + 1) {
+            i if i < defaults.len() => (Some(HeaderName::from_static(defaults[i])), rest),
             _ => match rest.iter().position(|&b| b == b':') {
                 Some(i) => (HeaderName::from_bytes(&rest[..i]).ok(), &rest[i + 1..]),
                 None => (None, rest),
@@ -52,7 +52,7 @@ fuzz_target!(|data: &[u8]| {
 
     // A configured name from the input, then the defaults.
     if let Some(name) = custom {
-        let names = [name.as_str(), "x-session-affinity", "x-session-id"];
+        let names = std::iter::once(name.as_str()).chain(HeaderKey::DEFAULT_NAMES);
         let configured = HeaderKey::try_new(names).expect("names http accepted");
         assert_eq!(
             configured.extract(&req),

@@ -6,10 +6,22 @@ use super::{KeyExtractor, SessionKey};
 
 /// Reads the session key from request headers, trying each name in order.
 ///
-/// The default reads `X-Session-Affinity`, then `X-Session-Id`. An empty value falls through to
-/// the next name; so does a value made only of spaces or tabs. When a header is repeated, its
-/// first value counts. Values are taken as raw bytes, so a value that is not UTF-8 still names
-/// a session.
+/// The default reads the headers that agents send today ([`DEFAULT_NAMES`](Self::DEFAULT_NAMES)):
+///
+/// | header | sent by |
+/// |---|---|
+/// | `X-Session-Affinity` | opencode (custom providers), and any client told to |
+/// | `X-Session-Id` | opencode (custom providers), and any client told to |
+/// | `X-Claude-Code-Session-Id` | Claude Code (2.1.86 on) |
+/// | `thread-id` | Codex CLI: the agent thread; a sub-agent has its own |
+/// | `session-id` | Codex CLI: the session, shared by its threads |
+/// | `session_id` | Codex CLI before 0.131 |
+/// | `agent-session-id` | Goose |
+///
+/// Codex sends `thread-id` and `session-id` together; `thread-id` comes first because each
+/// thread has a prompt of its own. An empty value falls through to the next name; so does a
+/// value made only of spaces or tabs. When a header is repeated, its first value counts. Values
+/// are taken as raw bytes, so a value that is not UTF-8 still names a session.
 ///
 /// ```
 /// use tower_affinity::key::{HeaderKey, KeyExtractor, SessionKey};
@@ -22,9 +34,21 @@ use super::{KeyExtractor, SessionKey};
 ///     .unwrap();
 /// assert_eq!(key.extract(&req), Some(SessionKey::from_bytes(b"run-42")));
 ///
+/// // A Codex sub-agent: its thread, not the session it belongs to.
+/// let req = http::Request::post("/v1/responses")
+///     .header("session-id", "019a-session")
+///     .header("thread-id", "019a-thread-2")
+///     .body(())
+///     .unwrap();
+/// assert_eq!(key.extract(&req), Some(SessionKey::from_bytes(b"019a-thread-2")));
+///
 /// let custom = HeaderKey::new(["x-conversation"]);
 /// let req = http::Request::get("/").header("x-conversation", "c1").body(()).unwrap();
 /// assert!(custom.extract(&req).is_some());
+///
+/// // The defaults, then a header of your own.
+/// let extended = HeaderKey::new(HeaderKey::DEFAULT_NAMES.into_iter().chain(["x-conversation"]));
+/// assert_eq!(extended.names().len(), HeaderKey::DEFAULT_NAMES.len() + 1);
 /// ```
 #[derive(Clone, Debug)]
 pub struct HeaderKey {
@@ -32,10 +56,36 @@ pub struct HeaderKey {
 }
 
 impl HeaderKey {
-    /// `X-Session-Affinity`: the header the study's agents send.
+    /// `X-Session-Affinity`: the header the study's agents send; opencode sends it too.
     pub const AFFINITY: HeaderName = HeaderName::from_static("x-session-affinity");
-    /// `X-Session-Id`: the fallback header.
+    /// `X-Session-Id`: the fallback header; opencode sends it beside `X-Session-Affinity`.
     pub const SESSION_ID: HeaderName = HeaderName::from_static("x-session-id");
+    /// `X-Claude-Code-Session-Id`: Claude Code's session, on every request since 2.1.86.
+    pub const CLAUDE_CODE_SESSION_ID: HeaderName =
+        HeaderName::from_static("x-claude-code-session-id");
+    /// `thread-id`: the Codex CLI's agent thread. A sub-agent is a thread of its own, with its
+    /// own prompt, in the session of the agent that spawned it.
+    pub const THREAD_ID: HeaderName = HeaderName::from_static("thread-id");
+    /// `session-id`: the Codex CLI's session, shared by all its threads.
+    pub const CODEX_SESSION_ID: HeaderName = HeaderName::from_static("session-id");
+    /// `session_id`: the Codex CLI's session header before 0.131. An underscore is a valid
+    /// header-name character, though some proxies drop such headers (nginx does unless
+    /// `underscores_in_headers on`).
+    pub const CODEX_LEGACY_SESSION_ID: HeaderName = HeaderName::from_static("session_id");
+    /// `agent-session-id`: Goose's session.
+    pub const AGENT_SESSION_ID: HeaderName = HeaderName::from_static("agent-session-id");
+
+    /// The names [`HeaderKey::default`] reads, in order, for extending the default list:
+    /// `HeaderKey::new(HeaderKey::DEFAULT_NAMES.into_iter().chain(["x-mine"]))`.
+    pub const DEFAULT_NAMES: [&'static str; 7] = [
+        "x-session-affinity",
+        "x-session-id",
+        "x-claude-code-session-id",
+        "thread-id",
+        "session-id",
+        "session_id",
+        "agent-session-id",
+    ];
 
     /// Reads the given header names, in order.
     ///
@@ -90,7 +140,15 @@ impl HeaderKey {
 impl Default for HeaderKey {
     fn default() -> Self {
         HeaderKey {
-            names: Arc::new([Self::AFFINITY, Self::SESSION_ID]),
+            names: Arc::new([
+                Self::AFFINITY,
+                Self::SESSION_ID,
+                Self::CLAUDE_CODE_SESSION_ID,
+                Self::THREAD_ID,
+                Self::CODEX_SESSION_ID,
+                Self::CODEX_LEGACY_SESSION_ID,
+                Self::AGENT_SESSION_ID,
+            ]),
         }
     }
 }
@@ -128,6 +186,58 @@ mod tests {
     }
 
     #[test]
+    fn default_reads_the_default_names_in_order() {
+        let key = HeaderKey::default();
+        let names: Vec<&str> = key.names().iter().map(HeaderName::as_str).collect();
+        assert_eq!(names, HeaderKey::DEFAULT_NAMES);
+        assert_eq!(
+            HeaderKey::new(HeaderKey::DEFAULT_NAMES).names(),
+            HeaderKey::default().names()
+        );
+    }
+
+    #[test]
+    fn each_default_name_wins_over_every_later_one() {
+        let names = HeaderKey::DEFAULT_NAMES;
+        for (i, first) in names.iter().enumerate() {
+            for later in &names[i + 1..] {
+                // The later header comes first on the wire: order of names counts, not of lines.
+                let r = req(&[(later, b"later"), (first, b"first")]);
+                assert_eq!(
+                    HeaderKey::default().extract(&r),
+                    Some(SessionKey::from_bytes(b"first")),
+                    "{first} before {later}"
+                );
+            }
+            let alone = req(&[(first, b"only")]);
+            assert_eq!(
+                HeaderKey::default().extract(&alone),
+                Some(SessionKey::from_bytes(b"only")),
+                "{first} alone"
+            );
+        }
+    }
+
+    #[test]
+    fn codex_thread_id_wins_and_a_blank_one_falls_through_to_its_session() {
+        let both = req(&[("session-id", b"s"), ("thread-id", b"t")]);
+        assert_eq!(
+            HeaderKey::default().extract(&both),
+            Some(SessionKey::from_bytes(b"t"))
+        );
+        let legacy = req(&[("session_id", b"s"), ("thread-id", b"t")]);
+        assert_eq!(
+            HeaderKey::default().extract(&legacy),
+            Some(SessionKey::from_bytes(b"t"))
+        );
+        let blank = req(&[("thread-id", b" "), ("session-id", b"s")]);
+        assert_eq!(
+            HeaderKey::default().extract(&blank),
+            Some(SessionKey::from_bytes(b"s"))
+        );
+    }
+
+    #[test]
     fn empty_value_falls_through_to_the_next_header() {
         let r = req(&[("x-session-affinity", b"  "), ("x-session-id", b"b")]);
         assert_eq!(
@@ -160,13 +270,17 @@ mod tests {
 
     #[test]
     fn finds_key_agrees_with_extract() {
-        let cases: [&[(&str, &[u8])]; 6] = [
+        let cases: [&[(&str, &[u8])]; 10] = [
             &[],
             &[("x-session-id", b"")],
             &[("x-session-affinity", b" \t"), ("x-session-id", b"")],
             &[("x-session-affinity", b" \t"), ("x-session-id", b"b")],
             &[("x-session-id", b"first"), ("x-session-id", b" ")],
             &[("x-other", b"a")],
+            &[("thread-id", b""), ("session-id", b" ")],
+            &[("thread-id", b""), ("session_id", b"s")],
+            &[("x-claude-code-session-id", b"c")],
+            &[("agent-session-id", b"\t"), ("x-client-request-id", b"r")],
         ];
         let key = HeaderKey::default();
         for headers in cases {

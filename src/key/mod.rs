@@ -6,7 +6,8 @@
 //!
 //! A [`KeyExtractor`] reads a key from a request without consuming it. The built-ins:
 //!
-//! - [`HeaderKey`]: `X-Session-Affinity`, then `X-Session-Id` (configurable);
+//! - [`HeaderKey`]: `X-Session-Affinity`, then `X-Session-Id`, then the headers coding agents
+//!   send (Claude Code, Codex CLI, Goose; see [`HeaderKey::DEFAULT_NAMES`]); configurable;
 //! - [`ExtensionKey`]: a [`SessionKey`] that an earlier layer put in the request's extensions;
 //! - [`FirstOf`]: the first of two extractors that finds a key;
 //! - any `Fn(&Req) -> Option<SessionKey>` closure.
