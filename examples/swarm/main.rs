@@ -514,6 +514,27 @@ mod tests {
     }
 
     #[test]
+    fn agents_without_keys_keep_their_caches_through_their_prompt_chains() {
+        let o = Options {
+            keyless: true,
+            ..options(Scenario::Study, 24)
+        };
+        let t = study(&o);
+        let ntb = t.row("NodeThenBackend").unwrap();
+        assert!(ntb.hit_rate() >= 0.99, "{t}");
+        // Without keys the stateless policies have nothing to go by.
+        for free in ["RoundRobin", "LeastLoaded", "Rendezvous"] {
+            let r = t.row(free).unwrap();
+            assert!(r.hit_rate() <= ntb.hit_rate() - 0.2, "{t}");
+        }
+        // Compactions are the router's to count only when it knows the session; agents
+        // compact past 60,000 tokens, within 60 turns.
+        assert_eq!(ntb.compactions, 0, "{t}");
+        let keyed = study(&options(Scenario::Study, 60));
+        assert!(keyed.row("NodeThenBackend").unwrap().compactions > 0, "{keyed}");
+    }
+
+    #[test]
     fn trace_replay_runs_a_small_trace_end_to_end() {
         let line = |ts: u64, input: u32, ids: &[u64]| {
             format!(
@@ -543,6 +564,11 @@ mod tests {
         assert_eq!((ntb.turns, ntb.eligible, ntb.hits), (4, 2, 2), "{t}");
         // Each later turn reuses its first two blocks, all an ideal cache could.
         assert_eq!((ntb.reused, ntb.ideal), (2048, 2048), "{t}");
+        // Without keys, the chains alone find the same backends.
+        let t = &tables[2];
+        assert!(t.title.contains("no session keys"), "{t}");
+        let ntb = t.row("NodeThenBackend").unwrap();
+        assert_eq!((ntb.turns, ntb.hits, ntb.reused), (4, 2, 2048), "{t}");
     }
 
     #[test]
