@@ -11,7 +11,9 @@
 //! callgrind_annotate --inclusive=yes callgrind.out.<pid>
 //! ```
 //!
-//! Scenarios (whole call path unless `policy_`): `direct`, `home_hit`, `new_session`,
+//! Scenarios (whole call path unless `policy_`): `direct`, `home_hit`, `home_hit_chain` (a
+//! prompt chain on every request, growing two links a turn), `home_hit_chain_unread` (the same
+//! chains where the service does not look), `new_session`,
 //! `keyless`, `header_home_hit`, `policy_home_hit`, `policy_new_session`, `policy_keyless`,
 //! `policy_view`; `home_hit_noext`, `new_session_noext` and `keyless_noext` build the service
 //! with `.decision_extension(false)`; `direct_resext` and `home_hit_resext` use backends whose
@@ -23,14 +25,18 @@
 use std::hint::black_box;
 
 use tower::Layer;
-use tower_affinity::key::ExtensionKey;
+use tower_affinity::key::{ExtensionKey, PromptFacts};
 use tower_affinity::placement::NodeThenBackend;
-use tower_affinity::{SessionAffinityLayer, Sessions};
+use tower_affinity::{PromptChain, SessionAffinityLayer, Sessions};
 
 #[path = "common/mod.rs"]
 mod common;
 
 use common::{call_now, header_request, key, mock, mock_with_extension, request, Mock, Req, Shape};
+
+/// The cache budget of each backend in the chain scenarios: room for its share of the live
+/// sessions' chains, with older conversations filling the rest.
+const CACHE_TOKENS: u64 = 80_000;
 
 /// Runs `f` on every request; the only code callgrind counts for call-path scenarios.
 #[inline(never)]
@@ -94,6 +100,40 @@ fn main() {
                     "new_session" => request(Some(key((1 << 40) + i))),
                     _ => request(None),
                 })
+                .collect();
+            measure_calls(reqs, &mut |r| drop(black_box(call_now(&mut svc, r))));
+            eprintln!("{:?}", svc.stats());
+        }
+        "home_hit_chain" | "home_hit_chain_unread" => {
+            // Home hits whose requests carry a prompt chain that grows by two links a turn, as
+            // `BodyKeyLayer` would attach: the cache model's lookup and update on each. With
+            // `_unread`, the same chains under a type the service does not read: the requests
+            // cost the same to build and drop, and the difference is the cache model's.
+            let unread = what.ends_with("_unread");
+            let chain = |s: u64, t: u64| {
+                let links = (0..20 + 2 * t).map(|i| (s << 32 | i, 50));
+                PromptFacts::from_chain(PromptChain::from_blocks(links))
+            };
+            let with = |s: u64, t: u64| {
+                let mut r = request(Some(key(s)));
+                if unread {
+                    r.extensions_mut().insert(common::Unread(chain(s, t)));
+                } else {
+                    r.extensions_mut().insert(chain(s, t));
+                }
+                r
+            };
+            // Caches at their budgets, as in a fleet that has run a while (see `fill_caches`).
+            let mut svc = SessionAffinityLayer::new()
+                .key(ExtensionKey)
+                .decision_extension(extension)
+                .layer(shape.fleet_with_cache(1, CACHE_TOKENS));
+            common::fill_caches(&mut svc, 8 * sessions);
+            for i in 0..sessions {
+                drop(call_now(&mut svc, with(i, 0)));
+            }
+            let reqs = (0..n)
+                .map(|i| with(i % sessions, 1 + i / sessions))
                 .collect();
             measure_calls(reqs, &mut |r| drop(black_box(call_now(&mut svc, r))));
             eprintln!("{:?}", svc.stats());

@@ -95,6 +95,16 @@ impl Shape {
         )
     }
 
+    /// The fleet of mock backends with `slots` slots, each declaring a cache of `tokens`.
+    #[allow(dead_code)]
+    pub(crate) fn fleet_with_cache(&self, slots: u32, tokens: u64) -> StaticFleet<Mock> {
+        let slots = NonZeroU32::new(slots).unwrap_or(NonZeroU32::MIN);
+        StaticFleet::new(self.names().into_iter().map(|(id, node)| {
+            let b = Backend::new(node, mock()).slots(slots).cache_tokens(tokens);
+            (id, b)
+        }))
+    }
+
     /// The same fleet as a live discovery channel, as a proxy whose backends come and go has:
     /// the stream stays open as long as the handle lives.
     pub(crate) fn live_fleet(&self, slots: u32) -> (FleetHandle<Mock>, FleetChannel<Mock>) {
@@ -128,6 +138,30 @@ pub(crate) const fn mix(mut x: u64) -> u64 {
     x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     x ^ (x >> 31)
+}
+
+/// Something carried in a request's extensions that the service does not read: a request as
+/// costly to build and drop as one carrying `T`, for a baseline.
+#[allow(dead_code)]
+#[derive(Clone, Debug)]
+pub(crate) struct Unread<T>(pub(crate) T);
+
+/// Fills a service's cache models to their budgets with `n` finished conversations of 40
+/// links (keyed from `1 << 50`), so that what follows runs at steady state: each new link
+/// recorded evicts an old one, and no table grows.
+#[allow(dead_code)]
+pub(crate) fn fill_caches<S>(svc: &mut S, n: u64)
+where
+    S: Service<Req>,
+    S::Error: Debug,
+{
+    for d in 0..n {
+        let chain = tower_affinity::PromptChain::from_blocks((0..40).map(|i| (d << 32 | i, 50)));
+        let mut req = request(Some(key((1 << 50) + d)));
+        req.extensions_mut()
+            .insert(tower_affinity::key::PromptFacts::from_chain(chain));
+        drop(call_now(svc, req));
+    }
 }
 
 /// The `n`-th distinct session key of a bench: a well-spread 128-bit digest, as SHA-256 would

@@ -531,7 +531,10 @@ mod tests {
         // compact past 60,000 tokens, within 60 turns.
         assert_eq!(ntb.compactions, 0, "{t}");
         let keyed = study(&options(Scenario::Study, 60));
-        assert!(keyed.row("NodeThenBackend").unwrap().compactions > 0, "{keyed}");
+        assert!(
+            keyed.row("NodeThenBackend").unwrap().compactions > 0,
+            "{keyed}"
+        );
     }
 
     #[test]
