@@ -2,9 +2,9 @@
 
 use tower_affinity::key::SessionKey;
 use tower_affinity::placement::{
-    LeastLoaded, NodeThenBackend, Placement, Rendezvous, RoundRobin, Snapshot,
+    HomeCache, LeastLoaded, NodeThenBackend, Placement, Rendezvous, RoundRobin, Snapshot,
 };
-use tower_affinity::BackendId;
+use tower_affinity::{BackendId, PromptChain};
 
 use proptest::prelude::*;
 
@@ -301,6 +301,364 @@ fn an_empty_fleet_offers_nothing() {
     assert!(empty.order(&RoundRobin::new(), None, None).is_empty());
     assert!(empty.order(&LeastLoaded::new(), None, None).is_empty());
     assert!(empty.order(&Rendezvous, key("s"), None).is_empty());
+}
+
+// The rules that use the cache model. A chain is built from blocks: `SYS` is a system prompt
+// of 2,000 tokens, every other id a message of 100.
+
+const SYS: u64 = 1;
+
+fn chain(ids: &[u64]) -> PromptChain {
+    PromptChain::from_blocks(
+        ids.iter()
+            .map(|&id| (id, if id == SYS { 2_000 } else { 100 })),
+    )
+}
+
+/// The first key (`k0`, `k1`, ...) whose new-session rendezvous winner is not `avoid`: a key
+/// that would go elsewhere if the rule under test did not send it to `avoid`.
+fn key_not_drawn_to(fleet: &Snapshot, avoid: impl Fn(&str) -> bool) -> SessionKey {
+    (0..)
+        .map(|i| SessionKey::from_bytes(format!("k{i}").as_bytes()))
+        .find(|&k| !avoid(order_from_scores(fleet, k)[0].as_str()))
+        .unwrap()
+}
+
+fn conversations(fleet: &Snapshot, id: &str) -> u32 {
+    fleet.view().backend(&id.into()).unwrap().conversations()
+}
+
+#[test]
+fn a_home_that_holds_the_session_is_offered_first() {
+    let turn1 = chain(&[SYS, 11, 12]);
+    let turn2 = chain(&[SYS, 11, 12, 13, 14]);
+    // Another backend holds more of the prompt than the home (a copy of the session's history
+    // sent keyless, say): the home still comes first, then its node.
+    let fleet = two_by_two()
+        .holds("b2", &turn1)
+        .holds("a1", &chain(&[SYS, 11, 12, 13]));
+    let k = Some(key_not_drawn_to(&fleet, |b| b == "b2"));
+    let fleet = fleet.prompt(turn2).home_cache(HomeCache::Holds);
+    let p = NodeThenBackend::new();
+    let order = fleet.order(&p, k, Some("b2"));
+    assert_eq!(order[..2], ids(&["b2", "b1"]), "{order:?}");
+    assert_eq!(fleet.choose(&p, k, Some("b2")), Some("b2".into()));
+}
+
+#[test]
+fn a_cold_home_prefers_the_backend_holding_the_longest_own_prefix() {
+    // The session was homed on a1, which evicted it; b2 still holds its first turn, and a2
+    // holds the system prompt of another conversation.
+    let turn1 = chain(&[SYS, 11, 12]);
+    let turn2 = chain(&[SYS, 11, 12, 13, 14]);
+    let fleet = two_by_two()
+        .holds("b2", &turn1)
+        .holds("a2", &chain(&[SYS, 21]));
+    // A key that, placed as a plain new session, would stay on the home's node.
+    let k = Some(key_not_drawn_to(&fleet, |b| b.starts_with('b')));
+    let fleet = fleet.prompt(turn2.clone()).home_cache(HomeCache::Evicted);
+    let prefix = fleet.view().longest_prefix(&turn2).unwrap();
+    assert_eq!(
+        (prefix.backend.id().as_str(), prefix.links, prefix.own),
+        ("b2", 3, true)
+    );
+    let p = NodeThenBackend::new();
+    let order = fleet.order(&p, k, Some("a1"));
+    assert_eq!(order[..2], ids(&["b2", "b1"]), "{order:?}");
+    assert_eq!(fleet.choose(&p, k, Some("a1")), Some("b2".into()));
+    // The holder full: its node, where its host-memory cache may still hold the prefix.
+    let full = fleet.in_flight("b2", 1);
+    assert_eq!(full.choose(&p, k, Some("a1")), Some("b1".into()));
+}
+
+#[test]
+fn a_cold_home_with_no_prefix_anywhere_is_placed_like_a_new_session() {
+    let turn2 = chain(&[SYS, 11, 12, 13, 14]);
+    let fleet = two_by_two();
+    // A key whose rendezvous order starts on the other node than the home's.
+    let k = key_not_drawn_to(&fleet, |b| b.starts_with('a'));
+    let fleet = fleet.prompt(turn2).home_cache(HomeCache::Evicted);
+    let p = NodeThenBackend::new();
+    let order = fleet.order(&p, Some(k), Some("a1"));
+    assert_eq!(order, order_from_scores(&fleet, k));
+    assert_eq!(order, fleet.order(&p, Some(k), None));
+    assert!(order[0].as_str().starts_with('b'), "{order:?}");
+}
+
+#[test]
+fn a_compacted_session_stays_home_when_there_is_room() {
+    // The client replaced its history with a summary and kept its system prompt, which other
+    // conversations share on node b. No cache holds the new prompt: home is as good as any.
+    let compacted = chain(&[SYS, 99]);
+    let fleet = two_by_two()
+        .holds("b1", &chain(&[SYS, 31, 32]))
+        .holds("b2", &chain(&[SYS, 41]));
+    let k = Some(key_not_drawn_to(&fleet, |b| b.starts_with('a')));
+    let fleet = fleet.prompt(compacted).home_cache(HomeCache::Compacted);
+    let p = NodeThenBackend::new();
+    assert_eq!(fleet.choose(&p, k, Some("a1")), Some("a1".into()));
+    let order = fleet.order(&p, k, Some("a1"));
+    assert_eq!(order[..2], ids(&["a1", "a2"]), "{order:?}");
+    // The home full: its node, as for any session with a home.
+    let full = fleet.in_flight("a1", 1);
+    assert_eq!(full.choose(&p, k, Some("a1")), Some("a2".into()));
+}
+
+/// Two nodes of two backends, two slots each.
+fn two_by_two_of_two() -> Snapshot {
+    Snapshot::new()
+        .backend("a1", "node-a", 2)
+        .backend("a2", "node-a", 2)
+        .backend("b1", "node-b", 2)
+        .backend("b2", "node-b", 2)
+}
+
+#[test]
+fn a_keyless_request_goes_where_its_own_prefix_is() {
+    // b2 served the conversation's first turn. It homes the only conversation, so by load or
+    // by conversations it would be the last choice.
+    let fleet = two_by_two_of_two()
+        .holds("b2", &chain(&[SYS, 11, 12]))
+        .prompt(chain(&[SYS, 11, 12, 13, 14]));
+    let p = NodeThenBackend::new();
+    for _ in 0..20 {
+        assert_eq!(fleet.choose(&p, None, None), Some("b2".into()));
+    }
+    assert_eq!(fleet.order(&p, None, None)[..2], ids(&["b2", "b1"]));
+}
+
+#[test]
+fn a_keyless_request_goes_where_its_own_prefix_is_then_to_that_backends_node() {
+    // b2 holds the prefix and is full; b1 homes two other conversations, so by conversations
+    // a backend of node a would come first.
+    let fleet = two_by_two_of_two()
+        .holds("b2", &chain(&[SYS, 11, 12]))
+        .holds("b1", &chain(&[77]))
+        .holds("b1", &chain(&[78]))
+        .in_flight("b2", 2)
+        .prompt(chain(&[SYS, 11, 12, 13, 14]));
+    let p = NodeThenBackend::new();
+    for _ in 0..20 {
+        assert_eq!(fleet.choose(&p, None, None), Some("b1".into()));
+    }
+}
+
+#[test]
+fn a_prefix_continued_by_several_conversations_is_not_own() {
+    let next = chain(&[SYS, 24]);
+    // Three conversations start with the same system prompt on b2.
+    let shared = two_by_two()
+        .holds("b2", &chain(&[SYS, 21]))
+        .holds("b2", &chain(&[SYS, 22]))
+        .holds("b2", &chain(&[SYS, 23]));
+    let prefix = shared.view().longest_prefix(&next).unwrap();
+    assert_eq!((prefix.backend.id().as_str(), prefix.links), ("b2", 1));
+    assert!(!prefix.own, "a system prompt three conversations continue");
+    let shared = shared.prompt(next.clone());
+    let p = NodeThenBackend::new();
+    for _ in 0..20 {
+        assert_ne!(shared.choose(&p, None, None), Some("b2".into()));
+    }
+    // Continued by one prompt only, the prefix may be the conversation's own last turn, whose
+    // newest message this turn rewrote: it is own.
+    let once = two_by_two().holds("b2", &chain(&[SYS, 21]));
+    let prefix = once.view().longest_prefix(&next).unwrap();
+    assert!(prefix.own);
+}
+
+#[test]
+fn a_prefix_held_on_several_backends_is_not_own() {
+    let fleet = two_by_two()
+        .holds("a1", &chain(&[SYS, 21]))
+        .holds("b2", &chain(&[SYS, 22]));
+    let prefix = fleet.view().longest_prefix(&chain(&[SYS, 23])).unwrap();
+    assert_eq!(prefix.links, 1);
+    assert!(!prefix.own);
+    // One of the two holds more of this prompt: that one is own.
+    let prefix = fleet.view().longest_prefix(&chain(&[SYS, 22, 5])).unwrap();
+    assert_eq!((prefix.backend.id().as_str(), prefix.own), ("b2", true));
+}
+
+#[test]
+fn a_keyless_request_with_no_prefix_goes_to_the_fewest_conversations_per_slot() {
+    // Conversations for slots: a1 2 for 4, a2 0 for 1, b1 1 for 2, b2 2 for 2. Counting this
+    // one, a1 is the least loaded per slot (3/4), though a2 homes none (1/1).
+    let fleet = || {
+        Snapshot::new()
+            .backend("a1", "node-a", 4)
+            .backend("a2", "node-a", 1)
+            .backend("b1", "node-b", 2)
+            .backend("b2", "node-b", 2)
+            .holds("a1", &chain(&[501]))
+            .holds("a1", &chain(&[502]))
+            .holds("b1", &chain(&[503]))
+            .holds("b2", &chain(&[504]))
+            .holds("b2", &chain(&[505]))
+    };
+    assert_eq!(conversations(&fleet(), "a1"), 2);
+    let p = NodeThenBackend::new();
+    // Ties are broken by the prompt: different prompts, the same answer.
+    for i in 0..20 {
+        let fleet = fleet().prompt(chain(&[SYS, 1_000 + i]));
+        assert_eq!(
+            fleet.choose(&p, None, None),
+            Some("a1".into()),
+            "prompt {i}"
+        );
+    }
+    // A full backend is passed over: the next per slot is a2 or b1.
+    let full = fleet().in_flight("a1", 4).prompt(chain(&[SYS, 999]));
+    let got = full.choose(&p, None, None).unwrap();
+    assert!(["a2", "b1"].contains(&got.as_str()), "{got}");
+}
+
+#[test]
+fn a_prompt_held_whole_draws_nothing() {
+    // An identical repeat (a retry, a sampled second answer) says nothing of whose it is.
+    let turn1 = chain(&[SYS, 11, 12]);
+    let fleet = two_by_two_of_two().holds("b2", &turn1);
+    let prefix = fleet.view().longest_prefix(&turn1).unwrap();
+    assert_eq!((prefix.backend.id().as_str(), prefix.own), ("b2", false));
+    let k = key_not_drawn_to(&fleet, |b| b == "b2");
+    let fleet = fleet.prompt(turn1);
+    let p = NodeThenBackend::new();
+    for _ in 0..20 {
+        assert_ne!(fleet.choose(&p, None, None), Some("b2".into()));
+    }
+    assert_eq!(fleet.order(&p, Some(k), None), order_from_scores(&fleet, k));
+}
+
+/// Two nodes of two backends, four slots each; b1 homes two conversations that share `SYS`.
+fn sys_on_b1() -> Snapshot {
+    Snapshot::new()
+        .backend("a1", "node-a", 4)
+        .backend("a2", "node-a", 4)
+        .backend("b1", "node-b", 4)
+        .backend("b2", "node-b", 4)
+        .holds("b1", &chain(&[SYS, 21]))
+        .holds("b1", &chain(&[SYS, 22]))
+}
+
+#[test]
+fn new_conversations_are_drawn_to_holders_only_up_to_the_conversation_bound() {
+    let p = NodeThenBackend::new();
+    let mut fleet = sys_on_b1();
+    assert!(
+        !fleet
+            .view()
+            .longest_prefix(&chain(&[SYS, 100]))
+            .unwrap()
+            .own
+    );
+    let mut placed = vec![];
+    for i in 0..40u64 {
+        let k = key_not_drawn_to(&fleet, |b| b == "b1");
+        let c = chain(&[SYS, 100 + i]);
+        fleet = fleet.prompt(c.clone());
+        let id = fleet.choose(&p, Some(k), None).unwrap();
+        fleet = fleet.holds(id.as_str(), &c);
+        // The bound after this placement: at most 1.25 times a backend's share of the
+        // conversations by slots (rounded up), and never fewer than its slots.
+        let total: u32 = ["a1", "a2", "b1", "b2"]
+            .iter()
+            .map(|b| conversations(&fleet, b))
+            .sum();
+        let bound = (1.25 * f64::from(total) * 4.0 / 16.0).ceil().max(4.0) as u32;
+        assert!(
+            conversations(&fleet, id.as_str()) <= bound,
+            "conversation {i} took {id} past {bound}"
+        );
+        placed.push(id.to_string());
+    }
+    // The holder draws the first two new conversations (up to its 4 slots), though their keys
+    // prefer other backends; the third goes by its key.
+    assert_eq!(placed[..2], ["b1", "b1"]);
+    assert_ne!(placed[2], "b1");
+    // The prefix spreads with them: every backend took some.
+    for b in ["a1", "a2", "b1", "b2"] {
+        assert!(placed.iter().any(|p| p == b), "{b} took none: {placed:?}");
+    }
+}
+
+#[test]
+#[ignore = "a prefix continued once is own, so a new keyed conversation sharing only the system \
+            prompt with one other follows it past the conversation bound"]
+fn a_second_keyed_conversation_sharing_only_the_system_prompt_is_held_to_the_conversation_bound() {
+    // The first conversation went to b1 (one slot). The second shares its system prompt and
+    // nothing more, and its key prefers another backend: b1 homing both would be over the
+    // bound (1.25 x 2 x 1/4, rounded up, is 1, and b1 has 1 slot).
+    let fleet = two_by_two().holds("b1", &chain(&[SYS, 10_000]));
+    let k = key_not_drawn_to(&fleet, |b| b == "b1");
+    let fleet = fleet.prompt(chain(&[SYS, 10_001]));
+    let got = fleet
+        .choose(&NodeThenBackend::new(), Some(k), None)
+        .unwrap();
+    assert_eq!(got, order_from_scores(&fleet, k)[0]);
+}
+
+#[test]
+#[ignore = "a prefix continued once is own, so a new keyless conversation sharing only the \
+            system prompt with one other follows it to the backend homing it"]
+fn a_second_keyless_conversation_sharing_only_the_system_prompt_goes_to_the_fewest_conversations() {
+    let fleet = two_by_two()
+        .holds("b1", &chain(&[SYS, 10_000]))
+        .prompt(chain(&[SYS, 10_001]));
+    for _ in 0..20 {
+        assert_ne!(
+            fleet.choose(&NodeThenBackend::new(), None, None),
+            Some("b1".into())
+        );
+    }
+}
+
+#[test]
+fn no_conversation_bound_keeps_the_rendezvous_order() {
+    let unbounded = NodeThenBackend::new().no_conversation_bound();
+    let bounded = NodeThenBackend::new();
+    // A prefix many conversations share draws no one.
+    let fleet = sys_on_b1();
+    let k = key_not_drawn_to(&fleet, |b| b == "b1");
+    let fleet = fleet.prompt(chain(&[SYS, 100]));
+    assert_eq!(fleet.order(&bounded, Some(k), None)[0].as_str(), "b1");
+    assert_eq!(
+        fleet.order(&unbounded, Some(k), None),
+        order_from_scores(&fleet, k)
+    );
+    // A backend homing many conversations is not passed over.
+    let fleet = two_by_two_of_two();
+    let winner = order_from_scores(&fleet, k)[0].clone();
+    let fleet = (0..6)
+        .fold(fleet, |f, i| f.holds(winner.as_str(), &chain(&[600 + i])))
+        .prompt(chain(&[SYS, 100]));
+    assert_ne!(fleet.order(&bounded, Some(k), None)[0], winner);
+    assert_eq!(
+        fleet.order(&unbounded, Some(k), None),
+        order_from_scores(&fleet, k)
+    );
+}
+
+#[test]
+fn a_keyless_request_without_a_prompt_goes_to_the_freer_of_two_whatever_the_caches_hold() {
+    // The fleet of `keyless_request_goes_to_the_freer_of_two_sampled_backends`, with a1 homing
+    // three conversations: without a chain, only free slots count.
+    let fleet = Snapshot::new()
+        .backend("a1", "a", 4)
+        .backend("a2", "a", 4)
+        .backend("b1", "b", 4)
+        .in_flight("a1", 1)
+        .in_flight("a2", 3)
+        .in_flight("b1", 2)
+        .holds("a1", &chain(&[SYS, 11]))
+        .holds("a1", &chain(&[SYS, 12]))
+        .holds("a1", &chain(&[13]));
+    let mut chosen = std::collections::HashMap::new();
+    for _ in 0..300 {
+        let id = fleet.choose(&NodeThenBackend::new(), None, None).unwrap();
+        *chosen.entry(id.to_string()).or_insert(0) += 1;
+    }
+    assert_eq!(chosen.get("a2"), None, "{chosen:?}");
+    let (a1, b1) = (chosen["a1"], chosen["b1"]);
+    assert!((170..=230).contains(&a1) && a1 + b1 == 300, "{chosen:?}");
 }
 
 /// A weighted fleet: nodes of 4, 5 and 4 slots; the middle node's backends differ in slots.
