@@ -3,8 +3,9 @@
 # Run by hand (never by CI); it needs ~15 minutes the first time (llama.cpp
 # build) and a few seconds of setup afterwards.
 #
-#   scripts/e2e-llama.sh                # setup (cached), then both runs
+#   scripts/e2e-llama.sh                # setup (cached), then every run
 #   scripts/e2e-llama.sh --setup-only   # only the cached setup
+#   scripts/e2e-llama.sh --no-keyless   # skip the keyless run
 #   scripts/e2e-llama.sh --no-compare   # skip the round-robin comparison run
 #
 # What it does:
@@ -21,9 +22,13 @@
 #      waits for GET /metrics == 200
 #   4. runs scripts/e2e_drive.py through the proxy, asserting that every later
 #      turn reused >= 80% of the previous prompt from the backend's cache
-#   5. restarts the proxy with --policy round-robin and runs the driver again,
+#   5. restarts the proxy (node-then-backend, an empty cache model) and runs the
+#      same conversations keyless: no X-Session-Id, no key in the body, so each
+#      turn is placed by the proxy's cache model from its prompt alone; asserts
+#      the same, by llama-server's own counts
+#   6. restarts the proxy with --policy round-robin and runs the driver again,
 #      without asserting, for comparison.
-#   Exits 0 only if the assertion in 4 passed.  Every process it starts is
+#   Exits 0 only if the assertions in 4 and 5 passed.  Every process it starts is
 #   killed on exit.  To redo the setup from scratch: rm -rf ~/.cache/tower-affinity
 #
 # Note: a llama-server slot keeps one conversation's KV cache; with -np 2 a
@@ -66,10 +71,12 @@ read -r -a LLAMA_EXTRA <<<"${TA_LLAMA_EXTRA_ARGS:-}"
 BUILD_JOBS="${TA_BUILD_JOBS:-2}"
 
 SETUP_ONLY=0
+KEYLESS=1
 COMPARE=1
 for arg in "$@"; do
     case "$arg" in
         --setup-only) SETUP_ONLY=1 ;;
+        --no-keyless) KEYLESS=0 ;;
         --no-compare) COMPARE=0 ;;
         -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
         *) echo "unknown argument: $arg" >&2; exit 64 ;;
@@ -305,8 +312,8 @@ build_proxy() {
 }
 
 PROXY_PID=
-start_proxy() { # policy
-    local policy=$1 log="$LOG_DIR/proxy-$1.log"
+start_proxy() { # policy [label for the log's name, default: policy]
+    local policy=$1 log="$LOG_DIR/proxy-${2:-$1}.log"
     port_busy "$PROXY_PORT" && die "port $PROXY_PORT is already in use (set TA_PROXY_PORT)"
     "$PROXY_BIN" --listen "127.0.0.1:$PROXY_PORT" \
         --backend "node-a=${LLAMA_URLS[0]},slots=2" \
@@ -334,13 +341,13 @@ stop_proxy() {
     for _ in $(seq 50); do port_busy "$PROXY_PORT" || break; sleep 0.1; done
 }
 
-run_driver() { # policy extra-args...
-    local policy=$1
+run_driver() { # label extra-args...
+    local label=$1
     shift
-    say "driver ($policy): $SESSIONS sessions x $TURNS turns via http://127.0.0.1:$PROXY_PORT/v1"
+    say "driver ($label): $SESSIONS sessions x $TURNS turns via http://127.0.0.1:$PROXY_PORT/v1"
     "$PY" "$ROOT/scripts/e2e_drive.py" --base-url "http://127.0.0.1:$PROXY_PORT/v1" \
-        --sessions "$SESSIONS" --turns "$TURNS" --label "$policy" \
-        --json-out "$LOG_DIR/drive-$policy.json" "$@" 2>&1 | tee "$LOG_DIR/drive-$policy.txt"
+        --sessions "$SESSIONS" --turns "$TURNS" --label "$label" \
+        --json-out "$LOG_DIR/drive-$label.json" "$@" 2>&1 | tee "$LOG_DIR/drive-$label.txt"
     return "${PIPESTATUS[0]}"
 }
 
@@ -371,6 +378,15 @@ AFF_RC=0
 run_driver node-then-backend --assert-min-hit 1.0 || AFF_RC=$?
 stop_proxy
 
+KEYLESS_RC=0
+if ((KEYLESS)); then
+    # A fresh proxy, so its cache model starts empty; the llama-servers keep what the keyed
+    # run left (the shared system prompt and spec; the tool output is salted per run).
+    start_proxy node-then-backend node-then-backend-keyless
+    run_driver node-then-backend-keyless --keyless --assert-min-hit 1.0 || KEYLESS_RC=$?
+    stop_proxy
+fi
+
 if ((COMPARE)); then
     start_proxy round-robin
     RR_RC=0
@@ -382,9 +398,14 @@ fi
 echo
 say "comparison:"
 grep -h '^SUMMARY' "$LOG_DIR"/drive-*.txt 2>/dev/null | sed 's/^/    /' || true
-if ((AFF_RC == 0)); then
-    say "PASS: with --policy node-then-backend every later turn reused >= 80% of the previous prompt"
+if ((AFF_RC == 0 && KEYLESS_RC == 0)); then
+    if ((KEYLESS)); then
+        say "PASS: with --policy node-then-backend every later turn reused >= 80% of the previous prompt, keyed and keyless"
+    else
+        say "PASS: with --policy node-then-backend every later turn reused >= 80% of the previous prompt (keyless run skipped)"
+    fi
     exit 0
 fi
-say "FAIL: node-then-backend driver run exited $AFF_RC"
+((AFF_RC == 0)) || say "FAIL: node-then-backend driver run (keyed) exited $AFF_RC"
+((KEYLESS_RC == 0)) || say "FAIL: node-then-backend driver run (keyless) exited $KEYLESS_RC"
 exit 1

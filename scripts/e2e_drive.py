@@ -5,7 +5,10 @@ how much of each session's previous prompt the serving backend reused from
 its KV / prompt cache.
 
 Every session:
-  * sends the header ``X-Session-Id: <run-id>-s<N>`` on every request,
+  * sends the header ``X-Session-Id: <run-id>-s<N>`` on every request (with
+    ``--keyless``, no session key at all: no header, no ``user``,
+    ``prompt_cache_key`` or ``metadata`` in the body; the proxy then places each
+    turn by what its cache model says each backend holds),
   * starts with the same system prompt and the same first user message
     (a spec of a few hundred tokens) as every other session,
   * then, each turn, appends the assistant's answer and a new user message
@@ -16,7 +19,8 @@ Every session:
 Per turn it records ``usage.prompt_tokens`` and
 ``usage.prompt_tokens_details.cached_tokens`` (llama-server fills the latter;
 if it is missing it falls back to the raw response's ``timings.cache_n``) and
-the ``x-affinity-backend`` response header when present.
+the ``x-affinity-backend`` and ``x-affinity-outcome`` response headers when
+present.
 
     reuse(t) = cached_tokens(t) / prompt_tokens(t-1)         for t >= 2
 
@@ -48,6 +52,7 @@ except ImportError:  # pragma: no cover - only hit when run with the wrong pytho
 
 SESSION_HEADER = "X-Session-Id"
 BACKEND_HEADER = "x-affinity-backend"
+OUTCOME_HEADER = "x-affinity-outcome"
 
 SYSTEM_PROMPT = (
     "You are a careful senior Rust engineer working as a coding agent. You read the "
@@ -126,6 +131,7 @@ class TurnRecord:
     completion_tokens: int
     backend: str
     latency_ms: float
+    outcome: str = "-"
     prev_prompt_tokens: int | None = None
     reuse: float | None = None
     hit: bool | None = None
@@ -149,7 +155,7 @@ def run_session(args, session: int, log) -> list[TurnRecord]:
     client = OpenAI(
         base_url=args.base_url,
         api_key=args.api_key,
-        default_headers={SESSION_HEADER: sid},
+        default_headers={} if args.keyless else {SESSION_HEADER: sid},
         timeout=args.timeout,
         max_retries=0,  # a retry could land elsewhere and hide a miss
     )
@@ -186,6 +192,7 @@ def run_session(args, session: int, log) -> list[TurnRecord]:
             completion_tokens=int(usage.completion_tokens) if usage else 0,
             backend=raw.headers.get(BACKEND_HEADER, "-"),
             latency_ms=latency_ms,
+            outcome=raw.headers.get(OUTCOME_HEADER, "-"),
             answer=answer,
         )
         if records:
@@ -197,7 +204,7 @@ def run_session(args, session: int, log) -> list[TurnRecord]:
         records.append(rec)
         log(
             f"  session {session} turn {turn}: prompt={rec.prompt_tokens} cached={rec.cached_tokens} "
-            f"backend={rec.backend} {latency_ms:.0f} ms"
+            f"backend={rec.backend} outcome={rec.outcome} {latency_ms:.0f} ms"
         )
         messages.append({"role": "assistant", "content": answer})
     return records
@@ -218,6 +225,11 @@ def main() -> int:
     ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "sk-no-key"))
     ap.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
     ap.add_argument("--reuse-threshold", type=float, default=0.8)
+    ap.add_argument(
+        "--keyless",
+        action="store_true",
+        help=f"send no session key: no {SESSION_HEADER} header, no key fields in the body",
+    )
     ap.add_argument(
         "--assert-min-hit",
         type=float,
@@ -241,7 +253,8 @@ def main() -> int:
 
     log(
         f"e2e_drive: base_url={args.base_url} sessions={args.sessions} turns={args.turns} "
-        f"concurrency={conc} max_tokens={args.max_tokens} run_id={args.run_id} (openai {openai.__version__})"
+        f"concurrency={conc} max_tokens={args.max_tokens} run_id={args.run_id} "
+        f"keys={'none' if args.keyless else SESSION_HEADER} (openai {openai.__version__})"
     )
     t0 = time.monotonic()
     records: list[TurnRecord] = []
@@ -257,13 +270,16 @@ def main() -> int:
     records.sort(key=lambda r: (r.session, r.turn))
 
     print()
-    hdr = f"{'sess':>4} {'turn':>4} {'backend':<28} {'prompt':>6} {'cached':>6} {'src':<7} {'prev':>6} {'reuse':>6} {'hit':>4} {'ms':>7}"
+    hdr = (
+        f"{'sess':>4} {'turn':>4} {'backend':<28} {'outcome':<16} {'prompt':>6} {'cached':>6} {'src':<7} "
+        f"{'prev':>6} {'reuse':>6} {'hit':>4} {'ms':>7}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for r in records:
         hit = "-" if r.hit is None else ("yes" if r.hit else "NO")
         print(
-            f"{r.session:>4} {r.turn:>4} {r.backend[:28]:<28} {r.prompt_tokens:>6} "
+            f"{r.session:>4} {r.turn:>4} {r.backend[:28]:<28} {r.outcome[:16]:<16} {r.prompt_tokens:>6} "
             f"{'-' if r.cached_tokens is None else r.cached_tokens:>6} {r.cached_source:<7} "
             f"{'-' if r.prev_prompt_tokens is None else r.prev_prompt_tokens:>6} {fmt_pct(r.reuse):>6} {hit:>4} {r.latency_ms:>7.0f}"
         )
@@ -279,6 +295,13 @@ def main() -> int:
     print()
     for s, bs in sorted(per_session_backends.items()):
         print(f"session {s}: backends {' -> '.join(bs)}")
+    served: dict[str, int] = {}
+    outcomes: dict[str, int] = {}
+    for r in records:
+        served[r.backend] = served.get(r.backend, 0) + 1
+        outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
+    print("requests per backend: " + ", ".join(f"{b} {n}" for b, n in sorted(served.items())))
+    print("outcomes: " + ", ".join(f"{o} {n}" for o, n in sorted(outcomes.items())))
     total_prompt = sum(r.prompt_tokens for r in records)
     total_cached = sum(r.cached_tokens or 0 for r in records)
     if any(r.cached_source == "missing" for r in records):
@@ -293,6 +316,7 @@ def main() -> int:
         with open(args.json_out, "w") as f:
             json.dump(
                 {"args": vars(args), "share": share, "hits": hits, "later": len(later),
+                 "served": served, "outcomes": outcomes,
                  "records": [asdict(r) for r in records], "errors": errors},
                 f,
                 indent=2,

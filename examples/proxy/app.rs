@@ -3,7 +3,7 @@
 //! `main.rs` runs it from the command line; the integration tests in `tests/proxy/` include
 //! this file to run the very same code against stub servers.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::convert::Infallible;
 use std::fmt;
 use std::future::Future;
@@ -58,7 +58,8 @@ pub(crate) type Affinity =
 
 // === configuration ===
 
-/// One `--backend NODE=URL[,slots=N][,id=NAME]`.
+/// One `--backend NODE=URL[,slots=N][,id=NAME][,cache=TOKENS]`, less its cache budget (see
+/// [`Config::cache_tokens`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct BackendSpec {
     /// The backend's name in decisions and metrics: `id=`, else the URL's `host:port`.
@@ -108,6 +109,10 @@ impl Policy {
 #[derive(Clone, Debug)]
 pub(crate) struct Config {
     pub(crate) backends: Vec<BackendSpec>,
+    /// The cache budgets given with `cache=`, in tokens, by backend id; a backend without one
+    /// has [`Backend::DEFAULT_CACHE_TOKENS`]. Beside the specs rather than in them, so that a
+    /// spec built field by field needs no budget.
+    pub(crate) cache_tokens: HashMap<String, u64>,
     pub(crate) policy: Policy,
     pub(crate) overflow: Overflow,
     pub(crate) connect_timeout: Duration,
@@ -141,6 +146,7 @@ impl Config {
     pub(crate) fn new(backends: Vec<BackendSpec>) -> Self {
         Config {
             backends,
+            cache_tokens: HashMap::new(),
             policy: Policy::NodeThenBackend,
             overflow: Overflow::default(),
             connect_timeout: Duration::from_secs(2),
@@ -155,6 +161,28 @@ impl Config {
             probe_slots: true,
             upstream: UpstreamMode::Pooled,
         }
+    }
+
+    /// The cache budget of the backend with id `id`, in tokens: what the cache model assumes
+    /// it holds of the prompts it served (see [`Backend::cache_tokens`]).
+    pub(crate) fn cache_tokens(&self, id: &str) -> u64 {
+        self.cache_tokens
+            .get(id)
+            .copied()
+            .unwrap_or(Backend::<Upstream>::DEFAULT_CACHE_TOKENS)
+    }
+
+    /// The balancer's view of `spec`: its node, its slots (one until the probe reads them) and
+    /// its cache budget.
+    fn backend(
+        &self,
+        spec: &BackendSpec,
+        upstream: Upstream,
+        slots: NonZeroU32,
+    ) -> Backend<Upstream> {
+        Backend::new(spec.node.as_str(), upstream)
+            .slots(slots)
+            .cache_tokens(self.cache_tokens(&spec.id))
     }
 }
 
@@ -487,7 +515,7 @@ impl Proxy {
             let slots = spec.slots.unwrap_or(NonZeroU32::MIN);
             fleet.insert(
                 spec.id.as_str(),
-                Backend::new(spec.node.as_str(), upstream.clone()).slots(slots),
+                config.backend(spec, upstream.clone(), slots),
             );
         }
         let mut affinity = SessionAffinityLayer::new()
@@ -531,11 +559,10 @@ impl Proxy {
     /// The service that [`serve`] runs: `/metrics` answered here, every other request sent to
     /// a backend.
     pub(crate) fn front(&self) -> Front {
-        // Headers win over the body (see `Affinity`): a request keyed by a header needs no
-        // parse of its body. Nothing here reads `PromptFacts`.
-        let mut body_key = BodyKeyLayer::new()
-            .limit(self.config.body_limit)
-            .skip_when_header(HeaderKey::default());
+        // Every JSON body is read, a request keyed by a header too: headers still win for the
+        // key (see `Affinity`), but the balancer's cache model needs every request's prompt
+        // chain (`PromptFacts`) to know what each backend holds.
+        let mut body_key = BodyKeyLayer::new().limit(self.config.body_limit);
         if let Some(t) = self.config.read_timeout {
             body_key = body_key.read_timeout(t);
         }
@@ -626,10 +653,11 @@ impl Proxy {
         }
         probe.slots = Some(slots);
         tracing::info!(backend = %spec.id, slots = slots.get(), "slot count read from /slots");
-        // Same id: an update that keeps the backend's sessions.
+        // Same id: an update that keeps the backend's sessions. It sets the cache budget too,
+        // so the configured one goes with it.
         self.fleet.insert(
             spec.id.as_str(),
-            Backend::new(spec.node.as_str(), upstream.clone()).slots(slots),
+            self.config.backend(spec, upstream.clone(), slots),
         );
         let mut affinity = self.affinity.clone();
         apply_fleet_changes(&mut affinity).await;
@@ -851,7 +879,8 @@ impl Collector for AffinityCollector {
 
 // === serving ===
 
-/// Everything but `/metrics`: the body read for keys, then the balancer, with one retry.
+/// Everything but `/metrics`: the body read for its key and prompt chain, then the balancer,
+/// with one retry.
 type Forward = BodyKey<ErrorToResponse<Retry<RetryOnce, Affinity>>>;
 
 /// The response body of [`Front`]: a backend's (or the balancer's refusal), or the proxy's

