@@ -123,11 +123,15 @@ impl PromptChain {
             .count()
     }
 
-    /// The position of the last link whose digest's low 16 bits are `tip` (see
-    /// [`PromptChain::tip`]), searching from the end: where the turn this chain extends
-    /// ended.
-    pub(crate) fn find_tip(&self, tip: u16) -> Option<usize> {
-        self.links.iter().rposition(|l| tip_of(l.digest) == tip)
+    /// The positions of the links whose digests' low 16 bits are `tip` (see
+    /// [`PromptChain::tip`]), last first: where the turn this chain extends may have ended.
+    pub(crate) fn tip_positions(&self, tip: u16) -> impl Iterator<Item = usize> + '_ {
+        self.links
+            .iter()
+            .enumerate()
+            .rev()
+            .filter(move |(_, l)| tip_of(l.digest) == tip)
+            .map(|(i, _)| i)
     }
 
     /// A 16-bit fingerprint of where this turn ended, never 0 (0 means "no chain"), for the
@@ -297,10 +301,10 @@ mod tests {
         // The next turn rewrites the partial last block and goes on.
         let next = PromptChain::from_blocks([(1, 10), (2, 10), (4, 10), (5, 10)]);
         assert_ne!(first.tip(), 0);
-        assert_eq!(next.find_tip(first.tip()), Some(1));
+        assert_eq!(next.tip_positions(first.tip()).next(), Some(1));
         // A compaction keeps only the first block.
         let compacted = PromptChain::from_blocks([(1, 10), (9, 10)]);
-        assert_eq!(compacted.find_tip(first.tip()), None);
+        assert_eq!(compacted.tip_positions(first.tip()).next(), None);
         assert_ne!(PromptChain::from_blocks([(1, 10)]).tip(), 0);
         assert_eq!(PromptChain::default().tip(), 0);
     }

@@ -387,10 +387,14 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             .get::<PromptFacts>()
             .map(|f| &f.chain)
             .filter(|c| !c.is_empty());
+        // What the home holds, and how many of the chain's links it is known to hold.
+        let mut home_links = 0;
         let home = home_node.map(|node| {
             let backend = home_backend.map(|i| BackendRef::new(t, i));
             let tip = known.map_or(0, |h| h.tip);
-            Home::new(backend, NodeRef::new(t, node)).cache(HomeCache::of(backend, tip, chain))
+            let (cache, links) = HomeCache::of(backend, tip, chain);
+            home_links = links;
+            Home::new(backend, NodeRef::new(t, node)).cache(cache)
         });
         let view = FleetView { topology: t };
         let prefix = chain
@@ -474,10 +478,8 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         };
         if let Some(chain) = chain {
             // What the chosen backend held already: all of the last turn, on a home hit.
-            let known = match (outcome, known, home_cache) {
-                (Outcome::HomeHit, Some(h), HomeCache::Holds) => {
-                    chain.find_tip(h.tip).map_or(0, |at| at + 1)
-                }
+            let known = match outcome {
+                Outcome::HomeHit => home_links,
                 _ => prefix
                     .filter(|p| p.backend.index == index)
                     .map_or(0, |p| p.links),

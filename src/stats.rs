@@ -27,8 +27,9 @@ pub enum Outcome {
     /// The cache model said the home had evicted the session (a *cold home*); it was placed
     /// like a new session, preferring the backend holding the longest prefix of its prompt.
     ColdHome,
-    /// The session's prompt no longer extends its last one: the client rewrote its history,
-    /// no cache holds it, and it was placed like a new session.
+    /// The session's prompt no longer extends its last one: the client rewrote its history
+    /// and no cache holds it, so no backend is better than its home; it went home if there
+    /// was room.
     Compaction,
     /// A request without a key, placed where the cache model says the longest prefix of its
     /// own conversation is held.

@@ -113,6 +113,9 @@ impl NodeThenBackend {
     /// room below the bound; the skipped backends are still offered last. Negative or non-finite values
     /// are read as 0.
     ///
+    /// The bound needs the cache model's counts, which come from prompt chains: a request
+    /// without one (no body-reading layer in front) takes its rendezvous order unbounded.
+    ///
     /// What it costs agreement: two router replicas place a new session alike as long as
     /// neither sees its first rendezvous choice at the bound. Each counts the conversations it
     /// placed itself, so near the bound they may choose differently; a shared session store
@@ -149,15 +152,15 @@ impl NodeThenBackend {
             return ControlFlow::Continue(());
         };
         let bound = Bound::conversations(fleet, e);
-        let mut holders: Vec<(usize, u64, BackendRef<'_>)> = fleet
+        let mut holders: Vec<(usize, (u64, u64), BackendRef<'_>)> = fleet
             .backends()
             .filter_map(|b| {
                 let links = b.cached_links(chain);
                 let holds = links > 0 && links < chain.len() && bound.admits(&b);
                 let order = match req.key {
                     // Higher scores first: ranks that sort ascending.
-                    Some(key) => u64::MAX - b.rendezvous_score(key).to_bits(),
-                    None => conversations_per_slot(fleet, &b),
+                    Some(key) => (u64::MAX - b.rendezvous_score(key).to_bits(), 0),
+                    None => spread_load(fleet, &b),
                 };
                 holds.then_some((links, order, b))
             })
@@ -167,10 +170,21 @@ impl NodeThenBackend {
     }
 }
 
-/// A backend's conversations (this one included) for its slots, scaled to an integer.
-fn conversations_per_slot(fleet: &FleetView<'_>, b: &BackendRef<'_>) -> u64 {
+/// How loaded a backend is for spreading new conversations: the conversations it homes (this
+/// one included) for its slots, then, between equals, the tokens it holds for its slots (a
+/// conversation that extended a prompt every backend holds adds no tip, but it adds tokens).
+/// Scaled to integers.
+fn spread_load(fleet: &FleetView<'_>, b: &BackendRef<'_>) -> (u64, u64) {
     let total_slots = u64::from(fleet.topology.total_slots.max(1));
-    (u64::from(b.conversations()) + 1) * total_slots / u64::from(b.slots().max(1))
+    let slots = u64::from(b.slots().max(1));
+    let (conversations, tokens) = {
+        let model = b.member().cache.lock();
+        (u64::from(model.conversations()), model.tokens())
+    };
+    (
+        (conversations + 1) * total_slots / slots,
+        tokens.saturating_mul(total_slots) / slots,
+    )
 }
 
 impl Placement for NodeThenBackend {
@@ -324,8 +338,9 @@ fn offer_near(backend: BackendRef<'_>, c: &mut Candidates<'_>) -> ControlFlow<()
     rest.into_iter().try_for_each(|b| c.offer(b))
 }
 
-/// Offers the backend that homes the fewest conversations for its slots (ties: the most free
-/// slots, then the first from a random start), then every backend by free slots. O(backends).
+/// Offers the backend that homes the fewest conversations for its slots (ties: the fewest
+/// tokens held for its slots, then the most free slots, then the first from `random`), then
+/// every backend by free slots. O(backends).
 fn fewest_conversations(
     fleet: &FleetView<'_>,
     random: u64,
@@ -336,12 +351,12 @@ fn fewest_conversations(
         return ControlFlow::Continue(());
     }
     let start = (random % n as u64) as usize;
-    let mut best: Option<(u64, u32, BackendRef<'_>)> = None;
+    let mut best: Option<((u64, u64), u32, BackendRef<'_>)> = None;
     for b in (0..n).filter_map(|i| fleet.backend_at((start + i) % n)) {
         if b.free_slots() == 0 {
             continue;
         }
-        let load = conversations_per_slot(fleet, &b);
+        let load = spread_load(fleet, &b);
         let better = match best {
             None => true,
             Some((l, free, _)) => load < l || (load == l && b.free_slots() > free),

@@ -67,11 +67,10 @@ impl<'a> FleetView<'a> {
     /// holds some of it, and whether that prefix is the conversation's own.
     ///
     /// The prefix is *own* when exactly one backend holds it that far, the chain goes on past
-    /// it (the request adds to what was served), and at most one other prompt continues it on
-    /// that backend (the conversation's own last turn, whose partial last block or newest
-    /// message this turn rewrote): then it identifies one conversation. A system prompt every
-    /// conversation starts with is held on many backends, or continued by many
-    /// conversations, and is not.
+    /// it (the request adds to what was served), and no other prompt continues it on that
+    /// backend: it is where a turn this request extends ended, so it identifies one
+    /// conversation. A system prompt every conversation starts with is held on many backends,
+    /// or continued by other conversations, and is not.
     /// O(backends x log links): the backends are asked in turn.
     ///
     /// ```
@@ -107,7 +106,7 @@ impl<'a> FleetView<'a> {
         let tip = chain.links()[links - 1].digest;
         let own = ties == 0
             && links < chain.len()
-            && backend.member().cache.lock().continuations(tip) <= 1;
+            && backend.member().cache.lock().continuations(tip) == 0;
         Some(Prefix {
             backend,
             links,
@@ -195,6 +194,11 @@ impl<'a> BackendRef<'a> {
     /// holds.
     pub fn conversations(&self) -> u32 {
         self.member().cache.lock().conversations()
+    }
+
+    /// Tokens of prompt the cache model says this backend holds, over all conversations.
+    pub fn held_tokens(&self) -> u64 {
+        self.member().cache.lock().tokens()
     }
 
     /// This backend's rendezvous score for `key`, weighted by its slots: the higher, the more
@@ -327,20 +331,33 @@ pub enum HomeCache {
 }
 
 impl HomeCache {
-    /// What `home` holds of `chain`, for a session whose last turn ended at `tip`.
-    pub(crate) fn of(home: Option<BackendRef<'_>>, tip: u16, chain: Option<&PromptChain>) -> Self {
+    /// What `home` holds of `chain`, for a session whose last turn ended at `tip`, and how
+    /// many leading links of the chain it is then known to hold.
+    pub(crate) fn of(
+        home: Option<BackendRef<'_>>,
+        tip: u16,
+        chain: Option<&PromptChain>,
+    ) -> (Self, usize) {
         let (Some(chain), Some(home)) = (chain.filter(|c| !c.is_empty()), home) else {
-            return HomeCache::Unknown;
+            return (HomeCache::Unknown, 0);
         };
         if tip == 0 {
-            return HomeCache::Unknown;
+            return (HomeCache::Unknown, 0);
         }
-        match chain.find_tip(tip) {
-            None => HomeCache::Compacted,
-            Some(at) if home.member().cache.lock().holds(chain.links()[at].digest) => {
-                HomeCache::Holds
+        // The fingerprint is 16 bits: a link new in this turn may share it. The last turn
+        // ended at a link the home holds, if it holds the session at all.
+        let model = home.member().cache.lock();
+        let mut found = false;
+        for at in chain.tip_positions(tip) {
+            if model.holds(chain.links()[at].digest) {
+                return (HomeCache::Holds, at + 1);
             }
-            Some(_) => HomeCache::Evicted,
+            found = true;
+        }
+        if found {
+            (HomeCache::Evicted, 0)
+        } else {
+            (HomeCache::Compacted, 0)
         }
     }
 }

@@ -459,11 +459,12 @@ fn a_prefix_continued_by_several_conversations_is_not_own() {
     for _ in 0..20 {
         assert_ne!(shared.choose(&p, None, None), Some("b2".into()));
     }
-    // Continued by one prompt only, the prefix may be the conversation's own last turn, whose
-    // newest message this turn rewrote: it is own.
+    // Continued by one other prompt, it is not own either: that is a second conversation
+    // sharing the system prompt with the first. Continued by none, it is where a turn ended.
     let once = two_by_two().holds("b2", &chain(&[SYS, 21]));
-    let prefix = once.view().longest_prefix(&next).unwrap();
-    assert!(prefix.own);
+    assert!(!once.view().longest_prefix(&next).unwrap().own);
+    let tip = two_by_two().holds("b2", &chain(&[SYS]));
+    assert!(tip.view().longest_prefix(&next).unwrap().own);
 }
 
 #[test]
@@ -581,8 +582,6 @@ fn new_conversations_are_drawn_to_holders_only_up_to_the_conversation_bound() {
 }
 
 #[test]
-#[ignore = "a prefix continued once is own, so a new keyed conversation sharing only the system \
-            prompt with one other follows it past the conversation bound"]
 fn a_second_keyed_conversation_sharing_only_the_system_prompt_is_held_to_the_conversation_bound() {
     // The first conversation went to b1 (one slot). The second shares its system prompt and
     // nothing more, and its key prefers another backend: b1 homing both would be over the
@@ -597,8 +596,6 @@ fn a_second_keyed_conversation_sharing_only_the_system_prompt_is_held_to_the_con
 }
 
 #[test]
-#[ignore = "a prefix continued once is own, so a new keyless conversation sharing only the \
-            system prompt with one other follows it to the backend homing it"]
 fn a_second_keyless_conversation_sharing_only_the_system_prompt_goes_to_the_fewest_conversations() {
     let fleet = two_by_two()
         .holds("b1", &chain(&[SYS, 10_000]))

@@ -705,8 +705,6 @@ proptest! {
 
     /// The same with one-slot backends in the fleet.
     #[test]
-    #[ignore = "the second conversation to share a system prompt is taken for the first's \
-                continuation (an own prefix) and follows it past the conversation bound"]
     fn a_prefix_shared_by_every_conversation_never_pins_new_conversations_to_one_slot_backends(
         slots in proptest::collection::vec(1..5u32, 2..8),
         nodes in 1..4usize,

@@ -808,15 +808,10 @@ fn assert_warm_and_spread(m: &Measured, what: &str) {
     );
 }
 
-/// Misses its spread target as placement stands (measured: a1 16, a2 16, b1 15, b2 1 requests;
-/// every later turn warm): the agents' first turns are one and the same prompt, so no backend
-/// holds anything of a second turn but the shared system prompt and spec. Every backend that
-/// served a first turn is then an equal holder, and `NodeThenBackend` takes them by
-/// conversations per slot, ties in fleet order; a backend's first second turn extends the
-/// shared leaf instead of adding one, so its count stays at 1 and the next agent goes there
-/// too. Six agents settle two by two on the first three backends, and the fourth idles.
+/// The agents' first turns are one and the same prompt, so a second turn finds nothing of its
+/// own anywhere, only the shared system prompt and spec on every backend that served a first
+/// turn: it is placed by the conversations each backend homes, then by the tokens it holds.
 #[tokio::test]
-#[ignore = "placement leaves one backend idle: see the comment above"]
 async fn keyless_agents_sharing_a_system_prompt_keep_their_caches_and_spread() {
     let m = six_agents_on_four_backends(false).await;
     println!("keyless: {m}");

@@ -1504,8 +1504,6 @@ async fn a_session_whose_home_evicted_it_is_a_cold_home() {
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
-#[ignore = "a prefix continued once is own: the first turn of a new keyless conversation that \
-            shares only the system prompt with one other is a prefix hit on the other's backend"]
 async fn a_new_keyless_conversation_sharing_only_the_system_prompt_is_not_a_prefix_hit() {
     let mut svc = chat_stack(TWO_BY_TWO, Backend::<()>::DEFAULT_CACHE_TOKENS);
     let first = Conversation::new("epsilon");
