@@ -17,9 +17,6 @@
 //! per 16 tokens of its budget (at least 1,024), so the model of a backend with the default
 //! budget (8,192 links) stays under 700 KB.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
-
 use crate::chain::{Link, PromptChain};
 
 const NONE: u32 = u32::MAX;
@@ -37,30 +34,150 @@ struct Node {
     next: u32,
 }
 
-/// Digests are uniformly random already: the map uses them as they are.
-#[derive(Default)]
-pub(crate) struct Identity(u64);
+/// Where each tracked link's node is: open addressing with linear probing over (digest, node)
+/// pairs. Digests are uniformly random already, so they are used as they are. A removal shifts
+/// the entries after it back, so that no tombstones build up: a steady churn of links recorded
+/// and evicted never rehashes, where a general-purpose map would every so often.
+#[derive(Debug)]
+struct Index {
+    slots: Vec<Slot>,
+    len: usize,
+}
 
-impl Hasher for Identity {
-    fn finish(&self) -> u64 {
-        self.0
+/// 12 bytes: packed to four-byte alignment, so that the index costs 16 to 32 bytes a link.
+#[derive(Clone, Copy)]
+#[repr(C, packed(4))]
+struct Slot {
+    /// The digest, never 0 (0 marks an empty slot).
+    key: u64,
+    node: u32,
+}
+
+impl std::fmt::Debug for Slot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (key, node) = (self.key, self.node);
+        f.debug_struct("Slot")
+            .field("key", &key)
+            .field("node", &node)
+            .finish()
     }
+}
 
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 << 8) | u64::from(b);
+const EMPTY: Slot = Slot { key: 0, node: 0 };
+
+/// A digest as the index keys it: 0 is taken as 1, a collision that costs at most one
+/// mispredicted link.
+fn key_of(digest: u64) -> u64 {
+    digest.max(1)
+}
+
+impl Index {
+    fn new() -> Self {
+        Index {
+            slots: vec![EMPTY; 16],
+            len: 0,
         }
     }
 
-    fn write_u64(&mut self, n: u64) {
-        self.0 = n;
+    fn mask(&self) -> usize {
+        self.slots.len() - 1
+    }
+
+    fn start(&self, key: u64) -> usize {
+        (key ^ (key >> 32)) as usize & self.mask()
+    }
+
+    fn find(&self, digest: u64) -> Result<usize, usize> {
+        let key = key_of(digest);
+        let mut i = self.start(key);
+        loop {
+            let k = self.slots[i].key;
+            match k {
+                _ if k == key => return Ok(i),
+                0 => return Err(i),
+                _ => i = (i + 1) & self.mask(),
+            }
+        }
+    }
+
+    fn get(&self, digest: u64) -> Option<u32> {
+        self.find(digest).ok().map(|i| self.slots[i].node)
+    }
+
+    fn contains(&self, digest: u64) -> bool {
+        self.find(digest).is_ok()
+    }
+
+    /// Adds a digest that is not there.
+    fn insert(&mut self, digest: u64, node: u32) {
+        // At most three quarters full, so probes stay short.
+        if (self.len + 1) * 4 > self.slots.len() * 3 {
+            self.grow();
+        }
+        if let Err(i) = self.find(digest) {
+            self.slots[i] = Slot {
+                key: key_of(digest),
+                node,
+            };
+            self.len += 1;
+        }
+    }
+
+    fn remove(&mut self, digest: u64) {
+        let Ok(mut hole) = self.find(digest) else {
+            return;
+        };
+        let mask = self.mask();
+        let mut j = hole;
+        loop {
+            j = (j + 1) & mask;
+            let slot = self.slots[j];
+            if slot.key == 0 {
+                break;
+            }
+            // An entry moves back into the hole unless its probe starts after the hole and
+            // at or before where it stands (cyclically).
+            let home = self.start(slot.key);
+            let stays = if hole <= j {
+                hole < home && home <= j
+            } else {
+                hole < home || home <= j
+            };
+            if !stays {
+                self.slots[hole] = slot;
+                hole = j;
+            }
+        }
+        self.slots[hole] = EMPTY;
+        self.len -= 1;
+    }
+
+    fn grow(&mut self) {
+        let doubled = vec![EMPTY; self.slots.len() * 2];
+        let old = std::mem::replace(&mut self.slots, doubled);
+        self.len = 0;
+        for slot in old.into_iter().filter(|s| s.key != 0) {
+            let Err(i) = self.find(slot.key) else {
+                continue;
+            };
+            self.slots[i] = slot;
+            self.len += 1;
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn memory_bytes(&self) -> usize {
+        self.slots.capacity() * std::mem::size_of::<Slot>()
     }
 }
 
 /// One backend's model.
 #[derive(Debug)]
 pub(crate) struct CacheModel {
-    index: HashMap<u64, u32, BuildHasherDefault<Identity>>,
+    index: Index,
     nodes: Vec<Node>,
     free: Vec<u32>,
     /// Most and least recently used leaf.
@@ -73,17 +190,11 @@ pub(crate) struct CacheModel {
     evicted: u64,
 }
 
-impl std::fmt::Debug for Identity {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Identity")
-    }
-}
-
 impl CacheModel {
     /// A model of a cache of `budget` tokens.
     pub(crate) fn new(budget: u64) -> Self {
         CacheModel {
-            index: HashMap::default(),
+            index: Index::new(),
             nodes: Vec::new(),
             free: Vec::new(),
             head: NONE,
@@ -110,12 +221,12 @@ impl CacheModel {
     }
 
     fn node(&self, digest: u64) -> Option<u32> {
-        self.index.get(&digest).copied()
+        self.index.get(digest)
     }
 
     /// Whether the link with `digest` is held.
     pub(crate) fn holds(&self, digest: u64) -> bool {
-        self.index.contains_key(&digest)
+        self.index.contains(digest)
     }
 
     /// How many leading links of `chain` are held. Holdings are closed under prefixes, so
@@ -162,7 +273,7 @@ impl CacheModel {
     /// Bytes of memory held.
     pub(crate) fn memory_bytes(&self) -> usize {
         self.nodes.capacity() * std::mem::size_of::<Node>()
-            + self.index.capacity() * (std::mem::size_of::<(u64, u32)>() + 1)
+            + self.index.memory_bytes()
             + self.free.capacity() * 4
     }
 
@@ -301,7 +412,7 @@ impl CacheModel {
             let i = self.tail;
             self.unlink(i);
             let node = self.nodes[i as usize];
-            self.index.remove(&node.digest);
+            self.index.remove(node.digest);
             self.tokens -= u64::from(node.tokens);
             self.free.push(i);
             self.evicted += 1;
@@ -323,9 +434,10 @@ impl CacheModel {
         // and the token count adds up.
         let mut leaves = 0;
         let mut tokens = 0;
-        for (&d, &i) in &self.index {
-            let n = self.nodes[i as usize];
-            assert_eq!(n.digest, d);
+        for slot in self.index.slots.iter().filter(|s| s.key != 0) {
+            let (key, node) = (slot.key, slot.node);
+            let n = self.nodes[node as usize];
+            assert_eq!(key_of(n.digest), key);
             tokens += u64::from(n.tokens);
             if n.parent != NONE {
                 assert!(self.holds(self.nodes[n.parent as usize].digest));
@@ -441,5 +553,36 @@ mod tests {
         let per_block = m.memory_bytes() / m.blocks();
         assert!(per_block < 80, "{per_block} bytes a link");
         assert_eq!(std::mem::size_of::<Node>(), 32);
+    }
+
+    #[test]
+    fn the_index_agrees_with_a_map_through_inserts_and_removals() {
+        use std::collections::HashMap;
+        let mut index = Index::new();
+        let mut reference: HashMap<u64, u32> = HashMap::new();
+        // Keys that collide on their first slot often: small values, mixed with spread ones.
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for step in 0..20_000u32 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let key = if step % 3 == 0 { x % 64 } else { x };
+            if x % 5 < 2 {
+                index.remove(key);
+                reference.remove(&key_of(key));
+            } else if !index.contains(key) {
+                index.insert(key, step);
+                reference.insert(key_of(key), step);
+            }
+            if step % 997 == 0 {
+                for (&k, &v) in &reference {
+                    assert_eq!(index.get(k), Some(v));
+                }
+                assert_eq!(index.len(), reference.len());
+            }
+        }
+        for (&k, &v) in &reference {
+            assert_eq!(index.get(k), Some(v));
+        }
     }
 }

@@ -8,7 +8,7 @@ use crate::PromptChain;
 ///
 /// The [`chain`](Self::chain) is what the cache model works with: a digest of the prompt at
 /// every message boundary and every [`BLOCK_BYTES`](Self::BLOCK_BYTES) inside a long message
-/// or a text prompt (see the [module](super) for which members make the prompt). The service
+/// or a text prompt (see [`BodyKeyLayer`](crate::key::BodyKeyLayer) for which members make the prompt). The service
 /// reads it from the request's extensions; a layer of your own can put one there with
 /// [`PromptFacts::from_chain`].
 ///

@@ -12,17 +12,31 @@ use crate::key::HeaderKey;
 // === BodyKeyLayer ===
 
 /// Buffers each request body (up to a limit), attaches the session key found in its JSON and
-/// the body's [`PromptFacts`], and forwards the request with the very bytes the client sent as
+/// the body's [`PromptFacts`](crate::key::PromptFacts), and forwards the request with the very bytes the client sent as
 /// an [`http_body_util::Full`] body.
 ///
 /// - The key is read from the first of the configured fields that holds a non-blank string or
 ///   a number: by default `prompt_cache_key`, then `user`, then `metadata.user_id`. It goes
-///   into the request's extensions as a [`SessionKey`]; read it with
-///   [`ExtensionKey`](super::ExtensionKey), usually behind the headers:
+///   into the request's extensions as a [`SessionKey`](crate::key::SessionKey); read it with
+///   [`ExtensionKey`](crate::key::ExtensionKey), usually behind the headers:
 ///   `FirstOf::new(HeaderKey::default(), ExtensionKey)`.
 /// - A body that is not JSON, or has none of the fields, goes on without a key. The body is
-///   parsed once, keeping only the key fields and the leading messages; a request whose
-///   headers already name its session can skip the parse ([`skip_when_header`]).
+///   parsed once, keeping only the key fields, the leading messages and the prompt's members,
+///   which become the facts' [`PromptChain`](crate::PromptChain): a digest at every message
+///   boundary and every [`BLOCK_BYTES`](crate::key::PromptFacts::BLOCK_BYTES) inside a long
+///   message, over each message's JSON without the whitespace between its tokens and without
+///   Anthropic's `cache_control` markers (clients move those from turn to turn):
+///
+///   | request | the prompt, in order |
+///   |---|---|
+///   | OpenAI chat, `/v1/chat/completions` | `tools`, then each of `messages` |
+///   | Anthropic Messages, `/v1/messages` | `tools`, `system`, then each of `messages` |
+///   | OpenAI Responses, `/v1/responses` | `tools`, `instructions`, then `input` (each item) |
+///   | legacy completions, `/v1/completions` | `prompt`, as text (each string of an array) |
+///
+/// - A request whose headers already name its session can skip the parse
+///   ([`skip_when_header`]), at the price of its chain: the cache model then learns nothing
+///   from it.
 /// - A body over the limit (default [`DEFAULT_LIMIT`](Self::DEFAULT_LIMIT), 16 MiB: long agent
 ///   prompts run to a few hundred kilobytes) is answered `413 Payload Too Large` with a
 ///   plain-text reason, from its `Content-Length` before reading when it has one. A body
@@ -120,12 +134,12 @@ impl BodyKeyLayer {
     }
 
     /// Leaves the body unread when `header` finds a key on the request: such a request gets
-    /// neither a [`SessionKey`] nor [`PromptFacts`] from this layer. Its body is still
+    /// neither a [`SessionKey`](crate::key::SessionKey) nor [`PromptFacts`](crate::key::PromptFacts) from this layer. Its body is still
     /// buffered (the limit and the read timeout still apply) and forwarded unchanged.
     ///
     /// This saves parsing the body when the key is in a header and headers win anyway, as
     /// with `FirstOf::new(HeaderKey::default(), ExtensionKey)` behind the layer. Leave it off
-    /// if something behind the layer reads [`PromptFacts`].
+    /// if something behind the layer reads [`PromptFacts`](crate::key::PromptFacts).
     ///
     /// ```
     /// use bytes::Bytes;
