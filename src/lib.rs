@@ -18,7 +18,10 @@
 //! - [`key`]: [`SessionKey`](key::SessionKey) digests, the [`KeyExtractor`](key::KeyExtractor)
 //!   trait and the header and extension extractors.
 //! - [`placement`]: the [`Placement`](placement::Placement) trait over a read-only view, the
-//!   default [`NodeThenBackend`](placement::NodeThenBackend) and the baselines.
+//!   default [`NodeThenBackend`](placement::NodeThenBackend) and the baselines. The view holds
+//!   the *cache model*: per backend, which links of the requests' [`PromptChain`]s it
+//!   probably still holds, so that placement knows where a conversation's prefix is, whether a
+//!   session's home evicted it, and where a request without a key belongs.
 //! - [`discover`]: static and channel-fed discovery streams of [`Backend`]s.
 //! - [`SessionAffinityLayer`] builds [`SessionAffinity`], a `tower::Service` for your axum or
 //!   hyper proxy. Its [`ResponseBody`] releases the request's slot when the body ends.
@@ -69,6 +72,8 @@
 //   service.rs   SessionAffinity: discovery, placement attempts, stats
 //   future.rs    ResponseFuture: waiting for a slot, then driving the backend
 //   wait.rs      the wait queue: which waiter a freed slot wakes
+//   chain.rs     PromptChain: a prompt's digests at its message boundaries
+//   cache.rs     the cache model: the chain links each backend probably holds
 //   body.rs      ResponseBody: holds the slot until the body ends; InnerOrBytes, shared with key/
 //   overflow.rs  what a request does when every candidate is full
 //   error.rs     Error, its HTTP mapping, ErrorToResponse
@@ -77,7 +82,8 @@
 //   table.rs     the session table
 //   stats.rs     Decision, Outcome, counters
 //   discover.rs  static and channel-fed discovery
-//   key/         SessionKey, extractors, the body-reading layer
+//   key/         SessionKey, extractors; key/body/, the body-reading layer (layer, service,
+//                future, body, and the parse: inspect, prompt, facts)
 //   placement/   the Placement trait, its view, rendezvous, NodeThenBackend, baselines
 
 mod body;

@@ -13,11 +13,13 @@
 //! - any `Fn(&Req) -> Option<SessionKey>` closure.
 //!
 //! [`BodyKeyLayer`] reads keys from JSON bodies (`prompt_cache_key`, `user`, ...) in front of
-//! the service and hands them over as extensions, with the body's [`PromptFacts`].
+//! the service and hands them over as extensions, with the body's [`PromptFacts`] and its
+//! prompt chain, which the cache model places by.
 //!
-//! A request without a key is placed by load alone. Keys are never derived from the prompt:
-//! agents of one swarm share their system prompt and first message, so a prompt hash would make
-//! them all one session.
+//! Keys are never derived from the prompt: agents of one swarm share their system prompt and
+//! first message, so a prompt hash would make them all one session. A request without a key
+//! is placed by its prompt chain where it has one (the backend holding its own conversation's
+//! prefix), else by load.
 
 mod body;
 mod extension;
