@@ -36,7 +36,7 @@ use common::{call_now, header_request, key, mock, mock_with_extension, request, 
 
 /// The cache budget of each backend in the chain scenarios: room for its share of the live
 /// sessions' chains, with older conversations filling the rest.
-const CACHE_TOKENS: u64 = 80_000;
+const CACHE_TOKENS: u64 = 200_000;
 
 /// Runs `f` on every request; the only code callgrind counts for call-path scenarios.
 #[inline(never)]
@@ -128,7 +128,7 @@ fn main() {
                 .key(ExtensionKey)
                 .decision_extension(extension)
                 .layer(shape.fleet_with_cache(1, CACHE_TOKENS));
-            common::fill_caches(&mut svc, 8 * sessions);
+            common::fill_caches(&mut svc, 20 * sessions);
             for i in 0..sessions {
                 drop(call_now(&mut svc, with(i, 0)));
             }

@@ -110,12 +110,13 @@ criterion_group! {
 /// Sessions the paired rounds cycle through.
 const SESSIONS: u64 = 1024;
 /// Turns a session takes before its history starts again (a compaction every 64 turns).
-const TURNS: usize = 64;
+const TURNS: u64 = 64;
 
-/// Session `s`'s chain at turn `t`: a 20-link head, then two links a turn (an answer and a
-/// tool output), each of 50 tokens: eight sessions a backend stay within its cache budget.
-fn chain_of(s: u64, t: usize) -> PromptChain {
-    PromptChain::from_blocks((0..20 + 2 * t as u64).map(|i| (s << 32 | i, 50)))
+/// Session `s`'s chain at turn `t` of its `cycle`-th history: a 20-link head, then two links a
+/// turn (an answer and a tool output), each of 50 tokens. Every 64 turns the session compacts
+/// and starts a history of new links, as an agent's summary is new content.
+fn chain_of(s: u64, cycle: u64, t: u64) -> PromptChain {
+    PromptChain::from_blocks((0..20 + 2 * t).map(|i| (s << 40 | cycle << 20 | i, 50)))
 }
 
 /// Home hits with and without a chain, in rotating rounds.
@@ -128,17 +129,13 @@ fn paired(rounds: usize, calls: u64) {
     // an older conversation's, and no table grows.
     let mut chained = SessionAffinityLayer::new()
         .key(ExtensionKey)
-        .layer(shape.fleet_with_cache(1, 80_000));
-    common::fill_caches(&mut chained, 8 * SESSIONS);
-    let chains: Vec<Vec<PromptChain>> = (0..SESSIONS)
-        .map(|s| (0..TURNS).map(|t| chain_of(s, t)).collect())
-        .collect();
+        .layer(shape.fleet_with_cache(1, 200_000));
+    common::fill_caches(&mut chained, 20 * SESSIONS);
     let with_chain = |i: u64| {
-        let s = i % SESSIONS;
-        let turn = (i / SESSIONS) as usize % TURNS;
+        let (s, n) = (i % SESSIONS, i / SESSIONS);
         let mut req = request(Some(key(s)));
-        req.extensions_mut()
-            .insert(PromptFacts::from_chain(chains[s as usize][turn].clone()));
+        let chain = chain_of(s, n / TURNS, n % TURNS);
+        req.extensions_mut().insert(PromptFacts::from_chain(chain));
         req
     };
     // Every session placed once, so that every measured call is a home hit (or, once in 64
@@ -147,14 +144,15 @@ fn paired(rounds: usize, calls: u64) {
         drop(call_now(&mut bare, request(Some(key(i)))));
         drop(call_now(&mut chained, with_chain(i)));
     }
-    let mut next = SESSIONS;
+    // Each contender's own count of calls, so that each session's turns follow one another.
+    let mut next = [SESSIONS; 2];
     let mut outcomes = [0u64; 2];
     // Requests are built in small chunks, outside the timing: a proxy's chain was built by
     // `BodyKeyLayer` just before the call, so it is in cache, as it is here.
     const CHUNK: u64 = 64;
     let mut run = |who: usize| -> f64 {
-        let first = next;
-        next += calls;
+        let first = next[who];
+        next[who] += calls;
         let mut total = Duration::ZERO;
         let mut buf = Vec::with_capacity(CHUNK as usize);
         let mut done = 0;

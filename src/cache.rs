@@ -108,18 +108,28 @@ impl Index {
         self.find(digest).is_ok()
     }
 
-    /// Adds a digest that is not there.
-    fn insert(&mut self, digest: u64, node: u32) {
+    /// The node of `digest`, or the slot to put it in (one probe for both).
+    fn entry(&mut self, digest: u64) -> Result<u32, usize> {
         // At most three quarters full, so probes stay short.
         if (self.len + 1) * 4 > self.slots.len() * 3 {
             self.grow();
         }
-        if let Err(i) = self.find(digest) {
-            self.slots[i] = Slot {
-                key: key_of(digest),
-                node,
-            };
-            self.len += 1;
+        self.find(digest).map(|i| self.slots[i].node)
+    }
+
+    /// Puts `digest` in the empty slot [`entry`](Self::entry) gave.
+    fn fill(&mut self, slot: usize, digest: u64, node: u32) {
+        self.slots[slot] = Slot {
+            key: key_of(digest),
+            node,
+        };
+        self.len += 1;
+    }
+
+    #[cfg(test)]
+    fn insert(&mut self, digest: u64, node: u32) {
+        if let Err(slot) = self.entry(digest) {
+            self.fill(slot, digest, node);
         }
     }
 
@@ -296,33 +306,44 @@ impl CacheModel {
     /// Records `chain` as held, `known` of its leading links being held already (from
     /// [`held`](Self::held), or a cheaper check), and makes its tip the most recently used.
     pub(crate) fn record(&mut self, chain: &[Link], known: usize) {
-        let Some(last) = chain.last() else {
+        if chain.is_empty() {
             return;
-        };
+        }
         let known = known.min(chain.len());
         let mut parent = match known {
             0 => NONE,
             n => self.node(chain[n - 1].digest).unwrap_or(NONE),
         };
+        let mut tip = parent;
         for (i, link) in chain.iter().enumerate().skip(known) {
             let before = if i == 0 { 0 } else { chain[i - 1].tokens };
             let tokens = u32::try_from(link.tokens.saturating_sub(before)).unwrap_or(u32::MAX);
-            parent = self.insert(link.digest, tokens, parent);
+            tip = self.insert(link.digest, tokens, parent);
+            parent = tip;
         }
-        if let Some(tip) = self.node(last.digest) {
-            if self.nodes[tip as usize].children == 0 {
+        // The tip is the most recently used leaf; the links before it have a child each.
+        if tip != NONE && self.nodes[tip as usize].children == 0 {
+            if self.listed(tip) {
                 self.unlink(tip);
-                self.push_front(tip);
             }
+            self.push_front(tip);
         }
         self.evict();
     }
 
-    /// Adds a link under `parent` (or finds it); returns its index.
+    /// Whether leaf `i` is in the leaf list.
+    fn listed(&self, i: u32) -> bool {
+        let n = &self.nodes[i as usize];
+        n.prev != NONE || n.next != NONE || self.head == i
+    }
+
+    /// Adds a link under `parent` (or finds it); returns its index. A new link is not put in
+    /// the leaf list: it has a child next, or is the tip [`record`](Self::record) lists.
     fn insert(&mut self, digest: u64, tokens: u32, parent: u32) -> u32 {
-        if let Some(i) = self.node(digest) {
-            return i;
-        }
+        let slot = match self.index.entry(digest) {
+            Ok(i) => return i,
+            Err(slot) => slot,
+        };
         let node = Node {
             digest,
             tokens,
@@ -341,16 +362,14 @@ impl CacheModel {
                 (self.nodes.len() - 1) as u32
             }
         };
-        self.index.insert(digest, i);
+        self.index.fill(slot, digest, i);
         self.tokens += u64::from(tokens);
         if parent != NONE {
-            let p = &mut self.nodes[parent as usize];
-            p.children += 1;
-            if p.children == 1 {
+            self.nodes[parent as usize].children += 1;
+            if self.nodes[parent as usize].children == 1 && self.listed(parent) {
                 self.unlink(parent);
             }
         }
-        self.push_front(i);
         i
     }
 
