@@ -12,7 +12,7 @@
 //! conversations it homes, which is what new conversations are spread by. A link with more than
 //! one child is a prefix several conversations share.
 //!
-//! Memory: a tracked link costs its 32-byte node and its index entry, 64 to 79 bytes as
+//! Memory: a tracked link costs its 32-byte node and its index entry, 66 to 70 bytes as
 //! measured with the index's load (see `BENCHMARKS.md`); a backend tracks at most one link
 //! per 16 tokens of its budget (at least 1,024), so the model of a backend with the default
 //! budget (8,192 links) stays under 700 KB.
