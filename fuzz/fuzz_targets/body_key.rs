@@ -58,6 +58,13 @@ fuzz_target!(|data: &[u8]| {
     let facts = PromptFacts::from_body(body);
     assert_eq!(facts.body_bytes, body.len());
     assert!(facts.leading_digest.is_none() || facts.messages > 0);
+    // A chain only from a JSON object, bounded, its sizes growing link by link.
+    let links = facts.chain.links();
+    assert!(links.len() <= tower_affinity::PromptChain::MAX_LINKS);
+    if !links.is_empty() {
+        assert!(matches!(serde_json_value(body), Some(true)), "a chain only from JSON");
+    }
+    assert!(links.windows(2).all(|w| w[0].bytes < w[1].bytes && w[0].tokens <= w[1].tokens));
 
     let mut fields = vec!["prompt_cache_key", "user", "metadata.user_id"];
     if mode & 0x40 != 0 {
@@ -73,7 +80,7 @@ fuzz_target!(|data: &[u8]| {
         let seen = seen.clone();
         async move {
             let key = req.extensions().get::<SessionKey>().copied();
-            let facts = req.extensions().get::<PromptFacts>().copied();
+            let facts = req.extensions().get::<PromptFacts>().cloned();
             let got = req.into_body().collect().await.unwrap().to_bytes();
             assert_eq!(got, seen, "forwarded byte for byte");
             assert_eq!(facts.map(|f| f.body_bytes), Some(got.len()));

@@ -41,6 +41,11 @@ impl Part {
         Part::Prompt,
     ];
 
+    /// Whether a string is a value of this member (`messages` and `tools` are arrays only).
+    fn takes_text(self) -> bool {
+        !matches!(self, Part::Messages | Part::Tools)
+    }
+
     pub(crate) fn of_name(name: &str) -> Option<Part> {
         Some(match name {
             "tools" => Part::Tools,
@@ -103,7 +108,7 @@ impl<'de> PromptMembers<'de> {
                         chain.boundary();
                     }
                 }
-                PartValue::Text(text) if !text.is_empty() => {
+                PartValue::Text(text) if !text.is_empty() && part.takes_text() => {
                     chain.mark(part as u8);
                     chain.feed(text.as_bytes());
                     chain.boundary();

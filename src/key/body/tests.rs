@@ -443,3 +443,106 @@ async fn a_read_timeout_past_the_clock_never_fires() {
     let waited = tokio::time::timeout(Duration::from_secs(365 * 86_400), run(layer, req)).await;
     assert!(waited.is_err(), "still reading a year later");
 }
+
+// === prompt chains ===
+
+fn chain_of(body: &str) -> crate::PromptChain {
+    PromptFacts::from_body(body.as_bytes()).chain
+}
+
+#[test]
+fn a_chat_chain_has_a_link_a_message_and_the_next_turn_extends_it() {
+    let turn1 = r#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":"u1"}]}"#;
+    let turn2 = r#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":"u1"},
+                  {"role":"assistant","content":"a1"},{"role":"user","content":"u2"}]}"#;
+    let (c1, c2) = (chain_of(turn1), chain_of(turn2));
+    assert_eq!((c1.len(), c2.len()), (2, 4));
+    assert_eq!(c2.common_prefix(&c1), 2);
+    // Whitespace between tokens and the order of other members do not matter.
+    let spaced = r#"{ "stream": true, "messages" : [ { "role" : "system" , "content" : "s" },
+                     {"role":"user","content":"u1"} ] , "model":"m" }"#;
+    assert_eq!(chain_of(spaced), c1);
+    // The content does.
+    let other = r#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":"u9"}]}"#;
+    assert_eq!(chain_of(other).common_prefix(&c1), 1);
+}
+
+#[test]
+fn tools_come_first_and_change_the_whole_chain() {
+    let plain = r#"{"messages":[{"role":"user","content":"u"}]}"#;
+    let with_tools = r#"{"messages":[{"role":"user","content":"u"}],"tools":[{"type":"function","function":{"name":"f"}}]}"#;
+    let (a, b) = (chain_of(plain), chain_of(with_tools));
+    assert_eq!((a.len(), b.len()), (1, 2));
+    assert_eq!(a.common_prefix(&b), 0);
+}
+
+#[test]
+fn an_anthropic_chain_covers_system_and_messages_and_ignores_moving_cache_markers() {
+    // Claude Code marks its newest message with `cache_control`; the next turn moves it.
+    let turn1 = r#"{"system":[{"type":"text","text":"you are an agent"}],
+        "messages":[{"role":"user","content":[{"type":"text","text":"task",
+            "cache_control":{"type":"ephemeral"}}]}]}"#;
+    let turn2 = r#"{"system":[{"type":"text","text":"you are an agent"}],
+        "messages":[{"role":"user","content":[{"type":"text","text":"task"}]},
+            {"role":"assistant","content":[{"type":"text","text":"done"}]},
+            {"role":"user","content":[{"type":"text","text":"next",
+                "cache_control":{"type":"ephemeral"}}]}]}"#;
+    let (c1, c2) = (chain_of(turn1), chain_of(turn2));
+    assert_eq!((c1.len(), c2.len()), (2, 4));
+    assert_eq!(c2.common_prefix(&c1), 2);
+    // A system prompt given as a string is a part too.
+    let text = r#"{"system":"you are an agent","messages":[{"role":"user","content":"task"}]}"#;
+    assert_eq!(chain_of(text).len(), 2);
+}
+
+#[test]
+fn a_responses_chain_covers_instructions_and_input() {
+    let turn1 = r#"{"instructions":"be brief","input":[{"role":"user","content":"q1"}]}"#;
+    let turn2 = r#"{"instructions":"be brief","input":[{"role":"user","content":"q1"},
+        {"type":"function_call_output","call_id":"c1","output":"42"}]}"#;
+    let (c1, c2) = (chain_of(turn1), chain_of(turn2));
+    assert_eq!((c1.len(), c2.len()), (2, 3));
+    assert_eq!(c2.common_prefix(&c1), 2);
+    // `input` as a plain string.
+    assert_eq!(chain_of(r#"{"input":"hello"}"#).len(), 1);
+}
+
+#[test]
+fn a_completions_prompt_is_cut_into_blocks_so_a_growing_text_shares_them() {
+    let block = PromptFacts::BLOCK_BYTES;
+    let text = "x".repeat(3 * block + 100);
+    let longer = format!("{text}{}", "y".repeat(block));
+    let short = chain_of(&format!(r#"{{"prompt":"{text}"}}"#));
+    let long = chain_of(&format!(r#"{{"prompt":"{longer}"}}"#));
+    // Three whole blocks and the rest; the longer text shares the three.
+    assert_eq!(short.len(), 4);
+    assert_eq!(long.common_prefix(&short), 3);
+    assert_eq!(short.tokens_at(3), (3 * block as u64).div_ceil(4));
+}
+
+#[test]
+fn a_long_message_is_cut_into_blocks_too() {
+    let block = PromptFacts::BLOCK_BYTES;
+    let tool = "z".repeat(5 * block);
+    let body = format!(
+        r#"{{"messages":[{{"role":"system","content":"s"}},{{"role":"tool","content":"{tool}"}}]}}"#
+    );
+    let c = chain_of(&body);
+    assert!(c.len() >= 6, "{c:?}");
+    // Sizes grow link by link.
+    assert!(c.links().windows(2).all(|w| w[0].bytes < w[1].bytes));
+}
+
+#[test]
+fn bodies_that_are_not_json_objects_have_no_chain() {
+    // The last: a string where chat's `messages` is an array is no prompt.
+    for body in [
+        "",
+        "not json",
+        "[1,2]",
+        r#"{"messages":[1,2"#,
+        r#"{"messages":"text"}"#,
+    ] {
+        assert!(chain_of(body).is_empty(), "{body}");
+    }
+}
