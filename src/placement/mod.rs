@@ -52,8 +52,8 @@ use crate::fleet::Topology;
 
 pub use baselines::{LeastLoaded, Rendezvous, RoundRobin};
 pub use node_then_backend::NodeThenBackend;
-pub(crate) use snapshot::wants_prefix;
 pub use snapshot::Snapshot;
+pub(crate) use view::wants_prefix;
 pub use view::{BackendRef, FleetView, Home, HomeCache, NodeRef, PlacementRequest, Prefix};
 
 /// A placement policy.

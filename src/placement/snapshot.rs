@@ -6,6 +6,7 @@ use crate::key::SessionKey;
 use crate::{BackendId, PromptChain};
 
 use super::rendezvous;
+use super::view::wants_prefix;
 use super::{
     BackendRef, Candidates, FleetView, Home, HomeCache, NodeRef, Placement, PlacementRequest,
 };
@@ -180,10 +181,4 @@ impl Snapshot {
         policy.place(&view, &req, &mut c);
         c.chosen().map(|i| self.topology.member(i).id.clone())
     }
-}
-
-/// Whether the service looks up the longest prefix for a request: when it has no key, no
-/// home, or a home that evicted it.
-pub(crate) fn wants_prefix(key: Option<SessionKey>, home: Option<Home<'_>>) -> bool {
-    key.is_none() || home.is_none_or(|h| h.cache == HomeCache::Evicted)
 }

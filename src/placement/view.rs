@@ -435,3 +435,9 @@ impl<'a> PlacementRequest<'a> {
         self
     }
 }
+
+/// Whether the service looks up the longest prefix for a request: when it has no key, no
+/// home, or a home that evicted it.
+pub(crate) fn wants_prefix(key: Option<SessionKey>, home: Option<Home<'_>>) -> bool {
+    key.is_none() || home.is_none_or(|h| h.cache == HomeCache::Evicted)
+}
