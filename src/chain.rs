@@ -190,6 +190,18 @@ impl ChainBuilder {
         }
     }
 
+    /// A builder whose chain goes on from `base`: the prompt is `base`'s, then what is fed.
+    pub(crate) fn continuing(base: &PromptChain, block: usize) -> Self {
+        let last = base.links.last();
+        ChainBuilder {
+            hasher: Xxh3::with_seed(last.map_or(BYTE_SEED, |l| l.digest ^ BYTE_SEED)),
+            links: base.links.to_vec(),
+            bytes: last.map_or(0, |l| l.bytes),
+            in_part: 0,
+            block: block.max(1) as u64,
+        }
+    }
+
     fn full(&self) -> bool {
         self.links.len() >= PromptChain::MAX_LINKS
     }

@@ -2,12 +2,13 @@
 
 use std::fmt;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::task::{ready, Context, Poll};
 
-use bytes::Bytes;
+use bytes::{Buf, Bytes};
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
+use super::responses::IdSniffer;
 use crate::body::InnerOrBytes;
 
 // === BodyKeyResponseBody ===
@@ -27,6 +28,8 @@ pin_project! {
     pub struct BodyKeyResponseBody<B> {
         #[pin]
         pub(super) kind: InnerOrBytes<B>,
+        // Reads a Responses API answer's id from its first bytes.
+        pub(super) sniff: Option<Box<IdSniffer>>,
     }
 }
 
@@ -42,7 +45,14 @@ where
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
-        self.project().kind.poll_frame(cx)
+        let this = self.project();
+        let frame = ready!(this.kind.poll_frame(cx));
+        if let (Some(sniff), Some(Ok(frame))) = (this.sniff.as_mut(), &frame) {
+            if let Some(data) = frame.data_ref() {
+                sniff.feed(data.chunk());
+            }
+        }
+        Poll::Ready(frame)
     }
 
     fn is_end_stream(&self) -> bool {

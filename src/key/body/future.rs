@@ -17,6 +17,7 @@ use tower::util::Oneshot;
 use tower::Service;
 
 use super::inspect::Config;
+use super::responses::IdSniffer;
 use super::BodyKeyResponseBody;
 use crate::body::InnerOrBytes;
 use crate::BoxError;
@@ -99,6 +100,7 @@ impl Rejection {
         };
         let mut res = http::Response::new(BodyKeyResponseBody {
             kind: InnerOrBytes::bytes(Bytes::from(message)),
+            sniff: None,
         });
         *res.status_mut() = status;
         res.headers_mut().insert(
@@ -156,6 +158,8 @@ pin_project! {
         Calling {
             #[pin]
             fut: Oneshot<S, http::Request<Full<Bytes>>>,
+            // A Responses API request: its answer's id is read as the answer passes.
+            sniff: Option<Box<IdSniffer>>,
         },
         Rejected {
             rejection: Option<Rejection>,
@@ -268,22 +272,30 @@ where
                         panic!("BodyKeyFuture polled after completion");
                     };
                     let bytes = buf.take();
+                    let mut sniff = None;
                     if config.reads(&parts.headers) {
                         let (key, facts) = config.inspect(&bytes);
                         if let Some(key) = key {
                             parts.extensions.insert(key);
+                        }
+                        if !facts.chain.is_empty() && parts.uri.path().ends_with("/responses") {
+                            let store = config.responses.clone();
+                            sniff = Some(Box::new(IdSniffer::new(facts.chain.clone(), store)));
                         }
                         parts.extensions.insert(facts);
                     }
                     let req = http::Request::from_parts(parts, Full::new(bytes));
                     state.set(State::Calling {
                         fut: Oneshot::new(service, req),
+                        sniff,
                     });
                 }
-                StateProj::Calling { fut } => {
+                StateProj::Calling { fut, sniff } => {
                     let res = ready!(fut.poll(cx))?;
+                    let sniff = sniff.take();
                     return Poll::Ready(Ok(res.map(|inner| BodyKeyResponseBody {
                         kind: InnerOrBytes::Inner { inner },
+                        sniff,
                     })));
                 }
                 StateProj::Rejected { rejection } => {

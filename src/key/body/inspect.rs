@@ -3,6 +3,7 @@
 
 use std::borrow::Cow;
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
@@ -12,6 +13,7 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 use super::prompt::{self, Part, PartValue, PromptMembers};
+use super::responses::ResponseChains;
 use super::PromptFacts;
 use crate::key::{HeaderKey, SessionKey};
 
@@ -27,6 +29,8 @@ pub(crate) struct Config {
     pub(crate) read_timeout: Option<Duration>,
     /// The body is left unread when these headers carry a key.
     pub(crate) skip_when: Option<HeaderKey>,
+    /// The chains of the latest Responses API answers, for `previous_response_id`.
+    pub(crate) responses: Arc<ResponseChains>,
 }
 
 impl Config {
@@ -37,6 +41,7 @@ impl Config {
             limit,
             read_timeout: None,
             skip_when: None,
+            responses: Arc::new(ResponseChains::new(ResponseChains::DEFAULT_CAPACITY)),
         }
     }
 
@@ -81,7 +86,12 @@ impl Config {
             Ok(found) if de.end().is_ok() => found,
             _ => return (None, facts),
         };
-        let Some(chain) = found.prompt.chain() else {
+        let base = found
+            .previous
+            .as_deref()
+            .filter(|id| !id.is_empty())
+            .and_then(|id| self.responses.get(id));
+        let Some(chain) = found.prompt.chain(base.as_ref()) else {
             return (None, facts);
         };
         facts.chain = chain;
@@ -139,6 +149,8 @@ struct Found<'de> {
     values: Vec<(usize, Value)>,
     /// The prompt's members.
     prompt: PromptMembers<'de>,
+    /// The Responses API's `previous_response_id`, if it is a string.
+    previous: Option<Cow<'de, str>>,
 }
 
 /// The top-level object: keeps the members named in `tops` and the prompt's members, skips
@@ -166,6 +178,13 @@ impl<'de> Visitor<'de> for TopLevel<'_> {
                     found.prompt.set(part, map.next_value::<Kept<'de>>()?.0);
                     continue;
                 }
+                Member::Previous => {
+                    found.previous = match map.next_value::<Kept<'de>>()?.0 {
+                        PartValue::Text(id) => Some(id),
+                        _ => None,
+                    };
+                    continue;
+                }
                 Member::Top { index, part } => (index, part),
             };
             // A key field's first key: kept whole, as it is small and may be nested.
@@ -189,6 +208,8 @@ enum Member {
     Top { index: usize, part: Option<Part> },
     /// A prompt member, not a key field.
     Prompt(Part),
+    /// `previous_response_id`, not a key field.
+    Previous,
     /// Anything else: skipped.
     Other,
 }
@@ -218,6 +239,7 @@ impl<'de> Visitor<'de> for MemberName<'_> {
         Ok(match (self.tops.iter().position(|t| t == name), part) {
             (Some(index), part) => Member::Top { index, part },
             (None, Some(part)) => Member::Prompt(part),
+            (None, None) if name == "previous_response_id" => Member::Previous,
             (None, None) => Member::Other,
         })
     }

@@ -34,6 +34,13 @@ use crate::key::HeaderKey;
 ///   | OpenAI Responses, `/v1/responses` | `tools`, `instructions`, then `input` (each item) |
 ///   | legacy completions, `/v1/completions` | `prompt`, as text (each string of an array) |
 ///
+/// - A Responses request that names `previous_response_id` sends only its new `input`; the
+///   server puts the conversation that response ended in front of it. Its chain is the chain
+///   of the request that response answered, then its input: the layer reads each Responses
+///   answer's id from its first 4 KiB as it passes (the `id` of a JSON answer, or of the
+///   `response` in a stream's first event) and remembers the chains of the latest 4,096. A
+///   response it never saw (another router process answered it) leaves the request with the
+///   chain of its own input.
 /// - A request whose headers already name its session can skip the parse
 ///   ([`skip_when_header`]), at the price of its chain: the cache model then learns nothing
 ///   from it.

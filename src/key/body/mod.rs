@@ -11,6 +11,7 @@
 //   body.rs     BodyKeyResponseBody
 //   inspect.rs  the one pass over the JSON, and the settings that steer it
 //   prompt.rs   the prompt's members cut into a chain
+//   responses.rs  the chains of Responses API answers, for `previous_response_id`
 //   facts.rs    PromptFacts
 
 // `body` as tower-http names a middleware's response body, though the folder is `body` too.
@@ -21,6 +22,7 @@ mod future;
 mod inspect;
 mod layer;
 mod prompt;
+mod responses;
 mod service;
 
 pub use body::BodyKeyResponseBody;

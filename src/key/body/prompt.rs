@@ -90,9 +90,20 @@ impl<'de> PromptMembers<'de> {
 
     /// The chain of the whole prompt, or `None` if an item nests deeper than
     /// `serde_json::Value` would parse (the parse kept items raw, without that check).
-    pub(crate) fn chain(&self) -> Option<PromptChain> {
-        let mut chain = ChainBuilder::new(super::PromptFacts::BLOCK_BYTES);
-        for part in Part::ALL {
+    ///
+    /// After `base`, the chain of the response a Responses request continues, only the new
+    /// `input` goes on: the tools and instructions are the conversation's, in `base` already.
+    pub(crate) fn chain(&self, base: Option<&PromptChain>) -> Option<PromptChain> {
+        let block = super::PromptFacts::BLOCK_BYTES;
+        let mut chain = match base {
+            Some(base) => ChainBuilder::continuing(base, block),
+            None => ChainBuilder::new(block),
+        };
+        let parts: &[Part] = match base {
+            Some(_) => &[Part::Input],
+            None => &Part::ALL,
+        };
+        for &part in parts {
             match self.get(part) {
                 PartValue::Items(items) => {
                     for item in items {

@@ -546,3 +546,83 @@ fn bodies_that_are_not_json_objects_have_no_chain() {
         assert!(chain_of(body).is_empty(), "{body}");
     }
 }
+
+// === previous_response_id ===
+
+/// A Responses backend: answers each request with the next of `answers`, in the given frames,
+/// and records the chains it was sent.
+type ResponsesBackend = tower::util::BoxCloneService<
+    http::Request<Full<Bytes>>,
+    http::Response<http_body_util::StreamBody<Frames>>,
+    Infallible,
+>;
+
+fn responses_backend(
+    answers: Vec<Vec<&'static [u8]>>,
+) -> (ResponsesBackend, Arc<Mutex<Vec<crate::PromptChain>>>) {
+    let chains = Arc::new(Mutex::new(Vec::new()));
+    let answers = Arc::new(Mutex::new(VecDeque::from(answers)));
+    let seen = chains.clone();
+    let svc = service_fn(move |req: http::Request<Full<Bytes>>| {
+        let (seen, answers) = (seen.clone(), answers.clone());
+        async move {
+            let facts = req.extensions().get::<PromptFacts>().cloned();
+            seen.lock().push(facts.map(|f| f.chain).unwrap_or_default());
+            let frames = answers.lock().pop_front().unwrap_or_default();
+            let stream = Frames(frames.into_iter().map(Bytes::from_static).collect());
+            Ok::<_, Infallible>(http::Response::new(http_body_util::StreamBody::new(stream)))
+        }
+    });
+    (ResponsesBackend::new(svc), chains)
+}
+
+/// The frames of an answer.
+struct Frames(VecDeque<Bytes>);
+
+impl futures_core::Stream for Frames {
+    type Item = Result<Frame<Bytes>, Infallible>;
+
+    fn poll_next(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        Poll::Ready(self.0.pop_front().map(|b| Ok(Frame::data(b))))
+    }
+}
+
+#[tokio::test]
+async fn a_request_naming_a_previous_response_continues_that_responses_chain() {
+    let (inner, chains) = responses_backend(vec![
+        vec![br#"{"id":"resp_1","object":"response","output":[{"id":"msg_1"}]}"#],
+        // A stream, its first event split over two frames.
+        vec![
+            b"event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"re",
+            b"sp_2\"}}\n\n",
+        ],
+        vec![br#"{"id":"resp_3"}"#],
+        vec![br#"{"id":"resp_4"}"#],
+    ]);
+    let layer = BodyKeyLayer::new();
+    let svc = layer.layer(inner);
+    let body1 = r#"{"instructions":"be brief","input":[{"role":"user","content":"q1"}]}"#;
+    let body2 = r#"{"instructions":"be brief","previous_response_id":"resp_1","input":[{"role":"user","content":"q2"}]}"#;
+    let body3 = r#"{"instructions":"be brief","previous_response_id":"resp_2","input":[{"role":"user","content":"q3"}]}"#;
+    let unknown =
+        r#"{"previous_response_id":"resp_none","input":[{"role":"user","content":"q3"}]}"#;
+    for body in [body1, body2, body3, unknown] {
+        let req = http::Request::post("/v1/responses")
+            .body(Full::new(Bytes::from_static(body.as_bytes())))
+            .unwrap();
+        let res = svc.clone().oneshot(req).await.unwrap();
+        // The answer passes unchanged.
+        let bytes = res.into_body().collect().await.unwrap().to_bytes();
+        assert!(bytes.starts_with(b"{\"id\"") || bytes.starts_with(b"event:"));
+    }
+    let chains = chains.lock().clone();
+    let [c1, c2, c3, c4] = &chains[..] else {
+        panic!("four requests");
+    };
+    assert_eq!(c1.len(), 2);
+    // Each continues the whole chain of the response it names, then adds its input.
+    assert_eq!((c2.len(), c2.common_prefix(c1)), (3, 2));
+    assert_eq!((c3.len(), c3.common_prefix(c2)), (4, 3));
+    // A response the layer never saw: the request's own input alone.
+    assert_eq!((c4.len(), c4.common_prefix(c1)), (1, 0));
+}
