@@ -18,11 +18,16 @@ fn ids(v: &[&str]) -> Vec<BackendId> {
 
 /// Two nodes of two backends, one slot each.
 fn two_by_two() -> Snapshot {
+    two_by_two_with(1)
+}
+
+/// Two nodes of two backends, `slots` each.
+fn two_by_two_with(slots: u32) -> Snapshot {
     Snapshot::new()
-        .backend("a1", "node-a", 1)
-        .backend("a2", "node-a", 1)
-        .backend("b1", "node-b", 1)
-        .backend("b2", "node-b", 1)
+        .backend("a1", "node-a", slots)
+        .backend("a2", "node-a", slots)
+        .backend("b1", "node-b", slots)
+        .backend("b2", "node-b", slots)
 }
 
 #[test]
@@ -406,11 +411,7 @@ fn a_compacted_session_stays_home_when_there_is_room() {
 
 /// Two nodes of two backends, two slots each.
 fn two_by_two_of_two() -> Snapshot {
-    Snapshot::new()
-        .backend("a1", "node-a", 2)
-        .backend("a2", "node-a", 2)
-        .backend("b1", "node-b", 2)
-        .backend("b2", "node-b", 2)
+    two_by_two_with(2)
 }
 
 #[test]
