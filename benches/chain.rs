@@ -1,6 +1,7 @@
 //! The prompt chain of a request body, and what the cache model costs a home hit.
 //!
-//! - `chain/from_body/*`: [`PromptFacts::from_body`] on OpenAI chat bodies of 16 KiB to 1 MiB,
+//! - `chain/from_body/*`: [`PromptFacts::from_body`] on part 4's 130-byte request, and on
+//!   OpenAI chat bodies of 16 KiB to 1 MiB,
 //!   shaped like a coding agent's: an 8 KiB system prompt, a spec, then turns of short answers
 //!   and tool outputs of a few KiB (code with newlines and quotes, so strings carry escapes).
 //!   This is the whole parse `BodyKeyLayer` runs on every request: the key fields, the
@@ -71,6 +72,15 @@ const SIZES: [(usize, &str); 4] = [
 
 fn from_body(c: &mut Criterion) {
     let mut g = c.benchmark_group("chain");
+    // Part 4's request: the small body every proxy benchmark sends.
+    let small = br#"{"model":"m","messages":[{"role":"user","content":"session-00042: say ok"}],"max_tokens":1,"stream":false}"#;
+    g.throughput(Throughput::Bytes(small.len() as u64));
+    g.bench_function(BenchmarkId::new("from_body", "part4"), |b| {
+        b.iter(|| PromptFacts::from_body(black_box(small)))
+    });
+    g.bench_function(BenchmarkId::new("serde_skip", "part4"), |b| {
+        b.iter(|| serde_json::from_slice::<serde::de::IgnoredAny>(black_box(small)))
+    });
     for (bytes, label) in SIZES {
         let body = chat_body(bytes);
         assert!(PromptFacts::from_body(&body).chain.len() > 2);
