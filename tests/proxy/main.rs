@@ -116,6 +116,16 @@ impl Answer {
 }
 
 impl Running {
+    /// What the service says of backend `id` now.
+    fn status(&self, id: &str) -> tower_affinity::BackendStatus {
+        self.proxy
+            .affinity()
+            .backends()
+            .into_iter()
+            .find(|s| s.id.as_str() == id)
+            .unwrap_or_else(|| panic!("no backend {id}"))
+    }
+
     fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
     }
@@ -468,15 +478,7 @@ async fn the_probe_marks_a_loading_backend_down_until_ready_and_learns_slots() {
     // `a` without slots=: its count comes from /slots.
     config.backends[0] = cli::backend(&format!("node-a={},id=a", a.url())).unwrap().0;
     let proxy = start(config).await;
-    let status = |id: &str| {
-        proxy
-            .proxy
-            .affinity()
-            .backends()
-            .into_iter()
-            .find(|s| s.id.as_str() == id)
-            .unwrap()
-    };
+    let status = |id: &str| proxy.status(id);
     assert_eq!(status("a").slots, 1);
 
     let mut probes = proxy.proxy.probes();
@@ -549,15 +551,7 @@ async fn a_backends_cache_budget_reaches_the_cache_model_and_outlives_a_slots_up
         panic!("not a run");
     };
     let proxy = start(run.config).await;
-    let status = |id: &str| {
-        proxy
-            .proxy
-            .affinity()
-            .backends()
-            .into_iter()
-            .find(|s| s.id.as_str() == id)
-            .unwrap()
-    };
+    let status = |id: &str| proxy.status(id);
 
     // Keyed by a header, and their bodies read all the same: the cache model sees them.
     fill(&proxy, "before", true).await;
