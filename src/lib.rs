@@ -67,6 +67,8 @@
 //! # }
 //! ```
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 // Layout: one concept a file.
 //   layer.rs     SessionAffinityLayer, the builder
 //   service.rs   SessionAffinity: discovery, placement attempts, stats
