@@ -1,15 +1,27 @@
-//! The response body wrapper that holds the request's slot until the body ends.
+//! The response body wrapper that holds the request's slot until the body ends, and reads the
+//! usage the answer reports as it passes.
 
 use std::fmt;
 use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::task::{ready, Context, Poll};
+use std::time::Duration;
 
 use bytes::{Buf, Bytes};
+use http::header::{CONTENT_ENCODING, CONTENT_TYPE};
+use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
+use parking_lot::Mutex;
 use pin_project_lite::pin_project;
+use tokio::time::Instant;
 
+use crate::cache::CacheModel;
 use crate::fleet::SlotGuard;
-use crate::Decision;
+use crate::learn::{Answer, Prediction};
+use crate::stats::bump;
+use crate::usage::UsageScanner;
+use crate::{Decision, Usage};
 
 pin_project! {
     /// A backend's response body, holding its backend slot until the last frame has been read,
@@ -17,11 +29,107 @@ pin_project! {
     ///
     /// LLM answers stream for minutes: the slot is busy all that time, so it is released with
     /// the body, not with the response headers.
+    ///
+    /// A JSON answer or an SSE stream is read for the usage it reports as its bytes pass
+    /// (unchanged): see [`usage`](Self::usage).
     pub struct ResponseBody<B> {
         #[pin]
         kind: InnerOrBytes<B>,
         guard: Option<SlotGuard>,
         decision: Option<Decision>,
+        observe: Option<Box<Observe>>,
+    }
+}
+
+/// What the service hands the response body to learn from its answer.
+#[derive(Debug, Default)]
+pub(crate) struct Watch {
+    /// What the cache model predicted for the request on its backend.
+    pub(crate) prediction: Option<Prediction>,
+    /// That backend's model, to correct when the prediction was far off.
+    pub(crate) cache: Option<Arc<Mutex<CacheModel>>>,
+}
+
+/// Reading one answer: the scanner, and what the answer has shown so far.
+#[derive(Debug)]
+pub(crate) struct Observe {
+    scanner: UsageScanner,
+    watch: Watch,
+    stream: bool,
+    first_byte: Option<Instant>,
+    /// The figures, once the body has ended.
+    usage: Option<Usage>,
+    done: bool,
+}
+
+impl Observe {
+    /// An observer for an answer with `headers`, if it can carry usage: JSON or an SSE
+    /// stream, not compressed.
+    pub(crate) fn new(headers: &HeaderMap, watch: Watch) -> Option<Box<Self>> {
+        if headers
+            .get(CONTENT_ENCODING)
+            .is_some_and(|e| !e.as_bytes().eq_ignore_ascii_case(b"identity"))
+        {
+            return None;
+        }
+        let kind = headers.get(CONTENT_TYPE)?.as_bytes();
+        let essence = kind
+            .split(|&b| b == b';')
+            .next()
+            .unwrap_or(kind)
+            .trim_ascii();
+        let stream = essence.eq_ignore_ascii_case(b"text/event-stream");
+        let json = essence.eq_ignore_ascii_case(b"application/json");
+        (stream || json).then(|| {
+            Box::new(Observe {
+                scanner: UsageScanner::default(),
+                watch,
+                stream,
+                first_byte: None,
+                usage: None,
+                done: false,
+            })
+        })
+    }
+
+    fn data(&mut self, chunk: &[u8]) {
+        if self.first_byte.is_none() {
+            self.first_byte = Some(Instant::now());
+        }
+        self.scanner.feed(chunk);
+    }
+
+    /// The body has ended: what it reported goes to its backend's figures.
+    fn end(&mut self, guard: &SlotGuard) {
+        if std::mem::replace(&mut self.done, true) {
+            return;
+        }
+        let capacity = guard.capacity();
+        let now = Instant::now();
+        let since = guard.since_ms();
+        let ms = |t: Instant| Duration::from_millis(capacity.now_ms(t).saturating_sub(since));
+        let answer = Answer {
+            usage: self.scanner.finish(),
+            first_byte: self.first_byte.map(ms),
+            duration: ms(now),
+            stream: self.stream,
+        };
+        let (usage, mispredicted) = guard.learned().learn(&answer, self.watch.prediction);
+        if let Some(u) = usage {
+            let c = &capacity.counters;
+            c.usage_reports.fetch_add(1, Ordering::Relaxed);
+            c.prompt_tokens
+                .fetch_add(u.prompt_tokens, Ordering::Relaxed);
+            let reused = u.reused_tokens.unwrap_or(0);
+            c.reused_tokens.fetch_add(reused, Ordering::Relaxed);
+        }
+        if mispredicted {
+            bump(&capacity.counters.corrections);
+            if let (Some(cache), Some(p)) = (&self.watch.cache, self.watch.prediction) {
+                cache.lock().forget_until(p.stamp);
+            }
+        }
+        self.usage = usage;
     }
 }
 
@@ -90,12 +198,28 @@ where
 }
 
 impl<B> ResponseBody<B> {
-    pub(crate) fn new(inner: B, guard: SlotGuard, decision: Option<Decision>) -> Self {
+    pub(crate) fn new(
+        inner: B,
+        guard: SlotGuard,
+        decision: Option<Decision>,
+        observe: Option<Box<Observe>>,
+    ) -> Self {
         ResponseBody {
             kind: InnerOrBytes::Inner { inner },
             guard: Some(guard),
             decision,
+            observe,
         }
+    }
+
+    /// What the answer reported about its prompt, once the body has ended: its prompt tokens
+    /// and the tokens its backend reused. `None` before the end, for an answer that reports
+    /// nothing (or is neither JSON nor SSE, or is compressed), and for one cut short.
+    ///
+    /// The same figures add up per backend in
+    /// [`SessionAffinity::backends`](crate::SessionAffinity::backends).
+    pub fn usage(&self) -> Option<Usage> {
+        self.observe.as_ref().and_then(|o| o.usage)
     }
 
     /// Where the request went and why, when the service was built with
@@ -112,6 +236,7 @@ impl<B> ResponseBody<B> {
             kind: InnerOrBytes::bytes(data),
             guard: None,
             decision: None,
+            observe: None,
         }
     }
 }
@@ -128,8 +253,30 @@ where
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
-        let this = self.project();
-        let frame = ready!(this.kind.poll_frame(cx));
+        let mut this = self.project();
+        let frame = ready!(this.kind.as_mut().poll_frame(cx));
+        if let Some(observe) = this.observe.as_mut() {
+            match &frame {
+                Some(Ok(f)) => {
+                    if let Some(data) = f.data_ref() {
+                        observe.data(data.chunk());
+                    }
+                    // A body that knows it has ended may not be polled again.
+                    if this.kind.is_end_stream() {
+                        if let Some(guard) = this.guard.as_ref() {
+                            observe.end(guard);
+                        }
+                    }
+                }
+                // The end: what the answer said is learned. An error, not.
+                None => {
+                    if let Some(guard) = this.guard.as_ref() {
+                        observe.end(guard);
+                    }
+                }
+                Some(Err(_)) => observe.done = true,
+            }
+        }
         // The end of the stream, or an error that ends it: the slot is free again.
         if !matches!(frame, Some(Ok(_))) {
             this.guard.take();

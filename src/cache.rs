@@ -32,6 +32,9 @@ struct Node {
     /// The leaf list, most recently used first (only while `children == 0`).
     prev: u32,
     next: u32,
+    /// When a chain through this link last ended here or below (the model's clock): set on
+    /// the links a record adds or passes from its deepest known link down.
+    stamp: u32,
 }
 
 /// Where each tracked link's node is: open addressing with linear probing over (digest, node)
@@ -198,6 +201,8 @@ pub(crate) struct CacheModel {
     budget: u64,
     max_blocks: usize,
     evicted: u64,
+    /// Counts records: the stamps' clock.
+    clock: u32,
 }
 
 impl CacheModel {
@@ -214,6 +219,7 @@ impl CacheModel {
             budget,
             max_blocks: Self::max_blocks(budget),
             evicted: 0,
+            clock: 0,
         }
     }
 
@@ -290,7 +296,10 @@ impl CacheModel {
     /// Records `chain` as held, knowing that at least `at_least` of its leading links are
     /// (0 if nothing is known): from there it looks link by link, which on a home hit is the
     /// one or two links the last turn ended with; with nothing known, a binary search.
-    pub(crate) fn record_from(&mut self, chain: &[Link], at_least: usize) {
+    ///
+    /// Returns how many leading links were held before, and when the deepest of them was last
+    /// used (0 if none was held).
+    pub(crate) fn record_from(&mut self, chain: &[Link], at_least: usize) -> (usize, u32) {
         let known = if at_least == 0 {
             self.held(chain)
         } else {
@@ -300,7 +309,14 @@ impl CacheModel {
             }
             n
         };
+        let stamp = match known {
+            0 => 0,
+            n => self
+                .node(chain[n - 1].digest)
+                .map_or(0, |i| self.nodes[i as usize].stamp),
+        };
         self.record(chain, known);
+        (known, stamp)
     }
 
     /// Records `chain` as held, `known` of its leading links being held already (from
@@ -310,15 +326,20 @@ impl CacheModel {
             return;
         }
         let known = known.min(chain.len());
+        self.clock = self.clock.wrapping_add(1);
         let mut parent = match known {
             0 => NONE,
             n => self.node(chain[n - 1].digest).unwrap_or(NONE),
         };
+        if parent != NONE {
+            self.nodes[parent as usize].stamp = self.clock;
+        }
         let mut tip = parent;
         for (i, link) in chain.iter().enumerate().skip(known) {
             let before = if i == 0 { 0 } else { chain[i - 1].tokens };
             let tokens = u32::try_from(link.tokens.saturating_sub(before)).unwrap_or(u32::MAX);
             tip = self.insert(link.digest, tokens, parent);
+            self.nodes[tip as usize].stamp = self.clock;
             parent = tip;
         }
         // The tip is the most recently used leaf; the links before it have a child each.
@@ -351,6 +372,7 @@ impl CacheModel {
             children: 0,
             prev: NONE,
             next: NONE,
+            stamp: self.clock,
         };
         let i = match self.free.pop() {
             Some(i) => {
@@ -428,21 +450,41 @@ impl CacheModel {
     fn evict(&mut self) {
         while (self.tokens > self.budget || self.index.len() > self.max_blocks) && self.tail != NONE
         {
-            let i = self.tail;
-            self.unlink(i);
-            let node = self.nodes[i as usize];
-            self.index.remove(node.digest);
-            self.tokens -= u64::from(node.tokens);
-            self.free.push(i);
-            self.evicted += 1;
-            if node.parent != NONE {
-                let p = &mut self.nodes[node.parent as usize];
-                p.children -= 1;
-                if p.children == 0 {
-                    // Its most recent use was no later than the leaf just evicted, the least
-                    // recently used: it goes last.
-                    self.push_back(node.parent);
-                }
+            self.evict_tail();
+        }
+    }
+
+    /// The backend answered that it no longer held a prefix last used at `stamp`: as it
+    /// evicts the least recently used first, it holds nothing used no later than that
+    /// either. Drops those leaves (and the links they leave childless, which are as old);
+    /// returns how many links went.
+    pub(crate) fn forget_until(&mut self, stamp: u32) -> u64 {
+        let before = self.evicted;
+        // Wrapping comparison: the clock may have wrapped since.
+        while self.tail != NONE
+            && (stamp.wrapping_sub(self.nodes[self.tail as usize].stamp) as i32) >= 0
+        {
+            self.evict_tail();
+        }
+        self.evicted - before
+    }
+
+    /// Drops the least recently used leaf.
+    fn evict_tail(&mut self) {
+        let i = self.tail;
+        self.unlink(i);
+        let node = self.nodes[i as usize];
+        self.index.remove(node.digest);
+        self.tokens -= u64::from(node.tokens);
+        self.free.push(i);
+        self.evicted += 1;
+        if node.parent != NONE {
+            let p = &mut self.nodes[node.parent as usize];
+            p.children -= 1;
+            if p.children == 0 {
+                // Its most recent use was no later than the leaf just evicted, the least
+                // recently used: it goes last.
+                self.push_back(node.parent);
             }
         }
     }

@@ -15,10 +15,12 @@ use std::fmt;
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 
 use crate::cache::CacheModel;
+use crate::learn::Learned;
 use crate::placement::rendezvous::{RankSet, Ranked};
 use crate::stats::Counters;
 use crate::wait::WaitList;
@@ -244,6 +246,8 @@ pub(crate) struct Load {
     pub(crate) down_until: AtomicU64,
     /// Requests that failed on this backend before it answered.
     pub(crate) failures: AtomicU64,
+    /// What this backend's answers have taught.
+    pub(crate) learned: Learned,
     /// The fleet's counters, so that a slot guard needs this one `Arc` alone.
     pub(crate) capacity: Arc<Capacity>,
 }
@@ -255,6 +259,7 @@ impl Load {
             slots: AtomicU32::new(slots.get()),
             down_until: AtomicU64::new(0),
             failures: AtomicU64::new(0),
+            learned: Learned::default(),
             capacity,
         }
     }
@@ -306,16 +311,30 @@ pub(crate) struct SlotGuard {
     load: Arc<Load>,
     backend: u32,
     node: u32,
+    /// When the slot was taken (fleet milliseconds).
+    since_ms: u64,
 }
 
 impl SlotGuard {
-    /// Holds the slot just taken on `load`.
-    pub(crate) fn new(load: &Arc<Load>, backend: u32, node: u32) -> Self {
+    /// Holds the slot just taken on `load`, at fleet time `now_ms`.
+    pub(crate) fn new(load: &Arc<Load>, backend: u32, node: u32, now_ms: u64) -> Self {
+        load.learned.started_ms.fetch_add(now_ms, Ordering::Relaxed);
         SlotGuard {
             load: load.clone(),
             backend,
             node,
+            since_ms: now_ms,
         }
+    }
+
+    /// When the slot was taken (fleet milliseconds).
+    pub(crate) fn since_ms(&self) -> u64 {
+        self.since_ms
+    }
+
+    /// What the backend's answers have taught.
+    pub(crate) fn learned(&self) -> &Learned {
+        &self.load.learned
     }
 
     /// The fleet's counters.
@@ -341,6 +360,10 @@ impl SlotGuard {
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
+        self.load
+            .learned
+            .started_ms
+            .fetch_sub(self.since_ms, Ordering::Relaxed);
         self.load.in_flight.fetch_sub(1, Ordering::AcqRel);
         self.load.capacity.slot_freed(self.backend, self.node);
     }
@@ -649,6 +672,23 @@ pub struct BackendStatus {
     pub cached_blocks: usize,
     /// Links the cache model evicted to stay within the backend's budget.
     pub evicted_blocks: u64,
+    /// Answers that reported their usage (see
+    /// [`SessionAffinityLayer::observe_usage`](crate::SessionAffinityLayer::observe_usage)).
+    pub usage_reports: u64,
+    /// Prompt tokens those answers reported.
+    pub prompt_tokens: u64,
+    /// Of them, the tokens the backend said it reused from its cache: `reused_tokens /
+    /// prompt_tokens` is the reuse its placement achieved.
+    pub reused_tokens: u64,
+    /// Answers that reused far less than the cache model predicted; each corrected the
+    /// model. Few against `usage_reports` means the model predicts well.
+    pub corrections: u64,
+    /// The prompt tokens it reads a second, learned from its answers.
+    pub prefill_rate: Option<u32>,
+    /// How long its requests take, dispatch to the end of the answer (a moving average).
+    pub request_time: Option<Duration>,
+    /// Its mean time to first byte, over every answer so far.
+    pub first_byte_time: Option<Duration>,
 }
 
 impl Topology {
@@ -676,6 +716,7 @@ impl Topology {
             .map(|i| {
                 let m = self.member(i);
                 let cache = m.cache.lock();
+                let l = &m.load.learned;
                 BackendStatus {
                     id: m.id.clone(),
                     node: self.node(m.node).id.clone(),
@@ -687,6 +728,15 @@ impl Topology {
                     cached_tokens: cache.tokens(),
                     cached_blocks: cache.blocks(),
                     evicted_blocks: cache.evicted(),
+                    usage_reports: l.reports.load(Ordering::Relaxed),
+                    prompt_tokens: l.prompt_tokens.load(Ordering::Relaxed),
+                    reused_tokens: l.reused_tokens.load(Ordering::Relaxed),
+                    corrections: l.corrections.load(Ordering::Relaxed),
+                    prefill_rate: l
+                        .prefill_rate()
+                        .map(|r| r.round().min(f64::from(u32::MAX)) as u32),
+                    request_time: l.request_time(),
+                    first_byte_time: l.first_byte_time(),
                 }
             })
             .collect()

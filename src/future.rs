@@ -18,16 +18,21 @@ use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 use tower::Service;
 
+use crate::body::{Observe, Watch};
 use crate::error::BoxError;
 use crate::fleet::SlotGuard;
 use crate::key::SessionKey;
 use crate::placement::Placement;
 use crate::service::{Placed, Shared};
 use crate::stats::{bump, Decision};
-use crate::wait::{WaitHome, WaitTicket};
+use crate::wait::{Scope, WaitHome, WaitTicket};
 use crate::{Backend, Error, Overflow, ResponseBody};
 
 type SharedOf<S, P> = Arc<Shared<Backend<S>, P>>;
+
+/// A placed request: its backend's service, its slot, its decision, and what its answer is
+/// watched for.
+type Chosen<S> = (S, SlotGuard, Decision, Option<Watch>);
 
 pin_project! {
     /// The response future of [`SessionAffinity`](crate::SessionAffinity).
@@ -96,12 +101,13 @@ struct Dispatched {
     guard: SlotGuard,
     decision: Decision,
     finish: Finish,
+    watch: Option<Watch>,
 }
 
 impl Dispatched {
     /// The backend's response with the decision attached, its body holding the slot.
     fn respond<B>(self, res: http::Response<B>) -> http::Response<ResponseBody<B>> {
-        respond(res, self.guard, self.decision, self.finish)
+        respond(res, self.guard, self.decision, self.finish, self.watch)
     }
 
     /// The backend failed (in readiness or in the call): counted, and the backend is passed
@@ -111,6 +117,7 @@ impl Dispatched {
             guard,
             decision,
             finish,
+            watch: _,
         } = self;
         guard.count_failure();
         let cooldown = finish.failure_cooldown;
@@ -135,12 +142,13 @@ where
     /// Sends the request to its backend: called at once if the backend is ready now (polled
     /// with a waker that does nothing, which is enough to learn that), else readied later
     /// with the response future's own waker.
-    fn call(placed: (S, SlotGuard, Decision), req: http::Request<ReqB>, finish: Finish) -> Self {
-        let (mut service, guard, decision) = placed;
+    fn call(placed: Chosen<S>, req: http::Request<ReqB>, finish: Finish) -> Self {
+        let (mut service, guard, decision, watch) = placed;
         let dispatched = Dispatched {
             guard,
             decision,
             finish,
+            watch,
         };
         match service.poll_ready(&mut Context::from_waker(Waker::noop())) {
             Poll::Ready(Ok(())) => State::Call {
@@ -173,13 +181,18 @@ where
     ) -> Self {
         let overflow = shared.overflow;
         let overcommit = matches!(overflow, Overflow::Overcommit);
-        let patient = !shared.node_patience.is_zero();
-        let state = match shared.place(key, req.extensions(), overcommit, None, patient) {
+        let scope = if shared.node_patience.is_zero() {
+            Scope::Any
+        } else {
+            Scope::Node
+        };
+        let state = match shared.place(key, req.extensions(), overcommit, None, scope) {
             Placed::Dispatch {
                 service,
                 guard,
                 decision,
-            } => State::call((service, guard, decision), req, shared.finish),
+                watch,
+            } => State::call((service, guard, decision, watch), req, shared.finish),
             Placed::Empty => {
                 bump(&shared.capacity.counters.no_backends);
                 State::fail(Error::NoBackends)
@@ -215,14 +228,15 @@ where
             });
         };
         // A slot may have freed between the first attempt and joining the queue.
-        match shared.place(key, req.extensions(), false, None, home.only_node) {
+        match shared.place(key, req.extensions(), false, None, home.scope) {
             Placed::Dispatch {
                 service,
                 guard,
                 decision,
+                watch,
             } => {
                 drop(ticket);
-                State::call((service, guard, decision), req, shared.finish)
+                State::call((service, guard, decision, watch), req, shared.finish)
             }
             Placed::Empty => {
                 bump(&shared.capacity.counters.no_backends);
@@ -233,8 +247,10 @@ where
                 // A wait too long to represent is as good as a wait of thirty years.
                 let far = || since + Duration::from_secs(30 * 365 * 86_400);
                 let give_up = since.checked_add(max_wait).unwrap_or_else(far);
-                let deadline = match since.checked_add(shared.node_patience) {
-                    Some(t) if home.only_node => t.min(give_up),
+                // Held out for one place (node patience, or a full backend holding the
+                // prefix) until the hold ends; then any slot will do.
+                let deadline = match since.checked_add(home.hold) {
+                    Some(t) if home.scope != Scope::Any => t.min(give_up),
                     _ => give_up,
                 };
                 State::Wait {
@@ -300,13 +316,13 @@ where
                     }
                     let mut deadline = w.deadline;
                     if deadline.as_mut().poll(cx).is_ready() {
-                        if !w.ticket.home_node_only() {
+                        if w.ticket.scope() == Scope::Any {
                             bump(&w.shared.capacity.counters.rejected);
                             let retry_after = w.shared.retry_after();
                             state.set(State::fail(Error::Saturated { retry_after }));
                             continue;
                         }
-                        // Node patience is over: a slot anywhere will do now.
+                        // The hold is over: a slot anywhere will do now.
                         w.ticket.widen();
                         deadline.as_mut().reset(*w.give_up);
                         attempt = true;
@@ -319,18 +335,17 @@ where
                     w.shared.drain_discovery(cx);
                     let r = w.req.take().expect(POLLED_AFTER_COMPLETION);
                     let waited = Some(w.since.elapsed());
-                    let only_node = w.ticket.home_node_only();
-                    match w
-                        .shared
-                        .place(*w.key, r.extensions(), false, waited, only_node)
-                    {
+                    let scope = w.ticket.scope();
+                    match w.shared.place(*w.key, r.extensions(), false, waited, scope) {
                         Placed::Dispatch {
                             service,
                             guard,
                             decision,
+                            watch,
                         } => {
                             let finish = w.shared.finish;
-                            state.set(State::call((service, guard, decision), r, finish));
+                            let placed = (service, guard, decision, watch);
+                            state.set(State::call(placed, r, finish));
                         }
                         Placed::Empty => {
                             bump(&w.shared.capacity.counters.no_backends);
@@ -361,8 +376,10 @@ fn respond<B>(
     guard: SlotGuard,
     decision: Decision,
     finish: Finish,
+    watch: Option<Watch>,
 ) -> http::Response<ResponseBody<B>> {
     let (mut parts, body) = res.into_parts();
+    let observe = watch.and_then(|w| Observe::new(&parts.headers, w));
     if finish.decision_headers {
         let h = &mut parts.headers;
         if let Ok(v) = HeaderValue::from_str(decision.backend.as_str()) {
@@ -382,7 +399,7 @@ fn respond<B>(
     } else {
         Some(decision)
     };
-    http::Response::from_parts(parts, ResponseBody::new(body, guard, decision))
+    http::Response::from_parts(parts, ResponseBody::new(body, guard, decision, observe))
 }
 
 impl<S, P, ReqB> fmt::Debug for ResponseFuture<S, P, ReqB>

@@ -55,6 +55,8 @@ impl SessionAffinityLayer {
                 decision_extension: true,
                 failure_cooldown: Duration::from_secs(5),
                 node_patience: Duration::ZERO,
+                wait_versus_move: true,
+                observe_usage: true,
             },
         }
     }
@@ -107,7 +109,8 @@ impl<K, P> SessionAffinityLayer<K, P> {
     }
 
     /// How long a session whose home backend and home node are full waits for a slot on its
-    /// home node before it spills to another node. Default zero: spill at once.
+    /// home node before it spills to another node: a fixed patience, which overrides
+    /// [`wait_versus_move`](Self::wait_versus_move). Default zero: no fixed patience.
     ///
     /// A move between nodes costs the whole prompt again (minutes for a long agent context on a
     /// modest GPU); a turn on the home node often frees a slot within seconds. Applies only under
@@ -125,6 +128,33 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// response has no extensions yet, one when it has).
     pub fn decision_extension(mut self, enabled: bool) -> Self {
         self.config.decision_extension = enabled;
+        self
+    }
+
+    /// Whether a request whose cache is on a full backend may wait for it rather than move
+    /// (default: yes, under [`Overflow::Wait`] and without
+    /// [`node_patience`](Self::node_patience)).
+    ///
+    /// The request waits when the backend's slot is expected to free sooner than another
+    /// backend would read the part of the prompt it lacks, and at most that long; then it
+    /// moves. Both figures are learned from the backends' answers (see
+    /// [`observe_usage`](Self::observe_usage)): the wait from how long their requests take and
+    /// how long those in flight have run, the cost of moving from the backend's measured
+    /// prefill rate. Until they are learned, a request moves at once.
+    pub fn wait_versus_move(mut self, enabled: bool) -> Self {
+        self.config.wait_versus_move = enabled;
+        self
+    }
+
+    /// Whether the backends' answers are read for the usage they report (default: yes):
+    /// prompt tokens and reused tokens (OpenAI `usage`, Anthropic's cache counts, llama.cpp's
+    /// `timings`), from a JSON answer or an SSE stream, as its bytes pass unchanged. What they
+    /// teach goes into [`BackendStatus`](crate::BackendStatus), the cache model (a backend
+    /// that reused far less than predicted no longer holds what it evicted) and
+    /// [`wait_versus_move`](Self::wait_versus_move). An answer that is not JSON or SSE, is
+    /// compressed, or reports nothing costs one header check.
+    pub fn observe_usage(mut self, enabled: bool) -> Self {
+        self.config.observe_usage = enabled;
         self
     }
 

@@ -76,6 +76,7 @@
 //   wait.rs      the wait queue: which waiter a freed slot wakes
 //   chain.rs     PromptChain: a prompt's digests at its message boundaries
 //   cache.rs     the cache model: the chain links each backend probably holds
+//   learn.rs     what the answers teach per backend: reuse, prefill rate, wait versus move
 //   body.rs      ResponseBody: holds the slot until the body ends; InnerOrBytes, shared with key/
 //   overflow.rs  what a request does when every candidate is full
 //   error.rs     Error, its HTTP mapping, ErrorToResponse
@@ -83,6 +84,7 @@
 //   fleet.rs     nodes, backends, slot counters, health (discovery applied here)
 //   table.rs     the session table
 //   stats.rs     Decision, Outcome, counters
+//   usage.rs     Usage: the prompt and reused tokens a backend's answer reports, and its scanner
 //   discover.rs  static and channel-fed discovery
 //   key/         SessionKey, extractors; key/body/, the body-reading layer (layer, service,
 //                future, body, and the parse: inspect, prompt, facts)
@@ -97,12 +99,14 @@ mod fleet;
 mod future;
 pub mod key;
 mod layer;
+mod learn;
 mod overflow;
 pub mod placement;
 mod retry;
 mod service;
 mod stats;
 mod table;
+mod usage;
 mod wait;
 
 pub use body::ResponseBody;
@@ -116,6 +120,7 @@ pub use retry::RetryOnce;
 pub use service::SessionAffinity;
 pub use stats::{Decision, Outcome, Stats};
 pub use table::Sessions;
+pub use usage::Usage;
 
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]

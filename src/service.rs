@@ -18,18 +18,21 @@ use tokio::time::Instant;
 use tower::discover::{Change, Discover};
 use tower::Service;
 
+use crate::body::Watch;
+use crate::cache::reuse;
 use crate::error::BoxError;
-use crate::fleet::{Capacity, Fleet, SlotGuard};
+use crate::fleet::{Capacity, Fleet, Member, SlotGuard, Topology};
 use crate::future::{Finish, ResponseFuture};
 use crate::key::{KeyExtractor, PromptFacts, SessionKey};
+use crate::learn::Prediction;
 use crate::placement::{
     wants_prefix, BackendRef, Candidates, FleetView, Home, HomeCache, NodeRef, Placement,
     PlacementRequest,
 };
 use crate::stats::{bump, Decision, Outcome, Stats};
 use crate::table::{HomeEntry, SessionStore, SessionTable, Sessions};
-use crate::wait::WaitHome;
-use crate::{Backend, BackendId, BackendStatus, Overflow, ResponseBody};
+use crate::wait::{Scope, WaitHome};
+use crate::{Backend, BackendId, BackendStatus, Overflow, PromptChain, ResponseBody};
 
 /// The most discovery changes applied in one readiness poll, so a stream that never stops
 /// yielding cannot hold a caller forever.
@@ -119,6 +122,11 @@ pub(crate) struct Shared<B, P> {
     pub(crate) finish: Finish,
     /// How long a session waits for its home node before spilling (under `Overflow::Wait`).
     pub(crate) node_patience: Duration,
+    /// Whether a request may wait for the full backend holding its prefix (under
+    /// `Overflow::Wait`, without node patience).
+    wait_versus_move: bool,
+    /// Whether answers are read for the usage they report.
+    observe: bool,
     /// The discovery stream, for requests waiting for a slot.
     discovery: Arc<dyn Drain<B, P>>,
 }
@@ -130,6 +138,8 @@ pub(crate) enum Placed<S> {
         service: S,
         guard: SlotGuard,
         decision: Decision,
+        /// What the response body learns from, when answers are observed.
+        watch: Option<Watch>,
     },
     /// No candidate had a free slot.
     Full { home: WaitHome },
@@ -146,6 +156,8 @@ pub(crate) struct Config {
     pub(crate) decision_extension: bool,
     pub(crate) failure_cooldown: Duration,
     pub(crate) node_patience: Duration,
+    pub(crate) wait_versus_move: bool,
+    pub(crate) observe_usage: bool,
 }
 
 impl<D, K, P, S> SessionAffinity<D, K, P>
@@ -184,6 +196,10 @@ where
                     Overflow::Wait { .. } => config.node_patience,
                     _ => Duration::ZERO,
                 },
+                wait_versus_move: matches!(config.overflow, Overflow::Wait { .. })
+                    && config.node_patience.is_zero()
+                    && config.wait_versus_move,
+                observe: config.observe_usage,
                 discovery: discover,
             }),
             key,
@@ -362,15 +378,19 @@ impl<B, P> Shared<B, P> {
 impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
     /// Places a request: looks up its home, runs the policy, takes a slot, records the
     /// decision. With `overcommit`, a request finding no free slot takes the first candidate
-    /// anyway. With `home_node_only`, a session with a home counts only its home node's
-    /// backends, as long as one of them is healthy: it is waiting for its node.
+    /// anyway. `scope` is what a waiting request holds out for: its home node (node
+    /// patience) or the backend holding its prefix, as long as that is healthy.
+    ///
+    /// A first attempt (`waited` is `None`, any slot will do) that would move the request
+    /// away from the full backend holding its prefix may wait for that backend instead, when
+    /// the answers learned so far say waiting is cheaper (see [`learn`](crate::learn)).
     pub(crate) fn place(
         &self,
         key: Option<SessionKey>,
         extensions: &http::Extensions,
         overcommit: bool,
         waited: Option<Duration>,
-        home_node_only: bool,
+        scope: Scope,
     ) -> Placed<S> {
         let now_ms = self.capacity.now_ms(Instant::now());
         let known = key.and_then(|k| self.table.get(k, now_ms));
@@ -404,22 +424,11 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             .random(random())
             .chain(chain)
             .prefix(prefix);
-        let mut only_node = home_node.filter(|_| home_node_only);
-        let candidates = loop {
-            let mut c = Candidates::acquire(t, now_ms).only_node(only_node);
-            self.placement.place(&view, &request, &mut c);
-            // No healthy backend left on the home node: nothing to wait for there.
-            if only_node.is_some() && c.chosen().is_none() && c.first().is_none() {
-                only_node = None;
-                continue;
-            }
-            break c;
-        };
-        // A waiter is woken first by a slot where its cache is: its home if that still holds
-        // it, else the backend holding its own prefix.
+        // Where the request's cache is: its home if that still holds it, else the backend
+        // holding its own prefix. A waiter is woken first by a slot there.
         let home_cache = home.map_or(HomeCache::Unknown, |h| h.cache);
         let own_prefix = prefix.filter(|p| p.own).map(|p| p.backend.index);
-        let (wait_backend, wait_node) = match home_cache {
+        let (cache_backend, cache_node) = match home_cache {
             HomeCache::Holds | HomeCache::Unknown | HomeCache::Compacted if home_node.is_some() => {
                 (home_backend, home_node)
             }
@@ -428,11 +437,33 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
                 own_prefix.map(|b| t.member(b).node).or(home_node),
             ),
         };
+        let mut only_node = home_node.filter(|_| scope == Scope::Node);
+        let mut only_backend = cache_backend.filter(|_| scope == Scope::Backend);
+        let candidates = loop {
+            let mut c = Candidates::acquire(t, now_ms)
+                .only_node(only_node)
+                .only_backend(only_backend);
+            self.placement.place(&view, &request, &mut c);
+            // Nothing healthy left where it waits: nothing to wait for there.
+            let narrowed = only_node.is_some() || only_backend.is_some();
+            if narrowed && c.chosen().is_none() && c.first().is_none() {
+                only_node = None;
+                only_backend = None;
+                continue;
+            }
+            break c;
+        };
+        let wait_home = |scope, hold| WaitHome {
+            backend: cache_backend,
+            node: cache_node,
+            scope,
+            hold,
+        };
         let full = || Placed::Full {
-            home: WaitHome {
-                backend: wait_backend,
-                node: wait_node,
-                only_node: only_node.is_some(),
+            home: match (only_node, only_backend) {
+                (Some(_), _) => wait_home(Scope::Node, self.node_patience),
+                (_, Some(_)) => wait_home(Scope::Backend, Duration::ZERO),
+                _ => wait_home(Scope::Any, Duration::ZERO),
             },
         };
         let (index, overcommitted) = match (candidates.chosen(), candidates.first()) {
@@ -445,7 +476,18 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             _ => return full(),
         };
         let m = t.member(index);
-        let guard = SlotGuard::new(&m.load, index, m.node);
+        let guard = SlotGuard::new(&m.load, index, m.node, now_ms);
+        if let (Some(chain), Some(target)) = (chain, cache_backend) {
+            let first_try = waited.is_none() && scope == Scope::Any && !overcommitted;
+            if self.wait_versus_move && first_try && target != index {
+                if let Some(hold) = worth_waiting(t, target, index, chain, now_ms) {
+                    drop(guard);
+                    return Placed::Full {
+                        home: wait_home(Scope::Backend, hold),
+                    };
+                }
+            }
+        }
         let Some(service) = fleet.service(index).cloned() else {
             // Unreachable: within one fleet a live member always has its service.
             return full();
@@ -476,6 +518,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             tip: chain.map_or(0, |c| c.tip()),
             node: m.node,
         };
+        let mut watch = self.observe.then(Watch::default);
         if let Some(chain) = chain {
             // What the chosen backend held already: all of the last turn, on a home hit.
             let known = match outcome {
@@ -484,7 +527,15 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
                     .filter(|p| p.backend.index == index)
                     .map_or(0, |p| p.links),
             };
-            m.cache.lock().record_from(chain.links(), known);
+            let (held, stamp) = m.cache.lock().record_from(chain.links(), known);
+            if let Some(w) = watch.as_mut() {
+                w.prediction = Some(Prediction {
+                    prompt_tokens: chain.tokens(),
+                    held_tokens: chain.tokens_at(held),
+                    stamp,
+                });
+                w.cache = Some(m.cache.clone());
+            }
         }
         drop(fleet);
         if let Some(k) = key {
@@ -497,8 +548,37 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             service,
             guard,
             decision,
+            watch,
         }
     }
+}
+
+/// Whether a request should wait for `target`, the full backend holding its prefix, rather
+/// than go to `chosen`, which has room; if so, for how long at most: what moving would cost
+/// more than staying. `None` (move) unless every figure is learned.
+fn worth_waiting(
+    t: &Topology,
+    target: u32,
+    chosen: u32,
+    chain: &PromptChain,
+    now_ms: u64,
+) -> Option<Duration> {
+    let (stay, go) = (t.member(target), t.member(chosen));
+    let load = &stay.load;
+    if load.health(now_ms).0 || load.has_free_slot() {
+        return None;
+    }
+    let prompt = chain.tokens();
+    let lacks = |m: &Member| prompt.saturating_sub(reuse(&m.cache.lock(), chain).1);
+    let stay_read = match lacks(stay) {
+        0 => Duration::ZERO,
+        n => load.learned.read_time(n)?,
+    };
+    let go_read = go.load.learned.read_time(lacks(go))?;
+    let saving = go_read.checked_sub(stay_read)?;
+    let in_flight = load.in_flight.load(Ordering::Relaxed);
+    let wait = load.learned.wait_estimate(in_flight, now_ms)?;
+    (wait < saving).then_some(saving)
 }
 
 /// A random number from this thread's generator (xorshift64*, seeded once per thread from the

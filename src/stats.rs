@@ -136,6 +136,14 @@ pub struct Stats {
     pub backend_errors: u64,
     /// Errors yielded by the discovery stream (the fleet stays as it was).
     pub discovery_errors: u64,
+    /// Answers that reported their usage.
+    pub usage_reports: u64,
+    /// Prompt tokens those answers reported.
+    pub prompt_tokens: u64,
+    /// Of them, tokens the backends said they reused from their caches.
+    pub reused_tokens: u64,
+    /// Answers that reused far less than the cache model predicted (each corrected it).
+    pub corrections: u64,
     /// Gauge: sessions in the table.
     pub sessions: usize,
     /// Gauge: bytes held by the session table.
@@ -199,6 +207,10 @@ pub(crate) struct Counters {
     pub(crate) no_backends: AtomicU64,
     pub(crate) backend_errors: AtomicU64,
     pub(crate) discovery_errors: AtomicU64,
+    pub(crate) usage_reports: AtomicU64,
+    pub(crate) prompt_tokens: AtomicU64,
+    pub(crate) reused_tokens: AtomicU64,
+    pub(crate) corrections: AtomicU64,
 }
 
 pub(crate) fn bump(c: &AtomicU64) {
@@ -251,6 +263,10 @@ impl Counters {
             no_backends: l(&self.no_backends),
             backend_errors: l(&self.backend_errors),
             discovery_errors: l(&self.discovery_errors),
+            usage_reports: l(&self.usage_reports),
+            prompt_tokens: l(&self.prompt_tokens),
+            reused_tokens: l(&self.reused_tokens),
+            corrections: l(&self.corrections),
             ..Stats::default()
         }
     }

@@ -6,8 +6,9 @@
 //! suits best keeps sessions on their own backend or node under overload, where a free-for-all
 //! would hand the slot to whichever waiter happened to run first.
 //!
-//! A waiter held back by node patience waits for its home node only: slots elsewhere do not wake
-//! it until its patience runs out.
+//! A waiter held back waits for one place only, until its hold runs out: its home node (node
+//! patience), or the backend holding its prefix (when waiting for it was estimated cheaper
+//! than moving). Slots elsewhere do not wake it meanwhile.
 //!
 //! A waiter leaves the queue when it is woken. If it does not use the wake (it was dropped, or
 //! timed out, or found a slot elsewhere), it passes the wake on to the oldest waiter, so a
@@ -17,22 +18,40 @@ use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::Waker;
+use std::time::Duration;
 
 use crate::fleet::Capacity;
 
-/// Where a waiting session's home is, by internal index.
+/// Which slots a request waits for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum Scope {
+    /// Any slot its placement offers it.
+    #[default]
+    Any,
+    /// A slot on its home node (node patience).
+    Node,
+    /// A slot on the backend its [`WaitHome::backend`] names: the one holding its prefix.
+    Backend,
+}
+
+/// Where a waiting request's cache is, by internal index, and what it waits for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct WaitHome {
     pub(crate) backend: Option<u32>,
     pub(crate) node: Option<u32>,
-    /// Waiting for a slot on its home node only (node patience).
-    pub(crate) only_node: bool,
+    pub(crate) scope: Scope,
+    /// How long the scope holds before any slot will do.
+    pub(crate) hold: Duration,
 }
 
 impl WaitHome {
-    /// Whether a slot freed on `node` can serve this waiter.
-    fn accepts(&self, node: u32) -> bool {
-        !self.only_node || self.node == Some(node)
+    /// Whether a slot freed on `backend` of `node` can serve this waiter.
+    fn accepts(&self, backend: u32, node: u32) -> bool {
+        match self.scope {
+            Scope::Any => true,
+            Scope::Node => self.node == Some(node),
+            Scope::Backend => self.backend == Some(backend),
+        }
     }
 }
 
@@ -73,8 +92,11 @@ impl Capacity {
         let at = q
             .iter()
             .position(|w| w.home.backend == Some(backend))
-            .or_else(|| q.iter().position(|w| w.home.node == Some(node)))
-            .or_else(|| q.iter().position(|w| w.home.accepts(node)));
+            .or_else(|| {
+                q.iter()
+                    .position(|w| w.home.node == Some(node) && w.home.accepts(backend, node))
+            })
+            .or_else(|| q.iter().position(|w| w.home.accepts(backend, node)));
         let waker = list.take(at);
         drop(list);
         if let Some(w) = waker {
@@ -85,7 +107,7 @@ impl Capacity {
     /// Wakes the oldest waiter that takes a slot anywhere, to pass on a wake that was not used.
     fn wake_oldest(&self) {
         let mut list = self.waiters.lock();
-        let at = list.queue.iter().position(|w| !w.home.only_node);
+        let at = list.queue.iter().position(|w| w.home.scope == Scope::Any);
         let waker = list.take(at);
         drop(list);
         if let Some(w) = waker {
@@ -158,18 +180,18 @@ impl WaitTicket {
         }
     }
 
-    /// Stops waiting for the home node only: from now on a slot anywhere will do.
+    /// Stops holding out for one place: from now on a slot anywhere will do.
     pub(crate) fn widen(&mut self) {
-        self.home.only_node = false;
+        self.home.scope = Scope::Any;
         let mut list = self.capacity.waiters.lock();
         if let Some(w) = list.queue.iter_mut().find(|w| w.seq == self.seq) {
-            w.home.only_node = false;
+            w.home.scope = Scope::Any;
         }
     }
 
-    /// Whether the ticket waits for its home node only.
-    pub(crate) fn home_node_only(&self) -> bool {
-        self.home.only_node
+    /// Which slots the ticket waits for.
+    pub(crate) fn scope(&self) -> Scope {
+        self.home.scope
     }
 
     /// Queues the ticket again after a wake, keeping its place in arrival order.

@@ -92,6 +92,8 @@ pub struct Candidates<'a> {
     topology: &'a Topology,
     /// Only backends of this node count (a session waiting for its home node).
     only_node: Option<u32>,
+    /// Only this backend counts (a request waiting for the backend holding its prefix).
+    only_backend: Option<u32>,
     now_ms: u64,
     down: bool,
     mode: Mode<'a>,
@@ -114,6 +116,7 @@ impl<'a> Candidates<'a> {
         Candidates {
             topology,
             only_node: None,
+            only_backend: None,
             now_ms,
             down: false,
             mode: Mode::Acquire,
@@ -127,6 +130,7 @@ impl<'a> Candidates<'a> {
         Candidates {
             topology,
             only_node: None,
+            only_backend: None,
             now_ms,
             down: false,
             mode: Mode::Probe,
@@ -140,6 +144,7 @@ impl<'a> Candidates<'a> {
         Candidates {
             topology,
             only_node: None,
+            only_backend: None,
             now_ms,
             down: false,
             mode: Mode::Collect(into),
@@ -161,7 +166,9 @@ impl<'a> Candidates<'a> {
         }
         let index = backend.index;
         let member = self.topology.member(index);
-        if self.only_node.is_some_and(|n| n != member.node) {
+        if self.only_node.is_some_and(|n| n != member.node)
+            || self.only_backend.is_some_and(|b| b != index)
+        {
             return ControlFlow::Continue(());
         }
         let load = &member.load;
@@ -195,6 +202,12 @@ impl<'a> Candidates<'a> {
     /// Counts only the backends of `node`.
     pub(crate) fn only_node(mut self, node: Option<u32>) -> Self {
         self.only_node = node;
+        self
+    }
+
+    /// Counts only `backend`.
+    pub(crate) fn only_backend(mut self, backend: Option<u32>) -> Self {
+        self.only_backend = backend;
         self
     }
 

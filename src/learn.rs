@@ -1,0 +1,270 @@
+//! What the backends' answers teach: per backend, the prompt and reused tokens they report,
+//! their time to first byte, how long their requests take and how fast they read a prompt;
+//! and from those, whether a request whose cache is on a full backend should wait for it or
+//! move.
+//!
+//! Every figure is an atomic of the backend's [`Load`](crate::fleet::Load), written once per
+//! answer that reports one, so that reading them on the placement path takes no lock.
+//!
+//! # Wait versus move
+//!
+//! When the backend holding a request's prefix is full and another has room:
+//!
+//! - the wait for a slot there is estimated from its requests in flight (how long they have
+//!   run, on average, from the sum of their start times) against how long its requests take
+//!   (learned);
+//! - the cost of moving is the prompt tokens the other backend would read again (what the
+//!   cache model says it lacks) divided by its learned prefill rate.
+//!
+//! If the wait is the cheaper, the request waits for the full backend, at most as long as
+//! moving would cost; then it moves. Waiting up to the price of the alternative and then
+//! paying it never costs more than twice the better choice made with hindsight (the
+//! ski-rental bound), however wrong the estimate of the wait was. Until both figures are
+//! learned, the request moves at once, as it did before anything was learned.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use crate::Usage;
+
+/// The weight of the newest answer in the learned averages.
+const ALPHA: f64 = 0.25;
+
+/// Prompts shorter than this many read tokens teach nothing about the prefill rate: their
+/// time is mostly the fixed cost of a request.
+const MIN_READ_FOR_RATE: u64 = 256;
+
+/// A request is a misprediction when the backend reused less than half the share of its
+/// prompt the cache model predicted, and the model predicted at least this share.
+const MIN_PREDICTED_SHARE: f64 = 0.25;
+
+/// One backend's learned figures.
+#[derive(Debug, Default)]
+pub(crate) struct Learned {
+    /// Answers that reported usage.
+    pub(crate) reports: AtomicU64,
+    /// Prompt tokens those answers reported.
+    pub(crate) prompt_tokens: AtomicU64,
+    /// Of them, reused tokens (counted only from answers that say).
+    pub(crate) reused_tokens: AtomicU64,
+    /// Answers whose reuse was far below the cache model's prediction.
+    pub(crate) corrections: AtomicU64,
+    /// Whether this backend has ever reported its reuse: from then on an answer that leaves
+    /// it out reused nothing (vLLM omits `cached_tokens` when it is 0).
+    says_reuse: AtomicBool,
+    /// Time to first byte: sum in milliseconds, and count.
+    pub(crate) first_byte_ms: AtomicU64,
+    pub(crate) first_bytes: AtomicU64,
+    /// Prompt tokens read per second (an `f64`'s bits; 0 until learned).
+    prefill_rate: AtomicU64,
+    /// How long a request takes, dispatch to the end of its answer, in milliseconds (an
+    /// `f64`'s bits; 0 until learned).
+    duration_ms: AtomicU64,
+    /// The sum of the dispatch times (fleet milliseconds) of the requests in flight.
+    pub(crate) started_ms: AtomicU64,
+}
+
+/// What placement predicted for a request on the backend it chose, kept for its answer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Prediction {
+    /// Tokens of the prompt, by the chain's estimate.
+    pub(crate) prompt_tokens: u64,
+    /// Of them, the tokens the model said the backend held.
+    pub(crate) held_tokens: u64,
+    /// When the deepest held link was last used (the model's clock), before this request.
+    pub(crate) stamp: u32,
+}
+
+/// One answer, as the response body saw it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Answer {
+    pub(crate) usage: Option<Usage>,
+    /// Dispatch to the first byte of the body.
+    pub(crate) first_byte: Option<Duration>,
+    /// Dispatch to the end of the body.
+    pub(crate) duration: Duration,
+    /// Whether the body streamed (SSE): its first byte came after the prompt was read.
+    pub(crate) stream: bool,
+}
+
+fn load_f64(a: &AtomicU64) -> Option<f64> {
+    let v = f64::from_bits(a.load(Ordering::Relaxed));
+    (v > 0.0).then_some(v)
+}
+
+fn blend(a: &AtomicU64, sample: f64) {
+    if !(sample.is_finite() && sample > 0.0) {
+        return;
+    }
+    let _ = a.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+        let old = f64::from_bits(bits);
+        let new = if old > 0.0 {
+            old + ALPHA * (sample - old)
+        } else {
+            sample
+        };
+        Some(new.to_bits())
+    });
+}
+
+impl Learned {
+    /// Takes in one answer; returns its usage with the reuse filled in where this backend's
+    /// habits say what an absent figure means, and whether the cache model mispredicted it.
+    pub(crate) fn learn(
+        &self,
+        answer: &Answer,
+        predicted: Option<Prediction>,
+    ) -> (Option<Usage>, bool) {
+        blend(&self.duration_ms, answer.duration.as_secs_f64() * 1000.0);
+        if let Some(t) = answer.first_byte {
+            self.first_byte_ms
+                .fetch_add(t.as_millis() as u64, Ordering::Relaxed);
+            self.first_bytes.fetch_add(1, Ordering::Relaxed);
+        }
+        let Some(mut usage) = answer.usage else {
+            return (None, false);
+        };
+        match usage.reused_tokens {
+            Some(_) => self.says_reuse.store(true, Ordering::Relaxed),
+            None if self.says_reuse.load(Ordering::Relaxed) => usage.reused_tokens = Some(0),
+            None => {}
+        }
+        self.reports.fetch_add(1, Ordering::Relaxed);
+        self.prompt_tokens
+            .fetch_add(usage.prompt_tokens, Ordering::Relaxed);
+        let Some(reused) = usage.reused_tokens else {
+            return (Some(usage), false);
+        };
+        self.reused_tokens.fetch_add(reused, Ordering::Relaxed);
+        let read = usage.prompt_tokens.saturating_sub(reused);
+        // The time the prompt took to read: llama.cpp says; a stream's first byte tells.
+        let read_time = usage
+            .prompt_time
+            .or(answer.first_byte.filter(|_| answer.stream));
+        if let Some(t) = read_time.filter(|_| read >= MIN_READ_FOR_RATE) {
+            blend(&self.prefill_rate, read as f64 / t.as_secs_f64().max(1e-3));
+        }
+        let mispredicted = predicted.is_some_and(|p| {
+            let predicted = p.held_tokens as f64 / p.prompt_tokens.max(1) as f64;
+            let measured = reused as f64 / usage.prompt_tokens.max(1) as f64;
+            predicted >= MIN_PREDICTED_SHARE && measured < predicted / 2.0
+        });
+        if mispredicted {
+            self.corrections.fetch_add(1, Ordering::Relaxed);
+        }
+        (Some(usage), mispredicted)
+    }
+
+    /// Prompt tokens read per second, once learned.
+    pub(crate) fn prefill_rate(&self) -> Option<f64> {
+        load_f64(&self.prefill_rate)
+    }
+
+    /// How long a request takes, once learned.
+    pub(crate) fn request_time(&self) -> Option<Duration> {
+        load_f64(&self.duration_ms).map(|ms| Duration::from_secs_f64(ms / 1000.0))
+    }
+
+    /// The mean time to first byte so far.
+    pub(crate) fn first_byte_time(&self) -> Option<Duration> {
+        let n = self.first_bytes.load(Ordering::Relaxed);
+        (n > 0).then(|| Duration::from_millis(self.first_byte_ms.load(Ordering::Relaxed) / n))
+    }
+
+    /// The estimated wait for a slot on a backend whose `in_flight` requests fill it, at
+    /// fleet time `now_ms`; `None` until its request time is learned.
+    ///
+    /// Its requests' starts are taken as spread evenly: the oldest of `n` has then run
+    /// `2n / (n + 1)` times their mean age, and its slot frees when it reaches the learned
+    /// request time.
+    pub(crate) fn wait_estimate(&self, in_flight: u32, now_ms: u64) -> Option<Duration> {
+        let took = load_f64(&self.duration_ms)?;
+        if in_flight == 0 {
+            return Some(Duration::ZERO);
+        }
+        let n = f64::from(in_flight);
+        let started = self.started_ms.load(Ordering::Relaxed) as f64 / n;
+        let mean_age = (now_ms as f64 - started).max(0.0);
+        let oldest = mean_age * 2.0 * n / (n + 1.0);
+        Some(Duration::from_secs_f64((took - oldest).max(0.0) / 1000.0))
+    }
+
+    /// What moving a request here costs: the time to read `tokens`, once the rate is learned.
+    pub(crate) fn read_time(&self, tokens: u64) -> Option<Duration> {
+        let rate = self.prefill_rate()?;
+        Some(Duration::from_secs_f64(tokens as f64 / rate))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(prompt: u64, reused: Option<u64>, first_byte_ms: u64) -> Answer {
+        Answer {
+            usage: Some(Usage {
+                prompt_tokens: prompt,
+                reused_tokens: reused,
+                prompt_time: None,
+            }),
+            first_byte: Some(Duration::from_millis(first_byte_ms)),
+            duration: Duration::from_secs(10),
+            stream: true,
+        }
+    }
+
+    #[test]
+    fn prefill_rate_is_learned_from_read_tokens_against_first_byte() {
+        let l = Learned::default();
+        assert_eq!(l.prefill_rate(), None);
+        l.learn(&answer(10_000, Some(0), 50_000), None);
+        assert_eq!(l.prefill_rate(), Some(200.0));
+        // A warm turn reads too little to say anything about the rate.
+        l.learn(&answer(10_100, Some(10_000), 1_000), None);
+        assert_eq!(l.prefill_rate(), Some(200.0));
+        assert_eq!(l.read_time(2_000), Some(Duration::from_secs(10)));
+    }
+
+    #[test]
+    fn a_backend_that_once_said_its_reuse_reused_nothing_when_it_leaves_it_out() {
+        let l = Learned::default();
+        let (u, _) = l.learn(&answer(100, None, 10), None);
+        assert_eq!(u.unwrap().reused_tokens, None);
+        l.learn(&answer(100, Some(50), 10), None);
+        let (u, _) = l.learn(&answer(100, None, 10), None);
+        assert_eq!(u.unwrap().reused_tokens, Some(0));
+    }
+
+    #[test]
+    fn far_less_reuse_than_predicted_is_a_misprediction() {
+        let l = Learned::default();
+        let p = Prediction {
+            prompt_tokens: 10_000,
+            held_tokens: 9_000,
+            stamp: 0,
+        };
+        assert!(!l.learn(&answer(10_000, Some(8_800), 10), Some(p)).1);
+        assert!(l.learn(&answer(10_000, Some(100), 10), Some(p)).1);
+        assert_eq!(l.corrections.load(Ordering::Relaxed), 1);
+        // Predicting little is never a misprediction.
+        let small = Prediction {
+            held_tokens: 500,
+            ..p
+        };
+        assert!(!l.learn(&answer(10_000, Some(0), 10), Some(small)).1);
+    }
+
+    #[test]
+    fn wait_estimate_from_the_requests_in_flight() {
+        let l = Learned::default();
+        assert_eq!(l.wait_estimate(2, 1_000), None);
+        l.learn(&answer(1, Some(0), 1), None); // a 10 s request
+                                               // Two requests started at 0 s and 4 s; now is 6 s: mean age 4 s, the oldest about
+                                               // 5.3 s, so about 4.7 s to go.
+        l.started_ms.store(4_000, Ordering::Relaxed);
+        let w = l.wait_estimate(2, 6_000).unwrap();
+        assert!((w.as_secs_f64() - 4.667).abs() < 0.01, "{w:?}");
+        // Requests older than the learned time: a slot is due now.
+        assert_eq!(l.wait_estimate(2, 60_000), Some(Duration::ZERO));
+    }
+}

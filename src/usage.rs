@@ -1,0 +1,510 @@
+//! What a backend's answer says it did with the prompt: [`Usage`], and the scanner that reads
+//! it from a JSON answer or an SSE stream as the bytes pass.
+//!
+//! The figures, by API:
+//!
+//! | answer | prompt tokens | of which reused |
+//! |---|---|---|
+//! | OpenAI chat / completions | `usage.prompt_tokens` | `usage.prompt_tokens_details.cached_tokens` |
+//! | llama.cpp (any of its APIs) | `timings.prompt_n + timings.cache_n` | `timings.cache_n` |
+//! | Anthropic Messages | `usage.input_tokens` + the two below | `usage.cache_read_input_tokens` (`cache_creation_input_tokens` was read) |
+//! | OpenAI Responses | `usage.input_tokens` | `usage.input_tokens_details.cached_tokens` |
+//!
+//! llama.cpp's `timings` win where present: they are exact, and they ride on the last chunk
+//! of a stream whether or not the client asked for usage. A stream carries usage only when
+//! the client asked (`stream_options.include_usage`); vLLM reports `cached_tokens` only with
+//! `--enable-prompt-tokens-details`, and leaves it out when it is 0, so an answer without it
+//! says nothing about reuse (see [`Usage::reused_tokens`]).
+//!
+//! The scanner looks for the members `"usage"` and `"timings"` wherever they are (top level of
+//! a chat answer, inside `response` in a Responses stream, inside `message` in an Anthropic
+//! one) and parses only the object that follows each: a 4 KiB answer is searched, not
+//! parsed. A member name inside a string is escaped (`\"usage\"`) and is not taken for one.
+//! Later figures overwrite earlier ones field by field, so the last chunk of a stream wins
+//! while a figure given only in its first event (Anthropic's `message_start`) stays. An
+//! object that is not what the APIs send (a count that is not a non-negative integer, say)
+//! is passed over whole.
+
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use memchr::memmem::Finder;
+use serde::Deserialize;
+
+/// What one answer says about its prompt: how many tokens it had, and how many of them the
+/// backend reused from its cache rather than read again.
+///
+/// Read from the answer's body as it passes through the service (see
+/// [`ResponseBody::usage`](crate::ResponseBody::usage)).
+///
+/// ```
+/// use tower_affinity::Usage;
+///
+/// let answer = br#"{"choices":[],"usage":{"prompt_tokens":30160,"completion_tokens":180,
+///     "prompt_tokens_details":{"cached_tokens":30000}}}"#;
+/// let usage = Usage::from_body(answer).unwrap();
+/// assert_eq!(usage.prompt_tokens, 30_160);
+/// assert_eq!(usage.reused_tokens, Some(30_000));
+/// assert_eq!(usage.read_tokens(), Some(160));
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[non_exhaustive]
+pub struct Usage {
+    /// Tokens of prompt the answer was for, reused and read alike.
+    pub prompt_tokens: u64,
+    /// Of those, the tokens the backend took from its cache. `None` when the answer does not
+    /// say (a backend that does not report it, or vLLM without
+    /// `--enable-prompt-tokens-details`).
+    pub reused_tokens: Option<u64>,
+    /// How long the backend took to read the rest (llama.cpp's `timings.prompt_ms`), if it says.
+    pub prompt_time: Option<Duration>,
+}
+
+impl Usage {
+    /// The figures of a whole answer body, JSON or SSE; `None` if it has none.
+    pub fn from_body(body: &[u8]) -> Option<Usage> {
+        let mut s = UsageScanner::default();
+        s.feed(body);
+        s.finish()
+    }
+
+    /// Tokens the backend read (`prompt_tokens - reused_tokens`), when reuse is known.
+    pub fn read_tokens(&self) -> Option<u64> {
+        self.reused_tokens
+            .map(|r| self.prompt_tokens.saturating_sub(r))
+    }
+}
+
+/// The most bytes of one `usage` or `timings` object kept while it is incomplete: the real
+/// ones are a few hundred bytes. A longer one is passed over.
+const CAPTURE_LIMIT: usize = 4096;
+
+/// The member names searched for, quotes included.
+const USAGE: &[u8] = b"\"usage\"";
+const TIMINGS: &[u8] = b"\"timings\"";
+/// Bytes kept from the end of one chunk to find a name the next chunk completes.
+const CARRY: usize = TIMINGS.len() - 1;
+
+static FIND_USAGE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(USAGE));
+static FIND_TIMINGS: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(TIMINGS));
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Member {
+    Usage,
+    Timings,
+}
+
+/// Finds the figures in a body fed to it chunk by chunk.
+#[derive(Debug, Default)]
+pub(crate) struct UsageScanner {
+    /// The last bytes of the previous chunk, and how many there are.
+    carry: [u8; CARRY],
+    carry_len: usize,
+    /// The bytes after a member name, while its value is incomplete.
+    capture: Vec<u8>,
+    capturing: Option<Member>,
+    wire: Wire,
+    found: bool,
+}
+
+/// The figures seen so far, field by field.
+#[derive(Clone, Copy, Debug, Default)]
+struct Wire {
+    prompt_tokens: Option<u64>,
+    prompt_cached: Option<u64>,
+    input_tokens: Option<u64>,
+    input_cached: Option<u64>,
+    cache_read: Option<u64>,
+    cache_creation: Option<u64>,
+    prompt_n: Option<u64>,
+    cache_n: Option<u64>,
+    prompt_ms: Option<f64>,
+}
+
+#[derive(Deserialize)]
+struct UsageObject {
+    prompt_tokens: Option<u64>,
+    prompt_tokens_details: Option<Details>,
+    input_tokens: Option<u64>,
+    input_tokens_details: Option<Details>,
+    cache_read_input_tokens: Option<u64>,
+    cache_creation_input_tokens: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct Details {
+    cached_tokens: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct TimingsObject {
+    prompt_n: Option<u64>,
+    cache_n: Option<u64>,
+    prompt_ms: Option<f64>,
+}
+
+/// What parsing a captured value gave.
+enum Parsed {
+    /// More bytes are needed.
+    Incomplete,
+    /// Done (taken or passed over); the value ended `n` bytes into the capture.
+    Done(usize),
+}
+
+impl UsageScanner {
+    /// Reads one chunk of the body.
+    pub(crate) fn feed(&mut self, chunk: &[u8]) {
+        if chunk.is_empty() {
+            return;
+        }
+        if let Some(member) = self.capturing {
+            self.capture_more(member, chunk);
+            return;
+        }
+        // A name split between the last chunk and this one.
+        if self.carry_len > 0 {
+            let mut joined = [0u8; 2 * CARRY];
+            let carried = self.carry_len;
+            let head = chunk.len().min(CARRY);
+            joined[..carried].copy_from_slice(&self.carry[..carried]);
+            joined[carried..carried + head].copy_from_slice(&chunk[..head]);
+            if let Some((member, end)) = first_member(&joined[..carried + head], carried) {
+                self.carry_len = 0;
+                let rest = &chunk[end - carried..];
+                if let Some(used) = self.capture_from(member, rest) {
+                    self.scan(&rest[used..]);
+                }
+                return;
+            }
+        }
+        self.scan(chunk);
+    }
+
+    /// Looks for member names in `bytes`, which follow everything scanned before.
+    fn scan(&mut self, mut bytes: &[u8]) {
+        loop {
+            let Some((member, end)) = first_member(bytes, 0) else {
+                self.keep_carry(bytes);
+                return;
+            };
+            self.carry_len = 0;
+            match self.capture_from(member, &bytes[end..]) {
+                Some(used) => bytes = &bytes[end + used..],
+                None => return,
+            }
+        }
+    }
+
+    /// Keeps the last bytes scanned, for a name the next chunk completes.
+    fn keep_carry(&mut self, bytes: &[u8]) {
+        if bytes.len() >= CARRY {
+            self.carry.copy_from_slice(&bytes[bytes.len() - CARRY..]);
+            self.carry_len = CARRY;
+            return;
+        }
+        // Fewer new bytes than the carry holds: keep the newest CARRY in all.
+        let n = bytes.len();
+        let keep = (self.carry_len + n).min(CARRY);
+        let old = keep - n;
+        self.carry
+            .copy_within(self.carry_len - old..self.carry_len, 0);
+        self.carry[old..keep].copy_from_slice(bytes);
+        self.carry_len = keep;
+    }
+
+    /// Starts reading the value after a member name from `rest`. Returns how many bytes of
+    /// `rest` it used when it is done with the value (read, or passed over), or `None` while
+    /// the value goes on into the next chunk.
+    fn capture_from(&mut self, member: Member, rest: &[u8]) -> Option<usize> {
+        self.capture.clear();
+        let take = rest.len().min(CAPTURE_LIMIT);
+        self.capture.extend_from_slice(&rest[..take]);
+        match self.parse(member) {
+            Parsed::Done(end) => Some(end),
+            // Too long to be a usage object: passed over, and scanning goes on after it.
+            Parsed::Incomplete if take == CAPTURE_LIMIT => Some(take),
+            Parsed::Incomplete => {
+                self.capturing = Some(member);
+                None
+            }
+        }
+    }
+
+    /// Goes on reading a value that an earlier chunk began.
+    fn capture_more(&mut self, member: Member, bytes: &[u8]) {
+        let before = self.capture.len();
+        let take = bytes.len().min(CAPTURE_LIMIT - before);
+        self.capture.extend_from_slice(&bytes[..take]);
+        let used = match self.parse(member) {
+            Parsed::Done(end) => end.saturating_sub(before),
+            Parsed::Incomplete if self.capture.len() == CAPTURE_LIMIT => take,
+            Parsed::Incomplete => return,
+        };
+        self.capturing = None;
+        self.carry_len = 0;
+        self.scan(&bytes[used..]);
+    }
+
+    /// Parses the value captured after a member name: `: {...}` is read; `: null`, or anything
+    /// else, is passed over.
+    fn parse(&mut self, member: Member) -> Parsed {
+        let b = &self.capture;
+        let mut i = skip_ws(b, 0);
+        match b.get(i) {
+            None => return Parsed::Incomplete,
+            Some(b':') => i += 1,
+            // The name was a value (`["usage"]`), not a member.
+            Some(_) => return Parsed::Done(i),
+        }
+        i = skip_ws(b, i);
+        match b.get(i) {
+            None => Parsed::Incomplete,
+            Some(b'{') => {
+                let mut values = serde_json::Deserializer::from_slice(&b[i..])
+                    .into_iter::<&serde_json::value::RawValue>();
+                match values.next() {
+                    Some(Ok(raw)) => {
+                        let end = i + values.byte_offset();
+                        if take(&mut self.wire, member, raw.get()) {
+                            self.found = true;
+                        }
+                        Parsed::Done(end)
+                    }
+                    Some(Err(e)) if e.is_eof() => Parsed::Incomplete,
+                    // Not JSON after all: skip the brace and go on.
+                    _ => Parsed::Done(i + 1),
+                }
+            }
+            Some(_) => Parsed::Done(i),
+        }
+    }
+
+    /// The figures of the whole body, once it has ended.
+    pub(crate) fn finish(&self) -> Option<Usage> {
+        if !self.found {
+            return None;
+        }
+        let w = &self.wire;
+        let prompt_time = w.prompt_ms.map(|ms| Duration::from_secs_f64(ms / 1000.0));
+        if let (Some(read), Some(cached)) = (w.prompt_n, w.cache_n) {
+            return Some(Usage {
+                prompt_tokens: read.saturating_add(cached),
+                reused_tokens: Some(cached),
+                prompt_time,
+            });
+        }
+        let (prompt_tokens, reused_tokens) = if let Some(p) = w.prompt_tokens {
+            (p, w.prompt_cached)
+        } else if w.cache_read.is_some() || w.cache_creation.is_some() {
+            // Anthropic: `input_tokens` counts only what followed the cache breakpoints.
+            let read = w.cache_read.unwrap_or(0);
+            let total = w
+                .input_tokens
+                .unwrap_or(0)
+                .saturating_add(read)
+                .saturating_add(w.cache_creation.unwrap_or(0));
+            (total, Some(read))
+        } else if let Some(p) = w.input_tokens {
+            (p, w.input_cached)
+        } else {
+            return None;
+        };
+        Some(Usage {
+            prompt_tokens,
+            reused_tokens: reused_tokens.map(|r| r.min(prompt_tokens)),
+            prompt_time,
+        })
+    }
+}
+
+/// Adds the figures of one `usage` or `timings` object; `false` if it is not one.
+fn take(w: &mut Wire, member: Member, json: &str) -> bool {
+    match member {
+        Member::Usage => {
+            let Ok(u) = serde_json::from_str::<UsageObject>(json) else {
+                return false;
+            };
+            set(&mut w.prompt_tokens, u.prompt_tokens);
+            set(
+                &mut w.prompt_cached,
+                u.prompt_tokens_details.and_then(|d| d.cached_tokens),
+            );
+            set(&mut w.input_tokens, u.input_tokens);
+            set(
+                &mut w.input_cached,
+                u.input_tokens_details.and_then(|d| d.cached_tokens),
+            );
+            set(&mut w.cache_read, u.cache_read_input_tokens);
+            set(&mut w.cache_creation, u.cache_creation_input_tokens);
+        }
+        Member::Timings => {
+            let Ok(t) = serde_json::from_str::<TimingsObject>(json) else {
+                return false;
+            };
+            set(&mut w.prompt_n, t.prompt_n);
+            set(&mut w.cache_n, t.cache_n);
+            set(
+                &mut w.prompt_ms,
+                t.prompt_ms.filter(|ms| ms.is_finite() && *ms >= 0.0),
+            );
+        }
+    }
+    true
+}
+
+fn set<T>(slot: &mut Option<T>, value: Option<T>) {
+    if value.is_some() {
+        *slot = value;
+    }
+}
+
+fn skip_ws(b: &[u8], mut i: usize) -> usize {
+    while i < b.len() && matches!(b[i], b' ' | b'\t' | b'\n' | b'\r') {
+        i += 1;
+    }
+    i
+}
+
+/// The first member name in `bytes` that ends after `min_end` bytes in (so that a name wholly
+/// inside an already scanned carry is not found twice) and is not escaped: its member, and
+/// the position just after it. (For a name split over chunks, a backslash before the carry
+/// is not seen.)
+fn first_member(bytes: &[u8], min_end: usize) -> Option<(Member, usize)> {
+    let usage =
+        find_unescaped(&FIND_USAGE, bytes, min_end).map(|i| (Member::Usage, i, i + USAGE.len()));
+    let timings = find_unescaped(&FIND_TIMINGS, bytes, min_end)
+        .map(|i| (Member::Timings, i, i + TIMINGS.len()));
+    match (usage, timings) {
+        (Some(u), Some(t)) => Some(if u.1 <= t.1 { (u.0, u.2) } else { (t.0, t.2) }),
+        (Some((m, _, e)), None) | (None, Some((m, _, e))) => Some((m, e)),
+        (None, None) => None,
+    }
+}
+
+fn find_unescaped(finder: &Finder<'_>, bytes: &[u8], min_end: usize) -> Option<usize> {
+    let len = finder.needle().len();
+    finder.find_iter(bytes).find(|&at| {
+        if at + len <= min_end {
+            return false;
+        }
+        // An odd run of backslashes before the quote escapes it: the name is inside a string.
+        let slashes = bytes[..at]
+            .iter()
+            .rev()
+            .take_while(|&&c| c == b'\\')
+            .count();
+        slashes % 2 == 0
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scan_in_pieces(body: &[u8], piece: usize) -> Option<Usage> {
+        let mut s = UsageScanner::default();
+        for chunk in body.chunks(piece) {
+            s.feed(chunk);
+        }
+        s.finish()
+    }
+
+    const CHAT: &[u8] = br#"{"id":"x","choices":[{"message":{"content":"the \"usage\": {\"prompt_tokens\": 1} field"}}],"usage":{"prompt_tokens":1200,"completion_tokens":12,"prompt_tokens_details":{"cached_tokens":1024}}}"#;
+
+    #[test]
+    fn openai_chat_answer_gives_prompt_and_cached_tokens() {
+        let u = Usage::from_body(CHAT).unwrap();
+        assert_eq!((u.prompt_tokens, u.reused_tokens), (1200, Some(1024)));
+    }
+
+    #[test]
+    fn the_same_figures_whatever_the_chunking() {
+        let whole = Usage::from_body(CHAT);
+        for piece in 1..CHAT.len() {
+            assert_eq!(scan_in_pieces(CHAT, piece), whole, "pieces of {piece}");
+        }
+    }
+
+    #[test]
+    fn llama_cpp_timings_win_over_usage() {
+        let body = br#"{"usage":{"prompt_tokens":900},"timings":{"prompt_n":100,"cache_n":800,"prompt_ms":250.0}}"#;
+        let u = Usage::from_body(body).unwrap();
+        assert_eq!((u.prompt_tokens, u.reused_tokens), (900, Some(800)));
+        assert_eq!(u.prompt_time, Some(Duration::from_millis(250)));
+    }
+
+    #[test]
+    fn anthropic_input_tokens_exclude_the_cached_ones() {
+        let body = br#"{"type":"message","usage":{"input_tokens":50,"cache_read_input_tokens":2000,"cache_creation_input_tokens":10,"output_tokens":5}}"#;
+        let u = Usage::from_body(body).unwrap();
+        assert_eq!((u.prompt_tokens, u.reused_tokens), (2060, Some(2000)));
+    }
+
+    #[test]
+    fn responses_api_input_tokens_details() {
+        let body = br#"{"object":"response","usage":{"input_tokens":3000,"input_tokens_details":{"cached_tokens":2900},"output_tokens":7}}"#;
+        let u = Usage::from_body(body).unwrap();
+        assert_eq!((u.prompt_tokens, u.reused_tokens), (3000, Some(2900)));
+    }
+
+    #[test]
+    fn vllm_without_cached_tokens_says_nothing_about_reuse() {
+        let body = br#"{"usage":{"prompt_tokens":3000,"completion_tokens":7,"prompt_tokens_details":null}}"#;
+        let u = Usage::from_body(body).unwrap();
+        assert_eq!((u.prompt_tokens, u.reused_tokens), (3000, None));
+    }
+
+    #[test]
+    fn sse_stream_final_usage_chunk() {
+        let body = b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}],\"usage\":null}\n\n\
+data: {\"choices\":[],\"usage\":{\"prompt_tokens\":40,\"prompt_tokens_details\":{\"cached_tokens\":32}}}\n\n\
+data: [DONE]\n\n";
+        for piece in [1, 3, 7, 64, body.len()] {
+            let u = scan_in_pieces(body, piece).unwrap();
+            assert_eq!(
+                (u.prompt_tokens, u.reused_tokens),
+                (40, Some(32)),
+                "{piece}"
+            );
+        }
+    }
+
+    #[test]
+    fn anthropic_stream_keeps_message_start_figures() {
+        let body = b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":5,\"cache_read_input_tokens\":95}}}\n\n\
+event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":9}}\n\n";
+        let u = Usage::from_body(body).unwrap();
+        assert_eq!((u.prompt_tokens, u.reused_tokens), (100, Some(95)));
+    }
+
+    #[test]
+    fn malformed_or_mistyped_usage_gives_no_figure() {
+        for body in [
+            &br#"{"usage":{"prompt_tokens":"12"}}"#[..],
+            br#"{"usage":{"prompt_tokens":-3}}"#,
+            br#"{"usage":[1,2]}"#,
+            br#"{"usage":{"prompt_tokens":12,"#,
+            br#"{"usage":"#,
+            br#"not json at all, "usage" said"#,
+            br#"{"timings":{"prompt_n":1.5,"cache_n":2}}"#,
+        ] {
+            assert_eq!(
+                Usage::from_body(body),
+                None,
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
+    }
+
+    #[test]
+    fn an_overlong_object_is_passed_over_and_scanning_goes_on() {
+        let mut body = br#"{"usage":{"pad":""#.to_vec();
+        body.extend(std::iter::repeat_n(b'x', CAPTURE_LIMIT * 2));
+        body.extend_from_slice(br#""},"timings":{"prompt_n":1,"cache_n":2}}"#);
+        for piece in [5, 1000, body.len()] {
+            let u = scan_in_pieces(&body, piece).unwrap();
+            assert_eq!(u.reused_tokens, Some(2), "{piece}");
+        }
+    }
+}
