@@ -16,7 +16,7 @@ use parking_lot::Mutex;
 use pin_project_lite::pin_project;
 use tokio::time::Instant;
 
-use crate::cache::CacheModel;
+use crate::cache::{CacheModel, Verdict};
 use crate::fleet::SlotGuard;
 use crate::learn::{Answer, Prediction};
 use crate::stats::bump;
@@ -114,7 +114,7 @@ impl Observe {
             duration: ms(now),
             stream: self.stream,
         };
-        let (usage, mispredicted) = guard.learned().learn(&answer, self.watch.prediction);
+        let (usage, verdict) = guard.learned().learn(&answer, self.watch.prediction);
         if let Some(u) = usage {
             let c = &capacity.counters;
             c.usage_reports.fetch_add(1, Ordering::Relaxed);
@@ -123,10 +123,18 @@ impl Observe {
             let reused = u.reused_tokens.unwrap_or(0);
             c.reused_tokens.fetch_add(reused, Ordering::Relaxed);
         }
-        if mispredicted {
+        if verdict == Verdict::HeldLess {
             bump(&capacity.counters.corrections);
+        }
+        if verdict != Verdict::Fine {
             if let (Some(cache), Some(p)) = (&self.watch.cache, self.watch.prediction) {
-                cache.lock().forget_until(p.stamp);
+                // What the model over-predicted, in the chain's estimate of tokens.
+                let share = usage.map_or(0.0, |u| {
+                    u.reused_tokens.unwrap_or(0) as f64 / u.prompt_tokens.max(1) as f64
+                });
+                let measured = (p.prompt_tokens as f64 * share) as u64;
+                let shortfall = p.held_tokens.saturating_sub(measured);
+                cache.lock().correct(verdict, p.stamp, shortfall);
             }
         }
         self.usage = usage;

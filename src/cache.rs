@@ -198,7 +198,11 @@ pub(crate) struct CacheModel {
     tail: u32,
     leaves: u32,
     tokens: u64,
+    /// The budget the model keeps to: the declared one, or more where the backend's answers
+    /// showed it holding more (see [`correct`](Self::correct)).
     budget: u64,
+    /// The backend's declared budget.
+    declared: u64,
     max_blocks: usize,
     evicted: u64,
     /// Counts records: the stamps' clock.
@@ -217,6 +221,7 @@ impl CacheModel {
             leaves: 0,
             tokens: 0,
             budget,
+            declared: budget,
             max_blocks: Self::max_blocks(budget),
             evicted: 0,
             clock: 0,
@@ -232,6 +237,7 @@ impl CacheModel {
     /// Changes the budget (discovery updated the backend); evicts down to it.
     pub(crate) fn set_budget(&mut self, budget: u64) {
         self.budget = budget;
+        self.declared = budget;
         self.max_blocks = Self::max_blocks(budget);
         self.evict();
     }
@@ -454,19 +460,48 @@ impl CacheModel {
         }
     }
 
-    /// The backend answered that it no longer held a prefix last used at `stamp`: as it
-    /// evicts the least recently used first, it holds nothing used no later than that
-    /// either. Drops those leaves (and the links they leave childless, which are as old);
-    /// returns how many links went.
-    pub(crate) fn forget_until(&mut self, stamp: u32) -> u64 {
-        let before = self.evicted;
+    /// Takes in what an answer showed about the model's prediction for a prompt whose
+    /// deepest predicted link was last used at `stamp`:
+    ///
+    /// - the backend reused far less: it evicted that prefix, and (evicting the least recently
+    ///   used first) everything used no later; see [`forget_until`](Self::forget_until);
+    /// - it reused far more: it keeps more than it declared (llama.cpp's slots keep their last
+    ///   prompt beyond `--cache-ram`), so the budget grows by a sixteenth of the declared one,
+    ///   up to twice it.
+    pub(crate) fn correct(&mut self, verdict: Verdict, stamp: u32, shortfall: u64) {
+        match verdict {
+            Verdict::Fine => {}
+            Verdict::HeldLess => {
+                self.forget_until(stamp, shortfall);
+            }
+            Verdict::HeldMore => {
+                self.budget = (self.budget + self.declared / 16).min(self.declared * 2);
+                self.max_blocks = Self::max_blocks(self.budget);
+            }
+        }
+    }
+
+    /// The budget the model keeps to now.
+    #[cfg(test)]
+    pub(crate) fn budget(&self) -> u64 {
+        self.budget
+    }
+
+    /// The backend answered that it no longer held a prefix last used at `stamp`, and held
+    /// `shortfall` fewer tokens of it than predicted: as it evicts the least recently used
+    /// first, it holds that much less of what was used no later. Drops those leaves, oldest
+    /// first, until `shortfall` tokens are gone or none that old is left; returns how many
+    /// links went.
+    pub(crate) fn forget_until(&mut self, stamp: u32, shortfall: u64) -> u64 {
+        let before = (self.evicted, self.tokens);
         // Wrapping comparison: the clock may have wrapped since.
         while self.tail != NONE
+            && before.1 - self.tokens < shortfall
             && (stamp.wrapping_sub(self.nodes[self.tail as usize].stamp) as i32) >= 0
         {
             self.evict_tail();
         }
-        self.evicted - before
+        self.evicted - before.0
     }
 
     /// Drops the least recently used leaf.
@@ -517,6 +552,17 @@ impl CacheModel {
         }
         assert_eq!(walked, self.leaves);
     }
+}
+
+/// How an answer's reported reuse compared with the model's prediction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// Close enough.
+    Fine,
+    /// The backend reused far less than predicted.
+    HeldLess,
+    /// The backend reused far more than predicted.
+    HeldMore,
 }
 
 /// What the model predicts for one chain on one backend.

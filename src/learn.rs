@@ -25,6 +25,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::cache::Verdict;
 use crate::Usage;
 
 /// The weight of the newest answer in the learned averages.
@@ -109,12 +110,12 @@ fn blend(a: &AtomicU64, sample: f64) {
 
 impl Learned {
     /// Takes in one answer; returns its usage with the reuse filled in where this backend's
-    /// habits say what an absent figure means, and whether the cache model mispredicted it.
+    /// habits say what an absent figure means, and how it compares with the cache model's prediction.
     pub(crate) fn learn(
         &self,
         answer: &Answer,
         predicted: Option<Prediction>,
-    ) -> (Option<Usage>, bool) {
+    ) -> (Option<Usage>, Verdict) {
         blend(&self.duration_ms, answer.duration.as_secs_f64() * 1000.0);
         if let Some(t) = answer.first_byte {
             self.first_byte_ms
@@ -122,7 +123,7 @@ impl Learned {
             self.first_bytes.fetch_add(1, Ordering::Relaxed);
         }
         let Some(mut usage) = answer.usage else {
-            return (None, false);
+            return (None, Verdict::Fine);
         };
         match usage.reused_tokens {
             Some(_) => self.says_reuse.store(true, Ordering::Relaxed),
@@ -133,7 +134,7 @@ impl Learned {
         self.prompt_tokens
             .fetch_add(usage.prompt_tokens, Ordering::Relaxed);
         let Some(reused) = usage.reused_tokens else {
-            return (Some(usage), false);
+            return (Some(usage), Verdict::Fine);
         };
         self.reused_tokens.fetch_add(reused, Ordering::Relaxed);
         let read = usage.prompt_tokens.saturating_sub(reused);
@@ -144,15 +145,21 @@ impl Learned {
         if let Some(t) = read_time.filter(|_| read >= MIN_READ_FOR_RATE) {
             blend(&self.prefill_rate, read as f64 / t.as_secs_f64().max(1e-3));
         }
-        let mispredicted = predicted.is_some_and(|p| {
+        let verdict = predicted.map_or(Verdict::Fine, |p| {
             let predicted = p.held_tokens as f64 / p.prompt_tokens.max(1) as f64;
             let measured = reused as f64 / usage.prompt_tokens.max(1) as f64;
-            predicted >= MIN_PREDICTED_SHARE && measured < predicted / 2.0
+            if predicted >= MIN_PREDICTED_SHARE && measured < predicted / 2.0 {
+                Verdict::HeldLess
+            } else if measured >= MIN_PREDICTED_SHARE && predicted < measured / 2.0 {
+                Verdict::HeldMore
+            } else {
+                Verdict::Fine
+            }
         });
-        if mispredicted {
+        if verdict == Verdict::HeldLess {
             self.corrections.fetch_add(1, Ordering::Relaxed);
         }
-        (Some(usage), mispredicted)
+        (Some(usage), verdict)
     }
 
     /// Prompt tokens read per second, once learned.
@@ -243,15 +250,17 @@ mod tests {
             held_tokens: 9_000,
             stamp: 0,
         };
-        assert!(!l.learn(&answer(10_000, Some(8_800), 10), Some(p)).1);
-        assert!(l.learn(&answer(10_000, Some(100), 10), Some(p)).1);
+        let verdict = |reused, p| l.learn(&answer(10_000, Some(reused), 10), Some(p)).1;
+        assert_eq!(verdict(8_800, p), Verdict::Fine);
+        assert_eq!(verdict(100, p), Verdict::HeldLess);
         assert_eq!(l.corrections.load(Ordering::Relaxed), 1);
-        // Predicting little is never a misprediction.
+        // Predicting little of a prompt that reused little is right.
         let small = Prediction {
             held_tokens: 500,
             ..p
         };
-        assert!(!l.learn(&answer(10_000, Some(0), 10), Some(small)).1);
+        assert_eq!(verdict(0, small), Verdict::Fine);
+        assert_eq!(verdict(9_000, small), Verdict::HeldMore);
     }
 
     #[test]

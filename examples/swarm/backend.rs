@@ -154,7 +154,7 @@ impl tower::Service<http::Request<Prompt>> for SimBackend {
         let inner = self.inner.clone();
         Box::pin(async move {
             let prompt = req.into_body();
-            let (admission, first_token) = admit(&inner, &prompt.blocks).await;
+            let (admission, first_token, work) = admit(&inner, &prompt.blocks).await;
             tokio::time::sleep_until(first_token).await;
             let served = Served {
                 reused: admission.reused,
@@ -163,7 +163,23 @@ impl tower::Service<http::Request<Prompt>> for SimBackend {
             let mut kv = prompt.blocks.to_vec();
             kv.push(prompt.answer);
             let decode = inner.model.decode(prompt.answer.tokens);
+            let prompt_tokens = cache::tokens(&prompt.blocks);
+            let read = prompt_tokens.saturating_sub(admission.reused);
+            // What llama-server's last chunk says: its usage, and its own timings.
+            let last = format!(
+                "data: {{\"choices\":[{{\"delta\":{{}},\"finish_reason\":\"stop\"}}],\
+                 \"usage\":{{\"prompt_tokens\":{prompt_tokens},\"completion_tokens\":{},\
+                 \"prompt_tokens_details\":{{\"cached_tokens\":{}}}}},\
+                 \"timings\":{{\"cache_n\":{},\"prompt_n\":{read},\"prompt_ms\":{:.1}}}}}\n\n\
+                 data: [DONE]\n\n",
+                prompt.answer.tokens,
+                admission.reused,
+                admission.reused,
+                work.as_secs_f64() * 1000.0,
+            );
             let body = Answer {
+                first: Some(Bytes::from_static(FIRST_CHUNK)),
+                last: Some(Bytes::from(last)),
                 lease: Some(Lease {
                     inner,
                     slot: admission.slot,
@@ -172,6 +188,10 @@ impl tower::Service<http::Request<Prompt>> for SimBackend {
                 done: Box::pin(tokio::time::sleep(decode)),
             };
             let mut res = http::Response::new(body);
+            res.headers_mut().insert(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static("text/event-stream"),
+            );
             res.extensions_mut().insert(served);
             Ok(res)
         })
@@ -179,8 +199,9 @@ impl tower::Service<http::Request<Prompt>> for SimBackend {
 }
 
 /// Takes a slot (waiting for one if the router sent more than the backend has) and queues the
-/// prompt's work on the GPU; returns the admission and the time of the first token.
-async fn admit(inner: &Inner, prompt: &Blocks) -> (Admission, Instant) {
+/// prompt's work on the GPU; returns the admission, the time of the first token, and the
+/// prompt's own work (restore and prefill, without the queue).
+async fn admit(inner: &Inner, prompt: &Blocks) -> (Admission, Instant, Duration) {
     loop {
         let freed = inner.freed.notified();
         tokio::pin!(freed);
@@ -194,7 +215,7 @@ async fn admit(inner: &Inner, prompt: &Blocks) -> (Admission, Instant) {
                     .model
                     .work(cache::tokens(prompt), a.reused, a.restored);
                 s.gpu_free = start + work;
-                return (a, start + work + inner.model.overhead);
+                return (a, start + work + inner.model.overhead, work);
             }
         }
         freed.await;
@@ -219,9 +240,15 @@ impl Drop for Lease {
     }
 }
 
-/// The streamed answer: one frame once decoding is done, then the end. The slot is freed
-/// before the end is reported, so the router's slot and the backend's free together.
+/// The first chunk of a stream, sent with the first token.
+const FIRST_CHUNK: &[u8] = b"data: {\"choices\":[{\"delta\":{\"role\":\"assistant\"}}]}\n\n";
+
+/// The streamed answer, as llama-server sends one: a chunk with the first token, then once
+/// decoding is done the last chunk with its usage and timings, then the end. The slot is
+/// freed before the end is reported, so the router's slot and the backend's free together.
 pub(crate) struct Answer {
+    first: Option<Bytes>,
+    last: Option<Bytes>,
     lease: Option<Lease>,
     done: Pin<Box<Sleep>>,
 }
@@ -242,6 +269,9 @@ impl Body for Answer {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        if let Some(first) = self.first.take() {
+            return Poll::Ready(Some(Ok(Frame::data(first))));
+        }
         if self.lease.is_none() {
             return Poll::Ready(None);
         }
@@ -249,9 +279,7 @@ impl Body for Answer {
             return Poll::Pending;
         }
         self.lease = None;
-        Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(
-            b"data: [DONE]\n\n",
-        )))))
+        Poll::Ready(self.last.take().map(|last| Ok(Frame::data(last))))
     }
 
     fn is_end_stream(&self) -> bool {

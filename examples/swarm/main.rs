@@ -194,6 +194,8 @@ struct Run {
     policy: Policy,
     records: Vec<TurnRecord>,
     ram_evictions: u64,
+    /// The service's counters at the end: what the backends' answers reported.
+    stats: tower_affinity::Stats,
 }
 
 /// Runs `drive` once per policy, each on a fresh fleet and a fresh virtual clock.
@@ -207,8 +209,9 @@ where
         .map(|&policy| {
             sim::block_on(async {
                 let (svc, backends) = sim::build(policy, fleet);
-                let records = drive(svc).await;
+                let records = drive(svc.clone()).await;
                 Run {
+                    stats: svc.stats(),
                     policy,
                     records,
                     ram_evictions: backends.iter().map(|b| b.ram_evictions()).sum(),
@@ -242,6 +245,28 @@ fn ram_note(runs: &[Run]) -> String {
         .collect();
     format!(
         "turns restored from RAM / states evicted from RAM: {}",
+        v.join(", ")
+    )
+}
+
+/// The reuse the backends reported, as the service read it from their answers, and how often
+/// it was far below the cache model's prediction.
+fn reported_note(runs: &[Run]) -> String {
+    let v: Vec<String> = runs
+        .iter()
+        .map(|r| {
+            let s = &r.stats;
+            let share = s.reused_tokens as f64 / s.prompt_tokens.max(1) as f64;
+            format!(
+                "{} {:.1}%/{}",
+                r.policy.name(),
+                100.0 * share,
+                s.corrections
+            )
+        })
+        .collect();
+    format!(
+        "reuse the backends reported / answers far below the model's prediction: {}",
         v.join(", ")
     )
 }
@@ -290,7 +315,7 @@ fn study(o: &Options) -> Table {
         human_bytes(o.ram_bytes),
         o.seed
     );
-    let notes = vec![calibration_note(&runs)];
+    let notes = vec![calibration_note(&runs), reported_note(&runs)];
     table("study".into(), title, &runs, false, notes)
 }
 
@@ -328,7 +353,7 @@ fn overload(o: &Options) -> Vec<Table> {
                 human_bytes(ram),
                 o.seed
             );
-            let notes = vec![ram_note(&runs)];
+            let notes = vec![ram_note(&runs), reported_note(&runs)];
             table(
                 format!("overload, {}", human_bytes(ram)),
                 title,
@@ -379,6 +404,7 @@ fn replay(o: &Options, path: &Path) -> Result<Vec<Table>, String> {
              by the whole fleet would have reused"
                 .into(),
             ram_note(&runs),
+            reported_note(&runs),
         ];
         let label = format!(
             "trace, {}{}",

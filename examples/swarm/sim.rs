@@ -92,6 +92,8 @@ pub(crate) fn build(policy: Policy, fleet: &[BackendSpec]) -> (Svc, Vec<SimBacke
         } else {
             Duration::ZERO
         })
+        // The baselines stand for routers that place and forget: no waiting for a cache.
+        .wait_versus_move(policy == Policy::NodeThenBackend)
         .sessions(
             Sessions::new()
                 .max_entries(1 << 20)
