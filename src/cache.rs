@@ -641,6 +641,44 @@ mod tests {
     }
 
     #[test]
+    fn held_less_forgets_what_was_used_no_later_up_to_the_shortfall() {
+        let mut m = CacheModel::new(100_000);
+        for c in [&[1, 2][..], &[3, 4], &[5, 6], &[7, 8]] {
+            m.record(chain(c).links(), 0);
+        }
+        // [5, 6] is predicted held; its turn reports nothing reused.
+        let next = chain(&[5, 6, 9]);
+        let (held, stamp) = m.record_from(next.links(), 0);
+        assert_eq!(held, 2);
+        // 300 tokens over-predicted: the oldest conversations go, [1, 2] then [3, 4]'s leaf.
+        m.correct(Verdict::HeldLess, stamp, 300);
+        m.check();
+        assert_eq!(reuse(&m, &chain(&[1, 2])).0, 0);
+        assert_eq!(
+            reuse(&m, &chain(&[3, 4])).0,
+            1,
+            "the shortfall is made up: no more goes"
+        );
+        assert_eq!(reuse(&m, &next).0, 3, "the turn just read is held");
+        assert_eq!(
+            reuse(&m, &chain(&[7, 8])).0,
+            2,
+            "used later than the miss: kept"
+        );
+    }
+
+    #[test]
+    fn held_more_grows_the_budget_up_to_twice_the_declared() {
+        let mut m = CacheModel::new(16_000);
+        for _ in 0..40 {
+            m.correct(Verdict::HeldMore, 0, 0);
+        }
+        assert_eq!(m.budget(), 32_000);
+        m.set_budget(8_000);
+        assert_eq!(m.budget(), 8_000, "a new declaration starts over");
+    }
+
+    #[test]
     fn a_chain_larger_than_the_budget_keeps_what_fits() {
         let mut m = CacheModel::new(250);
         let c = chain(&[1, 2, 3, 4, 5]);

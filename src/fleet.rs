@@ -217,7 +217,11 @@ impl Default for Capacity {
     fn default() -> Self {
         Capacity {
             counters: Counters::default(),
-            epoch: Instant::now(),
+            // A millisecond back, so that the clock reads at least 1 from the start and its
+            // clamp away from 0 never skews a duration.
+            epoch: Instant::now()
+                .checked_sub(std::time::Duration::from_millis(1))
+                .unwrap_or_else(Instant::now),
             waiting: AtomicUsize::new(0),
             waiters: Mutex::default(),
         }

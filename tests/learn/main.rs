@@ -1,0 +1,610 @@
+//! Learning from the backends' answers: the usage they report, read as the bytes pass; the
+//! cache model corrected by it; and waiting for a full backend versus moving.
+//!
+//! The backends are scripted services: each request carries its answer (headers, frames and
+//! when each comes) as an extension, so a test says exactly what the backend does. Time is
+//! tokio's paused clock.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::future::Future;
+use std::num::NonZeroU32;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body::{Body, Frame};
+use http_body_util::BodyExt;
+use tokio::time::{Instant, Sleep};
+use tower::{service_fn, BoxError, Layer, ServiceExt};
+use tower_affinity::discover::StaticFleet;
+use tower_affinity::key::PromptFacts;
+use tower_affinity::{
+    Backend, BackendStatus, Decision, Outcome, PromptChain, ResponseBody, SessionAffinity,
+    SessionAffinityLayer, Usage,
+};
+
+// === the scripted backend ===
+
+/// What a backend answers: after `headers_after`, these headers; then each frame after its
+/// delay. A frame that is `Err` fails the body there.
+#[derive(Clone, Debug)]
+struct Reply {
+    headers_after: Duration,
+    content_type: Option<&'static str>,
+    encoding: Option<&'static str>,
+    frames: Vec<(Duration, Result<Bytes, &'static str>)>,
+}
+
+impl Reply {
+    fn new(content_type: &'static str, frames: &[&'static [u8]]) -> Self {
+        Reply {
+            headers_after: Duration::ZERO,
+            content_type: Some(content_type),
+            encoding: None,
+            frames: frames
+                .iter()
+                .map(|f| (Duration::ZERO, Ok(Bytes::from_static(f))))
+                .collect(),
+        }
+    }
+
+    fn json(body: &'static [u8]) -> Self {
+        Reply::new("application/json", &[body])
+    }
+
+    /// An SSE stream of llama-server's shape: a first chunk after `first`, then after
+    /// `rest` the last chunk, with its usage and timings.
+    fn llama_stream(
+        prompt: u64,
+        reused: u64,
+        prompt_ms: u64,
+        first: Duration,
+        rest: Duration,
+    ) -> Self {
+        let last = format!(
+            "data: {{\"choices\":[],\"usage\":{{\"prompt_tokens\":{prompt},\"prompt_tokens_details\":{{\"cached_tokens\":{reused}}}}},\"timings\":{{\"prompt_n\":{},\"cache_n\":{reused},\"prompt_ms\":{prompt_ms}}}}}\n\ndata: [DONE]\n\n",
+            prompt - reused
+        );
+        Reply {
+            headers_after: Duration::ZERO,
+            content_type: Some("text/event-stream"),
+            encoding: None,
+            frames: vec![
+                (
+                    first,
+                    Ok(Bytes::from_static(
+                        b"data: {\"choices\":[{\"delta\":{\"role\":\"assistant\"}}]}\n\n",
+                    )),
+                ),
+                (rest, Ok(Bytes::from(last))),
+            ],
+        }
+    }
+}
+
+struct Scripted {
+    frames: VecDeque<(Duration, Result<Bytes, &'static str>)>,
+    sleep: Option<Pin<Box<Sleep>>>,
+}
+
+impl Body for Scripted {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let Some((after, _)) = self.frames.front() else {
+            return Poll::Ready(None);
+        };
+        let after = *after;
+        let sleep = self
+            .sleep
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(after)));
+        if sleep.as_mut().poll(cx).is_pending() {
+            return Poll::Pending;
+        }
+        self.sleep = None;
+        let (_, frame) = self.frames.pop_front().expect("a frame");
+        Poll::Ready(Some(frame.map(Frame::data).map_err(Into::into)))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.frames.is_empty()
+    }
+}
+
+type Req = http::Request<String>;
+type Res = http::Response<ResponseBody<Scripted>>;
+
+fn scripted(
+) -> impl tower::Service<Req, Response = http::Response<Scripted>, Error = Infallible, Future: Send>
+       + Clone
+       + Send {
+    service_fn(|req: Req| async move {
+        let reply = req
+            .extensions()
+            .get::<Reply>()
+            .cloned()
+            .unwrap_or_else(|| Reply::json(b"{}"));
+        tokio::time::sleep(reply.headers_after).await;
+        let mut res = http::Response::new(Scripted {
+            frames: reply.frames.into(),
+            sleep: None,
+        });
+        if let Some(ct) = reply.content_type {
+            res.headers_mut()
+                .insert("content-type", ct.parse().unwrap());
+        }
+        if let Some(enc) = reply.encoding {
+            res.headers_mut()
+                .insert("content-encoding", enc.parse().unwrap());
+        }
+        Ok::<_, Infallible>(res)
+    })
+}
+
+type Svc<S> = SessionAffinity<
+    StaticFleet<S>,
+    tower_affinity::key::HeaderKey,
+    tower_affinity::placement::NodeThenBackend,
+>;
+
+/// A fleet of one-slot backends, `(id, node)`, each with a cache budget of 1M tokens.
+fn fleet<S: Clone>(backends: &[(&'static str, &'static str)], svc: S) -> StaticFleet<S> {
+    StaticFleet::new(backends.iter().map(|&(id, node)| {
+        let b = Backend::new(node, svc.clone())
+            .slots(NonZeroU32::MIN)
+            .cache_tokens(1 << 20);
+        (id, b)
+    }))
+}
+
+fn service(
+    backends: &[(&'static str, &'static str)],
+) -> Svc<
+    impl tower::Service<Req, Response = http::Response<Scripted>, Error = Infallible, Future: Send>
+        + Clone
+        + Send,
+> {
+    SessionAffinityLayer::new().layer(fleet(backends, scripted()))
+}
+
+/// A chain of blocks `ids`, each of `tokens` tokens.
+fn chain(ids: &[u64], tokens: u32) -> PromptChain {
+    PromptChain::from_blocks(ids.iter().map(|&id| (id, tokens)))
+}
+
+fn request(session: Option<&str>, chain: Option<PromptChain>, reply: Reply) -> Req {
+    let mut req = http::Request::post("/v1/chat/completions");
+    if let Some(s) = session {
+        req = req.header("x-session-id", s);
+    }
+    let mut req = req.body(String::new()).unwrap();
+    if let Some(c) = chain {
+        req.extensions_mut().insert(PromptFacts::from_chain(c));
+    }
+    req.extensions_mut().insert(reply);
+    req
+}
+
+/// Sends a request and reads its answer to the end: its decision, its body's bytes, and the
+/// usage the service read from them.
+async fn exchange<S>(svc: &Svc<S>, req: Req) -> (Decision, Vec<u8>, Option<Usage>)
+where
+    Svc<S>: tower::Service<Req, Response = Res, Error = tower_affinity::Error>,
+    <Svc<S> as tower::Service<Req>>::Future: Send,
+{
+    let res = svc.clone().oneshot(req).await.expect("an answer");
+    let decision = res
+        .extensions()
+        .get::<Decision>()
+        .cloned()
+        .expect("a decision");
+    let mut body = res.into_body();
+    let mut bytes = Vec::new();
+    while let Some(frame) = body.frame().await {
+        match frame {
+            Ok(f) => bytes.extend_from_slice(f.data_ref().map_or(&[][..], |d| d)),
+            Err(_) => break,
+        }
+    }
+    (decision, bytes, body.usage())
+}
+
+fn status<S>(svc: &Svc<S>, id: &str) -> BackendStatus {
+    svc.backends()
+        .into_iter()
+        .find(|b| b.id.as_str() == id)
+        .expect("a backend")
+}
+
+// === the observer ===
+
+const CHAT_ANSWER: &[u8] = br#"{"id":"c1","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"done"}}],"usage":{"prompt_tokens":1200,"completion_tokens":4,"prompt_tokens_details":{"cached_tokens":1024}}}"#;
+
+#[tokio::test(start_paused = true)]
+async fn usage_in_a_json_answer_is_counted_for_its_backend_and_the_body_is_unchanged() {
+    let svc = service(&[("a", "n1")]);
+    let (d, body, usage) = exchange(&svc, request(Some("s"), None, Reply::json(CHAT_ANSWER))).await;
+    assert_eq!(body, CHAT_ANSWER);
+    let usage = usage.expect("the answer's usage");
+    assert_eq!(
+        (usage.prompt_tokens, usage.reused_tokens),
+        (1200, Some(1024))
+    );
+    let a = status(&svc, d.backend.as_str());
+    assert_eq!(
+        (a.usage_reports, a.prompt_tokens, a.reused_tokens),
+        (1, 1200, 1024)
+    );
+    let stats = svc.stats();
+    assert_eq!(
+        (
+            stats.usage_reports,
+            stats.prompt_tokens,
+            stats.reused_tokens
+        ),
+        (1, 1200, 1024)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn usage_in_an_sse_stream_split_over_frames_is_read() {
+    let svc = service(&[("a", "n1")]);
+    let frames: &[&'static [u8]] = &[
+        b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}],\"usage\":null}\n\n",
+        b"data: {\"choices\":[],\"us",
+        b"age\":{\"prompt_tokens\":40,\"prompt_tok",
+        b"ens_details\":{\"cached_tokens\":32}}}\n\ndata: [DONE]\n\n",
+    ];
+    let (_, body, usage) = exchange(
+        &svc,
+        request(
+            None,
+            None,
+            Reply::new("text/event-stream; charset=utf-8", frames),
+        ),
+    )
+    .await;
+    assert_eq!(body, frames.concat());
+    let usage = usage.expect("the stream's usage");
+    assert_eq!((usage.prompt_tokens, usage.reused_tokens), (40, Some(32)));
+}
+
+#[tokio::test(start_paused = true)]
+async fn llama_cpp_timings_on_the_last_chunk_give_the_figures_and_the_prefill_rate() {
+    let svc = service(&[("a", "n1")]);
+    let reply = Reply::llama_stream(
+        10_256,
+        256,
+        50_000,
+        Duration::from_secs(50),
+        Duration::from_secs(2),
+    );
+    let (d, _, usage) = exchange(&svc, request(None, None, reply)).await;
+    let usage = usage.unwrap();
+    assert_eq!(
+        (usage.prompt_tokens, usage.reused_tokens),
+        (10_256, Some(256))
+    );
+    assert_eq!(usage.prompt_time, Some(Duration::from_secs(50)));
+    let a = status(&svc, d.backend.as_str());
+    assert_eq!(a.prefill_rate, Some(200));
+    assert_eq!(a.first_byte_time, Some(Duration::from_secs(50)));
+    assert_eq!(a.request_time, Some(Duration::from_secs(52)));
+}
+
+#[tokio::test(start_paused = true)]
+async fn answers_that_cannot_be_read_pass_through_untouched_with_no_figure() {
+    let svc = service(&[("a", "n1")]);
+    let malformed: &'static [u8] =
+        br#"{"usage":{"prompt_tokens":12,"prompt_tokens_details":{"cached_tokens":"#;
+    let mistyped: &'static [u8] =
+        br#"{"usage":{"prompt_tokens":"1200","prompt_tokens_details":{"cached_tokens":1024}}}"#;
+    let mut gzip = Reply::json(CHAT_ANSWER);
+    gzip.encoding = Some("gzip");
+    let mut plain = Reply::json(CHAT_ANSWER);
+    plain.content_type = Some("text/plain");
+    let mut untyped = Reply::json(CHAT_ANSWER);
+    untyped.content_type = None;
+    let mut cut = Reply::new(
+        "text/event-stream",
+        &[b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":40,"],
+    );
+    cut.frames.push((Duration::ZERO, Err("connection reset")));
+    let cases = [
+        (
+            "malformed usage",
+            Reply::json(malformed),
+            malformed.to_vec(),
+        ),
+        (
+            "usage of an unexpected type",
+            Reply::json(mistyped),
+            mistyped.to_vec(),
+        ),
+        ("a gzip-encoded answer", gzip, CHAT_ANSWER.to_vec()),
+        ("a text/plain answer", plain, CHAT_ANSWER.to_vec()),
+        (
+            "an answer without a content type",
+            untyped,
+            CHAT_ANSWER.to_vec(),
+        ),
+        (
+            "a stream cut mid-chunk",
+            cut,
+            b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":40,".to_vec(),
+        ),
+        (
+            "an answer reporting nothing",
+            Reply::json(b"{\"choices\":[]}"),
+            b"{\"choices\":[]}".to_vec(),
+        ),
+    ];
+    for (what, reply, expected) in cases {
+        let (_, body, usage) = exchange(&svc, request(None, None, reply)).await;
+        assert_eq!(body, expected, "{what}: the bytes pass unchanged");
+        assert_eq!(usage, None, "{what}: no figure");
+    }
+    assert_eq!(svc.stats().usage_reports, 0);
+    assert_eq!(
+        svc.stats().backend_errors,
+        0,
+        "a body error is not a backend failure"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_backend_that_once_reported_its_reuse_reused_nothing_when_it_leaves_it_out() {
+    // vLLM leaves `cached_tokens` out when it is 0.
+    let svc = service(&[("a", "n1")]);
+    let without: &'static [u8] = br#"{"usage":{"prompt_tokens":500}}"#;
+    let (_, _, first) = exchange(&svc, request(None, None, Reply::json(without))).await;
+    assert_eq!(first.unwrap().reused_tokens, None, "nothing known yet");
+    exchange(&svc, request(None, None, Reply::json(CHAT_ANSWER))).await;
+    let (_, _, later) = exchange(&svc, request(None, None, Reply::json(without))).await;
+    assert_eq!(later.unwrap().reused_tokens, Some(0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn observe_usage_off_reads_nothing() {
+    let svc = SessionAffinityLayer::new()
+        .observe_usage(false)
+        .layer(fleet(&[("a", "n1")], scripted()));
+    let res = svc
+        .clone()
+        .oneshot(request(None, None, Reply::json(CHAT_ANSWER)))
+        .await
+        .unwrap();
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], CHAT_ANSWER);
+    assert_eq!(svc.stats().usage_reports, 0);
+}
+
+// === the cache model learns ===
+
+/// A JSON answer that reports `reused` of `prompt` tokens.
+fn reused(prompt: u64, reused: u64) -> Reply {
+    let body = format!(
+        r#"{{"usage":{{"prompt_tokens":{prompt},"prompt_tokens_details":{{"cached_tokens":{reused}}}}}}}"#
+    );
+    Reply {
+        headers_after: Duration::ZERO,
+        content_type: Some("application/json"),
+        encoding: None,
+        frames: vec![(Duration::ZERO, Ok(Bytes::from(body)))],
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_backend_reusing_far_less_than_predicted_corrects_the_model() {
+    let svc = service(&[("a", "n1")]);
+    // Two sessions on the one backend: "old" first, then "new".
+    let old = [1, 2, 3];
+    let (d, _, _) = exchange(
+        &svc,
+        request(Some("old"), Some(chain(&old, 1000)), reused(3000, 0)),
+    )
+    .await;
+    assert_eq!(d.outcome, Outcome::NewSession);
+    let new = [10, 11, 12];
+    exchange(
+        &svc,
+        request(Some("new"), Some(chain(&new, 1000)), reused(3000, 0)),
+    )
+    .await;
+    // "new"'s second turn: the model predicts its 3,000 tokens held, the backend reused none.
+    let (d, _, _) = exchange(
+        &svc,
+        request(
+            Some("new"),
+            Some(chain(&[10, 11, 12, 13], 1000)),
+            reused(4000, 0),
+        ),
+    )
+    .await;
+    assert_eq!(d.outcome, Outcome::HomeHit);
+    let a = status(&svc, "a");
+    assert_eq!(a.corrections, 1);
+    assert_eq!(svc.stats().corrections, 1);
+    // The backend evicted "new"'s prefix, so it evicted "old"'s, used before it: the model
+    // knows, and places "old"'s next turn as a cold home.
+    let (d, _, _) = exchange(
+        &svc,
+        request(
+            Some("old"),
+            Some(chain(&[1, 2, 3, 4], 1000)),
+            reused(4000, 0),
+        ),
+    )
+    .await;
+    assert_eq!(d.outcome, Outcome::ColdHome);
+    // "new" has just been read again: its next turn is a hit, and predicted so.
+    let (d, _, _) = exchange(
+        &svc,
+        request(
+            Some("new"),
+            Some(chain(&[10, 11, 12, 13, 14], 1000)),
+            reused(5000, 4000),
+        ),
+    )
+    .await;
+    assert_eq!(d.outcome, Outcome::HomeHit);
+    assert_eq!(
+        status(&svc, "a").corrections,
+        1,
+        "a prediction borne out is no correction"
+    );
+}
+
+// === wait versus move ===
+
+const SESSION_BLOCKS: [u64; 10] = [100, 101, 102, 103, 104, 105, 106, 107, 108, 109];
+
+/// Teaches both backends: each reads a cold 10,000-token prompt in 50 s (200 tokens/s), and
+/// its requests take `took` from dispatch to the end of the answer.
+async fn teach<S>(svc: &Svc<S>, took: Duration)
+where
+    Svc<S>: tower::Service<Req, Response = Res, Error = tower_affinity::Error>,
+    <Svc<S> as tower::Service<Req>>::Future: Send,
+{
+    let first = Duration::from_secs(50).min(took);
+    let lesson = || Reply::llama_stream(10_000, 0, 50_000, first, took - first);
+    // Two at once on one-slot backends: one each.
+    let (a, b) = tokio::join!(
+        exchange(svc, request(None, Some(chain(&[7, 8], 5000)), lesson())),
+        exchange(svc, request(None, Some(chain(&[9, 10], 5000)), lesson())),
+    );
+    assert_ne!(a.0.backend, b.0.backend, "one lesson each");
+    for s in svc.backends() {
+        assert_eq!(s.prefill_rate, Some(200), "{}", s.id);
+    }
+}
+
+/// Session "s" on its home, then a turn of it that keeps the home busy for `busy`: returns
+/// the home and the task streaming that turn.
+async fn busy_home<S>(svc: &Svc<S>, busy: Duration) -> (String, tokio::task::JoinHandle<()>)
+where
+    S: Send + Sync + 'static,
+    Svc<S>:
+        tower::Service<Req, Response = Res, Error = tower_affinity::Error> + Send + Sync + 'static,
+    <Svc<S> as tower::Service<Req>>::Future: Send,
+{
+    let (d, _, _) = exchange(
+        svc,
+        request(
+            Some("s"),
+            Some(chain(&SESSION_BLOCKS[..8], 1000)),
+            reused(8000, 0),
+        ),
+    )
+    .await;
+    let home = d.backend.to_string();
+    let long = Reply::llama_stream(9000, 8000, 5000, Duration::ZERO, busy);
+    let res = svc
+        .clone()
+        .oneshot(request(
+            Some("s"),
+            Some(chain(&SESSION_BLOCKS[..9], 1000)),
+            long,
+        ))
+        .await
+        .unwrap();
+    assert_eq!(
+        res.extensions().get::<Decision>().unwrap().backend.as_str(),
+        home
+    );
+    let streaming = tokio::spawn(async move {
+        let _ = res.into_body().collect().await;
+    });
+    (home, streaming)
+}
+
+/// The next turn of "s", sent while its home is busy.
+async fn next_turn<S>(svc: &Svc<S>) -> (Decision, Duration)
+where
+    Svc<S>: tower::Service<Req, Response = Res, Error = tower_affinity::Error>,
+    <Svc<S> as tower::Service<Req>>::Future: Send,
+{
+    let t0 = Instant::now();
+    let (d, _, _) = exchange(
+        svc,
+        request(
+            Some("s"),
+            Some(chain(&SESSION_BLOCKS, 1000)),
+            reused(10_000, 9000),
+        ),
+    )
+    .await;
+    (d, t0.elapsed())
+}
+
+#[tokio::test(start_paused = true)]
+async fn wait_for_the_full_backend_holding_the_prefix_when_its_slot_frees_sooner_than_moving_costs()
+{
+    let svc = service(&[("a", "n1"), ("b", "n2")]);
+    // Requests take 10 s; moving costs reading 10,000 tokens at 200 tokens/s: 50 s.
+    teach(&svc, Duration::from_secs(10)).await;
+    let (home, streaming) = busy_home(&svc, Duration::from_secs(5)).await;
+    let (d, _) = next_turn(&svc).await;
+    assert_eq!(d.backend.as_str(), home);
+    assert_eq!(d.outcome, Outcome::HomeHit);
+    assert_eq!(d.waited, Some(Duration::from_secs(5)));
+    streaming.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn move_at_once_when_the_wait_would_cost_more_than_moving() {
+    let svc = service(&[("a", "n1"), ("b", "n2")]);
+    // Requests take 200 s: the home's slot is due far later than 50 s.
+    teach(&svc, Duration::from_secs(200)).await;
+    let (home, streaming) = busy_home(&svc, Duration::from_secs(200)).await;
+    let (d, _) = next_turn(&svc).await;
+    assert_ne!(d.backend.as_str(), home);
+    assert_eq!(d.outcome, Outcome::CrossNodeSpill);
+    assert_eq!(d.waited, None);
+    streaming.abort();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_wait_for_the_holder_ends_when_moving_would_have_cost_less() {
+    let svc = service(&[("a", "n1"), ("b", "n2")]);
+    // Requests usually take 10 s, but this one holds the home for 300 s: after waiting as long
+    // as moving costs (50 s less the 5 s the home would read), the turn moves.
+    teach(&svc, Duration::from_secs(10)).await;
+    let (home, streaming) = busy_home(&svc, Duration::from_secs(300)).await;
+    let (d, waited) = next_turn(&svc).await;
+    assert_ne!(d.backend.as_str(), home);
+    assert_eq!(d.outcome, Outcome::CrossNodeSpill);
+    assert_eq!(d.waited, Some(Duration::from_secs(45)));
+    assert!(waited >= Duration::from_secs(45));
+    streaming.abort();
+}
+
+#[tokio::test(start_paused = true)]
+async fn move_at_once_while_nothing_is_learned() {
+    let svc = service(&[("a", "n1"), ("b", "n2")]);
+    let (home, streaming) = busy_home(&svc, Duration::from_secs(5)).await;
+    let (d, _) = next_turn(&svc).await;
+    assert_ne!(d.backend.as_str(), home);
+    assert_eq!(d.waited, None);
+    streaming.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn node_patience_overrides_wait_versus_move() {
+    let svc = SessionAffinityLayer::new()
+        .node_patience(Duration::from_secs(1))
+        .layer(fleet(&[("a", "n1"), ("b", "n2")], scripted()));
+    teach(&svc, Duration::from_secs(10)).await;
+    let (home, streaming) = busy_home(&svc, Duration::from_secs(5)).await;
+    // A fixed patience of 1 s, not the learned estimate: the turn moves after 1 s.
+    let (d, _) = next_turn(&svc).await;
+    assert_ne!(d.backend.as_str(), home);
+    assert_eq!(d.waited, Some(Duration::from_secs(1)));
+    streaming.await.unwrap();
+}
