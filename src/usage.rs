@@ -25,10 +25,8 @@
 //! object that is not what the APIs send (a count that is not a non-negative integer, say)
 //! is passed over whole.
 
-use std::sync::LazyLock;
 use std::time::Duration;
 
-use memchr::memmem::Finder;
 use serde::Deserialize;
 
 /// What one answer says about its prompt: how many tokens it had, and how many of them the
@@ -79,14 +77,12 @@ impl Usage {
 /// ones are a few hundred bytes. A longer one is passed over.
 const CAPTURE_LIMIT: usize = 4096;
 
-/// The member names searched for, quotes included.
-const USAGE: &[u8] = b"\"usage\"";
-const TIMINGS: &[u8] = b"\"timings\"";
-/// Bytes kept from the end of one chunk to find a name the next chunk completes.
-const CARRY: usize = TIMINGS.len() - 1;
-
-static FIND_USAGE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(USAGE));
-static FIND_TIMINGS: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(TIMINGS));
+/// The member names looked for.
+const USAGE: &[u8] = b"usage";
+const TIMINGS: &[u8] = b"timings";
+/// Bytes kept from the end of one chunk, to read a name before a `{` the next chunk begins
+/// with: the name, its quotes, the colon and some whitespace.
+const CARRY: usize = 32;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Member {
@@ -157,42 +153,49 @@ impl UsageScanner {
         if chunk.is_empty() {
             return;
         }
-        if let Some(member) = self.capturing {
-            self.capture_more(member, chunk);
-            return;
+        match self.capturing {
+            Some(member) => self.capture_more(member, chunk),
+            None => self.scan(chunk),
         }
-        // A name split between the last chunk and this one.
-        if self.carry_len > 0 {
-            let mut joined = [0u8; 2 * CARRY];
-            let carried = self.carry_len;
-            let head = chunk.len().min(CARRY);
-            joined[..carried].copy_from_slice(&self.carry[..carried]);
-            joined[carried..carried + head].copy_from_slice(&chunk[..head]);
-            if let Some((member, end)) = first_member(&joined[..carried + head], carried) {
-                self.carry_len = 0;
-                let rest = &chunk[end - carried..];
-                if let Some(used) = self.capture_from(member, rest) {
-                    self.scan(&rest[used..]);
-                }
-                return;
-            }
-        }
-        self.scan(chunk);
     }
 
-    /// Looks for member names in `bytes`, which follow everything scanned before.
+    /// Looks for the objects in `bytes`, which follow the carry (everything scanned before).
+    ///
+    /// The search is for `{`, found a vector at a time, and a look back from each at what
+    /// precedes it: a `"usage"` or `"timings"` member name and its colon. Braces are few in
+    /// JSON's structure; in text (code in an answer) the look back fails at its first byte.
     fn scan(&mut self, mut bytes: &[u8]) {
-        loop {
-            let Some((member, end)) = first_member(bytes, 0) else {
-                self.keep_carry(bytes);
-                return;
+        let mut from = 0;
+        while let Some(k) = memchr::memchr(b'{', &bytes[from..]) {
+            let at = from + k;
+            from = at + 1;
+            let Some(member) = self.member_before(bytes, at) else {
+                continue;
             };
             self.carry_len = 0;
-            match self.capture_from(member, &bytes[end..]) {
-                Some(used) => bytes = &bytes[end + used..],
+            match self.capture_from(member, &bytes[at..]) {
+                Some(used) => {
+                    bytes = &bytes[at + used..];
+                    from = 0;
+                }
                 None => return,
             }
         }
+        self.keep_carry(bytes);
+    }
+
+    /// The member whose value the `{` at `at` in `bytes` opens, if it is one looked for:
+    /// `"usage"` or `"timings"`, a colon, whitespace anywhere between. Looks back into the
+    /// carry where `bytes` does not reach.
+    fn member_before(&self, bytes: &[u8], at: usize) -> Option<Member> {
+        if at >= CARRY {
+            return member_ending(&bytes[at - CARRY..at]);
+        }
+        let mut window = [0u8; 2 * CARRY];
+        let carried = &self.carry[..self.carry_len];
+        window[..carried.len()].copy_from_slice(carried);
+        window[carried.len()..carried.len() + at].copy_from_slice(&bytes[..at]);
+        member_ending(&window[..carried.len() + at])
     }
 
     /// Keeps the last bytes scanned, for a name the next chunk completes.
@@ -212,9 +215,9 @@ impl UsageScanner {
         self.carry_len = keep;
     }
 
-    /// Starts reading the value after a member name from `rest`. Returns how many bytes of
-    /// `rest` it used when it is done with the value (read, or passed over), or `None` while
-    /// the value goes on into the next chunk.
+    /// Starts reading a member's object from `rest`, which begins with its `{`. Returns how
+    /// many bytes of `rest` it used when it is done with the object (read, or passed over), or
+    /// `None` while the object goes on into the next chunk.
     fn capture_from(&mut self, member: Member, rest: &[u8]) -> Option<usize> {
         self.capture.clear();
         let take = rest.len().min(CAPTURE_LIMIT);
@@ -245,37 +248,40 @@ impl UsageScanner {
         self.scan(&bytes[used..]);
     }
 
-    /// Parses the value captured after a member name: `: {...}` is read; `: null`, or anything
-    /// else, is passed over.
+    /// Parses the object captured from its `{`.
     fn parse(&mut self, member: Member) -> Parsed {
         let b = &self.capture;
-        let mut i = skip_ws(b, 0);
-        match b.get(i) {
-            None => return Parsed::Incomplete,
-            Some(b':') => i += 1,
-            // The name was a value (`["usage"]`), not a member.
-            Some(_) => return Parsed::Done(i),
-        }
-        i = skip_ws(b, i);
+        let i = 0;
         match b.get(i) {
             None => Parsed::Incomplete,
             Some(b'{') => {
-                let mut values = serde_json::Deserializer::from_slice(&b[i..])
-                    .into_iter::<&serde_json::value::RawValue>();
-                match values.next() {
-                    Some(Ok(raw)) => {
-                        let end = i + values.byte_offset();
-                        if take(&mut self.wire, member, raw.get()) {
-                            self.found = true;
-                        }
-                        Parsed::Done(end)
+                // Typed at once: one pass over the object.
+                let typed = match member {
+                    Member::Usage => parse_typed::<UsageObject>(&b[i..])
+                        .map(|(o, n)| (add_usage(&mut self.wire, o), n)),
+                    Member::Timings => parse_typed::<TimingsObject>(&b[i..])
+                        .map(|(o, n)| (add_timings(&mut self.wire, o), n)),
+                };
+                match typed {
+                    Ok(((), n)) => {
+                        self.found = true;
+                        Parsed::Done(i + n)
                     }
-                    Some(Err(e)) if e.is_eof() => Parsed::Incomplete,
-                    // Not JSON after all: skip the brace and go on.
-                    _ => Parsed::Done(i + 1),
+                    Err(e) if e.is_eof() => Parsed::Incomplete,
+                    // Not what the APIs send: passed over whole, if it is JSON at all.
+                    Err(_) => {
+                        let mut values = serde_json::Deserializer::from_slice(&b[i..])
+                            .into_iter::<serde::de::IgnoredAny>();
+                        match values.next() {
+                            Some(Ok(_)) => Parsed::Done(i + values.byte_offset()),
+                            Some(Err(e)) if e.is_eof() => Parsed::Incomplete,
+                            // Not JSON: skip the brace and go on.
+                            _ => Parsed::Done(i + 1),
+                        }
+                    }
                 }
             }
-            Some(_) => Parsed::Done(i),
+            Some(_) => Parsed::Done(1),
         }
     }
 
@@ -317,84 +323,65 @@ impl UsageScanner {
     }
 }
 
-/// Adds the figures of one `usage` or `timings` object; `false` if it is not one.
-fn take(w: &mut Wire, member: Member, json: &str) -> bool {
-    match member {
-        Member::Usage => {
-            let Ok(u) = serde_json::from_str::<UsageObject>(json) else {
-                return false;
-            };
-            set(&mut w.prompt_tokens, u.prompt_tokens);
-            set(
-                &mut w.prompt_cached,
-                u.prompt_tokens_details.and_then(|d| d.cached_tokens),
-            );
-            set(&mut w.input_tokens, u.input_tokens);
-            set(
-                &mut w.input_cached,
-                u.input_tokens_details.and_then(|d| d.cached_tokens),
-            );
-            set(&mut w.cache_read, u.cache_read_input_tokens);
-            set(&mut w.cache_creation, u.cache_creation_input_tokens);
-        }
-        Member::Timings => {
-            let Ok(t) = serde_json::from_str::<TimingsObject>(json) else {
-                return false;
-            };
-            set(&mut w.prompt_n, t.prompt_n);
-            set(&mut w.cache_n, t.cache_n);
-            set(
-                &mut w.prompt_ms,
-                t.prompt_ms.filter(|ms| ms.is_finite() && *ms >= 0.0),
-            );
-        }
+/// The first JSON value in `bytes` as a `T`, and where it ends.
+fn parse_typed<'de, T: Deserialize<'de>>(
+    bytes: &'de [u8],
+) -> Result<(T, usize), serde_json::Error> {
+    let mut values = serde_json::Deserializer::from_slice(bytes).into_iter::<T>();
+    match values.next() {
+        Some(Ok(v)) => Ok((v, values.byte_offset())),
+        Some(Err(e)) => Err(e),
+        None => Err(serde::de::Error::custom("no value")),
     }
-    true
+}
+
+fn add_usage(w: &mut Wire, u: UsageObject) {
+    set(&mut w.prompt_tokens, u.prompt_tokens);
+    set(
+        &mut w.prompt_cached,
+        u.prompt_tokens_details.and_then(|d| d.cached_tokens),
+    );
+    set(&mut w.input_tokens, u.input_tokens);
+    set(
+        &mut w.input_cached,
+        u.input_tokens_details.and_then(|d| d.cached_tokens),
+    );
+    set(&mut w.cache_read, u.cache_read_input_tokens);
+    set(&mut w.cache_creation, u.cache_creation_input_tokens);
+}
+
+fn add_timings(w: &mut Wire, t: TimingsObject) {
+    set(&mut w.prompt_n, t.prompt_n);
+    set(&mut w.cache_n, t.cache_n);
+    set(
+        &mut w.prompt_ms,
+        t.prompt_ms.filter(|ms| ms.is_finite() && *ms >= 0.0),
+    );
+}
+
+/// The member named by what `before` ends with (the bytes just before a `{`): `"usage"` or
+/// `"timings"` and a colon, with whitespace anywhere between, and the name's opening quote not
+/// escaped (an odd run of backslashes before it puts it inside a string).
+fn member_ending(before: &[u8]) -> Option<Member> {
+    let name = before
+        .trim_ascii_end()
+        .strip_suffix(b":")?
+        .trim_ascii_end()
+        .strip_suffix(b"\"")?;
+    let (member, rest) = if let Some(rest) = name.strip_suffix(USAGE) {
+        (Member::Usage, rest)
+    } else {
+        (Member::Timings, name.strip_suffix(TIMINGS)?)
+    };
+    let rest = rest.strip_suffix(b"\"")?;
+    let slashes = rest.iter().rev().take_while(|&&c| c == b'\\').count();
+    (slashes % 2 == 0).then_some(member)
 }
 
 fn set<T>(slot: &mut Option<T>, value: Option<T>) {
     if value.is_some() {
         *slot = value;
     }
-}
-
-fn skip_ws(b: &[u8], mut i: usize) -> usize {
-    while i < b.len() && matches!(b[i], b' ' | b'\t' | b'\n' | b'\r') {
-        i += 1;
-    }
-    i
-}
-
-/// The first member name in `bytes` that ends after `min_end` bytes in (so that a name wholly
-/// inside an already scanned carry is not found twice) and is not escaped: its member, and
-/// the position just after it. (For a name split over chunks, a backslash before the carry
-/// is not seen.)
-fn first_member(bytes: &[u8], min_end: usize) -> Option<(Member, usize)> {
-    let usage =
-        find_unescaped(&FIND_USAGE, bytes, min_end).map(|i| (Member::Usage, i, i + USAGE.len()));
-    let timings = find_unescaped(&FIND_TIMINGS, bytes, min_end)
-        .map(|i| (Member::Timings, i, i + TIMINGS.len()));
-    match (usage, timings) {
-        (Some(u), Some(t)) => Some(if u.1 <= t.1 { (u.0, u.2) } else { (t.0, t.2) }),
-        (Some((m, _, e)), None) | (None, Some((m, _, e))) => Some((m, e)),
-        (None, None) => None,
-    }
-}
-
-fn find_unescaped(finder: &Finder<'_>, bytes: &[u8], min_end: usize) -> Option<usize> {
-    let len = finder.needle().len();
-    finder.find_iter(bytes).find(|&at| {
-        if at + len <= min_end {
-            return false;
-        }
-        // An odd run of backslashes before the quote escapes it: the name is inside a string.
-        let slashes = bytes[..at]
-            .iter()
-            .rev()
-            .take_while(|&&c| c == b'\\')
-            .count();
-        slashes % 2 == 0
-    })
 }
 
 #[cfg(test)]
