@@ -115,7 +115,13 @@ impl Observe {
             stream: self.stream,
         };
         let (usage, verdict) = guard.learned().learn(&answer, self.watch.prediction);
+        if let Some(t) = answer.first_byte {
+            guard.metrics().first_byte(t);
+        }
         if let Some(u) = usage {
+            let reused = u.reused_tokens.unwrap_or(0);
+            let correction = verdict == Verdict::HeldLess;
+            guard.metrics().answer(u.prompt_tokens, reused, correction);
             let c = &capacity.counters;
             c.usage_reports.fetch_add(1, Ordering::Relaxed);
             c.prompt_tokens

@@ -21,6 +21,7 @@ use sha2::{Digest, Sha256};
 
 use crate::cache::CacheModel;
 use crate::learn::Learned;
+use crate::metrics::BackendMetrics;
 use crate::placement::rendezvous::{RankSet, Ranked};
 use crate::stats::Counters;
 use crate::wait::WaitList;
@@ -252,18 +253,21 @@ pub(crate) struct Load {
     pub(crate) failures: AtomicU64,
     /// What this backend's answers have taught.
     pub(crate) learned: Learned,
+    /// Its event handles (nothing without the `metrics` feature).
+    pub(crate) metrics: BackendMetrics,
     /// The fleet's counters, so that a slot guard needs this one `Arc` alone.
     pub(crate) capacity: Arc<Capacity>,
 }
 
 impl Load {
-    fn new(slots: NonZeroU32, capacity: Arc<Capacity>) -> Self {
+    fn new(slots: NonZeroU32, capacity: Arc<Capacity>, id: &BackendId, node: &NodeId) -> Self {
         Load {
             in_flight: AtomicU32::new(0),
             slots: AtomicU32::new(slots.get()),
             down_until: AtomicU64::new(0),
             failures: AtomicU64::new(0),
             learned: Learned::default(),
+            metrics: BackendMetrics::new(id, node),
             capacity,
         }
     }
@@ -341,6 +345,11 @@ impl SlotGuard {
         &self.load.learned
     }
 
+    /// The backend's metric handles.
+    pub(crate) fn metrics(&self) -> &BackendMetrics {
+        &self.load.metrics
+    }
+
     /// The fleet's counters.
     pub(crate) fn capacity(&self) -> &Capacity {
         &self.load.capacity
@@ -350,6 +359,7 @@ impl SlotGuard {
     /// for the fleet.
     pub(crate) fn count_failure(&self) {
         self.load.failures.fetch_add(1, Ordering::Relaxed);
+        self.load.metrics.failure();
         crate::stats::bump(&self.capacity().counters.backend_errors);
     }
 
@@ -536,6 +546,7 @@ impl Topology {
         prompt_cache_bytes: Option<u64>,
         cache_tokens: u64,
     ) -> u32 {
+        let node_id = node;
         let node = self.node_index(node);
         if let Some(&index) = self.by_id.get(&id) {
             let m = &self.members[index as usize];
@@ -567,7 +578,7 @@ impl Topology {
                 digest,
                 generation: m.generation.wrapping_add(1),
                 live: true,
-                load: Arc::new(Load::new(slots, self.capacity.clone())),
+                load: Arc::new(Load::new(slots, self.capacity.clone(), &id, node_id)),
                 prompt_cache_bytes,
                 cache: Arc::new(Mutex::new(CacheModel::new(cache_tokens))),
             };
@@ -580,7 +591,7 @@ impl Topology {
                 digest,
                 generation: 0,
                 live: true,
-                load: Arc::new(Load::new(slots, self.capacity.clone())),
+                load: Arc::new(Load::new(slots, self.capacity.clone(), &id, node_id)),
                 prompt_cache_bytes,
                 cache: Arc::new(Mutex::new(CacheModel::new(cache_tokens))),
             });
@@ -787,7 +798,7 @@ mod tests {
 
     #[test]
     fn slot_counter_never_exceeds_slots_without_force() {
-        let l = Load::new(nz(2), Arc::default());
+        let l = Load::new(nz(2), Arc::default(), &"a".into(), &"n".into());
         assert!(l.try_acquire());
         assert!(l.try_acquire());
         assert!(!l.try_acquire());

@@ -24,7 +24,7 @@ use crate::fleet::SlotGuard;
 use crate::key::SessionKey;
 use crate::placement::Placement;
 use crate::service::{Placed, Shared};
-use crate::stats::{bump, Decision};
+use crate::stats::Decision;
 use crate::wait::{Scope, WaitHome, WaitTicket};
 use crate::{Backend, Error, Overflow, ResponseBody};
 
@@ -194,7 +194,7 @@ where
                 watch,
             } => State::call((service, guard, decision, watch), req, shared.finish),
             Placed::Empty => {
-                bump(&shared.capacity.counters.no_backends);
+                shared.capacity.counters.count_no_backends();
                 State::fail(Error::NoBackends)
             }
             Placed::Full { home } => match overflow {
@@ -203,7 +203,7 @@ where
                     max_queued,
                 } => Self::wait(shared.clone(), key, req, home, max_wait, max_queued),
                 Overflow::Overcommit | Overflow::Reject => {
-                    bump(&shared.capacity.counters.rejected);
+                    shared.capacity.counters.count_rejected();
                     State::fail(Error::Saturated {
                         retry_after: shared.retry_after(),
                     })
@@ -222,7 +222,7 @@ where
         max_queued: usize,
     ) -> State<S, P, ReqB> {
         let Some(ticket) = WaitTicket::take(&shared.capacity, home, max_queued) else {
-            bump(&shared.capacity.counters.rejected);
+            shared.capacity.counters.count_rejected();
             return State::fail(Error::Saturated {
                 retry_after: shared.retry_after(),
             });
@@ -239,7 +239,7 @@ where
                 State::call((service, guard, decision, watch), req, shared.finish)
             }
             Placed::Empty => {
-                bump(&shared.capacity.counters.no_backends);
+                shared.capacity.counters.count_no_backends();
                 State::fail(Error::NoBackends)
             }
             Placed::Full { .. } => {
@@ -317,7 +317,7 @@ where
                     let mut deadline = w.deadline;
                     if deadline.as_mut().poll(cx).is_ready() {
                         if w.ticket.scope() == Scope::Any {
-                            bump(&w.shared.capacity.counters.rejected);
+                            w.shared.capacity.counters.count_rejected();
                             let retry_after = w.shared.retry_after();
                             state.set(State::fail(Error::Saturated { retry_after }));
                             continue;
@@ -348,7 +348,7 @@ where
                             state.set(State::call(placed, r, finish));
                         }
                         Placed::Empty => {
-                            bump(&w.shared.capacity.counters.no_backends);
+                            w.shared.capacity.counters.count_no_backends();
                             state.set(State::fail(Error::NoBackends));
                         }
                         // Still queued, with this task's waker: look at the deadline again.

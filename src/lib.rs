@@ -77,6 +77,7 @@
 //   chain.rs     PromptChain: a prompt's digests at its message boundaries
 //   cache.rs     the cache model: the chain links each backend probably holds
 //   learn.rs     what the answers teach per backend: reuse, prefill rate, wait versus move
+//   metrics.rs   the `metrics` facade's names (feature `metrics`)
 //   body.rs      ResponseBody: holds the slot until the body ends; InnerOrBytes, shared with key/
 //   overflow.rs  what a request does when every candidate is full
 //   error.rs     Error, its HTTP mapping, ErrorToResponse
@@ -100,6 +101,11 @@ mod future;
 pub mod key;
 mod layer;
 mod learn;
+#[cfg(feature = "metrics")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
+pub mod metrics;
+#[cfg(not(feature = "metrics"))]
+mod metrics;
 mod overflow;
 pub mod placement;
 mod retry;

@@ -29,7 +29,7 @@ use crate::placement::{
     wants_prefix, BackendRef, Candidates, FleetView, Home, HomeCache, NodeRef, Placement,
     PlacementRequest,
 };
-use crate::stats::{bump, Decision, Outcome, Stats};
+use crate::stats::{Decision, Outcome, Stats};
 use crate::table::{HomeEntry, SessionStore, SessionTable, Sessions};
 use crate::wait::{Scope, WaitHome};
 use crate::{Backend, BackendId, BackendStatus, Overflow, PromptChain, ResponseBody};
@@ -225,6 +225,24 @@ where
         }
     }
 
+    /// Sets the level gauges of the [`metrics`](crate::metrics) facade (in flight, waiting,
+    /// sessions, and per backend its slots, health, in flight, cached tokens, conversations
+    /// and prefill rate) from the service as it is now. Call it before rendering a scrape;
+    /// events (decisions, waits, failures, reported tokens) are recorded as they happen.
+    ///
+    /// ```
+    /// # fn doc<D: tower::discover::Discover<Key = tower_affinity::BackendId, Service = tower_affinity::Backend<S>>, S, K, P>(
+    /// #     svc: &tower_affinity::SessionAffinity<D, K, P>) {
+    /// svc.publish_metrics();
+    /// // then render the application's exporter
+    /// # }
+    /// ```
+    #[cfg(feature = "metrics")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
+    pub fn publish_metrics(&self) {
+        crate::metrics::publish(&self.stats(), &self.backends());
+    }
+
     /// The live backends with their slots, in-flight counts and health.
     pub fn backends(&self) -> Vec<BackendStatus> {
         let now = self.shared.capacity.now_ms(Instant::now());
@@ -318,7 +336,7 @@ where
                 }
                 Poll::Ready(Some(Err(e))) => {
                     let e: BoxError = e.into();
-                    bump(&shared.capacity.counters.discovery_errors);
+                    shared.capacity.counters.count_discovery_error();
                     tracing::warn!(error = %e, "discovery error; keeping the current fleet");
                 }
                 Poll::Ready(None) => {

@@ -227,7 +227,23 @@ fn stripe() -> usize {
 }
 
 impl Counters {
+    pub(crate) fn count_rejected(&self) {
+        bump(&self.rejected);
+        crate::metrics::event("tower_affinity_rejected_total");
+    }
+
+    pub(crate) fn count_no_backends(&self) {
+        bump(&self.no_backends);
+        crate::metrics::event("tower_affinity_no_backends_total");
+    }
+
+    pub(crate) fn count_discovery_error(&self) {
+        bump(&self.discovery_errors);
+        crate::metrics::event("tower_affinity_discovery_errors_total");
+    }
+
     pub(crate) fn record(&self, d: &Decision) {
+        crate::metrics::decision(d);
         let s = &self.stripes[stripe()];
         bump(&s.outcomes[d.outcome as usize]);
         if d.waited.is_some() {

@@ -1,0 +1,168 @@
+//! Metrics through the [`metrics`](https://docs.rs/metrics) facade (feature `metrics`).
+//!
+//! A library must not choose its application's exporter. The `metrics` facade is how the
+//! ecosystem's libraries report: it does nothing until the application installs a recorder
+//! (`metrics-exporter-prometheus`, or an OpenTelemetry bridge), and then every library's
+//! figures reach the same exporter without a registry passed around.
+//! (`prometheus-client` with a registry passed in would tie the application to Prometheus's
+//! data model and to one registry.)
+//!
+//! Events are recorded as they happen, on handles each backend registers when discovery first
+//! names it: install the recorder before the service takes its first request. Levels (what is
+//! in flight, the backends' health, what the caches hold) are read off the service when the
+//! application asks, with [`SessionAffinity::publish_metrics`](crate::SessionAffinity::publish_metrics),
+//! typically just before rendering a scrape, so that no request pays for a gauge.
+//!
+//! | name | kind | labels | what |
+//! |---|---|---|---|
+//! | `tower_affinity_decisions_total` | counter | `outcome` | requests placed, by [`Outcome`](crate::Outcome) |
+//! | `tower_affinity_waited_total` | counter | | requests that waited for a slot |
+//! | `tower_affinity_wait_seconds` | histogram | | how long they waited |
+//! | `tower_affinity_overcommitted_total` | counter | | requests sent beyond a backend's slots |
+//! | `tower_affinity_rejected_total` | counter | | requests refused: no slot, no room to wait |
+//! | `tower_affinity_no_backends_total` | counter | | requests refused: no backend |
+//! | `tower_affinity_backend_errors_total` | counter | | requests whose backend failed, over the fleet |
+//! | `tower_affinity_discovery_errors_total` | counter | | errors from the discovery stream |
+//! | `tower_affinity_backend_failures_total` | counter | `backend`, `node` | requests that failed on this backend |
+//! | `tower_affinity_backend_prompt_tokens_total` | counter | `backend`, `node` | prompt tokens its answers reported |
+//! | `tower_affinity_backend_reused_tokens_total` | counter | `backend`, `node` | of them, reused from its cache |
+//! | `tower_affinity_backend_corrections_total` | counter | `backend`, `node` | answers far below the cache model's prediction |
+//! | `tower_affinity_backend_first_byte_seconds` | histogram | `backend`, `node` | dispatch to the answer's first byte |
+//! | `tower_affinity_in_flight` | gauge | | requests in flight (published) |
+//! | `tower_affinity_waiting` | gauge | | requests waiting for a slot (published) |
+//! | `tower_affinity_sessions` | gauge | | sessions in the table (published) |
+//! | `tower_affinity_backend_in_flight` | gauge | `backend`, `node` | (published) |
+//! | `tower_affinity_backend_slots` | gauge | `backend`, `node` | (published) |
+//! | `tower_affinity_backend_healthy` | gauge | `backend`, `node` | 1 or 0 (published) |
+//! | `tower_affinity_backend_cached_tokens` | gauge | `backend`, `node` | what the cache model says it holds (published) |
+//! | `tower_affinity_backend_conversations` | gauge | `backend`, `node` | conversations it homes (published) |
+//! | `tower_affinity_backend_prefill_tokens_per_second` | gauge | `backend`, `node` | its learned prefill rate (published) |
+//!
+//! The reuse placement achieves is one division in PromQL:
+//!
+//! ```text
+//! sum by (backend) (rate(tower_affinity_backend_reused_tokens_total[5m]))
+//!   / sum by (backend) (rate(tower_affinity_backend_prompt_tokens_total[5m]))
+//! ```
+//!
+//! The `node` label is the node discovery first gave the backend.
+
+use std::time::Duration;
+
+#[cfg(feature = "metrics")]
+use metrics::{counter, gauge, histogram, Counter, Histogram};
+
+use crate::{BackendId, BackendStatus, Decision, NodeId, Stats};
+
+/// One backend's event handles; nothing without the feature.
+#[derive(Debug)]
+pub(crate) struct BackendMetrics {
+    #[cfg(feature = "metrics")]
+    failures: Counter,
+    #[cfg(feature = "metrics")]
+    prompt_tokens: Counter,
+    #[cfg(feature = "metrics")]
+    reused_tokens: Counter,
+    #[cfg(feature = "metrics")]
+    corrections: Counter,
+    #[cfg(feature = "metrics")]
+    first_byte: Histogram,
+}
+
+impl BackendMetrics {
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn new(backend: &BackendId, node: &NodeId) -> Self {
+        #[cfg(feature = "metrics")]
+        {
+            let labels = [
+                ("backend", backend.as_str().to_owned()),
+                ("node", node.as_str().to_owned()),
+            ];
+            BackendMetrics {
+                failures: counter!("tower_affinity_backend_failures_total", &labels),
+                prompt_tokens: counter!("tower_affinity_backend_prompt_tokens_total", &labels),
+                reused_tokens: counter!("tower_affinity_backend_reused_tokens_total", &labels),
+                corrections: counter!("tower_affinity_backend_corrections_total", &labels),
+                first_byte: histogram!("tower_affinity_backend_first_byte_seconds", &labels),
+            }
+        }
+        #[cfg(not(feature = "metrics"))]
+        BackendMetrics {}
+    }
+
+    pub(crate) fn failure(&self) {
+        #[cfg(feature = "metrics")]
+        {
+            self.failures.increment(1);
+            counter!("tower_affinity_backend_errors_total").increment(1);
+        }
+    }
+
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn answer(&self, prompt: u64, reused: u64, correction: bool) {
+        #[cfg(feature = "metrics")]
+        {
+            self.prompt_tokens.increment(prompt);
+            self.reused_tokens.increment(reused);
+            if correction {
+                self.corrections.increment(1);
+            }
+        }
+    }
+
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn first_byte(&self, after: Duration) {
+        #[cfg(feature = "metrics")]
+        self.first_byte.record(after.as_secs_f64());
+    }
+}
+
+/// A request was placed.
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+pub(crate) fn decision(d: &Decision) {
+    #[cfg(feature = "metrics")]
+    {
+        counter!("tower_affinity_decisions_total", "outcome" => d.outcome.as_str()).increment(1);
+        if let Some(waited) = d.waited {
+            counter!("tower_affinity_waited_total").increment(1);
+            histogram!("tower_affinity_wait_seconds").record(waited.as_secs_f64());
+        }
+        if d.overcommitted {
+            counter!("tower_affinity_overcommitted_total").increment(1);
+        }
+    }
+}
+
+/// A fleet-wide event without labels, by its counter's name.
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+pub(crate) fn event(name: &'static str) {
+    #[cfg(feature = "metrics")]
+    counter!(name).increment(1);
+}
+
+/// Sets the level gauges from a snapshot of the service.
+#[cfg(feature = "metrics")]
+pub(crate) fn publish(stats: &Stats, backends: &[BackendStatus]) {
+    gauge!("tower_affinity_in_flight").set(stats.in_flight as f64);
+    gauge!("tower_affinity_waiting").set(stats.waiting as f64);
+    gauge!("tower_affinity_sessions").set(stats.sessions as f64);
+    for b in backends {
+        let labels = [
+            ("backend", b.id.as_str().to_owned()),
+            ("node", b.node.as_str().to_owned()),
+        ];
+        gauge!("tower_affinity_backend_in_flight", &labels).set(f64::from(b.in_flight));
+        gauge!("tower_affinity_backend_slots", &labels).set(f64::from(b.slots));
+        gauge!("tower_affinity_backend_healthy", &labels).set(if b.healthy { 1.0 } else { 0.0 });
+        gauge!("tower_affinity_backend_cached_tokens", &labels).set(b.cached_tokens as f64);
+        gauge!("tower_affinity_backend_conversations", &labels).set(f64::from(b.conversations));
+        if let Some(rate) = b.prefill_rate {
+            gauge!("tower_affinity_backend_prefill_tokens_per_second", &labels)
+                .set(f64::from(rate));
+        }
+    }
+}
+
+#[cfg(not(feature = "metrics"))]
+#[allow(dead_code)]
+pub(crate) fn publish(_: &Stats, _: &[BackendStatus]) {}

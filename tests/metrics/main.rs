@@ -1,0 +1,122 @@
+//! The `metrics` facade's figures, read back through a recorder (feature `metrics`).
+#![cfg(feature = "metrics")]
+
+use std::convert::Infallible;
+use std::num::NonZeroU32;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use metrics_util::{CompositeKey, MetricKind};
+use tower::{service_fn, Layer, ServiceExt};
+use tower_affinity::discover::StaticFleet;
+use tower_affinity::{Backend, SessionAffinityLayer};
+
+const ANSWER: &str =
+    r#"{"usage":{"prompt_tokens":1200,"prompt_tokens_details":{"cached_tokens":1024}}}"#;
+
+type Entry = (
+    CompositeKey,
+    Option<metrics::Unit>,
+    Option<metrics::SharedString>,
+    DebugValue,
+);
+
+fn value<'a>(
+    snapshot: &'a [Entry],
+    kind: MetricKind,
+    name: &str,
+    labels: &[(&str, &str)],
+) -> Option<&'a DebugValue> {
+    snapshot
+        .iter()
+        .find(|(k, ..)| {
+            k.kind() == kind
+                && k.key().name() == name
+                && labels
+                    .iter()
+                    .all(|(l, v)| k.key().labels().any(|x| x.key() == *l && x.value() == *v))
+        })
+        .map(|(.., v)| v)
+}
+
+#[test]
+fn decisions_reported_tokens_and_levels_reach_the_recorder() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter: Snapshotter = recorder.snapshotter();
+    metrics::with_local_recorder(&recorder, || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let backend = service_fn(|_req: http::Request<String>| async {
+                let mut res = http::Response::new(Full::new(Bytes::from_static(ANSWER.as_bytes())));
+                res.headers_mut()
+                    .insert("content-type", "application/json".parse().unwrap());
+                Ok::<_, Infallible>(res)
+            });
+            let fleet = StaticFleet::new([(
+                "a1",
+                Backend::new("node-a", backend).slots(NonZeroU32::new(2).unwrap()),
+            )]);
+            let svc = SessionAffinityLayer::new().layer(fleet);
+            for _ in 0..2 {
+                let req = http::Request::post("/v1/chat/completions")
+                    .header("x-session-id", "s")
+                    .body(String::new())
+                    .unwrap();
+                let res = svc.clone().oneshot(req).await.unwrap();
+                res.into_body().collect().await.unwrap();
+            }
+            svc.publish_metrics();
+        });
+    });
+    let snapshot = snapshotter.snapshot().into_vec();
+    let counter =
+        |name: &str, labels: &[(&str, &str)]| value(&snapshot, MetricKind::Counter, name, labels);
+    assert_eq!(
+        counter(
+            "tower_affinity_decisions_total",
+            &[("outcome", "new-session")]
+        ),
+        Some(&DebugValue::Counter(1))
+    );
+    assert_eq!(
+        counter("tower_affinity_decisions_total", &[("outcome", "home-hit")]),
+        Some(&DebugValue::Counter(1))
+    );
+    let backend = [("backend", "a1"), ("node", "node-a")];
+    assert_eq!(
+        counter("tower_affinity_backend_prompt_tokens_total", &backend),
+        Some(&DebugValue::Counter(2400))
+    );
+    assert_eq!(
+        counter("tower_affinity_backend_reused_tokens_total", &backend),
+        Some(&DebugValue::Counter(2048))
+    );
+    let first_bytes = value(
+        &snapshot,
+        MetricKind::Histogram,
+        "tower_affinity_backend_first_byte_seconds",
+        &backend,
+    );
+    assert!(matches!(first_bytes, Some(DebugValue::Histogram(v)) if v.len() == 2));
+    let gauge = |name: &str| value(&snapshot, MetricKind::Gauge, name, &backend);
+    assert_eq!(
+        gauge("tower_affinity_backend_slots"),
+        Some(&DebugValue::Gauge(2.0.into()))
+    );
+    assert_eq!(
+        gauge("tower_affinity_backend_healthy"),
+        Some(&DebugValue::Gauge(1.0.into()))
+    );
+    assert_eq!(
+        gauge("tower_affinity_backend_in_flight"),
+        Some(&DebugValue::Gauge(0.0.into()))
+    );
+    assert_eq!(
+        value(&snapshot, MetricKind::Gauge, "tower_affinity_sessions", &[]),
+        Some(&DebugValue::Gauge(1.0.into()))
+    );
+}
