@@ -18,7 +18,9 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::task::Poll;
 use std::time::Duration;
 
@@ -311,7 +313,7 @@ struct Logs(Arc<Mutex<Vec<u8>>>);
 
 impl Write for Logs {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
+        self.0.lock().extend_from_slice(buf);
         Ok(buf.len())
     }
     fn flush(&mut self) -> std::io::Result<()> {
@@ -321,7 +323,7 @@ impl Write for Logs {
 
 impl Logs {
     fn count(&self, needle: &str) -> usize {
-        String::from_utf8_lossy(&self.0.lock().unwrap())
+        String::from_utf8_lossy(&self.0.lock())
             .matches(needle)
             .count()
     }

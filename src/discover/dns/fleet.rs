@@ -39,7 +39,30 @@ use crate::{Backend, BackendId};
 /// Resolution runs in a task of its own, so a changed fleet is ready for the next request
 /// even after a quiet spell. Dropping the stream stops it.
 ///
-/// See [the module docs](super) for an example.
+/// With a literal address, which resolves to itself without a query:
+///
+/// ```
+/// use tokio_stream::StreamExt;
+/// use tower::discover::Change;
+/// use tower_affinity::discover::dns::{DnsEndpoint, DnsFleet};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let mut fleet = DnsFleet::builder("127.0.0.1:8080".parse().unwrap())
+///     .nameserver("127.0.0.1:53".parse().unwrap())
+///     .build(|ep: &DnsEndpoint| format!("http://{}", ep.authority()))
+///     .unwrap();
+/// let Some(Ok(Change::Insert(id, backend))) = fleet.next().await else {
+///     unreachable!()
+/// };
+/// assert_eq!(id.as_str(), "127.0.0.1:8080");
+/// assert_eq!(backend.node().as_str(), "127.0.0.1");
+/// assert_eq!(backend.service(), "http://127.0.0.1:8080");
+/// assert_eq!(fleet.handle().stats().backends, 1);
+/// # }
+/// ```
+///
+/// See [the module docs](super) for one under [`SessionAffinity`](crate::SessionAffinity).
 pub struct DnsFleet<S> {
     rx: mpsc::UnboundedReceiver<Change<BackendId, Backend<S>>>,
     handle: DnsHandle,

@@ -14,8 +14,12 @@
 //! keeps the fleet as it was, and is counted and logged (see [`DnsHandle`]); an answer with no
 //! address counts as failed, so DNS never empties the fleet.
 //!
-//! Queries go to the system's nameservers (`/etc/resolv.conf`), or to those given with
-//! [`DnsFleetBuilder::nameserver`]. Resolution uses [hickory-resolver], without its cache.
+//! Queries go to the system's nameservers (`/etc/resolv.conf`, with its search domains), or to
+//! those given with [`DnsFleetBuilder::nameserver`]. Resolution uses [hickory-resolver],
+//! without its cache; the feature needs Rust 1.88 or later, as hickory-resolver 0.26 does.
+//!
+//! The fleet is what each answer says: a server that answers with a different subset of a
+//! large record set each time makes the fleet change each time.
 //!
 //! # Example
 //!
