@@ -260,6 +260,27 @@ async fn srv_records_give_targets_and_ports() {
         ready_shown(&mut fleet).await,
         ["+10.0.0.3:8001@gpu-b.fleet.test", "-10.0.0.2:8001"]
     );
+
+    // A target that cannot be resolved now (here refused: outside the server's zone) may
+    // still be there: the whole resolution fails and the fleet stays.
+    dns.set_srv(
+        "_llm._tcp.fleet.test.",
+        30,
+        &[
+            (10, 5, 8001, "gpu-a.fleet.test."),
+            (10, 5, 8001, "gpu-c.elsewhere.test."),
+        ],
+    )
+    .await;
+    handle.refresh();
+    answered(handle.resolved(3)).await;
+    let e = handle
+        .last_error()
+        .expect("a target's failure fails the resolution");
+    assert_eq!(e.kind(), DnsErrorKind::ServerFailure, "{e}");
+    assert!(e.to_string().contains("gpu-c.elsewhere.test"), "{e}");
+    assert!(ready(&mut fleet).await.is_empty());
+    assert_eq!(handle.stats().backends, 3);
 }
 
 #[tokio::test(start_paused = true)]

@@ -43,9 +43,12 @@ pub(crate) enum TargetKind {
 }
 
 impl DnsTarget {
-    /// The A/AAAA records of `name`, each address with `port`. A literal IP address (also
-    /// `[::1]`) is accepted and resolves to itself.
+    /// The A/AAAA records of `name`, each address with `port` (not 0). A literal IP address
+    /// (also `[::1]`) is accepted and resolves to itself.
     pub fn host(name: &str, port: u16) -> Result<Self, DnsError> {
+        if port == 0 {
+            return Err(invalid(name, "the port is 0"));
+        }
         let name = name
             .strip_prefix('[')
             .and_then(|n| n.strip_suffix(']'))
@@ -83,16 +86,14 @@ impl DnsTarget {
     }
 }
 
-/// A name that hickory takes (IDNA and all), kept as the user wrote it.
+/// A name that hickory takes (IDNA and all), or a literal IP address; kept as written.
 fn checked(name: &str) -> Result<String, DnsError> {
-    if name.is_empty() || name.parse::<std::net::IpAddr>().is_ok() {
-        return if name.is_empty() {
-            Err(invalid(name, "the name is empty"))
-        } else {
-            Ok(name.to_string())
-        };
+    if name.is_empty() {
+        return Err(invalid(name, "the name is empty"));
     }
-    Name::from_utf8(name).map_err(|e| invalid(name, &e.to_string()))?;
+    if name.parse::<std::net::IpAddr>().is_err() {
+        Name::from_utf8(name).map_err(|e| invalid(name, &e.to_string()))?;
+    }
     Ok(name.to_string())
 }
 
@@ -120,7 +121,7 @@ impl FromStr for DnsTarget {
         let port = port.parse::<u16>().map_err(|_| {
             invalid(
                 s,
-                &format!("the port {port:?} is not a number from 0 to 65535"),
+                &format!("the port {port:?} is not a number from 1 to 65535"),
             )
         })?;
         DnsTarget::host(name, port)
@@ -174,6 +175,7 @@ mod tests {
             ("backends.test", "expected NAME:PORT"),
             ("backends.test:http", "not a number"),
             ("backends.test:70000", "not a number"),
+            ("backends.test:0", "the port is 0"),
             (":80", "empty"),
             ("a..b:80", "invalid DNS target"),
         ] {
