@@ -132,7 +132,7 @@ impl<S> Stream for DnsFleet<S> {
                 }
                 Err(_) => {
                     tracing::error!(
-                        target = %this.handle.target(),
+                        dns = %this.handle.target(),
                         "DnsFleet polled outside a tokio runtime; it cannot resolve, and ends"
                     );
                     this.handle.shared().closed();

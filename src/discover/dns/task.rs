@@ -76,7 +76,7 @@ pub(crate) async fn run<S>(
                     let keep = found.endpoints.contains_key(addr);
                     if !keep {
                         removed += 1;
-                        tracing::debug!(target = %target, backend = %id, "DNS: backend gone");
+                        tracing::debug!(dns = %target, backend = %id, "DNS: backend gone");
                         let _ = tx.send(Change::Remove(id.clone()));
                     }
                     keep
@@ -87,13 +87,13 @@ pub(crate) async fn run<S>(
                     }
                     let id = ep.id();
                     added += 1;
-                    tracing::debug!(target = %target, backend = %id, "DNS: backend found");
+                    tracing::debug!(dns = %target, backend = %id, "DNS: backend found");
                     let _ = tx.send(Change::Insert(id.clone(), make.backend(ep)));
                     current.insert(*addr, id);
                 }
                 if added + removed > 0 {
                     tracing::info!(
-                        target = %target,
+                        dns = %target,
                         added,
                         removed,
                         backends = current.len(),
@@ -101,7 +101,7 @@ pub(crate) async fn run<S>(
                     );
                 }
                 if shared.failing() {
-                    tracing::info!(target = %target, backends = current.len(), "DNS resolution recovered");
+                    tracing::info!(dns = %target, backends = current.len(), "DNS resolution recovered");
                 }
                 shared.succeeded(current.len());
                 schedule.after(found.ttl)
@@ -110,13 +110,13 @@ pub(crate) async fn run<S>(
                 let run = shared.failed(e.clone());
                 if run == 1 {
                     tracing::warn!(
-                        target = %target,
+                        dns = %target,
                         error = %e,
                         backends = current.len(),
                         "DNS resolution failed; keeping the last fleet"
                     );
                 } else {
-                    tracing::debug!(target = %target, error = %e, failures = run, "DNS resolution still failing");
+                    tracing::debug!(dns = %target, error = %e, failures = run, "DNS resolution still failing");
                 }
                 schedule.retry
             }
