@@ -18,6 +18,7 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -506,6 +507,37 @@ async fn the_node_function_names_each_backend_s_node() {
             "+10.0.2.1:8080@rack-2",
         ]
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_service_that_cannot_be_made_is_left_out_and_tried_again() {
+    let dns = Dns::start().await;
+    dns.set_ips("llm.fleet.test.", 30, &["10.0.0.1", "10.0.0.2"])
+        .await;
+    let refuse = Arc::new(AtomicBool::new(true));
+    let refusing = refuse.clone();
+    let mut fleet = builder(&dns, "llm.fleet.test.:8080")
+        .try_build(move |ep: &DnsEndpoint| {
+            if ep.ip().to_string() == "10.0.0.2" && refusing.load(Ordering::SeqCst) {
+                return Err("no client for this one");
+            }
+            Ok(ep.addr())
+        })
+        .unwrap();
+    let handle = fleet.handle();
+    answered(handle.resolved(1)).await;
+    assert_eq!(ready_shown(&mut fleet).await, ["+10.0.0.1:8080@10.0.0.1"]);
+    assert_eq!(handle.stats().backends, 1);
+
+    handle.refresh();
+    answered(handle.resolved(2)).await;
+    assert!(ready(&mut fleet).await.is_empty());
+
+    refuse.store(false, Ordering::SeqCst);
+    handle.refresh();
+    answered(handle.resolved(3)).await;
+    assert_eq!(ready_shown(&mut fleet).await, ["+10.0.0.2:8080@10.0.0.2"]);
+    assert_eq!((handle.stats().backends, handle.failures()), (2, 0));
 }
 
 #[tokio::test]

@@ -1,5 +1,6 @@
 //! [`DnsFleetBuilder`]: the resolver, the schedule, and how backends are made.
 
+use std::convert::Infallible;
 use std::fmt;
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
@@ -17,7 +18,7 @@ use super::error::{DnsError, DnsErrorKind};
 use super::fleet::DnsFleet;
 use super::target::DnsTarget;
 use super::task::{Make, NodeOf, Schedule};
-use crate::{Backend, NodeId};
+use crate::{Backend, BoxError, NodeId};
 
 /// Which address records a host target (and each SRV target) resolves to.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -189,9 +190,21 @@ impl DnsFleetBuilder {
         F: Fn(&DnsEndpoint) -> S + Send + Sync + 'static,
         S: Send + 'static,
     {
+        self.try_build(move |ep: &DnsEndpoint| Ok::<_, Infallible>(service(ep)))
+    }
+
+    /// As [`build`](Self::build), for a service that can fail to be made (a client whose
+    /// configuration is refused): an address whose service fails is left out of the fleet,
+    /// logged once, and tried again at each resolution.
+    pub fn try_build<S, F, E>(self, service: F) -> Result<DnsFleet<S>, DnsError>
+    where
+        F: Fn(&DnsEndpoint) -> Result<S, E> + Send + Sync + 'static,
+        E: Into<BoxError>,
+        S: Send + 'static,
+    {
         let resolver = self.resolver()?;
         let make = Make {
-            service: Arc::new(service),
+            service: Arc::new(move |ep: &DnsEndpoint| service(ep).map_err(Into::into)),
             node: self.node,
             slots: self.slots,
             cache_tokens: self.cache_tokens,

@@ -1,6 +1,6 @@
 //! The resolving task: resolve, announce the differences, wait as the TTL says, again.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
@@ -16,10 +16,10 @@ use tower::discover::Change;
 use super::endpoint::DnsEndpoint;
 use super::handle::DnsHandle;
 use super::resolve::resolve;
-use crate::{Backend, BackendId, NodeId};
+use crate::{Backend, BackendId, BoxError, NodeId};
 
-/// Builds a backend's service from its endpoint.
-pub(crate) type MakeService<S> = Arc<dyn Fn(&DnsEndpoint) -> S + Send + Sync>;
+/// Builds a backend's service from its endpoint, or says why not.
+pub(crate) type MakeService<S> = Arc<dyn Fn(&DnsEndpoint) -> Result<S, BoxError> + Send + Sync>;
 /// Names a backend's node from its endpoint.
 pub(crate) type NodeOf = Arc<dyn Fn(&DnsEndpoint) -> NodeId + Send + Sync>;
 
@@ -50,10 +50,10 @@ pub(crate) struct Make<S> {
 }
 
 impl<S> Make<S> {
-    fn backend(&self, ep: &DnsEndpoint) -> Backend<S> {
-        Backend::new((self.node)(ep), (self.service)(ep))
+    fn backend(&self, ep: &DnsEndpoint) -> Result<Backend<S>, BoxError> {
+        Ok(Backend::new((self.node)(ep), (self.service)(ep)?)
             .slots(self.slots)
-            .cache_tokens(self.cache_tokens)
+            .cache_tokens(self.cache_tokens))
     }
 }
 
@@ -68,6 +68,9 @@ pub(crate) async fn run<S>(
     let target = handle.target().clone();
     let shared = handle.shared();
     let mut current: BTreeMap<SocketAddr, BackendId> = BTreeMap::new();
+    // Addresses whose service could not be made: left out, tried again each resolution, and
+    // logged once until they are made or gone.
+    let mut unmade: BTreeSet<SocketAddr> = BTreeSet::new();
     loop {
         let wait = match resolve(&resolver, &target).await {
             Ok(found) => {
@@ -81,14 +84,30 @@ pub(crate) async fn run<S>(
                     }
                     keep
                 });
+                unmade.retain(|addr| found.endpoints.contains_key(addr));
                 for (addr, ep) in &found.endpoints {
                     if current.contains_key(addr) {
                         continue;
                     }
                     let id = ep.id();
+                    let backend = match make.backend(ep) {
+                        Ok(backend) => backend,
+                        Err(e) => {
+                            if unmade.insert(*addr) {
+                                tracing::warn!(
+                                    dns = %target,
+                                    backend = %id,
+                                    error = %e,
+                                    "DNS: could not make the backend's service; left out"
+                                );
+                            }
+                            continue;
+                        }
+                    };
+                    unmade.remove(addr);
                     added += 1;
                     tracing::debug!(dns = %target, backend = %id, "DNS: backend found");
-                    let _ = tx.send(Change::Insert(id.clone(), make.backend(ep)));
+                    let _ = tx.send(Change::Insert(id.clone(), backend));
                     current.insert(*addr, id);
                 }
                 if added + removed > 0 {
