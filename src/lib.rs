@@ -22,7 +22,9 @@
 //!   the *cache model*: per backend, which links of the requests' [`PromptChain`]s it
 //!   probably still holds, so that placement knows where a conversation's prefix is, whether a
 //!   session's home evicted it, and where a request without a key belongs.
-//! - [`discover`]: static and channel-fed discovery streams of [`Backend`]s.
+//! - [`discover`]: static and channel-fed discovery streams of [`Backend`]s, and with the `dns`
+//!   feature `DnsFleet`, the backends behind a DNS name (A/AAAA with a port, or SRV) followed
+//!   as its records change.
 //! - [`SessionAffinityLayer`] builds [`SessionAffinity`], a `tower::Service` for your axum or
 //!   hyper proxy. Its [`ResponseBody`] releases the request's slot when the body ends.
 //!
@@ -86,7 +88,9 @@
 //   table.rs     the session table
 //   stats.rs     Decision, Outcome, counters
 //   usage.rs     Usage: the prompt and reused tokens a backend's answer reports, and its scanner
-//   discover.rs  static and channel-fed discovery
+//   discover/    static and channel-fed discovery (mod.rs); dns/, discovery from a DNS name
+//                (feature dns: target, endpoint, builder, the stream, its task, one resolution,
+//                the handle, errors)
 //   key/         SessionKey, extractors; key/body/, the body-reading layer (layer, service,
 //                future, body, and the parse: inspect, prompt, facts)
 //   placement/   the Placement trait, its view, rendezvous, NodeThenBackend, baselines

@@ -1,7 +1,8 @@
-//! Built-in discovery streams: a static list and a channel fed at run time.
+//! Built-in discovery streams: a static list, a channel fed at run time, and (feature `dns`)
+//! the backends behind a DNS name.
 //!
 //! Any `Stream<Item = Result<Change<BackendId, Backend<S>>, E>>` works as discovery (tower's
-//! [`Change`]); these two cover the common cases.
+//! [`Change`]); these cover the common cases.
 
 use std::convert::Infallible;
 use std::fmt;
@@ -13,6 +14,14 @@ use tokio::sync::mpsc;
 use tower::discover::Change;
 
 use crate::{Backend, BackendId};
+
+#[cfg(feature = "dns")]
+#[cfg_attr(docsrs, doc(cfg(feature = "dns")))]
+pub mod dns;
+#[cfg(feature = "dns")]
+#[cfg_attr(docsrs, doc(cfg(feature = "dns")))]
+#[doc(no_inline)]
+pub use dns::DnsFleet;
 
 /// A fixed fleet: yields an insert for each backend, then ends. The service keeps the fleet
 /// after the stream ends.

@@ -1,0 +1,270 @@
+//! [`DnsFleetBuilder`]: the resolver, the schedule, and how backends are made.
+
+use std::convert::Infallible;
+use std::fmt;
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hickory_resolver::config::{
+    ConnectionConfig, LookupIpStrategy, NameServerConfig, ResolveHosts, ResolverConfig,
+};
+use hickory_resolver::net::runtime::TokioRuntimeProvider;
+use hickory_resolver::TokioResolver;
+
+use super::endpoint::DnsEndpoint;
+use super::error::{DnsError, DnsErrorKind};
+use super::fleet::DnsFleet;
+use super::target::DnsTarget;
+use super::task::{Make, NodeOf, Schedule};
+use crate::{Backend, BoxError, NodeId};
+
+/// Which address records a host target (and each SRV target) resolves to.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum IpStrategy {
+    /// A records; AAAA only if there are none. The default: a dual-stack host is one backend.
+    #[default]
+    Ipv4ThenIpv6,
+    /// AAAA records; A only if there are none.
+    Ipv6ThenIpv4,
+    /// A records only.
+    Ipv4Only,
+    /// AAAA records only.
+    Ipv6Only,
+    /// Both: a host with an A and an AAAA record is two backends.
+    Ipv4AndIpv6,
+}
+
+impl IpStrategy {
+    fn hickory(self) -> LookupIpStrategy {
+        match self {
+            IpStrategy::Ipv4ThenIpv6 => LookupIpStrategy::Ipv4thenIpv6,
+            IpStrategy::Ipv6ThenIpv4 => LookupIpStrategy::Ipv6thenIpv4,
+            IpStrategy::Ipv4Only => LookupIpStrategy::Ipv4Only,
+            IpStrategy::Ipv6Only => LookupIpStrategy::Ipv6Only,
+            IpStrategy::Ipv4AndIpv6 => LookupIpStrategy::Ipv4AndIpv6,
+        }
+    }
+}
+
+/// Configures a [`DnsFleet`]; made by [`DnsFleet::builder`].
+///
+/// ```no_run
+/// use std::net::SocketAddr;
+/// use std::num::NonZeroU32;
+/// use std::time::Duration;
+/// use tower_affinity::discover::dns::{DnsEndpoint, DnsFleet};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let fleet = DnsFleet::builder("_llm._tcp.llm.service.consul".parse()?)
+///     .nameserver("127.0.0.1:8600".parse::<SocketAddr>()?) // Consul's DNS, not the system's
+///     .min_interval(Duration::from_secs(2))
+///     .max_interval(Duration::from_secs(30))
+///     .node(|ep: &DnsEndpoint| ep.srv_host().unwrap_or("unknown").to_string())
+///     .slots(NonZeroU32::new(4).unwrap())
+///     .build(|ep: &DnsEndpoint| ep.authority())?;
+/// # let _ = fleet;
+/// # Ok(())
+/// # }
+/// ```
+pub struct DnsFleetBuilder {
+    target: DnsTarget,
+    nameservers: Vec<SocketAddr>,
+    schedule: Schedule,
+    ip_strategy: IpStrategy,
+    timeout: Option<Duration>,
+    attempts: Option<usize>,
+    node: NodeOf,
+    slots: NonZeroU32,
+    cache_tokens: u64,
+}
+
+impl DnsFleetBuilder {
+    /// The floor under the TTL when none is set: 5 s.
+    pub const DEFAULT_MIN_INTERVAL: Duration = Duration::from_secs(5);
+    /// The ceiling over the TTL when none is set: 60 s.
+    pub const DEFAULT_MAX_INTERVAL: Duration = Duration::from_secs(60);
+    /// The wait after a failed resolution when none is set: 5 s.
+    pub const DEFAULT_RETRY_INTERVAL: Duration = Duration::from_secs(5);
+
+    pub(crate) fn new(target: DnsTarget) -> Self {
+        DnsFleetBuilder {
+            target,
+            nameservers: Vec::new(),
+            schedule: Schedule {
+                min: Self::DEFAULT_MIN_INTERVAL,
+                max: Self::DEFAULT_MAX_INTERVAL,
+                retry: Self::DEFAULT_RETRY_INTERVAL,
+            },
+            ip_strategy: IpStrategy::default(),
+            timeout: None,
+            attempts: None,
+            node: Arc::new(|ep: &DnsEndpoint| NodeId::from(ep.ip().to_string())),
+            slots: NonZeroU32::MIN,
+            cache_tokens: Backend::<()>::DEFAULT_CACHE_TOKENS,
+        }
+    }
+
+    /// Asks this nameserver (UDP, and TCP for long answers, on its port) instead of the
+    /// system's configuration. Call again to add more; they are tried in turn.
+    pub fn nameserver(mut self, addr: SocketAddr) -> Self {
+        self.nameservers.push(addr);
+        self
+    }
+
+    /// The shortest wait between resolutions, whatever the TTL says (a TTL of 0, as Consul
+    /// gives by default, would otherwise mean resolving without pause). Default
+    /// [`DEFAULT_MIN_INTERVAL`](Self::DEFAULT_MIN_INTERVAL).
+    pub fn min_interval(mut self, interval: Duration) -> Self {
+        self.schedule.min = interval;
+        self
+    }
+
+    /// The longest wait between resolutions, whatever the TTL says. Default
+    /// [`DEFAULT_MAX_INTERVAL`](Self::DEFAULT_MAX_INTERVAL); one under the floor is the floor.
+    pub fn max_interval(mut self, interval: Duration) -> Self {
+        self.schedule.max = interval;
+        self
+    }
+
+    /// The wait after a failed resolution. Default
+    /// [`DEFAULT_RETRY_INTERVAL`](Self::DEFAULT_RETRY_INTERVAL).
+    pub fn retry_interval(mut self, interval: Duration) -> Self {
+        self.schedule.retry = interval;
+        self
+    }
+
+    /// Which address records to use. Default [`IpStrategy::Ipv4ThenIpv6`].
+    pub fn ip_strategy(mut self, strategy: IpStrategy) -> Self {
+        self.ip_strategy = strategy;
+        self
+    }
+
+    /// How long one query waits for an answer. Default: the system configuration's, else
+    /// the resolver's (5 s).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+
+    /// How many times a query is retried before the resolution fails. Default: the system
+    /// configuration's, else the resolver's (2).
+    pub fn attempts(mut self, attempts: usize) -> Self {
+        self.attempts = Some(attempts);
+        self
+    }
+
+    /// Names each backend's node. Default: its IP address, so that the backends of one host
+    /// (several ports, or several SRV records) share a node.
+    pub fn node<F, N>(mut self, node: F) -> Self
+    where
+        F: Fn(&DnsEndpoint) -> N + Send + Sync + 'static,
+        N: Into<NodeId>,
+    {
+        self.node = Arc::new(move |ep: &DnsEndpoint| node(ep).into());
+        self
+    }
+
+    /// Each backend's slots (see [`Backend::slots`]). Default 1.
+    pub fn slots(mut self, slots: NonZeroU32) -> Self {
+        self.slots = slots;
+        self
+    }
+
+    /// Each backend's prompt-cache budget in tokens (see [`Backend::cache_tokens`]).
+    pub fn cache_tokens(mut self, tokens: u64) -> Self {
+        self.cache_tokens = tokens;
+        self
+    }
+
+    /// Builds the stream; `service` makes each new backend's service from its endpoint.
+    ///
+    /// Resolution starts at once if called inside a tokio runtime, else when the stream is
+    /// first polled. Fails only if the resolver cannot be set up (as with no usable system
+    /// configuration); a name that does not resolve yet is a failed resolution, retried.
+    pub fn build<S, F>(self, service: F) -> Result<DnsFleet<S>, DnsError>
+    where
+        F: Fn(&DnsEndpoint) -> S + Send + Sync + 'static,
+        S: Send + 'static,
+    {
+        self.try_build(move |ep: &DnsEndpoint| Ok::<_, Infallible>(service(ep)))
+    }
+
+    /// As [`build`](Self::build), for a service that can fail to be made (a client whose
+    /// configuration is refused): an address whose service fails is left out of the fleet,
+    /// logged once, and tried again at each resolution.
+    pub fn try_build<S, F, E>(self, service: F) -> Result<DnsFleet<S>, DnsError>
+    where
+        F: Fn(&DnsEndpoint) -> Result<S, E> + Send + Sync + 'static,
+        E: Into<BoxError>,
+        S: Send + 'static,
+    {
+        let resolver = self.resolver()?;
+        let make = Make {
+            service: Arc::new(move |ep: &DnsEndpoint| service(ep).map_err(Into::into)),
+            node: self.node,
+            slots: self.slots,
+            cache_tokens: self.cache_tokens,
+        };
+        Ok(DnsFleet::start(resolver, self.target, self.schedule, make))
+    }
+
+    fn resolver(&self) -> Result<TokioResolver, DnsError> {
+        let config = |e: &dyn fmt::Display| {
+            DnsError::new(
+                DnsErrorKind::Config,
+                format!("setting up the resolver for {}: {e}", self.target),
+            )
+        };
+        let mut builder = if self.nameservers.is_empty() {
+            TokioResolver::builder_tokio().map_err(|e| config(&e))?
+        } else {
+            let servers = self
+                .nameservers
+                .iter()
+                .map(|addr| {
+                    let (mut udp, mut tcp) = (ConnectionConfig::udp(), ConnectionConfig::tcp());
+                    udp.port = addr.port();
+                    tcp.port = addr.port();
+                    NameServerConfig::new(addr.ip(), true, vec![udp, tcp])
+                })
+                .collect();
+            let mut builder = TokioResolver::builder_with_config(
+                ResolverConfig::from_name_servers(servers),
+                TokioRuntimeProvider::default(),
+            );
+            // The nameserver given is the whole truth: no /etc/hosts.
+            builder.options_mut().use_hosts_file = ResolveHosts::Never;
+            builder
+        };
+        let options = builder.options_mut();
+        // Every resolution asks the server; the schedule honours the TTL instead.
+        options.cache_size = 0;
+        options.ip_strategy = self.ip_strategy.hickory();
+        if let Some(timeout) = self.timeout {
+            options.timeout = timeout;
+        }
+        if let Some(attempts) = self.attempts {
+            options.attempts = attempts;
+        }
+        builder.build().map_err(|e| config(&e))
+    }
+}
+
+impl fmt::Debug for DnsFleetBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DnsFleetBuilder")
+            .field("target", &self.target)
+            .field("nameservers", &self.nameservers)
+            .field("schedule", &self.schedule)
+            .field("ip_strategy", &self.ip_strategy)
+            .field("timeout", &self.timeout)
+            .field("attempts", &self.attempts)
+            .field("slots", &self.slots)
+            .field("cache_tokens", &self.cache_tokens)
+            .finish_non_exhaustive()
+    }
+}

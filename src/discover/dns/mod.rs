@@ -1,0 +1,82 @@
+//! Discovery from DNS: the backends behind a name, followed as its records change.
+//!
+//! This is the fleet a Kubernetes headless service, Consul DNS or a docker compose service
+//! name describes. A [`DnsFleet`] resolves a [`DnsTarget`]:
+//!
+//! - `NAME:PORT`: the name's A/AAAA records (see [`IpStrategy`]), each address a backend on
+//!   `PORT`;
+//! - `_SERVICE._PROTO.NAME`: its SRV records, each target host's addresses a backend on the
+//!   record's port (priority and weight are not used: every target is a backend).
+//!
+//! It resolves again when the answer's shortest TTL runs out, but no sooner than a floor and no
+//! later than a ceiling, and yields tower [`Change`](tower::discover::Change)s for what
+//! changed: an insert for each new `IP:PORT`, a removal for each that went. A failed resolution
+//! keeps the fleet as it was, and is counted and logged (see [`DnsHandle`]); an answer with no
+//! address counts as failed, so DNS never empties the fleet.
+//!
+//! Queries go to the system's nameservers (`/etc/resolv.conf`, with its search domains), or to
+//! those given with [`DnsFleetBuilder::nameserver`]. Resolution uses [hickory-resolver],
+//! without its cache; the feature needs Rust 1.88 or later, as hickory-resolver 0.26 does.
+//!
+//! The fleet is what each answer says: a server that answers with a different subset of a
+//! large record set each time makes the fleet change each time.
+//!
+//! # Example
+//!
+//! ```no_run
+//! use std::convert::Infallible;
+//! use std::num::NonZeroU32;
+//! use tower::{service_fn, Layer};
+//! use tower_affinity::discover::dns::{DnsEndpoint, DnsFleet};
+//! use tower_affinity::SessionAffinityLayer;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // A backend's service from its address; a real proxy would build an HTTP client to
+//! // `http://{authority}`.
+//! let backend = |ep: &DnsEndpoint| {
+//!     let authority = ep.authority();
+//!     service_fn(move |_req: http::Request<String>| {
+//!         let authority = authority.clone();
+//!         async move { Ok::<_, Infallible>(http::Response::new(authority.to_string())) }
+//!     })
+//! };
+//! let fleet = DnsFleet::builder("llm.default.svc.cluster.local:8080".parse()?)
+//!     .slots(NonZeroU32::new(4).unwrap())
+//!     .build(backend)?;
+//! let dns = fleet.handle();
+//! let svc = SessionAffinityLayer::new().layer(fleet);
+//!
+//! dns.resolved(1).await; // serve once the first answer is in
+//! println!("{} backends, {} failed resolutions", svc.backends().len(), dns.failures());
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! [hickory-resolver]: https://docs.rs/hickory-resolver
+
+// Layout:
+//   target.rs    DnsTarget: NAME:PORT or SRV
+//   endpoint.rs  DnsEndpoint: one address, as the service and node functions see it
+//   builder.rs   DnsFleetBuilder, IpStrategy: the resolver, the schedule, the backends
+//   fleet.rs     DnsFleet: the discovery stream
+//   task.rs      the resolving task: resolve, diff, announce, wait
+//   resolve.rs   one resolution: addresses and the shortest TTL
+//   handle.rs    DnsHandle, DnsStats: counters, last error, refresh
+//   error.rs     DnsError, DnsErrorKind
+
+mod builder;
+mod endpoint;
+mod error;
+mod fleet;
+mod handle;
+mod resolve;
+mod target;
+mod task;
+
+pub use builder::{DnsFleetBuilder, IpStrategy};
+pub use endpoint::DnsEndpoint;
+pub use error::{DnsError, DnsErrorKind};
+pub use fleet::DnsFleet;
+pub use handle::{DnsHandle, DnsStats};
+pub use target::DnsTarget;

@@ -1,0 +1,676 @@
+//! `DnsFleet` against a real authoritative DNS server on 127.0.0.1 (hickory-server, started by
+//! each test on its own runtime), whose records the tests change between resolutions.
+//!
+//! Time is paused, so the TTL, the floor, the ceiling and the retry interval are tested to the
+//! second without sleeping. A paused runtime with nothing to run moves its clock to the next
+//! timer, which while a query is out is the resolver's query timeout: the answer from loopback
+//! is normally in by then (the server runs on the same runtime, and the I/O that wakes it
+//! stops the jump), but nothing promises it. So every wait for an answer runs inside
+//! [`answered`], which holds the clock still until it ends; the one wait for a timeout (a
+//! stopped server) lets the clock run.
+
+mod server;
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use std::task::Poll;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_core::Stream;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use server::Dns;
+use tower::discover::Change;
+use tower::{service_fn, Layer, ServiceExt};
+use tower_affinity::discover::dns::{
+    DnsEndpoint, DnsErrorKind, DnsFleet, DnsFleetBuilder, IpStrategy,
+};
+use tower_affinity::{Backend, BackendId, Decision, SessionAffinityLayer};
+
+/// Runs `fut` (a wait for DNS answers) with the paused clock held still: a blocking task
+/// keeps tokio from moving it, so the resolver's timeouts cannot fire while the server's
+/// answer is on its way over loopback. Bounded: after 10 s of real time the clock is let go,
+/// the resolver times out, and the test fails on what it finds.
+async fn answered<F: Future>(fut: F) -> F::Output {
+    let (done, wait) = std::sync::mpsc::channel::<()>();
+    let hold = tokio::task::spawn_blocking(move || {
+        let _ = wait.recv_timeout(Duration::from_secs(10));
+    });
+    let out = fut.await;
+    drop(done);
+    hold.await.unwrap();
+    out
+}
+
+/// One change as the tests compare them: `+id@node` or `-id`.
+fn show<S>(change: &Change<BackendId, Backend<S>>) -> String {
+    match change {
+        Change::Insert(id, b) => format!("+{id}@{}", b.node()),
+        Change::Remove(id) => format!("-{id}"),
+    }
+}
+
+/// The changes the stream has ready, in order. Outside tokio's cooperative budget, as the
+/// service drains discovery: the channel behind the stream would otherwise say "pending"
+/// after a hundred-odd changes.
+async fn ready<S>(fleet: &mut DnsFleet<S>) -> Vec<Change<BackendId, Backend<S>>> {
+    tokio::task::coop::unconstrained(std::future::poll_fn(|cx| {
+        let mut out = Vec::new();
+        for _ in 0..1_000 {
+            match Pin::new(&mut *fleet).poll_next(cx) {
+                Poll::Ready(Some(Ok(change))) => out.push(change),
+                Poll::Ready(Some(Err(e))) => match e {},
+                Poll::Ready(None) | Poll::Pending => break,
+            }
+        }
+        Poll::Ready(out)
+    }))
+    .await
+}
+
+async fn ready_shown<S>(fleet: &mut DnsFleet<S>) -> Vec<String> {
+    let mut shown: Vec<String> = ready(fleet).await.iter().map(show).collect();
+    shown.sort();
+    shown
+}
+
+fn builder(dns: &Dns, target: &str) -> DnsFleetBuilder {
+    DnsFleet::builder(target.parse().unwrap())
+        .nameserver(dns.addr)
+        .timeout(Duration::from_secs(1))
+        .attempts(1)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_records_with_a_port_become_backends() {
+    let dns = Dns::start().await;
+    dns.set_ips("llm.fleet.test.", 30, &["10.0.0.1", "10.0.0.2"])
+        .await;
+    let mut fleet = builder(&dns, "llm.fleet.test.:8080")
+        .slots(NonZeroU32::new(4).unwrap())
+        .cache_tokens(65_536)
+        .build(|ep: &DnsEndpoint| ep.addr())
+        .unwrap();
+    let handle = fleet.handle();
+    assert_eq!(answered(handle.resolved(1)).await, 1);
+
+    let changes = ready(&mut fleet).await;
+    let mut shown: Vec<String> = changes.iter().map(show).collect();
+    shown.sort();
+    // Default node: the IP address.
+    assert_eq!(
+        shown,
+        ["+10.0.0.1:8080@10.0.0.1", "+10.0.0.2:8080@10.0.0.2"]
+    );
+    for change in &changes {
+        let Change::Insert(id, b) = change else {
+            unreachable!()
+        };
+        assert_eq!(b.service().to_string(), id.as_str());
+        assert_eq!(b.slot_count().get(), 4);
+        assert_eq!(b.cache_budget(), 65_536);
+    }
+    let stats = handle.stats();
+    assert_eq!(
+        (stats.resolutions, stats.failures, stats.backends),
+        (1, 0, 2)
+    );
+    assert!(stats.last_error.is_none());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_changed_record_set_is_an_insert_and_a_removal() {
+    let dns = Dns::start().await;
+    dns.set_ips("llm.fleet.test.", 10, &["10.0.0.1", "10.0.0.2"])
+        .await;
+    let mut fleet = builder(&dns, "llm.fleet.test.:8080")
+        .min_interval(Duration::from_secs(1))
+        .build(|ep: &DnsEndpoint| ep.addr())
+        .unwrap();
+    let handle = fleet.handle();
+    answered(handle.resolved(1)).await;
+    assert_eq!(ready(&mut fleet).await.len(), 2);
+
+    // The same answer again: nothing to announce.
+    tokio::time::advance(Duration::from_secs(10)).await;
+    answered(handle.resolved(2)).await;
+    assert!(ready(&mut fleet).await.is_empty());
+
+    dns.set_ips("llm.fleet.test.", 10, &["10.0.0.2", "10.0.0.3"])
+        .await;
+    tokio::time::advance(Duration::from_secs(10)).await;
+    answered(handle.resolved(3)).await;
+    assert_eq!(
+        ready_shown(&mut fleet).await,
+        ["+10.0.0.3:8080@10.0.0.3", "-10.0.0.1:8080"]
+    );
+    assert_eq!(handle.stats().backends, 2);
+
+    // A refresh resolves at once, without waiting for the TTL.
+    dns.set_ips("llm.fleet.test.", 10, &["10.0.0.3"]).await;
+    handle.refresh();
+    answered(handle.resolved(4)).await;
+    assert_eq!(ready_shown(&mut fleet).await, ["-10.0.0.2:8080"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_large_record_set_comes_over_tcp() {
+    let dns = Dns::start().await;
+    // 200 A records do not fit in a UDP answer (it carries 74 and says it was truncated): all
+    // 200 arrive only if the resolver asks again over TCP, at the same address.
+    let ips: Vec<String> = (0..200)
+        .map(|i| format!("10.0.{}.{}", i / 100, i % 100 + 1))
+        .collect();
+    let ips: Vec<&str> = ips.iter().map(String::as_str).collect();
+    dns.set_ips("big.fleet.test.", 30, &ips).await;
+    let mut fleet = builder(&dns, "big.fleet.test.:8080")
+        .build(|ep: &DnsEndpoint| ep.addr())
+        .unwrap();
+    answered(fleet.handle().resolved(1)).await;
+    assert_eq!(fleet.handle().last_error().map(|e| e.to_string()), None);
+    assert_eq!(ready(&mut fleet).await.len(), 200);
+}
+
+#[tokio::test(start_paused = true)]
+async fn aaaa_records_and_the_ip_strategy() {
+    let dns = Dns::start().await;
+    dns.set_ips("v6.fleet.test.", 30, &["fd00::1", "fd00::2"])
+        .await;
+    dns.set_ips("dual.fleet.test.", 30, &["10.0.0.1", "fd00::1"])
+        .await;
+
+    // Only AAAA records: the default (A, else AAAA) takes them.
+    let mut v6 = builder(&dns, "v6.fleet.test.:8080")
+        .build(|ep: &DnsEndpoint| ep.authority())
+        .unwrap();
+    answered(v6.handle().resolved(1)).await;
+    let changes = ready(&mut v6).await;
+    let mut shown: Vec<String> = changes.iter().map(show).collect();
+    shown.sort();
+    assert_eq!(
+        shown,
+        ["+[fd00::1]:8080@fd00::1", "+[fd00::2]:8080@fd00::2"]
+    );
+    let Change::Insert(_, b) = &changes[0] else {
+        unreachable!()
+    };
+    assert!(b.service().as_str().starts_with("[fd00::"));
+
+    // Both families: the default takes A; Ipv4AndIpv6 takes both; Ipv6Only the AAAA.
+    for (strategy, want) in [
+        (IpStrategy::default(), vec!["+10.0.0.1:8080@10.0.0.1"]),
+        (
+            IpStrategy::Ipv4AndIpv6,
+            vec!["+10.0.0.1:8080@10.0.0.1", "+[fd00::1]:8080@fd00::1"],
+        ),
+        (IpStrategy::Ipv6Only, vec!["+[fd00::1]:8080@fd00::1"]),
+    ] {
+        let mut dual = builder(&dns, "dual.fleet.test.:8080")
+            .ip_strategy(strategy)
+            .build(|ep: &DnsEndpoint| ep.addr())
+            .unwrap();
+        answered(dual.handle().resolved(1)).await;
+        assert_eq!(ready_shown(&mut dual).await, want, "{strategy:?}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn srv_records_give_targets_and_ports() {
+    let dns = Dns::start().await;
+    dns.set_srv(
+        "_llm._tcp.fleet.test.",
+        30,
+        &[
+            (10, 5, 8001, "gpu-a.fleet.test."),
+            (10, 5, 8002, "gpu-a.fleet.test."),
+            (20, 1, 8001, "gpu-b.fleet.test."),
+            // A target with no address is left out; the others still count.
+            (10, 5, 8001, "gone.fleet.test."),
+        ],
+    )
+    .await;
+    dns.set_ips("gpu-a.fleet.test.", 30, &["10.0.0.1"]).await;
+    dns.set_ips("gpu-b.fleet.test.", 30, &["10.0.0.2"]).await;
+
+    let mut fleet = builder(&dns, "_llm._tcp.fleet.test.")
+        .node(|ep: &DnsEndpoint| ep.srv_host().unwrap_or("?").to_string())
+        .build(|ep: &DnsEndpoint| ep.clone())
+        .unwrap();
+    let handle = fleet.handle();
+    answered(handle.resolved(1)).await;
+    let changes = ready(&mut fleet).await;
+    let mut shown: Vec<String> = changes.iter().map(show).collect();
+    shown.sort();
+    assert_eq!(
+        shown,
+        [
+            "+10.0.0.1:8001@gpu-a.fleet.test",
+            "+10.0.0.1:8002@gpu-a.fleet.test",
+            "+10.0.0.2:8001@gpu-b.fleet.test",
+        ]
+    );
+    let b_record = changes
+        .iter()
+        .find_map(|c| match c {
+            Change::Insert(id, b) if id.as_str() == "10.0.0.2:8001" => Some(b.service().clone()),
+            _ => None,
+        })
+        .unwrap();
+    assert_eq!(
+        (b_record.srv_priority(), b_record.srv_weight()),
+        (Some(20), Some(1))
+    );
+
+    // A target's address changes: its backends move.
+    dns.set_ips("gpu-b.fleet.test.", 30, &["10.0.0.3"]).await;
+    handle.refresh();
+    answered(handle.resolved(2)).await;
+    assert_eq!(
+        ready_shown(&mut fleet).await,
+        ["+10.0.0.3:8001@gpu-b.fleet.test", "-10.0.0.2:8001"]
+    );
+
+    // A target that cannot be resolved now (here refused: outside the server's zone) may
+    // still be there: the whole resolution fails and the fleet stays.
+    dns.set_srv(
+        "_llm._tcp.fleet.test.",
+        30,
+        &[
+            (10, 5, 8001, "gpu-a.fleet.test."),
+            (10, 5, 8001, "gpu-c.elsewhere.test."),
+        ],
+    )
+    .await;
+    handle.refresh();
+    answered(handle.resolved(3)).await;
+    let e = handle
+        .last_error()
+        .expect("a target's failure fails the resolution");
+    assert_eq!(e.kind(), DnsErrorKind::ServerFailure, "{e}");
+    assert!(e.to_string().contains("gpu-c.elsewhere.test"), "{e}");
+    assert!(ready(&mut fleet).await.is_empty());
+    assert_eq!(handle.stats().backends, 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_ttl_decides_the_next_resolution_between_floor_and_ceiling() {
+    let dns = Dns::start().await;
+    // TTL 1 s under a 10 s floor: the floor.
+    dns.set_ips("llm.fleet.test.", 1, &["10.0.0.1"]).await;
+    let fleet = builder(&dns, "llm.fleet.test.:8080")
+        .min_interval(Duration::from_secs(10))
+        .max_interval(Duration::from_secs(60))
+        .build(|ep: &DnsEndpoint| ep.addr())
+        .unwrap();
+    let handle = fleet.handle();
+    answered(handle.resolved(1)).await;
+
+    let quiet = |secs| async move {
+        tokio::time::advance(Duration::from_secs(secs)).await;
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+    };
+    quiet(9).await;
+    assert_eq!(handle.resolutions(), 1, "resolved again before the floor");
+    // The TTL in bounds from now on: 30 s.
+    dns.set_ips("llm.fleet.test.", 30, &["10.0.0.1"]).await;
+    tokio::time::advance(Duration::from_secs(1)).await;
+    answered(handle.resolved(2)).await;
+
+    quiet(29).await;
+    assert_eq!(
+        handle.resolutions(),
+        2,
+        "resolved again before the TTL ran out"
+    );
+    dns.set_ips("llm.fleet.test.", 86_400, &["10.0.0.1"]).await;
+    tokio::time::advance(Duration::from_secs(1)).await;
+    answered(handle.resolved(3)).await;
+
+    // A day's TTL over a 60 s ceiling: the ceiling.
+    quiet(59).await;
+    assert_eq!(handle.resolutions(), 3, "resolved again before the ceiling");
+    tokio::time::advance(Duration::from_secs(1)).await;
+    answered(handle.resolved(4)).await;
+    assert_eq!(handle.failures(), 0);
+    drop(fleet);
+}
+
+/// Collects what the crate logs, for counting its warnings.
+#[derive(Clone, Default)]
+struct Logs(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Logs {
+    fn count(&self, needle: &str) -> usize {
+        String::from_utf8_lossy(&self.0.lock())
+            .matches(needle)
+            .count()
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn nxdomain_keeps_the_fleet_counts_and_logs_once() {
+    let logs = Logs::default();
+    let writer = logs.clone();
+    let _log = tracing::subscriber::set_default(
+        tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::INFO)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish(),
+    );
+    let dns = Dns::start().await;
+    dns.set_ips("llm.fleet.test.", 30, &["10.0.0.1", "10.0.0.2"])
+        .await;
+    let mut fleet = builder(&dns, "llm.fleet.test.:8080")
+        .retry_interval(Duration::from_secs(3))
+        .build(|ep: &DnsEndpoint| ep.addr())
+        .unwrap();
+    let handle = fleet.handle();
+    answered(handle.resolved(1)).await;
+    assert_eq!(ready(&mut fleet).await.len(), 2);
+
+    // The name goes: three failed resolutions, one warning, no change.
+    dns.set_ips("llm.fleet.test.", 30, &[]).await;
+    handle.refresh();
+    answered(handle.resolved(2)).await;
+    for n in 3..=4 {
+        tokio::time::advance(Duration::from_secs(3)).await; // the retry interval
+        answered(handle.resolved(n)).await;
+    }
+    let stats = handle.stats();
+    assert_eq!((stats.resolutions, stats.failures), (4, 3));
+    assert_eq!((stats.consecutive_failures, stats.backends), (3, 2));
+    let e = stats.last_error.unwrap();
+    assert_eq!(e.kind(), DnsErrorKind::NoSuchName, "{e}");
+    assert!(e.to_string().contains("llm.fleet.test"), "{e}");
+    assert!(
+        ready(&mut fleet).await.is_empty(),
+        "a failure changed the fleet"
+    );
+    assert_eq!(
+        logs.count("DNS resolution failed; keeping the last fleet"),
+        1
+    );
+
+    // Back, with one address fewer: recovered, logged once, the difference announced.
+    dns.set_ips("llm.fleet.test.", 30, &["10.0.0.2"]).await;
+    tokio::time::advance(Duration::from_secs(3)).await;
+    answered(handle.resolved(5)).await;
+    assert_eq!(ready_shown(&mut fleet).await, ["-10.0.0.1:8080"]);
+    let stats = handle.stats();
+    assert_eq!((stats.failures, stats.consecutive_failures), (3, 0));
+    assert_eq!(
+        stats.last_error.map(|e| e.kind()),
+        Some(DnsErrorKind::NoSuchName)
+    );
+    assert_eq!(logs.count("DNS resolution recovered"), 1);
+
+    // A name outside the server's zone is refused: a server failure, also kept.
+    let other = builder(&dns, "llm.elsewhere.test.:8080")
+        .build(|ep: &DnsEndpoint| ep.addr())
+        .unwrap();
+    answered(other.handle().resolved(1)).await;
+    let e = other.handle().last_error().unwrap();
+    assert_eq!(e.kind(), DnsErrorKind::ServerFailure, "{e}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stopped_server_keeps_the_fleet_until_it_answers_again() {
+    let mut dns = Dns::start().await;
+    dns.set_ips("llm.fleet.test.", 30, &["10.0.0.1"]).await;
+    let mut fleet = builder(&dns, "llm.fleet.test.:8080")
+        .retry_interval(Duration::from_secs(2))
+        .build(|ep: &DnsEndpoint| ep.addr())
+        .unwrap();
+    let handle = fleet.handle();
+    answered(handle.resolved(1)).await;
+    assert_eq!(ready(&mut fleet).await.len(), 1);
+
+    dns.stop().await;
+    handle.refresh();
+    // Unanswered: the (paused) clock runs on to the query's timeout.
+    handle.resolved(2).await;
+    let e = handle
+        .last_error()
+        .expect("a resolution without a server failed");
+    assert!(
+        matches!(e.kind(), DnsErrorKind::Timeout | DnsErrorKind::Connection),
+        "{e:?}"
+    );
+    assert_eq!(handle.stats().backends, 1);
+    assert!(ready(&mut fleet).await.is_empty());
+
+    dns.set_ips("llm.fleet.test.", 30, &["10.0.0.1", "10.0.0.9"])
+        .await;
+    dns.restart().await;
+    let before = handle.resolutions();
+    let mut n = before;
+    // The retries run on their interval; the first after the restart is answered.
+    for _ in 0..5 {
+        handle.refresh();
+        n = answered(handle.resolved(n + 1)).await;
+        if handle.stats().consecutive_failures == 0 {
+            break;
+        }
+    }
+    assert_eq!(
+        handle.stats().consecutive_failures,
+        0,
+        "{:?}",
+        handle.stats()
+    );
+    assert_eq!(ready_shown(&mut fleet).await, ["+10.0.0.9:8080@10.0.0.9"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_node_function_names_each_backend_s_node() {
+    let dns = Dns::start().await;
+    dns.set_ips("llm.fleet.test.", 30, &["10.0.1.1", "10.0.1.2", "10.0.2.1"])
+        .await;
+    let mut fleet = builder(&dns, "llm.fleet.test.:8080")
+        .node(|ep: &DnsEndpoint| match ep.ip() {
+            std::net::IpAddr::V4(ip) => format!("rack-{}", ip.octets()[2]),
+            std::net::IpAddr::V6(_) => "v6".to_string(),
+        })
+        .build(|ep: &DnsEndpoint| ep.addr())
+        .unwrap();
+    answered(fleet.handle().resolved(1)).await;
+    assert_eq!(
+        ready_shown(&mut fleet).await,
+        [
+            "+10.0.1.1:8080@rack-1",
+            "+10.0.1.2:8080@rack-1",
+            "+10.0.2.1:8080@rack-2",
+        ]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_service_that_cannot_be_made_is_left_out_and_tried_again() {
+    let dns = Dns::start().await;
+    dns.set_ips("llm.fleet.test.", 30, &["10.0.0.1", "10.0.0.2"])
+        .await;
+    let refuse = Arc::new(AtomicBool::new(true));
+    let refusing = refuse.clone();
+    let mut fleet = builder(&dns, "llm.fleet.test.:8080")
+        .try_build(move |ep: &DnsEndpoint| {
+            if ep.ip().to_string() == "10.0.0.2" && refusing.load(Ordering::SeqCst) {
+                return Err("no client for this one");
+            }
+            Ok(ep.addr())
+        })
+        .unwrap();
+    let handle = fleet.handle();
+    answered(handle.resolved(1)).await;
+    assert_eq!(ready_shown(&mut fleet).await, ["+10.0.0.1:8080@10.0.0.1"]);
+    assert_eq!(handle.stats().backends, 1);
+
+    handle.refresh();
+    answered(handle.resolved(2)).await;
+    assert!(ready(&mut fleet).await.is_empty());
+
+    refuse.store(false, Ordering::SeqCst);
+    handle.refresh();
+    answered(handle.resolved(3)).await;
+    assert_eq!(ready_shown(&mut fleet).await, ["+10.0.0.2:8080@10.0.0.2"]);
+    assert_eq!((handle.stats().backends, handle.failures()), (2, 0));
+}
+
+#[tokio::test]
+async fn a_fleet_built_outside_a_runtime_starts_on_its_first_poll() {
+    let dns = Dns::start().await;
+    dns.set_ips("llm.fleet.test.", 30, &["10.0.0.1"]).await;
+    let b = builder(&dns, "llm.fleet.test.:8080");
+    let mut fleet = std::thread::spawn(move || b.build(|ep: &DnsEndpoint| ep.addr()).unwrap())
+        .join()
+        .unwrap();
+    let handle = fleet.handle();
+    assert_eq!(handle.resolutions(), 0);
+    assert!(ready(&mut fleet).await.is_empty()); // spawns the resolving task
+    tokio::time::timeout(Duration::from_secs(10), handle.resolved(1))
+        .await
+        .unwrap();
+    assert_eq!(ready_shown(&mut fleet).await, ["+10.0.0.1:8080@10.0.0.1"]);
+    // The handle outlives the stream, and its waiters do not hang on a dropped one.
+    drop(fleet);
+    assert_eq!(handle.resolved(100).await, 1);
+}
+
+// === end to end: SessionAffinity over DNS, HTTP to stub backends ===
+
+/// A backend that answers every request with its name.
+async fn stub(name: &'static str, addr: SocketAddr) -> tokio::task::JoinHandle<()> {
+    let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((io, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let svc =
+                    hyper::service::service_fn(move |_req: http::Request<Incoming>| async move {
+                        Ok::<_, Infallible>(http::Response::new(Full::new(Bytes::from(name))))
+                    });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(io), svc)
+                    .await;
+            });
+        }
+    })
+}
+
+/// Two loopback addresses with one free port on both: A records carry no port.
+async fn two_addresses() -> (SocketAddr, SocketAddr) {
+    for _ in 0..20 {
+        let a = std::net::TcpListener::bind("127.0.0.2:0").unwrap();
+        let port = a.local_addr().unwrap().port();
+        if std::net::TcpListener::bind(("127.0.0.3", port)).is_ok() {
+            return (
+                a.local_addr().unwrap(),
+                SocketAddr::from(([127, 0, 0, 3], port)),
+            );
+        }
+    }
+    panic!("no port free on both 127.0.0.2 and 127.0.0.3");
+}
+
+#[tokio::test]
+async fn session_affinity_over_dns_routes_to_http_backends_and_follows_a_change() {
+    let dns = Dns::start().await;
+    let (a, b) = two_addresses().await;
+    let _a = stub("a", a).await;
+    let _b = stub("b", b).await;
+    dns.set_ips("llm.fleet.test.", 30, &["127.0.0.2"]).await;
+
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build_http();
+    let fleet = builder(&dns, &format!("llm.fleet.test.:{}", a.port()))
+        .build(move |ep: &DnsEndpoint| {
+            let client = client.clone();
+            let authority = ep.authority();
+            service_fn(move |req: http::Request<Full<Bytes>>| {
+                let (client, authority) = (client.clone(), authority.clone());
+                async move {
+                    let mut parts = req.uri().clone().into_parts();
+                    parts.scheme = Some(http::uri::Scheme::HTTP);
+                    parts.authority = Some(authority);
+                    let (mut head, body) = req.into_parts();
+                    head.uri = http::Uri::from_parts(parts)?;
+                    let res = client
+                        .request(http::Request::from_parts(head, body))
+                        .await?;
+                    Ok::<_, Box<dyn std::error::Error + Send + Sync>>(res)
+                }
+            })
+        })
+        .unwrap();
+    let handle = fleet.handle();
+    let svc = SessionAffinityLayer::new().layer(fleet);
+    tokio::time::timeout(Duration::from_secs(10), handle.resolved(1))
+        .await
+        .unwrap();
+
+    let turn = |session: &str| {
+        http::Request::post("/v1/chat/completions")
+            .header("x-session-id", session)
+            .body(Full::new(Bytes::new()))
+            .unwrap()
+    };
+    let ask = |session: &'static str| {
+        let svc = svc.clone();
+        async move {
+            let res = svc.oneshot(turn(session)).await.unwrap();
+            let decision = res.extensions().get::<Decision>().unwrap().clone();
+            let body = res.into_body().collect().await.unwrap().to_bytes();
+            (String::from_utf8(body.to_vec()).unwrap(), decision)
+        }
+    };
+    let (body, d) = ask("agent-1").await;
+    assert_eq!(body, "a");
+    assert_eq!(d.backend.as_str(), a.to_string());
+    assert_eq!(svc.backends().len(), 1);
+
+    // The record moves to the other address: the session follows it there.
+    dns.set_ips("llm.fleet.test.", 30, &["127.0.0.3"]).await;
+    handle.refresh();
+    tokio::time::timeout(Duration::from_secs(10), handle.resolved(2))
+        .await
+        .unwrap();
+    let (body, d) = ask("agent-1").await;
+    assert_eq!(body, "b");
+    assert_eq!(d.backend.as_str(), b.to_string());
+    let backends: BTreeMap<String, String> = svc
+        .backends()
+        .into_iter()
+        .map(|s| (s.id.to_string(), s.node.to_string()))
+        .collect();
+    assert_eq!(
+        backends,
+        BTreeMap::from([(b.to_string(), "127.0.0.3".to_string())])
+    );
+    assert_eq!(handle.failures(), 0);
+}
