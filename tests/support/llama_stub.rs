@@ -51,6 +51,19 @@ pub(crate) struct StubState {
     pub(crate) echoed: Mutex<Vec<Echoed>>,
     /// Connections accepted.
     pub(crate) connections: Arc<AtomicUsize>,
+    /// How long a chat takes, if it takes time at all.
+    timing: Option<Timing>,
+    /// With a timing, a chat holds one of `slots` permits from its start to its last byte.
+    busy: Arc<Semaphore>,
+}
+
+/// How long a timed stub takes over a chat: the tokens it reads (not cached) at `prefill`
+/// tokens a second, then `decode` for the answer. It reports the read time in llama-server's
+/// `timings`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Timing {
+    pub(crate) prefill: f64,
+    pub(crate) decode: std::time::Duration,
 }
 
 /// A running stub. Dropping it, or [`Stub::kill`], closes its listener and every connection.
@@ -62,8 +75,18 @@ pub(crate) struct Stub {
 }
 
 impl Stub {
-    /// A stub with `slots` slots, streams not held.
+    /// A stub with `slots` slots, streams not held, answering at once.
     pub(crate) async fn start(name: &str, slots: usize) -> Stub {
+        Stub::start_with(name, slots, None).await
+    }
+
+    /// A stub that takes time over each chat as `timing` says, serving at most `slots` at once
+    /// (more wait, as llama-server's requests wait for a slot).
+    pub(crate) async fn start_timed(name: &str, slots: usize, timing: Timing) -> Stub {
+        Stub::start_with(name, slots, Some(timing)).await
+    }
+
+    async fn start_with(name: &str, slots: usize, timing: Option<Timing>) -> Stub {
         let state = Arc::new(StubState {
             name: name.to_string(),
             slots,
@@ -74,6 +97,8 @@ impl Stub {
             gate: Semaphore::new(Semaphore::MAX_PERMITS),
             echoed: Mutex::new(Vec::new()),
             connections: Arc::default(),
+            timing,
+            busy: Arc::new(Semaphore::new(slots)),
         });
         let router = Router::new()
             .route("/health", get(health))
@@ -201,6 +226,11 @@ async fn chat(State(s): State<Arc<StubState>>, body: Bytes) -> Response {
     let n = s.chats.fetch_add(1, Ordering::Relaxed) + 1;
     let prompt = tokens(&messages);
     let answer = format!("{} answer {n}", s.name);
+    // A timed stub holds a slot from here to the answer's last byte.
+    let slot = match s.timing {
+        Some(_) => Some(s.busy.clone().acquire_owned().await.unwrap()),
+        None => None,
+    };
     let cached = cached_tokens(&s, &messages, &answer);
     let usage = json!({
         "prompt_tokens": prompt,
@@ -208,13 +238,26 @@ async fn chat(State(s): State<Arc<StubState>>, body: Bytes) -> Response {
         "total_tokens": prompt + 3,
         "prompt_tokens_details": {"cached_tokens": cached},
     });
+    let mut timings = Value::Null;
+    if let Some(t) = s.timing {
+        let read = prompt - cached;
+        let read_time = std::time::Duration::from_secs_f64(read as f64 / t.prefill);
+        tokio::time::sleep(read_time).await;
+        timings = json!({"prompt_n": read, "cache_n": cached, "prompt_ms": read_time.as_secs_f64() * 1000.0});
+        if req["stream"].as_bool() != Some(true) {
+            tokio::time::sleep(t.decode).await;
+        }
+    }
+    let decode = s.timing.map(|t| t.decode);
     if req["stream"].as_bool() != Some(true) {
+        drop(slot);
         let res = json!({
             "id": format!("chatcmpl-{n}"),
             "object": "chat.completion",
             "model": "stub",
             "choices": [{"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}],
             "usage": usage,
+            "timings": timings,
         });
         return ([("x-stub", s.name.clone())], axum::Json(res)).into_response();
     }
@@ -241,6 +284,9 @@ async fn chat(State(s): State<Arc<StubState>>, body: Bytes) -> Response {
         // Held here, after the first chunk, while a test checks the client already has it.
         let permit = state.gate.acquire().await.unwrap();
         drop(permit);
+        if let Some(decode) = decode {
+            tokio::time::sleep(decode).await;
+        }
         for w in words {
             let _ = tx
                 .send(chunk(
@@ -250,9 +296,22 @@ async fn chat(State(s): State<Arc<StubState>>, body: Bytes) -> Response {
                 ))
                 .await;
         }
-        let _ = tx.send(chunk(json!({}), json!("stop"), usage)).await;
+        let mut last = json!({
+            "id": format!("chatcmpl-{n}"),
+            "object": "chat.completion.chunk",
+            "model": "stub",
+            "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+            "usage": usage,
+        });
+        if !timings.is_null() {
+            // llama-server puts its timings on the last chunk.
+            last["timings"] = timings;
+        }
+        let last = Ok(Bytes::from(format!("data: {last}\n\n")));
+        let _ = tx.send(last).await;
         let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
         state.streams_finished.fetch_add(1, Ordering::Relaxed);
+        drop(slot);
     });
     (
         [
