@@ -13,6 +13,7 @@ mod cli;
 #[allow(dead_code)]
 #[path = "../support/llama_stub.rs"]
 mod llama_stub;
+mod overload;
 #[path = "../../examples/proxy/per_client.rs"]
 mod per_client;
 #[path = "../support/proxy.rs"]
