@@ -24,6 +24,7 @@ use crate::key::SessionKey;
 use crate::placement::Placement;
 use crate::service::{Placed, Shared};
 use crate::stats::{bump, Decision};
+use crate::store::PendingRead;
 use crate::wait::{WaitHome, WaitTicket};
 use crate::{Backend, Error, Overflow, ResponseBody};
 
@@ -61,6 +62,10 @@ pin_project! {
         Wait {
             waiting: Pin<Box<Waiting<S, P, ReqB>>>,
         },
+        // Reading the session's home from the shared store, before placing.
+        Read {
+            reading: Box<Reading<S, P, ReqB>>,
+        },
         Done {
             error: Option<Error>,
         },
@@ -80,6 +85,14 @@ pin_project! {
         since: Instant,
         ticket: WaitTicket,
     }
+}
+
+/// A request whose session's home is being read from the shared store.
+struct Reading<S, P, ReqB> {
+    read: PendingRead,
+    req: Option<http::Request<ReqB>>,
+    key: SessionKey,
+    shared: SharedOf<S, P>,
 }
 
 /// What a response future needs once its backend is chosen: copied out of the service's
@@ -171,6 +184,31 @@ where
         key: Option<SessionKey>,
         req: http::Request<ReqB>,
     ) -> Self {
+        if let (Some(store), Some(k)) = (&shared.store, key) {
+            if let Some(read) = store.read(k) {
+                let reading = Reading {
+                    read,
+                    req: Some(req),
+                    key: k,
+                    shared: shared.clone(),
+                };
+                let reading = Box::new(reading);
+                return ResponseFuture {
+                    state: State::Read { reading },
+                };
+            }
+        }
+        ResponseFuture {
+            state: Self::place(shared, key, req),
+        }
+    }
+
+    /// Places the request, and calls its backend or waits for a slot.
+    fn place(
+        shared: &SharedOf<S, P>,
+        key: Option<SessionKey>,
+        req: http::Request<ReqB>,
+    ) -> State<S, P, ReqB> {
         let overflow = shared.overflow;
         let overcommit = matches!(overflow, Overflow::Overcommit);
         let patient = !shared.node_patience.is_zero();
@@ -197,7 +235,7 @@ where
                 }
             },
         };
-        ResponseFuture { state }
+        state
     }
 
     fn wait(
@@ -340,6 +378,18 @@ where
                         Placed::Full { .. } => *w.req = Some(r),
                     }
                 }
+                StateProj::Read { reading } => {
+                    let r = &mut **reading;
+                    let read = ready!(r.read.as_mut().poll(cx));
+                    let mut req = r.req.take().expect(POLLED_AFTER_COMPLETION);
+                    let (shared, key) = (r.shared.clone(), r.key);
+                    if let Some(store) = &shared.store {
+                        if let Some(answer) = shared.adopt(store, key, read) {
+                            req.extensions_mut().insert(answer);
+                        }
+                    }
+                    state.set(Self::place(&shared, Some(key), req));
+                }
                 StateProj::Done { error } => {
                     let e = error.take().expect(POLLED_AFTER_COMPLETION);
                     return Poll::Ready(Err(e));
@@ -394,6 +444,7 @@ where
             State::Call { .. } => "calling",
             State::NotReady { .. } => "waiting for its backend to be ready",
             State::Wait { .. } => "waiting for a slot",
+            State::Read { .. } => "reading its session's home",
             State::Done { .. } => "done",
         };
         f.debug_struct("ResponseFuture")

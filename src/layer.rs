@@ -1,5 +1,6 @@
 //! [`SessionAffinityLayer`]: the builder.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tower::discover::Discover;
@@ -8,6 +9,7 @@ use tower::Layer;
 use crate::key::HeaderKey;
 use crate::placement::NodeThenBackend;
 use crate::service::{Config, SessionAffinity};
+use crate::store::HomeStore;
 use crate::{Backend, BackendId, BoxError, Overflow, Sessions};
 
 /// Builds a [`SessionAffinity`] service over a discovery stream.
@@ -55,9 +57,17 @@ impl SessionAffinityLayer {
                 decision_extension: true,
                 failure_cooldown: Duration::from_secs(5),
                 node_patience: Duration::ZERO,
+                store: None,
+                store_deadline: Self::STORE_DEADLINE,
             },
         }
     }
+}
+
+impl SessionAffinityLayer {
+    /// How long a request waits for the shared store's answer by default: 5 ms, some fifty
+    /// round trips to a Redis on the same host and several across a data centre.
+    pub const STORE_DEADLINE: Duration = Duration::from_millis(5);
 }
 
 impl Default for SessionAffinityLayer {
@@ -118,6 +128,25 @@ impl<K, P> SessionAffinityLayer<K, P> {
         self
     }
 
+    /// Shares session homes with other router replicas through `store` (see [`store`]): every
+    /// request with a session key reads its home there first, within the
+    /// [`store_deadline`](Self::store_deadline), and a placement that changes a session's home
+    /// writes it there, without waiting. The local session table stays the first answer when
+    /// the store is slow or down. Needs a Tokio runtime.
+    ///
+    /// [`store`]: crate::store
+    pub fn home_store(mut self, store: impl HomeStore) -> Self {
+        self.config.store = Some(Arc::new(store));
+        self
+    }
+
+    /// How long a request waits for the shared store's answer before the local session table
+    /// answers instead. Default [`STORE_DEADLINE`](SessionAffinityLayer::STORE_DEADLINE), 5 ms.
+    pub fn store_deadline(mut self, deadline: Duration) -> Self {
+        self.config.store_deadline = deadline;
+        self
+    }
+
     /// Whether every response carries its [`Decision`](crate::Decision) as an extension
     /// (default: yes). Turned off, the decision stays in the response body instead, readable
     /// through [`ResponseBody::decision`](crate::ResponseBody::decision), which saves the
@@ -153,7 +182,7 @@ where
             discover,
             self.key.clone(),
             self.placement.clone(),
-            self.config,
+            self.config.clone(),
         )
     }
 }

@@ -102,6 +102,7 @@ pub mod placement;
 mod retry;
 mod service;
 mod stats;
+pub mod store;
 mod table;
 mod wait;
 

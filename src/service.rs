@@ -27,6 +27,7 @@ use crate::placement::{
     PlacementRequest,
 };
 use crate::stats::{bump, Decision, Outcome, Stats};
+use crate::store::{HomeStore, Homes, StoreAnswer, StoreStats};
 use crate::table::{HomeEntry, SessionStore, SessionTable, Sessions};
 use crate::wait::WaitHome;
 use crate::{Backend, BackendId, BackendStatus, Overflow, ResponseBody};
@@ -109,8 +110,10 @@ pub(crate) trait Drain<B, P>: Send + Sync {
 /// State shared by every clone of the service and by its response futures.
 pub(crate) struct Shared<B, P> {
     /// The current fleet, replaced whole on discovery changes: reading it takes no lock.
-    fleet: ArcSwap<Fleet<B>>,
-    table: SessionTable,
+    pub(crate) fleet: ArcSwap<Fleet<B>>,
+    pub(crate) table: SessionTable,
+    /// The shared store of homes, if the replicas share one.
+    pub(crate) store: Option<Arc<Homes>>,
     placement: P,
     pub(crate) overflow: Overflow,
     /// The fleet's counters (the same `Arc` every backend's slot counter holds).
@@ -138,7 +141,7 @@ pub(crate) enum Placed<S> {
 }
 
 /// Settings the layer hands to the service.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct Config {
     pub(crate) overflow: Overflow,
     pub(crate) sessions: Sessions,
@@ -146,6 +149,8 @@ pub(crate) struct Config {
     pub(crate) decision_extension: bool,
     pub(crate) failure_cooldown: Duration,
     pub(crate) node_patience: Duration,
+    pub(crate) store: Option<Arc<dyn HomeStore>>,
+    pub(crate) store_deadline: Duration,
 }
 
 impl<D, K, P, S> SessionAffinity<D, K, P>
@@ -173,6 +178,10 @@ where
                 capacity,
                 fleet: ArcSwap::from_pointee(fleet),
                 table: SessionTable::new(config.sessions),
+                store: config.store.map(|store| {
+                    let ttl = config.sessions.idle();
+                    Arc::new(Homes::new(store, config.store_deadline, ttl))
+                }),
                 placement,
                 overflow: config.overflow,
                 finish: Finish {
@@ -207,6 +216,12 @@ where
             waiting: s.capacity.waiting.load(Ordering::Relaxed),
             ..s.capacity.counters.snapshot()
         }
+    }
+
+    /// The shared store's counters and state, if the service has one
+    /// ([`SessionAffinityLayer::home_store`](crate::SessionAffinityLayer::home_store)).
+    pub fn store_stats(&self) -> Option<StoreStats> {
+        self.shared.store.as_ref().map(|h| h.stats())
     }
 
     /// The live backends with their slots, in-flight counts and health.
@@ -490,6 +505,9 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         if let Some(k) = key {
             if known != Some(new_home) {
                 self.table.put(k, new_home, now_ms);
+            }
+            if let Some(store) = &self.store {
+                store.placed(k, extensions.get::<StoreAnswer>(), &decision);
             }
         }
         self.capacity.counters.record(&decision);
