@@ -18,9 +18,10 @@
 //!   table's idle timeout ([`Sessions::idle`]); a read asks it to keep the home that long
 //!   again, since the session is in use.
 //! - **Faults.** A read that fails or times out marks the store *down*: one warning in the log,
-//!   and [`StoreStats::outages`] grows. While it is down, one read at a time goes to the store
-//!   as a probe and the other requests use the local table at once, without waiting; writes
-//!   are dropped ([`StoreStats::writes_dropped`]). The first read answered in time marks it up
+//!   and [`StoreStats::outages`] grows. While it is down, requests use the local table at once,
+//!   without waiting, and one read at a time goes to the store as a probe that no request
+//!   waits for. Writes are still sent, each bounded by a second and at most 1,024 at once
+//!   (more are dropped and counted, [`StoreStats::writes_dropped`]). The first read answered in time marks it up
 //!   again (one line in the log, [`StoreStats::recoveries`]). A value that is not a home (a key
 //!   holding something else, or naming a backend this replica does not know) is ignored for
 //!   that request and counted ([`StoreStats::garbage`]); the session's next placement writes

@@ -94,8 +94,8 @@ impl RedisStoreBuilder {
     }
 
     /// The longest wait between two attempts to reconnect to a Redis that went away. Default
-    /// 1 s; the first attempts come sooner (from 10 ms, doubling). Once Redis is back, the
-    /// service reads from it again within about this long.
+    /// 1 s; the first attempts come sooner (from about 10 ms, doubling, with a random jitter).
+    /// Once Redis is back, the service reads from it again within this long.
     pub fn reconnect_interval(mut self, interval: Duration) -> Self {
         self.reconnect_interval = interval;
         self
@@ -107,15 +107,17 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// The store on the Redis at `url`. It connects on first use, so a Redis that is down at
-    /// start does not stop the router; an error here is a URL it cannot use. Must be called
-    /// within a Tokio runtime.
+    /// The store on the Redis at `url`. It starts connecting in the background and returns at
+    /// once, so a Redis that is down at start does not stop the router; an error here is a URL
+    /// it cannot use. Must be called within a Tokio runtime.
     pub fn open(self, url: &str) -> RedisResult<RedisStore> {
         let client = redis::Client::open(url)?;
-        let first = Duration::from_millis(10).min(self.reconnect_interval);
+        // The manager adds a random jitter of up to the delay itself: half the interval
+        // keeps attempts at most one interval apart.
+        let cap = self.reconnect_interval / 2;
         let config = ConnectionManagerConfig::new()
-            .set_min_delay(first)
-            .set_max_delay(self.reconnect_interval)
+            .set_min_delay(Duration::from_millis(10).min(cap))
+            .set_max_delay(cap)
             .set_exponent_base(2.0)
             // Past its last retry the manager starts again at the next command: the service
             // reads (and probes) on every keyed request, so no retry limit is needed.
@@ -124,6 +126,12 @@ impl RedisStoreBuilder {
             // The service bounds reads by its deadline and writes by a second.
             .set_response_timeout(None);
         let conn = ConnectionManager::new_lazy_with_config(client, config)?;
+        // Connect now, in the background, so that the first request does not wait for the
+        // connection and its handshake.
+        let mut first = conn.clone();
+        tokio::spawn(async move {
+            let _ = redis::cmd("PING").query_async::<()>(&mut first).await;
+        });
         Ok(RedisStore {
             conn,
             prefix: self.prefix.into(),

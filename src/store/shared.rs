@@ -19,8 +19,9 @@ use crate::BackendId;
 /// How long a write may take before it counts as failed.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// The most writes in flight at once; more are dropped (a store that slows down must not
-/// make the router hold an unbounded number of tasks).
+/// The most writes in flight at once; more are dropped (a store that slows down or goes away
+/// must not make the router hold an unbounded number of tasks). A write made while the store
+/// is down is still sent: it lands if the store comes back within the write's second.
 const MAX_WRITES_IN_FLIGHT: usize = 1024;
 
 /// Whether the service can reach its shared store, as its reads last found it.
@@ -29,8 +30,8 @@ const MAX_WRITES_IN_FLIGHT: usize = 1024;
 pub enum StoreState {
     /// The last read answered in time (or none has been made yet).
     Up,
-    /// The last read failed or timed out: requests use the local table, one read at a time
-    /// probes the store.
+    /// The last read failed or timed out: requests use the local table at once, and one read
+    /// at a time, which no request waits for, probes the store.
     Down,
 }
 
@@ -52,14 +53,14 @@ pub struct StoreStats {
     /// Reads that found something that is not a home, or a home on a backend this replica
     /// does not know; ignored.
     pub garbage: u64,
-    /// Requests that did not read the store because it was down and another read was
-    /// already probing it.
+    /// Requests that did not wait for the store because it was down (one of them at a time
+    /// sends a probe read, counted in `reads`, that no request waits for).
     pub skipped: u64,
     /// Writes sent to the store.
     pub writes: u64,
     /// Writes that failed or took longer than a second.
     pub write_errors: u64,
-    /// Writes not sent: the store was down, or too many writes were in flight.
+    /// Writes not sent: too many writes were in flight (or no Tokio runtime to run them).
     pub writes_dropped: u64,
     /// Times the store went from up to down.
     pub outages: u64,
@@ -187,21 +188,30 @@ impl Homes {
         }
     }
 
-    /// Starts reading `key`'s home, bounded by the deadline; `None` if the store is down and
-    /// another read is probing it already (the request goes on with the local table at once).
+    /// Starts reading `key`'s home, bounded by the deadline. `None` while the store is down:
+    /// the request goes on with the local table at once, and this read, if no other is
+    /// probing the store already, goes on in a task of its own as the probe that finds the
+    /// store up again.
     pub(crate) fn read(self: &Arc<Self>, key: SessionKey) -> Option<PendingRead> {
-        let mut probe = Probe(None);
-        if !self.up.load(Ordering::Acquire) {
-            if self.probing.swap(true, Ordering::AcqRel) {
-                bump(&self.counters.skipped);
-                return None;
-            }
-            probe.0 = Some(self.clone());
+        if self.up.load(Ordering::Acquire) {
+            return Some(self.start_read(key, Probe(None)));
         }
+        bump(&self.counters.skipped);
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return None;
+        };
+        if !self.probing.swap(true, Ordering::AcqRel) {
+            let probe = self.start_read(key, Probe(Some(self.clone())));
+            runtime.spawn(probe);
+        }
+        None
+    }
+
+    fn start_read(self: &Arc<Self>, key: SessionKey, probe: Probe) -> PendingRead {
         bump(&self.counters.reads);
         let read = self.store.read(key, self.ttl);
         let this = self.clone();
-        Some(Box::pin(async move {
+        Box::pin(async move {
             let _probe = probe;
             let c = &this.counters;
             match tokio::time::timeout(this.deadline, read).await {
@@ -231,7 +241,7 @@ impl Homes {
                     Read::Silent
                 }
             }
-        }))
+        })
     }
 
     /// After a placement: writes the session's new home unless the store already holds it.
@@ -259,10 +269,6 @@ impl Homes {
 
     fn write(self: &Arc<Self>, key: SessionKey, home: StoredHome) {
         let c = &self.counters;
-        if !self.up.load(Ordering::Acquire) {
-            bump(&c.writes_dropped);
-            return;
-        }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             bump(&c.writes_dropped);
             return;
