@@ -184,26 +184,38 @@ where
         key: Option<SessionKey>,
         req: http::Request<ReqB>,
     ) -> Self {
-        if let (Some(store), Some(k)) = (&shared.store, key) {
-            if let Some(read) = store.read(k) {
-                let reading = Reading {
-                    read,
-                    req: Some(req),
-                    key: k,
-                    shared: shared.clone(),
-                };
-                let reading = Box::new(reading);
-                return ResponseFuture {
-                    state: State::Read { reading },
-                };
-            }
+        if let (Some(_), Some(k)) = (&shared.store, key) {
+            return Self::read_first(shared, k, req);
         }
         ResponseFuture {
             state: Self::place(shared, key, req),
         }
     }
 
-    /// Places the request, and calls its backend or waits for a slot.
+    /// With a shared store: reads the session's home before placing, unless the store is
+    /// down. Out of line, so that the path without a store stays as it was.
+    #[cold]
+    #[inline(never)]
+    fn read_first(shared: &SharedOf<S, P>, key: SessionKey, req: http::Request<ReqB>) -> Self {
+        let read = shared.store.as_ref().and_then(|store| store.read(key));
+        let state = match read {
+            Some(read) => State::Read {
+                reading: Box::new(Reading {
+                    read,
+                    req: Some(req),
+                    key,
+                    shared: shared.clone(),
+                }),
+            },
+            None => Self::place(shared, Some(key), req),
+        };
+        ResponseFuture { state }
+    }
+
+    /// Places the request, and calls its backend or waits for a slot. (Out of line, as the
+    /// whole of `new` was before the store's read came in front of it: `call` stays small
+    /// enough to be inlined, and a request without a read costs what it did.)
+    #[inline(never)]
     fn place(
         shared: &SharedOf<S, P>,
         key: Option<SessionKey>,

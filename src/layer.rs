@@ -17,7 +17,8 @@ use crate::{Backend, BackendId, BoxError, Overflow, Sessions};
 /// Defaults: keys from [`HeaderKey`] (`X-Session-Affinity`, then `X-Session-Id`, then the agents'
 /// own session headers), placement by
 /// [`NodeThenBackend`], [`Overflow::Wait`] up to 60 s, a table of 100,000 sessions forgotten
-/// after an hour idle, a failing backend passed over for 5 s, no decision headers.
+/// after an hour idle, a failing backend passed over for 5 s, no decision headers, no shared
+/// store ([`home_store`](Self::home_store)).
 ///
 /// ```
 /// use std::time::Duration;

@@ -23,6 +23,8 @@
 //!   probably still holds, so that placement knows where a conversation's prefix is, whether a
 //!   session's home evicted it, and where a request without a key belongs.
 //! - [`discover`]: static and channel-fed discovery streams of [`Backend`]s.
+//! - [`store`]: homes shared by router replicas, through the [`HomeStore`](store::HomeStore)
+//!   trait; with the `redis` feature, `store::RedisStore` keeps them in Redis.
 //! - [`SessionAffinityLayer`] builds [`SessionAffinity`], a `tower::Service` for your axum or
 //!   hyper proxy. Its [`ResponseBody`] releases the request's slot when the body ends.
 //!
@@ -82,6 +84,9 @@
 //   retry.rs     RetryOnce
 //   fleet.rs     nodes, backends, slot counters, health (discovery applied here)
 //   table.rs     the session table
+//   store/       the shared store of homes for router replicas: the HomeStore trait,
+//                StoredHome and its value format, the service's side (deadline, writes,
+//                up/down state, counters: shared.rs), RedisStore (redis.rs, `redis` feature)
 //   stats.rs     Decision, Outcome, counters
 //   discover.rs  static and channel-fed discovery
 //   key/         SessionKey, extractors; key/body/, the body-reading layer (layer, service,

@@ -556,6 +556,7 @@ where
         Poll::Ready(Ok(()))
     }
 
+    #[inline]
     fn call(&mut self, req: http::Request<ReqB>) -> Self::Future {
         let key = self.key.extract(&req);
         ResponseFuture::new(&self.shared, key, req)
