@@ -81,6 +81,11 @@ fn median(mut v: Vec<i64>) -> i64 {
 }
 
 fn main() {
+    // `cargo test --all-targets` runs benches without `--bench`: only `cargo bench` measures.
+    if !std::env::args().any(|a| a == "--bench") {
+        println!("usage: cargo bench --features redis --bench redis [-- ROUNDS REQUESTS]");
+        return;
+    }
     let args: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| !a.starts_with('-'))

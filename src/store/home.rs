@@ -48,12 +48,13 @@ impl StoredHome {
 
     /// The home in the value format, version 1.
     pub fn encode(&self) -> String {
-        serde_json::json!({
-            "v": VERSION,
-            "backend": self.backend.as_str(),
-            "node": self.node.as_str(),
-        })
-        .to_string()
+        // By hand, so that the members come in this order; serde_json escapes the names.
+        let quote = |s: &str| serde_json::Value::from(s).to_string();
+        format!(
+            r#"{{"v":{VERSION},"backend":{},"node":{}}}"#,
+            quote(self.backend.as_str()),
+            quote(self.node.as_str())
+        )
     }
 
     /// Reads a value in the format [`encode`](Self::encode) writes; `None` if it is anything
