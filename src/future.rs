@@ -396,6 +396,8 @@ where
                     let mut req = r.req.take().expect(POLLED_AFTER_COMPLETION);
                     let (shared, key) = (r.shared.clone(), r.key);
                     if let Some(store) = &shared.store {
+                        // The answer rides in the request's extensions (a type private to
+                        // the crate) to the placement, which may come after a wait for a slot.
                         if let Some(answer) = shared.adopt(store, key, read) {
                             req.extensions_mut().insert(answer);
                         }

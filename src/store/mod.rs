@@ -126,3 +126,23 @@ pub trait HomeStore: fmt::Debug + Send + Sync + 'static {
     /// after `ttl` without a read.
     fn write(&self, session: SessionKey, home: StoredHome, ttl: Duration) -> WriteHome;
 }
+
+impl<T: HomeStore + ?Sized> HomeStore for std::sync::Arc<T> {
+    fn read(&self, session: SessionKey, ttl: Duration) -> ReadHome {
+        (**self).read(session, ttl)
+    }
+
+    fn write(&self, session: SessionKey, home: StoredHome, ttl: Duration) -> WriteHome {
+        (**self).write(session, home, ttl)
+    }
+}
+
+impl<T: HomeStore + ?Sized> HomeStore for Box<T> {
+    fn read(&self, session: SessionKey, ttl: Duration) -> ReadHome {
+        (**self).read(session, ttl)
+    }
+
+    fn write(&self, session: SessionKey, home: StoredHome, ttl: Duration) -> WriteHome {
+        (**self).write(session, home, ttl)
+    }
+}
