@@ -13,19 +13,22 @@
 //!   answers (and rendezvous for a session it does not know): a store outage never fails a
 //!   request, and no request waits past the deadline for it.
 //! - **Writes.** A placement whose home is not what the store said (a new session, a spill, a
-//!   store that had no home or a stale one) is written at once, in a task of its own: the
-//!   request does not wait for it. The write asks the store to keep the home for the session
-//!   table's idle timeout ([`Sessions::idle`]); a read asks it to keep the home that long
-//!   again, since the session is in use.
-//! - **Faults.** A read that fails or times out marks the store *down*: one warning in the log,
-//!   and [`StoreStats::outages`] grows. While it is down, requests use the local table at once,
-//!   without waiting, and one read at a time goes to the store as a probe that no request
-//!   waits for. Writes are still sent, each bounded by a second and at most 1,024 at once
-//!   (more are dropped and counted, [`StoreStats::writes_dropped`]). The first read answered in time marks it up
-//!   again (one line in the log, [`StoreStats::recoveries`]). A value that is not a home (a key
-//!   holding something else, or naming a backend this replica does not know) is ignored for
-//!   that request and counted ([`StoreStats::garbage`]); the session's next placement writes
-//!   over it.
+//!   store that had no home, garbage or a stale one) is written at once, in a task of its own:
+//!   the request does not wait for it. A placement made without the store's answer (it was
+//!   late or down) is written if it moved the session off the local table's home. The write
+//!   asks the store to keep the home for the session table's idle timeout
+//!   ([`Sessions::idle`]); a read asks it to keep the home that long again, since the session
+//!   is in use.
+//! - **Faults.** A read that fails or times out marks the store *down*: one warning in the
+//!   log, and [`StoreStats::outages`] grows. While it is down, requests use the local table at
+//!   once, without waiting, and one read at a time goes to the store as a probe that no
+//!   request waits for. The first read answered in time marks it up again (one line in the
+//!   log, [`StoreStats::recoveries`]). Writes are sent whatever the state, each bounded by a
+//!   second and at most 1,024 at once (more are dropped and counted,
+//!   [`StoreStats::writes_dropped`]). A value that is not a home (a key holding something
+//!   else, or naming a backend this replica does not know) is ignored and counted
+//!   ([`StoreStats::garbage`]); the request is placed as if the store had none, and its
+//!   placement writes a home over it.
 //!
 //! **What the store sees:** the session's digest ([`SessionKey`], 128 bits of the SHA-256 of
 //! its raw key) and the [`StoredHome`] (backend and node names), never a raw key, a header or a
