@@ -25,7 +25,9 @@
 //!   request waits for. The first read answered in time marks it up again (one line in the
 //!   log, [`StoreStats::recoveries`]). Writes are sent whatever the state, each bounded by a
 //!   second and at most 1,024 at once (more are dropped and counted,
-//!   [`StoreStats::writes_dropped`]). A value that is not a home (a key holding something
+//!   [`StoreStats::writes_dropped`]); the homes whose write failed (the latest of each
+//!   session, up to 4,096) are written again when the store comes back, so that it does not
+//!   send their sessions back to where they were before the outage. A value that is not a home (a key holding something
 //!   else, or naming a backend this replica does not know) is ignored and counted
 //!   ([`StoreStats::garbage`]); the request is placed as if the store had none, and its
 //!   placement writes a home over it.

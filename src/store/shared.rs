@@ -1,12 +1,14 @@
 //! The service's side of a shared store: the read deadline, the writes in their own tasks, the
 //! store's up/down state and its counters.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use super::{HomeStore, Lookup, StoredHome};
@@ -23,6 +25,9 @@ const WRITE_TIMEOUT: Duration = Duration::from_secs(1);
 /// must not make the router hold an unbounded number of tasks). A write made while the store
 /// is down is still sent: it lands if the store comes back within the write's second.
 const MAX_WRITES_IN_FLIGHT: usize = 1024;
+
+/// The most failed writes kept to be written again when the store comes back.
+const MAX_FAILED: usize = 4096;
 
 /// Whether the service can reach its shared store, as its reads last found it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -97,6 +102,9 @@ pub(crate) struct Homes {
     /// Whether a read is probing a store that is down.
     probing: AtomicBool,
     writes_in_flight: AtomicUsize,
+    /// Homes whose last write failed, the latest for each session: written again when the
+    /// store answers again.
+    failed: Mutex<HashMap<SessionKey, StoredHome>>,
     counters: Counters,
 }
 
@@ -142,6 +150,7 @@ impl Homes {
             up: AtomicBool::new(true),
             probing: AtomicBool::new(false),
             writes_in_flight: AtomicUsize::new(0),
+            failed: Mutex::default(),
             counters: Counters::default(),
         }
     }
@@ -171,13 +180,22 @@ impl Homes {
     }
 
     /// Records the store's state as a read found it: a change is logged once and counted.
-    fn mark(&self, up: bool, why: &dyn std::fmt::Display) {
+    fn mark(self: &Arc<Self>, up: bool, why: &dyn std::fmt::Display) {
         if self.up.swap(up, Ordering::AcqRel) == up {
             return;
         }
         if up {
             bump(&self.counters.recoveries);
-            tracing::info!("shared session store answers again; reading homes from it");
+            let failed = std::mem::take(&mut *self.failed.lock());
+            tracing::info!(
+                rewrites = failed.len(),
+                "shared session store answers again; reading homes from it"
+            );
+            // Homes that moved while it could not be written to, so that it does not send
+            // their sessions back to where they were before.
+            for (key, home) in failed {
+                self.write(key, home);
+            }
         } else {
             bump(&self.counters.outages);
             tracing::warn!(
@@ -279,13 +297,23 @@ impl Homes {
             return;
         }
         bump(&c.writes);
-        let write = self.store.write(key, home, self.ttl);
+        let write = self.store.write(key, home.clone(), self.ttl);
         let this = self.clone();
         runtime.spawn(async move {
             let ok = matches!(tokio::time::timeout(WRITE_TIMEOUT, write).await, Ok(Ok(())));
-            if !ok {
+            let mut failed = this.failed.lock();
+            if ok {
+                // An older home that failed must not overwrite this one later.
+                if !failed.is_empty() {
+                    failed.remove(&key);
+                }
+            } else {
                 bump(&this.counters.write_errors);
+                if failed.len() < MAX_FAILED || failed.contains_key(&key) {
+                    failed.insert(key, home);
+                }
             }
+            drop(failed);
             this.writes_in_flight.fetch_sub(1, Ordering::AcqRel);
         });
     }

@@ -38,6 +38,8 @@ struct State {
     homes: HashMap<SessionKey, StoredHome>,
     writes: Vec<(SessionKey, StoredHome, Duration)>,
     read_ttls: Vec<Duration>,
+    /// Whether writes fail (reads follow `mode`).
+    fail_writes: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -50,6 +52,7 @@ impl MemoryStore {
             homes: HashMap::new(),
             writes: Vec::new(),
             read_ttls: Vec::new(),
+            fail_writes: false,
         })))
     }
 
@@ -88,6 +91,9 @@ impl HomeStore for MemoryStore {
         let state = self.0.clone();
         Box::pin(async move {
             let mut s = state.lock();
+            if s.fail_writes {
+                return Err("connection refused".into());
+            }
             s.writes.push((session, home.clone(), ttl));
             s.homes.insert(session, home);
             Ok(())
@@ -284,4 +290,45 @@ async fn requests_without_a_key_never_touch_the_store_and_no_store_means_no_stat
     assert_eq!((s.reads, s.writes), (0, 0));
     let plain = SessionAffinityLayer::new().layer(fleet());
     assert!(plain.store_stats().is_none());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_home_that_failed_to_be_written_is_written_when_the_store_comes_back() {
+    let store = MemoryStore::new();
+    let svc = service(&store);
+    // The store's home for the session, from before the outage.
+    let first = send(&svc, "s").await;
+    settle().await;
+    assert_eq!(store.writes().len(), 1);
+    // Down: reads and writes fail. The session moves (its home is busy), and the write fails.
+    {
+        let mut s = store.0.lock();
+        s.mode = Mode::Fail;
+        s.fail_writes = true;
+    }
+    let busy = {
+        let req = http::Request::post("/")
+            .header("x-session-id", "s")
+            .body(String::new())
+            .unwrap();
+        svc.clone().oneshot(req).await.unwrap()
+    };
+    let moved = send(&svc, "s").await;
+    assert_ne!(moved.backend, first.backend);
+    drop(busy);
+    settle().await;
+    let s = svc.store_stats().unwrap();
+    assert_eq!((s.state, s.write_errors), (StoreState::Down, 1), "{s:?}");
+    // Back: the probe finds it up, and the failed home is written again.
+    {
+        let mut s = store.0.lock();
+        s.mode = Mode::Answer;
+        s.fail_writes = false;
+    }
+    send(&svc, "s").await;
+    settle().await;
+    assert_eq!(svc.store_stats().unwrap().state, StoreState::Up);
+    assert_eq!(store.0.lock().homes[&key("s")].backend, moved.backend);
+    // So the next read sends the session where it went, not back to its old home.
+    assert_eq!(send(&svc, "s").await.backend, moved.backend);
 }
