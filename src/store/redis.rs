@@ -109,9 +109,16 @@ impl RedisStoreBuilder {
 
     /// The store on the Redis at `url`. It starts connecting in the background and returns at
     /// once, so a Redis that is down at start does not stop the router; an error here is a URL
-    /// it cannot use. Must be called within a Tokio runtime.
+    /// it cannot use, or a call outside a Tokio runtime (the store runs its connection on
+    /// it).
     pub fn open(self, url: &str) -> RedisResult<RedisStore> {
         let client = redis::Client::open(url)?;
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return Err(redis::RedisError::from((
+                redis::ErrorKind::Client,
+                "RedisStore::open must be called within a Tokio runtime",
+            )));
+        };
         // The manager adds a random jitter of up to the delay itself: half the interval
         // keeps attempts at most one interval apart.
         let cap = self.reconnect_interval / 2;
@@ -129,7 +136,7 @@ impl RedisStoreBuilder {
         // Connect now, in the background, so that the first request does not wait for the
         // connection and its handshake.
         let mut first = conn.clone();
-        tokio::spawn(async move {
+        runtime.spawn(async move {
             let _ = redis::cmd("PING").query_async::<()>(&mut first).await;
         });
         Ok(RedisStore {

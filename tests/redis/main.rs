@@ -515,3 +515,10 @@ async fn redis_holds_digests_under_the_prefix_never_raw_keys() {
         assert!(sessions.iter().all(|s| !k.contains(s)));
     }
 }
+
+#[test]
+fn opening_a_store_outside_a_runtime_is_an_error_not_a_panic() {
+    let e = RedisStore::open("redis://127.0.0.1:1").unwrap_err();
+    assert!(e.to_string().contains("Tokio runtime"), "{e}");
+    assert!(RedisStore::open("not a url").is_err());
+}
