@@ -25,6 +25,7 @@ use crate::key::SessionKey;
 use crate::placement::Placement;
 use crate::service::{Placed, Shared};
 use crate::stats::Decision;
+use crate::store::PendingRead;
 use crate::wait::{Scope, WaitHome, WaitTicket};
 use crate::{Backend, Error, Overflow, ResponseBody};
 
@@ -66,6 +67,10 @@ pin_project! {
         Wait {
             waiting: Pin<Box<Waiting<S, P, ReqB>>>,
         },
+        // Reading the session's home from the shared store, before placing.
+        Read {
+            reading: Box<Reading<S, P, ReqB>>,
+        },
         Done {
             error: Option<Error>,
         },
@@ -85,6 +90,14 @@ pin_project! {
         since: Instant,
         ticket: WaitTicket,
     }
+}
+
+/// A request whose session's home is being read from the shared store.
+struct Reading<S, P, ReqB> {
+    read: PendingRead,
+    req: Option<http::Request<ReqB>>,
+    key: SessionKey,
+    shared: SharedOf<S, P>,
 }
 
 /// What a response future needs once its backend is chosen: copied out of the service's
@@ -179,6 +192,43 @@ where
         key: Option<SessionKey>,
         req: http::Request<ReqB>,
     ) -> Self {
+        if let (Some(_), Some(k)) = (&shared.store, key) {
+            return Self::read_first(shared, k, req);
+        }
+        ResponseFuture {
+            state: Self::place(shared, key, req),
+        }
+    }
+
+    /// With a shared store: reads the session's home before placing, unless the store is
+    /// down. Out of line, so that the path without a store stays as it was.
+    #[cold]
+    #[inline(never)]
+    fn read_first(shared: &SharedOf<S, P>, key: SessionKey, req: http::Request<ReqB>) -> Self {
+        let read = shared.store.as_ref().and_then(|store| store.read(key));
+        let state = match read {
+            Some(read) => State::Read {
+                reading: Box::new(Reading {
+                    read,
+                    req: Some(req),
+                    key,
+                    shared: shared.clone(),
+                }),
+            },
+            None => Self::place(shared, Some(key), req),
+        };
+        ResponseFuture { state }
+    }
+
+    /// Places the request, and calls its backend or waits for a slot. (Out of line, as the
+    /// whole of `new` was before the store's read came in front of it: `call` stays small
+    /// enough to be inlined, and a request without a read costs what it did.)
+    #[inline(never)]
+    fn place(
+        shared: &SharedOf<S, P>,
+        key: Option<SessionKey>,
+        req: http::Request<ReqB>,
+    ) -> State<S, P, ReqB> {
         let overflow = shared.overflow;
         let overcommit = matches!(overflow, Overflow::Overcommit);
         let scope = if shared.node_patience.is_zero() {
@@ -210,7 +260,7 @@ where
                 }
             },
         };
-        ResponseFuture { state }
+        state
     }
 
     fn wait(
@@ -355,6 +405,20 @@ where
                         Placed::Full { .. } => *w.req = Some(r),
                     }
                 }
+                StateProj::Read { reading } => {
+                    let r = &mut **reading;
+                    let read = ready!(r.read.as_mut().poll(cx));
+                    let mut req = r.req.take().expect(POLLED_AFTER_COMPLETION);
+                    let (shared, key) = (r.shared.clone(), r.key);
+                    if let Some(store) = &shared.store {
+                        // The answer rides in the request's extensions (a type private to
+                        // the crate) to the placement, which may come after a wait for a slot.
+                        if let Some(answer) = shared.adopt(store, key, read) {
+                            req.extensions_mut().insert(answer);
+                        }
+                    }
+                    state.set(Self::place(&shared, Some(key), req));
+                }
                 StateProj::Done { error } => {
                     let e = error.take().expect(POLLED_AFTER_COMPLETION);
                     return Poll::Ready(Err(e));
@@ -411,6 +475,7 @@ where
             State::Call { .. } => "calling",
             State::NotReady { .. } => "waiting for its backend to be ready",
             State::Wait { .. } => "waiting for a slot",
+            State::Read { .. } => "reading its session's home",
             State::Done { .. } => "done",
         };
         f.debug_struct("ResponseFuture")

@@ -1,5 +1,6 @@
 //! [`SessionAffinityLayer`]: the builder.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tower::discover::Discover;
@@ -8,6 +9,7 @@ use tower::Layer;
 use crate::key::HeaderKey;
 use crate::placement::NodeThenBackend;
 use crate::service::{Config, SessionAffinity};
+use crate::store::HomeStore;
 use crate::{Backend, BackendId, BoxError, Overflow, Sessions};
 
 /// Builds a [`SessionAffinity`] service over a discovery stream.
@@ -15,7 +17,8 @@ use crate::{Backend, BackendId, BoxError, Overflow, Sessions};
 /// Defaults: keys from [`HeaderKey`] (`X-Session-Affinity`, then `X-Session-Id`, then the agents'
 /// own session headers), placement by
 /// [`NodeThenBackend`], [`Overflow::Wait`] up to 60 s, a table of 100,000 sessions forgotten
-/// after an hour idle, a failing backend passed over for 5 s, no decision headers.
+/// after an hour idle, a failing backend passed over for 5 s, no decision headers, no shared
+/// store ([`home_store`](Self::home_store)).
 ///
 /// ```
 /// use std::time::Duration;
@@ -57,9 +60,17 @@ impl SessionAffinityLayer {
                 node_patience: Duration::ZERO,
                 wait_versus_move: true,
                 observe_usage: true,
+                store: None,
+                store_deadline: Self::STORE_DEADLINE,
             },
         }
     }
+}
+
+impl SessionAffinityLayer {
+    /// How long a request waits for the shared store's answer by default: 5 ms, some fifty
+    /// round trips to a Redis on the same host and several across a data centre.
+    pub const STORE_DEADLINE: Duration = Duration::from_millis(5);
 }
 
 impl Default for SessionAffinityLayer {
@@ -118,6 +129,25 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// no healthy backend is not waited for.
     pub fn node_patience(mut self, patience: Duration) -> Self {
         self.config.node_patience = patience;
+        self
+    }
+
+    /// Shares session homes with other router replicas through `store` (see [`store`]): every
+    /// request with a session key reads its home there first, within the
+    /// [`store_deadline`](Self::store_deadline), and a placement that changes a session's home
+    /// writes it there, without waiting. The local session table stays the first answer when
+    /// the store is slow or down. Needs a Tokio runtime.
+    ///
+    /// [`store`]: crate::store
+    pub fn home_store(mut self, store: impl HomeStore) -> Self {
+        self.config.store = Some(Arc::new(store));
+        self
+    }
+
+    /// How long a request waits for the shared store's answer before the local session table
+    /// answers instead. Default [`STORE_DEADLINE`](SessionAffinityLayer::STORE_DEADLINE), 5 ms.
+    pub fn store_deadline(mut self, deadline: Duration) -> Self {
+        self.config.store_deadline = deadline;
         self
     }
 
@@ -183,7 +213,7 @@ where
             discover,
             self.key.clone(),
             self.placement.clone(),
-            self.config,
+            self.config.clone(),
         )
     }
 }

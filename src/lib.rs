@@ -25,6 +25,8 @@
 //! - [`discover`]: static and channel-fed discovery streams of [`Backend`]s, and with the `dns`
 //!   feature `DnsFleet`, the backends behind a DNS name (A/AAAA with a port, or SRV) followed
 //!   as its records change.
+//! - [`store`]: homes shared by router replicas, through the [`HomeStore`](store::HomeStore)
+//!   trait; with the `redis` feature, `store::RedisStore` keeps them in Redis.
 //! - [`SessionAffinityLayer`] builds [`SessionAffinity`], a `tower::Service` for your axum or
 //!   hyper proxy. Its [`ResponseBody`] releases the request's slot when the body ends.
 //!
@@ -86,6 +88,9 @@
 //   retry.rs     RetryOnce
 //   fleet.rs     nodes, backends, slot counters, health (discovery applied here)
 //   table.rs     the session table
+//   store/       the shared store of homes for router replicas: the HomeStore trait,
+//                StoredHome and its value format, the service's side (deadline, writes,
+//                up/down state, counters: shared.rs), RedisStore (redis.rs, `redis` feature)
 //   stats.rs     Decision, Outcome, counters
 //   usage.rs     Usage: the prompt and reused tokens a backend's answer reports, and its scanner
 //   discover/    static and channel-fed discovery (mod.rs); dns/, discovery from a DNS name
@@ -115,6 +120,7 @@ pub mod placement;
 mod retry;
 mod service;
 mod stats;
+pub mod store;
 mod table;
 mod usage;
 mod wait;

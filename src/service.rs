@@ -30,6 +30,7 @@ use crate::placement::{
     PlacementRequest,
 };
 use crate::stats::{Decision, Outcome, Stats};
+use crate::store::{HomeStore, Homes, StoreAnswer, StoreStats};
 use crate::table::{HomeEntry, SessionStore, SessionTable, Sessions};
 use crate::wait::{Scope, WaitHome};
 use crate::{Backend, BackendId, BackendStatus, Overflow, PromptChain, ResponseBody};
@@ -112,8 +113,10 @@ pub(crate) trait Drain<B, P>: Send + Sync {
 /// State shared by every clone of the service and by its response futures.
 pub(crate) struct Shared<B, P> {
     /// The current fleet, replaced whole on discovery changes: reading it takes no lock.
-    fleet: ArcSwap<Fleet<B>>,
-    table: SessionTable,
+    pub(crate) fleet: ArcSwap<Fleet<B>>,
+    pub(crate) table: SessionTable,
+    /// The shared store of homes, if the replicas share one.
+    pub(crate) store: Option<Arc<Homes>>,
     placement: P,
     pub(crate) overflow: Overflow,
     /// The fleet's counters (the same `Arc` every backend's slot counter holds).
@@ -148,7 +151,7 @@ pub(crate) enum Placed<S> {
 }
 
 /// Settings the layer hands to the service.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct Config {
     pub(crate) overflow: Overflow,
     pub(crate) sessions: Sessions,
@@ -158,6 +161,8 @@ pub(crate) struct Config {
     pub(crate) node_patience: Duration,
     pub(crate) wait_versus_move: bool,
     pub(crate) observe_usage: bool,
+    pub(crate) store: Option<Arc<dyn HomeStore>>,
+    pub(crate) store_deadline: Duration,
 }
 
 impl<D, K, P, S> SessionAffinity<D, K, P>
@@ -185,6 +190,10 @@ where
                 capacity,
                 fleet: ArcSwap::from_pointee(fleet),
                 table: SessionTable::new(config.sessions),
+                store: config.store.map(|store| {
+                    let ttl = config.sessions.idle();
+                    Arc::new(Homes::new(store, config.store_deadline, ttl))
+                }),
                 placement,
                 overflow: config.overflow,
                 finish: Finish {
@@ -241,6 +250,12 @@ where
     #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
     pub fn publish_metrics(&self) {
         crate::metrics::publish(&self.stats(), &self.backends());
+    }
+
+    /// The shared store's counters and state, if the service has one
+    /// ([`SessionAffinityLayer::home_store`](crate::SessionAffinityLayer::home_store)).
+    pub fn store_stats(&self) -> Option<StoreStats> {
+        self.shared.store.as_ref().map(|h| h.stats())
     }
 
     /// The live backends with their slots, in-flight counts and health.
@@ -560,6 +575,9 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             if known != Some(new_home) {
                 self.table.put(k, new_home, now_ms);
             }
+            if let Some(store) = &self.store {
+                store.placed(k, extensions.get::<StoreAnswer>(), &decision);
+            }
         }
         self.capacity.counters.record(&decision);
         Placed::Dispatch {
@@ -636,6 +654,7 @@ where
         Poll::Ready(Ok(()))
     }
 
+    #[inline]
     fn call(&mut self, req: http::Request<ReqB>) -> Self::Future {
         let key = self.key.extract(&req);
         ResponseFuture::new(&self.shared, key, req)

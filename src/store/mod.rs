@@ -1,0 +1,153 @@
+//! Shared session stores: session homes that several router replicas agree on.
+//!
+//! Each replica keeps its own in-memory session table. Rendezvous hashing makes replicas agree
+//! on a session's *first* placement, but after a spill they disagree: replica A moved the
+//! session to a new backend, and replica B still sends the next turn to the old home, which is
+//! full or cold. A [`HomeStore`] shared by the replicas (the `redis` feature's
+//! `RedisStore`, or your own) closes that gap:
+//!
+//! - **Reads.** Every request with a session key first reads the session's home from the store,
+//!   within a deadline ([`SessionAffinityLayer::store_deadline`], default 5 ms). An answer in
+//!   time that names a live backend becomes the session's home in the local table; then the
+//!   request is placed as usual. When the deadline passes, or the store fails, the local table
+//!   answers (and rendezvous for a session it does not know): a store outage never fails a
+//!   request, and no request waits past the deadline for it.
+//! - **Writes.** A placement whose home is not what the store said (a new session, a spill, a
+//!   store that had no home, garbage or a stale one) is written at once, in a task of its own:
+//!   the request does not wait for it. A placement made without the store's answer (it was
+//!   late or down) is written if it moved the session off the local table's home. The write
+//!   asks the store to keep the home for the session table's idle timeout
+//!   ([`Sessions::idle`]); a read asks it to keep the home that long again, since the session
+//!   is in use.
+//! - **Faults.** A read that fails or times out marks the store *down*: one warning in the
+//!   log, and [`StoreStats::outages`] grows. While it is down, requests use the local table at
+//!   once, without waiting, and one read at a time goes to the store as a probe that no
+//!   request waits for. The first read answered in time marks it up again (one line in the
+//!   log, [`StoreStats::recoveries`]). Writes are sent whatever the state, each bounded by a
+//!   second and at most 1,024 at once (more are dropped and counted,
+//!   [`StoreStats::writes_dropped`]); the homes whose write failed (the latest of each
+//!   session, up to 4,096) are written again when the store comes back, so that it does not
+//!   send their sessions back to where they were before the outage. A value that is not a home (a key holding something
+//!   else, or naming a backend this replica does not know) is ignored and counted
+//!   ([`StoreStats::garbage`]); the request is placed as if the store had none, and its
+//!   placement writes a home over it.
+//!
+//! **What the store sees:** the session's digest ([`SessionKey`], 128 bits of the SHA-256 of
+//! its raw key) and the [`StoredHome`] (backend and node names), never a raw key, a header or a
+//! prompt.
+//!
+//! **Which write wins.** The last one. Two replicas that place the same session at the same
+//! moment both write, and the store keeps whichever arrives last; every replica then reads that
+//! one. Either is a good home: both backends served the same turn and hold its prompt. In the
+//! common case (one turn after another) the last write is the latest turn's, where the newest
+//! cache is, so "last wins" is also what keeps the store right after a replica placed a turn
+//! on its local table while the store was slow. A compare-and-set ("write only if the home is
+//! still the one I read") would refuse exactly those writes and leave the store on a home
+//! that no longer holds the session.
+//!
+//! Counters and the store's state: [`SessionAffinity::store_stats`].
+//!
+//! ```
+//! use std::time::Duration;
+//! use tower_affinity::key::SessionKey;
+//! use tower_affinity::store::{HomeStore, Lookup, ReadHome, StoredHome, WriteHome};
+//!
+//! /// A store that knows nothing: every session is new to it.
+//! #[derive(Debug)]
+//! struct Forgetful;
+//!
+//! impl HomeStore for Forgetful {
+//!     fn read(&self, _session: SessionKey, _ttl: Duration) -> ReadHome {
+//!         Box::pin(async { Ok(Lookup::Missing) })
+//!     }
+//!     fn write(&self, _session: SessionKey, _home: StoredHome, _ttl: Duration) -> WriteHome {
+//!         Box::pin(async { Ok(()) })
+//!     }
+//! }
+//!
+//! let layer = tower_affinity::SessionAffinityLayer::new().home_store(Forgetful);
+//! # let _ = layer;
+//! ```
+//!
+//! [`SessionAffinityLayer::store_deadline`]: crate::SessionAffinityLayer::store_deadline
+//! [`Sessions::idle`]: crate::Sessions::idle
+//! [`SessionAffinity::store_stats`]: crate::SessionAffinity::store_stats
+
+mod home;
+#[cfg(feature = "redis")]
+mod redis;
+mod shared;
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use crate::key::SessionKey;
+use crate::BoxError;
+
+pub use home::StoredHome;
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub use redis::{RedisStore, RedisStoreBuilder};
+pub(crate) use shared::{Homes, PendingRead, StoreAnswer};
+pub use shared::{StoreState, StoreStats};
+
+/// What a read of the store found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Lookup {
+    /// The session's home.
+    Home(StoredHome),
+    /// The store holds no home for the session.
+    Missing,
+    /// The store holds something for the session that is not a home (a value of another
+    /// format, a key of another type). The service ignores it and counts it.
+    Garbage,
+}
+
+/// The future of a [`HomeStore::read`].
+pub type ReadHome = Pin<Box<dyn Future<Output = Result<Lookup, BoxError>> + Send + 'static>>;
+
+/// The future of a [`HomeStore::write`].
+pub type WriteHome = Pin<Box<dyn Future<Output = Result<(), BoxError>> + Send + 'static>>;
+
+/// A store of session homes shared by router replicas.
+///
+/// The service reads a session's home before placing its request and writes it when a
+/// placement changes it; see the [module docs](self) for when, with which deadline, and what
+/// happens when the store fails. Both methods return at once with a future; the service
+/// drives the read within its deadline (dropping it when the deadline passes) and the write in
+/// a task of its own, so neither may rely on being polled to completion. They run on a Tokio
+/// runtime.
+///
+/// Keys are [`SessionKey`] digests; the store never sees a raw session key.
+pub trait HomeStore: fmt::Debug + Send + Sync + 'static {
+    /// Reads the home of `session`. A store that expires homes should keep this one for at
+    /// least `ttl` more: the session is in use.
+    fn read(&self, session: SessionKey, ttl: Duration) -> ReadHome;
+
+    /// Records `home` as the home of `session`, replacing any earlier value, to be forgotten
+    /// after `ttl` without a read.
+    fn write(&self, session: SessionKey, home: StoredHome, ttl: Duration) -> WriteHome;
+}
+
+impl<T: HomeStore + ?Sized> HomeStore for std::sync::Arc<T> {
+    fn read(&self, session: SessionKey, ttl: Duration) -> ReadHome {
+        (**self).read(session, ttl)
+    }
+
+    fn write(&self, session: SessionKey, home: StoredHome, ttl: Duration) -> WriteHome {
+        (**self).write(session, home, ttl)
+    }
+}
+
+impl<T: HomeStore + ?Sized> HomeStore for Box<T> {
+    fn read(&self, session: SessionKey, ttl: Duration) -> ReadHome {
+        (**self).read(session, ttl)
+    }
+
+    fn write(&self, session: SessionKey, home: StoredHome, ttl: Duration) -> WriteHome {
+        (**self).write(session, home, ttl)
+    }
+}

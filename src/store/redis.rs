@@ -1,0 +1,192 @@
+//! [`RedisStore`]: session homes in Redis (or Valkey), through the `redis` crate's connection
+//! manager.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{RedisResult, Value};
+
+use super::{HomeStore, Lookup, ReadHome, StoredHome, WriteHome};
+use crate::key::SessionKey;
+
+/// A [`HomeStore`] on Redis (6.2 or later) or Valkey.
+///
+/// - **Keys:** the session's digest in hex (32 characters) under a prefix, by default
+///   [`RedisStore::DEFAULT_PREFIX`]: `tower-affinity:home:ba7816bf8f01cfea414140de5dae2223`.
+/// - **Values:** a [`StoredHome`] in its versioned format, `{"v":1,"backend":..,"node":..}`.
+/// - **Reads:** `GETEX key PX ttl`, which also keeps an active session's home for the idle
+///   timeout again. A key of another type (`WRONGTYPE`) or a value in another format reads as
+///   [`Lookup::Garbage`].
+/// - **Writes:** `SET key value PX ttl`: the last write wins (see the [module
+///   docs](crate::store) for why).
+///
+/// One multiplexed connection, kept by the `redis` crate's connection manager, carries every
+/// command; when it breaks, the manager reconnects with exponential backoff, at most
+/// [`reconnect_interval`](RedisStoreBuilder::reconnect_interval) apart. The service reads
+/// within its own deadline, so a reconnect never holds up a request.
+///
+/// ```no_run
+/// use tower::Layer;
+/// use tower_affinity::{discover::StaticFleet, Backend, SessionAffinityLayer};
+/// use tower_affinity::store::RedisStore;
+///
+/// # fn backend() -> tower::util::BoxCloneService<http::Request<()>, http::Response<()>, std::convert::Infallible> { unimplemented!() }
+/// # #[tokio::main]
+/// # async fn main() -> Result<(), redis::RedisError> {
+/// let store = RedisStore::builder()
+///     .prefix("my-fleet:home:")
+///     .open("redis://127.0.0.1:6379")?;
+/// let fleet = StaticFleet::new([("gpu-0", Backend::new("host-a", backend()))]);
+/// let svc = SessionAffinityLayer::new().home_store(store).layer(fleet);
+/// # let _ = svc;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub struct RedisStore {
+    conn: ConnectionManager,
+    prefix: Arc<str>,
+}
+
+/// Options of a [`RedisStore`]: its key prefix and how it reconnects.
+#[derive(Clone, Debug)]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub struct RedisStoreBuilder {
+    prefix: String,
+    reconnect_interval: Duration,
+    connect_timeout: Duration,
+}
+
+impl RedisStore {
+    /// The key prefix unless [`RedisStoreBuilder::prefix`] sets another.
+    pub const DEFAULT_PREFIX: &'static str = "tower-affinity:home:";
+
+    /// A store on the Redis at `url` (`redis://host:port/db`) with the default options.
+    /// See [`RedisStoreBuilder::open`].
+    pub fn open(url: &str) -> RedisResult<Self> {
+        Self::builder().open(url)
+    }
+
+    /// Options for a store.
+    pub fn builder() -> RedisStoreBuilder {
+        RedisStoreBuilder {
+            prefix: Self::DEFAULT_PREFIX.to_string(),
+            reconnect_interval: Duration::from_secs(1),
+            connect_timeout: Duration::from_secs(1),
+        }
+    }
+
+    /// The Redis key of a session's home.
+    pub fn key_of(&self, session: SessionKey) -> String {
+        format!("{}{session}", self.prefix)
+    }
+}
+
+impl RedisStoreBuilder {
+    /// The prefix of every key the store reads and writes. Default
+    /// [`RedisStore::DEFAULT_PREFIX`].
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// The longest wait between two attempts to reconnect to a Redis that went away. Default
+    /// 1 s; the first attempts come sooner (from about 10 ms, doubling, with a random jitter).
+    /// Once Redis is back, the service reads from it again within this long.
+    pub fn reconnect_interval(mut self, interval: Duration) -> Self {
+        self.reconnect_interval = interval;
+        self
+    }
+
+    /// How long one attempt to connect may take. Default 1 s.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// The store on the Redis at `url`. It starts connecting in the background and returns at
+    /// once, so a Redis that is down at start does not stop the router; an error here is a URL
+    /// it cannot use, or a call outside a Tokio runtime (the store runs its connection on
+    /// it).
+    pub fn open(self, url: &str) -> RedisResult<RedisStore> {
+        let client = redis::Client::open(url)?;
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return Err(redis::RedisError::from((
+                redis::ErrorKind::Client,
+                "RedisStore::open must be called within a Tokio runtime",
+            )));
+        };
+        // The manager adds a random jitter of up to the delay itself: half the interval
+        // keeps attempts at most one interval apart.
+        let cap = self.reconnect_interval / 2;
+        let config = ConnectionManagerConfig::new()
+            .set_min_delay(Duration::from_millis(10).min(cap))
+            .set_max_delay(cap)
+            .set_exponent_base(2.0)
+            // Past its last retry the manager starts again at the next command: the service
+            // reads (and probes) on every keyed request, so no retry limit is needed.
+            .set_number_of_retries(12)
+            .set_connection_timeout(Some(self.connect_timeout))
+            // The service bounds reads by its deadline and writes by a second.
+            .set_response_timeout(None);
+        let conn = ConnectionManager::new_lazy_with_config(client, config)?;
+        // Connect now, in the background, so that the first request does not wait for the
+        // connection and its handshake.
+        let mut first = conn.clone();
+        runtime.spawn(async move {
+            let _ = redis::cmd("PING").query_async::<()>(&mut first).await;
+        });
+        Ok(RedisStore {
+            conn,
+            prefix: self.prefix.into(),
+        })
+    }
+}
+
+/// Milliseconds for `PX`: at least 1 (Redis refuses 0).
+fn px(ttl: Duration) -> u64 {
+    u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+impl HomeStore for RedisStore {
+    fn read(&self, session: SessionKey, ttl: Duration) -> ReadHome {
+        let mut conn = self.conn.clone();
+        let mut cmd = redis::cmd("GETEX");
+        cmd.arg(self.key_of(session)).arg("PX").arg(px(ttl));
+        Box::pin(async move {
+            match cmd.query_async::<Value>(&mut conn).await {
+                Ok(Value::Nil) => Ok(Lookup::Missing),
+                Ok(Value::BulkString(v)) => {
+                    Ok(StoredHome::decode(&v).map_or(Lookup::Garbage, Lookup::Home))
+                }
+                Ok(_) => Ok(Lookup::Garbage),
+                Err(e) if e.code() == Some("WRONGTYPE") => Ok(Lookup::Garbage),
+                Err(e) => Err(e.into()),
+            }
+        })
+    }
+
+    fn write(&self, session: SessionKey, home: StoredHome, ttl: Duration) -> WriteHome {
+        let mut conn = self.conn.clone();
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(self.key_of(session))
+            .arg(home.encode())
+            .arg("PX")
+            .arg(px(ttl));
+        Box::pin(async move {
+            cmd.query_async::<()>(&mut conn).await?;
+            Ok(())
+        })
+    }
+}
+
+impl fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("prefix", &self.prefix)
+            .finish_non_exhaustive()
+    }
+}

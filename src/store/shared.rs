@@ -1,0 +1,355 @@
+//! The service's side of a shared store: the read deadline, the writes in their own tasks, the
+//! store's up/down state and its counters.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::time::Instant;
+
+use super::{HomeStore, Lookup, StoredHome};
+use crate::key::SessionKey;
+use crate::service::Shared;
+use crate::stats::{bump, Decision, Outcome};
+use crate::table::{HomeEntry, SessionStore};
+use crate::BackendId;
+
+/// How long a write may take before it counts as failed.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The most writes in flight at once; more are dropped (a store that slows down or goes away
+/// must not make the router hold an unbounded number of tasks). A write made while the store
+/// is down is still sent: it lands if the store comes back within the write's second.
+const MAX_WRITES_IN_FLIGHT: usize = 1024;
+
+/// The most failed writes kept to be written again when the store comes back.
+const MAX_FAILED: usize = 4096;
+
+/// Whether the service can reach its shared store, as its reads last found it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum StoreState {
+    /// The last read answered in time (or none has been made yet).
+    Up,
+    /// The last read failed or timed out: requests use the local table at once, and one read
+    /// at a time, which no request waits for, probes the store.
+    Down,
+}
+
+/// A snapshot of a shared store's counters and state, from
+/// [`SessionAffinity::store_stats`](crate::SessionAffinity::store_stats). Counters only grow.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StoreStats {
+    /// Reads sent to the store.
+    pub reads: u64,
+    /// Reads that found a home naming a live backend, in time.
+    pub hits: u64,
+    /// Reads that found no home, in time.
+    pub misses: u64,
+    /// Reads still unanswered at the deadline (the local table answered).
+    pub timeouts: u64,
+    /// Reads that failed (the local table answered).
+    pub errors: u64,
+    /// Reads that found something that is not a home, or a home on a backend this replica
+    /// does not know; ignored.
+    pub garbage: u64,
+    /// Requests that did not wait for the store because it was down (one of them at a time
+    /// sends a probe read, counted in `reads`, that no request waits for).
+    pub skipped: u64,
+    /// Writes sent to the store.
+    pub writes: u64,
+    /// Writes that failed or took longer than a second.
+    pub write_errors: u64,
+    /// Writes not sent: too many writes were in flight (or no Tokio runtime to run them).
+    pub writes_dropped: u64,
+    /// Times the store went from up to down.
+    pub outages: u64,
+    /// Times it came back up.
+    pub recoveries: u64,
+    /// Gauge: the store's state now.
+    pub state: StoreState,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    reads: AtomicU64,
+    hits: AtomicU64,
+    misses: AtomicU64,
+    timeouts: AtomicU64,
+    errors: AtomicU64,
+    garbage: AtomicU64,
+    skipped: AtomicU64,
+    writes: AtomicU64,
+    write_errors: AtomicU64,
+    writes_dropped: AtomicU64,
+    outages: AtomicU64,
+    recoveries: AtomicU64,
+}
+
+/// A shared store as the service uses it.
+#[derive(Debug)]
+pub(crate) struct Homes {
+    store: Arc<dyn HomeStore>,
+    deadline: Duration,
+    /// How long the store keeps a home without a read: the session table's idle timeout.
+    ttl: Duration,
+    up: AtomicBool,
+    /// Whether a read is probing a store that is down.
+    probing: AtomicBool,
+    writes_in_flight: AtomicUsize,
+    /// Homes whose last write failed, the latest for each session: written again when the
+    /// store answers again.
+    failed: Mutex<HashMap<SessionKey, StoredHome>>,
+    counters: Counters,
+}
+
+/// What the store said about a request's session, carried in the request's extensions from
+/// the read to the placement (which may come later, after a wait for a slot). Absent when the
+/// store did not answer in time.
+#[derive(Clone, Debug)]
+pub(crate) enum StoreAnswer {
+    /// A home on this live backend.
+    Home(BackendId),
+    /// No home this replica can use: none, or garbage.
+    Nothing,
+}
+
+/// What a read found, once its deadline is over.
+pub(crate) enum Read {
+    Found(StoredHome),
+    Nothing,
+    /// No answer in time, or a failed read.
+    Silent,
+}
+
+/// The read future the response future drives before placing.
+pub(crate) type PendingRead = Pin<Box<dyn Future<Output = Read> + Send + 'static>>;
+
+/// Clears the probing flag when the probe ends, answered or dropped.
+struct Probe(Option<Arc<Homes>>);
+
+impl Drop for Probe {
+    fn drop(&mut self) {
+        if let Some(h) = self.0.take() {
+            h.probing.store(false, Ordering::Release);
+        }
+    }
+}
+
+impl Homes {
+    pub(crate) fn new(store: Arc<dyn HomeStore>, deadline: Duration, ttl: Duration) -> Self {
+        Homes {
+            store,
+            deadline,
+            ttl,
+            up: AtomicBool::new(true),
+            probing: AtomicBool::new(false),
+            writes_in_flight: AtomicUsize::new(0),
+            failed: Mutex::default(),
+            counters: Counters::default(),
+        }
+    }
+
+    pub(crate) fn stats(&self) -> StoreStats {
+        let c = &self.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        StoreStats {
+            reads: l(&c.reads),
+            hits: l(&c.hits),
+            misses: l(&c.misses),
+            timeouts: l(&c.timeouts),
+            errors: l(&c.errors),
+            garbage: l(&c.garbage),
+            skipped: l(&c.skipped),
+            writes: l(&c.writes),
+            write_errors: l(&c.write_errors),
+            writes_dropped: l(&c.writes_dropped),
+            outages: l(&c.outages),
+            recoveries: l(&c.recoveries),
+            state: if self.up.load(Ordering::Relaxed) {
+                StoreState::Up
+            } else {
+                StoreState::Down
+            },
+        }
+    }
+
+    /// Records the store's state as a read found it: a change is logged once and counted.
+    fn mark(self: &Arc<Self>, up: bool, why: &dyn std::fmt::Display) {
+        if self.up.swap(up, Ordering::AcqRel) == up {
+            return;
+        }
+        if up {
+            bump(&self.counters.recoveries);
+            let failed = std::mem::take(&mut *self.failed.lock());
+            tracing::info!(
+                rewrites = failed.len(),
+                "shared session store answers again; reading homes from it"
+            );
+            // Homes that moved while it could not be written to, so that it does not send
+            // their sessions back to where they were before.
+            for (key, home) in failed {
+                self.write(key, home);
+            }
+        } else {
+            bump(&self.counters.outages);
+            tracing::warn!(
+                error = %why,
+                deadline = ?self.deadline,
+                "shared session store unavailable; placing by the local session table"
+            );
+        }
+    }
+
+    /// Starts reading `key`'s home, bounded by the deadline. `None` while the store is down:
+    /// the request goes on with the local table at once, and this read, if no other is
+    /// probing the store already, goes on in a task of its own as the probe that finds the
+    /// store up again.
+    pub(crate) fn read(self: &Arc<Self>, key: SessionKey) -> Option<PendingRead> {
+        if self.up.load(Ordering::Acquire) {
+            return Some(self.start_read(key, Probe(None)));
+        }
+        bump(&self.counters.skipped);
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return None;
+        };
+        if !self.probing.swap(true, Ordering::AcqRel) {
+            let probe = self.start_read(key, Probe(Some(self.clone())));
+            runtime.spawn(probe);
+        }
+        None
+    }
+
+    fn start_read(self: &Arc<Self>, key: SessionKey, probe: Probe) -> PendingRead {
+        bump(&self.counters.reads);
+        let read = self.store.read(key, self.ttl);
+        let this = self.clone();
+        Box::pin(async move {
+            let _probe = probe;
+            let c = &this.counters;
+            match tokio::time::timeout(this.deadline, read).await {
+                Ok(Ok(found)) => {
+                    this.mark(true, &"answered");
+                    match found {
+                        // Counted as a hit or as garbage once resolved against the fleet.
+                        Lookup::Home(home) => Read::Found(home),
+                        Lookup::Missing => {
+                            bump(&c.misses);
+                            Read::Nothing
+                        }
+                        Lookup::Garbage => {
+                            bump(&c.garbage);
+                            Read::Nothing
+                        }
+                    }
+                }
+                Ok(Err(e)) => {
+                    bump(&c.errors);
+                    this.mark(false, &e);
+                    Read::Silent
+                }
+                Err(_) => {
+                    bump(&c.timeouts);
+                    this.mark(false, &"no answer within the deadline");
+                    Read::Silent
+                }
+            }
+        })
+    }
+
+    /// After a placement: writes the session's new home unless the store already holds it.
+    /// `answer` is what the store said, if it answered in time; without an answer, the home is
+    /// written only if the placement moved the session.
+    pub(crate) fn placed(
+        self: &Arc<Self>,
+        key: SessionKey,
+        answer: Option<&StoreAnswer>,
+        decision: &Decision,
+    ) {
+        let write = match answer {
+            Some(StoreAnswer::Home(b)) => *b != decision.backend,
+            Some(StoreAnswer::Nothing) => true,
+            None => decision.outcome != Outcome::HomeHit,
+        };
+        if write {
+            let home = StoredHome {
+                backend: decision.backend.clone(),
+                node: decision.node.clone(),
+            };
+            self.write(key, home);
+        }
+    }
+
+    fn write(self: &Arc<Self>, key: SessionKey, home: StoredHome) {
+        let c = &self.counters;
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            bump(&c.writes_dropped);
+            return;
+        };
+        if self.writes_in_flight.fetch_add(1, Ordering::AcqRel) >= MAX_WRITES_IN_FLIGHT {
+            self.writes_in_flight.fetch_sub(1, Ordering::AcqRel);
+            bump(&c.writes_dropped);
+            return;
+        }
+        bump(&c.writes);
+        let write = self.store.write(key, home.clone(), self.ttl);
+        let this = self.clone();
+        runtime.spawn(async move {
+            let ok = matches!(tokio::time::timeout(WRITE_TIMEOUT, write).await, Ok(Ok(())));
+            let mut failed = this.failed.lock();
+            if ok {
+                // An older home that failed must not overwrite this one later.
+                if !failed.is_empty() {
+                    failed.remove(&key);
+                }
+            } else {
+                bump(&this.counters.write_errors);
+                if failed.len() < MAX_FAILED || failed.contains_key(&key) {
+                    failed.insert(key, home);
+                }
+            }
+            drop(failed);
+            this.writes_in_flight.fetch_sub(1, Ordering::AcqRel);
+        });
+    }
+}
+
+impl<B, P> Shared<B, P> {
+    /// Takes what the store read: a home on a live backend becomes the session's home in the
+    /// local table (where placement looks it up); a home on a backend this replica does not
+    /// know is garbage. Returns what placement needs to know of the answer.
+    pub(crate) fn adopt(&self, homes: &Homes, key: SessionKey, read: Read) -> Option<StoreAnswer> {
+        let home = match read {
+            Read::Silent => return None,
+            Read::Nothing => return Some(StoreAnswer::Nothing),
+            Read::Found(home) => home,
+        };
+        let fleet = self.fleet.load();
+        let t = &fleet.topology;
+        let Some(index) = t.index_of(home.backend.as_str()) else {
+            bump(&homes.counters.garbage);
+            return Some(StoreAnswer::Nothing);
+        };
+        bump(&homes.counters.hits);
+        let m = t.member(index);
+        let now_ms = self.capacity.now_ms(Instant::now());
+        let local = self.table.get(key, now_ms);
+        if local.is_none_or(|h| (h.backend, h.generation) != (index, m.generation)) {
+            // Where the session's last prompt ended is known only to the replica that placed
+            // it (tip 0: unknown), so the cache model does not call the new home cold.
+            let entry = HomeEntry {
+                backend: index,
+                generation: m.generation,
+                tip: 0,
+                node: m.node,
+            };
+            self.table.put(key, entry, now_ms);
+        }
+        Some(StoreAnswer::Home(home.backend))
+    }
+}

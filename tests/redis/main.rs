@@ -1,0 +1,524 @@
+//! The `redis` feature against a real `redis-server`, which each test starts on a free
+//! loopback port and kills when it ends. Real time: the server is a real process on real
+//! sockets, so every wait is bounded in count and in time.
+//!
+//! Without `redis-server` on the `PATH` these tests fail, unless `TOWER_AFFINITY_SKIP_REDIS=1`
+//! is set, in which case they say loudly that they skipped.
+
+use std::convert::Infallible;
+use std::num::NonZeroU32;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::net::TcpListener;
+use tokio::process::{Child, Command};
+use tower::util::BoxCloneService;
+use tower::{service_fn, Layer, ServiceExt};
+use tower_affinity::discover::StaticFleet;
+use tower_affinity::key::SessionKey;
+use tower_affinity::store::{RedisStore, StoreState, StoredHome};
+use tower_affinity::{Backend, Decision, Outcome, Overflow, SessionAffinityLayer, Sessions};
+
+type Req = http::Request<String>;
+type Mock = BoxCloneService<Req, http::Response<String>, Infallible>;
+type Svc = tower_affinity::SessionAffinity<
+    StaticFleet<Mock>,
+    tower_affinity::key::HeaderKey,
+    tower_affinity::placement::NodeThenBackend,
+>;
+
+// === redis-server ===
+
+/// A `redis-server` on a loopback port, killed when dropped.
+struct RedisServer {
+    child: Option<Child>,
+    port: u16,
+}
+
+/// Whether the tests may skip for lack of `redis-server`; panics if they may not.
+fn redis_missing() -> bool {
+    let found = std::process::Command::new("redis-server")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if found {
+        return false;
+    }
+    if std::env::var("TOWER_AFFINITY_SKIP_REDIS").as_deref() == Ok("1") {
+        eprintln!(
+            "\n*** SKIPPED: redis-server is not installed (TOWER_AFFINITY_SKIP_REDIS=1) ***\n"
+        );
+        return true;
+    }
+    panic!("redis-server is not installed (apt-get install redis-server), and TOWER_AFFINITY_SKIP_REDIS=1 is not set");
+}
+
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+impl RedisServer {
+    /// A server on a free port; `None` if the tests skip.
+    async fn start() -> Option<Self> {
+        if redis_missing() {
+            return None;
+        }
+        for _ in 0..5 {
+            if let Some(s) = Self::start_on(free_port()).await {
+                return Some(s);
+            }
+        }
+        panic!("redis-server did not start on any of five free ports");
+    }
+
+    /// A server on `port`, once it says it accepts connections; `None` if it exits first
+    /// (the port was taken).
+    async fn start_on(port: u16) -> Option<Self> {
+        let mut child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args([
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "yes",
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start redis-server");
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let ready = tokio::time::timeout(Duration::from_secs(10), async {
+            while let Ok(Some(line)) = lines.next_line().await {
+                if line.contains("Ready to accept connections") {
+                    return true;
+                }
+            }
+            false
+        })
+        .await
+        .expect("redis-server neither ready nor gone within 10 s");
+        if !ready {
+            return None;
+        }
+        // Keep reading its log, so that it never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Some(RedisServer {
+            child: Some(child),
+            port,
+        })
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    async fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill().await.unwrap();
+        }
+    }
+
+    /// Starts it again on the same port.
+    async fn restart(&mut self) {
+        self.kill().await;
+        let again = Self::start_on(self.port)
+            .await
+            .expect("restart on the same port");
+        *self = again;
+    }
+
+    async fn client(&self) -> redis::aio::MultiplexedConnection {
+        redis::Client::open(self.url())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap()
+    }
+}
+
+// === the fleet ===
+
+fn nz(n: u32) -> NonZeroU32 {
+    NonZeroU32::new(n).unwrap()
+}
+
+fn mock(name: &'static str) -> Mock {
+    BoxCloneService::new(service_fn(move |_req: Req| async move {
+        Ok::<_, Infallible>(http::Response::new(name.to_string()))
+    }))
+}
+
+/// Four backends of one slot on two nodes: the same fleet in every replica.
+fn fleet() -> StaticFleet<Mock> {
+    StaticFleet::new([
+        ("a1", Backend::new("node-a", mock("a1")).slots(nz(1))),
+        ("a2", Backend::new("node-a", mock("a2")).slots(nz(1))),
+        ("b1", Backend::new("node-b", mock("b1")).slots(nz(1))),
+        ("b2", Backend::new("node-b", mock("b2")).slots(nz(1))),
+    ])
+}
+
+/// A router replica on the shared store at `url`.
+fn replica(url: &str, deadline: Duration, reconnect: Duration) -> Svc {
+    let store = RedisStore::builder()
+        .reconnect_interval(reconnect)
+        .open(url)
+        .unwrap();
+    SessionAffinityLayer::new()
+        .overflow(Overflow::Overcommit)
+        .store_deadline(deadline)
+        .home_store(store)
+        .layer(fleet())
+}
+
+fn turn(session: &str) -> Req {
+    http::Request::post("/v1/chat/completions")
+        .header("x-session-id", session)
+        .body(String::new())
+        .unwrap()
+}
+
+type Res = http::Response<tower_affinity::ResponseBody<String>>;
+
+async fn send(svc: &Svc, session: &str) -> Res {
+    svc.clone()
+        .oneshot(turn(session))
+        .await
+        .expect("no request fails")
+}
+
+fn decision(res: &Res) -> Decision {
+    res.extensions().get::<Decision>().cloned().unwrap()
+}
+
+/// The string at `key`; `None` if there is none, or a value of another type.
+async fn get(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> Option<String> {
+    redis::cmd("GET")
+        .arg(key)
+        .query_async(conn)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// Waits (bounded) until Redis holds `key`'s home on `backend`: writes are not awaited by the
+/// request that makes them.
+async fn until_stored(conn: &mut redis::aio::MultiplexedConnection, key: &str, backend: &str) {
+    for _ in 0..500 {
+        let v = get(conn, key).await;
+        if v.as_deref()
+            .and_then(|v| StoredHome::decode(v.as_bytes()))
+            .is_some_and(|h| h.backend.as_str() == backend)
+        {
+            return;
+        }
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    panic!("Redis never held {key} on {backend}");
+}
+
+fn key_of(session: &str) -> String {
+    format!(
+        "{}{}",
+        RedisStore::DEFAULT_PREFIX,
+        SessionKey::from_bytes(session.as_bytes())
+    )
+}
+
+/// One turn of every session, entering through either replica in turn; every one must
+/// succeed.
+async fn round(replicas: &[Svc], sessions: &[String], requests: &mut u32) {
+    for (i, s) in sessions.iter().enumerate() {
+        let r = &replicas[(i + *requests as usize) % replicas.len()];
+        let res = send(r, s).await;
+        assert_eq!(res.status(), http::StatusCode::OK);
+    }
+    *requests += sessions.len() as u32;
+}
+
+const DEADLINE: Duration = Duration::from_millis(50);
+const RECONNECT: Duration = Duration::from_millis(300);
+
+// === tests ===
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spill_on_one_replica_moves_the_next_turn_on_the_other() {
+    let Some(redis) = RedisServer::start().await else {
+        return;
+    };
+    let (a, b) = (
+        replica(&redis.url(), DEADLINE, RECONNECT),
+        replica(&redis.url(), DEADLINE, RECONNECT),
+    );
+    let mut conn = redis.client().await;
+    // The first turn, through A: rendezvous picks the home, and A writes it.
+    let first = send(&a, "agent-1").await;
+    let home = decision(&first);
+    assert_eq!(home.outcome, Outcome::NewSession);
+    until_stored(&mut conn, &key_of("agent-1"), home.backend.as_str()).await;
+    // Its home busy (the first turn's answer still streaming), the next turn through A spills.
+    let second = send(&a, "agent-1").await;
+    let spilled = decision(&second);
+    assert_ne!(spilled.backend, home.backend);
+    assert!(matches!(
+        spilled.outcome,
+        Outcome::SameNodeSpill | Outcome::CrossNodeSpill
+    ));
+    drop(first);
+    drop(second);
+    until_stored(&mut conn, &key_of("agent-1"), spilled.backend.as_str()).await;
+    // B never saw the session: its local table and rendezvous would send it to the old home.
+    // The shared store sends it where the spill went.
+    let third = send(&b, "agent-1").await;
+    let d = decision(&third);
+    assert_eq!(d.backend, spilled.backend, "B follows A's spill");
+    assert_eq!(d.outcome, Outcome::HomeHit);
+    let s = b.store_stats().unwrap();
+    assert_eq!((s.reads, s.hits), (1, 1), "{s:?}");
+    assert_eq!(s.writes, 0, "B had nothing new to write: {s:?}");
+    // A replica without the store sends that turn to the first home.
+    let alone = SessionAffinityLayer::new().layer(fleet());
+    let lost = decision(&alone.oneshot(turn("agent-1")).await.unwrap());
+    assert_eq!(lost.backend, home.backend);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_and_restarted_fails_no_request_and_affinity_comes_back() {
+    let Some(mut redis) = RedisServer::start().await else {
+        return;
+    };
+    let replicas = [
+        replica(&redis.url(), DEADLINE, RECONNECT),
+        replica(&redis.url(), DEADLINE, RECONNECT),
+    ];
+    let sessions: Vec<String> = (0..8).map(|i| format!("agent-{i}")).collect();
+    let mut requests = 0u32;
+    for _ in 0..4 {
+        round(&replicas, &sessions, &mut requests).await;
+    }
+    for r in &replicas {
+        let s = r.store_stats().unwrap();
+        assert_eq!(s.state, StoreState::Up);
+        assert!(s.hits > 0, "{s:?}");
+    }
+
+    redis.kill().await;
+    // Every request still succeeds, and within a bounded number of rounds both replicas have
+    // seen the store go down.
+    let started = Instant::now();
+    for _ in 0..200 {
+        round(&replicas, &sessions, &mut requests).await;
+        if replicas
+            .iter()
+            .all(|r| r.store_stats().unwrap().state == StoreState::Down)
+        {
+            break;
+        }
+    }
+    for r in &replicas {
+        let s = r.store_stats().unwrap();
+        assert_eq!(s.state, StoreState::Down, "{s:?}");
+        assert_eq!(s.outages, 1, "{s:?}");
+    }
+    // While it is down, requests do not wait for it: a round of 8 takes less than one
+    // deadline (the probe reads go on in tasks of their own).
+    let t = Instant::now();
+    round(&replicas, &sessions, &mut requests).await;
+    assert!(t.elapsed() < DEADLINE, "a round took {:?}", t.elapsed());
+    // Down long enough for the reconnect backoff to reach its cap: traffic goes on, paced.
+    while started.elapsed() < 3 * RECONNECT {
+        round(&replicas, &sessions, &mut requests).await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+
+    redis.restart().await;
+    let back = Instant::now();
+    let hits: Vec<u64> = replicas
+        .iter()
+        .map(|r| r.store_stats().unwrap().hits)
+        .collect();
+    // Back when each replica's reads hit again: the restarted Redis is empty, the first turns
+    // write their homes, and the next ones read them.
+    let mut recovered = None;
+    for _ in 0..2000 {
+        round(&replicas, &sessions, &mut requests).await;
+        let all = replicas
+            .iter()
+            .zip(&hits)
+            .all(|(r, &h)| r.store_stats().unwrap().hits > h);
+        if all {
+            recovered = Some(back.elapsed());
+            break;
+        }
+        if back.elapsed() > Duration::from_secs(20) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let recovered = recovered.expect("reads hit again after the restart");
+    eprintln!(
+        "affinity back {recovered:?} after Redis answered again ({requests} requests, none failed)"
+    );
+    // One reconnect interval, and a deadline and some scheduling for the read that finds it.
+    assert!(
+        recovered < RECONNECT + DEADLINE + Duration::from_millis(250),
+        "took {recovered:?}"
+    );
+    for r in &replicas {
+        let s = r.store_stats().unwrap();
+        assert_eq!(s.state, StoreState::Up, "{s:?}");
+        assert_eq!((s.outages, s.recoveries), (1, 1), "{s:?}");
+    }
+    // Affinity: after the restart the replicas agree again on every session.
+    for s in &sessions {
+        let x = decision(&send(&replicas[0], s).await).backend;
+        let y = decision(&send(&replicas[1], s).await).backend;
+        assert_eq!(x, y, "{s}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_never_answers_never_holds_a_request_past_the_deadline() {
+    if redis_missing() {
+        return;
+    }
+    // Accepts connections and never answers a byte.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("redis://{}", listener.local_addr().unwrap());
+    let silent = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = listener.accept().await {
+            held.push(s);
+        }
+    });
+    let deadline = Duration::from_millis(20);
+    let svc = replica(&url, deadline, RECONNECT);
+    let mut slowest = Duration::ZERO;
+    for i in 0..40 {
+        let t = Instant::now();
+        let res = send(&svc, &format!("agent-{}", i % 4)).await;
+        assert_eq!(res.status(), http::StatusCode::OK);
+        slowest = slowest.max(t.elapsed());
+    }
+    let s = svc.store_stats().unwrap();
+    eprintln!("slowest request {slowest:?} with a {deadline:?} deadline; {s:?}");
+    // The deadline, and some scheduling on a shared machine.
+    assert!(
+        slowest < deadline + Duration::from_millis(60),
+        "{slowest:?}"
+    );
+    assert_eq!(s.state, StoreState::Down);
+    assert_eq!(s.outages, 1);
+    assert!(s.timeouts >= 1 && s.hits == 0, "{s:?}");
+    // Only the first read made a request wait; the probes after it went on in tasks.
+    assert!(s.skipped >= 38, "{s:?}");
+    silent.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_in_redis_is_ignored_counted_and_written_over() {
+    let Some(redis) = RedisServer::start().await else {
+        return;
+    };
+    let mut conn = redis.client().await;
+    let () = redis::cmd("SET")
+        .arg(key_of("not-json"))
+        .arg("v1 a1 node-a")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let () = redis::cmd("SET")
+        .arg(key_of("unknown-backend"))
+        .arg(StoredHome::new("gpu-99", "node-z").encode())
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let _: i64 = redis::cmd("HSET")
+        .arg(key_of("a-hash"))
+        .arg("field")
+        .arg("value")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let svc = replica(&redis.url(), DEADLINE, RECONNECT);
+    for s in ["not-json", "unknown-backend", "a-hash"] {
+        let d = decision(&send(&svc, s).await);
+        assert_eq!(
+            d.outcome,
+            Outcome::NewSession,
+            "{s}: placed as if the store had nothing"
+        );
+        until_stored(&mut conn, &key_of(s), d.backend.as_str()).await;
+    }
+    let st = svc.store_stats().unwrap();
+    assert_eq!(
+        (st.reads, st.garbage, st.hits, st.errors),
+        (3, 3, 0, 0),
+        "{st:?}"
+    );
+    assert_eq!(st.state, StoreState::Up);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_holds_digests_under_the_prefix_never_raw_keys() {
+    let Some(redis) = RedisServer::start().await else {
+        return;
+    };
+    let store = RedisStore::builder()
+        .prefix("test-fleet:home:")
+        .open(&redis.url())
+        .unwrap();
+    let idle = Duration::from_secs(600);
+    let svc = SessionAffinityLayer::new()
+        .sessions(Sessions::new().idle_timeout(idle))
+        .home_store(store)
+        .layer(fleet());
+    let mut conn = redis.client().await;
+    let sessions = ["agent-one", "agent-two", "agent-three"];
+    let mut expected = Vec::new();
+    for s in sessions {
+        let d = decision(&svc.clone().oneshot(turn(s)).await.unwrap());
+        let key = format!("test-fleet:home:{}", SessionKey::from_bytes(s.as_bytes()));
+        until_stored(&mut conn, &key, d.backend.as_str()).await;
+        let v = get(&mut conn, &key).await.unwrap();
+        assert_eq!(
+            StoredHome::decode(v.as_bytes()),
+            Some(StoredHome::new(d.backend.as_str(), d.node.as_str()))
+        );
+        let ttl: i64 = redis::cmd("PTTL")
+            .arg(&key)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert!(ttl > 0 && ttl <= idle.as_millis() as i64, "{ttl}");
+        expected.push(key);
+    }
+    let mut keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    keys.sort();
+    expected.sort();
+    assert_eq!(keys, expected);
+    for k in &keys {
+        let hex = k.strip_prefix("test-fleet:home:").unwrap();
+        assert_eq!(hex.len(), 32);
+        assert!(hex.bytes().all(|b| b.is_ascii_hexdigit()));
+        assert!(sessions.iter().all(|s| !k.contains(s)));
+    }
+}
+
+#[test]
+fn opening_a_store_outside_a_runtime_is_an_error_not_a_panic() {
+    let e = RedisStore::open("redis://127.0.0.1:1").unwrap_err();
+    assert!(e.to_string().contains("Tokio runtime"), "{e}");
+    assert!(RedisStore::open("not a url").is_err());
+}

@@ -1,0 +1,334 @@
+//! The shared store seam: what the service reads and writes, its deadline and its faults,
+//! with a store in memory whose answers the test controls, on paused time.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::time::Instant;
+use tower::util::BoxCloneService;
+use tower::{service_fn, Layer, ServiceExt};
+use tower_affinity::discover::StaticFleet;
+use tower_affinity::key::{HeaderKey, SessionKey};
+use tower_affinity::placement::NodeThenBackend;
+use tower_affinity::store::{HomeStore, Lookup, ReadHome, StoreState, StoredHome, WriteHome};
+use tower_affinity::{
+    Backend, Decision, Outcome, ResponseBody, SessionAffinity, SessionAffinityLayer, Sessions,
+};
+
+type Req = http::Request<String>;
+type Mock = BoxCloneService<Req, http::Response<String>, Infallible>;
+type Svc = SessionAffinity<StaticFleet<Mock>, HeaderKey, NodeThenBackend>;
+
+/// How the store in memory answers reads.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Mode {
+    Answer,
+    Hang,
+    Fail,
+    Garbage,
+}
+
+#[derive(Debug)]
+struct State {
+    mode: Mode,
+    homes: HashMap<SessionKey, StoredHome>,
+    writes: Vec<(SessionKey, StoredHome, Duration)>,
+    read_ttls: Vec<Duration>,
+    /// Whether writes fail (reads follow `mode`).
+    fail_writes: bool,
+}
+
+#[derive(Clone, Debug)]
+struct MemoryStore(Arc<Mutex<State>>);
+
+impl MemoryStore {
+    fn new() -> Self {
+        MemoryStore(Arc::new(Mutex::new(State {
+            mode: Mode::Answer,
+            homes: HashMap::new(),
+            writes: Vec::new(),
+            read_ttls: Vec::new(),
+            fail_writes: false,
+        })))
+    }
+
+    fn mode(&self, mode: Mode) {
+        self.0.lock().mode = mode;
+    }
+
+    fn put(&self, session: &str, backend: &str, node: &str) {
+        self.0
+            .lock()
+            .homes
+            .insert(key(session), StoredHome::new(backend, node));
+    }
+
+    fn writes(&self) -> Vec<(SessionKey, StoredHome, Duration)> {
+        self.0.lock().writes.clone()
+    }
+}
+
+impl HomeStore for MemoryStore {
+    fn read(&self, session: SessionKey, ttl: Duration) -> ReadHome {
+        let mut s = self.0.lock();
+        s.read_ttls.push(ttl);
+        let found = s.homes.get(&session).cloned();
+        match s.mode {
+            Mode::Answer => {
+                Box::pin(async move { Ok(found.map_or(Lookup::Missing, Lookup::Home)) })
+            }
+            Mode::Garbage => Box::pin(async { Ok(Lookup::Garbage) }),
+            Mode::Fail => Box::pin(async { Err("connection refused".into()) }),
+            Mode::Hang => Box::pin(std::future::pending()),
+        }
+    }
+
+    fn write(&self, session: SessionKey, home: StoredHome, ttl: Duration) -> WriteHome {
+        let state = self.0.clone();
+        Box::pin(async move {
+            let mut s = state.lock();
+            if s.fail_writes {
+                return Err("connection refused".into());
+            }
+            s.writes.push((session, home.clone(), ttl));
+            s.homes.insert(session, home);
+            Ok(())
+        })
+    }
+}
+
+fn key(session: &str) -> SessionKey {
+    SessionKey::from_bytes(session.as_bytes())
+}
+
+fn mock(name: &'static str) -> Mock {
+    BoxCloneService::new(service_fn(move |_req: Req| async move {
+        Ok::<_, Infallible>(http::Response::new(name.to_string()))
+    }))
+}
+
+fn fleet() -> StaticFleet<Mock> {
+    let one = NonZeroU32::new(1).unwrap();
+    StaticFleet::new([
+        ("a1", Backend::new("node-a", mock("a1")).slots(one)),
+        ("a2", Backend::new("node-a", mock("a2")).slots(one)),
+        ("b1", Backend::new("node-b", mock("b1")).slots(one)),
+        ("b2", Backend::new("node-b", mock("b2")).slots(one)),
+    ])
+}
+
+const IDLE: Duration = Duration::from_secs(900);
+const DEADLINE: Duration = Duration::from_millis(5);
+
+fn service(store: &MemoryStore) -> Svc {
+    SessionAffinityLayer::new()
+        .sessions(Sessions::new().idle_timeout(IDLE))
+        .home_store(store.clone())
+        .store_deadline(DEADLINE)
+        .layer(fleet())
+}
+
+type Res = http::Response<ResponseBody<String>>;
+
+async fn send(svc: &Svc, session: &str) -> Decision {
+    let req = http::Request::post("/v1/chat/completions")
+        .header("x-session-id", session)
+        .body(String::new())
+        .unwrap();
+    let res: Res = svc.clone().oneshot(req).await.expect("no request fails");
+    res.extensions().get::<Decision>().cloned().unwrap()
+}
+
+/// Lets the writes' tasks run.
+async fn settle() {
+    for _ in 0..8 {
+        tokio::task::yield_now().await;
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_home_in_the_store_is_followed_and_not_written_again() {
+    let store = MemoryStore::new();
+    let svc = service(&store);
+    // Where rendezvous would put it, and somewhere else that another replica chose.
+    let first = SessionAffinityLayer::new().layer(fleet());
+    let rendezvous = {
+        let req = http::Request::post("/")
+            .header("x-session-id", "s")
+            .body(String::new())
+            .unwrap();
+        let res = first.oneshot(req).await.unwrap();
+        res.extensions().get::<Decision>().unwrap().backend.clone()
+    };
+    let other = ["a1", "a2", "b1", "b2"]
+        .into_iter()
+        .find(|b| *b != rendezvous.as_str())
+        .unwrap();
+    store.put("s", other, "whatever-node");
+    let d = send(&svc, "s").await;
+    assert_eq!(d.backend.as_str(), other);
+    assert_eq!(d.outcome, Outcome::HomeHit);
+    settle().await;
+    assert!(store.writes().is_empty(), "{:?}", store.writes());
+    let s = svc.store_stats().unwrap();
+    assert_eq!((s.reads, s.hits, s.writes), (1, 1, 0), "{s:?}");
+    // The read asked the store to keep the home for the idle timeout.
+    assert_eq!(store.0.lock().read_ttls, vec![IDLE]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_new_home_is_written_with_the_idle_timeout_and_only_when_it_changes() {
+    let store = MemoryStore::new();
+    let svc = service(&store);
+    let d = send(&svc, "s").await;
+    assert_eq!(d.outcome, Outcome::NewSession);
+    settle().await;
+    let writes = store.writes();
+    assert_eq!(writes.len(), 1);
+    assert_eq!(writes[0].0, key("s"));
+    assert_eq!(
+        writes[0].1,
+        StoredHome::new(d.backend.as_str(), d.node.as_str())
+    );
+    assert_eq!(writes[0].2, IDLE);
+    // Later turns find it there: nothing more to write.
+    for _ in 0..3 {
+        assert_eq!(send(&svc, "s").await.outcome, Outcome::HomeHit);
+    }
+    settle().await;
+    assert_eq!(store.writes().len(), 1);
+    let s = svc.store_stats().unwrap();
+    assert_eq!((s.reads, s.misses, s.hits, s.writes), (4, 1, 3, 1), "{s:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_store_that_never_answers_holds_a_request_for_the_deadline_at_most() {
+    let store = MemoryStore::new();
+    store.mode(Mode::Hang);
+    let svc = service(&store);
+    let t = Instant::now();
+    send(&svc, "s").await;
+    assert_eq!(
+        t.elapsed(),
+        DEADLINE,
+        "the first request waits out the deadline"
+    );
+    let s = svc.store_stats().unwrap();
+    assert_eq!((s.timeouts, s.outages), (1, 1), "{s:?}");
+    assert_eq!(s.state, StoreState::Down);
+    // Down: the next requests do not wait at all, and one probe at a time is in flight.
+    let t = Instant::now();
+    for _ in 0..10 {
+        assert_eq!(send(&svc, "s").await.outcome, Outcome::HomeHit);
+    }
+    assert_eq!(t.elapsed(), Duration::ZERO);
+    let s = svc.store_stats().unwrap();
+    assert_eq!((s.reads, s.skipped), (2, 10), "{s:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failing_store_is_passed_over_and_found_again_by_a_probe() {
+    let store = MemoryStore::new();
+    store.mode(Mode::Fail);
+    let svc = service(&store);
+    let home = send(&svc, "s").await.backend;
+    let s = svc.store_stats().unwrap();
+    assert_eq!((s.errors, s.state), (1, StoreState::Down), "{s:?}");
+    assert_eq!(
+        send(&svc, "s").await.backend,
+        home,
+        "the local table answers"
+    );
+    settle().await;
+    store.mode(Mode::Answer);
+    // This request does not wait; its probe finds the store up.
+    assert_eq!(send(&svc, "s").await.backend, home);
+    settle().await;
+    let s = svc.store_stats().unwrap();
+    assert_eq!(s.state, StoreState::Up, "{s:?}");
+    assert_eq!((s.outages, s.recoveries), (1, 1), "{s:?}");
+    // And the next one reads it again.
+    let reads = s.reads;
+    send(&svc, "s").await;
+    assert_eq!(svc.store_stats().unwrap().reads, reads + 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn garbage_and_unknown_backends_are_ignored_counted_and_written_over() {
+    let store = MemoryStore::new();
+    store.mode(Mode::Garbage);
+    let svc = service(&store);
+    assert_eq!(send(&svc, "s").await.outcome, Outcome::NewSession);
+    store.mode(Mode::Answer);
+    store.put("t", "gpu-99", "node-z");
+    let d = send(&svc, "t").await;
+    assert_eq!(d.outcome, Outcome::NewSession);
+    settle().await;
+    let s = svc.store_stats().unwrap();
+    assert_eq!(
+        (s.garbage, s.hits, s.state),
+        (2, 0, StoreState::Up),
+        "{s:?}"
+    );
+    // Both were written over with real homes.
+    assert_eq!(store.writes().len(), 2);
+    assert_eq!(store.0.lock().homes[&key("t")].backend, d.backend);
+}
+
+#[tokio::test(start_paused = true)]
+async fn requests_without_a_key_never_touch_the_store_and_no_store_means_no_stats() {
+    let store = MemoryStore::new();
+    let svc = service(&store);
+    let req = http::Request::post("/").body(String::new()).unwrap();
+    svc.clone().oneshot(req).await.unwrap();
+    settle().await;
+    let s = svc.store_stats().unwrap();
+    assert_eq!((s.reads, s.writes), (0, 0));
+    let plain = SessionAffinityLayer::new().layer(fleet());
+    assert!(plain.store_stats().is_none());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_home_that_failed_to_be_written_is_written_when_the_store_comes_back() {
+    let store = MemoryStore::new();
+    let svc = service(&store);
+    // The store's home for the session, from before the outage.
+    let first = send(&svc, "s").await;
+    settle().await;
+    assert_eq!(store.writes().len(), 1);
+    // Down: reads and writes fail. The session moves (its home is busy), and the write fails.
+    {
+        let mut s = store.0.lock();
+        s.mode = Mode::Fail;
+        s.fail_writes = true;
+    }
+    let busy = {
+        let req = http::Request::post("/")
+            .header("x-session-id", "s")
+            .body(String::new())
+            .unwrap();
+        svc.clone().oneshot(req).await.unwrap()
+    };
+    let moved = send(&svc, "s").await;
+    assert_ne!(moved.backend, first.backend);
+    drop(busy);
+    settle().await;
+    let s = svc.store_stats().unwrap();
+    assert_eq!((s.state, s.write_errors), (StoreState::Down, 1), "{s:?}");
+    // Back: the probe finds it up, and the failed home is written again.
+    {
+        let mut s = store.0.lock();
+        s.mode = Mode::Answer;
+        s.fail_writes = false;
+    }
+    send(&svc, "s").await;
+    settle().await;
+    assert_eq!(svc.store_stats().unwrap().state, StoreState::Up);
+    assert_eq!(store.0.lock().homes[&key("s")].backend, moved.backend);
+    // So the next read sends the session where it went, not back to its old home.
+    assert_eq!(send(&svc, "s").await.backend, moved.backend);
+}
