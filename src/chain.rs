@@ -226,7 +226,7 @@ impl ChainBuilder {
             self.bytes += take as u64;
             self.in_part += take as u64;
             bytes = &bytes[take..];
-            if self.in_part % self.block == 0 {
+            if self.in_part.is_multiple_of(self.block) {
                 self.link();
             }
         }
@@ -243,7 +243,7 @@ impl ChainBuilder {
         if self.in_part == 0 {
             return;
         }
-        if self.in_part % self.block != 0 {
+        if !self.in_part.is_multiple_of(self.block) {
             self.link();
         }
         self.hasher.update(&[0x1e]);

@@ -132,7 +132,7 @@ fn parse_size(s: &str) -> Option<u64> {
 }
 
 fn human_bytes(b: u64) -> String {
-    if b >= 1 << 30 && b % (1 << 30) == 0 {
+    if b >= 1 << 30 && b.is_multiple_of(1 << 30) {
         format!("{} GiB", b >> 30)
     } else {
         format!("{} MiB", b >> 20)

@@ -282,7 +282,7 @@ mod tests {
         for s in [&uniform, &weighted] {
             assert_eq!(visited(s, |_| true, usize::MAX), sorted(s, |_| true));
             assert_eq!(visited(s, |_| true, 1), sorted(s, |_| true)[..1]);
-            let even = |i: u32| i % 2 == 0;
+            let even = |i: u32| i.is_multiple_of(2);
             assert_eq!(visited(s, even, usize::MAX), sorted(s, even));
             assert_eq!(s.best(KEY, even), sorted(s, even).first().copied());
             assert_eq!(s.best(KEY, |_| false), None);
