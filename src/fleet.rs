@@ -118,6 +118,8 @@ pub struct Backend<S> {
     service: S,
     node: NodeId,
     slots: NonZeroU32,
+    /// Whether `slots` was given, rather than the default of one.
+    slots_given: bool,
     prompt_cache_bytes: Option<u64>,
     cache_tokens: u64,
 }
@@ -129,6 +131,7 @@ impl<S> Backend<S> {
             service,
             node: node.into(),
             slots: NonZeroU32::MIN,
+            slots_given: false,
             prompt_cache_bytes: None,
             cache_tokens: Self::DEFAULT_CACHE_TOKENS,
         }
@@ -155,7 +158,22 @@ impl<S> Backend<S> {
     /// Sets how many requests the backend serves at once.
     pub fn slots(mut self, slots: NonZeroU32) -> Self {
         self.slots = slots;
+        self.slots_given = true;
         self
+    }
+
+    /// Whether the slot count was given with [`slots`](Self::slots); if not, the backend has
+    /// one slot until something (a health probe reading `/slots`, say) says how many.
+    ///
+    /// ```
+    /// use std::num::NonZeroU32;
+    /// use tower_affinity::Backend;
+    ///
+    /// assert!(!Backend::new("n", ()).slots_given());
+    /// assert!(Backend::new("n", ()).slots(NonZeroU32::MIN).slots_given());
+    /// ```
+    pub fn slots_given(&self) -> bool {
+        self.slots_given
     }
 
     /// Records the backend's host-memory prompt-cache budget, for policies that weigh it.
@@ -183,6 +201,18 @@ impl<S> Backend<S> {
     pub fn service(&self) -> &S {
         &self.service
     }
+
+    /// The same backend with another service: its node, slots and budgets kept.
+    pub fn map_service<T>(self, f: impl FnOnce(S) -> T) -> Backend<T> {
+        Backend {
+            service: f(self.service),
+            node: self.node,
+            slots: self.slots,
+            slots_given: self.slots_given,
+            prompt_cache_bytes: self.prompt_cache_bytes,
+            cache_tokens: self.cache_tokens,
+        }
+    }
 }
 
 impl<S> fmt::Debug for Backend<S> {
@@ -190,6 +220,7 @@ impl<S> fmt::Debug for Backend<S> {
         f.debug_struct("Backend")
             .field("node", &self.node)
             .field("slots", &self.slots)
+            .field("slots_given", &self.slots_given)
             .field("prompt_cache_bytes", &self.prompt_cache_bytes)
             .field("cache_tokens", &self.cache_tokens)
             .finish_non_exhaustive()

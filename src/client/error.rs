@@ -242,6 +242,9 @@ mod tests {
             source: Box::new(e),
         };
         assert_eq!(e.status(), 504);
-        assert!(e.to_string().contains("no response headers within 1s"), "{e}");
+        assert!(
+            e.to_string().contains("no response headers within 1s"),
+            "{e}"
+        );
     }
 }

@@ -82,7 +82,11 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
             for name in value.split(',').map(str::trim) {
                 // Looked up by `&str`: an invalid name finds nothing. Those of `HOP_BY_HOP`
                 // go below.
-                if !name.is_empty() && !HOP_BY_HOP.iter().any(|h| name.eq_ignore_ascii_case(h.as_str())) {
+                if !name.is_empty()
+                    && !HOP_BY_HOP
+                        .iter()
+                        .any(|h| name.eq_ignore_ascii_case(h.as_str()))
+                {
                     headers.remove(name);
                 }
             }

@@ -116,7 +116,11 @@ impl<B> HttpBackend<B> {
     /// backend's, the version the backend connection speaks, and, if `absolute`, the
     /// backend's scheme and authority in its URI (else its URI in origin-form, `/path?query`,
     /// for a connection of the caller's own).
-    pub fn prepare(&self, mut req: Request<B>, absolute: bool) -> Result<Request<B>, HttpBackendError> {
+    pub fn prepare(
+        &self,
+        mut req: Request<B>,
+        absolute: bool,
+    ) -> Result<Request<B>, HttpBackendError> {
         let inner = &*self.inner;
         strip_hop_by_hop(req.headers_mut());
         // The client keeps a `Host` it finds; the client's own names the proxy.
@@ -157,7 +161,9 @@ where
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
         match self.prepare(req, true) {
-            Ok(req) => ResponseFuture::new(self.inner.client.request(req), self.inner.response_timeout),
+            Ok(req) => {
+                ResponseFuture::new(self.inner.client.request(req), self.inner.response_timeout)
+            }
             Err(e) => ResponseFuture::failed(e),
         }
     }
@@ -254,7 +260,10 @@ impl Builder {
     {
         let bad = |why| InvalidBackendUrl::new(url, why);
         let uri: Uri = url.parse().map_err(|_| bad("not a URL"))?;
-        let scheme = uri.scheme().cloned().ok_or_else(|| bad("no scheme: expected http://host:port"))?;
+        let scheme = uri
+            .scheme()
+            .cloned()
+            .ok_or_else(|| bad("no scheme: expected http://host:port"))?;
         if scheme == Scheme::HTTPS {
             return Err(bad("https is not supported: HttpBackend speaks plain HTTP"));
         }
@@ -266,13 +275,16 @@ impl Builder {
             return Err(bad("user info is not supported"));
         }
         if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
-            return Err(bad("expected http://host:port only: paths are forwarded as sent"));
+            return Err(bad(
+                "expected http://host:port only: paths are forwarded as sent",
+            ));
         }
         let host = match authority.port_u16() {
             Some(port) if port != 80 => format!("{}:{port}", authority.host()),
             _ => authority.host().to_string(),
         };
-        let host = HeaderValue::try_from(host).map_err(|_| bad("the host is not a valid Host header"))?;
+        let host =
+            HeaderValue::try_from(host).map_err(|_| bad("the host is not a valid Host header"))?;
         let base = Uri::builder()
             .scheme(scheme.clone())
             .authority(authority.clone())
@@ -299,7 +311,11 @@ impl Builder {
                 scheme,
                 authority,
                 host,
-                version: if self.http2 { Version::HTTP_2 } else { Version::HTTP_11 },
+                version: if self.http2 {
+                    Version::HTTP_2
+                } else {
+                    Version::HTTP_11
+                },
                 response_timeout: self.response_timeout,
             }),
         })
@@ -327,7 +343,12 @@ mod tests {
             let e = Backend::new(url).unwrap_err().to_string();
             assert!(e.contains(why), "{url}: {e}");
         }
-        for url in ["http://x:8080", "http://x:8080/", "http://[::1]:9", "http://x"] {
+        for url in [
+            "http://x:8080",
+            "http://x:8080/",
+            "http://[::1]:9",
+            "http://x",
+        ] {
             Backend::new(url).unwrap_or_else(|e| panic!("{url}: {e}"));
         }
     }
