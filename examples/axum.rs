@@ -80,7 +80,12 @@ async fn start_backend(name: &'static str) -> std::io::Result<SocketAddr> {
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
     let mut backends = Vec::new();
-    for (id, node) in [("a1", "node-a"), ("a2", "node-a"), ("b1", "node-b"), ("b2", "node-b")] {
+    for (id, node) in [
+        ("a1", "node-a"),
+        ("a2", "node-a"),
+        ("b1", "node-b"),
+        ("b2", "node-b"),
+    ] {
         backends.push((id, node, format!("http://{}", start_backend(id).await?)));
     }
     let (app, _probes) = proxy(&backends).await?;
@@ -107,7 +112,11 @@ async fn main() -> Result<(), BoxError> {
             let (backend, node) = (header("x-affinity-backend"), header("x-affinity-node"));
             let outcome = header("x-affinity-outcome");
             let answer = res.into_body().collect().await?.to_bytes();
-            let session = if session.is_empty() { "(none)" } else { session };
+            let session = if session.is_empty() {
+                "(none)"
+            } else {
+                session
+            };
             println!(
                 "{session:<10} {turn:>4}  {backend:<8} {node:<7} {outcome:<16} {}",
                 String::from_utf8_lossy(&answer)
