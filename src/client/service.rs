@@ -1,6 +1,7 @@
 //! [`HttpBackend`] and its [`Builder`].
 
 use std::fmt;
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -90,7 +91,7 @@ where
     }
 
     /// A [`Builder`] for backends with other timeouts or HTTP/2.
-    pub fn builder() -> Builder {
+    pub fn builder() -> Builder<B> {
         Builder::new()
     }
 }
@@ -169,8 +170,8 @@ where
     }
 }
 
-/// Settings for [`HttpBackend`]s: timeouts, HTTP version, pool. Clone it to build many
-/// backends alike.
+/// Settings for [`HttpBackend`]s of request body `B`: timeouts, HTTP version, pool. Clone it,
+/// or call [`build`](Self::build) again, to build many backends alike.
 ///
 /// ```no_run
 /// use std::time::Duration;
@@ -187,22 +188,47 @@ where
 /// # Ok(())
 /// # }
 /// ```
-#[derive(Clone, Debug)]
-pub struct Builder {
+pub struct Builder<B> {
     connect_timeout: Option<Duration>,
     response_timeout: Option<Duration>,
     http2: bool,
     pool_idle_timeout: Option<Duration>,
     pool_max_idle_per_host: usize,
+    _body: PhantomData<fn(B)>,
 }
 
-impl Default for Builder {
+impl<B> Default for Builder<B> {
     fn default() -> Self {
         Builder::new()
     }
 }
 
-impl Builder {
+impl<B> Clone for Builder<B> {
+    fn clone(&self) -> Self {
+        Builder {
+            connect_timeout: self.connect_timeout,
+            response_timeout: self.response_timeout,
+            http2: self.http2,
+            pool_idle_timeout: self.pool_idle_timeout,
+            pool_max_idle_per_host: self.pool_max_idle_per_host,
+            _body: PhantomData,
+        }
+    }
+}
+
+impl<B> fmt::Debug for Builder<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Builder")
+            .field("connect_timeout", &self.connect_timeout)
+            .field("response_timeout", &self.response_timeout)
+            .field("http2", &self.http2)
+            .field("pool_idle_timeout", &self.pool_idle_timeout)
+            .field("pool_max_idle_per_host", &self.pool_max_idle_per_host)
+            .finish()
+    }
+}
+
+impl<B> Builder<B> {
     /// The defaults: 2 s to connect, no response-header timeout, HTTP/1.1, idle connections
     /// closed after 90 s.
     pub fn new() -> Self {
@@ -212,6 +238,7 @@ impl Builder {
             http2: false,
             pool_idle_timeout: Some(Duration::from_secs(90)),
             pool_max_idle_per_host: usize::MAX,
+            _body: PhantomData,
         }
     }
 
@@ -253,7 +280,7 @@ impl Builder {
 
     /// A backend at `url`: `http://host[:port]`, with nothing after the authority but an
     /// optional `/` (paths are forwarded as the client sent them).
-    pub fn build<B>(&self, url: &str) -> Result<HttpBackend<B>, InvalidBackendUrl>
+    pub fn build(&self, url: &str) -> Result<HttpBackend<B>, InvalidBackendUrl>
     where
         B: http_body::Body + Send + 'static,
         B::Data: Send,
