@@ -155,8 +155,9 @@ install_deps() {
     log "building the proxy example (release)"
     (cd "$ROOT" && cargo build --release --features health --example proxy --example passthrough -q)
     # Copies, so that a rebuild in the tree during the run cannot swap the binaries under us.
-    cp "$ROOT/target/release/examples/proxy" "$WORK/proxy"
-    cp "$ROOT/target/release/examples/passthrough" "$WORK/passthrough"
+    local target="${CARGO_TARGET_DIR:-$ROOT/target}"
+    cp "$target/release/examples/proxy" "$WORK/proxy"
+    cp "$target/release/examples/passthrough" "$WORK/passthrough"
 }
 
 # --- processes -------------------------------------------------------------------------------
