@@ -361,12 +361,16 @@ impl SlotGuard {
         crate::stats::bump(&self.capacity().counters.backend_errors);
     }
 
-    /// Marks the backend this slot belongs to down for `cooldown`, then releases the slot.
+    /// Marks the backend this slot belongs to down for `cooldown`, then releases the slot. A
+    /// longer mark stays: a request that fails on a backend a probe has marked down until
+    /// further notice does not bring it back when its cooldown ends.
     pub(crate) fn fail(self, cooldown: std::time::Duration) {
         let until = Instant::now()
             .checked_add(cooldown)
             .map_or(u64::MAX, |t| self.capacity().now_ms(t));
-        self.load.mark_down(until);
+        self.load
+            .down_until
+            .fetch_max(until.max(1), Ordering::Relaxed);
     }
 }
 
@@ -760,6 +764,21 @@ mod tests {
         assert_eq!(t.resolve(a, g), None);
         assert_eq!(t.index_of("a"), None);
         assert_eq!(t.live_nodes.indexes().collect::<Vec<_>>(), vec![0]);
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_failure_cooldown_never_shortens_a_longer_mark() {
+        let load = Arc::new(Load::new(nz(1), Arc::default()));
+        load.mark_down(u64::MAX);
+        assert!(load.try_acquire());
+        SlotGuard::new(&load, 0, 0).fail(std::time::Duration::from_secs(5));
+        assert_eq!(load.down_until.load(Ordering::Relaxed), u64::MAX);
+        // Up, then failed: down for the cooldown only.
+        load.down_until.store(0, Ordering::Relaxed);
+        assert!(load.try_acquire());
+        SlotGuard::new(&load, 0, 0).fail(std::time::Duration::from_secs(5));
+        let until = load.down_until.load(Ordering::Relaxed);
+        assert!(until > 0 && until < u64::MAX);
     }
 
     #[test]
