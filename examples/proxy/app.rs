@@ -16,8 +16,6 @@
 //! - `SetRequestIdLayer` / `PropagateRequestIdLayer`: an `x-request-id` for each request that
 //!   comes without one ([`RequestIds`]: a counter, no random number per request), sent to the
 //!   backend with the other headers and returned on the response;
-//! - `SetSensitiveRequestHeadersLayer`: `Authorization`, `Proxy-Authorization` and `Cookie`
-//!   never printed by a span.
 //!
 //! Hand-written still, and why:
 //! - the body limit (413) and read timeout (408): `BodyKeyLayer` reads the whole body for its
@@ -26,6 +24,8 @@
 //! - the response-header timeout: it is the backend's (`HttpBackend`), so that a backend past
 //!   it fails that attempt, is passed over and the request retried; tower-http's
 //!   `TimeoutLayer` would answer 408 for the whole request instead;
+//! - nothing that marks headers sensitive (`SetSensitiveRequestHeadersLayer`): the request
+//!   spans name no header but `x-request-id`, and a layer would cost every request lookups;
 //! - `/metrics` beside the forwarding service ([`Front`]): one path match, where a router
 //!   would be a dependency for one route;
 //! - the serving loop ([`serve`]): hyper-util's connection builder with graceful shutdown,
@@ -78,7 +78,6 @@ use tower_affinity::{
 use tower_http::request_id::{
     MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer,
 };
-use tower_http::sensitive_headers::SetSensitiveRequestHeadersLayer;
 use tower_http::trace::TraceLayer;
 
 use crate::per_client;
@@ -649,24 +648,28 @@ pub(crate) async fn serve(
 ) -> std::io::Result<()> {
     let mode = front.shared.upstream;
     let service = ServiceBuilder::new()
-        // Kept out of the request spans' headers, should a span or event print them.
-        .layer(SetSensitiveRequestHeadersLayer::new([
-            header::AUTHORIZATION,
-            header::PROXY_AUTHORIZATION,
-            header::COOKIE,
-        ]))
         // An `x-request-id` for a request that comes without one; it goes on to the backend
         // with the other headers, and back on the response.
         .layer(SetRequestIdLayer::x_request_id(RequestIds::new()))
         .layer(
             TraceLayer::new_for_http()
+                // The fields are read only when debug logs are on (`-v`).
                 .make_span_with(|req: &Request<Incoming>| {
-                    let id = req.headers().get("x-request-id");
-                    let id = id.and_then(|v| v.to_str().ok()).unwrap_or("-");
-                    tracing::debug_span!("request", method = %req.method(), uri = %req.uri(), request_id = id)
+                    tracing::debug_span!(
+                        "request",
+                        method = %req.method(),
+                        uri = %req.uri(),
+                        request_id = req
+                            .headers()
+                            .get("x-request-id")
+                            .and_then(|v| v.to_str().ok())
+                            .unwrap_or("-"),
+                    )
                 })
                 // The balancer's own 5xx answers are logged where they are made.
-                .on_failure(tower_http::trace::DefaultOnFailure::new().level(tracing::Level::DEBUG)),
+                .on_failure(
+                    tower_http::trace::DefaultOnFailure::new().level(tracing::Level::DEBUG),
+                ),
         )
         .layer(PropagateRequestIdLayer::x_request_id())
         .service(front);
