@@ -1,109 +1,116 @@
-//! An axum reverse proxy with session affinity, in front of four tiny HTTP backends on
-//! loopback (two nodes of two backends each). It sends a few sessions' turns through the proxy,
-//! prints where each landed, and exits.
+//! An axum reverse proxy with session affinity, health probes and retries, in front of four
+//! tiny stand-ins for llama-server on loopback (two nodes of two backends each). It sends a
+//! few sessions' turns through the proxy, prints where each landed, and exits.
 //!
 //! ```sh
-//! cargo run --example axum
+//! cargo run --features health --example axum
 //! ```
+//!
+//! [`proxy`] is all a proxy of your own needs; the rest of the file is the demonstration.
 
 use std::net::SocketAddr;
-use std::num::NonZeroU32;
+use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::Request;
-use http_body_util::BodyExt;
-use hyper_util::client::legacy::connect::HttpConnector;
+use axum::routing::get;
+use axum::Router;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tokio::net::TcpListener;
-use tower::{Layer, Service, ServiceExt};
+use tower::retry::RetryLayer;
+use tower::{Layer, ServiceBuilder};
+use tower_affinity::client::HttpBackend;
 use tower_affinity::discover::StaticFleet;
-use tower_affinity::{Backend, ErrorToResponse, SessionAffinityLayer};
+use tower_affinity::health::{HealthProbe, ProbeTask};
+use tower_affinity::key::{BodyKeyLayer, ExtensionKey, FirstOf, HeaderKey};
+use tower_affinity::{Backend, BoxError, ErrorToResponse, RetryOnce, SessionAffinityLayer};
 
-type HttpClient = Client<HttpConnector, Body>;
+/// The proxy: one `HttpBackend` per backend (`(id, node, url)`), probed for `/health` and
+/// `/slots`, behind the balancer with one retry, the key read from headers or the JSON body.
+/// Keep the returned task: probing stops when it is dropped.
+async fn proxy(backends: &[(&str, &str, String)]) -> Result<(Router, ProbeTask), BoxError> {
+    let http = HttpBackend::<Full<Bytes>>::builder()
+        .connect_timeout(Duration::from_secs(2))
+        .response_timeout(Duration::from_secs(600));
+    let mut fleet = Vec::new();
+    for (id, node, url) in backends {
+        // No `.slots(n)`: the probe reads them from `/slots`.
+        fleet.push((*id, Backend::new(*node, http.build(url)?)));
+    }
+    let (fleet, prober) = HealthProbe::new()
+        .interval(Duration::from_secs(2))
+        .discover(StaticFleet::new(fleet));
+    let affinity = SessionAffinityLayer::new()
+        .key(FirstOf::new(HeaderKey::default(), ExtensionKey))
+        .decision_headers(true)
+        .layer(fleet);
+    // Before the first request: slot counts known, a loading backend down.
+    prober.round(&affinity).await;
+    let probes = prober.spawn(affinity.clone());
 
-/// Starts a backend that names itself in every answer.
+    let forward = ServiceBuilder::new()
+        // Buffers the body (so a retry can resend it), reads its key and prompt chain.
+        .layer(BodyKeyLayer::new())
+        .layer_fn(ErrorToResponse::new)
+        .layer(RetryLayer::new(RetryOnce::new()))
+        .service(affinity);
+    let app = Router::new()
+        // Routes of the proxy's own go here, `/metrics` for one.
+        .fallback_service(forward);
+    Ok((app, probes))
+}
+
+// === the demonstration ===
+
+/// Starts a stand-in for llama-server: `/health`, `/slots` (two), and an answer naming itself.
 async fn start_backend(name: &'static str) -> std::io::Result<SocketAddr> {
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
-    let app = axum::Router::new().fallback(move || async move { format!("answered by {name}") });
+    let slots = r#"[{"id":0,"is_processing":false},{"id":1,"is_processing":false}]"#;
+    let app = Router::new()
+        .route("/health", get(|| async { r#"{"status":"ok"}"# }))
+        .route("/slots", get(move || async move { slots }))
+        .fallback(move || async move { format!("answered by {name}") });
     tokio::spawn(async move { axum::serve(listener, app).await });
     Ok(addr)
 }
 
-/// The client, pointed at one backend: the request keeps its method, path, query, headers and
-/// body; only the scheme and authority change.
-fn forward_to(
-    client: HttpClient,
-    addr: SocketAddr,
-) -> impl Service<
-    Request,
-    Response = http::Response<hyper::body::Incoming>,
-    Error = hyper_util::client::legacy::Error,
-    Future: Send,
-> + Clone
-       + Send
-       + Sync {
-    client.map_request(move |mut req: Request| {
-        let path = req
-            .uri()
-            .path_and_query()
-            .map_or("/", |p| p.as_str())
-            .to_string();
-        *req.uri_mut() = format!("http://{addr}{path}")
-            .parse()
-            .unwrap_or_else(|_| http::Uri::from_static("/"));
-        req
-    })
-}
-
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    let client: HttpClient = Client::builder(TokioExecutor::new()).build_http();
-    let two = NonZeroU32::new(2).ok_or("slots")?;
+async fn main() -> Result<(), BoxError> {
     let mut backends = Vec::new();
-    for (name, node) in [
+    for (id, node) in [
         ("a1", "node-a"),
         ("a2", "node-a"),
         ("b1", "node-b"),
         ("b2", "node-b"),
     ] {
-        let addr = start_backend(name).await?;
-        let service = forward_to(client.clone(), addr);
-        backends.push((name, Backend::new(node, service).slots(two)));
+        backends.push((id, node, format!("http://{}", start_backend(id).await?)));
     }
-
-    let affinity = SessionAffinityLayer::new()
-        .decision_headers(true)
-        .layer(StaticFleet::new(backends));
-    let app = axum::Router::new().fallback_service(ErrorToResponse::new(affinity.clone()));
+    let (app, _probes) = proxy(&backends).await?;
     let listener = TcpListener::bind("127.0.0.1:0").await?;
-    let proxy = listener.local_addr()?;
+    let addr = listener.local_addr()?;
     tokio::spawn(async move { axum::serve(listener, app).await });
-    println!("proxy on http://{proxy}, four backends on two nodes\n");
+    println!("proxy on http://{addr}, four backends on two nodes\n");
 
+    let client = Client::builder(TokioExecutor::new()).build_http::<Body>();
     println!(
         "{:<10} {:>4}  {:<8} {:<7} {:<16} answer",
         "session", "turn", "backend", "node", "outcome"
     );
     for turn in 1..=3 {
         for session in ["agent-1", "agent-2", "agent-3", ""] {
-            let req = http::Request::post(format!("http://{proxy}/v1/chat/completions"))
+            let req = http::Request::post(format!("http://{addr}/v1/chat/completions"))
                 .header("x-session-id", session)
                 .body(Body::from(r#"{"messages":[]}"#))?;
             let res = client.request(req).await?;
             let header = |name: &str| {
-                res.headers()
-                    .get(name)
-                    .and_then(|v| v.to_str().ok())
-                    .unwrap_or("-")
-                    .to_string()
+                let value = res.headers().get(name).and_then(|v| v.to_str().ok());
+                value.unwrap_or("-").to_string()
             };
-            let (backend, node, outcome) = (
-                header("x-affinity-backend"),
-                header("x-affinity-node"),
-                header("x-affinity-outcome"),
-            );
+            let (backend, node) = (header("x-affinity-backend"), header("x-affinity-node"));
+            let outcome = header("x-affinity-outcome");
             let answer = res.into_body().collect().await?.to_bytes();
             let session = if session.is_empty() {
                 "(none)"
@@ -116,15 +123,5 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             );
         }
     }
-
-    let stats = affinity.stats();
-    println!(
-        "\nhome hits {}, new sessions {}, keyless {}, spills {}, in flight now {}",
-        stats.home_hits,
-        stats.new_sessions,
-        stats.keyless,
-        stats.same_node_spills + stats.cross_node_spills,
-        stats.in_flight
-    );
     Ok(())
 }

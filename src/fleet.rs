@@ -121,6 +121,8 @@ pub struct Backend<S> {
     service: S,
     node: NodeId,
     slots: NonZeroU32,
+    /// Whether `slots` was given, rather than the default of one.
+    slots_given: bool,
     prompt_cache_bytes: Option<u64>,
     cache_tokens: u64,
 }
@@ -132,6 +134,7 @@ impl<S> Backend<S> {
             service,
             node: node.into(),
             slots: NonZeroU32::MIN,
+            slots_given: false,
             prompt_cache_bytes: None,
             cache_tokens: Self::DEFAULT_CACHE_TOKENS,
         }
@@ -158,7 +161,22 @@ impl<S> Backend<S> {
     /// Sets how many requests the backend serves at once.
     pub fn slots(mut self, slots: NonZeroU32) -> Self {
         self.slots = slots;
+        self.slots_given = true;
         self
+    }
+
+    /// Whether the slot count was given with [`slots`](Self::slots); if not, the backend has
+    /// one slot until something (a health probe reading `/slots`, say) says how many.
+    ///
+    /// ```
+    /// use std::num::NonZeroU32;
+    /// use tower_affinity::Backend;
+    ///
+    /// assert!(!Backend::new("n", ()).slots_given());
+    /// assert!(Backend::new("n", ()).slots(NonZeroU32::MIN).slots_given());
+    /// ```
+    pub fn slots_given(&self) -> bool {
+        self.slots_given
     }
 
     /// Records the backend's host-memory prompt-cache budget, for policies that weigh it.
@@ -186,6 +204,18 @@ impl<S> Backend<S> {
     pub fn service(&self) -> &S {
         &self.service
     }
+
+    /// The same backend with another service: its node, slots and budgets kept.
+    pub fn map_service<T>(self, f: impl FnOnce(S) -> T) -> Backend<T> {
+        Backend {
+            service: f(self.service),
+            node: self.node,
+            slots: self.slots,
+            slots_given: self.slots_given,
+            prompt_cache_bytes: self.prompt_cache_bytes,
+            cache_tokens: self.cache_tokens,
+        }
+    }
 }
 
 impl<S> fmt::Debug for Backend<S> {
@@ -193,6 +223,7 @@ impl<S> fmt::Debug for Backend<S> {
         f.debug_struct("Backend")
             .field("node", &self.node)
             .field("slots", &self.slots)
+            .field("slots_given", &self.slots_given)
             .field("prompt_cache_bytes", &self.prompt_cache_bytes)
             .field("cache_tokens", &self.cache_tokens)
             .finish_non_exhaustive()
@@ -363,12 +394,16 @@ impl SlotGuard {
         crate::stats::bump(&self.capacity().counters.backend_errors);
     }
 
-    /// Marks the backend this slot belongs to down for `cooldown`, then releases the slot.
+    /// Marks the backend this slot belongs to down for `cooldown`, then releases the slot. A
+    /// longer mark stays: a request that fails on a backend a probe has marked down until
+    /// further notice does not bring it back when its cooldown ends.
     pub(crate) fn fail(self, cooldown: std::time::Duration) {
         let until = Instant::now()
             .checked_add(cooldown)
             .map_or(u64::MAX, |t| self.capacity().now_ms(t));
-        self.load.mark_down(until);
+        self.load
+            .down_until
+            .fetch_max(until.max(1), Ordering::Relaxed);
     }
 }
 
@@ -794,6 +829,21 @@ mod tests {
         assert_eq!(t.resolve(a, g), None);
         assert_eq!(t.index_of("a"), None);
         assert_eq!(t.live_nodes.indexes().collect::<Vec<_>>(), vec![0]);
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_failure_cooldown_never_shortens_a_longer_mark() {
+        let load = Arc::new(Load::new(nz(1), Arc::default(), &"a".into(), &"n".into()));
+        load.mark_down(u64::MAX);
+        assert!(load.try_acquire());
+        SlotGuard::new(&load, 0, 0, 1).fail(std::time::Duration::from_secs(5));
+        assert_eq!(load.down_until.load(Ordering::Relaxed), u64::MAX);
+        // Up, then failed: down for the cooldown only.
+        load.down_until.store(0, Ordering::Relaxed);
+        assert!(load.try_acquire());
+        SlotGuard::new(&load, 0, 0, 1).fail(std::time::Duration::from_secs(5));
+        let until = load.down_until.load(Ordering::Relaxed);
+        assert!(until > 0 && until < u64::MAX);
     }
 
     #[test]

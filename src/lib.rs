@@ -27,6 +27,10 @@
 //!   as its records change.
 //! - [`store`]: homes shared by router replicas, through the [`HomeStore`](store::HomeStore)
 //!   trait; with the `redis` feature, `store::RedisStore` keeps them in Redis.
+//! - `client` (feature `client`): `HttpBackend`, a backend's service over hyper-util's
+//!   pooled client, with hop-by-hop headers dropped, timeouts and failures by kind.
+//! - `health` (feature `health`): `HealthProbe`, a discovery adapter that probes each
+//!   backend's `/health` and `/slots` and marks it down and up.
 //! - [`SessionAffinityLayer`] builds [`SessionAffinity`], a `tower::Service` for your axum or
 //!   hyper proxy. Its [`ResponseBody`] releases the request's slot when the body ends.
 //!
@@ -99,14 +103,22 @@
 //   key/         SessionKey, extractors; key/body/, the body-reading layer (layer, service,
 //                future, body, and the parse: inspect, prompt, facts)
 //   placement/   the Placement trait, its view, rendezvous, NodeThenBackend, baselines
+//   client/      (feature `client`) HttpBackend: service, future, error, hop_by_hop
+//   health/      (feature `health`) HealthProbe: the discovery adapter, the prober, its checks
 
 mod body;
 mod cache;
 mod chain;
+#[cfg(feature = "client")]
+#[cfg_attr(docsrs, doc(cfg(feature = "client")))]
+pub mod client;
 pub mod discover;
 mod error;
 mod fleet;
 mod future;
+#[cfg(feature = "health")]
+#[cfg_attr(docsrs, doc(cfg(feature = "health")))]
+pub mod health;
 pub mod key;
 mod layer;
 mod learn;

@@ -284,6 +284,28 @@ where
         true
     }
 
+    /// Applies the discovery changes that are ready now, without waiting for a request to
+    /// poll the service for readiness: for code that changed the fleet (a health probe that
+    /// learned a slot count, say) and wants the change in place at once.
+    pub fn apply_discovery(&self) {
+        // The drain wakes its caller when it stopped with more changes ready: come back.
+        struct Again(std::sync::atomic::AtomicBool);
+        impl Wake for Again {
+            fn wake(self: Arc<Self>) {
+                self.0.store(true, Ordering::Relaxed);
+            }
+        }
+        for _ in 0..64 {
+            let again = Arc::new(Again(std::sync::atomic::AtomicBool::new(false)));
+            let waker = Waker::from(again.clone());
+            self.shared
+                .drain_discovery(&mut Context::from_waker(&waker));
+            if !again.0.load(Ordering::Relaxed) {
+                break;
+            }
+        }
+    }
+
     /// Marks backend `id` up again. Returns `false` if there is no such backend.
     pub fn mark_up(&self, id: &str) -> bool {
         let fleet = self.shared.fleet.load();

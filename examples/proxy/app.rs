@@ -1,7 +1,36 @@
-//! The proxy itself: upstream client, router, health probes and metrics.
+//! The proxy itself: configuration and wiring of the library's parts, the metrics, and the
+//! serving loop.
 //!
 //! `main.rs` runs it from the command line; the integration tests in `tests/proxy/` include
 //! this file to run the very same code against stub servers.
+//!
+//! From the library: each backend is a `client::HttpBackend` (target rewrite, hop-by-hop
+//! headers, timeouts, failures by kind), probed by `health::HealthProbe` (`/health`,
+//! `/slots`), behind `BodyKeyLayer` (body limit, read timeout, key and prompt chain),
+//! `RetryOnce` and `SessionAffinity`.
+//!
+//! From tower-http, around the whole front service:
+//! - `TraceLayer`: a `request` span per request (method, URI, request id) with its response
+//!   events, at debug level (`-v`); the balancer's own 5xx answers are logged where they are
+//!   made, so its failure events stay at debug too;
+//! - `SetRequestIdLayer` / `PropagateRequestIdLayer`: an `x-request-id` for each request that
+//!   comes without one ([`RequestIds`]: a counter, no random number per request), sent to the
+//!   backend with the other headers and returned on the response;
+//!
+//! Hand-written still, and why:
+//! - the body limit (413) and read timeout (408): `BodyKeyLayer` reads the whole body for its
+//!   key and prompt chain and enforces both as it reads; `RequestBodyLimitLayer` and
+//!   `TimeoutLayer` in front would count the same bytes twice;
+//! - the response-header timeout: it is the backend's (`HttpBackend`), so that a backend past
+//!   it fails that attempt, is passed over and the request retried; tower-http's
+//!   `TimeoutLayer` would answer 408 for the whole request instead;
+//! - nothing that marks headers sensitive (`SetSensitiveRequestHeadersLayer`): the request
+//!   spans name no header but `x-request-id`, and a layer would cost every request lookups;
+//! - `/metrics` beside the forwarding service ([`Front`]): one path match, where a router
+//!   would be a dependency for one route;
+//! - the serving loop ([`serve`]): hyper-util's connection builder with graceful shutdown,
+//!   and the per-client upstream mode, which must drive each client connection's own backend
+//!   connections in its task (see [`per_client`]); tower-http has no serving loop.
 
 use std::collections::{HashMap, HashSet};
 use std::convert::Infallible;
@@ -9,18 +38,18 @@ use std::fmt;
 use std::future::Future;
 use std::num::NonZeroU32;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::uri::{Authority, PathAndQuery, Scheme};
-use http::{Method, Request, Response, StatusCode, Uri, Version};
-use http_body_util::{BodyExt, Either, Empty, Full};
+use futures_util::future::Either as Route;
+use http::header::{self, HeaderValue};
+use http::uri::{Authority, Scheme};
+use http::{Method, Request, Response, StatusCode, Uri};
+use http_body_util::{Either, Full};
 use hyper::body::Incoming;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::{Client, ResponseFuture};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
@@ -33,10 +62,11 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
-use tokio::task::JoinSet;
 use tower::retry::Retry;
-use tower::{Layer, Service, ServiceExt};
-use tower_affinity::discover::{self, FleetChannel, FleetHandle};
+use tower::{Layer, Service, ServiceBuilder};
+use tower_affinity::client::{HttpBackend, HttpBackendError};
+use tower_affinity::discover::StaticFleet;
+use tower_affinity::health::{HealthProbe, ProbeTarget, ProbeTask, Probed, Prober};
 use tower_affinity::key::{
     BodyKey, BodyKeyFuture, BodyKeyLayer, BodyKeyResponseBody, ExtensionKey, FirstOf, HeaderKey,
 };
@@ -45,6 +75,10 @@ use tower_affinity::{
     Backend, BackendStatus, BoxError, Decision, ErrorToResponse, Outcome, Overflow, ResponseBody,
     RetryOnce, SessionAffinity, SessionAffinityLayer,
 };
+use tower_http::request_id::{
+    MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer,
+};
+use tower_http::trace::TraceLayer;
 
 use crate::per_client;
 
@@ -53,8 +87,11 @@ use crate::per_client;
 pub(crate) type ReqBody = Full<Bytes>;
 
 /// The balancer as the proxy builds it.
-pub(crate) type Affinity =
-    SessionAffinity<FleetChannel<Upstream>, FirstOf<HeaderKey, ExtensionKey>, Arc<dyn Placement>>;
+pub(crate) type Affinity = SessionAffinity<
+    Probed<StaticFleet<Upstream>, Upstream>,
+    FirstOf<HeaderKey, ExtensionKey>,
+    Arc<dyn Placement>,
+>;
 
 // === configuration ===
 
@@ -126,6 +163,10 @@ pub(crate) struct Config {
     /// `None` turns the active probe off.
     pub(crate) probe_interval: Option<Duration>,
     pub(crate) probe_timeout: Duration,
+    /// Failed probes in a row that take a backend down (a 503 does at once).
+    pub(crate) probe_failures: u32,
+    /// Ready probes in a row that bring a backend that is down up again.
+    pub(crate) probe_successes: u32,
     /// Learn the slot count of backends given without `slots=` from llama-server's `/slots`.
     pub(crate) probe_slots: bool,
     /// How requests reach the backends.
@@ -158,6 +199,8 @@ impl Config {
             read_timeout: Some(Duration::from_secs(60)),
             probe_interval: Some(Duration::from_secs(2)),
             probe_timeout: Duration::from_secs(2),
+            probe_failures: 1,
+            probe_successes: 1,
             probe_slots: true,
             upstream: UpstreamMode::Pooled,
         }
@@ -171,171 +214,23 @@ impl Config {
             .copied()
             .unwrap_or(Backend::<Upstream>::DEFAULT_CACHE_TOKENS)
     }
-
-    /// The balancer's view of `spec`: its node, its slots (one until the probe reads them) and
-    /// its cache budget.
-    fn backend(
-        &self,
-        spec: &BackendSpec,
-        upstream: Upstream,
-        slots: NonZeroU32,
-    ) -> Backend<Upstream> {
-        Backend::new(spec.node.as_str(), upstream)
-            .slots(slots)
-            .cache_tokens(self.cache_tokens(&spec.id))
-    }
 }
 
 // === upstream ===
 
-/// One backend's HTTP client: sends the request to the backend's scheme and authority and
-/// leaves everything else as the client sent it, except hop-by-hop headers and `Host`.
+/// One backend's service: the library's [`HttpBackend`], and with `--upstream per-client`
+/// the client connection's own backend connections when it has them (see [`per_client`]).
 ///
-/// Cloned for every request it serves, so it is one reference-counted pointer.
+/// Cloned for every request it serves: a reference count and a flag.
 #[derive(Clone, Debug)]
 pub(crate) struct Upstream {
-    inner: Arc<UpstreamInner>,
-}
-
-#[derive(Debug)]
-pub(crate) struct UpstreamInner {
-    pub(crate) client: Client<HttpConnector, ReqBody>,
-    /// Connects a client connection's own backend connections (`--upstream per-client`).
-    pub(crate) connector: HttpConnector,
-    /// `scheme://authority/`, what `connector` connects to.
-    pub(crate) base: Uri,
-    scheme: Scheme,
-    authority: Authority,
-    /// `Host` for the backend, made once: what the client would otherwise format for every
-    /// request (the host, and the port unless it is the scheme's default).
-    host: HeaderValue,
-    response_timeout: Option<Duration>,
+    pub(crate) http: HttpBackend<ReqBody>,
     per_client: bool,
-}
-
-impl Upstream {
-    fn new(
-        client: Client<HttpConnector, ReqBody>,
-        connector: HttpConnector,
-        spec: &BackendSpec,
-        config: &Config,
-    ) -> Result<Self, BoxError> {
-        let (scheme, authority) = (spec.scheme.clone(), spec.authority.clone());
-        let default_port = if scheme == Scheme::HTTPS { 443 } else { 80 };
-        let host = match authority.port_u16() {
-            Some(port) if port != default_port => format!("{}:{port}", authority.host()),
-            _ => authority.host().to_string(),
-        };
-        let host = HeaderValue::try_from(host)?;
-        let base = Uri::builder()
-            .scheme(scheme.clone())
-            .authority(authority.clone())
-            .path_and_query("/")
-            .build()?;
-        Ok(Upstream {
-            inner: Arc::new(UpstreamInner {
-                client,
-                connector,
-                base,
-                scheme,
-                authority,
-                host,
-                response_timeout: config.response_timeout,
-                per_client: config.upstream == UpstreamMode::PerClient,
-            }),
-        })
-    }
-}
-
-impl UpstreamInner {
-    /// `req` with the backend's scheme and authority in its URI, as the pooled client needs.
-    pub(crate) fn absolute(&self, mut req: Request<ReqBody>) -> Result<Request<ReqBody>, BoxError> {
-        let mut parts = req.uri().clone().into_parts();
-        parts.scheme = Some(self.scheme.clone());
-        parts.authority = Some(self.authority.clone());
-        if parts.path_and_query.is_none() {
-            parts.path_and_query = Some(PathAndQuery::from_static("/"));
-        }
-        *req.uri_mut() = Uri::from_parts(parts)?;
-        Ok(req)
-    }
-}
-
-/// Headers that describe one connection, not the message (RFC 9110, section 7.6.1), besides
-/// those that `Connection` names. `Connection` comes first; the order is that of
-/// [`hop_by_hop_index`].
-pub(crate) static HOP_BY_HOP: [HeaderName; 8] = [
-    header::CONNECTION,
-    header::TE,
-    header::TRAILER,
-    header::TRANSFER_ENCODING,
-    header::UPGRADE,
-    header::PROXY_AUTHORIZATION,
-    HeaderName::from_static("keep-alive"),
-    HeaderName::from_static("proxy-connection"),
-];
-
-/// The index in [`HOP_BY_HOP`] of `name`, if it is there: one match on the name's text, the
-/// same for standard and custom names.
-pub(crate) fn hop_by_hop_index(name: &HeaderName) -> Option<usize> {
-    Some(match name.as_str() {
-        "connection" => 0,
-        "te" => 1,
-        "trailer" => 2,
-        "transfer-encoding" => 3,
-        "upgrade" => 4,
-        "proxy-authorization" => 5,
-        "keep-alive" => 6,
-        "proxy-connection" => 7,
-        _ => return None,
-    })
-}
-
-/// Removes the hop-by-hop headers: those of [`HOP_BY_HOP`] and those `Connection` names.
-/// Allocates nothing unless `Connection` has more than one line.
-pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    // Which of `HOP_BY_HOP` are present, one bit each: one pass over the names, no lookups.
-    // Most requests have none.
-    let mut present = 0u8;
-    for name in headers.keys() {
-        if let Some(i) = hop_by_hop_index(name) {
-            present |= 1 << i;
-        }
-    }
-    if present == 0 {
-        return;
-    }
-    if present & 1 != 0 {
-        // `Connection` (`HOP_BY_HOP[0]`). Its values are handles on the bytes received, not
-        // copies, kept so that the headers they name can be removed.
-        let mut connection = headers.get_all(header::CONNECTION).iter();
-        let first = connection.next().cloned();
-        let more: Vec<HeaderValue> = connection.cloned().collect();
-        for value in first.iter().chain(&more) {
-            let Ok(value) = value.to_str() else { continue };
-            for name in value.split(',').map(str::trim) {
-                // Looked up by `&str`, without making a `HeaderName`: an invalid name finds
-                // nothing. Those of `HOP_BY_HOP` (`keep-alive`, ...) go below.
-                if !name.is_empty()
-                    && !HOP_BY_HOP
-                        .iter()
-                        .any(|h| name.eq_ignore_ascii_case(h.as_str()))
-                {
-                    headers.remove(name);
-                }
-            }
-        }
-    }
-    for (i, name) in HOP_BY_HOP.iter().enumerate() {
-        if present & (1 << i) != 0 {
-            headers.remove(name);
-        }
-    }
 }
 
 impl Service<Request<ReqBody>> for Upstream {
     type Response = Response<Incoming>;
-    type Error = BoxError;
+    type Error = HttpBackendError;
     type Future = UpstreamFuture;
 
     fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
@@ -343,139 +238,35 @@ impl Service<Request<ReqBody>> for Upstream {
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, mut req: Request<ReqBody>) -> Self::Future {
-        let inner = &*self.inner;
-        strip_hop_by_hop(req.headers_mut());
-        // The client keeps a `Host` it finds.
-        req.headers_mut().insert(header::HOST, inner.host.clone());
-        // The backend connection is HTTP/1.1 whatever the client spoke.
-        *req.version_mut() = Version::HTTP_11;
-        if let Some(conns) = inner.per_client.then(per_client::current).flatten() {
-            // The request line carries the target in origin-form, as the pooled client writes it.
-            if req.uri().authority().is_some() {
-                let mut parts = http::uri::Parts::default();
-                parts.path_and_query = Some(
-                    req.uri()
-                        .path_and_query()
-                        .cloned()
-                        .unwrap_or_else(|| PathAndQuery::from_static("/")),
-                );
-                match Uri::from_parts(parts) {
-                    Ok(uri) => *req.uri_mut() = uri,
-                    Err(e) => return UpstreamFuture::failed(e.into()),
-                }
-            }
-            let fut = per_client::send(conns, &self.inner, req);
-            return UpstreamFuture::new(inner, Route::PerClient(Box::pin(fut)));
-        }
-        match inner.absolute(req) {
-            Ok(req) => UpstreamFuture::new(inner, Route::Pooled(inner.client.request(req))),
-            Err(e) => UpstreamFuture::failed(e),
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        match self.per_client.then(per_client::current).flatten() {
+            Some(conns) => Route::Right(Box::pin(per_client::send(conns, &self.http, req))),
+            None => Route::Left(self.http.call(req)),
         }
     }
 }
 
-/// Where a request went: through the pooled client, or on a backend connection of its client
-/// connection.
-enum Route {
-    Pooled(ResponseFuture),
-    PerClient(Pin<Box<dyn Future<Output = Result<Response<Incoming>, BoxError>> + Send>>),
-}
-
-impl Future for Route {
-    type Output = Result<Response<Incoming>, BoxError>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.get_mut() {
-            Route::Pooled(fut) => Pin::new(fut).poll(cx).map_err(Into::into),
-            Route::PerClient(fut) => fut.as_mut().poll(cx),
-        }
+impl ProbeTarget for Upstream {
+    fn base_uri(&self) -> &Uri {
+        self.http.base_uri()
     }
 }
 
-pin_project! {
-    /// The response future of [`Upstream`]: the client's, with hop-by-hop headers stripped
-    /// from the response, and a deadline for the response headers if one is set.
-    pub(crate) struct UpstreamFuture {
-        #[pin]
-        state: UpstreamState,
-    }
-}
-
-pin_project! {
-    #[project = UpstreamProj]
-    enum UpstreamState {
-        Sending { fut: Route },
-        Timed { #[pin] fut: tokio::time::Timeout<Route>, after: Duration },
-        Failed { error: Option<BoxError> },
-    }
-}
-
-impl UpstreamFuture {
-    fn new(inner: &UpstreamInner, fut: Route) -> Self {
-        UpstreamFuture {
-            state: match inner.response_timeout {
-                None => UpstreamState::Sending { fut },
-                Some(after) => UpstreamState::Timed {
-                    fut: tokio::time::timeout(after, fut),
-                    after,
-                },
-            },
-        }
-    }
-
-    fn failed(e: BoxError) -> Self {
-        UpstreamFuture {
-            state: UpstreamState::Failed { error: Some(e) },
-        }
-    }
-}
-
-impl fmt::Debug for UpstreamFuture {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("UpstreamFuture").finish_non_exhaustive()
-    }
-}
-
-impl Future for UpstreamFuture {
-    type Output = Result<Response<Incoming>, BoxError>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let mut res = match self.project().state.project() {
-            UpstreamProj::Sending { fut } => ready!(Pin::new(fut).poll(cx))?,
-            UpstreamProj::Timed { fut, after } => match ready!(fut.poll(cx)) {
-                Ok(res) => res?,
-                // A timeout in the error's chain makes the balancer's answer 504, not 502.
-                Err(_) => {
-                    return Poll::Ready(Err(std::io::Error::new(
-                        std::io::ErrorKind::TimedOut,
-                        format!("no response headers within {after:?}"),
-                    )
-                    .into()))
-                }
-            },
-            UpstreamProj::Failed { error } => {
-                return Poll::Ready(Err(error
-                    .take()
-                    .unwrap_or_else(|| "UpstreamFuture polled after completion".into())))
-            }
-        };
-        strip_hop_by_hop(res.headers_mut());
-        Poll::Ready(Ok(res))
-    }
-}
+/// The response future of [`Upstream`]: the pooled client's, or a client connection's own.
+pub(crate) type UpstreamFuture = Route<
+    tower_affinity::client::ResponseFuture,
+    Pin<Box<dyn Future<Output = Result<Response<Incoming>, HttpBackendError>> + Send>>,
+>;
 
 // === proxy ===
 
-/// The proxy: the balancer, its fleet, and the metrics registry.
+/// The proxy: the balancer, its probe, and the metrics registry.
 pub(crate) struct Proxy {
     affinity: Affinity,
-    fleet: FleetHandle<Upstream>,
-    upstreams: Vec<(BackendSpec, Upstream)>,
+    prober: Prober<Upstream>,
     config: Config,
     registry: Arc<Registry>,
     wait_seconds: Histogram,
-    probe_client: Client<HttpConnector, Empty<Bytes>>,
 }
 
 impl fmt::Debug for Proxy {
@@ -496,36 +287,44 @@ impl Proxy {
                 return Err(format!("backend id {:?} is given twice; set id=NAME", b.id).into());
             }
         }
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(config.connect_timeout));
-        connector.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new()).build(connector.clone());
-        let probe_client = Client::builder(TokioExecutor::new()).build(connector.clone());
-
-        let (fleet, discovery) = discover::channel();
-        let upstreams = config
+        let http = HttpBackend::<ReqBody>::builder()
+            .connect_timeout(config.connect_timeout)
+            .response_timeout(config.response_timeout);
+        let per_client = config.upstream == UpstreamMode::PerClient;
+        let backends = config
             .backends
             .iter()
             .map(|spec| {
-                let upstream = Upstream::new(client.clone(), connector.clone(), spec, &config)?;
-                Ok((spec.clone(), upstream))
+                let url = format!("{}://{}", spec.scheme, spec.authority);
+                let upstream = Upstream {
+                    http: http.build(&url)?,
+                    per_client,
+                };
+                let mut backend = Backend::new(spec.node.as_str(), upstream)
+                    .cache_tokens(config.cache_tokens(&spec.id));
+                if let Some(slots) = spec.slots {
+                    backend = backend.slots(slots);
+                }
+                Ok((spec.id.as_str(), backend))
             })
             .collect::<Result<Vec<_>, BoxError>>()?;
-        for (spec, upstream) in &upstreams {
-            let slots = spec.slots.unwrap_or(NonZeroU32::MIN);
-            fleet.insert(
-                spec.id.as_str(),
-                config.backend(spec, upstream.clone(), slots),
-            );
-        }
-        let mut affinity = SessionAffinityLayer::new()
+        // Without `slots=`, one slot until the probe reads `/slots`. The probe's settings
+        // apply to rounds run by hand too, when the background probe is off.
+        let (fleet, prober) = HealthProbe::new()
+            .interval(config.probe_interval.unwrap_or(Duration::from_secs(2)))
+            .timeout(config.probe_timeout)
+            .failure_threshold(config.probe_failures)
+            .success_threshold(config.probe_successes)
+            .learn_slots(config.probe_slots)
+            .discover(StaticFleet::new(backends));
+        let affinity = SessionAffinityLayer::new()
             .key(FirstOf::new(HeaderKey::default(), ExtensionKey))
             .placement(config.policy.build())
             .overflow(config.overflow)
             .failure_cooldown(config.failure_cooldown)
             .decision_headers(true)
-            .layer(discovery);
-        apply_fleet_changes(&mut affinity).await;
+            .layer(fleet);
+        affinity.apply_discovery();
 
         let wait_seconds = Histogram::new([
             0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -542,18 +341,21 @@ impl Proxy {
 
         Ok(Proxy {
             affinity,
-            fleet,
-            upstreams,
+            prober,
             config,
             registry: Arc::new(registry),
             wait_seconds,
-            probe_client,
         })
     }
 
     /// The balancer, for its stats and backend states.
     pub(crate) fn affinity(&self) -> &Affinity {
         &self.affinity
+    }
+
+    /// The probe, for what it found.
+    pub(crate) fn prober(&self) -> &Prober<Upstream> {
+        &self.prober
     }
 
     /// The service that [`serve`] runs: `/metrics` answered here, every other request sent to
@@ -580,147 +382,18 @@ impl Proxy {
         }
     }
 
-    /// A fresh probe state per backend: every backend is taken as up until probed.
-    pub(crate) fn probes(&self) -> Vec<Probe> {
-        (0..self.upstreams.len()).map(Probe::new).collect()
+    /// Probes every backend once, now: marks the loading and the unreachable down, the ready
+    /// up, and reads slot counts.
+    pub(crate) async fn probe_all(&self) {
+        self.prober.round(&self.affinity).await;
     }
 
-    /// Probes every backend once, in turn, acting on transitions from `states`.
-    pub(crate) async fn probe_all(&self, states: &mut [Probe]) {
-        for probe in states {
-            self.check(probe).await;
-        }
+    /// Starts probing every `probe_interval` in the background, until the task is dropped;
+    /// `None` when probing is off.
+    pub(crate) fn spawn_probes(&self) -> Option<ProbeTask> {
+        self.config.probe_interval?;
+        Some(self.prober.clone().spawn(self.affinity.clone()))
     }
-
-    /// Starts one probe task per backend, each polling every `probe_interval` and carrying on
-    /// from `states`. Empty when probing is off. Dropping the set stops them.
-    pub(crate) fn spawn_probes(self: &Arc<Self>, states: Vec<Probe>) -> JoinSet<()> {
-        let mut tasks = JoinSet::new();
-        let Some(interval) = self.config.probe_interval else {
-            return tasks;
-        };
-        for mut probe in states {
-            let proxy = self.clone();
-            tasks.spawn(async move {
-                let mut tick = tokio::time::interval(interval);
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                // The first tick is immediate and the caller has just probed.
-                tick.tick().await;
-                loop {
-                    tick.tick().await;
-                    proxy.check(&mut probe).await;
-                }
-            });
-        }
-        tasks
-    }
-
-    async fn check(&self, probe: &mut Probe) {
-        let (spec, upstream) = &self.upstreams[probe.backend];
-        let health = self.get(spec, "/health").await;
-        let ready = match &health {
-            Ok((StatusCode::OK, _)) => Ok(()),
-            Ok((StatusCode::SERVICE_UNAVAILABLE, _)) => Err("loading".to_string()),
-            Ok((status, _)) => Err(format!("/health answered {status}")),
-            Err(e) => Err(format!("/health failed: {}", causes(&**e))),
-        };
-        match (ready, probe.up) {
-            (Ok(()), false) => {
-                probe.up = true;
-                self.affinity.mark_up(&spec.id);
-                tracing::info!(backend = %spec.id, node = %spec.node, "backend up: /health is 200");
-            }
-            (Err(reason), true) => {
-                probe.up = false;
-                self.affinity.mark_down(&spec.id, None);
-                tracing::warn!(backend = %spec.id, node = %spec.node, %reason, "backend down until /health is 200");
-            }
-            _ => {}
-        }
-        if !probe.up || !self.config.probe_slots || spec.slots.is_some() {
-            return;
-        }
-        let Ok((StatusCode::OK, body)) = self.get(spec, "/slots").await else {
-            return;
-        };
-        let learned = serde_json::from_slice::<Vec<serde_json::Value>>(&body)
-            .ok()
-            .and_then(|slots| u32::try_from(slots.len()).ok())
-            .and_then(NonZeroU32::new);
-        let Some(slots) = learned else { return };
-        if probe.slots == Some(slots) {
-            return;
-        }
-        probe.slots = Some(slots);
-        tracing::info!(backend = %spec.id, slots = slots.get(), "slot count read from /slots");
-        // Same id: an update that keeps the backend's sessions. It sets the cache budget too,
-        // so the configured one goes with it.
-        self.fleet.insert(
-            spec.id.as_str(),
-            self.config.backend(spec, upstream.clone(), slots),
-        );
-        let mut affinity = self.affinity.clone();
-        apply_fleet_changes(&mut affinity).await;
-    }
-
-    async fn get(
-        &self,
-        spec: &BackendSpec,
-        path: &'static str,
-    ) -> Result<(StatusCode, Bytes), BoxError> {
-        let uri = Uri::builder()
-            .scheme(spec.scheme.clone())
-            .authority(spec.authority.clone())
-            .path_and_query(path)
-            .build()?;
-        let fetch = async {
-            let res = self.probe_client.get(uri).await?;
-            let status = res.status();
-            let body = res.into_body().collect().await?.to_bytes();
-            Ok::<_, BoxError>((status, body))
-        };
-        tokio::time::timeout(self.config.probe_timeout, fetch)
-            .await
-            .map_err(|_| format!("no answer within {:?}", self.config.probe_timeout))?
-    }
-}
-
-/// An error with its causes, as hyper's top-level messages ("client error (Connect)") name
-/// only the step that failed.
-pub(crate) fn causes(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
-}
-
-/// One backend's probe state.
-#[derive(Debug)]
-pub(crate) struct Probe {
-    backend: usize,
-    up: bool,
-    slots: Option<NonZeroU32>,
-}
-
-impl Probe {
-    fn new(backend: usize) -> Self {
-        // Backends start up, as the balancer has them; the first failed probe marks them down.
-        Probe {
-            backend,
-            up: true,
-            slots: None,
-        }
-    }
-}
-
-/// The balancer applies fleet changes when polled for readiness; this polls it now rather
-/// than at the next request.
-async fn apply_fleet_changes(affinity: &mut Affinity) {
-    let _ = ServiceExt::<Request<ReqBody>>::ready(affinity).await;
 }
 
 /// `GET /metrics` (or `HEAD`): the registry in the Prometheus text format.
@@ -973,6 +646,33 @@ pub(crate) async fn serve(
     front: Front,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    let mode = front.shared.upstream;
+    let service = ServiceBuilder::new()
+        // An `x-request-id` for a request that comes without one; it goes on to the backend
+        // with the other headers, and back on the response.
+        .layer(SetRequestIdLayer::x_request_id(RequestIds::new()))
+        .layer(
+            TraceLayer::new_for_http()
+                // The fields are read only when debug logs are on (`-v`).
+                .make_span_with(|req: &Request<Incoming>| {
+                    tracing::debug_span!(
+                        "request",
+                        method = %req.method(),
+                        uri = %req.uri(),
+                        request_id = req
+                            .headers()
+                            .get("x-request-id")
+                            .and_then(|v| v.to_str().ok())
+                            .unwrap_or("-"),
+                    )
+                })
+                // The balancer's own 5xx answers are logged where they are made.
+                .on_failure(
+                    tower_http::trace::DefaultOnFailure::new().level(tracing::Level::DEBUG),
+                ),
+        )
+        .layer(PropagateRequestIdLayer::x_request_id())
+        .service(front);
     let builder = auto::Builder::new(TokioExecutor::new());
     let graceful = GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
@@ -987,15 +687,17 @@ pub(crate) async fn serve(
             },
             () = &mut shutdown => break,
         };
-        let service = TowerToHyperService::new(front.clone());
-        let conn = builder.serve_connection(TokioIo::new(stream), service);
+        let conn = builder.serve_connection(
+            TokioIo::new(stream),
+            TowerToHyperService::new(service.clone()),
+        );
         let conn = graceful.watch(conn.into_owned());
         let ended = |r: Result<(), BoxError>| {
             if let Err(e) = r {
                 tracing::trace!(error = %e, "connection ended with an error");
             }
         };
-        match front.shared.upstream {
+        match mode {
             UpstreamMode::Pooled => tokio::spawn(async move { ended(conn.await) }),
             UpstreamMode::PerClient => {
                 tokio::spawn(async move { ended(per_client::WithClientConns::new(conn).await) })
@@ -1005,6 +707,35 @@ pub(crate) async fn serve(
     drop(listener);
     graceful.shutdown().await;
     Ok(())
+}
+
+/// `x-request-id` for requests that come without one: a random prefix for this process and a
+/// counter, unique without a random number per request.
+#[derive(Clone, Debug)]
+pub(crate) struct RequestIds {
+    prefix: u32,
+    next: Arc<AtomicU64>,
+}
+
+impl RequestIds {
+    pub(crate) fn new() -> Self {
+        use std::hash::{BuildHasher, Hasher};
+        let prefix = std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish() as u32;
+        RequestIds {
+            prefix,
+            next: Arc::default(),
+        }
+    }
+}
+
+impl MakeRequestId for RequestIds {
+    fn make_request_id<B>(&mut self, _: &Request<B>) -> Option<RequestId> {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        let id = format!("{:08x}-{n:x}", self.prefix);
+        HeaderValue::try_from(id).ok().map(RequestId::new)
+    }
 }
 
 /// A failed accept: a connection that went away before it was accepted is nothing; anything

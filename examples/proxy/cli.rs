@@ -42,6 +42,9 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
   --probe-interval DURATION  how often /health (and /slots) is polled; 0 turns the
                              probe off (default 2s)
   --probe-timeout DURATION   longest wait for a probe answer (default 2s)
+  --probe-failures N         failed probes in a row that take a backend down
+                             (default 1; a 503, loading, does at once)
+  --probe-successes N        ready probes in a row that bring it up again (default 1)
   --no-slots-probe           do not read slot counts from /slots
   --body-limit SIZE          largest request body, e.g. 16MiB (default); larger is 413
   --read-timeout DURATION    longest time to receive a request body (default 60s;
@@ -143,6 +146,8 @@ where
                 config.probe_interval = (!d.is_zero()).then_some(d);
             }
             "--probe-timeout" => config.probe_timeout = duration(&flag, &value()?)?,
+            "--probe-failures" => config.probe_failures = count(&flag, &value()?)?,
+            "--probe-successes" => config.probe_successes = count(&flag, &value()?)?,
             "--body-limit" => config.body_limit = size(&flag, &value()?)?,
             "--read-timeout" => {
                 let d = duration(&flag, &value()?)?;
@@ -260,6 +265,14 @@ pub(crate) fn tokens(v: &str) -> Result<u64, String> {
         return Err("cache must be at least 1 token".into());
     }
     Ok(n)
+}
+
+/// A count of at least 1.
+pub(crate) fn count(flag: &str, v: &str) -> Result<u32, String> {
+    v.parse()
+        .ok()
+        .filter(|&n| n > 0)
+        .ok_or_else(|| format!("{flag} {v:?}: expected a number, at least 1"))
 }
 
 /// `500ms`, `2s`, `1.5m`, `1h`, or plain seconds.

@@ -1,7 +1,7 @@
 //! An OpenAI-compatible reverse proxy for llama-server fleets, built on `tower-affinity`.
 //!
 //! ```text
-//! cargo run --release --example proxy -- --listen 127.0.0.1:8080 \
+//! cargo run --release --features health --example proxy -- --listen 127.0.0.1:8080 \
 //!     --backend node-a=http://host-a:8081,slots=2 \
 //!     --backend node-a=http://host-a:8082,slots=2 \
 //!     --backend node-b=http://host-b:8081,slots=2 \
@@ -13,7 +13,12 @@
 //! (only the scheme and authority change), responses stream back frame by frame, and the
 //! backend's slot is held until the response ends. A request whose backend fails before
 //! answering is retried once elsewhere. `/health` (and `/slots`) of each backend is polled;
-//! `GET /metrics` answers in the Prometheus text format. `--help` lists every option.
+//! `GET /metrics` answers in the Prometheus text format. Each request gets an `x-request-id`
+//! (unless it has one), sent to the backend and returned; `-v` logs a span per request.
+//! `--help` lists every option.
+//!
+//! It is wiring over the library's features `client` (`HttpBackend`) and `health`
+//! (`HealthProbe`): `cargo run --features health --example proxy -- ...`.
 
 mod app;
 mod cli;
@@ -80,20 +85,20 @@ async fn run(args: cli::Args) -> Result<(), tower_affinity::BoxError> {
     let proxy = Arc::new(Proxy::new(config).await?);
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     tracing::info!(listen = %listener.local_addr()?, policy, "proxy listening");
-    let mut probes = proxy.probes();
     if probe {
         // Before the first request: a loading backend is down and slot counts are known.
-        proxy.probe_all(&mut probes).await;
+        proxy.probe_all().await;
     }
-    let probe_tasks = proxy.spawn_probes(probes);
+    let probe_task = proxy.spawn_probes();
     app::serve(listener, proxy.front(), shutdown_signal()).await?;
-    drop(probe_tasks);
+    drop(probe_task);
     let stats = proxy.affinity().stats();
     tracing::info!(
         placed = stats.placed(),
         home_hits = stats.home_hits,
         spills = stats.same_node_spills + stats.cross_node_spills,
         backend_errors = stats.backend_errors,
+        probe_transitions = proxy.prober().transitions(),
         "proxy stopped"
     );
     Ok(())

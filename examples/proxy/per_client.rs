@@ -19,15 +19,15 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use http::Response;
+use http::{Response, Uri};
 use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
 use parking_lot::Mutex;
 use pin_project_lite::pin_project;
 use tower::ServiceExt;
-use tower_affinity::BoxError;
+use tower_affinity::client::{strip_hop_by_hop, HttpBackend, HttpBackendError};
 
-use crate::app::{ReqBody, UpstreamInner};
+use crate::app::ReqBody;
 
 /// The most backend connections one client connection opens to one backend. An HTTP/1 client
 /// connection needs one: its next request comes once the previous response is sent, and by
@@ -53,7 +53,7 @@ pub(crate) struct ClientConns {
 #[derive(Default)]
 struct State {
     /// Every open connection, free or busy, with the backend it goes to.
-    senders: Vec<(Arc<UpstreamInner>, SendRequest<ReqBody>)>,
+    senders: Vec<(Uri, SendRequest<ReqBody>)>,
     /// Connections opened since the task last looked, for it to drive.
     opened: Vec<Driver>,
     /// The task's waker, to have it drive a connection just opened.
@@ -63,12 +63,12 @@ struct State {
 impl ClientConns {
     /// A connection to `backend` that is free for a request, taken out; or whether another
     /// may be opened (`Err(true)`) or the pooled client has to serve (`Err(false)`).
-    fn take(&self, backend: &Arc<UpstreamInner>) -> Result<SendRequest<ReqBody>, bool> {
+    fn take(&self, backend: &Uri) -> Result<SendRequest<ReqBody>, bool> {
         let mut state = self.state.lock();
         state.senders.retain(|(_, tx)| !tx.is_closed());
         let mut open = 0;
         for (i, (b, tx)) in state.senders.iter().enumerate() {
-            if Arc::ptr_eq(b, backend) {
+            if b == backend {
                 if tx.is_ready() {
                     return Ok(state.senders.swap_remove(i).1);
                 }
@@ -79,7 +79,7 @@ impl ClientConns {
     }
 
     /// Puts a connection back, busy or not: it takes the next request once it is free.
-    fn put(&self, backend: Arc<UpstreamInner>, tx: SendRequest<ReqBody>) {
+    fn put(&self, backend: Uri, tx: SendRequest<ReqBody>) {
         self.state.lock().senders.push((backend, tx));
     }
 
@@ -99,24 +99,29 @@ pub(crate) fn current() -> Option<Arc<ClientConns>> {
     CONNS.try_with(Arc::clone).ok()
 }
 
-/// Sends `req` on one of `conns`' connections to `upstream`, opening one if none is free, or
-/// through the pooled client if `conns` has [`MAX_PER_BACKEND`] to it already.
+/// Sends `req` on one of `conns`' connections to `http`'s backend, opening one if none is
+/// free, or through the pooled client if `conns` has [`MAX_PER_BACKEND`] to it already. The
+/// request is prepared, the response's hop-by-hop headers dropped and the response timeout
+/// applied as [`HttpBackend`] does for the pooled client.
 pub(crate) fn send(
     conns: Arc<ClientConns>,
-    upstream: &Arc<UpstreamInner>,
+    http: &HttpBackend<ReqBody>,
     req: http::Request<ReqBody>,
-) -> impl Future<Output = Result<Response<Incoming>, BoxError>> + Send + 'static {
-    let upstream = upstream.clone();
+) -> impl Future<Output = Result<Response<Incoming>, HttpBackendError>> + Send + 'static {
+    let http = http.clone();
     async move {
-        let mut tx = match conns.take(&upstream) {
+        let failed = |e: Box<dyn std::error::Error + Send + Sync>| HttpBackendError::classify(e);
+        let base = http.base_uri().clone();
+        let mut tx = match conns.take(&base) {
             Ok(tx) => tx,
             Err(true) => {
-                let io = upstream
-                    .connector
+                let io = http
+                    .connector()
                     .clone()
-                    .oneshot(upstream.base.clone())
-                    .await?;
-                let (tx, conn) = http1::handshake(io).await?;
+                    .oneshot(base.clone())
+                    .await
+                    .map_err(|e| failed(e.into()))?;
+                let (tx, conn) = http1::handshake(io).await.map_err(|e| failed(e.into()))?;
                 conns.drive(Box::pin(async move {
                     if let Err(e) = conn.await {
                         tracing::debug!(error = %e, "backend connection ended with an error");
@@ -124,11 +129,21 @@ pub(crate) fn send(
                 }));
                 tx
             }
-            Err(false) => return Ok(upstream.client.request(upstream.absolute(req)?).await?),
+            Err(false) => return http.oneshot(req).await,
         };
+        // The request line carries the target in origin-form, as the pooled client writes it.
+        let req = http.prepare(req, false)?;
         let sent = tx.send_request(req);
-        conns.put(upstream, tx);
-        Ok(sent.await?)
+        conns.put(base, tx);
+        let mut res = match http.response_timeout() {
+            None => sent.await,
+            Some(after) => tokio::time::timeout(after, sent)
+                .await
+                .map_err(|_| HttpBackendError::response_timeout(after))?,
+        }
+        .map_err(|e| failed(e.into()))?;
+        strip_hop_by_hop(res.headers_mut());
+        Ok(res)
     }
 }
 

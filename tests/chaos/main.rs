@@ -335,7 +335,7 @@ async fn turn(
                 let end = if incomplete {
                     End::CutUnseen
                 } else {
-                    End::NoResponse(app::causes(&e))
+                    End::NoResponse(causes(&e))
                 };
                 return (end, None);
             }
@@ -617,4 +617,17 @@ async fn a_client_that_goes_away_releases_its_slot() {
     drop(body);
     drop(client);
     assert!(running.settled().await, "slot held after the client left");
+}
+
+/// An error with its causes, as hyper's top-level messages ("client error (Connect)") name
+/// only the step that failed.
+fn causes(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
 }

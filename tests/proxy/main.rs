@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{self, HeaderName, HeaderValue};
+use http::header::{self, HeaderValue};
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
@@ -482,13 +482,12 @@ async fn the_probe_marks_a_loading_backend_down_until_ready_and_learns_slots() {
     let status = |id: &str| proxy.status(id);
     assert_eq!(status("a").slots, 1);
 
-    let mut probes = proxy.proxy.probes();
-    proxy.proxy.probe_all(&mut probes).await;
+    proxy.proxy.probe_all().await;
     assert_eq!(status("a").slots, 3, "read from /slots");
     assert_eq!(status("b").slots, 2, "given on the command line");
 
     a.set_health(503);
-    proxy.proxy.probe_all(&mut probes).await;
+    proxy.proxy.probe_all().await;
     assert!(!status("a").healthy);
     for i in 0..6 {
         let answer = proxy
@@ -498,12 +497,12 @@ async fn the_probe_marks_a_loading_backend_down_until_ready_and_learns_slots() {
     }
 
     a.set_health(200);
-    proxy.proxy.probe_all(&mut probes).await;
+    proxy.proxy.probe_all().await;
     assert!(status("a").healthy);
     assert_eq!(a.chats(), 0);
 
     a.kill().await;
-    proxy.proxy.probe_all(&mut probes).await;
+    proxy.proxy.probe_all().await;
     assert!(!status("a").healthy, "an unreachable backend is down");
 }
 
@@ -567,8 +566,7 @@ async fn a_backends_cache_budget_reaches_the_cache_model_and_outlives_a_slots_up
     );
 
     // The probe reads a's slots and updates it: the update keeps its budget.
-    let mut probes = proxy.proxy.probes();
-    proxy.proxy.probe_all(&mut probes).await;
+    proxy.proxy.probe_all().await;
     assert_eq!(status("a").slots, 3);
     let evicted = status("a").evicted_blocks;
     // `a` now looks empty to the cache model (it holds less than one prompt), so new sessions
@@ -976,6 +974,30 @@ async fn a_non_json_request_passes_through_byte_for_byte_with(mode: UpstreamMode
     );
 }
 
+#[tokio::test]
+async fn a_request_id_is_set_sent_to_the_backend_and_returned() {
+    let a = Stub::start("a", 2).await;
+    let proxy = start(config(&[("node-a", &a)])).await;
+
+    let first = proxy.get("/v1/models").await;
+    let second = proxy.get("/v1/models").await;
+    let (id1, id2) = (first.header("x-request-id"), second.header("x-request-id"));
+    assert_ne!(id1, "-", "the proxy sets one");
+    assert_ne!(id1, id2, "one per request");
+    let seen = a.echoed();
+    assert_eq!(seen[0].headers["x-request-id"], id1, "the backend sees it");
+    assert_eq!(seen[1].headers["x-request-id"], id2);
+
+    // A client's own is kept.
+    let req = Request::get(proxy.url("/v1/models"))
+        .header("x-request-id", "client-7")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let answer = proxy.fetch(req).await;
+    assert_eq!(answer.header("x-request-id"), "client-7");
+    assert_eq!(a.echoed()[2].headers["x-request-id"], "client-7");
+}
+
 /// Sends `n` GETs one after another on one client connection of its own to the proxy; the
 /// first names its target in absolute-form, as a client of a forward proxy would.
 async fn gets_on_one_connection(proxy: &Running, n: usize) {
@@ -1268,6 +1290,9 @@ fn every_option_parses_and_bad_values_are_explained() {
         "0",
         "--probe-timeout",
         "3",
+        "--probe-failures",
+        "3",
+        "--probe-successes=2",
         "--no-slots-probe",
         "--body-limit",
         "2MiB",
@@ -1301,6 +1326,7 @@ fn every_option_parses_and_bad_values_are_explained() {
     assert_eq!(c.failure_cooldown, Duration::from_secs(60));
     assert_eq!(c.probe_interval, None);
     assert_eq!(c.probe_timeout, Duration::from_secs(3));
+    assert_eq!((c.probe_failures, c.probe_successes), (3, 2));
     assert!(!c.probe_slots);
     assert_eq!(c.body_limit, 2 << 20);
     assert_eq!(c.read_timeout, None);
@@ -1313,6 +1339,7 @@ fn every_option_parses_and_bad_values_are_explained() {
     assert_eq!(d.response_timeout, Some(Duration::from_secs(600)));
     assert_eq!(d.read_timeout, Some(Duration::from_secs(60)));
     assert_eq!(d.upstream, UpstreamMode::Pooled);
+    assert_eq!((d.probe_failures, d.probe_successes), (1, 1));
     assert_eq!(d.cache_tokens("x:1"), Backend::<()>::DEFAULT_CACHE_TOKENS);
 
     for (args, needle) in [
@@ -1321,6 +1348,7 @@ fn every_option_parses_and_bad_values_are_explained() {
             "expected one of node-then-backend",
         ),
         (vec!["--backend", "http://x:1"], "no NODE="),
+        (vec!["--probe-failures", "0"], "at least 1"),
         (vec!["--backend", "n=http://x:1/v1"], "paths are forwarded"),
         (vec!["--backend", "n=http://x:1,slots=0"], "at least 1"),
         (vec!["--backend", "n=https://x:1"], "only http://"),
@@ -1401,18 +1429,6 @@ async fn two_backends_with_one_id_are_refused() {
 // === hop-by-hop headers ===
 
 #[test]
-fn hop_by_hop_index_finds_each_name_in_order() {
-    for (i, name) in app::HOP_BY_HOP.iter().enumerate() {
-        assert_eq!(app::hop_by_hop_index(name), Some(i), "{name}");
-    }
-    assert_eq!(app::hop_by_hop_index(&header::HOST), None);
-    assert_eq!(
-        app::hop_by_hop_index(&HeaderName::from_static("x-session-id")),
-        None
-    );
-}
-
-#[test]
 fn strip_hop_by_hop_removes_what_connection_names_and_nothing_else() {
     let mut headers = HeaderMap::new();
     headers.insert(
@@ -1421,7 +1437,7 @@ fn strip_hop_by_hop_removes_what_connection_names_and_nothing_else() {
     );
     headers.insert("x-session-id", HeaderValue::from_static("s"));
     let untouched = headers.clone();
-    app::strip_hop_by_hop(&mut headers);
+    tower_affinity::client::strip_hop_by_hop(&mut headers);
     assert_eq!(headers, untouched);
 
     headers.append(
@@ -1440,6 +1456,6 @@ fn strip_hop_by_hop_removes_what_connection_names_and_nothing_else() {
         header::TRANSFER_ENCODING,
         HeaderValue::from_static("chunked"),
     );
-    app::strip_hop_by_hop(&mut headers);
+    tower_affinity::client::strip_hop_by_hop(&mut headers);
     assert_eq!(headers, untouched);
 }

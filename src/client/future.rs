@@ -1,0 +1,91 @@
+//! [`ResponseFuture`], the response future of [`HttpBackend`](super::HttpBackend).
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+use std::time::Duration;
+
+use hyper::body::Incoming;
+use pin_project_lite::pin_project;
+
+use super::error::HttpBackendError;
+use super::hop_by_hop::strip_hop_by_hop;
+
+pin_project! {
+    /// The response future of [`HttpBackend`](super::HttpBackend): the client's, with a
+    /// deadline for the response headers if one is set, errors classified, and hop-by-hop
+    /// headers dropped from the response.
+    pub struct ResponseFuture {
+        #[pin]
+        state: State,
+    }
+}
+
+pin_project! {
+    #[project = StateProj]
+    enum State {
+        Sending {
+            fut: hyper_util::client::legacy::ResponseFuture,
+            #[pin]
+            deadline: Option<tokio::time::Sleep>,
+            after: Duration,
+        },
+        Failed { error: Option<HttpBackendError> },
+    }
+}
+
+impl ResponseFuture {
+    pub(crate) fn new(
+        fut: hyper_util::client::legacy::ResponseFuture,
+        timeout: Option<Duration>,
+    ) -> Self {
+        ResponseFuture {
+            state: State::Sending {
+                fut,
+                deadline: timeout.map(tokio::time::sleep),
+                after: timeout.unwrap_or_default(),
+            },
+        }
+    }
+
+    pub(crate) fn failed(error: HttpBackendError) -> Self {
+        ResponseFuture {
+            state: State::Failed { error: Some(error) },
+        }
+    }
+}
+
+impl fmt::Debug for ResponseFuture {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+impl Future for ResponseFuture {
+    type Output = Result<http::Response<Incoming>, HttpBackendError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().state.project() {
+            StateProj::Sending {
+                fut,
+                deadline,
+                after,
+            } => {
+                if let Poll::Ready(res) = Pin::new(fut).poll(cx) {
+                    let mut res = res.map_err(|e| HttpBackendError::classify(e.into()))?;
+                    strip_hop_by_hop(res.headers_mut());
+                    return Poll::Ready(Ok(res));
+                }
+                if let Some(deadline) = deadline.as_pin_mut() {
+                    ready!(deadline.poll(cx));
+                    return Poll::Ready(Err(HttpBackendError::response_timeout(*after)));
+                }
+                Poll::Pending
+            }
+            StateProj::Failed { error } => Poll::Ready(Err(error.take().unwrap_or_else(|| {
+                HttpBackendError::classify("ResponseFuture polled after completion".into())
+            }))),
+        }
+    }
+}

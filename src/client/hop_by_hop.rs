@@ -1,0 +1,161 @@
+//! Hop-by-hop headers (RFC 9110, section 7.6.1): they describe one connection, not the
+//! message, so a proxy drops them in both directions.
+
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+
+/// The hop-by-hop headers that are such by name, besides those that `Connection` names:
+/// `Connection` itself, `TE`, `Trailer`, `Transfer-Encoding`, `Upgrade`,
+/// `Proxy-Authorization`, and the obsolete `Keep-Alive` and `Proxy-Connection`.
+///
+/// [`strip_hop_by_hop`] removes these and every header `Connection` names.
+///
+/// ```
+/// use tower_affinity::client::HOP_BY_HOP;
+///
+/// assert!(HOP_BY_HOP.contains(&http::header::TRANSFER_ENCODING));
+/// assert!(!HOP_BY_HOP.contains(&http::header::HOST));
+/// ```
+pub static HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::PROXY_AUTHORIZATION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+];
+
+/// The index in [`HOP_BY_HOP`] of `name`, if it is there: one match on the name's text.
+fn index(name: &HeaderName) -> Option<usize> {
+    Some(match name.as_str() {
+        "connection" => 0,
+        "te" => 1,
+        "trailer" => 2,
+        "transfer-encoding" => 3,
+        "upgrade" => 4,
+        "proxy-authorization" => 5,
+        "keep-alive" => 6,
+        "proxy-connection" => 7,
+        _ => return None,
+    })
+}
+
+/// Removes the hop-by-hop headers from `headers`: those of [`HOP_BY_HOP`] and every header
+/// that a `Connection` header names.
+///
+/// One pass over the names; it allocates nothing unless `Connection` has more than one line,
+/// and leaves a map without hop-by-hop headers untouched.
+///
+/// ```
+/// use http::HeaderMap;
+/// use tower_affinity::client::strip_hop_by_hop;
+///
+/// let mut headers = HeaderMap::new();
+/// headers.insert("connection", "keep-alive, x-trace".parse().unwrap());
+/// headers.insert("keep-alive", "timeout=5".parse().unwrap());
+/// headers.insert("x-trace", "1".parse().unwrap());
+/// headers.insert("content-type", "application/json".parse().unwrap());
+/// strip_hop_by_hop(&mut headers);
+/// assert_eq!(headers.len(), 1);
+/// assert!(headers.contains_key("content-type"));
+/// ```
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Which of `HOP_BY_HOP` are present, one bit each. Most messages have none.
+    let mut present = 0u8;
+    for name in headers.keys() {
+        if let Some(i) = index(name) {
+            present |= 1 << i;
+        }
+    }
+    if present == 0 {
+        return;
+    }
+    if present & 1 != 0 {
+        // `Connection`: its values are handles on the bytes received, not copies, kept so that
+        // the headers they name can be removed.
+        let mut connection = headers.get_all(header::CONNECTION).iter();
+        let first = connection.next().cloned();
+        let more: Vec<HeaderValue> = connection.cloned().collect();
+        for value in first.iter().chain(&more) {
+            let Ok(value) = value.to_str() else { continue };
+            for name in value.split(',').map(str::trim) {
+                // Looked up by `&str`: an invalid name finds nothing. Those of `HOP_BY_HOP`
+                // go below.
+                if !name.is_empty()
+                    && !HOP_BY_HOP
+                        .iter()
+                        .any(|h| name.eq_ignore_ascii_case(h.as_str()))
+                {
+                    headers.remove(name);
+                }
+            }
+        }
+    }
+    for (i, name) in HOP_BY_HOP.iter().enumerate() {
+        if present & (1 << i) != 0 {
+            headers.remove(name);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn index_finds_each_name_in_order() {
+        for (i, name) in HOP_BY_HOP.iter().enumerate() {
+            assert_eq!(index(name), Some(i), "{name}");
+        }
+        assert_eq!(index(&header::HOST), None);
+        assert_eq!(index(&HeaderName::from_static("x-session-id")), None);
+    }
+
+    #[test]
+    fn strip_removes_what_connection_names_and_nothing_else() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        headers.insert("x-session-id", HeaderValue::from_static("s"));
+        let untouched = headers.clone();
+        strip_hop_by_hop(&mut headers);
+        assert_eq!(headers, untouched);
+
+        headers.append(
+            header::CONNECTION,
+            HeaderValue::from_static("Keep-Alive, X-Hop"),
+        );
+        headers.append(
+            header::CONNECTION,
+            HeaderValue::from_static(" x-other ,, close"),
+        );
+        headers.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        headers.insert("x-hop", HeaderValue::from_static("1"));
+        headers.insert("x-other", HeaderValue::from_static("2"));
+        headers.insert(header::TE, HeaderValue::from_static("trailers"));
+        headers.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        headers.insert(header::UPGRADE, HeaderValue::from_static("h2c"));
+        headers.insert(header::PROXY_AUTHORIZATION, HeaderValue::from_static("x"));
+        strip_hop_by_hop(&mut headers);
+        assert_eq!(headers, untouched);
+    }
+
+    #[test]
+    fn a_connection_value_that_is_not_text_names_nothing() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::CONNECTION,
+            HeaderValue::from_bytes(b"x-a\xff").unwrap(),
+        );
+        headers.insert("x-a", HeaderValue::from_static("1"));
+        strip_hop_by_hop(&mut headers);
+        assert!(!headers.contains_key(header::CONNECTION));
+        assert!(headers.contains_key("x-a"));
+    }
+}

@@ -1,0 +1,50 @@
+//! An HTTP backend: [`HttpBackend`], a backend's service over hyper-util's pooled client.
+//!
+//! A proxy built on this crate needs one service per backend that sends a request on as the
+//! client sent it. [`HttpBackend`] does that for a backend at `http://host:port`:
+//!
+//! - the request keeps its method, path, query, headers and body; its URI gets the backend's
+//!   scheme and authority, and `Host` the backend's;
+//! - hop-by-hop headers (RFC 9110, section 7.6.1: [`HOP_BY_HOP`] and those `Connection`
+//!   names) are dropped both ways ([`strip_hop_by_hop`]);
+//! - connections are pooled; HTTP/1.1 by default, HTTP/2 with prior knowledge on request;
+//! - a connect timeout and a response-header timeout ([`Builder`]);
+//! - failures are [`HttpBackendError`]s of a [`FailureKind`]: refused, reset, timeout, ... each
+//!   with its status. Inside the balancer they become [`Error::Backend`](crate::Error::Backend),
+//!   so [`RetryOnce`](crate::RetryOnce) retries them elsewhere and the failure cooldown
+//!   passes the backend over, as for any backend service; a timeout answers 504, the rest 502.
+//!
+//! The response body is hyper's [`Incoming`](hyper::body::Incoming), streamed frame by frame;
+//! the balancer's [`ResponseBody`](crate::ResponseBody) holds the slot until it ends.
+//!
+//! # Example
+//!
+//! ```no_run
+//! use axum::body::Body;
+//! use tower::Layer;
+//! use tower_affinity::client::HttpBackend;
+//! use tower_affinity::discover::StaticFleet;
+//! use tower_affinity::{Backend, ErrorToResponse, SessionAffinityLayer};
+//!
+//! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let http = HttpBackend::<Body>::builder();
+//! let fleet = StaticFleet::new([
+//!     ("a1", Backend::new("node-a", http.build("http://10.0.0.1:8080")?)),
+//!     ("b1", Backend::new("node-b", http.build("http://10.0.0.2:8080")?)),
+//! ]);
+//! let affinity = SessionAffinityLayer::new().layer(fleet);
+//! let app = axum::Router::new().fallback_service(ErrorToResponse::new(affinity));
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:8000").await?;
+//! axum::serve(listener, app).await?;
+//! # Ok(()) }
+//! ```
+
+mod error;
+mod future;
+mod hop_by_hop;
+mod service;
+
+pub use error::{FailureKind, HttpBackendError, InvalidBackendUrl};
+pub use future::ResponseFuture;
+pub use hop_by_hop::{strip_hop_by_hop, HOP_BY_HOP};
+pub use service::{Builder, HttpBackend};

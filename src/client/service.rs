@@ -1,0 +1,410 @@
+//! [`HttpBackend`] and its [`Builder`].
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::header::{self, HeaderValue};
+use http::uri::{Authority, PathAndQuery, Scheme};
+use http::{Request, Uri, Version};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+
+use super::error::{HttpBackendError, InvalidBackendUrl};
+use super::future::ResponseFuture;
+use super::hop_by_hop::strip_hop_by_hop;
+
+/// One backend reached over HTTP: a `tower::Service` that sends each request to the backend's
+/// scheme and authority, through hyper-util's pooled client.
+///
+/// The request keeps its method, path, query, headers and body; its URI gets the backend's
+/// scheme and authority, and `Host` the backend's host. Hop-by-hop headers
+/// ([`strip_hop_by_hop`]) are dropped from the request and from the response. The response
+/// body is hyper's [`Incoming`](hyper::body::Incoming), streamed as the backend sends it.
+///
+/// Cheap to clone (one reference count): the balancer clones it for every request. Clones
+/// share one pool of connections. Always ready: the pool opens connections as needed.
+///
+/// `http://` only: `https://` is refused with an [`InvalidBackendUrl`] (put a TLS-terminating
+/// sidecar in front of such a backend, or use your own client as the backend's service).
+///
+/// ```no_run
+/// use http_body_util::Full;
+/// use bytes::Bytes;
+/// use tower_affinity::client::HttpBackend;
+/// use tower_affinity::Backend;
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let gpu0: HttpBackend<Full<Bytes>> = HttpBackend::new("http://10.0.0.1:8080")?;
+/// let backend = Backend::new("host-a", gpu0);
+/// # let _ = backend;
+/// # Ok(())
+/// # }
+/// ```
+pub struct HttpBackend<B> {
+    inner: Arc<Inner<B>>,
+}
+
+struct Inner<B> {
+    client: Client<HttpConnector, B>,
+    connector: HttpConnector,
+    /// `scheme://authority/`.
+    base: Uri,
+    scheme: Scheme,
+    authority: Authority,
+    /// `Host` for the backend, made once: the host, and the port unless it is the default.
+    host: HeaderValue,
+    version: Version,
+    response_timeout: Option<Duration>,
+}
+
+impl<B> Clone for HttpBackend<B> {
+    fn clone(&self) -> Self {
+        HttpBackend {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<B> fmt::Debug for HttpBackend<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HttpBackend")
+            .field("base", &self.inner.base)
+            .field("version", &self.inner.version)
+            .field("response_timeout", &self.inner.response_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B> HttpBackend<B>
+where
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+{
+    /// A backend at `url` (`http://host:port`, nothing after the authority but an optional
+    /// `/`), with the [`Builder`]'s defaults.
+    pub fn new(url: &str) -> Result<Self, InvalidBackendUrl> {
+        Builder::new().build(url)
+    }
+
+    /// A [`Builder`] for backends with other timeouts or HTTP/2.
+    pub fn builder() -> Builder<B> {
+        Builder::new()
+    }
+}
+
+impl<B> HttpBackend<B> {
+    /// `scheme://authority/` of the backend: where health probes go, for one.
+    pub fn base_uri(&self) -> &Uri {
+        &self.inner.base
+    }
+
+    /// The connector the pooled client connects with (its connect timeout set), for code that
+    /// drives connections of its own to this backend.
+    pub fn connector(&self) -> &HttpConnector {
+        &self.inner.connector
+    }
+
+    /// The response-header timeout, if any.
+    pub fn response_timeout(&self) -> Option<Duration> {
+        self.inner.response_timeout
+    }
+
+    /// `req` as it goes to the backend: hop-by-hop headers dropped, `Host` set to the
+    /// backend's, the version the backend connection speaks, and, if `absolute`, the
+    /// backend's scheme and authority in its URI (else its URI in origin-form, `/path?query`,
+    /// for a connection of the caller's own).
+    pub fn prepare(
+        &self,
+        mut req: Request<B>,
+        absolute: bool,
+    ) -> Result<Request<B>, HttpBackendError> {
+        let inner = &*self.inner;
+        strip_hop_by_hop(req.headers_mut());
+        // The client keeps a `Host` it finds; the client's own names the proxy.
+        req.headers_mut().insert(header::HOST, inner.host.clone());
+        // The backend connection speaks its own version, whatever the client spoke.
+        *req.version_mut() = inner.version;
+        let mut parts = std::mem::take(req.uri_mut()).into_parts();
+        if absolute {
+            parts.scheme = Some(inner.scheme.clone());
+            parts.authority = Some(inner.authority.clone());
+        } else {
+            parts.scheme = None;
+            parts.authority = None;
+        }
+        if parts.path_and_query.is_none() {
+            parts.path_and_query = Some(PathAndQuery::from_static("/"));
+        }
+        *req.uri_mut() =
+            Uri::from_parts(parts).map_err(|e| HttpBackendError::classify(e.into()))?;
+        Ok(req)
+    }
+}
+
+impl<B> tower::Service<Request<B>> for HttpBackend<B>
+where
+    B: http_body::Body + Send + Unpin + 'static,
+    B::Data: Send,
+    B::Error: Into<crate::BoxError>,
+{
+    type Response = http::Response<hyper::body::Incoming>;
+    type Error = HttpBackendError;
+    type Future = ResponseFuture;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // The client pools connections itself and is always ready.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        match self.prepare(req, true) {
+            Ok(req) => {
+                ResponseFuture::new(self.inner.client.request(req), self.inner.response_timeout)
+            }
+            Err(e) => ResponseFuture::failed(e),
+        }
+    }
+}
+
+/// Settings for [`HttpBackend`]s of request body `B`: timeouts, HTTP version, pool. Clone it,
+/// or call [`build`](Self::build) again, to build many backends alike.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use axum::body::Body;
+/// use tower_affinity::client::HttpBackend;
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let backend = HttpBackend::<Body>::builder()
+///     .connect_timeout(Duration::from_secs(1))
+///     .response_timeout(Some(Duration::from_secs(300)))
+///     .http2_prior_knowledge(true)
+///     .build("http://10.0.0.2:30000")?;
+/// # let _ = backend;
+/// # Ok(())
+/// # }
+/// ```
+pub struct Builder<B> {
+    connect_timeout: Option<Duration>,
+    response_timeout: Option<Duration>,
+    http2: bool,
+    pool_idle_timeout: Option<Duration>,
+    pool_max_idle_per_host: usize,
+    _body: PhantomData<fn(B)>,
+}
+
+impl<B> Default for Builder<B> {
+    fn default() -> Self {
+        Builder::new()
+    }
+}
+
+impl<B> Clone for Builder<B> {
+    fn clone(&self) -> Self {
+        Builder {
+            connect_timeout: self.connect_timeout,
+            response_timeout: self.response_timeout,
+            http2: self.http2,
+            pool_idle_timeout: self.pool_idle_timeout,
+            pool_max_idle_per_host: self.pool_max_idle_per_host,
+            _body: PhantomData,
+        }
+    }
+}
+
+impl<B> fmt::Debug for Builder<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Builder")
+            .field("connect_timeout", &self.connect_timeout)
+            .field("response_timeout", &self.response_timeout)
+            .field("http2", &self.http2)
+            .field("pool_idle_timeout", &self.pool_idle_timeout)
+            .field("pool_max_idle_per_host", &self.pool_max_idle_per_host)
+            .finish()
+    }
+}
+
+impl<B> Builder<B> {
+    /// The defaults: 2 s to connect, no response-header timeout, HTTP/1.1, idle connections
+    /// closed after 90 s.
+    pub fn new() -> Self {
+        Builder {
+            connect_timeout: Some(Duration::from_secs(2)),
+            response_timeout: None,
+            http2: false,
+            pool_idle_timeout: Some(Duration::from_secs(90)),
+            pool_max_idle_per_host: usize::MAX,
+            _body: PhantomData,
+        }
+    }
+
+    /// The longest wait for a connection; `None` waits as long as the system does.
+    pub fn connect_timeout(mut self, timeout: impl Into<Option<Duration>>) -> Self {
+        self.connect_timeout = timeout.into();
+        self
+    }
+
+    /// The longest wait for the response headers, from the call; `None` (the default) waits
+    /// as long as it takes. An LLM answer that is not streamed comes after its whole prompt is
+    /// read and its whole reply written: minutes on modest GPUs. Past it the request fails
+    /// with [`FailureKind::Timeout`](super::FailureKind::Timeout), which the balancer
+    /// answers with 504, and the backend is passed over for the failure cooldown.
+    pub fn response_timeout(mut self, timeout: impl Into<Option<Duration>>) -> Self {
+        self.response_timeout = timeout.into();
+        self
+    }
+
+    /// Speak HTTP/2 to the backend without asking first (prior knowledge, `h2c`), as SGLang
+    /// and vLLM behind an HTTP/2 front accept; one connection then carries every request.
+    /// Off by default: llama-server speaks HTTP/1.1.
+    pub fn http2_prior_knowledge(mut self, on: bool) -> Self {
+        self.http2 = on;
+        self
+    }
+
+    /// How long an idle pooled connection is kept; `None` keeps it.
+    pub fn pool_idle_timeout(mut self, timeout: impl Into<Option<Duration>>) -> Self {
+        self.pool_idle_timeout = timeout.into();
+        self
+    }
+
+    /// The most idle connections kept to the backend.
+    pub fn pool_max_idle(mut self, max: usize) -> Self {
+        self.pool_max_idle_per_host = max;
+        self
+    }
+
+    /// A backend at `url`: `http://host[:port]`, with nothing after the authority but an
+    /// optional `/` (paths are forwarded as the client sent them).
+    pub fn build(&self, url: &str) -> Result<HttpBackend<B>, InvalidBackendUrl>
+    where
+        B: http_body::Body + Send + 'static,
+        B::Data: Send,
+    {
+        let bad = |why| InvalidBackendUrl::new(url, why);
+        let uri: Uri = url.parse().map_err(|_| bad("not a URL"))?;
+        let scheme = uri
+            .scheme()
+            .cloned()
+            .ok_or_else(|| bad("no scheme: expected http://host:port"))?;
+        if scheme == Scheme::HTTPS {
+            return Err(bad("https is not supported: HttpBackend speaks plain HTTP"));
+        }
+        if scheme != Scheme::HTTP {
+            return Err(bad("the scheme must be http"));
+        }
+        let authority = uri.authority().cloned().ok_or_else(|| bad("no host"))?;
+        if authority.as_str().contains('@') {
+            return Err(bad("user info is not supported"));
+        }
+        if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+            return Err(bad(
+                "expected http://host:port only: paths are forwarded as sent",
+            ));
+        }
+        let host = match authority.port_u16() {
+            Some(port) if port != 80 => format!("{}:{port}", authority.host()),
+            _ => authority.host().to_string(),
+        };
+        let host =
+            HeaderValue::try_from(host).map_err(|_| bad("the host is not a valid Host header"))?;
+        let base = Uri::builder()
+            .scheme(scheme.clone())
+            .authority(authority.clone())
+            .path_and_query("/")
+            .build()
+            .map_err(|_| bad("not a URL"))?;
+
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(self.connect_timeout);
+        connector.set_nodelay(true);
+        let mut client = Client::builder(TokioExecutor::new());
+        client
+            .pool_idle_timeout(self.pool_idle_timeout)
+            .pool_max_idle_per_host(self.pool_max_idle_per_host)
+            .http2_only(self.http2)
+            // Without a timer the pool never closes idle connections.
+            .pool_timer(hyper_util::rt::TokioTimer::new());
+        let client = client.build(connector.clone());
+        Ok(HttpBackend {
+            inner: Arc::new(Inner {
+                client,
+                connector,
+                base,
+                scheme,
+                authority,
+                host,
+                version: if self.http2 {
+                    Version::HTTP_2
+                } else {
+                    Version::HTTP_11
+                },
+                response_timeout: self.response_timeout,
+            }),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::Empty;
+
+    type Backend = HttpBackend<Empty<bytes::Bytes>>;
+
+    #[test]
+    fn only_a_plain_http_authority_is_a_backend_url() {
+        for (url, why) in [
+            ("https://x:443", "https"),
+            ("ftp://x", "scheme"),
+            ("x:80", "scheme"),
+            ("http://x:80/v1", "paths"),
+            ("http://x:80/?a=1", "paths"),
+            ("http://u@x:80", "user info"),
+            ("not a url", "not a URL"),
+        ] {
+            let e = Backend::new(url).unwrap_err().to_string();
+            assert!(e.contains(why), "{url}: {e}");
+        }
+        for url in [
+            "http://x:8080",
+            "http://x:8080/",
+            "http://[::1]:9",
+            "http://x",
+        ] {
+            Backend::new(url).unwrap_or_else(|e| panic!("{url}: {e}"));
+        }
+    }
+
+    #[test]
+    fn host_is_the_authority_less_the_default_port() {
+        let host = |url: &str| Backend::new(url).unwrap().inner.host.clone();
+        assert_eq!(host("http://x:8080"), "x:8080");
+        assert_eq!(host("http://x:80"), "x");
+        assert_eq!(host("http://x"), "x");
+        assert_eq!(host("http://[::1]:9"), "[::1]:9");
+    }
+
+    #[test]
+    fn prepare_rewrites_the_target_and_keeps_path_and_query() {
+        let b = Backend::new("http://10.0.0.1:8080").unwrap();
+        let req = Request::post("http://proxy:80/v1/chat?x=1")
+            .version(Version::HTTP_2)
+            .header("host", "proxy")
+            .header("connection", "x-hop")
+            .header("x-hop", "1")
+            .body(Empty::new())
+            .unwrap();
+        let req = b.prepare(req, true).unwrap();
+        assert_eq!(req.uri(), "http://10.0.0.1:8080/v1/chat?x=1");
+        assert_eq!(req.headers()["host"], "10.0.0.1:8080");
+        assert_eq!(req.version(), Version::HTTP_11);
+        assert!(!req.headers().contains_key("x-hop"));
+        let req = b.prepare(req, false).unwrap();
+        assert_eq!(req.uri(), "/v1/chat?x=1");
+    }
+}

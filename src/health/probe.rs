@@ -1,0 +1,152 @@
+//! [`HealthProbe`]: the probe's settings, and the adapter it makes of a discovery stream.
+
+use std::time::Duration;
+
+use futures_core::TryStream;
+use tower::discover::Change;
+
+use super::discover::Probed;
+use super::prober::Prober;
+use super::target::ProbeTarget;
+use crate::{Backend, BackendId};
+
+/// Health and slot probes for the backends of a discovery stream.
+///
+/// [`discover`](Self::discover) wraps any discovery stream (static, channel-fed, DNS) and
+/// gives two halves:
+///
+/// - the wrapped stream, [`Probed`], for [`SessionAffinityLayer::layer`]: it yields the
+///   inner stream's changes as they come, and registers each backend with the probe;
+/// - its [`Prober`], which probes every backend each [`interval`](Self::interval) once
+///   [spawned](Prober::spawn) with the balancer (or a round at a time with
+///   [`Prober::round`]), and reports through the balancer's health marks
+///   ([`SessionAffinity::mark_down`] and [`mark_up`]).
+///
+/// Each probe is `GET /health`:
+///
+/// - 200: ready. A backend that is down comes up after
+///   [`success_threshold`](Self::success_threshold) of these in a row.
+/// - 503: loading (llama-server answers so while it loads its model). The backend goes down
+///   at once and stays down until ready.
+/// - anything else, or no answer within [`timeout`](Self::timeout): a failure. The backend
+///   goes down after [`failure_threshold`](Self::failure_threshold) in a row.
+///
+/// For a backend whose slot count was not given ([`Backend::slots_given`]), a ready backend
+/// is also asked `GET /slots` (llama-server's: a JSON array, one object per slot): its length
+/// becomes the backend's slot count, announced again through the stream whenever it changes
+/// (an update that keeps the backend's sessions). The slots processing a request
+/// (`is_processing: true`) are recorded too ([`ProbeStatus::busy_slots`]); with
+/// [`busy_slots`](Self::busy_slots) every backend is asked.
+///
+/// Each transition is logged once (`info` up, `warn` down) and counted
+/// ([`ProbeStatus::transitions`], [`Prober::transitions`]).
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use axum::body::Body;
+/// use tower::Layer;
+/// use tower_affinity::client::HttpBackend;
+/// use tower_affinity::discover::StaticFleet;
+/// use tower_affinity::health::HealthProbe;
+/// use tower_affinity::{Backend, SessionAffinityLayer};
+///
+/// # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let fleet = StaticFleet::new([
+///     ("a1", Backend::new("node-a", HttpBackend::<Body>::new("http://10.0.0.1:8080")?)),
+///     ("b1", Backend::new("node-b", HttpBackend::<Body>::new("http://10.0.0.2:8080")?)),
+/// ]);
+/// let (fleet, prober) = HealthProbe::new()
+///     .interval(Duration::from_secs(2))
+///     .discover(fleet);
+/// let affinity = SessionAffinityLayer::new().layer(fleet);
+/// // Runs until dropped.
+/// let probes = prober.spawn(affinity.clone());
+/// # drop(probes);
+/// # Ok(()) }
+/// ```
+///
+/// [`SessionAffinityLayer::layer`]: tower::Layer::layer
+/// [`SessionAffinity::mark_down`]: crate::SessionAffinity::mark_down
+/// [`mark_up`]: crate::SessionAffinity::mark_up
+/// [`ProbeStatus::busy_slots`]: super::ProbeStatus::busy_slots
+/// [`ProbeStatus::transitions`]: super::ProbeStatus::transitions
+#[derive(Clone, Debug)]
+pub struct HealthProbe {
+    pub(crate) interval: Duration,
+    pub(crate) timeout: Duration,
+    pub(crate) failure_threshold: u32,
+    pub(crate) success_threshold: u32,
+    pub(crate) learn_slots: bool,
+    pub(crate) busy_slots: bool,
+}
+
+impl Default for HealthProbe {
+    fn default() -> Self {
+        HealthProbe::new()
+    }
+}
+
+impl HealthProbe {
+    /// The defaults: every 2 s, 2 s to answer, down after 3 failures, up after 2 successes,
+    /// slot counts learned from `/slots`.
+    pub fn new() -> Self {
+        HealthProbe {
+            interval: Duration::from_secs(2),
+            timeout: Duration::from_secs(2),
+            failure_threshold: 3,
+            success_threshold: 2,
+            learn_slots: true,
+            busy_slots: false,
+        }
+    }
+
+    /// How often each backend is probed (at least 1 ms).
+    pub fn interval(mut self, interval: Duration) -> Self {
+        self.interval = interval.max(Duration::from_millis(1));
+        self
+    }
+
+    /// The longest wait for each answer, `/health` and `/slots` alike; connecting counts.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Failed probes in a row that take a backend down (at least 1). A 503 takes it down at
+    /// once.
+    pub fn failure_threshold(mut self, n: u32) -> Self {
+        self.failure_threshold = n.max(1);
+        self
+    }
+
+    /// Ready probes in a row that bring a backend that is down up again (at least 1).
+    pub fn success_threshold(mut self, n: u32) -> Self {
+        self.success_threshold = n.max(1);
+        self
+    }
+
+    /// Whether to learn the slot count of backends given without one from `/slots` (on by
+    /// default).
+    pub fn learn_slots(mut self, on: bool) -> Self {
+        self.learn_slots = on;
+        self
+    }
+
+    /// Whether to read `/slots` of every ready backend, for its busy slots, even when its
+    /// slot count was given (off by default).
+    pub fn busy_slots(mut self, on: bool) -> Self {
+        self.busy_slots = on;
+        self
+    }
+
+    /// Wraps the discovery stream `inner`: the stream for the balancer, and the prober that
+    /// probes its backends.
+    pub fn discover<D, S>(self, inner: D) -> (Probed<D, S>, Prober<S>)
+    where
+        D: TryStream<Ok = Change<BackendId, Backend<S>>>,
+        S: ProbeTarget + Clone + Send + Sync + 'static,
+    {
+        let prober = Prober::new(self);
+        (Probed::new(inner, prober.clone()), prober)
+    }
+}

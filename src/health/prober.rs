@@ -1,0 +1,369 @@
+//! [`Prober`]: probes the backends its stream announced, and reports what it finds.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::{poll_fn, Future};
+use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::Poll;
+
+use http::Uri;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use parking_lot::Mutex;
+use tokio::sync::{mpsc, Notify};
+use tokio::task::JoinSet;
+
+use super::check::{check, Checked, Health, ProbeClient};
+use super::probe::HealthProbe;
+use super::status::ProbeStatus;
+use super::target::{MarkHealth, ProbeTarget};
+use crate::{Backend, BackendId};
+
+/// The probing half of [`HealthProbe::discover`]: probes the backends that its [`Probed`]
+/// stream announced, marks them down and up, and keeps what it found ([`status`]).
+///
+/// Run it with [`spawn`](Self::spawn), which probes every backend each interval (a backend
+/// announced later is probed at once); or a round at a time with [`round`](Self::round), as
+/// a proxy might before it takes its first request, so that a loading backend is down and
+/// slot counts are known. Cheap to clone: clones share the state.
+///
+/// [`Probed`]: super::Probed
+/// [`status`]: Self::status
+pub struct Prober<S> {
+    shared: Arc<Shared<S>>,
+}
+
+struct Shared<S> {
+    config: HealthProbe,
+    client: ProbeClient,
+    state: Mutex<HashMap<BackendId, Target<S>>>,
+    /// Generations of targets: a probe's answer for a backend removed meanwhile (and perhaps
+    /// announced again) is dropped.
+    generations: AtomicU64,
+    /// Learned slot counts, for the stream to announce.
+    updates: mpsc::UnboundedSender<Update<S>>,
+    receiver: Mutex<Option<mpsc::UnboundedReceiver<Update<S>>>>,
+    /// A backend was announced that has not been probed yet.
+    fresh: Notify,
+    transitions: AtomicU64,
+}
+
+/// One backend as the probe knows it.
+struct Target<S> {
+    /// As the inner stream announced it.
+    backend: Backend<S>,
+    generation: u64,
+    status: ProbeStatus,
+}
+
+/// A learned slot count, as a backend to announce again.
+pub(crate) struct Update<S> {
+    id: BackendId,
+    generation: u64,
+    backend: Backend<S>,
+}
+
+impl<S> Clone for Prober<S> {
+    fn clone(&self) -> Self {
+        Prober {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<S> fmt::Debug for Prober<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Prober")
+            .field("config", &self.shared.config)
+            .field("backends", &self.shared.state.lock().len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// What one probe's answer calls for, done outside the lock.
+enum Mark {
+    Down(String),
+    Up,
+}
+
+impl<S> Prober<S> {
+    pub(crate) fn new(config: HealthProbe) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(config.timeout));
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new()).build(connector);
+        let (updates, receiver) = mpsc::unbounded_channel();
+        Prober {
+            shared: Arc::new(Shared {
+                config,
+                client,
+                state: Mutex::default(),
+                generations: AtomicU64::new(0),
+                updates,
+                receiver: Mutex::new(Some(receiver)),
+                fresh: Notify::new(),
+                transitions: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// The receiving end of the learned slot counts, for the one stream.
+    pub(crate) fn take_updates(&self) -> mpsc::UnboundedReceiver<Update<S>> {
+        self.shared.receiver.lock().take().unwrap_or_else(|| {
+            // Only `HealthProbe::discover` takes it, once; a second taker gets a closed one.
+            mpsc::unbounded_channel().1
+        })
+    }
+
+    /// What the probe knows of backend `id`, if its stream announced it.
+    pub fn status(&self, id: &str) -> Option<ProbeStatus> {
+        self.shared.state.lock().get(id).map(|t| t.status.clone())
+    }
+
+    /// What the probe knows of every backend it probes, in no particular order.
+    pub fn statuses(&self) -> Vec<ProbeStatus> {
+        self.shared
+            .state
+            .lock()
+            .values()
+            .map(|t| t.status.clone())
+            .collect()
+    }
+
+    /// Times the probe marked any backend down or up, removed backends' included.
+    pub fn transitions(&self) -> u64 {
+        self.shared.transitions.load(Ordering::Relaxed)
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &HealthProbe {
+        &self.shared.config
+    }
+}
+
+impl<S: Clone> Prober<S> {
+    /// The inner stream announced `backend`: registers it, and returns it as the balancer
+    /// should have it (with the slot count learned before, if its own was not given).
+    pub(crate) fn announced(&self, id: &BackendId, backend: Backend<S>) -> Backend<S>
+    where
+        S: ProbeTarget,
+    {
+        let mut state = self.shared.state.lock();
+        let learned = match state.get_mut(id) {
+            Some(t) => {
+                t.backend = backend.clone();
+                t.status.slots.filter(|_| self.learns(&t.backend))
+            }
+            None => {
+                let generation = self.shared.generations.fetch_add(1, Ordering::Relaxed);
+                state.insert(
+                    id.clone(),
+                    Target {
+                        backend: backend.clone(),
+                        generation,
+                        status: ProbeStatus::new(id.clone()),
+                    },
+                );
+                self.shared.fresh.notify_one();
+                None
+            }
+        };
+        match learned {
+            Some(slots) => backend.slots(slots),
+            None => backend,
+        }
+    }
+
+    /// The inner stream removed `id`.
+    pub(crate) fn removed(&self, id: &BackendId) {
+        self.shared.state.lock().remove(id);
+    }
+
+    /// `update` as a backend to announce, if it is still the backend it was learned for.
+    pub(crate) fn still_current(&self, update: Update<S>) -> Option<(BackendId, Backend<S>)> {
+        let state = self.shared.state.lock();
+        let t = state.get(&update.id)?;
+        (t.generation == update.generation).then_some((update.id, update.backend))
+    }
+
+    /// Whether the slot count of `backend` is learned from `/slots`.
+    fn learns(&self, backend: &Backend<S>) -> bool {
+        self.shared.config.learn_slots && !backend.slots_given()
+    }
+}
+
+impl<S> Prober<S>
+where
+    S: ProbeTarget + Clone + Send + Sync + 'static,
+{
+    /// Probes every backend once, at once, and acts on what it finds: marks backends down and
+    /// up through `health`, and announces learned slot counts (applied before this returns).
+    pub async fn round<H: MarkHealth>(&self, health: &H) {
+        self.round_of(health, false).await;
+    }
+
+    /// Probes every backend each interval, and a backend announced later at once, until the
+    /// returned [`ProbeTask`] is dropped. Needs a tokio runtime.
+    pub fn spawn<H>(self, health: H) -> ProbeTask
+    where
+        H: MarkHealth + Send + Sync + 'static,
+    {
+        let task = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(self.shared.config.interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                let fresh = self.shared.fresh.notified();
+                let mut fresh = std::pin::pin!(fresh);
+                let only_new = poll_fn(|cx| {
+                    if tick.poll_tick(cx).is_ready() {
+                        return Poll::Ready(false);
+                    }
+                    fresh.as_mut().poll(cx).map(|()| true)
+                })
+                .await;
+                self.round_of(&health, only_new).await;
+            }
+        });
+        ProbeTask { task }
+    }
+
+    async fn round_of<H: MarkHealth>(&self, health: &H, only_new: bool) {
+        // The fleet as the balancer has it: what its stream has announced so far.
+        health.apply_discovery();
+        let jobs: Vec<(BackendId, u64, Uri, bool)> = {
+            let state = self.shared.state.lock();
+            state
+                .iter()
+                .filter(|(_, t)| !only_new || t.status.probes == 0)
+                .map(|(id, t)| {
+                    let slots = self.learns(&t.backend) || self.shared.config.busy_slots;
+                    let uri = t.backend.service().base_uri().clone();
+                    (id.clone(), t.generation, uri, slots)
+                })
+                .collect()
+        };
+        let mut probes = JoinSet::new();
+        for (id, generation, uri, slots) in jobs {
+            let client = self.shared.client.clone();
+            let timeout = self.shared.config.timeout;
+            probes.spawn(async move { (id, generation, check(client, uri, timeout, slots).await) });
+        }
+        let mut announced = false;
+        while let Some(done) = probes.join_next().await {
+            let Ok((id, generation, checked)) = done else {
+                continue;
+            };
+            let (mark, update, node) = self.record(&id, generation, checked);
+            match mark {
+                Some(Mark::Down(reason)) => {
+                    health.mark_down(&id);
+                    tracing::warn!(backend = %id, node = %node, %reason, "backend down until /health is 200");
+                }
+                Some(Mark::Up) => {
+                    health.mark_up(&id);
+                    tracing::info!(backend = %id, node = %node, "backend up: /health is 200");
+                }
+                None => {}
+            }
+            if let Some(update) = update {
+                announced |= self.shared.updates.send(update).is_ok();
+            }
+        }
+        if announced {
+            health.apply_discovery();
+        }
+    }
+
+    /// Records one probe's answer; returns the transition it makes, the slot update it calls
+    /// for, and the backend's node (for the log).
+    fn record(
+        &self,
+        id: &BackendId,
+        generation: u64,
+        checked: Checked,
+    ) -> (Option<Mark>, Option<Update<S>>, String) {
+        let config = &self.shared.config;
+        let mut state = self.shared.state.lock();
+        let Some(t) = state.get_mut(id).filter(|t| t.generation == generation) else {
+            return (None, None, String::new());
+        };
+        let learns = self.learns(&t.backend);
+        let s = &mut t.status;
+        s.probes += 1;
+        let mut mark = None;
+        match checked.health {
+            Health::Ready => {
+                s.loading = false;
+                s.failures = 0;
+                s.successes = s.successes.saturating_add(1);
+                if !s.up && s.successes >= config.success_threshold {
+                    s.up = true;
+                    mark = Some(Mark::Up);
+                }
+            }
+            Health::Loading => {
+                s.loading = true;
+                s.successes = 0;
+                s.failures = s.failures.saturating_add(1);
+                s.last_error = Some("loading: /health answered 503".into());
+                if s.up {
+                    s.up = false;
+                    mark = Some(Mark::Down("loading: /health answered 503".into()));
+                }
+            }
+            Health::Failed(reason) => {
+                s.loading = false;
+                s.successes = 0;
+                s.failures = s.failures.saturating_add(1);
+                if s.up && s.failures >= config.failure_threshold {
+                    s.up = false;
+                    mark = Some(Mark::Down(reason.clone()));
+                }
+                s.last_error = Some(reason);
+            }
+        }
+        if mark.is_some() {
+            s.transitions += 1;
+            self.shared.transitions.fetch_add(1, Ordering::Relaxed);
+        }
+        let mut update = None;
+        if let Some(read) = checked.slots {
+            s.busy_slots = Some(read.busy);
+            let total = NonZeroU32::new(read.total);
+            if s.slots != total {
+                s.slots = total;
+                if let (true, Some(total)) = (learns, total) {
+                    tracing::info!(backend = %id, slots = total.get(), "slot count read from /slots");
+                    update = Some(Update {
+                        id: id.clone(),
+                        generation,
+                        backend: t.backend.clone().slots(total),
+                    });
+                }
+            }
+        }
+        (mark, update, t.backend.node().to_string())
+    }
+}
+
+/// The task of [`Prober::spawn`]: probing stops when it is dropped.
+#[derive(Debug)]
+pub struct ProbeTask {
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl ProbeTask {
+    /// Stops probing (as dropping it does).
+    pub fn abort(&self) {
+        self.task.abort();
+    }
+}
+
+impl Drop for ProbeTask {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}

@@ -1,0 +1,48 @@
+//! [`ProbeStatus`]: what the probe knows of one backend.
+
+use std::num::NonZeroU32;
+
+use crate::BackendId;
+
+/// What the probe knows of one backend, from [`Prober::status`](super::Prober::status).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ProbeStatus {
+    /// The backend.
+    pub id: BackendId,
+    /// Whether the probe has it up. A backend starts up, as the balancer has it.
+    pub up: bool,
+    /// Whether its last `/health` answered 503: the model is loading.
+    pub loading: bool,
+    /// Probes in a row that failed (503 counts as one).
+    pub failures: u32,
+    /// Probes in a row that found it ready.
+    pub successes: u32,
+    /// Probes sent to it.
+    pub probes: u64,
+    /// Times the probe marked it down or up.
+    pub transitions: u64,
+    /// Why its last failed probe failed.
+    pub last_error: Option<String>,
+    /// Its slot count as `/slots` last gave it, if read.
+    pub slots: Option<NonZeroU32>,
+    /// Slots that `/slots` last showed processing a request (`is_processing: true`), if read.
+    pub busy_slots: Option<u32>,
+}
+
+impl ProbeStatus {
+    pub(crate) fn new(id: BackendId) -> Self {
+        ProbeStatus {
+            id,
+            up: true,
+            loading: false,
+            failures: 0,
+            successes: 0,
+            probes: 0,
+            transitions: 0,
+            last_error: None,
+            slots: None,
+            busy_slots: None,
+        }
+    }
+}

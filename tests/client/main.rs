@@ -1,0 +1,413 @@
+//! `HttpBackend` over real HTTP on loopback: stub servers started by each test, hyper's or a
+//! raw socket that misbehaves on purpose.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode, Version};
+use http_body_util::{BodyExt, Full};
+use parking_lot::Mutex;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tower::retry::RetryLayer;
+use tower::{Layer, ServiceExt};
+use tower_affinity::client::{FailureKind, HttpBackend, HttpBackendError};
+use tower_affinity::discover::StaticFleet;
+use tower_affinity::{Backend, Error, SessionAffinityLayer};
+
+type Body = Full<Bytes>;
+
+/// The longest any one exchange may take.
+const DEADLINE: Duration = Duration::from_secs(5);
+
+/// What the stub saw of one request.
+#[derive(Clone, Debug)]
+struct Seen {
+    method: http::Method,
+    uri: http::Uri,
+    version: Version,
+    headers: http::HeaderMap,
+    body: Bytes,
+}
+
+/// A hyper server on loopback (HTTP/1.1 and HTTP/2 with prior knowledge) that records each
+/// request and answers 200 with `x-stub: NAME` and some hop-by-hop headers of its own.
+async fn stub(name: &'static str) -> (SocketAddr, Arc<Mutex<Vec<Seen>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen: Arc<Mutex<Vec<Seen>>> = Arc::default();
+    let log = seen.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let log = log.clone();
+            let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                let log = log.clone();
+                async move {
+                    let (parts, body) = req.into_parts();
+                    let body = body.collect().await?.to_bytes();
+                    log.lock().push(Seen {
+                        method: parts.method,
+                        uri: parts.uri,
+                        version: parts.version,
+                        headers: parts.headers,
+                        body,
+                    });
+                    let res = Response::builder()
+                        .header("x-stub", name)
+                        .header("connection", "x-resp-hop")
+                        .header("x-resp-hop", "1")
+                        .header("keep-alive", "timeout=5")
+                        .header("proxy-connection", "keep-alive")
+                        .body(Full::new(Bytes::from_static(b"ok")))
+                        .unwrap();
+                    Ok::<_, hyper::Error>(res)
+                }
+            });
+            tokio::spawn(async move {
+                let _ = hyper_util::server::conn::auto::Builder::new(
+                    hyper_util::rt::TokioExecutor::new(),
+                )
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                .await;
+            });
+        }
+    });
+    (addr, seen)
+}
+
+/// A loopback port with nothing listening on it.
+async fn refused_port() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    listener.local_addr().unwrap()
+}
+
+/// A raw server that reads one request's head and then does `then` with the socket.
+async fn raw<F, Fut>(then: F) -> SocketAddr
+where
+    F: Fn(tokio::net::TcpStream) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let then = Arc::new(then);
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let then = then.clone();
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match stream.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                then(stream).await;
+            });
+        }
+    });
+    addr
+}
+
+/// Closes `stream` with a reset (RST) rather than a FIN: linger zero, which does not block,
+/// as there is nothing left to send.
+#[allow(deprecated)]
+fn reset(stream: tokio::net::TcpStream) {
+    let _ = stream.set_linger(Some(Duration::ZERO));
+    drop(stream);
+}
+
+fn url(addr: SocketAddr) -> String {
+    format!("http://{addr}")
+}
+
+async fn call(
+    backend: &HttpBackend<Body>,
+    req: Request<Body>,
+) -> Result<Response<hyper::body::Incoming>, HttpBackendError> {
+    tokio::time::timeout(DEADLINE, backend.clone().oneshot(req))
+        .await
+        .expect("no answer in time")
+}
+
+#[tokio::test]
+async fn method_path_query_and_body_are_kept_and_the_authority_rewritten() {
+    let (addr, seen) = stub("a").await;
+    let backend = HttpBackend::new(&url(addr)).unwrap();
+    let req = Request::put("http://proxy.example:8000/v1/chat/completions?stream=false&x=%20y")
+        .header("host", "proxy.example:8000")
+        .header("x-session-id", "s-1")
+        .body(Full::new(Bytes::from_static(br#"{"messages":[]}"#)))
+        .unwrap();
+    let res = call(&backend, req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(res.headers()["x-stub"], "a");
+    let seen = seen.lock()[0].clone();
+    assert_eq!(seen.method, http::Method::PUT);
+    assert_eq!(
+        seen.uri.path_and_query().unwrap().as_str(),
+        "/v1/chat/completions?stream=false&x=%20y"
+    );
+    assert_eq!(seen.headers["host"], addr.to_string());
+    assert_eq!(seen.headers["x-session-id"], "s-1");
+    assert_eq!(seen.body.as_ref(), br#"{"messages":[]}"#);
+    assert_eq!(seen.version, Version::HTTP_11);
+}
+
+#[tokio::test]
+async fn hop_by_hop_headers_are_dropped_both_ways_with_those_connection_names() {
+    let (addr, seen) = stub("a").await;
+    let backend = HttpBackend::new(&url(addr)).unwrap();
+    let req = Request::post("/v1/completions")
+        .header("connection", "x-req-hop, keep-alive")
+        .header("x-req-hop", "1")
+        .header("keep-alive", "timeout=5")
+        .header("proxy-authorization", "Basic eA==")
+        .header("proxy-connection", "keep-alive")
+        .header("upgrade", "h2c")
+        .header("te", "trailers")
+        .header("x-end-to-end", "kept")
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap();
+    let res = call(&backend, req).await.unwrap();
+    let seen = seen.lock()[0].clone();
+    for name in [
+        "x-req-hop",
+        "keep-alive",
+        "proxy-authorization",
+        "proxy-connection",
+        "upgrade",
+        "te",
+    ] {
+        assert!(
+            !seen.headers.contains_key(name),
+            "{name} reached the backend"
+        );
+    }
+    assert_eq!(seen.headers["x-end-to-end"], "kept");
+    for name in ["connection", "x-resp-hop", "keep-alive", "proxy-connection"] {
+        assert!(
+            !res.headers().contains_key(name),
+            "{name} reached the client"
+        );
+    }
+    assert_eq!(res.headers()["x-stub"], "a");
+}
+
+#[tokio::test]
+async fn http2_with_prior_knowledge_reaches_the_backend_as_http2() {
+    let (addr, seen) = stub("h2").await;
+    let backend = HttpBackend::<Body>::builder()
+        .http2_prior_knowledge(true)
+        .build(&url(addr))
+        .unwrap();
+    for i in 0..3 {
+        let req = Request::post(format!("/v1/chat/completions?i={i}"))
+            .header("connection", "x-hop")
+            .header("x-hop", "1")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap();
+        let res = call(&backend, req).await.unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
+        assert_eq!(res.version(), Version::HTTP_2);
+        assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), "ok");
+    }
+    let seen = seen.lock().clone();
+    assert_eq!(seen.len(), 3);
+    for s in &seen {
+        assert_eq!(s.version, Version::HTTP_2);
+        assert_eq!(
+            s.uri.authority().map(|a| a.as_str()),
+            Some(&*addr.to_string())
+        );
+        assert!(!s.headers.contains_key("x-hop"));
+    }
+    assert_eq!(
+        seen[2].uri.path_and_query().unwrap(),
+        "/v1/chat/completions?i=2"
+    );
+}
+
+#[tokio::test]
+async fn a_refused_connection_is_a_502_refusal() {
+    let backend = HttpBackend::new(&url(refused_port().await)).unwrap();
+    let e = call(&backend, Request::get("/").body(Body::default()).unwrap())
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), FailureKind::Refused, "{e}");
+    assert_eq!(e.status(), 502);
+    assert!(e.to_string().starts_with("connection refused"), "{e}");
+}
+
+#[tokio::test]
+async fn a_connection_reset_before_the_headers_end_is_a_502_reset() {
+    let addr = raw(|mut stream| async move {
+        let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-le").await;
+        reset(stream);
+    })
+    .await;
+    let backend = HttpBackend::new(&url(addr)).unwrap();
+    let e = call(&backend, Request::get("/").body(Body::default()).unwrap())
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), FailureKind::Reset, "{e}");
+    assert_eq!(e.status(), 502);
+}
+
+#[tokio::test]
+async fn a_connection_closed_before_any_answer_is_a_reset() {
+    let addr = raw(|stream| async move { drop(stream) }).await;
+    let backend = HttpBackend::new(&url(addr)).unwrap();
+    let e = call(&backend, Request::get("/").body(Body::default()).unwrap())
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), FailureKind::Reset, "{e}");
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn no_response_headers_within_the_timeout_is_a_504_timeout() {
+    // Reads the request, then never answers; the socket stays open.
+    let addr = raw(|stream| async move {
+        std::future::pending::<()>().await;
+        drop(stream);
+    })
+    .await;
+    let backend = HttpBackend::<Body>::builder()
+        .connect_timeout(None)
+        .response_timeout(Duration::from_secs(30))
+        .build(&url(addr))
+        .unwrap();
+    let started = tokio::time::Instant::now();
+    let e = backend
+        .clone()
+        .oneshot(Request::get("/").body(Body::default()).unwrap())
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), FailureKind::Timeout, "{e}");
+    assert_eq!(e.status(), 504);
+    assert!(
+        e.to_string().contains("no response headers within 30s"),
+        "{e}"
+    );
+    assert!(started.elapsed() >= Duration::from_secs(30));
+
+    // Through the balancer: 504, and the backend passed over for the cooldown.
+    let svc =
+        SessionAffinityLayer::new().layer(StaticFleet::new([("slow", Backend::new("n", backend))]));
+    let e = svc
+        .clone()
+        .oneshot(Request::get("/").body(Body::default()).unwrap())
+        .await
+        .unwrap_err();
+    assert_eq!(e.status(), 504);
+    assert_eq!(
+        HttpBackendError::of(&e).map(|e| e.kind()),
+        Some(FailureKind::Timeout)
+    );
+    assert!(!svc.backends()[0].healthy);
+}
+
+#[tokio::test]
+async fn a_body_cut_mid_response_fails_the_body_and_frees_the_slot() {
+    let addr = raw(|mut stream| async move {
+        let _ = stream
+            .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nfirst ten.")
+            .await;
+        reset(stream);
+    })
+    .await;
+    let backend = HttpBackend::new(&url(addr)).unwrap();
+    let svc =
+        SessionAffinityLayer::new().layer(StaticFleet::new([("cut", Backend::new("n", backend))]));
+    let res = tokio::time::timeout(
+        DEADLINE,
+        svc.clone()
+            .oneshot(Request::get("/").body(Body::default()).unwrap()),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(res.status(), 200);
+    let body = tokio::time::timeout(DEADLINE, res.into_body().collect())
+        .await
+        .unwrap();
+    assert!(body.is_err(), "a cut body must not end as if complete");
+    assert_eq!(svc.stats().in_flight, 0);
+}
+
+#[tokio::test]
+async fn retry_once_moves_a_refused_request_to_another_backend() {
+    let (live, seen) = stub("live").await;
+    let dead = refused_port().await;
+    let fleet = StaticFleet::new([
+        (
+            "dead",
+            Backend::new("node-a", HttpBackend::new(&url(dead)).unwrap()),
+        ),
+        (
+            "live",
+            Backend::new("node-b", HttpBackend::new(&url(live)).unwrap()),
+        ),
+    ]);
+    let affinity = SessionAffinityLayer::new().layer(fleet);
+    let svc = RetryLayer::new(tower_affinity::RetryOnce::new()).layer(affinity.clone());
+    // Sessions until one was placed on `dead` first (rendezvous spreads them).
+    for s in 0..64 {
+        let req = Request::post("/v1/chat/completions")
+            .header("x-session-id", format!("s-{s}"))
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap();
+        let res: Result<Response<_>, Error> =
+            tokio::time::timeout(DEADLINE, svc.clone().oneshot(req))
+                .await
+                .unwrap();
+        let res = res.unwrap_or_else(|e| panic!("session s-{s}: {e}"));
+        assert_eq!(res.headers()["x-stub"], "live");
+        if affinity.stats().backend_errors == 1 {
+            break;
+        }
+    }
+    assert_eq!(
+        affinity.stats().backend_errors,
+        1,
+        "no session went to dead"
+    );
+    let dead = affinity
+        .backends()
+        .into_iter()
+        .find(|b| b.id.as_str() == "dead")
+        .unwrap();
+    assert!(!dead.healthy, "the cooldown passes dead over");
+    assert_eq!(dead.failures, 1);
+    assert!(!seen.lock().is_empty());
+}
+
+#[tokio::test]
+async fn a_refusal_through_the_balancer_is_a_502_of_kind_refused() {
+    let backend = HttpBackend::new(&url(refused_port().await)).unwrap();
+    let svc =
+        SessionAffinityLayer::new().layer(StaticFleet::new([("dead", Backend::new("n", backend))]));
+    let e: Error = tokio::time::timeout(
+        DEADLINE,
+        svc.oneshot(Request::get("/").body(Body::default()).unwrap()),
+    )
+    .await
+    .unwrap()
+    .unwrap_err();
+    assert_eq!(e.status(), 502);
+    assert_eq!(
+        HttpBackendError::of(&e).map(|e| e.kind()),
+        Some(FailureKind::Refused)
+    );
+    let res = e.into_response::<Infallible>();
+    assert_eq!(res.status(), 502);
+}

@@ -1,0 +1,397 @@
+//! `HealthProbe` against real HTTP stubs on loopback, on paused time: the probe's intervals
+//! and timeouts pass without the test waiting for them.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+use axum::Router;
+use bytes::Bytes;
+use http_body_util::Full;
+use parking_lot::Mutex;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tower::Layer;
+use tower_affinity::client::HttpBackend;
+use tower_affinity::discover::{self, StaticFleet};
+use tower_affinity::health::{HealthProbe, MarkHealth, Prober};
+use tower_affinity::{Backend, BackendStatus, SessionAffinity, SessionAffinityLayer};
+
+type Http = HttpBackend<Full<Bytes>>;
+
+/// A stub llama-server's `/health` and `/slots`, set by the test.
+#[derive(Debug, Default)]
+struct Stub {
+    health: AtomicU16,
+    /// `/health` never answers.
+    hang: AtomicBool,
+    /// Its slots, each `true` while processing.
+    slots: Mutex<Vec<bool>>,
+    health_hits: AtomicUsize,
+    slots_hits: AtomicUsize,
+}
+
+async fn health(State(s): State<Arc<Stub>>) -> (StatusCode, &'static str) {
+    s.health_hits.fetch_add(1, Ordering::Relaxed);
+    if s.hang.load(Ordering::Relaxed) {
+        std::future::pending::<()>().await;
+    }
+    let status = StatusCode::from_u16(s.health.load(Ordering::Relaxed)).unwrap();
+    (status, "{}")
+}
+
+async fn slots(State(s): State<Arc<Stub>>) -> axum::Json<Value> {
+    s.slots_hits.fetch_add(1, Ordering::Relaxed);
+    let slots: Vec<Value> = s
+        .slots
+        .lock()
+        .iter()
+        .enumerate()
+        .map(|(id, busy)| json!({"id": id, "n_ctx": 4096, "is_processing": busy}))
+        .collect();
+    axum::Json(Value::Array(slots))
+}
+
+async fn start(count: usize) -> (SocketAddr, Arc<Stub>) {
+    let stub = Arc::new(Stub {
+        health: AtomicU16::new(200),
+        slots: Mutex::new(vec![false; count]),
+        ..Stub::default()
+    });
+    let app = Router::new()
+        .route("/health", get(health))
+        .route("/slots", get(slots))
+        .with_state(stub.clone());
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (addr, stub)
+}
+
+fn http(addr: SocketAddr) -> Http {
+    HttpBackend::new(&format!("http://{addr}")).unwrap()
+}
+
+type Affinity = SessionAffinity<
+    tower_affinity::health::Probed<StaticFleet<Http>, Http>,
+    tower_affinity::key::HeaderKey,
+    tower_affinity::placement::NodeThenBackend,
+>;
+
+/// The balancer over `backends`, probed with `probe`.
+fn balancer(probe: HealthProbe, backends: Vec<(&str, Backend<Http>)>) -> (Affinity, Prober<Http>) {
+    let (fleet, prober) = probe.discover(StaticFleet::new(backends));
+    (SessionAffinityLayer::new().layer(fleet), prober)
+}
+
+fn status<D, K, P>(affinity: &SessionAffinity<D, K, P>, id: &str) -> BackendStatus
+where
+    D: tower::discover::Discover<Key = tower_affinity::BackendId, Service = Backend<Http>>,
+{
+    affinity
+        .backends()
+        .into_iter()
+        .find(|b| b.id.as_str() == id)
+        .unwrap_or_else(|| panic!("no backend {id}"))
+}
+
+/// Every log line of this test binary: one global subscriber (a thread's own default would
+/// race the other tests over tracing's global per-callsite cache).
+#[derive(Clone, Default)]
+struct Logs(Arc<Mutex<Vec<u8>>>);
+
+impl Logs {
+    /// Lines that say `what` of backend `id`.
+    fn count(&self, id: &str, what: &str) -> usize {
+        let backend = format!("backend={id} ");
+        String::from_utf8_lossy(&self.0.lock())
+            .lines()
+            .filter(|l| l.contains(what) && l.contains(&backend))
+            .count()
+    }
+}
+
+impl Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn logs() -> &'static Logs {
+    static LOGS: std::sync::OnceLock<Logs> = std::sync::OnceLock::new();
+    LOGS.get_or_init(|| {
+        let logs = Logs::default();
+        let writer = logs.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_max_level(tracing::Level::INFO)
+            .with_writer(move || writer.clone())
+            .finish();
+        tracing::subscriber::set_global_default(subscriber).unwrap();
+        logs
+    })
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_loading_backend_is_down_until_two_probes_find_it_ready() {
+    let (addr, stub) = start(2).await;
+    stub.health.store(503, Ordering::Relaxed);
+    let two = NonZeroU32::new(2).unwrap();
+    let (affinity, prober) = balancer(
+        HealthProbe::new(),
+        vec![("a", Backend::new("n", http(addr)).slots(two))],
+    );
+
+    prober.round(&affinity).await;
+    assert!(!status(&affinity, "a").healthy, "503 is down at once");
+    let s = prober.status("a").unwrap();
+    assert!(s.loading && !s.up);
+
+    stub.health.store(200, Ordering::Relaxed);
+    prober.round(&affinity).await;
+    assert!(!status(&affinity, "a").healthy, "one success is not enough");
+    assert_eq!(prober.status("a").unwrap().successes, 1);
+    prober.round(&affinity).await;
+    assert!(status(&affinity, "a").healthy, "two successes bring it up");
+    let s = prober.status("a").unwrap();
+    assert!(s.up && !s.loading);
+    assert_eq!(s.transitions, 2);
+    assert_eq!(prober.transitions(), 2);
+    assert_eq!(
+        stub.slots_hits.load(Ordering::Relaxed),
+        0,
+        "its slots were given"
+    );
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn three_failures_in_a_row_take_a_backend_down_each_interval() {
+    let (addr, stub) = start(2).await;
+    stub.health.store(500, Ordering::Relaxed);
+    let (affinity, prober) = balancer(
+        HealthProbe::new().interval(Duration::from_secs(1)),
+        vec![("a", Backend::new("n", http(addr)))],
+    );
+    let task = prober.clone().spawn(affinity.clone());
+
+    // Rounds at 0 s, 1 s and 2 s.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(prober.status("a").unwrap().failures, 2);
+    assert!(
+        status(&affinity, "a").healthy,
+        "two failures are not enough"
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let s = prober.status("a").unwrap();
+    assert_eq!(s.failures, 3);
+    assert!(!s.up);
+    assert_eq!(
+        s.last_error.as_deref(),
+        Some("/health answered 500 Internal Server Error")
+    );
+    assert!(!status(&affinity, "a").healthy);
+
+    // Ready again: up after two rounds.
+    stub.health.store(200, Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(status(&affinity, "a").healthy);
+    drop(task);
+    let probes = stub.health_hits.load(Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(
+        stub.health_hits.load(Ordering::Relaxed),
+        probes,
+        "dropping the task stops it"
+    );
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn no_answer_within_the_timeout_and_a_refused_connection_are_failures() {
+    let (addr, stub) = start(1).await;
+    stub.hang.store(true, Ordering::Relaxed);
+    let gone = TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let (affinity, prober) = balancer(
+        HealthProbe::new()
+            .timeout(Duration::from_secs(2))
+            .failure_threshold(1),
+        vec![
+            ("hung", Backend::new("n", http(addr))),
+            ("gone", Backend::new("n", http(gone))),
+        ],
+    );
+    let started = tokio::time::Instant::now();
+    prober.round(&affinity).await;
+    assert!(started.elapsed() >= Duration::from_secs(2));
+    let hung = prober.status("hung").unwrap();
+    assert!(!hung.up);
+    assert!(hung.last_error.unwrap().contains("no answer within 2s"));
+    let gone = prober.status("gone").unwrap();
+    assert!(!gone.up);
+    assert!(gone.last_error.unwrap().contains("connection refused"));
+    assert!(affinity.backends().iter().all(|b| !b.healthy));
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn slots_are_learned_from_slots_and_followed_when_they_change() {
+    let (a, stub_a) = start(3).await;
+    let (b, stub_b) = start(4).await;
+    let two = NonZeroU32::new(2).unwrap();
+    let (affinity, prober) = balancer(
+        HealthProbe::new(),
+        vec![
+            ("a", Backend::new("n", http(a))),
+            ("b", Backend::new("n", http(b)).slots(two)),
+        ],
+    );
+    prober.round(&affinity).await;
+    assert_eq!(status(&affinity, "a").slots, 3, "learned");
+    assert_eq!(status(&affinity, "b").slots, 2, "given");
+    assert_eq!(stub_b.slots_hits.load(Ordering::Relaxed), 0);
+    assert_eq!(prober.status("a").unwrap().busy_slots, Some(0));
+
+    *stub_a.slots.lock() = vec![true, true, false, false, false];
+    prober.round(&affinity).await;
+    assert_eq!(status(&affinity, "a").slots, 5, "followed");
+    let s = prober.status("a").unwrap();
+    assert_eq!(
+        (s.slots.map(NonZeroU32::get), s.busy_slots),
+        (Some(5), Some(2))
+    );
+    // A steady count announces nothing more.
+    prober.round(&affinity).await;
+    assert_eq!(status(&affinity, "a").slots, 5);
+    assert_eq!(s.transitions, 0);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn busy_slots_reads_slots_of_every_backend_and_learns_nothing_from_a_given_count() {
+    let (b, stub_b) = start(4).await;
+    *stub_b.slots.lock() = vec![true, false, true, true];
+    let two = NonZeroU32::new(2).unwrap();
+    let (affinity, prober) = balancer(
+        HealthProbe::new().busy_slots(true),
+        vec![("b", Backend::new("n", http(b)).slots(two))],
+    );
+    prober.round(&affinity).await;
+    assert_eq!(prober.status("b").unwrap().busy_slots, Some(3));
+    assert_eq!(status(&affinity, "b").slots, 2, "the given count stays");
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_backend_announced_again_keeps_its_learned_slots_and_a_removed_one_is_not_probed() {
+    let (a, stub_a) = start(3).await;
+    let (handle, fleet) = discover::channel::<Http>();
+    let (fleet, prober) = HealthProbe::new().discover(fleet);
+    let affinity = SessionAffinityLayer::new().layer(fleet);
+    handle.insert("a", Backend::new("n", http(a)));
+    prober.round(&affinity).await;
+    assert_eq!(status(&affinity, "a").slots, 3);
+
+    // An update from discovery without a count: the learned one stays.
+    handle.insert("a", Backend::new("m", http(a)));
+    affinity.apply_discovery();
+    let s = status(&affinity, "a");
+    assert_eq!((s.slots, s.node.as_str()), (3, "m"));
+
+    handle.remove("a");
+    affinity.apply_discovery();
+    let hits = stub_a.health_hits.load(Ordering::Relaxed);
+    prober.round(&affinity).await;
+    assert_eq!(stub_a.health_hits.load(Ordering::Relaxed), hits);
+    assert!(prober.status("a").is_none());
+    assert!(affinity.backends().is_empty());
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_backend_announced_later_is_probed_at_once() {
+    let (a, stub_a) = start(3).await;
+    let (handle, fleet) = discover::channel::<Http>();
+    let (fleet, prober) = HealthProbe::new()
+        .interval(Duration::from_secs(60))
+        .discover(fleet);
+    let affinity = SessionAffinityLayer::new().layer(fleet);
+    let _task = prober.clone().spawn(affinity.clone());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    handle.insert("a", Backend::new("n", http(a)));
+    // Announced to the balancer (by a request's readiness, or here by hand): probed then, not
+    // a minute later.
+    affinity.apply_discovery();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(stub_a.health_hits.load(Ordering::Relaxed), 1);
+    assert_eq!(status(&affinity, "a").slots, 3);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn each_transition_is_logged_once() {
+    let logs = logs();
+    let (addr, stub) = start(1).await;
+    let (affinity, prober) = balancer(
+        HealthProbe::new().failure_threshold(2).success_threshold(2),
+        vec![("logged", Backend::new("n", http(addr)))],
+    );
+    stub.health.store(500, Ordering::Relaxed);
+    for _ in 0..5 {
+        prober.round(&affinity).await;
+    }
+    stub.health.store(200, Ordering::Relaxed);
+    for _ in 0..5 {
+        prober.round(&affinity).await;
+    }
+    assert_eq!(logs.count("logged", "backend down until /health is 200"), 1);
+    assert_eq!(logs.count("logged", "backend up: /health is 200"), 1);
+    assert_eq!(logs.count("logged", "slot count read from /slots"), 1);
+    assert_eq!(prober.transitions(), 2);
+}
+
+/// The probe through its seam alone: what it asks of the balancer.
+#[derive(Default)]
+struct Marks(Mutex<Vec<String>>);
+
+impl MarkHealth for Marks {
+    fn mark_down(&self, id: &tower_affinity::BackendId) -> bool {
+        self.0.lock().push(format!("down {id}"));
+        true
+    }
+
+    fn mark_up(&self, id: &tower_affinity::BackendId) -> bool {
+        self.0.lock().push(format!("up {id}"));
+        true
+    }
+
+    fn apply_discovery(&self) {}
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn the_probe_reports_through_mark_health() {
+    use futures_util::StreamExt;
+
+    let (addr, stub) = start(1).await;
+    stub.health.store(503, Ordering::Relaxed);
+    let (mut fleet, prober) = HealthProbe::new()
+        .success_threshold(1)
+        .discover(StaticFleet::new([("a", Backend::new("n", http(addr)))]));
+    // The stream is what registers backends with the prober.
+    let first = fleet.next().await.unwrap().unwrap();
+    assert!(matches!(first, tower::discover::Change::Insert(ref id, _) if id.as_str() == "a"));
+    let marks = Marks::default();
+    prober.round(&marks).await;
+    stub.health.store(200, Ordering::Relaxed);
+    prober.round(&marks).await;
+    prober.round(&marks).await;
+    assert_eq!(*marks.0.lock(), ["down a", "up a"]);
+}
