@@ -66,30 +66,30 @@ impl Observe {
     /// An observer for an answer with `headers`, if it can carry usage: JSON or an SSE
     /// stream, not compressed.
     pub(crate) fn new(headers: &HeaderMap, watch: Watch) -> Option<Box<Self>> {
-        if headers
-            .get(CONTENT_ENCODING)
-            .is_some_and(|e| !e.as_bytes().eq_ignore_ascii_case(b"identity"))
-        {
+        // One lookup for an answer that cannot carry usage; none for one without headers.
+        if headers.is_empty() {
             return None;
         }
         let kind = headers.get(CONTENT_TYPE)?.as_bytes();
-        let essence = kind
-            .split(|&b| b == b';')
-            .next()
-            .unwrap_or(kind)
-            .trim_ascii();
+        let essence = kind.split(|&b| b == b';').next().unwrap_or(kind).trim_ascii();
         let stream = essence.eq_ignore_ascii_case(b"text/event-stream");
         let json = essence.eq_ignore_ascii_case(b"application/json");
-        (stream || json).then(|| {
-            Box::new(Observe {
-                scanner: UsageScanner::default(),
-                watch,
-                stream,
-                first_byte: None,
-                usage: None,
-                done: false,
-            })
-        })
+        let encoded = || {
+            headers
+                .get(CONTENT_ENCODING)
+                .is_some_and(|e| !e.as_bytes().eq_ignore_ascii_case(b"identity"))
+        };
+        if !(stream || json) || encoded() {
+            return None;
+        }
+        Some(Box::new(Observe {
+            scanner: UsageScanner::default(),
+            watch,
+            stream,
+            first_byte: None,
+            usage: None,
+            done: false,
+        }))
     }
 
     fn data(&mut self, chunk: &[u8]) {
