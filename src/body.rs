@@ -71,7 +71,11 @@ impl Observe {
             return None;
         }
         let kind = headers.get(CONTENT_TYPE)?.as_bytes();
-        let essence = kind.split(|&b| b == b';').next().unwrap_or(kind).trim_ascii();
+        let essence = kind
+            .split(|&b| b == b';')
+            .next()
+            .unwrap_or(kind)
+            .trim_ascii();
         let stream = essence.eq_ignore_ascii_case(b"text/event-stream");
         let json = essence.eq_ignore_ascii_case(b"application/json");
         let encoded = || {

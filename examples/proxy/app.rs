@@ -546,6 +546,43 @@ impl Collector for AffinityCollector {
             let labels = [("backend", b.id.as_str()), ("node", b.node.as_str())];
             ConstCounter::new(b.failures).encode(m.encode_family(&labels)?)?;
         }
+        // What the backends' answers reported: reused over prompt tokens is the reuse
+        // placement achieved, one PromQL division.
+        let per_backend: [(&str, &str, fn(&BackendStatus) -> u64); 3] = [
+            (
+                "tower_affinity_backend_prompt_tokens",
+                "Prompt tokens the backend's answers reported",
+                |b| b.prompt_tokens,
+            ),
+            (
+                "tower_affinity_backend_reused_tokens",
+                "Of them, tokens the backend reused from its cache",
+                |b| b.reused_tokens,
+            ),
+            (
+                "tower_affinity_backend_corrections",
+                "Answers that reused far less than the cache model predicted",
+                |b| b.corrections,
+            ),
+        ];
+        for (name, help, value) in per_backend {
+            let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for b in &backends {
+                let labels = [("backend", b.id.as_str()), ("node", b.node.as_str())];
+                ConstCounter::new(value(b)).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        let mut m = enc.encode_descriptor(
+            "tower_affinity_backend_prefill_tokens_per_second",
+            "The backend's prefill rate, learned from its answers",
+            None,
+            MetricType::Gauge,
+        )?;
+        for b in backends.iter().filter(|b| b.prefill_rate.is_some()) {
+            let labels = [("backend", b.id.as_str()), ("node", b.node.as_str())];
+            let rate = i64::from(b.prefill_rate.unwrap_or(0));
+            ConstGauge::new(rate).encode(m.encode_family(&labels)?)?;
+        }
         Ok(())
     }
 }

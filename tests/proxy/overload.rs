@@ -186,3 +186,58 @@ async fn sixteen_agents_on_twelve_slots_stay_warm_by_waiting_for_their_caches() 
     assert!(share >= 0.9, "{report}");
     assert!(ratio <= 1.2, "{report}");
 }
+
+/// The sum over `/metrics` of one counter's series.
+fn metric_sum(text: &str, name: &str) -> u64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with('{'))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+#[tokio::test(start_paused = true)]
+async fn metrics_add_up_the_prompt_and_reused_tokens_the_backends_reported() {
+    let timing = Timing {
+        prefill: PREFILL,
+        decode: Duration::from_millis(100),
+    };
+    let stub = Stub::start_timed("a1", 2, timing).await;
+    let spec = format!("node-a={},slots=2,id=a1", stub.url());
+    let mut config = Config::new(vec![cli::backend(&spec).unwrap().0]);
+    config.probe_interval = None;
+    let proxy = start(config).await;
+    let mut messages = vec![json!({"role": "system", "content": system_prompt()})];
+    let (mut prompt, mut reused) = (0, 0);
+    for turn in 0..4 {
+        messages.push(json!({"role": "user", "content": format!("turn {turn}: {}", spec())}));
+        let answer = proxy
+            .chat_within(
+                Some("s"),
+                &json!({"model": "stub", "messages": messages}),
+                TURN_DEADLINE,
+            )
+            .await;
+        prompt += answer["usage"]["prompt_tokens"].as_u64().unwrap();
+        reused += answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        messages.push(answer["choices"][0]["message"].clone());
+    }
+    let metrics = proxy.get("/metrics").await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert_eq!(
+        metric_sum(&text, "tower_affinity_backend_prompt_tokens_total"),
+        prompt,
+        "{text}"
+    );
+    assert_eq!(
+        metric_sum(&text, "tower_affinity_backend_reused_tokens_total"),
+        reused,
+        "{text}"
+    );
+    assert!(reused > 0);
+    assert!(
+        text.contains("tower_affinity_backend_prefill_tokens_per_second{"),
+        "{text}"
+    );
+}
