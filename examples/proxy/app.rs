@@ -62,9 +62,11 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
+use tower::discover::Change;
 use tower::retry::Retry;
 use tower::{Layer, Service, ServiceBuilder};
 use tower_affinity::client::{HttpBackend, HttpBackendError};
+use tower_affinity::discover::dns::{DnsEndpoint, DnsFleet, DnsTarget};
 use tower_affinity::discover::StaticFleet;
 use tower_affinity::health::{HealthProbe, ProbeTarget, ProbeTask, Probed, Prober};
 use tower_affinity::key::{
@@ -87,11 +89,8 @@ use crate::per_client;
 pub(crate) type ReqBody = Full<Bytes>;
 
 /// The balancer as the proxy builds it.
-pub(crate) type Affinity = SessionAffinity<
-    Probed<StaticFleet<Upstream>, Upstream>,
-    FirstOf<HeaderKey, ExtensionKey>,
-    Arc<dyn Placement>,
->;
+pub(crate) type Affinity =
+    SessionAffinity<Probed<Fleets, Upstream>, FirstOf<HeaderKey, ExtensionKey>, Arc<dyn Placement>>;
 
 // === configuration ===
 
@@ -171,6 +170,10 @@ pub(crate) struct Config {
     pub(crate) probe_slots: bool,
     /// How requests reach the backends.
     pub(crate) upstream: UpstreamMode,
+    /// `--backend-dns`: names whose records are backends too.
+    pub(crate) backend_dns: Vec<DnsTarget>,
+    /// `--dns-server`: the nameservers to ask for them; none, the system's.
+    pub(crate) dns_servers: Vec<std::net::SocketAddr>,
 }
 
 /// How requests reach the backends (`--upstream`).
@@ -203,6 +206,8 @@ impl Config {
             probe_successes: 1,
             probe_slots: true,
             upstream: UpstreamMode::Pooled,
+            backend_dns: Vec::new(),
+            dns_servers: Vec::new(),
         }
     }
 
@@ -258,6 +263,47 @@ pub(crate) type UpstreamFuture = Route<
     Pin<Box<dyn Future<Output = Result<Response<Incoming>, HttpBackendError>> + Send>>,
 >;
 
+/// The proxy's discovery: the `--backend`s, then as they change the backends behind each
+/// `--backend-dns` name.
+pub(crate) struct Fleets {
+    fixed: Option<StaticFleet<Upstream>>,
+    dns: Vec<DnsFleet<Upstream>>,
+}
+
+impl Fleets {
+    fn new(fixed: StaticFleet<Upstream>, dns: Vec<DnsFleet<Upstream>>) -> Self {
+        Fleets {
+            fixed: Some(fixed),
+            dns,
+        }
+    }
+}
+
+impl futures_core::Stream for Fleets {
+    type Item = Result<Change<tower_affinity::BackendId, Backend<Upstream>>, Infallible>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        if let Some(fixed) = self.fixed.as_mut() {
+            match Pin::new(fixed).poll_next(cx) {
+                Poll::Ready(Some(change)) => return Poll::Ready(Some(change)),
+                // The static list is told once; the names go on.
+                Poll::Ready(None) => self.fixed = None,
+                Poll::Pending => {}
+            }
+        }
+        for dns in &mut self.dns {
+            if let Poll::Ready(Some(change)) = Pin::new(dns).poll_next(cx) {
+                return Poll::Ready(Some(change));
+            }
+        }
+        if self.dns.is_empty() {
+            Poll::Ready(None)
+        } else {
+            Poll::Pending
+        }
+    }
+}
+
 // === proxy ===
 
 /// The proxy: the balancer, its probe, and the metrics registry.
@@ -308,6 +354,22 @@ impl Proxy {
                 Ok((spec.id.as_str(), backend))
             })
             .collect::<Result<Vec<_>, BoxError>>()?;
+        // `--backend-dns`: each name's records, followed as they change.
+        let dns = config
+            .backend_dns
+            .iter()
+            .map(|target| {
+                let http = http.clone();
+                let builder = config
+                    .dns_servers
+                    .iter()
+                    .fold(DnsFleet::builder(target.clone()), |b, &ns| b.nameserver(ns));
+                builder.try_build(move |ep: &DnsEndpoint| {
+                    let url = format!("http://{}", ep.authority());
+                    http.build(&url).map(|http| Upstream { http, per_client })
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         // Without `slots=`, one slot until the probe reads `/slots`. The probe's settings
         // apply to rounds run by hand too, when the background probe is off.
         let (fleet, prober) = HealthProbe::new()
@@ -316,7 +378,7 @@ impl Proxy {
             .failure_threshold(config.probe_failures)
             .success_threshold(config.probe_successes)
             .learn_slots(config.probe_slots)
-            .discover(StaticFleet::new(backends));
+            .discover(Fleets::new(StaticFleet::new(backends), dns));
         let affinity = SessionAffinityLayer::new()
             .key(FirstOf::new(HeaderKey::default(), ExtensionKey))
             .placement(config.policy.build())
@@ -548,7 +610,7 @@ impl Collector for AffinityCollector {
         }
         // What the backends' answers reported: reused over prompt tokens is the reuse
         // placement achieved, one PromQL division.
-        let per_backend: [(&str, &str, fn(&BackendStatus) -> u64); 3] = [
+        let per_backend: [Reported; 3] = [
             (
                 "tower_affinity_backend_prompt_tokens",
                 "Prompt tokens the backend's answers reported",
@@ -586,6 +648,9 @@ impl Collector for AffinityCollector {
         Ok(())
     }
 }
+
+/// A per-backend counter of what the answers reported: its name, its help, its value.
+type Reported = (&'static str, &'static str, fn(&BackendStatus) -> u64);
 
 // === serving ===
 

@@ -6,12 +6,13 @@ use std::time::Duration;
 
 use http::uri::Scheme;
 use http::Uri;
+use tower_affinity::discover::dns::DnsTarget;
 use tower_affinity::Overflow;
 
 use crate::app::{BackendSpec, Config, Policy, UpstreamMode};
 
 pub(crate) const USAGE: &str = "\
-usage: proxy --listen ADDR --backend NODE=URL[,slots=N][,id=NAME][,cache=TOKENS]... [options]
+usage: proxy --listen ADDR (--backend NODE=URL[,...] | --backend-dns NAME:PORT)... [options]
 
 An OpenAI-compatible reverse proxy that keeps each agent session on the llama-server
 that holds its prompt cache: same backend, else same node, else elsewhere.
@@ -24,6 +25,12 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
                              cache: tokens of prompt it keeps cached, its slots' KV
                              plus its --cache-ram, as 65536 or 64k (k = 1024; default
                              128k)
+  --backend-dns NAME:PORT    the backends behind a DNS name: its A/AAAA records with
+                             PORT, or SRV records for _SVC._PROTO.NAME (a Kubernetes
+                             headless service, Consul, docker compose), re-resolved as
+                             their TTL says (5s to 60s); each backend's node is its IP
+  --dns-server IP:PORT       ask this nameserver for --backend-dns names (repeat for
+                             more; default: the system's resolver configuration)
   --policy P                 node-then-backend (default) | round-robin | least-loaded |
                              rendezvous
   --overflow O               wait (default) | overcommit | reject: when every
@@ -121,6 +128,20 @@ where
                 }
                 backends.push(spec);
             }
+            "--backend-dns" => {
+                let v = value()?;
+                let target = v
+                    .parse::<DnsTarget>()
+                    .map_err(|e| format!("--backend-dns {v:?}: {e}"))?;
+                config.backend_dns.push(target);
+            }
+            "--dns-server" => {
+                let v = value()?;
+                let addr = v
+                    .parse::<SocketAddr>()
+                    .map_err(|e| format!("--dns-server {v:?}: {e} (expected IP:PORT)"))?;
+                config.dns_servers.push(addr);
+            }
             "--policy" => {
                 let v = value()?;
                 config.policy = Policy::NAMES
@@ -169,8 +190,11 @@ where
             other => return Err(format!("unknown argument {other:?} (see --help)")),
         }
     }
-    if backends.is_empty() {
-        return Err("at least one --backend NODE=URL is needed (see --help)".into());
+    if backends.is_empty() && config.backend_dns.is_empty() {
+        return Err(
+            "at least one --backend NODE=URL or --backend-dns NAME:PORT is needed (see --help)"
+                .into(),
+        );
     }
     config.overflow = match overflow.as_str() {
         "wait" => Overflow::Wait {

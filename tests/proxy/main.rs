@@ -11,6 +11,9 @@ mod app;
 #[path = "../../examples/proxy/cli.rs"]
 mod cli;
 #[allow(dead_code)]
+#[path = "../dns/server.rs"]
+mod dns_server;
+#[allow(dead_code)]
 #[path = "../support/llama_stub.rs"]
 mod llama_stub;
 mod overload;
@@ -1458,4 +1461,46 @@ fn strip_hop_by_hop_removes_what_connection_names_and_nothing_else() {
     );
     tower_affinity::client::strip_hop_by_hop(&mut headers);
     assert_eq!(headers, untouched);
+}
+
+#[tokio::test(start_paused = true)]
+async fn backend_dns_names_backends_from_a_real_nameserver_on_loopback() {
+    let stub = Stub::start("a1", 2).await;
+    let dns = dns_server::Dns::start().await;
+    dns.set_ips("llama.fleet.test.", 60, &["127.0.0.1"]).await;
+    let port = stub.addr.port();
+    let args = [
+        "--backend-dns".to_string(),
+        format!("llama.fleet.test:{port}"),
+        "--dns-server".into(),
+        dns.addr.to_string(),
+        "--probe-interval".into(),
+        "0".into(),
+    ];
+    let cli::Command::Run(parsed) = cli::parse(args).unwrap() else {
+        panic!("a run");
+    };
+    let proxy = start(parsed.config).await;
+    // The name resolves in the background: a bounded wait (on the paused clock) for it.
+    let id = format!("127.0.0.1:{port}");
+    for _ in 0..200 {
+        if proxy
+            .proxy
+            .affinity()
+            .backends()
+            .iter()
+            .any(|b| b.id.as_str() == id)
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut convo = Conversation::new("dns");
+    let answer = proxy
+        .post_json(&[("x-session-id", "dns")], &convo.next(json!({})))
+        .await;
+    assert_eq!(answer.status, StatusCode::OK);
+    assert_eq!(answer.backend(), id);
+    assert_eq!(answer.header("x-affinity-node"), "127.0.0.1");
+    assert_eq!(stub.chats(), 1);
 }

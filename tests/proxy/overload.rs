@@ -202,8 +202,8 @@ async fn metrics_add_up_the_prompt_and_reused_tokens_the_backends_reported() {
         decode: Duration::from_millis(100),
     };
     let stub = Stub::start_timed("a1", 2, timing).await;
-    let spec = format!("node-a={},slots=2,id=a1", stub.url());
-    let mut config = Config::new(vec![cli::backend(&spec).unwrap().0]);
+    let backend = format!("node-a={},slots=2,id=a1", stub.url());
+    let mut config = Config::new(vec![cli::backend(&backend).unwrap().0]);
     config.probe_interval = None;
     let proxy = start(config).await;
     let mut messages = vec![json!({"role": "system", "content": system_prompt()})];
