@@ -73,6 +73,7 @@ use tower_affinity::key::{
     BodyKey, BodyKeyFuture, BodyKeyLayer, BodyKeyResponseBody, ExtensionKey, FirstOf, HeaderKey,
 };
 use tower_affinity::placement::{LeastLoaded, NodeThenBackend, Placement, Rendezvous, RoundRobin};
+use tower_affinity::store::RedisStore;
 use tower_affinity::{
     Backend, BackendStatus, BoxError, Decision, ErrorToResponse, Outcome, Overflow, ResponseBody,
     RetryOnce, SessionAffinity, SessionAffinityLayer,
@@ -174,6 +175,10 @@ pub(crate) struct Config {
     pub(crate) backend_dns: Vec<DnsTarget>,
     /// `--dns-server`: the nameservers to ask for them; none, the system's.
     pub(crate) dns_servers: Vec<std::net::SocketAddr>,
+    /// `--redis`: the store of homes shared with other instances.
+    pub(crate) redis: Option<String>,
+    /// `--redis-timeout`: how long a request waits for the store's answer.
+    pub(crate) redis_timeout: Duration,
 }
 
 /// How requests reach the backends (`--upstream`).
@@ -208,6 +213,8 @@ impl Config {
             upstream: UpstreamMode::Pooled,
             backend_dns: Vec::new(),
             dns_servers: Vec::new(),
+            redis: None,
+            redis_timeout: SessionAffinityLayer::STORE_DEADLINE,
         }
     }
 
@@ -379,13 +386,17 @@ impl Proxy {
             .success_threshold(config.probe_successes)
             .learn_slots(config.probe_slots)
             .discover(Fleets::new(StaticFleet::new(backends), dns));
-        let affinity = SessionAffinityLayer::new()
+        let mut layer = SessionAffinityLayer::new()
             .key(FirstOf::new(HeaderKey::default(), ExtensionKey))
             .placement(config.policy.build())
             .overflow(config.overflow)
             .failure_cooldown(config.failure_cooldown)
-            .decision_headers(true)
-            .layer(fleet);
+            .decision_headers(true);
+        if let Some(url) = &config.redis {
+            let store = RedisStore::open(url).map_err(|e| format!("--redis {url:?}: {e}"))?;
+            layer = layer.home_store(store).store_deadline(config.redis_timeout);
+        }
+        let affinity = layer.layer(fleet);
         affinity.apply_discovery();
 
         let wait_seconds = Histogram::new([

@@ -31,6 +31,11 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
                              their TTL says (5s to 60s); each backend's node is its IP
   --dns-server IP:PORT       ask this nameserver for --backend-dns names (repeat for
                              more; default: the system's resolver configuration)
+  --redis URL                share session homes with other proxy instances through
+                             Redis (or Valkey), e.g. redis://127.0.0.1:6379: a session
+                             that moved on one instance is followed by all
+  --redis-timeout DURATION   longest wait for Redis's answer before placing from the
+                             local table (default 5ms)
   --policy P                 node-then-backend (default) | round-robin | least-loaded |
                              rendezvous
   --overflow O               wait (default) | overcommit | reject: when every
@@ -142,6 +147,8 @@ where
                     .map_err(|e| format!("--dns-server {v:?}: {e} (expected IP:PORT)"))?;
                 config.dns_servers.push(addr);
             }
+            "--redis" => config.redis = Some(value()?),
+            "--redis-timeout" => config.redis_timeout = duration(&flag, &value()?)?,
             "--policy" => {
                 let v = value()?;
                 config.policy = Policy::NAMES

@@ -22,6 +22,7 @@ mod chart;
 mod fleet;
 mod report;
 mod rng;
+mod routers;
 mod sim;
 mod trace;
 mod workload;
@@ -50,6 +51,11 @@ usage: cargo run --release --example swarm -- [options]
   --fleet NAME      study | two-slots | datacenter (default: the scenario's own)
   --keyless         agents send no session key: the router has only their prompt chains
                     (a trace is replayed both ways whatever this says)
+  --routers N       N router replicas in front of the fleet (default 1), each with its
+                    share of every backend's slots
+  --entry E         random (default) | sticky: how turns reach the replicas (sticky: by
+                    session, as consistent hashing at the ingress)
+  --shared-store    the replicas share one store of homes (as through Redis)
   --out FILE        the SVG chart (default target/swarm-<scenario>.svg)
 ";
 
@@ -96,6 +102,7 @@ struct Options {
     fleet: Option<FleetKind>,
     out: Option<PathBuf>,
     keyless: bool,
+    replicas: routers::Replicas,
 }
 
 impl Default for Options {
@@ -110,6 +117,11 @@ impl Default for Options {
             fleet: None,
             out: None,
             keyless: false,
+            replicas: routers::Replicas {
+                routers: 1,
+                entry: routers::Entry::Random,
+                shared_store: false,
+            },
         }
     }
 }
@@ -176,6 +188,19 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String>
             }
             "--out" => o.out = Some(value()?.into()),
             "--keyless" => o.keyless = true,
+            "--routers" => {
+                let v = value()?;
+                o.replicas.routers = v.parse().ok().filter(|&n| n >= 1).ok_or_else(|| bad(&v))?;
+            }
+            "--entry" => {
+                let v = value()?;
+                o.replicas.entry = match v.as_str() {
+                    "random" => routers::Entry::Random,
+                    "sticky" => routers::Entry::Sticky,
+                    _ => return Err(bad(&v)),
+                };
+            }
+            "--shared-store" => o.replicas.shared_store = true,
             _ => return Err(format!("unknown option {flag}")),
         }
     }
@@ -311,7 +336,7 @@ fn study(o: &Options) -> Table {
         cfg.sessions,
         cfg.turns,
         keys(o),
-        fleet.describe(),
+        fleet.describe().to_owned() + &o.replicas.describe(),
         human_bytes(o.ram_bytes),
         o.seed
     );
@@ -330,7 +355,7 @@ fn two_on_two(o: &Options) -> Table {
         cfg.sessions,
         cfg.turns,
         keys(o),
-        fleet.describe(),
+        fleet.describe().to_owned() + &o.replicas.describe(),
         human_bytes(o.ram_bytes),
         o.seed
     );
@@ -349,7 +374,7 @@ fn overload(o: &Options) -> Vec<Table> {
                 cfg.sessions,
                 cfg.turns,
                 keys(o),
-                fleet.describe(),
+                fleet.describe().to_owned() + &o.replicas.describe(),
                 human_bytes(ram),
                 o.seed
             );
@@ -396,7 +421,7 @@ fn replay(o: &Options, path: &Path) -> Result<Vec<Table>, String> {
             t.later_turns(),
             span.as_secs_f64(),
             trace::BLOCK_TOKENS,
-            fleet.describe(),
+            fleet.describe().to_owned() + &o.replicas.describe(),
             human_bytes(ram),
         );
         let notes = vec![
@@ -447,6 +472,7 @@ fn main() {
             std::process::exit(if e.is_empty() { 0 } else { 2 });
         }
     };
+    routers::set(o.replicas);
     let started = Instant::now();
     let tables = match run(&o) {
         Ok(t) => t,
@@ -498,6 +524,33 @@ mod tests {
         assert_eq!(a.to_string(), b.to_string());
         let other = study(&Options { seed: 2, ..o });
         assert_ne!(a.to_string(), other.to_string());
+    }
+
+    #[test]
+    fn two_replicas_entered_at_random_keep_affinity_only_through_a_shared_store() {
+        let mut o = options(Scenario::Overload, 20);
+        o.sessions = Some(36);
+        let moves = |shared_store| {
+            routers::set(routers::Replicas {
+                routers: 2,
+                entry: routers::Entry::Random,
+                shared_store,
+            });
+            // The larger cache, where a single router keeps nearly every session home.
+            let t = &overload(&o)[1];
+            let ntb = t.row("NodeThenBackend").unwrap();
+            (
+                ntb.node_moves + ntb.backend_moves,
+                ntb.follow_ups,
+                t.to_string(),
+            )
+        };
+        let (local, follow_ups, local_table) = moves(false);
+        let (shared, _, shared_table) = moves(true);
+        // Local tables only: a turn entering the other replica after a spill goes back to
+        // the old home; the shared store sends it where the spill went.
+        assert!(local > follow_ups / 5, "{local_table}");
+        assert!(shared * 4 < local, "{local_table}\n{shared_table}");
     }
 
     #[test]

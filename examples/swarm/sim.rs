@@ -13,13 +13,13 @@ use tower_affinity::discover::StaticFleet;
 use tower_affinity::key::{HeaderKey, PromptFacts};
 use tower_affinity::placement::{LeastLoaded, NodeThenBackend, Placement, Rendezvous, RoundRobin};
 use tower_affinity::{
-    Backend, BackendId, Decision, NodeId, Overflow, PromptChain, SessionAffinity,
-    SessionAffinityLayer, Sessions,
+    Backend, BackendId, Decision, NodeId, Overflow, PromptChain, SessionAffinityLayer, Sessions,
 };
 
 use crate::backend::{Prompt, Served, SimBackend};
 use crate::fleet::BackendSpec;
 use crate::report::TurnRecord;
+use crate::routers::{self, Router, SharedHomes};
 
 /// The policies compared, all through the same service.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,41 +66,52 @@ impl Policy {
     }
 }
 
-pub(crate) type Svc = SessionAffinity<StaticFleet<SimBackend>, HeaderKey, Arc<dyn Placement>>;
+pub(crate) type Svc = Router;
 
-/// The service for `policy` over a fresh fleet, and the fleet's backends.
+/// The service for `policy` over a fresh fleet, and the fleet's backends: one router, or the
+/// replicas [`routers::get`] says, each with its share of every backend's slots.
 pub(crate) fn build(policy: Policy, fleet: &[BackendSpec]) -> (Svc, Vec<SimBackend>) {
     let sims: Vec<SimBackend> = fleet.iter().map(|s| SimBackend::new(s.model)).collect();
-    let discovery = StaticFleet::new(fleet.iter().zip(&sims).map(|(s, sim)| {
-        let slots = NonZeroU32::new(s.model.slots).unwrap_or(NonZeroU32::MIN);
-        let b = Backend::new(s.node.as_str(), sim.clone())
-            .slots(slots)
-            .prompt_cache_bytes(s.model.ram_bytes)
-            .cache_tokens(s.model.cache_tokens());
-        (s.id.as_str(), b)
-    }));
-    let svc = SessionAffinityLayer::new()
-        .key(HeaderKey::default())
-        .placement(policy.placement())
-        // Agents wait as long as it takes: a refused turn would only be retried.
-        .overflow(Overflow::Wait {
-            max_wait: Duration::from_secs(24 * 3600),
-            max_queued: 1 << 20,
+    let replicas = routers::get();
+    let shared = replicas.shared_store.then(SharedHomes::default);
+    let services = (0..replicas.routers.max(1))
+        .map(|_| {
+            let discovery = StaticFleet::new(fleet.iter().zip(&sims).map(|(s, sim)| {
+                let slots =
+                    NonZeroU32::new(replicas.slots(s.model.slots)).unwrap_or(NonZeroU32::MIN);
+                let b = Backend::new(s.node.as_str(), sim.clone())
+                    .slots(slots)
+                    .prompt_cache_bytes(s.model.ram_bytes)
+                    .cache_tokens(s.model.cache_tokens());
+                (s.id.as_str(), b)
+            }));
+            let mut layer = SessionAffinityLayer::new()
+                .key(HeaderKey::default())
+                .placement(policy.placement())
+                // Agents wait as long as it takes: a refused turn would only be retried.
+                .overflow(Overflow::Wait {
+                    max_wait: Duration::from_secs(24 * 3600),
+                    max_queued: 1 << 20,
+                })
+                .node_patience(if policy == Policy::Patient {
+                    PATIENCE
+                } else {
+                    Duration::ZERO
+                })
+                // The baselines stand for routers that place and forget: no waiting for a cache.
+                .wait_versus_move(policy == Policy::NodeThenBackend)
+                .sessions(
+                    Sessions::new()
+                        .max_entries(1 << 20)
+                        .idle_timeout(Duration::from_secs(24 * 3600)),
+                );
+            if let Some(store) = &shared {
+                layer = layer.home_store(store.clone());
+            }
+            layer.layer(discovery)
         })
-        .node_patience(if policy == Policy::Patient {
-            PATIENCE
-        } else {
-            Duration::ZERO
-        })
-        // The baselines stand for routers that place and forget: no waiting for a cache.
-        .wait_versus_move(policy == Policy::NodeThenBackend)
-        .sessions(
-            Sessions::new()
-                .max_entries(1 << 20)
-                .idle_timeout(Duration::from_secs(24 * 3600)),
-        )
-        .layer(discovery);
-    (svc, sims)
+        .collect();
+    (Router::new(services, replicas.entry, 0x5eed), sims)
 }
 
 /// Runs `f` on a current-thread runtime whose clock is paused: time advances only when every
