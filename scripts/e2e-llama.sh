@@ -375,7 +375,27 @@ start_llama_servers
 
 start_proxy node-then-backend
 AFF_RC=0
-run_driver node-then-backend --assert-min-hit 1.0 || AFF_RC=$?
+# Every second turn streamed: the proxy reads the usage of both kinds of answer.
+run_driver node-then-backend --assert-min-hit 1.0 --stream-every 2 || AFF_RC=$?
+# The proxy's own account of the reuse, against the sums of llama-server's per-request
+# figures the driver saw: within 1%.
+METRICS_RC=0
+curl -fsS "http://127.0.0.1:$PROXY_PORT/metrics" > "$LOG_DIR/metrics-node-then-backend.txt" || METRICS_RC=1
+"$PY" - "$LOG_DIR/metrics-node-then-backend.txt" "$LOG_DIR/drive-node-then-backend.json" <<'PYEOF' || METRICS_RC=$?
+import json, sys
+metrics, drive = open(sys.argv[1]).read(), json.load(open(sys.argv[2]))
+def total(name):
+    return sum(float(l.rsplit(" ", 1)[1]) for l in metrics.splitlines()
+               if l.startswith(name + "{"))
+ok = True
+for name, want in (("tower_affinity_backend_prompt_tokens_total", drive["prompt_tokens"]),
+                   ("tower_affinity_backend_reused_tokens_total", drive["cached_tokens"])):
+    got = total(name)
+    off = abs(got - want) / max(want, 1)
+    print(f"{name}: proxy {got:.0f}, llama-server {want}, off by {100 * off:.2f}%")
+    ok &= off <= 0.01
+sys.exit(0 if ok else 1)
+PYEOF
 stop_proxy
 
 KEYLESS_RC=0
@@ -398,7 +418,7 @@ fi
 echo
 say "comparison:"
 grep -h '^SUMMARY' "$LOG_DIR"/drive-*.txt 2>/dev/null | sed 's/^/    /' || true
-if ((AFF_RC == 0 && KEYLESS_RC == 0)); then
+if ((AFF_RC == 0 && KEYLESS_RC == 0 && METRICS_RC == 0)); then
     if ((KEYLESS)); then
         say "PASS: with --policy node-then-backend every later turn reused >= 80% of the previous prompt, keyed and keyless"
     else
@@ -408,4 +428,5 @@ if ((AFF_RC == 0 && KEYLESS_RC == 0)); then
 fi
 ((AFF_RC == 0)) || say "FAIL: node-then-backend driver run (keyed) exited $AFF_RC"
 ((KEYLESS_RC == 0)) || say "FAIL: node-then-backend driver run (keyless) exited $KEYLESS_RC"
+((METRICS_RC == 0)) || say "FAIL: the proxy's reused and prompt token counters differ from llama-server's own by more than 1%"
 exit 1

@@ -132,6 +132,7 @@ class TurnRecord:
     backend: str
     latency_ms: float
     outcome: str = "-"
+    stream: bool = False
     prev_prompt_tokens: int | None = None
     reuse: float | None = None
     hit: bool | None = None
@@ -168,21 +169,50 @@ def run_session(args, session: int, log) -> list[TurnRecord]:
         if turn > 1:
             messages.append({"role": "user", "content": tool_output(args.run_id, session, turn)})
         t0 = time.monotonic()
-        raw = client.chat.completions.with_raw_response.create(
-            model=args.model,
-            messages=messages,
-            max_tokens=args.max_tokens,
-            temperature=0,
-        )
-        latency_ms = (time.monotonic() - t0) * 1000.0
-        completion = raw.parse()
-        try:
-            raw_json = json.loads(raw.text)
-        except (ValueError, AttributeError):
-            raw_json = {}
-        answer = completion.choices[0].message.content or ""
+        stream = args.stream_every > 0 and turn % args.stream_every == 0
+        if stream:
+            # Streamed, asking for the usage chunk; llama.cpp's timings ride on the last chunk.
+            raw = client.chat.completions.with_raw_response.create(
+                model=args.model,
+                messages=messages,
+                max_tokens=args.max_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            parts, usage, raw_json = [], None, {}
+            for chunk in raw.parse():
+                if chunk.choices and chunk.choices[0].delta.content:
+                    parts.append(chunk.choices[0].delta.content)
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                extra = getattr(chunk, "model_extra", None) or {}
+                if isinstance(extra.get("timings"), dict):
+                    raw_json = {"timings": extra["timings"]}
+            latency_ms = (time.monotonic() - t0) * 1000.0
+            answer = "".join(parts)
+
+            class _Completion:  # what _cached_tokens reads
+                pass
+
+            completion = _Completion()
+            completion.usage = usage
+        else:
+            raw = client.chat.completions.with_raw_response.create(
+                model=args.model,
+                messages=messages,
+                max_tokens=args.max_tokens,
+                temperature=0,
+            )
+            latency_ms = (time.monotonic() - t0) * 1000.0
+            completion = raw.parse()
+            try:
+                raw_json = json.loads(raw.text)
+            except (ValueError, AttributeError):
+                raw_json = {}
+            answer = completion.choices[0].message.content or ""
+            usage = completion.usage
         cached, source = _cached_tokens(completion, raw_json)
-        usage = completion.usage
         rec = TurnRecord(
             session=session,
             turn=turn,
@@ -193,6 +223,7 @@ def run_session(args, session: int, log) -> list[TurnRecord]:
             backend=raw.headers.get(BACKEND_HEADER, "-"),
             latency_ms=latency_ms,
             outcome=raw.headers.get(OUTCOME_HEADER, "-"),
+            stream=stream,
             answer=answer,
         )
         if records:
@@ -235,6 +266,12 @@ def main() -> int:
         type=float,
         default=None,
         help="exit 1 unless this share (0..1) of later turns reused >= the threshold",
+    )
+    ap.add_argument(
+        "--stream-every",
+        type=int,
+        default=0,
+        help="stream every Nth turn (with stream_options.include_usage); 0: none",
     )
     ap.add_argument("--run-id", default=None, help="salt for session ids and tool output (default: random)")
     ap.add_argument("--label", default="", help="printed in the summary line")
@@ -306,6 +343,13 @@ def main() -> int:
     total_cached = sum(r.cached_tokens or 0 for r in records)
     if any(r.cached_source == "missing" for r in records):
         print("WARNING: some responses carried neither usage.prompt_tokens_details.cached_tokens nor timings.cache_n")
+    for kind, flag in (("non-stream", False), ("stream", True)):
+        rs = [r for r in records if r.stream == flag]
+        if rs:
+            print(
+                f"{kind} turns: {len(rs)}, prompt tokens {sum(r.prompt_tokens for r in rs)}, "
+                f"cached tokens {sum(r.cached_tokens or 0 for r in rs)}"
+            )
     label = f"[{args.label}] " if args.label else ""
     print(
         f"SUMMARY {label}later-turn hits (reuse >= {args.reuse_threshold:.0%}): {hits}/{len(later)} = {share:.0%}; "
@@ -316,6 +360,7 @@ def main() -> int:
         with open(args.json_out, "w") as f:
             json.dump(
                 {"args": vars(args), "share": share, "hits": hits, "later": len(later),
+                 "prompt_tokens": total_prompt, "cached_tokens": total_cached,
                  "served": served, "outcomes": outcomes,
                  "records": [asdict(r) for r in records], "errors": errors},
                 f,
