@@ -652,11 +652,14 @@ impl Topology {
 pub(crate) struct Fleet<B> {
     pub(crate) topology: Topology,
     pub(crate) backends: Vec<Option<B>>,
+    /// The router replicas sharing the backends: each counts its share of their slots.
+    pub(crate) replicas: u32,
 }
 
 impl<B> Default for Fleet<B> {
     fn default() -> Self {
         Fleet {
+            replicas: 1,
             topology: Topology::default(),
             backends: Vec::new(),
         }
@@ -665,10 +668,12 @@ impl<B> Default for Fleet<B> {
 
 impl<S> Fleet<Backend<S>> {
     pub(crate) fn insert(&mut self, id: BackendId, backend: Backend<S>) {
+        // This replica's share of the backend's slots, rounded up.
+        let share = backend.slots.get().div_ceil(self.replicas.max(1));
         let index = self.topology.insert(
             id,
             &backend.node,
-            backend.slots,
+            NonZeroU32::new(share).unwrap_or(NonZeroU32::MIN),
             backend.prompt_cache_bytes,
             backend.cache_tokens,
         ) as usize;

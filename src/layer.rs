@@ -60,6 +60,7 @@ impl SessionAffinityLayer {
                 node_patience: Duration::ZERO,
                 wait_versus_move: true,
                 observe_usage: true,
+                replicas: std::num::NonZeroU32::MIN,
                 store: None,
                 store_deadline: Self::STORE_DEADLINE,
             },
@@ -173,6 +174,26 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// prefill rate. Until they are learned, a request moves at once.
     pub fn wait_versus_move(mut self, enabled: bool) -> Self {
         self.config.wait_versus_move = enabled;
+        self
+    }
+
+    /// Declares this service one of `n` router replicas that share the fleet's traffic (an L4
+    /// balancer in front of them): each counts only its own requests in flight, so each takes
+    /// `slots / n` of every backend's slots, rounded up (at least 1). The fleet then never
+    /// gets more than its slots from all of them together, rounded up. Default 1.
+    ///
+    /// With traffic that is not even (sticky entry), a replica may queue for a backend whose
+    /// other shares are idle; see the README's "Router replicas".
+    ///
+    /// ```
+    /// use std::num::NonZeroU32;
+    /// use tower_affinity::SessionAffinityLayer;
+    ///
+    /// let layer = SessionAffinityLayer::new().replicas(NonZeroU32::new(2).unwrap());
+    /// # let _ = layer;
+    /// ```
+    pub fn replicas(mut self, n: std::num::NonZeroU32) -> Self {
+        self.config.replicas = n;
         self
     }
 

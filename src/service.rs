@@ -161,6 +161,7 @@ pub(crate) struct Config {
     pub(crate) node_patience: Duration,
     pub(crate) wait_versus_move: bool,
     pub(crate) observe_usage: bool,
+    pub(crate) replicas: std::num::NonZeroU32,
     pub(crate) store: Option<Arc<dyn HomeStore>>,
     pub(crate) store_deadline: Duration,
 }
@@ -172,7 +173,8 @@ where
     S: Clone,
 {
     pub(crate) fn new(discover: D, key: K, placement: P, config: Config) -> Self {
-        let fleet = Fleet::default();
+        let mut fleet = Fleet::default();
+        fleet.replicas = config.replicas.get();
         let capacity = fleet.topology.capacity.clone();
         // Woken once already: the first readiness drains.
         let signal = Arc::new(Signal {

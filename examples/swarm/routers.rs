@@ -3,8 +3,8 @@
 //!
 //! Each replica is a `SessionAffinity` of its own over the same simulated backends: its own
 //! session table, cache model and slot counters. It counts only its own requests in flight,
-//! so each backend's slots are divided among the replicas (rounded up): the configuration the
-//! README gives for replicas that share traffic evenly.
+//! so each takes its share of every backend's slots (`SessionAffinityLayer::replicas`): the
+//! configuration the README gives for replicas that share traffic evenly.
 //!
 //! A turn enters at a replica chosen at random (an L4 balancer without affinity) or by its
 //! session (consistent hashing at the ingress; a keyless turn still enters at random).
@@ -63,11 +63,6 @@ pub(crate) fn get() -> Replicas {
 }
 
 impl Replicas {
-    /// A backend's slots in each replica.
-    pub(crate) fn slots(&self, slots: u32) -> u32 {
-        slots.div_ceil(self.routers.max(1) as u32).max(1)
-    }
-
     pub(crate) fn describe(&self) -> String {
         if self.routers <= 1 {
             return String::new();

@@ -77,8 +77,7 @@ pub(crate) fn build(policy: Policy, fleet: &[BackendSpec]) -> (Svc, Vec<SimBacke
     let services = (0..replicas.routers.max(1))
         .map(|_| {
             let discovery = StaticFleet::new(fleet.iter().zip(&sims).map(|(s, sim)| {
-                let slots =
-                    NonZeroU32::new(replicas.slots(s.model.slots)).unwrap_or(NonZeroU32::MIN);
+                let slots = NonZeroU32::new(s.model.slots).unwrap_or(NonZeroU32::MIN);
                 let b = Backend::new(s.node.as_str(), sim.clone())
                     .slots(slots)
                     .prompt_cache_bytes(s.model.ram_bytes)
@@ -87,6 +86,8 @@ pub(crate) fn build(policy: Policy, fleet: &[BackendSpec]) -> (Svc, Vec<SimBacke
             }));
             let mut layer = SessionAffinityLayer::new()
                 .key(HeaderKey::default())
+                // Each replica its share of every backend's slots.
+                .replicas(NonZeroU32::new(replicas.routers as u32).unwrap_or(NonZeroU32::MIN))
                 .placement(policy.placement())
                 // Agents wait as long as it takes: a refused turn would only be retried.
                 .overflow(Overflow::Wait {

@@ -608,3 +608,44 @@ async fn node_patience_overrides_wait_versus_move() {
     assert_eq!(d.waited, Some(Duration::from_secs(1)));
     streaming.await.unwrap();
 }
+
+// === replicas ===
+
+#[tokio::test(start_paused = true)]
+async fn replicas_take_their_share_of_each_backends_slots() {
+    let backend = |slots| {
+        StaticFleet::new([(
+            "a",
+            Backend::new("n1", scripted()).slots(NonZeroU32::new(slots).unwrap()),
+        )])
+    };
+    let two = NonZeroU32::new(2).unwrap();
+    let svc = SessionAffinityLayer::new()
+        .replicas(two)
+        .overflow(tower_affinity::Overflow::Reject)
+        .layer(backend(4));
+    svc.apply_discovery();
+    assert_eq!(status(&svc, "a").slots, 2, "half of 4");
+    let odd = SessionAffinityLayer::new().replicas(two).layer(backend(3));
+    odd.apply_discovery();
+    assert_eq!(status(&odd, "a").slots, 2, "half of 3, rounded up");
+    let one = SessionAffinityLayer::new()
+        .replicas(NonZeroU32::new(8).unwrap())
+        .layer(backend(3));
+    one.apply_discovery();
+    assert_eq!(status(&one, "a").slots, 1, "never none");
+    // Two requests held open take this replica's share; a third is refused.
+    let slow = || {
+        let mut r = Reply::json(CHAT_ANSWER);
+        r.frames[0].0 = Duration::from_secs(10);
+        request(None, None, r)
+    };
+    let first = svc.clone().oneshot(slow()).await.unwrap();
+    let second = svc.clone().oneshot(slow()).await.unwrap();
+    let third = svc.clone().oneshot(slow()).await;
+    assert!(matches!(
+        third,
+        Err(tower_affinity::Error::Saturated { .. })
+    ));
+    drop((first, second));
+}
