@@ -1,9 +1,9 @@
-//! An axum reverse proxy with session affinity, health probes and retries, in front of four
+//! An axum reverse proxy with session affinity, health probes, retries and Prometheus metrics, in front of four
 //! tiny stand-ins for llama-server on loopback (two nodes of two backends each). It sends a
 //! few sessions' turns through the proxy, prints where each landed, and exits.
 //!
 //! ```sh
-//! cargo run --features health --example axum
+//! cargo run --features health,metrics --example axum
 //! ```
 //!
 //! [`proxy`] is all a proxy of your own needs; the rest of the file is the demonstration.
@@ -18,6 +18,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+use metrics_exporter_prometheus::PrometheusBuilder;
 use tokio::net::TcpListener;
 use tower::retry::RetryLayer;
 use tower::{Layer, ServiceBuilder};
@@ -28,9 +29,12 @@ use tower_affinity::key::{BodyKeyLayer, ExtensionKey, FirstOf, HeaderKey};
 use tower_affinity::{Backend, BoxError, ErrorToResponse, RetryOnce, SessionAffinityLayer};
 
 /// The proxy: one `HttpBackend` per backend (`(id, node, url)`), probed for `/health` and
-/// `/slots`, behind the balancer with one retry, the key read from headers or the JSON body.
-/// Keep the returned task: probing stops when it is dropped.
+/// `/slots`, behind the balancer with one retry, the key read from headers or the JSON body,
+/// and `/metrics` in Prometheus's format. Keep the returned task: probing stops when it is
+/// dropped.
 async fn proxy(backends: &[(&str, &str, String)]) -> Result<(Router, ProbeTask), BoxError> {
+    // The recorder first: the balancer registers each backend's metrics as it learns of it.
+    let prometheus = PrometheusBuilder::new().install_recorder()?;
     let http = HttpBackend::<Full<Bytes>>::builder()
         .connect_timeout(Duration::from_secs(2))
         .response_timeout(Duration::from_secs(600));
@@ -50,6 +54,13 @@ async fn proxy(backends: &[(&str, &str, String)]) -> Result<(Router, ProbeTask),
     prober.round(&affinity).await;
     let probes = prober.spawn(affinity.clone());
 
+    let metrics = {
+        let affinity = affinity.clone();
+        move || async move {
+            affinity.publish_metrics();
+            prometheus.render()
+        }
+    };
     let forward = ServiceBuilder::new()
         // Buffers the body (so a retry can resend it), reads its key and prompt chain.
         .layer(BodyKeyLayer::new())
@@ -57,7 +68,7 @@ async fn proxy(backends: &[(&str, &str, String)]) -> Result<(Router, ProbeTask),
         .layer(RetryLayer::new(RetryOnce::new()))
         .service(affinity);
     let app = Router::new()
-        // Routes of the proxy's own go here, `/metrics` for one.
+        .route("/metrics", get(metrics))
         .fallback_service(forward);
     Ok((app, probes))
 }
@@ -122,6 +133,21 @@ async fn main() -> Result<(), BoxError> {
                 String::from_utf8_lossy(&answer)
             );
         }
+    }
+    let metrics = client
+        .get(format!("http://{addr}/metrics").parse()?)
+        .await?
+        .into_body()
+        .collect()
+        .await?
+        .to_bytes();
+    let decisions = String::from_utf8_lossy(&metrics);
+    println!("\n/metrics, the decisions:");
+    for line in decisions
+        .lines()
+        .filter(|l| l.starts_with("tower_affinity_decisions_total"))
+    {
+        println!("  {line}");
     }
     Ok(())
 }

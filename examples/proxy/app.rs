@@ -27,7 +27,10 @@
 //! - nothing that marks headers sensitive (`SetSensitiveRequestHeadersLayer`): the request
 //!   spans name no header but `x-request-id`, and a layer would cost every request lookups;
 //! - `/metrics` beside the forwarding service ([`Front`]): one path match, where a router
-//!   would be a dependency for one route;
+//!   would be a dependency for one route. Its registry (prometheus-client) is the proxy's
+//!   own and reads `stats()` and `backends()` at each scrape, so that several proxies in one
+//!   process (as its tests run them) each show their own figures; the library's `metrics`
+//!   feature records into one recorder per process instead, which `examples/axum.rs` serves;
 //! - the serving loop ([`serve`]): hyper-util's connection builder with graceful shutdown,
 //!   and the per-client upstream mode, which must drive each client connection's own backend
 //!   connections in its task (see [`per_client`]); tower-http has no serving loop.
