@@ -6,7 +6,7 @@
 # What it does, all on 127.0.0.1:
 #   1. installs what it needs: Debian's wrk and nginx-light (apt-get), PyPI's sglang-router in a
 #      venv under $TA_CACHE_DIR/bench-venv (its `smg` entry point runs the router, a Rust
-#      extension, in that python process), and builds `cargo build --release --features health --example proxy`;
+#      extension, in that python process), and builds `cargo build --release --features health,dns,redis --example proxy`;
 #   2. starts nginx (config in a temp dir, one worker) answering every POST
 #      /v1/chat/completions with one fixed 230-byte chat completion (`return 200`), and
 #      `{"status":"ok"}` on any other path (the routers' health checks);
@@ -153,7 +153,7 @@ install_deps() {
         "$VENV/bin/pip" install -q "sglang-router==$SGLANG_ROUTER_VERSION"
     fi
     log "building the proxy example (release)"
-    (cd "$ROOT" && cargo build --release --features health --example proxy --example passthrough -q)
+    (cd "$ROOT" && cargo build --release --features health,dns,redis --example proxy --example passthrough -q)
     # Copies, so that a rebuild in the tree during the run cannot swap the binaries under us.
     local target="${CARGO_TARGET_DIR:-$ROOT/target}"
     cp "$target/release/examples/proxy" "$WORK/proxy"

@@ -305,8 +305,8 @@ build_proxy() {
         [[ -x "$PROXY_BIN" ]] || die "TA_PROXY_BIN=$PROXY_BIN is not executable"
         return
     fi
-    say "proxy: cargo build --release --features health --example proxy"
-    (cd "$ROOT" && cargo build --release --features health --example proxy) || die "cargo build --release --features health --example proxy failed"
+    say "proxy: cargo build --release --features health,dns,redis --example proxy"
+    (cd "$ROOT" && cargo build --release --features health,dns,redis --example proxy) || die "cargo build --release --features health,dns,redis --example proxy failed"
     PROXY_BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release/examples/proxy"
     [[ -x "$PROXY_BIN" ]] || die "no proxy binary at $PROXY_BIN"
 }

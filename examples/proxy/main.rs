@@ -1,7 +1,7 @@
 //! An OpenAI-compatible reverse proxy for llama-server fleets, built on `tower-affinity`.
 //!
 //! ```text
-//! cargo run --release --features health --example proxy -- --listen 127.0.0.1:8080 \
+//! cargo run --release --features health,dns,redis --example proxy -- --listen 127.0.0.1:8080 \
 //!     --backend node-a=http://host-a:8081,slots=2 \
 //!     --backend node-a=http://host-a:8082,slots=2 \
 //!     --backend node-b=http://host-b:8081,slots=2 \
@@ -18,7 +18,7 @@
 //! `--help` lists every option.
 //!
 //! It is wiring over the library's features `client` (`HttpBackend`) and `health`
-//! (`HealthProbe`): `cargo run --features health --example proxy -- ...`.
+//! (`HealthProbe`): `cargo run --features health,dns,redis --example proxy -- ...`.
 
 mod app;
 mod cli;
