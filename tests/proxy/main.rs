@@ -21,6 +21,10 @@ mod overload;
 mod per_client;
 #[path = "../support/proxy.rs"]
 mod proxy;
+#[allow(dead_code)]
+#[path = "../support/redis_server.rs"]
+mod redis_server;
+mod replicas;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -7,12 +7,9 @@
 
 use std::convert::Infallible;
 use std::num::NonZeroU32;
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::TcpListener;
-use tokio::process::{Child, Command};
 use tower::util::BoxCloneService;
 use tower::{service_fn, Layer, ServiceExt};
 use tower_affinity::discover::StaticFleet;
@@ -28,119 +25,10 @@ type Svc = tower_affinity::SessionAffinity<
     tower_affinity::placement::NodeThenBackend,
 >;
 
-// === redis-server ===
+#[path = "../support/redis_server.rs"]
+mod redis_server;
 
-/// A `redis-server` on a loopback port, killed when dropped.
-struct RedisServer {
-    child: Option<Child>,
-    port: u16,
-}
-
-/// Whether the tests may skip for lack of `redis-server`; panics if they may not.
-fn redis_missing() -> bool {
-    let found = std::process::Command::new("redis-server")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if found {
-        return false;
-    }
-    if std::env::var("TOWER_AFFINITY_SKIP_REDIS").as_deref() == Ok("1") {
-        eprintln!(
-            "\n*** SKIPPED: redis-server is not installed (TOWER_AFFINITY_SKIP_REDIS=1) ***\n"
-        );
-        return true;
-    }
-    panic!("redis-server is not installed (apt-get install redis-server), and TOWER_AFFINITY_SKIP_REDIS=1 is not set");
-}
-
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
-}
-
-impl RedisServer {
-    /// A server on a free port; `None` if the tests skip.
-    async fn start() -> Option<Self> {
-        if redis_missing() {
-            return None;
-        }
-        for _ in 0..5 {
-            if let Some(s) = Self::start_on(free_port()).await {
-                return Some(s);
-            }
-        }
-        panic!("redis-server did not start on any of five free ports");
-    }
-
-    /// A server on `port`, once it says it accepts connections; `None` if it exits first
-    /// (the port was taken).
-    async fn start_on(port: u16) -> Option<Self> {
-        let mut child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args([
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--protected-mode",
-                "yes",
-            ])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("start redis-server");
-        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let ready = tokio::time::timeout(Duration::from_secs(10), async {
-            while let Ok(Some(line)) = lines.next_line().await {
-                if line.contains("Ready to accept connections") {
-                    return true;
-                }
-            }
-            false
-        })
-        .await
-        .expect("redis-server neither ready nor gone within 10 s");
-        if !ready {
-            return None;
-        }
-        // Keep reading its log, so that it never blocks on a full pipe.
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-        Some(RedisServer {
-            child: Some(child),
-            port,
-        })
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    async fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            c.kill().await.unwrap();
-        }
-    }
-
-    /// Starts it again on the same port.
-    async fn restart(&mut self) {
-        self.kill().await;
-        let again = Self::start_on(self.port)
-            .await
-            .expect("restart on the same port");
-        *self = again;
-    }
-
-    async fn client(&self) -> redis::aio::MultiplexedConnection {
-        redis::Client::open(self.url())
-            .unwrap()
-            .get_multiplexed_async_connection()
-            .await
-            .unwrap()
-    }
-}
+use redis_server::{redis_missing, RedisServer};
 
 // === the fleet ===
 
