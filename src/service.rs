@@ -173,8 +173,10 @@ where
     S: Clone,
 {
     pub(crate) fn new(discover: D, key: K, placement: P, config: Config) -> Self {
-        let mut fleet = Fleet::default();
-        fleet.replicas = config.replicas.get();
+        let fleet = Fleet {
+            replicas: config.replicas.get(),
+            ..Fleet::default()
+        };
         let capacity = fleet.topology.capacity.clone();
         // Woken once already: the first readiness drains.
         let signal = Arc::new(Signal {
