@@ -219,8 +219,14 @@ impl UsageScanner {
     /// many bytes of `rest` it used when it is done with the object (read, or passed over), or
     /// `None` while the object goes on into the next chunk.
     fn capture_from(&mut self, member: Member, rest: &[u8]) -> Option<usize> {
-        self.capture.clear();
         let take = rest.len().min(CAPTURE_LIMIT);
+        // Most objects end in the chunk they start in: parsed where they are, not copied.
+        if let Parsed::Done(end) =
+            parse_object(&mut self.wire, &mut self.found, member, &rest[..take])
+        {
+            return Some(end);
+        }
+        self.capture.clear();
         self.capture.extend_from_slice(&rest[..take]);
         match self.parse(member) {
             Parsed::Done(end) => Some(end),
@@ -250,39 +256,7 @@ impl UsageScanner {
 
     /// Parses the object captured from its `{`.
     fn parse(&mut self, member: Member) -> Parsed {
-        let b = &self.capture;
-        let i = 0;
-        match b.get(i) {
-            None => Parsed::Incomplete,
-            Some(b'{') => {
-                // Typed at once: one pass over the object.
-                let typed = match member {
-                    Member::Usage => parse_typed::<UsageObject>(&b[i..])
-                        .map(|(o, n)| (add_usage(&mut self.wire, o), n)),
-                    Member::Timings => parse_typed::<TimingsObject>(&b[i..])
-                        .map(|(o, n)| (add_timings(&mut self.wire, o), n)),
-                };
-                match typed {
-                    Ok(((), n)) => {
-                        self.found = true;
-                        Parsed::Done(i + n)
-                    }
-                    Err(e) if e.is_eof() => Parsed::Incomplete,
-                    // Not what the APIs send: passed over whole, if it is JSON at all.
-                    Err(_) => {
-                        let mut values = serde_json::Deserializer::from_slice(&b[i..])
-                            .into_iter::<serde::de::IgnoredAny>();
-                        match values.next() {
-                            Some(Ok(_)) => Parsed::Done(i + values.byte_offset()),
-                            Some(Err(e)) if e.is_eof() => Parsed::Incomplete,
-                            // Not JSON: skip the brace and go on.
-                            _ => Parsed::Done(i + 1),
-                        }
-                    }
-                }
-            }
-            Some(_) => Parsed::Done(1),
-        }
+        parse_object(&mut self.wire, &mut self.found, member, &self.capture)
     }
 
     /// The figures of the whole body, once it has ended.
@@ -320,6 +294,44 @@ impl UsageScanner {
             reused_tokens: reused_tokens.map(|r| r.min(prompt_tokens)),
             prompt_time,
         })
+    }
+}
+
+/// Parses the object that `b` begins with (at its `{`), adding its figures to `wire`; or says
+/// that `b` ends before the object does.
+fn parse_object(wire: &mut Wire, found: &mut bool, member: Member, b: &[u8]) -> Parsed {
+    match b.first() {
+        None => Parsed::Incomplete,
+        Some(b'{') => {
+            // Typed at once: one pass over the object.
+            let typed = match member {
+                Member::Usage => {
+                    parse_typed::<UsageObject>(b).map(|(o, n)| (add_usage(wire, o), n))
+                }
+                Member::Timings => {
+                    parse_typed::<TimingsObject>(b).map(|(o, n)| (add_timings(wire, o), n))
+                }
+            };
+            match typed {
+                Ok(((), n)) => {
+                    *found = true;
+                    Parsed::Done(n)
+                }
+                Err(e) if e.is_eof() => Parsed::Incomplete,
+                // Not what the APIs send: passed over whole, if it is JSON at all.
+                Err(_) => {
+                    let mut values = serde_json::Deserializer::from_slice(b)
+                        .into_iter::<serde::de::IgnoredAny>();
+                    match values.next() {
+                        Some(Ok(_)) => Parsed::Done(values.byte_offset()),
+                        Some(Err(e)) if e.is_eof() => Parsed::Incomplete,
+                        // Not JSON: skip the brace and go on.
+                        _ => Parsed::Done(1),
+                    }
+                }
+            }
+        }
+        Some(_) => Parsed::Done(1),
     }
 }
 

@@ -1433,40 +1433,6 @@ async fn two_backends_with_one_id_are_refused() {
     assert!(err.to_string().contains("given twice"), "{err}");
 }
 
-// === hop-by-hop headers ===
-
-#[test]
-fn strip_hop_by_hop_removes_what_connection_names_and_nothing_else() {
-    let mut headers = HeaderMap::new();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    headers.insert("x-session-id", HeaderValue::from_static("s"));
-    let untouched = headers.clone();
-    tower_affinity::client::strip_hop_by_hop(&mut headers);
-    assert_eq!(headers, untouched);
-
-    headers.append(
-        header::CONNECTION,
-        HeaderValue::from_static("Keep-Alive, X-Hop"),
-    );
-    headers.append(
-        header::CONNECTION,
-        HeaderValue::from_static(" x-other ,, close"),
-    );
-    headers.insert("keep-alive", HeaderValue::from_static("timeout=5"));
-    headers.insert("x-hop", HeaderValue::from_static("1"));
-    headers.insert("x-other", HeaderValue::from_static("2"));
-    headers.insert(header::TE, HeaderValue::from_static("trailers"));
-    headers.insert(
-        header::TRANSFER_ENCODING,
-        HeaderValue::from_static("chunked"),
-    );
-    tower_affinity::client::strip_hop_by_hop(&mut headers);
-    assert_eq!(headers, untouched);
-}
-
 #[tokio::test(start_paused = true)]
 async fn backend_dns_names_backends_from_a_real_nameserver_on_loopback() {
     let stub = Stub::start("a1", 2).await;
