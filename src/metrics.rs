@@ -52,7 +52,9 @@ use std::time::Duration;
 #[cfg(feature = "metrics")]
 use metrics::{counter, gauge, histogram, Counter, Histogram};
 
-use crate::{BackendId, BackendStatus, Decision, NodeId, Stats};
+use crate::{BackendId, Decision, NodeId};
+#[cfg(feature = "metrics")]
+use crate::{BackendStatus, Stats};
 
 /// One backend's event handles; nothing without the feature.
 #[derive(Debug)]
@@ -162,7 +164,3 @@ pub(crate) fn publish(stats: &Stats, backends: &[BackendStatus]) {
         }
     }
 }
-
-#[cfg(not(feature = "metrics"))]
-#[allow(dead_code)]
-pub(crate) fn publish(_: &Stats, _: &[BackendStatus]) {}

@@ -220,19 +220,15 @@ impl UsageScanner {
     /// `None` while the object goes on into the next chunk.
     fn capture_from(&mut self, member: Member, rest: &[u8]) -> Option<usize> {
         let take = rest.len().min(CAPTURE_LIMIT);
-        // Most objects end in the chunk they start in: parsed where they are, not copied.
-        if let Parsed::Done(end) =
-            parse_object(&mut self.wire, &mut self.found, member, &rest[..take])
-        {
-            return Some(end);
-        }
-        self.capture.clear();
-        self.capture.extend_from_slice(&rest[..take]);
-        match self.parse(member) {
+        // Parsed where it is: most objects end in the chunk they start in, and only one that
+        // goes on into the next chunk is copied.
+        match parse_object(&mut self.wire, &mut self.found, member, &rest[..take]) {
             Parsed::Done(end) => Some(end),
             // Too long to be a usage object: passed over, and scanning goes on after it.
             Parsed::Incomplete if take == CAPTURE_LIMIT => Some(take),
             Parsed::Incomplete => {
+                self.capture.clear();
+                self.capture.extend_from_slice(rest);
                 self.capturing = Some(member);
                 None
             }
