@@ -273,6 +273,10 @@ where
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         let mut this = self.project();
         let frame = ready!(this.kind.as_mut().poll_frame(cx));
+        if let (Some(Ok(_)), Some(guard)) = (&frame, this.guard.as_mut()) {
+            // The answer has begun: its backend has read the prompt.
+            guard.prompt_read();
+        }
         if let Some(observe) = this.observe.as_mut() {
             match &frame {
                 Some(Ok(f)) => {

@@ -352,6 +352,9 @@ pub(crate) struct SlotGuard {
     node: u32,
     /// When the slot was taken (fleet milliseconds).
     since_ms: u64,
+    /// Prompt tokens the backend is expected to read for this request and has not yet
+    /// answered for: counted in its [`Learned::unread_tokens`] until the answer starts.
+    unread: u64,
 }
 
 impl SlotGuard {
@@ -363,6 +366,24 @@ impl SlotGuard {
             backend,
             node,
             since_ms: now_ms,
+            unread: 0,
+        }
+    }
+
+    /// The backend is expected to read `tokens` of this request's prompt (what the cache
+    /// model says it lacks): they count in its backlog until its answer starts.
+    pub(crate) fn reading(&mut self, tokens: u64) {
+        self.unread += tokens;
+        let unread = &self.load.learned.unread_tokens;
+        unread.fetch_add(tokens, Ordering::Relaxed);
+    }
+
+    /// The backend has answered: it has read this request's prompt.
+    pub(crate) fn prompt_read(&mut self) {
+        let tokens = std::mem::take(&mut self.unread);
+        if tokens > 0 {
+            let unread = &self.load.learned.unread_tokens;
+            unread.fetch_sub(tokens, Ordering::Relaxed);
         }
     }
 
@@ -409,6 +430,7 @@ impl SlotGuard {
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
+        self.prompt_read();
         self.load
             .learned
             .started_ms
@@ -727,6 +749,11 @@ pub struct BackendStatus {
     pub cached_blocks: usize,
     /// Links the cache model evicted to stay within the backend's budget.
     pub evicted_blocks: u64,
+    /// Prompt tokens of its requests in flight that it has not answered yet and that the
+    /// cache model said it lacked: what it is still reading, by the model's estimate. A
+    /// request that would move here waits behind them (see
+    /// [`wait_versus_move`](crate::SessionAffinityLayer::wait_versus_move)).
+    pub unread_tokens: u64,
     /// Answers that reported their usage (see
     /// [`SessionAffinityLayer::observe_usage`](crate::SessionAffinityLayer::observe_usage)).
     pub usage_reports: u64,
@@ -783,6 +810,7 @@ impl Topology {
                     cached_tokens: cache.tokens(),
                     cached_blocks: cache.blocks(),
                     evicted_blocks: cache.evicted(),
+                    unread_tokens: l.unread_tokens.load(Ordering::Relaxed),
                     usage_reports: l.reports.load(Ordering::Relaxed),
                     prompt_tokens: l.prompt_tokens.load(Ordering::Relaxed),
                     reused_tokens: l.reused_tokens.load(Ordering::Relaxed),

@@ -171,7 +171,9 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// moves. Both figures are learned from the backends' answers (see
     /// [`observe_usage`](Self::observe_usage)): the wait from how long their requests take and
     /// how long those in flight have run, the cost of moving from the backend's measured
-    /// prefill rate. Until they are learned, a request moves at once.
+    /// prefill rate and the prompts it has been sent and has not answered yet (a backend
+    /// reads one prompt after another: a move there waits behind them). Until they are
+    /// learned, a request moves at once.
     pub fn wait_versus_move(mut self, enabled: bool) -> Self {
         self.config.wait_versus_move = enabled;
         self

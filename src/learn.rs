@@ -14,7 +14,10 @@
 //!   run, on average, from the sum of their start times) against how long its requests take
 //!   (learned);
 //! - the cost of moving is the prompt tokens the other backend would read again (what the
-//!   cache model says it lacks) divided by its learned prefill rate.
+//!   cache model says it lacks), after those it is still reading for the requests it has not
+//!   answered yet, divided by its learned prefill rate. A backend reads one prompt after
+//!   another (llama.cpp shares one batch among its slots): a free slot behind a long cold
+//!   prompt is no sooner than a busy home.
 //!
 //! If the wait is the cheaper, the request waits for the full backend, at most as long as
 //! moving would cost; then it moves. Waiting up to the price of the alternative and then
@@ -63,6 +66,10 @@ pub(crate) struct Learned {
     duration_ms: AtomicU64,
     /// The sum of the dispatch times (fleet milliseconds) of the requests in flight.
     pub(crate) started_ms: AtomicU64,
+    /// Prompt tokens of the requests in flight that have no answer yet and that the cache
+    /// model said this backend lacked: what it still has to read before it can start on
+    /// another prompt.
+    pub(crate) unread_tokens: AtomicU64,
 }
 
 /// What placement predicted for a request on the backend it chose, kept for its answer.
@@ -200,6 +207,14 @@ impl Learned {
     pub(crate) fn read_time(&self, tokens: u64) -> Option<Duration> {
         let rate = self.prefill_rate()?;
         Some(Duration::from_secs_f64(tokens as f64 / rate))
+    }
+
+    /// The time to read `tokens` after the prompts of the requests in flight that have not
+    /// been answered yet, once the rate is learned: a backend reads one prompt at a time
+    /// (llama.cpp shares one batch among its slots), so a long prompt there delays the next.
+    pub(crate) fn time_to_read(&self, tokens: u64) -> Option<Duration> {
+        let backlog = self.unread_tokens.load(Ordering::Relaxed);
+        self.read_time(backlog.saturating_add(tokens))
     }
 }
 

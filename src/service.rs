@@ -535,7 +535,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             _ => return full(),
         };
         let m = t.member(index);
-        let guard = SlotGuard::new(&m.load, index, m.node, now_ms);
+        let mut guard = SlotGuard::new(&m.load, index, m.node, now_ms);
         if let (Some(chain), Some(target)) = (chain, cache_backend) {
             let first_try = waited.is_none() && scope == Scope::Any && !overcommitted;
             if self.wait_versus_move && first_try && target != index {
@@ -587,6 +587,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
                     .map_or(0, |p| p.links),
             };
             let (held, stamp) = m.cache.lock().record_from(chain.links(), known);
+            guard.reading(chain.tokens().saturating_sub(chain.tokens_at(held)));
             if let Some(w) = watch.as_mut() {
                 w.prediction = Some(Prediction {
                     prompt_tokens: chain.tokens(),
@@ -636,7 +637,7 @@ fn worth_waiting(
         0 => Duration::ZERO,
         n => load.learned.read_time(n)?,
     };
-    let go_read = go.load.learned.read_time(lacks(go))?;
+    let go_read = go.load.learned.time_to_read(lacks(go))?;
     let saving = go_read.checked_sub(stay_read)?;
     let in_flight = load.in_flight.load(Ordering::Relaxed);
     let wait = load.learned.wait_estimate(in_flight, now_ms)?;

@@ -1,5 +1,6 @@
 use std::fmt;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use crate::cache;
 use crate::fleet::{Member, NodeEntry, Topology};
@@ -188,6 +189,15 @@ impl<'a> BackendRef<'a> {
     /// ```
     pub fn cached_tokens(&self, chain: &PromptChain) -> u64 {
         cache::reuse(&self.member().cache.lock(), chain).1
+    }
+
+    /// How long this backend would take to read `tokens` of prompt, by the rate its answers
+    /// taught, after the prompts it has been sent and not yet answered: the time to first
+    /// token a request lacking `tokens` of its prompt here can expect. `None` until the
+    /// backend's prefill rate is learned from its answers (see
+    /// [`wait_versus_move`](crate::SessionAffinityLayer::wait_versus_move)).
+    pub fn time_to_read(&self, tokens: u64) -> Option<Duration> {
+        self.member().load.learned.time_to_read(tokens)
     }
 
     /// Conversations the cache model says this backend homes: the tips of the prompts it

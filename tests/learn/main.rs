@@ -21,8 +21,8 @@ use tower::{service_fn, BoxError, Layer, ServiceExt};
 use tower_affinity::discover::StaticFleet;
 use tower_affinity::key::PromptFacts;
 use tower_affinity::{
-    Backend, BackendStatus, Decision, Outcome, PromptChain, ResponseBody, SessionAffinity,
-    SessionAffinityLayer, Usage,
+    Backend, BackendStatus, Decision, Outcome, Overflow, PromptChain, ResponseBody,
+    SessionAffinity, SessionAffinityLayer, Usage,
 };
 
 // === the scripted backend ===
@@ -485,30 +485,42 @@ where
     }
 }
 
-/// Session "s" on its home, then a turn of it that keeps the home busy for `busy`: returns
-/// the home and the task streaming that turn.
-async fn busy_home<S>(svc: &Svc<S>, busy: Duration) -> (String, tokio::task::JoinHandle<()>)
+/// The first turn of session `key`: where it went.
+async fn first_turn<S>(svc: &Svc<S>, key: &str) -> String
+where
+    Svc<S>: tower::Service<Req, Response = Res, Error = tower_affinity::Error>,
+    <Svc<S> as tower::Service<Req>>::Future: Send,
+{
+    let (d, _, _) = exchange(
+        svc,
+        request(
+            Some(key),
+            Some(chain(&SESSION_BLOCKS[..8], 1000)),
+            reused(8000, 0),
+        ),
+    )
+    .await;
+    d.backend.to_string()
+}
+
+/// A turn of session `key` that keeps its home busy for `busy`: the task streaming it.
+async fn hold_home<S>(
+    svc: &Svc<S>,
+    key: &str,
+    home: &str,
+    busy: Duration,
+) -> tokio::task::JoinHandle<()>
 where
     S: Send + Sync + 'static,
     Svc<S>:
         tower::Service<Req, Response = Res, Error = tower_affinity::Error> + Send + Sync + 'static,
     <Svc<S> as tower::Service<Req>>::Future: Send,
 {
-    let (d, _, _) = exchange(
-        svc,
-        request(
-            Some("s"),
-            Some(chain(&SESSION_BLOCKS[..8], 1000)),
-            reused(8000, 0),
-        ),
-    )
-    .await;
-    let home = d.backend.to_string();
     let long = Reply::llama_stream(9000, 8000, 5000, Duration::ZERO, busy);
     let res = svc
         .clone()
         .oneshot(request(
-            Some("s"),
+            Some(key),
             Some(chain(&SESSION_BLOCKS[..9], 1000)),
             long,
         ))
@@ -518,9 +530,22 @@ where
         res.extensions().get::<Decision>().unwrap().backend.as_str(),
         home
     );
-    let streaming = tokio::spawn(async move {
+    tokio::spawn(async move {
         let _ = res.into_body().collect().await;
-    });
+    })
+}
+
+/// Session "s" on its home, then a turn of it that keeps the home busy for `busy`: returns
+/// the home and the task streaming that turn.
+async fn busy_home<S>(svc: &Svc<S>, busy: Duration) -> (String, tokio::task::JoinHandle<()>)
+where
+    S: Send + Sync + 'static,
+    Svc<S>:
+        tower::Service<Req, Response = Res, Error = tower_affinity::Error> + Send + Sync + 'static,
+    <Svc<S> as tower::Service<Req>>::Future: Send,
+{
+    let home = first_turn(svc, "s").await;
+    let streaming = hold_home(svc, "s", &home, busy).await;
     (home, streaming)
 }
 
@@ -530,11 +555,20 @@ where
     Svc<S>: tower::Service<Req, Response = Res, Error = tower_affinity::Error>,
     <Svc<S> as tower::Service<Req>>::Future: Send,
 {
+    next_turn_of(svc, "s").await
+}
+
+/// The next turn of session `key`, sent while its home is busy.
+async fn next_turn_of<S>(svc: &Svc<S>, key: &str) -> (Decision, Duration)
+where
+    Svc<S>: tower::Service<Req, Response = Res, Error = tower_affinity::Error>,
+    <Svc<S> as tower::Service<Req>>::Future: Send,
+{
     let t0 = Instant::now();
     let (d, _, _) = exchange(
         svc,
         request(
-            Some("s"),
+            Some(key),
             Some(chain(&SESSION_BLOCKS, 1000)),
             reused(10_000, 9000),
         ),
@@ -583,6 +617,81 @@ async fn a_wait_for_the_holder_ends_when_moving_would_have_cost_less() {
     assert_eq!(d.waited, Some(Duration::from_secs(45)));
     assert!(waited >= Duration::from_secs(45));
     streaming.abort();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_move_waits_behind_the_prompts_the_other_backend_is_still_reading() {
+    // a has one slot, b two. Requests take 200 s, so the home's slot is due in about 200 s,
+    // later than reading the 10,000 tokens a move lacks (50 s): alone, the turn would move
+    // (`move_at_once_when_the_wait_would_cost_more_than_moving`). But b is reading a cold
+    // 60,000-token prompt it has not answered yet (300 s at 200 tokens/s), and a move there
+    // would wait behind it: the turn waits for its home.
+    let fleet = StaticFleet::new([("a", "n1", 1), ("b", "n2", 2)].map(|(id, node, slots)| {
+        let b = Backend::new(node, scripted())
+            .slots(NonZeroU32::new(slots).unwrap())
+            .cache_tokens(1 << 20);
+        (id, b)
+    }));
+    // Waits may last longer than the default minute.
+    let svc: Svc<_> = SessionAffinityLayer::new()
+        .overflow(Overflow::Wait {
+            max_wait: Duration::from_secs(600),
+            max_queued: 16,
+        })
+        .layer(fleet);
+    teach(&svc, Duration::from_secs(200)).await;
+    // A session homed on a: the first of a few keys whose first turn lands there.
+    let mut key = None;
+    for n in 0..16 {
+        let k = format!("s{n}");
+        if first_turn(&svc, &k).await == "a" {
+            key = Some(k);
+            break;
+        }
+    }
+    let key = key.expect("a key homed on a");
+    let streaming = hold_home(&svc, &key, "a", Duration::from_secs(200)).await;
+    assert_eq!(status(&svc, "b").unread_tokens, 0);
+    // A cold prompt without a key goes to b, the only free slot; its answer starts in 400 s.
+    let mut cold = Reply::llama_stream(60_000, 0, 300_000, Duration::ZERO, Duration::ZERO);
+    cold.headers_after = Duration::from_secs(400);
+    let cold = request(None, Some(chain(&[900, 901, 902], 20_000)), cold);
+    let reading = tokio::spawn({
+        let svc = svc.clone();
+        async move { exchange(&svc, cold).await.0 }
+    });
+    while status(&svc, "b").in_flight < 1 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(status(&svc, "b").unread_tokens, 60_000);
+    let (d, _) = next_turn_of(&svc, &key).await;
+    assert_eq!(d.backend.as_str(), "a");
+    assert_eq!(d.outcome, Outcome::HomeHit);
+    assert_eq!(d.waited, Some(Duration::from_secs(200)));
+    streaming.await.unwrap();
+    assert_eq!(reading.await.unwrap().backend.as_str(), "b");
+    assert_eq!(status(&svc, "b").unread_tokens, 0, "answered: read");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_prompt_sent_and_never_answered_leaves_the_backlog_when_its_request_ends() {
+    let svc = service(&[("a", "n1")]);
+    let mut slow = Reply::llama_stream(6_000, 0, 30_000, Duration::ZERO, Duration::ZERO);
+    slow.headers_after = Duration::from_secs(400);
+    let req = request(None, Some(chain(&[1, 2, 3], 2_000)), slow);
+    let call = tokio::spawn({
+        let svc = svc.clone();
+        async move { exchange(&svc, req).await }
+    });
+    while svc.backends().iter().all(|b| b.in_flight == 0) {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(status(&svc, "a").unread_tokens, 6_000);
+    // The client gives up before the backend answers.
+    call.abort();
+    let _ = call.await;
+    let a = status(&svc, "a");
+    assert_eq!((a.in_flight, a.unread_tokens), (0, 0));
 }
 
 #[tokio::test(start_paused = true)]
