@@ -39,6 +39,18 @@ pin_project! {
         decision: Option<Decision>,
         observe: Option<Box<Observe>>,
     }
+
+    impl<B> PinnedDrop for ResponseBody<B> {
+        fn drop(this: Pin<&mut Self>) {
+            let this = this.project();
+            // A client that stops reading once it has the answer's last chunk (an SSE client
+            // at `data: [DONE]`) may drop the body before its end is polled: what the answer
+            // reported in full is learned all the same.
+            if let (Some(observe), Some(guard)) = (this.observe.as_mut(), this.guard.as_ref()) {
+                observe.end_if_reported(guard);
+            }
+        }
+    }
 }
 
 /// What the service hands the response body to learn from its answer.
@@ -101,6 +113,14 @@ impl Observe {
             self.first_byte = Some(Instant::now());
         }
         self.scanner.feed(chunk);
+    }
+
+    /// The body is dropped before its end: if the answer has reported its figures in full,
+    /// they are learned as at its end; otherwise nothing is (a stream cut short).
+    fn end_if_reported(&mut self, guard: &SlotGuard) {
+        if !self.done && self.scanner.finish().is_some() {
+            self.end(guard);
+        }
     }
 
     /// The body has ended: what it reported goes to its backend's figures.

@@ -359,6 +359,39 @@ async fn answers_that_cannot_be_read_pass_through_untouched_with_no_figure() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_stream_dropped_after_its_last_chunk_is_counted_and_one_cut_before_it_is_not() {
+    let svc = service(&[("a", "n1")]);
+    // llama-server's stream, and then its end a long while later: the client stops reading at
+    // the last chunk (an SSE client at `data: [DONE]`) and drops the body before its end.
+    let mut done = Reply::llama_stream(1_200, 1_000, 400, Duration::ZERO, Duration::ZERO);
+    done.frames
+        .push((Duration::from_secs(3_600), Ok(Bytes::from_static(b""))));
+    // A stream that stops in the middle of its usage chunk, dropped the same way.
+    let mut cut = Reply::new(
+        "text/event-stream",
+        &[b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":40,"],
+    );
+    cut.frames
+        .push((Duration::from_secs(3_600), Ok(Bytes::from_static(b""))));
+    for (reply, frames, counted) in [(cut, 1, 0), (done, 2, 1)] {
+        let res = svc
+            .clone()
+            .oneshot(request(None, None, reply))
+            .await
+            .expect("an answer");
+        let mut body = res.into_body();
+        for _ in 0..frames {
+            body.frame().await.expect("a frame").expect("data");
+        }
+        drop(body);
+        let a = status(&svc, "a");
+        assert_eq!((a.in_flight, a.usage_reports), (0, counted));
+    }
+    let a = status(&svc, "a");
+    assert_eq!((a.prompt_tokens, a.reused_tokens), (1_200, 1_000));
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_backend_that_once_reported_its_reuse_reused_nothing_when_it_leaves_it_out() {
     // vLLM leaves `cached_tokens` out when it is 0.
     let svc = service(&[("a", "n1")]);
