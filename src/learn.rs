@@ -70,6 +70,10 @@ pub(crate) struct Learned {
     /// model said this backend lacked: what it still has to read before it can start on
     /// another prompt.
     pub(crate) unread_tokens: AtomicU64,
+    /// The backend's prompt tokens per token of the chain's estimate (an `f64`'s bits; 0
+    /// until learned, read as 1): the chain counts four bytes a token, the backend's own
+    /// tokenizer may count otherwise, and the prefill rate is in the backend's tokens.
+    token_scale: AtomicU64,
 }
 
 /// What placement predicted for a request on the backend it chose, kept for its answer.
@@ -144,6 +148,12 @@ impl Learned {
             return (Some(usage), Verdict::Fine);
         };
         self.reused_tokens.fetch_add(reused, Ordering::Relaxed);
+        if let Some(p) = predicted.filter(|p| p.prompt_tokens > 0) {
+            blend(
+                &self.token_scale,
+                usage.prompt_tokens as f64 / p.prompt_tokens as f64,
+            );
+        }
         let read = usage.prompt_tokens.saturating_sub(reused);
         // The time the prompt took to read: llama.cpp says; a stream's first byte tells.
         let read_time = usage
@@ -203,10 +213,18 @@ impl Learned {
         Some(Duration::from_secs_f64((took - oldest).max(0.0) / 1000.0))
     }
 
-    /// What moving a request here costs: the time to read `tokens`, once the rate is learned.
+    /// What moving a request here costs: the time to read `tokens` (the chain's estimate),
+    /// once the rate is learned.
     pub(crate) fn read_time(&self, tokens: u64) -> Option<Duration> {
         let rate = self.prefill_rate()?;
-        Some(Duration::from_secs_f64(tokens as f64 / rate))
+        let scale = load_f64(&self.token_scale).unwrap_or(1.0);
+        Some(Duration::from_secs_f64(tokens as f64 * scale / rate))
+    }
+
+    /// The backend's prompt tokens per token of the chain's estimate, once learned.
+    #[cfg(test)]
+    pub(crate) fn token_scale(&self) -> Option<f64> {
+        load_f64(&self.token_scale)
     }
 
     /// The time to read `tokens` after the prompts of the requests in flight that have not
@@ -244,6 +262,27 @@ mod tests {
         // A warm turn reads too little to say anything about the rate.
         l.learn(&answer(10_100, Some(10_000), 1_000), None);
         assert_eq!(l.prefill_rate(), Some(200.0));
+        assert_eq!(l.read_time(2_000), Some(Duration::from_secs(10)));
+    }
+
+    #[test]
+    fn the_chains_token_estimate_is_scaled_to_the_backends_own_count() {
+        let l = Learned::default();
+        // The chain estimated 2,500 tokens (four bytes each) of a prompt the backend counted
+        // as 10,000 (a byte each), read cold in 50 s: 200 of its tokens a second.
+        let p = Prediction {
+            prompt_tokens: 2_500,
+            held_tokens: 0,
+            stamp: 0,
+        };
+        l.learn(&answer(10_000, Some(0), 50_000), Some(p));
+        assert_eq!(l.token_scale(), Some(4.0));
+        // 2,500 tokens of the estimate are 10,000 of the backend's: 50 s, not 12.5 s.
+        assert_eq!(l.read_time(2_500), Some(Duration::from_secs(50)));
+        // Without a prediction (no chain) nothing is learned of the scale.
+        let l = Learned::default();
+        l.learn(&answer(10_000, Some(0), 50_000), None);
+        assert_eq!(l.token_scale(), None);
         assert_eq!(l.read_time(2_000), Some(Duration::from_secs(10)));
     }
 

@@ -191,8 +191,10 @@ impl<'a> BackendRef<'a> {
         cache::reuse(&self.member().cache.lock(), chain).1
     }
 
-    /// How long this backend would take to read `tokens` of prompt, by the rate its answers
-    /// taught, after the prompts it has been sent and not yet answered: the time to first
+    /// How long this backend would take to read `tokens` of prompt (in the chain's estimate,
+    /// as [`cached_tokens`](Self::cached_tokens) counts them; scaled to the backend's own
+    /// count as its answers showed it), by the rate its answers taught, after the prompts it
+    /// has been sent and not yet answered: the time to first
     /// token a request lacking `tokens` of its prompt here can expect. `None` until the
     /// backend's prefill rate is learned from its answers (see
     /// [`wait_versus_move`](crate::SessionAffinityLayer::wait_versus_move)).
