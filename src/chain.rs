@@ -7,8 +7,10 @@
 //! links each backend probably still holds.
 //!
 //! Digests are 64-bit xxh3, not SHA-256: a chain digests every byte of every prompt on the
-//! request path (a 256 KiB body is hashed in a few microseconds), the digests never leave the
-//! process as identities, and a collision costs at most one mispredicted cache hit.
+//! request path (a 256 KiB body is hashed in a few microseconds), and a collision costs at most
+//! one mispredicted cache hit. They are the same in every process (fixed seeds), so a shared
+//! [store](crate::store) can name a keyless conversation by the digest of its latest turn's
+//! prompt; the prompt itself never leaves the process.
 
 use std::fmt;
 use std::sync::Arc;
@@ -144,6 +146,17 @@ impl PromptChain {
         self.links
             .get(n.saturating_sub(2))
             .map_or(0, |l| tip_of(l.digest))
+    }
+}
+
+impl PromptChain {
+    /// The position of the link [`tip`](Self::tip) fingerprints (the next-to-last, or the
+    /// only one): where this turn ended, as the next turn of the conversation contains it.
+    pub(crate) fn tip_position(&self) -> Option<usize> {
+        self.links
+            .len()
+            .checked_sub(1)
+            .map(|last| last.saturating_sub(1))
     }
 }
 

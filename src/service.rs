@@ -604,6 +604,8 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             if let Some(store) = &self.store {
                 store.placed(k, extensions.get::<StoreAnswer>(), &decision);
             }
+        } else if let (Some(store), Some(chain)) = (&self.store, chain) {
+            store.placed_prompt(chain, &decision);
         }
         self.capacity.counters.record(&decision);
         Placed::Dispatch {
