@@ -158,9 +158,20 @@ impl PromptChain {
             .checked_sub(1)
             .map(|last| last.saturating_sub(1))
     }
+
+    /// The digest of the link at [`tip_position`](Self::tip_position).
+    pub(crate) fn tip_digest(&self) -> Option<u64> {
+        self.tip_position().map(|at| self.links[at].digest)
+    }
+
+    /// The position of the last link whose digest is `digest`.
+    pub(crate) fn position_of(&self, digest: u64) -> Option<usize> {
+        self.links.iter().rposition(|l| l.digest == digest)
+    }
 }
 
-fn tip_of(digest: u64) -> u16 {
+/// The 16-bit fingerprint of a link, as [`PromptChain::tip`] gives it.
+pub(crate) fn tip_of(digest: u64) -> u16 {
     (digest as u16).max(1)
 }
 

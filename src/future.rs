@@ -426,7 +426,8 @@ where
                         // The answer rides in the request's extensions (a type private to
                         // the crate) to the placement, which may come after a wait for a slot.
                         (Some(store), Some(key)) => {
-                            if let Some(answer) = shared.adopt(store, key, read) {
+                            let chain = req.extensions().get::<PromptFacts>().map(|f| &f.chain);
+                            if let Some(answer) = shared.adopt(store, key, read, chain) {
                                 req.extensions_mut().insert(answer);
                             }
                         }

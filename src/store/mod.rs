@@ -56,8 +56,15 @@
 //!
 //! **What the store sees:** the session's digest ([`SessionKey`], 128 bits of the SHA-256 of
 //! its raw key), the 64-bit digests of keyless prompts at their tips ([`PromptChain`]'s
-//! links), and the [`StoredHome`] (backend and node names): never a raw key, a header or a
-//! prompt.
+//! links), and the [`StoredHome`] (backend and node names, and the digest of the link where
+//! the prompt of the turn that placed the home ended): never a raw key, a header or a prompt.
+//!
+//! **A home's tip.** That digest lets a replica that reads a home judge it as the one that
+//! placed it does: found in the request's prompt, it is what the home holds, and goes into
+//! the reader's cache model (so that its predictions of reuse there are right); not found,
+//! the client compacted its history ([`Outcome::Compaction`](crate::Outcome::Compaction)), and
+//! the home is written again with the new tip. A value written without a tip reads as a
+//! home whose cache is not known, and is written again with one.
 //!
 //! **Which write wins.** The last one. Two replicas that place the same session at the same
 //! moment both write, and the store keeps whichever arrives last; every replica then reads that

@@ -15,7 +15,8 @@ use crate::key::SessionKey;
 ///
 /// - **Keys:** the session's digest in hex (32 characters) under a prefix, by default
 ///   [`RedisStore::DEFAULT_PREFIX`]: `tower-affinity:home:ba7816bf8f01cfea414140de5dae2223`.
-/// - **Values:** a [`StoredHome`] in its versioned format, `{"v":1,"backend":..,"node":..}`.
+/// - **Values:** a [`StoredHome`] in its versioned format,
+///   `{"v":1,"backend":..,"node":..,"tip":..}`.
 /// - **Reads:** `GETEX key PX ttl`, which also keeps an active session's home for the idle
 ///   timeout again. A key of another type (`WRONGTYPE`) or a value in another format reads as
 ///   [`Lookup::Garbage`].

@@ -12,6 +12,7 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use super::{HomeStore, Lookup, StoredHome};
+use crate::chain::tip_of;
 use crate::key::SessionKey;
 use crate::service::Shared;
 use crate::stats::{bump, Decision, Outcome};
@@ -123,8 +124,10 @@ pub(crate) struct Homes {
 /// store did not answer in time.
 #[derive(Clone, Debug)]
 pub(crate) enum StoreAnswer {
-    /// A home on this live backend.
-    Home(BackendId),
+    /// A home on this live backend, and whether the store has it as it should stay: its tip
+    /// is in the request's prompt (or the request has none), so that writing the same home
+    /// again would add nothing.
+    Home(BackendId, bool),
     /// No home this replica can use: none, or garbage.
     Nothing,
 }
@@ -337,14 +340,20 @@ impl Homes {
     /// After a placement: writes the session's new home unless the store already holds it.
     /// `answer` is what the store said, if it answered in time; without an answer, the home is
     /// written only if the placement moved the session.
+    ///
+    /// The home carries `tip`, the digest where the request's prompt ended (if it has one);
+    /// a home the store holds already is written again when its tip is not in this prompt (a
+    /// compaction, or a value written without one), so that other replicas read a tip they
+    /// can find.
     pub(crate) fn placed(
         self: &Arc<Self>,
         key: SessionKey,
         answer: Option<&StoreAnswer>,
         decision: &Decision,
+        tip: Option<u64>,
     ) {
         let write = match answer {
-            Some(StoreAnswer::Home(b)) => *b != decision.backend,
+            Some(StoreAnswer::Home(b, current)) => *b != decision.backend || !current,
             Some(StoreAnswer::Nothing) => true,
             None => decision.outcome != Outcome::HomeHit,
         };
@@ -352,6 +361,7 @@ impl Homes {
             let home = StoredHome {
                 backend: decision.backend.clone(),
                 node: decision.node.clone(),
+                tip,
             };
             self.write(key, home);
         }
@@ -361,14 +371,10 @@ impl Homes {
     /// prompt's tip, so that the conversation's next turn, which contains it, finds where it
     /// was served, whichever replica it enters.
     pub(crate) fn placed_prompt(self: &Arc<Self>, chain: &PromptChain, decision: &Decision) {
-        let Some(tip) = chain.tip_position() else {
+        let Some(digest) = chain.tip_digest() else {
             return;
         };
-        let digest = chain.links()[tip].digest;
-        let home = StoredHome {
-            backend: decision.backend.clone(),
-            node: decision.node.clone(),
-        };
+        let home = StoredHome::new(decision.backend.clone(), decision.node.clone());
         if let Some(runtime) = self.admit_write() {
             bump(&self.counters.prompt_writes);
             let write = self.store.write_prompt(digest, home, self.ttl);
@@ -431,8 +437,17 @@ impl Homes {
 impl<B, P> Shared<B, P> {
     /// Takes what the store read: a home on a live backend becomes the session's home in the
     /// local table (where placement looks it up); a home on a backend this replica does not
-    /// know is garbage. Returns what placement needs to know of the answer.
-    pub(crate) fn adopt(&self, homes: &Homes, key: SessionKey, read: Read) -> Option<StoreAnswer> {
+    /// know is garbage. A home's tip found in the request's prompt `chain` is what the home
+    /// holds: it goes into the cache model, as it would had this replica placed the turn
+    /// that ended there; a tip not found is a compaction, as for a session of this replica's
+    /// own. Returns what placement needs to know of the answer.
+    pub(crate) fn adopt(
+        &self,
+        homes: &Homes,
+        key: SessionKey,
+        read: Read,
+        chain: Option<&PromptChain>,
+    ) -> Option<StoreAnswer> {
         let home = match read {
             Read::Silent => return None,
             Read::Nothing | Read::Prompt(_) => return Some(StoreAnswer::Nothing),
@@ -446,20 +461,30 @@ impl<B, P> Shared<B, P> {
         };
         bump(&homes.counters.hits);
         let m = t.member(index);
+        let chain = chain.filter(|c| !c.is_empty());
+        let at = home.tip.zip(chain).and_then(|(tip, c)| c.position_of(tip));
+        if let (Some(at), Some(chain)) = (at, chain) {
+            m.cache.lock().record_from(&chain.links()[..=at], 0);
+        }
+        let current = match (home.tip, chain) {
+            (_, None) => true,
+            (Some(_), Some(_)) => at.is_some(),
+            (None, Some(_)) => false,
+        };
         let now_ms = self.capacity.now_ms(Instant::now());
         let local = self.table.get(key, now_ms);
         if local.is_none_or(|h| (h.backend, h.generation) != (index, m.generation)) {
-            // Where the session's last prompt ended is known only to the replica that placed
-            // it (tip 0: unknown), so the cache model does not call the new home cold.
+            // Without a tip (a value written without one), where the session's last prompt
+            // ended is not known (tip 0), and the cache model does not call the home cold.
             let entry = HomeEntry {
                 backend: index,
                 generation: m.generation,
-                tip: 0,
+                tip: home.tip.map_or(0, tip_of),
                 node: m.node,
             };
             self.table.put(key, entry, now_ms);
         }
-        Some(StoreAnswer::Home(home.backend))
+        Some(StoreAnswer::Home(home.backend, current))
     }
 
     /// Takes what the store read for a keyless request's prompt: the longest link found on a

@@ -544,3 +544,97 @@ async fn keyless_turns_alternating_between_replicas_stay_where_a_spill_went() {
         "without the store, {kept} of 8 conversations kept their backend"
     );
 }
+
+// === the home's tip ===
+
+fn keyed_turn(session: &str, chain: tower_affinity::PromptChain) -> Req {
+    let mut req = turn(session);
+    req.extensions_mut()
+        .insert(tower_affinity::key::PromptFacts::from_chain(chain));
+    req
+}
+
+/// Where a prompt's turn ended: the link a home's tip names.
+fn tip_of(chain: &tower_affinity::PromptChain) -> u64 {
+    let links = chain.links();
+    links[links.len().saturating_sub(2)].digest
+}
+
+async fn stored(conn: &mut redis::aio::MultiplexedConnection, session: &str) -> StoredHome {
+    let v = get(conn, &key_of(session)).await.expect("a home");
+    StoredHome::decode(v.as_bytes()).expect("a home")
+}
+
+/// Waits (bounded) until the home of `session` has tip `tip`.
+async fn until_tip(conn: &mut redis::aio::MultiplexedConnection, session: &str, tip: u64) {
+    for _ in 0..500 {
+        if get(conn, &key_of(session))
+            .await
+            .and_then(|v| StoredHome::decode(v.as_bytes()))
+            .is_some_and(|h| h.tip == Some(tip))
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    panic!("the home of {session} never had tip {tip:016x}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_homes_tip_tells_another_replica_a_compaction_and_an_old_value_still_reads() {
+    let Some(redis) = RedisServer::start().await else {
+        return;
+    };
+    let (a, b) = (
+        replica(&redis.url(), DEADLINE, RECONNECT),
+        replica(&redis.url(), DEADLINE, RECONNECT),
+    );
+    let mut conn = redis.client().await;
+    let sent = |svc: &Svc, session: &str, chain: &tower_affinity::PromptChain| {
+        svc.clone().oneshot(keyed_turn(session, chain.clone()))
+    };
+    let first = tower_affinity::PromptChain::from_blocks([(1, 2_000), (2, 300), (3, 300)]);
+    let next = tower_affinity::PromptChain::from_blocks([
+        (1, 2_000),
+        (2, 300),
+        (3, 300),
+        (4, 300),
+        (5, 300),
+    ]);
+    // The first turn through A: the home is written with where its prompt ended.
+    let d = decision(&sent(&a, "s", &first).await.unwrap());
+    assert_eq!(d.outcome, Outcome::NewSession);
+    until_tip(&mut conn, "s", tip_of(&first)).await;
+    assert_eq!(stored(&mut conn, "s").await.backend, d.backend);
+    // The next through B, which finds the tip in its prompt: the home holds it.
+    let hit = decision(&sent(&b, "s", &next).await.unwrap());
+    assert_eq!(
+        (hit.backend.clone(), hit.outcome),
+        (d.backend.clone(), Outcome::HomeHit)
+    );
+    assert_eq!(b.store_stats().unwrap().writes, 0, "nothing new to write");
+    // A compacted history through B: the tip is not in the prompt, as the replica that
+    // placed the home would tell; B writes the new tip.
+    let compacted = tower_affinity::PromptChain::from_blocks([(1, 2_000), (9, 400), (10, 300)]);
+    let c = decision(&sent(&b, "s", &compacted).await.unwrap());
+    assert_eq!(c.outcome, Outcome::Compaction);
+    until_tip(&mut conn, "s", tip_of(&compacted)).await;
+
+    // A value written before homes had tips reads as a home, and gets one.
+    redis::cmd("SET")
+        .arg(key_of("old"))
+        .arg(r#"{"v":1,"backend":"b2","node":"node-b"}"#)
+        .query_async::<()>(&mut conn)
+        .await
+        .unwrap();
+    let old = decision(&sent(&a, "old", &next).await.unwrap());
+    assert_eq!(
+        (old.backend.as_str(), old.outcome),
+        ("b2", Outcome::HomeHit)
+    );
+    until_tip(&mut conn, "old", tip_of(&next)).await;
+    assert_eq!(
+        stored(&mut conn, "old").await,
+        StoredHome::new("b2", "node-b").with_tip(tip_of(&next))
+    );
+}
