@@ -7,8 +7,10 @@
 //! links each backend probably still holds.
 //!
 //! Digests are 64-bit xxh3, not SHA-256: a chain digests every byte of every prompt on the
-//! request path (a 256 KiB body is hashed in a few microseconds), the digests never leave the
-//! process as identities, and a collision costs at most one mispredicted cache hit.
+//! request path (a 256 KiB body is hashed in a few microseconds), and a collision costs at most
+//! one mispredicted cache hit. They are the same in every process (fixed seeds), so a shared
+//! [store](crate::store) can name a keyless conversation by the digest of its latest turn's
+//! prompt; the prompt itself never leaves the process.
 
 use std::fmt;
 use std::sync::Arc;
@@ -147,7 +149,29 @@ impl PromptChain {
     }
 }
 
-fn tip_of(digest: u64) -> u16 {
+impl PromptChain {
+    /// The position of the link [`tip`](Self::tip) fingerprints (the next-to-last, or the
+    /// only one): where this turn ended, as the next turn of the conversation contains it.
+    pub(crate) fn tip_position(&self) -> Option<usize> {
+        self.links
+            .len()
+            .checked_sub(1)
+            .map(|last| last.saturating_sub(1))
+    }
+
+    /// The digest of the link at [`tip_position`](Self::tip_position).
+    pub(crate) fn tip_digest(&self) -> Option<u64> {
+        self.tip_position().map(|at| self.links[at].digest)
+    }
+
+    /// The position of the last link whose digest is `digest`.
+    pub(crate) fn position_of(&self, digest: u64) -> Option<usize> {
+        self.links.iter().rposition(|l| l.digest == digest)
+    }
+}
+
+/// The 16-bit fingerprint of a link, as [`PromptChain::tip`] gives it.
+pub(crate) fn tip_of(digest: u64) -> u16 {
     (digest as u16).max(1)
 }
 

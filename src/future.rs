@@ -21,7 +21,7 @@ use tower::Service;
 use crate::body::{Observe, Watch};
 use crate::error::BoxError;
 use crate::fleet::SlotGuard;
-use crate::key::SessionKey;
+use crate::key::{PromptFacts, SessionKey};
 use crate::placement::Placement;
 use crate::service::{Placed, Shared};
 use crate::stats::Decision;
@@ -92,11 +92,12 @@ pin_project! {
     }
 }
 
-/// A request whose session's home is being read from the shared store.
+/// A request whose session's home (or, keyless, its prompt's) is being read from the shared
+/// store.
 struct Reading<S, P, ReqB> {
     read: PendingRead,
     req: Option<http::Request<ReqB>>,
-    key: SessionKey,
+    key: Option<SessionKey>,
     shared: SharedOf<S, P>,
 }
 
@@ -192,20 +193,31 @@ where
         key: Option<SessionKey>,
         req: http::Request<ReqB>,
     ) -> Self {
-        if let (Some(_), Some(k)) = (&shared.store, key) {
-            return Self::read_first(shared, k, req);
+        if shared.store.is_some() {
+            return Self::read_first(shared, key, req);
         }
         ResponseFuture {
             state: Self::place(shared, key, req),
         }
     }
 
-    /// With a shared store: reads the session's home before placing, unless the store is
-    /// down. Out of line, so that the path without a store stays as it was.
+    /// With a shared store: reads the session's home (or a keyless request's, by its prompt)
+    /// before placing, unless the store is down. Out of line, so that the path without a
+    /// store stays as it was.
     #[cold]
     #[inline(never)]
-    fn read_first(shared: &SharedOf<S, P>, key: SessionKey, req: http::Request<ReqB>) -> Self {
-        let read = shared.store.as_ref().and_then(|store| store.read(key));
+    fn read_first(
+        shared: &SharedOf<S, P>,
+        key: Option<SessionKey>,
+        req: http::Request<ReqB>,
+    ) -> Self {
+        let read = shared.store.as_ref().and_then(|store| match key {
+            Some(k) => store.read(k),
+            None => {
+                let facts = req.extensions().get::<PromptFacts>()?;
+                store.read_prompt(&facts.chain)
+            }
+        });
         let state = match read {
             Some(read) => State::Read {
                 reading: Box::new(Reading {
@@ -215,7 +227,7 @@ where
                     shared: shared.clone(),
                 }),
             },
-            None => Self::place(shared, Some(key), req),
+            None => Self::place(shared, key, req),
         };
         ResponseFuture { state }
     }
@@ -410,14 +422,24 @@ where
                     let read = ready!(r.read.as_mut().poll(cx));
                     let mut req = r.req.take().expect(POLLED_AFTER_COMPLETION);
                     let (shared, key) = (r.shared.clone(), r.key);
-                    if let Some(store) = &shared.store {
+                    match (&shared.store, key) {
                         // The answer rides in the request's extensions (a type private to
                         // the crate) to the placement, which may come after a wait for a slot.
-                        if let Some(answer) = shared.adopt(store, key, read) {
-                            req.extensions_mut().insert(answer);
+                        (Some(store), Some(key)) => {
+                            let chain = req.extensions().get::<PromptFacts>().map(|f| &f.chain);
+                            if let Some(answer) = shared.adopt(store, key, read, chain) {
+                                req.extensions_mut().insert(answer);
+                            }
                         }
+                        // Keyless: what the store knows goes into the cache model.
+                        (Some(store), None) => {
+                            if let Some(facts) = req.extensions().get::<PromptFacts>() {
+                                shared.adopt_prompt(store, &facts.chain, read);
+                            }
+                        }
+                        (None, _) => {}
                     }
-                    state.set(Self::place(&shared, Some(key), req));
+                    state.set(Self::place(&shared, key, req));
                 }
                 StateProj::Done { error } => {
                     let e = error.take().expect(POLLED_AFTER_COMPLETION);

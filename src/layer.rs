@@ -136,8 +136,10 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// Shares session homes with other router replicas through `store` (see [`store`]): every
     /// request with a session key reads its home there first, within the
     /// [`store_deadline`](Self::store_deadline), and a placement that changes a session's home
-    /// writes it there, without waiting. The local session table stays the first answer when
-    /// the store is slow or down. Needs a Tokio runtime.
+    /// writes it there, without waiting. A keyless request with a prompt reads and writes the
+    /// backend of its conversation's latest turn there, by the digests of its prompt. The
+    /// local session table and cache model stay the first answer when the store is slow or
+    /// down. Needs a Tokio runtime.
     ///
     /// [`store`]: crate::store
     pub fn home_store(mut self, store: impl HomeStore) -> Self {

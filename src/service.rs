@@ -603,8 +603,11 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
                 self.table.put(k, new_home, now_ms);
             }
             if let Some(store) = &self.store {
-                store.placed(k, extensions.get::<StoreAnswer>(), &decision);
+                let tip = chain.and_then(PromptChain::tip_digest);
+                store.placed(k, extensions.get::<StoreAnswer>(), &decision, tip);
             }
+        } else if let (Some(store), Some(chain)) = (&self.store, chain) {
+            store.placed_prompt(chain, &decision);
         }
         self.capacity.counters.record(&decision);
         Placed::Dispatch {

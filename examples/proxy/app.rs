@@ -182,6 +182,8 @@ pub(crate) struct Config {
     pub(crate) redis: Option<String>,
     /// `--redis-timeout`: how long a request waits for the store's answer.
     pub(crate) redis_timeout: Duration,
+    /// `--replicas`: how many instances share the backends' slots.
+    pub(crate) replicas: NonZeroU32,
 }
 
 /// How requests reach the backends (`--upstream`).
@@ -218,6 +220,7 @@ impl Config {
             dns_servers: Vec::new(),
             redis: None,
             redis_timeout: SessionAffinityLayer::STORE_DEADLINE,
+            replicas: NonZeroU32::MIN,
         }
     }
 
@@ -394,6 +397,7 @@ impl Proxy {
             .placement(config.policy.build())
             .overflow(config.overflow)
             .failure_cooldown(config.failure_cooldown)
+            .replicas(config.replicas)
             .decision_headers(true);
         if let Some(url) = &config.redis {
             let store = RedisStore::open(url).map_err(|e| format!("--redis {url:?}: {e}"))?;

@@ -36,6 +36,9 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
                              that moved on one instance is followed by all
   --redis-timeout DURATION   longest wait for Redis's answer before placing from the
                              local table (default 5ms)
+  --replicas N               this instance is one of N behind a balancer that spreads
+                             turns evenly: it sends each backend at most its share,
+                             slots/N rounded up, so the N never overfill it (default 1)
   --policy P                 node-then-backend (default) | round-robin | least-loaded |
                              rendezvous
   --overflow O               wait (default) | overcommit | reject: when every
@@ -149,6 +152,12 @@ where
             }
             "--redis" => config.redis = Some(value()?),
             "--redis-timeout" => config.redis_timeout = duration(&flag, &value()?)?,
+            "--replicas" => {
+                let v = value()?;
+                config.replicas = v.parse().map_err(|_| {
+                    format!("--replicas {v:?}: expected a number of instances, at least 1")
+                })?;
+            }
             "--policy" => {
                 let v = value()?;
                 config.policy = Policy::NAMES

@@ -554,6 +554,29 @@ mod tests {
     }
 
     #[test]
+    fn keyless_agents_through_two_replicas_entered_at_random_follow_a_shared_store() {
+        let mut o = options(Scenario::Overload, 20);
+        o.sessions = Some(36);
+        o.keyless = true;
+        let moves = |shared_store| {
+            routers::set(routers::Replicas {
+                routers: 2,
+                entry: routers::Entry::Random,
+                shared_store,
+            });
+            let t = &overload(&o)[1];
+            let ntb = t.row("NodeThenBackend").unwrap();
+            (ntb.node_moves + ntb.backend_moves, t.to_string())
+        };
+        let (local, local_table) = moves(false);
+        let (shared, shared_table) = moves(true);
+        // Local cache models only: a turn entering the other replica finds its conversation's
+        // prefix only where that replica last sent it; the store names the backend of the
+        // conversation's latest turn, by its prompt.
+        assert!(shared * 2 < local, "{local_table}\n{shared_table}");
+    }
+
+    #[test]
     fn under_overload_node_patience_spills_within_the_node_first() {
         let mut o = options(Scenario::Overload, 20);
         o.sessions = Some(36);

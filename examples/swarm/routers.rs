@@ -23,7 +23,7 @@ use tower::Service;
 use tower_affinity::discover::StaticFleet;
 use tower_affinity::key::{HeaderKey, KeyExtractor, SessionKey};
 use tower_affinity::placement::Placement;
-use tower_affinity::store::{HomeStore, Lookup, ReadHome, StoredHome, WriteHome};
+use tower_affinity::store::{HomeStore, Lookup, ReadHome, ReadPrompts, StoredHome, WriteHome};
 use tower_affinity::{ResponseBody, ResponseFuture, SessionAffinity, Stats};
 
 use crate::backend::{Answer, Prompt, SimBackend};
@@ -81,18 +81,44 @@ impl Replicas {
 }
 
 /// A store of homes in memory, shared by the replicas: what Redis is to real ones, answering
-/// at once.
+/// at once. Sessions' homes by their keys, and keyless conversations' by their prompts' tips.
 #[derive(Clone, Debug, Default)]
-pub(crate) struct SharedHomes(Arc<Mutex<HashMap<SessionKey, StoredHome>>>);
+pub(crate) struct SharedHomes(Arc<Mutex<Homes>>);
+
+#[derive(Debug, Default)]
+struct Homes {
+    sessions: HashMap<SessionKey, StoredHome>,
+    prompts: HashMap<u64, StoredHome>,
+}
 
 impl HomeStore for SharedHomes {
     fn read(&self, session: SessionKey, _ttl: Duration) -> ReadHome {
-        let found = self.0.lock().get(&session).cloned();
+        let found = self.0.lock().sessions.get(&session).cloned();
         Box::pin(ready(Ok(found.map_or(Lookup::Missing, Lookup::Home))))
     }
 
     fn write(&self, session: SessionKey, home: StoredHome, _ttl: Duration) -> WriteHome {
-        self.0.lock().insert(session, home);
+        self.0.lock().sessions.insert(session, home);
+        Box::pin(ready(Ok(())))
+    }
+
+    fn read_prompts(&self, prompts: &[u64], _ttl: Duration) -> ReadPrompts {
+        let homes = self.0.lock();
+        let found = prompts
+            .iter()
+            .map(|p| {
+                homes
+                    .prompts
+                    .get(p)
+                    .cloned()
+                    .map_or(Lookup::Missing, Lookup::Home)
+            })
+            .collect();
+        Box::pin(ready(Ok(found)))
+    }
+
+    fn write_prompt(&self, prompt: u64, home: StoredHome, _ttl: Duration) -> WriteHome {
+        self.0.lock().prompts.insert(prompt, home);
         Box::pin(ready(Ok(())))
     }
 }

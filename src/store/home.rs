@@ -11,11 +11,16 @@ use crate::{BackendId, NodeId};
 /// Its value format, version 1, is a small JSON object:
 ///
 /// ```text
-/// {"v":1,"backend":"gpu-0","node":"host-a"}
+/// {"v":1,"backend":"gpu-0","node":"host-a","tip":"9f86d081884c7d65"}
 /// ```
 ///
-/// A reader ignores members it does not know, and a value whose `v` is not 1 is not read
-/// (a later format takes a new version).
+/// `tip`, optional, is the digest of the prompt of the turn that placed the home, where that
+/// turn ended (a [`PromptChain`](crate::PromptChain) link, 16 hex digits): a replica that reads
+/// the home finds it in the next turn's prompt (the home holds the prompt up to there) or
+/// does not (the client compacted its history). A home without it, as every value was
+/// written before it came in, reads as a home whose cache is not known. A reader ignores
+/// members it does not know, and a value whose `v` is not 1 is not read (a later format
+/// that older readers must not read takes a new version).
 ///
 /// ```
 /// use tower_affinity::store::StoredHome;
@@ -23,8 +28,13 @@ use crate::{BackendId, NodeId};
 /// let home = StoredHome::new("gpu-0", "host-a");
 /// let value = home.encode();
 /// assert_eq!(value, r#"{"v":1,"backend":"gpu-0","node":"host-a"}"#);
-/// assert_eq!(StoredHome::decode(value.as_bytes()), Some(home));
+/// assert_eq!(StoredHome::decode(value.as_bytes()), Some(home.clone()));
 /// assert_eq!(StoredHome::decode(b"not a home"), None);
+///
+/// let placed = home.with_tip(0x9f86_d081_884c_7d65);
+/// let value = placed.encode();
+/// assert_eq!(value, r#"{"v":1,"backend":"gpu-0","node":"host-a","tip":"9f86d081884c7d65"}"#);
+/// assert_eq!(StoredHome::decode(value.as_bytes()), Some(placed));
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct StoredHome {
@@ -32,6 +42,9 @@ pub struct StoredHome {
     pub backend: BackendId,
     /// Its node.
     pub node: NodeId,
+    /// Where the prompt of the turn that placed the home ended: the digest of that chain
+    /// link. `None` if the turn had no prompt chain, or the value was written without it.
+    pub tip: Option<u64>,
 }
 
 /// The version [`StoredHome::encode`] writes and [`StoredHome::decode`] reads.
@@ -43,22 +56,34 @@ impl StoredHome {
         StoredHome {
             backend: backend.into(),
             node: node.into(),
+            tip: None,
         }
+    }
+
+    /// The home with `tip`, the digest of the chain link where the prompt of the turn that
+    /// placed it ended.
+    pub fn with_tip(mut self, tip: u64) -> Self {
+        self.tip = Some(tip);
+        self
     }
 
     /// The home in the value format, version 1.
     pub fn encode(&self) -> String {
         // By hand, so that the members come in this order; serde_json escapes the names.
         let quote = |s: &str| serde_json::Value::from(s).to_string();
+        let tip = self
+            .tip
+            .map_or(String::new(), |t| format!(r#","tip":"{t:016x}""#));
         format!(
-            r#"{{"v":{VERSION},"backend":{},"node":{}}}"#,
+            r#"{{"v":{VERSION},"backend":{},"node":{}{tip}}}"#,
             quote(self.backend.as_str()),
             quote(self.node.as_str())
         )
     }
 
     /// Reads a value in the format [`encode`](Self::encode) writes; `None` if it is anything
-    /// else (not JSON, another version, a name missing or not a string, an empty backend).
+    /// else (not JSON, another version, a name missing or not a string, an empty backend). A
+    /// `tip` that is not 16 hex digits is left out: the home is still one.
     pub fn decode(value: &[u8]) -> Option<Self> {
         let v: serde_json::Value = serde_json::from_slice(value).ok()?;
         if v.get("v")?.as_u64()? != VERSION {
@@ -69,13 +94,25 @@ impl StoredHome {
         if backend.is_empty() {
             return None;
         }
-        Some(StoredHome::new(backend, node))
+        let tip = v
+            .get("tip")
+            .and_then(|t| t.as_str())
+            .filter(|t| t.len() == 16 && t.bytes().all(|b| b.is_ascii_hexdigit()))
+            .and_then(|t| u64::from_str_radix(t, 16).ok());
+        Some(StoredHome {
+            tip,
+            ..StoredHome::new(backend, node)
+        })
     }
 }
 
 impl fmt::Debug for StoredHome {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "StoredHome({} on {})", self.backend, self.node)
+        write!(f, "StoredHome({} on {}", self.backend, self.node)?;
+        if let Some(t) = self.tip {
+            write!(f, ", tip {t:016x}")?;
+        }
+        f.write_str(")")
     }
 }
 
@@ -116,5 +153,28 @@ mod tests {
             StoredHome::decode(br#"{"v":1,"backend":"a","node":"n","since":5}"#),
             Some(StoredHome::new("a", "n"))
         );
+    }
+
+    #[test]
+    fn a_value_without_a_tip_or_with_a_bad_one_is_a_home_without_a_tip() {
+        let home = StoredHome::new("a", "n");
+        for v in [
+            &br#"{"v":1,"backend":"a","node":"n"}"#[..],
+            br#"{"v":1,"backend":"a","node":"n","tip":7}"#,
+            br#"{"v":1,"backend":"a","node":"n","tip":"xyz"}"#,
+            br#"{"v":1,"backend":"a","node":"n","tip":"+000000000000001"}"#,
+            br#"{"v":1,"backend":"a","node":"n","tip":"00000000000000001"}"#,
+        ] {
+            assert_eq!(
+                StoredHome::decode(v),
+                Some(home.clone()),
+                "{:?}",
+                String::from_utf8_lossy(v)
+            );
+        }
+        for tip in [0, 1, u64::MAX, 0x0123_4567_89ab_cdef] {
+            let h = home.clone().with_tip(tip);
+            assert_eq!(StoredHome::decode(h.encode().as_bytes()), Some(h));
+        }
     }
 }

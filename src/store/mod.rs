@@ -32,9 +32,39 @@
 //!   ([`StoreStats::garbage`]); the request is placed as if the store had none, and its
 //!   placement writes a home over it.
 //!
+//! **Keyless conversations.** A request without a session key is known by its prompt: its [`PromptChain`] (from
+//! [`PromptFacts`], which [`BodyKeyLayer`] attaches) has a digest at each message boundary
+//! that covers the whole prompt up to there, and a conversation's next turn repeats its last
+//! turn's prompt and goes on. So the prompt's tip (where the turn ended, as the next turn
+//! contains it) names the conversation's latest turn:
+//!
+//! - **Writes.** After a keyless request with a prompt is placed, the digest of its tip is
+//!   written with the backend that serves it ([`HomeStore::write_prompt`]), in a task of its
+//!   own and kept for the idle timeout, as a session's home is.
+//! - **Reads.** A keyless request reads the digests of its tip and of the links before it, up
+//!   to 8, the longest first, in one read ([`HomeStore::read_prompts`]) within the same
+//!   deadline, with the same fallback. The longest link found on a live backend is what it is:
+//!   that backend holds the prompt up to there. It goes into the replica's cache model as
+//!   such, and the request is then placed as every keyless request is (the longest prefix
+//!   that is the conversation's own; wait versus move). A prefix that many conversations
+//!   share (a common system prompt) is held by many backends, and placement treats it as
+//!   shared, as it does without a store.
+//!
+//! A conversation's first turn finds nothing (no earlier turn was written), and one whose
+//! first prompt is the same as other conversations' is known from its third turn on: its
+//! second continues a prompt they all share, its third one that holds an answer of its own.
+//!
 //! **What the store sees:** the session's digest ([`SessionKey`], 128 bits of the SHA-256 of
-//! its raw key) and the [`StoredHome`] (backend and node names), never a raw key, a header or a
-//! prompt.
+//! its raw key), the 64-bit digests of keyless prompts at their tips ([`PromptChain`]'s
+//! links), and the [`StoredHome`] (backend and node names, and the digest of the link where
+//! the prompt of the turn that placed the home ended): never a raw key, a header or a prompt.
+//!
+//! **A home's tip.** That digest lets a replica that reads a home judge it as the one that
+//! placed it does: found in the request's prompt, it is what the home holds, and goes into
+//! the reader's cache model (so that its predictions of reuse there are right); not found,
+//! the client compacted its history ([`Outcome::Compaction`](crate::Outcome::Compaction)), and
+//! the home is written again with the new tip. A value written without a tip reads as a
+//! home whose cache is not known, and is written again with one.
 //!
 //! **Which write wins.** The last one. Two replicas that place the same session at the same
 //! moment both write, and the store keeps whichever arrives last; every replica then reads that
@@ -70,6 +100,9 @@
 //! ```
 //!
 //! [`SessionAffinityLayer::store_deadline`]: crate::SessionAffinityLayer::store_deadline
+//! [`PromptChain`]: crate::PromptChain
+//! [`PromptFacts`]: crate::key::PromptFacts
+//! [`BodyKeyLayer`]: crate::key::BodyKeyLayer
 //! [`Sessions::idle`]: crate::Sessions::idle
 //! [`SessionAffinity::store_stats`]: crate::SessionAffinity::store_stats
 
@@ -109,8 +142,13 @@ pub enum Lookup {
 /// The future of a [`HomeStore::read`].
 pub type ReadHome = Pin<Box<dyn Future<Output = Result<Lookup, BoxError>> + Send + 'static>>;
 
-/// The future of a [`HomeStore::write`].
+/// The future of a [`HomeStore::write`] (and of a [`HomeStore::write_prompt`]).
 pub type WriteHome = Pin<Box<dyn Future<Output = Result<(), BoxError>> + Send + 'static>>;
+
+/// The future of a [`HomeStore::read_prompts`]: what the store holds for each digest asked, in
+/// the order asked.
+pub type ReadPrompts =
+    Pin<Box<dyn Future<Output = Result<Vec<Lookup>, BoxError>> + Send + 'static>>;
 
 /// A store of session homes shared by router replicas.
 ///
@@ -130,6 +168,29 @@ pub trait HomeStore: fmt::Debug + Send + Sync + 'static {
     /// Records `home` as the home of `session`, replacing any earlier value, to be forgotten
     /// after `ttl` without a read.
     fn write(&self, session: SessionKey, home: StoredHome, ttl: Duration) -> WriteHome;
+
+    /// Reads the homes of keyless conversations by the digests of their prompts (see
+    /// "Keyless conversations" in the [module docs](self)): for each digest in `prompts`,
+    /// in that order, the home written for it by [`write_prompt`](Self::write_prompt). The
+    /// service asks for a few digests at once, the longest prompt first, and waits for them
+    /// within the same deadline as a session's read, so a store should answer them in one
+    /// round trip. Keep the digests apart from session keys: they are other identities.
+    ///
+    /// The default knows none (every answer [`Lookup::Missing`]): a store written before
+    /// this method existed shares keyed sessions only.
+    fn read_prompts(&self, prompts: &[u64], ttl: Duration) -> ReadPrompts {
+        let _ = ttl;
+        let none = vec![Lookup::Missing; prompts.len()];
+        Box::pin(std::future::ready(Ok(none)))
+    }
+
+    /// Records `home` as the backend that served the prompt whose digest is `prompt` (a
+    /// keyless conversation's latest turn), replacing any earlier value, to be forgotten after
+    /// `ttl`. The default drops it.
+    fn write_prompt(&self, prompt: u64, home: StoredHome, ttl: Duration) -> WriteHome {
+        let _ = (prompt, home, ttl);
+        Box::pin(std::future::ready(Ok(())))
+    }
 }
 
 impl<T: HomeStore + ?Sized> HomeStore for std::sync::Arc<T> {
@@ -140,6 +201,14 @@ impl<T: HomeStore + ?Sized> HomeStore for std::sync::Arc<T> {
     fn write(&self, session: SessionKey, home: StoredHome, ttl: Duration) -> WriteHome {
         (**self).write(session, home, ttl)
     }
+
+    fn read_prompts(&self, prompts: &[u64], ttl: Duration) -> ReadPrompts {
+        (**self).read_prompts(prompts, ttl)
+    }
+
+    fn write_prompt(&self, prompt: u64, home: StoredHome, ttl: Duration) -> WriteHome {
+        (**self).write_prompt(prompt, home, ttl)
+    }
 }
 
 impl<T: HomeStore + ?Sized> HomeStore for Box<T> {
@@ -149,5 +218,13 @@ impl<T: HomeStore + ?Sized> HomeStore for Box<T> {
 
     fn write(&self, session: SessionKey, home: StoredHome, ttl: Duration) -> WriteHome {
         (**self).write(session, home, ttl)
+    }
+
+    fn read_prompts(&self, prompts: &[u64], ttl: Duration) -> ReadPrompts {
+        (**self).read_prompts(prompts, ttl)
+    }
+
+    fn write_prompt(&self, prompt: u64, home: StoredHome, ttl: Duration) -> WriteHome {
+        (**self).write_prompt(prompt, home, ttl)
     }
 }

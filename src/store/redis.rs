@@ -8,19 +8,25 @@ use std::time::Duration;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{RedisResult, Value};
 
-use super::{HomeStore, Lookup, ReadHome, StoredHome, WriteHome};
+use super::{HomeStore, Lookup, ReadHome, ReadPrompts, StoredHome, WriteHome};
 use crate::key::SessionKey;
 
 /// A [`HomeStore`] on Redis (6.2 or later) or Valkey.
 ///
 /// - **Keys:** the session's digest in hex (32 characters) under a prefix, by default
 ///   [`RedisStore::DEFAULT_PREFIX`]: `tower-affinity:home:ba7816bf8f01cfea414140de5dae2223`.
-/// - **Values:** a [`StoredHome`] in its versioned format, `{"v":1,"backend":..,"node":..}`.
+/// - **Values:** a [`StoredHome`] in its versioned format,
+///   `{"v":1,"backend":..,"node":..,"tip":..}`.
 /// - **Reads:** `GETEX key PX ttl`, which also keeps an active session's home for the idle
 ///   timeout again. A key of another type (`WRONGTYPE`) or a value in another format reads as
 ///   [`Lookup::Garbage`].
 /// - **Writes:** `SET key value PX ttl`: the last write wins (see the [module
 ///   docs](crate::store) for why).
+/// - **Keyless conversations:** the home of a turn's prompt under
+///   `prefix` + [`PROMPT_PREFIX`](RedisStore::PROMPT_PREFIX) + the prompt's 64-bit digest in
+///   hex, `tower-affinity:home:prompt:00abcdef01234567`, written with `SET .. PX` as a
+///   session's home is; a keyless request reads the digests of its prompt's last few
+///   boundaries with one `MGET`.
 ///
 /// One multiplexed connection, kept by the `redis` crate's connection manager, carries every
 /// command; when it breaks, the manager reconnects with exponential backoff, at most
@@ -64,6 +70,10 @@ impl RedisStore {
     /// The key prefix unless [`RedisStoreBuilder::prefix`] sets another.
     pub const DEFAULT_PREFIX: &'static str = "tower-affinity:home:";
 
+    /// What follows the prefix in the keys of keyless conversations' homes (see
+    /// [`key_of_prompt`](Self::key_of_prompt)).
+    pub const PROMPT_PREFIX: &'static str = "prompt:";
+
     /// A store on the Redis at `url` (`redis://host:port/db`) with the default options.
     /// See [`RedisStoreBuilder::open`].
     pub fn open(url: &str) -> RedisResult<Self> {
@@ -82,6 +92,25 @@ impl RedisStore {
     /// The Redis key of a session's home.
     pub fn key_of(&self, session: SessionKey) -> String {
         format!("{}{session}", self.prefix)
+    }
+
+    /// The Redis key of the home of a keyless conversation's prompt, by the prompt's digest:
+    /// under the prefix and [`PROMPT_PREFIX`](Self::PROMPT_PREFIX), apart from every session
+    /// key (those are hex digits only after the prefix).
+    ///
+    /// ```no_run
+    /// # #[tokio::main] async fn main() {
+    /// use tower_affinity::store::RedisStore;
+    ///
+    /// let store = RedisStore::open("redis://127.0.0.1:6379").unwrap();
+    /// assert_eq!(
+    ///     store.key_of_prompt(0x00ab_cdef_0123_4567),
+    ///     "tower-affinity:home:prompt:00abcdef01234567"
+    /// );
+    /// # }
+    /// ```
+    pub fn key_of_prompt(&self, prompt: u64) -> String {
+        format!("{}{}{prompt:016x}", self.prefix, Self::PROMPT_PREFIX)
     }
 }
 
@@ -170,12 +199,50 @@ impl HomeStore for RedisStore {
     }
 
     fn write(&self, session: SessionKey, home: StoredHome, ttl: Duration) -> WriteHome {
+        self.set(self.key_of(session), &home, ttl)
+    }
+
+    fn read_prompts(&self, prompts: &[u64], _ttl: Duration) -> ReadPrompts {
+        let mut conn = self.conn.clone();
+        // One command, one round trip. MGET keeps the keys' expiry as it is: each turn of a
+        // conversation writes its own prompt's key, with a fresh one.
+        let mut cmd = redis::cmd("MGET");
+        for &p in prompts {
+            cmd.arg(self.key_of_prompt(p));
+        }
+        let asked = prompts.len();
+        Box::pin(async move {
+            if asked == 0 {
+                return Ok(Vec::new());
+            }
+            let lookup = |v: Value| match v {
+                // MGET answers nil for a key that holds another type too.
+                Value::Nil => Lookup::Missing,
+                Value::BulkString(v) => {
+                    StoredHome::decode(&v).map_or(Lookup::Garbage, Lookup::Home)
+                }
+                _ => Lookup::Garbage,
+            };
+            match cmd.query_async::<Value>(&mut conn).await? {
+                Value::Array(values) if values.len() == asked => {
+                    Ok(values.into_iter().map(lookup).collect())
+                }
+                _ => Ok(vec![Lookup::Garbage; asked]),
+            }
+        })
+    }
+
+    fn write_prompt(&self, prompt: u64, home: StoredHome, ttl: Duration) -> WriteHome {
+        self.set(self.key_of_prompt(prompt), &home, ttl)
+    }
+}
+
+impl RedisStore {
+    /// `SET key home PX ttl`.
+    fn set(&self, key: String, home: &StoredHome, ttl: Duration) -> WriteHome {
         let mut conn = self.conn.clone();
         let mut cmd = redis::cmd("SET");
-        cmd.arg(self.key_of(session))
-            .arg(home.encode())
-            .arg("PX")
-            .arg(px(ttl));
+        cmd.arg(key).arg(home.encode()).arg("PX").arg(px(ttl));
         Box::pin(async move {
             cmd.query_async::<()>(&mut conn).await?;
             Ok(())

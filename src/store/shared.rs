@@ -12,11 +12,12 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use super::{HomeStore, Lookup, StoredHome};
+use crate::chain::tip_of;
 use crate::key::SessionKey;
 use crate::service::Shared;
 use crate::stats::{bump, Decision, Outcome};
 use crate::table::{HomeEntry, SessionStore};
-use crate::BackendId;
+use crate::{BackendId, PromptChain};
 
 /// How long a write may take before it counts as failed.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(1);
@@ -71,6 +72,13 @@ pub struct StoreStats {
     pub outages: u64,
     /// Times it came back up.
     pub recoveries: u64,
+    /// Of the reads, those of keyless requests, by the digests of their prompts.
+    pub prompt_reads: u64,
+    /// Of the hits, those of keyless requests: a backend that served the conversation's
+    /// latest turn, which the cache model then knows to hold the prompt up to there.
+    pub prompt_hits: u64,
+    /// Of the writes, those of keyless requests' prompts.
+    pub prompt_writes: u64,
     /// Gauge: the store's state now.
     pub state: StoreState,
 }
@@ -89,6 +97,9 @@ struct Counters {
     writes_dropped: AtomicU64,
     outages: AtomicU64,
     recoveries: AtomicU64,
+    prompt_reads: AtomicU64,
+    prompt_hits: AtomicU64,
+    prompt_writes: AtomicU64,
 }
 
 /// A shared store as the service uses it.
@@ -113,15 +124,25 @@ pub(crate) struct Homes {
 /// store did not answer in time.
 #[derive(Clone, Debug)]
 pub(crate) enum StoreAnswer {
-    /// A home on this live backend.
-    Home(BackendId),
+    /// A home on this live backend, and whether the store has it as it should stay: its tip
+    /// is in the request's prompt (or the request has none), so that writing the same home
+    /// again would add nothing.
+    Home(BackendId, bool),
     /// No home this replica can use: none, or garbage.
     Nothing,
 }
 
+/// The most links of a keyless request's prompt whose homes are read: its tip and the links
+/// before it. Enough for the previous turn's tip to be among them when a turn adds an answer
+/// and a tool's output of a few blocks.
+pub(crate) const PROMPT_LINKS: usize = 8;
+
 /// What a read found, once its deadline is over.
 pub(crate) enum Read {
     Found(StoredHome),
+    /// A keyless request's prompt: the homes found for its links, by position in the chain,
+    /// the longest first.
+    Prompt(Vec<(usize, StoredHome)>),
     Nothing,
     /// No answer in time, or a failed read.
     Silent,
@@ -171,6 +192,9 @@ impl Homes {
             writes_dropped: l(&c.writes_dropped),
             outages: l(&c.outages),
             recoveries: l(&c.recoveries),
+            prompt_reads: l(&c.prompt_reads),
+            prompt_hits: l(&c.prompt_hits),
+            prompt_writes: l(&c.prompt_writes),
             state: if self.up.load(Ordering::Relaxed) {
                 StoreState::Up
             } else {
@@ -211,42 +235,93 @@ impl Homes {
     /// probing the store already, goes on in a task of its own as the probe that finds the
     /// store up again.
     pub(crate) fn read(self: &Arc<Self>, key: SessionKey) -> Option<PendingRead> {
+        self.begin(|this, probe| {
+            let read = this.store.read(key, this.ttl);
+            this.bounded(read, probe, |c, found| match found {
+                // Counted as a hit or as garbage once resolved against the fleet.
+                Lookup::Home(home) => Read::Found(home),
+                Lookup::Missing => {
+                    bump(&c.misses);
+                    Read::Nothing
+                }
+                Lookup::Garbage => {
+                    bump(&c.garbage);
+                    Read::Nothing
+                }
+            })
+        })
+    }
+
+    /// Starts reading the homes of a keyless request's prompt: of its tip and the links
+    /// before it, up to [`PROMPT_LINKS`], in one read, bounded by the deadline as a
+    /// session's read is (and `None` in the same cases). A link found names the backend
+    /// that served a prompt this one continues: the conversation's latest turn.
+    pub(crate) fn read_prompt(self: &Arc<Self>, chain: &PromptChain) -> Option<PendingRead> {
+        let tip = chain.tip_position()?;
+        let positions: Vec<usize> = (0..=tip).rev().take(PROMPT_LINKS).collect();
+        let digests: Vec<u64> = positions.iter().map(|&i| chain.links()[i].digest).collect();
+        self.begin(move |this, probe| {
+            bump(&this.counters.prompt_reads);
+            let read = this.store.read_prompts(&digests, this.ttl);
+            this.bounded(read, probe, move |c, found: Vec<Lookup>| {
+                let mut homes = Vec::new();
+                for (&at, lookup) in positions.iter().zip(found) {
+                    match lookup {
+                        Lookup::Home(home) => homes.push((at, home)),
+                        Lookup::Missing => {}
+                        Lookup::Garbage => bump(&c.garbage),
+                    }
+                }
+                if homes.is_empty() {
+                    bump(&c.misses);
+                    return Read::Nothing;
+                }
+                Read::Prompt(homes)
+            })
+        })
+    }
+
+    /// A read while the store is up; while it is down, the read as a probe in a task of its
+    /// own (if none is probing yet), and `None`.
+    fn begin(
+        self: &Arc<Self>,
+        start: impl FnOnce(&Arc<Self>, Probe) -> PendingRead,
+    ) -> Option<PendingRead> {
         if self.up.load(Ordering::Acquire) {
-            return Some(self.start_read(key, Probe(None)));
+            return Some(start(self, Probe(None)));
         }
         bump(&self.counters.skipped);
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return None;
         };
         if !self.probing.swap(true, Ordering::AcqRel) {
-            let probe = self.start_read(key, Probe(Some(self.clone())));
+            let probe = start(self, Probe(Some(self.clone())));
             runtime.spawn(probe);
         }
         None
     }
 
-    fn start_read(self: &Arc<Self>, key: SessionKey, probe: Probe) -> PendingRead {
+    /// `read` within the deadline: an answer marks the store up and is taken by `found`; an
+    /// error or no answer in time marks it down.
+    fn bounded<T, F>(
+        self: &Arc<Self>,
+        read: Pin<Box<dyn Future<Output = Result<T, crate::BoxError>> + Send + 'static>>,
+        probe: Probe,
+        found: F,
+    ) -> PendingRead
+    where
+        T: Send + 'static,
+        F: FnOnce(&Counters, T) -> Read + Send + 'static,
+    {
         bump(&self.counters.reads);
-        let read = self.store.read(key, self.ttl);
         let this = self.clone();
         Box::pin(async move {
             let _probe = probe;
             let c = &this.counters;
             match tokio::time::timeout(this.deadline, read).await {
-                Ok(Ok(found)) => {
+                Ok(Ok(answer)) => {
                     this.mark(true, &"answered");
-                    match found {
-                        // Counted as a hit or as garbage once resolved against the fleet.
-                        Lookup::Home(home) => Read::Found(home),
-                        Lookup::Missing => {
-                            bump(&c.misses);
-                            Read::Nothing
-                        }
-                        Lookup::Garbage => {
-                            bump(&c.garbage);
-                            Read::Nothing
-                        }
-                    }
+                    found(c, answer)
                 }
                 Ok(Err(e)) => {
                     bump(&c.errors);
@@ -265,14 +340,20 @@ impl Homes {
     /// After a placement: writes the session's new home unless the store already holds it.
     /// `answer` is what the store said, if it answered in time; without an answer, the home is
     /// written only if the placement moved the session.
+    ///
+    /// The home carries `tip`, the digest where the request's prompt ended (if it has one);
+    /// a home the store holds already is written again when its tip is not in this prompt (a
+    /// compaction, or a value written without one), so that other replicas read a tip they
+    /// can find.
     pub(crate) fn placed(
         self: &Arc<Self>,
         key: SessionKey,
         answer: Option<&StoreAnswer>,
         decision: &Decision,
+        tip: Option<u64>,
     ) {
         let write = match answer {
-            Some(StoreAnswer::Home(b)) => *b != decision.backend,
+            Some(StoreAnswer::Home(b, current)) => *b != decision.backend || !current,
             Some(StoreAnswer::Nothing) => true,
             None => decision.outcome != Outcome::HomeHit,
         };
@@ -280,23 +361,57 @@ impl Homes {
             let home = StoredHome {
                 backend: decision.backend.clone(),
                 node: decision.node.clone(),
+                tip,
             };
             self.write(key, home);
         }
     }
 
-    fn write(self: &Arc<Self>, key: SessionKey, home: StoredHome) {
+    /// After a keyless request with a prompt is placed: its backend as the home of the
+    /// prompt's tip, so that the conversation's next turn, which contains it, finds where it
+    /// was served, whichever replica it enters.
+    pub(crate) fn placed_prompt(self: &Arc<Self>, chain: &PromptChain, decision: &Decision) {
+        let Some(digest) = chain.tip_digest() else {
+            return;
+        };
+        let home = StoredHome::new(decision.backend.clone(), decision.node.clone());
+        if let Some(runtime) = self.admit_write() {
+            bump(&self.counters.prompt_writes);
+            let write = self.store.write_prompt(digest, home, self.ttl);
+            let this = self.clone();
+            // Not written again after an outage, as a session's home is: the conversation's
+            // next turn writes a tip of its own.
+            runtime.spawn(async move {
+                let ok = matches!(tokio::time::timeout(WRITE_TIMEOUT, write).await, Ok(Ok(())));
+                if !ok {
+                    bump(&this.counters.write_errors);
+                }
+                this.writes_in_flight.fetch_sub(1, Ordering::AcqRel);
+            });
+        }
+    }
+
+    /// A place among the writes in flight, and the runtime to run one on; `None` (counted as
+    /// dropped) if there is neither.
+    fn admit_write(&self) -> Option<tokio::runtime::Handle> {
         let c = &self.counters;
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             bump(&c.writes_dropped);
-            return;
+            return None;
         };
         if self.writes_in_flight.fetch_add(1, Ordering::AcqRel) >= MAX_WRITES_IN_FLIGHT {
             self.writes_in_flight.fetch_sub(1, Ordering::AcqRel);
             bump(&c.writes_dropped);
-            return;
+            return None;
         }
         bump(&c.writes);
+        Some(runtime)
+    }
+
+    fn write(self: &Arc<Self>, key: SessionKey, home: StoredHome) {
+        let Some(runtime) = self.admit_write() else {
+            return;
+        };
         let write = self.store.write(key, home.clone(), self.ttl);
         let this = self.clone();
         runtime.spawn(async move {
@@ -322,11 +437,20 @@ impl Homes {
 impl<B, P> Shared<B, P> {
     /// Takes what the store read: a home on a live backend becomes the session's home in the
     /// local table (where placement looks it up); a home on a backend this replica does not
-    /// know is garbage. Returns what placement needs to know of the answer.
-    pub(crate) fn adopt(&self, homes: &Homes, key: SessionKey, read: Read) -> Option<StoreAnswer> {
+    /// know is garbage. A home's tip found in the request's prompt `chain` is what the home
+    /// holds: it goes into the cache model, as it would had this replica placed the turn
+    /// that ended there; a tip not found is a compaction, as for a session of this replica's
+    /// own. Returns what placement needs to know of the answer.
+    pub(crate) fn adopt(
+        &self,
+        homes: &Homes,
+        key: SessionKey,
+        read: Read,
+        chain: Option<&PromptChain>,
+    ) -> Option<StoreAnswer> {
         let home = match read {
             Read::Silent => return None,
-            Read::Nothing => return Some(StoreAnswer::Nothing),
+            Read::Nothing | Read::Prompt(_) => return Some(StoreAnswer::Nothing),
             Read::Found(home) => home,
         };
         let fleet = self.fleet.load();
@@ -337,19 +461,53 @@ impl<B, P> Shared<B, P> {
         };
         bump(&homes.counters.hits);
         let m = t.member(index);
+        let chain = chain.filter(|c| !c.is_empty());
+        let at = home.tip.zip(chain).and_then(|(tip, c)| c.position_of(tip));
+        if let (Some(at), Some(chain)) = (at, chain) {
+            m.cache.lock().record_from(&chain.links()[..=at], 0);
+        }
+        let current = match (home.tip, chain) {
+            (_, None) => true,
+            (Some(_), Some(_)) => at.is_some(),
+            (None, Some(_)) => false,
+        };
         let now_ms = self.capacity.now_ms(Instant::now());
         let local = self.table.get(key, now_ms);
         if local.is_none_or(|h| (h.backend, h.generation) != (index, m.generation)) {
-            // Where the session's last prompt ended is known only to the replica that placed
-            // it (tip 0: unknown), so the cache model does not call the new home cold.
+            // Without a tip (a value written without one), where the session's last prompt
+            // ended is not known (tip 0), and the cache model does not call the home cold.
             let entry = HomeEntry {
                 backend: index,
                 generation: m.generation,
-                tip: 0,
+                tip: home.tip.map_or(0, tip_of),
                 node: m.node,
             };
             self.table.put(key, entry, now_ms);
         }
-        Some(StoreAnswer::Home(home.backend))
+        Some(StoreAnswer::Home(home.backend, current))
+    }
+
+    /// Takes what the store read for a keyless request's prompt: the longest link found on a
+    /// live backend is recorded in that backend's cache model as held, up to that link, as if
+    /// this replica had served the conversation's latest turn there itself. Placement then
+    /// goes on as for any keyless request (the longest prefix that is the conversation's own,
+    /// wait versus move), with no rule of its own for the store's answer.
+    pub(crate) fn adopt_prompt(&self, homes: &Homes, chain: &PromptChain, read: Read) {
+        let Read::Prompt(found) = read else {
+            return;
+        };
+        let fleet = self.fleet.load();
+        let t = &fleet.topology;
+        for (at, home) in found {
+            let Some(index) = t.index_of(home.backend.as_str()) else {
+                bump(&homes.counters.garbage);
+                continue;
+            };
+            bump(&homes.counters.hits);
+            bump(&homes.counters.prompt_hits);
+            let held = &chain.links()[..=at];
+            t.member(index).cache.lock().record_from(held, 0);
+            return;
+        }
     }
 }

@@ -1308,6 +1308,8 @@ fn every_option_parses_and_bad_values_are_explained() {
         "3",
         "--upstream",
         "per-client",
+        "--replicas",
+        "3",
         "-v",
     ];
     let cli::Command::Run(run) = cli::parse(args).unwrap() else {
@@ -1337,6 +1339,7 @@ fn every_option_parses_and_bad_values_are_explained() {
     assert_eq!(c.body_limit, 2 << 20);
     assert_eq!(c.read_timeout, None);
     assert_eq!(c.upstream, UpstreamMode::PerClient);
+    assert_eq!(c.replicas.get(), 3);
 
     let cli::Command::Run(defaults) = cli::parse(["--backend", "n=http://x:1"]).unwrap() else {
         panic!("not a run");
@@ -1345,6 +1348,7 @@ fn every_option_parses_and_bad_values_are_explained() {
     assert_eq!(d.response_timeout, Some(Duration::from_secs(600)));
     assert_eq!(d.read_timeout, Some(Duration::from_secs(60)));
     assert_eq!(d.upstream, UpstreamMode::Pooled);
+    assert_eq!(d.replicas.get(), 1);
     assert_eq!((d.probe_failures, d.probe_successes), (1, 1));
     assert_eq!(d.cache_tokens("x:1"), Backend::<()>::DEFAULT_CACHE_TOKENS);
 
@@ -1381,6 +1385,10 @@ fn every_option_parses_and_bad_values_are_explained() {
             "at least 1",
         ),
         (vec!["--backend"], "needs a value"),
+        (
+            vec!["--backend", "n=http://x:1", "--replicas", "0"],
+            "number of instances, at least 1",
+        ),
         (
             vec!["--backend", "n=http://x:1", "--upstream", "shared"],
             "pooled or per-client",

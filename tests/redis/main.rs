@@ -410,3 +410,231 @@ fn opening_a_store_outside_a_runtime_is_an_error_not_a_panic() {
     assert!(e.to_string().contains("Tokio runtime"), "{e}");
     assert!(RedisStore::open("not a url").is_err());
 }
+
+// === keyless conversations ===
+
+/// Turn `turn` of keyless conversation `c`: a system prompt all share, then its own blocks,
+/// two more each turn (an answer and a tool's output).
+fn keyless_chain(c: u64, turn: u64) -> tower_affinity::PromptChain {
+    let own = (0..2 * turn + 2).map(|j| (1_000 * (c + 1) + j, 300));
+    tower_affinity::PromptChain::from_blocks(std::iter::once((1, 2_000)).chain(own))
+}
+
+fn keyless_turn(chain: tower_affinity::PromptChain) -> Req {
+    let mut req = http::Request::post("/v1/chat/completions")
+        .body(String::new())
+        .unwrap();
+    req.extensions_mut()
+        .insert(tower_affinity::key::PromptFacts::from_chain(chain));
+    req
+}
+
+/// Where a keyless prompt's tip's home is kept.
+fn prompt_key(chain: &tower_affinity::PromptChain) -> String {
+    let links = chain.links();
+    let tip = links[links.len().saturating_sub(2)].digest;
+    format!(
+        "{}{}{tip:016x}",
+        RedisStore::DEFAULT_PREFIX,
+        RedisStore::PROMPT_PREFIX
+    )
+}
+
+/// Conversation `c` through replicas `a` and `b` (the same one twice: one replica): its
+/// first turn through A, its second through A too while the first's answer still holds the
+/// slot, so that it spills; then four more, entering B, A, B, A. Returns the backend the
+/// spill went to and the backends of the four.
+async fn keyless_conversation(
+    a: &Svc,
+    b: &Svc,
+    c: u64,
+    mut conn: Option<&mut redis::aio::MultiplexedConnection>,
+) -> (String, Vec<String>) {
+    let backend = |res: &Res| decision(res).backend.as_str().to_string();
+    let first = a
+        .clone()
+        .oneshot(keyless_turn(keyless_chain(c, 0)))
+        .await
+        .unwrap();
+    let second_chain = keyless_chain(c, 1);
+    let second = a
+        .clone()
+        .oneshot(keyless_turn(second_chain.clone()))
+        .await
+        .unwrap();
+    let spilled = backend(&second);
+    assert_ne!(spilled, backend(&first), "the second turn spilled");
+    drop((first, second));
+    if let Some(conn) = conn.as_deref_mut() {
+        until_stored(conn, &prompt_key(&second_chain), &spilled).await;
+    }
+    let mut later = Vec::new();
+    for turn in 2..6 {
+        let via = if turn % 2 == 0 { b } else { a };
+        let chain = keyless_chain(c, turn);
+        let res = via
+            .clone()
+            .oneshot(keyless_turn(chain.clone()))
+            .await
+            .unwrap();
+        let landed = backend(&res);
+        drop(res);
+        if let Some(conn) = conn.as_deref_mut() {
+            until_stored(conn, &prompt_key(&chain), &landed).await;
+        }
+        later.push(landed);
+    }
+    (spilled, later)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keyless_turns_alternating_between_replicas_stay_where_a_spill_went() {
+    let Some(redis) = RedisServer::start().await else {
+        return;
+    };
+    let (a, b) = (
+        replica(&redis.url(), DEADLINE, RECONNECT),
+        replica(&redis.url(), DEADLINE, RECONNECT),
+    );
+    let mut conn = redis.client().await;
+    for c in 0..8 {
+        let (spilled, later) = keyless_conversation(&a, &b, c, Some(&mut conn)).await;
+        assert!(
+            later.iter().all(|l| *l == spilled),
+            "conversation {c}: spilled to {spilled}, then {later:?}"
+        );
+    }
+    let (sa, sb) = (a.store_stats().unwrap(), b.store_stats().unwrap());
+    // B read every one of its turns' prompts in time and found the latest turn's backend.
+    assert_eq!((sb.prompt_reads, sb.prompt_hits), (16, 16), "{sb:?}");
+    assert_eq!(sb.prompt_writes, 16, "{sb:?}");
+    assert_eq!(sa.prompt_writes, 32, "{sa:?}");
+    assert_eq!((sa.timeouts + sb.timeouts, sa.errors + sb.errors), (0, 0));
+    // Apart from the sessions' keys, and holding homes.
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{}*", RedisStore::DEFAULT_PREFIX))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(keys.len(), 8 * 6, "{keys:?}");
+    for k in &keys {
+        assert!(k.starts_with("tower-affinity:home:prompt:"), "{k}");
+        let v = get(&mut conn, k).await.unwrap();
+        assert!(StoredHome::decode(v.as_bytes()).is_some(), "{k}: {v}");
+    }
+
+    // Two replicas without the store: B knows nothing of A's spill, and places the
+    // conversation's turns by its own cache model.
+    let (a, b) = (
+        SessionAffinityLayer::new()
+            .overflow(Overflow::Overcommit)
+            .layer(fleet()),
+        SessionAffinityLayer::new()
+            .overflow(Overflow::Overcommit)
+            .layer(fleet()),
+    );
+    let mut kept = 0;
+    for c in 0..8 {
+        let (spilled, later) = keyless_conversation(&a, &b, c, None).await;
+        kept += usize::from(later.iter().all(|l| *l == spilled));
+    }
+    println!("without the store, {kept} of 8 conversations kept their backend");
+    assert!(
+        kept <= 6,
+        "without the store, {kept} of 8 conversations kept their backend"
+    );
+}
+
+// === the home's tip ===
+
+fn keyed_turn(session: &str, chain: tower_affinity::PromptChain) -> Req {
+    let mut req = turn(session);
+    req.extensions_mut()
+        .insert(tower_affinity::key::PromptFacts::from_chain(chain));
+    req
+}
+
+/// Where a prompt's turn ended: the link a home's tip names.
+fn tip_of(chain: &tower_affinity::PromptChain) -> u64 {
+    let links = chain.links();
+    links[links.len().saturating_sub(2)].digest
+}
+
+async fn stored(conn: &mut redis::aio::MultiplexedConnection, session: &str) -> StoredHome {
+    let v = get(conn, &key_of(session)).await.expect("a home");
+    StoredHome::decode(v.as_bytes()).expect("a home")
+}
+
+/// Waits (bounded) until the home of `session` has tip `tip`.
+async fn until_tip(conn: &mut redis::aio::MultiplexedConnection, session: &str, tip: u64) {
+    for _ in 0..500 {
+        if get(conn, &key_of(session))
+            .await
+            .and_then(|v| StoredHome::decode(v.as_bytes()))
+            .is_some_and(|h| h.tip == Some(tip))
+        {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    panic!("the home of {session} never had tip {tip:016x}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_homes_tip_tells_another_replica_a_compaction_and_an_old_value_still_reads() {
+    let Some(redis) = RedisServer::start().await else {
+        return;
+    };
+    let (a, b) = (
+        replica(&redis.url(), DEADLINE, RECONNECT),
+        replica(&redis.url(), DEADLINE, RECONNECT),
+    );
+    let mut conn = redis.client().await;
+    let sent = |svc: &Svc, session: &str, chain: &tower_affinity::PromptChain| {
+        svc.clone().oneshot(keyed_turn(session, chain.clone()))
+    };
+    let first = tower_affinity::PromptChain::from_blocks([(1, 2_000), (2, 300), (3, 300)]);
+    let next = tower_affinity::PromptChain::from_blocks([
+        (1, 2_000),
+        (2, 300),
+        (3, 300),
+        (4, 300),
+        (5, 300),
+    ]);
+    // The first turn through A: the home is written with where its prompt ended.
+    let d = decision(&sent(&a, "s", &first).await.unwrap());
+    assert_eq!(d.outcome, Outcome::NewSession);
+    until_tip(&mut conn, "s", tip_of(&first)).await;
+    assert_eq!(stored(&mut conn, "s").await.backend, d.backend);
+    // The next through B, which finds the tip in its prompt: the home holds it.
+    let hit = decision(&sent(&b, "s", &next).await.unwrap());
+    assert_eq!(
+        (hit.backend.clone(), hit.outcome),
+        (d.backend.clone(), Outcome::HomeHit)
+    );
+    assert_eq!(b.store_stats().unwrap().writes, 0, "nothing new to write");
+    // A compacted history through B: the tip is not in the prompt, as the replica that
+    // placed the home would tell; B writes the new tip.
+    let compacted = tower_affinity::PromptChain::from_blocks([(1, 2_000), (9, 400), (10, 300)]);
+    let c = decision(&sent(&b, "s", &compacted).await.unwrap());
+    assert_eq!(c.outcome, Outcome::Compaction);
+    until_tip(&mut conn, "s", tip_of(&compacted)).await;
+
+    // A value written before homes had tips reads as a home, and gets one.
+    redis::cmd("SET")
+        .arg(key_of("old"))
+        .arg(r#"{"v":1,"backend":"b2","node":"node-b"}"#)
+        .query_async::<()>(&mut conn)
+        .await
+        .unwrap();
+    let old = decision(&sent(&a, "old", &next).await.unwrap());
+    assert_eq!(
+        (old.backend.as_str(), old.outcome),
+        ("b2", Outcome::HomeHit)
+    );
+    until_tip(&mut conn, "old", tip_of(&next)).await;
+    assert_eq!(
+        stored(&mut conn, "old").await,
+        StoredHome::new("b2", "node-b").with_tip(tip_of(&next))
+    );
+}
