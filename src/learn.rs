@@ -216,9 +216,25 @@ impl Learned {
     /// What moving a request here costs: the time to read `tokens` (the chain's estimate),
     /// once the rate is learned.
     pub(crate) fn read_time(&self, tokens: u64) -> Option<Duration> {
-        let rate = self.prefill_rate()?;
-        let scale = load_f64(&self.token_scale).unwrap_or(1.0);
+        self.read_time_or(tokens, &Prior::default())
+    }
+
+    /// [`read_time`](Self::read_time), taking what this backend has not learned yet from
+    /// `prior`: what the fleet's other backends taught.
+    pub(crate) fn read_time_or(&self, tokens: u64, prior: &Prior) -> Option<Duration> {
+        let rate = self.prefill_rate().or(prior.rate)?;
+        let scale = load_f64(&self.token_scale).or(prior.scale).unwrap_or(1.0);
         Some(Duration::from_secs_f64(tokens as f64 * scale / rate))
+    }
+
+    /// The prompt tokens of this backend's requests in flight that have no answer yet.
+    pub(crate) fn backlog(&self) -> u64 {
+        self.unread_tokens.load(Ordering::Relaxed)
+    }
+
+    /// Whether the backend has taught how many of its tokens a token of the chain's estimate is.
+    pub(crate) fn knows_scale(&self) -> bool {
+        load_f64(&self.token_scale).is_some()
     }
 
     /// The backend's prompt tokens per token of the chain's estimate, once learned.
@@ -231,8 +247,38 @@ impl Learned {
     /// been answered yet, once the rate is learned: a backend reads one prompt at a time
     /// (llama.cpp shares one batch among its slots), so a long prompt there delays the next.
     pub(crate) fn time_to_read(&self, tokens: u64) -> Option<Duration> {
-        let backlog = self.unread_tokens.load(Ordering::Relaxed);
-        self.read_time(backlog.saturating_add(tokens))
+        self.read_time(self.backlog().saturating_add(tokens))
+    }
+}
+
+/// What a fleet's backends have taught, on average: stands in for a backend that has not
+/// answered enough yet to teach its own (a new one, or one this router replica has not sent
+/// to yet). A backend with its own figures uses them.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct Prior {
+    /// The mean learned prefill rate.
+    pub(crate) rate: Option<f64>,
+    /// The mean learned token scale.
+    pub(crate) scale: Option<f64>,
+}
+
+impl Prior {
+    /// The means over `backends`' learned figures.
+    pub(crate) fn of<'a>(backends: impl Iterator<Item = &'a Learned>) -> Self {
+        let (mut rates, mut scales) = ((0.0, 0u32), (0.0, 0u32));
+        for l in backends {
+            if let Some(r) = l.prefill_rate() {
+                rates = (rates.0 + r, rates.1 + 1);
+            }
+            if let Some(s) = load_f64(&l.token_scale) {
+                scales = (scales.0 + s, scales.1 + 1);
+            }
+        }
+        let mean = |(sum, n): (f64, u32)| (n > 0).then(|| sum / f64::from(n));
+        Prior {
+            rate: mean(rates),
+            scale: mean(scales),
+        }
     }
 }
 
@@ -284,6 +330,31 @@ mod tests {
         l.learn(&answer(10_000, Some(0), 50_000), None);
         assert_eq!(l.token_scale(), None);
         assert_eq!(l.read_time(2_000), Some(Duration::from_secs(10)));
+    }
+
+    #[test]
+    fn a_backend_that_taught_nothing_yet_reads_as_the_others_do() {
+        let p = |tokens| Prediction {
+            prompt_tokens: tokens,
+            held_tokens: 0,
+            stamp: 0,
+        };
+        let (a, b, new) = (Learned::default(), Learned::default(), Learned::default());
+        // a reads 200 of its tokens a second, b 600; both count four of theirs a chain token.
+        a.learn(&answer(10_000, Some(0), 50_000), Some(p(2_500)));
+        b.learn(&answer(30_000, Some(0), 50_000), Some(p(7_500)));
+        let prior = Prior::of([&a, &b, &new].into_iter());
+        assert_eq!(prior.rate, Some(400.0));
+        assert_eq!(prior.scale, Some(4.0));
+        assert_eq!(new.read_time(1_000), None, "nothing of its own");
+        // 1,000 chain tokens are 4,000 of the backend's, at 400 a second.
+        assert_eq!(
+            new.read_time_or(1_000, &prior),
+            Some(Duration::from_secs(10))
+        );
+        // A backend with figures of its own keeps them.
+        assert_eq!(a.read_time_or(1_000, &prior), Some(Duration::from_secs(20)));
+        assert_eq!(Prior::of([&new].into_iter()), Prior::default());
     }
 
     #[test]

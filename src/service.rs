@@ -24,7 +24,7 @@ use crate::error::BoxError;
 use crate::fleet::{Capacity, Fleet, Member, SlotGuard, Topology};
 use crate::future::{Finish, ResponseFuture};
 use crate::key::{KeyExtractor, PromptFacts, SessionKey};
-use crate::learn::Prediction;
+use crate::learn::{Learned, Prediction, Prior};
 use crate::placement::{
     wants_prefix, BackendRef, Candidates, FleetView, Home, HomeCache, NodeRef, Placement,
     PlacementRequest,
@@ -621,7 +621,8 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
 
 /// Whether a request should wait for `target`, the full backend holding its prefix, rather
 /// than go to `chosen`, which has room; if so, for how long at most: what moving would cost
-/// more than staying. `None` (move) unless every figure is learned.
+/// more than staying. `None` (move) unless the figures are learned: a backend's own, or for a
+/// backend that has not taught its own yet, the fleet's mean.
 fn worth_waiting(
     t: &Topology,
     target: u32,
@@ -636,11 +637,22 @@ fn worth_waiting(
     }
     let prompt = chain.tokens();
     let lacks = |m: &Member| prompt.saturating_sub(reuse(&m.cache.lock(), chain).1);
+    // A backend that has not taught its own figures yet reads as the others do.
+    let unlearned = |l: &Learned| l.prefill_rate().is_none() || !l.knows_scale();
+    let prior = if unlearned(&load.learned) || unlearned(&go.load.learned) {
+        Prior::of(t.members.iter().filter(|m| m.live).map(|m| &m.load.learned))
+    } else {
+        Prior::default()
+    };
     let stay_read = match lacks(stay) {
         0 => Duration::ZERO,
-        n => load.learned.read_time(n)?,
+        n => load.learned.read_time_or(n, &prior)?,
     };
-    let go_read = go.load.learned.time_to_read(lacks(go))?;
+    let go_backlog = go.load.learned.backlog();
+    let go_read = go
+        .load
+        .learned
+        .read_time_or(go_backlog.saturating_add(lacks(go)), &prior)?;
     let saving = go_read.checked_sub(stay_read)?;
     let in_flight = load.in_flight.load(Ordering::Relaxed);
     let wait = load.learned.wait_estimate(in_flight, now_ms)?;

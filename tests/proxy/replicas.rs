@@ -308,20 +308,15 @@ async fn sixteen_sessions_on_twelve_slots_entering_two_instances_at_random_stay_
     let without = describe("two instances without Redis", stayed, &moved);
     let local = stayed as f64 / (stayed + moved.len()) as f64;
     println!("{with}\n{without}");
-    // The target is 95%; this run reaches 70-88% with Redis (median 84% over 14
-    // runs: the figure varies because Redis's replies come over real sockets while the clock
-    // is paused, so that a reply in flight lets the clock jump to the next timer) against 53%
-    // without. Every turn that moves with Redis is a spill (its outcome says so); none is
-    // sent to a stale home, as without Redis. What bounds it, measured: one instance alone
-    // with all twelve slots keeps only about 65% here, because the stubs count a byte as a
-    // token while the cache model estimates four bytes a token, so that wait versus move
-    // takes moving for four times cheaper than it is (with the stubs at four bytes a token,
-    // one instance keeps 91%, two on Redis 91-93%, two on Redis without `--replicas` 96-97%);
-    // and a session's second turn comes before anything is learned, when a full home means
-    // a move.
+    // The target is 95%. Measured over 14 runs: 95.5% to 98.2% with Redis (median 96.4%),
+    // 63.4% without. The figure varies by a turn or two because Redis's replies come over
+    // real sockets while the clock is paused, so that a reply in flight lets the clock jump
+    // to the next timer. Every turn that moves with Redis is a spill of a session's second
+    // turn, before its instance has learned much; none goes to a stale home, as without Redis.
     assert!(shared >= SHARED_FLOOR, "{with}\n{without}");
     assert!(shared - local >= 0.15, "{with}\n{without}");
 }
 
-/// What the run with Redis keeps at least, with a margin below what it measures (70-88%).
-const SHARED_FLOOR: f64 = 0.65;
+/// What the run with Redis keeps at least: the target (95%) less one turn of the 112, for
+/// the variation of a paused clock around real sockets.
+const SHARED_FLOOR: f64 = 0.94;
