@@ -9,8 +9,11 @@ Every session:
     ``--keyless``, no session key at all: no header, no ``user``,
     ``prompt_cache_key`` or ``metadata`` in the body; the proxy then places each
     turn by what its cache model says each backend holds),
-  * starts with the same system prompt and the same first user message
-    (a spec of a few hundred tokens) as every other session,
+  * starts with the same system prompt and the same spec (a user message of a
+    few hundred tokens) as every other session, then a user message with its
+    own task, as an agent's first turn carries its user's request (without it,
+    sessions that send no key would be one prompt until their first answers
+    differ, and no router could tell them apart by prompt at their second turn),
   * then, each turn, appends the assistant's answer and a new user message
     holding "tool output" (a couple hundred tokens, distinct per session and
     turn, and salted with the run id so a later run cannot hit caches filled
@@ -102,6 +105,13 @@ _WORDS = (
 ).split()
 
 
+def task(run_id: str, session: int) -> str:
+    """The session's own request: one line, distinct per (run, session)."""
+    rng = random.Random(f"{run_id}/{session}/task")
+    w = rng.sample(_WORDS, 3)
+    return f"Task {session} (run {run_id}): add a {w[0]} {w[1]} to the {w[2]} module, with tests."
+
+
 def tool_output(run_id: str, session: int, turn: int) -> str:
     """A couple hundred tokens of fake tool output, distinct per (run, session, turn)."""
     rng = random.Random(f"{run_id}/{session}/{turn}")
@@ -163,6 +173,7 @@ def run_session(args, session: int, log) -> list[TurnRecord]:
     messages = [
         {"role": "system", "content": SYSTEM_PROMPT},
         {"role": "user", "content": SPEC},
+        {"role": "user", "content": task(args.run_id, session)},
     ]
     records: list[TurnRecord] = []
     for turn in range(1, args.turns + 1):
