@@ -876,8 +876,7 @@ impl RequestIds {
 impl MakeRequestId for RequestIds {
     fn make_request_id<B>(&mut self, _: &Request<B>) -> Option<RequestId> {
         let n = self.next.fetch_add(1, Ordering::Relaxed);
-        let id = format!("{:08x}-{n:x}", self.prefix);
-        HeaderValue::try_from(id).ok().map(RequestId::new)
+        request_id(self.prefix, n).map(RequestId::new)
     }
 }
 
