@@ -884,16 +884,28 @@ impl MakeRequestId for RequestIds {
 /// instructions a request.
 pub(crate) fn request_id(prefix: u32, n: u64) -> Option<HeaderValue> {
     const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut id = [0u8; 8 + 1 + 16];
-    for (i, b) in id[..8].iter_mut().enumerate() {
+    let mut id = IdBytes([0; 8 + 1 + 16], 0);
+    for (i, b) in id.0[..8].iter_mut().enumerate() {
         *b = HEX[((prefix >> (28 - 4 * i)) & 0xf) as usize];
     }
-    id[8] = b'-';
+    id.0[8] = b'-';
     let digits = (64 - (n | 1).leading_zeros()).div_ceil(4) as usize;
-    for (i, b) in id[9..9 + digits].iter_mut().enumerate() {
+    for (i, b) in id.0[9..9 + digits].iter_mut().enumerate() {
         *b = HEX[((n >> (4 * (digits - 1 - i))) & 0xf) as usize];
     }
-    HeaderValue::from_bytes(&id[..9 + digits]).ok()
+    id.1 = 9 + digits;
+    // One allocation, shared by the clones the layers make (the request's, its extension's,
+    // the response's), where bytes copied from a slice would be copied again at the first.
+    HeaderValue::from_maybe_shared(Bytes::from_owner(id)).ok()
+}
+
+/// A request id's bytes and their length.
+struct IdBytes([u8; 8 + 1 + 16], usize);
+
+impl AsRef<[u8]> for IdBytes {
+    fn as_ref(&self) -> &[u8] {
+        &self.0[..self.1]
+    }
 }
 
 /// A failed accept: a connection that went away before it was accepted is nothing; anything
