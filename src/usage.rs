@@ -419,10 +419,7 @@ impl<'a> Plain<'a> {
     }
 
     /// An object, at its `{`: `member` reads each member's value, given its name.
-    fn object(
-        &mut self,
-        mut member: impl FnMut(&'a [u8], &mut Self) -> Option<()>,
-    ) -> Option<()> {
+    fn object(&mut self, mut member: impl FnMut(&'a [u8], &mut Self) -> Option<()>) -> Option<()> {
         self.eat(b'{')?;
         self.ws();
         if self.eat(b'}').is_some() {
