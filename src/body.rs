@@ -78,11 +78,20 @@ impl Observe {
     /// An observer for an answer with `headers`, if it can carry usage: JSON or an SSE
     /// stream, not compressed.
     pub(crate) fn new(headers: &HeaderMap, watch: Watch) -> Option<Box<Self>> {
-        // One lookup for an answer that cannot carry usage; none for one without headers.
+        // One pass over the names, no lookups (an answer has a handful of headers); none for
+        // an answer without headers. The first of each counts, as `HeaderMap::get` has it.
         if headers.is_empty() {
             return None;
         }
-        let kind = headers.get(CONTENT_TYPE)?.as_bytes();
+        let (mut kind, mut encoding) = (None, None);
+        for (name, value) in headers {
+            if *name == CONTENT_TYPE {
+                kind.get_or_insert(value);
+            } else if *name == CONTENT_ENCODING {
+                encoding.get_or_insert(value);
+            }
+        }
+        let kind = kind?.as_bytes();
         let essence = kind
             .split(|&b| b == b';')
             .next()
@@ -90,12 +99,8 @@ impl Observe {
             .trim_ascii();
         let stream = essence.eq_ignore_ascii_case(b"text/event-stream");
         let json = essence.eq_ignore_ascii_case(b"application/json");
-        let encoded = || {
-            headers
-                .get(CONTENT_ENCODING)
-                .is_some_and(|e| !e.as_bytes().eq_ignore_ascii_case(b"identity"))
-        };
-        if !(stream || json) || encoded() {
+        let encoded = encoding.is_some_and(|e| !e.as_bytes().eq_ignore_ascii_case(b"identity"));
+        if !(stream || json) || encoded {
             return None;
         }
         Some(Box::new(Observe {
@@ -108,28 +113,32 @@ impl Observe {
         }))
     }
 
-    fn data(&mut self, chunk: &[u8]) {
-        if self.first_byte.is_none() {
-            self.first_byte = Some(Instant::now());
+    /// Reads a chunk; returns the time it read for the first byte, if this is the first chunk.
+    fn data(&mut self, chunk: &[u8]) -> Option<Instant> {
+        let first = self.first_byte.is_none().then(Instant::now);
+        if first.is_some() {
+            self.first_byte = first;
         }
         self.scanner.feed(chunk);
+        first
     }
 
     /// The body is dropped before its end: if the answer has reported its figures in full,
     /// they are learned as at its end; otherwise nothing is (a stream cut short).
     fn end_if_reported(&mut self, guard: &SlotGuard) {
         if !self.done && self.scanner.finish().is_some() {
-            self.end(guard);
+            self.end(guard, None);
         }
     }
 
-    /// The body has ended: what it reported goes to its backend's figures.
-    fn end(&mut self, guard: &SlotGuard) {
+    /// The body has ended (`now`, if the clock was just read): what it reported goes to its
+    /// backend's figures.
+    fn end(&mut self, guard: &SlotGuard, now: Option<Instant>) {
         if std::mem::replace(&mut self.done, true) {
             return;
         }
         let capacity = guard.capacity();
-        let now = Instant::now();
+        let now = now.unwrap_or_else(Instant::now);
         let since = guard.since_ms();
         let ms = |t: Instant| Duration::from_millis(capacity.now_ms(t).saturating_sub(since));
         let answer = Answer {
@@ -300,20 +309,19 @@ where
         if let Some(observe) = this.observe.as_mut() {
             match &frame {
                 Some(Ok(f)) => {
-                    if let Some(data) = f.data_ref() {
-                        observe.data(data.chunk());
-                    }
+                    // A one-chunk answer ends when it starts: one reading of the clock.
+                    let now = f.data_ref().and_then(|data| observe.data(data.chunk()));
                     // A body that knows it has ended may not be polled again.
                     if this.kind.is_end_stream() {
                         if let Some(guard) = this.guard.as_ref() {
-                            observe.end(guard);
+                            observe.end(guard, now);
                         }
                     }
                 }
                 // The end: what the answer said is learned. An error, not.
                 None => {
                     if let Some(guard) = this.guard.as_ref() {
-                        observe.end(guard);
+                        observe.end(guard, None);
                     }
                 }
                 Some(Err(_)) => observe.done = true,

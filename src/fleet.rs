@@ -288,6 +288,46 @@ pub(crate) struct Load {
     pub(crate) metrics: BackendMetrics,
     /// The fleet's counters, so that a slot guard needs this one `Arc` alone.
     pub(crate) capacity: Arc<Capacity>,
+    /// The values of its decision headers, made once rather than for every response.
+    pub(crate) headers: DecisionHeaders,
+}
+
+/// A backend's `x-affinity-backend` and `x-affinity-node` values. The id is the backend's for
+/// good; its node can change (discovery moved it), so the node's value is kept with the name it
+/// was made from and made again when a decision names another.
+#[derive(Debug)]
+pub(crate) struct DecisionHeaders {
+    backend: Option<http::HeaderValue>,
+    node: arc_swap::ArcSwapOption<(NodeId, http::HeaderValue)>,
+}
+
+impl DecisionHeaders {
+    fn new(id: &BackendId, node: &NodeId) -> Self {
+        let headers = DecisionHeaders {
+            backend: http::HeaderValue::from_str(id.as_str()).ok(),
+            node: arc_swap::ArcSwapOption::empty(),
+        };
+        headers.node(node);
+        headers
+    }
+
+    /// The backend's value (`None` if its id is not a valid header value).
+    pub(crate) fn backend(&self) -> Option<http::HeaderValue> {
+        self.backend.clone()
+    }
+
+    /// The value for `node` (`None` if it is not a valid header value).
+    pub(crate) fn node(&self, node: &NodeId) -> Option<http::HeaderValue> {
+        if let Some(kept) = &*self.node.load() {
+            if kept.0 == *node {
+                return Some(kept.1.clone());
+            }
+        }
+        let value = http::HeaderValue::from_str(node.as_str()).ok()?;
+        self.node
+            .store(Some(Arc::new((node.clone(), value.clone()))));
+        Some(value)
+    }
 }
 
 impl Load {
@@ -300,6 +340,7 @@ impl Load {
             learned: Learned::default(),
             metrics: BackendMetrics::new(id, node),
             capacity,
+            headers: DecisionHeaders::new(id, node),
         }
     }
 
@@ -395,6 +436,11 @@ impl SlotGuard {
     /// What the backend's answers have taught.
     pub(crate) fn learned(&self) -> &Learned {
         &self.load.learned
+    }
+
+    /// The values of the backend's decision headers.
+    pub(crate) fn headers(&self) -> &DecisionHeaders {
+        &self.load.headers
     }
 
     /// The backend's metric handles.
@@ -877,6 +923,17 @@ mod tests {
         SlotGuard::new(&load, 0, 0, 1).fail(std::time::Duration::from_secs(5));
         let until = load.down_until.load(Ordering::Relaxed);
         assert!(until > 0 && until < u64::MAX);
+    }
+
+    #[test]
+    fn decision_header_values_follow_a_backend_to_its_new_node() {
+        let h = DecisionHeaders::new(&"a".into(), &"n1".into());
+        assert_eq!(h.backend().unwrap(), "a");
+        assert_eq!(h.node(&"n1".into()).unwrap(), "n1");
+        assert_eq!(h.node(&"n2".into()).unwrap(), "n2");
+        assert_eq!(h.node(&"n1".into()).unwrap(), "n1");
+        let bad = DecisionHeaders::new(&"a\nb".into(), &"n\n".into());
+        assert_eq!((bad.backend(), bad.node(&"n\n".into())), (None, None));
     }
 
     #[test]

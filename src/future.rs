@@ -468,10 +468,12 @@ fn respond<B>(
     let observe = watch.and_then(|w| Observe::new(&parts.headers, w));
     if finish.decision_headers {
         let h = &mut parts.headers;
-        if let Ok(v) = HeaderValue::from_str(decision.backend.as_str()) {
+        // Values kept by the backend: no copy of its names for each response.
+        let kept = guard.headers();
+        if let Some(v) = kept.backend() {
             h.insert(BACKEND_HEADER, v);
         }
-        if let Ok(v) = HeaderValue::from_str(decision.node.as_str()) {
+        if let Some(v) = kept.node(&decision.node) {
             h.insert(NODE_HEADER, v);
         }
         h.insert(

@@ -117,7 +117,7 @@ struct Wire {
     prompt_ms: Option<f64>,
 }
 
-#[derive(Deserialize)]
+#[derive(Debug, Default, Deserialize, PartialEq)]
 struct UsageObject {
     prompt_tokens: Option<u64>,
     prompt_tokens_details: Option<Details>,
@@ -127,7 +127,7 @@ struct UsageObject {
     cache_creation_input_tokens: Option<u64>,
 }
 
-#[derive(Deserialize)]
+#[derive(Debug, Default, Deserialize, PartialEq)]
 struct Details {
     cached_tokens: Option<u64>,
 }
@@ -299,6 +299,14 @@ fn parse_object(wire: &mut Wire, found: &mut bool, member: Member, b: &[u8]) -> 
     match b.first() {
         None => Parsed::Incomplete,
         Some(b'{') => {
+            // A usage object as the APIs send it is read without serde (see `Plain`).
+            if member == Member::Usage {
+                if let Some((o, n)) = Plain::usage(b) {
+                    add_usage(wire, o);
+                    *found = true;
+                    return Parsed::Done(n);
+                }
+            }
             // Typed at once: one pass over the object.
             let typed = match member {
                 Member::Usage => {
@@ -328,6 +336,162 @@ fn parse_object(wire: &mut Wire, found: &mut bool, member: Member, b: &[u8]) -> 
             }
         }
         Some(_) => Parsed::Done(1),
+    }
+}
+
+/// A reader for the usage objects the APIs send, faster than serde's on them: member names
+/// without escapes, values that are non-negative integers or `null`, and objects of such
+/// members one level down (`prompt_tokens_details`, `completion_tokens_details`). On anything
+/// else, and on an object cut short, it gives up (`None`) and serde decides; on what it reads,
+/// it gives what serde would, where serde would (the two are compared in the tests).
+struct Plain<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Plain<'a> {
+    /// The usage object that `b` begins with (at its `{`), and where it ends.
+    fn usage(b: &'a [u8]) -> Option<(UsageObject, usize)> {
+        let mut p = Plain { b, at: 0 };
+        let mut u = UsageObject::default();
+        // Each field once: serde refuses a repeated one, and then so does this.
+        let mut seen = 0u8;
+        let mut once = |bit: u8| {
+            let first = seen & bit == 0;
+            seen |= bit;
+            first.then_some(())
+        };
+        p.object(|name, p| {
+            match name {
+                b"prompt_tokens" => {
+                    once(1)?;
+                    u.prompt_tokens = p.scalar()?;
+                }
+                b"prompt_tokens_details" => {
+                    once(2)?;
+                    u.prompt_tokens_details = p.details()?;
+                }
+                b"input_tokens" => {
+                    once(4)?;
+                    u.input_tokens = p.scalar()?;
+                }
+                b"input_tokens_details" => {
+                    once(8)?;
+                    u.input_tokens_details = p.details()?;
+                }
+                b"cache_read_input_tokens" => {
+                    once(16)?;
+                    u.cache_read_input_tokens = p.scalar()?;
+                }
+                b"cache_creation_input_tokens" => {
+                    once(32)?;
+                    u.cache_creation_input_tokens = p.scalar()?;
+                }
+                // Another member: an integer, `null`, or an object of those.
+                _ => match p.peek()? {
+                    b'{' => p.object(|_, p| p.scalar().map(drop))?,
+                    _ => drop(p.scalar()?),
+                },
+            }
+            Some(())
+        })?;
+        Some((u, p.at))
+    }
+
+    /// `{"cached_tokens": N, ...}` or `null`.
+    fn details(&mut self) -> Option<Option<Details>> {
+        if self.peek()? != b'{' {
+            return self.null().map(|()| None);
+        }
+        let mut d = Details::default();
+        let mut seen = false;
+        self.object(|name, p| {
+            let value = p.scalar()?;
+            if name == b"cached_tokens" {
+                if std::mem::replace(&mut seen, true) {
+                    return None;
+                }
+                d.cached_tokens = value;
+            }
+            Some(())
+        })?;
+        Some(Some(d))
+    }
+
+    /// An object, at its `{`: `member` reads each member's value, given its name.
+    fn object(&mut self, mut member: impl FnMut(&'a [u8], &mut Self) -> Option<()>) -> Option<()> {
+        self.eat(b'{')?;
+        self.ws();
+        if self.eat(b'}').is_some() {
+            return Some(());
+        }
+        loop {
+            self.ws();
+            let name = self.name()?;
+            self.ws();
+            self.eat(b':')?;
+            self.ws();
+            member(name, self)?;
+            self.ws();
+            match self.peek()? {
+                b',' => self.at += 1,
+                b'}' => {
+                    self.at += 1;
+                    return Some(());
+                }
+                _ => return None,
+            }
+        }
+    }
+
+    /// A member name without escapes or control characters.
+    fn name(&mut self) -> Option<&'a [u8]> {
+        self.eat(b'"')?;
+        let rest = &self.b[self.at..];
+        let len = memchr::memchr2(b'"', b'\\', rest)?;
+        let name = &rest[..len];
+        if rest[len] != b'"' || name.iter().any(|&c| c < 0x20) {
+            return None;
+        }
+        self.at += len + 1;
+        Some(name)
+    }
+
+    /// A non-negative integer that fits a `u64`, or `null`.
+    fn scalar(&mut self) -> Option<Option<u64>> {
+        if !self.peek()?.is_ascii_digit() {
+            return self.null().map(|()| None);
+        }
+        let start = self.at;
+        let mut n = 0u64;
+        while let Some(&d) = self.b.get(self.at).filter(|d| d.is_ascii_digit()) {
+            n = n.checked_mul(10)?.checked_add(u64::from(d - b'0'))?;
+            self.at += 1;
+        }
+        // JSON has no leading zeros; a fraction or an exponent is not an integer.
+        let leading_zero = self.b[start] == b'0' && self.at - start > 1;
+        if leading_zero || matches!(self.peek()?, b'.' | b'e' | b'E') {
+            return None;
+        }
+        Some(Some(n))
+    }
+
+    fn null(&mut self) -> Option<()> {
+        self.b[self.at..].starts_with(b"null").then(|| self.at += 4)
+    }
+
+    fn peek(&self) -> Option<u8> {
+        self.b.get(self.at).copied()
+    }
+
+    fn eat(&mut self, c: u8) -> Option<()> {
+        (self.peek()? == c).then(|| self.at += 1)
+    }
+
+    fn ws(&mut self) {
+        while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.peek() {
+            self.at += 1;
+        }
     }
 }
 
@@ -489,6 +653,74 @@ event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_toke
                 "{}",
                 String::from_utf8_lossy(body)
             );
+        }
+    }
+
+    /// What serde makes of the object `b` begins with, and where it ends.
+    fn by_serde(b: &[u8]) -> Option<(UsageObject, usize)> {
+        parse_typed::<UsageObject>(b).ok()
+    }
+
+    #[test]
+    fn the_plain_reader_reads_what_the_apis_send_as_serde_does() {
+        for b in [
+            &br#"{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}"#[..],
+            br#"{"prompt_tokens":1200,"completion_tokens":12,"prompt_tokens_details":{"cached_tokens":1024}}"#,
+            br#"{ "prompt_tokens" : 3000 , "completion_tokens": 7, "prompt_tokens_details": null }"#,
+            br#"{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":0,"audio_tokens":0},"completion_tokens_details":{"reasoning_tokens":3}}"#,
+            br#"{"input_tokens":50,"cache_read_input_tokens":2000,"cache_creation_input_tokens":10,"output_tokens":5}"#,
+            br#"{"input_tokens":3000,"input_tokens_details":{"cached_tokens":2900},"output_tokens":7}"#,
+            b"{\n\t\"prompt_tokens\": 0\r\n}",
+            br#"{}"#,
+            br#"{"prompt_tokens":18446744073709551615}"#,
+            br#"{"prompt_tokens":1}, "more": 2}"#,
+        ] {
+            let plain = Plain::usage(b);
+            assert!(plain.is_some(), "{}", String::from_utf8_lossy(b));
+            assert_eq!(plain, by_serde(b), "{}", String::from_utf8_lossy(b));
+        }
+    }
+
+    #[test]
+    fn the_plain_reader_leaves_the_rest_to_serde() {
+        for b in [
+            &br#"{"prompt_tokens":1.5}"#[..],
+            br#"{"prompt_tokens":-0}"#,
+            br#"{"prompt_tokens":01}"#,
+            br#"{"prompt_tokens":1e3}"#,
+            br#"{"prompt_tokens":18446744073709551616}"#,
+            br#"{"prompt_tokens":1,"prompt_tokens":2}"#,
+            br#"{"prompt_tokens_details":{"cached_tokens":1,"cached_tokens":1}}"#,
+            br#"{"prompt_tokens":"12"}"#,
+            br#"{"model":"m","prompt_tokens":1}"#,
+            br#"{"prompt\u005ftokens":1}"#,
+            br#"{"x":{"y":{"z":1}}}"#,
+            br#"{"prompt_tokens":1,}"#,
+            br#"{"prompt_tokens":12"#,
+            br#"{"prompt_tokens":nul"#,
+            br#"{"prompt_tokens":nullx}"#,
+        ] {
+            assert_eq!(Plain::usage(b), None, "{}", String::from_utf8_lossy(b));
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn whatever_the_plain_reader_reads_serde_reads_alike(
+            tokens in proptest::collection::vec(proptest::sample::select(vec![
+                "{", "}", ":", ",", " ", "\n", "0", "7", "12", "007", "1.5", "-1", "2e1", "null",
+                "true", "18446744073709551615", "18446744073709551616", "\"prompt_tokens\"",
+                "\"prompt_tokens_details\"", "\"cached_tokens\"", "\"input_tokens\"",
+                "\"cache_read_input_tokens\"", "\"x\"", "\"a\\\"b\"", "\"s\"", "[1]",
+            ]), 0..24),
+        ) {
+            let mut b = b"{".to_vec();
+            for t in tokens {
+                b.extend_from_slice(t.as_bytes());
+            }
+            if let Some(plain) = Plain::usage(&b) {
+                proptest::prop_assert_eq!(Some(plain), by_serde(&b), "{}", String::from_utf8_lossy(&b));
+            }
         }
     }
 

@@ -12,7 +12,8 @@
 //! From tower-http, around the whole front service:
 //! - `TraceLayer`: a `request` span per request (method, URI, request id) with its response
 //!   events, at debug level (`-v`); the balancer's own 5xx answers are logged where they are
-//!   made, so its failure events stay at debug too;
+//!   made, so its failure events stay at debug too. Without debug logs the layer is left out,
+//!   since it would record nothing and still cost every request;
 //! - `SetRequestIdLayer` / `PropagateRequestIdLayer`: an `x-request-id` for each request that
 //!   comes without one ([`RequestIds`]: a counter, no random number per request), sent to the
 //!   backend with the other headers and returned on the response;
@@ -767,13 +768,19 @@ pub(crate) async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let mode = front.shared.upstream;
-    let service = ServiceBuilder::new()
-        // An `x-request-id` for a request that comes without one; it goes on to the backend
-        // with the other headers, and back on the response.
-        .layer(SetRequestIdLayer::x_request_id(RequestIds::new()))
+    // An `x-request-id` for a request that comes without one; it goes on to the backend with
+    // the other headers, and back on the response.
+    let ids = ServiceBuilder::new().layer(SetRequestIdLayer::x_request_id(RequestIds::new()));
+    let propagate = PropagateRequestIdLayer::x_request_id();
+    // The request spans are debug events: without a subscriber that takes them (no `-v`),
+    // `TraceLayer` would only cost every request its clock readings and wrappers.
+    if tracing::level_filters::LevelFilter::current() < tracing::Level::DEBUG {
+        let service = ids.layer(propagate).service(front);
+        return serve_with(listener, service, mode, shutdown).await;
+    }
+    let service = ids
         .layer(
             TraceLayer::new_for_http()
-                // The fields are read only when debug logs are on (`-v`).
                 .make_span_with(|req: &Request<Incoming>| {
                     tracing::debug_span!(
                         "request",
@@ -791,8 +798,28 @@ pub(crate) async fn serve(
                     tower_http::trace::DefaultOnFailure::new().level(tracing::Level::DEBUG),
                 ),
         )
-        .layer(PropagateRequestIdLayer::x_request_id())
+        .layer(propagate)
         .service(front);
+    serve_with(listener, service, mode, shutdown).await
+}
+
+/// The serving loop of [`serve`], over the front service with its tower-http layers.
+async fn serve_with<S, B>(
+    listener: tokio::net::TcpListener,
+    service: S,
+    mode: UpstreamMode,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()>
+where
+    S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
     let builder = auto::Builder::new(TokioExecutor::new());
     let graceful = GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
@@ -853,8 +880,35 @@ impl RequestIds {
 impl MakeRequestId for RequestIds {
     fn make_request_id<B>(&mut self, _: &Request<B>) -> Option<RequestId> {
         let n = self.next.fetch_add(1, Ordering::Relaxed);
-        let id = format!("{:08x}-{n:x}", self.prefix);
-        HeaderValue::try_from(id).ok().map(RequestId::new)
+        request_id(self.prefix, n).map(RequestId::new)
+    }
+}
+
+/// `{prefix:08x}-{n:x}`, written out by hand: through `format!` it cost about 1,000
+/// instructions a request.
+pub(crate) fn request_id(prefix: u32, n: u64) -> Option<HeaderValue> {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut id = IdBytes([0; 8 + 1 + 16], 0);
+    for (i, b) in id.0[..8].iter_mut().enumerate() {
+        *b = HEX[((prefix >> (28 - 4 * i)) & 0xf) as usize];
+    }
+    id.0[8] = b'-';
+    let digits = (64 - (n | 1).leading_zeros()).div_ceil(4) as usize;
+    for (i, b) in id.0[9..9 + digits].iter_mut().enumerate() {
+        *b = HEX[((n >> (4 * (digits - 1 - i))) & 0xf) as usize];
+    }
+    id.1 = 9 + digits;
+    // One allocation, shared by the clones the layers make (the request's, its extension's,
+    // the response's), where bytes copied from a slice would be copied again at the first.
+    HeaderValue::from_maybe_shared(Bytes::from_owner(id)).ok()
+}
+
+/// A request id's bytes and their length.
+struct IdBytes([u8; 8 + 1 + 16], usize);
+
+impl AsRef<[u8]> for IdBytes {
+    fn as_ref(&self) -> &[u8] {
+        &self.0[..self.1]
     }
 }
 

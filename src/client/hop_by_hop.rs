@@ -63,15 +63,22 @@ fn index(name: &HeaderName) -> Option<usize> {
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Which of `HOP_BY_HOP` are present, one bit each. Most messages have none.
     let mut present = 0u8;
-    for name in headers.keys() {
+    // Whether every `Connection` line is `keep-alive` alone, as a backend's usually is: it
+    // names no header but `Keep-Alive`, which goes anyway.
+    let mut plain = true;
+    for (name, value) in headers.iter() {
         if let Some(i) = index(name) {
             present |= 1 << i;
+            if i == 0 {
+                let v = value.as_bytes().trim_ascii();
+                plain &= v.eq_ignore_ascii_case(b"keep-alive");
+            }
         }
     }
     if present == 0 {
         return;
     }
-    if present & 1 != 0 {
+    if present & 1 != 0 && !plain {
         // `Connection`: its values are handles on the bytes received, not copies, kept so that
         // the headers they name can be removed.
         let mut connection = headers.get_all(header::CONNECTION).iter();
@@ -144,6 +151,26 @@ mod tests {
         headers.insert(header::PROXY_AUTHORIZATION, HeaderValue::from_static("x"));
         strip_hop_by_hop(&mut headers);
         assert_eq!(headers, untouched);
+    }
+
+    #[test]
+    fn connection_keep_alive_goes_with_keep_alive_and_nothing_else() {
+        for value in ["keep-alive", " Keep-Alive ", "KEEP-ALIVE"] {
+            let mut headers = HeaderMap::new();
+            headers.insert(header::CONNECTION, HeaderValue::from_static(value));
+            headers.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+            headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("2"));
+            strip_hop_by_hop(&mut headers);
+            assert_eq!(headers.len(), 1, "{value}");
+            assert!(headers.contains_key(header::CONTENT_LENGTH));
+        }
+        // Another line beside it still names what it names.
+        let mut headers = HeaderMap::new();
+        headers.append(header::CONNECTION, HeaderValue::from_static("keep-alive"));
+        headers.append(header::CONNECTION, HeaderValue::from_static("x-hop"));
+        headers.insert("x-hop", HeaderValue::from_static("1"));
+        strip_hop_by_hop(&mut headers);
+        assert!(headers.is_empty());
     }
 
     #[test]

@@ -1004,6 +1004,21 @@ async fn a_request_id_is_set_sent_to_the_backend_and_returned() {
     assert_eq!(a.echoed()[2].headers["x-request-id"], "client-7");
 }
 
+#[test]
+fn a_request_id_is_the_process_prefix_and_the_counter_in_hex() {
+    for (prefix, n) in [
+        (0, 0),
+        (0xdead_beef, 1),
+        (0x0000_00a0, 15),
+        (7, 16),
+        (u32::MAX, 0x1234_5678_9abc),
+        (1, u64::MAX),
+    ] {
+        let id = app::request_id(prefix, n).unwrap();
+        assert_eq!(id, format!("{prefix:08x}-{n:x}").as_str());
+    }
+}
+
 /// Sends `n` GETs one after another on one client connection of its own to the proxy; the
 /// first names its target in absolute-form, as a client of a forward proxy would.
 async fn gets_on_one_connection(proxy: &Running, n: usize) {

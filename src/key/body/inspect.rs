@@ -12,6 +12,7 @@ use serde_json::value::RawValue;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
+use super::canonical;
 use super::prompt::{self, Part, PartValue, PromptMembers};
 use super::responses::ResponseChains;
 use super::PromptFacts;
@@ -101,16 +102,21 @@ impl Config {
             _ => Vec::new(),
         };
         facts.messages = messages.len();
-        let leading: Result<Vec<Value>, _> = messages
-            .iter()
-            .take(PromptFacts::LEADING_MESSAGES)
-            .map(|m| serde_json::from_str(m))
-            .collect();
-        if let Some(leading) = leading.ok().filter(|l| !l.is_empty()) {
-            // The same bytes as `serde_json::to_vec(&leading)`, hashed as they are written.
+        let leading = &messages[..messages.len().min(PromptFacts::LEADING_MESSAGES)];
+        if !leading.is_empty() {
+            // The same bytes as `serde_json::to_vec` of the messages as `Value`s, hashed as
+            // they are written; without the `Value`s where the messages allow.
             let mut hasher = Sha256::new();
-            if serde_json::to_writer(&mut hasher, &leading).is_ok() {
+            if canonical::write_messages(leading, &mut hasher).is_some() {
                 facts.leading_digest = Some(hasher.finalize().into());
+            } else if let Ok(values) = leading
+                .iter()
+                .map(|m| serde_json::from_str(m))
+                .collect::<Result<Vec<Value>, _>>()
+            {
+                if serde_json::to_writer(&mut hasher, &values).is_ok() {
+                    facts.leading_digest = Some(hasher.finalize().into());
+                }
             }
         }
         let key = self.fields.iter().find_map(|path| {

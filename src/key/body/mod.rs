@@ -10,6 +10,7 @@
 //   future.rs   BodyKeyFuture: reading the body, then calling the inner service
 //   body.rs     BodyKeyResponseBody
 //   inspect.rs  the one pass over the JSON, and the settings that steer it
+//   canonical.rs  the leading messages written out as `Value`s would be, without them
 //   prompt.rs   the prompt's members cut into a chain
 //   responses.rs  the chains of Responses API answers, for `previous_response_id`
 //   facts.rs    PromptFacts
@@ -17,6 +18,7 @@
 // `body` as tower-http names a middleware's response body, though the folder is `body` too.
 #[allow(clippy::module_inception)]
 mod body;
+mod canonical;
 mod facts;
 mod future;
 mod inspect;

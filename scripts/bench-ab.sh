@@ -1,0 +1,172 @@
+#!/usr/bin/env bash
+# A/B of proxy example binaries in one sitting (BENCHMARKS.md 5d and 7c):
+#
+#   scripts/bench-ab.sh ROUNDS NAME=BINARY NAME=BINARY...
+#
+# e.g. two builds of the example, one a worktree of an older commit:
+#   scripts/bench-ab.sh 10 before=/tmp/proxy-bd04444 now=target/release/examples/proxy
+#
+# Starts nginx (one worker, 127.0.0.1, a free port) answering POST /v1/chat/completions with
+# part 4's fixed 230-byte chat completion (`application/json`, with a `usage` object), and
+# every binary on one tokio worker in front of it (`--backend node-a=URL,slots=4096 --overflow
+# overcommit --probe-interval 0`). After 2 s of warm-up each, ROUNDS rounds, the binaries in
+# an order rotated each round: `wrk -t1 -c32 -d5s` (requests/s; the proxy's CPU over the run
+# from /proc/PID/stat) then `wrk -t1 -c1 -d4s` (p50), with part 4's bench.lua (a 130-byte chat
+# body with X-Session-Id, 1,024 sessions). Prints each run with the load average before it,
+# then per binary the medians, and against the first binary the median of the rounds' ratios.
+# Every run is bounded in time; everything it starts is stopped when it ends.
+set -euo pipefail
+
+if (($# < 3)) || [[ ! $1 =~ ^[0-9]+$ ]]; then
+    echo "usage: $0 ROUNDS NAME=BINARY NAME=BINARY..." >&2
+    exit 2
+fi
+ROUNDS=$1
+shift
+for tool in wrk nginx python3; do
+    command -v "$tool" >/dev/null || [[ -x /usr/sbin/$tool ]] || {
+        echo "bench-ab: $tool is needed (scripts/bench-proxy.sh installs wrk and nginx)" >&2
+        exit 2
+    }
+done
+export PATH="$PATH:/usr/sbin"
+
+WORK=$(mktemp -d)
+PIDS=()
+cleanup() {
+    for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+    rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+wait_http() { # URL
+    for _ in $(seq 60); do
+        curl -s -o /dev/null -X POST "$1/v1/chat/completions" && return 0
+        sleep 0.5
+    done
+    echo "bench-ab: $1 did not answer within 30 s" >&2
+    return 1
+}
+ticks() { awk '{ print $14 + $15 }' "/proc/$1/stat"; }
+
+NGINX_PORT=$(free_port)
+mkdir -p "$WORK/nginx"
+cat >"$WORK/nginx/nginx.conf" <<EOF
+worker_processes 1;
+daemon off;
+pid $WORK/nginx/nginx.pid;
+error_log $WORK/nginx/error.log warn;
+events { worker_connections 4096; }
+http {
+    access_log off;
+    client_body_temp_path $WORK/nginx/body;
+    proxy_temp_path $WORK/nginx/proxy;
+    fastcgi_temp_path $WORK/nginx/fastcgi;
+    uwsgi_temp_path $WORK/nginx/uwsgi;
+    scgi_temp_path $WORK/nginx/scgi;
+    keepalive_requests 10000000;
+    keepalive_timeout 300s;
+    server {
+        listen 127.0.0.1:$NGINX_PORT;
+        default_type application/json;
+        location / { return 200 '{"status":"ok"}'; }
+        location = /v1/chat/completions {
+            return 200 '{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}';
+        }
+    }
+}
+EOF
+nginx -e "$WORK/nginx/error.log" -c "$WORK/nginx/nginx.conf" -p "$WORK/nginx" >"$WORK/nginx.log" 2>&1 &
+PIDS+=($!)
+wait_http "http://127.0.0.1:$NGINX_PORT"
+
+cat >"$WORK/bench.lua" <<'EOF'
+local n = 1024
+local reqs = {}
+local i = 0
+function init(args)
+    for s = 0, n - 1 do
+        local id = string.format("session-%05d", s)
+        local body = '{"model":"m","messages":[{"role":"user","content":"' .. id ..
+            ': say ok"}],"max_tokens":1,"stream":false}'
+        reqs[s] = wrk.format("POST", "/v1/chat/completions",
+            { ["Content-Type"] = "application/json", ["X-Session-Id"] = id }, body)
+    end
+    i = math.random(0, n - 1)
+end
+function request()
+    i = (i + 1) % n
+    return reqs[i]
+end
+function done(summary, latency, requests)
+    local e = summary.errors
+    io.write(string.format("RESULT requests=%d duration_us=%d p50_us=%d p99_us=%d " ..
+        "errors=%d non2xx=%d\n", summary.requests, summary.duration,
+        latency:percentile(50), latency:percentile(99),
+        e.connect + e.read + e.write + e.timeout, e.status))
+end
+EOF
+
+NAMES=() PROXY_PIDS=() URLS=()
+for arg in "$@"; do
+    name=${arg%%=*} bin=${arg#*=}
+    [[ -x $bin ]] || { echo "bench-ab: $bin is not an executable" >&2; exit 2; }
+    port=$(free_port)
+    TOKIO_WORKER_THREADS=1 "$bin" --listen "127.0.0.1:$port" \
+        --backend "node-a=http://127.0.0.1:$NGINX_PORT,slots=4096" --overflow overcommit \
+        --probe-interval 0 >"$WORK/proxy-$name.log" 2>&1 &
+    PIDS+=($!) PROXY_PIDS+=($!) NAMES+=("$name") URLS+=("http://127.0.0.1:$port")
+    wait_http "http://127.0.0.1:$port"
+done
+for url in "${URLS[@]}"; do
+    wrk -t1 -c32 -d2s -s "$WORK/bench.lua" "$url/v1/chat/completions" >/dev/null
+done
+
+n=${#NAMES[@]}
+for ((r = 0; r < ROUNDS; r++)); do
+    for ((k = 0; k < n; k++)); do
+        i=$(((k + r) % n))
+        load=$(cut -d' ' -f1 /proc/loadavg)
+        t0=$(ticks "${PROXY_PIDS[$i]}")
+        c32=$(wrk -t1 -c32 -d5s -s "$WORK/bench.lua" "${URLS[$i]}/v1/chat/completions" | grep '^RESULT')
+        t1=$(ticks "${PROXY_PIDS[$i]}")
+        c1=$(wrk -t1 -c1 -d4s -s "$WORK/bench.lua" "${URLS[$i]}/v1/chat/completions" | grep '^RESULT')
+        echo "round=$r name=${NAMES[$i]} load=$load ticks=$((t1 - t0)) c32 $c32 c1 $c1"
+    done
+done | tee "$WORK/runs.txt"
+
+python3 - "$WORK/runs.txt" "$(getconf CLK_TCK)" "${NAMES[0]}" <<'EOF'
+import collections, re, statistics as st, sys
+path, tck, base = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+runs = collections.defaultdict(dict)
+for line in open(path):
+    head, rest = line.split(" c32 ")
+    c32, c1 = rest.split(" c1 ")
+    h = dict(re.findall(r"(\w+)=(\S+)", head))
+    a = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", c32)}
+    b = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", c1)}
+    runs[h["name"]][int(h["round"])] = {
+        "rps": a["requests"] / (a["duration_us"] / 1e6),
+        "cpu": int(h["ticks"]) / tck / a["requests"] * 1e6,
+        "p50": b["p50_us"],
+        "bad": a["errors"] + a["non2xx"] + b["errors"] + b["non2xx"],
+    }
+def med(xs):
+    return st.median(xs), min(xs), max(xs)
+print()
+for name, rs in runs.items():
+    rps, cpu, p50 = (med([r[f] for r in rs.values()]) for f in ("rps", "cpu", "p50"))
+    bad = sum(r["bad"] for r in rs.values())
+    print(f"{name}: {len(rs)} rounds; 32 connections {rps[0]:,.0f} requests/s ({rps[1]:,.0f} to "
+          f"{rps[2]:,.0f}), CPU {cpu[0]:.1f} us a request; 1 connection p50 {p50[0]:.0f} us "
+          f"({p50[1]} to {p50[2]}); failed or non-2xx: {bad}")
+for name, rs in runs.items():
+    if name == base:
+        continue
+    both = [k for k in rs if k in runs[base]]
+    for f, what in (("rps", "requests/s"), ("cpu", "CPU a request"), ("p50", "p50")):
+        m = med([rs[k][f] / runs[base][k][f] for k in both])
+        print(f"{name} / {base}, {what}: median of the rounds' ratios {m[0]:.3f} ({m[1]:.3f} to {m[2]:.3f})")
+EOF
