@@ -16,6 +16,8 @@
 # then per binary the medians, and against the first binary the median of the rounds' ratios.
 # Every run is bounded in time; everything it starts is stopped when it ends.
 set -euo pipefail
+# shellcheck source=scripts/bench-nginx.sh
+. "$(dirname "${BASH_SOURCE[0]}")/bench-nginx.sh"
 
 if (($# < 3)) || [[ ! $1 =~ ^[0-9]+$ ]]; then
     echo "usage: $0 ROUNDS NAME=BINARY NAME=BINARY..." >&2
@@ -52,32 +54,7 @@ wait_http() { # URL
 ticks() { awk '{ print $14 + $15 }' "/proc/$1/stat"; }
 
 NGINX_PORT=$(free_port)
-mkdir -p "$WORK/nginx"
-cat >"$WORK/nginx/nginx.conf" <<EOF
-worker_processes 1;
-daemon off;
-pid $WORK/nginx/nginx.pid;
-error_log $WORK/nginx/error.log warn;
-events { worker_connections 4096; }
-http {
-    access_log off;
-    client_body_temp_path $WORK/nginx/body;
-    proxy_temp_path $WORK/nginx/proxy;
-    fastcgi_temp_path $WORK/nginx/fastcgi;
-    uwsgi_temp_path $WORK/nginx/uwsgi;
-    scgi_temp_path $WORK/nginx/scgi;
-    keepalive_requests 10000000;
-    keepalive_timeout 300s;
-    server {
-        listen 127.0.0.1:$NGINX_PORT;
-        default_type application/json;
-        location / { return 200 '{"status":"ok"}'; }
-        location = /v1/chat/completions {
-            return 200 '{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}';
-        }
-    }
-}
-EOF
+write_nginx_conf "$WORK/nginx" "$NGINX_PORT"
 nginx -e "$WORK/nginx/error.log" -c "$WORK/nginx/nginx.conf" -p "$WORK/nginx" >"$WORK/nginx.log" 2>&1 &
 PIDS+=($!)
 wait_http "http://127.0.0.1:$NGINX_PORT"

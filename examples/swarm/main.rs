@@ -526,27 +526,30 @@ mod tests {
         assert_ne!(a.to_string(), other.to_string());
     }
 
+    /// The overload scenario at the larger cache (where a single router keeps nearly every
+    /// session home) through two replicas entered at random: NodeThenBackend's moves, its
+    /// follow-up turns, and the table.
+    fn through_two_replicas(o: &Options, shared_store: bool) -> (usize, usize, String) {
+        routers::set(routers::Replicas {
+            routers: 2,
+            entry: routers::Entry::Random,
+            shared_store,
+        });
+        let t = &overload(o)[1];
+        let ntb = t.row("NodeThenBackend").unwrap();
+        (
+            ntb.node_moves + ntb.backend_moves,
+            ntb.follow_ups,
+            t.to_string(),
+        )
+    }
+
     #[test]
     fn two_replicas_entered_at_random_keep_affinity_only_through_a_shared_store() {
         let mut o = options(Scenario::Overload, 20);
         o.sessions = Some(36);
-        let moves = |shared_store| {
-            routers::set(routers::Replicas {
-                routers: 2,
-                entry: routers::Entry::Random,
-                shared_store,
-            });
-            // The larger cache, where a single router keeps nearly every session home.
-            let t = &overload(&o)[1];
-            let ntb = t.row("NodeThenBackend").unwrap();
-            (
-                ntb.node_moves + ntb.backend_moves,
-                ntb.follow_ups,
-                t.to_string(),
-            )
-        };
-        let (local, follow_ups, local_table) = moves(false);
-        let (shared, _, shared_table) = moves(true);
+        let (local, follow_ups, local_table) = through_two_replicas(&o, false);
+        let (shared, _, shared_table) = through_two_replicas(&o, true);
         // Local tables only: a turn entering the other replica after a spill goes back to
         // the old home; the shared store sends it where the spill went.
         assert!(local > follow_ups / 5, "{local_table}");
@@ -558,18 +561,8 @@ mod tests {
         let mut o = options(Scenario::Overload, 20);
         o.sessions = Some(36);
         o.keyless = true;
-        let moves = |shared_store| {
-            routers::set(routers::Replicas {
-                routers: 2,
-                entry: routers::Entry::Random,
-                shared_store,
-            });
-            let t = &overload(&o)[1];
-            let ntb = t.row("NodeThenBackend").unwrap();
-            (ntb.node_moves + ntb.backend_moves, t.to_string())
-        };
-        let (local, local_table) = moves(false);
-        let (shared, shared_table) = moves(true);
+        let (local, _, local_table) = through_two_replicas(&o, false);
+        let (shared, _, shared_table) = through_two_replicas(&o, true);
         // Local cache models only: a turn entering the other replica finds its conversation's
         // prefix only where that replica last sent it; the store names the backend of the
         // conversation's latest turn, by its prompt.
