@@ -22,8 +22,14 @@
 //! If the wait is the cheaper, the request waits for the full backend, at most as long as
 //! moving would cost; then it moves. Waiting up to the price of the alternative and then
 //! paying it never costs more than twice the better choice made with hindsight (the
-//! ski-rental bound), however wrong the estimate of the wait was. Until both figures are
-//! learned, the request moves at once, as it did before anything was learned.
+//! ski-rental bound), however wrong the estimate of the wait was.
+//!
+//! Tokens are counted as the backend counts them: the cache model's figures are the chain's
+//! estimate (four bytes a token), and each answer teaches the backend's own tokens per token
+//! of the estimate. A backend that has not taught its prefill rate or that scale yet (a new
+//! one, or one this router replica has not sent to yet) is taken to read as the fleet's others
+//! do, on average. Until the home's request time and some backend's rate are learned, the
+//! request moves at once, as it did before anything was learned.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
