@@ -16,8 +16,8 @@
 # then per binary the medians, and against the first binary the median of the rounds' ratios.
 # Every run is bounded in time; everything it starts is stopped when it ends.
 set -euo pipefail
-# shellcheck source=scripts/bench-nginx.sh
-. "$(dirname "${BASH_SOURCE[0]}")/bench-nginx.sh"
+# shellcheck source=scripts/bench-common.sh
+. "$(dirname "${BASH_SOURCE[0]}")/bench-common.sh"
 
 if (($# < 3)) || [[ ! $1 =~ ^[0-9]+$ ]]; then
     echo "usage: $0 ROUNDS NAME=BINARY NAME=BINARY..." >&2
@@ -59,32 +59,7 @@ nginx -e "$WORK/nginx/error.log" -c "$WORK/nginx/nginx.conf" -p "$WORK/nginx" >"
 PIDS+=($!)
 wait_http "http://127.0.0.1:$NGINX_PORT"
 
-cat >"$WORK/bench.lua" <<'EOF'
-local n = 1024
-local reqs = {}
-local i = 0
-function init(args)
-    for s = 0, n - 1 do
-        local id = string.format("session-%05d", s)
-        local body = '{"model":"m","messages":[{"role":"user","content":"' .. id ..
-            ': say ok"}],"max_tokens":1,"stream":false}'
-        reqs[s] = wrk.format("POST", "/v1/chat/completions",
-            { ["Content-Type"] = "application/json", ["X-Session-Id"] = id }, body)
-    end
-    i = math.random(0, n - 1)
-end
-function request()
-    i = (i + 1) % n
-    return reqs[i]
-end
-function done(summary, latency, requests)
-    local e = summary.errors
-    io.write(string.format("RESULT requests=%d duration_us=%d p50_us=%d p99_us=%d " ..
-        "errors=%d non2xx=%d\n", summary.requests, summary.duration,
-        latency:percentile(50), latency:percentile(99),
-        e.connect + e.read + e.write + e.timeout, e.status))
-end
-EOF
+write_bench_lua "$WORK/bench.lua" 1024
 
 NAMES=() PROXY_PIDS=() URLS=()
 for arg in "$@"; do

@@ -55,8 +55,8 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# shellcheck source=scripts/bench-nginx.sh
-. "$ROOT/scripts/bench-nginx.sh"
+# shellcheck source=scripts/bench-common.sh
+. "$ROOT/scripts/bench-common.sh"
 CACHE="${TA_CACHE_DIR:-$HOME/.cache/tower-affinity}"
 VENV="$CACHE/bench-venv"
 SGLANG_ROUTER_VERSION="0.3.2"
@@ -297,33 +297,7 @@ start_sglang() { # policy
 # --- measuring -------------------------------------------------------------------------------
 
 write_lua() {
-    cat >"$WORK/bench.lua" <<EOF
--- POST /v1/chat/completions, cycling through $SESSIONS sessions (header and body name it).
-local n = $SESSIONS
-local reqs = {}
-local i = 0
-function init(args)
-    for s = 0, n - 1 do
-        local id = string.format("session-%05d", s)
-        local body = '{"model":"m","messages":[{"role":"user","content":"' .. id ..
-            ': say ok"}],"max_tokens":1,"stream":false}'
-        reqs[s] = wrk.format("POST", "/v1/chat/completions",
-            { ["Content-Type"] = "application/json", ["X-Session-Id"] = id }, body)
-    end
-    i = math.random(0, n - 1)
-end
-function request()
-    i = (i + 1) % n
-    return reqs[i]
-end
-function done(summary, latency, requests)
-    local e = summary.errors
-    io.write(string.format("RESULT requests=%d duration_us=%d p50_us=%d p99_us=%d " ..
-        "errors=%d non2xx=%d\n", summary.requests, summary.duration,
-        latency:percentile(50), latency:percentile(99),
-        e.connect + e.read + e.write + e.timeout, e.status))
-end
-EOF
+    write_bench_lua "$WORK/bench.lua" "$SESSIONS"
 }
 
 # utime+stime of the given pids, in clock ticks.
