@@ -308,7 +308,7 @@ async fn sixteen_sessions_on_twelve_slots_entering_two_instances_at_random_stay_
     let without = describe("two instances without Redis", stayed, &moved);
     let local = stayed as f64 / (stayed + moved.len()) as f64;
     println!("{with}\n{without}");
-    // The target is 95%. Measured over 14 runs: 95.5% to 98.2% with Redis (median 96.4%),
+    // The target is 95%. Measured over 15 runs: 95.5% to 98.2% with Redis (median 96.4%),
     // 63.4% without. The figure varies by a turn or two because Redis's replies come over
     // real sockets while the clock is paused, so that a reply in flight lets the clock jump
     // to the next timer. Every turn that moves with Redis is a spill of a session's second
