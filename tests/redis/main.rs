@@ -134,6 +134,15 @@ async fn round(replicas: &[Svc], sessions: &[String], requests: &mut u32) {
 const DEADLINE: Duration = Duration::from_millis(50);
 const RECONNECT: Duration = Duration::from_millis(300);
 
+/// Two replicas sharing `redis`, with the tests' deadline and reconnect interval.
+fn two_replicas(redis: &RedisServer) -> (Svc, Svc) {
+    let url = redis.url();
+    (
+        replica(&url, DEADLINE, RECONNECT),
+        replica(&url, DEADLINE, RECONNECT),
+    )
+}
+
 // === tests ===
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -141,10 +150,7 @@ async fn a_spill_on_one_replica_moves_the_next_turn_on_the_other() {
     let Some(redis) = RedisServer::start().await else {
         return;
     };
-    let (a, b) = (
-        replica(&redis.url(), DEADLINE, RECONNECT),
-        replica(&redis.url(), DEADLINE, RECONNECT),
-    );
+    let (a, b) = two_replicas(&redis);
     let mut conn = redis.client().await;
     // The first turn, through A: rendezvous picks the home, and A writes it.
     let first = send(&a, "agent-1").await;
@@ -492,10 +498,7 @@ async fn keyless_turns_alternating_between_replicas_stay_where_a_spill_went() {
     let Some(redis) = RedisServer::start().await else {
         return;
     };
-    let (a, b) = (
-        replica(&redis.url(), DEADLINE, RECONNECT),
-        replica(&redis.url(), DEADLINE, RECONNECT),
-    );
+    let (a, b) = two_replicas(&redis);
     let mut conn = redis.client().await;
     for c in 0..8 {
         let (spilled, later) = keyless_conversation(&a, &b, c, Some(&mut conn)).await;
@@ -585,10 +588,7 @@ async fn a_homes_tip_tells_another_replica_a_compaction_and_an_old_value_still_r
     let Some(redis) = RedisServer::start().await else {
         return;
     };
-    let (a, b) = (
-        replica(&redis.url(), DEADLINE, RECONNECT),
-        replica(&redis.url(), DEADLINE, RECONNECT),
-    );
+    let (a, b) = two_replicas(&redis);
     let mut conn = redis.client().await;
     let sent = |svc: &Svc, session: &str, chain: &tower_affinity::PromptChain| {
         svc.clone().oneshot(keyed_turn(session, chain.clone()))
