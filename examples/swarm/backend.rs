@@ -125,6 +125,11 @@ impl SimBackend {
         }
     }
 
+    /// Tokens of `prompt` this backend's caches hold (see [`BackendCache::holds`]).
+    pub(crate) fn holds(&self, prompt: &[crate::cache::Block]) -> u64 {
+        self.inner.state.lock().cache.holds(prompt)
+    }
+
     /// States evicted from the RAM cache so far.
     pub(crate) fn ram_evictions(&self) -> u64 {
         self.inner.state.lock().cache.ram().evicted()

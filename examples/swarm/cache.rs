@@ -294,6 +294,14 @@ impl BackendCache {
         s.last_used = self.clock;
     }
 
+    /// The longest prefix of `prompt` held anywhere on this backend: a slot's KV, busy or
+    /// idle, or a RAM entry. What a placement that saw the cache itself would know.
+    pub(crate) fn holds(&self, prompt: &[Block]) -> u64 {
+        let slots = self.slots.iter().map(|s| common_prefix(&s.kv, prompt));
+        let ram = self.ram.best(prompt).map_or(0, |(_, n)| n);
+        slots.max().unwrap_or(0).max(ram)
+    }
+
     pub(crate) fn ram(&self) -> &RamCache {
         &self.ram
     }

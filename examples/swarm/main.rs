@@ -56,6 +56,8 @@ usage: cargo run --release --example swarm -- [options]
   --entry E         random (default) | sticky: how turns reach the replicas (sticky: by
                     session, as consistent hashing at the ingress)
   --shared-store    the replicas share one store of homes (as through Redis)
+  --oracle          adds NTB+oracle: NodeThenBackend told what the simulated caches
+                    really hold, the bound of a perfect cache model under the same rules
   --out FILE        the SVG chart (default target/swarm-<scenario>.svg)
 ";
 
@@ -102,6 +104,7 @@ struct Options {
     fleet: Option<FleetKind>,
     out: Option<PathBuf>,
     keyless: bool,
+    oracle: bool,
     replicas: routers::Replicas,
 }
 
@@ -117,6 +120,7 @@ impl Default for Options {
             fleet: None,
             out: None,
             keyless: false,
+            oracle: false,
             replicas: routers::Replicas {
                 routers: 1,
                 entry: routers::Entry::Random,
@@ -188,6 +192,7 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String>
             }
             "--out" => o.out = Some(value()?.into()),
             "--keyless" => o.keyless = true,
+            "--oracle" => o.oracle = true,
             "--routers" => {
                 let v = value()?;
                 o.replicas.routers = v.parse().ok().filter(|&n| n >= 1).ok_or_else(|| bad(&v))?;
@@ -223,15 +228,18 @@ struct Run {
     stats: tower_affinity::Stats,
 }
 
-/// Runs `drive` once per policy, each on a fresh fleet and a fresh virtual clock.
-fn run_policies<F, Fut>(fleet: &[BackendSpec], drive: F) -> Vec<Run>
+/// Runs `drive` once per policy (and with `oracle`, for [`Policy::Oracle`] too), each on a
+/// fresh fleet and a fresh virtual clock.
+fn run_policies<F, Fut>(fleet: &[BackendSpec], oracle: bool, drive: F) -> Vec<Run>
 where
     F: Fn(Svc) -> Fut,
     Fut: Future<Output = Vec<TurnRecord>>,
 {
     Policy::ALL
         .iter()
-        .map(|&policy| {
+        .copied()
+        .chain(oracle.then_some(Policy::Oracle))
+        .map(|policy| {
             sim::block_on(async {
                 let (svc, backends) = sim::build(policy, fleet);
                 let records = drive(svc.clone()).await;
@@ -315,7 +323,7 @@ fn agent_runs(fleet: FleetKind, cfg: &AgentConfig, o: &Options, ram: u64) -> Vec
         keyed: !o.keyless,
         ..cfg.clone()
     };
-    run_policies(&specs, |svc| workload::run(svc, &cfg, o.seed))
+    run_policies(&specs, o.oracle, |svc| workload::run(svc, &cfg, o.seed))
 }
 
 /// How the agents are told apart, for titles.
@@ -407,7 +415,9 @@ fn replay(o: &Options, path: &Path) -> Result<Vec<Table>, String> {
         (o.ram_bytes, false),
         (o.ram_bytes * 8, false),
     ] {
-        let runs = run_policies(&fleet.backends(ram), |svc| trace::replay(svc, &t, keyed));
+        let runs = run_policies(&fleet.backends(ram), o.oracle, |svc| {
+            trace::replay(svc, &t, keyed)
+        });
         let keys = if keyed {
             "keyed by the rebuilt conversations"
         } else {
@@ -653,10 +663,13 @@ mod tests {
         let o = Options {
             scenario: Scenario::Trace,
             trace: Some(path.clone()),
+            oracle: true,
             ..Options::default()
         };
         let tables = replay(&o, &path).unwrap();
+        let without = replay(&Options { oracle: false, ..o }, &path).unwrap();
         let _ = std::fs::remove_dir_all(&dir);
+        assert!(without[0].row("NTB+oracle").is_none());
         let t = &tables[0];
         let ntb = t.row("NodeThenBackend").unwrap();
         assert_eq!((ntb.turns, ntb.eligible, ntb.hits), (4, 2, 2), "{t}");
@@ -667,6 +680,15 @@ mod tests {
         assert!(t.title.contains("no session keys"), "{t}");
         let ntb = t.row("NodeThenBackend").unwrap();
         assert_eq!((ntb.turns, ntb.hits, ntb.reused), (4, 2, 2048), "{t}");
+        // The oracle, told what the simulated caches hold, finds them too, with keys or not.
+        for t in [&tables[0], &tables[2]] {
+            let oracle = t.row("NTB+oracle").expect("--oracle adds its row");
+            assert_eq!(
+                (oracle.turns, oracle.hits, oracle.reused),
+                (4, 2, 2048),
+                "{t}"
+            );
+        }
     }
 
     #[test]

@@ -11,12 +11,16 @@ use tokio::time::Instant;
 use tower::{Layer, ServiceExt};
 use tower_affinity::discover::StaticFleet;
 use tower_affinity::key::{HeaderKey, PromptFacts};
-use tower_affinity::placement::{LeastLoaded, NodeThenBackend, Placement, Rendezvous, RoundRobin};
+use tower_affinity::placement::{
+    BackendRef, Candidates, FleetView, LeastLoaded, NodeThenBackend, Placement, PlacementRequest,
+    Rendezvous, RoundRobin,
+};
 use tower_affinity::{
     Backend, BackendId, Decision, NodeId, Overflow, PromptChain, SessionAffinityLayer, Sessions,
 };
 
 use crate::backend::{Prompt, Served, SimBackend};
+use crate::cache::Blocks;
 use crate::fleet::BackendSpec;
 use crate::report::TurnRecord;
 use crate::routers::{self, Router, SharedHomes};
@@ -31,6 +35,9 @@ pub(crate) enum Policy {
     /// `NodeThenBackend` with node patience: a session whose node is full waits up to
     /// [`PATIENCE`] for it before spilling to another node.
     Patient,
+    /// `NodeThenBackend` told what the simulated caches really hold (`--oracle`): the bound
+    /// of a perfect cache model under the same rules.
+    Oracle,
 }
 
 /// The node patience of [`Policy::Patient`]: about one answer's decode time, far less than a
@@ -53,11 +60,15 @@ impl Policy {
             Policy::Rendezvous => "Rendezvous",
             Policy::NodeThenBackend => "NodeThenBackend",
             Policy::Patient => "NTB+patience",
+            Policy::Oracle => "NTB+oracle",
         }
     }
 
-    fn placement(self) -> Arc<dyn Placement> {
+    fn placement(self, sims: &[(BackendId, SimBackend)]) -> Arc<dyn Placement> {
         match self {
+            Policy::Oracle => Arc::new(Oracle {
+                sims: sims.to_vec(),
+            }),
             Policy::RoundRobin => Arc::new(RoundRobin::new()),
             Policy::LeastLoaded => Arc::new(LeastLoaded::new()),
             Policy::Rendezvous => Arc::new(Rendezvous),
@@ -68,10 +79,66 @@ impl Policy {
 
 pub(crate) type Svc = Router;
 
+/// The blocks of a turn's prompt, as a request extension: what [`Oracle`] compares with the
+/// simulated caches.
+#[derive(Clone)]
+pub(crate) struct SeenBlocks(pub(crate) Blocks);
+
+/// `NodeThenBackend`'s rules with the truth in place of the cache model: a backend that alone
+/// holds the longest prefix of the prompt, by the simulated caches themselves, is offered
+/// first (a home that really holds the session, or the one backend holding more of it than
+/// any other), then the backends of its node; the rest is `NodeThenBackend`'s.
+struct Oracle {
+    sims: Vec<(BackendId, SimBackend)>,
+}
+
+impl Placement for Oracle {
+    fn place(&self, fleet: &FleetView<'_>, req: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
+        if let Some(SeenBlocks(blocks)) = req.extensions.get::<SeenBlocks>() {
+            let held = |b: &BackendRef<'_>| {
+                self.sims
+                    .iter()
+                    .find(|(id, _)| id == b.id())
+                    .map_or(0, |(_, sim)| sim.holds(blocks))
+            };
+            let mut best: Option<(u64, BackendRef<'_>)> = None;
+            let mut ties = 0;
+            for b in fleet.backends() {
+                let n = held(&b);
+                match best {
+                    Some((m, _)) if n < m => {}
+                    Some((m, _)) if n == m => ties += 1,
+                    _ if n == 0 => {}
+                    _ => {
+                        best = Some((n, b));
+                        ties = 0;
+                    }
+                }
+            }
+            if let (Some((_, b)), 0) = (best, ties) {
+                if c.offer(b).is_break() {
+                    return;
+                }
+                for other in b.node().backends() {
+                    if c.offer(other).is_break() {
+                        return;
+                    }
+                }
+            }
+        }
+        NodeThenBackend::new().place(fleet, req, c)
+    }
+}
+
 /// The service for `policy` over a fresh fleet, and the fleet's backends: one router, or the
 /// replicas [`routers::get`] says, each with its share of every backend's slots.
 pub(crate) fn build(policy: Policy, fleet: &[BackendSpec]) -> (Svc, Vec<SimBackend>) {
     let sims: Vec<SimBackend> = fleet.iter().map(|s| SimBackend::new(s.model)).collect();
+    let named: Vec<(BackendId, SimBackend)> = fleet
+        .iter()
+        .zip(&sims)
+        .map(|(s, sim)| (BackendId::from(s.id.as_str()), sim.clone()))
+        .collect();
     let replicas = routers::get();
     let shared = replicas.shared_store.then(SharedHomes::default);
     let services = (0..replicas.routers.max(1))
@@ -88,7 +155,7 @@ pub(crate) fn build(policy: Policy, fleet: &[BackendSpec]) -> (Svc, Vec<SimBacke
                 .key(HeaderKey::default())
                 // Each replica its share of every backend's slots.
                 .replicas(NonZeroU32::new(replicas.routers as u32).unwrap_or(NonZeroU32::MIN))
-                .placement(policy.placement())
+                .placement(policy.placement(&named))
                 // Agents wait as long as it takes: a refused turn would only be retried.
                 .overflow(Overflow::Wait {
                     max_wait: Duration::from_secs(24 * 3600),
@@ -100,7 +167,7 @@ pub(crate) fn build(policy: Policy, fleet: &[BackendSpec]) -> (Svc, Vec<SimBacke
                     Duration::ZERO
                 })
                 // The baselines stand for routers that place and forget: no waiting for a cache.
-                .wait_versus_move(policy == Policy::NodeThenBackend)
+                .wait_versus_move(matches!(policy, Policy::NodeThenBackend | Policy::Oracle))
                 .sessions(
                     Sessions::new()
                         .max_entries(1 << 20)
@@ -163,6 +230,8 @@ pub(crate) async fn turn(
         }
         let mut req = req.body(input.prompt.clone()).expect("a valid request");
         req.extensions_mut().insert(facts.clone());
+        req.extensions_mut()
+            .insert(SeenBlocks(input.prompt.blocks.clone()));
         match svc.clone().oneshot(req).await {
             Ok(res) => break res,
             Err(e) => match e.retry_after() {
