@@ -56,6 +56,9 @@ usage: cargo run --release --example swarm -- [options]
   --entry E         random (default) | sticky: how turns reach the replicas (sticky: by
                     session, as consistent hashing at the ingress)
   --shared-store    the replicas share one store of homes (as through Redis)
+  --trace-chains C  blocks (default) | turn-ends: the router's chains of a replayed trace
+                    cut at its blocks only, or also where each turn's prompt ends (as a
+                    chat body's chain is cut at its messages)
   --oracle          adds NTB+oracle: NodeThenBackend told what the simulated caches
                     really hold, the bound of a perfect cache model under the same rules
   --out FILE        the SVG chart (default target/swarm-<scenario>.svg)
@@ -105,6 +108,7 @@ struct Options {
     out: Option<PathBuf>,
     keyless: bool,
     oracle: bool,
+    trace_chains: trace::Chains,
     replicas: routers::Replicas,
 }
 
@@ -121,6 +125,7 @@ impl Default for Options {
             out: None,
             keyless: false,
             oracle: false,
+            trace_chains: trace::Chains::Blocks,
             replicas: routers::Replicas {
                 routers: 1,
                 entry: routers::Entry::Random,
@@ -193,6 +198,10 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String>
             "--out" => o.out = Some(value()?.into()),
             "--keyless" => o.keyless = true,
             "--oracle" => o.oracle = true,
+            "--trace-chains" => {
+                let v = value()?;
+                o.trace_chains = trace::Chains::parse(&v).ok_or_else(|| bad(&v))?;
+            }
             "--routers" => {
                 let v = value()?;
                 o.replicas.routers = v.parse().ok().filter(|&n| n >= 1).ok_or_else(|| bad(&v))?;
@@ -416,7 +425,7 @@ fn replay(o: &Options, path: &Path) -> Result<Vec<Table>, String> {
         (o.ram_bytes * 8, false),
     ] {
         let runs = run_policies(&fleet.backends(ram), o.oracle, |svc| {
-            trace::replay(svc, &t, keyed)
+            trace::replay(svc, &t, keyed, o.trace_chains)
         });
         let keys = if keyed {
             "keyed by the rebuilt conversations"
@@ -425,12 +434,16 @@ fn replay(o: &Options, path: &Path) -> Result<Vec<Table>, String> {
         };
         let title = format!(
             "trace: {name}, {} requests in {} conversations ({} later turns) over {:.0} s, \
-             {}-token blocks, {keys}; {}; RAM cache {}",
+             {}-token blocks{}, {keys}; {}; RAM cache {}",
             t.requests.len(),
             t.conversations.len(),
             t.later_turns(),
             span.as_secs_f64(),
             trace::BLOCK_TOKENS,
+            match o.trace_chains {
+                trace::Chains::Blocks => "",
+                trace::Chains::TurnEnds => " (chains also cut at turn ends)",
+            },
             fleet.describe().to_owned() + &o.replicas.describe(),
             human_bytes(ram),
         );

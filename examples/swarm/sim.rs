@@ -210,6 +210,8 @@ pub(crate) struct TurnInput<'a> {
     pub(crate) prev_prompt: Option<u64>,
     pub(crate) compaction: bool,
     pub(crate) ideal: u64,
+    /// The chain a body-reading layer would attach; `None`: one link per block of `prompt`.
+    pub(crate) chain: Option<PromptChain>,
 }
 
 /// Sends one turn, reads its answer to the end, and records it.
@@ -220,9 +222,9 @@ pub(crate) async fn turn(
 ) -> TurnRecord {
     let t0 = Instant::now();
     // What a body-reading layer would attach: the chain of the prompt's blocks.
-    let facts = PromptFacts::from_chain(PromptChain::from_blocks(
-        input.prompt.blocks.iter().map(|b| (b.id, b.tokens)),
-    ));
+    let facts = PromptFacts::from_chain(input.chain.clone().unwrap_or_else(|| {
+        PromptChain::from_blocks(input.prompt.blocks.iter().map(|b| (b.id, b.tokens)))
+    }));
     let res = loop {
         let mut req = http::Request::post("/v1/chat/completions");
         if let Some(session) = input.session {

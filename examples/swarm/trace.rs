@@ -17,6 +17,7 @@ use crate::backend::Prompt;
 use crate::cache::{Block, Blocks};
 use crate::report::TurnRecord;
 use crate::sim::{self, Svc, TurnInput};
+use tower_affinity::PromptChain;
 
 /// The cache unit of the trace.
 pub(crate) const BLOCK_TOKENS: u32 = 512;
@@ -155,10 +156,86 @@ fn ideal_reuse(lines: &[Line]) -> Vec<u64> {
         .collect()
 }
 
+/// What the router's prompt chains are cut at (`--trace-chains`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Chains {
+    /// The trace's own blocks: a turn's partial last block is a link the next turn does not
+    /// have (its hash changes when the next turn fills the block).
+    Blocks,
+    /// Also at every turn's end, as a chat body's chain is cut at its messages: a turn's
+    /// prompt is a prefix of the next turn's chain.
+    TurnEnds,
+}
+
+impl Chains {
+    pub(crate) fn parse(s: &str) -> Option<Self> {
+        match s {
+            "blocks" => Some(Chains::Blocks),
+            "turn-ends" => Some(Chains::TurnEnds),
+            _ => None,
+        }
+    }
+}
+
+/// Marks the id of the part of a block after an earlier turn's partial last block.
+const REST_IDS: u64 = 1 << 62;
+
+/// The chains of one conversation's turns cut as a chat body's would be ([`Chains::TurnEnds`]):
+/// a turn's prompt ends at a message boundary the next turn keeps, so its partial last block
+/// stays a link of the next turn's chain, followed by the rest of the block that completes
+/// it. A turn that does not extend its previous one's last block keeps only the blocks they
+/// share.
+fn message_chains(turns: &[(usize, TraceRequest)]) -> Vec<Vec<Block>> {
+    let mut out: Vec<Vec<Block>> = Vec::with_capacity(turns.len());
+    for (j, (_, r)) in turns.iter().enumerate() {
+        let blocks: &[Block] = &r.blocks;
+        let Some(prev) = j.checked_sub(1).map(|p| (&turns[p].1.blocks, &out[p])) else {
+            out.push(blocks.to_vec());
+            continue;
+        };
+        let (prev_blocks, prev_chain) = prev;
+        let n = prev_blocks.len();
+        let last = prev_blocks[n - 1];
+        let chain = match blocks.get(n - 1) {
+            // The previous prompt ended inside this block: its tail stays, then the rest.
+            Some(b) if last.tokens < BLOCK_TOKENS && b.tokens > last.tokens => {
+                let mut c = prev_chain.clone();
+                c.push(Block {
+                    id: b.id | REST_IDS,
+                    tokens: b.tokens - last.tokens,
+                });
+                c.extend_from_slice(&blocks[n..]);
+                c
+            }
+            _ => {
+                let shared = u64::from(BLOCK_TOKENS) * (n as u64 - 1);
+                let mut at = 0u64;
+                let mut c: Vec<Block> = prev_chain
+                    .iter()
+                    .take_while(|b| {
+                        at += u64::from(b.tokens);
+                        at <= shared
+                    })
+                    .copied()
+                    .collect();
+                c.extend_from_slice(&blocks[(n - 1).min(blocks.len())..]);
+                c
+            }
+        };
+        out.push(chain);
+    }
+    out
+}
+
 /// Replays the trace against `svc`: each request is sent at its timestamp, or when the
 /// previous turn of its conversation has finished if that is later (a client does not send a
 /// turn before it has the answer to the last one).
-pub(crate) async fn replay(svc: Svc, trace: &Trace, keyed: bool) -> Vec<TurnRecord> {
+pub(crate) async fn replay(
+    svc: Svc,
+    trace: &Trace,
+    keyed: bool,
+    chains: Chains,
+) -> Vec<TurnRecord> {
     let start = Instant::now();
     let mut tasks = Vec::new();
     for (c, conv) in trace.conversations.iter().enumerate() {
@@ -167,12 +244,16 @@ pub(crate) async fn replay(svc: Svc, trace: &Trace, keyed: bool) -> Vec<TurnReco
             .map(|&i| (i, trace.requests[i].clone()))
             .collect();
         let svc = svc.clone();
+        let chains = (chains == Chains::TurnEnds).then(|| message_chains(&turns));
         tasks.push(tokio::task::spawn_local(async move {
             let name = format!("conversation-{c}");
             let (mut prev, mut prev_prompt) = (None, None);
             let mut records = Vec::with_capacity(turns.len());
-            for (i, r) in turns {
+            for (j, (i, r)) in turns.into_iter().enumerate() {
                 tokio::time::sleep_until(start + r.at).await;
+                let chain = chains
+                    .as_ref()
+                    .map(|c| PromptChain::from_blocks(c[j].iter().map(|b| (b.id, b.tokens))));
                 let input = TurnInput {
                     session: keyed.then_some(name.as_str()),
                     prompt: Prompt {
@@ -185,6 +266,7 @@ pub(crate) async fn replay(svc: Svc, trace: &Trace, keyed: bool) -> Vec<TurnReco
                     prev_prompt,
                     compaction: false,
                     ideal: r.ideal,
+                    chain,
                 };
                 records.push(sim::turn(&svc, input, &mut prev).await);
                 prev_prompt = Some(u64::from(r.input));
@@ -238,6 +320,39 @@ mod tests {
         assert_eq!(tokens, [512, 512, 176]);
         let ideal: Vec<u64> = t.requests.iter().map(|r| r.ideal).collect();
         assert_eq!(ideal, [0, 512, 1024, 1024, 1024, 2048, 0]);
+    }
+
+    #[test]
+    fn turn_end_chains_keep_each_turn_as_a_prefix_of_the_next() {
+        let text = [
+            // Turn 1 ends inside its second block; turn 2 fills it and goes on.
+            line(0, 612, &[1, 2]),
+            line(10, 1536, &[1, 3, 4]),
+            // Turn 2's last block is full; turn 3 keeps the blocks before it, not it.
+            line(20, 1546, &[1, 3, 7, 8]),
+        ]
+        .join("\n");
+        let t = Trace::parse(&text).unwrap();
+        assert_eq!(t.conversations, vec![vec![0, 1, 2]]);
+        let turns: Vec<(usize, TraceRequest)> =
+            (0..3).map(|i| (i, t.requests[i].clone())).collect();
+        let chains = message_chains(&turns);
+        let ids = |c: &[Block]| c.iter().map(|b| (b.id, b.tokens)).collect::<Vec<_>>();
+        assert_eq!(ids(&chains[0]), [(1, 512), (2, 100)]);
+        // Turn 1's partial block stays a link, then the rest of the block it grew into.
+        assert_eq!(
+            ids(&chains[1]),
+            [(1, 512), (2, 100), (3 | REST_IDS, 412), (4, 512)]
+        );
+        // Each chain covers its prompt's tokens.
+        for (c, r) in chains.iter().zip(&t.requests) {
+            assert_eq!(c.iter().map(|b| b.tokens).sum::<u32>(), r.input);
+        }
+        // Turn 2's last block is not in turn 3: only the links before it stay.
+        assert_eq!(
+            ids(&chains[2]),
+            [(1, 512), (2, 100), (3 | REST_IDS, 412), (7, 512), (8, 10)]
+        );
     }
 
     #[test]

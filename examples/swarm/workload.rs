@@ -184,6 +184,7 @@ pub(crate) async fn run(svc: Svc, cfg: &AgentConfig, seed: u64) -> Vec<TurnRecor
                     prev_prompt,
                     compaction,
                     ideal: 0,
+                    chain: None,
                 };
                 records.push(sim::turn(&svc, input, &mut prev).await);
                 prev_prompt = Some(prompt_tokens);
