@@ -166,7 +166,11 @@ impl<K, P> SessionAffinityLayer<K, P> {
 
     /// Whether a request whose cache is on a full backend may wait for it rather than move
     /// (default: yes, under [`Overflow::Wait`] and without
-    /// [`node_patience`](Self::node_patience)).
+    /// [`node_patience`](Self::node_patience)). A request's cache is its home, while the
+    /// cache model says the home holds the session; else the backend holding its own prefix
+    /// (see [`FleetView::longest_prefix`](crate::placement::FleetView::longest_prefix)); and
+    /// for a request without a key, the one backend holding the most of its prompt, whether
+    /// or not that prefix is the conversation's own.
     ///
     /// The request waits when the backend's slot is expected to free sooner than another
     /// backend would read the part of the prompt it lacks, and at most that long; then it

@@ -484,17 +484,25 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             .chain(chain)
             .prefix(prefix);
         // Where the request's cache is: its home if that still holds it, else the backend
-        // holding its own prefix. A waiter is woken first by a slot there.
+        // holding its own prefix (for a keyless request, the one backend holding the most of
+        // its prompt). A waiter is woken first by a slot there.
         let home_cache = home.map_or(HomeCache::Unknown, |h| h.cache);
         let own_prefix = prefix.filter(|p| p.own).map(|p| p.backend.index);
         let (cache_backend, cache_node) = match home_cache {
             HomeCache::Holds | HomeCache::Unknown | HomeCache::Compacted if home_node.is_some() => {
                 (home_backend, home_node)
             }
-            _ => (
-                own_prefix,
-                own_prefix.map(|b| t.member(b).node).or(home_node),
-            ),
+            _ => {
+                // Own or not: a keyless request's prefix may be one another conversation
+                // continued too (a branch, or a text prompt's last block, which the next turn
+                // grows). Waiting is priced by what it would read again elsewhere, so a prefix
+                // that other backends hold as well draws no wait.
+                let held = match key {
+                    None => prefix.filter(|p| p.only).map(|p| p.backend.index),
+                    Some(_) => own_prefix,
+                };
+                (held, held.map(|b| t.member(b).node).or(home_node))
+            }
         };
         let mut only_node = home_node.filter(|_| scope == Scope::Node);
         let mut only_backend = cache_backend.filter(|_| scope == Scope::Backend);

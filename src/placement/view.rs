@@ -86,7 +86,7 @@ impl<'a> FleetView<'a> {
     ///     .holds("b", &turn1);
     /// let prefix = fleet.view().longest_prefix(&turn2).unwrap();
     /// assert_eq!(prefix.backend.id().as_str(), "b");
-    /// assert_eq!((prefix.links, prefix.tokens, prefix.own), (2, 2_300, true));
+    /// assert_eq!((prefix.links, prefix.tokens, prefix.own, prefix.only), (2, 2_300, true, true));
     /// ```
     pub fn longest_prefix(&self, chain: &PromptChain) -> Option<Prefix<'a>> {
         let mut best: Option<(BackendRef<'a>, usize)> = None;
@@ -113,6 +113,7 @@ impl<'a> FleetView<'a> {
             links,
             tokens: chain.tokens_at(links),
             own,
+            only: ties == 0,
         })
     }
 }
@@ -387,6 +388,10 @@ pub struct Prefix<'a> {
     pub tokens: u64,
     /// Whether the prefix is the conversation's own, not one many conversations share.
     pub own: bool,
+    /// Whether no other backend holds as much of the chain. A request without a key may wait
+    /// for this backend when it is full (see
+    /// [`wait_versus_move`](crate::SessionAffinityLayer::wait_versus_move)), own prefix or not.
+    pub only: bool,
 }
 
 /// What a policy knows about the request it places.

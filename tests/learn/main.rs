@@ -728,6 +728,46 @@ async fn a_prompt_sent_and_never_answered_leaves_the_backlog_when_its_request_en
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_keyless_turn_waits_for_the_one_backend_holding_most_of_its_prompt_even_when_another_conversation_continues_it(
+) {
+    let svc = service(&[("a", "n1"), ("b", "n2")]);
+    // Requests take 10 s; moving costs reading 10,000 tokens at 200 tokens/s: 50 s.
+    teach(&svc, Duration::from_secs(10)).await;
+    let turn1 = chain(&SESSION_BLOCKS[..8], 1000);
+    let (d, _, _) = exchange(&svc, request(None, Some(turn1), reused(8000, 0))).await;
+    let holder = d.backend.to_string();
+    // A branch: another conversation continues the same 8,000 tokens on the same backend,
+    // and keeps it busy for 5 s. The prefix is no longer one conversation's own.
+    let branch = chain(&[100, 101, 102, 103, 104, 105, 106, 107, 900, 901], 1000);
+    let long = Reply::llama_stream(10_000, 8000, 5000, Duration::ZERO, Duration::from_secs(5));
+    let res = svc
+        .clone()
+        .oneshot(request(None, Some(branch), long))
+        .await
+        .unwrap();
+    assert_eq!(
+        res.extensions().get::<Decision>().unwrap().backend.as_str(),
+        holder
+    );
+    let streaming = tokio::spawn(async move {
+        let _ = res.into_body().collect().await;
+    });
+    assert_eq!(status(&svc, &holder).in_flight, 1);
+    let next = chain(&SESSION_BLOCKS, 1000);
+    // The next turn of the first conversation: 8,000 of its 10,000 tokens are held there and
+    // nowhere else, and its slot frees in 5 s, sooner than reading them elsewhere.
+    let (d, _, _) = exchange(&svc, request(None, Some(next), reused(10_000, 8000))).await;
+    assert_eq!(d.backend.as_str(), holder);
+    assert_eq!(
+        d.outcome,
+        Outcome::Keyless,
+        "a continued prefix is not a prefix hit"
+    );
+    assert_eq!(d.waited, Some(Duration::from_secs(5)));
+    streaming.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
 async fn move_at_once_while_nothing_is_learned() {
     let svc = service(&[("a", "n1"), ("b", "n2")]);
     let (home, streaming) = busy_home(&svc, Duration::from_secs(5)).await;

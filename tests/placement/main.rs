@@ -455,6 +455,7 @@ fn a_prefix_continued_by_several_conversations_is_not_own() {
     let prefix = shared.view().longest_prefix(&next).unwrap();
     assert_eq!((prefix.backend.id().as_str(), prefix.links), ("b2", 1));
     assert!(!prefix.own, "a system prompt three conversations continue");
+    assert!(prefix.only, "held there and nowhere else");
     let shared = shared.prompt(next.clone());
     let p = NodeThenBackend::new();
     for _ in 0..20 {
@@ -476,6 +477,7 @@ fn a_prefix_held_on_several_backends_is_not_own() {
     let prefix = fleet.view().longest_prefix(&chain(&[SYS, 23])).unwrap();
     assert_eq!(prefix.links, 1);
     assert!(!prefix.own);
+    assert!(!prefix.only);
     // One of the two holds more of this prompt: that one is own.
     let prefix = fleet.view().longest_prefix(&chain(&[SYS, 22, 5])).unwrap();
     assert_eq!((prefix.backend.id().as_str(), prefix.own), ("b2", true));
