@@ -1,5 +1,6 @@
-//! What the shared store adds to a keyed request: a `RedisStore` on a `redis-server` on
-//! loopback, against the local table alone, in the same run (BENCHMARKS.md, part 6).
+//! What the shared store adds to a keyed request, and to a keyless one with a prompt chain: a
+//! `RedisStore` on a `redis-server` on loopback, against the local table alone, in the same
+//! run (BENCHMARKS.md, part 6).
 //!
 //! ```text
 //! cargo bench --features redis --bench redis [-- ROUNDS REQUESTS]
@@ -10,7 +11,9 @@
 //! store and one without, take turns for 21 rounds (by default) of 2,000 home hits each on
 //! 1,000 sessions placed beforehand, in alternating order; every request is timed on its own,
 //! from `call` to the response, through a current-thread Tokio runtime. Prints each round's
-//! p50 and p99 and the medians over the rounds.
+//! p50 and p99 and the medians over the rounds. Then the same for keyless conversations: each
+//! request carries its conversation's prompt chain, one link longer than its last turn's, and
+//! the store is read for the homes of its tip and the links before it (one `MGET`).
 
 use std::convert::Infallible;
 use std::num::NonZeroU32;
@@ -22,8 +25,9 @@ use tokio::process::Command;
 use tower::util::BoxCloneService;
 use tower::{service_fn, Layer, Service, ServiceExt};
 use tower_affinity::discover::StaticFleet;
+use tower_affinity::key::PromptFacts;
 use tower_affinity::store::RedisStore;
-use tower_affinity::{Backend, Decision, Outcome, SessionAffinityLayer};
+use tower_affinity::{Backend, Decision, Outcome, PromptChain, SessionAffinityLayer};
 
 type Req = http::Request<String>;
 type Mock = BoxCloneService<Req, http::Response<String>, Infallible>;
@@ -48,20 +52,70 @@ fn turn(session: u64) -> Req {
         .unwrap()
 }
 
+/// Keyless conversations: each one's turns so far, as the blocks of its prompt chain.
+struct Conversations(Vec<Vec<(u64, u32)>>);
+
+impl Conversations {
+    fn new(sessions: u64) -> Self {
+        // A shared system prompt, then the conversation's own first message.
+        Conversations(
+            (0..sessions)
+                .map(|s| vec![(1, 2_000), ((s << 20) | 1, 300)])
+                .collect(),
+        )
+    }
+
+    /// The next turn of conversation `s`: its last prompt and one more link.
+    fn turn(&mut self, s: u64) -> Req {
+        let blocks = &mut self.0[s as usize];
+        let next = (s << 20) | (blocks.len() as u64);
+        blocks.push((next, 200));
+        let mut req = http::Request::post("/v1/chat/completions")
+            .body(String::new())
+            .unwrap();
+        req.extensions_mut()
+            .insert(PromptFacts::from_chain(PromptChain::from_blocks(
+                blocks.iter().copied(),
+            )));
+        req
+    }
+}
+
 /// The request latencies of one round, in nanoseconds, sorted; every one a home hit.
 async fn round<S>(svc: &mut S, sessions: u64, n: u64, from: u64) -> Vec<u64>
 where
     S: Service<Req, Response = http::Response<tower_affinity::ResponseBody<String>>>,
     S::Error: std::fmt::Debug,
 {
+    timed(
+        svc,
+        n,
+        |i| turn((from + i * 7) % sessions),
+        |o| o == Outcome::HomeHit,
+    )
+    .await
+}
+
+/// The latencies of `n` requests made by `make`, sorted; each decision's outcome passes
+/// `expected`.
+async fn timed<S>(
+    svc: &mut S,
+    n: u64,
+    mut make: impl FnMut(u64) -> Req,
+    expected: impl Fn(Outcome) -> bool,
+) -> Vec<u64>
+where
+    S: Service<Req, Response = http::Response<tower_affinity::ResponseBody<String>>>,
+    S::Error: std::fmt::Debug,
+{
     let mut t = Vec::with_capacity(n as usize);
     for i in 0..n {
-        let req = turn((from + i * 7) % sessions);
+        let req = make(i);
         let start = Instant::now();
         let res = svc.ready().await.unwrap().call(req).await.unwrap();
         t.push(start.elapsed().as_nanos() as u64);
         let d = res.extensions().get::<Decision>().unwrap();
-        assert_eq!(d.outcome, Outcome::HomeHit);
+        assert!(expected(d.outcome), "{:?}", d.outcome);
         drop(res);
         // Lets the store's own tasks (writes, the connection) run, as a server's would
         // between requests.
@@ -69,6 +123,68 @@ where
     }
     t.sort_unstable();
     t
+}
+
+/// Alternates rounds of `n` requests through `local` and `shared` (requests `(round, i)`
+/// made by each one's maker) and prints each round's p50 and p99 and the medians.
+async fn compare<L, S>(
+    local: &mut L,
+    shared: &mut S,
+    rounds: usize,
+    n: u64,
+    mut make_local: impl FnMut(usize, u64) -> Req,
+    mut make_shared: impl FnMut(usize, u64) -> Req,
+    expected: impl Fn(Outcome) -> bool + Copy,
+) where
+    L: Service<Req, Response = http::Response<tower_affinity::ResponseBody<String>>>,
+    L::Error: std::fmt::Debug,
+    S: Service<Req, Response = http::Response<tower_affinity::ResponseBody<String>>>,
+    S::Error: std::fmt::Debug,
+{
+    println!("round  local p50  local p99  redis p50  redis p99   (µs)");
+    let (mut l50s, mut l99s, mut p50s, mut p99s, mut d50, mut d99) = (
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+    );
+    for r in 0..rounds {
+        let (l, s) = if r % 2 == 0 {
+            let l = timed(local, n, |i| make_local(r, i), expected).await;
+            (l, timed(shared, n, |i| make_shared(r, i), expected).await)
+        } else {
+            let s = timed(shared, n, |i| make_shared(r, i), expected).await;
+            (timed(local, n, |i| make_local(r, i), expected).await, s)
+        };
+        let (l50, l99, s50, s99) = (pct(&l, 0.5), pct(&l, 0.99), pct(&s, 0.5), pct(&s, 0.99));
+        println!(
+            "{r:>5}  {:>9.1}  {:>9.1}  {:>9.1}  {:>9.1}",
+            l50 as f64 / 1e3,
+            l99 as f64 / 1e3,
+            s50 as f64 / 1e3,
+            s99 as f64 / 1e3
+        );
+        l50s.push(l50 as i64);
+        l99s.push(l99 as i64);
+        p50s.push(s50 as i64);
+        p99s.push(s99 as i64);
+        d50.push(s50 as i64 - l50 as i64);
+        d99.push(s99 as i64 - l99 as i64);
+    }
+    println!(
+        "medians over {rounds} rounds of {n}: local p50 {:.1} µs, p99 {:.1} µs; redis p50 {:.1} µs, p99 {:.1} µs",
+        median(l50s) as f64 / 1e3,
+        median(l99s) as f64 / 1e3,
+        median(p50s) as f64 / 1e3,
+        median(p99s) as f64 / 1e3,
+    );
+    println!(
+        "added by the store (median of the rounds' differences): p50 {:.1} µs, p99 {:.1} µs",
+        median(d50) as f64 / 1e3,
+        median(d99) as f64 / 1e3
+    );
 }
 
 fn pct(sorted: &[u64], p: f64) -> u64 {
@@ -139,7 +255,7 @@ async fn run(rounds: usize, n: u64) {
     // A deadline far above loopback's round trip: the figures are the store's cost, not the
     // deadline's (a read past 5 ms, the default, would be answered by the local table).
     let mut shared = SessionAffinityLayer::new()
-        .home_store(store)
+        .home_store(store.clone())
         .store_deadline(Duration::from_millis(50))
         .layer(fleet());
     let sessions = 1_000;
@@ -151,48 +267,60 @@ async fn run(rounds: usize, n: u64) {
     tokio::time::sleep(Duration::from_millis(200)).await;
     round(&mut local, sessions, n, 0).await;
     round(&mut shared, sessions, n, 0).await;
+    println!("keyed: home hits by X-Session-Id");
+    compare(
+        &mut local,
+        &mut shared,
+        rounds,
+        n,
+        |r, i| turn((r as u64 * 13 + i * 7) % sessions),
+        |r, i| turn((r as u64 * 13 + i * 7) % sessions),
+        |o| o == Outcome::HomeHit,
+    )
+    .await;
+    println!("store: {:?}", shared.store_stats().unwrap());
 
-    println!("round  local p50  local p99  redis p50  redis p99   (µs)");
-    let (mut p50s, mut p99s, mut d50, mut d99) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let mut l50s = Vec::new();
-    let mut l99s = Vec::new();
-    for r in 0..rounds {
-        let from = r as u64 * 13;
-        let (l, s) = if r % 2 == 0 {
-            let l = round(&mut local, sessions, n, from).await;
-            (l, round(&mut shared, sessions, n, from).await)
-        } else {
-            let s = round(&mut shared, sessions, n, from).await;
-            (round(&mut local, sessions, n, from).await, s)
-        };
-        let (l50, l99, s50, s99) = (pct(&l, 0.5), pct(&l, 0.99), pct(&s, 0.5), pct(&s, 0.99));
-        println!(
-            "{r:>5}  {:>9.1}  {:>9.1}  {:>9.1}  {:>9.1}",
-            l50 as f64 / 1e3,
-            l99 as f64 / 1e3,
-            s50 as f64 / 1e3,
-            s99 as f64 / 1e3
+    // Keyless conversations: a fresh pair of services, the same store.
+    let mut local = SessionAffinityLayer::new().layer(fleet());
+    let mut shared = SessionAffinityLayer::new()
+        .home_store(store)
+        .store_deadline(Duration::from_millis(50))
+        .layer(fleet());
+    let (mut mine, mut theirs) = (Conversations::new(sessions), Conversations::new(sessions));
+    for s in 0..sessions {
+        drop(
+            local
+                .ready()
+                .await
+                .unwrap()
+                .call(mine.turn(s))
+                .await
+                .unwrap(),
         );
-        l50s.push(l50 as i64);
-        l99s.push(l99 as i64);
-        p50s.push(s50 as i64);
-        p99s.push(s99 as i64);
-        d50.push(s50 as i64 - l50 as i64);
-        d99.push(s99 as i64 - l99 as i64);
+        drop(
+            shared
+                .ready()
+                .await
+                .unwrap()
+                .call(theirs.turn(s))
+                .await
+                .unwrap(),
+        );
     }
-    let st = shared.store_stats().unwrap();
-    println!(
-        "medians over {rounds} rounds of {n}: local p50 {:.1} µs, p99 {:.1} µs; redis p50 {:.1} µs, p99 {:.1} µs",
-        median(l50s) as f64 / 1e3,
-        median(l99s) as f64 / 1e3,
-        median(p50s) as f64 / 1e3,
-        median(p99s) as f64 / 1e3,
-    );
-    println!(
-        "added by the store (median of the rounds' differences): p50 {:.1} µs, p99 {:.1} µs",
-        median(d50) as f64 / 1e3,
-        median(d99) as f64 / 1e3
-    );
-    println!("store: {st:?}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    println!("keyless: each conversation's next turn, by its prompt chain");
+    // A continued prompt is a prefix hit, or placed by load where a backend is full.
+    let keyless = |o| matches!(o, Outcome::PrefixHit | Outcome::Keyless);
+    compare(
+        &mut local,
+        &mut shared,
+        rounds,
+        n,
+        |r, i| mine.turn((r as u64 * 13 + i * 7) % sessions),
+        |r, i| theirs.turn((r as u64 * 13 + i * 7) % sessions),
+        keyless,
+    )
+    .await;
+    println!("store: {:?}", shared.store_stats().unwrap());
     drop(server);
 }
