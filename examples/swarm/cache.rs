@@ -38,6 +38,47 @@ pub(crate) fn common_prefix(a: &[Block], b: &[Block]) -> u64 {
         .sum()
 }
 
+/// When a slot's state goes to the RAM cache, and when the RAM cache is searched
+/// (`--slot-policy`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum SlotPolicy {
+    /// A slot's state is saved whenever the new prompt does not contain all of it, and the RAM
+    /// cache is searched for every prompt.
+    #[default]
+    SaveAll,
+    /// As llama-server decides (`server-context.cpp`, `get_available_slot`, and
+    /// `server-task.cpp`, `server_prompt_cache::load`): the slot's state is saved, and the RAM
+    /// cache searched, only when the slot was taken as the least recently used or would keep
+    /// less than half of its tokens; otherwise the part the new prompt does not share is
+    /// dropped. A RAM entry is restored only if the prompt keeps at least a quarter of it.
+    Llama,
+}
+
+impl SlotPolicy {
+    pub(crate) fn parse(s: &str) -> Option<Self> {
+        match s {
+            "save-all" => Some(SlotPolicy::SaveAll),
+            "llama" => Some(SlotPolicy::Llama),
+            _ => None,
+        }
+    }
+}
+
+thread_local! {
+    // Per thread, as the replicas' setting: the whole run drives one thread.
+    static SLOT_POLICY: std::cell::Cell<SlotPolicy> = const { std::cell::Cell::new(SlotPolicy::SaveAll) };
+}
+
+/// Sets the slot policy of the backends built on this thread from now on.
+pub(crate) fn set_slot_policy(p: SlotPolicy) {
+    SLOT_POLICY.with(|c| c.set(p));
+}
+
+/// The slot policy of the backends built on this thread.
+pub(crate) fn slot_policy() -> SlotPolicy {
+    SLOT_POLICY.with(std::cell::Cell::get)
+}
+
 /// llama.cpp's `--slot-prompt-similarity` default: below this share of the prompt, a slot's
 /// prefix is not worth keeping the slot for, and the least recently used idle slot is taken.
 const SLOT_SIMILARITY: f64 = 0.1;
@@ -80,13 +121,15 @@ impl RamCache {
         self.budget_bytes / self.bytes_per_token
     }
 
-    /// The entry sharing the longest prefix with `prompt`, and that prefix's tokens.
-    pub(crate) fn best(&self, prompt: &[Block]) -> Option<(usize, u64)> {
+    /// The entry sharing the longest prefix with `prompt`, and that prefix's tokens. Under
+    /// [`SlotPolicy::Llama`], only among the entries the prompt keeps a quarter of.
+    pub(crate) fn best(&self, prompt: &[Block], policy: SlotPolicy) -> Option<(usize, u64)> {
+        let kept = |n: u64, e: &Entry| policy == SlotPolicy::SaveAll || 4 * n >= e.tokens;
         self.entries
             .iter()
             .enumerate()
             .map(|(i, e)| (i, common_prefix(&e.blocks, prompt)))
-            .filter(|&(_, n)| n > 0)
+            .filter(|&(i, n)| n > 0 && kept(n, &self.entries[i]))
             // Ties go to the most recently used entry.
             .max_by_key(|&(i, n)| (n, self.entries[i].last_used))
     }
@@ -200,6 +243,7 @@ struct Slot {
 pub(crate) struct BackendCache {
     slots: Vec<Slot>,
     ram: RamCache,
+    policy: SlotPolicy,
     /// Tokens of KV the GPUs hold over all slots (llama.cpp's unified KV cache): idle slots
     /// lose their state, least recently used first, when a request needs the room.
     vram_tokens: u64,
@@ -218,6 +262,7 @@ impl BackendCache {
                 })
                 .collect(),
             ram,
+            policy: slot_policy(),
             vram_tokens,
             clock: 0,
         }
@@ -234,21 +279,33 @@ impl BackendCache {
             .clone()
             .map(|(i, s)| (i, common_prefix(&s.kv, prompt)))
             .max_by_key(|&(i, n)| (n, std::cmp::Reverse(self.slots[i].last_used)))?;
-        let (slot, slot_lcp) = if lcp as f64 / total as f64 >= SLOT_SIMILARITY {
-            (best, lcp)
+        let (slot, slot_lcp, by_similarity) = if lcp as f64 / total as f64 >= SLOT_SIMILARITY {
+            (best, lcp, true)
         } else {
             let (i, s) = idle.min_by_key(|(_, s)| s.last_used)?;
-            (i, common_prefix(&s.kv, prompt))
+            (i, common_prefix(&s.kv, prompt), false)
         };
         self.clock += 1;
         let s = &mut self.slots[slot];
         s.busy = true;
         s.last_used = self.clock;
         let old = std::mem::replace(&mut s.kv, prompt.clone());
-        if slot_lcp < tokens(&old) {
+        let old_tokens = tokens(&old);
+        // llama-server saves (and then searches its RAM cache) when it took the slot as the
+        // least recently used, or when it would keep less than half of the slot's tokens.
+        let update_cache = match self.policy {
+            SlotPolicy::SaveAll => true,
+            SlotPolicy::Llama => !by_similarity || 2 * slot_lcp < old_tokens,
+        };
+        if update_cache && slot_lcp < old_tokens {
             self.ram.save(old);
         }
-        let (reused, restored, source) = match self.ram.best(prompt) {
+        let found = if update_cache {
+            self.ram.best(prompt, self.policy)
+        } else {
+            None
+        };
+        let (reused, restored, source) = match found {
             Some((i, n)) if n > slot_lcp => {
                 let entry = self.ram.take(i);
                 (n, tokens(&entry), Source::Ram)
@@ -298,7 +355,7 @@ impl BackendCache {
     /// idle, or a RAM entry. What a placement that saw the cache itself would know.
     pub(crate) fn holds(&self, prompt: &[Block]) -> u64 {
         let slots = self.slots.iter().map(|s| common_prefix(&s.kv, prompt));
-        let ram = self.ram.best(prompt).map_or(0, |(_, n)| n);
+        let ram = self.ram.best(prompt, self.policy).map_or(0, |(_, n)| n);
         slots.max().unwrap_or(0).max(ram)
     }
 
@@ -360,6 +417,56 @@ mod tests {
         let back = c.admit(&a3).unwrap();
         assert_eq!(back.source, Source::Ram);
         assert_eq!((back.reused, back.restored), (1800, 1800));
+    }
+
+    /// One slot under llama-server's policy: conversation A's first turn, then another
+    /// prompt `b`, then A's next turn; what that turn reuses and from where.
+    fn a_then_b_then_a(between: &[Block]) -> (Source, u64, usize) {
+        set_slot_policy(SlotPolicy::Llama);
+        let mut c = BackendCache::new(1, u64::MAX, RamCache::new(1 << 30, 1));
+        let a1 = blocks(&[b(1, 2000), b(10, 30)]);
+        let s = c.admit(&a1).unwrap().slot;
+        c.release(s, blocks(&[b(1, 2000), b(10, 30), b(11, 10)]));
+        let other = blocks(between);
+        let s = c.admit(&other).unwrap().slot;
+        c.release(s, other);
+        let saved = c.ram().len();
+        let a2 = blocks(&[b(1, 2000), b(10, 30), b(11, 10), b(12, 20)]);
+        let back = c.admit(&a2).unwrap();
+        (back.source, back.reused, saved)
+    }
+
+    #[test]
+    fn llama_policy_a_slot_that_keeps_half_its_tokens_drops_the_rest_unsaved() {
+        // B shares A's 2,000-token system prompt: llama-server takes A's slot by similarity,
+        // keeps 2,000 of its 2,040 tokens, saves nothing, and A's next turn reuses only the
+        // system prompt (as a real llama-server did: scripts/llama-slots.sh).
+        let (source, reused, saved) = a_then_b_then_a(&[b(1, 2000), b(20, 25)]);
+        assert_eq!((source, reused, saved), (Source::Slot, 2000, 0));
+    }
+
+    #[test]
+    fn llama_policy_a_slot_taken_as_the_least_recently_used_is_saved_and_found_again() {
+        // B shares nothing: the slot is taken by LRU, A's state goes to RAM, and A's next
+        // turn (which the slot now shares nothing with) finds it there.
+        let (source, reused, saved) = a_then_b_then_a(&[b(30, 500)]);
+        assert_eq!((source, reused, saved), (Source::Ram, 2040, 1));
+    }
+
+    #[test]
+    fn llama_policy_restores_no_entry_the_prompt_keeps_less_than_a_quarter_of() {
+        set_slot_policy(SlotPolicy::Llama);
+        let mut ram = RamCache::new(1 << 30, 1);
+        ram.save(blocks(&[b(1, 100), b(2, 900)]));
+        assert_eq!(ram.best(&[b(1, 100), b(3, 50)], SlotPolicy::Llama), None);
+        assert_eq!(
+            ram.best(&[b(1, 100), b(3, 50)], SlotPolicy::SaveAll),
+            Some((0, 100))
+        );
+        assert_eq!(
+            ram.best(&[b(1, 100), b(2, 900)], SlotPolicy::Llama),
+            Some((0, 1000))
+        );
     }
 
     #[test]

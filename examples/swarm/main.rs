@@ -59,6 +59,10 @@ usage: cargo run --release --example swarm -- [options]
   --trace-chains C  blocks (default) | turn-ends: the router's chains of a replayed trace
                     cut at its blocks only, or also where each turn's prompt ends (as a
                     chat body's chain is cut at its messages)
+  --slot-policy P   save-all (default) | llama: when a backend saves a slot's state to its
+                    RAM cache, and searches that cache (llama: as llama-server does, only
+                    when the slot is taken as the least recently used or keeps less than
+                    half of its tokens)
   --oracle          adds NTB+oracle: NodeThenBackend told what the simulated caches
                     really hold, the bound of a perfect cache model under the same rules
   --out FILE        the SVG chart (default target/swarm-<scenario>.svg)
@@ -109,7 +113,19 @@ struct Options {
     keyless: bool,
     oracle: bool,
     trace_chains: trace::Chains,
+    slot_policy: cache::SlotPolicy,
     replicas: routers::Replicas,
+}
+
+impl Options {
+    /// The fleet as titles name it: its kind, the replicas, the backends' slot policy.
+    fn describe_fleet(&self, fleet: FleetKind) -> String {
+        let slots = match self.slot_policy {
+            cache::SlotPolicy::SaveAll => "",
+            cache::SlotPolicy::Llama => "; slots saved and RAM searched as llama-server does",
+        };
+        fleet.describe().to_owned() + &self.replicas.describe() + slots
+    }
 }
 
 impl Default for Options {
@@ -126,6 +142,7 @@ impl Default for Options {
             keyless: false,
             oracle: false,
             trace_chains: trace::Chains::Blocks,
+            slot_policy: cache::SlotPolicy::SaveAll,
             replicas: routers::Replicas {
                 routers: 1,
                 entry: routers::Entry::Random,
@@ -198,6 +215,10 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String>
             "--out" => o.out = Some(value()?.into()),
             "--keyless" => o.keyless = true,
             "--oracle" => o.oracle = true,
+            "--slot-policy" => {
+                let v = value()?;
+                o.slot_policy = cache::SlotPolicy::parse(&v).ok_or_else(|| bad(&v))?;
+            }
             "--trace-chains" => {
                 let v = value()?;
                 o.trace_chains = trace::Chains::parse(&v).ok_or_else(|| bad(&v))?;
@@ -353,7 +374,7 @@ fn study(o: &Options) -> Table {
         cfg.sessions,
         cfg.turns,
         keys(o),
-        fleet.describe().to_owned() + &o.replicas.describe(),
+        o.describe_fleet(fleet),
         human_bytes(o.ram_bytes),
         o.seed
     );
@@ -372,7 +393,7 @@ fn two_on_two(o: &Options) -> Table {
         cfg.sessions,
         cfg.turns,
         keys(o),
-        fleet.describe().to_owned() + &o.replicas.describe(),
+        o.describe_fleet(fleet),
         human_bytes(o.ram_bytes),
         o.seed
     );
@@ -391,7 +412,7 @@ fn overload(o: &Options) -> Vec<Table> {
                 cfg.sessions,
                 cfg.turns,
                 keys(o),
-                fleet.describe().to_owned() + &o.replicas.describe(),
+                o.describe_fleet(fleet),
                 human_bytes(ram),
                 o.seed
             );
@@ -444,7 +465,7 @@ fn replay(o: &Options, path: &Path) -> Result<Vec<Table>, String> {
                 trace::Chains::Blocks => "",
                 trace::Chains::TurnEnds => " (chains also cut at turn ends)",
             },
-            fleet.describe().to_owned() + &o.replicas.describe(),
+            o.describe_fleet(fleet),
             human_bytes(ram),
         );
         let notes = vec![
@@ -496,6 +517,7 @@ fn main() {
         }
     };
     routers::set(o.replicas);
+    cache::set_slot_policy(o.slot_policy);
     let started = Instant::now();
     let tables = match run(&o) {
         Ok(t) => t,

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# What a real llama-server does with a slot's state when another prompt takes the slot, as
+# the swarm's `--slot-policy llama` models it. Run by hand (never by CI), after
+# `scripts/e2e-llama.sh --setup-only` (this uses its cached llama-server and model).
+#
+#   scripts/llama-slots.sh
+#
+# One llama-server with one slot and a RAM prompt cache (-np 1 --cache-ram 256) on loopback.
+# Conversation A (a long system prompt and a question) is answered; then another prompt takes
+# the slot; then A's next turn comes. Two cases:
+#   shared  the other prompt shares A's system prompt: llama-server takes the slot by
+#           similarity, keeps more than half of it, and saves nothing, so A's next turn
+#           reuses only the system prompt;
+#   other   the other prompt shares nothing: the slot is taken as the least recently used,
+#           A's state goes to the RAM cache, and A's next turn is restored from there.
+# Exits 0 when both come out so, by llama-server's own `timings.cache_n`.
+#
+# Environment: TA_CACHE_DIR (~/.cache/tower-affinity), TA_SLOTS_PORT (18090).
+set -euo pipefail
+
+CACHE="${TA_CACHE_DIR:-$HOME/.cache/tower-affinity}"
+BIN="$CACHE/bin"
+MODEL="$CACHE/models/gemma-3-270m-q4_k_m.gguf"
+PORT="${TA_SLOTS_PORT:-18090}"
+
+[[ -x "$BIN/llama-server" && -f "$MODEL" ]] || {
+    echo "no cached llama-server or model in $CACHE: run scripts/e2e-llama.sh --setup-only first" >&2
+    exit 2
+}
+
+run_case() {
+    local case="$1" log="$2"
+    LD_LIBRARY_PATH="$BIN" "$BIN/llama-server" -m "$MODEL" --host 127.0.0.1 --port "$PORT" \
+        -np 1 -c 8192 -t 2 --cache-ram 256 >"$log" 2>&1 &
+    local pid=$!
+    trap 'kill $pid 2>/dev/null || true' RETURN
+    for _ in $(seq 1 120); do
+        curl -s -m 2 "http://127.0.0.1:$PORT/health" | grep -q '"ok"' && break
+        sleep 0.5
+    done
+    python3 - "$case" "$PORT" <<'PY'
+import json, sys, urllib.request
+
+case, port = sys.argv[1], sys.argv[2]
+url = f"http://127.0.0.1:{port}/v1/chat/completions"
+
+def ask(messages):
+    body = json.dumps({"messages": messages, "max_tokens": 8, "temperature": 0}).encode()
+    req = urllib.request.Request(url, body, {"content-type": "application/json"})
+    r = json.load(urllib.request.urlopen(req, timeout=300))
+    t = r.get("timings", {})
+    return r["choices"][0]["message"]["content"], r["usage"]["prompt_tokens"], t.get("cache_n", 0)
+
+system = " ".join(f"Rule {i}: keep the code tidy and the tests green." for i in range(150))
+code = "fn main() { println!(\"hello, {}\", name); }\n" * 20
+a = [{"role": "system", "content": system},
+     {"role": "user", "content": "Here is my code:\n" + code + "Write a haiku about it."}]
+answer, a_prompt, _ = ask(a)
+if case == "shared":
+    other = [{"role": "system", "content": system},
+             {"role": "user", "content": "List three prime numbers."}]
+else:
+    other = [{"role": "system", "content": "You are terse."},
+             {"role": "user", "content": "Name three prime numbers. " * 30}]
+_, _, shared = ask(other)
+a2 = a + [{"role": "assistant", "content": answer},
+          {"role": "user", "content": "Now one about caches."}]
+_, a2_prompt, reused = ask(a2)
+print(f"{case:>6}: A's first prompt {a_prompt} tokens; the other prompt reused {shared}; "
+      f"A's next turn {a2_prompt} tokens, reused {reused}")
+if case == "shared":
+    # Only the system prompt the other prompt shared: A's own tail was dropped unsaved.
+    ok = reused <= shared + 2 and reused < a_prompt - 100
+else:
+    # A's first prompt, restored from the RAM cache (llama-server reads its last few
+    # tokens again).
+    ok = reused >= a_prompt - 16
+print(f"{case:>6}: {'as expected' if ok else 'NOT as expected'}")
+sys.exit(0 if ok else 1)
+PY
+}
+
+LOGS="$(mktemp -d)"
+status=0
+run_case shared "$LOGS/shared.log" || status=1
+run_case other "$LOGS/other.log" || status=1
+grep -h 'selected slot' "$LOGS"/*.log | sed 's/^[^|]*| task [^|]*| /  llama-server: /'
+[[ $status == 0 ]] && echo "PASS" || echo "FAIL (logs: $LOGS)"
+exit $status
