@@ -34,4 +34,6 @@ pub use layer::BodyKeyLayer;
 pub use service::BodyKey;
 
 #[cfg(test)]
+mod pinned;
+#[cfg(test)]
 mod tests;
