@@ -109,6 +109,18 @@ fn bodies() -> Vec<(&'static str, Vec<u8>)> {
             "messages twice",
             br#"{"messages":[{"a":"1"}],"messages":[{"b":"2"},{"c":"3"}]}"#.to_vec(),
         ),
+        (
+            "lone surrogate",
+            br#"{"messages":[{"a":"\ud800"},"\udc00"]}"#.to_vec(),
+        ),
+        (
+            "huge number",
+            br#"{"messages":[{"a":1e400},18446744073709551616,-0.0]}"#.to_vec(),
+        ),
+        (
+            "scalar items",
+            br#"{"messages":["text",null,true,[1,"a"],{}],"user":"x"}"#.to_vec(),
+        ),
     ]
 }
 
@@ -170,6 +182,9 @@ const PINNED: &[&str] = &[
     "default/too deep: - 0 - 0 0000000000000000 2d06800538d394c2",
     "default/not json: - 0 - 0 0000000000000000 2d06800538d394c2",
     "default/messages twice: - 2 f5084a39404ce7f4167fd02b477c2e1993867e60d0f22f3f6a9c29ace05d0095 2 827b80fec4ef9ce0 e51cf2da0d1883ca",
+    "default/lone surrogate: - 2 - 2 e6cfd4e1021a2709 25d8124e52e70693",
+    "default/huge number: - 3 - 3 6a35ff4679a3da5d 2ee474a9574ea16c",
+    "default/scalar items: 2d711642b726b04401627ca9fbac32f5 5 e549e0082769274e3fe3d6cf06317bd2b58086ad4d9af9d9b9b7d2a19fb890ee 5 a4b2e5ec88d8eb5a 601c191107722f01",
     "messages/chat: a24a7f55f278dd49fb1f99c5507800cb 5 9579c1aa1fe5d09baa0578619f873483d1e165ddc17d21cd08986c395380d6de 6 b25a60a741057716 3df17464ce6cda8e",
     "messages/long chat: - 82 4910828240e3f912f5caac8ea876724bd62313073f44f9bc1424504bd2948125 174 37973b2a45472c0c 5b3ec518a1ea394d",
     "messages/anthropic: - 3 d2bd7405b018f66f3a53845649eef057932321934811ab9993341a0fae3370b0 6 fedd8cbf18382f82 c78ab08aa40057ec",
@@ -185,6 +200,9 @@ const PINNED: &[&str] = &[
     "messages/too deep: - 0 - 0 0000000000000000 2d06800538d394c2",
     "messages/not json: - 0 - 0 0000000000000000 2d06800538d394c2",
     "messages/messages twice: - 2 f5084a39404ce7f4167fd02b477c2e1993867e60d0f22f3f6a9c29ace05d0095 2 827b80fec4ef9ce0 e51cf2da0d1883ca",
+    "messages/lone surrogate: - 0 - 0 0000000000000000 2d06800538d394c2",
+    "messages/huge number: - 0 - 0 0000000000000000 2d06800538d394c2",
+    "messages/scalar items: 2d711642b726b04401627ca9fbac32f5 5 e549e0082769274e3fe3d6cf06317bd2b58086ad4d9af9d9b9b7d2a19fb890ee 5 a4b2e5ec88d8eb5a 601c191107722f01",
 ];
 
 #[test]
