@@ -10,9 +10,8 @@ use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visit
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::Value;
-use sha2::{Digest, Sha256};
 
-use super::canonical;
+use super::leading::LeadingMessages;
 use super::prompt::{self, Part, PartValue, PromptMembers};
 use super::responses::ResponseChains;
 use super::PromptFacts;
@@ -75,8 +74,8 @@ impl Config {
         let mut facts = PromptFacts {
             body_bytes: body.len(),
             messages: 0,
-            leading_digest: None,
             chain: Default::default(),
+            leading: None,
         };
         // Most bodies that are not a JSON object are spotted without running the parser.
         if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
@@ -102,23 +101,7 @@ impl Config {
             _ => Vec::new(),
         };
         facts.messages = messages.len();
-        let leading = &messages[..messages.len().min(PromptFacts::LEADING_MESSAGES)];
-        if !leading.is_empty() {
-            // The same bytes as `serde_json::to_vec` of the messages as `Value`s, hashed as
-            // they are written; without the `Value`s where the messages allow.
-            let mut hasher = Sha256::new();
-            if canonical::write_messages(leading, &mut hasher).is_some() {
-                facts.leading_digest = Some(hasher.finalize().into());
-            } else if let Ok(values) = leading
-                .iter()
-                .map(|m| serde_json::from_str(m))
-                .collect::<Result<Vec<Value>, _>>()
-            {
-                if serde_json::to_writer(&mut hasher, &values).is_ok() {
-                    facts.leading_digest = Some(hasher.finalize().into());
-                }
-            }
-        }
+        facts.leading = LeadingMessages::new(&messages);
         let key = self.fields.iter().find_map(|path| {
             let (first, rest) = path.split_first()?;
             let top = self.tops.iter().position(|t| t == first)?;

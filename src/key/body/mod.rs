@@ -10,6 +10,7 @@
 //   future.rs   BodyKeyFuture: reading the body, then calling the inner service
 //   body.rs     BodyKeyResponseBody
 //   inspect.rs  the one pass over the JSON, and the settings that steer it
+//   leading.rs  the leading messages, kept as text and digested when asked
 //   canonical.rs  the leading messages written out as `Value`s would be, without them
 //   prompt.rs   the prompt's members cut into a chain
 //   responses.rs  the chains of Responses API answers, for `previous_response_id`
@@ -23,6 +24,7 @@ mod facts;
 mod future;
 mod inspect;
 mod layer;
+mod leading;
 mod prompt;
 mod responses;
 mod service;

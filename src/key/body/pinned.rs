@@ -128,7 +128,7 @@ fn bodies() -> Vec<(&'static str, Vec<u8>)> {
 /// xxh3 over every link's digest, bytes and tokens.
 fn fingerprint(config: &Config, body: &[u8]) -> String {
     let (key, facts) = config.inspect(body);
-    let leading = facts.leading_digest.map_or_else(
+    let leading = facts.leading_digest().map_or_else(
         || "-".to_string(),
         |d| d.iter().map(|b| format!("{b:02x}")).collect(),
     );
