@@ -29,23 +29,23 @@ pub(super) struct LeadingMessages {
 }
 
 impl LeadingMessages {
-    /// The first [`PromptFacts::LEADING_MESSAGES`] of `messages` (each one message's JSON), or
-    /// `None` if there are none.
-    pub(super) fn new(messages: &[&str]) -> Option<Self> {
-        let messages = &messages[..messages.len().min(MAX)];
-        if messages.is_empty() {
+    /// The first [`PromptFacts::LEADING_MESSAGES`] of `messages` messages, each written as
+    /// its JSON by `write(index, out)`; `None` if there are none.
+    pub(super) fn new(messages: usize, mut write: impl FnMut(usize, &mut Vec<u8>)) -> Option<Self> {
+        let count = messages.min(MAX);
+        if count == 0 {
             return None;
         }
-        let mut text = Vec::with_capacity(messages.iter().map(|m| m.len()).sum());
+        let mut text = Vec::new();
         let mut ends = [0; MAX];
-        for (end, m) in ends.iter_mut().zip(messages) {
-            text.extend_from_slice(m.as_bytes());
+        for (i, end) in ends.iter_mut().enumerate().take(count) {
+            write(i, &mut text);
             *end = text.len();
         }
         Some(LeadingMessages {
             text: Bytes::from(text),
             ends,
-            count: messages.len(),
+            count,
         })
     }
 

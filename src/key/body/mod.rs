@@ -1,8 +1,9 @@
 //! [`BodyKeyLayer`]: buffers a request body (bounded), reads the session key and the prompt
 //! facts from it, and forwards the body unchanged.
 //!
-//! The body is parsed once; what it keeps and how the prompt becomes a chain is in
-//! [`BodyKeyLayer`]'s documentation.
+//! The body is parsed once (a second time only if it is not JSON, or if an array of the
+//! prompt holds an item that is neither an object nor an array); what it keeps and how the
+//! prompt becomes a chain is in [`BodyKeyLayer`]'s documentation.
 
 // Layout, as tower-http lays out a middleware:
 //   layer.rs    BodyKeyLayer, the builder

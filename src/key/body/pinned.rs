@@ -1,8 +1,14 @@
-//! What the parse computes, pinned: the chains (every link's digest, bytes and tokens), the
-//! key, the message count and the leading digest of a set of representative bodies, as
-//! computed at `840f860`. Chain digests are kept in shared stores across router versions, so
-//! a change to the parse that changes any of these is a change of format, never a speed-up.
+//! What the parse computes, held still. Chain digests are kept in shared stores across router
+//! versions, so a change to the parse that changes them is a change of format, never a
+//! speed-up:
+//! - the chains (every link's digest, bytes and tokens), the key, the message count and the
+//!   leading digest of a set of representative bodies, pinned as computed at `840f860`;
+//! - for random bodies, the parse that reads prompt items member by member against the one
+//!   that keeps them whole (the parse of `840f860`).
 
+use proptest::collection::vec;
+use proptest::prelude::*;
+use proptest::sample::select;
 use serde_json::json;
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -217,4 +223,111 @@ fn chains_keys_and_leading_digests_are_as_pinned() {
         }
     }
     assert_eq!(got, PINNED, "got:\n{}", got.join("\n"));
+}
+
+// === reading items member by member, against reading them whole ===
+
+/// A JSON text of up to `depth` levels, with whitespace between its tokens, escapes, the
+/// member `cache_control`, and the values serde's raw values take and a `Value` does not.
+fn json(depth: u32) -> BoxedStrategy<String> {
+    let leaf = select(vec![
+        r#""a""#,
+        r#""x\"y\\""#,
+        r#""\\\"""#,
+        r#""é 漢""#,
+        r#""\u00e9\n""#,
+        r#""\ud800""#,
+        r#""cache_control""#,
+        r#""""#,
+        r#"" s p ""#,
+        "1",
+        "-0",
+        "1.50",
+        "2e3",
+        "1e400",
+        "18446744073709551616",
+        "true",
+        "false",
+        "null",
+    ])
+    .prop_map(str::to_owned);
+    leaf.prop_recursive(depth, 48, 5, |inner| {
+        let ws = || select(vec!["", "", "", " ", "\n\t", "\r\n  "]);
+        prop_oneof![
+            vec((ws(), inner.clone(), ws()), 0..5).prop_map(|items| {
+                let items: Vec<String> = items
+                    .into_iter()
+                    .map(|(a, v, b)| format!("{a}{v}{b}"))
+                    .collect();
+                format!("[{}]", items.join(","))
+            }),
+            vec(
+                (
+                    select(vec![
+                        r#""role""#,
+                        r#""content""#,
+                        r#""cache_control""#,
+                        r#""text""#,
+                        r#""\u0061""#,
+                        r#""cache_control" "#,
+                    ]),
+                    ws(),
+                    inner,
+                    ws(),
+                ),
+                0..5
+            )
+            .prop_map(|members| {
+                let members: Vec<String> = members
+                    .into_iter()
+                    .map(|(k, a, v, b)| format!("{a}{k}:{a}{v}{b}"))
+                    .collect();
+                format!("{{{}}}", members.join(","))
+            }),
+        ]
+    })
+    .boxed()
+}
+
+/// A body of prompt members (and a key field), sometimes cut short or with a byte changed.
+fn body() -> impl Strategy<Value = Vec<u8>> {
+    let member = (
+        select(vec![
+            "messages", "messages", "input", "tools", "system", "prompt", "user", "metadata",
+        ]),
+        json(4),
+    );
+    (vec(member, 0..5), any::<u16>(), any::<u8>(), 0..6u8).prop_map(
+        |(members, at, byte, damage)| {
+            let members: Vec<String> = members
+                .into_iter()
+                .map(|(name, value)| format!(r#""{name}": {value}"#))
+                .collect();
+            let mut body = format!("{{{}}}", members.join(",")).into_bytes();
+            let at = usize::from(at) % body.len();
+            match damage {
+                0 => body.truncate(at),
+                1 => body[at] = byte,
+                _ => {}
+            }
+            body
+        },
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(3000))]
+
+    #[test]
+    fn items_read_member_by_member_give_what_whole_items_give(body in body()) {
+        for (name, config) in configs() {
+            let (key, facts) = config.inspect(&body);
+            let (whole_key, whole) = config.inspect_whole(&body);
+            let text = String::from_utf8_lossy(&body);
+            prop_assert_eq!(key, whole_key, "{}: {}", name, text);
+            prop_assert_eq!(facts.messages, whole.messages, "{}: {}", name, text);
+            prop_assert_eq!(facts.leading_digest(), whole.leading_digest(), "{}: {}", name, text);
+            prop_assert_eq!(facts.chain.links(), whole.chain.links(), "{}: {}", name, text);
+        }
+    }
 }
