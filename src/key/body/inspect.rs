@@ -1,4 +1,4 @@
-//! What a body says: the one pass over a JSON body that finds the session key, the leading
+//! What a body says: the pass over a JSON body that finds the session key, the leading
 //! messages and the prompt's members, and the layer's settings that steer it.
 
 use std::borrow::Cow;
