@@ -57,7 +57,7 @@ fuzz_target!(|data: &[u8]| {
 
     let facts = PromptFacts::from_body(body);
     assert_eq!(facts.body_bytes, body.len());
-    assert!(facts.leading_digest.is_none() || facts.messages > 0);
+    assert!(facts.leading_digest().is_none() || facts.messages > 0);
     // A chain only from a JSON object, bounded, its sizes growing link by link.
     let links = facts.chain.links();
     assert!(links.len() <= tower_affinity::PromptChain::MAX_LINKS);

@@ -370,7 +370,7 @@ fn deep_json_is_read_on_a_small_stack() {
         .join()
         .expect("no stack overflow");
     for f in facts {
-        assert_eq!((f.messages, f.leading_digest), (0, None));
+        assert_eq!((f.messages, f.leading_digest()), (0, None));
     }
 }
 

@@ -1,6 +1,7 @@
 //! [`PromptFacts`]: what the body says about the prompt.
 
 use super::inspect::Config;
+use super::leading::LeadingMessages;
 use crate::PromptChain;
 
 /// What a [`BodyKey`](super::BodyKey) learned about a request's prompt, put in the request's
@@ -12,10 +13,12 @@ use crate::PromptChain;
 /// reads it from the request's extensions; a layer of your own can put one there with
 /// [`PromptFacts::from_chain`].
 ///
-/// The leading digest covers the first [`LEADING_MESSAGES`](Self::LEADING_MESSAGES) entries of an
-/// OpenAI-style `messages` array (as re-serialized, so insignificant whitespace does not
-/// matter): requests that share it share their system prompt and first message. It is a hint
-/// for grouping prefixes, never a session key: the agents of one swarm all share it.
+/// The [leading digest](Self::leading_digest) covers the first
+/// [`LEADING_MESSAGES`](Self::LEADING_MESSAGES) entries of an OpenAI-style `messages` array
+/// (as re-serialized, so insignificant whitespace does not matter): requests that share it
+/// share their system prompt and first message. It is a hint for grouping prefixes, never a
+/// session key: the agents of one swarm all share it. The facts keep those messages' text
+/// and compute the digest when it is asked for.
 ///
 /// ```
 /// use tower_affinity::key::PromptFacts;
@@ -26,7 +29,7 @@ use crate::PromptChain;
 /// let facts = PromptFacts::from_body(body);
 /// assert_eq!(facts.body_bytes, body.len());
 /// assert_eq!(facts.messages, 3);
-/// assert!(facts.leading_digest.is_some());
+/// assert!(facts.leading_digest().is_some());
 ///
 /// assert_eq!(facts.chain.len(), 3);
 ///
@@ -39,21 +42,34 @@ use crate::PromptChain;
 /// assert_eq!(PromptFacts::from_body(next).chain.common_prefix(&facts.chain), 3);
 ///
 /// let other = PromptFacts::from_body(b"not json");
-/// assert_eq!((other.messages, other.leading_digest), (0, None));
+/// assert_eq!((other.messages, other.leading_digest()), (0, None));
 /// assert!(other.chain.is_empty());
 /// ```
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct PromptFacts {
     /// The size of the request body in bytes.
     pub body_bytes: usize,
     /// How many entries the body's `messages` array has (0 if none).
     pub messages: usize,
-    /// The SHA-256 of the leading messages, if the body has any.
-    pub leading_digest: Option<[u8; 32]>,
     /// The prompt's chain: empty if the body has no prompt.
     pub chain: PromptChain,
+    /// The leading messages' text, for [`leading_digest`](Self::leading_digest).
+    pub(super) leading: Option<LeadingMessages>,
 }
+
+/// Facts are equal when their sizes, message counts, leading digests and chains are: the
+/// leading messages' whitespace does not count, as it does not in the digest.
+impl PartialEq for PromptFacts {
+    fn eq(&self, other: &Self) -> bool {
+        self.body_bytes == other.body_bytes
+            && self.messages == other.messages
+            && self.chain == other.chain
+            && self.leading_digest() == other.leading_digest()
+    }
+}
+
+impl Eq for PromptFacts {}
 
 impl PromptFacts {
     /// How many messages the digest covers: the system prompt and the first user message.
@@ -63,6 +79,26 @@ impl PromptFacts {
     /// block size of vLLM's and Mooncake's KV caches. A message that is partly shared with an
     /// earlier one matches up to its last whole block in common.
     pub const BLOCK_BYTES: usize = 2048;
+
+    /// The SHA-256 of the leading messages as `serde_json` writes them as `Value`s (keys
+    /// sorted, no whitespace), if the body has any and they are JSON. It is computed on each
+    /// call, from the messages' text the facts keep: about as long as reading them again.
+    ///
+    /// ```
+    /// use tower_affinity::key::PromptFacts;
+    /// use sha2::{Digest, Sha256};
+    ///
+    /// let body = br#"{"messages":[{"role":"system", "content":"be brief"},
+    ///                              {"role":"user","content":"hi"},
+    ///                              {"role":"assistant","content":"hello"}]}"#;
+    /// let written = br#"[{"content":"be brief","role":"system"},{"content":"hi","role":"user"}]"#;
+    /// let expected: [u8; 32] = Sha256::digest(written).into();
+    /// assert_eq!(PromptFacts::from_body(body).leading_digest(), Some(expected));
+    /// assert_eq!(PromptFacts::from_body(br#"{"prompt":"hi"}"#).leading_digest(), None);
+    /// ```
+    pub fn leading_digest(&self) -> Option<[u8; 32]> {
+        self.leading.as_ref().and_then(LeadingMessages::digest)
+    }
 
     /// The facts of a whole request body.
     pub fn from_body(body: &[u8]) -> Self {
@@ -84,8 +120,8 @@ impl PromptFacts {
         PromptFacts {
             body_bytes: chain.links().last().map_or(0, |l| l.bytes as usize),
             messages: 0,
-            leading_digest: None,
             chain,
+            leading: None,
         }
     }
 }

@@ -1,4 +1,4 @@
-//! What a body says: the one pass over a JSON body that finds the session key, the leading
+//! What a body says: the pass over a JSON body that finds the session key, the leading
 //! messages and the prompt's members, and the layer's settings that steer it.
 
 use std::borrow::Cow;
@@ -10,10 +10,9 @@ use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visit
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::Value;
-use sha2::{Digest, Sha256};
 
-use super::canonical;
-use super::prompt::{self, Part, PartValue, PromptMembers};
+use super::leading::LeadingMessages;
+use super::prompt::{self, Items, Part, PartValue, PromptMembers};
 use super::responses::ResponseChains;
 use super::PromptFacts;
 use crate::key::{HeaderKey, SessionKey};
@@ -67,25 +66,43 @@ impl Config {
     /// What a body says about its session and its prompt.
     ///
     /// One pass over the body that keeps only what it needs: the top-level values the key
-    /// fields start with, and the prompt's members (arrays as their items' raw JSON, strings
-    /// as their text); everything else is checked and skipped without being built. A body is
-    /// taken as JSON exactly when it parses as a [`serde_json::Value`] (the same checks of
-    /// strings and numbers, the same nesting limit).
+    /// fields start with, and the prompt's members (arrays as their items' raw JSON, an
+    /// object item member by member, strings as their text); everything else is checked and
+    /// skipped without being built. A body is taken as JSON exactly when it parses as a
+    /// [`serde_json::Value`] (the same checks of strings and numbers, the same nesting limit),
+    /// but inside the items of the prompt's arrays, which are checked as serde's raw values
+    /// are: a lone surrogate's escape or a number past `f64`'s range is taken there.
     pub(crate) fn inspect(&self, body: &[u8]) -> (Option<SessionKey>, PromptFacts) {
+        self.inspect_with(body, true)
+    }
+
+    /// [`inspect`](Self::inspect), with the items of the prompt's arrays always read whole:
+    /// the reference the member-by-member reading is held to.
+    #[cfg(test)]
+    pub(crate) fn inspect_whole(&self, body: &[u8]) -> (Option<SessionKey>, PromptFacts) {
+        self.inspect_with(body, false)
+    }
+
+    fn inspect_with(&self, body: &[u8], walk: bool) -> (Option<SessionKey>, PromptFacts) {
         let mut facts = PromptFacts {
             body_bytes: body.len(),
             messages: 0,
-            leading_digest: None,
             chain: Default::default(),
+            leading: None,
         };
         // Most bodies that are not a JSON object are spotted without running the parser.
         if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
             return (None, facts);
         }
-        let mut de = serde_json::Deserializer::from_slice(body);
-        let found = match de.deserialize_map(TopLevel { tops: &self.tops }) {
-            Ok(found) if de.end().is_ok() => found,
-            _ => return (None, facts),
+        // Items are read member by member where they can be; a body that parse refuses is
+        // read again with its items whole, which takes exactly the bodies it took before.
+        let found = match parse(body, &self.tops, walk) {
+            Ok(found) => found,
+            Err(_) if walk => parse(body, &self.tops, false).ok().flatten(),
+            Err(_) => None,
+        };
+        let Some(found) = found else {
+            return (None, facts);
         };
         let base = found
             .previous
@@ -96,28 +113,19 @@ impl Config {
             return (None, facts);
         };
         facts.chain = chain;
-        let messages: Vec<&str> = match found.prompt.get(Part::Messages) {
-            PartValue::Items(items) => items.iter().map(|m| m.get()).collect(),
-            PartValue::Written(items) => items.iter().map(String::as_str).collect(),
-            _ => Vec::new(),
-        };
-        facts.messages = messages.len();
-        let leading = &messages[..messages.len().min(PromptFacts::LEADING_MESSAGES)];
-        if !leading.is_empty() {
-            // The same bytes as `serde_json::to_vec` of the messages as `Value`s, hashed as
-            // they are written; without the `Value`s where the messages allow.
-            let mut hasher = Sha256::new();
-            if canonical::write_messages(leading, &mut hasher).is_some() {
-                facts.leading_digest = Some(hasher.finalize().into());
-            } else if let Ok(values) = leading
-                .iter()
-                .map(|m| serde_json::from_str(m))
-                .collect::<Result<Vec<Value>, _>>()
-            {
-                if serde_json::to_writer(&mut hasher, &values).is_ok() {
-                    facts.leading_digest = Some(hasher.finalize().into());
-                }
+        match found.prompt.get(Part::Messages) {
+            PartValue::Items(items) => {
+                facts.messages = items.len();
+                facts.leading =
+                    LeadingMessages::new(items.len(), |i, out| items.write_json(i, out));
             }
+            PartValue::Written(items) => {
+                facts.messages = items.len();
+                facts.leading = LeadingMessages::new(items.len(), |i, out| {
+                    out.extend_from_slice(items[i].as_bytes())
+                });
+            }
+            _ => {}
         }
         let key = self.fields.iter().find_map(|path| {
             let (first, rest) = path.split_first()?;
@@ -127,6 +135,19 @@ impl Config {
         });
         (key, facts)
     }
+}
+
+/// One pass over `body`: what it holds, `None` if there is more after the object, an error if
+/// it is not JSON. With `walk`, the items of the prompt's arrays (but `prompt`'s) are read
+/// member by member, which refuses an item that is neither an object nor an array.
+fn parse<'de>(
+    body: &'de [u8],
+    tops: &[String],
+    walk: bool,
+) -> Result<Option<Found<'de>>, serde_json::Error> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let found = de.deserialize_map(TopLevel { tops, walk })?;
+    Ok(de.end().is_ok().then_some(found))
 }
 
 /// The key at `path` below `value`: a non-blank string (trimmed) or a number (its JSON text).
@@ -163,6 +184,8 @@ struct Found<'de> {
 /// the rest.
 struct TopLevel<'a> {
     tops: &'a [String],
+    /// Whether prompt arrays' items are read member by member.
+    walk: bool,
 }
 
 impl<'de> Visitor<'de> for TopLevel<'_> {
@@ -181,7 +204,11 @@ impl<'de> Visitor<'de> for TopLevel<'_> {
                     continue;
                 }
                 Member::Prompt(part) => {
-                    found.prompt.set(part, map.next_value::<Kept<'de>>()?.0);
+                    // `prompt`'s items are strings or token ids: kept whole.
+                    let walk = self.walk && part != Part::Prompt;
+                    found
+                        .prompt
+                        .set(part, map.next_value_seed(KeptSeed { walk })?.0);
                     continue;
                 }
                 Member::Previous => {
@@ -291,13 +318,25 @@ struct Kept<'de>(PartValue<'de>);
 
 impl<'de> Deserialize<'de> for Kept<'de> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer.deserialize_any(KeptVisitor)
+        KeptSeed { walk: false }.deserialize(deserializer)
     }
 }
 
-struct KeptVisitor;
+/// Reads a [`Kept`]; with `walk`, an array's items member by member.
+#[derive(Clone, Copy)]
+struct KeptSeed {
+    walk: bool,
+}
 
-impl<'de> Visitor<'de> for KeptVisitor {
+impl<'de> DeserializeSeed<'de> for KeptSeed {
+    type Value = Kept<'de>;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Kept<'de>, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for KeptSeed {
     type Value = Kept<'de>;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -305,9 +344,13 @@ impl<'de> Visitor<'de> for KeptVisitor {
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Kept<'de>, A::Error> {
-        let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(4096));
-        while let Some(item) = seq.next_element::<&'de RawValue>()? {
-            items.push(item);
+        let mut items = Items::with_capacity(seq.size_hint().unwrap_or(0).min(4096));
+        if self.walk {
+            while seq.next_element_seed(ItemSeed(&mut items))?.is_some() {}
+        } else {
+            while let Some(item) = seq.next_element::<&'de RawValue>()? {
+                items.push_whole(item.get());
+            }
         }
         Ok(Kept(PartValue::Items(items)))
     }
@@ -349,6 +392,46 @@ impl<'de> Visitor<'de> for KeptVisitor {
 impl Default for Kept<'_> {
     fn default() -> Self {
         Kept(PartValue::Other)
+    }
+}
+
+/// One item of a prompt array, read member by member into the [`Items`]: an object's members
+/// and an array's elements as raw JSON, with the checks of serde's raw values. Any other item
+/// is refused (its raw text is not at hand here), and the body read again with items whole.
+struct ItemSeed<'a, 'de>(&'a mut Items<'de>);
+
+impl<'de> DeserializeSeed<'de> for ItemSeed<'_, 'de> {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for ItemSeed<'_, 'de> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an object or an array")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let start = self.0.start();
+        while let Some(key) = map.next_key::<&'de RawValue>()? {
+            let value = map.next_value::<&'de RawValue>()?;
+            self.0.push_member(key.get(), value.get());
+        }
+        self.0.end_object(start);
+        Ok(())
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        let start = self.0.start();
+        while let Some(element) = seq.next_element::<&'de RawValue>()? {
+            self.0.push_member("", element.get());
+        }
+        self.0.end_array(start);
+        Ok(())
     }
 }
 

@@ -21,7 +21,8 @@ use crate::key::HeaderKey;
 ///   [`ExtensionKey`](crate::key::ExtensionKey), usually behind the headers:
 ///   `FirstOf::new(HeaderKey::default(), ExtensionKey)`.
 /// - A body that is not JSON, or has none of the fields, goes on without a key. The body is
-///   parsed once, keeping only the key fields, the leading messages and the prompt's members,
+///   parsed once (twice if it is not JSON, or if a prompt array holds an item that is neither
+///   an object nor an array), keeping only the key fields, the leading messages and the prompt's members,
 ///   which become the facts' [`PromptChain`](crate::PromptChain): a digest at every message
 ///   boundary and every [`BLOCK_BYTES`](crate::key::PromptFacts::BLOCK_BYTES) inside a long
 ///   message, over each message's JSON without the whitespace between its tokens and without

@@ -1,8 +1,9 @@
 //! [`BodyKeyLayer`]: buffers a request body (bounded), reads the session key and the prompt
 //! facts from it, and forwards the body unchanged.
 //!
-//! The body is parsed once; what it keeps and how the prompt becomes a chain is in
-//! [`BodyKeyLayer`]'s documentation.
+//! The body is parsed once (a second time only if it is not JSON, or if an array of the
+//! prompt holds an item that is neither an object nor an array); what it keeps and how the
+//! prompt becomes a chain is in [`BodyKeyLayer`]'s documentation.
 
 // Layout, as tower-http lays out a middleware:
 //   layer.rs    BodyKeyLayer, the builder
@@ -10,6 +11,7 @@
 //   future.rs   BodyKeyFuture: reading the body, then calling the inner service
 //   body.rs     BodyKeyResponseBody
 //   inspect.rs  the one pass over the JSON, and the settings that steer it
+//   leading.rs  the leading messages, kept as text and digested when asked
 //   canonical.rs  the leading messages written out as `Value`s would be, without them
 //   prompt.rs   the prompt's members cut into a chain
 //   responses.rs  the chains of Responses API answers, for `previous_response_id`
@@ -23,6 +25,7 @@ mod facts;
 mod future;
 mod inspect;
 mod layer;
+mod leading;
 mod prompt;
 mod responses;
 mod service;
@@ -33,5 +36,7 @@ pub use future::BodyKeyFuture;
 pub use layer::BodyKeyLayer;
 pub use service::BodyKey;
 
+#[cfg(test)]
+mod pinned;
 #[cfg(test)]
 mod tests;

@@ -1,15 +1,14 @@
 //! The prompt's members, cut into a [`PromptChain`].
 //!
-//! The parse keeps each prompt member of the top-level object: an array as its items' raw
-//! JSON, a string as its text. The chain then takes the members in the order a chat template
-//! renders them (tools, the system prompt, then the conversation) and ends a part at every
-//! item. An item is hashed in a canonical form of its JSON: no whitespace between tokens, and
-//! no `cache_control` member (Anthropic clients move that marker to the newest message every
+//! The parse keeps each prompt member of the top-level object: an array as its [`Items`], a
+//! string as its text. The chain then takes the members in the order a chat template renders
+//! them (tools, the system prompt, then the conversation) and ends a part at every item. An
+//! item is hashed in a canonical form of its JSON: no whitespace between tokens, and no
+//! `cache_control` member (Anthropic clients move that marker to the newest message every
 //! turn, which would otherwise change an old message's digest).
 
 use std::borrow::Cow;
-
-use serde_json::value::RawValue;
+use std::ops::Range;
 
 use crate::chain::ChainBuilder;
 use crate::PromptChain;
@@ -62,8 +61,8 @@ impl Part {
 /// A prompt member as the parse kept it.
 #[derive(Debug, Default)]
 pub(crate) enum PartValue<'de> {
-    /// An array: its items' raw JSON.
-    Items(Vec<&'de RawValue>),
+    /// An array: its items.
+    Items(Items<'de>),
     /// A string: its text.
     Text(Cow<'de, str>),
     /// An array whose items were parsed already: each item as `serde_json` writes it.
@@ -106,9 +105,9 @@ impl<'de> PromptMembers<'de> {
         for &part in parts {
             match self.get(part) {
                 PartValue::Items(items) => {
-                    for item in items {
+                    for item in &items.items {
                         chain.mark(part as u8);
-                        canonical(item.get().as_bytes(), &mut chain).ok()?;
+                        items.canonical(item, &mut chain).ok()?;
                         chain.boundary();
                     }
                 }
@@ -145,6 +144,136 @@ pub(crate) fn of_value(value: &serde_json::Value) -> PartValue<'static> {
     }
 }
 
+// === the items of an array ===
+
+/// A prompt array's items, as raw JSON borrowed from the body: an object item member by
+/// member and an array item element by element, as the parse met them, so that the chain
+/// writes their strings as they stand without looking for where they end; any other item
+/// whole.
+#[derive(Debug, Default)]
+pub(crate) struct Items<'de> {
+    items: Vec<Item<'de>>,
+    /// The members of the object items (raw key, raw value) and the elements of the array
+    /// items (no key), one item after another.
+    members: Vec<(&'de str, &'de str)>,
+}
+
+#[derive(Debug)]
+enum Item<'de> {
+    /// The item's raw JSON.
+    Whole(&'de str),
+    /// An object: these `members`.
+    Object(Range<usize>),
+    /// An array: these `members`, the elements.
+    Array(Range<usize>),
+}
+
+impl<'de> Items<'de> {
+    pub(crate) fn with_capacity(items: usize) -> Self {
+        Items {
+            items: Vec::with_capacity(items),
+            members: Vec::with_capacity(items.saturating_mul(4)),
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    pub(crate) fn push_whole(&mut self, raw: &'de str) {
+        self.items.push(Item::Whole(raw));
+    }
+
+    /// Starts an object or an array item; its members follow with [`push_member`](Self::push_member).
+    pub(crate) fn start(&mut self) -> usize {
+        self.members.len()
+    }
+
+    pub(crate) fn push_member(&mut self, key: &'de str, value: &'de str) {
+        self.members.push((key, value));
+    }
+
+    pub(crate) fn end_object(&mut self, start: usize) {
+        self.items.push(Item::Object(start..self.members.len()));
+    }
+
+    pub(crate) fn end_array(&mut self, start: usize) {
+        self.items.push(Item::Array(start..self.members.len()));
+    }
+
+    /// Writes item `index` as JSON: its raw text, or its members' without the whitespace
+    /// between them.
+    pub(crate) fn write_json(&self, index: usize, out: &mut Vec<u8>) {
+        let (range, open, close) = match self.items.get(index) {
+            Some(Item::Whole(raw)) => return out.extend_from_slice(raw.as_bytes()),
+            Some(Item::Object(range)) => (range, b'{', b'}'),
+            Some(Item::Array(range)) => (range, b'[', b']'),
+            None => return,
+        };
+        out.push(open);
+        for (i, &(key, value)) in self.members[range.clone()].iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            if open == b'{' {
+                out.extend_from_slice(key.as_bytes());
+                out.push(b':');
+            }
+            out.extend_from_slice(value.as_bytes());
+        }
+        out.push(close);
+    }
+
+    /// Feeds the canonical form of `item` to `chain`: the same bytes as [`canonical`] of the
+    /// item's raw JSON.
+    fn canonical(&self, item: &Item<'_>, chain: &mut impl Feed) -> Result<(), TooDeep> {
+        let mut out = Out::new(chain);
+        match item {
+            Item::Whole(raw) => canonical_into(raw.as_bytes(), 0, &mut out)?,
+            Item::Object(range) => {
+                out.put(b"{");
+                let mut first = true;
+                for &(key, value) in &self.members[range.clone()] {
+                    if key.as_bytes() == CACHE_CONTROL {
+                        continue;
+                    }
+                    if !std::mem::take(&mut first) {
+                        out.put(b",");
+                    }
+                    out.put(key.as_bytes());
+                    out.put(b":");
+                    member(value.as_bytes(), &mut out)?;
+                }
+                out.put(b"}");
+            }
+            Item::Array(range) => {
+                out.put(b"[");
+                for (i, &(_, value)) in self.members[range.clone()].iter().enumerate() {
+                    if i > 0 {
+                        out.put(b",");
+                    }
+                    member(value.as_bytes(), &mut out)?;
+                }
+                out.put(b"]");
+            }
+        }
+        out.flush();
+        Ok(())
+    }
+}
+
+/// Feeds the canonical form of a member of an item (one level down): a string or a scalar
+/// stands as it is.
+fn member<F: Feed>(raw: &[u8], out: &mut Out<'_, F>) -> Result<(), TooDeep> {
+    match raw.first() {
+        Some(b'{' | b'[') => canonical_into(raw, 1, out),
+        _ => {
+            out.put(raw);
+            Ok(())
+        }
+    }
+}
+
 // === the canonical form ===
 
 const CACHE_CONTROL: &[u8] = b"\"cache_control\"";
@@ -173,7 +302,15 @@ struct Out<'a, F> {
     len: usize,
 }
 
-impl<F: Feed> Out<'_, F> {
+impl<'a, F: Feed> Out<'a, F> {
+    fn new(chain: &'a mut F) -> Self {
+        Out {
+            chain,
+            buf: [0; 256],
+            len: 0,
+        }
+    }
+
     fn put(&mut self, bytes: &[u8]) {
         if self.len + bytes.len() > self.buf.len() || bytes.len() > 64 {
             self.flush();
@@ -273,12 +410,18 @@ struct TooDeep;
 
 /// Feeds the canonical form of one JSON value (already checked by the parse) to `chain`.
 fn canonical(raw: &[u8], chain: &mut impl Feed) -> Result<(), TooDeep> {
-    let mut depth = 0usize;
-    let mut out = Out {
-        chain,
-        buf: [0; 256],
-        len: 0,
-    };
+    let mut out = Out::new(chain);
+    canonical_into(raw, 0, &mut out)?;
+    out.flush();
+    Ok(())
+}
+
+/// Puts the canonical form of one JSON value that starts `depth` levels down in an item.
+fn canonical_into<F: Feed>(
+    raw: &[u8],
+    mut depth: usize,
+    out: &mut Out<'_, F>,
+) -> Result<(), TooDeep> {
     // A comma seen and not yet written: it is written before the next token, unless the
     // member after it is dropped.
     let mut comma = false;
@@ -340,7 +483,6 @@ fn canonical(raw: &[u8], chain: &mut impl Feed) -> Result<(), TooDeep> {
             }
         }
     }
-    out.flush();
     Ok(())
 }
 

@@ -262,9 +262,9 @@ async fn prompt_facts_digest_the_leading_two_messages() {
     let f3 = run(BodyKeyLayer::new(), post(other)).await.1.facts.unwrap();
     assert_eq!((f1.messages, f2.messages), (2, 4));
     assert_eq!(f2.body_bytes, turn2.len());
-    assert!(f1.leading_digest.is_some());
-    assert_eq!(f1.leading_digest, f2.leading_digest);
-    assert_ne!(f1.leading_digest, f3.leading_digest);
+    assert!(f1.leading_digest().is_some());
+    assert_eq!(f1.leading_digest(), f2.leading_digest());
+    assert_ne!(f1.leading_digest(), f3.leading_digest());
 }
 
 /// The parse before it was made lazy, kept as the reference: a whole `Value`, then the
@@ -356,7 +356,7 @@ fn the_lazy_parse_agrees_with_a_whole_value() {
             let (key, facts) = config.inspect(body);
             let text = String::from_utf8_lossy(&body[..body.len().min(80)]);
             assert_eq!(
-                (key, facts.messages, facts.leading_digest),
+                (key, facts.messages, facts.leading_digest()),
                 reference(fields, body),
                 "fields {fields:?}, body {text}"
             );
@@ -373,7 +373,7 @@ fn the_leading_digest_is_over_the_re_serialized_messages() {
     let expected: [u8; 32] =
         Sha256::digest(br#"[{"content":"s","role":"system"},{"content":"t","role":"user"}]"#)
             .into();
-    assert_eq!(facts.leading_digest, Some(expected));
+    assert_eq!(facts.leading_digest(), Some(expected));
     assert_eq!(facts.messages, 3);
 }
 
