@@ -187,6 +187,15 @@ async fn compare<L, S>(
     );
 }
 
+/// Sends `req` and drops its answer: the first placements, before anything is timed.
+async fn send<S>(svc: &mut S, req: Req)
+where
+    S: Service<Req>,
+    S::Error: std::fmt::Debug,
+{
+    drop(svc.ready().await.unwrap().call(req).await.unwrap());
+}
+
 fn pct(sorted: &[u64], p: f64) -> u64 {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
@@ -260,8 +269,8 @@ async fn run(rounds: usize, n: u64) {
         .layer(fleet());
     let sessions = 1_000;
     for s in 0..sessions {
-        drop(local.ready().await.unwrap().call(turn(s)).await.unwrap());
-        drop(shared.ready().await.unwrap().call(turn(s)).await.unwrap());
+        send(&mut local, turn(s)).await;
+        send(&mut shared, turn(s)).await;
     }
     // The writes of the first placements land; warm both paths up.
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -286,26 +295,12 @@ async fn run(rounds: usize, n: u64) {
         .home_store(store)
         .store_deadline(Duration::from_millis(50))
         .layer(fleet());
-    let (mut mine, mut theirs) = (Conversations::new(sessions), Conversations::new(sessions));
+    // Each service its own copy of the conversations, so both see the same turns.
+    let (mut to_local, mut to_shared) =
+        (Conversations::new(sessions), Conversations::new(sessions));
     for s in 0..sessions {
-        drop(
-            local
-                .ready()
-                .await
-                .unwrap()
-                .call(mine.turn(s))
-                .await
-                .unwrap(),
-        );
-        drop(
-            shared
-                .ready()
-                .await
-                .unwrap()
-                .call(theirs.turn(s))
-                .await
-                .unwrap(),
-        );
+        send(&mut local, to_local.turn(s)).await;
+        send(&mut shared, to_shared.turn(s)).await;
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
     println!("keyless: each conversation's next turn, by its prompt chain");
@@ -316,8 +311,8 @@ async fn run(rounds: usize, n: u64) {
         &mut shared,
         rounds,
         n,
-        |r, i| mine.turn((r as u64 * 13 + i * 7) % sessions),
-        |r, i| theirs.turn((r as u64 * 13 + i * 7) % sessions),
+        |r, i| to_local.turn((r as u64 * 13 + i * 7) % sessions),
+        |r, i| to_shared.turn((r as u64 * 13 + i * 7) % sessions),
         keyless,
     )
     .await;
