@@ -496,9 +496,13 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
                 // Own or not: a keyless request's prefix may be one another conversation
                 // continued too (a branch, or a text prompt's last block, which the next turn
                 // grows). Waiting is priced by what it would read again elsewhere, so a prefix
-                // that other backends hold as well draws no wait.
+                // that other backends hold as well draws no wait. A prompt held whole is a
+                // repeat that says nothing of whose it is, and draws none either, as in
+                // placement.
                 let held = match key {
-                    None => prefix.filter(|p| p.only).map(|p| p.backend.index),
+                    None => prefix
+                        .filter(|p| p.only && p.links < chain.map_or(0, PromptChain::len))
+                        .map(|p| p.backend.index),
                     Some(_) => own_prefix,
                 };
                 (held, held.map(|b| t.member(b).node).or(home_node))

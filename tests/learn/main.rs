@@ -768,6 +768,36 @@ async fn a_keyless_turn_waits_for_the_one_backend_holding_most_of_its_prompt_eve
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_keyless_prompt_held_whole_does_not_wait_for_its_holder() {
+    // A repeat of a prompt says nothing of which conversation sends it (agents that open with
+    // the same prompt all send it): it is not drawn to where it is held, nor does it wait there.
+    let svc = service(&[("a", "n1"), ("b", "n2")]);
+    teach(&svc, Duration::from_secs(10)).await;
+    let opening = chain(&SESSION_BLOCKS[..8], 1000);
+    let (d, _, _) = exchange(&svc, request(None, Some(opening.clone()), reused(8000, 0))).await;
+    let holder = d.backend.to_string();
+    // The holder busy for 5 s with a continuation of it, sooner than reading 8,000 tokens
+    // elsewhere (40 s).
+    let long = Reply::llama_stream(10_000, 8000, 5000, Duration::ZERO, Duration::from_secs(5));
+    let res = svc
+        .clone()
+        .oneshot(request(None, Some(chain(&SESSION_BLOCKS, 1000)), long))
+        .await
+        .unwrap();
+    assert_eq!(
+        res.extensions().get::<Decision>().unwrap().backend.as_str(),
+        holder
+    );
+    let streaming = tokio::spawn(async move {
+        let _ = res.into_body().collect().await;
+    });
+    let (d, _, _) = exchange(&svc, request(None, Some(opening), reused(8000, 0))).await;
+    assert_ne!(d.backend.as_str(), holder);
+    assert_eq!(d.waited, None);
+    streaming.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
 async fn move_at_once_while_nothing_is_learned() {
     let svc = service(&[("a", "n1"), ("b", "n2")]);
     let (home, streaming) = busy_home(&svc, Duration::from_secs(5)).await;
