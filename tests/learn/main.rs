@@ -550,18 +550,23 @@ where
     <Svc<S> as tower::Service<Req>>::Future: Send,
 {
     let long = Reply::llama_stream(9000, 8000, 5000, Duration::ZERO, busy);
-    let res = svc
-        .clone()
-        .oneshot(request(
-            Some(key),
-            Some(chain(&SESSION_BLOCKS[..9], 1000)),
-            long,
-        ))
-        .await
-        .unwrap();
+    let turn = request(Some(key), Some(chain(&SESSION_BLOCKS[..9], 1000)), long);
+    keep_busy(svc, turn, home).await
+}
+
+/// Sends `req`, which must go to `backend`, and reads its answer in a task of its own: the
+/// backend's slot stays taken until the task ends.
+async fn keep_busy<S>(svc: &Svc<S>, req: Req, backend: &str) -> tokio::task::JoinHandle<()>
+where
+    S: Send + Sync + 'static,
+    Svc<S>:
+        tower::Service<Req, Response = Res, Error = tower_affinity::Error> + Send + Sync + 'static,
+    <Svc<S> as tower::Service<Req>>::Future: Send,
+{
+    let res = svc.clone().oneshot(req).await.unwrap();
     assert_eq!(
         res.extensions().get::<Decision>().unwrap().backend.as_str(),
-        home
+        backend
     );
     tokio::spawn(async move {
         let _ = res.into_body().collect().await;
@@ -740,18 +745,7 @@ async fn a_keyless_turn_waits_for_the_one_backend_holding_most_of_its_prompt_eve
     // and keeps it busy for 5 s. The prefix is no longer one conversation's own.
     let branch = chain(&[100, 101, 102, 103, 104, 105, 106, 107, 900, 901], 1000);
     let long = Reply::llama_stream(10_000, 8000, 5000, Duration::ZERO, Duration::from_secs(5));
-    let res = svc
-        .clone()
-        .oneshot(request(None, Some(branch), long))
-        .await
-        .unwrap();
-    assert_eq!(
-        res.extensions().get::<Decision>().unwrap().backend.as_str(),
-        holder
-    );
-    let streaming = tokio::spawn(async move {
-        let _ = res.into_body().collect().await;
-    });
+    let streaming = keep_busy(&svc, request(None, Some(branch), long), &holder).await;
     assert_eq!(status(&svc, &holder).in_flight, 1);
     let next = chain(&SESSION_BLOCKS, 1000);
     // The next turn of the first conversation: 8,000 of its 10,000 tokens are held there and
@@ -779,18 +773,8 @@ async fn a_keyless_prompt_held_whole_does_not_wait_for_its_holder() {
     // The holder busy for 5 s with a continuation of it, sooner than reading 8,000 tokens
     // elsewhere (40 s).
     let long = Reply::llama_stream(10_000, 8000, 5000, Duration::ZERO, Duration::from_secs(5));
-    let res = svc
-        .clone()
-        .oneshot(request(None, Some(chain(&SESSION_BLOCKS, 1000)), long))
-        .await
-        .unwrap();
-    assert_eq!(
-        res.extensions().get::<Decision>().unwrap().backend.as_str(),
-        holder
-    );
-    let streaming = tokio::spawn(async move {
-        let _ = res.into_body().collect().await;
-    });
+    let next = request(None, Some(chain(&SESSION_BLOCKS, 1000)), long);
+    let streaming = keep_busy(&svc, next, &holder).await;
     let (d, _, _) = exchange(&svc, request(None, Some(opening), reused(8000, 0))).await;
     assert_ne!(d.backend.as_str(), holder);
     assert_eq!(d.waited, None);
