@@ -95,7 +95,7 @@ fn builder(dns: &Dns, target: &str) -> DnsFleetBuilder {
 
 #[tokio::test(start_paused = true)]
 async fn a_records_with_a_port_become_backends() {
-    let dns = Dns::start().await;
+    let dns = start_dns().await;
     dns.set_ips("llm.fleet.test.", 30, &["10.0.0.1", "10.0.0.2"])
         .await;
     let mut fleet = builder(&dns, "llm.fleet.test.:8080")
@@ -132,7 +132,7 @@ async fn a_records_with_a_port_become_backends() {
 
 #[tokio::test(start_paused = true)]
 async fn a_changed_record_set_is_an_insert_and_a_removal() {
-    let dns = Dns::start().await;
+    let dns = start_dns().await;
     dns.set_ips("llm.fleet.test.", 10, &["10.0.0.1", "10.0.0.2"])
         .await;
     let mut fleet = builder(&dns, "llm.fleet.test.:8080")
@@ -167,7 +167,7 @@ async fn a_changed_record_set_is_an_insert_and_a_removal() {
 
 #[tokio::test(start_paused = true)]
 async fn a_large_record_set_comes_over_tcp() {
-    let dns = Dns::start().await;
+    let dns = start_dns().await;
     // 200 A records do not fit in a UDP answer (it carries 74 and says it was truncated): all
     // 200 arrive only if the resolver asks again over TCP, at the same address.
     let ips: Vec<String> = (0..200)
@@ -185,7 +185,7 @@ async fn a_large_record_set_comes_over_tcp() {
 
 #[tokio::test(start_paused = true)]
 async fn aaaa_records_and_the_ip_strategy() {
-    let dns = Dns::start().await;
+    let dns = start_dns().await;
     dns.set_ips("v6.fleet.test.", 30, &["fd00::1", "fd00::2"])
         .await;
     dns.set_ips("dual.fleet.test.", 30, &["10.0.0.1", "fd00::1"])
@@ -228,7 +228,7 @@ async fn aaaa_records_and_the_ip_strategy() {
 
 #[tokio::test(start_paused = true)]
 async fn srv_records_give_targets_and_ports() {
-    let dns = Dns::start().await;
+    let dns = start_dns().await;
     dns.set_srv(
         "_llm._tcp.fleet.test.",
         30,
@@ -306,7 +306,7 @@ async fn srv_records_give_targets_and_ports() {
 
 #[tokio::test(start_paused = true)]
 async fn the_ttl_decides_the_next_resolution_between_floor_and_ceiling() {
-    let dns = Dns::start().await;
+    let dns = start_dns().await;
     // TTL 1 s under a 10 s floor: the floor.
     dns.set_ips("llm.fleet.test.", 1, &["10.0.0.1"]).await;
     let fleet = builder(&dns, "llm.fleet.test.:8080")
@@ -349,13 +349,56 @@ async fn the_ttl_decides_the_next_resolution_between_floor_and_ceiling() {
     drop(fleet);
 }
 
-/// Collects what the crate logs, for counting its warnings.
+/// Collects what the crate logs on one test's thread, for counting its warnings.
 #[derive(Clone, Default)]
 struct Logs(Arc<Mutex<Vec<u8>>>);
 
-impl Write for Logs {
+thread_local! {
+    // The test on this thread that collects what is logged here, if any.
+    static CAPTURE: std::cell::RefCell<Option<Logs>> = const { std::cell::RefCell::new(None) };
+}
+
+/// The one subscriber of this test binary, set before any test logs (every test starts with
+/// [`start_dns`], which installs it): each event goes to the buffer of the test whose
+/// thread logged it (a current-thread runtime runs that test's tasks on its thread), or
+/// nowhere. One global subscriber, rather than one set per test for its thread, leaves no
+/// callsite whose interest another thread's first use decided without it.
+fn install_logs() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::INFO)
+            .with_ansi(false)
+            .with_writer(|| ThreadLogs)
+            .finish();
+        tracing::subscriber::set_global_default(subscriber).expect("the binary's one subscriber");
+    });
+}
+
+/// Starts a DNS server for a test, the binary's subscriber first.
+async fn start_dns() -> Dns {
+    install_logs();
+    Dns::start().await
+}
+
+/// What this thread logs, from now on, for `Logs::count`.
+fn capture_logs() -> Logs {
+    install_logs();
+    let logs = Logs::default();
+    CAPTURE.with(|c| *c.borrow_mut() = Some(logs.clone()));
+    logs
+}
+
+/// Writes to the buffer of the test on the current thread.
+struct ThreadLogs;
+
+impl Write for ThreadLogs {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().extend_from_slice(buf);
+        CAPTURE.with(|c| {
+            if let Some(logs) = c.borrow().as_ref() {
+                logs.0.lock().extend_from_slice(buf);
+            }
+        });
         Ok(buf.len())
     }
     fn flush(&mut self) -> std::io::Result<()> {
@@ -373,16 +416,8 @@ impl Logs {
 
 #[tokio::test(start_paused = true)]
 async fn nxdomain_keeps_the_fleet_counts_and_logs_once() {
-    let logs = Logs::default();
-    let writer = logs.clone();
-    let _log = tracing::subscriber::set_default(
-        tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::INFO)
-            .with_ansi(false)
-            .with_writer(move || writer.clone())
-            .finish(),
-    );
-    let dns = Dns::start().await;
+    let logs = capture_logs();
+    let dns = start_dns().await;
     dns.set_ips("llm.fleet.test.", 30, &["10.0.0.1", "10.0.0.2"])
         .await;
     let mut fleet = builder(&dns, "llm.fleet.test.:8080")
@@ -440,7 +475,7 @@ async fn nxdomain_keeps_the_fleet_counts_and_logs_once() {
 
 #[tokio::test(start_paused = true)]
 async fn a_stopped_server_keeps_the_fleet_until_it_answers_again() {
-    let mut dns = Dns::start().await;
+    let mut dns = start_dns().await;
     dns.set_ips("llm.fleet.test.", 30, &["10.0.0.1"]).await;
     let mut fleet = builder(&dns, "llm.fleet.test.:8080")
         .retry_interval(Duration::from_secs(2))
@@ -488,7 +523,7 @@ async fn a_stopped_server_keeps_the_fleet_until_it_answers_again() {
 
 #[tokio::test(start_paused = true)]
 async fn the_node_function_names_each_backend_s_node() {
-    let dns = Dns::start().await;
+    let dns = start_dns().await;
     dns.set_ips("llm.fleet.test.", 30, &["10.0.1.1", "10.0.1.2", "10.0.2.1"])
         .await;
     let mut fleet = builder(&dns, "llm.fleet.test.:8080")
@@ -511,7 +546,7 @@ async fn the_node_function_names_each_backend_s_node() {
 
 #[tokio::test(start_paused = true)]
 async fn a_service_that_cannot_be_made_is_left_out_and_tried_again() {
-    let dns = Dns::start().await;
+    let dns = start_dns().await;
     dns.set_ips("llm.fleet.test.", 30, &["10.0.0.1", "10.0.0.2"])
         .await;
     let refuse = Arc::new(AtomicBool::new(true));
@@ -542,7 +577,7 @@ async fn a_service_that_cannot_be_made_is_left_out_and_tried_again() {
 
 #[tokio::test]
 async fn a_fleet_built_outside_a_runtime_starts_on_its_first_poll() {
-    let dns = Dns::start().await;
+    let dns = start_dns().await;
     dns.set_ips("llm.fleet.test.", 30, &["10.0.0.1"]).await;
     let b = builder(&dns, "llm.fleet.test.:8080");
     let mut fleet = std::thread::spawn(move || b.build(|ep: &DnsEndpoint| ep.addr()).unwrap())
@@ -600,7 +635,7 @@ async fn two_addresses() -> (SocketAddr, SocketAddr) {
 
 #[tokio::test]
 async fn session_affinity_over_dns_routes_to_http_backends_and_follows_a_change() {
-    let dns = Dns::start().await;
+    let dns = start_dns().await;
     let (a, b) = two_addresses().await;
     let _a = stub("a", a).await;
     let _b = stub("b", b).await;
