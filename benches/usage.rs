@@ -8,6 +8,11 @@
 //!   (about 150 bytes each, no usage: the client did not ask for it) and llama-server's last
 //!   chunk with its `timings`. The difference over 65 is the cost per frame.
 //! - `usage/from_body/*`: [`Usage::from_body`] alone on the same bytes.
+//! - `usage/ask_sse_64/{asked,not_asked}`: a streaming chat request (130 bytes) through
+//!   `BodyKeyLayer` alone, with `ask_stream_usage(true)` and without, to a backend that
+//!   answers 64 token chunks, the chunk finishing the choice and a usage chunk of its own (as
+//!   vLLM does when asked); the answer read to its end. The difference is what asking costs:
+//!   the body rewritten, each frame passed through the filter, the usage chunk taken out.
 //!
 //! Run with `cargo bench --bench usage`. For instruction counts, which other load on the
 //! machine does not disturb, the same paths run a fixed number of times:
@@ -30,8 +35,10 @@ use std::task::{Context, Poll, Waker};
 use bytes::Bytes;
 use criterion::{criterion_group, Criterion, Throughput};
 use http_body::Body;
+use http_body_util::Full;
 use tower::{service_fn, Layer, Service};
 use tower_affinity::discover::StaticFleet;
+use tower_affinity::key::BodyKeyLayer;
 use tower_affinity::{Backend, SessionAffinityLayer, Usage};
 
 /// A chat completion of about 4 KiB, usage last.
@@ -168,11 +175,67 @@ where
     }
 }
 
+/// What a vLLM-like backend streams when asked for usage: 64 token chunks, the finishing
+/// chunk, the usage chunk, `[DONE]`; a frame each.
+fn asked_frames() -> Vec<Bytes> {
+    let mut frames = sse_frames();
+    frames.pop();
+    frames.push(Bytes::from_static(
+        b"data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"qwen\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n",
+    ));
+    frames.push(Bytes::from_static(
+        b"data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"qwen\",\"choices\":[],\"usage\":{\"prompt_tokens\":30160,\"completion_tokens\":64,\"prompt_tokens_details\":{\"cached_tokens\":30000}}}\n\n",
+    ));
+    frames.push(Bytes::from_static(b"data: [DONE]\n\n"));
+    frames
+}
+
+const STREAM_REQUEST: &[u8] = br#"{"model":"qwen","stream":true,"messages":[{"role":"system","content":"You are a coding agent."},{"role":"user","content":"Fix the failing test."}]}"#;
+
+fn bench_ask(c: &mut Criterion) {
+    let frames = asked_frames();
+    let mut group = c.benchmark_group("usage/ask_sse_64");
+    group.throughput(Throughput::Elements(1));
+    for ask in [true, false] {
+        let frames = frames.clone();
+        let backend = service_fn(move |_: http::Request<Full<Bytes>>| {
+            let mut res = http::Response::new(Frames(frames.clone().into_iter()));
+            res.headers_mut().insert(
+                "content-type",
+                "text/event-stream".parse().expect("a header"),
+            );
+            std::future::ready(Ok::<_, Infallible>(res))
+        });
+        let mut svc = BodyKeyLayer::new().ask_stream_usage(ask).layer(backend);
+        let label = if ask { "asked" } else { "not_asked" };
+        group.bench_function(label, |b| {
+            b.iter(|| {
+                let _ = now(std::future::poll_fn(|cx| {
+                    Service::<http::Request<Full<Bytes>>>::poll_ready(&mut svc, cx)
+                }));
+                let req = http::Request::post("/v1/chat/completions")
+                    .body(Full::new(Bytes::from_static(STREAM_REQUEST)))
+                    .expect("a request");
+                let res = now(svc.call(req)).expect("an answer");
+                let mut body = pin!(res.into_body());
+                let mut cx = Context::from_waker(Waker::noop());
+                let mut n = 0;
+                while let Poll::Ready(Some(Ok(frame))) = body.as_mut().poll_frame(&mut cx) {
+                    n += frame.data_ref().map_or(0, |d| d.len());
+                }
+                black_box(n)
+            })
+        });
+    }
+    group.finish();
+}
+
 fn benches(c: &mut Criterion) {
     let json = json_answer();
     let sse = sse_frames();
     bench_path(c, "json_4k");
     bench_path(c, "sse_64");
+    bench_ask(c);
     let mut group = c.benchmark_group("usage/from_body");
     group.bench_function("json_4k", |b| {
         b.iter(|| black_box(Usage::from_body(black_box(&json))))

@@ -173,6 +173,8 @@ pub(crate) struct Config {
     pub(crate) probe_successes: u32,
     /// Learn the slot count of backends given without `slots=` from llama-server's `/slots`.
     pub(crate) probe_slots: bool,
+    /// Ask streams for their usage on the clients' behalf.
+    pub(crate) ask_stream_usage: bool,
     /// How requests reach the backends.
     pub(crate) upstream: UpstreamMode,
     /// `--backend-dns`: names whose records are backends too.
@@ -216,6 +218,7 @@ impl Config {
             probe_failures: 1,
             probe_successes: 1,
             probe_slots: true,
+            ask_stream_usage: false,
             upstream: UpstreamMode::Pooled,
             backend_dns: Vec::new(),
             dns_servers: Vec::new(),
@@ -445,7 +448,9 @@ impl Proxy {
         // Every JSON body is read, a request keyed by a header too: headers still win for the
         // key (see `Affinity`), but the balancer's cache model needs every request's prompt
         // chain (`PromptFacts`) to know what each backend holds.
-        let mut body_key = BodyKeyLayer::new().limit(self.config.body_limit);
+        let mut body_key = BodyKeyLayer::new()
+            .limit(self.config.body_limit)
+            .ask_stream_usage(self.config.ask_stream_usage);
         if let Some(t) = self.config.read_timeout {
             body_key = body_key.read_timeout(t);
         }

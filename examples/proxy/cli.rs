@@ -61,6 +61,9 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
                              (default 1; a 503, loading, does at once)
   --probe-successes N        ready probes in a row that bring it up again (default 1)
   --no-slots-probe           do not read slot counts from /slots
+  --ask-stream-usage         ask a chat stream that did not ask for its usage to carry
+                             it, and take that chunk out of the answer again (for vLLM
+                             and SGLang, whose streams otherwise report nothing)
   --body-limit SIZE          largest request body, e.g. 16MiB (default); larger is 413
   --read-timeout DURATION    longest time to receive a request body (default 60s;
                              0 turns it off); slower is 408
@@ -123,6 +126,7 @@ where
             "-h" | "--help" => return Ok(Command::Help),
             "-v" | "--verbose" => verbose = true,
             "--no-slots-probe" => config.probe_slots = false,
+            "--ask-stream-usage" => config.ask_stream_usage = true,
             "--listen" => {
                 let v = value()?;
                 listen = v

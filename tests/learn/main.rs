@@ -5,6 +5,8 @@
 //! when each comes) as an extension, so a test says exactly what the backend does. Time is
 //! tokio's paused clock.
 
+mod ask;
+
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::future::Future;

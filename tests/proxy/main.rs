@@ -1208,6 +1208,69 @@ async fn a_full_backend_makes_requests_wait_and_metrics_show_it() {
     }
 }
 
+/// Reads a streamed answer's chunks: their JSON, past `data: ` (without `[DONE]`).
+fn chunks(body: &[u8]) -> Vec<Value> {
+    String::from_utf8_lossy(body)
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
+#[tokio::test]
+async fn with_ask_stream_usage_a_vllm_stream_is_read_and_the_client_gets_what_it_asked_for() {
+    let a = Stub::start("a", 2).await;
+    a.stream_usage_when_asked();
+    let mut config = config(&[("node-a", &a)]);
+    config.ask_stream_usage = true;
+    let proxy = start(config).await;
+    let mut conv = Conversation::new("s");
+    let stream = |conv: &mut Conversation, extra: Value| {
+        let mut body = conv.next(json!({"stream": true}));
+        if let (Value::Object(b), Value::Object(e)) = (&mut body, extra) {
+            b.extend(e);
+        }
+        body
+    };
+    // A client that did not ask: no usage chunk reaches it, and the proxy read the usage.
+    let unasked = proxy
+        .post_json(&[("x-session-id", "s")], &stream(&mut conv, json!({})))
+        .await;
+    assert_eq!(unasked.status, 200);
+    let got = chunks(&unasked.body);
+    assert!(!got.is_empty() && got.iter().all(|c| c["choices"] != json!([])));
+    assert!(got.iter().all(|c| c.get("usage").is_none()), "{got:?}");
+    assert!(String::from_utf8_lossy(&unasked.body).ends_with("data: [DONE]\n\n"));
+    let stats = proxy.proxy.affinity().stats();
+    assert_eq!(stats.usage_reports, 1);
+    assert!(stats.prompt_tokens > 0);
+    // A client that asked gets the usage chunk.
+    let asked = proxy
+        .post_json(
+            &[("x-session-id", "s")],
+            &stream(
+                &mut conv,
+                json!({"stream_options": {"include_usage": true}}),
+            ),
+        )
+        .await;
+    let got = chunks(&asked.body);
+    let last = got.last().unwrap();
+    assert_eq!(last["choices"], json!([]));
+    assert!(last["usage"]["prompt_tokens"].as_u64().unwrap() > 0);
+    assert_eq!(proxy.proxy.affinity().stats().usage_reports, 2);
+
+    // Without asking, the same stub's streams report nothing.
+    let mut config = self::config(&[("node-a", &a)]);
+    config.ask_stream_usage = false;
+    let plain = start(config).await;
+    let _ = plain
+        .post_json(&[("x-session-id", "s")], &stream(&mut conv, json!({})))
+        .await;
+    assert_eq!(plain.proxy.affinity().stats().usage_reports, 0);
+}
+
 #[tokio::test]
 async fn metrics_answers_get_and_head_only_and_never_reaches_a_backend() {
     let a = Stub::start("a", 1).await;

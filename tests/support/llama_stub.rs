@@ -55,6 +55,9 @@ pub(crate) struct StubState {
     timing: Option<Timing>,
     /// With a timing, a chat holds one of `slots` permits from its start to its last byte.
     busy: Arc<Semaphore>,
+    /// Streams as vLLM does: usage only when the request asks
+    /// (`stream_options.include_usage`), in a chunk of its own; no timings.
+    usage_when_asked: std::sync::atomic::AtomicBool,
 }
 
 /// How long a timed stub takes over a chat: the tokens it reads (not cached) at `prefill`
@@ -99,6 +102,7 @@ impl Stub {
             connections: Arc::default(),
             timing,
             busy: Arc::new(Semaphore::new(slots)),
+            usage_when_asked: Default::default(),
         });
         let router = Router::new()
             .route("/health", get(health))
@@ -135,6 +139,12 @@ impl Stub {
     /// What `/health` answers: 200 ready, 503 loading.
     pub(crate) fn set_health(&self, status: u16) {
         self.state.health.store(status, Ordering::Relaxed);
+    }
+
+    /// From now on, streams carry usage as vLLM's do: only when asked, in a last chunk of its
+    /// own with `"choices": []`, and no `timings`.
+    pub(crate) fn stream_usage_when_asked(&self) {
+        self.state.usage_when_asked.store(true, Ordering::Relaxed);
     }
 
     /// Streams stop after their first chunk until [`Stub::release_streams`].
@@ -261,14 +271,19 @@ async fn chat(State(s): State<Arc<StubState>>, body: Bytes) -> Response {
         });
         return ([("x-stub", s.name.clone())], axum::Json(res)).into_response();
     }
+    let vllm = s.usage_when_asked.load(Ordering::Relaxed);
+    let asked = req["stream_options"]["include_usage"] == true;
     let chunk = move |delta: Value, finish: Value, usage: Value| {
-        let c = json!({
+        let mut c = json!({
             "id": format!("chatcmpl-{n}"),
             "object": "chat.completion.chunk",
             "model": "stub",
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
             "usage": usage,
         });
+        if vllm {
+            c.as_object_mut().unwrap().remove("usage");
+        }
         Ok::<_, std::convert::Infallible>(Bytes::from(format!("data: {c}\n\n")))
     };
     let words: Vec<String> = answer.split(' ').map(str::to_string).collect();
@@ -301,14 +316,26 @@ async fn chat(State(s): State<Arc<StubState>>, body: Bytes) -> Response {
             "object": "chat.completion.chunk",
             "model": "stub",
             "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
-            "usage": usage,
+            "usage": usage.clone(),
         });
-        if !timings.is_null() {
+        if vllm {
+            last.as_object_mut().unwrap().remove("usage");
+        } else if !timings.is_null() {
             // llama-server puts its timings on the last chunk.
             last["timings"] = timings;
         }
         let last = Ok(Bytes::from(format!("data: {last}\n\n")));
         let _ = tx.send(last).await;
+        if vllm && asked {
+            let u = json!({
+                "id": format!("chatcmpl-{n}"),
+                "object": "chat.completion.chunk",
+                "model": "stub",
+                "choices": [],
+                "usage": usage,
+            });
+            let _ = tx.send(Ok(Bytes::from(format!("data: {u}\n\n")))).await;
+        }
         let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
         state.streams_finished.fetch_add(1, Ordering::Relaxed);
         drop(slot);

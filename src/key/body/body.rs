@@ -8,6 +8,7 @@ use bytes::{Buf, Bytes};
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
+use super::ask::UsageStrip;
 use super::responses::IdSniffer;
 use crate::body::InnerOrBytes;
 
@@ -30,6 +31,8 @@ pin_project! {
         pub(super) kind: InnerOrBytes<B>,
         // Reads a Responses API answer's id from its first bytes.
         pub(super) sniff: Option<Box<IdSniffer>>,
+        // Takes out the usage chunk the layer asked for on the client's behalf.
+        pub(super) strip: Option<Box<UsageStrip>>,
     }
 }
 
@@ -45,22 +48,61 @@ where
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
-        let this = self.project();
-        let frame = ready!(this.kind.poll_frame(cx));
-        if let (Some(sniff), Some(Ok(frame))) = (this.sniff.as_mut(), &frame) {
-            if let Some(data) = frame.data_ref() {
-                sniff.feed(data.chunk());
+        let mut this = self.project();
+        loop {
+            if let Some(trailers) = this.strip.as_mut().and_then(|s| s.trailers.take()) {
+                return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
+            }
+            let frame = ready!(this.kind.as_mut().poll_frame(cx));
+            if let (Some(sniff), Some(Ok(frame))) = (this.sniff.as_mut(), &frame) {
+                if let Some(data) = frame.data_ref() {
+                    sniff.feed(data.chunk());
+                }
+            }
+            let Some(strip) = this.strip.as_mut() else {
+                return Poll::Ready(frame);
+            };
+            let out = match frame {
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(mut data) => strip.feed(data.copy_to_bytes(data.remaining())),
+                    // Trailers come after the data: what is held goes first.
+                    Err(trailers) if strip.is_empty() => return Poll::Ready(Some(Ok(trailers))),
+                    Err(trailers) => {
+                        strip.trailers = trailers.into_trailers().ok();
+                        strip.finish()
+                    }
+                },
+                // The end: whatever is held, then the end, as the body is polled again.
+                None if strip.is_empty() => return Poll::Ready(None),
+                None => {
+                    let rest = strip.finish();
+                    this.kind.set(InnerOrBytes::bytes(rest));
+                    *this.strip = None;
+                    continue;
+                }
+                // A stream that fails ends with its error, as the client would have had it.
+                Some(Err(e)) => return Poll::Ready(Some(Err(e))),
+            };
+            if !out.is_empty() {
+                return Poll::Ready(Some(Ok(Frame::data(out.into()))));
             }
         }
-        Poll::Ready(frame)
     }
 
     fn is_end_stream(&self) -> bool {
         self.kind.is_end_stream()
+            && self
+                .strip
+                .as_ref()
+                .is_none_or(|s| s.is_empty() && s.trailers.is_none())
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.kind.size_hint()
+        match self.strip {
+            // Its bytes may change.
+            Some(_) => SizeHint::default(),
+            None => self.kind.size_hint(),
+        }
     }
 }
 

@@ -16,6 +16,7 @@ use tokio::time::{Instant, Sleep};
 use tower::util::Oneshot;
 use tower::Service;
 
+use super::ask::{self, UsageStrip};
 use super::inspect::Config;
 use super::responses::IdSniffer;
 use super::BodyKeyResponseBody;
@@ -101,6 +102,7 @@ impl Rejection {
         let mut res = http::Response::new(BodyKeyResponseBody {
             kind: InnerOrBytes::bytes(Bytes::from(message)),
             sniff: None,
+            strip: None,
         });
         *res.status_mut() = status;
         res.headers_mut().insert(
@@ -160,6 +162,9 @@ pin_project! {
             fut: Oneshot<S, http::Request<Full<Bytes>>>,
             // A Responses API request: its answer's id is read as the answer passes.
             sniff: Option<Box<IdSniffer>>,
+            // A stream asked for its usage on the client's behalf: the usage chunk is taken
+            // out of the answer.
+            strip: Option<Box<UsageStrip>>,
         },
         Rejected {
             rejection: Option<Rejection>,
@@ -271,10 +276,10 @@ where
                     let (Some(mut parts), Some(service)) = (parts.take(), service.take()) else {
                         panic!("BodyKeyFuture polled after completion");
                     };
-                    let bytes = buf.take();
-                    let mut sniff = None;
+                    let mut bytes = buf.take();
+                    let (mut sniff, mut strip) = (None, None);
                     if config.reads(&parts.headers) {
-                        let (key, facts) = config.inspect(&bytes);
+                        let (key, facts, streams_unasked) = config.inspect_stream(&bytes);
                         if let Some(key) = key {
                             parts.extensions.insert(key);
                         }
@@ -283,19 +288,41 @@ where
                             sniff = Some(Box::new(IdSniffer::new(facts.chain.clone(), store)));
                         }
                         parts.extensions.insert(facts);
+                        let asks = config.ask_stream_usage
+                            && streams_unasked
+                            && ask::asks_for(parts.uri.path());
+                        if let Some(asked) = asks.then(|| ask::ask(&bytes)).flatten() {
+                            bytes = asked;
+                            if parts.headers.contains_key(header::CONTENT_LENGTH) {
+                                parts
+                                    .headers
+                                    .insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
+                            }
+                            strip = Some(Box::default());
+                        }
                     }
                     let req = http::Request::from_parts(parts, Full::new(bytes));
                     state.set(State::Calling {
                         fut: Oneshot::new(service, req),
                         sniff,
+                        strip,
                     });
                 }
-                StateProj::Calling { fut, sniff } => {
-                    let res = ready!(fut.poll(cx))?;
+                StateProj::Calling { fut, sniff, strip } => {
+                    let mut res = ready!(fut.poll(cx))?;
                     let sniff = sniff.take();
+                    // Only an event stream as it was sent carries the chunk to take out.
+                    let strip = strip
+                        .take()
+                        .filter(|_| ask::is_plain_event_stream(res.headers()));
+                    if strip.is_some() {
+                        // The answer is shorter than the backend said.
+                        res.headers_mut().remove(header::CONTENT_LENGTH);
+                    }
                     return Poll::Ready(Ok(res.map(|inner| BodyKeyResponseBody {
                         kind: InnerOrBytes::Inner { inner },
                         sniff,
+                        strip,
                     })));
                 }
                 StateProj::Rejected { rejection } => {

@@ -31,6 +31,8 @@ pub(crate) struct Config {
     pub(crate) skip_when: Option<HeaderKey>,
     /// The chains of the latest Responses API answers, for `previous_response_id`.
     pub(crate) responses: Arc<ResponseChains>,
+    /// Whether a stream that did not ask for its usage is asked for it on its behalf.
+    pub(crate) ask_stream_usage: bool,
 }
 
 impl Config {
@@ -42,6 +44,7 @@ impl Config {
             read_timeout: None,
             skip_when: None,
             responses: Arc::new(ResponseChains::new(ResponseChains::DEFAULT_CAPACITY)),
+            ask_stream_usage: false,
         }
     }
 
@@ -73,6 +76,13 @@ impl Config {
     /// but inside the items of the prompt's arrays, which are checked as serde's raw values
     /// are: a lone surrogate's escape or a number past `f64`'s range is taken there.
     pub(crate) fn inspect(&self, body: &[u8]) -> (Option<SessionKey>, PromptFacts) {
+        let (key, facts, _) = self.inspect_with(body, true);
+        (key, facts)
+    }
+
+    /// [`inspect`](Self::inspect), also saying whether the body asks to be streamed (a
+    /// top-level `"stream": true`) without saying anything of `stream_options`.
+    pub(crate) fn inspect_stream(&self, body: &[u8]) -> (Option<SessionKey>, PromptFacts, bool) {
         self.inspect_with(body, true)
     }
 
@@ -80,10 +90,11 @@ impl Config {
     /// the reference the member-by-member reading is held to.
     #[cfg(test)]
     pub(crate) fn inspect_whole(&self, body: &[u8]) -> (Option<SessionKey>, PromptFacts) {
-        self.inspect_with(body, false)
+        let (key, facts, _) = self.inspect_with(body, false);
+        (key, facts)
     }
 
-    fn inspect_with(&self, body: &[u8], walk: bool) -> (Option<SessionKey>, PromptFacts) {
+    fn inspect_with(&self, body: &[u8], walk: bool) -> (Option<SessionKey>, PromptFacts, bool) {
         let mut facts = PromptFacts {
             body_bytes: body.len(),
             messages: 0,
@@ -92,7 +103,7 @@ impl Config {
         };
         // Most bodies that are not a JSON object are spotted without running the parser.
         if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
-            return (None, facts);
+            return (None, facts, false);
         }
         // Items are read member by member where they can be; a body that parse refuses is
         // read again with its items whole, which takes exactly the bodies it took before.
@@ -102,15 +113,16 @@ impl Config {
             Err(_) => None,
         };
         let Some(found) = found else {
-            return (None, facts);
+            return (None, facts, false);
         };
+        let streams_unasked = found.stream == Some(true) && !found.stream_options;
         let base = found
             .previous
             .as_deref()
             .filter(|id| !id.is_empty())
             .and_then(|id| self.responses.get(id));
         let Some(chain) = found.prompt.chain(base.as_ref()) else {
-            return (None, facts);
+            return (None, facts, streams_unasked);
         };
         facts.chain = chain;
         match found.prompt.get(Part::Messages) {
@@ -133,7 +145,7 @@ impl Config {
             let (_, value) = found.values.iter().find(|(i, _)| *i == top)?;
             key_at(value, rest)
         });
-        (key, facts)
+        (key, facts, streams_unasked)
     }
 }
 
@@ -178,6 +190,10 @@ struct Found<'de> {
     prompt: PromptMembers<'de>,
     /// The Responses API's `previous_response_id`, if it is a string.
     previous: Option<Cow<'de, str>>,
+    /// `stream`, if it is a boolean (the last one given).
+    stream: Option<bool>,
+    /// Whether `stream_options` is given at all.
+    stream_options: bool,
 }
 
 /// The top-level object: keeps the members named in `tops` and the prompt's members, skips
@@ -218,6 +234,15 @@ impl<'de> Visitor<'de> for TopLevel<'_> {
                     };
                     continue;
                 }
+                Member::Stream => {
+                    found.stream = map.next_value::<Value>()?.as_bool();
+                    continue;
+                }
+                Member::StreamOptions => {
+                    map.next_value::<Skip>()?;
+                    found.stream_options = true;
+                    continue;
+                }
                 Member::Top { index, part } => (index, part),
             };
             // A key field's first key: kept whole, as it is small and may be nested.
@@ -238,11 +263,17 @@ impl<'de> Visitor<'de> for TopLevel<'_> {
 enum Member {
     /// The first key of a key field (at this index of `tops`), and the prompt member it also
     /// is, if it is one.
-    Top { index: usize, part: Option<Part> },
+    Top {
+        index: usize,
+        part: Option<Part>,
+    },
     /// A prompt member, not a key field.
     Prompt(Part),
     /// `previous_response_id`, not a key field.
     Previous,
+    /// `stream` and `stream_options`, not key fields.
+    Stream,
+    StreamOptions,
     /// Anything else: skipped.
     Other,
 }
@@ -273,6 +304,8 @@ impl<'de> Visitor<'de> for MemberName<'_> {
             (Some(index), part) => Member::Top { index, part },
             (None, Some(part)) => Member::Prompt(part),
             (None, None) if name == "previous_response_id" => Member::Previous,
+            (None, None) if name == "stream" => Member::Stream,
+            (None, None) if name == "stream_options" => Member::StreamOptions,
             (None, None) => Member::Other,
         })
     }

@@ -13,7 +13,8 @@ use crate::key::HeaderKey;
 
 /// Buffers each request body (up to a limit), attaches the session key found in its JSON and
 /// the body's [`PromptFacts`](crate::key::PromptFacts), and forwards the request with the very bytes the client sent as
-/// an [`http_body_util::Full`] body.
+/// an [`http_body_util::Full`] body (but for a stream asked for its usage on the client's
+/// behalf, with [`ask_stream_usage`](Self::ask_stream_usage) on).
 ///
 /// - The key is read from the first of the configured fields that holds a non-blank string or
 ///   a number: by default `prompt_cache_key`, then `user`, then `metadata.user_id`. It goes
@@ -194,6 +195,78 @@ impl BodyKeyLayer {
     /// ```
     pub fn read_timeout(mut self, timeout: Duration) -> Self {
         Arc::make_mut(&mut self.config).read_timeout = Some(timeout);
+        self
+    }
+
+    /// Asks a streaming request that did not ask for its usage to carry it, and takes the
+    /// usage chunk out of the answer again, so that the service behind can read what the
+    /// backend reused (see [`ResponseBody::usage`](crate::ResponseBody::usage)) while the client gets
+    /// the stream it asked for. Off by default.
+    ///
+    /// OpenAI-compatible servers put usage in a stream only when the request says
+    /// `"stream_options": {"include_usage": true}`, in a last chunk of its own (`"choices":
+    /// []`); vLLM and SGLang send no other figure. llama.cpp puts its `timings` on the last
+    /// chunk of every stream, so a fleet of llama-servers does not need this.
+    ///
+    /// - Asked: a request to a path ending in `/completions` (chat or legacy completions)
+    ///   whose body is a JSON object with `"stream": true` and no `stream_options` at all. Its
+    ///   body gets `"stream_options":{"include_usage":true}` as its first member (and its
+    ///   `Content-Length`, if it has one, the new length). A client that gave
+    ///   `stream_options`, whatever it says, is left as it is, and so are Anthropic's and the
+    ///   Responses API's requests, whose streams carry usage anyway. A body this layer does
+    ///   not read ([`skip_when_header`](Self::skip_when_header)) is not asked.
+    /// - Taken out, when the answer is an uncompressed `text/event-stream`: the first event
+    ///   whose data is a chunk with `"choices": []` and a `usage` object. Its other members
+    ///   that the chunk before it lacks are put at the end of that chunk, which is where a
+    ///   backend that moves them onto its last chunk had them without usage asked for
+    ///   (llama.cpp's `timings`). The chunk finishing a choice is held back until the next
+    ///   event for this; every other event passes on as soon as it is whole. The answer's
+    ///   `Content-Length`, if it had one, is removed.
+    ///
+    /// So a client gets the very bytes it would have had without the router from a backend
+    /// whose stream with usage is its stream without it plus that chunk, with members moved as
+    /// above (llama.cpp, SGLang and vLLM by their sources; OpenAI's own API also writes
+    /// `"usage": null` into every other chunk, which is left there). A stream that fails ends
+    /// with its error, without the chunk held at that moment.
+    ///
+    /// ```
+    /// use bytes::Bytes;
+    /// use http_body_util::{BodyExt, Full};
+    /// use tower::{service_fn, Layer, ServiceExt};
+    /// use tower_affinity::key::BodyKeyLayer;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// // A backend that streams its usage only when asked.
+    /// let backend = service_fn(|req: http::Request<Full<Bytes>>| async move {
+    ///     let body = req.into_body().collect().await.unwrap().to_bytes();
+    ///     let asked = body.starts_with(br#"{"stream_options":{"include_usage":true},"#);
+    ///     let mut stream = String::from("data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n");
+    ///     if asked {
+    ///         stream += "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":9}}\n\n";
+    ///     }
+    ///     stream += "data: [DONE]\n\n";
+    ///     let res = http::Response::builder()
+    ///         .header("content-type", "text/event-stream")
+    ///         .body(stream)
+    ///         .unwrap();
+    ///     Ok::<_, std::convert::Infallible>(res)
+    /// });
+    /// let svc = BodyKeyLayer::new().ask_stream_usage(true).layer(backend);
+    /// let req = http::Request::post("/v1/chat/completions")
+    ///     .body(Full::new(Bytes::from_static(br#"{"stream":true,"messages":[]}"#)))
+    ///     .unwrap();
+    /// let res = svc.oneshot(req).await.unwrap();
+    /// let got = res.into_body().collect().await.unwrap().to_bytes();
+    /// // The backend was asked; the client gets the stream it asked for.
+    /// assert_eq!(
+    ///     got,
+    ///     "data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n"
+    /// );
+    /// # }
+    /// ```
+    pub fn ask_stream_usage(mut self, ask: bool) -> Self {
+        Arc::make_mut(&mut self.config).ask_stream_usage = ask;
         self
     }
 }

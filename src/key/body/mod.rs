@@ -1,5 +1,6 @@
 //! [`BodyKeyLayer`]: buffers a request body (bounded), reads the session key and the prompt
-//! facts from it, and forwards the body unchanged.
+//! facts from it, and forwards the body unchanged (or asking a stream for its usage on the
+//! client's behalf, when told to).
 //!
 //! The body is parsed once (a second time only if it is not JSON, or if an array of the
 //! prompt holds an item that is neither an object nor an array); what it keeps and how the
@@ -16,7 +17,9 @@
 //   prompt.rs   the prompt's members cut into a chain
 //   responses.rs  the chains of Responses API answers, for `previous_response_id`
 //   facts.rs    PromptFacts
+//   ask.rs      asking a stream for its usage, and taking the usage chunk out of the answer
 
+mod ask;
 // `body` as tower-http names a middleware's response body, though the folder is `body` too.
 #[allow(clippy::module_inception)]
 mod body;
