@@ -25,7 +25,10 @@
 #   5. restarts the proxy (node-then-backend, an empty cache model) and runs the
 #      same conversations keyless: no X-Session-Id, no key in the body, so each
 #      turn is placed by the proxy's cache model from its prompt alone; asserts
-#      the same, by llama-server's own counts
+#      the same, by llama-server's own counts. Its streamed turns do not ask for
+#      usage, and the proxy runs with --ask-stream-usage: no usage chunk may reach
+#      the client, llama-server's timings must be back on the last chunk, and the
+#      proxy's counters must still equal llama-server's figures within 1%
 #   6. restarts the proxy with --policy round-robin and runs the driver again,
 #      without asserting, for comparison.
 #   Exits 0 only if the assertions in 4 and 5 passed.  Every process it starts is
@@ -312,14 +315,15 @@ build_proxy() {
 }
 
 PROXY_PID=
-start_proxy() { # policy [label for the log's name, default: policy]
+start_proxy() { # policy [label for the log's name, default: policy] [proxy flags...]
     local policy=$1 log="$LOG_DIR/proxy-${2:-$1}.log"
+    shift $(($# < 2 ? $# : 2))
     port_busy "$PROXY_PORT" && die "port $PROXY_PORT is already in use (set TA_PROXY_PORT)"
     "$PROXY_BIN" --listen "127.0.0.1:$PROXY_PORT" \
         --backend "node-a=${LLAMA_URLS[0]},slots=2" \
         --backend "node-a=${LLAMA_URLS[1]},slots=2" \
         --backend "node-b=${LLAMA_URLS[2]},slots=2" \
-        --policy "$policy" >"$log" 2>&1 &
+        --policy "$policy" "$@" >"$log" 2>&1 &
     PROXY_PID=$!
     PIDS+=("$PROXY_PID")
     say "proxy ($policy): pid $PROXY_PID on 127.0.0.1:$PROXY_PORT (log $log)"
@@ -380,8 +384,9 @@ run_driver node-then-backend --assert-min-hit 1.0 --stream-every 2 || AFF_RC=$?
 # The proxy's own account of the reuse, against the sums of llama-server's per-request
 # figures the driver saw: within 1%.
 METRICS_RC=0
-curl -fsS "http://127.0.0.1:$PROXY_PORT/metrics" > "$LOG_DIR/metrics-node-then-backend.txt" || METRICS_RC=1
-"$PY" - "$LOG_DIR/metrics-node-then-backend.txt" "$LOG_DIR/drive-node-then-backend.json" <<'PYEOF' || METRICS_RC=$?
+check_metrics() { # label: the proxy's counters against the driver's sums for that run
+    curl -fsS "http://127.0.0.1:$PROXY_PORT/metrics" > "$LOG_DIR/metrics-$1.txt" || return 1
+    "$PY" - "$LOG_DIR/metrics-$1.txt" "$LOG_DIR/drive-$1.json" <<'PYEOF'
 import json, sys
 metrics, drive = open(sys.argv[1]).read(), json.load(open(sys.argv[2]))
 def total(name):
@@ -396,14 +401,21 @@ for name, want in (("tower_affinity_backend_prompt_tokens_total", drive["prompt_
     ok &= off <= 0.01
 sys.exit(0 if ok else 1)
 PYEOF
+}
+check_metrics node-then-backend || METRICS_RC=$?
 stop_proxy
 
 KEYLESS_RC=0
 if ((KEYLESS)); then
     # A fresh proxy, so its cache model starts empty; the llama-servers keep what the keyed
     # run left (the shared system prompt and spec; the tool output is salted per run).
-    start_proxy node-then-backend node-then-backend-keyless
-    run_driver node-then-backend-keyless --keyless --assert-min-hit 1.0 || KEYLESS_RC=$?
+    # Its streamed turns do not ask for usage: the proxy asks on their behalf and takes the
+    # usage chunk out again; the driver fails if one reaches it, or if llama-server's timings
+    # are not back on the chunk that finishes the answer.
+    start_proxy node-then-backend node-then-backend-keyless --ask-stream-usage
+    run_driver node-then-backend-keyless --keyless --assert-min-hit 1.0 --stream-every 2 \
+        --stream-without-usage || KEYLESS_RC=$?
+    check_metrics node-then-backend-keyless || METRICS_RC=$?
     stop_proxy
 fi
 

@@ -149,6 +149,10 @@ class TurnRecord:
     answer: str = field(default="", repr=False)
 
 
+# What --stream-without-usage found wrong in the streams, from every session's thread.
+stream_errors: list[str] = []
+
+
 def _cached_tokens(completion, raw_json: dict) -> tuple[int | None, str]:
     usage = getattr(completion, "usage", None)
     details = getattr(usage, "prompt_tokens_details", None) if usage is not None else None
@@ -182,14 +186,16 @@ def run_session(args, session: int, log) -> list[TurnRecord]:
         t0 = time.monotonic()
         stream = args.stream_every > 0 and turn % args.stream_every == 0
         if stream:
-            # Streamed, asking for the usage chunk; llama.cpp's timings ride on the last chunk.
+            # Streamed, asking for the usage chunk unless told not to; llama.cpp's timings ride
+            # on the last chunk.
+            extra_args = {} if args.stream_without_usage else {"stream_options": {"include_usage": True}}
             raw = client.chat.completions.with_raw_response.create(
                 model=args.model,
                 messages=messages,
                 max_tokens=args.max_tokens,
                 temperature=0,
                 stream=True,
-                stream_options={"include_usage": True},
+                **extra_args,
             )
             parts, usage, raw_json = [], None, {}
             for chunk in raw.parse():
@@ -200,6 +206,10 @@ def run_session(args, session: int, log) -> list[TurnRecord]:
                 extra = getattr(chunk, "model_extra", None) or {}
                 if isinstance(extra.get("timings"), dict):
                     raw_json = {"timings": extra["timings"]}
+                    if args.stream_without_usage and not chunk.choices:
+                        stream_errors.append(f"session {session} turn {turn}: timings on a chunk without choices")
+            if args.stream_without_usage and usage is not None:
+                stream_errors.append(f"session {session} turn {turn}: a usage chunk it did not ask for")
             latency_ms = (time.monotonic() - t0) * 1000.0
             answer = "".join(parts)
 
@@ -208,6 +218,16 @@ def run_session(args, session: int, log) -> list[TurnRecord]:
 
             completion = _Completion()
             completion.usage = usage
+            if usage is None and isinstance(raw_json.get("timings"), dict):
+                # No usage asked for: llama-server's timings say it all.
+                t = raw_json["timings"]
+
+                class _Usage:
+                    prompt_tokens = int(t.get("prompt_n", 0)) + int(t.get("cache_n", 0))
+                    completion_tokens = int(t.get("predicted_n", 0))
+                    prompt_tokens_details = None
+
+                usage = _Usage()
         else:
             raw = client.chat.completions.with_raw_response.create(
                 model=args.model,
@@ -283,6 +303,12 @@ def main() -> int:
         type=int,
         default=0,
         help="stream every Nth turn (with stream_options.include_usage); 0: none",
+    )
+    ap.add_argument(
+        "--stream-without-usage",
+        action="store_true",
+        help="streamed turns do not ask for usage; exit 1 if a usage chunk arrives anyway, "
+        "or llama-server's timings on a chunk without choices",
     )
     ap.add_argument("--run-id", default=None, help="salt for session ids and tool output (default: random)")
     ap.add_argument("--label", default="", help="printed in the summary line")
@@ -384,6 +410,11 @@ def main() -> int:
     if len(records) != args.sessions * args.turns:
         print("ERROR: missing turn records", file=sys.stderr)
         return 2
+    if stream_errors:
+        for e in stream_errors:
+            print(f"STREAM: {e}", file=sys.stderr)
+        print(f"ASSERTION FAILED: {len(stream_errors)} streams not as the client asked", file=sys.stderr)
+        return 1
     if args.assert_min_hit is not None:
         if share + 1e-9 < args.assert_min_hit:
             print(f"ASSERTION FAILED: hit share {share:.0%} < required {args.assert_min_hit:.0%}", file=sys.stderr)

@@ -394,6 +394,78 @@ mod tests {
         assert!(s.is_empty());
     }
 
+    mod properties {
+        use proptest::collection::vec;
+        use proptest::prelude::*;
+        use proptest::sample::select;
+
+        use super::*;
+
+        /// The events a stream is made of, some of them odd: comments, other fields, events
+        /// in two data lines, a blank line of its own, a chunk that is not JSON.
+        const EVENTS: &[&str] = &[
+            TOKEN,
+            "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n",
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":9},\"timings\":{\"cache_n\":1}}\n\n",
+            "data: {\"choices\": [ ], \"usage\": {\"prompt_tokens\": 9}}\n\n",
+            "data: {\"choices\":[],\"usage\":null}\n\n",
+            "data: [DONE]\n\n",
+            ": keep-alive\n\n",
+            "event: message\ndata: {\"choices\":[{\"finish_reason\":\"length\"}]}\n\n",
+            "data: {\"choices\":\ndata: []}\n\n",
+            "\n",
+            "data: {\"usage\":\"finish_reason\"\n\n",
+        ];
+
+        fn stream(events: &[&str], crlf: bool) -> Vec<u8> {
+            let s: String = events.concat();
+            if crlf { s.replace('\n', "\r\n") } else { s }.into_bytes()
+        }
+
+        fn through(bytes: &[u8], cuts: &[usize]) -> Vec<u8> {
+            let mut s = UsageStrip::default();
+            let mut out = Vec::new();
+            let mut at = 0;
+            let mut cuts: Vec<usize> = cuts.iter().map(|c| c % (bytes.len() + 1)).collect();
+            cuts.sort_unstable();
+            for cut in cuts.into_iter().chain([bytes.len()]) {
+                out.extend_from_slice(&s.feed(Bytes::copy_from_slice(&bytes[at..cut])));
+                at = cut;
+            }
+            out.extend_from_slice(&s.finish());
+            out
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(2000))]
+
+            /// However a stream is cut into frames, the same bytes come out; a stream with no
+            /// usage chunk comes out as it went in; one usage chunk at most is taken out, and
+            /// nothing else is lost.
+            #[test]
+            fn the_bytes_out_do_not_depend_on_the_frames(
+                events in vec(select(EVENTS), 0..12),
+                cuts in vec(any::<usize>(), 0..8),
+                crlf in any::<bool>(),
+            ) {
+                let bytes = stream(&events, crlf);
+                let whole = through(&bytes, &[]);
+                prop_assert_eq!(&through(&bytes, &cuts), &whole);
+                let usage = events.iter().position(|e| *e == EVENTS[2] || *e == EVENTS[3]);
+                match usage {
+                    None => prop_assert_eq!(&whole, &bytes),
+                    Some(_) => prop_assert!(whole.len() < bytes.len() + 64),
+                }
+                // Everything but the taken chunk is still there, in order.
+                let events_out = String::from_utf8_lossy(&whole).matches("data:").count()
+                    + String::from_utf8_lossy(&whole).matches(": keep-alive").count();
+                let events_in = String::from_utf8_lossy(&bytes).matches("data:").count()
+                    + String::from_utf8_lossy(&bytes).matches(": keep-alive").count();
+                prop_assert_eq!(events_out + usize::from(usage.is_some()), events_in);
+            }
+        }
+    }
+
     #[test]
     fn asking_puts_stream_options_first() {
         let body = b" {\"stream\":true,\"messages\":[]}";
