@@ -166,9 +166,9 @@ fn event_end(buf: &[u8], from: usize) -> Option<usize> {
     while let Some(at) = memchr::memchr(b'\n', buf.get(i..)?) {
         let nl = i + at;
         // The line this LF ends is blank, or a lone CR: the byte before it is the LF before
-        // (or the CR after one), or the event starts there.
+        // (or the CR after one), or there is none (`buf` starts where a line starts).
         let blank = match nl.checked_sub(1).map(|p| buf[p]) {
-            Some(b'\n') => true,
+            None | Some(b'\n') => true,
             Some(b'\r') => nl == 1 || buf[nl - 2] == b'\n',
             _ => false,
         };
@@ -367,6 +367,27 @@ mod tests {
         // Not SSE at all, and cut short: every byte comes out.
         let junk = b"data: {\"choices\":[{\"finish_reason\":\"stop\"}]}\n\ndata: {\"choi";
         assert_eq!(strip_in_pieces(junk, 4), junk);
+    }
+
+    #[test]
+    fn a_blank_line_that_starts_a_frame_stays_a_line_of_its_own() {
+        // Found by the fuzzer: an empty line at the start of a frame was read as part of the
+        // event after it, and taken out with it.
+        let stream = format!("{TOKEN}\n{}data: [DONE]\n\n", usage_chunk());
+        let want = format!("{TOKEN}\ndata: [DONE]\n\n");
+        for piece in 1..=stream.len() {
+            assert_eq!(
+                String::from_utf8_lossy(&strip_in_pieces(stream.as_bytes(), piece)),
+                want,
+                "pieces of {piece}"
+            );
+        }
+        let mut s = UsageStrip::default();
+        assert_eq!(s.feed(Bytes::from_static(TOKEN.as_bytes())), TOKEN.as_bytes());
+        let mut out = s.feed(Bytes::from_static(b"\n")).to_vec();
+        out.extend_from_slice(&s.feed(Bytes::from(usage_chunk())));
+        out.extend_from_slice(&s.finish());
+        assert_eq!(out, b"\n");
     }
 
     #[test]

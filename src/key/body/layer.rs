@@ -206,7 +206,9 @@ impl BodyKeyLayer {
     /// OpenAI-compatible servers put usage in a stream only when the request says
     /// `"stream_options": {"include_usage": true}`, in a last chunk of its own (`"choices":
     /// []`); vLLM and SGLang send no other figure. llama.cpp puts its `timings` on the last
-    /// chunk of every stream, so a fleet of llama-servers does not need this.
+    /// chunk of every stream, so a fleet of llama-servers does not need this. Turn it on only
+    /// for backends that take `stream_options` (OpenAI's API, vLLM, SGLang and llama.cpp
+    /// do): one that refused the member would refuse the request.
     ///
     /// - Asked: a request to a path ending in `/completions` (chat or legacy completions)
     ///   whose body is a JSON object with `"stream": true` and no `stream_options` at all. Its
