@@ -178,9 +178,12 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// [`observe_usage`](Self::observe_usage)): the wait from how long their requests take and
     /// how long those in flight have run, the cost of moving from the backend's measured
     /// prefill rate and the prompts it has been sent and has not answered yet (a backend
-    /// reads one prompt after another: a move there waits behind them). A backend that has
-    /// taught nothing yet is taken to read as the others do; until anything is learned, a
-    /// request moves at once.
+    /// reads one prompt after another: a move there waits behind them). The move's read is
+    /// counted for the requests that reach that backend while it lasts, too, as they wait
+    /// behind it (by Little's law, at its requests in flight over their learned time): a
+    /// move of a whole prompt onto a busy backend costs its other sessions' turns as well. A
+    /// backend that has taught nothing yet is taken to read as the others do; until anything
+    /// is learned, a request moves at once.
     pub fn wait_versus_move(mut self, enabled: bool) -> Self {
         self.config.wait_versus_move = enabled;
         self

@@ -17,12 +17,21 @@
 //!   cache model says it lacks), after those it is still reading for the requests it has not
 //!   answered yet, divided by its learned prefill rate. A backend reads one prompt after
 //!   another (llama.cpp shares one batch among its slots): a free slot behind a long cold
-//!   prompt is no sooner than a busy home.
+//!   prompt is no sooner than a busy home;
+//! - the move's read is counted for every request it delays, not only for the request
+//!   moved: a backend reads one prompt after another, so each request that reaches it while
+//!   it reads waits as long again. By Little's law, requests reach a backend at its requests
+//!   in flight (this one included) over its learned request time a second. A move reads the
+//!   whole prompt in front of the other backend's turns, and under load that is the larger
+//!   part of what it costs; staying reads only what the home lacks, for a warm turn a few
+//!   hundred tokens whose delay to others is second order, and is counted as the request's
+//!   own read alone.
 //!
 //! If the wait is the cheaper, the request waits for the full backend, at most as long as
-//! moving would cost; then it moves. Waiting up to the price of the alternative and then
-//! paying it never costs more than twice the better choice made with hindsight (the
-//! ski-rental bound), however wrong the estimate of the wait was.
+//! moving would cost more than staying; then it moves. Waiting up to the price of the
+//! alternative and then paying it never costs more than twice the better choice made with
+//! hindsight (the ski-rental bound, on the costs counted so), however wrong the estimate of
+//! the wait was.
 //!
 //! Tokens are counted as the backend counts them: the cache model's figures are the chain's
 //! estimate (four bytes a token), and each answer teaches the backend's own tokens per token
@@ -219,6 +228,21 @@ impl Learned {
         Some(Duration::from_secs_f64((took - oldest).max(0.0) / 1000.0))
     }
 
+    /// What a read of `read` on this backend costs its requests, not only the one read: the
+    /// read itself, and as long again for each request that reaches the backend meanwhile,
+    /// as that one waits behind it (a backend reads one prompt after another). Requests
+    /// reach it at `in_flight` (its requests in flight with this one) over its learned
+    /// request time a second, by Little's law; until that time is learned, the read alone.
+    pub(crate) fn read_cost(&self, read: Duration, in_flight: u32) -> Duration {
+        let Some(took_ms) = load_f64(&self.duration_ms) else {
+            return read;
+        };
+        let secs = read.as_secs_f64();
+        let arriving = f64::from(in_flight) * secs * 1000.0 / took_ms;
+        let behind = Duration::try_from_secs_f64(secs * arriving).unwrap_or(Duration::MAX);
+        read.saturating_add(behind)
+    }
+
     /// What moving a request here costs: the time to read `tokens` (the chain's estimate),
     /// once the rate is learned.
     pub(crate) fn read_time(&self, tokens: u64) -> Option<Duration> {
@@ -406,5 +430,19 @@ mod tests {
         assert!((w.as_secs_f64() - 4.667).abs() < 0.01, "{w:?}");
         // Requests older than the learned time: a slot is due now.
         assert_eq!(l.wait_estimate(2, 60_000), Some(Duration::ZERO));
+    }
+
+    #[test]
+    fn a_read_costs_as_long_again_for_each_request_arriving_while_it_lasts() {
+        let l = Learned::default();
+        let read = Duration::from_secs(5);
+        // Nothing learned: the read alone.
+        assert_eq!(l.read_cost(read, 4), read);
+        l.learn(&answer(1, Some(0), 1), None); // a 10 s request
+                                               // Two requests in flight for 10 s each: one arrives every 5 s, one during the read.
+        assert_eq!(l.read_cost(read, 2), Duration::from_secs(10));
+        assert_eq!(l.read_cost(read, 0), read);
+        assert_eq!(l.read_cost(Duration::ZERO, 2), Duration::ZERO);
+        assert_eq!(l.read_cost(Duration::MAX, u32::MAX), Duration::MAX);
     }
 }

@@ -633,8 +633,9 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
 
 /// Whether a request should wait for `target`, the full backend holding its prefix, rather
 /// than go to `chosen`, which has room; if so, for how long at most: what moving would cost
-/// more than staying. `None` (move) unless the figures are learned: a backend's own, or for a
-/// backend that has not taught its own yet, the fleet's mean.
+/// more than staying, the move's read counted for the requests it delays there too (see
+/// [`learn`](crate::learn)). `None` (move) unless the figures are learned: a backend's own,
+/// or for a backend that has not taught its own yet, the fleet's mean.
 fn worth_waiting(
     t: &Topology,
     target: u32,
@@ -660,12 +661,13 @@ fn worth_waiting(
         0 => Duration::ZERO,
         n => load.learned.read_time_or(n, &prior)?,
     };
-    let go_backlog = go.load.learned.backlog();
-    let go_read = go
-        .load
-        .learned
-        .read_time_or(go_backlog.saturating_add(lacks(go)), &prior)?;
-    let saving = go_read.checked_sub(stay_read)?;
+    let go_load = &go.load.learned;
+    let go_behind = go_load.read_time_or(go_load.backlog(), &prior)?;
+    let go_read = go_load.read_time_or(lacks(go), &prior)?;
+    // Its requests in flight with this one, whose slot there is taken already.
+    let go_in_flight = go.load.in_flight.load(Ordering::Relaxed);
+    let go_cost = go_behind.saturating_add(go_load.read_cost(go_read, go_in_flight));
+    let saving = go_cost.checked_sub(stay_read)?;
     let in_flight = load.in_flight.load(Ordering::Relaxed);
     let wait = load.learned.wait_estimate(in_flight, now_ms)?;
     (wait < saving).then_some(saving)

@@ -646,17 +646,44 @@ async fn move_at_once_when_the_wait_would_cost_more_than_moving() {
 
 #[tokio::test(start_paused = true)]
 async fn a_wait_for_the_holder_ends_when_moving_would_have_cost_less() {
-    let svc = service(&[("a", "n1"), ("b", "n2")]);
+    // Waits may last longer than the default minute.
+    let svc: Svc<_> = SessionAffinityLayer::new()
+        .overflow(Overflow::Wait {
+            max_wait: Duration::from_secs(600),
+            max_queued: 16,
+        })
+        .layer(fleet(&[("a", "n1"), ("b", "n2")], scripted()));
     // Requests usually take 10 s, but this one holds the home for 300 s: after waiting as long
-    // as moving costs (50 s less the 5 s the home would read), the turn moves.
+    // as moving costs more than staying, the turn moves. Moving reads 50 s, and the five
+    // requests reaching the other backend meanwhile (one in flight per 10 s) wait as long:
+    // 300 s. Staying reads 5 s.
     teach(&svc, Duration::from_secs(10)).await;
     let (home, streaming) = busy_home(&svc, Duration::from_secs(300)).await;
     let (d, waited) = next_turn(&svc).await;
     assert_ne!(d.backend.as_str(), home);
     assert_eq!(d.outcome, Outcome::CrossNodeSpill);
-    assert_eq!(d.waited, Some(Duration::from_secs(45)));
-    assert!(waited >= Duration::from_secs(45));
+    let hold = Duration::from_secs(295);
+    assert_eq!(d.waited, Some(hold));
+    assert!(waited >= hold);
     streaming.abort();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_move_counts_its_read_for_the_requests_that_reach_the_other_backend_meanwhile() {
+    let svc = service(&[("a", "n1"), ("b", "n2")]);
+    // Requests take 100 s; a move reads the 10,000 tokens it lacks in 50 s, staying reads
+    // 1,000 in 5 s. The home's slot frees in 50 s: alone, the move saves 45 s and would go
+    // at once. But requests reach the other backend at one per 100 s (its one request in
+    // flight, the move's own, over 100 s), so half a request waits behind the 50 s read:
+    // moving costs 75 s, staying 5 s, and the turn waits for its home.
+    teach(&svc, Duration::from_secs(100)).await;
+    let (home, streaming) = busy_home(&svc, Duration::from_secs(100)).await;
+    tokio::time::sleep(Duration::from_secs(50)).await;
+    let (d, _) = next_turn(&svc).await;
+    assert_eq!(d.backend.as_str(), home);
+    assert_eq!(d.outcome, Outcome::HomeHit);
+    assert_eq!(d.waited, Some(Duration::from_secs(50)));
+    streaming.await.unwrap();
 }
 
 #[tokio::test(start_paused = true)]
