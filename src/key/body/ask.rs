@@ -383,7 +383,10 @@ mod tests {
             );
         }
         let mut s = UsageStrip::default();
-        assert_eq!(s.feed(Bytes::from_static(TOKEN.as_bytes())), TOKEN.as_bytes());
+        assert_eq!(
+            s.feed(Bytes::from_static(TOKEN.as_bytes())),
+            TOKEN.as_bytes()
+        );
         let mut out = s.feed(Bytes::from_static(b"\n")).to_vec();
         out.extend_from_slice(&s.feed(Bytes::from(usage_chunk())));
         out.extend_from_slice(&s.finish());
