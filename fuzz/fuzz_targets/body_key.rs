@@ -62,9 +62,14 @@ fuzz_target!(|data: &[u8]| {
     let links = facts.chain.links();
     assert!(links.len() <= tower_affinity::PromptChain::MAX_LINKS);
     if !links.is_empty() {
-        assert!(matches!(serde_json_value(body), Some(true)), "a chain only from JSON");
+        assert!(
+            matches!(serde_json_value(body), Some(true)),
+            "a chain only from JSON"
+        );
     }
-    assert!(links.windows(2).all(|w| w[0].bytes < w[1].bytes && w[0].tokens <= w[1].tokens));
+    assert!(links
+        .windows(2)
+        .all(|w| w[0].bytes < w[1].bytes && w[0].tokens <= w[1].tokens));
 
     let mut fields = vec!["prompt_cache_key", "user", "metadata.user_id"];
     if mode & 0x40 != 0 {

@@ -63,7 +63,9 @@ fn through(answer: &Bytes, chunk: usize) -> Vec<u8> {
     });
     let svc = BodyKeyLayer::new().ask_stream_usage(true).layer(backend);
     let req = Request::post("/v1/chat/completions")
-        .body(Full::new(Bytes::from_static(br#"{"stream":true,"messages":[]}"#)))
+        .body(Full::new(Bytes::from_static(
+            br#"{"stream":true,"messages":[]}"#,
+        )))
         .unwrap();
     runtime().block_on(async move {
         let res = svc.oneshot(req).await.unwrap();
