@@ -7,45 +7,21 @@
 
 #![no_main]
 
+#[path = "support.rs"]
+mod support;
+
 use std::collections::VecDeque;
 use std::convert::Infallible;
-use std::pin::Pin;
-use std::sync::OnceLock;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{header, Request, StatusCode};
-use http_body::{Body, Frame};
 use http_body_util::{BodyExt, Full};
 use libfuzzer_sys::fuzz_target;
 use tower::{Layer, ServiceExt};
+
+use support::{runtime, Chunks};
 use tower_affinity::key::{BodyKeyLayer, PromptFacts, SessionKey};
-
-/// A body in fixed-size chunks, with no declared length.
-struct Chunks(VecDeque<Bytes>);
-
-impl Body for Chunks {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        Poll::Ready(self.0.pop_front().map(|c| Ok(Frame::data(c))))
-    }
-}
-
-fn runtime() -> &'static tokio::runtime::Runtime {
-    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-    RT.get_or_init(|| {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .unwrap()
-    })
-}
 
 fuzz_target!(|data: &[u8]| {
     let [mode, chunk, body @ ..] = data else {

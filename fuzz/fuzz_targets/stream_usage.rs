@@ -7,43 +7,19 @@
 
 #![no_main]
 
-use std::collections::VecDeque;
+#[path = "support.rs"]
+mod support;
+
 use std::convert::Infallible;
-use std::pin::Pin;
-use std::sync::OnceLock;
-use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http::Request;
-use http_body::{Body, Frame};
 use http_body_util::{BodyExt, Full};
 use libfuzzer_sys::fuzz_target;
 use tower::{Layer, ServiceExt};
+
+use support::{runtime, Chunks};
 use tower_affinity::key::BodyKeyLayer;
-
-/// An answer in fixed-size chunks.
-struct Chunks(VecDeque<Bytes>);
-
-impl Body for Chunks {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        Poll::Ready(self.0.pop_front().map(|c| Ok(Frame::data(c))))
-    }
-}
-
-fn runtime() -> &'static tokio::runtime::Runtime {
-    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-    RT.get_or_init(|| {
-        tokio::runtime::Builder::new_current_thread()
-            .build()
-            .unwrap()
-    })
-}
 
 /// What the client gets for `answer` sent in chunks of `chunk` bytes.
 fn through(answer: &Bytes, chunk: usize) -> Vec<u8> {
