@@ -181,7 +181,7 @@ fn event_end(buf: &[u8], from: usize) -> Option<usize> {
 }
 
 enum Kind {
-    /// The usage chunk, with its members to move: name (as JSON) and raw value.
+    /// The usage chunk, with the members it would move: each name and its value as written.
     Usage(Vec<(String, Box<RawValue>)>),
     /// A chunk that finishes a choice.
     Finish,
