@@ -41,7 +41,9 @@ use super::{
 /// - new conversations, keyed or keyless, are spread by the conversations each backend homes
 ///   (the cache model's count), not only by requests in flight: agents think between turns, so
 ///   in flight is near zero when each sends one turn at a time. A keyless one goes to the
-///   backend with the fewest conversations for its slots. A keyed one takes its rendezvous
+///   backend with the fewest requests in flight for its slots, and among those (often all of
+///   them) the fewest conversations for its slots: a busy backend reads a new prompt only
+///   after those it has. A keyed one takes its rendezvous
 ///   order, passing over any backend that would home more than `1 + epsilon` times its share of
 ///   slots (see [`conversation_bound`](NodeThenBackend::conversation_bound); default
 ///   [`DEFAULT_CONVERSATION_BOUND`](NodeThenBackend::DEFAULT_CONVERSATION_BOUND)).
@@ -139,7 +141,8 @@ impl NodeThenBackend {
     /// prefix many conversations share draws new ones only up to the bound, and the bound is
     /// what spreads them. Among equal prefixes, a keyed conversation takes its rendezvous
     /// order (so router replicas with the same caches agree) and a keyless one the backend
-    /// with the fewest conversations for its slots. A prompt already held whole is a repeat
+    /// with the fewest requests in flight, then the fewest conversations, for its slots. A
+    /// prompt already held whole is a repeat
     /// that says nothing of which conversation it is, and draws nothing.
     /// O(backends x log links).
     fn offer_holders(
@@ -152,14 +155,14 @@ impl NodeThenBackend {
             return ControlFlow::Continue(());
         };
         let bound = Bound::conversations(fleet, e);
-        let mut holders: Vec<(usize, (u64, u64), BackendRef<'_>)> = fleet
+        let mut holders: Vec<(usize, (u64, u64, u64), BackendRef<'_>)> = fleet
             .backends()
             .filter_map(|b| {
                 let links = b.cached_links(chain);
                 let holds = links > 0 && links < chain.len() && bound.admits(&b);
                 let order = match req.key {
                     // Higher scores first: ranks that sort ascending.
-                    Some(key) => (u64::MAX - b.rendezvous_score(key).to_bits(), 0),
+                    Some(key) => (u64::MAX - b.rendezvous_score(key).to_bits(), 0, 0),
                     None => spread_load(fleet, &b),
                 };
                 holds.then_some((links, order, b))
@@ -170,11 +173,13 @@ impl NodeThenBackend {
     }
 }
 
-/// How loaded a backend is for spreading new conversations: the conversations it homes (this
-/// one included) for its slots, then, between equals, the tokens it holds for its slots (a
-/// conversation that extended a prompt every backend holds adds no tip, but it adds tokens).
-/// Scaled to integers.
-fn spread_load(fleet: &FleetView<'_>, b: &BackendRef<'_>) -> (u64, u64) {
+/// How loaded a backend is for spreading new keyless conversations: its requests in flight
+/// for its slots (a busy backend reads a new prompt only after those it has); between equals
+/// (agents think between turns, so often every backend has none), the conversations it homes,
+/// this one included, for its slots; then the tokens it holds for its slots (a conversation
+/// that extended a prompt every backend holds adds no tip, but it adds tokens). Scaled to
+/// integers.
+fn spread_load(fleet: &FleetView<'_>, b: &BackendRef<'_>) -> (u64, u64, u64) {
     let total_slots = u64::from(fleet.topology.total_slots.max(1));
     let slots = u64::from(b.slots().max(1));
     let (conversations, tokens) = {
@@ -182,6 +187,7 @@ fn spread_load(fleet: &FleetView<'_>, b: &BackendRef<'_>) -> (u64, u64) {
         (u64::from(model.conversations()), model.tokens())
     };
     (
+        u64::from(b.in_flight()) * total_slots / slots,
         (conversations + 1) * total_slots / slots,
         tokens.saturating_mul(total_slots) / slots,
     )
@@ -201,7 +207,7 @@ impl Placement for NodeThenBackend {
                 }
                 // Ties are broken by the prompt itself, so a replay places alike every time.
                 let tie = chain.links().last().map_or(req.random, |l| l.digest);
-                let _ = fewest_conversations(fleet, tie, c);
+                let _ = least_loaded_for_new(fleet, tie, c);
             } else {
                 let _ = freer_of_two(fleet, req.random, c);
             }
@@ -338,10 +344,9 @@ fn offer_near(backend: BackendRef<'_>, c: &mut Candidates<'_>) -> ControlFlow<()
     rest.into_iter().try_for_each(|b| c.offer(b))
 }
 
-/// Offers the backend that homes the fewest conversations for its slots (ties: the fewest
-/// tokens held for its slots, then the most free slots, then the first from `random`), then
-/// every backend by free slots. O(backends).
-fn fewest_conversations(
+/// Offers the least loaded backend with a free slot by [`spread_load`] (ties: the most free
+/// slots, then the first from `random`), then every backend by free slots. O(backends).
+fn least_loaded_for_new(
     fleet: &FleetView<'_>,
     random: u64,
     c: &mut Candidates<'_>,
@@ -351,7 +356,7 @@ fn fewest_conversations(
         return ControlFlow::Continue(());
     }
     let start = (random % n as u64) as usize;
-    let mut best: Option<((u64, u64), u32, BackendRef<'_>)> = None;
+    let mut best: Option<((u64, u64, u64), u32, BackendRef<'_>)> = None;
     for b in (0..n).filter_map(|i| fleet.backend_at((start + i) % n)) {
         if b.free_slots() == 0 {
             continue;

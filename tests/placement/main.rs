@@ -517,6 +517,40 @@ fn a_keyless_request_with_no_prefix_goes_to_the_fewest_conversations_per_slot() 
 }
 
 #[test]
+fn a_new_keyless_conversation_goes_where_fewest_requests_are_in_flight_then_fewest_conversations() {
+    // a1 homes no conversation but reads two prompts now; b1 and b2 home one each, b2 with a
+    // request in flight; a2 homes two. The least busy by requests in flight for its slots
+    // wins (a2, b1: none), and between those the one homing fewer conversations (b1).
+    let fleet = || {
+        two_by_two_with(4)
+            .in_flight("a1", 2)
+            .in_flight("b2", 1)
+            .holds("a2", &chain(&[701]))
+            .holds("a2", &chain(&[702]))
+            .holds("b1", &chain(&[703]))
+            .holds("b2", &chain(&[704]))
+    };
+    for i in 0..20 {
+        let fleet = fleet().prompt(chain(&[SYS, 2_000 + i]));
+        assert_eq!(
+            fleet.choose(&NodeThenBackend::new(), None, None),
+            Some("b1".into()),
+            "prompt {i}"
+        );
+    }
+    // With nothing in flight anywhere, the conversations decide: a1.
+    let idle = two_by_two_with(4)
+        .holds("a2", &chain(&[701]))
+        .holds("b1", &chain(&[703]))
+        .holds("b2", &chain(&[704]))
+        .prompt(chain(&[SYS, 3_000]));
+    assert_eq!(
+        idle.choose(&NodeThenBackend::new(), None, None),
+        Some("a1".into())
+    );
+}
+
+#[test]
 fn a_prompt_held_whole_draws_nothing() {
     // An identical repeat (a retry, a sampled second answer) says nothing of whose it is.
     let turn1 = chain(&[SYS, 11, 12]);
