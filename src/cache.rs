@@ -700,6 +700,183 @@ mod tests {
         assert_eq!(std::mem::size_of::<Node>(), 32);
     }
 
+    /// The model as a plain map, evicting the least recently used leaf by scanning: what the
+    /// model must agree with, link for link.
+    #[derive(Default)]
+    struct Reference {
+        links: std::collections::HashMap<u64, RefLink>,
+        tokens: u64,
+        /// Ranks: a leaf used now takes the next high one; a link left a leaf by an eviction
+        /// takes the next low one (it was used no later than the leaf evicted).
+        high: i64,
+        low: i64,
+        clock: u32,
+    }
+
+    struct RefLink {
+        parent: Option<u64>,
+        tokens: u64,
+        children: usize,
+        rank: i64,
+        stamp: u32,
+    }
+
+    impl Reference {
+        fn held(&self, chain: &[Link]) -> usize {
+            chain
+                .iter()
+                .take_while(|l| self.links.contains_key(&l.digest))
+                .count()
+        }
+
+        fn leaves(&self) -> usize {
+            self.links.values().filter(|l| l.children == 0).count()
+        }
+
+        fn record(&mut self, chain: &[Link], budget: u64, max_blocks: usize) {
+            if chain.is_empty() {
+                return;
+            }
+            self.clock += 1;
+            let known = self.held(chain);
+            let mut parent = known.checked_sub(1).map(|i| chain[i].digest);
+            if let Some(p) = parent {
+                self.links.get_mut(&p).unwrap().stamp = self.clock;
+            }
+            for (i, link) in chain.iter().enumerate().skip(known) {
+                let before = if i == 0 { 0 } else { chain[i - 1].tokens };
+                if let Some(p) = parent {
+                    self.links.get_mut(&p).unwrap().children += 1;
+                }
+                self.links.insert(
+                    link.digest,
+                    RefLink {
+                        parent,
+                        tokens: link.tokens - before,
+                        children: 0,
+                        rank: 0,
+                        stamp: self.clock,
+                    },
+                );
+                self.tokens += link.tokens - before;
+                parent = Some(link.digest);
+            }
+            let tip = self.links.get_mut(&chain[chain.len() - 1].digest).unwrap();
+            if tip.children == 0 {
+                self.high += 1;
+                tip.rank = self.high;
+            }
+            while self.tokens > budget || self.links.len() > max_blocks {
+                if !self.evict_oldest(u32::MAX) {
+                    break;
+                }
+            }
+        }
+
+        /// Evicts the least recently used leaf if it was used no later than `stamp`.
+        fn evict_oldest(&mut self, stamp: u32) -> bool {
+            let Some((&digest, oldest)) = self
+                .links
+                .iter()
+                .filter(|(_, l)| l.children == 0)
+                .min_by_key(|(_, l)| l.rank)
+            else {
+                return false;
+            };
+            if oldest.stamp > stamp {
+                return false;
+            }
+            let gone = self.links.remove(&digest).unwrap();
+            self.tokens -= gone.tokens;
+            if let Some(p) = gone.parent {
+                let p = self.links.get_mut(&p).unwrap();
+                p.children -= 1;
+                if p.children == 0 {
+                    self.low -= 1;
+                    p.rank = self.low;
+                }
+            }
+            true
+        }
+    }
+
+    /// Conversation `c`'s chain of `len` links: even conversations share a three-link head,
+    /// and conversations 6 and 7 branch from conversation 0's first five links.
+    fn conversation(c: u64, len: usize) -> PromptChain {
+        PromptChain::from_blocks((0..len as u64).map(|i| {
+            let id = match c {
+                _ if c % 2 == 0 && i < 3 => i,
+                6 | 7 if i < 5 => i,
+                _ => c * 1_000 + i,
+            };
+            (id, 10 + (id % 7) as u32 * 15)
+        }))
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Record(u64, usize),
+        Forget(u32, u64),
+        Budget(u64),
+    }
+
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        prop_oneof![
+            8 => (0u64..8, 1usize..16).prop_map(|(c, n)| Op::Record(c, n)),
+            1 => (0u32..6, 0u64..400).prop_map(|(back, tokens)| Op::Forget(back, tokens)),
+            1 => (200u64..3_000).prop_map(Op::Budget),
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(500))]
+
+        #[test]
+        fn the_model_evicts_exactly_as_a_plain_least_recently_used_map(
+            budget in 300u64..3_000,
+            ops in proptest::collection::vec(op(), 1..80),
+        ) {
+            let mut m = CacheModel::new(budget);
+            // Few links, so the bound on links is reached as well as the one on tokens.
+            m.max_blocks = 40;
+            let mut r = Reference::default();
+            let mut budget = budget;
+            for op in ops {
+                match op {
+                    Op::Record(c, n) => {
+                        let chain = conversation(c, n);
+                        m.record_from(chain.links(), 0);
+                        r.record(chain.links(), budget, 40);
+                    }
+                    Op::Forget(back, shortfall) => {
+                        let stamp = m.clock.saturating_sub(back);
+                        m.forget_until(stamp, shortfall);
+                        let before = r.tokens;
+                        while before - r.tokens < shortfall && r.evict_oldest(stamp) {}
+                    }
+                    Op::Budget(b) => {
+                        budget = b;
+                        m.set_budget(b);
+                        m.max_blocks = 40;
+                        m.evict();
+                        while r.tokens > budget || r.links.len() > 40 {
+                            r.evict_oldest(u32::MAX);
+                        }
+                    }
+                }
+                m.check();
+                proptest::prop_assert_eq!(m.tokens(), r.tokens);
+                proptest::prop_assert_eq!(m.blocks(), r.links.len());
+                proptest::prop_assert_eq!(m.conversations() as usize, r.leaves());
+                for c in 0..8 {
+                    let chain = conversation(c, 16);
+                    proptest::prop_assert_eq!(m.held(chain.links()), r.held(chain.links()));
+                }
+            }
+        }
+    }
+
     #[test]
     fn the_index_agrees_with_a_map_through_inserts_and_removals() {
         use std::collections::HashMap;
