@@ -43,14 +43,15 @@ pub(crate) fn common_prefix(a: &[Block], b: &[Block]) -> u64 {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) enum SlotPolicy {
     /// A slot's state is saved whenever the new prompt does not contain all of it, and the RAM
-    /// cache is searched for every prompt.
-    #[default]
+    /// cache is searched for every prompt: a backend that loses no state it could keep.
     SaveAll,
     /// As llama-server decides (`server-context.cpp`, `get_available_slot`, and
     /// `server-task.cpp`, `server_prompt_cache::load`): the slot's state is saved, and the RAM
     /// cache searched, only when the slot was taken as the least recently used or would keep
     /// less than half of its tokens; otherwise the part the new prompt does not share is
     /// dropped. A RAM entry is restored only if the prompt keeps at least a quarter of it.
+    /// The default: `scripts/llama-slots.sh` shows a real llama-server doing so.
+    #[default]
     Llama,
 }
 
@@ -66,7 +67,7 @@ impl SlotPolicy {
 
 thread_local! {
     // Per thread, as the replicas' setting: the whole run drives one thread.
-    static SLOT_POLICY: std::cell::Cell<SlotPolicy> = const { std::cell::Cell::new(SlotPolicy::SaveAll) };
+    static SLOT_POLICY: std::cell::Cell<SlotPolicy> = const { std::cell::Cell::new(SlotPolicy::Llama) };
 }
 
 /// Sets the slot policy of the backends built on this thread from now on.
@@ -389,6 +390,8 @@ mod tests {
 
     #[test]
     fn prefix_matching_against_slot_and_ram_cache() {
+        // A backend that saves every slot's state: llama-server's own policy is below.
+        set_slot_policy(SlotPolicy::SaveAll);
         let mut c = BackendCache::new(1, u64::MAX, RamCache::new(1 << 30, 1));
         let a1 = blocks(&[b(0, 1000), b(10, 500)]);
         let first = c.admit(&a1).unwrap();

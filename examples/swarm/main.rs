@@ -59,10 +59,10 @@ usage: cargo run --release --example swarm -- [options]
   --trace-chains C  blocks (default) | turn-ends: the router's chains of a replayed trace
                     cut at its blocks only, or also where each turn's prompt ends (as a
                     chat body's chain is cut at its messages)
-  --slot-policy P   save-all (default) | llama: when a backend saves a slot's state to its
+  --slot-policy P   llama (default) | save-all: when a backend saves a slot's state to its
                     RAM cache, and searches that cache (llama: as llama-server does, only
                     when the slot is taken as the least recently used or keeps less than
-                    half of its tokens)
+                    half of its tokens; save-all: whenever another prompt takes the slot)
   --oracle          adds NTB+oracle: NodeThenBackend told what the simulated caches
                     really hold, the bound of a perfect cache model under the same rules
   --out FILE        the SVG chart (default target/swarm-<scenario>.svg)
@@ -121,8 +121,10 @@ impl Options {
     /// The fleet as titles name it: its kind, the replicas, the backends' slot policy.
     fn describe_fleet(&self, fleet: FleetKind) -> String {
         let slots = match self.slot_policy {
-            cache::SlotPolicy::SaveAll => "",
-            cache::SlotPolicy::Llama => "; slots saved and RAM searched as llama-server does",
+            cache::SlotPolicy::SaveAll => {
+                "; every slot's state saved, RAM searched for every prompt"
+            }
+            cache::SlotPolicy::Llama => "",
         };
         fleet.describe().to_owned() + &self.replicas.describe() + slots
     }
@@ -142,7 +144,7 @@ impl Default for Options {
             keyless: false,
             oracle: false,
             trace_chains: trace::Chains::Blocks,
-            slot_policy: cache::SlotPolicy::SaveAll,
+            slot_policy: cache::SlotPolicy::Llama,
             replicas: routers::Replicas {
                 routers: 1,
                 entry: routers::Entry::Random,
