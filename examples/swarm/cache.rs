@@ -7,9 +7,11 @@
 //!
 //! The behaviour follows llama.cpp's server (`--parallel N`, `--cache-ram`): a request takes the
 //! idle slot whose KV shares the longest prefix with it (if that prefix is at least a tenth of
-//! the prompt, else the least recently used idle slot); whatever that slot held and the new prompt
-//! does not keep is saved to the RAM cache; if the RAM cache holds a longer prefix than the slot,
-//! it is restored into the slot; the rest is prefilled. The slots share one KV budget in VRAM
+//! the prompt, else the least recently used idle slot). What that slot held and the new prompt
+//! does not keep is saved to the RAM cache, and the RAM cache is searched for a longer prefix to
+//! restore into the slot, only when the slot was taken as the least recently used or would keep
+//! less than half of its tokens; otherwise that part is dropped ([`SlotPolicy::Llama`], the
+//! default; [`SlotPolicy::SaveAll`] saves and searches always). The rest is prefilled. The slots share one KV budget in VRAM
 //! (llama.cpp's unified KV cache): when a request needs room, idle slots lose their states to the
 //! RAM cache, least recently used first.
 
