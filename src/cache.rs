@@ -805,7 +805,7 @@ mod tests {
     fn conversation(c: u64, len: usize) -> PromptChain {
         PromptChain::from_blocks((0..len as u64).map(|i| {
             let id = match c {
-                _ if c % 2 == 0 && i < 3 => i,
+                _ if c.is_multiple_of(2) && i < 3 => i,
                 6 | 7 if i < 5 => i,
                 _ => c * 1_000 + i,
             };
