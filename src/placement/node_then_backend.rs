@@ -38,6 +38,13 @@ use super::{
 /// - a request without a key goes to the backend holding the longest prefix of its prompt when
 ///   that prefix is the conversation's own (see [`FleetView::longest_prefix`]), then to the
 ///   other backends on that backend's node; otherwise it is placed by load;
+/// - a new conversation, keyed or keyless, goes first to the backend holding the longest prefix
+///   of its prompt, unless as many conversations as the backend's share (the
+///   [conversation bound](NodeThenBackend::conversation_bound)) already branch from that
+///   prefix there: a system prompt every conversation shares draws new ones only up to the
+///   bound, while a long prefix few others continue (a conversation's last prompt that ended
+///   inside a block, whose ragged end the next turn drops; a branch) draws the next turn to
+///   where it is held, however many other conversations that backend homes;
 /// - new conversations, keyed or keyless, are spread by the conversations each backend homes
 ///   (the cache model's count), not only by requests in flight: agents think between turns, so
 ///   in flight is near zero when each sends one turn at a time. A keyless one goes to the
@@ -115,6 +122,14 @@ impl NodeThenBackend {
     /// room below the bound; the skipped backends are still offered last. Negative or non-finite values
     /// are read as 0.
     ///
+    /// A backend holding some of a new conversation's prompt is offered first unless the
+    /// conversations that branch from that prefix there already reach the bound: those are
+    /// what the prefix drew, and the conversations it homes besides came by other prefixes or
+    /// by load. A prefix every conversation shares is branched from by all of them, so it
+    /// draws new ones only up to the bound. What this leaves open: a backend may hold several
+    /// prefixes that each draw up to the bound, so it may home more than its share when the
+    /// conversations fall into groups sharing a long prefix each.
+    ///
     /// The bound needs the cache model's counts, which come from prompt chains: a request
     /// without one (no body-reading layer in front) takes its rendezvous order unbounded.
     ///
@@ -137,9 +152,14 @@ impl NodeThenBackend {
 
 impl NodeThenBackend {
     /// Offers the backends that hold some of a new conversation's prompt, the longest prefix
-    /// first, passing over any that already homes more than its share of conversations: a
-    /// prefix many conversations share draws new ones only up to the bound, and the bound is
-    /// what spreads them. Among equal prefixes, a keyed conversation takes its rendezvous
+    /// first, passing over any where the conversations that share the prefix, branching
+    /// from it there, already reach the backend's share of conversations: a prefix many
+    /// conversations share draws new ones only up to the bound, and the bound is what spreads
+    /// them. A prefix few others continue is not passed over for the conversations the
+    /// backend homes besides: they did not come for this prefix, and a conversation whose
+    /// turn ends inside a block (a text prompt, or a long message cut into blocks) leaves its
+    /// ragged end behind as a conversation of its own at every turn, so a backend serving long
+    /// conversations looks full of them. Among equal prefixes, a keyed conversation takes its rendezvous
     /// order (so router replicas with the same caches agree) and a keyless one the backend
     /// with the fewest requests in flight, then the fewest conversations, for its slots. A
     /// prompt already held whole is a repeat
@@ -158,8 +178,8 @@ impl NodeThenBackend {
         let mut holders: Vec<(usize, (u64, u64, u64), BackendRef<'_>)> = fleet
             .backends()
             .filter_map(|b| {
-                let links = b.cached_links(chain);
-                let holds = links > 0 && links < chain.len() && bound.admits(&b);
+                let (links, branches) = b.cached_links_and_branches(chain);
+                let holds = links > 0 && links < chain.len() && bound.admits_homing(&b, branches);
                 let order = match req.key {
                     // Higher scores first: ranks that sort ascending.
                     Some(key) => (u64::MAX - b.rendezvous_score(key).to_bits(), 0, 0),
@@ -291,13 +311,19 @@ impl Bound {
     }
 
     fn admits(&self, b: &BackendRef<'_>) -> bool {
+        self.admits_homing(b, b.conversations())
+    }
+
+    /// [`admits`](Self::admits), counting `homed` conversations against a conversation bound
+    /// in place of all that `b` homes.
+    fn admits_homing(&self, b: &BackendRef<'_>, homed: u32) -> bool {
         let slots = f64::from(b.slots().max(1));
         match *self {
             Bound::None => true,
             Bound::Load { limit } => f64::from(b.in_flight() + 1) / slots <= limit,
             // A backend may always home as many conversations as it has slots.
             Bound::Conversations { per_slot } => {
-                f64::from(b.conversations() + 1) <= (per_slot * slots).ceil().max(slots)
+                f64::from(homed.saturating_add(1)) <= (per_slot * slots).ceil().max(slots)
             }
         }
     }

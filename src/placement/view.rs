@@ -176,6 +176,17 @@ impl<'a> BackendRef<'a> {
         self.member().cache.lock().held(chain.links())
     }
 
+    /// How many leading links of `chain` the cache model says this backend holds, and how
+    /// many held prompts continue the last of them: the conversations here that share that
+    /// prefix and branch from it where this request would. One lock, O(log links).
+    pub(crate) fn cached_links_and_branches(&self, chain: &PromptChain) -> (usize, u32) {
+        let model = self.member().cache.lock();
+        match model.held(chain.links()) {
+            0 => (0, 0),
+            n => (n, model.continuations(chain.links()[n - 1].digest)),
+        }
+    }
+
     /// How many of `chain`'s tokens the cache model says this backend would reuse: those of
     /// the longest prefix it holds. O(log links).
     ///

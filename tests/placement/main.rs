@@ -645,6 +645,45 @@ fn a_second_keyless_conversation_sharing_only_the_system_prompt_goes_to_the_fewe
     }
 }
 
+/// Two nodes of two backends, two slots each. b1 homes six conversations of their own, over
+/// its share of the seven (1.25 x 8 x 2/8, rounded up, is 3), and one whose last turn ended
+/// inside a block: its next turn keeps the blocks before that one (`31, 32, 33`).
+fn ragged_turn_on_a_busy_b1() -> Snapshot {
+    (0..6)
+        .fold(two_by_two_of_two(), |s, i| s.holds("b1", &chain(&[50 + i])))
+        .holds("b1", &chain(&[31, 32, 33, 34]))
+}
+
+#[test]
+fn the_conversation_bound_counts_against_a_holder_only_the_conversations_sharing_its_prefix() {
+    // The prefix branches once on b1 (the last turn's ragged end): it draws the next turn
+    // there, though b1 homes more than its share of other conversations. Keyless, the fewest
+    // conversations would send it anywhere but b1; keyed, its key prefers another backend.
+    let next = chain(&[31, 32, 33, 35, 36]);
+    let fleet = ragged_turn_on_a_busy_b1();
+    let prefix = fleet.view().longest_prefix(&next).unwrap();
+    assert_eq!((prefix.backend.id().as_str(), prefix.links), ("b1", 3));
+    assert!(!prefix.own, "continued by the last turn's ragged end");
+    let k = key_not_drawn_to(&fleet, |b| b == "b1");
+    let fleet = fleet.prompt(next);
+    let p = NodeThenBackend::new();
+    for _ in 0..20 {
+        assert_eq!(fleet.choose(&p, None, None), Some("b1".into()));
+    }
+    assert_eq!(fleet.choose(&p, Some(k), None), Some("b1".into()));
+    // Once as many conversations as its share branch from the prefix there, it draws no more.
+    let shared = [37, 38, 39]
+        .into_iter()
+        .fold(ragged_turn_on_a_busy_b1(), |s, id| {
+            s.holds("b1", &chain(&[31, 32, 33, id]))
+        })
+        .prompt(chain(&[31, 32, 33, 40]));
+    for _ in 0..20 {
+        assert_ne!(shared.choose(&p, None, None), Some("b1".into()));
+    }
+    assert_ne!(shared.choose(&p, Some(k), None), Some("b1".into()));
+}
+
 #[test]
 fn no_conversation_bound_keeps_the_rendezvous_order() {
     let unbounded = NodeThenBackend::new().no_conversation_bound();
