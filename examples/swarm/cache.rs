@@ -11,9 +11,9 @@
 //! does not keep is saved to the RAM cache, and the RAM cache is searched for a longer prefix to
 //! restore into the slot, only when the slot was taken as the least recently used or would keep
 //! less than half of its tokens; otherwise that part is dropped ([`SlotPolicy::Llama`], the
-//! default; [`SlotPolicy::SaveAll`] saves and searches always). The rest is prefilled. The slots share one KV budget in VRAM
-//! (llama.cpp's unified KV cache): when a request needs room, idle slots lose their states to the
-//! RAM cache, least recently used first.
+//! default; [`SlotPolicy::SaveAll`] saves and searches always). The rest is prefilled. The
+//! slots share one KV budget in VRAM (llama.cpp's unified KV cache): when a request needs room,
+//! idle slots lose their states to the RAM cache, least recently used first.
 
 use std::sync::Arc;
 
