@@ -50,9 +50,9 @@ use super::{
 ///   in flight is near zero when each sends one turn at a time. A keyless one goes to the
 ///   backend with the fewest requests in flight for its slots, and among those (often all of
 ///   them) the fewest conversations for its slots: a busy backend reads a new prompt only
-///   after those it has. A keyed one takes its rendezvous
-///   order, passing over any backend that would home more than `1 + epsilon` times its share of
-///   slots (see [`conversation_bound`](NodeThenBackend::conversation_bound); default
+///   after those it has. A keyed one takes its rendezvous order, passing over any backend
+///   that would home more than `1 + epsilon` times its share of slots (see
+///   [`conversation_bound`](NodeThenBackend::conversation_bound); default
 ///   [`DEFAULT_CONVERSATION_BOUND`](NodeThenBackend::DEFAULT_CONVERSATION_BOUND)).
 ///
 /// A request without a key or chain goes to the freer of two backends sampled at random (power
@@ -119,8 +119,8 @@ impl NodeThenBackend {
     /// Bounds the conversations one backend homes: a new keyed session passes over a backend
     /// that would then home more than `1 + epsilon` times its share of the fleet's
     /// conversations by slots (rounded up, and never fewer than its slots), while another has
-    /// room below the bound; the skipped backends are still offered last. Negative or non-finite values
-    /// are read as 0.
+    /// room below the bound; the skipped backends are still offered last. Negative or
+    /// non-finite values are read as 0.
     ///
     /// A backend holding some of a new conversation's prompt is offered first unless the
     /// conversations that branch from that prefix there already reach the bound: those are
@@ -159,11 +159,11 @@ impl NodeThenBackend {
     /// backend homes besides: they did not come for this prefix, and a conversation whose
     /// turn ends inside a block (a text prompt, or a long message cut into blocks) leaves its
     /// ragged end behind as a conversation of its own at every turn, so a backend serving long
-    /// conversations looks full of them. Among equal prefixes, a keyed conversation takes its rendezvous
-    /// order (so router replicas with the same caches agree) and a keyless one the backend
-    /// with the fewest requests in flight, then the fewest conversations, for its slots. A
-    /// prompt already held whole is a repeat
-    /// that says nothing of which conversation it is, and draws nothing.
+    /// conversations looks full of them. Among equal prefixes, a keyed conversation takes its
+    /// rendezvous order (so router replicas with the same caches agree) and a keyless one the
+    /// backend with the fewest requests in flight, then the fewest conversations, for its
+    /// slots. A prompt already held whole is a repeat that says nothing of which conversation
+    /// it is, and draws nothing.
     /// O(backends x log links).
     fn offer_holders(
         &self,
