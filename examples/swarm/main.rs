@@ -17,6 +17,7 @@
 //! replay in [`trace`]; the metrics in [`report`].
 
 mod backend;
+mod bound;
 mod cache;
 mod chart;
 mod fleet;
@@ -35,6 +36,7 @@ use cache::Source;
 use fleet::{BackendSpec, FleetKind};
 use report::{Row, Table, TurnRecord};
 use sim::{Policy, Svc};
+use tower_affinity::BackendId;
 use workload::AgentConfig;
 
 const USAGE: &str = "\
@@ -314,6 +316,37 @@ fn ram_note(runs: &[Run]) -> String {
     )
 }
 
+/// Each policy's turns replayed against caches of whole sessions (see [`bound`]): pooled with
+/// foresight, pooled least recently used, and per backend least recently used where the policy
+/// sent each turn.
+fn bound_note(runs: &[Run], fleet: &[BackendSpec]) -> String {
+    use bound::{Evict, Stores};
+    let capacity: std::collections::HashMap<BackendId, u64> = fleet
+        .iter()
+        .map(|s| (BackendId::from(s.id.as_str()), s.model.cache_tokens()))
+        .collect();
+    let v: Vec<String> = runs
+        .iter()
+        .map(|r| {
+            let rate =
+                |stores, evict| 100.0 * bound::hit_rate(&r.records, &capacity, stores, evict);
+            format!(
+                "{} {:.1}%/{:.1}%/{:.1}%",
+                r.policy.name(),
+                rate(Stores::Pooled, Evict::FurthestAhead),
+                rate(Stores::Pooled, Evict::LeastRecentlyUsed),
+                rate(Stores::PerBackend, Evict::LeastRecentlyUsed),
+            )
+        })
+        .collect();
+    format!(
+        "caches of whole sessions, the fleet's KV and RAM pooled and evicting the state needed \
+         furthest ahead / pooled, least recently used / each backend its own, least recently \
+         used: {}",
+        v.join(", ")
+    )
+}
+
 /// The reuse the backends reported, as the service read it from their answers, and how often
 /// it was far below the cache model's prediction.
 fn reported_note(runs: &[Run]) -> String {
@@ -380,7 +413,11 @@ fn study(o: &Options) -> Table {
         human_bytes(o.ram_bytes),
         o.seed
     );
-    let notes = vec![calibration_note(&runs), reported_note(&runs)];
+    let notes = vec![
+        calibration_note(&runs),
+        reported_note(&runs),
+        bound_note(&runs, &fleet.backends(o.ram_bytes)),
+    ];
     table("study".into(), title, &runs, false, notes)
 }
 
@@ -418,7 +455,11 @@ fn overload(o: &Options) -> Vec<Table> {
                 human_bytes(ram),
                 o.seed
             );
-            let notes = vec![ram_note(&runs), reported_note(&runs)];
+            let notes = vec![
+                ram_note(&runs),
+                reported_note(&runs),
+                bound_note(&runs, &fleet.backends(ram)),
+            ];
             table(
                 format!("overload, {}", human_bytes(ram)),
                 title,

@@ -3,7 +3,8 @@
 use std::fmt;
 use std::time::Duration;
 
-use tower_affinity::Outcome;
+use tokio::time::Instant;
+use tower_affinity::{BackendId, Outcome};
 
 use crate::cache::Source;
 
@@ -14,6 +15,14 @@ pub(crate) const HIT_SHARE: f64 = 0.8;
 /// One turn as the agent saw it.
 #[derive(Clone, Debug)]
 pub(crate) struct TurnRecord {
+    /// Which conversation the turn belongs to: the agent, or the trace's conversation.
+    pub(crate) conversation: u32,
+    /// When the agent sent it.
+    pub(crate) sent: Instant,
+    /// Its prompt's tokens.
+    pub(crate) prompt: u64,
+    /// The backend that served it.
+    pub(crate) backend: BackendId,
     /// How the router placed it.
     pub(crate) outcome: Outcome,
     /// The previous turn's prompt tokens; `None` on a session's first turn.
@@ -218,6 +227,10 @@ mod tests {
 
     fn turn(prev: Option<u64>, reused: u64, compaction: bool) -> TurnRecord {
         TurnRecord {
+            conversation: 0,
+            sent: Instant::now(),
+            prompt: 0,
+            backend: "b".into(),
             outcome: Outcome::HomeHit,
             prev_prompt: prev,
             compaction,

@@ -204,6 +204,8 @@ pub(crate) struct Position {
 
 /// What a turn needs besides its prompt.
 pub(crate) struct TurnInput<'a> {
+    /// Which conversation this is, whether or not the agent sends a key.
+    pub(crate) conversation: u32,
     /// The session's key, sent as `X-Session-Id`; `None` when the agents send no key.
     pub(crate) session: Option<&'a str>,
     pub(crate) prompt: Prompt,
@@ -260,10 +262,14 @@ pub(crate) async fn turn(
         Some(p) => (false, p.backend != decision.backend),
     };
     *prev = Some(Position {
-        backend: decision.backend,
+        backend: decision.backend.clone(),
         node: decision.node,
     });
     TurnRecord {
+        conversation: input.conversation,
+        sent: t0,
+        prompt: crate::cache::tokens(&input.prompt.blocks),
+        backend: decision.backend,
         outcome: decision.outcome,
         prev_prompt: input.prev_prompt,
         compaction: input.compaction,

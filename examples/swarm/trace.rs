@@ -255,6 +255,7 @@ pub(crate) async fn replay(
                     .as_ref()
                     .map(|c| PromptChain::from_blocks(c[j].iter().map(|b| (b.id, b.tokens))));
                 let input = TurnInput {
+                    conversation: c as u32,
                     session: keyed.then_some(name.as_str()),
                     prompt: Prompt {
                         blocks: r.blocks,

@@ -179,6 +179,7 @@ pub(crate) async fn run(svc: Svc, cfg: &AgentConfig, seed: u64) -> Vec<TurnRecor
                 let answer = prompt.answer;
                 let prompt_tokens = cache::tokens(&prompt.blocks);
                 let input = TurnInput {
+                    conversation: s,
                     session: cfg.keyed.then_some(name.as_str()),
                     prompt,
                     prev_prompt,

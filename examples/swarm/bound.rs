@@ -1,0 +1,249 @@
+//! What caches of whole sessions could have done with a run's turns.
+//!
+//! A run's turns are replayed, in the order they were sent, against idealised stores that each
+//! hold whole conversation states: a conversation's state is its last prompt, shared system
+//! prompt included, as llama-server keeps one in a slot or a RAM entry. A turn hits, as in the
+//! tables, when the store it meets holds at least [`HIT_SHARE`] of its previous prompt; a
+//! compaction makes every older state of its conversation useless. Three replays separate
+//! what bounds a run's hit rate:
+//!
+//! - **pooled, furthest ahead**: one store as large as the whole fleet's KV and RAM, evicting
+//!   the state whose conversation comes back last. What the fleet's capacity allows with
+//!   perfect foresight (the classic bound for caches of equal-sized items; with states of
+//!   different sizes it is the usual heuristic, not a proof).
+//! - **pooled, least recently used**: the same store, evicting as the backends do. What the
+//!   capacity allows without foresight.
+//! - **per backend, least recently used**: each backend its own store of its KV and RAM, each
+//!   turn meeting the store of the backend the policy sent it to. What the placement leaves
+//!   the backends: the gap to the run's own hit rate is what the backends' rules cost beyond a
+//!   plain store (slots taken by another prompt, states dropped unsaved, whole prompts saved
+//!   again in RAM).
+
+use std::collections::HashMap;
+
+use tower_affinity::BackendId;
+
+use crate::report::{TurnRecord, HIT_SHARE};
+
+/// Which held state makes room first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Evict {
+    /// The state used longest ago.
+    LeastRecentlyUsed,
+    /// The state whose conversation sends its next turn last (never, first).
+    FurthestAhead,
+}
+
+/// The stores the turns meet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Stores {
+    /// One store of the fleet's whole capacity.
+    Pooled,
+    /// One store per backend, of that backend's capacity.
+    PerBackend,
+}
+
+struct Held {
+    tokens: u64,
+    /// The position of the turn that left it.
+    last: usize,
+    /// The position of its conversation's next turn; `usize::MAX` if none.
+    next: usize,
+}
+
+#[derive(Default)]
+struct Store {
+    capacity: u64,
+    used: u64,
+    held: HashMap<u32, Held>,
+}
+
+impl Store {
+    fn put(&mut self, conversation: u32, held: Held) {
+        self.used += held.tokens;
+        if let Some(old) = self.held.insert(conversation, held) {
+            self.used -= old.tokens;
+        }
+    }
+
+    fn forget(&mut self, conversation: u32) {
+        if let Some(old) = self.held.remove(&conversation) {
+            self.used -= old.tokens;
+        }
+    }
+
+    fn make_room(&mut self, evict: Evict) {
+        while self.used > self.capacity {
+            let victim = match evict {
+                Evict::LeastRecentlyUsed => self.held.iter().min_by_key(|(_, h)| h.last),
+                Evict::FurthestAhead => self.held.iter().max_by_key(|(_, h)| h.next),
+            };
+            let Some((&c, _)) = victim else { return };
+            self.forget(c);
+        }
+    }
+}
+
+/// The share of eligible turns (those with a previous turn, compactions excepted) that the
+/// stores would have served warm. `capacity` gives each backend's tokens (its KV and RAM);
+/// a backend it does not name holds nothing.
+pub(crate) fn hit_rate(
+    records: &[TurnRecord],
+    capacity: &HashMap<BackendId, u64>,
+    stores: Stores,
+    evict: Evict,
+) -> f64 {
+    let mut order: Vec<&TurnRecord> = records.iter().collect();
+    order.sort_by_key(|t| (t.sent, t.conversation));
+    let mut next = vec![usize::MAX; order.len()];
+    let mut seen: HashMap<u32, usize> = HashMap::new();
+    for (i, t) in order.iter().enumerate().rev() {
+        if let Some(j) = seen.insert(t.conversation, i) {
+            next[i] = j;
+        }
+    }
+    let mut by_backend: HashMap<BackendId, usize> = HashMap::new();
+    let mut all: Vec<Store> = Vec::new();
+    match stores {
+        Stores::Pooled => all.push(Store {
+            capacity: capacity.values().sum(),
+            ..Store::default()
+        }),
+        Stores::PerBackend => {
+            for (b, &tokens) in capacity {
+                by_backend.insert(b.clone(), all.len());
+                all.push(Store {
+                    capacity: tokens,
+                    ..Store::default()
+                });
+            }
+        }
+    }
+    let (mut eligible, mut hits) = (0usize, 0usize);
+    for (i, t) in order.iter().enumerate() {
+        let store = match stores {
+            Stores::Pooled => Some(0),
+            Stores::PerBackend => by_backend.get(&t.backend).copied(),
+        };
+        if t.eligible() {
+            eligible += 1;
+            let held = store
+                .and_then(|s| all[s].held.get(&t.conversation))
+                .map_or(0, |h| h.tokens);
+            let prev = t.prev_prompt.unwrap_or(0);
+            if held as f64 >= HIT_SHARE * prev as f64 {
+                hits += 1;
+            }
+        }
+        if t.compaction {
+            all.iter_mut().for_each(|s| s.forget(t.conversation));
+        }
+        if let Some(s) = store {
+            let held = Held {
+                tokens: t.prompt,
+                last: i,
+                next: next[i],
+            };
+            all[s].put(t.conversation, held);
+            all[s].make_room(evict);
+        }
+    }
+    hits as f64 / eligible.max(1) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::time::Instant;
+    use tower_affinity::Outcome;
+
+    use super::*;
+    use crate::cache::Source;
+
+    /// Conversations sending turns of `tokens` each in the order given, one a second.
+    fn turns(order: &[(u32, &str)], tokens: u64) -> Vec<TurnRecord> {
+        let t0 = Instant::now();
+        let mut seen = std::collections::HashSet::new();
+        order
+            .iter()
+            .enumerate()
+            .map(|(i, &(c, backend))| TurnRecord {
+                conversation: c,
+                sent: t0 + Duration::from_secs(i as u64),
+                prompt: tokens,
+                backend: backend.into(),
+                outcome: Outcome::HomeHit,
+                prev_prompt: (!seen.insert(c)).then_some(tokens),
+                compaction: false,
+                reused: 0,
+                ideal: 0,
+                source: Source::Slot,
+                moved_node: false,
+                moved_backend: false,
+                ttft: Duration::from_secs(1),
+            })
+            .collect()
+    }
+
+    fn rate(records: &[TurnRecord], only: &[(&str, u64)], stores: Stores, e: Evict) -> f64 {
+        let capacity = only.iter().map(|&(b, n)| (b.into(), n)).collect();
+        hit_rate(records, &capacity, stores, e)
+    }
+
+    #[test]
+    fn a_store_that_holds_every_state_serves_every_later_turn_warm() {
+        let order: Vec<(u32, &str)> = (0..4).flat_map(|_| (0..3).map(|c| (c, "a"))).collect();
+        let r = turns(&order, 100);
+        for e in [Evict::LeastRecentlyUsed, Evict::FurthestAhead] {
+            assert_eq!(rate(&r, &[("a", 300)], Stores::Pooled, e), 1.0);
+        }
+    }
+
+    #[test]
+    fn least_recently_used_misses_every_turn_of_a_cycle_one_state_too_large() {
+        // Three conversations in turn, room for two: each comes back just after it was
+        // evicted. Evicting the one needed furthest ahead (the one just served, when it comes
+        // back last) keeps the other two warm.
+        let order: Vec<(u32, &str)> = (0..6).flat_map(|_| (0..3).map(|c| (c, "a"))).collect();
+        let r = turns(&order, 100);
+        let lru = rate(&r, &[("a", 200)], Stores::Pooled, Evict::LeastRecentlyUsed);
+        let furthest = rate(&r, &[("a", 200)], Stores::Pooled, Evict::FurthestAhead);
+        assert_eq!(lru, 0.0);
+        assert!((furthest - 2.0 / 3.0).abs() < 1e-9, "{furthest}");
+    }
+
+    #[test]
+    fn per_backend_stores_pool_nothing_across_backends() {
+        // Two conversations on one backend with room for one, a second backend empty: pooled,
+        // both stay warm; per backend, they take turns evicting each other.
+        let order: Vec<(u32, &str)> = (0..4).flat_map(|_| [(0, "a"), (1, "a")]).collect();
+        let r = turns(&order, 100);
+        let cap = [("a", 100), ("b", 100)];
+        let e = Evict::LeastRecentlyUsed;
+        assert_eq!(rate(&r, &cap, Stores::Pooled, e), 1.0);
+        assert_eq!(rate(&r, &cap, Stores::PerBackend, e), 0.0);
+    }
+
+    #[test]
+    fn a_turn_sent_elsewhere_finds_only_what_that_backend_kept() {
+        // Conversation 0 moves from a to b: its state on a does not serve it on b.
+        let r = turns(&[(0, "a"), (0, "b"), (0, "b")], 100);
+        let cap = [("a", 1_000), ("b", 1_000)];
+        let e = Evict::LeastRecentlyUsed;
+        assert_eq!(rate(&r, &cap, Stores::PerBackend, e), 0.5);
+    }
+
+    #[test]
+    fn a_compaction_leaves_no_older_state_to_hit() {
+        // Conversation 0 compacts on b, then comes back to a: what a kept is the history the
+        // compaction rewrote.
+        let mut r = turns(&[(0, "a"), (0, "b"), (0, "a")], 100);
+        let cap = [("a", 1_000), ("b", 1_000)];
+        let e = Evict::LeastRecentlyUsed;
+        // Without it, the turn back on a finds the state a kept (the one on b missed).
+        assert_eq!(rate(&r, &cap, Stores::PerBackend, e), 0.5);
+        r[1].compaction = true;
+        assert_eq!(rate(&r, &cap, Stores::PerBackend, e), 0.0);
+    }
+}
