@@ -132,7 +132,7 @@ impl SimBackend {
 
     /// States evicted from the RAM cache so far.
     pub(crate) fn ram_evictions(&self) -> u64 {
-        self.inner.state.lock().cache.ram().evicted()
+        self.inner.state.lock().cache.evictions()
     }
 }
 

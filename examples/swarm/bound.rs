@@ -17,7 +17,8 @@
 //!   turn meeting the store of the backend the policy sent it to. What the placement leaves
 //!   the backends: the gap to the run's own hit rate is what the backends' rules cost beyond a
 //!   plain store (slots taken by another prompt, states dropped unsaved, whole prompts saved
-//!   again in RAM).
+//!   again in RAM). A backend that holds a shared prefix once and evicts block by block
+//!   (`--slot-policy paged`) can do better than this replay.
 
 use std::collections::HashMap;
 

@@ -14,7 +14,12 @@
 //! default; [`SlotPolicy::SaveAll`] saves and searches always). The rest is prefilled. The
 //! slots share one KV budget in VRAM (llama.cpp's unified KV cache): when a request needs room,
 //! idle slots lose their states to the RAM cache, least recently used first.
+//!
+//! [`SlotPolicy::Paged`] models the other family of servers, vLLM's automatic prefix caching
+//! and SGLang's radix cache: slots keep no KV of their own, and every prompt's blocks go to one
+//! pool shared by prefix, on the GPU and then in host memory, least recently used first.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 /// A run of tokens with an identity.
@@ -55,6 +60,15 @@ pub(crate) enum SlotPolicy {
     /// The default: `scripts/llama-slots.sh` shows a real llama-server doing so.
     #[default]
     Llama,
+    /// No slot keeps a state of its own: every prompt's blocks go to one pool shared by
+    /// prefix, as vLLM's automatic prefix caching and SGLang's radix cache keep KV, with a
+    /// host-memory tier behind the GPU's (vLLM's CPU offloading, SGLang's hierarchical cache).
+    /// A block shared by many prompts is held once. When the GPU needs room, the least
+    /// recently used blocks that no running request reads and that no block held on the GPU
+    /// continues go to host memory; when host memory needs room, its least recently used
+    /// blocks that nothing continues are dropped. A prompt reuses its longest prefix in
+    /// either tier; what it finds in host memory is copied back first.
+    Paged,
 }
 
 impl SlotPolicy {
@@ -62,6 +76,7 @@ impl SlotPolicy {
         match s {
             "save-all" => Some(SlotPolicy::SaveAll),
             "llama" => Some(SlotPolicy::Llama),
+            "paged" => Some(SlotPolicy::Paged),
             _ => None,
         }
     }
@@ -214,6 +229,200 @@ impl RamCache {
     }
 }
 
+/// The KV of [`SlotPolicy::Paged`]: blocks in a prefix tree, each held once however many
+/// prompts share it, on the GPU or in host memory.
+struct Pool {
+    nodes: Vec<PoolNode>,
+    free: Vec<usize>,
+    /// A node's child holding a block: `(parent, block id)`, the root's children under
+    /// [`ROOT`].
+    children: HashMap<(usize, u64), usize>,
+    gpu_budget: u64,
+    host_budget: u64,
+    gpu_tokens: u64,
+    host_tokens: u64,
+    clock: u64,
+    /// Blocks dropped from host memory.
+    dropped: u64,
+}
+
+/// The parent of the root's children.
+const ROOT: usize = usize::MAX;
+
+struct PoolNode {
+    block: Block,
+    parent: usize,
+    /// Children held anywhere, and those held on the GPU.
+    children: u32,
+    gpu_children: u32,
+    on_gpu: bool,
+    last_used: u64,
+    /// Running requests reading this block.
+    pins: u32,
+    /// Whether the node is in use (not on the free list).
+    held: bool,
+}
+
+impl Pool {
+    fn new(gpu_budget: u64, host_budget: u64) -> Self {
+        Pool {
+            nodes: Vec::new(),
+            free: Vec::new(),
+            children: HashMap::new(),
+            gpu_budget,
+            host_budget,
+            gpu_tokens: 0,
+            host_tokens: 0,
+            clock: 0,
+            dropped: 0,
+        }
+    }
+
+    /// The nodes of `prompt`'s longest held prefix, root first.
+    fn walk(&self, prompt: &[Block]) -> Vec<usize> {
+        let mut path = Vec::new();
+        let mut at = ROOT;
+        for b in prompt {
+            match self.children.get(&(at, b.id)) {
+                Some(&n) if self.nodes[n].block == *b => {
+                    path.push(n);
+                    at = n;
+                }
+                _ => break,
+            }
+        }
+        path
+    }
+
+    fn tokens(&self, path: &[usize]) -> u64 {
+        path.iter()
+            .map(|&n| u64::from(self.nodes[n].block.tokens))
+            .sum()
+    }
+
+    /// Holds `blocks` on the GPU, pinned, and returns their nodes and, of the prefix that was
+    /// held already, its tokens and those copied back from host memory.
+    fn pin(&mut self, blocks: &[Block]) -> (Vec<usize>, u64, u64) {
+        let mut path = self.walk(blocks);
+        let reused = self.tokens(&path);
+        let mut restored = 0;
+        self.clock += 1;
+        for &n in &path {
+            if !self.nodes[n].on_gpu {
+                restored += u64::from(self.nodes[n].block.tokens);
+                self.promote(n);
+            }
+        }
+        for b in &blocks[path.len()..] {
+            let parent = path.last().copied().unwrap_or(ROOT);
+            let n = self.insert(parent, *b);
+            path.push(n);
+        }
+        for &n in &path {
+            self.nodes[n].pins += 1;
+            self.nodes[n].last_used = self.clock;
+        }
+        self.make_room();
+        (path, reused, restored)
+    }
+
+    /// The request reading `path` is done: its blocks become evictable, most recently used.
+    fn unpin(&mut self, path: &[usize]) {
+        self.clock += 1;
+        for &n in path {
+            self.nodes[n].pins -= 1;
+            self.nodes[n].last_used = self.clock;
+        }
+        self.make_room();
+    }
+
+    fn insert(&mut self, parent: usize, block: Block) -> usize {
+        let node = PoolNode {
+            block,
+            parent,
+            children: 0,
+            gpu_children: 0,
+            on_gpu: true,
+            last_used: self.clock,
+            pins: 0,
+            held: true,
+        };
+        let n = match self.free.pop() {
+            Some(n) => {
+                self.nodes[n] = node;
+                n
+            }
+            None => {
+                self.nodes.push(node);
+                self.nodes.len() - 1
+            }
+        };
+        self.children.insert((parent, block.id), n);
+        if parent != ROOT {
+            self.nodes[parent].children += 1;
+            self.nodes[parent].gpu_children += 1;
+        }
+        self.gpu_tokens += u64::from(block.tokens);
+        n
+    }
+
+    fn promote(&mut self, n: usize) {
+        let t = u64::from(self.nodes[n].block.tokens);
+        self.nodes[n].on_gpu = true;
+        self.host_tokens -= t;
+        self.gpu_tokens += t;
+        let parent = self.nodes[n].parent;
+        if parent != ROOT {
+            self.nodes[parent].gpu_children += 1;
+        }
+    }
+
+    /// The least recently used unpinned node of the GPU (`gpu`) or of host memory that no
+    /// node of that tier (for host memory: no node at all) continues.
+    fn victim(&self, gpu: bool) -> Option<usize> {
+        (0..self.nodes.len())
+            .filter(|&n| {
+                let x = &self.nodes[n];
+                x.held
+                    && x.pins == 0
+                    && x.on_gpu == gpu
+                    && if gpu {
+                        x.gpu_children == 0
+                    } else {
+                        x.children == 0
+                    }
+            })
+            .min_by_key(|&n| self.nodes[n].last_used)
+    }
+
+    fn make_room(&mut self) {
+        while self.gpu_tokens > self.gpu_budget {
+            let Some(n) = self.victim(true) else { break };
+            let t = u64::from(self.nodes[n].block.tokens);
+            self.nodes[n].on_gpu = false;
+            self.gpu_tokens -= t;
+            self.host_tokens += t;
+            let parent = self.nodes[n].parent;
+            if parent != ROOT {
+                self.nodes[parent].gpu_children -= 1;
+            }
+        }
+        while self.host_tokens > self.host_budget {
+            let Some(n) = self.victim(false) else { break };
+            let x = &self.nodes[n];
+            let (parent, id, t) = (x.parent, x.block.id, u64::from(x.block.tokens));
+            self.children.remove(&(parent, id));
+            if parent != ROOT {
+                self.nodes[parent].children -= 1;
+            }
+            self.host_tokens -= t;
+            self.nodes[n].held = false;
+            self.free.push(n);
+            self.dropped += 1;
+        }
+    }
+}
+
 /// Where a request's reused prefix came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Source {
@@ -240,6 +449,8 @@ struct Slot {
     kv: Blocks,
     busy: bool,
     last_used: u64,
+    /// Under [`SlotPolicy::Paged`], the pool's nodes the running request reads.
+    pinned: Vec<usize>,
 }
 
 /// A backend's slots and RAM cache.
@@ -251,6 +462,8 @@ pub(crate) struct BackendCache {
     /// lose their state, least recently used first, when a request needs the room.
     vram_tokens: u64,
     clock: u64,
+    /// The KV of [`SlotPolicy::Paged`], where slots keep none of their own.
+    pool: Option<Pool>,
 }
 
 impl BackendCache {
@@ -262,18 +475,52 @@ impl BackendCache {
                     kv: empty.clone(),
                     busy: false,
                     last_used: 0,
+                    pinned: Vec::new(),
                 })
                 .collect(),
-            ram,
             policy: slot_policy(),
+            pool: (slot_policy() == SlotPolicy::Paged)
+                .then(|| Pool::new(vram_tokens, ram.budget_tokens())),
+            ram,
             vram_tokens,
             clock: 0,
         }
     }
 
+    /// [`admit`](Self::admit) under [`SlotPolicy::Paged`]: any idle slot, the least recently
+    /// used, and the pool's longest prefix.
+    fn admit_paged(&mut self, prompt: &Blocks) -> Option<Admission> {
+        let pool = self.pool.as_mut()?;
+        let (slot, s) = self
+            .slots
+            .iter_mut()
+            .enumerate()
+            .filter(|(_, s)| !s.busy)
+            .min_by_key(|(_, s)| s.last_used)?;
+        let (pinned, reused, restored) = pool.pin(prompt);
+        self.clock += 1;
+        s.busy = true;
+        s.last_used = self.clock;
+        s.pinned = pinned;
+        let source = match (reused, restored) {
+            (0, _) => Source::Cold,
+            (_, 0) => Source::Slot,
+            _ => Source::Ram,
+        };
+        Some(Admission {
+            slot,
+            reused,
+            restored,
+            source,
+        })
+    }
+
     /// Takes an idle slot for `prompt` and finds its longest cached prefix; `None` when every
     /// slot is busy.
     pub(crate) fn admit(&mut self, prompt: &Blocks) -> Option<Admission> {
+        if self.pool.is_some() {
+            return self.admit_paged(prompt);
+        }
         let total = tokens(prompt).max(1);
         let idle = self.slots.iter().enumerate().filter(|(_, s)| !s.busy);
         // Longest prefix first; among equals, the least recently used slot, so the others keep
@@ -297,7 +544,8 @@ impl BackendCache {
         // llama-server saves (and then searches its RAM cache) when it took the slot as the
         // least recently used, or when it would keep less than half of the slot's tokens.
         let update_cache = match self.policy {
-            SlotPolicy::SaveAll => true,
+            // (A paged backend has a pool and never comes here.)
+            SlotPolicy::SaveAll | SlotPolicy::Paged => true,
             SlotPolicy::Llama => !by_similarity || 2 * slot_lcp < old_tokens,
         };
         if update_cache && slot_lcp < old_tokens {
@@ -350,20 +598,37 @@ impl BackendCache {
         self.clock += 1;
         let s = &mut self.slots[slot];
         s.busy = false;
-        s.kv = kv;
         s.last_used = self.clock;
+        if let Some(pool) = self.pool.as_mut() {
+            // The answer's blocks join the pool after the prompt's.
+            let (with_answer, _, _) = pool.pin(&kv);
+            pool.unpin(&std::mem::take(&mut s.pinned));
+            pool.unpin(&with_answer);
+            return;
+        }
+        s.kv = kv;
     }
 
     /// The longest prefix of `prompt` held anywhere on this backend: a slot's KV, busy or
     /// idle, or a RAM entry. What a placement that saw the cache itself would know.
     pub(crate) fn holds(&self, prompt: &[Block]) -> u64 {
+        if let Some(pool) = &self.pool {
+            return pool.tokens(&pool.walk(prompt));
+        }
         let slots = self.slots.iter().map(|s| common_prefix(&s.kv, prompt));
         let ram = self.ram.best(prompt, self.policy).map_or(0, |(_, n)| n);
         slots.max().unwrap_or(0).max(ram)
     }
 
+    #[cfg(test)]
     pub(crate) fn ram(&self) -> &RamCache {
         &self.ram
+    }
+
+    /// States evicted from the RAM cache; under [`SlotPolicy::Paged`], blocks dropped from
+    /// host memory.
+    pub(crate) fn evictions(&self) -> u64 {
+        self.pool.as_ref().map_or(self.ram.evicted(), |p| p.dropped)
     }
 }
 
@@ -522,5 +787,86 @@ mod tests {
         // A state larger than the whole budget is not kept.
         r.save(blocks(&[b(9, 4000)]));
         assert_eq!(r.lru_order(), [1, 4]);
+    }
+
+    /// A paged backend of `slots` slots, `gpu` tokens of KV on the GPU and `host` in host
+    /// memory (one byte a token).
+    fn paged(slots: usize, gpu: u64, host: u64) -> BackendCache {
+        set_slot_policy(SlotPolicy::Paged);
+        let c = BackendCache::new(slots, gpu, RamCache::new(host, 1));
+        set_slot_policy(SlotPolicy::Llama);
+        c
+    }
+
+    /// Serves `prompt` to the end, its answer the block `answer`.
+    fn serve(c: &mut BackendCache, prompt: &[Block], answer: Block) -> Admission {
+        let p = blocks(prompt);
+        let a = c.admit(&p).expect("an idle slot");
+        let mut kv = prompt.to_vec();
+        kv.push(answer);
+        c.release(a.slot, kv.into());
+        a
+    }
+
+    #[test]
+    fn paged_pool_holds_a_prefix_many_prompts_share_once() {
+        let mut c = paged(2, 10_000, 0);
+        let system = b(1, 2_000);
+        serve(&mut c, &[system, b(10, 500)], b(11, 100));
+        let second = serve(&mut c, &[system, b(20, 500)], b(21, 100));
+        // The second conversation reuses the system prompt, from the GPU.
+        assert_eq!(
+            (second.source, second.reused, second.restored),
+            (Source::Slot, 2_000, 0)
+        );
+        let pool = c.pool.as_ref().unwrap();
+        assert_eq!(pool.gpu_tokens, 2_000 + 2 * 600);
+        // And the first still holds all of its own.
+        assert_eq!(c.holds(&[system, b(10, 500), b(11, 100)]), 2_600);
+    }
+
+    #[test]
+    fn paged_pool_moves_the_least_recently_used_blocks_to_host_memory_and_restores_them() {
+        let mut c = paged(1, 1_000, 10_000);
+        serve(&mut c, &[b(1, 600)], b(2, 100));
+        // A second prompt needs the room: the first's blocks go to host memory, answer first
+        // (nothing continues it), then the prompt the answer continued.
+        serve(&mut c, &[b(5, 800)], b(6, 100));
+        let pool = c.pool.as_ref().unwrap();
+        assert!(pool.gpu_tokens <= 1_000);
+        assert_eq!(pool.host_tokens, 700);
+        // The first conversation's next turn finds its prefix in host memory, copied back.
+        let again = serve(&mut c, &[b(1, 600), b(2, 100), b(3, 50)], b(4, 10));
+        assert_eq!(
+            (again.source, again.reused, again.restored),
+            (Source::Ram, 700, 700)
+        );
+    }
+
+    #[test]
+    fn paged_pool_never_evicts_the_blocks_a_running_request_reads() {
+        let mut c = paged(2, 1_000, 0);
+        let running = c.admit(&blocks(&[b(1, 900)])).unwrap();
+        // Another prompt overfills the GPU; no host memory: only unread blocks may go, and
+        // the running request's are read.
+        serve(&mut c, &[b(5, 800)], b(6, 100));
+        assert_eq!(c.holds(&[b(1, 900)]), 900);
+        assert_eq!(c.holds(&[b(5, 800)]), 0);
+        c.release(running.slot, blocks(&[b(1, 900), b(2, 50)]));
+        assert_eq!(c.holds(&[b(1, 900), b(2, 50)]), 950);
+    }
+
+    #[test]
+    fn paged_pool_drops_from_host_memory_only_blocks_nothing_continues() {
+        let mut c = paged(1, 100, 2_400);
+        let system = b(1, 2_000);
+        serve(&mut c, &[system, b(10, 200)], b(11, 50));
+        // The second conversation's blocks go to host memory after it, 2,500 tokens in all:
+        // the first conversation's tail is dropped, its answer first, and the system prompt
+        // that the second still continues is kept.
+        serve(&mut c, &[system, b(20, 200)], b(21, 50));
+        assert_eq!(c.holds(&[system, b(20, 200), b(21, 50)]), 2_250);
+        assert_eq!(c.holds(&[system, b(10, 200), b(11, 50)]), 2_000);
+        assert_eq!(c.evictions(), 2);
     }
 }

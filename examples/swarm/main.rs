@@ -61,10 +61,13 @@ usage: cargo run --release --example swarm -- [options]
   --trace-chains C  blocks (default) | turn-ends: the router's chains of a replayed trace
                     cut at its blocks only, or also where each turn's prompt ends (as a
                     chat body's chain is cut at its messages)
-  --slot-policy P   llama (default) | save-all: when a backend saves a slot's state to its
-                    RAM cache, and searches that cache (llama: as llama-server does, only
+  --slot-policy P   llama (default) | save-all | paged: how a backend keeps KV between
+                    requests. llama and save-all keep each slot's last state and save it
+                    to the RAM cache, which they search (llama: as llama-server does, only
                     when the slot is taken as the least recently used or keeps less than
-                    half of its tokens; save-all: whenever another prompt takes the slot)
+                    half of its tokens; save-all: whenever another prompt takes the slot);
+                    paged keeps every prompt's blocks in one pool shared by prefix, GPU
+                    then host memory, as vLLM and SGLang do
   --oracle          adds NTB+oracle: NodeThenBackend told what the simulated caches
                     really hold, the bound of a perfect cache model under the same rules
   --out FILE        the SVG chart (default target/swarm-<scenario>.svg)
@@ -127,6 +130,7 @@ impl Options {
                 "; every slot's state saved, RAM searched for every prompt"
             }
             cache::SlotPolicy::Llama => "",
+            cache::SlotPolicy::Paged => "; KV in one pool shared by prefix, GPU then host memory",
         };
         fleet.describe().to_owned() + &self.replicas.describe() + slots
     }
