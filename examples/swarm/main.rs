@@ -679,6 +679,27 @@ mod tests {
     }
 
     #[test]
+    fn on_paged_backends_the_overload_scenario_keeps_nine_turns_in_ten_warm() {
+        // The same router on backends that hold a shared prefix once and evict block by block
+        // (vLLM, SGLang) reaches what llama-server's slots do not.
+        let o = options(Scenario::Overload, 60);
+        let cfg = AgentConfig::study(36, 60);
+        let at_8_gib = |policy| {
+            cache::set_slot_policy(policy);
+            let runs = agent_runs(FleetKind::Study, &cfg, &o, 8 << 30);
+            cache::set_slot_policy(cache::SlotPolicy::Llama);
+            table(String::new(), String::new(), &runs, false, vec![])
+        };
+        let (paged, llama) = (
+            at_8_gib(cache::SlotPolicy::Paged),
+            at_8_gib(cache::SlotPolicy::Llama),
+        );
+        let ntb = |t: &Table| t.row("NodeThenBackend").unwrap().hit_rate();
+        assert!(ntb(&paged) >= 0.9, "{paged}");
+        assert!(ntb(&paged) > ntb(&llama), "{paged}{llama}");
+    }
+
+    #[test]
     fn sticky_placement_beats_free_routing_and_two_on_two_always_hits() {
         let t = study(&options(Scenario::Study, 24));
         let ntb = t.row("NodeThenBackend").unwrap();
