@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 /// A run of tokens with an identity.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Block {
     pub(crate) id: u64,
     pub(crate) tokens: u32,
@@ -234,9 +234,9 @@ impl RamCache {
 struct Pool {
     nodes: Vec<PoolNode>,
     free: Vec<usize>,
-    /// A node's child holding a block: `(parent, block id)`, the root's children under
+    /// A node's child holding a block: `(parent, block)`, the root's children under
     /// [`ROOT`].
-    children: HashMap<(usize, u64), usize>,
+    children: HashMap<(usize, Block), usize>,
     gpu_budget: u64,
     host_budget: u64,
     gpu_tokens: u64,
@@ -283,13 +283,11 @@ impl Pool {
         let mut path = Vec::new();
         let mut at = ROOT;
         for b in prompt {
-            match self.children.get(&(at, b.id)) {
-                Some(&n) if self.nodes[n].block == *b => {
-                    path.push(n);
-                    at = n;
-                }
-                _ => break,
-            }
+            let Some(&n) = self.children.get(&(at, *b)) else {
+                break;
+            };
+            path.push(n);
+            at = n;
         }
         path
     }
@@ -357,7 +355,7 @@ impl Pool {
                 self.nodes.len() - 1
             }
         };
-        self.children.insert((parent, block.id), n);
+        self.children.insert((parent, block), n);
         if parent != ROOT {
             self.nodes[parent].children += 1;
             self.nodes[parent].gpu_children += 1;
@@ -410,8 +408,9 @@ impl Pool {
         while self.host_tokens > self.host_budget {
             let Some(n) = self.victim(false) else { break };
             let x = &self.nodes[n];
-            let (parent, id, t) = (x.parent, x.block.id, u64::from(x.block.tokens));
-            self.children.remove(&(parent, id));
+            let (parent, block) = (x.parent, x.block);
+            self.children.remove(&(parent, block));
+            let t = u64::from(block.tokens);
             if parent != ROOT {
                 self.nodes[parent].children -= 1;
             }
