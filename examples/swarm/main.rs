@@ -10,11 +10,13 @@
 //! Agents (or a replayed Mooncake trace) send their turns through the real
 //! [`SessionAffinity`](tower_affinity::SessionAffinity) service, once per placement policy, to
 //! simulated llama.cpp backends ([`backend`]) whose slots and RAM prompt caches decide how much
-//! of each prompt must be read again. Everything runs on tokio's paused clock in one thread, so
+//! of each prompt must be read again (or, with `--slot-policy paged`, backends that keep KV as
+//! vLLM and SGLang do; see [`cache`]). Everything runs on tokio's paused clock in one thread, so
 //! a night of fleet time takes seconds and a seed gives the same table every time.
 //!
 //! The model and its calibration are in [`fleet`]; the agents in [`workload`]; the trace
-//! replay in [`trace`]; the metrics in [`report`].
+//! replay in [`trace`]; the metrics in [`report`]; the replay of a run's turns against
+//! idealised caches, which bounds what placement could do, in [`bound`].
 
 mod backend;
 mod bound;
