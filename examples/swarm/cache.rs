@@ -308,7 +308,7 @@ impl Pool {
         for &n in &path {
             if !self.nodes[n].on_gpu {
                 restored += u64::from(self.nodes[n].block.tokens);
-                self.promote(n);
+                self.move_to(n, true);
             }
         }
         for b in &blocks[path.len()..] {
@@ -364,14 +364,24 @@ impl Pool {
         n
     }
 
-    fn promote(&mut self, n: usize) {
+    /// Moves node `n` onto the GPU (`on_gpu`) or into host memory.
+    fn move_to(&mut self, n: usize, on_gpu: bool) {
+        if self.nodes[n].on_gpu == on_gpu {
+            return;
+        }
         let t = u64::from(self.nodes[n].block.tokens);
-        self.nodes[n].on_gpu = true;
-        self.host_tokens -= t;
-        self.gpu_tokens += t;
+        self.nodes[n].on_gpu = on_gpu;
         let parent = self.nodes[n].parent;
+        if on_gpu {
+            self.host_tokens -= t;
+            self.gpu_tokens += t;
+        } else {
+            self.gpu_tokens -= t;
+            self.host_tokens += t;
+        }
         if parent != ROOT {
-            self.nodes[parent].gpu_children += 1;
+            let p = &mut self.nodes[parent].gpu_children;
+            *p = if on_gpu { *p + 1 } else { *p - 1 };
         }
     }
 
@@ -396,14 +406,7 @@ impl Pool {
     fn make_room(&mut self) {
         while self.gpu_tokens > self.gpu_budget {
             let Some(n) = self.victim(true) else { break };
-            let t = u64::from(self.nodes[n].block.tokens);
-            self.nodes[n].on_gpu = false;
-            self.gpu_tokens -= t;
-            self.host_tokens += t;
-            let parent = self.nodes[n].parent;
-            if parent != ROOT {
-                self.nodes[parent].gpu_children -= 1;
-            }
+            self.move_to(n, false);
         }
         while self.host_tokens > self.host_budget {
             let Some(n) = self.victim(false) else { break };
