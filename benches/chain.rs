@@ -14,6 +14,9 @@
 //!   service, with a prompt chain on each request, and with the same chains where the
 //!   service does not read them (the requests cost the same to build and drop), in rotating
 //!   rounds; the difference is what the cache model's lookup and update add to a home hit.
+//!   Then the same on 2x2, eight sessions a backend as on 16x8: a fleet whose models (about
+//!   1 MB) mostly stay in this machine's caches, so what the model costs when its reads are
+//!   mostly not memory misses.
 //!
 //! Run with `cargo bench --bench chain`.
 
@@ -117,8 +120,8 @@ criterion_group! {
     targets = from_body
 }
 
-/// Sessions the paired rounds cycle through.
-const SESSIONS: u64 = 1024;
+/// Sessions the paired rounds cycle through, for each backend of the fleet: 1,024 on 16x8.
+const SESSIONS_PER_BACKEND: u64 = 8;
 /// Turns a session takes before its history starts again (a compaction every 64 turns).
 const TURNS: u64 = 64;
 
@@ -129,9 +132,9 @@ fn chain_of(s: u64, cycle: u64, t: u64) -> PromptChain {
     PromptChain::from_blocks((0..20 + 2 * t).map(|i| (s << 40 | cycle << 20 | i, 50)))
 }
 
-/// Home hits with and without a chain, in rotating rounds.
-fn paired(rounds: usize, calls: u64) {
-    let shape = Shape::new(16, 8);
+/// Home hits on `shape` with and without a chain, in rotating rounds.
+fn paired(shape: Shape, rounds: usize, calls: u64) {
+    let sessions = SESSIONS_PER_BACKEND * (shape.nodes * shape.per_node) as u64;
     let mut bare = SessionAffinityLayer::new()
         .key(ExtensionKey)
         .layer(shape.fleet(1));
@@ -140,9 +143,9 @@ fn paired(rounds: usize, calls: u64) {
     let mut chained = SessionAffinityLayer::new()
         .key(ExtensionKey)
         .layer(shape.fleet_with_cache(1, 200_000));
-    common::fill_caches(&mut chained, 20 * SESSIONS);
+    common::fill_caches(&mut chained, 20 * sessions);
     let with_chain = |i: u64| {
-        let (s, n) = (i % SESSIONS, i / SESSIONS);
+        let (s, n) = (i % sessions, i / sessions);
         let mut req = request(Some(key(s)));
         let chain = chain_of(s, n / TURNS, n % TURNS);
         req.extensions_mut().insert(PromptFacts::from_chain(chain));
@@ -150,12 +153,12 @@ fn paired(rounds: usize, calls: u64) {
     };
     // Every session placed once, so that every measured call is a home hit (or, once in 64
     // turns, a compaction).
-    for i in 0..SESSIONS {
+    for i in 0..sessions {
         drop(call_now(&mut bare, request(Some(key(i)))));
         drop(call_now(&mut chained, with_chain(i)));
     }
     // Each contender's own count of calls, so that each session's turns follow one another.
-    let mut next = [SESSIONS; 2];
+    let mut next = [sessions; 2];
     let mut outcomes = [0u64; 2];
     // Requests are built in small chunks, outside the timing: a proxy's chain was built by
     // `BodyKeyLayer` just before the call, so it is in cache, as it is here.
@@ -202,7 +205,8 @@ fn paired(rounds: usize, calls: u64) {
         (v[v.len() / 2], v[0], v[v.len() - 1])
     };
     println!(
-        "\n## Paired rounds: home hits, 16x8 ({rounds} rounds of {calls} calls a contender)\n"
+        "\n## Paired rounds: home hits, {} ({rounds} rounds of {calls} calls a contender)\n",
+        shape.label()
     );
     println!("| path | per call, median (min to max) |");
     println!("|---|---:|");
@@ -227,10 +231,12 @@ fn paired(rounds: usize, calls: u64) {
 
 fn main() {
     common::main_with_paired(benches, |full| {
-        if full {
-            paired(21, 200_000);
-        } else {
-            paired(1, 2_000);
+        for shape in [Shape::new(16, 8), Shape::new(2, 2)] {
+            if full {
+                paired(shape, 21, 200_000);
+            } else {
+                paired(shape, 1, 2_000);
+            }
         }
     });
 }
