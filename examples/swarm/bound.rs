@@ -75,9 +75,14 @@ impl Store {
 
     fn make_room(&mut self, evict: Evict) {
         while self.used > self.capacity {
+            // Ties (states never used again) go to the lowest conversation, so that a seed
+            // gives the same figures every time.
             let victim = match evict {
-                Evict::LeastRecentlyUsed => self.held.iter().min_by_key(|(_, h)| h.last),
-                Evict::FurthestAhead => self.held.iter().max_by_key(|(_, h)| h.next),
+                Evict::LeastRecentlyUsed => self.held.iter().min_by_key(|(&c, h)| (h.last, c)),
+                Evict::FurthestAhead => self
+                    .held
+                    .iter()
+                    .max_by_key(|(&c, h)| (h.next, std::cmp::Reverse(c))),
             };
             let Some((&c, _)) = victim else { return };
             self.forget(c);
