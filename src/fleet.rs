@@ -145,9 +145,19 @@ impl<S> Backend<S> {
     /// parameters with grouped-query attention) and as much again in the slots' KV.
     pub const DEFAULT_CACHE_TOKENS: u64 = 131_072;
 
-    /// Sets how many tokens of prompt the backend keeps cached: its slots' KV plus its
-    /// host-memory prompt cache (llama.cpp's `--cache-ram` divided by the model's KV bytes a
-    /// token). The cache model evicts, least recently used first, past this.
+    /// Sets how many tokens of prompt the backend keeps cached: its KV on the GPU plus its
+    /// host-memory prompt cache. The cache model evicts, least recently used first, past this.
+    ///
+    /// Each server states its own figures:
+    ///
+    /// - llama-server: its context (`-c`, shared by its slots) plus `--cache-ram` (MiB) times
+    ///   1,048,576 divided by the model's KV bytes a token (2 x layers x KV heads x head size
+    ///   x bytes an element: 128 KiB for 64 layers with 4 KV heads of 128 at f16, as the
+    ///   study's 27B model has, so the default 8 GiB holds 65,536 tokens);
+    /// - vLLM: the `GPU KV cache size: N tokens` it logs at start, plus the tokens its CPU
+    ///   offloading holds, if on;
+    /// - SGLang: the `max_total_num_tokens` it logs at start, plus its hierarchical cache's
+    ///   host tokens, if on.
     pub fn cache_tokens(mut self, tokens: u64) -> Self {
         self.cache_tokens = tokens;
         self
