@@ -13,7 +13,9 @@
 //! - Paired rounds (`paired` in the filter, or no filter): home hits on 16x8 through the
 //!   service, with a prompt chain on each request, and with the same chains where the
 //!   service does not read them (the requests cost the same to build and drop), in rotating
-//!   rounds; the difference is what the cache model's lookup and update add to a home hit.
+//!   rounds. Each call is timed twice: until its backend is handed the request (the call
+//!   path, where the models are read), and to the end of the response future's first poll
+//!   (where the chain is recorded). The differences are what the cache model adds to each.
 //!   Then the same on 2x2, eight sessions a backend as on 16x8: a fleet whose models (about
 //!   1 MB) mostly stay in this machine's caches, so what the model costs when its reads are
 //!   mostly not memory misses.
@@ -132,17 +134,18 @@ fn chain_of(s: u64, cycle: u64, t: u64) -> PromptChain {
     PromptChain::from_blocks((0..20 + 2 * t).map(|i| (s << 40 | cycle << 20 | i, 50)))
 }
 
-/// Home hits on `shape` with and without a chain, in rotating rounds.
+/// Home hits on `shape` with and without a chain, in rotating rounds: each call's path to its
+/// backend (from the call until the backend is handed the request), and the whole call.
 fn paired(shape: Shape, rounds: usize, calls: u64) {
     let sessions = SESSIONS_PER_BACKEND * (shape.nodes * shape.per_node) as u64;
     let mut bare = SessionAffinityLayer::new()
         .key(ExtensionKey)
-        .layer(shape.fleet(1));
+        .layer(shape.fleet_of(1, common::mock_timed));
     // Caches at their budgets, as in a fleet that has run a while: each link recorded evicts
     // an older conversation's, and no table grows.
     let mut chained = SessionAffinityLayer::new()
         .key(ExtensionKey)
-        .layer(shape.fleet_with_cache(1, 200_000));
+        .layer(shape.fleet_with_cache_of(1, 200_000, common::mock_timed));
     common::fill_caches(&mut chained, 20 * sessions);
     let with_chain = |i: u64| {
         let (s, n) = (i % sessions, i / sessions);
@@ -163,10 +166,10 @@ fn paired(shape: Shape, rounds: usize, calls: u64) {
     // Requests are built in small chunks, outside the timing: a proxy's chain was built by
     // `BodyKeyLayer` just before the call, so it is in cache, as it is here.
     const CHUNK: u64 = 64;
-    let mut run = |who: usize| -> f64 {
+    let mut run = |who: usize| -> Times {
         let first = next[who];
         next[who] += calls;
-        let mut total = Duration::ZERO;
+        let (mut total, mut path) = (Duration::ZERO, Duration::ZERO);
         let mut buf = Vec::with_capacity(CHUNK as usize);
         let mut done = 0;
         while done < calls {
@@ -179,37 +182,44 @@ fn paired(shape: Shape, rounds: usize, calls: u64) {
                     req.extensions_mut().insert(common::Unread(facts));
                     req
                 }));
-                let start = Instant::now();
-                for req in buf.drain(..) {
-                    drop(black_box(call_now(&mut bare, req)));
-                }
-                total += start.elapsed();
             } else {
                 buf.extend((from..from + n).map(with_chain));
-                let start = Instant::now();
-                for req in buf.drain(..) {
-                    let res = black_box(call_now(&mut chained, req));
+            }
+            let svc = if who == 0 { &mut bare } else { &mut chained };
+            let start = Instant::now();
+            for req in buf.drain(..) {
+                let called = Instant::now();
+                let res = black_box(call_now(svc, req));
+                path += common::handed().map_or(Duration::ZERO, |t| t - called);
+                if who == 1 {
                     let hit = res.extensions().get::<Decision>().map(|d| d.outcome)
                         == Some(Outcome::HomeHit);
                     outcomes[usize::from(!hit)] += 1;
                 }
-                total += start.elapsed();
+                drop(res);
             }
+            total += start.elapsed();
             done += n;
         }
-        total.as_secs_f64() * 1e9 / calls as f64
+        let per_call = |d: Duration| d.as_secs_f64() * 1e9 / calls as f64;
+        Times {
+            path: per_call(path),
+            total: per_call(total),
+        }
     };
-    let per_call: Vec<[f64; 2]> = common::rotating_rounds(rounds, &mut run);
-    let median = |mut v: Vec<f64>| {
+    let per_round: Vec<[Times; 2]> = common::rotating_rounds(rounds, &mut run);
+    let cell = |f: &dyn Fn(&[Times; 2]) -> f64| {
+        let mut v: Vec<f64> = per_round.iter().map(f).collect();
         v.sort_by(f64::total_cmp);
-        (v[v.len() / 2], v[0], v[v.len() - 1])
+        let (m, lo, hi) = (v[v.len() / 2], v[0], v[v.len() - 1]);
+        format!("{m:.0} ns ({lo:.0} to {hi:.0})")
     };
     println!(
         "\n## Paired rounds: home hits, {} ({rounds} rounds of {calls} calls a contender)\n",
         shape.label()
     );
-    println!("| path | per call, median (min to max) |");
-    println!("|---|---:|");
+    println!("| per call, median (min to max) | to the backend (call path) | whole call |");
+    println!("|---|---:|---:|");
     for (who, name) in [
         "the same chains, where the service does not read them",
         "with a prompt chain (cache model)",
@@ -217,16 +227,27 @@ fn paired(shape: Shape, rounds: usize, calls: u64) {
     .iter()
     .enumerate()
     {
-        let (m, lo, hi) = median(per_call.iter().map(|r| r[who]).collect());
-        println!("| {name} | {m:.0} ns ({lo:.0} to {hi:.0} ns) |");
+        let (path, total) = (cell(&|r| r[who].path), cell(&|r| r[who].total));
+        println!("| {name} | {path} | {total} |");
     }
-    let (m, lo, hi) = median(per_call.iter().map(|r| r[1] - r[0]).collect());
-    println!("\nThe cache model adds {m:.0} ns a home hit, median ({lo:.0} to {hi:.0} ns).");
+    let (path, total) = (
+        cell(&|r| r[1].path - r[0].path),
+        cell(&|r| r[1].total - r[0].total),
+    );
+    println!("| **what the cache model adds** | **{path}** | {total} |");
     println!(
-        "Chained calls that were home hits: {} of {} (the rest: compactions, one turn in {TURNS}).",
+        "\nChained calls that were home hits: {} of {} (the rest: compactions, one turn in {TURNS}).",
         outcomes[0],
         outcomes[0] + outcomes[1]
     );
+}
+
+/// One contender's round: nanoseconds a call until its backend is handed the request, and for
+/// the whole call (the response future's poll included, where the chain is recorded).
+#[derive(Clone, Copy, Debug, Default)]
+struct Times {
+    path: f64,
+    total: f64,
 }
 
 fn main() {

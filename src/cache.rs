@@ -1,6 +1,7 @@
 //! The cache model: which prompt-chain links a backend probably still holds.
 //!
-//! Every dispatched request's [`PromptChain`] is recorded on the backend it went to. The links
+//! Every dispatched request's [`PromptChain`] is recorded on the backend it went to, once the
+//! request is on its way there (a [`Record`], settled by its response future). The links
 //! form a tree (a link's parent is the link before it in its chain, since a digest covers its
 //! whole prefix); the model keeps the tree within the backend's declared budget of tokens
 //! (its slots' KV plus its host-memory prompt cache), evicting the least recently used *leaf*
@@ -17,7 +18,12 @@
 //! per 16 tokens of its budget (at least 1,024), so the model of a backend with the default
 //! budget (8,192 links) stays under 700 KB.
 
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
 use crate::chain::{Link, PromptChain};
+use crate::learn::Prediction;
 
 const NONE: u32 = u32::MAX;
 
@@ -569,6 +575,72 @@ pub(crate) enum Verdict {
 pub(crate) fn reuse(model: &CacheModel, chain: &PromptChain) -> (usize, u64) {
     let held = model.held(chain.links());
     (held, chain.tokens_at(held))
+}
+
+/// A request's chain, owed to the model of the backend it was placed on.
+///
+/// Placement reads the models; recording waits until the request is on its way: the response
+/// future settles the record right after it first polls the backend's own future, so the
+/// model's update (finding the chain's new links, inserting them, evicting down to the budget)
+/// runs while the backend reads the prompt, not before the request reaches it. A record
+/// dropped unsettled (its response future dropped before its first poll) settles itself: no
+/// placed chain is lost to the model.
+#[derive(Debug)]
+pub(crate) struct Record {
+    owed: Option<Owed>,
+}
+
+#[derive(Debug)]
+struct Owed {
+    cache: Arc<Mutex<CacheModel>>,
+    chain: PromptChain,
+    /// Leading links of the chain the backend was known to hold at placement.
+    known: usize,
+}
+
+/// What settling a record found: the prediction an answer is checked against, and the model
+/// to correct.
+#[derive(Debug)]
+pub(crate) struct Settled {
+    pub(crate) cache: Arc<Mutex<CacheModel>>,
+    pub(crate) prediction: Prediction,
+}
+
+impl Record {
+    /// `chain` owed to `cache`, whose backend was known to hold its first `known` links.
+    pub(crate) fn new(cache: Arc<Mutex<CacheModel>>, chain: PromptChain, known: usize) -> Self {
+        Record {
+            owed: Some(Owed {
+                cache,
+                chain,
+                known,
+            }),
+        }
+    }
+
+    /// Records the chain on its model, once: `None` if it was settled already.
+    pub(crate) fn settle(&mut self) -> Option<Settled> {
+        let Owed {
+            cache,
+            chain,
+            known,
+        } = self.owed.take()?;
+        let (held, stamp) = cache.lock().record_from(chain.links(), known);
+        Some(Settled {
+            cache,
+            prediction: Prediction {
+                prompt_tokens: chain.tokens(),
+                held_tokens: chain.tokens_at(held),
+                stamp,
+            },
+        })
+    }
+}
+
+impl Drop for Record {
+    fn drop(&mut self) {
+        self.settle();
+    }
 }
 
 #[cfg(test)]

@@ -2,7 +2,10 @@
 //!
 //! Most requests never wait: their slot is taken in `call`, and the chosen backend, when it is
 //! ready at once (as a connection pool or a plain service is), is called right there. The
-//! future then holds only the backend's own future, the slot and the decision. The rarer paths
+//! future then holds only the backend's own future, the slot and the decision, and the prompt
+//! chain the request owes the backend's cache model: that is recorded right after the first
+//! poll of the backend's future, once the request is on its way, so that updating the model
+//! adds nothing to the path a request takes to its backend (see [`Record`]). The rarer paths
 //! (a backend not ready yet, a request waiting for a slot) keep what they need in one heap
 //! allocation of their own, so that they do not make every response future larger.
 
@@ -19,6 +22,7 @@ use tokio::time::{Instant, Sleep};
 use tower::Service;
 
 use crate::body::{Observe, Watch};
+use crate::cache::Record;
 use crate::error::BoxError;
 use crate::fleet::SlotGuard;
 use crate::key::{PromptFacts, SessionKey};
@@ -31,9 +35,9 @@ use crate::{Backend, Error, Overflow, ResponseBody};
 
 type SharedOf<S, P> = Arc<Shared<Backend<S>, P>>;
 
-/// A placed request: its backend's service, its slot, its decision, and what its answer is
-/// watched for.
-type Chosen<S> = (S, SlotGuard, Decision, Option<Watch>);
+/// A placed request: its backend's service, its slot, its decision, what its answer is
+/// watched for, and the chain it owes the backend's cache model.
+type Chosen<S> = (S, SlotGuard, Decision, Option<Watch>, Option<Record>);
 
 pin_project! {
     /// The response future of [`SessionAffinity`](crate::SessionAffinity).
@@ -116,9 +120,26 @@ struct Dispatched {
     decision: Decision,
     finish: Finish,
     watch: Option<Watch>,
+    record: Option<Record>,
 }
 
 impl Dispatched {
+    /// The backend's future has been polled: the request is on its way, and its chain goes
+    /// into the backend's cache model now. What the model found counts in the backend's
+    /// backlog, and is what the answer is checked against. Once; later calls do nothing.
+    fn settle(&mut self) {
+        let Some(settled) = self.record.as_mut().and_then(Record::settle) else {
+            return;
+        };
+        let p = settled.prediction;
+        self.guard
+            .reading(p.prompt_tokens.saturating_sub(p.held_tokens));
+        if let Some(w) = self.watch.as_mut() {
+            w.prediction = Some(p);
+            w.cache = Some(settled.cache);
+        }
+    }
+
     /// The backend's response with the decision attached, its body holding the slot.
     fn respond<B>(self, res: http::Response<B>) -> http::Response<ResponseBody<B>> {
         respond(res, self.guard, self.decision, self.finish, self.watch)
@@ -132,6 +153,7 @@ impl Dispatched {
             decision,
             finish,
             watch: _,
+            record: _,
         } = self;
         guard.count_failure();
         let cooldown = finish.failure_cooldown;
@@ -157,12 +179,13 @@ where
     /// with a waker that does nothing, which is enough to learn that), else readied later
     /// with the response future's own waker.
     fn call(placed: Chosen<S>, req: http::Request<ReqB>, finish: Finish) -> Self {
-        let (mut service, guard, decision, watch) = placed;
+        let (mut service, guard, decision, watch, record) = placed;
         let dispatched = Dispatched {
             guard,
             decision,
             finish,
             watch,
+            record,
         };
         match service.poll_ready(&mut Context::from_waker(Waker::noop())) {
             Poll::Ready(Ok(())) => State::Call {
@@ -254,7 +277,12 @@ where
                 guard,
                 decision,
                 watch,
-            } => State::call((service, guard, decision, watch), req, shared.finish),
+                record,
+            } => State::call(
+                (service, guard, decision, watch, record),
+                req,
+                shared.finish,
+            ),
             Placed::Empty => {
                 shared.capacity.counters.count_no_backends();
                 State::fail(Error::NoBackends)
@@ -296,9 +324,14 @@ where
                 guard,
                 decision,
                 watch,
+                record,
             } => {
                 drop(ticket);
-                State::call((service, guard, decision, watch), req, shared.finish)
+                State::call(
+                    (service, guard, decision, watch, record),
+                    req,
+                    shared.finish,
+                )
             }
             Placed::Empty => {
                 shared.capacity.counters.count_no_backends();
@@ -345,7 +378,11 @@ where
         loop {
             match state.as_mut().project() {
                 StateProj::Call { fut, dispatched } => {
-                    let result = ready!(fut.poll(cx));
+                    let polled = fut.poll(cx);
+                    if let Some(d) = dispatched.as_mut() {
+                        d.settle();
+                    }
+                    let result = ready!(polled);
                     let d = dispatched.take().expect(POLLED_AFTER_COMPLETION);
                     return Poll::Ready(match result {
                         Ok(res) => Ok(d.respond(res)),
@@ -404,9 +441,10 @@ where
                             guard,
                             decision,
                             watch,
+                            record,
                         } => {
                             let finish = w.shared.finish;
-                            let placed = (service, guard, decision, watch);
+                            let placed = (service, guard, decision, watch, record);
                             state.set(State::call(placed, r, finish));
                         }
                         Placed::Empty => {

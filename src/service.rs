@@ -19,12 +19,12 @@ use tower::discover::{Change, Discover};
 use tower::Service;
 
 use crate::body::Watch;
-use crate::cache::reuse;
+use crate::cache::{reuse, Record};
 use crate::error::BoxError;
 use crate::fleet::{Capacity, Fleet, Member, SlotGuard, Topology};
 use crate::future::{Finish, ResponseFuture};
 use crate::key::{KeyExtractor, PromptFacts, SessionKey};
-use crate::learn::{Learned, Prediction, Prior};
+use crate::learn::{Learned, Prior};
 use crate::placement::{
     wants_prefix, BackendRef, Candidates, FleetView, Home, HomeCache, NodeRef, Placement,
     PlacementRequest,
@@ -143,6 +143,8 @@ pub(crate) enum Placed<S> {
         decision: Decision,
         /// What the response body learns from, when answers are observed.
         watch: Option<Watch>,
+        /// The request's chain, owed to the chosen backend's cache model.
+        record: Option<Record>,
     },
     /// No candidate had a free slot.
     Full { home: WaitHome },
@@ -547,7 +549,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             _ => return full(),
         };
         let m = t.member(index);
-        let mut guard = SlotGuard::new(&m.load, index, m.node, now_ms);
+        let guard = SlotGuard::new(&m.load, index, m.node, now_ms);
         if let (Some(chain), Some(target)) = (chain, cache_backend) {
             let first_try = waited.is_none() && scope == Scope::Any && !overcommitted;
             if self.wait_versus_move && first_try && target != index {
@@ -589,26 +591,19 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             tip: chain.map_or(0, |c| c.tip()),
             node: m.node,
         };
-        let mut watch = self.observe.then(Watch::default);
-        if let Some(chain) = chain {
-            // What the chosen backend held already: all of the last turn, on a home hit.
+        let watch = self.observe.then(Watch::default);
+        // The chain goes into the chosen backend's model once the request is on its way (see
+        // `Record`), knowing what that backend held already: all of the last turn on a home
+        // hit, the prefix found on the backend that holds it.
+        let record = chain.map(|chain| {
             let known = match outcome {
                 Outcome::HomeHit => home_links,
                 _ => prefix
                     .filter(|p| p.backend.index == index)
                     .map_or(0, |p| p.links),
             };
-            let (held, stamp) = m.cache.lock().record_from(chain.links(), known);
-            guard.reading(chain.tokens().saturating_sub(chain.tokens_at(held)));
-            if let Some(w) = watch.as_mut() {
-                w.prediction = Some(Prediction {
-                    prompt_tokens: chain.tokens(),
-                    held_tokens: chain.tokens_at(held),
-                    stamp,
-                });
-                w.cache = Some(m.cache.clone());
-            }
-        }
+            Record::new(m.cache.clone(), chain.clone(), known)
+        });
         drop(fleet);
         if let Some(k) = key {
             if known != Some(new_home) {
@@ -627,6 +622,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             guard,
             decision,
             watch,
+            record,
         }
     }
 }

@@ -42,6 +42,30 @@ fn answer_with_extension(_req: Req) -> Ready<Result<Res, Infallible>> {
     ready(Ok(res))
 }
 
+thread_local! {
+    /// When a [`mock_timed`] backend was last handed a request, on this thread.
+    static HANDED: std::cell::Cell<Option<std::time::Instant>> = const { std::cell::Cell::new(None) };
+}
+
+fn answer_timed(_req: Req) -> Ready<Result<Res, Infallible>> {
+    HANDED.with(|h| h.set(Some(std::time::Instant::now())));
+    ready(Ok(http::Response::new(Empty::new())))
+}
+
+/// When a [`mock_timed`] backend was last handed a request on this thread (taken: the next
+/// call gives `None` until another request is handed over).
+#[allow(dead_code)]
+pub(crate) fn handed() -> Option<std::time::Instant> {
+    HANDED.with(|h| h.take())
+}
+
+/// One mock backend that notes when it is handed a request (see [`handed`]): where a
+/// request's call path ends.
+#[allow(dead_code)]
+pub(crate) fn mock_timed() -> Mock {
+    service_fn(answer_timed as fn(Req) -> Ready<Result<Res, Infallible>>)
+}
+
 /// One mock backend.
 pub(crate) fn mock() -> Mock {
     service_fn(answer as fn(Req) -> Ready<Result<Res, Infallible>>)
@@ -98,9 +122,22 @@ impl Shape {
     /// The fleet of mock backends with `slots` slots, each declaring a cache of `tokens`.
     #[allow(dead_code)]
     pub(crate) fn fleet_with_cache(&self, slots: u32, tokens: u64) -> StaticFleet<Mock> {
+        self.fleet_with_cache_of(slots, tokens, mock)
+    }
+
+    /// The same fleet of backends made by `backend`.
+    #[allow(dead_code)]
+    pub(crate) fn fleet_with_cache_of(
+        &self,
+        slots: u32,
+        tokens: u64,
+        backend: fn() -> Mock,
+    ) -> StaticFleet<Mock> {
         let slots = NonZeroU32::new(slots).unwrap_or(NonZeroU32::MIN);
         StaticFleet::new(self.names().into_iter().map(|(id, node)| {
-            let b = Backend::new(node, mock()).slots(slots).cache_tokens(tokens);
+            let b = Backend::new(node, backend())
+                .slots(slots)
+                .cache_tokens(tokens);
             (id, b)
         }))
     }

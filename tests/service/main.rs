@@ -2,6 +2,7 @@
 
 mod mock;
 
+use std::convert::Infallible;
 use std::num::NonZeroU32;
 use std::time::Duration;
 
@@ -1515,4 +1516,88 @@ async fn a_new_keyless_conversation_sharing_only_the_system_prompt_is_not_a_pref
     // A new conversation: by load, to a backend homing none.
     assert_eq!(d2.outcome, Outcome::Keyless);
     assert_ne!(d2.backend, d1.backend);
+}
+
+type Answering =
+    tower::util::BoxCloneService<http::Request<String>, http::Response<String>, Infallible>;
+
+/// A service over `spec` whose backends answer at once, keyed by `x-session-id`, for requests
+/// that carry their prompt chain as an extension.
+fn chained_stack(
+    spec: Spec<'_>,
+) -> SessionAffinity<StaticFleet<Answering>, HeaderKey, tower_affinity::placement::NodeThenBackend>
+{
+    let fleet = StaticFleet::new(spec.iter().map(|&(id, node, slots)| {
+        let service = Answering::new(tower::service_fn(|_req: http::Request<String>| async {
+            Ok::<_, Infallible>(http::Response::new(String::new()))
+        }));
+        (id, Backend::new(node, service).slots(nz(slots)))
+    }));
+    SessionAffinityLayer::new().layer(fleet)
+}
+
+fn chained_request(session: &str, chain: &tower_affinity::PromptChain) -> http::Request<String> {
+    let mut req = http::Request::post("/v1/chat/completions")
+        .header("x-session-id", session)
+        .body(String::new())
+        .unwrap();
+    req.extensions_mut()
+        .insert(tower_affinity::key::PromptFacts::from_chain(chain.clone()));
+    req
+}
+
+fn cached_tokens<D, K, P, S>(svc: &SessionAffinity<D, K, P>) -> u64
+where
+    D: Discover<Key = tower_affinity::BackendId, Service = Backend<S>>,
+{
+    svc.backends().iter().map(|b| b.cached_tokens).sum()
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_chain_goes_into_the_cache_model_once_its_request_is_on_its_way() {
+    let mut svc = chained_stack(TWO_BY_TWO);
+    let chain = tower_affinity::PromptChain::from_blocks([(1, 2_000), (2, 300)]);
+    let fut = ServiceExt::<http::Request<String>>::ready(&mut svc)
+        .await
+        .unwrap()
+        .call(chained_request("s1", &chain));
+    // Placed, its slot taken, its backend called: the model is not written on that path.
+    assert_eq!(svc.backends().iter().map(|b| b.in_flight).sum::<u32>(), 1);
+    assert_eq!(cached_tokens(&svc), 0);
+    // The first poll drives the backend's future, then records the chain.
+    let mut fut = tokio_test::task::spawn(fut);
+    let res = assert_ready!(fut.poll()).unwrap();
+    assert_eq!(cached_tokens(&svc), 2_300);
+    assert_eq!(
+        res.extensions().get::<Decision>().unwrap().outcome,
+        Outcome::NewSession
+    );
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_response_future_dropped_before_its_first_poll_still_records_its_chain() {
+    let mut svc = chained_stack(TWO_BY_TWO);
+    let chain = tower_affinity::PromptChain::from_blocks([(1, 2_000), (2, 300)]);
+    let fut = ServiceExt::<http::Request<String>>::ready(&mut svc)
+        .await
+        .unwrap()
+        .call(chained_request("s1", &chain));
+    let home = svc
+        .backends()
+        .into_iter()
+        .find(|b| b.in_flight == 1)
+        .unwrap()
+        .id;
+    drop(fut);
+    assert_eq!(cached_tokens(&svc), 2_300);
+    // The next turn finds its home holding the last one.
+    let next = tower_affinity::PromptChain::from_blocks([(1, 2_000), (2, 300), (3, 500)]);
+    let res = ServiceExt::<http::Request<String>>::ready(&mut svc)
+        .await
+        .unwrap()
+        .call(chained_request("s1", &next))
+        .await
+        .unwrap();
+    let d = res.extensions().get::<Decision>().unwrap();
+    assert_eq!((d.outcome, &d.backend), (Outcome::HomeHit, &home));
 }
