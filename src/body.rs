@@ -12,11 +12,10 @@ use bytes::{Buf, Bytes};
 use http::header::{CONTENT_ENCODING, CONTENT_TYPE};
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
-use parking_lot::Mutex;
 use pin_project_lite::pin_project;
 use tokio::time::Instant;
 
-use crate::cache::{CacheModel, Verdict};
+use crate::cache::{ModelCell, Verdict};
 use crate::fleet::SlotGuard;
 use crate::learn::{Answer, Prediction};
 use crate::stats::bump;
@@ -59,7 +58,7 @@ pub(crate) struct Watch {
     /// What the cache model predicted for the request on its backend.
     pub(crate) prediction: Option<Prediction>,
     /// That backend's model, to correct when the prediction was far off.
-    pub(crate) cache: Option<Arc<Mutex<CacheModel>>>,
+    pub(crate) cache: Option<Arc<ModelCell>>,
 }
 
 /// Reading one answer: the scanner, and what the answer has shown so far.

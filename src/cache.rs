@@ -18,9 +18,10 @@
 //! per 16 tokens of its budget (at least 1,024), so the model of a backend with the default
 //! budget (8,192 links) stays under 700 KB.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 
 use crate::chain::{Link, PromptChain};
 use crate::learn::Prediction;
@@ -38,8 +39,9 @@ struct Node {
     /// The leaf list, most recently used first (only while `children == 0`).
     prev: u32,
     next: u32,
-    /// When a chain through this link last ended here or below (the model's clock): set on
-    /// the links a record adds or passes from its deepest known link down.
+    /// When a chain through this link last ended here or below (the stamp of that record,
+    /// see [`Marks`]): set on the links a record adds or passes from its deepest known link
+    /// down, never lowered.
     stamp: u32,
 }
 
@@ -211,8 +213,10 @@ pub(crate) struct CacheModel {
     declared: u64,
     max_blocks: usize,
     evicted: u64,
-    /// Counts records: the stamps' clock.
+    /// The latest stamp recorded.
     clock: u32,
+    /// The latest stamp of a link evicted (0 before any): nothing recorded later has gone.
+    evicted_through: u32,
 }
 
 impl CacheModel {
@@ -231,6 +235,7 @@ impl CacheModel {
             max_blocks: Self::max_blocks(budget),
             evicted: 0,
             clock: 0,
+            evicted_through: 0,
         }
     }
 
@@ -309,49 +314,64 @@ impl CacheModel {
     /// (0 if nothing is known): from there it looks link by link, which on a home hit is the
     /// one or two links the last turn ended with; with nothing known, a binary search.
     ///
+    /// `at_least` is checked: if its last link is not held (a turn placed before the one
+    /// that recorded it had settled, or a fingerprint shared by a new link), the search
+    /// starts from nothing. `stamp` is the record's, from [`ModelCell::reserve`].
+    ///
     /// Returns how many leading links were held before, and when the deepest of them was last
     /// used (0 if none was held).
-    pub(crate) fn record_from(&mut self, chain: &[Link], at_least: usize) -> (usize, u32) {
+    pub(crate) fn record_from(
+        &mut self,
+        chain: &[Link],
+        at_least: usize,
+        stamp: u32,
+    ) -> (usize, u32) {
+        let at_least = match at_least.min(chain.len()) {
+            n if n > 0 && !self.holds(chain[n - 1].digest) => 0,
+            n => n,
+        };
         let known = if at_least == 0 {
             self.held(chain)
         } else {
-            let mut n = at_least.min(chain.len());
+            let mut n = at_least;
             while n < chain.len() && self.holds(chain[n].digest) {
                 n += 1;
             }
             n
         };
-        let stamp = match known {
+        let last_used = match known {
             0 => 0,
             n => self
                 .node(chain[n - 1].digest)
                 .map_or(0, |i| self.nodes[i as usize].stamp),
         };
-        self.record(chain, known);
-        (known, stamp)
+        self.record(chain, known, stamp);
+        (known, last_used)
     }
 
     /// Records `chain` as held, `known` of its leading links being held already (from
     /// [`held`](Self::held), or a cheaper check), and makes its tip the most recently used.
-    pub(crate) fn record(&mut self, chain: &[Link], known: usize) {
+    /// The links it passes from its deepest known one down take `stamp`, unless they carry a
+    /// later one (records settle in any order; a stamp never goes back).
+    pub(crate) fn record(&mut self, chain: &[Link], known: usize, stamp: u32) {
         if chain.is_empty() {
             return;
         }
         let known = known.min(chain.len());
-        self.clock = self.clock.wrapping_add(1);
+        self.clock = latest(self.clock, stamp);
         let mut parent = match known {
             0 => NONE,
             n => self.node(chain[n - 1].digest).unwrap_or(NONE),
         };
         if parent != NONE {
-            self.nodes[parent as usize].stamp = self.clock;
+            self.touch(parent, stamp);
         }
         let mut tip = parent;
         for (i, link) in chain.iter().enumerate().skip(known) {
             let before = if i == 0 { 0 } else { chain[i - 1].tokens };
             let tokens = u32::try_from(link.tokens.saturating_sub(before)).unwrap_or(u32::MAX);
-            tip = self.insert(link.digest, tokens, parent);
-            self.nodes[tip as usize].stamp = self.clock;
+            tip = self.insert(link.digest, tokens, parent, stamp);
+            self.touch(tip, stamp);
             parent = tip;
         }
         // The tip is the most recently used leaf; the links before it have a child each.
@@ -364,6 +384,12 @@ impl CacheModel {
         self.evict();
     }
 
+    /// Stamps link `i` with `stamp`, unless it carries a later one.
+    fn touch(&mut self, i: u32, stamp: u32) {
+        let n = &mut self.nodes[i as usize];
+        n.stamp = latest(n.stamp, stamp);
+    }
+
     /// Whether leaf `i` is in the leaf list.
     fn listed(&self, i: u32) -> bool {
         let n = &self.nodes[i as usize];
@@ -372,7 +398,7 @@ impl CacheModel {
 
     /// Adds a link under `parent` (or finds it); returns its index. A new link is not put in
     /// the leaf list: it has a child next, or is the tip [`record`](Self::record) lists.
-    fn insert(&mut self, digest: u64, tokens: u32, parent: u32) -> u32 {
+    fn insert(&mut self, digest: u64, tokens: u32, parent: u32, stamp: u32) -> u32 {
         let slot = match self.index.entry(digest) {
             Ok(i) => return i,
             Err(slot) => slot,
@@ -384,7 +410,7 @@ impl CacheModel {
             children: 0,
             prev: NONE,
             next: NONE,
-            stamp: self.clock,
+            stamp,
         };
         let i = match self.free.pop() {
             Some(i) => {
@@ -519,6 +545,7 @@ impl CacheModel {
         self.tokens -= u64::from(node.tokens);
         self.free.push(i);
         self.evicted += 1;
+        self.evicted_through = latest(self.evicted_through, node.stamp);
         if node.parent != NONE {
             let p = &mut self.nodes[node.parent as usize];
             p.children -= 1;
@@ -577,6 +604,114 @@ pub(crate) fn reuse(model: &CacheModel, chain: &PromptChain) -> (usize, u64) {
     (held, chain.tokens_at(held))
 }
 
+/// Whether stamp `a` is later than `b`, on a clock that wraps: within 2^31 of each other.
+fn later(a: u32, b: u32) -> bool {
+    (a.wrapping_sub(b) as i32) > 0
+}
+
+/// The later of two stamps; 0 (no stamp) is earlier than any.
+fn latest(a: u32, b: u32) -> u32 {
+    if a == 0 || later(b, a) {
+        b
+    } else {
+        a
+    }
+}
+
+/// A backend's cache model, with the two figures placement reads of it without its lock.
+///
+/// Every record on the model takes a *stamp* from [`reserve`](Self::reserve): one count a
+/// record, never 0, reserved when the request is placed (before it is recorded), so that the
+/// session table can keep it with the session's home. The model notes the latest stamp of
+/// any link it evicts. A session whose stamp is later than that was recorded after the last
+/// eviction, so all of it is still held: on a home hit, [`kept_since`](Self::kept_since)
+/// says so from two numbers in memory that placement reads anyway, where a look into the
+/// model's index would be a memory miss or two on a large fleet. Only an older session's
+/// home is looked up in the model.
+#[derive(Debug)]
+pub(crate) struct ModelCell {
+    /// The next stamp to reserve.
+    next: AtomicU32,
+    /// The model's latest evicted stamp, as of its last unlock.
+    evicted: AtomicU32,
+    model: Mutex<CacheModel>,
+}
+
+impl ModelCell {
+    /// A model of a cache of `budget` tokens.
+    pub(crate) fn new(budget: u64) -> Self {
+        ModelCell {
+            next: AtomicU32::new(1),
+            evicted: AtomicU32::new(0),
+            model: Mutex::new(CacheModel::new(budget)),
+        }
+    }
+
+    /// The model, locked. Whatever it evicts meanwhile is published when the guard drops.
+    pub(crate) fn lock(&self) -> ModelGuard<'_> {
+        ModelGuard {
+            model: self.model.lock(),
+            evicted: &self.evicted,
+        }
+    }
+
+    /// A stamp for a record on this model: later than every stamp reserved before it (until
+    /// the count wraps, after 2^32 records), never 0.
+    pub(crate) fn reserve(&self) -> u32 {
+        loop {
+            let stamp = self.next.fetch_add(1, Ordering::Relaxed);
+            if stamp != 0 {
+                return stamp;
+            }
+        }
+    }
+
+    /// Whether a record stamped `stamp`, once recorded, is still held whole: nothing recorded
+    /// that late or later has been evicted. False for stamp 0 (none known), and for a stamp
+    /// as old as the latest evicted one, which may or may not be held.
+    pub(crate) fn kept_since(&self, stamp: u32) -> bool {
+        let evicted = self.evicted.load(Ordering::Acquire);
+        stamp != 0 && (evicted == 0 || later(stamp, evicted))
+    }
+
+    /// Records `chain` with a stamp of its own (see [`CacheModel::record_from`]).
+    pub(crate) fn record_from(&self, chain: &[Link], at_least: usize) -> (usize, u32) {
+        let stamp = self.reserve();
+        self.lock().record_from(chain, at_least, stamp)
+    }
+}
+
+/// A locked [`ModelCell`]'s model.
+#[derive(Debug)]
+pub(crate) struct ModelGuard<'a> {
+    model: MutexGuard<'a, CacheModel>,
+    evicted: &'a AtomicU32,
+}
+
+impl std::ops::Deref for ModelGuard<'_> {
+    type Target = CacheModel;
+
+    fn deref(&self) -> &CacheModel {
+        &self.model
+    }
+}
+
+impl std::ops::DerefMut for ModelGuard<'_> {
+    fn deref_mut(&mut self) -> &mut CacheModel {
+        &mut self.model
+    }
+}
+
+impl Drop for ModelGuard<'_> {
+    fn drop(&mut self) {
+        // Before the lock goes, so no later holder publishes an older figure after this one.
+        let through = self.model.evicted_through;
+        if self.evicted.load(Ordering::Relaxed) != through {
+            self.evicted.store(through, Ordering::Release);
+        }
+    }
+}
+
 /// A request's chain, owed to the model of the backend it was placed on.
 ///
 /// Placement reads the models; recording waits until the request is on its way: the response
@@ -592,28 +727,32 @@ pub(crate) struct Record {
 
 #[derive(Debug)]
 struct Owed {
-    cache: Arc<Mutex<CacheModel>>,
+    cache: Arc<ModelCell>,
     chain: PromptChain,
     /// Leading links of the chain the backend was known to hold at placement.
     known: usize,
+    /// The stamp reserved for it at placement.
+    stamp: u32,
 }
 
 /// What settling a record found: the prediction an answer is checked against, and the model
 /// to correct.
 #[derive(Debug)]
 pub(crate) struct Settled {
-    pub(crate) cache: Arc<Mutex<CacheModel>>,
+    pub(crate) cache: Arc<ModelCell>,
     pub(crate) prediction: Prediction,
 }
 
 impl Record {
-    /// `chain` owed to `cache`, whose backend was known to hold its first `known` links.
-    pub(crate) fn new(cache: Arc<Mutex<CacheModel>>, chain: PromptChain, known: usize) -> Self {
+    /// `chain` owed to `cache`, whose backend was known to hold its first `known` links, with
+    /// the `stamp` reserved for it.
+    pub(crate) fn new(cache: Arc<ModelCell>, chain: PromptChain, known: usize, stamp: u32) -> Self {
         Record {
             owed: Some(Owed {
                 cache,
                 chain,
                 known,
+                stamp,
             }),
         }
     }
@@ -624,14 +763,15 @@ impl Record {
             cache,
             chain,
             known,
+            stamp,
         } = self.owed.take()?;
-        let (held, stamp) = cache.lock().record_from(chain.links(), known);
+        let (held, last_used) = cache.lock().record_from(chain.links(), known, stamp);
         Some(Settled {
             cache,
             prediction: Prediction {
                 prompt_tokens: chain.tokens(),
                 held_tokens: chain.tokens_at(held),
-                stamp,
+                stamp: last_used,
             },
         })
     }
@@ -647,6 +787,19 @@ impl Drop for Record {
 mod tests {
     use super::*;
 
+    impl CacheModel {
+        /// Records with the next stamp, as one model's records in a row would have.
+        fn record_next(&mut self, chain: &[Link], known: usize) {
+            let stamp = self.clock.wrapping_add(1).max(1);
+            self.record(chain, known, stamp);
+        }
+
+        fn record_from_next(&mut self, chain: &[Link], at_least: usize) -> (usize, u32) {
+            let stamp = self.clock.wrapping_add(1).max(1);
+            self.record_from(chain, at_least, stamp)
+        }
+    }
+
     fn chain(ids: &[u64]) -> PromptChain {
         PromptChain::from_blocks(ids.iter().map(|&id| (id, 100)))
     }
@@ -655,11 +808,11 @@ mod tests {
     fn a_recorded_chain_is_held_and_its_extensions_are_found() {
         let mut m = CacheModel::new(10_000);
         let first = chain(&[1, 2, 3]);
-        m.record(first.links(), 0);
+        m.record_next(first.links(), 0);
         let next = chain(&[1, 2, 3, 4, 5]);
         assert_eq!(reuse(&m, &next), (3, 300));
         assert_eq!(m.conversations(), 1);
-        m.record(next.links(), 3);
+        m.record_next(next.links(), 3);
         assert_eq!(m.conversations(), 1);
         assert_eq!(m.tokens(), 500);
         m.check();
@@ -672,11 +825,11 @@ mod tests {
         let a = chain(&[1, 2, 3, 4]);
         let b = chain(&[10, 11, 12, 13]);
         let c = chain(&[20, 21, 22, 23]);
-        m.record(a.links(), 0);
-        m.record(b.links(), 0);
+        m.record_next(a.links(), 0);
+        m.record_next(b.links(), 0);
         // `a` is used again: `b` is now the oldest.
-        m.record(a.links(), m.held(a.links()));
-        m.record(c.links(), 0);
+        m.record_next(a.links(), m.held(a.links()));
+        m.record_next(c.links(), 0);
         assert_eq!(m.held(a.links()), 4);
         assert_eq!(m.held(c.links()), 4);
         // `b` lost its tail first: what is left of it is a prefix.
@@ -690,7 +843,7 @@ mod tests {
         let mut m = CacheModel::new(600);
         // A system prompt (1, 2) continued by three conversations.
         for tail in [[3, 4], [5, 6], [7, 8]] {
-            m.record(chain(&[1, 2, tail[0], tail[1]]).links(), 0);
+            m.record_next(chain(&[1, 2, tail[0], tail[1]]).links(), 0);
         }
         assert_eq!(m.continuations(chain(&[1, 2]).links()[1].digest), 2);
         assert_eq!(m.held(chain(&[1, 2, 9]).links()), 2);
@@ -705,7 +858,7 @@ mod tests {
             let ids: Vec<u64> = (0..(s % 13 + 1)).map(|i| s * 100 + i).collect();
             let c = chain(&ids);
             let known = m.held(c.links());
-            m.record(c.links(), known);
+            m.record_next(c.links(), known);
             assert!(m.tokens() <= 2_000);
             assert!(m.blocks() <= CacheModel::max_blocks(2_000));
         }
@@ -716,11 +869,11 @@ mod tests {
     fn held_less_forgets_what_was_used_no_later_up_to_the_shortfall() {
         let mut m = CacheModel::new(100_000);
         for c in [&[1, 2][..], &[3, 4], &[5, 6], &[7, 8]] {
-            m.record(chain(c).links(), 0);
+            m.record_next(chain(c).links(), 0);
         }
         // [5, 6] is predicted held; its turn reports nothing reused.
         let next = chain(&[5, 6, 9]);
-        let (held, stamp) = m.record_from(next.links(), 0);
+        let (held, stamp) = m.record_from_next(next.links(), 0);
         assert_eq!(held, 2);
         // 300 tokens over-predicted: the oldest conversations go, [1, 2] then [3, 4]'s leaf.
         m.correct(Verdict::HeldLess, stamp, 300);
@@ -754,7 +907,7 @@ mod tests {
     fn a_chain_larger_than_the_budget_keeps_what_fits() {
         let mut m = CacheModel::new(250);
         let c = chain(&[1, 2, 3, 4, 5]);
-        m.record(c.links(), 0);
+        m.record_next(c.links(), 0);
         assert_eq!(m.held(c.links()), 2);
         m.check();
     }
@@ -764,7 +917,7 @@ mod tests {
         let mut m = CacheModel::new(1 << 30);
         for s in 0..1_000u64 {
             let ids: Vec<u64> = (0..50).map(|i| s * 1_000 + i).collect();
-            m.record(chain(&ids).links(), 0);
+            m.record_next(chain(&ids).links(), 0);
         }
         assert_eq!(m.blocks(), 50_000);
         let per_block = m.memory_bytes() / m.blocks();
@@ -918,7 +1071,7 @@ mod tests {
                 match op {
                     Op::Record(c, n) => {
                         let chain = conversation(c, n);
-                        m.record_from(chain.links(), 0);
+                        m.record_from_next(chain.links(), 0);
                         r.record(chain.links(), budget, 40);
                     }
                     Op::Forget(back, shortfall) => {
@@ -944,6 +1097,100 @@ mod tests {
                 for c in 0..8 {
                     let chain = conversation(c, 16);
                     proptest::prop_assert_eq!(m.held(chain.links()), r.held(chain.links()));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_known_prefix_the_model_lacks_is_searched_for_instead() {
+        let mut m = CacheModel::new(10_000);
+        m.record_next(chain(&[1, 2]).links(), 0);
+        // Told that five links are held where two are (a turn placed before its last one
+        // settled, or a fingerprint shared by a new link): the record finds the two.
+        let (held, _) = m.record_from_next(chain(&[1, 2, 3, 4, 5, 6]).links(), 5);
+        assert_eq!(held, 2);
+        assert_eq!(m.held(chain(&[1, 2, 3, 4, 5, 6]).links()), 6);
+        m.check();
+    }
+
+    #[test]
+    fn a_session_recorded_after_the_last_eviction_is_kept_and_an_older_one_is_looked_up() {
+        // Room for two conversations of 300 tokens.
+        let cell = ModelCell::new(600);
+        let (a, b, c) = (chain(&[1, 2, 3]), chain(&[4, 5, 6]), chain(&[7, 8, 9]));
+        let mark_a = cell.reserve();
+        cell.lock().record_from(a.links(), 0, mark_a);
+        let mark_b = cell.reserve();
+        cell.lock().record_from(b.links(), 0, mark_b);
+        assert!(
+            cell.kept_since(mark_a) && cell.kept_since(mark_b),
+            "nothing evicted yet"
+        );
+        assert!(!cell.kept_since(0), "no stamp, nothing known");
+        // c pushes a out.
+        let mark_c = cell.reserve();
+        cell.lock().record_from(c.links(), 0, mark_c);
+        assert!(!cell.kept_since(mark_a));
+        assert_eq!(cell.lock().held(a.links()), 0);
+        assert!(cell.kept_since(mark_b) && cell.kept_since(mark_c));
+        // Records settling out of order: the later stamp is recorded first, and a link never
+        // takes an earlier stamp than it has.
+        let (early, late) = (cell.reserve(), cell.reserve());
+        cell.lock().record_from(b.links(), 3, late);
+        cell.lock()
+            .record_from(chain(&[4, 5, 6, 10]).links(), 3, early);
+        assert!(cell.kept_since(late));
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(300))]
+
+        /// What placement trusts without a look into the model: a conversation whose last
+        /// record's stamp is later than the last eviction is held whole, whatever order the
+        /// records settle in.
+        #[test]
+        fn a_record_later_than_every_eviction_is_held_whole(
+            budget in 300u64..3_000,
+            ops in proptest::collection::vec((op(), proptest::bool::ANY), 1..80),
+        ) {
+            let cell = ModelCell::new(budget);
+            // Each conversation's last recorded chain and its stamp.
+            let mut last: Vec<Option<(PromptChain, u32)>> = vec![None; 8];
+            // A record reserved and not settled yet, settled after the next one.
+            let mut pending: Option<(u64, PromptChain, u32)> = None;
+            for (op, hold_back) in ops {
+                match op {
+                    Op::Record(c, n) => {
+                        let chain = conversation(c, n);
+                        let stamp = cell.reserve();
+                        let settled = match pending.take() {
+                            None if hold_back => {
+                                pending = Some((c, chain, stamp));
+                                None
+                            }
+                            earlier => {
+                                cell.lock().record_from(chain.links(), 0, stamp);
+                                last[c as usize] = Some((chain, stamp));
+                                earlier
+                            }
+                        };
+                        if let Some((c, chain, stamp)) = settled {
+                            cell.lock().record_from(chain.links(), 0, stamp);
+                            last[c as usize] = Some((chain, stamp));
+                        }
+                    }
+                    Op::Forget(back, shortfall) => {
+                        let mut m = cell.lock();
+                        let stamp = m.clock.saturating_sub(back);
+                        m.forget_until(stamp, shortfall);
+                    }
+                    Op::Budget(b) => cell.lock().set_budget(b),
+                }
+                for (chain, stamp) in last.iter().flatten() {
+                    if cell.kept_since(*stamp) {
+                        proptest::prop_assert_eq!(cell.lock().held(chain.links()), chain.len());
+                    }
                 }
             }
         }

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 
-use crate::cache::CacheModel;
+use crate::cache::ModelCell;
 use crate::learn::Learned;
 use crate::metrics::BackendMetrics;
 use crate::placement::rendezvous::{RankSet, Ranked};
@@ -515,7 +515,7 @@ pub(crate) struct Member {
     pub(crate) load: Arc<Load>,
     pub(crate) prompt_cache_bytes: Option<u64>,
     /// What its cache probably holds; shared by every copy of the topology, like `load`.
-    pub(crate) cache: Arc<Mutex<CacheModel>>,
+    pub(crate) cache: Arc<ModelCell>,
 }
 
 /// What placement may read about one node.
@@ -693,7 +693,7 @@ impl Topology {
                 live: true,
                 load: Arc::new(Load::new(slots, self.capacity.clone(), &id, node_id)),
                 prompt_cache_bytes,
-                cache: Arc::new(Mutex::new(CacheModel::new(cache_tokens))),
+                cache: Arc::new(ModelCell::new(cache_tokens)),
             };
             index
         } else {
@@ -706,7 +706,7 @@ impl Topology {
                 live: true,
                 load: Arc::new(Load::new(slots, self.capacity.clone(), &id, node_id)),
                 prompt_cache_bytes,
-                cache: Arc::new(Mutex::new(CacheModel::new(cache_tokens))),
+                cache: Arc::new(ModelCell::new(cache_tokens)),
             });
             index
         };

@@ -472,8 +472,8 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         let mut home_links = 0;
         let home = home_node.map(|node| {
             let backend = home_backend.map(|i| BackendRef::new(t, i));
-            let tip = known.map_or(0, |h| h.tip);
-            let (cache, links) = HomeCache::of(backend, tip, chain);
+            let (tip, mark) = known.map_or((0, 0), |h| (h.tip, h.mark));
+            let (cache, links) = HomeCache::of(backend, tip, mark, chain);
             home_links = links;
             Home::new(backend, NodeRef::new(t, node)).cache(cache)
         });
@@ -585,11 +585,15 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             waited,
             overcommitted,
         };
+        // The stamp of this turn's record: kept with the session's home, so that its next
+        // turn can tell that home still holds it without a look into the model.
+        let mark = chain.map_or(0, |_| m.cache.reserve());
         let new_home = HomeEntry {
             backend: index,
             generation: m.generation,
             tip: chain.map_or(0, |c| c.tip()),
             node: m.node,
+            mark,
         };
         let watch = self.observe.then(Watch::default);
         // The chain goes into the chosen backend's model once the request is on its way (see
@@ -602,7 +606,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
                     .filter(|p| p.backend.index == index)
                     .map_or(0, |p| p.links),
             };
-            Record::new(m.cache.clone(), chain.clone(), known)
+            Record::new(m.cache.clone(), chain.clone(), known, mark)
         });
         drop(fleet);
         if let Some(k) = key {

@@ -84,6 +84,9 @@ pub(crate) struct HomeEntry {
     /// A fingerprint of the last link of the last turn's prompt chain; 0 if it had none.
     pub(crate) tip: u16,
     pub(crate) node: u32,
+    /// The stamp of the last turn's record on the home's cache model (see
+    /// [`ModelCell`](crate::cache::ModelCell)); 0 if none is known.
+    pub(crate) mark: u32,
 }
 
 /// What the service needs from a session store.
@@ -104,15 +107,19 @@ pub(crate) trait SessionStore: Send + Sync {
 #[derive(Clone, Copy, Debug)]
 #[repr(align(32))]
 struct Entry {
-    /// The key's digest; all zero marks an empty slot.
-    key: [u64; 2],
-    home: HomeEntry,
+    /// The key's digest, its first 96 bits (two keys alike in those are one in 2^96); all
+    /// zero marks an empty slot.
+    key: Words,
     /// Seconds on the fleet's clock when last used, in the low 31 bits; the top bit is "used
     /// again since it came in".
     stamp: u32,
+    home: HomeEntry,
 }
 
-const EMPTY: [u64; 2] = [0, 0];
+/// The part of a key's digest an entry keeps.
+type Words = [u32; 3];
+
+const EMPTY: Words = [0, 0, 0];
 const REFERENCED: u32 = 1 << 31;
 
 impl Entry {
@@ -123,6 +130,7 @@ impl Entry {
             generation: 0,
             tip: 0,
             node: 0,
+            mark: 0,
         },
         stamp: 0,
     };
@@ -163,13 +171,14 @@ impl Shard {
     /// Where the probe for a key starts. Digests are random, but a key built with
     /// `SessionKey::from_u128` need not be: both words are mixed first, so keys with a pattern
     /// do not pile into one run of slots. The mixed value is scaled to the table (no modulo).
-    fn start(&self, key: [u64; 2]) -> usize {
-        let x = (key[1] ^ key[0].rotate_left(29)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    fn start(&self, key: Words) -> usize {
+        let hi = u64::from(key[0]) << 32 | u64::from(key[1]);
+        let x = (u64::from(key[2]) ^ hi.rotate_left(29)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
         let x = x ^ (x >> 29);
         ((u128::from(x) * self.slots.len() as u128) >> 64) as usize
     }
 
-    fn find(&self, key: [u64; 2]) -> Option<usize> {
+    fn find(&self, key: Words) -> Option<usize> {
         let n = self.slots.len();
         let mut i = self.start(key);
         loop {
@@ -200,7 +209,7 @@ impl Shard {
     /// starts (the cache lines its lookup has just read); within one second, an entry never
     /// used since it came in goes before one that was. Sampled least-recently-used: no hand
     /// walks to slots far from anything in cache.
-    fn victim_near(&mut self, key: [u64; 2], expired: impl Fn(&Entry) -> bool) -> usize {
+    fn victim_near(&mut self, key: Words, expired: impl Fn(&Entry) -> bool) -> usize {
         let n = self.slots.len();
         let mut i = self.start(key);
         let mut oldest: Option<(u32, usize)> = None;
@@ -280,10 +289,13 @@ pub(crate) struct SessionTable {
     idle_secs: u32,
 }
 
-fn words(key: SessionKey) -> [u64; 2] {
-    // A key that digests to all zeroes (one in 2^128) would read as an empty slot: shift it.
-    match [key.hi64(), key.lo64()] {
-        EMPTY => [0, 1],
+fn words(key: SessionKey) -> Words {
+    let (hi, lo) = (key.hi64(), key.lo64());
+    // 96 bits kept, the low word folded into the first: a key built with
+    // `SessionKey::from_u128` from a small number differs from another in those bits. A key
+    // whose words kept are all zero (one in 2^96) would read as an empty slot: shift it.
+    match [(hi >> 32) as u32 ^ lo as u32, hi as u32, (lo >> 32) as u32] {
+        EMPTY => [0, 0, 1],
         w => w,
     }
 }
@@ -392,6 +404,7 @@ mod tests {
             generation: 0,
             tip: 0,
             node: 0,
+            mark: 0,
         }
     }
 
@@ -487,6 +500,24 @@ mod tests {
     }
 
     #[test]
+    fn keys_from_small_numbers_are_sessions_of_their_own() {
+        // The entry keeps 96 bits of a key; keys that differ only in their low word are not
+        // one session.
+        let t = SessionTable::new(Sessions::new());
+        let now = 1_000u64;
+        for k in 1..=500u32 {
+            t.put(SessionKey::from_u128(u128::from(k)), home(k), now);
+        }
+        assert_eq!(t.len(), 500);
+        for k in 1..=500u32 {
+            let got = t
+                .get(SessionKey::from_u128(u128::from(k)), now)
+                .map(|h| h.backend);
+            assert_eq!(got, Some(k));
+        }
+    }
+
+    #[test]
     fn a_full_table_costs_under_100_bytes_a_session() {
         let n = 200_000;
         let t = SessionTable::new(Sessions::new().max_entries(n));
@@ -514,8 +545,8 @@ mod tests {
     fn removal_keeps_every_other_entry_findable() {
         // A tiny shard forces long probe runs that wrap around the end.
         let mut shard = Shard::new(12);
-        let keys: Vec<[u64; 2]> = (1..=12u64)
-            .map(|k| [k, k.wrapping_mul(0x9e37_79b9_7f4a_7c15)])
+        let keys: Vec<Words> = (1..=12u32)
+            .map(|k| [k, k.wrapping_mul(0x9e37_79b9), 7])
             .collect();
         for (i, &k) in keys.iter().enumerate() {
             shard.grow_for_one_more();

@@ -55,9 +55,7 @@ impl Snapshot {
     /// service does for every dispatched request. Unknown ids are ignored.
     pub fn holds(self, id: &str, chain: &PromptChain) -> Self {
         if let Some(i) = self.topology.index_any(id) {
-            let mut model = self.topology.member(i).cache.lock();
-            let known = model.held(chain.links());
-            model.record(chain.links(), known);
+            self.topology.member(i).cache.record_from(chain.links(), 0);
         }
         self
     }

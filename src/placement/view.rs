@@ -355,11 +355,15 @@ pub enum HomeCache {
 }
 
 impl HomeCache {
-    /// What `home` holds of `chain`, for a session whose last turn ended at `tip`, and how
-    /// many leading links of the chain it is then known to hold.
+    /// What `home` holds of `chain`, for a session whose last turn ended at `tip` and was
+    /// recorded there with stamp `mark`, and how many leading links of the chain it is then
+    /// known to hold. A session recorded after the home's last eviction is held whole, which
+    /// needs no look into the model (see [`ModelCell`](crate::cache::ModelCell)); the
+    /// record that follows checks the position found.
     pub(crate) fn of(
         home: Option<BackendRef<'_>>,
         tip: u16,
+        mark: u32,
         chain: Option<&PromptChain>,
     ) -> (Self, usize) {
         let (Some(chain), Some(home)) = (chain.filter(|c| !c.is_empty()), home) else {
@@ -368,9 +372,18 @@ impl HomeCache {
         if tip == 0 {
             return (HomeCache::Unknown, 0);
         }
+        let cell = &home.member().cache;
+        if cell.kept_since(mark) {
+            // Searched from the end, where a new link sharing the fingerprint would come
+            // first; the record catches that (one in 65,536 a new link).
+            return match chain.tip_positions(tip).next() {
+                Some(at) => (HomeCache::Holds, at + 1),
+                None => (HomeCache::Compacted, 0),
+            };
+        }
         // The fingerprint is 16 bits: a link new in this turn may share it. The last turn
         // ended at a link the home holds, if it holds the session at all.
-        let model = home.member().cache.lock();
+        let model = cell.lock();
         let mut found = false;
         for at in chain.tip_positions(tip) {
             if model.holds(chain.links()[at].digest) {

@@ -463,8 +463,11 @@ impl<B, P> Shared<B, P> {
         let m = t.member(index);
         let chain = chain.filter(|c| !c.is_empty());
         let at = home.tip.zip(chain).and_then(|(tip, c)| c.position_of(tip));
+        // Recorded here and now, so the entry below may carry the record's stamp.
+        let mut mark = 0;
         if let (Some(at), Some(chain)) = (at, chain) {
-            m.cache.lock().record_from(&chain.links()[..=at], 0);
+            mark = m.cache.reserve();
+            m.cache.lock().record_from(&chain.links()[..=at], 0, mark);
         }
         let current = match (home.tip, chain) {
             (_, None) => true,
@@ -481,6 +484,7 @@ impl<B, P> Shared<B, P> {
                 generation: m.generation,
                 tip: home.tip.map_or(0, tip_of),
                 node: m.node,
+                mark,
             };
             self.table.put(key, entry, now_ms);
         }
@@ -506,7 +510,7 @@ impl<B, P> Shared<B, P> {
             bump(&homes.counters.hits);
             bump(&homes.counters.prompt_hits);
             let held = &chain.links()[..=at];
-            t.member(index).cache.lock().record_from(held, 0);
+            t.member(index).cache.record_from(held, 0);
             return;
         }
     }

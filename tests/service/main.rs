@@ -1601,3 +1601,46 @@ async fn a_response_future_dropped_before_its_first_poll_still_records_its_chain
     let d = res.extensions().get::<Decision>().unwrap();
     assert_eq!((d.outcome, &d.backend), (Outcome::HomeHit, &home));
 }
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_turn_placed_before_the_last_one_settled_is_a_home_hit_and_both_are_recorded() {
+    let spec: Spec<'_> = &[("a1", "node-a", 2), ("b1", "node-b", 2)];
+    let mut svc = chained_stack(spec);
+    let first = tower_affinity::PromptChain::from_blocks([(1, 2_000), (2, 300)]);
+    let fut1 = ServiceExt::<http::Request<String>>::ready(&mut svc)
+        .await
+        .unwrap()
+        .call(chained_request("s1", &first));
+    // The next turn arrives while the first is still unpolled: its chain is not in the model
+    // yet, but its home is known to have evicted nothing since.
+    let second = tower_affinity::PromptChain::from_blocks([(1, 2_000), (2, 300), (3, 500)]);
+    let fut2 = ServiceExt::<http::Request<String>>::ready(&mut svc)
+        .await
+        .unwrap()
+        .call(chained_request("s1", &second));
+    assert_eq!(cached_tokens(&svc), 0);
+    // The later turn settles first: what it was told its home held is not there, and the
+    // record finds that out instead of trusting it.
+    let mut fut2 = tokio_test::task::spawn(fut2);
+    let res2 = assert_ready!(fut2.poll()).unwrap();
+    assert_eq!(cached_tokens(&svc), 2_800);
+    let mut fut1 = tokio_test::task::spawn(fut1);
+    let res1 = assert_ready!(fut1.poll()).unwrap();
+    assert_eq!(
+        cached_tokens(&svc),
+        2_800,
+        "the first turn's links are the second's"
+    );
+    let (d1, d2) = (
+        res1.extensions().get::<Decision>().unwrap(),
+        res2.extensions().get::<Decision>().unwrap(),
+    );
+    assert_eq!(d1.outcome, Outcome::NewSession);
+    assert_eq!((d2.outcome, &d2.backend), (Outcome::HomeHit, &d1.backend));
+    let status = svc
+        .backends()
+        .into_iter()
+        .find(|b| b.id == d1.backend)
+        .unwrap();
+    assert_eq!(status.cached_tokens, 2_800);
+}
