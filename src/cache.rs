@@ -674,10 +674,12 @@ impl ModelCell {
         stamp != 0 && (evicted == 0 || later(stamp, evicted))
     }
 
-    /// Records `chain` with a stamp of its own (see [`CacheModel::record_from`]).
-    pub(crate) fn record_from(&self, chain: &[Link], at_least: usize) -> (usize, u32) {
+    /// Records `chain` as held with a stamp of its own (see [`CacheModel::record_from`]) and
+    /// returns the stamp, for the session entry that will point here.
+    pub(crate) fn record_from(&self, chain: &[Link], at_least: usize) -> u32 {
         let stamp = self.reserve();
-        self.lock().record_from(chain, at_least, stamp)
+        self.lock().record_from(chain, at_least, stamp);
+        stamp
     }
 }
 

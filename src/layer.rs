@@ -63,6 +63,7 @@ impl SessionAffinityLayer {
                 replicas: std::num::NonZeroU32::MIN,
                 store: None,
                 store_deadline: Self::STORE_DEADLINE,
+                random_seed: None,
             },
         }
     }
@@ -218,6 +219,25 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// compressed, or reports nothing costs one header check.
     pub fn observe_usage(mut self, enabled: bool) -> Self {
         self.config.observe_usage = enabled;
+        self
+    }
+
+    /// Draws the random number each placement gets
+    /// (the `random` of its [`PlacementRequest`](crate::placement::PlacementRequest): a keyless
+    /// request without a prompt samples two backends with it) from a fixed sequence that
+    /// starts at `seed`, so that a run with the same requests in the same order places them
+    /// the same way: for simulations and tests. Unset (the default), each thread draws from a
+    /// generator of its own, seeded at random; a seeded service shares one counter between
+    /// its threads, so leave it unset in a proxy.
+    ///
+    /// ```
+    /// use tower_affinity::SessionAffinityLayer;
+    ///
+    /// let layer = SessionAffinityLayer::new().random_seed(1);
+    /// # let _ = layer;
+    /// ```
+    pub fn random_seed(mut self, seed: u64) -> Self {
+        self.config.random_seed = Some(seed);
         self
     }
 

@@ -130,6 +130,9 @@ pub(crate) struct Shared<B, P> {
     wait_versus_move: bool,
     /// Whether answers are read for the usage they report.
     observe: bool,
+    /// The next draw of a seeded sequence of random numbers; `None` draws from the thread's
+    /// own generator.
+    seeded: Option<AtomicU64>,
     /// The discovery stream, for requests waiting for a slot.
     discovery: Arc<dyn Drain<B, P>>,
 }
@@ -166,6 +169,7 @@ pub(crate) struct Config {
     pub(crate) replicas: std::num::NonZeroU32,
     pub(crate) store: Option<Arc<dyn HomeStore>>,
     pub(crate) store_deadline: Duration,
+    pub(crate) random_seed: Option<u64>,
 }
 
 impl<D, K, P, S> SessionAffinity<D, K, P>
@@ -215,6 +219,7 @@ where
                     && config.node_patience.is_zero()
                     && config.wait_versus_move,
                 observe: config.observe_usage,
+                seeded: config.random_seed.map(AtomicU64::new),
                 discovery: discover,
             }),
             key,
@@ -482,7 +487,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             .filter(|_| wants_prefix(key, home))
             .and_then(|c| view.longest_prefix(c));
         let request = PlacementRequest::new(key, home, extensions)
-            .random(random())
+            .random(self.draw())
             .chain(chain)
             .prefix(prefix);
         // Where the request's cache is: its home if that still holds it, else the backend
@@ -671,6 +676,25 @@ fn worth_waiting(
     let in_flight = load.in_flight.load(Ordering::Relaxed);
     let wait = load.learned.wait_estimate(in_flight, now_ms)?;
     (wait < saving).then_some(saving)
+}
+
+impl<B, P> Shared<B, P> {
+    /// The random number of a placement: the next of the seeded sequence if there is one,
+    /// else one from this thread's generator.
+    fn draw(&self) -> u64 {
+        match &self.seeded {
+            Some(next) => splitmix64(next.fetch_add(1, Ordering::Relaxed)),
+            None => random(),
+        }
+    }
+}
+
+/// SplitMix64's output function: a well-mixed number for each count.
+fn splitmix64(n: u64) -> u64 {
+    let mut z = n.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 /// A random number from this thread's generator (xorshift64*, seeded once per thread from the

@@ -142,7 +142,7 @@ pub(crate) fn build(policy: Policy, fleet: &[BackendSpec]) -> (Svc, Vec<SimBacke
     let replicas = routers::get();
     let shared = replicas.shared_store.then(SharedHomes::default);
     let services = (0..replicas.routers.max(1))
-        .map(|_| {
+        .map(|i| {
             let discovery = StaticFleet::new(fleet.iter().zip(&sims).map(|(s, sim)| {
                 let slots = NonZeroU32::new(s.model.slots).unwrap_or(NonZeroU32::MIN);
                 let b = Backend::new(s.node.as_str(), sim.clone())
@@ -168,6 +168,8 @@ pub(crate) fn build(policy: Policy, fleet: &[BackendSpec]) -> (Svc, Vec<SimBacke
                 })
                 // The baselines stand for routers that place and forget: no waiting for a cache.
                 .wait_versus_move(matches!(policy, Policy::NodeThenBackend | Policy::Oracle))
+                // The same run, the same table.
+                .random_seed(0x5eed + i as u64)
                 .sessions(
                     Sessions::new()
                         .max_entries(1 << 20)

@@ -464,11 +464,10 @@ impl<B, P> Shared<B, P> {
         let chain = chain.filter(|c| !c.is_empty());
         let at = home.tip.zip(chain).and_then(|(tip, c)| c.position_of(tip));
         // Recorded here and now, so the entry below may carry the record's stamp.
-        let mut mark = 0;
-        if let (Some(at), Some(chain)) = (at, chain) {
-            mark = m.cache.reserve();
-            m.cache.lock().record_from(&chain.links()[..=at], 0, mark);
-        }
+        let mark = match (at, chain) {
+            (Some(at), Some(chain)) => m.cache.record_from(&chain.links()[..=at], 0),
+            _ => 0,
+        };
         let current = match (home.tip, chain) {
             (_, None) => true,
             (Some(_), Some(_)) => at.is_some(),

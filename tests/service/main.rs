@@ -1521,12 +1521,25 @@ async fn a_new_keyless_conversation_sharing_only_the_system_prompt_is_not_a_pref
 type Answering =
     tower::util::BoxCloneService<http::Request<String>, http::Response<String>, Infallible>;
 
+type ChainedStack =
+    SessionAffinity<StaticFleet<Answering>, HeaderKey, tower_affinity::placement::NodeThenBackend>;
+
+/// Readies `svc` and calls it with a turn of `session` whose prompt is `chain`; the response
+/// future comes back unpolled.
+async fn call_chained(
+    svc: &mut ChainedStack,
+    session: &str,
+    chain: &tower_affinity::PromptChain,
+) -> <ChainedStack as Service<http::Request<String>>>::Future {
+    ServiceExt::<http::Request<String>>::ready(svc)
+        .await
+        .unwrap()
+        .call(chained_request(session, chain))
+}
+
 /// A service over `spec` whose backends answer at once, keyed by `x-session-id`, for requests
 /// that carry their prompt chain as an extension.
-fn chained_stack(
-    spec: Spec<'_>,
-) -> SessionAffinity<StaticFleet<Answering>, HeaderKey, tower_affinity::placement::NodeThenBackend>
-{
+fn chained_stack(spec: Spec<'_>) -> ChainedStack {
     let fleet = StaticFleet::new(spec.iter().map(|&(id, node, slots)| {
         let service = Answering::new(tower::service_fn(|_req: http::Request<String>| async {
             Ok::<_, Infallible>(http::Response::new(String::new()))
@@ -1557,10 +1570,7 @@ where
 async fn a_chain_goes_into_the_cache_model_once_its_request_is_on_its_way() {
     let mut svc = chained_stack(TWO_BY_TWO);
     let chain = tower_affinity::PromptChain::from_blocks([(1, 2_000), (2, 300)]);
-    let fut = ServiceExt::<http::Request<String>>::ready(&mut svc)
-        .await
-        .unwrap()
-        .call(chained_request("s1", &chain));
+    let fut = call_chained(&mut svc, "s1", &chain).await;
     // Placed, its slot taken, its backend called: the model is not written on that path.
     assert_eq!(svc.backends().iter().map(|b| b.in_flight).sum::<u32>(), 1);
     assert_eq!(cached_tokens(&svc), 0);
@@ -1578,10 +1588,7 @@ async fn a_chain_goes_into_the_cache_model_once_its_request_is_on_its_way() {
 async fn a_response_future_dropped_before_its_first_poll_still_records_its_chain() {
     let mut svc = chained_stack(TWO_BY_TWO);
     let chain = tower_affinity::PromptChain::from_blocks([(1, 2_000), (2, 300)]);
-    let fut = ServiceExt::<http::Request<String>>::ready(&mut svc)
-        .await
-        .unwrap()
-        .call(chained_request("s1", &chain));
+    let fut = call_chained(&mut svc, "s1", &chain).await;
     let home = svc
         .backends()
         .into_iter()
@@ -1592,12 +1599,7 @@ async fn a_response_future_dropped_before_its_first_poll_still_records_its_chain
     assert_eq!(cached_tokens(&svc), 2_300);
     // The next turn finds its home holding the last one.
     let next = tower_affinity::PromptChain::from_blocks([(1, 2_000), (2, 300), (3, 500)]);
-    let res = ServiceExt::<http::Request<String>>::ready(&mut svc)
-        .await
-        .unwrap()
-        .call(chained_request("s1", &next))
-        .await
-        .unwrap();
+    let res = call_chained(&mut svc, "s1", &next).await.await.unwrap();
     let d = res.extensions().get::<Decision>().unwrap();
     assert_eq!((d.outcome, &d.backend), (Outcome::HomeHit, &home));
 }
@@ -1607,17 +1609,11 @@ async fn a_turn_placed_before_the_last_one_settled_is_a_home_hit_and_both_are_re
     let spec: Spec<'_> = &[("a1", "node-a", 2), ("b1", "node-b", 2)];
     let mut svc = chained_stack(spec);
     let first = tower_affinity::PromptChain::from_blocks([(1, 2_000), (2, 300)]);
-    let fut1 = ServiceExt::<http::Request<String>>::ready(&mut svc)
-        .await
-        .unwrap()
-        .call(chained_request("s1", &first));
+    let fut1 = call_chained(&mut svc, "s1", &first).await;
     // The next turn arrives while the first is still unpolled: its chain is not in the model
     // yet, but its home is known to have evicted nothing since.
     let second = tower_affinity::PromptChain::from_blocks([(1, 2_000), (2, 300), (3, 500)]);
-    let fut2 = ServiceExt::<http::Request<String>>::ready(&mut svc)
-        .await
-        .unwrap()
-        .call(chained_request("s1", &second));
+    let fut2 = call_chained(&mut svc, "s1", &second).await;
     assert_eq!(cached_tokens(&svc), 0);
     // The later turn settles first: what it was told its home held is not there, and the
     // record finds that out instead of trusting it.
@@ -1643,4 +1639,47 @@ async fn a_turn_placed_before_the_last_one_settled_is_a_home_hit_and_both_are_re
         .find(|b| b.id == d1.backend)
         .unwrap();
     assert_eq!(status.cached_tokens, 2_800);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_seeded_service_places_keyless_requests_the_same_way_every_run() {
+    const EIGHT: Spec<'static> = &[
+        ("a1", "node-a", 1),
+        ("a2", "node-a", 1),
+        ("a3", "node-a", 1),
+        ("a4", "node-a", 1),
+        ("b1", "node-b", 1),
+        ("b2", "node-b", 1),
+        ("b3", "node-b", 1),
+        ("b4", "node-b", 1),
+    ];
+    async fn run(seed: u64) -> Vec<tower_affinity::BackendId> {
+        let fleet = StaticFleet::new(EIGHT.iter().map(|&(id, node, slots)| {
+            let service = Answering::new(tower::service_fn(|_req: http::Request<String>| async {
+                Ok::<_, Infallible>(http::Response::new(String::new()))
+            }));
+            (id, Backend::new(node, service).slots(nz(slots)))
+        }));
+        let mut svc = SessionAffinityLayer::new().random_seed(seed).layer(fleet);
+        let mut placed = Vec::new();
+        for _ in 0..32 {
+            // No key and no prompt: the freer of two sampled backends, all of them free.
+            let req = http::Request::post("/v1/chat/completions")
+                .body(String::new())
+                .unwrap();
+            let res = ServiceExt::<http::Request<String>>::ready(&mut svc)
+                .await
+                .unwrap()
+                .call(req)
+                .await
+                .unwrap();
+            placed.push(res.extensions().get::<Decision>().unwrap().backend.clone());
+        }
+        placed
+    }
+    let first = run(7).await;
+    assert_eq!(first, run(7).await);
+    let used: std::collections::HashSet<_> = first.iter().collect();
+    assert!(used.len() > 4, "the draws spread: {used:?}");
+    assert_ne!(first, run(8).await, "another seed, other draws");
 }
