@@ -19,6 +19,10 @@
 //!   plain store (slots taken by another prompt, states dropped unsaved, whole prompts saved
 //!   again in RAM). A backend that holds a shared prefix once and evicts block by block
 //!   (`--slot-policy paged`) can do better than this replay.
+//!
+//! [`crowding`] looks at the same turns from the slots' side: a llama-server backend homing more
+//! conversations than it has slots must give one's slot to another between their turns, saving
+//! the state it held to RAM only if the new prompt keeps less than half of it.
 
 use std::collections::HashMap;
 
@@ -157,6 +161,55 @@ pub(crate) fn hit_rate(
     hits as f64 / eligible.max(1) as f64
 }
 
+/// Eligible turns and their hits, on backends homing more conversations than they have slots
+/// and on the rest, and how often the fleet was crowded no more than it had to be.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Crowding {
+    /// Eligible turns served by a backend that then homed more conversations than its slots,
+    /// and how many of them hit.
+    pub(crate) crowded: (usize, usize),
+    /// The other eligible turns, and their hits.
+    pub(crate) roomy: (usize, usize),
+    /// Turns sent while the conversations homed beyond the backends' slots were as few as the
+    /// conversations and slots allow (the conversations begun so far less the fleet's slots),
+    /// of all turns.
+    pub(crate) fewest: (usize, usize),
+}
+
+/// Replays a run's turns in the order they were sent, each conversation homed where its
+/// latest turn went, and counts turns by whether the backend serving them then homed more
+/// conversations than `slots` gives it. A backend `slots` does not name has none.
+pub(crate) fn crowding(records: &[TurnRecord], slots: &HashMap<BackendId, u32>) -> Crowding {
+    let mut order: Vec<&TurnRecord> = records.iter().collect();
+    order.sort_by_key(|t| (t.sent, t.conversation));
+    let total_slots: u64 = slots.values().map(|&n| u64::from(n)).sum();
+    let mut home: HashMap<u32, &BackendId> = HashMap::new();
+    let mut homed: HashMap<&BackendId, u64> = HashMap::new();
+    let mut c = Crowding::default();
+    for t in order {
+        if let Some(old) = home.insert(t.conversation, &t.backend) {
+            *homed.entry(old).or_default() -= 1;
+        }
+        *homed.entry(&t.backend).or_default() += 1;
+        let room = |b: &BackendId| slots.get(b).map_or(0, |&n| u64::from(n));
+        let over: u64 = homed.iter().map(|(b, &n)| n.saturating_sub(room(b))).sum();
+        c.fewest.1 += 1;
+        if over <= (home.len() as u64).saturating_sub(total_slots) {
+            c.fewest.0 += 1;
+        }
+        if t.eligible() {
+            let side = if homed[&t.backend] > room(&t.backend) {
+                &mut c.crowded
+            } else {
+                &mut c.roomy
+            };
+            side.0 += 1;
+            side.1 += usize::from(t.hit());
+        }
+    }
+    c
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -238,6 +291,41 @@ mod tests {
         let cap = [("a", 1_000), ("b", 1_000)];
         let e = Evict::LeastRecentlyUsed;
         assert_eq!(rate(&r, &cap, Stores::PerBackend, e), 0.5);
+    }
+
+    #[test]
+    fn crowding_counts_turns_on_backends_homing_more_conversations_than_slots() {
+        // a has one slot, b two. Conversations 0 and 1 on a, then 1 moves to b: a's turns are
+        // crowded until the move, and the fleet (three slots, two conversations) needed no
+        // crowding at all.
+        let mut r = turns(
+            &[(0, "a"), (1, "a"), (0, "a"), (1, "b"), (0, "a"), (1, "b")],
+            100,
+        );
+        r[2].reused = 100; // a hit while crowded
+        r[4].reused = 100;
+        r[5].reused = 100;
+        let slots = [("a", 1), ("b", 2)]
+            .into_iter()
+            .map(|(b, n)| (b.into(), n))
+            .collect();
+        let c = crowding(&r, &slots);
+        // Eligible: turns 2 to 5. Crowded: turn 2 (0 and 1 both homed on a).
+        assert_eq!(c.crowded, (1, 1));
+        assert_eq!(c.roomy, (3, 2));
+        // Turns 1 and 2 were sent with a crowded and b empty.
+        assert_eq!(c.fewest, (4, 6));
+    }
+
+    #[test]
+    fn crowding_forced_by_more_conversations_than_slots_is_the_fewest_possible() {
+        // Two conversations on one backend of one slot: one too many, but no fewer possible.
+        let r = turns(&[(0, "a"), (1, "a"), (0, "a"), (1, "a")], 100);
+        let slots = [("a".into(), 1)].into_iter().collect();
+        let c = crowding(&r, &slots);
+        assert_eq!(c.fewest, (4, 4));
+        assert_eq!(c.crowded.0, 2);
+        assert_eq!(c.roomy.0, 0);
     }
 
     #[test]

@@ -322,6 +322,42 @@ fn ram_note(runs: &[Run]) -> String {
     )
 }
 
+/// Each backend's slots.
+fn slots(fleet: &[BackendSpec]) -> std::collections::HashMap<BackendId, u32> {
+    fleet
+        .iter()
+        .map(|s| (BackendId::from(s.id.as_str()), s.model.slots))
+        .collect()
+}
+
+/// Each policy's turns by whether the backend serving them homed more conversations than its
+/// slots (see [`bound::crowding`]).
+fn crowding_note(runs: &[Run], fleet: &[BackendSpec]) -> String {
+    let slots = slots(fleet);
+    let pct = |(n, of): (usize, usize)| 100.0 * n as f64 / of.max(1) as f64;
+    let v: Vec<String> = runs
+        .iter()
+        .map(|r| {
+            let c = bound::crowding(&r.records, &slots);
+            format!(
+                "{} {} at {:.1}% / {} at {:.1}% / {:.0}%",
+                r.policy.name(),
+                c.crowded.0,
+                pct((c.crowded.1, c.crowded.0)),
+                c.roomy.0,
+                pct((c.roomy.1, c.roomy.0)),
+                pct(c.fewest),
+            )
+        })
+        .collect();
+    format!(
+        "later turns on a backend homing more conversations than its slots, and their hits / the \
+         other later turns, and theirs / turns sent with as few conversations homed beyond the \
+         slots as the fleet allows: {}",
+        v.join(", ")
+    )
+}
+
 /// Each policy's turns replayed against caches of whole sessions (see [`bound`]): pooled with
 /// foresight, pooled least recently used, and per backend least recently used where the policy
 /// sent each turn.
@@ -465,6 +501,7 @@ fn overload(o: &Options) -> Vec<Table> {
                 ram_note(&runs),
                 reported_note(&runs),
                 bound_note(&runs, &fleet.backends(ram)),
+                crowding_note(&runs, &fleet.backends(ram)),
             ];
             table(
                 format!("overload, {}", human_bytes(ram)),
@@ -678,6 +715,28 @@ mod tests {
             assert!(patient.p50 < r.p50, "{t}");
             assert!(patient.hit_rate() > r.hit_rate() + 0.2, "{t}");
         }
+    }
+
+    #[test]
+    fn under_overload_the_turns_llama_slots_lose_are_those_on_backends_homing_more_than_their_slots(
+    ) {
+        // 36 sessions on 34 slots: some backend must home more conversations than it has
+        // slots, and on llama-server's slots those conversations take each other's slots.
+        let o = options(Scenario::Overload, 30);
+        let fleet = FleetKind::Study.backends(8 << 30);
+        let cfg = AgentConfig::study(36, 30);
+        let runs = agent_runs(FleetKind::Study, &cfg, &o, 8 << 30);
+        let ntb = runs
+            .iter()
+            .find(|r| r.policy == Policy::NodeThenBackend)
+            .unwrap();
+        let c = bound::crowding(&ntb.records, &slots(&fleet));
+        let rate = |(turns, hits): (usize, usize)| hits as f64 / turns.max(1) as f64;
+        let note = crowding_note(&runs, &fleet);
+        assert!(c.crowded.0 > 0, "{note}");
+        assert!(rate(c.crowded) + 0.1 < rate(c.roomy), "{note}");
+        // Most of the run, no more crowding than 36 on 34 forces.
+        assert!(c.fewest.0 * 2 > c.fewest.1, "{note}");
     }
 
     #[test]
