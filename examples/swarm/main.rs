@@ -488,6 +488,7 @@ fn overload(o: &Options) -> Vec<Table> {
         .into_iter()
         .map(|ram| {
             let runs = agent_runs(fleet, &cfg, o, ram);
+            let specs = fleet.backends(ram);
             let title = format!(
                 "overload: {} sessions x {} turns on 34 slots, {}; {}; RAM cache {}; seed {}",
                 cfg.sessions,
@@ -500,8 +501,8 @@ fn overload(o: &Options) -> Vec<Table> {
             let notes = vec![
                 ram_note(&runs),
                 reported_note(&runs),
-                bound_note(&runs, &fleet.backends(ram)),
-                crowding_note(&runs, &fleet.backends(ram)),
+                bound_note(&runs, &specs),
+                crowding_note(&runs, &specs),
             ];
             table(
                 format!("overload, {}", human_bytes(ram)),
