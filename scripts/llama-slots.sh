@@ -5,15 +5,24 @@
 #
 #   scripts/llama-slots.sh
 #
-# One llama-server with one slot and a RAM prompt cache (-np 1 --cache-ram 256) on loopback.
-# Conversation A (a long system prompt and a question) is answered; then another prompt takes
-# the slot; then A's next turn comes. Two cases:
-#   shared  the other prompt shares A's system prompt: llama-server takes the slot by
-#           similarity, keeps more than half of it, and saves nothing, so A's next turn
-#           reuses only the system prompt;
-#   other   the other prompt shares nothing: the slot is taken as the least recently used,
-#           A's state goes to the RAM cache, and A's next turn is restored from there.
-# Exits 0 when both come out so, by llama-server's own `timings.cache_n`.
+# llama-server on loopback with a RAM prompt cache (--cache-ram 256). Conversation A (a long
+# system prompt and a question) is answered; then other prompts take slots; then A's next
+# turn comes. Four cases:
+#   shared   (-np 1) the other prompt shares A's system prompt: llama-server takes the slot
+#            by similarity, keeps more than half of it, and saves nothing, so A's next turn
+#            reuses only the system prompt;
+#   other    (-np 1) the other prompt shares nothing: the slot is taken as the least
+#            recently used, A's state goes to the RAM cache, and A's next turn is restored
+#            from there;
+#   idle     (-np 2) a stranger's prompt takes the other slot, then B (A's system prompt and
+#            a long text of its own) takes A's slot by similarity and keeps more than half
+#            of it, saving nothing for that; A's next turn, which would keep less than half
+#            of B's slot, searches the RAM cache and is restored from there: A's state went
+#            to RAM when the stranger's task started, because A's slot was idle
+#            (--cache-idle-slots, the default);
+#   no-idle  the same with --no-cache-idle-slots: A's next turn reuses only the system
+#            prompt.
+# Exits 0 when all four come out so, by llama-server's own `timings.cache_n`.
 #
 # Environment: TA_CACHE_DIR (~/.cache/tower-affinity), TA_SLOTS_PORT (18090).
 set -euo pipefail
@@ -28,10 +37,12 @@ PORT="${TA_SLOTS_PORT:-18090}"
     exit 2
 }
 
+# run_case CASE LOG SLOTS CONTEXT [llama-server flags...]
 run_case() {
-    local case="$1" log="$2"
+    local case="$1" log="$2" slots="$3" ctx="$4"
+    shift 4
     LD_LIBRARY_PATH="$BIN" "$BIN/llama-server" -m "$MODEL" --host 127.0.0.1 --port "$PORT" \
-        -np 1 -c 8192 -t 2 --cache-ram 256 >"$log" 2>&1 &
+        -np "$slots" -c "$ctx" -t 2 --cache-ram 256 "$@" >"$log" 2>&1 &
     local pid=$!
     trap 'kill $pid 2>/dev/null || true' RETURN
     for _ in $(seq 1 120); do
@@ -56,7 +67,13 @@ code = "fn main() { println!(\"hello, {}\", name); }\n" * 20
 a = [{"role": "system", "content": system},
      {"role": "user", "content": "Here is my code:\n" + code + "Write a haiku about it."}]
 answer, a_prompt, _ = ask(a)
-if case == "shared":
+if case in ("idle", "no-idle"):
+    ask([{"role": "system", "content": "You are terse."},
+         {"role": "user", "content": "Name three prime numbers. " * 30}])
+    log = "".join(f"line {i}: all {i} tests passed in {3 * i} ms\n" for i in range(200))
+    other = [{"role": "system", "content": system},
+             {"role": "user", "content": "Here is a test log:\n" + log + "Summarize it."}]
+elif case == "shared":
     other = [{"role": "system", "content": system},
              {"role": "user", "content": "List three prime numbers."}]
 else:
@@ -68,7 +85,7 @@ a2 = a + [{"role": "assistant", "content": answer},
 _, a2_prompt, reused = ask(a2)
 print(f"{case:>6}: A's first prompt {a_prompt} tokens; the other prompt reused {shared}; "
       f"A's next turn {a2_prompt} tokens, reused {reused}")
-if case == "shared":
+if case in ("shared", "no-idle"):
     # Only the system prompt the other prompt shared: A's own tail was dropped unsaved.
     ok = reused <= shared + 2 and reused < a_prompt - 100
 else:
@@ -82,8 +99,10 @@ PY
 
 LOGS="$(mktemp -d)"
 status=0
-run_case shared "$LOGS/shared.log" || status=1
-run_case other "$LOGS/other.log" || status=1
+run_case shared "$LOGS/shared.log" 1 8192 || status=1
+run_case other "$LOGS/other.log" 1 8192 || status=1
+run_case idle "$LOGS/idle.log" 2 16384 || status=1
+run_case no-idle "$LOGS/no-idle.log" 2 16384 --no-cache-idle-slots || status=1
 grep -h 'selected slot' "$LOGS"/*.log | sed 's/^[^|]*| task [^|]*| /  llama-server: /'
 [[ $status == 0 ]] && echo "PASS" || echo "FAIL (logs: $LOGS)"
 exit $status

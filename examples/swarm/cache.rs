@@ -10,8 +10,10 @@
 //! the prompt, else the least recently used idle slot). What that slot held and the new prompt
 //! does not keep is saved to the RAM cache, and the RAM cache is searched for a longer prefix to
 //! restore into the slot, only when the slot was taken as the least recently used or would keep
-//! less than half of its tokens; otherwise that part is dropped ([`SlotPolicy::Llama`], the
-//! default; [`SlotPolicy::SaveAll`] saves and searches always). The rest is prefilled. The
+//! less than half of its tokens; otherwise that part is dropped. Once the request has its slot,
+//! every idle slot's state is saved to the RAM cache as well (`--cache-idle-slots`)
+//! ([`SlotPolicy::Llama`], the default; [`SlotPolicy::LlamaNoIdle`] without the idle slots;
+//! [`SlotPolicy::SaveAll`] saves and searches always). The rest is prefilled. The
 //! slots share one KV budget in VRAM (llama.cpp's unified KV cache): when a request needs room,
 //! idle slots lose their states to the RAM cache, least recently used first.
 //!
@@ -57,9 +59,18 @@ pub(crate) enum SlotPolicy {
     /// cache searched, only when the slot was taken as the least recently used or would keep
     /// less than half of its tokens; otherwise the part the new prompt does not share is
     /// dropped. A RAM entry is restored only if the prompt keeps at least a quarter of it.
-    /// The default: `scripts/llama-slots.sh` shows a real llama-server doing so.
+    /// Once a task has its slot, every idle slot's state is saved to the RAM cache too
+    /// (`--cache-idle-slots`, llama-server's default while `--cache-ram` is on), and the slots
+    /// keep their KV (llama-server clears them as well when its KV is unified, which it is by
+    /// default only when `-np` is not given; that is not modelled). A state an entry
+    /// already contains is not saved again, and that entry keeps its place in the least
+    /// recently used order. The default: `scripts/llama-slots.sh` shows a real llama-server
+    /// doing so.
     #[default]
     Llama,
+    /// [`Llama`](Self::Llama) with `--no-cache-idle-slots`: only the state of the slot a task
+    /// takes is ever saved.
+    LlamaNoIdle,
     /// No slot keeps a state of its own: every prompt's blocks go to one pool shared by
     /// prefix, as vLLM's automatic prefix caching and SGLang's radix cache keep KV, with a
     /// host-memory tier behind the GPU's (vLLM's CPU offloading, SGLang's hierarchical cache).
@@ -76,6 +87,7 @@ impl SlotPolicy {
         match s {
             "save-all" => Some(SlotPolicy::SaveAll),
             "llama" => Some(SlotPolicy::Llama),
+            "llama-no-idle" => Some(SlotPolicy::LlamaNoIdle),
             "paged" => Some(SlotPolicy::Paged),
             _ => None,
         }
@@ -160,10 +172,11 @@ impl RamCache {
         e.blocks
     }
 
-    /// Saves a slot's state. A state that an entry already contains only refreshes that
-    /// entry; entries the new state contains are dropped; a state larger than the whole budget
-    /// is not kept.
-    pub(crate) fn save(&mut self, blocks: Blocks) {
+    /// Saves a slot's state. A state that an entry already contains is not saved again: under
+    /// [`SlotPolicy::SaveAll`] that entry becomes the most recently used, under llama-server's
+    /// policies it keeps its place (`server_prompt_cache::alloc` skips it). Entries the new
+    /// state contains are dropped; a state larger than the whole budget is not kept.
+    pub(crate) fn save(&mut self, blocks: Blocks, policy: SlotPolicy) {
         let n = tokens(&blocks);
         if n == 0 || n > self.budget_tokens() {
             return;
@@ -174,7 +187,9 @@ impl RamCache {
             .iter_mut()
             .find(|e| common_prefix(&e.blocks, &blocks) == n)
         {
-            e.last_used = now;
+            if policy == SlotPolicy::SaveAll {
+                e.last_used = now;
+            }
             return;
         }
         let mut freed = 0;
@@ -548,10 +563,12 @@ impl BackendCache {
         let update_cache = match self.policy {
             // (A paged backend has a pool and never comes here.)
             SlotPolicy::SaveAll | SlotPolicy::Paged => true,
-            SlotPolicy::Llama => !by_similarity || 2 * slot_lcp < old_tokens,
+            SlotPolicy::Llama | SlotPolicy::LlamaNoIdle => {
+                !by_similarity || 2 * slot_lcp < old_tokens
+            }
         };
         if update_cache && slot_lcp < old_tokens {
-            self.ram.save(old);
+            self.ram.save(old, self.policy);
         }
         let found = if update_cache {
             self.ram.best(prompt, self.policy)
@@ -566,6 +583,13 @@ impl BackendCache {
             _ if slot_lcp > 0 => (slot_lcp, 0, Source::Slot),
             _ => (0, 0, Source::Cold),
         };
+        if self.policy == SlotPolicy::Llama {
+            // `--cache-idle-slots`: the task has its slot, and every idle slot's state goes to
+            // the RAM cache as well (those it holds already stay where they are).
+            for s in self.slots.iter().filter(|s| !s.busy) {
+                self.ram.save(s.kv.clone(), self.policy);
+            }
+        }
         self.make_room();
         Some(Admission {
             slot,
@@ -591,7 +615,7 @@ impl BackendCache {
                 return;
             };
             let old = std::mem::replace(&mut lru.kv, Arc::new([]));
-            self.ram.save(old);
+            self.ram.save(old, self.policy);
         }
     }
 
@@ -725,11 +749,48 @@ mod tests {
         assert_eq!((source, reused, saved), (Source::Ram, 2040, 1));
     }
 
+    /// Two slots under `policy`: A's first turn (a 2,000-token system prompt, then 30 tokens),
+    /// a stranger's prompt, a prompt B sharing the system prompt and 5,000 tokens of its own,
+    /// then A's next turn; what that turn reuses and from where.
+    fn a_stranger_b_then_a(policy: SlotPolicy) -> (Source, u64) {
+        set_slot_policy(policy);
+        let mut c = BackendCache::new(2, u64::MAX, RamCache::new(1 << 30, 1));
+        set_slot_policy(SlotPolicy::Llama);
+        let a1 = blocks(&[b(1, 2000), b(10, 30)]);
+        let sa = c.admit(&a1).unwrap().slot;
+        c.release(sa, blocks(&[b(1, 2000), b(10, 30), b(11, 10)]));
+        // The stranger takes the other slot; A's slot is idle as its task starts.
+        let stranger = blocks(&[b(30, 500)]);
+        assert_ne!(c.admit(&stranger).unwrap().slot, sa);
+        // B takes A's slot by similarity and keeps more than half of it: nothing is saved
+        // for that. The stranger's slot is busy still.
+        let b1 = blocks(&[b(1, 2000), b(20, 5000)]);
+        let sb = c.admit(&b1).unwrap().slot;
+        assert_eq!(sb, sa);
+        c.release(sb, b1);
+        // A's next turn takes B's slot, which would keep less than half: RAM is searched.
+        let a2 = blocks(&[b(1, 2000), b(10, 30), b(11, 10), b(12, 20)]);
+        let back = c.admit(&a2).unwrap();
+        (back.source, back.reused)
+    }
+
+    #[test]
+    fn llama_policy_saves_every_idle_slot_when_a_task_starts() {
+        // As a real llama-server does by default (scripts/llama-slots.sh, case `idle`): A's
+        // state went to RAM when the stranger's task started, and comes back from there.
+        assert_eq!(a_stranger_b_then_a(SlotPolicy::Llama), (Source::Ram, 2040));
+        // With `--no-cache-idle-slots`, B dropped it, and A reuses the system prompt alone.
+        assert_eq!(
+            a_stranger_b_then_a(SlotPolicy::LlamaNoIdle),
+            (Source::Slot, 2000)
+        );
+    }
+
     #[test]
     fn llama_policy_restores_no_entry_the_prompt_keeps_less_than_a_quarter_of() {
         set_slot_policy(SlotPolicy::Llama);
         let mut ram = RamCache::new(1 << 30, 1);
-        ram.save(blocks(&[b(1, 100), b(2, 900)]));
+        ram.save(blocks(&[b(1, 100), b(2, 900)]), SlotPolicy::Llama);
         assert_eq!(ram.best(&[b(1, 100), b(3, 50)], SlotPolicy::Llama), None);
         assert_eq!(
             ram.best(&[b(1, 100), b(3, 50)], SlotPolicy::SaveAll),
@@ -772,22 +833,25 @@ mod tests {
     fn lru_eviction_order_under_a_budget() {
         // Room for 3,000 tokens at 2 bytes a token.
         let mut r = RamCache::new(6000, 2);
-        r.save(blocks(&[b(1, 1000)]));
-        r.save(blocks(&[b(2, 1000)]));
-        r.save(blocks(&[b(3, 1000)]));
+        r.save(blocks(&[b(1, 1000)]), SlotPolicy::SaveAll);
+        r.save(blocks(&[b(2, 1000)]), SlotPolicy::SaveAll);
+        r.save(blocks(&[b(3, 1000)]), SlotPolicy::SaveAll);
         assert_eq!(r.lru_order(), [1, 2, 3]);
-        // A state the cache already holds refreshes it.
-        r.save(blocks(&[b(1, 1000)]));
+        // A state the cache already holds refreshes it under SaveAll; llama-server leaves it
+        // where it is.
+        r.save(blocks(&[b(1, 1000)]), SlotPolicy::Llama);
+        assert_eq!(r.lru_order(), [1, 2, 3]);
+        r.save(blocks(&[b(1, 1000)]), SlotPolicy::SaveAll);
         assert_eq!(r.lru_order(), [2, 3, 1]);
         // Over budget: the least recently used goes first.
-        r.save(blocks(&[b(4, 1500)]));
+        r.save(blocks(&[b(4, 1500)]), SlotPolicy::SaveAll);
         assert_eq!(r.lru_order(), [1, 4]);
         assert_eq!(r.evicted(), 2);
         // An extension replaces the prefix it contains instead of duplicating it.
-        r.save(blocks(&[b(4, 1500), b(5, 100)]));
+        r.save(blocks(&[b(4, 1500), b(5, 100)]), SlotPolicy::SaveAll);
         assert_eq!(r.len(), 2);
         // A state larger than the whole budget is not kept.
-        r.save(blocks(&[b(9, 4000)]));
+        r.save(blocks(&[b(9, 4000)]), SlotPolicy::SaveAll);
         assert_eq!(r.lru_order(), [1, 4]);
     }
 

@@ -31,6 +31,7 @@ mod trace;
 mod workload;
 
 use std::future::Future;
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -63,13 +64,14 @@ usage: cargo run --release --example swarm -- [options]
   --trace-chains C  blocks (default) | turn-ends: the router's chains of a replayed trace
                     cut at its blocks only, or also where each turn's prompt ends (as a
                     chat body's chain is cut at its messages)
-  --slot-policy P   llama (default) | save-all | paged: how a backend keeps KV between
-                    requests. llama and save-all keep each slot's last state and save it
-                    to the RAM cache, which they search (llama: as llama-server does, only
-                    when the slot is taken as the least recently used or keeps less than
-                    half of its tokens; save-all: whenever another prompt takes the slot);
-                    paged keeps every prompt's blocks in one pool shared by prefix, GPU
-                    then host memory, as vLLM and SGLang do
+  --slot-policy P   llama (default) | llama-no-idle | save-all | paged: how a backend keeps
+                    KV between requests. llama and save-all keep each slot's last state and
+                    save it to the RAM cache, which they search (llama: as llama-server does,
+                    only when the slot is taken as the least recently used or keeps less
+                    than half of its tokens, and every idle slot's state as a task starts;
+                    llama-no-idle: the same with --no-cache-idle-slots; save-all: whenever
+                    another prompt takes the slot); paged keeps every prompt's blocks in one
+                    pool shared by prefix, GPU then host memory, as vLLM and SGLang do
   --oracle          adds NTB+oracle: NodeThenBackend told what the simulated caches
                     really hold, the bound of a perfect cache model under the same rules
   --out FILE        the SVG chart (default target/swarm-<scenario>.svg)
@@ -132,6 +134,7 @@ impl Options {
                 "; every slot's state saved, RAM searched for every prompt"
             }
             cache::SlotPolicy::Llama => "",
+            cache::SlotPolicy::LlamaNoIdle => "; idle slots' states not saved to RAM",
             cache::SlotPolicy::Paged => "; KV in one pool shared by prefix, GPU then host memory",
         };
         fleet.describe().to_owned() + &self.replicas.describe() + slots
@@ -613,8 +616,11 @@ fn main() {
             std::process::exit(1);
         }
     };
+    // Written without `println!`, which panics when the reader has gone (`| head`): the
+    // chart is still drawn.
+    let mut stdout = std::io::stdout().lock();
     for t in &tables {
-        println!("{t}");
+        let _ = writeln!(stdout, "{t}");
     }
     let out = o.out.clone().unwrap_or_else(|| {
         Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -630,10 +636,12 @@ fn main() {
         o.seed
     );
     match chart::draw(&out, &title, &tables) {
-        Ok(()) => println!("chart: {}", out.display()),
+        Ok(()) => {
+            let _ = writeln!(stdout, "chart: {}", out.display());
+        }
         Err(e) => eprintln!("chart {}: {e}", out.display()),
     }
-    println!("ran in {:.2} s", started.elapsed().as_secs_f64());
+    let _ = writeln!(stdout, "ran in {:.2} s", started.elapsed().as_secs_f64());
 }
 
 #[cfg(test)]
@@ -740,16 +748,26 @@ mod tests {
         assert!(c.fewest.0 * 2 > c.fewest.1, "{note}");
     }
 
+    /// The overload scenario's runs at 8 GiB, `turns` turns, on backends of slot policy `policy`.
+    fn overload_at_8_gib(policy: cache::SlotPolicy, turns: u32) -> Vec<Run> {
+        let o = options(Scenario::Overload, turns);
+        cache::set_slot_policy(policy);
+        let runs = agent_runs(
+            FleetKind::Study,
+            &AgentConfig::study(36, turns),
+            &o,
+            8 << 30,
+        );
+        cache::set_slot_policy(cache::SlotPolicy::Llama);
+        runs
+    }
+
     #[test]
     fn on_paged_backends_the_overload_scenario_keeps_nine_turns_in_ten_warm() {
         // The same router on backends that hold a shared prefix once and evict block by block
         // (vLLM, SGLang) reaches what llama-server's slots do not.
-        let o = options(Scenario::Overload, 60);
-        let cfg = AgentConfig::study(36, 60);
         let at_8_gib = |policy| {
-            cache::set_slot_policy(policy);
-            let runs = agent_runs(FleetKind::Study, &cfg, &o, 8 << 30);
-            cache::set_slot_policy(cache::SlotPolicy::Llama);
+            let runs = overload_at_8_gib(policy, 60);
             table(String::new(), String::new(), &runs, false, vec![])
         };
         let (paged, llama) = (
@@ -759,6 +777,22 @@ mod tests {
         let ntb = |t: &Table| t.row("NodeThenBackend").unwrap().hit_rate();
         assert!(ntb(&paged) >= 0.9, "{paged}");
         assert!(ntb(&paged) > ntb(&llama), "{paged}{llama}");
+    }
+
+    #[test]
+    fn under_overload_llama_servers_saving_idle_slots_evict_more_from_ram() {
+        // llama-server's default copies every idle slot's state to RAM as a task starts: the
+        // copies of states the slots still hold crowd out those that only RAM holds.
+        let evicted = |policy| {
+            let runs = overload_at_8_gib(policy, 30);
+            let ntb = runs.iter().find(|r| r.policy == Policy::NodeThenBackend);
+            ntb.unwrap().ram_evictions
+        };
+        let (idle, no_idle) = (
+            evicted(cache::SlotPolicy::Llama),
+            evicted(cache::SlotPolicy::LlamaNoIdle),
+        );
+        assert!(idle > no_idle + no_idle / 2, "{idle} against {no_idle}");
     }
 
     #[test]
