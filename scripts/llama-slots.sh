@@ -21,8 +21,11 @@
 #            to RAM when the stranger's task started, because A's slot was idle
 #            (--cache-idle-slots, the default);
 #   no-idle  the same with --no-cache-idle-slots: A's next turn reuses only the system
-#            prompt.
-# Exits 0 when all four come out so, by llama-server's own `timings.cache_n`.
+#            prompt;
+#   unified  the same with --kv-unified (llama-server's default when -np is not given): the
+#            idle slots saved are cleared too, B finds A's state in RAM and takes it out to
+#            continue it, and A's next turn reuses only the system prompt.
+# Exits 0 when all five come out so, by llama-server's own `timings.cache_n`.
 #
 # Environment: TA_CACHE_DIR (~/.cache/tower-affinity), TA_SLOTS_PORT (18090).
 set -euo pipefail
@@ -67,7 +70,7 @@ code = "fn main() { println!(\"hello, {}\", name); }\n" * 20
 a = [{"role": "system", "content": system},
      {"role": "user", "content": "Here is my code:\n" + code + "Write a haiku about it."}]
 answer, a_prompt, _ = ask(a)
-if case in ("idle", "no-idle"):
+if case in ("idle", "no-idle", "unified"):
     ask([{"role": "system", "content": "You are terse."},
          {"role": "user", "content": "Name three prime numbers. " * 30}])
     log = "".join(f"line {i}: all {i} tests passed in {3 * i} ms\n" for i in range(200))
@@ -85,7 +88,7 @@ a2 = a + [{"role": "assistant", "content": answer},
 _, a2_prompt, reused = ask(a2)
 print(f"{case:>6}: A's first prompt {a_prompt} tokens; the other prompt reused {shared}; "
       f"A's next turn {a2_prompt} tokens, reused {reused}")
-if case in ("shared", "no-idle"):
+if case in ("shared", "no-idle", "unified"):
     # Only the system prompt the other prompt shared: A's own tail was dropped unsaved.
     ok = reused <= shared + 2 and reused < a_prompt - 100
 else:
@@ -103,6 +106,7 @@ run_case shared "$LOGS/shared.log" 1 8192 || status=1
 run_case other "$LOGS/other.log" 1 8192 || status=1
 run_case idle "$LOGS/idle.log" 2 16384 || status=1
 run_case no-idle "$LOGS/no-idle.log" 2 16384 --no-cache-idle-slots || status=1
+run_case unified "$LOGS/unified.log" 2 16384 --kv-unified || status=1
 grep -h 'selected slot' "$LOGS"/*.log | sed 's/^[^|]*| task [^|]*| /  llama-server: /'
 [[ $status == 0 ]] && echo "PASS" || echo "FAIL (logs: $LOGS)"
 exit $status

@@ -13,6 +13,7 @@
 //! less than half of its tokens; otherwise that part is dropped. Once the request has its slot,
 //! every idle slot's state is saved to the RAM cache as well (`--cache-idle-slots`)
 //! ([`SlotPolicy::Llama`], the default; [`SlotPolicy::LlamaNoIdle`] without the idle slots;
+//! [`SlotPolicy::LlamaUnified`] clears them as well;
 //! [`SlotPolicy::SaveAll`] saves and searches always). The rest is prefilled. The
 //! slots share one KV budget in VRAM (llama.cpp's unified KV cache): when a request needs room,
 //! idle slots lose their states to the RAM cache, least recently used first.
@@ -71,6 +72,11 @@ pub(crate) enum SlotPolicy {
     /// [`Llama`](Self::Llama) with `--no-cache-idle-slots`: only the state of the slot a task
     /// takes is ever saved.
     LlamaNoIdle,
+    /// [`Llama`](Self::Llama) with a unified KV cache (`--kv-unified`, llama-server's default
+    /// when `-np` is not given): the idle slots whose states go to the RAM cache as a task
+    /// starts are cleared too, so a state lives on in RAM alone, and the prompt that restores
+    /// it takes it out of RAM.
+    LlamaUnified,
     /// No slot keeps a state of its own: every prompt's blocks go to one pool shared by
     /// prefix, as vLLM's automatic prefix caching and SGLang's radix cache keep KV, with a
     /// host-memory tier behind the GPU's (vLLM's CPU offloading, SGLang's hierarchical cache).
@@ -88,6 +94,7 @@ impl SlotPolicy {
             "save-all" => Some(SlotPolicy::SaveAll),
             "llama" => Some(SlotPolicy::Llama),
             "llama-no-idle" => Some(SlotPolicy::LlamaNoIdle),
+            "llama-unified" => Some(SlotPolicy::LlamaUnified),
             "paged" => Some(SlotPolicy::Paged),
             _ => None,
         }
@@ -563,7 +570,7 @@ impl BackendCache {
         let update_cache = match self.policy {
             // (A paged backend has a pool and never comes here.)
             SlotPolicy::SaveAll | SlotPolicy::Paged => true,
-            SlotPolicy::Llama | SlotPolicy::LlamaNoIdle => {
+            SlotPolicy::Llama | SlotPolicy::LlamaNoIdle | SlotPolicy::LlamaUnified => {
                 !by_similarity || 2 * slot_lcp < old_tokens
             }
         };
@@ -583,11 +590,18 @@ impl BackendCache {
             _ if slot_lcp > 0 => (slot_lcp, 0, Source::Slot),
             _ => (0, 0, Source::Cold),
         };
-        if self.policy == SlotPolicy::Llama {
+        if matches!(self.policy, SlotPolicy::Llama | SlotPolicy::LlamaUnified) {
             // `--cache-idle-slots`: the task has its slot, and every idle slot's state goes to
-            // the RAM cache as well (those it holds already stay where they are).
-            for s in self.slots.iter().filter(|s| !s.busy) {
-                self.ram.save(s.kv.clone(), self.policy);
+            // the RAM cache as well (those it holds already stay where they are); with a
+            // unified KV cache the slot is cleared.
+            let clear = self.policy == SlotPolicy::LlamaUnified;
+            for s in self.slots.iter_mut().filter(|s| !s.busy) {
+                let kv = if clear {
+                    std::mem::replace(&mut s.kv, Arc::new([]))
+                } else {
+                    s.kv.clone()
+                };
+                self.ram.save(kv, self.policy);
             }
         }
         self.make_room();
@@ -782,6 +796,13 @@ mod tests {
         // With `--no-cache-idle-slots`, B dropped it, and A reuses the system prompt alone.
         assert_eq!(
             a_stranger_b_then_a(SlotPolicy::LlamaNoIdle),
+            (Source::Slot, 2000)
+        );
+        // With a unified KV cache, A's slot was cleared once saved, B found A's state in RAM
+        // (the system prompt is more than a quarter of it) and took it out: A again reuses
+        // the system prompt alone (case `unified`).
+        assert_eq!(
+            a_stranger_b_then_a(SlotPolicy::LlamaUnified),
             (Source::Slot, 2000)
         );
     }

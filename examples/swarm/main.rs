@@ -64,14 +64,17 @@ usage: cargo run --release --example swarm -- [options]
   --trace-chains C  blocks (default) | turn-ends: the router's chains of a replayed trace
                     cut at its blocks only, or also where each turn's prompt ends (as a
                     chat body's chain is cut at its messages)
-  --slot-policy P   llama (default) | llama-no-idle | save-all | paged: how a backend keeps
-                    KV between requests. llama and save-all keep each slot's last state and
-                    save it to the RAM cache, which they search (llama: as llama-server does,
-                    only when the slot is taken as the least recently used or keeps less
-                    than half of its tokens, and every idle slot's state as a task starts;
-                    llama-no-idle: the same with --no-cache-idle-slots; save-all: whenever
-                    another prompt takes the slot); paged keeps every prompt's blocks in one
-                    pool shared by prefix, GPU then host memory, as vLLM and SGLang do
+  --slot-policy P   llama (default) | llama-no-idle | llama-unified | save-all | paged: how
+                    a backend keeps KV between requests. llama and save-all keep each slot's
+                    last state and save it to the RAM cache, which they search (llama: as
+                    llama-server does with -np given, only when the slot is taken as the
+                    least recently used or keeps less than half of its tokens, and every
+                    idle slot's state as a task starts; llama-no-idle: the same with
+                    --no-cache-idle-slots; llama-unified: with a unified KV cache, as
+                    without -np, where the idle slots saved are cleared too; save-all:
+                    whenever another prompt takes the slot); paged keeps every prompt's
+                    blocks in one pool shared by prefix, GPU then host memory, as vLLM and
+                    SGLang do
   --oracle          adds NTB+oracle: NodeThenBackend told what the simulated caches
                     really hold, the bound of a perfect cache model under the same rules
   --out FILE        the SVG chart (default target/swarm-<scenario>.svg)
@@ -135,6 +138,7 @@ impl Options {
             }
             cache::SlotPolicy::Llama => "",
             cache::SlotPolicy::LlamaNoIdle => "; idle slots' states not saved to RAM",
+            cache::SlotPolicy::LlamaUnified => "; unified KV, idle slots saved to RAM and cleared",
             cache::SlotPolicy::Paged => "; KV in one pool shared by prefix, GPU then host memory",
         };
         fleet.describe().to_owned() + &self.replicas.describe() + slots
