@@ -7,7 +7,7 @@
 #
 # llama-server on loopback with a RAM prompt cache (--cache-ram 256). Conversation A (a long
 # system prompt and a question) is answered; then other prompts take slots; then A's next
-# turn comes. Four cases:
+# turn comes. Five cases:
 #   shared   (-np 1) the other prompt shares A's system prompt: llama-server takes the slot
 #            by similarity, keeps more than half of it, and saves nothing, so A's next turn
 #            reuses only the system prompt;

@@ -15,8 +15,9 @@
 //! ([`SlotPolicy::Llama`], the default; [`SlotPolicy::LlamaNoIdle`] without the idle slots;
 //! [`SlotPolicy::LlamaUnified`] clears them as well;
 //! [`SlotPolicy::SaveAll`] saves and searches always). The rest is prefilled. The
-//! slots share one KV budget in VRAM (llama.cpp's unified KV cache): when a request needs room,
-//! idle slots lose their states to the RAM cache, least recently used first.
+//! slots share one KV budget in VRAM (llama-server with `-np` splits its context over the
+//! slots instead; the model does not): when a request needs room, idle slots lose their states
+//! to the RAM cache, least recently used first.
 //!
 //! [`SlotPolicy::Paged`] models the other family of servers, vLLM's automatic prefix caching
 //! and SGLang's radix cache: slots keep no KV of their own, and every prompt's blocks go to one
@@ -62,8 +63,8 @@ pub(crate) enum SlotPolicy {
     /// dropped. A RAM entry is restored only if the prompt keeps at least a quarter of it.
     /// Once a task has its slot, every idle slot's state is saved to the RAM cache too
     /// (`--cache-idle-slots`, llama-server's default while `--cache-ram` is on), and the slots
-    /// keep their KV (llama-server clears them as well when its KV is unified, which it is by
-    /// default only when `-np` is not given; that is not modelled). A state an entry
+    /// keep their KV, as with `-np` given (without it the KV is unified and they are cleared:
+    /// [`LlamaUnified`](Self::LlamaUnified)). A state an entry
     /// already contains is not saved again, and that entry keeps its place in the least
     /// recently used order. The default: `scripts/llama-slots.sh` shows a real llama-server
     /// doing so.
