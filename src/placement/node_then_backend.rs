@@ -31,7 +31,10 @@ use super::{
 ///
 /// - a session whose home still holds its last prompt goes home, as above;
 /// - a session whose home evicted it (a *cold home*) is placed like a new session that prefers
-///   the backend holding the longest prefix of its prompt, when that prefix is its own;
+///   the backend holding the longest prefix of its prompt, when that prefix is its own. Among
+///   the backends holding as long a prefix (a system prompt many conversations share), the
+///   home comes last: it could not keep this conversation, and taking it back would evict
+///   another of those it homes;
 /// - a session whose prompt no longer extends its last one (*compaction*) is counted apart and
 ///   stays where it was if there is room: no cache holds the rewritten prompt, so no backend is
 ///   better than its home;
@@ -163,12 +166,13 @@ impl NodeThenBackend {
     /// rendezvous order (so router replicas with the same caches agree) and a keyless one the
     /// backend with the fewest requests in flight, then the fewest conversations, for its
     /// slots. A prompt already held whole is a repeat that says nothing of which conversation
-    /// it is, and draws nothing.
-    /// O(backends x log links).
+    /// it is, and draws nothing. `cold`, a cold home, comes after the other backends holding
+    /// as much. O(backends x log links).
     fn offer_holders(
         &self,
         fleet: &FleetView<'_>,
         req: &PlacementRequest<'_>,
+        cold: Option<u32>,
         c: &mut Candidates<'_>,
     ) -> ControlFlow<()> {
         let (Some(chain), Some(e)) = (req.chain, self.conversation_bound) else {
@@ -188,7 +192,9 @@ impl NodeThenBackend {
                 holds.then_some((links, order, b))
             })
             .collect();
-        holders.sort_by_key(|&(links, order, _)| (std::cmp::Reverse(links), order));
+        holders.sort_by_key(|&(links, order, b)| {
+            (std::cmp::Reverse(links), Some(b.index) == cold, order)
+        });
         holders.into_iter().try_for_each(|(_, _, b)| c.offer(b))
     }
 }
@@ -222,7 +228,7 @@ impl Placement for NodeThenBackend {
                 }
             }
             if let Some(chain) = req.chain {
-                if self.offer_holders(fleet, req, c).is_break() {
+                if self.offer_holders(fleet, req, None, c).is_break() {
                     return;
                 }
                 // Ties are broken by the prompt itself, so a replay places alike every time.
@@ -251,6 +257,13 @@ impl Placement for NodeThenBackend {
             }
             // A cold home, or a new session.
             _ => {
+                // A cold home comes after the other backends that hold as much of the prompt:
+                // it evicted this conversation.
+                let cold = req
+                    .home
+                    .filter(|h| h.cache == HomeCache::Evicted)
+                    .and_then(|h| h.backend)
+                    .map(|b| b.index);
                 if let Some(p) = req.prefix.filter(|p| p.own) {
                     if c.offer(p.backend).is_break()
                         || offer_node(p.backend.node(), key, Some(p.backend.index), Bound::None, c)
@@ -259,7 +272,7 @@ impl Placement for NodeThenBackend {
                         return;
                     }
                 }
-                if self.offer_holders(fleet, req, c).is_break() {
+                if self.offer_holders(fleet, req, cold, c).is_break() {
                     return;
                 }
                 if let Some(e) = self.load_bound {

@@ -377,6 +377,30 @@ fn a_cold_home_prefers_the_backend_holding_the_longest_own_prefix() {
 }
 
 #[test]
+fn a_cold_home_comes_after_the_other_backends_holding_as_much() {
+    // a1 evicted the session; it and b2 each still hold the system prompt the session shares
+    // with another conversation there. The key ranks a1 first: a new session with this prompt
+    // would go to a1, but a1 could not keep this conversation, so b2 takes it.
+    let turn2 = chain(&[SYS, 11, 12, 13]);
+    let fleet = || {
+        two_by_two_of_two()
+            .holds("a1", &chain(&[SYS, 21]))
+            .holds("b2", &chain(&[SYS, 31]))
+    };
+    let k = Some(key_not_drawn_to(&fleet(), |b| b != "a1"));
+    let p = NodeThenBackend::new();
+    let new = fleet().prompt(turn2.clone());
+    assert_eq!(new.order(&p, k, None)[..2], ids(&["a1", "b2"]));
+    let cold = fleet().prompt(turn2).home_cache(HomeCache::Evicted);
+    let order = cold.order(&p, k, Some("a1"));
+    assert_eq!(order[..2], ids(&["b2", "a1"]), "{order:?}");
+    assert_eq!(cold.choose(&p, k, Some("a1")), Some("b2".into()));
+    // The home holding more of the prompt than the others is still the first choice.
+    let longer = cold.holds("a1", &chain(&[SYS, 11, 41]));
+    assert_eq!(longer.choose(&p, k, Some("a1")), Some("a1".into()));
+}
+
+#[test]
 fn a_cold_home_with_no_prefix_anywhere_is_placed_like_a_new_session() {
     let turn2 = chain(&[SYS, 11, 12, 13, 14]);
     let fleet = two_by_two();
