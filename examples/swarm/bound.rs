@@ -1,4 +1,4 @@
-//! What caches of whole sessions could have done with a run's turns.
+//! What idealised caches, of whole sessions or of blocks, could have done with a run's turns.
 //!
 //! A run's turns are replayed, in the order they were sent, against idealised stores that each
 //! hold whole conversation states: a conversation's state is its last prompt, shared system
@@ -20,14 +20,21 @@
 //!   again in RAM). A backend that holds a shared prefix once and evicts block by block
 //!   (`--slot-policy paged`) can do better than this replay.
 //!
+//! [`block_reuse`] replays a trace's requests against caches of blocks instead, as a backend
+//! with a paged prefix cache keeps them: a prefix many prompts share is held once, and a
+//! prompt's blocks are evicted least recently used first, its tail before its prefix. Pooled
+//! over the fleet, it gives what the fleet's capacity allows any placement without foresight;
+//! per backend, what the policy's placement leaves backends that cache blocks.
+//!
 //! [`crowding`] looks at the same turns from the slots' side: a llama-server backend homing more
 //! conversations than it has slots must give one's slot to another between their turns, saving
 //! the state it held to RAM only if the new prompt keeps less than half of it.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use tower_affinity::BackendId;
 
+use crate::cache::Block;
 use crate::report::{TurnRecord, HIT_SHARE};
 
 /// Which held state makes room first.
@@ -161,6 +168,106 @@ pub(crate) fn hit_rate(
     hits as f64 / eligible.max(1) as f64
 }
 
+/// A cache of blocks of `capacity` tokens, evicting the least recently used block first.
+#[derive(Default)]
+struct BlockStore {
+    capacity: u64,
+    used: u64,
+    clock: u64,
+    /// Each held block's last use and tokens.
+    held: HashMap<u64, (u64, u32)>,
+    /// Held blocks by last use, oldest first.
+    by_use: BTreeMap<u64, u64>,
+}
+
+impl BlockStore {
+    /// Tokens of the longest prefix of `blocks` held.
+    fn reuse(&self, blocks: &[Block]) -> u64 {
+        blocks
+            .iter()
+            .take_while(|b| self.held.contains_key(&b.id))
+            .map(|b| u64::from(b.tokens))
+            .sum()
+    }
+
+    /// Holds `blocks` as used now, the prefix most recently (so a prompt's tail goes before
+    /// the prefix it shares), and makes room.
+    fn put(&mut self, blocks: &[Block]) {
+        for b in blocks.iter().rev() {
+            self.clock += 1;
+            let clock = self.clock;
+            match self.held.get_mut(&b.id) {
+                Some((last, _)) => {
+                    self.by_use.remove(last);
+                    *last = clock;
+                }
+                None => {
+                    self.held.insert(b.id, (clock, b.tokens));
+                    self.used += u64::from(b.tokens);
+                }
+            }
+            self.by_use.insert(clock, b.id);
+        }
+        while self.used > self.capacity {
+            let Some((_, id)) = self.by_use.pop_first() else {
+                return;
+            };
+            if let Some((_, tokens)) = self.held.remove(&id) {
+                self.used -= u64::from(tokens);
+            }
+        }
+    }
+}
+
+/// The prompt tokens caches of blocks would have reused, as a share of the ideal (what one
+/// infinite cache would have): `requests` are each request's record and prompt blocks, in any
+/// order (they are replayed in the order sent). `capacity` gives each backend's tokens; a
+/// backend it does not name holds nothing.
+pub(crate) fn block_reuse(
+    requests: &[(&TurnRecord, &[Block])],
+    capacity: &HashMap<BackendId, u64>,
+    stores: Stores,
+) -> f64 {
+    let mut order: Vec<&(&TurnRecord, &[Block])> = requests.iter().collect();
+    order.sort_by_key(|(t, _)| (t.sent, t.conversation));
+    let mut all: HashMap<Option<&BackendId>, BlockStore> = match stores {
+        Stores::Pooled => [(
+            None,
+            BlockStore {
+                capacity: capacity.values().sum(),
+                ..BlockStore::default()
+            },
+        )]
+        .into(),
+        Stores::PerBackend => capacity
+            .iter()
+            .map(|(b, &capacity)| {
+                let store = BlockStore {
+                    capacity,
+                    ..BlockStore::default()
+                };
+                (Some(b), store)
+            })
+            .collect(),
+    };
+    let (mut reused, mut ideal) = (0u64, 0u64);
+    for (t, blocks) in order {
+        ideal += t.ideal;
+        let at = match stores {
+            Stores::Pooled => None,
+            Stores::PerBackend => Some(&t.backend),
+        };
+        if let Some(store) = all.get_mut(&at) {
+            // A store holds no block the ideal has not seen; the cap only evens out how the
+            // ideal counts a partial last block.
+            let n = store.reuse(blocks);
+            reused += n.min(t.ideal);
+            store.put(blocks);
+        }
+    }
+    reused as f64 / ideal.max(1) as f64
+}
+
 /// Eligible turns and their hits, on backends homing more conversations than they have slots
 /// and on the rest, and how often the fleet was crowded no more than it had to be.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -291,6 +398,50 @@ mod tests {
         let cap = [("a", 1_000), ("b", 1_000)];
         let e = Evict::LeastRecentlyUsed;
         assert_eq!(rate(&r, &cap, Stores::PerBackend, e), 0.5);
+    }
+
+    /// Requests of one-token blocks with the given ids, one a second, each on its backend;
+    /// the ideal of each is the longest prefix of ids an earlier request had.
+    fn block_requests(order: &[(&[u64], &str)]) -> Vec<(TurnRecord, Vec<Block>)> {
+        let backends: Vec<(u32, &str)> = (0..).zip(order.iter().map(|&(_, b)| b)).collect();
+        let mut records = turns(&backends, 0);
+        let mut seen = std::collections::HashSet::new();
+        order
+            .iter()
+            .zip(records.iter_mut())
+            .map(|(&(ids, _), t)| {
+                t.ideal = ids.iter().take_while(|id| seen.contains(*id)).count() as u64;
+                seen.extend(ids.iter().copied());
+                let blocks = ids.iter().map(|&id| Block { id, tokens: 1 }).collect();
+                (t.clone(), blocks)
+            })
+            .collect()
+    }
+
+    fn reuse(requests: &[(TurnRecord, Vec<Block>)], cap: &[(&str, u64)], stores: Stores) -> f64 {
+        let requests: Vec<(&TurnRecord, &[Block])> =
+            requests.iter().map(|(t, b)| (t, &b[..])).collect();
+        let capacity = cap.iter().map(|&(b, n)| (b.into(), n)).collect();
+        block_reuse(&requests, &capacity, stores)
+    }
+
+    #[test]
+    fn pooled_blocks_serve_a_shared_prefix_wherever_it_was_read() {
+        // B shares A's first two blocks but is read on another backend; C continues A on a.
+        let r = block_requests(&[(&[1, 2, 3], "a"), (&[1, 2, 4], "b"), (&[1, 2, 3, 5], "a")]);
+        let cap = [("a", 100), ("b", 100)];
+        // Ideal: B 2 blocks, C 3. Pooled, both; per backend, C's 3 only.
+        assert_eq!(reuse(&r, &cap, Stores::Pooled), 1.0);
+        assert!((reuse(&r, &cap, Stores::PerBackend) - 0.6).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_full_block_store_evicts_a_prompts_tail_before_its_prefix() {
+        // Room for three blocks: D's block evicts A's last, so C finds A's first two.
+        let r = block_requests(&[(&[1, 2, 3], "a"), (&[4], "a"), (&[1, 2, 3, 5], "a")]);
+        assert!((reuse(&r, &[("a", 3)], Stores::Pooled) - 2.0 / 3.0).abs() < 1e-9);
+        // With room for all four, C finds all three it shares.
+        assert_eq!(reuse(&r, &[("a", 4)], Stores::Pooled), 1.0);
     }
 
     #[test]

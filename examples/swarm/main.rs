@@ -396,6 +396,46 @@ fn bound_note(runs: &[Run], fleet: &[BackendSpec]) -> String {
     )
 }
 
+/// What caches of blocks would have reused of each policy's requests (see
+/// [`bound::block_reuse`]).
+fn block_bound_note(runs: &[Run], fleet: &[BackendSpec], trace: &trace::Trace) -> String {
+    use bound::Stores;
+    let capacity: std::collections::HashMap<BackendId, u64> = fleet
+        .iter()
+        .map(|s| (BackendId::from(s.id.as_str()), s.model.cache_tokens()))
+        .collect();
+    let v: Vec<String> = runs
+        .iter()
+        .map(|r| {
+            // A conversation's records, in the order sent, are its requests in order.
+            let mut records: Vec<&TurnRecord> = r.records.iter().collect();
+            records.sort_by_key(|t| (t.conversation, t.sent));
+            let mut next = vec![0usize; trace.conversations.len()];
+            let requests: Vec<(&TurnRecord, &[cache::Block])> = records
+                .into_iter()
+                .filter_map(|t| {
+                    let c = t.conversation as usize;
+                    let i = *trace.conversations.get(c)?.get(next[c])?;
+                    next[c] += 1;
+                    Some((t, &trace.requests[i].blocks[..]))
+                })
+                .collect();
+            let rate = |stores| 100.0 * bound::block_reuse(&requests, &capacity, stores);
+            format!(
+                "{} {:.1}%/{:.1}%",
+                r.policy.name(),
+                rate(Stores::Pooled),
+                rate(Stores::PerBackend),
+            )
+        })
+        .collect();
+    format!(
+        "caches of blocks, least recently used, the fleet's KV and RAM pooled / each backend \
+         its own, reuse / ideal: {}",
+        v.join(", ")
+    )
+}
+
 /// The reuse the backends reported, as the service read it from their answers, and how often
 /// it was far below the cache model's prediction.
 fn reported_note(runs: &[Run]) -> String {
@@ -568,6 +608,7 @@ fn replay(o: &Options, path: &Path) -> Result<Vec<Table>, String> {
                 .into(),
             ram_note(&runs),
             reported_note(&runs),
+            block_bound_note(&runs, &fleet.backends(ram), &t),
         ];
         let label = format!(
             "trace, {}{}",
