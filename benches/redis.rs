@@ -7,13 +7,15 @@
 //! ```
 //!
 //! Starts its own `redis-server` (Debian's package) on a free loopback port. Two services over
-//! the same 16 mock backends (4 nodes of 4, 8 slots each, answering at once), one with the
-//! store and one without, take turns for 21 rounds (by default) of 2,000 home hits each on
-//! 1,000 sessions placed beforehand, in alternating order; every request is timed on its own,
-//! from `call` to the response, through a current-thread Tokio runtime. Prints each round's
-//! p50 and p99 and the medians over the rounds. Then the same for keyless conversations: each
-//! request carries its conversation's prompt chain, one link longer than its last turn's, and
-//! the store is read for the homes of its tip and the links before it (one `MGET`).
+//! the same 16 mock backends (4 nodes of 4, 8 slots each, answering at once, cache budgets
+//! that hold every conversation), one with the store and one without, take turns for 21
+//! rounds (by default) of 2,000 home hits each on 1,000 sessions placed beforehand, in
+//! alternating order; every request is timed on its own, from `call` to the response,
+//! through a current-thread Tokio runtime. Prints each round's
+//! p50 and p99 and the medians over the rounds. Then the same for conversations whose
+//! requests carry their prompt chain, one link longer than its last turn's: keyless ones, for
+//! which the store is read for the homes of the tip and the links before it (one `MGET`), and
+//! keyed ones, each of whose turns writes where its prompt ended.
 
 use std::convert::Infallible;
 use std::num::NonZeroU32;
@@ -38,10 +40,11 @@ fn fleet() -> StaticFleet<Mock> {
         let backend = BoxCloneService::new(service_fn(|_req: Req| async {
             Ok::<_, Infallible>(http::Response::new(String::new()))
         }));
-        (
-            format!("b{i}"),
-            Backend::new(format!("node-{}", i / 4), backend).slots(eight),
-        )
+        // Cache models that hold every conversation: placement goes on finding each home.
+        let backend = Backend::new(format!("node-{}", i / 4), backend)
+            .slots(eight)
+            .cache_tokens(1 << 26);
+        (format!("b{i}"), backend)
     }))
 }
 
@@ -52,27 +55,34 @@ fn turn(session: u64) -> Req {
         .unwrap()
 }
 
-/// Keyless conversations: each one's turns so far, as the blocks of its prompt chain.
-struct Conversations(Vec<Vec<(u64, u32)>>);
+/// Conversations, keyed or not: each one's turns so far, as the blocks of its prompt chain.
+struct Conversations {
+    turns: Vec<Vec<(u64, u32)>>,
+    keyed: bool,
+}
 
 impl Conversations {
-    fn new(sessions: u64) -> Self {
+    fn new(sessions: u64, keyed: bool) -> Self {
         // A shared system prompt, then the conversation's own first message.
-        Conversations(
-            (0..sessions)
-                .map(|s| vec![(1, 2_000), ((s << 20) | 1, 300)])
-                .collect(),
-        )
+        let turns = (0..sessions)
+            .map(|s| vec![(1, 2_000), ((s << 20) | 1, 300)])
+            .collect();
+        Conversations { turns, keyed }
     }
 
     /// The next turn of conversation `s`: its last prompt and one more link.
     fn turn(&mut self, s: u64) -> Req {
-        let blocks = &mut self.0[s as usize];
+        let blocks = &mut self.turns[s as usize];
         let next = (s << 20) | (blocks.len() as u64);
         blocks.push((next, 200));
-        let mut req = http::Request::post("/v1/chat/completions")
-            .body(String::new())
-            .unwrap();
+        let mut req = if self.keyed {
+            // Sessions of their own, apart from the keyed part's.
+            turn(s | 1 << 40)
+        } else {
+            http::Request::post("/v1/chat/completions")
+                .body(String::new())
+                .unwrap()
+        };
         req.extensions_mut()
             .insert(PromptFacts::from_chain(PromptChain::from_blocks(
                 blocks.iter().copied(),
@@ -289,33 +299,45 @@ async fn run(rounds: usize, n: u64) {
     .await;
     println!("store: {:?}", shared.store_stats().unwrap());
 
-    // Keyless conversations: a fresh pair of services, the same store.
-    let mut local = SessionAffinityLayer::new().layer(fleet());
-    let mut shared = SessionAffinityLayer::new()
-        .home_store(store)
-        .store_deadline(Duration::from_millis(50))
-        .layer(fleet());
-    // Each service its own copy of the conversations, so both see the same turns.
-    let (mut to_local, mut to_shared) =
-        (Conversations::new(sessions), Conversations::new(sessions));
-    for s in 0..sessions {
-        send(&mut local, to_local.turn(s)).await;
-        send(&mut shared, to_shared.turn(s)).await;
+    // Conversations with prompt chains, keyless and then keyed: a fresh pair of services for
+    // each, the same store (keys and prompts under their own prefixes).
+    for keyed in [false, true] {
+        let mut local = SessionAffinityLayer::new().layer(fleet());
+        let mut shared = SessionAffinityLayer::new()
+            .home_store(store.clone())
+            .store_deadline(Duration::from_millis(50))
+            .layer(fleet());
+        // Each service its own copy of the conversations, so both see the same turns.
+        let (mut to_local, mut to_shared) = (
+            Conversations::new(sessions, keyed),
+            Conversations::new(sessions, keyed),
+        );
+        for s in 0..sessions {
+            send(&mut local, to_local.turn(s)).await;
+            send(&mut shared, to_shared.turn(s)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        // A continued keyless prompt is a prefix hit, or placed by load where a backend is
+        // full; a keyed one goes home and writes where its prompt ended.
+        let expected = move |o| match keyed {
+            true => o == Outcome::HomeHit,
+            false => matches!(o, Outcome::PrefixHit | Outcome::Keyless),
+        };
+        println!(
+            "{}: each conversation's next turn, by its prompt chain",
+            if keyed { "keyed" } else { "keyless" }
+        );
+        compare(
+            &mut local,
+            &mut shared,
+            rounds,
+            n,
+            |r, i| to_local.turn((r as u64 * 13 + i * 7) % sessions),
+            |r, i| to_shared.turn((r as u64 * 13 + i * 7) % sessions),
+            expected,
+        )
+        .await;
+        println!("store: {:?}", shared.store_stats().unwrap());
     }
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    println!("keyless: each conversation's next turn, by its prompt chain");
-    // A continued prompt is a prefix hit, or placed by load where a backend is full.
-    let keyless = |o| matches!(o, Outcome::PrefixHit | Outcome::Keyless);
-    compare(
-        &mut local,
-        &mut shared,
-        rounds,
-        n,
-        |r, i| to_local.turn((r as u64 * 13 + i * 7) % sessions),
-        |r, i| to_shared.turn((r as u64 * 13 + i * 7) % sessions),
-        keyless,
-    )
-    .await;
-    println!("store: {:?}", shared.store_stats().unwrap());
     drop(server);
 }

@@ -125,8 +125,8 @@ pub(crate) struct Homes {
 #[derive(Clone, Debug)]
 pub(crate) enum StoreAnswer {
     /// A home on this live backend, and whether the store has it as it should stay: its tip
-    /// is in the request's prompt (or the request has none), so that writing the same home
-    /// again would add nothing.
+    /// is where the request's own prompt ends (or the request has none), so that writing the
+    /// same home again would add nothing.
     Home(BackendId, bool),
     /// No home this replica can use: none, or garbage.
     Nothing,
@@ -342,9 +342,9 @@ impl Homes {
     /// written only if the placement moved the session.
     ///
     /// The home carries `tip`, the digest where the request's prompt ended (if it has one);
-    /// a home the store holds already is written again when its tip is not in this prompt (a
-    /// compaction, or a value written without one), so that other replicas read a tip they
-    /// can find.
+    /// a home the store holds already is written again with this turn's tip, so that another
+    /// replica serving the session next can tell that a later turn than its own went home
+    /// (see [`adopt`](Shared::adopt)), and after a compaction finds a tip in its prompt.
     pub(crate) fn placed(
         self: &Arc<Self>,
         key: SessionKey,
@@ -440,7 +440,14 @@ impl<B, P> Shared<B, P> {
     /// know is garbage. A home's tip found in the request's prompt `chain` is what the home
     /// holds: it goes into the cache model, as it would had this replica placed the turn
     /// that ended there; a tip not found is a compaction, as for a session of this replica's
-    /// own. Returns what placement needs to know of the answer.
+    /// own.
+    ///
+    /// When the local table has the same home, the store's tip decides whose word counts. A
+    /// tip deeper in the prompt than where this replica's own last turn ended is a later
+    /// turn that another replica placed there: the backend has used the session since, which
+    /// this replica's model cannot know, so the home is taken as holding the session up to
+    /// that tip. Otherwise this replica placed the latest turn, and its own model says
+    /// whether the home still holds it. Returns what placement needs to know of the answer.
     pub(crate) fn adopt(
         &self,
         homes: &Homes,
@@ -463,19 +470,19 @@ impl<B, P> Shared<B, P> {
         let m = t.member(index);
         let chain = chain.filter(|c| !c.is_empty());
         let at = home.tip.zip(chain).and_then(|(tip, c)| c.position_of(tip));
-        // Recorded here and now, so the entry below may carry the record's stamp.
-        let mark = match (at, chain) {
-            (Some(at), Some(chain)) => m.cache.record_from(&chain.links()[..=at], 0),
-            _ => 0,
-        };
-        let current = match (home.tip, chain) {
-            (_, None) => true,
-            (Some(_), Some(_)) => at.is_some(),
-            (None, Some(_)) => false,
-        };
         let now_ms = self.capacity.now_ms(Instant::now());
         let local = self.table.get(key, now_ms);
-        if local.is_none_or(|h| (h.backend, h.generation) != (index, m.generation)) {
+        let here = local.filter(|h| (h.backend, h.generation) == (index, m.generation));
+        // Where this replica's own last turn of the session ended, if it placed it at this
+        // home: a stored tip deeper in the prompt is a later turn.
+        let own = here.and_then(|h| chain.and_then(|c| c.tip_positions(h.tip).next()));
+        let ahead = at.is_some() && (own.is_none() || at > own);
+        if ahead || here.is_none() {
+            // Recorded here and now, so the entry below carries the record's stamp.
+            let mark = match (at, chain) {
+                (Some(at), Some(chain)) if ahead => m.cache.record_from(&chain.links()[..=at], 0),
+                _ => 0,
+            };
             // Without a tip (a value written without one), where the session's last prompt
             // ended is not known (tip 0), and the cache model does not call the home cold.
             let entry = HomeEntry {
@@ -487,6 +494,11 @@ impl<B, P> Shared<B, P> {
             };
             self.table.put(key, entry, now_ms);
         }
+        // The store has what this request would write only if it holds this prompt's tip.
+        let current = match (home.tip, chain) {
+            (_, None) => true,
+            (tip, Some(c)) => tip.is_some() && c.tip_digest() == tip,
+        };
         Some(StoreAnswer::Home(home.backend, current))
     }
 

@@ -612,7 +612,10 @@ async fn a_homes_tip_tells_another_replica_a_compaction_and_an_old_value_still_r
         (hit.backend.clone(), hit.outcome),
         (d.backend.clone(), Outcome::HomeHit)
     );
-    assert_eq!(b.store_stats().unwrap().writes, 0, "nothing new to write");
+    // B writes where this turn's prompt ended, so that A, if it served the session next,
+    // would know a later turn went home.
+    until_tip(&mut conn, "s", tip_of(&next)).await;
+    assert_eq!(b.store_stats().unwrap().writes, 1);
     // A compacted history through B: the tip is not in the prompt, as the replica that
     // placed the home would tell; B writes the new tip.
     let compacted = tower_affinity::PromptChain::from_blocks([(1, 2_000), (9, 400), (10, 300)]);

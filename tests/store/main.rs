@@ -12,11 +12,12 @@ use tokio::time::Instant;
 use tower::util::BoxCloneService;
 use tower::{service_fn, Layer, ServiceExt};
 use tower_affinity::discover::StaticFleet;
-use tower_affinity::key::{HeaderKey, SessionKey};
+use tower_affinity::key::{HeaderKey, PromptFacts, SessionKey};
 use tower_affinity::placement::NodeThenBackend;
 use tower_affinity::store::{HomeStore, Lookup, ReadHome, StoreState, StoredHome, WriteHome};
 use tower_affinity::{
-    Backend, Decision, Outcome, ResponseBody, SessionAffinity, SessionAffinityLayer, Sessions,
+    Backend, Decision, Outcome, PromptChain, ResponseBody, SessionAffinity, SessionAffinityLayer,
+    Sessions,
 };
 
 type Req = http::Request<String>;
@@ -125,11 +126,15 @@ const IDLE: Duration = Duration::from_secs(900);
 const DEADLINE: Duration = Duration::from_millis(5);
 
 fn service(store: &MemoryStore) -> Svc {
+    service_over(store, fleet())
+}
+
+fn service_over(store: &MemoryStore, fleet: StaticFleet<Mock>) -> Svc {
     SessionAffinityLayer::new()
         .sessions(Sessions::new().idle_timeout(IDLE))
         .home_store(store.clone())
         .store_deadline(DEADLINE)
-        .layer(fleet())
+        .layer(fleet)
 }
 
 type Res = http::Response<ResponseBody<String>>;
@@ -331,4 +336,110 @@ async fn a_home_that_failed_to_be_written_is_written_when_the_store_comes_back()
     assert_eq!(store.0.lock().homes[&key("s")].backend, moved.backend);
     // So the next read sends the session where it went, not back to its old home.
     assert_eq!(send(&svc, "s").await.backend, moved.backend);
+}
+
+// === replicas and prompt chains ===
+
+/// Backends whose cache models hold 10,000 tokens each.
+fn small_caches() -> StaticFleet<Mock> {
+    let four = NonZeroU32::new(4).unwrap();
+    let b = |node: &str, name: &'static str| {
+        Backend::new(node, mock(name))
+            .slots(four)
+            .cache_tokens(10_000)
+    };
+    StaticFleet::new([
+        ("a1", b("node-a", "a1")),
+        ("a2", b("node-a", "a2")),
+        ("b1", b("node-b", "b1")),
+        ("b2", b("node-b", "b2")),
+    ])
+}
+
+fn replica(store: &MemoryStore) -> Svc {
+    service_over(store, small_caches())
+}
+
+/// A conversation's prompt after `turns` turns: a 2,000-token system prompt, then 300 tokens
+/// a turn.
+fn conversation(first: u64, turns: u64) -> PromptChain {
+    PromptChain::from_blocks(
+        std::iter::once((first, 2_000)).chain((1..=turns).map(|t| (first + t, 300))),
+    )
+}
+
+async fn send_chain(svc: &Svc, session: &str, chain: PromptChain) -> Decision {
+    let mut req = http::Request::post("/v1/chat/completions")
+        .header("x-session-id", session)
+        .body(String::new())
+        .unwrap();
+    req.extensions_mut().insert(PromptFacts::from_chain(chain));
+    let res: Res = svc.clone().oneshot(req).await.expect("no request fails");
+    let d = res.extensions().get::<Decision>().cloned().unwrap();
+    // The store has what this turn wrote before the next one reads it.
+    settle().await;
+    d
+}
+
+/// Through `svc`, a prompt of 9,500 tokens at `home` (where the store says it lives): a model
+/// of 10,000 tokens there keeps nothing older.
+async fn fill(svc: &Svc, store: &MemoryStore, home: &Decision) {
+    store.put("filler", home.backend.as_str(), home.node.as_str());
+    let d = send_chain(svc, "filler", PromptChain::from_blocks([(900, 9_500)])).await;
+    assert_eq!(d.backend, home.backend);
+}
+
+/// Two turns of session "s" through `svc`, then its model of their home filled: returns
+/// where they went.
+async fn two_turns_then_filled(svc: &Svc, store: &MemoryStore) -> Decision {
+    let home = send_chain(svc, "s", conversation(1, 1)).await;
+    let next = send_chain(svc, "s", conversation(1, 2)).await;
+    assert_eq!(next.outcome, Outcome::HomeHit);
+    fill(svc, store, &home).await;
+    home
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_chained_turn_writes_where_its_prompt_ended_even_at_home() {
+    let store = MemoryStore::new();
+    let svc = replica(&store);
+    let first = send_chain(&svc, "s", conversation(1, 1)).await;
+    assert_eq!(first.outcome, Outcome::NewSession);
+    let next = conversation(1, 3);
+    let hit = send_chain(&svc, "s", next.clone()).await;
+    assert_eq!(hit.outcome, Outcome::HomeHit);
+    let writes = store.writes();
+    assert_eq!(writes.len(), 2, "{writes:?}");
+    let tip = next.links()[next.len() - 2].digest;
+    assert_eq!(
+        writes[1].1,
+        StoredHome::new(first.backend.as_str(), first.node.as_str()).with_tip(tip)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_home_another_replica_served_since_is_not_cold_on_this_one() {
+    let store = MemoryStore::new();
+    let (a, b) = (replica(&store), replica(&store));
+    // Two turns through B, then B's model of the home fills with another prompt.
+    let home = two_turns_then_filled(&b, &store).await;
+    // A serves the next turn there, so the backend has used the conversation since.
+    let on_a = send_chain(&a, "s", conversation(1, 3)).await;
+    assert_eq!(
+        (on_a.backend.clone(), on_a.outcome),
+        (home.backend.clone(), Outcome::HomeHit)
+    );
+    // B's own model evicted the conversation, but the store says a later turn went home.
+    let d = send_chain(&b, "s", conversation(1, 4)).await;
+    assert_eq!((d.backend, d.outcome), (home.backend, Outcome::HomeHit));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_home_this_replica_served_last_is_cold_when_its_model_evicted_it() {
+    let store = MemoryStore::new();
+    let b = replica(&store);
+    two_turns_then_filled(&b, &store).await;
+    // The store holds B's own last turn: it says nothing B's model does not know.
+    let d = send_chain(&b, "s", conversation(1, 3)).await;
+    assert_eq!(d.outcome, Outcome::ColdHome);
 }
