@@ -11,11 +11,11 @@
 //! that hold every conversation), one with the store and one without, take turns for 21
 //! rounds (by default) of 2,000 home hits each on 1,000 sessions placed beforehand, in
 //! alternating order; every request is timed on its own, from `call` to the response,
-//! through a current-thread Tokio runtime. Prints each round's
-//! p50 and p99 and the medians over the rounds. Then the same for conversations whose
-//! requests carry their prompt chain, one link longer than its last turn's: keyless ones, for
-//! which the store is read for the homes of the tip and the links before it (one `MGET`), and
-//! keyed ones, each of whose turns writes where its prompt ended.
+//! through a current-thread Tokio runtime. Prints each round's p50 and p99 and the medians
+//! over the rounds. Then the same for conversations whose requests carry their prompt chain,
+//! one link longer than its last turn's: keyless ones, for which the store is read for the
+//! homes of the tip and the links before it (one `MGET`), and keyed ones, each of whose turns
+//! writes where its prompt ended.
 
 use std::convert::Infallible;
 use std::num::NonZeroU32;
