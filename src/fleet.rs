@@ -730,7 +730,8 @@ impl Topology {
 pub(crate) struct Fleet<B> {
     pub(crate) topology: Topology,
     pub(crate) backends: Vec<Option<B>>,
-    /// The router replicas sharing the backends: each counts its share of their slots.
+    /// The router replicas sharing the backends' traffic: each models its share of their
+    /// caches.
     pub(crate) replicas: u32,
 }
 
@@ -746,14 +747,19 @@ impl<B> Default for Fleet<B> {
 
 impl<S> Fleet<Backend<S>> {
     pub(crate) fn insert(&mut self, id: BackendId, backend: Backend<S>) {
-        // This replica's share of the backend's slots, rounded up.
-        let share = backend.slots.get().div_ceil(self.replicas.max(1));
+        // This replica sees about one request in `replicas` of those the backend serves, so
+        // its cache model keeps that share of the backend's budget, rounded up: least
+        // recently used eviction over a thinned stream of requests evicts as the whole cache
+        // does over the whole stream, at the same fraction of its size.
+        let budget = backend
+            .cache_tokens
+            .div_ceil(u64::from(self.replicas.max(1)));
         let index = self.topology.insert(
             id,
             &backend.node,
-            NonZeroU32::new(share).unwrap_or(NonZeroU32::MIN),
+            backend.slots,
             backend.prompt_cache_bytes,
-            backend.cache_tokens,
+            budget,
         ) as usize;
         if self.backends.len() <= index {
             self.backends.resize_with(index + 1, || None);

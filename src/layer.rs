@@ -190,13 +190,21 @@ impl<K, P> SessionAffinityLayer<K, P> {
         self
     }
 
-    /// Declares this service one of `n` router replicas that share the fleet's traffic (an L4
-    /// balancer in front of them): each counts only its own requests in flight, so each takes
-    /// `slots / n` of every backend's slots, rounded up (at least 1). The fleet then never
-    /// gets more than its slots from all of them together, rounded up. Default 1.
+    /// Declares this service one of `n` router replicas that share the fleet's traffic evenly
+    /// (an L4 balancer in front of them, or one that hashes sessions): each sees about one in
+    /// `n` of the requests every backend serves, so its cache model keeps `1/n` of every
+    /// backend's cache budget, rounded up. With the whole budget, a replica would not see the
+    /// other replicas' prompts push its sessions out of a backend's cache, and would keep
+    /// sending turns to homes that no longer hold them. Default 1.
     ///
-    /// With traffic that is not even (sticky entry), a replica may queue for a backend whose
-    /// other shares are idle; see the README's "Router replicas".
+    /// Each replica counts only its own requests in flight against every backend's whole
+    /// slots, so together they may send a backend up to `n` times its slots at once, and the
+    /// backend queues the excess (llama-server, vLLM and SGLang do). To cap each replica at its
+    /// share instead, declare every backend with `slots / n` ([`Backend::slots`]); under
+    /// overload that spills more than the backends' queues cost. The README's "Router
+    /// replicas" has both measured.
+    ///
+    /// [`Backend::slots`]: crate::Backend::slots
     ///
     /// ```
     /// use std::num::NonZeroU32;

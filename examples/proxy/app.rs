@@ -185,7 +185,7 @@ pub(crate) struct Config {
     pub(crate) redis: Option<String>,
     /// `--redis-timeout`: how long a request waits for the store's answer.
     pub(crate) redis_timeout: Duration,
-    /// `--replicas`: how many instances share the backends' slots.
+    /// `--replicas`: how many instances share the backends' traffic.
     pub(crate) replicas: NonZeroU32,
 }
 

@@ -37,8 +37,10 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
   --redis-timeout DURATION   longest wait for Redis's answer before placing from the
                              local table (default 5ms)
   --replicas N               this instance is one of N behind a balancer that spreads
-                             turns evenly: it sends each backend at most its share,
-                             slots/N rounded up, so the N never overfill it (default 1)
+                             turns evenly: it sees about 1/N of each backend's
+                             requests, so it models 1/N of its cache (default 1);
+                             each instance counts all of a backend's slots, and the
+                             backend queues the excess (slots=S/N caps an instance)
   --policy P                 node-then-backend (default) | round-robin | least-loaded |
                              rendezvous
   --overflow O               wait (default) | overcommit | reject: when every

@@ -56,11 +56,14 @@ usage: cargo run --release --example swarm -- [options]
   --fleet NAME      study | two-slots | datacenter (default: the scenario's own)
   --keyless         agents send no session key: the router has only their prompt chains
                     (a trace is replayed both ways whatever this says)
-  --routers N       N router replicas in front of the fleet (default 1), each with its
-                    share of every backend's slots
+  --routers N       N router replicas in front of the fleet (default 1), each modelling
+                    its share of every backend's cache
   --entry E         random (default) | sticky: how turns reach the replicas (sticky: by
                     session, as consistent hashing at the ingress)
   --shared-store    the replicas share one store of homes (as through Redis)
+  --replica-slots S all (default) | share: each replica counts all of every backend's
+                    slots (a backend queues what they send beyond them), or is given its
+                    share of them, so that together they never exceed them
   --trace-chains C  blocks (default) | turn-ends: the router's chains of a replayed trace
                     cut at its blocks only, or also where each turn's prompt ends (as a
                     chat body's chain is cut at its messages)
@@ -164,6 +167,7 @@ impl Default for Options {
                 routers: 1,
                 entry: routers::Entry::Random,
                 shared_store: false,
+                slot_shares: false,
             },
         }
     }
@@ -253,6 +257,14 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String>
                 };
             }
             "--shared-store" => o.replicas.shared_store = true,
+            "--replica-slots" => {
+                let v = value()?;
+                o.replicas.slot_shares = match v.as_str() {
+                    "all" => false,
+                    "share" => true,
+                    _ => return Err(bad(&v)),
+                };
+            }
             _ => return Err(format!("unknown option {flag}")),
         }
     }
@@ -719,6 +731,7 @@ mod tests {
             routers: 2,
             entry: routers::Entry::Random,
             shared_store,
+            slot_shares: false,
         });
         let t = &overload(o)[1];
         let ntb = t.row("NodeThenBackend").unwrap();

@@ -2,9 +2,12 @@
 //! their own session tables only or sharing one store of homes (`--shared-store`).
 //!
 //! Each replica is a `SessionAffinity` of its own over the same simulated backends: its own
-//! session table, cache model and slot counters. It counts only its own requests in flight,
-//! so each takes its share of every backend's slots (`SessionAffinityLayer::replicas`): the
-//! configuration the README gives for replicas that share traffic evenly.
+//! session table, cache model and slot counters. It is told it is one of N
+//! (`SessionAffinityLayer::replicas`), so its cache model keeps its share of every backend's
+//! cache, as the README says to run replicas. It counts only its own requests in flight: with
+//! every backend's slots each (the default), a backend queues what its slots cannot take at
+//! once, as llama-server does; with `--replica-slots share`, each is given its share of every
+//! backend's slots instead, so that together they never send a backend more than its slots.
 //!
 //! A turn enters at a replica chosen at random (an L4 balancer without affinity) or by its
 //! session (consistent hashing at the ingress; a keyless turn still enters at random).
@@ -41,6 +44,8 @@ pub(crate) struct Replicas {
     pub(crate) routers: usize,
     pub(crate) entry: Entry,
     pub(crate) shared_store: bool,
+    /// Each replica is given its share of every backend's slots, not all of them.
+    pub(crate) slot_shares: bool,
 }
 
 thread_local! {
@@ -59,6 +64,7 @@ pub(crate) fn get() -> Replicas {
         routers: 1,
         entry: Entry::Random,
         shared_store: false,
+        slot_shares: false,
     })
 }
 
@@ -76,7 +82,12 @@ impl Replicas {
         } else {
             "local tables only"
         };
-        format!("; {} routers, {entry} entry, {store}", self.routers)
+        let slots = if self.slot_shares {
+            ", a share of every backend's slots each"
+        } else {
+            ""
+        };
+        format!("; {} routers, {entry} entry, {store}{slots}", self.routers)
     }
 }
 

@@ -131,7 +131,7 @@ impl Placement for Oracle {
 }
 
 /// The service for `policy` over a fresh fleet, and the fleet's backends: one router, or the
-/// replicas [`routers::get`] says, each with its share of every backend's slots.
+/// replicas [`routers::get`] says, each modelling its share of every backend's cache.
 pub(crate) fn build(policy: Policy, fleet: &[BackendSpec]) -> (Svc, Vec<SimBackend>) {
     let sims: Vec<SimBackend> = fleet.iter().map(|s| SimBackend::new(s.model)).collect();
     let named: Vec<(BackendId, SimBackend)> = fleet
@@ -144,7 +144,12 @@ pub(crate) fn build(policy: Policy, fleet: &[BackendSpec]) -> (Svc, Vec<SimBacke
     let services = (0..replicas.routers.max(1))
         .map(|i| {
             let discovery = StaticFleet::new(fleet.iter().zip(&sims).map(|(s, sim)| {
-                let slots = NonZeroU32::new(s.model.slots).unwrap_or(NonZeroU32::MIN);
+                let slots = if replicas.slot_shares {
+                    s.model.slots.div_ceil(replicas.routers.max(1) as u32)
+                } else {
+                    s.model.slots
+                };
+                let slots = NonZeroU32::new(slots).unwrap_or(NonZeroU32::MIN);
                 let b = Backend::new(s.node.as_str(), sim.clone())
                     .slots(slots)
                     .prompt_cache_bytes(s.model.ram_bytes)
@@ -153,7 +158,7 @@ pub(crate) fn build(policy: Policy, fleet: &[BackendSpec]) -> (Svc, Vec<SimBacke
             }));
             let mut layer = SessionAffinityLayer::new()
                 .key(HeaderKey::default())
-                // Each replica its share of every backend's slots.
+                // Each replica models its share of every backend's cache.
                 .replicas(NonZeroU32::new(replicas.routers as u32).unwrap_or(NonZeroU32::MIN))
                 .placement(policy.placement(&named))
                 // Agents wait as long as it takes: a refused turn would only be retried.

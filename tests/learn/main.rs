@@ -837,11 +837,14 @@ async fn node_patience_overrides_wait_versus_move() {
 // === replicas ===
 
 #[tokio::test(start_paused = true)]
-async fn replicas_take_their_share_of_each_backends_slots() {
+async fn replicas_model_their_share_of_each_backends_cache_and_count_all_its_slots() {
+    // 4 slots and room for 2,000 tokens; 8 slots too for the fleet of eight replicas.
     let backend = |slots| {
         StaticFleet::new([(
             "a",
-            Backend::new("n1", scripted()).slots(NonZeroU32::new(slots).unwrap()),
+            Backend::new("n1", scripted())
+                .slots(NonZeroU32::new(slots).unwrap())
+                .cache_tokens(2_000),
         )])
     };
     let two = NonZeroU32::new(2).unwrap();
@@ -850,27 +853,46 @@ async fn replicas_take_their_share_of_each_backends_slots() {
         .overflow(tower_affinity::Overflow::Reject)
         .layer(backend(4));
     svc.apply_discovery();
-    assert_eq!(status(&svc, "a").slots, 2, "half of 4");
-    let odd = SessionAffinityLayer::new().replicas(two).layer(backend(3));
-    odd.apply_discovery();
-    assert_eq!(status(&odd, "a").slots, 2, "half of 3, rounded up");
-    let one = SessionAffinityLayer::new()
-        .replicas(NonZeroU32::new(8).unwrap())
-        .layer(backend(3));
-    one.apply_discovery();
-    assert_eq!(status(&one, "a").slots, 1, "never none");
-    // Two requests held open take this replica's share; a third is refused.
+    assert_eq!(
+        status(&svc, "a").slots,
+        4,
+        "every slot: the backend queues the excess"
+    );
+    // Two conversations of 600 tokens each: one router's model holds both (1,200 of 2,000);
+    // one of two replicas sees about half of the backend's requests, and keeps half the room.
+    let conversations = [chain(&[1, 2, 3], 200), chain(&[4, 5, 6], 200)];
+    let alone = SessionAffinityLayer::new().layer(backend(4));
+    for c in &conversations {
+        exchange(
+            &alone,
+            request(None, Some(c.clone()), Reply::json(CHAT_ANSWER)),
+        )
+        .await;
+        exchange(
+            &svc,
+            request(None, Some(c.clone()), Reply::json(CHAT_ANSWER)),
+        )
+        .await;
+    }
+    assert_eq!(status(&alone, "a").cached_tokens, 1_200);
+    assert_eq!(status(&alone, "a").evicted_blocks, 0);
+    let a = status(&svc, "a");
+    assert!(a.cached_tokens <= 1_000, "{a:?}");
+    assert!(a.evicted_blocks > 0, "{a:?}");
+    // Four requests held open take the replica's four slots; a fifth is refused.
     let slow = || {
         let mut r = Reply::json(CHAT_ANSWER);
         r.frames[0].0 = Duration::from_secs(10);
         request(None, None, r)
     };
-    let first = svc.clone().oneshot(slow()).await.unwrap();
-    let second = svc.clone().oneshot(slow()).await.unwrap();
-    let third = svc.clone().oneshot(slow()).await;
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        held.push(svc.clone().oneshot(slow()).await.unwrap());
+    }
+    let fifth = svc.clone().oneshot(slow()).await;
     assert!(matches!(
-        third,
+        fifth,
         Err(tower_affinity::Error::Saturated { .. })
     ));
-    drop((first, second));
+    drop(held);
 }

@@ -345,9 +345,9 @@ async fn sixteen_sessions_on_twelve_slots_entering_two_instances_at_random_stay_
     let without = describe("two instances without Redis", stayed, &moved);
     let local = stayed as f64 / (stayed + moved.len()) as f64;
     println!("{with}\n{without}");
-    // The target is 95%. Measured over 16 runs: 95.5% to 96.4% with Redis (96.4% in 14),
-    // 63.4% without. Every turn that moves with Redis is a spill under the overload (its
-    // outcome says so); none goes to a stale home, as without Redis.
+    // The target is 95%. Measured over 6 runs: 99.1% to 100% with Redis (100% in 5), 65.2%
+    // without, where 38 of the 39 moves go to a stale home or one an instance placed without
+    // having seen the session.
     assert!(shared >= SHARED_FLOOR, "{with}\n{without}");
     assert!(shared - local >= 0.15, "{with}\n{without}");
 }
