@@ -749,8 +749,8 @@ impl<S> Fleet<Backend<S>> {
     pub(crate) fn insert(&mut self, id: BackendId, backend: Backend<S>) {
         // This replica sees about one request in `replicas` of those the backend serves, so
         // its cache model keeps that share of the backend's budget, rounded up: least
-        // recently used eviction over a thinned stream of requests evicts as the whole cache
-        // does over the whole stream, at the same fraction of its size.
+        // recently used eviction over a thinned stream of requests evicts about as the whole
+        // cache does over the whole stream, at the same fraction of its size.
         let budget = backend
             .cache_tokens
             .div_ceil(u64::from(self.replicas.max(1)));

@@ -838,12 +838,12 @@ async fn node_patience_overrides_wait_versus_move() {
 
 #[tokio::test(start_paused = true)]
 async fn replicas_model_their_share_of_each_backends_cache_and_count_all_its_slots() {
-    // 4 slots and room for 2,000 tokens; 8 slots too for the fleet of eight replicas.
-    let backend = |slots| {
+    // 4 slots and room for 2,000 tokens.
+    let backend = || {
         StaticFleet::new([(
             "a",
             Backend::new("n1", scripted())
-                .slots(NonZeroU32::new(slots).unwrap())
+                .slots(NonZeroU32::new(4).unwrap())
                 .cache_tokens(2_000),
         )])
     };
@@ -851,7 +851,7 @@ async fn replicas_model_their_share_of_each_backends_cache_and_count_all_its_slo
     let svc = SessionAffinityLayer::new()
         .replicas(two)
         .overflow(tower_affinity::Overflow::Reject)
-        .layer(backend(4));
+        .layer(backend());
     svc.apply_discovery();
     assert_eq!(
         status(&svc, "a").slots,
@@ -861,7 +861,7 @@ async fn replicas_model_their_share_of_each_backends_cache_and_count_all_its_slo
     // Two conversations of 600 tokens each: one router's model holds both (1,200 of 2,000);
     // one of two replicas sees about half of the backend's requests, and keeps half the room.
     let conversations = [chain(&[1, 2, 3], 200), chain(&[4, 5, 6], 200)];
-    let alone = SessionAffinityLayer::new().layer(backend(4));
+    let alone = SessionAffinityLayer::new().layer(backend());
     for c in &conversations {
         exchange(
             &alone,
