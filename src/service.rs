@@ -201,8 +201,8 @@ where
                 fleet: ArcSwap::from_pointee(fleet),
                 table: SessionTable::new(config.sessions),
                 store: config.store.map(|store| {
-                    let ttl = config.sessions.idle();
-                    Arc::new(Homes::new(store, config.store_deadline, ttl))
+                    let (ttl, bound) = (config.sessions.idle(), config.sessions.entries());
+                    Arc::new(Homes::new(store, config.store_deadline, ttl, bound))
                 }),
                 placement,
                 overflow: config.overflow,

@@ -46,7 +46,9 @@ impl Sessions {
     }
 
     /// The most sessions remembered at once (at least 1). When full, the least recently used
-    /// session (approximately) is forgotten; its next turn is placed as a new session.
+    /// session (approximately) is forgotten; its next turn is placed as a new session. With a
+    /// [shared store](crate::store), it also bounds the keyless prompts a replica remembers
+    /// writing there.
     pub const fn max_entries(mut self, n: usize) -> Self {
         self.max_entries = if n == 0 { 1 } else { n };
         self

@@ -50,6 +50,16 @@
 //!   that is the conversation's own; wait versus move). A prefix that many conversations
 //!   share (a common system prompt) is held by many backends, and placement treats it as
 //!   shared, as it does without a store.
+//! - **A replica's own writes.** Each replica remembers the tips it wrote and the backend it
+//!   wrote for each (as many as its session table holds sessions, [`Sessions::max_entries`];
+//!   at the default of 100,000, at most about 3.3 MB). A read that finds the home this
+//!   replica wrote itself ([`StoreStats::prompt_own`]) adds nothing to its model: the replica
+//!   served that turn, and its model, which has seen what it sent the backend since, is left
+//!   to say whether the backend still holds it, as a keyed session's is (below). Taken as a
+//!   fresh sign, the replica's own old write would keep conversations on backends that
+//!   have evicted them: with two replicas entered at random in the swarm's overload
+//!   scenario at 8 GiB, keyless conversations through the store reach 82.6% of turns warm
+//!   over seeds 1 to 16 with this rule, 71.4% without it.
 //!
 //! A conversation's first turn finds nothing (no earlier turn was written), and one whose
 //! first prompt is the same as other conversations' is known from its third turn on: its
@@ -115,6 +125,7 @@
 //! [`PromptFacts`]: crate::key::PromptFacts
 //! [`BodyKeyLayer`]: crate::key::BodyKeyLayer
 //! [`Sessions::idle`]: crate::Sessions::idle
+//! [`Sessions::max_entries`]: crate::Sessions::max_entries
 //! [`SessionAffinity::store_stats`]: crate::SessionAffinity::store_stats
 
 mod home;

@@ -77,6 +77,10 @@ pub struct StoreStats {
     /// Of the hits, those of keyless requests: a backend that served the conversation's
     /// latest turn, which the cache model then knows to hold the prompt up to there.
     pub prompt_hits: u64,
+    /// Of the prompt hits, those that found the backend this replica itself wrote for that
+    /// prompt: the conversation's latest turn came through this replica, whose own cache
+    /// model, not the store's answer, then says what that backend still holds.
+    pub prompt_own: u64,
     /// Of the writes, those of keyless requests' prompts.
     pub prompt_writes: u64,
     /// Gauge: the store's state now.
@@ -99,6 +103,7 @@ struct Counters {
     recoveries: AtomicU64,
     prompt_reads: AtomicU64,
     prompt_hits: AtomicU64,
+    prompt_own: AtomicU64,
     prompt_writes: AtomicU64,
 }
 
@@ -116,7 +121,56 @@ pub(crate) struct Homes {
     /// Homes whose last write failed, the latest for each session: written again when the
     /// store answers again.
     failed: Mutex<HashMap<SessionKey, StoredHome>>,
+    /// The keyless prompts' tips this replica wrote, with the backend it wrote for each.
+    written: Mutex<Written>,
     counters: Counters,
+}
+
+/// The tips of keyless prompts a replica wrote to the store, and the backend it wrote for
+/// each: a read that finds one of them as this replica wrote it knows that this replica
+/// served the conversation's latest turn itself, so its own cache model already knows what
+/// that backend holds (see "Keyless conversations" in the [module docs](super)).
+///
+/// Bounded: two generations of at most `half` tips each; when the newer fills, the older
+/// is dropped and the newer takes its place. A tip is needed only until its conversation's
+/// next turn, so only long-idle conversations lose theirs, and those are read as another
+/// replica's (the store's answer is then taken as it is).
+#[derive(Debug)]
+struct Written {
+    newer: HashMap<u64, BackendId>,
+    older: HashMap<u64, BackendId>,
+    half: usize,
+}
+
+impl Written {
+    /// At most `bound` tips (and at least 2).
+    fn new(bound: usize) -> Self {
+        Written {
+            newer: HashMap::new(),
+            older: HashMap::new(),
+            half: (bound / 2).max(1),
+        }
+    }
+
+    fn insert(&mut self, tip: u64, backend: BackendId) {
+        if self.newer.len() >= self.half && !self.newer.contains_key(&tip) {
+            self.older = std::mem::take(&mut self.newer);
+        }
+        self.newer.insert(tip, backend);
+    }
+
+    /// Whether this replica wrote `tip` with `backend`, as the latest it wrote for that tip.
+    fn wrote(&self, tip: u64, backend: &BackendId) -> bool {
+        self.newer
+            .get(&tip)
+            .or_else(|| self.older.get(&tip))
+            .is_some_and(|b| b == backend)
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.newer.len() + self.older.len()
+    }
 }
 
 /// What the store said about a request's session, carried in the request's extensions from
@@ -163,7 +217,13 @@ impl Drop for Probe {
 }
 
 impl Homes {
-    pub(crate) fn new(store: Arc<dyn HomeStore>, deadline: Duration, ttl: Duration) -> Self {
+    /// `sessions` bounds the keyless prompts' tips remembered as written by this replica.
+    pub(crate) fn new(
+        store: Arc<dyn HomeStore>,
+        deadline: Duration,
+        ttl: Duration,
+        sessions: usize,
+    ) -> Self {
         Homes {
             store,
             deadline,
@@ -172,6 +232,7 @@ impl Homes {
             probing: AtomicBool::new(false),
             writes_in_flight: AtomicUsize::new(0),
             failed: Mutex::default(),
+            written: Mutex::new(Written::new(sessions)),
             counters: Counters::default(),
         }
     }
@@ -194,6 +255,7 @@ impl Homes {
             recoveries: l(&c.recoveries),
             prompt_reads: l(&c.prompt_reads),
             prompt_hits: l(&c.prompt_hits),
+            prompt_own: l(&c.prompt_own),
             prompt_writes: l(&c.prompt_writes),
             state: if self.up.load(Ordering::Relaxed) {
                 StoreState::Up
@@ -376,6 +438,7 @@ impl Homes {
         };
         let home = StoredHome::new(decision.backend.clone(), decision.node.clone());
         if let Some(runtime) = self.admit_write() {
+            self.written.lock().insert(digest, decision.backend.clone());
             bump(&self.counters.prompt_writes);
             let write = self.store.write_prompt(digest, home, self.ttl);
             let this = self.clone();
@@ -504,9 +567,12 @@ impl<B, P> Shared<B, P> {
 
     /// Takes what the store read for a keyless request's prompt: the longest link found on a
     /// live backend is recorded in that backend's cache model as held, up to that link, as if
-    /// this replica had served the conversation's latest turn there itself. Placement then
-    /// goes on as for any keyless request (the longest prefix that is the conversation's own,
-    /// wait versus move), with no rule of its own for the store's answer.
+    /// this replica had served the conversation's latest turn there itself. Unless it did:
+    /// a link whose home is the one this replica wrote for it is left to its own model, which
+    /// saw that turn and everything the backend was sent since (through this replica), and
+    /// may know that the backend has evicted it since. Placement then goes on as for any
+    /// keyless request (the longest prefix that is the conversation's own, wait versus move),
+    /// with no rule of its own for the store's answer.
     pub(crate) fn adopt_prompt(&self, homes: &Homes, chain: &PromptChain, read: Read) {
         let Read::Prompt(found) = read else {
             return;
@@ -520,9 +586,58 @@ impl<B, P> Shared<B, P> {
             };
             bump(&homes.counters.hits);
             bump(&homes.counters.prompt_hits);
+            if homes
+                .written
+                .lock()
+                .wrote(chain.links()[at].digest, &home.backend)
+            {
+                bump(&homes.counters.prompt_own);
+                return;
+            }
             let held = &chain.links()[..=at];
             t.member(index).cache.record_from(held, 0);
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn written_tips_are_bounded_and_the_newest_are_kept() {
+        let mut w = Written::new(100);
+        let a = BackendId::from("a");
+        for tip in 0..1_000 {
+            w.insert(tip, a.clone());
+            assert!(w.len() <= 100, "{} tips at {tip}", w.len());
+        }
+        // The last 50 are in the newer generation, the 50 before them in the older.
+        assert!((900..1_000).all(|tip| w.wrote(tip, &a)));
+        assert!(!w.wrote(899, &a));
+        // Writing a tip again does not turn a generation over.
+        let before = w.len();
+        w.insert(999, a.clone());
+        assert_eq!(w.len(), before);
+    }
+
+    #[test]
+    fn a_tip_is_this_replicas_only_with_the_backend_it_wrote_last() {
+        let mut w = Written::new(16);
+        let (a, b) = (BackendId::from("a"), BackendId::from("b"));
+        w.insert(7, a.clone());
+        assert!(w.wrote(7, &a));
+        // Another replica wrote the same prompt's tip with another backend since.
+        assert!(!w.wrote(7, &b));
+        // This replica served it again elsewhere: only the latest counts.
+        w.insert(7, b.clone());
+        assert!(w.wrote(7, &b) && !w.wrote(7, &a));
+        assert!(!w.wrote(8, &a));
+        // A bound below two still keeps the latest tip.
+        let mut one = Written::new(0);
+        one.insert(1, a.clone());
+        one.insert(2, a.clone());
+        assert!(one.wrote(2, &a) && one.wrote(1, &a) && one.len() == 2);
     }
 }

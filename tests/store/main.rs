@@ -14,7 +14,9 @@ use tower::{service_fn, Layer, ServiceExt};
 use tower_affinity::discover::StaticFleet;
 use tower_affinity::key::{HeaderKey, PromptFacts, SessionKey};
 use tower_affinity::placement::NodeThenBackend;
-use tower_affinity::store::{HomeStore, Lookup, ReadHome, StoreState, StoredHome, WriteHome};
+use tower_affinity::store::{
+    HomeStore, Lookup, ReadHome, ReadPrompts, StoreState, StoredHome, WriteHome,
+};
 use tower_affinity::{
     Backend, Decision, Outcome, PromptChain, ResponseBody, SessionAffinity, SessionAffinityLayer,
     Sessions,
@@ -37,6 +39,8 @@ enum Mode {
 struct State {
     mode: Mode,
     homes: HashMap<SessionKey, StoredHome>,
+    /// Keyless conversations' homes, by their prompts' tips.
+    prompts: HashMap<u64, StoredHome>,
     writes: Vec<(SessionKey, StoredHome, Duration)>,
     read_ttls: Vec<Duration>,
     /// Whether writes fail (reads follow `mode`).
@@ -51,6 +55,7 @@ impl MemoryStore {
         MemoryStore(Arc::new(Mutex::new(State {
             mode: Mode::Answer,
             homes: HashMap::new(),
+            prompts: HashMap::new(),
             writes: Vec::new(),
             read_ttls: Vec::new(),
             fail_writes: false,
@@ -99,6 +104,25 @@ impl HomeStore for MemoryStore {
             s.homes.insert(session, home);
             Ok(())
         })
+    }
+
+    fn read_prompts(&self, prompts: &[u64], _ttl: Duration) -> ReadPrompts {
+        let s = self.0.lock();
+        let found = prompts
+            .iter()
+            .map(|p| {
+                s.prompts
+                    .get(p)
+                    .cloned()
+                    .map_or(Lookup::Missing, Lookup::Home)
+            })
+            .collect();
+        Box::pin(async move { Ok(found) })
+    }
+
+    fn write_prompt(&self, prompt: u64, home: StoredHome, _ttl: Duration) -> WriteHome {
+        self.0.lock().prompts.insert(prompt, home);
+        Box::pin(async { Ok(()) })
     }
 }
 
@@ -369,10 +393,20 @@ fn conversation(first: u64, turns: u64) -> PromptChain {
 }
 
 async fn send_chain(svc: &Svc, session: &str, chain: PromptChain) -> Decision {
-    let mut req = http::Request::post("/v1/chat/completions")
-        .header("x-session-id", session)
-        .body(String::new())
-        .unwrap();
+    send_turn(svc, Some(session), chain).await
+}
+
+/// A keyless turn of `chain` through `svc`.
+async fn send_keyless(svc: &Svc, chain: PromptChain) -> Decision {
+    send_turn(svc, None, chain).await
+}
+
+async fn send_turn(svc: &Svc, session: Option<&str>, chain: PromptChain) -> Decision {
+    let mut req = http::Request::post("/v1/chat/completions");
+    if let Some(session) = session {
+        req = req.header("x-session-id", session);
+    }
+    let mut req = req.body(String::new()).unwrap();
     req.extensions_mut().insert(PromptFacts::from_chain(chain));
     let res: Res = svc.clone().oneshot(req).await.expect("no request fails");
     let d = res.extensions().get::<Decision>().cloned().unwrap();
@@ -442,4 +476,31 @@ async fn a_home_this_replica_served_last_is_cold_when_its_model_evicted_it() {
     // The store holds B's own last turn: it says nothing B's model does not know.
     let d = send_chain(&b, "s", conversation(1, 3)).await;
     assert_eq!(d.outcome, Outcome::ColdHome);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_keyless_prompt_another_replica_served_is_held_where_it_went() {
+    let store = MemoryStore::new();
+    let (a, b) = (replica(&store), replica(&store));
+    let first = send_keyless(&a, conversation(1, 3)).await;
+    // B never saw the conversation: the store says where its latest turn went.
+    let d = send_keyless(&b, conversation(1, 5)).await;
+    assert_eq!((d.backend, d.outcome), (first.backend, Outcome::PrefixHit));
+    let stats = b.store_stats().unwrap();
+    assert_eq!((stats.prompt_hits, stats.prompt_own), (1, 0), "{stats:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_keyless_prompt_this_replica_served_last_is_left_to_its_own_model() {
+    let store = MemoryStore::new();
+    let b = replica(&store);
+    let first = send_keyless(&b, conversation(1, 3)).await;
+    // B's model of that backend then fills with another prompt: the conversation is evicted.
+    fill(&b, &store, &first).await;
+    // The store holds B's own write: it says nothing B's model does not know, and is not
+    // taken as a fresh sign that the backend holds the prompt.
+    let d = send_keyless(&b, conversation(1, 5)).await;
+    assert_eq!(d.outcome, Outcome::Keyless);
+    let stats = b.store_stats().unwrap();
+    assert_eq!((stats.prompt_hits, stats.prompt_own), (1, 1), "{stats:?}");
 }
