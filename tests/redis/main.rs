@@ -510,6 +510,11 @@ async fn keyless_turns_alternating_between_replicas_stay_where_a_spill_went() {
     let (sa, sb) = (a.store_stats().unwrap(), b.store_stats().unwrap());
     // B read every one of its turns' prompts in time and found the latest turn's backend.
     assert_eq!((sb.prompt_reads, sb.prompt_hits), (16, 16), "{sb:?}");
+    // Every read of a turn before which the other replica served one found that one's write
+    // (16 on each); A's second turns found A's own first turns when their writes had landed
+    // (the test waits for writes only from the second turn on), and left them to A's model.
+    assert_eq!(sb.prompt_own, 0, "{sb:?}");
+    assert_eq!(sa.prompt_own, sa.prompt_hits - 16, "{sa:?}");
     assert_eq!(sb.prompt_writes, 16, "{sb:?}");
     assert_eq!(sa.prompt_writes, 32, "{sa:?}");
     assert_eq!((sa.timeouts + sb.timeouts, sa.errors + sb.errors), (0, 0));
