@@ -37,6 +37,23 @@
 //! | `tower_affinity_backend_cached_tokens` | gauge | `backend`, `node` | what the cache model says it holds (published) |
 //! | `tower_affinity_backend_conversations` | gauge | `backend`, `node` | conversations it homes (published) |
 //! | `tower_affinity_backend_prefill_tokens_per_second` | gauge | `backend`, `node` | its learned prefill rate (published) |
+//! | `tower_affinity_store_up` | gauge | | with a [shared store](crate::store): 1 while its reads answer in time, 0 while it is down (published) |
+//! | `tower_affinity_store_reads_total` | counter | | reads sent to the store (published, as the counters below) |
+//! | `tower_affinity_store_hits_total` | counter | | reads that found a home on a live backend in time |
+//! | `tower_affinity_store_misses_total` | counter | | reads that found no home in time |
+//! | `tower_affinity_store_timeouts_total` | counter | | reads unanswered at the deadline |
+//! | `tower_affinity_store_errors_total` | counter | | reads that failed |
+//! | `tower_affinity_store_garbage_total` | counter | | values that are not a home, or name an unknown backend |
+//! | `tower_affinity_store_skipped_total` | counter | | requests that did not wait for a store that was down |
+//! | `tower_affinity_store_writes_total` | counter | | writes sent |
+//! | `tower_affinity_store_write_errors_total` | counter | | writes that failed or took over a second |
+//! | `tower_affinity_store_writes_dropped_total` | counter | | writes not sent: too many in flight |
+//! | `tower_affinity_store_outages_total` | counter | | times the store went down |
+//! | `tower_affinity_store_recoveries_total` | counter | | times it came back |
+//! | `tower_affinity_store_prompt_reads_total` | counter | | of the reads, keyless requests' |
+//! | `tower_affinity_store_prompt_hits_total` | counter | | of the hits, keyless requests' |
+//! | `tower_affinity_store_prompt_own_total` | counter | | of those, homes this replica wrote itself |
+//! | `tower_affinity_store_prompt_writes_total` | counter | | of the writes, keyless requests' |
 //!
 //! The reuse placement achieves is one division in PromQL:
 //!
@@ -45,13 +62,25 @@
 //!   / sum by (backend) (rate(tower_affinity_backend_prompt_tokens_total[5m]))
 //! ```
 //!
-//! The `node` label is the node discovery first gave the backend.
+//! The `node` label is the node discovery first gave the backend. The store's counters are
+//! kept by the service (its [store stats](crate::store::StoreStats)) and published as absolute
+//! values, so they reach the recorder only through `publish_metrics`. The share of reads
+//! that waited out the deadline, the share of scrapes that found the store up, and its
+//! outages, over the last hour, in PromQL:
+//!
+//! ```text
+//! rate(tower_affinity_store_timeouts_total[1h]) / rate(tower_affinity_store_reads_total[1h])
+//! avg_over_time(tower_affinity_store_up[1h])
+//! increase(tower_affinity_store_outages_total[1h])
+//! ```
 
 use std::time::Duration;
 
 #[cfg(feature = "metrics")]
 use metrics::{counter, gauge, histogram, Counter, Histogram};
 
+#[cfg(feature = "metrics")]
+use crate::store::{StoreState, StoreStats};
 use crate::{BackendId, Decision, NodeId};
 #[cfg(feature = "metrics")]
 use crate::{BackendStatus, Stats};
@@ -162,5 +191,36 @@ pub(crate) fn publish(stats: &Stats, backends: &[BackendStatus]) {
             gauge!("tower_affinity_backend_prefill_tokens_per_second", &labels)
                 .set(f64::from(rate));
         }
+    }
+}
+
+/// Sets the shared store's state and counters from a snapshot of them.
+#[cfg(feature = "metrics")]
+pub(crate) fn publish_store(s: &StoreStats) {
+    let up = if s.state == StoreState::Up { 1.0 } else { 0.0 };
+    gauge!("tower_affinity_store_up").set(up);
+    let counters = [
+        ("tower_affinity_store_reads_total", s.reads),
+        ("tower_affinity_store_hits_total", s.hits),
+        ("tower_affinity_store_misses_total", s.misses),
+        ("tower_affinity_store_timeouts_total", s.timeouts),
+        ("tower_affinity_store_errors_total", s.errors),
+        ("tower_affinity_store_garbage_total", s.garbage),
+        ("tower_affinity_store_skipped_total", s.skipped),
+        ("tower_affinity_store_writes_total", s.writes),
+        ("tower_affinity_store_write_errors_total", s.write_errors),
+        (
+            "tower_affinity_store_writes_dropped_total",
+            s.writes_dropped,
+        ),
+        ("tower_affinity_store_outages_total", s.outages),
+        ("tower_affinity_store_recoveries_total", s.recoveries),
+        ("tower_affinity_store_prompt_reads_total", s.prompt_reads),
+        ("tower_affinity_store_prompt_hits_total", s.prompt_hits),
+        ("tower_affinity_store_prompt_own_total", s.prompt_own),
+        ("tower_affinity_store_prompt_writes_total", s.prompt_writes),
+    ];
+    for (name, value) in counters {
+        counter!(name).absolute(value);
     }
 }

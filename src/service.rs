@@ -247,7 +247,8 @@ where
 
     /// Sets the level gauges of the [`metrics`](crate::metrics) facade (in flight, waiting,
     /// sessions, and per backend its slots, health, in flight, cached tokens, conversations
-    /// and prefill rate) from the service as it is now. Call it before rendering a scrape;
+    /// and prefill rate) from the service as it is now, and with a shared store its state and
+    /// counters ([`store_stats`](Self::store_stats)). Call it before rendering a scrape;
     /// events (decisions, waits, failures, reported tokens) are recorded as they happen.
     ///
     /// ```
@@ -261,6 +262,9 @@ where
     #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
     pub fn publish_metrics(&self) {
         crate::metrics::publish(&self.stats(), &self.backends());
+        if let Some(store) = self.store_stats() {
+            crate::metrics::publish_store(&store);
+        }
     }
 
     /// The shared store's counters and state, if the service has one

@@ -10,6 +10,8 @@ use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use metrics_util::{CompositeKey, MetricKind};
 use tower::{service_fn, Layer, ServiceExt};
 use tower_affinity::discover::StaticFleet;
+use tower_affinity::key::SessionKey;
+use tower_affinity::store::{HomeStore, Lookup, ReadHome, StoredHome, WriteHome};
 use tower_affinity::{Backend, SessionAffinityLayer};
 
 const ANSWER: &str =
@@ -118,5 +120,106 @@ fn decisions_reported_tokens_and_levels_reach_the_recorder() {
     assert_eq!(
         value(&snapshot, MetricKind::Gauge, "tower_affinity_sessions", &[]),
         Some(&DebugValue::Gauge(1.0.into()))
+    );
+}
+
+/// A store that keeps nothing: every read finds no home, every write succeeds.
+#[derive(Debug)]
+struct Forgetful;
+
+impl HomeStore for Forgetful {
+    fn read(&self, _session: SessionKey, _ttl: std::time::Duration) -> ReadHome {
+        Box::pin(async { Ok(Lookup::Missing) })
+    }
+
+    fn write(
+        &self,
+        _session: SessionKey,
+        _home: StoredHome,
+        _ttl: std::time::Duration,
+    ) -> WriteHome {
+        Box::pin(async { Ok(()) })
+    }
+}
+
+#[test]
+fn a_shared_stores_state_and_counters_are_published() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter: Snapshotter = recorder.snapshotter();
+    let stats = metrics::with_local_recorder(&recorder, || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let backend = service_fn(|_req: http::Request<String>| async {
+                Ok::<_, Infallible>(http::Response::new(String::new()))
+            });
+            let fleet = StaticFleet::new([(
+                "a1",
+                Backend::new("node-a", backend).slots(NonZeroU32::new(2).unwrap()),
+            )]);
+            let svc = SessionAffinityLayer::new()
+                .home_store(Forgetful)
+                .layer(fleet);
+            for _ in 0..2 {
+                let req = http::Request::post("/v1/chat/completions")
+                    .header("x-session-id", "s")
+                    .body(String::new())
+                    .unwrap();
+                svc.clone().oneshot(req).await.unwrap();
+            }
+            // The writes' tasks run.
+            tokio::task::yield_now().await;
+            svc.publish_metrics();
+            svc.store_stats().unwrap()
+        })
+    });
+    let snapshot = snapshotter.snapshot().into_vec();
+    let counter = |name: &str| match value(&snapshot, MetricKind::Counter, name, &[]) {
+        Some(DebugValue::Counter(n)) => *n,
+        other => panic!("{name}: {other:?}"),
+    };
+    // Two keyed requests, each reading the store and finding nothing.
+    assert_eq!(
+        (stats.reads, stats.misses, stats.hits),
+        (2, 2, 0),
+        "{stats:?}"
+    );
+    assert_eq!(counter("tower_affinity_store_reads_total"), stats.reads);
+    assert_eq!(counter("tower_affinity_store_misses_total"), stats.misses);
+    assert_eq!(counter("tower_affinity_store_hits_total"), 0);
+    assert_eq!(counter("tower_affinity_store_writes_total"), stats.writes);
+    assert!(stats.writes >= 1, "{stats:?}");
+    assert_eq!(counter("tower_affinity_store_outages_total"), 0);
+    assert_eq!(counter("tower_affinity_store_prompt_own_total"), 0);
+    assert_eq!(
+        value(&snapshot, MetricKind::Gauge, "tower_affinity_store_up", &[]),
+        Some(&DebugValue::Gauge(1.0.into()))
+    );
+}
+
+#[test]
+fn without_a_store_no_store_metrics_are_published() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter: Snapshotter = recorder.snapshotter();
+    metrics::with_local_recorder(&recorder, || {
+        let backend = service_fn(|_req: http::Request<String>| async {
+            Ok::<_, Infallible>(http::Response::new(String::new()))
+        });
+        let fleet = StaticFleet::new([("a1", Backend::new("node-a", backend))]);
+        let svc = SessionAffinityLayer::new().layer(fleet);
+        svc.publish_metrics();
+    });
+    let snapshot = snapshotter.snapshot().into_vec();
+    assert!(
+        snapshot
+            .iter()
+            .all(|(k, ..)| !k.key().name().starts_with("tower_affinity_store_")),
+        "{:?}",
+        snapshot
+            .iter()
+            .map(|(k, ..)| k.key().name())
+            .collect::<Vec<_>>()
     );
 }
