@@ -77,7 +77,7 @@ use tower_affinity::key::{
     BodyKey, BodyKeyFuture, BodyKeyLayer, BodyKeyResponseBody, ExtensionKey, FirstOf, HeaderKey,
 };
 use tower_affinity::placement::{LeastLoaded, NodeThenBackend, Placement, Rendezvous, RoundRobin};
-use tower_affinity::store::RedisStore;
+use tower_affinity::store::{RedisStore, StoreState};
 use tower_affinity::{
     Backend, BackendStatus, BoxError, Decision, ErrorToResponse, Outcome, Overflow, ResponseBody,
     RetryOnce, SessionAffinity, SessionAffinityLayer,
@@ -668,6 +668,76 @@ impl Collector for AffinityCollector {
             let labels = [("backend", b.id.as_str()), ("node", b.node.as_str())];
             let rate = i64::from(b.prefill_rate.unwrap_or(0));
             ConstGauge::new(rate).encode(m.encode_family(&labels)?)?;
+        }
+        if let Some(s) = self.affinity.store_stats() {
+            gauge(
+                &mut enc,
+                "tower_affinity_store_up",
+                "1 while the shared store's reads answer in time, 0 while it is down",
+                i64::from(s.state == StoreState::Up),
+            )?;
+            let store = [
+                ("reads", "Reads sent to the shared store", s.reads),
+                (
+                    "hits",
+                    "Reads that found a home on a live backend in time",
+                    s.hits,
+                ),
+                ("misses", "Reads that found no home in time", s.misses),
+                ("timeouts", "Reads unanswered at the deadline", s.timeouts),
+                ("errors", "Reads that failed", s.errors),
+                (
+                    "garbage",
+                    "Values that are not a home, or name an unknown backend",
+                    s.garbage,
+                ),
+                (
+                    "skipped",
+                    "Requests that did not wait for a store that was down",
+                    s.skipped,
+                ),
+                ("writes", "Writes sent to the store", s.writes),
+                (
+                    "write_errors",
+                    "Writes that failed or took over a second",
+                    s.write_errors,
+                ),
+                (
+                    "writes_dropped",
+                    "Writes not sent: too many in flight",
+                    s.writes_dropped,
+                ),
+                ("outages", "Times the store went down", s.outages),
+                ("recoveries", "Times the store came back", s.recoveries),
+                (
+                    "prompt_reads",
+                    "Of the reads, keyless requests'",
+                    s.prompt_reads,
+                ),
+                (
+                    "prompt_hits",
+                    "Of the hits, keyless requests'",
+                    s.prompt_hits,
+                ),
+                (
+                    "prompt_own",
+                    "Of those, homes this instance wrote itself",
+                    s.prompt_own,
+                ),
+                (
+                    "prompt_writes",
+                    "Of the writes, keyless requests'",
+                    s.prompt_writes,
+                ),
+            ];
+            for (name, help, value) in store {
+                counter(
+                    &mut enc,
+                    &format!("tower_affinity_store_{name}"),
+                    help,
+                    value,
+                )?;
+            }
         }
         Ok(())
     }

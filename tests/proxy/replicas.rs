@@ -82,6 +82,18 @@ async fn spill_then_other_instance(redis: Option<&RedisServer>) -> (String, Stri
     drop(held);
     // And the next enters instance two.
     let next = two.post_json(&key, &convo.next(json!({}))).await;
+    if redis.is_some() {
+        // Instance two's scrape shows the store it read the spill from.
+        let metrics = String::from_utf8(two.get("/metrics").await.body.to_vec()).unwrap();
+        for line in [
+            "tower_affinity_store_up 1",
+            "tower_affinity_store_reads_total 1",
+            "tower_affinity_store_hits_total 1",
+            "tower_affinity_store_timeouts_total 0",
+        ] {
+            assert!(metrics.contains(line), "missing {line:?} in\n{metrics}");
+        }
+    }
     (
         home,
         spilled.backend().to_string(),
