@@ -285,6 +285,9 @@ struct Run {
     ram_evictions: u64,
     /// The service's counters at the end: what the backends' answers reported.
     stats: tower_affinity::Stats,
+    /// With a shared store, its reads, their hits, and the hits that found the reading
+    /// replica's own keyless write, summed over the replicas.
+    store: Option<[u64; 3]>,
 }
 
 /// Runs `drive` once per policy (and with `oracle`, for [`Policy::Oracle`] too), each on a
@@ -304,6 +307,7 @@ where
                 let records = drive(svc.clone()).await;
                 Run {
                     stats: svc.stats(),
+                    store: svc.store_counts(),
                     policy,
                     records,
                     ram_evictions: backends.iter().map(|b| b.ram_evictions()).sum(),
@@ -470,6 +474,22 @@ fn reported_note(runs: &[Run]) -> String {
     )
 }
 
+/// With a shared store: what the replicas read from it.
+fn store_note(runs: &[Run]) -> Option<String> {
+    let v: Vec<String> = runs
+        .iter()
+        .map(|r| {
+            let [reads, hits, own] = r.store?;
+            Some(format!("{} {reads}/{hits}/{own}", r.policy.name()))
+        })
+        .collect::<Option<_>>()?;
+    Some(format!(
+        "the shared store, over the replicas: reads / homes found / of those, keyless prompts \
+         the reading replica had written itself: {}",
+        v.join(", ")
+    ))
+}
+
 fn table(label: String, title: String, runs: &[Run], ideal: bool, notes: Vec<String>) -> Table {
     Table {
         label,
@@ -514,11 +534,12 @@ fn study(o: &Options) -> Table {
         human_bytes(o.ram_bytes),
         o.seed
     );
-    let notes = vec![
+    let mut notes = vec![
         calibration_note(&runs),
         reported_note(&runs),
         bound_note(&runs, &fleet.backends(o.ram_bytes)),
     ];
+    notes.extend(store_note(&runs));
     table("study".into(), title, &runs, false, notes)
 }
 
@@ -557,12 +578,13 @@ fn overload(o: &Options) -> Vec<Table> {
                 human_bytes(ram),
                 o.seed
             );
-            let notes = vec![
+            let mut notes = vec![
                 ram_note(&runs),
                 reported_note(&runs),
                 bound_note(&runs, &specs),
                 crowding_note(&runs, &specs),
             ];
+            notes.extend(store_note(&runs));
             table(
                 format!("overload, {}", human_bytes(ram)),
                 title,
@@ -614,7 +636,7 @@ fn replay(o: &Options, path: &Path) -> Result<Vec<Table>, String> {
             o.describe_fleet(fleet),
             human_bytes(ram),
         );
-        let notes = vec![
+        let mut notes = vec![
             "reuse / ideal: reused prompt tokens as a share of what one infinite cache shared \
              by the whole fleet would have reused"
                 .into(),
@@ -622,6 +644,7 @@ fn replay(o: &Options, path: &Path) -> Result<Vec<Table>, String> {
             reported_note(&runs),
             block_bound_note(&runs, &fleet.backends(ram), &t),
         ];
+        notes.extend(store_note(&runs));
         let label = format!(
             "trace, {}{}",
             human_bytes(ram),

@@ -164,6 +164,15 @@ impl Router {
         x.wrapping_mul(0x2545_f491_4f6c_dd1d)
     }
 
+    /// With a shared store: its reads, their hits, and the hits that found the reading
+    /// replica's own keyless write, summed over the replicas.
+    pub(crate) fn store_counts(&self) -> Option<[u64; 3]> {
+        self.replicas.iter().try_fold([0; 3], |[r, h, o], replica| {
+            let s = replica.store_stats()?;
+            Some([r + s.reads, h + s.hits, o + s.prompt_own])
+        })
+    }
+
     /// The replicas' counters, added up.
     pub(crate) fn stats(&self) -> Stats {
         let mut all = self.replicas[0].stats();
