@@ -199,28 +199,7 @@ pub(crate) fn publish(stats: &Stats, backends: &[BackendStatus]) {
 pub(crate) fn publish_store(s: &StoreStats) {
     let up = if s.state == StoreState::Up { 1.0 } else { 0.0 };
     gauge!("tower_affinity_store_up").set(up);
-    let counters = [
-        ("tower_affinity_store_reads_total", s.reads),
-        ("tower_affinity_store_hits_total", s.hits),
-        ("tower_affinity_store_misses_total", s.misses),
-        ("tower_affinity_store_timeouts_total", s.timeouts),
-        ("tower_affinity_store_errors_total", s.errors),
-        ("tower_affinity_store_garbage_total", s.garbage),
-        ("tower_affinity_store_skipped_total", s.skipped),
-        ("tower_affinity_store_writes_total", s.writes),
-        ("tower_affinity_store_write_errors_total", s.write_errors),
-        (
-            "tower_affinity_store_writes_dropped_total",
-            s.writes_dropped,
-        ),
-        ("tower_affinity_store_outages_total", s.outages),
-        ("tower_affinity_store_recoveries_total", s.recoveries),
-        ("tower_affinity_store_prompt_reads_total", s.prompt_reads),
-        ("tower_affinity_store_prompt_hits_total", s.prompt_hits),
-        ("tower_affinity_store_prompt_own_total", s.prompt_own),
-        ("tower_affinity_store_prompt_writes_total", s.prompt_writes),
-    ];
-    for (name, value) in counters {
-        counter!(name).absolute(value);
+    for (name, _, value) in s.counters() {
+        counter!(format!("tower_affinity_store_{name}_total")).absolute(value);
     }
 }

@@ -676,61 +676,7 @@ impl Collector for AffinityCollector {
                 "1 while the shared store's reads answer in time, 0 while it is down",
                 i64::from(s.state == StoreState::Up),
             )?;
-            let store = [
-                ("reads", "Reads sent to the shared store", s.reads),
-                (
-                    "hits",
-                    "Reads that found a home on a live backend in time",
-                    s.hits,
-                ),
-                ("misses", "Reads that found no home in time", s.misses),
-                ("timeouts", "Reads unanswered at the deadline", s.timeouts),
-                ("errors", "Reads that failed", s.errors),
-                (
-                    "garbage",
-                    "Values that are not a home, or name an unknown backend",
-                    s.garbage,
-                ),
-                (
-                    "skipped",
-                    "Requests that did not wait for a store that was down",
-                    s.skipped,
-                ),
-                ("writes", "Writes sent to the store", s.writes),
-                (
-                    "write_errors",
-                    "Writes that failed or took over a second",
-                    s.write_errors,
-                ),
-                (
-                    "writes_dropped",
-                    "Writes not sent: too many in flight",
-                    s.writes_dropped,
-                ),
-                ("outages", "Times the store went down", s.outages),
-                ("recoveries", "Times the store came back", s.recoveries),
-                (
-                    "prompt_reads",
-                    "Of the reads, keyless requests'",
-                    s.prompt_reads,
-                ),
-                (
-                    "prompt_hits",
-                    "Of the hits, keyless requests'",
-                    s.prompt_hits,
-                ),
-                (
-                    "prompt_own",
-                    "Of those, homes this instance wrote itself",
-                    s.prompt_own,
-                ),
-                (
-                    "prompt_writes",
-                    "Of the writes, keyless requests'",
-                    s.prompt_writes,
-                ),
-            ];
-            for (name, help, value) in store {
+            for (name, help, value) in s.counters() {
                 counter(
                     &mut enc,
                     &format!("tower_affinity_store_{name}"),

@@ -87,6 +87,86 @@ pub struct StoreStats {
     pub state: StoreState,
 }
 
+impl StoreStats {
+    /// The counters, each with its field's name and a line of help, in the order of the
+    /// fields: for an exporter of your own. (With the `metrics` feature,
+    /// [`publish_metrics`](crate::SessionAffinity::publish_metrics) publishes each as
+    /// `tower_affinity_store_<name>_total`.)
+    ///
+    /// ```
+    /// # fn doc(stats: tower_affinity::store::StoreStats) {
+    /// for (name, help, value) in stats.counters() {
+    ///     println!("# HELP tower_affinity_store_{name}_total {help}");
+    ///     println!("tower_affinity_store_{name}_total {value}");
+    /// }
+    /// # }
+    /// ```
+    pub fn counters(&self) -> [(&'static str, &'static str, u64); 16] {
+        [
+            ("reads", "Reads sent to the store", self.reads),
+            (
+                "hits",
+                "Reads that found a home on a live backend in time",
+                self.hits,
+            ),
+            ("misses", "Reads that found no home in time", self.misses),
+            (
+                "timeouts",
+                "Reads unanswered at the deadline",
+                self.timeouts,
+            ),
+            ("errors", "Reads that failed", self.errors),
+            (
+                "garbage",
+                "Values that are not a home, or name a backend this replica does not know",
+                self.garbage,
+            ),
+            (
+                "skipped",
+                "Requests that did not wait for the store because it was down",
+                self.skipped,
+            ),
+            ("writes", "Writes sent to the store", self.writes),
+            (
+                "write_errors",
+                "Writes that failed or took longer than a second",
+                self.write_errors,
+            ),
+            (
+                "writes_dropped",
+                "Writes not sent: too many in flight",
+                self.writes_dropped,
+            ),
+            (
+                "outages",
+                "Times the store went from up to down",
+                self.outages,
+            ),
+            ("recoveries", "Times it came back up", self.recoveries),
+            (
+                "prompt_reads",
+                "Of the reads, those of keyless requests",
+                self.prompt_reads,
+            ),
+            (
+                "prompt_hits",
+                "Of the hits, those of keyless requests",
+                self.prompt_hits,
+            ),
+            (
+                "prompt_own",
+                "Of the prompt hits, homes this replica wrote itself",
+                self.prompt_own,
+            ),
+            (
+                "prompt_writes",
+                "Of the writes, those of keyless requests",
+                self.prompt_writes,
+            ),
+        ]
+    }
+}
+
 #[derive(Debug, Default)]
 struct Counters {
     reads: AtomicU64,
@@ -604,6 +684,38 @@ impl<B, P> Shared<B, P> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_counter_is_exported_once_under_its_fields_name() {
+        let stats = StoreStats {
+            reads: 1,
+            hits: 2,
+            misses: 3,
+            timeouts: 4,
+            errors: 5,
+            garbage: 6,
+            skipped: 7,
+            writes: 8,
+            write_errors: 9,
+            writes_dropped: 10,
+            outages: 11,
+            recoveries: 12,
+            prompt_reads: 13,
+            prompt_hits: 14,
+            prompt_own: 15,
+            prompt_writes: 16,
+            state: StoreState::Up,
+        };
+        let counters = stats.counters();
+        let values: Vec<u64> = counters.iter().map(|c| c.2).collect();
+        assert_eq!(values, (1..=16).collect::<Vec<_>>());
+        let names: Vec<&str> = counters.iter().map(|c| c.0).collect();
+        assert_eq!(names[0], "reads");
+        assert_eq!(names[14], "prompt_own");
+        let unique: std::collections::HashSet<_> = names.iter().collect();
+        assert_eq!(unique.len(), names.len());
+        assert!(counters.iter().all(|c| !c.1.is_empty()));
+    }
 
     #[test]
     fn written_tips_are_bounded_and_the_newest_are_kept() {
