@@ -42,39 +42,45 @@ fn value<'a>(
         .map(|(.., v)| v)
 }
 
-#[test]
-fn decisions_reported_tokens_and_levels_reach_the_recorder() {
+/// Runs `f` on a current-thread runtime with a recorder of its own installed: what `f`
+/// returned, and what the recorder holds then.
+fn recorded<T>(f: impl std::future::Future<Output = T>) -> (T, Vec<Entry>) {
     let recorder = DebuggingRecorder::new();
     let snapshotter: Snapshotter = recorder.snapshotter();
-    metrics::with_local_recorder(&recorder, || {
-        let rt = tokio::runtime::Builder::new_current_thread()
+    let out = metrics::with_local_recorder(&recorder, || {
+        tokio::runtime::Builder::new_current_thread()
             .enable_time()
             .build()
-            .unwrap();
-        rt.block_on(async {
-            let backend = service_fn(|_req: http::Request<String>| async {
-                let mut res = http::Response::new(Full::new(Bytes::from_static(ANSWER.as_bytes())));
-                res.headers_mut()
-                    .insert("content-type", "application/json".parse().unwrap());
-                Ok::<_, Infallible>(res)
-            });
-            let fleet = StaticFleet::new([(
-                "a1",
-                Backend::new("node-a", backend).slots(NonZeroU32::new(2).unwrap()),
-            )]);
-            let svc = SessionAffinityLayer::new().layer(fleet);
-            for _ in 0..2 {
-                let req = http::Request::post("/v1/chat/completions")
-                    .header("x-session-id", "s")
-                    .body(String::new())
-                    .unwrap();
-                let res = svc.clone().oneshot(req).await.unwrap();
-                res.into_body().collect().await.unwrap();
-            }
-            svc.publish_metrics();
-        });
+            .unwrap()
+            .block_on(f)
     });
-    let snapshot = snapshotter.snapshot().into_vec();
+    (out, snapshotter.snapshot().into_vec())
+}
+
+#[test]
+fn decisions_reported_tokens_and_levels_reach_the_recorder() {
+    let ((), snapshot) = recorded(async {
+        let backend = service_fn(|_req: http::Request<String>| async {
+            let mut res = http::Response::new(Full::new(Bytes::from_static(ANSWER.as_bytes())));
+            res.headers_mut()
+                .insert("content-type", "application/json".parse().unwrap());
+            Ok::<_, Infallible>(res)
+        });
+        let fleet = StaticFleet::new([(
+            "a1",
+            Backend::new("node-a", backend).slots(NonZeroU32::new(2).unwrap()),
+        )]);
+        let svc = SessionAffinityLayer::new().layer(fleet);
+        for _ in 0..2 {
+            let req = http::Request::post("/v1/chat/completions")
+                .header("x-session-id", "s")
+                .body(String::new())
+                .unwrap();
+            let res = svc.clone().oneshot(req).await.unwrap();
+            res.into_body().collect().await.unwrap();
+        }
+        svc.publish_metrics();
+    });
     let counter =
         |name: &str, labels: &[(&str, &str)]| value(&snapshot, MetricKind::Counter, name, labels);
     assert_eq!(
@@ -144,38 +150,29 @@ impl HomeStore for Forgetful {
 
 #[test]
 fn a_shared_stores_state_and_counters_are_published() {
-    let recorder = DebuggingRecorder::new();
-    let snapshotter: Snapshotter = recorder.snapshotter();
-    let stats = metrics::with_local_recorder(&recorder, || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .unwrap();
-        rt.block_on(async {
-            let backend = service_fn(|_req: http::Request<String>| async {
-                Ok::<_, Infallible>(http::Response::new(String::new()))
-            });
-            let fleet = StaticFleet::new([(
-                "a1",
-                Backend::new("node-a", backend).slots(NonZeroU32::new(2).unwrap()),
-            )]);
-            let svc = SessionAffinityLayer::new()
-                .home_store(Forgetful)
-                .layer(fleet);
-            for _ in 0..2 {
-                let req = http::Request::post("/v1/chat/completions")
-                    .header("x-session-id", "s")
-                    .body(String::new())
-                    .unwrap();
-                svc.clone().oneshot(req).await.unwrap();
-            }
-            // The writes' tasks run.
-            tokio::task::yield_now().await;
-            svc.publish_metrics();
-            svc.store_stats().unwrap()
-        })
+    let (stats, snapshot) = recorded(async {
+        let backend = service_fn(|_req: http::Request<String>| async {
+            Ok::<_, Infallible>(http::Response::new(String::new()))
+        });
+        let fleet = StaticFleet::new([(
+            "a1",
+            Backend::new("node-a", backend).slots(NonZeroU32::new(2).unwrap()),
+        )]);
+        let svc = SessionAffinityLayer::new()
+            .home_store(Forgetful)
+            .layer(fleet);
+        for _ in 0..2 {
+            let req = http::Request::post("/v1/chat/completions")
+                .header("x-session-id", "s")
+                .body(String::new())
+                .unwrap();
+            svc.clone().oneshot(req).await.unwrap();
+        }
+        // The writes' tasks run.
+        tokio::task::yield_now().await;
+        svc.publish_metrics();
+        svc.store_stats().unwrap()
     });
-    let snapshot = snapshotter.snapshot().into_vec();
     let counter = |name: &str| match value(&snapshot, MetricKind::Counter, name, &[]) {
         Some(DebugValue::Counter(n)) => *n,
         other => panic!("{name}: {other:?}"),
@@ -201,9 +198,7 @@ fn a_shared_stores_state_and_counters_are_published() {
 
 #[test]
 fn without_a_store_no_store_metrics_are_published() {
-    let recorder = DebuggingRecorder::new();
-    let snapshotter: Snapshotter = recorder.snapshotter();
-    metrics::with_local_recorder(&recorder, || {
+    let ((), snapshot) = recorded(async {
         let backend = service_fn(|_req: http::Request<String>| async {
             Ok::<_, Infallible>(http::Response::new(String::new()))
         });
@@ -211,7 +206,6 @@ fn without_a_store_no_store_metrics_are_published() {
         let svc = SessionAffinityLayer::new().layer(fleet);
         svc.publish_metrics();
     });
-    let snapshot = snapshotter.snapshot().into_vec();
     assert!(
         snapshot
             .iter()
