@@ -27,12 +27,18 @@ use crate::chain::{Link, PromptChain};
 use crate::learn::Prediction;
 
 const NONE: u32 = u32::MAX;
+/// The bits of [`Node::tokens`] that count its tokens; the top bit is [`RESENT`].
+const TOKENS: u32 = u32::MAX >> 1;
+/// Set in [`Node::tokens`] on a tip recorded again whole: a prompt sent whole more than once.
+const RESENT: u32 = !TOKENS;
 
 /// One tracked link.
 #[derive(Clone, Copy, Debug)]
 struct Node {
     digest: u64,
-    /// Tokens of this link alone (its chain's tokens up to it, less its parent's).
+    /// Tokens of this link alone (its chain's tokens up to it, less its parent's), in the
+    /// bits of [`TOKENS`]; the top bit, [`RESENT`], marks a tip a prompt was recorded on whole
+    /// again. Sharing the field keeps a node at 32 bytes.
     tokens: u32,
     parent: u32,
     children: u32,
@@ -283,6 +289,12 @@ impl CacheModel {
             .map_or(0, |i| self.nodes[i as usize].children)
     }
 
+    /// Whether the link with `digest` is a tip that more than one request sent whole.
+    pub(crate) fn resent(&self, digest: u64) -> bool {
+        self.node(digest)
+            .is_some_and(|i| self.nodes[i as usize].tokens & RESENT != 0)
+    }
+
     /// Conversations homed here: the tips of the chains it holds.
     pub(crate) fn conversations(&self) -> u32 {
         self.leaves
@@ -367,15 +379,21 @@ impl CacheModel {
             self.touch(parent, stamp);
         }
         let mut tip = parent;
+        let links = self.index.len();
         for (i, link) in chain.iter().enumerate().skip(known) {
             let before = if i == 0 { 0 } else { chain[i - 1].tokens };
-            let tokens = u32::try_from(link.tokens.saturating_sub(before)).unwrap_or(u32::MAX);
+            let tokens =
+                u32::try_from(link.tokens.saturating_sub(before)).map_or(TOKENS, |t| t.min(TOKENS));
             tip = self.insert(link.digest, tokens, parent, stamp);
             self.touch(tip, stamp);
             parent = tip;
         }
         // The tip is the most recently used leaf; the links before it have a child each.
         if tip != NONE && self.nodes[tip as usize].children == 0 {
+            // Nothing added: this very prompt was sent whole before.
+            if self.index.len() == links {
+                self.nodes[tip as usize].tokens |= RESENT;
+            }
             if self.listed(tip) {
                 self.unlink(tip);
             }
@@ -542,7 +560,7 @@ impl CacheModel {
         self.unlink(i);
         let node = self.nodes[i as usize];
         self.index.remove(node.digest);
-        self.tokens -= u64::from(node.tokens);
+        self.tokens -= u64::from(node.tokens & TOKENS);
         self.free.push(i);
         self.evicted += 1;
         self.evicted_through = latest(self.evicted_through, node.stamp);
@@ -567,7 +585,7 @@ impl CacheModel {
             let (key, node) = (slot.key, slot.node);
             let n = self.nodes[node as usize];
             assert_eq!(key_of(n.digest), key);
-            tokens += u64::from(n.tokens);
+            tokens += u64::from(n.tokens & TOKENS);
             if n.parent != NONE {
                 assert!(self.holds(self.nodes[n.parent as usize].digest));
             }
@@ -817,6 +835,33 @@ mod tests {
         m.record_next(next.links(), 3);
         assert_eq!(m.conversations(), 1);
         assert_eq!(m.tokens(), 500);
+        m.check();
+    }
+
+    #[test]
+    fn a_prompt_recorded_again_whole_is_marked_resent_and_counted_once() {
+        let mut m = CacheModel::new(10_000);
+        let next = chain(&[1, 2, 3, 4]);
+        let tip = |c: &PromptChain| c.links().last().unwrap().digest;
+        let turn = chain(&[1, 2, 3]);
+        m.record_next(turn.links(), 0);
+        assert!(!m.resent(tip(&turn)));
+        // Extended, then the extension sent again from a shorter known prefix: only the
+        // extension's tip is marked, and no token is counted twice.
+        m.record_next(next.links(), 3);
+        assert!(!m.resent(tip(&next)));
+        m.record_next(next.links(), 1);
+        assert!(m.resent(tip(&next)));
+        assert!(!m.resent(tip(&turn)), "continued, not sent whole again");
+        assert_eq!(m.tokens(), 400);
+        m.check();
+        // A link of the most tokens a node counts is still counted whole.
+        let mut m = CacheModel::new(u64::MAX);
+        let big = PromptChain::from_blocks([(7, TOKENS)]);
+        m.record_next(big.links(), 0);
+        m.record_next(big.links(), 0);
+        assert!(m.resent(tip(&big)));
+        assert_eq!(m.tokens(), u64::from(TOKENS));
         m.check();
     }
 

@@ -498,7 +498,11 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         // holding its own prefix (for a keyless request, the one backend holding the most of
         // its prompt). A waiter is woken first by a slot there.
         let home_cache = home.map_or(HomeCache::Unknown, |h| h.cache);
-        let own_prefix = prefix.filter(|p| p.own).map(|p| p.backend.index);
+        // A keyed request's prompt held whole elsewhere was another conversation's, as in
+        // placement.
+        let own_prefix = prefix
+            .filter(|p| p.own && (key.is_none() || !p.whole))
+            .map(|p| p.backend.index);
         let (cache_backend, cache_node) = match home_cache {
             HomeCache::Holds | HomeCache::Unknown | HomeCache::Compacted if home_node.is_some() => {
                 (home_backend, home_node)
@@ -507,12 +511,11 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
                 // Own or not: a keyless request's prefix may be one another conversation
                 // continued too (a branch, or a text prompt's last block, which the next turn
                 // grows). Waiting is priced by what it would read again elsewhere, so a prefix
-                // that other backends hold as well draws no wait. A prompt held whole is a
-                // repeat that says nothing of whose it is, and draws none either, as in
-                // placement.
+                // that other backends hold as well draws no wait. A prompt held whole draws one
+                // only as a turn sent again (its own prefix), as in placement.
                 let held = match key {
                     None => prefix
-                        .filter(|p| p.only && p.links < chain.map_or(0, PromptChain::len))
+                        .filter(|p| p.only && (!p.whole || p.own))
                         .map(|p| p.backend.index),
                     Some(_) => own_prefix,
                 };

@@ -39,8 +39,9 @@ use super::{
 ///   stays where it was if there is room: no cache holds the rewritten prompt, so no backend is
 ///   better than its home;
 /// - a request without a key goes to the backend holding the longest prefix of its prompt when
-///   that prefix is the conversation's own (see [`FleetView::longest_prefix`]), then to the
-///   other backends on that backend's node; otherwise it is placed by load;
+///   that prefix is the conversation's own (see [`FleetView::longest_prefix`]; a prompt sent
+///   whole once before is a turn sent again, and goes where it was sent), then to the other
+///   backends on that backend's node; otherwise it is placed by load;
 /// - a new conversation, keyed or keyless, goes first to the backend holding the longest prefix
 ///   of its prompt, unless as many conversations as the backend's share (the
 ///   [conversation bound](NodeThenBackend::conversation_bound)) already branch from that
@@ -165,9 +166,10 @@ impl NodeThenBackend {
     /// conversations looks full of them. Among equal prefixes, a keyed conversation takes its
     /// rendezvous order (so router replicas with the same caches agree) and a keyless one the
     /// backend with the fewest requests in flight, then the fewest conversations, for its
-    /// slots. A prompt already held whole is a repeat that says nothing of which conversation
-    /// it is, and draws nothing. `cold`, a cold home, comes after the other backends holding
-    /// as much. O(backends x log links).
+    /// slots. A prompt already held whole draws nothing here: sent whole once before and
+    /// without a key, it is a turn sent again, which its own prefix placed; otherwise it says
+    /// nothing of which conversation it is. `cold`, a cold home, comes after the other
+    /// backends holding as much. O(backends x log links).
     fn offer_holders(
         &self,
         fleet: &FleetView<'_>,
@@ -264,7 +266,9 @@ impl Placement for NodeThenBackend {
                     .filter(|h| h.cache == HomeCache::Evicted)
                     .and_then(|h| h.backend)
                     .map(|b| b.index);
-                if let Some(p) = req.prefix.filter(|p| p.own) {
+                // The key says whose conversation this is: a prompt held whole elsewhere was
+                // another's that opened alike.
+                if let Some(p) = req.prefix.filter(|p| p.own && !p.whole) {
                     if c.offer(p.backend).is_break()
                         || offer_node(p.backend.node(), key, Some(p.backend.index), Bound::None, c)
                             .is_break()

@@ -67,11 +67,13 @@ impl<'a> FleetView<'a> {
     /// The live backend that the cache model says holds the longest prefix of `chain`, if any
     /// holds some of it, and whether that prefix is the conversation's own.
     ///
-    /// The prefix is *own* when exactly one backend holds it that far, the chain goes on past
-    /// it (the request adds to what was served), and no other prompt continues it on that
-    /// backend: it is where a turn this request extends ended, so it identifies one
-    /// conversation. A system prompt every conversation starts with is held on many backends,
-    /// or continued by other conversations, and is not.
+    /// The prefix is *own* when exactly one backend holds it that far, no other prompt
+    /// continues it on that backend, and either the chain goes on past it (the request adds to
+    /// what was served: it is where a turn this request extends ended) or it is the whole
+    /// prompt, sent whole once before (a turn sent again: a retry, a second answer). Either way
+    /// it identifies one conversation. A system prompt every conversation starts with is held
+    /// on many backends, or continued by other conversations, and is not; nor is a prompt
+    /// sent whole more than once, as agents that all open with the same prompt send it.
     /// O(backends x log links): the backends are asked in turn.
     ///
     /// ```
@@ -87,6 +89,13 @@ impl<'a> FleetView<'a> {
     /// let prefix = fleet.view().longest_prefix(&turn2).unwrap();
     /// assert_eq!(prefix.backend.id().as_str(), "b");
     /// assert_eq!((prefix.links, prefix.tokens, prefix.own, prefix.only), (2, 2_300, true, true));
+    ///
+    /// // Turn 1 sent again whole (a retry) is its conversation's own; sent whole by more than
+    /// // one request before, it is an opening that several conversations share.
+    /// let again = fleet.view().longest_prefix(&turn1).unwrap();
+    /// assert!(again.whole && again.own);
+    /// let fleet = fleet.holds("b", &turn1);
+    /// assert!(!fleet.view().longest_prefix(&turn1).unwrap().own);
     /// ```
     pub fn longest_prefix(&self, chain: &PromptChain) -> Option<Prefix<'a>> {
         let mut best: Option<(BackendRef<'a>, usize)> = None;
@@ -105,15 +114,18 @@ impl<'a> FleetView<'a> {
         }
         let (backend, links) = best?;
         let tip = chain.links()[links - 1].digest;
-        let own = ties == 0
-            && links < chain.len()
-            && backend.member().cache.lock().continuations(tip) == 0;
+        let whole = links == chain.len();
+        let own = ties == 0 && {
+            let model = backend.member().cache.lock();
+            model.continuations(tip) == 0 && (!whole || !model.resent(tip))
+        };
         Some(Prefix {
             backend,
             links,
             tokens: chain.tokens_at(links),
             own,
             only: ties == 0,
+            whole,
         })
     }
 }
@@ -416,6 +428,8 @@ pub struct Prefix<'a> {
     /// for this backend when it is full (see
     /// [`wait_versus_move`](crate::SessionAffinityLayer::wait_versus_move)), own prefix or not.
     pub only: bool,
+    /// Whether it is the whole prompt: the backend was sent this very prompt before.
+    pub whole: bool,
 }
 
 /// What a policy knows about the request it places.

@@ -791,9 +791,31 @@ async fn a_keyless_turn_waits_for_the_one_backend_holding_most_of_its_prompt_eve
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_keyless_prompt_held_whole_does_not_wait_for_its_holder() {
-    // A repeat of a prompt says nothing of which conversation sends it (agents that open with
-    // the same prompt all send it): it is not drawn to where it is held, nor does it wait there.
+async fn a_keyless_prompt_sent_again_whole_waits_for_the_backend_it_was_sent_to() {
+    let svc = service(&[("a", "n1"), ("b", "n2")]);
+    teach(&svc, Duration::from_secs(10)).await;
+    let turn1 = chain(&SESSION_BLOCKS[..8], 1000);
+    let (d, _, _) = exchange(&svc, request(None, Some(turn1.clone()), reused(8000, 0))).await;
+    let holder = d.backend.to_string();
+    // Another conversation branches from the first 6,000 tokens there and keeps it busy for
+    // 5 s; nothing continues the first turn itself.
+    let branch = chain(&[100, 101, 102, 103, 104, 105, 900, 901], 1000);
+    let long = Reply::llama_stream(8_000, 6000, 5000, Duration::ZERO, Duration::from_secs(5));
+    let streaming = keep_busy(&svc, request(None, Some(branch), long), &holder).await;
+    // The first turn sent again (a retry): its slot frees in 5 s, sooner than reading its
+    // 8,000 tokens elsewhere (40 s).
+    let (d, _, _) = exchange(&svc, request(None, Some(turn1), reused(8000, 8000))).await;
+    assert_eq!(d.backend.as_str(), holder);
+    assert_eq!(d.outcome, Outcome::PrefixHit);
+    assert_eq!(d.waited, Some(Duration::from_secs(5)));
+    streaming.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_keyless_opening_that_another_prompt_continues_does_not_wait_for_its_holder() {
+    // A prompt sent whole again after another prompt continued it there is an opening that
+    // several conversations share (agents that open with the same prompt all send it): it is
+    // not drawn to where it is held, nor does it wait there.
     let svc = service(&[("a", "n1"), ("b", "n2")]);
     teach(&svc, Duration::from_secs(10)).await;
     let opening = chain(&SESSION_BLOCKS[..8], 1000);

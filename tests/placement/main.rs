@@ -575,18 +575,50 @@ fn a_new_keyless_conversation_goes_where_fewest_requests_are_in_flight_then_fewe
 }
 
 #[test]
-fn a_prompt_held_whole_draws_nothing() {
-    // An identical repeat (a retry, a sampled second answer) says nothing of whose it is.
+fn a_keyless_prompt_sent_whole_once_before_goes_where_it_was_sent() {
+    // A turn sent again (a retry, a second answer): b2 served it, and homes the only
+    // conversation, so by load or by conversations it would be the last choice.
     let turn1 = chain(&[SYS, 11, 12]);
     let fleet = two_by_two_of_two().holds("b2", &turn1);
     let prefix = fleet.view().longest_prefix(&turn1).unwrap();
-    assert_eq!((prefix.backend.id().as_str(), prefix.own), ("b2", false));
-    let k = key_not_drawn_to(&fleet, |b| b == "b2");
+    assert_eq!(
+        (prefix.backend.id().as_str(), prefix.whole, prefix.own),
+        ("b2", true, true)
+    );
     let fleet = fleet.prompt(turn1);
+    let p = NodeThenBackend::new();
+    for _ in 0..20 {
+        assert_eq!(fleet.choose(&p, None, None), Some("b2".into()));
+    }
+    assert_eq!(fleet.order(&p, None, None)[..2], ids(&["b2", "b1"]));
+}
+
+#[test]
+fn a_prompt_sent_whole_more_than_once_draws_nothing() {
+    // Agents that open with the same prompt all send it whole: after two, it says nothing of
+    // whose it is.
+    let opening = chain(&[SYS, 11, 12]);
+    let fleet = two_by_two_of_two()
+        .holds("b2", &opening)
+        .holds("b2", &opening);
+    let prefix = fleet.view().longest_prefix(&opening).unwrap();
+    assert_eq!((prefix.backend.id().as_str(), prefix.own), ("b2", false));
+    let fleet = fleet.prompt(opening);
     let p = NodeThenBackend::new();
     for _ in 0..20 {
         assert_ne!(fleet.choose(&p, None, None), Some("b2".into()));
     }
+}
+
+#[test]
+fn a_keyed_new_session_is_not_drawn_to_a_prompt_held_whole() {
+    // The key says whose conversation it is: the same prompt held elsewhere was another's that
+    // opened alike, even sent only once.
+    let opening = chain(&[SYS, 11, 12]);
+    let fleet = two_by_two_of_two().holds("b2", &opening);
+    let k = key_not_drawn_to(&fleet, |b| b == "b2");
+    let fleet = fleet.prompt(opening);
+    let p = NodeThenBackend::new();
     assert_eq!(fleet.order(&p, Some(k), None), order_from_scores(&fleet, k));
 }
 

@@ -499,7 +499,9 @@ async fn the_probe_marks_a_loading_backend_down_until_ready_and_learns_slots() {
         let answer = proxy
             .post_json(&[], &Conversation::new(&format!("k{i}")).next(json!({})))
             .await;
-        assert_eq!((answer.backend(), answer.outcome()), ("b", "keyless"));
+        // The same opening prompt each time: keyless, or a prefix hit the second time, when
+        // b has been sent it whole once (a retry, for all the router can tell).
+        assert_eq!(answer.backend(), "b", "{}", answer.outcome());
     }
 
     a.set_health(200);
