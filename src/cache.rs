@@ -37,8 +37,8 @@ const RESENT: u32 = !TOKENS;
 struct Node {
     digest: u64,
     /// Tokens of this link alone (its chain's tokens up to it, less its parent's), in the
-    /// bits of [`TOKENS`]; the top bit, [`RESENT`], marks a tip a prompt was recorded on whole
-    /// again. Sharing the field keeps a node at 32 bytes.
+    /// bits of [`TOKENS`]; the top bit, [`RESENT`], marks a tip on which a prompt was recorded
+    /// whole a second time. Sharing the field keeps a node at 32 bytes.
     tokens: u32,
     parent: u32,
     children: u32,
@@ -840,10 +840,9 @@ mod tests {
 
     #[test]
     fn a_prompt_recorded_again_whole_is_marked_resent_and_counted_once() {
-        let mut m = CacheModel::new(10_000);
-        let next = chain(&[1, 2, 3, 4]);
         let tip = |c: &PromptChain| c.links().last().unwrap().digest;
-        let turn = chain(&[1, 2, 3]);
+        let (turn, next) = (chain(&[1, 2, 3]), chain(&[1, 2, 3, 4]));
+        let mut m = CacheModel::new(10_000);
         m.record_next(turn.links(), 0);
         assert!(!m.resent(tip(&turn)));
         // Extended, then the extension sent again from a shorter known prefix: only the
