@@ -829,6 +829,44 @@ async fn keyed_agents_sharing_a_system_prompt_keep_their_caches_and_spread() {
     assert_warm_and_spread(&m, "keyed");
 }
 
+/// A client without a key sends a turn again (a retry after a dropped connection, a second
+/// answer): it goes to the backend it was sent to, which reuses all of it. Sent a third time,
+/// the prompt says nothing more of whose it is (agents that open alike send one prompt many
+/// times), and is placed by load.
+#[tokio::test]
+async fn a_keyless_turn_sent_again_goes_where_it_was_sent_and_reuses_all_of_it() {
+    let (a1, a2, b1, b2) = (
+        Stub::start("a1", 2).await,
+        Stub::start("a2", 2).await,
+        Stub::start("b1", 2).await,
+        Stub::start("b2", 2).await,
+    );
+    let proxy = start(config(&[
+        ("node-a", &a1),
+        ("node-a", &a2),
+        ("node-b", &b1),
+        ("node-b", &b2),
+    ]))
+    .await;
+    let mut conv = Conversation::new("retry");
+    let first = proxy.post_json(&[], &conv.next(json!({}))).await;
+    conv.answered(&first);
+    let turn = conv.next(json!({}));
+    let second = proxy.post_json(&[], &turn).await;
+    assert_eq!(second.backend(), first.backend());
+    let again = proxy.post_json(&[], &turn).await;
+    assert_eq!(
+        (again.backend(), again.outcome()),
+        (second.backend(), "prefix-hit")
+    );
+    let (prompt, cached) = usage(&again);
+    assert_eq!(cached, prompt, "the whole prompt, from the backend's cache");
+    // The backend that served it homes the only conversation: by load, another one.
+    let third = proxy.post_json(&[], &turn).await;
+    assert_eq!(third.outcome(), "keyless");
+    assert_ne!(third.backend(), second.backend());
+}
+
 // === body keys ===
 
 #[tokio::test]
