@@ -25,7 +25,9 @@
 #   5. restarts the proxy (node-then-backend, an empty cache model) and runs the
 #      same conversations keyless: no X-Session-Id, no key in the body, so each
 #      turn is placed by the proxy's cache model from its prompt alone; asserts
-#      the same, by llama-server's own counts. Its streamed turns do not ask for
+#      the same, by llama-server's own counts. Every third turn is sent again, whole,
+#      as a client retrying it would: the resend must go to the backend that served
+#      the turn and reuse >= 80% of it. Its streamed turns do not ask for
 #      usage, and the proxy runs with --ask-stream-usage: no usage chunk may reach
 #      the client, llama-server's timings must be back on the last chunk, and the
 #      proxy's counters must still equal llama-server's figures within 1%
@@ -414,7 +416,7 @@ if ((KEYLESS)); then
     # are not back on the chunk that finishes the answer.
     start_proxy node-then-backend node-then-backend-keyless --ask-stream-usage
     run_driver node-then-backend-keyless --keyless --assert-min-hit 1.0 --stream-every 2 \
-        --stream-without-usage || KEYLESS_RC=$?
+        --stream-without-usage --resend-every 3 || KEYLESS_RC=$?
     check_metrics node-then-backend-keyless || METRICS_RC=$?
     stop_proxy
 fi

@@ -28,8 +28,12 @@ present.
     reuse(t) = cached_tokens(t) / prompt_tokens(t-1)         for t >= 2
 
 A later turn is a "hit" when reuse >= --reuse-threshold (default 0.8).
-With ``--assert-min-hit F`` the exit code is 1 unless the share of hits among
-later turns is >= F (``--assert-min-hit 1.0``: every later turn must hit).
+With ``--resend-every K``, every Kth turn is sent a second time, whole, as a
+client retrying it would (not streamed); the resend is a hit when it went to the
+backend that served the turn and that backend reused at least the threshold of
+its prompt. With ``--assert-min-hit F`` the exit code is 1 unless the share of
+hits among later turns, and among resends, is >= F (``--assert-min-hit 1.0``:
+every later turn and every resend must hit).
 Any request error exits 2.
 
 Only the official ``openai`` client is used (``pip install openai``).
@@ -153,6 +157,18 @@ class TurnRecord:
 stream_errors: list[str] = []
 
 
+@dataclass
+class Resend:
+    session: int
+    turn: int
+    prompt_tokens: int
+    cached_tokens: int | None
+    backend: str
+    outcome: str
+    first_backend: str
+    hit: bool = False
+
+
 def _cached_tokens(completion, raw_json: dict) -> tuple[int | None, str]:
     usage = getattr(completion, "usage", None)
     details = getattr(usage, "prompt_tokens_details", None) if usage is not None else None
@@ -165,7 +181,35 @@ def _cached_tokens(completion, raw_json: dict) -> tuple[int | None, str]:
     return None, "missing"
 
 
-def run_session(args, session: int, log) -> list[TurnRecord]:
+def resend(client, args, session: int, turn: int, messages, first: TurnRecord) -> Resend:
+    """Sends turn `turn` again, whole, as a client retrying it would."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=args.model,
+        messages=messages,
+        max_tokens=args.max_tokens,
+        temperature=0,
+    )
+    completion = raw.parse()
+    try:
+        raw_json = json.loads(raw.text)
+    except (ValueError, AttributeError):
+        raw_json = {}
+    cached, _ = _cached_tokens(completion, raw_json)
+    prompt = int(completion.usage.prompt_tokens) if completion.usage else 0
+    r = Resend(
+        session=session,
+        turn=turn,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        backend=raw.headers.get(BACKEND_HEADER, "-"),
+        outcome=raw.headers.get(OUTCOME_HEADER, "-"),
+        first_backend=first.backend,
+    )
+    r.hit = r.backend == first.backend and prompt > 0 and (cached or 0) >= args.reuse_threshold * prompt
+    return r
+
+
+def run_session(args, session: int, log) -> tuple[list[TurnRecord], list[Resend]]:
     sid = f"{args.run_id}-s{session}"
     client = OpenAI(
         base_url=args.base_url,
@@ -180,6 +224,7 @@ def run_session(args, session: int, log) -> list[TurnRecord]:
         {"role": "user", "content": task(args.run_id, session)},
     ]
     records: list[TurnRecord] = []
+    resends: list[Resend] = []
     for turn in range(1, args.turns + 1):
         if turn > 1:
             messages.append({"role": "user", "content": tool_output(args.run_id, session, turn)})
@@ -268,8 +313,15 @@ def run_session(args, session: int, log) -> list[TurnRecord]:
             f"  session {session} turn {turn}: prompt={rec.prompt_tokens} cached={rec.cached_tokens} "
             f"backend={rec.backend} outcome={rec.outcome} {latency_ms:.0f} ms"
         )
+        if args.resend_every > 0 and turn % args.resend_every == 0:
+            r = resend(client, args, session, turn, messages, rec)
+            resends.append(r)
+            log(
+                f"  session {session} turn {turn} sent again: prompt={r.prompt_tokens} "
+                f"cached={r.cached_tokens} backend={r.backend} outcome={r.outcome}"
+            )
         messages.append({"role": "assistant", "content": answer})
-    return records
+    return records, resends
 
 
 def fmt_pct(x: float | None) -> str:
@@ -310,6 +362,12 @@ def main() -> int:
         help="streamed turns do not ask for usage; exit 1 if a usage chunk arrives anyway, "
         "or llama-server's timings on a chunk without choices",
     )
+    ap.add_argument(
+        "--resend-every",
+        type=int,
+        default=0,
+        help="send every Nth turn a second time, whole, as a client retrying it; 0: none",
+    )
     ap.add_argument("--run-id", default=None, help="salt for session ids and tool output (default: random)")
     ap.add_argument("--label", default="", help="printed in the summary line")
     ap.add_argument("--json-out", default=None, help="write all per-turn records to this file")
@@ -332,12 +390,15 @@ def main() -> int:
     )
     t0 = time.monotonic()
     records: list[TurnRecord] = []
+    resends: list[Resend] = []
     errors: list[str] = []
     with cf.ThreadPoolExecutor(max_workers=conc) as pool:
         futs = {pool.submit(run_session, args, s, log): s for s in range(args.sessions)}
         for fut in cf.as_completed(futs):
             try:
-                records.extend(fut.result())
+                turns, again = fut.result()
+                records.extend(turns)
+                resends.extend(again)
             except Exception as exc:  # noqa: BLE001 - report every failure
                 errors.append(f"session {futs[fut]}: {type(exc).__name__}: {exc}")
     wall = time.monotonic() - t0
@@ -376,8 +437,18 @@ def main() -> int:
         outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
     print("requests per backend: " + ", ".join(f"{b} {n}" for b, n in sorted(served.items())))
     print("outcomes: " + ", ".join(f"{o} {n}" for o, n in sorted(outcomes.items())))
-    total_prompt = sum(r.prompt_tokens for r in records)
-    total_cached = sum(r.cached_tokens or 0 for r in records)
+    resends.sort(key=lambda r: (r.session, r.turn))
+    for r in resends:
+        print(
+            f"session {r.session} turn {r.turn} sent again: backend {r.backend} (first {r.first_backend}), "
+            f"outcome {r.outcome}, cached {'-' if r.cached_tokens is None else r.cached_tokens} "
+            f"of {r.prompt_tokens}: {'hit' if r.hit else 'MISS'}"
+        )
+    resend_hits = sum(1 for r in resends if r.hit)
+    resend_share = resend_hits / len(resends) if resends else 1.0
+    # The proxy counts resends too: its totals are compared with these.
+    total_prompt = sum(r.prompt_tokens for r in records) + sum(r.prompt_tokens for r in resends)
+    total_cached = sum(r.cached_tokens or 0 for r in records) + sum(r.cached_tokens or 0 for r in resends)
     if any(r.cached_source == "missing" for r in records):
         print("WARNING: some responses carried neither usage.prompt_tokens_details.cached_tokens nor timings.cache_n")
     for kind, flag in (("non-stream", False), ("stream", True)):
@@ -391,7 +462,9 @@ def main() -> int:
     print(
         f"SUMMARY {label}later-turn hits (reuse >= {args.reuse_threshold:.0%}): {hits}/{len(later)} = {share:.0%}; "
         f"cached/prompt tokens overall: {total_cached}/{total_prompt} = "
-        f"{(total_cached / total_prompt if total_prompt else 0):.0%}; wall {wall:.1f} s"
+        f"{(total_cached / total_prompt if total_prompt else 0):.0%}; "
+        + (f"resends where sent and reused: {resend_hits}/{len(resends)}; " if resends else "")
+        + f"wall {wall:.1f} s"
     )
     if args.json_out:
         with open(args.json_out, "w") as f:
@@ -399,7 +472,8 @@ def main() -> int:
                 {"args": vars(args), "share": share, "hits": hits, "later": len(later),
                  "prompt_tokens": total_prompt, "cached_tokens": total_cached,
                  "served": served, "outcomes": outcomes,
-                 "records": [asdict(r) for r in records], "errors": errors},
+                 "records": [asdict(r) for r in records],
+                 "resends": [asdict(r) for r in resends], "errors": errors},
                 f,
                 indent=2,
             )
@@ -418,6 +492,13 @@ def main() -> int:
     if args.assert_min_hit is not None:
         if share + 1e-9 < args.assert_min_hit:
             print(f"ASSERTION FAILED: hit share {share:.0%} < required {args.assert_min_hit:.0%}", file=sys.stderr)
+            return 1
+        if resend_share + 1e-9 < args.assert_min_hit:
+            print(
+                f"ASSERTION FAILED: resends where sent and reused {resend_share:.0%} "
+                f"< required {args.assert_min_hit:.0%}",
+                file=sys.stderr,
+            )
             return 1
         print(f"ASSERTION OK: hit share {share:.0%} >= required {args.assert_min_hit:.0%}")
     return 0
