@@ -32,7 +32,8 @@ pub enum Outcome {
     /// was room.
     Compaction,
     /// A request without a key, placed where the cache model says the longest prefix of its
-    /// own conversation is held.
+    /// own conversation is held (a turn sent again whole, where it was sent: see
+    /// [`FleetView::longest_prefix`](crate::placement::FleetView::longest_prefix)).
     PrefixHit,
 }
 
