@@ -26,7 +26,7 @@ use crate::future::{Finish, ResponseFuture};
 use crate::key::{KeyExtractor, PromptFacts, SessionKey};
 use crate::learn::{Learned, Prior};
 use crate::placement::{
-    wants_prefix, BackendRef, Candidates, FleetView, Home, HomeCache, NodeRef, Placement,
+    request_prefix, BackendRef, Candidates, FleetView, Home, HomeCache, NodeRef, Placement,
     PlacementRequest,
 };
 use crate::stats::{Decision, Outcome, Stats};
@@ -487,9 +487,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             Home::new(backend, NodeRef::new(t, node)).cache(cache)
         });
         let view = FleetView { topology: t };
-        let prefix = chain
-            .filter(|_| wants_prefix(key, home))
-            .and_then(|c| view.longest_prefix(c));
+        let prefix = request_prefix(&view, key, home, chain);
         let request = PlacementRequest::new(key, home, extensions)
             .random(self.draw())
             .chain(chain)
@@ -498,11 +496,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         // holding its own prefix (for a keyless request, the one backend holding the most of
         // its prompt). A waiter is woken first by a slot there.
         let home_cache = home.map_or(HomeCache::Unknown, |h| h.cache);
-        // A keyed request's prompt held whole elsewhere was another conversation's, as in
-        // placement.
-        let own_prefix = prefix
-            .filter(|p| p.own && (key.is_none() || !p.whole))
-            .map(|p| p.backend.index);
+        let own_prefix = prefix.filter(|p| p.own).map(|p| p.backend.index);
         let (cache_backend, cache_node) = match home_cache {
             HomeCache::Holds | HomeCache::Unknown | HomeCache::Compacted if home_node.is_some() => {
                 (home_backend, home_node)

@@ -53,7 +53,7 @@ use crate::fleet::Topology;
 pub use baselines::{LeastLoaded, Rendezvous, RoundRobin};
 pub use node_then_backend::NodeThenBackend;
 pub use snapshot::Snapshot;
-pub(crate) use view::wants_prefix;
+pub(crate) use view::request_prefix;
 pub use view::{BackendRef, FleetView, Home, HomeCache, NodeRef, PlacementRequest, Prefix};
 
 /// A placement policy.

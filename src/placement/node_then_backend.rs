@@ -266,9 +266,7 @@ impl Placement for NodeThenBackend {
                     .filter(|h| h.cache == HomeCache::Evicted)
                     .and_then(|h| h.backend)
                     .map(|b| b.index);
-                // The key says whose conversation this is: a prompt held whole elsewhere was
-                // another's that opened alike.
-                if let Some(p) = req.prefix.filter(|p| p.own && !p.whole) {
+                if let Some(p) = req.prefix.filter(|p| p.own) {
                     if c.offer(p.backend).is_break()
                         || offer_node(p.backend.node(), key, Some(p.backend.index), Bound::None, c)
                             .is_break()

@@ -6,7 +6,7 @@ use crate::key::SessionKey;
 use crate::{BackendId, PromptChain};
 
 use super::rendezvous;
-use super::view::wants_prefix;
+use super::view::request_prefix;
 use super::{
     BackendRef, Candidates, FleetView, Home, HomeCache, NodeRef, Placement, PlacementRequest,
 };
@@ -130,9 +130,7 @@ impl Snapshot {
         let home = home.and_then(|h| self.home(h));
         let view = self.view();
         let chain = self.chain.as_ref();
-        let prefix = chain
-            .filter(|_| wants_prefix(key, home))
-            .and_then(|c| view.longest_prefix(c));
+        let prefix = request_prefix(&view, key, home, chain);
         PlacementRequest::new(key, home, &self.extensions)
             .random(self.draw())
             .chain(chain)

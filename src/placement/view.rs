@@ -422,7 +422,9 @@ pub struct Prefix<'a> {
     pub links: usize,
     /// Their tokens: what the backend would reuse.
     pub tokens: u64,
-    /// Whether the prefix is the conversation's own, not one many conversations share.
+    /// Whether the prefix is the conversation's own, not one many conversations share. In a
+    /// [`PlacementRequest`] with a key, never a prompt held whole: the key says whose
+    /// conversation it is.
     pub own: bool,
     /// Whether no other backend holds as much of the chain. A request without a key may wait
     /// for this backend when it is full (see
@@ -491,8 +493,20 @@ impl<'a> PlacementRequest<'a> {
     }
 }
 
-/// Whether the service looks up the longest prefix for a request: when it has no key, no
-/// home, or a home that evicted it.
-pub(crate) fn wants_prefix(key: Option<SessionKey>, home: Option<Home<'_>>) -> bool {
-    key.is_none() || home.is_none_or(|h| h.cache == HomeCache::Evicted)
+/// The prefix the service gives a request's placement: the longest prefix of its chain when
+/// it has no key, no home, or a home that evicted it. A keyed request's key says whose
+/// conversation it is, so a prompt held whole elsewhere was another's that opened alike: not
+/// its own.
+pub(crate) fn request_prefix<'a>(
+    view: &FleetView<'a>,
+    key: Option<SessionKey>,
+    home: Option<Home<'_>>,
+    chain: Option<&PromptChain>,
+) -> Option<Prefix<'a>> {
+    let wanted = key.is_none() || home.is_none_or(|h| h.cache == HomeCache::Evicted);
+    let mut prefix = chain
+        .filter(|_| wanted)
+        .and_then(|c| view.longest_prefix(c))?;
+    prefix.own &= key.is_none() || !prefix.whole;
+    Some(prefix)
 }
