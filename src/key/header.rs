@@ -14,12 +14,14 @@ use super::{KeyExtractor, SessionKey};
 /// | `X-Session-Id` | opencode (custom providers), and any client told to |
 /// | `X-Claude-Code-Session-Id` | Claude Code (2.1.86 on) |
 /// | `thread-id` | Codex CLI: the agent thread; a sub-agent has its own |
+/// | `thread_id` | Codex CLI before 0.131 (its last releases): the agent thread |
 /// | `session-id` | Codex CLI: the session, shared by its threads |
 /// | `session_id` | Codex CLI before 0.131 |
 /// | `agent-session-id` | Goose |
 ///
-/// Codex sends `thread-id` and `session-id` together; `thread-id` comes first because each
-/// thread has a prompt of its own. An empty value falls through to the next name; so does a
+/// Codex sends `thread-id` and `session-id` together (its last releases before 0.131,
+/// `thread_id` and `session_id`); the thread comes first because each has a prompt of its
+/// own. An empty value falls through to the next name; so does a
 /// value made only of spaces or tabs. When a header is repeated, its first value counts. Values
 /// are taken as raw bytes, so a value that is not UTF-8 still names a session.
 ///
@@ -66,6 +68,9 @@ impl HeaderKey {
     /// `thread-id`: the Codex CLI's agent thread. A sub-agent is a thread of its own, with its
     /// own prompt, in the session of the agent that spawned it.
     pub const THREAD_ID: HeaderName = HeaderName::from_static("thread-id");
+    /// `thread_id`: the Codex CLI's agent thread as its last releases before 0.131 sent it,
+    /// beside `session_id`.
+    pub const CODEX_LEGACY_THREAD_ID: HeaderName = HeaderName::from_static("thread_id");
     /// `session-id`: the Codex CLI's session, shared by all its threads.
     pub const CODEX_SESSION_ID: HeaderName = HeaderName::from_static("session-id");
     /// `session_id`: the Codex CLI's session header before 0.131. An underscore is a valid
@@ -77,11 +82,12 @@ impl HeaderKey {
 
     /// The names [`HeaderKey::default`] reads, in order, for extending the default list:
     /// `HeaderKey::new(HeaderKey::DEFAULT_NAMES.into_iter().chain(["x-mine"]))`.
-    pub const DEFAULT_NAMES: [&'static str; 7] = [
+    pub const DEFAULT_NAMES: [&'static str; 8] = [
         "x-session-affinity",
         "x-session-id",
         "x-claude-code-session-id",
         "thread-id",
+        "thread_id",
         "session-id",
         "session_id",
         "agent-session-id",
@@ -145,6 +151,7 @@ impl Default for HeaderKey {
                 Self::SESSION_ID,
                 Self::CLAUDE_CODE_SESSION_ID,
                 Self::THREAD_ID,
+                Self::CODEX_LEGACY_THREAD_ID,
                 Self::CODEX_SESSION_ID,
                 Self::CODEX_LEGACY_SESSION_ID,
                 Self::AGENT_SESSION_ID,
@@ -228,6 +235,11 @@ mod tests {
         let legacy = req(&[("session_id", b"s"), ("thread-id", b"t")]);
         assert_eq!(
             HeaderKey::default().extract(&legacy),
+            Some(SessionKey::from_bytes(b"t"))
+        );
+        let legacy_thread = req(&[("session_id", b"s"), ("thread_id", b"t")]);
+        assert_eq!(
+            HeaderKey::default().extract(&legacy_thread),
             Some(SessionKey::from_bytes(b"t"))
         );
         let blank = req(&[("thread-id", b" "), ("session-id", b"s")]);

@@ -351,6 +351,87 @@ async fn codex_before_0_131_is_keyed_by_session_id() {
     assert_second_turn_is_home(&first, &second);
 }
 
+/// Codex's last releases before 0.131 on the Chat Completions wire: `thread_id` beside
+/// `session_id`, both with underscores, and no key in the body. A sub-agent's thread is its key.
+#[tokio::test(flavor = "current_thread")]
+async fn codex_before_0_131_with_thread_id_keys_each_sub_agent_by_its_thread() {
+    let proxy = Proxy::new();
+    let body = |system: &str, turn: &str| {
+        json!({
+            "model": "qwen3-coder",
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": turn}
+            ],
+            "stream": true,
+            "tools": []
+        })
+    };
+    let headers = |thread| {
+        [
+            ("originator", "codex_cli_rs"),
+            ("session_id", CODEX_SESSION),
+            ("thread_id", thread),
+        ]
+    };
+    let main_prompt = "You are Codex, a coding agent.";
+    let sub_prompt = "You are a sub-agent: review the diff you are given.";
+
+    let main = proxy
+        .send(
+            "/v1/chat/completions",
+            &headers(CODEX_SESSION),
+            body(main_prompt, "split the parser in two"),
+        )
+        .await;
+    assert_eq!(main.key, key(CODEX_SESSION));
+    assert_eq!(main.body_key, None);
+
+    let mut subagents = Vec::new();
+    for thread in [CODEX_SUBAGENT_1, CODEX_SUBAGENT_2] {
+        let first = proxy
+            .send(
+                "/v1/chat/completions",
+                &headers(thread),
+                body(sub_prompt, "review lexer.rs"),
+            )
+            .await;
+        assert_eq!(first.key, key(thread));
+        assert_eq!(first.outcome, Outcome::NewSession);
+        let second = proxy
+            .send(
+                "/v1/chat/completions",
+                &headers(thread),
+                body(sub_prompt, "and parser.rs"),
+            )
+            .await;
+        assert_second_turn_is_home(&first, &second);
+        subagents.push(first.key);
+    }
+    assert_ne!(subagents[0], subagents[1]);
+    assert!(!subagents.contains(&main.key));
+
+    // The main agent's next turn is still its own session's, not taken for a compaction.
+    let next = proxy
+        .send(
+            "/v1/chat/completions",
+            &headers(CODEX_SESSION),
+            json!({
+                "model": "qwen3-coder",
+                "messages": [
+                    {"role": "system", "content": main_prompt},
+                    {"role": "user", "content": "split the parser in two"},
+                    {"role": "assistant", "content": "Done: lexer.rs and parser.rs."},
+                    {"role": "user", "content": "now the tests"}
+                ],
+                "stream": true,
+                "tools": []
+            }),
+        )
+        .await;
+    assert_second_turn_is_home(&main, &next);
+}
+
 // === Goose ===
 
 fn goose_body(turn: &str) -> serde_json::Value {
