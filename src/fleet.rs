@@ -158,6 +158,9 @@ impl<S> Backend<S> {
     ///   offloading holds, if on;
     /// - SGLang: the `max_total_num_tokens` it logs at start, plus its hierarchical cache's
     ///   host tokens, if on.
+    ///
+    /// 0 says the backend keeps nothing cached: every turn after the first finds its home
+    /// cold ([`Outcome::ColdHome`](crate::Outcome::ColdHome)) and is placed like a new session.
     pub fn cache_tokens(mut self, tokens: u64) -> Self {
         self.cache_tokens = tokens;
         self
@@ -189,7 +192,10 @@ impl<S> Backend<S> {
         self.slots_given
     }
 
-    /// Records the backend's host-memory prompt-cache budget, for policies that weigh it.
+    /// Records the backend's host-memory prompt-cache budget in bytes, for policies of your
+    /// own that weigh it ([`BackendRef`](crate::placement::BackendRef) shows it). The cache
+    /// model and the built-in policies do not read it: they go by
+    /// [`cache_tokens`](Self::cache_tokens), the whole budget in tokens.
     pub fn prompt_cache_bytes(mut self, bytes: u64) -> Self {
         self.prompt_cache_bytes = Some(bytes);
         self

@@ -20,7 +20,8 @@ pub enum Outcome {
     CrossNodeSpill,
     /// A session the table did not know (first turn, or forgotten).
     NewSession,
-    /// The request had no session key; placed by load alone.
+    /// The request had no session key, and no backend held a prefix of its own conversation
+    /// (see [`PrefixHit`](Self::PrefixHit)): placed by load, as a new conversation.
     Keyless,
     /// The home backend had been removed; the session was placed again.
     Replaced,
@@ -115,7 +116,7 @@ pub struct Stats {
     pub cross_node_spills: u64,
     /// Requests of sessions the table did not know.
     pub new_sessions: u64,
-    /// Requests without a key, placed by load.
+    /// Requests without a key placed by load: no backend held their own conversation's prefix.
     pub keyless: u64,
     /// Requests whose home had been removed.
     pub replaced: u64,

@@ -36,7 +36,8 @@ pub use session_key::SessionKey;
 /// Finds the session key of a request.
 ///
 /// Extraction is synchronous and must not consume the request. Return `None` when the request
-/// carries no key; it is then placed by load alone.
+/// carries no key; it is then placed by its prompt chain where it has one (the backend
+/// holding its own conversation's prefix), else by load.
 ///
 /// Closures implement the trait:
 ///
@@ -63,7 +64,8 @@ where
     }
 }
 
-/// An extractor that never finds a key: every request is placed by load alone.
+/// An extractor that never finds a key: every request is placed as keyless, by its prompt
+/// chain where it has one, else by load.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct NoKey;
 
