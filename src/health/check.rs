@@ -36,8 +36,8 @@ pub(crate) struct Slots {
 #[derive(Clone, Debug)]
 pub(crate) struct Checked {
     pub(crate) health: Health,
-    /// `None` when not asked, or not readable.
-    pub(crate) slots: Option<Slots>,
+    /// `None` when not asked; why not, when asked and not readable.
+    pub(crate) slots: Option<Result<Slots, String>>,
 }
 
 /// Probes `base`: `/health`, then `/slots` if `slots` and the backend is ready.
@@ -54,10 +54,13 @@ pub(crate) async fn check(
         Err(e) => Health::Failed(format!("/health: {e}")),
     };
     let slots = if slots && health == Health::Ready {
-        match get(&client, &base, "/slots", timeout).await {
-            Ok((StatusCode::OK, body)) => parse_slots(&body),
-            _ => None,
-        }
+        Some(match get(&client, &base, "/slots", timeout).await {
+            Ok((StatusCode::OK, body)) => parse_slots(&body).ok_or_else(|| {
+                "/slots gave no count: a non-empty JSON array was expected".to_string()
+            }),
+            Ok((status, _)) => Err(format!("/slots answered {status}")),
+            Err(e) => Err(format!("/slots: {e}")),
+        })
     } else {
         None
     };

@@ -36,7 +36,11 @@ use crate::{Backend, BackendId};
 /// becomes the backend's slot count, announced again through the stream whenever it changes
 /// (an update that keeps the backend's sessions). The slots processing a request
 /// (`is_processing: true`) are recorded too ([`ProbeStatus::busy_slots`]); with
-/// [`busy_slots`](Self::busy_slots) every backend is asked.
+/// [`busy_slots`](Self::busy_slots) every backend is asked. A `/slots` that cannot be read (a
+/// llama-server run with `--no-slots` answers 501; vLLM and SGLang have none) leaves the count
+/// as it was, one slot until one is read, and does not take the backend down: the reason is
+/// in [`ProbeStatus::slots_error`], and a `warn` line says so once, while the count is still
+/// unknown. Give such backends their count with [`Backend::slots`](crate::Backend::slots).
 ///
 /// Each transition is logged once (`info` up, `warn` down) and counted
 /// ([`ProbeStatus::transitions`], [`Prober::transitions`]).

@@ -330,18 +330,36 @@ where
             self.shared.transitions.fetch_add(1, Ordering::Relaxed);
         }
         let mut update = None;
-        if let Some(read) = checked.slots {
-            s.busy_slots = Some(read.busy);
-            let total = NonZeroU32::new(read.total);
-            if s.slots != total {
-                s.slots = total;
-                if let (true, Some(total)) = (learns, total) {
-                    tracing::info!(backend = %id, slots = total.get(), "slot count read from /slots");
-                    update = Some(Update {
-                        id: id.clone(),
-                        generation,
-                        backend: t.backend.clone().slots(total),
-                    });
+        match checked.slots {
+            None => {}
+            Some(Err(reason)) => {
+                // Once, when it starts failing: a backend whose count is still unknown serves
+                // as one slot meanwhile, which a proxy in front of a many-slot server must not
+                // miss.
+                if learns && s.slots.is_none() && s.slots_error.is_none() {
+                    tracing::warn!(
+                        backend = %id,
+                        error = %reason,
+                        "slot count not readable from /slots: the backend counts as one slot \
+                         until it is; give its count with Backend::slots"
+                    );
+                }
+                s.slots_error = Some(reason);
+            }
+            Some(Ok(read)) => {
+                s.slots_error = None;
+                s.busy_slots = Some(read.busy);
+                let total = NonZeroU32::new(read.total);
+                if s.slots != total {
+                    s.slots = total;
+                    if let (true, Some(total)) = (learns, total) {
+                        tracing::info!(backend = %id, slots = total.get(), "slot count read from /slots");
+                        update = Some(Update {
+                            id: id.clone(),
+                            generation,
+                            backend: t.backend.clone().slots(total),
+                        });
+                    }
                 }
             }
         }

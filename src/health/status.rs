@@ -28,6 +28,9 @@ pub struct ProbeStatus {
     pub slots: Option<NonZeroU32>,
     /// Slots that `/slots` last showed processing a request (`is_processing: true`), if read.
     pub busy_slots: Option<u32>,
+    /// Why its last `/slots` could not be read (llama-server run with `--no-slots` answers
+    /// 501), while it cannot; `None` once it is read, or when it is not asked.
+    pub slots_error: Option<String>,
 }
 
 impl ProbeStatus {
@@ -43,6 +46,7 @@ impl ProbeStatus {
             last_error: None,
             slots: None,
             busy_slots: None,
+            slots_error: None,
         }
     }
 }

@@ -33,6 +33,8 @@ struct Stub {
     hang: AtomicBool,
     /// Its slots, each `true` while processing.
     slots: Mutex<Vec<bool>>,
+    /// `/slots` answers this status with no slots, when not 0 (llama-server's `--no-slots`: 501).
+    slots_status: AtomicU16,
     health_hits: AtomicUsize,
     slots_hits: AtomicUsize,
 }
@@ -46,8 +48,12 @@ async fn health(State(s): State<Arc<Stub>>) -> (StatusCode, &'static str) {
     (status, "{}")
 }
 
-async fn slots(State(s): State<Arc<Stub>>) -> axum::Json<Value> {
+async fn slots(State(s): State<Arc<Stub>>) -> Result<axum::Json<Value>, StatusCode> {
     s.slots_hits.fetch_add(1, Ordering::Relaxed);
+    match s.slots_status.load(Ordering::Relaxed) {
+        0 => {}
+        status => return Err(StatusCode::from_u16(status).unwrap()),
+    }
     let slots: Vec<Value> = s
         .slots
         .lock()
@@ -55,7 +61,7 @@ async fn slots(State(s): State<Arc<Stub>>) -> axum::Json<Value> {
         .enumerate()
         .map(|(id, busy)| json!({"id": id, "n_ctx": 4096, "is_processing": busy}))
         .collect();
-    axum::Json(Value::Array(slots))
+    Ok(axum::Json(Value::Array(slots)))
 }
 
 async fn start(count: usize) -> (SocketAddr, Arc<Stub>) {
@@ -276,6 +282,50 @@ async fn slots_are_learned_from_slots_and_followed_when_they_change() {
     prober.round(&affinity).await;
     assert_eq!(status(&affinity, "a").slots, 5);
     assert_eq!(s.transitions, 0);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_slots_answer_that_cannot_be_read_is_said_once_and_takes_nothing_down() {
+    let logs = logs();
+    let warned = |logs: &Logs| logs.count("noslots", "slot count not readable from /slots");
+    let (a, stub) = start(3).await;
+    stub.slots_status.store(501, Ordering::Relaxed);
+    let (affinity, prober) = balancer(
+        HealthProbe::new(),
+        vec![("noslots", Backend::new("n", http(a)))],
+    );
+    prober.round(&affinity).await;
+    let b = status(&affinity, "noslots");
+    assert!(b.healthy, "/health is what says up or down");
+    assert_eq!(b.slots, 1, "one slot until a count is read");
+    let s = prober.status("noslots").unwrap();
+    assert_eq!(
+        s.slots_error.as_deref(),
+        Some("/slots answered 501 Not Implemented")
+    );
+    assert_eq!((s.slots, s.last_error), (None, None));
+    prober.round(&affinity).await;
+    assert_eq!(warned(logs), 1, "said once while it lasts");
+
+    // An answer that is no array of slots says so too.
+    stub.slots_status.store(0, Ordering::Relaxed);
+    stub.slots.lock().clear();
+    prober.round(&affinity).await;
+    assert_eq!(
+        prober.status("noslots").unwrap().slots_error.as_deref(),
+        Some("/slots gave no count: a non-empty JSON array was expected")
+    );
+
+    // Readable again: the count is learned and the reason goes.
+    *stub.slots.lock() = vec![false; 3];
+    prober.round(&affinity).await;
+    assert_eq!(status(&affinity, "noslots").slots, 3);
+    assert_eq!(prober.status("noslots").unwrap().slots_error, None);
+    // Failing after a count was read keeps the count, and says nothing more.
+    stub.slots_status.store(500, Ordering::Relaxed);
+    prober.round(&affinity).await;
+    assert_eq!(status(&affinity, "noslots").slots, 3);
+    assert_eq!(warned(logs), 1);
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
