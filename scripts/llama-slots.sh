@@ -7,7 +7,7 @@
 #
 # llama-server on loopback with a RAM prompt cache (--cache-ram 256). Conversation A (a long
 # system prompt and a question) is answered; then other prompts take slots; then A's next
-# turn comes. Five cases:
+# turn comes. Six cases:
 #   shared   (-np 1) the other prompt shares A's system prompt: llama-server takes the slot
 #            by similarity, keeps more than half of it, and saves nothing, so A's next turn
 #            reuses only the system prompt;
@@ -24,8 +24,13 @@
 #            prompt;
 #   unified  the same with --kv-unified (llama-server's default when -np is not given): the
 #            idle slots saved are cleared too, B finds A's state in RAM and takes it out to
-#            continue it, and A's next turn reuses only the system prompt.
-# Exits 0 when all five come out so, by llama-server's own `timings.cache_n`.
+#            continue it, and A's next turn reuses only the system prompt;
+#   tie      (-np 2, no RAM cache) A, then B, each a short system prompt and a long text of
+#            its own, take the two slots (B's shares too little of A's slot to be drawn to
+#            it); then C, the same system prompt and a line, shares as much with either
+#            slot: llama-server takes the first slot, B's, though A's is the least recently
+#            used. A's next turn reuses all of A; B's only what C shared.
+# Exits 0 when all six come out so, by llama-server's own `timings.cache_n`.
 #
 # Environment: TA_CACHE_DIR (~/.cache/tower-affinity), TA_SLOTS_PORT (18090).
 set -euo pipefail
@@ -69,6 +74,28 @@ system = " ".join(f"Rule {i}: keep the code tidy and the tests green." for i in 
 code = "fn main() { println!(\"hello, {}\", name); }\n" * 20
 a = [{"role": "system", "content": system},
      {"role": "user", "content": "Here is my code:\n" + code + "Write a haiku about it."}]
+if case == "tie":
+    brief = "You are a coding agent. Answer briefly."
+    def own(name, n):
+        return "".join(f"{name} line {i}: the value is {7 * i} and the test is green\n"
+                       for i in range(n))
+    a = [{"role": "system", "content": brief},
+         {"role": "user", "content": "Here is file A:\n" + own("A", 60) + "Review it."}]
+    b = [{"role": "system", "content": brief},
+         {"role": "user", "content": "Here is file B:\n" + own("B", 60) + "Review it."}]
+    a_answer, a_prompt, _ = ask(a)
+    b_answer, b_prompt, _ = ask(b)
+    _, _, shared = ask([{"role": "system", "content": brief},
+                        {"role": "user", "content": "Here is a question."}])
+    _, _, a_reused = ask(a + [{"role": "assistant", "content": a_answer},
+                              {"role": "user", "content": "Now the tests."}])
+    _, _, b_reused = ask(b + [{"role": "assistant", "content": b_answer},
+                              {"role": "user", "content": "Now the tests."}])
+    print(f"{case:>6}: A {a_prompt} and B {b_prompt} tokens; C reused {shared}; "
+          f"A's next turn reused {a_reused}, B's {b_reused}")
+    ok = a_reused >= a_prompt - 16 and b_reused <= shared + 2
+    print(f"{case:>6}: {'as expected' if ok else 'NOT as expected'}")
+    sys.exit(0 if ok else 1)
 answer, a_prompt, _ = ask(a)
 if case in ("idle", "no-idle", "unified"):
     ask([{"role": "system", "content": "You are terse."},
@@ -107,6 +134,7 @@ run_case other "$LOGS/other.log" 1 8192 || status=1
 run_case idle "$LOGS/idle.log" 2 16384 || status=1
 run_case no-idle "$LOGS/no-idle.log" 2 16384 --no-cache-idle-slots || status=1
 run_case unified "$LOGS/unified.log" 2 16384 --kv-unified || status=1
+run_case tie "$LOGS/tie.log" 2 16384 --cache-ram 0 || status=1
 grep -h 'selected slot' "$LOGS"/*.log | sed 's/^[^|]*| task [^|]*| /  llama-server: /'
 [[ $status == 0 ]] && echo "PASS" || echo "FAIL (logs: $LOGS)"
 exit $status

