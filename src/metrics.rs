@@ -13,6 +13,12 @@
 //! application asks, with [`SessionAffinity::publish_metrics`](crate::SessionAffinity::publish_metrics),
 //! typically just before rendering a scrape, so that no request pays for a gauge.
 //!
+//! The recorder is the process's: two balancers in one process (two fleets, or a test's
+//! throwaway service beside the real one) write the same series, and the fleet-wide ones
+//! (`tower_affinity_decisions_total`, `tower_affinity_sessions`, ...) then add up both, or
+//! take whichever published last. Keep one balancer a process, or tell them apart by the
+//! per-backend series, whose `backend` labels differ.
+//!
 //! | name | kind | labels | what |
 //! |---|---|---|---|
 //! | `tower_affinity_decisions_total` | counter | `outcome` | requests placed, by [`Outcome`](crate::Outcome) |

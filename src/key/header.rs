@@ -110,7 +110,8 @@ impl HeaderKey {
         }
     }
 
-    /// Reads the given header names, in order, or fails on the first invalid name.
+    /// Reads the given header names, in order, or fails on the first invalid name. An empty
+    /// list is valid and finds no key: every request is then keyless.
     pub fn try_new<I>(names: I) -> Result<Self, http::header::InvalidHeaderName>
     where
         I: IntoIterator,
