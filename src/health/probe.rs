@@ -73,6 +73,7 @@ use crate::{Backend, BackendId};
 /// [`SessionAffinity::mark_down`]: crate::SessionAffinity::mark_down
 /// [`mark_up`]: crate::SessionAffinity::mark_up
 /// [`ProbeStatus::busy_slots`]: super::ProbeStatus::busy_slots
+/// [`ProbeStatus::slots_error`]: super::ProbeStatus::slots_error
 /// [`ProbeStatus::transitions`]: super::ProbeStatus::transitions
 #[derive(Clone, Debug)]
 pub struct HealthProbe {
