@@ -14,7 +14,9 @@
 //! Scenarios (whole call path unless `policy_`): `direct`, `home_hit`, `home_hit_chain` (a
 //! prompt chain on every request, growing two links a turn), `home_hit_chain_unread` (the same
 //! chains where the service does not look), `new_session`,
-//! `keyless`, `header_home_hit`, `policy_home_hit`, `policy_new_session`, `policy_keyless`,
+//! `keyless`, `header_home_hit`, `header_keyless` (a request with an OpenAI client's headers
+//! and no key, through the default `HeaderKey`: every name looked up), `header_keyless_7` (the
+//! same, the defaults less `thread_id`, as they were before it), `policy_home_hit`, `policy_new_session`, `policy_keyless`,
 //! `policy_view`; `home_hit_noext`, `new_session_noext` and `keyless_noext` build the service
 //! with `.decision_extension(false)`; `direct_resext` and `home_hit_resext` use backends whose
 //! responses already carry an extension, as responses through hyper-util's client do. Optional arguments: the fleet (`2x2`, `16x8`, `64x8`, `256x8`; default 16x8)
@@ -25,7 +27,7 @@
 use std::hint::black_box;
 
 use tower::Layer;
-use tower_affinity::key::{ExtensionKey, PromptFacts};
+use tower_affinity::key::{ExtensionKey, HeaderKey, PromptFacts};
 use tower_affinity::placement::NodeThenBackend;
 use tower_affinity::{PromptChain, SessionAffinityLayer, Sessions};
 
@@ -52,6 +54,23 @@ fn measure_policy(n: u64, f: &mut dyn FnMut(u64)) {
     for i in 0..n {
         f(i);
     }
+}
+
+/// A keyless request with the headers an OpenAI-compatible client sends.
+fn keyless_request() -> Req {
+    let mut req = http::Request::new(());
+    for (name, value) in [
+        ("host", "127.0.0.1:8080"),
+        ("content-type", "application/json"),
+        ("authorization", "Bearer sk-no-key"),
+        ("user-agent", "OpenAI/Python 1.99.0"),
+        ("accept", "application/json"),
+        ("x-stainless-lang", "python"),
+    ] {
+        req.headers_mut()
+            .insert(name, http::HeaderValue::from_static(value));
+    }
+    req
 }
 
 fn main() {
@@ -144,6 +163,16 @@ fn main() {
                 drop(call_now(&mut svc, header_request(i)));
             }
             let reqs = (0..n).map(|i| header_request(i % sessions)).collect();
+            measure_calls(reqs, &mut |r| drop(black_box(call_now(&mut svc, r))));
+        }
+        "header_keyless" | "header_keyless_7" => {
+            let names = HeaderKey::DEFAULT_NAMES
+                .into_iter()
+                .filter(|n| what == "header_keyless" || *n != "thread_id");
+            let mut svc = SessionAffinityLayer::new()
+                .key(HeaderKey::new(names))
+                .layer(shape.fleet(1));
+            let reqs = (0..n).map(|_| keyless_request()).collect();
             measure_calls(reqs, &mut |r| drop(black_box(call_now(&mut svc, r))));
         }
         "policy_home_hit" | "policy_new_session" | "policy_keyless" | "policy_view" => {

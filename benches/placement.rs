@@ -9,7 +9,8 @@
 //!   readiness, key extraction, session-table lookup, placement, slot, backend call, response
 //!   wrapping and dropping the response (which frees the slot). `call/direct` is the same
 //!   request sent straight to one mock backend; the router's own cost is `call/* - call/direct`.
-//! - `key/*`: the SHA-256 digest of a session id alone, and the default `HeaderKey` extractor.
+//! - `key/*`: the SHA-256 digest of a session id alone, and the default `HeaderKey` extractor
+//!   finding a key (`header`) and finding none in a keyless request's headers (`header_none`).
 //! - `table/*`: home hits through the service with 1 thousand, 100 thousand and 1 million
 //!   sessions in the table, on keys spread over the whole table; `table/bare_read/*`: one
 //!   dependent random read in a plain array of the same size (the memory latency alone).
@@ -80,6 +81,24 @@ fn keys(c: &mut Criterion) {
     let extractor = HeaderKey::default();
     let req = header_request(42);
     g.bench_function("header", |b| b.iter(|| extractor.extract(black_box(&req))));
+    // A keyless request as OpenAI-compatible clients send it: every default name looked up,
+    // none found.
+    let mut keyless = http::Request::new(());
+    for (name, value) in [
+        ("host", "127.0.0.1:8080"),
+        ("content-type", "application/json"),
+        ("authorization", "Bearer sk-no-key"),
+        ("user-agent", "OpenAI/Python 1.99.0"),
+        ("accept", "application/json"),
+        ("x-stainless-lang", "python"),
+    ] {
+        keyless
+            .headers_mut()
+            .insert(name, http::HeaderValue::from_static(value));
+    }
+    g.bench_function("header_none", |b| {
+        b.iter(|| extractor.extract(black_box(&keyless)))
+    });
     g.finish();
 }
 
