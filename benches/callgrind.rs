@@ -34,7 +34,10 @@ use tower_affinity::{PromptChain, SessionAffinityLayer, Sessions};
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{call_now, header_request, key, mock, mock_with_extension, request, Mock, Req, Shape};
+use common::{
+    call_now, header_request, key, keyless_request, mock, mock_with_extension, request, Mock, Req,
+    Shape,
+};
 
 /// The cache budget of each backend in the chain scenarios: room for its share of the live
 /// sessions' chains, with older conversations filling the rest.
@@ -54,23 +57,6 @@ fn measure_policy(n: u64, f: &mut dyn FnMut(u64)) {
     for i in 0..n {
         f(i);
     }
-}
-
-/// A keyless request with the headers an OpenAI-compatible client sends.
-fn keyless_request() -> Req {
-    let mut req = http::Request::new(());
-    for (name, value) in [
-        ("host", "127.0.0.1:8080"),
-        ("content-type", "application/json"),
-        ("authorization", "Bearer sk-no-key"),
-        ("user-agent", "OpenAI/Python 1.99.0"),
-        ("accept", "application/json"),
-        ("x-stainless-lang", "python"),
-    ] {
-        req.headers_mut()
-            .insert(name, http::HeaderValue::from_static(value));
-    }
-    req
 }
 
 fn main() {

@@ -31,7 +31,9 @@ use tower_affinity::{Decision, Outcome, SessionAffinityLayer, Sessions};
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{call_now, header_request, key, mix, mock, request, Req, Shape, SHAPES};
+use common::{
+    call_now, header_request, key, keyless_request, mix, mock, request, Req, Shape, SHAPES,
+};
 
 /// The service the table benches drive: session ids from the request's extensions.
 type Svc = tower_affinity::SessionAffinity<
@@ -83,19 +85,7 @@ fn keys(c: &mut Criterion) {
     g.bench_function("header", |b| b.iter(|| extractor.extract(black_box(&req))));
     // A keyless request as OpenAI-compatible clients send it: every default name looked up,
     // none found.
-    let mut keyless = http::Request::new(());
-    for (name, value) in [
-        ("host", "127.0.0.1:8080"),
-        ("content-type", "application/json"),
-        ("authorization", "Bearer sk-no-key"),
-        ("user-agent", "OpenAI/Python 1.99.0"),
-        ("accept", "application/json"),
-        ("x-stainless-lang", "python"),
-    ] {
-        keyless
-            .headers_mut()
-            .insert(name, http::HeaderValue::from_static(value));
-    }
+    let keyless = keyless_request();
     g.bench_function("header_none", |b| {
         b.iter(|| extractor.extract(black_box(&keyless)))
     });

@@ -218,6 +218,24 @@ pub(crate) fn request(key: Option<SessionKey>) -> Req {
     req
 }
 
+/// A request with the headers an OpenAI Python client sends and no session key: the default
+/// `HeaderKey` looks every one of its names up and finds none.
+pub(crate) fn keyless_request() -> Req {
+    let mut req = http::Request::new(());
+    for (name, value) in [
+        ("host", "127.0.0.1:8080"),
+        ("content-type", "application/json"),
+        ("authorization", "Bearer sk-no-key"),
+        ("user-agent", "OpenAI/Python 1.99.0"),
+        ("accept", "application/json"),
+        ("x-stainless-lang", "python"),
+    ] {
+        req.headers_mut()
+            .insert(name, http::HeaderValue::from_static(value));
+    }
+    req
+}
+
 /// A request carrying session `n` in the `x-session-id` header (for the default `HeaderKey`).
 pub(crate) fn header_request(n: u64) -> Req {
     let mut req = http::Request::new(());
