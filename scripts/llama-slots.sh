@@ -7,7 +7,7 @@
 #
 # llama-server on loopback with a RAM prompt cache (--cache-ram 256). Conversation A (a long
 # system prompt and a question) is answered; then other prompts take slots; then A's next
-# turn comes. Six cases:
+# turn comes. Seven cases:
 #   shared   (-np 1) the other prompt shares A's system prompt: llama-server takes the slot
 #            by similarity, keeps more than half of it, and saves nothing, so A's next turn
 #            reuses only the system prompt;
@@ -29,8 +29,14 @@
 #            its own, take the two slots (B's shares too little of A's slot to be drawn to
 #            it); then C, the same system prompt and a line, shares as much with either
 #            slot: llama-server takes the first slot, B's, though A's is the least recently
-#            used. A's next turn reuses all of A; B's only what C shared.
-# Exits 0 when all six come out so, by llama-server's own `timings.cache_n`.
+#            used. A's next turn reuses all of A; B's only what C shared;
+#   walk     (-np 2) the RAM cache holds X (the system prompt and a line) and, saved after
+#            it, Y (the system prompt, a paragraph P shares, and a long text of its own);
+#            P (the system prompt, that paragraph and a question) takes a slot holding
+#            neither, as the least recently used. llama-server walks its states oldest first
+#            and takes Y only if P keeps more of Y than of X: it keeps nearly all of X and a
+#            third of Y, so X is restored, and P reuses the system prompt, not the paragraph.
+# Exits 0 when all seven come out so, by llama-server's own `timings.cache_n`.
 #
 # Environment: TA_CACHE_DIR (~/.cache/tower-affinity), TA_SLOTS_PORT (18090).
 set -euo pipefail
@@ -74,6 +80,31 @@ system = " ".join(f"Rule {i}: keep the code tidy and the tests green." for i in 
 code = "fn main() { println!(\"hello, {}\", name); }\n" * 20
 a = [{"role": "system", "content": system},
      {"role": "user", "content": "Here is my code:\n" + code + "Write a haiku about it."}]
+if case == "walk":
+    def words(tag, n):
+        return " ".join(f"{tag} note {i}: the build of module {i} took {3 * i} ms." for i in range(n))
+    para = words("shared", 20)
+    x = [{"role": "system", "content": system}, {"role": "user", "content": "Say hello."}]
+    y = [{"role": "system", "content": system},
+         {"role": "user", "content": para + " " + words("own", 250)}]
+    p = [{"role": "system", "content": system},
+         {"role": "user", "content": para + " Which module was slowest?"}]
+    def other(n):
+        return [{"role": "system", "content": f"You are helper {n}."},
+                {"role": "user", "content": f"Count to {n}. " * 20}]
+    _, x_prompt, _ = ask(x)      # X in a slot
+    ask(other(1))                # the other slot; X, idle, is saved
+    _, y_prompt, y_reused = ask(y)  # Y takes X's slot by similarity (keeps most of X)
+    ask(other(2))                # Y, idle, is saved after X
+    ask(other(3))                # both slots hold strangers now
+    _, p_prompt, p_reused = ask(p)
+    print(f"{case:>6}: X {x_prompt} tokens, Y {y_prompt} (reused {y_reused}); "
+          f"P {p_prompt} tokens reused {p_reused}")
+    # X restored: what X shares with P (the system prompt, as Y's turn reused from X's slot,
+    # less the few tokens llama-server reads again), not Y's paragraph (some 360 tokens more).
+    ok = y_reused - 32 <= p_reused <= y_reused + 8
+    print(f"{case:>6}: {'as expected' if ok else 'NOT as expected'}")
+    sys.exit(0 if ok else 1)
 if case == "tie":
     brief = "You are a coding agent. Answer briefly."
     def own(name, n):
@@ -135,6 +166,7 @@ run_case idle "$LOGS/idle.log" 2 16384 || status=1
 run_case no-idle "$LOGS/no-idle.log" 2 16384 --no-cache-idle-slots || status=1
 run_case unified "$LOGS/unified.log" 2 16384 --kv-unified || status=1
 run_case tie "$LOGS/tie.log" 2 16384 --cache-ram 0 || status=1
+run_case walk "$LOGS/walk.log" 2 16384 || status=1
 grep -h 'selected slot' "$LOGS"/*.log | sed 's/^[^|]*| task [^|]*| /  llama-server: /'
 [[ $status == 0 ]] && echo "PASS" || echo "FAIL (logs: $LOGS)"
 exit $status
