@@ -317,11 +317,18 @@ async fn run(rounds: usize, n: u64) {
             send(&mut shared, to_shared.turn(s)).await;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
-        // A continued keyless prompt is a prefix hit, or placed by load where a backend is
-        // full; a keyed one goes home and writes where its prompt ended.
+        // A continued keyless prompt is a prefix hit, a spill where its backend is full, or
+        // placed as new where its prefix is not its own; a keyed one goes home and writes
+        // where its prompt ended.
         let expected = move |o| match keyed {
             true => o == Outcome::HomeHit,
-            false => matches!(o, Outcome::PrefixHit | Outcome::Keyless),
+            false => matches!(
+                o,
+                Outcome::PrefixHit
+                    | Outcome::SameNodeSpill
+                    | Outcome::CrossNodeSpill
+                    | Outcome::Keyless
+            ),
         };
         println!(
             "{}: each conversation's next turn, by its prompt chain",

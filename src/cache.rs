@@ -16,7 +16,8 @@
 //! Memory: a tracked link costs its 32-byte node and its index entry, 66 to 70 bytes as
 //! measured with the index's load (see `BENCHMARKS.md`); a backend tracks at most one link
 //! per 16 tokens of its budget (at least 1,024), so the model of a backend with the default
-//! budget (8,192 links) stays under 700 KB.
+//! budget (8,192 links) stays under 700 KB. A backend that has evicted also keeps its last 256
+//! evictions, 8 KiB, to put back what a prompt it refused evicted.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -201,6 +202,63 @@ impl Index {
     }
 }
 
+/// A link the model evicted, as [`CacheModel::refused`] needs it to put it back: 32 bytes.
+#[derive(Clone, Copy, Debug)]
+struct Evicted {
+    digest: u64,
+    /// The link before it, unless `root`.
+    parent: u64,
+    /// [`Node::tokens`], with its mark.
+    tokens: u32,
+    stamp: u32,
+    /// The stamp of the record whose room it made.
+    by: u32,
+    root: bool,
+}
+
+/// The last [`LEN`](Self::LEN) links evicted to make room for records, oldest overwritten
+/// first.
+#[derive(Debug, Default)]
+struct EvictionLog {
+    entries: Vec<Evicted>,
+    /// Where the next entry goes, once the log is full.
+    next: usize,
+}
+
+impl EvictionLog {
+    /// Entries kept: a refused prompt puts back at most this many links it evicted.
+    const LEN: usize = 256;
+
+    fn push(&mut self, e: Evicted) {
+        if self.entries.len() < Self::LEN {
+            self.entries.reserve_exact(Self::LEN - self.entries.len());
+            self.entries.push(e);
+        } else {
+            self.entries[self.next] = e;
+            self.next = (self.next + 1) % Self::LEN;
+        }
+    }
+
+    /// The entries made for the record stamped `by`, newest first, taken out of the log.
+    fn take_by(&mut self, by: u32) -> Vec<Evicted> {
+        let n = self.entries.len();
+        let mut taken = Vec::new();
+        for k in (0..n).rev() {
+            let e = &mut self.entries[(self.next + k) % n];
+            if e.by == by {
+                taken.push(*e);
+                // Taken: no stamp is 0.
+                e.by = 0;
+            }
+        }
+        taken
+    }
+
+    fn memory_bytes(&self) -> usize {
+        self.entries.capacity() * std::mem::size_of::<Evicted>()
+    }
+}
+
 /// One backend's model.
 #[derive(Debug)]
 pub(crate) struct CacheModel {
@@ -218,6 +276,9 @@ pub(crate) struct CacheModel {
     /// The backend's declared budget.
     declared: u64,
     max_blocks: usize,
+    /// The links evicted last, and by which record: what a record the backend refused puts
+    /// back (see [`refused`](Self::refused)). Allocated at the first eviction.
+    log: EvictionLog,
     evicted: u64,
     /// The latest stamp recorded.
     clock: u32,
@@ -239,6 +300,7 @@ impl CacheModel {
             budget,
             declared: budget,
             max_blocks: Self::max_blocks(budget),
+            log: EvictionLog::default(),
             evicted: 0,
             clock: 0,
             evicted_through: 0,
@@ -320,15 +382,12 @@ impl CacheModel {
         self.nodes.capacity() * std::mem::size_of::<Node>()
             + self.index.memory_bytes()
             + self.free.capacity() * 4
+            + self.log.memory_bytes()
     }
 
     /// Records `chain` as held, knowing that at least `at_least` of its leading links are
-    /// (0 if nothing is known): from there it looks link by link, which on a home hit is the
-    /// one or two links the last turn ended with; with nothing known, a binary search.
-    ///
-    /// `at_least` is checked: if its last link is not held (a turn placed before the one
-    /// that recorded it had settled, or a fingerprint shared by a new link), the search
-    /// starts from nothing. `stamp` is the record's, from [`ModelCell::reserve`].
+    /// (0 if nothing is known), and evicts down to the budget; see
+    /// [`known_from`](Self::known_from) and [`record`](Self::record).
     ///
     /// Returns how many leading links were held before, and when the deepest of them was last
     /// used (0 if none was held).
@@ -338,6 +397,20 @@ impl CacheModel {
         at_least: usize,
         stamp: u32,
     ) -> (usize, u32) {
+        let (known, last_used) = self.known_from(chain, at_least);
+        self.record(chain, known, stamp);
+        (known, last_used)
+    }
+
+    /// How many leading links of `chain` are held, knowing that at least `at_least` are (0 if
+    /// nothing is known): from there it looks link by link, which on a home hit is the one or
+    /// two links the last turn ended with; with nothing known, a binary search. Also when the
+    /// deepest of them was last used (0 if none is held).
+    ///
+    /// `at_least` is checked: if its last link is not held (a turn placed before the one
+    /// that recorded it had settled, or a fingerprint shared by a new link), the search
+    /// starts from nothing.
+    pub(crate) fn known_from(&self, chain: &[Link], at_least: usize) -> (usize, u32) {
         let at_least = match at_least.min(chain.len()) {
             n if n > 0 && !self.holds(chain[n - 1].digest) => 0,
             n => n,
@@ -357,15 +430,97 @@ impl CacheModel {
                 .node(chain[n - 1].digest)
                 .map_or(0, |i| self.nodes[i as usize].stamp),
         };
-        self.record(chain, known, stamp);
         (known, last_used)
     }
 
     /// Records `chain` as held, `known` of its leading links being held already (from
-    /// [`held`](Self::held), or a cheaper check), and makes its tip the most recently used.
-    /// The links it passes from its deepest known one down take `stamp`, unless they carry a
-    /// later one (records settle in any order; a stamp never goes back).
+    /// [`held`](Self::held), or a cheaper check), makes its tip the most recently used, and
+    /// evicts down to the budget. The links it passes from its deepest known one down take
+    /// `stamp`, unless they carry a later one (records settle in any order; a stamp never goes
+    /// back).
     pub(crate) fn record(&mut self, chain: &[Link], known: usize, stamp: u32) {
+        self.add(chain, known, stamp);
+        self.evict();
+    }
+
+    /// Records `chain` as sent to the backend, as [`record`](Self::record) does (the backend
+    /// makes room for a prompt when it takes it, before it answers), and logs what it evicts
+    /// so that [`refused`](Self::refused) can put it back if the backend does not take the
+    /// prompt after all.
+    pub(crate) fn record_sent(&mut self, chain: &[Link], known: usize, stamp: u32) {
+        self.add(chain, known, stamp);
+        while self.over_budget() {
+            let tail = self.nodes[self.tail as usize];
+            // A chain longer than the budget evicts its own tail, which is no one else's.
+            if tail.stamp == stamp {
+                self.evict_tail();
+                continue;
+            }
+            let root = tail.parent == NONE;
+            self.log.push(Evicted {
+                digest: tail.digest,
+                parent: if root {
+                    0
+                } else {
+                    self.nodes[tail.parent as usize].digest
+                },
+                tokens: tail.tokens,
+                stamp: tail.stamp,
+                by: stamp,
+                root,
+            });
+            self.evict_tail();
+        }
+    }
+
+    /// The backend did not take a chain [recorded as sent](Self::record_sent) with `stamp`,
+    /// `known` of its leading links held before: the links it added are taken back, from its
+    /// tip, as long as no later record has used them or gone on from them, and the links it
+    /// evicted are put back, least recently used again, as far as the log still has them
+    /// (its last [`EvictionLog::LEN`] evictions) and nothing held has taken their place.
+    ///
+    /// The session recorded with `stamp` still reads as held whole where its home is
+    /// concerned ([`ModelCell::kept_since`]): its home holds what it held before the refused
+    /// turn, which is as much as any backend holds of it (a backend that refused a turn for
+    /// a passing reason, busy or restarting, is still the place for the next). The record
+    /// of its next turn finds what is really held.
+    pub(crate) fn refused(&mut self, chain: &[Link], known: usize, stamp: u32) {
+        for link in chain.get(known..).unwrap_or_default().iter().rev() {
+            let Some(i) = self.node(link.digest) else {
+                // Evicted already; the link before it may be a leaf now.
+                continue;
+            };
+            let n = self.nodes[i as usize];
+            if n.children != 0 || n.stamp != stamp {
+                break;
+            }
+            self.remove_leaf(i, false);
+        }
+        // Newest first: a link was evicted after its children, so its parent comes back
+        // before it, and the least recently used of them ends up last again.
+        for e in self.log.take_by(stamp) {
+            if self.holds(e.digest) {
+                continue;
+            }
+            let parent = if e.root {
+                NONE
+            } else {
+                match self.node(e.parent) {
+                    Some(i) => i,
+                    None => continue,
+                }
+            };
+            let i = self.insert(e.digest, e.tokens & TOKENS, parent, e.stamp);
+            // Its mark too.
+            self.nodes[i as usize].tokens = e.tokens;
+            self.push_back(i);
+            self.evicted -= 1;
+        }
+        self.evict();
+    }
+
+    /// Adds `chain`'s links after its first `known` (see [`record`](Self::record)).
+    fn add(&mut self, chain: &[Link], known: usize, stamp: u32) {
         if chain.is_empty() {
             return;
         }
@@ -399,7 +554,6 @@ impl CacheModel {
             }
             self.push_front(tip);
         }
-        self.evict();
     }
 
     /// Stamps link `i` with `stamp`, unless it carries a later one.
@@ -504,10 +658,15 @@ impl CacheModel {
 
     /// Drops least recently used leaves until the model fits its budget.
     fn evict(&mut self) {
-        while (self.tokens > self.budget || self.index.len() > self.max_blocks) && self.tail != NONE
-        {
+        while self.over_budget() {
             self.evict_tail();
         }
+    }
+
+    /// Whether the model holds more than its budget of tokens or its bound of links (and has
+    /// a leaf to evict).
+    fn over_budget(&self) -> bool {
+        (self.tokens > self.budget || self.index.len() > self.max_blocks) && self.tail != NONE
     }
 
     /// Takes in what an answer showed about the model's prediction for a prompt whose
@@ -556,21 +715,31 @@ impl CacheModel {
 
     /// Drops the least recently used leaf.
     fn evict_tail(&mut self) {
-        let i = self.tail;
+        self.remove_leaf(self.tail, true);
+    }
+
+    /// Removes leaf `i`: evicted as the least recently used (its parent, if it becomes a
+    /// leaf, was used no later and goes last), or taken back (its parent, used by the same
+    /// record, goes first).
+    fn remove_leaf(&mut self, i: u32, evicted: bool) {
         self.unlink(i);
         let node = self.nodes[i as usize];
         self.index.remove(node.digest);
         self.tokens -= u64::from(node.tokens & TOKENS);
         self.free.push(i);
-        self.evicted += 1;
-        self.evicted_through = latest(self.evicted_through, node.stamp);
+        if evicted {
+            self.evicted += 1;
+            self.evicted_through = latest(self.evicted_through, node.stamp);
+        }
         if node.parent != NONE {
             let p = &mut self.nodes[node.parent as usize];
             p.children -= 1;
             if p.children == 0 {
-                // Its most recent use was no later than the leaf just evicted, the least
-                // recently used: it goes last.
-                self.push_back(node.parent);
+                if evicted {
+                    self.push_back(node.parent);
+                } else {
+                    self.push_front(node.parent);
+                }
             }
         }
     }
@@ -737,9 +906,11 @@ impl Drop for ModelGuard<'_> {
 /// Placement reads the models; recording waits until the request is on its way: the response
 /// future settles the record right after it first polls the backend's own future, so the
 /// model's update (finding the chain's new links, inserting them, evicting down to the budget)
-/// runs while the backend reads the prompt, not before the request reaches it. A record
-/// dropped unsettled (its response future dropped before its first poll) settles itself: no
-/// placed chain is lost to the model.
+/// runs while the backend reads the prompt, not before the request reaches it. If the backend
+/// then does not take the prompt (it answers other than with a success, or fails), the record
+/// is taken back: the links it added go, and those it evicted come back (see
+/// [`CacheModel::refused`]). A record dropped unsettled (its response future dropped before
+/// its first poll) settles itself: no placed chain is lost to the model.
 #[derive(Debug)]
 pub(crate) struct Record {
     owed: Option<Owed>,
@@ -749,17 +920,17 @@ pub(crate) struct Record {
 struct Owed {
     cache: Arc<ModelCell>,
     chain: PromptChain,
-    /// Leading links of the chain the backend was known to hold at placement.
+    /// Leading links of the chain the backend was known to hold: at placement, and once
+    /// settled, when it was recorded.
     known: usize,
     /// The stamp reserved for it at placement.
     stamp: u32,
+    settled: bool,
 }
 
-/// What settling a record found: the prediction an answer is checked against, and the model
-/// to correct.
-#[derive(Debug)]
+/// What settling a record found: the prediction an answer is checked against.
+#[derive(Clone, Copy, Debug)]
 pub(crate) struct Settled {
-    pub(crate) cache: Arc<ModelCell>,
     pub(crate) prediction: Prediction,
 }
 
@@ -773,33 +944,59 @@ impl Record {
                 chain,
                 known,
                 stamp,
+                settled: false,
             }),
         }
     }
 
-    /// Records the chain on its model, once: `None` if it was settled already.
+    /// Records the chain on its model as sent, once: `None` if it was settled already.
     pub(crate) fn settle(&mut self) -> Option<Settled> {
-        let Owed {
-            cache,
-            chain,
-            known,
-            stamp,
-        } = self.owed.take()?;
-        let (held, last_used) = cache.lock().record_from(chain.links(), known, stamp);
+        let owed = self.owed.as_mut().filter(|o| !o.settled)?;
+        let links = owed.chain.links();
+        let mut model = owed.cache.lock();
+        let (held, last_used) = model.known_from(links, owed.known);
+        model.record_sent(links, held, owed.stamp);
+        drop(model);
+        owed.known = held;
+        owed.settled = true;
         Some(Settled {
-            cache,
             prediction: Prediction {
-                prompt_tokens: chain.tokens(),
-                held_tokens: chain.tokens_at(held),
+                prompt_tokens: owed.chain.tokens(),
+                held_tokens: owed.chain.tokens_at(held),
                 stamp: last_used,
             },
         })
+    }
+
+    /// The backend answered (`taken`: with a success), or failed (not `taken`): the record
+    /// stands, or is taken back. An unsettled record is recorded if `taken`, and forgotten
+    /// if not. Returns the model, for the answer's figures to correct.
+    pub(crate) fn answer(mut self, taken: bool) -> Option<Arc<ModelCell>> {
+        let owed = self.owed.take()?;
+        owed.answer(taken);
+        Some(owed.cache)
+    }
+}
+
+impl Owed {
+    fn answer(&self, taken: bool) {
+        let links = self.chain.links();
+        match (self.settled, taken) {
+            (true, true) | (false, false) => {}
+            (true, false) => self.cache.lock().refused(links, self.known, self.stamp),
+            (false, true) => {
+                self.cache.lock().record_from(links, self.known, self.stamp);
+            }
+        }
     }
 }
 
 impl Drop for Record {
     fn drop(&mut self) {
-        self.settle();
+        // Dropped unanswered: the backend may have taken it.
+        if let Some(owed) = self.owed.take() {
+            owed.answer(true);
+        }
     }
 }
 
@@ -950,6 +1147,96 @@ mod tests {
     }
 
     #[test]
+    fn a_prompt_the_backend_refused_is_taken_back_and_what_it_evicted_put_back() {
+        // Room for two conversations of 400 tokens; a third is sent, then refused.
+        let cell = ModelCell::new(800);
+        let (a, b, c) = (
+            chain(&[1, 2, 3, 4]),
+            chain(&[5, 6, 7, 8]),
+            chain(&[9, 10, 11, 12]),
+        );
+        for x in [&a, &b] {
+            cell.lock().record_from(x.links(), 0, cell.reserve());
+        }
+        let stamp = cell.reserve();
+        cell.lock().record_sent(c.links(), 0, stamp);
+        {
+            let m = cell.lock();
+            assert_eq!(
+                m.held(a.links()),
+                0,
+                "the oldest made room as the prompt was sent"
+            );
+            assert_eq!((m.held(b.links()), m.held(c.links())), (4, 4));
+        }
+        cell.lock().refused(c.links(), 0, stamp);
+        let m = cell.lock();
+        assert_eq!(m.held(c.links()), 0, "taken back");
+        assert_eq!((m.held(a.links()), m.held(b.links())), (4, 4), "put back");
+        assert_eq!((m.tokens(), m.evicted(), m.conversations()), (800, 0, 2));
+        m.check();
+        drop(m);
+        // And it is the least recently used again: the next conversation evicts it first.
+        cell.lock()
+            .record_from(chain(&[20, 21, 22, 23]).links(), 0, cell.reserve());
+        let m = cell.lock();
+        assert_eq!((m.held(a.links()), m.held(b.links())), (0, 4));
+        m.check();
+    }
+
+    #[test]
+    fn a_prompt_larger_than_the_budget_refused_leaves_the_model_as_it_was() {
+        let cell = ModelCell::new(800);
+        let a = chain(&[1, 2, 3, 4]);
+        let a_mark = cell.reserve();
+        cell.lock().record_from(a.links(), 0, a_mark);
+        // Another turn of `a` goes on from it, and a prompt far larger than the budget comes
+        // (a backend refuses it: longer than its context); both are sent at once.
+        let next = chain(&[1, 2, 3, 4, 5, 6]);
+        let next_mark = cell.reserve();
+        cell.lock().record_sent(next.links(), 4, next_mark);
+        let huge: Vec<u64> = (100..120).collect();
+        let huge = chain(&huge);
+        let huge_mark = cell.reserve();
+        cell.lock().record_sent(huge.links(), 0, huge_mark);
+        cell.lock().refused(huge.links(), 0, huge_mark);
+        {
+            let m = cell.lock();
+            assert_eq!(m.held(huge.links()), 0, "taken back");
+            assert_eq!(m.held(next.links()), 6, "put back");
+            // Still counted as evicted: the huge prompt's own tail, which did not fit (what
+            // it evicted of the other turn is back).
+            assert_eq!((m.tokens(), m.evicted()), (600, 12));
+            m.check();
+        }
+        // The other turn is refused too: its two links go, what `a` held before stays.
+        cell.lock().refused(next.links(), 4, next_mark);
+        let m = cell.lock();
+        assert_eq!((m.held(next.links()), m.tokens()), (4, 400));
+        assert_eq!(m.conversations(), 1);
+        m.check();
+    }
+
+    #[test]
+    fn a_refused_prompt_leaves_the_links_a_later_prompt_went_on_from() {
+        let cell = ModelCell::new(10_000);
+        let (turn, later) = (chain(&[1, 2, 3]), chain(&[1, 2, 3, 4]));
+        let turn_mark = cell.reserve();
+        cell.lock().record_sent(turn.links(), 0, turn_mark);
+        // A later prompt continues it before its answer comes.
+        let later_mark = cell.reserve();
+        cell.lock().record_sent(later.links(), 3, later_mark);
+        cell.lock().refused(turn.links(), 0, turn_mark);
+        let m = cell.lock();
+        assert_eq!(
+            m.held(later.links()),
+            4,
+            "the later prompt still needs them"
+        );
+        m.check();
+    }
+
+    #[test]
     fn a_chain_larger_than_the_budget_keeps_what_fits() {
         let mut m = CacheModel::new(250);
         let c = chain(&[1, 2, 3, 4, 5]);
@@ -969,6 +1256,7 @@ mod tests {
         let per_block = m.memory_bytes() / m.blocks();
         assert!(per_block < 80, "{per_block} bytes a link");
         assert_eq!(std::mem::size_of::<Node>(), 32);
+        assert_eq!(std::mem::size_of::<Evicted>(), 32);
     }
 
     /// The model as a plain map, evicting the least recently used leaf by scanning: what the
@@ -1145,6 +1433,91 @@ mod tests {
                     proptest::prop_assert_eq!(m.held(chain.links()), r.held(chain.links()));
                 }
             }
+        }
+    }
+
+    #[derive(Clone, Debug)]
+    enum Sent {
+        /// Conversation `c`'s first `n` links sent.
+        Send(u64, usize),
+        /// The `i`th prompt still waiting (modulo how many wait) answered, or refused.
+        Answer(usize, bool),
+    }
+
+    fn sent() -> impl proptest::strategy::Strategy<Value = Sent> {
+        use proptest::prelude::*;
+        prop_oneof![
+            (0u64..8, 1usize..16).prop_map(|(c, n)| Sent::Send(c, n)),
+            (0usize..8, any::<bool>()).prop_map(|(i, ok)| Sent::Answer(i, ok)),
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(500))]
+
+        /// Prompts sent, answered and refused in any order: the model stays whole and within
+        /// its bounds.
+        #[test]
+        fn prompts_answered_or_refused_in_any_order_keep_the_model_whole(
+            budget in 300u64..3_000,
+            ops in proptest::collection::vec(sent(), 1..80),
+        ) {
+            let cell = ModelCell::new(budget);
+            cell.lock().max_blocks = 40;
+            let mut waiting: Vec<(PromptChain, usize, u32)> = Vec::new();
+            for op in ops.into_iter().chain((0..80).map(|_| Sent::Answer(0, true))) {
+                match op {
+                    Sent::Send(c, n) => {
+                        let chain = conversation(c, n);
+                        let stamp = cell.reserve();
+                        let mut m = cell.lock();
+                        let (known, _) = m.known_from(chain.links(), 0);
+                        m.record_sent(chain.links(), known, stamp);
+                        drop(m);
+                        waiting.push((chain, known, stamp));
+                    }
+                    Sent::Answer(_, _) if waiting.is_empty() => {}
+                    Sent::Answer(i, ok) => {
+                        let (chain, known, stamp) = waiting.remove(i % waiting.len());
+                        if !ok {
+                            cell.lock().refused(chain.links(), known, stamp);
+                        }
+                    }
+                }
+                let m = cell.lock();
+                m.check();
+                proptest::prop_assert!(m.blocks() <= 40);
+                proptest::prop_assert!(m.tokens() <= budget);
+            }
+        }
+
+        /// A prompt refused as soon as it was sent leaves every conversation held as it was.
+        #[test]
+        fn a_prompt_refused_at_once_leaves_every_conversation_as_it_was(
+            budget in 300u64..3_000,
+            before in proptest::collection::vec((0u64..8, 1usize..16), 0..20),
+            refused in (0u64..8, 1usize..16),
+        ) {
+            let cell = ModelCell::new(budget);
+            for (c, n) in before {
+                cell.lock().record_from(conversation(c, n).links(), 0, cell.reserve());
+            }
+            let held = |cell: &ModelCell| -> Vec<usize> {
+                let m = cell.lock();
+                (0..8).map(|c| m.held(conversation(c, 16).links())).collect()
+            };
+            let was = held(&cell);
+            let tokens = cell.lock().tokens();
+            let chain = conversation(refused.0, refused.1);
+            let stamp = cell.reserve();
+            let mut m = cell.lock();
+            let (known, _) = m.known_from(chain.links(), 0);
+            m.record_sent(chain.links(), known, stamp);
+            m.refused(chain.links(), known, stamp);
+            m.check();
+            proptest::prop_assert_eq!(m.tokens(), tokens);
+            drop(m);
+            proptest::prop_assert_eq!(held(&cell), was);
         }
     }
 

@@ -830,8 +830,8 @@ pub struct BackendStatus {
     /// Of them, the tokens the backend said it reused from its cache: `reused_tokens /
     /// prompt_tokens` is the reuse its placement achieved.
     pub reused_tokens: u64,
-    /// Answers that reused far less than the cache model predicted; each corrected the
-    /// model. Few against `usage_reports` means the model predicts well.
+    /// Answers that reused less than half the share of their prompt the cache model
+    /// predicted, where it predicted at least a quarter; each corrected the model. Few against `usage_reports` means the model predicts well.
     pub corrections: u64,
     /// The prompt tokens it reads a second, learned from its answers.
     pub prefill_rate: Option<u32>,

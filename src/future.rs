@@ -5,7 +5,8 @@
 //! future then holds only the backend's own future, the slot and the decision, and the prompt
 //! chain the request owes the backend's cache model: that is recorded right after the first
 //! poll of the backend's future, once the request is on its way, so that updating the model
-//! adds nothing to the path a request takes to its backend (see [`Record`]). The rarer paths
+//! adds nothing to the path a request takes to its backend, and stands once the backend
+//! answers with a success (see [`Record`]). The rarer paths
 //! (a backend not ready yet, a request waiting for a slot) keep what they need in one heap
 //! allocation of their own, so that they do not make every response future larger.
 
@@ -136,12 +137,19 @@ impl Dispatched {
             .reading(p.prompt_tokens.saturating_sub(p.held_tokens));
         if let Some(w) = self.watch.as_mut() {
             w.prediction = Some(p);
-            w.cache = Some(settled.cache);
         }
     }
 
-    /// The backend's response with the decision attached, its body holding the slot.
-    fn respond<B>(self, res: http::Response<B>) -> http::Response<ResponseBody<B>> {
+    /// The backend's response with the decision attached, its body holding the slot. The
+    /// chain recorded for it stands if the backend answered with a success, and is taken
+    /// back if not: a backend that refused the prompt (too long for its context, say) did
+    /// not take it into its cache.
+    fn respond<B>(mut self, res: http::Response<B>) -> http::Response<ResponseBody<B>> {
+        let taken = res.status().is_success();
+        let cache = self.record.take().and_then(|r| r.answer(taken));
+        if let Some(w) = self.watch.as_mut() {
+            w.cache = cache;
+        }
         respond(res, self.guard, self.decision, self.finish, self.watch)
     }
 
@@ -153,8 +161,12 @@ impl Dispatched {
             decision,
             finish,
             watch: _,
-            record: _,
+            record,
         } = self;
+        // The backend failed before answering: what it was sent is taken back.
+        if let Some(r) = record {
+            r.answer(false);
+        }
         guard.count_failure();
         let cooldown = finish.failure_cooldown;
         if cooldown.is_zero() {

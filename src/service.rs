@@ -572,8 +572,13 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             return full();
         };
         let outcome = match (key, home_node) {
-            (None, _) if own_prefix == Some(index) => Outcome::PrefixHit,
-            (None, _) => Outcome::Keyless,
+            // Without a key, the backend holding the conversation's own prefix is its home.
+            (None, _) => match own_prefix {
+                Some(p) if p == index => Outcome::PrefixHit,
+                Some(p) if t.member(p).node == m.node => Outcome::SameNodeSpill,
+                Some(_) => Outcome::CrossNodeSpill,
+                None => Outcome::Keyless,
+            },
             (Some(_), None) => Outcome::NewSession,
             (Some(_), Some(node)) => match (home_cache, home_backend) {
                 (_, None) => Outcome::Replaced,

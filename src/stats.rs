@@ -14,14 +14,18 @@ use crate::{BackendId, NodeId};
 pub enum Outcome {
     /// Served by its home backend: the prompt cache is where the last turn left it.
     HomeHit,
-    /// The home was full; served by another backend on the home's node.
+    /// The home was full; served by another backend on the home's node. For a request
+    /// without a key, the home is the backend holding its own conversation's prefix (see
+    /// [`PrefixHit`](Self::PrefixHit)).
     SameNodeSpill,
-    /// The home's node was full; served on another node.
+    /// The home's node was full; served on another node. For a request without a key, as
+    /// for [`SameNodeSpill`](Self::SameNodeSpill).
     CrossNodeSpill,
     /// A session the table did not know (first turn, or forgotten).
     NewSession,
     /// The request had no session key, and no backend held a prefix of its own conversation
-    /// (see [`PrefixHit`](Self::PrefixHit)): placed by load, as a new conversation.
+    /// (see [`PrefixHit`](Self::PrefixHit)): placed as a new conversation (where a prefix many
+    /// conversations share is held, else by load).
     Keyless,
     /// The home backend had been removed; the session was placed again.
     Replaced,
@@ -110,13 +114,15 @@ pub struct Decision {
 pub struct Stats {
     /// Requests served by their home backend.
     pub home_hits: u64,
-    /// Requests spilled to another backend on their home's node.
+    /// Requests spilled to another backend on their home's node (without a key: on the node
+    /// of the backend holding their conversation's own prefix).
     pub same_node_spills: u64,
     /// Requests spilled to another node.
     pub cross_node_spills: u64,
     /// Requests of sessions the table did not know.
     pub new_sessions: u64,
-    /// Requests without a key placed by load: no backend held their own conversation's prefix.
+    /// Requests without a key for which no backend held their own conversation's prefix:
+    /// placed as new conversations.
     pub keyless: u64,
     /// Requests whose home had been removed.
     pub replaced: u64,
@@ -144,7 +150,8 @@ pub struct Stats {
     pub prompt_tokens: u64,
     /// Of them, tokens the backends said they reused from their caches.
     pub reused_tokens: u64,
-    /// Answers that reused far less than the cache model predicted (each corrected it).
+    /// Answers that reused less than half the share of their prompt the cache model
+    /// predicted, where it predicted at least a quarter (each corrected it).
     pub corrections: u64,
     /// Gauge: sessions in the table.
     pub sessions: usize,

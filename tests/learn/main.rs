@@ -29,10 +29,11 @@ use tower_affinity::{
 
 // === the scripted backend ===
 
-/// What a backend answers: after `headers_after`, these headers; then each frame after its
-/// delay. A frame that is `Err` fails the body there.
+/// What a backend answers: after `headers_after`, this status and these headers; then each
+/// frame after its delay. A frame that is `Err` fails the body there.
 #[derive(Clone, Debug)]
 struct Reply {
+    status: http::StatusCode,
     headers_after: Duration,
     content_type: Option<&'static str>,
     encoding: Option<&'static str>,
@@ -42,6 +43,7 @@ struct Reply {
 impl Reply {
     fn new(content_type: &'static str, frames: &[&'static [u8]]) -> Self {
         Reply {
+            status: http::StatusCode::OK,
             headers_after: Duration::ZERO,
             content_type: Some(content_type),
             encoding: None,
@@ -70,6 +72,7 @@ impl Reply {
             prompt - reused
         );
         Reply {
+            status: http::StatusCode::OK,
             headers_after: Duration::ZERO,
             content_type: Some("text/event-stream"),
             encoding: None,
@@ -137,6 +140,7 @@ fn scripted(
             frames: reply.frames.into(),
             sleep: None,
         });
+        *res.status_mut() = reply.status;
         if let Some(ct) = reply.content_type {
             res.headers_mut()
                 .insert("content-type", ct.parse().unwrap());
@@ -428,6 +432,7 @@ fn reused(prompt: u64, reused: u64) -> Reply {
         r#"{{"usage":{{"prompt_tokens":{prompt},"prompt_tokens_details":{{"cached_tokens":{reused}}}}}}}"#
     );
     Reply {
+        status: http::StatusCode::OK,
         headers_after: Duration::ZERO,
         content_type: Some("application/json"),
         encoding: None,
@@ -494,6 +499,60 @@ async fn a_backend_reusing_far_less_than_predicted_corrects_the_model() {
         1,
         "a prediction borne out is no correction"
     );
+}
+
+/// llama-server's answer to a prompt longer than a slot's context.
+fn exceeds_context() -> Reply {
+    Reply {
+        status: http::StatusCode::BAD_REQUEST,
+        ..Reply::json(br#"{"error":{"code":400,"type":"exceed_context_size_error"}}"#)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_prompt_the_backend_refused_leaves_its_model_holding_what_it_held() {
+    let svc = service(&[("a", "n1")]);
+    let (d, _, _) = exchange(
+        &svc,
+        request(Some("held"), Some(chain(&[1, 2, 3], 1000)), reused(3000, 0)),
+    )
+    .await;
+    assert_eq!(d.outcome, Outcome::NewSession);
+    // Another session sends 2M tokens, twice the backend's whole budget; it refuses them.
+    let huge: Vec<u64> = (100..300).collect();
+    let (d, _, _) = exchange(
+        &svc,
+        request(Some("huge"), Some(chain(&huge, 10_000)), exceeds_context()),
+    )
+    .await;
+    assert_eq!(d.backend.as_str(), "a");
+    let a = status(&svc, "a");
+    assert_eq!((a.cached_tokens, a.conversations), (3000, 1), "{a:?}");
+    // The first session's next turn still finds its home holding it.
+    let (d, _, _) = exchange(
+        &svc,
+        request(
+            Some("held"),
+            Some(chain(&[1, 2, 3, 4], 1000)),
+            reused(4000, 3000),
+        ),
+    )
+    .await;
+    assert_eq!(d.outcome, Outcome::HomeHit);
+    assert_eq!(status(&svc, "a").corrections, 0);
+    // Its next turn is refused for a passing reason; the one after still goes home, which
+    // holds what it held before, and is predicted so (no correction).
+    let unavailable = Reply {
+        status: http::StatusCode::SERVICE_UNAVAILABLE,
+        ..Reply::json(b"{}")
+    };
+    let five = chain(&[1, 2, 3, 4, 5], 1000);
+    exchange(&svc, request(Some("held"), Some(five.clone()), unavailable)).await;
+    assert_eq!(status(&svc, "a").cached_tokens, 4000);
+    let (d, _, _) = exchange(&svc, request(Some("held"), Some(five), reused(5000, 4000))).await;
+    assert_eq!(d.outcome, Outcome::HomeHit);
+    let a = status(&svc, "a");
+    assert_eq!((a.cached_tokens, a.corrections), (5000, 0), "{a:?}");
 }
 
 // === wait versus move ===
@@ -839,6 +898,25 @@ async fn move_at_once_while_nothing_is_learned() {
     let (d, _) = next_turn(&svc).await;
     assert_ne!(d.backend.as_str(), home);
     assert_eq!(d.waited, None);
+    streaming.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_keyless_turn_whose_prefix_holder_is_full_spills_within_its_node_and_says_so() {
+    let svc = service(&[("a1", "n1"), ("a2", "n1"), ("b1", "n2"), ("b2", "n2")]);
+    let turn = |n: usize| Some(chain(&SESSION_BLOCKS[..n], 1000));
+    let (d, _, _) = exchange(&svc, request(None, turn(8), reused(8000, 0))).await;
+    assert_eq!(d.outcome, Outcome::Keyless);
+    let (holder, node) = (d.backend.to_string(), d.node);
+    // Its next turn keeps the holder busy for 5 s.
+    let long = Reply::llama_stream(9000, 8000, 5000, Duration::ZERO, Duration::from_secs(5));
+    let streaming = keep_busy(&svc, request(None, turn(9), long), &holder).await;
+    // The turn after comes meanwhile (a client that did not wait for the answer): the
+    // holder is full, and nothing learned says waiting pays.
+    let (d, _, _) = exchange(&svc, request(None, turn(10), reused(10_000, 0))).await;
+    assert_ne!(d.backend.as_str(), holder);
+    assert_eq!((d.outcome, d.node), (Outcome::SameNodeSpill, node));
+    assert_eq!(svc.stats().same_node_spills, 1);
     streaming.await.unwrap();
 }
 

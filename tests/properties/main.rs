@@ -520,7 +520,7 @@ proptest! {
 #[derive(Clone, Debug)]
 enum ChainOp {
     /// The next turn of conversation `conv`, keyed or not; with `fail`, the backend it goes to
-    /// fails it (and is marked down, holding the turn's prompt).
+    /// fails it (and is marked down, holding the conversation's earlier turns).
     Turn {
         conv: u8,
         keyed: bool,
