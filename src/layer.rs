@@ -250,7 +250,9 @@ impl<K, P> SessionAffinityLayer<K, P> {
     }
 
     /// Adds `x-affinity-backend`, `x-affinity-node` and `x-affinity-outcome` to every
-    /// response. The same facts are in the response's extensions as a
+    /// response a backend gave (an [`Error`](crate::Error) has none: no backend answered;
+    /// a backend's failure names the backend in [`Error::Backend`](crate::Error::Backend)).
+    /// The same facts are in the response's extensions as a
     /// [`Decision`](crate::Decision), unless [`decision_extension`](Self::decision_extension)
     /// is off.
     pub fn decision_headers(mut self, enabled: bool) -> Self {

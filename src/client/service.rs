@@ -31,6 +31,11 @@ use super::hop_by_hop::strip_hop_by_hop;
 /// `http://` only: `https://` is refused with an [`InvalidBackendUrl`] (put a TLS-terminating
 /// sidecar in front of such a backend, or use your own client as the backend's service).
 ///
+/// `B` is the request body the backend is sent. Behind
+/// [`BodyKeyLayer`](crate::key::BodyKeyLayer), which buffers every body, that is
+/// `Full<Bytes>` (from `http-body-util`), whatever body the server hands the layer (axum's
+/// `Body`, hyper's `Incoming`); without it, the server's own body type.
+///
 /// ```no_run
 /// use http_body_util::Full;
 /// use bytes::Bytes;
