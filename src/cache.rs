@@ -231,7 +231,9 @@ impl EvictionLog {
 
     fn push(&mut self, e: Evicted) {
         if self.entries.len() < Self::LEN {
-            self.entries.reserve_exact(Self::LEN - self.entries.len());
+            if self.entries.is_empty() {
+                self.entries.reserve_exact(Self::LEN);
+            }
             self.entries.push(e);
         } else {
             self.entries[self.next] = e;
@@ -449,28 +451,7 @@ impl CacheModel {
     /// prompt after all.
     pub(crate) fn record_sent(&mut self, chain: &[Link], known: usize, stamp: u32) {
         self.add(chain, known, stamp);
-        while self.over_budget() {
-            let tail = self.nodes[self.tail as usize];
-            // A chain longer than the budget evicts its own tail, which is no one else's.
-            if tail.stamp == stamp {
-                self.evict_tail();
-                continue;
-            }
-            let root = tail.parent == NONE;
-            self.log.push(Evicted {
-                digest: tail.digest,
-                parent: if root {
-                    0
-                } else {
-                    self.nodes[tail.parent as usize].digest
-                },
-                tokens: tail.tokens,
-                stamp: tail.stamp,
-                by: stamp,
-                root,
-            });
-            self.evict_tail();
-        }
+        self.evict_for(stamp);
     }
 
     /// The backend did not take a chain [recorded as sent](Self::record_sent) with `stamp`,
@@ -658,7 +639,30 @@ impl CacheModel {
 
     /// Drops least recently used leaves until the model fits its budget.
     fn evict(&mut self) {
+        self.evict_for(0);
+    }
+
+    /// [`evict`](Self::evict), making room for the record stamped `by` (0: none): each link
+    /// evicted but the record's own (a chain longer than the budget evicts its own tail,
+    /// which is no one else's) is logged for [`refused`](Self::refused).
+    fn evict_for(&mut self, by: u32) {
         while self.over_budget() {
+            let tail = self.nodes[self.tail as usize];
+            if by != 0 && tail.stamp != by {
+                let root = tail.parent == NONE;
+                self.log.push(Evicted {
+                    digest: tail.digest,
+                    parent: if root {
+                        0
+                    } else {
+                        self.nodes[tail.parent as usize].digest
+                    },
+                    tokens: tail.tokens,
+                    stamp: tail.stamp,
+                    by,
+                    root,
+                });
+            }
             self.evict_tail();
         }
     }
@@ -928,12 +932,6 @@ struct Owed {
     settled: bool,
 }
 
-/// What settling a record found: the prediction an answer is checked against.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Settled {
-    pub(crate) prediction: Prediction,
-}
-
 impl Record {
     /// `chain` owed to `cache`, whose backend was known to hold its first `known` links, with
     /// the `stamp` reserved for it.
@@ -949,8 +947,9 @@ impl Record {
         }
     }
 
-    /// Records the chain on its model as sent, once: `None` if it was settled already.
-    pub(crate) fn settle(&mut self) -> Option<Settled> {
+    /// Records the chain on its model as sent, once, and returns the prediction its answer
+    /// is checked against: `None` if it was settled already.
+    pub(crate) fn settle(&mut self) -> Option<Prediction> {
         let owed = self.owed.as_mut().filter(|o| !o.settled)?;
         let links = owed.chain.links();
         let mut model = owed.cache.lock();
@@ -959,12 +958,10 @@ impl Record {
         drop(model);
         owed.known = held;
         owed.settled = true;
-        Some(Settled {
-            prediction: Prediction {
-                prompt_tokens: owed.chain.tokens(),
-                held_tokens: owed.chain.tokens_at(held),
-                stamp: last_used,
-            },
+        Some(Prediction {
+            prompt_tokens: owed.chain.tokens(),
+            held_tokens: owed.chain.tokens_at(held),
+            stamp: last_used,
         })
     }
 
