@@ -151,15 +151,24 @@ impl Observe {
             guard.metrics().first_byte(t);
         }
         if let Some(u) = usage {
-            let reused = u.reused_tokens.unwrap_or(0);
             let correction = verdict == Verdict::HeldLess;
-            guard.metrics().answer(u.prompt_tokens, reused, correction);
+            guard
+                .metrics()
+                .answer(u.prompt_tokens, u.reused_tokens, correction);
             let c = &capacity.counters;
             c.usage_reports.fetch_add(1, Ordering::Relaxed);
-            c.prompt_tokens
-                .fetch_add(u.prompt_tokens, Ordering::Relaxed);
-            let reused = u.reused_tokens.unwrap_or(0);
-            c.reused_tokens.fetch_add(reused, Ordering::Relaxed);
+            // Only the answers that said their reuse count against it.
+            match u.reused_tokens {
+                Some(reused) => {
+                    c.prompt_tokens
+                        .fetch_add(u.prompt_tokens, Ordering::Relaxed);
+                    c.reused_tokens.fetch_add(reused, Ordering::Relaxed);
+                }
+                None => {
+                    c.unreported_prompt_tokens
+                        .fetch_add(u.prompt_tokens, Ordering::Relaxed);
+                }
+            }
         }
         if verdict == Verdict::HeldLess {
             bump(&capacity.counters.corrections);

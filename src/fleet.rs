@@ -825,11 +825,13 @@ pub struct BackendStatus {
     /// Answers that reported their usage (see
     /// [`SessionAffinityLayer::observe_usage`](crate::SessionAffinityLayer::observe_usage)).
     pub usage_reports: u64,
-    /// Prompt tokens those answers reported.
+    /// Prompt tokens of those answers that said how many they reused.
     pub prompt_tokens: u64,
     /// Of them, the tokens the backend said it reused from its cache: `reused_tokens /
     /// prompt_tokens` is the reuse its placement achieved.
     pub reused_tokens: u64,
+    /// Prompt tokens of the answers that did not say how many they reused.
+    pub unreported_prompt_tokens: u64,
     /// Answers that reused less than half the share of their prompt the cache model
     /// predicted, where it predicted at least a quarter; each corrected the model. Few against `usage_reports` means the model predicts well.
     pub corrections: u64,
@@ -882,6 +884,7 @@ impl Topology {
                     usage_reports: l.reports.load(Ordering::Relaxed),
                     prompt_tokens: l.prompt_tokens.load(Ordering::Relaxed),
                     reused_tokens: l.reused_tokens.load(Ordering::Relaxed),
+                    unreported_prompt_tokens: l.unreported_prompt_tokens.load(Ordering::Relaxed),
                     corrections: l.corrections.load(Ordering::Relaxed),
                     prefill_rate: l
                         .prefill_rate()

@@ -62,14 +62,17 @@ const MIN_PREDICTED_SHARE: f64 = 0.25;
 pub(crate) struct Learned {
     /// Answers that reported usage.
     pub(crate) reports: AtomicU64,
-    /// Prompt tokens those answers reported.
+    /// Prompt tokens of those answers that said how many they reused.
     pub(crate) prompt_tokens: AtomicU64,
-    /// Of them, reused tokens (counted only from answers that say).
+    /// Of them, reused tokens.
     pub(crate) reused_tokens: AtomicU64,
+    /// Prompt tokens of the answers that did not say how many they reused.
+    pub(crate) unreported_prompt_tokens: AtomicU64,
     /// Answers whose reuse was far below the cache model's prediction.
     pub(crate) corrections: AtomicU64,
-    /// Whether this backend has ever reported its reuse: from then on an answer that leaves
-    /// it out reused nothing (vLLM omits `cached_tokens` when it is 0).
+    /// Whether this backend has ever reported its reuse in the OpenAI chat and completions
+    /// shape: from then on an answer in that shape that leaves it out reused nothing (vLLM
+    /// omits `cached_tokens` when it is 0).
     says_reuse: AtomicBool,
     /// Time to first byte: sum in milliseconds, and count.
     pub(crate) first_byte_ms: AtomicU64,
@@ -152,16 +155,19 @@ impl Learned {
             return (None, Verdict::Fine);
         };
         match usage.reused_tokens {
+            _ if !usage.zero_left_out => {}
             Some(_) => self.says_reuse.store(true, Ordering::Relaxed),
             None if self.says_reuse.load(Ordering::Relaxed) => usage.reused_tokens = Some(0),
             None => {}
         }
         self.reports.fetch_add(1, Ordering::Relaxed);
-        self.prompt_tokens
-            .fetch_add(usage.prompt_tokens, Ordering::Relaxed);
         let Some(reused) = usage.reused_tokens else {
+            self.unreported_prompt_tokens
+                .fetch_add(usage.prompt_tokens, Ordering::Relaxed);
             return (Some(usage), Verdict::Fine);
         };
+        self.prompt_tokens
+            .fetch_add(usage.prompt_tokens, Ordering::Relaxed);
         self.reused_tokens.fetch_add(reused, Ordering::Relaxed);
         if let Some(p) = predicted.filter(|p| p.prompt_tokens > 0) {
             blend(
@@ -316,12 +322,14 @@ impl Prior {
 mod tests {
     use super::*;
 
+    /// An answer in the OpenAI chat shape.
     fn answer(prompt: u64, reused: Option<u64>, first_byte_ms: u64) -> Answer {
         Answer {
             usage: Some(Usage {
                 prompt_tokens: prompt,
                 reused_tokens: reused,
                 prompt_time: None,
+                zero_left_out: true,
             }),
             first_byte: Some(Duration::from_millis(first_byte_ms)),
             duration: Duration::from_secs(10),
@@ -395,6 +403,30 @@ mod tests {
         l.learn(&answer(100, Some(50), 10), None);
         let (u, _) = l.learn(&answer(100, None, 10), None);
         assert_eq!(u.unwrap().reused_tokens, Some(0));
+        // Only the answers that said their reuse count against it.
+        let count = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        assert_eq!(count(&l.prompt_tokens), 200);
+        assert_eq!(count(&l.reused_tokens), 50);
+        assert_eq!(count(&l.unreported_prompt_tokens), 100);
+    }
+
+    #[test]
+    fn an_answer_in_a_shape_that_never_says_its_reuse_is_not_read_as_reusing_nothing() {
+        // vLLM's chat endpoint says its reuse; its Anthropic endpoint has no such figure.
+        let l = Learned::default();
+        l.learn(&answer(1_000, Some(900), 10), None);
+        let messages = br#"{"type":"message","usage":{"input_tokens":1100,"output_tokens":5}}"#;
+        let anthropic = Answer {
+            usage: Usage::from_body(messages),
+            ..answer(0, None, 10)
+        };
+        let (u, verdict) = l.learn(&anthropic, None);
+        assert_eq!(u.unwrap().reused_tokens, None);
+        assert_eq!(verdict, Verdict::Fine);
+        let count = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        assert_eq!(count(&l.prompt_tokens), 1_000);
+        assert_eq!(count(&l.reused_tokens), 900);
+        assert_eq!(count(&l.unreported_prompt_tokens), 1_100);
     }
 
     #[test]

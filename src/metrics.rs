@@ -30,8 +30,9 @@
 //! | `tower_affinity_backend_errors_total` | counter | | requests whose backend failed, over the fleet |
 //! | `tower_affinity_discovery_errors_total` | counter | | errors from the discovery stream |
 //! | `tower_affinity_backend_failures_total` | counter | `backend`, `node` | requests that failed on this backend |
-//! | `tower_affinity_backend_prompt_tokens_total` | counter | `backend`, `node` | prompt tokens its answers reported |
+//! | `tower_affinity_backend_prompt_tokens_total` | counter | `backend`, `node` | prompt tokens of its answers that said how many they reused |
 //! | `tower_affinity_backend_reused_tokens_total` | counter | `backend`, `node` | of them, reused from its cache |
+//! | `tower_affinity_backend_unreported_prompt_tokens_total` | counter | `backend`, `node` | prompt tokens of its answers that did not say (vLLM's Anthropic endpoint, or vLLM without `--enable-prompt-tokens-details`) |
 //! | `tower_affinity_backend_corrections_total` | counter | `backend`, `node` | answers far below the cache model's prediction |
 //! | `tower_affinity_backend_first_byte_seconds` | histogram | `backend`, `node` | dispatch to the answer's first byte |
 //! | `tower_affinity_in_flight` | gauge | | requests in flight (published) |
@@ -101,6 +102,8 @@ pub(crate) struct BackendMetrics {
     #[cfg(feature = "metrics")]
     reused_tokens: Counter,
     #[cfg(feature = "metrics")]
+    unreported_prompt_tokens: Counter,
+    #[cfg(feature = "metrics")]
     corrections: Counter,
     #[cfg(feature = "metrics")]
     first_byte: Histogram,
@@ -119,6 +122,10 @@ impl BackendMetrics {
                 failures: counter!("tower_affinity_backend_failures_total", &labels),
                 prompt_tokens: counter!("tower_affinity_backend_prompt_tokens_total", &labels),
                 reused_tokens: counter!("tower_affinity_backend_reused_tokens_total", &labels),
+                unreported_prompt_tokens: counter!(
+                    "tower_affinity_backend_unreported_prompt_tokens_total",
+                    &labels
+                ),
                 corrections: counter!("tower_affinity_backend_corrections_total", &labels),
                 first_byte: histogram!("tower_affinity_backend_first_byte_seconds", &labels),
             }
@@ -136,11 +143,17 @@ impl BackendMetrics {
     }
 
     #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
-    pub(crate) fn answer(&self, prompt: u64, reused: u64, correction: bool) {
+    pub(crate) fn answer(&self, prompt: u64, reused: Option<u64>, correction: bool) {
         #[cfg(feature = "metrics")]
         {
-            self.prompt_tokens.increment(prompt);
-            self.reused_tokens.increment(reused);
+            // Only the answers that said their reuse count against it.
+            match reused {
+                Some(reused) => {
+                    self.prompt_tokens.increment(prompt);
+                    self.reused_tokens.increment(reused);
+                }
+                None => self.unreported_prompt_tokens.increment(prompt),
+            }
             if correction {
                 self.corrections.increment(1);
             }

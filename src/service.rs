@@ -473,10 +473,13 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         // A backend can move to another node (discovery updated it): its node now is the home
         // node. A removed backend leaves the node it had.
         let home_node = known.map(|h| home_backend.map_or(h.node, |b| t.member(b).node));
-        let chain = extensions
-            .get::<PromptFacts>()
-            .map(|f| &f.chain)
-            .filter(|c| !c.is_empty());
+        let facts = extensions.get::<PromptFacts>();
+        let chain = facts.map(|f| &f.chain).filter(|c| !c.is_empty());
+        // The backend storing the response this request continues, if it is in the fleet:
+        // the request goes there or nowhere, while it is up.
+        let mut pinned = facts
+            .and_then(|f| f.stored_on.as_ref())
+            .and_then(|id| t.index_of(id.as_str()));
         // What the home holds, and how many of the chain's links it is known to hold.
         let mut home_links = 0;
         let home = home_node.map(|node| {
@@ -497,7 +500,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         // its prompt). A waiter is woken first by a slot there.
         let home_cache = home.map_or(HomeCache::Unknown, |h| h.cache);
         let own_prefix = prefix.filter(|p| p.own).map(|p| p.backend.index);
-        let (cache_backend, cache_node) = match home_cache {
+        let (mut cache_backend, mut cache_node) = match home_cache {
             HomeCache::Holds | HomeCache::Unknown | HomeCache::Compacted if home_node.is_some() => {
                 (home_backend, home_node)
             }
@@ -516,18 +519,30 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
                 (held, held.map(|b| t.member(b).node).or(home_node))
             }
         };
-        let mut only_node = home_node.filter(|_| scope == Scope::Node);
-        let mut only_backend = cache_backend.filter(|_| scope == Scope::Backend);
+        if let Some(b) = pinned {
+            (cache_backend, cache_node) = (Some(b), Some(t.member(b).node));
+        }
+        let mut only_node = home_node.filter(|_| scope == Scope::Node && pinned.is_none());
+        let mut only_backend = pinned.or(cache_backend.filter(|_| scope == Scope::Backend));
         let candidates = loop {
             let mut c = Candidates::acquire(t, now_ms)
                 .only_node(only_node)
                 .only_backend(only_backend);
-            self.placement.place(&view, &request, &mut c);
-            // Nothing healthy left where it waits: nothing to wait for there.
+            match pinned {
+                Some(b) => {
+                    let _ = c.offer(BackendRef::new(t, b));
+                }
+                None => self.placement.place(&view, &request, &mut c),
+            }
+            // Nothing healthy left where it waits: nothing to wait for there. A pinned
+            // backend that is down is placed around as any request would be.
             let narrowed = only_node.is_some() || only_backend.is_some();
             if narrowed && c.chosen().is_none() && c.first().is_none() {
                 only_node = None;
                 only_backend = None;
+                if pinned.take().is_some() {
+                    (cache_backend, cache_node) = (None, None);
+                }
                 continue;
             }
             break c;
@@ -540,6 +555,8 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         };
         let full = || Placed::Full {
             home: match (only_node, only_backend) {
+                // Held out for to the end: no other backend can answer it.
+                _ if pinned.is_some() => wait_home(Scope::Backend, Duration::MAX),
                 (Some(_), _) => wait_home(Scope::Node, self.node_patience),
                 (_, Some(_)) => wait_home(Scope::Backend, Duration::ZERO),
                 _ => wait_home(Scope::Any, Duration::ZERO),

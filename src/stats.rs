@@ -146,10 +146,15 @@ pub struct Stats {
     pub discovery_errors: u64,
     /// Answers that reported their usage.
     pub usage_reports: u64,
-    /// Prompt tokens those answers reported.
+    /// Prompt tokens of those answers that said how many they reused.
     pub prompt_tokens: u64,
-    /// Of them, tokens the backends said they reused from their caches.
+    /// Of them, tokens the backends said they reused from their caches: `reused_tokens /
+    /// prompt_tokens` is the reuse placement achieved.
     pub reused_tokens: u64,
+    /// Prompt tokens of the answers that did not say how many they reused (a backend that
+    /// does not report it, such as vLLM without `--enable-prompt-tokens-details`, or vLLM's
+    /// Anthropic endpoint): counted apart, so that they do not read as reusing nothing.
+    pub unreported_prompt_tokens: u64,
     /// Answers that reused less than half the share of their prompt the cache model
     /// predicted, where it predicted at least a quarter (each corrected it).
     pub corrections: u64,
@@ -219,6 +224,7 @@ pub(crate) struct Counters {
     pub(crate) usage_reports: AtomicU64,
     pub(crate) prompt_tokens: AtomicU64,
     pub(crate) reused_tokens: AtomicU64,
+    pub(crate) unreported_prompt_tokens: AtomicU64,
     pub(crate) corrections: AtomicU64,
 }
 
@@ -291,6 +297,7 @@ impl Counters {
             usage_reports: l(&self.usage_reports),
             prompt_tokens: l(&self.prompt_tokens),
             reused_tokens: l(&self.reused_tokens),
+            unreported_prompt_tokens: l(&self.unreported_prompt_tokens),
             corrections: l(&self.corrections),
             ..Stats::default()
         }

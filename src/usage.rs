@@ -16,7 +16,9 @@
 //! [`BodyKeyLayer::ask_stream_usage`](crate::key::BodyKeyLayer::ask_stream_usage) asked on its
 //! behalf; vLLM reports `cached_tokens` only with
 //! `--enable-prompt-tokens-details`, and leaves it out when it is 0, so an answer without it
-//! says nothing about reuse (see [`Usage::reused_tokens`]).
+//! says nothing about reuse (see [`Usage::reused_tokens`]) until its backend has once said
+//! it, in that shape. vLLM's Anthropic endpoint (`/v1/messages`) reports `input_tokens`
+//! alone: its answers never say their reuse.
 //!
 //! The scanner looks for the members `"usage"` and `"timings"` wherever they are (top level of
 //! a chat answer, inside `response` in a Responses stream, inside `message` in an Anthropic
@@ -58,6 +60,10 @@ pub struct Usage {
     pub reused_tokens: Option<u64>,
     /// How long the backend took to read the rest (llama.cpp's `timings.prompt_ms`), if it says.
     pub prompt_time: Option<Duration>,
+    /// The answer is in the OpenAI chat and completions shape (`usage.prompt_tokens`), where a
+    /// backend may leave the reused figure out when it is 0: vLLM does. In the other shapes
+    /// a missing figure means the backend does not report one (vLLM's Anthropic endpoint).
+    pub(crate) zero_left_out: bool,
 }
 
 impl Usage {
@@ -269,6 +275,7 @@ impl UsageScanner {
                 prompt_tokens: read.saturating_add(cached),
                 reused_tokens: Some(cached),
                 prompt_time,
+                zero_left_out: false,
             });
         }
         let (prompt_tokens, reused_tokens) = if let Some(p) = w.prompt_tokens {
@@ -291,6 +298,7 @@ impl UsageScanner {
             prompt_tokens,
             reused_tokens: reused_tokens.map(|r| r.min(prompt_tokens)),
             prompt_time,
+            zero_left_out: w.prompt_tokens.is_some(),
         })
     }
 }

@@ -634,16 +634,21 @@ impl Collector for AffinityCollector {
         }
         // What the backends' answers reported: reused over prompt tokens is the reuse
         // placement achieved, one PromQL division.
-        let per_backend: [Reported; 3] = [
+        let per_backend: [Reported; 4] = [
             (
                 "tower_affinity_backend_prompt_tokens",
-                "Prompt tokens the backend's answers reported",
+                "Prompt tokens of the backend's answers that said how many they reused",
                 |b| b.prompt_tokens,
             ),
             (
                 "tower_affinity_backend_reused_tokens",
                 "Of them, tokens the backend reused from its cache",
                 |b| b.reused_tokens,
+            ),
+            (
+                "tower_affinity_backend_unreported_prompt_tokens",
+                "Prompt tokens of the backend's answers that did not say how many they reused",
+                |b| b.unreported_prompt_tokens,
             ),
             (
                 "tower_affinity_backend_corrections",

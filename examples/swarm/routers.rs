@@ -181,6 +181,7 @@ impl Router {
             all.usage_reports += s.usage_reports;
             all.prompt_tokens += s.prompt_tokens;
             all.reused_tokens += s.reused_tokens;
+            all.unreported_prompt_tokens += s.unreported_prompt_tokens;
             all.corrections += s.corrections;
         }
         all

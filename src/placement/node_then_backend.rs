@@ -140,7 +140,10 @@ impl NodeThenBackend {
     /// What it costs agreement: two router replicas place a new session alike as long as
     /// neither sees its first rendezvous choice at the bound. Each counts the conversations it
     /// placed itself, so near the bound they may choose differently; a shared session store
-    /// then makes the first placement the one both follow.
+    /// then makes the first placement the one both follow. And the bound holds per replica:
+    /// `r` replicas that place new conversations at the same time may home up to `r` times it
+    /// on one backend, above all on the backends holding a system prompt every conversation
+    /// shares, which draw new ones up to the bound in each replica.
     pub fn conversation_bound(mut self, epsilon: f64) -> Self {
         self.conversation_bound = Some(self::epsilon(epsilon));
         self

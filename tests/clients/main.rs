@@ -615,3 +615,92 @@ async fn qwen_code_sends_no_key_and_is_keyless() {
     let headers = [("user-agent", "QwenCode/0.2.0 (linux; x64)")];
     assert_keyless(&Proxy::new(), "/v1/chat/completions", &headers, body).await;
 }
+
+/// A Responses API backend that stores its responses in its own memory, as vLLM does:
+/// a request naming a response another backend stored is answered 404.
+fn storing_backend(
+    name: &'static str,
+) -> impl tower::Service<
+    Req,
+    Response = http::Response<String>,
+    Error = Infallible,
+    Future = impl Send,
+> + Clone
+       + Send {
+    let stored = Arc::new(Mutex::new(Vec::<String>::new()));
+    service_fn(move |req: Req| {
+        let stored = stored.clone();
+        async move {
+            use http_body_util::BodyExt;
+            let body = req.into_body().collect().await.unwrap().to_bytes();
+            let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            let mut stored = stored.lock();
+            if let Some(previous) = body["previous_response_id"].as_str() {
+                if !stored.iter().any(|id| id == previous) {
+                    let mut res =
+                        http::Response::new(format!("Response with id '{previous}' not found."));
+                    *res.status_mut() = http::StatusCode::NOT_FOUND;
+                    return Ok(res);
+                }
+            }
+            let id = format!("resp_{name}_{}", stored.len());
+            stored.push(id.clone());
+            Ok(http::Response::new(
+                json!({"id": id, "object": "response"}).to_string(),
+            ))
+        }
+    })
+}
+
+/// Clients of the Responses API that let the server keep the conversation (the OpenAI Agents
+/// SDK, `previous_response_id`) send only the new input. Only the backend that stored the
+/// response can continue it, so the request waits for that backend rather than spilling.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_responses_client_continuing_a_stored_response_reaches_the_backend_storing_it() {
+    use http_body_util::BodyExt;
+    let slot = NonZeroU32::new(1).unwrap();
+    let fleet = StaticFleet::new([
+        (
+            "a1",
+            Backend::new("node-a", storing_backend("a1")).slots(slot),
+        ),
+        (
+            "a2",
+            Backend::new("node-a", storing_backend("a2")).slots(slot),
+        ),
+    ]);
+    let affinity = SessionAffinityLayer::new()
+        .key(FirstOf::new(HeaderKey::default(), ExtensionKey))
+        .layer(fleet);
+    let svc = BodyKeyLayer::new().layer(affinity);
+    let send = |body: serde_json::Value| {
+        let req = http::Request::post("/v1/responses")
+            .header("x-session-id", "s")
+            .body(Full::new(Bytes::from(body.to_string())))
+            .unwrap();
+        svc.clone().oneshot(req)
+    };
+    let answer = |res: http::Response<_>| async move {
+        let status = res.status();
+        let bytes = BodyExt::collect(res.into_body()).await.unwrap().to_bytes();
+        let body: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
+        (status, body["id"].as_str().unwrap_or_default().to_string())
+    };
+    let (status, first) = answer(send(json!({"input": "q1"})).await.unwrap()).await;
+    assert_eq!(status, 200);
+    // A turn of the session's in flight takes its home's only slot.
+    let held = send(json!({"input": "q1, again"})).await.unwrap();
+    let home = held.extensions().get::<Decision>().unwrap().backend.clone();
+    assert!(first.starts_with(&format!("resp_{home}")));
+    // The turn continuing the first response waits for that slot, where a turn of the session
+    // would spill to the other backend, which would answer 404.
+    let mut next =
+        tokio_test::task::spawn(send(json!({"previous_response_id": first, "input": "q2"})));
+    assert!(next.poll().is_pending());
+    drop(held);
+    let res = next.await.unwrap();
+    assert_eq!(res.extensions().get::<Decision>().unwrap().backend, home);
+    let (status, id) = answer(res).await;
+    assert_eq!(status, 200);
+    assert!(id.starts_with(&format!("resp_{home}")));
+}

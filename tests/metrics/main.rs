@@ -16,6 +16,9 @@ use tower_affinity::{Backend, SessionAffinityLayer};
 
 const ANSWER: &str =
     r#"{"usage":{"prompt_tokens":1200,"prompt_tokens_details":{"cached_tokens":1024}}}"#;
+/// vLLM's answer on its Anthropic endpoint: no figure of reuse.
+const MESSAGES_ANSWER: &str =
+    r#"{"type":"message","usage":{"input_tokens":1100,"output_tokens":3}}"#;
 
 type Entry = (
     CompositeKey,
@@ -60,8 +63,12 @@ fn recorded<T>(f: impl std::future::Future<Output = T>) -> (T, Vec<Entry>) {
 #[test]
 fn decisions_reported_tokens_and_levels_reach_the_recorder() {
     let ((), snapshot) = recorded(async {
-        let backend = service_fn(|_req: http::Request<String>| async {
-            let mut res = http::Response::new(Full::new(Bytes::from_static(ANSWER.as_bytes())));
+        let backend = service_fn(|req: http::Request<String>| async move {
+            let answer = match req.uri().path() {
+                "/v1/messages" => MESSAGES_ANSWER,
+                _ => ANSWER,
+            };
+            let mut res = http::Response::new(Full::new(Bytes::from_static(answer.as_bytes())));
             res.headers_mut()
                 .insert("content-type", "application/json".parse().unwrap());
             Ok::<_, Infallible>(res)
@@ -71,8 +78,12 @@ fn decisions_reported_tokens_and_levels_reach_the_recorder() {
             Backend::new("node-a", backend).slots(NonZeroU32::new(2).unwrap()),
         )]);
         let svc = SessionAffinityLayer::new().layer(fleet);
-        for _ in 0..2 {
-            let req = http::Request::post("/v1/chat/completions")
+        for path in [
+            "/v1/chat/completions",
+            "/v1/chat/completions",
+            "/v1/messages",
+        ] {
+            let req = http::Request::post(path)
                 .header("x-session-id", "s")
                 .body(String::new())
                 .unwrap();
@@ -92,7 +103,7 @@ fn decisions_reported_tokens_and_levels_reach_the_recorder() {
     );
     assert_eq!(
         counter("tower_affinity_decisions_total", &[("outcome", "home-hit")]),
-        Some(&DebugValue::Counter(1))
+        Some(&DebugValue::Counter(2))
     );
     let backend = [("backend", "a1"), ("node", "node-a")];
     assert_eq!(
@@ -103,13 +114,21 @@ fn decisions_reported_tokens_and_levels_reach_the_recorder() {
         counter("tower_affinity_backend_reused_tokens_total", &backend),
         Some(&DebugValue::Counter(2048))
     );
+    // An answer that does not say its reuse is counted apart, not as reusing nothing.
+    assert_eq!(
+        counter(
+            "tower_affinity_backend_unreported_prompt_tokens_total",
+            &backend
+        ),
+        Some(&DebugValue::Counter(1100))
+    );
     let first_bytes = value(
         &snapshot,
         MetricKind::Histogram,
         "tower_affinity_backend_first_byte_seconds",
         &backend,
     );
-    assert!(matches!(first_bytes, Some(DebugValue::Histogram(v)) if v.len() == 2));
+    assert!(matches!(first_bytes, Some(DebugValue::Histogram(v)) if v.len() == 3));
     let gauge = |name: &str| value(&snapshot, MetricKind::Gauge, name, &backend);
     assert_eq!(
         gauge("tower_affinity_backend_slots"),

@@ -13,11 +13,11 @@ use tokio_test::{assert_pending, assert_ready};
 use tower::discover::Discover;
 use tower::{Layer, Service, ServiceExt};
 use tower_affinity::discover::{self, StaticFleet};
-use tower_affinity::key::HeaderKey;
+use tower_affinity::key::{HeaderKey, PromptFacts};
 use tower_affinity::placement::Placement;
 use tower_affinity::{
-    Backend, Decision, Error, Outcome, Overflow, ResponseBody, RetryOnce, SessionAffinity,
-    SessionAffinityLayer,
+    Backend, Decision, Error, Outcome, Overflow, PromptChain, ResponseBody, RetryOnce,
+    SessionAffinity, SessionAffinityLayer,
 };
 
 type Res = http::Response<ResponseBody<MockBody>>;
@@ -608,6 +608,123 @@ async fn overcommit_sends_to_the_first_candidate_anyway() {
     drop(first);
     assert_eq!(in_flight(&svc, home.as_str()), 0);
     assert_eq!(svc.stats().overcommitted, 1);
+}
+
+/// A request continuing a response that `on` stores (the Responses API's
+/// `previous_response_id`, as `BodyKeyLayer` marks it).
+fn continuing(session: Option<&str>, mode: Option<&str>, on: &str) -> Req {
+    let mut req = request(session, mode);
+    let mut facts = PromptFacts::from_chain(PromptChain::default());
+    facts.stored_on = Some(on.into());
+    req.extensions_mut().insert(facts);
+    req
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_request_continuing_a_stored_response_waits_for_the_backend_storing_it() {
+    let streams = Streams::default();
+    let mut svc =
+        SessionAffinityLayer::new().layer(fleet(&[("a1", "a", 1), ("a2", "a", 1)], &streams));
+    let busy = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+    let home = decision(&busy).backend;
+    // Its session would spill to the free backend beside its home; a turn that continues a
+    // response its home stores waits for it, as no other backend can answer it.
+    svc.ready().await.unwrap();
+    let mut next = tokio_test::task::spawn(svc.call(continuing(Some("s"), None, home.as_str())));
+    assert_pending!(next.poll());
+    assert_eq!(svc.stats().waiting, 1);
+    tokio::time::advance(Duration::from_secs(30)).await;
+    assert_pending!(next.poll());
+    let (_, tx) = streams.take().unwrap();
+    drop(tx);
+    busy.into_body().collect().await.unwrap();
+    assert!(next.is_woken());
+    let d = decision(&assert_ready!(next.poll()).unwrap());
+    assert_eq!((d.backend, d.outcome), (home, Outcome::HomeHit));
+    assert_eq!(d.waited, Some(Duration::from_secs(30)));
+    // A keyless one, by any policy, goes to the backend storing its response.
+    use tower_affinity::placement::{LeastLoaded, NodeThenBackend, Rendezvous, RoundRobin};
+    let policies: Vec<Box<dyn Placement>> = vec![
+        Box::new(NodeThenBackend::new()),
+        Box::new(RoundRobin::new()),
+        Box::new(LeastLoaded::new()),
+        Box::new(Rendezvous),
+    ];
+    for p in policies {
+        let mut svc = SessionAffinityLayer::new()
+            .placement(std::sync::Arc::new(p))
+            .layer(fleet(TWO_BY_TWO, &streams));
+        for _ in 0..4 {
+            let res = svc
+                .ready()
+                .await
+                .unwrap()
+                .call(continuing(None, None, "b2"));
+            assert_eq!(decision(&res.await.unwrap()).backend.as_str(), "b2");
+        }
+    }
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_request_continuing_a_stored_response_is_refused_rather_than_sent_elsewhere() {
+    let streams = Streams::default();
+    let two = || fleet(&[("a1", "a", 1), ("a2", "a", 1)], &streams);
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::Reject)
+        .layer(two());
+    let busy = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+    let on = decision(&busy).backend;
+    let call = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(continuing(None, None, on.as_str()));
+    assert!(matches!(call.await.unwrap_err(), Error::Saturated { .. }));
+    // Waiting, it gives up when the wait does, though the other backend is free all along.
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::Wait {
+            max_wait: Duration::from_secs(20),
+            max_queued: 8,
+        })
+        .layer(two());
+    let busy = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+    let on = decision(&busy).backend;
+    let started = tokio::time::Instant::now();
+    let call = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(continuing(None, None, on.as_str()));
+    assert!(matches!(call.await.unwrap_err(), Error::Saturated { .. }));
+    assert_eq!(started.elapsed(), Duration::from_secs(20));
+    assert_eq!((svc.stats().waiting, svc.stats().in_flight), (0, 1));
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_response_stored_on_a_backend_gone_or_down_does_not_hold_its_request_back() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .failure_cooldown(Duration::from_secs(5))
+        .layer(fleet(&[("a1", "a", 1), ("a2", "a", 1)], &streams));
+    // Stored on a backend that has left the fleet: placed as any request is.
+    let res = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(continuing(Some("s"), None, "gone"));
+    assert_eq!(decision(&res.await.unwrap()).outcome, Outcome::NewSession);
+    // Stored on a backend down for its cooldown: placed around it.
+    let home = turn(&mut svc, "s").await.backend;
+    send(&mut svc, Some("s"), Some("fail")).await.unwrap_err();
+    let res = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(continuing(Some("s"), None, home.as_str()));
+    let d = decision(&res.await.unwrap());
+    assert_ne!(d.backend, home);
+    assert_eq!(d.outcome, Outcome::SameNodeSpill);
+    assert_eq!(svc.stats().in_flight, 0);
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]

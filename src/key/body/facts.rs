@@ -2,7 +2,7 @@
 
 use super::inspect::Config;
 use super::leading::LeadingMessages;
-use crate::PromptChain;
+use crate::{BackendId, PromptChain};
 
 /// What a [`BodyKey`](super::BodyKey) learned about a request's prompt, put in the request's
 /// extensions for placement policies and metrics to read.
@@ -52,19 +52,31 @@ pub struct PromptFacts {
     pub body_bytes: usize,
     /// How many entries the body's `messages` array has (0 if none).
     pub messages: usize,
-    /// The prompt's chain: empty if the body has no prompt.
+    /// The prompt's chain: empty if the body has no prompt, or if it continues a stored
+    /// response (`previous_response_id`) whose conversation the layer does not know.
     pub chain: PromptChain,
+    /// The backend that answered the response this request continues (the OpenAI Responses
+    /// API's `previous_response_id`), when the layer saw that answer. That backend stores the
+    /// conversation and no other can continue it (vLLM keeps stored responses in its
+    /// process's memory), so the service sends the request there, whatever the policy,
+    /// waiting for a slot there if it must (as [`Overflow`](crate::Overflow) says) rather
+    /// than spilling. A backend that has left the fleet or is down does not hold it back:
+    /// it is then placed as any request is. See
+    /// [`BodyKeyLayer::pin_stored_responses`](crate::key::BodyKeyLayer::pin_stored_responses).
+    pub stored_on: Option<BackendId>,
     /// The leading messages' text, for [`leading_digest`](Self::leading_digest).
     pub(super) leading: Option<LeadingMessages>,
 }
 
-/// Facts are equal when their sizes, message counts, leading digests and chains are: the
-/// leading messages' whitespace does not count, as it does not in the digest.
+/// Facts are equal when their sizes, message counts, leading digests, chains and stored
+/// responses' backends are: the leading messages' whitespace does not count, as it does not
+/// in the digest.
 impl PartialEq for PromptFacts {
     fn eq(&self, other: &Self) -> bool {
         self.body_bytes == other.body_bytes
             && self.messages == other.messages
             && self.chain == other.chain
+            && self.stored_on == other.stored_on
             && self.leading_digest() == other.leading_digest()
     }
 }
@@ -121,6 +133,7 @@ impl PromptFacts {
             body_bytes: chain.links().last().map_or(0, |l| l.bytes as usize),
             messages: 0,
             chain,
+            stored_on: None,
             leading: None,
         }
     }

@@ -21,7 +21,7 @@ use super::inspect::Config;
 use super::responses::IdSniffer;
 use super::BodyKeyResponseBody;
 use crate::body::InnerOrBytes;
-use crate::BoxError;
+use crate::{BoxError, Decision};
 
 // === Buffer ===
 
@@ -279,17 +279,24 @@ where
                     let mut bytes = buf.take();
                     let (mut sniff, mut strip) = (None, None);
                     if config.reads(&parts.headers) {
-                        let (key, facts, streams_unasked) = config.inspect_stream(&bytes);
-                        if let Some(key) = key {
+                        let inspected = config.inspect_request(&bytes);
+                        let facts = inspected.facts;
+                        if let Some(key) = inspected.key {
                             parts.extensions.insert(key);
                         }
-                        if !facts.chain.is_empty() && parts.uri.path().ends_with("/responses") {
+                        let known = !facts.chain.is_empty();
+                        if (known || inspected.continues)
+                            && parts.uri.path().ends_with("/responses")
+                        {
+                            // What the answer's id will stand for: this prompt, unless it
+                            // continues a conversation not known here.
+                            let chain = known.then(|| facts.chain.clone());
                             let store = config.responses.clone();
-                            sniff = Some(Box::new(IdSniffer::new(facts.chain.clone(), store)));
+                            sniff = Some(Box::new(IdSniffer::new(chain, store)));
                         }
                         parts.extensions.insert(facts);
                         let asks = config.ask_stream_usage
-                            && streams_unasked
+                            && inspected.streams_unasked
                             && ask::asks_for(parts.uri.path());
                         if let Some(asked) = asks.then(|| ask::ask(&bytes)).flatten() {
                             bytes = asked;
@@ -310,7 +317,11 @@ where
                 }
                 StateProj::Calling { fut, sniff, strip } => {
                     let mut res = ready!(fut.poll(cx))?;
-                    let sniff = sniff.take();
+                    let mut sniff = sniff.take();
+                    if let Some(sniff) = &mut sniff {
+                        let decision = res.extensions().get::<Decision>();
+                        sniff.answered_by(decision.map(|d| d.backend.clone()));
+                    }
                     // Only an event stream as it was sent carries the chunk to take out.
                     let strip = strip
                         .take()

@@ -13,7 +13,7 @@ use serde_json::Value;
 
 use super::leading::LeadingMessages;
 use super::prompt::{self, Items, Part, PartValue, PromptMembers};
-use super::responses::ResponseChains;
+use super::responses::StoredResponses;
 use super::PromptFacts;
 use crate::key::{HeaderKey, SessionKey};
 
@@ -29,8 +29,10 @@ pub(crate) struct Config {
     pub(crate) read_timeout: Option<Duration>,
     /// The body is left unread when these headers carry a key.
     pub(crate) skip_when: Option<HeaderKey>,
-    /// The chains of the latest Responses API answers, for `previous_response_id`.
-    pub(crate) responses: Arc<ResponseChains>,
+    /// The latest Responses API answers, for `previous_response_id`.
+    pub(crate) responses: Arc<StoredResponses>,
+    /// Whether a request naming a stored response is sent to the backend that answered it.
+    pub(crate) pin_stored_responses: bool,
     /// Whether a stream that did not ask for its usage is asked for it on its behalf.
     pub(crate) ask_stream_usage: bool,
 }
@@ -43,7 +45,8 @@ impl Config {
             limit,
             read_timeout: None,
             skip_when: None,
-            responses: Arc::new(ResponseChains::new(ResponseChains::DEFAULT_CAPACITY)),
+            responses: Arc::new(StoredResponses::new(StoredResponses::DEFAULT_CAPACITY)),
+            pin_stored_responses: true,
             ask_stream_usage: false,
         }
     }
@@ -76,13 +79,14 @@ impl Config {
     /// but inside the items of the prompt's arrays, which are checked as serde's raw values
     /// are: a lone surrogate's escape or a number past `f64`'s range is taken there.
     pub(crate) fn inspect(&self, body: &[u8]) -> (Option<SessionKey>, PromptFacts) {
-        let (key, facts, _) = self.inspect_with(body, true);
-        (key, facts)
+        let i = self.inspect_with(body, true);
+        (i.key, i.facts)
     }
 
-    /// [`inspect`](Self::inspect), also saying whether the body asks to be streamed (a
-    /// top-level `"stream": true`) without saying anything of `stream_options`.
-    pub(crate) fn inspect_stream(&self, body: &[u8]) -> (Option<SessionKey>, PromptFacts, bool) {
+    /// [`inspect`](Self::inspect), also saying what the layer does with the request besides:
+    /// whether it asks to be streamed without asking for its usage, and whether it names a
+    /// previous response.
+    pub(crate) fn inspect_request(&self, body: &[u8]) -> Inspected {
         self.inspect_with(body, true)
     }
 
@@ -90,20 +94,26 @@ impl Config {
     /// the reference the member-by-member reading is held to.
     #[cfg(test)]
     pub(crate) fn inspect_whole(&self, body: &[u8]) -> (Option<SessionKey>, PromptFacts) {
-        let (key, facts, _) = self.inspect_with(body, false);
-        (key, facts)
+        let i = self.inspect_with(body, false);
+        (i.key, i.facts)
     }
 
-    fn inspect_with(&self, body: &[u8], walk: bool) -> (Option<SessionKey>, PromptFacts, bool) {
-        let mut facts = PromptFacts {
-            body_bytes: body.len(),
-            messages: 0,
-            chain: Default::default(),
-            leading: None,
+    fn inspect_with(&self, body: &[u8], walk: bool) -> Inspected {
+        let mut out = Inspected {
+            key: None,
+            facts: PromptFacts {
+                body_bytes: body.len(),
+                messages: 0,
+                chain: Default::default(),
+                stored_on: None,
+                leading: None,
+            },
+            streams_unasked: false,
+            continues: false,
         };
         // Most bodies that are not a JSON object are spotted without running the parser.
         if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
-            return (None, facts, false);
+            return out;
         }
         // Items are read member by member where they can be; a body that parse refuses is
         // read again with its items whole, which takes exactly the bodies it took before.
@@ -113,18 +123,26 @@ impl Config {
             Err(_) => None,
         };
         let Some(found) = found else {
-            return (None, facts, false);
+            return out;
         };
-        let streams_unasked = found.stream == Some(true) && !found.stream_options;
-        let base = found
-            .previous
-            .as_deref()
-            .filter(|id| !id.is_empty())
-            .and_then(|id| self.responses.get(id));
-        let Some(chain) = found.prompt.chain(base.as_ref()) else {
-            return (None, facts, streams_unasked);
+        out.streams_unasked = found.stream == Some(true) && !found.stream_options;
+        let previous = found.previous.as_deref().filter(|id| !id.is_empty());
+        out.continues = previous.is_some();
+        // A response not remembered (another router process answered it, or it was
+        // forgotten) leaves the prompt unknown: its chain stays empty, as does that of a
+        // response that itself continued one not remembered.
+        let stored = previous.map(|id| self.responses.get(id).unwrap_or_default());
+        let base = stored.as_ref().map(|s| s.chain.as_ref());
+        let Some(chain) = found.prompt.chain(base.flatten()) else {
+            return out;
         };
-        facts.chain = chain;
+        let facts = &mut out.facts;
+        if base.is_none_or(|b| b.is_some()) {
+            facts.chain = chain;
+        }
+        if self.pin_stored_responses {
+            facts.stored_on = stored.and_then(|s| s.backend);
+        }
         match found.prompt.get(Part::Messages) {
             PartValue::Items(items) => {
                 facts.messages = items.len();
@@ -139,14 +157,26 @@ impl Config {
             }
             _ => {}
         }
-        let key = self.fields.iter().find_map(|path| {
+        out.key = self.fields.iter().find_map(|path| {
             let (first, rest) = path.split_first()?;
             let top = self.tops.iter().position(|t| t == first)?;
             let (_, value) = found.values.iter().find(|(i, _)| *i == top)?;
             key_at(value, rest)
         });
-        (key, facts, streams_unasked)
+        out
     }
+}
+
+/// What a body says, and what the layer does with the request because of it.
+#[derive(Debug)]
+pub(crate) struct Inspected {
+    pub(crate) key: Option<SessionKey>,
+    pub(crate) facts: PromptFacts,
+    /// The body asks to be streamed (a top-level `"stream": true`) without saying anything
+    /// of `stream_options`.
+    pub(crate) streams_unasked: bool,
+    /// It names a previous response (`previous_response_id`).
+    pub(crate) continues: bool,
 }
 
 /// One pass over `body`: what it holds, `None` if there is more after the object, an error if

@@ -40,9 +40,11 @@ use crate::key::HeaderKey;
 ///   server puts the conversation that response ended in front of it. Its chain is the chain
 ///   of the request that response answered, then its input: the layer reads each Responses
 ///   answer's id from its first 4 KiB as it passes (the `id` of a JSON answer, or of the
-///   `response` in a stream's first event) and remembers the chains of the latest 4,096. A
-///   response it never saw (another router process answered it) leaves the request with the
-///   chain of its own input.
+///   `response` in a stream's first event) and remembers, for the latest 4,096, that chain
+///   and the backend that answered. The request goes to that backend, which alone stores
+///   the response (see [`pin_stored_responses`](Self::pin_stored_responses)). A response it
+///   never saw (another router process answered it) leaves the request with an empty chain:
+///   its prompt is not known here.
 /// - A request whose headers already name its session can skip the parse
 ///   ([`skip_when_header`]), at the price of its chain: the cache model then learns nothing
 ///   from it.
@@ -269,6 +271,28 @@ impl BodyKeyLayer {
     /// ```
     pub fn ask_stream_usage(mut self, ask: bool) -> Self {
         Arc::make_mut(&mut self.config).ask_stream_usage = ask;
+        self
+    }
+
+    /// Whether a request that names a previous response (`previous_response_id`) goes to the
+    /// backend that answered that response (default: it does). vLLM keeps stored responses
+    /// in its process's memory, so any other backend answers 404: the layer
+    /// remembers which backend answered each of the latest responses (from the answer's
+    /// [`Decision`](crate::Decision), so the affinity service must keep its
+    /// [`decision_extension`](crate::SessionAffinityLayer::decision_extension)) and puts it in
+    /// the request's [`PromptFacts::stored_on`](crate::key::PromptFacts::stored_on), which the
+    /// service follows whatever its policy. Turn it off when the backends share their stored
+    /// responses, to let placement choose freely.
+    ///
+    /// ```
+    /// use tower_affinity::key::BodyKeyLayer;
+    ///
+    /// // Backends behind a shared response store: any of them can continue a response.
+    /// let layer = BodyKeyLayer::new().pin_stored_responses(false);
+    /// # let _ = layer;
+    /// ```
+    pub fn pin_stored_responses(mut self, pin: bool) -> Self {
+        Arc::make_mut(&mut self.config).pin_stored_responses = pin;
         self
     }
 }

@@ -3,9 +3,14 @@
 //! A request that names a previous response sends only its new input; the server puts the
 //! conversation that response ended back in front of it. So the request's prompt is the
 //! named response's prompt, then the new input, and its chain continues that prompt's chain.
+//! And only the server that answered the response holds it (vLLM keeps stored responses in
+//! its process's memory): another answers 404.
+//!
 //! The response's id is in its answer: the `id` of a JSON answer, or of the `response` in a
 //! stream's first event. The layer reads it from the answer's first bytes as they pass and
-//! remembers the chains of the latest responses, a bounded number of them.
+//! remembers, for the latest responses (a bounded number of them), the chain of the request
+//! each answered and the backend that answered it (from the answer's
+//! [`Decision`](crate::Decision)).
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -14,62 +19,72 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::PromptChain;
+use crate::{BackendId, PromptChain};
 
-/// The chains of the latest responses, by their ids' digests; the oldest is forgotten first.
-pub(crate) struct ResponseChains {
+/// What is remembered of one response.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(crate) struct Stored {
+    /// The chain of the request it answered; `None` when that request itself continued a
+    /// response not remembered, so its whole prompt is not known here.
+    pub(crate) chain: Option<PromptChain>,
+    /// The backend that answered it, if the answer carried its [`Decision`](crate::Decision).
+    pub(crate) backend: Option<BackendId>,
+}
+
+/// The latest responses, by their ids' digests; the oldest is forgotten first.
+pub(crate) struct StoredResponses {
     store: Mutex<Store>,
     capacity: usize,
 }
 
 #[derive(Default)]
 struct Store {
-    chains: HashMap<u64, PromptChain>,
+    responses: HashMap<u64, Stored>,
     order: VecDeque<u64>,
 }
 
-impl ResponseChains {
-    /// How many responses' chains are kept by default.
+impl StoredResponses {
+    /// How many responses are remembered by default.
     pub(crate) const DEFAULT_CAPACITY: usize = 4096;
 
     pub(crate) fn new(capacity: usize) -> Self {
-        ResponseChains {
+        StoredResponses {
             store: Mutex::new(Store::default()),
             capacity: capacity.max(1),
         }
     }
 
-    /// The chain of the request that response `id` answered, if it is remembered.
-    pub(crate) fn get(&self, id: &str) -> Option<PromptChain> {
+    /// What is remembered of response `id`, if anything.
+    pub(crate) fn get(&self, id: &str) -> Option<Stored> {
         self.store
             .lock()
-            .chains
+            .responses
             .get(&xxh3_64(id.as_bytes()))
             .cloned()
     }
 
-    fn put(&self, id: &[u8], chain: PromptChain) {
+    fn put(&self, id: &[u8], stored: Stored) {
         let digest = xxh3_64(id);
         let mut store = self.store.lock();
-        if store.chains.insert(digest, chain).is_none() {
+        if store.responses.insert(digest, stored).is_none() {
             store.order.push_back(digest);
         }
         while store.order.len() > self.capacity {
             if let Some(old) = store.order.pop_front() {
-                store.chains.remove(&old);
+                store.responses.remove(&old);
             }
         }
     }
 
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
-        self.store.lock().chains.len()
+        self.store.lock().responses.len()
     }
 }
 
-impl fmt::Debug for ResponseChains {
+impl fmt::Debug for StoredResponses {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ResponseChains")
+        f.debug_struct("StoredResponses")
             .field("capacity", &self.capacity)
             .finish_non_exhaustive()
     }
@@ -78,38 +93,50 @@ impl fmt::Debug for ResponseChains {
 /// How far into an answer its id is looked for.
 const LOOK: usize = 4096;
 
-/// Reads a Responses API answer's id from its first bytes, and remembers the request's chain
-/// under it.
+/// Reads a Responses API answer's id from its first bytes, and remembers under it the
+/// request's chain and the backend that answered.
 pub(crate) struct IdSniffer {
     seen: Vec<u8>,
-    chain: Option<PromptChain>,
-    store: Arc<ResponseChains>,
+    /// What to remember, while the id is looked for.
+    stored: Option<Stored>,
+    store: Arc<StoredResponses>,
 }
 
 impl IdSniffer {
-    pub(crate) fn new(chain: PromptChain, store: Arc<ResponseChains>) -> Self {
+    /// Looks for the id of the answer to a request whose chain is `chain` (`None`: not known).
+    pub(crate) fn new(chain: Option<PromptChain>, store: Arc<StoredResponses>) -> Self {
         IdSniffer {
             seen: Vec::new(),
-            chain: Some(chain),
+            stored: Some(Stored {
+                chain,
+                backend: None,
+            }),
             store,
+        }
+    }
+
+    /// The backend that answered, read from the answer's head.
+    pub(crate) fn answered_by(&mut self, backend: Option<BackendId>) {
+        if let Some(stored) = &mut self.stored {
+            stored.backend = backend;
         }
     }
 
     /// Looks at the next bytes of the answer.
     pub(crate) fn feed(&mut self, bytes: &[u8]) {
-        if self.chain.is_none() {
+        if self.stored.is_none() {
             return;
         }
         let room = LOOK.saturating_sub(self.seen.len());
         self.seen.extend_from_slice(&bytes[..bytes.len().min(room)]);
         if let Some(id) = response_id(&self.seen) {
-            if let Some(chain) = self.chain.take() {
-                self.store.put(id, chain);
+            if let Some(stored) = self.stored.take() {
+                self.store.put(id, stored);
             }
         } else if self.seen.len() >= LOOK {
-            self.chain = None;
+            self.stored = None;
         }
-        if self.chain.is_none() {
+        if self.stored.is_none() {
             self.seen = Vec::new();
         }
     }
@@ -119,7 +146,7 @@ impl fmt::Debug for IdSniffer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IdSniffer")
             .field("seen", &self.seen.len())
-            .field("looking", &self.chain.is_some())
+            .field("looking", &self.stored.is_some())
             .finish()
     }
 }
@@ -171,19 +198,22 @@ mod tests {
 
     #[test]
     fn an_id_split_over_frames_is_found_and_the_chain_remembered() {
-        let store = Arc::new(ResponseChains::new(2));
+        let store = Arc::new(StoredResponses::new(2));
         let chain = PromptChain::from_blocks([(1, 10)]);
-        let mut sniff = IdSniffer::new(chain.clone(), store.clone());
+        let mut sniff = IdSniffer::new(Some(chain.clone()), store.clone());
+        sniff.answered_by(Some(BackendId::from("gpu-1")));
         sniff.feed(br#"{"id":"re"#);
         assert!(store.get("resp_1").is_none());
         sniff.feed(br#"sp_1","object":"response"}"#);
-        assert_eq!(store.get("resp_1"), Some(chain));
+        let stored = store.get("resp_1").unwrap();
+        assert_eq!(stored.chain, Some(chain));
+        assert_eq!(stored.backend, Some(BackendId::from("gpu-1")));
     }
 
     #[test]
     fn an_answer_without_an_id_is_given_up_after_its_first_bytes() {
-        let store = Arc::new(ResponseChains::new(2));
-        let mut sniff = IdSniffer::new(PromptChain::from_blocks([(1, 10)]), store.clone());
+        let store = Arc::new(StoredResponses::new(2));
+        let mut sniff = IdSniffer::new(Some(PromptChain::from_blocks([(1, 10)])), store.clone());
         sniff.feed(&[b'x'; LOOK + 10]);
         sniff.feed(br#"{"id":"resp_late"}"#);
         assert_eq!(store.len(), 0);
@@ -191,9 +221,16 @@ mod tests {
 
     #[test]
     fn the_oldest_responses_are_forgotten_first() {
-        let store = ResponseChains::new(2);
+        let store = StoredResponses::new(2);
         for (i, id) in ["resp_a", "resp_b", "resp_c"].iter().enumerate() {
-            store.put(id.as_bytes(), PromptChain::from_blocks([(i as u64, 1)]));
+            let chain = Some(PromptChain::from_blocks([(i as u64, 1)]));
+            store.put(
+                id.as_bytes(),
+                Stored {
+                    chain,
+                    backend: None,
+                },
+            );
         }
         assert!(store.get("resp_a").is_none());
         assert!(store.get("resp_b").is_some() && store.get("resp_c").is_some());

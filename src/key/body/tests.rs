@@ -550,7 +550,8 @@ fn bodies_that_are_not_json_objects_have_no_chain() {
 // === previous_response_id ===
 
 /// A Responses backend: answers each request with the next of `answers`, in the given frames,
-/// and records the chains it was sent.
+/// as backend `gpu-<i>` for the `i`th answer (the answer's `Decision` says so), and records the
+/// facts it was sent.
 type ResponsesBackend = tower::util::BoxCloneService<
     http::Request<Full<Bytes>>,
     http::Response<http_body_util::StreamBody<Frames>>,
@@ -559,21 +560,33 @@ type ResponsesBackend = tower::util::BoxCloneService<
 
 fn responses_backend(
     answers: Vec<Vec<&'static [u8]>>,
-) -> (ResponsesBackend, Arc<Mutex<Vec<crate::PromptChain>>>) {
-    let chains = Arc::new(Mutex::new(Vec::new()));
-    let answers = Arc::new(Mutex::new(VecDeque::from(answers)));
-    let seen = chains.clone();
+) -> (ResponsesBackend, Arc<Mutex<Vec<PromptFacts>>>) {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let answers = Arc::new(Mutex::new(
+        answers.into_iter().enumerate().collect::<VecDeque<_>>(),
+    ));
+    let record = seen.clone();
     let svc = service_fn(move |req: http::Request<Full<Bytes>>| {
-        let (seen, answers) = (seen.clone(), answers.clone());
+        let (record, answers) = (record.clone(), answers.clone());
         async move {
             let facts = req.extensions().get::<PromptFacts>().cloned();
-            seen.lock().push(facts.map(|f| f.chain).unwrap_or_default());
-            let frames = answers.lock().pop_front().unwrap_or_default();
+            record
+                .lock()
+                .push(facts.unwrap_or_else(|| PromptFacts::from_chain(Default::default())));
+            let (i, frames) = answers.lock().pop_front().unwrap_or_default();
             let stream = Frames(frames.into_iter().map(Bytes::from_static).collect());
-            Ok::<_, Infallible>(http::Response::new(http_body_util::StreamBody::new(stream)))
+            let mut res = http::Response::new(http_body_util::StreamBody::new(stream));
+            res.extensions_mut().insert(crate::Decision {
+                backend: format!("gpu-{i}").as_str().into(),
+                node: "n".into(),
+                outcome: crate::Outcome::Keyless,
+                waited: None,
+                overcommitted: false,
+            });
+            Ok::<_, Infallible>(res)
         }
     });
-    (ResponsesBackend::new(svc), chains)
+    (ResponsesBackend::new(svc), seen)
 }
 
 /// The frames of an answer.
@@ -587,26 +600,16 @@ impl futures_core::Stream for Frames {
     }
 }
 
-#[tokio::test]
-async fn a_request_naming_a_previous_response_continues_that_responses_chain() {
-    let (inner, chains) = responses_backend(vec![
-        vec![br#"{"id":"resp_1","object":"response","output":[{"id":"msg_1"}]}"#],
-        // A stream, its first event split over two frames.
-        vec![
-            b"event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"re",
-            b"sp_2\"}}\n\n",
-        ],
-        vec![br#"{"id":"resp_3"}"#],
-        vec![br#"{"id":"resp_4"}"#],
-    ]);
-    let layer = BodyKeyLayer::new();
-    let svc = layer.layer(inner);
-    let body1 = r#"{"instructions":"be brief","input":[{"role":"user","content":"q1"}]}"#;
-    let body2 = r#"{"instructions":"be brief","previous_response_id":"resp_1","input":[{"role":"user","content":"q2"}]}"#;
-    let body3 = r#"{"instructions":"be brief","previous_response_id":"resp_2","input":[{"role":"user","content":"q3"}]}"#;
-    let unknown =
-        r#"{"previous_response_id":"resp_none","input":[{"role":"user","content":"q3"}]}"#;
-    for body in [body1, body2, body3, unknown] {
+/// Sends each body to `/v1/responses` through `svc`, reading each answer whole.
+async fn send_responses<S>(svc: &S, bodies: &[&'static str])
+where
+    S: tower::Service<
+            http::Request<Full<Bytes>>,
+            Response = http::Response<BodyKeyResponseBody<http_body_util::StreamBody<Frames>>>,
+            Error = Infallible,
+        > + Clone,
+{
+    for body in bodies {
         let req = http::Request::post("/v1/responses")
             .body(Full::new(Bytes::from_static(body.as_bytes())))
             .unwrap();
@@ -615,14 +618,70 @@ async fn a_request_naming_a_previous_response_continues_that_responses_chain() {
         let bytes = res.into_body().collect().await.unwrap().to_bytes();
         assert!(bytes.starts_with(b"{\"id\"") || bytes.starts_with(b"event:"));
     }
-    let chains = chains.lock().clone();
-    let [c1, c2, c3, c4] = &chains[..] else {
-        panic!("four requests");
+}
+
+#[tokio::test]
+async fn a_request_naming_a_previous_response_continues_that_responses_chain() {
+    let (inner, seen) = responses_backend(vec![
+        vec![br#"{"id":"resp_1","object":"response","output":[{"id":"msg_1"}]}"#],
+        // A stream, its first event split over two frames.
+        vec![
+            b"event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"re",
+            b"sp_2\"}}\n\n",
+        ],
+        vec![br#"{"id":"resp_3"}"#],
+        vec![br#"{"id":"resp_4"}"#],
+        vec![br#"{"id":"resp_5"}"#],
+    ]);
+    let svc = BodyKeyLayer::new().layer(inner);
+    send_responses(
+        &svc,
+        &[
+            r#"{"instructions":"be brief","input":[{"role":"user","content":"q1"}]}"#,
+            r#"{"instructions":"be brief","previous_response_id":"resp_1","input":[{"role":"user","content":"q2"}]}"#,
+            r#"{"instructions":"be brief","previous_response_id":"resp_2","input":[{"role":"user","content":"q3"}]}"#,
+            r#"{"previous_response_id":"resp_none","input":[{"role":"user","content":"q3"}]}"#,
+            r#"{"previous_response_id":"resp_4","input":[{"role":"user","content":"q4"}]}"#,
+        ],
+    )
+    .await;
+    let seen = seen.lock().clone();
+    let [f1, f2, f3, f4, f5] = &seen[..] else {
+        panic!("five requests");
     };
+    let (c1, c2, c3) = (&f1.chain, &f2.chain, &f3.chain);
     assert_eq!(c1.len(), 2);
-    // Each continues the whole chain of the response it names, then adds its input.
+    // Each continues the whole chain of the response it names, then adds its input, and goes
+    // to the backend that answered that response.
     assert_eq!((c2.len(), c2.common_prefix(c1)), (3, 2));
     assert_eq!((c3.len(), c3.common_prefix(c2)), (4, 3));
-    // A response the layer never saw: the request's own input alone.
-    assert_eq!((c4.len(), c4.common_prefix(c1)), (1, 0));
+    assert_eq!(f1.stored_on, None);
+    assert_eq!(f2.stored_on, Some("gpu-0".into()));
+    assert_eq!(f3.stored_on, Some("gpu-1".into()));
+    // A response the layer never saw: its conversation is not known here, nor is that of the
+    // response continuing it; the backend that answered that one is.
+    assert!(f4.chain.is_empty() && f4.stored_on.is_none());
+    assert!(f5.chain.is_empty());
+    assert_eq!(f5.stored_on, Some("gpu-3".into()));
+}
+
+#[tokio::test]
+async fn a_layer_told_the_backends_share_stored_responses_pins_none() {
+    let (inner, seen) = responses_backend(vec![
+        vec![br#"{"id":"resp_1"}"#],
+        vec![br#"{"id":"resp_2"}"#],
+    ]);
+    let svc = BodyKeyLayer::new().pin_stored_responses(false).layer(inner);
+    send_responses(
+        &svc,
+        &[
+            r#"{"input":"q1"}"#,
+            r#"{"previous_response_id":"resp_1","input":"q2"}"#,
+        ],
+    )
+    .await;
+    let seen = seen.lock().clone();
+    // The chain still continues; the request is not pinned.
+    assert_eq!(seen[1].chain.common_prefix(&seen[0].chain), 1);
+    assert_eq!(seen[1].stored_on, None);
 }
