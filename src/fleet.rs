@@ -477,10 +477,15 @@ impl SlotGuard {
         crate::stats::bump(&self.capacity().counters.backend_errors);
     }
 
-    /// Marks the backend this slot belongs to down for `cooldown`, then releases the slot. A
-    /// longer mark stays: a request that fails on a backend a probe has marked down until
-    /// further notice does not bring it back when its cooldown ends.
+    /// Marks the backend this slot belongs to down for `cooldown`, then releases the slot.
     pub(crate) fn fail(self, cooldown: std::time::Duration) {
+        self.mark_down(cooldown);
+    }
+
+    /// Marks the backend this slot belongs to down for `cooldown`. A longer mark stays: a
+    /// request that fails on a backend a probe has marked down until further notice does not
+    /// bring it back when its cooldown ends.
+    pub(crate) fn mark_down(&self, cooldown: std::time::Duration) {
         let until = Instant::now()
             .checked_add(cooldown)
             .map_or(u64::MAX, |t| self.capacity().now_ms(t));

@@ -142,9 +142,16 @@ impl Dispatched {
     /// The backend's response with the decision attached, its body holding the slot. The
     /// chain recorded for it stands if the backend answered with a success, and is taken
     /// back if not: a backend that refused the prompt (too long for its context, say) did
-    /// not take it into its cache.
+    /// not take it into its cache. A backend that answered 503 serves nothing now (llama-server
+    /// while it loads its model): it is passed over for the failure cooldown.
     fn respond<B>(mut self, res: http::Response<B>) -> http::Response<ResponseBody<B>> {
-        let taken = res.status().is_success();
+        let status = res.status();
+        let cooldown = self.finish.failure_cooldown;
+        if status == http::StatusCode::SERVICE_UNAVAILABLE && !cooldown.is_zero() {
+            tracing::warn!(backend = %self.decision.backend, ?cooldown, "backend answered 503; marked down");
+            self.guard.mark_down(cooldown);
+        }
+        let taken = status.is_success();
         let cache = self.record.take().and_then(|r| r.answer(taken));
         if let Some(w) = self.watch.as_mut() {
             w.cache = cache;

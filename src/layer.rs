@@ -113,9 +113,10 @@ impl<K, P> SessionAffinityLayer<K, P> {
     }
 
     /// How long a backend whose service returned an error (refused connection, timeout: no
-    /// response at all) is passed over. Default 5 s; zero disables. An HTTP error status is a
-    /// response, not a failure. A request that fails this way can be retried at once: the
-    /// next placement skips the backend (see [`RetryOnce`](crate::RetryOnce)).
+    /// response at all), or that answered `503 Service Unavailable` (llama-server while it
+    /// loads its model), is passed over. Default 5 s; zero disables. Any other HTTP error
+    /// status is a response, not a failure. A request that fails this way can be retried at
+    /// once: the next placement skips the backend (see [`RetryOnce`](crate::RetryOnce)).
     pub fn failure_cooldown(mut self, cooldown: Duration) -> Self {
         self.config.failure_cooldown = cooldown;
         self

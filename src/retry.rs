@@ -1,15 +1,18 @@
-//! [`RetryOnce`]: retry a request whose backend failed before answering.
+//! [`RetryOnce`]: retry a request whose backend failed before answering, or answered 503.
 
 use std::future::{ready, Ready};
 
+use http::StatusCode;
 use tower::retry::Policy;
 
 use crate::Error;
 
 /// A [`tower::retry::Policy`] that retries a request once when its backend failed before
-/// sending a response ([`Error::Backend`]); nothing has reached the client yet, so the retry is
-/// invisible to it. The failed backend is marked down (see
-/// [`SessionAffinityLayer::failure_cooldown`]), so the retry is placed on the next candidate.
+/// sending a response ([`Error::Backend`]), or answered `503 Service Unavailable` (it serves
+/// nothing now: llama-server answers so while it loads its model). Nothing has reached the
+/// client yet, so the retry is invisible to it; the 503's body is dropped. The backend is
+/// marked down in either case (see [`SessionAffinityLayer::failure_cooldown`]), so the retry
+/// is placed on the next candidate. Other answers, errors included, are the backend's to give.
 ///
 /// The request body must be `Clone`: buffer it first (a `Full<Bytes>` body is).
 ///
@@ -34,21 +37,26 @@ impl RetryOnce {
     }
 }
 
-impl<B: Clone, Res> Policy<http::Request<B>, Res, Error> for RetryOnce {
+impl<B: Clone, ResB> Policy<http::Request<B>, http::Response<ResB>, Error> for RetryOnce {
     type Future = Ready<()>;
 
     fn retry(
         &mut self,
         _req: &mut http::Request<B>,
-        result: &mut Result<Res, Error>,
+        result: &mut Result<http::Response<ResB>, Error>,
     ) -> Option<Self::Future> {
-        match result {
-            Err(Error::Backend { .. }) if !self.retried => {
-                self.retried = true;
-                Some(ready(()))
-            }
-            _ => None,
+        // Nothing reached the client: the backend failed before answering, or answered that
+        // it serves nothing now.
+        let failed = match result {
+            Err(Error::Backend { .. }) => true,
+            Ok(res) => res.status() == StatusCode::SERVICE_UNAVAILABLE,
+            Err(_) => false,
+        };
+        if !failed || self.retried {
+            return None;
         }
+        self.retried = true;
+        Some(ready(()))
     }
 
     fn clone_request(&mut self, req: &http::Request<B>) -> Option<http::Request<B>> {

@@ -542,12 +542,12 @@ async fn a_prompt_the_backend_refused_leaves_its_model_holding_what_it_held() {
     assert_eq!(status(&svc, "a").corrections, 0);
     // Its next turn is refused for a passing reason; the one after still goes home, which
     // holds what it held before, and is predicted so (no correction).
-    let unavailable = Reply {
-        status: http::StatusCode::SERVICE_UNAVAILABLE,
+    let failed = Reply {
+        status: http::StatusCode::INTERNAL_SERVER_ERROR,
         ..Reply::json(b"{}")
     };
     let five = chain(&[1, 2, 3, 4, 5], 1000);
-    exchange(&svc, request(Some("held"), Some(five.clone()), unavailable)).await;
+    exchange(&svc, request(Some("held"), Some(five.clone()), failed)).await;
     assert_eq!(status(&svc, "a").cached_tokens, 4000);
     let (d, _, _) = exchange(&svc, request(Some("held"), Some(five), reused(5000, 4000))).await;
     assert_eq!(d.outcome, Outcome::HomeHit);

@@ -480,6 +480,48 @@ async fn retry_once_lands_on_the_next_candidate() {
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_backend_answering_503_is_passed_over_and_the_request_retried() {
+    let streams = Streams::default();
+    let svc = SessionAffinityLayer::new()
+        .failure_cooldown(Duration::from_secs(5))
+        .layer(fleet(TWO_BY_TWO, &streams));
+    let mut retrying = tower::retry::RetryLayer::new(RetryOnce::new()).layer(svc.clone());
+    let home = turn(&mut retrying, "s").await;
+    let unavailable_on = |backend: &str| {
+        let mut req = request(Some("s"), None);
+        let v = http::HeaderValue::from_str(backend).unwrap();
+        req.headers_mut().insert("x-unavailable-on", v);
+        req
+    };
+    // The home answers 503: the client never sees it, the home is passed over for its
+    // cooldown, and the retry goes next door.
+    let req = unavailable_on(home.backend.as_str());
+    let res = retrying.ready().await.unwrap().call(req).await.unwrap();
+    let d = decision(&res);
+    assert_eq!(
+        (res.status(), d.outcome),
+        (http::StatusCode::OK, Outcome::SameNodeSpill)
+    );
+    assert_eq!(d.node, home.node);
+    drop(res);
+    assert!(!status(&svc, home.backend.as_str()).healthy);
+    assert_eq!(svc.stats().backend_errors, 0, "an answer, not a failure");
+    let next = turn(&mut retrying, "s").await;
+    assert_ne!(next.backend, home.backend, "down for its cooldown");
+    tokio::time::advance(Duration::from_secs(6)).await;
+    assert!(svc.backends().iter().all(|b| b.healthy));
+    // Without a retry the 503 is the answer; the backend is passed over all the same.
+    let mut plain = svc.clone();
+    let req = unavailable_on(next.backend.as_str());
+    let res = plain.ready().await.unwrap().call(req).await.unwrap();
+    assert_eq!(res.status(), 503);
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, "Loading model");
+    assert!(!status(&svc, next.backend.as_str()).healthy);
+    assert_eq!(svc.stats().in_flight, 0);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn wait_returns_the_session_to_its_home_when_the_home_frees_first() {
     let streams = Streams::default();
     let mut svc = SessionAffinityLayer::new()

@@ -34,7 +34,9 @@ pub(crate) type OpenStream = (String, mpsc::UnboundedSender<Chunk>);
 /// - `hang`: never answer;
 /// - `fail`: fail without answering.
 ///
-/// A request whose `x-fail-on` header names the backend fails there, whatever its mode.
+/// A request whose `x-fail-on` header names the backend fails there, whatever its mode; one
+/// whose `x-unavailable-on` header names it is answered 503 there, as llama-server answers
+/// while it loads its model.
 #[derive(Clone, Default)]
 pub(crate) struct Streams(Arc<Mutex<VecDeque<OpenStream>>>);
 
@@ -70,6 +72,20 @@ pub(crate) fn backend(name: &str, streams: &Streams) -> MockService {
                     return Err(format!("{name} refused the connection").into());
                 }
                 let (tx, rx) = mpsc::unbounded_channel();
+                let unavailable = req
+                    .headers()
+                    .get("x-unavailable-on")
+                    .is_some_and(|v| v == name.as_str());
+                if unavailable {
+                    tx.send(Ok(Frame::data(Bytes::from_static(b"Loading model"))))
+                        .unwrap();
+                    let body = StreamBody::new(UnboundedReceiverStream::new(rx));
+                    return Ok(http::Response::builder()
+                        .status(http::StatusCode::SERVICE_UNAVAILABLE)
+                        .header("x-served-by", name)
+                        .body(body)
+                        .unwrap());
+                }
                 match mode.as_deref() {
                     Some("hang") => std::future::pending::<()>().await,
                     Some("fail") => return Err(format!("{name} refused the connection").into()),
