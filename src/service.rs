@@ -445,6 +445,15 @@ impl<B, P> Shared<B, P> {
     }
 }
 
+/// Offers a request that continues a stored response the one backend that stores it: the
+/// candidates, unless that backend is down.
+#[cold]
+fn offer_pinned(t: &Topology, now_ms: u64, backend: u32) -> Option<(u32, Candidates<'_>)> {
+    let mut c = Candidates::acquire(t, now_ms).only_backend(Some(backend));
+    let _ = c.offer(BackendRef::new(t, backend));
+    (c.chosen().is_some() || c.first().is_some()).then_some((backend, c))
+}
+
 impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
     /// Places a request: looks up its home, runs the policy, takes a slot, records the
     /// decision. With `overcommit`, a request finding no free slot takes the first candidate
@@ -477,7 +486,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         let chain = facts.map(|f| &f.chain).filter(|c| !c.is_empty());
         // The backend storing the response this request continues, if it is in the fleet:
         // the request goes there or nowhere, while it is up.
-        let mut pinned = facts
+        let pinned = facts
             .and_then(|f| f.stored_on.as_ref())
             .and_then(|id| t.index_of(id.as_str()));
         // What the home holds, and how many of the chain's links it is known to hold.
@@ -519,33 +528,30 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
                 (held, held.map(|b| t.member(b).node).or(home_node))
             }
         };
-        if let Some(b) = pinned {
-            (cache_backend, cache_node) = (Some(b), Some(t.member(b).node));
+        // A pinned backend that is down is placed around as any request would be.
+        let pinned = pinned.and_then(|b| offer_pinned(t, now_ms, b));
+        if let Some((b, _)) = &pinned {
+            (cache_backend, cache_node) = (Some(*b), Some(t.member(*b).node));
         }
-        let mut only_node = home_node.filter(|_| scope == Scope::Node && pinned.is_none());
-        let mut only_backend = pinned.or(cache_backend.filter(|_| scope == Scope::Backend));
-        let candidates = loop {
-            let mut c = Candidates::acquire(t, now_ms)
-                .only_node(only_node)
-                .only_backend(only_backend);
-            match pinned {
-                Some(b) => {
-                    let _ = c.offer(BackendRef::new(t, b));
+        let is_pinned = pinned.is_some();
+        let mut only_node = home_node.filter(|_| scope == Scope::Node);
+        let mut only_backend = cache_backend.filter(|_| scope == Scope::Backend);
+        let candidates = match pinned {
+            Some((_, c)) => c,
+            None => loop {
+                let mut c = Candidates::acquire(t, now_ms)
+                    .only_node(only_node)
+                    .only_backend(only_backend);
+                self.placement.place(&view, &request, &mut c);
+                // Nothing healthy left where it waits: nothing to wait for there.
+                let narrowed = only_node.is_some() || only_backend.is_some();
+                if narrowed && c.chosen().is_none() && c.first().is_none() {
+                    only_node = None;
+                    only_backend = None;
+                    continue;
                 }
-                None => self.placement.place(&view, &request, &mut c),
-            }
-            // Nothing healthy left where it waits: nothing to wait for there. A pinned
-            // backend that is down is placed around as any request would be.
-            let narrowed = only_node.is_some() || only_backend.is_some();
-            if narrowed && c.chosen().is_none() && c.first().is_none() {
-                only_node = None;
-                only_backend = None;
-                if pinned.take().is_some() {
-                    (cache_backend, cache_node) = (None, None);
-                }
-                continue;
-            }
-            break c;
+                break c;
+            },
         };
         let wait_home = |scope, hold| WaitHome {
             backend: cache_backend,
@@ -555,8 +561,8 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         };
         let full = || Placed::Full {
             home: match (only_node, only_backend) {
-                // Held out for to the end: no other backend can answer it.
-                _ if pinned.is_some() => wait_home(Scope::Backend, Duration::MAX),
+                // Waits for it to the end: no other backend can answer it.
+                _ if is_pinned => wait_home(Scope::Backend, Duration::MAX),
                 (Some(_), _) => wait_home(Scope::Node, self.node_patience),
                 (_, Some(_)) => wait_home(Scope::Backend, Duration::ZERO),
                 _ => wait_home(Scope::Any, Duration::ZERO),
