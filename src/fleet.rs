@@ -545,6 +545,9 @@ pub(crate) struct NodeEntry {
 /// the slot counters (each backend's [`Load`]) with the original.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Topology {
+    /// The router replicas sharing the backends' traffic (0 is read as 1): each models its
+    /// share of their caches and homes its share of their conversations.
+    pub(crate) replicas: u32,
     /// The fleet's counters, shared by every backend's [`Load`].
     pub(crate) capacity: Arc<Capacity>,
     pub(crate) members: Vec<Member>,
@@ -741,18 +744,24 @@ impl Topology {
 pub(crate) struct Fleet<B> {
     pub(crate) topology: Topology,
     pub(crate) backends: Vec<Option<B>>,
-    /// The router replicas sharing the backends' traffic: each models its share of their
-    /// caches.
-    pub(crate) replicas: u32,
+}
+
+impl<B> Fleet<B> {
+    /// An empty fleet, seen by one of `replicas` router replicas.
+    pub(crate) fn new(replicas: u32) -> Self {
+        Fleet {
+            topology: Topology {
+                replicas,
+                ..Topology::default()
+            },
+            backends: Vec::new(),
+        }
+    }
 }
 
 impl<B> Default for Fleet<B> {
     fn default() -> Self {
-        Fleet {
-            replicas: 1,
-            topology: Topology::default(),
-            backends: Vec::new(),
-        }
+        Fleet::new(1)
     }
 }
 
@@ -764,7 +773,7 @@ impl<S> Fleet<Backend<S>> {
         // cache does over the whole stream, at the same fraction of its size.
         let budget = backend
             .cache_tokens
-            .div_ceil(u64::from(self.replicas.max(1)));
+            .div_ceil(u64::from(self.topology.replicas.max(1)));
         let index = self.topology.insert(
             id,
             &backend.node,

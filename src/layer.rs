@@ -198,6 +198,10 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// other replicas' prompts push its sessions out of a backend's cache, and would keep
     /// sending turns to homes that no longer hold them. Default 1.
     ///
+    /// A replica also homes its share of new conversations on a backend: at least
+    /// `slots / n` of them (rounded up) rather than `slots` (see
+    /// [`NodeThenBackend::conversation_bound`](crate::placement::NodeThenBackend::conversation_bound)).
+    ///
     /// Each replica counts only its own requests in flight against every backend's whole
     /// slots, so together they may send a backend up to `n` times its slots at once, and the
     /// backend queues the excess (llama-server, vLLM and SGLang do). To cap each replica at its

@@ -179,10 +179,7 @@ where
     S: Clone,
 {
     pub(crate) fn new(discover: D, key: K, placement: P, config: Config) -> Self {
-        let fleet = Fleet {
-            replicas: config.replicas.get(),
-            ..Fleet::default()
-        };
+        let fleet = Fleet::new(config.replicas.get());
         let capacity = fleet.topology.capacity.clone();
         // Woken once already: the first readiness drains.
         let signal = Arc::new(Signal {

@@ -122,8 +122,10 @@ impl NodeThenBackend {
 
     /// Bounds the conversations one backend homes: a new keyed session passes over a backend
     /// that would then home more than `1 + epsilon` times its share of the fleet's
-    /// conversations by slots (rounded up, and never fewer than its slots), while another has
-    /// room below the bound; the skipped backends are still offered last. Negative or
+    /// conversations by slots (rounded up, and never fewer than its slots: over the router
+    /// replicas declared with [`replicas`](crate::SessionAffinityLayer::replicas), its share
+    /// of them), while another has room below the bound; the skipped backends are still
+    /// offered last. Negative or
     /// non-finite values are read as 0.
     ///
     /// A backend holding some of a new conversation's prompt is offered first unless the
@@ -140,10 +142,14 @@ impl NodeThenBackend {
     /// What it costs agreement: two router replicas place a new session alike as long as
     /// neither sees its first rendezvous choice at the bound. Each counts the conversations it
     /// placed itself, so near the bound they may choose differently; a shared session store
-    /// then makes the first placement the one both follow. And the bound holds per replica:
-    /// `r` replicas that place new conversations at the same time may home up to `r` times it
-    /// on one backend, above all on the backends holding a system prompt every conversation
-    /// shares, which draw new ones up to the bound in each replica.
+    /// then makes the first placement the one both follow. And each replica bounds only what
+    /// it placed: `r` replicas that place new conversations at the same time may home up to
+    /// `r` times one's bound on a backend, above all on the backends holding a system prompt
+    /// every conversation shares, which draw new ones up to the bound in each replica.
+    /// Declared as one of `r` replicas, each lets a backend home at least its share of the
+    /// backend's slots (`slots / r`, rounded up) rather than all of them, so that together
+    /// they fill a backend's slots, not `r` times them, before the bound spreads
+    /// conversations.
     pub fn conversation_bound(mut self, epsilon: f64) -> Self {
         self.conversation_bound = Some(self::epsilon(epsilon));
         self
@@ -306,9 +312,11 @@ enum Bound {
     Load {
         limit: f64,
     },
-    /// Conversations homed, times the fleet's slots over the backend's, must stay within this.
+    /// Conversations homed, times the fleet's slots over the backend's, must stay within this;
+    /// but a backend may always home its share of its slots, one in `replicas`.
     Conversations {
         per_slot: f64,
+        replicas: u32,
     },
 }
 
@@ -325,6 +333,7 @@ impl Bound {
         let slots = fleet.topology.total_slots.max(1);
         Bound::Conversations {
             per_slot: (1.0 + epsilon) * (fleet.conversations() + 1) as f64 / f64::from(slots),
+            replicas: fleet.topology.replicas.max(1),
         }
     }
 
@@ -339,9 +348,11 @@ impl Bound {
         match *self {
             Bound::None => true,
             Bound::Load { limit } => f64::from(b.in_flight() + 1) / slots <= limit,
-            // A backend may always home as many conversations as it has slots.
-            Bound::Conversations { per_slot } => {
-                f64::from(homed.saturating_add(1)) <= (per_slot * slots).ceil().max(slots)
+            // A backend may always home as many conversations as it has slots, over the
+            // replicas placing them.
+            Bound::Conversations { per_slot, replicas } => {
+                let floor = (slots / f64::from(replicas)).ceil();
+                f64::from(homed.saturating_add(1)) <= (per_slot * slots).ceil().max(floor)
             }
         }
     }

@@ -51,6 +51,14 @@ impl Snapshot {
         self
     }
 
+    /// Declares the view one of `n` router replicas sharing the fleet's traffic, as
+    /// [`SessionAffinityLayer::replicas`](crate::SessionAffinityLayer::replicas) does (0 is
+    /// read as 1): a replica homes its share of conversations.
+    pub fn replicas(mut self, n: u32) -> Self {
+        self.topology.replicas = n.max(1);
+        self
+    }
+
     /// Records on backend `id`'s cache model that it served a prompt with `chain`, as the
     /// service does for every dispatched request. Unknown ids are ignored.
     pub fn holds(self, id: &str, chain: &PromptChain) -> Self {

@@ -741,6 +741,30 @@ fn the_conversation_bound_counts_against_a_holder_only_the_conversations_sharing
 }
 
 #[test]
+fn a_replica_homes_on_a_backend_its_share_of_the_slots_not_all_of_them() {
+    // b1 (two slots) homes one conversation; a new one shares its system prompt and prefers
+    // b1 by its key too. Few conversations: the bound is a backend's slots.
+    let fleet = |replicas| {
+        two_by_two_with(2)
+            .replicas(replicas)
+            .holds("b1", &chain(&[SYS, 10]))
+            .prompt(chain(&[SYS, 11]))
+    };
+    let k = (0..)
+        .map(|i| SessionKey::from_bytes(format!("k{i}").as_bytes()))
+        .find(|&k| order_from_scores(&fleet(1), k)[0].as_str() == "b1")
+        .unwrap();
+    let p = NodeThenBackend::new();
+    // A lone router lets b1 home as many as its slots.
+    assert_eq!(fleet(1).choose(&p, Some(k), None), Some("b1".into()));
+    // One of two replicas homes its share of them, one: the other replica places as many
+    // there, and together they stay within b1's slots.
+    let got = fleet(2).choose(&p, Some(k), None).unwrap();
+    assert_ne!(got.as_str(), "b1");
+    assert_eq!(got, order_from_scores(&fleet(2), k)[1]);
+}
+
+#[test]
 fn no_conversation_bound_keeps_the_rendezvous_order() {
     let unbounded = NodeThenBackend::new().no_conversation_bound();
     let bounded = NodeThenBackend::new();
