@@ -145,6 +145,11 @@ impl<S> Backend<S> {
     /// parameters with grouped-query attention) and as much again in the slots' KV.
     pub const DEFAULT_CACHE_TOKENS: u64 = 131_072;
 
+    /// The most slots a backend is counted with: a count above it (a typo, or a `/slots`
+    /// gone wrong) is read as this many. No model server serves this many requests at once,
+    /// and it keeps a fleet's sums of slots within range.
+    pub const MAX_SLOTS: NonZeroU32 = NonZeroU32::new(1 << 16).unwrap();
+
     /// Sets how many tokens of prompt the backend keeps cached: its KV on the GPU plus its
     /// host-memory prompt cache. The cache model evicts, least recently used first, past this.
     ///
@@ -171,7 +176,8 @@ impl<S> Backend<S> {
         self.cache_tokens
     }
 
-    /// Sets how many requests the backend serves at once.
+    /// Sets how many requests the backend serves at once (at most
+    /// [`MAX_SLOTS`](Self::MAX_SLOTS): more is read as that many).
     pub fn slots(mut self, slots: NonZeroU32) -> Self {
         self.slots = slots;
         self.slots_given = true;
@@ -621,8 +627,10 @@ impl Topology {
         let ranked = self.ranked(index);
         let n = &mut self.nodes[node as usize];
         n.backends.put(ranked);
-        n.slots += slots;
-        self.total_slots += slots;
+        // Saturating: past `u32::MAX` slots (65,537 backends of the most slots) the sums stay
+        // there, and weigh nodes and spread load a little off.
+        n.slots = n.slots.saturating_add(slots);
+        self.total_slots = self.total_slots.saturating_add(slots);
         self.live.put(ranked);
         self.refresh_node(node);
     }
@@ -632,8 +640,8 @@ impl Topology {
         let (node, slots) = (m.node, m.load.slots.load(Ordering::Relaxed));
         let n = &mut self.nodes[node as usize];
         n.backends.remove(index);
-        n.slots -= slots;
-        self.total_slots -= slots;
+        n.slots = n.slots.saturating_sub(slots);
+        self.total_slots = self.total_slots.saturating_sub(slots);
         self.live.remove(index);
         self.refresh_node(node);
     }
@@ -675,6 +683,7 @@ impl Topology {
     ) -> u32 {
         let node_id = node;
         let node = self.node_index(node);
+        let slots = slots.min(Backend::<()>::MAX_SLOTS);
         if let Some(&index) = self.by_id.get(&id) {
             let m = &self.members[index as usize];
             if m.live {

@@ -533,8 +533,8 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         let is_pinned = pinned.is_some();
         let mut only_node = home_node.filter(|_| scope == Scope::Node);
         let mut only_backend = cache_backend.filter(|_| scope == Scope::Backend);
-        let candidates = match pinned {
-            Some((_, c)) => c,
+        let mut candidates = match pinned.map(|(_, c)| c) {
+            Some(c) => c,
             None => loop {
                 let mut c = Candidates::acquire(t, now_ms)
                     .only_node(only_node)
@@ -565,7 +565,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
                 _ => wait_home(Scope::Any, Duration::ZERO),
             },
         };
-        let (index, overcommitted) = match (candidates.chosen(), candidates.first()) {
+        let (index, overcommitted) = match (candidates.claim(), candidates.first()) {
             (Some(i), _) => (i, false),
             (None, Some(i)) if overcommit => {
                 t.member(i).load.force_acquire();
@@ -574,6 +574,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             (None, None) if candidates.saw_down() => return Placed::Empty,
             _ => return full(),
         };
+        drop(candidates);
         let m = t.member(index);
         let guard = SlotGuard::new(&m.load, index, m.node, now_ms);
         if let (Some(chain), Some(target)) = (chain, cache_backend) {

@@ -14,12 +14,15 @@ use crate::{BackendId, NodeId};
 pub enum Outcome {
     /// Served by its home backend: the prompt cache is where the last turn left it.
     HomeHit,
-    /// The home was full; served by another backend on the home's node. For a request
-    /// without a key, the home is the backend holding its own conversation's prefix (see
-    /// [`PrefixHit`](Self::PrefixHit)).
+    /// Served by another backend on the home's node: under
+    /// [`NodeThenBackend`](crate::placement::NodeThenBackend), the home was full or down
+    /// (a policy of your own may have other reasons; the outcome says where the request
+    /// went, not why). For a request without a key, the home is the backend holding its own
+    /// conversation's prefix (see [`PrefixHit`](Self::PrefixHit)).
     SameNodeSpill,
-    /// The home's node was full; served on another node. For a request without a key, as
-    /// for [`SameNodeSpill`](Self::SameNodeSpill).
+    /// Served on another node than the home's: under `NodeThenBackend`, the home's node was
+    /// full or down. For a request without a key, as for
+    /// [`SameNodeSpill`](Self::SameNodeSpill).
     CrossNodeSpill,
     /// A session the table did not know (first turn, or forgotten).
     NewSession,

@@ -22,8 +22,9 @@ use super::{KeyExtractor, SessionKey};
 /// Codex sends `thread-id` and `session-id` together (its last releases before 0.131,
 /// `thread_id` and `session_id`); the thread comes first because each has a prompt of its
 /// own. An empty value falls through to the next name; so does a value made only of spaces
-/// or tabs. When a header is repeated, its first value counts. Values are taken as raw bytes,
-/// so a value that is not UTF-8 still names a session.
+/// or tabs. When a header is repeated, its first value counts. Values are taken as raw bytes
+/// without the ASCII whitespace around them (HTTP/1 parsers strip it anyway, so `" v "` and
+/// `"v"` are one session), and a value that is not UTF-8 still names a session.
 ///
 /// ```
 /// use tower_affinity::key::{HeaderKey, KeyExtractor, SessionKey};

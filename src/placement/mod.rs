@@ -46,6 +46,7 @@ mod view;
 
 use std::fmt;
 use std::ops::ControlFlow;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use crate::fleet::Topology;
@@ -64,7 +65,19 @@ pub use view::{BackendRef, FleetView, Home, HomeCache, NodeRef, PlacementRequest
 ///
 /// A policy that offers nothing leaves the request without a backend; the service then
 /// answers [`Error::NoBackends`](crate::Error::NoBackends) if the fleet is empty, and
-/// otherwise treats the request as finding no free slot.
+/// otherwise treats the request as finding no free slot. A policy that panics loses its
+/// request, not the slot it may have taken.
+///
+/// The service has the last word in two cases, whatever the policy: a request that continues
+/// a stored response goes to the backend storing it
+/// ([`PromptFacts::stored_on`](crate::key::PromptFacts::stored_on)), and a request whose
+/// cache is on a full backend may wait for it rather than take the policy's choice
+/// ([`wait_versus_move`](crate::SessionAffinityLayer::wait_versus_move)). The
+/// [`Outcome`](crate::Outcome) is the service's too: it says where the request went relative
+/// to its home.
+///
+/// [`SessionAffinityLayer`](crate::SessionAffinityLayer) clones its policy into each service
+/// it builds, so a policy is `Clone`; share one that is not through an `Arc`.
 pub trait Placement: Send + Sync + 'static {
     /// Offers candidates for `request`, best first.
     fn place(
@@ -216,6 +229,15 @@ impl<'a> Candidates<'a> {
         self.chosen
     }
 
+    /// The backend whose slot was taken, if any, now the caller's to release: the sink no
+    /// longer gives it back when dropped.
+    pub(crate) fn claim(&mut self) -> Option<u32> {
+        match self.mode {
+            Mode::Acquire => self.chosen.take(),
+            _ => self.chosen,
+        }
+    }
+
     /// The first healthy backend offered, whether or not it had room.
     pub(crate) fn first(&self) -> Option<u32> {
         self.first
@@ -224,6 +246,18 @@ impl<'a> Candidates<'a> {
     /// Whether a backend was passed over because it was down.
     pub(crate) fn saw_down(&self) -> bool {
         self.down
+    }
+}
+
+/// A slot taken for a request and not claimed by the service gives itself back: a policy that
+/// panicked after its offer was taken loses the request, not the slot.
+impl Drop for Candidates<'_> {
+    fn drop(&mut self) {
+        if let (Mode::Acquire, Some(index)) = (&self.mode, self.chosen) {
+            let member = self.topology.member(index);
+            member.load.in_flight.fetch_sub(1, Ordering::AcqRel);
+            self.topology.capacity.slot_freed(index, member.node);
+        }
     }
 }
 

@@ -75,6 +75,39 @@ impl Snapshot {
         self
     }
 
+    /// Puts `value` in the extensions of the requests placed from now on, for a policy that
+    /// reads something a layer in front put there.
+    ///
+    /// ```
+    /// use tower_affinity::placement::{Candidates, FleetView, Placement, PlacementRequest, Snapshot};
+    ///
+    /// /// Sends requests marked `Pin` to the backend the mark names.
+    /// #[derive(Clone)]
+    /// struct Pinned;
+    /// #[derive(Clone)]
+    /// struct Pin(&'static str);
+    ///
+    /// impl Placement for Pinned {
+    ///     fn place(&self, fleet: &FleetView<'_>, req: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
+    ///         let pin = req.extensions.get::<Pin>().map(|p| p.0);
+    ///         for b in fleet.backends().filter(|b| pin.is_none_or(|p| b.id().as_str() == p)) {
+    ///             if c.offer(b).is_break() {
+    ///                 return;
+    ///             }
+    ///         }
+    ///     }
+    /// }
+    ///
+    /// let fleet = Snapshot::new().backend("a", "n", 1).backend("b", "n", 1);
+    /// assert_eq!(fleet.choose(&Pinned, None, None), Some("a".into()));
+    /// let fleet = fleet.extension(Pin("b"));
+    /// assert_eq!(fleet.choose(&Pinned, None, None), Some("b".into()));
+    /// ```
+    pub fn extension<T: Clone + Send + Sync + 'static>(mut self, value: T) -> Self {
+        self.extensions.insert(value);
+        self
+    }
+
     /// What the home of the requests placed from now on holds (default
     /// [`HomeCache::Unknown`]); the service works it out from the session's last turn.
     pub fn home_cache(mut self, cache: HomeCache) -> Self {

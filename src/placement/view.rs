@@ -20,7 +20,8 @@ pub struct FleetView<'a> {
 }
 
 impl<'a> FleetView<'a> {
-    /// The live backends, in the order they were discovered.
+    /// The live backends, in the order they were discovered or last updated (an update, such
+    /// as a new slot count, moves a backend to the end).
     pub fn backends(&self) -> impl ExactSizeIterator<Item = BackendRef<'a>> + Clone + 'a {
         let t = self.topology;
         t.live.indexes().map(move |i| BackendRef::new(t, i))

@@ -769,6 +769,74 @@ async fn a_response_stored_on_a_backend_gone_or_down_does_not_hold_its_request_b
     assert_eq!(svc.stats().in_flight, 0);
 }
 
+/// A policy that takes the first backend with room, then panics if the request says so: a
+/// bug in a policy of a user's own.
+#[derive(Clone, Copy)]
+struct PanicsAfterItsOffer;
+
+#[derive(Clone, Copy)]
+struct Panic;
+
+impl Placement for PanicsAfterItsOffer {
+    fn place(
+        &self,
+        fleet: &tower_affinity::placement::FleetView<'_>,
+        req: &tower_affinity::placement::PlacementRequest<'_>,
+        c: &mut tower_affinity::placement::Candidates<'_>,
+    ) {
+        for b in fleet.backends() {
+            if c.offer(b).is_break() {
+                break;
+            }
+        }
+        if req.extensions.get::<Panic>().is_some() {
+            panic!("a bug in the policy");
+        }
+    }
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_policy_that_panics_after_its_offer_was_taken_gives_the_slot_back() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .placement(PanicsAfterItsOffer)
+        .layer(fleet(&[("a1", "a", 1)], &streams));
+    svc.ready().await.unwrap();
+    let mut req = request(Some("s"), None);
+    req.extensions_mut().insert(Panic);
+    let call = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| svc.call(req)));
+    assert!(call.is_err(), "the policy panicked");
+    assert_eq!(svc.stats().in_flight, 0);
+    // The slot is free: the next request is served, not refused.
+    let d = turn(&mut svc, "s").await;
+    assert_eq!(d.backend.as_str(), "a1");
+    assert_eq!(svc.stats().in_flight, 0);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn slot_counts_past_what_a_fleet_can_sum_are_capped_not_a_panic() {
+    let streams = Streams::default();
+    let max = NonZeroU32::MAX;
+    let mut svc = SessionAffinityLayer::new().layer(StaticFleet::new([
+        ("a1", Backend::new("a", backend("a1", &streams)).slots(max)),
+        ("a2", Backend::new("a", backend("a2", &streams)).slots(max)),
+        (
+            "b1",
+            Backend::new("b", backend("b1", &streams)).slots(nz(2)),
+        ),
+    ]));
+    for i in 0..6 {
+        turn(&mut svc, &format!("s{i}")).await;
+    }
+    let slots: Vec<u32> = ["a1", "a2", "b1"]
+        .iter()
+        .map(|id| status(&svc, id).slots)
+        .collect();
+    let cap = Backend::<()>::MAX_SLOTS.get();
+    assert_eq!(slots, [cap, cap, 2]);
+    assert_eq!(svc.stats().in_flight, 0);
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn an_empty_fleet_answers_no_backends() {
     let (_handle, stream) = discover::channel::<MockService>();
