@@ -367,8 +367,9 @@ async fn sixteen_sessions_on_twelve_slots_entering_two_instances_at_random_stay_
     );
     println!("{with}\n{without}");
     // The target is 95%. Measured over 6 runs: 99.1% to 100% with Redis (100% in 5), 65.2%
-    // without, where 38 of the 39 moves go to a stale home or one an instance placed without
-    // having seen the session.
+    // without, where 38 of the 39 moves went to a stale home or one an instance placed without
+    // having seen the session; 69.6% without since each instance homes only its share of a
+    // backend's slots there (99.1% with).
     assert!(shared >= SHARED_FLOOR, "{with}\n{without}");
     assert!(shared - local >= 0.15, "{with}\n{without}");
 }
@@ -396,7 +397,8 @@ async fn sixteen_keyless_conversations_entering_two_instances_at_random_stay_wit
     let (local, without) = stayed("two instances without Redis, no keys", &without, 2);
     println!("{all_with}\n{all_without}\n{with}\n{without}");
     // Measured over 7 runs: from the third turn on, 100% with Redis and 72.9% without; of the
-    // second turns, 9 to 11 of 16 move with Redis, 11 without.
+    // second turns, 9 to 11 of 16 move with Redis, 11 without. Now (three runs alike): 100%
+    // with Redis, 61.5% without.
     assert!(shared >= SHARED_FLOOR, "{with}\n{without}");
     assert!(shared - local >= 0.15, "{with}\n{without}");
 }
