@@ -107,6 +107,8 @@ pub struct Candidates<'a> {
     only_node: Option<u32>,
     /// Only this backend counts (a request waiting for the backend holding its prefix).
     only_backend: Option<u32>,
+    /// Backends a policy wrapping another passes over (empty, and unallocated, otherwise).
+    passed_over: Vec<u32>,
     now_ms: u64,
     down: bool,
     mode: Mode<'a>,
@@ -130,6 +132,7 @@ impl<'a> Candidates<'a> {
             topology,
             only_node: None,
             only_backend: None,
+            passed_over: Vec::new(),
             now_ms,
             down: false,
             mode: Mode::Acquire,
@@ -144,6 +147,7 @@ impl<'a> Candidates<'a> {
             topology,
             only_node: None,
             only_backend: None,
+            passed_over: Vec::new(),
             now_ms,
             down: false,
             mode: Mode::Probe,
@@ -158,6 +162,7 @@ impl<'a> Candidates<'a> {
             topology,
             only_node: None,
             only_backend: None,
+            passed_over: Vec::new(),
             now_ms,
             down: false,
             mode: Mode::Collect(into),
@@ -181,6 +186,7 @@ impl<'a> Candidates<'a> {
         let member = self.topology.member(index);
         if self.only_node.is_some_and(|n| n != member.node)
             || self.only_backend.is_some_and(|b| b != index)
+            || (!self.passed_over.is_empty() && self.passed_over.contains(&index))
         {
             return ControlFlow::Continue(());
         }
@@ -209,6 +215,48 @@ impl<'a> Candidates<'a> {
             ControlFlow::Break(())
         } else {
             ControlFlow::Continue(())
+        }
+    }
+
+    /// Passes over `backend` from now on: offers of it return `Continue` and take nothing, as
+    /// offers of a backend that is down do. A policy that wraps another calls it first, to
+    /// keep the other's order within rules of its own.
+    ///
+    /// ```
+    /// use tower_affinity::key::SessionKey;
+    /// use tower_affinity::placement::{
+    ///     Candidates, FleetView, NodeThenBackend, Placement, PlacementRequest, Snapshot,
+    /// };
+    ///
+    /// /// `NodeThenBackend`, never on node `gpu-spare` for sessions without a key.
+    /// #[derive(Clone)]
+    /// struct KeepOffSpare(NodeThenBackend);
+    ///
+    /// impl Placement for KeepOffSpare {
+    ///     fn place(&self, fleet: &FleetView<'_>, req: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
+    ///         if req.key.is_none() {
+    ///             for b in fleet.backends().filter(|b| b.node().id().as_str() == "gpu-spare") {
+    ///                 c.pass_over(b);
+    ///             }
+    ///         }
+    ///         self.0.place(fleet, req, c)
+    ///     }
+    /// }
+    ///
+    /// let fleet = Snapshot::new()
+    ///     .backend("a", "gpu-main", 1)
+    ///     .backend("s", "gpu-spare", 4);
+    /// let policy = KeepOffSpare(NodeThenBackend::new());
+    /// for _ in 0..10 {
+    ///     assert_eq!(fleet.choose(&policy, None, None), Some("a".into()));
+    /// }
+    /// // A keyed session may still go there.
+    /// let order = fleet.order(&policy, Some(SessionKey::from_bytes(b"s1")), None);
+    /// assert_eq!(order.len(), 2);
+    /// ```
+    pub fn pass_over(&mut self, backend: BackendRef<'_>) {
+        if backend.belongs_to(self.topology) && !self.passed_over.contains(&backend.index) {
+            self.passed_over.push(backend.index);
         }
     }
 

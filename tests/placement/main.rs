@@ -943,3 +943,41 @@ proptest! {
         }
     }
 }
+
+/// `NodeThenBackend`, with node-b ruled out.
+#[derive(Clone)]
+struct NotOnNodeB;
+
+impl tower_affinity::placement::Placement for NotOnNodeB {
+    fn place(
+        &self,
+        fleet: &tower_affinity::placement::FleetView<'_>,
+        req: &tower_affinity::placement::PlacementRequest<'_>,
+        c: &mut tower_affinity::placement::Candidates<'_>,
+    ) {
+        for b in fleet
+            .backends()
+            .filter(|b| b.node().id().as_str() == "node-b")
+        {
+            c.pass_over(b);
+        }
+        NodeThenBackend::new().place(fleet, req, c)
+    }
+}
+
+#[test]
+fn a_policy_wrapping_another_passes_over_the_backends_it_rules_out() {
+    let fleet = two_by_two();
+    for i in 0..20 {
+        let k = SessionKey::from_bytes(format!("k{i}").as_bytes());
+        let order = fleet.order(&NotOnNodeB, Some(k), Some("b1"));
+        assert!(
+            order.iter().all(|b| b.as_str().starts_with('a')),
+            "{order:?}"
+        );
+        assert_eq!(order.len(), 2);
+    }
+    // With node-a full, nothing is taken: the request waits rather than goes to node-b.
+    let full = fleet.in_flight("a1", 1).in_flight("a2", 1);
+    assert_eq!(full.choose(&NotOnNodeB, None, None), None);
+}
