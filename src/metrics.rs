@@ -50,7 +50,8 @@
 //! | `tower_affinity_store_misses_total` | counter | | reads that found no home in time |
 //! | `tower_affinity_store_timeouts_total` | counter | | reads unanswered at the deadline |
 //! | `tower_affinity_store_errors_total` | counter | | reads that failed |
-//! | `tower_affinity_store_garbage_total` | counter | | values that are not a home, or name an unknown backend |
+//! | `tower_affinity_store_garbage_total` | counter | | values that are not a home |
+//! | `tower_affinity_store_unknown_backends_total` | counter | | homes found on a backend this replica does not know (removed, or not yet discovered) |
 //! | `tower_affinity_store_skipped_total` | counter | | requests that did not wait for a store that was down |
 //! | `tower_affinity_store_writes_total` | counter | | writes sent |
 //! | `tower_affinity_store_write_errors_total` | counter | | writes that failed or took over a second |

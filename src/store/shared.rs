@@ -56,9 +56,13 @@ pub struct StoreStats {
     pub timeouts: u64,
     /// Reads that failed (the local table answered).
     pub errors: u64,
-    /// Reads that found something that is not a home, or a home on a backend this replica
-    /// does not know; ignored.
+    /// Reads that found something that is not a home (another format, another key type);
+    /// ignored.
     pub garbage: u64,
+    /// Homes found on a backend this replica does not know: one removed from the fleet (a
+    /// scale-down, a backend renamed), or not yet discovered here. Ignored, as no home: a
+    /// fleet that changes counts some, and nothing is wrong with the store.
+    pub unknown_backends: u64,
     /// Requests that did not wait for the store because it was down (one of them at a time
     /// sends a probe read, counted in `reads`, that no request waits for).
     pub skipped: u64,
@@ -101,7 +105,7 @@ impl StoreStats {
     /// }
     /// # }
     /// ```
-    pub fn counters(&self) -> [(&'static str, &'static str, u64); 16] {
+    pub fn counters(&self) -> [(&'static str, &'static str, u64); 17] {
         [
             ("reads", "Reads sent to the store", self.reads),
             (
@@ -116,10 +120,11 @@ impl StoreStats {
                 self.timeouts,
             ),
             ("errors", "Reads that failed", self.errors),
+            ("garbage", "Values that are not a home", self.garbage),
             (
-                "garbage",
-                "Values that are not a home, or name a backend this replica does not know",
-                self.garbage,
+                "unknown_backends",
+                "Homes found on a backend this replica does not know (removed, or not yet discovered)",
+                self.unknown_backends,
             ),
             (
                 "skipped",
@@ -175,6 +180,7 @@ struct Counters {
     timeouts: AtomicU64,
     errors: AtomicU64,
     garbage: AtomicU64,
+    unknown_backends: AtomicU64,
     skipped: AtomicU64,
     writes: AtomicU64,
     write_errors: AtomicU64,
@@ -327,6 +333,7 @@ impl Homes {
             timeouts: l(&c.timeouts),
             errors: l(&c.errors),
             garbage: l(&c.garbage),
+            unknown_backends: l(&c.unknown_backends),
             skipped: l(&c.skipped),
             writes: l(&c.writes),
             write_errors: l(&c.write_errors),
@@ -380,7 +387,7 @@ impl Homes {
         self.begin(|this, probe| {
             let read = this.store.read(key, this.ttl);
             this.bounded(read, probe, |c, found| match found {
-                // Counted as a hit or as garbage once resolved against the fleet.
+                // Counted as a hit or an unknown backend once resolved against the fleet.
                 Lookup::Home(home) => Read::Found(home),
                 Lookup::Missing => {
                     bump(&c.misses);
@@ -580,7 +587,7 @@ impl Homes {
 impl<B, P> Shared<B, P> {
     /// Takes what the store read: a home on a live backend becomes the session's home in the
     /// local table (where placement looks it up); a home on a backend this replica does not
-    /// know is garbage. A home's tip found in the request's prompt `chain` is what the home
+    /// know is counted and ignored. A home's tip found in the request's prompt `chain` is what the home
     /// holds: it goes into the cache model, as it would had this replica placed the turn
     /// that ended there; a tip not found is a compaction, as for a session of this replica's
     /// own.
@@ -606,7 +613,7 @@ impl<B, P> Shared<B, P> {
         let fleet = self.fleet.load();
         let t = &fleet.topology;
         let Some(index) = t.index_of(home.backend.as_str()) else {
-            bump(&homes.counters.garbage);
+            bump(&homes.counters.unknown_backends);
             return Some(StoreAnswer::Nothing);
         };
         bump(&homes.counters.hits);
@@ -661,7 +668,7 @@ impl<B, P> Shared<B, P> {
         let t = &fleet.topology;
         for (at, home) in found {
             let Some(index) = t.index_of(home.backend.as_str()) else {
-                bump(&homes.counters.garbage);
+                bump(&homes.counters.unknown_backends);
                 continue;
             };
             bump(&homes.counters.hits);
@@ -694,24 +701,25 @@ mod tests {
             timeouts: 4,
             errors: 5,
             garbage: 6,
-            skipped: 7,
-            writes: 8,
-            write_errors: 9,
-            writes_dropped: 10,
-            outages: 11,
-            recoveries: 12,
-            prompt_reads: 13,
-            prompt_hits: 14,
-            prompt_own: 15,
-            prompt_writes: 16,
+            unknown_backends: 7,
+            skipped: 8,
+            writes: 9,
+            write_errors: 10,
+            writes_dropped: 11,
+            outages: 12,
+            recoveries: 13,
+            prompt_reads: 14,
+            prompt_hits: 15,
+            prompt_own: 16,
+            prompt_writes: 17,
             state: StoreState::Up,
         };
         let counters = stats.counters();
         let values: Vec<u64> = counters.iter().map(|c| c.2).collect();
-        assert_eq!(values, (1..=16).collect::<Vec<_>>());
+        assert_eq!(values, (1..=17).collect::<Vec<_>>());
         let names: Vec<&str> = counters.iter().map(|c| c.0).collect();
         assert_eq!(names[0], "reads");
-        assert_eq!(names[14], "prompt_own");
+        assert_eq!(names[15], "prompt_own");
         let unique: std::collections::HashSet<_> = names.iter().collect();
         assert_eq!(unique.len(), names.len());
         assert!(counters.iter().all(|c| !c.1.is_empty()));

@@ -283,7 +283,8 @@ async fn awake_while_reading(instances: Arc<[Running; 2]>) {
             .iter()
             .filter_map(|r| r.proxy.affinity().store_stats())
             .map(|s| {
-                let answered = s.hits + s.misses + s.timeouts + s.errors + s.garbage;
+                let answered =
+                    s.hits + s.misses + s.timeouts + s.errors + s.garbage + s.unknown_backends;
                 s.reads.saturating_sub(answered)
             })
             .sum()

@@ -353,8 +353,14 @@ async fn garbage_in_redis_is_ignored_counted_and_written_over() {
     }
     let st = svc.store_stats().unwrap();
     assert_eq!(
-        (st.reads, st.garbage, st.hits, st.errors),
-        (3, 3, 0, 0),
+        (
+            st.reads,
+            st.garbage,
+            st.unknown_backends,
+            st.hits,
+            st.errors
+        ),
+        (3, 2, 1, 0, 0),
         "{st:?}"
     );
     assert_eq!(st.state, StoreState::Up);

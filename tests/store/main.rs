@@ -299,8 +299,8 @@ async fn garbage_and_unknown_backends_are_ignored_counted_and_written_over() {
     settle().await;
     let s = svc.store_stats().unwrap();
     assert_eq!(
-        (s.garbage, s.hits, s.state),
-        (2, 0, StoreState::Up),
+        (s.garbage, s.unknown_backends, s.hits, s.state),
+        (1, 1, 0, StoreState::Up),
         "{s:?}"
     );
     // Both were written over with real homes.
