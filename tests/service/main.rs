@@ -685,14 +685,7 @@ async fn a_request_continuing_a_stored_response_waits_for_the_backend_storing_it
     assert_eq!((d.backend, d.outcome), (home, Outcome::HomeHit));
     assert_eq!(d.waited, Some(Duration::from_secs(30)));
     // A keyless one, by any policy, goes to the backend storing its response.
-    use tower_affinity::placement::{LeastLoaded, NodeThenBackend, Rendezvous, RoundRobin};
-    let policies: Vec<Box<dyn Placement>> = vec![
-        Box::new(NodeThenBackend::new()),
-        Box::new(RoundRobin::new()),
-        Box::new(LeastLoaded::new()),
-        Box::new(Rendezvous),
-    ];
-    for p in policies {
+    for p in every_policy() {
         let mut svc = SessionAffinityLayer::new()
             .placement(std::sync::Arc::new(p))
             .layer(fleet(TWO_BY_TWO, &streams));
@@ -863,16 +856,20 @@ async fn decision_headers_are_opt_in() {
     assert_eq!(res.headers()["x-affinity-outcome"], "new-session");
 }
 
-#[tokio::test(flavor = "current_thread", start_paused = true)]
-async fn every_policy_works_through_the_same_service() {
+/// The crate's policies, each behind the same trait object.
+fn every_policy() -> Vec<Box<dyn Placement>> {
     use tower_affinity::placement::{LeastLoaded, NodeThenBackend, Rendezvous, RoundRobin};
-    let policies: Vec<Box<dyn Placement>> = vec![
+    vec![
         Box::new(NodeThenBackend::new()),
         Box::new(RoundRobin::new()),
         Box::new(LeastLoaded::new()),
         Box::new(Rendezvous),
-    ];
-    for p in policies {
+    ]
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn every_policy_works_through_the_same_service() {
+    for p in every_policy() {
         let streams = Streams::default();
         let mut svc = SessionAffinityLayer::new()
             .key(HeaderKey::default())
