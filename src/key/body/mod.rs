@@ -15,7 +15,7 @@
 //   leading.rs  the leading messages, kept as text and digested when asked
 //   canonical.rs  the leading messages written out as `Value`s would be, without them
 //   prompt.rs   the prompt's members cut into a chain
-//   responses.rs  the chains of Responses API answers, for `previous_response_id`
+//   responses.rs  the Responses API answers seen (their chains, the backends that gave them), for `previous_response_id`
 //   facts.rs    PromptFacts
 //   ask.rs      asking a stream for its usage, and taking the usage chunk out of the answer
 
