@@ -59,6 +59,36 @@ impl Snapshot {
         self
     }
 
+    /// Sets backend `id`'s cache budget in tokens (default
+    /// [`Backend::DEFAULT_CACHE_TOKENS`](crate::Backend::DEFAULT_CACHE_TOKENS)), as
+    /// [`Backend::cache_tokens`](crate::Backend::cache_tokens) declares it; what its model
+    /// holds beyond the budget is evicted, least recently used first. Unknown ids are ignored.
+    ///
+    /// ```
+    /// use tower_affinity::placement::Snapshot;
+    /// use tower_affinity::PromptChain;
+    ///
+    /// let (first, second) = (
+    ///     PromptChain::from_blocks([(1, 600), (2, 100)]),
+    ///     PromptChain::from_blocks([(3, 600), (4, 100)]),
+    /// );
+    /// let fleet = Snapshot::new()
+    ///     .backend("a", "n", 1)
+    ///     .cache_tokens("a", 1_000)
+    ///     .holds("a", &first)
+    ///     .holds("a", &second);
+    /// // 1,400 tokens do not fit in 1,000: the first conversation was evicted.
+    /// let a = fleet.view().backend(&"a".into()).unwrap();
+    /// assert_eq!(a.cached_tokens(&first), 0);
+    /// assert_eq!(a.cached_tokens(&second), 700);
+    /// ```
+    pub fn cache_tokens(self, id: &str, tokens: u64) -> Self {
+        if let Some(i) = self.topology.index_any(id) {
+            self.topology.member(i).cache.lock().set_budget(tokens);
+        }
+        self
+    }
+
     /// Records on backend `id`'s cache model that it served a prompt with `chain`, as the
     /// service does for every dispatched request. Unknown ids are ignored.
     pub fn holds(self, id: &str, chain: &PromptChain) -> Self {
