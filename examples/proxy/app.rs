@@ -54,7 +54,7 @@ use http::uri::{Authority, Scheme};
 use http::{Method, Request, Response, StatusCode, Uri};
 use http_body_util::{Either, Full};
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
@@ -156,7 +156,8 @@ pub(crate) struct Config {
     pub(crate) cache_tokens: HashMap<String, u64>,
     pub(crate) policy: Policy,
     pub(crate) overflow: Overflow,
-    pub(crate) connect_timeout: Duration,
+    /// The longest wait for a backend connection; `None` waits as long as the system does.
+    pub(crate) connect_timeout: Option<Duration>,
     /// The longest wait for a backend's response headers; `None` waits as long as it takes.
     /// A backend past it has failed the request: it is passed over for `failure_cooldown`
     /// and the request is retried once elsewhere.
@@ -164,6 +165,10 @@ pub(crate) struct Config {
     pub(crate) failure_cooldown: Duration,
     pub(crate) body_limit: usize,
     pub(crate) read_timeout: Option<Duration>,
+    /// The longest time a client may take to send a request's headers; `None` waits as long
+    /// as it takes. A connection past it is closed: clients that stall in their headers would
+    /// otherwise hold connections (and file descriptors) for good.
+    pub(crate) header_timeout: Option<Duration>,
     /// `None` turns the active probe off.
     pub(crate) probe_interval: Option<Duration>,
     pub(crate) probe_timeout: Duration,
@@ -206,13 +211,14 @@ impl Config {
             cache_tokens: HashMap::new(),
             policy: Policy::NodeThenBackend,
             overflow: Overflow::default(),
-            connect_timeout: Duration::from_secs(2),
+            connect_timeout: Some(Duration::from_secs(2)),
             // Long: a non-streamed answer comes after its whole prompt is read and its whole
             // reply written, minutes on modest GPUs.
             response_timeout: Some(Duration::from_secs(600)),
             failure_cooldown: Duration::from_secs(5),
             body_limit: BodyKeyLayer::DEFAULT_LIMIT,
             read_timeout: Some(Duration::from_secs(60)),
+            header_timeout: Some(Duration::from_secs(30)),
             probe_interval: Some(Duration::from_secs(2)),
             probe_timeout: Duration::from_secs(2),
             probe_failures: 1,
@@ -347,7 +353,11 @@ impl Proxy {
         let mut ids = HashSet::new();
         for b in &config.backends {
             if !ids.insert(b.id.as_str()) {
-                return Err(format!("backend id {:?} is given twice; set id=NAME", b.id).into());
+                return Err(format!(
+                    "backend id {:?} is given twice: give each server once (a server listed twice counts its slots twice), or name different servers apart with id=NAME",
+                    b.id
+                )
+                .into());
             }
         }
         let http = HttpBackend::<ReqBody>::builder()
@@ -463,6 +473,7 @@ impl Proxy {
                 registry: self.registry.clone(),
                 wait_seconds: self.wait_seconds.clone(),
                 upstream: self.config.upstream,
+                header_timeout: self.config.header_timeout,
             }),
             forward,
         }
@@ -719,6 +730,7 @@ struct FrontShared {
     registry: Arc<Registry>,
     wait_seconds: Histogram,
     upstream: UpstreamMode,
+    header_timeout: Option<Duration>,
 }
 
 impl fmt::Debug for Front {
@@ -794,6 +806,7 @@ pub(crate) async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let mode = front.shared.upstream;
+    let header_timeout = front.shared.header_timeout;
     // An `x-request-id` for a request that comes without one; it goes on to the backend with
     // the other headers, and back on the response.
     let ids = ServiceBuilder::new().layer(SetRequestIdLayer::x_request_id(RequestIds::new()));
@@ -802,7 +815,7 @@ pub(crate) async fn serve(
     // `TraceLayer` would only cost every request its clock readings and wrappers.
     if tracing::level_filters::LevelFilter::current() < tracing::Level::DEBUG {
         let service = ids.layer(propagate).service(front);
-        return serve_with(listener, service, mode, shutdown).await;
+        return serve_with(listener, service, mode, header_timeout, shutdown).await;
     }
     let service = ids
         .layer(
@@ -826,7 +839,7 @@ pub(crate) async fn serve(
         )
         .layer(propagate)
         .service(front);
-    serve_with(listener, service, mode, shutdown).await
+    serve_with(listener, service, mode, header_timeout, shutdown).await
 }
 
 /// The serving loop of [`serve`], over the front service with its tower-http layers.
@@ -834,6 +847,7 @@ async fn serve_with<S, B>(
     listener: tokio::net::TcpListener,
     service: S,
     mode: UpstreamMode,
+    header_timeout: Option<Duration>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()>
 where
@@ -846,7 +860,12 @@ where
     B::Data: Send,
     B::Error: Into<BoxError>,
 {
-    let builder = auto::Builder::new(TokioExecutor::new());
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    // hyper's HTTP/1 header timeout takes effect only with a timer.
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_timeout);
     let graceful = GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
     loop {

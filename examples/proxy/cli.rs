@@ -46,8 +46,9 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
   --overflow O               wait (default) | overcommit | reject: when every
                              candidate is full
   --max-wait DURATION        longest wait for a slot with --overflow wait (default 60s)
-  --max-queued N             most requests waiting at once (default 1024)
-  --connect-timeout DURATION backend connect timeout (default 2s)
+  --max-queued N             most requests waiting at once (default 1024; 0: none
+                             wait, as with --overflow reject)
+  --connect-timeout DURATION backend connect timeout (default 2s; 0 turns it off)
   --response-timeout DURATION
                              longest wait for a backend's response headers (default
                              10m; 0 turns it off); a backend past it is passed over
@@ -63,12 +64,15 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
                              (default 1; a 503, loading, does at once)
   --probe-successes N        ready probes in a row that bring it up again (default 1)
   --no-slots-probe           do not read slot counts from /slots
-  --ask-stream-usage         ask a chat stream that did not ask for its usage to carry
-                             it, and take that chunk out of the answer again (for vLLM
-                             and SGLang, whose streams otherwise report nothing)
+  --ask-stream-usage         ask a chat or completions stream that did not ask for its
+                             usage to carry it, and take that chunk out of the answer
+                             again (for vLLM and SGLang, whose streams otherwise report
+                             nothing)
   --body-limit SIZE          largest request body, e.g. 16MiB (default); larger is 413
   --read-timeout DURATION    longest time to receive a request body (default 60s;
                              0 turns it off); slower is 408
+  --header-timeout DURATION  longest time to receive a request's headers (default
+                             30s; 0 turns it off); slower closes the connection
   --upstream U               pooled (default): one pool of backend connections for
                              all clients | per-client: each client connection opens
                              and drives its own (fewer hand-offs; more connections,
@@ -178,7 +182,10 @@ where
                 let v = value()?;
                 max_queued = v.parse().map_err(|e| format!("--max-queued {v:?}: {e}"))?;
             }
-            "--connect-timeout" => config.connect_timeout = duration(&flag, &value()?)?,
+            "--connect-timeout" => {
+                let d = duration(&flag, &value()?)?;
+                config.connect_timeout = (!d.is_zero()).then_some(d);
+            }
             "--response-timeout" => {
                 let d = duration(&flag, &value()?)?;
                 config.response_timeout = (!d.is_zero()).then_some(d);
@@ -188,13 +195,32 @@ where
                 let d = duration(&flag, &value()?)?;
                 config.probe_interval = (!d.is_zero()).then_some(d);
             }
-            "--probe-timeout" => config.probe_timeout = duration(&flag, &value()?)?,
+            "--probe-timeout" => {
+                config.probe_timeout = duration(&flag, &value()?)?;
+                if config.probe_timeout.is_zero() {
+                    return Err(
+                        "--probe-timeout must be more than 0: a probe that may not wait gets no answer (--probe-interval 0 turns probing off)".into(),
+                    );
+                }
+            }
             "--probe-failures" => config.probe_failures = count(&flag, &value()?)?,
             "--probe-successes" => config.probe_successes = count(&flag, &value()?)?,
-            "--body-limit" => config.body_limit = size(&flag, &value()?)?,
+            "--body-limit" => {
+                config.body_limit = size(&flag, &value()?)?;
+                if config.body_limit == 0 {
+                    return Err(
+                        "--body-limit must be more than 0: every request with a body would be 413"
+                            .into(),
+                    );
+                }
+            }
             "--read-timeout" => {
                 let d = duration(&flag, &value()?)?;
                 config.read_timeout = (!d.is_zero()).then_some(d);
+            }
+            "--header-timeout" => {
+                let d = duration(&flag, &value()?)?;
+                config.header_timeout = (!d.is_zero()).then_some(d);
             }
             "--upstream" => {
                 config.upstream = match value()?.as_str() {
@@ -269,6 +295,12 @@ pub(crate) fn backend(spec: &str) -> Result<(BackendSpec, Option<u64>), String> 
         .authority()
         .cloned()
         .ok_or_else(|| bad("URL has no host"))?;
+    if authority.as_str().contains('@') {
+        // Refused here, before anything logs the URL with its password.
+        return Err(bad(
+            "user info (user:password@) is not supported in a backend URL",
+        ));
+    }
     if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
         return Err(bad(
             "URL must be scheme://host:port only: paths are forwarded as sent",
@@ -277,7 +309,14 @@ pub(crate) fn backend(spec: &str) -> Result<(BackendSpec, Option<u64>), String> 
     let mut slots = None;
     let mut id = authority.to_string();
     let mut cache = None;
+    let mut given: Vec<&str> = Vec::new();
     for option in parts {
+        if let Some((name, _)) = option.split_once('=') {
+            if given.contains(&name) {
+                return Err(bad(&format!("{name}= is given twice")));
+            }
+            given.push(name);
+        }
         match option.split_once('=') {
             Some(("slots", n)) => {
                 let n: u32 = n.parse().map_err(|_| bad("slots must be a number"))?;

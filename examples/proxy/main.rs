@@ -78,12 +78,18 @@ async fn run(args: cli::Args) -> Result<(), tower_affinity::BoxError> {
     let policy = config.policy.name();
     let probe = config.probe_interval.is_some();
     for b in &config.backends {
-        let slots = b.slots.map_or("from /slots".to_string(), |n| n.to_string());
+        let slots = match b.slots {
+            Some(n) => n.to_string(),
+            None if probe && config.probe_slots => "from /slots".to_string(),
+            None => "1 (no slots= given, and /slots is not read)".to_string(),
+        };
         let cache_tokens = config.cache_tokens(&b.id);
         tracing::info!(backend = %b.id, node = %b.node, url = %format!("{}://{}", b.scheme, b.authority), %slots, cache_tokens, "backend");
     }
     let proxy = Arc::new(Proxy::new(config).await?);
-    let listener = tokio::net::TcpListener::bind(args.listen).await?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|e| format!("--listen {}: {e}", args.listen))?;
     tracing::info!(listen = %listener.local_addr()?, policy, "proxy listening");
     if probe {
         // Before the first request: a loading backend is down and slot counts are known.

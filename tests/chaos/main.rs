@@ -244,7 +244,7 @@ async fn start(backends: Vec<BackendSpec>) -> Running {
 async fn start_with(backends: Vec<BackendSpec>, adjust: impl FnOnce(&mut Config)) -> Running {
     let mut config = Config::new(backends);
     config.probe_interval = None;
-    config.connect_timeout = Duration::from_millis(500);
+    config.connect_timeout = Some(Duration::from_millis(500));
     config.failure_cooldown = Duration::from_millis(300);
     config.read_timeout = Some(Duration::from_secs(5));
     config.overflow = Overflow::Wait {

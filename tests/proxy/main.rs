@@ -958,6 +958,35 @@ async fn an_oversize_body_is_413_and_never_reaches_a_backend() {
     assert_eq!(proxy.post_json(&[], &small).await.status, 200);
 }
 
+/// A client that sends part of its headers and stops is disconnected at the header timeout:
+/// otherwise each such client would hold a connection and a file descriptor for good.
+#[tokio::test(start_paused = true)]
+async fn a_client_stalled_in_its_headers_is_disconnected_at_the_header_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let a = Stub::start("a", 2).await;
+    let proxy = start(config(&[("node-a", &a)])).await;
+    let mut stalled = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    stalled
+        .write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    let started = tokio::time::Instant::now();
+    let mut buf = [0u8; 256];
+    let read = tokio::time::timeout(Duration::from_secs(120), stalled.read(&mut buf))
+        .await
+        .expect("the proxy closes the connection");
+    // Closed: nothing more to read, or a reset.
+    assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_secs(30) && waited < Duration::from_secs(32),
+        "{waited:?}"
+    );
+    // A client that sends its headers in time is served.
+    let small = json!({"messages": [{"role": "user", "content": "y"}]});
+    assert_eq!(proxy.post_json(&[], &small).await.status, 200);
+}
+
 #[tokio::test]
 async fn a_non_json_request_passes_through_byte_for_byte() {
     a_non_json_request_passes_through_byte_for_byte_with(UpstreamMode::Pooled).await;
@@ -1423,6 +1452,8 @@ fn every_option_parses_and_bad_values_are_explained() {
         "2MiB",
         "--read-timeout",
         "0",
+        "--header-timeout",
+        "0",
         "--worker-threads",
         "3",
         "--upstream",
@@ -1448,7 +1479,7 @@ fn every_option_parses_and_bad_values_are_explained() {
             max_queued: 7
         }
     );
-    assert_eq!(c.connect_timeout, Duration::from_millis(250));
+    assert_eq!(c.connect_timeout, Some(Duration::from_millis(250)));
     assert_eq!(c.response_timeout, None);
     assert_eq!(c.failure_cooldown, Duration::from_secs(60));
     assert_eq!(c.probe_interval, None);
@@ -1457,6 +1488,7 @@ fn every_option_parses_and_bad_values_are_explained() {
     assert!(!c.probe_slots);
     assert_eq!(c.body_limit, 2 << 20);
     assert_eq!(c.read_timeout, None);
+    assert_eq!(c.header_timeout, None);
     assert_eq!(c.upstream, UpstreamMode::PerClient);
     assert_eq!(c.replicas.get(), 3);
 
@@ -1466,6 +1498,8 @@ fn every_option_parses_and_bad_values_are_explained() {
     let d = &defaults.config;
     assert_eq!(d.response_timeout, Some(Duration::from_secs(600)));
     assert_eq!(d.read_timeout, Some(Duration::from_secs(60)));
+    assert_eq!(d.header_timeout, Some(Duration::from_secs(30)));
+    assert_eq!(d.connect_timeout, Some(Duration::from_secs(2)));
     assert_eq!(d.upstream, UpstreamMode::Pooled);
     assert_eq!(d.replicas.get(), 1);
     assert_eq!((d.probe_failures, d.probe_successes), (1, 1));
@@ -1511,6 +1545,19 @@ fn every_option_parses_and_bad_values_are_explained() {
         (
             vec!["--backend", "n=http://x:1", "--upstream", "shared"],
             "pooled or per-client",
+        ),
+        (
+            vec!["--backend", "n=http://x:1", "--probe-timeout", "0"],
+            "--probe-timeout must be more than 0",
+        ),
+        (
+            vec!["--backend", "n=http://x:1", "--body-limit", "0"],
+            "--body-limit must be more than 0",
+        ),
+        (vec!["--backend", "n=http://user:secret@x:1"], "user info"),
+        (
+            vec!["--backend", "n=http://x:1,slots=2,slots=3"],
+            "slots= is given twice",
         ),
     ] {
         let err = cli::parse(args.clone()).unwrap_err();
