@@ -286,7 +286,13 @@ pub(crate) struct CacheModel {
     clock: u32,
     /// The latest stamp of a link evicted (0 before any): nothing recorded later has gone.
     evicted_through: u32,
+    /// The stamps of the latest records the backend did not take (0: none), so that the
+    /// next turn of a session whose last turn was refused is not taken for a compaction.
+    refusals: [u32; REFUSALS],
 }
+
+/// How many refused records a model remembers.
+const REFUSALS: usize = 8;
 
 impl CacheModel {
     /// A model of a cache of `budget` tokens.
@@ -306,7 +312,22 @@ impl CacheModel {
             evicted: 0,
             clock: 0,
             evicted_through: 0,
+            refusals: [0; REFUSALS],
         }
+    }
+
+    /// Remembers that the record with `stamp` was not taken.
+    pub(crate) fn note_refused(&mut self, stamp: u32) {
+        if stamp != 0 {
+            self.refusals.rotate_right(1);
+            self.refusals[0] = stamp;
+        }
+    }
+
+    /// Whether the record with `stamp` is one of the latest the backend did not take: its
+    /// session's next turn need not extend it.
+    pub(crate) fn was_refused(&self, stamp: u32) -> bool {
+        stamp != 0 && self.refusals.contains(&stamp)
     }
 
     /// The most links a model of `budget` tokens tracks: one per 16 tokens of budget, at least
@@ -466,6 +487,7 @@ impl CacheModel {
     /// a passing reason, busy or restarting, is still the place for the next). The record
     /// of its next turn finds what is really held.
     pub(crate) fn refused(&mut self, chain: &[Link], known: usize, stamp: u32) {
+        self.note_refused(stamp);
         for link in chain.get(known..).unwrap_or_default().iter().rev() {
             let Some(i) = self.node(link.digest) else {
                 // Evicted already; the link before it may be a leaf now.
@@ -979,7 +1001,9 @@ impl Owed {
     fn answer(&self, taken: bool) {
         let links = self.chain.links();
         match (self.settled, taken) {
-            (true, true) | (false, false) => {}
+            (true, true) => {}
+            // Never sent, but its session's entry points at it all the same.
+            (false, false) => self.cache.lock().note_refused(self.stamp),
             (true, false) => self.cache.lock().refused(links, self.known, self.stamp),
             (false, true) => {
                 self.cache.lock().record_from(links, self.known, self.stamp);

@@ -386,12 +386,22 @@ impl HomeCache {
             return (HomeCache::Unknown, 0);
         }
         let cell = &home.member().cache;
+        // The last turn was not taken (too long for the backend's context, say): the next one
+        // goes on from the turn before, which the session's entry no longer names. Not a
+        // compaction: the home holds what it held, and is as good as any.
+        let compacted = || {
+            if cell.lock().was_refused(mark) {
+                (HomeCache::Unknown, 0)
+            } else {
+                (HomeCache::Compacted, 0)
+            }
+        };
         if cell.kept_since(mark) {
             // Searched from the end, where a new link sharing the fingerprint would come
             // first; the record catches that (one in 65,536 a new link).
             return match chain.tip_positions(tip).next() {
                 Some(at) => (HomeCache::Holds, at + 1),
-                None => (HomeCache::Compacted, 0),
+                None => compacted(),
             };
         }
         // The fingerprint is 16 bits: a link new in this turn may share it. The last turn
@@ -407,7 +417,8 @@ impl HomeCache {
         if found {
             (HomeCache::Evicted, 0)
         } else {
-            (HomeCache::Compacted, 0)
+            drop(model);
+            compacted()
         }
     }
 }

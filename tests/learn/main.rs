@@ -555,6 +555,25 @@ async fn a_prompt_the_backend_refused_leaves_its_model_holding_what_it_held() {
     assert_eq!((a.cached_tokens, a.corrections), (5000, 0), "{a:?}");
 }
 
+#[tokio::test(start_paused = true)]
+async fn the_turn_after_one_the_backend_refused_is_not_a_compaction() {
+    let svc = service(&[("a", "n1")]);
+    let turn = |blocks: &[u64], reply| request(Some("s"), Some(chain(blocks, 1000)), reply);
+    exchange(&svc, turn(&[1, 2, 3], reused(3000, 0))).await;
+    // The client pastes a file too long for the context: refused.
+    let refused = exchange(&svc, turn(&[1, 2, 3, 40, 41, 42, 43], exceeds_context())).await;
+    assert_eq!(refused.0.outcome, Outcome::HomeHit);
+    // It sends a shorter message instead: its prompt goes on from the turn before the refused
+    // one, not from the refused one. It goes home, as a home hit.
+    let (d, _, _) = exchange(&svc, turn(&[1, 2, 3, 5], reused(4000, 3000))).await;
+    assert_eq!(d.outcome, Outcome::HomeHit);
+    let stats = svc.stats();
+    assert_eq!((stats.compactions, stats.home_hits), (0, 2), "{stats:?}");
+    // A prompt whose leading messages changed is still a compaction.
+    let (d, _, _) = exchange(&svc, turn(&[9, 2, 3, 5, 6], reused(5000, 0))).await;
+    assert_eq!(d.outcome, Outcome::Compaction);
+}
+
 // === wait versus move ===
 
 const SESSION_BLOCKS: [u64; 10] = [100, 101, 102, 103, 104, 105, 106, 107, 108, 109];
