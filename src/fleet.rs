@@ -325,8 +325,15 @@ pub(crate) struct DecisionHeaders {
 
 impl DecisionHeaders {
     fn new(id: &BackendId, node: &NodeId) -> Self {
+        let backend = http::HeaderValue::from_str(id.as_str()).ok();
+        if backend.is_none() {
+            tracing::warn!(backend = ?id.as_str(), "backend id is not a valid header value: x-affinity-backend is left off its answers");
+        }
+        if http::HeaderValue::from_str(node.as_str()).is_err() {
+            tracing::warn!(node = ?node.as_str(), "node id is not a valid header value: x-affinity-node is left off its answers");
+        }
         let headers = DecisionHeaders {
-            backend: http::HeaderValue::from_str(id.as_str()).ok(),
+            backend,
             node: arc_swap::ArcSwapOption::empty(),
         };
         headers.node(node);

@@ -259,7 +259,8 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// a backend's failure names the backend in [`Error::Backend`](crate::Error::Backend)).
     /// The same facts are in the response's extensions as a
     /// [`Decision`](crate::Decision), unless [`decision_extension`](Self::decision_extension)
-    /// is off.
+    /// is off. A backend or node id that is not a valid header value (a line break in it, say)
+    /// leaves its header off, with a warning when the backend is discovered.
     pub fn decision_headers(mut self, enabled: bool) -> Self {
         self.config.decision_headers = enabled;
         self
