@@ -609,11 +609,21 @@ impl Collector for AffinityCollector {
         )?;
 
         type Read = fn(&BackendStatus) -> i64;
-        let per_backend: [(&str, &str, Read); 3] = [
+        let per_backend: [(&str, &str, Read); 5] = [
             (
                 "tower_affinity_backend_in_flight",
                 "Requests on the backend whose response has not ended",
                 |b| i64::from(b.in_flight),
+            ),
+            (
+                "tower_affinity_backend_cached_tokens",
+                "Prompt tokens the cache model says the backend holds",
+                |b| i64::try_from(b.cached_tokens).unwrap_or(i64::MAX),
+            ),
+            (
+                "tower_affinity_backend_conversations",
+                "Conversations the cache model says the backend homes",
+                |b| i64::from(b.conversations),
             ),
             (
                 "tower_affinity_backend_slots",

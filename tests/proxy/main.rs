@@ -1276,6 +1276,23 @@ async fn a_full_backend_makes_requests_wait_and_metrics_show_it() {
     ] {
         assert!(metrics.contains(line), "missing {line:?} in\n{metrics}");
     }
+    // What the cache model says the backend holds: the two prompts it served.
+    let value = |name: &str| -> u64 {
+        let series = format!(r#"{name}{{backend="a",node="node-a"}} "#);
+        let line = metrics.lines().find(|l| l.starts_with(&series));
+        let line = line.unwrap_or_else(|| panic!("missing {series:?} in\n{metrics}"));
+        line[series.len()..].parse().unwrap()
+    };
+    let model = proxy.proxy.affinity().backends();
+    assert_eq!(
+        value("tower_affinity_backend_cached_tokens"),
+        model[0].cached_tokens
+    );
+    assert!(model[0].cached_tokens > 0);
+    assert_eq!(
+        value("tower_affinity_backend_conversations"),
+        u64::from(model[0].conversations)
+    );
 }
 
 /// Reads a streamed answer's chunks: their JSON, past `data: ` (without `[DONE]`).
