@@ -775,12 +775,6 @@ impl<B> Fleet<B> {
     }
 }
 
-impl<B> Default for Fleet<B> {
-    fn default() -> Self {
-        Fleet::new(1)
-    }
-}
-
 impl<S> Fleet<Backend<S>> {
     pub(crate) fn insert(&mut self, id: BackendId, backend: Backend<S>) {
         // This replica sees about one request in `replicas` of those the backend serves, so

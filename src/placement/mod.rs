@@ -46,10 +46,9 @@ mod view;
 
 use std::fmt;
 use std::ops::ControlFlow;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use crate::fleet::Topology;
+use crate::fleet::{SlotGuard, Topology};
 
 pub use baselines::{LeastLoaded, Rendezvous, RoundRobin};
 pub use node_then_backend::NodeThenBackend;
@@ -302,9 +301,14 @@ impl<'a> Candidates<'a> {
 impl Drop for Candidates<'_> {
     fn drop(&mut self) {
         if let (Mode::Acquire, Some(index)) = (&self.mode, self.chosen) {
+            // Released as any taken slot is: its guard, dropped at once.
             let member = self.topology.member(index);
-            member.load.in_flight.fetch_sub(1, Ordering::AcqRel);
-            self.topology.capacity.slot_freed(index, member.node);
+            drop(SlotGuard::new(
+                &member.load,
+                index,
+                member.node,
+                self.now_ms,
+            ));
         }
     }
 }
