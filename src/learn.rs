@@ -122,6 +122,12 @@ fn load_f64(a: &AtomicU64) -> Option<f64> {
     (v > 0.0).then_some(v)
 }
 
+/// `secs` seconds: zero below zero, and `Duration::MAX` past it (the figures a backend
+/// reported can be any finite number, so what they teach can be too).
+fn duration_of(secs: f64) -> Duration {
+    Duration::try_from_secs_f64(secs.max(0.0)).unwrap_or(Duration::MAX)
+}
+
 fn blend(a: &AtomicU64, sample: f64) {
     if !(sample.is_finite() && sample > 0.0) {
         return;
@@ -207,7 +213,7 @@ impl Learned {
 
     /// How long a request takes, once learned.
     pub(crate) fn request_time(&self) -> Option<Duration> {
-        load_f64(&self.duration_ms).map(|ms| Duration::from_secs_f64(ms / 1000.0))
+        load_f64(&self.duration_ms).map(|ms| duration_of(ms / 1000.0))
     }
 
     /// The mean time to first byte so far.
@@ -231,7 +237,7 @@ impl Learned {
         let started = self.started_ms.load(Ordering::Relaxed) as f64 / n;
         let mean_age = (now_ms as f64 - started).max(0.0);
         let oldest = mean_age * 2.0 * n / (n + 1.0);
-        Some(Duration::from_secs_f64((took - oldest).max(0.0) / 1000.0))
+        Some(duration_of((took - oldest) / 1000.0))
     }
 
     /// What a read of `read` on this backend costs its requests, not only the one read: the
@@ -245,7 +251,7 @@ impl Learned {
         };
         let secs = read.as_secs_f64();
         let arriving = f64::from(in_flight) * secs * 1000.0 / took_ms;
-        let behind = Duration::try_from_secs_f64(secs * arriving).unwrap_or(Duration::MAX);
+        let behind = duration_of(secs * arriving);
         read.saturating_add(behind)
     }
 
@@ -260,7 +266,7 @@ impl Learned {
     pub(crate) fn read_time_or(&self, tokens: u64, prior: &Prior) -> Option<Duration> {
         let rate = self.prefill_rate().or(prior.rate)?;
         let scale = load_f64(&self.token_scale).or(prior.scale).unwrap_or(1.0);
-        Some(Duration::from_secs_f64(tokens as f64 * scale / rate))
+        Some(duration_of(tokens as f64 * scale / rate))
     }
 
     /// The prompt tokens of this backend's requests in flight that have no answer yet.
@@ -347,6 +353,24 @@ mod tests {
         l.learn(&answer(10_100, Some(10_000), 1_000), None);
         assert_eq!(l.prefill_rate(), Some(200.0));
         assert_eq!(l.read_time(2_000), Some(Duration::from_secs(10)));
+    }
+
+    #[test]
+    fn figures_past_what_a_duration_holds_saturate_rather_than_panic() {
+        let l = Learned::default();
+        // A backend that says it read 1e18 tokens in 1e15 s, of a prompt the chain estimated
+        // at one token, teaches a slow rate and a scale of 1e18.
+        let mut huge = answer(1_000_000_000_000_000_000, Some(0), 1_000);
+        huge.usage.as_mut().unwrap().prompt_time = Some(Duration::from_secs(1_000_000_000_000_000));
+        let p = Prediction {
+            prompt_tokens: 1,
+            held_tokens: 0,
+            stamp: 0,
+        };
+        l.learn(&huge, Some(p));
+        assert_eq!(l.read_time(u64::MAX), Some(Duration::MAX));
+        assert_eq!(l.read_cost(Duration::MAX, 3), Duration::MAX);
+        assert_eq!(l.wait_estimate(1, u64::MAX), Some(Duration::ZERO));
     }
 
     #[test]

@@ -269,7 +269,10 @@ impl UsageScanner {
             return None;
         }
         let w = &self.wire;
-        let prompt_time = w.prompt_ms.map(|ms| Duration::from_secs_f64(ms / 1000.0));
+        // A time past what a `Duration` holds is not one a backend took: left out.
+        let prompt_time = w
+            .prompt_ms
+            .and_then(|ms| Duration::try_from_secs_f64(ms / 1000.0).ok());
         if let (Some(read), Some(cached)) = (w.prompt_n, w.cache_n) {
             return Some(Usage {
                 prompt_tokens: read.saturating_add(cached),
@@ -600,6 +603,14 @@ mod tests {
         let u = Usage::from_body(body).unwrap();
         assert_eq!((u.prompt_tokens, u.reused_tokens), (900, Some(800)));
         assert_eq!(u.prompt_time, Some(Duration::from_millis(250)));
+    }
+
+    #[test]
+    fn a_prompt_time_past_what_a_duration_holds_is_left_out_not_a_panic() {
+        let body = br#"{"timings":{"prompt_n":100,"cache_n":800,"prompt_ms":1e300}}"#;
+        let u = Usage::from_body(body).unwrap();
+        assert_eq!((u.prompt_tokens, u.reused_tokens), (900, Some(800)));
+        assert_eq!(u.prompt_time, None);
     }
 
     #[test]
