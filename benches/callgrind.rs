@@ -153,8 +153,8 @@ fn main() {
         }
         "header_keyless" | "header_keyless_7" => {
             let names = HeaderKey::DEFAULT_NAMES
-                .into_iter()
-                .filter(|n| what == "header_keyless" || *n != "thread_id");
+                .iter()
+                .filter(|n| what == "header_keyless" || **n != "thread_id");
             let mut svc = SessionAffinityLayer::new()
                 .key(HeaderKey::new(names))
                 .layer(shape.fleet(1));

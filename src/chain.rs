@@ -18,8 +18,10 @@ use std::sync::Arc;
 use xxhash_rust::xxh3::{xxh3_64_with_seed, Xxh3};
 
 /// One link of a [`PromptChain`]: the digest of the prompt up to a boundary, and the prompt's
-/// size up to and including it.
+/// size up to and including it. Read from [`PromptChain::links`]; a chain of your own is built
+/// with [`PromptChain::from_blocks`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct Link {
     /// Digest of the whole prompt up to this boundary.
     pub digest: u64,

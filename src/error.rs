@@ -32,7 +32,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// use std::time::Duration;
 /// use tower_affinity::Error;
 ///
-/// let e = Error::Saturated { retry_after: Duration::from_secs(2) };
+/// let e = Error::saturated(Duration::from_secs(2));
 /// let res = e.into_response::<http_body_util::Empty<bytes::Bytes>>();
 /// assert_eq!(res.status(), 429);
 /// assert_eq!(res.headers()["retry-after"], "2");
@@ -44,11 +44,13 @@ pub enum Error {
     NoBackends,
     /// Every candidate was full and the request could not wait (or waited too long, or too
     /// many were waiting already). Try again after `retry_after`.
+    #[non_exhaustive]
     Saturated {
         /// A hint for the client's `Retry-After`.
         retry_after: Duration,
     },
     /// The chosen backend failed.
+    #[non_exhaustive]
     Backend {
         /// The backend that failed.
         backend: BackendId,
@@ -58,6 +60,19 @@ pub enum Error {
 }
 
 impl Error {
+    /// [`Error::Saturated`]: try again after `retry_after`.
+    pub fn saturated(retry_after: Duration) -> Self {
+        Error::Saturated { retry_after }
+    }
+
+    /// [`Error::Backend`]: `backend` failed with `source`.
+    pub fn backend(backend: impl Into<BackendId>, source: impl Into<BoxError>) -> Self {
+        Error::Backend {
+            backend: backend.into(),
+            source: source.into(),
+        }
+    }
+
     /// The HTTP status this error maps to.
     pub fn status(&self) -> StatusCode {
         match self {
@@ -78,8 +93,16 @@ impl Error {
 
     /// An HTTP response for this error: its status, `Retry-After` when saturated, and a short
     /// plain-text body. [`ErrorToResponse`] applies it to every error of a service.
+    ///
+    /// The body of a [`Backend`](Error::Backend) error names the backend and says what its
+    /// error says (`backend gpu-0 failed: connection refused: ...`); map the error yourself
+    /// where clients must not see either.
     pub fn into_response<B>(self) -> http::Response<ResponseBody<B>> {
-        let mut res = http::Response::new(ResponseBody::full(Bytes::from(self.to_string())));
+        let text = match &self {
+            Error::Backend { source, .. } => format!("{self}: {source}"),
+            _ => self.to_string(),
+        };
+        let mut res = http::Response::new(ResponseBody::full(Bytes::from(text)));
         *res.status_mut() = self.status();
         res.headers_mut().insert(
             header::CONTENT_TYPE,
@@ -119,7 +142,8 @@ impl fmt::Display for Error {
                 "all backends are at capacity; retry after {} s",
                 retry_after.as_secs_f64().ceil()
             ),
-            Error::Backend { backend, source } => write!(f, "backend {backend} failed: {source}"),
+            // What it failed with is the source's to say.
+            Error::Backend { backend, .. } => write!(f, "backend {backend} failed"),
         }
     }
 }
@@ -184,31 +208,54 @@ where
         &mut self,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Result<(), Self::Error>> {
-        // A readiness error is answered as the next call's response.
-        if let std::task::Poll::Ready(Err(e)) = self.inner.poll_ready(cx) {
-            self.pending = Some(e);
+        use std::task::Poll;
+        if self.pending.is_some() {
+            return Poll::Ready(Ok(()));
         }
-        std::task::Poll::Ready(Ok(()))
+        // Ready when the inner service is; a readiness error is answered as the next call's
+        // response.
+        match self.inner.poll_ready(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(Ok(())) => Poll::Ready(Ok(())),
+            Poll::Ready(Err(e)) => {
+                self.pending = Some(e);
+                Poll::Ready(Ok(()))
+            }
+        }
     }
 
     fn call(&mut self, req: Req) -> Self::Future {
-        match self.pending.take() {
-            Some(e) => ErrorToResponseFuture::Failed { error: Some(e) },
-            None => ErrorToResponseFuture::Inner {
+        let state = match self.pending.take() {
+            Some(e) => State::Failed { error: Some(e) },
+            None => State::Inner {
                 fut: self.inner.call(req),
             },
-        }
+        };
+        ErrorToResponseFuture { state }
     }
 }
 
 pin_project_lite::pin_project! {
     /// The future of [`ErrorToResponse`].
-    #[project = ErrorToResponseProj]
-    #[allow(missing_docs)]
-    pub enum ErrorToResponseFuture<F> {
-        /// Waiting for the inner service.
+    pub struct ErrorToResponseFuture<F> {
+        #[pin]
+        state: State<F>,
+    }
+}
+
+impl<F> fmt::Debug for ErrorToResponseFuture<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ErrorToResponseFuture")
+            .finish_non_exhaustive()
+    }
+}
+
+pin_project_lite::pin_project! {
+    #[project = StateProj]
+    enum State<F> {
+        // Waiting for the inner service.
         Inner { #[pin] fut: F },
-        /// The inner service was not ready.
+        // The inner service failed to become ready.
         Failed { error: Option<Error> },
     }
 }
@@ -223,11 +270,11 @@ where
         self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Self::Output> {
-        match self.project() {
-            ErrorToResponseProj::Inner { fut } => fut
+        match self.project().state.project() {
+            StateProj::Inner { fut } => fut
                 .poll(cx)
                 .map(|r| Ok(r.unwrap_or_else(Error::into_response))),
-            ErrorToResponseProj::Failed { error } => std::task::Poll::Ready(Ok(error
+            StateProj::Failed { error } => std::task::Poll::Ready(Ok(error
                 .take()
                 .unwrap_or(Error::NoBackends)
                 .into_response())),
@@ -285,6 +332,40 @@ mod tests {
             })
             .unwrap_err();
         assert_eq!(backend(Box::new(Wrapped(Box::new(elapsed)))).status(), 504);
+    }
+
+    #[tokio::test]
+    async fn error_to_response_is_ready_only_when_its_inner_service_is() {
+        use tokio_test::{assert_pending, assert_ready, task};
+        use tower::{Service, ServiceExt};
+
+        let ok = tower::service_fn(|_: ()| async {
+            Ok::<_, Error>(http::Response::new(ResponseBody::<()>::full(Bytes::new())))
+        });
+        // One permit: a service that reserves capacity in `poll_ready`, and panics on a call
+        // it did not make ready.
+        let svc = ErrorToResponse::new(tower::limit::ConcurrencyLimit::new(ok, 1));
+        let mut first = svc.clone();
+        let held = first.ready().await.unwrap().call(());
+        let mut second = svc.clone();
+        let mut ready = task::spawn(second.ready());
+        assert_pending!(ready.poll());
+        drop(held);
+        assert!(ready.is_woken());
+        let second = assert_ready!(ready.poll()).unwrap();
+        assert_eq!(second.call(()).await.unwrap().status(), 200);
+    }
+
+    #[tokio::test]
+    async fn a_backend_failure_is_said_once_in_the_chain_and_whole_in_the_answer() {
+        use http_body_util::BodyExt;
+
+        let e = Error::backend("b", "broken");
+        assert_eq!(e.to_string(), "backend b failed");
+        assert_eq!(std::error::Error::source(&e).unwrap().to_string(), "broken");
+        let res = e.into_response::<http_body_util::Full<Bytes>>();
+        let body = res.into_body().collect().await;
+        assert_eq!(body.unwrap().to_bytes(), "backend b failed: broken");
     }
 
     #[test]

@@ -26,12 +26,12 @@ use crate::{Backend, BackendId, BoxError, Overflow, Sessions};
 /// use tower_affinity::{discover::StaticFleet, Backend, Overflow, SessionAffinityLayer, Sessions};
 /// use tower_affinity::placement::NodeThenBackend;
 ///
-/// # fn backend() -> tower::util::BoxCloneService<http::Request<()>, http::Response<()>, std::convert::Infallible> { unimplemented!() }
+/// # fn backend() -> tower::util::BoxCloneSyncService<http::Request<()>, http::Response<()>, std::convert::Infallible> { unimplemented!() }
 /// # fn doc() {
 /// let fleet = StaticFleet::new([("gpu-0", Backend::new("host-a", backend()))]);
 /// let svc = SessionAffinityLayer::new()
 ///     .placement(NodeThenBackend::new().load_bound(0.25))
-///     .overflow(Overflow::Wait { max_wait: Duration::from_secs(30), max_queued: 256 })
+///     .overflow(Overflow::wait(Duration::from_secs(30), 256))
 ///     .sessions(Sessions::new().max_entries(1_000_000))
 ///     .decision_headers(true)
 ///     .layer(fleet);

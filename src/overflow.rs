@@ -8,9 +8,11 @@ use std::time::Duration;
 /// use std::time::Duration;
 /// use tower_affinity::Overflow;
 ///
-/// let o = Overflow::Wait { max_wait: Duration::from_secs(30), max_queued: 256 };
-/// assert_eq!(Overflow::default(), Overflow::Wait { max_wait: Duration::from_secs(60), max_queued: 1024 });
-/// # let _ = o;
+/// let o = Overflow::wait(Duration::from_secs(30), 256);
+/// assert_eq!(Overflow::default(), Overflow::wait(Duration::from_secs(60), 1024));
+/// if let Overflow::Wait { max_wait, .. } = o {
+///     assert_eq!(max_wait, Duration::from_secs(30));
+/// }
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -20,7 +22,8 @@ pub enum Overflow {
     /// back. At most `max_queued` requests wait at once; beyond that, and after `max_wait`, the
     /// request fails with [`Error::Saturated`](crate::Error::Saturated).
     ///
-    /// Waiting needs tokio's time driver.
+    /// Waiting needs tokio's time driver. Built with [`Overflow::wait`].
+    #[non_exhaustive]
     Wait {
         /// The longest a request waits for a slot.
         max_wait: Duration,
@@ -35,6 +38,14 @@ pub enum Overflow {
 }
 
 impl Overflow {
+    /// [`Overflow::Wait`]: wait up to `max_wait`, at most `max_queued` requests at once.
+    pub const fn wait(max_wait: Duration, max_queued: usize) -> Self {
+        Overflow::Wait {
+            max_wait,
+            max_queued,
+        }
+    }
+
     /// The `Retry-After` hint given when a request is refused for lack of slots.
     pub(crate) const RETRY_AFTER: Duration = Duration::from_secs(1);
 }
@@ -42,9 +53,6 @@ impl Overflow {
 impl Default for Overflow {
     /// Wait up to 60 s, at most 1024 requests at once.
     fn default() -> Self {
-        Overflow::Wait {
-            max_wait: Duration::from_secs(60),
-            max_queued: 1024,
-        }
+        Overflow::wait(Duration::from_secs(60), 1024)
     }
 }

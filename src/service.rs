@@ -55,6 +55,15 @@ const DRAIN_LIMIT: usize = 256;
 /// (it is polled once, with a waker that does nothing), `call` calls it at once, and the
 /// response future drives the backend's own future. Otherwise the response future waits for the
 /// backend's readiness, or for a slot if the [`Overflow`] policy says so.
+///
+/// So backpressure is the [`Overflow`] policy's, not readiness: behind a `tower::buffer::Buffer`
+/// requests wait in their response futures (or are refused), not in the buffer. A `call` that
+/// no `poll_ready` preceded, as tower's contract asks, is still served, but without the
+/// discovery changes not yet applied: a service that was never polled has no backends.
+///
+/// Clones share the backend services: the service and its futures are `Send` when each
+/// backend service is `Send + Sync`. tower's `BoxCloneService` is not `Sync`; box backends as
+/// `BoxCloneSyncService`.
 pub struct SessionAffinity<D: Discover, K, P> {
     /// Holds the discovery stream too, behind [`Drain`]: response futures waiting for a slot
     /// drain it as readiness does.

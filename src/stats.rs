@@ -62,7 +62,7 @@ impl Outcome {
     }
 
     /// Every outcome, in a fixed order.
-    pub const ALL: [Outcome; 9] = [
+    pub const ALL: &'static [Outcome] = &[
         Outcome::HomeHit,
         Outcome::SameNodeSpill,
         Outcome::CrossNodeSpill,

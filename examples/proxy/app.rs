@@ -553,7 +553,7 @@ impl Collector for AffinityCollector {
                 None,
                 MetricType::Counter,
             )?;
-            for outcome in Outcome::ALL {
+            for &outcome in Outcome::ALL {
                 let labels = [("outcome", outcome.as_str())];
                 ConstCounter::new(stats.outcome(outcome)).encode(m.encode_family(&labels)?)?;
             }

@@ -245,10 +245,7 @@ where
         );
     }
     config.overflow = match overflow.as_str() {
-        "wait" => Overflow::Wait {
-            max_wait,
-            max_queued,
-        },
+        "wait" => Overflow::wait(max_wait, max_queued),
         "overcommit" => Overflow::Overcommit,
         "reject" => Overflow::Reject,
         v => {

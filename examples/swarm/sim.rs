@@ -162,10 +162,7 @@ pub(crate) fn build(policy: Policy, fleet: &[BackendSpec]) -> (Svc, Vec<SimBacke
                 .replicas(NonZeroU32::new(replicas.routers as u32).unwrap_or(NonZeroU32::MIN))
                 .placement(policy.placement(&named))
                 // Agents wait as long as it takes: a refused turn would only be retried.
-                .overflow(Overflow::Wait {
-                    max_wait: Duration::from_secs(24 * 3600),
-                    max_queued: 1 << 20,
-                })
+                .overflow(Overflow::wait(Duration::from_secs(24 * 3600), 1 << 20))
                 .node_patience(if policy == Policy::Patient {
                     PATIENCE
                 } else {

@@ -69,6 +69,9 @@ impl fmt::Display for FailureKind {
 /// A timeout has an [`io::Error`] of kind [`TimedOut`](io::ErrorKind::TimedOut) in its source
 /// chain, which is what makes [`Error::status`](crate::Error::status) 504.
 ///
+/// Its `Display` says the kind and the chain's root cause (`connection refused: Connection
+/// refused (os error 111)`): hyper's own messages name only the step that failed.
+///
 /// [source]: std::error::Error::source
 ///
 /// ```
@@ -79,7 +82,7 @@ impl fmt::Display for FailureKind {
 /// assert_eq!(e.kind(), FailureKind::Refused);
 /// assert_eq!(e.status(), 502);
 ///
-/// let e = tower_affinity::Error::Backend { backend: "gpu-0".into(), source: Box::new(e) };
+/// let e = tower_affinity::Error::backend("gpu-0", e);
 /// assert_eq!(HttpBackendError::of(&e).map(|e| e.kind()), Some(FailureKind::Refused));
 /// assert_eq!(e.status(), 502);
 /// ```
@@ -237,14 +240,9 @@ mod tests {
         let e = HttpBackendError::response_timeout(Duration::from_secs(1));
         assert_eq!(e.kind(), FailureKind::Timeout);
         assert_eq!(e.status(), 504);
-        let e = crate::Error::Backend {
-            backend: "b".into(),
-            source: Box::new(e),
-        };
+        let e = crate::Error::backend("b", e);
         assert_eq!(e.status(), 504);
-        assert!(
-            e.to_string().contains("no response headers within 1s"),
-            "{e}"
-        );
+        let source = std::error::Error::source(&e).unwrap().to_string();
+        assert!(source.contains("no response headers within 1s"), "{source}");
     }
 }

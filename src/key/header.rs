@@ -50,7 +50,7 @@ use super::{KeyExtractor, SessionKey};
 /// assert!(custom.extract(&req).is_some());
 ///
 /// // The defaults, then a header of your own.
-/// let extended = HeaderKey::new(HeaderKey::DEFAULT_NAMES.into_iter().chain(["x-conversation"]));
+/// let extended = HeaderKey::new(HeaderKey::DEFAULT_NAMES.iter().copied().chain(["x-conversation"]));
 /// assert_eq!(extended.names().len(), HeaderKey::DEFAULT_NAMES.len() + 1);
 /// ```
 #[derive(Clone, Debug)]
@@ -82,8 +82,8 @@ impl HeaderKey {
     pub const AGENT_SESSION_ID: HeaderName = HeaderName::from_static("agent-session-id");
 
     /// The names [`HeaderKey::default`] reads, in order, for extending the default list:
-    /// `HeaderKey::new(HeaderKey::DEFAULT_NAMES.into_iter().chain(["x-mine"]))`.
-    pub const DEFAULT_NAMES: [&'static str; 8] = [
+    /// `HeaderKey::new(HeaderKey::DEFAULT_NAMES.iter().copied().chain(["x-mine"]))`.
+    pub const DEFAULT_NAMES: &'static [&'static str] = &[
         "x-session-affinity",
         "x-session-id",
         "x-claude-code-session-id",

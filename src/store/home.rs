@@ -20,7 +20,8 @@ use crate::{BackendId, NodeId};
 /// does not (the client compacted its history). A home without it, as every value was
 /// written before it came in, reads as a home whose cache is not known. A reader ignores
 /// members it does not know, and a value whose `v` is not 1 is not read (a later format
-/// that older readers must not read takes a new version).
+/// that older readers must not read takes a new version). Build one with
+/// [`new`](StoredHome::new) and [`with_tip`](StoredHome::with_tip); its fields are for reading.
 ///
 /// ```
 /// use tower_affinity::store::StoredHome;
@@ -37,6 +38,7 @@ use crate::{BackendId, NodeId};
 /// assert_eq!(StoredHome::decode(value.as_bytes()), Some(placed));
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct StoredHome {
     /// The backend that served the session's last turn.
     pub backend: BackendId,

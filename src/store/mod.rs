@@ -146,7 +146,7 @@ use crate::BoxError;
 pub use home::StoredHome;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
-pub use redis::{RedisStore, RedisStoreBuilder};
+pub use redis::{RedisOpenError, RedisStore, RedisStoreBuilder};
 pub(crate) use shared::{Homes, PendingRead, StoreAnswer};
 pub use shared::{StoreState, StoreStats};
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{RedisResult, Value};
+use redis::Value;
 
 use super::{HomeStore, Lookup, ReadHome, ReadPrompts, StoredHome, WriteHome};
 use crate::key::SessionKey;
@@ -38,9 +38,9 @@ use crate::key::SessionKey;
 /// use tower_affinity::{discover::StaticFleet, Backend, SessionAffinityLayer};
 /// use tower_affinity::store::RedisStore;
 ///
-/// # fn backend() -> tower::util::BoxCloneService<http::Request<()>, http::Response<()>, std::convert::Infallible> { unimplemented!() }
+/// # fn backend() -> tower::util::BoxCloneSyncService<http::Request<()>, http::Response<()>, std::convert::Infallible> { unimplemented!() }
 /// # #[tokio::main]
-/// # async fn main() -> Result<(), redis::RedisError> {
+/// # async fn main() -> Result<(), tower_affinity::store::RedisOpenError> {
 /// let store = RedisStore::builder()
 ///     .prefix("my-fleet:home:")
 ///     .open("redis://127.0.0.1:6379")?;
@@ -76,7 +76,7 @@ impl RedisStore {
 
     /// A store on the Redis at `url` (`redis://host:port/db`) with the default options.
     /// See [`RedisStoreBuilder::open`].
-    pub fn open(url: &str) -> RedisResult<Self> {
+    pub fn open(url: &str) -> Result<Self, RedisOpenError> {
         Self::builder().open(url)
     }
 
@@ -140,13 +140,10 @@ impl RedisStoreBuilder {
     /// once, so a Redis that is down at start does not stop the router; an error here is a URL
     /// it cannot use, or a call outside a Tokio runtime (the store runs its connection on
     /// it).
-    pub fn open(self, url: &str) -> RedisResult<RedisStore> {
-        let client = redis::Client::open(url)?;
+    pub fn open(self, url: &str) -> Result<RedisStore, RedisOpenError> {
+        let client = redis::Client::open(url).map_err(|e| RedisOpenError(OpenKind::Redis(e)))?;
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return Err(redis::RedisError::from((
-                redis::ErrorKind::Client,
-                "RedisStore::open must be called within a Tokio runtime",
-            )));
+            return Err(RedisOpenError(OpenKind::NoRuntime));
         };
         // The manager adds a random jitter of up to the delay itself: half the interval
         // keeps attempts at most one interval apart.
@@ -161,7 +158,8 @@ impl RedisStoreBuilder {
             .set_connection_timeout(Some(self.connect_timeout))
             // The service bounds reads by its deadline and writes by a second.
             .set_response_timeout(None);
-        let conn = ConnectionManager::new_lazy_with_config(client, config)?;
+        let conn = ConnectionManager::new_lazy_with_config(client, config)
+            .map_err(|e| RedisOpenError(OpenKind::Redis(e)))?;
         // Connect now, in the background, so that the first request does not wait for the
         // connection and its handshake.
         let mut first = conn.clone();
@@ -172,6 +170,46 @@ impl RedisStoreBuilder {
             conn,
             prefix: self.prefix.into(),
         })
+    }
+}
+
+/// Why a [`RedisStore`] could not be opened: a URL the `redis` crate cannot use, or a call
+/// outside a Tokio runtime. Its `Display` and [source](std::error::Error::source) are the
+/// `redis` crate's error's, when it is one.
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub struct RedisOpenError(OpenKind);
+
+enum OpenKind {
+    Redis(redis::RedisError),
+    NoRuntime,
+}
+
+impl fmt::Debug for RedisOpenError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.0 {
+            OpenKind::Redis(e) => f.debug_tuple("RedisOpenError").field(e).finish(),
+            OpenKind::NoRuntime => f.write_str("RedisOpenError(NoRuntime)"),
+        }
+    }
+}
+
+impl fmt::Display for RedisOpenError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.0 {
+            OpenKind::Redis(e) => fmt::Display::fmt(e, f),
+            OpenKind::NoRuntime => {
+                f.write_str("RedisStore::open must be called within a Tokio runtime")
+            }
+        }
+    }
+}
+
+impl std::error::Error for RedisOpenError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match &self.0 {
+            OpenKind::Redis(e) => e.source(),
+            OpenKind::NoRuntime => None,
+        }
     }
 }
 

@@ -105,7 +105,7 @@ impl StoreStats {
     /// }
     /// # }
     /// ```
-    pub fn counters(&self) -> [(&'static str, &'static str, u64); 17] {
+    pub fn counters(&self) -> impl Iterator<Item = (&'static str, &'static str, u64)> {
         [
             ("reads", "Reads sent to the store", self.reads),
             (
@@ -169,6 +169,7 @@ impl StoreStats {
                 self.prompt_writes,
             ),
         ]
+        .into_iter()
     }
 }
 
@@ -714,7 +715,7 @@ mod tests {
             prompt_writes: 17,
             state: StoreState::Up,
         };
-        let counters = stats.counters();
+        let counters: Vec<_> = stats.counters().collect();
         let values: Vec<u64> = counters.iter().map(|c| c.2).collect();
         assert_eq!(values, (1..=17).collect::<Vec<_>>());
         let names: Vec<&str> = counters.iter().map(|c| c.0).collect();

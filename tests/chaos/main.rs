@@ -247,10 +247,7 @@ async fn start_with(backends: Vec<BackendSpec>, adjust: impl FnOnce(&mut Config)
     config.connect_timeout = Some(Duration::from_millis(500));
     config.failure_cooldown = Duration::from_millis(300);
     config.read_timeout = Some(Duration::from_secs(5));
-    config.overflow = Overflow::Wait {
-        max_wait: Duration::from_secs(3),
-        max_queued: 4096,
-    };
+    config.overflow = Overflow::wait(Duration::from_secs(3), 4096);
     adjust(&mut config);
     let served = proxy::serve(config).await;
     Running {

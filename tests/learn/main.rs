@@ -726,10 +726,7 @@ async fn move_at_once_when_the_wait_would_cost_more_than_moving() {
 async fn a_wait_for_the_holder_ends_when_moving_would_have_cost_less() {
     // Waits may last longer than the default minute.
     let svc: Svc<_> = SessionAffinityLayer::new()
-        .overflow(Overflow::Wait {
-            max_wait: Duration::from_secs(600),
-            max_queued: 16,
-        })
+        .overflow(Overflow::wait(Duration::from_secs(600), 16))
         .layer(fleet(&[("a", "n1"), ("b", "n2")], scripted()));
     // Requests usually take 10 s, but this one holds the home for 300 s: after waiting as long
     // as moving costs more than staying, the turn moves. Moving reads 50 s, and the five
@@ -779,10 +776,7 @@ async fn a_move_waits_behind_the_prompts_the_other_backend_is_still_reading() {
     }));
     // Waits may last longer than the default minute.
     let svc: Svc<_> = SessionAffinityLayer::new()
-        .overflow(Overflow::Wait {
-            max_wait: Duration::from_secs(600),
-            max_queued: 16,
-        })
+        .overflow(Overflow::wait(Duration::from_secs(600), 16))
         .layer(fleet);
     teach(&svc, Duration::from_secs(200)).await;
     // A session homed on a: the first of a few keys whose first turn lands there.

@@ -67,10 +67,7 @@ fn overflow() -> impl Strategy<Value = Overflow> {
     prop_oneof![
         Just(Overflow::Reject),
         Just(Overflow::Overcommit),
-        Just(Overflow::Wait {
-            max_wait: Duration::from_secs(30),
-            max_queued: 4
-        }),
+        Just(Overflow::wait(Duration::from_secs(30), 4)),
     ]
 }
 

@@ -1208,10 +1208,7 @@ async fn a_full_backend_makes_requests_wait_and_metrics_show_it() {
     config.backends[0] = cli::backend(&format!("node-a={},slots=1,id=a", a.url()))
         .unwrap()
         .0;
-    config.overflow = Overflow::Wait {
-        max_wait: DEADLINE,
-        max_queued: 8,
-    };
+    config.overflow = Overflow::wait(DEADLINE, 8);
     let proxy = Arc::new(start(config).await);
     a.hold_streams();
 
@@ -1489,13 +1486,7 @@ fn every_option_parses_and_bad_values_are_explained() {
     assert_eq!(c.backends[0].slots, None);
     assert_eq!(c.cache_tokens("gpu0"), 64 * 1024);
     assert_eq!(c.policy, app::Policy::RoundRobin);
-    assert_eq!(
-        c.overflow,
-        Overflow::Wait {
-            max_wait: Duration::from_millis(1500),
-            max_queued: 7
-        }
-    );
+    assert_eq!(c.overflow, Overflow::wait(Duration::from_millis(1500), 7));
     assert_eq!(c.connect_timeout, Some(Duration::from_millis(250)));
     assert_eq!(c.response_timeout, None);
     assert_eq!(c.failure_cooldown, Duration::from_secs(60));

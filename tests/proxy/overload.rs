@@ -135,10 +135,7 @@ async fn run(slots: usize) -> Run {
         .collect();
     let mut config = Config::new(backends);
     config.probe_interval = None;
-    config.overflow = Overflow::Wait {
-        max_wait: TURN_DEADLINE,
-        max_queued: 1024,
-    };
+    config.overflow = Overflow::wait(TURN_DEADLINE, 1024);
     let proxy = Arc::new(start(config).await);
     let tasks: Vec<_> = (0..AGENTS)
         .map(|n| tokio::spawn(agent(proxy.clone(), n, n % 2 == 0)))

@@ -525,10 +525,7 @@ async fn a_backend_answering_503_is_passed_over_and_the_request_retried() {
 async fn wait_returns_the_session_to_its_home_when_the_home_frees_first() {
     let streams = Streams::default();
     let mut svc = SessionAffinityLayer::new()
-        .overflow(Overflow::Wait {
-            max_wait: Duration::from_secs(60),
-            max_queued: 8,
-        })
+        .overflow(Overflow::wait(Duration::from_secs(60), 8))
         .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
     // The session's first turn is still streaming on its home; another session fills the rest.
     let mine = send(&mut svc, Some("mine"), Some("stream")).await.unwrap();
@@ -580,10 +577,7 @@ async fn wait_spills_when_another_backend_frees_first() {
 async fn wait_gives_up_after_max_wait() {
     let streams = Streams::default();
     let mut svc = SessionAffinityLayer::new()
-        .overflow(Overflow::Wait {
-            max_wait: Duration::from_secs(30),
-            max_queued: 8,
-        })
+        .overflow(Overflow::wait(Duration::from_secs(30), 8))
         .layer(fleet(&[("a1", "a", 1)], &streams));
     let _held = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
     let started = tokio::time::Instant::now();
@@ -598,10 +592,7 @@ async fn wait_gives_up_after_max_wait() {
 async fn wait_queue_is_bounded() {
     let streams = Streams::default();
     let mut svc = SessionAffinityLayer::new()
-        .overflow(Overflow::Wait {
-            max_wait: Duration::from_secs(30),
-            max_queued: 1,
-        })
+        .overflow(Overflow::wait(Duration::from_secs(30), 1))
         .layer(fleet(&[("a1", "a", 1)], &streams));
     let _held = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
     svc.ready().await.unwrap();
@@ -717,10 +708,7 @@ async fn a_request_continuing_a_stored_response_is_refused_rather_than_sent_else
     assert!(matches!(call.await.unwrap_err(), Error::Saturated { .. }));
     // Waiting, it gives up when the wait does, though the other backend is free all along.
     let mut svc = SessionAffinityLayer::new()
-        .overflow(Overflow::Wait {
-            max_wait: Duration::from_secs(20),
-            max_queued: 8,
-        })
+        .overflow(Overflow::wait(Duration::from_secs(20), 8))
         .layer(two());
     let busy = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
     let on = decision(&busy).backend;
@@ -999,10 +987,7 @@ async fn a_waiting_request_takes_a_backend_announced_while_it_waits() {
         Backend::new("a", backend("a1", &streams)).slots(nz(1)),
     );
     let mut svc = SessionAffinityLayer::new()
-        .overflow(Overflow::Wait {
-            max_wait: Duration::from_secs(60),
-            max_queued: 8,
-        })
+        .overflow(Overflow::wait(Duration::from_secs(60), 8))
         .layer(stream);
     let held = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
     svc.ready().await.unwrap();
@@ -1340,10 +1325,7 @@ async fn under_contention_no_backend_serves_beyond_its_slots_and_every_waiter_is
         (id, Backend::new("n", service).slots(nz(slots)))
     }));
     let svc = SessionAffinityLayer::new()
-        .overflow(Overflow::Wait {
-            max_wait: Duration::from_secs(60),
-            max_queued: 4096,
-        })
+        .overflow(Overflow::wait(Duration::from_secs(60), 4096))
         .layer(fleet);
     let tasks: Vec<_> = (0..TASKS)
         .map(|t| {

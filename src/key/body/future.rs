@@ -128,7 +128,7 @@ pin_project! {
     /// {
     ///     svc.call(req)
     /// }
-    /// # let _ = call::<tower::util::BoxCloneService<http::Request<Full<Bytes>>, http::Response<String>, std::convert::Infallible>>;
+    /// # let _ = call::<tower::util::BoxCloneSyncService<http::Request<Full<Bytes>>, http::Response<String>, std::convert::Infallible>>;
     /// ```
     pub struct BodyKeyFuture<S, B>
     where

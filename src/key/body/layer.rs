@@ -65,7 +65,7 @@ use crate::key::HeaderKey;
 /// use tower_affinity::key::{BodyKeyLayer, ExtensionKey, FirstOf, HeaderKey};
 /// use tower_affinity::{discover::StaticFleet, Backend, SessionAffinityLayer};
 ///
-/// # fn backend() -> tower::util::BoxCloneService<http::Request<http_body_util::Full<bytes::Bytes>>, http::Response<String>, std::convert::Infallible> { unimplemented!() }
+/// # fn backend() -> tower::util::BoxCloneSyncService<http::Request<http_body_util::Full<bytes::Bytes>>, http::Response<String>, std::convert::Infallible> { unimplemented!() }
 /// # fn doc() {
 /// let fleet = StaticFleet::new([("gpu-0", Backend::new("host-a", backend()))]);
 /// let affinity = SessionAffinityLayer::new()
@@ -92,7 +92,8 @@ impl BodyKeyLayer {
     pub const DEFAULT_LIMIT: usize = 16 << 20;
 
     /// The default fields, tried in order.
-    pub const DEFAULT_FIELDS: [&'static str; 3] = ["prompt_cache_key", "user", "metadata.user_id"];
+    pub const DEFAULT_FIELDS: &'static [&'static str] =
+        &["prompt_cache_key", "user", "metadata.user_id"];
 
     /// The layer with its defaults: the [default fields](Self::DEFAULT_FIELDS), a 16 MiB limit,
     /// no read timeout.

@@ -345,7 +345,7 @@ fn the_lazy_parse_agrees_with_a_whole_value() {
     ])
     .collect();
     let configs: [&[&str]; 4] = [
-        &BodyKeyLayer::DEFAULT_FIELDS,
+        BodyKeyLayer::DEFAULT_FIELDS,
         &["messages", "user"],
         &["messages.0", "a.b"],
         &[],
