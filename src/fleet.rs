@@ -179,7 +179,7 @@ impl<S> Backend<S> {
     /// Sets how many requests the backend serves at once (at most
     /// [`MAX_SLOTS`](Self::MAX_SLOTS): more is read as that many).
     pub fn slots(mut self, slots: NonZeroU32) -> Self {
-        self.slots = slots;
+        self.slots = slots.min(Self::MAX_SLOTS);
         self.slots_given = true;
         self
     }

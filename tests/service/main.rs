@@ -815,6 +815,7 @@ async fn slot_counts_past_what_a_fleet_can_sum_are_capped_not_a_panic() {
         .collect();
     let cap = Backend::<()>::MAX_SLOTS.get();
     assert_eq!(slots, [cap, cap, 2]);
+    assert_eq!(Backend::new("a", ()).slots(max).slot_count().get(), cap);
     assert_eq!(svc.stats().in_flight, 0);
 }
 
