@@ -151,7 +151,10 @@ impl<S> Backend<S> {
     pub const MAX_SLOTS: NonZeroU32 = NonZeroU32::new(1 << 16).unwrap();
 
     /// Sets how many tokens of prompt the backend keeps cached: its KV on the GPU plus its
-    /// host-memory prompt cache. The cache model evicts, least recently used first, past this.
+    /// host-memory prompt cache. The cache model evicts, least recently used first, past this;
+    /// when the backend's answers show it reused more than the model predicted (llama.cpp's
+    /// slots keep their last prompt beyond `--cache-ram`), the model's budget grows by a
+    /// sixteenth of this at a time, up to twice it.
     ///
     /// Each server states its own figures:
     ///
@@ -292,6 +295,13 @@ impl Capacity {
             .saturating_mul(1000)
             .saturating_add(u64::from(d.subsec_millis()))
             .clamp(1, u64::MAX - 1)
+    }
+
+    /// The instant the fleet's clock reads `ms` at.
+    pub(crate) fn instant_at(&self, ms: u64) -> Instant {
+        self.epoch
+            .checked_add(Duration::from_millis(ms))
+            .unwrap_or_else(|| self.epoch + Duration::from_secs(30 * 365 * 86_400))
     }
 }
 

@@ -88,9 +88,12 @@ pin_project! {
         req: Option<http::Request<ReqB>>,
         key: Option<SessionKey>,
         shared: SharedOf<S, P>,
-        // When the wait ends: at `give_up`, or earlier, when node patience runs out.
+        // When the wait (or its hold for one place) ends, or a backend's failure cooldown
+        // does before it (it may have room then), whichever comes first.
         #[pin]
         deadline: Sleep,
+        // When this phase of the wait ends: at `give_up`, or earlier, when the hold ends.
+        until: Instant,
         give_up: Instant,
         since: Instant,
         ticket: WaitTicket,
@@ -366,11 +369,13 @@ where
                     Some(t) if home.scope != Scope::Any => t.min(give_up),
                     _ => give_up,
                 };
+                let wake = shared.next_recovery(since, deadline).unwrap_or(deadline);
                 State::Wait {
                     waiting: Box::pin(Waiting {
                         req: Some(req),
                         key,
-                        deadline: tokio::time::sleep_until(deadline),
+                        deadline: tokio::time::sleep_until(wake),
+                        until: deadline,
                         give_up,
                         since,
                         ticket,
@@ -432,23 +437,26 @@ where
                         attempt = true;
                     }
                     let mut deadline = w.deadline;
+                    // The wait is over: one last look before the request is refused.
+                    let mut last = false;
                     if deadline.as_mut().poll(cx).is_ready() {
-                        if w.ticket.scope() == Scope::Any {
-                            w.shared.capacity.counters.count_rejected();
-                            let retry_after = w.shared.retry_after();
-                            state.set(State::fail(Error::Saturated { retry_after }));
-                            continue;
-                        }
-                        // The hold is over: a slot anywhere will do now.
-                        w.ticket.widen();
-                        deadline.as_mut().reset(*w.give_up);
                         attempt = true;
+                        if Instant::now() < *w.until {
+                            // A failure cooldown ended: that backend may have room.
+                        } else if w.ticket.scope() == Scope::Any {
+                            last = true;
+                        } else {
+                            // The hold is over: a slot anywhere will do now.
+                            w.ticket.widen();
+                            *w.until = *w.give_up;
+                        }
                     }
                     if !attempt {
                         return Poll::Pending;
                     }
-                    // Woken by a freed slot, by the deadline, or by the discovery stream (a
-                    // backend may have come): the changes that are ready go in first.
+                    // Woken by a freed slot, by the deadline, by a cooldown's end, or by the
+                    // discovery stream (a backend may have come): the changes that are ready
+                    // go in first.
                     w.shared.drain_discovery(cx);
                     let r = w.req.take().expect(POLLED_AFTER_COMPLETION);
                     let waited = Some(w.since.elapsed());
@@ -469,8 +477,23 @@ where
                             w.shared.capacity.counters.count_no_backends();
                             state.set(State::fail(Error::NoBackends));
                         }
+                        Placed::Full { .. } if last => {
+                            w.shared.capacity.counters.count_rejected();
+                            let retry_after = w.shared.retry_after();
+                            state.set(State::fail(Error::Saturated { retry_after }));
+                        }
                         // Still queued, with this task's waker: look at the deadline again.
-                        Placed::Full { .. } => *w.req = Some(r),
+                        Placed::Full { .. } => {
+                            let until = *w.until;
+                            let wake = w
+                                .shared
+                                .next_recovery(Instant::now(), until)
+                                .unwrap_or(until);
+                            if deadline.deadline() != wake {
+                                deadline.as_mut().reset(wake);
+                            }
+                            *w.req = Some(r);
+                        }
                     }
                 }
                 StateProj::Read { reading } => {

@@ -449,6 +449,25 @@ impl<B, P> Shared<B, P> {
     pub(crate) fn retry_after(&self) -> Duration {
         Overflow::RETRY_AFTER
     }
+
+    /// When the first failure cooldown still running ends, if one does before `by`: a backend
+    /// coming back from one frees its slots without a request ending, so a waiting request
+    /// looks again then.
+    pub(crate) fn next_recovery(&self, now: Instant, by: Instant) -> Option<Instant> {
+        let now_ms = self.capacity.now_ms(now);
+        let fleet = self.fleet.load();
+        let until = fleet
+            .topology
+            .members
+            .iter()
+            .filter(|m| m.live)
+            .map(|m| m.load.down_until.load(Ordering::Relaxed))
+            // `u64::MAX` is down until further notice (a probe brings it back, through
+            // discovery, which wakes the waiters itself).
+            .filter(|&u| u > now_ms && u < u64::MAX)
+            .min()?;
+        Some(self.capacity.instant_at(until)).filter(|&t| t < by)
+    }
 }
 
 /// Offers a request that continues a stored response the one backend that stores it: the

@@ -573,6 +573,61 @@ async fn wait_spills_when_another_backend_frees_first() {
     assert_ne!(decision(&res).backend, decision(&mine).backend);
 }
 
+/// One backend failed (down for its 2 s cooldown), the other held by a stream: a request
+/// arriving then waits, for at most `max_wait`. Returns it, and what must stay alive meanwhile.
+async fn waiting_while_a_backend_cools_down(
+    max_wait: Duration,
+) -> (
+    tokio_test::task::Spawn<impl std::future::Future<Output = Result<Res, Error>>>,
+    impl Sized,
+) {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .failure_cooldown(Duration::from_secs(2))
+        .overflow(Overflow::wait(max_wait, 8))
+        .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
+    let err = send(&mut svc, Some("f"), Some("fail")).await.unwrap_err();
+    let Error::Backend {
+        backend: failed, ..
+    } = err
+    else {
+        panic!("{err}")
+    };
+    let held = send(&mut svc, Some("long"), Some("stream")).await.unwrap();
+    assert_ne!(
+        decision(&held).backend,
+        failed,
+        "the failed backend is down"
+    );
+    let stream = streams.take().unwrap();
+    svc.ready().await.unwrap();
+    let mut next = tokio_test::task::spawn(svc.call(request(Some("next"), None)));
+    assert_pending!(next.poll());
+    assert_eq!(svc.stats().waiting, 1);
+    (next, (held, stream, svc))
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_waiting_request_takes_a_backend_back_when_its_failure_cooldown_ends() {
+    let (mut next, _alive) = waiting_while_a_backend_cools_down(Duration::from_secs(60)).await;
+    tokio::time::advance(Duration::from_millis(1_990)).await;
+    assert!(!next.is_woken());
+    assert_pending!(next.poll());
+    tokio::time::advance(Duration::from_millis(20)).await;
+    assert!(next.is_woken(), "nothing ended, but the cooldown did");
+    let res = assert_ready!(next.poll()).unwrap();
+    assert_eq!(decision(&res).outcome, Outcome::NewSession);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_wait_ending_as_a_cooldown_does_looks_once_more_before_refusing() {
+    let (mut next, _alive) = waiting_while_a_backend_cools_down(Duration::from_secs(2)).await;
+    tokio::time::advance(Duration::from_millis(2_010)).await;
+    assert!(next.is_woken());
+    let res = assert_ready!(next.poll()).expect("the backend is back at the deadline");
+    assert_eq!(decision(&res).outcome, Outcome::NewSession);
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn wait_gives_up_after_max_wait() {
     let streams = Streams::default();

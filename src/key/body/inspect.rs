@@ -45,7 +45,10 @@ impl Config {
             limit,
             read_timeout: None,
             skip_when: None,
-            responses: Arc::new(StoredResponses::new(StoredResponses::DEFAULT_CAPACITY)),
+            responses: Arc::new(StoredResponses::new(
+                StoredResponses::DEFAULT_CAPACITY,
+                StoredResponses::DEFAULT_MAX_LINKS,
+            )),
             pin_stored_responses: true,
             ask_stream_usage: false,
         }

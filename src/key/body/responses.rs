@@ -31,26 +31,41 @@ pub(crate) struct Stored {
     pub(crate) backend: Option<BackendId>,
 }
 
-/// The latest responses, by their ids' digests; the oldest is forgotten first.
+/// The latest responses, by their ids' digests; the oldest is forgotten first, past
+/// `capacity` responses or past `max_links` chain links in all (a response's chain is its
+/// whole prompt's, so a few long conversations would otherwise hold gigabytes).
 pub(crate) struct StoredResponses {
     store: Mutex<Store>,
     capacity: usize,
+    max_links: usize,
 }
 
 #[derive(Default)]
 struct Store {
     responses: HashMap<u64, Stored>,
     order: VecDeque<u64>,
+    /// The links of every remembered chain.
+    links: usize,
+}
+
+/// The links a remembered response holds.
+fn links_of(stored: &Stored) -> usize {
+    stored.chain.as_ref().map_or(0, PromptChain::len)
 }
 
 impl StoredResponses {
     /// How many responses are remembered by default.
     pub(crate) const DEFAULT_CAPACITY: usize = 4096;
 
-    pub(crate) fn new(capacity: usize) -> Self {
+    /// How many chain links they hold at most by default: 2^20, 24 MiB of links (a link is
+    /// 24 bytes), about 2 GiB of prompts at a link per 2 KiB.
+    pub(crate) const DEFAULT_MAX_LINKS: usize = 1 << 20;
+
+    pub(crate) fn new(capacity: usize, max_links: usize) -> Self {
         StoredResponses {
             store: Mutex::new(Store::default()),
             capacity: capacity.max(1),
+            max_links,
         }
     }
 
@@ -66,12 +81,20 @@ impl StoredResponses {
     fn put(&self, id: &[u8], stored: Stored) {
         let digest = xxh3_64(id);
         let mut store = self.store.lock();
-        if store.responses.insert(digest, stored).is_none() {
-            store.order.push_back(digest);
+        store.links += links_of(&stored);
+        match store.responses.insert(digest, stored) {
+            Some(old) => store.links -= links_of(&old),
+            None => store.order.push_back(digest),
         }
-        while store.order.len() > self.capacity {
-            if let Some(old) = store.order.pop_front() {
-                store.responses.remove(&old);
+        // The newest stays, whatever its size.
+        while store.order.len() > self.capacity
+            || (store.links > self.max_links && store.order.len() > 1)
+        {
+            let Some(old) = store.order.pop_front() else {
+                break;
+            };
+            if let Some(old) = store.responses.remove(&old) {
+                store.links -= links_of(&old);
             }
         }
     }
@@ -79,6 +102,11 @@ impl StoredResponses {
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.store.lock().responses.len()
+    }
+
+    #[cfg(test)]
+    fn links(&self) -> usize {
+        self.store.lock().links
     }
 }
 
@@ -198,7 +226,7 @@ mod tests {
 
     #[test]
     fn an_id_split_over_frames_is_found_and_the_chain_remembered() {
-        let store = Arc::new(StoredResponses::new(2));
+        let store = Arc::new(StoredResponses::new(2, usize::MAX));
         let chain = PromptChain::from_blocks([(1, 10)]);
         let mut sniff = IdSniffer::new(Some(chain.clone()), store.clone());
         sniff.answered_by(Some(BackendId::from("gpu-1")));
@@ -212,7 +240,7 @@ mod tests {
 
     #[test]
     fn an_answer_without_an_id_is_given_up_after_its_first_bytes() {
-        let store = Arc::new(StoredResponses::new(2));
+        let store = Arc::new(StoredResponses::new(2, usize::MAX));
         let mut sniff = IdSniffer::new(Some(PromptChain::from_blocks([(1, 10)])), store.clone());
         sniff.feed(&[b'x'; LOOK + 10]);
         sniff.feed(br#"{"id":"resp_late"}"#);
@@ -221,7 +249,7 @@ mod tests {
 
     #[test]
     fn the_oldest_responses_are_forgotten_first() {
-        let store = StoredResponses::new(2);
+        let store = StoredResponses::new(2, usize::MAX);
         for (i, id) in ["resp_a", "resp_b", "resp_c"].iter().enumerate() {
             let chain = Some(PromptChain::from_blocks([(i as u64, 1)]));
             store.put(
@@ -234,5 +262,32 @@ mod tests {
         }
         assert!(store.get("resp_a").is_none());
         assert!(store.get("resp_b").is_some() && store.get("resp_c").is_some());
+    }
+
+    #[test]
+    fn the_remembered_chains_are_bounded_by_their_links_too() {
+        let store = StoredResponses::new(100, 10);
+        let chain = |n: u64| Some(PromptChain::from_blocks((0..n).map(|i| (i, 1))));
+        let put = |id: &str, n| {
+            let stored = Stored {
+                chain: chain(n),
+                backend: None,
+            };
+            store.put(id.as_bytes(), stored);
+        };
+        put("resp_a", 4);
+        put("resp_b", 4);
+        assert_eq!((store.len(), store.links()), (2, 8));
+        // A third of 4 links is past the budget of 10: the oldest goes.
+        put("resp_c", 4);
+        assert_eq!((store.len(), store.links()), (2, 8));
+        assert!(store.get("resp_a").is_none());
+        // Put again under its id, a response's links are counted once.
+        put("resp_c", 6);
+        assert_eq!((store.len(), store.links()), (2, 10));
+        // One longer than the whole budget is still remembered, alone.
+        put("resp_d", 30);
+        assert_eq!((store.len(), store.links()), (1, 30));
+        assert!(store.get("resp_d").is_some());
     }
 }
