@@ -332,7 +332,7 @@ where
         max_wait: Duration,
         max_queued: usize,
     ) -> State<S, P, ReqB> {
-        let Some(ticket) = WaitTicket::take(&shared.capacity, home, max_queued) else {
+        let Some(mut ticket) = WaitTicket::take(&shared.capacity, home, max_queued) else {
             shared.capacity.counters.count_rejected();
             return State::fail(Error::Saturated {
                 retry_after: shared.retry_after(),
@@ -347,6 +347,7 @@ where
                 watch,
                 record,
             } => {
+                ticket.settle();
                 drop(ticket);
                 State::call(
                     (service, guard, decision, watch, record),
@@ -355,6 +356,7 @@ where
                 )
             }
             Placed::Empty => {
+                ticket.settle();
                 shared.capacity.counters.count_no_backends();
                 State::fail(Error::NoBackends)
             }
@@ -461,7 +463,11 @@ where
                     let r = w.req.take().expect(POLLED_AFTER_COMPLETION);
                     let waited = Some(w.since.elapsed());
                     let scope = w.ticket.scope();
-                    match w.shared.place(*w.key, r.extensions(), false, waited, scope) {
+                    let placed = w.shared.place(*w.key, r.extensions(), false, waited, scope);
+                    if !matches!(placed, Placed::Full { .. }) || last {
+                        w.ticket.settle();
+                    }
+                    match placed {
                         Placed::Dispatch {
                             service,
                             guard,

@@ -143,6 +143,12 @@ pub struct Stats {
     pub rejected: u64,
     /// Requests refused because the fleet was empty.
     pub no_backends: u64,
+    /// Requests their caller gave up on (dropped the response future) while they waited for
+    /// a slot: neither placed nor refused. With [`rejected`](Self::rejected) and
+    /// [`no_backends`](Self::no_backends), they and the outcomes add up to the requests the
+    /// service was called with (a request [`RetryOnce`](crate::RetryOnce) retries is called
+    /// twice).
+    pub abandoned: u64,
     /// Requests whose backend failed.
     pub backend_errors: u64,
     /// Errors yielded by the discovery stream (the fleet stays as it was).
@@ -222,6 +228,7 @@ pub(crate) struct Counters {
     stripes: [Stripe; STRIPES],
     pub(crate) rejected: AtomicU64,
     pub(crate) no_backends: AtomicU64,
+    pub(crate) abandoned: AtomicU64,
     pub(crate) backend_errors: AtomicU64,
     pub(crate) discovery_errors: AtomicU64,
     pub(crate) usage_reports: AtomicU64,
@@ -253,6 +260,11 @@ impl Counters {
     pub(crate) fn count_no_backends(&self) {
         bump(&self.no_backends);
         crate::metrics::event("tower_affinity_no_backends_total");
+    }
+
+    pub(crate) fn count_abandoned(&self) {
+        bump(&self.abandoned);
+        crate::metrics::event("tower_affinity_abandoned_total");
     }
 
     pub(crate) fn count_discovery_error(&self) {
@@ -295,6 +307,7 @@ impl Counters {
             overcommitted: sum(&|s| &s.overcommitted),
             rejected: l(&self.rejected),
             no_backends: l(&self.no_backends),
+            abandoned: l(&self.abandoned),
             backend_errors: l(&self.backend_errors),
             discovery_errors: l(&self.discovery_errors),
             usage_reports: l(&self.usage_reports),

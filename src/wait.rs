@@ -133,6 +133,9 @@ pub(crate) struct WaitTicket {
     capacity: Arc<Capacity>,
     seq: u64,
     home: WaitHome,
+    /// Whether the request's wait has ended in a placement or a refusal; a ticket dropped
+    /// before is one its caller gave up on.
+    settled: bool,
 }
 
 impl WaitTicket {
@@ -165,6 +168,7 @@ impl WaitTicket {
             capacity: capacity.clone(),
             seq,
             home,
+            settled: false,
         })
     }
 
@@ -181,6 +185,12 @@ impl WaitTicket {
     }
 
     /// Stops holding out for one place: from now on a slot anywhere will do.
+    /// The wait has ended in a placement or a refusal: dropping the ticket now is not giving
+    /// up on it.
+    pub(crate) fn settle(&mut self) {
+        self.settled = true;
+    }
+
     pub(crate) fn widen(&mut self) {
         self.home.scope = Scope::Any;
         let mut list = self.capacity.waiters.lock();
@@ -206,6 +216,9 @@ impl WaitTicket {
 
 impl Drop for WaitTicket {
     fn drop(&mut self) {
+        if !self.settled {
+            self.capacity.counters.count_abandoned();
+        }
         let mut list = self.capacity.waiters.lock();
         let at = list.queue.iter().position(|w| w.seq == self.seq);
         let was_queued = list.take(at).is_some();

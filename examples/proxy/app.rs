@@ -585,6 +585,12 @@ impl Collector for AffinityCollector {
         )?;
         counter(
             &mut enc,
+            "tower_affinity_abandoned",
+            "Requests whose client left while they waited for a slot",
+            stats.abandoned,
+        )?;
+        counter(
+            &mut enc,
             "tower_affinity_backend_errors",
             "Requests whose backend failed before answering (each retried once)",
             stats.backend_errors,

@@ -641,6 +641,30 @@ async fn wait_gives_up_after_max_wait() {
     assert!(matches!(err, Error::Saturated { .. }));
     assert_eq!(svc.stats().waiting, 0);
     assert_eq!(svc.stats().rejected, 1);
+    assert_eq!(svc.stats().abandoned, 0);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_request_its_caller_gives_up_on_while_waiting_is_counted_abandoned() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new().layer(fleet(&[("a1", "a", 1)], &streams));
+    let held = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+    let (_, tx) = streams.take().unwrap();
+    svc.ready().await.unwrap();
+    let mut left = tokio_test::task::spawn(svc.call(request(Some("s"), None)));
+    assert_pending!(left.poll());
+    svc.ready().await.unwrap();
+    let mut served = tokio_test::task::spawn(svc.call(request(Some("t"), None)));
+    assert_pending!(served.poll());
+    assert_eq!(svc.stats().waiting, 2);
+    drop(left);
+    drop(tx);
+    held.into_body().collect().await.unwrap();
+    assert_ready!(served.poll()).unwrap();
+    let stats = svc.stats();
+    assert_eq!((stats.waiting, stats.abandoned, stats.rejected), (0, 1, 0));
+    // Every call is placed, refused or abandoned: 2 placed.
+    assert_eq!(stats.home_hits + stats.new_sessions, 2);
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
