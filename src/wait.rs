@@ -184,13 +184,13 @@ impl WaitTicket {
         }
     }
 
-    /// Stops holding out for one place: from now on a slot anywhere will do.
     /// The wait has ended in a placement or a refusal: dropping the ticket now is not giving
     /// up on it.
     pub(crate) fn settle(&mut self) {
         self.settled = true;
     }
 
+    /// Stops holding out for one place: from now on a slot anywhere will do.
     pub(crate) fn widen(&mut self) {
         self.home.scope = Scope::Any;
         let mut list = self.capacity.waiters.lock();
