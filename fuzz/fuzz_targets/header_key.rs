@@ -52,7 +52,7 @@ fuzz_target!(|data: &[u8]| {
 
     // A configured name from the input, then the defaults.
     if let Some(name) = custom {
-        let names = std::iter::once(name.as_str()).chain(HeaderKey::DEFAULT_NAMES);
+        let names = std::iter::once(name.as_str()).chain(HeaderKey::DEFAULT_NAMES.iter().copied());
         let configured = HeaderKey::try_new(names).expect("names http accepted");
         assert_eq!(
             configured.extract(&req),
