@@ -1270,6 +1270,7 @@ async fn a_full_backend_makes_requests_wait_and_metrics_show_it() {
         r#"tower_affinity_backend_healthy{backend="a",node="node-a"} 1"#,
         "tower_affinity_backend_errors_total 0",
         "tower_affinity_rejected_total 0",
+        "tower_affinity_abandoned_total 0",
     ] {
         assert!(metrics.contains(line), "missing {line:?} in\n{metrics}");
     }
