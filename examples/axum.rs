@@ -62,8 +62,9 @@ async fn proxy(backends: &[(&str, &str, String)]) -> Result<(Router, ProbeTask),
         }
     };
     let forward = ServiceBuilder::new()
-        // Buffers the body (so a retry can resend it), reads its key and prompt chain.
-        .layer(BodyKeyLayer::new())
+        // Buffers the body (so a retry can resend it), reads its key and prompt chain; a
+        // client that has not sent its body within a minute gets 408.
+        .layer(BodyKeyLayer::new().read_timeout(Duration::from_secs(60)))
         .layer_fn(ErrorToResponse::new)
         .layer(RetryLayer::new(RetryOnce::new()))
         .service(affinity);

@@ -96,13 +96,18 @@ impl Error {
     ///
     /// The body of a [`Backend`](Error::Backend) error names the backend and says what its
     /// error says (`backend gpu-0 failed: connection refused: ...`); map the error yourself
-    /// where clients must not see either.
+    /// where clients must not see either. Its response carries the backend's [`BackendId`] in
+    /// its extensions, where a [`Decision`](crate::Decision) would be on an answer, for the
+    /// middleware that logs which backend failed.
     pub fn into_response<B>(self) -> http::Response<ResponseBody<B>> {
-        let text = match &self {
-            Error::Backend { source, .. } => format!("{self}: {source}"),
-            _ => self.to_string(),
+        let (text, failed) = match &self {
+            Error::Backend { backend, source } => (format!("{self}: {source}"), Some(backend)),
+            _ => (self.to_string(), None),
         };
         let mut res = http::Response::new(ResponseBody::full(Bytes::from(text)));
+        if let Some(backend) = failed {
+            res.extensions_mut().insert(backend.clone());
+        }
         *res.status_mut() = self.status();
         res.headers_mut().insert(
             header::CONTENT_TYPE,
@@ -158,7 +163,8 @@ impl std::error::Error for Error {
 }
 
 /// Turns a service's [`Error`]s into HTTP responses ([`Error::into_response`]), making it
-/// infallible, as `axum::Router::fallback_service` requires.
+/// infallible, as `axum::Router::fallback_service` requires. (axum's `HandleErrorLayer` does
+/// the same with `|e: tower_affinity::Error| async move { e.into_response::<Body>() }`.)
 ///
 /// ```
 /// # fn doc<S>(svc: S) where S: tower::Service<http::Request<axum::body::Body>,
@@ -364,6 +370,7 @@ mod tests {
         assert_eq!(e.to_string(), "backend b failed");
         assert_eq!(std::error::Error::source(&e).unwrap().to_string(), "broken");
         let res = e.into_response::<http_body_util::Full<Bytes>>();
+        assert_eq!(res.extensions().get::<BackendId>().unwrap().as_str(), "b");
         let body = res.into_body().collect().await;
         assert_eq!(body.unwrap().to_bytes(), "backend b failed: broken");
     }

@@ -230,6 +230,13 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// that reused far less than predicted no longer holds what it evicted) and
     /// [`wait_versus_move`](Self::wait_versus_move). An answer that is not JSON or SSE, is
     /// compressed, or reports nothing costs one header check.
+    ///
+    /// So that answers can be read, a request that names an `Accept-Encoding` goes to its
+    /// backend with `Accept-Encoding: identity` (a backend behind a compressing proxy would
+    /// otherwise answer gzip: no usage, and no stored response's id for
+    /// [`BodyKeyLayer`](crate::key::BodyKeyLayer) to pin the next turn by). Compress towards
+    /// clients in your own stack (tower-http's `CompressionLayer`) if you want to. Turned off,
+    /// the header goes as the client sent it.
     pub fn observe_usage(mut self, enabled: bool) -> Self {
         self.config.observe_usage = enabled;
         self

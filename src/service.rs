@@ -744,6 +744,17 @@ impl<B, P> Shared<B, P> {
     }
 }
 
+/// Asks the backend for an answer without a content coding when the client accepts one:
+/// answers are read as they pass (their usage; `BodyKeyLayer` reads a stored response's id),
+/// which a compressed answer cannot be. Compressing towards the client is the proxy's to do.
+#[inline]
+fn ask_for_identity(headers: &mut http::HeaderMap) {
+    use http::header::ACCEPT_ENCODING;
+    if headers.contains_key(ACCEPT_ENCODING) {
+        headers.insert(ACCEPT_ENCODING, http::HeaderValue::from_static("identity"));
+    }
+}
+
 /// SplitMix64's output function: a well-mixed number for each count.
 fn splitmix64(n: u64) -> u64 {
     let mut z = n.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
@@ -790,8 +801,11 @@ where
     }
 
     #[inline]
-    fn call(&mut self, req: http::Request<ReqB>) -> Self::Future {
+    fn call(&mut self, mut req: http::Request<ReqB>) -> Self::Future {
         let key = self.key.extract(&req);
+        if self.shared.observe {
+            ask_for_identity(req.headers_mut());
+        }
         ResponseFuture::new(&self.shared, key, req)
     }
 }

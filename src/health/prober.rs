@@ -207,6 +207,7 @@ where
 
     /// Probes every backend each interval, and a backend announced later at once, until the
     /// returned [`ProbeTask`] is dropped. Needs a tokio runtime.
+    #[must_use = "probing stops when the returned ProbeTask is dropped: keep it"]
     pub fn spawn<H>(self, health: H) -> ProbeTask
     where
         H: MarkHealth + Send + Sync + 'static,
@@ -369,6 +370,7 @@ where
 
 /// The task of [`Prober::spawn`]: probing stops when it is dropped.
 #[derive(Debug)]
+#[must_use = "probing stops when the ProbeTask is dropped: keep it"]
 pub struct ProbeTask {
     task: tokio::task::JoinHandle<()>,
 }

@@ -628,6 +628,35 @@ async fn a_wait_ending_as_a_cooldown_does_looks_once_more_before_refusing() {
     assert_eq!(decision(&res).outcome, Outcome::NewSession);
 }
 
+#[tokio::test]
+async fn a_backend_is_asked_for_an_answer_it_can_be_read_in() {
+    async fn sent(layer: SessionAffinityLayer, accept: Option<&str>) -> Option<String> {
+        let backend = tower::service_fn(|req: http::Request<String>| async move {
+            let got = req.headers().get("accept-encoding");
+            let body = got.map_or(String::new(), |v| v.to_str().unwrap().to_string());
+            Ok::<_, Infallible>(http::Response::new(http_body_util::Full::new(Bytes::from(
+                body,
+            ))))
+        });
+        let svc = layer.layer(StaticFleet::new([("a1", Backend::new("a", backend))]));
+        let mut req = http::Request::post("/v1/chat/completions");
+        if let Some(a) = accept {
+            req = req.header("accept-encoding", a);
+        }
+        let res = svc.oneshot(req.body(String::new()).unwrap()).await.unwrap();
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        (!body.is_empty()).then(|| String::from_utf8(body.to_vec()).unwrap())
+    }
+    let observing = SessionAffinityLayer::new;
+    assert_eq!(
+        sent(observing(), Some("gzip, deflate")).await.as_deref(),
+        Some("identity")
+    );
+    assert_eq!(sent(observing(), None).await, None);
+    let blind = || SessionAffinityLayer::new().observe_usage(false);
+    assert_eq!(sent(blind(), Some("gzip")).await.as_deref(), Some("gzip"));
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn wait_gives_up_after_max_wait() {
     let streams = Streams::default();

@@ -83,6 +83,18 @@ pub(super) enum Rejection {
     Read(BoxError),
 }
 
+/// Whether `e`, or an error in its source chain, is `http_body_util`'s body length limit.
+fn over_a_limit(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(e);
+    while let Some(e) = next {
+        if e.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        next = e.source();
+    }
+    false
+}
+
 impl Rejection {
     fn into_response<B>(self) -> http::Response<BodyKeyResponseBody<B>> {
         let (status, message) = match self {
@@ -93,6 +105,13 @@ impl Rejection {
             Rejection::Timeout(t) => (
                 StatusCode::REQUEST_TIMEOUT,
                 format!("request body did not arrive within {} s\n", t.as_secs_f64()),
+            ),
+            // A limit of a layer outside this one (tower-http's `RequestBodyLimitLayer`, on a
+            // body without a `Content-Length`) is the client's to hear as 413, as axum's
+            // extractors answer it.
+            Rejection::Read(e) if over_a_limit(&*e) => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("request body is larger than the limit: {e}\n"),
             ),
             Rejection::Read(e) => (
                 StatusCode::BAD_REQUEST,

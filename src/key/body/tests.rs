@@ -237,6 +237,19 @@ async fn a_body_growing_over_the_limit_is_413() {
     );
 }
 
+#[tokio::test]
+async fn a_body_over_a_limit_outside_the_layer_is_413_not_400() {
+    // As tower-http's `RequestBodyLimitLayer` wraps a body without a `Content-Length`.
+    let body = http_body_util::Limited::new(Chunks::new([b"12345", b"67890"]), 8);
+    let (res, seen) = run(
+        BodyKeyLayer::new(),
+        http::Request::post("/").body(body).unwrap(),
+    )
+    .await;
+    assert_eq!(res.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(seen.body.is_none());
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_body_slower_than_the_read_timeout_is_408() {
     let req = http::Request::post("/")
