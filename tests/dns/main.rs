@@ -120,6 +120,7 @@ async fn a_records_with_a_port_become_backends() {
         };
         assert_eq!(b.service().to_string(), id.as_str());
         assert_eq!(b.slot_count().get(), 4);
+        assert!(b.slots_given());
         assert_eq!(b.cache_budget(), 65_536);
     }
     let stats = handle.stats();
@@ -207,6 +208,10 @@ async fn aaaa_records_and_the_ip_strategy() {
         unreachable!()
     };
     assert!(b.service().as_str().starts_with("[fd00::"));
+    // No slot count given: one until a probe reads `/slots`, which it does only for a
+    // backend whose count was not given.
+    assert_eq!(b.slot_count().get(), 1);
+    assert!(!b.slots_given());
 
     // Both families: the default takes A; Ipv4AndIpv6 takes both; Ipv6Only the AAAA.
     for (strategy, want) in [

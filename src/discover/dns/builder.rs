@@ -78,7 +78,7 @@ pub struct DnsFleetBuilder {
     timeout: Option<Duration>,
     attempts: Option<usize>,
     node: NodeOf,
-    slots: NonZeroU32,
+    slots: Option<NonZeroU32>,
     cache_tokens: u64,
 }
 
@@ -103,7 +103,7 @@ impl DnsFleetBuilder {
             timeout: None,
             attempts: None,
             node: Arc::new(|ep: &DnsEndpoint| NodeId::from(ep.ip().to_string())),
-            slots: NonZeroU32::MIN,
+            slots: None,
             cache_tokens: Backend::<()>::DEFAULT_CACHE_TOKENS,
         }
     }
@@ -168,9 +168,11 @@ impl DnsFleetBuilder {
         self
     }
 
-    /// Each backend's slots (see [`Backend::slots`]). Default 1.
+    /// Each backend's slots (see [`Backend::slots`]). Not given (the default), a backend
+    /// counts as one slot until something learns its count: a
+    /// [`HealthProbe`](crate::health::HealthProbe) reads it from `/slots`.
     pub fn slots(mut self, slots: NonZeroU32) -> Self {
-        self.slots = slots;
+        self.slots = Some(slots);
         self
     }
 

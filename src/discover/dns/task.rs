@@ -45,15 +45,18 @@ impl Schedule {
 pub(crate) struct Make<S> {
     pub(crate) service: MakeService<S>,
     pub(crate) node: NodeOf,
-    pub(crate) slots: NonZeroU32,
+    pub(crate) slots: Option<NonZeroU32>,
     pub(crate) cache_tokens: u64,
 }
 
 impl<S> Make<S> {
     fn backend(&self, ep: &DnsEndpoint) -> Result<Backend<S>, BoxError> {
-        Ok(Backend::new((self.node)(ep), (self.service)(ep)?)
-            .slots(self.slots)
-            .cache_tokens(self.cache_tokens))
+        let backend = Backend::new((self.node)(ep), (self.service)(ep)?);
+        let backend = match self.slots {
+            Some(slots) => backend.slots(slots),
+            None => backend,
+        };
+        Ok(backend.cache_tokens(self.cache_tokens))
     }
 }
 
