@@ -34,7 +34,13 @@ use tower_affinity::{Backend, BoxError, ErrorToResponse, RetryOnce, SessionAffin
 /// dropped.
 async fn proxy(backends: &[(&str, &str, String)]) -> Result<(Router, ProbeTask), BoxError> {
     // The recorder first: the balancer registers each backend's metrics as it learns of it.
-    let prometheus = PrometheusBuilder::new().install_recorder()?;
+    // Its histograms (seconds) get buckets, up to the minutes a cold prompt can take: without
+    // them the exporter renders summaries.
+    let prometheus = PrometheusBuilder::new()
+        .set_buckets(&[
+            0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+        ])?
+        .install_recorder()?;
     let http = HttpBackend::<Full<Bytes>>::builder()
         .connect_timeout(Duration::from_secs(2))
         .response_timeout(Duration::from_secs(600));

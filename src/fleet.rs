@@ -759,7 +759,9 @@ impl Topology {
     pub(crate) fn remove(&mut self, id: &BackendId) -> Option<u32> {
         let index = self.index_of(id.as_str())?;
         self.detach(index);
-        self.members[index as usize].live = false;
+        let member = &mut self.members[index as usize];
+        member.live = false;
+        member.load.metrics.removed();
         self.free.push(index);
         Some(index)
     }

@@ -19,6 +19,14 @@
 //! take whichever published last. Keep one balancer a process, or tell them apart by the
 //! per-backend series, whose `backend` labels differ.
 //!
+//! `publish_metrics` also publishes the fleet's counters at 0 until their first event (so a
+//! rate reads 0, not nothing), and zeroes the levels of a backend that has left the fleet: a
+//! recorder keeps a series once set, so give the exporter an idle timeout to drop them
+//! (`metrics-exporter-prometheus`: `PrometheusBuilder::idle_timeout`). The histograms are
+//! what the exporter makes of them: `metrics-exporter-prometheus` renders a summary unless it
+//! is given buckets (`set_buckets_for_metric`); waits run to `max_wait` (60 s by default) and
+//! a cold prompt's first byte to minutes.
+//!
 //! | name | kind | labels | what |
 //! |---|---|---|---|
 //! | `tower_affinity_decisions_total` | counter | `outcome` | requests placed, by [`Outcome`](crate::Outcome) |
@@ -39,9 +47,11 @@
 //! | `tower_affinity_in_flight` | gauge | | requests in flight (published) |
 //! | `tower_affinity_waiting` | gauge | | requests waiting for a slot (published) |
 //! | `tower_affinity_sessions` | gauge | | sessions in the table (published) |
+//! | `tower_affinity_session_table_bytes` | gauge | | bytes the session table holds (published) |
+//! | `tower_affinity_cache_model_bytes` | gauge | | bytes the cache model holds, over the live backends (published) |
 //! | `tower_affinity_backend_in_flight` | gauge | `backend`, `node` | (published) |
 //! | `tower_affinity_backend_slots` | gauge | `backend`, `node` | (published) |
-//! | `tower_affinity_backend_healthy` | gauge | `backend`, `node` | 1 or 0 (published) |
+//! | `tower_affinity_backend_healthy` | gauge | `backend`, `node` | 1 or 0 (published; 0 once the backend has left the fleet, as every level of it) |
 //! | `tower_affinity_backend_cached_tokens` | gauge | `backend`, `node` | what the cache model says it holds (published) |
 //! | `tower_affinity_backend_conversations` | gauge | `backend`, `node` | conversations it homes (published) |
 //! | `tower_affinity_backend_prefill_tokens_per_second` | gauge | `backend`, `node` | its learned prefill rate (published) |
@@ -86,7 +96,7 @@
 use std::time::Duration;
 
 #[cfg(feature = "metrics")]
-use metrics::{counter, gauge, histogram, Counter, Histogram};
+use metrics::{counter, gauge, histogram, Counter, Gauge, Histogram};
 
 #[cfg(feature = "metrics")]
 use crate::store::{StoreState, StoreStats};
@@ -109,7 +119,21 @@ pub(crate) struct BackendMetrics {
     corrections: Counter,
     #[cfg(feature = "metrics")]
     first_byte: Histogram,
+    /// The level gauges [`publish`] sets, zeroed when the backend leaves the fleet.
+    #[cfg(feature = "metrics")]
+    levels: [Gauge; LEVELS.len()],
 }
+
+/// The per-backend gauges [`publish`] sets.
+#[cfg(feature = "metrics")]
+const LEVELS: [&str; 6] = [
+    "tower_affinity_backend_in_flight",
+    "tower_affinity_backend_slots",
+    "tower_affinity_backend_healthy",
+    "tower_affinity_backend_cached_tokens",
+    "tower_affinity_backend_conversations",
+    "tower_affinity_backend_prefill_tokens_per_second",
+];
 
 impl BackendMetrics {
     #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
@@ -130,6 +154,7 @@ impl BackendMetrics {
                 ),
                 corrections: counter!("tower_affinity_backend_corrections_total", &labels),
                 first_byte: histogram!("tower_affinity_backend_first_byte_seconds", &labels),
+                levels: LEVELS.map(|name| gauge!(name, &labels)),
             }
         }
         #[cfg(not(feature = "metrics"))]
@@ -159,6 +184,16 @@ impl BackendMetrics {
             if correction {
                 self.corrections.increment(1);
             }
+        }
+    }
+
+    /// The backend left the fleet: its levels read 0 from now on (a recorder keeps a series
+    /// once set; the exporter's idle timeout is what drops it), so that sums over the
+    /// backends count only those in the fleet.
+    pub(crate) fn removed(&self) {
+        #[cfg(feature = "metrics")]
+        for gauge in &self.levels {
+            gauge.set(0.0);
         }
     }
 
@@ -192,9 +227,30 @@ pub(crate) fn event(name: &'static str) {
     counter!(name).increment(1);
 }
 
+/// The fleet's counters, which count events: published at 0 until their first, so that a
+/// query's rate or ratio reads 0, not nothing.
+#[cfg(feature = "metrics")]
+const EVENTS: [&str; 7] = [
+    "tower_affinity_waited_total",
+    "tower_affinity_overcommitted_total",
+    "tower_affinity_rejected_total",
+    "tower_affinity_no_backends_total",
+    "tower_affinity_abandoned_total",
+    "tower_affinity_backend_errors_total",
+    "tower_affinity_discovery_errors_total",
+];
+
 /// Sets the level gauges from a snapshot of the service.
 #[cfg(feature = "metrics")]
 pub(crate) fn publish(stats: &Stats, backends: &[BackendStatus]) {
+    for name in EVENTS {
+        counter!(name).increment(0);
+    }
+    for outcome in crate::Outcome::ALL {
+        counter!("tower_affinity_decisions_total", "outcome" => outcome.as_str()).increment(0);
+    }
+    gauge!("tower_affinity_session_table_bytes").set(stats.session_table_bytes as f64);
+    gauge!("tower_affinity_cache_model_bytes").set(stats.cache_model_bytes as f64);
     gauge!("tower_affinity_in_flight").set(stats.in_flight as f64);
     gauge!("tower_affinity_waiting").set(stats.waiting as f64);
     gauge!("tower_affinity_sessions").set(stats.sessions as f64);

@@ -141,7 +141,7 @@ pub struct Stats {
     pub overcommitted: u64,
     /// Requests refused: no free slot and no room or time to wait.
     pub rejected: u64,
-    /// Requests refused because the fleet was empty.
+    /// Requests refused because no backend was up: the fleet empty, or every backend down.
     pub no_backends: u64,
     /// Requests their caller gave up on (dropped the response future) while they waited for
     /// a slot: neither placed nor refused. With [`rejected`](Self::rejected) and

@@ -421,12 +421,12 @@ impl Proxy {
         affinity.apply_discovery();
 
         let wait_seconds = Histogram::new([
-            0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+            0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
         ]);
         let mut registry = Registry::default();
         registry.register(
             "tower_affinity_wait_seconds",
-            "Time placed requests waited for a free slot (0 when they did not wait)",
+            "How long requests that waited for a free slot waited before being placed",
             wait_seconds.clone(),
         );
         registry.register_collector(Box::new(AffinityCollector {
@@ -798,8 +798,8 @@ impl Future for FrontFuture {
         match self.project() {
             FrontFutureProj::Forwarding { fut, shared } => {
                 let res = ready!(fut.poll(cx))?;
-                if let Some(d) = res.extensions().get::<Decision>() {
-                    let waited = d.waited.unwrap_or_default();
+                // As the `metrics` feature records it: the requests that waited.
+                if let Some(waited) = res.extensions().get::<Decision>().and_then(|d| d.waited) {
                     shared.wait_seconds.observe(waited.as_secs_f64());
                 }
                 Poll::Ready(Ok(res.map(Either::Left)))

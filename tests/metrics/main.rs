@@ -236,3 +236,60 @@ fn without_a_store_no_store_metrics_are_published() {
             .collect::<Vec<_>>()
     );
 }
+
+#[test]
+fn a_backend_that_left_reads_zero_and_counters_start_at_zero() {
+    let ((), snapshot) = recorded(async {
+        let backend = service_fn(|_req: http::Request<String>| async {
+            Ok::<_, Infallible>(http::Response::new(String::new()))
+        });
+        let (handle, fleet) = tower_affinity::discover::channel();
+        let slots = NonZeroU32::new(2).unwrap();
+        handle.insert("a1", Backend::new("node-a", backend).slots(slots));
+        handle.insert("a2", Backend::new("node-a", backend).slots(slots));
+        let mut svc = SessionAffinityLayer::new().layer(fleet);
+        svc.ready().await.unwrap();
+        svc.publish_metrics();
+        handle.remove("a2");
+        svc.ready().await.unwrap();
+        svc.publish_metrics();
+    });
+    let level = |name: &str, backend: &str| {
+        let labels = [("backend", backend), ("node", "node-a")];
+        value(&snapshot, MetricKind::Gauge, name, &labels)
+    };
+    let gauge = |v: f64| DebugValue::Gauge(v.into());
+    assert_eq!(
+        level("tower_affinity_backend_healthy", "a1"),
+        Some(&gauge(1.0))
+    );
+    assert_eq!(
+        level("tower_affinity_backend_slots", "a1"),
+        Some(&gauge(2.0))
+    );
+    // Gone from the fleet: every level of it reads 0, so sums over backends count a1 only.
+    for name in [
+        "healthy",
+        "slots",
+        "in_flight",
+        "cached_tokens",
+        "conversations",
+    ] {
+        let name = format!("tower_affinity_backend_{name}");
+        assert_eq!(level(&name, "a2"), Some(&gauge(0.0)), "{name}");
+    }
+    // Nothing refused yet, and no compaction: published at 0, not missing.
+    let counter =
+        |name: &str, labels: &[(&str, &str)]| value(&snapshot, MetricKind::Counter, name, labels);
+    for name in ["rejected", "no_backends", "abandoned", "backend_errors"] {
+        let name = format!("tower_affinity_{name}_total");
+        assert_eq!(counter(&name, &[]), Some(&DebugValue::Counter(0)), "{name}");
+    }
+    assert_eq!(
+        counter(
+            "tower_affinity_decisions_total",
+            &[("outcome", "compaction")]
+        ),
+        Some(&DebugValue::Counter(0))
+    );
+}

@@ -1265,7 +1265,7 @@ async fn a_full_backend_makes_requests_wait_and_metrics_show_it() {
         "tower_affinity_waited_total 1",
         "tower_affinity_waiting 0",
         "tower_affinity_in_flight 0",
-        "tower_affinity_wait_seconds_count 2",
+        "tower_affinity_wait_seconds_count 1",
         r#"tower_affinity_backend_slots{backend="a",node="node-a"} 1"#,
         r#"tower_affinity_backend_healthy{backend="a",node="node-a"} 1"#,
         "tower_affinity_backend_errors_total 0",
