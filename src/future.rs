@@ -150,9 +150,13 @@ impl Dispatched {
     fn respond<B>(mut self, res: http::Response<B>) -> http::Response<ResponseBody<B>> {
         let status = res.status();
         let cooldown = self.finish.failure_cooldown;
-        if status == http::StatusCode::SERVICE_UNAVAILABLE && !cooldown.is_zero() {
-            tracing::warn!(backend = %self.decision.backend, ?cooldown, "backend answered 503; marked down");
-            self.guard.mark_down(cooldown);
+        if status == http::StatusCode::SERVICE_UNAVAILABLE {
+            // Counted as a failure, so that a backend passed over says why.
+            self.guard.count_failure();
+            if !cooldown.is_zero() {
+                tracing::warn!(backend = %self.decision.backend, ?cooldown, "backend answered 503; marked down");
+                self.guard.mark_down(cooldown);
+            }
         }
         let taken = status.is_success();
         let cache = self.record.take().and_then(|r| r.answer(taken));

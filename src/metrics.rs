@@ -36,9 +36,9 @@
 //! | `tower_affinity_rejected_total` | counter | | requests refused: no slot, no room to wait |
 //! | `tower_affinity_no_backends_total` | counter | | requests refused: no backend |
 //! | `tower_affinity_abandoned_total` | counter | | requests their caller gave up on while they waited for a slot |
-//! | `tower_affinity_backend_errors_total` | counter | | requests whose backend failed, over the fleet |
+//! | `tower_affinity_backend_errors_total` | counter | | requests whose backend failed or answered 503, over the fleet |
 //! | `tower_affinity_discovery_errors_total` | counter | | errors from the discovery stream |
-//! | `tower_affinity_backend_failures_total` | counter | `backend`, `node` | requests that failed on this backend |
+//! | `tower_affinity_backend_failures_total` | counter | `backend`, `node` | requests that failed on this backend, or that it answered with 503 |
 //! | `tower_affinity_backend_prompt_tokens_total` | counter | `backend`, `node` | prompt tokens of its answers that said how many they reused |
 //! | `tower_affinity_backend_reused_tokens_total` | counter | `backend`, `node` | of them, reused from its cache |
 //! | `tower_affinity_backend_unreported_prompt_tokens_total` | counter | `backend`, `node` | prompt tokens of its answers that did not say (vLLM's Anthropic endpoint, or vLLM without `--enable-prompt-tokens-details`) |

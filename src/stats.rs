@@ -149,7 +149,8 @@ pub struct Stats {
     /// service was called with (a request [`RetryOnce`](crate::RetryOnce) retries is called
     /// twice).
     pub abandoned: u64,
-    /// Requests whose backend failed.
+    /// Requests whose backend failed, or answered 503 Service Unavailable (each is passed over
+    /// for the failure cooldown).
     pub backend_errors: u64,
     /// Errors yielded by the discovery stream (the fleet stays as it was).
     pub discovery_errors: u64,

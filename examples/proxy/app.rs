@@ -592,7 +592,7 @@ impl Collector for AffinityCollector {
         counter(
             &mut enc,
             "tower_affinity_backend_errors",
-            "Requests whose backend failed before answering (each retried once)",
+            "Requests whose backend failed before answering, or answered 503 (each retried once)",
             stats.backend_errors,
         )?;
         gauge(
