@@ -50,6 +50,29 @@ pub use session_key::SessionKey;
 /// let req = http::Request::get("/v1/chat/completions?user=7").body(()).unwrap();
 /// assert_eq!(by_user.extract(&req), Some(SessionKey::from_bytes(b"user=7")));
 /// ```
+///
+/// The extractor sees the request as the balancer gets it: behind [`BodyKeyLayer`], whose
+/// body is `http_body_util::Full<Bytes>`, not your server's body type, so a closure names
+/// `http::Request<Full<Bytes>>`. A key scoped to a tenant digests both parts:
+///
+/// ```
+/// use bytes::Bytes;
+/// use http_body_util::Full;
+/// use tower_affinity::key::{HeaderKey, KeyExtractor, SessionKey};
+///
+/// let agents = HeaderKey::default();
+/// let by_tenant = move |req: &http::Request<Full<Bytes>>| {
+///     let tenant = req.headers().get("x-tenant")?.as_bytes();
+///     let session = agents.extract(req)?;
+///     Some(SessionKey::from_bytes(&[tenant, &session.to_u128().to_le_bytes()].concat()))
+/// };
+/// let req = http::Request::post("/v1/chat/completions")
+///     .header("x-tenant", "acme")
+///     .header("x-claude-code-session-id", "c1")
+///     .body(Full::new(Bytes::new()))
+///     .unwrap();
+/// assert!(by_tenant.extract(&req).is_some());
+/// ```
 pub trait KeyExtractor<Req> {
     /// The session key of `req`, if it has one.
     fn extract(&self, req: &Req) -> Option<SessionKey>;
