@@ -842,8 +842,8 @@ pub struct BackendStatus {
     /// Whether it is taking requests (not marked down).
     pub healthy: bool,
     /// Requests that failed on it before it answered (its readiness or its call failed), or
-    /// that it answered with 503 Service Unavailable, counted since discovery first named it. The fleet's total is
-    /// [`Stats::backend_errors`](crate::Stats::backend_errors).
+    /// that it answered with 503 Service Unavailable, counted since discovery first named it.
+    /// The fleet's total is [`Stats::backend_errors`](crate::Stats::backend_errors).
     pub failures: u64,
     /// Conversations the cache model says it homes: the tips of the prompts it holds.
     pub conversations: u32,

@@ -24,8 +24,8 @@
 //! recorder keeps a series once set, so give the exporter an idle timeout to drop them
 //! (`metrics-exporter-prometheus`: `PrometheusBuilder::idle_timeout`). The histograms are
 //! what the exporter makes of them: `metrics-exporter-prometheus` renders a summary unless it
-//! is given buckets (`set_buckets_for_metric`); waits run to `max_wait` (60 s by default) and
-//! a cold prompt's first byte to minutes.
+//! is given buckets (`set_buckets`, or `set_buckets_for_metric`); waits run to `max_wait`
+//! (60 s by default) and a cold prompt's first byte to minutes.
 //!
 //! | name | kind | labels | what |
 //! |---|---|---|---|
