@@ -717,7 +717,6 @@ impl CacheModel {
     }
 
     /// The budget the model keeps to now.
-    #[cfg(test)]
     pub(crate) fn budget(&self) -> u64 {
         self.budget
     }

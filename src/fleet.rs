@@ -849,6 +849,12 @@ pub struct BackendStatus {
     pub conversations: u32,
     /// Tokens of prompt the cache model says it holds.
     pub cached_tokens: u64,
+    /// The budget the cache model keeps it to, in tokens: the
+    /// [`cache_tokens`](crate::Backend::cache_tokens) it declared (this replica's share of
+    /// it, with [`replicas`](crate::SessionAffinityLayer::replicas)), grown up to twice that
+    /// while its answers show it holds more. `cached_tokens / cache_budget` is how full the
+    /// model says it is.
+    pub cache_budget: u64,
     /// Prompt-chain links the cache model tracks for it.
     pub cached_blocks: usize,
     /// Links the cache model evicted to stay within the backend's budget.
@@ -914,6 +920,7 @@ impl Topology {
                     failures: m.load.failures.load(Ordering::Relaxed),
                     conversations: cache.conversations(),
                     cached_tokens: cache.tokens(),
+                    cache_budget: cache.budget(),
                     cached_blocks: cache.blocks(),
                     evicted_blocks: cache.evicted(),
                     unread_tokens: l.unread_tokens.load(Ordering::Relaxed),

@@ -53,6 +53,7 @@
 //! | `tower_affinity_backend_slots` | gauge | `backend`, `node` | (published) |
 //! | `tower_affinity_backend_healthy` | gauge | `backend`, `node` | 1 or 0 (published; 0 once the backend has left the fleet, as every level of it) |
 //! | `tower_affinity_backend_cached_tokens` | gauge | `backend`, `node` | what the cache model says it holds (published) |
+//! | `tower_affinity_backend_cache_budget_tokens` | gauge | `backend`, `node` | the budget the cache model keeps it to (published) |
 //! | `tower_affinity_backend_conversations` | gauge | `backend`, `node` | conversations it homes (published) |
 //! | `tower_affinity_backend_prefill_tokens_per_second` | gauge | `backend`, `node` | its learned prefill rate (published) |
 //! | `tower_affinity_store_up` | gauge | | with a [shared store](crate::store): 1 while its reads answer in time, 0 while it is down (published) |
@@ -126,11 +127,12 @@ pub(crate) struct BackendMetrics {
 
 /// The per-backend gauges [`publish`] sets.
 #[cfg(feature = "metrics")]
-const LEVELS: [&str; 6] = [
+const LEVELS: [&str; 7] = [
     "tower_affinity_backend_in_flight",
     "tower_affinity_backend_slots",
     "tower_affinity_backend_healthy",
     "tower_affinity_backend_cached_tokens",
+    "tower_affinity_backend_cache_budget_tokens",
     "tower_affinity_backend_conversations",
     "tower_affinity_backend_prefill_tokens_per_second",
 ];
@@ -263,6 +265,7 @@ pub(crate) fn publish(stats: &Stats, backends: &[BackendStatus]) {
         gauge!("tower_affinity_backend_slots", &labels).set(f64::from(b.slots));
         gauge!("tower_affinity_backend_healthy", &labels).set(if b.healthy { 1.0 } else { 0.0 });
         gauge!("tower_affinity_backend_cached_tokens", &labels).set(b.cached_tokens as f64);
+        gauge!("tower_affinity_backend_cache_budget_tokens", &labels).set(b.cache_budget as f64);
         gauge!("tower_affinity_backend_conversations", &labels).set(f64::from(b.conversations));
         if let Some(rate) = b.prefill_rate {
             gauge!("tower_affinity_backend_prefill_tokens_per_second", &labels)

@@ -615,7 +615,7 @@ impl Collector for AffinityCollector {
         )?;
 
         type Read = fn(&BackendStatus) -> i64;
-        let per_backend: [(&str, &str, Read); 5] = [
+        let per_backend: [(&str, &str, Read); 6] = [
             (
                 "tower_affinity_backend_in_flight",
                 "Requests on the backend whose response has not ended",
@@ -625,6 +625,11 @@ impl Collector for AffinityCollector {
                 "tower_affinity_backend_cached_tokens",
                 "Prompt tokens the cache model says the backend holds",
                 |b| i64::try_from(b.cached_tokens).unwrap_or(i64::MAX),
+            ),
+            (
+                "tower_affinity_backend_cache_budget_tokens",
+                "Prompt tokens the cache model lets the backend hold",
+                |b| i64::try_from(b.cache_budget).unwrap_or(i64::MAX),
             ),
             (
                 "tower_affinity_backend_conversations",
@@ -651,7 +656,7 @@ impl Collector for AffinityCollector {
         }
         let mut m = enc.encode_descriptor(
             "tower_affinity_backend_failures",
-            "Requests that failed on the backend before it answered",
+            "Requests that failed on the backend before it answered, or that it answered 503",
             None,
             MetricType::Counter,
         )?;

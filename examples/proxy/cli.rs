@@ -83,6 +83,8 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
   -h, --help                 this text
 
 DURATION: 500ms, 2s, 1.5m, 1h, or plain seconds. SIZE: bytes, or with KiB, MiB, GiB.
+GET /metrics on the listen address serves Prometheus metrics; every other request goes
+to a backend.
 Session keys: the headers X-Session-Affinity, X-Session-Id, X-Claude-Code-Session-Id,
 thread-id, thread_id, session-id, session_id, agent-session-id, then the JSON body's
 prompt_cache_key, user, metadata.user_id.";

@@ -273,6 +273,7 @@ fn a_backend_that_left_reads_zero_and_counters_start_at_zero() {
         "slots",
         "in_flight",
         "cached_tokens",
+        "cache_budget_tokens",
         "conversations",
     ] {
         let name = format!("tower_affinity_backend_{name}");

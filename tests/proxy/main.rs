@@ -1288,6 +1288,11 @@ async fn a_full_backend_makes_requests_wait_and_metrics_show_it() {
     );
     assert!(model[0].cached_tokens > 0);
     assert_eq!(
+        value("tower_affinity_backend_cache_budget_tokens"),
+        model[0].cache_budget
+    );
+    assert!(model[0].cache_budget >= model[0].cached_tokens);
+    assert_eq!(
         value("tower_affinity_backend_conversations"),
         u64::from(model[0].conversations)
     );
