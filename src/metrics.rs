@@ -242,9 +242,176 @@ const EVENTS: [&str; 7] = [
     "tower_affinity_discovery_errors_total",
 ];
 
+#[cfg(feature = "metrics")]
+#[derive(Clone, Copy)]
+enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+/// Each metric's help, as an exporter shows it (Prometheus's `# HELP`); the store's come with
+/// its [counters](StoreStats::counters).
+#[cfg(feature = "metrics")]
+const HELP: [(&str, Kind, &str); 28] = [
+    (
+        "tower_affinity_decisions_total",
+        Kind::Counter,
+        "Requests placed, by outcome",
+    ),
+    (
+        "tower_affinity_waited_total",
+        Kind::Counter,
+        "Requests that waited for a slot before being placed",
+    ),
+    (
+        "tower_affinity_wait_seconds",
+        Kind::Histogram,
+        "How long requests that waited for a slot waited",
+    ),
+    (
+        "tower_affinity_overcommitted_total",
+        Kind::Counter,
+        "Requests sent beyond a backend's slots",
+    ),
+    (
+        "tower_affinity_rejected_total",
+        Kind::Counter,
+        "Requests refused: no free slot and no room or time to wait",
+    ),
+    (
+        "tower_affinity_no_backends_total",
+        Kind::Counter,
+        "Requests refused: no backend up",
+    ),
+    (
+        "tower_affinity_abandoned_total",
+        Kind::Counter,
+        "Requests their caller gave up on while they waited for a slot",
+    ),
+    (
+        "tower_affinity_backend_errors_total",
+        Kind::Counter,
+        "Requests whose backend failed or answered 503",
+    ),
+    (
+        "tower_affinity_discovery_errors_total",
+        Kind::Counter,
+        "Errors from the discovery stream",
+    ),
+    (
+        "tower_affinity_backend_failures_total",
+        Kind::Counter,
+        "Requests that failed on the backend, or that it answered 503",
+    ),
+    (
+        "tower_affinity_backend_prompt_tokens_total",
+        Kind::Counter,
+        "Prompt tokens of the backend's answers that said how many they reused",
+    ),
+    (
+        "tower_affinity_backend_reused_tokens_total",
+        Kind::Counter,
+        "Of them, tokens the backend reused from its cache",
+    ),
+    (
+        "tower_affinity_backend_unreported_prompt_tokens_total",
+        Kind::Counter,
+        "Prompt tokens of the backend's answers that did not say how many they reused",
+    ),
+    (
+        "tower_affinity_backend_corrections_total",
+        Kind::Counter,
+        "Answers that reused far less than the cache model predicted",
+    ),
+    (
+        "tower_affinity_backend_first_byte_seconds",
+        Kind::Histogram,
+        "Dispatch to the backend's first byte of answer",
+    ),
+    (
+        "tower_affinity_in_flight",
+        Kind::Gauge,
+        "Requests dispatched whose response has not ended",
+    ),
+    (
+        "tower_affinity_waiting",
+        Kind::Gauge,
+        "Requests waiting for a free slot",
+    ),
+    (
+        "tower_affinity_sessions",
+        Kind::Gauge,
+        "Sessions in the session table",
+    ),
+    (
+        "tower_affinity_session_table_bytes",
+        Kind::Gauge,
+        "Bytes the session table holds",
+    ),
+    (
+        "tower_affinity_cache_model_bytes",
+        Kind::Gauge,
+        "Bytes the cache model holds, over the live backends",
+    ),
+    (
+        "tower_affinity_backend_in_flight",
+        Kind::Gauge,
+        "Requests on the backend whose response has not ended",
+    ),
+    (
+        "tower_affinity_backend_slots",
+        Kind::Gauge,
+        "Requests the backend serves at once",
+    ),
+    (
+        "tower_affinity_backend_healthy",
+        Kind::Gauge,
+        "1 if the backend takes requests, 0 while it is down or gone",
+    ),
+    (
+        "tower_affinity_backend_cached_tokens",
+        Kind::Gauge,
+        "Prompt tokens the cache model says the backend holds",
+    ),
+    (
+        "tower_affinity_backend_cache_budget_tokens",
+        Kind::Gauge,
+        "Prompt tokens the cache model lets the backend hold",
+    ),
+    (
+        "tower_affinity_backend_conversations",
+        Kind::Gauge,
+        "Conversations the cache model says the backend homes",
+    ),
+    (
+        "tower_affinity_backend_prefill_tokens_per_second",
+        Kind::Gauge,
+        "The backend's learned prefill rate",
+    ),
+    (
+        "tower_affinity_store_up",
+        Kind::Gauge,
+        "1 while the shared store's reads answer in time, 0 while it is down",
+    ),
+];
+
+/// Gives the recorder each metric's help (cheap: a recorder keeps the last it was given).
+#[cfg(feature = "metrics")]
+fn describe() {
+    for (name, kind, help) in HELP {
+        match kind {
+            Kind::Counter => metrics::describe_counter!(name, help),
+            Kind::Gauge => metrics::describe_gauge!(name, help),
+            Kind::Histogram => metrics::describe_histogram!(name, metrics::Unit::Seconds, help),
+        }
+    }
+}
+
 /// Sets the level gauges from a snapshot of the service.
 #[cfg(feature = "metrics")]
 pub(crate) fn publish(stats: &Stats, backends: &[BackendStatus]) {
+    describe();
     for name in EVENTS {
         counter!(name).increment(0);
     }
@@ -279,7 +446,9 @@ pub(crate) fn publish(stats: &Stats, backends: &[BackendStatus]) {
 pub(crate) fn publish_store(s: &StoreStats) {
     let up = if s.state == StoreState::Up { 1.0 } else { 0.0 };
     gauge!("tower_affinity_store_up").set(up);
-    for (name, _, value) in s.counters() {
-        counter!(format!("tower_affinity_store_{name}_total")).absolute(value);
+    for (name, help, value) in s.counters() {
+        let name = format!("tower_affinity_store_{name}_total");
+        metrics::describe_counter!(name.clone(), help);
+        counter!(name).absolute(value);
     }
 }

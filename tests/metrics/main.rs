@@ -146,6 +146,7 @@ fn decisions_reported_tokens_and_levels_reach_the_recorder() {
         value(&snapshot, MetricKind::Gauge, "tower_affinity_sessions", &[]),
         Some(&DebugValue::Gauge(1.0.into()))
     );
+    every_metric_has_help(&snapshot);
 }
 
 /// A store that keeps nothing: every read finds no home, every write succeeds.
@@ -213,6 +214,17 @@ fn a_shared_stores_state_and_counters_are_published() {
         value(&snapshot, MetricKind::Gauge, "tower_affinity_store_up", &[]),
         Some(&DebugValue::Gauge(1.0.into()))
     );
+    every_metric_has_help(&snapshot);
+}
+
+/// Every metric the recorder holds came with its help text (Prometheus's `# HELP`).
+fn every_metric_has_help(snapshot: &[Entry]) {
+    let without: Vec<&str> = snapshot
+        .iter()
+        .filter(|(_, _, help, _)| help.is_none())
+        .map(|(k, ..)| k.key().name())
+        .collect();
+    assert!(without.is_empty(), "no help for {without:?}");
 }
 
 #[test]
