@@ -981,3 +981,102 @@ fn a_policy_wrapping_another_passes_over_the_backends_it_rules_out() {
     let full = fleet.in_flight("a1", 1).in_flight("a2", 1);
     assert_eq!(full.choose(&NotOnNodeB, None, None), None);
 }
+
+#[test]
+fn load_bound_offers_the_backends_it_skips_last() {
+    let fleet = Snapshot::new()
+        .backend("a1", "a", 4)
+        .backend("b1", "b", 4)
+        .backend("c1", "c", 4)
+        .backend("d1", "d", 4);
+    let k = key("hot");
+    let winner = fleet.choose(&NodeThenBackend::new(), k, None).unwrap();
+    let busy = fleet.in_flight(winner.as_str(), 3);
+    let order = busy.order(&NodeThenBackend::new().load_bound(0.25), k, None);
+    assert_eq!(order.len(), 4, "{order:?}");
+    assert_eq!(order.last(), Some(&winner), "{order:?}");
+}
+
+/// The first key whose rendezvous order puts `first` first.
+fn key_drawn_to(fleet: &Snapshot, first: &str) -> SessionKey {
+    (0..)
+        .map(|i| SessionKey::from_bytes(format!("k{i}").as_bytes()))
+        .find(|&k| order_from_scores(fleet, k)[0].as_str() == first)
+        .unwrap()
+}
+
+/// b1 homes a conversation (one slot each): a second there would pass its conversation bound.
+fn b1_at_its_bound() -> Snapshot {
+    two_by_two().holds("b1", &chain(&[SYS, 10_000]))
+}
+
+#[test]
+fn the_conversation_bound_offers_the_backends_it_skips_last() {
+    let fleet = b1_at_its_bound();
+    let k = key_drawn_to(&fleet, "b1");
+    // A new conversation that shares nothing with b1's, whose key prefers b1.
+    let fleet = fleet.prompt(chain(&[20_000]));
+    let order = fleet.order(&NodeThenBackend::new(), Some(k), None);
+    assert_eq!(order.len(), 4, "{order:?}");
+    assert_eq!(order.last().map(BackendId::as_str), Some("b1"), "{order:?}");
+    let unbounded = NodeThenBackend::new().no_conversation_bound();
+    assert_eq!(fleet.order(&unbounded, Some(k), None)[0].as_str(), "b1");
+}
+
+#[test]
+fn a_request_without_a_chain_takes_its_rendezvous_order_unbounded() {
+    let fleet = b1_at_its_bound();
+    let k = key_drawn_to(&fleet, "b1");
+    // No chain: the cache model cannot tell what it is, so the bound does not apply.
+    let order = fleet.order(&NodeThenBackend::new(), Some(k), None);
+    assert_eq!(order, order_from_scores(&fleet, k));
+}
+
+#[test]
+fn among_equal_prefixes_a_keyed_conversation_takes_its_rendezvous_order() {
+    // a1 and b1 each hold a conversation on the shared system prompt, with room to spare
+    // (four slots each): a new one holds as long a prefix on both.
+    let fleet = two_by_two_with(4)
+        .holds("a1", &chain(&[SYS, 10]))
+        .holds("b1", &chain(&[SYS, 11]))
+        .prompt(chain(&[SYS, 12]));
+    let p = NodeThenBackend::new();
+    let mut firsts = std::collections::HashSet::new();
+    for i in 0..32 {
+        let k = SessionKey::from_bytes(format!("s{i}").as_bytes());
+        let order = fleet.order(&p, Some(k), None);
+        // The holders by their own rendezvous scores, the higher first.
+        let score = |id: &str| {
+            fleet
+                .view()
+                .backend(&id.into())
+                .unwrap()
+                .rendezvous_score(k)
+        };
+        let mut holders = ids(&["a1", "b1"]);
+        holders.sort_by(|a, b| score(b.as_str()).total_cmp(&score(a.as_str())));
+        assert_eq!(order[..2], holders[..], "key s{i}");
+        firsts.insert(order[0].clone());
+    }
+    assert_eq!(firsts.len(), 2, "the keys decide, not a fixed order");
+}
+
+#[test]
+fn new_sessions_spread_over_the_backends_of_a_node_in_proportion_to_slots() {
+    let fleet = Snapshot::new()
+        .backend("big", "n", 6)
+        .backend("small", "n", 2);
+    let p = NodeThenBackend::new();
+    let n = 8000;
+    let big = (0..n)
+        .filter(|i| {
+            fleet
+                .choose(&p, key(&format!("k{i}")), None)
+                .unwrap()
+                .as_str()
+                == "big"
+        })
+        .count();
+    let share = big as f64 / n as f64;
+    assert!((share - 0.75).abs() < 0.03, "share {share}");
+}

@@ -673,6 +673,10 @@ async fn wait_gives_up_after_max_wait() {
     assert_eq!(svc.stats().waiting, 0);
     assert_eq!(svc.stats().rejected, 1);
     assert_eq!(svc.stats().abandoned, 0);
+    // What the client hears: 429, and when to try again.
+    let res = err.into_response::<MockBody>();
+    assert_eq!(res.status(), 429);
+    assert_eq!(res.headers()["retry-after"], "1");
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
