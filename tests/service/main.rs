@@ -660,6 +660,26 @@ async fn a_backend_is_asked_for_an_answer_it_can_be_read_in() {
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_503_from_the_retry_too_is_the_answer_and_both_are_passed_over() {
+    let streams = Streams::default();
+    let svc = SessionAffinityLayer::new()
+        .failure_cooldown(Duration::from_secs(5))
+        .layer(fleet(&[("a1", "a", 1), ("a2", "a", 1)], &streams));
+    let mut retrying = tower::retry::RetryLayer::new(RetryOnce::new()).layer(svc.clone());
+    let mut req = request(Some("s"), None);
+    for b in ["a1", "a2"] {
+        req.headers_mut()
+            .append("x-unavailable-on", http::HeaderValue::from_static(b));
+    }
+    let res = retrying.ready().await.unwrap().call(req).await.unwrap();
+    assert_eq!(res.status(), 503);
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, "Loading model");
+    assert!(svc.backends().iter().all(|b| !b.healthy && b.failures == 1));
+    assert_eq!(svc.stats().in_flight, 0);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn wait_gives_up_after_max_wait() {
     let streams = Streams::default();
     let mut svc = SessionAffinityLayer::new()

@@ -35,7 +35,7 @@ pub(crate) type OpenStream = (String, mpsc::UnboundedSender<Chunk>);
 /// - `fail`: fail without answering.
 ///
 /// A request whose `x-fail-on` header names the backend fails there, whatever its mode; one
-/// whose `x-unavailable-on` header names it is answered 503 there, as llama-server answers
+/// whose `x-unavailable-on` headers name it is answered 503 there, as llama-server answers
 /// while it loads its model.
 #[derive(Clone, Default)]
 pub(crate) struct Streams(Arc<Mutex<VecDeque<OpenStream>>>);
@@ -74,8 +74,9 @@ pub(crate) fn backend(name: &str, streams: &Streams) -> MockService {
                 let (tx, rx) = mpsc::unbounded_channel();
                 let unavailable = req
                     .headers()
-                    .get("x-unavailable-on")
-                    .is_some_and(|v| v == name.as_str());
+                    .get_all("x-unavailable-on")
+                    .iter()
+                    .any(|v| v == name.as_str());
                 if unavailable {
                     tx.send(Ok(Frame::data(Bytes::from_static(b"Loading model"))))
                         .unwrap();
