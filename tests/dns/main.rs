@@ -479,6 +479,30 @@ async fn nxdomain_keeps_the_fleet_counts_and_logs_once() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_name_without_addresses_keeps_the_fleet_and_says_no_records() {
+    let dns = start_dns().await;
+    dns.set_ips("llm.fleet.test.", 30, &["10.0.0.1"]).await;
+    let mut fleet = builder(&dns, "llm.fleet.test.:8080")
+        .ip_strategy(IpStrategy::Ipv4Only)
+        .build(|ep: &DnsEndpoint| ep.addr())
+        .unwrap();
+    let handle = fleet.handle();
+    answered(handle.resolved(1)).await;
+    assert_eq!(ready(&mut fleet).await.len(), 1);
+    // The name stays, with an AAAA record only: no address of the kind asked.
+    dns.set_ips("llm.fleet.test.", 30, &["fd00::1"]).await;
+    handle.refresh();
+    answered(handle.resolved(2)).await;
+    let e = handle.last_error().unwrap();
+    assert_eq!(e.kind(), DnsErrorKind::NoRecords, "{e}");
+    assert!(
+        ready(&mut fleet).await.is_empty(),
+        "a failure changed the fleet"
+    );
+    assert_eq!(handle.stats().backends, 1);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_stopped_server_keeps_the_fleet_until_it_answers_again() {
     let mut dns = start_dns().await;
     dns.set_ips("llm.fleet.test.", 30, &["10.0.0.1"]).await;
