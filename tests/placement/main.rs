@@ -113,19 +113,25 @@ fn new_sessions_spread_over_nodes_in_proportion_to_slots() {
     let fleet = Snapshot::new()
         .backend("big-1", "big", 6)
         .backend("small-1", "small", 2);
+    let share = new_sessions_share(&fleet, "big-1");
+    assert!((share - 0.75).abs() < 0.03, "share {share}");
+}
+
+/// The share of 8,000 new sessions (keys `k0`, `k1`, ...) that `NodeThenBackend` places on
+/// `id`.
+fn new_sessions_share(fleet: &Snapshot, id: &str) -> f64 {
     let p = NodeThenBackend::new();
     let n = 8000;
-    let big = (0..n)
+    let on = (0..n)
         .filter(|i| {
             fleet
                 .choose(&p, key(&format!("k{i}")), None)
                 .unwrap()
                 .as_str()
-                == "big-1"
+                == id
         })
         .count();
-    let share = big as f64 / n as f64;
-    assert!((share - 0.75).abs() < 0.03, "share {share}");
+    on as f64 / n as f64
 }
 
 #[test]
@@ -1066,17 +1072,6 @@ fn new_sessions_spread_over_the_backends_of_a_node_in_proportion_to_slots() {
     let fleet = Snapshot::new()
         .backend("big", "n", 6)
         .backend("small", "n", 2);
-    let p = NodeThenBackend::new();
-    let n = 8000;
-    let big = (0..n)
-        .filter(|i| {
-            fleet
-                .choose(&p, key(&format!("k{i}")), None)
-                .unwrap()
-                .as_str()
-                == "big"
-        })
-        .count();
-    let share = big as f64 / n as f64;
+    let share = new_sessions_share(&fleet, "big");
     assert!((share - 0.75).abs() < 0.03, "share {share}");
 }
