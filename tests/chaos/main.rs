@@ -293,8 +293,8 @@ fn count_panics() -> Arc<AtomicUsize> {
 enum End {
     /// 200 with the whole stream.
     Complete,
-    /// 200, then the body failed: the backend cut its stream.
-    Cut,
+    /// 200, then the body failed: the backend cut its stream. What arrived before the cut.
+    Cut(String),
     /// The connection closed after the request was sent, before any response: a backend cut
     /// its stream so soon that the proxy's response head was still in its write buffer, and
     /// hyper closes a connection whose response body fails without flushing what it holds.
@@ -343,11 +343,20 @@ async fn turn(
             .and_then(|v| v.to_str().ok())
             .map(str::to_string);
         let status = res.status();
-        let body = res.into_body().collect().await;
-        let end = match (status, body.map(|b| b.to_bytes())) {
-            (StatusCode::OK, Ok(b)) if b.ends_with(b"data: [DONE]\n\n") => End::Complete,
-            (StatusCode::OK, Ok(b)) => End::Truncated(b.len()),
-            (StatusCode::OK, Err(_)) => End::Cut,
+        // Frame by frame, so that what arrived before a cut is kept.
+        let mut body = res.into_body();
+        let mut read = Vec::new();
+        let cut = loop {
+            match body.frame().await {
+                Some(Ok(frame)) => read.extend_from_slice(frame.data_ref().map_or(&[][..], |d| d)),
+                Some(Err(_)) => break true,
+                None => break false,
+            }
+        };
+        let end = match (status, cut) {
+            (StatusCode::OK, false) if read.ends_with(b"data: [DONE]\n\n") => End::Complete,
+            (StatusCode::OK, false) => End::Truncated(read.len()),
+            (StatusCode::OK, true) => End::Cut(String::from_utf8_lossy(&read).into_owned()),
             (s, _) => End::Status(s.as_u16()),
         };
         (end, backend)
@@ -448,7 +457,7 @@ async fn chaos_ends_every_request_and_loses_no_slot() {
         for (end, backend) in ends {
             let what = match end {
                 End::Complete => "complete".to_string(),
-                End::Cut => format!("cut on {}", backend.as_deref().unwrap_or("?")),
+                End::Cut(_) => format!("cut on {}", backend.as_deref().unwrap_or("?")),
                 End::CutUnseen => "cut before the response head".to_string(),
                 End::Truncated(n) => format!("truncated at {n} bytes"),
                 End::Status(code) => format!("status {code}"),
@@ -485,16 +494,33 @@ async fn chaos_ends_every_request_and_loses_no_slot() {
     for (end, backend) in results.values().flatten() {
         match end {
             End::Complete | End::CutUnseen => {}
-            End::Cut => assert!(
-                matches!(backend.as_deref(), Some("c1" | "a2")),
-                "a stream cut on {backend:?}"
-            ),
-            // The backend's own 500, or the proxy's 502 when a backend and its retry failed.
-            End::Status(500 | 502) => {}
+            End::Cut(read) => {
+                assert!(
+                    matches!(backend.as_deref(), Some("c1" | "a2")),
+                    "a stream cut on {backend:?}"
+                );
+                // What the client got before the cut is the backend's stream as it was sent.
+                let whole = format!(
+                    "data: {b} 0\n\ndata: {b} 1\n\ndata: {b} 2\n\ndata: [DONE]\n\n",
+                    b = backend.as_deref().unwrap_or("?")
+                );
+                assert!(whole.starts_with(read.as_str()), "cut after {read:?}");
+            }
+            // `b2`'s own 500, passed on as it answered it.
+            End::Status(500) => assert_eq!(backend.as_deref(), Some("b2"), "a 500"),
+            // The proxy's 502 when a backend and its retry both failed.
+            End::Status(502) => {}
             other => panic!("request ended as {other:?} on {backend:?}"),
         }
     }
     assert!(kills >= 1, "the chaos ran");
+    // Each fault reached clients: b2's 500s and c1's cuts.
+    for fault in ["status 500", "cut on c1"] {
+        assert!(
+            tally.get(fault).copied().unwrap_or(0) > 0,
+            "no {fault}: {tally:?}"
+        );
+    }
     assert!(
         tally.get("complete").copied().unwrap_or(0) > SESSIONS,
         "{tally:?}"
@@ -575,11 +601,12 @@ async fn a_backend_that_never_answers_is_passed_over_after_the_response_timeout(
 }
 
 /// A client that goes away releases its slot: while its backend has not answered yet, and in
-/// the middle of a stream.
+/// the middle of a stream. The response timeout is off, so the leaving is what frees it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_goes_away_releases_its_slot() {
     let stub = Stub::start("h1").await;
-    let running = start(vec![stub.spec("node-h")]).await;
+    // No response timeout: nothing but the client's leaving frees the slot.
+    let running = start_with(vec![stub.spec("node-h")], |c| c.response_timeout = None).await;
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
 
     // Before the answer: the backend hangs, the client gives up after 200 ms.
