@@ -70,7 +70,7 @@ use tower::discover::Change;
 use tower::retry::Retry;
 use tower::{Layer, Service, ServiceBuilder};
 use tower_affinity::client::{HttpBackend, HttpBackendError};
-use tower_affinity::discover::dns::{DnsEndpoint, DnsFleet, DnsTarget};
+use tower_affinity::discover::dns::{DnsEndpoint, DnsFleet, DnsHandle, DnsStats, DnsTarget};
 use tower_affinity::discover::StaticFleet;
 use tower_affinity::health::{HealthProbe, ProbeTarget, ProbeTask, Probed, Prober};
 use tower_affinity::key::{
@@ -397,6 +397,7 @@ impl Proxy {
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let dns_handles = dns.iter().map(DnsFleet::handle).collect();
         // Without `slots=`, one slot until the probe reads `/slots`. The probe's settings
         // apply to rounds run by hand too, when the background probe is off.
         let (fleet, prober) = HealthProbe::new()
@@ -431,6 +432,7 @@ impl Proxy {
         );
         registry.register_collector(Box::new(AffinityCollector {
             affinity: affinity.clone(),
+            dns: dns_handles,
         }));
 
         Ok(Proxy {
@@ -524,6 +526,8 @@ fn metrics(method: &Method, registry: &Registry) -> Response<FrontBody> {
 /// balancer's own, never a copy that could drift.
 struct AffinityCollector {
     affinity: Affinity,
+    /// One for each `--backend-dns` name: its resolutions and failures.
+    dns: Vec<DnsHandle>,
 }
 
 impl fmt::Debug for AffinityCollector {
@@ -720,6 +724,62 @@ impl Collector for AffinityCollector {
                     help,
                     value,
                 )?;
+            }
+        }
+        self.encode_dns(&mut enc)
+    }
+}
+
+impl AffinityCollector {
+    /// Each `--backend-dns` name's resolutions: a failing one keeps its last fleet, so only
+    /// these say that the fleet has stopped following the name.
+    fn encode_dns(&self, enc: &mut DescriptorEncoder<'_>) -> fmt::Result {
+        if self.dns.is_empty() {
+            return Ok(());
+        }
+        let stats: Vec<(String, DnsStats)> = self
+            .dns
+            .iter()
+            .map(|h| (h.target().to_string(), h.stats()))
+            .collect();
+        type Read = fn(&DnsStats) -> u64;
+        let series: [(&str, &str, MetricType, Read); 4] = [
+            (
+                "tower_affinity_dns_resolutions",
+                "Resolutions of the --backend-dns name, successful or not",
+                MetricType::Counter,
+                |s| s.resolutions,
+            ),
+            (
+                "tower_affinity_dns_failures",
+                "Resolutions of the name that failed; each kept the fleet it had",
+                MetricType::Counter,
+                |s| s.failures,
+            ),
+            (
+                "tower_affinity_dns_consecutive_failures",
+                "Failed resolutions of the name since its last success",
+                MetricType::Gauge,
+                |s| s.consecutive_failures,
+            ),
+            (
+                "tower_affinity_dns_backends",
+                "Backends the name's records give",
+                MetricType::Gauge,
+                |s| s.backends as u64,
+            ),
+        ];
+        for (name, help, kind, value) in series {
+            let mut m = enc.encode_descriptor(name, help, None, kind)?;
+            for (target, s) in &stats {
+                let labels = [("name", target.as_str())];
+                let v = value(s);
+                if kind == MetricType::Counter {
+                    ConstCounter::new(v).encode(m.encode_family(&labels)?)?;
+                } else {
+                    let v = i64::try_from(v).unwrap_or(i64::MAX);
+                    ConstGauge::new(v).encode(m.encode_family(&labels)?)?;
+                }
             }
         }
         Ok(())

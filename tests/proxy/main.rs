@@ -1620,6 +1620,8 @@ async fn two_backends_with_one_id_are_refused() {
     assert!(err.to_string().contains("given twice"), "{err}");
 }
 
+/// `--backend-dns` follows a name on a real nameserver; `/metrics` says how each name
+/// resolves, a name without records too.
 #[tokio::test(start_paused = true)]
 async fn backend_dns_names_backends_from_a_real_nameserver_on_loopback() {
     let stub = Stub::start("a1", 2).await;
@@ -1629,6 +1631,8 @@ async fn backend_dns_names_backends_from_a_real_nameserver_on_loopback() {
     let args = [
         "--backend-dns".to_string(),
         format!("llama.fleet.test:{port}"),
+        "--backend-dns".to_string(),
+        format!("missing.fleet.test:{port}"),
         "--dns-server".into(),
         dns.addr.to_string(),
         "--probe-interval".into(),
@@ -1660,4 +1664,44 @@ async fn backend_dns_names_backends_from_a_real_nameserver_on_loopback() {
     assert_eq!(answer.backend(), id);
     assert_eq!(answer.header("x-affinity-node"), "127.0.0.1");
     assert_eq!(stub.chats(), 1);
+
+    // The missing name has failed at least once by now (bounded wait, paused clock).
+    let failed =
+        format!("tower_affinity_dns_failures_total{{name=\"missing.fleet.test:{port}\"}} ");
+    let mut metrics = String::new();
+    for _ in 0..200 {
+        metrics = String::from_utf8(proxy.get("/metrics").await.body.to_vec()).unwrap();
+        if metrics
+            .lines()
+            .any(|l| l.starts_with(&failed) && !l.ends_with(" 0"))
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let value = |series: &str| {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+            .unwrap_or_else(|| panic!("no {series} in {metrics}"))
+            .parse::<u64>()
+            .unwrap()
+    };
+    let (found, missing) = (
+        format!("{{name=\"llama.fleet.test:{port}\"}}"),
+        format!("{{name=\"missing.fleet.test:{port}\"}}"),
+    );
+    assert_eq!(value(&format!("tower_affinity_dns_backends{found}")), 1);
+    assert_eq!(
+        value(&format!("tower_affinity_dns_failures_total{found}")),
+        0
+    );
+    assert!(value(&format!("tower_affinity_dns_resolutions_total{found}")) >= 1);
+    assert_eq!(value(&format!("tower_affinity_dns_backends{missing}")), 0);
+    let failures = value(&format!("tower_affinity_dns_failures_total{missing}"));
+    assert!(failures >= 1, "{metrics}");
+    assert_eq!(
+        value(&format!("tower_affinity_dns_consecutive_failures{missing}")),
+        failures
+    );
 }
