@@ -20,7 +20,7 @@ use crate::fleet::SlotGuard;
 use crate::learn::{Answer, Prediction};
 use crate::stats::bump;
 use crate::usage::UsageScanner;
-use crate::{Decision, Usage};
+use crate::{Decision, Outcome, Usage};
 
 pin_project! {
     /// A backend's response body, holding its backend slot until the last frame has been read,
@@ -53,12 +53,25 @@ pin_project! {
 }
 
 /// What the service hands the response body to learn from its answer.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Watch {
     /// What the cache model predicted for the request on its backend.
     pub(crate) prediction: Option<Prediction>,
     /// That backend's model, to correct when the prediction was far off.
     pub(crate) cache: Option<Arc<ModelCell>>,
+    /// How the request was placed: the answer's figures are counted under it too.
+    pub(crate) outcome: Outcome,
+}
+
+impl Watch {
+    /// Watching the answer to a request placed with `outcome`.
+    pub(crate) fn new(outcome: Outcome) -> Self {
+        Watch {
+            prediction: None,
+            cache: None,
+            outcome,
+        }
+    }
 }
 
 /// Reading one answer: the scanner, and what the answer has shown so far.
@@ -149,6 +162,7 @@ impl Observe {
         let (usage, verdict) = guard.learned().learn(&answer, self.watch.prediction);
         if let Some(t) = answer.first_byte {
             guard.metrics().first_byte(t);
+            crate::metrics::first_byte(self.watch.outcome, t);
         }
         if let Some(u) = usage {
             let correction = verdict == Verdict::HeldLess;
@@ -159,11 +173,7 @@ impl Observe {
             c.usage_reports.fetch_add(1, Ordering::Relaxed);
             // Only the answers that said their reuse count against it.
             match u.reused_tokens {
-                Some(reused) => {
-                    c.prompt_tokens
-                        .fetch_add(u.prompt_tokens, Ordering::Relaxed);
-                    c.reused_tokens.fetch_add(reused, Ordering::Relaxed);
-                }
+                Some(reused) => c.count_reuse(self.watch.outcome, u.prompt_tokens, reused),
                 None => {
                     c.unreported_prompt_tokens
                         .fetch_add(u.prompt_tokens, Ordering::Relaxed);

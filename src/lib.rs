@@ -146,7 +146,7 @@ pub use layer::SessionAffinityLayer;
 pub use overflow::Overflow;
 pub use retry::RetryOnce;
 pub use service::SessionAffinity;
-pub use stats::{Decision, Outcome, Stats};
+pub use stats::{Decision, Outcome, Reuse, Stats};
 pub use table::Sessions;
 pub use usage::Usage;
 

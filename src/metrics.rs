@@ -30,6 +30,9 @@
 //! | name | kind | labels | what |
 //! |---|---|---|---|
 //! | `tower_affinity_decisions_total` | counter | `outcome` | requests placed, by [`Outcome`](crate::Outcome) |
+//! | `tower_affinity_prompt_tokens_total` | counter | `outcome` | prompt tokens of the answers that said how many they reused, by their requests' outcome ([`Stats::reuse`](crate::Stats::reuse)) |
+//! | `tower_affinity_reused_tokens_total` | counter | `outcome` | of them, reused from the backends' caches: a home hit's share near 1 and a cold home's near 0 say the cache model is right |
+//! | `tower_affinity_first_byte_seconds` | histogram | `outcome` | dispatch to the answer's first byte, by the request's outcome: what a cold prefill costs against a warm one |
 //! | `tower_affinity_waited_total` | counter | | requests that waited for a slot |
 //! | `tower_affinity_wait_seconds` | histogram | | how long they waited |
 //! | `tower_affinity_overcommitted_total` | counter | | requests sent beyond a backend's slots |
@@ -101,7 +104,7 @@ use metrics::{counter, gauge, histogram, Counter, Gauge, Histogram};
 
 #[cfg(feature = "metrics")]
 use crate::store::{StoreState, StoreStats};
-use crate::{BackendId, Decision, NodeId};
+use crate::{BackendId, Decision, NodeId, Outcome};
 #[cfg(feature = "metrics")]
 use crate::{BackendStatus, Stats};
 
@@ -222,6 +225,26 @@ pub(crate) fn decision(d: &Decision) {
     }
 }
 
+/// An answer of a request placed with `outcome` reported `prompt` tokens, `reused` of them
+/// reused.
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+pub(crate) fn reuse(outcome: Outcome, prompt: u64, reused: u64) {
+    #[cfg(feature = "metrics")]
+    {
+        let label = outcome.as_str();
+        counter!("tower_affinity_prompt_tokens_total", "outcome" => label).increment(prompt);
+        counter!("tower_affinity_reused_tokens_total", "outcome" => label).increment(reused);
+    }
+}
+
+/// The answer to a request placed with `outcome` began `after` its dispatch.
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+pub(crate) fn first_byte(outcome: Outcome, after: Duration) {
+    #[cfg(feature = "metrics")]
+    histogram!("tower_affinity_first_byte_seconds", "outcome" => outcome.as_str())
+        .record(after.as_secs_f64());
+}
+
 /// A fleet-wide event without labels, by its counter's name.
 #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
 pub(crate) fn event(name: &'static str) {
@@ -253,11 +276,26 @@ enum Kind {
 /// Each metric's help, as an exporter shows it (Prometheus's `# HELP`); the store's come with
 /// its [counters](StoreStats::counters).
 #[cfg(feature = "metrics")]
-const HELP: [(&str, Kind, &str); 28] = [
+const HELP: [(&str, Kind, &str); 31] = [
     (
         "tower_affinity_decisions_total",
         Kind::Counter,
         "Requests placed, by outcome",
+    ),
+    (
+        "tower_affinity_prompt_tokens_total",
+        Kind::Counter,
+        "Prompt tokens of the answers that said how many they reused, by their requests' outcome",
+    ),
+    (
+        "tower_affinity_reused_tokens_total",
+        Kind::Counter,
+        "Of them, tokens the backends reused from their caches, by their requests' outcome",
+    ),
+    (
+        "tower_affinity_first_byte_seconds",
+        Kind::Histogram,
+        "Dispatch to the answer's first byte, by the request's outcome",
     ),
     (
         "tower_affinity_waited_total",
@@ -415,8 +453,11 @@ pub(crate) fn publish(stats: &Stats, backends: &[BackendStatus]) {
     for name in EVENTS {
         counter!(name).increment(0);
     }
-    for outcome in crate::Outcome::ALL {
-        counter!("tower_affinity_decisions_total", "outcome" => outcome.as_str()).increment(0);
+    for outcome in Outcome::ALL {
+        let label = outcome.as_str();
+        counter!("tower_affinity_decisions_total", "outcome" => label).increment(0);
+        counter!("tower_affinity_prompt_tokens_total", "outcome" => label).increment(0);
+        counter!("tower_affinity_reused_tokens_total", "outcome" => label).increment(0);
     }
     gauge!("tower_affinity_session_table_bytes").set(stats.session_table_bytes as f64);
     gauge!("tower_affinity_cache_model_bytes").set(stats.cache_model_bytes as f64);

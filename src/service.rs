@@ -655,7 +655,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             node: m.node,
             mark,
         };
-        let watch = self.observe.then(Watch::default);
+        let watch = self.observe.then(|| Watch::new(outcome));
         // The chain goes into the chosen backend's model once the request is on its way (see
         // `Record`), knowing what that backend held already: all of the last turn on a home
         // hit, the prefix found on the backend that holds it.

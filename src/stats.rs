@@ -178,6 +178,31 @@ pub struct Stats {
     pub in_flight: usize,
     /// Gauge: requests waiting for a slot.
     pub waiting: usize,
+    /// What the answers reported, by outcome: see [`reuse`](Self::reuse).
+    pub(crate) reuse: [Reuse; Outcome::ALL.len()],
+}
+
+/// What the answers of the requests placed one way reported: their prompt tokens, and how
+/// many of them their backends reused from their caches. Only answers that said how many they
+/// reused count (as in [`Stats::prompt_tokens`]).
+///
+/// Read by [`Stats::reuse`]. A home hit's reuse near its [`share`](Self::share) of 1 and a
+/// cold home's near 0 say the cache model predicts what the backends hold; a prefix hit's says
+/// how well requests without a key find their conversations.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Reuse {
+    /// Prompt tokens of the answers.
+    pub prompt_tokens: u64,
+    /// Of them, tokens reused from the backends' caches.
+    pub reused_tokens: u64,
+}
+
+impl Reuse {
+    /// `reused_tokens / prompt_tokens`; `None` before any prompt token.
+    pub fn share(&self) -> Option<f64> {
+        (self.prompt_tokens > 0).then(|| self.reused_tokens as f64 / self.prompt_tokens as f64)
+    }
 }
 
 impl Stats {
@@ -192,6 +217,25 @@ impl Stats {
             + self.cold_homes
             + self.compactions
             + self.prefix_hits
+    }
+
+    /// What the answers of the requests placed with `outcome` reported: their prompt
+    /// tokens, and how many their backends reused. Over every outcome they add up to
+    /// [`prompt_tokens`](Self::prompt_tokens) and [`reused_tokens`](Self::reused_tokens).
+    ///
+    /// ```
+    /// # fn doc(stats: tower_affinity::Stats) {
+    /// use tower_affinity::Outcome;
+    ///
+    /// for &outcome in Outcome::ALL {
+    ///     if let Some(share) = stats.reuse(outcome).share() {
+    ///         println!("{outcome}: {:.0}% of prompt tokens reused", share * 100.0);
+    ///     }
+    /// }
+    /// # }
+    /// ```
+    pub fn reuse(&self, outcome: Outcome) -> Reuse {
+        self.reuse[outcome as usize]
     }
 
     /// The count for one outcome.
@@ -237,6 +281,8 @@ pub(crate) struct Counters {
     pub(crate) reused_tokens: AtomicU64,
     pub(crate) unreported_prompt_tokens: AtomicU64,
     pub(crate) corrections: AtomicU64,
+    /// Reported prompt and reused tokens, by the outcome of their requests.
+    reuse: [[AtomicU64; 2]; Outcome::ALL.len()],
 }
 
 pub(crate) fn bump(c: &AtomicU64) {
@@ -271,6 +317,17 @@ impl Counters {
     pub(crate) fn count_discovery_error(&self) {
         bump(&self.discovery_errors);
         crate::metrics::event("tower_affinity_discovery_errors_total");
+    }
+
+    /// An answer of a request placed with `outcome` reported `prompt` tokens and said it
+    /// reused `reused` of them.
+    pub(crate) fn count_reuse(&self, outcome: Outcome, prompt: u64, reused: u64) {
+        self.prompt_tokens.fetch_add(prompt, Ordering::Relaxed);
+        self.reused_tokens.fetch_add(reused, Ordering::Relaxed);
+        let [p, r] = &self.reuse[outcome as usize];
+        p.fetch_add(prompt, Ordering::Relaxed);
+        r.fetch_add(reused, Ordering::Relaxed);
+        crate::metrics::reuse(outcome, prompt, reused);
     }
 
     pub(crate) fn record(&self, d: &Decision) {
@@ -316,6 +373,13 @@ impl Counters {
             reused_tokens: l(&self.reused_tokens),
             unreported_prompt_tokens: l(&self.unreported_prompt_tokens),
             corrections: l(&self.corrections),
+            reuse: std::array::from_fn(|i| {
+                let [p, r] = &self.reuse[i];
+                Reuse {
+                    prompt_tokens: l(p),
+                    reused_tokens: l(r),
+                }
+            }),
             ..Stats::default()
         }
     }

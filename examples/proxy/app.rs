@@ -80,7 +80,7 @@ use tower_affinity::placement::{LeastLoaded, NodeThenBackend, Placement, Rendezv
 use tower_affinity::store::{RedisStore, StoreState};
 use tower_affinity::{
     Backend, BackendStatus, BoxError, Decision, ErrorToResponse, Outcome, Overflow, ResponseBody,
-    RetryOnce, SessionAffinity, SessionAffinityLayer,
+    RetryOnce, Reuse, SessionAffinity, SessionAffinityLayer,
 };
 use tower_http::request_id::{
     MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer,
@@ -560,6 +560,29 @@ impl Collector for AffinityCollector {
             for &outcome in Outcome::ALL {
                 let labels = [("outcome", outcome.as_str())];
                 ConstCounter::new(stats.outcome(outcome)).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        // What the answers reported, by how their requests were placed: a home hit's reuse
+        // near 1 and a cold home's near 0 say the cache model sees what the backends hold.
+        type ByOutcome = (&'static str, &'static str, fn(Reuse) -> u64);
+        let by_outcome: [ByOutcome; 2] = [
+            (
+                "tower_affinity_prompt_tokens",
+                "Prompt tokens of the answers that said how many they reused, by their requests' outcome",
+                |r| r.prompt_tokens,
+            ),
+            (
+                "tower_affinity_reused_tokens",
+                "Of them, tokens the backends reused from their caches, by their requests' outcome",
+                |r| r.reused_tokens,
+            ),
+        ];
+        for (name, help, value) in by_outcome {
+            let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for &outcome in Outcome::ALL {
+                let labels = [("outcome", outcome.as_str())];
+                let v = value(stats.reuse(outcome));
+                ConstCounter::new(v).encode(m.encode_family(&labels)?)?;
             }
         }
         let as_i64 = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);

@@ -440,6 +440,41 @@ fn reused(prompt: u64, reused: u64) -> Reply {
     }
 }
 
+/// What answers report is counted under how their requests were placed too, and over every
+/// outcome adds up to the fleet's figures.
+#[tokio::test(start_paused = true)]
+async fn reported_reuse_is_counted_by_the_outcome_of_its_request() {
+    let svc = service(&[("a", "n1")]);
+    let turns = [(None, 500, 0), (Some("s"), 600, 0), (Some("s"), 700, 600)];
+    let mut outcomes = Vec::new();
+    for (session, prompt, reuse) in turns {
+        let (d, _, _) = exchange(&svc, request(session, None, reused(prompt, reuse))).await;
+        outcomes.push(d.outcome);
+    }
+    assert_eq!(
+        outcomes,
+        [Outcome::Keyless, Outcome::NewSession, Outcome::HomeHit]
+    );
+    let stats = svc.stats();
+    let reuse = |o| {
+        let r = stats.reuse(o);
+        (r.prompt_tokens, r.reused_tokens)
+    };
+    assert_eq!(reuse(Outcome::Keyless), (500, 0));
+    assert_eq!(reuse(Outcome::NewSession), (600, 0));
+    assert_eq!(reuse(Outcome::HomeHit), (700, 600));
+    assert_eq!(reuse(Outcome::ColdHome), (0, 0));
+    assert_eq!(stats.reuse(Outcome::HomeHit).share(), Some(600.0 / 700.0));
+    assert_eq!(stats.reuse(Outcome::ColdHome).share(), None);
+    let sum = |f: fn(tower_affinity::Reuse) -> u64| -> u64 {
+        Outcome::ALL.iter().map(|&o| f(stats.reuse(o))).sum()
+    };
+    assert_eq!(
+        (sum(|r| r.prompt_tokens), sum(|r| r.reused_tokens)),
+        (stats.prompt_tokens, stats.reused_tokens)
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_backend_reusing_far_less_than_predicted_corrects_the_model() {
     let svc = service(&[("a", "n1")]);

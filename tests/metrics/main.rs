@@ -129,6 +129,41 @@ fn decisions_reported_tokens_and_levels_reach_the_recorder() {
         &backend,
     );
     assert!(matches!(first_bytes, Some(DebugValue::Histogram(v)) if v.len() == 3));
+    // The same figures by the outcome of their requests: the first turn a new session, the
+    // other two home hits (the second an answer that does not say its reuse).
+    for (outcome, prompt, reused, answers) in
+        [("new-session", 1200, 1024, 1), ("home-hit", 1200, 1024, 2)]
+    {
+        let labels = [("outcome", outcome)];
+        assert_eq!(
+            counter("tower_affinity_prompt_tokens_total", &labels),
+            Some(&DebugValue::Counter(prompt)),
+            "{outcome}"
+        );
+        assert_eq!(
+            counter("tower_affinity_reused_tokens_total", &labels),
+            Some(&DebugValue::Counter(reused)),
+            "{outcome}"
+        );
+        let first_bytes = value(
+            &snapshot,
+            MetricKind::Histogram,
+            "tower_affinity_first_byte_seconds",
+            &labels,
+        );
+        assert!(
+            matches!(first_bytes, Some(DebugValue::Histogram(v)) if v.len() == answers),
+            "{outcome}: {first_bytes:?}"
+        );
+    }
+    // Published at 0 for the outcomes no answer has had yet.
+    assert_eq!(
+        counter(
+            "tower_affinity_reused_tokens_total",
+            &[("outcome", "cold-home")]
+        ),
+        Some(&DebugValue::Counter(0))
+    );
     let gauge = |name: &str| value(&snapshot, MetricKind::Gauge, name, &backend);
     assert_eq!(
         gauge("tower_affinity_backend_slots"),

@@ -233,6 +233,30 @@ async fn metrics_add_up_the_prompt_and_reused_tokens_the_backends_reported() {
         "{text}"
     );
     assert!(reused > 0);
+    // The same figures by how their requests were placed: one new session, then home hits
+    // that reused all of it.
+    assert_eq!(
+        metric_sum(&text, "tower_affinity_prompt_tokens_total"),
+        prompt
+    );
+    assert_eq!(
+        metric_sum(&text, "tower_affinity_reused_tokens_total"),
+        reused
+    );
+    let by_outcome = |name: &str, outcome: &str| {
+        let series = format!("{name}{{outcome=\"{outcome}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&series)?.parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no {series}in {text}"))
+    };
+    assert_eq!(
+        by_outcome("tower_affinity_reused_tokens_total", "new-session"),
+        0
+    );
+    assert_eq!(
+        by_outcome("tower_affinity_reused_tokens_total", "home-hit"),
+        reused
+    );
     assert!(
         text.contains("tower_affinity_backend_prefill_tokens_per_second{"),
         "{text}"
