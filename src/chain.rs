@@ -200,6 +200,10 @@ pub(crate) struct ChainBuilder {
     links: Vec<Link>,
     /// Bytes fed so far, over the whole prompt.
     bytes: u64,
+    /// Of them, bytes not counted at [`BYTES_PER_TOKEN`] (see [`feed_opaque`](Self::feed_opaque)).
+    opaque_bytes: u64,
+    /// The tokens counted for those bytes instead.
+    opaque_tokens: u64,
     /// Bytes fed since the last boundary.
     in_part: u64,
     block: u64,
@@ -211,6 +215,8 @@ impl ChainBuilder {
             hasher: Xxh3::with_seed(BYTE_SEED),
             links: Vec::new(),
             bytes: 0,
+            opaque_bytes: 0,
+            opaque_tokens: 0,
             in_part: 0,
             block: block.max(1) as u64,
         }
@@ -219,10 +225,19 @@ impl ChainBuilder {
     /// A builder whose chain goes on from `base`: the prompt is `base`'s, then what is fed.
     pub(crate) fn continuing(base: &PromptChain, block: usize) -> Self {
         let last = base.links.last();
+        let (bytes, tokens) = last.map_or((0, 0), |l| (l.bytes, l.tokens));
+        // Counted on from the base's tokens where they are not its bytes' estimate.
+        let (opaque_bytes, opaque_tokens) = if tokens == bytes.div_ceil(BYTES_PER_TOKEN) {
+            (0, 0)
+        } else {
+            (bytes, tokens)
+        };
         ChainBuilder {
             hasher: Xxh3::with_seed(last.map_or(BYTE_SEED, |l| l.digest ^ BYTE_SEED)),
             links: base.links.to_vec(),
-            bytes: last.map_or(0, |l| l.bytes),
+            bytes,
+            opaque_bytes,
+            opaque_tokens,
             in_part: 0,
             block: block.max(1) as u64,
         }
@@ -236,20 +251,35 @@ impl ChainBuilder {
         if self.full() {
             return;
         }
+        let counted = self.bytes - self.opaque_bytes;
         self.links.push(Link {
             digest: self.hasher.digest(),
             bytes: self.bytes,
-            tokens: self.bytes.div_ceil(BYTES_PER_TOKEN),
+            tokens: counted.div_ceil(BYTES_PER_TOKEN) + self.opaque_tokens,
         });
     }
 
     /// Feeds prompt bytes, adding a link each time the current part crosses a block.
-    pub(crate) fn feed(&mut self, mut bytes: &[u8]) {
+    pub(crate) fn feed(&mut self, bytes: &[u8]) {
+        self.feed_counted(bytes, true);
+    }
+
+    /// Feeds bytes that a model reads as `tokens` tokens whatever their length (an encoded
+    /// image): digested and cut into blocks as any bytes, counted as `tokens`.
+    pub(crate) fn feed_opaque(&mut self, bytes: &[u8], tokens: u64) {
+        self.opaque_tokens += tokens;
+        self.feed_counted(bytes, false);
+    }
+
+    fn feed_counted(&mut self, mut bytes: &[u8], counted: bool) {
         while !bytes.is_empty() {
             let room = self.block - self.in_part % self.block;
             let take = (room as usize).min(bytes.len());
             self.hasher.update(&bytes[..take]);
             self.bytes += take as u64;
+            if !counted {
+                self.opaque_bytes += take as u64;
+            }
             self.in_part += take as u64;
             bytes = &bytes[take..];
             if self.in_part.is_multiple_of(self.block) {
@@ -304,6 +334,34 @@ mod tests {
         let bytes: Vec<u64> = c.links().iter().map(|l| l.bytes).collect();
         assert_eq!(bytes, [4, 6, 10, 14, 16, 18]);
         assert_eq!(c.tokens(), 5);
+    }
+
+    #[test]
+    fn opaque_bytes_are_digested_and_cut_but_counted_as_their_tokens() {
+        let mut b = ChainBuilder::new(4);
+        b.feed(b"sys");
+        b.boundary();
+        b.feed_opaque(&[b'A'; 10], 100);
+        b.boundary();
+        b.feed(b"question");
+        b.boundary();
+        let c = b.finish();
+        let bytes: Vec<u64> = c.links().iter().map(|l| l.bytes).collect();
+        assert_eq!(bytes, [3, 7, 11, 13, 17, 21]);
+        let tokens: Vec<u64> = c.links().iter().map(|l| l.tokens).collect();
+        // "sys" is 1 token; the payload 100 however long; "question" 2 more.
+        assert_eq!(tokens, [1, 101, 101, 101, 102, 103]);
+        // A chain continued from it counts on from its tokens.
+        let mut more = ChainBuilder::continuing(&c, 4);
+        more.feed(b"next");
+        more.boundary();
+        assert_eq!(more.finish().tokens(), 104);
+        // From a chain without payloads, as if built in one go.
+        let plain = chain(&[b"sys", b"x"], 4);
+        let mut more = ChainBuilder::continuing(&plain, 4);
+        more.feed(b"yyyyy");
+        more.boundary();
+        assert_eq!(more.finish().tokens(), (4u64 + 5).div_ceil(BYTES_PER_TOKEN));
     }
 
     #[test]

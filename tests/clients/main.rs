@@ -19,15 +19,17 @@ use serde_json::json;
 use tower::{service_fn, Layer, ServiceExt};
 use tower_affinity::discover::StaticFleet;
 use tower_affinity::key::{
-    BodyKeyLayer, ExtensionKey, FirstOf, HeaderKey, KeyExtractor, SessionKey,
+    BodyKeyLayer, ExtensionKey, FirstOf, HeaderKey, KeyExtractor, PromptFacts, SessionKey,
 };
-use tower_affinity::{Backend, BackendId, Decision, Error, Outcome, SessionAffinityLayer};
+use tower_affinity::{
+    Backend, BackendId, Decision, Error, Outcome, PromptChain, SessionAffinityLayer,
+};
 
 type Req = http::Request<Full<Bytes>>;
 
-/// What a backend saw: the key `BodyKeyLayer` read from the body.
-#[derive(Clone, Copy, Debug)]
-struct BodyKeySeen(Option<SessionKey>);
+/// What a backend saw: the key `BodyKeyLayer` read from the body, and the prompt's chain.
+#[derive(Clone, Debug)]
+struct BodyKeySeen(Option<SessionKey>, Option<PromptChain>);
 
 /// Where one request went and by which key.
 #[derive(Debug)]
@@ -38,6 +40,8 @@ struct Placed {
     body_key: Option<SessionKey>,
     outcome: Outcome,
     backend: BackendId,
+    /// Its prompt's chain, as `BodyKeyLayer` read it.
+    chain: Option<PromptChain>,
 }
 
 /// The proxy example's stack over four backends that answer at once, its extractor recorded.
@@ -50,7 +54,12 @@ impl Proxy {
     fn new() -> Self {
         let backend = |name: &'static str| {
             service_fn(move |req: Req| async move {
-                let seen = BodyKeySeen(req.extensions().get::<SessionKey>().copied());
+                let seen = BodyKeySeen(
+                    req.extensions().get::<SessionKey>().copied(),
+                    req.extensions()
+                        .get::<PromptFacts>()
+                        .map(|f| f.chain.clone()),
+                );
                 let mut res = http::Response::new(name.to_string());
                 res.extensions_mut().insert(seen);
                 Ok::<_, Infallible>(res)
@@ -114,12 +123,14 @@ impl Proxy {
             decision.outcome.as_str(),
             "the decision header agrees with the extension"
         );
-        let BodyKeySeen(body_key) = *res.extensions().get::<BodyKeySeen>().expect("seen");
+        let BodyKeySeen(body_key, chain) =
+            res.extensions().get::<BodyKeySeen>().expect("seen").clone();
         Placed {
             key: keys[0],
             body_key,
             outcome: decision.outcome,
             backend: decision.backend,
+            chain,
         }
     }
 }
@@ -197,6 +208,65 @@ async fn claude_code_is_keyed_by_its_session_header() {
         .send(path, &headers, claude_body(CLAUDE_SESSION, "now run it"))
         .await;
     assert_second_turn_is_home(&first, &second);
+}
+
+/// A Claude Code conversation as it sends it, `turns` exchanges long: the billing line that
+/// opens its system prompt (its `cch` value new with every request), the newest message
+/// marked with `cache_control`.
+fn claude_conversation(session: &str, turns: usize, cch: &str) -> serde_json::Value {
+    let mut messages = Vec::new();
+    for t in 0..turns {
+        if t > 0 {
+            messages.push(json!({"role": "assistant", "content": [
+                {"type": "tool_use", "id": format!("toolu_{t}"), "name": "Bash",
+                 "input": {"command": "cargo test"}}]}));
+            messages.push(json!({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": format!("toolu_{t}"),
+                 "content": format!("test result: ok. {t} passed")}]}));
+        } else {
+            messages.push(json!({"role": "user", "content": [
+                {"type": "text", "text": "fix the failing test"}]}));
+        }
+    }
+    let last = messages.last_mut().unwrap()["content"][0]
+        .as_object_mut()
+        .unwrap();
+    last.insert("cache_control".into(), json!({"type": "ephemeral"}));
+    json!({
+        "model": "claude-sonnet-4-5",
+        "max_tokens": 32000,
+        "stream": true,
+        "system": [
+            {"type": "text", "text": format!(
+                "x-anthropic-billing-header: cc_version=2.1.120.cf9; cc_entrypoint=cli; cch={cch};")},
+            {"type": "text", "text": "You are Claude Code, Anthropic's official CLI for Claude.",
+             "cache_control": {"type": "ephemeral"}}
+        ],
+        "messages": messages,
+        "tools": [{"name": "Bash", "input_schema": {"type": "object"}}],
+        "metadata": {"user_id": claude_user_id(session)}
+    })
+}
+
+/// Each turn's chain extends the last one's, whatever the billing line's nonce and wherever
+/// the `cache_control` marks stand: every later turn goes home as a home hit.
+#[tokio::test(flavor = "current_thread")]
+async fn claude_codes_turns_extend_each_other_through_its_billing_nonce() {
+    let proxy = Proxy::new();
+    let path = "/v1/messages?beta=true";
+    let headers = claude_headers(Some(CLAUDE_SESSION));
+    let mut last: Option<Placed> = None;
+    for (turn, cch) in ["fa690", "1c8b4", "defa0", "03e7b"].into_iter().enumerate() {
+        let body = claude_conversation(CLAUDE_SESSION, turn + 1, cch);
+        let placed = proxy.send(path, &headers, body).await;
+        if let Some(last) = &last {
+            assert_second_turn_is_home(last, &placed);
+            let (now, before) = (placed.chain.as_ref().unwrap(), last.chain.as_ref().unwrap());
+            assert_eq!(now.common_prefix(before), before.len(), "turn {turn}");
+            assert!(now.len() > before.len());
+        }
+        last = Some(placed);
+    }
 }
 
 #[tokio::test(flavor = "current_thread")]

@@ -26,8 +26,11 @@ use crate::key::HeaderKey;
 ///   an object nor an array), keeping only the key fields, the leading messages and the prompt's members,
 ///   which become the facts' [`PromptChain`](crate::PromptChain): a digest at every message
 ///   boundary and every [`BLOCK_BYTES`](crate::key::PromptFacts::BLOCK_BYTES) inside a long
-///   message, over each message's JSON without the whitespace between its tokens and without
-///   Anthropic's `cache_control` markers (clients move those from turn to turn):
+///   message, over each message's JSON without the whitespace between its tokens, without
+///   Anthropic's `cache_control` markers (clients move those from turn to turn) and without
+///   the `cch=` value of Claude Code's billing line (new with every request; llama-server
+///   leaves it out too). Tokens are estimated at four bytes each; a long base64 string or
+///   `data:` URI (an image) at 1,024 at most:
 ///
 ///   | request | the prompt, in order |
 ///   |---|---|

@@ -5,7 +5,14 @@
 //! them (tools, the system prompt, then the conversation) and ends a part at every item. An
 //! item is hashed in a canonical form of its JSON: no whitespace between tokens, and no
 //! `cache_control` member (Anthropic clients move that marker to the newest message every
-//! turn, which would otherwise change an old message's digest).
+//! turn, which would otherwise change an old message's digest). The `cch=` value of Claude
+//! Code's `x-anthropic-billing-header` system line, new with every request, is left out too:
+//! llama-server replaces it before it compares prompts; the rest of the line stays.
+//!
+//! A long string that is an encoded payload (base64, or a `data:` URI: an image, a document)
+//! is digested as any string, but counted as [`OPAQUE_TOKENS`] tokens at most rather than a
+//! token per four bytes: a vision model reads an image as a few hundred to a few thousand
+//! tokens, however many bytes its encoding takes.
 
 use std::borrow::Cow;
 use std::ops::Range;
@@ -120,7 +127,14 @@ impl<'de> PromptMembers<'de> {
                 }
                 PartValue::Text(text) if !text.is_empty() && part.takes_text() => {
                     chain.mark(part as u8);
-                    chain.feed(text.as_bytes());
+                    let text = text.as_bytes();
+                    match billing_nonce(text) {
+                        Some(nonce) => {
+                            chain.feed(&text[..nonce.start]);
+                            chain.feed(&text[nonce.end..]);
+                        }
+                        None => chain.feed(text),
+                    }
                     chain.boundary();
                 }
                 PartValue::Text(_) | PartValue::Other => {}
@@ -267,11 +281,67 @@ impl<'de> Items<'de> {
 fn member<F: Feed>(raw: &[u8], out: &mut Out<'_, F>) -> Result<(), TooDeep> {
     match raw.first() {
         Some(b'{' | b'[') => canonical_into(raw, 1, out),
+        Some(b'"') => {
+            out.put_string(raw);
+            Ok(())
+        }
         _ => {
             out.put(raw);
             Ok(())
         }
     }
+}
+
+// === what clients change and servers see through, and payloads ===
+
+/// How Claude Code opens its system prompt: `x-anthropic-billing-header: cc_version=...;
+/// cc_entrypoint=...; cch=XXXXX;`, the `cch` value new with every request.
+const BILLING_HEADER: &[u8] = b"x-anthropic-billing-header:";
+
+/// Where the `cch` value stands in `text` (a string's content), if `text` is Claude Code's
+/// billing line: left out of the digest, as llama-server leaves it out of its comparison of
+/// prompts, or no turn would share more than the tools with the turn before.
+fn billing_nonce(text: &[u8]) -> Option<Range<usize>> {
+    if !text.starts_with(BILLING_HEADER) {
+        return None;
+    }
+    let line = &text[..text.len().min(512)];
+    let at = memchr::memmem::find(line, b"cch=")? + 4;
+    let len = text[at..]
+        .iter()
+        .take_while(|b| b.is_ascii_alphanumeric())
+        .count();
+    Some(at..at + len)
+}
+
+/// Bytes a string reaches before it may be taken for an encoded payload.
+const OPAQUE_MIN_BYTES: usize = 1024;
+
+/// The most tokens an encoded payload is counted at: about what a vision model reads an image
+/// as (Qwen2-VL takes a 1024x1024 image as 1,338 tokens, Gemma 3 any image as 256).
+pub(crate) const OPAQUE_TOKENS: u64 = 1024;
+
+/// The tokens to count `text` (a string's content) at, if it is an encoded payload: base64
+/// (or base64url) from its start, or a `data:` URI. Only the first 256 bytes of the payload
+/// are looked at.
+fn opaque_tokens(text: &[u8]) -> Option<u64> {
+    if text.len() < OPAQUE_MIN_BYTES {
+        return None;
+    }
+    let payload = match text.strip_prefix(b"data:") {
+        Some(uri) => {
+            let comma = memchr::memchr(b',', &uri[..uri.len().min(128)])?;
+            &uri[comma + 1..]
+        }
+        None => text,
+    };
+    let probe = &payload[..payload.len().min(256)];
+    let encoded = probe.len() >= 64
+        && probe.iter().all(|&b| {
+            // `\` for the escapes of `/` and of MIME's line breaks.
+            b.is_ascii_alphanumeric() || matches!(b, b'+' | b'/' | b'=' | b'-' | b'_' | b'\\')
+        });
+    encoded.then(|| (text.len() as u64).div_ceil(4).min(OPAQUE_TOKENS))
 }
 
 // === the canonical form ===
@@ -281,11 +351,21 @@ const CACHE_CONTROL: &[u8] = b"\"cache_control\"";
 /// Where the canonical bytes go.
 trait Feed {
     fn feed(&mut self, bytes: &[u8]);
+
+    /// Bytes counted as `tokens` tokens (see [`ChainBuilder::feed_opaque`]).
+    fn feed_opaque(&mut self, bytes: &[u8], tokens: u64) {
+        let _ = tokens;
+        self.feed(bytes);
+    }
 }
 
 impl Feed for ChainBuilder {
     fn feed(&mut self, bytes: &[u8]) {
         ChainBuilder::feed(self, bytes);
+    }
+
+    fn feed_opaque(&mut self, bytes: &[u8], tokens: u64) {
+        ChainBuilder::feed_opaque(self, bytes, tokens);
     }
 }
 
@@ -326,6 +406,23 @@ impl<'a, F: Feed> Out<'a, F> {
     fn flush(&mut self) {
         self.chain.feed(&self.buf[..self.len]);
         self.len = 0;
+    }
+
+    /// Puts a string token, quotes and all: a billing line without its nonce, a payload
+    /// counted as one.
+    fn put_string(&mut self, raw: &[u8]) {
+        let Some(text) = raw.get(1..raw.len().saturating_sub(1)) else {
+            return self.put(raw);
+        };
+        if let Some(nonce) = billing_nonce(text) {
+            self.put(&raw[..nonce.start + 1]);
+            self.put(&raw[nonce.end + 1..]);
+        } else if let Some(tokens) = opaque_tokens(text) {
+            self.flush();
+            self.chain.feed_opaque(raw, tokens);
+        } else {
+            self.put(raw);
+        }
     }
 }
 
@@ -452,7 +549,7 @@ fn canonical_into<F: Feed>(
                 if std::mem::take(&mut comma) {
                     out.put(b",");
                 }
-                out.put(&raw[i..end]);
+                out.put_string(&raw[i..end]);
                 i = end;
             }
             b'{' | b'[' | b'}' | b']' | b':' => {

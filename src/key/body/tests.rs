@@ -508,6 +508,92 @@ fn an_anthropic_chain_covers_system_and_messages_and_ignores_moving_cache_marker
     assert_eq!(chain_of(text).len(), 2);
 }
 
+/// Claude Code's billing line, its `cch` value as one request has it.
+fn billing(cch: &str) -> String {
+    format!("x-anthropic-billing-header: cc_version=2.1.120.cf9; cc_entrypoint=cli; cch={cch};")
+}
+
+#[test]
+fn claude_codes_billing_nonce_changes_no_digest_and_the_rest_of_its_line_does() {
+    let turn = |cch: &str, version: &str, messages: &str| {
+        let line = billing(cch).replace("2.1.120.cf9", version);
+        format!(
+            r#"{{"system":[{{"type":"text","text":"{line}"}},{{"type":"text","text":"You are Claude Code."}}],"messages":[{messages}]}}"#
+        )
+    };
+    let first = r#"{"role":"user","content":[{"type":"text","text":"task"}]}"#;
+    let second = format!(
+        r#"{first},{{"role":"assistant","content":[{{"type":"text","text":"done"}}]}},{{"role":"user","content":"next"}}"#
+    );
+    let (c1, c2) = (
+        chain_of(&turn("fa690", "2.1.120.cf9", first)),
+        chain_of(&turn("1c8b4", "2.1.120.cf9", &second)),
+    );
+    assert_eq!((c1.len(), c2.len()), (3, 5));
+    assert_eq!(c2.common_prefix(&c1), 3, "the next turn extends the last");
+    // The same line given as a string system prompt.
+    let as_text = |cch: &str| {
+        chain_of(&format!(
+            r#"{{"system":"{}\nYou are Claude Code."}}"#,
+            billing(cch)
+        ))
+    };
+    assert_eq!(as_text("fa690"), as_text("1c8b4"));
+    // Another version of the client is another prompt; and a line that is not the billing
+    // header keeps its `cch=`.
+    let upgraded = chain_of(&turn("fa690", "2.1.121.0d9", first));
+    assert_eq!(upgraded.common_prefix(&c1), 0);
+    let quoted = |cch: &str| {
+        chain_of(&format!(
+            r#"{{"messages":[{{"role":"user","content":"about {}"}}]}}"#,
+            billing(cch)
+        ))
+    };
+    assert_ne!(quoted("fa690"), quoted("1c8b4"));
+}
+
+#[test]
+fn an_encoded_image_is_digested_whole_and_counted_as_an_image() {
+    // A megabyte of base64, as an Anthropic image block and as an OpenAI data URI.
+    let data: String = (0..1 << 20)
+        .map(|i| {
+            b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"[i * 7 % 64] as char
+        })
+        .collect();
+    let anthropic = |data: &str| {
+        chain_of(&format!(
+            r#"{{"messages":[{{"role":"user","content":[{{"type":"image","source":{{"type":"base64","media_type":"image/png","data":"{data}"}}}},{{"type":"text","text":"what is this?"}}]}}]}}"#
+        ))
+    };
+    let openai = chain_of(&format!(
+        r#"{{"messages":[{{"role":"user","content":[{{"type":"image_url","image_url":{{"url":"data:image/png;base64,{data}"}}}}]}}]}}"#
+    ));
+    let image = anthropic(&data);
+    for chain in [&image, &openai] {
+        let bytes = chain.links().last().unwrap().bytes;
+        assert!(bytes > 1 << 20, "every byte is digested: {bytes}");
+        let tokens = chain.tokens();
+        assert!((1024..1024 + 64).contains(&tokens), "{tokens} tokens");
+    }
+    // Blocks are cut through it as through any long message, and every byte counts.
+    assert!(image.len() > 256);
+    let mut other = data.clone().into_bytes();
+    other[1 << 19] = b'A' + (other[1 << 19] == b'A') as u8;
+    let other = anthropic(std::str::from_utf8(&other).unwrap());
+    let shared = other.common_prefix(&image);
+    assert!(
+        shared > 1 && shared < image.len(),
+        "{shared} of {}",
+        image.len()
+    );
+    // A long text is counted by its bytes, as before.
+    let prose = "word ".repeat(1 << 12);
+    let text = chain_of(&format!(
+        r#"{{"messages":[{{"role":"user","content":"{prose}"}}]}}"#
+    ));
+    assert!(text.tokens() > 5_000, "{}", text.tokens());
+}
+
 #[test]
 fn a_responses_chain_covers_instructions_and_input() {
     let turn1 = r#"{"instructions":"be brief","input":[{"role":"user","content":"q1"}]}"#;
