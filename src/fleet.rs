@@ -525,7 +525,8 @@ impl Drop for SlotGuard {
             .learned
             .started_ms
             .fetch_sub(self.since_ms, Ordering::Relaxed);
-        self.load.in_flight.fetch_sub(1, Ordering::AcqRel);
+        // Sequentially consistent, as the wait queue's count is read next: see `wait`.
+        self.load.in_flight.fetch_sub(1, Ordering::SeqCst);
         self.load.capacity.slot_freed(self.backend, self.node);
     }
 }

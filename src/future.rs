@@ -66,7 +66,7 @@ pin_project! {
         // A slot is taken, but the backend was not ready when the request was placed.
         NotReady {
             backend: Option<Box<(S, http::Request<ReqB>)>>,
-            dispatched: Option<Dispatched>,
+            dispatched: Unsent,
         },
         // No free slot yet.
         Wait {
@@ -125,6 +125,19 @@ struct Dispatched {
     finish: Finish,
     watch: Option<Watch>,
     record: Option<Record>,
+}
+
+/// A request placed on a backend that was not ready, and not yet sent to it: dropped so (its
+/// caller gave up), the chain it owes the backend's cache model is taken back, for the backend
+/// never saw it.
+struct Unsent(Option<Dispatched>);
+
+impl Drop for Unsent {
+    fn drop(&mut self) {
+        if let Some(record) = self.0.as_mut().and_then(|d| d.record.take()) {
+            record.answer(false);
+        }
+    }
 }
 
 impl Dispatched {
@@ -220,7 +233,7 @@ where
             Poll::Ready(Err(e)) => State::fail(dispatched.fail(e.into())),
             Poll::Pending => State::NotReady {
                 backend: Some(Box::new((service, req))),
-                dispatched: Some(dispatched),
+                dispatched: Unsent(Some(dispatched)),
             },
         }
     }
@@ -425,7 +438,7 @@ where
                     let (service, _) = &mut **backend.as_mut().expect(POLLED_AFTER_COMPLETION);
                     let ready = ready!(service.poll_ready(cx));
                     let (mut service, req) = *backend.take().expect(POLLED_AFTER_COMPLETION);
-                    let d = dispatched.take().expect(POLLED_AFTER_COMPLETION);
+                    let d = dispatched.0.take().expect(POLLED_AFTER_COMPLETION);
                     match ready {
                         Ok(()) => state.set(State::Call {
                             fut: service.call(req),
@@ -437,9 +450,8 @@ where
                 StateProj::Wait { waiting } => {
                     let w = waiting.as_mut().project();
                     let mut attempt = false;
-                    if !w.ticket.still_queued(cx.waker()) {
-                        // Woken: back in the queue first, so no wake is missed while it looks.
-                        w.ticket.requeue(cx.waker());
+                    // Woken: it stays queued, so no wake is missed while it looks.
+                    if w.ticket.woken(cx.waker()) {
                         attempt = true;
                     }
                     let mut deadline = w.deadline;

@@ -10,12 +10,19 @@
 //! patience), or the backend holding its prefix (when waiting for it was estimated cheaper
 //! than moving). Slots elsewhere do not wake it meanwhile.
 //!
-//! A waiter leaves the queue when it is woken. If it does not use the wake (it was dropped, or
-//! timed out, or found a slot elsewhere), it passes the wake on to the oldest waiter, so a
-//! freed slot is never left with a waiter that could use it asleep.
+//! A woken waiter stays in the queue, marked with the slot that woke it, until its task runs
+//! and looks for a slot; a freed slot passes over the waiters already woken. A waiter dropped
+//! before its task runs (its client went away) passes the wake on as the freed slot would
+//! have: to the waiter that slot suits best, however it is held. So a freed slot is never
+//! left with a waiter that could use it asleep.
+//!
+//! Joining the queue and freeing a slot each write one count and then read the other's
+//! (`waiting`, a backend's requests in flight), sequentially consistent with a fence on the
+//! joining side, so that at least one of them sees the other: either the slot is found free
+//! by the waiter's look, or the waiter is found by the slot.
 
 use std::collections::VecDeque;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 use std::task::Waker;
 use std::time::Duration;
@@ -60,6 +67,8 @@ struct Waiter {
     seq: u64,
     home: WaitHome,
     waker: Waker,
+    /// The slot that woke it (backend, node), until its task runs.
+    woken_for: Option<(u32, u32)>,
 }
 
 /// Waiters in arrival order.
@@ -76,48 +85,39 @@ impl WaitList {
         self.queue.insert(at, waiter);
     }
 
-    fn take(&mut self, at: Option<usize>) -> Option<Waker> {
-        at.and_then(|i| self.queue.remove(i)).map(|w| w.waker)
+    fn find(&mut self, seq: u64) -> Option<&mut Waiter> {
+        self.queue.iter_mut().find(|w| w.seq == seq)
     }
 }
 
 impl Capacity {
-    /// A slot on `backend` (of `node`) has freed: wake the waiter it suits best.
+    /// A slot on `backend` (of `node`) has freed: wake the waiter it suits best, among those
+    /// not woken already.
     pub(crate) fn slot_freed(&self, backend: u32, node: u32) {
-        if self.waiting.load(Ordering::Acquire) == 0 {
+        if self.waiting.load(Ordering::SeqCst) == 0 {
             return;
         }
         let mut list = self.waiters.lock();
         let q = &list.queue;
-        let at = q
-            .iter()
-            .position(|w| w.home.backend == Some(backend))
-            .or_else(|| {
-                q.iter()
-                    .position(|w| w.home.node == Some(node) && w.home.accepts(backend, node))
-            })
-            .or_else(|| q.iter().position(|w| w.home.accepts(backend, node)));
-        let waker = list.take(at);
+        let first = |fits: &dyn Fn(&WaitHome) -> bool| {
+            q.iter()
+                .position(|w| w.woken_for.is_none() && fits(&w.home))
+        };
+        let at = first(&|h| h.backend == Some(backend))
+            .or_else(|| first(&|h| h.node == Some(node) && h.accepts(backend, node)))
+            .or_else(|| first(&|h| h.accepts(backend, node)));
+        let Some(w) = at.map(|i| &mut list.queue[i]) else {
+            return;
+        };
+        w.woken_for = Some((backend, node));
+        let waker = w.waker.clone();
         drop(list);
-        if let Some(w) = waker {
-            w.wake();
-        }
-    }
-
-    /// Wakes the oldest waiter that takes a slot anywhere, to pass on a wake that was not used.
-    fn wake_oldest(&self) {
-        let mut list = self.waiters.lock();
-        let at = list.queue.iter().position(|w| w.home.scope == Scope::Any);
-        let waker = list.take(at);
-        drop(list);
-        if let Some(w) = waker {
-            w.wake();
-        }
+        waker.wake();
     }
 
     /// Wakes every waiter: the fleet has changed (a backend came or came back).
     pub(crate) fn wake_all(&self) {
-        if self.waiting.load(Ordering::Acquire) == 0 {
+        if self.waiting.load(Ordering::SeqCst) == 0 {
             return;
         }
         let woken: Vec<Waiter> = self.waiters.lock().queue.drain(..).collect();
@@ -148,11 +148,13 @@ impl WaitTicket {
         home: WaitHome,
         max_queued: usize,
     ) -> Option<Self> {
-        let queued = capacity.waiting.fetch_add(1, Ordering::AcqRel);
+        let queued = capacity.waiting.fetch_add(1, Ordering::SeqCst);
         if queued >= max_queued {
             capacity.waiting.fetch_sub(1, Ordering::AcqRel);
             return None;
         }
+        // The caller's look for a slot comes after this: see the module's docs.
+        fence(Ordering::SeqCst);
         let mut list = capacity.waiters.lock();
         let seq = list.next_seq;
         list.next_seq += 1;
@@ -162,6 +164,7 @@ impl WaitTicket {
             seq,
             home,
             waker: Waker::noop().clone(),
+            woken_for: None,
         });
         drop(list);
         Some(WaitTicket {
@@ -172,15 +175,26 @@ impl WaitTicket {
         })
     }
 
-    /// Whether the ticket is still queued; if so, `waker` is the one to wake.
-    pub(crate) fn still_queued(&self, waker: &Waker) -> bool {
+    /// Whether the ticket has been woken since its task last looked (by a freed slot, or by
+    /// every waiter being woken); either way it is queued, with `waker` the one to wake, so
+    /// that no wake is missed while the task looks for a slot.
+    pub(crate) fn woken(&self, waker: &Waker) -> bool {
         let mut list = self.capacity.waiters.lock();
-        match list.queue.iter_mut().find(|w| w.seq == self.seq) {
+        match list.find(self.seq) {
             Some(w) => {
                 w.waker.clone_from(waker);
+                w.woken_for.take().is_some()
+            }
+            // Woken with every waiter: back in the queue, in its place.
+            None => {
+                list.insert(Waiter {
+                    seq: self.seq,
+                    home: self.home,
+                    waker: waker.clone(),
+                    woken_for: None,
+                });
                 true
             }
-            None => false,
         }
     }
 
@@ -194,7 +208,7 @@ impl WaitTicket {
     pub(crate) fn widen(&mut self) {
         self.home.scope = Scope::Any;
         let mut list = self.capacity.waiters.lock();
-        if let Some(w) = list.queue.iter_mut().find(|w| w.seq == self.seq) {
+        if let Some(w) = list.find(self.seq) {
             w.home.scope = Scope::Any;
         }
     }
@@ -202,15 +216,6 @@ impl WaitTicket {
     /// Which slots the ticket waits for.
     pub(crate) fn scope(&self) -> Scope {
         self.home.scope
-    }
-
-    /// Queues the ticket again after a wake, keeping its place in arrival order.
-    pub(crate) fn requeue(&self, waker: &Waker) {
-        self.capacity.waiters.lock().insert(Waiter {
-            seq: self.seq,
-            home: self.home,
-            waker: waker.clone(),
-        });
     }
 }
 
@@ -221,12 +226,14 @@ impl Drop for WaitTicket {
         }
         let mut list = self.capacity.waiters.lock();
         let at = list.queue.iter().position(|w| w.seq == self.seq);
-        let was_queued = list.take(at).is_some();
+        let unused = at
+            .and_then(|i| list.queue.remove(i))
+            .and_then(|w| w.woken_for);
         drop(list);
         self.capacity.waiting.fetch_sub(1, Ordering::AcqRel);
-        if !was_queued {
-            // Woken but leaving without the slot it was woken for: pass the wake on.
-            self.capacity.wake_oldest();
+        if let Some((backend, node)) = unused {
+            // Woken, and leaving before it looked: the slot goes to whom it suits next.
+            self.capacity.slot_freed(backend, node);
         }
     }
 }

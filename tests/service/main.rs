@@ -1217,6 +1217,97 @@ async fn a_wake_that_is_not_used_is_passed_on() {
     assert_eq!(svc.stats().waiting, 0);
 }
 
+/// The wake a waiter leaves unused goes to the waiter the freed slot suits next, however that
+/// one is held: to its home node (node patience), or to the backend storing the response it
+/// continues. Each would otherwise sit out its whole hold beside an idle backend.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_wake_that_is_not_used_is_passed_on_to_a_waiter_held_for_that_slot() {
+    for held in ["node patience", "stored response"] {
+        let streams = Streams::default();
+        let spec = [("a1", "a", 1), ("a2", "a", 1), ("b1", "b", 1)];
+        let mut svc = match held {
+            "node patience" => patient(30, &spec[..], &streams),
+            _ => SessionAffinityLayer::new().layer(fleet(&spec, &streams)),
+        };
+        let busy = send(&mut svc, Some("x"), Some("stream")).await.unwrap();
+        let on = decision(&busy).backend;
+        let (_, tx) = streams.take().unwrap();
+        // With node patience, the rest of the home's node is busy too: its turns wait there.
+        let mut others = Vec::new();
+        if held == "node patience" {
+            for session in ["y", "z"] {
+                let res = send(&mut svc, Some(session), Some("stream")).await.unwrap();
+                others.push((res, streams.take().unwrap().1));
+            }
+        }
+        let next = || match held {
+            "node patience" => request(Some("x"), None),
+            _ => continuing(Some("x"), None, on.as_str()),
+        };
+        svc.ready().await.unwrap();
+        let mut first = tokio_test::task::spawn(svc.call(next()));
+        assert_pending!(first.poll());
+        let mut second = tokio_test::task::spawn(svc.call(next()));
+        assert_pending!(second.poll());
+        assert_eq!(svc.stats().waiting, 2, "{held}");
+        drop(tx);
+        busy.into_body().collect().await.unwrap();
+        assert!(first.is_woken(), "{held}");
+        assert!(
+            !second.is_woken(),
+            "{held}: one freed slot wakes one waiter"
+        );
+        // The woken waiter's client goes away before it runs: the next one takes the slot.
+        drop(first);
+        assert!(second.is_woken(), "{held}: the wake is passed on");
+        let res = assert_ready!(second.poll()).unwrap();
+        let d = decision(&res);
+        assert_eq!(
+            (d.backend, d.waited),
+            (on.clone(), Some(Duration::ZERO)),
+            "{held}"
+        );
+        drop(res);
+        assert_eq!(svc.stats().waiting, 0, "{held}");
+        drop(others);
+    }
+}
+
+/// A request placed on a backend that is not ready yet, and given up before the backend took
+/// it, is not in that backend's cache model: the backend never saw its prompt.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_request_given_up_before_its_backend_was_ready_is_not_modelled_as_cached() {
+    // One backend that takes one request at a time: the second one placed on it waits for
+    // the backend's readiness, not for a slot.
+    let hangs = tower::service_fn(|_req: Req| async {
+        std::future::pending::<()>().await;
+        Ok::<_, Infallible>(http::Response::new(String::new()))
+    });
+    let one_at_a_time = tower::limit::ConcurrencyLimit::new(hangs, 1);
+    let mut svc = SessionAffinityLayer::new().layer(StaticFleet::new([(
+        "a1",
+        Backend::new("a", one_at_a_time).slots(nz(2)),
+    )]));
+    let chained = |session: &str, first_block: u64, tokens: u32| {
+        let mut req = request(Some(session), None);
+        let chain = PromptChain::from_blocks([(first_block, tokens)]);
+        req.extensions_mut().insert(PromptFacts::from_chain(chain));
+        req
+    };
+    ServiceExt::<Req>::ready(&mut svc).await.unwrap();
+    let mut sent = tokio_test::task::spawn(svc.call(chained("s1", 1, 1_000)));
+    assert_pending!(sent.poll());
+    ServiceExt::<Req>::ready(&mut svc).await.unwrap();
+    let mut unsent = tokio_test::task::spawn(svc.call(chained("s2", 7, 5_000)));
+    assert_pending!(unsent.poll());
+    assert_eq!(status(&svc, "a1").in_flight, 2);
+    assert_eq!(status(&svc, "a1").cached_tokens, 1_000);
+    drop(unsent);
+    let a1 = status(&svc, "a1");
+    assert_eq!((a1.in_flight, a1.cached_tokens), (1, 1_000));
+    drop(sent);
+}
+
 fn patient(
     patience: u64,
     spec: Spec<'_>,
