@@ -134,6 +134,11 @@ impl SimBackend {
     pub(crate) fn ram_evictions(&self) -> u64 {
         self.inner.state.lock().cache.evictions()
     }
+
+    /// Admissions after which the busy slots' KV exceeded the VRAM, and all admissions.
+    pub(crate) fn over_vram(&self) -> (u64, u64) {
+        self.inner.state.lock().cache.over_vram()
+    }
 }
 
 impl fmt::Debug for SimBackend {

@@ -526,6 +526,11 @@ pub(crate) struct BackendCache {
     clock: u64,
     /// The KV of [`SlotPolicy::Paged`], where slots keep none of their own.
     pool: Option<Pool>,
+    /// Admissions, and of them those after which the busy slots' KV alone exceeded
+    /// `vram_tokens`: the simulation lets such a request run, where a real backend would have
+    /// to wait for room (or, with a context split per slot, would refuse it).
+    admitted: u64,
+    over_vram: u64,
 }
 
 impl BackendCache {
@@ -546,6 +551,8 @@ impl BackendCache {
             ram,
             vram_tokens,
             clock: 0,
+            admitted: 0,
+            over_vram: 0,
         }
     }
 
@@ -643,6 +650,16 @@ impl BackendCache {
             }
         }
         self.make_room();
+        self.admitted += 1;
+        let busy: u64 = self
+            .slots
+            .iter()
+            .filter(|s| s.busy)
+            .map(|s| tokens(&s.kv))
+            .sum();
+        if busy > self.vram_tokens {
+            self.over_vram += 1;
+        }
         Some(Admission {
             slot,
             reused,
@@ -707,6 +724,12 @@ impl BackendCache {
     /// host memory.
     pub(crate) fn evictions(&self) -> u64 {
         self.pool.as_ref().map_or(self.ram.evicted(), |p| p.dropped)
+    }
+
+    /// Admissions, and those after which the busy slots alone held more KV than the VRAM
+    /// (not counted on paged backends, whose pool bounds the KV itself).
+    pub(crate) fn over_vram(&self) -> (u64, u64) {
+        (self.over_vram, self.admitted)
     }
 }
 

@@ -15,10 +15,22 @@
 //! - decoding: 18 tokens/s a slot on a Radeon VII pair, 25 on an A4000 pair;
 //! - each GPU pair holds about 120,000 tokens of KV beside the weights, shared by its slots.
 //!
+//! Assumed, not from the study: each host runs two backends, each simulated with a whole GPU
+//! pair (its prefill rate and its 120,000 tokens of KV) and a RAM cache of its own, with five
+//! or four slots (34 in all, as the study had). The study names pair hosts and several GPU
+//! processes a node, but not how they shared the GPUs; if a host's two backends shared one
+//! pair, each would have about half that KV and share the prefill, and every policy would hit
+//! less.
+//!
+//! Not modelled: a request admitted while the busy slots' KV exceeds the VRAM runs all the
+//! same (a real backend would wait for room, or refuse a prompt longer than its slot's share
+//! of the context). The RAM line under each table counts how often that happens.
+//!
 //! Moved turns are not calibrated but measured. The study saw a median 26 s for a move within a
-//! node and about 120 s across nodes; the simulation gives about 36 s and 55 s, because free
-//! routing here spreads every session over every node, so a destination often still holds an
-//! older state of the session in a slot or in RAM.
+//! node and about 120 s across nodes; the simulation gives about 59 s and 58 s (the study
+//! table's `median TTFT` line): the backends of a node share nothing here (no GPU, no RAM
+//! cache), so a move within a node costs what a move across nodes does, and the preference for
+//! the home's node is not rewarded in these figures.
 
 use std::time::Duration;
 

@@ -283,6 +283,8 @@ struct Run {
     policy: Policy,
     records: Vec<TurnRecord>,
     ram_evictions: u64,
+    /// Admissions after which busy slots held more KV than the VRAM, and all admissions.
+    over_vram: (u64, u64),
     /// The service's counters at the end: what the backends' answers reported.
     stats: tower_affinity::Stats,
     /// With a shared store, its reads, their hits, and the hits that found the reading
@@ -311,6 +313,10 @@ where
                     policy,
                     records,
                     ram_evictions: backends.iter().map(|b| b.ram_evictions()).sum(),
+                    over_vram: backends
+                        .iter()
+                        .map(|b| b.over_vram())
+                        .fold((0, 0), |(o, a), (bo, ba)| (o + bo, a + ba)),
                 }
             })
         })
@@ -336,11 +342,19 @@ fn ram_note(runs: &[Run]) -> String {
         .iter()
         .map(|r| {
             let restores = r.records.iter().filter(|t| t.source == Source::Ram).count();
-            format!("{} {}/{}", r.policy.name(), restores, r.ram_evictions)
+            let (over, admitted) = r.over_vram;
+            format!(
+                "{} {}/{}/{:.1}%",
+                r.policy.name(),
+                restores,
+                r.ram_evictions,
+                100.0 * over as f64 / admitted.max(1) as f64
+            )
         })
         .collect();
     format!(
-        "turns restored from RAM / states evicted from RAM: {}",
+        "turns restored from RAM / states evicted from RAM / admissions after which the busy \
+         slots' KV exceeded the VRAM (the simulation runs them; a backend could not): {}",
         v.join(", ")
     )
 }
