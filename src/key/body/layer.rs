@@ -29,8 +29,9 @@ use crate::key::HeaderKey;
 ///   message, over each message's JSON without the whitespace between its tokens, without
 ///   Anthropic's `cache_control` markers (clients move those from turn to turn) and without
 ///   the `cch=` value of Claude Code's billing line (new with every request; llama-server
-///   leaves it out too). Tokens are estimated at four bytes each; a long base64 string or
-///   `data:` URI (an image) at 1,024 at most:
+///   leaves it out too); a message's `content` of one text part is hashed as its text, which
+///   chat templates render alike. Tokens are estimated at four bytes each; a long base64
+///   string or `data:` URI (an image) at 1,024 at most:
 ///
 ///   | request | the prompt, in order |
 ///   |---|---|

@@ -7,7 +7,10 @@
 //! `cache_control` member (Anthropic clients move that marker to the newest message every
 //! turn, which would otherwise change an old message's digest). The `cch=` value of Claude
 //! Code's `x-anthropic-billing-header` system line, new with every request, is left out too:
-//! llama-server replaces it before it compares prompts; the rest of the line stays.
+//! llama-server replaces it before it compares prompts; the rest of the line stays. And a
+//! message's `content` given as one text part (`[{"type":"text","text":"..."}]`, or
+//! `input_text`, `output_text`) is hashed as the string it holds: chat templates render the two
+//! alike, and clients switch an old message between them as they move their cache marks.
 //!
 //! A long string that is an encoded payload (base64, or a `data:` URI: an image, a document)
 //! is digested as any string, but counted as [`OPAQUE_TOKENS`] tokens at most rather than a
@@ -256,7 +259,10 @@ impl<'de> Items<'de> {
                     }
                     out.put(key.as_bytes());
                     out.put(b":");
-                    member(value.as_bytes(), &mut out)?;
+                    match one_text_part(key.as_bytes(), value.as_bytes()) {
+                        Some(text) => out.put_string(text),
+                        None => member(value.as_bytes(), &mut out)?,
+                    }
                 }
                 out.put(b"}");
             }
@@ -293,6 +299,54 @@ fn member<F: Feed>(raw: &[u8], out: &mut Out<'_, F>) -> Result<(), TooDeep> {
 }
 
 // === what clients change and servers see through, and payloads ===
+
+const CONTENT: &[u8] = b"\"content\"";
+
+/// The text of `value` (raw JSON), if `key` is `"content"` and `value` is an array of one
+/// text part: an object of `type` `"text"` (or `"input_text"`, `"output_text"`), `text` a
+/// string, and nothing else but a `cache_control` mark. The text is returned as its raw
+/// string token, quotes and all.
+fn one_text_part<'a>(key: &[u8], value: &'a [u8]) -> Option<&'a [u8]> {
+    if key != CONTENT || value.first() != Some(&b'[') {
+        return None;
+    }
+    let mut i = skip_space(value, 1);
+    if value.get(i) != Some(&b'{') {
+        return None;
+    }
+    let (mut kind, mut text) = (None, None);
+    loop {
+        i = skip_space(value, i + 1);
+        if value.get(i) != Some(&b'"') {
+            return None;
+        }
+        let key_end = string_end(value, i);
+        let key = value.get(i..key_end)?;
+        let colon = skip_space(value, key_end);
+        if value.get(colon) != Some(&b':') {
+            return None;
+        }
+        let start = skip_space(value, colon + 1);
+        let end = value_end(value, start);
+        let member = value.get(start..end)?;
+        match key {
+            b"\"type\"" => kind = Some(member),
+            b"\"text\"" if member.first() == Some(&b'"') => text = Some(member),
+            _ if key == CACHE_CONTROL => {}
+            _ => return None,
+        }
+        i = skip_space(value, end);
+        match value.get(i) {
+            Some(b',') => continue,
+            Some(b'}') => break,
+            _ => return None,
+        }
+    }
+    let rest = skip_space(value, i + 1);
+    let closed = value.get(rest) == Some(&b']') && skip_space(value, rest + 1) == value.len();
+    let text_kind = matches!(kind?, b"\"text\"" | b"\"input_text\"" | b"\"output_text\"");
+    (closed && text_kind).then_some(text?)
+}
 
 /// How Claude Code opens its system prompt: `x-anthropic-billing-header: cc_version=...;
 /// cc_entrypoint=...; cch=XXXXX;`, the `cch` value new with every request.
@@ -550,6 +604,21 @@ fn canonical_into<F: Feed>(
                     out.put(b",");
                 }
                 out.put_string(&raw[i..end]);
+                // A message's `content` as one text part: the text it holds, as the member
+                // path writes it.
+                if depth == 1 {
+                    let colon = skip_space(raw, end);
+                    let value = skip_space(raw, colon + 1);
+                    if raw.get(colon) == Some(&b':') && raw.get(value) == Some(&b'[') {
+                        let value_end = value_end(raw, value);
+                        if let Some(text) = one_text_part(&raw[i..end], &raw[value..value_end]) {
+                            out.put(b":");
+                            out.put_string(text);
+                            i = value_end;
+                            continue;
+                        }
+                    }
+                }
                 i = end;
             }
             b'{' | b'[' | b'}' | b']' | b':' => {

@@ -553,6 +553,54 @@ fn claude_codes_billing_nonce_changes_no_digest_and_the_rest_of_its_line_does() 
 }
 
 #[test]
+fn content_of_one_text_part_is_its_text() {
+    let chain = |content: &str| {
+        chain_of(&format!(
+            r#"{{"messages":[{{"role":"user","content":{content}}},{{"role":"user","content":"next"}}]}}"#
+        ))
+    };
+    let text = chain(r#""fix the bug""#);
+    for same in [
+        r#"[{"type":"text","text":"fix the bug"}]"#,
+        r#" [ { "text" : "fix the bug" , "type":"text", "cache_control":{"type":"ephemeral"} } ] "#,
+        r#"[{"type":"input_text","text":"fix the bug"}]"#,
+        r#"[{"type":"output_text","text":"fix the bug"}]"#,
+    ] {
+        assert_eq!(chain(same), text, "{same}");
+    }
+    for other in [
+        r#"[{"type":"text","text":"fix the"},{"type":"text","text":" bug"}]"#,
+        r#"[{"type":"text","text":"fix the bug","annotations":[]}]"#,
+        r#"[{"type":"image_url","text":"fix the bug"}]"#,
+        r#"[{"type":"text","text":["fix the bug"]}]"#,
+        r#"[{"type":"text"}]"#,
+        r#"["fix the bug"]"#,
+        r#"[]"#,
+    ] {
+        assert_eq!(chain(other).common_prefix(&text), 0, "{other}");
+    }
+    // Only a message's own content: a tool result's inside a content block stays as it is.
+    let nested = |inner: &str| {
+        chain_of(&format!(
+            r#"{{"messages":[{{"role":"user","content":[{{"type":"tool_result","content":{inner}}}]}}]}}"#
+        ))
+    };
+    assert_ne!(
+        nested(r#""ok""#),
+        nested(r#"[{"type":"text","text":"ok"}]"#)
+    );
+    // Truncated or odd arrays do not panic.
+    for bad in [
+        r#"[{"type":"text","text":"x""#,
+        r#"[{"type""#,
+        r#"[{"#,
+        r#"[{}]"#,
+    ] {
+        let _ = chain_of(&format!(r#"{{"messages":[{{"content":{bad}}}]}}"#));
+    }
+}
+
+#[test]
 fn an_encoded_image_is_digested_whole_and_counted_as_an_image() {
     // A megabyte of base64, as an Anthropic image block and as an OpenAI data URI.
     let data: String = (0..1 << 20)
