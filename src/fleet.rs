@@ -450,6 +450,11 @@ impl SlotGuard {
         }
     }
 
+    /// The slot's backend and node, by internal index.
+    pub(crate) fn slot(&self) -> (u32, u32) {
+        (self.backend, self.node)
+    }
+
     /// The backend is expected to read `tokens` of this request's prompt (what the cache
     /// model says it lacks): they count in its backlog until its answer starts.
     pub(crate) fn reading(&mut self, tokens: u64) {

@@ -31,7 +31,7 @@ use crate::placement::Placement;
 use crate::service::{Placed, Shared};
 use crate::stats::Decision;
 use crate::store::PendingRead;
-use crate::wait::{Scope, WaitHome, WaitTicket};
+use crate::wait::{Scope, WaitHome, WaitTicket, Woken};
 use crate::{Backend, Error, Overflow, ResponseBody};
 
 type SharedOf<S, P> = Arc<Shared<Backend<S>, P>>;
@@ -451,7 +451,8 @@ where
                     let w = waiting.as_mut().project();
                     let mut attempt = false;
                     // Woken: it stays queued, so no wake is missed while it looks.
-                    if w.ticket.woken(cx.waker()) {
+                    let woken = w.ticket.woken(cx.waker());
+                    if woken != Woken::No {
                         attempt = true;
                     }
                     let mut deadline = w.deadline;
@@ -491,9 +492,20 @@ where
                             watch,
                             record,
                         } => {
+                            // Woken for a slot it did not take: passed on once it has left
+                            // the queue, to the waiter that slot suits.
+                            let unused = match woken {
+                                Woken::For(backend, node) if guard.slot().0 != backend => {
+                                    Some((w.shared.capacity.clone(), backend, node))
+                                }
+                                _ => None,
+                            };
                             let finish = w.shared.finish;
                             let placed = (service, guard, decision, watch, record);
                             state.set(State::call(placed, r, finish));
+                            if let Some((capacity, backend, node)) = unused {
+                                capacity.slot_freed(backend, node);
+                            }
                         }
                         Placed::Empty => {
                             w.shared.capacity.counters.count_no_backends();

@@ -13,8 +13,9 @@
 //! A woken waiter stays in the queue, marked with the slot that woke it, until its task runs
 //! and looks for a slot; a freed slot passes over the waiters already woken. A waiter dropped
 //! before its task runs (its client went away) passes the wake on as the freed slot would
-//! have: to the waiter that slot suits best, however it is held. So a freed slot is never
-//! left with a waiter that could use it asleep.
+//! have: to the waiter that slot suits best, however it is held; so does a woken waiter that
+//! takes a slot elsewhere. So a freed slot is never left with a waiter that could use it
+//! asleep.
 //!
 //! Joining the queue and freeing a slot each write one count and then read the other's
 //! (`waiting`, a backend's requests in flight), sequentially consistent with a fence on the
@@ -127,6 +128,18 @@ impl Capacity {
     }
 }
 
+/// What woke a waiting request since its task last looked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Woken {
+    /// Nothing: its deadline, if anything.
+    No,
+    /// A slot freed on this backend (of this node). If the request takes a slot elsewhere,
+    /// it passes this one on ([`Capacity::slot_freed`]).
+    For(u32, u32),
+    /// Every waiter was woken: the fleet changed.
+    All,
+}
+
 /// A request's place in the wait queue, held for as long as it waits, however the wait ends.
 #[derive(Debug)]
 pub(crate) struct WaitTicket {
@@ -175,15 +188,18 @@ impl WaitTicket {
         })
     }
 
-    /// Whether the ticket has been woken since its task last looked (by a freed slot, or by
-    /// every waiter being woken); either way it is queued, with `waker` the one to wake, so
-    /// that no wake is missed while the task looks for a slot.
-    pub(crate) fn woken(&self, waker: &Waker) -> bool {
+    /// Whether the ticket has been woken since its task last looked, and by what. Either
+    /// way it is queued, with `waker` the one to wake, so that no wake is missed while the
+    /// task looks for a slot.
+    pub(crate) fn woken(&self, waker: &Waker) -> Woken {
         let mut list = self.capacity.waiters.lock();
         match list.find(self.seq) {
             Some(w) => {
                 w.waker.clone_from(waker);
-                w.woken_for.take().is_some()
+                match w.woken_for.take() {
+                    Some((backend, node)) => Woken::For(backend, node),
+                    None => Woken::No,
+                }
             }
             // Woken with every waiter: back in the queue, in its place.
             None => {
@@ -193,7 +209,7 @@ impl WaitTicket {
                     waker: waker.clone(),
                     woken_for: None,
                 });
-                true
+                Woken::All
             }
         }
     }

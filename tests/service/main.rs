@@ -1273,6 +1273,67 @@ async fn a_wake_that_is_not_used_is_passed_on_to_a_waiter_held_for_that_slot() {
     }
 }
 
+/// A policy of a user's own: the first backend with room, in the fleet's order, whatever the
+/// session's home.
+#[derive(Clone, Copy)]
+struct FirstWithRoom;
+
+impl Placement for FirstWithRoom {
+    fn place(
+        &self,
+        fleet: &tower_affinity::placement::FleetView<'_>,
+        _: &tower_affinity::placement::PlacementRequest<'_>,
+        c: &mut tower_affinity::placement::Candidates<'_>,
+    ) {
+        for b in fleet.backends() {
+            if c.offer(b).is_break() {
+                break;
+            }
+        }
+    }
+}
+
+/// A waiter woken for one slot that its policy places elsewhere passes the slot on, to a
+/// waiter that only that slot serves.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_waiter_woken_for_a_slot_it_does_not_take_passes_it_on() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .placement(FirstWithRoom)
+        .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
+    // x on a1, then y on b1: y's home is b1.
+    let x = send(&mut svc, Some("x"), Some("stream")).await.unwrap();
+    let y = send(&mut svc, Some("y"), Some("stream")).await.unwrap();
+    assert_eq!(
+        (decision(&x).backend.as_str(), decision(&y).backend.as_str()),
+        ("a1", "b1")
+    );
+    let (_, x_tx) = streams.take().unwrap();
+    let (_, y_tx) = streams.take().unwrap();
+    // y's next turn waits (its home b1), then a turn that only b1 can serve.
+    svc.ready().await.unwrap();
+    let mut y_next = tokio_test::task::spawn(svc.call(request(Some("y"), None)));
+    assert_pending!(y_next.poll());
+    let mut pinned = tokio_test::task::spawn(svc.call(continuing(Some("p"), None, "b1")));
+    assert_pending!(pinned.poll());
+    // b1 frees and wakes y's turn, its home's; then a1 frees, which the pinned turn cannot use.
+    drop(y_tx);
+    y.into_body().collect().await.unwrap();
+    assert!(y_next.is_woken() && !pinned.is_woken());
+    drop(x_tx);
+    x.into_body().collect().await.unwrap();
+    assert!(!pinned.is_woken());
+    // The policy sends y's turn to a1, the first with room: b1's wake goes on to the pinned one.
+    let res = assert_ready!(y_next.poll()).unwrap();
+    assert_eq!(decision(&res).backend.as_str(), "a1");
+    assert!(
+        pinned.is_woken(),
+        "b1 is left idle with a request waiting for it"
+    );
+    let d = decision(&assert_ready!(pinned.poll()).unwrap());
+    assert_eq!((d.backend.as_str(), d.waited), ("b1", Some(Duration::ZERO)));
+}
+
 /// A request placed on a backend that is not ready yet, and given up before the backend took
 /// it, is not in that backend's cache model: the backend never saw its prompt.
 #[tokio::test(flavor = "current_thread", start_paused = true)]
