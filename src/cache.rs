@@ -354,9 +354,15 @@ impl CacheModel {
     }
 
     /// How many leading links of `chain` are held. Holdings are closed under prefixes, so
-    /// this is a binary search: O(log links) lookups.
+    /// this is a binary search: O(log links) lookups, after one for the first link, which
+    /// most backends of a fleet serving other conversations do not hold (a request's scan of
+    /// the fleet then costs one lookup a backend).
     pub(crate) fn held(&self, chain: &[Link]) -> usize {
-        let (mut lo, mut hi) = (0, chain.len());
+        match chain.first() {
+            Some(first) if self.holds(first.digest) => {}
+            _ => return 0,
+        }
+        let (mut lo, mut hi) = (1, chain.len());
         while lo < hi {
             let mid = lo + (hi - lo) / 2;
             if self.holds(chain[mid].digest) {
