@@ -39,9 +39,11 @@
 //! turn's prompt and goes on. So the prompt's tip (where the turn ended, as the next turn
 //! contains it) names the conversation's latest turn:
 //!
-//! - **Writes.** After a keyless request with a prompt is placed, the digest of its tip is
-//!   written with the backend that serves it ([`HomeStore::write_prompt`]), in a task of its
-//!   own and kept for the idle timeout, as a session's home is.
+//! - **Writes.** After a keyless request with a prompt is placed, the digests of its tip and
+//!   of its last link are written with the backend that serves it
+//!   ([`HomeStore::write_prompt`], twice), in a task of its own and kept for the idle
+//!   timeout, as a session's home is. The last link names a first turn, whose tip is often a
+//!   system prompt that every conversation opens with and overwrites.
 //! - **Reads.** A keyless request reads the digests of its tip and of the links before it, up
 //!   to 8, the longest first, in one read ([`HomeStore::read_prompts`]) within the same
 //!   deadline, with the same fallback. The longest link found on a live backend is what it is:
@@ -63,13 +65,14 @@
 //!   Mooncake trace, where conversations are short and share long prefixes, the rule costs
 //!   2 to 5 points of the ideal reuse (README, "Router replicas").
 //!
-//! A conversation's first turn finds nothing (no earlier turn was written), and one whose
-//! first prompt is the same as other conversations' is known from its third turn on: its
-//! second continues a prompt they all share, its third one that holds an answer of its own.
+//! A conversation's first turn finds nothing (no earlier turn was written); its second finds
+//! the first's last link, its first message. One whose whole first prompt is the same as
+//! other conversations' is known from its third turn on: its second continues a prompt they
+//! all share, its third one that holds an answer of its own.
 //!
 //! **What the store sees:** the session's digest ([`SessionKey`], 128 bits of the SHA-256 of
-//! its raw key), the 64-bit digests of keyless prompts at their tips ([`PromptChain`]'s
-//! links), and the [`StoredHome`] (backend and node names, and the digest of the link where
+//! its raw key), the 64-bit digests of keyless prompts at their tips and last links
+//! ([`PromptChain`]'s links), and the [`StoredHome`] (backend and node names, and the digest of the link where
 //! the prompt of the turn that placed the home ended): never a raw key, a header or a prompt.
 //!
 //! **A home's tip.** That digest lets a replica that reads a home judge it as the one that

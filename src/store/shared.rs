@@ -520,20 +520,42 @@ impl Homes {
     /// After a keyless request with a prompt is placed: its backend as the home of the
     /// prompt's tip, so that the conversation's next turn, which contains it, finds where it
     /// was served, whichever replica it enters.
+    ///
+    /// Written at the tip (the next-to-last link, which the next turn contains even when it
+    /// rewrites a partial last block) and at the last link too: a first turn's tip is often
+    /// the system prompt every conversation opens with, whose key each overwrites, while its
+    /// last link (the first message) is its own, and the next turn contains it.
     pub(crate) fn placed_prompt(self: &Arc<Self>, chain: &PromptChain, decision: &Decision) {
-        let Some(digest) = chain.tip_digest() else {
+        let Some(tip) = chain.tip_position() else {
             return;
         };
+        let links = chain.links();
+        let last = links.len() - 1;
         let home = StoredHome::new(decision.backend.clone(), decision.node.clone());
         if let Some(runtime) = self.admit_write() {
-            self.written.lock().insert(digest, decision.backend.clone());
+            let mut written = self.written.lock();
+            for at in [tip, last] {
+                written.insert(links[at].digest, decision.backend.clone());
+            }
+            drop(written);
+            let tip_write = self
+                .store
+                .write_prompt(links[tip].digest, home.clone(), self.ttl);
+            let last_write =
+                (last != tip).then(|| self.store.write_prompt(links[last].digest, home, self.ttl));
             bump(&self.counters.prompt_writes);
-            let write = self.store.write_prompt(digest, home, self.ttl);
             let this = self.clone();
             // Not written again after an outage, as a session's home is: the conversation's
             // next turn writes a tip of its own.
             runtime.spawn(async move {
-                let ok = matches!(tokio::time::timeout(WRITE_TIMEOUT, write).await, Ok(Ok(())));
+                let both = async {
+                    let (a, b) = match last_write {
+                        Some(w) => tokio::join!(tip_write, w),
+                        None => (tip_write.await, Ok(())),
+                    };
+                    a.and(b)
+                };
+                let ok = matches!(tokio::time::timeout(WRITE_TIMEOUT, both).await, Ok(Ok(())));
                 if !ok {
                     bump(&this.counters.write_errors);
                 }

@@ -76,6 +76,14 @@ impl MemoryStore {
     fn writes(&self) -> Vec<(SessionKey, StoredHome, Duration)> {
         self.0.lock().writes.clone()
     }
+
+    /// The home of the keyless prompt ending at `link` of `chain`, as another replica wrote it.
+    fn put_prompt(&self, chain: &PromptChain, link: usize, backend: &str, node: &str) {
+        self.0
+            .lock()
+            .prompts
+            .insert(chain.links()[link].digest, StoredHome::new(backend, node));
+    }
 }
 
 impl HomeStore for MemoryStore {
@@ -488,6 +496,32 @@ async fn a_keyless_prompt_another_replica_served_is_held_where_it_went() {
     assert_eq!((d.backend, d.outcome), (first.backend, Outcome::PrefixHit));
     let stats = b.store_stats().unwrap();
     assert_eq!((stats.prompt_hits, stats.prompt_own), (1, 0), "{stats:?}");
+}
+
+/// A keyless conversation's second turn, entering another replica, finds where its first
+/// went, though its first prompt's tip is a system prompt other conversations open with
+/// too (and wrote over): the first message is written as well, and is the conversation's own.
+#[tokio::test(start_paused = true)]
+async fn a_keyless_second_turn_finds_its_first_through_another_replica() {
+    let store = MemoryStore::new();
+    let (a, b) = (replica(&store), replica(&store));
+    // A 2,000-token system prompt, then the conversation's own messages of 300 tokens.
+    let turn = |c: u64, turns: u64| {
+        PromptChain::from_blocks(
+            std::iter::once((1, 2_000)).chain((1..=turns).map(|t| (c * 100 + t, 300))),
+        )
+    };
+    let first = send_keyless(&a, turn(1, 1)).await;
+    // Another conversation opening with the same system prompt went to another backend since,
+    // through another replica, and wrote the system prompt's key over.
+    let other = if first.backend.as_str() == "a1" {
+        ("b1", "node-b")
+    } else {
+        ("a1", "node-a")
+    };
+    store.put_prompt(&turn(2, 1), 0, other.0, other.1);
+    let d = send_keyless(&b, turn(1, 3)).await;
+    assert_eq!((d.backend, d.outcome), (first.backend, Outcome::PrefixHit));
 }
 
 #[tokio::test(start_paused = true)]
