@@ -194,6 +194,14 @@ struct Counters {
     prompt_writes: AtomicU64,
 }
 
+/// Homes whose last write failed, and when the store last went down.
+#[derive(Debug, Default)]
+struct Failed {
+    /// The latest home of each session whose write failed, and when it failed.
+    homes: HashMap<SessionKey, (StoredHome, Instant)>,
+    down_since: Option<Instant>,
+}
+
 /// A shared store as the service uses it.
 #[derive(Debug)]
 pub(crate) struct Homes {
@@ -207,7 +215,9 @@ pub(crate) struct Homes {
     writes_in_flight: AtomicUsize,
     /// Homes whose last write failed, the latest for each session: written again when the
     /// store answers again.
-    failed: Mutex<HashMap<SessionKey, StoredHome>>,
+    failed: Mutex<Failed>,
+    /// Whether the last write failed: a change is logged once.
+    writes_failing: AtomicBool,
     /// The keyless prompts' tips this replica wrote, with the backend it wrote for each.
     written: Mutex<Written>,
     counters: Counters,
@@ -319,6 +329,7 @@ impl Homes {
             probing: AtomicBool::new(false),
             writes_in_flight: AtomicUsize::new(0),
             failed: Mutex::default(),
+            writes_failing: AtomicBool::new(false),
             written: Mutex::new(Written::new(sessions)),
             counters: Counters::default(),
         }
@@ -360,17 +371,27 @@ impl Homes {
         }
         if up {
             bump(&self.counters.recoveries);
-            let failed = std::mem::take(&mut *self.failed.lock());
+            let mut failed = self.failed.lock();
+            let since = failed.down_since.take();
+            let homes = std::mem::take(&mut failed.homes);
+            drop(failed);
+            // Homes that moved while it could not be written to, so that it does not send
+            // their sessions back to where they were before. Only those that failed with the
+            // outage (or as it began): one that failed while the store answered reads
+            // (refusing writes, say) may have been written over by another replica since.
+            let homes: Vec<_> = homes
+                .into_iter()
+                .filter(|(_, (_, at))| since.is_none_or(|s| *at + WRITE_TIMEOUT >= s))
+                .collect();
             tracing::info!(
-                rewrites = failed.len(),
+                rewrites = homes.len(),
                 "shared session store answers again; reading homes from it"
             );
-            // Homes that moved while it could not be written to, so that it does not send
-            // their sessions back to where they were before.
-            for (key, home) in failed {
+            for (key, (home, _)) in homes {
                 self.write(key, home);
             }
         } else {
+            self.failed.lock().down_since = Some(Instant::now());
             bump(&self.counters.outages);
             tracing::warn!(
                 error = %why,
@@ -555,12 +576,36 @@ impl Homes {
                     };
                     a.and(b)
                 };
-                let ok = matches!(tokio::time::timeout(WRITE_TIMEOUT, both).await, Ok(Ok(())));
-                if !ok {
+                let error = match tokio::time::timeout(WRITE_TIMEOUT, both).await {
+                    Ok(Ok(())) => None,
+                    Ok(Err(e)) => Some(e.to_string()),
+                    Err(_) => Some(format!("no answer within {WRITE_TIMEOUT:?}")),
+                };
+                if error.is_some() {
                     bump(&this.counters.write_errors);
                 }
+                this.wrote(error);
                 this.writes_in_flight.fetch_sub(1, Ordering::AcqRel);
             });
+        }
+    }
+
+    /// A write ended, failing with `error` or not. Writes failing while reads succeed (a
+    /// store out of memory refuses writes and answers reads) mark no outage, so the change is
+    /// logged here, once each way: the homes placed meanwhile are not shared.
+    fn wrote(&self, error: Option<String>) {
+        let failing = error.is_some();
+        if self.writes_failing.swap(failing, Ordering::AcqRel) == failing {
+            return;
+        }
+        match error {
+            Some(error) if self.up.load(Ordering::Acquire) => tracing::warn!(
+                %error,
+                "shared session store refuses writes while it answers reads; homes placed now are not shared"
+            ),
+            // The store is down: its outage was logged.
+            Some(_) => {}
+            None => tracing::info!("shared session store takes writes again"),
         }
     }
 
@@ -588,20 +633,27 @@ impl Homes {
         let write = self.store.write(key, home.clone(), self.ttl);
         let this = self.clone();
         runtime.spawn(async move {
-            let ok = matches!(tokio::time::timeout(WRITE_TIMEOUT, write).await, Ok(Ok(())));
+            let result = tokio::time::timeout(WRITE_TIMEOUT, write).await;
             let mut failed = this.failed.lock();
-            if ok {
-                // An older home that failed must not overwrite this one later.
-                if !failed.is_empty() {
-                    failed.remove(&key);
+            let error = match result {
+                Ok(Ok(())) => {
+                    // An older home that failed must not overwrite this one later.
+                    if !failed.homes.is_empty() {
+                        failed.homes.remove(&key);
+                    }
+                    None
                 }
-            } else {
+                Ok(Err(e)) => Some(e.to_string()),
+                Err(_) => Some(format!("no answer within {WRITE_TIMEOUT:?}")),
+            };
+            if error.is_some() {
                 bump(&this.counters.write_errors);
-                if failed.len() < MAX_FAILED || failed.contains_key(&key) {
-                    failed.insert(key, home);
+                if failed.homes.len() < MAX_FAILED || failed.homes.contains_key(&key) {
+                    failed.homes.insert(key, (home, Instant::now()));
                 }
             }
             drop(failed);
+            this.wrote(error);
             this.writes_in_flight.fetch_sub(1, Ordering::AcqRel);
         });
     }

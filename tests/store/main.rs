@@ -370,6 +370,62 @@ async fn a_home_that_failed_to_be_written_is_written_when_the_store_comes_back()
     assert_eq!(send(&svc, "s").await.backend, moved.backend);
 }
 
+/// A home whose write failed while the store answered reads (refusing writes, as a Redis out
+/// of memory does) is not written again at a later, unrelated recovery: another replica may
+/// have written the session's home since, and the old one would send it back.
+#[tokio::test(start_paused = true)]
+async fn a_home_that_failed_while_the_store_answered_is_not_written_over_a_newer_one() {
+    let store = MemoryStore::new();
+    let svc = service(&store);
+    let first = send(&svc, "s").await;
+    settle().await;
+    // Writes refused, reads answered. The session moves (its home is busy); the write fails.
+    store.0.lock().fail_writes = true;
+    let busy = {
+        let req = http::Request::post("/")
+            .header("x-session-id", "s")
+            .body(String::new())
+            .unwrap();
+        svc.clone().oneshot(req).await.unwrap()
+    };
+    let moved = send(&svc, "s").await;
+    assert_ne!(moved.backend, first.backend);
+    drop(busy);
+    settle().await;
+    let stats = svc.store_stats().unwrap();
+    assert_eq!(
+        (stats.state, stats.write_errors),
+        (StoreState::Up, 1),
+        "{stats:?}"
+    );
+    // Writes are taken again, and another replica moves the session on and writes it.
+    store.0.lock().fail_writes = false;
+    let later = ["a1", "a2", "b1", "b2"]
+        .into_iter()
+        .find(|b| *b != first.backend.as_str() && *b != moved.backend.as_str())
+        .unwrap();
+    store.put(
+        "s",
+        later,
+        if later.starts_with('a') {
+            "node-a"
+        } else {
+            "node-b"
+        },
+    );
+    tokio::time::advance(Duration::from_secs(60)).await;
+    // Much later, an outage of its own and a recovery.
+    store.mode(Mode::Fail);
+    send(&svc, "t").await;
+    settle().await;
+    assert_eq!(svc.store_stats().unwrap().state, StoreState::Down);
+    store.mode(Mode::Answer);
+    send(&svc, "u").await;
+    settle().await;
+    assert_eq!(svc.store_stats().unwrap().state, StoreState::Up);
+    assert_eq!(store.0.lock().homes[&key("s")].backend.as_str(), later);
+}
+
 // === replicas and prompt chains ===
 
 /// Backends whose cache models hold 10,000 tokens each.
