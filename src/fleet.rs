@@ -556,6 +556,8 @@ pub(crate) struct Member {
     pub(crate) prompt_cache_bytes: Option<u64>,
     /// What its cache probably holds; shared by every copy of the topology, like `load`.
     pub(crate) cache: Arc<ModelCell>,
+    /// Removed, and its model forgotten: see [`Topology::KEPT_REMOVED`].
+    pub(crate) forgotten: bool,
 }
 
 /// What placement may read about one node.
@@ -721,6 +723,7 @@ impl Topology {
             let m = &mut self.members[index as usize];
             m.node = node;
             m.live = true;
+            m.forgotten = false;
             m.prompt_cache_bytes = prompt_cache_bytes;
             m.cache.lock().set_budget(cache_tokens);
             m.load.slots.store(slots.get(), Ordering::Relaxed);
@@ -740,6 +743,7 @@ impl Topology {
                 load: Arc::new(Load::new(slots, self.capacity.clone(), &id, node_id)),
                 prompt_cache_bytes,
                 cache: Arc::new(ModelCell::new(cache_tokens)),
+                forgotten: false,
             };
             index
         } else {
@@ -753,6 +757,7 @@ impl Topology {
                 load: Arc::new(Load::new(slots, self.capacity.clone(), &id, node_id)),
                 prompt_cache_bytes,
                 cache: Arc::new(ModelCell::new(cache_tokens)),
+                forgotten: false,
             });
             index
         };
@@ -760,6 +765,13 @@ impl Topology {
         self.attach(index);
         index
     }
+
+    /// How many removed backends keep their cache models, the latest removed: one that
+    /// comes back (a restart, a flapping DNS record) finds its sessions and what its cache
+    /// held. Older ones forget theirs (up to about 700 KB each), so that a fleet scaled down
+    /// by thousands does not keep their models for good; their sessions are placed anew if
+    /// they return.
+    pub(crate) const KEPT_REMOVED: usize = 64;
 
     /// Removes a backend; returns its index if it was live.
     pub(crate) fn remove(&mut self, id: &BackendId) -> Option<u32> {
@@ -769,6 +781,16 @@ impl Topology {
         member.live = false;
         member.load.metrics.removed();
         self.free.push(index);
+        if let Some(at) = self.free.len().checked_sub(Self::KEPT_REMOVED + 1) {
+            let m = &mut self.members[self.free[at] as usize];
+            if !m.forgotten {
+                // A new generation: its sessions' homes are gone, as its model is.
+                let budget = m.cache.lock().budget();
+                m.cache = Arc::new(ModelCell::new(budget));
+                m.generation = m.generation.wrapping_add(1);
+                m.forgotten = true;
+            }
+        }
         Some(index)
     }
 }
@@ -969,6 +991,41 @@ mod tests {
         assert_eq!(t.resolve(a, g), None);
         assert_eq!(t.insert("a".into(), &"n2".into(), nz(3), None, 1000), a);
         assert_eq!(t.resolve(a, g), Some(a));
+    }
+
+    #[test]
+    fn only_the_backends_removed_last_keep_their_models() {
+        let mut t = Topology::default();
+        let n = Topology::KEPT_REMOVED as u32 + 2;
+        let chain = crate::PromptChain::from_blocks([(1, 100), (2, 100)]);
+        let ids: Vec<BackendId> = (0..n).map(|i| format!("b{i}").into()).collect();
+        let indices: Vec<u32> = ids
+            .iter()
+            .map(|id| t.insert(id.clone(), &"n".into(), nz(1), None, 1000))
+            .collect();
+        let generations: Vec<u16> = indices.iter().map(|&i| t.member(i).generation).collect();
+        for &i in &indices {
+            t.member(i).cache.lock().record(chain.links(), 0, 1);
+        }
+        for id in &ids {
+            t.remove(id);
+        }
+        // The first two removed forgot their models and their sessions; the rest kept both.
+        let held = |t: &Topology, i: u32| t.member(i).cache.lock().held(chain.links());
+        for (k, &i) in indices.iter().enumerate() {
+            let kept = k >= 2;
+            assert_eq!(held(&t, i), if kept { 2 } else { 0 }, "b{k}");
+            assert_eq!(t.member(i).generation == generations[k], kept, "b{k}");
+        }
+        // Back before its index is reused, a forgotten one is a new backend: its sessions'
+        // homes do not resolve; a kept one takes its back.
+        let (first, last) = (indices[0], indices[n as usize - 1]);
+        assert_eq!(t.insert(ids[0].clone(), &"n".into(), nz(1), None, 1000), first);
+        assert_eq!(t.resolve(first, generations[0]), None);
+        let back = t.insert(ids[n as usize - 1].clone(), &"n".into(), nz(1), None, 1000);
+        assert_eq!(back, last);
+        assert_eq!(t.resolve(last, generations[n as usize - 1]), Some(last));
+        assert_eq!(held(&t, last), 2);
     }
 
     #[test]

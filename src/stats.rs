@@ -172,7 +172,9 @@ pub struct Stats {
     pub sessions: usize,
     /// Gauge: bytes held by the session table.
     pub session_table_bytes: usize,
-    /// Gauge: bytes held by the cache model, over every live backend.
+    /// Gauge: bytes held by the cache model, over every live backend. The models of the 64
+    /// backends removed last are kept besides, for their return, and not counted here; older
+    /// removed backends' are dropped.
     pub cache_model_bytes: usize,
     /// Gauge: requests in flight over the fleet.
     pub in_flight: usize,
