@@ -19,6 +19,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use metrics_exporter_prometheus::PrometheusBuilder;
+use metrics_util::MetricKindMask;
 use tokio::net::TcpListener;
 use tower::retry::RetryLayer;
 use tower::{Layer, ServiceBuilder};
@@ -35,11 +36,17 @@ use tower_affinity::{Backend, BoxError, ErrorToResponse, RetryOnce, SessionAffin
 async fn proxy(backends: &[(&str, &str, String)]) -> Result<(Router, ProbeTask), BoxError> {
     // The recorder first: the balancer registers each backend's metrics as it learns of it.
     // Its histograms (seconds) get buckets, up to the minutes a cold prompt can take: without
-    // them the exporter renders summaries.
+    // them the exporter renders summaries. Gauges and histograms not updated for ten minutes
+    // are dropped: those of backends that have left the fleet (every scrape publishes the
+    // live ones' gauges again).
     let prometheus = PrometheusBuilder::new()
         .set_buckets(&[
             0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
         ])?
+        .idle_timeout(
+            MetricKindMask::GAUGE | MetricKindMask::HISTOGRAM,
+            Some(Duration::from_secs(600)),
+        )
         .install_recorder()?;
     let http = HttpBackend::<Full<Bytes>>::builder()
         .connect_timeout(Duration::from_secs(2))
