@@ -151,6 +151,12 @@ impl<K, P> SessionAffinityLayer<K, P> {
 
     /// How long a request waits for the shared store's answer before the local session table
     /// answers instead. Default [`STORE_DEADLINE`](SessionAffinityLayer::STORE_DEADLINE), 5 ms.
+    ///
+    /// A read past the deadline marks the store down until a probe finds it again, which is
+    /// logged and counted (`outages`). On a busy host (a router sharing two cores with its
+    /// backends' clients, say) a few reads a half hour miss 5 ms with nothing wrong, each a
+    /// short outage that recovers within tens of milliseconds; alert on outages that last, or
+    /// give the store a deadline that suits the host.
     pub fn store_deadline(mut self, deadline: Duration) -> Self {
         self.config.store_deadline = deadline;
         self

@@ -168,7 +168,9 @@ pub struct Stats {
     /// Answers that reused less than half the share of their prompt the cache model
     /// predicted, where it predicted at least a quarter (each corrected it).
     pub corrections: u64,
-    /// Gauge: sessions in the table.
+    /// Gauge: sessions in the table. An entry idle past the timeout reads as absent at once
+    /// but is counted here until a new key takes its place (the table never sweeps), so
+    /// after a quiet spell this overstates the sessions alive.
     pub sessions: usize,
     /// Gauge: bytes held by the session table.
     pub session_table_bytes: usize,

@@ -52,7 +52,9 @@ pub struct StoreStats {
     pub hits: u64,
     /// Reads that found no home, in time.
     pub misses: u64,
-    /// Reads still unanswered at the deadline (the local table answered).
+    /// Reads still unanswered at the deadline: a request's (the local table answered it) or,
+    /// while the store is down, the probe's, which no request waits for (those requests are
+    /// counted in `skipped`).
     pub timeouts: u64,
     /// Reads that failed (the local table answered).
     pub errors: u64,
