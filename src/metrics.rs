@@ -29,7 +29,7 @@
 //!
 //! | name | kind | labels | what |
 //! |---|---|---|---|
-//! | `tower_affinity_decisions_total` | counter | `outcome` | requests placed, by [`Outcome`](crate::Outcome) |
+//! | `tower_affinity_decisions_total` | counter | `outcome` | requests placed, by [`Outcome`] |
 //! | `tower_affinity_prompt_tokens_total` | counter | `outcome` | prompt tokens of the answers that said how many they reused, by their requests' outcome ([`Stats::reuse`](crate::Stats::reuse)) |
 //! | `tower_affinity_reused_tokens_total` | counter | `outcome` | of them, reused from the backends' caches: a home hit's share near 1 and a cold home's near 0 say the cache model is right |
 //! | `tower_affinity_first_byte_seconds` | histogram | `outcome` | dispatch to the answer's first byte, by the request's outcome: what a cold prefill costs against a warm one |

@@ -572,11 +572,11 @@ impl Homes {
             // next turn writes a tip of its own.
             runtime.spawn(async move {
                 let both = async {
-                    let (a, b) = match last_write {
-                        Some(w) => tokio::join!(tip_write, w),
-                        None => (tip_write.await, Ok(())),
-                    };
-                    a.and(b)
+                    tip_write.await?;
+                    match last_write {
+                        Some(w) => w.await,
+                        None => Ok(()),
+                    }
                 };
                 let error = match tokio::time::timeout(WRITE_TIMEOUT, both).await {
                     Ok(Ok(())) => None,
