@@ -11,6 +11,8 @@
 //!   request sent straight to one mock backend; the router's own cost is `call/* - call/direct`.
 //! - `key/*`: the SHA-256 digest of a session id alone, and the default `HeaderKey` extractor
 //!   finding a key (`header`) and finding none in a keyless request's headers (`header_none`).
+//! - `chained/*`: keyless requests with prompt chains, over fleets whose cache models are at
+//!   their budgets: what asking every backend's model costs (see [`chained`]).
 //! - `table/*`: home hits through the service with 1 thousand, 100 thousand and 1 million
 //!   sessions in the table, on keys spread over the whole table; `table/bare_read/*`: one
 //!   dependent random read in a plain array of the same size (the memory latency alone).
@@ -284,6 +286,57 @@ fn call(c: &mut Criterion) {
     g.finish();
 }
 
+/// A request without a key, its prompt a chain of 20 links of 50 tokens: `first` is its
+/// opening link, `own` makes the rest its own.
+fn chained_keyless(first: u64, own: u64) -> Req {
+    let chain = tower_affinity::PromptChain::from_blocks(
+        std::iter::once((first, 50)).chain((1..20).map(|i| (own << 32 | i, 50))),
+    );
+    let mut req = request(None);
+    req.extensions_mut()
+        .insert(tower_affinity::key::PromptFacts::from_chain(chain));
+    req
+}
+
+/// What a request with a prompt chain and no usable home costs: placement asks every
+/// backend's cache model how much of the chain it holds. `keyless_chain/*`: conversations
+/// that open alike with none the backends hold (other agents' conversations fill their
+/// models), so a backend answers from the chain's first link; `keyless_shared/*`: every
+/// conversation, those in the models too, opening with one link every backend holds, so each
+/// searches its model for where the chain leaves it. Models at their budgets (32,768 tokens a
+/// backend, 4 slots, requests sent beyond the slots).
+fn chained(c: &mut Criterion) {
+    let mut g = c.benchmark_group("chained");
+    for shape in [Shape::new(16, 8), Shape::new(64, 8), Shape::new(256, 8)] {
+        let backends = (shape.nodes * shape.per_node) as u64;
+        for (name, first) in [("keyless_chain", None), ("keyless_shared", Some(7u64))] {
+            let mut svc = SessionAffinityLayer::new()
+                .key(ExtensionKey)
+                .overflow(tower_affinity::Overflow::Overcommit)
+                .layer(shape.fleet_with_cache(4, 32_768));
+            // Eight conversations' worth a backend, each recorded whole.
+            for d in 0..backends * 8 {
+                let opening = first.unwrap_or((1 << 40) + d);
+                drop(call_now(&mut svc, chained_keyless(opening, (1 << 20) + d)));
+            }
+            let mut next = 0;
+            g.bench_function(BenchmarkId::new(name, shape.label()), |b| {
+                b.iter_custom(|iters| {
+                    chunked(
+                        iters,
+                        |_| {
+                            next += 1;
+                            chained_keyless(first.unwrap_or((2 << 40) + next), (2 << 20) + next)
+                        },
+                        |req| drop(black_box(call_now(&mut svc, req))),
+                    )
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
 /// The table sizes of `table/*` and of the paired table rounds.
 const TABLE_SIZES: [u64; 3] = [1_000, 100_000, 1_000_000];
 
@@ -376,7 +429,7 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = keys, policy, call, table
+    targets = keys, policy, call, chained, table
 }
 /// The router costs again, in rounds that alternate the contenders: each round times the same
 /// number of calls straight to the mock backend and through the service, one after the other

@@ -355,15 +355,28 @@ impl CacheModel {
     }
 
     /// How many leading links of `chain` are held. Holdings are closed under prefixes, so
-    /// this is a binary search: O(log links) lookups, after one for the first link, which
-    /// most backends of a fleet serving other conversations do not hold (a request's scan of
-    /// the fleet then costs one lookup a backend).
+    /// this is a binary search: O(log links) lookups.
     pub(crate) fn held(&self, chain: &[Link]) -> usize {
-        match chain.first() {
-            Some(first) if self.holds(first.digest) => {}
-            _ => return 0,
+        self.held_from(chain, 0)
+    }
+
+    /// [`held`](Self::held), looking first at the chain's first link when `none_likely`:
+    /// a backend that does not hold even that (one serving other conversations) answers in
+    /// one lookup rather than O(log links), at one lookup more for one that does. A scan of
+    /// the fleet guesses from the backend before.
+    pub(crate) fn held_guessing(&self, chain: &[Link], none_likely: bool) -> usize {
+        if !none_likely {
+            return self.held(chain);
         }
-        let (mut lo, mut hi) = (1, chain.len());
+        match chain.first() {
+            Some(first) if self.holds(first.digest) => self.held_from(chain, 1),
+            _ => 0,
+        }
+    }
+
+    /// [`held`](Self::held), the first `lo` links known held.
+    fn held_from(&self, chain: &[Link], lo: usize) -> usize {
+        let (mut lo, mut hi) = (lo, chain.len());
         while lo < hi {
             let mid = lo + (hi - lo) / 2;
             if self.holds(chain[mid].digest) {

@@ -1020,7 +1020,10 @@ mod tests {
         // Back before its index is reused, a forgotten one is a new backend: its sessions'
         // homes do not resolve; a kept one takes its back.
         let (first, last) = (indices[0], indices[n as usize - 1]);
-        assert_eq!(t.insert(ids[0].clone(), &"n".into(), nz(1), None, 1000), first);
+        assert_eq!(
+            t.insert(ids[0].clone(), &"n".into(), nz(1), None, 1000),
+            first
+        );
         assert_eq!(t.resolve(first, generations[0]), None);
         let back = t.insert(ids[n as usize - 1].clone(), &"n".into(), nz(1), None, 1000);
         assert_eq!(back, last);

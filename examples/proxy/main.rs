@@ -34,7 +34,9 @@ fn main() -> ExitCode {
     let args = match cli::parse(std::env::args().skip(1)) {
         Ok(Command::Run(args)) => *args,
         Ok(Command::Help) => {
-            println!("{}", cli::USAGE);
+            // Not `println!`, which panics when the reader has gone (`proxy --help | head`).
+            use std::io::Write;
+            let _ = writeln!(std::io::stdout(), "{}", cli::USAGE);
             return ExitCode::SUCCESS;
         }
         Err(e) => {

@@ -190,10 +190,12 @@ impl NodeThenBackend {
             return ControlFlow::Continue(());
         };
         let bound = Bound::conversations(fleet, e);
+        let mut none_likely = true;
         let mut holders: Vec<(usize, (u64, u64, u64), BackendRef<'_>)> = fleet
             .backends()
             .filter_map(|b| {
-                let (links, branches) = b.cached_links_and_branches(chain);
+                let (links, branches) = b.cached_links_and_branches(chain, none_likely);
+                none_likely = links == 0;
                 let holds = links > 0 && links < chain.len() && bound.admits_homing(&b, branches);
                 let order = match req.key {
                     // Higher scores first: ranks that sort ascending.

@@ -101,8 +101,10 @@ impl<'a> FleetView<'a> {
     pub fn longest_prefix(&self, chain: &PromptChain) -> Option<Prefix<'a>> {
         let mut best: Option<(BackendRef<'a>, usize)> = None;
         let mut ties = 0;
+        let mut none_likely = true;
         for b in self.backends() {
-            let links = b.cached_links(chain);
+            let links = b.cached_links_guessing(chain, none_likely);
+            none_likely = links == 0;
             match best {
                 Some((_, n)) if links < n => {}
                 Some((_, n)) if links == n => ties += 1,
@@ -186,15 +188,33 @@ impl<'a> BackendRef<'a> {
     /// How many leading links of `chain` the cache model says this backend holds.
     /// O(log links).
     pub fn cached_links(&self, chain: &PromptChain) -> usize {
-        self.member().cache.lock().held(chain.links())
+        self.member()
+            .cache
+            .lock()
+            .held_guessing(chain.links(), true)
+    }
+
+    /// [`cached_links`](Self::cached_links), for a scan of the fleet: `none_likely` when the
+    /// backend scanned before held none of the chain, so that this one looks at the chain's
+    /// first link first (see `CacheModel::held_guessing`).
+    pub(crate) fn cached_links_guessing(&self, chain: &PromptChain, none_likely: bool) -> usize {
+        self.member()
+            .cache
+            .lock()
+            .held_guessing(chain.links(), none_likely)
     }
 
     /// How many leading links of `chain` the cache model says this backend holds, and how
     /// many held prompts continue the last of them: the conversations here that share that
-    /// prefix and branch from it where this request would. One lock, O(log links).
-    pub(crate) fn cached_links_and_branches(&self, chain: &PromptChain) -> (usize, u32) {
+    /// prefix and branch from it where this request would. One lock, O(log links);
+    /// `none_likely` as for [`cached_links_guessing`](Self::cached_links_guessing).
+    pub(crate) fn cached_links_and_branches(
+        &self,
+        chain: &PromptChain,
+        none_likely: bool,
+    ) -> (usize, u32) {
         let model = self.member().cache.lock();
-        match model.held(chain.links()) {
+        match model.held_guessing(chain.links(), none_likely) {
             0 => (0, 0),
             n => (n, model.continuations(chain.links()[n - 1].digest)),
         }
