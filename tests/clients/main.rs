@@ -544,6 +544,54 @@ async fn goose_is_keyed_by_agent_session_id() {
     assert_eq!(other.outcome, Outcome::NewSession);
 }
 
+/// A Goose conversation `n + 1` tool calls long, as it sends it: before each call Goose puts an
+/// `<info-msg>` (the time, the working directory, the tokens used) in front of the latest
+/// assistant message's tool results, and never keeps it, so it stands one exchange later in
+/// the next turn.
+fn goose_conversation(n: usize) -> serde_json::Value {
+    let mut messages = vec![
+        json!({"role": "system", "content": "You are a general-purpose AI agent called goose."}),
+        json!({"role": "user", "content": "list the crates and build them"}),
+    ];
+    for k in 0..=n {
+        messages.push(json!({"role": "assistant", "content": null, "tool_calls": [
+            {"id": format!("call_{k}"), "type": "function", "function": {
+                "name": "developer__shell",
+                "arguments": format!("{{\"command\":\"cargo build -p c{k}\"}}")}}]}));
+        messages.push(json!({"role": "tool", "tool_call_id": format!("call_{k}"),
+            "content": format!("Compiling c{k} ").repeat(100)}));
+    }
+    let info = json!({"role": "user", "content": format!(
+        "<info-msg>\nIt is currently 2026-12-04 23:{n:02}:00\nWorking directory: /src/app\n</info-msg>")});
+    let latest = messages.len() - 2;
+    messages.insert(latest, info);
+    json!({"model": "qwen3-coder", "messages": messages, "stream": true,
+        "tools": [{"type": "function", "function": {"name": "developer__shell", "parameters": {"type": "object"}}}]})
+}
+
+/// Goose's moving info message: each turn's prompt differs from the last a few messages from
+/// its end, so it does not extend it and reads as a *compaction*, and goes home, where
+/// llama-server reuses all but those messages. (The outcome says compaction where the cache
+/// is mostly warm: a known limit of comparing a turn with the last one's end only.)
+#[tokio::test(flavor = "current_thread")]
+async fn gooses_moving_info_message_reads_as_a_compaction_and_goes_home() {
+    let proxy = Proxy::new();
+    let path = "/v1/chat/completions";
+    let headers = [("user-agent", "goose"), ("agent-session-id", "20260809_31")];
+    let first = proxy.send(path, &headers, goose_conversation(0)).await;
+    for n in 1..4 {
+        let next = proxy.send(path, &headers, goose_conversation(n)).await;
+        assert_eq!(
+            (next.outcome, &next.backend),
+            (Outcome::Compaction, &first.backend),
+            "turn {n}"
+        );
+        let (now, before) = (next.chain.as_ref().unwrap(), first.chain.as_ref().unwrap());
+        // All but the turn's last few messages are shared with the first turn's prompt.
+        assert!(now.common_prefix(before) >= 3, "turn {n}");
+    }
+}
+
 // === opencode ===
 
 /// opencode, with a provider of the user's own (not one of OpenCode's): `x-session-affinity`
