@@ -884,8 +884,7 @@ async fn a_response_stored_on_a_backend_gone_or_down_does_not_hold_its_request_b
     assert_eq!(svc.stats().in_flight, 0);
 }
 
-/// A policy that takes the first backend with room, then panics if the request says so: a
-/// bug in a policy of a user's own.
+/// [`FirstWithRoom`], then a panic if the request says so: a bug in a policy of a user's own.
 #[derive(Clone, Copy)]
 struct PanicsAfterItsOffer;
 
@@ -899,11 +898,7 @@ impl Placement for PanicsAfterItsOffer {
         req: &tower_affinity::placement::PlacementRequest<'_>,
         c: &mut tower_affinity::placement::Candidates<'_>,
     ) {
-        for b in fleet.backends() {
-            if c.offer(b).is_break() {
-                break;
-            }
-        }
+        FirstWithRoom.place(fleet, req, c);
         if req.extensions.get::<Panic>().is_some() {
             panic!("a bug in the policy");
         }

@@ -180,6 +180,15 @@ async fn send(svc: &Svc, session: &str) -> Decision {
     res.extensions().get::<Decision>().cloned().unwrap()
 }
 
+/// A request of `session` whose answer is kept: its slot stays taken until it is dropped.
+async fn hold(svc: &Svc, session: &str) -> Res {
+    let req = http::Request::post("/")
+        .header("x-session-id", session)
+        .body(String::new())
+        .unwrap();
+    svc.clone().oneshot(req).await.unwrap()
+}
+
 /// Lets the writes' tasks run.
 async fn settle() {
     for _ in 0..8 {
@@ -343,13 +352,7 @@ async fn a_home_that_failed_to_be_written_is_written_when_the_store_comes_back()
         s.mode = Mode::Fail;
         s.fail_writes = true;
     }
-    let busy = {
-        let req = http::Request::post("/")
-            .header("x-session-id", "s")
-            .body(String::new())
-            .unwrap();
-        svc.clone().oneshot(req).await.unwrap()
-    };
+    let busy = hold(&svc, "s").await;
     let moved = send(&svc, "s").await;
     assert_ne!(moved.backend, first.backend);
     drop(busy);
@@ -381,13 +384,7 @@ async fn a_home_that_failed_while_the_store_answered_is_not_written_over_a_newer
     settle().await;
     // Writes refused, reads answered. The session moves (its home is busy); the write fails.
     store.0.lock().fail_writes = true;
-    let busy = {
-        let req = http::Request::post("/")
-            .header("x-session-id", "s")
-            .body(String::new())
-            .unwrap();
-        svc.clone().oneshot(req).await.unwrap()
-    };
+    let busy = hold(&svc, "s").await;
     let moved = send(&svc, "s").await;
     assert_ne!(moved.backend, first.backend);
     drop(busy);
