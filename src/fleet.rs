@@ -310,6 +310,9 @@ impl Capacity {
 pub(crate) struct Load {
     pub(crate) in_flight: AtomicU32,
     pub(crate) slots: AtomicU32,
+    /// Free slots promised to waiters woken for them and not yet running: other requests
+    /// do not take them (see [`wait`](crate::wait)).
+    pub(crate) reserved: AtomicU32,
     /// Down until this time (fleet milliseconds); 0 when up, `u64::MAX` until marked up.
     pub(crate) down_until: AtomicU64,
     /// Requests that failed on this backend before it answered.
@@ -374,6 +377,7 @@ impl Load {
         Load {
             in_flight: AtomicU32::new(0),
             slots: AtomicU32::new(slots.get()),
+            reserved: AtomicU32::new(0),
             down_until: AtomicU64::new(0),
             failures: AtomicU64::new(0),
             learned: Learned::default(),
@@ -404,19 +408,23 @@ impl Load {
         self.down_until.store(until_ms.max(1), Ordering::Relaxed);
     }
 
-    /// Takes a slot if one is free.
+    /// Takes a slot if one is free and not promised to a woken waiter.
     pub(crate) fn try_acquire(&self) -> bool {
-        let slots = self.slots.load(Ordering::Relaxed);
+        let free = self
+            .slots
+            .load(Ordering::Relaxed)
+            .saturating_sub(self.reserved.load(Ordering::Relaxed));
         self.in_flight
             .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |n| {
-                (n < slots).then_some(n + 1)
+                (n < free).then_some(n + 1)
             })
             .is_ok()
     }
 
-    /// Whether a slot is free right now.
+    /// Whether a slot is free right now (and not promised to a woken waiter).
     pub(crate) fn has_free_slot(&self) -> bool {
-        self.in_flight.load(Ordering::Relaxed) < self.slots.load(Ordering::Relaxed)
+        let promised = self.reserved.load(Ordering::Relaxed);
+        self.in_flight.load(Ordering::Relaxed) + promised < self.slots.load(Ordering::Relaxed)
     }
 
     /// Takes a slot whether or not one is free.
@@ -532,7 +540,9 @@ impl Drop for SlotGuard {
             .fetch_sub(self.since_ms, Ordering::Relaxed);
         // Sequentially consistent, as the wait queue's count is read next: see `wait`.
         self.load.in_flight.fetch_sub(1, Ordering::SeqCst);
-        self.load.capacity.slot_freed(self.backend, self.node);
+        self.load
+            .capacity
+            .slot_freed(&self.load, self.backend, self.node);
     }
 }
 

@@ -452,7 +452,7 @@ where
                     let mut attempt = false;
                     // Woken: it stays queued, so no wake is missed while it looks.
                     let woken = w.ticket.woken(cx.waker());
-                    if woken != Woken::No {
+                    if !matches!(woken, Woken::No) {
                         attempt = true;
                     }
                     let mut deadline = w.deadline;
@@ -495,16 +495,16 @@ where
                             // Woken for a slot it did not take: passed on once it has left
                             // the queue, to the waiter that slot suits.
                             let unused = match woken {
-                                Woken::For(backend, node) if guard.slot().0 != backend => {
-                                    Some((w.shared.capacity.clone(), backend, node))
+                                Woken::For(slot) if guard.slot().0 != slot.backend => {
+                                    Some((w.shared.capacity.clone(), slot))
                                 }
                                 _ => None,
                             };
                             let finish = w.shared.finish;
                             let placed = (service, guard, decision, watch, record);
                             state.set(State::call(placed, r, finish));
-                            if let Some((capacity, backend, node)) = unused {
-                                capacity.slot_freed(backend, node);
+                            if let Some((capacity, slot)) = unused {
+                                capacity.pass_on(&slot);
                             }
                         }
                         Placed::Empty => {

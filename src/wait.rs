@@ -11,7 +11,10 @@
 //! than moving). Slots elsewhere do not wake it meanwhile.
 //!
 //! A woken waiter stays in the queue, marked with the slot that woke it, until its task runs
-//! and looks for a slot; a freed slot passes over the waiters already woken. A waiter dropped
+//! and looks for a slot; a freed slot passes over the waiters already woken. Meanwhile the
+//! slot is promised to it (`Load::reserved`): a request arriving before the woken waiter runs
+//! does not take it, or under sustained load a waiter could be woken again and again for
+//! slots that later arrivals took, and be refused at its deadline while they were served. A waiter dropped
 //! before its task runs (its client went away) passes the wake on as the freed slot would
 //! have: to the waiter that slot suits best, however it is held; so does a woken waiter that
 //! takes a slot elsewhere. So a freed slot is never left with a waiter that could use it
@@ -28,7 +31,7 @@ use std::sync::Arc;
 use std::task::Waker;
 use std::time::Duration;
 
-use crate::fleet::Capacity;
+use crate::fleet::{Capacity, Load};
 
 /// Which slots a request waits for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -68,8 +71,23 @@ struct Waiter {
     seq: u64,
     home: WaitHome,
     waker: Waker,
-    /// The slot that woke it (backend, node), until its task runs.
-    woken_for: Option<(u32, u32)>,
+    /// The slot that woke it, promised to it until its task runs.
+    woken_for: Option<Slot>,
+}
+
+/// A freed slot: its backend's load (where the promise is counted), its backend and node.
+#[derive(Clone, Debug)]
+pub(crate) struct Slot {
+    pub(crate) load: Arc<Load>,
+    pub(crate) backend: u32,
+    pub(crate) node: u32,
+}
+
+impl Slot {
+    /// Takes back the promise of this slot to a waiter.
+    fn unpromise(&self) {
+        self.load.reserved.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// Waiters in arrival order.
@@ -92,9 +110,9 @@ impl WaitList {
 }
 
 impl Capacity {
-    /// A slot on `backend` (of `node`) has freed: wake the waiter it suits best, among those
-    /// not woken already.
-    pub(crate) fn slot_freed(&self, backend: u32, node: u32) {
+    /// A slot on `backend` (of `node`, `load` its counts) has freed: wake the waiter it
+    /// suits best, among those not woken already, and promise it the slot.
+    pub(crate) fn slot_freed(&self, load: &Arc<Load>, backend: u32, node: u32) {
         if self.waiting.load(Ordering::SeqCst) == 0 {
             return;
         }
@@ -110,10 +128,21 @@ impl Capacity {
         let Some(w) = at.map(|i| &mut list.queue[i]) else {
             return;
         };
-        w.woken_for = Some((backend, node));
+        // Promised before the waiter can run: its task takes the promise back first.
+        load.reserved.fetch_add(1, Ordering::AcqRel);
+        w.woken_for = Some(Slot {
+            load: load.clone(),
+            backend,
+            node,
+        });
         let waker = w.waker.clone();
         drop(list);
         waker.wake();
+    }
+
+    /// Passes on a slot a woken waiter did not take: as its freeing would have.
+    pub(crate) fn pass_on(&self, slot: &Slot) {
+        self.slot_freed(&slot.load, slot.backend, slot.node);
     }
 
     /// Wakes every waiter: the fleet has changed (a backend came or came back).
@@ -123,19 +152,23 @@ impl Capacity {
         }
         let woken: Vec<Waiter> = self.waiters.lock().queue.drain(..).collect();
         for w in woken {
+            if let Some(slot) = &w.woken_for {
+                slot.unpromise();
+            }
             w.waker.wake();
         }
     }
 }
 
 /// What woke a waiting request since its task last looked.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub(crate) enum Woken {
     /// Nothing: its deadline, if anything.
     No,
-    /// A slot freed on this backend (of this node). If the request takes a slot elsewhere,
-    /// it passes this one on ([`Capacity::slot_freed`]).
-    For(u32, u32),
+    /// A slot freed (its promise now taken back: the request looks for a slot as any
+    /// other does). If the request takes a slot elsewhere, it passes this one on
+    /// ([`Capacity::pass_on`]).
+    For(Slot),
     /// Every waiter was woken: the fleet changed.
     All,
 }
@@ -197,7 +230,10 @@ impl WaitTicket {
             Some(w) => {
                 w.waker.clone_from(waker);
                 match w.woken_for.take() {
-                    Some((backend, node)) => Woken::For(backend, node),
+                    Some(slot) => {
+                        slot.unpromise();
+                        Woken::For(slot)
+                    }
                     None => Woken::No,
                 }
             }
@@ -247,9 +283,10 @@ impl Drop for WaitTicket {
             .and_then(|w| w.woken_for);
         drop(list);
         self.capacity.waiting.fetch_sub(1, Ordering::AcqRel);
-        if let Some((backend, node)) = unused {
+        if let Some(slot) = unused {
             // Woken, and leaving before it looked: the slot goes to whom it suits next.
-            self.capacity.slot_freed(backend, node);
+            slot.unpromise();
+            self.capacity.pass_on(&slot);
         }
     }
 }

@@ -175,9 +175,12 @@ impl<'a> BackendRef<'a> {
         self.member().load.in_flight.load(Ordering::Relaxed)
     }
 
-    /// Slots not taken right now.
+    /// Slots not taken right now, nor promised to a waiting request woken for one.
     pub fn free_slots(&self) -> u32 {
-        self.slots().saturating_sub(self.in_flight())
+        let promised = self.member().load.reserved.load(Ordering::Relaxed);
+        self.slots()
+            .saturating_sub(self.in_flight())
+            .saturating_sub(promised)
     }
 
     /// The backend's prompt-cache budget in bytes, if discovery gave one.

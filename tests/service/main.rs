@@ -1138,6 +1138,41 @@ async fn a_waiting_request_takes_a_backend_announced_while_it_waits() {
     drop(held);
 }
 
+/// A slot promised to a woken waiter is not lost when a fleet change wakes every waiter
+/// before that one runs.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_fleet_change_before_a_woken_waiter_runs_keeps_its_slot_free() {
+    let streams = Streams::default();
+    let (handle, stream) = discover::channel::<MockService>();
+    handle.insert(
+        "a1",
+        Backend::new("a", backend("a1", &streams)).slots(nz(1)),
+    );
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_secs(60), 8))
+        .layer(stream);
+    let held = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+    let (_, tx) = streams.take().unwrap();
+    svc.ready().await.unwrap();
+    let mut waiting = tokio_test::task::spawn(svc.call(request(Some("t"), None)));
+    assert_pending!(waiting.poll());
+    // a1 frees (promised to the waiter), then b1 comes before the waiter runs.
+    drop(tx);
+    held.into_body().collect().await.unwrap();
+    handle.insert(
+        "b1",
+        Backend::new("b", backend("b1", &streams)).slots(nz(1)),
+    );
+    svc.ready().await.unwrap();
+    let res = assert_ready!(waiting.poll()).unwrap();
+    drop(res);
+    // Both slots can be taken at once: none is left promised.
+    let x = send(&mut svc, Some("x"), Some("stream")).await.unwrap();
+    let y = send(&mut svc, Some("y"), Some("stream")).await.unwrap();
+    assert_ne!(decision(&x).backend, decision(&y).backend);
+    assert_eq!((decision(&x).waited, decision(&y).waited), (None, None));
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_64_kib_header_key_is_digested() {
     let streams = Streams::default();
@@ -1266,6 +1301,139 @@ async fn a_wake_that_is_not_used_is_passed_on_to_a_waiter_held_for_that_slot() {
         assert_eq!(svc.stats().waiting, 0, "{held}");
         drop(others);
     }
+}
+
+/// A freed slot is promised to the waiter it wakes: a request arriving before that waiter's
+/// task runs does not take it, but waits its turn behind it.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_slot_freed_for_a_waiter_is_not_taken_by_a_later_arrival() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new().layer(fleet(&[("a1", "a", 1)], &streams));
+    let holder = send(&mut svc, None, Some("stream")).await.unwrap();
+    let (_, tx) = streams.take().unwrap();
+    svc.ready().await.unwrap();
+    let mut waiter = tokio_test::task::spawn(svc.call(request(None, None)));
+    assert_pending!(waiter.poll());
+    // The slot frees and wakes the waiter; a request arrives before the waiter runs.
+    drop(tx);
+    holder.into_body().collect().await.unwrap();
+    assert!(waiter.is_woken());
+    svc.ready().await.unwrap();
+    let mut later = tokio_test::task::spawn(svc.call(request(None, None)));
+    assert_pending!(later.poll(), "the freed slot is promised to the waiter");
+    let res = assert_ready!(waiter.poll()).unwrap();
+    assert_eq!(decision(&res).waited, Some(Duration::ZERO));
+    // The waiter's answer ends: the later request's turn.
+    drop(res);
+    assert!(later.is_woken());
+    assert_ready!(later.poll()).unwrap();
+    assert_eq!(svc.stats().waiting, 0);
+}
+
+/// Two thousand requests of 40 sessions, each given up at a random point (waiting, before
+/// its answer, in the middle of its stream, or not at all), while a backend leaves and comes
+/// back: nothing is left counted, and no slot is left promised to a waiter that is gone.
+#[tokio::test(start_paused = true)]
+async fn requests_given_up_anywhere_leave_nothing_counted_or_promised() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    type Body = http_body_util::StreamBody<
+        tokio_stream::wrappers::ReceiverStream<Result<http_body::Frame<Bytes>, Infallible>>,
+    >;
+    type Svc = tower::util::BoxCloneSyncService<Req, http::Response<Body>, Infallible>;
+    static STATE: AtomicU64 = AtomicU64::new(0x9e37_79b9_7f4a_7c15);
+    fn rnd(n: u64) -> u64 {
+        let mut x = STATE.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed);
+        x ^= x >> 31;
+        x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        x ^= x >> 29;
+        x % n
+    }
+    // Answers after a while, then three frames a while apart.
+    fn streaming() -> Svc {
+        Svc::new(tower::service_fn(|_req: Req| async move {
+            tokio::time::sleep(Duration::from_micros(rnd(2_000))).await;
+            let (tx, rx) = tokio::sync::mpsc::channel(4);
+            tokio::spawn(async move {
+                for _ in 0..3 {
+                    tokio::time::sleep(Duration::from_micros(rnd(1_000))).await;
+                    if tx
+                        .send(Ok(http_body::Frame::data(Bytes::from_static(b"x"))))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+            let body =
+                http_body_util::StreamBody::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+            Ok::<_, Infallible>(http::Response::new(body))
+        }))
+    }
+    let (handle, stream) = discover::channel::<Svc>();
+    for (id, node) in [("a1", "a"), ("a2", "a"), ("b1", "b")] {
+        handle.insert(id, Backend::new(node, streaming()).slots(nz(2)));
+    }
+    let svc = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_millis(50), 10_000))
+        .node_patience(Duration::from_millis(3))
+        .layer(stream);
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..2_000u64 {
+        let mut svc = svc.clone();
+        tasks.spawn(async move {
+            let fut = svc
+                .ready()
+                .await
+                .unwrap()
+                .call(request(Some(&format!("s{}", i % 40)), None));
+            let Ok(Ok(res)) = tokio::time::timeout(Duration::from_micros(rnd(6_000)), fut).await
+            else {
+                return;
+            };
+            let mut body = res.into_body();
+            match rnd(3) {
+                0 => drop(body),
+                1 => drop(body.frame().await),
+                _ => while let Some(Ok(_)) = body.frame().await {},
+            }
+        });
+        match i % 200 {
+            100 => drop(handle.remove("a2")),
+            150 => drop(handle.insert("a2", Backend::new("a", streaming()).slots(nz(2)))),
+            _ => {}
+        }
+        if i % 8 == 0 {
+            tokio::task::yield_now().await;
+        }
+    }
+    while let Some(t) = tasks.join_next().await {
+        t.unwrap();
+    }
+    svc.apply_discovery();
+    let stats = svc.stats();
+    assert_eq!((stats.in_flight, stats.waiting), (0, 0), "{stats:?}");
+    assert!(svc
+        .backends()
+        .iter()
+        .all(|b| b.in_flight == 0 && b.unread_tokens == 0));
+    // Every slot is free to take: six requests at once, none waits.
+    let mut held = Vec::new();
+    for i in 0..6 {
+        let mut svc = svc.clone();
+        let fut = svc
+            .ready()
+            .await
+            .unwrap()
+            .call(request(Some(&format!("after{i}")), None));
+        let mut task = tokio_test::task::spawn(fut);
+        let _ = task.poll();
+        held.push(task);
+    }
+    tokio::time::advance(Duration::from_millis(3)).await;
+    assert_eq!(svc.stats().waiting, 0, "{:?}", svc.backends());
+    assert_eq!(svc.stats().in_flight, 6, "{:?}", svc.backends());
+    drop(held);
 }
 
 /// A policy of a user's own: the first backend with room, in the fleet's order, whatever the
