@@ -14,7 +14,9 @@
 //! and looks for a slot; a freed slot passes over the waiters already woken. Meanwhile the
 //! slot is promised to it (`Load::reserved`): a request arriving before the woken waiter runs
 //! does not take it, or under sustained load a waiter could be woken again and again for
-//! slots that later arrivals took, and be refused at its deadline while they were served. A waiter dropped
+//! slots that later arrivals took, and be refused at its deadline while they were served. A
+//! woken request whose caller neither polls nor drops it keeps the slot promised until it
+//! does one or the other: a caller that stops polling a response future should drop it. A waiter dropped
 //! before its task runs (its client went away) passes the wake on as the freed slot would
 //! have: to the waiter that slot suits best, however it is held; so does a woken waiter that
 //! takes a slot elsewhere. So a freed slot is never left with a waiter that could use it
