@@ -484,6 +484,11 @@ where
                     if !matches!(placed, Placed::Full { .. }) || last {
                         w.ticket.settle();
                     }
+                    // Woken for a slot it could not take (its policy does not offer it, or
+                    // another request was quicker): another waiter may take it.
+                    if let (Placed::Full { .. }, Woken::For(slot)) = (&placed, &woken) {
+                        w.ticket.decline(slot);
+                    }
                     match placed {
                         Placed::Dispatch {
                             service,

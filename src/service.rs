@@ -588,7 +588,11 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             home: match (only_node, only_backend) {
                 // Waits for it to the end: no other backend can answer it.
                 _ if is_pinned => wait_home(Scope::Backend, Duration::MAX),
-                (Some(_), _) => wait_home(Scope::Node, self.node_patience),
+                // Held for its home's node, whatever node its cache is on.
+                (Some(node), _) => WaitHome {
+                    node: Some(node),
+                    ..wait_home(Scope::Node, self.node_patience)
+                },
                 (_, Some(_)) => wait_home(Scope::Backend, Duration::ZERO),
                 _ => wait_home(Scope::Any, Duration::ZERO),
             },

@@ -75,6 +75,9 @@ struct Waiter {
     waker: Waker,
     /// The slot that woke it, promised to it until its task runs.
     woken_for: Option<Slot>,
+    /// The last freeing it was woken for and could not use: passed on, that freeing does
+    /// not come back to it.
+    declined: u64,
 }
 
 /// A freed slot: its backend's load (where the promise is counted), its backend and node.
@@ -83,6 +86,8 @@ pub(crate) struct Slot {
     pub(crate) load: Arc<Load>,
     pub(crate) backend: u32,
     pub(crate) node: u32,
+    /// Which freeing this is (never 0), kept as the slot is passed on.
+    event: u64,
 }
 
 impl Slot {
@@ -96,6 +101,8 @@ impl Slot {
 #[derive(Debug, Default)]
 pub(crate) struct WaitList {
     next_seq: u64,
+    /// The last freeing numbered.
+    events: u64,
     queue: VecDeque<Waiter>,
 }
 
@@ -115,18 +122,39 @@ impl Capacity {
     /// A slot on `backend` (of `node`, `load` its counts) has freed: wake the waiter it
     /// suits best, among those not woken already, and promise it the slot.
     pub(crate) fn slot_freed(&self, load: &Arc<Load>, backend: u32, node: u32) {
+        self.wake_for(load, backend, node, None);
+    }
+
+    /// Passes on a slot a woken waiter did not take, as its freeing would have, to a waiter
+    /// that has not declined this freeing.
+    pub(crate) fn pass_on(&self, slot: &Slot) {
+        self.wake_for(&slot.load, slot.backend, slot.node, Some(slot.event));
+    }
+
+    fn wake_for(&self, load: &Arc<Load>, backend: u32, node: u32, event: Option<u64>) {
         if self.waiting.load(Ordering::SeqCst) == 0 {
             return;
         }
         let mut list = self.waiters.lock();
+        let event = match event {
+            Some(e) => e,
+            None => {
+                list.events += 1;
+                list.events
+            }
+        };
         let q = &list.queue;
         let first = |fits: &dyn Fn(&WaitHome) -> bool| {
-            q.iter()
-                .position(|w| w.woken_for.is_none() && fits(&w.home))
+            q.iter().position(|w| {
+                w.woken_for.is_none()
+                    && w.declined != event
+                    && w.home.accepts(backend, node)
+                    && fits(&w.home)
+            })
         };
         let at = first(&|h| h.backend == Some(backend))
-            .or_else(|| first(&|h| h.node == Some(node) && h.accepts(backend, node)))
-            .or_else(|| first(&|h| h.accepts(backend, node)));
+            .or_else(|| first(&|h| h.node == Some(node)))
+            .or_else(|| first(&|_| true));
         let Some(w) = at.map(|i| &mut list.queue[i]) else {
             return;
         };
@@ -136,15 +164,11 @@ impl Capacity {
             load: load.clone(),
             backend,
             node,
+            event,
         });
         let waker = w.waker.clone();
         drop(list);
         waker.wake();
-    }
-
-    /// Passes on a slot a woken waiter did not take: as its freeing would have.
-    pub(crate) fn pass_on(&self, slot: &Slot) {
-        self.slot_freed(&slot.load, slot.backend, slot.node);
     }
 
     /// Wakes every waiter: the fleet has changed (a backend came or came back).
@@ -213,6 +237,7 @@ impl WaitTicket {
             home,
             waker: Waker::noop().clone(),
             woken_for: None,
+            declined: 0,
         });
         drop(list);
         Some(WaitTicket {
@@ -246,6 +271,7 @@ impl WaitTicket {
                     home: self.home,
                     waker: waker.clone(),
                     woken_for: None,
+                    declined: 0,
                 });
                 Woken::All
             }
@@ -265,6 +291,15 @@ impl WaitTicket {
         if let Some(w) = list.find(self.seq) {
             w.home.scope = Scope::Any;
         }
+    }
+
+    /// Its task looked, woken for `slot`, and took no slot: the slot goes on to a waiter
+    /// that has not declined it (this one has now, for this freeing).
+    pub(crate) fn decline(&self, slot: &Slot) {
+        if let Some(w) = self.capacity.waiters.lock().find(self.seq) {
+            w.declined = slot.event;
+        }
+        self.capacity.pass_on(slot);
     }
 
     /// Which slots the ticket waits for.

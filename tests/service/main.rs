@@ -1436,6 +1436,166 @@ async fn requests_given_up_anywhere_leave_nothing_counted_or_promised() {
     drop(held);
 }
 
+/// Marks a request that its policy may only place on `a1`.
+#[derive(Clone, Copy)]
+struct OnlyA1;
+
+/// A policy of a user's own that serves some requests from one backend only (a model that
+/// only `a1` runs, say): the docs allow a policy to offer nothing, the request then waits.
+#[derive(Clone, Copy)]
+struct SomeOnlyOnA1;
+
+impl Placement for SomeOnlyOnA1 {
+    fn place(
+        &self,
+        fleet: &tower_affinity::placement::FleetView<'_>,
+        req: &tower_affinity::placement::PlacementRequest<'_>,
+        c: &mut tower_affinity::placement::Candidates<'_>,
+    ) {
+        let only_a1 = req.extensions.get::<OnlyA1>().is_some();
+        for b in fleet.backends() {
+            if only_a1 && b.id().as_str() != "a1" {
+                continue;
+            }
+            if c.offer(b).is_break() {
+                break;
+            }
+        }
+    }
+}
+
+/// A waiter woken for a slot its policy does not offer it looks, finds nothing, and passes
+/// the slot on: the next waiter, which that slot serves, takes it at once rather than
+/// sleeping beside it until its own `max_wait`.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_wake_its_waiter_cannot_use_is_passed_on() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .placement(SomeOnlyOnA1)
+        .overflow(Overflow::wait(Duration::from_secs(30), 8))
+        .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
+    let x = send(&mut svc, None, Some("stream")).await.unwrap();
+    let y = send(&mut svc, None, Some("stream")).await.unwrap();
+    assert_eq!(
+        (decision(&x).backend.as_str(), decision(&y).backend.as_str()),
+        ("a1", "b1")
+    );
+    let (_, _x_tx) = streams.take().unwrap();
+    let (_, y_tx) = streams.take().unwrap();
+    svc.ready().await.unwrap();
+    let mut only_a1 = request(None, None);
+    only_a1.extensions_mut().insert(OnlyA1);
+    let mut first = tokio_test::task::spawn(svc.call(only_a1));
+    assert_pending!(first.poll());
+    svc.ready().await.unwrap();
+    let mut second = tokio_test::task::spawn(svc.call(request(None, None)));
+    assert_pending!(second.poll());
+    // b1 frees: it wakes the oldest waiter, which only a1 may serve.
+    drop(y_tx);
+    y.into_body().collect().await.unwrap();
+    assert!(first.is_woken());
+    assert_pending!(first.poll());
+    assert!(
+        second.is_woken(),
+        "b1 is idle while a waiter it can serve sleeps (until its max_wait)"
+    );
+    let d = decision(&assert_ready!(second.poll()).unwrap());
+    assert_eq!(d.backend.as_str(), "b1");
+    drop(x);
+}
+
+/// `request` with a chain of the given blocks, pinned to `on` if given.
+fn chained(session: &str, mode: Option<&str>, blocks: &[(u64, u32)], on: Option<&str>) -> Req {
+    let mut req = request(Some(session), mode);
+    let mut facts = PromptFacts::from_chain(PromptChain::from_blocks(blocks.iter().copied()));
+    facts.stored_on = on.map(Into::into);
+    req.extensions_mut().insert(facts);
+    req
+}
+
+/// A session held for its home's node (node patience) whose home evicted its cache, while
+/// another node's backend holds its own prefix, is woken by a slot freed on its home's node,
+/// where it waits, and not by one on the other node, which it cannot take.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_session_held_for_its_node_is_woken_by_a_slot_there() {
+    let streams = Streams::default();
+    let spec: Spec<'_> = &[("a1", "a", 1), ("b1", "b", 1)];
+    let fleet = StaticFleet::new(spec.iter().map(|&(id, node, slots)| {
+        (
+            id,
+            Backend::new(node, backend(id, &streams))
+                .slots(nz(slots))
+                .cache_tokens(1_000),
+        )
+    }));
+    let mut svc = SessionAffinityLayer::new()
+        .node_patience(Duration::from_secs(10))
+        .overflow(Overflow::wait(Duration::from_secs(120), 8))
+        .layer(fleet);
+    let call = |svc: &mut _, req| {
+        let svc: &mut SessionAffinity<_, HeaderKey, _> = svc;
+        tokio_test::task::spawn(svc.call(req))
+    };
+    // Turn 1 of x on P.
+    svc.ready().await.unwrap();
+    let t1 = call(&mut svc, chained("x", None, &[(1, 100)], None))
+        .await
+        .unwrap();
+    let p = decision(&t1).backend.as_str().to_owned();
+    let q = if p == "a1" { "b1" } else { "a1" }.to_owned();
+    drop(t1);
+    // P busy; turn 2 waits out its patience and spills to Q, its home now.
+    svc.ready().await.unwrap();
+    let p_busy = call(&mut svc, continuing(Some("p"), Some("stream"), &p))
+        .await
+        .unwrap();
+    let (_, _p_tx) = streams.take().unwrap();
+    svc.ready().await.unwrap();
+    let mut t2 = call(&mut svc, chained("x", None, &[(1, 100), (2, 100)], None));
+    assert_pending!(t2.poll());
+    tokio::time::advance(Duration::from_secs(11)).await;
+    let t2 = t2.await.unwrap();
+    assert_eq!(decision(&t2).backend.as_str(), q);
+    drop(t2);
+    // Another conversation pushes x out of Q's cache.
+    svc.ready().await.unwrap();
+    let big = call(&mut svc, chained("big", None, &[(77, 950)], Some(&q)))
+        .await
+        .unwrap();
+    assert_eq!(decision(&big).backend.as_str(), q);
+    drop(big);
+    // Q busy too; x's turn 3 waits for Q's node (its home's).
+    svc.ready().await.unwrap();
+    let q_busy = call(&mut svc, continuing(Some("q"), Some("stream"), &q))
+        .await
+        .unwrap();
+    let (_, q_tx) = streams.take().unwrap();
+    svc.ready().await.unwrap();
+    let mut t3 = call(
+        &mut svc,
+        chained("x", None, &[(1, 100), (2, 100), (3, 100)], None),
+    );
+    assert_pending!(t3.poll());
+    assert_eq!(svc.stats().waiting, 1);
+    // Q frees.
+    drop(q_tx);
+    q_busy.into_body().collect().await.unwrap();
+    tokio::time::advance(Duration::from_secs(1)).await;
+    if !t3.is_woken() {
+        // It only runs once its patience is over, beside the slot idle since.
+        tokio::time::advance(Duration::from_secs(10)).await;
+        let d = decision(&assert_ready!(t3.poll()).unwrap());
+        panic!(
+            "a slot on x's home node ({q}) freed and x, held for that node, slept: \
+             placed on {} as {:?} after {:?}",
+            d.backend, d.outcome, d.waited
+        );
+    }
+    let d = decision(&assert_ready!(t3.poll()).unwrap());
+    assert_eq!(d.backend.as_str(), q);
+    drop(p_busy);
+}
+
 /// A policy of a user's own: the first backend with room, in the fleet's order, whatever the
 /// session's home.
 #[derive(Clone, Copy)]
