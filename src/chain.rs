@@ -261,24 +261,30 @@ impl ChainBuilder {
 
     /// Feeds prompt bytes, adding a link each time the current part crosses a block.
     pub(crate) fn feed(&mut self, bytes: &[u8]) {
-        self.feed_counted(bytes, true);
+        self.feed_counted(bytes, None);
     }
 
     /// Feeds bytes that a model reads as `tokens` tokens whatever their length (an encoded
-    /// image): digested and cut into blocks as any bytes, counted as `tokens`.
+    /// image): digested and cut into blocks as any bytes, counted as `tokens`, spread over
+    /// them (a link inside counts its share so far).
     pub(crate) fn feed_opaque(&mut self, bytes: &[u8], tokens: u64) {
-        self.opaque_tokens += tokens;
-        self.feed_counted(bytes, false);
+        self.feed_counted(bytes, Some(tokens));
     }
 
-    fn feed_counted(&mut self, mut bytes: &[u8], counted: bool) {
+    /// Feeds `bytes`, counted at [`BYTES_PER_TOKEN`], or as `opaque` tokens in all.
+    fn feed_counted(&mut self, mut bytes: &[u8], opaque: Option<u64>) {
+        let (total, mut fed) = (bytes.len() as u64, 0u64);
         while !bytes.is_empty() {
             let room = self.block - self.in_part % self.block;
             let take = (room as usize).min(bytes.len());
             self.hasher.update(&bytes[..take]);
             self.bytes += take as u64;
-            if !counted {
+            if let Some(tokens) = opaque {
+                // This stretch's share of the payload's tokens.
+                let before = tokens * fed / total;
+                fed += take as u64;
                 self.opaque_bytes += take as u64;
+                self.opaque_tokens += tokens * fed / total - before;
             }
             self.in_part += take as u64;
             bytes = &bytes[take..];
@@ -349,8 +355,9 @@ mod tests {
         let bytes: Vec<u64> = c.links().iter().map(|l| l.bytes).collect();
         assert_eq!(bytes, [3, 7, 11, 13, 17, 21]);
         let tokens: Vec<u64> = c.links().iter().map(|l| l.tokens).collect();
-        // "sys" is 1 token; the payload 100 however long; "question" 2 more.
-        assert_eq!(tokens, [1, 101, 101, 101, 102, 103]);
+        // "sys" is 1 token; the payload 100 however long, spread over its blocks (4 and 8 of
+        // its 10 bytes: 40 and 80); "question" 2 more.
+        assert_eq!(tokens, [1, 41, 81, 101, 102, 103]);
         // A chain continued from it counts on from its tokens.
         let mut more = ChainBuilder::continuing(&c, 4);
         more.feed(b"next");

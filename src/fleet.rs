@@ -10,7 +10,7 @@
 //! for reuse, but re-inserting the same id before that reuses the index and generation, so the
 //! sessions homed there stay.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -603,7 +603,9 @@ pub(crate) struct Topology {
     pub(crate) total_slots: u32,
     by_id: HashMap<BackendId, u32>,
     node_by_id: HashMap<NodeId, u32>,
-    free: Vec<u32>,
+    /// Removed backends' indexes, the earliest removed first: a new backend takes the
+    /// earliest's, so that those removed last keep their models longest.
+    free: VecDeque<u32>,
 }
 
 /// A stable 64-bit digest of a name, the same in every process.
@@ -741,7 +743,7 @@ impl Topology {
             return index;
         }
         let digest = name_digest(id.as_str());
-        let index = if let Some(index) = self.free.pop() {
+        let index = if let Some(index) = self.free.pop_front() {
             let m = &mut self.members[index as usize];
             self.by_id.remove(&m.id);
             *m = Member {
@@ -790,7 +792,7 @@ impl Topology {
         let member = &mut self.members[index as usize];
         member.live = false;
         member.load.metrics.removed();
-        self.free.push(index);
+        self.free.push_back(index);
         if let Some(at) = self.free.len().checked_sub(Self::KEPT_REMOVED + 1) {
             let m = &mut self.members[self.free[at] as usize];
             if !m.forgotten {
@@ -1001,6 +1003,20 @@ mod tests {
         assert_eq!(t.resolve(a, g), None);
         assert_eq!(t.insert("a".into(), &"n2".into(), nz(3), None, 1000), a);
         assert_eq!(t.resolve(a, g), Some(a));
+    }
+
+    #[test]
+    fn a_new_backend_takes_the_index_of_the_one_removed_earliest() {
+        let mut t = Topology::default();
+        let b0 = t.insert("b0".into(), &"n".into(), nz(1), None, 1000);
+        let b1 = t.insert("b1".into(), &"n".into(), nz(1), None, 1000);
+        let g1 = t.member(b1).generation;
+        t.remove(&"b0".into());
+        t.remove(&"b1".into());
+        // A newcomer while b1 restarts: b0's index, not b1's.
+        assert_eq!(t.insert("c".into(), &"n".into(), nz(1), None, 1000), b0);
+        assert_eq!(t.insert("b1".into(), &"n".into(), nz(1), None, 1000), b1);
+        assert_eq!(t.resolve(b1, g1), Some(b1), "b1 takes its sessions back");
     }
 
     #[test]

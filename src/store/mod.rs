@@ -53,8 +53,9 @@
 //!   share (a common system prompt) is held by many backends, and placement treats it as
 //!   shared, as it does without a store.
 //! - **A replica's own writes.** Each replica remembers the tips it wrote and the backend it
-//!   wrote for each (as many as its session table holds sessions, [`Sessions::max_entries`];
-//!   at the default of 100,000, at most about 3.3 MB). A read that finds the home this
+//!   wrote for each (twice as many as its session table holds sessions,
+//!   [`Sessions::max_entries`], two a keyless turn; at the default of 100,000, at most about
+//!   6.6 MB). A read that finds the home this
 //!   replica wrote itself ([`StoreStats::prompt_own`]) adds nothing to its model: the replica
 //!   served that turn, and its model, which has seen what it sent the backend since, is left
 //!   to say whether the backend still holds it, as a keyed session's is (below). Taken as a

@@ -332,7 +332,8 @@ impl Homes {
             writes_in_flight: AtomicUsize::new(0),
             failed: Mutex::default(),
             writes_failing: AtomicBool::new(false),
-            written: Mutex::new(Written::new(sessions)),
+            // Two tips a keyless turn (its tip and its last link).
+            written: Mutex::new(Written::new(sessions.saturating_mul(2))),
             counters: Counters::default(),
         }
     }
@@ -367,13 +368,18 @@ impl Homes {
     }
 
     /// Records the store's state as a read found it: a change is logged once and counted.
+    /// Changes are made under the failed homes' lock, so that a recovery never runs between
+    /// an outage's start and its time being noted.
     fn mark(self: &Arc<Self>, up: bool, why: &dyn std::fmt::Display) {
+        if self.up.load(Ordering::Acquire) == up {
+            return;
+        }
+        let mut failed = self.failed.lock();
         if self.up.swap(up, Ordering::AcqRel) == up {
             return;
         }
         if up {
             bump(&self.counters.recoveries);
-            let mut failed = self.failed.lock();
             let since = failed.down_since.take();
             let homes = std::mem::take(&mut failed.homes);
             drop(failed);
@@ -393,7 +399,8 @@ impl Homes {
                 self.write(key, home);
             }
         } else {
-            self.failed.lock().down_since = Some(Instant::now());
+            failed.down_since = Some(Instant::now());
+            drop(failed);
             bump(&self.counters.outages);
             tracing::warn!(
                 error = %why,
@@ -603,7 +610,7 @@ impl Homes {
         match error {
             Some(error) if self.up.load(Ordering::Acquire) => tracing::warn!(
                 %error,
-                "shared session store refuses writes while it answers reads; homes placed now are not shared"
+                "writes to the shared session store fail (its reads last answered); homes placed now are not shared"
             ),
             // The store is down: its outage was logged.
             Some(_) => {}
@@ -650,8 +657,18 @@ impl Homes {
             };
             if error.is_some() {
                 bump(&this.counters.write_errors);
+                let now = Instant::now();
+                if failed.homes.len() >= MAX_FAILED {
+                    // A home that failed more than a write's time before the outage began (or
+                    // before now, while the store is up) will never be written again (see
+                    // `mark`): room for those that will.
+                    let since = failed.down_since.unwrap_or(now);
+                    failed
+                        .homes
+                        .retain(|_, (_, at)| *at + WRITE_TIMEOUT >= since);
+                }
                 if failed.homes.len() < MAX_FAILED || failed.homes.contains_key(&key) {
-                    failed.homes.insert(key, (home, Instant::now()));
+                    failed.homes.insert(key, (home, now));
                 }
             }
             drop(failed);

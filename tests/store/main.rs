@@ -423,6 +423,59 @@ async fn a_home_that_failed_while_the_store_answered_is_not_written_over_a_newer
     assert_eq!(store.0.lock().homes[&key("s")].backend.as_str(), later);
 }
 
+/// Homes whose writes failed while the store answered reads, 4,096 of them (as many as are
+/// kept), do not crowd out a home that fails in a later outage: that one is written when the
+/// store comes back.
+#[tokio::test(start_paused = true)]
+async fn homes_refused_long_before_an_outage_do_not_crowd_out_one_that_failed_in_it() {
+    let store = MemoryStore::new();
+    let svc = service(&store);
+    let first = send(&svc, "s").await;
+    settle().await;
+    // Writes refused, reads answered, for 4,096 new sessions.
+    store.0.lock().fail_writes = true;
+    for i in 0..4_096 {
+        send(&svc, &format!("other-{i}")).await;
+        if i % 64 == 0 {
+            settle().await;
+        }
+    }
+    settle().await;
+    let stats = svc.store_stats().unwrap();
+    assert_eq!(
+        (stats.state, stats.write_errors),
+        (StoreState::Up, 4_096),
+        "{stats:?}"
+    );
+    store.0.lock().fail_writes = false;
+    tokio::time::advance(Duration::from_secs(60)).await;
+    // Much later, an outage: the session moves and its write fails.
+    {
+        let mut s = store.0.lock();
+        s.mode = Mode::Fail;
+        s.fail_writes = true;
+    }
+    let busy = hold(&svc, "s").await;
+    let moved = send(&svc, "s").await;
+    assert_ne!(moved.backend, first.backend);
+    drop(busy);
+    settle().await;
+    assert_eq!(svc.store_stats().unwrap().state, StoreState::Down);
+    {
+        let mut s = store.0.lock();
+        s.mode = Mode::Answer;
+        s.fail_writes = false;
+    }
+    send(&svc, "u").await;
+    settle().await;
+    assert_eq!(svc.store_stats().unwrap().state, StoreState::Up);
+    assert_eq!(
+        store.0.lock().homes[&key("s")].backend,
+        moved.backend,
+        "the moved home failed in the outage and was not written at its recovery"
+    );
+}
+
 // === replicas and prompt chains ===
 
 /// Backends whose cache models hold 10,000 tokens each.
