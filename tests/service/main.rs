@@ -1106,20 +1106,34 @@ async fn readiness_polls_discovery_only_after_the_stream_wakes() {
     assert!(polls.load(Ordering::Relaxed) > after_first);
 }
 
+/// One backend of one slot behind a live discovery channel, that slot held by a stream of
+/// session "s".
+async fn one_slot_held(
+    streams: &Streams,
+) -> (
+    discover::FleetHandle<MockService>,
+    SessionAffinity<
+        discover::FleetChannel<MockService>,
+        HeaderKey,
+        tower_affinity::placement::NodeThenBackend,
+    >,
+    Res,
+) {
+    let (handle, stream) = discover::channel::<MockService>();
+    handle.insert("a1", Backend::new("a", backend("a1", streams)).slots(nz(1)));
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_secs(60), 8))
+        .layer(stream);
+    let held = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+    (handle, svc, held)
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_waiting_request_takes_a_backend_announced_while_it_waits() {
     // Every slot is taken and a request waits; no other request comes. A backend announced
     // now wakes the waiting request, which finds it.
     let streams = Streams::default();
-    let (handle, stream) = discover::channel::<MockService>();
-    handle.insert(
-        "a1",
-        Backend::new("a", backend("a1", &streams)).slots(nz(1)),
-    );
-    let mut svc = SessionAffinityLayer::new()
-        .overflow(Overflow::wait(Duration::from_secs(60), 8))
-        .layer(stream);
-    let held = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+    let (handle, mut svc, held) = one_slot_held(&streams).await;
     svc.ready().await.unwrap();
     let mut waiting = tokio_test::task::spawn(svc.call(request(Some("t"), None)));
     assert_pending!(waiting.poll());
@@ -1143,15 +1157,7 @@ async fn a_waiting_request_takes_a_backend_announced_while_it_waits() {
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_fleet_change_before_a_woken_waiter_runs_keeps_its_slot_free() {
     let streams = Streams::default();
-    let (handle, stream) = discover::channel::<MockService>();
-    handle.insert(
-        "a1",
-        Backend::new("a", backend("a1", &streams)).slots(nz(1)),
-    );
-    let mut svc = SessionAffinityLayer::new()
-        .overflow(Overflow::wait(Duration::from_secs(60), 8))
-        .layer(stream);
-    let held = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+    let (handle, mut svc, held) = one_slot_held(&streams).await;
     let (_, tx) = streams.take().unwrap();
     svc.ready().await.unwrap();
     let mut waiting = tokio_test::task::spawn(svc.call(request(Some("t"), None)));
@@ -1453,13 +1459,19 @@ impl Placement for SomeOnlyOnA1 {
         c: &mut tower_affinity::placement::Candidates<'_>,
     ) {
         let only_a1 = req.extensions.get::<OnlyA1>().is_some();
-        for b in fleet.backends() {
-            if only_a1 && b.id().as_str() != "a1" {
-                continue;
-            }
-            if c.offer(b).is_break() {
-                break;
-            }
+        offer_in_order(fleet, c, |id| !only_a1 || id == "a1");
+    }
+}
+
+/// Offers the backends `admit` lets through, in the fleet's order.
+fn offer_in_order(
+    fleet: &tower_affinity::placement::FleetView<'_>,
+    c: &mut tower_affinity::placement::Candidates<'_>,
+    admit: impl Fn(&str) -> bool,
+) {
+    for b in fleet.backends().filter(|b| admit(b.id().as_str())) {
+        if c.offer(b).is_break() {
+            break;
         }
     }
 }
@@ -1608,11 +1620,7 @@ impl Placement for FirstWithRoom {
         _: &tower_affinity::placement::PlacementRequest<'_>,
         c: &mut tower_affinity::placement::Candidates<'_>,
     ) {
-        for b in fleet.backends() {
-            if c.offer(b).is_break() {
-                break;
-            }
-        }
+        offer_in_order(fleet, c, |_| true);
     }
 }
 

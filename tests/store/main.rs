@@ -66,6 +66,13 @@ impl MemoryStore {
         self.0.lock().mode = mode;
     }
 
+    /// Reads and writes fail (`true`), or both answer again.
+    fn down(&self, down: bool) {
+        let mut s = self.0.lock();
+        s.mode = if down { Mode::Fail } else { Mode::Answer };
+        s.fail_writes = down;
+    }
+
     fn put(&self, session: &str, backend: &str, node: &str) {
         self.0
             .lock()
@@ -187,6 +194,13 @@ async fn hold(svc: &Svc, session: &str) -> Res {
         .body(String::new())
         .unwrap();
     svc.clone().oneshot(req).await.unwrap()
+}
+
+/// A request of `session` through `svc`, after which `svc` has the store in `state`.
+async fn noticed(svc: &Svc, session: &str, state: StoreState) {
+    send(svc, session).await;
+    settle().await;
+    assert_eq!(svc.store_stats().unwrap().state, state);
 }
 
 /// Lets the writes' tasks run.
@@ -347,11 +361,7 @@ async fn a_home_that_failed_to_be_written_is_written_when_the_store_comes_back()
     settle().await;
     assert_eq!(store.writes().len(), 1);
     // Down: reads and writes fail. The session moves (its home is busy), and the write fails.
-    {
-        let mut s = store.0.lock();
-        s.mode = Mode::Fail;
-        s.fail_writes = true;
-    }
+    store.down(true);
     let busy = hold(&svc, "s").await;
     let moved = send(&svc, "s").await;
     assert_ne!(moved.backend, first.backend);
@@ -360,11 +370,7 @@ async fn a_home_that_failed_to_be_written_is_written_when_the_store_comes_back()
     let s = svc.store_stats().unwrap();
     assert_eq!((s.state, s.write_errors), (StoreState::Down, 1), "{s:?}");
     // Back: the probe finds it up, and the failed home is written again.
-    {
-        let mut s = store.0.lock();
-        s.mode = Mode::Answer;
-        s.fail_writes = false;
-    }
+    store.down(false);
     send(&svc, "s").await;
     settle().await;
     assert_eq!(svc.store_stats().unwrap().state, StoreState::Up);
@@ -413,13 +419,9 @@ async fn a_home_that_failed_while_the_store_answered_is_not_written_over_a_newer
     tokio::time::advance(Duration::from_secs(60)).await;
     // Much later, an outage of its own and a recovery.
     store.mode(Mode::Fail);
-    send(&svc, "t").await;
-    settle().await;
-    assert_eq!(svc.store_stats().unwrap().state, StoreState::Down);
+    noticed(&svc, "t", StoreState::Down).await;
     store.mode(Mode::Answer);
-    send(&svc, "u").await;
-    settle().await;
-    assert_eq!(svc.store_stats().unwrap().state, StoreState::Up);
+    noticed(&svc, "u", StoreState::Up).await;
     assert_eq!(store.0.lock().homes[&key("s")].backend.as_str(), later);
 }
 
@@ -450,25 +452,15 @@ async fn homes_refused_long_before_an_outage_do_not_crowd_out_one_that_failed_in
     store.0.lock().fail_writes = false;
     tokio::time::advance(Duration::from_secs(60)).await;
     // Much later, an outage: the session moves and its write fails.
-    {
-        let mut s = store.0.lock();
-        s.mode = Mode::Fail;
-        s.fail_writes = true;
-    }
+    store.down(true);
     let busy = hold(&svc, "s").await;
     let moved = send(&svc, "s").await;
     assert_ne!(moved.backend, first.backend);
     drop(busy);
     settle().await;
     assert_eq!(svc.store_stats().unwrap().state, StoreState::Down);
-    {
-        let mut s = store.0.lock();
-        s.mode = Mode::Answer;
-        s.fail_writes = false;
-    }
-    send(&svc, "u").await;
-    settle().await;
-    assert_eq!(svc.store_stats().unwrap().state, StoreState::Up);
+    store.down(false);
+    noticed(&svc, "u", StoreState::Up).await;
     assert_eq!(
         store.0.lock().homes[&key("s")].backend,
         moved.backend,
