@@ -196,6 +196,17 @@ async fn hold(svc: &Svc, session: &str) -> Res {
     svc.clone().oneshot(req).await.unwrap()
 }
 
+/// The next turn of `session` through `svc`, while its home (`first`'s) is busy: it goes
+/// elsewhere. Its home is free again, and the writes have run, when this returns.
+async fn moved_off(svc: &Svc, session: &str, first: &Decision) -> Decision {
+    let busy = hold(svc, session).await;
+    let moved = send(svc, session).await;
+    assert_ne!(moved.backend, first.backend);
+    drop(busy);
+    settle().await;
+    moved
+}
+
 /// A request of `session` through `svc`, after which `svc` has the store in `state`.
 async fn noticed(svc: &Svc, session: &str, state: StoreState) {
     send(svc, session).await;
@@ -362,11 +373,7 @@ async fn a_home_that_failed_to_be_written_is_written_when_the_store_comes_back()
     assert_eq!(store.writes().len(), 1);
     // Down: reads and writes fail. The session moves (its home is busy), and the write fails.
     store.down(true);
-    let busy = hold(&svc, "s").await;
-    let moved = send(&svc, "s").await;
-    assert_ne!(moved.backend, first.backend);
-    drop(busy);
-    settle().await;
+    let moved = moved_off(&svc, "s", &first).await;
     let s = svc.store_stats().unwrap();
     assert_eq!((s.state, s.write_errors), (StoreState::Down, 1), "{s:?}");
     // Back: the probe finds it up, and the failed home is written again.
@@ -390,11 +397,7 @@ async fn a_home_that_failed_while_the_store_answered_is_not_written_over_a_newer
     settle().await;
     // Writes refused, reads answered. The session moves (its home is busy); the write fails.
     store.0.lock().fail_writes = true;
-    let busy = hold(&svc, "s").await;
-    let moved = send(&svc, "s").await;
-    assert_ne!(moved.backend, first.backend);
-    drop(busy);
-    settle().await;
+    let moved = moved_off(&svc, "s", &first).await;
     let stats = svc.store_stats().unwrap();
     assert_eq!(
         (stats.state, stats.write_errors),
@@ -453,11 +456,7 @@ async fn homes_refused_long_before_an_outage_do_not_crowd_out_one_that_failed_in
     tokio::time::advance(Duration::from_secs(60)).await;
     // Much later, an outage: the session moves and its write fails.
     store.down(true);
-    let busy = hold(&svc, "s").await;
-    let moved = send(&svc, "s").await;
-    assert_ne!(moved.backend, first.backend);
-    drop(busy);
-    settle().await;
+    let moved = moved_off(&svc, "s", &first).await;
     assert_eq!(svc.store_stats().unwrap().state, StoreState::Down);
     store.down(false);
     noticed(&svc, "u", StoreState::Up).await;
