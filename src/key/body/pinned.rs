@@ -229,6 +229,31 @@ fn chains_keys_and_leading_digests_are_as_pinned() {
 
 // === reading items member by member, against reading them whole ===
 
+/// A string token long enough to count as an encoded payload.
+const BASE64_LEAF: &str = concat!(
+    "\"",
+    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
+    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
+    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
+    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
+    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
+    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
+    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
+    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
+    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
+    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
+    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
+    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
+    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
+    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
+    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
+    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
+    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
+    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
+    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
+    "\""
+);
+
 /// A JSON text of up to `depth` levels, with whitespace between its tokens, escapes, the
 /// member `cache_control`, and the values serde's raw values take and a `Value` does not.
 fn json(depth: u32) -> BoxedStrategy<String> {
@@ -242,6 +267,10 @@ fn json(depth: u32) -> BoxedStrategy<String> {
         r#""cache_control""#,
         r#""""#,
         r#"" s p ""#,
+        r#""text""#,
+        r#""input_text""#,
+        r#""x-anthropic-billing-header: cc_version=1; cch=ab12f;""#,
+        BASE64_LEAF,
         "1",
         "-0",
         "1.50",
@@ -268,10 +297,14 @@ fn json(depth: u32) -> BoxedStrategy<String> {
                     select(vec![
                         r#""role""#,
                         r#""content""#,
+                        r#""content""#,
+                        r#""type""#,
                         r#""cache_control""#,
                         r#""text""#,
                         r#""\u0061""#,
                         r#""cache_control" "#,
+                        r#""x-anthropic-billing-header: cch=ab12f;""#,
+                        BASE64_LEAF,
                     ]),
                     ws(),
                     inner,

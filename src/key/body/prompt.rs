@@ -131,12 +131,13 @@ impl<'de> PromptMembers<'de> {
                 PartValue::Text(text) if !text.is_empty() && part.takes_text() => {
                     chain.mark(part as u8);
                     let text = text.as_bytes();
-                    match billing_nonce(text) {
-                        Some(nonce) => {
+                    match (billing_nonce(text), opaque_tokens(text)) {
+                        (Some(nonce), _) => {
                             chain.feed(&text[..nonce.start]);
                             chain.feed(&text[nonce.end..]);
                         }
-                        None => chain.feed(text),
+                        (None, Some(tokens)) => chain.feed_opaque(text, tokens),
+                        (None, None) => chain.feed(text),
                     }
                     chain.boundary();
                 }
@@ -257,7 +258,8 @@ impl<'de> Items<'de> {
                     if !std::mem::take(&mut first) {
                         out.put(b",");
                     }
-                    out.put(key.as_bytes());
+                    // A key is a string token as any other, as the whole item's path has it.
+                    out.put_string(key.as_bytes());
                     out.put(b":");
                     match one_text_part(key.as_bytes(), value.as_bytes()) {
                         Some(text) => out.put_string(text),
@@ -375,9 +377,10 @@ const OPAQUE_MIN_BYTES: usize = 1024;
 /// as (Qwen2-VL takes a 1024x1024 image as 1,338 tokens, Gemma 3 any image as 256).
 pub(crate) const OPAQUE_TOKENS: u64 = 1024;
 
-/// The tokens to count `text` (a string's content) at, if it is an encoded payload: base64
-/// (or base64url) from its start, or a `data:` URI. Only the first 256 bytes of the payload
-/// are looked at.
+/// The tokens to count `text` (a string's content, raw or decoded) at, if it is an encoded
+/// payload: base64 (or base64url) from its start, or a `data:` URI. Only the first 256 bytes
+/// of the payload are looked at: nothing but the alphabet (a `\` only as JSON's escape of
+/// `/`), and letters of both cases, which numbers, hex and words run together lack.
 fn opaque_tokens(text: &[u8]) -> Option<u64> {
     if text.len() < OPAQUE_MIN_BYTES {
         return None;
@@ -390,12 +393,14 @@ fn opaque_tokens(text: &[u8]) -> Option<u64> {
         None => text,
     };
     let probe = &payload[..payload.len().min(256)];
-    let encoded = probe.len() >= 64
-        && probe.iter().all(|&b| {
-            // `\` for the escapes of `/` and of MIME's line breaks.
-            b.is_ascii_alphanumeric() || matches!(b, b'+' | b'/' | b'=' | b'-' | b'_' | b'\\')
-        });
-    encoded.then(|| (text.len() as u64).div_ceil(4).min(OPAQUE_TOKENS))
+    let alphabet = probe.iter().enumerate().all(|(i, &b)| match b {
+        b'\\' => probe.get(i + 1) == Some(&b'/'),
+        _ => b.is_ascii_alphanumeric() || matches!(b, b'+' | b'/' | b'=' | b'-' | b'_'),
+    });
+    let cases =
+        probe.iter().any(u8::is_ascii_uppercase) && probe.iter().any(u8::is_ascii_lowercase);
+    (probe.len() >= 64 && alphabet && cases)
+        .then(|| (text.len() as u64).div_ceil(4).min(OPAQUE_TOKENS))
 }
 
 // === the canonical form ===

@@ -634,12 +634,38 @@ fn an_encoded_image_is_digested_whole_and_counted_as_an_image() {
         "{shared} of {}",
         image.len()
     );
-    // A long text is counted by its bytes, as before.
+    // A long text is counted by its bytes, as before; so are numbers and hex, one a line, as
+    // tools print them (no payload has only digits, or letters of one case).
     let prose = "word ".repeat(1 << 12);
     let text = chain_of(&format!(
         r#"{{"messages":[{{"role":"user","content":"{prose}"}}]}}"#
     ));
     assert!(text.tokens() > 5_000, "{}", text.tokens());
+    let tool = |output: String| {
+        chain_of(&format!(
+            r#"{{"messages":[{{"role":"tool","tool_call_id":"c","content":"{output}"}}]}}"#
+        ))
+        .tokens()
+    };
+    let numbers: String = (1..=2000).map(|n| format!("{n}\\n")).collect();
+    let hashes: String = (0..500u64)
+        .map(|n| {
+            format!(
+                "{:016x}{:016x}\\n",
+                n.wrapping_mul(0x9e37_79b9_7f4a_7c15),
+                !n
+            )
+        })
+        .collect();
+    assert!(tool(numbers) > 2_000);
+    assert!(tool(hashes) > 4_000);
+    // A payload given as a whole string member counts as one too.
+    let prompt = chain_of(&format!(r#"{{"prompt":"{}"}}"#, &data[..8_000]));
+    assert!(
+        (1024..1024 + 4).contains(&prompt.tokens()),
+        "{}",
+        prompt.tokens()
+    );
 }
 
 #[test]
