@@ -11,16 +11,19 @@
 //! than moving). Slots elsewhere do not wake it meanwhile.
 //!
 //! A woken waiter stays in the queue, marked with the slot that woke it, until its task runs
-//! and looks for a slot; a freed slot passes over the waiters already woken. Meanwhile the
-//! slot is promised to it (`Load::reserved`): a request arriving before the woken waiter runs
-//! does not take it, or under sustained load a waiter could be woken again and again for
-//! slots that later arrivals took, and be refused at its deadline while they were served. A
-//! woken request whose caller neither polls nor drops it keeps the slot promised until it
-//! does one or the other: a caller that stops polling a response future should drop it. A waiter dropped
-//! before its task runs (its client went away) passes the wake on as the freed slot would
-//! have: to the waiter that slot suits best, however it is held; so does a woken waiter that
-//! takes a slot elsewhere. So a freed slot is never left with a waiter that could use it
-//! asleep.
+//! and looks for a slot; a freed slot passes over the waiters already woken, and over those
+//! that may not take it. Meanwhile the slot is promised to the woken waiter
+//! (`Load::reserved`): a request arriving before it runs does not take it, or under sustained
+//! load a waiter could be woken again and again for slots that later arrivals took, and be
+//! refused at its deadline while they were served. A woken request whose caller neither polls
+//! nor drops it keeps the slot promised until it does one or the other: a caller that stops
+//! polling a response future should drop it.
+//!
+//! A woken waiter that does not take its slot passes it on as the freeing would have, to the
+//! waiter it suits best, however that one is held: one dropped before its task ran (its client
+//! went away), one that took a slot elsewhere, and one that found none it may take (it
+//! declines that freeing, which then never comes back to it). So a freed slot is never left
+//! with a waiter that could use it asleep.
 //!
 //! Joining the queue and freeing a slot each write one count and then read the other's
 //! (`waiting`, a backend's requests in flight), sequentially consistent with a fence on the
