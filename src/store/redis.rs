@@ -114,6 +114,29 @@ impl RedisStore {
     }
 }
 
+/// How long a request written to Redis may stay unacknowledged before the connection is
+/// given up (Linux's `TCP_USER_TIMEOUT`), and how long an idle connection goes before it is
+/// probed. A Redis that vanishes without closing its connections (its host gone, or a
+/// failover to another address) otherwise leaves the connection open until the kernel's own
+/// timeouts, many minutes, and redis' connection manager reconnects only when a connection
+/// fails, not when a command times out.
+const DEAD_CONNECTION: Duration = Duration::from_secs(10);
+
+/// The TCP settings of the store's connection: `TCP_NODELAY` (its commands are small and
+/// each one waited for), and the dead-connection detection of [`DEAD_CONNECTION`].
+fn tcp_settings() -> redis::io::tcp::TcpSettings {
+    use redis::io::tcp::socket2::TcpKeepalive;
+    let keepalive = TcpKeepalive::new()
+        .with_time(DEAD_CONNECTION)
+        .with_interval(Duration::from_secs(2));
+    let settings = redis::io::tcp::TcpSettings::default()
+        .set_nodelay(true)
+        .set_keepalive(keepalive);
+    #[cfg(target_os = "linux")]
+    let settings = settings.set_user_timeout(DEAD_CONNECTION);
+    settings
+}
+
 impl RedisStoreBuilder {
     /// The prefix of every key the store reads and writes. Default
     /// [`RedisStore::DEFAULT_PREFIX`].
@@ -141,7 +164,10 @@ impl RedisStoreBuilder {
     /// it cannot use, or a call outside a Tokio runtime (the store runs its connection on
     /// it).
     pub fn open(self, url: &str) -> Result<RedisStore, RedisOpenError> {
-        let client = redis::Client::open(url).map_err(|e| RedisOpenError(OpenKind::Redis(e)))?;
+        let info = redis::IntoConnectionInfo::into_connection_info(url)
+            .map_err(|e| RedisOpenError(OpenKind::Redis(e)))?
+            .set_tcp_settings(tcp_settings());
+        let client = redis::Client::open(info).map_err(|e| RedisOpenError(OpenKind::Redis(e)))?;
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return Err(RedisOpenError(OpenKind::NoRuntime));
         };
