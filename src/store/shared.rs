@@ -568,11 +568,11 @@ impl Homes {
                 written.insert(links[at].digest, decision.backend.clone());
             }
             drop(written);
-            let tip_write = self
-                .store
-                .write_prompt(links[tip].digest, home.clone(), self.ttl);
-            let last_write =
-                (last != tip).then(|| self.store.write_prompt(links[last].digest, home, self.ttl));
+            let last_write = (last != tip).then(|| {
+                self.store
+                    .write_prompt(links[last].digest, home.clone(), self.ttl)
+            });
+            let tip_write = self.store.write_prompt(links[tip].digest, home, self.ttl);
             bump(&self.counters.prompt_writes);
             let this = self.clone();
             // Not written again after an outage, as a session's home is: the conversation's

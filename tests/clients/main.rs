@@ -570,8 +570,8 @@ fn goose_conversation(n: usize) -> serde_json::Value {
 }
 
 /// Goose's moving info message: each turn's prompt differs from the last a few messages from
-/// its end, so it does not extend it and reads as a *compaction*, and goes home, where
-/// llama-server reuses all but those messages. (The outcome says compaction where the cache
+/// its end, so it does not extend it and reads as a *compaction*, and goes home, whose cache
+/// still holds the prompt up to those messages. (The outcome says compaction where the cache
 /// is mostly warm: a known limit of comparing a turn with the last one's end only.)
 #[tokio::test(flavor = "current_thread")]
 async fn gooses_moving_info_message_reads_as_a_compaction_and_goes_home() {

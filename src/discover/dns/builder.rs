@@ -163,7 +163,8 @@ impl DnsFleetBuilder {
     /// The service remembers every node name it has seen for as long as it runs. Where
     /// backends come back under new addresses (pods rescheduled), that is a new name each
     /// time: tens of thousands of them slow each discovery change (about 2.4 ms a change at
-    /// 50,000 names, against 65 µs with names that stay), so name nodes by something stable,
+    /// 50,000 names, against 65 µs with names that stay, on 512 backends, by a probe outside
+    /// this repository), so name nodes by something stable,
     /// such as the host a pod runs on, when addresses churn.
     pub fn node<F, N>(mut self, node: F) -> Self
     where

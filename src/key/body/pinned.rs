@@ -230,29 +230,12 @@ fn chains_keys_and_leading_digests_are_as_pinned() {
 // === reading items member by member, against reading them whole ===
 
 /// A string token long enough to count as an encoded payload.
-const BASE64_LEAF: &str = concat!(
-    "\"",
-    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
-    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
-    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
-    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
-    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
-    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
-    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
-    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
-    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
-    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
-    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
-    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
-    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
-    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
-    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
-    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
-    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
-    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
-    "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x",
-    "\""
-);
+static BASE64_LEAF: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "\"{}\"",
+        "QUJDRGVmZ2hJSktMbW5vcFFSU1R1dnd4WVphYmMxMjM0NTY3ODkrLz0x".repeat(19)
+    )
+});
 
 /// A JSON text of up to `depth` levels, with whitespace between its tokens, escapes, the
 /// member `cache_control`, and the values serde's raw values take and a `Value` does not.
@@ -270,7 +253,7 @@ fn json(depth: u32) -> BoxedStrategy<String> {
         r#""text""#,
         r#""input_text""#,
         r#""x-anthropic-billing-header: cc_version=1; cch=ab12f;""#,
-        BASE64_LEAF,
+        BASE64_LEAF.as_str(),
         "1",
         "-0",
         "1.50",
@@ -304,7 +287,7 @@ fn json(depth: u32) -> BoxedStrategy<String> {
                         r#""\u0061""#,
                         r#""cache_control" "#,
                         r#""x-anthropic-billing-header: cch=ab12f;""#,
-                        BASE64_LEAF,
+                        BASE64_LEAF.as_str(),
                     ]),
                     ws(),
                     inner,

@@ -131,13 +131,13 @@ impl<'de> PromptMembers<'de> {
                 PartValue::Text(text) if !text.is_empty() && part.takes_text() => {
                     chain.mark(part as u8);
                     let text = text.as_bytes();
-                    match (billing_nonce(text), opaque_tokens(text)) {
-                        (Some(nonce), _) => {
-                            chain.feed(&text[..nonce.start]);
-                            chain.feed(&text[nonce.end..]);
-                        }
-                        (None, Some(tokens)) => chain.feed_opaque(text, tokens),
-                        (None, None) => chain.feed(text),
+                    if let Some(nonce) = billing_nonce(text) {
+                        chain.feed(&text[..nonce.start]);
+                        chain.feed(&text[nonce.end..]);
+                    } else if let Some(tokens) = opaque_tokens(text) {
+                        chain.feed_opaque(text, tokens);
+                    } else {
+                        chain.feed(text);
                     }
                     chain.boundary();
                 }
@@ -374,7 +374,8 @@ fn billing_nonce(text: &[u8]) -> Option<Range<usize>> {
 const OPAQUE_MIN_BYTES: usize = 1024;
 
 /// The most tokens an encoded payload is counted at: about what a vision model reads an image
-/// as (Qwen2-VL takes a 1024x1024 image as 1,338 tokens, Gemma 3 any image as 256).
+/// as (a few hundred to a few thousand tokens, by the model and the image's size), far less
+/// than its encoding's bytes.
 pub(crate) const OPAQUE_TOKENS: u64 = 1024;
 
 /// The tokens to count `text` (a string's content, raw or decoded) at, if it is an encoded
