@@ -281,8 +281,6 @@ pub(crate) struct Counters {
     pub(crate) backend_errors: AtomicU64,
     pub(crate) discovery_errors: AtomicU64,
     pub(crate) usage_reports: AtomicU64,
-    pub(crate) prompt_tokens: AtomicU64,
-    pub(crate) reused_tokens: AtomicU64,
     pub(crate) unreported_prompt_tokens: AtomicU64,
     pub(crate) corrections: AtomicU64,
     /// Reported prompt and reused tokens, by the outcome of their requests.
@@ -326,8 +324,6 @@ impl Counters {
     /// An answer of a request placed with `outcome` reported `prompt` tokens and said it
     /// reused `reused` of them.
     pub(crate) fn count_reuse(&self, outcome: Outcome, prompt: u64, reused: u64) {
-        self.prompt_tokens.fetch_add(prompt, Ordering::Relaxed);
-        self.reused_tokens.fetch_add(reused, Ordering::Relaxed);
         let [p, r] = &self.reuse[outcome as usize];
         p.fetch_add(prompt, Ordering::Relaxed);
         r.fetch_add(reused, Ordering::Relaxed);
@@ -355,6 +351,14 @@ impl Counters {
         };
         let o = |x: Outcome| sum(&|s| &s.outcomes[x as usize]);
         let l = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        // The fleet's figures are the outcomes' added up.
+        let reuse: [Reuse; Outcome::ALL.len()] = std::array::from_fn(|i| {
+            let [p, r] = &self.reuse[i];
+            Reuse {
+                prompt_tokens: l(p),
+                reused_tokens: l(r),
+            }
+        });
         Stats {
             home_hits: o(Outcome::HomeHit),
             same_node_spills: o(Outcome::SameNodeSpill),
@@ -373,17 +377,11 @@ impl Counters {
             backend_errors: l(&self.backend_errors),
             discovery_errors: l(&self.discovery_errors),
             usage_reports: l(&self.usage_reports),
-            prompt_tokens: l(&self.prompt_tokens),
-            reused_tokens: l(&self.reused_tokens),
             unreported_prompt_tokens: l(&self.unreported_prompt_tokens),
             corrections: l(&self.corrections),
-            reuse: std::array::from_fn(|i| {
-                let [p, r] = &self.reuse[i];
-                Reuse {
-                    prompt_tokens: l(p),
-                    reused_tokens: l(r),
-                }
-            }),
+            prompt_tokens: reuse.iter().map(|r| r.prompt_tokens).sum(),
+            reused_tokens: reuse.iter().map(|r| r.reused_tokens).sum(),
+            reuse,
             ..Stats::default()
         }
     }
