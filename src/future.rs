@@ -377,7 +377,18 @@ where
                 shared.capacity.counters.count_no_backends();
                 State::fail(Error::NoBackends)
             }
-            Placed::Full { .. } => {
+            // This look sees the fleet as it is now, and may wait for other slots than the
+            // first: for the full backend holding its prefix, rather than for a slot freed
+            // since, which it rules against (that slot, freed again by the ruling, may have
+            // woken this very ticket: passed on); or for any slot, when nothing healthy is
+            // left where it held out.
+            Placed::Full { home: now } => {
+                let home = if now.scope == home.scope {
+                    home
+                } else {
+                    ticket.hold_for(now);
+                    now
+                };
                 let since = Instant::now();
                 // A wait too long to represent is as good as a wait of thirty years.
                 let far = || since + Duration::from_secs(30 * 365 * 86_400);

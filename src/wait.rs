@@ -8,7 +8,9 @@
 //!
 //! A waiter held back waits for one place only, until its hold runs out: its home node (node
 //! patience), or the backend holding its prefix (when waiting for it was estimated cheaper
-//! than moving). Slots elsewhere do not wake it meanwhile.
+//! than moving). Slots elsewhere do not wake it meanwhile. What it waits for is set by the look
+//! it takes on joining the queue, which may differ from its first (a slot freed in between,
+//! that it rules against), and widened when its hold runs out.
 //!
 //! A woken waiter stays in the queue, marked with the slot that woke it, until its task runs
 //! and looks for a slot; a freed slot passes over the waiters already woken, and over those
@@ -289,10 +291,32 @@ impl WaitTicket {
 
     /// Stops holding out for one place: from now on a slot anywhere will do.
     pub(crate) fn widen(&mut self) {
-        self.home.scope = Scope::Any;
+        self.hold_for(WaitHome {
+            scope: Scope::Any,
+            ..self.home
+        });
+    }
+
+    /// Waits for `home` from now on: what a later look at the fleet found worth waiting for
+    /// (see [`Scope`]), or any slot once a hold is over. A slot promised to the ticket that
+    /// `home` does not accept is declined and passed on.
+    pub(crate) fn hold_for(&mut self, home: WaitHome) {
+        self.home = home;
         let mut list = self.capacity.waiters.lock();
-        if let Some(w) = list.find(self.seq) {
-            w.home.scope = Scope::Any;
+        let Some(w) = list.find(self.seq) else {
+            return;
+        };
+        w.home = home;
+        let unusable = w
+            .woken_for
+            .take_if(|slot| !home.accepts(slot.backend, slot.node));
+        if let Some(slot) = &unusable {
+            w.declined = slot.event;
+        }
+        drop(list);
+        if let Some(slot) = unusable {
+            slot.unpromise();
+            self.capacity.pass_on(&slot);
         }
     }
 

@@ -12,6 +12,8 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::num::NonZeroU32;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -22,6 +24,9 @@ use tokio::time::{Instant, Sleep};
 use tower::{service_fn, BoxError, Layer, ServiceExt};
 use tower_affinity::discover::StaticFleet;
 use tower_affinity::key::PromptFacts;
+use tower_affinity::placement::{
+    Candidates, FleetView, NodeThenBackend, Placement, PlacementRequest,
+};
 use tower_affinity::{
     Backend, BackendStatus, Decision, Outcome, Overflow, PromptChain, ResponseBody,
     SessionAffinity, SessionAffinityLayer, Usage,
@@ -153,11 +158,8 @@ fn scripted(
     })
 }
 
-type Svc<S> = SessionAffinity<
-    StaticFleet<S>,
-    tower_affinity::key::HeaderKey,
-    tower_affinity::placement::NodeThenBackend,
->;
+type Svc<S, P = tower_affinity::placement::NodeThenBackend> =
+    SessionAffinity<StaticFleet<S>, tower_affinity::key::HeaderKey, P>;
 
 /// A fleet of one-slot backends, `(id, node)`, each with a cache budget of 1M tokens.
 fn fleet<S: Clone>(backends: &[(&'static str, &'static str)], svc: S) -> StaticFleet<S> {
@@ -199,10 +201,10 @@ fn request(session: Option<&str>, chain: Option<PromptChain>, reply: Reply) -> R
 
 /// Sends a request and reads its answer to the end: its decision, its body's bytes, and the
 /// usage the service read from them.
-async fn exchange<S>(svc: &Svc<S>, req: Req) -> (Decision, Vec<u8>, Option<Usage>)
+async fn exchange<S, P>(svc: &Svc<S, P>, req: Req) -> (Decision, Vec<u8>, Option<Usage>)
 where
-    Svc<S>: tower::Service<Req, Response = Res, Error = tower_affinity::Error>,
-    <Svc<S> as tower::Service<Req>>::Future: Send,
+    Svc<S, P>: tower::Service<Req, Response = Res, Error = tower_affinity::Error>,
+    <Svc<S, P> as tower::Service<Req>>::Future: Send,
 {
     let res = svc.clone().oneshot(req).await.expect("an answer");
     let decision = res
@@ -221,7 +223,7 @@ where
     (decision, bytes, body.usage())
 }
 
-fn status<S>(svc: &Svc<S>, id: &str) -> BackendStatus {
+fn status<S, P>(svc: &Svc<S, P>, id: &str) -> BackendStatus {
     svc.backends()
         .into_iter()
         .find(|b| b.id.as_str() == id)
@@ -615,10 +617,10 @@ const SESSION_BLOCKS: [u64; 10] = [100, 101, 102, 103, 104, 105, 106, 107, 108, 
 
 /// Teaches both backends: each reads a cold 10,000-token prompt in 50 s (200 tokens/s), and
 /// its requests take `took` from dispatch to the end of the answer.
-async fn teach<S>(svc: &Svc<S>, took: Duration)
+async fn teach<S, P>(svc: &Svc<S, P>, took: Duration)
 where
-    Svc<S>: tower::Service<Req, Response = Res, Error = tower_affinity::Error>,
-    <Svc<S> as tower::Service<Req>>::Future: Send,
+    Svc<S, P>: tower::Service<Req, Response = Res, Error = tower_affinity::Error>,
+    <Svc<S, P> as tower::Service<Req>>::Future: Send,
 {
     let first = Duration::from_secs(50).min(took);
     let lesson = || Reply::llama_stream(10_000, 0, 50_000, first, took - first);
@@ -634,10 +636,10 @@ where
 }
 
 /// The first turn of session `key`: where it went.
-async fn first_turn<S>(svc: &Svc<S>, key: &str) -> String
+async fn first_turn<S, P>(svc: &Svc<S, P>, key: &str) -> String
 where
-    Svc<S>: tower::Service<Req, Response = Res, Error = tower_affinity::Error>,
-    <Svc<S> as tower::Service<Req>>::Future: Send,
+    Svc<S, P>: tower::Service<Req, Response = Res, Error = tower_affinity::Error>,
+    <Svc<S, P> as tower::Service<Req>>::Future: Send,
 {
     let (d, _, _) = exchange(
         svc,
@@ -652,17 +654,17 @@ where
 }
 
 /// A turn of session `key` that keeps its home busy for `busy`: the task streaming it.
-async fn hold_home<S>(
-    svc: &Svc<S>,
+async fn hold_home<S, P>(
+    svc: &Svc<S, P>,
     key: &str,
     home: &str,
     busy: Duration,
 ) -> tokio::task::JoinHandle<()>
 where
     S: Send + Sync + 'static,
-    Svc<S>:
+    Svc<S, P>:
         tower::Service<Req, Response = Res, Error = tower_affinity::Error> + Send + Sync + 'static,
-    <Svc<S> as tower::Service<Req>>::Future: Send,
+    <Svc<S, P> as tower::Service<Req>>::Future: Send,
 {
     let long = Reply::llama_stream(9000, 8000, 5000, Duration::ZERO, busy);
     let turn = request(Some(key), Some(chain(&SESSION_BLOCKS[..9], 1000)), long);
@@ -671,12 +673,12 @@ where
 
 /// Sends `req`, which must go to `backend`, and reads its answer in a task of its own: the
 /// backend's slot stays taken until the task ends.
-async fn keep_busy<S>(svc: &Svc<S>, req: Req, backend: &str) -> tokio::task::JoinHandle<()>
+async fn keep_busy<S, P>(svc: &Svc<S, P>, req: Req, backend: &str) -> tokio::task::JoinHandle<()>
 where
     S: Send + Sync + 'static,
-    Svc<S>:
+    Svc<S, P>:
         tower::Service<Req, Response = Res, Error = tower_affinity::Error> + Send + Sync + 'static,
-    <Svc<S> as tower::Service<Req>>::Future: Send,
+    <Svc<S, P> as tower::Service<Req>>::Future: Send,
 {
     let res = svc.clone().oneshot(req).await.unwrap();
     assert_eq!(
@@ -690,12 +692,12 @@ where
 
 /// Session "s" on its home, then a turn of it that keeps the home busy for `busy`: returns
 /// the home and the task streaming that turn.
-async fn busy_home<S>(svc: &Svc<S>, busy: Duration) -> (String, tokio::task::JoinHandle<()>)
+async fn busy_home<S, P>(svc: &Svc<S, P>, busy: Duration) -> (String, tokio::task::JoinHandle<()>)
 where
     S: Send + Sync + 'static,
-    Svc<S>:
+    Svc<S, P>:
         tower::Service<Req, Response = Res, Error = tower_affinity::Error> + Send + Sync + 'static,
-    <Svc<S> as tower::Service<Req>>::Future: Send,
+    <Svc<S, P> as tower::Service<Req>>::Future: Send,
 {
     let home = first_turn(svc, "s").await;
     let streaming = hold_home(svc, "s", &home, busy).await;
@@ -703,19 +705,19 @@ where
 }
 
 /// The next turn of "s", sent while its home is busy.
-async fn next_turn<S>(svc: &Svc<S>) -> (Decision, Duration)
+async fn next_turn<S, P>(svc: &Svc<S, P>) -> (Decision, Duration)
 where
-    Svc<S>: tower::Service<Req, Response = Res, Error = tower_affinity::Error>,
-    <Svc<S> as tower::Service<Req>>::Future: Send,
+    Svc<S, P>: tower::Service<Req, Response = Res, Error = tower_affinity::Error>,
+    <Svc<S, P> as tower::Service<Req>>::Future: Send,
 {
     next_turn_of(svc, "s").await
 }
 
 /// The next turn of session `key`, sent while its home is busy.
-async fn next_turn_of<S>(svc: &Svc<S>, key: &str) -> (Decision, Duration)
+async fn next_turn_of<S, P>(svc: &Svc<S, P>, key: &str) -> (Decision, Duration)
 where
-    Svc<S>: tower::Service<Req, Response = Res, Error = tower_affinity::Error>,
-    <Svc<S> as tower::Service<Req>>::Future: Send,
+    Svc<S, P>: tower::Service<Req, Response = Res, Error = tower_affinity::Error>,
+    <Svc<S, P> as tower::Service<Req>>::Future: Send,
 {
     let t0 = Instant::now();
     let (d, _, _) = exchange(
@@ -742,6 +744,52 @@ async fn wait_for_the_full_backend_holding_the_prefix_when_its_slot_frees_sooner
     assert_eq!(d.outcome, Outcome::HomeHit);
     assert_eq!(d.waited, Some(Duration::from_secs(5)));
     streaming.await.unwrap();
+}
+
+/// `NodeThenBackend`, except that it offers nothing once when armed: a request that finds the
+/// fleet full at its first look and, at the look it takes on joining the queue, a slot free
+/// (as one freed meanwhile on another thread would be).
+#[derive(Default)]
+struct FullOnce {
+    armed: AtomicBool,
+}
+
+impl Placement for FullOnce {
+    fn place(&self, f: &FleetView<'_>, r: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
+        if !self.armed.swap(false, Ordering::Relaxed) {
+            NodeThenBackend::new().place(f, r, c);
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_slot_found_on_joining_the_queue_is_weighed_against_waiting_for_the_holder() {
+    let policy = Arc::new(FullOnce::default());
+    let svc: Svc<_, _> = SessionAffinityLayer::new()
+        .placement(policy.clone())
+        .layer(fleet(&[("a", "n1"), ("b", "n2")], scripted()));
+    teach(&svc, Duration::from_secs(10)).await;
+    let (home, streaming) = busy_home(&svc, Duration::from_secs(5)).await;
+    // The other backend's slot, taken and ruled against on joining the queue, woke this
+    // request's own ticket: it is passed on, and the request waits for its home as ruled.
+    policy.armed.store(true, Ordering::Relaxed);
+    let (d, _) = next_turn(&svc).await;
+    assert!(!policy.armed.load(Ordering::Relaxed));
+    assert_eq!(d.backend.as_str(), home);
+    assert_eq!(d.outcome, Outcome::HomeHit);
+    assert_eq!(d.waited, Some(Duration::from_secs(5)));
+    streaming.await.unwrap();
+    let stats = svc.stats();
+    assert_eq!((stats.in_flight, stats.waiting), (0, 0));
+    // Nothing is left promised: two requests of a second each take both slots at once.
+    let slow = Reply {
+        headers_after: Duration::from_secs(1),
+        ..Reply::json(b"{}")
+    };
+    let new = |key| request(Some(key), None, slow.clone());
+    let (x, y) = tokio::join!(exchange(&svc, new("x")), exchange(&svc, new("y")));
+    assert_ne!(x.0.backend, y.0.backend);
+    assert_eq!((x.0.waited, y.0.waited), (None, None));
 }
 
 #[tokio::test(start_paused = true)]
