@@ -535,7 +535,12 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         let home_cache = home.map_or(HomeCache::Unknown, |h| h.cache);
         let own_prefix = prefix.filter(|p| p.own).map(|p| p.backend.index);
         let (mut cache_backend, mut cache_node) = match home_cache {
-            HomeCache::Holds | HomeCache::Unknown | HomeCache::Compacted if home_node.is_some() => {
+            HomeCache::Holds | HomeCache::Unknown if home_node.is_some() => {
+                (home_backend, home_node)
+            }
+            // A prompt that does not extend the key's last one but one of its own held
+            // elsewhere is another conversation under the key, whose cache is there.
+            HomeCache::Compacted if own_prefix.is_none() && home_node.is_some() => {
                 (home_backend, home_node)
             }
             _ => {
@@ -624,19 +629,19 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             // Unreachable: within one fleet a live member always has its service.
             return full();
         };
+        // Placed by its own prefix: the backend holding it is its home.
+        let by_prefix = |p: u32| match p {
+            _ if p == index => Outcome::PrefixHit,
+            _ if t.member(p).node == m.node => Outcome::SameNodeSpill,
+            _ => Outcome::CrossNodeSpill,
+        };
         let outcome = match (key, home_node) {
-            // Without a key, the backend holding the conversation's own prefix is its home.
-            (None, _) => match own_prefix {
-                Some(p) if p == index => Outcome::PrefixHit,
-                Some(p) if t.member(p).node == m.node => Outcome::SameNodeSpill,
-                Some(_) => Outcome::CrossNodeSpill,
-                None => Outcome::Keyless,
-            },
+            (None, _) => own_prefix.map_or(Outcome::Keyless, by_prefix),
             (Some(_), None) => Outcome::NewSession,
             (Some(_), Some(node)) => match (home_cache, home_backend) {
                 (_, None) => Outcome::Replaced,
                 (HomeCache::Evicted, _) => Outcome::ColdHome,
-                (HomeCache::Compacted, _) => Outcome::Compaction,
+                (HomeCache::Compacted, _) => own_prefix.map_or(Outcome::Compaction, by_prefix),
                 (_, Some(b)) if b == index => Outcome::HomeHit,
                 (_, Some(_)) if m.node == node => Outcome::SameNodeSpill,
                 (_, Some(_)) => Outcome::CrossNodeSpill,

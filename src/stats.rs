@@ -39,9 +39,12 @@ pub enum Outcome {
     /// and no cache holds it, so no backend is better than its home; it went home if there
     /// was room.
     Compaction,
-    /// A request without a key, placed where the cache model says the longest prefix of its
-    /// own conversation is held (a turn sent again whole, where it was sent: see
-    /// [`FleetView::longest_prefix`](crate::placement::FleetView::longest_prefix)).
+    /// Placed where the cache model says the longest prefix of its own conversation is (a
+    /// turn sent again whole, where it was sent: see
+    /// [`FleetView::longest_prefix`](crate::placement::FleetView::longest_prefix)): a request
+    /// without a key, or one whose prompt does not extend its key's last one but another
+    /// conversation's under the same key (a sub-agent's, or the main conversation's after a
+    /// side request).
     PrefixHit,
 }
 

@@ -37,7 +37,11 @@ use super::{
 ///   another of those it homes;
 /// - a session whose prompt no longer extends its last one (*compaction*) is counted apart and
 ///   stays where it was if there is room: no cache holds the rewritten prompt, so no backend is
-///   better than its home;
+///   better than its home. Unless a backend holds a prefix of it that is the conversation's
+///   own: then the key carries more than one conversation (sub-agents, or a title or side
+///   request sent under the same session, as Claude Code and OpenCode send them), another went
+///   home in between, and this one goes first to the backend holding its own prefix, then to
+///   that backend's node (a *prefix hit*, not a compaction);
 /// - a request without a key goes to the backend holding the longest prefix of its prompt when
 ///   that prefix is the conversation's own (see [`FleetView::longest_prefix`]; a prompt sent
 ///   whole once before is a turn sent again, and goes where it was sent), then to the other
@@ -256,6 +260,16 @@ impl Placement for NodeThenBackend {
             // A compacted session goes home too: no cache holds its new prompt, so the home is
             // as good as any, and its node may hold the system prompt.
             Some(home) if home.cache != HomeCache::Evicted => {
+                // A prompt that does not extend the key's last one, but extends a prompt of its
+                // own held elsewhere: another conversation under the same key (a sub-agent, a
+                // side request) went home in between. This one goes back to its own.
+                if home.cache == HomeCache::Compacted {
+                    if let Some(p) = req.prefix.filter(|p| p.own) {
+                        if offer_own_prefix(p.backend, key, c).is_break() {
+                            return;
+                        }
+                    }
+                }
                 // Home, then its node, then everywhere else.
                 let skip = home.backend.map(|b| b.index);
                 if let Some(b) = home.backend {
@@ -278,10 +292,7 @@ impl Placement for NodeThenBackend {
                     .and_then(|h| h.backend)
                     .map(|b| b.index);
                 if let Some(p) = req.prefix.filter(|p| p.own) {
-                    if c.offer(p.backend).is_break()
-                        || offer_node(p.backend.node(), key, Some(p.backend.index), Bound::None, c)
-                            .is_break()
-                    {
+                    if offer_own_prefix(p.backend, key, c).is_break() {
                         return;
                     }
                 }
@@ -386,6 +397,18 @@ fn offer_nodes(
         |n| Some(n) != skip,
         |n| offer_node(NodeRef::new(t, n), key, None, bound, c),
     )
+}
+
+/// Offers `backend`, holding a keyed conversation's own prefix, then the other backends on its
+/// node in `key`'s rendezvous order (so that router replicas agree): where the conversation's
+/// cache is, and the host-memory cache beside it.
+fn offer_own_prefix(
+    backend: BackendRef<'_>,
+    key: SessionKey,
+    c: &mut Candidates<'_>,
+) -> ControlFlow<()> {
+    c.offer(backend)?;
+    offer_node(backend.node(), key, Some(backend.index), Bound::None, c)
 }
 
 /// Offers `backend`, then the other backends on its node, most free slots first: where a

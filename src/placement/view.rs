@@ -385,8 +385,11 @@ pub enum HomeCache {
     Holds,
     /// The home probably evicted it (*cold home*): going back there buys nothing.
     Evicted,
-    /// This turn does not extend the last one (its leading messages changed, or it shrank):
-    /// the client compacted its history, and no cache holds the new prompt.
+    /// This turn does not extend the key's last one (its leading messages changed, or it
+    /// shrank): the client compacted its history, or the key carries another conversation
+    /// beside it (a sub-agent, a title or side request sent under the same session). The
+    /// request's [`prefix`](PlacementRequest::prefix) tells them apart: a prefix of the
+    /// conversation's own, held somewhere, is that conversation's last turn.
     Compacted,
 }
 
@@ -487,7 +490,8 @@ pub struct PlacementRequest<'a> {
     /// ([`PromptFacts`](crate::key::PromptFacts)).
     pub chain: Option<&'a PromptChain>,
     /// The longest prefix of the chain that one backend holds, looked up by the service when
-    /// it matters: for requests without a key, new sessions, and sessions whose home is cold.
+    /// it matters: for requests without a key, new sessions, and sessions whose home is cold
+    /// or whose prompt does not extend their last one ([`HomeCache::Compacted`]).
     /// `None` otherwise, or when no backend holds any of it.
     pub prefix: Option<Prefix<'a>>,
 }
@@ -538,7 +542,10 @@ pub(crate) fn request_prefix<'a>(
     home: Option<Home<'_>>,
     chain: Option<&PromptChain>,
 ) -> Option<Prefix<'a>> {
-    let wanted = key.is_none() || home.is_none_or(|h| h.cache == HomeCache::Evicted);
+    // A keyed request looks for its prefix when its home is no guide: gone, cold, or left
+    // behind by a prompt that does not extend the key's last one.
+    let wanted = key.is_none()
+        || home.is_none_or(|h| matches!(h.cache, HomeCache::Evicted | HomeCache::Compacted));
     let mut prefix = chain
         .filter(|_| wanted)
         .and_then(|c| view.longest_prefix(c))?;

@@ -439,6 +439,35 @@ fn a_compacted_session_stays_home_when_there_is_room() {
     assert_eq!(full.choose(&p, k, Some("a1")), Some("a2".into()));
 }
 
+#[test]
+fn a_prompt_extending_its_own_prefix_but_not_its_keys_last_goes_where_that_prefix_is() {
+    // Two conversations under one key: the main one's last turn is on a2, and a side request
+    // of the key went to b1 since. The main one's next turn does not extend the key's last
+    // prompt (the side request's), so its home reads it as a compaction; but a2 holds a prefix
+    // of it that is its own.
+    let fleet = two_by_two_of_two()
+        .holds("a2", &chain(&[SYS, 11, 12]))
+        .holds("b1", &chain(&[71, 72]))
+        .prompt(chain(&[SYS, 11, 12, 13]))
+        .home_cache(HomeCache::Compacted);
+    let k = key("agent");
+    let p = NodeThenBackend::new();
+    assert_eq!(fleet.choose(&p, k, Some("b1")), Some("a2".into()));
+    let order = fleet.order(&p, k, Some("b1"));
+    assert_eq!(order[..3], ids(&["a2", "a1", "b1"]), "{order:?}");
+    // Full there: its node, before the key's home.
+    let full = fleet.in_flight("a2", 2);
+    assert_eq!(full.choose(&p, k, Some("b1")), Some("a1".into()));
+    // A prefix many conversations share is no conversation's own: a compaction stays home.
+    let shared = two_by_two_of_two()
+        .holds("a2", &chain(&[SYS, 11]))
+        .holds("a2", &chain(&[SYS, 21]))
+        .holds("b1", &chain(&[71, 72]))
+        .prompt(chain(&[SYS, 99]))
+        .home_cache(HomeCache::Compacted);
+    assert_eq!(shared.choose(&p, k, Some("b1")), Some("b1".into()));
+}
+
 /// Two nodes of two backends, two slots each.
 fn two_by_two_of_two() -> Snapshot {
     two_by_two_with(2)

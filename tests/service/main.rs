@@ -2102,6 +2102,23 @@ async fn chat_turn(
     header: Option<&str>,
     messages: &[serde_json::Value],
 ) -> Decision {
+    let (d, res) = chat_send(svc, user, header, messages).await;
+    let served_by = res.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(served_by, d.backend.as_str());
+    d
+}
+
+/// A turn of a chat as in [`chat_turn`], its answer not read: its backend's slot stays taken
+/// until the response is dropped.
+async fn chat_send(
+    svc: &mut Chat,
+    user: Option<&str>,
+    header: Option<&str>,
+    messages: &[serde_json::Value],
+) -> (
+    Decision,
+    http::Response<impl http_body::Body<Error: std::fmt::Debug>>,
+) {
     let mut body = serde_json::json!({ "model": "m", "messages": messages });
     if let Some(u) = user {
         body["user"] = u.into();
@@ -2121,9 +2138,7 @@ async fn chat_turn(
         .unwrap();
     assert_eq!(res.status(), http::StatusCode::OK);
     let d = res.extensions().get::<Decision>().cloned().unwrap();
-    let served_by = res.into_body().collect().await.unwrap().to_bytes();
-    assert_eq!(served_by, d.backend.as_str());
-    d
+    (d, res)
 }
 
 fn chat_status(svc: &Chat, id: &str) -> tower_affinity::BackendStatus {
@@ -2274,6 +2289,55 @@ async fn a_rewritten_history_is_a_compaction_and_stays_home() {
         s.cached_tokens,
         tokens_of(&conv.0) + tokens_of(&compacted.0) - tokens_of(&conv.0[..1]),
         "{s:?}"
+    );
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_turn_of_another_conversation_under_the_key_goes_where_its_own_prefix_is() {
+    // One session header over two conversations, as an agent sends its sub-agents' and its
+    // side requests' (a title, a summary) under its own session.
+    let mut svc = chat_stack(TWO_BY_TWO, Backend::<()>::DEFAULT_CACHE_TOKENS);
+    let key = Some("agent-1");
+    let mut main = Conversation::new("main");
+    let first = chat_turn(&mut svc, None, key, &main.0).await;
+    main.next_turn(1);
+    // The main conversation's second turn still streaming: its backend is full when a side
+    // request comes, which spills and takes the key's home with it.
+    let (second, streaming) = chat_send(&mut svc, None, key, &main.0).await;
+    assert_eq!(
+        (second.outcome, &second.backend),
+        (Outcome::HomeHit, &first.backend)
+    );
+    let side = Conversation::new("title writer");
+    let aside = chat_turn(&mut svc, None, key, &side.0).await;
+    assert_eq!(aside.outcome, Outcome::Compaction, "no cache holds it");
+    assert_ne!(aside.backend, first.backend);
+    drop(streaming);
+    // The main conversation goes on where its own prompt is, not where the key went last.
+    main.next_turn(2);
+    let third = chat_turn(&mut svc, None, key, &main.0).await;
+    assert_eq!(
+        (third.outcome, &third.backend),
+        (Outcome::PrefixHit, &first.backend)
+    );
+    // So does the side conversation, and each of them from then on.
+    let mut side = side;
+    side.next_turn(1);
+    let aside_again = chat_turn(&mut svc, None, key, &side.0).await;
+    assert_eq!(
+        (aside_again.outcome, &aside_again.backend),
+        (Outcome::PrefixHit, &aside.backend)
+    );
+    main.next_turn(3);
+    let fourth = chat_turn(&mut svc, None, key, &main.0).await;
+    assert_eq!(
+        (fourth.outcome, &fourth.backend),
+        (Outcome::PrefixHit, &first.backend)
+    );
+    let stats = svc.get_ref().stats();
+    assert_eq!(
+        (stats.compactions, stats.prefix_hits, stats.sessions),
+        (1, 3, 1)
     );
 }
 
