@@ -331,10 +331,14 @@ impl CacheModel {
         stamp != 0 && self.refusals.contains(&stamp)
     }
 
-    /// The most links a model of `budget` tokens tracks: one per 16 tokens of budget, at least
-    /// 1,024. Chains of tiny messages are held to this bound before the token budget.
+    /// The most links a model of `budget` tokens tracks: one per
+    /// [`TOKENS_PER_LINK`](crate::chain::TOKENS_PER_LINK) tokens of budget, at least 1,024. A
+    /// chain read from a body has no more links than that for its tokens (past its first 64),
+    /// so a prompt of tiny messages does not fill the model before the token budget would.
     pub(crate) fn max_blocks(budget: u64) -> usize {
-        usize::try_from(budget / 16).unwrap_or(usize::MAX).max(1024)
+        usize::try_from(budget / crate::chain::TOKENS_PER_LINK)
+            .unwrap_or(usize::MAX)
+            .max(1024)
     }
 
     /// Changes the budget (discovery updated the backend); evicts down to it.

@@ -1,10 +1,12 @@
 //! [`PromptChain`]: what a request's prompt shares with earlier ones.
 //!
 //! A chain is the prompt's digest at each message boundary, in order, and at fixed blocks
-//! inside long messages. Each digest covers everything before it, so two requests share a link
-//! exactly when they share the whole prompt up to it: the longest run of equal leading links is
-//! the longest prefix a model server could reuse. The [cache model](crate::placement) keeps the
-//! links each backend probably still holds.
+//! inside long messages; read from a body, at most one link per 16 of its estimated tokens past
+//! its first 64 (a run of tiny messages shares a link). Each digest covers everything before
+//! it, so two requests share a link when they share the whole prompt up to it, as the bytes
+//! read (see [`BodyKeyLayer`](crate::key::BodyKeyLayer) for what is left out): the longest run
+//! of equal leading links is the longest prefix a model server could reuse. The
+//! [cache model](crate::placement) keeps the links each backend probably still holds.
 //!
 //! Digests are 64-bit xxh3, not SHA-256: a chain digests every byte of every prompt on the
 //! request path (a 256 KiB body is hashed in a few microseconds), and a collision costs at most
@@ -189,6 +191,13 @@ impl fmt::Debug for PromptChain {
 /// Bytes a token is estimated at: English prose and code run at three to five.
 pub(crate) const BYTES_PER_TOKEN: u64 = 4;
 
+/// A chain read from bytes has at most one link per this many of its tokens, past its first
+/// [`FREE_LINKS`]; the [cache model](crate::cache) tracks as many links a token of its budget.
+pub(crate) const TOKENS_PER_LINK: u64 = 16;
+
+/// Links a chain read from bytes may have before [`TOKENS_PER_LINK`] holds it back.
+const FREE_LINKS: u64 = 64;
+
 /// Seeds of the two ways chains are built, so a block chain never equals a byte chain.
 const BLOCK_SEED: u64 = 0x6b6c_6f63_6b73;
 const BYTE_SEED: u64 = 0x0062_7974_6573;
@@ -247,15 +256,27 @@ impl ChainBuilder {
         self.links.len() >= PromptChain::MAX_LINKS
     }
 
+    /// Adds a link where the prompt is now, unless the chain has as many links as its tokens
+    /// allow: one per [`TOKENS_PER_LINK`] past the first [`FREE_LINKS`]. A prompt of many tiny
+    /// messages (or an encoded image, cut into blocks of few tokens) then has a link only
+    /// every few of them. Whether a link is made depends only on the prompt up to it, so a
+    /// prompt that extends another has every link the other has; the digests go on covering
+    /// everything before them. Without the allowance, a prompt of 8,192 empty messages (some
+    /// 57,000 tokens) would fill a backend's model with links and evict every conversation
+    /// it held, where the backend's cache keeps them.
     fn link(&mut self) {
         if self.full() {
             return;
         }
         let counted = self.bytes - self.opaque_bytes;
+        let tokens = counted.div_ceil(BYTES_PER_TOKEN) + self.opaque_tokens;
+        if self.links.len() as u64 >= FREE_LINKS + tokens / TOKENS_PER_LINK {
+            return;
+        }
         self.links.push(Link {
             digest: self.hasher.digest(),
             bytes: self.bytes,
-            tokens: counted.div_ceil(BYTES_PER_TOKEN) + self.opaque_tokens,
+            tokens,
         });
     }
 
@@ -393,9 +414,41 @@ mod tests {
     fn chains_are_bounded() {
         let c = PromptChain::from_blocks((0..20_000).map(|i| (i, 1)));
         assert_eq!(c.len(), PromptChain::MAX_LINKS);
-        let mut b = ChainBuilder::new(1);
-        b.feed(&[0u8; 20_000]);
+        // 150,000 tokens in blocks of 16: as many links as the tokens allow, up to the bound.
+        let mut b = ChainBuilder::new(64);
+        b.feed(&vec![0u8; 600_000]);
         assert_eq!(b.finish().len(), PromptChain::MAX_LINKS);
+    }
+
+    #[test]
+    fn a_chain_of_tiny_parts_has_a_link_per_sixteen_tokens_past_its_first_sixty_four() {
+        let tiny = |n: usize| {
+            let mut b = ChainBuilder::new(2048);
+            for _ in 0..n {
+                // Eight bytes, two tokens, a part.
+                b.feed(b"{\"a\":\"\"}");
+                b.boundary();
+            }
+            b.finish()
+        };
+        let short = tiny(64);
+        assert_eq!(short.len(), 64, "a link at every part up to the first 64");
+        let long = tiny(8_192);
+        assert_eq!(long.tokens(), 16_384);
+        assert_eq!(long.len() as u64, FREE_LINKS + 16_384 / TOKENS_PER_LINK);
+        // A link every eight parts: a last part may be past the last link.
+        assert_eq!(tiny(8_193).tokens(), 16_384);
+        // Made from the prompt before it only: a longer prompt has every link of a shorter.
+        let longer = tiny(9_000);
+        assert_eq!(longer.common_prefix(&long), long.len());
+        assert!(longer.len() > long.len());
+        // Parts of sixteen tokens or more get a link each, as before.
+        let mut b = ChainBuilder::new(2048);
+        for _ in 0..1_000 {
+            b.feed(&[b'x'; 64]);
+            b.boundary();
+        }
+        assert_eq!(b.finish().len(), 1_000);
     }
 
     #[test]

@@ -377,6 +377,61 @@ fn deep_json_is_read_on_a_small_stack() {
 /// An oversize body is 413 and never reaches a backend or takes a slot: from its
 /// `Content-Length` before reading, or once the bytes read pass the limit, whatever length it
 /// declared. A `Content-Length` that does not parse counts as unknown; the limit still holds.
+/// A chat body of a 4 KiB system prompt and `turns` exchanges of 600 bytes each way.
+fn conversation(tag: &str, turns: usize) -> Vec<u8> {
+    let mut messages = vec![serde_json::json!({"role": "system", "content": "S".repeat(4096)})];
+    for t in 0..turns {
+        let q = format!("{tag} question {t} {}", "q".repeat(600));
+        let a = format!("{tag} answer {t} {}", "a".repeat(600));
+        messages.push(serde_json::json!({"role": "user", "content": q}));
+        messages.push(serde_json::json!({"role": "assistant", "content": a}));
+    }
+    serde_json::to_vec(&serde_json::json!({"model": "m", "messages": messages})).unwrap()
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_prompt_of_tiny_messages_evicts_no_more_of_the_model_than_its_tokens() {
+    // One backend with the default cache budget (131,072 tokens) homes ten conversations of
+    // about 2,000 tokens each.
+    let calls = Calls::default();
+    let svc: Affinity = SessionAffinityLayer::new()
+        .key(FirstOf::new(HeaderKey::default(), ExtensionKey))
+        .layer(StaticFleet::new([(
+            "a1",
+            Backend::new("node-a", echo(&calls)).slots(NonZeroU32::new(4).unwrap()),
+        )]));
+    let layer = BodyKeyLayer::new();
+    let send = |key: &str, body: Vec<u8>| {
+        let mut req = post(body);
+        req.headers_mut()
+            .insert("x-session-id", HeaderValue::from_str(key).unwrap());
+        through(&layer, svc.clone(), req)
+    };
+    let victims: Vec<String> = (0..10).map(|v| format!("victim-{v}")).collect();
+    for v in &victims {
+        send(v, conversation(v, 1)).await;
+    }
+    // 8,192 empty messages in 230 KB: some 57,000 tokens, which the budget has room for
+    // beside the ten. A link at every message would be 8,192 links, the model's whole bound.
+    let mut tiny = br#"{"model":"m","messages":["#.to_vec();
+    for i in 0..8_192 {
+        if i > 0 {
+            tiny.push(b',');
+        }
+        tiny.extend_from_slice(br#"{"role":"user","content":""}"#);
+    }
+    tiny.extend_from_slice(b"]}");
+    let answer = send("tiny", tiny).await;
+    assert_eq!(answer.status, StatusCode::OK);
+    let status = &svc.backends()[0];
+    assert!(status.cached_blocks < 8_192 / 2, "{status:?}");
+    assert_eq!(status.evicted_blocks, 0, "{status:?}");
+    for v in &victims {
+        let next = send(v, conversation(v, 2)).await;
+        assert_eq!(next.outcome, Some(Outcome::HomeHit), "{v}");
+    }
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn an_oversize_body_is_413_and_takes_no_slot() {
     let calls = Calls::default();
