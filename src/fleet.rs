@@ -404,8 +404,10 @@ impl Load {
         (false, cleared)
     }
 
-    pub(crate) fn mark_down(&self, until_ms: u64) {
-        self.down_until.store(until_ms.max(1), Ordering::Relaxed);
+    /// Marks the backend down until `until_ms`; returns whether it was up at `now_ms`.
+    pub(crate) fn mark_down(&self, until_ms: u64, now_ms: u64) -> bool {
+        let was = self.down_until.swap(until_ms.max(1), Ordering::AcqRel);
+        was == 0 || was <= now_ms
     }
 
     /// Takes a slot if one is free and not promised to a woken waiter.
@@ -1073,7 +1075,7 @@ mod tests {
     #[tokio::test(flavor = "current_thread", start_paused = true)]
     async fn a_failure_cooldown_never_shortens_a_longer_mark() {
         let load = Arc::new(Load::new(nz(1), Arc::default(), &"a".into(), &"n".into()));
-        load.mark_down(u64::MAX);
+        let _ = load.mark_down(u64::MAX, 0);
         assert!(load.try_acquire());
         SlotGuard::new(&load, 0, 0, 1).fail(std::time::Duration::from_secs(5));
         assert_eq!(load.down_until.load(Ordering::Relaxed), u64::MAX);

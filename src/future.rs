@@ -382,13 +382,9 @@ where
             // since, which it rules against (that slot, freed again by the ruling, may have
             // woken this very ticket: passed on); or for any slot, when nothing healthy is
             // left where it held out.
-            Placed::Full { home: now } => {
-                let home = if now.scope == home.scope {
-                    home
-                } else {
-                    ticket.hold_for(now);
-                    now
-                };
+            Placed::Full { home } => {
+                let _ = ticket.hold_for(home);
+                let home = ticket.home();
                 let since = Instant::now();
                 // A wait too long to represent is as good as a wait of thirty years.
                 let far = || since + Duration::from_secs(30 * 365 * 86_400);
@@ -532,8 +528,19 @@ where
                             let retry_after = w.shared.retry_after();
                             state.set(State::fail(Error::Saturated { retry_after }));
                         }
-                        // Still queued, with this task's waker: look at the deadline again.
-                        Placed::Full { .. } => {
+                        // Still queued, with this task's waker: waiting for what this look
+                        // found (its cache elsewhere; a hold over where nothing healthy is
+                        // left: any slot), never for less than it waits for now (a hold that
+                        // ended stays ended), and until the deadline, looked at again.
+                        Placed::Full { home } => {
+                            let scope = w.ticket.scope();
+                            if (home.scope == scope || home.scope == Scope::Any)
+                                && w.ticket.hold_for(home)
+                                && scope != Scope::Any
+                                && home.scope == Scope::Any
+                            {
+                                *w.until = *w.give_up;
+                            }
                             let until = *w.until;
                             let wake = w
                                 .shared

@@ -286,7 +286,9 @@ where
     }
 
     /// Marks backend `id` down: placement passes it over for `cooldown`, or until
-    /// [`mark_up`](Self::mark_up) if `None`. Requests already on it finish. Returns `false` if
+    /// [`mark_up`](Self::mark_up) if `None`. Requests already on it finish; requests waiting
+    /// for it (held for its node, or for the prefix it holds) look again, and take a slot
+    /// elsewhere or wait for any. Returns `false` if
     /// there is no such backend. For health probes; a backend whose service fails is marked
     /// down on its own (see [`SessionAffinityLayer::failure_cooldown`]).
     ///
@@ -296,12 +298,20 @@ where
         let Some(i) = fleet.topology.index_of(id) else {
             return false;
         };
+        let now = Instant::now();
         let until = cooldown
-            .and_then(|c| Instant::now().checked_add(c))
+            .and_then(|c| now.checked_add(c))
             .map_or(u64::MAX, |t| self.shared.capacity.now_ms(t));
-        fleet.topology.member(i).load.mark_down(until);
+        let now_ms = self.shared.capacity.now_ms(now);
+        let was_up = fleet.topology.member(i).load.mark_down(until, now_ms);
         // At debug level: the caller (a health probe) knows why, and says so in its own log.
         tracing::debug!(backend = id, ?cooldown, "backend marked down");
+        drop(fleet);
+        if was_up {
+            // Requests held for it (its sessions' node patience, a wait for the prefix it
+            // holds) look again: a slot elsewhere will do now.
+            self.shared.capacity.wake_all();
+        }
         true
     }
 

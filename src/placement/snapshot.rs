@@ -157,7 +157,7 @@ impl Snapshot {
     /// Marks backend `id` down: the service passes it over until it is marked up.
     pub fn down(self, id: &str) -> Self {
         if let Some(i) = self.topology.index_of(id) {
-            self.topology.member(i).load.mark_down(u64::MAX);
+            let _ = self.topology.member(i).load.mark_down(u64::MAX, 0);
         }
         self
     }

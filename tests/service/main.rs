@@ -1179,6 +1179,70 @@ async fn a_fleet_change_before_a_woken_waiter_runs_keeps_its_slot_free() {
     assert_eq!((decision(&x).waited, decision(&y).waited), (None, None));
 }
 
+/// Two nodes of one one-slot backend each, node patience of five minutes; session "s" homed,
+/// its home's slot held by a stream of it. Returns the service, the home and that stream.
+async fn patient_with_home_held(
+    streams: &Streams,
+) -> (
+    SessionAffinity<
+        StaticFleet<MockService>,
+        HeaderKey,
+        tower_affinity::placement::NodeThenBackend,
+    >,
+    Decision,
+    Res,
+) {
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_secs(600), 8))
+        .node_patience(Duration::from_secs(300))
+        .layer(fleet(&[("a1", "node-a", 1), ("b1", "node-b", 1)], streams));
+    let home = turn(&mut svc, "s").await;
+    let held = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+    assert_eq!(decision(&held).backend, home.backend);
+    (svc, home, held)
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_request_held_for_its_node_takes_a_slot_elsewhere_once_its_node_is_marked_down() {
+    let streams = Streams::default();
+    let (mut svc, home, held) = patient_with_home_held(&streams).await;
+    svc.ready().await.unwrap();
+    let mut waiting = tokio_test::task::spawn(svc.call(request(Some("s"), None)));
+    assert_pending!(
+        waiting.poll(),
+        "held for its node, though the other has room"
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_pending!(waiting.poll());
+    // A health probe finds the home down: nothing is left to wait for there.
+    assert!(svc.mark_down(home.backend.as_str(), None));
+    assert!(waiting.is_woken(), "marking its node down wakes it");
+    let res = assert_ready!(waiting.poll()).unwrap();
+    assert_ne!(decision(&res).backend, home.backend);
+    assert_eq!(decision(&res).waited, Some(Duration::from_secs(1)));
+    drop(held);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_request_held_for_a_node_gone_down_waits_for_any_slot() {
+    let streams = Streams::default();
+    let (mut svc, home, held) = patient_with_home_held(&streams).await;
+    // The other node full too.
+    let other = send(&mut svc, Some("t"), Some("stream")).await.unwrap();
+    assert_ne!(decision(&other).backend, home.backend);
+    svc.ready().await.unwrap();
+    let mut waiting = tokio_test::task::spawn(svc.call(request(Some("s"), None)));
+    assert_pending!(waiting.poll());
+    // Its node down, it looks again and finds every slot taken: it waits on, for any slot.
+    assert!(svc.mark_down(home.backend.as_str(), None));
+    assert_pending!(waiting.poll());
+    drop(other);
+    assert!(waiting.is_woken(), "a slot on the other node wakes it");
+    let res = assert_ready!(waiting.poll()).unwrap();
+    assert_eq!(decision(&res).outcome, Outcome::CrossNodeSpill);
+    drop(held);
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_64_kib_header_key_is_digested() {
     let streams = Streams::default();
