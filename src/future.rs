@@ -534,12 +534,11 @@ where
                         // ended stays ended), and until the deadline, looked at again.
                         Placed::Full { home } => {
                             let scope = w.ticket.scope();
-                            if (home.scope == scope || home.scope == Scope::Any)
-                                && w.ticket.hold_for(home)
-                                && scope != Scope::Any
-                                && home.scope == Scope::Any
-                            {
-                                *w.until = *w.give_up;
+                            if home.scope == scope || home.scope == Scope::Any {
+                                let _ = w.ticket.hold_for(home);
+                                if scope != Scope::Any && home.scope == Scope::Any {
+                                    *w.until = *w.give_up;
+                                }
                             }
                             let until = *w.until;
                             let wake = w
