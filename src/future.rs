@@ -383,7 +383,7 @@ where
             // woken this very ticket: passed on); or for any slot, when nothing healthy is
             // left where it held out.
             Placed::Full { home } => {
-                let _ = ticket.hold_for(home);
+                ticket.hold_for(home);
                 let home = ticket.home();
                 let since = Instant::now();
                 // A wait too long to represent is as good as a wait of thirty years.
@@ -535,7 +535,7 @@ where
                         Placed::Full { home } => {
                             let scope = w.ticket.scope();
                             if home.scope == scope || home.scope == Scope::Any {
-                                let _ = w.ticket.hold_for(home);
+                                w.ticket.hold_for(home);
                                 if scope != Scope::Any && home.scope == Scope::Any {
                                     *w.until = *w.give_up;
                                 }

@@ -291,7 +291,7 @@ impl WaitTicket {
 
     /// Stops holding out for one place: from now on a slot anywhere will do.
     pub(crate) fn widen(&mut self) {
-        let _ = self.hold_for(WaitHome {
+        self.hold_for(WaitHome {
             scope: Scope::Any,
             ..self.home
         });
@@ -300,18 +300,18 @@ impl WaitTicket {
     /// Waits for `home` from now on: what a later look at the fleet found (its cache moved,
     /// or worth waiting for; nothing healthy left where it held out), or any slot once a hold
     /// is over. With the scope it has, it keeps its hold. A slot promised to the ticket that
-    /// `home` does not accept is declined and passed on. Returns whether anything changed.
-    pub(crate) fn hold_for(&mut self, mut home: WaitHome) -> bool {
+    /// `home` does not accept is declined and passed on.
+    pub(crate) fn hold_for(&mut self, mut home: WaitHome) {
         if home.scope == self.home.scope {
             home.hold = self.home.hold;
         }
         if home == self.home {
-            return false;
+            return;
         }
         self.home = home;
         let mut list = self.capacity.waiters.lock();
         let Some(w) = list.find(self.seq) else {
-            return true;
+            return;
         };
         w.home = home;
         let unusable = w
@@ -325,7 +325,6 @@ impl WaitTicket {
             slot.unpromise();
             self.capacity.pass_on(&slot);
         }
-        true
     }
 
     /// What the ticket waits for.
