@@ -528,17 +528,13 @@ where
                             let retry_after = w.shared.retry_after();
                             state.set(State::fail(Error::Saturated { retry_after }));
                         }
-                        // Still queued, with this task's waker: waiting for what this look
-                        // found (its cache elsewhere; a hold over where nothing healthy is
-                        // left: any slot), never for less than it waits for now (a hold that
-                        // ended stays ended), and until the deadline, looked at again.
+                        // Still queued, with this task's waker, until the deadline, looked
+                        // at again. A look that found its hold over (nothing healthy left
+                        // where it held out) waits for any slot from now on.
                         Placed::Full { home } => {
-                            let scope = w.ticket.scope();
-                            if home.scope == scope || home.scope == Scope::Any {
-                                w.ticket.hold_for(home);
-                                if scope != Scope::Any && home.scope == Scope::Any {
-                                    *w.until = *w.give_up;
-                                }
+                            if home.scope == Scope::Any && w.ticket.scope() != Scope::Any {
+                                w.ticket.widen();
+                                *w.until = *w.give_up;
                             }
                             let until = *w.until;
                             let wake = w
