@@ -33,8 +33,10 @@
 //!   process (as its tests run them) each show their own figures; the library's `metrics`
 //!   feature records into one recorder per process instead, which `examples/axum.rs` serves;
 //! - the serving loop ([`serve`]): hyper-util's connection builder with graceful shutdown,
-//!   and the per-client upstream mode, which must drive each client connection's own backend
-//!   connections in its task (see [`per_client`]); tower-http has no serving loop.
+//!   bounds on connections that have no request open (hyper has none for a connection's
+//!   first bytes, nor for an idle HTTP/2 connection), and the per-client upstream mode,
+//!   which must drive each client connection's own backend connections in its task (see
+//!   [`per_client`]); tower-http has no serving loop.
 
 use std::collections::{HashMap, HashSet};
 use std::convert::Infallible;
@@ -56,7 +58,6 @@ use http_body_util::{Either, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use pin_project_lite::pin_project;
 use prometheus_client::collector::Collector;
@@ -165,9 +166,13 @@ pub(crate) struct Config {
     pub(crate) failure_cooldown: Duration,
     pub(crate) body_limit: usize,
     pub(crate) read_timeout: Option<Duration>,
-    /// The longest time a client may take to send a request's headers; `None` waits as long
-    /// as it takes. A connection past it is closed: clients that stall in their headers would
-    /// otherwise hold connections (and file descriptors) for good.
+    /// The longest time a client may take to send a request's headers, and that a
+    /// connection is held with no request open: its first bytes, the next request on an
+    /// HTTP/1 connection, an idle HTTP/2 connection (told to go, then closed after as long
+    /// again), a ping's answer on HTTP/2 (pinged after as long without a frame). `None`
+    /// waits as long as it takes. A connection past it is closed: clients that send nothing
+    /// would otherwise hold connections (and file descriptors) for good. Open responses are
+    /// not bounded.
     pub(crate) header_timeout: Option<Duration>,
     /// `None` turns the active probe off.
     pub(crate) probe_interval: Option<Duration>,
@@ -947,6 +952,22 @@ pub(crate) async fn serve(
 }
 
 /// The serving loop of [`serve`], over the front service with its tower-http layers.
+///
+/// Each connection is served in a task of its own ([`connection`]). Every wait on a client
+/// that has no request open is bounded by `header_timeout`, so that no client holds a
+/// connection (and a file descriptor) for good by sending nothing:
+/// - its first bytes: hyper-util's `auto::Builder` reads up to 24 of them, with no timeout,
+///   to tell HTTP/1 from HTTP/2, and no timer of hyper's runs before it has them;
+/// - an HTTP/1 request's headers, and the next request after a response: hyper's header
+///   timeout, which starts whenever the connection waits for a request head;
+/// - an HTTP/2 connection with no open stream: hyper has no idle timeout for HTTP/2
+///   (hyperium/hyper#1628), so [`drive`] sends it a GOAWAY, and closes it if it is still
+///   open with no stream as long again (a client that does not answer the GOAWAY's ping);
+/// - an HTTP/2 client that stops answering: hyper pings it after that long without a frame
+///   and closes the connection if the ping is not answered within as long again, open
+///   streams or not (the peer is gone or stuck).
+///
+/// Open responses are not bounded: a stream runs as long as its backend sends.
 async fn serve_with<S, B>(
     listener: tokio::net::TcpListener,
     service: S,
@@ -965,12 +986,20 @@ where
     B::Error: Into<BoxError>,
 {
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    // hyper's HTTP/1 header timeout takes effect only with a timer.
+    // hyper's timeouts take effect only with a timer.
     builder
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(header_timeout);
-    let graceful = GracefulShutdown::new();
+    let mut http2 = builder.http2();
+    http2.timer(TokioTimer::new());
+    if let Some(after) = header_timeout {
+        http2.keep_alive_interval(after).keep_alive_timeout(after);
+    }
+    let builder = Arc::new(builder);
+    // Shutdown: each connection holds a receiver, shuts down gracefully when a value is
+    // sent, and drops the receiver when it ends; `closed` waits for the last.
+    let (stop, stopped) = tokio::sync::watch::channel(());
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
         let stream = tokio::select! {
@@ -983,11 +1012,13 @@ where
             },
             () = &mut shutdown => break,
         };
-        let conn = builder.serve_connection(
-            TokioIo::new(stream),
-            TowerToHyperService::new(service.clone()),
+        let conn = connection(
+            stream,
+            builder.clone(),
+            service.clone(),
+            header_timeout,
+            stopped.clone(),
         );
-        let conn = graceful.watch(conn.into_owned());
         let ended = |r: Result<(), BoxError>| {
             if let Err(e) = r {
                 tracing::trace!(error = %e, "connection ended with an error");
@@ -1001,8 +1032,244 @@ where
         };
     }
     drop(listener);
-    graceful.shutdown().await;
+    drop(stopped);
+    let _ = stop.send(());
+    stop.closed().await;
     Ok(())
+}
+
+/// What a client sends first on an HTTP/2 connection with prior knowledge.
+const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Serves one client connection: waits up to `header_timeout` for its first bytes (closing
+/// it if none come), then has hyper serve it until it ends or `stopped` changes. A
+/// connection whose first bytes may begin the HTTP/2 preface is served with its open streams
+/// counted, and closed once it has had none for `header_timeout` (see [`serve_with`]).
+async fn connection<S, B>(
+    stream: tokio::net::TcpStream,
+    builder: Arc<auto::Builder<TokioExecutor>>,
+    service: S,
+    header_timeout: Option<Duration>,
+    mut stopped: tokio::sync::watch::Receiver<()>,
+) -> Result<(), BoxError>
+where
+    S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
+    // Peeked, not read: hyper reads them again.
+    let mut first = [0; H2_PREFACE.len()];
+    let peek = stream.peek(&mut first);
+    let peeked = tokio::select! {
+        peeked = async {
+            match header_timeout {
+                Some(after) => tokio::time::timeout(after, peek).await.ok(),
+                None => Some(peek.await),
+            }
+        } => peeked,
+        _ = stopped.changed() => return Ok(()),
+    };
+    let n = match peeked {
+        // Silent past the header timeout: dropping the stream closes it.
+        None => return Ok(()),
+        Some(Ok(0)) => return Ok(()),
+        Some(Ok(n)) => n,
+        Some(Err(e)) => return Err(e.into()),
+    };
+    let io = TokioIo::new(stream);
+    match header_timeout {
+        Some(idle) if H2_PREFACE.starts_with(&first[..n]) => {
+            let streams = Arc::new(Streams::default());
+            let service = TowerToHyperService::new(Counted {
+                inner: service,
+                streams: streams.clone(),
+            });
+            let conn = builder.serve_connection(io, service);
+            drive(conn, stopped, Some((streams, idle))).await
+        }
+        _ => {
+            let conn = builder.serve_connection(io, TowerToHyperService::new(service));
+            drive(conn, stopped, None).await
+        }
+    }
+}
+
+/// Drives a connection to its end, starting its graceful shutdown when `stopped` changes
+/// (or its sender goes). With `idle`, also when it has had no open stream for that long
+/// (since its first bytes came, or since its last stream ended), and drops it if it still
+/// has none after as long again.
+async fn drive<I, S, B>(
+    conn: auto::Connection<'_, I, S, TokioExecutor>,
+    mut stopped: tokio::sync::watch::Receiver<()>,
+    idle: Option<(Arc<Streams>, Duration)>,
+) -> Result<(), BoxError>
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    S: hyper::service::Service<Request<Incoming>, Response = Response<B>> + Send,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxError>,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
+    let mut conn = std::pin::pin!(conn);
+    let Some((streams, after)) = idle else {
+        tokio::select! {
+            ended = conn.as_mut() => return ended,
+            _ = stopped.changed() => conn.as_mut().graceful_shutdown(),
+        }
+        return conn.await;
+    };
+    let mut stopping = false;
+    let mut told_to_go = false;
+    // Armed while no stream is open.
+    let mut armed = true;
+    let mut deadline = std::pin::pin!(tokio::time::sleep(after));
+    loop {
+        tokio::select! {
+            ended = conn.as_mut() => return ended,
+            _ = stopped.changed(), if !stopping => {
+                stopping = true;
+                conn.as_mut().graceful_shutdown();
+            }
+            // The last open stream ended (or a notice of it is left over).
+            () = streams.idle.notified() => {
+                if streams.open() == 0 {
+                    armed = true;
+                    deadline.as_mut().reset(tokio::time::Instant::now() + after);
+                }
+            }
+            () = deadline.as_mut(), if armed => {
+                if streams.open() > 0 {
+                    // Rearmed when the last of them ends.
+                    armed = false;
+                } else if told_to_go {
+                    return Ok(());
+                } else {
+                    // On HTTP/2 a GOAWAY; before hyper has chosen a protocol (an incomplete
+                    // preface), the end; on an idle HTTP/1 connection, the close.
+                    told_to_go = true;
+                    conn.as_mut().graceful_shutdown();
+                    deadline.as_mut().reset(tokio::time::Instant::now() + after);
+                }
+            }
+        }
+    }
+}
+
+/// The streams open on a connection: requests in the service, and responses not yet sent
+/// to their end.
+#[derive(Default)]
+struct Streams {
+    open: std::sync::atomic::AtomicUsize,
+    /// Notified when the last open stream ends.
+    idle: tokio::sync::Notify,
+}
+
+impl Streams {
+    fn open(&self) -> usize {
+        self.open.load(Ordering::Acquire)
+    }
+
+    fn start(self: &Arc<Self>) -> OpenStream {
+        self.open.fetch_add(1, Ordering::AcqRel);
+        OpenStream(self.clone())
+    }
+}
+
+/// One open stream of [`Streams`], counted until dropped.
+struct OpenStream(Arc<Streams>);
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        if self.0.open.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.idle.notify_one();
+        }
+    }
+}
+
+/// A service whose requests count as open [`Streams`] until their responses are sent.
+#[derive(Clone)]
+struct Counted<S> {
+    inner: S,
+    streams: Arc<Streams>,
+}
+
+impl<S, B> Service<Request<Incoming>> for Counted<S>
+where
+    S: Service<Request<Incoming>, Response = Response<B>>,
+{
+    type Response = Response<CountedBody<B>>;
+    type Error = S::Error;
+    type Future = CountedFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<Incoming>) -> Self::Future {
+        CountedFuture {
+            open: Some(self.streams.start()),
+            fut: self.inner.call(req),
+        }
+    }
+}
+
+pin_project! {
+    /// The response future of [`Counted`].
+    struct CountedFuture<F> {
+        #[pin]
+        fut: F,
+        open: Option<OpenStream>,
+    }
+}
+
+impl<F, B, E> Future for CountedFuture<F>
+where
+    F: Future<Output = Result<Response<B>, E>>,
+{
+    type Output = Result<Response<CountedBody<B>>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let res = ready!(this.fut.poll(cx))?;
+        let open = this.open.take();
+        Poll::Ready(Ok(res.map(|inner| CountedBody { inner, _open: open })))
+    }
+}
+
+pin_project! {
+    /// A response body of [`Counted`]: its stream is open until it is dropped.
+    struct CountedBody<B> {
+        #[pin]
+        inner: B,
+        _open: Option<OpenStream>,
+    }
+}
+
+impl<B: http_body::Body> http_body::Body for CountedBody<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        self.project().inner.poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 /// `x-request-id` for requests that come without one: a random prefix for this process and a

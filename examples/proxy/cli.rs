@@ -71,8 +71,12 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
   --body-limit SIZE          largest request body, e.g. 16MiB (default); larger is 413
   --read-timeout DURATION    longest time to receive a request body (default 60s;
                              0 turns it off); slower is 408
-  --header-timeout DURATION  longest time to receive a request's headers (default
-                             30s; 0 turns it off); slower closes the connection
+  --header-timeout DURATION  longest time to receive a request's headers, and to hold
+                             a connection with no request open: before its first
+                             bytes, between HTTP/1 requests, an idle HTTP/2
+                             connection (GOAWAY, closed after as long again), an
+                             HTTP/2 ping's answer (default 30s; 0 turns it off);
+                             slower closes the connection
   --upstream U               pooled (default): one pool of backend connections for
                              all clients | per-client: each client connection opens
                              and drives its own (fewer hand-offs; more connections,

@@ -13,6 +13,7 @@ mod cli;
 #[allow(dead_code)]
 #[path = "../dns/server.rs"]
 mod dns_server;
+mod idle_clients;
 #[allow(dead_code)]
 #[path = "../support/llama_stub.rs"]
 mod llama_stub;
