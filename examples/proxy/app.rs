@@ -1062,6 +1062,11 @@ where
     B::Data: Send,
     B::Error: Into<BoxError>,
 {
+    // Streamed answers go out a few bytes a token: not held back waiting for the client's
+    // acknowledgement of the last ones (Nagle's algorithm, 40 ms against a delayed ACK).
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::debug!(error = %e, "TCP_NODELAY not set on a client connection");
+    }
     // Peeked, not read: hyper reads them again.
     let mut first = [0; H2_PREFACE.len()];
     let peek = stream.peek(&mut first);
