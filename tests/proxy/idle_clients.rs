@@ -1,12 +1,13 @@
 //! Clients that hold a connection without a request open: every such wait is bounded by the
-//! header timeout, whatever the protocol, and open streams are not. Real time over loopback,
+//! header timeout, whatever the protocol, and open streams are not. Paused time over loopback,
 //! with a header timeout of [`T`].
 
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Request, StatusCode};
+use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -61,6 +62,37 @@ const GOAWAY: u8 = 0x7;
 const EMPTY_SETTINGS: [u8; 9] = [0, 0, 0, SETTINGS, 0, 0, 0, 0, 0];
 
 /// A HEADERS frame opening stream 1: a POST of a chat whose body is still to come.
+/// A connection to `proxy` that has sent the HTTP/2 preface and an empty SETTINGS frame, and
+/// nothing else.
+async fn http2_connection(proxy: &Running) -> TcpStream {
+    let mut h2 = TcpStream::connect(proxy.addr).await.unwrap();
+    h2.write_all(PREFACE).await.unwrap();
+    h2.write_all(&EMPTY_SETTINGS).await.unwrap();
+    h2
+}
+
+/// The body of `res`, an answer 200, once its first chunk has come.
+async fn after_first_chunk(res: Response<Incoming>) -> Incoming {
+    assert_eq!(res.status(), StatusCode::OK);
+    let mut body = res.into_body();
+    tokio::time::timeout(DEADLINE, body.frame())
+        .await
+        .expect("no first chunk in time")
+        .unwrap()
+        .unwrap();
+    body
+}
+
+/// Reads `body`, a streamed answer, to its end.
+async fn to_the_end(body: Incoming) {
+    let rest = tokio::time::timeout(DEADLINE, body.collect())
+        .await
+        .expect("the stream stalled")
+        .unwrap()
+        .to_bytes();
+    assert!(rest.ends_with(b"data: [DONE]\n\n"), "{rest:?}");
+}
+
 fn post_headers() -> Vec<u8> {
     let path = b"/v1/chat/completions";
     // HPACK: :method POST and :scheme http from the static table; :path and :authority as
@@ -79,7 +111,7 @@ fn post_headers() -> Vec<u8> {
 /// header timer starts only once `auto::Builder` has the first bytes, which it waits for with
 /// no timeout, so otherwise each such client would hold a connection and a file descriptor
 /// for good.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_client_silent_after_connecting_is_disconnected_at_the_header_timeout() {
     let a = Stub::start("a", 2).await;
     let proxy = proxy(&a).await;
@@ -107,7 +139,7 @@ async fn a_client_silent_after_connecting_is_disconnected_at_the_header_timeout(
 
 /// So is one that sends the first line of the HTTP/2 preface and stops: `auto::Builder` reads
 /// all 24 bytes of the preface before it chooses HTTP/2.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_client_silent_after_part_of_the_http2_preface_is_disconnected_at_the_header_timeout() {
     let a = Stub::start("a", 2).await;
     let proxy = proxy(&a).await;
@@ -123,14 +155,12 @@ async fn a_client_silent_after_part_of_the_http2_preface_is_disconnected_at_the_
 /// An HTTP/2 connection that sends its preface and SETTINGS and then nothing is told to go
 /// (GOAWAY) at the header timeout and closed by twice that, though it answers nothing: hyper
 /// has no header or idle timeout for HTTP/2, so otherwise it would stay open for good.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn an_idle_http2_connection_is_closed() {
     let a = Stub::start("a", 2).await;
     let proxy = proxy(&a).await;
     let started = Instant::now();
-    let mut h2 = TcpStream::connect(proxy.addr).await.unwrap();
-    h2.write_all(PREFACE).await.unwrap();
-    h2.write_all(&EMPTY_SETTINGS).await.unwrap();
+    let mut h2 = http2_connection(&proxy).await;
     let (sent, closed) = until_closed(&mut h2, 6 * T).await;
     let closed = closed.expect("an idle HTTP/2 connection is held past 6x the header timeout");
     let waited = closed - started;
@@ -143,14 +173,12 @@ async fn an_idle_http2_connection_is_closed() {
 /// timeout without a frame, and disconnected when the ping goes unanswered as long again,
 /// though its stream is open (a peer gone without a word would otherwise hold its stream,
 /// and the backend slot behind it, until TCP gives up).
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn an_http2_client_that_does_not_answer_a_ping_is_disconnected() {
     let a = Stub::start("a", 2).await;
     let proxy = proxy(&a).await;
     let started = Instant::now();
-    let mut h2 = TcpStream::connect(proxy.addr).await.unwrap();
-    h2.write_all(PREFACE).await.unwrap();
-    h2.write_all(&EMPTY_SETTINGS).await.unwrap();
+    let mut h2 = http2_connection(&proxy).await;
     // The request's body never comes: the proxy waits for it (up to its read timeout, 60 s).
     h2.write_all(&post_headers()).await.unwrap();
     let (sent, closed) = until_closed(&mut h2, 6 * T).await;
@@ -170,7 +198,7 @@ async fn an_http2_client_that_does_not_answer_a_ping_is_disconnected() {
 /// A stream that outlasts the header timeout several times over is served to its end on an
 /// HTTP/2 connection (its client answers pings), and the connection is closed once it has
 /// been idle for the header timeout after that.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn an_http2_stream_outlasting_the_header_timeout_ends_then_its_idle_connection_closes() {
     let a = Stub::start("a", 2).await;
     let proxy = proxy(&a).await;
@@ -193,13 +221,7 @@ async fn an_http2_stream_outlasting_the_header_timeout_ends_then_its_idle_connec
         .await
         .expect("no response in time")
         .unwrap();
-    assert_eq!(res.status(), StatusCode::OK);
-    let mut body = res.into_body();
-    tokio::time::timeout(DEADLINE, body.frame())
-        .await
-        .expect("no first chunk in time")
-        .unwrap()
-        .unwrap();
+    let body = after_first_chunk(res).await;
     // Held for three header timeouts: longer than the idle bound and than a ping's.
     tokio::time::sleep(3 * T).await;
     assert!(
@@ -209,12 +231,7 @@ async fn an_http2_stream_outlasting_the_header_timeout_ends_then_its_idle_connec
     // The stream ends after this, and the idle bound counts from its end.
     let released = Instant::now();
     a.release_streams();
-    let rest = tokio::time::timeout(DEADLINE, body.collect())
-        .await
-        .expect("the stream stalled")
-        .unwrap()
-        .to_bytes();
-    assert!(rest.ends_with(b"data: [DONE]\n\n"), "{rest:?}");
+    to_the_end(body).await;
 
     tokio::time::timeout(4 * T, &mut conn)
         .await
@@ -229,9 +246,9 @@ async fn an_http2_stream_outlasting_the_header_timeout_ends_then_its_idle_connec
 }
 
 /// HTTP/1 keeps what it had: a stream outlasting the header timeout is served to its end,
-/// and a client that thinks for less than the header timeout between its requests keeps its
-/// connection.
-#[tokio::test]
+/// and a client that thinks for less than the header timeout before its next request keeps
+/// its connection.
+#[tokio::test(start_paused = true)]
 async fn an_http1_stream_outlasting_the_header_timeout_ends_and_the_next_request_follows() {
     let a = Stub::start("a", 2).await;
     let proxy = proxy(&a).await;
@@ -242,36 +259,30 @@ async fn an_http1_stream_outlasting_the_header_timeout_ends_and_the_next_request
             .unwrap();
     let conn = tokio::spawn(conn);
     let mut conversation = Conversation::new("thinker");
-    for turn in 0..2 {
-        if turn == 1 {
-            tokio::time::sleep(T / 2).await;
-        }
-        a.hold_streams();
-        let body = conversation.next(json!({"stream": true}));
-        let req = Request::post("/v1/chat/completions")
+    let post = |body: serde_json::Value| {
+        Request::post("/v1/chat/completions")
             .header("host", "x")
             .header("content-type", "application/json")
             .body(Full::new(Bytes::from(body.to_string())))
-            .unwrap();
-        let res = tokio::time::timeout(DEADLINE, tx.send_request(req))
-            .await
-            .expect("no response in time")
-            .unwrap();
-        assert_eq!(res.status(), StatusCode::OK, "turn {turn}");
-        let mut body = res.into_body();
-        tokio::time::timeout(DEADLINE, body.frame())
-            .await
-            .expect("no first chunk in time")
             .unwrap()
-            .unwrap();
-        tokio::time::sleep(2 * T).await;
-        a.release_streams();
-        let rest = tokio::time::timeout(DEADLINE, body.collect())
-            .await
-            .expect("the stream stalled")
-            .unwrap()
-            .to_bytes();
-        assert!(rest.ends_with(b"data: [DONE]\n\n"), "turn {turn}: {rest:?}");
-    }
+    };
+    a.hold_streams();
+    let req = post(conversation.next(json!({"stream": true})));
+    let res = tokio::time::timeout(DEADLINE, tx.send_request(req))
+        .await
+        .expect("no response in time")
+        .unwrap();
+    let body = after_first_chunk(res).await;
+    tokio::time::sleep(2 * T).await;
+    a.release_streams();
+    to_the_end(body).await;
+    tokio::time::sleep(T / 2).await;
+    let req = post(conversation.next(json!({})));
+    let res = tokio::time::timeout(DEADLINE, tx.send_request(req))
+        .await
+        .expect("no response in time")
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    res.into_body().collect().await.unwrap();
     assert!(!conn.is_finished());
 }
