@@ -23,7 +23,7 @@ use crate::key::{HeaderKey, SessionKey};
 pub(crate) struct Config {
     /// Each field as its path of object keys (`metadata.user_id` is `["metadata", "user_id"]`).
     fields: Vec<Vec<String>>,
-    /// The distinct first keys of `fields`: the only top-level values the parse keeps whole.
+    /// The distinct first keys of `fields`: the top-level values the parse looks into for a key.
     tops: Vec<String>,
     pub(crate) limit: usize,
     pub(crate) read_timeout: Option<Duration>,
@@ -74,15 +74,16 @@ impl Config {
 
     /// What a body says about its session and its prompt.
     ///
-    /// One pass over the body that keeps only what it needs: the top-level values the key
-    /// fields start with, and the prompt's members (arrays as their items' raw JSON, an
-    /// object item member by member, strings as their text); everything else is checked and
-    /// skipped without being built. A body is taken as JSON exactly when it parses as a
+    /// One pass over the body that keeps only what it needs: the string or number at the end
+    /// of each key field's path, and the prompt's members (arrays as their items' raw JSON, an
+    /// object item member by member, strings as their text; what an array keeps bounded by
+    /// the bytes it takes); everything else is checked and skipped without being built. A
+    /// body is taken as JSON exactly when it parses as a
     /// [`serde_json::Value`] (the same checks of strings and numbers, the same nesting limit),
     /// but inside the items of the prompt's arrays, which are checked as serde's raw values
     /// are: a lone surrogate's escape or a number past `f64`'s range is taken there.
     pub(crate) fn inspect(&self, body: &[u8]) -> (Option<SessionKey>, PromptFacts) {
-        let i = self.inspect_with(body, true);
+        let i = self.inspect_with(body, true, true);
         (i.key, i.facts)
     }
 
@@ -90,18 +91,19 @@ impl Config {
     /// whether it asks to be streamed without asking for its usage, and whether it names a
     /// previous response.
     pub(crate) fn inspect_request(&self, body: &[u8]) -> Inspected {
-        self.inspect_with(body, true)
+        self.inspect_with(body, true, true)
     }
 
-    /// [`inspect`](Self::inspect), with the items of the prompt's arrays always read whole:
-    /// the reference the member-by-member reading is held to.
+    /// [`inspect`](Self::inspect), with the items of the prompt's arrays always read whole,
+    /// and every one of them kept, however many: the reference the member-by-member reading,
+    /// and the bound on what it keeps, are held to.
     #[cfg(test)]
     pub(crate) fn inspect_whole(&self, body: &[u8]) -> (Option<SessionKey>, PromptFacts) {
-        let i = self.inspect_with(body, false);
+        let i = self.inspect_with(body, false, false);
         (i.key, i.facts)
     }
 
-    fn inspect_with(&self, body: &[u8], walk: bool) -> Inspected {
+    fn inspect_with(&self, body: &[u8], walk: bool, bounded: bool) -> Inspected {
         let mut out = Inspected {
             key: None,
             facts: PromptFacts {
@@ -120,9 +122,9 @@ impl Config {
         }
         // Items are read member by member where they can be; a body that parse refuses is
         // read again with its items whole, which takes exactly the bodies it took before.
-        let found = match parse(body, &self.tops, walk) {
+        let found = match parse(body, self, walk, bounded) {
             Ok(found) => found,
-            Err(_) if walk => parse(body, &self.tops, false).ok().flatten(),
+            Err(_) if walk => parse(body, self, false, bounded).ok().flatten(),
             Err(_) => None,
         };
         let Some(found) = found else {
@@ -149,8 +151,15 @@ impl Config {
         match found.prompt.get(Part::Messages) {
             PartValue::Items(items) => {
                 facts.messages = items.len();
-                facts.leading =
-                    LeadingMessages::new(items.len(), |i, out| items.write_json(i, out));
+                facts.leading = LeadingMessages::new(items.len(), |i, out| {
+                    // The text is a copy of up to the whole body: sized before it is
+                    // written, rather than grown to twice its size.
+                    if i == 0 {
+                        let first = items.len().min(PromptFacts::LEADING_MESSAGES);
+                        out.reserve_exact((0..first).map(|i| items.json_len(i)).sum());
+                    }
+                    items.write_json(i, out)
+                });
             }
             PartValue::Written(items) => {
                 facts.messages = items.len();
@@ -160,12 +169,7 @@ impl Config {
             }
             _ => {}
         }
-        out.key = self.fields.iter().find_map(|path| {
-            let (first, rest) = path.split_first()?;
-            let top = self.tops.iter().position(|t| t == first)?;
-            let (_, value) = found.values.iter().find(|(i, _)| *i == top)?;
-            key_at(value, rest)
-        });
+        out.key = found.keys.into_iter().flatten().next();
         out
     }
 }
@@ -187,11 +191,20 @@ pub(crate) struct Inspected {
 /// member by member, which refuses an item that is neither an object nor an array.
 fn parse<'de>(
     body: &'de [u8],
-    tops: &[String],
+    config: &Config,
     walk: bool,
+    bounded: bool,
 ) -> Result<Option<Found<'de>>, serde_json::Error> {
     let mut de = serde_json::Deserializer::from_slice(body);
-    let found = de.deserialize_map(TopLevel { tops, walk })?;
+    let found = de.deserialize_map(TopLevel {
+        fields: &config.fields,
+        tops: &config.tops,
+        seed: KeptSeed {
+            walk,
+            body,
+            bounded,
+        },
+    })?;
     Ok(de.end().is_ok().then_some(found))
 }
 
@@ -202,13 +215,21 @@ pub(crate) fn key_at(value: &Value, path: &[String]) -> Option<SessionKey> {
         value = value.as_object()?.get(name)?;
     }
     match value {
-        Value::String(s) => {
-            let trimmed = s.trim_ascii();
-            (!trimmed.is_empty()).then(|| SessionKey::from_bytes(trimmed.as_bytes()))
-        }
-        Value::Number(n) => Some(SessionKey::from_bytes(n.to_string().as_bytes())),
+        Value::String(s) => key_of_str(s),
+        Value::Number(n) => key_of_number(n),
         _ => None,
     }
+}
+
+/// The key a string names: its text trimmed, unless blank.
+fn key_of_str(s: &str) -> Option<SessionKey> {
+    let trimmed = s.trim_ascii();
+    (!trimmed.is_empty()).then(|| SessionKey::from_bytes(trimmed.as_bytes()))
+}
+
+/// The key a number names: its JSON text as `Value` writes it.
+fn key_of_number(n: &serde_json::Number) -> Option<SessionKey> {
+    Some(SessionKey::from_bytes(n.to_string().as_bytes()))
 }
 
 // === the parse ===
@@ -216,9 +237,9 @@ pub(crate) fn key_at(value: &Value, path: &[String]) -> Option<SessionKey> {
 /// What the top-level object holds that [`Config::inspect`] needs.
 #[derive(Default)]
 struct Found<'de> {
-    /// The values of the key fields' first keys, by their index in `Config::tops`. A key
-    /// given twice keeps its last value, as in a parsed `Value`.
-    values: Vec<(usize, Value)>,
+    /// The key each field names (by its index in `Config::fields`), if any. A member given
+    /// twice counts as its last value, as in a parsed `Value`.
+    keys: Vec<Option<SessionKey>>,
     /// The prompt's members.
     prompt: PromptMembers<'de>,
     /// The Responses API's `previous_response_id`, if it is a string.
@@ -231,13 +252,14 @@ struct Found<'de> {
 
 /// The top-level object: keeps the members named in `tops` and the prompt's members, skips
 /// the rest.
-struct TopLevel<'a> {
+struct TopLevel<'a, 'de> {
+    fields: &'a [Vec<String>],
     tops: &'a [String],
-    /// Whether prompt arrays' items are read member by member.
-    walk: bool,
+    /// How prompt arrays' items are read.
+    seed: KeptSeed<'de>,
 }
 
-impl<'de> Visitor<'de> for TopLevel<'_> {
+impl<'de> Visitor<'de> for TopLevel<'_, 'de> {
     type Value = Found<'de>;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -245,7 +267,10 @@ impl<'de> Visitor<'de> for TopLevel<'_> {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Found<'de>, A::Error> {
-        let mut found = Found::default();
+        let mut found = Found {
+            keys: vec![None; self.fields.len()],
+            ..Found::default()
+        };
         while let Some(member) = map.next_key_seed(MemberName { tops: self.tops })? {
             let (top, part) = match member {
                 Member::Other => {
@@ -254,14 +279,17 @@ impl<'de> Visitor<'de> for TopLevel<'_> {
                 }
                 Member::Prompt(part) => {
                     // `prompt`'s items are strings or token ids: kept whole.
-                    let walk = self.walk && part != Part::Prompt;
-                    found
-                        .prompt
-                        .set(part, map.next_value_seed(KeptSeed { walk })?.0);
+                    let walk = self.seed.walk && part != Part::Prompt;
+                    let seed = KeptSeed { walk, ..self.seed };
+                    found.prompt.set(part, map.next_value_seed(seed)?.0);
                     continue;
                 }
                 Member::Previous => {
-                    found.previous = match map.next_value::<Kept<'de>>()?.0 {
+                    let seed = KeptSeed {
+                        walk: false,
+                        ..self.seed
+                    };
+                    found.previous = match map.next_value_seed(seed)?.0 {
                         PartValue::Text(id) => Some(id),
                         _ => None,
                     };
@@ -278,14 +306,29 @@ impl<'de> Visitor<'de> for TopLevel<'_> {
                 }
                 Member::Top { index, part } => (index, part),
             };
-            // A key field's first key: kept whole, as it is small and may be nested.
-            let value: Value = map.next_value()?;
-            if let Some(part) = part {
-                found.prompt.set(part, prompt::of_value(&value));
-            }
-            match found.values.iter_mut().find(|(i, _)| *i == top) {
-                Some((_, v)) => *v = value,
-                None => found.values.push((top, value)),
+            // A key field's first key: each field that starts with it, and the rest of its
+            // path.
+            let first = &self.tops[top];
+            let paths: Vec<(usize, &[String])> = (self.fields.iter().enumerate())
+                .filter(|(_, path)| path.first() == Some(first))
+                .map(|(field, path)| (field, &path[1..]))
+                .collect();
+            let keys = match part {
+                // A prompt member too (a field set so): kept whole, as the prompt has it.
+                Some(part) => {
+                    let value: Value = map.next_value()?;
+                    found.prompt.set(part, prompt::of_value(&value));
+                    let keys = paths
+                        .iter()
+                        .map(|&(field, rest)| (field, key_at(&value, rest)));
+                    keys.collect()
+                }
+                // Only the string or number at the end of each path is kept: the rest is
+                // checked and skipped, nothing built.
+                None => map.next_value_seed(KeyAt { paths })?,
+            };
+            for (field, key) in keys {
+                found.keys[field] = key;
             }
         }
         Ok(found)
@@ -382,19 +425,16 @@ macro_rules! ignore_other_values {
 /// A prompt member as the parse keeps it: an array's items as raw JSON, a string's text.
 struct Kept<'de>(PartValue<'de>);
 
-impl<'de> Deserialize<'de> for Kept<'de> {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        KeptSeed { walk: false }.deserialize(deserializer)
-    }
-}
-
-/// Reads a [`Kept`]; with `walk`, an array's items member by member.
+/// Reads a [`Kept`] from `body`; with `walk`, an array's items member by member; with
+/// `bounded`, keeping spans within the bound [`Items`] sets.
 #[derive(Clone, Copy)]
-struct KeptSeed {
+struct KeptSeed<'de> {
     walk: bool,
+    body: &'de [u8],
+    bounded: bool,
 }
 
-impl<'de> DeserializeSeed<'de> for KeptSeed {
+impl<'de> DeserializeSeed<'de> for KeptSeed<'de> {
     type Value = Kept<'de>;
 
     fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Kept<'de>, D::Error> {
@@ -402,7 +442,7 @@ impl<'de> DeserializeSeed<'de> for KeptSeed {
     }
 }
 
-impl<'de> Visitor<'de> for KeptSeed {
+impl<'de> Visitor<'de> for KeptSeed<'de> {
     type Value = Kept<'de>;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -410,12 +450,20 @@ impl<'de> Visitor<'de> for KeptSeed {
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Kept<'de>, A::Error> {
-        let mut items = Items::with_capacity(seq.size_hint().unwrap_or(0).min(4096));
-        if self.walk {
-            while seq.next_element_seed(ItemSeed(&mut items))?.is_some() {}
-        } else {
-            while let Some(item) = seq.next_element::<&'de RawValue>()? {
-                items.push_whole(item.get());
+        let mut items = Items::new(self.body, self.bounded);
+        loop {
+            let more = if items.full() {
+                // Past the bound: the items are only counted, and cut from the body later.
+                let item = seq.next_element::<&'de RawValue>()?;
+                item.map(|item| items.push_rest(item.get()))
+            } else if self.walk {
+                seq.next_element_seed(ItemSeed(&mut items))?
+            } else {
+                let item = seq.next_element::<&'de RawValue>()?;
+                item.map(|item| items.push_whole(item.get()))
+            };
+            if more.is_none() {
+                break;
             }
         }
         Ok(Kept(PartValue::Items(items)))
@@ -483,20 +531,38 @@ impl<'de> Visitor<'de> for ItemSeed<'_, 'de> {
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
         let start = self.0.start();
+        // Once the item is to be kept whole: its first key.
+        let mut whole = None;
         while let Some(key) = map.next_key::<&'de RawValue>()? {
             let value = map.next_value::<&'de RawValue>()?;
-            self.0.push_member(key.get(), value.get());
+            if whole.is_some() {
+                self.0.skip_member(value.get());
+            } else if !self.0.push_member(key.get(), value.get()) {
+                whole = self.0.first_member(start);
+            }
         }
-        self.0.end_object(start);
+        match whole {
+            Some(first) => self.0.end_whole(first),
+            None => self.0.end_object(start),
+        }
         Ok(())
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
         let start = self.0.start();
+        // Once the item is to be kept whole: its first element.
+        let mut whole = None;
         while let Some(element) = seq.next_element::<&'de RawValue>()? {
-            self.0.push_member("", element.get());
+            if whole.is_some() {
+                self.0.skip_member(element.get());
+            } else if !self.0.push_member("", element.get()) {
+                whole = self.0.first_member(start);
+            }
         }
-        self.0.end_array(start);
+        match whole {
+            Some(first) => self.0.end_whole(first),
+            None => self.0.end_array(start),
+        }
         Ok(())
     }
 }
@@ -525,4 +591,124 @@ impl<'de> Visitor<'de> for Skip {
     }
 
     ignore_other_values!();
+}
+
+/// The keys a key field's value holds: for each field (its index in `Config::fields`, and the
+/// rest of its path below this value), the string or number at the end of its path. Everything
+/// else is checked as [`Skip`] checks it and forgotten, so a value of any size costs no more
+/// than its parse: only the members on a path are looked into.
+struct KeyAt<'a> {
+    paths: Vec<(usize, &'a [String])>,
+}
+
+impl KeyAt<'_> {
+    /// The keys when the value here is not an object: `key` for the paths that end here.
+    fn ending_here(self, key: impl Fn() -> Option<SessionKey>) -> Vec<(usize, Option<SessionKey>)> {
+        let at = |rest: &[String]| if rest.is_empty() { key() } else { None };
+        self.paths
+            .iter()
+            .map(|&(field, rest)| (field, at(rest)))
+            .collect()
+    }
+}
+
+impl<'de> DeserializeSeed<'de> for KeyAt<'_> {
+    type Value = Vec<(usize, Option<SessionKey>)>;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for KeyAt<'_> {
+    type Value = Vec<(usize, Option<SessionKey>)>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_str<E: de::Error>(self, s: &str) -> Result<Self::Value, E> {
+        Ok(self.ending_here(|| key_of_str(s)))
+    }
+
+    // Numbers as `Value` holds them, so that a key is the text `Value` would write.
+    fn visit_u64<E: de::Error>(self, n: u64) -> Result<Self::Value, E> {
+        Ok(self.ending_here(|| key_of_number(&n.into())))
+    }
+
+    fn visit_i64<E: de::Error>(self, n: i64) -> Result<Self::Value, E> {
+        Ok(self.ending_here(|| key_of_number(&n.into())))
+    }
+
+    fn visit_f64<E: de::Error>(self, n: f64) -> Result<Self::Value, E> {
+        Ok(self.ending_here(|| {
+            serde_json::Number::from_f64(n)
+                .as_ref()
+                .and_then(key_of_number)
+        }))
+    }
+
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(self.ending_here(|| None))
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(self.ending_here(|| None))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        while seq.next_element::<Skip>()?.is_some() {}
+        Ok(self.ending_here(|| None))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        // A path that ends at an object names no key; one that goes on takes the last member
+        // of its next name, as `Value`'s map keeps the last.
+        let mut keys: Self::Value = self.paths.iter().map(|&(field, _)| (field, None)).collect();
+        while let Some(below) = map.next_key_seed(PathsThrough { paths: &self.paths })? {
+            if below.is_empty() {
+                map.next_value::<Skip>()?;
+                continue;
+            }
+            for (field, key) in map.next_value_seed(KeyAt { paths: below })? {
+                if let Some(slot) = keys.iter_mut().find(|(f, _)| *f == field) {
+                    slot.1 = key;
+                }
+            }
+        }
+        Ok(keys)
+    }
+}
+
+/// Reads a member name: the paths that go on through it (the rest of each below it), without
+/// keeping the name.
+struct PathsThrough<'p, 'a> {
+    paths: &'p [(usize, &'a [String])],
+}
+
+impl<'de, 'a> DeserializeSeed<'de> for PathsThrough<'_, 'a> {
+    type Value = Vec<(usize, &'a [String])>;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_str(self)
+    }
+}
+
+impl<'de, 'a> Visitor<'de> for PathsThrough<'_, 'a> {
+    type Value = Vec<(usize, &'a [String])>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a member name")
+    }
+
+    fn visit_str<E: de::Error>(self, name: &str) -> Result<Self::Value, E> {
+        Ok(self
+            .paths
+            .iter()
+            .filter_map(|&(field, rest)| match rest.split_first() {
+                Some((first, below)) if first == name => Some((field, below)),
+                _ => None,
+            })
+            .collect())
+    }
 }

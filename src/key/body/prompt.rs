@@ -120,6 +120,11 @@ impl<'de> PromptMembers<'de> {
                         items.canonical(item, &mut chain).ok()?;
                         chain.boundary();
                     }
+                    for item in items.rest() {
+                        chain.mark(part as u8);
+                        canonical(item, &mut chain).ok()?;
+                        chain.boundary();
+                    }
                 }
                 PartValue::Written(items) => {
                     for item in items {
@@ -164,42 +169,124 @@ pub(crate) fn of_value(value: &serde_json::Value) -> PartValue<'static> {
 
 // === the items of an array ===
 
-/// A prompt array's items, as raw JSON borrowed from the body: an object item member by
-/// member and an array item element by element, as the parse met them, so that the chain
-/// writes their strings as they stand without looking for where they end; any other item
-/// whole.
+/// Bytes of spans an array's [`Items`] keep however densely its items and members stand.
+const SPAN_SLACK: usize = 4096;
+
+/// Past [`SPAN_SLACK`], the [`Items`] of an array keep a byte of spans for at most this many
+/// bytes of the body they have read: an item's members past that are not kept (the item is
+/// kept whole), nor the items after it (they are cut from the body as the chain reads them),
+/// so that no shape of array costs more than a part of its size. Messages of a few hundred
+/// bytes take about a third of theirs.
+const SPAN_DENSITY: usize = 2;
+
+/// A prompt array's items, as raw JSON in the body: an object item member by member and an
+/// array item element by element, as the parse met them, so that the chain writes their
+/// strings as they stand without looking for where they end; any other item whole. What they
+/// keep is bounded by the bytes they take (see [`SPAN_DENSITY`]): past it, an item is kept
+/// whole, and the items after it as one span of the body.
 #[derive(Debug, Default)]
 pub(crate) struct Items<'de> {
-    items: Vec<Item<'de>>,
+    /// The body the items are spans of.
+    body: &'de [u8],
+    items: Vec<Item>,
     /// The members of the object items (raw key, raw value) and the elements of the array
     /// items (no key), one item after another.
-    members: Vec<(&'de str, &'de str)>,
+    members: Vec<(Span, Span)>,
+    /// Whether what they keep is bounded (not in the tests' reference parse).
+    bounded: bool,
+    /// Where in `body` the first span read starts, and where the last ends.
+    from: Option<usize>,
+    to: usize,
+    /// The spans reached their bound (or the body is too long for a [`Span`]): the items
+    /// after go to `rest`.
+    full: bool,
+    /// The items after those kept: where in `body` the first starts and the last ends, and
+    /// how many there are.
+    rest: (usize, usize, usize),
+}
+
+/// Where a raw value stands in the body.
+#[derive(Clone, Copy, Debug, Default)]
+struct Span {
+    at: u32,
+    len: u32,
 }
 
 #[derive(Debug)]
-enum Item<'de> {
+enum Item {
     /// The item's raw JSON.
-    Whole(&'de str),
+    Whole(Span),
     /// An object: these `members`.
-    Object(Range<usize>),
+    Object(u32, u32),
     /// An array: these `members`, the elements.
-    Array(Range<usize>),
+    Array(u32, u32),
 }
 
 impl<'de> Items<'de> {
-    pub(crate) fn with_capacity(items: usize) -> Self {
+    /// The items of an array in `body`; with `bounded`, keeping spans within [`SPAN_DENSITY`].
+    pub(crate) fn new(body: &'de [u8], bounded: bool) -> Self {
         Items {
-            items: Vec::with_capacity(items),
-            members: Vec::with_capacity(items.saturating_mul(4)),
+            body,
+            bounded,
+            // Spans are 32-bit: the items of a longer body are all cut from it.
+            full: u32::try_from(body.len()).is_err(),
+            ..Items::default()
         }
     }
 
     pub(crate) fn len(&self) -> usize {
-        self.items.len()
+        self.items.len() + self.rest.2
+    }
+
+    /// Whether the items read from now on go to [`push_rest`](Self::push_rest).
+    pub(crate) fn full(&self) -> bool {
+        self.full
+    }
+
+    /// Where `raw` (borrowed from the body) starts in the body.
+    fn offset(&self, raw: &str) -> usize {
+        (raw.as_ptr() as usize).wrapping_sub(self.body.as_ptr() as usize)
+    }
+
+    /// The span of `raw`, noted as read.
+    fn read(&mut self, raw: &str) -> Span {
+        let at = self.offset(raw);
+        self.from.get_or_insert(at);
+        self.to = at + raw.len();
+        Span {
+            at: at as u32,
+            len: raw.len() as u32,
+        }
+    }
+
+    /// The bytes of `span`.
+    fn text(&self, span: Span) -> &'de [u8] {
+        let at = span.at as usize;
+        &self.body[at..at + span.len as usize]
+    }
+
+    /// Whether the spans kept are past their bound for the bytes read.
+    fn over(&self) -> bool {
+        let used = self.items.len() * std::mem::size_of::<Item>()
+            + self.members.len() * std::mem::size_of::<(Span, Span)>();
+        let read = self.to.saturating_sub(self.from.unwrap_or(self.to));
+        self.bounded && used > SPAN_SLACK + read / SPAN_DENSITY
     }
 
     pub(crate) fn push_whole(&mut self, raw: &'de str) {
-        self.items.push(Item::Whole(raw));
+        let span = self.read(raw);
+        self.items.push(Item::Whole(span));
+        self.full = self.over();
+    }
+
+    /// An item read after the spans reached their bound.
+    pub(crate) fn push_rest(&mut self, raw: &'de str) {
+        let at = self.offset(raw);
+        if self.rest.2 == 0 {
+            self.rest.0 = at;
+        }
+        self.rest.1 = at + raw.len();
+        self.rest.2 += 1;
     }
 
     /// Starts an object or an array item; its members follow with [`push_member`](Self::push_member).
@@ -207,74 +294,165 @@ impl<'de> Items<'de> {
         self.members.len()
     }
 
-    pub(crate) fn push_member(&mut self, key: &'de str, value: &'de str) {
+    /// Keeps a member of the current item (`key` empty for an element); `false` if that takes
+    /// the spans past their bound, and the item is then to be kept whole
+    /// ([`first_member`](Self::first_member)).
+    pub(crate) fn push_member(&mut self, key: &'de str, value: &'de str) -> bool {
+        let key = match key.is_empty() {
+            true => Span::default(),
+            false => Span {
+                at: self.offset(key) as u32,
+                len: key.len() as u32,
+            },
+        };
+        let value = self.read(value);
         self.members.push((key, value));
+        !self.over()
+    }
+
+    /// The item begun at `start` is to be kept whole: its members are let go, and where the
+    /// first (its key, or the first element) stands returned, for [`end_whole`](Self::end_whole).
+    pub(crate) fn first_member(&mut self, start: usize) -> Option<usize> {
+        let first =
+            (self.members.get(start)).map(|&(k, v)| if k.len == 0 { v.at } else { k.at } as usize);
+        self.members.truncate(start);
+        first
+    }
+
+    /// Notes a member of an item to be kept whole.
+    pub(crate) fn skip_member(&mut self, value: &'de str) {
+        self.read(value);
     }
 
     pub(crate) fn end_object(&mut self, start: usize) {
-        self.items.push(Item::Object(start..self.members.len()));
+        let item = Item::Object(start as u32, self.members.len() as u32);
+        self.items.push(item);
+        self.full = self.over();
     }
 
     pub(crate) fn end_array(&mut self, start: usize) {
-        self.items.push(Item::Array(start..self.members.len()));
+        let item = Item::Array(start as u32, self.members.len() as u32);
+        self.items.push(item);
+        self.full = self.over();
+    }
+
+    /// Ends an item kept whole whose first member (its key, or its first element) stands at
+    /// `first`: its span runs from the bracket before that to the bracket after the last
+    /// value read.
+    pub(crate) fn end_whole(&mut self, first: usize) {
+        let body = self.body;
+        let mut open = first;
+        while open > 0 && is_space(body[open - 1]) {
+            open -= 1;
+        }
+        let open = open.saturating_sub(1);
+        let close = skip_space(body, self.to) + 1;
+        let span = Span {
+            at: open as u32,
+            len: close.min(body.len()).saturating_sub(open) as u32,
+        };
+        self.items.push(Item::Whole(span));
+        self.full = self.over();
+    }
+
+    /// The items after those kept, cut from their span.
+    fn rest(&self) -> impl Iterator<Item = &'de [u8]> + '_ {
+        let (start, end, count) = self.rest;
+        let raw: &'de [u8] = self.body.get(start..end).unwrap_or_default();
+        let mut at = 0;
+        (0..count).map(move |_| {
+            let item = skip_space(raw, at);
+            let end = value_end(raw, item);
+            // Past the comma after the item.
+            at = skip_space(raw, end) + 1;
+            &raw[item..end]
+        })
+    }
+
+    /// The members of an object or array item.
+    fn members(&self, start: u32, end: u32) -> &[(Span, Span)] {
+        &self.members[start as usize..end as usize]
+    }
+
+    /// At least the bytes [`write_json`](Self::write_json) writes for item `index`, and
+    /// about as many: its raw text's length, or its members' and their punctuation's.
+    pub(crate) fn json_len(&self, index: usize) -> usize {
+        match self.items.get(index) {
+            Some(&Item::Whole(raw)) => raw.len as usize,
+            Some(&(Item::Object(start, end) | Item::Array(start, end))) => {
+                let members = self.members(start, end).iter();
+                members.fold(2, |n, (k, v)| n + k.len as usize + v.len as usize + 2)
+            }
+            None => self
+                .rest()
+                .nth(index - self.items.len())
+                .map_or(0, <[u8]>::len),
+        }
     }
 
     /// Writes item `index` as JSON: its raw text, or its members' without the whitespace
     /// between them.
     pub(crate) fn write_json(&self, index: usize, out: &mut Vec<u8>) {
-        let (range, open, close) = match self.items.get(index) {
-            Some(Item::Whole(raw)) => return out.extend_from_slice(raw.as_bytes()),
-            Some(Item::Object(range)) => (range, b'{', b'}'),
-            Some(Item::Array(range)) => (range, b'[', b']'),
-            None => return,
+        let (start, end, open, close) = match self.items.get(index) {
+            Some(&Item::Whole(raw)) => return out.extend_from_slice(self.text(raw)),
+            Some(&Item::Object(start, end)) => (start, end, b'{', b'}'),
+            Some(&Item::Array(start, end)) => (start, end, b'[', b']'),
+            None => {
+                if let Some(raw) = self.rest().nth(index - self.items.len()) {
+                    out.extend_from_slice(raw);
+                }
+                return;
+            }
         };
         out.push(open);
-        for (i, &(key, value)) in self.members[range.clone()].iter().enumerate() {
+        for (i, &(key, value)) in self.members(start, end).iter().enumerate() {
             if i > 0 {
                 out.push(b',');
             }
             if open == b'{' {
-                out.extend_from_slice(key.as_bytes());
+                out.extend_from_slice(self.text(key));
                 out.push(b':');
             }
-            out.extend_from_slice(value.as_bytes());
+            out.extend_from_slice(self.text(value));
         }
         out.push(close);
     }
 
     /// Feeds the canonical form of `item` to `chain`: the same bytes as [`canonical`] of the
     /// item's raw JSON.
-    fn canonical(&self, item: &Item<'_>, chain: &mut impl Feed) -> Result<(), TooDeep> {
+    fn canonical(&self, item: &Item, chain: &mut impl Feed) -> Result<(), TooDeep> {
         let mut out = Out::new(chain);
-        match item {
-            Item::Whole(raw) => canonical_into(raw.as_bytes(), 0, &mut out)?,
-            Item::Object(range) => {
+        match *item {
+            Item::Whole(raw) => canonical_into(self.text(raw), 0, &mut out)?,
+            Item::Object(start, end) => {
                 out.put(b"{");
                 let mut first = true;
-                for &(key, value) in &self.members[range.clone()] {
-                    if key.as_bytes() == CACHE_CONTROL {
+                for &(key, value) in self.members(start, end) {
+                    let key = self.text(key);
+                    if key == CACHE_CONTROL {
                         continue;
                     }
                     if !std::mem::take(&mut first) {
                         out.put(b",");
                     }
                     // A key is a string token as any other, as the whole item's path has it.
-                    out.put_string(key.as_bytes());
+                    out.put_string(key);
                     out.put(b":");
-                    match one_text_part(key.as_bytes(), value.as_bytes()) {
+                    let value = self.text(value);
+                    match one_text_part(key, value) {
                         Some(text) => out.put_string(text),
-                        None => member(value.as_bytes(), &mut out)?,
+                        None => member(value, &mut out)?,
                     }
                 }
                 out.put(b"}");
             }
-            Item::Array(range) => {
+            Item::Array(start, end) => {
                 out.put(b"[");
-                for (i, &(_, value)) in self.members[range.clone()].iter().enumerate() {
+                for (i, &(_, value)) in self.members(start, end).iter().enumerate() {
                     if i > 0 {
                         out.put(b",");
                     }
-                    member(value.as_bytes(), &mut out)?;
+                    member(self.text(value), &mut out)?;
                 }
                 out.put(b"]");
             }

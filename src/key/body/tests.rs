@@ -331,6 +331,19 @@ fn the_lazy_parse_agrees_with_a_whole_value() {
         r#"{"user":"a","user":null}"#.into(),
         r#"{"metadata":{"user_id":"m"},"metadata":{"other":1}}"#.into(),
         r#"{"metadata":{"user_id":12.5e1}}"#.into(),
+        r#"{"metadata":{"user_id":-0}}"#.into(),
+        r#"{"metadata":{"user_id":-17,"x":[1,{"user_id":"no"}]}}"#.into(),
+        r#"{"metadata":{"user_id":1e2},"user":18446744073709551615}"#.into(),
+        r#"{"metadata":{"user_id":"a","user_id":{"b":1}}}"#.into(),
+        r#"{"metadata":{"user_id":{"b":1},"user_id":" c "}}"#.into(),
+        r#"{"metadata":{"user_id":"a","user_id":[]},"user":"u"}"#.into(),
+        r#"{"metadata":[{"user_id":"in an array"}],"user":[0,0,"x"]}"#.into(),
+        r#"{"metadata":{"us\u0065r_id":"escaped","user_id":"\t"}}"#.into(),
+        r#"{"metadata":{"user_id":"m","n":1e400}}"#.into(),
+        r#"{"metadata":{"user_id":"m","s":"\udc00"}}"#.into(),
+        r#"{"metadata":"m","user":{"id":"u"}}"#.into(),
+        r#"{"a":{"b":{"a":{"b":"deep"}},"b":"ab"}}"#.into(),
+        r#"{"a":{"b":"first"},"a":{"c":"second"}}"#.into(),
         r#"{"us\u0065r":"escaped name"}"#.into(),
         r#"{"prompt_cache_key":"  p  ","user":"u"}"#.into(),
         r#"{"a":{"b":[true,false,null,{"c":"d"}]},"user":"u"} "#.into(),
@@ -357,10 +370,19 @@ fn the_lazy_parse_agrees_with_a_whole_value() {
         b"{\"user\":\"\xc3\xa9\"}".to_vec(),
     ])
     .collect();
-    let configs: [&[&str]; 4] = [
+    let configs: [&[&str]; 6] = [
         BodyKeyLayer::DEFAULT_FIELDS,
         &["messages", "user"],
         &["messages.0", "a.b"],
+        &[
+            "metadata.user_id.b",
+            "a",
+            "a.b.a.b",
+            "metadata",
+            "metadata.user_id",
+            "a.c",
+        ],
+        &["user.id", "user"],
         &[],
     ];
     for fields in configs {
@@ -375,6 +397,115 @@ fn the_lazy_parse_agrees_with_a_whole_value() {
             );
             assert_eq!(facts.body_bytes, body.len());
         }
+    }
+}
+
+/// `{"<part>":[items...]}`, the items joined by `sep`.
+fn array_body(part: &str, items: impl Iterator<Item = String>, sep: &str) -> Vec<u8> {
+    let items: Vec<String> = items.collect();
+    format!(
+        r#"{{"model":"m", "{part}" : [ {} ] , "user":"u"}}"#,
+        items.join(sep)
+    )
+    .into_bytes()
+}
+
+/// A message of a mix of shapes: objects, arrays, a one-part content, a cache mark, escapes,
+/// whitespace.
+fn mixed_message(i: usize) -> String {
+    match i % 5 {
+        0 => format!(r#"{{"role":"user","content":"m{i} \"q\" \u00e9"}}"#),
+        1 => format!(r#"[ "m" , {i} , {{"k" : [{i}, {{"cache_control":{{}}}}]}} ]"#),
+        2 => format!(
+            r#"{{ "role" : "assistant" , "content" : [ {{"type":"text","text":"m{i}","cache_control":{{"type":"ephemeral"}}}} ] }}"#
+        ),
+        3 => "{}".into(),
+        _ => "[]".into(),
+    }
+}
+
+/// An object item of `n` members, a cache mark and a one-part content among them.
+fn wide_object(n: usize) -> String {
+    let mut members: Vec<String> = (0..n).map(|j| format!(r#""k{j}" : [{j}]"#)).collect();
+    members.insert(n / 2, r#""cache_control":{"type":"ephemeral"}"#.into());
+    members.push(r#""content":[{"type":"text","text":"wide"}]"#.into());
+    format!("{{ {} }}", members.join(" ,\n "))
+}
+
+/// An array item of `n` elements.
+fn wide_array(n: usize) -> String {
+    let elements: Vec<String> = (0..n).map(|j| format!(r#"{{"e":{j}}}"#)).collect();
+    format!("[\t{}\t]", elements.join(" , "))
+}
+
+#[test]
+fn arrays_past_the_bound_on_what_is_kept_give_the_chain_of_all_kept() {
+    // Items kept whole once their members pass the bound, and items past it cut from the
+    // body: every chain as the reference's, which keeps every item whole.
+    let bodies = [
+        array_body("messages", (0..20_000).map(mixed_message), ","),
+        array_body("messages", (0..20_000).map(mixed_message), " ,\n\t"),
+        array_body(
+            "messages",
+            [wide_object(5_000), wide_array(5_000), mixed_message(2)]
+                .into_iter()
+                .chain((0..3).map(|_| wide_object(3_000))),
+            ",",
+        ),
+        array_body(
+            "input",
+            (0..4)
+                .map(wide_array)
+                .chain([wide_array(20_000), "{}".into()]),
+            "\n,",
+        ),
+        array_body("messages", (0..30_000).map(|_| "[]".to_string()), ","),
+        array_body("prompt", (0..30_000).map(|i| format!("{i}")), ", "),
+        array_body("prompt", (0..30_000).map(|i| format!(r#""p{i}""#)), ","),
+        array_body(
+            "tools",
+            (0..10_000).map(|i| format!(r#"{{"type":"function","name":"f{i}"}}"#)),
+            ",",
+        ),
+        // An item neither an object nor an array: read again with items whole, past the
+        // bound too.
+        array_body(
+            "messages",
+            (0..20_000)
+                .map(mixed_message)
+                .chain(["\"x\"".into(), "[]".into()]),
+            ",",
+        ),
+    ];
+    for body in &bodies {
+        let config = config(BodyKeyLayer::DEFAULT_FIELDS);
+        let (key, facts) = config.inspect(body);
+        let (whole_key, whole) = config.inspect_whole(body);
+        let text = String::from_utf8_lossy(&body[..80]);
+        assert!(whole.messages > 0 || !whole.chain.is_empty(), "{text}");
+        assert_eq!(key, whole_key, "{text}");
+        assert_eq!(facts.messages, whole.messages, "{text}");
+        assert_eq!(facts.leading_digest(), whole.leading_digest(), "{text}");
+        assert_eq!(facts.chain.links(), whole.chain.links(), "{text}");
+        let reference = reference(BodyKeyLayer::DEFAULT_FIELDS, body);
+        let got = (key, facts.messages, facts.leading_digest());
+        assert_eq!(got, reference, "{text}");
+    }
+}
+
+#[test]
+fn an_item_nested_too_deep_past_the_bound_empties_the_facts() {
+    let deep = format!("{}{}", "[".repeat(200), "]".repeat(200));
+    for at in [0, 3, 10_000, 19_999] {
+        let messages = (0..20_000).map(|i| {
+            if i == at {
+                deep.clone()
+            } else {
+                mixed_message(i)
+            }
+        });
+        let facts = PromptFacts::from_body(&array_body("messages", messages, ","));
+        assert_eq!((facts.messages, facts.chain.len()), (0, 0), "at {at}");
     }
 }
 
