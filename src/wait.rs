@@ -10,7 +10,8 @@
 //! patience), or the backend holding its prefix (when waiting for it was estimated cheaper
 //! than moving). Slots elsewhere do not wake it meanwhile. What it waits for is set by the look
 //! it takes on joining the queue, which may differ from its first (a slot freed in between,
-//! that it rules against), and widened when its hold runs out.
+//! that it rules against), and widened to any slot when its hold runs out or a later look
+//! finds nothing healthy left there (a backend marked down wakes every waiter to look).
 //!
 //! A woken waiter stays in the queue, marked with the slot that woke it, until its task runs
 //! and looks for a slot; a freed slot passes over the waiters already woken, and over those
