@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Request, Response, StatusCode};
+use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -14,7 +14,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use super::{config, start, Conversation, Running, DEADLINE};
+use super::{after_first_chunk, config, start, Conversation, Running, DEADLINE};
 use crate::llama_stub::Stub;
 
 /// The header timeout of these tests.
@@ -69,18 +69,6 @@ async fn http2_connection(proxy: &Running) -> TcpStream {
     h2.write_all(PREFACE).await.unwrap();
     h2.write_all(&EMPTY_SETTINGS).await.unwrap();
     h2
-}
-
-/// The body of `res`, an answer 200, once its first chunk has come.
-async fn after_first_chunk(res: Response<Incoming>) -> Incoming {
-    assert_eq!(res.status(), StatusCode::OK);
-    let mut body = res.into_body();
-    tokio::time::timeout(DEADLINE, body.frame())
-        .await
-        .expect("no first chunk in time")
-        .unwrap()
-        .unwrap();
-    body
 }
 
 /// Reads `body`, a streamed answer, to its end.

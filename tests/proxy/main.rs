@@ -1175,14 +1175,7 @@ async fn per_client_http2_streams_go_through_the_pool_and_are_served() {
             .await
             .expect("no response in time")
             .unwrap();
-        assert_eq!(res.status(), 200, "stream {s}");
-        let mut body = res.into_body();
-        tokio::time::timeout(DEADLINE, body.frame())
-            .await
-            .expect("no first chunk in time")
-            .unwrap()
-            .unwrap();
-        bodies.push(body);
+        bodies.push(after_first_chunk(res).await);
     }
     assert_eq!(proxy.proxy.affinity().stats().in_flight, n);
     assert_eq!(a.connections(), n, "one backend connection per stream");
@@ -1705,4 +1698,16 @@ async fn backend_dns_names_backends_from_a_real_nameserver_on_loopback() {
         value(&format!("tower_affinity_dns_consecutive_failures{missing}")),
         failures
     );
+}
+
+/// The body of `res`, an answer 200, once its first chunk has come.
+async fn after_first_chunk(res: Response<Incoming>) -> Incoming {
+    assert_eq!(res.status(), StatusCode::OK);
+    let mut body = res.into_body();
+    tokio::time::timeout(DEADLINE, body.frame())
+        .await
+        .expect("no first chunk in time")
+        .unwrap()
+        .unwrap();
+    body
 }
