@@ -516,7 +516,7 @@ where
                             let placed = (service, guard, decision, watch, record);
                             state.set(State::call(placed, r, finish));
                             if let Some((capacity, slot)) = unused {
-                                capacity.pass_on(&slot);
+                                capacity.pass_on(slot);
                             }
                         }
                         Placed::Empty => {

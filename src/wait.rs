@@ -81,9 +81,6 @@ struct Waiter {
     waker: Waker,
     /// The slot that woke it, promised to it until its task runs.
     woken_for: Option<Slot>,
-    /// The last freeing it was woken for and could not use: passed on, that freeing does
-    /// not come back to it.
-    declined: u64,
 }
 
 /// A freed slot: its backend's load (where the promise is counted), its backend and node.
@@ -92,8 +89,9 @@ pub(crate) struct Slot {
     pub(crate) load: Arc<Load>,
     pub(crate) backend: u32,
     pub(crate) node: u32,
-    /// Which freeing this is (never 0), kept as the slot is passed on.
-    event: u64,
+    /// The waiters (by arrival number) that were woken for this slot and declined it. It is
+    /// not offered to them again, so a slot that no waiter takes wakes each at most once.
+    declined: Vec<u64>,
 }
 
 impl Slot {
@@ -101,14 +99,19 @@ impl Slot {
     fn unpromise(&self) {
         self.load.reserved.fetch_sub(1, Ordering::AcqRel);
     }
+
+    /// This slot, declined by the waiter `seq` as well.
+    fn declined_by(&self, seq: u64) -> Slot {
+        let mut slot = self.clone();
+        slot.declined.push(seq);
+        slot
+    }
 }
 
 /// Waiters in arrival order.
 #[derive(Debug, Default)]
 pub(crate) struct WaitList {
     next_seq: u64,
-    /// The last freeing numbered.
-    events: u64,
     queue: VecDeque<Waiter>,
 }
 
@@ -128,34 +131,29 @@ impl Capacity {
     /// A slot on `backend` (of `node`, `load` its counts) has freed: wake the waiter it
     /// suits best, among those not woken already, and promise it the slot.
     pub(crate) fn slot_freed(&self, load: &Arc<Load>, backend: u32, node: u32) {
-        self.wake_for(load, backend, node, None);
+        self.pass_on(Slot {
+            load: load.clone(),
+            backend,
+            node,
+            declined: Vec::new(),
+        });
     }
 
     /// Passes on a slot a woken waiter did not take, as its freeing would have, to a waiter
-    /// that has not declined this freeing.
-    pub(crate) fn pass_on(&self, slot: &Slot) {
-        self.wake_for(&slot.load, slot.backend, slot.node, Some(slot.event));
-    }
-
-    fn wake_for(&self, load: &Arc<Load>, backend: u32, node: u32, event: Option<u64>) {
+    /// that has not declined it.
+    pub(crate) fn pass_on(&self, slot: Slot) {
         if self.waiting.load(Ordering::SeqCst) == 0 {
             return;
         }
         let mut list = self.waiters.lock();
-        let event = match event {
-            Some(e) => e,
-            None => {
-                list.events += 1;
-                list.events
-            }
-        };
+        let (backend, node) = (slot.backend, slot.node);
         let q = &list.queue;
         let first = |fits: &dyn Fn(&WaitHome) -> bool| {
             q.iter().position(|w| {
                 w.woken_for.is_none()
-                    && w.declined != event
                     && w.home.accepts(backend, node)
                     && fits(&w.home)
+                    && !slot.declined.contains(&w.seq)
             })
         };
         let at = first(&|h| h.backend == Some(backend))
@@ -165,13 +163,8 @@ impl Capacity {
             return;
         };
         // Promised before the waiter can run: its task takes the promise back first.
-        load.reserved.fetch_add(1, Ordering::AcqRel);
-        w.woken_for = Some(Slot {
-            load: load.clone(),
-            backend,
-            node,
-            event,
-        });
+        slot.load.reserved.fetch_add(1, Ordering::AcqRel);
+        w.woken_for = Some(slot);
         let waker = w.waker.clone();
         drop(list);
         waker.wake();
@@ -243,7 +236,6 @@ impl WaitTicket {
             home,
             waker: Waker::noop().clone(),
             woken_for: None,
-            declined: 0,
         });
         drop(list);
         Some(WaitTicket {
@@ -277,7 +269,6 @@ impl WaitTicket {
                     home: self.home,
                     waker: waker.clone(),
                     woken_for: None,
-                    declined: 0,
                 });
                 Woken::All
             }
@@ -318,13 +309,10 @@ impl WaitTicket {
         let unusable = w
             .woken_for
             .take_if(|slot| !home.accepts(slot.backend, slot.node));
-        if let Some(slot) = &unusable {
-            w.declined = slot.event;
-        }
         drop(list);
         if let Some(slot) = unusable {
             slot.unpromise();
-            self.capacity.pass_on(&slot);
+            self.capacity.pass_on(slot.declined_by(self.seq));
         }
     }
 
@@ -334,12 +322,9 @@ impl WaitTicket {
     }
 
     /// Its task looked, woken for `slot`, and took no slot: the slot goes on to a waiter
-    /// that has not declined it (this one has now, for this freeing).
+    /// that has not declined it (this one has now).
     pub(crate) fn decline(&self, slot: &Slot) {
-        if let Some(w) = self.capacity.waiters.lock().find(self.seq) {
-            w.declined = slot.event;
-        }
-        self.capacity.pass_on(slot);
+        self.capacity.pass_on(slot.declined_by(self.seq));
     }
 
     /// Which slots the ticket waits for.
@@ -363,7 +348,7 @@ impl Drop for WaitTicket {
         if let Some(slot) = unused {
             // Woken, and leaving before it looked: the slot goes to whom it suits next.
             slot.unpromise();
-            self.capacity.pass_on(&slot);
+            self.capacity.pass_on(slot);
         }
     }
 }

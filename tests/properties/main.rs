@@ -777,3 +777,36 @@ proptest! {
         check_spread(&slots, &took, n)?;
     }
 }
+
+/// A case the property above found: slots freed by failed requests on a backend marked
+/// down, which none of three waiters could take, went from waiter to waiter in a circle,
+/// each waking the next for as long as the backend stayed down (a spin, caught by the
+/// harness's bound on wakes). Each waiter declines a slot once.
+#[test]
+fn a_slot_no_waiter_can_take_wakes_each_waiter_once() {
+    use Mode::{Fail, Hang, Stream};
+    let call = |session, mode| Op::Call { session, mode };
+    run(
+        Overflow::wait(Duration::from_secs(30), 4),
+        0,
+        0,
+        vec![
+            call(None, Stream),
+            call(Some(0), Hang),
+            Op::Insert {
+                backend: 5,
+                node: 0,
+                slots: 1,
+            },
+            call(Some(0), Fail),
+            call(None, Stream),
+            Op::Remove(5),
+            call(None, Stream),
+            call(None, Stream),
+            call(Some(0), Fail),
+            call(None, Stream),
+            Op::Advance(5),
+            Op::EndBody(4508789763449935303),
+        ],
+    );
+}
