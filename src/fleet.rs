@@ -523,13 +523,23 @@ impl SlotGuard {
     /// Marks the backend this slot belongs to down for `cooldown`. A longer mark stays: a
     /// request that fails on a backend a probe has marked down until further notice does not
     /// bring it back when its cooldown ends.
+    ///
+    /// A backend that was up wakes the waiting requests, as a probe's mark does: those held
+    /// for it take a slot elsewhere or wait for any, and each sets its timer for the
+    /// backend's return, as slots freed on it meanwhile wake none.
     pub(crate) fn mark_down(&self, cooldown: std::time::Duration) {
-        let until = Instant::now()
+        let now = Instant::now();
+        let capacity = self.capacity();
+        let until = now
             .checked_add(cooldown)
-            .map_or(u64::MAX, |t| self.capacity().now_ms(t));
-        self.load
+            .map_or(u64::MAX, |t| capacity.now_ms(t));
+        let was = self
+            .load
             .down_until
-            .fetch_max(until.max(1), Ordering::Relaxed);
+            .fetch_max(until.max(1), Ordering::AcqRel);
+        if was == 0 || was <= capacity.now_ms(now) {
+            capacity.wake_all();
+        }
     }
 }
 
@@ -542,9 +552,13 @@ impl Drop for SlotGuard {
             .fetch_sub(self.since_ms, Ordering::Relaxed);
         // Sequentially consistent, as the wait queue's count is read next: see `wait`.
         self.load.in_flight.fetch_sub(1, Ordering::SeqCst);
-        self.load
-            .capacity
-            .slot_freed(&self.load, self.backend, self.node);
+        // A slot on a backend that is down serves no waiter: they looked when it went down,
+        // and their timers bring them back when it comes back.
+        let down_until = self.load.down_until.load(Ordering::Relaxed);
+        let capacity = self.capacity();
+        if down_until == 0 || capacity.now_ms(Instant::now()) >= down_until {
+            capacity.slot_freed(&self.load, self.backend, self.node);
+        }
     }
 }
 

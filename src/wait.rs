@@ -25,8 +25,12 @@
 //! A woken waiter that does not take its slot passes it on as the freeing would have, to the
 //! waiter it suits best, however that one is held: one dropped before its task ran (its client
 //! went away), one that took a slot elsewhere, and one that found none it may take (it
-//! declines that freeing, which then never comes back to it). So a freed slot is never left
-//! with a waiter that could use it asleep.
+//! declines that slot, which then never comes back to it). So a freed slot is never left
+//! with a waiter that could use it asleep, and a slot no waiter takes wakes each at most once.
+//!
+//! A slot freed on a backend that is down wakes nobody, as nobody may take it. The backend
+//! going down (a failure, a 503 answer, a probe) wakes every waiter to look once; each then
+//! waits with its timer set for the backend's return.
 //!
 //! Joining the queue and freeing a slot each write one count and then read the other's
 //! (`waiting`, a backend's requests in flight), sequentially consistent with a fence on the

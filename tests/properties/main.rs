@@ -781,7 +781,8 @@ proptest! {
 /// A case the property above found: slots freed by failed requests on a backend marked
 /// down, which none of three waiters could take, went from waiter to waiter in a circle,
 /// each waking the next for as long as the backend stayed down (a spin, caught by the
-/// harness's bound on wakes). Each waiter declines a slot once.
+/// harness's bound on wakes). Such slots now wake nobody, and a slot that no waiter takes
+/// wakes each at most once.
 #[test]
 fn a_slot_no_waiter_can_take_wakes_each_waiter_once() {
     use Mode::{Fail, Hang, Stream};

@@ -630,6 +630,51 @@ async fn a_wait_ending_as_a_cooldown_does_looks_once_more_before_refusing() {
     assert_eq!(decision(&res).outcome, Outcome::NewSession);
 }
 
+/// Slots freed on a backend that is down wake no waiting request, as none can take them: its
+/// going down woke each waiter once, and their timers bring them back when it comes back.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn slots_freed_on_a_backend_that_is_down_wake_no_waiter() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .failure_cooldown(Duration::from_secs(2))
+        .overflow(Overflow::wait(Duration::from_secs(60), 8))
+        .layer(fleet(&[("a1", "a", 2), ("b1", "b", 1)], &streams));
+    let mut on_a = Vec::new();
+    let mut on_b = Vec::new();
+    for s in ["s1", "s2", "s3"] {
+        let res = send(&mut svc, Some(s), Some("stream")).await.unwrap();
+        let open = (res, streams.take().unwrap());
+        match open.1 .0.as_str() {
+            "a1" => on_a.push(open),
+            _ => on_b.push(open),
+        }
+    }
+    assert_eq!((on_a.len(), on_b.len()), (2, 1));
+    // One of a1's streams ends; a request that will fail there takes its slot, and the next
+    // one waits.
+    drop(on_a.pop());
+    svc.ready().await.unwrap();
+    let mut req = request(Some("f"), None);
+    req.headers_mut()
+        .insert("x-fail-on", http::HeaderValue::from_static("a1"));
+    let mut failing = tokio_test::task::spawn(svc.call(req));
+    svc.ready().await.unwrap();
+    let mut waiting = tokio_test::task::spawn(svc.call(request(Some("w"), None)));
+    assert_pending!(waiting.poll());
+    // The failure marks a1 down: the waiter looks, and waits for its return.
+    assert!(assert_ready!(failing.poll()).is_err());
+    assert!(waiting.is_woken(), "the backend going down wakes it");
+    assert_pending!(waiting.poll());
+    // a1's other stream ends while it is down.
+    drop(on_a.pop());
+    assert_eq!(in_flight(&svc, "a1"), 0);
+    assert!(!waiting.is_woken(), "a slot it cannot take woke it");
+    tokio::time::advance(Duration::from_millis(2_010)).await;
+    assert!(waiting.is_woken(), "the backend's return wakes it");
+    let res = assert_ready!(waiting.poll()).unwrap();
+    assert_eq!(decision(&res).backend.as_str(), "a1");
+}
+
 #[tokio::test]
 async fn a_backend_is_asked_for_an_answer_it_can_be_read_in() {
     async fn sent(layer: SessionAffinityLayer, accept: Option<&str>) -> Option<String> {
