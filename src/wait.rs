@@ -93,8 +93,9 @@ pub(crate) struct Slot {
     pub(crate) load: Arc<Load>,
     pub(crate) backend: u32,
     pub(crate) node: u32,
-    /// The waiters (by arrival number) that were woken for this slot and declined it. It is
-    /// not offered to them again, so a slot that no waiter takes wakes each at most once.
+    /// The waiters (by arrival number, in order) that were woken for this slot and declined
+    /// it. It is not offered to them again, so a slot that no waiter takes wakes each at most
+    /// once.
     declined: Vec<u64>,
 }
 
@@ -107,7 +108,9 @@ impl Slot {
     /// This slot, declined by the waiter `seq` as well.
     fn declined_by(&self, seq: u64) -> Slot {
         let mut slot = self.clone();
-        slot.declined.push(seq);
+        if let Err(at) = slot.declined.binary_search(&seq) {
+            slot.declined.insert(at, seq);
+        }
         slot
     }
 }
@@ -157,7 +160,7 @@ impl Capacity {
                 w.woken_for.is_none()
                     && w.home.accepts(backend, node)
                     && fits(&w.home)
-                    && !slot.declined.contains(&w.seq)
+                    && slot.declined.binary_search(&w.seq).is_err()
             })
         };
         let at = first(&|h| h.backend == Some(backend))
