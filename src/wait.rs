@@ -138,6 +138,10 @@ impl Capacity {
     /// A slot on `backend` (of `node`, `load` its counts) has freed: wake the waiter it
     /// suits best, among those not woken already, and promise it the slot.
     pub(crate) fn slot_freed(&self, load: &Arc<Load>, backend: u32, node: u32) {
+        // Read before the slot is built: most slots free with nobody waiting.
+        if self.waiting.load(Ordering::SeqCst) == 0 {
+            return;
+        }
         self.pass_on(Slot {
             load: load.clone(),
             backend,
