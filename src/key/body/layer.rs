@@ -46,10 +46,11 @@ use crate::key::HeaderKey;
 ///   answer's id from its first 4 KiB as it passes (the `id` of a JSON answer, or of the
 ///   `response` in a stream's first event) and remembers, for the latest 4,096, that chain
 ///   and the backend that answered (the chains at most 2^20 links in all, 24 MiB: past
-///   that, the oldest responses are forgotten first). The request goes to that backend, which alone stores
-///   the response (see [`pin_stored_responses`](Self::pin_stored_responses)). A response it
-///   never saw (another router process answered it) leaves the request with an empty chain:
-///   its prompt is not known here.
+///   that, the oldest chains are dropped first and their responses' backends kept). The
+///   request goes to that backend, which alone stores the response (see
+///   [`pin_stored_responses`](Self::pin_stored_responses)). A response it never saw (another
+///   router process answered it), or whose chain was dropped, leaves the request with an
+///   empty chain: its prompt is not known here.
 /// - A request whose headers already name its session can skip the parse
 ///   ([`skip_when_header`]), at the price of its chain: the cache model then learns nothing
 ///   from it.

@@ -32,8 +32,11 @@ pub(crate) struct Stored {
 }
 
 /// The latest responses, by their ids' digests; the oldest is forgotten first, past
-/// `capacity` responses or past `max_links` chain links in all (a response's chain is its
-/// whole prompt's, so a few long conversations would otherwise hold gigabytes).
+/// `capacity` responses. Past `max_links` chain links in all (a response's chain is its
+/// whole prompt's, so a few long conversations would otherwise hold gigabytes), the oldest
+/// chains are dropped first and their responses kept: the backend a continuation must go to
+/// outlasts the prompt it continues, so that long chains, a client's own or another's, do
+/// not send continuations to backends that never stored their responses.
 pub(crate) struct StoredResponses {
     store: Mutex<Store>,
     capacity: usize,
@@ -43,7 +46,10 @@ pub(crate) struct StoredResponses {
 #[derive(Default)]
 struct Store {
     responses: HashMap<u64, Stored>,
+    /// The responses' digests, oldest first.
     order: VecDeque<u64>,
+    /// How many of the oldest responses (the first of `order`) have no chain left to drop.
+    dropped: usize,
     /// The links of every remembered chain.
     links: usize,
 }
@@ -81,20 +87,38 @@ impl StoredResponses {
     fn put(&self, id: &[u8], stored: Stored) {
         let digest = xxh3_64(id);
         let mut store = self.store.lock();
+        let store = &mut *store;
         store.links += links_of(&stored);
-        match store.responses.insert(digest, stored) {
-            Some(old) => store.links -= links_of(&old),
-            None => store.order.push_back(digest),
+        if let Some(old) = store.responses.insert(digest, stored) {
+            // Put again under its id (rare): it moves to the newest.
+            store.links -= links_of(&old);
+            if let Some(at) = store.order.iter().position(|&d| d == digest) {
+                store.order.remove(at);
+                if at < store.dropped {
+                    store.dropped -= 1;
+                }
+            }
         }
-        // The newest stays, whatever its size.
-        while store.order.len() > self.capacity
-            || (store.links > self.max_links && store.order.len() > 1)
-        {
+        store.order.push_back(digest);
+        while store.order.len() > self.capacity {
             let Some(old) = store.order.pop_front() else {
                 break;
             };
+            store.dropped = store.dropped.saturating_sub(1);
             if let Some(old) = store.responses.remove(&old) {
                 store.links -= links_of(&old);
+            }
+        }
+        // The newest keeps its chain, whatever its size.
+        while store.links > self.max_links && store.dropped + 1 < store.order.len() {
+            let oldest = store.order[store.dropped];
+            store.dropped += 1;
+            if let Some(chain) = store
+                .responses
+                .get_mut(&oldest)
+                .and_then(|s| s.chain.take())
+            {
+                store.links -= chain.len();
             }
         }
     }
@@ -271,23 +295,37 @@ mod tests {
         let put = |id: &str, n| {
             let stored = Stored {
                 chain: chain(n),
-                backend: None,
+                backend: Some(BackendId::from("gpu-1")),
             };
             store.put(id.as_bytes(), stored);
         };
+        let backend = |id: &str| store.get(id).and_then(|s| s.backend);
+        let has_chain = |id: &str| store.get(id).is_some_and(|s| s.chain.is_some());
         put("resp_a", 4);
         put("resp_b", 4);
         assert_eq!((store.len(), store.links()), (2, 8));
-        // A third of 4 links is past the budget of 10: the oldest goes.
+        // A third of 4 links is past the budget of 10: the oldest chain goes, and the
+        // response stays, with the backend that answered it.
         put("resp_c", 4);
-        assert_eq!((store.len(), store.links()), (2, 8));
-        assert!(store.get("resp_a").is_none());
-        // Put again under its id, a response's links are counted once.
-        put("resp_c", 6);
-        assert_eq!((store.len(), store.links()), (2, 10));
-        // One longer than the whole budget is still remembered, alone.
+        assert_eq!((store.len(), store.links()), (3, 8));
+        assert!(!has_chain("resp_a") && has_chain("resp_b") && has_chain("resp_c"));
+        assert_eq!(backend("resp_a"), Some(BackendId::from("gpu-1")));
+        // Put again under its id, a response's links are counted once, and it is the newest.
+        put("resp_b", 6);
+        assert_eq!((store.len(), store.links()), (3, 10));
+        put("resp_e", 1);
+        assert_eq!((store.len(), store.links()), (4, 7));
+        assert!(!has_chain("resp_c") && has_chain("resp_b"));
+        // One longer than the whole budget keeps its chain, alone.
         put("resp_d", 30);
-        assert_eq!((store.len(), store.links()), (1, 30));
-        assert!(store.get("resp_d").is_some());
+        assert_eq!((store.len(), store.links()), (5, 30));
+        assert!(has_chain("resp_d") && !has_chain("resp_b") && !has_chain("resp_e"));
+        // Past the responses' capacity, the oldest go, chain or not.
+        for i in 0..100 {
+            put(&format!("resp_{i}"), 0);
+        }
+        assert_eq!((store.len(), store.links()), (100, 0));
+        assert!(backend("resp_a").is_none());
+        assert_eq!(backend("resp_99"), Some(BackendId::from("gpu-1")));
     }
 }
