@@ -20,6 +20,12 @@ use crate::{Backend, BackendId, BoxError, Overflow, Sessions};
 /// after an hour idle, a failing backend passed over for 5 s, no decision headers, no shared
 /// store ([`home_store`](Self::home_store)).
 ///
+/// The default key reads headers only. The key a [`BodyKeyLayer`](crate::key::BodyKeyLayer)
+/// in front finds in a JSON body (`prompt_cache_key`, `user`, `metadata.user_id`) rides in the
+/// request's extensions, and counts only with [`ExtensionKey`](crate::key::ExtensionKey) among
+/// the extractors: `.key(FirstOf::new(HeaderKey::default(), ExtensionKey))`. Without it, such a
+/// request is placed as keyless (by its prompt chain).
+///
 /// ```
 /// use std::time::Duration;
 /// use tower::Layer;
