@@ -123,6 +123,7 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// loads its model), is passed over. Default 5 s; zero disables. Any other HTTP error
     /// status is a response, not a failure. A request that fails this way can be retried at
     /// once: the next placement skips the backend (see [`RetryOnce`](crate::RetryOnce)).
+    /// With zero it does not: a session's retry goes back to the backend that failed it.
     pub fn failure_cooldown(mut self, cooldown: Duration) -> Self {
         self.config.failure_cooldown = cooldown;
         self

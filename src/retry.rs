@@ -12,7 +12,10 @@ use crate::Error;
 /// nothing now: llama-server answers so while it loads its model). Nothing has reached the
 /// client yet, so the retry is invisible to it; the 503's body is dropped. The backend is
 /// marked down in either case (see [`SessionAffinityLayer::failure_cooldown`]), so the retry
-/// is placed on the next candidate. Other answers, errors included, are the backend's to give.
+/// is placed on the next candidate. With the cooldown turned off (`Duration::ZERO`) nothing
+/// marks it down, and the retry is placed as the first attempt was: a session's retry goes
+/// back to its home, the backend that just failed. Other answers, errors included, are the
+/// backend's to give.
 ///
 /// The request body must be `Clone`: buffer it first (a `Full<Bytes>` body is).
 ///
