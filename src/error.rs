@@ -40,7 +40,8 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum Error {
-    /// The fleet has no backend.
+    /// No backend can take the request: the fleet is empty (none discovered yet, or all
+    /// removed), or every backend is marked down (a failure cooldown, a probe's mark).
     NoBackends,
     /// Every candidate was full and the request could not wait (or waited too long, or too
     /// many were waiting already). Try again after `retry_after`.
