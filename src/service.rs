@@ -280,6 +280,10 @@ where
     }
 
     /// The live backends with their slots, in-flight counts and health.
+    ///
+    /// Discovery changes are applied when the service is polled for readiness (every request
+    /// is), so a service that has served no request yet lists none of the backends its
+    /// stream announced: call [`apply_discovery`](Self::apply_discovery) first.
     pub fn backends(&self) -> Vec<BackendStatus> {
         let now = self.shared.capacity.now_ms(Instant::now());
         self.shared.fleet.load().topology.status(now)
@@ -289,8 +293,10 @@ where
     /// [`mark_up`](Self::mark_up) if `None`. Requests already on it finish; requests waiting
     /// for it (held for its node, or for the prefix it holds) look again, and take a slot
     /// elsewhere or wait for any. Returns `false` if
-    /// there is no such backend. For health probes; a backend whose service fails is marked
-    /// down on its own (see [`SessionAffinityLayer::failure_cooldown`]).
+    /// there is no such backend, which includes one that discovery announced but that no
+    /// readiness poll (nor [`apply_discovery`](Self::apply_discovery)) has applied yet. For
+    /// health probes; a backend whose service fails is marked down on its own (see
+    /// [`SessionAffinityLayer::failure_cooldown`]).
     ///
     /// [`SessionAffinityLayer::failure_cooldown`]: crate::SessionAffinityLayer::failure_cooldown
     pub fn mark_down(&self, id: &str, cooldown: Option<Duration>) -> bool {
@@ -337,7 +343,8 @@ where
         }
     }
 
-    /// Marks backend `id` up again. Returns `false` if there is no such backend.
+    /// Marks backend `id` up again. Returns `false` if there is no such backend (as for
+    /// [`mark_down`](Self::mark_down), one not applied from discovery yet).
     pub fn mark_up(&self, id: &str) -> bool {
         let fleet = self.shared.fleet.load();
         let Some(i) = fleet.topology.index_of(id) else {
