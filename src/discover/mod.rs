@@ -26,6 +26,10 @@ pub use dns::DnsFleet;
 /// A fixed fleet: yields an insert for each backend, then ends. The service keeps the fleet
 /// after the stream ends.
 ///
+/// Ids name backends: an id given twice is one backend, the later entry updating the earlier
+/// (its node, slots and service), as a discovery insert of a known id does. Two servers
+/// listed under one id leave the first out of the fleet; give each its own id.
+///
 /// ```
 /// use tower_affinity::{discover::StaticFleet, Backend};
 ///
