@@ -28,10 +28,11 @@
 //!   second and at most 1,024 at once (more are dropped and counted,
 //!   [`StoreStats::writes_dropped`]); the homes whose write failed (the latest of each
 //!   session, up to 4,096) are written again when the store comes back, so that it does not
-//!   send their sessions back to where they were before the outage. A value that is not a home (a key holding something
-//!   else, or naming a backend this replica does not know) is ignored and counted
-//!   ([`StoreStats::garbage`]); the request is placed as if the store had none, and its
-//!   placement writes a home over it.
+//!   send their sessions back to where they were before the outage. A value that is not a
+//!   home (a key holding something else) is ignored and counted ([`StoreStats::garbage`]),
+//!   and so is a home on a backend this replica does not know (removed from the fleet, or
+//!   not yet discovered: [`StoreStats::unknown_backends`]); the request is placed as if the
+//!   store had none, and its placement writes a home over it.
 //!
 //! **Keyless conversations.** A request without a session key is known by its prompt: its [`PromptChain`] (from
 //! [`PromptFacts`], which [`BodyKeyLayer`] attaches) has a digest at each message boundary
