@@ -136,7 +136,9 @@ pub struct Stats {
     pub cold_homes: u64,
     /// Requests whose prompt no longer extended their session's last one.
     pub compactions: u64,
-    /// Requests without a key placed where their conversation's prefix is held.
+    /// Requests placed where their own conversation's prefix is held: without a key, or with
+    /// one whose prompt continues another conversation under the key than its last turn's
+    /// (see [`Outcome::PrefixHit`]).
     pub prefix_hits: u64,
     /// Requests that waited for a slot before being placed (also counted by outcome).
     pub waited: u64,

@@ -54,7 +54,8 @@ impl Sessions {
         self
     }
 
-    /// How long a session is remembered without a request.
+    /// How long a session is remembered without a request, counted in whole seconds (a
+    /// timeout under a second forgets a session within the second after its last request).
     pub const fn idle_timeout(mut self, idle: Duration) -> Self {
         self.idle_timeout = idle;
         self
