@@ -1,8 +1,8 @@
 //! [`PromptChain`]: what a request's prompt shares with earlier ones.
 //!
 //! A chain is the prompt's digest at each message boundary, in order, and at fixed blocks
-//! inside long messages; read from a body, at most one link per 16 of its estimated tokens past
-//! its first 64 (a run of tiny messages shares a link). Each digest covers everything before
+//! inside long messages; read from a body, at most 64 links plus one per 16 of its estimated
+//! tokens (a run of tiny messages shares a link). Each digest covers everything before
 //! it, so two requests share a link when they share the whole prompt up to it, as the bytes
 //! read (see [`BodyKeyLayer`](crate::key::BodyKeyLayer) for what is left out): the longest run
 //! of equal leading links is the longest prefix a model server could reuse. The
