@@ -105,9 +105,18 @@ impl HeaderKey {
         I: IntoIterator,
         I::Item: AsRef<str>,
     {
-        match Self::try_new(names) {
+        let names: Vec<I::Item> = names.into_iter().collect();
+        match Self::try_new(&names) {
             Ok(key) => key,
-            Err(e) => panic!("invalid header name for HeaderKey: {e}"),
+            Err(e) => {
+                // Name the culprit: http's error does not.
+                let bad = names
+                    .iter()
+                    .map(AsRef::as_ref)
+                    .find(|n| HeaderName::from_bytes(n.as_bytes()).is_err())
+                    .unwrap_or_default();
+                panic!("invalid header name for HeaderKey: {bad:?}: {e}")
+            }
         }
     }
 
@@ -183,6 +192,12 @@ mod tests {
             b = b.header(*n, http::HeaderValue::from_bytes(v).unwrap());
         }
         b.body(()).unwrap()
+    }
+
+    #[test]
+    #[should_panic(expected = "invalid header name for HeaderKey: \"bad name\"")]
+    fn new_names_the_invalid_name_it_panics_on() {
+        let _ = HeaderKey::new(["x-ok", "bad name"]);
     }
 
     #[test]
