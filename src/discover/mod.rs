@@ -27,8 +27,9 @@ pub use dns::DnsFleet;
 /// after the stream ends.
 ///
 /// Ids name backends: an id given twice is one backend, the later entry updating the earlier
-/// (its node, slots and service), as a discovery insert of a known id does. Two servers
-/// listed under one id leave the first out of the fleet; give each its own id.
+/// (its node, slots and service), as a discovery insert of a known id does, with a warning in
+/// the log. Two servers listed under one id leave the first out of the fleet; give each its
+/// own id.
 ///
 /// ```
 /// use tower_affinity::{discover::StaticFleet, Backend};
@@ -58,7 +59,14 @@ impl<S> StaticFleet<S> {
 
 impl<S, Id: Into<BackendId>> FromIterator<(Id, Backend<S>)> for StaticFleet<S> {
     fn from_iter<T: IntoIterator<Item = (Id, Backend<S>)>>(iter: T) -> Self {
-        let backends: Vec<_> = iter.into_iter().map(|(id, b)| (id.into(), b)).collect();
+        let backends: Vec<(BackendId, Backend<S>)> =
+            iter.into_iter().map(|(id, b)| (id.into(), b)).collect();
+        let mut seen = std::collections::HashSet::with_capacity(backends.len());
+        for (id, _) in &backends {
+            if !seen.insert(id) {
+                tracing::warn!(backend = %id, "backend id given twice in a StaticFleet: the later entry replaces the earlier");
+            }
+        }
         StaticFleet {
             backends: backends.into_iter(),
         }
