@@ -311,6 +311,12 @@ impl<B> Builder<B> {
                 "expected http://host:port only: paths are forwarded as sent",
             ));
         }
+        // A port out of range (`:99999`) parses, but reads as none: the client would connect
+        // to port 80 of the host. Port 0 reaches no server.
+        let port_given = authority.as_str().len() > authority.host().len() + 1;
+        if port_given && authority.port_u16().is_none_or(|p| p == 0) {
+            return Err(bad("the port must be a number from 1 to 65535"));
+        }
         let host = match authority.port_u16() {
             Some(port) if port != 80 => format!("{}:{port}", authority.host()),
             _ => authority.host().to_string(),
@@ -371,6 +377,11 @@ mod tests {
             ("http://x:80/?a=1", "paths"),
             ("http://u@x:80", "user info"),
             ("not a url", "not a URL"),
+            ("http://x:99999", "port"),
+            ("http://x:808080", "port"),
+            ("http://x:65536", "port"),
+            ("http://x:0", "port"),
+            ("http://[::1]:70000", "port"),
         ] {
             let e = Backend::new(url).unwrap_err().to_string();
             assert!(e.contains(why), "{url}: {e}");
@@ -380,6 +391,8 @@ mod tests {
             "http://x:8080/",
             "http://[::1]:9",
             "http://x",
+            "http://x:",
+            "http://x:65535",
         ] {
             Backend::new(url).unwrap_or_else(|e| panic!("{url}: {e}"));
         }
