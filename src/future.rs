@@ -424,6 +424,8 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         const POLLED_AFTER_COMPLETION: &str = "ResponseFuture polled after completion";
         let mut state = self.project().state;
+        // Whether this poll has applied the discovery stream's changes: once a poll at most.
+        let mut drained = false;
         loop {
             match state.as_mut().project() {
                 StateProj::Call { fut, dispatched } => {
@@ -462,6 +464,11 @@ where
                     if !matches!(woken, Woken::No) {
                         attempt = true;
                     }
+                    // Fleet changes not applied yet: a drain that stopped at its limit with
+                    // more ready woke this task to come back for them.
+                    if !drained && w.shared.discovery_due() {
+                        attempt = true;
+                    }
                     let mut deadline = w.deadline;
                     // The wait is over: one last look before the request is refused.
                     let mut last = false;
@@ -482,8 +489,13 @@ where
                     }
                     // Woken by a freed slot, by the deadline, by a cooldown's end, or by the
                     // discovery stream (a backend may have come): the changes that are ready
-                    // go in first.
-                    w.shared.drain_discovery(cx);
+                    // go in first. Once a poll, as in readiness, so that a stream that never
+                    // stops yielding cannot hold it: a drain that inserts a backend wakes
+                    // every waiter, this one too, which would look again in this same poll.
+                    if !drained {
+                        drained = true;
+                        w.shared.drain_discovery(cx);
+                    }
                     let r = w.req.take().expect(POLLED_AFTER_COMPLETION);
                     let waited = Some(w.since.elapsed());
                     let scope = w.ticket.scope();

@@ -117,6 +117,10 @@ impl Wake for Signal {
 pub(crate) trait Drain<B, P>: Send + Sync {
     /// Applies the changes that are ready to `shared`'s fleet, without blocking.
     fn drain(&self, shared: &Shared<B, P>, cx: &mut Context<'_>);
+
+    /// Whether the stream may have changes that no drain has applied yet: it signalled
+    /// since the last complete drain, or a drain stopped at its limit with more ready.
+    fn due(&self) -> bool;
 }
 
 /// State shared by every clone of the service and by its response futures.
@@ -438,6 +442,10 @@ where
             discovery.signal.drained.store(seen, Ordering::Release);
         }
     }
+
+    fn due(&self) -> bool {
+        self.signal.due()
+    }
 }
 
 /// Applies one discovery change to `fleet`; returns whether a backend was inserted.
@@ -461,6 +469,11 @@ impl<B, P> Shared<B, P> {
     /// Applies the discovery changes that are ready, without blocking.
     pub(crate) fn drain_discovery(&self, cx: &mut Context<'_>) {
         self.discovery.drain(self, cx);
+    }
+
+    /// Whether the discovery stream may have changes not applied yet (see [`Drain::due`]).
+    pub(crate) fn discovery_due(&self) -> bool {
+        self.discovery.due()
     }
 
     pub(crate) fn retry_after(&self) -> Duration {

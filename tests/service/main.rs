@@ -1197,6 +1197,112 @@ async fn a_waiting_request_takes_a_backend_announced_while_it_waits() {
     drop(held);
 }
 
+/// More changes come at once than one drain applies (256), the announcement of a backend
+/// last: the waiting request that drains them is woken to come back for the rest, and when it
+/// does, it applies them, finds the backend and takes it, rather than waiting out its
+/// `max_wait` with the fleet as the first drain left it.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_waiting_request_comes_back_for_the_changes_one_drain_left() {
+    let streams = Streams::default();
+    let (handle, mut svc, held) = one_slot_held(&streams).await;
+    svc.ready().await.unwrap();
+    let mut waiting = tokio_test::task::spawn(svc.call(request(Some("t"), None)));
+    assert_pending!(waiting.poll());
+    for i in 0..300 {
+        handle.remove(format!("never-there-{i}"));
+    }
+    handle.insert(
+        "b1",
+        Backend::new("b", backend("b1", &streams)).slots(nz(1)),
+    );
+    let mut polls = 0;
+    while waiting.is_woken() && polls < 8 {
+        polls += 1;
+        if let std::task::Poll::Ready(res) = waiting.poll() {
+            let res = res.unwrap();
+            assert_eq!(decision(&res).backend.as_str(), "b1");
+            assert_eq!(decision(&res).waited, Some(Duration::ZERO));
+            drop(held);
+            return;
+        }
+    }
+    panic!(
+        "still waiting after {polls} polls; fleet: {:?}",
+        svc.backends()
+    );
+}
+
+/// A waiting request applies at most one drain's changes a poll (256), as readiness does: a
+/// drain that inserts a backend wakes every waiter, the one draining too, and it drained
+/// again within the same poll, for as long as changes were ready: a discovery stream that
+/// never stopped yielding held it for good.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn one_poll_of_a_waiting_request_applies_at_most_one_drain() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use tower::discover::Change;
+    // Updates of backend a1, `ready` of them at a time: one at first.
+    struct Updates {
+        ready: Arc<AtomicUsize>,
+        waker: Arc<parking_lot::Mutex<Option<std::task::Waker>>>,
+        a1: MockService,
+    }
+    impl futures_core::Stream for Updates {
+        type Item = Result<Change<tower_affinity::BackendId, Backend<MockService>>, Infallible>;
+        fn poll_next(
+            self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Self::Item>> {
+            let this = self.get_mut();
+            let take = |n: usize| n.checked_sub(1);
+            if this
+                .ready
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, take)
+                .is_err()
+            {
+                *this.waker.lock() = Some(cx.waker().clone());
+                return std::task::Poll::Pending;
+            }
+            let a1 = Backend::new("a", this.a1.clone()).slots(nz(1));
+            std::task::Poll::Ready(Some(Ok(Change::Insert("a1".into(), a1))))
+        }
+    }
+    const BURST: usize = 20_000;
+    let streams = Streams::default();
+    let ready = Arc::new(AtomicUsize::new(1));
+    let waker = Arc::new(parking_lot::Mutex::new(None::<std::task::Waker>));
+    let updates = Updates {
+        ready: ready.clone(),
+        waker: waker.clone(),
+        a1: backend("a1", &streams),
+    };
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_secs(60), 8))
+        .layer(updates);
+    let _held = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+    svc.ready().await.unwrap();
+    let mut waiting = tokio_test::task::spawn(svc.call(request(Some("t"), None)));
+    assert_pending!(waiting.poll());
+    // A burst of updates of the full backend, each a change that wakes every waiter.
+    ready.store(BURST, Ordering::Relaxed);
+    waker.lock().take().unwrap().wake();
+    assert!(waiting.is_woken());
+    assert_pending!(waiting.poll());
+    let applied = BURST - ready.load(Ordering::Relaxed);
+    assert!(
+        applied <= 256,
+        "one poll of a waiting request applied {applied} changes"
+    );
+    // It is woken to come back for the rest, and applies them a drain a poll.
+    let mut polls = 0;
+    while waiting.is_woken() && polls < BURST {
+        polls += 1;
+        assert_pending!(waiting.poll());
+    }
+    assert_eq!(ready.load(Ordering::Relaxed), 0, "after {polls} more polls");
+    assert!(polls >= BURST / 256, "{polls}");
+}
+
 /// A slot promised to a woken waiter is not lost when a fleet change wakes every waiter
 /// before that one runs.
 #[tokio::test(flavor = "current_thread", start_paused = true)]
