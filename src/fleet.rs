@@ -807,6 +807,10 @@ impl Topology {
         self.detach(index);
         let member = &mut self.members[index as usize];
         member.live = false;
+        // Down until further notice: the slots its requests still hold, freed, wake no
+        // waiter (none may take them), and a request failing there wakes none either. It is
+        // up again if announced again before its index is reused.
+        member.load.down_until.store(u64::MAX, Ordering::Release);
         member.load.metrics.removed();
         self.free.push_back(index);
         if let Some(at) = self.free.len().checked_sub(Self::KEPT_REMOVED + 1) {

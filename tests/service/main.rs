@@ -675,6 +675,72 @@ async fn slots_freed_on_a_backend_that_is_down_wake_no_waiter() {
     assert_eq!(decision(&res).backend.as_str(), "a1");
 }
 
+/// Slots freed on a backend that has been removed wake no waiting request either, as none can
+/// take them: each woke the waiters one after another, each declining it, a look per waiting
+/// request for each request still on the backend when it went.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn slots_freed_on_a_removed_backend_wake_no_waiter() {
+    let streams = Streams::default();
+    let (handle, stream) = discover::channel();
+    handle.insert(
+        "a1",
+        Backend::new("a", backend("a1", &streams)).slots(nz(2)),
+    );
+    handle.insert(
+        "b1",
+        Backend::new("b", backend("b1", &streams)).slots(nz(1)),
+    );
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_secs(60), 8))
+        .layer(stream);
+    let mut on_a = Vec::new();
+    let mut on_b = Vec::new();
+    for s in ["s1", "s2", "s3"] {
+        let res = send(&mut svc, Some(s), Some("stream")).await.unwrap();
+        match streams.take().unwrap().0.as_str() {
+            "a1" => on_a.push(res),
+            _ => on_b.push(res),
+        }
+    }
+    assert_eq!((on_a.len(), on_b.len()), (2, 1));
+    svc.ready().await.unwrap();
+    let mut waiting: Vec<_> = ["w1", "w2", "w3"]
+        .into_iter()
+        .map(|w| tokio_test::task::spawn(svc.call(request(Some(w), None))))
+        .collect();
+    for w in &mut waiting {
+        assert_pending!(w.poll());
+    }
+    // a1 goes: the change wakes the waiters, which look once.
+    handle.remove("a1");
+    svc.ready().await.unwrap();
+    for w in &mut waiting {
+        assert!(w.is_woken());
+        assert_pending!(w.poll());
+    }
+    // Its requests end: their slots wake nobody.
+    on_a.clear();
+    assert!(
+        waiting.iter().all(|w| !w.is_woken()),
+        "a slot on a removed backend woke a waiter"
+    );
+    // b1's slot frees: the oldest waiter takes it.
+    on_b.clear();
+    assert!(waiting[0].is_woken());
+    let res = assert_ready!(waiting[0].poll()).unwrap();
+    assert_eq!(decision(&res).backend.as_str(), "b1");
+    // a1 announced again is up, with both slots free: the others take them.
+    handle.insert(
+        "a1",
+        Backend::new("a", backend("a1", &streams)).slots(nz(2)),
+    );
+    svc.ready().await.unwrap();
+    for w in &mut waiting[1..] {
+        let res = assert_ready!(w.poll()).unwrap();
+        assert_eq!(decision(&res).backend.as_str(), "a1");
+    }
+}
+
 #[tokio::test]
 async fn a_backend_is_asked_for_an_answer_it_can_be_read_in() {
     async fn sent(layer: SessionAffinityLayer, accept: Option<&str>) -> Option<String> {
