@@ -395,7 +395,9 @@ where
                     Some(t) if home.scope != Scope::Any => t.min(give_up),
                     _ => give_up,
                 };
-                let wake = shared.next_recovery(since, deadline).unwrap_or(deadline);
+                let wake = shared
+                    .next_recovery(since, deadline, &home)
+                    .unwrap_or(deadline);
                 State::Wait {
                     waiting: Box::pin(Waiting {
                         req: Some(req),
@@ -551,7 +553,7 @@ where
                             let until = *w.until;
                             let wake = w
                                 .shared
-                                .next_recovery(Instant::now(), until)
+                                .next_recovery(Instant::now(), until, &w.ticket.home())
                                 .unwrap_or(until);
                             if deadline.deadline() != wake {
                                 deadline.as_mut().reset(wake);

@@ -480,18 +480,26 @@ impl<B, P> Shared<B, P> {
         Overflow::RETRY_AFTER
     }
 
-    /// When the first failure cooldown still running ends, if one does before `by`: a backend
-    /// coming back from one frees its slots without a request ending, so a waiting request
-    /// looks again then.
-    pub(crate) fn next_recovery(&self, now: Instant, by: Instant) -> Option<Instant> {
+    /// When the first failure cooldown still running on a backend `home` waits for ends, if
+    /// one does before `by`: a backend coming back from one frees its slots without a request
+    /// ending, so a waiting request looks again then. A backend a held request may not take
+    /// (off its home node, or not the one holding its prefix) does not wake it: its hold ends
+    /// by `by`.
+    pub(crate) fn next_recovery(
+        &self,
+        now: Instant,
+        by: Instant,
+        home: &WaitHome,
+    ) -> Option<Instant> {
         let now_ms = self.capacity.now_ms(now);
         let fleet = self.fleet.load();
         let until = fleet
             .topology
             .members
             .iter()
-            .filter(|m| m.live)
-            .map(|m| m.load.down_until.load(Ordering::Relaxed))
+            .enumerate()
+            .filter(|(i, m)| m.live && home.accepts(*i as u32, m.node))
+            .map(|(_, m)| m.load.down_until.load(Ordering::Relaxed))
             // `u64::MAX` is down until further notice (a probe brings it back, through
             // discovery, which wakes the waiters itself).
             .filter(|&u| u > now_ms && u < u64::MAX)

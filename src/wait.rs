@@ -69,7 +69,7 @@ pub(crate) struct WaitHome {
 
 impl WaitHome {
     /// Whether a slot freed on `backend` of `node` can serve this waiter.
-    fn accepts(&self, backend: u32, node: u32) -> bool {
+    pub(crate) fn accepts(&self, backend: u32, node: u32) -> bool {
         match self.scope {
             Scope::Any => true,
             Scope::Node => self.node == Some(node),

@@ -2028,6 +2028,40 @@ async fn node_patience_spills_when_it_runs_out() {
     assert_ne!(d.backend, decision(&first).backend);
 }
 
+/// A request held for its node sleeps through a backend on another node coming back from its
+/// failure cooldown: it may not take that backend until its patience runs out. Each such
+/// return woke every request held so, to look and find nothing.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_request_held_for_its_node_sleeps_through_a_return_elsewhere() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .failure_cooldown(Duration::from_secs(2))
+        .overflow(Overflow::wait(Duration::from_secs(60), 8))
+        .node_patience(Duration::from_secs(10))
+        .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
+    let first = send(&mut svc, Some("x"), Some("stream")).await.unwrap();
+    let home = decision(&first).backend;
+    // The other backend fails a request: down for its cooldown.
+    let other = if home.as_str() == "a1" { "b1" } else { "a1" };
+    let mut req = request(Some("f"), None);
+    req.headers_mut()
+        .insert("x-fail-on", http::HeaderValue::from_str(other).unwrap());
+    let err = svc.ready().await.unwrap().call(req).await.unwrap_err();
+    assert!(matches!(err, Error::Backend { .. }), "{err}");
+    svc.ready().await.unwrap();
+    let mut next = tokio_test::task::spawn(svc.call(request(Some("x"), None)));
+    assert_pending!(next.poll());
+    tokio::time::advance(Duration::from_millis(2_010)).await;
+    assert!(!next.is_woken(), "a return it may not use woke it");
+    tokio::time::advance(Duration::from_millis(7_990)).await;
+    assert!(next.is_woken(), "its patience ran out");
+    let res = assert_ready!(next.poll()).unwrap();
+    let d = decision(&res);
+    assert_eq!(d.backend.as_str(), other);
+    assert_eq!(d.waited, Some(Duration::from_secs(10)));
+    drop(first);
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn node_patience_is_not_spent_on_a_node_without_a_healthy_backend() {
     let streams = Streams::default();
