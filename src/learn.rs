@@ -12,7 +12,8 @@
 //!
 //! - the wait for a slot there is estimated from its requests in flight (how long they have
 //!   run, on average, from the sum of their start times) against how long its requests take
-//!   (learned);
+//!   (learned), and from the requests already waiting whose cache is there: its next slots go
+//!   to them first, one every request time over its requests in flight;
 //! - the cost of moving is the prompt tokens the other backend would read again (what the
 //!   cache model says it lacks), after those it is still reading for the requests it has not
 //!   answered yet, divided by its learned prefill rate. A backend reads one prompt after
@@ -222,13 +223,20 @@ impl Learned {
         (n > 0).then(|| Duration::from_millis(self.first_byte_ms.load(Ordering::Relaxed) / n))
     }
 
-    /// The estimated wait for a slot on a backend whose `in_flight` requests fill it, at
-    /// fleet time `now_ms`; `None` until its request time is learned.
+    /// The estimated wait for a slot on a backend whose `in_flight` requests fill it, with
+    /// `ahead` requests waiting for its slots before this one, at fleet time `now_ms`; `None`
+    /// until its request time is learned.
     ///
     /// Its requests' starts are taken as spread evenly: the oldest of `n` has then run
     /// `2n / (n + 1)` times their mean age, and its slot frees when it reaches the learned
-    /// request time.
-    pub(crate) fn wait_estimate(&self, in_flight: u32, now_ms: u64) -> Option<Duration> {
+    /// request time; the slots after it free one every `1 / n` of that time, the first
+    /// `ahead` of them to the requests ahead.
+    pub(crate) fn wait_estimate(
+        &self,
+        in_flight: u32,
+        ahead: u32,
+        now_ms: u64,
+    ) -> Option<Duration> {
         let took = load_f64(&self.duration_ms)?;
         if in_flight == 0 {
             return Some(Duration::ZERO);
@@ -237,7 +245,8 @@ impl Learned {
         let started = self.started_ms.load(Ordering::Relaxed) as f64 / n;
         let mean_age = (now_ms as f64 - started).max(0.0);
         let oldest = mean_age * 2.0 * n / (n + 1.0);
-        Some(duration_of((took - oldest) / 1000.0))
+        let first = (took - oldest).max(0.0);
+        Some(duration_of((first + f64::from(ahead) * took / n) / 1000.0))
     }
 
     /// What a read of `read` on this backend costs its requests, not only the one read: the
@@ -370,7 +379,7 @@ mod tests {
         l.learn(&huge, Some(p));
         assert_eq!(l.read_time(u64::MAX), Some(Duration::MAX));
         assert_eq!(l.read_cost(Duration::MAX, 3), Duration::MAX);
-        assert_eq!(l.wait_estimate(1, u64::MAX), Some(Duration::ZERO));
+        assert_eq!(l.wait_estimate(1, 0, u64::MAX), Some(Duration::ZERO));
     }
 
     #[test]
@@ -477,15 +486,19 @@ mod tests {
     #[test]
     fn wait_estimate_from_the_requests_in_flight() {
         let l = Learned::default();
-        assert_eq!(l.wait_estimate(2, 1_000), None);
+        assert_eq!(l.wait_estimate(2, 0, 1_000), None);
         l.learn(&answer(1, Some(0), 1), None); // a 10 s request
                                                // Two requests started at 0 s and 4 s; now is 6 s: mean age 4 s, the oldest about
                                                // 5.3 s, so about 4.7 s to go.
         l.started_ms.store(4_000, Ordering::Relaxed);
-        let w = l.wait_estimate(2, 6_000).unwrap();
+        let w = l.wait_estimate(2, 0, 6_000).unwrap();
         assert!((w.as_secs_f64() - 4.667).abs() < 0.01, "{w:?}");
         // Requests older than the learned time: a slot is due now.
-        assert_eq!(l.wait_estimate(2, 60_000), Some(Duration::ZERO));
+        assert_eq!(l.wait_estimate(2, 0, 60_000), Some(Duration::ZERO));
+        // Three requests ahead, waiting for its slots: the first frees in about 4.7 s and
+        // the next every 5 s, so this one's is the fourth, in about 19.7 s.
+        let w = l.wait_estimate(2, 3, 6_000).unwrap();
+        assert!((w.as_secs_f64() - 19.667).abs() < 0.01, "{w:?}");
     }
 
     #[test]

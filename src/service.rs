@@ -776,7 +776,9 @@ fn worth_waiting(
     let go_cost = go_behind.saturating_add(go_load.read_cost(go_read, go_in_flight));
     let saving = go_cost.checked_sub(stay_read)?;
     let in_flight = load.in_flight.load(Ordering::Relaxed);
-    let wait = load.learned.wait_estimate(in_flight, now_ms)?;
+    // The requests waiting for it already take its next slots first.
+    let ahead = t.capacity.waiting_for(target);
+    let wait = load.learned.wait_estimate(in_flight, ahead, now_ms)?;
     (wait < saving).then_some(saving)
 }
 

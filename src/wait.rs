@@ -181,6 +181,21 @@ impl Capacity {
         waker.wake();
     }
 
+    /// How many waiting requests have their cache on `backend`: a slot freed there goes to
+    /// them before any other.
+    pub(crate) fn waiting_for(&self, backend: u32) -> u32 {
+        if self.waiting.load(Ordering::Relaxed) == 0 {
+            return 0;
+        }
+        let list = self.waiters.lock();
+        let n = list
+            .queue
+            .iter()
+            .filter(|w| w.home.backend == Some(backend))
+            .count();
+        u32::try_from(n).unwrap_or(u32::MAX)
+    }
+
     /// Wakes every waiter: the fleet has changed (a backend came or came back).
     pub(crate) fn wake_all(&self) {
         if self.waiting.load(Ordering::SeqCst) == 0 {

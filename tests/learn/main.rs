@@ -806,6 +806,73 @@ async fn move_at_once_when_the_wait_would_cost_more_than_moving() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_request_behind_others_waiting_for_the_holder_counts_their_turns_in_its_wait() {
+    let svc: Svc<_> = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_secs(600), 16))
+        .layer(fleet(&[("a", "n1"), ("b", "n2")], scripted()));
+    teach(&svc, Duration::from_secs(60)).await;
+    // Conversations of their own, each first turn 8,000 tokens: three homed on a.
+    let blocks = |k: u64| -> Vec<u64> { (0..10).map(|i| 1000 * (k + 1) + i).collect() };
+    let mut homed = Vec::new();
+    for k in 0..200 {
+        let key = format!("s{k}");
+        let first = request(
+            Some(&key),
+            Some(chain(&blocks(k)[..8], 1000)),
+            reused(8000, 0),
+        );
+        if exchange(&svc, first).await.0.backend.as_str() == "a" {
+            homed.push((key, k));
+        }
+        if homed.len() == 3 {
+            break;
+        }
+    }
+    assert_eq!(homed.len(), 3);
+    let minute = Duration::from_secs(60);
+    let (key, k) = &homed[0];
+    let long = Reply::llama_stream(9000, 8000, 5000, Duration::ZERO, minute);
+    let busy = request(Some(key), Some(chain(&blocks(*k)[..9], 1000)), long);
+    let streaming = keep_busy(&svc, busy, "a").await;
+    // The next turns of the two others, one after another, each lacking 2,000 tokens on a
+    // (10 s to read) and 10,000 on b (50 s, and about 42 s more for the requests reaching b
+    // meanwhile): waiting for a is worth up to about 82 s. a's slot is due in 60 s, and the
+    // next 60 s later, to the request waiting ahead: the first waits, the second moves at
+    // once (it waited its 82 s for a slot that came at 120 s, then moved).
+    let mut turns = Vec::new();
+    for (key, k) in homed[1..].iter().cloned() {
+        let svc = svc.clone();
+        let answer = Reply::llama_stream(10_000, 8000, 5000, Duration::ZERO, minute);
+        let next = request(Some(&key), Some(chain(&blocks(k), 1000)), answer);
+        turns.push(tokio::spawn(async move { exchange(&svc, next).await.0 }));
+        for _ in 0..8 {
+            tokio::task::yield_now().await;
+        }
+    }
+    let mut decisions = Vec::new();
+    for t in turns {
+        let d = tokio::time::timeout(Duration::from_secs(600), t)
+            .await
+            .expect("every turn ends")
+            .unwrap();
+        decisions.push(d);
+    }
+    let [first, second] = &decisions[..] else {
+        panic!("two turns")
+    };
+    assert_eq!(
+        (first.backend.as_str(), first.outcome, first.waited),
+        ("a", Outcome::HomeHit, Some(minute))
+    );
+    assert_eq!(
+        (second.backend.as_str(), second.waited),
+        ("b", None),
+        "{second:?}"
+    );
+    streaming.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_wait_for_the_holder_ends_when_moving_would_have_cost_less() {
     // Waits may last longer than the default minute.
     let svc: Svc<_> = SessionAffinityLayer::new()
