@@ -158,19 +158,30 @@ impl Capacity {
         }
         let mut list = self.waiters.lock();
         let (backend, node) = (slot.backend, slot.node);
-        let q = &list.queue;
-        let first = |fits: &dyn Fn(&WaitHome) -> bool| {
-            q.iter().position(|w| {
-                w.woken_for.is_none()
-                    && w.home.accepts(backend, node)
-                    && fits(&w.home)
-                    && slot.declined.binary_search(&w.seq).is_err()
-            })
-        };
-        let at = first(&|h| h.backend == Some(backend))
-            .or_else(|| first(&|h| h.node == Some(node)))
-            .or_else(|| first(&|_| true));
-        let Some(w) = at.map(|i| &mut list.queue[i]) else {
+        // One pass: the oldest whose cache is on the backend, else the oldest on its node,
+        // else the oldest.
+        let mut best: Option<(u8, usize)> = None;
+        for (i, w) in list.queue.iter().enumerate() {
+            let rank = if w.home.backend == Some(backend) {
+                0
+            } else if w.home.node == Some(node) {
+                1
+            } else {
+                2
+            };
+            if best.is_some_and(|(r, _)| r <= rank)
+                || w.woken_for.is_some()
+                || !w.home.accepts(backend, node)
+                || slot.declined.binary_search(&w.seq).is_ok()
+            {
+                continue;
+            }
+            best = Some((rank, i));
+            if rank == 0 {
+                break;
+            }
+        }
+        let Some(w) = best.map(|(_, i)| &mut list.queue[i]) else {
             return;
         };
         // Promised before the waiter can run: its task takes the promise back first.
