@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::task::{ready, Context, Poll, Waker};
 use std::time::Duration;
 
-use http::{HeaderName, HeaderValue};
+use http::HeaderValue;
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 use tower::Service;
@@ -595,11 +595,6 @@ where
     }
 }
 
-// Built once, not parsed from a string on every response.
-const BACKEND_HEADER: HeaderName = HeaderName::from_static("x-affinity-backend");
-const NODE_HEADER: HeaderName = HeaderName::from_static("x-affinity-node");
-const OUTCOME_HEADER: HeaderName = HeaderName::from_static("x-affinity-outcome");
-
 /// The backend's response with the decision attached, its body holding the slot. The decision
 /// goes into the response's extensions, or with `decision_extension(false)` into the body.
 fn respond<B>(
@@ -616,13 +611,13 @@ fn respond<B>(
         // Values kept by the backend: no copy of its names for each response.
         let kept = guard.headers();
         if let Some(v) = kept.backend() {
-            h.insert(BACKEND_HEADER, v);
+            h.insert(Decision::BACKEND_HEADER, v);
         }
         if let Some(v) = kept.node(&decision.node) {
-            h.insert(NODE_HEADER, v);
+            h.insert(Decision::NODE_HEADER, v);
         }
         h.insert(
-            OUTCOME_HEADER,
+            Decision::OUTCOME_HEADER,
             HeaderValue::from_static(decision.outcome.as_str()),
         );
     }

@@ -6,6 +6,8 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
+use http::HeaderName;
+
 use crate::{BackendId, NodeId};
 
 /// How a request was placed, relative to its session's home.
@@ -112,6 +114,29 @@ pub struct Decision {
     ///
     /// [`Overflow::Overcommit`]: crate::Overflow::Overcommit
     pub overcommitted: bool,
+}
+
+impl Decision {
+    /// The response header naming the backend that answered, with
+    /// [`decision_headers`](crate::SessionAffinityLayer::decision_headers): `x-affinity-backend`.
+    ///
+    /// ```
+    /// use tower_affinity::{Decision, Outcome};
+    ///
+    /// // What a client of the proxy reads.
+    /// let res = http::Response::builder()
+    ///     .header("x-affinity-outcome", "home-hit")
+    ///     .body(())
+    ///     .unwrap();
+    /// let outcome = res.headers().get(Decision::OUTCOME_HEADER).unwrap();
+    /// assert_eq!(outcome, Outcome::HomeHit.as_str());
+    /// ```
+    pub const BACKEND_HEADER: HeaderName = HeaderName::from_static("x-affinity-backend");
+    /// The response header naming the backend's node: `x-affinity-node`.
+    pub const NODE_HEADER: HeaderName = HeaderName::from_static("x-affinity-node");
+    /// The response header with the [`Outcome`], as [`Outcome::as_str`] spells it:
+    /// `x-affinity-outcome`.
+    pub const OUTCOME_HEADER: HeaderName = HeaderName::from_static("x-affinity-outcome");
 }
 
 /// A snapshot of the service's counters. Counters only grow; gauges are read at the snapshot.
