@@ -1,7 +1,7 @@
 //! Properties of the service under random operation: requests, streamed bodies ended or
-//! dropped, futures dropped, backend failures, backends inserted, updated and removed, time
-//! passing; half the backends are ready only at their second readiness poll. Checked after
-//! every step and at the end.
+//! dropped, futures dropped, backend failures and 503 answers, backends inserted, updated and
+//! removed, marked down and up by a probe, time passing; half the backends are ready only at
+//! their second readiness poll. Checked after every step and at the end.
 
 #[path = "../service/mock.rs"]
 mod mock;
@@ -34,23 +34,38 @@ enum Mode {
     Stream,
     Hang,
     Fail,
+    /// Answered 503 wherever it goes (a backend loading its model).
+    Unavailable,
 }
 
 #[derive(Clone, Debug)]
 enum Op {
-    Call { session: Option<u8>, mode: Mode },
+    Call {
+        session: Option<u8>,
+        mode: Mode,
+    },
     EndBody(usize),
     DropBody(usize),
     DropFuture(usize),
-    Insert { backend: u8, node: u8, slots: u32 },
+    Insert {
+        backend: u8,
+        node: u8,
+        slots: u32,
+    },
     Remove(u8),
+    /// A health probe marks the backend down until further notice, or up.
+    Probe {
+        backend: u8,
+        up: bool,
+    },
     Advance(u64),
 }
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         6 => (proptest::option::weighted(0.85, 0..SESSIONS), prop_oneof![
-            8 => Just(Mode::Stream), 1 => Just(Mode::Hang), 1 => Just(Mode::Fail)
+            8 => Just(Mode::Stream), 1 => Just(Mode::Hang), 1 => Just(Mode::Fail),
+            1 => Just(Mode::Unavailable)
         ])
             .prop_map(|(session, mode)| Op::Call { session, mode }),
         3 => any::<usize>().prop_map(Op::EndBody),
@@ -59,6 +74,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..BACKENDS, 0..3u8, 1..4u32)
             .prop_map(|(backend, node, slots)| Op::Insert { backend, node, slots }),
         1 => (0..BACKENDS).prop_map(Op::Remove),
+        1 => (0..BACKENDS, any::<bool>()).prop_map(|(backend, up)| Op::Probe { backend, up }),
         1 => (1..20u64).prop_map(Op::Advance),
     ]
 }
@@ -131,6 +147,15 @@ struct Model {
     unsure: HashSet<u8>,
 }
 
+impl Model {
+    /// The backend is down for `cooldown` from now, or longer if it was marked so.
+    fn mark_down(&mut self, id: &str, cooldown: Duration) {
+        let until = tokio::time::Instant::now() + cooldown;
+        let at = self.down_until.entry(id.to_string()).or_insert(until);
+        *at = (*at).max(until);
+    }
+}
+
 fn request(session: Option<u8>, mode: Mode) -> Req {
     let mut b = http::Request::post("/");
     if let Some(s) = session {
@@ -140,12 +165,19 @@ fn request(session: Option<u8>, mode: Mode) -> Req {
         Mode::Stream => "stream",
         Mode::Hang => "hang",
         Mode::Fail => "fail",
+        Mode::Unavailable => {
+            for i in 0..BACKENDS {
+                b = b.header("x-unavailable-on", format!("b{i}"));
+            }
+            "once"
+        }
     };
     b.header("x-mode", mode).body(String::new()).unwrap()
 }
 
 struct Harness {
     svc: Svc,
+    patience: Duration,
     handle: discover::FleetHandle<MockService>,
     streams: Streams,
     overflow: Overflow,
@@ -235,6 +267,9 @@ impl Harness {
             Poll::Ready(Ok(res)) => {
                 let d = res.extensions().get::<Decision>().cloned().unwrap();
                 self.placed(&d, session, None);
+                if res.status() == http::StatusCode::SERVICE_UNAVAILABLE {
+                    self.model.mark_down(d.backend.as_str(), COOLDOWN);
+                }
                 let tx = if stream {
                     let (name, tx) = self.streams.take_last().unwrap();
                     assert_eq!(name, d.backend.as_str());
@@ -245,8 +280,7 @@ impl Harness {
                 self.open.push(Open { res, tx });
             }
             Poll::Ready(Err(Error::Backend { backend, .. })) => {
-                let until = tokio::time::Instant::now() + COOLDOWN;
-                self.model.down_until.insert(backend.to_string(), until);
+                self.model.mark_down(backend.as_str(), COOLDOWN);
                 // The home is recorded at dispatch, failed or not.
                 if let Some(s) = session {
                     self.model.homes.insert(s, backend.to_string());
@@ -262,6 +296,11 @@ impl Harness {
     }
 
     fn step(&mut self, op: Op) {
+        self.apply(op);
+        self.progress();
+    }
+
+    fn apply(&mut self, op: Op) {
         match op {
             Op::Call { session, mode } => {
                 self.drain_discovery();
@@ -362,13 +401,26 @@ impl Harness {
                 }
                 self.drain_discovery();
             }
-            Op::Advance(secs) => {
-                let mut adv = spawn(tokio::time::advance(Duration::from_secs(secs)));
-                while adv.poll().is_pending() {}
+            Op::Probe { backend: b, up } => {
+                self.drain_discovery();
+                let id = format!("b{b}");
+                if up {
+                    if self.svc.mark_up(&id) {
+                        self.model.down_until.remove(&id);
+                    }
+                } else if self.svc.mark_down(&id, None) {
+                    // Until further notice: as good as forever here.
+                    self.model
+                        .mark_down(&id, Duration::from_secs(10 * 365 * 86_400));
+                }
             }
+            // Time passes in `run`, where the runtime fires the timers due.
             _ => {}
         }
-        // Waiting requests make progress when slots free, backends come, or time passes.
+    }
+
+    /// Waiting requests make progress when slots free, backends come, or time passes.
+    fn progress(&mut self) {
         let pending = std::mem::take(&mut self.pending);
         for mut p in pending {
             let poll = p.fut.poll();
@@ -393,7 +445,17 @@ impl Harness {
             self.pending.iter().all(|p| !p.fut.is_woken()),
             "requests still woken after 64 rounds: they wake one another in a circle"
         );
-        assert!(self.svc.stats().waiting <= 4, "the wait queue is bounded");
+        let waiting = self.svc.stats().waiting;
+        assert!(waiting <= 4, "the wait queue is bounded");
+        // Without node patience (and without prompt chains, so without waits for a prefix's
+        // holder), a request waits only while no backend it may take has room.
+        if self.patience.is_zero() && waiting > 0 {
+            let room = self.up_backends_with_room();
+            assert!(
+                room.is_empty(),
+                "{waiting} waiting while {room:?} have room"
+            );
+        }
     }
 
     fn finish(mut self) {
@@ -424,6 +486,7 @@ fn run(overflow: Overflow, patience: u64, seed: u64, ops: Vec<Op>) {
             .layer(stream);
         let mut h = Harness {
             svc,
+            patience: Duration::from_secs(patience),
             handle,
             streams: Streams::default(),
             overflow,
@@ -439,7 +502,13 @@ fn run(overflow: Overflow, patience: u64, seed: u64, ops: Vec<Op>) {
             });
         }
         for op in ops {
-            h.step(op);
+            match op {
+                Op::Advance(secs) => {
+                    tokio::time::advance(Duration::from_secs(secs)).await;
+                    h.progress();
+                }
+                op => h.step(op),
+            }
         }
         h.finish();
     }));
