@@ -404,10 +404,14 @@ impl Load {
         (false, cleared)
     }
 
-    /// Marks the backend down until `until_ms`; returns whether it was up at `now_ms`.
+    /// Marks the backend down until `until_ms`; returns whether the waiting requests must look
+    /// again: it was up at `now_ms`, or its mark now ends sooner than the one it replaces (their
+    /// timers are set for that one's end, or for none if it had none, and slots freed on the
+    /// backend while it is down wake nobody).
     pub(crate) fn mark_down(&self, until_ms: u64, now_ms: u64) -> bool {
-        let was = self.down_until.swap(until_ms.max(1), Ordering::AcqRel);
-        was == 0 || was <= now_ms
+        let until_ms = until_ms.max(1);
+        let was = self.down_until.swap(until_ms, Ordering::AcqRel);
+        was <= now_ms || until_ms < was
     }
 
     /// Takes a slot if one is free and not promised to a woken waiter.

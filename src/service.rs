@@ -313,13 +313,15 @@ where
             .and_then(|c| now.checked_add(c))
             .map_or(u64::MAX, |t| self.shared.capacity.now_ms(t));
         let now_ms = self.shared.capacity.now_ms(now);
-        let was_up = fleet.topology.member(i).load.mark_down(until, now_ms);
+        let look_again = fleet.topology.member(i).load.mark_down(until, now_ms);
         // At debug level: the caller (a health probe) knows why, and says so in its own log.
         tracing::debug!(backend = id, ?cooldown, "backend marked down");
         drop(fleet);
-        if was_up {
-            // Requests held for it (its sessions' node patience, a wait for the prefix it
-            // holds) look again: a slot elsewhere will do now.
+        if look_again {
+            // Up until now: requests held for it (its sessions' node patience, a wait for the
+            // prefix it holds) look again, as a slot elsewhere will do now. Down already, and
+            // back sooner than its last mark said: the waiters set their timers for its new
+            // return, as the slots freed on it while down woke none of them.
             self.shared.capacity.wake_all();
         }
         true

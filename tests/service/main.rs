@@ -675,6 +675,44 @@ async fn slots_freed_on_a_backend_that_is_down_wake_no_waiter() {
     assert_eq!(decision(&res).backend.as_str(), "a1");
 }
 
+/// A mark that ends sooner than the one it replaces (a probe's mark until further notice,
+/// then one with a cooldown) wakes the waiting requests: their timers were set for the mark it
+/// replaces, or for none, and the slots freed on the backend meanwhile woke nobody.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_mark_down_ending_sooner_than_the_one_it_replaces_wakes_the_waiters() {
+    for first in [None, Some(Duration::from_secs(30))] {
+        let streams = Streams::default();
+        let mut svc = SessionAffinityLayer::new()
+            .overflow(Overflow::wait(Duration::from_secs(60), 8))
+            .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
+        let mut held = Vec::new();
+        for s in ["s1", "s2"] {
+            let res = send(&mut svc, Some(s), Some("stream")).await.unwrap();
+            held.push((res, streams.take().unwrap()));
+        }
+        svc.ready().await.unwrap();
+        let mut waiting = tokio_test::task::spawn(svc.call(request(Some("w"), None)));
+        assert_pending!(waiting.poll());
+        // a1 goes down: the waiter looks, and waits.
+        assert!(svc.mark_down("a1", first));
+        assert!(waiting.is_woken());
+        assert_pending!(waiting.poll());
+        // Its mark is replaced by a shorter one, and its request ends while it is down.
+        assert!(svc.mark_down("a1", Some(Duration::from_secs(1))));
+        let at = held.iter().position(|(_, (on, _))| on == "a1").unwrap();
+        drop(held.remove(at));
+        assert_eq!(in_flight(&svc, "a1"), 0);
+        tokio::time::advance(Duration::from_millis(1_010)).await;
+        assert!(
+            waiting.is_woken(),
+            "a1 is back with its slot free, and the waiter sleeps (first mark {first:?})"
+        );
+        let res = assert_ready!(waiting.poll()).unwrap();
+        assert_eq!(decision(&res).backend.as_str(), "a1");
+        assert_eq!(decision(&res).waited, Some(Duration::from_millis(1_010)));
+    }
+}
+
 /// Slots freed on a backend that has been removed wake no waiting request either, as none can
 /// take them: each woke the waiters one after another, each declining it, a look per waiting
 /// request for each request still on the backend when it went.
