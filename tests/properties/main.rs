@@ -53,10 +53,12 @@ enum Op {
         slots: u32,
     },
     Remove(u8),
-    /// A health probe marks the backend down until further notice, or up.
+    /// A health probe marks the backend up, or down for 2 s or until further notice (either
+    /// replacing the mark it had).
     Probe {
         backend: u8,
         up: bool,
+        for_2s: bool,
     },
     Advance(u64),
 }
@@ -74,7 +76,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..BACKENDS, 0..3u8, 1..4u32)
             .prop_map(|(backend, node, slots)| Op::Insert { backend, node, slots }),
         1 => (0..BACKENDS).prop_map(Op::Remove),
-        1 => (0..BACKENDS, any::<bool>()).prop_map(|(backend, up)| Op::Probe { backend, up }),
+        1 => (0..BACKENDS, any::<bool>(), any::<bool>())
+            .prop_map(|(backend, up, for_2s)| Op::Probe { backend, up, for_2s }),
         1 => (1..20u64).prop_map(Op::Advance),
     ]
 }
@@ -401,17 +404,25 @@ impl Harness {
                 }
                 self.drain_discovery();
             }
-            Op::Probe { backend: b, up } => {
+            Op::Probe {
+                backend: b,
+                up,
+                for_2s,
+            } => {
                 self.drain_discovery();
                 let id = format!("b{b}");
+                // Until further notice: as good as forever here.
+                let (cooldown, down) = match for_2s {
+                    true => (Some(Duration::from_secs(2)), Duration::from_secs(2)),
+                    false => (None, Duration::from_secs(10 * 365 * 86_400)),
+                };
                 if up {
                     if self.svc.mark_up(&id) {
                         self.model.down_until.remove(&id);
                     }
-                } else if self.svc.mark_down(&id, None) {
-                    // Until further notice: as good as forever here.
-                    self.model
-                        .mark_down(&id, Duration::from_secs(10 * 365 * 86_400));
+                } else if self.svc.mark_down(&id, cooldown) {
+                    let until = tokio::time::Instant::now() + down;
+                    self.model.down_until.insert(id, until);
                 }
             }
             // Time passes in `run`, where the runtime fires the timers due.
