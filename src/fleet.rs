@@ -557,8 +557,11 @@ impl Drop for SlotGuard {
         // Sequentially consistent, as the wait queue's count is read next: see `wait`.
         self.load.in_flight.fetch_sub(1, Ordering::SeqCst);
         // A slot on a backend that is down serves no waiter: they looked when it went down,
-        // and their timers bring them back when it comes back.
-        let down_until = self.load.down_until.load(Ordering::Relaxed);
+        // and their timers bring them back when it comes back. Sequentially consistent, as
+        // is the lifting of a mark (`mark_up`, an announcement), which then wakes the waiters
+        // to look after a fence: either this sees the mark lifted and wakes one, or they see
+        // this slot free.
+        let down_until = self.load.down_until.load(Ordering::SeqCst);
         let capacity = self.capacity();
         if down_until == 0 || capacity.now_ms(Instant::now()) >= down_until {
             capacity.slot_freed(&self.load, self.backend, self.node);
@@ -750,7 +753,7 @@ impl Topology {
                 // Re-inserted before its index was reused: take it back, sessions and all. It
                 // was announced again, so it starts healthy.
                 self.free.retain(|&f| f != index);
-                m.load.down_until.store(0, Ordering::Relaxed);
+                m.load.down_until.store(0, Ordering::SeqCst);
             }
             let m = &mut self.members[index as usize];
             m.node = node;

@@ -501,6 +501,9 @@ where
                     let r = w.req.take().expect(POLLED_AFTER_COMPLETION);
                     let waited = Some(w.since.elapsed());
                     let scope = w.ticket.scope();
+                    // Woken by a lifted mark, it must see the slots freed on that backend
+                    // while marked, which woke nobody: see `SlotGuard`'s drop.
+                    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
                     let placed = w.shared.place(*w.key, r.extensions(), false, waited, scope);
                     if !matches!(placed, Placed::Full { .. }) || last {
                         w.ticket.settle();

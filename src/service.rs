@@ -357,7 +357,8 @@ where
             return false;
         };
         let load = &fleet.topology.member(i).load;
-        if load.down_until.swap(0, Ordering::AcqRel) != 0 {
+        // Sequentially consistent: see `SlotGuard`'s drop.
+        if load.down_until.swap(0, Ordering::SeqCst) != 0 {
             tracing::debug!(backend = id, "backend marked up");
             drop(fleet);
             self.shared.capacity.wake_all();
