@@ -713,6 +713,76 @@ async fn a_mark_down_ending_sooner_than_the_one_it_replaces_wakes_the_waiters() 
     }
 }
 
+/// Slots that the policy offers no waiting request, on a backend that is up, are passed from
+/// waiter to waiter until each has declined them, and then go unused: each wakes each waiter
+/// once. Two such slots went round three waiters in a circle, each waking the next, as a
+/// waiter remembered only the last slot it had declined.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn slots_the_policy_offers_no_waiter_wake_each_waiter_once() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use tower_affinity::placement::{Candidates, FleetView, PlacementRequest};
+    /// Offers a1 alone while `on_a` is set, else b1 alone.
+    #[derive(Clone)]
+    struct OneOf(Arc<AtomicBool>);
+    impl Placement for OneOf {
+        fn place(&self, f: &FleetView<'_>, _: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
+            let id = if self.0.load(Ordering::Relaxed) {
+                "a1"
+            } else {
+                "b1"
+            };
+            if let Some(b) = f.backend(&id.into()) {
+                let _ = c.offer(b);
+            }
+        }
+    }
+    let streams = Streams::default();
+    let on_a = Arc::new(AtomicBool::new(true));
+    let mut svc = SessionAffinityLayer::new()
+        .placement(OneOf(on_a.clone()))
+        .overflow(Overflow::wait(Duration::from_secs(60), 8))
+        .layer(fleet(&[("a1", "a", 2), ("b1", "b", 1)], &streams));
+    let mut on_a1 = Vec::new();
+    for s in ["s1", "s2"] {
+        let res = send(&mut svc, Some(s), Some("stream")).await.unwrap();
+        on_a1.push((res, streams.take().unwrap()));
+    }
+    on_a.store(false, Ordering::Relaxed);
+    let held = send(&mut svc, Some("s3"), Some("stream")).await.unwrap();
+    svc.ready().await.unwrap();
+    let mut waiting: Vec<_> = ["w1", "w2", "w3"]
+        .into_iter()
+        .map(|w| tokio_test::task::spawn(svc.call(request(Some(w), None))))
+        .collect();
+    for w in &mut waiting {
+        assert_pending!(w.poll());
+    }
+    // Both of a1's slots free; no waiter may take them.
+    on_a1.clear();
+    let mut looks = 0;
+    for _ in 0..64 {
+        let mut any = false;
+        for w in &mut waiting {
+            if w.is_woken() {
+                any = true;
+                looks += 1;
+                assert_pending!(w.poll());
+            }
+        }
+        if !any {
+            break;
+        }
+    }
+    assert!(
+        waiting.iter().all(|w| !w.is_woken()),
+        "still waking one another after {looks} looks"
+    );
+    assert!(looks <= 6, "{looks} looks for two slots and three waiters");
+    assert_eq!(svc.stats().waiting, 3);
+    drop(held);
+}
+
 /// Slots freed on a backend that has been removed wake no waiting request either, as none can
 /// take them: each woke the waiters one after another, each declining it, a look per waiting
 /// request for each request still on the backend when it went.
