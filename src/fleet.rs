@@ -414,6 +414,14 @@ impl Load {
         was <= now_ms || until_ms < was
     }
 
+    /// Marks the backend down until `until_ms`, unless a longer mark stands (a failure does
+    /// not bring back early a backend a probe marked down); returns whether it was up at
+    /// `now_ms`.
+    pub(crate) fn extend_down(&self, until_ms: u64, now_ms: u64) -> bool {
+        let was = self.down_until.fetch_max(until_ms.max(1), Ordering::AcqRel);
+        was <= now_ms
+    }
+
     /// Takes a slot if one is free and not promised to a woken waiter.
     pub(crate) fn try_acquire(&self) -> bool {
         let free = self
@@ -537,11 +545,7 @@ impl SlotGuard {
         let until = now
             .checked_add(cooldown)
             .map_or(u64::MAX, |t| capacity.now_ms(t));
-        let was = self
-            .load
-            .down_until
-            .fetch_max(until.max(1), Ordering::AcqRel);
-        if was == 0 || was <= capacity.now_ms(now) {
+        if self.load.extend_down(until, capacity.now_ms(now)) {
             capacity.wake_all();
         }
     }
