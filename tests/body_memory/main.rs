@@ -148,22 +148,28 @@ fn read_through_the_layer(body: Bytes) -> (i64, f64) {
     (s.bytes_allocated as i64 + s.bytes_reallocated as i64, took)
 }
 
+/// Reads `body` through the layer and prints what it allocated: how many times its size.
+fn allocated_over_size(what: &str, body: Bytes) -> f64 {
+    let len = body.len() as i64;
+    let (allocated, took) = read_through_the_layer(body);
+    let times = allocated as f64 / len as f64;
+    eprintln!(
+        "{what}: body {} KiB, allocated {} KiB ({times:.2} x), {:.1} ms",
+        len >> 10,
+        allocated >> 10,
+        took * 1e3
+    );
+    times
+}
+
 #[test]
 fn reading_a_body_of_any_shape_allocates_at_most_three_times_its_size() {
     let _one = ONE_AT_A_TIME.lock();
     let mut over = Vec::new();
     for (what, body) in shapes(4 << 20) {
-        let len = body.len() as i64;
-        let (allocated, took) = read_through_the_layer(body);
-        eprintln!(
-            "{what}: body {} KiB, allocated {} KiB ({:.2} x), {:.1} ms",
-            len >> 10,
-            allocated >> 10,
-            allocated as f64 / len as f64,
-            took * 1e3
-        );
-        if allocated > 3 * len {
-            over.push((what, allocated as f64 / len as f64));
+        let times = allocated_over_size(what, body);
+        if times > 3.0 {
+            over.push((what, times));
         }
     }
     assert!(
@@ -207,14 +213,6 @@ fn measure_time_per_byte() {
 fn measure_one_body_at_the_limit() {
     let _one = ONE_AT_A_TIME.lock();
     for (what, body) in shapes(BodyKeyLayer::DEFAULT_LIMIT - 64) {
-        let len = body.len() as i64;
-        let (allocated, took) = read_through_the_layer(body);
-        eprintln!(
-            "{what}: body {} MiB, allocated {} MiB ({:.2} x), {:.0} ms",
-            len >> 20,
-            allocated >> 20,
-            allocated as f64 / len as f64,
-            took * 1e3
-        );
+        allocated_over_size(what, body);
     }
 }
