@@ -162,7 +162,7 @@ impl Observe {
         let (usage, verdict) = guard.learned().learn(&answer, self.watch.prediction);
         if let Some(t) = answer.first_byte {
             guard.metrics().first_byte(t);
-            crate::metrics::first_byte(self.watch.outcome, t);
+            crate::metrics::first_byte(&capacity.counters.labels, self.watch.outcome, t);
         }
         if let Some(u) = usage {
             let correction = verdict == Verdict::HeldLess;

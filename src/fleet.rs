@@ -381,7 +381,7 @@ impl Load {
             down_until: AtomicU64::new(0),
             failures: AtomicU64::new(0),
             learned: Learned::default(),
-            metrics: BackendMetrics::new(id, node),
+            metrics: BackendMetrics::new(id, node, &capacity.counters.labels),
             capacity,
             headers: DecisionHeaders::new(id, node),
         }
@@ -846,11 +846,15 @@ pub(crate) struct Fleet<B> {
 }
 
 impl<B> Fleet<B> {
-    /// An empty fleet, seen by one of `replicas` router replicas.
-    pub(crate) fn new(replicas: u32) -> Self {
+    /// An empty fleet, seen by one of `replicas` router replicas, that adds `labels` to the
+    /// series it writes.
+    pub(crate) fn new(replicas: u32, labels: crate::metrics::Labels) -> Self {
+        let mut capacity = Capacity::default();
+        capacity.counters.labels = labels;
         Fleet {
             topology: Topology {
                 replicas,
+                capacity: Arc::new(capacity),
                 ..Topology::default()
             },
             backends: Vec::new(),

@@ -70,6 +70,8 @@ impl SessionAffinityLayer {
                 store: None,
                 store_deadline: Self::STORE_DEADLINE,
                 random_seed: None,
+                #[cfg(feature = "metrics")]
+                metrics_labels: Vec::new(),
             },
         }
     }
@@ -283,6 +285,49 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// leaves its header off, with a warning when the backend is discovered.
     pub fn decision_headers(mut self, enabled: bool) -> Self {
         self.config.decision_headers = enabled;
+        self
+    }
+
+    /// Adds `labels` to every series this balancer writes through the
+    /// [`metrics`](crate::metrics) facade, after the series' own (`outcome`, or `backend` and
+    /// `node`). The recorder is the process's: give each balancer in a process labels of its
+    /// own (a fleet for each model, say), or their fleet-wide series add up.
+    ///
+    /// A label the series use themselves (`backend`, `node`, `outcome`), or one given twice,
+    /// is left out with a warning: an exporter would refuse a series that names a label
+    /// twice. Called again, the later labels replace the earlier. Without labels (the
+    /// default) a series is written as before, at no cost; with them, each event builds its
+    /// series' labels, an allocation a placement.
+    ///
+    /// ```
+    /// use tower_affinity::SessionAffinityLayer;
+    ///
+    /// let layer = SessionAffinityLayer::new().metrics_labels([("fleet", "qwen3-coder")]);
+    /// # let _ = layer;
+    /// ```
+    #[cfg(feature = "metrics")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
+    pub fn metrics_labels<I, L, V>(mut self, labels: I) -> Self
+    where
+        I: IntoIterator<Item = (L, V)>,
+        L: Into<String>,
+        V: Into<String>,
+    {
+        let mut kept: Vec<(String, String)> = Vec::new();
+        for (label, value) in labels {
+            let (label, value) = (label.into(), value.into());
+            if crate::metrics::RESERVED_LABELS.contains(&label.as_str()) {
+                tracing::warn!(
+                    label,
+                    "metrics label left out: the series use it themselves"
+                );
+            } else if kept.iter().any(|(k, _)| *k == label) {
+                tracing::warn!(label, "metrics label left out: given twice");
+            } else {
+                kept.push((label, value));
+            }
+        }
+        self.config.metrics_labels = kept;
         self
     }
 }

@@ -13,11 +13,20 @@
 //! application asks, with [`SessionAffinity::publish_metrics`](crate::SessionAffinity::publish_metrics),
 //! typically just before rendering a scrape, so that no request pays for a gauge.
 //!
-//! The recorder is the process's: two balancers in one process (two fleets, or a test's
-//! throwaway service beside the real one) write the same series, and the fleet-wide ones
-//! (`tower_affinity_decisions_total`, `tower_affinity_sessions`, ...) then add up both, or
-//! take whichever published last. Keep one balancer a process, or tell them apart by the
-//! per-backend series, whose `backend` labels differ.
+//! The recorder is the process's: two balancers in one process (a fleet for each model, say)
+//! would write the same series, and the fleet-wide ones (`tower_affinity_decisions_total`,
+//! `tower_affinity_sessions`, ...) would add up both, or take whichever published last. Give
+//! each balancer labels of its own with
+//! [`SessionAffinityLayer::metrics_labels`](crate::SessionAffinityLayer::metrics_labels):
+//! they are added to every series it writes, the table's labels after them.
+//!
+//! ```
+//! use tower_affinity::SessionAffinityLayer;
+//!
+//! let coder = SessionAffinityLayer::new().metrics_labels([("fleet", "qwen3-coder")]);
+//! let titles = SessionAffinityLayer::new().metrics_labels([("fleet", "qwen3-4b")]);
+//! # let _ = (coder, titles);
+//! ```
 //!
 //! `publish_metrics` also publishes the fleet's counters at 0 until their first event (so a
 //! rate reads 0, not nothing), and zeroes the levels of a backend that has left the fleet: a
@@ -100,7 +109,10 @@
 use std::time::Duration;
 
 #[cfg(feature = "metrics")]
-use metrics::{counter, gauge, histogram, Counter, Gauge, Histogram};
+use std::sync::Arc;
+
+#[cfg(feature = "metrics")]
+use metrics::{counter, gauge, histogram, Counter, Gauge, Histogram, Label};
 
 #[cfg(feature = "metrics")]
 use crate::store::{StoreState, StoreStats};
@@ -108,9 +120,72 @@ use crate::{BackendId, Decision, NodeId, Outcome};
 #[cfg(feature = "metrics")]
 use crate::{BackendStatus, Stats};
 
+/// The labels a balancer adds to every series it writes
+/// ([`metrics_labels`](crate::SessionAffinityLayer::metrics_labels)); none by default, and
+/// nothing without the feature.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Labels {
+    #[cfg(feature = "metrics")]
+    extra: Option<Arc<[Label]>>,
+}
+
+/// The labels the series themselves use, which a balancer's own may not take.
+#[cfg(feature = "metrics")]
+pub(crate) const RESERVED_LABELS: [&str; 3] = ["backend", "node", "outcome"];
+
+#[cfg(feature = "metrics")]
+impl Labels {
+    /// `pairs` as labels, in order; none (and no cost) if empty.
+    pub(crate) fn new(pairs: &[(String, String)]) -> Self {
+        let extra: Vec<Label> = pairs
+            .iter()
+            .map(|(k, v)| Label::new(k.clone(), v.clone()))
+            .collect();
+        Labels {
+            extra: (!extra.is_empty()).then(|| extra.into()),
+        }
+    }
+
+    /// `own` (a series' own labels), then the balancer's.
+    fn with(&self, own: &[(&'static str, &str)]) -> Vec<Label> {
+        own.iter()
+            .map(|&(k, v)| Label::new(k, v.to_owned()))
+            .chain(self.extra.iter().flat_map(|x| x.iter().cloned()))
+            .collect()
+    }
+
+    /// A fleet-wide counter without labels of its own.
+    fn counter(&self, name: &'static str) -> Counter {
+        match &self.extra {
+            None => counter!(name),
+            Some(_) => counter!(name, self.with(&[])),
+        }
+    }
+
+    /// A fleet-wide counter by outcome.
+    fn counter_by(&self, name: &'static str, outcome: Outcome) -> Counter {
+        let label = outcome.as_str();
+        match &self.extra {
+            None => counter!(name, "outcome" => label),
+            Some(_) => counter!(name, self.with(&[("outcome", label)])),
+        }
+    }
+
+    /// A fleet-wide gauge without labels of its own.
+    fn gauge(&self, name: &'static str) -> Gauge {
+        match &self.extra {
+            None => gauge!(name),
+            Some(_) => gauge!(name, self.with(&[])),
+        }
+    }
+}
+
 /// One backend's event handles; nothing without the feature.
 #[derive(Debug)]
 pub(crate) struct BackendMetrics {
+    /// The balancer's labels, for the fleet-wide series it also counts in.
+    #[cfg(feature = "metrics")]
+    fleet: Labels,
     #[cfg(feature = "metrics")]
     failures: Counter,
     #[cfg(feature = "metrics")]
@@ -142,24 +217,28 @@ const LEVELS: [&str; 7] = [
 
 impl BackendMetrics {
     #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
-    pub(crate) fn new(backend: &BackendId, node: &NodeId) -> Self {
+    pub(crate) fn new(backend: &BackendId, node: &NodeId, fleet: &Labels) -> Self {
         #[cfg(feature = "metrics")]
         {
-            let labels = [
-                ("backend", backend.as_str().to_owned()),
-                ("node", node.as_str().to_owned()),
-            ];
+            let labels = fleet.with(&[("backend", backend.as_str()), ("node", node.as_str())]);
             BackendMetrics {
-                failures: counter!("tower_affinity_backend_failures_total", &labels),
-                prompt_tokens: counter!("tower_affinity_backend_prompt_tokens_total", &labels),
-                reused_tokens: counter!("tower_affinity_backend_reused_tokens_total", &labels),
+                fleet: fleet.clone(),
+                failures: counter!("tower_affinity_backend_failures_total", labels.iter()),
+                prompt_tokens: counter!(
+                    "tower_affinity_backend_prompt_tokens_total",
+                    labels.iter()
+                ),
+                reused_tokens: counter!(
+                    "tower_affinity_backend_reused_tokens_total",
+                    labels.iter()
+                ),
                 unreported_prompt_tokens: counter!(
                     "tower_affinity_backend_unreported_prompt_tokens_total",
-                    &labels
+                    labels.iter()
                 ),
-                corrections: counter!("tower_affinity_backend_corrections_total", &labels),
-                first_byte: histogram!("tower_affinity_backend_first_byte_seconds", &labels),
-                levels: LEVELS.map(|name| gauge!(name, &labels)),
+                corrections: counter!("tower_affinity_backend_corrections_total", labels.iter()),
+                first_byte: histogram!("tower_affinity_backend_first_byte_seconds", labels.iter()),
+                levels: LEVELS.map(|name| gauge!(name, labels.iter())),
             }
         }
         #[cfg(not(feature = "metrics"))]
@@ -170,7 +249,9 @@ impl BackendMetrics {
         #[cfg(feature = "metrics")]
         {
             self.failures.increment(1);
-            counter!("tower_affinity_backend_errors_total").increment(1);
+            self.fleet
+                .counter("tower_affinity_backend_errors_total")
+                .increment(1);
         }
     }
 
@@ -211,16 +292,24 @@ impl BackendMetrics {
 
 /// A request was placed.
 #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
-pub(crate) fn decision(d: &Decision) {
+pub(crate) fn decision(labels: &Labels, d: &Decision) {
     #[cfg(feature = "metrics")]
     {
-        counter!("tower_affinity_decisions_total", "outcome" => d.outcome.as_str()).increment(1);
+        labels
+            .counter_by("tower_affinity_decisions_total", d.outcome)
+            .increment(1);
         if let Some(waited) = d.waited {
-            counter!("tower_affinity_waited_total").increment(1);
-            histogram!("tower_affinity_wait_seconds").record(waited.as_secs_f64());
+            labels.counter("tower_affinity_waited_total").increment(1);
+            match &labels.extra {
+                None => histogram!("tower_affinity_wait_seconds"),
+                Some(_) => histogram!("tower_affinity_wait_seconds", labels.with(&[])),
+            }
+            .record(waited.as_secs_f64());
         }
         if d.overcommitted {
-            counter!("tower_affinity_overcommitted_total").increment(1);
+            labels
+                .counter("tower_affinity_overcommitted_total")
+                .increment(1);
         }
     }
 }
@@ -228,28 +317,38 @@ pub(crate) fn decision(d: &Decision) {
 /// An answer of a request placed with `outcome` reported `prompt` tokens, `reused` of them
 /// reused.
 #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
-pub(crate) fn reuse(outcome: Outcome, prompt: u64, reused: u64) {
+pub(crate) fn reuse(labels: &Labels, outcome: Outcome, prompt: u64, reused: u64) {
     #[cfg(feature = "metrics")]
     {
-        let label = outcome.as_str();
-        counter!("tower_affinity_prompt_tokens_total", "outcome" => label).increment(prompt);
-        counter!("tower_affinity_reused_tokens_total", "outcome" => label).increment(reused);
+        labels
+            .counter_by("tower_affinity_prompt_tokens_total", outcome)
+            .increment(prompt);
+        labels
+            .counter_by("tower_affinity_reused_tokens_total", outcome)
+            .increment(reused);
     }
 }
 
 /// The answer to a request placed with `outcome` began `after` its dispatch.
 #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
-pub(crate) fn first_byte(outcome: Outcome, after: Duration) {
+pub(crate) fn first_byte(labels: &Labels, outcome: Outcome, after: Duration) {
     #[cfg(feature = "metrics")]
-    histogram!("tower_affinity_first_byte_seconds", "outcome" => outcome.as_str())
+    {
+        let name = "tower_affinity_first_byte_seconds";
+        let label = outcome.as_str();
+        match &labels.extra {
+            None => histogram!(name, "outcome" => label),
+            Some(_) => histogram!(name, labels.with(&[("outcome", label)])),
+        }
         .record(after.as_secs_f64());
+    }
 }
 
-/// A fleet-wide event without labels, by its counter's name.
+/// A fleet-wide event without labels of its own, by its counter's name.
 #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
-pub(crate) fn event(name: &'static str) {
+pub(crate) fn event(labels: &Labels, name: &'static str) {
     #[cfg(feature = "metrics")]
-    counter!(name).increment(1);
+    labels.counter(name).increment(1);
 }
 
 /// The fleet's counters, which count events: published at 0 until their first, so that a
@@ -448,48 +547,63 @@ fn describe() {
 
 /// Sets the level gauges from a snapshot of the service.
 #[cfg(feature = "metrics")]
-pub(crate) fn publish(stats: &Stats, backends: &[BackendStatus]) {
+pub(crate) fn publish(fleet: &Labels, stats: &Stats, backends: &[BackendStatus]) {
     describe();
     for name in EVENTS {
-        counter!(name).increment(0);
+        fleet.counter(name).increment(0);
     }
-    for outcome in Outcome::ALL {
-        let label = outcome.as_str();
-        counter!("tower_affinity_decisions_total", "outcome" => label).increment(0);
-        counter!("tower_affinity_prompt_tokens_total", "outcome" => label).increment(0);
-        counter!("tower_affinity_reused_tokens_total", "outcome" => label).increment(0);
+    for &outcome in Outcome::ALL {
+        fleet
+            .counter_by("tower_affinity_decisions_total", outcome)
+            .increment(0);
+        fleet
+            .counter_by("tower_affinity_prompt_tokens_total", outcome)
+            .increment(0);
+        fleet
+            .counter_by("tower_affinity_reused_tokens_total", outcome)
+            .increment(0);
     }
-    gauge!("tower_affinity_session_table_bytes").set(stats.session_table_bytes as f64);
-    gauge!("tower_affinity_cache_model_bytes").set(stats.cache_model_bytes as f64);
-    gauge!("tower_affinity_in_flight").set(stats.in_flight as f64);
-    gauge!("tower_affinity_waiting").set(stats.waiting as f64);
-    gauge!("tower_affinity_sessions").set(stats.sessions as f64);
+    let level = |name, value: usize| fleet.gauge(name).set(value as f64);
+    level(
+        "tower_affinity_session_table_bytes",
+        stats.session_table_bytes,
+    );
+    level("tower_affinity_cache_model_bytes", stats.cache_model_bytes);
+    level("tower_affinity_in_flight", stats.in_flight);
+    level("tower_affinity_waiting", stats.waiting);
+    level("tower_affinity_sessions", stats.sessions);
     for b in backends {
-        let labels = [
-            ("backend", b.id.as_str().to_owned()),
-            ("node", b.node.as_str().to_owned()),
-        ];
-        gauge!("tower_affinity_backend_in_flight", &labels).set(f64::from(b.in_flight));
-        gauge!("tower_affinity_backend_slots", &labels).set(f64::from(b.slots));
-        gauge!("tower_affinity_backend_healthy", &labels).set(if b.healthy { 1.0 } else { 0.0 });
-        gauge!("tower_affinity_backend_cached_tokens", &labels).set(b.cached_tokens as f64);
-        gauge!("tower_affinity_backend_cache_budget_tokens", &labels).set(b.cache_budget as f64);
-        gauge!("tower_affinity_backend_conversations", &labels).set(f64::from(b.conversations));
+        let labels = fleet.with(&[("backend", b.id.as_str()), ("node", b.node.as_str())]);
+        gauge!("tower_affinity_backend_in_flight", labels.iter()).set(f64::from(b.in_flight));
+        gauge!("tower_affinity_backend_slots", labels.iter()).set(f64::from(b.slots));
+        gauge!("tower_affinity_backend_healthy", labels.iter()).set(if b.healthy {
+            1.0
+        } else {
+            0.0
+        });
+        gauge!("tower_affinity_backend_cached_tokens", labels.iter()).set(b.cached_tokens as f64);
+        gauge!("tower_affinity_backend_cache_budget_tokens", labels.iter())
+            .set(b.cache_budget as f64);
+        gauge!("tower_affinity_backend_conversations", labels.iter())
+            .set(f64::from(b.conversations));
         if let Some(rate) = b.prefill_rate {
-            gauge!("tower_affinity_backend_prefill_tokens_per_second", &labels)
-                .set(f64::from(rate));
+            gauge!(
+                "tower_affinity_backend_prefill_tokens_per_second",
+                labels.iter()
+            )
+            .set(f64::from(rate));
         }
     }
 }
 
 /// Sets the shared store's state and counters from a snapshot of them.
 #[cfg(feature = "metrics")]
-pub(crate) fn publish_store(s: &StoreStats) {
+pub(crate) fn publish_store(fleet: &Labels, s: &StoreStats) {
     let up = if s.state == StoreState::Up { 1.0 } else { 0.0 };
-    gauge!("tower_affinity_store_up").set(up);
+    fleet.gauge("tower_affinity_store_up").set(up);
     for (name, help, value) in s.counters() {
         let name = format!("tower_affinity_store_{name}_total");
         metrics::describe_counter!(name.clone(), help);
-        counter!(name).absolute(value);
+        counter!(name, fleet.with(&[])).absolute(value);
     }
 }

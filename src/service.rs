@@ -183,6 +183,9 @@ pub(crate) struct Config {
     pub(crate) store: Option<Arc<dyn HomeStore>>,
     pub(crate) store_deadline: Duration,
     pub(crate) random_seed: Option<u64>,
+    /// What [`metrics_labels`](crate::SessionAffinityLayer::metrics_labels) gave.
+    #[cfg(feature = "metrics")]
+    pub(crate) metrics_labels: Vec<(String, String)>,
 }
 
 impl<D, K, P, S> SessionAffinity<D, K, P>
@@ -192,7 +195,11 @@ where
     S: Clone,
 {
     pub(crate) fn new(discover: D, key: K, placement: P, config: Config) -> Self {
-        let fleet = Fleet::new(config.replicas.get());
+        #[cfg(feature = "metrics")]
+        let labels = crate::metrics::Labels::new(&config.metrics_labels);
+        #[cfg(not(feature = "metrics"))]
+        let labels = crate::metrics::Labels::default();
+        let fleet = Fleet::new(config.replicas.get(), labels);
         let capacity = fleet.topology.capacity.clone();
         // Woken once already: the first readiness drains.
         let signal = Arc::new(Signal {
@@ -271,9 +278,10 @@ where
     #[cfg(feature = "metrics")]
     #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
     pub fn publish_metrics(&self) {
-        crate::metrics::publish(&self.stats(), &self.backends());
+        let labels = &self.shared.capacity.counters.labels;
+        crate::metrics::publish(labels, &self.stats(), &self.backends());
         if let Some(store) = self.store_stats() {
-            crate::metrics::publish_store(&store);
+            crate::metrics::publish_store(labels, &store);
         }
     }
 

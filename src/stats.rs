@@ -315,6 +315,8 @@ pub(crate) struct Counters {
     pub(crate) corrections: AtomicU64,
     /// Reported prompt and reused tokens, by the outcome of their requests.
     reuse: [[AtomicU64; 2]; Outcome::ALL.len()],
+    /// The labels the balancer adds to the `metrics` facade's series.
+    pub(crate) labels: crate::metrics::Labels,
 }
 
 pub(crate) fn bump(c: &AtomicU64) {
@@ -333,22 +335,22 @@ fn stripe() -> usize {
 impl Counters {
     pub(crate) fn count_rejected(&self) {
         bump(&self.rejected);
-        crate::metrics::event("tower_affinity_rejected_total");
+        crate::metrics::event(&self.labels, "tower_affinity_rejected_total");
     }
 
     pub(crate) fn count_no_backends(&self) {
         bump(&self.no_backends);
-        crate::metrics::event("tower_affinity_no_backends_total");
+        crate::metrics::event(&self.labels, "tower_affinity_no_backends_total");
     }
 
     pub(crate) fn count_abandoned(&self) {
         bump(&self.abandoned);
-        crate::metrics::event("tower_affinity_abandoned_total");
+        crate::metrics::event(&self.labels, "tower_affinity_abandoned_total");
     }
 
     pub(crate) fn count_discovery_error(&self) {
         bump(&self.discovery_errors);
-        crate::metrics::event("tower_affinity_discovery_errors_total");
+        crate::metrics::event(&self.labels, "tower_affinity_discovery_errors_total");
     }
 
     /// An answer of a request placed with `outcome` reported `prompt` tokens and said it
@@ -357,11 +359,11 @@ impl Counters {
         let [p, r] = &self.reuse[outcome as usize];
         p.fetch_add(prompt, Ordering::Relaxed);
         r.fetch_add(reused, Ordering::Relaxed);
-        crate::metrics::reuse(outcome, prompt, reused);
+        crate::metrics::reuse(&self.labels, outcome, prompt, reused);
     }
 
     pub(crate) fn record(&self, d: &Decision) {
-        crate::metrics::decision(d);
+        crate::metrics::decision(&self.labels, d);
         let s = &self.stripes[stripe()];
         bump(&s.outcomes[d.outcome as usize]);
         if d.waited.is_some() {

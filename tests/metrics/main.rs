@@ -341,3 +341,144 @@ fn a_backend_that_left_reads_zero_and_counters_start_at_zero() {
         Some(&DebugValue::Counter(0))
     );
 }
+
+/// The entry whose labels are exactly `labels`, in any order.
+fn exact<'a>(
+    snapshot: &'a [Entry],
+    kind: MetricKind,
+    name: &str,
+    labels: &[(&str, &str)],
+) -> Option<&'a DebugValue> {
+    let mut want: Vec<(&str, &str)> = labels.to_vec();
+    want.sort_unstable();
+    snapshot
+        .iter()
+        .find(|(k, ..)| {
+            let mut have: Vec<(&str, &str)> =
+                k.key().labels().map(|l| (l.key(), l.value())).collect();
+            have.sort_unstable();
+            k.kind() == kind && k.key().name() == name && have == want
+        })
+        .map(|(.., v)| v)
+}
+
+#[test]
+fn two_balancers_in_one_process_keep_their_series_apart_by_their_labels() {
+    let ((), snapshot) = recorded(async {
+        // A request to `/fail` fails on its backend.
+        let backend = service_fn(|req: http::Request<String>| async move {
+            match req.uri().path() {
+                "/fail" => Err(std::io::Error::other("refused")),
+                _ => {
+                    let mut res =
+                        http::Response::new(Full::new(Bytes::from_static(ANSWER.as_bytes())));
+                    res.headers_mut()
+                        .insert("content-type", "application/json".parse().unwrap());
+                    Ok(res)
+                }
+            }
+        });
+        let fleet = |id: &'static str| StaticFleet::new([(id, Backend::new("node-a", backend))]);
+        let coder = SessionAffinityLayer::new()
+            .metrics_labels([("fleet", "coder"), ("region", "eu")])
+            .layer(fleet("c1"));
+        // The series' own labels, and one given twice, are left out.
+        let titles = SessionAffinityLayer::new()
+            .metrics_labels([("fleet", "titles"), ("outcome", "x"), ("fleet", "again")])
+            .layer(fleet("t1"));
+        for (svc, sessions) in [(&coder, ["a", "b", "c"].as_slice()), (&titles, &["a"])] {
+            for session in sessions {
+                let req = http::Request::post("/v1/chat/completions")
+                    .header("x-session-id", *session)
+                    .body(String::new())
+                    .unwrap();
+                let res = svc.clone().oneshot(req).await.unwrap();
+                res.into_body().collect().await.unwrap();
+            }
+            let req = http::Request::post("/fail").body(String::new()).unwrap();
+            assert!(svc.clone().oneshot(req).await.is_err());
+            svc.publish_metrics();
+        }
+    });
+    let decisions = |labels: &[(&str, &str)]| {
+        exact(
+            &snapshot,
+            MetricKind::Counter,
+            "tower_affinity_decisions_total",
+            labels,
+        )
+    };
+    let coder = [("fleet", "coder"), ("region", "eu")];
+    let new_session = [("outcome", "new-session")];
+    assert_eq!(
+        decisions(&[new_session[0], coder[0], coder[1]]),
+        Some(&DebugValue::Counter(3))
+    );
+    assert_eq!(
+        decisions(&[new_session[0], ("fleet", "titles")]),
+        Some(&DebugValue::Counter(1))
+    );
+    // No series is written without the balancer's labels.
+    assert_eq!(decisions(&new_session), None);
+    let sessions = |labels: &[(&str, &str)]| {
+        exact(
+            &snapshot,
+            MetricKind::Gauge,
+            "tower_affinity_sessions",
+            labels,
+        )
+    };
+    assert_eq!(sessions(&coder), Some(&DebugValue::Gauge(3.0.into())));
+    assert_eq!(
+        sessions(&[("fleet", "titles")]),
+        Some(&DebugValue::Gauge(1.0.into()))
+    );
+    // A backend's series: its own labels, then the balancer's.
+    assert_eq!(
+        exact(
+            &snapshot,
+            MetricKind::Gauge,
+            "tower_affinity_backend_slots",
+            &[("backend", "t1"), ("node", "node-a"), ("fleet", "titles")],
+        ),
+        Some(&DebugValue::Gauge(1.0.into()))
+    );
+    assert_eq!(
+        exact(
+            &snapshot,
+            MetricKind::Counter,
+            "tower_affinity_rejected_total",
+            &coder,
+        ),
+        Some(&DebugValue::Counter(0))
+    );
+    assert_eq!(
+        exact(
+            &snapshot,
+            MetricKind::Counter,
+            "tower_affinity_backend_errors_total",
+            &[("fleet", "titles")],
+        ),
+        Some(&DebugValue::Counter(1))
+    );
+    let first_bytes = exact(
+        &snapshot,
+        MetricKind::Histogram,
+        "tower_affinity_first_byte_seconds",
+        &[new_session[0], coder[0], coder[1]],
+    );
+    assert!(
+        matches!(first_bytes, Some(DebugValue::Histogram(v)) if v.len() == 3),
+        "{first_bytes:?}"
+    );
+    let unlabelled: Vec<&str> = snapshot
+        .iter()
+        .filter(|(k, ..)| !k.key().labels().any(|l| l.key() == "fleet"))
+        .map(|(k, ..)| k.key().name())
+        .collect();
+    assert!(
+        unlabelled.is_empty(),
+        "without the balancer's labels: {unlabelled:?}"
+    );
+    every_metric_has_help(&snapshot);
+}
