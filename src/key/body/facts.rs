@@ -1,5 +1,7 @@
 //! [`PromptFacts`]: what the body says about the prompt.
 
+use std::sync::Arc;
+
 use super::inspect::Config;
 use super::leading::LeadingMessages;
 use crate::{BackendId, PromptChain};
@@ -66,11 +68,13 @@ pub struct PromptFacts {
     pub stored_on: Option<BackendId>,
     /// The leading messages' text, for [`leading_digest`](Self::leading_digest).
     pub(super) leading: Option<LeadingMessages>,
+    /// The body's top-level `model`, for [`model`](Self::model).
+    pub(super) model: Option<Arc<str>>,
 }
 
-/// Facts are equal when their sizes, message counts, leading digests, chains and stored
-/// responses' backends are: the leading messages' whitespace does not count, as it does not
-/// in the digest.
+/// Facts are equal when their sizes, message counts, leading digests, chains, stored
+/// responses' backends and models are: the leading messages' whitespace does not count, as it
+/// does not in the digest.
 impl PartialEq for PromptFacts {
     fn eq(&self, other: &Self) -> bool {
         self.body_bytes == other.body_bytes
@@ -78,6 +82,7 @@ impl PartialEq for PromptFacts {
             && self.chain == other.chain
             && self.stored_on == other.stored_on
             && self.leading_digest() == other.leading_digest()
+            && self.model == other.model
     }
 }
 
@@ -112,6 +117,22 @@ impl PromptFacts {
         self.leading.as_ref().and_then(LeadingMessages::digest)
     }
 
+    /// The body's top-level `model`, if it is a string: the model the request asks for, to
+    /// route by when one proxy fronts a fleet for each model (the README's "Several models"
+    /// puts a balancer per model behind one [`BodyKeyLayer`](crate::key::BodyKeyLayer)). Read
+    /// in the same pass as the rest, so that routing by it costs no second parse of the body.
+    ///
+    /// ```
+    /// use tower_affinity::key::PromptFacts;
+    ///
+    /// let body = br#"{"model":"qwen3-coder","messages":[{"role":"user","content":"hi"}]}"#;
+    /// assert_eq!(PromptFacts::from_body(body).model(), Some("qwen3-coder"));
+    /// assert_eq!(PromptFacts::from_body(br#"{"model":7}"#).model(), None);
+    /// ```
+    pub fn model(&self) -> Option<&str> {
+        self.model.as_deref()
+    }
+
     /// The facts of a whole request body.
     pub fn from_body(body: &[u8]) -> Self {
         Config::new(usize::MAX).inspect(body).1
@@ -135,6 +156,7 @@ impl PromptFacts {
             chain,
             stored_on: None,
             leading: None,
+            model: None,
         }
     }
 }

@@ -112,6 +112,7 @@ impl Config {
                 chain: Default::default(),
                 stored_on: None,
                 leading: None,
+                model: None,
             },
             streams_unasked: false,
             continues: false,
@@ -130,6 +131,7 @@ impl Config {
         let Some(found) = found else {
             return out;
         };
+        out.facts.model = found.model.map(Arc::from);
         out.streams_unasked = found.stream == Some(true) && !found.stream_options;
         let previous = found.previous.as_deref().filter(|id| !id.is_empty());
         out.continues = previous.is_some();
@@ -244,6 +246,8 @@ struct Found<'de> {
     prompt: PromptMembers<'de>,
     /// The Responses API's `previous_response_id`, if it is a string.
     previous: Option<Cow<'de, str>>,
+    /// `model`, if it is a string (the last one given).
+    model: Option<Cow<'de, str>>,
     /// `stream`, if it is a boolean (the last one given).
     stream: Option<bool>,
     /// Whether `stream_options` is given at all.
@@ -284,15 +288,19 @@ impl<'de> Visitor<'de> for TopLevel<'_, 'de> {
                     found.prompt.set(part, map.next_value_seed(seed)?.0);
                     continue;
                 }
-                Member::Previous => {
+                Member::Previous | Member::Model => {
                     let seed = KeptSeed {
                         walk: false,
                         ..self.seed
                     };
-                    found.previous = match map.next_value_seed(seed)?.0 {
-                        PartValue::Text(id) => Some(id),
+                    let text = match map.next_value_seed(seed)?.0 {
+                        PartValue::Text(text) => Some(text),
                         _ => None,
                     };
+                    match member {
+                        Member::Previous => found.previous = text,
+                        _ => found.model = text,
+                    }
                     continue;
                 }
                 Member::Stream => {
@@ -347,6 +355,8 @@ enum Member {
     Prompt(Part),
     /// `previous_response_id`, not a key field.
     Previous,
+    /// `model`, not a key field.
+    Model,
     /// `stream` and `stream_options`, not key fields.
     Stream,
     StreamOptions,
@@ -380,6 +390,7 @@ impl<'de> Visitor<'de> for MemberName<'_> {
             (Some(index), part) => Member::Top { index, part },
             (None, Some(part)) => Member::Prompt(part),
             (None, None) if name == "previous_response_id" => Member::Previous,
+            (None, None) if name == "model" => Member::Model,
             (None, None) if name == "stream" => Member::Stream,
             (None, None) if name == "stream_options" => Member::StreamOptions,
             (None, None) => Member::Other,

@@ -521,6 +521,47 @@ fn the_leading_digest_is_over_the_re_serialized_messages() {
     assert_eq!(facts.messages, 3);
 }
 
+#[test]
+fn the_model_is_the_top_level_string_and_changes_nothing_else() {
+    let model = |body: &[u8]| PromptFacts::from_body(body).model().map(str::to_owned);
+    let chat = br#"{"model":"qwen3-coder","messages":[{"role":"user","content":"hi"}]}"#;
+    assert_eq!(model(chat).as_deref(), Some("qwen3-coder"));
+    // Escapes are read; the last one given counts, as in a parsed `Value`.
+    assert_eq!(
+        model(br#"{"model":"a\u00e9\"b","model":"c\/d"}"#).as_deref(),
+        Some("c/d")
+    );
+    assert_eq!(
+        model(br#"{"model":"a\u00e9\"b"}"#).as_deref(),
+        Some("a\u{e9}\"b")
+    );
+    // Not a string, not at the top, not JSON: none.
+    for body in [
+        &br#"{"model":7}"#[..],
+        br#"{"model":["m"]}"#,
+        br#"{"model":null}"#,
+        br#"{"metadata":{"model":"m"}}"#,
+        br#"{"model":"m""#,
+        b"model",
+    ] {
+        assert_eq!(model(body), None, "{}", String::from_utf8_lossy(body));
+    }
+    // The rest of the facts are those of the body without it.
+    let without = br#"{"messages":[{"role":"user","content":"hi"}]}"#;
+    let (with, without) = (
+        PromptFacts::from_body(chat),
+        PromptFacts::from_body(without),
+    );
+    assert_eq!(with.chain, without.chain);
+    assert_eq!(
+        (with.messages, with.leading_digest()),
+        (without.messages, without.leading_digest())
+    );
+    // A key field named `model` is a key, as any field is.
+    let (found, _) = config(&["model"]).inspect(chat);
+    assert_eq!(found, key("qwen3-coder"));
+}
+
 fn with_session_header(value: &'static str, body: &'static [u8]) -> http::Request<Full<Bytes>> {
     let mut req = post(body);
     req.headers_mut()
