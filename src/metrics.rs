@@ -18,7 +18,7 @@
 //! `tower_affinity_sessions`, ...) would add up both, or take whichever published last. Give
 //! each balancer labels of its own with
 //! [`SessionAffinityLayer::metrics_labels`](crate::SessionAffinityLayer::metrics_labels):
-//! they are added to every series it writes, the table's labels after them.
+//! they are added to every series it writes, after the series' own.
 //!
 //! ```
 //! use tower_affinity::SessionAffinityLayer;
@@ -135,11 +135,13 @@ pub(crate) const RESERVED_LABELS: [&str; 3] = ["backend", "node", "outcome"];
 
 #[cfg(feature = "metrics")]
 impl Labels {
-    /// `pairs` as labels, in order; none (and no cost) if empty.
+    /// `pairs` as labels, in order; none (and no cost) if empty. Shared, so that a series'
+    /// labels copy no string.
     pub(crate) fn new(pairs: &[(String, String)]) -> Self {
+        let shared = |s: &str| Arc::<str>::from(s);
         let extra: Vec<Label> = pairs
             .iter()
-            .map(|(k, v)| Label::new(k.clone(), v.clone()))
+            .map(|(k, v)| Label::new(shared(k), shared(v)))
             .collect();
         Labels {
             extra: (!extra.is_empty()).then(|| extra.into()),
@@ -147,18 +149,25 @@ impl Labels {
     }
 
     /// `own` (a series' own labels), then the balancer's.
-    fn with(&self, own: &[(&'static str, &str)]) -> Vec<Label> {
-        own.iter()
-            .map(|&(k, v)| Label::new(k, v.to_owned()))
+    fn with<const N: usize>(&self, own: [Label; N]) -> Vec<Label> {
+        own.into_iter()
             .chain(self.extra.iter().flat_map(|x| x.iter().cloned()))
             .collect()
+    }
+
+    /// A backend's series' labels: its own, then the balancer's.
+    fn of_backend(&self, backend: &str, node: &str) -> Vec<Label> {
+        self.with([
+            Label::new("backend", backend.to_owned()),
+            Label::new("node", node.to_owned()),
+        ])
     }
 
     /// A fleet-wide counter without labels of its own.
     fn counter(&self, name: &'static str) -> Counter {
         match &self.extra {
             None => counter!(name),
-            Some(_) => counter!(name, self.with(&[])),
+            Some(_) => counter!(name, self.with([])),
         }
     }
 
@@ -167,7 +176,10 @@ impl Labels {
         let label = outcome.as_str();
         match &self.extra {
             None => counter!(name, "outcome" => label),
-            Some(_) => counter!(name, self.with(&[("outcome", label)])),
+            Some(_) => counter!(
+                name,
+                self.with([Label::from_static_parts("outcome", label)])
+            ),
         }
     }
 
@@ -175,7 +187,7 @@ impl Labels {
     fn gauge(&self, name: &'static str) -> Gauge {
         match &self.extra {
             None => gauge!(name),
-            Some(_) => gauge!(name, self.with(&[])),
+            Some(_) => gauge!(name, self.with([])),
         }
     }
 }
@@ -220,7 +232,7 @@ impl BackendMetrics {
     pub(crate) fn new(backend: &BackendId, node: &NodeId, fleet: &Labels) -> Self {
         #[cfg(feature = "metrics")]
         {
-            let labels = fleet.with(&[("backend", backend.as_str()), ("node", node.as_str())]);
+            let labels = fleet.of_backend(backend.as_str(), node.as_str());
             BackendMetrics {
                 fleet: fleet.clone(),
                 failures: counter!("tower_affinity_backend_failures_total", labels.iter()),
@@ -302,7 +314,7 @@ pub(crate) fn decision(labels: &Labels, d: &Decision) {
             labels.counter("tower_affinity_waited_total").increment(1);
             match &labels.extra {
                 None => histogram!("tower_affinity_wait_seconds"),
-                Some(_) => histogram!("tower_affinity_wait_seconds", labels.with(&[])),
+                Some(_) => histogram!("tower_affinity_wait_seconds", labels.with([])),
             }
             .record(waited.as_secs_f64());
         }
@@ -338,7 +350,10 @@ pub(crate) fn first_byte(labels: &Labels, outcome: Outcome, after: Duration) {
         let label = outcome.as_str();
         match &labels.extra {
             None => histogram!(name, "outcome" => label),
-            Some(_) => histogram!(name, labels.with(&[("outcome", label)])),
+            Some(_) => histogram!(
+                name,
+                labels.with([Label::from_static_parts("outcome", label)])
+            ),
         }
         .record(after.as_secs_f64());
     }
@@ -573,7 +588,7 @@ pub(crate) fn publish(fleet: &Labels, stats: &Stats, backends: &[BackendStatus])
     level("tower_affinity_waiting", stats.waiting);
     level("tower_affinity_sessions", stats.sessions);
     for b in backends {
-        let labels = fleet.with(&[("backend", b.id.as_str()), ("node", b.node.as_str())]);
+        let labels = fleet.of_backend(b.id.as_str(), b.node.as_str());
         gauge!("tower_affinity_backend_in_flight", labels.iter()).set(f64::from(b.in_flight));
         gauge!("tower_affinity_backend_slots", labels.iter()).set(f64::from(b.slots));
         gauge!("tower_affinity_backend_healthy", labels.iter()).set(if b.healthy {
@@ -604,6 +619,6 @@ pub(crate) fn publish_store(fleet: &Labels, s: &StoreStats) {
     for (name, help, value) in s.counters() {
         let name = format!("tower_affinity_store_{name}_total");
         metrics::describe_counter!(name.clone(), help);
-        counter!(name, fleet.with(&[])).absolute(value);
+        counter!(name, fleet.with([])).absolute(value);
     }
 }
