@@ -293,9 +293,14 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// `node`). The recorder is the process's: give each balancer in a process labels of its
     /// own (a fleet for each model, say), or their fleet-wide series add up.
     ///
-    /// A label the series use themselves (`backend`, `node`, `outcome`), or one given twice,
-    /// is left out with a warning: an exporter would refuse a series that names a label
-    /// twice. Called again, the later labels replace the earlier. Without labels (the
+    /// A label the series use themselves (`backend`, `node`, `outcome`), one an exporter adds
+    /// to a histogram's or summary's series (`le`, `quantile`), one given twice, an empty
+    /// name or one starting with `__` (Prometheus's own), or a label with an empty value
+    /// (Prometheus reads it as no label) is left out with a warning: a scrape would be
+    /// refused for a series that names a label twice or an invalid one. Prometheus's
+    /// exporter replaces a character other than `[a-zA-Z0-9_]` in a name with `_`, so
+    /// `model.name` and `model-name` would be the same label there: use such names only
+    /// for an exporter that keeps them. Called again, the later labels replace the earlier. Without labels (the
     /// default) a series is written as before, at no cost; with them, each event builds its
     /// series' labels, an allocation a placement.
     ///
@@ -320,6 +325,21 @@ impl<K, P> SessionAffinityLayer<K, P> {
                 tracing::warn!(
                     label,
                     "metrics label left out: the series use it themselves"
+                );
+            } else if crate::metrics::EXPORTER_LABELS.contains(&label.as_str()) {
+                tracing::warn!(
+                    label,
+                    "metrics label left out: exporters add it to histograms and summaries"
+                );
+            } else if label.is_empty() || label.starts_with("__") {
+                tracing::warn!(
+                    label,
+                    "metrics label left out: empty, or reserved by Prometheus (`__`)"
+                );
+            } else if value.is_empty() {
+                tracing::warn!(
+                    label,
+                    "metrics label left out: Prometheus reads an empty value as no label"
                 );
             } else if kept.iter().any(|(k, _)| *k == label) {
                 tracing::warn!(label, "metrics label left out: given twice");

@@ -133,6 +133,11 @@ pub(crate) struct Labels {
 #[cfg(feature = "metrics")]
 pub(crate) const RESERVED_LABELS: [&str; 3] = ["backend", "node", "outcome"];
 
+/// The labels exporters add to the series of a histogram (Prometheus's bucket bounds) or a
+/// summary (its quantiles), which a balancer's own may not take either.
+#[cfg(feature = "metrics")]
+pub(crate) const EXPORTER_LABELS: [&str; 2] = ["le", "quantile"];
+
 #[cfg(feature = "metrics")]
 impl Labels {
     /// `pairs` as labels, in order; none (and no cost) if empty. Shared, so that a series'

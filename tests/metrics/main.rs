@@ -482,3 +482,52 @@ fn two_balancers_in_one_process_keep_their_series_apart_by_their_labels() {
     );
     every_metric_has_help(&snapshot);
 }
+
+#[test]
+fn labels_an_exporter_would_refuse_are_left_out() {
+    let ((), snapshot) = recorded(async {
+        let backend = service_fn(|_req: http::Request<String>| async move {
+            let mut res = http::Response::new(Full::new(Bytes::from_static(ANSWER.as_bytes())));
+            res.headers_mut()
+                .insert("content-type", "application/json".parse().unwrap());
+            Ok::<_, Infallible>(res)
+        });
+        // `le` and `quantile` are the exporter's on a histogram's or a summary's series, an
+        // empty name or one starting with `__` invalid, an empty value no label at all.
+        let svc = SessionAffinityLayer::new()
+            .metrics_labels([
+                ("fleet", "coder"),
+                ("le", "x"),
+                ("quantile", "y"),
+                ("", "z"),
+                ("__name__", "w"),
+                ("region", ""),
+            ])
+            .layer(StaticFleet::new([("c1", Backend::new("node-a", backend))]));
+        let req = http::Request::post("/v1/chat/completions")
+            .header("x-session-id", "a")
+            .body(String::new())
+            .unwrap();
+        let res = svc.clone().oneshot(req).await.unwrap();
+        res.into_body().collect().await.unwrap();
+        svc.publish_metrics();
+    });
+    let first_bytes = exact(
+        &snapshot,
+        MetricKind::Histogram,
+        "tower_affinity_first_byte_seconds",
+        &[("outcome", "new-session"), ("fleet", "coder")],
+    );
+    assert!(
+        matches!(first_bytes, Some(DebugValue::Histogram(v)) if v.len() == 1),
+        "{first_bytes:?}"
+    );
+    for (key, ..) in &snapshot {
+        let labels: Vec<&str> = key.key().labels().map(|l| l.key()).collect();
+        assert!(
+            labels.last() == Some(&"fleet"),
+            "{}: {labels:?}",
+            key.key().name()
+        );
+    }
+}
