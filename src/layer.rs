@@ -293,16 +293,15 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// `node`). The recorder is the process's: give each balancer in a process labels of its
     /// own (a fleet for each model, say), or their fleet-wide series add up.
     ///
-    /// A label the series use themselves (`backend`, `node`, `outcome`), one an exporter adds
-    /// to a histogram's or summary's series (`le`, `quantile`), one given twice, an empty
-    /// name or one starting with `__` (Prometheus's own), or a label with an empty value
-    /// (Prometheus reads it as no label) is left out with a warning: a scrape would be
-    /// refused for a series that names a label twice or an invalid one. Prometheus's
-    /// exporter replaces a character other than `[a-zA-Z0-9_]` in a name with `_`, so
-    /// `model.name` and `model-name` would be the same label there: use such names only
-    /// for an exporter that keeps them. Called again, the later labels replace the earlier. Without labels (the
-    /// default) a series is written as before, at no cost; with them, each event builds its
-    /// series' labels, an allocation a placement.
+    /// A label is left out, with a warning, when a scrape would refuse it or it would clash:
+    /// one the series use themselves (`backend`, `node`, `outcome`), one an exporter adds to
+    /// a histogram's or a summary's series (`le`, `quantile`), an empty name or one starting
+    /// with `__` (Prometheus's own), an empty value (Prometheus reads it as no label), or a
+    /// name given twice. Prometheus's exporter turns a character other than `[a-zA-Z0-9_]`
+    /// in a name into `_`, so `model.name` and `model-name` would be one label there. Called
+    /// again, the later labels replace the earlier. Without labels (the default) a series is
+    /// written as before, at no cost; with them, each event builds its series' labels, an
+    /// allocation a placement.
     ///
     /// ```
     /// use tower_affinity::SessionAffinityLayer;
@@ -321,30 +320,10 @@ impl<K, P> SessionAffinityLayer<K, P> {
         let mut kept: Vec<(String, String)> = Vec::new();
         for (label, value) in labels {
             let (label, value) = (label.into(), value.into());
-            if crate::metrics::RESERVED_LABELS.contains(&label.as_str()) {
-                tracing::warn!(
-                    label,
-                    "metrics label left out: the series use it themselves"
-                );
-            } else if crate::metrics::EXPORTER_LABELS.contains(&label.as_str()) {
-                tracing::warn!(
-                    label,
-                    "metrics label left out: exporters add it to histograms and summaries"
-                );
-            } else if label.is_empty() || label.starts_with("__") {
-                tracing::warn!(
-                    label,
-                    "metrics label left out: empty, or reserved by Prometheus (`__`)"
-                );
-            } else if value.is_empty() {
-                tracing::warn!(
-                    label,
-                    "metrics label left out: Prometheus reads an empty value as no label"
-                );
-            } else if kept.iter().any(|(k, _)| *k == label) {
-                tracing::warn!(label, "metrics label left out: given twice");
-            } else {
-                kept.push((label, value));
+            let given = kept.iter().any(|(k, _)| *k == label);
+            match crate::metrics::refused_label(&label, &value, given) {
+                Some(why) => tracing::warn!(label, "metrics label left out: {why}"),
+                None => kept.push((label, value)),
             }
         }
         self.config.metrics_labels = kept;

@@ -129,14 +129,19 @@ pub(crate) struct Labels {
     extra: Option<Arc<[Label]>>,
 }
 
-/// The labels the series themselves use, which a balancer's own may not take.
+/// Why a balancer's label `name` with `value` would be refused or clash, if it would: `given`
+/// says whether the balancer has a label of that name already.
 #[cfg(feature = "metrics")]
-pub(crate) const RESERVED_LABELS: [&str; 3] = ["backend", "node", "outcome"];
-
-/// The labels exporters add to the series of a histogram (Prometheus's bucket bounds) or a
-/// summary (its quantiles), which a balancer's own may not take either.
-#[cfg(feature = "metrics")]
-pub(crate) const EXPORTER_LABELS: [&str; 2] = ["le", "quantile"];
+pub(crate) fn refused_label(name: &str, value: &str, given: bool) -> Option<&'static str> {
+    Some(match name {
+        "backend" | "node" | "outcome" => "the series use it themselves",
+        "le" | "quantile" => "exporters add it to histograms and summaries",
+        _ if name.is_empty() || name.starts_with("__") => "empty, or reserved by Prometheus (`__`)",
+        _ if value.is_empty() => "Prometheus reads an empty value as no label",
+        _ if given => "given twice",
+        _ => return None,
+    })
+}
 
 #[cfg(feature = "metrics")]
 impl Labels {
