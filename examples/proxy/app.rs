@@ -6,8 +6,9 @@
 //!
 //! From the library: each backend is a `client::HttpBackend` (target rewrite, hop-by-hop
 //! headers, timeouts, failures by kind), probed by `health::HealthProbe` (`/health`,
-//! `/slots`), behind `BodyKeyLayer` (body limit, read timeout, key and prompt chain),
-//! `RetryOnce` and `SessionAffinity`.
+//! `/slots`), behind `BodyKeyLayer` (body limit, read timeout, key, prompt chain and model),
+//! `RetryOnce` and a `SessionAffinity` for each model's fleet ([`ByModel`] picks it by the
+//! body's `model`; with no `model=` given there is one).
 //!
 //! From tower-http, around the whole front service:
 //! - `TraceLayer`: a `request` span per request (method, URI, request id) with its response
@@ -63,25 +64,28 @@ use pin_project_lite::pin_project;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use tower::discover::Change;
 use tower::retry::Retry;
-use tower::{Layer, Service, ServiceBuilder};
+use tower::util::Oneshot;
+use tower::{Layer, Service, ServiceBuilder, ServiceExt};
 use tower_affinity::client::{HttpBackend, HttpBackendError};
 use tower_affinity::discover::dns::{DnsEndpoint, DnsFleet, DnsHandle, DnsStats, DnsTarget};
 use tower_affinity::discover::StaticFleet;
 use tower_affinity::health::{HealthProbe, ProbeTarget, ProbeTask, Probed, Prober};
 use tower_affinity::key::{
     BodyKey, BodyKeyFuture, BodyKeyLayer, BodyKeyResponseBody, ExtensionKey, FirstOf, HeaderKey,
+    PromptFacts,
 };
 use tower_affinity::placement::{LeastLoaded, NodeThenBackend, Placement, Rendezvous, RoundRobin};
-use tower_affinity::store::{RedisStore, StoreState};
+use tower_affinity::store::{RedisStore, StoreState, StoreStats};
 use tower_affinity::{
     Backend, BackendStatus, BoxError, Decision, ErrorToResponse, Outcome, Overflow, ResponseBody,
-    RetryOnce, Reuse, SessionAffinity, SessionAffinityLayer,
+    RetryOnce, Reuse, SessionAffinity, SessionAffinityLayer, Stats,
 };
 use tower_http::request_id::{
     MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer,
@@ -100,8 +104,8 @@ pub(crate) type Affinity =
 
 // === configuration ===
 
-/// One `--backend NODE=URL[,slots=N][,id=NAME][,cache=TOKENS]`, less its cache budget (see
-/// [`Config::cache_tokens`]).
+/// One `--backend NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,model=NAME]`, less its cache
+/// budget (see [`Config::cache_tokens`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct BackendSpec {
     /// The backend's name in decisions and metrics: `id=`, else the URL's `host:port`.
@@ -111,6 +115,9 @@ pub(crate) struct BackendSpec {
     pub(crate) authority: Authority,
     /// `None`: one slot until the probe reads `/slots`.
     pub(crate) slots: Option<NonZeroU32>,
+    /// The model it serves: the backends of a model are a fleet of their own (see
+    /// [`Proxy`]); `None`, the fleet of the requests that name no other.
+    pub(crate) model: Option<String>,
 }
 
 /// `--policy`.
@@ -187,8 +194,9 @@ pub(crate) struct Config {
     pub(crate) ask_stream_usage: bool,
     /// How requests reach the backends.
     pub(crate) upstream: UpstreamMode,
-    /// `--backend-dns`: names whose records are backends too.
-    pub(crate) backend_dns: Vec<DnsTarget>,
+    /// `--backend-dns`: names whose records are backends too, each with the model its
+    /// backends serve.
+    pub(crate) backend_dns: Vec<(DnsTarget, Option<String>)>,
     /// `--dns-server`: the nameservers to ask for them; none, the system's.
     pub(crate) dns_servers: Vec<std::net::SocketAddr>,
     /// `--redis`: the store of homes shared with other instances.
@@ -334,13 +342,28 @@ impl futures_core::Stream for Fleets {
 
 // === proxy ===
 
-/// The proxy: the balancer, its probe, and the metrics registry.
+/// The backends of one model, with their own balancer and probe.
+pub(crate) struct ModelFleet {
+    /// The model they serve; `None`, the requests that name no other.
+    pub(crate) model: Option<String>,
+    pub(crate) affinity: Affinity,
+    pub(crate) prober: Prober<Upstream>,
+}
+
+/// The proxy: a balancer and its probe for each model's fleet, and the metrics registry.
+///
+/// Backends given `model=NAME` are a fleet of their own: their own sessions, cache models and
+/// metrics (labelled `model`), for the requests whose body's `model` is `NAME`. Every other
+/// request goes to the backends given without a model, or if every backend has one, to the
+/// first model's. With one fleet (no `model=` at all, the usual case) nothing is labelled.
 pub(crate) struct Proxy {
-    affinity: Affinity,
-    prober: Prober<Upstream>,
+    fleets: Vec<ModelFleet>,
+    /// The fleet of the requests no other fleet's model names.
+    default: usize,
     config: Config,
     registry: Arc<Registry>,
-    wait_seconds: Histogram,
+    /// Each fleet's, in the order of `fleets`.
+    wait_seconds: Vec<Histogram>,
 }
 
 impl fmt::Debug for Proxy {
@@ -352,8 +375,8 @@ impl fmt::Debug for Proxy {
 }
 
 impl Proxy {
-    /// Builds the balancer over the configured backends. The fleet is in place when this
-    /// returns, so probes and metrics see it before the first request.
+    /// Builds a balancer over each model's backends. The fleets are in place when this
+    /// returns, so probes and metrics see them before the first request.
     pub(crate) async fn new(config: Config) -> Result<Self, BoxError> {
         let mut ids = HashSet::new();
         for b in &config.backends {
@@ -365,13 +388,114 @@ impl Proxy {
                 .into());
             }
         }
+        // The models, in the order first given.
+        let mut models: Vec<Option<&str>> = Vec::new();
+        let given = (config.backends.iter().map(|b| b.model.as_deref()))
+            .chain(config.backend_dns.iter().map(|(_, m)| m.as_deref()));
+        for model in given {
+            if !models.contains(&model) {
+                models.push(model);
+            }
+        }
+        let default = models.iter().position(Option::is_none).unwrap_or(0);
+        let labelled = models.len() > 1;
         let http = HttpBackend::<ReqBody>::builder()
             .connect_timeout(config.connect_timeout)
             .response_timeout(config.response_timeout);
+        let mut fleets = Vec::new();
+        let mut dns_handles = Vec::new();
+        for &model in &models {
+            let (fleet, dns) = Self::fleet(&config, &http, model)?;
+            dns_handles.extend(dns);
+            // Without `slots=`, one slot until the probe reads `/slots`. The probe's settings
+            // apply to rounds run by hand too, when the background probe is off.
+            let (fleet, prober) = HealthProbe::new()
+                .interval(config.probe_interval.unwrap_or(Duration::from_secs(2)))
+                .timeout(config.probe_timeout)
+                .failure_threshold(config.probe_failures)
+                .success_threshold(config.probe_successes)
+                .learn_slots(config.probe_slots)
+                .discover(fleet);
+            let mut layer = SessionAffinityLayer::new()
+                .key(FirstOf::new(HeaderKey::default(), ExtensionKey))
+                .placement(config.policy.build())
+                .overflow(config.overflow)
+                .failure_cooldown(config.failure_cooldown)
+                .replicas(config.replicas)
+                .decision_headers(true);
+            if let Some(url) = &config.redis {
+                // A model's sessions are apart from another's in Redis too.
+                let mut store = RedisStore::builder();
+                if let Some(model) = model {
+                    store = store.prefix(format!("tower-affinity:home:model={model}:"));
+                }
+                let store = store
+                    .open(url)
+                    .map_err(|e| format!("--redis {url:?}: {e}"))?;
+                layer = layer.home_store(store).store_deadline(config.redis_timeout);
+            }
+            let affinity = layer.layer(fleet);
+            affinity.apply_discovery();
+            fleets.push(ModelFleet {
+                model: model.map(str::to_owned),
+                affinity,
+                prober,
+            });
+        }
+
+        let buckets = || {
+            Histogram::new([
+                0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+                600.0,
+            ])
+        };
+        let (name, help) = (
+            "tower_affinity_wait_seconds",
+            "How long requests that waited for a free slot waited before being placed",
+        );
+        let mut registry = Registry::default();
+        let wait_seconds = if labelled {
+            let family = Family::<Vec<(&'static str, String)>, Histogram>::new_with_constructor(
+                buckets as fn() -> Histogram,
+            );
+            let each = fleets
+                .iter()
+                .map(|f| family.get_or_create_owned(&vec![model_label(&f.model)]))
+                .collect();
+            registry.register(name, help, family);
+            each
+        } else {
+            let wait_seconds = buckets();
+            registry.register(name, help, wait_seconds.clone());
+            vec![wait_seconds]
+        };
+        registry.register_collector(Box::new(AffinityCollector {
+            fleets: fleets
+                .iter()
+                .map(|f| (labelled.then(|| f.model.clone()), f.affinity.clone()))
+                .collect(),
+            dns: dns_handles,
+        }));
+
+        Ok(Proxy {
+            fleets,
+            default,
+            config,
+            registry: Arc::new(registry),
+            wait_seconds,
+        })
+    }
+
+    /// The discovery of `model`'s backends: its `--backend`s, then its `--backend-dns` names'
+    /// records as they change; and a handle on each name, for the metrics.
+    fn fleet(
+        config: &Config,
+        http: &tower_affinity::client::Builder<ReqBody>,
+        model: Option<&str>,
+    ) -> Result<(Fleets, Vec<DnsHandle>), BoxError> {
         let per_client = config.upstream == UpstreamMode::PerClient;
-        let backends = config
-            .backends
-            .iter()
+        let backends = (config.backends.iter())
+            .filter(|spec| spec.model.as_deref() == model)
             .map(|spec| {
                 let url = format!("{}://{}", spec.scheme, spec.authority);
                 let upstream = Upstream {
@@ -386,11 +510,9 @@ impl Proxy {
                 Ok((spec.id.as_str(), backend))
             })
             .collect::<Result<Vec<_>, BoxError>>()?;
-        // `--backend-dns`: each name's records, followed as they change.
-        let dns = config
-            .backend_dns
-            .iter()
-            .map(|target| {
+        let dns = (config.backend_dns.iter())
+            .filter(|(_, m)| m.as_deref() == model)
+            .map(|(target, _)| {
                 let http = http.clone();
                 let builder = config
                     .dns_servers
@@ -402,61 +524,26 @@ impl Proxy {
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let dns_handles = dns.iter().map(DnsFleet::handle).collect();
-        // Without `slots=`, one slot until the probe reads `/slots`. The probe's settings
-        // apply to rounds run by hand too, when the background probe is off.
-        let (fleet, prober) = HealthProbe::new()
-            .interval(config.probe_interval.unwrap_or(Duration::from_secs(2)))
-            .timeout(config.probe_timeout)
-            .failure_threshold(config.probe_failures)
-            .success_threshold(config.probe_successes)
-            .learn_slots(config.probe_slots)
-            .discover(Fleets::new(StaticFleet::new(backends), dns));
-        let mut layer = SessionAffinityLayer::new()
-            .key(FirstOf::new(HeaderKey::default(), ExtensionKey))
-            .placement(config.policy.build())
-            .overflow(config.overflow)
-            .failure_cooldown(config.failure_cooldown)
-            .replicas(config.replicas)
-            .decision_headers(true);
-        if let Some(url) = &config.redis {
-            let store = RedisStore::open(url).map_err(|e| format!("--redis {url:?}: {e}"))?;
-            layer = layer.home_store(store).store_deadline(config.redis_timeout);
-        }
-        let affinity = layer.layer(fleet);
-        affinity.apply_discovery();
-
-        let wait_seconds = Histogram::new([
-            0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
-        ]);
-        let mut registry = Registry::default();
-        registry.register(
-            "tower_affinity_wait_seconds",
-            "How long requests that waited for a free slot waited before being placed",
-            wait_seconds.clone(),
-        );
-        registry.register_collector(Box::new(AffinityCollector {
-            affinity: affinity.clone(),
-            dns: dns_handles,
-        }));
-
-        Ok(Proxy {
-            affinity,
-            prober,
-            config,
-            registry: Arc::new(registry),
-            wait_seconds,
-        })
+        let handles = dns.iter().map(DnsFleet::handle).collect();
+        Ok((Fleets::new(StaticFleet::new(backends), dns), handles))
     }
 
-    /// The balancer, for its stats and backend states.
+    /// The balancer of the requests that name no model of another fleet: with one fleet, the
+    /// balancer.
+    #[cfg_attr(not(test), expect(dead_code, reason = "the tests read it"))]
     pub(crate) fn affinity(&self) -> &Affinity {
-        &self.affinity
+        &self.fleets[self.default].affinity
     }
 
-    /// The probe, for what it found.
+    /// Each model's fleet, in the order their models were first given.
+    pub(crate) fn fleets(&self) -> &[ModelFleet] {
+        &self.fleets
+    }
+
+    /// The default fleet's probe, for what it found.
+    #[cfg_attr(not(test), expect(dead_code, reason = "the tests read it"))]
     pub(crate) fn prober(&self) -> &Prober<Upstream> {
-        &self.prober
+        &self.fleets[self.default].prober
     }
 
     /// The service that [`serve`] runs: `/metrics` answered here, every other request sent to
@@ -464,21 +551,30 @@ impl Proxy {
     pub(crate) fn front(&self) -> Front {
         // Every JSON body is read, a request keyed by a header too: headers still win for the
         // key (see `Affinity`), but the balancer's cache model needs every request's prompt
-        // chain (`PromptFacts`) to know what each backend holds.
+        // chain (`PromptFacts`) to know what each backend holds, and the body's `model` says
+        // which fleet serves it.
         let mut body_key = BodyKeyLayer::new()
             .limit(self.config.body_limit)
             .ask_stream_usage(self.config.ask_stream_usage);
         if let Some(t) = self.config.read_timeout {
             body_key = body_key.read_timeout(t);
         }
-        let forward = body_key.layer(ErrorToResponse::new(Retry::new(
-            RetryOnce::new(),
-            self.affinity.clone(),
-        )));
+        let routes = (self.fleets.iter().zip(&self.wait_seconds))
+            .map(|(fleet, wait_seconds)| ModelRoute {
+                model: fleet.model.clone(),
+                service: ErrorToResponse::new(Retry::new(RetryOnce::new(), fleet.affinity.clone())),
+                wait_seconds: wait_seconds.clone(),
+            })
+            .collect();
+        let forward = body_key.layer(ByModel {
+            routes: Arc::new(Routes {
+                routes,
+                default: self.default,
+            }),
+        });
         Front {
             shared: Arc::new(FrontShared {
                 registry: self.registry.clone(),
-                wait_seconds: self.wait_seconds.clone(),
                 upstream: self.config.upstream,
                 header_timeout: self.config.header_timeout,
             }),
@@ -489,15 +585,27 @@ impl Proxy {
     /// Probes every backend once, now: marks the loading and the unreachable down, the ready
     /// up, and reads slot counts.
     pub(crate) async fn probe_all(&self) {
-        self.prober.round(&self.affinity).await;
+        for fleet in &self.fleets {
+            fleet.prober.round(&fleet.affinity).await;
+        }
     }
 
-    /// Starts probing every `probe_interval` in the background, until the task is dropped;
-    /// `None` when probing is off.
-    pub(crate) fn spawn_probes(&self) -> Option<ProbeTask> {
-        self.config.probe_interval?;
-        Some(self.prober.clone().spawn(self.affinity.clone()))
+    /// Starts probing every `probe_interval` in the background, until the tasks are dropped;
+    /// none when probing is off.
+    pub(crate) fn spawn_probes(&self) -> Vec<ProbeTask> {
+        if self.config.probe_interval.is_none() {
+            return Vec::new();
+        }
+        (self.fleets.iter())
+            .map(|f| f.prober.clone().spawn(f.affinity.clone()))
+            .collect()
     }
+}
+
+/// The `model` label of a fleet's series, when there is more than one: its model, or empty
+/// (Prometheus's "no such label") for the fleet of the requests that name no other.
+fn model_label(model: &Option<String>) -> (&'static str, String) {
+    ("model", model.clone().unwrap_or_default())
 }
 
 /// `GET /metrics` (or `HEAD`): the registry in the Prometheus text format.
@@ -527,10 +635,12 @@ fn metrics(method: &Method, registry: &Registry) -> Response<FrontBody> {
 
 // === metrics ===
 
-/// Reads the balancer's counters and backend states at every scrape, so the numbers are the
-/// balancer's own, never a copy that could drift.
+/// Reads each balancer's counters and backend states at every scrape, so the numbers are the
+/// balancers' own, never a copy that could drift.
 struct AffinityCollector {
-    affinity: Affinity,
+    /// Each model's balancer, with the value of its `model` label when there is more than one
+    /// fleet (`Some(None)`: the fleet of the requests that name no other model).
+    fleets: Vec<(Option<Option<String>>, Affinity)>,
     /// One for each `--backend-dns` name: its resolutions and failures.
     dns: Vec<DnsHandle>,
 }
@@ -541,20 +651,73 @@ impl fmt::Debug for AffinityCollector {
     }
 }
 
-fn counter(enc: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: u64) -> fmt::Result {
-    let m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
-    ConstCounter::new(v).encode(m)
+/// A series' labels: its own, then its fleet's `model` when there is more than one fleet.
+fn labels<'a>(
+    own: &[(&'static str, &'a str)],
+    model: Option<&'a str>,
+) -> Vec<(&'static str, &'a str)> {
+    let mut labels = own.to_vec();
+    labels.extend(model.map(|m| ("model", m)));
+    labels
 }
 
-fn gauge(enc: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: i64) -> fmt::Result {
-    let m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
-    ConstGauge::new(v).encode(m)
+/// One value of a counter family for each fleet (a single unlabelled value with one fleet).
+fn counters(
+    enc: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    values: &[(Option<&str>, u64)],
+) -> fmt::Result {
+    let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+    if let [(None, v)] = values {
+        return ConstCounter::new(*v).encode(m);
+    }
+    for &(model, v) in values {
+        ConstCounter::new(v).encode(m.encode_family(&labels(&[], model))?)?;
+    }
+    Ok(())
+}
+
+/// One value of a gauge family for each fleet (a single unlabelled value with one fleet).
+fn gauges(
+    enc: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    values: &[(Option<&str>, i64)],
+) -> fmt::Result {
+    let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    if let [(None, v)] = values {
+        return ConstGauge::new(*v).encode(m);
+    }
+    for &(model, v) in values {
+        ConstGauge::new(v).encode(m.encode_family(&labels(&[], model))?)?;
+    }
+    Ok(())
+}
+
+/// A backend's own labels.
+fn backend(b: &BackendStatus) -> [(&'static str, &str); 2] {
+    [("backend", b.id.as_str()), ("node", b.node.as_str())]
+}
+
+/// What the collector reads of one fleet at a scrape.
+struct Scraped<'a> {
+    model: Option<&'a str>,
+    stats: Stats,
+    backends: Vec<BackendStatus>,
+    store: Option<StoreStats>,
 }
 
 impl Collector for AffinityCollector {
     fn encode(&self, mut enc: DescriptorEncoder<'_>) -> fmt::Result {
-        let stats = self.affinity.stats();
-        let backends = self.affinity.backends();
+        let fleets: Vec<Scraped<'_>> = (self.fleets.iter())
+            .map(|(model, affinity)| Scraped {
+                model: model.as_ref().map(|m| m.as_deref().unwrap_or("")),
+                stats: affinity.stats(),
+                backends: affinity.backends(),
+                store: affinity.store_stats(),
+            })
+            .collect();
         {
             let mut m = enc.encode_descriptor(
                 "tower_affinity_decisions",
@@ -562,9 +725,12 @@ impl Collector for AffinityCollector {
                 None,
                 MetricType::Counter,
             )?;
-            for &outcome in Outcome::ALL {
-                let labels = [("outcome", outcome.as_str())];
-                ConstCounter::new(stats.outcome(outcome)).encode(m.encode_family(&labels)?)?;
+            for f in &fleets {
+                for &outcome in Outcome::ALL {
+                    let labels = labels(&[("outcome", outcome.as_str())], f.model);
+                    let v = f.stats.outcome(outcome);
+                    ConstCounter::new(v).encode(m.encode_family(&labels)?)?;
+                }
             }
         }
         // What the answers reported, by how their requests were placed: a home hit's reuse
@@ -584,67 +750,76 @@ impl Collector for AffinityCollector {
         ];
         for (name, help, value) in by_outcome {
             let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
-            for &outcome in Outcome::ALL {
-                let labels = [("outcome", outcome.as_str())];
-                let v = value(stats.reuse(outcome));
-                ConstCounter::new(v).encode(m.encode_family(&labels)?)?;
+            for f in &fleets {
+                for &outcome in Outcome::ALL {
+                    let labels = labels(&[("outcome", outcome.as_str())], f.model);
+                    let v = value(f.stats.reuse(outcome));
+                    ConstCounter::new(v).encode(m.encode_family(&labels)?)?;
+                }
             }
         }
         let as_i64 = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
-        counter(
-            &mut enc,
-            "tower_affinity_waited",
-            "Requests that waited for a slot before being placed",
-            stats.waited,
-        )?;
-        counter(
-            &mut enc,
-            "tower_affinity_overcommitted",
-            "Requests sent beyond a backend's slots",
-            stats.overcommitted,
-        )?;
-        counter(
-            &mut enc,
-            "tower_affinity_rejected",
-            "Requests refused with 429: no free slot and no room or time to wait",
-            stats.rejected,
-        )?;
-        counter(
-            &mut enc,
-            "tower_affinity_no_backends",
-            "Requests refused with 503: no backend up",
-            stats.no_backends,
-        )?;
-        counter(
-            &mut enc,
-            "tower_affinity_abandoned",
-            "Requests whose client left while they waited for a slot",
-            stats.abandoned,
-        )?;
-        counter(
-            &mut enc,
-            "tower_affinity_backend_errors",
-            "Requests whose backend failed before answering, or answered 503 (each retried once)",
-            stats.backend_errors,
-        )?;
-        gauge(
-            &mut enc,
-            "tower_affinity_in_flight",
-            "Requests dispatched whose response has not ended",
-            as_i64(stats.in_flight),
-        )?;
-        gauge(
-            &mut enc,
-            "tower_affinity_waiting",
-            "Requests waiting for a free slot",
-            as_i64(stats.waiting),
-        )?;
-        gauge(
-            &mut enc,
-            "tower_affinity_sessions",
-            "Sessions in the session table",
-            as_i64(stats.sessions),
-        )?;
+        type Counted = (&'static str, &'static str, fn(&Stats) -> u64);
+        let fleet_counters: [Counted; 6] = [
+            (
+                "tower_affinity_waited",
+                "Requests that waited for a slot before being placed",
+                |s| s.waited,
+            ),
+            (
+                "tower_affinity_overcommitted",
+                "Requests sent beyond a backend's slots",
+                |s| s.overcommitted,
+            ),
+            (
+                "tower_affinity_rejected",
+                "Requests refused with 429: no free slot and no room or time to wait",
+                |s| s.rejected,
+            ),
+            (
+                "tower_affinity_no_backends",
+                "Requests refused with 503: no backend up",
+                |s| s.no_backends,
+            ),
+            (
+                "tower_affinity_abandoned",
+                "Requests whose client left while they waited for a slot",
+                |s| s.abandoned,
+            ),
+            (
+                "tower_affinity_backend_errors",
+                "Requests whose backend failed before answering, or answered 503 (each retried once)",
+                |s| s.backend_errors,
+            ),
+        ];
+        for (name, help, value) in fleet_counters {
+            let values: Vec<_> = fleets.iter().map(|f| (f.model, value(&f.stats))).collect();
+            counters(&mut enc, name, help, &values)?;
+        }
+        type Level = (&'static str, &'static str, fn(&Stats) -> usize);
+        let fleet_gauges: [Level; 3] = [
+            (
+                "tower_affinity_in_flight",
+                "Requests dispatched whose response has not ended",
+                |s| s.in_flight,
+            ),
+            (
+                "tower_affinity_waiting",
+                "Requests waiting for a free slot",
+                |s| s.waiting,
+            ),
+            (
+                "tower_affinity_sessions",
+                "Sessions in the session table",
+                |s| s.sessions,
+            ),
+        ];
+        for (name, help, value) in fleet_gauges {
+            let values: Vec<_> = (fleets.iter())
+                .map(|f| (f.model, as_i64(value(&f.stats))))
+                .collect();
+            gauges(&mut enc, name, help, &values)?;
+        }
 
         type Read = fn(&BackendStatus) -> i64;
         let per_backend: [(&str, &str, Read); 6] = [
@@ -681,24 +856,21 @@ impl Collector for AffinityCollector {
         ];
         for (name, help, value) in per_backend {
             let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
-            for b in &backends {
-                let labels = [("backend", b.id.as_str()), ("node", b.node.as_str())];
-                ConstGauge::new(value(b)).encode(m.encode_family(&labels)?)?;
+            for f in &fleets {
+                for b in &f.backends {
+                    let labels = labels(&backend(b), f.model);
+                    ConstGauge::new(value(b)).encode(m.encode_family(&labels)?)?;
+                }
             }
-        }
-        let mut m = enc.encode_descriptor(
-            "tower_affinity_backend_failures",
-            "Requests that failed on the backend before it answered, or that it answered 503",
-            None,
-            MetricType::Counter,
-        )?;
-        for b in &backends {
-            let labels = [("backend", b.id.as_str()), ("node", b.node.as_str())];
-            ConstCounter::new(b.failures).encode(m.encode_family(&labels)?)?;
         }
         // What the backends' answers reported: reused over prompt tokens is the reuse
         // placement achieved, one PromQL division.
-        let per_backend: [Reported; 4] = [
+        let per_backend: [Reported; 5] = [
+            (
+                "tower_affinity_backend_failures",
+                "Requests that failed on the backend before it answered, or that it answered 503",
+                |b| b.failures,
+            ),
             (
                 "tower_affinity_backend_prompt_tokens",
                 "Prompt tokens of the backend's answers that said how many they reused",
@@ -722,9 +894,11 @@ impl Collector for AffinityCollector {
         ];
         for (name, help, value) in per_backend {
             let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
-            for b in &backends {
-                let labels = [("backend", b.id.as_str()), ("node", b.node.as_str())];
-                ConstCounter::new(value(b)).encode(m.encode_family(&labels)?)?;
+            for f in &fleets {
+                for b in &f.backends {
+                    let labels = labels(&backend(b), f.model);
+                    ConstCounter::new(value(b)).encode(m.encode_family(&labels)?)?;
+                }
             }
         }
         let mut m = enc.encode_descriptor(
@@ -733,24 +907,36 @@ impl Collector for AffinityCollector {
             None,
             MetricType::Gauge,
         )?;
-        for b in backends.iter().filter(|b| b.prefill_rate.is_some()) {
-            let labels = [("backend", b.id.as_str()), ("node", b.node.as_str())];
-            let rate = i64::from(b.prefill_rate.unwrap_or(0));
-            ConstGauge::new(rate).encode(m.encode_family(&labels)?)?;
+        for f in &fleets {
+            for b in &f.backends {
+                if let Some(rate) = b.prefill_rate {
+                    let labels = labels(&backend(b), f.model);
+                    ConstGauge::new(i64::from(rate)).encode(m.encode_family(&labels)?)?;
+                }
+            }
         }
-        if let Some(s) = self.affinity.store_stats() {
-            gauge(
+        let stores: Vec<(Option<&str>, &StoreStats)> = (fleets.iter())
+            .filter_map(|f| f.store.as_ref().map(|s| (f.model, s)))
+            .collect();
+        if let Some((_, first)) = stores.first() {
+            let up: Vec<_> = (stores.iter())
+                .map(|(model, s)| (*model, i64::from(s.state == StoreState::Up)))
+                .collect();
+            gauges(
                 &mut enc,
                 "tower_affinity_store_up",
                 "1 while the shared store's reads answer in time, 0 while it is down",
-                i64::from(s.state == StoreState::Up),
+                &up,
             )?;
-            for (name, help, value) in s.counters() {
-                counter(
+            for (i, (name, help, _)) in first.counters().enumerate() {
+                let values: Vec<_> = (stores.iter())
+                    .map(|(model, s)| (*model, s.counters().nth(i).map_or(0, |c| c.2)))
+                    .collect();
+                counters(
                     &mut enc,
                     &format!("tower_affinity_store_{name}"),
                     help,
-                    value,
+                    &values,
                 )?;
             }
         }
@@ -819,9 +1005,90 @@ type Reported = (&'static str, &'static str, fn(&BackendStatus) -> u64);
 
 // === serving ===
 
-/// Everything but `/metrics`: the body read for its key and prompt chain, then the balancer,
-/// with one retry.
-type Forward = BodyKey<ErrorToResponse<Retry<RetryOnce, Affinity>>>;
+/// One model's balancer, with one retry, as a request reaches it.
+type Balancer = ErrorToResponse<Retry<RetryOnce, Affinity>>;
+
+/// Everything but `/metrics`: the body read for its key, prompt chain and model, then that
+/// model's balancer.
+type Forward = BodyKey<ByModel>;
+
+/// A fleet as [`ByModel`] sends requests to it.
+struct ModelRoute {
+    model: Option<String>,
+    service: Balancer,
+    /// How long its requests waited for a slot, as the `metrics` feature records it.
+    wait_seconds: Histogram,
+}
+
+struct Routes {
+    routes: Vec<ModelRoute>,
+    /// The route of the requests whose model names no other.
+    default: usize,
+}
+
+/// Sends each request to the balancer of the model its body names (`PromptFacts::model`),
+/// else to the default fleet's. Ready at once: each request takes a clone of its balancer and
+/// waits for that to be ready (a balancer always is, once it has applied its discovery), so
+/// no model's requests wait for another's.
+#[derive(Clone)]
+pub(crate) struct ByModel {
+    routes: Arc<Routes>,
+}
+
+impl Service<Request<ReqBody>> for ByModel {
+    type Response = Response<ResponseBody<Incoming>>;
+    type Error = Infallible;
+    type Future = ByModelFuture;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        let routes = &self.routes;
+        let index = match routes.routes.as_slice() {
+            [_] => 0,
+            all => {
+                let model = req
+                    .extensions()
+                    .get::<PromptFacts>()
+                    .and_then(PromptFacts::model);
+                (model.and_then(|m| all.iter().position(|r| r.model.as_deref() == Some(m))))
+                    .unwrap_or(routes.default)
+            }
+        };
+        ByModelFuture {
+            fut: routes.routes[index].service.clone().oneshot(req),
+            routes: routes.clone(),
+            index,
+        }
+    }
+}
+
+pin_project! {
+    /// The response future of [`ByModel`].
+    pub(crate) struct ByModelFuture {
+        #[pin]
+        fut: Oneshot<Balancer, Request<ReqBody>>,
+        routes: Arc<Routes>,
+        index: usize,
+    }
+}
+
+impl Future for ByModelFuture {
+    type Output = Result<Response<ResponseBody<Incoming>>, Infallible>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let res = ready!(this.fut.poll(cx))?;
+        // As the `metrics` feature records it: the requests that waited.
+        if let Some(waited) = res.extensions().get::<Decision>().and_then(|d| d.waited) {
+            let route = &this.routes.routes[*this.index];
+            route.wait_seconds.observe(waited.as_secs_f64());
+        }
+        Poll::Ready(Ok(res))
+    }
+}
 
 /// The response body of [`Front`]: a backend's (or the balancer's refusal), or the proxy's
 /// own answer.
@@ -837,7 +1104,6 @@ pub(crate) struct Front {
 
 struct FrontShared {
     registry: Arc<Registry>,
-    wait_seconds: Histogram,
     upstream: UpstreamMode,
     header_timeout: Option<Duration>,
 }
@@ -864,7 +1130,6 @@ impl Service<Request<Incoming>> for Front {
         }
         FrontFuture::Forwarding {
             fut: self.forward.call(req),
-            shared: self.shared.clone(),
         }
     }
 }
@@ -875,8 +1140,7 @@ pin_project! {
     pub(crate) enum FrontFuture {
         Forwarding {
             #[pin]
-            fut: BodyKeyFuture<ErrorToResponse<Retry<RetryOnce, Affinity>>, Incoming>,
-            shared: Arc<FrontShared>,
+            fut: BodyKeyFuture<ByModel, Incoming>,
         },
         Answered {
             res: Option<Response<FrontBody>>,
@@ -889,12 +1153,8 @@ impl Future for FrontFuture {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project() {
-            FrontFutureProj::Forwarding { fut, shared } => {
+            FrontFutureProj::Forwarding { fut } => {
                 let res = ready!(fut.poll(cx))?;
-                // As the `metrics` feature records it: the requests that waited.
-                if let Some(waited) = res.extensions().get::<Decision>().and_then(|d| d.waited) {
-                    shared.wait_seconds.observe(waited.as_secs_f64());
-                }
                 Poll::Ready(Ok(res.map(Either::Left)))
             }
             FrontFutureProj::Answered { res } => Poll::Ready(Ok(res.take().unwrap_or_else(|| {

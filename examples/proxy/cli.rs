@@ -18,14 +18,15 @@ An OpenAI-compatible reverse proxy that keeps each agent session on the llama-se
 that holds its prompt cache: same backend, else same node, else elsewhere.
 
   --listen ADDR              address to serve on (default 127.0.0.1:8080)
-  --backend NODE=URL[,slots=N][,id=NAME][,cache=TOKENS]
+  --backend NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,model=NAME]
                              a backend on host NODE (repeat for each). slots: requests
                              it serves at once (llama-server -np); without it, read from
                              /slots. id: its name (default: the URL's host:port).
                              cache: tokens of prompt it keeps cached, its slots' KV
                              plus its --cache-ram, as 65536 or 64k (k = 1024; default
-                             128k)
-  --backend-dns NAME:PORT    the backends behind a DNS name: its A/AAAA records with
+                             128k). model: the model it serves (see Models below)
+  --backend-dns NAME:PORT[,model=NAME]
+                             the backends behind a DNS name: its A/AAAA records with
                              PORT, or SRV records for _SVC._PROTO.NAME (a Kubernetes
                              headless service, Consul, docker compose), re-resolved as
                              their TTL says (5s to 60s); each backend's node is its IP
@@ -91,7 +92,11 @@ GET /metrics on the listen address serves Prometheus metrics; every other reques
 to a backend.
 Session keys: the headers X-Session-Affinity, X-Session-Id, X-Claude-Code-Session-Id,
 thread-id, thread_id, session-id, session_id, agent-session-id, then the JSON body's
-prompt_cache_key, user, metadata.user_id.";
+prompt_cache_key, user, metadata.user_id.
+Models: backends given model=NAME form a fleet of their own, with its own sessions,
+cache models and metrics (labelled model=NAME); a request whose JSON body's \"model\" is
+NAME goes there. Every other request goes to the backends given without a model, or if
+every backend has one, to the fleet of the first model given.";
 
 /// What the command line asks for.
 #[derive(Debug)]
@@ -154,10 +159,23 @@ where
             }
             "--backend-dns" => {
                 let v = value()?;
-                let target = v
+                let (name, model) = match v.split_once(',') {
+                    Some((name, option)) => match option.split_once('=') {
+                        Some(("model", m)) if !m.is_empty() && !m.contains(',') => {
+                            (name, Some(m.to_string()))
+                        }
+                        _ => {
+                            return Err(format!(
+                                "--backend-dns {v:?}: unknown option {option:?} (expected NAME:PORT[,model=NAME])"
+                            ))
+                        }
+                    },
+                    None => (v.as_str(), None),
+                };
+                let target = name
                     .parse::<DnsTarget>()
                     .map_err(|e| format!("--backend-dns {v:?}: {e}"))?;
-                config.backend_dns.push(target);
+                config.backend_dns.push((target, model));
             }
             "--dns-server" => {
                 let v = value()?;
@@ -274,11 +292,11 @@ fn names() -> String {
     names.join(", ")
 }
 
-/// `NODE=URL[,slots=N][,id=NAME][,cache=TOKENS]`: the backend, and its `cache=` in tokens if
-/// given.
+/// `NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,model=NAME]`: the backend, and its `cache=`
+/// in tokens if given.
 pub(crate) fn backend(spec: &str) -> Result<(BackendSpec, Option<u64>), String> {
     let bad = |why: &str| {
-        format!("--backend {spec:?}: {why} (expected NODE=URL[,slots=N][,id=NAME][,cache=TOKENS])")
+        format!("--backend {spec:?}: {why} (expected NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,model=NAME])")
     };
     let (node, rest) = spec.split_once('=').ok_or_else(|| bad("no NODE="))?;
     if node.is_empty() {
@@ -312,6 +330,7 @@ pub(crate) fn backend(spec: &str) -> Result<(BackendSpec, Option<u64>), String> 
     let mut slots = None;
     let mut id = authority.to_string();
     let mut cache = None;
+    let mut model = None;
     let mut given: Vec<&str> = Vec::new();
     for option in parts {
         if let Some((name, _)) = option.split_once('=') {
@@ -327,6 +346,7 @@ pub(crate) fn backend(spec: &str) -> Result<(BackendSpec, Option<u64>), String> 
             }
             Some(("id", name)) if !name.is_empty() => id = name.to_string(),
             Some(("cache", n)) => cache = Some(tokens(n).map_err(|why| bad(&why))?),
+            Some(("model", name)) if !name.is_empty() => model = Some(name.to_string()),
             _ => return Err(bad(&format!("unknown option {option:?}"))),
         }
     }
@@ -336,6 +356,7 @@ pub(crate) fn backend(spec: &str) -> Result<(BackendSpec, Option<u64>), String> 
         scheme,
         authority,
         slots,
+        model,
     };
     Ok((spec, cache))
 }

@@ -86,7 +86,8 @@ async fn run(args: cli::Args) -> Result<(), tower_affinity::BoxError> {
             None => "1 (no slots= given, and /slots is not read)".to_string(),
         };
         let cache_tokens = config.cache_tokens(&b.id);
-        tracing::info!(backend = %b.id, node = %b.node, url = %format!("{}://{}", b.scheme, b.authority), %slots, cache_tokens, "backend");
+        let model = b.model.as_deref().unwrap_or("(any other)");
+        tracing::info!(backend = %b.id, node = %b.node, url = %format!("{}://{}", b.scheme, b.authority), %slots, cache_tokens, model, "backend");
     }
     let proxy = Arc::new(Proxy::new(config).await?);
     let listener = tokio::net::TcpListener::bind(args.listen)
@@ -97,18 +98,21 @@ async fn run(args: cli::Args) -> Result<(), tower_affinity::BoxError> {
         // Before the first request: a loading backend is down and slot counts are known.
         proxy.probe_all().await;
     }
-    let probe_task = proxy.spawn_probes();
+    let probe_tasks = proxy.spawn_probes();
     app::serve(listener, proxy.front(), shutdown_signal()).await?;
-    drop(probe_task);
-    let stats = proxy.affinity().stats();
-    tracing::info!(
-        placed = stats.placed(),
-        home_hits = stats.home_hits,
-        spills = stats.same_node_spills + stats.cross_node_spills,
-        backend_errors = stats.backend_errors,
-        probe_transitions = proxy.prober().transitions(),
-        "proxy stopped"
-    );
+    drop(probe_tasks);
+    for fleet in proxy.fleets() {
+        let stats = fleet.affinity.stats();
+        tracing::info!(
+            model = fleet.model.as_deref().unwrap_or("(any other)"),
+            placed = stats.placed(),
+            home_hits = stats.home_hits,
+            spills = stats.same_node_spills + stats.cross_node_spills,
+            backend_errors = stats.backend_errors,
+            probe_transitions = fleet.prober.transitions(),
+            "proxy stopped"
+        );
+    }
     Ok(())
 }
 

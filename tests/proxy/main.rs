@@ -27,6 +27,7 @@ mod proxy;
 mod redis_server;
 mod replicas;
 
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -1292,6 +1293,134 @@ async fn a_full_backend_makes_requests_wait_and_metrics_show_it() {
     );
 }
 
+// === several models ===
+
+/// Backends given `model=` are a fleet of their own: a request goes to its body's model's
+/// fleet, any other to the backends given without a model; each fleet keeps its own sessions,
+/// and `/metrics` labels every series with its fleet's model, each family described once.
+#[tokio::test]
+async fn each_model_has_a_fleet_of_its_own_and_its_own_series() {
+    let (a, b, small) = (
+        Stub::start("a", 2).await,
+        Stub::start("b", 2).await,
+        Stub::start("small", 2).await,
+    );
+    let backends = [
+        format!("node-a={},slots=2,id=a", a.url()),
+        format!("node-b={},slots=2,id=b", b.url()),
+        format!("node-c={},slots=2,id=small,model=qwen3-4b", small.url()),
+    ];
+    let backends = backends.iter().map(|spec| cli::backend(spec).unwrap().0);
+    let mut config = Config::new(backends.collect());
+    config.probe_interval = None;
+    let proxy = start(config).await;
+
+    let session = [("x-session-id", "agent-1")];
+    let mut main = Conversation::new("agent-1");
+    let mut served = Vec::new();
+    for turn in 0..3 {
+        // The agent's turn (a model no fleet names), then a title under the same key.
+        let res = proxy
+            .post_json(&session, &main.next(json!({"model": "coder"})))
+            .await;
+        assert_eq!(res.status, 200, "turn {turn}");
+        served.push((res.backend().to_string(), res.outcome().to_string()));
+        let title =
+            json!({"model": "qwen3-4b", "messages": [{"role": "user", "content": "Name this."}]});
+        let res = proxy.post_json(&session, &title).await;
+        assert_eq!(
+            (res.status, res.backend()),
+            (StatusCode::OK, "small"),
+            "title {turn}"
+        );
+    }
+    // The titles did not move the agent's session: each later turn is a home hit.
+    assert_ne!(served[0].0, "small");
+    for (backend, outcome) in &served[1..] {
+        assert_eq!(
+            (backend, outcome.as_str()),
+            (&served[0].0, "home-hit"),
+            "{served:?}"
+        );
+    }
+    // Without a model, or not JSON: the fleet without a model.
+    let res = proxy
+        .post_json(
+            &[],
+            &json!({"messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .await;
+    assert!(matches!(res.backend(), "a" | "b"), "{}", res.backend());
+
+    let fleets = proxy.proxy.fleets();
+    let models: Vec<_> = fleets.iter().map(|f| f.model.as_deref()).collect();
+    assert_eq!(models, [None, Some("qwen3-4b")]);
+    assert_eq!(fleets[1].affinity.stats().placed(), 3);
+
+    let metrics = String::from_utf8(proxy.get("/metrics").await.body.to_vec()).unwrap();
+    for line in [
+        r#"tower_affinity_decisions_total{outcome="home-hit",model=""} 2"#,
+        r#"tower_affinity_decisions_total{outcome="new-session",model="qwen3-4b"} 1"#,
+        r#"tower_affinity_decisions_total{outcome="home-hit",model="qwen3-4b"} 2"#,
+        r#"tower_affinity_sessions{model="qwen3-4b"} 1"#,
+        r#"tower_affinity_rejected_total{model=""} 0"#,
+        r#"tower_affinity_backend_slots{backend="small",node="node-c",model="qwen3-4b"} 2"#,
+        r#"tower_affinity_backend_slots{backend="a",node="node-a",model=""} 2"#,
+        r#"tower_affinity_wait_seconds_count{model="qwen3-4b"} 0"#,
+    ] {
+        assert!(metrics.contains(line), "missing {line:?} in\n{metrics}");
+    }
+    // Every series of the balancers carries the label, and each family is described once.
+    let mut described = HashSet::new();
+    for line in metrics.lines() {
+        if let Some(family) = line.strip_prefix("# TYPE ") {
+            assert!(
+                described.insert(family.to_string()),
+                "described twice: {family}"
+            );
+        } else if line.starts_with("tower_affinity_") {
+            assert!(line.contains("model=\""), "without its model: {line}");
+        }
+    }
+}
+
+/// When every backend names its model, a request naming none of them goes to the first
+/// model given.
+#[tokio::test]
+async fn without_a_fleet_for_other_models_the_first_model_takes_them() {
+    let (coder, small) = (Stub::start("coder", 2).await, Stub::start("small", 2).await);
+    let backends = [
+        format!("node-a={},slots=2,id=small,model=qwen3-4b", small.url()),
+        format!("node-b={},slots=2,id=coder,model=qwen3-coder", coder.url()),
+    ];
+    let backends = backends.iter().map(|spec| cli::backend(spec).unwrap().0);
+    let mut config = Config::new(backends.collect());
+    config.probe_interval = None;
+    let proxy = start(config).await;
+    for (model, backend) in [
+        ("qwen3-coder", "coder"),
+        ("qwen3-4b", "small"),
+        ("other", "small"),
+    ] {
+        let body = json!({"model": model, "messages": [{"role": "user", "content": "hi"}]});
+        let res = proxy.post_json(&[], &body).await;
+        assert_eq!(
+            (res.status, res.backend()),
+            (StatusCode::OK, backend),
+            "{model}"
+        );
+    }
+    let res = proxy
+        .fetch(
+            Request::post(proxy.url("/v1/chat/completions"))
+                .body(Full::new(Bytes::from_static(b"not json")))
+                .unwrap(),
+        )
+        .await;
+    assert_eq!(res.backend(), "small");
+    assert_eq!(proxy.proxy.affinity().backends()[0].id.as_str(), "small");
+}
+
 /// Reads a streamed answer's chunks: their JSON, past `data: ` (without `[DONE]`).
 fn chunks(body: &[u8]) -> Vec<Value> {
     String::from_utf8_lossy(body)
@@ -1440,7 +1569,9 @@ fn every_option_parses_and_bad_values_are_explained() {
     let args = [
         "--listen=0.0.0.0:9000",
         "--backend",
-        "n=http://localhost:8081,id=gpu0,cache=64k",
+        "n=http://localhost:8081,id=gpu0,cache=64k,model=qwen3-coder",
+        "--backend-dns",
+        "small.llm.internal:8080,model=qwen3-4b",
         "--policy=round-robin",
         "--overflow",
         "wait",
@@ -1484,6 +1615,9 @@ fn every_option_parses_and_bad_values_are_explained() {
     assert_eq!(run.worker_threads.map(|n| n.get()), Some(3));
     assert_eq!(c.backends[0].id, "gpu0");
     assert_eq!(c.backends[0].slots, None);
+    assert_eq!(c.backends[0].model.as_deref(), Some("qwen3-coder"));
+    assert_eq!(c.backend_dns[0].0.to_string(), "small.llm.internal:8080");
+    assert_eq!(c.backend_dns[0].1.as_deref(), Some("qwen3-4b"));
     assert_eq!(c.cache_tokens("gpu0"), 64 * 1024);
     assert_eq!(c.policy, app::Policy::RoundRobin);
     assert_eq!(c.overflow, Overflow::wait(Duration::from_millis(1500), 7));
@@ -1512,6 +1646,7 @@ fn every_option_parses_and_bad_values_are_explained() {
     assert_eq!(d.replicas.get(), 1);
     assert_eq!((d.probe_failures, d.probe_successes), (1, 1));
     assert_eq!(d.cache_tokens("x:1"), Backend::<()>::DEFAULT_CACHE_TOKENS);
+    assert_eq!(d.backends[0].model, None);
 
     for (args, needle) in [
         (
@@ -1566,6 +1701,15 @@ fn every_option_parses_and_bad_values_are_explained() {
         (
             vec!["--backend", "n=http://x:1,slots=2,slots=3"],
             "slots= is given twice",
+        ),
+        (vec!["--backend", "n=http://x:1,model="], "unknown option"),
+        (
+            vec!["--backend-dns", "llm.internal:8080,slots=2"],
+            "expected NAME:PORT[,model=NAME]",
+        ),
+        (
+            vec!["--backend-dns", "llm.internal:8080,model="],
+            "unknown option",
         ),
     ] {
         let err = cli::parse(args.clone()).unwrap_err();
