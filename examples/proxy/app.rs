@@ -67,7 +67,7 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::{MetricType, TypedMetric};
 use prometheus_client::registry::Registry;
 use tower::discover::Change;
 use tower::retry::Retry;
@@ -661,36 +661,20 @@ fn labels<'a>(
     labels
 }
 
-/// One value of a counter family for each fleet (a single unlabelled value with one fleet).
-fn counters(
+/// A family with one value for each fleet, labelled with its model; with one fleet, a single
+/// unlabelled value.
+fn per_fleet<M: EncodeMetric + TypedMetric>(
     enc: &mut DescriptorEncoder<'_>,
     name: &str,
     help: &str,
-    values: &[(Option<&str>, u64)],
+    values: &[(Option<&str>, M)],
 ) -> fmt::Result {
-    let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+    let mut m = enc.encode_descriptor(name, help, None, M::TYPE)?;
     if let [(None, v)] = values {
-        return ConstCounter::new(*v).encode(m);
+        return v.encode(m);
     }
-    for &(model, v) in values {
-        ConstCounter::new(v).encode(m.encode_family(&labels(&[], model))?)?;
-    }
-    Ok(())
-}
-
-/// One value of a gauge family for each fleet (a single unlabelled value with one fleet).
-fn gauges(
-    enc: &mut DescriptorEncoder<'_>,
-    name: &str,
-    help: &str,
-    values: &[(Option<&str>, i64)],
-) -> fmt::Result {
-    let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
-    if let [(None, v)] = values {
-        return ConstGauge::new(*v).encode(m);
-    }
-    for &(model, v) in values {
-        ConstGauge::new(v).encode(m.encode_family(&labels(&[], model))?)?;
+    for (model, v) in values {
+        v.encode(m.encode_family(&labels(&[], *model))?)?;
     }
     Ok(())
 }
@@ -793,8 +777,10 @@ impl Collector for AffinityCollector {
             ),
         ];
         for (name, help, value) in fleet_counters {
-            let values: Vec<_> = fleets.iter().map(|f| (f.model, value(&f.stats))).collect();
-            counters(&mut enc, name, help, &values)?;
+            let values: Vec<_> = (fleets.iter())
+                .map(|f| (f.model, ConstCounter::new(value(&f.stats))))
+                .collect();
+            per_fleet(&mut enc, name, help, &values)?;
         }
         type Level = (&'static str, &'static str, fn(&Stats) -> usize);
         let fleet_gauges: [Level; 3] = [
@@ -816,9 +802,9 @@ impl Collector for AffinityCollector {
         ];
         for (name, help, value) in fleet_gauges {
             let values: Vec<_> = (fleets.iter())
-                .map(|f| (f.model, as_i64(value(&f.stats))))
+                .map(|f| (f.model, ConstGauge::new(as_i64(value(&f.stats)))))
                 .collect();
-            gauges(&mut enc, name, help, &values)?;
+            per_fleet(&mut enc, name, help, &values)?;
         }
 
         type Read = fn(&BackendStatus) -> i64;
@@ -920,9 +906,14 @@ impl Collector for AffinityCollector {
             .collect();
         if let Some((_, first)) = stores.first() {
             let up: Vec<_> = (stores.iter())
-                .map(|(model, s)| (*model, i64::from(s.state == StoreState::Up)))
+                .map(|(model, s)| {
+                    (
+                        *model,
+                        ConstGauge::new(i64::from(s.state == StoreState::Up)),
+                    )
+                })
                 .collect();
-            gauges(
+            per_fleet(
                 &mut enc,
                 "tower_affinity_store_up",
                 "1 while the shared store's reads answer in time, 0 while it is down",
@@ -930,9 +921,12 @@ impl Collector for AffinityCollector {
             )?;
             for (i, (name, help, _)) in first.counters().enumerate() {
                 let values: Vec<_> = (stores.iter())
-                    .map(|(model, s)| (*model, s.counters().nth(i).map_or(0, |c| c.2)))
+                    .map(|(model, s)| {
+                        let value = s.counters().nth(i).map_or(0, |c| c.2);
+                        (*model, ConstCounter::new(value))
+                    })
                     .collect();
-                counters(
+                per_fleet(
                     &mut enc,
                     &format!("tower_affinity_store_{name}"),
                     help,
