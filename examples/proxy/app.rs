@@ -406,7 +406,9 @@ impl Proxy {
         let mut dns_handles = Vec::new();
         for &model in &models {
             let (fleet, dns) = Self::fleet(&config, &http, model)?;
-            dns_handles.extend(dns);
+            // A name's series carry its fleet's model too: the same name may serve two.
+            let label = labelled.then(|| model.unwrap_or_default().to_owned());
+            dns_handles.extend(dns.into_iter().map(|h| (label.clone(), h)));
             // Without `slots=`, one slot until the probe reads `/slots`. The probe's settings
             // apply to rounds run by hand too, when the background probe is off.
             let (fleet, prober) = HealthProbe::new()
@@ -641,8 +643,9 @@ struct AffinityCollector {
     /// Each model's balancer, with the value of its `model` label when there is more than one
     /// fleet (`Some(None)`: the fleet of the requests that name no other model).
     fleets: Vec<(Option<Option<String>>, Affinity)>,
-    /// One for each `--backend-dns` name: its resolutions and failures.
-    dns: Vec<DnsHandle>,
+    /// One for each `--backend-dns` name: its resolutions and failures, with the value of
+    /// its fleet's `model` label when there is more than one fleet.
+    dns: Vec<(Option<String>, DnsHandle)>,
 }
 
 impl fmt::Debug for AffinityCollector {
@@ -945,10 +948,10 @@ impl AffinityCollector {
         if self.dns.is_empty() {
             return Ok(());
         }
-        let stats: Vec<(String, DnsStats)> = self
+        let stats: Vec<(String, Option<&str>, DnsStats)> = self
             .dns
             .iter()
-            .map(|h| (h.target().to_string(), h.stats()))
+            .map(|(model, h)| (h.target().to_string(), model.as_deref(), h.stats()))
             .collect();
         type Read = fn(&DnsStats) -> u64;
         let series: [(&str, &str, MetricType, Read); 4] = [
@@ -979,8 +982,8 @@ impl AffinityCollector {
         ];
         for (name, help, kind, value) in series {
             let mut m = enc.encode_descriptor(name, help, None, kind)?;
-            for (target, s) in &stats {
-                let labels = [("name", target.as_str())];
+            for (target, model, s) in &stats {
+                let labels = labels(&[("name", target.as_str())], *model);
                 let v = value(s);
                 if kind == MetricType::Counter {
                     ConstCounter::new(v).encode(m.encode_family(&labels)?)?;

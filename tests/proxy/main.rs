@@ -1844,6 +1844,47 @@ async fn backend_dns_names_backends_from_a_real_nameserver_on_loopback() {
     );
 }
 
+/// With a fleet for each model, the `--backend-dns` series carry their fleet's `model` too:
+/// one name given for two models is two series apart, not one series written twice (which a
+/// scrape keeps only one of).
+#[tokio::test]
+async fn backend_dns_series_carry_their_fleets_model() {
+    let stub = Stub::start("a1", 2).await;
+    let dns = dns_server::Dns::start().await;
+    dns.set_ips("llama.fleet.test.", 60, &["127.0.0.1"]).await;
+    let port = stub.addr.port();
+    let args = [
+        "--backend-dns".to_string(),
+        format!("llama.fleet.test:{port},model=qwen3-coder"),
+        "--backend-dns".to_string(),
+        format!("llama.fleet.test:{port},model=qwen3-4b"),
+        "--dns-server".into(),
+        dns.addr.to_string(),
+        "--probe-interval".into(),
+        "0".into(),
+    ];
+    let cli::Command::Run(parsed) = cli::parse(args).unwrap() else {
+        panic!("a run");
+    };
+    let proxy = start(parsed.config).await;
+    let metrics = String::from_utf8(proxy.get("/metrics").await.body.to_vec()).unwrap();
+    for model in ["qwen3-coder", "qwen3-4b"] {
+        let line = format!(
+            "tower_affinity_dns_backends{{name=\"llama.fleet.test:{port}\",model=\"{model}\"}} "
+        );
+        assert!(
+            metrics.lines().any(|l| l.starts_with(&line)),
+            "missing {line:?} in\n{metrics}"
+        );
+    }
+    let mut seen = HashSet::new();
+    for line in metrics.lines().filter(|l| l.starts_with("tower_affinity_")) {
+        assert!(line.contains("model=\""), "without its model: {line}");
+        let series = line.rsplit_once(' ').map_or(line, |(series, _)| series);
+        assert!(seen.insert(series), "written twice: {series}");
+    }
+}
+
 /// The body of `res`, an answer 200, once its first chunk has come.
 async fn after_first_chunk(res: Response<Incoming>) -> Incoming {
     assert_eq!(res.status(), StatusCode::OK);
