@@ -585,11 +585,11 @@ impl Proxy {
     }
 
     /// Probes every backend once, now: marks the loading and the unreachable down, the ready
-    /// up, and reads slot counts.
+    /// up, and reads slot counts. The fleets are probed together: one whose backends do not
+    /// answer holds the others back one probe timeout at most.
     pub(crate) async fn probe_all(&self) {
-        for fleet in &self.fleets {
-            fleet.prober.round(&fleet.affinity).await;
-        }
+        let rounds = (self.fleets.iter()).map(|fleet| fleet.prober.round(&fleet.affinity));
+        futures_util::future::join_all(rounds).await;
     }
 
     /// Starts probing every `probe_interval` in the background, until the tasks are dropped;

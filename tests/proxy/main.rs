@@ -517,6 +517,38 @@ async fn the_probe_marks_a_loading_backend_down_until_ready_and_learns_slots() {
     assert!(!status("a").healthy, "an unreachable backend is down");
 }
 
+/// The first probe of every model's fleet runs at once: a fleet whose backend never answers
+/// holds the start back one probe timeout, not one for each fleet.
+#[tokio::test(start_paused = true)]
+async fn the_fleets_of_several_models_are_probed_together() {
+    // Listeners that never accept: a probe's connection is made, and never answered.
+    let mut silent = Vec::new();
+    for _ in 0..3 {
+        silent.push(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap());
+    }
+    let backends = (silent.iter().enumerate())
+        .map(|(i, l)| {
+            let spec = format!("n{i}=http://{},slots=1,model=m{i}", l.local_addr().unwrap());
+            cli::backend(&spec).unwrap().0
+        })
+        .collect();
+    let mut config = Config::new(backends);
+    config.probe_interval = None;
+    config.probe_timeout = Duration::from_secs(1);
+    let proxy = start(config).await;
+    let started = tokio::time::Instant::now();
+    proxy.proxy.probe_all().await;
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "the first probe took {took:?}"
+    );
+    for fleet in proxy.proxy.fleets() {
+        let status = fleet.affinity.backends();
+        assert!(!status[0].healthy, "{:?} is down", fleet.model);
+    }
+}
+
 // === the cache model ===
 
 /// Sessions keyed by header, each with a prompt of its own of about 3,000 tokens by the cache
