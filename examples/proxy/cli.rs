@@ -159,22 +159,29 @@ where
             }
             "--backend-dns" => {
                 let v = value()?;
-                let (name, model) = match v.split_once(',') {
-                    Some((name, option)) => match option.split_once('=') {
-                        Some(("model", m)) if !m.is_empty() && !m.contains(',') => {
-                            (name, Some(m.to_string()))
-                        }
-                        _ => {
-                            return Err(format!(
-                                "--backend-dns {v:?}: unknown option {option:?} (expected NAME:PORT[,model=NAME])"
-                            ))
-                        }
-                    },
-                    None => (v.as_str(), None),
+                let bad = |why: &str| {
+                    format!("--backend-dns {v:?}: {why} (expected NAME:PORT[,model=NAME])")
                 };
-                let target = name
-                    .parse::<DnsTarget>()
-                    .map_err(|e| format!("--backend-dns {v:?}: {e}"))?;
+                let mut parts = v.split(',');
+                let name = parts.next().unwrap_or_default();
+                let mut model = None;
+                for option in parts {
+                    match option.split_once('=') {
+                        Some(("model", _)) if model.is_some() => {
+                            return Err(bad("model= is given twice"))
+                        }
+                        Some(("model", m)) => model = Some(model_name(m).map_err(|why| bad(&why))?),
+                        _ => return Err(bad(&format!("unknown option {option:?}"))),
+                    }
+                }
+                let target = name.parse::<DnsTarget>().map_err(|e| bad(&e.to_string()))?;
+                if config
+                    .backend_dns
+                    .iter()
+                    .any(|(t, m)| *t == target && *m == model)
+                {
+                    return Err(bad("given twice for the same model"));
+                }
                 config.backend_dns.push((target, model));
             }
             "--dns-server" => {
@@ -346,7 +353,7 @@ pub(crate) fn backend(spec: &str) -> Result<(BackendSpec, Option<u64>), String> 
             }
             Some(("id", name)) if !name.is_empty() => id = name.to_string(),
             Some(("cache", n)) => cache = Some(tokens(n).map_err(|why| bad(&why))?),
-            Some(("model", name)) if !name.is_empty() => model = Some(name.to_string()),
+            Some(("model", name)) => model = Some(model_name(name).map_err(|why| bad(&why))?),
             _ => return Err(bad(&format!("unknown option {option:?}"))),
         }
     }
@@ -359,6 +366,20 @@ pub(crate) fn backend(spec: &str) -> Result<(BackendSpec, Option<u64>), String> 
         model,
     };
     Ok((spec, cache))
+}
+
+/// A `model=` name: what a request body's `model` must be to go to its fleet, so neither empty
+/// nor with spaces around it, which no body would match.
+fn model_name(name: &str) -> Result<String, String> {
+    if name.is_empty() {
+        Err("model= needs the name requests give in their body's \"model\"".into())
+    } else if name.trim() != name {
+        Err(format!(
+            "model={name:?} has spaces around it, which no request's model would match"
+        ))
+    } else {
+        Ok(name.to_string())
+    }
 }
 
 /// A count of tokens: `131072`, or with `k`/`K` for 1024, `128k`. At least 1.

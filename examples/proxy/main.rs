@@ -86,7 +86,8 @@ async fn run(args: cli::Args) -> Result<(), tower_affinity::BoxError> {
             None => "1 (no slots= given, and /slots is not read)".to_string(),
         };
         let cache_tokens = config.cache_tokens(&b.id);
-        let model = b.model.as_deref().unwrap_or("(any other)");
+        // A backend given `model=` says so; the others, as without models, do not.
+        let model = b.model.as_deref();
         tracing::info!(backend = %b.id, node = %b.node, url = %format!("{}://{}", b.scheme, b.authority), %slots, cache_tokens, model, "backend");
     }
     let proxy = Arc::new(Proxy::new(config).await?);
@@ -104,7 +105,7 @@ async fn run(args: cli::Args) -> Result<(), tower_affinity::BoxError> {
     for fleet in proxy.fleets() {
         let stats = fleet.affinity.stats();
         tracing::info!(
-            model = fleet.model.as_deref().unwrap_or("(any other)"),
+            model = fleet.model.as_deref(),
             placed = stats.placed(),
             home_hits = stats.home_hits,
             spills = stats.same_node_spills + stats.cross_node_spills,

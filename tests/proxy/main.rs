@@ -1734,14 +1734,34 @@ fn every_option_parses_and_bad_values_are_explained() {
             vec!["--backend", "n=http://x:1,slots=2,slots=3"],
             "slots= is given twice",
         ),
-        (vec!["--backend", "n=http://x:1,model="], "unknown option"),
+        (
+            vec!["--backend", "n=http://x:1,model="],
+            "model= needs the name",
+        ),
+        (
+            vec!["--backend", "n=http://x:1,model= qwen"],
+            "spaces around it",
+        ),
         (
             vec!["--backend-dns", "llm.internal:8080,slots=2"],
-            "expected NAME:PORT[,model=NAME]",
+            "unknown option \"slots=2\" (expected NAME:PORT[,model=NAME])",
         ),
         (
             vec!["--backend-dns", "llm.internal:8080,model="],
-            "unknown option",
+            "model= needs the name",
+        ),
+        (
+            vec!["--backend-dns", "llm.internal:8080,model=a,model=b"],
+            "model= is given twice",
+        ),
+        (
+            vec![
+                "--backend-dns",
+                "llm.internal:8080,model=a",
+                "--backend-dns",
+                "llm.internal:8080,model=a",
+            ],
+            "given twice for the same model",
         ),
     ] {
         let err = cli::parse(args.clone()).unwrap_err();
