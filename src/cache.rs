@@ -267,6 +267,9 @@ impl EvictionLog {
 pub(crate) struct CacheModel {
     index: Index,
     nodes: Vec<Node>,
+    /// The stamp of the record that first recorded each node (by node, as `nodes`): apart,
+    /// so that a node stays at 32 bytes, and read once a request (see [`Known::born`]).
+    born: Vec<u32>,
     free: Vec<u32>,
     /// Most and least recently used leaf.
     head: u32,
@@ -292,6 +295,18 @@ pub(crate) struct CacheModel {
     refusals: [u32; REFUSALS],
 }
 
+/// What a model holds of a chain: see [`CacheModel::known_from`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Known {
+    /// Leading links held.
+    pub(crate) links: usize,
+    /// When the deepest of them was last used.
+    pub(crate) last_used: u32,
+    /// The record that first recorded it. While that request is in flight, its backend may
+    /// still be reading it: another request cannot reuse it yet.
+    pub(crate) born: u32,
+}
+
 /// How many refused records a model remembers.
 const REFUSALS: usize = 8;
 
@@ -301,6 +316,7 @@ impl CacheModel {
         CacheModel {
             index: Index::new(),
             nodes: Vec::new(),
+            born: Vec::new(),
             free: Vec::new(),
             head: NONE,
             tail: NONE,
@@ -427,6 +443,7 @@ impl CacheModel {
     /// Bytes of memory held.
     pub(crate) fn memory_bytes(&self) -> usize {
         self.nodes.capacity() * std::mem::size_of::<Node>()
+            + self.born.capacity() * 4
             + self.index.memory_bytes()
             + self.free.capacity() * 4
             + self.log.memory_bytes()
@@ -444,20 +461,21 @@ impl CacheModel {
         at_least: usize,
         stamp: u32,
     ) -> (usize, u32) {
-        let (known, last_used) = self.known_from(chain, at_least);
-        self.record(chain, known, stamp);
-        (known, last_used)
+        let known = self.known_from(chain, at_least);
+        self.record(chain, known.links, stamp);
+        (known.links, known.last_used)
     }
 
     /// How many leading links of `chain` are held, knowing that at least `at_least` are (0 if
     /// nothing is known): from there it looks link by link, which on a home hit is the one or
     /// two links the last turn ended with; with nothing known, a binary search. Also when the
-    /// deepest of them was last used (0 if none is held).
+    /// deepest of them was last used, and by which record it was first recorded (0 if none is
+    /// held).
     ///
     /// `at_least` is checked: if its last link is not held (a turn placed before the one
     /// that recorded it had settled, or a fingerprint shared by a new link), the search
     /// starts from nothing.
-    pub(crate) fn known_from(&self, chain: &[Link], at_least: usize) -> (usize, u32) {
+    pub(crate) fn known_from(&self, chain: &[Link], at_least: usize) -> Known {
         let at_least = match at_least.min(chain.len()) {
             n if n > 0 && !self.holds(chain[n - 1].digest) => 0,
             n => n,
@@ -471,13 +489,14 @@ impl CacheModel {
             }
             n
         };
-        let last_used = match known {
-            0 => 0,
-            n => self
-                .node(chain[n - 1].digest)
-                .map_or(0, |i| self.nodes[i as usize].stamp),
-        };
-        (known, last_used)
+        let deepest = known
+            .checked_sub(1)
+            .and_then(|n| self.node(chain[n].digest));
+        Known {
+            links: known,
+            last_used: deepest.map_or(0, |i| self.nodes[i as usize].stamp),
+            born: deepest.map_or(0, |i| self.born[i as usize]),
+        }
     }
 
     /// Records `chain` as held, `known` of its leading links being held already (from
@@ -614,10 +633,12 @@ impl CacheModel {
         let i = match self.free.pop() {
             Some(i) => {
                 self.nodes[i as usize] = node;
+                self.born[i as usize] = stamp;
                 i
             }
             None => {
                 self.nodes.push(node);
+                self.born.push(stamp);
                 (self.nodes.len() - 1) as u32
             }
         };
@@ -998,15 +1019,19 @@ impl Record {
         let owed = self.owed.as_mut().filter(|o| !o.settled)?;
         let links = owed.chain.links();
         let mut model = owed.cache.lock();
-        let (held, last_used) = model.known_from(links, owed.known);
-        model.record_sent(links, held, owed.stamp);
+        let known = model.known_from(links, owed.known);
+        model.record_sent(links, known.links, owed.stamp);
         drop(model);
+        let held = known.links;
         owed.known = held;
         owed.settled = true;
         Some(Prediction {
             prompt_tokens: owed.chain.tokens(),
             held_tokens: owed.chain.tokens_at(held),
-            stamp: last_used,
+            stamp: known.last_used,
+            born: known.born,
+            // Whether that record had ended is its slot's to say: see `Dispatched::settle`.
+            pending: false,
         })
     }
 
@@ -1515,7 +1540,7 @@ mod tests {
                         let chain = conversation(c, n);
                         let stamp = cell.reserve();
                         let mut m = cell.lock();
-                        let (known, _) = m.known_from(chain.links(), 0);
+                        let known = m.known_from(chain.links(), 0).links;
                         m.record_sent(chain.links(), known, stamp);
                         drop(m);
                         waiting.push((chain, known, stamp));
@@ -1555,7 +1580,7 @@ mod tests {
             let chain = conversation(refused.0, refused.1);
             let stamp = cell.reserve();
             let mut m = cell.lock();
-            let (known, _) = m.known_from(chain.links(), 0);
+            let known = m.known_from(chain.links(), 0).links;
             m.record_sent(chain.links(), known, stamp);
             m.refused(chain.links(), known, stamp);
             m.check();

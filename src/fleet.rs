@@ -325,7 +325,15 @@ pub(crate) struct Load {
     pub(crate) capacity: Arc<Capacity>,
     /// The values of its decision headers, made once rather than for every response.
     pub(crate) headers: DecisionHeaders,
+    /// Whether each of the latest [`ENDED_RING`] requests placed here with a prompt chain has
+    /// ended, a bit by its cache model's stamp ([`ModelCell::reserve`]): a prefix last used by
+    /// one still in flight is one the backend may not have finished reading, so that another
+    /// request could not reuse it yet.
+    ended: [AtomicU64; ENDED_RING / 64],
 }
+
+/// How many of a backend's latest stamps [`Load`] knows the end of.
+pub(crate) const ENDED_RING: usize = 1024;
 
 /// A backend's `x-affinity-backend` and `x-affinity-node` values. The id is the backend's for
 /// good; its node can change (discovery moved it), so the node's value is kept with the name it
@@ -384,7 +392,40 @@ impl Load {
             metrics: BackendMetrics::new(id, node, &capacity.counters.labels),
             capacity,
             headers: DecisionHeaders::new(id, node),
+            // Every stamp not yet begun reads as ended: a record without a request here (one
+            // learned from another replica) has nothing in flight.
+            ended: std::array::from_fn(|_| AtomicU64::new(u64::MAX)),
         }
+    }
+
+    /// The word and bit of `stamp` in [`ended`](Self::ended).
+    fn ended_bit(stamp: u32) -> (usize, u64) {
+        let i = stamp as usize % ENDED_RING;
+        (i / 64, 1 << (i % 64))
+    }
+
+    /// The request that reserved `stamp` is in flight here, until [`end`](Self::end).
+    pub(crate) fn begin(&self, stamp: u32) {
+        let (word, bit) = Self::ended_bit(stamp);
+        self.ended[word].fetch_and(!bit, Ordering::Relaxed);
+    }
+
+    /// The request that reserved `stamp` has ended.
+    pub(crate) fn end(&self, stamp: u32) {
+        let (word, bit) = Self::ended_bit(stamp);
+        self.ended[word].fetch_or(bit, Ordering::Relaxed);
+    }
+
+    /// Whether the request that reserved `stamp` had ended, as the request that reserved
+    /// `own` sees it as it is sent. A stamp too old for the ring to remember (half of it, so
+    /// that stamps reserved since `own` have not written over it) had ended.
+    pub(crate) fn has_ended(&self, stamp: u32, own: u32) -> bool {
+        let age = own.wrapping_sub(stamp);
+        if stamp == 0 || age == 0 || age as usize >= ENDED_RING / 2 {
+            return true;
+        }
+        let (word, bit) = Self::ended_bit(stamp);
+        self.ended[word].load(Ordering::Relaxed) & bit != 0
     }
 
     /// Whether the backend is down at `now_ms`. A cooldown that has passed is cleared here,
@@ -457,6 +498,9 @@ pub(crate) struct SlotGuard {
     /// Prompt tokens the backend is expected to read for this request and has not yet
     /// answered for: counted in its [`Learned::unread_tokens`] until the answer starts.
     unread: u64,
+    /// The stamp the request's prompt chain is recorded with on the backend's cache model (0:
+    /// none), in flight there until the slot is released (see [`Load::has_ended`]).
+    stamp: u32,
 }
 
 impl SlotGuard {
@@ -469,6 +513,7 @@ impl SlotGuard {
             node,
             since_ms: now_ms,
             unread: 0,
+            stamp: 0,
         }
     }
 
@@ -502,6 +547,18 @@ impl SlotGuard {
     /// What the backend's answers have taught.
     pub(crate) fn learned(&self) -> &Learned {
         &self.load.learned
+    }
+
+    /// The request holds the slot with its prompt chain recorded under `stamp` (not 0).
+    pub(crate) fn begin(&mut self, stamp: u32) {
+        self.stamp = stamp;
+        self.load.begin(stamp);
+    }
+
+    /// Whether the request that recorded `stamp` on this backend's cache model had ended when
+    /// this one was sent.
+    pub(crate) fn has_ended(&self, stamp: u32) -> bool {
+        self.load.has_ended(stamp, self.stamp)
     }
 
     /// The values of the backend's decision headers.
@@ -554,6 +611,9 @@ impl SlotGuard {
 impl Drop for SlotGuard {
     fn drop(&mut self) {
         self.prompt_read();
+        if self.stamp != 0 {
+            self.load.end(self.stamp);
+        }
         self.load
             .learned
             .started_ms

@@ -145,9 +145,10 @@ impl Dispatched {
     /// into the backend's cache model now. What the model found counts in the backend's
     /// backlog, and is what the answer is checked against. Once; later calls do nothing.
     fn settle(&mut self) {
-        let Some(p) = self.record.as_mut().and_then(Record::settle) else {
+        let Some(mut p) = self.record.as_mut().and_then(Record::settle) else {
             return;
         };
+        p.pending = !self.guard.has_ended(p.born);
         self.guard
             .reading(p.prompt_tokens.saturating_sub(p.held_tokens));
         if let Some(w) = self.watch.as_mut() {

@@ -104,6 +104,13 @@ pub(crate) struct Prediction {
     pub(crate) held_tokens: u64,
     /// When the deepest held link was last used (the model's clock), before this request.
     pub(crate) stamp: u32,
+    /// The record that first recorded that link.
+    pub(crate) born: u32,
+    /// Whether that record's request was still in flight when this one was sent: the backend
+    /// may not have finished reading the prefix, and cannot share it before (llama-server
+    /// shares nothing between busy slots), so reusing less of it is no sign that it was
+    /// evicted.
+    pub(crate) pending: bool,
 }
 
 /// One answer, as the response body saw it.
@@ -193,7 +200,7 @@ impl Learned {
         let verdict = predicted.map_or(Verdict::Fine, |p| {
             let predicted = p.held_tokens as f64 / p.prompt_tokens.max(1) as f64;
             let measured = reused as f64 / usage.prompt_tokens.max(1) as f64;
-            if predicted >= MIN_PREDICTED_SHARE && measured < predicted / 2.0 {
+            if predicted >= MIN_PREDICTED_SHARE && measured < predicted / 2.0 && !p.pending {
                 Verdict::HeldLess
             } else if measured >= MIN_PREDICTED_SHARE && predicted < measured / 2.0 {
                 Verdict::HeldMore
@@ -375,6 +382,8 @@ mod tests {
             prompt_tokens: 1,
             held_tokens: 0,
             stamp: 0,
+            born: 0,
+            pending: false,
         };
         l.learn(&huge, Some(p));
         assert_eq!(l.read_time(u64::MAX), Some(Duration::MAX));
@@ -391,6 +400,8 @@ mod tests {
             prompt_tokens: 2_500,
             held_tokens: 0,
             stamp: 0,
+            born: 0,
+            pending: false,
         };
         l.learn(&answer(10_000, Some(0), 50_000), Some(p));
         assert_eq!(l.token_scale(), Some(4.0));
@@ -409,6 +420,8 @@ mod tests {
             prompt_tokens: tokens,
             held_tokens: 0,
             stamp: 0,
+            born: 0,
+            pending: false,
         };
         let (a, b, new) = (Learned::default(), Learned::default(), Learned::default());
         // a reads 200 of its tokens a second, b 600; both count four of theirs a chain token.
@@ -469,10 +482,15 @@ mod tests {
             prompt_tokens: 10_000,
             held_tokens: 9_000,
             stamp: 0,
+            born: 0,
+            pending: false,
         };
         let verdict = |reused, p| l.learn(&answer(10_000, Some(reused), 10), Some(p)).1;
         assert_eq!(verdict(8_800, p), Verdict::Fine);
         assert_eq!(verdict(100, p), Verdict::HeldLess);
+        // The same shortfall on a prefix another request was still reading is no verdict.
+        let read_elsewhere = Prediction { pending: true, ..p };
+        assert_eq!(verdict(100, read_elsewhere), Verdict::Fine);
         assert_eq!(l.corrections.load(Ordering::Relaxed), 1);
         // Predicting little of a prompt that reused little is right.
         let small = Prediction {

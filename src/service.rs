@@ -662,7 +662,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         };
         drop(candidates);
         let m = t.member(index);
-        let guard = SlotGuard::new(&m.load, index, m.node, now_ms);
+        let mut guard = SlotGuard::new(&m.load, index, m.node, now_ms);
         if let (Some(chain), Some(target)) = (chain, cache_backend) {
             let first_try = waited.is_none() && scope == Scope::Any && !overcommitted;
             if self.wait_versus_move && first_try && target != index {
@@ -706,6 +706,9 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         // The stamp of this turn's record: kept with the session's home, so that its next
         // turn can tell that home still holds it without a look into the model.
         let mark = chain.map_or(0, |_| m.cache.reserve());
+        if mark != 0 {
+            guard.begin(mark);
+        }
         let new_home = HomeEntry {
             backend: index,
             generation: m.generation,

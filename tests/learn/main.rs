@@ -538,6 +538,67 @@ async fn a_backend_reusing_far_less_than_predicted_corrects_the_model() {
     );
 }
 
+/// Two conversations that open alike start on one backend at once. The second cannot reuse
+/// the opening the first is still reading (llama-server shares no prefix between busy
+/// slots), so it reuses none of what the model predicted. That shortfall is not an eviction:
+/// before, the model took it for one and forgot the first conversation, whose next turn then
+/// left its home as a cold home.
+#[tokio::test(start_paused = true)]
+async fn a_prefix_another_request_is_still_reading_is_no_eviction_when_it_is_not_reused() {
+    let two = NonZeroU32::new(2).unwrap();
+    let backend = Backend::new("n1", scripted())
+        .slots(two)
+        .cache_tokens(1 << 20);
+    let svc = SessionAffinityLayer::new().layer(StaticFleet::new([("a", backend)]));
+    let slow = Reply {
+        headers_after: Duration::from_secs(10),
+        ..reused(4000, 0)
+    };
+    let req = request(Some("first"), Some(chain(&[1, 2, 10, 11], 1000)), slow);
+    let first = tokio::spawn({
+        let svc = svc.clone();
+        async move { exchange(&svc, req).await }
+    });
+    // The first is sent, and reads its prompt for ten seconds.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (d, _, _) = exchange(
+        &svc,
+        request(
+            Some("second"),
+            Some(chain(&[1, 2, 20, 21], 1000)),
+            reused(4000, 0),
+        ),
+    )
+    .await;
+    assert_eq!(d.backend.as_str(), "a");
+    let (d, _, _) = first.await.unwrap();
+    assert_eq!(d.outcome, Outcome::NewSession);
+    for (session, next) in [
+        ("first", [1, 2, 10, 11, 12]),
+        ("second", [1, 2, 20, 21, 22]),
+    ] {
+        let (d, _, _) = exchange(
+            &svc,
+            request(Some(session), Some(chain(&next, 1000)), reused(5000, 4000)),
+        )
+        .await;
+        assert_eq!(d.outcome, Outcome::HomeHit, "{session}");
+    }
+    assert_eq!(status(&svc, "a").corrections, 0);
+    // A shortfall once nothing predicted is in flight is an eviction, as before.
+    let (d, _, _) = exchange(
+        &svc,
+        request(
+            Some("first"),
+            Some(chain(&[1, 2, 10, 11, 12, 13], 1000)),
+            reused(6000, 0),
+        ),
+    )
+    .await;
+    assert_eq!(d.outcome, Outcome::HomeHit);
+    assert_eq!(status(&svc, "a").corrections, 1);
+}
+
 /// llama-server's answer to a prompt longer than a slot's context.
 fn exceeds_context() -> Reply {
     Reply {
