@@ -6,6 +6,7 @@
 #   scripts/e2e-llama.sh                # setup (cached), then every run
 #   scripts/e2e-llama.sh --setup-only   # only the cached setup
 #   scripts/e2e-llama.sh --no-keyless   # skip the keyless run
+#   scripts/e2e-llama.sh --no-models    # skip the run with a fleet for each model
 #   scripts/e2e-llama.sh --no-compare   # skip the round-robin comparison run
 #
 # What it does:
@@ -31,9 +32,15 @@
 #      usage, and the proxy runs with --ask-stream-usage: no usage chunk may reach
 #      the client, llama-server's timings must be back on the last chunk, and the
 #      proxy's counters must still equal llama-server's figures within 1%
-#   6. restarts the proxy with --policy round-robin and runs the driver again,
+#   6. restarts the proxy with a fleet for each model: the first two llama-servers
+#      serve model=coder, the third model=titles. The sessions' turns ask for
+#      coder, and after each turn each session asks titles for a title under the
+#      same X-Session-Id, as Claude Code asks a small model: every title must be
+#      answered by the third llama-server and no turn, every later turn must still
+#      reuse >= 80%, and the proxy's counters must equal llama-server's within 1%
+#   7. restarts the proxy with --policy round-robin and runs the driver again,
 #      without asserting, for comparison.
-#   Exits 0 only if the assertions in 4 and 5 passed.  Every process it starts is
+#   Exits 0 only if the assertions in 4, 5 and 6 passed.  Every process it starts is
 #   killed on exit.  To redo the setup from scratch: rm -rf ~/.cache/tower-affinity
 #
 # Note: a llama-server slot keeps one conversation's KV cache; with -np 2 a
@@ -81,11 +88,13 @@ BUILD_JOBS="${TA_BUILD_JOBS:-2}"
 
 SETUP_ONLY=0
 KEYLESS=1
+MODELS=1
 COMPARE=1
 for arg in "$@"; do
     case "$arg" in
         --setup-only) SETUP_ONLY=1 ;;
         --no-keyless) KEYLESS=0 ;;
+        --no-models) MODELS=0 ;;
         --no-compare) COMPARE=0 ;;
         -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
         *) echo "unknown argument: $arg" >&2; exit 64 ;;
@@ -325,10 +334,13 @@ start_proxy() { # policy [label for the log's name, default: policy] [proxy flag
     local policy=$1 log="$LOG_DIR/proxy-${2:-$1}.log"
     shift $(($# < 2 ? $# : 2))
     port_busy "$PROXY_PORT" && die "port $PROXY_PORT is already in use (set TA_PROXY_PORT)"
+    # The backends' models, with MODELS_GIVEN=1: the first two serve coder, the third titles.
+    local coder= titles=
+    if ((${MODELS_GIVEN:-0})); then coder=,model=coder titles=,model=titles; fi
     "$PROXY_BIN" --listen "127.0.0.1:$PROXY_PORT" \
-        --backend "node-a=${LLAMA_URLS[0]},slots=2" \
-        --backend "node-a=${LLAMA_URLS[1]},slots=2" \
-        --backend "node-b=${LLAMA_URLS[2]},slots=2" \
+        --backend "node-a=${LLAMA_URLS[0]},slots=2$coder" \
+        --backend "node-a=${LLAMA_URLS[1]},slots=2$coder" \
+        --backend "node-b=${LLAMA_URLS[2]},slots=2$titles" \
         --policy "$policy" "$@" >"$log" 2>&1 &
     PROXY_PID=$!
     PIDS+=("$PROXY_PID")
@@ -425,6 +437,18 @@ if ((KEYLESS)); then
     stop_proxy
 fi
 
+MODELS_RC=0
+if ((MODELS)); then
+    # A fleet for each model: the turns' fleet holds two llama-servers (4 slots for the 4
+    # sessions), the titles' the third.
+    MODELS_GIVEN=1 start_proxy node-then-backend node-then-backend-models
+    run_driver node-then-backend-models --model coder --side-model titles \
+        --side-backend "127.0.0.1:${LLAMA_PORTS[2]}" --assert-min-hit 1.0 --stream-every 2 \
+        || MODELS_RC=$?
+    check_metrics node-then-backend-models || METRICS_RC=$?
+    stop_proxy
+fi
+
 if ((COMPARE)); then
     start_proxy round-robin
     RR_RC=0
@@ -436,15 +460,15 @@ fi
 echo
 say "comparison:"
 grep -h '^SUMMARY' "$LOG_DIR"/drive-*.txt 2>/dev/null | sed 's/^/    /' || true
-if ((AFF_RC == 0 && KEYLESS_RC == 0 && METRICS_RC == 0)); then
-    if ((KEYLESS)); then
-        say "PASS: with --policy node-then-backend every later turn reused >= 80% of the previous prompt, keyed and keyless"
-    else
-        say "PASS: with --policy node-then-backend every later turn reused >= 80% of the previous prompt (keyless run skipped)"
-    fi
+if ((AFF_RC == 0 && KEYLESS_RC == 0 && MODELS_RC == 0 && METRICS_RC == 0)); then
+    runs=keyed
+    ((KEYLESS)) && runs="$runs, keyless"
+    ((MODELS)) && runs="$runs, a fleet for each model"
+    say "PASS: with --policy node-then-backend every later turn reused >= 80% of the previous prompt ($runs)"
     exit 0
 fi
 ((AFF_RC == 0)) || say "FAIL: node-then-backend driver run (keyed) exited $AFF_RC"
 ((KEYLESS_RC == 0)) || say "FAIL: node-then-backend driver run (keyless) exited $KEYLESS_RC"
+((MODELS_RC == 0)) || say "FAIL: node-then-backend driver run (a fleet for each model) exited $MODELS_RC"
 ((METRICS_RC == 0)) || say "FAIL: the proxy's reused and prompt token counters differ from llama-server's own by more than 1%"
 exit 1

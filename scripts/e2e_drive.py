@@ -28,6 +28,12 @@ present.
     reuse(t) = cached_tokens(t) / prompt_tokens(t-1)         for t >= 2
 
 A later turn is a "hit" when reuse >= --reuse-threshold (default 0.8).
+With ``--side-model NAME``, after each turn the session also asks for a title of
+its conversation with model NAME, under the same session key, as Claude Code asks
+a small model for titles; with ``--side-backend ID`` every such request must be
+answered by backend ID and no turn may be (the proxy serves a fleet for each model),
+else the exit code is 1. The proxy counts these requests too: the token totals
+include them.
 With ``--resend-every K``, every Kth turn is sent a second time, whole, as a
 client retrying it would (not streamed); the resend is a hit when it went to the
 backend that served the turn and that backend reused at least the threshold of
@@ -167,6 +173,50 @@ class Resend:
     outcome: str
     first_backend: str
     hit: bool = False
+
+
+@dataclass
+class Side:
+    """A title request sent beside a turn with --side-model."""
+
+    session: int
+    turn: int
+    prompt_tokens: int
+    cached_tokens: int | None
+    backend: str
+    outcome: str
+
+
+# The --side-model requests, from every session's thread.
+side_requests: list[Side] = []
+
+
+def side(client, args, session: int, turn: int) -> Side:
+    """Asks --side-model for a title of the session's conversation, as an agent asks a small
+    model beside its own."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=args.side_model,
+        messages=[
+            {"role": "system", "content": "Give the conversation below a title of at most five words."},
+            {"role": "user", "content": task(args.run_id, session)},
+        ],
+        max_tokens=8,
+        temperature=0,
+    )
+    completion = raw.parse()
+    try:
+        raw_json = json.loads(raw.text)
+    except (ValueError, AttributeError):
+        raw_json = {}
+    cached, _ = _cached_tokens(completion, raw_json)
+    return Side(
+        session=session,
+        turn=turn,
+        prompt_tokens=int(completion.usage.prompt_tokens) if completion.usage else 0,
+        cached_tokens=cached,
+        backend=raw.headers.get(BACKEND_HEADER, "-"),
+        outcome=raw.headers.get(OUTCOME_HEADER, "-"),
+    )
 
 
 def _cached_tokens(completion, raw_json: dict) -> tuple[int | None, str]:
@@ -320,6 +370,10 @@ def run_session(args, session: int, log) -> tuple[list[TurnRecord], list[Resend]
                 f"  session {session} turn {turn} sent again: prompt={r.prompt_tokens} "
                 f"cached={r.cached_tokens} backend={r.backend} outcome={r.outcome}"
             )
+        if args.side_model:
+            t = side(client, args, session, turn)
+            side_requests.append(t)
+            log(f"  session {session} turn {turn} title ({args.side_model}): backend={t.backend} outcome={t.outcome}")
         messages.append({"role": "assistant", "content": answer})
     return records, resends
 
@@ -367,6 +421,16 @@ def main() -> int:
         type=int,
         default=0,
         help="send every Nth turn a second time, whole, as a client retrying it; 0: none",
+    )
+    ap.add_argument(
+        "--side-model",
+        default=None,
+        help="after each turn, ask this model for a title under the same session key",
+    )
+    ap.add_argument(
+        "--side-backend",
+        default=None,
+        help="the backend id (x-affinity-backend) that must answer every --side-model request, and no turn",
     )
     ap.add_argument("--run-id", default=None, help="salt for session ids and tool output (default: random)")
     ap.add_argument("--label", default="", help="printed in the summary line")
@@ -446,9 +510,15 @@ def main() -> int:
         )
     resend_hits = sum(1 for r in resends if r.hit)
     resend_share = resend_hits / len(resends) if resends else 1.0
-    # The proxy counts resends too: its totals are compared with these.
-    total_prompt = sum(r.prompt_tokens for r in records) + sum(r.prompt_tokens for r in resends)
-    total_cached = sum(r.cached_tokens or 0 for r in records) + sum(r.cached_tokens or 0 for r in resends)
+    # The proxy counts resends and title requests too: its totals are compared with these.
+    extra = resends + side_requests
+    total_prompt = sum(r.prompt_tokens for r in records) + sum(r.prompt_tokens for r in extra)
+    total_cached = sum(r.cached_tokens or 0 for r in records) + sum(r.cached_tokens or 0 for r in extra)
+    side_served: dict[str, int] = {}
+    for t in side_requests:
+        side_served[t.backend] = side_served.get(t.backend, 0) + 1
+    if side_requests:
+        print("title requests per backend: " + ", ".join(f"{b} {n}" for b, n in sorted(side_served.items())))
     if any(r.cached_source == "missing" for r in records):
         print("WARNING: some responses carried neither usage.prompt_tokens_details.cached_tokens nor timings.cache_n")
     for kind, flag in (("non-stream", False), ("stream", True)):
@@ -464,6 +534,7 @@ def main() -> int:
         f"cached/prompt tokens overall: {total_cached}/{total_prompt} = "
         f"{(total_cached / total_prompt if total_prompt else 0):.0%}; "
         + (f"resends where sent and reused: {resend_hits}/{len(resends)}; " if resends else "")
+        + (f"title requests: {len(side_requests)}; " if side_requests else "")
         + f"wall {wall:.1f} s"
     )
     if args.json_out:
@@ -473,7 +544,8 @@ def main() -> int:
                  "prompt_tokens": total_prompt, "cached_tokens": total_cached,
                  "served": served, "outcomes": outcomes,
                  "records": [asdict(r) for r in records],
-                 "resends": [asdict(r) for r in resends], "errors": errors},
+                 "resends": [asdict(r) for r in resends],
+                 "sides": [asdict(t) for t in side_requests], "errors": errors},
                 f,
                 indent=2,
             )
@@ -489,6 +561,17 @@ def main() -> int:
             print(f"STREAM: {e}", file=sys.stderr)
         print(f"ASSERTION FAILED: {len(stream_errors)} streams not as the client asked", file=sys.stderr)
         return 1
+    if args.side_backend:
+        astray = [t for t in side_requests if t.backend != args.side_backend]
+        crossed = [r for r in records if r.backend == args.side_backend]
+        if astray or crossed or len(side_requests) != len(records):
+            print(
+                f"ASSERTION FAILED: of {len(side_requests)} title requests {len(astray)} not on "
+                f"{args.side_backend}; {len(crossed)} turns on it",
+                file=sys.stderr,
+            )
+            return 1
+        print(f"ASSERTION OK: every title request on {args.side_backend}, no turn there")
     if args.assert_min_hit is not None:
         if share + 1e-9 < args.assert_min_hit:
             print(f"ASSERTION FAILED: hit share {share:.0%} < required {args.assert_min_hit:.0%}", file=sys.stderr)
