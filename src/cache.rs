@@ -13,11 +13,12 @@
 //! conversations it homes, which is what new conversations are spread by. A link with more than
 //! one child is a prefix several conversations share.
 //!
-//! Memory: a tracked link costs its 32-byte node and its index entry, 66 to 89 bytes as
-//! measured with the index's load (see `BENCHMARKS.md`: 66 to 72 with the index a third
-//! full, 89 at the bound); a backend tracks at most one link per 16 tokens of its budget (at
-//! least 1,024), so the model of a backend with the default budget (8,192 links) stays under
-//! 740 KB (731 KB measured at the bound). A backend that has evicted also keeps its last 256
+//! Memory: a tracked link costs its 32-byte node, the 4-byte stamp of the record that first
+//! recorded it, and its index entry: 71 to 76 bytes as measured with the index's load (see
+//! `BENCHMARKS.md`), about 93 at the bound; a backend tracks at most one link per 16 tokens of
+//! its budget (at least 1,024), so the model of a backend with the default budget (8,192
+//! links) stays under 770 KB (731 KB measured at the bound before the stamps, which add
+//! 32 KiB there). A backend that has evicted also keeps its last 256
 //! evictions, 8 KiB, to put back what a prompt it refused evicted.
 
 use std::sync::atomic::{AtomicU32, Ordering};

@@ -138,6 +138,7 @@ impl RankSet {
 
     /// Visits the admitted candidates best first. The best is found in one pass without
     /// allocating; the rest are ranked and sorted only if the visitor asks for more.
+    #[inline]
     pub(crate) fn visit(
         &self,
         key: SessionKey,
