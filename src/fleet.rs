@@ -417,11 +417,14 @@ impl Load {
     }
 
     /// Whether the request that reserved `stamp` had ended, as the request that reserved
-    /// `own` sees it as it is sent. A stamp too old for the ring to remember (half of it, so
-    /// that stamps reserved since `own` have not written over it) had ended.
+    /// `own` sees it as it is sent. A stamp too far from `own` for the ring to remember (half
+    /// of it, so that stamps reserved since have not written over it) had ended. A stamp
+    /// reserved after `own` is as near: a request placed later may be sent first (its
+    /// response future polled first, or `own`'s backend not ready yet), and its record
+    /// settled before this one's.
     pub(crate) fn has_ended(&self, stamp: u32, own: u32) -> bool {
-        let age = own.wrapping_sub(stamp);
-        if stamp == 0 || age == 0 || age as usize >= ENDED_RING / 2 {
+        let apart = (own.wrapping_sub(stamp) as i32).unsigned_abs();
+        if stamp == 0 || own == 0 || apart == 0 || apart as usize >= ENDED_RING / 2 {
             return true;
         }
         let (word, bit) = Self::ended_bit(stamp);
@@ -1189,6 +1192,29 @@ mod tests {
         assert_eq!(h.node(&"n1".into()).unwrap(), "n1");
         let bad = DecisionHeaders::new(&"a\nb".into(), &"n\n".into());
         assert_eq!((bad.backend(), bad.node(&"n\n".into())), (None, None));
+    }
+
+    #[test]
+    fn a_stamp_in_flight_reads_in_flight_whether_reserved_before_or_after_this_one() {
+        let l = Load::new(nz(2), Arc::default(), &"a".into(), &"n".into());
+        // 10 placed first; 11 placed after it, sent and recorded first.
+        l.begin(10);
+        l.begin(11);
+        assert!(!l.has_ended(11, 10), "reserved after this one, still in flight");
+        assert!(!l.has_ended(10, 11));
+        l.end(11);
+        assert!(l.has_ended(11, 10));
+        // Across the clock's wrap (stamp 0 is never reserved).
+        l.begin(u32::MAX - 1);
+        l.begin(2);
+        assert!(!l.has_ended(u32::MAX - 1, 2));
+        assert!(!l.has_ended(2, u32::MAX - 1));
+        // Too far apart either way for the ring: ended. Stamp 0, none: ended.
+        let far = 10 + ENDED_RING as u32 / 2;
+        l.begin(far);
+        assert!(l.has_ended(10, far) && l.has_ended(far, 10));
+        assert!(!l.has_ended(10, far - 1) && !l.has_ended(far, 11));
+        assert!(l.has_ended(0, 10) && l.has_ended(10, 0));
     }
 
     #[test]
