@@ -298,7 +298,8 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// a histogram's or a summary's series (`le`, `quantile`), an empty name or one starting
     /// with `__` (Prometheus's own), an empty value (Prometheus reads it as no label), or a
     /// name given twice. Prometheus's exporter turns a character other than `[a-zA-Z0-9_]`
-    /// in a name into `_`, so `model.name` and `model-name` would be one label there. Called
+    /// in a name into `_`, so names are compared as it writes them: `model.name` after
+    /// `model-name` is given twice, and `-_x` starts with `__`. Called
     /// again, the later labels replace the earlier. Without labels (the default) a series is
     /// written as before, at no cost; with them, each event builds its series' labels, an
     /// allocation a placement.
@@ -320,7 +321,9 @@ impl<K, P> SessionAffinityLayer<K, P> {
         let mut kept: Vec<(String, String)> = Vec::new();
         for (label, value) in labels {
             let (label, value) = (label.into(), value.into());
-            let given = kept.iter().any(|(k, _)| *k == label);
+            // Written alike by an exporter, one label there (see `exported_label`).
+            let exported = crate::metrics::exported_label(&label);
+            let given = (kept.iter()).any(|(k, _)| crate::metrics::exported_label(k) == exported);
             match crate::metrics::refused_label(&label, &value, given) {
                 Some(why) => tracing::warn!(label, "metrics label left out: {why}"),
                 None => kept.push((label, value)),
@@ -348,5 +351,22 @@ where
             self.placement.clone(),
             self.config.clone(),
         )
+    }
+}
+
+#[cfg(all(test, feature = "metrics"))]
+mod tests {
+    #[test]
+    fn labels_an_exporter_writes_alike_are_given_twice() {
+        let layer = super::SessionAffinityLayer::new().metrics_labels([
+            ("model_name", "a"),
+            ("model.name", "b"),
+            ("model-name", "c"),
+            ("-_x", "d"),
+        ]);
+        let names: Vec<&str> = (layer.config.metrics_labels.iter())
+            .map(|(k, _)| k.as_str())
+            .collect();
+        assert_eq!(names, ["model_name"]);
     }
 }

@@ -136,11 +136,28 @@ pub(crate) fn refused_label(name: &str, value: &str, given: bool) -> Option<&'st
     Some(match name {
         "backend" | "node" | "outcome" => "the series use it themselves",
         "le" | "quantile" => "exporters add it to histograms and summaries",
-        _ if name.is_empty() || name.starts_with("__") => "empty, or reserved by Prometheus (`__`)",
+        _ if name.is_empty() || exported_label(name).starts_with("__") => {
+            "empty, or reserved by Prometheus (`__`)"
+        }
         _ if value.is_empty() => "Prometheus reads an empty value as no label",
         _ if given => "given twice",
         _ => return None,
     })
+}
+
+/// A label name as Prometheus's exporter writes it: each character other than
+/// `[a-zA-Z0-9_]` (a digit too, first) as `_`. Two names written alike are one label there,
+/// given twice on a series: a scrape refuses the whole page.
+#[cfg(feature = "metrics")]
+pub(crate) fn exported_label(name: &str) -> String {
+    name.chars()
+        .enumerate()
+        .map(|(i, c)| match c {
+            'a'..='z' | 'A'..='Z' | '_' => c,
+            '0'..='9' if i > 0 => c,
+            _ => '_',
+        })
+        .collect()
 }
 
 #[cfg(feature = "metrics")]
@@ -630,5 +647,19 @@ pub(crate) fn publish_store(fleet: &Labels, s: &StoreStats) {
         let name = format!("tower_affinity_store_{name}_total");
         metrics::describe_counter!(name.clone(), help);
         counter!(name, fleet.with([])).absolute(value);
+    }
+}
+
+#[cfg(all(test, feature = "metrics"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_an_exporter_writes_alike_are_given_twice_and_a_written_dunder_is_refused() {
+        assert_eq!(exported_label("model.name"), "model_name");
+        assert_eq!(exported_label("1x"), "_x");
+        assert_eq!(refused_label("-_x", "v", false), refused_label("__x", "v", false));
+        assert!(refused_label("-_x", "v", false).is_some());
+        assert!(refused_label("model_name", "v", false).is_none());
     }
 }
