@@ -1200,7 +1200,10 @@ mod tests {
         // 10 placed first; 11 placed after it, sent and recorded first.
         l.begin(10);
         l.begin(11);
-        assert!(!l.has_ended(11, 10), "reserved after this one, still in flight");
+        assert!(
+            !l.has_ended(11, 10),
+            "reserved after this one, still in flight"
+        );
         assert!(!l.has_ended(10, 11));
         l.end(11);
         assert!(l.has_ended(11, 10));

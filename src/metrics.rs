@@ -18,15 +18,9 @@
 //! `tower_affinity_sessions`, ...) would add up both, or take whichever published last. Give
 //! each balancer labels of its own with
 //! [`SessionAffinityLayer::metrics_labels`](crate::SessionAffinityLayer::metrics_labels):
-//! they are added to every series it writes, after the series' own.
-//!
-//! ```
-//! use tower_affinity::SessionAffinityLayer;
-//!
-//! let coder = SessionAffinityLayer::new().metrics_labels([("fleet", "qwen3-coder")]);
-//! let titles = SessionAffinityLayer::new().metrics_labels([("fleet", "qwen3-4b")]);
-//! # let _ = (coder, titles);
-//! ```
+//! they are added to every series it writes, after the series' own: a fleet for each model,
+//! `metrics_labels([("fleet", "qwen3-coder")])` on one balancer and
+//! `metrics_labels([("fleet", "qwen3-4b")])` on the other.
 //!
 //! `publish_metrics` also publishes the fleet's counters at 0 until their first event (so a
 //! rate reads 0, not nothing), and zeroes the levels of a backend that has left the fleet: a
@@ -658,7 +652,10 @@ mod tests {
     fn names_an_exporter_writes_alike_are_given_twice_and_a_written_dunder_is_refused() {
         assert_eq!(exported_label("model.name"), "model_name");
         assert_eq!(exported_label("1x"), "_x");
-        assert_eq!(refused_label("-_x", "v", false), refused_label("__x", "v", false));
+        assert_eq!(
+            refused_label("-_x", "v", false),
+            refused_label("__x", "v", false)
+        );
         assert!(refused_label("-_x", "v", false).is_some());
         assert!(refused_label("model_name", "v", false).is_none());
     }

@@ -397,6 +397,11 @@ impl Proxy {
                 models.push(model);
             }
         }
+        // No backend at all (the command line refuses it; a config built in code may not): one
+        // fleet all the same, which answers 503 until it has backends.
+        if models.is_empty() {
+            models.push(None);
+        }
         let default = models.iter().position(Option::is_none).unwrap_or(0);
         let labelled = models.len() > 1;
         let http = HttpBackend::<ReqBody>::builder()

@@ -1416,6 +1416,18 @@ async fn each_model_has_a_fleet_of_its_own_and_its_own_series() {
     }
 }
 
+/// A config without backends (which the command line refuses) serves all the same: 503.
+#[tokio::test]
+async fn a_proxy_without_backends_answers_503() {
+    let mut config = Config::new(Vec::new());
+    config.probe_interval = None;
+    let proxy = start(config).await;
+    let res = proxy
+        .post_json(&[], &json!({"model": "m", "messages": []}))
+        .await;
+    assert_eq!(res.status, StatusCode::SERVICE_UNAVAILABLE);
+}
+
 /// When every backend names its model, a request naming none of them goes to the first
 /// model given.
 #[tokio::test]

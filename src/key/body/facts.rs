@@ -121,6 +121,8 @@ impl PromptFacts {
     /// route by when one proxy fronts a fleet for each model (the README's "Several models"
     /// puts a balancer per model behind one [`BodyKeyLayer`](crate::key::BodyKeyLayer)). Read
     /// in the same pass as the rest, so that routing by it costs no second parse of the body.
+    /// A key field starting with `model` ([`BodyKeyLayer::fields`](crate::key::BodyKeyLayer::fields))
+    /// reads it as a key instead, and this is `None`.
     ///
     /// ```
     /// use tower_affinity::key::PromptFacts;
