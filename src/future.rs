@@ -149,8 +149,10 @@ impl Dispatched {
             return;
         };
         p.pending = !self.guard.has_ended(p.born);
-        self.guard
-            .reading(p.prompt_tokens.saturating_sub(p.held_tokens));
+        // A prefix another request is still reading is not there to reuse yet: this one reads
+        // all of it.
+        let held = if p.pending { 0 } else { p.held_tokens };
+        self.guard.reading(p.prompt_tokens.saturating_sub(held));
         if let Some(w) = self.watch.as_mut() {
             w.prediction = Some(p);
         }
