@@ -326,9 +326,9 @@ pub(crate) struct Load {
     /// The values of its decision headers, made once rather than for every response.
     pub(crate) headers: DecisionHeaders,
     /// Whether each of the latest [`ENDED_RING`] requests placed here with a prompt chain has
-    /// ended, a bit by its cache model's stamp ([`ModelCell::reserve`]): a prefix last used by
-    /// one still in flight is one the backend may not have finished reading, so that another
-    /// request could not reuse it yet.
+    /// ended, a bit by its cache model's stamp ([`ModelCell::reserve`]): a prefix first
+    /// recorded by one still in flight is one the backend may not have finished reading, so
+    /// that another request could not reuse it yet.
     ended: [AtomicU64; ENDED_RING / 64],
 }
 
