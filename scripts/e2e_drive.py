@@ -194,25 +194,15 @@ side_requests: list[Side] = []
 def side(client, args, session: int, turn: int) -> Side:
     """Asks --side-model for a title of the session's conversation, as an agent asks a small
     model beside its own."""
-    raw = client.chat.completions.with_raw_response.create(
-        model=args.side_model,
-        messages=[
-            {"role": "system", "content": "Give the conversation below a title of at most five words."},
-            {"role": "user", "content": task(args.run_id, session)},
-        ],
-        max_tokens=8,
-        temperature=0,
-    )
-    completion = raw.parse()
-    try:
-        raw_json = json.loads(raw.text)
-    except (ValueError, AttributeError):
-        raw_json = {}
-    cached, _ = _cached_tokens(completion, raw_json)
+    messages = [
+        {"role": "system", "content": "Give the conversation below a title of at most five words."},
+        {"role": "user", "content": task(args.run_id, session)},
+    ]
+    raw, prompt, cached = ask(client, args.side_model, messages, 8)
     return Side(
         session=session,
         turn=turn,
-        prompt_tokens=int(completion.usage.prompt_tokens) if completion.usage else 0,
+        prompt_tokens=prompt,
         cached_tokens=cached,
         backend=raw.headers.get(BACKEND_HEADER, "-"),
         outcome=raw.headers.get(OUTCOME_HEADER, "-"),
@@ -231,12 +221,12 @@ def _cached_tokens(completion, raw_json: dict) -> tuple[int | None, str]:
     return None, "missing"
 
 
-def resend(client, args, session: int, turn: int, messages, first: TurnRecord) -> Resend:
-    """Sends turn `turn` again, whole, as a client retrying it would."""
+def ask(client, model: str, messages, max_tokens: int):
+    """One request not streamed: the raw response, its prompt tokens and cached tokens."""
     raw = client.chat.completions.with_raw_response.create(
-        model=args.model,
+        model=model,
         messages=messages,
-        max_tokens=args.max_tokens,
+        max_tokens=max_tokens,
         temperature=0,
     )
     completion = raw.parse()
@@ -246,6 +236,12 @@ def resend(client, args, session: int, turn: int, messages, first: TurnRecord) -
         raw_json = {}
     cached, _ = _cached_tokens(completion, raw_json)
     prompt = int(completion.usage.prompt_tokens) if completion.usage else 0
+    return raw, prompt, cached
+
+
+def resend(client, args, session: int, turn: int, messages, first: TurnRecord) -> Resend:
+    """Sends turn `turn` again, whole, as a client retrying it would."""
+    raw, prompt, cached = ask(client, args.model, messages, args.max_tokens)
     r = Resend(
         session=session,
         turn=turn,

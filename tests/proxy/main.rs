@@ -1822,28 +1822,36 @@ async fn two_backends_with_one_id_are_refused() {
     assert!(err.to_string().contains("given twice"), "{err}");
 }
 
+/// A proxy, without probes, over `--backend-dns` entries `names`, on a nameserver on loopback
+/// where `llama.fleet.test` is 127.0.0.1 and a stub serves: each entry is `NAME`, to which the
+/// stub's port is added, or has `{port}` where it goes. The proxy, the stub and the nameserver.
+async fn dns_proxy(names: &[&str]) -> (Running, Stub, dns_server::Dns) {
+    let stub = Stub::start("a1", 2).await;
+    let dns = dns_server::Dns::start().await;
+    dns.set_ips("llama.fleet.test.", 60, &["127.0.0.1"]).await;
+    let port = stub.addr.port().to_string();
+    let mut args = Vec::new();
+    for name in names {
+        let entry = match name.contains("{port}") {
+            true => name.replace("{port}", &port),
+            false => format!("{name}:{port}"),
+        };
+        args.extend(["--backend-dns".to_string(), entry]);
+    }
+    args.extend(["--dns-server".into(), dns.addr.to_string()]);
+    args.extend(["--probe-interval".into(), "0".into()]);
+    let cli::Command::Run(parsed) = cli::parse(args).unwrap() else {
+        panic!("a run");
+    };
+    (start(parsed.config).await, stub, dns)
+}
+
 /// `--backend-dns` follows a name on a real nameserver; `/metrics` says how each name
 /// resolves, a name without records too.
 #[tokio::test(start_paused = true)]
 async fn backend_dns_names_backends_from_a_real_nameserver_on_loopback() {
-    let stub = Stub::start("a1", 2).await;
-    let dns = dns_server::Dns::start().await;
-    dns.set_ips("llama.fleet.test.", 60, &["127.0.0.1"]).await;
+    let (proxy, stub, _dns) = dns_proxy(&["llama.fleet.test", "missing.fleet.test"]).await;
     let port = stub.addr.port();
-    let args = [
-        "--backend-dns".to_string(),
-        format!("llama.fleet.test:{port}"),
-        "--backend-dns".to_string(),
-        format!("missing.fleet.test:{port}"),
-        "--dns-server".into(),
-        dns.addr.to_string(),
-        "--probe-interval".into(),
-        "0".into(),
-    ];
-    let cli::Command::Run(parsed) = cli::parse(args).unwrap() else {
-        panic!("a run");
-    };
-    let proxy = start(parsed.config).await;
     // The name resolves in the background: a bounded wait (on the paused clock) for it.
     let id = format!("127.0.0.1:{port}");
     for _ in 0..200 {
@@ -1913,24 +1921,12 @@ async fn backend_dns_names_backends_from_a_real_nameserver_on_loopback() {
 /// scrape keeps only one of).
 #[tokio::test]
 async fn backend_dns_series_carry_their_fleets_model() {
-    let stub = Stub::start("a1", 2).await;
-    let dns = dns_server::Dns::start().await;
-    dns.set_ips("llama.fleet.test.", 60, &["127.0.0.1"]).await;
-    let port = stub.addr.port();
-    let args = [
-        "--backend-dns".to_string(),
-        format!("llama.fleet.test:{port},model=qwen3-coder"),
-        "--backend-dns".to_string(),
-        format!("llama.fleet.test:{port},model=qwen3-4b"),
-        "--dns-server".into(),
-        dns.addr.to_string(),
-        "--probe-interval".into(),
-        "0".into(),
+    let names = [
+        "llama.fleet.test:{port},model=qwen3-coder",
+        "llama.fleet.test:{port},model=qwen3-4b",
     ];
-    let cli::Command::Run(parsed) = cli::parse(args).unwrap() else {
-        panic!("a run");
-    };
-    let proxy = start(parsed.config).await;
+    let (proxy, stub, _dns) = dns_proxy(&names).await;
+    let port = stub.addr.port();
     let metrics = String::from_utf8(proxy.get("/metrics").await.body.to_vec()).unwrap();
     for model in ["qwen3-coder", "qwen3-4b"] {
         let line = format!(
