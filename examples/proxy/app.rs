@@ -582,11 +582,31 @@ impl Proxy {
         Front {
             shared: Arc::new(FrontShared {
                 registry: self.registry.clone(),
+                models: self.model_list(),
                 upstream: self.config.upstream,
                 header_timeout: self.config.header_timeout,
             }),
             forward,
         }
+    }
+
+    /// With `model=` given, what `GET /v1/models` answers: the models given, in OpenAI's list
+    /// format, for clients that offer the models an endpoint lists. The fleet without a model
+    /// serves any other name, which no list can say.
+    fn model_list(&self) -> Option<Bytes> {
+        let models: Vec<&str> = self
+            .fleets
+            .iter()
+            .filter_map(|f| f.model.as_deref())
+            .collect();
+        if models.is_empty() {
+            return None;
+        }
+        let data: Vec<serde_json::Value> = (models.iter())
+            .map(|id| serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "tower-affinity"}))
+            .collect();
+        let list = serde_json::json!({"object": "list", "data": data});
+        Some(Bytes::from(list.to_string()))
     }
 
     /// Probes every backend once, now: marks the loading and the unreachable down, the ready
@@ -1106,6 +1126,8 @@ pub(crate) struct Front {
 
 struct FrontShared {
     registry: Arc<Registry>,
+    /// With a fleet for each model, the answer to `GET /v1/models`: the models given.
+    models: Option<Bytes>,
     upstream: UpstreamMode,
     header_timeout: Option<Duration>,
 }
@@ -1129,6 +1151,17 @@ impl Service<Request<Incoming>> for Front {
         if req.uri().path() == "/metrics" {
             let res = metrics(req.method(), &self.shared.registry);
             return FrontFuture::Answered { res: Some(res) };
+        }
+        if let Some(list) = &self.shared.models {
+            let listing = matches!(*req.method(), Method::GET | Method::HEAD);
+            if listing && req.uri().path() == "/v1/models" {
+                let mut res = Response::new(FrontBody::Right(Full::new(list.clone())));
+                res.headers_mut().insert(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/json"),
+                );
+                return FrontFuture::Answered { res: Some(res) };
+            }
         }
         FrontFuture::Forwarding {
             fut: self.forward.call(req),

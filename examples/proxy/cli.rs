@@ -96,7 +96,8 @@ prompt_cache_key, user, metadata.user_id.
 Models: backends given model=NAME form a fleet of their own, with its own sessions,
 cache models and metrics (labelled model=NAME); a request whose JSON body's \"model\" is
 NAME goes there. Every other request goes to the backends given without a model, or if
-every backend has one, to the fleet of the first model given.";
+every backend has one, to the fleet of the first model given. GET /v1/models then lists
+the models given.";
 
 /// What the command line asks for.
 #[derive(Debug)]

@@ -1387,6 +1387,8 @@ async fn each_model_has_a_fleet_of_its_own_and_its_own_series() {
     let fleets = proxy.proxy.fleets();
     let models: Vec<_> = fleets.iter().map(|f| f.model.as_deref()).collect();
     assert_eq!(models, [None, Some("qwen3-4b")]);
+    // The proxy lists the models given; the fleet without one serves any other name.
+    assert_eq!(listed_models(&proxy).await, ["qwen3-4b"]);
     assert_eq!(fleets[1].affinity.stats().placed(), 3);
 
     let metrics = String::from_utf8(proxy.get("/metrics").await.body.to_vec()).unwrap();
@@ -1463,6 +1465,20 @@ async fn without_a_fleet_for_other_models_the_first_model_takes_them() {
         .await;
     assert_eq!(res.backend(), "small");
     assert_eq!(proxy.proxy.affinity().backends()[0].id.as_str(), "small");
+    assert_eq!(listed_models(&proxy).await, ["qwen3-4b", "qwen3-coder"]);
+}
+
+/// The ids of the models `GET /v1/models` lists, answered by the proxy itself.
+async fn listed_models(proxy: &Running) -> Vec<String> {
+    let list = proxy.get("/v1/models").await;
+    assert_eq!(
+        (list.status, list.header("content-type"), list.backend()),
+        (StatusCode::OK, "application/json", "-")
+    );
+    let data = list.json()["data"].as_array().cloned().unwrap_or_default();
+    data.iter()
+        .map(|m| m["id"].as_str().unwrap_or_default().to_string())
+        .collect()
 }
 
 /// Reads a streamed answer's chunks: their JSON, past `data: ` (without `[DONE]`).
