@@ -392,6 +392,7 @@ impl Homes {
                 .filter(|(_, (_, at))| since.is_none_or(|s| *at + WRITE_TIMEOUT >= s))
                 .collect();
             tracing::info!(
+                store = ?self.store,
                 rewrites = homes.len(),
                 "shared session store answers again; reading homes from it"
             );
@@ -403,6 +404,7 @@ impl Homes {
             drop(failed);
             bump(&self.counters.outages);
             tracing::warn!(
+                store = ?self.store,
                 error = %why,
                 deadline = ?self.deadline,
                 "shared session store unavailable; placing by the local session table"
@@ -609,12 +611,13 @@ impl Homes {
         }
         match error {
             Some(error) if self.up.load(Ordering::Acquire) => tracing::warn!(
+                store = ?self.store,
                 %error,
                 "writes to the shared session store fail (its reads last answered); homes placed now are not shared"
             ),
             // The store is down: its outage was logged.
             Some(_) => {}
-            None => tracing::info!("shared session store takes writes again"),
+            None => tracing::info!(store = ?self.store, "shared session store takes writes again"),
         }
     }
 
@@ -785,6 +788,7 @@ impl<B, P> Shared<B, P> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::{ReadHome, WriteHome};
 
     #[test]
     fn every_counter_is_exported_once_under_its_fields_name() {
@@ -817,6 +821,56 @@ mod tests {
         let unique: std::collections::HashSet<_> = names.iter().collect();
         assert_eq!(unique.len(), names.len());
         assert!(counters.iter().all(|c| !c.1.is_empty()));
+    }
+
+    /// A store that answers nothing, named by its `Debug` as a store of a model's fleet is.
+    #[derive(Debug)]
+    struct Named;
+
+    impl HomeStore for Named {
+        fn read(&self, _: SessionKey, _: Duration) -> ReadHome {
+            Box::pin(std::future::pending())
+        }
+
+        fn write(&self, _: SessionKey, _: StoredHome, _: Duration) -> WriteHome {
+            Box::pin(std::future::pending())
+        }
+    }
+
+    /// Several balancers may each have a store (a fleet for each model): what one logs
+    /// names it.
+    #[test]
+    fn what_the_store_logs_names_the_store() {
+        #[derive(Clone, Default)]
+        struct Buffer(Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Buffer {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let buffer = Buffer::default();
+        let writer = buffer.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        let homes = Homes::new(
+            Arc::new(Named),
+            Duration::from_millis(5),
+            Duration::ZERO,
+            10,
+        );
+        tracing::subscriber::with_default(subscriber, || {
+            homes.wrote(Some("refused".into()));
+            homes.wrote(None);
+        });
+        let logs = String::from_utf8(buffer.0.lock().clone()).unwrap();
+        assert_eq!(logs.lines().count(), 2, "{logs}");
+        assert!(logs.lines().all(|l| l.contains("store=Named")), "{logs}");
     }
 
     #[test]
