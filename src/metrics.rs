@@ -204,6 +204,26 @@ impl Labels {
         }
     }
 
+    /// A fleet-wide histogram without labels of its own.
+    fn histogram(&self, name: &'static str) -> Histogram {
+        match &self.extra {
+            None => histogram!(name),
+            Some(_) => histogram!(name, self.with([])),
+        }
+    }
+
+    /// A fleet-wide histogram by outcome.
+    fn histogram_by(&self, name: &'static str, outcome: Outcome) -> Histogram {
+        let label = outcome.as_str();
+        match &self.extra {
+            None => histogram!(name, "outcome" => label),
+            Some(_) => histogram!(
+                name,
+                self.with([Label::from_static_parts("outcome", label)])
+            ),
+        }
+    }
+
     /// A fleet-wide gauge without labels of its own.
     fn gauge(&self, name: &'static str) -> Gauge {
         match &self.extra {
@@ -333,11 +353,9 @@ pub(crate) fn decision(labels: &Labels, d: &Decision) {
             .increment(1);
         if let Some(waited) = d.waited {
             labels.counter("tower_affinity_waited_total").increment(1);
-            match &labels.extra {
-                None => histogram!("tower_affinity_wait_seconds"),
-                Some(_) => histogram!("tower_affinity_wait_seconds", labels.with([])),
-            }
-            .record(waited.as_secs_f64());
+            labels
+                .histogram("tower_affinity_wait_seconds")
+                .record(waited.as_secs_f64());
         }
         if d.overcommitted {
             labels
@@ -366,18 +384,9 @@ pub(crate) fn reuse(labels: &Labels, outcome: Outcome, prompt: u64, reused: u64)
 #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
 pub(crate) fn first_byte(labels: &Labels, outcome: Outcome, after: Duration) {
     #[cfg(feature = "metrics")]
-    {
-        let name = "tower_affinity_first_byte_seconds";
-        let label = outcome.as_str();
-        match &labels.extra {
-            None => histogram!(name, "outcome" => label),
-            Some(_) => histogram!(
-                name,
-                labels.with([Label::from_static_parts("outcome", label)])
-            ),
-        }
+    labels
+        .histogram_by("tower_affinity_first_byte_seconds", outcome)
         .record(after.as_secs_f64());
-    }
 }
 
 /// A fleet-wide event without labels of its own, by its counter's name.

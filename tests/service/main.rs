@@ -63,6 +63,21 @@ where
     svc.ready().await?.call(request(session, mode)).await
 }
 
+/// Requests for each of `sessions`, polled once: each must wait for a slot.
+async fn waiters<S>(svc: &mut S, sessions: &[&str]) -> Vec<tokio_test::task::Spawn<S::Future>>
+where
+    S: Service<Req, Response = Res, Error = Error>,
+{
+    let mut waiting = Vec::new();
+    for &session in sessions {
+        svc.ready().await.unwrap();
+        let mut w = tokio_test::task::spawn(svc.call(request(Some(session), None)));
+        assert_pending!(w.poll());
+        waiting.push(w);
+    }
+    waiting
+}
+
 /// Awaits every task, failing with `what` if they are not all done within 30 s (a bound for a
 /// hang, not a timing).
 async fn join_within_30s<T>(tasks: Vec<tokio::task::JoinHandle<T>>, what: &str) {
@@ -750,14 +765,7 @@ async fn slots_the_policy_offers_no_waiter_wake_each_waiter_once() {
     }
     on_a.store(false, Ordering::Relaxed);
     let held = send(&mut svc, Some("s3"), Some("stream")).await.unwrap();
-    svc.ready().await.unwrap();
-    let mut waiting: Vec<_> = ["w1", "w2", "w3"]
-        .into_iter()
-        .map(|w| tokio_test::task::spawn(svc.call(request(Some(w), None))))
-        .collect();
-    for w in &mut waiting {
-        assert_pending!(w.poll());
-    }
+    let mut waiting = waiters(&mut svc, &["w1", "w2", "w3"]).await;
     // Both of a1's slots free; no waiter may take them.
     on_a1.clear();
     let mut looks = 0;
@@ -811,14 +819,7 @@ async fn slots_freed_on_a_removed_backend_wake_no_waiter() {
         }
     }
     assert_eq!((on_a.len(), on_b.len()), (2, 1));
-    svc.ready().await.unwrap();
-    let mut waiting: Vec<_> = ["w1", "w2", "w3"]
-        .into_iter()
-        .map(|w| tokio_test::task::spawn(svc.call(request(Some(w), None))))
-        .collect();
-    for w in &mut waiting {
-        assert_pending!(w.poll());
-    }
+    let mut waiting = waiters(&mut svc, &["w1", "w2", "w3"]).await;
     // a1 goes: the change wakes the waiters, which look once.
     handle.remove("a1");
     svc.ready().await.unwrap();
