@@ -1,3 +1,4 @@
+use std::fmt;
 use std::sync::Arc;
 
 use http::header::HeaderName;
@@ -105,31 +106,36 @@ impl HeaderKey {
         I: IntoIterator,
         I::Item: AsRef<str>,
     {
-        let names: Vec<I::Item> = names.into_iter().collect();
-        match Self::try_new(&names) {
+        match Self::try_new(names) {
             Ok(key) => key,
-            Err(e) => {
-                // Name the culprit: http's error does not.
-                let bad = names
-                    .iter()
-                    .map(AsRef::as_ref)
-                    .find(|n| HeaderName::from_bytes(n.as_bytes()).is_err())
-                    .unwrap_or_default();
-                panic!("invalid header name for HeaderKey: {bad:?}: {e}")
-            }
+            Err(e) => panic!("{e}"),
         }
     }
 
-    /// Reads the given header names, in order, or fails on the first invalid name. An empty
-    /// list is valid and finds no key: every request is then keyless.
-    pub fn try_new<I>(names: I) -> Result<Self, http::header::InvalidHeaderName>
+    /// Reads the given header names, in order, or fails on the first invalid name, which the
+    /// error names. An empty list is valid and finds no key: every request is then keyless.
+    ///
+    /// ```
+    /// use tower_affinity::key::HeaderKey;
+    ///
+    /// let err = HeaderKey::try_new(["x-session-id", "bad name"]).unwrap_err();
+    /// assert_eq!(err.name(), "bad name");
+    /// assert_eq!(err.to_string(), "invalid header name for HeaderKey: \"bad name\"");
+    /// ```
+    pub fn try_new<I>(names: I) -> Result<Self, InvalidHeaderKey>
     where
         I: IntoIterator,
         I::Item: AsRef<str>,
     {
         let names = names
             .into_iter()
-            .map(|n| HeaderName::from_bytes(n.as_ref().as_bytes()))
+            .map(|n| {
+                let n = n.as_ref();
+                HeaderName::from_bytes(n.as_bytes()).map_err(|source| InvalidHeaderKey {
+                    name: n.to_owned(),
+                    source,
+                })
+            })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(HeaderKey {
             names: names.into(),
@@ -139,6 +145,32 @@ impl HeaderKey {
     /// The names read, in order.
     pub fn names(&self) -> &[HeaderName] {
         &self.names
+    }
+}
+
+/// A name given to [`HeaderKey::try_new`] that is not a valid header name.
+#[derive(Debug)]
+pub struct InvalidHeaderKey {
+    name: String,
+    source: http::header::InvalidHeaderName,
+}
+
+impl InvalidHeaderKey {
+    /// The name, as given.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl fmt::Display for InvalidHeaderKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "invalid header name for HeaderKey: {:?}", self.name)
+    }
+}
+
+impl std::error::Error for InvalidHeaderKey {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.source)
     }
 }
 
@@ -323,7 +355,15 @@ mod tests {
     }
 
     #[test]
-    fn invalid_configured_name_is_an_error() {
-        assert!(HeaderKey::try_new(["bad name"]).is_err());
+    fn invalid_configured_name_is_an_error_that_names_it() {
+        let e = HeaderKey::try_new(["x-ok", "bad name", "also bad"]).unwrap_err();
+        assert_eq!(e.name(), "bad name");
+        assert!(e.to_string().contains("\"bad name\""), "{e}");
+        assert!(std::error::Error::source(&e).is_some());
+        let panic = std::panic::catch_unwind(|| HeaderKey::new(["x-ok", "bad\nname"]))
+            .unwrap_err()
+            .downcast::<String>()
+            .unwrap();
+        assert_eq!(*panic, "invalid header name for HeaderKey: \"bad\\nname\"");
     }
 }

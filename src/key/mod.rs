@@ -30,7 +30,7 @@ mod session_key;
 pub use body::{BodyKey, BodyKeyFuture, BodyKeyLayer, BodyKeyResponseBody, PromptFacts};
 pub use extension::ExtensionKey;
 pub use first_of::FirstOf;
-pub use header::HeaderKey;
+pub use header::{HeaderKey, InvalidHeaderKey};
 pub use session_key::SessionKey;
 
 /// Finds the session key of a request.
