@@ -35,6 +35,7 @@ use tokio::time::Instant;
 ///
 /// let id = BackendId::from("gpu-0");
 /// assert_eq!(id.as_str(), "gpu-0");
+/// assert_eq!(id, "gpu-0"); // compares with a name as given
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BackendId(Arc<str>);
@@ -45,6 +46,7 @@ pub struct BackendId(Arc<str>);
 /// use tower_affinity::NodeId;
 ///
 /// assert_eq!(NodeId::from("host-a").to_string(), "host-a");
+/// assert_eq!(NodeId::from("host-a"), "host-a");
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct NodeId(Arc<str>);
@@ -61,6 +63,36 @@ macro_rules! impl_name {
         impl std::borrow::Borrow<str> for $t {
             fn borrow(&self) -> &str {
                 &self.0
+            }
+        }
+
+        impl AsRef<str> for $t {
+            fn as_ref(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl PartialEq<str> for $t {
+            fn eq(&self, other: &str) -> bool {
+                *self.0 == *other
+            }
+        }
+
+        impl PartialEq<&str> for $t {
+            fn eq(&self, other: &&str) -> bool {
+                *self.0 == **other
+            }
+        }
+
+        impl PartialEq<$t> for str {
+            fn eq(&self, other: &$t) -> bool {
+                *self == *other.0
+            }
+        }
+
+        impl PartialEq<$t> for &str {
+            fn eq(&self, other: &$t) -> bool {
+                **self == *other.0
             }
         }
 

@@ -35,7 +35,7 @@
 //! let key = SessionKey::from_bytes(b"agent-1");
 //! let order = fleet.order(&NodeThenBackend::new(), Some(key), Some("a1"));
 //! // Home first, then its node, then the other node.
-//! assert_eq!(order[..2], ["a1".into(), "a2".into()]);
+//! assert_eq!(order[..2], ["a1", "a2"]);
 //! ```
 
 mod baselines;
