@@ -702,6 +702,12 @@ pub(crate) struct NodeEntry {
     pub(crate) backends: RankSet,
     /// Sum of the live backends' slots.
     pub(crate) slots: u32,
+    /// Backends, live or removed, whose node this is: at 0 the node is forgotten and its
+    /// index goes to the next new node.
+    members: u32,
+    /// Bumped each time the index is given to another node, so that a session's record of
+    /// its home's node (see [`Topology::node_mark`]) cannot name the newcomer.
+    generation: u8,
 }
 
 /// The fleet's shape: nodes, backends and slot counters, without the services. A clone shares
@@ -725,6 +731,8 @@ pub(crate) struct Topology {
     pub(crate) total_slots: u32,
     by_id: HashMap<BackendId, u32>,
     node_by_id: HashMap<NodeId, u32>,
+    /// Forgotten nodes' indexes, the earliest forgotten first.
+    free_nodes: VecDeque<u32>,
     /// Removed backends' indexes, the earliest removed first: a new backend takes the
     /// earliest's, so that those removed last keep their models longest.
     free: VecDeque<u32>,
@@ -765,19 +773,69 @@ impl Topology {
         (m.live && m.generation == generation).then_some(index)
     }
 
+    /// The mark of a node whose index does not fit in 24 bits (past 16 million nodes at
+    /// once): it names none.
+    const NO_NODE: u32 = u32::MAX;
+
+    /// Node `index` as a session records its home's node: the index and the node's
+    /// generation, so that the record names no other node once this one is forgotten.
+    pub(crate) fn node_mark(&self, index: u32) -> u32 {
+        if index >= 0x00ff_ffff {
+            return Self::NO_NODE;
+        }
+        index | u32::from(self.nodes[index as usize].generation) << 24
+    }
+
+    /// The node a [`node_mark`](Topology::node_mark) names, if it is still known.
+    pub(crate) fn resolve_node(&self, mark: u32) -> Option<u32> {
+        let index = mark & 0x00ff_ffff;
+        if mark == Self::NO_NODE {
+            return None;
+        }
+        let n = self.nodes.get(index as usize)?;
+        (n.members > 0 && u32::from(n.generation) == mark >> 24).then_some(index)
+    }
+
+    /// The index of node `id`, now named by one backend more: a node no backend names is
+    /// forgotten, so that nodes named by addresses that churn (pods rescheduled) do not pile
+    /// up for as long as the router runs.
     fn node_index(&mut self, id: &NodeId) -> u32 {
         if let Some(&i) = self.node_by_id.get(id) {
+            self.nodes[i as usize].members += 1;
             return i;
         }
-        let i = self.nodes.len() as u32;
-        self.nodes.push(NodeEntry {
+        let entry = |generation| NodeEntry {
             id: id.clone(),
             digest: name_digest(id.as_str()),
             backends: RankSet::default(),
             slots: 0,
-        });
+            members: 1,
+            generation,
+        };
+        let i = match self.free_nodes.pop_front() {
+            Some(i) => {
+                let n = &mut self.nodes[i as usize];
+                *n = entry(n.generation.wrapping_add(1));
+                i
+            }
+            None => {
+                self.nodes.push(entry(0));
+                (self.nodes.len() - 1) as u32
+            }
+        };
         self.node_by_id.insert(id.clone(), i);
         i
+    }
+
+    /// Node `index` is named by one backend fewer.
+    fn release_node(&mut self, index: u32) {
+        let n = &mut self.nodes[index as usize];
+        n.members -= 1;
+        if n.members == 0 {
+            debug_assert!(n.backends.is_empty());
+            self.node_by_id.remove(&n.id);
+            self.free_nodes.push_back(index);
+        }
     }
 
     fn attach(&mut self, index: u32) {
@@ -855,12 +913,13 @@ impl Topology {
                 m.load.down_until.store(0, Ordering::SeqCst);
             }
             let m = &mut self.members[index as usize];
-            m.node = node;
+            let old_node = std::mem::replace(&mut m.node, node);
             m.live = true;
             m.forgotten = false;
             m.prompt_cache_bytes = prompt_cache_bytes;
             m.cache.lock().set_budget(cache_tokens);
             m.load.slots.store(slots.get(), Ordering::Relaxed);
+            self.release_node(old_node);
             self.attach(index);
             return index;
         }
@@ -868,6 +927,7 @@ impl Topology {
         let index = if let Some(index) = self.free.pop_front() {
             let m = &mut self.members[index as usize];
             self.by_id.remove(&m.id);
+            let old_node = m.node;
             *m = Member {
                 id: id.clone(),
                 node,
@@ -879,6 +939,7 @@ impl Topology {
                 cache: Arc::new(ModelCell::new(cache_tokens)),
                 forgotten: false,
             };
+            self.release_node(old_node);
             index
         } else {
             let index = self.members.len() as u32;
@@ -1133,6 +1194,88 @@ mod tests {
         assert_eq!(t.resolve(a, g), None);
         assert_eq!(t.insert("a".into(), &"n2".into(), nz(3), None, 1000), a);
         assert_eq!(t.resolve(a, g), Some(a));
+    }
+
+    #[test]
+    fn a_node_no_backend_names_is_forgotten_and_a_record_of_it_names_no_newcomer() {
+        let mut t = Topology::default();
+        let a = t.insert("a".into(), &"10.0.0.1".into(), nz(1), None, 1000);
+        let stays = t.insert("s".into(), &"host".into(), nz(1), None, 1000);
+        let mark = t.node_mark(t.member(a).node);
+        assert_eq!(t.resolve_node(mark), Some(t.member(a).node));
+        // Pods rescheduled under new addresses, one at a time, the node named by address.
+        for i in 0..10_000u32 {
+            let old = if i == 0 {
+                "a".into()
+            } else {
+                (i - 1).to_string()
+            };
+            t.remove(&old.into());
+            let ip = format!("10.1.{}.{}", i / 256, i % 256);
+            t.insert(i.to_string().into(), &ip.as_str().into(), nz(1), None, 1000);
+        }
+        // Each newcomer took the index of the backend removed before it, which let go of its
+        // node: two nodes known, the host's and the last address's.
+        assert!(t.nodes.len() <= 3, "{} nodes", t.nodes.len());
+        assert_eq!(t.node_by_id.len(), 2);
+        assert_eq!(
+            t.resolve_node(mark),
+            None,
+            "the first address's node is gone"
+        );
+        let host = t.member(stays).node;
+        assert_eq!(t.resolve_node(t.node_mark(host)), Some(host));
+        assert_eq!(t.node(host).id.as_str(), "host");
+        // A backend moved to another node lets go of the one it left.
+        t.insert("s".into(), &"other".into(), nz(1), None, 1000);
+        assert!(!t.node_by_id.contains_key("host"));
+        assert_eq!(t.resolve_node(t.node_mark(host)), None);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(300))]
+
+        /// Whatever backends come, move and go: every backend the topology keeps (live or
+        /// removed) names the node it was last announced on, every node it knows is named
+        /// by a backend, and a forgotten node's records resolve to nothing.
+        #[test]
+        fn every_node_known_is_one_a_backend_is_on(
+            ops in proptest::collection::vec((0u8..10, 0u8..6, proptest::bool::ANY), 1..200),
+        ) {
+            let mut t = Topology::default();
+            let mut on: HashMap<String, String> = HashMap::new();
+            let mut marks: Vec<(u32, String)> = Vec::new();
+            for (backend, node, insert) in ops {
+                let (id, node) = (format!("b{backend}"), format!("n{node}"));
+                if insert {
+                    let i = t.insert(id.as_str().into(), &node.as_str().into(), nz(1), None, 100);
+                    marks.push((t.node_mark(t.member(i).node), node.clone()));
+                    on.insert(id, node);
+                } else {
+                    t.remove(&id.as_str().into());
+                }
+                let mut named: HashMap<u32, u32> = HashMap::new();
+                for m in &t.members {
+                    let node = t.node(m.node);
+                    if let Some(want) = t.by_id.get(&m.id).and(on.get(m.id.as_str())) {
+                        proptest::prop_assert_eq!(node.id.as_str(), want.as_str());
+                    }
+                    *named.entry(m.node).or_default() += 1;
+                }
+                for (id, &i) in &t.node_by_id {
+                    proptest::prop_assert_eq!(&t.node(i).id, id);
+                    proptest::prop_assert_eq!(named.get(&i).copied(), Some(t.node(i).members));
+                }
+                proptest::prop_assert_eq!(named.len(), t.node_by_id.len());
+                // A backend moving takes its new node's index before it lets go of its old.
+                proptest::prop_assert!(t.nodes.len() <= t.members.len() + 1);
+                for (mark, node) in &marks {
+                    if let Some(i) = t.resolve_node(*mark) {
+                        proptest::prop_assert_eq!(t.node(i).id.as_str(), node.as_str());
+                    }
+                }
+            }
+        }
     }
 
     #[test]

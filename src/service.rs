@@ -554,8 +554,11 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         }
         let home_backend = known.and_then(|h| t.resolve(h.backend, h.generation));
         // A backend can move to another node (discovery updated it): its node now is the home
-        // node. A removed backend leaves the node it had.
-        let home_node = known.map(|h| home_backend.map_or(h.node, |b| t.member(b).node));
+        // node. A removed backend leaves the node it had, while the node is known.
+        let home_node = known.and_then(|h| match home_backend {
+            Some(b) => Some(t.member(b).node),
+            None => t.resolve_node(h.node),
+        });
         let facts = extensions.get::<PromptFacts>();
         let chain = facts.map(|f| &f.chain).filter(|c| !c.is_empty());
         // The backend storing the response this request continues, if it is in the fleet:
@@ -686,6 +689,8 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         };
         let outcome = match (key, home_node) {
             (None, _) => own_prefix.map_or(Outcome::Keyless, by_prefix),
+            // Its home and the home's node both gone.
+            (Some(_), None) if known.is_some() => Outcome::Replaced,
             (Some(_), None) => Outcome::NewSession,
             (Some(_), Some(node)) => match (home_cache, home_backend) {
                 (_, None) => Outcome::Replaced,
@@ -713,7 +718,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             backend: index,
             generation: m.generation,
             tip: chain.map_or(0, |c| c.tip()),
-            node: m.node,
+            node: t.node_mark(m.node),
             mark,
         };
         let watch = self.observe.then(|| Watch::new(outcome));

@@ -86,6 +86,7 @@ pub(crate) struct HomeEntry {
     pub(crate) generation: u16,
     /// A fingerprint of the last link of the last turn's prompt chain; 0 if it had none.
     pub(crate) tip: u16,
+    /// Its node, as [`Topology::node_mark`](crate::fleet::Topology::node_mark) records it.
     pub(crate) node: u32,
     /// The stamp of the last turn's record on the home's cache model (see
     /// [`ModelCell`](crate::cache::ModelCell)); 0 if none is known.

@@ -736,7 +736,7 @@ impl<B, P> Shared<B, P> {
                 backend: index,
                 generation: m.generation,
                 tip: home.tip.map_or(0, tip_of),
-                node: m.node,
+                node: t.node_mark(m.node),
                 mark,
             };
             self.table.put(key, entry, now_ms);

@@ -286,6 +286,51 @@ async fn removing_one_backend_moves_only_its_sessions() {
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn sessions_of_a_node_gone_are_not_drawn_to_the_node_that_takes_its_place() {
+    // One backend a node, named by address as DNS discovery names them: the replaced
+    // backend's node is forgotten, and the next new node gets its place in the router's
+    // tables. The sessions homed there are placed anew, spread, not sent to that newcomer.
+    let streams = Streams::default();
+    let (handle, stream) = discover::channel();
+    let add = |n: u32| {
+        let id = format!("10.0.0.{n}:8080");
+        let node = format!("10.0.0.{n}");
+        handle.insert(
+            id.clone(),
+            Backend::new(node, backend(&id, &streams)).slots(nz(64)),
+        );
+    };
+    for n in 0..4 {
+        add(n);
+    }
+    let mut svc = SessionAffinityLayer::new().layer(stream);
+    let mut homes = Vec::new();
+    for i in 0..400 {
+        homes.push(turn(&mut svc, &format!("s{i}")).await);
+    }
+    let victim = homes[0].backend.clone();
+    handle.remove(victim.clone());
+    add(8); // takes the victim's place among the backends, so the victim's node is forgotten
+    add(9); // a new node: takes the forgotten node's place
+    let (mut replaced, mut on_newest) = (0, 0);
+    for (i, home) in homes.iter().enumerate() {
+        let now = turn(&mut svc, &format!("s{i}")).await;
+        if home.backend == victim {
+            replaced += 1;
+            assert_eq!(now.outcome, Outcome::Replaced);
+            on_newest += usize::from(now.node == "10.0.0.9");
+        } else {
+            assert_eq!(now.outcome, Outcome::HomeHit);
+        }
+    }
+    assert!(replaced > 40, "{replaced}");
+    assert!(
+        on_newest < replaced / 2,
+        "{on_newest} of {replaced} on the newest node"
+    );
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn reinserting_a_backend_keeps_its_sessions() {
     let streams = Streams::default();
     let (handle, stream) = discover::channel();

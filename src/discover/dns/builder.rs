@@ -160,12 +160,11 @@ impl DnsFleetBuilder {
     /// Names each backend's node. Default: its IP address, so that the backends of one host
     /// (several ports, or several SRV records) share a node.
     ///
-    /// The service remembers every node name it has seen for as long as it runs. Where
-    /// backends come back under new addresses (pods rescheduled), that is a new name each
-    /// time: tens of thousands of them slow each discovery change (about 2.4 ms a change at
-    /// 50,000 names, against 65 µs with names that stay, on 512 backends, by a probe outside
-    /// this repository), so name nodes by something stable,
-    /// such as the host a pod runs on, when addresses churn.
+    /// Where backends come back under new addresses (pods rescheduled), each address is a
+    /// node of its own: the router forgets a node once no backend it knows of (live, or
+    /// removed and kept in case it returns) is on it, so churn does not pile nodes up. Name
+    /// nodes by something stable, such as the host a pod runs on, for the same-node rule to
+    /// mean the same host.
     pub fn node<F, N>(mut self, node: F) -> Self
     where
         F: Fn(&DnsEndpoint) -> N + Send + Sync + 'static,
