@@ -123,6 +123,8 @@ impl RankSet {
     }
 
     /// The admitted candidate `key` prefers: the highest rank, the lowest index on a tie.
+    /// Inlined, so that `admit` is too: it runs once a candidate.
+    #[inline]
     pub(crate) fn best(&self, key: SessionKey, admit: impl Fn(u32) -> bool) -> Option<u32> {
         // The weight test is hoisted out of the loop: one tight loop per kind of rank.
         if self.uniform {
@@ -173,6 +175,7 @@ fn all_equal(items: &[Ranked]) -> bool {
     items.windows(2).all(|w| w[0].weight == w[1].weight)
 }
 
+#[inline]
 fn best_by(
     items: &[Ranked],
     rank: impl Fn(&Ranked) -> u64,
