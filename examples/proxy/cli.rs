@@ -140,6 +140,16 @@ where
                 .or_else(|| args.next())
                 .ok_or_else(|| format!("{flag} needs a value"))
         };
+        let switch = matches!(
+            flag.as_str(),
+            "--help" | "--verbose" | "--no-slots-probe" | "--ask-stream-usage"
+        );
+        if let (true, Some(v)) = (switch, &inline) {
+            // `--ask-stream-usage=false` would otherwise turn it on.
+            return Err(format!(
+                "{flag}={v}: {flag} takes no value (leave it out to turn it off)"
+            ));
+        }
         match flag.as_str() {
             "-h" | "--help" => return Ok(Command::Help),
             "-v" | "--verbose" => verbose = true,

@@ -1798,6 +1798,37 @@ fn every_option_parses_and_bad_values_are_explained() {
     assert!(matches!(cli::parse(["--help"]), Ok(cli::Command::Help)));
 }
 
+/// A switch takes no value: `--ask-stream-usage=false` is refused, not read as the switch.
+#[test]
+fn a_switch_given_a_value_is_refused() {
+    for switch in [
+        "--ask-stream-usage",
+        "--no-slots-probe",
+        "--verbose",
+        "--help",
+    ] {
+        for value in ["false", "0", ""] {
+            let arg = format!("{switch}={value}");
+            let err = cli::parse(["--backend", "n=http://127.0.0.1:8081", arg.as_str()])
+                .map(|_| ())
+                .expect_err(&arg);
+            assert!(err.contains("takes no value"), "{arg}: {err}");
+            assert!(err.contains(switch), "{arg}: {err}");
+        }
+    }
+    // Given bare, each is the switch it always was.
+    let cli::Command::Run(run) = cli::parse([
+        "--backend",
+        "n=http://127.0.0.1:8081",
+        "--ask-stream-usage",
+        "--no-slots-probe",
+    ])
+    .unwrap() else {
+        panic!("not a run");
+    };
+    assert!(run.config.ask_stream_usage && !run.config.probe_slots);
+}
+
 #[test]
 fn cache_budgets_are_tokens_plain_or_in_units_of_1024() {
     for (v, tokens) in [
