@@ -1203,11 +1203,14 @@ impl Future for FrontFuture {
 }
 
 /// Serves `front` on `listener` until `shutdown` resolves, then stops accepting and lets open
-/// responses finish.
+/// responses finish, unless `force` resolves first: then it closes the connections still open
+/// and returns (a second Ctrl-C, with a stream that would run for minutes, or a backend that
+/// never answers).
 pub(crate) async fn serve(
     listener: tokio::net::TcpListener,
     front: Front,
     shutdown: impl Future<Output = ()> + Send + 'static,
+    force: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let mode = front.shared.upstream;
     let header_timeout = front.shared.header_timeout;
@@ -1219,7 +1222,7 @@ pub(crate) async fn serve(
     // `TraceLayer` would only cost every request its clock readings and wrappers.
     if tracing::level_filters::LevelFilter::current() < tracing::Level::DEBUG {
         let service = ids.layer(propagate).service(front);
-        return serve_with(listener, service, mode, header_timeout, shutdown).await;
+        return serve_with(listener, service, mode, header_timeout, shutdown, force).await;
     }
     let service = ids
         .layer(
@@ -1243,7 +1246,7 @@ pub(crate) async fn serve(
         )
         .layer(propagate)
         .service(front);
-    serve_with(listener, service, mode, header_timeout, shutdown).await
+    serve_with(listener, service, mode, header_timeout, shutdown, force).await
 }
 
 /// The serving loop of [`serve`], over the front service with its tower-http layers.
@@ -1269,6 +1272,7 @@ async fn serve_with<S, B>(
     mode: UpstreamMode,
     header_timeout: Option<Duration>,
     shutdown: impl Future<Output = ()> + Send + 'static,
+    force: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()>
 where
     S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
@@ -1292,9 +1296,10 @@ where
         http2.keep_alive_interval(after).keep_alive_timeout(after);
     }
     let builder = Arc::new(builder);
-    // Shutdown: each connection holds a receiver, shuts down gracefully when a value is
-    // sent, and drops the receiver when it ends; `closed` waits for the last.
-    let (stop, stopped) = tokio::sync::watch::channel(());
+    // Shutdown: each connection holds a receiver, shuts down gracefully when `GRACEFUL` is
+    // sent, ends at once when `AT_ONCE` is, and drops the receiver when it ends; `closed`
+    // waits for the last.
+    let (stop, stopped) = tokio::sync::watch::channel(SERVING);
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
         let stream = tokio::select! {
@@ -1328,10 +1333,22 @@ where
     }
     drop(listener);
     drop(stopped);
-    let _ = stop.send(());
+    let _ = stop.send(GRACEFUL);
+    tokio::select! {
+        () = stop.closed() => return Ok(()),
+        () = force => {}
+    }
+    tracing::warn!("stopping at once: open connections are closed");
+    let _ = stop.send(AT_ONCE);
     stop.closed().await;
     Ok(())
 }
+
+/// What the connections are told to do: serve, shut down gracefully (finish what is open),
+/// or end at once.
+const SERVING: u8 = 0;
+const GRACEFUL: u8 = 1;
+const AT_ONCE: u8 = 2;
 
 /// What a client sends first on an HTTP/2 connection with prior knowledge.
 const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -1345,7 +1362,7 @@ async fn connection<S, B>(
     builder: Arc<auto::Builder<TokioExecutor>>,
     service: S,
     header_timeout: Option<Duration>,
-    mut stopped: tokio::sync::watch::Receiver<()>,
+    mut stopped: tokio::sync::watch::Receiver<u8>,
 ) -> Result<(), BoxError>
 where
     S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible>
@@ -1405,7 +1422,7 @@ where
 /// has none after as long again.
 async fn drive<I, S, B>(
     conn: auto::Connection<'_, I, S, TokioExecutor>,
-    mut stopped: tokio::sync::watch::Receiver<()>,
+    mut stopped: tokio::sync::watch::Receiver<u8>,
     idle: Option<(Arc<Streams>, Duration)>,
 ) -> Result<(), BoxError>
 where
@@ -1418,12 +1435,24 @@ where
     B::Error: Into<BoxError>,
 {
     let mut conn = std::pin::pin!(conn);
+    // Told to end at once: dropping the connection closes it, and ends what it serves.
+    let mut at_once = stopped.clone();
+    let at_once = async move {
+        if at_once.wait_for(|&s| s == AT_ONCE).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    let mut at_once = std::pin::pin!(at_once);
     let Some((streams, after)) = idle else {
         tokio::select! {
             ended = conn.as_mut() => return ended,
+            () = at_once.as_mut() => return Ok(()),
             _ = stopped.changed() => conn.as_mut().graceful_shutdown(),
         }
-        return conn.await;
+        return tokio::select! {
+            ended = conn.as_mut() => ended,
+            () = at_once => Ok(()),
+        };
     };
     let mut stopping = false;
     let mut told_to_go = false;
@@ -1433,6 +1462,7 @@ where
     loop {
         tokio::select! {
             ended = conn.as_mut() => return ended,
+            () = at_once.as_mut() => return Ok(()),
             _ = stopped.changed(), if !stopping => {
                 stopping = true;
                 conn.as_mut().graceful_shutdown();

@@ -100,7 +100,16 @@ async fn run(args: cli::Args) -> Result<(), tower_affinity::BoxError> {
         proxy.probe_all().await;
     }
     let probe_tasks = proxy.spawn_probes();
-    app::serve(listener, proxy.front(), shutdown_signal()).await?;
+    // The first Ctrl-C or SIGTERM lets open responses finish; a second stops at once.
+    let (signalled, signals) = tokio::sync::watch::channel(0u32);
+    tokio::spawn(count_signals(Signals::new(), signalled));
+    let nth = |n: u32| {
+        let mut signals = signals.clone();
+        async move {
+            let _ = signals.wait_for(|&count| count >= n).await;
+        }
+    };
+    app::serve(listener, proxy.front(), nth(1), nth(2)).await?;
     drop(probe_tasks);
     for fleet in proxy.fleets() {
         let stats = fleet.affinity.stats();
@@ -117,27 +126,70 @@ async fn run(args: cli::Args) -> Result<(), tower_affinity::BoxError> {
     Ok(())
 }
 
-/// Ctrl-C or SIGTERM: stop accepting, let open responses finish.
-async fn shutdown_signal() {
-    let ctrl_c = async {
+/// Counts each Ctrl-C and SIGTERM: the first stops accepting and lets open responses
+/// finish, a second given later stops at once.
+async fn count_signals(mut signals: Signals, count: tokio::sync::watch::Sender<u32>) {
+    signals.next().await;
+    count.send_replace(1);
+    tracing::info!(
+        "shutting down: no new connections, open responses finish (a second Ctrl-C or SIGTERM stops at once)"
+    );
+    // One signal may come more than once: `timeout` forwards it to the proxy and to its
+    // process group, the proxy among them. Those come within moments of each other; a second
+    // signal is one given later.
+    let settle = tokio::time::sleep(std::time::Duration::from_millis(500));
+    let mut settle = std::pin::pin!(settle);
+    loop {
+        tokio::select! {
+            () = &mut settle => break,
+            () = signals.next() => {}
+        }
+    }
+    signals.next().await;
+    count.send_replace(2);
+}
+
+/// Ctrl-C and SIGTERM. On Unix both are listened for for good, so that none is missed
+/// between two waits.
+struct Signals {
+    #[cfg(unix)]
+    listeners: Vec<tokio::signal::unix::Signal>,
+}
+
+impl Signals {
+    fn new() -> Self {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            // A signal that cannot be listened for never comes.
+            let listeners = [SignalKind::interrupt(), SignalKind::terminate()]
+                .into_iter()
+                .filter_map(|kind| signal(kind).ok())
+                .collect();
+            Signals { listeners }
+        }
+        #[cfg(not(unix))]
+        Signals {}
+    }
+
+    async fn next(&mut self) {
+        #[cfg(unix)]
+        {
+            let received = std::future::poll_fn(|cx| {
+                for listener in &mut self.listeners {
+                    if let std::task::Poll::Ready(got) = listener.poll_recv(cx) {
+                        return std::task::Poll::Ready(got.is_some());
+                    }
+                }
+                std::task::Poll::Pending
+            });
+            if !received.await {
+                std::future::pending::<()>().await;
+            }
+        }
+        #[cfg(not(unix))]
         if tokio::signal::ctrl_c().await.is_err() {
             std::future::pending::<()>().await;
         }
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {}
-        () = term => {}
     }
-    tracing::info!("shutting down: no new connections, open responses finish");
 }

@@ -386,6 +386,71 @@ async fn a_stream_reaches_the_client_before_it_ends_and_holds_its_slot_until_the
     );
 }
 
+/// Ctrl-C stops accepting and lets an open stream finish; a second Ctrl-C does not wait for
+/// it: the proxy stops at once.
+#[tokio::test(start_paused = true)]
+async fn a_second_signal_stops_the_proxy_with_a_stream_still_open() {
+    let a = Stub::start("a", 2).await;
+    let proxy = Arc::new(Proxy::new(config(&[("node-a", &a)])).await.unwrap());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (first, first_signal) = oneshot::channel::<()>();
+    let (second, second_signal) = oneshot::channel::<()>();
+    let mut server = tokio::spawn(app::serve(
+        listener,
+        proxy.front(),
+        async {
+            let _ = first_signal.await;
+        },
+        async {
+            let _ = second_signal.await;
+        },
+    ));
+    a.hold_streams();
+    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    let body = Conversation::new("streamer").next(json!({"stream": true}));
+    let req = Request::post(format!("http://{addr}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .unwrap();
+    let res = tokio::time::timeout(DEADLINE, client.request(req))
+        .await
+        .expect("no response in time")
+        .unwrap();
+    let mut body = after_first_chunk(res).await;
+
+    first.send(()).unwrap();
+    // The stream is open, so the first signal does not end the proxy, however long it runs.
+    let waited = tokio::time::timeout(Duration::from_secs(300), &mut server).await;
+    assert!(waited.is_err(), "stopped with a stream open: {waited:?}");
+
+    second.send(()).unwrap();
+    let stopped = tokio::time::timeout(DEADLINE, server)
+        .await
+        .expect("the second signal did not stop the proxy");
+    assert!(matches!(stopped, Ok(Ok(()))), "{stopped:?}");
+    // The stream was cut off, not finished: it ends with an error, and the stub's stream is
+    // still held.
+    let mut ended = None;
+    for _ in 0..64 {
+        match tokio::time::timeout(DEADLINE, body.frame()).await {
+            Err(_) => panic!("the stream is still open"),
+            Ok(Some(Ok(_))) => continue,
+            Ok(end) => {
+                ended = Some(end.map(|frame| frame.map(|_| ())));
+                break;
+            }
+        }
+    }
+    assert!(matches!(ended, Some(Some(Err(_)))), "{ended:?}");
+    let finished = a
+        .state
+        .streams_finished
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(finished, 0);
+    a.release_streams();
+}
+
 // === health ===
 
 #[tokio::test]

@@ -23,9 +23,11 @@ pub(crate) async fn serve(config: Config) -> Served {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
-    let server = tokio::spawn(app::serve(listener, proxy.front(), async {
+    let stopping = async {
         let _ = stopped.await;
-    }));
+    };
+    let never = std::future::pending();
+    let server = tokio::spawn(app::serve(listener, proxy.front(), stopping, never));
     Served {
         addr,
         proxy,
