@@ -332,6 +332,7 @@ pub(crate) fn backend(spec: &str) -> Result<(BackendSpec, Option<u64>), String> 
     }
     let authority = uri
         .authority()
+        .filter(|a| !a.host().is_empty())
         .cloned()
         .ok_or_else(|| bad("URL has no host"))?;
     if authority.as_str().contains('@') {

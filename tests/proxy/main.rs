@@ -1781,6 +1781,7 @@ fn every_option_parses_and_bad_values_are_explained() {
         (vec!["--backend", "http://x:1"], "no NODE="),
         (vec!["--probe-failures", "0"], "at least 1"),
         (vec!["--backend", "n=http://x:1/v1"], "paths are forwarded"),
+        (vec!["--backend", "n=http://:8080"], "URL has no host"),
         (vec!["--backend", "n=http://x:1,slots=0"], "at least 1"),
         (vec!["--backend", "n=https://x:1"], "only http://"),
         (
