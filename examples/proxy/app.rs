@@ -1417,9 +1417,10 @@ where
 }
 
 /// Drives a connection to its end, starting its graceful shutdown when `stopped` changes
-/// (or its sender goes). With `idle`, also when it has had no open stream for that long
-/// (since its first bytes came, or since its last stream ended), and drops it if it still
-/// has none after as long again.
+/// (or its sender goes), and dropping it when `stopped` says to end at once. With `idle`,
+/// also starts its graceful shutdown when it has had no open stream for that long (since its
+/// first bytes came, or since its last stream ended), and drops it if it still has none after
+/// as long again.
 async fn drive<I, S, B>(
     conn: auto::Connection<'_, I, S, TokioExecutor>,
     mut stopped: tokio::sync::watch::Receiver<u8>,
@@ -1435,23 +1436,19 @@ where
     B::Error: Into<BoxError>,
 {
     let mut conn = std::pin::pin!(conn);
-    // Told to end at once: dropping the connection closes it, and ends what it serves.
-    let mut at_once = stopped.clone();
-    let at_once = async move {
-        if at_once.wait_for(|&s| s == AT_ONCE).await.is_err() {
-            std::future::pending::<()>().await;
-        }
-    };
-    let mut at_once = std::pin::pin!(at_once);
     let Some((streams, after)) = idle else {
         tokio::select! {
             ended = conn.as_mut() => return ended,
-            () = at_once.as_mut() => return Ok(()),
-            _ = stopped.changed() => conn.as_mut().graceful_shutdown(),
+            _ = stopped.changed() => {}
         }
+        // Told to end at once: dropping the connection closes it, and ends what it serves.
+        if *stopped.borrow() == AT_ONCE {
+            return Ok(());
+        }
+        conn.as_mut().graceful_shutdown();
         return tokio::select! {
             ended = conn.as_mut() => ended,
-            () = at_once => Ok(()),
+            () = at_once(stopped) => Ok(()),
         };
     };
     let mut stopping = false;
@@ -1459,13 +1456,21 @@ where
     // Armed while no stream is open.
     let mut armed = true;
     let mut deadline = std::pin::pin!(tokio::time::sleep(after));
+    // One look at the shutdown watch a poll, told to end gracefully or at once.
+    let mut listening = true;
     loop {
         tokio::select! {
             ended = conn.as_mut() => return ended,
-            () = at_once.as_mut() => return Ok(()),
-            _ = stopped.changed(), if !stopping => {
-                stopping = true;
-                conn.as_mut().graceful_shutdown();
+            changed = stopped.changed(), if listening => {
+                // The server gone (its sender dropped) is a graceful end too.
+                listening = changed.is_ok();
+                if listening && *stopped.borrow() == AT_ONCE {
+                    return Ok(());
+                }
+                if !stopping {
+                    stopping = true;
+                    conn.as_mut().graceful_shutdown();
+                }
             }
             // The last open stream ended (or a notice of it is left over).
             () = streams.idle.notified() => {
@@ -1489,6 +1494,13 @@ where
                 }
             }
         }
+    }
+}
+
+/// Resolves when the connections are told to end at once; never if the server is gone.
+async fn at_once(mut stopped: tokio::sync::watch::Receiver<u8>) {
+    if stopped.wait_for(|&s| s == AT_ONCE).await.is_err() {
+        std::future::pending::<()>().await;
     }
 }
 
