@@ -590,10 +590,10 @@ impl Proxy {
         }
     }
 
-    /// With `model=` given, what `GET /v1/models` answers: the models given, in OpenAI's list
-    /// format, for clients that offer the models an endpoint lists. The fleet without a model
-    /// serves any other name, which no list can say.
-    fn model_list(&self) -> Option<Bytes> {
+    /// With `model=` given, what `GET /v1/models` and `GET /v1/models/NAME` answer: the models
+    /// given, in OpenAI's format, for clients that offer the models an endpoint lists. The
+    /// fleet without a model serves any other name, which no list can say.
+    fn model_list(&self) -> Option<ModelList> {
         let models: Vec<&str> = self
             .fleets
             .iter()
@@ -602,11 +602,15 @@ impl Proxy {
         if models.is_empty() {
             return None;
         }
-        let data: Vec<serde_json::Value> = (models.iter())
-            .map(|id| serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "tower-affinity"}))
-            .collect();
+        let object = |id: &str| serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "tower-affinity"});
+        let data: Vec<serde_json::Value> = models.iter().map(|id| object(id)).collect();
         let list = serde_json::json!({"object": "list", "data": data});
-        Some(Bytes::from(list.to_string()))
+        Some(ModelList {
+            list: Bytes::from(list.to_string()),
+            each: (models.iter())
+                .map(|id| (id.to_string(), Bytes::from(object(id).to_string())))
+                .collect(),
+        })
     }
 
     /// Probes every backend once, now: marks the loading and the unreachable down, the ready
@@ -1126,10 +1130,50 @@ pub(crate) struct Front {
 
 struct FrontShared {
     registry: Arc<Registry>,
-    /// With a fleet for each model, the answer to `GET /v1/models`: the models given.
-    models: Option<Bytes>,
+    /// With a fleet for each model, the answers about the models given.
+    models: Option<ModelList>,
     upstream: UpstreamMode,
     header_timeout: Option<Duration>,
+}
+
+/// The models given, as OpenAI's API lists them.
+struct ModelList {
+    /// `GET /v1/models`.
+    list: Bytes,
+    /// `GET /v1/models/NAME`, by name.
+    each: HashMap<String, Bytes>,
+}
+
+impl ModelList {
+    /// The answer to a `GET` of `path`, if it asks about the models given: the list, or one
+    /// of them by its name (percent-encoded or not; a name may hold a `/`). Another name goes
+    /// on to the fleet that serves other names.
+    fn answer(&self, path: &str) -> Option<Bytes> {
+        if path == "/v1/models" {
+            return Some(self.list.clone());
+        }
+        let name = percent_decoded(path.strip_prefix("/v1/models/")?)?;
+        self.each.get(&name).cloned()
+    }
+}
+
+/// `s` with its `%XX` escapes decoded, if they are well formed and make UTF-8.
+fn percent_decoded(s: &str) -> Option<String> {
+    let mut bytes = Vec::with_capacity(s.len());
+    let mut rest = s.as_bytes();
+    while let Some((&b, tail)) = rest.split_first() {
+        if b == b'%' {
+            let hex = tail
+                .get(..2)
+                .filter(|h| h.iter().all(u8::is_ascii_hexdigit))?;
+            bytes.push(u8::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()?);
+            rest = &tail[2..];
+        } else {
+            bytes.push(b);
+            rest = tail;
+        }
+    }
+    String::from_utf8(bytes).ok()
 }
 
 impl fmt::Debug for Front {
@@ -1152,10 +1196,10 @@ impl Service<Request<Incoming>> for Front {
             let res = metrics(req.method(), &self.shared.registry);
             return FrontFuture::Answered { res: Some(res) };
         }
-        if let Some(list) = &self.shared.models {
+        if let Some(models) = &self.shared.models {
             let listing = matches!(*req.method(), Method::GET | Method::HEAD);
-            if listing && req.uri().path() == "/v1/models" {
-                let mut res = Response::new(FrontBody::Right(Full::new(list.clone())));
+            if let Some(answer) = listing.then(|| models.answer(req.uri().path())).flatten() {
+                let mut res = Response::new(FrontBody::Right(Full::new(answer)));
                 res.headers_mut().insert(
                     header::CONTENT_TYPE,
                     HeaderValue::from_static("application/json"),

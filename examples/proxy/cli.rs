@@ -97,7 +97,7 @@ Models: backends given model=NAME form a fleet of their own, with its own sessio
 cache models and metrics (labelled model=NAME); a request whose JSON body's \"model\" is
 NAME goes there. Every other request goes to the backends given without a model, or if
 every backend has one, to the fleet of the first model given. GET /v1/models then lists
-the models given.";
+the models given, and GET /v1/models/NAME answers for each.";
 
 /// What the command line asks for.
 #[derive(Debug)]
@@ -430,7 +430,15 @@ pub(crate) fn duration(flag: &str, v: &str) -> Result<Duration, String> {
         "h" => 3600.0,
         _ => return Err(bad()),
     };
-    Duration::try_from_secs_f64(number * scale).map_err(|_| bad())
+    let d = Duration::try_from_secs_f64(number * scale).map_err(|_| bad())?;
+    // Below a millisecond a timeout or interval means nothing here (the balancer counts in
+    // milliseconds), and one that rounds to 0 would turn its option off.
+    if number != 0.0 && d < Duration::from_millis(1) {
+        return Err(format!(
+            "{flag} {v:?}: at least 1ms, or 0 where 0 turns the option off"
+        ));
+    }
+    Ok(d)
 }
 
 /// Bytes, or with `KiB`, `MiB`, `GiB`.

@@ -1546,6 +1546,40 @@ async fn without_a_fleet_for_other_models_the_first_model_takes_them() {
     assert_eq!(res.backend(), "small");
     assert_eq!(proxy.proxy.affinity().backends()[0].id.as_str(), "small");
     assert_eq!(listed_models(&proxy).await, ["qwen3-4b", "qwen3-coder"]);
+    // One model by name, as OpenAI's `models.retrieve` asks; another name goes on to the
+    // fleet that serves other names.
+    let one = proxy.get("/v1/models/qwen3-coder").await;
+    assert_eq!((one.status, one.backend()), (StatusCode::OK, "-"));
+    assert_eq!(one.json()["id"], "qwen3-coder");
+    assert_eq!(one.json()["object"], "model");
+    let other = proxy.get("/v1/models/other").await;
+    assert_eq!(other.backend(), "small");
+}
+
+#[tokio::test]
+async fn a_model_is_retrieved_by_its_name_escaped_or_not() {
+    let a = Stub::start("a", 2).await;
+    let spec = format!("n={},id=a,model=org/Model 4B", a.url());
+    let mut config = Config::new(vec![cli::backend(&spec).unwrap().0]);
+    config.probe_interval = None;
+    let proxy = start(config).await;
+    for path in [
+        "/v1/models/org/Model%204B",
+        "/v1/models/org%2FModel%204B",
+        "/v1/models/org%2fModel%204B",
+    ] {
+        let one = proxy.get(path).await;
+        assert_eq!((one.status, one.backend()), (StatusCode::OK, "-"), "{path}");
+        assert_eq!(one.json()["id"], "org/Model 4B", "{path}");
+    }
+    // Not one of the models given, or not a well-formed escape: the backend answers.
+    for path in [
+        "/v1/models/org",
+        "/v1/models/org%2",
+        "/v1/models/org%+fModel",
+    ] {
+        assert_eq!(proxy.get(path).await.backend(), "a", "{path}");
+    }
 }
 
 /// The ids of the models `GET /v1/models` lists, answered by the proxy itself.
@@ -1814,6 +1848,20 @@ fn every_option_parses_and_bad_values_are_explained() {
         (
             vec!["--backend", "n=http://x:1", "--overflow", "drop"],
             "wait, overcommit or reject",
+        ),
+        // Rounds to 0, which would turn the timeout off.
+        (
+            vec![
+                "--backend",
+                "n=http://x:1",
+                "--read-timeout",
+                "0.0000000001",
+            ],
+            "--read-timeout \"0.0000000001\": at least 1ms",
+        ),
+        (
+            vec!["--backend", "n=http://x:1", "--probe-interval", "0.0001ms"],
+            "at least 1ms, or 0",
         ),
         (vec!["--listen", "127.0.0.1:8080"], "at least one --backend"),
         (vec!["--bogus"], "unknown argument"),
