@@ -30,7 +30,7 @@ use crate::placement::{
     PlacementRequest,
 };
 use crate::stats::{Decision, Outcome, Stats};
-use crate::store::{HomeStore, Homes, StoreAnswer, StoreStats};
+use crate::store::{HomeStore, Homes, StoreAnswer, StoreState, StoreStats};
 use crate::table::{HomeEntry, SessionStore, SessionTable, Sessions};
 use crate::wait::{Scope, WaitHome};
 use crate::{Backend, BackendId, BackendStatus, Overflow, PromptChain, ResponseBody};
@@ -289,6 +289,37 @@ where
     /// ([`SessionAffinityLayer::home_store`](crate::SessionAffinityLayer::home_store)).
     pub fn store_stats(&self) -> Option<StoreStats> {
         self.shared.store.as_ref().map(|h| h.stats())
+    }
+
+    /// Reads the shared store once, bounded by its deadline, and records what it found as the
+    /// store's state, as a request's read would (a change logged and counted): `None` without
+    /// a store ([`SessionAffinityLayer::home_store`](crate::SessionAffinityLayer::home_store)).
+    ///
+    /// Until a read is made the store counts as up, so a balancer that has had no traffic
+    /// says its store is up whatever it is, and the first requests after an outage began
+    /// each wait the deadline out. A check now and then (a
+    /// [`HealthProbe`](crate::health::HealthProbe) makes one each round) finds it down first:
+    /// requests then use the local table at once. The check reads a key no session has; it
+    /// counts as a read in [`StoreStats`], not as a miss.
+    ///
+    /// ```
+    /// # async fn f<D, K, P>(balancer: tower_affinity::SessionAffinity<D, K, P>)
+    /// # where D: tower::discover::Discover<Key = tower_affinity::BackendId, Service = tower_affinity::Backend<()>> {
+    /// use tower_affinity::store::StoreState;
+    ///
+    /// if balancer.check_store().await == Some(StoreState::Down) {
+    ///     eprintln!("the shared store does not answer: placing by this router's table");
+    /// }
+    /// # }
+    /// ```
+    pub fn check_store(&self) -> impl Future<Output = Option<StoreState>> + Send + 'static {
+        let check = self.shared.store.as_ref().map(|h| h.check());
+        async move {
+            match check {
+                Some(check) => Some(check.await),
+                None => None,
+            }
+        }
     }
 
     /// The live backends with their slots, in-flight counts and health.

@@ -22,6 +22,10 @@
 //! What the probe found of each backend, its transitions and its busy slots, is in
 //! [`Prober::status`] ([`ProbeStatus`]), for metrics and logs.
 //!
+//! A balancer with a [shared store](crate::store) has it checked each round too
+//! ([`SessionAffinity::check_store`](crate::SessionAffinity::check_store)): an outage is
+//! found, and its state published, while no request comes.
+//!
 //! [`StaticFleet`]: crate::discover::StaticFleet
 
 mod check;

@@ -201,12 +201,14 @@ where
 {
     /// Probes every backend once, at once, and acts on what it finds: marks backends down and
     /// up through `health`, and announces learned slot counts (applied before this returns).
+    /// Checks the balancer's shared store beside them ([`MarkHealth::check_store`]).
     pub async fn round<H: MarkHealth>(&self, health: &H) {
         self.round_of(health, false).await;
     }
 
     /// Probes every backend each interval, and a backend announced later at once, until the
-    /// returned [`ProbeTask`] is dropped. Needs a tokio runtime.
+    /// returned [`ProbeTask`] is dropped; each interval's round checks the shared store too.
+    /// Needs a tokio runtime.
     #[must_use = "probing stops when the returned ProbeTask is dropped: keep it"]
     pub fn spawn<H>(self, health: H) -> ProbeTask
     where
@@ -252,27 +254,37 @@ where
             let timeout = self.shared.config.timeout;
             probes.spawn(async move { (id, generation, check(client, uri, timeout, slots).await) });
         }
+        // A whole round checks the shared store too, beside the backends.
+        let store = (!only_new).then(|| health.check_store());
+        let store = async move {
+            if let Some(check) = store {
+                check.await;
+            }
+        };
         let mut announced = false;
-        while let Some(done) = probes.join_next().await {
-            let Ok((id, generation, checked)) = done else {
-                continue;
-            };
-            let (mark, update, node) = self.record(&id, generation, checked);
-            match mark {
-                Some(Mark::Down(reason)) => {
-                    health.mark_down(&id);
-                    tracing::warn!(backend = %id, node = %node, %reason, "backend down until /health is 200");
+        let backends = async {
+            while let Some(done) = probes.join_next().await {
+                let Ok((id, generation, checked)) = done else {
+                    continue;
+                };
+                let (mark, update, node) = self.record(&id, generation, checked);
+                match mark {
+                    Some(Mark::Down(reason)) => {
+                        health.mark_down(&id);
+                        tracing::warn!(backend = %id, node = %node, %reason, "backend down until /health is 200");
+                    }
+                    Some(Mark::Up) => {
+                        health.mark_up(&id);
+                        tracing::info!(backend = %id, node = %node, "backend up: /health is 200");
+                    }
+                    None => {}
                 }
-                Some(Mark::Up) => {
-                    health.mark_up(&id);
-                    tracing::info!(backend = %id, node = %node, "backend up: /health is 200");
+                if let Some(update) = update {
+                    announced |= self.shared.updates.send(update).is_ok();
                 }
-                None => {}
             }
-            if let Some(update) = update {
-                announced |= self.shared.updates.send(update).is_ok();
-            }
-        }
+        };
+        tokio::join!(store, backends);
         if announced {
             health.apply_discovery();
         }

@@ -1,5 +1,8 @@
 //! What the probe needs of a backend's service, and of the balancer.
 
+use std::future::Future;
+use std::pin::Pin;
+
 use http::Uri;
 use tower::discover::Discover;
 
@@ -36,6 +39,12 @@ pub trait MarkHealth {
     /// [`SessionAffinity::apply_discovery`]): the probe calls it before each round, so that it
     /// knows the fleet, and after announcing a learned slot count.
     fn apply_discovery(&self);
+    /// Checks the balancer's shared store, if it has one (see
+    /// [`SessionAffinity::check_store`]): the probe runs it beside each round's probes, so
+    /// that an outage is found with no request waiting on it. Checks nothing by default.
+    fn check_store(&self) -> Pin<Box<dyn Future<Output = ()> + Send + 'static>> {
+        Box::pin(std::future::ready(()))
+    }
 }
 
 impl<D, K, P, S> MarkHealth for SessionAffinity<D, K, P>
@@ -53,6 +62,13 @@ where
     fn apply_discovery(&self) {
         SessionAffinity::apply_discovery(self);
     }
+
+    fn check_store(&self) -> Pin<Box<dyn Future<Output = ()> + Send + 'static>> {
+        let check = SessionAffinity::check_store(self);
+        Box::pin(async move {
+            check.await;
+        })
+    }
 }
 
 impl<T: MarkHealth + ?Sized> MarkHealth for std::sync::Arc<T> {
@@ -66,5 +82,9 @@ impl<T: MarkHealth + ?Sized> MarkHealth for std::sync::Arc<T> {
 
     fn apply_discovery(&self) {
         (**self).apply_discovery();
+    }
+
+    fn check_store(&self) -> Pin<Box<dyn Future<Output = ()> + Send + 'static>> {
+        (**self).check_store()
     }
 }

@@ -30,11 +30,16 @@ const MAX_WRITES_IN_FLIGHT: usize = 1024;
 /// The most failed writes kept to be written again when the store comes back.
 const MAX_FAILED: usize = 4096;
 
+/// What [`Homes::check`] reads: the digest of these bytes is the key of no session a client
+/// sends (two keys alike in 96 bits are one in 2^96).
+const CHECK_KEY: &[u8] = b"tower-affinity: a check of the shared store";
+
 /// Whether the service can reach its shared store, as its reads last found it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum StoreState {
-    /// The last read answered in time (or none has been made yet).
+    /// The last read answered in time (or none has been made yet: see
+    /// [`SessionAffinity::check_store`](crate::SessionAffinity::check_store)).
     Up,
     /// The last read failed or timed out: requests use the local table at once, and one read
     /// at a time, which no request waits for, probes the store.
@@ -461,6 +466,20 @@ impl Homes {
                 Read::Prompt(homes)
             })
         })
+    }
+
+    /// Reads the store once, as a request would, and records what that found as the store's
+    /// state: so that a balancer without traffic knows it, and an outage is found before a
+    /// request pays the deadline for it. It reads a key no session has (the digest of
+    /// [`CHECK_KEY`]), counted as a read, not as a miss.
+    pub(crate) fn check(self: &Arc<Self>) -> impl Future<Output = StoreState> + Send + 'static {
+        let read = self.store.read(SessionKey::from_bytes(CHECK_KEY), self.ttl);
+        let read = self.bounded(read, Probe(None), |_, _| Read::Nothing);
+        let this = self.clone();
+        async move {
+            read.await;
+            this.stats().state
+        }
     }
 
     /// A read while the store is up; while it is down, the read as a probe in a task of its

@@ -149,6 +149,59 @@ fn logs() -> &'static Logs {
     })
 }
 
+/// A shared store that refuses every read and write, counting the reads.
+#[derive(Clone, Debug, Default)]
+struct Refusing(Arc<AtomicUsize>);
+
+impl tower_affinity::store::HomeStore for Refusing {
+    fn read(
+        &self,
+        _: tower_affinity::key::SessionKey,
+        _: Duration,
+    ) -> tower_affinity::store::ReadHome {
+        self.0.fetch_add(1, Ordering::Relaxed);
+        Box::pin(async { Err("connection refused".into()) })
+    }
+
+    fn write(
+        &self,
+        _: tower_affinity::key::SessionKey,
+        _: tower_affinity::store::StoredHome,
+        _: Duration,
+    ) -> tower_affinity::store::WriteHome {
+        Box::pin(async { Err("connection refused".into()) })
+    }
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn each_round_checks_the_shared_store_and_finds_it_down_with_no_request() {
+    let (addr, _stub) = start(1).await;
+    let store = Refusing::default();
+    let (fleet, prober) =
+        HealthProbe::new().discover(StaticFleet::new(vec![("a", Backend::new("n", http(addr)))]));
+    let affinity: Affinity = SessionAffinityLayer::new()
+        .home_store(store.clone())
+        .layer(fleet);
+    let state = || affinity.store_stats().unwrap().state;
+    assert_eq!(
+        state(),
+        tower_affinity::store::StoreState::Up,
+        "not read yet"
+    );
+    prober.round(&affinity).await;
+    assert_eq!(store.0.load(Ordering::Relaxed), 1);
+    assert_eq!(state(), tower_affinity::store::StoreState::Down);
+    // The background task's rounds check it too.
+    let task = prober.clone().spawn(affinity.clone());
+    tokio::time::sleep(Duration::from_secs(25)).await;
+    assert!(
+        store.0.load(Ordering::Relaxed) >= 3,
+        "{store:?}",
+        store = store.0
+    );
+    drop(task);
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_loading_backend_is_down_until_two_probes_find_it_ready() {
     let (addr, stub) = start(2).await;

@@ -597,6 +597,34 @@ async fn the_probe_marks_a_loading_backend_down_until_ready_and_learns_slots() {
     assert!(!status("a").healthy, "an unreachable backend is down");
 }
 
+#[tokio::test]
+async fn the_probe_finds_a_shared_store_down_in_every_fleet_before_any_request() {
+    let a = Stub::start("a", 2).await;
+    // A port nothing listens on.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = dead.local_addr().unwrap().port();
+    drop(dead);
+    let backends = [
+        format!("n={},slots=2,id=a,model=one", a.url()),
+        format!("n={},slots=2,id=b,model=two", a.url()),
+    ];
+    let mut config = Config::new(
+        backends
+            .iter()
+            .map(|b| cli::backend(b).unwrap().0)
+            .collect(),
+    );
+    config.probe_interval = None;
+    config.redis = Some(format!("redis://127.0.0.1:{port}"));
+    let proxy = start(config).await;
+    proxy.proxy.probe_all().await;
+    let metrics = String::from_utf8(proxy.get("/metrics").await.body.to_vec()).unwrap();
+    for model in ["one", "two"] {
+        let line = format!("tower_affinity_store_up{{model=\"{model}\"}} 0");
+        assert!(metrics.contains(&line), "{line} in\n{metrics}");
+    }
+}
+
 /// The first probe of every model's fleet runs at once: a fleet whose backend never answers
 /// holds the start back one probe timeout, not one for each fleet.
 #[tokio::test(start_paused = true)]

@@ -329,6 +329,37 @@ async fn a_failing_store_is_passed_over_and_found_again_by_a_probe() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_check_finds_the_store_down_and_up_again_with_no_request() {
+    let store = MemoryStore::new();
+    let svc = service(&store);
+    assert_eq!(svc.check_store().await, Some(StoreState::Up));
+    store.mode(Mode::Fail);
+    assert_eq!(svc.check_store().await, Some(StoreState::Down));
+    store.mode(Mode::Answer);
+    assert_eq!(svc.check_store().await, Some(StoreState::Up));
+    store.mode(Mode::Hang);
+    let started = Instant::now();
+    assert_eq!(svc.check_store().await, Some(StoreState::Down));
+    assert_eq!(started.elapsed(), DEADLINE, "bounded by the deadline");
+    let s = svc.store_stats().unwrap();
+    assert_eq!(
+        (s.reads, s.misses, s.hits),
+        (4, 0, 0),
+        "reads, not misses: {s:?}"
+    );
+    assert_eq!((s.errors, s.timeouts), (1, 1), "{s:?}");
+    assert_eq!((s.outages, s.recoveries), (2, 1), "{s:?}");
+    // Down now, found by the check: a request places by the local table at once.
+    let started = Instant::now();
+    send(&svc, "s").await;
+    assert_eq!(started.elapsed(), Duration::ZERO);
+    assert_eq!(svc.store_stats().unwrap().skipped, 1);
+    // No store, nothing to check.
+    let none = SessionAffinityLayer::new().layer(fleet());
+    assert_eq!(none.check_store().await, None);
+}
+
+#[tokio::test(start_paused = true)]
 async fn garbage_and_unknown_backends_are_ignored_counted_and_written_over() {
     let store = MemoryStore::new();
     store.mode(Mode::Garbage);
