@@ -301,38 +301,105 @@ pub(crate) type UpstreamFuture = Route<
 
 /// The proxy's discovery: the `--backend`s, then as they change the backends behind each
 /// `--backend-dns` name.
+///
+/// A backend id that two of them name (a `--backend` whose `host:port` is an address a name
+/// resolves to, or two names resolving to one address) is one backend: the first to name it
+/// gives its node and slots, and it stays while any of them names it. The overlap is logged
+/// once. Passed on as they came, the second would have rewritten the first's node and slots,
+/// and its removal removed a backend the other still names.
 pub(crate) struct Fleets {
     fixed: Option<StaticFleet<Upstream>>,
     dns: Vec<DnsFleet<Upstream>>,
+    /// Which sources name each backend, the one whose backend was passed on first; a source is
+    /// 0 for the `--backend`s, `1 + i` for `dns[i]`.
+    named: HashMap<tower_affinity::BackendId, Vec<usize>>,
 }
+
+type FleetChange = Change<tower_affinity::BackendId, Backend<Upstream>>;
 
 impl Fleets {
     fn new(fixed: StaticFleet<Upstream>, dns: Vec<DnsFleet<Upstream>>) -> Self {
         Fleets {
             fixed: Some(fixed),
             dns,
+            named: HashMap::new(),
+        }
+    }
+
+    /// Source `source`'s change, as the balancer is to see it, if at all.
+    fn merge(&mut self, source: usize, change: FleetChange) -> Option<FleetChange> {
+        match change {
+            Change::Insert(id, backend) => {
+                let names = self.named.entry(id.clone()).or_default();
+                match names.first() {
+                    None => names.push(source),
+                    // An update from the source that gave it.
+                    Some(&first) if first == source => {}
+                    Some(&first) => {
+                        if !names.contains(&source) {
+                            names.push(source);
+                            tracing::warn!(
+                                backend = %id,
+                                kept = %self.source_name(first),
+                                also = %self.source_name(source),
+                                "backend named twice: one backend, as the first named it"
+                            );
+                        }
+                        return None;
+                    }
+                }
+                Some(Change::Insert(id, backend))
+            }
+            Change::Remove(id) => {
+                let names = self.named.get_mut(&id)?;
+                names.retain(|&s| s != source);
+                if !names.is_empty() {
+                    return None;
+                }
+                self.named.remove(&id);
+                Some(Change::Remove(id))
+            }
+        }
+    }
+
+    fn source_name(&self, source: usize) -> String {
+        match source.checked_sub(1) {
+            None => "--backend".into(),
+            Some(i) => format!("--backend-dns {}", self.dns[i].handle().target()),
         }
     }
 }
 
 impl futures_core::Stream for Fleets {
-    type Item = Result<Change<tower_affinity::BackendId, Backend<Upstream>>, Infallible>;
+    type Item = Result<FleetChange, Infallible>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        if let Some(fixed) = self.fixed.as_mut() {
+        let this = &mut *self;
+        while let Some(fixed) = this.fixed.as_mut() {
             match Pin::new(fixed).poll_next(cx) {
-                Poll::Ready(Some(change)) => return Poll::Ready(Some(change)),
+                Poll::Ready(Some(Ok(change))) => {
+                    if let Some(change) = this.merge(0, change) {
+                        return Poll::Ready(Some(Ok(change)));
+                    }
+                }
                 // The static list is told once; the names go on.
-                Poll::Ready(None) => self.fixed = None,
-                Poll::Pending => {}
+                Poll::Ready(None) => this.fixed = None,
+                Poll::Pending => break,
             }
         }
-        for dns in &mut self.dns {
-            if let Poll::Ready(Some(change)) = Pin::new(dns).poll_next(cx) {
-                return Poll::Ready(Some(change));
+        let mut i = 0;
+        while i < this.dns.len() {
+            match Pin::new(&mut this.dns[i]).poll_next(cx) {
+                Poll::Ready(Some(Ok(change))) => {
+                    if let Some(change) = this.merge(1 + i, change) {
+                        return Poll::Ready(Some(Ok(change)));
+                    }
+                    // Passed over: this name may have more ready.
+                }
+                _ => i += 1,
             }
         }
-        if self.dns.is_empty() {
+        if this.dns.is_empty() {
             Poll::Ready(None)
         } else {
             Poll::Pending

@@ -2149,6 +2149,94 @@ async fn backend_dns_series_carry_their_fleets_model() {
     }
 }
 
+/// A backend that a `--backend` and two `--backend-dns` names all name (the same
+/// `IP:PORT`) is one backend, as the `--backend` gives it, and stays while any names it.
+#[tokio::test(start_paused = true)]
+async fn a_backend_named_by_a_flag_and_by_names_is_one_backend_kept_while_any_names_it() {
+    let stub = Stub::start("a1", 2).await;
+    let dns = dns_server::Dns::start().await;
+    for name in ["llama.fleet.test.", "also.fleet.test."] {
+        dns.set_ips(name, 5, &["127.0.0.1"]).await;
+    }
+    let port = stub.addr.port();
+    let args: Vec<String> = [
+        "--backend".to_string(),
+        format!("gpu-host=http://127.0.0.1:{port},slots=3"),
+        "--backend-dns".into(),
+        format!("llama.fleet.test:{port}"),
+        "--backend-dns".into(),
+        format!("also.fleet.test:{port}"),
+        "--dns-server".into(),
+        dns.addr.to_string(),
+        "--probe-interval".into(),
+        "0".into(),
+    ]
+    .into();
+    let cli::Command::Run(parsed) = cli::parse(args).unwrap() else {
+        panic!("a run");
+    };
+    let proxy = start(parsed.config).await;
+    // Until each name's `tower_affinity_dns_backends` reads `count` (a bounded wait on the
+    // paused clock).
+    let names_hold = |count: &'static str| {
+        let proxy = &proxy;
+        async move {
+            for _ in 0..400 {
+                let metrics = String::from_utf8(proxy.get("/metrics").await.body.to_vec()).unwrap();
+                let held = ["llama.fleet.test", "also.fleet.test"].iter().all(|n| {
+                    let series =
+                        format!("tower_affinity_dns_backends{{name=\"{n}:{port}\"}} {count}");
+                    metrics.lines().any(|l| l == series)
+                });
+                if held {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            panic!("the names never held {count}");
+        }
+    };
+    names_hold("1").await;
+    proxy.proxy.affinity().apply_discovery();
+    let backends = proxy.proxy.affinity().backends();
+    assert_eq!(backends.len(), 1, "{backends:?}");
+    let b = &backends[0];
+    assert_eq!(
+        (b.id.as_str(), b.node.as_str(), b.slots),
+        (format!("127.0.0.1:{port}").as_str(), "gpu-host", 3)
+    );
+
+    // The names move to another address: the --backend still names the first, and the
+    // second, named by both names, is one backend.
+    for name in ["llama.fleet.test.", "also.fleet.test."] {
+        dns.set_ips(name, 5, &["127.0.0.2"]).await;
+    }
+    let moved = format!("127.0.0.2:{port}");
+    let affinity = proxy.proxy.affinity();
+    for _ in 0..400 {
+        affinity.apply_discovery();
+        if affinity.backends().iter().any(|b| b.id == moved.as_str()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    names_hold("1").await;
+    affinity.apply_discovery();
+    let mut backends = affinity.backends();
+    backends.sort_by(|a, b| a.id.cmp(&b.id));
+    let seen: Vec<_> = (backends.iter())
+        .map(|b| (b.id.to_string(), b.node.to_string()))
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            (format!("127.0.0.1:{port}"), "gpu-host".to_string()),
+            (moved, "127.0.0.2".to_string())
+        ]
+    );
+    assert_eq!(backends[0].slots, 3);
+}
+
 /// The body of `res`, an answer 200, once its first chunk has come.
 async fn after_first_chunk(res: Response<Incoming>) -> Incoming {
     assert_eq!(res.status(), StatusCode::OK);
