@@ -357,11 +357,15 @@ pub(crate) struct Load {
     pub(crate) capacity: Arc<Capacity>,
     /// The values of its decision headers, made once rather than for every response.
     pub(crate) headers: DecisionHeaders,
-    /// Whether each of the latest [`ENDED_RING`] requests placed here with a prompt chain has
-    /// ended, a bit by its cache model's stamp ([`ModelCell::reserve`]): a prefix first
-    /// recorded by one still in flight is one the backend may not have finished reading, so
-    /// that another request could not reuse it yet.
-    ended: [AtomicU64; ENDED_RING / 64],
+    /// The stamps ([`ModelCell::reserve`]) of the requests placed here with a prompt chain
+    /// that are in flight, each at its place in a ring of [`ENDED_RING`] (0: none): a prefix
+    /// first recorded by one still in flight is one the backend may not have finished
+    /// reading, so that another request could not reuse it yet. The whole stamp is kept, not
+    /// a bit, so that a request that ends a ring of stamps after its own (a long answer while
+    /// others come and go) clears its own place only, not that of a newer request in flight
+    /// there, and a record without a request here that takes the place of one still in
+    /// flight does not read as in flight.
+    in_flight_stamps: [AtomicU32; ENDED_RING],
 }
 
 /// How many of a backend's latest stamps [`Load`] knows the end of.
@@ -426,41 +430,35 @@ impl Load {
             headers: DecisionHeaders::new(id, node),
             // Every stamp not yet begun reads as ended: a record without a request here (one
             // learned from another replica) has nothing in flight.
-            ended: std::array::from_fn(|_| AtomicU64::new(u64::MAX)),
+            in_flight_stamps: std::array::from_fn(|_| AtomicU32::new(0)),
         }
     }
 
-    /// The word and bit of `stamp` in [`ended`](Self::ended).
-    fn ended_bit(stamp: u32) -> (usize, u64) {
-        let i = stamp as usize % ENDED_RING;
-        (i / 64, 1 << (i % 64))
+    /// The place of `stamp` in [`in_flight_stamps`](Self::in_flight_stamps).
+    fn place_of(&self, stamp: u32) -> &AtomicU32 {
+        &self.in_flight_stamps[stamp as usize % ENDED_RING]
     }
 
     /// The request that reserved `stamp` is in flight here, until [`end`](Self::end).
     pub(crate) fn begin(&self, stamp: u32) {
-        let (word, bit) = Self::ended_bit(stamp);
-        self.ended[word].fetch_and(!bit, Ordering::Relaxed);
+        self.place_of(stamp).store(stamp, Ordering::Relaxed);
     }
 
-    /// The request that reserved `stamp` has ended.
+    /// The request that reserved `stamp` has ended. Its place is cleared only if it still
+    /// holds `stamp`: a request a ring of stamps later may have taken it since.
     pub(crate) fn end(&self, stamp: u32) {
-        let (word, bit) = Self::ended_bit(stamp);
-        self.ended[word].fetch_or(bit, Ordering::Relaxed);
+        let _ =
+            self.place_of(stamp)
+                .compare_exchange(stamp, 0, Ordering::Relaxed, Ordering::Relaxed);
     }
 
-    /// Whether the request that reserved `stamp` had ended, as the request that reserved
-    /// `own` sees it as it is sent. A stamp too far from `own` for the ring to remember (half
-    /// of it, so that stamps reserved since have not written over it) had ended. A stamp
-    /// reserved after `own` is as near: a request placed later may be sent first (its
-    /// response future polled first, or `own`'s backend not ready yet), and its record
-    /// settled before this one's.
-    pub(crate) fn has_ended(&self, stamp: u32, own: u32) -> bool {
-        let apart = (own.wrapping_sub(stamp) as i32).unsigned_abs();
-        if stamp == 0 || own == 0 || apart == 0 || apart as usize >= ENDED_RING / 2 {
-            return true;
-        }
-        let (word, bit) = Self::ended_bit(stamp);
-        self.ended[word].load(Ordering::Relaxed) & bit != 0
+    /// Whether the request that reserved `stamp` had ended. A request reserved after it may
+    /// be sent first (its response future polled first, or the earlier one's backend not ready
+    /// yet), so whether it was reserved before or after the asking one does not matter. A
+    /// stamp whose place a request a ring of stamps later has taken had ended, as far as the
+    /// ring knows; stamp 0 (none) had.
+    pub(crate) fn has_ended(&self, stamp: u32) -> bool {
+        stamp == 0 || self.place_of(stamp).load(Ordering::Relaxed) != stamp
     }
 
     /// Whether the backend is down at `now_ms`. A cooldown that has passed is cleared here,
@@ -593,7 +591,7 @@ impl SlotGuard {
     /// Whether the request that recorded `stamp` on this backend's cache model had ended when
     /// this one was sent.
     pub(crate) fn has_ended(&self, stamp: u32) -> bool {
-        self.load.has_ended(stamp, self.stamp)
+        self.load.has_ended(stamp)
     }
 
     /// The values of the backend's decision headers.
@@ -1370,29 +1368,55 @@ mod tests {
     }
 
     #[test]
-    fn a_stamp_in_flight_reads_in_flight_whether_reserved_before_or_after_this_one() {
+    fn a_stamp_in_flight_reads_in_flight_until_it_ends_or_a_ring_later_takes_its_place() {
         let l = Load::new(nz(2), Arc::default(), &"a".into(), &"n".into());
         // 10 placed first; 11 placed after it, sent and recorded first.
         l.begin(10);
         l.begin(11);
-        assert!(
-            !l.has_ended(11, 10),
-            "reserved after this one, still in flight"
-        );
-        assert!(!l.has_ended(10, 11));
+        assert!(!l.has_ended(10) && !l.has_ended(11));
         l.end(11);
-        assert!(l.has_ended(11, 10));
+        assert!(l.has_ended(11) && !l.has_ended(10));
         // Across the clock's wrap (stamp 0 is never reserved).
         l.begin(u32::MAX - 1);
         l.begin(2);
-        assert!(!l.has_ended(u32::MAX - 1, 2));
-        assert!(!l.has_ended(2, u32::MAX - 1));
-        // Too far apart either way for the ring: ended. Stamp 0, none: ended.
+        assert!(!l.has_ended(u32::MAX - 1) && !l.has_ended(2));
+        // More than half a ring apart, both in flight (a backend with many slots).
         let far = 10 + ENDED_RING as u32 / 2;
         l.begin(far);
-        assert!(l.has_ended(10, far) && l.has_ended(far, 10));
-        assert!(!l.has_ended(10, far - 1) && !l.has_ended(far, 11));
-        assert!(l.has_ended(0, 10) && l.has_ended(10, 0));
+        assert!(!l.has_ended(10) && !l.has_ended(far));
+        // Its place taken a ring later: ended, as far as the ring knows. Never begun, or
+        // stamp 0 (none): ended.
+        l.begin(10 + ENDED_RING as u32);
+        assert!(l.has_ended(10));
+        assert!(l.has_ended(12) && l.has_ended(0));
+    }
+
+    #[test]
+    fn a_request_ending_a_ring_of_stamps_late_leaves_the_newer_stamps_as_they_are() {
+        let l = Load::new(nz(2), Arc::default(), &"a".into(), &"n".into());
+        let ring = ENDED_RING as u32;
+        // A request in flight for long, while a ring's worth of others come and go.
+        l.begin(5);
+        for s in 6..5 + ring {
+            l.begin(s);
+            l.end(s);
+        }
+        // The request a ring later, on the same bit, is in flight when the long one ends.
+        let newer = 5 + ring;
+        l.begin(newer);
+        l.end(5);
+        assert!(!l.has_ended(newer), "still in flight");
+        l.end(newer);
+        assert!(l.has_ended(newer));
+        // Another long request; a ring later, a record with no request here (one learned
+        // from another replica) takes its bit: it has nothing in flight.
+        l.begin(newer + 1);
+        for s in newer + 2..newer + 1 + ring {
+            l.begin(s);
+            l.end(s);
+        }
+        let learned = newer + 1 + ring;
+        assert!(l.has_ended(learned), "never began here");
     }
 
     #[test]
