@@ -905,6 +905,18 @@ impl ModelCell {
         }
     }
 
+    /// A model of a cache of `budget` tokens in place of `before`, whose stamps it goes on
+    /// from: the requests recorded on `before` that are still in flight keep their stamps in
+    /// their backend's ring of stamps in flight (see [`Load`](crate::fleet::Load)), where a
+    /// request of the new model reserving one of them again would read as ended when the old
+    /// one ends.
+    pub(crate) fn after(before: &ModelCell, budget: u64) -> Self {
+        let cell = ModelCell::new(budget);
+        let next = before.next.load(Ordering::Relaxed);
+        cell.next.store(next, Ordering::Relaxed);
+        cell
+    }
+
     /// The model, locked. Whatever it evicts meanwhile is published when the guard drops.
     pub(crate) fn lock(&self) -> ModelGuard<'_> {
         ModelGuard {

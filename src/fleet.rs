@@ -983,7 +983,7 @@ impl Topology {
             if !m.forgotten {
                 // A new generation: its sessions' homes are gone, as its model is.
                 let budget = m.cache.lock().budget();
-                m.cache = Arc::new(ModelCell::new(budget));
+                m.cache = Arc::new(ModelCell::after(&m.cache, budget));
                 m.generation = m.generation.wrapping_add(1);
                 m.forgotten = true;
             }
@@ -1417,6 +1417,36 @@ mod tests {
         }
         let learned = newer + 1 + ring;
         assert!(l.has_ended(learned), "never began here");
+    }
+
+    #[test]
+    fn a_forgotten_model_stamps_on_from_where_it_stopped() {
+        let mut t = Topology::default();
+        let a = t.insert("a".into(), &"n".into(), nz(1), None, 1000);
+        let others: Vec<BackendId> = (0..Topology::KEPT_REMOVED)
+            .map(|i| format!("b{i}").into())
+            .collect();
+        for id in &others {
+            t.insert(id.clone(), &"n".into(), nz(1), None, 1000);
+        }
+        // A request placed on a, still streaming when a goes; enough go after it for its
+        // model to be forgotten.
+        let load = t.member(a).load.clone();
+        let old = t.member(a).cache.reserve();
+        load.begin(old);
+        t.remove(&"a".into());
+        for id in &others {
+            t.remove(id);
+        }
+        assert!(t.member(a).forgotten);
+        // Back before its index is reused: its first request is in flight when the old one
+        // ends.
+        assert_eq!(t.insert("a".into(), &"n".into(), nz(1), None, 1000), a);
+        let new = t.member(a).cache.reserve();
+        assert_ne!(new, old);
+        t.member(a).load.begin(new);
+        load.end(old);
+        assert!(!t.member(a).load.has_ended(new));
     }
 
     #[test]
