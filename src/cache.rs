@@ -756,7 +756,10 @@ impl CacheModel {
                 self.forget_until(stamp, shortfall);
             }
             Verdict::HeldMore => {
-                self.budget = (self.budget + self.declared / 16).min(self.declared * 2);
+                // Saturating: a budget declared near the top of the range (say `u64::MAX`
+                // for no bound) stays there rather than wrapping round to a small one.
+                let most = self.declared.saturating_mul(2);
+                self.budget = self.budget.saturating_add(self.declared / 16).min(most);
                 self.max_blocks = Self::max_blocks(self.budget);
             }
         }
@@ -1226,6 +1229,17 @@ mod tests {
         assert_eq!(m.budget(), 32_000);
         m.set_budget(8_000);
         assert_eq!(m.budget(), 8_000, "a new declaration starts over");
+    }
+
+    #[test]
+    fn held_more_on_a_budget_near_the_top_of_the_range_never_wraps() {
+        for declared in [u64::MAX, u64::MAX - 15, 1 << 63, u64::MAX / 3 * 2] {
+            let mut m = CacheModel::new(declared);
+            for _ in 0..40 {
+                m.correct(Verdict::HeldMore, 0, 0);
+                assert!(m.budget() >= declared, "{declared}: {}", m.budget());
+            }
+        }
     }
 
     #[test]
