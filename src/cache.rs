@@ -268,8 +268,10 @@ impl EvictionLog {
 pub(crate) struct CacheModel {
     index: Index,
     nodes: Vec<Node>,
-    /// The stamp of the record that first recorded each node (by node, as `nodes`): apart,
-    /// so that a node stays at 32 bytes, and read once a request (see [`Known::born`]).
+    /// The stamp of the record that first recorded each node, or of one stamped earlier
+    /// that sent it too and was recorded after (see [`touch`](Self::touch)), by node, as
+    /// `nodes`: apart, so that a node stays at 32 bytes, and read once a request (see
+    /// [`Known::born`]).
     born: Vec<u32>,
     free: Vec<u32>,
     /// Most and least recently used leaf.
@@ -521,7 +523,8 @@ impl CacheModel {
 
     /// The backend did not take a chain [recorded as sent](Self::record_sent) with `stamp`,
     /// `known` of its leading links held before: the links it added are taken back, from its
-    /// tip, as long as no later record has used them or gone on from them, and the links it
+    /// tip, as long as no other record has used them or gone on from them (one recorded after
+    /// it, whatever its stamp), and the links it
     /// evicted are put back, least recently used again, as far as the log still has them
     /// (its last [`EvictionLog::LEN`] evictions) and nothing held has taken their place.
     ///
@@ -538,7 +541,9 @@ impl CacheModel {
                 continue;
             };
             let n = self.nodes[i as usize];
-            if n.children != 0 || n.stamp != stamp {
+            // Last used and first recorded by this record alone: no other went on from it,
+            // used it since, or sent it before.
+            if n.children != 0 || n.stamp != stamp || self.born[i as usize] != stamp {
                 break;
             }
             self.remove_leaf(i, false);
@@ -603,10 +608,17 @@ impl CacheModel {
         }
     }
 
-    /// Stamps link `i` with `stamp`, unless it carries a later one.
+    /// Stamps link `i` with `stamp`, unless it carries a later one. A link first recorded by
+    /// a record stamped later (placed after this one, sent before it) takes this record's
+    /// stamp as its first: this record sent it too, so that a refusal of the later one
+    /// ([`refused`](Self::refused)) does not take it back.
     fn touch(&mut self, i: u32, stamp: u32) {
         let n = &mut self.nodes[i as usize];
         n.stamp = latest(n.stamp, stamp);
+        let born = &mut self.born[i as usize];
+        if later(*born, stamp) {
+            *born = stamp;
+        }
     }
 
     /// Whether leaf `i` is in the leaf list.
@@ -1243,6 +1255,27 @@ mod tests {
     }
 
     #[test]
+    fn a_refused_prompt_leaves_what_a_record_placed_before_it_and_settled_after_it_used() {
+        // Two requests placed in turn, sent the other way round (the later one's future
+        // polled first): the later goes on from the earlier's prompt, or sends it whole.
+        for longer in [chain(&[1, 2, 3, 4]), chain(&[1, 2, 3])] {
+            let cell = ModelCell::new(10_000);
+            let turn = chain(&[1, 2, 3]);
+            let (first, second) = (cell.reserve(), cell.reserve());
+            let mut m = cell.lock();
+            let known_second = m.known_from(longer.links(), 0).links;
+            m.record_sent(longer.links(), known_second, second);
+            let known_first = m.known_from(turn.links(), 0).links;
+            m.record_sent(turn.links(), known_first, first);
+            // The second is refused, the first taken: the backend holds the first's prompt.
+            m.refused(longer.links(), known_second, second);
+            assert_eq!(m.held(turn.links()), 3, "taken back from under the first");
+            assert_eq!(m.held(longer.links()), 3);
+            m.check();
+        }
+    }
+
+    #[test]
     fn a_prompt_the_backend_refused_is_taken_back_and_what_it_evicted_put_back() {
         // Room for two conversations of 400 tokens; a third is sent, then refused.
         let cell = ModelCell::new(800);
@@ -1614,6 +1647,68 @@ mod tests {
             proptest::prop_assert_eq!(m.tokens(), tokens);
             drop(m);
             proptest::prop_assert_eq!(held(&cell), was);
+        }
+    }
+
+    #[derive(Clone, Debug)]
+    enum Turn {
+        /// Conversation `c`'s first `n` links placed: a stamp reserved.
+        Place(u64, usize),
+        /// The `i`th prompt placed and not sent yet (modulo how many) sent.
+        Send(usize),
+        /// The `i`th prompt sent and not answered yet answered, or refused.
+        Answer(usize, bool),
+    }
+
+    fn turn() -> impl proptest::strategy::Strategy<Value = Turn> {
+        use proptest::prelude::*;
+        prop_oneof![
+            (0u64..8, 1usize..16).prop_map(|(c, n)| Turn::Place(c, n)),
+            (0usize..8).prop_map(Turn::Send),
+            (0usize..8, any::<bool>()).prop_map(|(i, ok)| Turn::Answer(i, ok)),
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(500))]
+
+        /// With room for every prompt, a prompt the backend took stays held whole, whatever
+        /// order the prompts are placed, sent, answered and refused in.
+        #[test]
+        fn with_room_for_all_a_prompt_taken_stays_held_whatever_the_order(
+            ops in proptest::collection::vec(turn(), 1..80),
+        ) {
+            let cell = ModelCell::new(1 << 40);
+            let mut placed: Vec<(PromptChain, u32)> = Vec::new();
+            let mut sent: Vec<(PromptChain, usize, u32)> = Vec::new();
+            let mut taken: Vec<PromptChain> = Vec::new();
+            for op in ops {
+                match op {
+                    Turn::Place(c, n) => placed.push((conversation(c, n), cell.reserve())),
+                    Turn::Send(_) if placed.is_empty() => {}
+                    Turn::Send(i) => {
+                        let (chain, stamp) = placed.remove(i % placed.len());
+                        let mut m = cell.lock();
+                        let known = m.known_from(chain.links(), 0).links;
+                        m.record_sent(chain.links(), known, stamp);
+                        sent.push((chain, known, stamp));
+                    }
+                    Turn::Answer(_, _) if sent.is_empty() => {}
+                    Turn::Answer(i, ok) => {
+                        let (chain, known, stamp) = sent.remove(i % sent.len());
+                        if ok {
+                            taken.push(chain);
+                        } else {
+                            cell.lock().refused(chain.links(), known, stamp);
+                        }
+                    }
+                }
+                let m = cell.lock();
+                m.check();
+                for chain in &taken {
+                    proptest::prop_assert_eq!(m.held(chain.links()), chain.len());
+                }
+            }
         }
     }
 
