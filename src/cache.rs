@@ -592,6 +592,16 @@ impl CacheModel {
             let tokens =
                 u32::try_from(link.tokens.saturating_sub(before)).map_or(TOKENS, |t| t.min(TOKENS));
             tip = self.insert(link.digest, tokens, parent, stamp);
+            // A digest held already under another link (a 64-bit collision, chance or
+            // crafted): the chain goes on from that link, and the one before it, left without
+            // a child, is a leaf like any other, or it would never be evicted.
+            if parent != NONE
+                && tip != parent
+                && self.nodes[parent as usize].children == 0
+                && !self.listed(parent)
+            {
+                self.push_front(parent);
+            }
             self.touch(tip, stamp);
             parent = tip;
         }
@@ -1363,6 +1373,26 @@ mod tests {
             "the later prompt still needs them"
         );
         m.check();
+    }
+
+    #[test]
+    fn a_link_whose_digest_is_held_under_another_leaves_the_link_before_it_evictable() {
+        // Room for five conversations of two links.
+        let mut m = CacheModel::new(1_000);
+        let other = chain(&[9, 8]);
+        m.record_next(other.links(), 0);
+        // A prompt whose second link's digest is the other's first (a 64-bit collision).
+        let mut links = chain(&[1, 2, 3]).links().to_vec();
+        links[1].digest = other.links()[0].digest;
+        m.record_next(&links, 0);
+        m.check();
+        // Many conversations later, the first link has gone as the least recently used.
+        for s in 3..200u64 {
+            m.record_next(chain(&[s * 10, s * 10 + 1]).links(), 0);
+            m.check();
+            assert!(m.tokens() <= 1_000);
+        }
+        assert!(!m.holds(links[0].digest));
     }
 
     #[test]
