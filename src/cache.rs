@@ -360,8 +360,13 @@ impl CacheModel {
             .max(1024)
     }
 
-    /// Changes the budget (discovery updated the backend); evicts down to it.
+    /// Changes the budget (discovery updated the backend); evicts down to it. The same budget
+    /// declared again (the backend announced again for another reason: its slot count
+    /// learned, say) keeps what its answers grew it to.
     pub(crate) fn set_budget(&mut self, budget: u64) {
+        if budget == self.declared {
+            return;
+        }
         self.budget = budget;
         self.declared = budget;
         self.max_blocks = Self::max_blocks(budget);

@@ -1277,6 +1277,28 @@ mod tests {
     }
 
     #[test]
+    fn a_backend_announced_again_with_the_same_budget_keeps_what_its_model_learned() {
+        let mut t = Topology::default();
+        let a = t.insert("a".into(), &"n".into(), nz(1), None, 1_600);
+        // Its answers showed it holds more than it declared: its model grows, and fills.
+        let cell = t.member(a).cache.clone();
+        for _ in 0..4 {
+            cell.lock().correct(crate::cache::Verdict::HeldMore, 0, 0);
+        }
+        assert_eq!(cell.lock().budget(), 2_000);
+        let chain = crate::PromptChain::from_blocks((0..20).map(|i| (i, 100)));
+        cell.lock().record(chain.links(), 0, cell.reserve());
+        // Its slot count learned (a probe read /slots): announced again, same budget.
+        assert_eq!(t.insert("a".into(), &"n".into(), nz(4), None, 1_600), a);
+        assert_eq!(cell.lock().budget(), 2_000);
+        assert_eq!(cell.lock().held(chain.links()), 20);
+        // Another budget declared: it starts over from that.
+        t.insert("a".into(), &"n".into(), nz(4), None, 1_000);
+        assert_eq!(cell.lock().budget(), 1_000);
+        assert_eq!(cell.lock().held(chain.links()), 10);
+    }
+
+    #[test]
     fn a_new_backend_takes_the_index_of_the_one_removed_earliest() {
         let mut t = Topology::default();
         let b0 = t.insert("b0".into(), &"n".into(), nz(1), None, 1000);
