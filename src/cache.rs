@@ -49,8 +49,8 @@ struct Node {
     prev: u32,
     next: u32,
     /// When a chain through this link last ended here or below (the stamp of that record,
-    /// see [`Marks`]): set on the links a record adds or passes from its deepest known link
-    /// down, never lowered.
+    /// see [`ModelCell::reserve`]): set on the links a record adds or passes from its
+    /// deepest known link down, never lowered.
     stamp: u32,
 }
 

@@ -368,7 +368,8 @@ pub(crate) struct Load {
     in_flight_stamps: [AtomicU32; ENDED_RING],
 }
 
-/// How many of a backend's latest stamps [`Load`] knows the end of.
+/// How many places [`Load`] has for the stamps of its requests in flight: a stamp keeps its
+/// place until it ends or a stamp a ring later takes it.
 pub(crate) const ENDED_RING: usize = 1024;
 
 /// A backend's `x-affinity-backend` and `x-affinity-node` values. The id is the backend's for
