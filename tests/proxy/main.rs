@@ -420,16 +420,8 @@ async fn second_signal_stops_the_proxy_with_a_stream_open(http2: bool) {
     let client = Client::builder(TokioExecutor::new())
         .http2_only(http2)
         .build_http::<Full<Bytes>>();
-    let body = Conversation::new("streamer").next(json!({"stream": true}));
-    let req = Request::post(format!("http://{addr}/v1/chat/completions"))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))
-        .unwrap();
-    let res = tokio::time::timeout(DEADLINE, client.request(req))
-        .await
-        .expect("no response in time")
-        .unwrap();
-    let mut body = after_first_chunk(res).await;
+    let url = format!("http://{addr}/v1/chat/completions");
+    let mut body = open_stream(&client, url, "streamer", None).await;
     // Paused only now: an HTTP/2 handshake on loopback can be outrun by a paused clock that
     // jumps ahead whenever the runtime has nothing to do.
     tokio::time::pause();
@@ -1306,17 +1298,9 @@ async fn per_client_http2_streams_go_through_the_pool_and_are_served() {
         .build_http::<Full<Bytes>>();
     let mut bodies = Vec::new();
     for s in 0..n {
-        let body = Conversation::new(&format!("h2-{s}")).next(json!({"stream": true}));
-        let req = Request::post(proxy.url("/v1/chat/completions"))
-            .header("x-session-id", format!("h2-{s}"))
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(body.to_string())))
-            .unwrap();
-        let res = tokio::time::timeout(DEADLINE, client.request(req))
-            .await
-            .expect("no response in time")
-            .unwrap();
-        bodies.push(after_first_chunk(res).await);
+        let session = format!("h2-{s}");
+        let url = proxy.url("/v1/chat/completions");
+        bodies.push(open_stream(&client, url, &session, Some(&session)).await);
     }
     assert_eq!(proxy.proxy.affinity().stats().in_flight, n);
     assert_eq!(a.connections(), n, "one backend connection per stream");
@@ -2235,6 +2219,27 @@ async fn a_backend_named_by_a_flag_and_by_names_is_one_backend_kept_while_any_na
         ]
     );
     assert_eq!(backends[0].slots, 3);
+}
+
+/// A streamed chat turn of conversation `convo` (under `session`, if given) sent to `url`
+/// through `client`: its body once the first chunk has come.
+async fn open_stream(
+    client: &Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>,
+    url: String,
+    convo: &str,
+    session: Option<&str>,
+) -> Incoming {
+    let body = Conversation::new(convo).next(json!({"stream": true}));
+    let mut req = Request::post(url).header("content-type", "application/json");
+    if let Some(session) = session {
+        req = req.header("x-session-id", session);
+    }
+    let req = req.body(Full::new(Bytes::from(body.to_string()))).unwrap();
+    let res = tokio::time::timeout(DEADLINE, client.request(req))
+        .await
+        .expect("no response in time")
+        .unwrap();
+    after_first_chunk(res).await
 }
 
 /// The body of `res`, an answer 200, once its first chunk has come.

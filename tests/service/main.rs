@@ -105,6 +105,18 @@ where
     d
 }
 
+/// The first turns of sessions `s0` to `s{n-1}`, one after another.
+async fn first_turns<S>(svc: &mut S, n: usize) -> Vec<Decision>
+where
+    S: Service<Req, Response = Res, Error = Error>,
+{
+    let mut homes = Vec::with_capacity(n);
+    for i in 0..n {
+        homes.push(turn(svc, &format!("s{i}")).await);
+    }
+    homes
+}
+
 fn in_flight<D, K, P, S>(svc: &SessionAffinity<D, K, P>, id: &str) -> u32
 where
     D: Discover<Key = tower_affinity::BackendId, Service = Backend<S>>,
@@ -262,10 +274,7 @@ async fn removing_one_backend_moves_only_its_sessions() {
         }
     }
     let mut svc = SessionAffinityLayer::new().layer(stream);
-    let mut homes = Vec::new();
-    for i in 0..400 {
-        homes.push(turn(&mut svc, &format!("s{i}")).await);
-    }
+    let homes = first_turns(&mut svc, 400).await;
     let victim = homes[0].backend.clone();
     handle.remove(victim.clone());
     let mut replaced = 0;
@@ -304,10 +313,7 @@ async fn sessions_of_a_node_gone_are_not_drawn_to_the_node_that_takes_its_place(
         add(n);
     }
     let mut svc = SessionAffinityLayer::new().layer(stream);
-    let mut homes = Vec::new();
-    for i in 0..400 {
-        homes.push(turn(&mut svc, &format!("s{i}")).await);
-    }
+    let homes = first_turns(&mut svc, 400).await;
     let victim = homes[0].backend.clone();
     handle.remove(victim.clone());
     add(8); // takes the victim's place among the backends, so the victim's node is forgotten
