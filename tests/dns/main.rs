@@ -738,3 +738,28 @@ async fn session_affinity_over_dns_routes_to_http_backends_and_follows_a_change(
     );
     assert_eq!(handle.failures(), 0);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_panicking_node_function_ends_the_stream_and_wakes_resolved() {
+    let dns = start_dns().await;
+    dns.set_ips("llm.fleet.test.", 30, &["10.0.0.1"]).await;
+    // A node function written for SRV targets, given a host target: it panics in the task.
+    let mut fleet = builder(&dns, "llm.fleet.test.:8080")
+        .node(|ep: &DnsEndpoint| ep.srv_host().expect("an SRV target").to_string())
+        .build(|ep: &DnsEndpoint| ep.addr())
+        .unwrap();
+    let handle = fleet.handle();
+    // The task is gone: a proxy waiting for the first answer is told so, not left waiting.
+    let done = answered(tokio::time::timeout(
+        Duration::from_secs(3600),
+        handle.resolved(1),
+    ))
+    .await;
+    assert_eq!(done, Ok(0), "resolved(1) still waits on a dead task");
+    assert!(ready(&mut fleet).await.is_empty());
+    let end = std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut fleet).poll_next(cx))).await;
+    assert!(
+        matches!(end, Poll::Ready(None)),
+        "the stream ends with its task"
+    );
+}

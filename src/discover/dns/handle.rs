@@ -106,8 +106,9 @@ impl DnsHandle {
     }
 
     /// Waits until at least `n` resolutions have completed (successful or not), or the stream
-    /// is gone. `resolved(1)` waits for the first, for a proxy that serves only once its fleet
-    /// is known. Returns the number completed.
+    /// or its resolving task is gone (as when a service or node function panicked).
+    /// `resolved(1)` waits for the first, for a proxy that serves only once its fleet is
+    /// known. Returns the number completed.
     pub async fn resolved(&self, n: u64) -> u64 {
         let mut rx = self.shared.progress.subscribe();
         let done = match rx.wait_for(|&(done, gone)| done >= n || gone).await {

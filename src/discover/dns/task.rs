@@ -68,6 +68,9 @@ pub(crate) async fn run<S>(
     make: Make<S>,
     tx: UnboundedSender<Change<BackendId, Backend<S>>>,
 ) {
+    // However the task ends, its end is seen: a panic in the service or node function (or
+    // anywhere here) would otherwise leave `DnsHandle::resolved` waiting for good.
+    let _closed = ClosedOnDrop(handle.clone());
     let target = handle.target().clone();
     let shared = handle.shared();
     let mut current: BTreeMap<SocketAddr, BackendId> = BTreeMap::new();
@@ -147,6 +150,15 @@ pub(crate) async fn run<S>(
             return;
         }
         sleep_or_refresh(wait, &handle).await;
+    }
+}
+
+/// Marks the resolving task gone when dropped: at its end, its abort, or a panic in it.
+struct ClosedOnDrop(DnsHandle);
+
+impl Drop for ClosedOnDrop {
+    fn drop(&mut self) {
+        self.0.shared().closed();
     }
 }
 
