@@ -118,6 +118,14 @@ impl FromStr for DnsTarget {
                 "expected NAME:PORT for A/AAAA records, or _SERVICE._PROTO.NAME for SRV",
             ));
         };
+        // `fd00::1:8080` reads as an address and a port, and as an address without one: the
+        // port then would be a guess. An IPv6 address with a port takes brackets.
+        if name.contains(':') && !(name.starts_with('[') && name.ends_with(']')) {
+            return Err(invalid(
+                s,
+                "an IPv6 address and its port are written [ADDRESS]:PORT",
+            ));
+        }
         let port = port.parse::<u16>().map_err(|_| {
             invalid(
                 s,
@@ -178,6 +186,10 @@ mod tests {
             ("backends.test:0", "the port is 0"),
             (":80", "empty"),
             ("a..b:80", "invalid DNS target"),
+            // An address and a port, or an address alone: brackets say which.
+            ("fd00::1:8080", "[ADDRESS]:PORT"),
+            ("fd00::7", "[ADDRESS]:PORT"),
+            ("[fd00::1:8080", "[ADDRESS]:PORT"),
         ] {
             let e = bad.parse::<DnsTarget>().unwrap_err();
             assert_eq!(e.kind(), DnsErrorKind::InvalidTarget, "{bad}");
