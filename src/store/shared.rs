@@ -346,6 +346,16 @@ impl Homes {
     pub(crate) fn stats(&self) -> StoreStats {
         let c = &self.counters;
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        // The state and its changes' counts as of one moment: changed together, under this
+        // lock (see `mark`), so that a snapshot never shows an outage without its count, or a
+        // recovery counted before the outage it ends.
+        let failed = self.failed.lock();
+        let (outages, recoveries, up) = (
+            l(&c.outages),
+            l(&c.recoveries),
+            self.up.load(Ordering::Relaxed),
+        );
+        drop(failed);
         StoreStats {
             reads: l(&c.reads),
             hits: l(&c.hits),
@@ -358,23 +368,20 @@ impl Homes {
             writes: l(&c.writes),
             write_errors: l(&c.write_errors),
             writes_dropped: l(&c.writes_dropped),
-            outages: l(&c.outages),
-            recoveries: l(&c.recoveries),
+            outages,
+            recoveries,
             prompt_reads: l(&c.prompt_reads),
             prompt_hits: l(&c.prompt_hits),
             prompt_own: l(&c.prompt_own),
             prompt_writes: l(&c.prompt_writes),
-            state: if self.up.load(Ordering::Relaxed) {
-                StoreState::Up
-            } else {
-                StoreState::Down
-            },
+            state: if up { StoreState::Up } else { StoreState::Down },
         }
     }
 
     /// Records the store's state as a read found it: a change is logged once and counted.
-    /// Changes are made under the failed homes' lock, so that a recovery never runs between
-    /// an outage's start and its time being noted.
+    /// Changes are made and counted under the failed homes' lock, so that a recovery never
+    /// runs between an outage's start and its time being noted, and a snapshot of the state
+    /// ([`stats`](Self::stats)) agrees with the counts of its changes.
     fn mark(self: &Arc<Self>, up: bool, why: &dyn std::fmt::Display) {
         if self.up.load(Ordering::Acquire) == up {
             return;
@@ -406,8 +413,8 @@ impl Homes {
             }
         } else {
             failed.down_since = Some(Instant::now());
-            drop(failed);
             bump(&self.counters.outages);
+            drop(failed);
             tracing::warn!(
                 store = ?self.store,
                 error = %why,

@@ -666,3 +666,59 @@ async fn a_keyless_prompt_this_replica_served_last_is_left_to_its_own_model() {
     let stats = b.store_stats().unwrap();
     assert_eq!((stats.prompt_hits, stats.prompt_own), (1, 1), "{stats:?}");
 }
+
+/// A store whose reads fail and answer in turn, in the order they are made.
+#[derive(Clone, Debug, Default)]
+struct Flapping(Arc<std::sync::atomic::AtomicU64>);
+
+impl HomeStore for Flapping {
+    fn read(&self, _: SessionKey, _: Duration) -> ReadHome {
+        let n = self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Box::pin(async move {
+            match n % 2 {
+                0 => Err("refused".into()),
+                _ => Ok(Lookup::Missing),
+            }
+        })
+    }
+
+    fn write(&self, _: SessionKey, _: StoredHome, _: Duration) -> WriteHome {
+        Box::pin(async { Ok(()) })
+    }
+}
+
+/// Checks on two threads find a flapping store down and up again and again, while its stats
+/// are read: each snapshot counts one outage more than recoveries while the store is down,
+/// and as many while it is up. (No clock is involved: every read answers at once.)
+#[test]
+fn outages_and_recoveries_agree_with_the_state_in_every_snapshot() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let svc: Svc = SessionAffinityLayer::new()
+        .home_store(Flapping::default())
+        .store_deadline(Duration::from_secs(60))
+        .layer(fleet());
+    let checkers: Vec<_> = (0..2)
+        .map(|_| {
+            let checks: Vec<_> = (0..100_000).map(|_| svc.check_store()).collect();
+            runtime.spawn(async move {
+                for check in checks {
+                    check.await;
+                }
+            })
+        })
+        .collect();
+    let mut bad = None;
+    while bad.is_none() && checkers.iter().any(|c| !c.is_finished()) {
+        let s = svc.store_stats().unwrap();
+        let down = u64::from(s.state == StoreState::Down);
+        if s.outages != s.recoveries + down {
+            bad = Some(s);
+        }
+    }
+    drop(runtime);
+    assert_eq!(bad, None);
+}
