@@ -203,12 +203,13 @@ where
     /// up through `health`, and announces learned slot counts (applied before this returns).
     /// Checks the balancer's shared store beside them ([`MarkHealth::check_store`]).
     pub async fn round<H: MarkHealth>(&self, health: &H) {
-        self.round_of(health, false).await;
+        self.round_of(health, false, true).await;
     }
 
     /// Probes every backend each interval, and a backend announced later at once, until the
-    /// returned [`ProbeTask`] is dropped; each interval's round checks the shared store too.
-    /// Needs a tokio runtime.
+    /// returned [`ProbeTask`] is dropped; each interval the shared store is checked too, in a
+    /// task of its own, one check at a time, so that a store slower than the interval does not
+    /// hold the probes back. Needs a tokio runtime.
     #[must_use = "probing stops when the returned ProbeTask is dropped: keep it"]
     pub fn spawn<H>(self, health: H) -> ProbeTask
     where
@@ -217,6 +218,11 @@ where
         let task = tokio::spawn(async move {
             let mut tick = tokio::time::interval(self.shared.config.interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            // The shared store's check, in a task of its own beside the rounds, one at a
+            // time: a store that does not answer holds its check up to its deadline, which
+            // may be longer than the interval, and the backends' probes do not wait for it.
+            // Aborted with this task.
+            let mut store_check = JoinSet::new();
             loop {
                 let fresh = self.shared.fresh.notified();
                 let mut fresh = std::pin::pin!(fresh);
@@ -227,13 +233,19 @@ where
                     fresh.as_mut().poll(cx).map(|()| true)
                 })
                 .await;
-                self.round_of(&health, only_new).await;
+                while store_check.try_join_next().is_some() {}
+                if !only_new && store_check.is_empty() {
+                    store_check.spawn(health.check_store());
+                }
+                self.round_of(&health, only_new, false).await;
             }
         });
         ProbeTask { task }
     }
 
-    async fn round_of<H: MarkHealth>(&self, health: &H, only_new: bool) {
+    /// A round: of the backends not probed yet if `only_new`, else of all of them, with the
+    /// shared store's check beside them if `check_store` too.
+    async fn round_of<H: MarkHealth>(&self, health: &H, only_new: bool, check_store: bool) {
         // The fleet as the balancer has it: what its stream has announced so far.
         health.apply_discovery();
         let jobs: Vec<(BackendId, u64, Uri, bool)> = {
@@ -255,7 +267,7 @@ where
             probes.spawn(async move { (id, generation, check(client, uri, timeout, slots).await) });
         }
         // A whole round checks the shared store too, beside the backends.
-        let store = (!only_new).then(|| health.check_store());
+        let store = (!only_new && check_store).then(|| health.check_store());
         let store = async move {
             if let Some(check) = store {
                 check.await;

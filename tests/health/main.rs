@@ -202,6 +202,55 @@ async fn each_round_checks_the_shared_store_and_finds_it_down_with_no_request() 
     drop(task);
 }
 
+/// A shared store whose reads never answer, counting them.
+#[derive(Clone, Debug, Default)]
+struct Silent(Arc<AtomicUsize>);
+
+impl tower_affinity::store::HomeStore for Silent {
+    fn read(
+        &self,
+        _: tower_affinity::key::SessionKey,
+        _: Duration,
+    ) -> tower_affinity::store::ReadHome {
+        self.0.fetch_add(1, Ordering::Relaxed);
+        Box::pin(std::future::pending())
+    }
+
+    fn write(
+        &self,
+        _: tower_affinity::key::SessionKey,
+        _: tower_affinity::store::StoredHome,
+        _: Duration,
+    ) -> tower_affinity::store::WriteHome {
+        Box::pin(std::future::pending())
+    }
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_store_slower_than_the_interval_does_not_hold_the_probes_back() {
+    let (addr, stub) = start(1).await;
+    let store = Silent::default();
+    let (fleet, prober) = HealthProbe::new()
+        .interval(Duration::from_secs(2))
+        .discover(StaticFleet::new(vec![("a", Backend::new("n", http(addr)))]));
+    let affinity: Affinity = SessionAffinityLayer::new()
+        .home_store(store.clone())
+        .store_deadline(Duration::from_secs(10))
+        .layer(fleet);
+    let task = prober.clone().spawn(affinity.clone());
+    tokio::time::sleep(Duration::from_secs(19)).await;
+    // A round every 2 s, not one each time the store's check runs out its 10 s.
+    let probes = stub.health_hits.load(Ordering::Relaxed);
+    assert!(probes >= 9, "{probes} probes in 19 s");
+    // One check at a time: at the start, and once the first ran out.
+    assert_eq!(store.0.load(Ordering::Relaxed), 2);
+    assert_eq!(
+        affinity.store_stats().unwrap().state,
+        tower_affinity::store::StoreState::Down
+    );
+    drop(task);
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_loading_backend_is_down_until_two_probes_find_it_ready() {
     let (addr, stub) = start(2).await;
