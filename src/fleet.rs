@@ -701,12 +701,12 @@ pub(crate) struct NodeEntry {
     pub(crate) backends: RankSet,
     /// Sum of the live backends' slots.
     pub(crate) slots: u32,
-    /// Backends, live or removed, whose node this is: at 0 the node is forgotten and its
-    /// index goes to the next new node.
+    /// Backends, live or removed, whose node this is: at 0 the node is forgotten, and its
+    /// index goes to a new node later.
     members: u32,
-    /// Bumped each time the index is given to another node, so that a session's record of
-    /// its home's node (see [`Topology::node_mark`]) cannot name the newcomer.
-    generation: u8,
+    /// Bumped each time the index is given to another node (12 bits), so that a session's
+    /// record of its home's node (see [`Topology::node_mark`]) does not name the newcomer.
+    generation: u16,
 }
 
 /// The fleet's shape: nodes, backends and slot counters, without the services. A clone shares
@@ -730,7 +730,8 @@ pub(crate) struct Topology {
     pub(crate) total_slots: u32,
     by_id: HashMap<BackendId, u32>,
     node_by_id: HashMap<NodeId, u32>,
-    /// Forgotten nodes' indexes, the earliest forgotten first.
+    /// Forgotten nodes' indexes, the earliest forgotten first; one is given to a new node only
+    /// once [`NODES_KEPT_FORGOTTEN`](Topology::NODES_KEPT_FORGOTTEN) more wait behind it.
     free_nodes: VecDeque<u32>,
     /// Removed backends' indexes, the earliest removed first: a new backend takes the
     /// earliest's, so that those removed last keep their models longest.
@@ -772,27 +773,36 @@ impl Topology {
         (m.live && m.generation == generation).then_some(index)
     }
 
-    /// The mark of a node whose index does not fit in 24 bits (past 16 million nodes at
-    /// once): it names none.
+    /// A node's index takes the low 20 bits of its mark, its generation the other 12.
+    const NODE_INDEX_BITS: u32 = 20;
+    const NODE_INDEX_MASK: u32 = (1 << Self::NODE_INDEX_BITS) - 1;
+    /// The mark of a node whose index does not fit (past a million nodes at once): it names
+    /// none.
     const NO_NODE: u32 = u32::MAX;
+    /// How many forgotten nodes' indexes wait before the earliest is given to a new node: with
+    /// the 12-bit generation, a session's record of a forgotten node could name a newcomer
+    /// only after 4,096 x 65 nodes forgotten since, far more than come and go within a
+    /// session's idle timeout.
+    const NODES_KEPT_FORGOTTEN: usize = 64;
 
     /// Node `index` as a session records its home's node: the index and the node's
     /// generation, so that the record names no other node once this one is forgotten.
     pub(crate) fn node_mark(&self, index: u32) -> u32 {
-        if index >= 0x00ff_ffff {
+        if index >= Self::NODE_INDEX_MASK {
             return Self::NO_NODE;
         }
-        index | u32::from(self.nodes[index as usize].generation) << 24
+        index | u32::from(self.nodes[index as usize].generation) << Self::NODE_INDEX_BITS
     }
 
     /// The node a [`node_mark`](Topology::node_mark) names, if it is still known.
     pub(crate) fn resolve_node(&self, mark: u32) -> Option<u32> {
-        let index = mark & 0x00ff_ffff;
         if mark == Self::NO_NODE {
             return None;
         }
+        let index = mark & Self::NODE_INDEX_MASK;
         let n = self.nodes.get(index as usize)?;
-        (n.members > 0 && u32::from(n.generation) == mark >> 24).then_some(index)
+        let generation = mark >> Self::NODE_INDEX_BITS;
+        (n.members > 0 && u32::from(n.generation) == generation).then_some(index)
     }
 
     /// The index of node `id`, now named by one backend more: a node no backend names is
@@ -811,10 +821,11 @@ impl Topology {
             members: 1,
             generation,
         };
-        let i = match self.free_nodes.pop_front() {
+        let reuse = self.free_nodes.len() > Self::NODES_KEPT_FORGOTTEN;
+        let i = match reuse.then(|| self.free_nodes.pop_front()).flatten() {
             Some(i) => {
                 let n = &mut self.nodes[i as usize];
-                *n = entry(n.generation.wrapping_add(1));
+                *n = entry((n.generation + 1) & 0x0fff);
                 i
             }
             None => {
@@ -1214,8 +1225,10 @@ mod tests {
             t.insert(i.to_string().into(), &ip.as_str().into(), nz(1), None, 1000);
         }
         // Each newcomer took the index of the backend removed before it, which let go of its
-        // node: two nodes known, the host's and the last address's.
-        assert!(t.nodes.len() <= 3, "{} nodes", t.nodes.len());
+        // node: two nodes known, the host's and the last address's, and the indexes of those
+        // forgotten last waiting to be given again.
+        let most = 3 + Topology::NODES_KEPT_FORGOTTEN;
+        assert!(t.nodes.len() <= most, "{} nodes", t.nodes.len());
         assert_eq!(t.node_by_id.len(), 2);
         assert_eq!(
             t.resolve_node(mark),
@@ -1266,8 +1279,10 @@ mod tests {
                     proptest::prop_assert_eq!(named.get(&i).copied(), Some(t.node(i).members));
                 }
                 proptest::prop_assert_eq!(named.len(), t.node_by_id.len());
-                // A backend moving takes its new node's index before it lets go of its old.
-                proptest::prop_assert!(t.nodes.len() <= t.members.len() + 1);
+                // A backend moving takes its new node's index before it lets go of its old;
+                // forgotten nodes' indexes wait before they are given again.
+                let most = t.members.len() + 1 + Topology::NODES_KEPT_FORGOTTEN;
+                proptest::prop_assert!(t.nodes.len() <= most);
                 for (mark, node) in &marks {
                     if let Some(i) = t.resolve_node(*mark) {
                         proptest::prop_assert_eq!(t.node(i).id.as_str(), node.as_str());
@@ -1297,6 +1312,28 @@ mod tests {
         t.insert("a".into(), &"n".into(), nz(4), None, 1_000);
         assert_eq!(cell.lock().budget(), 1_000);
         assert_eq!(cell.lock().held(chain.links()), 10);
+    }
+
+    #[test]
+    fn a_record_of_a_forgotten_node_names_none_of_the_many_that_come_after_it() {
+        // One index reused over and over would wrap its generation: a session's old record
+        // would name a newcomer again (after 256 reuses, with 8 bits and no wait).
+        let mut t = Topology::default();
+        t.insert("stays".into(), &"host".into(), nz(1), None, 1000);
+        let a = t.insert("a0".into(), &"ip0".into(), nz(1), None, 1000);
+        let mark = t.node_mark(t.member(a).node);
+        for i in 1..20_000u32 {
+            t.remove(&format!("a{}", i - 1).into());
+            let ip = format!("ip{i}");
+            t.insert(
+                format!("a{i}").into(),
+                &ip.as_str().into(),
+                nz(1),
+                None,
+                1000,
+            );
+            assert_eq!(t.resolve_node(mark), None, "named {ip}");
+        }
     }
 
     #[test]

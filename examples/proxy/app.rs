@@ -302,11 +302,13 @@ pub(crate) type UpstreamFuture = Route<
 /// The proxy's discovery: the `--backend`s, then as they change the backends behind each
 /// `--backend-dns` name.
 ///
-/// A backend id that two of them name (a `--backend` whose `host:port` is an address a name
-/// resolves to, or two names resolving to one address) is one backend: the first to name it
-/// gives its node and slots, and it stays while any of them names it. The overlap is logged
-/// once. Passed on as they came, the second would have rewritten the first's node and slots,
-/// and its removal removed a backend the other still names.
+/// A backend id that two of them name (a `--backend` whose id, its `host:port` unless given
+/// `id=`, is an address a name resolves to, or two names resolving to one address) is one
+/// backend: the first to name it gives its node and slots, and it stays while any of them
+/// names it. Each time another source comes to name it too, that is logged. Passed on as they
+/// came, the second would have rewritten the first's node and slots, and its removal removed a
+/// backend the other still names. A `--backend` given another `id=` for an address a name
+/// resolves to is two backends, whose slots both count.
 pub(crate) struct Fleets {
     fixed: Option<StaticFleet<Upstream>>,
     dns: Vec<DnsFleet<Upstream>>,

@@ -42,7 +42,10 @@ pub enum StoreState {
     /// [`SessionAffinity::check_store`](crate::SessionAffinity::check_store)).
     Up,
     /// The last read failed or timed out: requests use the local table at once, and one read
-    /// at a time, which no request waits for, probes the store.
+    /// at a time, which no request waits for, probes the store ([`check_store`]'s reads go
+    /// beside it).
+    ///
+    /// [`check_store`]: crate::SessionAffinity::check_store
     Down,
 }
 
@@ -51,17 +54,17 @@ pub enum StoreState {
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct StoreStats {
-    /// Reads sent to the store.
+    /// Reads sent to the store, [`check_store`](crate::SessionAffinity::check_store)'s too.
     pub reads: u64,
     /// Reads that found a home naming a live backend, in time.
     pub hits: u64,
     /// Reads that found no home, in time.
     pub misses: u64,
-    /// Reads still unanswered at the deadline: a request's (the local table answered it) or,
-    /// while the store is down, the probe's, which no request waits for (those requests are
-    /// counted in `skipped`).
+    /// Reads still unanswered at the deadline: a request's (the local table answered it), a
+    /// check's, or, while the store is down, the probe's, which no request waits for (those
+    /// requests are counted in `skipped`).
     pub timeouts: u64,
-    /// Reads that failed (the local table answered).
+    /// Reads that failed: a request's (the local table answered) or a check's.
     pub errors: u64,
     /// Reads that found something that is not a home (another format, another key type);
     /// ignored.
