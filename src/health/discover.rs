@@ -25,7 +25,7 @@ pin_project! {
         #[pin]
         inner: D,
         prober: Prober<S>,
-        updates: mpsc::UnboundedReceiver<Update<S>>,
+        updates: mpsc::UnboundedReceiver<Update>,
         inner_ended: bool,
     }
 }

@@ -44,8 +44,8 @@ struct Shared<S> {
     /// announced again) is dropped.
     generations: AtomicU64,
     /// Learned slot counts, for the stream to announce.
-    updates: mpsc::UnboundedSender<Update<S>>,
-    receiver: Mutex<Option<mpsc::UnboundedReceiver<Update<S>>>>,
+    updates: mpsc::UnboundedSender<Update>,
+    receiver: Mutex<Option<mpsc::UnboundedReceiver<Update>>>,
     /// A backend was announced that has not been probed yet.
     fresh: Notify,
     transitions: AtomicU64,
@@ -59,11 +59,11 @@ struct Target<S> {
     status: ProbeStatus,
 }
 
-/// A learned slot count, as a backend to announce again.
-pub(crate) struct Update<S> {
+/// A learned slot count, for the backend to be announced again with it.
+pub(crate) struct Update {
     id: BackendId,
     generation: u64,
-    backend: Backend<S>,
+    slots: NonZeroU32,
 }
 
 impl<S> Clone for Prober<S> {
@@ -111,7 +111,7 @@ impl<S> Prober<S> {
     }
 
     /// The receiving end of the learned slot counts, for the one stream.
-    pub(crate) fn take_updates(&self) -> mpsc::UnboundedReceiver<Update<S>> {
+    pub(crate) fn take_updates(&self) -> mpsc::UnboundedReceiver<Update> {
         self.shared.receiver.lock().take().unwrap_or_else(|| {
             // Only `HealthProbe::discover` takes it, once; a second taker gets a closed one.
             mpsc::unbounded_channel().1
@@ -182,11 +182,14 @@ impl<S: Clone> Prober<S> {
         self.shared.state.lock().remove(id);
     }
 
-    /// `update` as a backend to announce, if it is still the backend it was learned for.
-    pub(crate) fn still_current(&self, update: Update<S>) -> Option<(BackendId, Backend<S>)> {
+    /// `update` as a backend to announce, if it is still the backend it was learned for: as
+    /// the inner stream last announced it (a service, node or budget announced since the
+    /// count was read stands), with the count learned, unless it now gives its own.
+    pub(crate) fn still_current(&self, update: Update) -> Option<(BackendId, Backend<S>)> {
         let state = self.shared.state.lock();
         let t = state.get(&update.id)?;
-        (t.generation == update.generation).then_some((update.id, update.backend))
+        let current = t.generation == update.generation && self.learns(&t.backend);
+        current.then(|| (update.id, t.backend.clone().slots(update.slots)))
     }
 
     /// Whether the slot count of `backend` is learned from `/slots`.
@@ -309,7 +312,7 @@ where
         id: &BackendId,
         generation: u64,
         checked: Checked,
-    ) -> (Option<Mark>, Option<Update<S>>, String) {
+    ) -> (Option<Mark>, Option<Update>, String) {
         let config = &self.shared.config;
         let mut state = self.shared.state.lock();
         let Some(t) = state.get_mut(id).filter(|t| t.generation == generation) else {
@@ -382,7 +385,7 @@ where
                         update = Some(Update {
                             id: id.clone(),
                             generation,
-                            backend: t.backend.clone().slots(total),
+                            slots: total,
                         });
                     }
                 }
@@ -409,5 +412,56 @@ impl ProbeTask {
 impl Drop for ProbeTask {
     fn drop(&mut self) {
         self.task.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::health::check::{Health, Slots};
+
+    /// A backend service naming the address it was made for.
+    #[derive(Clone, Debug, PartialEq)]
+    struct At(Uri);
+
+    impl ProbeTarget for At {
+        fn base_uri(&self) -> &Uri {
+            &self.0
+        }
+    }
+
+    fn at(uri: &'static str) -> Backend<At> {
+        Backend::new("n", At(Uri::from_static(uri)))
+    }
+
+    #[test]
+    fn a_slot_count_learned_before_a_backend_was_announced_again_keeps_the_new_announcement() {
+        let prober = Prober::new(HealthProbe::new());
+        let id = BackendId::from("a");
+        prober.announced(&id, at("http://10.0.0.1:8080/"));
+        let generation = prober.shared.state.lock()[&id].generation;
+        let checked = Checked {
+            health: Health::Ready,
+            slots: Some(Ok(Slots { total: 4, busy: 0 })),
+        };
+        let (_, update, _) = prober.record(&id, generation, checked);
+        // Announced again, at another address, before the learned count went out.
+        prober.announced(&id, at("http://10.0.0.2:8080/"));
+        let (_, backend) = prober.still_current(update.unwrap()).unwrap();
+        assert_eq!(
+            backend.service(),
+            &At(Uri::from_static("http://10.0.0.2:8080/"))
+        );
+        assert_eq!(backend.slot_count().get(), 4);
+        // Announced with a count of its own: that stands, the learned one is not sent.
+        let generation = prober.shared.state.lock()[&id].generation;
+        let checked = Checked {
+            health: Health::Ready,
+            slots: Some(Ok(Slots { total: 8, busy: 0 })),
+        };
+        let (_, update, _) = prober.record(&id, generation, checked);
+        let given = at("http://10.0.0.2:8080/").slots(NonZeroU32::new(2).unwrap());
+        prober.announced(&id, given);
+        assert!(prober.still_current(update.unwrap()).is_none());
     }
 }
