@@ -1175,11 +1175,25 @@ impl Future for ByModelFuture {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
-        let res = ready!(this.fut.poll(cx))?;
+        let mut res = ready!(this.fut.poll(cx))?;
+        let route = &this.routes.routes[*this.index];
         // As the `metrics` feature records it: the requests that waited.
         if let Some(waited) = res.extensions().get::<Decision>().and_then(|d| d.waited) {
-            let route = &this.routes.routes[*this.index];
             route.wait_seconds.observe(waited.as_secs_f64());
+        }
+        // The balancer's own 503 (no backend of the fleet up), with several fleets: which.
+        let refused = res.status() == StatusCode::SERVICE_UNAVAILABLE
+            && res.body().decision().is_none()
+            && res
+                .extensions()
+                .get::<tower_affinity::BackendId>()
+                .is_none();
+        if refused && this.routes.routes.len() > 1 {
+            let text = match &route.model {
+                Some(model) => format!("no backends available for model {model:?}"),
+                None => "no backends available for the models not given a fleet".to_string(),
+            };
+            *res.body_mut() = ResponseBody::full(Bytes::from(text));
         }
         Poll::Ready(Ok(res))
     }

@@ -1569,6 +1569,47 @@ async fn without_a_fleet_for_other_models_the_first_model_takes_them() {
 }
 
 #[tokio::test]
+async fn a_fleet_with_no_backend_up_says_which_model_it_serves() {
+    let (small, coder) = (Stub::start("small", 2).await, Stub::start("coder", 2).await);
+    let backends = [
+        format!("node-a={},slots=2,id=small", small.url()),
+        format!("node-b={},slots=2,id=coder,model=qwen3-coder", coder.url()),
+    ];
+    let mut config = Config::new(
+        backends
+            .iter()
+            .map(|b| cli::backend(b).unwrap().0)
+            .collect(),
+    );
+    config.probe_interval = None;
+    let proxy = start(config).await;
+    coder.set_health(503);
+    small.set_health(503);
+    proxy.proxy.probe_all().await;
+    for (model, says) in [
+        (
+            "qwen3-coder",
+            "no backends available for model \"qwen3-coder\"",
+        ),
+        (
+            "other",
+            "no backends available for the models not given a fleet",
+        ),
+    ] {
+        let body = json!({"model": model, "messages": [{"role": "user", "content": "hi"}]});
+        let res = proxy.post_json(&[], &body).await;
+        assert_eq!(res.status, StatusCode::SERVICE_UNAVAILABLE, "{model}");
+        assert_eq!(String::from_utf8_lossy(&res.body), says);
+    }
+    // Ready again (two probes): served.
+    small.set_health(200);
+    proxy.proxy.probe_all().await;
+    proxy.proxy.probe_all().await;
+    let body = json!({"model": "other", "messages": [{"role": "user", "content": "hi"}]});
+    assert_eq!(proxy.post_json(&[], &body).await.status, StatusCode::OK);
+}
+
+#[tokio::test]
 async fn a_model_is_retrieved_by_its_name_escaped_or_not() {
     let a = Stub::start("a", 2).await;
     let spec = format!("n={},id=a,model=org/Model 4B", a.url());
