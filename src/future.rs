@@ -513,9 +513,13 @@ where
                     }
                     // Woken for a slot it could not take (its policy does not offer it, or
                     // another request was quicker): another waiter may take it.
-                    if let (Placed::Full { .. }, Woken::For(slot)) = (&placed, &woken) {
-                        w.ticket.decline(slot);
-                    }
+                    let woken = match (&placed, woken) {
+                        (Placed::Full { .. }, Woken::For(slot)) => {
+                            drop(slot);
+                            Woken::No
+                        }
+                        (_, woken) => woken,
+                    };
                     match placed {
                         Placed::Dispatch {
                             service,
@@ -525,19 +529,20 @@ where
                             record,
                         } => {
                             // Woken for a slot it did not take: passed on once it has left
-                            // the queue, to the waiter that slot suits.
+                            // the queue (or as the call unwinds, if the backend's service
+                            // panics), to the waiter that slot suits.
                             let unused = match woken {
-                                Woken::For(slot) if guard.slot().0 != slot.backend => {
-                                    Some((w.shared.capacity.clone(), slot))
+                                Woken::For(slot) if slot.backend() == Some(guard.slot().0) => {
+                                    slot.taken();
+                                    None
                                 }
+                                Woken::For(slot) => Some(slot),
                                 _ => None,
                             };
                             let finish = w.shared.finish;
                             let placed = (service, guard, decision, watch, record);
                             state.set(State::call(placed, r, finish));
-                            if let Some((capacity, slot)) = unused {
-                                capacity.pass_on(slot);
-                            }
+                            drop(unused);
                         }
                         Placed::Empty => {
                             w.shared.capacity.counters.count_no_backends();

@@ -223,16 +223,50 @@ impl Capacity {
 }
 
 /// What woke a waiting request since its task last looked.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub(crate) enum Woken {
     /// Nothing: its deadline, if anything.
     No,
     /// A slot freed (its promise now taken back: the request looks for a slot as any
-    /// other does). If the request takes a slot elsewhere, it passes this one on
-    /// ([`Capacity::pass_on`]).
-    For(Slot),
+    /// other does). Unless the request takes it, it is passed on.
+    For(Unclaimed),
     /// Every waiter was woken: the fleet changed.
     All,
+}
+
+/// A slot a woken waiter has taken the promise of back, to look for a slot: unless the waiter
+/// takes it ([`taken`](Self::taken)), it goes on to the waiter it suits best among the others
+/// when this is dropped, however the look ended: a slot taken elsewhere, none it may take, or
+/// a panic (a policy's, or a backend service's as the request is sent), so that no waiter it
+/// serves is left asleep beside it.
+#[derive(Debug)]
+pub(crate) struct Unclaimed {
+    capacity: Arc<Capacity>,
+    /// `None` once taken.
+    slot: Option<Slot>,
+    /// The waiter that declines it, if it does.
+    seq: u64,
+}
+
+impl Unclaimed {
+    /// The backend of the slot.
+    pub(crate) fn backend(&self) -> Option<u32> {
+        self.slot.as_ref().map(|s| s.backend)
+    }
+
+    /// The waiter took the slot: nothing to pass on.
+    pub(crate) fn taken(mut self) {
+        self.slot = None;
+    }
+}
+
+impl Drop for Unclaimed {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            // Declined by this waiter, which may still be queued: it goes to another.
+            self.capacity.pass_on(slot.declined_by(self.seq));
+        }
+    }
 }
 
 /// A request's place in the wait queue, held for as long as it waits, however the wait ends.
@@ -294,7 +328,11 @@ impl WaitTicket {
                 match w.woken_for.take() {
                     Some(slot) => {
                         slot.unpromise();
-                        Woken::For(slot)
+                        Woken::For(Unclaimed {
+                            capacity: self.capacity.clone(),
+                            slot: Some(slot),
+                            seq: self.seq,
+                        })
                     }
                     None => Woken::No,
                 }
@@ -356,12 +394,6 @@ impl WaitTicket {
     /// What the ticket waits for.
     pub(crate) fn home(&self) -> WaitHome {
         self.home
-    }
-
-    /// Its task looked, woken for `slot`, and took no slot: the slot goes on to a waiter
-    /// that has not declined it (this one has now).
-    pub(crate) fn decline(&self, slot: &Slot) {
-        self.capacity.pass_on(slot.declined_by(self.seq));
     }
 
     /// Which slots the ticket waits for.

@@ -1969,6 +1969,144 @@ async fn a_wake_its_waiter_cannot_use_is_passed_on() {
     drop(x);
 }
 
+/// Whether a request marked with it makes [`B1ThenA1`] panic when it looks: a bug in a policy
+/// of a user's own, set off after the request has joined the wait queue.
+#[derive(Clone, Default)]
+struct PanicWhen(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+/// Offers `b1`, then `a1`; a request marked [`OnlyA1`] only `a1`. Panics at the look of a
+/// request whose [`PanicWhen`] is set.
+#[derive(Clone, Copy)]
+struct B1ThenA1;
+
+impl Placement for B1ThenA1 {
+    fn place(
+        &self,
+        fleet: &tower_affinity::placement::FleetView<'_>,
+        req: &tower_affinity::placement::PlacementRequest<'_>,
+        c: &mut tower_affinity::placement::Candidates<'_>,
+    ) {
+        if req
+            .extensions
+            .get::<PanicWhen>()
+            .is_some_and(|p| p.0.load(std::sync::atomic::Ordering::Relaxed))
+        {
+            panic!("a bug in the policy");
+        }
+        let only_a1 = req.extensions.get::<OnlyA1>().is_some();
+        for id in ["b1", "a1"] {
+            if only_a1 && id != "a1" {
+                continue;
+            }
+            let Some(b) = fleet.backends().find(|b| b.id().as_str() == id) else {
+                continue;
+            };
+            if c.offer(b).is_break() {
+                break;
+            }
+        }
+    }
+}
+
+/// `a1` and `b1` of one slot each, both taken by streams (`b1`'s first); `b1`'s service
+/// panics when it is called with a request carrying `x-panic`.
+async fn b1_then_a1_full() -> (
+    SessionAffinity<StaticFleet<MockService>, HeaderKey, B1ThenA1>,
+    Res,
+    Res,
+) {
+    let streams = Streams::default();
+    let b1 = backend("b1", &streams);
+    let b1 = MockService::new(tower::service_fn(move |req: Req| {
+        if req.headers().contains_key("x-panic") {
+            panic!("a bug in the backend's service");
+        }
+        b1.clone().oneshot(req)
+    }));
+    let mut svc = SessionAffinityLayer::new()
+        .placement(B1ThenA1)
+        .overflow(Overflow::wait(Duration::from_secs(30), 8))
+        .layer(StaticFleet::new([
+            ("a1", Backend::new("a", backend("a1", &streams))),
+            ("b1", Backend::new("b", b1)),
+        ]));
+    let on_b1 = send(&mut svc, None, Some("stream")).await.unwrap();
+    let on_a1 = send(&mut svc, None, Some("stream")).await.unwrap();
+    assert_eq!(
+        (
+            decision(&on_b1).backend.as_str(),
+            decision(&on_a1).backend.as_str()
+        ),
+        ("b1", "a1")
+    );
+    (svc, on_b1, on_a1)
+}
+
+/// A waiter woken for a slot, sent to another backend it prefers whose service then panics,
+/// still passes the slot it was woken for on: a waiter that only that slot serves takes it
+/// rather than sleeping beside it until its `max_wait`.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_wake_whose_waiter_meets_a_panicking_backend_is_passed_on() {
+    let (mut svc, on_b1, on_a1) = b1_then_a1_full().await;
+    svc.ready().await.unwrap();
+    let mut req = request(None, None);
+    req.headers_mut()
+        .insert("x-panic", http::HeaderValue::from_static("1"));
+    let mut first = tokio_test::task::spawn(svc.call(req));
+    assert_pending!(first.poll());
+    // a1 frees, for the waiter; then b1, which it prefers.
+    drop(on_a1);
+    drop(on_b1);
+    assert!(first.is_woken());
+    // A request that a1 alone may serve comes before the woken waiter runs: it waits.
+    svc.ready().await.unwrap();
+    let mut pinned = tokio_test::task::spawn(svc.call(continuing(None, None, "a1")));
+    assert_pending!(pinned.poll());
+    // The woken waiter takes b1 and leaves a1 to the other: b1's service panics.
+    let polled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| first.poll()));
+    assert!(polled.is_err(), "b1's service panicked");
+    drop(first);
+    assert_eq!(svc.stats().in_flight, 0);
+    assert!(
+        pinned.is_woken(),
+        "a1 is idle while a waiter it can serve sleeps (until its max_wait)"
+    );
+    let d = decision(&assert_ready!(pinned.poll()).unwrap());
+    assert_eq!(d.backend.as_str(), "a1");
+}
+
+/// A waiter woken for a slot whose look panics (its policy's bug) passes the slot on: the
+/// next waiter takes it rather than sleeping beside it until its `max_wait`.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_wake_whose_waiter_panics_as_it_looks_is_passed_on() {
+    let (mut svc, _on_b1, on_a1) = b1_then_a1_full().await;
+    let panic_now = PanicWhen::default();
+    svc.ready().await.unwrap();
+    let mut req = request(None, None);
+    req.extensions_mut().insert(panic_now.clone());
+    let mut first = tokio_test::task::spawn(svc.call(req));
+    assert_pending!(first.poll());
+    svc.ready().await.unwrap();
+    let mut second = tokio_test::task::spawn(svc.call(request(None, None)));
+    assert_pending!(second.poll());
+    // a1 frees, for the oldest waiter, whose look then panics.
+    drop(on_a1);
+    assert!(first.is_woken() && !second.is_woken());
+    panic_now
+        .0
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    let polled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| first.poll()));
+    assert!(polled.is_err(), "the policy panicked");
+    drop(first);
+    assert_eq!(svc.stats().waiting, 1);
+    assert!(
+        second.is_woken(),
+        "a1 is idle while a waiter it can serve sleeps (until its max_wait)"
+    );
+    let d = decision(&assert_ready!(second.poll()).unwrap());
+    assert_eq!(d.backend.as_str(), "a1");
+}
+
 /// `request` with a chain of the given blocks, pinned to `on` if given.
 fn chained(session: &str, mode: Option<&str>, blocks: &[(u64, u32)], on: Option<&str>) -> Req {
     let mut req = request(Some(session), mode);
