@@ -18,7 +18,10 @@
 //! that may not take it. Meanwhile the slot is promised to the woken waiter
 //! (`Load::reserved`): a request arriving before it runs does not take it, or under sustained
 //! load a waiter could be woken again and again for slots that later arrivals took, and be
-//! refused at its deadline while they were served. A woken request whose caller neither polls
+//! refused at its deadline while they were served. The promise is taken back as the waiter
+//! starts to look, so on a runtime of several threads a request arriving during that look
+//! (placement: microseconds) can still take the slot; the waiter then passes the wake on, as
+//! for any slot it does not take, and goes on waiting. A woken request whose caller neither polls
 //! nor drops it keeps the slot promised until it does one or the other: a caller that stops
 //! polling a response future should drop it.
 //!
