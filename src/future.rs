@@ -109,6 +109,15 @@ struct Reading<S, P, ReqB> {
     shared: SharedOf<S, P>,
 }
 
+impl<S, P, ReqB> Drop for Reading<S, P, ReqB> {
+    fn drop(&mut self) {
+        // Dropped before the store answered: the caller gave up on it, as on a waiting one.
+        if self.req.is_some() {
+            self.shared.capacity.counters.count_abandoned();
+        }
+    }
+}
+
 /// What a response future needs once its backend is chosen: copied out of the service's
 /// shared state, so that a dispatched request holds no reference to it.
 #[derive(Clone, Copy, Debug)]

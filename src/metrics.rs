@@ -41,7 +41,7 @@
 //! | `tower_affinity_overcommitted_total` | counter | | requests sent beyond a backend's slots |
 //! | `tower_affinity_rejected_total` | counter | | requests refused: no slot, no room to wait |
 //! | `tower_affinity_no_backends_total` | counter | | requests refused: no backend |
-//! | `tower_affinity_abandoned_total` | counter | | requests their caller gave up on while they waited for a slot |
+//! | `tower_affinity_abandoned_total` | counter | | requests their caller gave up on while they waited for a slot or the shared store |
 //! | `tower_affinity_backend_errors_total` | counter | | requests whose backend failed or answered 503, over the fleet |
 //! | `tower_affinity_discovery_errors_total` | counter | | errors from the discovery stream |
 //! | `tower_affinity_backend_failures_total` | counter | `backend`, `node` | requests that failed on this backend, or that it answered with 503 |

@@ -174,7 +174,7 @@ pub struct Stats {
     /// Requests refused because no backend was up: the fleet empty, or every backend down.
     pub no_backends: u64,
     /// Requests their caller gave up on (dropped the response future) while they waited for
-    /// a slot: neither placed nor refused. With [`rejected`](Self::rejected) and
+    /// a slot, or for the shared store's answer: neither placed nor refused. With [`rejected`](Self::rejected) and
     /// [`no_backends`](Self::no_backends), they and the outcomes add up to the requests the
     /// service was called with (a request [`RetryOnce`](crate::RetryOnce) retries is called
     /// twice).

@@ -329,6 +329,23 @@ async fn a_failing_store_is_passed_over_and_found_again_by_a_probe() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_request_given_up_while_the_store_is_read_is_counted_abandoned() {
+    let store = MemoryStore::new();
+    store.mode(Mode::Hang);
+    let svc = service(&store);
+    let req = http::Request::post("/")
+        .header("x-session-id", "s")
+        .body(String::new())
+        .unwrap();
+    // The caller gives up before the store's deadline.
+    let gave_up = tokio::time::timeout(DEADLINE / 2, svc.clone().oneshot(req)).await;
+    assert!(gave_up.is_err());
+    let s = svc.stats();
+    assert_eq!((s.abandoned, s.rejected, s.no_backends), (1, 0, 0), "{s:?}");
+    assert_eq!(s.in_flight, 0);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_check_finds_the_store_down_and_up_again_with_no_request() {
     let store = MemoryStore::new();
     let svc = service(&store);
