@@ -20,7 +20,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// |---|---|---|
 /// | [`NoBackends`](Error::NoBackends) | 503 Service Unavailable | |
 /// | [`Saturated`](Error::Saturated) | 429 Too Many Requests | `Retry-After: <seconds>` |
-/// | [`Backend`](Error::Backend) | 502 Bad Gateway; 504 Gateway Timeout if the backend timed out | |
+/// | [`Backend`](Error::Backend) | 502 Bad Gateway; 504 Gateway Timeout if the backend timed out; 400 Bad Request if the request's own body failed on its way to an `HttpBackend` | |
 ///
 /// A backend "timed out" when its error, or any error in its [source] chain, is an
 /// [`io::Error`](std::io::Error) of kind [`TimedOut`](std::io::ErrorKind::TimedOut), or the
@@ -79,6 +79,14 @@ impl Error {
         match self {
             Error::NoBackends => StatusCode::SERVICE_UNAVAILABLE,
             Error::Saturated { .. } => StatusCode::TOO_MANY_REQUESTS,
+            #[cfg(feature = "client")]
+            Error::Backend { source, .. }
+                if source
+                    .downcast_ref::<crate::client::HttpBackendError>()
+                    .is_some_and(|e| e.kind() == crate::client::FailureKind::RequestBody) =>
+            {
+                StatusCode::BAD_REQUEST
+            }
             Error::Backend { source, .. } if timed_out(&**source) => StatusCode::GATEWAY_TIMEOUT,
             Error::Backend { .. } => StatusCode::BAD_GATEWAY,
         }

@@ -192,7 +192,8 @@ impl Dispatched {
     }
 
     /// The backend failed (in readiness or in the call): counted, and the backend is passed
-    /// over for the failure cooldown.
+    /// over for the failure cooldown; unless it was the request's own body that failed on its
+    /// way to an `HttpBackend`, which is no fault of the backend's.
     fn fail(self, e: BoxError) -> Error {
         let Dispatched {
             guard,
@@ -204,6 +205,17 @@ impl Dispatched {
         // The backend failed before answering: what it was sent is taken back.
         if let Some(r) = record {
             r.answer(false);
+        }
+        // The request's own body failed on its way: the backend is not at fault.
+        #[cfg(feature = "client")]
+        if e.downcast_ref::<crate::client::HttpBackendError>()
+            .is_some_and(|e| e.kind() == crate::client::FailureKind::RequestBody)
+        {
+            drop(guard);
+            return Error::Backend {
+                backend: decision.backend,
+                source: e,
+            };
         }
         guard.count_failure();
         let cooldown = finish.failure_cooldown;

@@ -28,21 +28,27 @@ pub enum FailureKind {
     Connect,
     /// Anything else: a protocol error, a request the client could not send.
     Other,
+    /// The request's own body failed while it was being sent: the client went away or sent
+    /// too slowly, or a limit of the proxy's cut it short. The request's fault, not the
+    /// backend's: 400, and the balancer does not pass the backend over for it.
+    RequestBody,
 }
 
 impl FailureKind {
-    /// The HTTP status a proxy answers with: 504 Gateway Timeout for [`Timeout`], else 502
-    /// Bad Gateway.
+    /// The HTTP status a proxy answers with: 504 Gateway Timeout for [`Timeout`], 400 Bad
+    /// Request for [`RequestBody`], else 502 Bad Gateway.
     ///
     /// [`Timeout`]: FailureKind::Timeout
+    /// [`RequestBody`]: FailureKind::RequestBody
     pub fn status(self) -> StatusCode {
         match self {
             FailureKind::Timeout => StatusCode::GATEWAY_TIMEOUT,
+            FailureKind::RequestBody => StatusCode::BAD_REQUEST,
             _ => StatusCode::BAD_GATEWAY,
         }
     }
 
-    /// A short name: `refused`, `reset`, `timeout`, `connect`, `other`.
+    /// A short name: `refused`, `reset`, `timeout`, `connect`, `other`, `request-body`.
     pub fn as_str(self) -> &'static str {
         match self {
             FailureKind::Refused => "refused",
@@ -50,6 +56,7 @@ impl FailureKind {
             FailureKind::Timeout => "timeout",
             FailureKind::Connect => "connect",
             FailureKind::Other => "other",
+            FailureKind::RequestBody => "request-body",
         }
     }
 }
@@ -102,6 +109,14 @@ impl HttpBackendError {
         HttpBackendError { kind, source }
     }
 
+    /// The request's own body failed while it was sent; `source` is the client's error.
+    pub(crate) fn request_body(source: BoxError) -> Self {
+        HttpBackendError {
+            kind: FailureKind::RequestBody,
+            source,
+        }
+    }
+
     /// No response headers within `after`.
     pub fn response_timeout(after: Duration) -> Self {
         HttpBackendError {
@@ -142,6 +157,7 @@ impl fmt::Display for HttpBackendError {
             FailureKind::Timeout => "timed out",
             FailureKind::Connect => "could not connect",
             FailureKind::Other => "request failed",
+            FailureKind::RequestBody => "the request body failed",
         };
         // The root cause: hyper's own messages ("client error (Connect)") name only the step.
         let mut root: &(dyn StdError + 'static) = &*self.source;

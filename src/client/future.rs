@@ -3,6 +3,8 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
@@ -30,6 +32,7 @@ pin_project! {
             #[pin]
             deadline: Option<tokio::time::Sleep>,
             after: Duration,
+            body_failed: Arc<AtomicBool>,
         },
         Failed { error: Option<HttpBackendError> },
     }
@@ -39,12 +42,14 @@ impl ResponseFuture {
     pub(crate) fn new(
         fut: hyper_util::client::legacy::ResponseFuture,
         timeout: Option<Duration>,
+        body_failed: Arc<AtomicBool>,
     ) -> Self {
         ResponseFuture {
             state: State::Sending {
                 fut,
                 deadline: timeout.map(tokio::time::sleep),
                 after: timeout.unwrap_or_default(),
+                body_failed,
             },
         }
     }
@@ -71,9 +76,16 @@ impl Future for ResponseFuture {
                 fut,
                 deadline,
                 after,
+                body_failed,
             } => {
                 if let Poll::Ready(res) = Pin::new(fut).poll(cx) {
-                    let mut res = res.map_err(|e| HttpBackendError::classify(e.into()))?;
+                    let mut res = res.map_err(|e| {
+                        if body_failed.load(Ordering::Acquire) {
+                            HttpBackendError::request_body(e.into())
+                        } else {
+                            HttpBackendError::classify(e.into())
+                        }
+                    })?;
                     strip_hop_by_hop(res.headers_mut());
                     return Poll::Ready(Ok(res));
                 }

@@ -13,6 +13,9 @@
 //!   with its status. Inside the balancer they become [`Error::Backend`](crate::Error::Backend),
 //!   so [`RetryOnce`](crate::RetryOnce) retries them elsewhere and the failure cooldown
 //!   passes the backend over, as for any backend service; a timeout answers 504, the rest 502.
+//!   A request whose own body failed while it was sent (the client went away, a body limit
+//!   or read timeout of the proxy's) is the request's fault, not the backend's:
+//!   [`FailureKind::RequestBody`], 400, and the backend is not passed over.
 //!
 //! The response body is hyper's [`Incoming`](hyper::body::Incoming), streamed frame by frame;
 //! the balancer's [`ResponseBody`](crate::ResponseBody) holds the slot until it ends.
@@ -39,6 +42,7 @@
 //! # Ok(()) }
 //! ```
 
+mod body;
 mod error;
 mod future;
 mod hop_by_hop;

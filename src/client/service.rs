@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::marker::PhantomData;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -13,6 +14,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
+use super::body::SentBody;
 use super::error::{HttpBackendError, InvalidBackendUrl};
 use super::future::ResponseFuture;
 use super::hop_by_hop::strip_hop_by_hop;
@@ -34,7 +36,10 @@ use super::hop_by_hop::strip_hop_by_hop;
 /// `B` is the request body the backend is sent. Behind
 /// [`BodyKeyLayer`](crate::key::BodyKeyLayer), which buffers every body, that is
 /// `Full<Bytes>` (from `http-body-util`), whatever body the server hands the layer (axum's
-/// `Body`, hyper's `Incoming`); without it, the server's own body type.
+/// `Body`, hyper's `Incoming`); without it, the server's own body type. A body that fails
+/// while it is sent (the client went away, a body limit) fails the request with
+/// [`FailureKind::RequestBody`](super::FailureKind::RequestBody), 400: the backend is not
+/// at fault and is not passed over.
 ///
 /// ```no_run
 /// use http_body_util::Full;
@@ -54,7 +59,7 @@ pub struct HttpBackend<B> {
 }
 
 struct Inner<B> {
-    client: Client<HttpConnector, B>,
+    client: Client<HttpConnector, SentBody<B>>,
     connector: HttpConnector,
     /// `scheme://authority/`.
     base: Uri,
@@ -168,7 +173,16 @@ where
     fn call(&mut self, req: Request<B>) -> Self::Future {
         match self.prepare(req, true) {
             Ok(req) => {
-                ResponseFuture::new(self.inner.client.request(req), self.inner.response_timeout)
+                // Set if the request's body fails while it is sent: the request's fault, which
+                // the client's error does not tell apart from the backend's (HTTP/2 resets the
+                // stream).
+                let failed = Arc::new(AtomicBool::new(false));
+                let req = req.map(|body| SentBody::new(body, failed.clone()));
+                ResponseFuture::new(
+                    self.inner.client.request(req),
+                    self.inner.response_timeout,
+                    failed,
+                )
             }
             Err(e) => ResponseFuture::failed(e),
         }

@@ -411,3 +411,63 @@ async fn a_refusal_through_the_balancer_is_a_502_of_kind_refused() {
     let res = e.into_response::<Infallible>();
     assert_eq!(res.status(), 502);
 }
+
+/// A request body capped by the proxy (`Limited`), as a proxy that streams bodies caps them.
+type Capped = http_body_util::Limited<Body>;
+
+#[tokio::test]
+async fn a_request_body_that_fails_on_its_way_is_400_and_no_fault_of_the_backend() {
+    let (addr, seen) = stub("a").await;
+    let oversize = || {
+        let body = Full::new(Bytes::from(vec![b'x'; 64 * 1024]));
+        Request::post("/v1/chat/completions")
+            .body(http_body_util::Limited::new(body, 1024))
+            .unwrap()
+    };
+    for http2 in [false, true] {
+        let backend = HttpBackend::<Capped>::builder()
+            .http2_prior_knowledge(http2)
+            .build(&url(addr))
+            .unwrap();
+        let e = tokio::time::timeout(DEADLINE, backend.clone().oneshot(oversize()))
+            .await
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(e.kind(), FailureKind::RequestBody, "http2 {http2}: {e:?}");
+        assert_eq!(e.status(), 400);
+
+        // Through the balancer: 400, and the backend neither counted as failed nor passed
+        // over; the next request goes to it.
+        let svc = SessionAffinityLayer::new()
+            .layer(StaticFleet::new([("a", Backend::new("n", backend))]));
+        let e: Error = tokio::time::timeout(DEADLINE, svc.clone().oneshot(oversize()))
+            .await
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(e.status(), 400, "http2 {http2}: {e}");
+        assert_eq!(
+            HttpBackendError::of(&e).map(|e| e.kind()),
+            Some(FailureKind::RequestBody)
+        );
+        let a = &svc.backends()[0];
+        assert!(
+            a.healthy,
+            "http2 {http2}: a client's body marked the backend down"
+        );
+        assert_eq!(a.failures, 0);
+        assert_eq!(svc.stats().backend_errors, 0);
+        assert_eq!(svc.stats().in_flight, 0);
+        let small = Request::post("/")
+            .body(http_body_util::Limited::new(
+                Full::new(Bytes::from_static(b"{}")),
+                1024,
+            ))
+            .unwrap();
+        let res = tokio::time::timeout(DEADLINE, svc.clone().oneshot(small))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(res.status(), 200);
+    }
+    assert!(seen.lock().iter().all(|s| s.body.as_ref() == b"{}"));
+}
