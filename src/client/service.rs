@@ -124,7 +124,8 @@ impl<B> HttpBackend<B> {
     }
 
     /// `req` as it goes to the backend: hop-by-hop headers dropped, `Host` set to the
-    /// backend's, the version the backend connection speaks, and, if `absolute`, the
+    /// backend's, `Cookie` fields joined into one for an HTTP/1.1 backend (an HTTP/2 client
+    /// may split them), the version the backend connection speaks, and, if `absolute`, the
     /// backend's scheme and authority in its URI (else its URI in origin-form, `/path?query`,
     /// for a connection of the caller's own).
     pub fn prepare(
@@ -136,6 +137,9 @@ impl<B> HttpBackend<B> {
         strip_hop_by_hop(req.headers_mut());
         // The client keeps a `Host` it finds; the client's own names the proxy.
         req.headers_mut().insert(header::HOST, inner.host.clone());
+        if inner.version != Version::HTTP_2 {
+            join_cookies(req.headers_mut());
+        }
         // The backend connection speaks its own version, whatever the client spoke.
         *req.version_mut() = inner.version;
         let mut parts = std::mem::take(req.uri_mut()).into_parts();
@@ -152,6 +156,27 @@ impl<B> HttpBackend<B> {
         *req.uri_mut() =
             Uri::from_parts(parts).map_err(|e| HttpBackendError::classify(e.into()))?;
         Ok(req)
+    }
+}
+
+/// Joins the `Cookie` fields of `headers` into one, with `; `, if there are several: an HTTP/2
+/// client may send each cookie as a field of its own, which must be joined before the request
+/// goes on over HTTP/1.1 (RFC 9113, section 8.2.3), where a request has one `Cookie` field.
+fn join_cookies(headers: &mut http::HeaderMap) {
+    let mut cookies = headers.get_all(header::COOKIE).iter();
+    if cookies.next().is_none() || cookies.next().is_none() {
+        return;
+    }
+    let mut joined = Vec::new();
+    for value in headers.get_all(header::COOKIE) {
+        if !joined.is_empty() {
+            joined.extend_from_slice(b"; ");
+        }
+        joined.extend_from_slice(value.as_bytes());
+    }
+    // Valid field values joined with "; " make a valid field value.
+    if let Ok(joined) = HeaderValue::from_bytes(&joined) {
+        headers.insert(header::COOKIE, joined);
     }
 }
 

@@ -471,3 +471,32 @@ async fn a_request_body_that_fails_on_its_way_is_400_and_no_fault_of_the_backend
     }
     assert!(seen.lock().iter().all(|s| s.body.as_ref() == b"{}"));
 }
+
+#[tokio::test]
+async fn cookies_an_http2_client_split_reach_an_http1_backend_as_one_field() {
+    let (addr, seen) = stub("a").await;
+    let cookies = || {
+        Request::get("/v1/models")
+            .version(Version::HTTP_2)
+            .header("cookie", "a=1")
+            .header("cookie", "b=2")
+            .header("cookie", "c=3")
+            .body(Body::default())
+            .unwrap()
+    };
+    let backend = HttpBackend::new(&url(addr)).unwrap();
+    call(&backend, cookies()).await.unwrap();
+    let s = seen.lock()[0].clone();
+    let got: Vec<_> = s.headers.get_all("cookie").iter().collect();
+    assert_eq!(got, ["a=1; b=2; c=3"]);
+
+    // An HTTP/2 backend takes them as they came.
+    let backend = HttpBackend::<Body>::builder()
+        .http2_prior_knowledge(true)
+        .build(&url(addr))
+        .unwrap();
+    call(&backend, cookies()).await.unwrap();
+    let s = seen.lock()[1].clone();
+    let got: Vec<_> = s.headers.get_all("cookie").iter().collect();
+    assert_eq!(got.len(), 3, "{got:?}");
+}
