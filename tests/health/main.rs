@@ -149,18 +149,37 @@ fn logs() -> &'static Logs {
     })
 }
 
-/// A shared store that refuses every read and write, counting the reads.
+/// A shared store that refuses every read and write, or whose reads and writes never answer
+/// (`silent`), counting the reads.
 #[derive(Clone, Debug, Default)]
-struct Refusing(Arc<AtomicUsize>);
+struct BadStore {
+    reads: Arc<AtomicUsize>,
+    silent: bool,
+}
 
-impl tower_affinity::store::HomeStore for Refusing {
+impl BadStore {
+    #[allow(clippy::type_complexity)]
+    fn answer<T: Send + 'static>(
+        &self,
+    ) -> std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<T, tower_affinity::BoxError>> + Send>,
+    > {
+        if self.silent {
+            Box::pin(std::future::pending())
+        } else {
+            Box::pin(async { Err("connection refused".into()) })
+        }
+    }
+}
+
+impl tower_affinity::store::HomeStore for BadStore {
     fn read(
         &self,
         _: tower_affinity::key::SessionKey,
         _: Duration,
     ) -> tower_affinity::store::ReadHome {
-        self.0.fetch_add(1, Ordering::Relaxed);
-        Box::pin(async { Err("connection refused".into()) })
+        self.reads.fetch_add(1, Ordering::Relaxed);
+        self.answer()
     }
 
     fn write(
@@ -169,14 +188,14 @@ impl tower_affinity::store::HomeStore for Refusing {
         _: tower_affinity::store::StoredHome,
         _: Duration,
     ) -> tower_affinity::store::WriteHome {
-        Box::pin(async { Err("connection refused".into()) })
+        self.answer()
     }
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn each_round_checks_the_shared_store_and_finds_it_down_with_no_request() {
     let (addr, _stub) = start(1).await;
-    let store = Refusing::default();
+    let store = BadStore::default();
     let (fleet, prober) =
         HealthProbe::new().discover(StaticFleet::new(vec![("a", Backend::new("n", http(addr)))]));
     let affinity: Affinity = SessionAffinityLayer::new()
@@ -189,47 +208,22 @@ async fn each_round_checks_the_shared_store_and_finds_it_down_with_no_request() 
         "not read yet"
     );
     prober.round(&affinity).await;
-    assert_eq!(store.0.load(Ordering::Relaxed), 1);
+    assert_eq!(store.reads.load(Ordering::Relaxed), 1);
     assert_eq!(state(), tower_affinity::store::StoreState::Down);
     // The background task's rounds check it too.
     let task = prober.clone().spawn(affinity.clone());
     tokio::time::sleep(Duration::from_secs(25)).await;
-    assert!(
-        store.0.load(Ordering::Relaxed) >= 3,
-        "{store:?}",
-        store = store.0
-    );
+    assert!(store.reads.load(Ordering::Relaxed) >= 3, "{store:?}");
     drop(task);
-}
-
-/// A shared store whose reads never answer, counting them.
-#[derive(Clone, Debug, Default)]
-struct Silent(Arc<AtomicUsize>);
-
-impl tower_affinity::store::HomeStore for Silent {
-    fn read(
-        &self,
-        _: tower_affinity::key::SessionKey,
-        _: Duration,
-    ) -> tower_affinity::store::ReadHome {
-        self.0.fetch_add(1, Ordering::Relaxed);
-        Box::pin(std::future::pending())
-    }
-
-    fn write(
-        &self,
-        _: tower_affinity::key::SessionKey,
-        _: tower_affinity::store::StoredHome,
-        _: Duration,
-    ) -> tower_affinity::store::WriteHome {
-        Box::pin(std::future::pending())
-    }
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_store_slower_than_the_interval_does_not_hold_the_probes_back() {
     let (addr, stub) = start(1).await;
-    let store = Silent::default();
+    let store = BadStore {
+        silent: true,
+        ..BadStore::default()
+    };
     let (fleet, prober) = HealthProbe::new()
         .interval(Duration::from_secs(2))
         .discover(StaticFleet::new(vec![("a", Backend::new("n", http(addr)))]));
@@ -243,7 +237,7 @@ async fn a_store_slower_than_the_interval_does_not_hold_the_probes_back() {
     let probes = stub.health_hits.load(Ordering::Relaxed);
     assert!(probes >= 9, "{probes} probes in 19 s");
     // One check at a time: at the start, and once the first ran out.
-    assert_eq!(store.0.load(Ordering::Relaxed), 2);
+    assert_eq!(store.reads.load(Ordering::Relaxed), 2);
     assert_eq!(
         affinity.store_stats().unwrap().state,
         tower_affinity::store::StoreState::Down

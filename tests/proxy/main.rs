@@ -62,6 +62,14 @@ struct Running {
 
 /// Config for `(node, stub)` pairs, two slots each, the stub's name as the backend id, no
 /// background probe (tests probe by hand).
+/// A proxy's configuration of the `--backend` specs given, without probes.
+fn config_of(specs: &[String]) -> Config {
+    let backends = specs.iter().map(|spec| cli::backend(spec).unwrap().0);
+    let mut config = Config::new(backends.collect());
+    config.probe_interval = None;
+    config
+}
+
 fn config(stubs: &[(&str, &Stub)]) -> Config {
     let backends = stubs
         .iter()
@@ -600,13 +608,7 @@ async fn the_probe_finds_a_shared_store_down_in_every_fleet_before_any_request()
         format!("n={},slots=2,id=a,model=one", a.url()),
         format!("n={},slots=2,id=b,model=two", a.url()),
     ];
-    let mut config = Config::new(
-        backends
-            .iter()
-            .map(|b| cli::backend(b).unwrap().0)
-            .collect(),
-    );
-    config.probe_interval = None;
+    let mut config = config_of(&backends);
     config.redis = Some(format!("redis://127.0.0.1:{port}"));
     let proxy = start(config).await;
     proxy.proxy.probe_all().await;
@@ -1434,10 +1436,7 @@ async fn each_model_has_a_fleet_of_its_own_and_its_own_series() {
         format!("node-b={},slots=2,id=b", b.url()),
         format!("node-c={},slots=2,id=small,model=qwen3-4b", small.url()),
     ];
-    let backends = backends.iter().map(|spec| cli::backend(spec).unwrap().0);
-    let mut config = Config::new(backends.collect());
-    config.probe_interval = None;
-    let proxy = start(config).await;
+    let proxy = start(config_of(&backends)).await;
 
     let session = [("x-session-id", "agent-1")];
     let mut main = Conversation::new("agent-1");
@@ -1531,10 +1530,7 @@ async fn without_a_fleet_for_other_models_the_first_model_takes_them() {
         format!("node-a={},slots=2,id=small,model=qwen3-4b", small.url()),
         format!("node-b={},slots=2,id=coder,model=qwen3-coder", coder.url()),
     ];
-    let backends = backends.iter().map(|spec| cli::backend(spec).unwrap().0);
-    let mut config = Config::new(backends.collect());
-    config.probe_interval = None;
-    let proxy = start(config).await;
+    let proxy = start(config_of(&backends)).await;
     for (model, backend) in [
         ("qwen3-coder", "coder"),
         ("qwen3-4b", "small"),
@@ -1575,14 +1571,7 @@ async fn a_fleet_with_no_backend_up_says_which_model_it_serves() {
         format!("node-a={},slots=2,id=small", small.url()),
         format!("node-b={},slots=2,id=coder,model=qwen3-coder", coder.url()),
     ];
-    let mut config = Config::new(
-        backends
-            .iter()
-            .map(|b| cli::backend(b).unwrap().0)
-            .collect(),
-    );
-    config.probe_interval = None;
-    let proxy = start(config).await;
+    let proxy = start(config_of(&backends)).await;
     coder.set_health(503);
     small.set_health(503);
     proxy.proxy.probe_all().await;
@@ -1613,9 +1602,7 @@ async fn a_fleet_with_no_backend_up_says_which_model_it_serves() {
 async fn a_model_is_retrieved_by_its_name_escaped_or_not() {
     let a = Stub::start("a", 2).await;
     let spec = format!("n={},id=a,model=org/Model 4B", a.url());
-    let mut config = Config::new(vec![cli::backend(&spec).unwrap().0]);
-    config.probe_interval = None;
-    let proxy = start(config).await;
+    let proxy = start(config_of(&[spec])).await;
     for path in [
         "/v1/models/org/Model%204B",
         "/v1/models/org%2FModel%204B",
