@@ -101,6 +101,10 @@ fn shapes(size: usize) -> Vec<(&'static str, Bytes)> {
             repeated(r#"{"user":["#, "0,", "]}", size),
         ),
         (
+            "stream as an array of zeros",
+            repeated(r#"{"stream":["#, "0,", "]}", size),
+        ),
+        (
             "the metadata key field of many members",
             metadata_keys(size),
         ),

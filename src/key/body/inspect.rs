@@ -304,7 +304,7 @@ impl<'de> Visitor<'de> for TopLevel<'_, 'de> {
                     continue;
                 }
                 Member::Stream => {
-                    found.stream = map.next_value::<Value>()?.as_bool();
+                    found.stream = map.next_value::<Flag>()?.0;
                     continue;
                 }
                 Member::StreamOptions => {
@@ -602,6 +602,60 @@ impl<'de> Visitor<'de> for Skip {
     }
 
     ignore_other_values!();
+}
+
+/// A value that counts only if it is a boolean (`stream`'s): anything else is checked as
+/// [`Skip`] checks it and forgotten, nothing built.
+struct Flag(Option<bool>);
+
+impl<'de> Deserialize<'de> for Flag {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(FlagVisitor)
+    }
+}
+
+struct FlagVisitor;
+
+impl<'de> Visitor<'de> for FlagVisitor {
+    type Value = Flag;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_bool<E: de::Error>(self, b: bool) -> Result<Flag, E> {
+        Ok(Flag(Some(b)))
+    }
+
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Flag, E> {
+        Ok(Flag(None))
+    }
+
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Flag, E> {
+        Ok(Flag(None))
+    }
+
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Flag, E> {
+        Ok(Flag(None))
+    }
+
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<Flag, E> {
+        Ok(Flag(None))
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Flag, E> {
+        Ok(Flag(None))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Flag, A::Error> {
+        while seq.next_element::<Skip>()?.is_some() {}
+        Ok(Flag(None))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Flag, A::Error> {
+        while map.next_entry::<Skip, Skip>()?.is_some() {}
+        Ok(Flag(None))
+    }
 }
 
 /// The keys a key field's value holds: for each field (its index in `Config::fields`, and the
