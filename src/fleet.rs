@@ -1148,36 +1148,49 @@ impl Topology {
     pub(crate) fn status(&self, now_ms: u64) -> Vec<BackendStatus> {
         self.live
             .indexes()
-            .map(|i| {
-                let m = self.member(i);
-                let cache = m.cache.lock();
-                let l = &m.load.learned;
-                BackendStatus {
-                    id: m.id.clone(),
-                    node: self.node(m.node).id.clone(),
-                    slots: m.load.slots.load(Ordering::Relaxed),
-                    in_flight: m.load.in_flight.load(Ordering::Relaxed),
-                    healthy: !m.load.health(now_ms).0,
-                    failures: m.load.failures.load(Ordering::Relaxed),
-                    conversations: cache.conversations(),
-                    cached_tokens: cache.tokens(),
-                    cache_budget: cache.budget(),
-                    cached_blocks: cache.blocks(),
-                    evicted_blocks: cache.evicted(),
-                    unread_tokens: l.unread_tokens.load(Ordering::Relaxed),
-                    usage_reports: l.reports.load(Ordering::Relaxed),
-                    prompt_tokens: l.prompt_tokens.load(Ordering::Relaxed),
-                    reused_tokens: l.reused_tokens.load(Ordering::Relaxed),
-                    unreported_prompt_tokens: l.unreported_prompt_tokens.load(Ordering::Relaxed),
-                    corrections: l.corrections.load(Ordering::Relaxed),
-                    prefill_rate: l
-                        .prefill_rate()
-                        .map(|r| r.round().min(f64::from(u32::MAX)) as u32),
-                    request_time: l.request_time(),
-                    first_byte_time: l.first_byte_time(),
-                }
-            })
+            .map(|i| self.status_of(i, now_ms))
             .collect()
+    }
+
+    /// Sets each live backend's level gauges, through its own handles: under the labels its
+    /// counters have, those of the node discovery first gave it, which its removal zeroes.
+    #[cfg(feature = "metrics")]
+    pub(crate) fn publish_levels(&self, now_ms: u64) {
+        for i in self.live.indexes() {
+            let status = self.status_of(i, now_ms);
+            self.member(i).load.metrics.publish(&status);
+        }
+    }
+
+    /// Backend `index`'s status.
+    fn status_of(&self, i: u32, now_ms: u64) -> BackendStatus {
+        let m = self.member(i);
+        let cache = m.cache.lock();
+        let l = &m.load.learned;
+        BackendStatus {
+            id: m.id.clone(),
+            node: self.node(m.node).id.clone(),
+            slots: m.load.slots.load(Ordering::Relaxed),
+            in_flight: m.load.in_flight.load(Ordering::Relaxed),
+            healthy: !m.load.health(now_ms).0,
+            failures: m.load.failures.load(Ordering::Relaxed),
+            conversations: cache.conversations(),
+            cached_tokens: cache.tokens(),
+            cache_budget: cache.budget(),
+            cached_blocks: cache.blocks(),
+            evicted_blocks: cache.evicted(),
+            unread_tokens: l.unread_tokens.load(Ordering::Relaxed),
+            usage_reports: l.reports.load(Ordering::Relaxed),
+            prompt_tokens: l.prompt_tokens.load(Ordering::Relaxed),
+            reused_tokens: l.reused_tokens.load(Ordering::Relaxed),
+            unreported_prompt_tokens: l.unreported_prompt_tokens.load(Ordering::Relaxed),
+            corrections: l.corrections.load(Ordering::Relaxed),
+            prefill_rate: l
+                .prefill_rate()
+                .map(|r| r.round().min(f64::from(u32::MAX)) as u32),
+            request_time: l.request_time(),
+            first_byte_time: l.first_byte_time(),
+        }
     }
 }
 

@@ -326,6 +326,21 @@ impl BackendMetrics {
         }
     }
 
+    /// Sets the backend's level gauges from its status `b`.
+    #[cfg(feature = "metrics")]
+    pub(crate) fn publish(&self, b: &BackendStatus) {
+        let [in_flight, slots, healthy, cached, budget, conversations, prefill] = &self.levels;
+        in_flight.set(f64::from(b.in_flight));
+        slots.set(f64::from(b.slots));
+        healthy.set(if b.healthy { 1.0 } else { 0.0 });
+        cached.set(b.cached_tokens as f64);
+        budget.set(b.cache_budget as f64);
+        conversations.set(f64::from(b.conversations));
+        if let Some(rate) = b.prefill_rate {
+            prefill.set(f64::from(rate));
+        }
+    }
+
     /// The backend left the fleet: its levels read 0 from now on (a recorder keeps a series
     /// once set; the exporter's idle timeout is what drops it), so that sums over the
     /// backends count only those in the fleet.
@@ -590,9 +605,10 @@ fn describe() {
     }
 }
 
-/// Sets the level gauges from a snapshot of the service.
+/// Sets the fleet's level gauges from a snapshot of the service (the backends' are set
+/// through their own handles: [`BackendMetrics::publish`]).
 #[cfg(feature = "metrics")]
-pub(crate) fn publish(fleet: &Labels, stats: &Stats, backends: &[BackendStatus]) {
+pub(crate) fn publish(fleet: &Labels, stats: &Stats) {
     describe();
     for name in EVENTS {
         fleet.counter(name).increment(0);
@@ -617,28 +633,6 @@ pub(crate) fn publish(fleet: &Labels, stats: &Stats, backends: &[BackendStatus])
     level("tower_affinity_in_flight", stats.in_flight);
     level("tower_affinity_waiting", stats.waiting);
     level("tower_affinity_sessions", stats.sessions);
-    for b in backends {
-        let labels = fleet.of_backend(b.id.as_str(), b.node.as_str());
-        gauge!("tower_affinity_backend_in_flight", labels.iter()).set(f64::from(b.in_flight));
-        gauge!("tower_affinity_backend_slots", labels.iter()).set(f64::from(b.slots));
-        gauge!("tower_affinity_backend_healthy", labels.iter()).set(if b.healthy {
-            1.0
-        } else {
-            0.0
-        });
-        gauge!("tower_affinity_backend_cached_tokens", labels.iter()).set(b.cached_tokens as f64);
-        gauge!("tower_affinity_backend_cache_budget_tokens", labels.iter())
-            .set(b.cache_budget as f64);
-        gauge!("tower_affinity_backend_conversations", labels.iter())
-            .set(f64::from(b.conversations));
-        if let Some(rate) = b.prefill_rate {
-            gauge!(
-                "tower_affinity_backend_prefill_tokens_per_second",
-                labels.iter()
-            )
-            .set(f64::from(rate));
-        }
-    }
 }
 
 /// Sets the shared store's state and counters from a snapshot of them.

@@ -279,7 +279,9 @@ where
     #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
     pub fn publish_metrics(&self) {
         let labels = &self.shared.capacity.counters.labels;
-        crate::metrics::publish(labels, &self.stats(), &self.backends());
+        crate::metrics::publish(labels, &self.stats());
+        let now = self.shared.capacity.now_ms(Instant::now());
+        self.shared.fleet.load().topology.publish_levels(now);
         if let Some(store) = self.store_stats() {
             crate::metrics::publish_store(labels, &store);
         }

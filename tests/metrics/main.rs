@@ -531,3 +531,33 @@ fn labels_an_exporter_would_refuse_are_left_out() {
         );
     }
 }
+
+#[test]
+fn a_backend_moved_to_another_node_keeps_one_series_of_each_level_and_zeroes_it_when_it_leaves() {
+    let ((), snapshot) = recorded(async {
+        let backend = service_fn(|_req: http::Request<String>| async {
+            Ok::<_, Infallible>(http::Response::new(String::new()))
+        });
+        let (handle, fleet) = tower_affinity::discover::channel();
+        let slots = NonZeroU32::new(2).unwrap();
+        handle.insert("a1", Backend::new("node-a", backend).slots(slots));
+        let mut svc = SessionAffinityLayer::new().layer(fleet);
+        svc.ready().await.unwrap();
+        svc.publish_metrics();
+        // Discovery moves it: an update of the same backend, on another node.
+        handle.insert("a1", Backend::new("node-b", backend).slots(slots));
+        svc.ready().await.unwrap();
+        svc.publish_metrics();
+        handle.remove("a1");
+        svc.ready().await.unwrap();
+        svc.publish_metrics();
+    });
+    // Every level of a1 reads 0 once it has left, whichever node label it is under: none
+    // stays at what it was, to be summed with the fleet's.
+    for (key, _, _, v) in &snapshot {
+        let name = key.key().name();
+        if key.kind() == MetricKind::Gauge && name.starts_with("tower_affinity_backend_") {
+            assert_eq!(v, &DebugValue::Gauge(0.0.into()), "{key:?}");
+        }
+    }
+}
