@@ -7,8 +7,9 @@
 //! (`prometheus-client` with a registry passed in would tie the application to Prometheus's
 //! data model and to one registry.)
 //!
-//! Events are recorded as they happen, on handles each backend registers when discovery first
-//! names it: install the recorder before the service takes its first request. Levels (what is
+//! Events are recorded as they happen, each on its series as the recorder has it then (so that
+//! a series an exporter dropped as idle comes back with its next event): install the recorder
+//! before the service takes its first request. Levels (what is
 //! in flight, the backends' health, what the caches hold) are read off the service when the
 //! application asks, with [`SessionAffinity::publish_metrics`](crate::SessionAffinity::publish_metrics),
 //! typically just before rendering a scrape, so that no request pays for a gauge.
@@ -179,8 +180,8 @@ impl Labels {
     /// A backend's series' labels: its own, then the balancer's.
     fn of_backend(&self, backend: &str, node: &str) -> Vec<Label> {
         self.with([
-            Label::new("backend", backend.to_owned()),
-            Label::new("node", node.to_owned()),
+            Label::new("backend", Arc::<str>::from(backend)),
+            Label::new("node", Arc::<str>::from(node)),
         ])
     }
 
@@ -233,27 +234,21 @@ impl Labels {
     }
 }
 
-/// One backend's event handles; nothing without the feature.
+/// One backend's series' labels; nothing without the feature.
+///
+/// Each event looks its series up in the recorder by them rather than keeping the handles
+/// the recorder gave when the backend was discovered: an exporter with an idle timeout
+/// drops a series quiet for that long (a backend without traffic overnight), and a handle
+/// kept from before writes to what it dropped, never rendered again.
 #[derive(Debug)]
 pub(crate) struct BackendMetrics {
     /// The balancer's labels, for the fleet-wide series it also counts in.
     #[cfg(feature = "metrics")]
     fleet: Labels,
+    /// The backend's own labels, then the balancer's; shared, so that a lookup copies no
+    /// string.
     #[cfg(feature = "metrics")]
-    failures: Counter,
-    #[cfg(feature = "metrics")]
-    prompt_tokens: Counter,
-    #[cfg(feature = "metrics")]
-    reused_tokens: Counter,
-    #[cfg(feature = "metrics")]
-    unreported_prompt_tokens: Counter,
-    #[cfg(feature = "metrics")]
-    corrections: Counter,
-    #[cfg(feature = "metrics")]
-    first_byte: Histogram,
-    /// The level gauges [`publish`] sets, zeroed when the backend leaves the fleet.
-    #[cfg(feature = "metrics")]
-    levels: [Gauge; LEVELS.len()],
+    labels: Arc<[Label]>,
 }
 
 /// The per-backend gauges [`publish`] sets.
@@ -273,35 +268,51 @@ impl BackendMetrics {
     pub(crate) fn new(backend: &BackendId, node: &NodeId, fleet: &Labels) -> Self {
         #[cfg(feature = "metrics")]
         {
-            let labels = fleet.of_backend(backend.as_str(), node.as_str());
-            BackendMetrics {
+            let labels = fleet.of_backend(backend.as_str(), node.as_str()).into();
+            let metrics = BackendMetrics {
                 fleet: fleet.clone(),
-                failures: counter!("tower_affinity_backend_failures_total", labels.iter()),
-                prompt_tokens: counter!(
-                    "tower_affinity_backend_prompt_tokens_total",
-                    labels.iter()
-                ),
-                reused_tokens: counter!(
-                    "tower_affinity_backend_reused_tokens_total",
-                    labels.iter()
-                ),
-                unreported_prompt_tokens: counter!(
-                    "tower_affinity_backend_unreported_prompt_tokens_total",
-                    labels.iter()
-                ),
-                corrections: counter!("tower_affinity_backend_corrections_total", labels.iter()),
-                first_byte: histogram!("tower_affinity_backend_first_byte_seconds", labels.iter()),
-                levels: LEVELS.map(|name| gauge!(name, labels.iter())),
+                labels,
+            };
+            // Its counters and histogram are there from its discovery on, at 0.
+            for name in [
+                "tower_affinity_backend_failures_total",
+                "tower_affinity_backend_prompt_tokens_total",
+                "tower_affinity_backend_reused_tokens_total",
+                "tower_affinity_backend_unreported_prompt_tokens_total",
+                "tower_affinity_backend_corrections_total",
+            ] {
+                let _ = metrics.counter(name);
             }
+            let _ = metrics.histogram("tower_affinity_backend_first_byte_seconds");
+            metrics
         }
         #[cfg(not(feature = "metrics"))]
         BackendMetrics {}
     }
 
+    /// The backend's counter `name`, as the recorder has it now.
+    #[cfg(feature = "metrics")]
+    fn counter(&self, name: &'static str) -> Counter {
+        counter!(name, self.labels.iter())
+    }
+
+    /// The backend's histogram `name`, as the recorder has it now.
+    #[cfg(feature = "metrics")]
+    fn histogram(&self, name: &'static str) -> Histogram {
+        histogram!(name, self.labels.iter())
+    }
+
+    /// The backend's gauge `name`, as the recorder has it now.
+    #[cfg(feature = "metrics")]
+    fn gauge(&self, name: &'static str) -> Gauge {
+        gauge!(name, self.labels.iter())
+    }
+
     pub(crate) fn failure(&self) {
         #[cfg(feature = "metrics")]
         {
-            self.failures.increment(1);
+            self.counter("tower_affinity_backend_failures_total")
+                .increment(1);
             self.fleet
                 .counter("tower_affinity_backend_errors_total")
                 .increment(1);
@@ -315,13 +326,18 @@ impl BackendMetrics {
             // Only the answers that said their reuse count against it.
             match reused {
                 Some(reused) => {
-                    self.prompt_tokens.increment(prompt);
-                    self.reused_tokens.increment(reused);
+                    self.counter("tower_affinity_backend_prompt_tokens_total")
+                        .increment(prompt);
+                    self.counter("tower_affinity_backend_reused_tokens_total")
+                        .increment(reused);
                 }
-                None => self.unreported_prompt_tokens.increment(prompt),
+                None => self
+                    .counter("tower_affinity_backend_unreported_prompt_tokens_total")
+                    .increment(prompt),
             }
             if correction {
-                self.corrections.increment(1);
+                self.counter("tower_affinity_backend_corrections_total")
+                    .increment(1);
             }
         }
     }
@@ -329,7 +345,8 @@ impl BackendMetrics {
     /// Sets the backend's level gauges from its status `b`.
     #[cfg(feature = "metrics")]
     pub(crate) fn publish(&self, b: &BackendStatus) {
-        let [in_flight, slots, healthy, cached, budget, conversations, prefill] = &self.levels;
+        let [in_flight, slots, healthy, cached, budget, conversations, prefill] =
+            LEVELS.map(|name| self.gauge(name));
         in_flight.set(f64::from(b.in_flight));
         slots.set(f64::from(b.slots));
         healthy.set(if b.healthy { 1.0 } else { 0.0 });
@@ -346,15 +363,16 @@ impl BackendMetrics {
     /// backends count only those in the fleet.
     pub(crate) fn removed(&self) {
         #[cfg(feature = "metrics")]
-        for gauge in &self.levels {
-            gauge.set(0.0);
+        for name in LEVELS {
+            self.gauge(name).set(0.0);
         }
     }
 
     #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
     pub(crate) fn first_byte(&self, after: Duration) {
         #[cfg(feature = "metrics")]
-        self.first_byte.record(after.as_secs_f64());
+        self.histogram("tower_affinity_backend_first_byte_seconds")
+            .record(after.as_secs_f64());
     }
 }
 

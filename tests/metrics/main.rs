@@ -561,3 +561,70 @@ fn a_backend_moved_to_another_node_keeps_one_series_of_each_level_and_zeroes_it_
         }
     }
 }
+
+#[test]
+fn a_backends_series_dropped_as_idle_come_back_with_its_next_events() {
+    use metrics_exporter_prometheus::PrometheusBuilder;
+    use metrics_util::MetricKindMask;
+
+    // Every series idle since the last render is dropped at the next: a backend quiet for
+    // the exporter's idle timeout.
+    let recorder = PrometheusBuilder::new()
+        .idle_timeout(MetricKindMask::ALL, Some(std::time::Duration::ZERO))
+        .build_recorder();
+    let prometheus = recorder.handle();
+    let series = |text: &str, name: &str| {
+        let prefix = format!("{name}{{backend=\"a1\",node=\"node-a\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()).map(str::to_owned))
+    };
+    metrics::with_local_recorder(&recorder, || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap()
+            .block_on(async {
+                let backend = service_fn(|_req: http::Request<String>| async {
+                    let mut res =
+                        http::Response::new(Full::new(Bytes::from_static(ANSWER.as_bytes())));
+                    res.headers_mut()
+                        .insert("content-type", "application/json".parse().unwrap());
+                    Ok::<_, Infallible>(res)
+                });
+                let fleet = StaticFleet::new([(
+                    "a1",
+                    Backend::new("node-a", backend).slots(NonZeroU32::new(2).unwrap()),
+                )]);
+                let svc = SessionAffinityLayer::new().layer(fleet);
+                let turn = || async {
+                    let req = http::Request::post("/v1/chat/completions")
+                        .header("x-session-id", "s")
+                        .body(String::new())
+                        .unwrap();
+                    let res = svc.clone().oneshot(req).await.unwrap();
+                    res.into_body().collect().await.unwrap();
+                };
+                turn().await;
+                let text = prometheus.render();
+                let first_byte = "tower_affinity_backend_first_byte_seconds_count";
+                let prompt = "tower_affinity_backend_prompt_tokens_total";
+                assert_eq!(series(&text, first_byte).as_deref(), Some("1"), "{text}");
+                assert_eq!(series(&text, prompt).as_deref(), Some("1200"), "{text}");
+                // Quiet: rendered until both are dropped as idle.
+                let mut gone = false;
+                for _ in 0..1000 {
+                    let text = prometheus.render();
+                    if series(&text, first_byte).is_none() && series(&text, prompt).is_none() {
+                        gone = true;
+                        break;
+                    }
+                }
+                assert!(gone);
+                // The backend serves again: its series are there again.
+                turn().await;
+                let text = prometheus.render();
+                assert!(series(&text, first_byte).is_some(), "{text}");
+                assert!(series(&text, prompt).is_some(), "{text}");
+            });
+    });
+}
