@@ -48,6 +48,16 @@ async fn proxy(backends: &[(&str, &str, String)]) -> Result<(Router, ProbeTask),
             Some(Duration::from_secs(600)),
         )
         .install_recorder()?;
+    // The exporter drains its histograms' samples and drops idle series on upkeep (or on a
+    // scrape): without one, a proxy nobody scrapes keeps every request's samples.
+    let upkeep = prometheus.clone();
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            every.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
     let http = HttpBackend::<Full<Bytes>>::builder()
         .connect_timeout(Duration::from_secs(2))
         .response_timeout(Duration::from_secs(600));

@@ -502,7 +502,7 @@ const HELP: [(&str, Kind, &str); 31] = [
     (
         "tower_affinity_abandoned_total",
         Kind::Counter,
-        "Requests their caller gave up on while they waited for a slot",
+        "Requests their caller gave up on while they waited for a slot or the shared store",
     ),
     (
         "tower_affinity_backend_errors_total",

@@ -868,7 +868,7 @@ impl Collector for AffinityCollector {
             ),
             (
                 "tower_affinity_abandoned",
-                "Requests whose client left while they waited for a slot",
+                "Requests whose client left while they waited for a slot or the shared store",
                 |s| s.abandoned,
             ),
             (
