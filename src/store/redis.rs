@@ -5,6 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use parking_lot::Mutex;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Value;
 
@@ -53,8 +54,69 @@ use crate::key::SessionKey;
 #[derive(Clone)]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub struct RedisStore {
-    conn: ConnectionManager,
+    conn: Arc<Connection>,
     prefix: Arc<str>,
+}
+
+/// The store's connection manager, and what it takes to start another.
+///
+/// The `redis` crate's manager reconnects after an I/O error only: once its connection
+/// attempts have all failed with another error (Redis refused the password in the URL, say),
+/// it answers every later command with that error and never tries again, so a Redis whose
+/// password is set right after that would never be read again. Such an error starts a new
+/// manager.
+struct Connection {
+    client: redis::Client,
+    config: ConnectionManagerConfig,
+    /// The manager in use, and how many were started before it.
+    current: Mutex<(ConnectionManager, u64)>,
+}
+
+impl Connection {
+    /// A manager, connecting in the background.
+    fn start(
+        client: &redis::Client,
+        config: &ConnectionManagerConfig,
+    ) -> redis::RedisResult<ConnectionManager> {
+        let conn = ConnectionManager::new_lazy_with_config(client.clone(), config.clone())?;
+        // Connect now, in the background, so that the first request does not wait for the
+        // connection and its handshake.
+        let mut first = conn.clone();
+        tokio::spawn(async move {
+            let _ = redis::cmd("PING").query_async::<()>(&mut first).await;
+        });
+        Ok(conn)
+    }
+
+    /// The manager to send a command on, and its number for [`failed`](Self::failed).
+    fn get(&self) -> (ConnectionManager, u64) {
+        self.current.lock().clone()
+    }
+
+    /// A command sent on manager number `generation` failed with `e`: a new manager if it is
+    /// an error the manager does not reconnect after, and no other replaced that one yet.
+    fn failed(&self, generation: u64, e: &redis::RedisError) {
+        if e.kind() != redis::ErrorKind::AuthenticationFailed {
+            return;
+        }
+        let mut current = self.current.lock();
+        if current.1 != generation {
+            return;
+        }
+        if let Ok(conn) = Self::start(&self.client, &self.config) {
+            *current = (conn, generation + 1);
+        }
+    }
+
+    /// Sends `cmd`.
+    async fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> redis::RedisResult<T> {
+        let (mut conn, generation) = self.get();
+        let result = cmd.query_async(&mut conn).await;
+        if let Err(e) = &result {
+            self.failed(generation, e);
+        }
+        result
+    }
 }
 
 /// Options of a [`RedisStore`]: its key prefix and how it reconnects.
@@ -168,9 +230,9 @@ impl RedisStoreBuilder {
             .map_err(|e| RedisOpenError(OpenKind::Redis(e)))?
             .set_tcp_settings(tcp_settings());
         let client = redis::Client::open(info).map_err(|e| RedisOpenError(OpenKind::Redis(e)))?;
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        if tokio::runtime::Handle::try_current().is_err() {
             return Err(RedisOpenError(OpenKind::NoRuntime));
-        };
+        }
         // The manager adds a random jitter of up to the delay itself: half the interval
         // keeps attempts at most one interval apart.
         let cap = self.reconnect_interval / 2;
@@ -178,22 +240,22 @@ impl RedisStoreBuilder {
             .set_min_delay(Duration::from_millis(10).min(cap))
             .set_max_delay(cap)
             .set_exponent_base(2.0)
-            // Past its last retry the manager starts again at the next command: the service
-            // reads (and probes) on every keyed request, so no retry limit is needed.
+            // Past its last retry the manager starts again at the next command (after an I/O
+            // error; after a refused password the store starts a new manager, see
+            // `Connection`): the service reads (and probes) on every keyed request, so no
+            // retry limit is needed.
             .set_number_of_retries(12)
             .set_connection_timeout(Some(self.connect_timeout))
             // The service bounds reads by its deadline and writes by a second.
             .set_response_timeout(None);
-        let conn = ConnectionManager::new_lazy_with_config(client, config)
-            .map_err(|e| RedisOpenError(OpenKind::Redis(e)))?;
-        // Connect now, in the background, so that the first request does not wait for the
-        // connection and its handshake.
-        let mut first = conn.clone();
-        runtime.spawn(async move {
-            let _ = redis::cmd("PING").query_async::<()>(&mut first).await;
-        });
+        let conn =
+            Connection::start(&client, &config).map_err(|e| RedisOpenError(OpenKind::Redis(e)))?;
         Ok(RedisStore {
-            conn,
+            conn: Arc::new(Connection {
+                client,
+                config,
+                current: Mutex::new((conn, 0)),
+            }),
             prefix: self.prefix.into(),
         })
     }
@@ -246,11 +308,11 @@ fn px(ttl: Duration) -> u64 {
 
 impl HomeStore for RedisStore {
     fn read(&self, session: SessionKey, ttl: Duration) -> ReadHome {
-        let mut conn = self.conn.clone();
+        let conn = self.conn.clone();
         let mut cmd = redis::cmd("GETEX");
         cmd.arg(self.key_of(session)).arg("PX").arg(px(ttl));
         Box::pin(async move {
-            match cmd.query_async::<Value>(&mut conn).await {
+            match conn.query::<Value>(&cmd).await {
                 Ok(Value::Nil) => Ok(Lookup::Missing),
                 Ok(Value::BulkString(v)) => {
                     Ok(StoredHome::decode(&v).map_or(Lookup::Garbage, Lookup::Home))
@@ -267,7 +329,7 @@ impl HomeStore for RedisStore {
     }
 
     fn read_prompts(&self, prompts: &[u64], _ttl: Duration) -> ReadPrompts {
-        let mut conn = self.conn.clone();
+        let conn = self.conn.clone();
         // One command, one round trip. MGET keeps the keys' expiry as it is: each turn of a
         // conversation writes its own prompt's key, with a fresh one.
         let mut cmd = redis::cmd("MGET");
@@ -287,7 +349,7 @@ impl HomeStore for RedisStore {
                 }
                 _ => Lookup::Garbage,
             };
-            match cmd.query_async::<Value>(&mut conn).await? {
+            match conn.query::<Value>(&cmd).await? {
                 Value::Array(values) if values.len() == asked => {
                     Ok(values.into_iter().map(lookup).collect())
                 }
@@ -304,11 +366,11 @@ impl HomeStore for RedisStore {
 impl RedisStore {
     /// `SET key home PX ttl`.
     fn set(&self, key: String, home: &StoredHome, ttl: Duration) -> WriteHome {
-        let mut conn = self.conn.clone();
+        let conn = self.conn.clone();
         let mut cmd = redis::cmd("SET");
         cmd.arg(key).arg(home.encode()).arg("PX").arg(px(ttl));
         Box::pin(async move {
-            cmd.query_async::<()>(&mut conn).await?;
+            conn.query::<()>(&cmd).await?;
             Ok(())
         })
     }

@@ -416,6 +416,62 @@ async fn redis_holds_digests_under_the_prefix_never_raw_keys() {
     }
 }
 
+/// The `redis` crate's connection manager reconnects after I/O errors only: once all its
+/// attempts failed on a refused password, the store must still try again, so that it reads
+/// Redis once the password is right.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_refused_its_password_connects_once_the_password_is_right() {
+    use tower_affinity::store::HomeStore;
+    let Some(redis) = RedisServer::start().await else {
+        return;
+    };
+    let mut admin = redis.client().await;
+    let () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("requirepass")
+        .arg("old")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let store = RedisStore::builder()
+        .reconnect_interval(Duration::from_millis(50))
+        .open(&format!("redis://:new@127.0.0.1:{}", redis.port))
+        .unwrap();
+    let session = SessionKey::from_bytes(b"a session");
+    let ttl = Duration::from_secs(60);
+    // Until the manager's attempts are over: its error comes only then.
+    let mut refused = false;
+    for _ in 0..100 {
+        if let Err(e) = store.read(session, ttl).await {
+            assert!(e.to_string().contains("authentication"), "{e}");
+            refused = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(refused, "the wrong password was never refused");
+    let () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("requirepass")
+        .arg("new")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let start = Instant::now();
+    let mut last = None;
+    while start.elapsed() < Duration::from_secs(10) {
+        match store.read(session, ttl).await {
+            Ok(found) => {
+                assert_eq!(found, tower_affinity::store::Lookup::Missing);
+                return;
+            }
+            Err(e) => last = Some(e.to_string()),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("never read Redis with the right password: {last:?}");
+}
+
 #[test]
 fn opening_a_store_outside_a_runtime_is_an_error_not_a_panic() {
     let e = RedisStore::open("redis://127.0.0.1:1").unwrap_err();
