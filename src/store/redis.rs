@@ -301,9 +301,17 @@ impl std::error::Error for RedisOpenError {
     }
 }
 
-/// Milliseconds for `PX`: at least 1 (Redis refuses 0).
+/// The longest `PX`: the session table's longest idle timeout, `u32::MAX` seconds (about
+/// 136 years). Redis refuses one that takes the expiry past its clock's range (`i64`
+/// milliseconds), and an idle timeout of `Duration::MAX` (never forgotten) would make every
+/// read and write fail.
+const MAX_PX: u64 = u32::MAX as u64 * 1000;
+
+/// Milliseconds for `PX`: at least 1 (Redis refuses 0), at most [`MAX_PX`].
 fn px(ttl: Duration) -> u64 {
-    u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1)
+    u64::try_from(ttl.as_millis())
+        .unwrap_or(u64::MAX)
+        .clamp(1, MAX_PX)
 }
 
 impl HomeStore for RedisStore {

@@ -472,6 +472,48 @@ async fn a_store_refused_its_password_connects_once_the_password_is_right() {
     panic!("never read Redis with the right password: {last:?}");
 }
 
+/// A session table that never forgets (an idle timeout of `Duration::MAX`, which it takes as
+/// its longest) has a store that keeps homes as long: Redis refuses a `PX` that takes the
+/// expiry past its clock's range, which failed every read and write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_longest_idle_timeout_keeps_homes_in_redis_and_reads_them() {
+    use tower_affinity::store::{HomeStore, Lookup};
+    let Some(redis) = RedisServer::start().await else {
+        return;
+    };
+    let store = RedisStore::open(&redis.url()).unwrap();
+    let session = SessionKey::from_bytes(b"a session");
+    let home = StoredHome::new("a1", "node-a");
+    for ttl in [Duration::MAX, Duration::from_secs(u64::MAX / 1000)] {
+        store.write(session, home.clone(), ttl).await.unwrap();
+        assert_eq!(
+            store.read(session, ttl).await.unwrap(),
+            Lookup::Home(home.clone())
+        );
+        store.write_prompt(7, home.clone(), ttl).await.unwrap();
+        assert_eq!(
+            store.read_prompts(&[7], ttl).await.unwrap(),
+            [Lookup::Home(home.clone())]
+        );
+    }
+    let mut conn = redis.client().await;
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg(store.key_of(session))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(ttl > 100 * 365 * 24 * 3600 * 1000, "{ttl}");
+    // And through the service: the store stays up.
+    let svc = SessionAffinityLayer::new()
+        .sessions(Sessions::new().idle_timeout(Duration::MAX))
+        .home_store(store)
+        .layer(fleet());
+    let d = decision(&svc.clone().oneshot(turn("forever")).await.unwrap());
+    until_stored(&mut conn, &key_of("forever"), d.backend.as_str()).await;
+    let st = svc.store_stats().unwrap();
+    assert_eq!((st.errors, st.state), (0, StoreState::Up), "{st:?}");
+}
+
 #[test]
 fn opening_a_store_outside_a_runtime_is_an_error_not_a_panic() {
     let e = RedisStore::open("redis://127.0.0.1:1").unwrap_err();
