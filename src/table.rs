@@ -334,8 +334,13 @@ impl SessionTable {
     }
 
     fn shard(&self, key: SessionKey) -> &Mutex<Shard> {
-        // Shards take the high word; slots are found from both words, mixed.
-        &self.shards[(key.hi64() & self.shard_mask) as usize]
+        // Digests are random, but a key built with `SessionKey::from_u128` need not be: both
+        // words are mixed (otherwise than for the slot, see `Shard::start`), so that keys with
+        // a pattern spread over every shard instead of filling one while the others stay empty.
+        let x = key.hi64() ^ key.lo64().rotate_left(32);
+        let x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        let x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        &self.shards[((x >> 58) & self.shard_mask) as usize]
     }
 
     fn expired(&self, e: &Entry, now: u32) -> bool {
@@ -519,6 +524,19 @@ mod tests {
                 .map(|h| h.backend);
             assert_eq!(got, Some(k));
         }
+    }
+
+    #[test]
+    fn keys_from_small_numbers_spread_over_every_shard() {
+        // A table of 100,000 has many shards, each bounded; keys with a pattern must not all
+        // land in one of them, where the shard's bound would forget most of them.
+        let t = SessionTable::new(Sessions::new().max_entries(100_000));
+        assert!(t.shards.len() > 1);
+        for k in 1..=45_000u32 {
+            t.put(SessionKey::from_u128(u128::from(k)), home(k), 1_000);
+            t.put(SessionKey::from_u128(u128::from(k) << 64), home(k), 1_000);
+        }
+        assert_eq!(t.len(), 90_000);
     }
 
     #[test]
