@@ -47,6 +47,23 @@ fn value<'a>(
 
 /// Runs `f` on a current-thread runtime with a recorder of its own installed: what `f`
 /// returned, and what the recorder holds then.
+/// A backend's answer: a chat completion (or a message, on `/v1/messages`) with its usage.
+async fn answering(req: http::Request<String>) -> Result<http::Response<Full<Bytes>>, Infallible> {
+    let answer = match req.uri().path() {
+        "/v1/messages" => MESSAGES_ANSWER,
+        _ => ANSWER,
+    };
+    let mut res = http::Response::new(Full::new(Bytes::from_static(answer.as_bytes())));
+    res.headers_mut()
+        .insert("content-type", "application/json".parse().unwrap());
+    Ok(res)
+}
+
+/// A backend's answer: at once, empty.
+async fn empty(_req: http::Request<String>) -> Result<http::Response<String>, Infallible> {
+    Ok(http::Response::new(String::new()))
+}
+
 fn recorded<T>(f: impl std::future::Future<Output = T>) -> (T, Vec<Entry>) {
     let recorder = DebuggingRecorder::new();
     let snapshotter: Snapshotter = recorder.snapshotter();
@@ -63,19 +80,9 @@ fn recorded<T>(f: impl std::future::Future<Output = T>) -> (T, Vec<Entry>) {
 #[test]
 fn decisions_reported_tokens_and_levels_reach_the_recorder() {
     let ((), snapshot) = recorded(async {
-        let backend = service_fn(|req: http::Request<String>| async move {
-            let answer = match req.uri().path() {
-                "/v1/messages" => MESSAGES_ANSWER,
-                _ => ANSWER,
-            };
-            let mut res = http::Response::new(Full::new(Bytes::from_static(answer.as_bytes())));
-            res.headers_mut()
-                .insert("content-type", "application/json".parse().unwrap());
-            Ok::<_, Infallible>(res)
-        });
         let fleet = StaticFleet::new([(
             "a1",
-            Backend::new("node-a", backend).slots(NonZeroU32::new(2).unwrap()),
+            Backend::new("node-a", service_fn(answering)).slots(NonZeroU32::new(2).unwrap()),
         )]);
         let svc = SessionAffinityLayer::new().layer(fleet);
         for path in [
@@ -206,9 +213,7 @@ impl HomeStore for Forgetful {
 #[test]
 fn a_shared_stores_state_and_counters_are_published() {
     let (stats, snapshot) = recorded(async {
-        let backend = service_fn(|_req: http::Request<String>| async {
-            Ok::<_, Infallible>(http::Response::new(String::new()))
-        });
+        let backend = service_fn(empty);
         let fleet = StaticFleet::new([(
             "a1",
             Backend::new("node-a", backend).slots(NonZeroU32::new(2).unwrap()),
@@ -265,9 +270,7 @@ fn every_metric_has_help(snapshot: &[Entry]) {
 #[test]
 fn without_a_store_no_store_metrics_are_published() {
     let ((), snapshot) = recorded(async {
-        let backend = service_fn(|_req: http::Request<String>| async {
-            Ok::<_, Infallible>(http::Response::new(String::new()))
-        });
+        let backend = service_fn(empty);
         let fleet = StaticFleet::new([("a1", Backend::new("node-a", backend))]);
         let svc = SessionAffinityLayer::new().layer(fleet);
         svc.publish_metrics();
@@ -287,9 +290,7 @@ fn without_a_store_no_store_metrics_are_published() {
 #[test]
 fn a_backend_that_left_reads_zero_and_counters_start_at_zero() {
     let ((), snapshot) = recorded(async {
-        let backend = service_fn(|_req: http::Request<String>| async {
-            Ok::<_, Infallible>(http::Response::new(String::new()))
-        });
+        let backend = service_fn(empty);
         let (handle, fleet) = tower_affinity::discover::channel();
         let slots = NonZeroU32::new(2).unwrap();
         handle.insert("a1", Backend::new("node-a", backend).slots(slots));
@@ -535,9 +536,7 @@ fn labels_an_exporter_would_refuse_are_left_out() {
 #[test]
 fn a_backend_moved_to_another_node_keeps_one_series_of_each_level_and_zeroes_it_when_it_leaves() {
     let ((), snapshot) = recorded(async {
-        let backend = service_fn(|_req: http::Request<String>| async {
-            Ok::<_, Infallible>(http::Response::new(String::new()))
-        });
+        let backend = service_fn(empty);
         let (handle, fleet) = tower_affinity::discover::channel();
         let slots = NonZeroU32::new(2).unwrap();
         handle.insert("a1", Backend::new("node-a", backend).slots(slots));
@@ -584,16 +583,10 @@ fn a_backends_series_dropped_as_idle_come_back_with_its_next_events() {
             .build()
             .unwrap()
             .block_on(async {
-                let backend = service_fn(|_req: http::Request<String>| async {
-                    let mut res =
-                        http::Response::new(Full::new(Bytes::from_static(ANSWER.as_bytes())));
-                    res.headers_mut()
-                        .insert("content-type", "application/json".parse().unwrap());
-                    Ok::<_, Infallible>(res)
-                });
                 let fleet = StaticFleet::new([(
                     "a1",
-                    Backend::new("node-a", backend).slots(NonZeroU32::new(2).unwrap()),
+                    Backend::new("node-a", service_fn(answering))
+                        .slots(NonZeroU32::new(2).unwrap()),
                 )]);
                 let svc = SessionAffinityLayer::new().layer(fleet);
                 let turn = || async {
