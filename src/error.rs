@@ -79,12 +79,7 @@ impl Error {
         match self {
             Error::NoBackends => StatusCode::SERVICE_UNAVAILABLE,
             Error::Saturated { .. } => StatusCode::TOO_MANY_REQUESTS,
-            #[cfg(feature = "client")]
-            Error::Backend { source, .. }
-                if source
-                    .downcast_ref::<crate::client::HttpBackendError>()
-                    .is_some_and(|e| e.kind() == crate::client::FailureKind::RequestBody) =>
-            {
+            Error::Backend { source, .. } if request_body_failed(&**source) => {
                 StatusCode::BAD_REQUEST
             }
             Error::Backend { source, .. } if timed_out(&**source) => StatusCode::GATEWAY_TIMEOUT,
@@ -128,6 +123,24 @@ impl Error {
                 .insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
         }
         res
+    }
+}
+
+/// Whether `e` says the request's own body failed on its way to the backend (an
+/// [`HttpBackend`](crate::client::HttpBackend)'s [`FailureKind::RequestBody`]): the request's
+/// fault, not the backend's.
+///
+/// [`FailureKind::RequestBody`]: crate::client::FailureKind::RequestBody
+pub(crate) fn request_body_failed(e: &(dyn std::error::Error + 'static)) -> bool {
+    #[cfg(feature = "client")]
+    {
+        e.downcast_ref::<crate::client::HttpBackendError>()
+            .is_some_and(|e| e.kind() == crate::client::FailureKind::RequestBody)
+    }
+    #[cfg(not(feature = "client"))]
+    {
+        let _ = e;
+        false
     }
 }
 

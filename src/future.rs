@@ -207,10 +207,7 @@ impl Dispatched {
             r.answer(false);
         }
         // The request's own body failed on its way: the backend is not at fault.
-        #[cfg(feature = "client")]
-        if e.downcast_ref::<crate::client::HttpBackendError>()
-            .is_some_and(|e| e.kind() == crate::client::FailureKind::RequestBody)
-        {
+        if crate::error::request_body_failed(&*e) {
             drop(guard);
             return Error::Backend {
                 backend: decision.backend,
