@@ -369,7 +369,7 @@ where
                         backend = %id,
                         error = %reason,
                         "slot count not readable from /slots: the backend counts as one slot \
-                         until it is; give its count with Backend::slots"
+                         until it is, or until it is announced with its slot count"
                     );
                 }
                 s.slots_error = Some(reason);
