@@ -282,7 +282,9 @@ impl<B> ResponseBody<B> {
     /// nothing (or is neither JSON nor SSE, or is compressed), and for one cut short.
     ///
     /// The same figures add up per backend in
-    /// [`SessionAffinity::backends`](crate::SessionAffinity::backends).
+    /// [`SessionAffinity::backends`](crate::SessionAffinity::backends). Behind a
+    /// [`BodyKeyLayer`](crate::key::BodyKeyLayer), this body is reached through
+    /// [`BodyKeyResponseBody::get_ref`](crate::key::BodyKeyResponseBody::get_ref).
     pub fn usage(&self) -> Option<Usage> {
         self.observe.as_ref().and_then(|o| o.usage)
     }

@@ -175,7 +175,9 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// (default: yes). Turned off, the decision stays in the response body instead, readable
     /// through [`ResponseBody::decision`](crate::ResponseBody::decision), which saves the
     /// allocations `http::Extensions` makes for it on every response (three when the backend's
-    /// response has no extensions yet, one when it has).
+    /// response has no extensions yet, one when it has). Behind a
+    /// [`BodyKeyLayer`](crate::key::BodyKeyLayer), its body reaches this one through
+    /// [`BodyKeyResponseBody::get_ref`](crate::key::BodyKeyResponseBody::get_ref).
     pub fn decision_extension(mut self, enabled: bool) -> Self {
         self.config.decision_extension = enabled;
         self

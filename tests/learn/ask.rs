@@ -66,11 +66,16 @@ fn llama(
                 .unwrap_or(usize::MAX);
             let fail = req.headers().contains_key("x-fail");
             let gzip = req.headers().contains_key("x-gzip");
+            // A server that ignores `stream_options` and ends its stream without `[DONE]`.
+            let deaf = req.headers().contains_key("x-deaf");
             let body = req.into_body().collect().await.unwrap().to_bytes();
             seen.lock().push(body.clone());
             let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
-            let asked = json["stream_options"]["include_usage"] == true;
-            let stream = llama_stream(asked);
+            let asked = json["stream_options"]["include_usage"] == true && !deaf;
+            let mut stream = llama_stream(asked);
+            if deaf {
+                stream.truncate(stream.len() - "data: [DONE]\n\n".len());
+            }
             let mut frames: Vec<(Duration, Result<Bytes, &'static str>)> = stream
                 .as_bytes()
                 .chunks(piece.max(1))
@@ -330,4 +335,69 @@ async fn an_encoded_answer_passes_untouched() {
     .await;
     assert_eq!(String::from_utf8_lossy(&got), llama_stream(true));
     assert_eq!(rig.affinity.stats().usage_reports, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_services_body_behind_the_layer_tells_its_answers_usage_and_decision() {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let affinity = SessionAffinityLayer::new()
+        .decision_extension(false)
+        .layer(fleet(&[("a", "n")], llama(seen)));
+    let svc = BodyKeyLayer::new().ask_stream_usage(true).layer(affinity);
+    // Asked on the client's behalf, in frames; asked of a server that does not answer it, so
+    // that the layer holds the last events back until the stream's end; and as the client
+    // asked itself.
+    for (body, piece, deaf) in [
+        (UNASKED, "7", false),
+        (UNASKED, "4096", false),
+        (UNASKED, "7", true),
+        (ASKED, "7", false),
+    ] {
+        let mut req = http::Request::post("/v1/chat/completions")
+            .header("content-length", body.len())
+            .header("x-piece", piece);
+        if deaf {
+            req = req.header("x-deaf", "");
+        }
+        let req = req
+            .body(Full::new(Bytes::from_static(body.as_bytes())))
+            .unwrap();
+        let mut res = svc.clone().oneshot(req).await.unwrap().into_body();
+        let inner = res.get_ref().expect("the service's body");
+        assert_eq!(inner.decision().map(|d| d.backend.as_str()), Some("a"));
+        assert_eq!(inner.usage(), None, "not before the end");
+        let mut got = Vec::new();
+        while let Some(frame) = res.frame().await {
+            got.extend_from_slice(frame.unwrap().data_ref().unwrap());
+        }
+        assert!(res.is_end_stream());
+        assert!(res.frame().await.is_none(), "the end, again");
+        let mut want = llama_stream(body == ASKED);
+        if deaf {
+            want.truncate(want.len() - "data: [DONE]\n\n".len());
+        }
+        assert_eq!(String::from_utf8_lossy(&got), want, "{body} in {piece}");
+        let usage = res
+            .get_ref()
+            .and_then(|inner| inner.usage())
+            .expect("usage");
+        assert_eq!(
+            (usage.prompt_tokens, usage.reused_tokens),
+            (2160, Some(2000))
+        );
+    }
+    // A request the layer refuses never reached the service: no body of its.
+    let small = BodyKeyLayer::new()
+        .limit(10)
+        .layer(SessionAffinityLayer::new().layer(fleet(
+            &[("a", "n")],
+            llama(Arc::new(Mutex::new(Vec::new()))),
+        )));
+    let req = http::Request::post("/v1/chat/completions")
+        .header("content-length", UNASKED.len())
+        .body(Full::new(Bytes::from_static(UNASKED.as_bytes())))
+        .unwrap();
+    let res = small.oneshot(req).await.unwrap();
+    assert_eq!(res.status(), http::StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(res.body().get_ref().is_none());
 }

@@ -18,17 +18,33 @@ pin_project! {
     /// The response body of [`BodyKey`]: the inner service's body, or the plain-text reason a
     /// request was refused (`413`, `408`, `400`).
     ///
-    /// ```
-    /// # fn doc(res: http::Response<tower_affinity::key::BodyKeyResponseBody<String>>) {
-    /// use http_body::Body;
+    /// [`get_ref`](Self::get_ref) reaches the inner body: behind the layer, a
+    /// [`SessionAffinity`](crate::SessionAffinity)'s [`ResponseBody`](crate::ResponseBody),
+    /// with the [usage](crate::ResponseBody::usage) its answer reported once read to the end,
+    /// and the [decision](crate::ResponseBody::decision) when it is kept in the body:
     ///
-    /// let (_, body) = res.into_parts();
-    /// let _ = body.size_hint();
+    /// ```
+    /// # async fn doc(res: http::Response<tower_affinity::key::BodyKeyResponseBody<
+    /// #     tower_affinity::ResponseBody<http_body_util::Full<bytes::Bytes>>>>) {
+    /// use http_body_util::BodyExt;
+    ///
+    /// let mut body = res.into_body();
+    /// while let Some(frame) = body.frame().await {
+    ///     // Each frame on to the client.
+    /// #   let _ = frame;
+    /// }
+    /// // `None` for a request the layer refused, which never reached the service.
+    /// if let Some(usage) = body.get_ref().and_then(|inner| inner.usage()) {
+    ///     println!("{} of {} prompt tokens reused", usage.reused_tokens.unwrap_or(0), usage.prompt_tokens);
+    /// }
     /// # }
     /// ```
     pub struct BodyKeyResponseBody<B> {
         #[pin]
         pub(super) kind: InnerOrBytes<B>,
+        // The inner body has ended and the layer's own bytes after it have gone out: the end.
+        // The inner body is kept (not polled again) for `get_ref`.
+        pub(super) ended: bool,
         // Reads a Responses API answer's id from its first bytes.
         pub(super) sniff: Option<Box<IdSniffer>>,
         // Takes out the usage chunk the layer asked for on the client's behalf.
@@ -50,6 +66,9 @@ where
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         let mut this = self.project();
         loop {
+            if *this.ended {
+                return Poll::Ready(None);
+            }
             if let Some(trailers) = this.strip.as_mut().and_then(|s| s.trailers.take()) {
                 return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
             }
@@ -76,9 +95,12 @@ where
                 None if strip.is_empty() => return Poll::Ready(None),
                 None => {
                     let rest = strip.finish();
-                    this.kind.set(InnerOrBytes::bytes(rest));
                     *this.strip = None;
-                    continue;
+                    *this.ended = true;
+                    if rest.is_empty() {
+                        return Poll::Ready(None);
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(rest.into()))));
                 }
                 // A stream that fails ends with its error, as the client would have had it.
                 Some(Err(e)) => return Poll::Ready(Some(Err(e))),
@@ -90,11 +112,12 @@ where
     }
 
     fn is_end_stream(&self) -> bool {
-        self.kind.is_end_stream()
-            && self
-                .strip
-                .as_ref()
-                .is_none_or(|s| s.is_empty() && s.trailers.is_none())
+        self.ended
+            || self.kind.is_end_stream()
+                && self
+                    .strip
+                    .as_ref()
+                    .is_none_or(|s| s.is_empty() && s.trailers.is_none())
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -102,6 +125,27 @@ where
             // Its bytes may change.
             Some(_) => SizeHint::default(),
             None => self.kind.size_hint(),
+        }
+    }
+}
+
+impl<B> BodyKeyResponseBody<B> {
+    /// The inner service's body; `None` for a request the layer refused (its body is the
+    /// reason), which never reached the service.
+    pub fn get_ref(&self) -> Option<&B> {
+        match &self.kind {
+            InnerOrBytes::Inner { inner } => Some(inner),
+            InnerOrBytes::Bytes { .. } => None,
+        }
+    }
+
+    /// The inner service's body, mutably; `None` for a request the layer refused. Frames read
+    /// from it directly pass the layer by: the usage it takes out of a stream it asked on the
+    /// client's behalf would reach the client.
+    pub fn get_mut(&mut self) -> Option<&mut B> {
+        match &mut self.kind {
+            InnerOrBytes::Inner { inner } => Some(inner),
+            InnerOrBytes::Bytes { .. } => None,
         }
     }
 }

@@ -120,6 +120,7 @@ impl Rejection {
         };
         let mut res = http::Response::new(BodyKeyResponseBody {
             kind: InnerOrBytes::bytes(Bytes::from(message)),
+            ended: false,
             sniff: None,
             strip: None,
         });
@@ -351,6 +352,7 @@ where
                     }
                     return Poll::Ready(Ok(res.map(|inner| BodyKeyResponseBody {
                         kind: InnerOrBytes::Inner { inner },
+                        ended: false,
                         sniff,
                         strip,
                     })));
