@@ -99,12 +99,22 @@ impl Error {
     /// plain-text body. [`ErrorToResponse`] applies it to every error of a service.
     ///
     /// The body of a [`Backend`](Error::Backend) error names the backend and says what its
-    /// error says (`backend gpu-0 failed: connection refused: ...`); map the error yourself
+    /// error says (`backend gpu-0 failed: connection refused: ...`; for a request whose own
+    /// body failed on its way, `the request's own body failed on its way to backend gpu-0:`
+    /// and the cause, as `client went away`); map the error yourself
     /// where clients must not see either. Its response carries the backend's [`BackendId`] in
     /// its extensions, where a [`Decision`](crate::Decision) would be on an answer, for the
     /// middleware that logs which backend failed.
     pub fn into_response<B>(self) -> http::Response<ResponseBody<B>> {
         let (text, failed) = match &self {
+            // The kind is said already: the cause is what the client is told.
+            Error::Backend { backend, source } if request_body_failed(&**source) => {
+                let mut cause: &(dyn std::error::Error + 'static) = &**source;
+                while let Some(next) = cause.source() {
+                    cause = next;
+                }
+                (format!("{self}: {cause}"), Some(backend))
+            }
             Error::Backend { backend, source } => (format!("{self}: {source}"), Some(backend)),
             _ => (self.to_string(), None),
         };
@@ -168,6 +178,11 @@ impl fmt::Display for Error {
                 f,
                 "all backends are at capacity; retry after {} s",
                 retry_after.as_secs_f64().ceil()
+            ),
+            // The request's own fault: the backend did nothing wrong.
+            Error::Backend { backend, source } if request_body_failed(&**source) => write!(
+                f,
+                "the request's own body failed on its way to backend {backend}"
             ),
             // What it failed with is the source's to say.
             Error::Backend { backend, .. } => write!(f, "backend {backend} failed"),

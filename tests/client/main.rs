@@ -449,6 +449,24 @@ async fn a_request_body_that_fails_on_its_way_is_400_and_no_fault_of_the_backend
             HttpBackendError::of(&e).map(|e| e.kind()),
             Some(FailureKind::RequestBody)
         );
+        // Said as the request's fault, not the backend's.
+        assert_eq!(
+            e.to_string(),
+            "the request's own body failed on its way to backend a"
+        );
+        let text = e
+            .into_response::<Full<Bytes>>()
+            .into_body()
+            .collect()
+            .await
+            .unwrap()
+            .to_bytes();
+        let text = String::from_utf8_lossy(&text);
+        assert!(
+            text.starts_with("the request's own body failed on its way to backend a: ")
+                && !text.contains("backend a failed"),
+            "http2 {http2}: {text}"
+        );
         let a = &svc.backends()[0];
         assert!(
             a.healthy,
