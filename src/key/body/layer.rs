@@ -17,7 +17,11 @@ use crate::key::HeaderKey;
 /// behalf, with [`ask_stream_usage`](Self::ask_stream_usage) on).
 ///
 /// - The key is read from the first of the configured fields that holds a non-blank string or
-///   a number: by default `prompt_cache_key`, then `user`, then `metadata.user_id`. It goes
+///   a number: by default `prompt_cache_key`, then `user`, then `metadata.user_id`. A string
+///   counts trimmed of the whitespace around it, a number by its JSON text as `serde_json`
+///   writes it, so `"12"`, `" 12 "` and `12` are one key and `12.0` another; where an object
+///   names a member twice, the last counts. The key is a digest of that text alone: to key
+///   on a field together with a header, see [`KeyExtractor`](crate::key::KeyExtractor). It goes
 ///   into the request's extensions as a [`SessionKey`](crate::key::SessionKey); read it with
 ///   [`ExtensionKey`](crate::key::ExtensionKey), usually behind the headers:
 ///   `FirstOf::new(HeaderKey::default(), ExtensionKey)`.

@@ -138,6 +138,31 @@ async fn a_number_is_a_key_by_its_text() {
 }
 
 #[tokio::test]
+async fn a_keys_text_is_trimmed_a_numbers_is_its_json_and_a_repeated_member_counts_last() {
+    for body in [
+        &br#"{"user":"12"}"#[..],
+        br#"{"user":" 12 "}"#,
+        br#"{"user":12}"#,
+        br#"{"user":"x","user":12}"#,
+        br#"{"metadata":{"user_id":"x","user_id":"12"}}"#,
+    ] {
+        let got = run(BodyKeyLayer::new(), post(Box::leak(body.into())))
+            .await
+            .1
+            .key;
+        assert_eq!(got, key("12"), "{}", String::from_utf8_lossy(body));
+    }
+    let float = run(BodyKeyLayer::new(), post(br#"{"user":12.0}"#))
+        .await
+        .1
+        .key;
+    assert_eq!(float, key("12.0"));
+    // A dotted name reaches into objects; a member whose own name has a dot is not read.
+    let dotted = br#"{"metadata.user_id":"m"}"#;
+    assert_eq!(run(BodyKeyLayer::new(), post(dotted)).await.1.key, None);
+}
+
+#[tokio::test]
 async fn a_body_key_equals_the_same_header_key() {
     use crate::key::{HeaderKey, KeyExtractor};
     let req = http::Request::get("/")
