@@ -462,6 +462,12 @@ impl Load {
         stamp == 0 || self.place_of(stamp).load(Ordering::Relaxed) != stamp
     }
 
+    /// Whether the backend is down at `now_ms`, changing nothing: a cooldown that has passed
+    /// is left for [`health`](Self::health) to clear and report.
+    pub(crate) fn is_down(&self, now_ms: u64) -> bool {
+        now_ms < self.down_until.load(Ordering::Relaxed)
+    }
+
     /// Whether the backend is down at `now_ms`. A cooldown that has passed is cleared here,
     /// and reported as a transition (`true` in the second field) exactly once.
     pub(crate) fn health(&self, now_ms: u64) -> (bool, bool) {

@@ -217,6 +217,38 @@ impl<'a> Candidates<'a> {
         }
     }
 
+    /// Whether `backend` is marked down (a failure's cooldown, a probe's mark): an offer of it
+    /// would be passed over. A policy that orders backends by load can leave such backends
+    /// out, or last; offering one is harmless. A backend of another view reads as down.
+    ///
+    /// ```
+    /// use tower_affinity::placement::{Candidates, FleetView, Placement, PlacementRequest};
+    ///
+    /// /// The backend with the fewest requests in flight among those up.
+    /// #[derive(Clone)]
+    /// struct LeastLoaded;
+    ///
+    /// impl Placement for LeastLoaded {
+    ///     fn place(&self, fleet: &FleetView<'_>, _: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
+    ///         let mut up: Vec<_> = fleet.backends().filter(|b| !c.is_down(*b)).collect();
+    ///         up.sort_by_key(|b| b.in_flight());
+    ///         for b in up {
+    ///             if c.offer(b).is_break() {
+    ///                 return;
+    ///             }
+    ///         }
+    ///     }
+    /// }
+    /// ```
+    pub fn is_down(&self, backend: BackendRef<'_>) -> bool {
+        !backend.belongs_to(self.topology)
+            || self
+                .topology
+                .member(backend.index)
+                .load
+                .is_down(self.now_ms)
+    }
+
     /// Passes over `backend` from now on: offers of it return `Continue` and take nothing, as
     /// offers of a backend that is down do. A policy that wraps another calls it first, to
     /// keep the other's order within rules of its own.

@@ -273,6 +273,15 @@ impl<'a> BackendRef<'a> {
     }
 }
 
+/// The same backend of the same view.
+impl PartialEq for BackendRef<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        self.index == other.index && std::ptr::eq(self.topology, other.topology)
+    }
+}
+
+impl Eq for BackendRef<'_> {}
+
 impl fmt::Debug for BackendRef<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Backend")
@@ -335,6 +344,15 @@ impl<'a> NodeRef<'a> {
         &self.entry().backends
     }
 }
+
+/// The same node of the same view.
+impl PartialEq for NodeRef<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        self.index == other.index && std::ptr::eq(self.topology, other.topology)
+    }
+}
+
+impl Eq for NodeRef<'_> {}
 
 impl fmt::Debug for NodeRef<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

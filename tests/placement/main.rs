@@ -30,6 +30,55 @@ fn two_by_two_with(slots: u32) -> Snapshot {
         .backend("b2", "node-b", slots)
 }
 
+/// A policy of one's own sees which backends are down, and which are the same, before it
+/// offers any.
+#[test]
+fn a_policy_sees_which_backends_are_down_before_it_offers_them() {
+    use parking_lot::Mutex;
+    use std::sync::Arc;
+    use tower_affinity::placement::{Candidates, FleetView, PlacementRequest};
+
+    /// The least loaded backend that is up; records what it saw.
+    #[derive(Clone, Default)]
+    struct UpFirst(Arc<Mutex<Vec<(String, bool)>>>);
+
+    impl Placement for UpFirst {
+        fn place(&self, fleet: &FleetView<'_>, _: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
+            let mut seen = self.0.lock();
+            seen.clear();
+            for b in fleet.backends() {
+                seen.push((b.id().to_string(), c.is_down(b)));
+                assert_eq!(fleet.backend(b.id()), Some(b));
+                assert_eq!(b.node(), fleet.backend(b.id()).unwrap().node());
+            }
+            let mut up: Vec<_> = fleet.backends().filter(|b| !c.is_down(*b)).collect();
+            up.sort_by_key(|b| b.in_flight());
+            for b in up {
+                if c.offer(b).is_break() {
+                    return;
+                }
+            }
+        }
+    }
+
+    let fleet = two_by_two_with(2)
+        .in_flight("a2", 1)
+        .in_flight("b1", 1)
+        .in_flight("b2", 1)
+        .down("a1");
+    let p = UpFirst::default();
+    assert_eq!(fleet.order(&p, None, None), ids(&["a2", "b1", "b2"]));
+    let seen = p.0.lock().clone();
+    let down: Vec<bool> = seen.iter().map(|(_, d)| *d).collect();
+    assert_eq!(down, [true, false, false, false], "{seen:?}");
+    // A backend of another view is not one of these.
+    let other = two_by_two();
+    let (a, b) = (fleet.view(), other.view());
+    assert_ne!(a.backend_at(0), b.backend_at(0));
+    assert_eq!(a.backend_at(0), a.backend_at(0));
+    assert_ne!(a.nodes().next(), b.nodes().next());
+}
+
 #[test]
 fn spill_order_is_home_then_its_node_then_other_nodes() {
     let fleet = two_by_two();
