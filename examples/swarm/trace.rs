@@ -25,6 +25,10 @@ pub(crate) const BLOCK_TOKENS: u32 = 512;
 /// Answer blocks: ids no prompt block can have.
 const ANSWER_IDS: u64 = 1 << 63;
 
+/// The latest timestamp a trace may have: a century (36,525 days), in ms. The replay's paused
+/// clock advances by bounded steps, so a later one would keep it stepping for minutes to hours.
+const MAX_TIMESTAMP_MS: u64 = 36_525 * 24 * 3600 * 1000;
+
 #[derive(Debug, Deserialize)]
 struct Line {
     timestamp: u64,
@@ -61,7 +65,18 @@ impl Trace {
                 continue;
             }
             let line: Line = serde_json::from_str(l).map_err(|e| format!("line {}: {e}", n + 1))?;
+            if line.timestamp > MAX_TIMESTAMP_MS {
+                return Err(format!(
+                    "line {}: timestamp {} is more than a century ({MAX_TIMESTAMP_MS} ms) after \
+                     the trace's start; timestamps are milliseconds from the first request",
+                    n + 1,
+                    line.timestamp
+                ));
+            }
             lines.push(line);
+        }
+        if lines.is_empty() {
+            return Err("no requests: the trace has no lines".into());
         }
         // Arrival order; a stable sort keeps the file's order among equal timestamps.
         lines.sort_by_key(|l| l.timestamp);
@@ -360,5 +375,22 @@ mod tests {
     fn a_bad_line_is_reported_with_its_number() {
         let err = Trace::parse(&format!("{}\nnot json", line(0, 1, &[1]))).unwrap_err();
         assert!(err.starts_with("line 2"), "{err}");
+    }
+
+    #[test]
+    fn a_timestamp_past_a_century_and_an_empty_trace_are_refused() {
+        // u64::MAX ms would keep the replay's clock stepping for hours.
+        let text = format!("{}\n{}", line(0, 1, &[1]), line(u64::MAX, 1, &[2]));
+        let err = Trace::parse(&text).unwrap_err();
+        assert!(
+            err.starts_with("line 2: timestamp 18446744073709551615"),
+            "{err}"
+        );
+        assert!(Trace::parse(&line(MAX_TIMESTAMP_MS, 1, &[1])).is_ok());
+        assert!(Trace::parse(&line(MAX_TIMESTAMP_MS + 1, 1, &[1])).is_err());
+        for empty in ["", "\n  \n"] {
+            let err = Trace::parse(empty).unwrap_err();
+            assert!(err.starts_with("no requests"), "{err}");
+        }
     }
 }
