@@ -198,6 +198,13 @@ fn human_bytes(b: u64) -> String {
     }
 }
 
+/// The most router replicas `--routers` takes: each is a service of its own.
+const MAX_ROUTERS: usize = 1024;
+
+/// The most turns the agents of one run may send (`--sessions` times `--turns`): each policy's
+/// run keeps a record of every turn, and a run of a million takes minutes.
+const MAX_AGENT_TURNS: u64 = 1_000_000;
+
 fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String> {
     let mut o = Options::default();
     let mut args = args.into_iter();
@@ -228,6 +235,14 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String>
             "--ram-cache" => {
                 let v = value()?;
                 o.ram_bytes = parse_size(&v).ok_or_else(|| bad(&v))?;
+                // Overload and trace also run at eight times it.
+                if o.ram_bytes.checked_mul(8).is_none() {
+                    return Err(format!(
+                        "{flag}: {v} is too large: at most {} bytes (2 EiB), since overload \
+                         and trace also run at eight times it",
+                        u64::MAX / 8
+                    ));
+                }
             }
             "--fleet" => {
                 let v = value()?;
@@ -267,6 +282,24 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String>
             }
             _ => return Err(format!("unknown option {flag}")),
         }
+    }
+    if o.replicas.routers > MAX_ROUTERS {
+        return Err(format!(
+            "--routers: {} is too many: at most {MAX_ROUTERS}",
+            o.replicas.routers
+        ));
+    }
+    let default_sessions = match o.scenario {
+        Scenario::Study => 8,
+        Scenario::TwoOnTwo => 2,
+        Scenario::Overload | Scenario::All => 36,
+        Scenario::Trace => 0,
+    };
+    let turns = u64::from(o.sessions.unwrap_or(default_sessions)) * u64::from(o.turns);
+    if turns > MAX_AGENT_TURNS {
+        return Err(format!(
+            "--sessions x --turns: {turns} turns is too many: at most {MAX_AGENT_TURNS} a run"
+        ));
     }
     if o.scenario == Scenario::Trace && o.trace.is_none() {
         return Err(
@@ -1008,5 +1041,31 @@ mod tests {
             (Scenario::Overload, Some(40), 16 << 30)
         );
         assert!(parse_args(["--scenario".to_string(), "trace".to_string()]).is_err());
+    }
+
+    #[test]
+    fn sizes_and_counts_too_large_to_run_are_refused() {
+        let parse = |args: &[&str]| parse_args(args.iter().map(|a| a.to_string()));
+        // Eight times 2 EiB would wrap around to 0 bytes for the second table.
+        let err = parse(&["--ram-cache", "2305843009213693952"]).unwrap_err();
+        assert!(err.contains("too large"), "{err}");
+        let max = (u64::MAX / 8).to_string();
+        assert_eq!(
+            parse(&["--ram-cache", &max]).unwrap().ram_bytes,
+            u64::MAX / 8
+        );
+        assert!(parse(&["--ram-cache", "0"]).is_ok());
+        // Replicas and turns that would exhaust memory before the first table.
+        let err = parse(&["--routers", "4294967296"]).unwrap_err();
+        assert!(err.contains("at most 1024"), "{err}");
+        assert!(parse(&["--routers", "1024"]).is_ok());
+        let err = parse(&["--sessions", "4294967295"]).unwrap_err();
+        assert!(err.contains("too many"), "{err}");
+        let err = parse(&["--turns", "4294967295"]).unwrap_err();
+        assert!(err.contains("too many"), "{err}");
+        // The scenario's own number of agents counts: 36 x 30,000 for the overload.
+        assert!(parse(&["--turns", "30000"]).is_ok());
+        assert!(parse(&["--turns", "30000", "--scenario", "overload"]).is_err());
+        assert!(parse(&["--sessions", "1000", "--turns", "1000"]).is_ok());
     }
 }
