@@ -617,9 +617,10 @@ fn overload(o: &Options) -> Vec<Table> {
             let runs = agent_runs(fleet, &cfg, o, ram);
             let specs = fleet.backends(ram);
             let title = format!(
-                "overload: {} sessions x {} turns on 34 slots, {}; {}; RAM cache {}; seed {}",
+                "overload: {} sessions x {} turns on {} slots, {}; {}; RAM cache {}; seed {}",
                 cfg.sessions,
                 cfg.turns,
+                specs.iter().map(|s| s.model.slots).sum::<u32>(),
                 keys(o),
                 o.describe_fleet(fleet),
                 human_bytes(ram),
@@ -1041,6 +1042,26 @@ mod tests {
             (Scenario::Overload, Some(40), 16 << 30)
         );
         assert!(parse_args(["--scenario".to_string(), "trace".to_string()]).is_err());
+    }
+
+    #[test]
+    fn the_overload_title_counts_the_fleets_slots() {
+        let o = Options {
+            fleet: Some(FleetKind::TwoSlots),
+            ..options(Scenario::Overload, 2)
+        };
+        let t = &overload(&o)[0];
+        assert!(
+            t.title
+                .starts_with("overload: 36 sessions x 2 turns on 2 slots,"),
+            "{t}"
+        );
+        let t = &overload(&options(Scenario::Overload, 2))[0];
+        assert!(
+            t.title
+                .starts_with("overload: 36 sessions x 2 turns on 34 slots,"),
+            "{t}"
+        );
     }
 
     #[test]
