@@ -73,6 +73,18 @@ impl Trace {
                     line.timestamp
                 ));
             }
+            // Each block's tokens are taken from the length, so the two must agree: a length
+            // far beyond its ids made one block of billions of tokens.
+            let blocks = line.input_length.div_ceil(BLOCK_TOKENS);
+            if line.hash_ids.len() != blocks as usize {
+                return Err(format!(
+                    "line {}: {} hash_ids for an input_length of {}: a Mooncake trace has an id \
+                     for each {BLOCK_TOKENS} tokens ({blocks})",
+                    n + 1,
+                    line.hash_ids.len(),
+                    line.input_length
+                ));
+            }
             lines.push(line);
         }
         if lines.is_empty() {
@@ -388,6 +400,16 @@ mod tests {
         );
         assert!(Trace::parse(&line(MAX_TIMESTAMP_MS, 1, &[1])).is_ok());
         assert!(Trace::parse(&line(MAX_TIMESTAMP_MS + 1, 1, &[1])).is_err());
+        // Ids and length disagree: one block of 4.29e9 tokens, or ten blocks for 100 tokens.
+        for bad in [line(0, u32::MAX, &[1, 2, 3]), line(0, 100, &[1, 2])] {
+            let err = Trace::parse(&bad).unwrap_err();
+            assert!(
+                err.starts_with("line 1: ") && err.contains("hash_ids"),
+                "{err}"
+            );
+        }
+        assert!(Trace::parse(&line(0, 0, &[])).is_ok());
+        assert!(Trace::parse(&line(0, 1025, &[1, 2, 3])).is_ok());
         for empty in ["", "\n  \n"] {
             let err = Trace::parse(empty).unwrap_err();
             assert!(err.starts_with("no requests"), "{err}");
