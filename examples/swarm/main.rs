@@ -79,7 +79,8 @@ usage: cargo run --release --example swarm -- [options]
                     blocks in one pool shared by prefix, GPU then host memory, as vLLM and
                     SGLang do
   --oracle          adds NTB+oracle: NodeThenBackend told what the simulated caches
-                    really hold, the bound of a perfect cache model under the same rules
+                    really hold, the same rules with a perfect cache model (not an
+                    upper bound: greedy rules can do worse knowing more)
   --out FILE        the SVG chart (default target/swarm-<scenario>.svg)
 ";
 
@@ -208,11 +209,19 @@ const MAX_AGENT_TURNS: u64 = 1_000_000;
 fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String> {
     let mut o = Options::default();
     let mut args = args.into_iter();
+    // Flags that only some runs read: given to another, they would be ignored without a word.
+    let (mut replica_flag, mut chains_given) = (None, false);
     while let Some(flag) = args.next() {
         if flag == "-h" || flag == "--help" {
             return Err(String::new());
         }
-        let mut value = || args.next().ok_or(format!("{flag} needs a value"));
+        // A flag where its value should be is taken for a missing value: `--out --keyless`
+        // would write the chart to a file named `--keyless`.
+        let mut value = || {
+            args.next()
+                .filter(|v| !v.starts_with("--"))
+                .ok_or(format!("{flag} needs a value"))
+        };
         let bad = |v: &str| format!("{flag}: cannot read {v:?}");
         match flag.as_str() {
             "--scenario" => {
@@ -256,6 +265,7 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String>
                 o.slot_policy = cache::SlotPolicy::parse(&v).ok_or_else(|| bad(&v))?;
             }
             "--trace-chains" => {
+                chains_given = true;
                 let v = value()?;
                 o.trace_chains = trace::Chains::parse(&v).ok_or_else(|| bad(&v))?;
             }
@@ -264,6 +274,7 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String>
                 o.replicas.routers = v.parse().ok().filter(|&n| n >= 1).ok_or_else(|| bad(&v))?;
             }
             "--entry" => {
+                replica_flag = Some(flag.clone());
                 let v = value()?;
                 o.replicas.entry = match v.as_str() {
                     "random" => routers::Entry::Random,
@@ -271,8 +282,12 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String>
                     _ => return Err(bad(&v)),
                 };
             }
-            "--shared-store" => o.replicas.shared_store = true,
+            "--shared-store" => {
+                o.replicas.shared_store = true;
+                replica_flag = Some(flag.clone());
+            }
             "--replica-slots" => {
+                replica_flag = Some(flag.clone());
                 let v = value()?;
                 o.replicas.slot_shares = match v.as_str() {
                     "all" => false,
@@ -282,6 +297,18 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String>
             }
             _ => return Err(format!("unknown option {flag}")),
         }
+    }
+    if let Some(flag) = replica_flag.filter(|_| o.replicas.routers < 2) {
+        return Err(format!(
+            "{flag} is for router replicas: give --routers 2 or more"
+        ));
+    }
+    let replays = matches!(o.scenario, Scenario::Trace | Scenario::All);
+    if o.trace.is_some() && !replays {
+        return Err("--trace FILE is replayed by --scenario trace (or all)".into());
+    }
+    if chains_given && o.trace.is_none() {
+        return Err("--trace-chains is for a replayed trace: give --trace FILE".into());
     }
     if o.replicas.routers > MAX_ROUTERS {
         return Err(format!(
@@ -724,32 +751,42 @@ fn run(o: &Options) -> Result<Vec<Table>, String> {
 }
 
 fn main() {
+    // Written without `println!` and `eprintln!`, which panic when the reader has gone
+    // (`| head`).
     let o = match parse_args(std::env::args().skip(1)) {
         Ok(o) => o,
+        // Asked for: the usage, on standard output.
+        Err(e) if e.is_empty() => {
+            let _ = write!(std::io::stdout(), "{USAGE}");
+            std::process::exit(0);
+        }
         Err(e) => {
-            if !e.is_empty() {
-                eprintln!("error: {e}\n");
-            }
-            eprint!("{USAGE}");
-            std::process::exit(if e.is_empty() { 0 } else { 2 });
+            let _ = write!(std::io::stderr(), "error: {e}\n\n{USAGE}");
+            std::process::exit(2);
         }
     };
+    if o.scenario == Scenario::All && o.trace.is_none() {
+        let _ = writeln!(
+            std::io::stderr(),
+            "note: --scenario all replays no trace without --trace FILE"
+        );
+    }
     routers::set(o.replicas);
     cache::set_slot_policy(o.slot_policy);
     let started = Instant::now();
     let tables = match run(&o) {
         Ok(t) => t,
         Err(e) => {
-            eprintln!("error: {e}");
+            let _ = writeln!(std::io::stderr(), "error: {e}");
             std::process::exit(1);
         }
     };
-    // Written without `println!`, which panics when the reader has gone (`| head`): the
-    // chart is still drawn.
+    // The chart is drawn even when the reader of the tables has gone.
     let mut stdout = std::io::stdout().lock();
     for t in &tables {
         let _ = writeln!(stdout, "{t}");
     }
+    let _ = writeln!(stdout, "{}\n", report::LEGEND);
     let out = o.out.clone().unwrap_or_else(|| {
         Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("target")
@@ -767,9 +804,17 @@ fn main() {
         Ok(()) => {
             let _ = writeln!(stdout, "chart: {}", out.display());
         }
-        Err(e) => eprintln!("chart {}: {e}", out.display()),
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "error: chart {}: {e}", out.display());
+            std::process::exit(1);
+        }
     }
-    let _ = writeln!(stdout, "ran in {:.2} s", started.elapsed().as_secs_f64());
+    // On standard error, so that a run's standard output is the same every time.
+    let _ = writeln!(
+        std::io::stderr(),
+        "ran in {:.2} s",
+        started.elapsed().as_secs_f64()
+    );
 }
 
 #[cfg(test)]
@@ -1062,6 +1107,28 @@ mod tests {
                 .starts_with("overload: 36 sessions x 2 turns on 34 slots,"),
             "{t}"
         );
+    }
+
+    #[test]
+    fn flags_a_run_would_ignore_and_flags_taken_for_values_are_refused() {
+        let parse = |args: &[&str]| parse_args(args.iter().map(|a| a.to_string()));
+        let err = parse(&["--out", "--keyless"]).unwrap_err();
+        assert_eq!(err, "--out needs a value");
+        let err = parse(&["--trace", "t.jsonl"]).unwrap_err();
+        assert!(err.contains("--scenario trace"), "{err}");
+        assert!(parse(&["--trace", "t.jsonl", "--scenario", "all"]).is_ok());
+        let err = parse(&["--scenario", "overload", "--trace-chains", "turn-ends"]).unwrap_err();
+        assert!(err.contains("--trace FILE"), "{err}");
+        for flag in [
+            &["--shared-store"][..],
+            &["--entry", "sticky"],
+            &["--replica-slots", "share"],
+        ] {
+            let err = parse(flag).unwrap_err();
+            assert!(err.contains("--routers 2"), "{err}");
+            let with_two: Vec<&str> = flag.iter().copied().chain(["--routers", "2"]).collect();
+            assert!(parse(&with_two).is_ok(), "{with_two:?}");
+        }
     }
 
     #[test]

@@ -171,9 +171,23 @@ fn secs(d: Duration) -> String {
     format!("{:.1} s", d.as_secs_f64())
 }
 
+/// `n` and its share of `of`; no share when `of` is 0.
 fn count_share(n: usize, of: usize) -> String {
+    if of == 0 {
+        return format!("{n} (-)");
+    }
     format!("{n} ({:.1}%)", 100.0 * share(n, of))
 }
+
+/// What the columns say, printed once under a run's tables.
+pub(crate) const LEGEND: &str = "\
+hit rate: of the later turns (compactions aside), those that reused at least 80% of the
+  previous turn's prompt; - when there were none
+node moves, backend moves: later turns sent to another node, or to another backend of the
+  same node, and their share of the later turns
+cold: keyed turns whose home had evicted their session (the router's count); compact:
+  turns the router counted as compactions (keyless runs count none)
+TTFT: time to first token over every turn, first turns included";
 
 impl fmt::Display for Table {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -196,12 +210,17 @@ impl fmt::Display for Table {
         }
         writeln!(f)?;
         for r in &self.rows {
+            let hit_rate = if r.eligible == 0 {
+                "-".to_string()
+            } else {
+                format!("{:.1}%", 100.0 * r.hit_rate())
+            };
             write!(
                 f,
-                "{:<16} {:>6} {:>8.1}% {:>14} {:>14} {:>6} {:>8} {:>10} {:>10}",
+                "{:<16} {:>6} {:>9} {:>14} {:>14} {:>6} {:>8} {:>10} {:>10}",
                 r.policy,
                 r.turns,
-                100.0 * r.hit_rate(),
+                hit_rate,
                 count_share(r.node_moves, r.follow_ups),
                 count_share(r.backend_moves, r.follow_ups),
                 r.cold_homes,
