@@ -610,6 +610,7 @@ fn study(o: &Options) -> Table {
     );
     let mut notes = vec![
         calibration_note(&runs),
+        ram_note(&runs),
         reported_note(&runs),
         bound_note(&runs, &fleet.backends(o.ram_bytes)),
     ];
