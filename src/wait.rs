@@ -293,11 +293,14 @@ impl WaitTicket {
         home: WaitHome,
         max_queued: usize,
     ) -> Option<Self> {
-        let queued = capacity.waiting.fetch_add(1, Ordering::SeqCst);
-        if queued >= max_queued {
-            capacity.waiting.fetch_sub(1, Ordering::AcqRel);
-            return None;
-        }
+        // Counted only if there is room: a request refused is never counted, even for a
+        // moment, or a request arriving then would find the queue fuller than it is.
+        capacity
+            .waiting
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < max_queued).then_some(n + 1)
+            })
+            .ok()?;
         // The caller's look for a slot comes after this: see the module's docs.
         fence(Ordering::SeqCst);
         let mut list = capacity.waiters.lock();
@@ -422,5 +425,59 @@ impl Drop for WaitTicket {
             slot.unpromise();
             self.capacity.pass_on(slot);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use super::{WaitHome, WaitTicket};
+    use crate::fleet::Capacity;
+
+    /// Requests joining a full queue are refused without ever being counted as waiting: the
+    /// count never reads more than `max_queued`, not even while a refused request is being
+    /// turned away. (Counted for that moment, it would hide from a request arriving just
+    /// after a waiter left the room that waiter left, and have it refused too.)
+    #[test]
+    fn a_refused_request_is_never_counted_waiting() {
+        const MAX_QUEUED: usize = 2;
+        let capacity = Arc::new(Capacity::default());
+        let stop = Arc::new(AtomicBool::new(false));
+        let until = Instant::now() + Duration::from_secs(1);
+        // Two requests keep the queue full; two more keep arriving, refused.
+        let threads: Vec<_> = (0..4)
+            .map(|i| {
+                let (capacity, stop) = (capacity.clone(), stop.clone());
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::Relaxed) && Instant::now() < until {
+                        let ticket = WaitTicket::take(&capacity, WaitHome::default(), MAX_QUEUED);
+                        if i < 2 {
+                            for _ in 0..1_000 {
+                                std::hint::spin_loop();
+                            }
+                        }
+                        drop(ticket);
+                    }
+                })
+            })
+            .collect();
+        let mut most = 0;
+        while !threads.iter().all(|t| t.is_finished()) {
+            most = most.max(capacity.waiting.load(Ordering::SeqCst));
+            if most > MAX_QUEUED {
+                stop.store(true, Ordering::Relaxed);
+            }
+        }
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert!(
+            most <= MAX_QUEUED,
+            "{most} counted waiting; at most {MAX_QUEUED} may wait"
+        );
+        assert_eq!(capacity.waiting.load(Ordering::SeqCst), 0);
     }
 }
