@@ -659,6 +659,48 @@ fn a_new_keyless_conversation_goes_where_fewest_requests_are_in_flight_then_fewe
 }
 
 #[test]
+fn a_new_keyless_conversation_weighs_each_backends_load_by_its_slots() {
+    let p = NodeThenBackend::new();
+    let place = |fleet: &dyn Fn() -> Snapshot| {
+        (0..20)
+            .map(|i| {
+                fleet()
+                    .prompt(chain(&[SYS, 4_000 + i]))
+                    .choose(&p, None, None)
+                    .unwrap()
+            })
+            .collect::<std::collections::HashSet<_>>()
+    };
+    let big_and_small = || {
+        Snapshot::new()
+            .backend("big", "n", 8)
+            .backend("small", "n", 2)
+    };
+    let big = std::collections::HashSet::from([BackendId::from("big")]);
+    // Requests in flight: a quarter of big's slots, half of small's.
+    let in_flight = || big_and_small().in_flight("big", 2).in_flight("small", 1);
+    assert_eq!(place(&in_flight), big);
+    // Conversations homed, this one counted: 7 for big's 8 slots, 2 for small's 2.
+    let homed = || {
+        (0..6)
+            .fold(big_and_small(), |s, i| s.holds("big", &chain(&[800 + i])))
+            .holds("small", &chain(&[810]))
+    };
+    assert_eq!(place(&homed), big);
+    // As many conversations per slot on each, this one counted (3 for 3, 2 for 2): tokens
+    // held decide, 200 on either, for 3 slots and for 2.
+    let tokens = || {
+        Snapshot::new()
+            .backend("big", "n", 3)
+            .backend("small", "n", 2)
+            .holds("big", &chain(&[820]))
+            .holds("big", &chain(&[821]))
+            .holds("small", &chain(&[830, 831]))
+    };
+    assert_eq!(place(&tokens), big);
+}
+
+#[test]
 fn a_keyless_prompt_sent_whole_once_before_goes_where_it_was_sent() {
     // A turn sent again (a retry, a second answer): b2 served it, and homes the only
     // conversation, so by load or by conversations it would be the last choice.
