@@ -701,6 +701,23 @@ fn a_new_keyless_conversation_weighs_each_backends_load_by_its_slots() {
 }
 
 #[test]
+fn between_equally_loaded_backends_a_new_keyless_conversation_takes_the_one_with_more_free_slots() {
+    // Idle and homing nothing, x (3 slots) and y (4) weigh the same by conversations for
+    // their slots as the policy scales them to whole numbers (the fleet's 8 slots over 3, and
+    // over 4, are both 2): y has more free slots. z is full.
+    let p = NodeThenBackend::new();
+    for i in 0..20 {
+        let fleet = Snapshot::new()
+            .backend("x", "n", 3)
+            .backend("y", "n", 4)
+            .backend("z", "n", 1)
+            .in_flight("z", 1)
+            .prompt(chain(&[SYS, 5_000 + i]));
+        assert_eq!(fleet.choose(&p, None, None), Some("y".into()), "prompt {i}");
+    }
+}
+
+#[test]
 fn a_keyless_prompt_sent_whole_once_before_goes_where_it_was_sent() {
     // A turn sent again (a retry, a second answer): b2 served it, and homes the only
     // conversation, so by load or by conversations it would be the last choice.
