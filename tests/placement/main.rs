@@ -1140,6 +1140,35 @@ fn load_bound_offers_the_backends_it_skips_last() {
     assert_eq!(order.last(), Some(&winner), "{order:?}");
 }
 
+#[test]
+fn a_larger_load_bound_lets_new_sessions_onto_busier_backends() {
+    // The key's first choice has 3 of 4 slots taken and every other backend 2. With this
+    // session the fleet's average is 10 of 16 slots; the first choice would be at 4 of 4, 1.6
+    // times that, any other at 3 of 4, 1.2 times.
+    let base = || {
+        Snapshot::new()
+            .backend("a1", "a", 4)
+            .backend("b1", "b", 4)
+            .backend("c1", "c", 4)
+            .backend("d1", "d", 4)
+    };
+    let k = key("hot");
+    let winner = base().choose(&NodeThenBackend::new(), k, None).unwrap();
+    let busy = ["a1", "b1", "c1", "d1"].into_iter().fold(base(), |s, b| {
+        s.in_flight(b, if b == winner.as_str() { 3 } else { 2 })
+    });
+    let choose = |epsilon: f64| busy.choose(&NodeThenBackend::new().load_bound(epsilon), k, None);
+    assert_eq!(choose(1.0), Some(winner.clone()), "1.6 is within 2");
+    assert_ne!(
+        choose(0.25),
+        Some(winner.clone()),
+        "1.6 is past 1.25, 1.2 is not"
+    );
+    // With no margin every backend would go past the average: none is admitted on the first
+    // pass, and the key's order stands.
+    assert_eq!(choose(0.0), Some(winner));
+}
+
 /// The first key whose rendezvous order puts `first` first.
 fn key_drawn_to(fleet: &Snapshot, first: &str) -> SessionKey {
     (0..)
@@ -1164,6 +1193,22 @@ fn the_conversation_bound_offers_the_backends_it_skips_last() {
     assert_eq!(order.last().map(BackendId::as_str), Some("b1"), "{order:?}");
     let unbounded = NodeThenBackend::new().no_conversation_bound();
     assert_eq!(fleet.order(&unbounded, Some(k), None)[0].as_str(), "b1");
+}
+
+#[test]
+fn a_larger_conversation_bound_lets_a_backend_home_more_than_its_share() {
+    // b1 (one slot of four) homes the fleet's one conversation. With a second, its share is
+    // half a conversation: it may home two once 1 + epsilon times that, rounded up, is 2.
+    let fleet = b1_at_its_bound();
+    let k = key_drawn_to(&fleet, "b1");
+    let fleet = fleet.prompt(chain(&[20_000]));
+    let first = |epsilon: f64| {
+        let p = NodeThenBackend::new().conversation_bound(epsilon);
+        fleet.order(&p, Some(k), None)[0].clone()
+    };
+    assert_ne!(first(0.0).as_str(), "b1");
+    assert_ne!(first(1.0).as_str(), "b1");
+    assert_eq!(first(1.5).as_str(), "b1");
 }
 
 #[test]
