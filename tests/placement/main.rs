@@ -592,6 +592,28 @@ fn a_prefix_held_on_several_backends_is_not_own() {
 }
 
 #[test]
+fn the_longest_prefix_is_found_wherever_the_backends_holding_less_come() {
+    // a1 holds three links of the prompt, b2 only the system prompt: scanned before b2 or
+    // after it, a1 is the backend holding the longest prefix.
+    let prompt = chain(&[SYS, 11, 12, 13]);
+    for fleet in [
+        two_by_two(),
+        Snapshot::new()
+            .backend("b2", "node-b", 1)
+            .backend("a1", "node-a", 1),
+    ] {
+        let fleet = fleet
+            .holds("a1", &chain(&[SYS, 11, 12]))
+            .holds("b2", &chain(&[SYS, 21]));
+        let prefix = fleet.view().longest_prefix(&prompt).unwrap();
+        assert_eq!(
+            (prefix.backend.id().as_str(), prefix.links, prefix.only),
+            ("a1", 3, true)
+        );
+    }
+}
+
+#[test]
 fn a_keyless_request_with_no_prefix_goes_to_the_fewest_conversations_per_slot() {
     // Conversations for slots: a1 2 for 4, a2 0 for 1, b1 1 for 2, b2 2 for 2. Counting this
     // one, a1 is the least loaded per slot (3/4), though a2 homes none (1/1).
