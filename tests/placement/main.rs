@@ -363,6 +363,19 @@ fn an_empty_fleet_offers_nothing() {
     assert!(empty.order(&Rendezvous, key("s"), None).is_empty());
 }
 
+#[test]
+fn a_fleet_view_is_empty_only_when_no_backend_is_live() {
+    assert!(Snapshot::new().view().is_empty());
+    let fleet = two_by_two();
+    assert!(!fleet.view().is_empty());
+    assert_eq!(fleet.view().len(), 4);
+    let gone = ["a1", "a2", "b1"]
+        .into_iter()
+        .fold(fleet, |s, b| s.remove(b));
+    assert!(!gone.view().is_empty());
+    assert!(gone.remove("b2").view().is_empty());
+}
+
 // The rules that use the cache model. A chain is built from blocks: `SYS` is a system prompt
 // of 2,000 tokens, every other id a message of 100.
 
