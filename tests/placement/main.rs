@@ -627,6 +627,27 @@ fn the_longest_prefix_is_found_wherever_the_backends_holding_less_come() {
 }
 
 #[test]
+fn a_backend_tells_how_much_of_a_prompt_its_cache_holds() {
+    let fleet = two_by_two()
+        .holds("a1", &chain(&[SYS, 11, 12]))
+        .holds("a1", &chain(&[SYS, 21]));
+    let view = fleet.view();
+    let (a1, b1) = (
+        view.backend(&"a1".into()).unwrap(),
+        view.backend(&"b1".into()).unwrap(),
+    );
+    let next = chain(&[SYS, 11, 12, 13]);
+    assert_eq!(
+        (a1.cached_links(&next), a1.cached_tokens(&next)),
+        (3, 2_200)
+    );
+    assert_eq!((b1.cached_links(&next), b1.cached_tokens(&next)), (0, 0));
+    // Two conversations, their system prompt held once.
+    assert_eq!((a1.conversations(), a1.held_tokens()), (2, 2_300));
+    assert_eq!((b1.conversations(), b1.held_tokens()), (0, 0));
+}
+
+#[test]
 fn a_keyless_request_with_no_prefix_goes_to_the_fewest_conversations_per_slot() {
     // Conversations for slots: a1 2 for 4, a2 0 for 1, b1 1 for 2, b2 2 for 2. Counting this
     // one, a1 is the least loaded per slot (3/4), though a2 homes none (1/1).
