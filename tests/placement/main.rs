@@ -1181,6 +1181,41 @@ fn a_policy_wrapping_another_passes_over_the_backends_it_rules_out() {
     assert_eq!(full.choose(&NotOnNodeB, None, None), None);
 }
 
+/// Passes over and offers the backends of another fleet, then offers the backends of the
+/// fleet it places on.
+struct MixesUpFleets(std::sync::Arc<Snapshot>);
+
+impl Placement for MixesUpFleets {
+    fn place(
+        &self,
+        fleet: &tower_affinity::placement::FleetView<'_>,
+        _: &tower_affinity::placement::PlacementRequest<'_>,
+        c: &mut tower_affinity::placement::Candidates<'_>,
+    ) {
+        let other = self.0.view();
+        for b in other.backends() {
+            c.pass_over(b);
+        }
+        for b in other.backends().chain(fleet.backends()) {
+            if c.offer(b).is_break() {
+                return;
+            }
+        }
+    }
+}
+
+#[test]
+fn a_backend_from_another_fleet_is_neither_offered_nor_passed_over() {
+    let other = Snapshot::new().backend("x1", "x", 1).backend("x2", "x", 1);
+    let policy = MixesUpFleets(std::sync::Arc::new(other));
+    let fleet = two_by_two();
+    assert_eq!(
+        fleet.order(&policy, None, None),
+        ids(&["a1", "a2", "b1", "b2"])
+    );
+    assert_eq!(fleet.choose(&policy, None, None), Some("a1".into()));
+}
+
 #[test]
 fn load_bound_offers_the_backends_it_skips_last() {
     let fleet = Snapshot::new()
