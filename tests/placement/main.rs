@@ -1084,6 +1084,36 @@ fn new_session_order_is_the_same_in_every_version() {
     assert_eq!(new_session_orders(), pinned);
 }
 
+#[test]
+fn a_node_counts_the_slots_of_its_live_backends() {
+    let slots = |fleet: &Snapshot| {
+        let mut v: Vec<(String, u32)> = fleet
+            .view()
+            .nodes()
+            .map(|n| (n.id().as_str().to_string(), n.slots()))
+            .collect();
+        v.sort();
+        v
+    };
+    let fleet = weighted();
+    assert_eq!(
+        slots(&fleet),
+        [
+            ("gpu-0".into(), 4),
+            ("gpu-1".into(), 5),
+            ("gpu-2".into(), 4)
+        ]
+    );
+    assert_eq!(
+        slots(&fleet.remove("g1b")),
+        [
+            ("gpu-0".into(), 4),
+            ("gpu-1".into(), 2),
+            ("gpu-2".into(), 4)
+        ]
+    );
+}
+
 /// One change to a fleet: add or update `b{id}` on `n{node}` with `slots`, or remove `b{id}`.
 #[derive(Clone, Debug)]
 enum Change {
