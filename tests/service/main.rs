@@ -3018,6 +3018,29 @@ async fn a_session_whose_home_evicted_it_is_a_cold_home() {
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_home_that_evicted_a_later_conversation_but_kept_a_one_block_turn_is_a_home_hit() {
+    // One backend. s's first turn is a single block, which t's conversation goes on from
+    // after z's: when y's makes room, z's is the least recently used and goes, though it came
+    // after s's turn. s's home has evicted since s's turn, and still holds it.
+    let mut svc = chained_stack(&[("a1", "node-a", 1)]);
+    let chain = |blocks: &[(u64, u32)]| tower_affinity::PromptChain::from_blocks(blocks.to_vec());
+    for (session, turn) in [
+        ("s", chain(&[(20, 1_000)])),
+        ("z", chain(&[(40, 60_000)])),
+        ("t", chain(&[(20, 1_000), (22, 500)])),
+        ("y", chain(&[(30, 100_000)])),
+    ] {
+        call_chained(&mut svc, session, &turn).await.await.unwrap();
+    }
+    assert_eq!(cached_tokens(&svc), 101_500, "z evicted, s and t kept");
+    let next = chain(&[(20, 1_000), (21, 500)]);
+    let res = call_chained(&mut svc, "s", &next).await.await.unwrap();
+    let d = res.extensions().get::<Decision>().unwrap();
+    assert_eq!(d.outcome, Outcome::HomeHit);
+    assert_eq!(cached_tokens(&svc), 102_000);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_new_keyless_conversation_sharing_only_the_system_prompt_is_not_a_prefix_hit() {
     let mut svc = chat_stack(TWO_BY_TWO, Backend::<()>::DEFAULT_CACHE_TOKENS);
     let first = Conversation::new("epsilon");
