@@ -390,11 +390,15 @@ fn chain(ids: &[u64]) -> PromptChain {
 
 /// The first key (`k0`, `k1`, ...) whose new-session rendezvous winner is not `avoid`: a key
 /// that would go elsewhere if the rule under test did not send it to `avoid`.
+/// How many keys the searches for a key drawn to a backend try: rendezvous draws about one
+/// in the fleet's size to each, so a search that runs out says the scores are broken.
+const KEYS_TRIED: u32 = 10_000;
+
 fn key_not_drawn_to(fleet: &Snapshot, avoid: impl Fn(&str) -> bool) -> SessionKey {
-    (0..)
+    (0..KEYS_TRIED)
         .map(|i| SessionKey::from_bytes(format!("k{i}").as_bytes()))
         .find(|&k| !avoid(order_from_scores(fleet, k)[0].as_str()))
-        .unwrap()
+        .expect("no key of those tried is drawn elsewhere: are the scores all alike?")
 }
 
 fn conversations(fleet: &Snapshot, id: &str) -> u32 {
@@ -1292,10 +1296,10 @@ fn a_larger_load_bound_lets_new_sessions_onto_busier_backends() {
 
 /// The first key whose rendezvous order puts `first` first.
 fn key_drawn_to(fleet: &Snapshot, first: &str) -> SessionKey {
-    (0..)
+    (0..KEYS_TRIED)
         .map(|i| SessionKey::from_bytes(format!("k{i}").as_bytes()))
         .find(|&k| order_from_scores(fleet, k)[0].as_str() == first)
-        .unwrap()
+        .unwrap_or_else(|| panic!("no key of those tried is drawn to {first}"))
 }
 
 /// b1 homes a conversation (one slot each): a second there would pass its conversation bound.
