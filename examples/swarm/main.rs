@@ -194,8 +194,10 @@ fn parse_size(s: &str) -> Option<u64> {
 fn human_bytes(b: u64) -> String {
     if b >= 1 << 30 && b.is_multiple_of(1 << 30) {
         format!("{} GiB", b >> 30)
-    } else {
+    } else if b >= 1 << 20 && b.is_multiple_of(1 << 20) {
         format!("{} MiB", b >> 20)
+    } else {
+        format!("{b} bytes")
     }
 }
 
@@ -1108,6 +1110,14 @@ mod tests {
                 .starts_with("overload: 36 sessions x 2 turns on 34 slots,"),
             "{t}"
         );
+    }
+
+    #[test]
+    fn sizes_print_in_the_largest_unit_that_says_them_exactly() {
+        assert_eq!(human_bytes(8 << 30), "8 GiB");
+        assert_eq!(human_bytes(1536 << 20), "1536 MiB");
+        assert_eq!(human_bytes(1000), "1000 bytes");
+        assert_eq!(human_bytes(0), "0 bytes");
     }
 
     #[test]
