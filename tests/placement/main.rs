@@ -272,17 +272,20 @@ fn keyless_request_finds_the_one_free_slot_when_both_samples_are_full() {
     }
 }
 
+/// Four nodes of one backend, four slots each.
+fn four_nodes_of_four_slots() -> Snapshot {
+    Snapshot::new()
+        .backend("a1", "a", 4)
+        .backend("b1", "b", 4)
+        .backend("c1", "c", 4)
+        .backend("d1", "d", 4)
+}
+
 #[test]
 fn load_bound_keeps_new_sessions_off_busy_backends() {
     // The key's first choice is busy well above the fleet's average: with a bound, a new
     // session goes elsewhere; without, it does not.
-    let base = || {
-        Snapshot::new()
-            .backend("a1", "a", 4)
-            .backend("b1", "b", 4)
-            .backend("c1", "c", 4)
-            .backend("d1", "d", 4)
-    };
+    let base = four_nodes_of_four_slots;
     let k = key("hot");
     let winner = base().choose(&NodeThenBackend::new(), k, None).unwrap();
     let busy = base().in_flight(winner.as_str(), 3);
@@ -1270,13 +1273,7 @@ fn a_larger_load_bound_lets_new_sessions_onto_busier_backends() {
     // The key's first choice has 3 of 4 slots taken and every other backend 2. With this
     // session the fleet's average is 10 of 16 slots; the first choice would be at 4 of 4, 1.6
     // times that, any other at 3 of 4, 1.2 times.
-    let base = || {
-        Snapshot::new()
-            .backend("a1", "a", 4)
-            .backend("b1", "b", 4)
-            .backend("c1", "c", 4)
-            .backend("d1", "d", 4)
-    };
+    let base = four_nodes_of_four_slots;
     let k = key("hot");
     let winner = base().choose(&NodeThenBackend::new(), k, None).unwrap();
     let busy = ["a1", "b1", "c1", "d1"].into_iter().fold(base(), |s, b| {
