@@ -1362,6 +1362,32 @@ mod tests {
     }
 
     #[test]
+    fn a_refused_prompt_puts_back_only_the_last_links_the_log_keeps() {
+        // More conversations evicted by one prompt than the log keeps: the refusal puts back
+        // the most recently used of them, as many as the log holds.
+        let count = EvictionLog::LEN as u64 + 44;
+        let cell = ModelCell::new(count * 100);
+        let one = |c: u64| chain(&[1_000 + c]);
+        for c in 0..count {
+            cell.lock().record_from(one(c).links(), 0, cell.reserve());
+        }
+        let ids: Vec<u64> = (0..count).map(|i| 10_000 + i).collect();
+        let huge = chain(&ids);
+        let stamp = cell.reserve();
+        cell.lock().record_sent(huge.links(), 0, stamp);
+        assert_eq!(cell.lock().evicted(), count, "every conversation made room");
+        cell.lock().refused(huge.links(), 0, stamp);
+        let m = cell.lock();
+        let back: Vec<u64> = (0..count)
+            .filter(|&c| m.held(one(c).links()) == 1)
+            .collect();
+        let newest: Vec<u64> = (count - EvictionLog::LEN as u64..count).collect();
+        assert_eq!(back, newest);
+        assert_eq!(m.evicted(), count - EvictionLog::LEN as u64);
+        m.check();
+    }
+
+    #[test]
     fn a_refused_prompt_leaves_the_links_a_later_prompt_went_on_from() {
         let cell = ModelCell::new(10_000);
         let (turn, later) = (chain(&[1, 2, 3]), chain(&[1, 2, 3, 4]));
