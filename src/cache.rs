@@ -1388,6 +1388,32 @@ mod tests {
     }
 
     #[test]
+    fn evictions_made_by_no_sent_prompt_leave_the_log_to_those_that_were() {
+        // Room for one more conversation than there are: `a`, then as many others as the
+        // log keeps, and a prompt sent that pushes `a` out.
+        let others = EvictionLog::LEN as u64;
+        let cell = ModelCell::new((others + 1) * 100);
+        let one = |c: u64| chain(&[1_000 + c]);
+        for c in 0..=others {
+            cell.lock().record_from(one(c).links(), 0, cell.reserve());
+        }
+        let sent = chain(&[5]);
+        let stamp = cell.reserve();
+        cell.lock().record_sent(sent.links(), 0, stamp);
+        assert_eq!(cell.lock().held(one(0).links()), 0);
+        // Records not sent (recorded as taken) push every other out meanwhile.
+        for c in 0..others {
+            cell.lock()
+                .record_from(chain(&[9_000 + c]).links(), 0, cell.reserve());
+        }
+        cell.lock().refused(sent.links(), 0, stamp);
+        let m = cell.lock();
+        assert_eq!(m.held(sent.links()), 0, "taken back");
+        assert_eq!(m.held(one(0).links()), 1, "put back");
+        m.check();
+    }
+
+    #[test]
     fn a_refused_prompt_leaves_the_links_a_later_prompt_went_on_from() {
         let cell = ModelCell::new(10_000);
         let (turn, later) = (chain(&[1, 2, 3]), chain(&[1, 2, 3, 4]));
