@@ -1812,6 +1812,20 @@ mod tests {
     }
 
     #[test]
+    fn a_known_prefix_is_followed_to_the_last_link_held_after_it() {
+        let mut m = CacheModel::new(10_000);
+        let held = chain(&[1, 2, 3, 4, 5]);
+        m.record(held.links(), 0, 7);
+        // Told that two links are held where five are: the three after them are found too.
+        let longer = chain(&[1, 2, 3, 4, 5, 6]);
+        let known = m.known_from(longer.links(), 2);
+        assert_eq!((known.links, known.last_used, known.born), (5, 7, 7));
+        assert_eq!(m.record_from(longer.links(), 2, 8), (5, 7));
+        assert_eq!(m.tokens(), 600);
+        m.check();
+    }
+
+    #[test]
     fn a_session_recorded_after_the_last_eviction_is_kept_and_an_older_one_is_looked_up() {
         // Room for two conversations of 300 tokens.
         let cell = ModelCell::new(600);
