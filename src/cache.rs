@@ -1248,6 +1248,20 @@ mod tests {
     }
 
     #[test]
+    fn forgetting_returns_how_many_links_went_this_time() {
+        let mut m = CacheModel::new(400);
+        for c in [&[1, 2][..], &[3, 4], &[5, 6]] {
+            m.record_next(chain(c).links(), 0);
+        }
+        // [1, 2] made room for [5, 6].
+        assert_eq!(m.evicted(), 2);
+        let stamp = m.clock;
+        assert_eq!(m.forget_until(stamp, 300), 3);
+        assert_eq!(m.evicted(), 5);
+        m.check();
+    }
+
+    #[test]
     fn held_more_grows_the_budget_up_to_twice_the_declared() {
         let mut m = CacheModel::new(16_000);
         for _ in 0..40 {
