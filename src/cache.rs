@@ -1447,6 +1447,26 @@ mod tests {
     }
 
     #[test]
+    fn the_latest_refused_records_are_remembered_and_older_ones_forgotten() {
+        let cell = ModelCell::new(10_000);
+        let turn = chain(&[1, 2, 3]);
+        let stamp = cell.reserve();
+        cell.lock().record_sent(turn.links(), 0, stamp);
+        cell.lock().refused(turn.links(), 0, stamp);
+        let mut m = cell.lock();
+        assert!(m.was_refused(stamp));
+        assert!(!m.was_refused(stamp + 1), "not refused");
+        m.note_refused(0);
+        assert!(!m.was_refused(0), "no stamp, nothing refused");
+        assert!(m.was_refused(stamp), "stamp 0 takes no place");
+        for later in 1..=REFUSALS as u32 {
+            m.note_refused(stamp + later);
+        }
+        assert!(!m.was_refused(stamp), "pushed out by as many later ones");
+        assert!(m.was_refused(stamp + 1));
+    }
+
+    #[test]
     fn a_link_whose_digest_is_held_under_another_leaves_the_link_before_it_evictable() {
         // Room for five conversations of two links.
         let mut m = CacheModel::new(1_000);
