@@ -191,6 +191,12 @@ fn parse_size(s: &str) -> Option<u64> {
     n.checked_mul(1 << shift)
 }
 
+/// `n` and what it counts, in the plural but for one.
+fn counted(n: impl Into<u64>, what: &str) -> String {
+    let n = n.into();
+    format!("{n} {what}{}", if n == 1 { "" } else { "s" })
+}
+
 fn human_bytes(b: u64) -> String {
     if b >= 1 << 30 && b.is_multiple_of(1 << 30) {
         format!("{} GiB", b >> 30)
@@ -602,9 +608,9 @@ fn study(o: &Options) -> Table {
     let cfg = AgentConfig::study(o.sessions.unwrap_or(8), o.turns);
     let runs = agent_runs(fleet, &cfg, o, o.ram_bytes);
     let title = format!(
-        "study: {} sessions x {} turns, same system prompt and spec, {}; {}; RAM cache {}; seed {}",
-        cfg.sessions,
-        cfg.turns,
+        "study: {} x {}, same system prompt and spec, {}; {}; RAM cache {}; seed {}",
+        counted(cfg.sessions, "session"),
+        counted(cfg.turns, "turn"),
         keys(o),
         o.describe_fleet(fleet),
         human_bytes(o.ram_bytes),
@@ -627,9 +633,9 @@ fn two_on_two(o: &Options) -> Table {
     cfg.start_spread = Duration::ZERO;
     let runs = agent_runs(fleet, &cfg, o, o.ram_bytes);
     let title = format!(
-        "two-on-two: {} sessions x {} turns, {}; {}; RAM cache {}; seed {}",
-        cfg.sessions,
-        cfg.turns,
+        "two-on-two: {} x {}, {}; {}; RAM cache {}; seed {}",
+        counted(cfg.sessions, "session"),
+        counted(cfg.turns, "turn"),
         keys(o),
         o.describe_fleet(fleet),
         human_bytes(o.ram_bytes),
@@ -647,10 +653,10 @@ fn overload(o: &Options) -> Vec<Table> {
             let runs = agent_runs(fleet, &cfg, o, ram);
             let specs = fleet.backends(ram);
             let title = format!(
-                "overload: {} sessions x {} turns on {} slots, {}; {}; RAM cache {}; seed {}",
-                cfg.sessions,
-                cfg.turns,
-                specs.iter().map(|s| s.model.slots).sum::<u32>(),
+                "overload: {} x {} on {}, {}; {}; RAM cache {}; seed {}",
+                counted(cfg.sessions, "session"),
+                counted(cfg.turns, "turn"),
+                counted(specs.iter().map(|s| s.model.slots).sum::<u32>(), "slot"),
                 keys(o),
                 o.describe_fleet(fleet),
                 human_bytes(ram),
@@ -1110,6 +1116,13 @@ mod tests {
                 .starts_with("overload: 36 sessions x 2 turns on 34 slots,"),
             "{t}"
         );
+    }
+
+    #[test]
+    fn one_of_a_thing_is_not_counted_in_the_plural() {
+        assert_eq!(counted(1u32, "session"), "1 session");
+        assert_eq!(counted(36u32, "session"), "36 sessions");
+        assert_eq!(counted(0u32, "turn"), "0 turns");
     }
 
     #[test]
