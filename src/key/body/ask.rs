@@ -394,6 +394,21 @@ mod tests {
     }
 
     #[test]
+    fn a_finishing_chunk_that_carries_usage_is_not_taken_out() {
+        // Some backends put the usage on the chunk that finishes the choice, not on one of
+        // its own: that chunk is the client's, and stays.
+        let last = "data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":1}}\n\n";
+        let stream = format!("{TOKEN}{last}data: [DONE]\n\n");
+        for piece in [1, 7, stream.len()] {
+            assert_eq!(
+                String::from_utf8_lossy(&strip_in_pieces(stream.as_bytes(), piece)),
+                stream,
+                "pieces of {piece}"
+            );
+        }
+    }
+
+    #[test]
     fn only_one_usage_chunk_is_taken_out() {
         let twice = format!("{}{}", usage_chunk(), usage_chunk());
         assert_eq!(
