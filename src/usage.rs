@@ -755,4 +755,42 @@ event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_toke
             assert_eq!(u.reused_tokens, Some(2), "{piece}");
         }
     }
+
+    #[test]
+    fn the_tokens_read_are_the_prompt_less_the_reused_ones() {
+        let u = Usage::from_body(CHAT).unwrap();
+        assert_eq!(u.read_tokens(), Some(176));
+        let vllm = Usage::from_body(br#"{"usage":{"prompt_tokens":3000}}"#).unwrap();
+        assert_eq!(vllm.read_tokens(), None);
+    }
+
+    #[test]
+    fn a_negative_prompt_time_leaves_the_one_before_it() {
+        let body =
+            b"data: {\"timings\":{\"prompt_n\":100,\"cache_n\":800,\"prompt_ms\":250.0}}\n\n\
+data: {\"timings\":{\"prompt_n\":100,\"cache_n\":800,\"prompt_ms\":-1.0}}\n\n";
+        let u = Usage::from_body(body).unwrap();
+        assert_eq!(u.prompt_time, Some(Duration::from_millis(250)));
+    }
+
+    #[test]
+    fn an_overlong_object_is_never_kept_past_the_limit() {
+        let mut body = br#"{"usage":{"pad":""#.to_vec();
+        body.extend(std::iter::repeat_n(b'x', CAPTURE_LIMIT * 3));
+        body.extend_from_slice(br#""}}"#);
+        let mut s = UsageScanner::default();
+        for chunk in body.chunks(1000) {
+            s.feed(chunk);
+            assert!(s.capture.len() <= CAPTURE_LIMIT, "{}", s.capture.len());
+        }
+    }
+
+    #[test]
+    fn a_member_name_inside_a_string_is_not_taken_for_one() {
+        let body = br#"{"choices":[{"message":{"content":"the \"usage\": {\"prompt_tokens\": 1} field"}}]}"#;
+        assert_eq!(Usage::from_body(body), None);
+        // A member named `x "usage`: its name ends in `usage"`, after an escaped quote.
+        let body = br#"{"x \"usage":{"prompt_tokens":1}}"#;
+        assert_eq!(Usage::from_body(body), None);
+    }
 }
