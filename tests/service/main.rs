@@ -1684,6 +1684,41 @@ async fn a_freed_slot_goes_to_the_waiter_whose_home_it_is() {
     assert_eq!(svc.stats().in_flight, 0);
 }
 
+/// A freed slot no waiter calls home goes to the oldest waiter whose home is on the slot's
+/// node, ahead of older waiters from other nodes: its session stays on its node.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_freed_slot_goes_to_a_waiter_from_its_node_before_an_older_one_from_another() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new().layer(fleet(
+        &[("a1", "a", 1), ("a2", "a", 1), ("b1", "b", 1)],
+        &streams,
+    ));
+    // Three sessions fill the fleet, one on each backend.
+    let mut on = std::collections::HashMap::new();
+    for s in ["s1", "s2", "s3"] {
+        let res = send(&mut svc, Some(s), Some("stream")).await.unwrap();
+        let (id, tx) = streams.take().unwrap();
+        on.insert(id, (s, res, tx));
+    }
+    let (_, freed, freed_tx) = on.remove("a1").unwrap();
+    let (same_node, _same_res, _same_tx) = on.remove("a2").unwrap();
+    let (other_node, _other_res, _other_tx) = on.remove("b1").unwrap();
+    // The session of the other node waits first, then the one of the freed slot's node.
+    let mut waiting = waiters(&mut svc, &[other_node, same_node]).await;
+    // a1 frees; its own session is not waiting.
+    drop(freed_tx);
+    freed.into_body().collect().await.unwrap();
+    assert!(waiting[1].is_woken(), "the slot goes to its node's waiter");
+    assert!(!waiting[0].is_woken(), "one freed slot wakes one waiter");
+    let res = assert_ready!(waiting[1].poll()).unwrap();
+    let d = decision(&res);
+    assert_eq!(
+        (d.backend.as_str(), d.outcome),
+        ("a1", Outcome::SameNodeSpill)
+    );
+    assert_pending!(waiting[0].poll());
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_wake_that_is_not_used_is_passed_on() {
     let streams = Streams::default();
