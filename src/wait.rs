@@ -434,7 +434,7 @@ mod tests {
     use std::sync::Arc;
     use std::time::{Duration, Instant};
 
-    use super::{WaitHome, WaitTicket};
+    use super::{Scope, WaitHome, WaitTicket};
     use crate::fleet::Capacity;
 
     /// Requests joining a full queue are refused without ever being counted as waiting: the
@@ -479,5 +479,36 @@ mod tests {
             "{most} counted waiting; at most {MAX_QUEUED} may wait"
         );
         assert_eq!(capacity.waiting.load(Ordering::SeqCst), 0);
+    }
+
+    /// The requests waiting for a backend are those whose cache is on it, whatever they wait
+    /// for: a slot freed there goes to them first, so they are ahead of a request that would
+    /// wait for it too.
+    #[test]
+    fn the_requests_waiting_for_a_backend_are_those_whose_cache_is_on_it() {
+        let capacity = Arc::new(Capacity::default());
+        assert_eq!(capacity.waiting_for(0), 0);
+        let on = |backend: Option<u32>, scope| WaitHome {
+            backend,
+            node: Some(0),
+            scope,
+            hold: Duration::ZERO,
+        };
+        let tickets: Vec<_> = [
+            on(Some(0), Scope::Any),
+            on(Some(0), Scope::Backend),
+            on(Some(1), Scope::Node),
+            on(None, Scope::Any),
+        ]
+        .into_iter()
+        .map(|home| WaitTicket::take(&capacity, home, 8).unwrap())
+        .collect();
+        assert_eq!(
+            [0, 1, 2].map(|b| capacity.waiting_for(b)),
+            [2, 1, 0],
+            "by backend"
+        );
+        drop(tickets);
+        assert_eq!(capacity.waiting_for(0), 0);
     }
 }
