@@ -1797,6 +1797,44 @@ async fn a_wake_that_is_not_used_is_passed_on_to_a_waiter_held_for_that_slot() {
     }
 }
 
+/// A waiter that takes the slot it was woken for leaves the others asleep: that slot is not
+/// passed on, as one it left unused would be.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_waiter_taking_the_slot_it_was_woken_for_wakes_no_other() {
+    for freed in ["a1", "b1"] {
+        let streams = Streams::default();
+        let mut svc =
+            SessionAffinityLayer::new().layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
+        let mut held = std::collections::HashMap::new();
+        for _ in 0..2 {
+            let res = send(&mut svc, None, Some("stream")).await.unwrap();
+            let (id, tx) = streams.take().unwrap();
+            held.insert(id, (res, tx));
+        }
+        svc.ready().await.unwrap();
+        let mut first = tokio_test::task::spawn(svc.call(request(None, None)));
+        assert_pending!(first.poll());
+        let mut second = tokio_test::task::spawn(svc.call(request(None, None)));
+        assert_pending!(second.poll());
+        let (ending, tx) = held.remove(freed).unwrap();
+        drop(tx);
+        ending.into_body().collect().await.unwrap();
+        assert!(first.is_woken(), "{freed}");
+        let res = assert_ready!(first.poll()).unwrap();
+        assert_eq!(decision(&res).backend.as_str(), freed);
+        assert!(
+            !second.is_woken(),
+            "{freed}: the slot taken is passed on to no one"
+        );
+        assert_pending!(second.poll());
+        // Its answer ends: the next waiter's turn.
+        drop(res);
+        assert!(second.is_woken(), "{freed}");
+        assert_ready!(second.poll()).unwrap();
+        assert_eq!(svc.stats().waiting, 0, "{freed}");
+    }
+}
+
 /// A freed slot is promised to the waiter it wakes: a request arriving before that waiter's
 /// task runs does not take it, but waits its turn behind it.
 #[tokio::test(flavor = "current_thread", start_paused = true)]
