@@ -542,25 +542,20 @@ async fn chaos(svc: Svc, model: Arc<Mutex<FleetModel>>, s: Settings, deadline: I
                 svc.apply_discovery();
                 bump(&tally.inserts);
             }
-            (50..65, Some((inc, node, _))) => {
-                let slots = 1 + rng.below(2) as u32;
+            // A new slot count (50..65) or a move to another node (65..75), announced again.
+            (roll @ 50..75, Some((inc, node, slots))) => {
+                let (node, slots, counter) = if roll < 65 {
+                    (node, 1 + rng.below(2) as u32, &tally.updates)
+                } else {
+                    (rng.below(NODES as u64) as usize, slots, &tally.moves)
+                };
                 m.announce(b, &inc, node, slots);
                 m.live.insert(b, (inc, node, slots));
                 drop(m);
                 if rng.chance(50) {
                     svc.apply_discovery();
                 }
-                bump(&tally.updates);
-            }
-            (65..75, Some((inc, _, slots))) => {
-                let node = rng.below(NODES as u64) as usize;
-                m.announce(b, &inc, node, slots);
-                m.live.insert(b, (inc, node, slots));
-                drop(m);
-                if rng.chance(50) {
-                    svc.apply_discovery();
-                }
-                bump(&tally.moves);
+                bump(counter);
             }
             (75..90, Some(_)) => {
                 let forever = rng.chance(25);
