@@ -786,10 +786,7 @@ async fn run_on(s: Settings) -> Vec<String> {
     }
     let mut held = Vec::new();
     for i in 0..slots {
-        let mut svc = svc.clone();
-        svc.ready().await.unwrap();
-        let fut = svc.call(request(None, "hold", u64::from(i)));
-        match tokio::time::timeout(Duration::from_secs(1), fut).await {
+        match hold_slot(&svc, i).await {
             Ok(Ok(res)) => {
                 let d = res.extensions().get::<Decision>().unwrap();
                 if d.waited.is_some() {
@@ -887,6 +884,14 @@ async fn run_on(s: Settings) -> Vec<String> {
 
 /// Rounds of: every slot held, some requests waiting, the slots freed from several tasks at
 /// once while some waiters give up: every waiter that stays is served, none refused.
+/// Request `i` of a round that holds every slot: its answer, if it came within a second.
+async fn hold_slot(svc: &Svc, i: u32) -> Result<Result<Res, Error>, tokio::time::error::Elapsed> {
+    let mut svc = svc.clone();
+    svc.ready().await.unwrap();
+    let fut = svc.call(request(None, "hold", u64::from(i)));
+    tokio::time::timeout(Duration::from_secs(1), fut).await
+}
+
 async fn liveness(svc: &Svc, s: Settings, slots: u32, problems: &mut Vec<String>) -> (u32, u32) {
     let mut rng = Rng::new(s.seed ^ 0x11fe);
     let waiters = (s.max_queued as u32).min(slots);
@@ -894,10 +899,7 @@ async fn liveness(svc: &Svc, s: Settings, slots: u32, problems: &mut Vec<String>
     for round in 0..30 {
         let mut held = Vec::new();
         for i in 0..slots {
-            let mut svc = svc.clone();
-            svc.ready().await.unwrap();
-            let fut = svc.call(request(None, "hold", u64::from(i)));
-            match tokio::time::timeout(Duration::from_secs(1), fut).await {
+            match hold_slot(svc, i).await {
                 Ok(Ok(res)) => held.push(res),
                 other => {
                     problems.push(format!(
