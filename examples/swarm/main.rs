@@ -684,6 +684,17 @@ fn replay(o: &Options, path: &Path) -> Result<Vec<Table>, String> {
     let text =
         std::fs::read_to_string(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
     let t = trace::Trace::parse(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    if t.out_of_order > 0 {
+        let _ = writeln!(
+            std::io::stderr(),
+            "note: {}: {}; the requests are replayed in timestamp order",
+            path.display(),
+            match t.out_of_order {
+                1 => "1 line has an earlier timestamp than a line before it".to_owned(),
+                n => format!("{n} lines have an earlier timestamp than a line before them"),
+            },
+        );
+    }
     let fleet = o.fleet.unwrap_or(FleetKind::Datacenter);
     let span = t.requests.last().map_or(Duration::ZERO, |r| r.at);
     let name = path.file_name().map_or_else(

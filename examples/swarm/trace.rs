@@ -55,6 +55,8 @@ pub(crate) struct Trace {
     pub(crate) requests: Vec<TraceRequest>,
     /// Each conversation's requests, in order.
     pub(crate) conversations: Vec<Vec<usize>>,
+    /// Lines whose timestamp is earlier than an earlier line's: replayed in timestamp order.
+    pub(crate) out_of_order: usize,
 }
 
 impl Trace {
@@ -90,6 +92,15 @@ impl Trace {
         if lines.is_empty() {
             return Err("no requests: the trace has no lines".into());
         }
+        let mut latest = 0;
+        let out_of_order = lines
+            .iter()
+            .filter(|l| {
+                let before = l.timestamp < latest;
+                latest = latest.max(l.timestamp);
+                before
+            })
+            .count();
         // Arrival order; a stable sort keeps the file's order among equal timestamps.
         lines.sort_by_key(|l| l.timestamp);
         let conversations = rebuild_conversations(&lines);
@@ -108,6 +119,7 @@ impl Trace {
         Ok(Trace {
             requests,
             conversations,
+            out_of_order,
         })
     }
 
@@ -414,5 +426,22 @@ mod tests {
             let err = Trace::parse(empty).unwrap_err();
             assert!(err.starts_with("no requests"), "{err}");
         }
+    }
+
+    #[test]
+    fn lines_out_of_order_are_counted_and_replayed_in_timestamp_order() {
+        let text = [
+            line(5, 1, &[1]),
+            line(2, 1, &[2]),
+            line(9, 1, &[3]),
+            line(7, 1, &[4]),
+        ]
+        .join("\n");
+        let t = Trace::parse(&text).unwrap();
+        assert_eq!(t.out_of_order, 2);
+        let at: Vec<u64> = t.requests.iter().map(|r| r.at.as_millis() as u64).collect();
+        assert_eq!(at, [2, 5, 7, 9]);
+        let sorted = [line(1, 1, &[1]), line(1, 1, &[2]), line(3, 1, &[3])].join("\n");
+        assert_eq!(Trace::parse(&sorted).unwrap().out_of_order, 0);
     }
 }
