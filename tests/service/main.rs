@@ -2445,6 +2445,51 @@ async fn a_request_held_for_its_node_sleeps_through_a_return_elsewhere() {
     drop(first);
 }
 
+/// A request held for its node that is woken and looks again (here by a backend announced on
+/// a third node) is still held: its patience, not its `max_wait`, decides when it may go
+/// elsewhere.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_request_held_for_its_node_stays_held_after_a_look_that_finds_its_node_full() {
+    let streams = Streams::default();
+    let (handle, stream) = discover::channel::<MockService>();
+    for (id, node) in [("a1", "a"), ("b1", "b")] {
+        handle.insert(id, Backend::new(node, backend(id, &streams)).slots(nz(1)));
+    }
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_secs(60), 8))
+        .node_patience(Duration::from_secs(10))
+        .layer(stream);
+    let first = send(&mut svc, Some("x"), Some("stream")).await.unwrap();
+    let home = decision(&first).backend;
+    svc.ready().await.unwrap();
+    let mut next = tokio_test::task::spawn(svc.call(request(Some("x"), None)));
+    assert_pending!(next.poll(), "held for its node, though the other has room");
+    tokio::time::advance(Duration::from_secs(4)).await;
+    handle.insert(
+        "c1",
+        Backend::new("c", backend("c1", &streams)).slots(nz(1)),
+    );
+    assert!(
+        next.is_woken(),
+        "an announcement wakes every waiting request"
+    );
+    assert_pending!(
+        next.poll(),
+        "the look finds its node full: it is still held"
+    );
+    // (The drain that applied the announcement woke it too, so it looks once more.)
+    tokio::time::advance(Duration::from_millis(5_990)).await;
+    assert_pending!(next.poll(), "its patience has not run out");
+    tokio::time::advance(Duration::from_millis(10)).await;
+    assert!(next.is_woken(), "its patience ran out");
+    let res = assert_ready!(next.poll()).unwrap();
+    let d = decision(&res);
+    assert_ne!(d.backend, home);
+    assert_eq!(d.outcome, Outcome::CrossNodeSpill);
+    assert_eq!(d.waited, Some(Duration::from_secs(10)));
+    drop(first);
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn node_patience_is_not_spent_on_a_node_without_a_healthy_backend() {
     let streams = Streams::default();
