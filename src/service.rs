@@ -50,7 +50,11 @@ const DRAIN_LIMIT: usize = 256;
 /// It looks at the discovery stream only after the stream has signalled a change, so with a
 /// quiet stream it writes nothing that the clones share. A change also wakes the requests
 /// waiting for a slot, which apply it themselves: a backend announced while every slot is
-/// taken serves them without waiting for another request to arrive.
+/// taken serves them without waiting for another request to arrive. One poll applies at most
+/// 256 changes, so that a stream that never stops yielding cannot hold its caller; the rest
+/// wait for the next poll. A fleet announced in more changes at once than that (a
+/// [`StaticFleet`](crate::discover::StaticFleet) of 600 backends) is complete after a few
+/// requests, or at once after [`apply_discovery`](Self::apply_discovery).
 /// `call` places the request and takes a slot on the chosen backend; if that backend is ready
 /// (it is polled once, with a waker that does nothing), `call` calls it at once, and the
 /// response future drives the backend's own future. Otherwise the response future waits for the
@@ -370,7 +374,9 @@ where
 
     /// Applies the discovery changes that are ready now, without waiting for a request to
     /// poll the service for readiness: for code that changed the fleet (a health probe that
-    /// learned a slot count, say) and wants the change in place at once.
+    /// learned a slot count, say) and wants the change in place at once, or that announced
+    /// more backends at once than one readiness poll applies (256). It applies up to 16,384
+    /// changes.
     pub fn apply_discovery(&self) {
         // The drain wakes its caller when it stopped with more changes ready: come back.
         struct Again(std::sync::atomic::AtomicBool);

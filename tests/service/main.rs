@@ -1325,6 +1325,34 @@ async fn a_discovery_error_is_counted_and_the_fleet_kept() {
     assert_eq!(svc.backends().len(), 2);
 }
 
+/// A fleet of more backends than one poll applies (256): readiness applies it over a few
+/// polls, `apply_discovery` at once.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_fleet_larger_than_one_drain_is_applied_whole_by_apply_discovery() {
+    let streams = Streams::default();
+    let spec: Vec<(String, String)> = (0..600)
+        .map(|i| (format!("b{i}"), format!("n{}", i / 8)))
+        .collect();
+    let large = || {
+        StaticFleet::new(spec.iter().map(|(id, node)| {
+            (
+                id.as_str(),
+                Backend::new(node.as_str(), backend(id, &streams)).slots(nz(1)),
+            )
+        }))
+    };
+    let svc = SessionAffinityLayer::new().layer(large());
+    svc.apply_discovery();
+    assert_eq!(svc.backends().len(), 600);
+    let mut svc = SessionAffinityLayer::new().layer(large());
+    let mut polls = Vec::new();
+    for _ in 0..3 {
+        svc.ready().await.unwrap();
+        polls.push(svc.backends().len());
+    }
+    assert_eq!(polls, [256, 512, 600]);
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_discovery_stream_that_never_stops_does_not_hold_a_caller() {
     use tower::discover::Change;
