@@ -308,6 +308,15 @@ impl<B> ResponseBody<B> {
     }
 }
 
+/// An empty body that holds no slot, as [`ResponseBody::full`] of no bytes: what a layer
+/// answering on its own needs (tower-http's `TimeoutLayer` answers `408` with
+/// `Default::default()`).
+impl<B> Default for ResponseBody<B> {
+    fn default() -> Self {
+        ResponseBody::full(Bytes::new())
+    }
+}
+
 impl<B> Body for ResponseBody<B>
 where
     B: Body,

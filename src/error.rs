@@ -106,7 +106,60 @@ impl Error {
     /// its extensions, where a [`Decision`](crate::Decision) would be on an answer, for the
     /// middleware that logs which backend failed.
     pub fn into_response<B>(self) -> http::Response<ResponseBody<B>> {
-        let (text, failed) = match &self {
+        self.response()
+    }
+
+    /// An HTTP response for an error of a stack of layers around the service, as tower's
+    /// `Buffer`, `Timeout` and `LoadShed` box them ([`BoxError`]):
+    ///
+    /// - this crate's [`Error`], `e` itself or in its [source] chain, as
+    ///   [`Error::into_response`] makes it;
+    /// - a timeout (the `Elapsed` error of `tower::timeout::Timeout` or of
+    ///   `tokio::time::timeout`, an [`io::Error`](std::io::Error) of kind
+    ///   [`TimedOut`](std::io::ErrorKind::TimedOut)): `504 Gateway Timeout`;
+    /// - `tower::load_shed`'s `Overloaded`: `503 Service Unavailable`;
+    /// - anything else: `500 Internal Server Error`.
+    ///
+    /// Each with a short plain-text body saying what `e` says. [`ErrorToResponse`] applies
+    /// it to every error of the service it wraps.
+    ///
+    /// [source]: std::error::Error::source
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_affinity::{BoxError, Error};
+    ///
+    /// // What `tower::buffer::Buffer` hands on: the service's error, boxed.
+    /// let e: BoxError = Error::saturated(Duration::from_secs(2)).into();
+    /// let res = Error::response_for::<http_body_util::Empty<bytes::Bytes>>(&*e);
+    /// assert_eq!(res.status(), 429);
+    ///
+    /// let e: BoxError = tower::timeout::error::Elapsed::new().into();
+    /// let res = Error::response_for::<http_body_util::Empty<bytes::Bytes>>(&*e);
+    /// assert_eq!(res.status(), 504);
+    /// ```
+    pub fn response_for<B>(
+        e: &(dyn std::error::Error + 'static),
+    ) -> http::Response<ResponseBody<B>> {
+        let mut next: Option<&(dyn std::error::Error + 'static)> = Some(e);
+        while let Some(cause) = next {
+            if let Some(ours) = cause.downcast_ref::<Error>() {
+                return ours.response();
+            }
+            next = cause.source();
+        }
+        let status = if timed_out(e) {
+            StatusCode::GATEWAY_TIMEOUT
+        } else if e.is::<tower::load_shed::error::Overloaded>() {
+            StatusCode::SERVICE_UNAVAILABLE
+        } else {
+            StatusCode::INTERNAL_SERVER_ERROR
+        };
+        text_response(status, e.to_string())
+    }
+
+    fn response<B>(&self) -> http::Response<ResponseBody<B>> {
+        let (text, failed) = match self {
             // The kind is said already: the cause is what the client is told.
             Error::Backend { backend, source } if request_body_failed(&**source) => {
                 let mut cause: &(dyn std::error::Error + 'static) = &**source;
@@ -118,15 +171,10 @@ impl Error {
             Error::Backend { backend, source } => (format!("{self}: {source}"), Some(backend)),
             _ => (self.to_string(), None),
         };
-        let mut res = http::Response::new(ResponseBody::full(Bytes::from(text)));
+        let mut res = text_response(self.status(), text);
         if let Some(backend) = failed {
             res.extensions_mut().insert(backend.clone());
         }
-        *res.status_mut() = self.status();
-        res.headers_mut().insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("text/plain; charset=utf-8"),
-        );
         if let Some(after) = self.retry_after() {
             let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
             res.headers_mut()
@@ -134,6 +182,22 @@ impl Error {
         }
         res
     }
+}
+
+/// [`Error::response_for`] a boxed error.
+fn boxed_response<B>(e: BoxError) -> http::Response<ResponseBody<B>> {
+    Error::response_for(&*e)
+}
+
+/// A response of `status` with `text` as its plain-text body.
+fn text_response<B>(status: StatusCode, text: String) -> http::Response<ResponseBody<B>> {
+    let mut res = http::Response::new(ResponseBody::full(Bytes::from(text)));
+    *res.status_mut() = status;
+    res.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    res
 }
 
 /// Whether `e` says the request's own body failed on its way to the backend (an
@@ -199,9 +263,15 @@ impl std::error::Error for Error {
     }
 }
 
-/// Turns a service's [`Error`]s into HTTP responses ([`Error::into_response`]), making it
-/// infallible, as `axum::Router::fallback_service` requires. (axum's `HandleErrorLayer` does
-/// the same with `|e: tower_affinity::Error| async move { e.into_response::<Body>() }`.)
+/// Turns a service's errors into HTTP responses, making it infallible, as
+/// `axum::Router::fallback_service` requires. (axum's `HandleErrorLayer` does the same with
+/// `|e: tower_affinity::Error| async move { e.into_response::<Body>() }`.)
+///
+/// The service's errors are this crate's [`Error`] ([`Error::into_response`]), or, with
+/// tower's layers between (`Buffer`, `Timeout`, `LoadShed`), boxed errors
+/// ([`Error::response_for`]: this crate's error found inside them keeps its status, a timeout
+/// is `504`). Its responses are [`ResponseBody`]s, so it goes inside a
+/// [`BodyKeyLayer`](crate::key::BodyKeyLayer), whose responses are not.
 ///
 /// ```
 /// # fn doc<S>(svc: S) where S: tower::Service<http::Request<axum::body::Body>,
@@ -215,7 +285,7 @@ impl std::error::Error for Error {
 #[derive(Debug)]
 pub struct ErrorToResponse<S> {
     inner: S,
-    pending: Option<Error>,
+    pending: Option<BoxError>,
 }
 
 impl<S: Clone> Clone for ErrorToResponse<S> {
@@ -241,7 +311,8 @@ impl<S> ErrorToResponse<S> {
 
 impl<S, Req, B> tower::Service<Req> for ErrorToResponse<S>
 where
-    S: tower::Service<Req, Response = http::Response<ResponseBody<B>>, Error = Error>,
+    S: tower::Service<Req, Response = http::Response<ResponseBody<B>>>,
+    S::Error: Into<BoxError>,
 {
     type Response = http::Response<ResponseBody<B>>;
     type Error = std::convert::Infallible;
@@ -261,7 +332,7 @@ where
             Poll::Pending => Poll::Pending,
             Poll::Ready(Ok(())) => Poll::Ready(Ok(())),
             Poll::Ready(Err(e)) => {
-                self.pending = Some(e);
+                self.pending = Some(e.into());
                 Poll::Ready(Ok(()))
             }
         }
@@ -299,13 +370,14 @@ pin_project_lite::pin_project! {
         // Waiting for the inner service.
         Inner { #[pin] fut: F },
         // The inner service failed to become ready.
-        Failed { error: Option<Error> },
+        Failed { error: Option<BoxError> },
     }
 }
 
-impl<F, B> std::future::Future for ErrorToResponseFuture<F>
+impl<F, B, E> std::future::Future for ErrorToResponseFuture<F>
 where
-    F: std::future::Future<Output = Result<http::Response<ResponseBody<B>>, Error>>,
+    F: std::future::Future<Output = Result<http::Response<ResponseBody<B>>, E>>,
+    E: Into<BoxError>,
 {
     type Output = Result<http::Response<ResponseBody<B>>, std::convert::Infallible>;
 
@@ -316,11 +388,10 @@ where
         match self.project().state.project() {
             StateProj::Inner { fut } => fut
                 .poll(cx)
-                .map(|r| Ok(r.unwrap_or_else(Error::into_response))),
-            StateProj::Failed { error } => std::task::Poll::Ready(Ok(error
-                .take()
-                .unwrap_or(Error::NoBackends)
-                .into_response())),
+                .map(|r| Ok(r.unwrap_or_else(|e| boxed_response(e.into())))),
+            StateProj::Failed { error } => std::task::Poll::Ready(Ok(boxed_response(
+                error.take().unwrap_or_else(|| Error::NoBackends.into()),
+            ))),
         }
     }
 }

@@ -5,7 +5,7 @@ use std::future::{ready, Ready};
 use http::StatusCode;
 use tower::retry::Policy;
 
-use crate::Error;
+use crate::{BoxError, Error};
 
 /// A [`tower::retry::Policy`] that retries a request once when its backend failed before
 /// sending a response ([`Error::Backend`]), or answered `503 Service Unavailable` (it serves
@@ -40,6 +40,27 @@ impl RetryOnce {
     }
 }
 
+impl RetryOnce {
+    /// Whether to retry an attempt that `failed` (before answering, or with a 503).
+    fn once(&mut self, failed: bool) -> Option<Ready<()>> {
+        if !failed || self.retried {
+            return None;
+        }
+        self.retried = true;
+        Some(ready(()))
+    }
+}
+
+/// Nothing reached the client: the backend failed before answering, or answered that it
+/// serves nothing now.
+fn failed<ResB>(result: Result<&http::Response<ResB>, &Error>) -> bool {
+    match result {
+        Err(Error::Backend { .. }) => true,
+        Ok(res) => res.status() == StatusCode::SERVICE_UNAVAILABLE,
+        Err(_) => false,
+    }
+}
+
 impl<B: Clone, ResB> Policy<http::Request<B>, http::Response<ResB>, Error> for RetryOnce {
     type Future = Ready<()>;
 
@@ -48,18 +69,31 @@ impl<B: Clone, ResB> Policy<http::Request<B>, http::Response<ResB>, Error> for R
         _req: &mut http::Request<B>,
         result: &mut Result<http::Response<ResB>, Error>,
     ) -> Option<Self::Future> {
-        // Nothing reached the client: the backend failed before answering, or answered that
-        // it serves nothing now.
+        self.once(failed(result.as_ref()))
+    }
+
+    fn clone_request(&mut self, req: &http::Request<B>) -> Option<http::Request<B>> {
+        Some(req.clone())
+    }
+}
+
+/// Behind a layer that boxes errors (tower's `Buffer`, `Timeout`): this crate's [`Error`]
+/// inside the box is retried as above; any other error is not.
+impl<B: Clone, ResB> Policy<http::Request<B>, http::Response<ResB>, BoxError> for RetryOnce {
+    type Future = Ready<()>;
+
+    fn retry(
+        &mut self,
+        _req: &mut http::Request<B>,
+        result: &mut Result<http::Response<ResB>, BoxError>,
+    ) -> Option<Self::Future> {
         let failed = match result {
-            Err(Error::Backend { .. }) => true,
-            Ok(res) => res.status() == StatusCode::SERVICE_UNAVAILABLE,
-            Err(_) => false,
+            Ok(res) => failed::<ResB>(Ok(res)),
+            Err(e) => e
+                .downcast_ref::<Error>()
+                .is_some_and(|e| failed::<ResB>(Err(e))),
         };
-        if !failed || self.retried {
-            return None;
-        }
-        self.retried = true;
-        Some(ready(()))
+        self.once(failed)
     }
 
     fn clone_request(&mut self, req: &http::Request<B>) -> Option<http::Request<B>> {

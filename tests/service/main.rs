@@ -3365,3 +3365,148 @@ async fn a_seeded_service_places_keyless_requests_the_same_way_every_run() {
     assert!(used.len() > 4, "the draws spread: {used:?}");
     assert_ne!(first, run(8).await, "another seed, other draws");
 }
+
+// With tower's layers between the balancer and `ErrorToResponse` or `RetryOnce`, which box
+// errors: the balancer's own errors keep their answers.
+
+/// The front of a stack: `ErrorToResponse` over `svc`, called once.
+async fn answer<S>(svc: S, req: Req) -> http::Response<ResponseBody<MockBody>>
+where
+    S: Service<Req, Response = Res>,
+    S::Error: Into<tower_affinity::BoxError>,
+{
+    let mut front = tower_affinity::ErrorToResponse::new(svc);
+    let ready = front.ready().await;
+    let Ok(front) = ready;
+    let Ok(res) = front.call(req).await;
+    res
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn error_to_response_answers_the_balancers_errors_behind_a_buffer() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::Reject)
+        .layer(fleet(&[("a1", "a", 1)], &streams));
+    let held = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+    let buffered = tower::buffer::Buffer::new(svc.clone(), 4);
+    let res = answer(buffered.clone(), request(Some("t"), None)).await;
+    assert_eq!(res.status(), 429, "full: Saturated, boxed by the buffer");
+    assert_eq!(res.headers()["retry-after"], "1");
+    drop(held);
+    let res = answer(buffered, request(Some("t"), None)).await;
+    assert_eq!(res.status(), 200);
+    assert_eq!(decision(&res).backend.as_str(), "a1");
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn error_to_response_answers_a_tower_timeout_504_and_frees_the_slot() {
+    let streams = Streams::default();
+    let svc = SessionAffinityLayer::new().layer(fleet(&[("a1", "a", 1)], &streams));
+    let timed = tower::timeout::TimeoutLayer::new(Duration::from_secs(5)).layer(svc.clone());
+    let res = answer(timed, request(Some("s"), Some("hang"))).await;
+    assert_eq!(res.status(), 504);
+    assert_eq!(
+        res.into_body().collect().await.unwrap().to_bytes(),
+        "request timed out"
+    );
+    assert_eq!(in_flight(&svc, "a1"), 0, "the dropped call freed its slot");
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn error_to_response_answers_a_shed_request_503_and_any_other_error_500() {
+    let streams = Streams::default();
+    let svc = SessionAffinityLayer::new().layer(fleet(&[("a1", "a", 1)], &streams));
+    let limited = tower::ServiceBuilder::new()
+        .load_shed()
+        .concurrency_limit(1)
+        .service(svc);
+    // The limit's one permit taken by a clone made ready: the next request is shed.
+    let mut first = limited.clone();
+    ServiceExt::<Req>::ready(&mut first).await.unwrap();
+    let res = answer(limited, request(Some("t"), None)).await;
+    assert_eq!(res.status(), 503);
+    drop(first);
+    let failing = tower::service_fn(|_: Req| async {
+        Err::<Res, _>(tower_affinity::BoxError::from("the layer's own failure"))
+    });
+    let res = answer(failing, request(None, None)).await;
+    assert_eq!(res.status(), 500);
+    assert_eq!(
+        res.into_body().collect().await.unwrap().to_bytes(),
+        "the layer's own failure"
+    );
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn retry_once_retries_a_backend_failure_behind_a_buffer() {
+    let streams = Streams::default();
+    let svc = SessionAffinityLayer::new().layer(fleet(&[("a1", "a", 1), ("a2", "a", 1)], &streams));
+    let first = turn(&mut svc.clone(), "s").await;
+    let mut req = request(Some("s"), None);
+    req.headers_mut().insert(
+        "x-fail-on",
+        http::HeaderValue::from_str(first.backend.as_str()).unwrap(),
+    );
+    let retrying = tower::ServiceBuilder::new()
+        .retry(RetryOnce::new())
+        .buffer(4)
+        .service(svc.clone());
+    let res = answer(retrying, req).await;
+    assert_eq!(res.status(), 200);
+    assert_ne!(decision(&res).backend, first.backend, "retried elsewhere");
+    // Any other boxed error is not retried: the timeout's is answered at once.
+    let retrying = tower::ServiceBuilder::new()
+        .retry(RetryOnce::new())
+        .timeout(Duration::from_secs(5))
+        .service(svc.clone());
+    let started = tokio::time::Instant::now();
+    let res = answer(retrying, request(Some("s"), Some("hang"))).await;
+    assert_eq!(res.status(), 504);
+    assert_eq!(started.elapsed(), Duration::from_secs(5));
+}
+
+/// tower-http's `TimeoutLayer` makes its `408` with the body's `Default`: it wraps the balancer,
+/// and a `BodyKeyLayer` in front of it.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn tower_http_timeout_answers_408_around_the_balancer_and_the_body_key_layer() {
+    let streams = Streams::default();
+    let svc = SessionAffinityLayer::new().layer(fleet(&[("a1", "a", 1)], &streams));
+    let timeout = || {
+        tower_http::timeout::TimeoutLayer::with_status_code(
+            http::StatusCode::REQUEST_TIMEOUT,
+            Duration::from_secs(5),
+        )
+    };
+    let mut bare = timeout().layer(tower_affinity::ErrorToResponse::new(svc.clone()));
+    let res = bare
+        .ready()
+        .await
+        .unwrap()
+        .call(request(Some("s"), Some("hang")))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 408);
+    assert_eq!(in_flight(&svc, "a1"), 0);
+    // Behind a `BodyKeyLayer`, over a backend that never answers.
+    let hangs = tower::service_fn(|_: http::Request<http_body_util::Full<Bytes>>| {
+        std::future::pending::<Result<http::Response<http_body_util::Full<Bytes>>, Infallible>>()
+    });
+    let svc = SessionAffinityLayer::new().layer(StaticFleet::new([(
+        "h1",
+        Backend::new("h", hangs).slots(nz(1)),
+    )]));
+    let mut keyed = timeout().layer(
+        tower_affinity::key::BodyKeyLayer::new()
+            .layer(tower_affinity::ErrorToResponse::new(svc.clone())),
+    );
+    let res = ServiceExt::<Req>::ready(&mut keyed)
+        .await
+        .unwrap()
+        .call(request(Some("s"), None))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 408);
+    assert!(res.into_body().get_ref().is_none());
+    assert_eq!(in_flight(&svc, "h1"), 0);
+}

@@ -130,6 +130,16 @@ where
 }
 
 impl<B> BodyKeyResponseBody<B> {
+    /// A body of the layer's own bytes.
+    pub(super) fn bytes(data: Bytes) -> Self {
+        BodyKeyResponseBody {
+            kind: InnerOrBytes::bytes(data),
+            ended: false,
+            sniff: None,
+            strip: None,
+        }
+    }
+
     /// The inner service's body; `None` for a request the layer refused (its body is the
     /// reason), which never reached the service.
     pub fn get_ref(&self) -> Option<&B> {
@@ -147,6 +157,15 @@ impl<B> BodyKeyResponseBody<B> {
             InnerOrBytes::Inner { inner } => Some(inner),
             InnerOrBytes::Bytes { .. } => None,
         }
+    }
+}
+
+/// An empty body, as the layer's own answers are made: what a layer answering on its own
+/// needs (tower-http's `TimeoutLayer` answers `408` with `Default::default()`).
+/// [`get_ref`](Self::get_ref) is `None`.
+impl<B> Default for BodyKeyResponseBody<B> {
+    fn default() -> Self {
+        BodyKeyResponseBody::bytes(Bytes::new())
     }
 }
 

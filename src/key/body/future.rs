@@ -118,12 +118,7 @@ impl Rejection {
                 format!("failed to read the request body: {e}\n"),
             ),
         };
-        let mut res = http::Response::new(BodyKeyResponseBody {
-            kind: InnerOrBytes::bytes(Bytes::from(message)),
-            ended: false,
-            sniff: None,
-            strip: None,
-        });
+        let mut res = http::Response::new(BodyKeyResponseBody::bytes(Bytes::from(message)));
         *res.status_mut() = status;
         res.headers_mut().insert(
             header::CONTENT_TYPE,
