@@ -1640,6 +1640,32 @@ async fn a_request_held_for_its_node_takes_a_slot_elsewhere_once_its_node_is_mar
     drop(held);
 }
 
+/// A backend marked up again wakes the requests waiting for a slot: its slots were free all
+/// along, and no request ending will say so.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn marking_a_backend_up_wakes_the_waiting_requests() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_secs(60), 8))
+        .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
+    svc.ready().await.unwrap();
+    assert!(svc.mark_down("b1", None));
+    let held = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+    assert_eq!(decision(&held).backend.as_str(), "a1");
+    svc.ready().await.unwrap();
+    let mut waiting = tokio_test::task::spawn(svc.call(request(Some("t"), None)));
+    assert_pending!(waiting.poll());
+    assert!(svc.mark_up("b1"));
+    assert!(waiting.is_woken(), "b1's free slot wakes it");
+    let res = assert_ready!(waiting.poll()).unwrap();
+    assert_eq!(decision(&res).backend.as_str(), "b1");
+    assert_eq!(decision(&res).waited, Some(Duration::ZERO));
+    // Up already: marking it up again changes nothing, and says it found the backend.
+    assert!(svc.mark_up("b1"));
+    assert!(!svc.mark_up("nowhere"));
+    drop(held);
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_request_held_for_a_node_gone_down_waits_for_any_slot() {
     let streams = Streams::default();
