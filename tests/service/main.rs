@@ -186,6 +186,7 @@ async fn spill_order_on_two_nodes_of_two_backends() {
     assert_eq!(seen[3].node, seen[2].node);
     let err = send(&mut svc, Some("s"), None).await.unwrap_err();
     assert!(matches!(err, Error::Saturated { .. }));
+    assert_eq!(err.retry_after(), Some(Duration::from_secs(1)));
     drop(held);
     assert_eq!(svc.stats().in_flight, 0);
 }
