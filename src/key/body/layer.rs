@@ -198,7 +198,8 @@ impl BodyKeyLayer {
 
     /// Answers `408 Request Timeout` when the whole body has not arrived within `timeout` of
     /// the call, so a client that trickles its body cannot hold the proxy. Needs tokio's time
-    /// driver.
+    /// driver. (tower-http's `RequestBodyTimeoutLayer` in front of this layer does the same,
+    /// but its body error reads here as any failed body: `400`.)
     ///
     /// ```
     /// use std::time::Duration;
