@@ -270,8 +270,9 @@ impl std::error::Error for Error {
 /// The service's errors are this crate's [`Error`] ([`Error::into_response`]), or, with
 /// tower's layers between (`Buffer`, `Timeout`, `LoadShed`), boxed errors
 /// ([`Error::response_for`]: this crate's error found inside them keeps its status, a timeout
-/// is `504`). Its responses are [`ResponseBody`]s, so it goes inside a
-/// [`BodyKeyLayer`](crate::key::BodyKeyLayer), whose responses are not.
+/// is `504`). It answers with the balancer's own body type, [`ResponseBody`], so it goes
+/// between a [`BodyKeyLayer`](crate::key::BodyKeyLayer) and the balancer, not in front of
+/// the `BodyKeyLayer`.
 ///
 /// ```
 /// # fn doc<S>(svc: S) where S: tower::Service<http::Request<axum::body::Body>,
