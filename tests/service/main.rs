@@ -1656,6 +1656,10 @@ async fn marking_a_backend_up_wakes_the_waiting_requests() {
     svc.ready().await.unwrap();
     let mut waiting = tokio_test::task::spawn(svc.call(request(Some("t"), None)));
     assert_pending!(waiting.poll());
+    assert_eq!(
+        format!("{:?}", *waiting),
+        r#"ResponseFuture { state: "waiting for a slot" }"#
+    );
     assert!(svc.mark_up("b1"));
     assert!(waiting.is_woken(), "b1's free slot wakes it");
     let res = assert_ready!(waiting.poll()).unwrap();
