@@ -27,7 +27,9 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, BenchmarkId, Criterion};
 use tower::Layer;
 use tower_affinity::key::{ExtensionKey, HeaderKey, KeyExtractor, SessionKey};
-use tower_affinity::placement::NodeThenBackend;
+use tower_affinity::placement::{
+    Candidates, FleetView, NodeThenBackend, Placement, PlacementRequest,
+};
 use tower_affinity::{Decision, Outcome, SessionAffinityLayer, Sessions};
 
 #[path = "common/mod.rs"]
@@ -141,8 +143,32 @@ fn policy(c: &mut Criterion) {
         g.bench_function(BenchmarkId::new("keyless", &label), |b| {
             b.iter(|| fleet.choose(&policy, black_box(None), None))
         });
+
+        // A policy wrapping the default that passes over half the fleet first, as one keeping
+        // tenants apart would: O(backends) a request to pass them over.
+        let halved = PassOverHalf(NodeThenBackend::new());
+        let home = fleet
+            .choose(&halved, Some(k), None)
+            .expect("an idle fleet has room");
+        let home = home.as_str().to_owned();
+        g.bench_function(
+            BenchmarkId::new("home_hit_passing_over_half", &label),
+            |b| b.iter(|| fleet.choose(&halved, black_box(Some(k)), Some(&home))),
+        );
     }
     g.finish();
+}
+
+/// `NodeThenBackend`, after passing over every other backend of the fleet.
+struct PassOverHalf(NodeThenBackend);
+
+impl Placement for PassOverHalf {
+    fn place(&self, f: &FleetView<'_>, r: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
+        for b in f.backends().step_by(2) {
+            c.pass_over(b);
+        }
+        self.0.place(f, r, c)
+    }
 }
 
 /// The whole call path, per fleet and outcome.

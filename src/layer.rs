@@ -285,6 +285,10 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// [`Decision`](crate::Decision), unless [`decision_extension`](Self::decision_extension)
     /// is off. A backend or node id that is not a valid header value (a line break in it, say)
     /// leaves its header off, with a warning when the backend is discovered.
+    ///
+    /// The outcome tells a client something of what the caches hold (a keyless `prefix-hit`:
+    /// some backend held this prompt's opening). Where clients must not learn of each other's
+    /// prompts (tenants sharing a fleet), keep these headers off their answers.
     pub fn decision_headers(mut self, enabled: bool) -> Self {
         self.config.decision_headers = enabled;
         self

@@ -31,7 +31,9 @@ pub enum Overflow {
         max_queued: usize,
     },
     /// Send the request to the first candidate anyway, beyond its slots: the backend queues
-    /// it. Fails only when the policy offers no candidate at all.
+    /// it. Fails only when the policy offers no candidate at all: with
+    /// [`Error::NoBackends`](crate::Error::NoBackends) when none is up (or the policy passed
+    /// over every one that is), else [`Error::Saturated`](crate::Error::Saturated).
     Overcommit,
     /// Fail at once with [`Error::Saturated`](crate::Error::Saturated).
     Reject,

@@ -699,15 +699,21 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
                 t.member(i).load.force_acquire();
                 (i, true)
             }
-            (None, None) if candidates.saw_down() => return Placed::Empty,
+            (None, None) if candidates.saw_down() || candidates.passed_over_every_backend_up() => {
+                return Placed::Empty
+            }
             _ => return full(),
         };
+        // A backend the policy passed over is no home to wait for, nor one to be judged by.
+        let passed_over = |b: Option<u32>| b.is_some_and(|b| candidates.is_passed_over(b));
+        let cache_passed_over = passed_over(cache_backend);
+        let own_prefix = own_prefix.filter(|&p| !passed_over(Some(p)));
         drop(candidates);
         let m = t.member(index);
         let mut guard = SlotGuard::new(&m.load, index, m.node, now_ms);
         if let (Some(chain), Some(target)) = (chain, cache_backend) {
             let first_try = waited.is_none() && scope == Scope::Any && !overcommitted;
-            if self.wait_versus_move && first_try && target != index {
+            if self.wait_versus_move && first_try && target != index && !cache_passed_over {
                 if let Some(hold) = worth_waiting(t, target, index, chain, now_ms) {
                     drop(guard);
                     return Placed::Full {

@@ -63,17 +63,22 @@ pub use view::{BackendRef, FleetView, Home, HomeCache, NodeRef, PlacementRequest
 /// do I/O: it runs on every request, on the request's path.
 ///
 /// A policy that offers nothing leaves the request without a backend; the service then
-/// answers [`Error::NoBackends`](crate::Error::NoBackends) if the fleet is empty, and
-/// otherwise treats the request as finding no free slot. A policy that panics loses its
-/// request, not the slot it may have taken.
+/// answers [`Error::NoBackends`](crate::Error::NoBackends) if the fleet is empty, or if the
+/// policy [passed over](Candidates::pass_over) every backend that is up (it has none for the
+/// request), and otherwise treats the request as finding no free slot. A policy that panics
+/// loses its request, not the slot it may have taken.
 ///
 /// The service has the last word in two cases, whatever the policy: a request that continues
 /// a stored response goes to the backend storing it
-/// ([`PromptFacts::stored_on`](crate::key::PromptFacts::stored_on)), and a request whose
-/// cache is on a full backend may wait for it rather than take the policy's choice
-/// ([`wait_versus_move`](crate::SessionAffinityLayer::wait_versus_move)). The
-/// [`Outcome`](crate::Outcome) is the service's too: it says where the request went relative
-/// to its home.
+/// ([`PromptFacts::stored_on`](crate::key::PromptFacts::stored_on)), even one the policy
+/// would pass over (turn [`pin_stored_responses`] off where that matters, as between
+/// tenants), and a request whose cache is on a full backend may wait for it rather than take
+/// the policy's choice ([`wait_versus_move`](crate::SessionAffinityLayer::wait_versus_move)),
+/// unless the policy passed that backend over. The [`Outcome`](crate::Outcome) is the
+/// service's too: it says where the request went relative to its home, or to the backend
+/// holding its own prefix if the policy did not pass that over.
+///
+/// [`pin_stored_responses`]: crate::key::BodyKeyLayer::pin_stored_responses
 ///
 /// [`SessionAffinityLayer`](crate::SessionAffinityLayer) clones its policy into each service
 /// it builds, so a policy is `Clone`; share one that is not through an `Arc`.
@@ -106,8 +111,9 @@ pub struct Candidates<'a> {
     only_node: Option<u32>,
     /// Only this backend counts (a request waiting for the backend holding its prefix).
     only_backend: Option<u32>,
-    /// Backends a policy wrapping another passes over (empty, and unallocated, otherwise).
-    passed_over: Vec<u32>,
+    /// Backends a policy wrapping another passes over, a bit each by index (empty, and
+    /// unallocated, otherwise): O(1) to mark and to check, however many it passes over.
+    passed_over: Vec<u64>,
     now_ms: u64,
     down: bool,
     mode: Mode<'a>,
@@ -185,7 +191,7 @@ impl<'a> Candidates<'a> {
         let member = self.topology.member(index);
         if self.only_node.is_some_and(|n| n != member.node)
             || self.only_backend.is_some_and(|b| b != index)
-            || (!self.passed_over.is_empty() && self.passed_over.contains(&index))
+            || self.is_passed_over(index)
         {
             return ControlFlow::Continue(());
         }
@@ -251,7 +257,13 @@ impl<'a> Candidates<'a> {
 
     /// Passes over `backend` from now on: offers of it return `Continue` and take nothing, as
     /// offers of a backend that is down do. A policy that wraps another calls it first, to
-    /// keep the other's order within rules of its own.
+    /// keep the other's order within rules of its own. O(1) a call. A policy that passes over
+    /// every backend that is up has none for the request, which fails at once with
+    /// [`Error::NoBackends`](crate::Error::NoBackends) rather than waiting for a slot.
+    ///
+    /// The wrapped policy still sees the whole fleet: `NodeThenBackend`'s spreading bounds
+    /// (its share of the fleet's slots, the fleet's average load) and
+    /// [`FleetView::longest_prefix`] count the backends passed over too.
     ///
     /// ```
     /// use tower_affinity::key::SessionKey;
@@ -286,9 +298,33 @@ impl<'a> Candidates<'a> {
     /// assert_eq!(order.len(), 2);
     /// ```
     pub fn pass_over(&mut self, backend: BackendRef<'_>) {
-        if backend.belongs_to(self.topology) && !self.passed_over.contains(&backend.index) {
-            self.passed_over.push(backend.index);
+        if !backend.belongs_to(self.topology) {
+            return;
         }
+        let word = backend.index as usize / 64;
+        if self.passed_over.len() <= word {
+            let words = self.topology.members.len().div_ceil(64).max(word + 1);
+            self.passed_over.resize(words, 0);
+        }
+        self.passed_over[word] |= 1 << (backend.index % 64);
+    }
+
+    /// Whether the policy passed over the backend of index `index`.
+    pub(crate) fn is_passed_over(&self, index: u32) -> bool {
+        self.passed_over
+            .get(index as usize / 64)
+            .is_some_and(|w| w >> (index % 64) & 1 == 1)
+    }
+
+    /// Whether the policy passed over every live backend that is not down: it has no backend
+    /// for the request, as an empty fleet has none. O(backends); asked only when nothing was
+    /// offered.
+    pub(crate) fn passed_over_every_backend_up(&self) -> bool {
+        !self.passed_over.is_empty()
+            && (0..self.topology.members.len() as u32).all(|i| {
+                let m = self.topology.member(i);
+                !m.live || self.is_passed_over(i) || m.load.is_down(self.now_ms)
+            })
     }
 
     /// Counts only the backends of `node`.

@@ -1218,6 +1218,44 @@ fn a_policy_wrapping_another_passes_over_the_backends_it_rules_out() {
     assert_eq!(full.choose(&NotOnNodeB, None, None), None);
 }
 
+/// Passes over every backend but those whose id ends in `keep`.
+struct AllBut(&'static str);
+
+impl Placement for AllBut {
+    fn place(
+        &self,
+        fleet: &tower_affinity::placement::FleetView<'_>,
+        req: &tower_affinity::placement::PlacementRequest<'_>,
+        c: &mut tower_affinity::placement::Candidates<'_>,
+    ) {
+        for b in fleet
+            .backends()
+            .filter(|b| !b.id().as_str().ends_with(self.0))
+        {
+            // Twice: passing over is idempotent.
+            c.pass_over(b);
+            c.pass_over(b);
+        }
+        NodeThenBackend::new().place(fleet, req, c)
+    }
+}
+
+#[test]
+fn a_policy_wrapping_another_passes_over_any_number_of_backends() {
+    let mut fleet = Snapshot::new();
+    for i in 0..200 {
+        fleet = fleet.backend(&format!("b{i:03}"), &format!("n{}", i / 8), 1);
+    }
+    for keep in ["b000", "b063", "b064", "b130", "b199"] {
+        let policy = AllBut(keep);
+        for i in 0..8 {
+            let k = SessionKey::from_bytes(format!("k{i}").as_bytes());
+            assert_eq!(fleet.order(&policy, Some(k), None), [BackendId::from(keep)]);
+        }
+        assert_eq!(fleet.order(&policy, None, None), [BackendId::from(keep)]);
+    }
+}
+
 /// Passes over and offers the backends of another fleet, then offers the backends of the
 /// fleet it places on.
 struct MixesUpFleets(std::sync::Arc<Snapshot>);

@@ -3541,3 +3541,134 @@ async fn tower_http_timeout_answers_408_around_the_balancer_and_the_body_key_lay
     assert!(res.into_body().get_ref().is_none());
     assert_eq!(in_flight(&svc, "h1"), 0);
 }
+
+/// `NodeThenBackend`, passing over the backends an `Avoid` extension names: a policy that
+/// keeps tenants apart, say.
+#[derive(Clone, Copy)]
+struct AvoidNamed;
+
+#[derive(Clone)]
+struct Avoid(&'static [&'static str]);
+
+impl Placement for AvoidNamed {
+    fn place(
+        &self,
+        fleet: &tower_affinity::placement::FleetView<'_>,
+        req: &tower_affinity::placement::PlacementRequest<'_>,
+        c: &mut tower_affinity::placement::Candidates<'_>,
+    ) {
+        if let Some(Avoid(names)) = req.extensions.get::<Avoid>() {
+            for b in fleet
+                .backends()
+                .filter(|b| names.contains(&b.id().as_str()))
+            {
+                c.pass_over(b);
+            }
+        }
+        tower_affinity::placement::NodeThenBackend::new().place(fleet, req, c)
+    }
+}
+
+fn avoiding(mut req: Req, names: &'static [&'static str]) -> Req {
+    req.extensions_mut().insert(Avoid(names));
+    req
+}
+
+/// A policy that passes over every backend that is up has none for the request: it fails at
+/// once with `NoBackends`, as over an empty fleet, rather than waiting out its `max_wait` for
+/// a slot it would never take (and being told `Saturated`).
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_policy_passing_over_every_backend_up_has_no_backends() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .placement(AvoidNamed)
+        .overflow(Overflow::wait(Duration::from_secs(60), 8))
+        .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
+    let started = tokio::time::Instant::now();
+    let req = avoiding(request(Some("s"), None), &["a1", "b1"]);
+    let err = svc.ready().await.unwrap().call(req).await.unwrap_err();
+    assert!(matches!(err, Error::NoBackends), "{err}");
+    assert_eq!(started.elapsed(), Duration::ZERO);
+    // One passed over and the other down: none either.
+    assert!(svc.mark_down("b1", None));
+    let req = avoiding(request(Some("s"), None), &["a1"]);
+    let err = svc.ready().await.unwrap().call(req).await.unwrap_err();
+    assert!(matches!(err, Error::NoBackends), "{err}");
+    assert_eq!(svc.stats().no_backends, 2);
+    // One left it may take, but full: that one is waited for.
+    assert!(svc.mark_up("b1"));
+    let held = send(&mut svc, Some("t"), Some("stream")).await.unwrap();
+    let full = decision(&held).backend;
+    let other: &'static [&'static str] = if full.as_str() == "a1" {
+        &["b1"]
+    } else {
+        &["a1"]
+    };
+    svc.ready().await.unwrap();
+    let mut waiting = tokio_test::task::spawn(svc.call(avoiding(request(Some("u"), None), other)));
+    assert_pending!(waiting.poll());
+    drop(held);
+    let (_, tx) = streams.take().unwrap();
+    drop(tx);
+    assert!(waiting.is_woken());
+    let res = assert_ready!(waiting.poll()).unwrap();
+    assert_eq!(decision(&res).backend, full);
+}
+
+/// A keyless request whose own prefix only a backend its policy passed over holds is placed
+/// as any keyless request, and says so: `Keyless`, not a spill from a backend it could never
+/// take.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_prefix_held_only_where_the_policy_passes_over_is_not_a_spill() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .placement(AvoidNamed)
+        .layer(fleet(
+            &[("a1", "a", 1), ("a2", "a", 1), ("b1", "b", 1)],
+            &streams,
+        ));
+    let keyless = |blocks: &[(u64, u32)]| {
+        let mut req = request(None, None);
+        req.extensions_mut()
+            .insert(PromptFacts::from_chain(PromptChain::from_blocks(
+                blocks.iter().copied(),
+            )));
+        req
+    };
+    let first = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(keyless(&[(1, 2_000)]))
+        .await
+        .unwrap();
+    let holder = decision(&first).backend;
+    drop(first);
+    let res = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(keyless(&[(1, 2_000), (2, 300)]))
+        .await
+        .unwrap();
+    assert_eq!(decision(&res).backend, holder);
+    assert_eq!(decision(&res).outcome, Outcome::PrefixHit);
+    drop(res);
+    let avoid: &'static [&'static str] = match holder.as_str() {
+        "a1" => &["a1"],
+        "a2" => &["a2"],
+        _ => &["b1"],
+    };
+    let res = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(avoiding(keyless(&[(1, 2_000), (2, 300), (3, 300)]), avoid))
+        .await
+        .unwrap();
+    let d = decision(&res);
+    assert_ne!(d.backend, holder);
+    assert_eq!(d.outcome, Outcome::Keyless);
+    let stats = svc.stats();
+    assert_eq!((stats.same_node_spills, stats.cross_node_spills), (0, 0));
+}
