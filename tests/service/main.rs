@@ -3355,7 +3355,7 @@ async fn a_turn_placed_before_the_last_one_settled_is_a_home_hit_and_both_are_re
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
-async fn a_seeded_service_places_keyless_requests_the_same_way_every_run() {
+async fn keyless_draws_repeat_with_a_seed_and_spread_without_one() {
     const EIGHT: Spec<'static> = &[
         ("a1", "node-a", 1),
         ("a2", "node-a", 1),
@@ -3366,14 +3366,19 @@ async fn a_seeded_service_places_keyless_requests_the_same_way_every_run() {
         ("b3", "node-b", 1),
         ("b4", "node-b", 1),
     ];
-    async fn run(seed: u64) -> Vec<tower_affinity::BackendId> {
+    async fn run(seed: Option<u64>) -> Vec<tower_affinity::BackendId> {
         let fleet = StaticFleet::new(EIGHT.iter().map(|&(id, node, slots)| {
             let service = Answering::new(tower::service_fn(|_req: http::Request<String>| async {
                 Ok::<_, Infallible>(http::Response::new(String::new()))
             }));
             (id, Backend::new(node, service).slots(nz(slots)))
         }));
-        let mut svc = SessionAffinityLayer::new().random_seed(seed).layer(fleet);
+        let layer = SessionAffinityLayer::new();
+        let mut svc = match seed {
+            Some(seed) => layer.random_seed(seed),
+            None => layer,
+        }
+        .layer(fleet);
         let mut placed = Vec::new();
         for _ in 0..32 {
             // No key and no prompt: the freer of two sampled backends, all of them free.
@@ -3390,11 +3395,17 @@ async fn a_seeded_service_places_keyless_requests_the_same_way_every_run() {
         }
         placed
     }
-    let first = run(7).await;
-    assert_eq!(first, run(7).await);
+    let first = run(Some(7)).await;
+    assert_eq!(first, run(Some(7)).await);
     let used: std::collections::HashSet<_> = first.iter().collect();
     assert!(used.len() > 4, "the draws spread: {used:?}");
-    assert_ne!(first, run(8).await, "another seed, other draws");
+    assert_ne!(first, run(Some(8)).await, "another seed, other draws");
+    // Unseeded, each thread's own generator: spread too, and another run draws otherwise
+    // (the chance that 32 draws over 8 backends repeat is nil).
+    let unseeded = run(None).await;
+    let used: std::collections::HashSet<_> = unseeded.iter().collect();
+    assert!(used.len() > 4, "the draws spread: {used:?}");
+    assert_ne!(unseeded, run(None).await);
 }
 
 // With tower's layers between the balancer and `ErrorToResponse` or `RetryOnce`, which box
