@@ -189,6 +189,7 @@ async fn spill_order_on_two_nodes_of_two_backends() {
     assert_eq!(err.retry_after(), Some(Duration::from_secs(1)));
     drop(held);
     assert_eq!(svc.stats().in_flight, 0);
+    assert!(svc.stats().session_table_bytes > 0, "the session's home is held");
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
