@@ -22,6 +22,10 @@ pub enum Overflow {
     /// back. At most `max_queued` requests wait at once; beyond that, and after `max_wait`, the
     /// request fails with [`Error::Saturated`](crate::Error::Saturated).
     ///
+    /// The queue is the service's, shared by every request it places: where requests must
+    /// not wait behind each other's (tenants with backends of their own), give each its own
+    /// service over its own fleet, as the proxy example does for each model.
+    ///
     /// Waiting needs tokio's time driver. Built with [`Overflow::wait`].
     #[non_exhaustive]
     Wait {
