@@ -157,6 +157,7 @@ pub struct Backend<S> {
     slots_given: bool,
     prompt_cache_bytes: Option<u64>,
     cache_tokens: u64,
+    extensions: http::Extensions,
 }
 
 impl<S> Backend<S> {
@@ -169,6 +170,7 @@ impl<S> Backend<S> {
             slots_given: false,
             prompt_cache_bytes: None,
             cache_tokens: Self::DEFAULT_CACHE_TOKENS,
+            extensions: http::Extensions::new(),
         }
     }
 
@@ -242,6 +244,35 @@ impl<S> Backend<S> {
         self
     }
 
+    /// Attaches `value` to the backend, for policies of your own to read
+    /// ([`BackendRef::extensions`](crate::placement::BackendRef::extensions)): the tenant it
+    /// serves, its GPU, its region. One value a type; another of the same type replaces it.
+    /// The service and the built-in policies read none.
+    ///
+    /// ```
+    /// use tower_affinity::Backend;
+    ///
+    /// #[derive(Clone, Debug, PartialEq)]
+    /// struct Tenant(&'static str);
+    ///
+    /// let backend = Backend::new("gpu-0", ()).extension(Tenant("acme"));
+    /// assert_eq!(backend.extensions().get::<Tenant>(), Some(&Tenant("acme")));
+    /// ```
+    pub fn extension<T: Clone + Send + Sync + 'static>(mut self, value: T) -> Self {
+        self.extensions.insert(value);
+        self
+    }
+
+    /// The values attached with [`extension`](Self::extension).
+    pub fn extensions(&self) -> &http::Extensions {
+        &self.extensions
+    }
+
+    /// The values attached with [`extension`](Self::extension), mutably.
+    pub fn extensions_mut(&mut self) -> &mut http::Extensions {
+        &mut self.extensions
+    }
+
     /// The backend's node.
     pub fn node(&self) -> &NodeId {
         &self.node
@@ -262,7 +293,7 @@ impl<S> Backend<S> {
         &self.service
     }
 
-    /// The same backend with another service: its node, slots and budgets kept.
+    /// The same backend with another service: its node, slots, budgets and extensions kept.
     pub fn map_service<T>(self, f: impl FnOnce(S) -> T) -> Backend<T> {
         Backend {
             service: f(self.service),
@@ -271,6 +302,7 @@ impl<S> Backend<S> {
             slots_given: self.slots_given,
             prompt_cache_bytes: self.prompt_cache_bytes,
             cache_tokens: self.cache_tokens,
+            extensions: self.extensions,
         }
     }
 }
@@ -695,6 +727,8 @@ pub(crate) struct Member {
     pub(crate) cache: Arc<ModelCell>,
     /// Removed, and its model forgotten: see [`Topology::KEPT_REMOVED`].
     pub(crate) forgotten: bool,
+    /// What its [`Backend::extension`]s attached, for policies to read.
+    pub(crate) extensions: http::Extensions,
 }
 
 /// What placement may read about one node.
@@ -954,6 +988,7 @@ impl Topology {
                 prompt_cache_bytes,
                 cache: Arc::new(ModelCell::new(cache_tokens)),
                 forgotten: false,
+                extensions: http::Extensions::new(),
             };
             self.release_node(old_node);
             index
@@ -969,6 +1004,7 @@ impl Topology {
                 prompt_cache_bytes,
                 cache: Arc::new(ModelCell::new(cache_tokens)),
                 forgotten: false,
+                extensions: http::Extensions::new(),
             });
             index
         };
@@ -1050,6 +1086,7 @@ impl<S> Fleet<Backend<S>> {
             backend.prompt_cache_bytes,
             budget,
         ) as usize;
+        self.topology.members[index].extensions = backend.extensions.clone();
         if self.backends.len() <= index {
             self.backends.resize_with(index + 1, || None);
         }

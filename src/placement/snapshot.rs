@@ -51,6 +51,20 @@ impl Snapshot {
         self
     }
 
+    /// Attaches `value` to backend `id`, as [`Backend::extension`](crate::Backend::extension)
+    /// does, for a policy to read ([`BackendRef::extensions`](super::BackendRef::extensions)).
+    /// Unknown ids are ignored.
+    pub fn backend_extension<T: Clone + Send + Sync + 'static>(
+        mut self,
+        id: &str,
+        value: T,
+    ) -> Self {
+        if let Some(i) = self.topology.index_any(id) {
+            self.topology.members[i as usize].extensions.insert(value);
+        }
+        self
+    }
+
     /// Declares the view one of `n` router replicas sharing the fleet's traffic, as
     /// [`SessionAffinityLayer::replicas`](crate::SessionAffinityLayer::replicas) does (0 is
     /// read as 1): a replica homes its share of conversations.

@@ -188,6 +188,46 @@ impl<'a> BackendRef<'a> {
         self.member().prompt_cache_bytes
     }
 
+    /// The values discovery attached to the backend
+    /// ([`Backend::extension`](crate::Backend::extension)): a tenant, a GPU, a region, for
+    /// a policy of your own to place by.
+    ///
+    /// ```
+    /// use tower_affinity::placement::{
+    ///     Candidates, FleetView, NodeThenBackend, Placement, PlacementRequest, Snapshot,
+    /// };
+    ///
+    /// /// Which tenant a backend serves, and which a request comes from.
+    /// #[derive(Clone, PartialEq)]
+    /// struct Tenant(&'static str);
+    ///
+    /// /// `NodeThenBackend` over the request's tenant's backends only.
+    /// #[derive(Clone)]
+    /// struct OwnBackends(NodeThenBackend);
+    ///
+    /// impl Placement for OwnBackends {
+    ///     fn place(&self, fleet: &FleetView<'_>, req: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
+    ///         let tenant = req.extensions.get::<Tenant>();
+    ///         for b in fleet.backends().filter(|b| b.extensions().get::<Tenant>() != tenant) {
+    ///             c.pass_over(b);
+    ///         }
+    ///         self.0.place(fleet, req, c)
+    ///     }
+    /// }
+    ///
+    /// let fleet = Snapshot::new()
+    ///     .backend("a1", "n1", 1)
+    ///     .backend_extension("a1", Tenant("acme"))
+    ///     .backend("g1", "n1", 4)
+    ///     .backend_extension("g1", Tenant("globex"))
+    ///     .extension(Tenant("acme"));
+    /// let policy = OwnBackends(NodeThenBackend::new());
+    /// assert_eq!(fleet.order(&policy, None, None), ["a1"]);
+    /// ```
+    pub fn extensions(&self) -> &'a http::Extensions {
+        &self.member().extensions
+    }
+
     /// How many leading links of `chain` the cache model says this backend holds.
     /// O(log links).
     pub fn cached_links(&self, chain: &PromptChain) -> usize {

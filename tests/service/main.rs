@@ -189,7 +189,10 @@ async fn spill_order_on_two_nodes_of_two_backends() {
     assert_eq!(err.retry_after(), Some(Duration::from_secs(1)));
     drop(held);
     assert_eq!(svc.stats().in_flight, 0);
-    assert!(svc.stats().session_table_bytes > 0, "the session's home is held");
+    assert!(
+        svc.stats().session_table_bytes > 0,
+        "the session's home is held"
+    );
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
@@ -3683,4 +3686,87 @@ async fn a_prefix_held_only_where_the_policy_passes_over_is_not_a_spill() {
     assert_eq!(d.outcome, Outcome::Keyless);
     let stats = svc.stats();
     assert_eq!((stats.same_node_spills, stats.cross_node_spills), (0, 0));
+}
+
+/// Which tenant a backend serves, or a request comes from.
+#[derive(Clone, Debug, PartialEq)]
+struct Tenant(&'static str);
+
+/// `NodeThenBackend` over the request's tenant's backends only.
+#[derive(Clone, Copy)]
+struct OwnTenant;
+
+impl Placement for OwnTenant {
+    fn place(
+        &self,
+        fleet: &tower_affinity::placement::FleetView<'_>,
+        req: &tower_affinity::placement::PlacementRequest<'_>,
+        c: &mut tower_affinity::placement::Candidates<'_>,
+    ) {
+        let tenant = req.extensions.get::<Tenant>();
+        for b in fleet
+            .backends()
+            .filter(|b| b.extensions().get::<Tenant>() != tenant)
+        {
+            c.pass_over(b);
+        }
+        tower_affinity::placement::NodeThenBackend::new().place(fleet, req, c)
+    }
+}
+
+/// What discovery attaches to a backend reaches the policy, and an update replaces it.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_policy_places_by_what_discovery_attached_to_each_backend() {
+    let streams = Streams::default();
+    let (handle, stream) = discover::channel::<MockService>();
+    let tenant_backend = |id: &str, tenant| {
+        Backend::new("n", backend(id, &streams))
+            .slots(nz(4))
+            .extension(Tenant(tenant))
+    };
+    handle.insert("a1", tenant_backend("a1", "acme"));
+    handle.insert("g1", tenant_backend("g1", "globex"));
+    let mut svc = SessionAffinityLayer::new()
+        .placement(OwnTenant)
+        .overflow(Overflow::Reject)
+        .layer(stream);
+    let of = |tenant, session: &str| {
+        let mut req = request(Some(session), None);
+        req.extensions_mut().insert(Tenant(tenant));
+        req
+    };
+    for i in 0..8 {
+        for (tenant, own) in [("acme", "a1"), ("globex", "g1")] {
+            let res = svc
+                .ready()
+                .await
+                .unwrap()
+                .call(of(tenant, &format!("{tenant}-{i}")))
+                .await
+                .unwrap();
+            assert_eq!(decision(&res).backend.as_str(), own);
+        }
+    }
+    // g1 serves acme from now on: globex has no backend left.
+    handle.insert("g1", tenant_backend("g1", "acme"));
+    let mut seen = std::collections::BTreeSet::new();
+    for i in 0..16 {
+        let res = svc
+            .ready()
+            .await
+            .unwrap()
+            .call(of("acme", &format!("new-{i}")))
+            .await
+            .unwrap();
+        seen.insert(decision(&res).backend.as_str().to_owned());
+    }
+    assert_eq!(seen.into_iter().collect::<Vec<_>>(), ["a1", "g1"]);
+    let err = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(of("globex", "g"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::NoBackends), "{err}");
 }
