@@ -3686,6 +3686,34 @@ async fn a_prefix_held_only_where_the_policy_passes_over_is_not_a_spill() {
     assert_eq!(d.outcome, Outcome::Keyless);
     let stats = svc.stats();
     assert_eq!((stats.same_node_spills, stats.cross_node_spills), (0, 0));
+    drop(res);
+    // Another conversation, its holder's node down, not passed over: a spill to the other
+    // node, and said so.
+    let res = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(keyless(&[(10, 2_000)]))
+        .await
+        .unwrap();
+    let holder = decision(&res).backend;
+    drop(res);
+    let on_holders_node: &[&str] = if holder.as_str() == "b1" {
+        &["b1"]
+    } else {
+        &["a1", "a2"]
+    };
+    for id in on_holders_node {
+        assert!(svc.mark_down(id, None));
+    }
+    let res = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(keyless(&[(10, 2_000), (11, 300)]))
+        .await
+        .unwrap();
+    assert_eq!(decision(&res).outcome, Outcome::CrossNodeSpill);
 }
 
 /// Which tenant a backend serves, or a request comes from.
