@@ -807,6 +807,20 @@ async fn wait_for_the_full_backend_holding_the_prefix_when_its_slot_frees_sooner
     streaming.await.unwrap();
 }
 
+/// The full backend holding the prefix is down: no slot there will serve the request while
+/// the mark lasts, so it moves at once however much moving costs.
+#[tokio::test(start_paused = true)]
+async fn a_full_backend_holding_the_prefix_is_not_waited_for_while_down() {
+    let svc = service(&[("a", "n1"), ("b", "n2")]);
+    teach(&svc, Duration::from_secs(10)).await;
+    let (home, streaming) = busy_home(&svc, Duration::from_secs(5)).await;
+    assert!(svc.mark_down(&home, Some(Duration::from_secs(60))));
+    let (d, took) = next_turn(&svc).await;
+    assert_ne!(d.backend.as_str(), home);
+    assert_eq!((d.waited, took), (None, Duration::ZERO));
+    streaming.await.unwrap();
+}
+
 /// `NodeThenBackend`, except that it offers nothing once when armed: a request that finds the
 /// fleet full at its first look and, at the look it takes on joining the queue, a slot free
 /// (as one freed meanwhile on another thread would be).
