@@ -60,7 +60,14 @@ async fn send<S>(svc: &mut S, session: Option<&str>, mode: Option<&str>) -> Resu
 where
     S: Service<Req, Response = Res, Error = Error>,
 {
-    svc.ready().await?.call(request(session, mode)).await
+    send_req(svc, request(session, mode)).await
+}
+
+async fn send_req<S>(svc: &mut S, req: Req) -> Result<Res, Error>
+where
+    S: Service<Req, Response = Res, Error = Error>,
+{
+    svc.ready().await?.call(req).await
 }
 
 /// Requests for each of `sessions`, polled once: each must wait for a slot.
@@ -3601,13 +3608,13 @@ async fn a_policy_passing_over_every_backend_up_has_no_backends() {
         .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
     let started = tokio::time::Instant::now();
     let req = avoiding(request(Some("s"), None), &["a1", "b1"]);
-    let err = svc.ready().await.unwrap().call(req).await.unwrap_err();
+    let err = send_req(&mut svc, req).await.unwrap_err();
     assert!(matches!(err, Error::NoBackends), "{err}");
     assert_eq!(started.elapsed(), Duration::ZERO);
     // One passed over and the other down: none either.
     assert!(svc.mark_down("b1", None));
     let req = avoiding(request(Some("s"), None), &["a1"]);
-    let err = svc.ready().await.unwrap().call(req).await.unwrap_err();
+    let err = send_req(&mut svc, req).await.unwrap_err();
     assert!(matches!(err, Error::NoBackends), "{err}");
     assert_eq!(svc.stats().no_backends, 2);
     // One left it may take, but full: that one is waited for.
@@ -3650,20 +3657,10 @@ async fn a_prefix_held_only_where_the_policy_passes_over_is_not_a_spill() {
             )));
         req
     };
-    let first = svc
-        .ready()
-        .await
-        .unwrap()
-        .call(keyless(&[(1, 2_000)]))
-        .await
-        .unwrap();
+    let first = send_req(&mut svc, keyless(&[(1, 2_000)])).await.unwrap();
     let holder = decision(&first).backend;
     drop(first);
-    let res = svc
-        .ready()
-        .await
-        .unwrap()
-        .call(keyless(&[(1, 2_000), (2, 300)]))
+    let res = send_req(&mut svc, keyless(&[(1, 2_000), (2, 300)]))
         .await
         .unwrap();
     assert_eq!(decision(&res).backend, holder);
@@ -3689,13 +3686,7 @@ async fn a_prefix_held_only_where_the_policy_passes_over_is_not_a_spill() {
     drop(res);
     // Another conversation, its holder's node down, not passed over: a spill to the other
     // node, and said so.
-    let res = svc
-        .ready()
-        .await
-        .unwrap()
-        .call(keyless(&[(10, 2_000)]))
-        .await
-        .unwrap();
+    let res = send_req(&mut svc, keyless(&[(10, 2_000)])).await.unwrap();
     let holder = decision(&res).backend;
     drop(res);
     let on_holders_node: &[&str] = if holder.as_str() == "b1" {
@@ -3706,11 +3697,7 @@ async fn a_prefix_held_only_where_the_policy_passes_over_is_not_a_spill() {
     for id in on_holders_node {
         assert!(svc.mark_down(id, None));
     }
-    let res = svc
-        .ready()
-        .await
-        .unwrap()
-        .call(keyless(&[(10, 2_000), (11, 300)]))
+    let res = send_req(&mut svc, keyless(&[(10, 2_000), (11, 300)]))
         .await
         .unwrap();
     assert_eq!(decision(&res).outcome, Outcome::CrossNodeSpill);
@@ -3765,11 +3752,7 @@ async fn a_policy_places_by_what_discovery_attached_to_each_backend() {
     };
     for i in 0..8 {
         for (tenant, own) in [("acme", "a1"), ("globex", "g1")] {
-            let res = svc
-                .ready()
-                .await
-                .unwrap()
-                .call(of(tenant, &format!("{tenant}-{i}")))
+            let res = send_req(&mut svc, of(tenant, &format!("{tenant}-{i}")))
                 .await
                 .unwrap();
             assert_eq!(decision(&res).backend.as_str(), own);
@@ -3779,22 +3762,12 @@ async fn a_policy_places_by_what_discovery_attached_to_each_backend() {
     handle.insert("g1", tenant_backend("g1", "acme"));
     let mut seen = std::collections::BTreeSet::new();
     for i in 0..16 {
-        let res = svc
-            .ready()
-            .await
-            .unwrap()
-            .call(of("acme", &format!("new-{i}")))
+        let res = send_req(&mut svc, of("acme", &format!("new-{i}")))
             .await
             .unwrap();
         seen.insert(decision(&res).backend.as_str().to_owned());
     }
     assert_eq!(seen.into_iter().collect::<Vec<_>>(), ["a1", "g1"]);
-    let err = svc
-        .ready()
-        .await
-        .unwrap()
-        .call(of("globex", "g"))
-        .await
-        .unwrap_err();
+    let err = send_req(&mut svc, of("globex", "g")).await.unwrap_err();
     assert!(matches!(err, Error::NoBackends), "{err}");
 }
