@@ -37,6 +37,60 @@
 //! // Home first, then its node, then the other node.
 //! assert_eq!(order[..2], ["a1", "a2"]);
 //! ```
+//!
+//! A policy of your own reads the same view. This one sends a session home while the home
+//! still holds it, and otherwise to the node with the most free slots, its freest backend
+//! first:
+//!
+//! ```
+//! use tower_affinity::key::SessionKey;
+//! use tower_affinity::placement::{
+//!     Candidates, FleetView, HomeCache, Placement, PlacementRequest, Snapshot,
+//! };
+//!
+//! #[derive(Clone)]
+//! struct HomeElseFreestNode;
+//!
+//! impl Placement for HomeElseFreestNode {
+//!     fn place(&self, fleet: &FleetView<'_>, req: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
+//!         if let Some(home) = &req.home {
+//!             if let (Some(b), HomeCache::Holds | HomeCache::Unknown) = (home.backend, home.cache) {
+//!                 if c.offer(b).is_break() {
+//!                     return;
+//!                 }
+//!             }
+//!         }
+//!         let free = |n: &tower_affinity::placement::NodeRef<'_>| {
+//!             n.backends().map(|b| b.free_slots()).sum::<u32>()
+//!         };
+//!         let mut nodes: Vec<_> = fleet.nodes().collect();
+//!         nodes.sort_by_key(|n| std::cmp::Reverse(free(n)));
+//!         for node in nodes {
+//!             let mut backends: Vec<_> = node.backends().collect();
+//!             backends.sort_by_key(|b| std::cmp::Reverse(b.free_slots()));
+//!             for b in backends {
+//!                 if c.offer(b).is_break() {
+//!                     return;
+//!                 }
+//!             }
+//!         }
+//!     }
+//! }
+//!
+//! let fleet = Snapshot::new()
+//!     .backend("a1", "node-a", 2)
+//!     .backend("b1", "node-b", 4)
+//!     .in_flight("a1", 1);
+//! let key = Some(SessionKey::from_bytes(b"agent-1"));
+//! // At home on a1, which holds it: a1, though node-b is freer.
+//! assert_eq!(fleet.choose(&HomeElseFreestNode, key, Some("a1")), Some("a1".into()));
+//! // The home evicted it: the freest node.
+//! let evicted = Snapshot::new()
+//!     .backend("a1", "node-a", 2)
+//!     .backend("b1", "node-b", 4)
+//!     .home_cache(HomeCache::Evicted);
+//! assert_eq!(evicted.choose(&HomeElseFreestNode, key, Some("a1")), Some("b1".into()));
+//! ```
 
 mod baselines;
 mod node_then_backend;
