@@ -574,6 +574,28 @@ async fn the_node_function_names_each_backend_s_node() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn an_extension_given_to_the_builder_is_on_each_backend() {
+    #[derive(Clone, Debug, PartialEq)]
+    struct Tenant(&'static str);
+    let dns = start_dns().await;
+    dns.set_ips("acme.fleet.test.", 30, &["10.0.3.1", "10.0.3.2"])
+        .await;
+    let mut fleet = builder(&dns, "acme.fleet.test.:8080")
+        .extension(Tenant("acme"))
+        .build(|ep: &DnsEndpoint| ep.addr())
+        .unwrap();
+    answered(fleet.handle().resolved(1)).await;
+    let changes = ready(&mut fleet).await;
+    assert_eq!(changes.len(), 2);
+    for change in changes {
+        let Change::Insert(_, backend) = change else {
+            panic!("not an insert");
+        };
+        assert_eq!(backend.extensions().get::<Tenant>(), Some(&Tenant("acme")));
+    }
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_service_that_cannot_be_made_is_left_out_and_tried_again() {
     let dns = start_dns().await;
     dns.set_ips("llm.fleet.test.", 30, &["10.0.0.1", "10.0.0.2"])

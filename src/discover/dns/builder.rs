@@ -80,6 +80,7 @@ pub struct DnsFleetBuilder {
     node: NodeOf,
     slots: Option<NonZeroU32>,
     cache_tokens: u64,
+    extensions: http::Extensions,
 }
 
 impl DnsFleetBuilder {
@@ -105,6 +106,7 @@ impl DnsFleetBuilder {
             node: Arc::new(|ep: &DnsEndpoint| NodeId::from(ep.ip().to_string())),
             slots: None,
             cache_tokens: Backend::<()>::DEFAULT_CACHE_TOKENS,
+            extensions: http::Extensions::new(),
         }
     }
 
@@ -188,6 +190,13 @@ impl DnsFleetBuilder {
         self
     }
 
+    /// Attaches `value` to each backend of this name (see [`Backend::extension`]): the
+    /// tenant or the GPU the name stands for, for a policy of your own to read.
+    pub fn extension<T: Clone + Send + Sync + 'static>(mut self, value: T) -> Self {
+        self.extensions.insert(value);
+        self
+    }
+
     /// Builds the stream; `service` makes each new backend's service from its endpoint.
     ///
     /// Resolution starts at once if called inside a tokio runtime, else when the stream is
@@ -216,6 +225,7 @@ impl DnsFleetBuilder {
             node: self.node,
             slots: self.slots,
             cache_tokens: self.cache_tokens,
+            extensions: self.extensions,
         };
         Ok(DnsFleet::start(resolver, self.target, self.schedule, make))
     }

@@ -47,11 +47,13 @@ pub(crate) struct Make<S> {
     pub(crate) node: NodeOf,
     pub(crate) slots: Option<NonZeroU32>,
     pub(crate) cache_tokens: u64,
+    pub(crate) extensions: http::Extensions,
 }
 
 impl<S> Make<S> {
     fn backend(&self, ep: &DnsEndpoint) -> Result<Backend<S>, BoxError> {
-        let backend = Backend::new((self.node)(ep), (self.service)(ep)?);
+        let mut backend = Backend::new((self.node)(ep), (self.service)(ep)?);
+        backend.extensions_mut().extend(self.extensions.clone());
         let backend = match self.slots {
             Some(slots) => backend.slots(slots),
             None => backend,
