@@ -3771,3 +3771,75 @@ async fn a_policy_places_by_what_discovery_attached_to_each_backend() {
     let err = send_req(&mut svc, of("globex", "g")).await.unwrap_err();
     assert!(matches!(err, Error::NoBackends), "{err}");
 }
+
+/// A compaction that no backend holds a prefix of waits for its home as any turn of its
+/// session does: a slot freed there goes to it before an older request waiting only for that
+/// node.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_compaction_waits_for_its_home_before_requests_waiting_for_its_node() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_secs(60), 8))
+        .layer(fleet(TWO_BY_TWO, &streams));
+    let home = decision(
+        &send_req(&mut svc, chained("s", None, &[(1, 2_000)], None))
+            .await
+            .unwrap(),
+    )
+    .backend;
+    let mate = match home.as_str() {
+        "a1" => "a2",
+        "a2" => "a1",
+        "b1" => "b2",
+        _ => "b1",
+    };
+    // A session homed on the home's node mate.
+    let u = (0..100)
+        .map(|i| format!("u{i}"))
+        .find(|u| {
+            let fleet = tower_affinity::placement::Snapshot::new()
+                .backend("a1", "node-a", 1)
+                .backend("a2", "node-a", 1)
+                .backend("b1", "node-b", 1)
+                .backend("b2", "node-b", 1)
+                .in_flight(home.as_str(), 1);
+            let key = tower_affinity::key::SessionKey::from_bytes(u.as_bytes());
+            fleet.choose(
+                &tower_affinity::placement::NodeThenBackend::new(),
+                Some(key),
+                None,
+            ) == Some(mate.into())
+        })
+        .unwrap();
+    // Every slot taken: the session's own stream at home, u's beside it, two more elsewhere.
+    let s_stream = send_req(
+        &mut svc,
+        chained("s", Some("stream"), &[(1, 2_000), (2, 100)], None),
+    )
+    .await
+    .unwrap();
+    assert_eq!(decision(&s_stream).backend, home);
+    let u_stream = send(&mut svc, Some(&u), Some("stream")).await.unwrap();
+    assert_eq!(decision(&u_stream).backend.as_str(), mate);
+    let _others = [
+        send(&mut svc, Some("x"), Some("stream")).await.unwrap(),
+        send(&mut svc, Some("y"), Some("stream")).await.unwrap(),
+    ];
+    // u's next turn waits first; then the compaction.
+    svc.ready().await.unwrap();
+    let mut older = tokio_test::task::spawn(svc.call(request(Some(&u), None)));
+    assert_pending!(older.poll());
+    svc.ready().await.unwrap();
+    let mut compaction = tokio_test::task::spawn(svc.call(chained("s", None, &[(9, 500)], None)));
+    assert_pending!(compaction.poll());
+    // The home frees.
+    let (_, tx) = streams.take().unwrap();
+    drop(tx);
+    s_stream.into_body().collect().await.unwrap();
+    assert!(compaction.is_woken(), "its home's slot goes to it");
+    assert!(!older.is_woken());
+    let res = assert_ready!(compaction.poll()).unwrap();
+    assert_eq!(decision(&res).backend, home);
+    assert_eq!(decision(&res).outcome, Outcome::Compaction);
+    drop(u_stream);
+}
