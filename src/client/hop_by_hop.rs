@@ -1,11 +1,13 @@
 //! Hop-by-hop headers (RFC 9110, section 7.6.1): they describe one connection, not the
-//! message, so a proxy drops them in both directions.
+//! message, so a proxy drops them in both directions. `Trailer`, which declares the trailer
+//! fields a message ends with, is end-to-end and passes.
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
 /// The hop-by-hop headers that are such by name, besides those that `Connection` names:
-/// `Connection` itself, `TE`, `Trailer`, `Transfer-Encoding`, `Upgrade`,
-/// `Proxy-Authorization`, and the obsolete `Keep-Alive` and `Proxy-Connection`.
+/// `Connection` itself, `TE`, `Transfer-Encoding`, `Upgrade`, the obsolete `Keep-Alive` and
+/// `Proxy-Connection` (RFC 9110, section 7.6.1), and `Proxy-Authorization`, the client's
+/// credentials for the proxy itself.
 ///
 /// [`strip_hop_by_hop`] removes these and every header `Connection` names.
 ///
@@ -15,10 +17,9 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 /// assert!(HOP_BY_HOP.contains(&http::header::TRANSFER_ENCODING));
 /// assert!(!HOP_BY_HOP.contains(&http::header::HOST));
 /// ```
-pub static HOP_BY_HOP: [HeaderName; 8] = [
+pub static HOP_BY_HOP: [HeaderName; 7] = [
     header::CONNECTION,
     header::TE,
-    header::TRAILER,
     header::TRANSFER_ENCODING,
     header::UPGRADE,
     header::PROXY_AUTHORIZATION,
@@ -31,12 +32,11 @@ fn index(name: &HeaderName) -> Option<usize> {
     Some(match name.as_str() {
         "connection" => 0,
         "te" => 1,
-        "trailer" => 2,
-        "transfer-encoding" => 3,
-        "upgrade" => 4,
-        "proxy-authorization" => 5,
-        "keep-alive" => 6,
-        "proxy-connection" => 7,
+        "transfer-encoding" => 2,
+        "upgrade" => 3,
+        "proxy-authorization" => 4,
+        "keep-alive" => 5,
+        "proxy-connection" => 6,
         _ => return None,
     })
 }
@@ -104,6 +104,22 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
             headers.remove(name);
         }
     }
+}
+
+/// Whether `headers`' `TE` accepts trailers (`TE: trailers`): the client reads a response's
+/// trailer fields, so the proxy, which passes them on, may ask its backend for them.
+pub(crate) fn accepts_trailers(headers: &HeaderMap) -> bool {
+    headers.get_all(header::TE).iter().any(|v| {
+        v.to_str().is_ok_and(|v| {
+            v.split(',').any(|t| {
+                t.split(';')
+                    .next()
+                    .unwrap_or("")
+                    .trim()
+                    .eq_ignore_ascii_case("trailers")
+            })
+        })
+    })
 }
 
 #[cfg(test)]

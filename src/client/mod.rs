@@ -6,7 +6,9 @@
 //! - the request keeps its method, path, query, headers and body; its URI gets the backend's
 //!   scheme and authority, and `Host` the backend's;
 //! - hop-by-hop headers (RFC 9110, section 7.6.1: [`HOP_BY_HOP`] and those `Connection`
-//!   names) are dropped both ways ([`strip_hop_by_hop`]);
+//!   names) are dropped both ways ([`strip_hop_by_hop`]); a client whose `TE` accepts
+//!   trailers has the backend asked for them, and the response's trailers and its `Trailer`
+//!   header pass;
 //! - connections are pooled; HTTP/1.1 by default, HTTP/2 with prior knowledge on request;
 //! - a connect timeout and a response-header timeout ([`Builder`]);
 //! - failures are [`HttpBackendError`]s of a [`FailureKind`]: refused, reset, timeout, ... each

@@ -17,7 +17,7 @@ use hyper_util::rt::TokioExecutor;
 use super::body::SentBody;
 use super::error::{HttpBackendError, InvalidBackendUrl};
 use super::future::ResponseFuture;
-use super::hop_by_hop::strip_hop_by_hop;
+use super::hop_by_hop::{accepts_trailers, strip_hop_by_hop};
 
 /// One backend reached over HTTP: a `tower::Service` that sends each request to the backend's
 /// scheme and authority, through hyper-util's pooled client.
@@ -123,7 +123,8 @@ impl<B> HttpBackend<B> {
         self.inner.response_timeout
     }
 
-    /// `req` as it goes to the backend: hop-by-hop headers dropped, `Host` set to the
+    /// `req` as it goes to the backend: hop-by-hop headers dropped (`TE: trailers` sent on
+    /// as the proxy's own when the client's `TE` accepts trailers), `Host` set to the
     /// backend's, `Cookie` fields joined into one for an HTTP/1.1 backend (an HTTP/2 client
     /// may split them), the version the backend connection speaks, and, if `absolute`, the
     /// backend's scheme and authority in its URI (else its URI in origin-form, `/path?query`,
@@ -134,7 +135,13 @@ impl<B> HttpBackend<B> {
         absolute: bool,
     ) -> Result<Request<B>, HttpBackendError> {
         let inner = &*self.inner;
+        let trailers = accepts_trailers(req.headers());
         strip_hop_by_hop(req.headers_mut());
+        if trailers {
+            // `TE` is the connection's: the proxy asks its own, as it passes trailers on.
+            req.headers_mut()
+                .insert(header::TE, HeaderValue::from_static("trailers"));
+        }
         // The client keeps a `Host` it finds; the client's own names the proxy.
         req.headers_mut().insert(header::HOST, inner.host.clone());
         if inner.version != Version::HTTP_2 {

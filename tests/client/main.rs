@@ -186,13 +186,14 @@ async fn hop_by_hop_headers_are_dropped_both_ways_with_those_connection_names() 
         "proxy-authorization",
         "proxy-connection",
         "upgrade",
-        "te",
     ] {
         assert!(
             !seen.headers.contains_key(name),
             "{name} reached the backend"
         );
     }
+    // `TE` is the connection's, but a client that reads trailers has the proxy ask for them.
+    assert_eq!(seen.headers["te"], "trailers");
     assert_eq!(seen.headers["x-end-to-end"], "kept");
     for name in ["connection", "x-resp-hop", "keep-alive", "proxy-connection"] {
         assert!(
@@ -201,6 +202,63 @@ async fn hop_by_hop_headers_are_dropped_both_ways_with_those_connection_names() 
         );
     }
     assert_eq!(res.headers()["x-stub"], "a");
+}
+
+/// A backend's trailers reach a client that asked for them (`TE: trailers`), with the
+/// `Trailer` header that declares them; a client that did not ask has none asked for.
+#[tokio::test]
+async fn trailers_pass_to_a_client_that_asks_for_them() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let asked: Arc<Mutex<Vec<Option<http::HeaderValue>>>> = Arc::default();
+    let log = asked.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let log = log.clone();
+            let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                log.lock().push(req.headers().get("te").cloned());
+                async move {
+                    let mut trailers = http::HeaderMap::new();
+                    trailers.insert("x-done", "yes".parse().unwrap());
+                    let frames: Vec<Result<http_body::Frame<Bytes>, std::convert::Infallible>> = vec![
+                        Ok(http_body::Frame::data(Bytes::from_static(b"data: {}\n\n"))),
+                        Ok(http_body::Frame::trailers(trailers)),
+                    ];
+                    let body = http_body_util::StreamBody::new(tokio_stream::iter(frames));
+                    Ok::<_, std::convert::Infallible>(
+                        Response::builder()
+                            .header("trailer", "x-done")
+                            .body(body)
+                            .unwrap(),
+                    )
+                }
+            });
+            tokio::spawn(async move {
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    let backend = HttpBackend::new(&url(addr)).unwrap();
+    let asking = Request::post("/v1/chat/completions")
+        .header("te", "trailers")
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap();
+    let res = call(&backend, asking).await.unwrap();
+    assert_eq!(res.headers()["trailer"], "x-done");
+    let body = res.into_body().collect().await.unwrap();
+    assert_eq!(body.trailers().unwrap()["x-done"], "yes");
+    let plain = Request::post("/v1/chat/completions")
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap();
+    let res = call(&backend, plain).await.unwrap();
+    let body = res.into_body().collect().await.unwrap();
+    assert!(body.trailers().is_none());
+    assert_eq!(*asked.lock(), [Some("trailers".parse().unwrap()), None]);
 }
 
 #[tokio::test]
