@@ -358,6 +358,9 @@ where
         }
         // The end of the stream, or an error that ends it: the slot is free again.
         if !matches!(frame, Some(Ok(_))) {
+            if let (Some(Err(_)), Some(guard)) = (&frame, this.guard.as_ref()) {
+                guard.count_cut_answer();
+            }
             this.guard.take();
         }
         Poll::Ready(frame)

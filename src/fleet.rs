@@ -381,6 +381,8 @@ pub(crate) struct Load {
     pub(crate) down_until: AtomicU64,
     /// Requests that failed on this backend before it answered.
     pub(crate) failures: AtomicU64,
+    /// Answers it began and did not finish: their body failed.
+    pub(crate) cut_answers: AtomicU64,
     /// What this backend's answers have taught.
     pub(crate) learned: Learned,
     /// Its event handles (nothing without the `metrics` feature).
@@ -457,6 +459,7 @@ impl Load {
             reserved: AtomicU32::new(0),
             down_until: AtomicU64::new(0),
             failures: AtomicU64::new(0),
+            cut_answers: AtomicU64::new(0),
             learned: Learned::default(),
             metrics: BackendMetrics::new(id, node, &capacity.counters.labels),
             capacity,
@@ -654,6 +657,11 @@ impl SlotGuard {
         self.load.failures.fetch_add(1, Ordering::Relaxed);
         self.load.metrics.failure();
         crate::stats::bump(&self.capacity().counters.backend_errors);
+    }
+
+    /// Counts an answer whose body failed after it began (the backend cut its stream).
+    pub(crate) fn count_cut_answer(&self) {
+        self.load.cut_answers.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Marks the backend this slot belongs to down for `cooldown`, then releases the slot.
@@ -1129,6 +1137,11 @@ pub struct BackendStatus {
     /// that it answered with 503 Service Unavailable, counted since discovery first named it.
     /// The fleet's total is [`Stats::backend_errors`](crate::Stats::backend_errors).
     pub failures: u64,
+    /// Answers it began and did not finish (their body failed: the backend cut its stream,
+    /// or its connection dropped), counted since discovery first named it. Such an answer
+    /// does not mark the backend down, as the client has part of it already; this count is
+    /// how an operator sees a backend that keeps cutting its answers.
+    pub cut_answers: u64,
     /// Conversations the cache model says it homes: the tips of the prompts it holds.
     pub conversations: u32,
     /// Tokens of prompt the cache model says it holds.
@@ -1217,6 +1230,7 @@ impl Topology {
             in_flight: m.load.in_flight.load(Ordering::Relaxed),
             healthy: !m.load.health(now_ms).0,
             failures: m.load.failures.load(Ordering::Relaxed),
+            cut_answers: m.load.cut_answers.load(Ordering::Relaxed),
             conversations: cache.conversations(),
             cached_tokens: cache.tokens(),
             cache_budget: cache.budget(),

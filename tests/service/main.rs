@@ -3843,3 +3843,43 @@ async fn a_compaction_waits_for_its_home_before_requests_waiting_for_its_node() 
     assert_eq!(decision(&res).outcome, Outcome::Compaction);
     drop(u_stream);
 }
+
+/// An answer whose body fails after it began (the backend cut its stream) frees its slot and
+/// marks nothing down, as the client has part of it; the backend's status counts it.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn an_answer_cut_midway_is_counted_on_its_backend_and_marks_nothing() {
+    type Chunks = Vec<Result<http_body::Frame<Bytes>, std::io::Error>>;
+    let cuts = tower::service_fn(|req: Req| async move {
+        let mut chunks: Chunks = vec![Ok(http_body::Frame::data(Bytes::from_static(
+            b"data: 1\n\n",
+        )))];
+        if req.headers().contains_key("x-cut") {
+            chunks.push(Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof)));
+        }
+        let body = http_body_util::StreamBody::new(tokio_stream::iter(chunks));
+        Ok::<_, Infallible>(http::Response::new(body))
+    });
+    let svc = SessionAffinityLayer::new().layer(StaticFleet::new([(
+        "c1",
+        Backend::new("c", cuts).slots(nz(1)),
+    )]));
+    let mut req = request(Some("s"), None);
+    req.headers_mut()
+        .insert("x-cut", http::HeaderValue::from_static("1"));
+    let res = svc.clone().oneshot(req).await.unwrap();
+    assert!(res.into_body().collect().await.is_err());
+    let whole = svc.clone().oneshot(request(Some("s"), None)).await.unwrap();
+    let outcome = whole.extensions().get::<Decision>().unwrap().outcome;
+    assert_eq!(outcome, Outcome::HomeHit);
+    whole.into_body().collect().await.unwrap();
+    let status = svc.backends().into_iter().next().unwrap();
+    assert_eq!(
+        (
+            status.cut_answers,
+            status.failures,
+            status.healthy,
+            status.in_flight
+        ),
+        (1, 0, true, 0)
+    );
+}
