@@ -34,7 +34,9 @@ struct Seen {
 }
 
 /// A hyper server on loopback (HTTP/1.1 and HTTP/2 with prior knowledge) that records each
-/// request and answers 200 with `x-stub: NAME` and some hop-by-hop headers of its own.
+/// request and answers 200 with `x-stub: NAME` and some hop-by-hop headers of its own, and a
+/// body `ok` that ends with the trailer `x-done: yes` (declared in `Trailer`; hyper's HTTP/1.1
+/// server sends it only to a request whose `TE` asks for trailers).
 async fn stub(name: &'static str) -> (SocketAddr, Arc<Mutex<Vec<Seen>>>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -58,13 +60,20 @@ async fn stub(name: &'static str) -> (SocketAddr, Arc<Mutex<Vec<Seen>>>) {
                         headers: parts.headers,
                         body,
                     });
+                    let mut trailers = http::HeaderMap::new();
+                    trailers.insert("x-done", http::HeaderValue::from_static("yes"));
+                    let frames: Vec<Result<http_body::Frame<Bytes>, Infallible>> = vec![
+                        Ok(http_body::Frame::data(Bytes::from_static(b"ok"))),
+                        Ok(http_body::Frame::trailers(trailers)),
+                    ];
                     let res = Response::builder()
                         .header("x-stub", name)
                         .header("connection", "x-resp-hop")
                         .header("x-resp-hop", "1")
                         .header("keep-alive", "timeout=5")
                         .header("proxy-connection", "keep-alive")
-                        .body(Full::new(Bytes::from_static(b"ok")))
+                        .header("trailer", "x-done")
+                        .body(http_body_util::StreamBody::new(tokio_stream::iter(frames)))
                         .unwrap();
                     Ok::<_, hyper::Error>(res)
                 }
@@ -208,41 +217,7 @@ async fn hop_by_hop_headers_are_dropped_both_ways_with_those_connection_names() 
 /// `Trailer` header that declares them; a client that did not ask has none asked for.
 #[tokio::test]
 async fn trailers_pass_to_a_client_that_asks_for_them() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let asked: Arc<Mutex<Vec<Option<http::HeaderValue>>>> = Arc::default();
-    let log = asked.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                continue;
-            };
-            let log = log.clone();
-            let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
-                log.lock().push(req.headers().get("te").cloned());
-                async move {
-                    let mut trailers = http::HeaderMap::new();
-                    trailers.insert("x-done", "yes".parse().unwrap());
-                    let frames: Vec<Result<http_body::Frame<Bytes>, std::convert::Infallible>> = vec![
-                        Ok(http_body::Frame::data(Bytes::from_static(b"data: {}\n\n"))),
-                        Ok(http_body::Frame::trailers(trailers)),
-                    ];
-                    let body = http_body_util::StreamBody::new(tokio_stream::iter(frames));
-                    Ok::<_, std::convert::Infallible>(
-                        Response::builder()
-                            .header("trailer", "x-done")
-                            .body(body)
-                            .unwrap(),
-                    )
-                }
-            });
-            tokio::spawn(async move {
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
-                    .await;
-            });
-        }
-    });
+    let (addr, seen) = stub("t").await;
     let backend = HttpBackend::new(&url(addr)).unwrap();
     let asking = Request::post("/v1/chat/completions")
         .header("te", "trailers")
@@ -258,7 +233,12 @@ async fn trailers_pass_to_a_client_that_asks_for_them() {
     let res = call(&backend, plain).await.unwrap();
     let body = res.into_body().collect().await.unwrap();
     assert!(body.trailers().is_none());
-    assert_eq!(*asked.lock(), [Some("trailers".parse().unwrap()), None]);
+    let te: Vec<_> = seen
+        .lock()
+        .iter()
+        .map(|s| s.headers.get("te").cloned())
+        .collect();
+    assert_eq!(te, [Some(http::HeaderValue::from_static("trailers")), None]);
 }
 
 #[tokio::test]
