@@ -1180,21 +1180,22 @@ proptest! {
     }
 }
 
-/// `NodeThenBackend`, with node-b ruled out.
-#[derive(Clone)]
-struct NotOnNodeB;
+/// `NodeThenBackend`, after passing over the backends `rules_out` picks (each twice: passing
+/// over is idempotent).
+struct PassingOver<F>(F);
 
-impl tower_affinity::placement::Placement for NotOnNodeB {
+impl<F> Placement for PassingOver<F>
+where
+    F: Fn(&tower_affinity::placement::BackendRef<'_>) -> bool + Send + Sync + 'static,
+{
     fn place(
         &self,
         fleet: &tower_affinity::placement::FleetView<'_>,
         req: &tower_affinity::placement::PlacementRequest<'_>,
         c: &mut tower_affinity::placement::Candidates<'_>,
     ) {
-        for b in fleet
-            .backends()
-            .filter(|b| b.node().id().as_str() == "node-b")
-        {
+        for b in fleet.backends().filter(|b| (self.0)(b)) {
+            c.pass_over(b);
             c.pass_over(b);
         }
         NodeThenBackend::new().place(fleet, req, c)
@@ -1204,9 +1205,12 @@ impl tower_affinity::placement::Placement for NotOnNodeB {
 #[test]
 fn a_policy_wrapping_another_passes_over_the_backends_it_rules_out() {
     let fleet = two_by_two();
+    let not_on_node_b = PassingOver(|b: &tower_affinity::placement::BackendRef<'_>| {
+        b.node().id().as_str() == "node-b"
+    });
     for i in 0..20 {
         let k = SessionKey::from_bytes(format!("k{i}").as_bytes());
-        let order = fleet.order(&NotOnNodeB, Some(k), Some("b1"));
+        let order = fleet.order(&not_on_node_b, Some(k), Some("b1"));
         assert!(
             order.iter().all(|b| b.as_str().starts_with('a')),
             "{order:?}"
@@ -1215,29 +1219,7 @@ fn a_policy_wrapping_another_passes_over_the_backends_it_rules_out() {
     }
     // With node-a full, nothing is taken: the request waits rather than goes to node-b.
     let full = fleet.in_flight("a1", 1).in_flight("a2", 1);
-    assert_eq!(full.choose(&NotOnNodeB, None, None), None);
-}
-
-/// Passes over every backend but those whose id ends in `keep`.
-struct AllBut(&'static str);
-
-impl Placement for AllBut {
-    fn place(
-        &self,
-        fleet: &tower_affinity::placement::FleetView<'_>,
-        req: &tower_affinity::placement::PlacementRequest<'_>,
-        c: &mut tower_affinity::placement::Candidates<'_>,
-    ) {
-        for b in fleet
-            .backends()
-            .filter(|b| !b.id().as_str().ends_with(self.0))
-        {
-            // Twice: passing over is idempotent.
-            c.pass_over(b);
-            c.pass_over(b);
-        }
-        NodeThenBackend::new().place(fleet, req, c)
-    }
+    assert_eq!(full.choose(&not_on_node_b, None, None), None);
 }
 
 #[test]
@@ -1247,7 +1229,9 @@ fn a_policy_wrapping_another_passes_over_any_number_of_backends() {
         fleet = fleet.backend(&format!("b{i:03}"), &format!("n{}", i / 8), 1);
     }
     for keep in ["b000", "b063", "b064", "b130", "b199"] {
-        let policy = AllBut(keep);
+        let policy = PassingOver(move |b: &tower_affinity::placement::BackendRef<'_>| {
+            b.id().as_str() != keep
+        });
         for i in 0..8 {
             let k = SessionKey::from_bytes(format!("k{i}").as_bytes());
             assert_eq!(fleet.order(&policy, Some(k), None), [BackendId::from(keep)]);
