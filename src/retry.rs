@@ -38,9 +38,7 @@ impl RetryOnce {
     pub const fn new() -> Self {
         RetryOnce { retried: false }
     }
-}
 
-impl RetryOnce {
     /// Whether to retry an attempt that `failed` (before answering, or with a 503).
     fn once(&mut self, failed: bool) -> Option<Ready<()>> {
         if !failed || self.retried {

@@ -705,9 +705,8 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             _ => return full(),
         };
         // A backend the policy passed over is no home to wait for, nor one to be judged by.
-        let passed_over = |b: Option<u32>| b.is_some_and(|b| candidates.is_passed_over(b));
-        let cache_passed_over = passed_over(cache_backend);
-        let own_prefix = own_prefix.filter(|&p| !passed_over(Some(p)));
+        let cache_passed_over = cache_backend.is_some_and(|b| candidates.is_passed_over(b));
+        let own_prefix = own_prefix.filter(|&p| !candidates.is_passed_over(p));
         drop(candidates);
         let m = t.member(index);
         let mut guard = SlotGuard::new(&m.load, index, m.node, now_ms);
