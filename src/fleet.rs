@@ -662,6 +662,7 @@ impl SlotGuard {
     /// Counts an answer whose body failed after it began (the backend cut its stream).
     pub(crate) fn count_cut_answer(&self) {
         self.load.cut_answers.fetch_add(1, Ordering::Relaxed);
+        self.load.metrics.cut_answer();
     }
 
     /// Marks the backend this slot belongs to down for `cooldown`, then releases the slot.

@@ -46,6 +46,7 @@
 //! | `tower_affinity_backend_errors_total` | counter | | requests whose backend failed or answered 503, over the fleet |
 //! | `tower_affinity_discovery_errors_total` | counter | | errors from the discovery stream |
 //! | `tower_affinity_backend_failures_total` | counter | `backend`, `node` | requests that failed on this backend, or that it answered with 503 |
+//! | `tower_affinity_backend_cut_answers_total` | counter | `backend`, `node` | answers it began and cut before their end (their body failed); they mark nothing down ([`BackendStatus::cut_answers`](crate::BackendStatus::cut_answers)) |
 //! | `tower_affinity_backend_prompt_tokens_total` | counter | `backend`, `node` | prompt tokens of its answers that said how many they reused |
 //! | `tower_affinity_backend_reused_tokens_total` | counter | `backend`, `node` | of them, reused from its cache |
 //! | `tower_affinity_backend_unreported_prompt_tokens_total` | counter | `backend`, `node` | prompt tokens of its answers that did not say (vLLM's Anthropic endpoint, or vLLM without `--enable-prompt-tokens-details`) |
@@ -276,6 +277,7 @@ impl BackendMetrics {
             // Its counters and histogram are there from its discovery on, at 0.
             for name in [
                 "tower_affinity_backend_failures_total",
+                "tower_affinity_backend_cut_answers_total",
                 "tower_affinity_backend_prompt_tokens_total",
                 "tower_affinity_backend_reused_tokens_total",
                 "tower_affinity_backend_unreported_prompt_tokens_total",
@@ -317,6 +319,12 @@ impl BackendMetrics {
                 .counter("tower_affinity_backend_errors_total")
                 .increment(1);
         }
+    }
+
+    pub(crate) fn cut_answer(&self) {
+        #[cfg(feature = "metrics")]
+        self.counter("tower_affinity_backend_cut_answers_total")
+            .increment(1);
     }
 
     #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
@@ -453,7 +461,7 @@ enum Kind {
 /// Each metric's help, as an exporter shows it (Prometheus's `# HELP`); the store's come with
 /// its [counters](StoreStats::counters).
 #[cfg(feature = "metrics")]
-const HELP: [(&str, Kind, &str); 31] = [
+const HELP: [(&str, Kind, &str); 32] = [
     (
         "tower_affinity_decisions_total",
         Kind::Counter,
@@ -518,6 +526,11 @@ const HELP: [(&str, Kind, &str); 31] = [
         "tower_affinity_backend_failures_total",
         Kind::Counter,
         "Requests that failed on the backend, or that it answered 503",
+    ),
+    (
+        "tower_affinity_backend_cut_answers_total",
+        Kind::Counter,
+        "Answers the backend began and cut before their end",
     ),
     (
         "tower_affinity_backend_prompt_tokens_total",

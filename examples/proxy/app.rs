@@ -952,11 +952,16 @@ impl Collector for AffinityCollector {
         }
         // What the backends' answers reported: reused over prompt tokens is the reuse
         // placement achieved, one PromQL division.
-        let per_backend: [Reported; 5] = [
+        let per_backend: [Reported; 6] = [
             (
                 "tower_affinity_backend_failures",
                 "Requests that failed on the backend before it answered, or that it answered 503",
                 |b| b.failures,
+            ),
+            (
+                "tower_affinity_backend_cut_answers",
+                "Answers the backend began and cut before their end",
+                |b| b.cut_answers,
             ),
             (
                 "tower_affinity_backend_prompt_tokens",

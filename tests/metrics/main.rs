@@ -210,6 +210,40 @@ impl HomeStore for Forgetful {
     }
 }
 
+/// An answer the backend began and then cut counts on its backend, and as no failure.
+#[test]
+fn an_answer_cut_midway_counts_on_its_backend() {
+    type Chunks = Vec<Result<http_body::Frame<Bytes>, std::io::Error>>;
+    let ((), snapshot) = recorded(async {
+        let cuts = service_fn(|_req: http::Request<String>| async {
+            let chunks: Chunks = vec![
+                Ok(http_body::Frame::data(Bytes::from_static(b"data: 1\n\n"))),
+                Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof)),
+            ];
+            let body = http_body_util::StreamBody::new(tokio_stream::iter(chunks));
+            Ok::<_, Infallible>(http::Response::new(body))
+        });
+        let fleet = StaticFleet::new([("c1", Backend::new("node-c", cuts))]);
+        let svc = SessionAffinityLayer::new().layer(fleet);
+        let req = http::Request::post("/v1/chat/completions")
+            .header("x-session-id", "s")
+            .body(String::new())
+            .unwrap();
+        let res = svc.oneshot(req).await.unwrap();
+        assert!(res.into_body().collect().await.is_err());
+    });
+    let backend = [("backend", "c1"), ("node", "node-c")];
+    let counter = |name| value(&snapshot, MetricKind::Counter, name, &backend);
+    assert_eq!(
+        counter("tower_affinity_backend_cut_answers_total"),
+        Some(&DebugValue::Counter(1))
+    );
+    assert_eq!(
+        counter("tower_affinity_backend_failures_total"),
+        Some(&DebugValue::Counter(0))
+    );
+}
+
 #[test]
 fn a_shared_stores_state_and_counters_are_published() {
     let (stats, snapshot) = recorded(async {

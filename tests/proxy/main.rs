@@ -558,6 +558,11 @@ async fn a_killed_backend_is_skipped_and_its_sessions_placed_again_without_an_er
         metrics.contains(r#"tower_affinity_backend_failures_total{backend="a",node="node-a"} 1"#),
         "{metrics}"
     );
+    assert!(
+        metrics
+            .contains(r#"tower_affinity_backend_cut_answers_total{backend="a",node="node-a"} 0"#),
+        "a failure before the answer is no cut answer: {metrics}"
+    );
 }
 
 #[tokio::test]
