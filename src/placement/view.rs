@@ -333,7 +333,43 @@ impl fmt::Debug for BackendRef<'_> {
     }
 }
 
-/// One node, as a policy sees it.
+/// One node, as a policy sees it: its backends and their slots, summed.
+///
+/// A policy that fills the node with the most free slots first, and within it the backend
+/// with the most:
+///
+/// ```
+/// use tower_affinity::placement::{Candidates, FleetView, Placement, PlacementRequest, Snapshot};
+///
+/// struct EmptiestNode;
+///
+/// impl Placement for EmptiestNode {
+///     fn place(&self, fleet: &FleetView<'_>, _req: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
+///         let free = |n: &tower_affinity::placement::NodeRef<'_>| -> u32 {
+///             n.backends().map(|b| b.free_slots()).sum()
+///         };
+///         let Some(node) = fleet.nodes().max_by_key(free) else { return };
+///         let mut backends: Vec<_> = node.backends().collect();
+///         backends.sort_by_key(|b| std::cmp::Reverse(b.free_slots()));
+///         for b in backends {
+///             if c.offer(b).is_break() {
+///                 return;
+///             }
+///         }
+///     }
+/// }
+///
+/// let fleet = Snapshot::new()
+///     .backend("a1", "a", 2)
+///     .backend("a2", "a", 2)
+///     .backend("b1", "b", 2)
+///     .in_flight("a1", 1);
+/// let view = fleet.view();
+/// let a = view.nodes().find(|n| n.id().as_str() == "a").unwrap();
+/// assert_eq!((a.slots(), a.backends().len()), (4, 2));
+/// // Node a has 3 free slots to b's 2; within it, a2 has 2 to a1's 1.
+/// assert_eq!(fleet.order(&EmptiestNode, None, None), ["a2", "a1"]);
+/// ```
 #[derive(Clone, Copy)]
 pub struct NodeRef<'a> {
     topology: &'a Topology,
@@ -404,6 +440,61 @@ impl fmt::Debug for NodeRef<'_> {
 }
 
 /// Where a session was served last.
+///
+/// Its backend is gone once discovery removed it; its node stays, so a policy can keep the
+/// session on the node that served it. What the backend still holds of the request's prompt
+/// is [`cache`](Self::cache): a policy that goes home only while home is warm, and else to
+/// the backend of the home's node with the most free slots:
+///
+/// ```
+/// use tower_affinity::key::SessionKey;
+/// use tower_affinity::placement::{
+///     Candidates, FleetView, HomeCache, Placement, PlacementRequest, Snapshot,
+/// };
+///
+/// struct HomeWhileWarm;
+///
+/// impl Placement for HomeWhileWarm {
+///     fn place(&self, fleet: &FleetView<'_>, req: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
+///         let Some(home) = req.home else {
+///             // No home: any backend, in the fleet's order.
+///             for b in fleet.backends() {
+///                 if c.offer(b).is_break() {
+///                     return;
+///                 }
+///             }
+///             return;
+///         };
+///         if let (Some(b), HomeCache::Holds | HomeCache::Unknown) = (home.backend, home.cache) {
+///             if c.offer(b).is_break() {
+///                 return;
+///             }
+///         }
+///         let mut others: Vec<_> = home.node.backends().collect();
+///         others.sort_by_key(|b| std::cmp::Reverse(b.free_slots()));
+///         for b in others {
+///             if c.offer(b).is_break() {
+///                 return;
+///             }
+///         }
+///     }
+/// }
+///
+/// let key = Some(SessionKey::from_bytes(b"s"));
+/// let fleet = Snapshot::new()
+///     .backend("a1", "a", 2)
+///     .backend("a2", "a", 4)
+///     .backend("b1", "b", 8);
+/// // Warm: home first, then its node's other backend.
+/// let warm = fleet.home_cache(HomeCache::Holds);
+/// assert_eq!(warm.order(&HomeWhileWarm, key, Some("a1")), ["a1", "a2"]);
+/// // Evicted: the node's backend with the most free slots first.
+/// let cold = warm.home_cache(HomeCache::Evicted);
+/// assert_eq!(cold.order(&HomeWhileWarm, key, Some("a1")), ["a2", "a1"]);
+/// // Removed: its node is still its home.
+/// let gone = cold.remove("a1");
+/// assert_eq!(gone.order(&HomeWhileWarm, key, Some("a1")), ["a2"]);
+/// ```
 #[derive(Clone, Copy, Debug)]
 #[non_exhaustive]
 pub struct Home<'a> {
