@@ -983,7 +983,16 @@ impl Topology {
             return index;
         }
         let digest = name_digest(id.as_str());
-        let index = if let Some(index) = self.free.pop_front() {
+        // The index removed longest ago whose last requests have ended: one still streaming
+        // keeps its member, so that `in_flight` counts them until they end.
+        let reusable = self.free.iter().position(|&i| {
+            self.members[i as usize]
+                .load
+                .in_flight
+                .load(Ordering::Relaxed)
+                == 0
+        });
+        let index = if let Some(index) = reusable.and_then(|at| self.free.remove(at)) {
             let m = &mut self.members[index as usize];
             self.by_id.remove(&m.id);
             let old_node = m.node;

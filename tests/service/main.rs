@@ -925,6 +925,46 @@ async fn slots_freed_on_a_removed_backend_wake_no_waiter() {
     }
 }
 
+/// A removed backend's answers still streaming count in flight after another backend takes
+/// its place, as in a rolling restart: a drain that waits for `in_flight` to reach 0 waits for
+/// them. Before, the new backend took the removed one's index and its count with it.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_removed_backends_answers_count_in_flight_after_a_new_backend_comes() {
+    let streams = Streams::default();
+    let (handle, stream) = discover::channel();
+    handle.insert(
+        "old",
+        Backend::new("a", backend("old", &streams)).slots(nz(2)),
+    );
+    let mut svc = SessionAffinityLayer::new().layer(stream);
+    let mut open = Vec::new();
+    for s in ["s1", "s2"] {
+        open.push(send(&mut svc, Some(s), Some("stream")).await.unwrap());
+        streams.take().unwrap();
+    }
+    handle.remove("old");
+    handle.insert(
+        "new",
+        Backend::new("a", backend("new", &streams)).slots(nz(2)),
+    );
+    svc.ready().await.unwrap();
+    assert_eq!(svc.stats().in_flight, 2);
+    let res = send(&mut svc, Some("s3"), None).await.unwrap();
+    assert_eq!(decision(&res).backend.as_str(), "new");
+    drop(res);
+    assert_eq!(svc.stats().in_flight, 2, "the old answers, still open");
+    open.clear();
+    assert_eq!(svc.stats().in_flight, 0);
+    // Its index, free now, goes to the next backend.
+    handle.insert(
+        "next",
+        Backend::new("b", backend("next", &streams)).slots(nz(1)),
+    );
+    svc.ready().await.unwrap();
+    assert_eq!(svc.backends().len(), 2);
+    assert_eq!(svc.stats().in_flight, 0);
+}
+
 #[tokio::test]
 async fn a_backend_is_asked_for_an_answer_it_can_be_read_in() {
     async fn sent(layer: SessionAffinityLayer, accept: Option<&str>) -> Option<String> {
