@@ -36,17 +36,15 @@ use tower_affinity::{Backend, BoxError, ErrorToResponse, RetryOnce, SessionAffin
 async fn proxy(backends: &[(&str, &str, String)]) -> Result<(Router, ProbeTask), BoxError> {
     // The recorder first: the balancer registers each backend's metrics as it learns of it.
     // Its histograms (seconds) get buckets, up to the minutes a cold prompt can take: without
-    // them the exporter renders summaries. Gauges and histograms not updated for ten minutes
-    // are dropped: those of backends that have left the fleet (every scrape publishes the
-    // live ones' gauges again).
+    // them the exporter renders summaries. Series not updated for ten minutes are dropped:
+    // those of backends that have left the fleet, which would otherwise pile up with every
+    // rolling restart's new ids (every scrape publishes the fleet's and the live backends'
+    // counters and gauges again; a quiet backend's histogram comes back with its next answer).
     let prometheus = PrometheusBuilder::new()
         .set_buckets(&[
             0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
         ])?
-        .idle_timeout(
-            MetricKindMask::GAUGE | MetricKindMask::HISTOGRAM,
-            Some(Duration::from_secs(600)),
-        )
+        .idle_timeout(MetricKindMask::ALL, Some(Duration::from_secs(600)))
         .install_recorder()?;
     // The exporter drains its histograms' samples and drops idle series on upkeep (or on a
     // scrape): without one, a proxy nobody scrapes keeps every request's samples.

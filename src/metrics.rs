@@ -23,10 +23,15 @@
 //! `metrics_labels([("fleet", "qwen3-coder")])` on one balancer and
 //! `metrics_labels([("fleet", "qwen3-4b")])` on the other.
 //!
-//! `publish_metrics` also publishes the fleet's counters at 0 until their first event (so a
-//! rate reads 0, not nothing), and zeroes the levels of a backend that has left the fleet: a
-//! recorder keeps a series once set, so give the exporter an idle timeout to drop them
-//! (`metrics-exporter-prometheus`: `PrometheusBuilder::idle_timeout`). The histograms are
+//! `publish_metrics` also publishes the counters at 0 until their first event (so a rate
+//! reads 0, not nothing), and zeroes the levels of a backend that has left the fleet. A
+//! recorder keeps a series once set, and every backend id discovery ever named has series of
+//! its own: under a fleet's churn (a rolling restart's new pod names) they would grow with
+//! every deploy. So give the exporter an idle timeout over every kind of series
+//! (`metrics-exporter-prometheus`: `PrometheusBuilder::idle_timeout(MetricKindMask::ALL, ..)`):
+//! `publish_metrics` touches every series of the fleet and of its live backends, so only a
+//! removed backend's go idle and are dropped. Histograms are touched only by their events: a
+//! backend quiet for the timeout loses its first-byte histogram until its next answer. The histograms are
 //! what the exporter makes of them: `metrics-exporter-prometheus` renders a summary unless it
 //! is given buckets (`set_buckets`, or `set_buckets_for_metric`); waits run to `max_wait`
 //! (60 s by default) and a cold prompt's first byte to minutes.
@@ -264,6 +269,17 @@ const LEVELS: [&str; 7] = [
     "tower_affinity_backend_prefill_tokens_per_second",
 ];
 
+/// A backend's counters.
+#[cfg(feature = "metrics")]
+const BACKEND_COUNTERS: [&str; 6] = [
+    "tower_affinity_backend_failures_total",
+    "tower_affinity_backend_cut_answers_total",
+    "tower_affinity_backend_prompt_tokens_total",
+    "tower_affinity_backend_reused_tokens_total",
+    "tower_affinity_backend_unreported_prompt_tokens_total",
+    "tower_affinity_backend_corrections_total",
+];
+
 impl BackendMetrics {
     #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
     pub(crate) fn new(backend: &BackendId, node: &NodeId, fleet: &Labels) -> Self {
@@ -275,14 +291,7 @@ impl BackendMetrics {
                 labels,
             };
             // Its counters and histogram are there from its discovery on, at 0.
-            for name in [
-                "tower_affinity_backend_failures_total",
-                "tower_affinity_backend_cut_answers_total",
-                "tower_affinity_backend_prompt_tokens_total",
-                "tower_affinity_backend_reused_tokens_total",
-                "tower_affinity_backend_unreported_prompt_tokens_total",
-                "tower_affinity_backend_corrections_total",
-            ] {
+            for name in BACKEND_COUNTERS {
                 let _ = metrics.counter(name);
             }
             let _ = metrics.histogram("tower_affinity_backend_first_byte_seconds");
@@ -350,9 +359,14 @@ impl BackendMetrics {
         }
     }
 
-    /// Sets the backend's level gauges from its status `b`.
+    /// Sets the backend's level gauges from its status `b`, and touches its counters: an
+    /// exporter that drops idle series (`MetricKindMask::ALL`) keeps those of the backends in
+    /// the fleet, however quiet, and drops those of the backends that have left it.
     #[cfg(feature = "metrics")]
     pub(crate) fn publish(&self, b: &BackendStatus) {
+        for name in BACKEND_COUNTERS {
+            self.counter(name).increment(0);
+        }
         let [in_flight, slots, healthy, cached, budget, conversations, prefill] =
             LEVELS.map(|name| self.gauge(name));
         in_flight.set(f64::from(b.in_flight));

@@ -8,7 +8,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use metrics_util::{CompositeKey, MetricKind};
-use tower::{service_fn, Layer, ServiceExt};
+use tower::{service_fn, Layer, Service, ServiceExt};
 use tower_affinity::discover::StaticFleet;
 use tower_affinity::key::SessionKey;
 use tower_affinity::store::{HomeStore, Lookup, ReadHome, StoredHome, WriteHome};
@@ -652,6 +652,80 @@ fn a_backends_series_dropped_as_idle_come_back_with_its_next_events() {
                 let text = prometheus.render();
                 assert!(series(&text, first_byte).is_some(), "{text}");
                 assert!(series(&text, prompt).is_some(), "{text}");
+            });
+    });
+}
+
+/// Under churn (a rolling restart's new ids), an exporter dropping every kind of idle series
+/// keeps the series of the fleet and of its live backends, which `publish_metrics` touches,
+/// and drops those of the backends that left: their number does not grow with the ids
+/// discovery ever named.
+#[test]
+fn with_every_kind_dropped_when_idle_only_the_backends_that_left_lose_their_series() {
+    use metrics_exporter_prometheus::PrometheusBuilder;
+    use metrics_util::MetricKindMask;
+
+    let recorder = PrometheusBuilder::new()
+        .idle_timeout(MetricKindMask::ALL, Some(std::time::Duration::ZERO))
+        .build_recorder();
+    let prometheus = recorder.handle();
+    let backends = |text: &str| {
+        let mut ids: Vec<String> = text
+            .lines()
+            .filter(|l| l.starts_with("tower_affinity_backend_") && l.contains("_total{"))
+            .filter_map(|l| {
+                l.split("backend=\"")
+                    .nth(1)?
+                    .split('"')
+                    .next()
+                    .map(str::to_owned)
+            })
+            .collect();
+        ids.sort();
+        ids.dedup();
+        ids
+    };
+    metrics::with_local_recorder(&recorder, || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap()
+            .block_on(async {
+                let (handle, fleet) = tower_affinity::discover::channel();
+                let slots = NonZeroU32::new(2).unwrap();
+                handle.insert(
+                    "v0",
+                    Backend::new("node-a", service_fn(answering)).slots(slots),
+                );
+                let mut svc = SessionAffinityLayer::new().layer(fleet);
+                for round in 1..=20 {
+                    let req = http::Request::post("/v1/chat/completions")
+                        .header("x-session-id", "s")
+                        .body(String::new())
+                        .unwrap();
+                    svc.ready().await.unwrap();
+                    let res = svc.call(req).await.unwrap();
+                    res.into_body().collect().await.unwrap();
+                    // The next version replaces this one.
+                    handle.remove(format!("v{}", round - 1).as_str());
+                    handle.insert(
+                        format!("v{round}").as_str(),
+                        Backend::new("node-a", service_fn(answering)).slots(slots),
+                    );
+                    svc.ready().await.unwrap();
+                    // Scrapes: each publishes, then renders, dropping what went idle since.
+                    for _ in 0..2 {
+                        svc.publish_metrics();
+                        let _ = prometheus.render();
+                    }
+                }
+                svc.publish_metrics();
+                let text = prometheus.render();
+                assert_eq!(backends(&text), ["v20"], "{text}");
+                assert!(
+                    text.contains("tower_affinity_decisions_total{outcome=\"home-hit\"} "),
+                    "the fleet's counters stay: {text}"
+                );
             });
     });
 }
