@@ -27,7 +27,7 @@ use tower_affinity::client::HttpBackend;
 use tower_affinity::discover::StaticFleet;
 use tower_affinity::health::{HealthProbe, ProbeTask};
 use tower_affinity::key::{BodyKeyLayer, ExtensionKey, FirstOf, HeaderKey};
-use tower_affinity::{Backend, BoxError, ErrorToResponse, RetryOnce, SessionAffinityLayer};
+use tower_affinity::{Backend, BoxError, ErrorToResponseLayer, RetryOnce, SessionAffinityLayer};
 
 /// The proxy: one `HttpBackend` per backend (`(id, node, url)`), probed for `/health` and
 /// `/slots`, behind the balancer with one retry, the key read from headers or the JSON body,
@@ -86,7 +86,7 @@ async fn proxy(backends: &[(&str, &str, String)]) -> Result<(Router, ProbeTask),
         // Buffers the body (so a retry can resend it), reads its key and prompt chain; a
         // client that has not sent its body within a minute gets 408.
         .layer(BodyKeyLayer::new().read_timeout(Duration::from_secs(60)))
-        .layer_fn(ErrorToResponse::new)
+        .layer(ErrorToResponseLayer::new())
         .layer(RetryLayer::new(RetryOnce::new()))
         .service(affinity);
     let app = Router::new()

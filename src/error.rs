@@ -308,6 +308,48 @@ impl<S> ErrorToResponse<S> {
     pub fn get_ref(&self) -> &S {
         &self.inner
     }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// The wrapped service, unwrapped.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+/// Wraps a service in [`ErrorToResponse`]: for tower's `ServiceBuilder`.
+///
+/// ```
+/// # fn doc<S>(balancer: S) where S: tower::Service<http::Request<String>,
+/// #   Response = http::Response<tower_affinity::ResponseBody<String>>,
+/// #   Error = tower_affinity::Error> {
+/// use tower::ServiceBuilder;
+/// use tower_affinity::ErrorToResponseLayer;
+///
+/// let svc = ServiceBuilder::new().layer(ErrorToResponseLayer::new()).service(balancer);
+/// # }
+/// ```
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ErrorToResponseLayer {
+    _priv: (),
+}
+
+impl ErrorToResponseLayer {
+    /// The layer.
+    pub fn new() -> Self {
+        ErrorToResponseLayer::default()
+    }
+}
+
+impl<S> tower::Layer<S> for ErrorToResponseLayer {
+    type Service = ErrorToResponse<S>;
+
+    fn layer(&self, inner: S) -> ErrorToResponse<S> {
+        ErrorToResponse::new(inner)
+    }
 }
 
 impl<S, Req, B> tower::Service<Req> for ErrorToResponse<S>

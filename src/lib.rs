@@ -152,14 +152,14 @@ mod wait;
 
 pub use body::ResponseBody;
 pub use chain::{Link, PromptChain};
-pub use error::{BoxError, Error, ErrorToResponse, ErrorToResponseFuture};
+pub use error::{BoxError, Error, ErrorToResponse, ErrorToResponseFuture, ErrorToResponseLayer};
 pub use fleet::{Backend, BackendId, BackendStatus, NodeId};
 pub use future::ResponseFuture;
 pub use layer::SessionAffinityLayer;
 pub use overflow::Overflow;
 pub use retry::RetryOnce;
 pub use service::SessionAffinity;
-pub use stats::{Decision, Outcome, Reuse, Stats};
+pub use stats::{Decision, Outcome, ParseOutcomeError, Reuse, Stats};
 pub use table::Sessions;
 pub use usage::Usage;
 

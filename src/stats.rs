@@ -86,6 +86,44 @@ impl fmt::Display for Outcome {
     }
 }
 
+/// Reads an outcome as [`Outcome::as_str`] writes it: what a client finds in the
+/// `x-affinity-outcome` header.
+///
+/// ```
+/// use tower_affinity::Outcome;
+///
+/// assert_eq!("cold-home".parse::<Outcome>(), Ok(Outcome::ColdHome));
+/// assert!("warm".parse::<Outcome>().is_err());
+/// for &o in Outcome::ALL {
+///     assert_eq!(o.as_str().parse(), Ok(o));
+/// }
+/// ```
+impl std::str::FromStr for Outcome {
+    type Err = ParseOutcomeError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Outcome::ALL
+            .iter()
+            .copied()
+            .find(|o| o.as_str() == s)
+            .ok_or(ParseOutcomeError { _priv: () })
+    }
+}
+
+/// A string that names no [`Outcome`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParseOutcomeError {
+    _priv: (),
+}
+
+impl fmt::Display for ParseOutcomeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("not an outcome of placement (home-hit, cold-home, ...)")
+    }
+}
+
+impl std::error::Error for ParseOutcomeError {}
+
 /// Where a request went and why. Every response carries one in its extensions, or, with
 /// [`decision_extension(false)`](crate::SessionAffinityLayer::decision_extension), in its body
 /// ([`ResponseBody::decision`](crate::ResponseBody::decision)).
