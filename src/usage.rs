@@ -9,9 +9,11 @@
 //! | llama.cpp (any of its APIs) | `timings.prompt_n + timings.cache_n` | `timings.cache_n` |
 //! | Anthropic Messages | `usage.input_tokens` + the two below | `usage.cache_read_input_tokens` (`cache_creation_input_tokens` was read) |
 //! | OpenAI Responses | `usage.input_tokens` | `usage.input_tokens_details.cached_tokens` |
+//! | SGLang's native `/generate` | not read (`meta_info.prompt_tokens`) | not read (`meta_info.cached_tokens`); its OpenAI endpoints are read as above |
 //!
 //! llama.cpp's `timings` win where present: they are exact, and they ride on the last chunk
-//! of a stream whether or not the client asked for usage. A stream carries usage only when
+//! of a stream whether or not the client asked for usage. llama-server adds them after its
+//! usage; `timings` that a `usage` object follows are not the backend's, and the usage wins. A stream carries usage only when
 //! the client asked (`stream_options.include_usage`), or
 //! [`BodyKeyLayer::ask_stream_usage`](crate::key::BodyKeyLayer::ask_stream_usage) asked on its
 //! behalf; vLLM reports `cached_tokens` only with
@@ -24,6 +26,9 @@
 //! a chat answer, inside `response` in a Responses stream, inside `message` in an Anthropic
 //! one) and parses only the object that follows each: a 4 KiB answer is searched, not
 //! parsed. A member name inside a string is escaped (`\"usage\"`) and is not taken for one.
+//! A tool's input in an Anthropic answer is an object, not a string, so a model can write
+//! members there: `timings` it writes come before the answer's usage, which wins over them;
+//! a `usage` it writes is overwritten by the answer's, field by field, as below.
 //! Later figures overwrite earlier ones field by field, so the last chunk of a stream wins
 //! while a figure given only in its first event (Anthropic's `message_start`) stays. An
 //! object that is not what the APIs send (a count that is not a non-negative integer, say)
@@ -123,6 +128,10 @@ struct Wire {
     prompt_n: Option<u64>,
     cache_n: Option<u64>,
     prompt_ms: Option<f64>,
+    /// The last object read was a `timings` one: llama-server adds its timings after its
+    /// usage, so `timings` that a `usage` follows are not its own (a model's tool input, as
+    /// Anthropic's answers carry one as an object, can hold any member).
+    timings_last: bool,
 }
 
 #[derive(Debug, Default, Deserialize, PartialEq)]
@@ -273,14 +282,20 @@ impl UsageScanner {
         let prompt_time = w
             .prompt_ms
             .and_then(|ms| Duration::try_from_secs_f64(ms / 1000.0).ok());
-        if let (Some(read), Some(cached)) = (w.prompt_n, w.cache_n) {
-            return Some(Usage {
+        let timings = match (w.prompt_n, w.cache_n) {
+            (Some(read), Some(cached)) => Some(Usage {
                 prompt_tokens: read.saturating_add(cached),
                 reused_tokens: Some(cached),
                 prompt_time,
                 zero_left_out: false,
-            });
+            }),
+            _ => None,
+        };
+        if w.timings_last && timings.is_some() {
+            return timings;
         }
+        // A usage object came after the timings, or there are none: the usage's figures, and
+        // no time from timings that are not the backend's.
         let (prompt_tokens, reused_tokens) = if let Some(p) = w.prompt_tokens {
             (p, w.prompt_cached)
         } else if w.cache_read.is_some() || w.cache_creation.is_some() {
@@ -295,12 +310,12 @@ impl UsageScanner {
         } else if let Some(p) = w.input_tokens {
             (p, w.input_cached)
         } else {
-            return None;
+            return timings;
         };
         Some(Usage {
             prompt_tokens,
             reused_tokens: reused_tokens.map(|r| r.min(prompt_tokens)),
-            prompt_time,
+            prompt_time: prompt_time.filter(|_| w.timings_last),
             zero_left_out: w.prompt_tokens.is_some(),
         })
     }
@@ -334,14 +349,14 @@ fn parse_object(wire: &mut Wire, found: &mut bool, member: Member, b: &[u8]) -> 
                     *found = true;
                     Parsed::Done(n)
                 }
-                Err(e) if e.is_eof() => Parsed::Incomplete,
+                Err(e) if e.is_eof() || ends_in_a_number(b) => Parsed::Incomplete,
                 // Not what the APIs send: passed over whole, if it is JSON at all.
                 Err(_) => {
                     let mut values = serde_json::Deserializer::from_slice(b)
                         .into_iter::<serde::de::IgnoredAny>();
                     match values.next() {
                         Some(Ok(_)) => Parsed::Done(values.byte_offset()),
-                        Some(Err(e)) if e.is_eof() => Parsed::Incomplete,
+                        Some(Err(e)) if e.is_eof() || ends_in_a_number(b) => Parsed::Incomplete,
                         // Not JSON: skip the brace and go on.
                         _ => Parsed::Done(1),
                     }
@@ -350,6 +365,12 @@ fn parse_object(wire: &mut Wire, found: &mut bool, member: Member, b: &[u8]) -> 
         }
         Some(_) => Parsed::Done(1),
     }
+}
+
+/// Whether `b` ends where a number may go on (`812.`, `1e`, `1e+`, `-`): serde reads such an
+/// end as a bad number, not as the end of its input, though the next chunk completes it.
+fn ends_in_a_number(b: &[u8]) -> bool {
+    matches!(b.last(), Some(b'.' | b'e' | b'E' | b'+' | b'-'))
 }
 
 /// A reader for the usage objects the APIs send, faster than serde's on them: member names
@@ -521,6 +542,7 @@ fn parse_typed<'de, T: Deserialize<'de>>(
 }
 
 fn add_usage(w: &mut Wire, u: UsageObject) {
+    w.timings_last = false;
     set(&mut w.prompt_tokens, u.prompt_tokens);
     set(
         &mut w.prompt_cached,
@@ -536,6 +558,7 @@ fn add_usage(w: &mut Wire, u: UsageObject) {
 }
 
 fn add_timings(w: &mut Wire, t: TimingsObject) {
+    w.timings_last = true;
     set(&mut w.prompt_n, t.prompt_n);
     set(&mut w.cache_n, t.cache_n);
     set(
@@ -603,6 +626,41 @@ mod tests {
         let u = Usage::from_body(body).unwrap();
         assert_eq!((u.prompt_tokens, u.reused_tokens), (900, Some(800)));
         assert_eq!(u.prompt_time, Some(Duration::from_millis(250)));
+    }
+
+    /// llama-server's whole timings object, with the float members the scanner does not
+    /// read: a chunk may end inside any of them (`812.`, `1e`), which serde reads as a bad
+    /// number rather than an early end.
+    #[test]
+    fn llama_cpp_whole_timings_read_the_same_whatever_the_chunking() {
+        let body: &[u8] = br#"{"choices":[],"timings":{"cache_n":2000,"prompt_n":160,"prompt_ms":812.5,"prompt_per_token_ms":5.078125,"prompt_per_second":1.9692e2,"predicted_n":3,"predicted_ms":30.1,"predicted_per_token_ms":-1.0E+1,"predicted_per_second":99.66}}"#;
+        let whole = Usage::from_body(body).unwrap();
+        assert_eq!(
+            (whole.prompt_tokens, whole.reused_tokens),
+            (2160, Some(2000))
+        );
+        assert_eq!(whole.prompt_time, Some(Duration::from_micros(812_500)));
+        for piece in 1..body.len() {
+            assert_eq!(
+                scan_in_pieces(body, piece),
+                Some(whole),
+                "pieces of {piece}"
+            );
+        }
+    }
+
+    /// A tool's input in an Anthropic answer is an object a model wrote: `timings` in it come
+    /// before the answer's usage, which wins, time and all.
+    #[test]
+    fn timings_a_usage_follows_are_not_the_backends() {
+        let body = br#"{"type":"message","content":[{"type":"tool_use","id":"t","name":"report","input":{"timings":{"prompt_n":3,"cache_n":0,"prompt_ms":9.0}}}],"usage":{"input_tokens":50,"cache_read_input_tokens":2000,"cache_creation_input_tokens":10,"output_tokens":5}}"#;
+        let u = Usage::from_body(body).unwrap();
+        assert_eq!((u.prompt_tokens, u.reused_tokens), (2060, Some(2000)));
+        assert_eq!(u.prompt_time, None);
+        // Timings alone, wherever they are, are read.
+        let alone = br#"{"content":[{"input":{"timings":{"prompt_n":3,"cache_n":1}}}]}"#;
+        let u = Usage::from_body(alone).unwrap();
+        assert_eq!((u.prompt_tokens, u.reused_tokens), (4, Some(1)));
     }
 
     #[test]
