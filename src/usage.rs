@@ -649,6 +649,60 @@ mod tests {
         }
     }
 
+    /// A JSON number of any of the forms JSON allows, as text.
+    fn json_number() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        (
+            any::<bool>(),
+            0u32..100_000,
+            proptest::option::of(0u32..1000),
+            proptest::option::of((any::<bool>(), proptest::option::of(any::<bool>()), 0u8..40)),
+        )
+            .prop_map(|(neg, int, frac, exp)| {
+                let mut n = format!("{}{int}", if neg { "-" } else { "" });
+                if let Some(f) = frac {
+                    n += &format!(".{f}");
+                }
+                if let Some((upper, sign, e)) = exp {
+                    n.push(if upper { 'E' } else { 'e' });
+                    match sign {
+                        Some(true) => n.push('+'),
+                        Some(false) => n.push('-'),
+                        None => {}
+                    }
+                    n += &e.to_string();
+                }
+                n
+            })
+    }
+
+    proptest::proptest! {
+        /// A report read whole is read the same in chunks of any size, whatever numbers the
+        /// members around its figures hold (a chunk may end anywhere inside one).
+        #[test]
+        fn a_report_reads_the_same_in_chunks_of_any_size(
+            numbers in proptest::collection::vec(json_number(), 1..6),
+            prompt in 0u64..1_000_000,
+            cached in 0u64..1_000_000,
+            timings in proptest::bool::ANY,
+            piece in 1usize..40,
+        ) {
+            let extra: String = numbers
+                .iter()
+                .enumerate()
+                .map(|(i, n)| format!(",\"x{i}\":{n}"))
+                .collect();
+            let body = if timings {
+                format!(r#"{{"choices":[],"timings":{{"cache_n":{cached}{extra},"prompt_n":{prompt}{extra},"prompt_ms":1.5}}}}"#)
+            } else {
+                format!(r#"{{"id":"x","usage":{{"prompt_tokens":{prompt}{extra},"prompt_tokens_details":{{"cached_tokens":{cached}}}}},"n":{}}}"#, numbers[0])
+            };
+            let whole = Usage::from_body(body.as_bytes());
+            proptest::prop_assert!(whole.is_some(), "{}", body);
+            proptest::prop_assert_eq!(scan_in_pieces(body.as_bytes(), piece), whole, "{}", body);
+        }
+    }
+
     /// A tool's input in an Anthropic answer is an object a model wrote: `timings` in it come
     /// before the answer's usage, which wins, time and all.
     #[test]
