@@ -81,7 +81,7 @@ usage: cargo run --release --example swarm -- [options]
   --oracle          adds NTB+oracle: NodeThenBackend told what the simulated caches
                     really hold, the same rules with a perfect cache model (not an
                     upper bound: greedy rules can do worse knowing more)
-  --out FILE        the SVG chart (default target/swarm-<scenario>.svg)
+  --out FILE        the SVG chart (default swarm-<scenario>.svg in Cargo's target directory)
 ";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -808,8 +808,10 @@ fn main() {
     }
     let _ = writeln!(stdout, "{}\n", report::LEGEND);
     let out = o.out.clone().unwrap_or_else(|| {
-        Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("target")
+        // Cargo's target directory: `CARGO_TARGET_DIR` when set, as Cargo itself reads it.
+        std::env::var_os("CARGO_TARGET_DIR")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target"))
             .join(format!("swarm-{}.svg", o.scenario.name()))
     });
     if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
