@@ -67,6 +67,8 @@ pin_project! {
         NotReady {
             backend: Option<Box<(S, http::Request<ReqB>)>>,
             dispatched: Unsent,
+            // Set when it is first found not ready, if readiness has a timeout.
+            deadline: Option<Pin<Box<tokio::time::Sleep>>>,
         },
         // No free slot yet.
         Wait {
@@ -125,6 +127,7 @@ pub(crate) struct Finish {
     pub(crate) decision_headers: bool,
     pub(crate) decision_extension: bool,
     pub(crate) failure_cooldown: Duration,
+    pub(crate) ready_timeout: Option<Duration>,
 }
 
 /// A request on its way to a backend: the slot it holds and the decision that sent it there.
@@ -255,6 +258,7 @@ where
             Poll::Pending => State::NotReady {
                 backend: Some(Box::new((service, req))),
                 dispatched: Unsent(Some(dispatched)),
+                deadline: None,
             },
         }
     }
@@ -262,6 +266,12 @@ where
     fn fail(error: Error) -> Self {
         State::Done { error: Some(error) }
     }
+}
+
+/// A backend not ready `after` its request was placed there: a timeout, so 504.
+fn not_ready_within(after: Duration) -> BoxError {
+    let message = format!("backend not ready within {after:?}");
+    std::io::Error::new(std::io::ErrorKind::TimedOut, message).into()
 }
 
 impl<S, P, ReqB> ResponseFuture<S, P, ReqB>
@@ -466,9 +476,23 @@ where
                 StateProj::NotReady {
                     backend,
                     dispatched,
+                    deadline,
                 } => {
                     let (service, _) = &mut **backend.as_mut().expect(POLLED_AFTER_COMPLETION);
-                    let ready = ready!(service.poll_ready(cx));
+                    let ready: Result<(), BoxError> = match service.poll_ready(cx) {
+                        Poll::Ready(ready) => ready.map_err(Into::into),
+                        Poll::Pending => {
+                            let timeout =
+                                dispatched.0.as_ref().and_then(|d| d.finish.ready_timeout);
+                            let Some(after) = timeout else {
+                                return Poll::Pending;
+                            };
+                            let deadline =
+                                deadline.get_or_insert_with(|| Box::pin(tokio::time::sleep(after)));
+                            ready!(deadline.as_mut().poll(cx));
+                            Err(not_ready_within(after))
+                        }
+                    };
                     let (mut service, req) = *backend.take().expect(POLLED_AFTER_COMPLETION);
                     let d = dispatched.0.take().expect(POLLED_AFTER_COMPLETION);
                     match ready {
@@ -476,7 +500,7 @@ where
                             fut: service.call(req),
                             dispatched: Some(d),
                         }),
-                        Err(e) => return Poll::Ready(Err(d.fail(e.into()))),
+                        Err(e) => return Poll::Ready(Err(d.fail(e))),
                     }
                 }
                 StateProj::Wait { waiting } => {

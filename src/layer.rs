@@ -63,6 +63,7 @@ impl SessionAffinityLayer {
                 decision_headers: false,
                 decision_extension: true,
                 failure_cooldown: Duration::from_secs(5),
+                ready_timeout: Some(Self::READY_TIMEOUT),
                 node_patience: Duration::ZERO,
                 wait_versus_move: true,
                 observe_usage: true,
@@ -81,6 +82,10 @@ impl SessionAffinityLayer {
     /// How long a request waits for the shared store's answer by default: 5 ms, some fifty
     /// round trips to a Redis on the same host and several across a data centre.
     pub const STORE_DEADLINE: Duration = Duration::from_millis(5);
+
+    /// How long a request waits for the readiness of the backend it was placed on by
+    /// default: 30 s (see [`ready_timeout`](Self::ready_timeout)).
+    pub const READY_TIMEOUT: Duration = Duration::from_secs(30);
 }
 
 impl Default for SessionAffinityLayer {
@@ -128,6 +133,24 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// With zero it does not: a session's retry goes back to the backend that failed it.
     pub fn failure_cooldown(mut self, cooldown: Duration) -> Self {
         self.config.failure_cooldown = cooldown;
+        self
+    }
+
+    /// How long a request placed on a backend whose service is not ready (its `poll_ready`
+    /// pending: a concurrency limit of its own, a connection it cannot make) waits for it.
+    /// Past it, the backend counts as failed, as when its readiness fails: it is passed over
+    /// for the [failure cooldown](Self::failure_cooldown), and the request fails with
+    /// [`Error::Backend`](crate::Error::Backend) (504 Gateway Timeout), which
+    /// [`RetryOnce`](crate::RetryOnce) sends elsewhere. Meanwhile the request holds its slot.
+    ///
+    /// Default [`READY_TIMEOUT`](Self::READY_TIMEOUT), 30 s; `None` waits as long as the
+    /// backend takes. The slots are the backend's concurrency: a backend that takes as many
+    /// requests as its slots is always ready for the router's ([`HttpBackend`] always is), so
+    /// a wait this long means the backend is stuck, or takes fewer requests than its slots say.
+    ///
+    /// [`HttpBackend`]: crate::client::HttpBackend
+    pub fn ready_timeout(mut self, timeout: impl Into<Option<Duration>>) -> Self {
+        self.config.ready_timeout = timeout.into();
         self
     }
 

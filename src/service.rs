@@ -180,6 +180,7 @@ pub(crate) struct Config {
     pub(crate) decision_headers: bool,
     pub(crate) decision_extension: bool,
     pub(crate) failure_cooldown: Duration,
+    pub(crate) ready_timeout: Option<Duration>,
     pub(crate) node_patience: Duration,
     pub(crate) wait_versus_move: bool,
     pub(crate) observe_usage: bool,
@@ -231,6 +232,7 @@ where
                     decision_headers: config.decision_headers,
                     decision_extension: config.decision_extension,
                     failure_cooldown: config.failure_cooldown,
+                    ready_timeout: config.ready_timeout,
                 },
                 node_patience: match config.overflow {
                     Overflow::Wait { .. } => config.node_patience,

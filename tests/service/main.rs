@@ -507,6 +507,80 @@ async fn a_backend_not_ready_at_placement_is_called_once_ready_and_holds_its_slo
     assert_eq!(in_flight(&svc, "a1"), 0);
 }
 
+/// A backend whose readiness never comes, as one stuck, or behind a limit of its own lower
+/// than its slots, does not hold its requests for good: past the ready timeout it has failed.
+#[derive(Clone)]
+struct ForeverPending;
+
+impl Service<Req> for ForeverPending {
+    type Response = http::Response<MockBody>;
+    type Error = tower_affinity::BoxError;
+    type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Pending
+    }
+
+    fn call(&mut self, _: Req) -> Self::Future {
+        unreachable!("called without readiness")
+    }
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_backend_never_ready_fails_its_request_at_the_ready_timeout_and_is_passed_over() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .failure_cooldown(Duration::from_secs(5))
+        .layer(StaticFleet::new([
+            ("a1", Backend::new("a", MockService::new(ForeverPending))),
+            ("a2", Backend::new("a", backend("a2", &streams))),
+        ]));
+    // A new session placed on a1: the first key whose placement lands there.
+    let mut stuck = None;
+    for i in 0..64 {
+        svc.ready().await.unwrap();
+        let mut call = tokio_test::task::spawn(svc.call(request(Some(&format!("s{i}")), None)));
+        if call.poll().is_pending() {
+            stuck = Some(call);
+            break;
+        }
+    }
+    let mut stuck = stuck.expect("a new session placed on a1");
+    assert_eq!(in_flight(&svc, "a1"), 1, "it holds its slot meanwhile");
+    tokio::time::advance(SessionAffinityLayer::READY_TIMEOUT - Duration::from_millis(1)).await;
+    assert_pending!(stuck.poll());
+    tokio::time::advance(Duration::from_millis(1)).await;
+    assert!(stuck.is_woken());
+    let err = assert_ready!(stuck.poll()).unwrap_err();
+    assert!(matches!(&err, Error::Backend { backend, .. } if backend.as_str() == "a1"));
+    assert_eq!(err.status(), 504, "{err}");
+    assert_eq!((in_flight(&svc, "a1"), failures(&svc, "a1")), (0, 1));
+    let res = send(&mut svc, None, None).await.unwrap();
+    assert_eq!(decision(&res).backend.as_str(), "a2", "a1 is passed over");
+}
+
+/// With no ready timeout, a request waits for its backend as long as it takes.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn without_a_ready_timeout_a_request_waits_for_its_backend() {
+    let mut svc = SessionAffinityLayer::new()
+        .ready_timeout(None)
+        .layer(StaticFleet::new([(
+            "a1",
+            Backend::new("a", MockService::new(ForeverPending)),
+        )]));
+    svc.ready().await.unwrap();
+    let mut call = tokio_test::task::spawn(svc.call(request(Some("s"), None)));
+    assert_pending!(call.poll());
+    tokio::time::advance(Duration::from_secs(24 * 3600)).await;
+    assert_pending!(call.poll());
+    assert_eq!((in_flight(&svc, "a1"), failures(&svc, "a1")), (1, 0));
+    drop(call);
+    assert_eq!(in_flight(&svc, "a1"), 0);
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_backend_failing_readiness_fails_the_request_and_is_passed_over() {
     let streams = Streams::default();
