@@ -15,7 +15,9 @@ use crate::{BoxError, Error};
 /// is placed on the next candidate. With the cooldown turned off (`Duration::ZERO`) nothing
 /// marks it down, and the retry is placed as the first attempt was: a session's retry goes
 /// back to its home, the backend that just failed. Other answers, errors included, are the
-/// backend's to give.
+/// backend's to give. A request whose own body failed on its way to the backend (the client
+/// went away, a body limit) is not retried: the backend is not at fault, and the same body
+/// would fail again.
 ///
 /// The request body must be `Clone`: buffer it first (a `Full<Bytes>` body is).
 ///
@@ -53,7 +55,7 @@ impl RetryOnce {
 /// serves nothing now.
 fn failed<ResB>(result: Result<&http::Response<ResB>, &Error>) -> bool {
     match result {
-        Err(Error::Backend { .. }) => true,
+        Err(Error::Backend { source, .. }) => !crate::error::request_body_failed(&**source),
         Ok(res) => res.status() == StatusCode::SERVICE_UNAVAILABLE,
         Err(_) => false,
     }

@@ -12,8 +12,8 @@ use crate::BoxError;
 /// What kind of failure an [`HttpBackendError`] is.
 ///
 /// Each maps to the status a proxy answers with ([`FailureKind::status`]), the same that the
-/// crate's [`Error::status`](crate::Error::status) gives for it: 504 for a timeout, 502 for
-/// the rest.
+/// crate's [`Error::status`](crate::Error::status) gives for it: 504 for a timeout, 400 for
+/// the request's own body failing on its way, 502 for the rest.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum FailureKind {

@@ -513,6 +513,15 @@ async fn a_request_body_that_fails_on_its_way_is_400_and_no_fault_of_the_backend
         assert_eq!(a.failures, 0);
         assert_eq!(svc.stats().backend_errors, 0);
         assert_eq!(svc.stats().in_flight, 0);
+        // Nor retried: the same body would fail again.
+        let placed = svc.stats().placed();
+        let retrying = RetryLayer::new(tower_affinity::RetryOnce::new()).layer(svc.clone());
+        let e: Error = tokio::time::timeout(DEADLINE, retrying.oneshot(oversize()))
+            .await
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(e.status(), 400, "http2 {http2}: {e}");
+        assert_eq!(svc.stats().placed(), placed + 1, "http2 {http2}: retried");
         let small = Request::post("/")
             .body(http_body_util::Limited::new(
                 Full::new(Bytes::from_static(b"{}")),
