@@ -9,10 +9,11 @@
 //! ```
 //!
 //! Each request's session key comes from `X-Session-Affinity` / `X-Session-Id` or a coding
-//! agent's own session header (`HeaderKey::default()`), else from the JSON body (`prompt_cache_key`, `user`, `metadata.user_id`). Requests are forwarded as sent
-//! but for the scheme, authority and `Host` (the backend's), hop-by-hop headers and
-//! `Accept-Encoding` (`identity`, so that the answer's usage can be read), responses stream back frame by frame, and the
-//! backend's slot is held until the response ends. A request whose backend fails before
+//! agent's own session header (`HeaderKey::default()`), else from the JSON body
+//! (`prompt_cache_key`, `user`, `metadata.user_id`). Requests are forwarded as sent but for the
+//! scheme, authority and `Host` (the backend's), hop-by-hop headers and `Accept-Encoding`
+//! (`identity`, so that the answer's usage can be read); responses stream back frame by frame,
+//! and the backend's slot is held until the response ends. A request whose backend fails before
 //! answering is retried once elsewhere. `/health` (and `/slots`) of each backend is polled;
 //! `GET /metrics` answers in the Prometheus text format. Each request gets an `x-request-id`
 //! (unless it has one), sent to the backend and returned; `-v` logs a span per request.
