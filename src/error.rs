@@ -79,11 +79,11 @@ impl Error {
         match self {
             Error::NoBackends => StatusCode::SERVICE_UNAVAILABLE,
             Error::Saturated { .. } => StatusCode::TOO_MANY_REQUESTS,
-            Error::Backend { source, .. } if request_body_failed(&**source) => {
-                StatusCode::BAD_REQUEST
-            }
-            Error::Backend { source, .. } if timed_out(&**source) => StatusCode::GATEWAY_TIMEOUT,
-            Error::Backend { .. } => StatusCode::BAD_GATEWAY,
+            Error::Backend { source, .. } => match request_fault(&**source) {
+                Some(status) => status,
+                None if timed_out(&**source) => StatusCode::GATEWAY_TIMEOUT,
+                None => StatusCode::BAD_GATEWAY,
+            },
         }
     }
 
@@ -161,7 +161,7 @@ impl Error {
     fn response<B>(&self) -> http::Response<ResponseBody<B>> {
         let (text, failed) = match self {
             // The kind is said already: the cause is what the client is told.
-            Error::Backend { backend, source } if request_body_failed(&**source) => {
+            Error::Backend { backend, source } if request_at_fault(&**source) => {
                 let mut cause: &(dyn std::error::Error + 'static) = &**source;
                 while let Some(next) = cause.source() {
                     cause = next;
@@ -200,22 +200,29 @@ fn text_response<B>(status: StatusCode, text: String) -> http::Response<Response
     res
 }
 
-/// Whether `e` says the request's own body failed on its way to the backend (an
-/// [`HttpBackend`](crate::client::HttpBackend)'s [`FailureKind::RequestBody`]): the request's
-/// fault, not the backend's.
+/// The status of a failure that is the request's own, not the backend's (an
+/// [`HttpBackend`](crate::client::HttpBackend)'s [`FailureKind::RequestBody`], 400, or
+/// [`FailureKind::Unsupported`], 501), if `e` is one.
 ///
 /// [`FailureKind::RequestBody`]: crate::client::FailureKind::RequestBody
-pub(crate) fn request_body_failed(e: &(dyn std::error::Error + 'static)) -> bool {
+/// [`FailureKind::Unsupported`]: crate::client::FailureKind::Unsupported
+pub(crate) fn request_fault(e: &(dyn std::error::Error + 'static)) -> Option<StatusCode> {
     #[cfg(feature = "client")]
     {
         e.downcast_ref::<crate::client::HttpBackendError>()
-            .is_some_and(|e| e.kind() == crate::client::FailureKind::RequestBody)
+            .filter(|e| e.kind().is_request_fault())
+            .map(|e| e.status())
     }
     #[cfg(not(feature = "client"))]
     {
         let _ = e;
-        false
+        None
     }
+}
+
+/// Whether `e` is the request's own fault, not the backend's (see [`request_fault`]).
+pub(crate) fn request_at_fault(e: &(dyn std::error::Error + 'static)) -> bool {
+    request_fault(e).is_some()
 }
 
 /// Whether `e` or an error in its source chain is a timeout.
@@ -244,12 +251,15 @@ impl fmt::Display for Error {
                 retry_after.as_secs_f64().ceil()
             ),
             // The request's own fault: the backend did nothing wrong.
-            Error::Backend { backend, source } if request_body_failed(&**source) => write!(
-                f,
-                "the request's own body failed on its way to backend {backend}"
-            ),
-            // What it failed with is the source's to say.
-            Error::Backend { backend, .. } => write!(f, "backend {backend} failed"),
+            Error::Backend { backend, source } => match request_fault(&**source) {
+                Some(StatusCode::BAD_REQUEST) => write!(
+                    f,
+                    "the request's own body failed on its way to backend {backend}"
+                ),
+                Some(_) => write!(f, "the request cannot be forwarded to backend {backend}"),
+                // What it failed with is the source's to say.
+                None => write!(f, "backend {backend} failed"),
+            },
         }
     }
 }

@@ -210,7 +210,7 @@ impl Dispatched {
             r.answer(false);
         }
         // The request's own body failed on its way: the backend is not at fault.
-        if crate::error::request_body_failed(&*e) {
+        if crate::error::request_at_fault(&*e) {
             drop(guard);
             return Error::Backend {
                 backend: decision.backend,
@@ -663,12 +663,16 @@ fn respond<B>(
         let h = &mut parts.headers;
         // Values kept by the backend: no copy of its names for each response.
         let kept = guard.headers();
-        if let Some(v) = kept.backend() {
-            h.insert(Decision::BACKEND_HEADER, v);
-        }
-        if let Some(v) = kept.node(&decision.node) {
-            h.insert(Decision::NODE_HEADER, v);
-        }
+        // An id that is no header value is left out, and so is the backend's own field of
+        // that name: the headers say what the router did, or nothing.
+        match kept.backend() {
+            Some(v) => h.insert(Decision::BACKEND_HEADER, v),
+            None => h.remove(Decision::BACKEND_HEADER),
+        };
+        match kept.node(&decision.node) {
+            Some(v) => h.insert(Decision::NODE_HEADER, v),
+            None => h.remove(Decision::NODE_HEADER),
+        };
         h.insert(
             Decision::OUTCOME_HEADER,
             HeaderValue::from_static(decision.outcome.as_str()),

@@ -55,7 +55,7 @@ impl RetryOnce {
 /// serves nothing now.
 fn failed<ResB>(result: Result<&http::Response<ResB>, &Error>) -> bool {
     match result {
-        Err(Error::Backend { source, .. }) => !crate::error::request_body_failed(&**source),
+        Err(Error::Backend { source, .. }) => !crate::error::request_at_fault(&**source),
         Ok(res) => res.status() == StatusCode::SERVICE_UNAVAILABLE,
         Err(_) => false,
     }

@@ -12,9 +12,9 @@
 //! | SGLang's native `/generate` | not read (`meta_info.prompt_tokens`) | not read (`meta_info.cached_tokens`); its OpenAI endpoints are read as above |
 //!
 //! llama.cpp's `timings` win where present: they are exact, and they ride on the last chunk
-//! of a stream whether or not the client asked for usage. llama-server adds them after its
-//! usage; `timings` that a `usage` object follows are not the backend's, and the usage wins. A stream carries usage only when
-//! the client asked (`stream_options.include_usage`), or
+//! of a stream whether or not the client asked for usage. llama-server's usage, where it
+//! gives one, says the same; timings that say otherwise beside a usage are not the
+//! backend's, and the usage wins. A stream carries usage only when the client asked (`stream_options.include_usage`), or
 //! [`BodyKeyLayer::ask_stream_usage`](crate::key::BodyKeyLayer::ask_stream_usage) asked on its
 //! behalf; vLLM reports `cached_tokens` only with
 //! `--enable-prompt-tokens-details`, and leaves it out when it is 0, so an answer without it
@@ -27,8 +27,8 @@
 //! one) and parses only the object that follows each: a 4 KiB answer is searched, not
 //! parsed. A member name inside a string is escaped (`\"usage\"`) and is not taken for one.
 //! A tool's input in an Anthropic answer is an object, not a string, so a model can write
-//! members there: `timings` it writes come before the answer's usage, which wins over them;
-//! a `usage` it writes is overwritten by the answer's, field by field, as below.
+//! members there: `timings` it writes disagree with the answer's usage, which wins over
+//! them; a `usage` it writes is overwritten by the answer's, field by field, as below.
 //! Later figures overwrite earlier ones field by field, so the last chunk of a stream wins
 //! while a figure given only in its first event (Anthropic's `message_start`) stays. An
 //! object that is not what the APIs send (a count that is not a non-negative integer, say)
@@ -128,10 +128,6 @@ struct Wire {
     prompt_n: Option<u64>,
     cache_n: Option<u64>,
     prompt_ms: Option<f64>,
-    /// The last object read was a `timings` one: llama-server adds its timings after its
-    /// usage, so `timings` that a `usage` follows are not its own (a model's tool input, as
-    /// Anthropic's answers carry one as an object, can hold any member).
-    timings_last: bool,
 }
 
 #[derive(Debug, Default, Deserialize, PartialEq)]
@@ -291,11 +287,6 @@ impl UsageScanner {
             }),
             _ => None,
         };
-        if w.timings_last && timings.is_some() {
-            return timings;
-        }
-        // A usage object came after the timings, or there are none: the usage's figures, and
-        // no time from timings that are not the backend's.
         let (prompt_tokens, reused_tokens) = if let Some(p) = w.prompt_tokens {
             (p, w.prompt_cached)
         } else if w.cache_read.is_some() || w.cache_creation.is_some() {
@@ -312,12 +303,26 @@ impl UsageScanner {
         } else {
             return timings;
         };
-        Some(Usage {
+        let reported = Usage {
             prompt_tokens,
             reused_tokens: reused_tokens.map(|r| r.min(prompt_tokens)),
-            prompt_time: prompt_time.filter(|_| w.timings_last),
+            prompt_time: None,
             zero_left_out: w.prompt_tokens.is_some(),
-        })
+        };
+        // llama-server's usage and timings say the same; timings that say otherwise are not
+        // the backend's (a model's tool input, which an Anthropic answer carries as an
+        // object, can hold any member), and the usage wins, without their time.
+        match timings {
+            Some(t)
+                if t.prompt_tokens == reported.prompt_tokens
+                    && reported
+                        .reused_tokens
+                        .is_none_or(|r| t.reused_tokens == Some(r)) =>
+            {
+                Some(t)
+            }
+            _ => Some(reported),
+        }
     }
 }
 
@@ -542,7 +547,6 @@ fn parse_typed<'de, T: Deserialize<'de>>(
 }
 
 fn add_usage(w: &mut Wire, u: UsageObject) {
-    w.timings_last = false;
     set(&mut w.prompt_tokens, u.prompt_tokens);
     set(
         &mut w.prompt_cached,
@@ -558,7 +562,6 @@ fn add_usage(w: &mut Wire, u: UsageObject) {
 }
 
 fn add_timings(w: &mut Wire, t: TimingsObject) {
-    w.timings_last = true;
     set(&mut w.prompt_n, t.prompt_n);
     set(&mut w.cache_n, t.cache_n);
     set(
@@ -703,14 +706,19 @@ mod tests {
         }
     }
 
-    /// A tool's input in an Anthropic answer is an object a model wrote: `timings` in it come
-    /// before the answer's usage, which wins, time and all.
+    /// A tool's input in an Anthropic answer is an object a model wrote: `timings` in it
+    /// disagree with the answer's usage, which wins, without their time. Timings that agree
+    /// with the usage win wherever they are, before it too (a server that sorts its keys).
     #[test]
-    fn timings_a_usage_follows_are_not_the_backends() {
+    fn timings_that_disagree_with_the_usage_are_not_the_backends() {
         let body = br#"{"type":"message","content":[{"type":"tool_use","id":"t","name":"report","input":{"timings":{"prompt_n":3,"cache_n":0,"prompt_ms":9.0}}}],"usage":{"input_tokens":50,"cache_read_input_tokens":2000,"cache_creation_input_tokens":10,"output_tokens":5}}"#;
         let u = Usage::from_body(body).unwrap();
         assert_eq!((u.prompt_tokens, u.reused_tokens), (2060, Some(2000)));
         assert_eq!(u.prompt_time, None);
+        let sorted = br#"{"choices":[],"timings":{"cache_n":800,"prompt_ms":250.0,"prompt_n":100},"usage":{"prompt_tokens":900,"prompt_tokens_details":{"cached_tokens":800}}}"#;
+        let u = Usage::from_body(sorted).unwrap();
+        assert_eq!((u.prompt_tokens, u.reused_tokens), (900, Some(800)));
+        assert_eq!(u.prompt_time, Some(Duration::from_millis(250)));
         // Timings alone, wherever they are, are read.
         let alone = br#"{"content":[{"input":{"timings":{"prompt_n":3,"cache_n":1}}}]}"#;
         let u = Usage::from_body(alone).unwrap();

@@ -32,23 +32,41 @@ pub enum FailureKind {
     /// too slowly, or a limit of the proxy's cut it short. The request's fault, not the
     /// backend's: 400, and the balancer does not pass the backend over for it.
     RequestBody,
+    /// The request asks for what a proxy cannot forward as sent: a `CONNECT`, or a transfer
+    /// coding other than `chunked` (RFC 9112, section 6.1), whose body would reach the
+    /// backend still coded and unmarked. Not sent; the request's fault, not the backend's:
+    /// 501, and the balancer does not pass the backend over for it.
+    Unsupported,
 }
 
 impl FailureKind {
     /// The HTTP status a proxy answers with: 504 Gateway Timeout for [`Timeout`], 400 Bad
-    /// Request for [`RequestBody`], else 502 Bad Gateway.
+    /// Request for [`RequestBody`], 501 Not Implemented for [`Unsupported`], else 502 Bad
+    /// Gateway.
     ///
     /// [`Timeout`]: FailureKind::Timeout
     /// [`RequestBody`]: FailureKind::RequestBody
+    /// [`Unsupported`]: FailureKind::Unsupported
     pub fn status(self) -> StatusCode {
         match self {
             FailureKind::Timeout => StatusCode::GATEWAY_TIMEOUT,
             FailureKind::RequestBody => StatusCode::BAD_REQUEST,
+            FailureKind::Unsupported => StatusCode::NOT_IMPLEMENTED,
             _ => StatusCode::BAD_GATEWAY,
         }
     }
 
-    /// A short name: `refused`, `reset`, `timeout`, `connect`, `other`, `request-body`.
+    /// Whether the failure is the request's own, not the backend's ([`RequestBody`],
+    /// [`Unsupported`]): the balancer neither passes the backend over for it nor retries it.
+    ///
+    /// [`RequestBody`]: FailureKind::RequestBody
+    /// [`Unsupported`]: FailureKind::Unsupported
+    pub fn is_request_fault(self) -> bool {
+        matches!(self, FailureKind::RequestBody | FailureKind::Unsupported)
+    }
+
+    /// A short name: `refused`, `reset`, `timeout`, `connect`, `other`, `request-body`,
+    /// `unsupported`.
     pub fn as_str(self) -> &'static str {
         match self {
             FailureKind::Refused => "refused",
@@ -57,6 +75,7 @@ impl FailureKind {
             FailureKind::Connect => "connect",
             FailureKind::Other => "other",
             FailureKind::RequestBody => "request-body",
+            FailureKind::Unsupported => "unsupported",
         }
     }
 }
@@ -117,6 +136,22 @@ impl HttpBackendError {
         }
     }
 
+    /// The request cannot be forwarded as sent, for `why`.
+    pub(crate) fn unsupported(why: &'static str) -> Self {
+        HttpBackendError {
+            kind: FailureKind::Unsupported,
+            source: why.into(),
+        }
+    }
+
+    /// The backend answered in a way no client of the proxy can be given, for `why`.
+    pub(crate) fn bad_answer(why: &'static str) -> Self {
+        HttpBackendError {
+            kind: FailureKind::Other,
+            source: why.into(),
+        }
+    }
+
     /// No response headers within `after`.
     pub fn response_timeout(after: Duration) -> Self {
         HttpBackendError {
@@ -158,6 +193,7 @@ impl fmt::Display for HttpBackendError {
             FailureKind::Connect => "could not connect",
             FailureKind::Other => "request failed",
             FailureKind::RequestBody => "the request body failed",
+            FailureKind::Unsupported => "not forwarded",
         };
         // The root cause: hyper's own messages ("client error (Connect)") name only the step.
         let mut root: &(dyn StdError + 'static) = &*self.source;

@@ -12,7 +12,7 @@ use hyper::body::Incoming;
 use pin_project_lite::pin_project;
 
 use super::error::HttpBackendError;
-use super::hop_by_hop::strip_hop_by_hop;
+use super::hop_by_hop::{reframe, strip_hop_by_hop};
 
 pin_project! {
     /// The response future of [`HttpBackend`](super::HttpBackend): the client's, with a
@@ -86,6 +86,18 @@ impl Future for ResponseFuture {
                             HttpBackendError::classify(e.into())
                         }
                     })?;
+                    // The proxy asked for no upgrade (`Upgrade` is not forwarded), and a body
+                    // in another coding than chunked would reach the client unmarked.
+                    if res.status() == http::StatusCode::SWITCHING_PROTOCOLS {
+                        return Poll::Ready(Err(HttpBackendError::bad_answer(
+                            "the backend switched protocols unasked",
+                        )));
+                    }
+                    if !reframe(res.headers_mut()) {
+                        return Poll::Ready(Err(HttpBackendError::bad_answer(
+                            "the answer is in a transfer coding other than chunked",
+                        )));
+                    }
                     strip_hop_by_hop(res.headers_mut());
                     return Poll::Ready(Ok(res));
                 }

@@ -106,6 +106,38 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
+/// How a message's `Transfer-Encoding` frames it: `None` without one; `Some(true)` when it
+/// names `chunked` alone, which the connections decode and code again; `Some(false)` when it
+/// names another coding (`gzip, chunked`), which would pass on still coded and unmarked once
+/// the field, hop-by-hop, is dropped.
+pub(crate) fn chunked_only(headers: &HeaderMap) -> Option<bool> {
+    let mut codings = headers.get_all(header::TRANSFER_ENCODING).iter().peekable();
+    codings.peek()?;
+    Some(codings.all(|v| {
+        v.to_str().is_ok_and(|v| {
+            v.split(',')
+                .map(str::trim)
+                .filter(|c| !c.is_empty())
+                .all(|c| c.eq_ignore_ascii_case("chunked"))
+        })
+    }))
+}
+
+/// Drops what a message's framing no longer needs once its `Transfer-Encoding` goes: the
+/// `Content-Length` it overrode (RFC 9112, section 6.3, a sender must remove it), so that the
+/// next hop frames the body by what it is. Returns `false`, changing nothing, if the
+/// `Transfer-Encoding` names a coding other than `chunked`.
+pub(crate) fn reframe(headers: &mut HeaderMap) -> bool {
+    match chunked_only(headers) {
+        None => true,
+        Some(false) => false,
+        Some(true) => {
+            headers.remove(header::CONTENT_LENGTH);
+            true
+        }
+    }
+}
+
 /// Whether `headers`' `TE` accepts trailers (`TE: trailers`): the client reads a response's
 /// trailer fields, so the proxy, which passes them on, may ask its backend for them.
 pub(crate) fn accepts_trailers(headers: &HeaderMap) -> bool {

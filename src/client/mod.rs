@@ -17,7 +17,15 @@
 //!   passes the backend over, as for any backend service; a timeout answers 504, the rest 502.
 //!   A request whose own body failed while it was sent (the client went away, a body limit
 //!   or read timeout of the proxy's) is the request's fault, not the backend's:
-//!   [`FailureKind::RequestBody`], 400, and the backend is not passed over.
+//!   [`FailureKind::RequestBody`], 400, and the backend is not passed over. So is a request
+//!   it does not forward: a `CONNECT`, or a body in a transfer coding other than `chunked`
+//!   ([`FailureKind::Unsupported`], 501, sent nowhere);
+//! - an answer framed by `Transfer-Encoding` goes on without the `Content-Length` it
+//!   overrode; one the proxy cannot hand on, a `101 Switching Protocols` (no `Upgrade` is
+//!   forwarded, so upgrades and WebSockets are not carried) or a body in a transfer coding
+//!   other than `chunked`, is the backend's failure (502). Interim answers (`1xx`) other than
+//!   the `100 Continue` the server gives itself are not passed on: hyper-util's client does
+//!   not hand them over.
 //!
 //! The response body is hyper's [`Incoming`](hyper::body::Incoming), streamed frame by frame;
 //! the balancer's [`ResponseBody`](crate::ResponseBody) holds the slot until it ends.

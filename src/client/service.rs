@@ -17,7 +17,7 @@ use hyper_util::rt::TokioExecutor;
 use super::body::SentBody;
 use super::error::{HttpBackendError, InvalidBackendUrl};
 use super::future::ResponseFuture;
-use super::hop_by_hop::{accepts_trailers, strip_hop_by_hop};
+use super::hop_by_hop::{accepts_trailers, reframe, strip_hop_by_hop};
 
 /// One backend reached over HTTP: a `tower::Service` that sends each request to the backend's
 /// scheme and authority, through hyper-util's pooled client.
@@ -124,17 +124,29 @@ impl<B> HttpBackend<B> {
     }
 
     /// `req` as it goes to the backend: hop-by-hop headers dropped (`TE: trailers` sent on
-    /// as the proxy's own when the client's `TE` accepts trailers), `Host` set to the
+    /// as the proxy's own when the client's `TE` accepts trailers, and a `Content-Length`
+    /// that a `Transfer-Encoding` overrode dropped with it), `Host` set to the
     /// backend's, `Cookie` fields joined into one for an HTTP/1.1 backend (an HTTP/2 client
     /// may split them), the version the backend connection speaks, and, if `absolute`, the
     /// backend's scheme and authority in its URI (else its URI in origin-form, `/path?query`,
     /// for a connection of the caller's own).
+    ///
+    /// A `CONNECT`, and a body in a transfer coding other than `chunked`, are refused
+    /// ([`FailureKind::Unsupported`](super::FailureKind::Unsupported), 501).
     pub fn prepare(
         &self,
         mut req: Request<B>,
         absolute: bool,
     ) -> Result<Request<B>, HttpBackendError> {
         let inner = &*self.inner;
+        if req.method() == http::Method::CONNECT {
+            return Err(HttpBackendError::unsupported("a CONNECT is not forwarded"));
+        }
+        if !reframe(req.headers_mut()) {
+            return Err(HttpBackendError::unsupported(
+                "a transfer coding other than chunked is not forwarded",
+            ));
+        }
         let trailers = accepts_trailers(req.headers());
         strip_hop_by_hop(req.headers_mut());
         if trailers {

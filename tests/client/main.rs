@@ -565,3 +565,97 @@ async fn cookies_an_http2_client_split_reach_an_http1_backend_as_one_field() {
     let got: Vec<_> = s.headers.get_all("cookie").iter().collect();
     assert_eq!(got.len(), 3, "{got:?}");
 }
+
+/// A raw backend that answers every request with `answer`, as written, and closes.
+async fn answering_raw(answer: &'static [u8]) -> SocketAddr {
+    raw(move |mut stream| async move {
+        let _ = stream.write_all(answer).await;
+        let _ = stream.shutdown().await;
+    })
+    .await
+}
+
+async fn sent_through(
+    addr: SocketAddr,
+) -> Result<Response<hyper::body::Incoming>, HttpBackendError> {
+    let backend = HttpBackend::<Body>::new(&url(addr)).unwrap();
+    let req = Request::get("/").body(Body::default()).unwrap();
+    tokio::time::timeout(DEADLINE, backend.oneshot(req))
+        .await
+        .unwrap()
+}
+
+/// An answer framed by both `Transfer-Encoding` and `Content-Length` is framed by the first
+/// (RFC 9112, section 6.3), and goes on without the second: a client given the backend's
+/// length would read a body cut short, or wait for bytes that never come.
+#[tokio::test]
+async fn an_answer_framed_by_transfer_encoding_goes_on_without_its_content_length() {
+    let addr = answering_raw(
+        b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n\
+          14\r\n01234567890123456789\r\n0\r\n\r\n",
+    )
+    .await;
+    let res = sent_through(addr).await.unwrap();
+    assert_eq!(res.status(), 200);
+    assert!(res.headers().get(http::header::CONTENT_LENGTH).is_none());
+    assert!(res.headers().get(http::header::TRANSFER_ENCODING).is_none());
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body.as_ref(), b"01234567890123456789");
+}
+
+/// What the proxy cannot hand a client is the backend's failure, 502: a switch of protocols
+/// it did not ask for (it forwards no `Upgrade`), and a body in a transfer coding other than
+/// chunked, which would reach the client coded and unmarked once that hop-by-hop field goes.
+#[tokio::test]
+async fn an_unasked_upgrade_or_an_answer_in_another_transfer_coding_is_a_failed_backend() {
+    for answer in [
+        &b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"[..],
+        &b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nConnection: close\r\n\r\nnot gzip"[..],
+    ] {
+        let addr = answering_raw(answer).await;
+        let e = sent_through(addr).await.unwrap_err();
+        assert_eq!(
+            (e.kind(), e.status()),
+            (FailureKind::Other, StatusCode::BAD_GATEWAY),
+            "{e}"
+        );
+    }
+}
+
+/// A `CONNECT`, and a body in a transfer coding other than chunked, are not forwarded: 501,
+/// sent nowhere, and no fault of the backend's, which stays up and is not retried.
+#[tokio::test]
+async fn a_connect_or_a_body_in_another_transfer_coding_is_501_and_sent_nowhere() {
+    let (addr, seen) = stub("a").await;
+    let svc = SessionAffinityLayer::new().layer(StaticFleet::new([(
+        "a",
+        Backend::new("n", HttpBackend::<Body>::new(&url(addr)).unwrap()),
+    )]));
+    let retrying = RetryLayer::new(tower_affinity::RetryOnce::new()).layer(svc.clone());
+    let connect = Request::connect("evil.example:443")
+        .body(Body::default())
+        .unwrap();
+    let gzipped = Request::post("/v1/chat/completions")
+        .header(http::header::TRANSFER_ENCODING, "gzip, chunked")
+        .body(Body::new(Bytes::from_static(b"\x1f\x8b")))
+        .unwrap();
+    for req in [connect, gzipped] {
+        let e: Error = tokio::time::timeout(DEADLINE, retrying.clone().oneshot(req))
+            .await
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(e.status(), StatusCode::NOT_IMPLEMENTED, "{e}");
+        assert_eq!(
+            HttpBackendError::of(&e).map(|e| e.kind()),
+            Some(FailureKind::Unsupported)
+        );
+        assert_eq!(
+            e.to_string(),
+            "the request cannot be forwarded to backend a"
+        );
+    }
+    assert!(seen.lock().is_empty());
+    let a = &svc.backends()[0];
+    assert!(a.healthy && a.failures == 0);
+    assert_eq!(svc.stats().placed(), 2, "neither retried");
+}

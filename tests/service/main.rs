@@ -1383,6 +1383,36 @@ async fn decision_headers_are_opt_in() {
     assert_eq!(res.headers()["x-affinity-outcome"], "new-session");
 }
 
+/// The decision headers say what the router did, or nothing: a backend's own field of that
+/// name does not pass for the router's, not even when an id is no header value.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn decision_headers_a_backend_sets_itself_never_pass_for_the_routers() {
+    let spoofing = tower::service_fn(|_req: Req| async {
+        let mut res = http::Response::new(String::new());
+        for name in [
+            "x-affinity-backend",
+            "x-affinity-node",
+            "x-affinity-outcome",
+        ] {
+            res.headers_mut()
+                .insert(name, http::HeaderValue::from_static("spoofed"));
+        }
+        Ok::<_, Infallible>(res)
+    });
+    // A backend id with a line break in it, which no header value may hold.
+    let svc = SessionAffinityLayer::new()
+        .decision_headers(true)
+        .layer(StaticFleet::new([(
+            "gpu\n0",
+            Backend::new("node\n0", spoofing),
+        )]));
+    let res = svc.oneshot(request(Some("s"), None)).await.unwrap();
+    let h = res.headers();
+    assert!(!h.contains_key("x-affinity-backend"), "{h:?}");
+    assert!(!h.contains_key("x-affinity-node"), "{h:?}");
+    assert_eq!(h["x-affinity-outcome"], "new-session");
+}
+
 /// The crate's policies, each behind the same trait object.
 fn every_policy() -> Vec<Box<dyn Placement>> {
     use tower_affinity::placement::{LeastLoaded, NodeThenBackend, Rendezvous, RoundRobin};
