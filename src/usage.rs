@@ -631,12 +631,13 @@ mod tests {
         assert_eq!(u.prompt_time, Some(Duration::from_millis(250)));
     }
 
-    /// llama-server's whole timings object, with the float members the scanner does not
-    /// read: a chunk may end inside any of them (`812.`, `1e`), which serde reads as a bad
-    /// number rather than an early end.
+    /// llama-server's whole answer, its usage then its whole timings object, with the float
+    /// members the scanner does not read: a chunk may end inside any of them (`812.`, `1e`),
+    /// which serde reads as a bad number rather than an early end. The timings, which agree
+    /// with the usage, give the prompt's time.
     #[test]
     fn llama_cpp_whole_timings_read_the_same_whatever_the_chunking() {
-        let body: &[u8] = br#"{"choices":[],"timings":{"cache_n":2000,"prompt_n":160,"prompt_ms":812.5,"prompt_per_token_ms":5.078125,"prompt_per_second":1.9692e2,"predicted_n":3,"predicted_ms":30.1,"predicted_per_token_ms":-1.0E+1,"predicted_per_second":99.66}}"#;
+        let body: &[u8] = br#"{"choices":[],"usage":{"completion_tokens":3,"prompt_tokens":2160,"total_tokens":2163,"prompt_tokens_details":{"cached_tokens":2000}},"timings":{"cache_n":2000,"prompt_n":160,"prompt_ms":812.5,"prompt_per_token_ms":5.078125,"prompt_per_second":1.9692e2,"predicted_n":3,"predicted_ms":30.1,"predicted_per_token_ms":-1.0E+1,"predicted_per_second":99.66}}"#;
         let whole = Usage::from_body(body).unwrap();
         assert_eq!(
             (whole.prompt_tokens, whole.reused_tokens),
