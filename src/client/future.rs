@@ -12,7 +12,7 @@ use hyper::body::Incoming;
 use pin_project_lite::pin_project;
 
 use super::error::HttpBackendError;
-use super::hop_by_hop::{reframe, strip_hop_by_hop};
+use super::hop_by_hop::strip;
 
 pin_project! {
     /// The response future of [`HttpBackend`](super::HttpBackend): the client's, with a
@@ -93,12 +93,11 @@ impl Future for ResponseFuture {
                             "the backend switched protocols unasked",
                         )));
                     }
-                    if !reframe(res.headers_mut()) {
+                    if !strip(res.headers_mut()) {
                         return Poll::Ready(Err(HttpBackendError::bad_answer(
                             "the answer is in a transfer coding other than chunked",
                         )));
                     }
-                    strip_hop_by_hop(res.headers_mut());
                     return Poll::Ready(Ok(res));
                 }
                 if let Some(deadline) = deadline.as_pin_mut() {

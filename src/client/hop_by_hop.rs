@@ -42,7 +42,8 @@ fn index(name: &HeaderName) -> Option<usize> {
 }
 
 /// Removes the hop-by-hop headers from `headers`: those of [`HOP_BY_HOP`] and every header
-/// that a `Connection` header names.
+/// that a `Connection` header names, and with `Transfer-Encoding` the `Content-Length` it
+/// overrode (RFC 9112, section 6.3: the next hop frames the body by what it is).
 ///
 /// One pass over the names; it allocates nothing unless `Connection` has more than one line,
 /// and leaves a map without hop-by-hop headers untouched.
@@ -61,6 +62,13 @@ fn index(name: &HeaderName) -> Option<usize> {
 /// assert!(headers.contains_key("content-type"));
 /// ```
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    strip(headers);
+}
+
+/// [`strip_hop_by_hop`]; returns whether the message's `Transfer-Encoding`, if it has one,
+/// named `chunked` alone. Another coding (`gzip, chunked`) would pass on still coded and
+/// unmarked once the field goes: the caller refuses such a message.
+pub(crate) fn strip(headers: &mut HeaderMap) -> bool {
     // Which of `HOP_BY_HOP` are present, one bit each. Most messages have none.
     let mut present = 0u8;
     // Whether every `Connection` line is `keep-alive` alone, as a backend's usually is: it
@@ -76,7 +84,12 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
         }
     }
     if present == 0 {
-        return;
+        return true;
+    }
+    let mut chunked = true;
+    if present & 1 << 2 != 0 {
+        chunked = chunked_only(headers);
+        headers.remove(header::CONTENT_LENGTH);
     }
     if present & 1 != 0 && !plain {
         // `Connection`: its values are handles on the bytes received, not copies, kept so that
@@ -104,38 +117,20 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
             headers.remove(name);
         }
     }
+    chunked
 }
 
-/// How a message's `Transfer-Encoding` frames it: `None` without one; `Some(true)` when it
-/// names `chunked` alone, which the connections decode and code again; `Some(false)` when it
-/// names another coding (`gzip, chunked`), which would pass on still coded and unmarked once
-/// the field, hop-by-hop, is dropped.
-pub(crate) fn chunked_only(headers: &HeaderMap) -> Option<bool> {
-    let mut codings = headers.get_all(header::TRANSFER_ENCODING).iter().peekable();
-    codings.peek()?;
-    Some(codings.all(|v| {
+/// Whether every `Transfer-Encoding` line of `headers` names `chunked` alone, which the
+/// connections decode and code again.
+fn chunked_only(headers: &HeaderMap) -> bool {
+    headers.get_all(header::TRANSFER_ENCODING).iter().all(|v| {
         v.to_str().is_ok_and(|v| {
             v.split(',')
                 .map(str::trim)
                 .filter(|c| !c.is_empty())
                 .all(|c| c.eq_ignore_ascii_case("chunked"))
         })
-    }))
-}
-
-/// Drops what a message's framing no longer needs once its `Transfer-Encoding` goes: the
-/// `Content-Length` it overrode (RFC 9112, section 6.3, a sender must remove it), so that the
-/// next hop frames the body by what it is. Returns `false`, changing nothing, if the
-/// `Transfer-Encoding` names a coding other than `chunked`.
-pub(crate) fn reframe(headers: &mut HeaderMap) -> bool {
-    match chunked_only(headers) {
-        None => true,
-        Some(false) => false,
-        Some(true) => {
-            headers.remove(header::CONTENT_LENGTH);
-            true
-        }
-    }
+    })
 }
 
 /// Whether `headers`' `TE` accepts trailers (`TE: trailers`): the client reads a response's
@@ -157,6 +152,31 @@ pub(crate) fn accepts_trailers(headers: &HeaderMap) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_content_length_goes_with_the_transfer_encoding_that_overrode_it() {
+        let framed = |codings: &[&'static str]| {
+            let mut h = HeaderMap::new();
+            h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("5"));
+            for c in codings {
+                h.append(header::TRANSFER_ENCODING, HeaderValue::from_static(c));
+            }
+            h
+        };
+        let mut h = framed(&[]);
+        assert!(strip(&mut h));
+        assert_eq!(h[header::CONTENT_LENGTH], "5", "no Transfer-Encoding: kept");
+        for (codings, chunked) in [
+            (&["chunked"][..], true),
+            (&["Chunked , chunked"][..], true),
+            (&["gzip, chunked"][..], false),
+            (&["gzip", "chunked"][..], false),
+        ] {
+            let mut h = framed(codings);
+            assert_eq!(strip(&mut h), chunked, "{codings:?}");
+            assert!(h.is_empty(), "{codings:?}: {h:?}");
+        }
+    }
 
     #[test]
     fn index_finds_each_name_in_order() {

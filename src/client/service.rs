@@ -17,7 +17,7 @@ use hyper_util::rt::TokioExecutor;
 use super::body::SentBody;
 use super::error::{HttpBackendError, InvalidBackendUrl};
 use super::future::ResponseFuture;
-use super::hop_by_hop::{accepts_trailers, reframe, strip_hop_by_hop};
+use super::hop_by_hop::{accepts_trailers, strip};
 
 /// One backend reached over HTTP: a `tower::Service` that sends each request to the backend's
 /// scheme and authority, through hyper-util's pooled client.
@@ -142,13 +142,12 @@ impl<B> HttpBackend<B> {
         if req.method() == http::Method::CONNECT {
             return Err(HttpBackendError::unsupported("a CONNECT is not forwarded"));
         }
-        if !reframe(req.headers_mut()) {
+        let trailers = accepts_trailers(req.headers());
+        if !strip(req.headers_mut()) {
             return Err(HttpBackendError::unsupported(
                 "a transfer coding other than chunked is not forwarded",
             ));
         }
-        let trailers = accepts_trailers(req.headers());
-        strip_hop_by_hop(req.headers_mut());
         if trailers {
             // `TE` is the connection's: the proxy asks its own, as it passes trailers on.
             req.headers_mut()
