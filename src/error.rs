@@ -20,7 +20,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// |---|---|---|
 /// | [`NoBackends`](Error::NoBackends) | 503 Service Unavailable | |
 /// | [`Saturated`](Error::Saturated) | 429 Too Many Requests | `Retry-After: <seconds>` |
-/// | [`Backend`](Error::Backend) | 502 Bad Gateway; 504 Gateway Timeout if the backend timed out; 400 Bad Request if the request's own body failed on its way to an `HttpBackend` | |
+/// | [`Backend`](Error::Backend) | 502 Bad Gateway; 504 Gateway Timeout if the backend timed out; 400 Bad Request if the request's own body failed on its way to an `HttpBackend`; 501 Not Implemented for a request an `HttpBackend` does not forward (a `CONNECT`, a transfer coding other than `chunked`) | |
 ///
 /// A backend "timed out" when its error, or any error in its [source] chain, is an
 /// [`io::Error`](std::io::Error) of kind [`TimedOut`](std::io::ErrorKind::TimedOut), or the

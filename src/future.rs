@@ -209,7 +209,8 @@ impl Dispatched {
         if let Some(r) = record {
             r.answer(false);
         }
-        // The request's own body failed on its way: the backend is not at fault.
+        // The request's own fault (its body failed on its way, or it is not one a proxy
+        // forwards): the backend is not at fault.
         if crate::error::request_at_fault(&*e) {
             drop(guard);
             return Error::Backend {

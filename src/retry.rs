@@ -15,9 +15,10 @@ use crate::{BoxError, Error};
 /// is placed on the next candidate. With the cooldown turned off (`Duration::ZERO`) nothing
 /// marks it down, and the retry is placed as the first attempt was: a session's retry goes
 /// back to its home, the backend that just failed. Other answers, errors included, are the
-/// backend's to give. A request whose own body failed on its way to the backend (the client
-/// went away, a body limit) is not retried: the backend is not at fault, and the same body
-/// would fail again.
+/// backend's to give. A failure that is the request's own is not retried: its body failed on
+/// its way to the backend (the client went away, a body limit), or it is not one a proxy
+/// forwards (a `CONNECT`, a transfer coding other than `chunked`). The backend is not at
+/// fault, and the same request would fail again.
 ///
 /// The request body must be `Clone`: buffer it first (a `Full<Bytes>` body is).
 ///

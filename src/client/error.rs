@@ -13,7 +13,8 @@ use crate::BoxError;
 ///
 /// Each maps to the status a proxy answers with ([`FailureKind::status`]), the same that the
 /// crate's [`Error::status`](crate::Error::status) gives for it: 504 for a timeout, 400 for
-/// the request's own body failing on its way, 502 for the rest.
+/// the request's own body failing on its way, 501 for a request not forwarded, 502 for the
+/// rest.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum FailureKind {
