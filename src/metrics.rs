@@ -31,8 +31,9 @@
 //! (`metrics-exporter-prometheus`: `PrometheusBuilder::idle_timeout(MetricKindMask::ALL, ..)`):
 //! `publish_metrics` touches every series of the fleet and of its live backends, so only a
 //! removed backend's go idle and are dropped. Histograms are touched only by their events: a
-//! backend quiet for the timeout loses its first-byte histogram until its next answer. The histograms are
-//! what the exporter makes of them: `metrics-exporter-prometheus` renders a summary unless it
+//! backend quiet for the timeout loses its first-byte histogram until its next answer.
+//!
+//! The histograms are what the exporter makes of them: `metrics-exporter-prometheus` renders a summary unless it
 //! is given buckets (`set_buckets`, or `set_buckets_for_metric`); waits run to `max_wait`
 //! (60 s by default) and a cold prompt's first byte to minutes.
 //!

@@ -14,7 +14,8 @@
 //! llama.cpp's `timings` win where present: they are exact, and they ride on the last chunk
 //! of a stream whether or not the client asked for usage. llama-server's usage, where it
 //! gives one, says the same; timings that say otherwise beside a usage are not the
-//! backend's, and the usage wins. A stream carries usage only when the client asked (`stream_options.include_usage`), or
+//! backend's, and the usage wins. A stream carries usage only when the client asked
+//! (`stream_options.include_usage`), or
 //! [`BodyKeyLayer::ask_stream_usage`](crate::key::BodyKeyLayer::ask_stream_usage) asked on its
 //! behalf; vLLM reports `cached_tokens` only with
 //! `--enable-prompt-tokens-details`, and leaves it out when it is 0, so an answer without it
