@@ -29,13 +29,14 @@
 //! its own: under a fleet's churn (a rolling restart's new pod names) they would grow with
 //! every deploy. So give the exporter an idle timeout over every kind of series
 //! (`metrics-exporter-prometheus`: `PrometheusBuilder::idle_timeout(MetricKindMask::ALL, ..)`):
-//! `publish_metrics` touches every series of the fleet and of its live backends, so only a
-//! removed backend's go idle and are dropped. Histograms are touched only by their events: a
-//! backend quiet for the timeout loses its first-byte histogram until its next answer.
+//! `publish_metrics` touches every counter and gauge of the fleet and of its live backends,
+//! so only a removed backend's go idle and are dropped. Histograms are touched only by their
+//! events: one quiet for the timeout (a backend's first bytes, the waits) is dropped until
+//! its next event.
 //!
-//! The histograms are what the exporter makes of them: `metrics-exporter-prometheus` renders a summary unless it
-//! is given buckets (`set_buckets`, or `set_buckets_for_metric`); waits run to `max_wait`
-//! (60 s by default) and a cold prompt's first byte to minutes.
+//! The histograms are what the exporter makes of them: `metrics-exporter-prometheus` renders
+//! a summary unless it is given buckets (`set_buckets`, or `set_buckets_for_metric`); waits
+//! run to `max_wait` (60 s by default) and a cold prompt's first byte to minutes.
 //!
 //! | name | kind | labels | what |
 //! |---|---|---|---|
