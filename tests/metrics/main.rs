@@ -67,14 +67,30 @@ async fn empty(_req: http::Request<String>) -> Result<http::Response<String>, In
 fn recorded<T>(f: impl std::future::Future<Output = T>) -> (T, Vec<Entry>) {
     let recorder = DebuggingRecorder::new();
     let snapshotter: Snapshotter = recorder.snapshotter();
-    let out = metrics::with_local_recorder(&recorder, || {
+    let out = run_with(&recorder, f);
+    (out, snapshotter.snapshot().into_vec())
+}
+
+/// Runs `f` on a current-thread runtime with `recorder` installed for it alone.
+fn run_with<T>(recorder: &impl metrics::Recorder, f: impl std::future::Future<Output = T>) -> T {
+    metrics::with_local_recorder(recorder, || {
         tokio::runtime::Builder::new_current_thread()
             .enable_time()
             .build()
             .unwrap()
             .block_on(f)
-    });
-    (out, snapshotter.snapshot().into_vec())
+    })
+}
+
+/// A Prometheus recorder that drops, at each render, every series idle since the last one:
+/// as if each render came after the exporter's idle timeout.
+fn dropping_idle_series() -> metrics_exporter_prometheus::PrometheusRecorder {
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .idle_timeout(
+            metrics_util::MetricKindMask::ALL,
+            Some(std::time::Duration::ZERO),
+        )
+        .build_recorder()
 }
 
 #[test]
@@ -597,62 +613,50 @@ fn a_backend_moved_to_another_node_keeps_one_series_of_each_level_and_zeroes_it_
 
 #[test]
 fn a_backends_series_dropped_as_idle_come_back_with_its_next_events() {
-    use metrics_exporter_prometheus::PrometheusBuilder;
-    use metrics_util::MetricKindMask;
-
     // Every series idle since the last render is dropped at the next: a backend quiet for
     // the exporter's idle timeout.
-    let recorder = PrometheusBuilder::new()
-        .idle_timeout(MetricKindMask::ALL, Some(std::time::Duration::ZERO))
-        .build_recorder();
+    let recorder = dropping_idle_series();
     let prometheus = recorder.handle();
     let series = |text: &str, name: &str| {
         let prefix = format!("{name}{{backend=\"a1\",node=\"node-a\"}} ");
         text.lines()
             .find_map(|l| l.strip_prefix(prefix.as_str()).map(str::to_owned))
     };
-    metrics::with_local_recorder(&recorder, || {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .unwrap()
-            .block_on(async {
-                let fleet = StaticFleet::new([(
-                    "a1",
-                    Backend::new("node-a", service_fn(answering))
-                        .slots(NonZeroU32::new(2).unwrap()),
-                )]);
-                let svc = SessionAffinityLayer::new().layer(fleet);
-                let turn = || async {
-                    let req = http::Request::post("/v1/chat/completions")
-                        .header("x-session-id", "s")
-                        .body(String::new())
-                        .unwrap();
-                    let res = svc.clone().oneshot(req).await.unwrap();
-                    res.into_body().collect().await.unwrap();
-                };
-                turn().await;
-                let text = prometheus.render();
-                let first_byte = "tower_affinity_backend_first_byte_seconds_count";
-                let prompt = "tower_affinity_backend_prompt_tokens_total";
-                assert_eq!(series(&text, first_byte).as_deref(), Some("1"), "{text}");
-                assert_eq!(series(&text, prompt).as_deref(), Some("1200"), "{text}");
-                // Quiet: rendered until both are dropped as idle.
-                let mut gone = false;
-                for _ in 0..1000 {
-                    let text = prometheus.render();
-                    if series(&text, first_byte).is_none() && series(&text, prompt).is_none() {
-                        gone = true;
-                        break;
-                    }
-                }
-                assert!(gone);
-                // The backend serves again: its series are there again.
-                turn().await;
-                let text = prometheus.render();
-                assert!(series(&text, first_byte).is_some(), "{text}");
-                assert!(series(&text, prompt).is_some(), "{text}");
-            });
+    run_with(&recorder, async {
+        let fleet = StaticFleet::new([(
+            "a1",
+            Backend::new("node-a", service_fn(answering)).slots(NonZeroU32::new(2).unwrap()),
+        )]);
+        let svc = SessionAffinityLayer::new().layer(fleet);
+        let turn = || async {
+            let req = http::Request::post("/v1/chat/completions")
+                .header("x-session-id", "s")
+                .body(String::new())
+                .unwrap();
+            let res = svc.clone().oneshot(req).await.unwrap();
+            res.into_body().collect().await.unwrap();
+        };
+        turn().await;
+        let text = prometheus.render();
+        let first_byte = "tower_affinity_backend_first_byte_seconds_count";
+        let prompt = "tower_affinity_backend_prompt_tokens_total";
+        assert_eq!(series(&text, first_byte).as_deref(), Some("1"), "{text}");
+        assert_eq!(series(&text, prompt).as_deref(), Some("1200"), "{text}");
+        // Quiet: rendered until both are dropped as idle.
+        let mut gone = false;
+        for _ in 0..1000 {
+            let text = prometheus.render();
+            if series(&text, first_byte).is_none() && series(&text, prompt).is_none() {
+                gone = true;
+                break;
+            }
+        }
+        assert!(gone);
+        // The backend serves again: its series are there again.
+        turn().await;
+        let text = prometheus.render();
+        assert!(series(&text, first_byte).is_some(), "{text}");
+        assert!(series(&text, prompt).is_some(), "{text}");
     });
 }
 
@@ -662,12 +666,7 @@ fn a_backends_series_dropped_as_idle_come_back_with_its_next_events() {
 /// discovery ever named.
 #[test]
 fn with_every_kind_dropped_when_idle_only_the_backends_that_left_lose_their_series() {
-    use metrics_exporter_prometheus::PrometheusBuilder;
-    use metrics_util::MetricKindMask;
-
-    let recorder = PrometheusBuilder::new()
-        .idle_timeout(MetricKindMask::ALL, Some(std::time::Duration::ZERO))
-        .build_recorder();
+    let recorder = dropping_idle_series();
     let prometheus = recorder.handle();
     let backends = |text: &str| {
         let mut ids: Vec<String> = text
@@ -685,47 +684,41 @@ fn with_every_kind_dropped_when_idle_only_the_backends_that_left_lose_their_seri
         ids.dedup();
         ids
     };
-    metrics::with_local_recorder(&recorder, || {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .unwrap()
-            .block_on(async {
-                let (handle, fleet) = tower_affinity::discover::channel();
-                let slots = NonZeroU32::new(2).unwrap();
-                handle.insert(
-                    "v0",
-                    Backend::new("node-a", service_fn(answering)).slots(slots),
-                );
-                let mut svc = SessionAffinityLayer::new().layer(fleet);
-                for round in 1..=20 {
-                    let req = http::Request::post("/v1/chat/completions")
-                        .header("x-session-id", "s")
-                        .body(String::new())
-                        .unwrap();
-                    svc.ready().await.unwrap();
-                    let res = svc.call(req).await.unwrap();
-                    res.into_body().collect().await.unwrap();
-                    // The next version replaces this one.
-                    handle.remove(format!("v{}", round - 1).as_str());
-                    handle.insert(
-                        format!("v{round}").as_str(),
-                        Backend::new("node-a", service_fn(answering)).slots(slots),
-                    );
-                    svc.ready().await.unwrap();
-                    // Scrapes: each publishes, then renders, dropping what went idle since.
-                    for _ in 0..2 {
-                        svc.publish_metrics();
-                        let _ = prometheus.render();
-                    }
-                }
+    run_with(&recorder, async {
+        let (handle, fleet) = tower_affinity::discover::channel();
+        let slots = NonZeroU32::new(2).unwrap();
+        handle.insert(
+            "v0",
+            Backend::new("node-a", service_fn(answering)).slots(slots),
+        );
+        let mut svc = SessionAffinityLayer::new().layer(fleet);
+        for round in 1..=20 {
+            let req = http::Request::post("/v1/chat/completions")
+                .header("x-session-id", "s")
+                .body(String::new())
+                .unwrap();
+            svc.ready().await.unwrap();
+            let res = svc.call(req).await.unwrap();
+            res.into_body().collect().await.unwrap();
+            // The next version replaces this one.
+            handle.remove(format!("v{}", round - 1).as_str());
+            handle.insert(
+                format!("v{round}").as_str(),
+                Backend::new("node-a", service_fn(answering)).slots(slots),
+            );
+            svc.ready().await.unwrap();
+            // Scrapes: each publishes, then renders, dropping what went idle since.
+            for _ in 0..2 {
                 svc.publish_metrics();
-                let text = prometheus.render();
-                assert_eq!(backends(&text), ["v20"], "{text}");
-                assert!(
-                    text.contains("tower_affinity_decisions_total{outcome=\"home-hit\"} "),
-                    "the fleet's counters stay: {text}"
-                );
-            });
+                let _ = prometheus.render();
+            }
+        }
+        svc.publish_metrics();
+        let text = prometheus.render();
+        assert_eq!(backends(&text), ["v20"], "{text}");
+        assert!(
+            text.contains("tower_affinity_decisions_total{outcome=\"home-hit\"} "),
+            "the fleet's counters stay: {text}"
+        );
     });
 }

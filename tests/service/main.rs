@@ -456,9 +456,13 @@ async fn a_failed_backend_releases_its_slot_and_is_passed_over() {
     assert!(svc.backends().iter().all(|b| b.healthy));
 }
 
-/// A backend whose readiness always fails, as a connection pool that cannot connect would.
+/// A backend whose readiness never comes: it fails, as a connection pool that cannot connect
+/// would, or it stays pending, as a backend stuck, or behind a limit of its own lower than
+/// its slots.
 #[derive(Clone)]
-struct NeverReady;
+struct NeverReady {
+    fails: bool,
+}
 
 impl Service<Req> for NeverReady {
     type Response = http::Response<MockBody>;
@@ -469,7 +473,11 @@ impl Service<Req> for NeverReady {
         &mut self,
         _: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Result<(), Self::Error>> {
-        std::task::Poll::Ready(Err("no connection to the backend".into()))
+        if self.fails {
+            std::task::Poll::Ready(Err("no connection to the backend".into()))
+        } else {
+            std::task::Poll::Pending
+        }
     }
 
     fn call(&mut self, _: Req) -> Self::Future {
@@ -507,35 +515,16 @@ async fn a_backend_not_ready_at_placement_is_called_once_ready_and_holds_its_slo
     assert_eq!(in_flight(&svc, "a1"), 0);
 }
 
-/// A backend whose readiness never comes, as one stuck, or behind a limit of its own lower
-/// than its slots, does not hold its requests for good: past the ready timeout it has failed.
-#[derive(Clone)]
-struct ForeverPending;
-
-impl Service<Req> for ForeverPending {
-    type Response = http::Response<MockBody>;
-    type Error = tower_affinity::BoxError;
-    type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
-
-    fn poll_ready(
-        &mut self,
-        _: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Result<(), Self::Error>> {
-        std::task::Poll::Pending
-    }
-
-    fn call(&mut self, _: Req) -> Self::Future {
-        unreachable!("called without readiness")
-    }
-}
-
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_backend_never_ready_fails_its_request_at_the_ready_timeout_and_is_passed_over() {
     let streams = Streams::default();
     let mut svc = SessionAffinityLayer::new()
         .failure_cooldown(Duration::from_secs(5))
         .layer(StaticFleet::new([
-            ("a1", Backend::new("a", MockService::new(ForeverPending))),
+            (
+                "a1",
+                Backend::new("a", MockService::new(NeverReady { fails: false })),
+            ),
             ("a2", Backend::new("a", backend("a2", &streams))),
         ]));
     // A new session placed on a1: the first key whose placement lands there.
@@ -569,7 +558,7 @@ async fn without_a_ready_timeout_a_request_waits_for_its_backend() {
         .ready_timeout(None)
         .layer(StaticFleet::new([(
             "a1",
-            Backend::new("a", MockService::new(ForeverPending)),
+            Backend::new("a", MockService::new(NeverReady { fails: false })),
         )]));
     svc.ready().await.unwrap();
     let mut call = tokio_test::task::spawn(svc.call(request(Some("s"), None)));
@@ -587,7 +576,10 @@ async fn a_backend_failing_readiness_fails_the_request_and_is_passed_over() {
     let mut svc = SessionAffinityLayer::new()
         .failure_cooldown(Duration::from_secs(5))
         .layer(StaticFleet::new([
-            ("a1", Backend::new("a", MockService::new(NeverReady))),
+            (
+                "a1",
+                Backend::new("a", MockService::new(NeverReady { fails: true })),
+            ),
             ("a2", Backend::new("a", backend("a2", &streams))),
         ]));
     // Keyless requests try either backend; within two, one of them lands on `a1`.
