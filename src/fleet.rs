@@ -369,9 +369,15 @@ impl Capacity {
     }
 }
 
+/// The bit of [`Load::in_flight`] set once its backend left the fleet: no slot is taken on it
+/// from then on, so that a count of 0 beside it stays 0 and its place can go to another.
+const RETIRED: u32 = 1 << 31;
+
 /// One backend's slot counter.
 #[derive(Debug)]
 pub(crate) struct Load {
+    /// Requests holding a slot, and [`RETIRED`] once the backend has left the fleet: read it
+    /// through [`in_flight`](Self::in_flight).
     pub(crate) in_flight: AtomicU32,
     pub(crate) slots: AtomicU32,
     /// Free slots promised to waiters woken for them and not yet running: other requests
@@ -538,7 +544,8 @@ impl Load {
         was <= now_ms
     }
 
-    /// Takes a slot if one is free and not promised to a woken waiter.
+    /// Takes a slot if one is free and not promised to a woken waiter. (A retired count is
+    /// above any number of slots: nothing is taken on it.)
     pub(crate) fn try_acquire(&self) -> bool {
         let free = self
             .slots
@@ -551,15 +558,40 @@ impl Load {
             .is_ok()
     }
 
+    /// Requests holding a slot.
+    pub(crate) fn in_flight(&self) -> u32 {
+        self.in_flight.load(Ordering::Relaxed) & !RETIRED
+    }
+
     /// Whether a slot is free right now (and not promised to a woken waiter).
     pub(crate) fn has_free_slot(&self) -> bool {
         let promised = self.reserved.load(Ordering::Relaxed);
         self.in_flight.load(Ordering::Relaxed) + promised < self.slots.load(Ordering::Relaxed)
     }
 
-    /// Takes a slot whether or not one is free.
-    pub(crate) fn force_acquire(&self) {
-        self.in_flight.fetch_add(1, Ordering::AcqRel);
+    /// Takes a slot whether or not one is free, unless the backend has left the fleet.
+    pub(crate) fn force_acquire(&self) -> bool {
+        self.in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |n| {
+                (n & RETIRED == 0).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    /// The backend left the fleet: no slot is taken on it from now on.
+    fn retire(&self) {
+        self.in_flight.fetch_or(RETIRED, Ordering::AcqRel);
+    }
+
+    /// The backend is back in the fleet.
+    fn unretire(&self) {
+        self.in_flight.fetch_and(!RETIRED, Ordering::AcqRel);
+    }
+
+    /// Whether the backend has left the fleet and its last request has ended: its place can
+    /// go to another, as no slot will be taken on it again.
+    fn retired_and_idle(&self) -> bool {
+        self.in_flight.load(Ordering::Acquire) == RETIRED
     }
 }
 
@@ -969,6 +1001,7 @@ impl Topology {
                 // Re-inserted before its index was reused: take it back, sessions and all. It
                 // was announced again, so it starts healthy.
                 self.free.retain(|&f| f != index);
+                m.load.unretire();
                 m.load.down_until.store(0, Ordering::SeqCst);
             }
             let m = &mut self.members[index as usize];
@@ -984,14 +1017,12 @@ impl Topology {
         }
         let digest = name_digest(id.as_str());
         // The index removed longest ago whose last requests have ended: one still streaming
-        // keeps its member, so that `in_flight` counts them until they end.
-        let reusable = self.free.iter().position(|&i| {
-            self.members[i as usize]
-                .load
-                .in_flight
-                .load(Ordering::Relaxed)
-                == 0
-        });
+        // keeps its member, so that `in_flight` counts them until they end. Retired, it takes
+        // no request again, even one placed on a fleet from before its removal.
+        let reusable = self
+            .free
+            .iter()
+            .position(|&i| self.members[i as usize].load.retired_and_idle());
         let index = if let Some(index) = reusable.and_then(|at| self.free.remove(at)) {
             let m = &mut self.members[index as usize];
             self.by_id.remove(&m.id);
@@ -1048,6 +1079,7 @@ impl Topology {
         // waiter (none may take them), and a request failing there wakes none either. It is
         // up again if announced again before its index is reused.
         member.load.down_until.store(u64::MAX, Ordering::Release);
+        member.load.retire();
         member.load.metrics.removed();
         self.free.push_back(index);
         if let Some(at) = self.free.len().checked_sub(Self::KEPT_REMOVED + 1) {
@@ -1199,7 +1231,7 @@ impl Topology {
     pub(crate) fn in_flight(&self) -> usize {
         self.members
             .iter()
-            .map(|m| m.load.in_flight.load(Ordering::Relaxed) as usize)
+            .map(|m| m.load.in_flight() as usize)
             .sum()
     }
 
@@ -1237,7 +1269,7 @@ impl Topology {
             id: m.id.clone(),
             node: self.node(m.node).id.clone(),
             slots: m.load.slots.load(Ordering::Relaxed),
-            in_flight: m.load.in_flight.load(Ordering::Relaxed),
+            in_flight: m.load.in_flight(),
             healthy: !m.load.health(now_ms).0,
             failures: m.load.failures.load(Ordering::Relaxed),
             cut_answers: m.load.cut_answers.load(Ordering::Relaxed),
@@ -1431,6 +1463,30 @@ mod tests {
     }
 
     #[test]
+    fn a_removed_backends_place_waits_for_its_last_request_and_it_takes_none_meanwhile() {
+        let mut t = Topology::default();
+        let a = t.insert("a".into(), &"n".into(), nz(2), None, 1000);
+        let load = t.member(a).load.clone();
+        assert!(load.try_acquire());
+        t.remove(&"a".into());
+        // Placed on a fleet from before the removal, a request takes no slot on it now.
+        assert!(!load.try_acquire() && !load.force_acquire());
+        assert_eq!(load.in_flight(), 1);
+        let b = t.insert("b".into(), &"n".into(), nz(1), None, 1000);
+        assert_ne!(b, a, "a's request still streams");
+        assert_eq!(t.in_flight(), 1);
+        load.in_flight.fetch_sub(1, Ordering::SeqCst);
+        assert_eq!(t.insert("c".into(), &"n".into(), nz(1), None, 1000), a);
+        // Taken back before its place went to another, a backend takes slots again.
+        let d = t.insert("d".into(), &"n".into(), nz(1), None, 1000);
+        let load = t.member(d).load.clone();
+        t.remove(&"d".into());
+        assert!(!load.try_acquire());
+        assert_eq!(t.insert("d".into(), &"n".into(), nz(1), None, 1000), d);
+        assert!(load.try_acquire());
+    }
+
+    #[test]
     fn only_the_backends_removed_last_keep_their_models() {
         let mut t = Topology::default();
         let n = Topology::KEPT_REMOVED as u32 + 2;
@@ -1595,7 +1651,7 @@ mod tests {
         assert!(l.try_acquire());
         assert!(l.try_acquire());
         assert!(!l.try_acquire());
-        l.force_acquire();
-        assert_eq!(l.in_flight.load(Ordering::Relaxed), 3);
+        assert!(l.force_acquire());
+        assert_eq!(l.in_flight(), 3);
     }
 }

@@ -67,7 +67,8 @@ pin_project! {
         NotReady {
             backend: Option<Box<(S, http::Request<ReqB>)>>,
             dispatched: Unsent,
-            // Set when it is first found not ready, if readiness has a timeout.
+            // Set by the first poll that finds the backend not ready, if readiness has a
+            // timeout: the wait counts from there.
             deadline: Option<Pin<Box<tokio::time::Sleep>>>,
         },
         // No free slot yet.

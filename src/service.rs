@@ -697,10 +697,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         };
         let (index, overcommitted) = match (candidates.claim(), candidates.first()) {
             (Some(i), _) => (i, false),
-            (None, Some(i)) if overcommit => {
-                t.member(i).load.force_acquire();
-                (i, true)
-            }
+            (None, Some(i)) if overcommit && t.member(i).load.force_acquire() => (i, true),
             (None, None) if candidates.saw_down() || candidates.passed_over_every_backend_up() => {
                 return Placed::Empty
             }
@@ -837,10 +834,10 @@ fn worth_waiting(
     let go_behind = go_load.read_time_or(go_load.backlog(), &prior)?;
     let go_read = go_load.read_time_or(lacks(go), &prior)?;
     // Its requests in flight with this one, whose slot there is taken already.
-    let go_in_flight = go.load.in_flight.load(Ordering::Relaxed);
+    let go_in_flight = go.load.in_flight();
     let go_cost = go_behind.saturating_add(go_load.read_cost(go_read, go_in_flight));
     let saving = go_cost.checked_sub(stay_read)?;
-    let in_flight = load.in_flight.load(Ordering::Relaxed);
+    let in_flight = load.in_flight();
     // The requests waiting for it already take its next slots first.
     let ahead = t.capacity.waiting_for(target);
     let wait = load.learned.wait_estimate(in_flight, ahead, now_ms)?;

@@ -307,7 +307,9 @@ impl UsageScanner {
         let reported = Usage {
             prompt_tokens,
             reused_tokens: reused_tokens.map(|r| r.min(prompt_tokens)),
-            prompt_time: None,
+            // Timings without their counts (an older llama-server's, a fork's) still time
+            // the prompt; complete ones that disagree with the usage do not.
+            prompt_time: prompt_time.filter(|_| timings.is_none()),
             zero_left_out: w.prompt_tokens.is_some(),
         };
         // llama-server's usage and timings say the same; timings that say otherwise are not
@@ -725,6 +727,16 @@ mod tests {
         let alone = br#"{"content":[{"input":{"timings":{"prompt_n":3,"cache_n":1}}}]}"#;
         let u = Usage::from_body(alone).unwrap();
         assert_eq!((u.prompt_tokens, u.reused_tokens), (4, Some(1)));
+    }
+
+    /// Timings without `cache_n` (an older llama-server's, a fork's) give no counts, but still
+    /// the prompt's time, beside the usage's counts.
+    #[test]
+    fn timings_without_their_counts_still_time_the_prompt() {
+        let body = br#"{"usage":{"prompt_tokens":900,"prompt_tokens_details":{"cached_tokens":800}},"timings":{"prompt_n":100,"prompt_ms":250.0}}"#;
+        let u = Usage::from_body(body).unwrap();
+        assert_eq!((u.prompt_tokens, u.reused_tokens), (900, Some(800)));
+        assert_eq!(u.prompt_time, Some(Duration::from_millis(250)));
     }
 
     #[test]

@@ -25,7 +25,7 @@ use hyper::client::conn::http1::{self, SendRequest};
 use parking_lot::Mutex;
 use pin_project_lite::pin_project;
 use tower::ServiceExt;
-use tower_affinity::client::{strip_hop_by_hop, HttpBackend, HttpBackendError};
+use tower_affinity::client::{HttpBackend, HttpBackendError};
 
 use crate::app::ReqBody;
 
@@ -142,7 +142,7 @@ pub(crate) fn send(
                 .map_err(|_| HttpBackendError::response_timeout(after))?,
         }
         .map_err(|e| failed(e.into()))?;
-        strip_hop_by_hop(res.headers_mut());
+        http.finish_response(&mut res)?;
         Ok(res)
     }
 }

@@ -14,6 +14,24 @@ use pin_project_lite::pin_project;
 use super::error::HttpBackendError;
 use super::hop_by_hop::strip;
 
+/// `res` as it goes back to the client (see
+/// [`HttpBackend::finish_response`](super::HttpBackend::finish_response)).
+pub(crate) fn finish_response<T>(res: &mut http::Response<T>) -> Result<(), HttpBackendError> {
+    // The proxy asked for no upgrade (`Upgrade` is not forwarded), and a body in another
+    // coding than chunked would reach the client unmarked.
+    if res.status() == http::StatusCode::SWITCHING_PROTOCOLS {
+        return Err(HttpBackendError::bad_answer(
+            "the backend switched protocols unasked",
+        ));
+    }
+    if !strip(res.headers_mut()) {
+        return Err(HttpBackendError::bad_answer(
+            "the answer is in a transfer coding other than chunked",
+        ));
+    }
+    Ok(())
+}
+
 pin_project! {
     /// The response future of [`HttpBackend`](super::HttpBackend): the client's, with a
     /// deadline for the response headers if one is set, errors classified, and hop-by-hop
@@ -86,19 +104,7 @@ impl Future for ResponseFuture {
                             HttpBackendError::classify(e.into())
                         }
                     })?;
-                    // The proxy asked for no upgrade (`Upgrade` is not forwarded), and a body
-                    // in another coding than chunked would reach the client unmarked.
-                    if res.status() == http::StatusCode::SWITCHING_PROTOCOLS {
-                        return Poll::Ready(Err(HttpBackendError::bad_answer(
-                            "the backend switched protocols unasked",
-                        )));
-                    }
-                    if !strip(res.headers_mut()) {
-                        return Poll::Ready(Err(HttpBackendError::bad_answer(
-                            "the answer is in a transfer coding other than chunked",
-                        )));
-                    }
-                    return Poll::Ready(Ok(res));
+                    return Poll::Ready(finish_response(&mut res).map(|()| res));
                 }
                 if let Some(deadline) = deadline.as_pin_mut() {
                     ready!(deadline.poll(cx));

@@ -16,7 +16,7 @@ use hyper_util::rt::TokioExecutor;
 
 use super::body::SentBody;
 use super::error::{HttpBackendError, InvalidBackendUrl};
-use super::future::ResponseFuture;
+use super::future::{finish_response, ResponseFuture};
 use super::hop_by_hop::{accepts_trailers, strip};
 
 /// One backend reached over HTTP: a `tower::Service` that sends each request to the backend's
@@ -174,6 +174,19 @@ impl<B> HttpBackend<B> {
         *req.uri_mut() =
             Uri::from_parts(parts).map_err(|e| HttpBackendError::classify(e.into()))?;
         Ok(req)
+    }
+}
+
+impl<B> HttpBackend<B> {
+    /// `res`, the backend's answer, as it goes back to the client: the twin of
+    /// [`prepare`](Self::prepare), for code that drives connections of its own to the
+    /// backend. Hop-by-hop headers are dropped ([`strip_hop_by_hop`](super::strip_hop_by_hop)),
+    /// and an answer no client can be handed is the backend's failure
+    /// ([`FailureKind::Other`](super::FailureKind::Other), 502): a `101 Switching Protocols`,
+    /// as no `Upgrade` is forwarded, or a body in a transfer coding other than `chunked`,
+    /// which would reach the client still coded and unmarked.
+    pub fn finish_response<T>(&self, res: &mut http::Response<T>) -> Result<(), HttpBackendError> {
+        finish_response(res)
     }
 }
 

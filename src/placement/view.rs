@@ -172,7 +172,7 @@ impl<'a> BackendRef<'a> {
 
     /// Requests dispatched to it whose response has not ended.
     pub fn in_flight(&self) -> u32 {
-        self.member().load.in_flight.load(Ordering::Relaxed)
+        self.member().load.in_flight()
     }
 
     /// Slots not taken right now, nor promised to a waiting request woken for one.

@@ -620,6 +620,24 @@ async fn an_unasked_upgrade_or_an_answer_in_another_transfer_coding_is_a_failed_
             "{e}"
         );
     }
+    // The same checks for an answer on a connection of the caller's own.
+    let backend = HttpBackend::<Body>::new("http://127.0.0.1:1").unwrap();
+    let mut switched = Response::new(());
+    *switched.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+    let mut gzipped = Response::new(());
+    gzipped
+        .headers_mut()
+        .insert(http::header::TRANSFER_ENCODING, "gzip".parse().unwrap());
+    for mut res in [switched, gzipped] {
+        let e = backend.finish_response(&mut res).unwrap_err();
+        assert_eq!(e.kind(), FailureKind::Other, "{e}");
+    }
+    let mut chunked = Response::new(());
+    for (name, value) in [("transfer-encoding", "chunked"), ("content-length", "5")] {
+        chunked.headers_mut().insert(name, value.parse().unwrap());
+    }
+    backend.finish_response(&mut chunked).unwrap();
+    assert!(chunked.headers().is_empty());
 }
 
 /// A `CONNECT`, and a body in a transfer coding other than chunked, are not forwarded: 501,

@@ -1021,7 +1021,8 @@ async fn a_removed_backends_answers_count_in_flight_after_a_new_backend_comes() 
     assert_eq!(svc.stats().in_flight, 2, "the old answers, still open");
     open.clear();
     assert_eq!(svc.stats().in_flight, 0);
-    // Its index, free now, goes to the next backend.
+    // A backend that comes next counts nothing of theirs (the place each takes is
+    // `fleet::tests::a_removed_backends_place_waits_for_its_last_request_and_it_takes_none_meanwhile`).
     handle.insert(
         "next",
         Backend::new("b", backend("next", &streams)).slots(nz(1)),
