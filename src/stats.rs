@@ -111,7 +111,7 @@ impl std::str::FromStr for Outcome {
 }
 
 /// A string that names no [`Outcome`].
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ParseOutcomeError {
     _priv: (),
 }

@@ -551,6 +551,37 @@ async fn a_backend_never_ready_fails_its_request_at_the_ready_timeout_and_is_pas
     assert_eq!(decision(&res).backend.as_str(), "a2", "a1 is passed over");
 }
 
+/// Under `RetryOnce`, a request whose backend was never ready is sent to the next one.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn retry_once_moves_a_request_past_a_backend_never_ready() {
+    let streams = Streams::default();
+    let svc = SessionAffinityLayer::new().layer(StaticFleet::new([
+        (
+            "a1",
+            Backend::new("a", MockService::new(NeverReady { fails: false })),
+        ),
+        ("a2", Backend::new("a", backend("a2", &streams))),
+    ]));
+    let retrying = tower::retry::RetryLayer::new(RetryOnce::new()).layer(svc.clone());
+    // A new session placed on a1 first: the first key whose placement lands there.
+    for i in 0..64 {
+        let mut call = tokio_test::task::spawn(
+            retrying
+                .clone()
+                .oneshot(request(Some(&format!("s{i}")), None)),
+        );
+        if call.poll().is_ready() {
+            continue;
+        }
+        tokio::time::advance(SessionAffinityLayer::READY_TIMEOUT).await;
+        let res = call.await.unwrap();
+        assert_eq!(decision(&res).backend.as_str(), "a2");
+        assert_eq!(failures(&svc, "a1"), 1);
+        return;
+    }
+    panic!("no session was placed on a1");
+}
+
 /// With no ready timeout, a request waits for its backend as long as it takes.
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn without_a_ready_timeout_a_request_waits_for_its_backend() {
