@@ -24,8 +24,9 @@ use super::hop_by_hop::{accepts_trailers, strip};
 ///
 /// The request keeps its method, path, query, headers and body; its URI gets the backend's
 /// scheme and authority, and `Host` the backend's host. Hop-by-hop headers
-/// ([`strip_hop_by_hop`](super::strip_hop_by_hop)) are dropped from the request and from the response. The response
-/// body is hyper's [`Incoming`](hyper::body::Incoming), streamed as the backend sends it.
+/// ([`strip_hop_by_hop`](super::strip_hop_by_hop)) are dropped from the request and from the
+/// response. The response body is hyper's [`Incoming`](hyper::body::Incoming), streamed as
+/// the backend sends it.
 ///
 /// Cheap to clone (one reference count): the balancer clones it for every request. Clones
 /// share one pool of connections. Always ready: the pool opens connections as needed.
