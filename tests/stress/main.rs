@@ -12,6 +12,18 @@
 //! once the backend is ready, removed or not: those are counted apart and not held against
 //! the removal.
 //!
+//! In most runs the service has a short readiness timeout (20 to 200 ms, drawn from the
+//! seed): the odd backends' clones are then ready after a delay drawn around it (a third
+//! within 3 ms, the rest between half and one and a half times the timeout), and backend 0 is
+//! never ready while a gate is shut (stretches of a half to three timeouts). Besides the
+//! above: every request that timed out waiting for readiness failed with `Error::Backend`,
+//! 504, no sooner than the timeout, on a backend that can be slow, was never sent to it, and
+//! found it listed down right after (or removed, or its health changed by the chaos task
+//! meanwhile); no request was sent much later than the timeout after its backend's first
+//! readiness poll; and the service's counters (`placed()`, `rejected`, `no_backends`,
+//! `abandoned`, `backend_errors` and each backend's `failures`) add up with what the
+//! clients saw, a dropped response future counted by the state it was dropped in.
+//!
 //! Ignored by default (it runs for seconds of real time). `STRESS_SEED`, `STRESS_THREADS`,
 //! `STRESS_SECS` and `STRESS_RUNS` pick the runs:
 //!
@@ -19,13 +31,13 @@
 //! STRESS_SEED=7 STRESS_THREADS=4 cargo test --test stress -- --ignored --nocapture
 //! ```
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::num::NonZeroU32;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Once};
-use std::task::Poll;
+use std::task::{Poll, Waker};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -119,6 +131,73 @@ struct Tally {
     producers: AtomicUsize,
     over_slots: AtomicU64,
     over_queued: AtomicU64,
+    /// Requests that failed because their backend was not ready within `ready_timeout`.
+    ready_timeouts: AtomicU64,
+    /// Of them, those whose backend was listed down right after (the rest: removed, or a
+    /// mark changed by the chaos task meanwhile).
+    ready_timeouts_seen_down: AtomicU64,
+    ready_timeouts_removed: AtomicU64,
+    ready_timeouts_excused: AtomicU64,
+    /// Requests dropped (unpolled or cancelled) whose future said it was placed (calling, or
+    /// waiting for its backend), waiting for a slot, or done (refused).
+    dropped_placed: AtomicU64,
+    dropped_waiting: AtomicU64,
+    dropped_done: AtomicU64,
+    /// Requests sent to a backend they had waited for the readiness of, and the longest such
+    /// wait (microseconds).
+    sent_after_pending: AtomicU64,
+    longest_pending_us: AtomicU64,
+    /// The next request id (`x-id`).
+    next_id: AtomicU64,
+    /// The ids of the requests some backend was called with.
+    called: Mutex<HashSet<u64>>,
+    /// The requests that timed out waiting for readiness: id and backend.
+    timed_out: Mutex<Vec<(u64, String)>>,
+    /// Failures observed per backend: `Error::Backend` results and 503 answers.
+    failures_seen: Mutex<HashMap<String, u64>>,
+    /// Readiness timeouts per backend.
+    timeouts_by_backend: Mutex<HashMap<String, u64>>,
+    /// Invariant violations found by the clients as they happen (the first few, and a count).
+    violations: Mutex<Vec<String>>,
+    violation_count: AtomicU64,
+    /// When the chaos task last changed a backend's health (mark down or up, removal,
+    /// insertion), in microseconds since `epoch`, and whether it is doing so now.
+    health_events: [AtomicU64; BACKENDS],
+    health_busy: [AtomicBool; BACKENDS],
+    epoch: Mutex<Option<Instant>>,
+}
+
+impl Tally {
+    fn violation(&self, what: String) {
+        bump(&self.violation_count);
+        let mut v = self.violations.lock();
+        if v.len() < 20 {
+            v.push(what);
+        }
+    }
+
+    fn micros_since_epoch(&self, t: Instant) -> u64 {
+        let epoch = self.epoch.lock().expect("epoch set");
+        t.saturating_duration_since(epoch).as_micros() as u64
+    }
+
+    /// The chaos task is about to change backend `b`'s health.
+    fn health_begin(&self, b: usize) {
+        self.health_busy[b].store(true, Ordering::SeqCst);
+    }
+
+    /// It has.
+    fn health_end(&self, b: usize) {
+        let now = self.micros_since_epoch(Instant::now());
+        self.health_events[b].store(now, Ordering::SeqCst);
+        self.health_busy[b].store(false, Ordering::SeqCst);
+    }
+
+    /// Whether the chaos task changed backend `b`'s health since `since`, or is doing so.
+    fn health_changed_since(&self, b: usize, since: Instant) -> bool {
+        self.health_busy[b].load(Ordering::SeqCst)
+            || self.health_events[b].load(Ordering::SeqCst) >= self.micros_since_epoch(since)
+    }
 }
 
 fn bump(c: &AtomicU64) {
@@ -176,6 +255,19 @@ fn mock(inc: Arc<Incarnation>, tally: Arc<Tally>) -> MockService {
         let (inc, tally) = (inc.clone(), tally.clone());
         let called = Instant::now();
         bump(&tally.backend_calls);
+        if let Some(id) = req
+            .headers()
+            .get("x-id")
+            .and_then(|v| v.to_str().ok()?.parse().ok())
+        {
+            tally.called.lock().insert(id);
+        }
+        if let Some(Delayed(d)) = req.extensions().get::<Delayed>() {
+            bump(&tally.sent_after_pending);
+            tally
+                .longest_pending_us
+                .fetch_max(d.as_micros() as u64, Ordering::Relaxed);
+        }
         if let Some(t) = *inc.retired.lock() {
             let late = called.saturating_duration_since(t);
             match req.extensions().get::<Delayed>() {
@@ -250,17 +342,89 @@ fn mock(inc: Arc<Incarnation>, tally: Arc<Tally>) -> MockService {
     }))
 }
 
-/// Marks a request that its backend was not ready for at first.
+/// Marks a request that its backend was not ready for at first: how long after its first
+/// readiness poll it was sent.
 #[derive(Clone, Copy, Debug)]
-struct Delayed;
+struct Delayed(Duration);
 
-/// A backend each clone of which is ready only a few milliseconds after its first readiness
-/// poll, as a pool that must connect first.
+/// What makes the slow backends slow, shared by all their clones.
+#[derive(Debug, Default)]
+struct Slowness {
+    /// Everything is ready at once (the final rounds).
+    calm: AtomicBool,
+    /// The readiness timeout the delays are drawn around; `None`: the few milliseconds of
+    /// the runs without a short timeout.
+    around: Option<Duration>,
+    /// Draws the delays (SplitMix64 over a counter).
+    draws: AtomicU64,
+    seed: u64,
+    /// The gated backend's gate: while shut, it is never ready.
+    shut: AtomicBool,
+    wakers: Mutex<Vec<Waker>>,
+}
+
+impl Slowness {
+    /// A delay for one clone of a slow backend: when drawn around the timeout, a third of
+    /// them ready within a few milliseconds, the rest between half and one and a half times
+    /// the timeout.
+    fn draw(&self, fixed: Duration) -> Duration {
+        if self.calm.load(Ordering::Relaxed) {
+            return Duration::ZERO;
+        }
+        let Some(t) = self.around else { return fixed };
+        let n = self.draws.fetch_add(1, Ordering::Relaxed);
+        let mut rng = Rng::new(self.seed ^ n.wrapping_mul(0x2545_f491_4f6c_dd1d));
+        let t = t.as_micros() as u64;
+        if rng.chance(33) {
+            Duration::from_micros(rng.below(3_000))
+        } else {
+            Duration::from_micros(t / 2 + rng.below(t))
+        }
+    }
+
+    fn open(&self) -> bool {
+        self.calm.load(Ordering::SeqCst) || !self.shut.load(Ordering::SeqCst)
+    }
+
+    fn set_shut(&self, shut: bool) {
+        self.shut.store(shut, Ordering::SeqCst);
+        if !shut {
+            for w in std::mem::take(&mut *self.wakers.lock()) {
+                w.wake();
+            }
+        }
+    }
+}
+
+/// A backend each clone of which is ready only some time after its first readiness poll, as
+/// a pool that must connect first: a few milliseconds, or (with a short readiness timeout) a
+/// delay drawn around that timeout for each clone. Or, `gated`, a backend that is never
+/// ready while its gate is shut (stretches of up to a few timeouts).
 #[derive(Clone)]
 struct SlowReady {
     inner: MockService,
     delay: Duration,
+    slowness: Arc<Slowness>,
+    gated: bool,
+    /// When first polled, and when it is ready then.
+    first_poll: Option<Instant>,
     ready_at: Option<Instant>,
+    /// Whether a readiness poll ever found it pending.
+    pending: bool,
+}
+
+impl SlowReady {
+    fn new(inner: MockService, delay: Duration, slowness: Arc<Slowness>, gated: bool) -> Self {
+        SlowReady {
+            inner,
+            delay,
+            slowness,
+            gated,
+            first_poll: None,
+            ready_at: None,
+            pending: false,
+        }
+    }
 }
 
 impl Service<Req> for SlowReady {
@@ -270,21 +434,38 @@ impl Service<Req> for SlowReady {
 
     fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> Poll<Result<(), BoxError>> {
         let now = Instant::now();
-        let at = *self.ready_at.get_or_insert(now + self.delay);
-        if now < at {
+        self.first_poll.get_or_insert(now);
+        if self.gated {
+            if !self.slowness.open() {
+                self.slowness.wakers.lock().push(cx.waker().clone());
+                // Opened meanwhile: its wakers may have been taken before this one went in.
+                if !self.slowness.open() {
+                    self.pending = true;
+                    return Poll::Pending;
+                }
+            }
+            return self.inner.poll_ready(cx);
+        }
+        let at = match self.ready_at {
+            Some(at) => at,
+            None => *self.ready_at.insert(now + self.slowness.draw(self.delay)),
+        };
+        if now < at && !self.slowness.calm.load(Ordering::Relaxed) {
             let waker = cx.waker().clone();
             tokio::spawn(async move {
                 tokio::time::sleep_until(at).await;
                 waker.wake();
             });
+            self.pending = true;
             return Poll::Pending;
         }
         self.inner.poll_ready(cx)
     }
 
     fn call(&mut self, mut req: Req) -> Self::Future {
-        if self.ready_at.is_some() {
-            req.extensions_mut().insert(Delayed);
+        if self.pending {
+            let first = self.first_poll.unwrap_or_else(Instant::now);
+            req.extensions_mut().insert(Delayed(first.elapsed()));
         }
         self.inner.call(req)
     }
@@ -302,6 +483,18 @@ struct Settings {
     node_patience: Duration,
     slow_ready: bool,
     chains: bool,
+    /// A short readiness timeout: then the slow backends' delays are drawn around it, and
+    /// backend 0 is gated (never ready for stretches). `None`: the library's default (30 s).
+    ready_timeout: Option<Duration>,
+}
+
+/// The backend that, with a short readiness timeout, is never ready for stretches.
+const GATED: usize = 0;
+
+/// Whether backend `b` may be slow to be ready in run `s`.
+fn may_be_slow(s: &Settings, b: &str) -> bool {
+    let b: usize = b.trim_start_matches('b').parse().unwrap_or(usize::MAX);
+    (s.slow_ready && b % 2 == 1) || (s.ready_timeout.is_some() && b == GATED)
 }
 
 /// The test's view of the fleet it announced.
@@ -313,6 +506,7 @@ struct FleetModel {
     marked_forever: Vec<usize>,
     /// Whether the odd-numbered backends are ready only a little after their first poll.
     slow_ready: bool,
+    slowness: Arc<Slowness>,
 }
 
 impl FleetModel {
@@ -336,11 +530,11 @@ impl FleetModel {
         let mut svc = mock(inc.clone(), self.tally.clone());
         if self.slow_ready && b % 2 == 1 {
             let delay = Duration::from_millis(1 + (b as u64 % 3));
-            svc = BoxCloneSyncService::new(SlowReady {
-                inner: svc,
-                delay,
-                ready_at: None,
-            });
+            svc =
+                BoxCloneSyncService::new(SlowReady::new(svc, delay, self.slowness.clone(), false));
+        } else if b == GATED && self.slowness.around.is_some() {
+            let gated = SlowReady::new(svc, Duration::ZERO, self.slowness.clone(), true);
+            svc = BoxCloneSyncService::new(gated);
         }
         let backend = Backend::new(format!("n{node}"), svc).slots(NonZeroU32::new(slots).unwrap());
         assert!(self.handle.insert(Self::name(b), backend));
@@ -427,22 +621,26 @@ async fn client(id: usize, svc: Svc, s: Settings, deadline: Instant, tally: Arc<
             sent += 1;
             bump(&tally.issued);
             let mut req = request(session.as_deref(), "answer", rng.next());
+            let id = tally.next_id.fetch_add(1, Ordering::Relaxed);
+            req.headers_mut()
+                .insert("x-id", http::HeaderValue::from(id));
             if s.chains {
                 // Keyed: the session's own conversation; keyless: one of a few shared ones.
                 let conv = match &session {
-                    Some(_) => id as u64 * 1_000 + session_no,
+                    Some(_) => id * 1_000 + session_no,
                     None => rng.below(6),
                 };
                 req = with_chain(req, conversation(conv, turn + rng.below(2)));
             }
+            let started = Instant::now();
             let fut = svc.call(req);
             if action < 6 {
+                count_dropped(&format!("{fut:?}"), &tally);
                 drop(fut);
                 bump(&tally.dropped_unpolled);
                 continue;
             }
             let mut fut = Box::pin(fut);
-            let started = Instant::now();
             let result = if action < 22 {
                 // Given up on after a short while, whatever it is doing.
                 let first = std::future::poll_fn(|cx| Poll::Ready(fut.as_mut().poll(cx))).await;
@@ -458,6 +656,7 @@ async fn client(id: usize, svc: Svc, s: Settings, deadline: Instant, tally: Arc<
                                 if waiting && still {
                                     bump(&tally.cancelled_waiting);
                                 }
+                                count_dropped(&format!("{fut:?}"), &tally);
                                 drop(fut);
                                 bump(&tally.cancelled);
                                 None
@@ -470,6 +669,7 @@ async fn client(id: usize, svc: Svc, s: Settings, deadline: Instant, tally: Arc<
                     Ok(r) => Some(r),
                     Err(_) => {
                         eprintln!("hung response future: {fut:?}");
+                        count_dropped(&format!("{fut:?}"), &tally);
                         bump(&tally.hung_futures);
                         None
                     }
@@ -481,6 +681,13 @@ async fn client(id: usize, svc: Svc, s: Settings, deadline: Instant, tally: Arc<
                     bump(&tally.ok);
                     if res.status() == http::StatusCode::SERVICE_UNAVAILABLE {
                         bump(&tally.ok_503);
+                        if let Some(d) = res.extensions().get::<Decision>() {
+                            *tally
+                                .failures_seen
+                                .lock()
+                                .entry(d.backend.to_string())
+                                .or_default() += 1;
+                        }
                     }
                     match res.extensions().get::<Decision>() {
                         Some(d) if d.waited.is_some() => bump(&tally.waited),
@@ -501,7 +708,10 @@ async fn client(id: usize, svc: Svc, s: Settings, deadline: Instant, tally: Arc<
                     bump(&tally.no_backends);
                     tokio::time::sleep(Duration::from_millis(5 + rng.below(20))).await;
                 }
-                Err(Error::Backend { .. }) => bump(&tally.backend_errors),
+                Err(e @ Error::Backend { .. }) => {
+                    bump(&tally.backend_errors);
+                    backend_failed(&svc, &s, id, started, e, &tally);
+                }
                 Err(e) => {
                     eprintln!("unexpected error: {e}");
                     bump(&tally.other_errors);
@@ -511,6 +721,88 @@ async fn client(id: usize, svc: Svc, s: Settings, deadline: Instant, tally: Arc<
                 tokio::time::sleep(Duration::from_millis(rng.below(5))).await;
             }
         }
+    }
+}
+
+/// Counts a response future dropped before its answer by the state it was in: placed (sent
+/// to its backend, or waiting for its backend to be ready), waiting for a slot, or refused.
+fn count_dropped(state: &str, tally: &Tally) {
+    if state.contains("calling") || state.contains("waiting for its backend to be ready") {
+        bump(&tally.dropped_placed);
+    } else if state.contains("waiting for a slot") {
+        bump(&tally.dropped_waiting);
+    } else if state.contains("\"done\"") {
+        bump(&tally.dropped_done);
+    } else {
+        tally.violation(format!("dropped in an unknown state: {state}"));
+    }
+}
+
+/// A request `id`, called at `started`, failed with `e` (an `Error::Backend`): if its backend
+/// was not ready in time, checks what must hold of that at once.
+fn backend_failed(svc: &Svc, s: &Settings, id: u64, started: Instant, e: Error, tally: &Tally) {
+    let status = e.status();
+    let Error::Backend {
+        backend, source, ..
+    } = e
+    else {
+        unreachable!()
+    };
+    let name = backend.to_string();
+    let message = source.to_string();
+    // Right away: the backend's health as the timeout left it.
+    let listed = svc.backends().into_iter().find(|b| b.id == backend);
+    let checked = Instant::now();
+    *tally.failures_seen.lock().entry(name.clone()).or_default() += 1;
+    if !message.contains("not ready within") {
+        if status == http::StatusCode::GATEWAY_TIMEOUT {
+            tally.violation(format!(
+                "request {id}: 504 from a failure that is no readiness timeout: {name}: {message}"
+            ));
+        }
+        return;
+    }
+    bump(&tally.ready_timeouts);
+    tally.timed_out.lock().push((id, name.clone()));
+    *tally
+        .timeouts_by_backend
+        .lock()
+        .entry(name.clone())
+        .or_default() += 1;
+    let elapsed = started.elapsed();
+    let Some(timeout) = s.ready_timeout else {
+        tally.violation(format!("request {id}: readiness timeout on {name} without a short ready_timeout, after {elapsed:?}: {message}"));
+        return;
+    };
+    if status != http::StatusCode::GATEWAY_TIMEOUT {
+        tally.violation(format!(
+            "request {id}: readiness timeout on {name} answered {status}, not 504"
+        ));
+    }
+    if elapsed + Duration::from_millis(1) < timeout {
+        tally.violation(format!("request {id}: readiness timeout on {name} after {elapsed:?}, before the timeout {timeout:?}"));
+    }
+    if !may_be_slow(s, &name) {
+        tally.violation(format!(
+            "request {id}: readiness timeout on {name}, which is always ready"
+        ));
+    }
+    if tally.called.lock().contains(&id) {
+        tally.violation(format!(
+            "request {id}: timed out waiting for {name} but was sent to it"
+        ));
+    }
+    let b: usize = name.trim_start_matches('b').parse().unwrap();
+    match listed {
+        None => bump(&tally.ready_timeouts_removed),
+        Some(st) if !st.healthy => bump(&tally.ready_timeouts_seen_down),
+        Some(_) if tally.health_changed_since(b, started) => bump(&tally.ready_timeouts_excused),
+        Some(st) => tally.violation(format!(
+            "request {id}: timed out on {name} after {elapsed:?} (timeout {timeout:?}, cooldown {:?}), \
+             but {name} was listed healthy {:?} after the failure: {st:?}; message {message}",
+            s.cooldown,
+            checked.elapsed()
+        )),
     }
 }
 
@@ -526,9 +818,11 @@ async fn chaos(svc: Svc, model: Arc<Mutex<FleetModel>>, s: Settings, deadline: I
         let mut m = model.lock();
         match (what, m.live.get(&b).cloned()) {
             (0..25, Some((inc, ..))) => {
+                tally.health_begin(b);
                 assert!(m.handle.remove(name.clone()));
                 drop(m);
                 svc.apply_discovery();
+                tally.health_end(b);
                 *inc.retired.lock() = Some(Instant::now());
                 let mut m = model.lock();
                 m.live.remove(&b);
@@ -537,9 +831,11 @@ async fn chaos(svc: Svc, model: Arc<Mutex<FleetModel>>, s: Settings, deadline: I
             }
             (0..50, None) => {
                 let (node, slots) = (rng.below(NODES as u64) as usize, 1 + rng.below(2) as u32);
+                tally.health_begin(b);
                 m.insert_new(b, node, slots);
                 drop(m);
                 svc.apply_discovery();
+                tally.health_end(b);
                 bump(&tally.inserts);
             }
             // A new slot count (50..65) or a move to another node (65..75), announced again.
@@ -564,18 +860,43 @@ async fn chaos(svc: Svc, model: Arc<Mutex<FleetModel>>, s: Settings, deadline: I
                 }
                 drop(m);
                 let cooldown = (!forever).then(|| Duration::from_millis(10 + rng.below(150)));
+                tally.health_begin(b);
                 svc.mark_down(&name, cooldown);
+                tally.health_end(b);
                 bump(&tally.marks_down);
             }
             (90..100, Some(_)) => {
                 m.marked_forever.retain(|&x| x != b);
                 drop(m);
+                tally.health_begin(b);
                 svc.mark_up(&name);
+                tally.health_end(b);
                 bump(&tally.marks_up);
             }
             _ => {}
         }
     }
+}
+
+/// Shuts and opens the gated backend's gate until the deadline: shut for a half to three
+/// readiness timeouts, open for 5 to 200 ms; open at the end.
+async fn gatekeeper(
+    slowness: Arc<Slowness>,
+    s: Settings,
+    deadline: Instant,
+    shut_count: Arc<AtomicU64>,
+) {
+    let Some(t) = s.ready_timeout else { return };
+    let mut rng = Rng::new(s.seed ^ 0x6a7e);
+    let t = t.as_micros() as u64;
+    while Instant::now() < deadline {
+        slowness.set_shut(true);
+        shut_count.fetch_add(1, Ordering::Relaxed);
+        tokio::time::sleep(Duration::from_micros(t / 2 + rng.below(5 * t / 2))).await;
+        slowness.set_shut(false);
+        tokio::time::sleep(Duration::from_millis(5 + rng.below(196))).await;
+    }
+    slowness.set_shut(false);
 }
 
 /// Checks limits that hold at every moment: no backend beyond its most slots, the queue
@@ -623,6 +944,21 @@ fn settings(seed: u64, threads: usize, secs: u64) -> Settings {
         },
         slow_ready: rng.chance(50),
         chains: rng.chance(70),
+        // Most runs: a short readiness timeout, and the slow backends slow around it.
+        ready_timeout: rng
+            .chance(85)
+            .then(|| Duration::from_millis(20 + rng.below(181))),
+    }
+    .with_timeouts()
+}
+
+impl Settings {
+    /// With a short readiness timeout the odd backends are always slow, around it.
+    fn with_timeouts(mut self) -> Self {
+        if self.ready_timeout.is_some() {
+            self.slow_ready = true;
+        }
+        self
     }
 }
 
@@ -646,6 +982,12 @@ fn run(s: Settings) -> Vec<String> {
 
 async fn run_on(s: Settings) -> Vec<String> {
     let tally = Arc::new(Tally::default());
+    *tally.epoch.lock() = Some(Instant::now());
+    let slowness = Arc::new(Slowness {
+        around: s.ready_timeout,
+        seed: s.seed,
+        ..Slowness::default()
+    });
     let (handle, stream) = discover::channel::<MockService>();
     let model = Arc::new(Mutex::new(FleetModel {
         handle,
@@ -654,6 +996,7 @@ async fn run_on(s: Settings) -> Vec<String> {
         all: Vec::new(),
         marked_forever: Vec::new(),
         slow_ready: s.slow_ready,
+        slowness: slowness.clone(),
     }));
     let mut rng = Rng::new(s.seed ^ 0xf1ee7);
     {
@@ -663,7 +1006,11 @@ async fn run_on(s: Settings) -> Vec<String> {
             m.insert_new(b, b % NODES, slots);
         }
     }
-    let svc: Svc = SessionAffinityLayer::new()
+    let mut layer = SessionAffinityLayer::new();
+    if let Some(t) = s.ready_timeout {
+        layer = layer.ready_timeout(t);
+    }
+    let svc: Svc = layer
         .overflow(Overflow::wait(s.max_wait, s.max_queued))
         .failure_cooldown(s.cooldown)
         .node_patience(s.node_patience)
@@ -674,6 +1021,8 @@ async fn run_on(s: Settings) -> Vec<String> {
     let deadline = Instant::now() + Duration::from_secs(s.secs);
     let chaos = tokio::spawn(chaos(svc.clone(), model.clone(), s, deadline));
     let sampler = tokio::spawn(sampler(svc.clone(), s, deadline, tally.clone()));
+    let shuts = Arc::new(AtomicU64::new(0));
+    let gate = tokio::spawn(gatekeeper(slowness.clone(), s, deadline, shuts.clone()));
     let clients: Vec<_> = (0..CLIENTS)
         .map(|i| tokio::spawn(client(i, svc.clone(), s, deadline, tally.clone())))
         .collect();
@@ -687,7 +1036,7 @@ async fn run_on(s: Settings) -> Vec<String> {
             Err(_) => problems.push(format!("client {i} hung")),
         }
     }
-    for (what, task) in [("chaos", chaos), ("sampler", sampler)] {
+    for (what, task) in [("chaos", chaos), ("sampler", sampler), ("gatekeeper", gate)] {
         match tokio::time::timeout_at(join_by, task).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => problems.push(format!("{what} failed: {e}")),
@@ -761,6 +1110,104 @@ async fn run_on(s: Settings) -> Vec<String> {
         ));
     }
 
+    if let Some(t) = s.ready_timeout {
+        // A request that waited for its backend's readiness was sent within about the
+        // timeout of its first readiness poll, removal or not (readiness that comes between
+        // the deadline and the task's next poll still wins: hence the margin).
+        let bound = t + Duration::from_millis(50);
+        if late_delayed_max > bound {
+            problems.push(format!(
+                "a request waiting for readiness sent {late_delayed_max:?} after its backend's removal (timeout {t:?})"
+            ));
+        }
+        // The gate was shut for stretches longer than the timeout: some requests timed out.
+        if shuts.load(Ordering::Relaxed) >= 5 && get(&tally.ready_timeouts) == 0 {
+            problems.push(format!(
+                "no readiness timeout in {} stretches of the gate shut",
+                shuts.load(Ordering::Relaxed)
+            ));
+        }
+        let longest = Duration::from_micros(tally.longest_pending_us.load(Ordering::Relaxed));
+        if longest > bound {
+            problems.push(format!(
+                "a request sent {longest:?} after its backend's first readiness poll (timeout {t:?})"
+            ));
+        }
+    }
+
+    // What the clients found as it happened.
+    let count = get(&tally.violation_count);
+    if count > 0 {
+        problems.push(format!(
+            "{count} violations seen by the clients, the first: {:#?}",
+            tally.violations.lock()
+        ));
+    }
+    // No request that timed out waiting for readiness reached its backend, then or later.
+    {
+        let called = tally.called.lock();
+        let sent: Vec<_> = tally
+            .timed_out
+            .lock()
+            .iter()
+            .filter(|(id, _)| called.contains(id))
+            .cloned()
+            .collect();
+        if !sent.is_empty() {
+            problems.push(format!(
+                "{} requests timed out waiting for readiness and were sent all the same: {:?}",
+                sent.len(),
+                &sent[..sent.len().min(10)]
+            ));
+        }
+    }
+    // The service's counters against what the clients saw, with every client done.
+    let counted = svc.stats();
+    let seen_failures = get(&tally.backend_errors) + get(&tally.ok_503);
+    if counted.backend_errors != seen_failures {
+        problems.push(format!(
+            "stats: {} backend errors, the clients saw {seen_failures} ({} errors, {} 503s)",
+            counted.backend_errors,
+            get(&tally.backend_errors),
+            get(&tally.ok_503)
+        ));
+    }
+    let seen_placed = get(&tally.ok) + get(&tally.backend_errors) + get(&tally.dropped_placed);
+    if counted.placed() != seen_placed {
+        problems.push(format!(
+            "stats: {} placed, the clients saw {seen_placed} ({} answers, {} backend errors, {} dropped placed)",
+            counted.placed(),
+            get(&tally.ok),
+            get(&tally.backend_errors),
+            get(&tally.dropped_placed)
+        ));
+    }
+    let seen_refused = get(&tally.saturated) + get(&tally.no_backends) + get(&tally.dropped_done);
+    if counted.rejected + counted.no_backends != seen_refused {
+        problems.push(format!(
+            "stats: {} rejected and {} without backends, the clients saw {seen_refused}",
+            counted.rejected, counted.no_backends
+        ));
+    }
+    if counted.abandoned != get(&tally.dropped_waiting) {
+        problems.push(format!(
+            "stats: {} abandoned, the clients dropped {} waiting",
+            counted.abandoned,
+            get(&tally.dropped_waiting)
+        ));
+    }
+    let total = counted.placed() + counted.rejected + counted.no_backends + counted.abandoned;
+    if total != get(&tally.issued) {
+        problems.push(format!(
+            "stats: placed, refused and abandoned add up to {total}, for {} issued",
+            get(&tally.issued)
+        ));
+    }
+
+    // Everything ready at once from now on.
+    slowness.calm.store(true, Ordering::SeqCst);
+    slowness.set_shut(false);
+
     // A full round: the fleet whole again and up, past every cooldown; one request a slot,
     // each held, all served at once without waiting.
     {
@@ -776,6 +1223,20 @@ async fn run_on(s: Settings) -> Vec<String> {
         }
     }
     svc.apply_discovery();
+    // Each backend's failures, as the clients saw them (every backend is live again, and
+    // keeps its count across its removals: no other backend takes its place).
+    {
+        let seen = tally.failures_seen.lock();
+        for b in svc.backends() {
+            let saw = seen.get(b.id.as_str()).copied().unwrap_or(0);
+            if b.failures != saw {
+                problems.push(format!(
+                    "{}: {} failures counted, the clients saw {saw}",
+                    b.id, b.failures
+                ));
+            }
+        }
+    }
     tokio::time::sleep(s.cooldown + Duration::from_millis(200)).await;
     for b in 0..BACKENDS {
         svc.mark_up(&FleetModel::name(b));
@@ -834,6 +1295,15 @@ async fn run_on(s: Settings) -> Vec<String> {
     }
 
     let (rounds, served) = liveness(&svc, s, slots, &mut problems).await;
+    // Every slot free at the end.
+    for b in svc.backends() {
+        if b.in_flight != 0 {
+            problems.push(format!("after the rounds, a slot still taken: {b:?}"));
+        }
+    }
+    if svc.stats().in_flight != 0 || svc.stats().waiting != 0 {
+        problems.push(format!("after the rounds: {:?}", svc.stats()));
+    }
 
     let t = &tally;
     let usage = svc.stats().usage_reports;
@@ -843,7 +1313,9 @@ async fn run_on(s: Settings) -> Vec<String> {
          bodies ended {} dropped {} failed {} | calls {} late {} (max {:?}) late after readiness {} \
          (max {:?}) | removals {} \
          inserts {} updates {} moves {} down {} up {} | stats waited {} abandoned {} rejected {} \
-         | liveness rounds {} served {}",
+         | liveness rounds {} served {} | ready timeout {:?}: timed out {} (seen down {}, removed {}, \
+         excused by chaos {}) by backend {:?}, gate shut {} times, sent after pending {} (longest {:?}) \
+         | dropped placed {} waiting {} done {}",
         s.seed,
         s.threads,
         (s.max_wait, s.max_queued, s.cooldown, s.node_patience, s.slow_ready, s.chains),
@@ -878,6 +1350,22 @@ async fn run_on(s: Settings) -> Vec<String> {
         stats.rejected,
         rounds,
         served,
+        s.ready_timeout,
+        get(&t.ready_timeouts),
+        get(&t.ready_timeouts_seen_down),
+        get(&t.ready_timeouts_removed),
+        get(&t.ready_timeouts_excused),
+        {
+            let mut v: Vec<_> = t.timeouts_by_backend.lock().clone().into_iter().collect();
+            v.sort();
+            v
+        },
+        shuts.load(Ordering::Relaxed),
+        get(&t.sent_after_pending),
+        Duration::from_micros(t.longest_pending_us.load(Ordering::Relaxed)),
+        get(&t.dropped_placed),
+        get(&t.dropped_waiting),
+        get(&t.dropped_done),
     );
     problems
 }
