@@ -192,6 +192,9 @@ pub(crate) struct Config {
     pub(crate) probe_slots: bool,
     /// Ask streams for their usage on the clients' behalf.
     pub(crate) ask_stream_usage: bool,
+    /// Say on each answer where it was placed and why (`x-affinity-*`): off between tenants,
+    /// as they tell a client what the caches hold.
+    pub(crate) decision_headers: bool,
     /// How requests reach the backends.
     pub(crate) upstream: UpstreamMode,
     /// `--backend-dns`: names whose records are backends too, each with the model its
@@ -238,6 +241,7 @@ impl Config {
             probe_successes: 1,
             probe_slots: true,
             ask_stream_usage: false,
+            decision_headers: true,
             upstream: UpstreamMode::Pooled,
             backend_dns: Vec::new(),
             dns_servers: Vec::new(),
@@ -498,7 +502,7 @@ impl Proxy {
                 .overflow(config.overflow)
                 .failure_cooldown(config.failure_cooldown)
                 .replicas(config.replicas)
-                .decision_headers(true);
+                .decision_headers(config.decision_headers);
             if let Some(url) = &config.redis {
                 // A model's sessions are apart from another's in Redis too.
                 let mut store = RedisStore::builder();

@@ -69,6 +69,9 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
                              usage to carry it, and take that chunk out of the answer
                              again (for vLLM and SGLang, whose streams otherwise report
                              nothing)
+  --no-decision-headers      leave out the x-affinity-backend, -node and -outcome headers
+                             (they tell a client where its prompt was placed, and so
+                             what the caches hold: leave them out between tenants)
   --body-limit SIZE          largest request body, e.g. 16MiB (default); larger is 413
   --read-timeout DURATION    longest time to receive a request body (default 60s;
                              0 turns it off); slower is 408
@@ -142,7 +145,11 @@ where
         };
         let switch = matches!(
             flag.as_str(),
-            "--help" | "--verbose" | "--no-slots-probe" | "--ask-stream-usage"
+            "--help"
+                | "--verbose"
+                | "--no-slots-probe"
+                | "--ask-stream-usage"
+                | "--no-decision-headers"
         );
         if let (true, Some(v)) = (switch, &inline) {
             // `--ask-stream-usage=false` would otherwise turn it on.
@@ -155,6 +162,7 @@ where
             "-v" | "--verbose" => verbose = true,
             "--no-slots-probe" => config.probe_slots = false,
             "--ask-stream-usage" => config.ask_stream_usage = true,
+            "--no-decision-headers" => config.decision_headers = false,
             "--listen" => {
                 let v = value()?;
                 listen = v

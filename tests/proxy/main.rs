@@ -1514,6 +1514,28 @@ async fn each_model_has_a_fleet_of_its_own_and_its_own_series() {
     }
 }
 
+/// The decision headers, on by default, can be left out (`--no-decision-headers`): they tell
+/// a client where its prompt went, and so what the caches hold.
+#[tokio::test]
+async fn decision_headers_can_be_left_out() {
+    let a = Stub::start("a", 2).await;
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+    for on in [true, false] {
+        let mut config = config(&[("node-a", &a)]);
+        config.decision_headers = on;
+        let proxy = start(config).await;
+        let res = proxy.post_json(&[("x-session-id", "s")], &body).await;
+        assert_eq!(res.status, StatusCode::OK);
+        let said = [
+            "x-affinity-backend",
+            "x-affinity-node",
+            "x-affinity-outcome",
+        ]
+        .map(|h| res.headers.contains_key(h));
+        assert_eq!(said, [on; 3], "decision headers {on}");
+    }
+}
+
 /// A config without backends (which the command line refuses) serves all the same: 503.
 #[tokio::test]
 async fn a_proxy_without_backends_answers_503() {
@@ -1996,11 +2018,13 @@ fn a_switch_given_a_value_is_refused() {
         "n=http://127.0.0.1:8081",
         "--ask-stream-usage",
         "--no-slots-probe",
+        "--no-decision-headers",
     ])
     .unwrap() else {
         panic!("not a run");
     };
     assert!(run.config.ask_stream_usage && !run.config.probe_slots);
+    assert!(!run.config.decision_headers);
 }
 
 #[test]
