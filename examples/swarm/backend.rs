@@ -13,6 +13,7 @@
 //! its decode time and frees the slot when it ends, keeping the prompt and the answer as the
 //! slot's KV: that is what the router's slot guard waits for too.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::fmt;
 use std::future::Future;
@@ -96,6 +97,9 @@ struct State {
     cache: BackendCache,
     /// When the GPU finishes the prompt work already queued.
     gpu_free: Instant,
+    /// Under `--vram wait`, the requests waiting to be admitted, in arrival order.
+    queue: VecDeque<u64>,
+    next_ticket: u64,
 }
 
 struct Inner {
@@ -119,6 +123,8 @@ impl SimBackend {
                 state: Mutex::new(State {
                     cache: BackendCache::new(model.slots as usize, model.vram_tokens, ram),
                     gpu_free: Instant::now(),
+                    queue: VecDeque::new(),
+                    next_ticket: 0,
                 }),
                 freed: Notify::new(),
             }),
@@ -210,15 +216,28 @@ impl tower::Service<http::Request<Prompt>> for SimBackend {
 
 /// Takes a slot (waiting for one if the router sent more than the backend has) and queues the
 /// prompt's work on the GPU; returns the admission, the time of the first token, and the
-/// prompt's own work (restore and prefill, without the queue).
+/// prompt's own work (restore and prefill, without the queue). Under `--vram wait` the
+/// requests are admitted in the order they came, as a scheduler that waits for room serves
+/// its queue: a long prompt is not passed by shorter ones that fit.
 async fn admit(inner: &Inner, prompt: &Blocks) -> (Admission, Instant, Duration) {
+    let _turn = {
+        let mut s = inner.state.lock();
+        s.cache.waits_for_vram().then(|| {
+            let ticket = s.next_ticket;
+            s.next_ticket += 1;
+            s.queue.push_back(ticket);
+            Turn { inner, ticket }
+        })
+    };
+    let ticket = _turn.as_ref().map(|t| t.ticket);
     loop {
         let freed = inner.freed.notified();
         tokio::pin!(freed);
         freed.as_mut().enable();
         {
             let mut s = inner.state.lock();
-            if let Some(a) = s.cache.admit(prompt) {
+            let first = ticket.is_none_or(|t| s.queue.front() == Some(&t));
+            if let Some(a) = first.then(|| s.cache.admit(prompt)).flatten() {
                 let now = Instant::now();
                 let start = s.gpu_free.max(now);
                 let work = inner
@@ -229,6 +248,19 @@ async fn admit(inner: &Inner, prompt: &Blocks) -> (Admission, Instant, Duration)
             }
         }
         freed.await;
+    }
+}
+
+/// A request's place in the backend's queue; left, letting the next try, when dropped.
+struct Turn<'a> {
+    inner: &'a Inner,
+    ticket: u64,
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        self.inner.state.lock().queue.retain(|&t| t != self.ticket);
+        self.inner.freed.notify_waiters();
     }
 }
 
@@ -353,5 +385,42 @@ mod tests {
         let res2 = second.await.unwrap().unwrap();
         let served = res2.extensions().get::<Served>().unwrap();
         assert_eq!((served.source, served.reused), (Source::Slot, 2000));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn waiting_for_vram_a_short_prompt_does_not_pass_a_long_one() {
+        use http_body_util::BodyExt;
+        use tower::ServiceExt;
+
+        cache::set_vram(cache::Vram::Wait);
+        let backend = SimBackend::new(Model {
+            vram_tokens: 1_000,
+            ..fleet::radeon_vii_pair(3, 1 << 30)
+        });
+        cache::set_vram(cache::Vram::Run);
+        let prompt = |id, tokens| {
+            let blocks = vec![Block { id, tokens }].into();
+            let answer = Block {
+                id: id + 100,
+                tokens: 10,
+            };
+            http::Request::new(Prompt { blocks, answer })
+        };
+        let running = backend.clone().oneshot(prompt(1, 700)).await.unwrap();
+        // 800 tokens do not fit beside 700; 100 would, but came later.
+        let long = tokio::spawn(backend.clone().oneshot(prompt(2, 800)));
+        tokio::task::yield_now().await;
+        let short = tokio::spawn(backend.clone().oneshot(prompt(3, 100)));
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        assert!(!long.is_finished() && !short.is_finished());
+        running.into_body().collect().await.unwrap();
+        let long = long.await.unwrap().unwrap();
+        let long_at = Instant::now();
+        short.await.unwrap().unwrap();
+        assert!(
+            Instant::now() > long_at,
+            "the short prompt passed the long one"
+        );
+        drop(long);
     }
 }

@@ -121,6 +121,37 @@ pub(crate) fn slot_policy() -> SlotPolicy {
     SLOT_POLICY.with(std::cell::Cell::get)
 }
 
+/// What a backend does with a prompt whose KV does not fit in the VRAM beside the busy
+/// slots' (`--vram`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum Vram {
+    /// Runs it all the same, and counts it: KV beyond the VRAM is not modelled.
+    #[default]
+    Run,
+    /// Waits until the busy slots leave it room, as a backend with one KV cache for all its
+    /// slots must. A prompt larger than the whole VRAM runs once no slot is busy.
+    Wait,
+}
+
+impl Vram {
+    pub(crate) fn parse(s: &str) -> Option<Self> {
+        match s {
+            "run" => Some(Vram::Run),
+            "wait" => Some(Vram::Wait),
+            _ => None,
+        }
+    }
+}
+
+thread_local! {
+    static VRAM: std::cell::Cell<Vram> = const { std::cell::Cell::new(Vram::Run) };
+}
+
+/// Sets what the backends built on this thread from now on do with a prompt that does not fit.
+pub(crate) fn set_vram(v: Vram) {
+    VRAM.with(|c| c.set(v));
+}
+
 /// llama.cpp's `--slot-prompt-similarity` default: below this share of the prompt, a slot's
 /// prefix is not worth keeping the slot for, and the least recently used idle slot is taken.
 const SLOT_SIMILARITY: f64 = 0.1;
@@ -531,6 +562,7 @@ pub(crate) struct BackendCache {
     /// to wait for room (or, with a context split per slot, would refuse it).
     admitted: u64,
     over_vram: u64,
+    vram: Vram,
 }
 
 impl BackendCache {
@@ -553,6 +585,7 @@ impl BackendCache {
             clock: 0,
             admitted: 0,
             over_vram: 0,
+            vram: VRAM.with(std::cell::Cell::get),
         }
     }
 
@@ -585,12 +618,19 @@ impl BackendCache {
     }
 
     /// Takes an idle slot for `prompt` and finds its longest cached prefix; `None` when every
-    /// slot is busy.
+    /// slot is busy, or under [`Vram::Wait`] when the prompt's KV does not fit beside the busy
+    /// slots'.
     pub(crate) fn admit(&mut self, prompt: &Blocks) -> Option<Admission> {
         if self.pool.is_some() {
             return self.admit_paged(prompt);
         }
         let total = tokens(prompt).max(1);
+        if self.vram == Vram::Wait {
+            let busy: u64 = self.busy_tokens();
+            if busy > 0 && busy + total > self.vram_tokens {
+                return None;
+            }
+        }
         let idle = self.slots.iter().enumerate().filter(|(_, s)| !s.busy);
         // As `server_context::get_available_slot`: the longest prefix, among equals the first
         // slot; below the similarity threshold, the least recently used, among equals the last.
@@ -651,13 +691,7 @@ impl BackendCache {
         }
         self.make_room();
         self.admitted += 1;
-        let busy: u64 = self
-            .slots
-            .iter()
-            .filter(|s| s.busy)
-            .map(|s| tokens(&s.kv))
-            .sum();
-        if busy > self.vram_tokens {
+        if self.busy_tokens() > self.vram_tokens {
             self.over_vram += 1;
         }
         Some(Admission {
@@ -666,6 +700,20 @@ impl BackendCache {
             restored,
             source,
         })
+    }
+
+    /// Whether a prompt waits for room in VRAM ([`Vram::Wait`]).
+    pub(crate) fn waits_for_vram(&self) -> bool {
+        self.vram == Vram::Wait && self.pool.is_none()
+    }
+
+    /// The KV the busy slots hold.
+    fn busy_tokens(&self) -> u64 {
+        self.slots
+            .iter()
+            .filter(|s| s.busy)
+            .map(|s| tokens(&s.kv))
+            .sum()
     }
 
     /// Moves idle slots' states to RAM, least recently used first, until the slots fit in VRAM.
@@ -998,6 +1046,36 @@ mod tests {
         // A state larger than the whole budget is not kept.
         r.save(blocks(&[b(9, 4000)]), SlotPolicy::SaveAll);
         assert_eq!(r.lru_order(), [1, 4]);
+    }
+
+    #[test]
+    fn a_prompt_that_does_not_fit_beside_the_busy_slots_runs_or_waits_as_the_vram_says() {
+        // Two slots, 1,000 tokens of VRAM; one prompt of 700 runs, another of 400 comes.
+        let two_prompts = |vram: Vram| {
+            set_slot_policy(SlotPolicy::Llama);
+            set_vram(vram);
+            let mut c = BackendCache::new(2, 1_000, RamCache::new(1 << 30, 1));
+            set_vram(Vram::Run);
+            let first = c.admit(&blocks(&[b(1, 700)])).unwrap();
+            let second = c.admit(&blocks(&[b(2, 400)]));
+            (c, first, second)
+        };
+        // Run: admitted, and counted as beyond the VRAM.
+        let (c, _, second) = two_prompts(Vram::Run);
+        assert!(second.is_some());
+        assert_eq!(c.over_vram(), (1, 2));
+        // Wait: not admitted while the first runs, admitted once it is done.
+        let (mut c, first, second) = two_prompts(Vram::Wait);
+        assert!(second.is_none());
+        c.release(first.slot, blocks(&[b(1, 700), b(3, 10)]));
+        assert!(c.admit(&blocks(&[b(2, 400)])).is_some());
+        assert_eq!(c.over_vram(), (0, 2));
+        // A prompt larger than the whole VRAM runs alone rather than waiting for good.
+        set_vram(Vram::Wait);
+        let mut c = BackendCache::new(2, 1_000, RamCache::new(1 << 30, 1));
+        set_vram(Vram::Run);
+        assert!(c.admit(&blocks(&[b(4, 5_000)])).is_some());
+        assert!(c.admit(&blocks(&[b(5, 10)])).is_none());
     }
 
     /// A paged backend of `slots` slots, `gpu` tokens of KV on the GPU and `host` in host

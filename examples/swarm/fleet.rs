@@ -22,9 +22,12 @@
 //! pair, each would have about half that KV and share the prefill, and every policy would hit
 //! less.
 //!
-//! Not modelled: a request admitted while the busy slots' KV exceeds the VRAM runs all the
-//! same (a real backend would wait for room, or refuse a prompt longer than its slot's share
-//! of the context). The RAM line under each table counts how often that happens.
+//! Not modelled by default: a request admitted while the busy slots' KV exceeds the VRAM runs
+//! all the same (a real backend would wait for room, or refuse a prompt longer than its slot's
+//! share of the context). The RAM line under each table counts how often that happens.
+//! `--vram wait` makes a backend wait for room instead, serving its queue in order
+//! ([`Vram::Wait`](crate::cache::Vram::Wait)). llama-server itself does neither: it clears
+//! idle slots, then halves its batch, and in the end fails the requests it runs.
 //!
 //! Moved turns are not calibrated but measured. The study saw a median 26 s for a move within a
 //! node and about 120 s across nodes; the simulation gives about 59 s and 58 s (the study

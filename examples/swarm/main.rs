@@ -78,6 +78,9 @@ usage: cargo run --release --example swarm -- [options]
                     whenever another prompt takes the slot); paged keeps every prompt's
                     blocks in one pool shared by prefix, GPU then host memory, as vLLM and
                     SGLang do
+  --vram V          run (default) | wait: a llama-server backend runs a prompt whose KV does
+                    not fit in the VRAM beside its busy slots' (counted under each table), or
+                    waits until they leave it room
   --oracle          adds NTB+oracle: NodeThenBackend told what the simulated caches
                     really hold, the same rules with a perfect cache model (not an
                     upper bound: greedy rules can do worse knowing more)
@@ -130,6 +133,7 @@ struct Options {
     oracle: bool,
     trace_chains: trace::Chains,
     slot_policy: cache::SlotPolicy,
+    vram: cache::Vram,
     replicas: routers::Replicas,
 }
 
@@ -145,7 +149,11 @@ impl Options {
             cache::SlotPolicy::LlamaUnified => "; unified KV, idle slots saved to RAM and cleared",
             cache::SlotPolicy::Paged => "; KV in one pool shared by prefix, GPU then host memory",
         };
-        fleet.describe().to_owned() + &self.replicas.describe() + slots
+        let vram = match self.vram {
+            cache::Vram::Run => "",
+            cache::Vram::Wait => "; a prompt waits for room in VRAM",
+        };
+        fleet.describe().to_owned() + &self.replicas.describe() + slots + vram
     }
 }
 
@@ -164,6 +172,7 @@ impl Default for Options {
             oracle: false,
             trace_chains: trace::Chains::Blocks,
             slot_policy: cache::SlotPolicy::Llama,
+            vram: cache::Vram::Run,
             replicas: routers::Replicas {
                 routers: 1,
                 entry: routers::Entry::Random,
@@ -271,6 +280,10 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String>
             "--slot-policy" => {
                 let v = value()?;
                 o.slot_policy = cache::SlotPolicy::parse(&v).ok_or_else(|| bad(&v))?;
+            }
+            "--vram" => {
+                let v = value()?;
+                o.vram = cache::Vram::parse(&v).ok_or_else(|| bad(&v))?;
             }
             "--trace-chains" => {
                 chains_given = true;
@@ -793,6 +806,7 @@ fn main() {
     }
     routers::set(o.replicas);
     cache::set_slot_policy(o.slot_policy);
+    cache::set_vram(o.vram);
     let started = Instant::now();
     let tables = match run(&o) {
         Ok(t) => t,
