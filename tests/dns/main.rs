@@ -54,6 +54,15 @@ async fn answered<F: Future>(fut: F) -> F::Output {
     out
 }
 
+/// Lets `secs` of (paused) time pass, and the tasks due run: for checking that nothing
+/// resolved meanwhile.
+async fn quiet(secs: u64) {
+    tokio::time::advance(Duration::from_secs(secs)).await;
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+}
+
 /// One change as the tests compare them: `+id@node` or `-id`.
 fn show<S>(change: &Change<BackendId, Backend<S>>) -> String {
     match change {
@@ -164,6 +173,157 @@ async fn a_changed_record_set_is_an_insert_and_a_removal() {
     handle.refresh();
     answered(handle.resolved(4)).await;
     assert_eq!(ready_shown(&mut fleet).await, ["-10.0.0.2:8080"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_address_missing_within_the_removal_grace_is_kept_without_a_change() {
+    let dns = start_dns().await;
+    let all = ["10.0.0.1", "10.0.0.2", "10.0.0.3"];
+    dns.set_ips("llm.fleet.test.", 5, &all).await;
+    let mut fleet = builder(&dns, "llm.fleet.test.:8080")
+        .min_interval(Duration::from_secs(1))
+        .removal_grace(Duration::from_secs(20))
+        .build(|ep: &DnsEndpoint| ep.addr())
+        .unwrap();
+    let handle = fleet.handle();
+    answered(handle.resolved(1)).await;
+    assert_eq!(ready(&mut fleet).await.len(), 3);
+
+    // An answer every 5 s (the TTL), each with a subset of the three: no change at all.
+    let answers: [&[&str]; 7] = [
+        &["10.0.0.2", "10.0.0.3"], // t = 5 s: 10.0.0.1 missing
+        &["10.0.0.1", "10.0.0.3"], // 10 s: back; 10.0.0.2 missing
+        &["10.0.0.1", "10.0.0.2"], // 15 s
+        &["10.0.0.2", "10.0.0.3"], // 20 s: 10.0.0.1 missing again, its grace from now
+        &["10.0.0.2", "10.0.0.3"], // 25 s
+        // 25 s after 10.0.0.1 first went missing, but 10 s since it last did: kept.
+        &["10.0.0.2", "10.0.0.3"], // 30 s
+        &all,                      // 35 s
+    ];
+    for (n, ips) in (2..).zip(answers) {
+        dns.set_ips("llm.fleet.test.", 5, ips).await;
+        tokio::time::advance(Duration::from_secs(5)).await;
+        answered(handle.resolved(n)).await;
+        assert!(ready(&mut fleet).await.is_empty(), "answer {n}: {ips:?}");
+        // Still in the fleet, so still counted.
+        assert_eq!(handle.stats().backends, 3, "answer {n}: {ips:?}");
+    }
+    assert_eq!(handle.failures(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_address_missing_past_the_removal_grace_is_removed() {
+    let dns = start_dns().await;
+    // A TTL of an hour under a ceiling as long: only the grace brings a resolution sooner.
+    let both = ["10.0.0.1", "10.0.0.2"];
+    dns.set_ips("llm.fleet.test.", 3600, &both).await;
+    let mut fleet = builder(&dns, "llm.fleet.test.:8080")
+        .min_interval(Duration::from_secs(5))
+        .max_interval(Duration::from_secs(3600))
+        .removal_grace(Duration::from_secs(10))
+        .build(|ep: &DnsEndpoint| ep.addr())
+        .unwrap();
+    let handle = fleet.handle();
+    answered(handle.resolved(1)).await;
+    assert_eq!(ready(&mut fleet).await.len(), 2);
+    let start = tokio::time::Instant::now();
+
+    // t = 0: 10.0.0.1 goes missing; its grace ends at 10 s, which is when the next
+    // resolution comes, and removes it.
+    dns.set_ips("llm.fleet.test.", 3600, &["10.0.0.2"]).await;
+    handle.refresh();
+    answered(handle.resolved(2)).await;
+    assert!(
+        ready(&mut fleet).await.is_empty(),
+        "removed within its grace"
+    );
+    assert_eq!(handle.stats().backends, 2);
+    quiet(9).await;
+    assert_eq!(
+        handle.resolutions(),
+        2,
+        "resolved again before the grace ended"
+    );
+    tokio::time::advance(Duration::from_secs(1)).await;
+    answered(handle.resolved(3)).await;
+    assert_eq!(start.elapsed(), Duration::from_secs(10));
+    assert_eq!(ready_shown(&mut fleet).await, ["-10.0.0.1:8080"]);
+    assert_eq!(handle.stats().backends, 1);
+
+    // Back (a new insert), and missing again at 10 s: its grace ends at 20 s.
+    dns.set_ips("llm.fleet.test.", 3600, &both).await;
+    handle.refresh();
+    answered(handle.resolved(4)).await;
+    assert_eq!(ready_shown(&mut fleet).await, ["+10.0.0.1:8080@10.0.0.1"]);
+    dns.set_ips("llm.fleet.test.", 3600, &["10.0.0.2"]).await;
+    handle.refresh();
+    answered(handle.resolved(5)).await;
+    assert!(
+        ready(&mut fleet).await.is_empty(),
+        "removed within its grace"
+    );
+    // A resolution at 18 s still keeps it; its grace ends 2 s later, under the 5 s floor:
+    // the next resolution comes at the floor, 23 s.
+    quiet(8).await;
+    handle.refresh();
+    answered(handle.resolved(6)).await;
+    assert!(
+        ready(&mut fleet).await.is_empty(),
+        "removed within its grace"
+    );
+    quiet(4).await;
+    assert_eq!(handle.resolutions(), 6, "resolved again before the floor");
+    tokio::time::advance(Duration::from_secs(1)).await;
+    answered(handle.resolved(7)).await;
+    assert_eq!(start.elapsed(), Duration::from_secs(23));
+    assert_eq!(ready_shown(&mut fleet).await, ["-10.0.0.1:8080"]);
+
+    // No grace running: the TTL decides again.
+    quiet(600).await;
+    assert_eq!(
+        handle.resolutions(),
+        7,
+        "resolved again before the TTL ran out"
+    );
+    assert_eq!(handle.failures(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_a_removal_grace_a_missing_address_is_removed_at_once() {
+    let dns = start_dns().await;
+    let both = ["10.0.0.1", "10.0.0.2"];
+    // The default, and a grace of zero given.
+    for grace in [None, Some(Duration::ZERO)] {
+        dns.set_ips("llm.fleet.test.", 30, &both).await;
+        let mut b = builder(&dns, "llm.fleet.test.:8080");
+        if let Some(grace) = grace {
+            b = b.removal_grace(grace);
+        }
+        let mut fleet = b.build(|ep: &DnsEndpoint| ep.addr()).unwrap();
+        let handle = fleet.handle();
+        answered(handle.resolved(1)).await;
+        assert_eq!(ready(&mut fleet).await.len(), 2);
+
+        dns.set_ips("llm.fleet.test.", 30, &["10.0.0.2"]).await;
+        handle.refresh();
+        answered(handle.resolved(2)).await;
+        assert_eq!(
+            ready_shown(&mut fleet).await,
+            ["-10.0.0.1:8080"],
+            "{grace:?}"
+        );
+        assert_eq!(handle.stats().backends, 1);
+
+        // Back in the next answer: inserted anew.
+        dns.set_ips("llm.fleet.test.", 30, &both).await;
+        handle.refresh();
+        answered(handle.resolved(3)).await;
+        assert_eq!(
+            ready_shown(&mut fleet).await,
+            ["+10.0.0.1:8080@10.0.0.1"],
+            "{grace:?}"
+        );
+    }
 }
 
 #[tokio::test(start_paused = true)]
@@ -322,12 +482,6 @@ async fn the_ttl_decides_the_next_resolution_between_floor_and_ceiling() {
     let handle = fleet.handle();
     answered(handle.resolved(1)).await;
 
-    let quiet = |secs| async move {
-        tokio::time::advance(Duration::from_secs(secs)).await;
-        for _ in 0..10 {
-            tokio::task::yield_now().await;
-        }
-    };
     quiet(9).await;
     assert_eq!(handle.resolutions(), 1, "resolved again before the floor");
     // The TTL in bounds from now on: 30 s.

@@ -90,6 +90,8 @@ impl DnsFleetBuilder {
     pub const DEFAULT_MAX_INTERVAL: Duration = Duration::from_secs(60);
     /// The wait after a failed resolution when none is set: 5 s.
     pub const DEFAULT_RETRY_INTERVAL: Duration = Duration::from_secs(5);
+    /// How long an address left out of the answers stays when none is set: not at all.
+    pub const DEFAULT_REMOVAL_GRACE: Duration = Duration::ZERO;
 
     pub(crate) fn new(target: DnsTarget) -> Self {
         DnsFleetBuilder {
@@ -99,6 +101,7 @@ impl DnsFleetBuilder {
                 min: Self::DEFAULT_MIN_INTERVAL,
                 max: Self::DEFAULT_MAX_INTERVAL,
                 retry: Self::DEFAULT_RETRY_INTERVAL,
+                grace: Self::DEFAULT_REMOVAL_GRACE,
             },
             ip_strategy: IpStrategy::default(),
             timeout: None,
@@ -136,6 +139,44 @@ impl DnsFleetBuilder {
     /// [`DEFAULT_RETRY_INTERVAL`](Self::DEFAULT_RETRY_INTERVAL).
     pub fn retry_interval(mut self, interval: Duration) -> Self {
         self.schedule.retry = interval;
+        self
+    }
+
+    /// How long an address stays in the fleet once answers leave it out, for a server that
+    /// answers with a different subset of a large record set each time (round-robin DNS
+    /// whose answers are cut short, some Consul setups). Default
+    /// [`DEFAULT_REMOVAL_GRACE`](Self::DEFAULT_REMOVAL_GRACE): none, removed at the first
+    /// answer that leaves it out.
+    ///
+    /// An address is removed once it has been missing from every successful answer for at
+    /// least `grace`; one that comes back before is kept, and no change is announced at all.
+    /// Failed resolutions count neither way. An address waiting out its grace is still in the
+    /// fleet, and counts in [`DnsStats::backends`](super::DnsStats::backends). Meanwhile the
+    /// next resolution comes when the grace ends, if the TTL says later (but never before
+    /// [`min_interval`](Self::min_interval)), so that a long TTL does not put the removal off;
+    /// after a failed resolution, the [`retry_interval`](Self::retry_interval) as always.
+    ///
+    /// The cost: a backend that is really gone stays in the fleet up to `grace` longer. Its
+    /// requests fail, and each failure passes it over for the
+    /// [failure cooldown](crate::SessionAffinityLayer::failure_cooldown) (see the
+    /// [module docs](super)).
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use tower_affinity::discover::dns::{DnsEndpoint, DnsFleet};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// // Each answer names some of the backends: one missing from answers for 30 s is gone.
+    /// let fleet = DnsFleet::builder("llm.fleet.example:8080".parse()?)
+    ///     .removal_grace(Duration::from_secs(30))
+    ///     .build(|ep: &DnsEndpoint| ep.authority())?;
+    /// # let _ = fleet;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn removal_grace(mut self, grace: Duration) -> Self {
+        self.schedule.grace = grace;
         self
     }
 

@@ -28,7 +28,8 @@ use crate::{Backend, BackendId};
 /// the IP address). The next resolution comes after the answer's shortest TTL, kept between a
 /// floor and a ceiling ([`min_interval`](DnsFleetBuilder::min_interval),
 /// [`max_interval`](DnsFleetBuilder::max_interval)), or sooner on
-/// [`DnsHandle::refresh`].
+/// [`DnsHandle::refresh`]. An address that answers leave out is removed at once, or once
+/// they have left it out for the [removal grace](DnsFleetBuilder::removal_grace).
 ///
 /// A failed resolution (no such name, no records, a timeout, a server failure) keeps the
 /// fleet as it was: it is counted in [`DnsHandle::stats`], logged once when resolutions start

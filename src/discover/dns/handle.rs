@@ -29,7 +29,8 @@ pub struct DnsStats {
     pub failures: u64,
     /// Failures since the last success: 0 while the name resolves.
     pub consecutive_failures: u64,
-    /// Backends in the fleet the stream has announced.
+    /// Backends in the fleet the stream has announced, those that answers have left out but
+    /// that are within their [removal grace](super::DnsFleetBuilder::removal_grace) included.
     pub backends: usize,
     /// The last failure's error, kept after the name resolves again.
     pub last_error: Option<DnsError>,

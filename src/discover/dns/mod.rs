@@ -18,8 +18,19 @@
 //! those given with [`DnsFleetBuilder::nameserver`]. Resolution uses [hickory-resolver],
 //! without its cache; the feature needs Rust 1.88 or later, as hickory-resolver 0.26 does.
 //!
-//! The fleet is what each answer says: a server that answers with a different subset of a
-//! large record set each time makes the fleet change each time.
+//! By default the fleet is what each answer says: a server that answers with a different
+//! subset of a large record set each time (round-robin DNS whose answers are cut short, some
+//! Consul setups) makes the fleet change each time, and the sessions homed on a backend left
+//! out move and lose their warm caches. [`DnsFleetBuilder::removal_grace`] keeps an address
+//! until the answers have left it out for the grace; one back before then stays, and no change
+//! is announced. The cost: a backend that is really gone stays in the fleet up to the grace
+//! longer. Requests placed on it fail (a refused connection, a timeout), and each failure
+//! passes it over for the [failure cooldown](crate::SessionAffinityLayer::failure_cooldown)
+//! (5 s by default; with zero, not at all), so it gets requests again only as each cooldown
+//! ends; [`RetryOnce`](crate::RetryOnce) sends the failed ones elsewhere. A
+//! [`HealthProbe`](crate::health::HealthProbe) marks it down once its probes have failed
+//! [`failure_threshold`](crate::health::HealthProbe::failure_threshold) times in a row, until
+//! it answers again.
 //!
 //! # Example
 //!

@@ -1,5 +1,6 @@
 //! The resolving task: resolve, announce the differences, wait as the TTL says, again.
 
+use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::net::SocketAddr;
@@ -11,6 +12,7 @@ use std::time::Duration;
 
 use hickory_resolver::TokioResolver;
 use tokio::sync::mpsc::UnboundedSender;
+use tokio::time::Instant;
 use tower::discover::Change;
 
 use super::endpoint::DnsEndpoint;
@@ -32,12 +34,27 @@ pub(crate) struct Schedule {
     pub(crate) max: Duration,
     /// After a failure.
     pub(crate) retry: Duration,
+    /// How long an address that answers leave out stays in the fleet.
+    pub(crate) grace: Duration,
 }
 
 impl Schedule {
     /// The wait after a successful resolution whose shortest TTL was `ttl` seconds.
-    pub(crate) fn after(&self, ttl: u32) -> Duration {
-        Duration::from_secs(u64::from(ttl)).clamp(self.min, self.max.max(self.min))
+    /// `grace_left` is the time until the first of the removal graces running ends, if any
+    /// is: the wait is no longer, so that a long TTL does not put the removal off, but never
+    /// under the floor.
+    pub(crate) fn after(&self, ttl: u32, grace_left: Option<Duration>) -> Duration {
+        let wait = Duration::from_secs(u64::from(ttl)).clamp(self.min, self.max.max(self.min));
+        match grace_left {
+            Some(left) => wait.min(left.max(self.min)),
+            None => wait,
+        }
+    }
+
+    /// When the removal grace of an address missing since `since` ends; `None` if never
+    /// (a grace too long for the clock).
+    fn grace_end(&self, since: Instant) -> Option<Instant> {
+        since.checked_add(self.grace)
     }
 }
 
@@ -79,18 +96,47 @@ pub(crate) async fn run<S>(
     // Addresses whose service could not be made: left out, tried again each resolution, and
     // logged once until they are made or gone.
     let mut unmade: BTreeSet<SocketAddr> = BTreeSet::new();
+    // Addresses in the fleet that the successful answers since have all left out, each with
+    // the time of the first of them: removed once missing for the removal grace.
+    let mut missing: BTreeMap<SocketAddr, Instant> = BTreeMap::new();
     loop {
         let wait = match resolve(&resolver, &target).await {
             Ok(found) => {
+                let now = Instant::now();
                 let (mut added, mut removed) = (0usize, 0usize);
                 current.retain(|addr, id| {
-                    let keep = found.endpoints.contains_key(addr);
-                    if !keep {
-                        removed += 1;
-                        tracing::debug!(dns = %target, backend = %id, "DNS: backend gone");
-                        let _ = tx.send(Change::Remove(id.clone()));
+                    if found.endpoints.contains_key(addr) {
+                        if missing.remove(addr).is_some() {
+                            tracing::debug!(
+                                dns = %target,
+                                backend = %id,
+                                "DNS: backend back within its removal grace; kept"
+                            );
+                        }
+                        return true;
                     }
-                    keep
+                    let since = match missing.entry(*addr) {
+                        Entry::Occupied(since) => *since.get(),
+                        Entry::Vacant(since) => {
+                            if !schedule.grace.is_zero() {
+                                tracing::debug!(
+                                    dns = %target,
+                                    backend = %id,
+                                    grace = ?schedule.grace,
+                                    "DNS: backend missing from the answer; kept for its removal grace"
+                                );
+                            }
+                            *since.insert(now)
+                        }
+                    };
+                    if now.saturating_duration_since(since) < schedule.grace {
+                        return true;
+                    }
+                    missing.remove(addr);
+                    removed += 1;
+                    tracing::debug!(dns = %target, backend = %id, "DNS: backend gone");
+                    let _ = tx.send(Change::Remove(id.clone()));
+                    false
                 });
                 unmade.retain(|addr| found.endpoints.contains_key(addr));
                 for (addr, ep) in &found.endpoints {
@@ -131,7 +177,12 @@ pub(crate) async fn run<S>(
                     tracing::info!(dns = %target, backends = current.len(), "DNS resolution recovered");
                 }
                 shared.succeeded(current.len());
-                schedule.after(found.ttl)
+                let grace_left = missing
+                    .values()
+                    .filter_map(|since| schedule.grace_end(*since))
+                    .min()
+                    .map(|end| end.saturating_duration_since(Instant::now()));
+                schedule.after(found.ttl, grace_left)
             }
             Err(e) => {
                 let run = shared.failed(e.clone());
@@ -188,15 +239,40 @@ mod tests {
             min: Duration::from_secs(5),
             max: Duration::from_secs(60),
             retry: Duration::from_secs(2),
+            grace: Duration::ZERO,
         };
-        assert_eq!(s.after(0), Duration::from_secs(5));
-        assert_eq!(s.after(30), Duration::from_secs(30));
-        assert_eq!(s.after(86_400), Duration::from_secs(60));
+        assert_eq!(s.after(0, None), Duration::from_secs(5));
+        assert_eq!(s.after(30, None), Duration::from_secs(30));
+        assert_eq!(s.after(86_400, None), Duration::from_secs(60));
         // A ceiling under the floor is the floor, not a panic.
         let s = Schedule {
             max: Duration::from_secs(1),
             ..s
         };
-        assert_eq!(s.after(30), Duration::from_secs(5));
+        assert_eq!(s.after(30, None), Duration::from_secs(5));
+    }
+
+    #[test]
+    fn a_running_removal_grace_shortens_the_wait_down_to_the_floor() {
+        let s = Schedule {
+            min: Duration::from_secs(5),
+            max: Duration::from_secs(60),
+            retry: Duration::from_secs(2),
+            grace: Duration::from_secs(30),
+        };
+        let secs = Duration::from_secs;
+        // The grace ends before the TTL runs out: resolve when it ends.
+        assert_eq!(s.after(30, Some(secs(12))), secs(12));
+        // It ends after: the TTL as before.
+        assert_eq!(s.after(30, Some(secs(40))), secs(30));
+        // It ends under the floor, or has ended: the floor.
+        assert_eq!(s.after(30, Some(secs(2))), secs(5));
+        assert_eq!(s.after(30, Some(Duration::ZERO)), secs(5));
+        // A grace too long for the clock has no end, and does not panic.
+        let forever = Schedule {
+            grace: Duration::MAX,
+            ..s
+        };
+        assert_eq!(forever.grace_end(Instant::now()), None);
     }
 }
