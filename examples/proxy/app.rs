@@ -74,7 +74,9 @@ use tower::retry::Retry;
 use tower::util::Oneshot;
 use tower::{Layer, Service, ServiceBuilder, ServiceExt};
 use tower_affinity::client::{HttpBackend, HttpBackendError};
-use tower_affinity::discover::dns::{DnsEndpoint, DnsFleet, DnsHandle, DnsStats, DnsTarget};
+use tower_affinity::discover::dns::{
+    DnsEndpoint, DnsFleet, DnsFleetBuilder, DnsHandle, DnsStats, DnsTarget,
+};
 use tower_affinity::discover::StaticFleet;
 use tower_affinity::health::{HealthProbe, ProbeTarget, ProbeTask, Probed, Prober};
 use tower_affinity::key::{
@@ -202,6 +204,8 @@ pub(crate) struct Config {
     pub(crate) backend_dns: Vec<(DnsTarget, Option<String>)>,
     /// `--dns-server`: the nameservers to ask for them; none, the system's.
     pub(crate) dns_servers: Vec<std::net::SocketAddr>,
+    /// `--dns-removal-grace`: how long a backend that answers leave out stays.
+    pub(crate) dns_removal_grace: Duration,
     /// `--redis`: the store of homes shared with other instances.
     pub(crate) redis: Option<String>,
     /// `--redis-timeout`: how long a request waits for the store's answer.
@@ -245,6 +249,7 @@ impl Config {
             upstream: UpstreamMode::Pooled,
             backend_dns: Vec::new(),
             dns_servers: Vec::new(),
+            dns_removal_grace: DnsFleetBuilder::DEFAULT_REMOVAL_GRACE,
             redis: None,
             redis_timeout: SessionAffinityLayer::STORE_DEADLINE,
             replicas: NonZeroU32::MIN,
@@ -594,10 +599,10 @@ impl Proxy {
             .filter(|(_, m)| m.as_deref() == model)
             .map(|(target, _)| {
                 let http = http.clone();
-                let builder = config
-                    .dns_servers
-                    .iter()
-                    .fold(DnsFleet::builder(target.clone()), |b, &ns| b.nameserver(ns));
+                let builder = config.dns_servers.iter().fold(
+                    DnsFleet::builder(target.clone()).removal_grace(config.dns_removal_grace),
+                    |b, &ns| b.nameserver(ns),
+                );
                 builder.try_build(move |ep: &DnsEndpoint| {
                     let url = format!("http://{}", ep.authority());
                     http.build(&url).map(|http| Upstream { http, per_client })

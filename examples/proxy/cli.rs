@@ -32,6 +32,10 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
                              their TTL says (5s to 60s); each backend's node is its IP
   --dns-server IP:PORT       ask this nameserver for --backend-dns names (repeat for
                              more; default: the system's resolver configuration)
+  --dns-removal-grace DURATION
+                             how long a backend that the answers leave out stays, for
+                             a server that answers with a different subset each time
+                             (default 0s: gone at the first answer without it)
   --redis URL                share session homes with other proxy instances through
                              Redis (or Valkey), e.g. redis://127.0.0.1:6379: a session
                              that moved on one instance is followed by all
@@ -210,6 +214,7 @@ where
                     .map_err(|e| format!("--dns-server {v:?}: {e} (expected IP:PORT)"))?;
                 config.dns_servers.push(addr);
             }
+            "--dns-removal-grace" => config.dns_removal_grace = duration(&flag, &value()?)?,
             "--redis" => config.redis = Some(value()?),
             "--redis-timeout" => config.redis_timeout = duration(&flag, &value()?)?,
             "--replicas" => {

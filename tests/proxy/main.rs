@@ -2161,6 +2161,51 @@ async fn backend_dns_names_backends_from_a_real_nameserver_on_loopback() {
     );
 }
 
+/// `--dns-removal-grace` keeps a backend that an answer leaves out until answers have left it
+/// out for the grace.
+#[tokio::test(start_paused = true)]
+async fn dns_removal_grace_keeps_a_backend_answers_leave_out_for_a_while() {
+    let stub = Stub::start("a1", 2).await;
+    let dns = dns_server::Dns::start().await;
+    dns.set_ips("llama.fleet.test.", 5, &["127.0.0.1", "127.0.0.2"])
+        .await;
+    let port = stub.addr.port();
+    let args: Vec<String> = [
+        "--backend-dns".to_string(),
+        format!("llama.fleet.test:{port}"),
+        "--dns-server".into(),
+        dns.addr.to_string(),
+        "--dns-removal-grace".into(),
+        "30s".into(),
+        "--probe-interval".into(),
+        "0".into(),
+    ]
+    .into();
+    let cli::Command::Run(parsed) = cli::parse(args).unwrap() else {
+        panic!("a run");
+    };
+    let proxy = start(parsed.config).await;
+    let affinity = proxy.proxy.affinity();
+    let backends = || {
+        affinity.apply_discovery();
+        affinity.backends().len()
+    };
+    // Both addresses come in (a bounded wait on the paused clock).
+    for _ in 0..400 {
+        if backends() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(backends(), 2);
+    // The answers leave one out: it stays for 30 s of them, then goes.
+    dns.set_ips("llama.fleet.test.", 5, &["127.0.0.1"]).await;
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    assert_eq!(backends(), 2, "removed within its grace");
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    assert_eq!(backends(), 1, "kept past its grace");
+}
+
 /// With a fleet for each model, the `--backend-dns` series carry their fleet's `model` too:
 /// one name given for two models is two series apart, not one series written twice (which a
 /// scrape keeps only one of).
