@@ -12,7 +12,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
-use std::num::NonZeroU32;
+use std::num::{NonZeroU32, NonZeroU64};
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -157,6 +157,7 @@ pub struct Backend<S> {
     slots_given: bool,
     prompt_cache_bytes: Option<u64>,
     cache_tokens: u64,
+    context: Option<NonZeroU64>,
     extensions: http::Extensions,
 }
 
@@ -170,6 +171,7 @@ impl<S> Backend<S> {
             slots_given: false,
             prompt_cache_bytes: None,
             cache_tokens: Self::DEFAULT_CACHE_TOKENS,
+            context: None,
             extensions: http::Extensions::new(),
         }
     }
@@ -219,6 +221,49 @@ impl<S> Backend<S> {
         self.slots = slots.min(Self::MAX_SLOTS);
         self.slots_given = true;
         self
+    }
+
+    /// Sets the tokens of context the backend's running requests share: llama-server's `-c`
+    /// with a unified KV cache (its default when `-np` is not given, and with `--kv-unified`).
+    /// The router then sends a request to the backend only while the prompts of its requests
+    /// in flight and this one's fit in it, or while nothing is in flight there; otherwise the
+    /// backend is full for that request, as when its slots are taken: the request goes
+    /// elsewhere, or waits ([`overflow`](crate::SessionAffinityLayer::overflow)), or waits for
+    /// this backend when it holds the request's cache and waiting costs less than reading the
+    /// prompt again elsewhere
+    /// ([`wait_versus_move`](crate::SessionAffinityLayer::wait_versus_move)). Without it, the
+    /// default, only the slots count.
+    ///
+    /// A llama-server whose running requests overfill a unified KV cache clears its idle
+    /// slots, halves its batch, and then fails every request it runs with `500 Context size
+    /// has been exceeded.`: two prompts that each fit can fail together. With `-np` and no
+    /// `--kv-unified`, each slot has its share of `-c` and the server refuses a longer prompt
+    /// itself (400); the limit is not needed there.
+    ///
+    /// A prompt's tokens are the [prompt chain](crate::PromptChain)'s estimate (four bytes a
+    /// token), scaled by what the backend's answers have taught of its own tokens per token
+    /// of the estimate (see [`observe_usage`](crate::SessionAffinityLayer::observe_usage));
+    /// a request without a chain counts none. Tokens a request generates are not counted:
+    /// give the context less the longest answer expected. Router replicas each count their
+    /// own requests against the whole limit.
+    ///
+    /// ```
+    /// use std::num::NonZeroU64;
+    /// use tower_affinity::Backend;
+    ///
+    /// // llama-server -c 131072 (4 slots, one KV cache): answers of up to 8,192 tokens.
+    /// let b = Backend::new("gpu-0", ()).context_tokens(NonZeroU64::new(131_072 - 8_192).unwrap());
+    /// assert_eq!(b.context_limit().map(NonZeroU64::get), Some(122_880));
+    /// ```
+    pub fn context_tokens(mut self, tokens: NonZeroU64) -> Self {
+        self.context = Some(tokens);
+        self
+    }
+
+    /// The tokens of context the backend's running requests share, if given
+    /// ([`context_tokens`](Self::context_tokens)).
+    pub fn context_limit(&self) -> Option<NonZeroU64> {
+        self.context
     }
 
     /// Whether the slot count was given with [`slots`](Self::slots); if not, the backend has
@@ -302,6 +347,7 @@ impl<S> Backend<S> {
             slots_given: self.slots_given,
             prompt_cache_bytes: self.prompt_cache_bytes,
             cache_tokens: self.cache_tokens,
+            context: self.context,
             extensions: self.extensions,
         }
     }
@@ -315,6 +361,7 @@ impl<S> fmt::Debug for Backend<S> {
             .field("slots_given", &self.slots_given)
             .field("prompt_cache_bytes", &self.prompt_cache_bytes)
             .field("cache_tokens", &self.cache_tokens)
+            .field("context", &self.context)
             .finish_non_exhaustive()
     }
 }
@@ -380,6 +427,11 @@ pub(crate) struct Load {
     /// through [`in_flight`](Self::in_flight).
     pub(crate) in_flight: AtomicU32,
     pub(crate) slots: AtomicU32,
+    /// The tokens of context its running requests share ([`Backend::context_tokens`]); 0:
+    /// no limit.
+    pub(crate) context: AtomicU64,
+    /// Of them, the tokens its requests holding a slot take, by the router's estimate.
+    pub(crate) context_in_flight: AtomicU64,
     /// Free slots promised to waiters woken for them and not yet running: other requests
     /// do not take them (see [`wait`](crate::wait)).
     pub(crate) reserved: AtomicU32,
@@ -462,6 +514,8 @@ impl Load {
         Load {
             in_flight: AtomicU32::new(0),
             slots: AtomicU32::new(slots.get()),
+            context: AtomicU64::new(0),
+            context_in_flight: AtomicU64::new(0),
             reserved: AtomicU32::new(0),
             down_until: AtomicU64::new(0),
             failures: AtomicU64::new(0),
@@ -546,7 +600,18 @@ impl Load {
 
     /// Takes a slot if one is free and not promised to a woken waiter. (A retired count is
     /// above any number of slots: nothing is taken on it.)
+    #[cfg(test)]
     pub(crate) fn try_acquire(&self) -> bool {
+        self.try_acquire_for(0).is_some()
+    }
+
+    /// Takes a slot if one is free and not promised to a woken waiter, and on a backend with
+    /// a context limit room for `need` tokens of it (see [`take_context`](Self::take_context));
+    /// returns the tokens of context taken, which the slot's guard gives back.
+    ///
+    /// The slot is taken first: a slot given back because the context is full is one of a
+    /// backend with requests in flight, whose ends wake the waiters.
+    pub(crate) fn try_acquire_for(&self, need: u64) -> Option<u64> {
         let free = self
             .slots
             .load(Ordering::Relaxed)
@@ -555,7 +620,60 @@ impl Load {
             .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |n| {
                 (n < free).then_some(n + 1)
             })
-            .is_ok()
+            .ok()?;
+        let taken = self.take_context(need);
+        if taken.is_none() {
+            self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        }
+        taken
+    }
+
+    /// The tokens of context a prompt of `prompt_tokens` by the chain's estimate takes here,
+    /// in the backend's own tokens as its answers taught (the estimate as it is until they
+    /// have); 0 on a backend without a context limit.
+    pub(crate) fn context_need(&self, prompt_tokens: u64) -> u64 {
+        if prompt_tokens == 0 || self.context.load(Ordering::Relaxed) == 0 {
+            return 0;
+        }
+        let scale = self.learned.token_scale().unwrap_or(1.0);
+        (prompt_tokens as f64 * scale).ceil() as u64
+    }
+
+    /// Takes `need` tokens of context if they fit beside those of the requests in flight
+    /// within the limit, or if none are in flight (a prompt longer than the whole context
+    /// is the backend's to refuse); returns the tokens taken: `need`, or 0 on a backend
+    /// without a limit.
+    fn take_context(&self, need: u64) -> Option<u64> {
+        let limit = self.context.load(Ordering::Relaxed);
+        if need == 0 || limit == 0 {
+            return Some(0);
+        }
+        self.context_in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |held| {
+                (held == 0 || held.saturating_add(need) <= limit).then(|| held + need)
+            })
+            .ok()
+            .map(|_| need)
+    }
+
+    /// Takes `need` tokens of context whether or not they fit (a request overcommitted);
+    /// returns the tokens taken, as [`take_context`](Self::take_context).
+    pub(crate) fn force_context(&self, need: u64) -> u64 {
+        if need == 0 || self.context.load(Ordering::Relaxed) == 0 {
+            return 0;
+        }
+        self.context_in_flight.fetch_add(need, Ordering::AcqRel);
+        need
+    }
+
+    /// Whether `need` tokens of context fit here now (see [`take_context`](Self::take_context)).
+    pub(crate) fn has_context_for(&self, need: u64) -> bool {
+        let limit = self.context.load(Ordering::Relaxed);
+        if need == 0 || limit == 0 {
+            return true;
+        }
+        let held = self.context_in_flight.load(Ordering::Relaxed);
+        held == 0 || held.saturating_add(need) <= limit
     }
 
     /// Requests holding a slot.
@@ -608,6 +726,8 @@ pub(crate) struct SlotGuard {
     /// The stamp the request's prompt chain is recorded with on the backend's cache model (0:
     /// none), in flight there until the slot is released (see [`Load::has_ended`]).
     stamp: u32,
+    /// The tokens of the backend's context the request takes (see [`Load::try_acquire_for`]).
+    context: u64,
 }
 
 impl SlotGuard {
@@ -621,7 +741,14 @@ impl SlotGuard {
             since_ms: now_ms,
             unread: 0,
             stamp: 0,
+            context: 0,
         }
+    }
+
+    /// The request holds `tokens` of the backend's context too, given back with the slot.
+    pub(crate) fn with_context(mut self, tokens: u64) -> Self {
+        self.context = tokens;
+        self
     }
 
     /// The slot's backend and node, by internal index.
@@ -731,6 +858,10 @@ impl Drop for SlotGuard {
             .learned
             .started_ms
             .fetch_sub(self.since_ms, Ordering::Relaxed);
+        // The context first: a request that sees the slot free sees its context free too.
+        if self.context > 0 {
+            (self.load.context_in_flight).fetch_sub(self.context, Ordering::SeqCst);
+        }
         // Sequentially consistent, as the wait queue's count is read next: see `wait`.
         self.load.in_flight.fetch_sub(1, Ordering::SeqCst);
         // A slot on a backend that is down serves no waiter: they looked when it went down,
@@ -1136,7 +1267,10 @@ impl<S> Fleet<Backend<S>> {
             backend.prompt_cache_bytes,
             budget,
         ) as usize;
-        self.topology.members[index].extensions = backend.extensions.clone();
+        let m = &mut self.topology.members[index];
+        m.extensions = backend.extensions.clone();
+        let context = backend.context.map_or(0, NonZeroU64::get);
+        m.load.context.store(context, Ordering::Relaxed);
         if self.backends.len() <= index {
             self.backends.resize_with(index + 1, || None);
         }
@@ -1203,6 +1337,11 @@ pub struct BackendStatus {
     /// request that would move here waits behind them (see
     /// [`wait_versus_move`](crate::SessionAffinityLayer::wait_versus_move)).
     pub unread_tokens: u64,
+    /// The tokens of context its running requests share, if given
+    /// ([`Backend::context_tokens`]).
+    pub context_limit: Option<u64>,
+    /// Of them, the tokens its requests in flight take, by the router's estimate.
+    pub context_in_flight: u64,
     /// Answers that reported their usage (see
     /// [`SessionAffinityLayer::observe_usage`](crate::SessionAffinityLayer::observe_usage)).
     pub usage_reports: u64,
@@ -1279,6 +1418,8 @@ impl Topology {
             cached_blocks: cache.blocks(),
             evicted_blocks: cache.evicted(),
             unread_tokens: l.unread_tokens.load(Ordering::Relaxed),
+            context_limit: Some(m.load.context.load(Ordering::Relaxed)).filter(|&c| c > 0),
+            context_in_flight: m.load.context_in_flight.load(Ordering::Relaxed),
             usage_reports: l.reports.load(Ordering::Relaxed),
             prompt_tokens: l.prompt_tokens.load(Ordering::Relaxed),
             reused_tokens: l.reused_tokens.load(Ordering::Relaxed),
@@ -1653,5 +1794,37 @@ mod tests {
         assert!(!l.try_acquire());
         assert!(l.force_acquire());
         assert_eq!(l.in_flight(), 3);
+    }
+
+    #[test]
+    fn a_slot_comes_with_context_only_while_the_prompt_fits_and_is_given_back_with_it() {
+        let l = Arc::new(Load::new(nz(4), Arc::default(), &"a".into(), &"n".into()));
+        // No limit: nothing counted.
+        assert_eq!((l.context_need(500), l.try_acquire_for(500)), (0, Some(0)));
+        l.in_flight.fetch_sub(1, Ordering::SeqCst);
+        l.context.store(1_000, Ordering::Relaxed);
+        assert_eq!(l.context_need(600), 600);
+        assert_eq!(l.try_acquire_for(600), Some(600));
+        let first = SlotGuard::new(&l, 0, 0, 0).with_context(600);
+        // 600 more would pass 1,000: no slot is kept for it.
+        assert!(!l.has_context_for(600));
+        assert_eq!(l.try_acquire_for(600), None);
+        assert_eq!(l.in_flight(), 1);
+        assert_eq!(l.try_acquire_for(400), Some(400));
+        let second = SlotGuard::new(&l, 0, 0, 0).with_context(400);
+        assert_eq!(l.context_in_flight.load(Ordering::Relaxed), 1_000);
+        drop((first, second));
+        assert_eq!(
+            (l.in_flight(), l.context_in_flight.load(Ordering::Relaxed)),
+            (0, 0)
+        );
+        // Alone, a prompt longer than the whole context is taken.
+        assert_eq!(l.try_acquire_for(5_000), Some(5_000));
+        assert_eq!(l.force_context(10), 10);
+        assert_eq!(l.context_in_flight.load(Ordering::Relaxed), 5_010);
+        // The backend's own tokens, once its answers taught how many a token of the
+        // estimate is.
+        l.learned.set_token_scale(3.5);
+        assert_eq!(l.context_need(100), 350);
     }
 }

@@ -296,9 +296,14 @@ impl Learned {
     }
 
     /// The backend's prompt tokens per token of the chain's estimate, once learned.
-    #[cfg(test)]
     pub(crate) fn token_scale(&self) -> Option<f64> {
         load_f64(&self.token_scale)
+    }
+
+    /// Teaches the scale as if the answers had.
+    #[cfg(test)]
+    pub(crate) fn set_token_scale(&self, scale: f64) {
+        self.token_scale.store(scale.to_bits(), Ordering::Relaxed);
     }
 
     /// The time to read `tokens` after the prompts of the requests in flight that have not

@@ -563,8 +563,15 @@ impl<B, P> Shared<B, P> {
 /// Offers a request that continues a stored response the one backend that stores it: the
 /// candidates, unless that backend is down.
 #[cold]
-fn offer_pinned(t: &Topology, now_ms: u64, backend: u32) -> Option<(u32, Candidates<'_>)> {
-    let mut c = Candidates::acquire(t, now_ms).only_backend(Some(backend));
+fn offer_pinned(
+    t: &Topology,
+    now_ms: u64,
+    backend: u32,
+    prompt_tokens: u64,
+) -> Option<(u32, Candidates<'_>)> {
+    let mut c = Candidates::acquire(t, now_ms)
+        .only_backend(Some(backend))
+        .prompt_tokens(prompt_tokens);
     let _ = c.offer(BackendRef::new(t, backend));
     (c.chosen().is_some() || c.first().is_some()).then_some((backend, c))
 }
@@ -652,7 +659,8 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             }
         };
         // A pinned backend that is down is placed around as any request would be.
-        let pinned = pinned.and_then(|b| offer_pinned(t, now_ms, b));
+        let prompt_tokens = chain.map_or(0, PromptChain::tokens);
+        let pinned = pinned.and_then(|b| offer_pinned(t, now_ms, b, prompt_tokens));
         if let Some((b, _)) = &pinned {
             (cache_backend, cache_node) = (Some(*b), Some(t.member(*b).node));
         }
@@ -664,7 +672,8 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             None => loop {
                 let mut c = Candidates::acquire(t, now_ms)
                     .only_node(only_node)
-                    .only_backend(only_backend);
+                    .only_backend(only_backend)
+                    .prompt_tokens(prompt_tokens);
                 self.placement.place(&view, &request, &mut c);
                 // Nothing healthy left where it waits: nothing to wait for there.
                 let narrowed = only_node.is_some() || only_backend.is_some();
@@ -695,9 +704,14 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
                 _ => wait_home(Scope::Any, Duration::ZERO),
             },
         };
+        let mut context = 0;
         let (index, overcommitted) = match (candidates.claim(), candidates.first()) {
             (Some(i), _) => (i, false),
-            (None, Some(i)) if overcommit && t.member(i).load.force_acquire() => (i, true),
+            (None, Some(i)) if overcommit && t.member(i).load.force_acquire() => {
+                let load = &t.member(i).load;
+                context = load.force_context(load.context_need(prompt_tokens));
+                (i, true)
+            }
             (None, None) if candidates.saw_down() || candidates.passed_over_every_backend_up() => {
                 return Placed::Empty
             }
@@ -706,9 +720,12 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         // A backend the policy passed over is no home to wait for, nor one to be judged by.
         let cache_passed_over = cache_backend.is_some_and(|b| candidates.is_passed_over(b));
         let own_prefix = own_prefix.filter(|&p| !candidates.is_passed_over(p));
+        if !overcommitted {
+            context = candidates.context();
+        }
         drop(candidates);
         let m = t.member(index);
-        let mut guard = SlotGuard::new(&m.load, index, m.node, now_ms);
+        let mut guard = SlotGuard::new(&m.load, index, m.node, now_ms).with_context(context);
         if let (Some(chain), Some(target)) = (chain, cache_backend) {
             let first_try = waited.is_none() && scope == Scope::Any && !overcommitted;
             if self.wait_versus_move && first_try && target != index && !cache_passed_over {
@@ -814,10 +831,11 @@ fn worth_waiting(
 ) -> Option<Duration> {
     let (stay, go) = (t.member(target), t.member(chosen));
     let load = &stay.load;
-    if load.health(now_ms).0 || load.has_free_slot() {
+    let prompt = chain.tokens();
+    let room = load.has_free_slot() && load.has_context_for(load.context_need(prompt));
+    if load.health(now_ms).0 || room {
         return None;
     }
-    let prompt = chain.tokens();
     let lacks = |m: &Member| prompt.saturating_sub(reuse(&m.cache.lock(), chain).1);
     // A backend that has not taught its own figures yet reads as the others do.
     let unlearned = |l: &Learned| l.prefill_rate().is_none() || !l.knows_scale();

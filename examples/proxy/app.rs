@@ -43,7 +43,7 @@ use std::collections::{HashMap, HashSet};
 use std::convert::Infallible;
 use std::fmt;
 use std::future::Future;
-use std::num::NonZeroU32;
+use std::num::{NonZeroU32, NonZeroU64};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -106,7 +106,8 @@ pub(crate) type Affinity =
 
 // === configuration ===
 
-/// One `--backend NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,model=NAME]`, less its cache
+/// One `--backend NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,context=TOKENS][,model=NAME]`,
+/// less its cache
 /// budget (see [`Config::cache_tokens`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct BackendSpec {
@@ -117,6 +118,9 @@ pub(crate) struct BackendSpec {
     pub(crate) authority: Authority,
     /// `None`: one slot until the probe reads `/slots`.
     pub(crate) slots: Option<NonZeroU32>,
+    /// `context=`: the tokens of context its running requests share (see
+    /// [`Backend::context_tokens`]); `None`, only its slots count.
+    pub(crate) context: Option<NonZeroU64>,
     /// The model it serves: the backends of a model are a fleet of their own (see
     /// [`Proxy`]); `None`, the fleet of the requests that name no other.
     pub(crate) model: Option<String>,
@@ -591,6 +595,9 @@ impl Proxy {
                     .cache_tokens(config.cache_tokens(&spec.id));
                 if let Some(slots) = spec.slots {
                     backend = backend.slots(slots);
+                }
+                if let Some(context) = spec.context {
+                    backend = backend.context_tokens(context);
                 }
                 Ok((spec.id.as_str(), backend))
             })

@@ -1,7 +1,7 @@
 //! The proxy's command line.
 
 use std::net::SocketAddr;
-use std::num::{NonZeroU32, NonZeroUsize};
+use std::num::{NonZeroU32, NonZeroU64, NonZeroUsize};
 use std::time::Duration;
 
 use http::uri::Scheme;
@@ -18,7 +18,7 @@ An OpenAI-compatible reverse proxy that keeps each agent session on the llama-se
 that holds its prompt cache: same backend, else same node, else elsewhere.
 
   --listen ADDR              address to serve on (default 127.0.0.1:8080)
-  --backend NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,model=NAME]
+  --backend NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,context=TOKENS][,model=NAME]
                              a backend on host NODE (repeat for each). slots: requests
                              it serves at once (llama-server -np); without it, read from
                              /slots. id: its name (default: the URL's host:port).
@@ -323,11 +323,11 @@ fn names() -> String {
     names.join(", ")
 }
 
-/// `NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,model=NAME]`: the backend, and its `cache=`
+/// `NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,context=TOKENS][,model=NAME]`: the backend, and its `cache=`
 /// in tokens if given.
 pub(crate) fn backend(spec: &str) -> Result<(BackendSpec, Option<u64>), String> {
     let bad = |why: &str| {
-        format!("--backend {spec:?}: {why} (expected NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,model=NAME])")
+        format!("--backend {spec:?}: {why} (expected NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,context=TOKENS][,model=NAME])")
     };
     let (node, rest) = spec.split_once('=').ok_or_else(|| bad("no NODE="))?;
     if node.is_empty() {
@@ -362,6 +362,7 @@ pub(crate) fn backend(spec: &str) -> Result<(BackendSpec, Option<u64>), String> 
     let mut slots = None;
     let mut id = authority.to_string();
     let mut cache = None;
+    let mut context = None;
     let mut model = None;
     let mut given: Vec<&str> = Vec::new();
     for option in parts {
@@ -377,7 +378,11 @@ pub(crate) fn backend(spec: &str) -> Result<(BackendSpec, Option<u64>), String> 
                 slots = Some(NonZeroU32::new(n).ok_or_else(|| bad("slots must be at least 1"))?);
             }
             Some(("id", name)) if !name.is_empty() => id = name.to_string(),
-            Some(("cache", n)) => cache = Some(tokens(n).map_err(|why| bad(&why))?),
+            Some(("cache", n)) => cache = Some(tokens("cache", n).map_err(|why| bad(&why))?),
+            Some(("context", n)) => {
+                let n = tokens("context", n).map_err(|why| bad(&why))?;
+                context = NonZeroU64::new(n);
+            }
             Some(("model", name)) => model = Some(model_name(name).map_err(|why| bad(&why))?),
             _ => return Err(bad(&format!("unknown option {option:?}"))),
         }
@@ -388,6 +393,7 @@ pub(crate) fn backend(spec: &str) -> Result<(BackendSpec, Option<u64>), String> 
         scheme,
         authority,
         slots,
+        context,
         model,
     };
     Ok((spec, cache))
@@ -407,9 +413,10 @@ fn model_name(name: &str) -> Result<String, String> {
     }
 }
 
-/// A count of tokens: `131072`, or with `k`/`K` for 1024, `128k`. At least 1.
-pub(crate) fn tokens(v: &str) -> Result<u64, String> {
-    let bad = || format!("cache={v:?} must be a number of tokens such as 65536 or 64k");
+/// A count of tokens for the option `name`: `131072`, or with `k`/`K` for 1024, `128k`. At
+/// least 1.
+pub(crate) fn tokens(name: &str, v: &str) -> Result<u64, String> {
+    let bad = || format!("{name}={v:?} must be a number of tokens such as 65536 or 64k");
     let (number, scale) = match v.strip_suffix(['k', 'K']) {
         Some(number) => (number, 1024),
         None => (v, 1),
@@ -417,7 +424,7 @@ pub(crate) fn tokens(v: &str) -> Result<u64, String> {
     let n: u64 = number.parse().map_err(|_| bad())?;
     let n = n.checked_mul(scale).ok_or_else(bad)?;
     if n == 0 {
-        return Err("cache must be at least 1 token".into());
+        return Err(format!("{name} must be at least 1 token"));
     }
     Ok(n)
 }

@@ -173,6 +173,11 @@ pub struct Candidates<'a> {
     mode: Mode<'a>,
     first: Option<u32>,
     chosen: Option<u32>,
+    /// The request's prompt tokens, by its chain's estimate (0: none), for backends with a
+    /// context limit.
+    prompt_tokens: u64,
+    /// The tokens of context taken with the chosen backend's slot.
+    context: u64,
 }
 
 enum Mode<'a> {
@@ -197,6 +202,8 @@ impl<'a> Candidates<'a> {
             mode: Mode::Acquire,
             first: None,
             chosen: None,
+            prompt_tokens: 0,
+            context: 0,
         }
     }
 
@@ -212,6 +219,8 @@ impl<'a> Candidates<'a> {
             mode: Mode::Probe,
             first: None,
             chosen: None,
+            prompt_tokens: 0,
+            context: 0,
         }
     }
 
@@ -227,6 +236,8 @@ impl<'a> Candidates<'a> {
             mode: Mode::Collect(into),
             first: None,
             chosen: None,
+            prompt_tokens: 0,
+            context: 0,
         }
     }
 
@@ -266,8 +277,16 @@ impl<'a> Candidates<'a> {
                 }
                 false
             }
-            Mode::Acquire => load.try_acquire(),
-            Mode::Probe => load.has_free_slot(),
+            Mode::Acquire => match load.try_acquire_for(load.context_need(self.prompt_tokens)) {
+                Some(context) => {
+                    self.context = context;
+                    true
+                }
+                None => false,
+            },
+            Mode::Probe => {
+                load.has_free_slot() && load.has_context_for(load.context_need(self.prompt_tokens))
+            }
         };
         if taken {
             self.chosen = Some(index);
@@ -399,12 +418,25 @@ impl<'a> Candidates<'a> {
     }
 
     /// The backend whose slot was taken, if any, now the caller's to release: the sink no
-    /// longer gives it back when dropped.
+    /// longer gives it back when dropped. The tokens of its context the request took are
+    /// [`context`](Self::context)'s.
     pub(crate) fn claim(&mut self) -> Option<u32> {
         match self.mode {
             Mode::Acquire => self.chosen.take(),
             _ => self.chosen,
         }
+    }
+
+    /// The request's prompt tokens by its chain's estimate, for backends with a context limit
+    /// ([`Backend::context_tokens`](crate::Backend::context_tokens)).
+    pub(crate) fn prompt_tokens(mut self, tokens: u64) -> Self {
+        self.prompt_tokens = tokens;
+        self
+    }
+
+    /// The tokens of context taken with the chosen backend's slot.
+    pub(crate) fn context(&self) -> u64 {
+        self.context
     }
 
     /// The first healthy backend offered, whether or not it had room.
@@ -425,12 +457,10 @@ impl Drop for Candidates<'_> {
         if let (Mode::Acquire, Some(index)) = (&self.mode, self.chosen) {
             // Released as any taken slot is: its guard, dropped at once.
             let member = self.topology.member(index);
-            drop(SlotGuard::new(
-                &member.load,
-                index,
-                member.node,
-                self.now_ms,
-            ));
+            drop(
+                SlotGuard::new(&member.load, index, member.node, self.now_ms)
+                    .with_context(self.context),
+            );
         }
     }
 }

@@ -136,6 +136,7 @@ impl Stub {
             scheme: Scheme::HTTP,
             authority: Authority::try_from(self.addr.to_string()).unwrap(),
             slots: Some(std::num::NonZeroU32::new(64).unwrap()),
+            context: None,
             model: None,
         }
     }

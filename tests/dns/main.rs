@@ -728,14 +728,16 @@ async fn the_node_function_names_each_backend_s_node() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn an_extension_given_to_the_builder_is_on_each_backend() {
+async fn an_extension_and_a_context_given_to_the_builder_are_on_each_backend() {
     #[derive(Clone, Debug, PartialEq)]
     struct Tenant(&'static str);
     let dns = start_dns().await;
     dns.set_ips("acme.fleet.test.", 30, &["10.0.3.1", "10.0.3.2"])
         .await;
+    let context = std::num::NonZeroU64::new(32_768).unwrap();
     let mut fleet = builder(&dns, "acme.fleet.test.:8080")
         .extension(Tenant("acme"))
+        .context_tokens(context)
         .build(|ep: &DnsEndpoint| ep.addr())
         .unwrap();
     answered(fleet.handle().resolved(1)).await;
@@ -746,6 +748,7 @@ async fn an_extension_given_to_the_builder_is_on_each_backend() {
             panic!("not an insert");
         };
         assert_eq!(backend.extensions().get::<Tenant>(), Some(&Tenant("acme")));
+        assert_eq!(backend.context_limit(), Some(context));
     }
 }
 

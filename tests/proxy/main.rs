@@ -2035,7 +2035,7 @@ fn cache_budgets_are_tokens_plain_or_in_units_of_1024() {
         ("128K", 128 * 1024),
         ("1", 1),
     ] {
-        assert_eq!(cli::tokens(v), Ok(tokens), "{v}");
+        assert_eq!(cli::tokens("cache", v), Ok(tokens), "{v}");
     }
     for v in [
         "",
@@ -2049,13 +2049,88 @@ fn cache_budgets_are_tokens_plain_or_in_units_of_1024() {
         "64M",
         "18446744073709551615k",
     ] {
-        assert!(cli::tokens(v).is_err(), "{v:?}");
+        assert!(cli::tokens("cache", v).is_err(), "{v:?}");
     }
     let (spec, cache) = cli::backend("n=http://x:1,cache=2k,slots=3").unwrap();
     assert_eq!((spec.slots.map(|n| n.get()), cache), (Some(3), Some(2048)));
     let (_, cache) = cli::backend("n=http://x:1").unwrap();
     assert_eq!(cache, None);
     assert!(cli::USAGE.contains("[,cache=TOKENS]"));
+}
+
+#[test]
+fn a_backends_context_is_tokens_as_its_cache_is() {
+    let spec = cli::backend("n=http://x:1,context=128k").unwrap().0;
+    assert_eq!(spec.context.map(|n| n.get()), Some(128 * 1024));
+    assert_eq!(cli::backend("n=http://x:1").unwrap().0.context, None);
+    for bad in [
+        "context=0",
+        "context=",
+        "context=1.5k",
+        "context=1,context=2",
+    ] {
+        let e = cli::backend(&format!("n=http://x:1,{bad}")).unwrap_err();
+        assert!(e.contains("context"), "{bad}: {e}");
+    }
+    assert!(cli::USAGE.contains("[,context=TOKENS]"));
+}
+
+/// `context=` reaches the balancer: a backend's running requests are kept within it, by
+/// their prompts' estimates. Two prompts of about 10,000 tokens each do not fit in 16k
+/// together: the second waits for the first, though the backend has slots free.
+#[tokio::test]
+async fn a_backends_context_option_limits_its_requests_in_flight_by_their_prompts() {
+    let a = Stub::start("a", 4).await;
+    let mut config = config(&[("node-a", &a)]);
+    config.backends[0] = cli::backend(&format!("node-a={},slots=4,id=a,context=16k", a.url()))
+        .unwrap()
+        .0;
+    let proxy = start(config).await;
+    assert_eq!(proxy.status("a").context_limit, Some(16 * 1024));
+    a.hold_streams();
+    let streamed = |session: &str| {
+        let text = format!("{session} ").repeat(40_000 / (session.len() + 1));
+        let body = json!({"messages": [{"role": "user", "content": text}], "stream": true});
+        Request::post(proxy.url("/v1/chat/completions"))
+            .header("x-session-id", session)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body.to_string())))
+            .unwrap()
+    };
+    let second_req = streamed("two");
+    let first = proxy.send(streamed("one")).await;
+    assert_eq!(first.status(), 200);
+    let held = proxy.status("a").context_in_flight;
+    assert!((9_000..11_000).contains(&held), "{held}");
+    // The second is not sent while the first runs.
+    let proxy = Arc::new(proxy);
+    let second = tokio::spawn({
+        let proxy = proxy.clone();
+        async move { proxy.send(second_req).await }
+    });
+    // Until the balancer holds it (a bounded wait for the event, not a fixed sleep).
+    let holding = async {
+        while proxy.proxy.affinity().stats().waiting == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    tokio::time::timeout(DEADLINE, holding)
+        .await
+        .expect("the second never waited");
+    assert!(!second.is_finished());
+    assert_eq!((proxy.status("a").in_flight, a.chats()), (1, 1));
+    // The first ends: the second goes.
+    a.release_streams();
+    first.into_body().collect().await.unwrap();
+    let second = tokio::time::timeout(DEADLINE, second)
+        .await
+        .expect("the second never went")
+        .unwrap();
+    assert_eq!(second.status(), 200);
+    second.into_body().collect().await.unwrap();
+    assert_eq!(a.chats(), 2);
+    let status = proxy.status("a");
+    assert_eq!((status.in_flight, status.context_in_flight), (0, 0));
 }
 
 #[tokio::test]

@@ -4051,3 +4051,126 @@ async fn an_answer_cut_midway_is_counted_on_its_backend_and_marks_nothing() {
         (1, 0, true, 0)
     );
 }
+
+// === a context its running requests share ===
+
+/// A fleet of one-node backends `(id, slots, context)`, with a context limit where given.
+fn fleet_with_context(
+    spec: &[(&str, u32, Option<u64>)],
+    streams: &Streams,
+) -> StaticFleet<MockService> {
+    StaticFleet::new(spec.iter().map(|&(id, slots, context)| {
+        let b = Backend::new(id, backend(id, streams)).slots(nz(slots));
+        let b = match context {
+            Some(c) => b.context_tokens(std::num::NonZeroU64::new(c).unwrap()),
+            None => b,
+        };
+        (id, b)
+    }))
+}
+
+/// A streamed request of `session` whose prompt is `tokens` of one block `block`.
+fn prompt(session: &str, block: u64, tokens: u32) -> Req {
+    let mut req = request(Some(session), Some("stream"));
+    let chain = PromptChain::from_blocks([(block, tokens)]);
+    req.extensions_mut().insert(PromptFacts::from_chain(chain));
+    req
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_prompt_that_does_not_fit_the_context_left_waits_though_a_slot_is_free() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_secs(60), 8))
+        .layer(fleet_with_context(&[("a1", 4, Some(3_000))], &streams));
+    let first = send_req(&mut svc, prompt("s1", 1, 2_000)).await.unwrap();
+    let (_, first_tx) = streams.take().unwrap();
+    let a1 = status(&svc, "a1");
+    assert_eq!(
+        (a1.context_limit, a1.context_in_flight),
+        (Some(3_000), 2_000)
+    );
+    // 2,000 more would pass 3,000: it waits, with three slots free.
+    svc.ready().await.unwrap();
+    let mut second = tokio_test::task::spawn(svc.call(prompt("s2", 2, 2_000)));
+    assert_pending!(second.poll());
+    assert_eq!(svc.stats().waiting, 1);
+    // 900 fit beside the first.
+    let small = send_req(&mut svc, prompt("s3", 3, 900)).await.unwrap();
+    let (_, small_tx) = streams.take().unwrap();
+    assert_eq!(status(&svc, "a1").context_in_flight, 2_900);
+    tokio::time::advance(Duration::from_secs(5)).await;
+    assert_pending!(second.poll());
+    // The first ends: the second fits beside the small one.
+    drop(first_tx);
+    first.into_body().collect().await.unwrap();
+    assert!(second.is_woken());
+    let res = assert_ready!(second.poll()).unwrap();
+    assert_eq!(decision(&res).waited, Some(Duration::from_secs(5)));
+    assert_eq!(status(&svc, "a1").context_in_flight, 2_900);
+    drop((small_tx, small, res));
+    let a1 = status(&svc, "a1");
+    assert_eq!((a1.in_flight, a1.context_in_flight), (0, 0));
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_prompt_that_does_not_fit_the_context_left_goes_where_it_fits() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new().layer(fleet_with_context(
+        &[("a1", 4, Some(3_000)), ("b1", 4, Some(3_000))],
+        &streams,
+    ));
+    let first = send_req(&mut svc, prompt("s1", 1, 2_000)).await.unwrap();
+    let home = decision(&first).backend;
+    let second = send_req(&mut svc, prompt("s2", 2, 2_000)).await.unwrap();
+    assert_ne!(decision(&second).backend, home);
+    for b in ["a1", "b1"] {
+        assert_eq!(status(&svc, b).context_in_flight, 2_000);
+    }
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_prompt_longer_than_the_whole_context_goes_when_nothing_runs_there() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_secs(60), 8))
+        .layer(fleet_with_context(&[("a1", 2, Some(1_000))], &streams));
+    // Alone, a prompt longer than the context goes: the backend is the one to refuse it.
+    let long = send_req(&mut svc, prompt("s1", 1, 5_000)).await.unwrap();
+    let (_, long_tx) = streams.take().unwrap();
+    // Anything else waits for it.
+    svc.ready().await.unwrap();
+    let mut small = tokio_test::task::spawn(svc.call(prompt("s2", 2, 10)));
+    assert_pending!(small.poll());
+    drop(long_tx);
+    long.into_body().collect().await.unwrap();
+    assert_ready!(small.poll()).unwrap();
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn without_a_context_limit_only_the_slots_count() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::Reject)
+        .layer(fleet_with_context(&[("a1", 2, None)], &streams));
+    let first = send_req(&mut svc, prompt("s1", 1, 100_000)).await.unwrap();
+    let second = send_req(&mut svc, prompt("s2", 2, 100_000)).await.unwrap();
+    assert_eq!(decision(&second).backend.as_str(), "a1");
+    let a1 = status(&svc, "a1");
+    assert_eq!((a1.context_limit, a1.context_in_flight), (None, 0));
+    drop((first, second));
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn an_overcommitted_request_takes_its_context_too_and_gives_it_back() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::Overcommit)
+        .layer(fleet_with_context(&[("a1", 4, Some(3_000))], &streams));
+    let first = send_req(&mut svc, prompt("s1", 1, 2_000)).await.unwrap();
+    let second = send_req(&mut svc, prompt("s2", 2, 2_000)).await.unwrap();
+    assert_eq!(decision(&second).backend.as_str(), "a1");
+    assert_eq!(status(&svc, "a1").context_in_flight, 4_000);
+    drop((first, second));
+    assert_eq!(status(&svc, "a1").context_in_flight, 0);
+}

@@ -3,7 +3,7 @@
 use std::convert::Infallible;
 use std::fmt;
 use std::net::SocketAddr;
-use std::num::NonZeroU32;
+use std::num::{NonZeroU32, NonZeroU64};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -80,6 +80,7 @@ pub struct DnsFleetBuilder {
     node: NodeOf,
     slots: Option<NonZeroU32>,
     cache_tokens: u64,
+    context: Option<NonZeroU64>,
     extensions: http::Extensions,
 }
 
@@ -109,6 +110,7 @@ impl DnsFleetBuilder {
             node: Arc::new(|ep: &DnsEndpoint| NodeId::from(ep.ip().to_string())),
             slots: None,
             cache_tokens: Backend::<()>::DEFAULT_CACHE_TOKENS,
+            context: None,
             extensions: http::Extensions::new(),
         }
     }
@@ -231,6 +233,13 @@ impl DnsFleetBuilder {
         self
     }
 
+    /// The tokens of context each backend's running requests share (see
+    /// [`Backend::context_tokens`]). Default: none, only the slots count.
+    pub fn context_tokens(mut self, tokens: NonZeroU64) -> Self {
+        self.context = Some(tokens);
+        self
+    }
+
     /// Attaches `value` to each backend of this name (see [`Backend::extension`]): the
     /// tenant or the GPU the name stands for, for a policy of your own to read.
     pub fn extension<T: Clone + Send + Sync + 'static>(mut self, value: T) -> Self {
@@ -266,6 +275,7 @@ impl DnsFleetBuilder {
             node: self.node,
             slots: self.slots,
             cache_tokens: self.cache_tokens,
+            context: self.context,
             extensions: self.extensions,
         };
         Ok(DnsFleet::start(resolver, self.target, self.schedule, make))
@@ -324,6 +334,7 @@ impl fmt::Debug for DnsFleetBuilder {
             .field("attempts", &self.attempts)
             .field("slots", &self.slots)
             .field("cache_tokens", &self.cache_tokens)
+            .field("context", &self.context)
             .finish_non_exhaustive()
     }
 }

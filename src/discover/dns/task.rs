@@ -4,7 +4,7 @@ use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::net::SocketAddr;
-use std::num::NonZeroU32;
+use std::num::{NonZeroU32, NonZeroU64};
 use std::pin::pin;
 use std::sync::Arc;
 use std::task::Poll;
@@ -64,6 +64,7 @@ pub(crate) struct Make<S> {
     pub(crate) node: NodeOf,
     pub(crate) slots: Option<NonZeroU32>,
     pub(crate) cache_tokens: u64,
+    pub(crate) context: Option<NonZeroU64>,
     pub(crate) extensions: http::Extensions,
 }
 
@@ -73,6 +74,10 @@ impl<S> Make<S> {
         backend.extensions_mut().extend(self.extensions.clone());
         let backend = match self.slots {
             Some(slots) => backend.slots(slots),
+            None => backend,
+        };
+        let backend = match self.context {
+            Some(tokens) => backend.context_tokens(tokens),
             None => backend,
         };
         Ok(backend.cache_tokens(self.cache_tokens))

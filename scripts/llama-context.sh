@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# What a real llama-server does when the prompts of its running requests overfill a unified
+# KV cache, and what `context=` on the proxy's `--backend` does about it. Run by hand (never
+# by CI), after `scripts/e2e-llama.sh --setup-only` (this uses its cached llama-server and
+# model); it builds `--example proxy` (features health, dns, redis) unless TA_PROXY_BIN
+# names a binary.
+#
+#   scripts/llama-context.sh
+#
+# One llama-server on loopback, `-np 2 -c 1024 --kv-unified` (two slots sharing 1,024 tokens
+# of KV, as llama-server's defaults share theirs), no RAM cache. Each prompt is about 990
+# tokens: one alone fits, two together do not. Three runs, each sending two such prompts at
+# once (different text each run, so that nothing is reused):
+#   direct        straight to llama-server: it clears its idle slots, halves its batch, and
+#                 then fails both requests with 500 "Context size has been exceeded.";
+#   proxy         through the proxy with `slots=2` alone: the same, as the proxy sends both;
+#   proxy-context through the proxy with `slots=2,context=1024`, after one prompt alone has
+#                 taught it the backend's tokens per token of its estimate: the second request
+#                 waits for the first, and both are answered.
+# Exits 0 when the three come out so.
+#
+# Environment: TA_CACHE_DIR (~/.cache/tower-affinity), TA_CONTEXT_PORT (18095, the proxy on
+# the next port), TA_PROXY_BIN.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CACHE="${TA_CACHE_DIR:-$HOME/.cache/tower-affinity}"
+BIN="$CACHE/bin"
+MODEL="$CACHE/models/gemma-3-270m-q4_k_m.gguf"
+PORT="${TA_CONTEXT_PORT:-18095}"
+PROXY_PORT=$((PORT + 1))
+
+[[ -x "$BIN/llama-server" && -f "$MODEL" ]] || {
+    echo "no cached llama-server or model in $CACHE: run scripts/e2e-llama.sh --setup-only first" >&2
+    exit 2
+}
+if [[ -z "${TA_PROXY_BIN:-}" ]]; then
+    (cd "$ROOT" && cargo build --release --features health,dns,redis --example proxy) >&2
+    TA_PROXY_BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release/examples/proxy"
+fi
+
+LOGS="$(mktemp -d)"
+PIDS=()
+trap 'kill "${PIDS[@]}" 2>/dev/null || true' EXIT
+
+wait_up() { # url
+    for _ in $(seq 1 240); do
+        curl -s -m 2 -o /dev/null -w '%{http_code}' "$1" | grep -q 200 && return 0
+        sleep 0.5
+    done
+    echo "no answer from $1" >&2
+    return 1
+}
+
+LD_LIBRARY_PATH="$BIN" "$BIN/llama-server" -m "$MODEL" --host 127.0.0.1 --port "$PORT" \
+    -np 2 -c 1024 --kv-unified -t 2 --cache-ram 0 >"$LOGS/llama.log" 2>&1 &
+PIDS+=($!)
+wait_up "http://127.0.0.1:$PORT/health"
+
+# pair RUN URL [teach]: two prompts at once (after one alone with `teach`); prints each
+# answer's status, and exits 0 if the run came out as its name says it should.
+pair() {
+    python3 - "$@" <<'PY'
+import json, sys, threading, urllib.error, urllib.request
+
+run, url = sys.argv[1], sys.argv[2] + "/v1/chat/completions"
+teach = len(sys.argv) > 3
+
+def prompt(tag):
+    rules = " ".join(f"Rule {tag}{i}: keep the code tidy." for i in range(75))
+    return [{"role": "user", "content": rules}]
+
+def ask(tag, session, out):
+    body = json.dumps({"messages": prompt(tag), "max_tokens": 8, "temperature": 0}).encode()
+    headers = {"content-type": "application/json", "x-session-id": session}
+    req = urllib.request.Request(url, body, headers)
+    try:
+        r = urllib.request.urlopen(req, timeout=600)
+        j = json.load(r)
+        out[session] = (r.status, j["usage"]["prompt_tokens"])
+    except urllib.error.HTTPError as e:
+        out[session] = (e.code, e.read().decode(errors="replace")[:120])
+
+out = {}
+if teach:
+    ask(run + "t", run + "-teach", out)
+    print(f"{run}: alone first: {out.pop(run + '-teach')}")
+threads = [threading.Thread(target=ask, args=(run + s, run + "-" + s, out)) for s in "ab"]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+for s, r in sorted(out.items()):
+    print(f"{run}: {s}: {r}")
+statuses = [r[0] for r in out.values()]
+ok = all(c == 200 for c in statuses) if run == "proxy-context" else any(c == 500 for c in statuses)
+print(f"{run}: {'as expected' if ok else 'NOT as expected'}")
+sys.exit(0 if ok else 1)
+PY
+}
+
+start_proxy() { # backend options
+    "$TA_PROXY_BIN" --listen "127.0.0.1:$PROXY_PORT" --no-slots-probe \
+        --backend "n=http://127.0.0.1:$PORT,$1" >"$LOGS/proxy-$1.log" 2>&1 &
+    PROXY_PID=$!
+    PIDS+=("$PROXY_PID")
+    wait_up "http://127.0.0.1:$PROXY_PORT/metrics"
+}
+
+fail=0
+pair direct "http://127.0.0.1:$PORT" || fail=1
+start_proxy slots=2
+pair proxy "http://127.0.0.1:$PROXY_PORT" || fail=1
+kill "$PROXY_PID"
+wait "$PROXY_PID" 2>/dev/null || true
+start_proxy slots=2,context=1024
+pair proxy-context "http://127.0.0.1:$PROXY_PORT" teach || fail=1
+grep -c "Context size has been exceeded" "$LOGS/llama.log" | sed 's/^/llama-server errors "Context size has been exceeded": /'
+echo "logs: $LOGS"
+exit "$fail"
