@@ -81,6 +81,9 @@ usage: cargo run --release --example swarm -- [options]
   --vram V          run (default) | wait: a llama-server backend runs a prompt whose KV does
                     not fit in the VRAM beside its busy slots' (counted under each table), or
                     waits until they leave it room
+  --router-context  the routers give each backend its VRAM's tokens as the context its
+                    running requests share (Backend::context_tokens): a prompt that does
+                    not fit there beside those in flight finds the backend full
   --oracle          adds NTB+oracle: NodeThenBackend told what the simulated caches
                     really hold, the same rules with a perfect cache model (not an
                     upper bound: greedy rules can do worse knowing more)
@@ -134,6 +137,7 @@ struct Options {
     trace_chains: trace::Chains,
     slot_policy: cache::SlotPolicy,
     vram: cache::Vram,
+    router_context: bool,
     replicas: routers::Replicas,
 }
 
@@ -153,7 +157,11 @@ impl Options {
             cache::Vram::Run => "",
             cache::Vram::Wait => "; a prompt waits for room in VRAM",
         };
-        fleet.describe().to_owned() + &self.replicas.describe() + slots + vram
+        let context = match self.router_context {
+            true => "; routers count each backend's VRAM as its context",
+            false => "",
+        };
+        fleet.describe().to_owned() + &self.replicas.describe() + slots + vram + context
     }
 }
 
@@ -173,6 +181,7 @@ impl Default for Options {
             trace_chains: trace::Chains::Blocks,
             slot_policy: cache::SlotPolicy::Llama,
             vram: cache::Vram::Run,
+            router_context: false,
             replicas: routers::Replicas {
                 routers: 1,
                 entry: routers::Entry::Random,
@@ -276,6 +285,7 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String>
             }
             "--out" => o.out = Some(value()?.into()),
             "--keyless" => o.keyless = true,
+            "--router-context" => o.router_context = true,
             "--oracle" => o.oracle = true,
             "--slot-policy" => {
                 let v = value()?;
@@ -807,6 +817,7 @@ fn main() {
     routers::set(o.replicas);
     cache::set_slot_policy(o.slot_policy);
     cache::set_vram(o.vram);
+    sim::set_router_context(o.router_context);
     let started = Instant::now();
     let tables = match run(&o) {
         Ok(t) => t,

@@ -2,7 +2,7 @@
 //! backends, one policy at a time, on a paused virtual clock.
 
 use std::future::Future;
-use std::num::NonZeroU32;
+use std::num::{NonZeroU32, NonZeroU64};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -130,6 +130,17 @@ impl Placement for Oracle {
     }
 }
 
+thread_local! {
+    static ROUTER_CONTEXT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the routers built on this thread from now on give each backend its VRAM's tokens
+/// as the context its running requests share (`--router-context`,
+/// [`Backend::context_tokens`]).
+pub(crate) fn set_router_context(on: bool) {
+    ROUTER_CONTEXT.with(|c| c.set(on));
+}
+
 /// The service for `policy` over a fresh fleet, and the fleet's backends: one router, or the
 /// replicas [`routers::get`] says, each modelling its share of every backend's cache.
 pub(crate) fn build(policy: Policy, fleet: &[BackendSpec]) -> (Svc, Vec<SimBackend>) {
@@ -154,6 +165,12 @@ pub(crate) fn build(policy: Policy, fleet: &[BackendSpec]) -> (Svc, Vec<SimBacke
                     .slots(slots)
                     .prompt_cache_bytes(s.model.ram_bytes)
                     .cache_tokens(s.model.cache_tokens());
+                let b = match NonZeroU64::new(s.model.vram_tokens) {
+                    Some(vram) if ROUTER_CONTEXT.with(std::cell::Cell::get) => {
+                        b.context_tokens(vram)
+                    }
+                    _ => b,
+                };
                 (s.id.as_str(), b)
             }));
             let mut layer = SessionAffinityLayer::new()
