@@ -108,6 +108,7 @@ impl PromptChain {
     }
 
     /// Estimated tokens of the whole prompt (as far as the chain goes).
+    #[inline]
     pub fn tokens(&self) -> u64 {
         self.links.last().map_or(0, |l| l.tokens)
     }

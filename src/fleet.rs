@@ -600,18 +600,7 @@ impl Load {
 
     /// Takes a slot if one is free and not promised to a woken waiter. (A retired count is
     /// above any number of slots: nothing is taken on it.)
-    #[cfg(test)]
     pub(crate) fn try_acquire(&self) -> bool {
-        self.try_acquire_for(0).is_some()
-    }
-
-    /// Takes a slot if one is free and not promised to a woken waiter, and on a backend with
-    /// a context limit room for `need` tokens of it (see [`take_context`](Self::take_context));
-    /// returns the tokens of context taken, which the slot's guard gives back.
-    ///
-    /// The slot is taken first: a slot given back because the context is full is one of a
-    /// backend with requests in flight, whose ends wake the waiters.
-    pub(crate) fn try_acquire_for(&self, need: u64) -> Option<u64> {
         let free = self
             .slots
             .load(Ordering::Relaxed)
@@ -620,7 +609,17 @@ impl Load {
             .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |n| {
                 (n < free).then_some(n + 1)
             })
-            .ok()?;
+            .is_ok()
+    }
+
+    /// Takes room for `need` tokens of context with the slot just taken
+    /// ([`try_acquire`](Self::try_acquire)), or gives the slot back; returns the tokens
+    /// taken (see [`take_context`](Self::take_context)), which the slot's guard gives back.
+    ///
+    /// The slot is taken first: a slot given back because the context is full is one of a
+    /// backend with requests in flight, whose ends wake the waiters.
+    #[cold]
+    pub(crate) fn take_context_or_give_back(&self, need: u32) -> Option<u32> {
         let taken = self.take_context(need);
         if taken.is_none() {
             self.in_flight.fetch_sub(1, Ordering::SeqCst);
@@ -628,29 +627,47 @@ impl Load {
         taken
     }
 
+    /// [`try_acquire`](Self::try_acquire), then
+    /// [`take_context_or_give_back`](Self::take_context_or_give_back).
+    #[cfg(test)]
+    pub(crate) fn try_acquire_for(&self, need: u32) -> Option<u32> {
+        if !self.try_acquire() {
+            return None;
+        }
+        self.take_context_or_give_back(need)
+    }
+
+    /// Whether the backend has a context limit ([`Backend::context_tokens`]).
+    #[inline]
+    pub(crate) fn has_context_limit(&self) -> bool {
+        self.context.load(Ordering::Relaxed) != 0
+    }
+
     /// The tokens of context a prompt of `prompt_tokens` by the chain's estimate takes here,
     /// in the backend's own tokens as its answers taught (the estimate as it is until they
-    /// have); 0 on a backend without a context limit.
-    pub(crate) fn context_need(&self, prompt_tokens: u64) -> u64 {
+    /// have), at most `u32::MAX`; 0 on a backend without a context limit.
+    pub(crate) fn context_need(&self, prompt_tokens: u64) -> u32 {
         if prompt_tokens == 0 || self.context.load(Ordering::Relaxed) == 0 {
             return 0;
         }
         let scale = self.learned.token_scale().unwrap_or(1.0);
-        (prompt_tokens as f64 * scale).ceil() as u64
+        // A float past `u32::MAX` saturates.
+        (prompt_tokens as f64 * scale).ceil() as u32
     }
 
     /// Takes `need` tokens of context if they fit beside those of the requests in flight
     /// within the limit, or if none are in flight (a prompt longer than the whole context
     /// is the backend's to refuse); returns the tokens taken: `need`, or 0 on a backend
     /// without a limit.
-    fn take_context(&self, need: u64) -> Option<u64> {
+    fn take_context(&self, need: u32) -> Option<u32> {
         let limit = self.context.load(Ordering::Relaxed);
         if need == 0 || limit == 0 {
             return Some(0);
         }
+        let n = u64::from(need);
         self.context_in_flight
             .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |held| {
-                (held == 0 || held.saturating_add(need) <= limit).then(|| held + need)
+                (held == 0 || held.saturating_add(n) <= limit).then(|| held + n)
             })
             .ok()
             .map(|_| need)
@@ -658,22 +675,22 @@ impl Load {
 
     /// Takes `need` tokens of context whether or not they fit (a request overcommitted);
     /// returns the tokens taken, as [`take_context`](Self::take_context).
-    pub(crate) fn force_context(&self, need: u64) -> u64 {
+    pub(crate) fn force_context(&self, need: u32) -> u32 {
         if need == 0 || self.context.load(Ordering::Relaxed) == 0 {
             return 0;
         }
-        self.context_in_flight.fetch_add(need, Ordering::AcqRel);
+        (self.context_in_flight).fetch_add(u64::from(need), Ordering::AcqRel);
         need
     }
 
     /// Whether `need` tokens of context fit here now (see [`take_context`](Self::take_context)).
-    pub(crate) fn has_context_for(&self, need: u64) -> bool {
+    pub(crate) fn has_context_for(&self, need: u32) -> bool {
         let limit = self.context.load(Ordering::Relaxed);
         if need == 0 || limit == 0 {
             return true;
         }
         let held = self.context_in_flight.load(Ordering::Relaxed);
-        held == 0 || held.saturating_add(need) <= limit
+        held == 0 || held.saturating_add(u64::from(need)) <= limit
     }
 
     /// Requests holding a slot.
@@ -726,8 +743,10 @@ pub(crate) struct SlotGuard {
     /// The stamp the request's prompt chain is recorded with on the backend's cache model (0:
     /// none), in flight there until the slot is released (see [`Load::has_ended`]).
     stamp: u32,
-    /// The tokens of the backend's context the request takes (see [`Load::try_acquire_for`]).
-    context: u64,
+    /// The tokens of the backend's context the request takes (see
+    /// [`Load::take_context_or_give_back`]):
+    /// 32 bits, which fill the struct's padding.
+    context: u32,
 }
 
 impl SlotGuard {
@@ -746,7 +765,7 @@ impl SlotGuard {
     }
 
     /// The request holds `tokens` of the backend's context too, given back with the slot.
-    pub(crate) fn with_context(mut self, tokens: u64) -> Self {
+    pub(crate) fn with_context(mut self, tokens: u32) -> Self {
         self.context = tokens;
         self
     }
@@ -860,7 +879,8 @@ impl Drop for SlotGuard {
             .fetch_sub(self.since_ms, Ordering::Relaxed);
         // The context first: a request that sees the slot free sees its context free too.
         if self.context > 0 {
-            (self.load.context_in_flight).fetch_sub(self.context, Ordering::SeqCst);
+            let context = u64::from(self.context);
+            (self.load.context_in_flight).fetch_sub(context, Ordering::SeqCst);
         }
         // Sequentially consistent, as the wait queue's count is read next: see `wait`.
         self.load.in_flight.fetch_sub(1, Ordering::SeqCst);

@@ -569,9 +569,7 @@ fn offer_pinned(
     backend: u32,
     prompt_tokens: u64,
 ) -> Option<(u32, Candidates<'_>)> {
-    let mut c = Candidates::acquire(t, now_ms)
-        .only_backend(Some(backend))
-        .prompt_tokens(prompt_tokens);
+    let mut c = Candidates::acquire(t, now_ms, prompt_tokens).only_backend(Some(backend));
     let _ = c.offer(BackendRef::new(t, backend));
     (c.chosen().is_some() || c.first().is_some()).then_some((backend, c))
 }
@@ -670,10 +668,9 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         let mut candidates = match pinned.map(|(_, c)| c) {
             Some(c) => c,
             None => loop {
-                let mut c = Candidates::acquire(t, now_ms)
+                let mut c = Candidates::acquire(t, now_ms, prompt_tokens)
                     .only_node(only_node)
-                    .only_backend(only_backend)
-                    .prompt_tokens(prompt_tokens);
+                    .only_backend(only_backend);
                 self.placement.place(&view, &request, &mut c);
                 // Nothing healthy left where it waits: nothing to wait for there.
                 let narrowed = only_node.is_some() || only_backend.is_some();

@@ -102,7 +102,7 @@ use std::fmt;
 use std::ops::ControlFlow;
 use std::sync::Arc;
 
-use crate::fleet::{SlotGuard, Topology};
+use crate::fleet::{Load, SlotGuard, Topology};
 
 pub use baselines::{LeastLoaded, Rendezvous, RoundRobin};
 pub use node_then_backend::NodeThenBackend;
@@ -177,7 +177,7 @@ pub struct Candidates<'a> {
     /// context limit.
     prompt_tokens: u64,
     /// The tokens of context taken with the chosen backend's slot.
-    context: u64,
+    context: u32,
 }
 
 enum Mode<'a> {
@@ -190,8 +190,10 @@ enum Mode<'a> {
 }
 
 impl<'a> Candidates<'a> {
-    /// A sink that takes the first offered backend with a free slot.
-    pub(crate) fn acquire(topology: &'a Topology, now_ms: u64) -> Self {
+    /// A sink that takes the first offered backend with a free slot, and room in its context
+    /// for a prompt of `prompt_tokens` by its chain's estimate (0: none), if it has a limit
+    /// ([`Backend::context_tokens`](crate::Backend::context_tokens)).
+    pub(crate) fn acquire(topology: &'a Topology, now_ms: u64, prompt_tokens: u64) -> Self {
         Candidates {
             topology,
             only_node: None,
@@ -202,7 +204,7 @@ impl<'a> Candidates<'a> {
             mode: Mode::Acquire,
             first: None,
             chosen: None,
-            prompt_tokens: 0,
+            prompt_tokens,
             context: 0,
         }
     }
@@ -277,13 +279,7 @@ impl<'a> Candidates<'a> {
                 }
                 false
             }
-            Mode::Acquire => match load.try_acquire_for(load.context_need(self.prompt_tokens)) {
-                Some(context) => {
-                    self.context = context;
-                    true
-                }
-                None => false,
-            },
+            Mode::Acquire => load.try_acquire() && self.take_context(load),
             Mode::Probe => {
                 load.has_free_slot() && load.has_context_for(load.context_need(self.prompt_tokens))
             }
@@ -293,6 +289,23 @@ impl<'a> Candidates<'a> {
             ControlFlow::Break(())
         } else {
             ControlFlow::Continue(())
+        }
+    }
+
+    /// With a slot just taken on `load`, room for the request's prompt in its context, if it
+    /// has a limit; else the slot is given back (see
+    /// [`Backend::context_tokens`](crate::Backend::context_tokens)).
+    #[inline(always)]
+    fn take_context(&mut self, load: &Load) -> bool {
+        if self.prompt_tokens == 0 || !load.has_context_limit() {
+            return true;
+        }
+        match load.take_context_or_give_back(load.context_need(self.prompt_tokens)) {
+            Some(context) => {
+                self.context = context;
+                true
+            }
+            None => false,
         }
     }
 
@@ -427,15 +440,8 @@ impl<'a> Candidates<'a> {
         }
     }
 
-    /// The request's prompt tokens by its chain's estimate, for backends with a context limit
-    /// ([`Backend::context_tokens`](crate::Backend::context_tokens)).
-    pub(crate) fn prompt_tokens(mut self, tokens: u64) -> Self {
-        self.prompt_tokens = tokens;
-        self
-    }
-
     /// The tokens of context taken with the chosen backend's slot.
-    pub(crate) fn context(&self) -> u64 {
+    pub(crate) fn context(&self) -> u32 {
         self.context
     }
 

@@ -536,7 +536,12 @@ impl FleetModel {
             let gated = SlowReady::new(svc, Duration::ZERO, self.slowness.clone(), true);
             svc = BoxCloneSyncService::new(gated);
         }
-        let backend = Backend::new(format!("n{node}"), svc).slots(NonZeroU32::new(slots).unwrap());
+        let mut backend =
+            Backend::new(format!("n{node}"), svc).slots(NonZeroU32::new(slots).unwrap());
+        // Every third backend's slots share a context that two long prompts overfill.
+        if b % 3 == 0 {
+            backend = backend.context_tokens(std::num::NonZeroU64::new(CONTEXT).unwrap());
+        }
         assert!(self.handle.insert(Self::name(b), backend));
     }
 }
@@ -550,6 +555,9 @@ fn request(session: Option<&str>, mode: &str, r: u64) -> Req {
     }
     b.body(String::new()).unwrap()
 }
+
+/// The context of the backends given one: two prompts of a few turns do not fit in it.
+const CONTEXT: u64 = 8_000;
 
 /// Conversation `conv`'s prompt at turn `turn`: a system prompt every conversation shares,
 /// its first message, then an answer and a question a turn.
@@ -1064,7 +1072,7 @@ async fn run_on(s: Settings) -> Vec<String> {
         problems.push(format!("waiting at the end: {}", stats.waiting));
     }
     for b in svc.backends() {
-        if b.in_flight != 0 {
+        if b.in_flight != 0 || b.context_in_flight != 0 {
             problems.push(format!("backend in flight at the end: {b:?}"));
         }
     }
@@ -1297,7 +1305,7 @@ async fn run_on(s: Settings) -> Vec<String> {
     let (rounds, served) = liveness(&svc, s, slots, &mut problems).await;
     // Every slot free at the end.
     for b in svc.backends() {
-        if b.in_flight != 0 {
+        if b.in_flight != 0 || b.context_in_flight != 0 {
             problems.push(format!("after the rounds, a slot still taken: {b:?}"));
         }
     }
