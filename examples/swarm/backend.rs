@@ -100,10 +100,49 @@ struct State {
     /// Under `--vram wait`, the requests waiting to be admitted, in arrival order.
     queue: VecDeque<u64>,
     next_ticket: u64,
+    /// Under `--gpu-work all`, when the GPU read prompts, restored and saved states, oldest
+    /// first (disjoint, as the work is queued): decoding slots stall meanwhile.
+    busy: VecDeque<(Instant, Instant)>,
 }
+
+/// What takes the GPU's time (`--gpu-work`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum GpuWork {
+    /// Reading prompts and restoring states, one after another; decoding goes on beside
+    /// them, and saving a state to RAM is free.
+    #[default]
+    Prompts,
+    /// As llama-server runs them, in one loop: saving a state to RAM takes the time a
+    /// restore of as many tokens does, and a decoding slot makes no progress while the GPU
+    /// reads another prompt or copies a state (a rough model of one batch shared by all).
+    All,
+}
+
+impl GpuWork {
+    pub(crate) fn parse(s: &str) -> Option<Self> {
+        match s {
+            "prompts" => Some(GpuWork::Prompts),
+            "all" => Some(GpuWork::All),
+            _ => None,
+        }
+    }
+}
+
+thread_local! {
+    static GPU_WORK: std::cell::Cell<GpuWork> = const { std::cell::Cell::new(GpuWork::Prompts) };
+}
+
+/// Sets what takes the GPU's time on the backends built on this thread from now on.
+pub(crate) fn set_gpu_work(w: GpuWork) {
+    GPU_WORK.with(|c| c.set(w));
+}
+
+/// How long the GPU's busy times are kept: longer than any answer decodes.
+const BUSY_KEPT: Duration = Duration::from_secs(3600);
 
 struct Inner {
     model: Model,
+    gpu_work: GpuWork,
     state: Mutex<State>,
     freed: Notify,
 }
@@ -120,11 +159,13 @@ impl SimBackend {
         SimBackend {
             inner: Arc::new(Inner {
                 model,
+                gpu_work: GPU_WORK.with(std::cell::Cell::get),
                 state: Mutex::new(State {
                     cache: BackendCache::new(model.slots as usize, model.vram_tokens, ram),
                     gpu_free: Instant::now(),
                     queue: VecDeque::new(),
                     next_ticket: 0,
+                    busy: VecDeque::new(),
                 }),
                 freed: Notify::new(),
             }),
@@ -202,6 +243,7 @@ impl tower::Service<http::Request<Prompt>> for SimBackend {
                     kv: kv.into(),
                 }),
                 done: Box::pin(tokio::time::sleep(decode)),
+                decoding: (first_token, decode),
             };
             let mut res = http::Response::new(body);
             res.headers_mut().insert(
@@ -240,9 +282,23 @@ async fn admit(inner: &Inner, prompt: &Blocks) -> (Admission, Instant, Duration)
             if let Some(a) = first.then(|| s.cache.admit(prompt)).flatten() {
                 let now = Instant::now();
                 let start = s.gpu_free.max(now);
-                let work = inner
+                let mut work = inner
                     .model
                     .work(cache::tokens(prompt), a.reused, a.restored);
+                let saved = s.cache.take_saved();
+                if inner.gpu_work == GpuWork::All {
+                    work += Duration::from_secs_f64(saved as f64 / inner.model.restore_tps);
+                    if !work.is_zero() {
+                        s.busy.push_back((start, start + work));
+                    }
+                    while s
+                        .busy
+                        .front()
+                        .is_some_and(|&(_, end)| end + BUSY_KEPT < now)
+                    {
+                        s.busy.pop_front();
+                    }
+                }
                 s.gpu_free = start + work;
                 return (a, start + work + inner.model.overhead, work);
             }
@@ -293,6 +349,34 @@ pub(crate) struct Answer {
     last: Option<Bytes>,
     lease: Option<Lease>,
     done: Pin<Box<Sleep>>,
+    /// When decoding began, and how long it takes on a GPU doing nothing else.
+    decoding: (Instant, Duration),
+}
+
+impl Answer {
+    /// Under [`GpuWork::All`], when decoding ends: its own time after the GPU's other work
+    /// since it began, up to that end (a fixed point: work queued while it stalls stalls it
+    /// further). `None` otherwise.
+    fn stalled_end(&self) -> Option<Instant> {
+        let lease = self.lease.as_ref()?;
+        if lease.inner.gpu_work != GpuWork::All {
+            return None;
+        }
+        let (from, decode) = self.decoding;
+        let s = lease.inner.state.lock();
+        let mut end = from + decode;
+        loop {
+            let stalled: Duration = (s.busy.iter())
+                .filter(|&&(a, b)| b > from && a < end)
+                .map(|&(a, b)| b.min(end) - a.max(from))
+                .sum();
+            let next = from + decode + stalled;
+            if next <= end {
+                return Some(end);
+            }
+            end = next;
+        }
+    }
 }
 
 impl fmt::Debug for Answer {
@@ -319,6 +403,12 @@ impl Body for Answer {
         }
         if self.done.as_mut().poll(cx).is_pending() {
             return Poll::Pending;
+        }
+        if let Some(end) = self.stalled_end().filter(|&end| end > Instant::now()) {
+            self.done.as_mut().reset(end);
+            if self.done.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
         }
         self.lease = None;
         Poll::Ready(self.last.take().map(|last| Ok(Frame::data(last))))
@@ -385,6 +475,72 @@ mod tests {
         let res2 = second.await.unwrap().unwrap();
         let served = res2.extensions().get::<Served>().unwrap();
         assert_eq!((served.source, served.reused), (Source::Slot, 2000));
+    }
+
+    /// A prompt of one block `id` of `tokens`, answered in `answer` tokens.
+    fn ask(id: u64, tokens: u32, answer: u32) -> http::Request<Prompt> {
+        let blocks = vec![Block { id, tokens }].into();
+        let answer = Block {
+            id: id + 100,
+            tokens: answer,
+        };
+        http::Request::new(Prompt { blocks, answer })
+    }
+
+    /// On a 2-slot backend doing `work`: A's answer of 180 tokens (10 s of decoding) while B's
+    /// prompt of 2,000 tokens (10 s of prefill) is read; how long A's answer took to end.
+    async fn decoding_beside_a_prompt(work: GpuWork) -> Duration {
+        use http_body_util::BodyExt;
+        use tower::ServiceExt;
+
+        set_gpu_work(work);
+        let backend = SimBackend::new(fleet::radeon_vii_pair(2, 1 << 30));
+        set_gpu_work(GpuWork::Prompts);
+        let a = backend.clone().oneshot(ask(1, 200, 180)).await.unwrap();
+        let decoding = Instant::now();
+        let b = tokio::spawn(backend.clone().oneshot(ask(2, 2_000, 10)));
+        a.into_body().collect().await.unwrap();
+        let took = decoding.elapsed();
+        drop(b.await.unwrap().unwrap());
+        took
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn decoding_stalls_while_the_gpu_reads_another_prompt_only_when_all_work_counts() {
+        assert_eq!(
+            decoding_beside_a_prompt(GpuWork::Prompts).await,
+            Duration::from_secs(10)
+        );
+        assert_eq!(
+            decoding_beside_a_prompt(GpuWork::All).await,
+            Duration::from_secs(20)
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn saving_a_state_takes_gpu_time_only_when_all_work_counts() {
+        use tower::ServiceExt;
+
+        // One slot: A's 25,000 tokens and answer, then a stranger, which takes the slot as
+        // the least recently used and saves A's state (25,010 tokens) first: 1 s at 25,000
+        // tokens a second.
+        let stranger_first_token = |work| async move {
+            set_gpu_work(work);
+            let backend = SimBackend::new(fleet::radeon_vii_pair(1, 8 << 30));
+            set_gpu_work(GpuWork::Prompts);
+            drop(backend.clone().oneshot(ask(1, 25_000, 10)).await.unwrap());
+            let sent = Instant::now();
+            drop(backend.oneshot(ask(2, 200, 10)).await.unwrap());
+            sent.elapsed()
+        };
+        let free = stranger_first_token(GpuWork::Prompts).await;
+        let paid = stranger_first_token(GpuWork::All).await;
+        // (Tokio's timers count whole milliseconds.)
+        let save = Duration::from_secs_f64(25_010.0 / 25_000.0);
+        assert!(
+            (paid - free).abs_diff(save) <= Duration::from_millis(1),
+            "{paid:?} {free:?}"
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -252,10 +252,11 @@ impl RamCache {
     /// [`SlotPolicy::SaveAll`] that entry becomes the most recently used, under llama-server's
     /// policies it keeps its place (`server_prompt_cache::alloc` skips it). Entries the new
     /// state contains are dropped; a state larger than the whole budget is not kept.
-    pub(crate) fn save(&mut self, blocks: Blocks, policy: SlotPolicy) {
+    /// Returns the tokens copied: 0 when nothing was saved.
+    pub(crate) fn save(&mut self, blocks: Blocks, policy: SlotPolicy) -> u64 {
         let n = tokens(&blocks);
         if n == 0 || n > self.budget_tokens() {
-            return;
+            return 0;
         }
         let now = self.tick();
         if let Some(e) = self
@@ -266,7 +267,7 @@ impl RamCache {
             if policy == SlotPolicy::SaveAll {
                 e.last_used = now;
             }
-            return;
+            return 0;
         }
         let mut freed = 0;
         self.entries.retain(|e| {
@@ -296,6 +297,7 @@ impl RamCache {
             self.used_tokens -= e.tokens;
             self.evicted += 1;
         }
+        n
     }
 
     #[cfg(test)]
@@ -563,6 +565,8 @@ pub(crate) struct BackendCache {
     admitted: u64,
     over_vram: u64,
     vram: Vram,
+    /// Tokens copied from slots to the RAM cache since [`take_saved`](Self::take_saved).
+    saved: u64,
 }
 
 impl BackendCache {
@@ -586,6 +590,7 @@ impl BackendCache {
             admitted: 0,
             over_vram: 0,
             vram: VRAM.with(std::cell::Cell::get),
+            saved: 0,
         }
     }
 
@@ -660,7 +665,7 @@ impl BackendCache {
             }
         };
         if update_cache && slot_lcp < old_tokens {
-            self.ram.save(old, self.policy);
+            self.saved += self.ram.save(old, self.policy);
         }
         let found = if update_cache {
             self.ram.restore(prompt, self.policy, slot_lcp, old_tokens)
@@ -686,7 +691,7 @@ impl BackendCache {
                 } else {
                     s.kv.clone()
                 };
-                self.ram.save(kv, self.policy);
+                self.saved += self.ram.save(kv, self.policy);
             }
         }
         self.make_room();
@@ -700,6 +705,11 @@ impl BackendCache {
             restored,
             source,
         })
+    }
+
+    /// The tokens copied from slots to the RAM cache since the last call.
+    pub(crate) fn take_saved(&mut self) -> u64 {
+        std::mem::take(&mut self.saved)
     }
 
     /// Whether a prompt waits for room in VRAM ([`Vram::Wait`]).
@@ -732,7 +742,7 @@ impl BackendCache {
                 return;
             };
             let old = std::mem::replace(&mut lru.kv, Arc::new([]));
-            self.ram.save(old, self.policy);
+            self.saved += self.ram.save(old, self.policy);
         }
     }
 

@@ -29,6 +29,11 @@
 //! ([`Vram::Wait`](crate::cache::Vram::Wait)). llama-server itself does neither: it clears
 //! idle slots, then halves its batch, and in the end fails the requests it runs.
 //!
+//! Also not modelled by default: a backend's other slots decode at full pace while it reads a
+//! prompt, and a state saved to the RAM cache costs no time; llama-server does both in the
+//! one loop that reads prompts. `--gpu-work all` models them
+//! ([`GpuWork::All`](crate::backend::GpuWork::All)).
+//!
 //! Moved turns are not calibrated but measured. The study saw a median 26 s for a move within a
 //! node and about 120 s across nodes; the simulation gives about 59 s and 58 s (the study
 //! table's `median TTFT` line): the backends of a node share nothing here (no GPU, no RAM

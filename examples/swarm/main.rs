@@ -81,6 +81,11 @@ usage: cargo run --release --example swarm -- [options]
   --vram V          run (default) | wait: a llama-server backend runs a prompt whose KV does
                     not fit in the VRAM beside its busy slots' (counted under each table), or
                     waits until they leave it room
+  --gpu-work W      prompts (default) | all: what takes a backend's GPU time. prompts:
+                    reading prompts and restoring states, one after another, while its
+                    slots decode beside them and saving a state to RAM is free; all: as
+                    llama-server's one loop, where a save takes what a restore of as many
+                    tokens does and decoding slots stall while the GPU reads or copies
   --router-context  the routers give each backend its VRAM's tokens as the context its
                     running requests share (Backend::context_tokens): a prompt that does
                     not fit there beside those in flight finds the backend full
@@ -137,6 +142,7 @@ struct Options {
     trace_chains: trace::Chains,
     slot_policy: cache::SlotPolicy,
     vram: cache::Vram,
+    gpu_work: backend::GpuWork,
     router_context: bool,
     replicas: routers::Replicas,
 }
@@ -157,11 +163,15 @@ impl Options {
             cache::Vram::Run => "",
             cache::Vram::Wait => "; a prompt waits for room in VRAM",
         };
+        let gpu = match self.gpu_work {
+            backend::GpuWork::Prompts => "",
+            backend::GpuWork::All => "; saves take GPU time and decoding stalls behind prompts",
+        };
         let context = match self.router_context {
             true => "; routers count each backend's VRAM as its context",
             false => "",
         };
-        fleet.describe().to_owned() + &self.replicas.describe() + slots + vram + context
+        fleet.describe().to_owned() + &self.replicas.describe() + slots + vram + gpu + context
     }
 }
 
@@ -181,6 +191,7 @@ impl Default for Options {
             trace_chains: trace::Chains::Blocks,
             slot_policy: cache::SlotPolicy::Llama,
             vram: cache::Vram::Run,
+            gpu_work: backend::GpuWork::Prompts,
             router_context: false,
             replicas: routers::Replicas {
                 routers: 1,
@@ -290,6 +301,10 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String>
             "--slot-policy" => {
                 let v = value()?;
                 o.slot_policy = cache::SlotPolicy::parse(&v).ok_or_else(|| bad(&v))?;
+            }
+            "--gpu-work" => {
+                let v = value()?;
+                o.gpu_work = backend::GpuWork::parse(&v).ok_or_else(|| bad(&v))?;
             }
             "--vram" => {
                 let v = value()?;
@@ -817,6 +832,7 @@ fn main() {
     routers::set(o.replicas);
     cache::set_slot_policy(o.slot_policy);
     cache::set_vram(o.vram);
+    backend::set_gpu_work(o.gpu_work);
     sim::set_router_context(o.router_context);
     let started = Instant::now();
     let tables = match run(&o) {
