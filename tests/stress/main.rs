@@ -539,7 +539,7 @@ impl FleetModel {
         let mut backend =
             Backend::new(format!("n{node}"), svc).slots(NonZeroU32::new(slots).unwrap());
         // Every third backend's slots share a context that two long prompts overfill.
-        if b % 3 == 0 {
+        if b.is_multiple_of(3) {
             backend = backend.context_tokens(std::num::NonZeroU64::new(CONTEXT).unwrap());
         }
         assert!(self.handle.insert(Self::name(b), backend));
