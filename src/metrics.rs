@@ -65,6 +65,7 @@
 //! | `tower_affinity_session_table_bytes` | gauge | | bytes the session table holds (published) |
 //! | `tower_affinity_cache_model_bytes` | gauge | | bytes the cache model holds, over the live backends (published) |
 //! | `tower_affinity_backend_in_flight` | gauge | `backend`, `node` | (published) |
+//! | `tower_affinity_backend_context_tokens` | gauge | `backend`, `node` | tokens of its shared context its requests in flight take, by the router's estimate; 0 without [`Backend::context_tokens`](crate::Backend::context_tokens) (published) |
 //! | `tower_affinity_backend_slots` | gauge | `backend`, `node` | (published) |
 //! | `tower_affinity_backend_healthy` | gauge | `backend`, `node` | 1 or 0 (published; 0 once the backend has left the fleet, as every level of it) |
 //! | `tower_affinity_backend_cached_tokens` | gauge | `backend`, `node` | what the cache model says it holds (published) |
@@ -261,8 +262,9 @@ pub(crate) struct BackendMetrics {
 
 /// The per-backend gauges [`publish`] sets.
 #[cfg(feature = "metrics")]
-const LEVELS: [&str; 7] = [
+const LEVELS: [&str; 8] = [
     "tower_affinity_backend_in_flight",
+    "tower_affinity_backend_context_tokens",
     "tower_affinity_backend_slots",
     "tower_affinity_backend_healthy",
     "tower_affinity_backend_cached_tokens",
@@ -369,9 +371,10 @@ impl BackendMetrics {
         for name in BACKEND_COUNTERS {
             self.counter(name).increment(0);
         }
-        let [in_flight, slots, healthy, cached, budget, conversations, prefill] =
+        let [in_flight, context, slots, healthy, cached, budget, conversations, prefill] =
             LEVELS.map(|name| self.gauge(name));
         in_flight.set(f64::from(b.in_flight));
+        context.set(b.context_in_flight as f64);
         slots.set(f64::from(b.slots));
         healthy.set(if b.healthy { 1.0 } else { 0.0 });
         cached.set(b.cached_tokens as f64);
@@ -477,7 +480,7 @@ enum Kind {
 /// Each metric's help, as an exporter shows it (Prometheus's `# HELP`); the store's come with
 /// its [counters](StoreStats::counters).
 #[cfg(feature = "metrics")]
-const HELP: [(&str, Kind, &str); 32] = [
+const HELP: [(&str, Kind, &str); 33] = [
     (
         "tower_affinity_decisions_total",
         Kind::Counter,
@@ -602,6 +605,11 @@ const HELP: [(&str, Kind, &str); 32] = [
         "tower_affinity_backend_in_flight",
         Kind::Gauge,
         "Requests on the backend whose response has not ended",
+    ),
+    (
+        "tower_affinity_backend_context_tokens",
+        Kind::Gauge,
+        "Tokens of the backend's shared context its requests in flight take, by the router's estimate",
     ),
     (
         "tower_affinity_backend_slots",

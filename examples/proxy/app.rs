@@ -925,11 +925,16 @@ impl Collector for AffinityCollector {
         }
 
         type Read = fn(&BackendStatus) -> i64;
-        let per_backend: [(&str, &str, Read); 6] = [
+        let per_backend: [(&str, &str, Read); 7] = [
             (
                 "tower_affinity_backend_in_flight",
                 "Requests on the backend whose response has not ended",
                 |b| i64::from(b.in_flight),
+            ),
+            (
+                "tower_affinity_backend_context_tokens",
+                "Tokens of the backend's shared context its requests in flight take, by the router's estimate",
+                |b| i64::try_from(b.context_in_flight).unwrap_or(i64::MAX),
             ),
             (
                 "tower_affinity_backend_cached_tokens",
