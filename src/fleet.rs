@@ -245,7 +245,8 @@ impl<S> Backend<S> {
     /// of the estimate (see [`observe_usage`](crate::SessionAffinityLayer::observe_usage));
     /// a request without a chain counts none. Tokens a request generates are not counted:
     /// give the context less the longest answer expected. Router replicas each count their
-    /// own requests against the whole limit.
+    /// own requests against the whole limit. A long prompt waiting for room can be passed by
+    /// shorter ones that fit meanwhile.
     ///
     /// ```
     /// use std::num::NonZeroU64;
