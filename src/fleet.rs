@@ -830,6 +830,19 @@ impl SlotGuard {
         &self.load.capacity
     }
 
+    /// A waiter woken for a slot on this backend has taken it: on a backend with a context
+    /// limit, the request whose end freed that slot may have freed room for more waiters than
+    /// one, so while a slot is free here the next waiter it suits is woken too. Each that
+    /// takes a slot wakes the next in turn; one that finds its prompt does not fit passes
+    /// the wake on as for any slot it does not take. (Without a limit, one freed slot serves
+    /// one waiter, and nothing more is woken.)
+    pub(crate) fn pass_room_on(&self) {
+        if self.load.has_context_limit() && self.load.has_free_slot() {
+            self.capacity()
+                .slot_freed(&self.load, self.backend, self.node);
+        }
+    }
+
     /// Counts a request that failed on this backend before it answered, for the backend and
     /// for the fleet.
     pub(crate) fn count_failure(&self) {

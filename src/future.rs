@@ -578,6 +578,7 @@ where
                             let unused = match woken {
                                 Woken::For(slot) if slot.backend() == Some(guard.slot().0) => {
                                     slot.taken();
+                                    guard.pass_room_on();
                                     None
                                 }
                                 Woken::For(slot) => Some(slot),

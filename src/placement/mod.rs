@@ -279,7 +279,10 @@ impl<'a> Candidates<'a> {
                 }
                 false
             }
-            Mode::Acquire => load.try_acquire() && self.take_context(load),
+            Mode::Acquire if self.prompt_tokens == 0 || !load.has_context_limit() => {
+                load.try_acquire()
+            }
+            Mode::Acquire => self.acquire_with_context(load),
             Mode::Probe => {
                 load.has_free_slot() && load.has_context_for(load.context_need(self.prompt_tokens))
             }
@@ -292,15 +295,19 @@ impl<'a> Candidates<'a> {
         }
     }
 
-    /// With a slot just taken on `load`, room for the request's prompt in its context, if it
-    /// has a limit; else the slot is given back (see
-    /// [`Backend::context_tokens`](crate::Backend::context_tokens)).
-    #[inline(always)]
-    fn take_context(&mut self, load: &Load) -> bool {
-        if self.prompt_tokens == 0 || !load.has_context_limit() {
-            return true;
+    /// A slot on `load`, a backend with a context limit, and room in its context for the
+    /// request's prompt ([`Backend::context_tokens`](crate::Backend::context_tokens)). A
+    /// prompt that does not fit beside those in flight takes nothing: it does not take the
+    /// slot even for a moment, in which a request that needs no room would find the backend
+    /// full. The slot is given back only when another request took the room between the look
+    /// and the slot; that one is in flight, and its end wakes the waiters.
+    #[cold]
+    fn acquire_with_context(&mut self, load: &Load) -> bool {
+        let need = load.context_need(self.prompt_tokens);
+        if !load.has_context_for(need) || !load.try_acquire() {
+            return false;
         }
-        match load.take_context_or_give_back(load.context_need(self.prompt_tokens)) {
+        match load.take_context_or_give_back(need) {
             Some(context) => {
                 self.context = context;
                 true

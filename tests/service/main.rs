@@ -4174,3 +4174,84 @@ async fn an_overcommitted_request_takes_its_context_too_and_gives_it_back() {
     drop((first, second));
     assert_eq!(status(&svc, "a1").context_in_flight, 0);
 }
+
+/// One request's end can free the context for several waiters: each that takes a slot wakes
+/// the next, rather than leaving it asleep with room for it until its deadline.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn one_end_that_frees_room_for_two_waiters_wakes_both() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_secs(60), 8))
+        .layer(fleet_with_context(&[("a1", 4, Some(1_000))], &streams));
+    let big = send_req(&mut svc, prompt("s0", 1, 900)).await.unwrap();
+    let (_, big_tx) = streams.take().unwrap();
+    svc.ready().await.unwrap();
+    let mut w1 = tokio_test::task::spawn(svc.call(prompt("s1", 2, 400)));
+    assert_pending!(w1.poll());
+    svc.ready().await.unwrap();
+    let mut w2 = tokio_test::task::spawn(svc.call(prompt("s2", 3, 400)));
+    assert_pending!(w2.poll());
+    assert_eq!(svc.stats().waiting, 2);
+    tokio::time::advance(Duration::from_secs(1)).await;
+    // The 900 end: 1,000 free, three slots free; both 400s fit.
+    drop(big_tx);
+    big.into_body().collect().await.unwrap();
+    let r1 = assert_ready!(w1.poll()).unwrap();
+    assert_eq!(status(&svc, "a1").context_in_flight, 400);
+    // w2 fits beside w1 (800 of 1,000, two slots of four): it should run now.
+    tokio::time::advance(Duration::from_millis(10)).await;
+    let woken = w2.is_woken();
+    let polled = w2.poll();
+    let waited = match &polled {
+        std::task::Poll::Ready(Ok(res)) => decision(res).waited,
+        _ => None,
+    };
+    assert!(
+        woken && polled.is_ready(),
+        "w2 left asleep with room for it (woken: {woken}, ready: {})",
+        polled.is_ready()
+    );
+    assert_eq!(waited, Some(Duration::from_millis(1_010)));
+    drop(r1);
+}
+
+/// A prompt that does not fit takes no slot, not even for a moment in which the backend would
+/// look full to a request that needs no context: under `Overflow::Reject` that one would be
+/// refused with a slot free, and under `Overflow::Wait` it could sleep with nobody to wake it
+/// for that slot. Two threads, 100,000 requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_that_does_not_fit_never_makes_a_free_slot_look_taken() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::Reject)
+        .layer(fleet_with_context(&[("a1", 2, Some(1_000))], &streams));
+    // 900 of 1,000 held, one slot of two taken, for the whole test.
+    let held = send_req(&mut svc, prompt("s0", 1, 900)).await.unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (mut a, s) = (svc.clone(), stop.clone());
+    // Prompts of 500 that never fit: each takes the free slot for a moment.
+    let noise = tokio::spawn(async move {
+        let mut i = 0u64;
+        while !s.load(std::sync::atomic::Ordering::Relaxed) {
+            i += 1;
+            let r: Result<Res, Error> = match a.ready().await {
+                Ok(a) => a.call(prompt(&format!("n{i}"), 2 + i, 500)).await,
+                Err(e) => Err(e),
+            };
+            assert!(r.is_err());
+        }
+    });
+    // Requests without a prompt: the second slot is free for each of them.
+    let mut refused = 0;
+    for _ in 0..100_000 {
+        let r = send(&mut svc, None, None).await;
+        match r {
+            Ok(res) => drop(res),
+            Err(_) => refused += 1,
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    noise.await.unwrap();
+    drop(held);
+    assert_eq!(refused, 0, "requests refused with a slot free");
+}
