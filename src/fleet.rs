@@ -242,11 +242,16 @@ impl<S> Backend<S> {
     ///
     /// A prompt's tokens are the [prompt chain](crate::PromptChain)'s estimate (four bytes a
     /// token), scaled by what the backend's answers have taught of its own tokens per token
-    /// of the estimate (see [`observe_usage`](crate::SessionAffinityLayer::observe_usage));
-    /// a request without a chain counts none. Tokens a request generates are not counted:
-    /// give the context less the longest answer expected. Router replicas each count their
-    /// own requests against the whole limit. A long prompt waiting for room can be passed by
-    /// shorter ones that fit meanwhile.
+    /// of the estimate (see [`observe_usage`](crate::SessionAffinityLayer::observe_usage)).
+    /// Until its first answer that reports its usage, a token is counted as two bytes, on the
+    /// safe side: a prompt counted short could overfill the context, and the failures that
+    /// follow report nothing to learn from. A request without a chain counts none. Tokens a
+    /// request generates are not counted: give the context less the longest answer expected,
+    /// and something for the chat template. Router replicas each count their own requests:
+    /// `N` replicas can fill a backend's context `N` times over, so give each `1/N` of it. A
+    /// long prompt waiting for room can be passed by shorter ones that fit meanwhile.
+    ///
+    /// vLLM and SGLang do not need it: they hold a request back until its KV fits.
     ///
     /// ```
     /// use std::num::NonZeroU64;
@@ -461,6 +466,13 @@ pub(crate) struct Load {
     in_flight_stamps: [AtomicU32; ENDED_RING],
 }
 
+/// A backend's tokens per token of the prompt chain's estimate (four bytes a token) that the
+/// context limit counts until its answers have taught its own: two, as if a token were two
+/// bytes, where code and English prose run three to four. Counting a prompt long holds a
+/// request back until a first answer teaches the scale; counting it short can fail every
+/// request the backend runs.
+pub(crate) const UNLEARNED_CONTEXT_SCALE: f64 = 2.0;
+
 /// How many places [`Load`] has for the stamps of its requests in flight: a stamp keeps its
 /// place until it ends or a stamp a ring later takes it.
 pub(crate) const ENDED_RING: usize = 1024;
@@ -645,21 +657,24 @@ impl Load {
     }
 
     /// The tokens of context a prompt of `prompt_tokens` by the chain's estimate takes here,
-    /// in the backend's own tokens as its answers taught (the estimate as it is until they
-    /// have), at most `u32::MAX`; 0 on a backend without a context limit.
+    /// in the backend's own tokens as its answers taught, at most `u32::MAX`; 0 on a backend
+    /// without a context limit. Until its answers have taught how many of its tokens a token
+    /// of the estimate is, [`UNLEARNED_CONTEXT_SCALE`] of them: a prompt counted short could
+    /// overfill the context, which fails every request running there, and such a failure
+    /// teaches nothing.
     pub(crate) fn context_need(&self, prompt_tokens: u64) -> u32 {
         if prompt_tokens == 0 || self.context.load(Ordering::Relaxed) == 0 {
             return 0;
         }
-        let scale = self.learned.token_scale().unwrap_or(1.0);
+        let scale = (self.learned.token_scale()).unwrap_or(UNLEARNED_CONTEXT_SCALE);
         // A float past `u32::MAX` saturates.
         (prompt_tokens as f64 * scale).ceil() as u32
     }
 
-    /// Takes `need` tokens of context if they fit beside those of the requests in flight
-    /// within the limit, or if none are in flight (a prompt longer than the whole context
-    /// is the backend's to refuse); returns the tokens taken: `need`, or 0 on a backend
-    /// without a limit.
+    /// Takes `need` tokens of context if they fit beside those the requests in flight hold
+    /// within the limit, or if those hold none (a prompt longer than the whole context is
+    /// the backend's to refuse; requests without a prompt chain hold none); returns the
+    /// tokens taken: `need`, or 0 on a backend without a limit.
     fn take_context(&self, need: u32) -> Option<u32> {
         let limit = self.context.load(Ordering::Relaxed);
         if need == 0 || limit == 0 {
@@ -1837,6 +1852,9 @@ mod tests {
         assert_eq!((l.context_need(500), l.try_acquire_for(500)), (0, Some(0)));
         l.in_flight.fetch_sub(1, Ordering::SeqCst);
         l.context.store(1_000, Ordering::Relaxed);
+        // Until the backend's answers teach its scale, a token of the estimate counts as two.
+        assert_eq!(l.context_need(600), 1_200);
+        l.learned.set_token_scale(1.0);
         assert_eq!(l.context_need(600), 600);
         assert_eq!(l.try_acquire_for(600), Some(600));
         let first = SlotGuard::new(&l, 0, 0, 0).with_context(600);

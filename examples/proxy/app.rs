@@ -126,6 +126,16 @@ pub(crate) struct BackendSpec {
     pub(crate) model: Option<String>,
 }
 
+/// One `--backend-dns NAME:PORT[,context=TOKENS][,model=NAME]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct DnsSpec {
+    pub(crate) target: DnsTarget,
+    /// The model its backends serve (see [`BackendSpec::model`]).
+    pub(crate) model: Option<String>,
+    /// The context each of its backends' requests share (see [`BackendSpec::context`]).
+    pub(crate) context: Option<NonZeroU64>,
+}
+
 /// `--policy`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Policy {
@@ -203,9 +213,8 @@ pub(crate) struct Config {
     pub(crate) decision_headers: bool,
     /// How requests reach the backends.
     pub(crate) upstream: UpstreamMode,
-    /// `--backend-dns`: names whose records are backends too, each with the model its
-    /// backends serve.
-    pub(crate) backend_dns: Vec<(DnsTarget, Option<String>)>,
+    /// `--backend-dns`: names whose records are backends too.
+    pub(crate) backend_dns: Vec<DnsSpec>,
     /// `--dns-server`: the nameservers to ask for them; none, the system's.
     pub(crate) dns_servers: Vec<std::net::SocketAddr>,
     /// `--dns-removal-grace`: how long a backend that answers leave out stays.
@@ -473,7 +482,7 @@ impl Proxy {
         // The models, in the order first given.
         let mut models: Vec<Option<&str>> = Vec::new();
         let given = (config.backends.iter().map(|b| b.model.as_deref()))
-            .chain(config.backend_dns.iter().map(|(_, m)| m.as_deref()));
+            .chain(config.backend_dns.iter().map(|d| d.model.as_deref()));
         for model in given {
             if !models.contains(&model) {
                 models.push(model);
@@ -603,13 +612,18 @@ impl Proxy {
             })
             .collect::<Result<Vec<_>, BoxError>>()?;
         let dns = (config.backend_dns.iter())
-            .filter(|(_, m)| m.as_deref() == model)
-            .map(|(target, _)| {
+            .filter(|d| d.model.as_deref() == model)
+            .map(|d| {
                 let http = http.clone();
-                let builder = config.dns_servers.iter().fold(
-                    DnsFleet::builder(target.clone()).removal_grace(config.dns_removal_grace),
-                    |b, &ns| b.nameserver(ns),
-                );
+                let mut builder =
+                    DnsFleet::builder(d.target.clone()).removal_grace(config.dns_removal_grace);
+                if let Some(context) = d.context {
+                    builder = builder.context_tokens(context);
+                }
+                let builder = config
+                    .dns_servers
+                    .iter()
+                    .fold(builder, |b, &ns| b.nameserver(ns));
                 builder.try_build(move |ep: &DnsEndpoint| {
                     let url = format!("http://{}", ep.authority());
                     http.build(&url).map(|http| Upstream { http, per_client })

@@ -9,7 +9,7 @@ use http::Uri;
 use tower_affinity::discover::dns::DnsTarget;
 use tower_affinity::Overflow;
 
-use crate::app::{BackendSpec, Config, Policy, UpstreamMode};
+use crate::app::{BackendSpec, Config, DnsSpec, Policy, UpstreamMode};
 
 pub(crate) const USAGE: &str = "\
 usage: proxy --listen ADDR (--backend NODE=URL[,...] | --backend-dns NAME:PORT)... [options]
@@ -24,12 +24,17 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
                              /slots. id: its name (default: the URL's host:port).
                              cache: tokens of prompt it keeps cached, its slots' KV
                              plus its --cache-ram, as 65536 or 64k (k = 1024; default
-                             128k). model: the model it serves (see Models below)
-  --backend-dns NAME:PORT[,model=NAME]
+                             128k). context: for a llama-server whose slots share one
+                             KV cache (no -np, or --kv-unified), its -c less the longest
+                             answer; the requests in flight there are kept within it,
+                             by their prompts (default: only slots count). model: the
+                             model it serves (see Models below)
+  --backend-dns NAME:PORT[,context=TOKENS][,model=NAME]
                              the backends behind a DNS name: its A/AAAA records with
                              PORT, or SRV records for _SVC._PROTO.NAME (a Kubernetes
                              headless service, Consul, docker compose), re-resolved as
-                             their TTL says (5s to 60s); each backend's node is its IP
+                             their TTL says (5s to 60s); each backend's node is its IP;
+                             context and model as for --backend
   --dns-server IP:PORT       ask this nameserver for --backend-dns names (repeat for
                              more; default: the system's resolver configuration)
   --dns-removal-grace DURATION
@@ -183,17 +188,26 @@ where
             "--backend-dns" => {
                 let v = value()?;
                 let bad = |why: &str| {
-                    format!("--backend-dns {v:?}: {why} (expected NAME:PORT[,model=NAME])")
+                    format!(
+                        "--backend-dns {v:?}: {why} (expected NAME:PORT[,context=TOKENS][,model=NAME])"
+                    )
                 };
                 let mut parts = v.split(',');
                 let name = parts.next().unwrap_or_default();
-                let mut model = None;
+                let (mut model, mut context) = (None, None);
                 for option in parts {
                     match option.split_once('=') {
                         Some(("model", _)) if model.is_some() => {
                             return Err(bad("model= is given twice"))
                         }
+                        Some(("context", _)) if context.is_some() => {
+                            return Err(bad("context= is given twice"))
+                        }
                         Some(("model", m)) => model = Some(model_name(m).map_err(|why| bad(&why))?),
+                        Some(("context", n)) => {
+                            let n = tokens("context", n).map_err(|why| bad(&why))?;
+                            context = NonZeroU64::new(n);
+                        }
                         _ => return Err(bad(&format!("unknown option {option:?}"))),
                     }
                 }
@@ -201,11 +215,15 @@ where
                 if config
                     .backend_dns
                     .iter()
-                    .any(|(t, m)| *t == target && *m == model)
+                    .any(|d| d.target == target && d.model == model)
                 {
                     return Err(bad("given twice for the same model"));
                 }
-                config.backend_dns.push((target, model));
+                config.backend_dns.push(DnsSpec {
+                    target,
+                    model,
+                    context,
+                });
             }
             "--dns-server" => {
                 let v = value()?;

@@ -1812,7 +1812,7 @@ fn every_option_parses_and_bad_values_are_explained() {
         "--backend",
         "n=http://localhost:8081,id=gpu0,cache=64k,model=qwen3-coder",
         "--backend-dns",
-        "small.llm.internal:8080,model=qwen3-4b",
+        "small.llm.internal:8080,model=qwen3-4b,context=96k",
         "--policy=round-robin",
         "--overflow",
         "wait",
@@ -1857,8 +1857,12 @@ fn every_option_parses_and_bad_values_are_explained() {
     assert_eq!(c.backends[0].id, "gpu0");
     assert_eq!(c.backends[0].slots, None);
     assert_eq!(c.backends[0].model.as_deref(), Some("qwen3-coder"));
-    assert_eq!(c.backend_dns[0].0.to_string(), "small.llm.internal:8080");
-    assert_eq!(c.backend_dns[0].1.as_deref(), Some("qwen3-4b"));
+    assert_eq!(
+        c.backend_dns[0].target.to_string(),
+        "small.llm.internal:8080"
+    );
+    assert_eq!(c.backend_dns[0].model.as_deref(), Some("qwen3-4b"));
+    assert_eq!(c.backend_dns[0].context.map(|n| n.get()), Some(96 * 1024));
     assert_eq!(c.cache_tokens("gpu0"), 64 * 1024);
     assert_eq!(c.policy, app::Policy::RoundRobin);
     assert_eq!(c.overflow, Overflow::wait(Duration::from_millis(1500), 7));
@@ -1968,7 +1972,15 @@ fn every_option_parses_and_bad_values_are_explained() {
         ),
         (
             vec!["--backend-dns", "llm.internal:8080,slots=2"],
-            "unknown option \"slots=2\" (expected NAME:PORT[,model=NAME])",
+            "unknown option \"slots=2\" (expected NAME:PORT[,context=TOKENS][,model=NAME])",
+        ),
+        (
+            vec!["--backend-dns", "llm.internal:8080,context=0"],
+            "context must be at least 1 token",
+        ),
+        (
+            vec!["--backend-dns", "llm.internal:8080,context=1k,context=2k"],
+            "context= is given twice",
         ),
         (
             vec!["--backend-dns", "llm.internal:8080,model="],
@@ -2076,17 +2088,18 @@ fn a_backends_context_is_tokens_as_its_cache_is() {
 }
 
 /// `context=` reaches the balancer: a backend's running requests are kept within it, by
-/// their prompts' estimates. Two prompts of about 10,000 tokens each do not fit in 16k
-/// together: the second waits for the first, though the backend has slots free.
+/// their prompts' estimates. Two prompts of about 10,000 tokens each, counted as 20,000
+/// before the backend's first answer teaches its tokens, do not fit in 32k together: the
+/// second waits for the first, though the backend has slots free.
 #[tokio::test]
 async fn a_backends_context_option_limits_its_requests_in_flight_by_their_prompts() {
     let a = Stub::start("a", 4).await;
     let mut config = config(&[("node-a", &a)]);
-    config.backends[0] = cli::backend(&format!("node-a={},slots=4,id=a,context=16k", a.url()))
+    config.backends[0] = cli::backend(&format!("node-a={},slots=4,id=a,context=32k", a.url()))
         .unwrap()
         .0;
     let proxy = start(config).await;
-    assert_eq!(proxy.status("a").context_limit, Some(16 * 1024));
+    assert_eq!(proxy.status("a").context_limit, Some(32 * 1024));
     a.hold_streams();
     let streamed = |session: &str| {
         let text = format!("{session} ").repeat(40_000 / (session.len() + 1));
@@ -2101,7 +2114,7 @@ async fn a_backends_context_option_limits_its_requests_in_flight_by_their_prompt
     let first = proxy.send(streamed("one")).await;
     assert_eq!(first.status(), 200);
     let held = proxy.status("a").context_in_flight;
-    assert!((9_000..11_000).contains(&held), "{held}");
+    assert!((18_000..22_000).contains(&held), "{held}");
     // The second is not sent while the first runs.
     let proxy = Arc::new(proxy);
     let second = tokio::spawn({

@@ -4069,7 +4069,9 @@ fn fleet_with_context(
     }))
 }
 
-/// A streamed request of `session` whose prompt is `tokens` of one block `block`.
+/// A streamed request of `session` whose prompt is `tokens` of one block `block`. The mock
+/// backends report no usage, so a backend with a context counts each of these tokens as two
+/// (until answers teach it otherwise, a token of the estimate is counted as two bytes).
 fn prompt(session: &str, block: u64, tokens: u32) -> Req {
     let mut req = request(Some(session), Some("stream"));
     let chain = PromptChain::from_blocks([(block, tokens)]);
@@ -4082,23 +4084,23 @@ async fn a_prompt_that_does_not_fit_the_context_left_waits_though_a_slot_is_free
     let streams = Streams::default();
     let mut svc = SessionAffinityLayer::new()
         .overflow(Overflow::wait(Duration::from_secs(60), 8))
-        .layer(fleet_with_context(&[("a1", 4, Some(3_000))], &streams));
+        .layer(fleet_with_context(&[("a1", 4, Some(6_000))], &streams));
     let first = send_req(&mut svc, prompt("s1", 1, 2_000)).await.unwrap();
     let (_, first_tx) = streams.take().unwrap();
     let a1 = status(&svc, "a1");
     assert_eq!(
         (a1.context_limit, a1.context_in_flight),
-        (Some(3_000), 2_000)
+        (Some(6_000), 4_000)
     );
-    // 2,000 more would pass 3,000: it waits, with three slots free.
+    // 4,000 more would pass 6,000: it waits, with three slots free.
     svc.ready().await.unwrap();
     let mut second = tokio_test::task::spawn(svc.call(prompt("s2", 2, 2_000)));
     assert_pending!(second.poll());
     assert_eq!(svc.stats().waiting, 1);
-    // 900 fit beside the first.
+    // 1,800 fit beside the first.
     let small = send_req(&mut svc, prompt("s3", 3, 900)).await.unwrap();
     let (_, small_tx) = streams.take().unwrap();
-    assert_eq!(status(&svc, "a1").context_in_flight, 2_900);
+    assert_eq!(status(&svc, "a1").context_in_flight, 5_800);
     tokio::time::advance(Duration::from_secs(5)).await;
     assert_pending!(second.poll());
     // The first ends: the second fits beside the small one.
@@ -4107,7 +4109,7 @@ async fn a_prompt_that_does_not_fit_the_context_left_waits_though_a_slot_is_free
     assert!(second.is_woken());
     let res = assert_ready!(second.poll()).unwrap();
     assert_eq!(decision(&res).waited, Some(Duration::from_secs(5)));
-    assert_eq!(status(&svc, "a1").context_in_flight, 2_900);
+    assert_eq!(status(&svc, "a1").context_in_flight, 5_800);
     drop((small_tx, small, res));
     let a1 = status(&svc, "a1");
     assert_eq!((a1.in_flight, a1.context_in_flight), (0, 0));
@@ -4117,7 +4119,7 @@ async fn a_prompt_that_does_not_fit_the_context_left_waits_though_a_slot_is_free
 async fn a_prompt_that_does_not_fit_the_context_left_goes_where_it_fits() {
     let streams = Streams::default();
     let mut svc = SessionAffinityLayer::new().layer(fleet_with_context(
-        &[("a1", 4, Some(3_000)), ("b1", 4, Some(3_000))],
+        &[("a1", 4, Some(6_000)), ("b1", 4, Some(6_000))],
         &streams,
     ));
     let first = send_req(&mut svc, prompt("s1", 1, 2_000)).await.unwrap();
@@ -4125,7 +4127,7 @@ async fn a_prompt_that_does_not_fit_the_context_left_goes_where_it_fits() {
     let second = send_req(&mut svc, prompt("s2", 2, 2_000)).await.unwrap();
     assert_ne!(decision(&second).backend, home);
     for b in ["a1", "b1"] {
-        assert_eq!(status(&svc, b).context_in_flight, 2_000);
+        assert_eq!(status(&svc, b).context_in_flight, 4_000);
     }
 }
 
@@ -4166,11 +4168,11 @@ async fn an_overcommitted_request_takes_its_context_too_and_gives_it_back() {
     let streams = Streams::default();
     let mut svc = SessionAffinityLayer::new()
         .overflow(Overflow::Overcommit)
-        .layer(fleet_with_context(&[("a1", 4, Some(3_000))], &streams));
+        .layer(fleet_with_context(&[("a1", 4, Some(6_000))], &streams));
     let first = send_req(&mut svc, prompt("s1", 1, 2_000)).await.unwrap();
     let second = send_req(&mut svc, prompt("s2", 2, 2_000)).await.unwrap();
     assert_eq!(decision(&second).backend.as_str(), "a1");
-    assert_eq!(status(&svc, "a1").context_in_flight, 4_000);
+    assert_eq!(status(&svc, "a1").context_in_flight, 8_000);
     drop((first, second));
     assert_eq!(status(&svc, "a1").context_in_flight, 0);
 }
@@ -4182,7 +4184,7 @@ async fn one_end_that_frees_room_for_two_waiters_wakes_both() {
     let streams = Streams::default();
     let mut svc = SessionAffinityLayer::new()
         .overflow(Overflow::wait(Duration::from_secs(60), 8))
-        .layer(fleet_with_context(&[("a1", 4, Some(1_000))], &streams));
+        .layer(fleet_with_context(&[("a1", 4, Some(2_000))], &streams));
     let big = send_req(&mut svc, prompt("s0", 1, 900)).await.unwrap();
     let (_, big_tx) = streams.take().unwrap();
     svc.ready().await.unwrap();
@@ -4193,12 +4195,12 @@ async fn one_end_that_frees_room_for_two_waiters_wakes_both() {
     assert_pending!(w2.poll());
     assert_eq!(svc.stats().waiting, 2);
     tokio::time::advance(Duration::from_secs(1)).await;
-    // The 900 end: 1,000 free, three slots free; both 400s fit.
+    // The 900 (1,800 counted) end: 2,000 free, three slots free; both 400s (800 each) fit.
     drop(big_tx);
     big.into_body().collect().await.unwrap();
     let r1 = assert_ready!(w1.poll()).unwrap();
-    assert_eq!(status(&svc, "a1").context_in_flight, 400);
-    // w2 fits beside w1 (800 of 1,000, two slots of four): it should run now.
+    assert_eq!(status(&svc, "a1").context_in_flight, 800);
+    // w2 fits beside w1 (1,600 of 2,000, two slots of four): it should run now.
     tokio::time::advance(Duration::from_millis(10)).await;
     let woken = w2.is_woken();
     let polled = w2.poll();
@@ -4224,12 +4226,13 @@ async fn a_prompt_that_does_not_fit_never_makes_a_free_slot_look_taken() {
     let streams = Streams::default();
     let mut svc = SessionAffinityLayer::new()
         .overflow(Overflow::Reject)
-        .layer(fleet_with_context(&[("a1", 2, Some(1_000))], &streams));
-    // 900 of 1,000 held, one slot of two taken, for the whole test.
+        .layer(fleet_with_context(&[("a1", 2, Some(2_000))], &streams));
+    // 1,800 of 2,000 held, one slot of two taken, for the whole test.
     let held = send_req(&mut svc, prompt("s0", 1, 900)).await.unwrap();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let (mut a, s) = (svc.clone(), stop.clone());
-    // Prompts of 500 that never fit: each takes the free slot for a moment.
+    // Prompts of 500 (1,000 counted) that never fit: before, each took the free slot for a
+    // moment.
     let noise = tokio::spawn(async move {
         let mut i = 0u64;
         while !s.load(std::sync::atomic::Ordering::Relaxed) {
