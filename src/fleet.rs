@@ -629,8 +629,11 @@ impl Load {
     /// ([`try_acquire`](Self::try_acquire)), or gives the slot back; returns the tokens
     /// taken (see [`take_context`](Self::take_context)), which the slot's guard gives back.
     ///
-    /// The slot is taken first: a slot given back because the context is full is one of a
-    /// backend with requests in flight, whose ends wake the waiters.
+    /// The caller looked at the room first ([`has_context_for`](Self::has_context_for)), so
+    /// that a prompt that does not fit never takes a slot, even for a moment in which the
+    /// backend would look full to others. The slot is given back only when another request
+    /// took the room between that look and the slot: that one is in flight, and its end
+    /// wakes the waiters.
     #[cold]
     pub(crate) fn take_context_or_give_back(&self, need: u32) -> Option<u32> {
         let taken = self.take_context(need);
@@ -760,8 +763,7 @@ pub(crate) struct SlotGuard {
     /// none), in flight there until the slot is released (see [`Load::has_ended`]).
     stamp: u32,
     /// The tokens of the backend's context the request takes (see
-    /// [`Load::take_context_or_give_back`]):
-    /// 32 bits, which fill the struct's padding.
+    /// [`Load::take_context_or_give_back`]): 32 bits, which fill the struct's padding.
     context: u32,
 }
 
