@@ -2173,10 +2173,15 @@ async fn dns_proxy(names: &[&str]) -> (Running, Stub, dns_server::Dns) {
     }
     args.extend(["--dns-server".into(), dns.addr.to_string()]);
     args.extend(["--probe-interval".into(), "0".into()]);
+    (start_args(args).await, stub, dns)
+}
+
+/// A proxy started from the command line `args`.
+async fn start_args(args: Vec<String>) -> Running {
     let cli::Command::Run(parsed) = cli::parse(args).unwrap() else {
         panic!("a run");
     };
-    (start(parsed.config).await, stub, dns)
+    start(parsed.config).await
 }
 
 /// `--backend-dns` follows a name on a real nameserver; `/metrics` says how each name
@@ -2269,10 +2274,7 @@ async fn dns_removal_grace_keeps_a_backend_answers_leave_out_for_a_while() {
         "0".into(),
     ]
     .into();
-    let cli::Command::Run(parsed) = cli::parse(args).unwrap() else {
-        panic!("a run");
-    };
-    let proxy = start(parsed.config).await;
+    let proxy = start_args(args).await;
     let affinity = proxy.proxy.affinity();
     let backends = || {
         affinity.apply_discovery();
@@ -2346,10 +2348,7 @@ async fn a_backend_named_by_a_flag_and_by_names_is_one_backend_kept_while_any_na
         "0".into(),
     ]
     .into();
-    let cli::Command::Run(parsed) = cli::parse(args).unwrap() else {
-        panic!("a run");
-    };
-    let proxy = start(parsed.config).await;
+    let proxy = start_args(args).await;
     // Until each name's `tower_affinity_dns_backends` reads `count` (a bounded wait on the
     // paused clock).
     let names_hold = |count: &'static str| {
