@@ -284,9 +284,7 @@ impl<'a> Candidates<'a> {
                 load.try_acquire()
             }
             Mode::Acquire => self.acquire_with_context(load),
-            Mode::Probe => {
-                load.has_free_slot() && load.has_context_for(load.context_need(self.prompt_tokens))
-            }
+            Mode::Probe => load.has_free_slot(),
         };
         if taken {
             self.chosen = Some(index);
