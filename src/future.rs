@@ -31,7 +31,7 @@ use crate::placement::Placement;
 use crate::service::{Placed, Shared};
 use crate::stats::Decision;
 use crate::store::PendingRead;
-use crate::wait::{Scope, WaitHome, WaitTicket, Woken};
+use crate::wait::{Look, Scope, WaitHome, WaitTicket, Woken};
 use crate::{Backend, Error, Overflow, ResponseBody};
 
 type SharedOf<S, P> = Arc<Shared<Backend<S>, P>>;
@@ -342,7 +342,7 @@ where
         } else {
             Scope::Node
         };
-        let state = match shared.place(key, req.extensions(), overcommit, None, scope) {
+        let state = match shared.place(key, req.extensions(), overcommit, &Look::first(scope)) {
             Placed::Dispatch {
                 service,
                 guard,
@@ -389,7 +389,7 @@ where
             });
         };
         // A slot may have freed between the first attempt and joining the queue.
-        match shared.place(key, req.extensions(), false, None, home.scope) {
+        match shared.place(key, req.extensions(), false, &ticket.look(None, false)) {
             Placed::Dispatch {
                 service,
                 guard,
@@ -547,11 +547,12 @@ where
                     }
                     let r = w.req.take().expect(POLLED_AFTER_COMPLETION);
                     let waited = Some(w.since.elapsed());
-                    let scope = w.ticket.scope();
+                    // No hold from a look at the end of the wait, which would refuse it.
+                    let look = w.ticket.look(waited, last || Instant::now() >= *w.give_up);
                     // Woken by a lifted mark, it must see the slots freed on that backend
                     // while marked, which woke nobody: see `SlotGuard`'s drop.
                     std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-                    let placed = w.shared.place(*w.key, r.extensions(), false, waited, scope);
+                    let placed = w.shared.place(*w.key, r.extensions(), false, &look);
                     if !matches!(placed, Placed::Full { .. }) || last {
                         w.ticket.settle();
                     }
@@ -600,11 +601,16 @@ where
                         }
                         // Still queued, with this task's waker, until the deadline, looked
                         // at again. A look that found its hold over (nothing healthy left
-                        // where it held out) waits for any slot from now on.
+                        // where it held out) waits for any slot from now on; one that holds
+                        // it out for one place for the first time, for its hold from now.
                         Placed::Full { home } => {
                             if home.scope == Scope::Any && w.ticket.scope() != Scope::Any {
                                 w.ticket.widen();
                                 *w.until = *w.give_up;
+                            } else if home.scope != Scope::Any && look.may_hold {
+                                w.ticket.hold_for(home);
+                                let until = Instant::now().checked_add(home.hold);
+                                *w.until = until.map_or(*w.give_up, |t| t.min(*w.give_up));
                             }
                             let until = *w.until;
                             let wake = w

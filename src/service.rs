@@ -32,7 +32,7 @@ use crate::placement::{
 use crate::stats::{Decision, Outcome, Stats};
 use crate::store::{HomeStore, Homes, StoreAnswer, StoreState, StoreStats};
 use crate::table::{HomeEntry, SessionStore, SessionTable, Sessions};
-use crate::wait::{Scope, WaitHome};
+use crate::wait::{Look, Scope, WaitHome};
 use crate::{Backend, BackendId, BackendStatus, Overflow, PromptChain, ResponseBody};
 
 /// The most discovery changes applied in one readiness poll, so a stream that never stops
@@ -577,20 +577,22 @@ fn offer_pinned(
 impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
     /// Places a request: looks up its home, runs the policy, takes a slot, records the
     /// decision. With `overcommit`, a request finding no free slot takes the first candidate
-    /// anyway. `scope` is what a waiting request holds out for: its home node (node
+    /// anyway. The look's scope is what a waiting request holds out for: its home node (node
     /// patience) or the backend holding its prefix, as long as that is healthy.
     ///
-    /// A first attempt (`waited` is `None`, any slot will do) that would move the request
-    /// away from the full backend holding its prefix may wait for that backend instead, when
-    /// the answers learned so far say waiting is cheaper (see [`learn`](crate::learn)).
+    /// A look that would move the request away from the full backend holding its prefix,
+    /// while any slot will do and the look may hold it (it has not held out for one place
+    /// yet), may wait for that backend instead, when the answers learned so far say waiting
+    /// is cheaper (see [`learn`](crate::learn)). So a request that found the whole fleet
+    /// full is judged when a slot elsewhere frees, as one finding that slot at once would be.
     pub(crate) fn place(
         &self,
         key: Option<SessionKey>,
         extensions: &http::Extensions,
         overcommit: bool,
-        waited: Option<Duration>,
-        scope: Scope,
+        look: &Look,
     ) -> Placed<S> {
+        let &Look { waited, scope, .. } = look;
         let now_ms = self.capacity.now_ms(Instant::now());
         let known = key.and_then(|k| self.table.get(k, now_ms));
         let fleet = self.fleet.load();
@@ -724,9 +726,9 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         let m = t.member(index);
         let mut guard = SlotGuard::new(&m.load, index, m.node, now_ms).with_context(context);
         if let (Some(chain), Some(target)) = (chain, cache_backend) {
-            let first_try = waited.is_none() && scope == Scope::Any && !overcommitted;
-            if self.wait_versus_move && first_try && target != index && !cache_passed_over {
-                if let Some(hold) = worth_waiting(t, target, index, chain, now_ms) {
+            let judged = look.may_hold && scope == Scope::Any && !overcommitted;
+            if self.wait_versus_move && judged && target != index && !cache_passed_over {
+                if let Some(hold) = worth_waiting(t, target, index, chain, look.queued, now_ms) {
                     drop(guard);
                     return Placed::Full {
                         home: wait_home(Scope::Backend, hold),
@@ -824,6 +826,7 @@ fn worth_waiting(
     target: u32,
     chosen: u32,
     chain: &PromptChain,
+    queued: Option<u64>,
     now_ms: u64,
 ) -> Option<Duration> {
     let (stay, go) = (t.member(target), t.member(chosen));
@@ -853,8 +856,9 @@ fn worth_waiting(
     let go_cost = go_behind.saturating_add(go_load.read_cost(go_read, go_in_flight));
     let saving = go_cost.checked_sub(stay_read)?;
     let in_flight = load.in_flight();
-    // The requests waiting for it already take its next slots first.
-    let ahead = t.capacity.waiting_for(target);
+    // The requests waiting for it already (those queued before this one, if it waits too)
+    // take its next slots first.
+    let ahead = t.capacity.waiting_for(target, queued);
     let wait = load.learned.wait_estimate(in_flight, ahead, now_ms)?;
     (wait < saving).then_some(saving)
 }

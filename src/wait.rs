@@ -11,7 +11,11 @@
 //! than moving). Slots elsewhere do not wake it meanwhile. What it waits for is set by the look
 //! it takes on joining the queue, which may differ from its first (a slot freed in between,
 //! that it rules against), and widened to any slot when its hold runs out or a later look
-//! finds nothing healthy left there (a backend marked down wakes every waiter to look).
+//! finds nothing healthy left there (a backend marked down wakes every waiter to look). A
+//! request that joined the queue waiting for any slot (the whole fleet was full) is judged
+//! when a slot elsewhere wakes it while the backend holding its prefix is still full, as a
+//! first look finding that slot would be, and may hold out from then. A request holds out
+//! once.
 //!
 //! A woken waiter stays in the queue, marked with the slot that woke it, until its task runs
 //! and looks for a slot; a freed slot passes over the waiters already woken, and over those
@@ -58,6 +62,32 @@ pub(crate) enum Scope {
     Node,
     /// A slot on the backend its [`WaitHome::backend`] names: the one holding its prefix.
     Backend,
+}
+
+/// What a look for a slot knows of the request's wait so far.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Look {
+    /// How long it has waited; `None` before it joined the queue.
+    pub(crate) waited: Option<Duration>,
+    /// What it holds out for.
+    pub(crate) scope: Scope,
+    /// Whether this look may hold it out for the full backend holding its prefix: not once
+    /// it has held out for one place, nor on its last look, which would refuse it instead.
+    pub(crate) may_hold: bool,
+    /// Its place in the queue once it has one: only the waiters before it are ahead of it.
+    pub(crate) queued: Option<u64>,
+}
+
+impl Look {
+    /// The first look, before the request joins the queue.
+    pub(crate) fn first(scope: Scope) -> Self {
+        Look {
+            waited: None,
+            scope,
+            may_hold: true,
+            queued: None,
+        }
+    }
 }
 
 /// Where a waiting request's cache is, by internal index, and what it waits for.
@@ -195,9 +225,9 @@ impl Capacity {
         waker.wake();
     }
 
-    /// How many waiting requests have their cache on `backend`: a slot freed there goes to
-    /// them before any other.
-    pub(crate) fn waiting_for(&self, backend: u32) -> u32 {
+    /// How many waiting requests have their cache on `backend`, of those queued before the
+    /// one at `before` if it is queued: a slot freed there goes to them before any other.
+    pub(crate) fn waiting_for(&self, backend: u32, before: Option<u64>) -> u32 {
         if self.waiting.load(Ordering::Relaxed) == 0 {
             return 0;
         }
@@ -205,6 +235,7 @@ impl Capacity {
         let n = list
             .queue
             .iter()
+            .take_while(|w| before.is_none_or(|seq| w.seq < seq))
             .filter(|w| w.home.backend == Some(backend))
             .count();
         u32::try_from(n).unwrap_or(u32::MAX)
@@ -278,6 +309,9 @@ pub(crate) struct WaitTicket {
     capacity: Arc<Capacity>,
     seq: u64,
     home: WaitHome,
+    /// Whether it has held out for one place (its home node, or the backend holding its
+    /// prefix): a request holds out once, and once its hold is over any slot will do.
+    held_out: bool,
     /// Whether the request's wait has ended in a placement or a refusal; a ticket dropped
     /// before is one its caller gave up on.
     settled: bool,
@@ -319,6 +353,7 @@ impl WaitTicket {
             capacity: capacity.clone(),
             seq,
             home,
+            held_out: home.scope != Scope::Any,
             settled: false,
         })
     }
@@ -378,6 +413,7 @@ impl WaitTicket {
         if home.scope == self.home.scope {
             home.hold = self.home.hold;
         }
+        self.held_out |= home.scope != Scope::Any;
         if home == self.home {
             return;
         }
@@ -405,6 +441,17 @@ impl WaitTicket {
     /// Which slots the ticket waits for.
     pub(crate) fn scope(&self) -> Scope {
         self.home.scope
+    }
+
+    /// The look its request takes now, having waited `waited` (`None`: it has only joined
+    /// the queue); `last` when its wait is over whatever the look finds.
+    pub(crate) fn look(&self, waited: Option<Duration>, last: bool) -> Look {
+        Look {
+            waited,
+            scope: self.home.scope,
+            may_hold: !last && !self.held_out,
+            queued: Some(self.seq),
+        }
     }
 }
 
@@ -487,7 +534,7 @@ mod tests {
     #[test]
     fn the_requests_waiting_for_a_backend_are_those_whose_cache_is_on_it() {
         let capacity = Arc::new(Capacity::default());
-        assert_eq!(capacity.waiting_for(0), 0);
+        assert_eq!(capacity.waiting_for(0, None), 0);
         let on = |backend: Option<u32>, scope| WaitHome {
             backend,
             node: Some(0),
@@ -504,11 +551,16 @@ mod tests {
         .map(|home| WaitTicket::take(&capacity, home, 8).unwrap())
         .collect();
         assert_eq!(
-            [0, 1, 2].map(|b| capacity.waiting_for(b)),
+            [0, 1, 2].map(|b| capacity.waiting_for(b, None)),
             [2, 1, 0],
             "by backend"
         );
+        // A waiter's own look counts those queued before it only.
+        let ahead = |t: &WaitTicket, b| capacity.waiting_for(b, t.look(None, false).queued);
+        assert_eq!(ahead(&tickets[0], 0), 0, "the first");
+        assert_eq!(ahead(&tickets[1], 0), 1, "the second");
+        assert_eq!(ahead(&tickets[3], 0), 2, "the last, whose cache is nowhere");
         drop(tickets);
-        assert_eq!(capacity.waiting_for(0), 0);
+        assert_eq!(capacity.waiting_for(0, None), 0);
     }
 }

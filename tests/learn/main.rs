@@ -12,7 +12,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::num::NonZeroU32;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -865,6 +865,118 @@ async fn a_slot_found_on_joining_the_queue_is_weighed_against_waiting_for_the_ho
     let (x, y) = tokio::join!(exchange(&svc, new("x")), exchange(&svc, new("y")));
     assert_ne!(x.0.backend, y.0.backend);
     assert_eq!((x.0.waited, y.0.waited), (None, None));
+}
+
+/// The whole fleet is full when the turn comes, so it waits for any slot. A slot frees on
+/// the other backend first: the turn is weighed then, as one finding that slot at once would
+/// be, and waits for its home rather than read its whole prompt there.
+#[tokio::test(start_paused = true)]
+async fn a_request_that_found_the_fleet_full_is_weighed_when_a_slot_elsewhere_frees() {
+    let svc = service(&[("a", "n1"), ("b", "n2")]);
+    // Requests take 10 s; moving costs reading 10,000 tokens at 200 tokens/s: 50 s.
+    teach(&svc, Duration::from_secs(10)).await;
+    let (home, streaming) = busy_home(&svc, Duration::from_secs(30)).await;
+    let other = if home == "a" { "b" } else { "a" };
+    // The other backend busy for 5 s with a prompt of its own.
+    let own = Reply::llama_stream(1000, 0, 5000, Duration::ZERO, Duration::from_secs(5));
+    let busy = keep_busy(&svc, request(None, Some(chain(&[77], 1000)), own), other).await;
+    let (d, _) = next_turn(&svc).await;
+    assert_eq!(
+        (d.backend.as_str(), d.outcome, d.waited),
+        (
+            home.as_str(),
+            Outcome::HomeHit,
+            Some(Duration::from_secs(30))
+        )
+    );
+    busy.await.unwrap();
+    streaming.await.unwrap();
+    let stats = svc.stats();
+    assert_eq!((stats.in_flight, stats.waiting), (0, 0));
+}
+
+/// As above, but the home stays busy: the turn holds out for it from the other slot's
+/// freeing for as long as moving costs more than staying, then takes that slot. A request
+/// holds out once: the look at the hold's end is not weighed again, though the home still
+/// reads as worth waiting for (its request is overdue by the figures).
+#[tokio::test(start_paused = true)]
+async fn a_request_that_held_out_from_a_later_look_moves_when_its_hold_ends() {
+    let max_wait = Duration::from_secs(900);
+    let svc: Svc<_> = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(max_wait, 16))
+        .layer(fleet(&[("a", "n1"), ("b", "n2")], scripted()));
+    teach(&svc, Duration::from_secs(10)).await;
+    let (home, streaming) = busy_home(&svc, Duration::from_secs(1000)).await;
+    let other = if home == "a" { "b" } else { "a" };
+    let own = Reply::llama_stream(1000, 0, 5000, Duration::ZERO, Duration::from_secs(5));
+    let busy = keep_busy(&svc, request(None, Some(chain(&[77], 1000)), own), other).await;
+    let (d, _) = next_turn(&svc).await;
+    assert_eq!(
+        (d.backend.as_str(), d.outcome),
+        (other, Outcome::CrossNodeSpill)
+    );
+    // Moving reads 10,000 tokens (50 s) and delays the requests reaching the other backend
+    // meanwhile; staying reads 1,000 (5 s): a hold of minutes from 5 s on, ended well before
+    // the wait's 900 s.
+    let waited = d.waited.expect("it waited");
+    assert!(
+        waited > Duration::from_secs(60) && waited < Duration::from_secs(600),
+        "{waited:?}"
+    );
+    busy.await.unwrap();
+    streaming.abort();
+}
+
+/// `NodeThenBackend`, except that it offers nothing, as if the fleet were full, while the
+/// clock is before the blind spell's end (`base` plus `until_ms`).
+struct Blind {
+    base: Instant,
+    until_ms: AtomicU64,
+}
+
+impl Blind {
+    fn until(&self, until: Instant) {
+        let ms = until.duration_since(self.base).as_millis();
+        self.until_ms
+            .store(ms.try_into().unwrap(), Ordering::Relaxed);
+    }
+}
+
+impl Placement for Blind {
+    fn place(&self, f: &FleetView<'_>, r: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
+        let until = self.base + Duration::from_millis(self.until_ms.load(Ordering::Relaxed));
+        if Instant::now() >= until {
+            NodeThenBackend::new().place(f, r, c);
+        }
+    }
+}
+
+/// A request whose wait is over takes the slot its last look finds, though its home is full
+/// and worth waiting for by the figures: holding it out then would refuse it.
+#[tokio::test(start_paused = true)]
+async fn the_last_look_of_a_wait_takes_a_slot_elsewhere_rather_than_hold_out_for_the_home() {
+    let max_wait = Duration::from_secs(20);
+    let policy = Arc::new(Blind {
+        base: Instant::now(),
+        until_ms: AtomicU64::new(0),
+    });
+    let svc: Svc<_, _> = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(max_wait, 16))
+        .placement(policy.clone())
+        .layer(fleet(&[("a", "n1"), ("b", "n2")], scripted()));
+    // Requests take 10 s, so the home, busy for 100 s, reads as due at once.
+    teach(&svc, Duration::from_secs(10)).await;
+    let (home, streaming) = busy_home(&svc, Duration::from_secs(100)).await;
+    // Blind for the whole wait: the turn's only look that sees the fleet is its last.
+    policy.until(Instant::now() + max_wait);
+    let (d, took) = next_turn(&svc).await;
+    assert_ne!(d.backend.as_str(), home);
+    assert_eq!(
+        (d.outcome, d.waited),
+        (Outcome::CrossNodeSpill, Some(max_wait))
+    );
+    assert_eq!(took, max_wait);
+    streaming.abort();
 }
 
 #[tokio::test(start_paused = true)]
