@@ -226,6 +226,11 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// move of a whole prompt onto a busy backend costs its other sessions' turns as well. A
     /// backend that has taught nothing yet is taken to read as the others do; until anything
     /// is learned, a request moves at once.
+    ///
+    /// The choice is made when a slot elsewhere is first on offer: on arrival, or, for a
+    /// request that found every backend full and waits for any slot, when one frees on
+    /// another backend. A request holds out this way once; when its hold is over, any slot
+    /// will do.
     pub fn wait_versus_move(mut self, enabled: bool) -> Self {
         self.config.wait_versus_move = enabled;
         self
