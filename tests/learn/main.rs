@@ -1346,3 +1346,773 @@ async fn replicas_model_their_share_of_each_backends_cache_and_count_all_its_slo
     ));
     drop(held);
 }
+
+// === trial: adversarial tests of the hold from a later look (commit 93be1a0) ===
+
+const TRIAL_LIMIT: Duration = Duration::from_secs(1800);
+
+/// A service of two one-slot backends a (n1), b (n2), waiting up to `max_wait`.
+fn trial_service(
+    max_wait: Duration,
+) -> Svc<
+    impl tower::Service<Req, Response = http::Response<Scripted>, Error = Infallible, Future: Send>
+        + Clone
+        + Send,
+> {
+    SessionAffinityLayer::new()
+        .overflow(Overflow::wait(max_wait, 64))
+        .layer(fleet(&[("a", "n1"), ("b", "n2")], scripted()))
+}
+
+/// The session's home busy for `home_busy`, the other backend busy for `other_busy` with a
+/// keyless prompt of its own: the whole fleet is full. Returns (home, other, tasks).
+async fn trial_fleet_full<S, P>(
+    svc: &Svc<S, P>,
+    home_busy: Duration,
+    other_busy: Duration,
+) -> (
+    String,
+    &'static str,
+    tokio::task::JoinHandle<()>,
+    tokio::task::JoinHandle<()>,
+)
+where
+    S: Send + Sync + 'static,
+    Svc<S, P>:
+        tower::Service<Req, Response = Res, Error = tower_affinity::Error> + Send + Sync + 'static,
+    <Svc<S, P> as tower::Service<Req>>::Future: Send,
+{
+    teach(svc, Duration::from_secs(10)).await;
+    let (home, streaming) = busy_home(svc, home_busy).await;
+    let other = if home == "a" { "b" } else { "a" };
+    let own = Reply::llama_stream(1000, 0, 5000, Duration::ZERO, other_busy);
+    let busy = keep_busy(svc, request(None, Some(chain(&[77], 1000)), own), other).await;
+    (home, other, streaming, busy)
+}
+
+/// The next turn of "s" in a task of its own.
+fn trial_spawn_turn<S, P>(svc: &Svc<S, P>) -> tokio::task::JoinHandle<(Decision, Duration)>
+where
+    S: Send + Sync + 'static,
+    Svc<S, P>:
+        tower::Service<Req, Response = Res, Error = tower_affinity::Error> + Send + Sync + 'static,
+    <Svc<S, P> as tower::Service<Req>>::Future: Send,
+{
+    let svc = svc.clone();
+    tokio::spawn(async move { next_turn(&svc).await })
+}
+
+/// Checks: the home, holding out (from the other slot's freeing at 5 s, a later look) for
+/// minutes, is marked down at 10 s. The turn must move to the free other backend at once
+/// (waited 10 s), not wait out its hold, and never hang.
+#[tokio::test(start_paused = true)]
+async fn trial_home_marked_down_during_a_hold_from_a_later_look_moves_at_once() {
+    let svc = trial_service(Duration::from_secs(900));
+    let (home, other, streaming, busy) =
+        trial_fleet_full(&svc, Duration::from_secs(1000), Duration::from_secs(5)).await;
+    let turn = trial_spawn_turn(&svc);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    // It holds out: waiting, with the other backend free.
+    assert_eq!(svc.stats().waiting, 1, "held out at 10 s");
+    assert_eq!(status(&svc, other).in_flight, 0);
+    assert!(svc.mark_down(&home, Some(Duration::from_secs(600))));
+    let (d, _) = tokio::time::timeout(TRIAL_LIMIT, turn)
+        .await
+        .expect("the turn ends")
+        .unwrap();
+    assert_eq!(
+        (d.backend.as_str(), d.waited),
+        (other, Some(Duration::from_secs(10)))
+    );
+    busy.await.unwrap();
+    streaming.abort();
+    let _ = streaming.await;
+    let stats = svc.stats();
+    assert_eq!((stats.in_flight, stats.waiting), (0, 0));
+}
+
+/// Checks: a waiter cancelled while holding out from a later look leaves nothing behind:
+/// the slot it declined at 5 s reached the keyless waiter queued after it at once, its queue
+/// place is released, and no slot stays promised (a new request is placed at once).
+#[tokio::test(start_paused = true)]
+async fn trial_a_waiter_cancelled_while_holding_out_from_a_later_look_leaves_nothing_promised() {
+    let svc = trial_service(Duration::from_secs(900));
+    let (_home, other, streaming, busy) =
+        trial_fleet_full(&svc, Duration::from_secs(1000), Duration::from_secs(5)).await;
+    let turn = trial_spawn_turn(&svc);
+    for _ in 0..8 {
+        tokio::task::yield_now().await;
+    }
+    // A keyless request with a prompt cached nowhere, queued after the turn.
+    let behind = {
+        let svc = svc.clone();
+        let quick = Reply::llama_stream(1000, 0, 5000, Duration::ZERO, Duration::from_secs(1));
+        let req = request(None, Some(chain(&[555], 1000)), quick);
+        tokio::spawn(async move { exchange(&svc, req).await.0 })
+    };
+    for _ in 0..8 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(svc.stats().waiting, 2);
+    let d = tokio::time::timeout(TRIAL_LIMIT, behind)
+        .await
+        .expect("the request behind ends")
+        .unwrap();
+    assert_eq!(
+        (d.backend.as_str(), d.waited),
+        (other, Some(Duration::from_secs(5))),
+        "the declined slot reached the waiter behind"
+    );
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(svc.stats().waiting, 1, "the turn still holds out");
+    turn.abort();
+    let _ = turn.await;
+    assert_eq!(svc.stats().waiting, 0, "its place is released");
+    // Nothing promised: a new keyless request takes the free slot at once.
+    let req = request(None, Some(chain(&[556], 1000)), Reply::json(b"{}"));
+    let (d, _, _) = tokio::time::timeout(TRIAL_LIMIT, exchange(&svc, req))
+        .await
+        .expect("ends");
+    assert_eq!((d.backend.as_str(), d.waited), (other, None));
+    busy.await.unwrap();
+    streaming.abort();
+    let _ = streaming.await;
+    let stats = svc.stats();
+    assert_eq!((stats.in_flight, stats.waiting), (0, 0));
+}
+
+/// Checks: with a short max_wait (20 s), a turn holding out from a later look (5 s) is
+/// not refused at the end of its wait while the other backend is free: it takes it at 20 s.
+#[tokio::test(start_paused = true)]
+async fn trial_a_hold_from_a_later_look_never_makes_a_short_wait_refuse_a_free_slot() {
+    let max_wait = Duration::from_secs(20);
+    let svc = trial_service(max_wait);
+    let (_home, other, streaming, busy) =
+        trial_fleet_full(&svc, Duration::from_secs(1000), Duration::from_secs(5)).await;
+    let turn = trial_spawn_turn(&svc);
+    let (d, took) = tokio::time::timeout(TRIAL_LIMIT, turn)
+        .await
+        .expect("the turn ends")
+        .expect("answered, not refused");
+    assert_eq!((d.backend.as_str(), d.waited), (other, Some(max_wait)));
+    assert_eq!(took, max_wait);
+    busy.await.unwrap();
+    streaming.abort();
+    let _ = streaming.await;
+    let stats = svc.stats();
+    assert_eq!((stats.in_flight, stats.waiting), (0, 0));
+}
+
+/// Checks: with node patience, a turn that found the fleet full waits for its home node
+/// first (it held out once), so when the other backend's slot frees after the patience
+/// ended (30 s) it takes it at once and is not held again.
+#[tokio::test(start_paused = true)]
+async fn trial_a_request_that_held_for_its_node_is_not_held_again_by_a_later_look() {
+    let svc: Svc<_> = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_secs(900), 16))
+        .node_patience(Duration::from_secs(20))
+        .layer(fleet(&[("a", "n1"), ("b", "n2")], scripted()));
+    let (_home, other, streaming, busy) =
+        trial_fleet_full(&svc, Duration::from_secs(1000), Duration::from_secs(30)).await;
+    let turn = trial_spawn_turn(&svc);
+    let (d, _) = tokio::time::timeout(TRIAL_LIMIT, turn)
+        .await
+        .expect("the turn ends")
+        .unwrap();
+    assert_eq!(
+        (d.backend.as_str(), d.waited),
+        (other, Some(Duration::from_secs(30)))
+    );
+    busy.await.unwrap();
+    streaming.abort();
+    let _ = streaming.await;
+    let stats = svc.stats();
+    assert_eq!((stats.in_flight, stats.waiting), (0, 0));
+}
+
+/// Checks: a keyless request (prompt chain only, cached on its backend) that finds the fleet
+/// full ends, wherever it goes, and leaves nothing queued or in flight. Its prefix's backend
+/// frees at 30 s, the other at 5 s: as the keyed turn does, it should hold out for the
+/// holder and land there at 30 s.
+#[tokio::test(start_paused = true)]
+async fn trial_a_keyless_request_that_found_the_fleet_full_ends_and_is_weighed() {
+    let svc = trial_service(Duration::from_secs(900));
+    teach(&svc, Duration::from_secs(10)).await;
+    let blocks: Vec<u64> = (0..10).map(|i| 4000 + i).collect();
+    let (d, _, _) = exchange(
+        &svc,
+        request(None, Some(chain(&blocks[..8], 1000)), reused(8000, 0)),
+    )
+    .await;
+    let holder = d.backend.to_string();
+    let other = if holder == "a" { "b" } else { "a" };
+    let long = Reply::llama_stream(9000, 8000, 5000, Duration::ZERO, Duration::from_secs(30));
+    let streaming = keep_busy(
+        &svc,
+        request(None, Some(chain(&blocks[..9], 1000)), long),
+        &holder,
+    )
+    .await;
+    let own = Reply::llama_stream(1000, 0, 5000, Duration::ZERO, Duration::from_secs(5));
+    let busy = keep_busy(&svc, request(None, Some(chain(&[77], 1000)), own), other).await;
+    let next = request(None, Some(chain(&blocks, 1000)), reused(10_000, 9000));
+    let (d, _, _) = tokio::time::timeout(TRIAL_LIMIT, exchange(&svc, next))
+        .await
+        .expect("the keyless turn ends");
+    busy.await.unwrap();
+    streaming.await.unwrap();
+    let stats = svc.stats();
+    assert_eq!((stats.in_flight, stats.waiting), (0, 0));
+    assert_eq!(
+        (d.backend.as_str(), d.waited),
+        (holder.as_str(), Some(Duration::from_secs(30))),
+        "weighed as the keyed turn is (other: {other})"
+    );
+}
+
+/// Checks: a request pinned to the backend holding its stored response goes only there,
+/// though the fleet is full and a slot frees elsewhere first (5 s): it lands on its pinned
+/// backend when that frees (30 s).
+#[tokio::test(start_paused = true)]
+async fn trial_a_pinned_request_that_found_the_fleet_full_goes_only_to_its_pinned_backend() {
+    let svc = trial_service(Duration::from_secs(900));
+    let (home, _other, streaming, busy) =
+        trial_fleet_full(&svc, Duration::from_secs(30), Duration::from_secs(5)).await;
+    let mut req = request(
+        Some("s"),
+        Some(chain(&SESSION_BLOCKS, 1000)),
+        reused(10_000, 9000),
+    );
+    req.extensions_mut()
+        .get_mut::<PromptFacts>()
+        .unwrap()
+        .stored_on = Some(home.as_str().into());
+    let (d, _, _) = tokio::time::timeout(TRIAL_LIMIT, exchange(&svc, req))
+        .await
+        .expect("the pinned turn ends");
+    assert_eq!(
+        (d.backend.as_str(), d.waited),
+        (home.as_str(), Some(Duration::from_secs(30)))
+    );
+    busy.await.unwrap();
+    streaming.await.unwrap();
+    let stats = svc.stats();
+    assert_eq!((stats.in_flight, stats.waiting), (0, 0));
+}
+
+/// Checks: a request pinned to the backend that does NOT hold its prefix is never held out
+/// for the prefix's holder: the pinned backend frees at 5 s and it goes there at once.
+#[tokio::test(start_paused = true)]
+async fn trial_a_pinned_request_is_not_held_out_for_the_holder_of_its_prefix() {
+    let svc = trial_service(Duration::from_secs(900));
+    let (home, other, streaming, busy) =
+        trial_fleet_full(&svc, Duration::from_secs(1000), Duration::from_secs(5)).await;
+    let mut req = request(
+        Some("s"),
+        Some(chain(&SESSION_BLOCKS, 1000)),
+        reused(10_000, 0),
+    );
+    req.extensions_mut()
+        .get_mut::<PromptFacts>()
+        .unwrap()
+        .stored_on = Some(other.into());
+    let (d, _, _) = tokio::time::timeout(TRIAL_LIMIT, exchange(&svc, req))
+        .await
+        .expect("the pinned turn ends");
+    assert_ne!(d.backend.as_str(), home);
+    assert_eq!(
+        (d.backend.as_str(), d.waited),
+        (other, Some(Duration::from_secs(5)))
+    );
+    busy.await.unwrap();
+    streaming.abort();
+}
+
+/// Sessions homed on a and on b, `n` of each, with their blocks.
+async fn trial_homed<S, P>(svc: &Svc<S, P>, n: usize) -> (Vec<(String, u64)>, Vec<(String, u64)>)
+where
+    Svc<S, P>: tower::Service<Req, Response = Res, Error = tower_affinity::Error>,
+    <Svc<S, P> as tower::Service<Req>>::Future: Send,
+{
+    let (mut on_a, mut on_b) = (Vec::new(), Vec::new());
+    for k in 0..200u64 {
+        let key = format!("h{k}");
+        let first = request(
+            Some(&key),
+            Some(chain(&trial_blocks(k)[..8], 1000)),
+            reused(8000, 0),
+        );
+        let d = exchange(svc, first).await.0;
+        let list = if d.backend.as_str() == "a" {
+            &mut on_a
+        } else {
+            &mut on_b
+        };
+        if list.len() < n {
+            list.push((key, k));
+        }
+        if on_a.len() == n && on_b.len() == n {
+            break;
+        }
+    }
+    assert_eq!((on_a.len(), on_b.len()), (n, n));
+    (on_a, on_b)
+}
+
+fn trial_blocks(k: u64) -> Vec<u64> {
+    (0..10).map(|i| 100_000 * (k + 1) + i).collect()
+}
+
+/// Several waiters with the fleet full, their caches on a and on b (and keyless ones cached
+/// nowhere); a frees after `a_busy`, b after `b_busy`. Checks: every request ends answered,
+/// never are both backends idle for two samples running while a request waits (a lost wake),
+/// and stats show nothing in flight or waiting at the end.
+async fn trial_mixed_waiters(a_busy: u64, b_busy: u64, each: u64) {
+    let svc = trial_service(Duration::from_secs(900));
+    teach(&svc, Duration::from_secs(10)).await;
+    let (on_a, on_b) = trial_homed(&svc, 3).await;
+    let hold = |(key, k): &(String, u64), backend: &str, secs: u64| {
+        let long = Reply::llama_stream(9000, 8000, 5000, Duration::ZERO, Duration::from_secs(secs));
+        let req = request(Some(key), Some(chain(&trial_blocks(*k)[..9], 1000)), long);
+        (req, backend.to_string())
+    };
+    let (ra, ba) = hold(&on_a[0], "a", a_busy);
+    let fill_a = keep_busy(&svc, ra, &ba).await;
+    let (rb, bb) = hold(&on_b[0], "b", b_busy);
+    let fill_b = keep_busy(&svc, rb, &bb).await;
+    let mut turns = Vec::new();
+    let mut spawn = |req: Req| {
+        let svc = svc.clone();
+        turns.push(tokio::spawn(async move {
+            tokio::time::timeout(TRIAL_LIMIT, exchange(&svc, req))
+                .await
+                .map(|r| r.0)
+        }));
+    };
+    let answer = || {
+        Reply::llama_stream(
+            10_000,
+            9000,
+            5000,
+            Duration::ZERO,
+            Duration::from_secs(each),
+        )
+    };
+    for i in 1..3 {
+        for (key, k) in [&on_a[i], &on_b[i]] {
+            spawn(request(
+                Some(key),
+                Some(chain(&trial_blocks(*k), 1000)),
+                answer(),
+            ));
+        }
+        spawn(request(
+            None,
+            Some(chain(&[900 + i as u64], 1000)),
+            answer(),
+        ));
+    }
+    let n = turns.len();
+    // The sampler: a request waiting with both backends idle, twice running, is a lost wake.
+    let mut idle_runs = 0;
+    let mut lost = Vec::new();
+    let start = Instant::now();
+    while !turns.iter().all(|t| t.is_finished()) && start.elapsed() < TRIAL_LIMIT {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let stats = svc.stats();
+        let idle = svc.backends().iter().all(|b| b.in_flight == 0);
+        if stats.waiting > 0 && idle {
+            idle_runs += 1;
+            if idle_runs >= 2 {
+                lost.push((start.elapsed(), stats.waiting));
+            }
+        } else {
+            idle_runs = 0;
+        }
+    }
+    let mut decisions = Vec::new();
+    for t in turns {
+        let d = t.await.unwrap().expect("every request ends");
+        decisions.push(d);
+    }
+    assert_eq!(decisions.len(), n);
+    for d in &decisions {
+        eprintln!("{} {:?} {:?}", d.backend, d.outcome, d.waited);
+    }
+    assert!(lost.is_empty(), "lost wakes (at, waiting): {lost:?}");
+    fill_a.abort();
+    fill_b.abort();
+    let _ = (fill_a.await, fill_b.await);
+    let stats = svc.stats();
+    assert_eq!((stats.in_flight, stats.waiting), (0, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn trial_mixed_waiters_a_frees_first() {
+    trial_mixed_waiters(20, 40, 10).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn trial_mixed_waiters_b_frees_first() {
+    trial_mixed_waiters(40, 20, 10).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn trial_mixed_waiters_both_free_at_once() {
+    trial_mixed_waiters(20, 20, 10).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn trial_mixed_waiters_long_answers() {
+    trial_mixed_waiters(5, 300, 200).await;
+}
+
+/// Sends `req` to any service of this crate's response type and reads the answer to its end.
+async fn trial_exchange<T>(svc: &T, req: Req) -> Decision
+where
+    T: tower::Service<Req, Response = Res, Error = tower_affinity::Error> + Clone,
+{
+    let res = svc.clone().oneshot(req).await.expect("an answer");
+    let d = res
+        .extensions()
+        .get::<Decision>()
+        .cloned()
+        .expect("a decision");
+    let _ = res.into_body().collect().await;
+    d
+}
+
+/// Checks: the home, held out for from a later look (the other slot's freeing at 5 s), is
+/// removed by discovery at 10 s. The turn must move to the free other backend at once, not
+/// wait out its hold for a backend that is gone, and never hang.
+#[tokio::test(start_paused = true)]
+async fn trial_home_removed_by_discovery_during_a_hold_from_a_later_look_moves_at_once() {
+    let (handle, stream) = tower_affinity::discover::channel();
+    let backend = |node| {
+        Backend::new(node, scripted())
+            .slots(NonZeroU32::MIN)
+            .cache_tokens(1 << 20)
+    };
+    handle.insert("a", backend("n1"));
+    handle.insert("b", backend("n2"));
+    let svc = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_secs(900), 16))
+        .layer(stream);
+    svc.apply_discovery();
+    // Teach both: 200 tokens/s, requests of 10 s.
+    let lesson = || Reply::llama_stream(10_000, 0, 50_000, Duration::from_secs(10), Duration::ZERO);
+    let (x, y) = tokio::join!(
+        trial_exchange(&svc, request(None, Some(chain(&[7, 8], 5000)), lesson())),
+        trial_exchange(&svc, request(None, Some(chain(&[9, 10], 5000)), lesson())),
+    );
+    assert_ne!(x.backend, y.backend);
+    let first = request(
+        Some("s"),
+        Some(chain(&SESSION_BLOCKS[..8], 1000)),
+        reused(8000, 0),
+    );
+    let home = trial_exchange(&svc, first).await.backend.to_string();
+    let other = if home == "a" { "b" } else { "a" };
+    let busy_for =
+        |secs| Reply::llama_stream(9000, 8000, 5000, Duration::ZERO, Duration::from_secs(secs));
+    let res = svc
+        .clone()
+        .oneshot(request(
+            Some("s"),
+            Some(chain(&SESSION_BLOCKS[..9], 1000)),
+            busy_for(1000),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(
+        res.extensions().get::<Decision>().unwrap().backend.as_str(),
+        home
+    );
+    let streaming = tokio::spawn(async move {
+        let _ = res.into_body().collect().await;
+    });
+    let own = Reply::llama_stream(1000, 0, 5000, Duration::ZERO, Duration::from_secs(5));
+    let res = svc
+        .clone()
+        .oneshot(request(None, Some(chain(&[77], 1000)), own))
+        .await
+        .unwrap();
+    assert_eq!(
+        res.extensions().get::<Decision>().unwrap().backend.as_str(),
+        other
+    );
+    let busy = tokio::spawn(async move {
+        let _ = res.into_body().collect().await;
+    });
+    let turn = {
+        let svc = svc.clone();
+        let next = request(
+            Some("s"),
+            Some(chain(&SESSION_BLOCKS, 1000)),
+            reused(10_000, 9000),
+        );
+        tokio::spawn(async move { trial_exchange(&svc, next).await })
+    };
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(svc.stats().waiting, 1, "held out at 10 s");
+    assert!(handle.remove(home.clone()));
+    let d = tokio::time::timeout(TRIAL_LIMIT, turn)
+        .await
+        .expect("the turn ends")
+        .unwrap();
+    assert_eq!(
+        (d.backend.as_str(), d.waited),
+        (other, Some(Duration::from_secs(10)))
+    );
+    busy.await.unwrap();
+    streaming.abort();
+    let _ = streaming.await;
+    let stats = svc.stats();
+    assert_eq!((stats.in_flight, stats.waiting), (0, 0));
+}
+
+/// Keyless requests with prompts cached nowhere (`ids`), each answered after `secs`, queued
+/// one after another in tasks of their own.
+async fn trial_queue_keyless<S, P>(
+    svc: &Svc<S, P>,
+    ids: &[u64],
+    secs: u64,
+) -> Vec<tokio::task::JoinHandle<Decision>>
+where
+    S: Send + Sync + 'static,
+    Svc<S, P>:
+        tower::Service<Req, Response = Res, Error = tower_affinity::Error> + Send + Sync + 'static,
+    <Svc<S, P> as tower::Service<Req>>::Future: Send,
+{
+    let mut tasks = Vec::new();
+    for &id in ids {
+        let svc = svc.clone();
+        let answer = Reply::llama_stream(1000, 0, 5000, Duration::ZERO, Duration::from_secs(secs));
+        let req = request(None, Some(chain(&[id], 1000)), answer);
+        tasks.push(tokio::spawn(async move { exchange(&svc, req).await.0 }));
+        for _ in 0..8 {
+            tokio::task::yield_now().await;
+        }
+    }
+    tasks
+}
+
+/// Checks: the turn of "s" (queued first, the fleet full) holds out from a later look when
+/// the other backend's slot frees at 5 s and declines it. Keyless waiters K1, K2, K3 queued
+/// after it in that order wait for any slot: the declined slot must go to the oldest, K1, at
+/// 5 s, as a freed slot goes to the oldest waiter it suits.
+#[tokio::test(start_paused = true)]
+async fn trial_the_slot_a_later_hold_declines_goes_to_the_oldest_waiter_behind() {
+    let svc = trial_service(Duration::from_secs(900));
+    let (_home, other, streaming, busy) =
+        trial_fleet_full(&svc, Duration::from_secs(1000), Duration::from_secs(5)).await;
+    let turn = trial_spawn_turn(&svc);
+    for _ in 0..8 {
+        tokio::task::yield_now().await;
+    }
+    let ks = trial_queue_keyless(&svc, &[551, 552, 553], 100).await;
+    assert_eq!(svc.stats().waiting, 4);
+    let mut got = Vec::new();
+    for k in ks {
+        let d = tokio::time::timeout(TRIAL_LIMIT, k)
+            .await
+            .expect("ends")
+            .unwrap();
+        got.push((d.backend.to_string(), d.waited));
+    }
+    eprintln!("{got:?}");
+    assert_eq!(
+        (got[0].0.as_str(), got[0].1),
+        (other, Some(Duration::from_secs(5))),
+        "K1, the oldest waiter behind, takes the declined slot: {got:?}"
+    );
+    let _ = tokio::time::timeout(TRIAL_LIMIT, turn).await;
+    busy.await.unwrap();
+    streaming.abort();
+    let _ = streaming.await;
+    let stats = svc.stats();
+    assert_eq!((stats.in_flight, stats.waiting), (0, 0));
+}
+
+/// The fleet full: a busy for `a_busy`, b for `b_busy` (turns of sessions homed there).
+/// Then waiters queue in the order of `pattern`: 'a' a turn of a session homed on a, 'b' on
+/// b, 'k' a keyless request cached nowhere (which never holds out), each answered after
+/// `each`. Checks: every request ends answered; a keyless request never waits while a
+/// backend is idle for two samples running (a lost wake: a freed slot left with a waiter
+/// that could use it asleep); nothing in flight or waiting at the end. Returns the decisions
+/// in queue order.
+async fn trial_pattern(a_busy: u64, b_busy: u64, each: u64, pattern: &str) -> Vec<Decision> {
+    let svc = trial_service(Duration::from_secs(900));
+    teach(&svc, Duration::from_secs(10)).await;
+    let need = pattern
+        .chars()
+        .filter(|&c| c == 'a')
+        .count()
+        .max(pattern.chars().filter(|&c| c == 'b').count())
+        + 1;
+    let (on_a, on_b) = trial_homed(&svc, need).await;
+    let hold = |(key, k): &(String, u64), secs: u64| {
+        let long = Reply::llama_stream(9000, 8000, 5000, Duration::ZERO, Duration::from_secs(secs));
+        request(Some(key), Some(chain(&trial_blocks(*k)[..9], 1000)), long)
+    };
+    let fill_a = keep_busy(&svc, hold(&on_a[0], a_busy), "a").await;
+    let fill_b = keep_busy(&svc, hold(&on_b[0], b_busy), "b").await;
+    let (mut ia, mut ib, mut ik) = (1, 1, 0u64);
+    let mut turns = Vec::new();
+    for c in pattern.chars() {
+        let answer = Reply::llama_stream(
+            10_000,
+            9000,
+            5000,
+            Duration::ZERO,
+            Duration::from_secs(each),
+        );
+        let req = match c {
+            'a' => {
+                ia += 1;
+                let (key, k) = &on_a[ia - 1];
+                request(Some(key), Some(chain(&trial_blocks(*k), 1000)), answer)
+            }
+            'b' => {
+                ib += 1;
+                let (key, k) = &on_b[ib - 1];
+                request(Some(key), Some(chain(&trial_blocks(*k), 1000)), answer)
+            }
+            _ => {
+                ik += 1;
+                let fresh =
+                    Reply::llama_stream(1000, 0, 5000, Duration::ZERO, Duration::from_secs(each));
+                request(None, Some(chain(&[7000 + ik], 1000)), fresh)
+            }
+        };
+        let svc2 = svc.clone();
+        turns.push((
+            c,
+            tokio::spawn(async move {
+                tokio::time::timeout(TRIAL_LIMIT, exchange(&svc2, req))
+                    .await
+                    .map(|r| r.0)
+            }),
+        ));
+        for _ in 0..8 {
+            tokio::task::yield_now().await;
+        }
+    }
+    assert_eq!(svc.stats().waiting as usize, pattern.len(), "all queued");
+    let mut runs = 0;
+    let mut lost = Vec::new();
+    let start = Instant::now();
+    while !turns.iter().all(|(_, t)| t.is_finished()) && start.elapsed() < TRIAL_LIMIT {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let keyless_waiting = turns.iter().any(|(c, t)| *c == 'k' && !t.is_finished());
+        let idle = svc.backends().iter().any(|b| b.in_flight == 0);
+        if keyless_waiting && idle {
+            runs += 1;
+            if runs >= 2 {
+                lost.push(start.elapsed());
+            }
+        } else {
+            runs = 0;
+        }
+    }
+    let mut decisions = Vec::new();
+    for (c, t) in turns {
+        let d = t.await.unwrap().expect("every request ends");
+        eprintln!("{c} -> {} {:?} {:?}", d.backend, d.outcome, d.waited);
+        decisions.push(d);
+    }
+    assert!(
+        lost.is_empty(),
+        "a keyless waiter asleep beside an idle backend at {lost:?}"
+    );
+    fill_a.abort();
+    fill_b.abort();
+    let _ = (fill_a.await, fill_b.await);
+    let stats = svc.stats();
+    assert_eq!((stats.in_flight, stats.waiting), (0, 0));
+    decisions
+}
+
+#[tokio::test(start_paused = true)]
+async fn trial_pattern_b_waiters_hold_while_a_frees() {
+    trial_pattern(5, 300, 10, "bbk").await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn trial_pattern_b_waiters_hold_while_a_frees_many() {
+    trial_pattern(5, 300, 10, "bbbkbk").await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn trial_pattern_interleaved_holds_on_both() {
+    trial_pattern(30, 60, 10, "abkbak").await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn trial_pattern_keyless_first_then_holders() {
+    trial_pattern(5, 300, 50, "kbbbk").await;
+}
+
+/// Checks: keyless waiters (cached nowhere, never held) are served in their queue order
+/// though sessions queued before them hold out from later looks and decline the slots
+/// freed on a: the first keyless request is placed no later than the second.
+#[tokio::test(start_paused = true)]
+async fn trial_keyless_waiters_keep_their_order_behind_later_holds() {
+    for pattern in ["bbbkbk", "abkbak", "bkk"] {
+        let d = trial_pattern(5, 300, 10, pattern).await;
+        let ks: Vec<_> = pattern
+            .char_indices()
+            .filter(|&(_, c)| c == 'k')
+            .map(|(i, _)| d[i].waited.expect("it waited"))
+            .collect();
+        assert!(
+            ks.windows(2).all(|w| w[0] <= w[1]),
+            "{pattern}: keyless waiters served out of order: {ks:?}"
+        );
+    }
+}
+
+/// `NodeThenBackend`, counting its calls: one per look for a slot.
+#[derive(Default)]
+struct TrialCounting {
+    looks: AtomicU64,
+}
+
+impl Placement for TrialCounting {
+    fn place(&self, f: &FleetView<'_>, r: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
+        self.looks.fetch_add(1, Ordering::Relaxed);
+        NodeThenBackend::new().place(f, r, c);
+    }
+}
+
+/// Checks: one slot freed (the other backend's, at 5 s) and declined by a turn holding out
+/// from a later look costs a bounded number of looks: the turn's, then the oldest keyless
+/// waiter's, which takes it. A freed slot wakes one waiter at a time, so with six keyless
+/// waiters behind, no more than a few looks happen at 5 s (not one or more per waiter).
+#[tokio::test(start_paused = true)]
+async fn trial_a_slot_declined_by_a_later_hold_wakes_waiters_one_at_a_time() {
+    let policy = Arc::new(TrialCounting::default());
+    let svc: Svc<_, _> = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_secs(900), 64))
+        .placement(policy.clone())
+        .layer(fleet(&[("a", "n1"), ("b", "n2")], scripted()));
+    let (_home, _other, streaming, busy) =
+        trial_fleet_full(&svc, Duration::from_secs(1000), Duration::from_secs(5)).await;
+    let turn = trial_spawn_turn(&svc);
+    for _ in 0..8 {
+        tokio::task::yield_now().await;
+    }
+    let ks = trial_queue_keyless(&svc, &[561, 562, 563, 564, 565, 566], 100).await;
+    let before = policy.looks.load(Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(5001)).await;
+    let looks = policy.looks.load(Ordering::Relaxed) - before;
+    assert!(looks <= 3, "{looks} looks for one slot freed at 5 s");
+    for k in ks {
+        k.abort();
+    }
+    turn.abort();
+    let _ = turn.await;
+    busy.abort();
+    streaming.abort();
+    let _ = (busy.await, streaming.await);
+}
