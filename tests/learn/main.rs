@@ -1986,12 +1986,25 @@ async fn trial_pattern(a_busy: u64, b_busy: u64, each: u64, pattern: &str) -> Ve
             }
         };
         let svc2 = svc.clone();
+        // Set once the request is placed (its answer's headers came): it waits no more.
+        let placed = Arc::new(AtomicBool::new(false));
+        let set = placed.clone();
         turns.push((
             c,
+            placed,
             tokio::spawn(async move {
-                tokio::time::timeout(TRIAL_LIMIT, exchange(&svc2, req))
-                    .await
-                    .map(|r| r.0)
+                tokio::time::timeout(TRIAL_LIMIT, async move {
+                    let res = svc2.oneshot(req).await.expect("an answer");
+                    set.store(true, Ordering::Relaxed);
+                    let d = res
+                        .extensions()
+                        .get::<Decision>()
+                        .cloned()
+                        .expect("a decision");
+                    let _ = res.into_body().collect().await;
+                    d
+                })
+                .await
             }),
         ));
         for _ in 0..8 {
@@ -2002,9 +2015,11 @@ async fn trial_pattern(a_busy: u64, b_busy: u64, each: u64, pattern: &str) -> Ve
     let mut runs = 0;
     let mut lost = Vec::new();
     let start = Instant::now();
-    while !turns.iter().all(|(_, t)| t.is_finished()) && start.elapsed() < TRIAL_LIMIT {
+    while !turns.iter().all(|(_, _, t)| t.is_finished()) && start.elapsed() < TRIAL_LIMIT {
         tokio::time::sleep(Duration::from_secs(1)).await;
-        let keyless_waiting = turns.iter().any(|(c, t)| *c == 'k' && !t.is_finished());
+        let keyless_waiting = turns
+            .iter()
+            .any(|(c, placed, _)| *c == 'k' && !placed.load(Ordering::Relaxed));
         let idle = svc.backends().iter().any(|b| b.in_flight == 0);
         if keyless_waiting && idle {
             runs += 1;
@@ -2016,7 +2031,7 @@ async fn trial_pattern(a_busy: u64, b_busy: u64, each: u64, pattern: &str) -> Ve
         }
     }
     let mut decisions = Vec::new();
-    for (c, t) in turns {
+    for (c, _, t) in turns {
         let d = t.await.unwrap().expect("every request ends");
         eprintln!("{c} -> {} {:?} {:?}", d.backend, d.outcome, d.waited);
         decisions.push(d);
