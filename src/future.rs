@@ -358,7 +358,7 @@ where
                 shared.capacity.counters.count_no_backends();
                 State::fail(Error::NoBackends)
             }
-            Placed::Full { home } => match overflow {
+            Placed::Full { home, .. } => match overflow {
                 Overflow::Wait {
                     max_wait,
                     max_queued,
@@ -415,7 +415,7 @@ where
             // since, which it rules against (that slot, freed again by the ruling, may have
             // woken this very ticket: passed on); or for any slot, when nothing healthy is
             // left where it held out.
-            Placed::Full { home } => {
+            Placed::Full { home, .. } => {
                 ticket.hold_for(home);
                 let home = ticket.home();
                 let since = Instant::now();
@@ -557,10 +557,16 @@ where
                         w.ticket.settle();
                     }
                     // Woken for a slot it could not take (its policy does not offer it, or
-                    // another request was quicker): another waiter may take it.
+                    // another request was quicker): another waiter may take it. A slot it
+                    // took there and gave back, ruling to hold out for its own backend, was
+                    // freed again as it was given back: that wake is spent, or one free slot
+                    // would be promised to two waiters.
                     let woken = match (&placed, woken) {
-                        (Placed::Full { .. }, Woken::For(slot)) => {
-                            drop(slot);
+                        (Placed::Full { gave_back, .. }, Woken::For(slot)) => {
+                            match gave_back {
+                                Some(b) if slot.backend() == Some(*b) => slot.taken(),
+                                _ => drop(slot),
+                            }
                             Woken::No
                         }
                         (_, woken) => woken,
@@ -603,7 +609,7 @@ where
                         // at again. A look that found its hold over (nothing healthy left
                         // where it held out) waits for any slot from now on; one that holds
                         // it out for one place for the first time, for its hold from now.
-                        Placed::Full { home } => {
+                        Placed::Full { home, .. } => {
                             if home.scope == Scope::Any && w.ticket.scope() != Scope::Any {
                                 w.ticket.widen();
                                 *w.until = *w.give_up;

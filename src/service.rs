@@ -166,8 +166,12 @@ pub(crate) enum Placed<S> {
         /// The request's chain, owed to the chosen backend's cache model.
         record: Option<Record>,
     },
-    /// No candidate had a free slot.
-    Full { home: WaitHome },
+    /// No candidate had a free slot, or waiting for `home` was ruled cheaper than the slot
+    /// taken on the backend `gave_back`, which was given back, and so freed again, at once.
+    Full {
+        home: WaitHome,
+        gave_back: Option<u32>,
+    },
     /// The fleet is empty, or every backend offered is marked down.
     Empty,
 }
@@ -702,6 +706,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
                 (_, Some(_)) => wait_home(Scope::Backend, Duration::ZERO),
                 _ => wait_home(Scope::Any, Duration::ZERO),
             },
+            gave_back: None,
         };
         let mut context = 0;
         let (index, overcommitted) = match (candidates.claim(), candidates.first()) {
@@ -732,6 +737,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
                     drop(guard);
                     return Placed::Full {
                         home: wait_home(Scope::Backend, hold),
+                        gave_back: Some(index),
                     };
                 }
             }

@@ -1347,12 +1347,12 @@ async fn replicas_model_their_share_of_each_backends_cache_and_count_all_its_slo
     drop(held);
 }
 
-// === trial: adversarial tests of the hold from a later look (commit 93be1a0) ===
+// === holding out from a later look ===
 
-const TRIAL_LIMIT: Duration = Duration::from_secs(1800);
+const WAIT_LIMIT: Duration = Duration::from_secs(1800);
 
 /// A service of two one-slot backends a (n1), b (n2), waiting up to `max_wait`.
-fn trial_service(
+fn wait_service(
     max_wait: Duration,
 ) -> Svc<
     impl tower::Service<Req, Response = http::Response<Scripted>, Error = Infallible, Future: Send>
@@ -1366,7 +1366,7 @@ fn trial_service(
 
 /// The session's home busy for `home_busy`, the other backend busy for `other_busy` with a
 /// keyless prompt of its own: the whole fleet is full. Returns (home, other, tasks).
-async fn trial_fleet_full<S, P>(
+async fn fleet_full<S, P>(
     svc: &Svc<S, P>,
     home_busy: Duration,
     other_busy: Duration,
@@ -1391,7 +1391,7 @@ where
 }
 
 /// The next turn of "s" in a task of its own.
-fn trial_spawn_turn<S, P>(svc: &Svc<S, P>) -> tokio::task::JoinHandle<(Decision, Duration)>
+fn spawn_turn<S, P>(svc: &Svc<S, P>) -> tokio::task::JoinHandle<(Decision, Duration)>
 where
     S: Send + Sync + 'static,
     Svc<S, P>:
@@ -1406,17 +1406,17 @@ where
 /// minutes, is marked down at 10 s. The turn must move to the free other backend at once
 /// (waited 10 s), not wait out its hold, and never hang.
 #[tokio::test(start_paused = true)]
-async fn trial_home_marked_down_during_a_hold_from_a_later_look_moves_at_once() {
-    let svc = trial_service(Duration::from_secs(900));
+async fn home_marked_down_during_a_hold_from_a_later_look_moves_at_once() {
+    let svc = wait_service(Duration::from_secs(900));
     let (home, other, streaming, busy) =
-        trial_fleet_full(&svc, Duration::from_secs(1000), Duration::from_secs(5)).await;
-    let turn = trial_spawn_turn(&svc);
+        fleet_full(&svc, Duration::from_secs(1000), Duration::from_secs(5)).await;
+    let turn = spawn_turn(&svc);
     tokio::time::sleep(Duration::from_secs(10)).await;
     // It holds out: waiting, with the other backend free.
     assert_eq!(svc.stats().waiting, 1, "held out at 10 s");
     assert_eq!(status(&svc, other).in_flight, 0);
     assert!(svc.mark_down(&home, Some(Duration::from_secs(600))));
-    let (d, _) = tokio::time::timeout(TRIAL_LIMIT, turn)
+    let (d, _) = tokio::time::timeout(WAIT_LIMIT, turn)
         .await
         .expect("the turn ends")
         .unwrap();
@@ -1435,11 +1435,11 @@ async fn trial_home_marked_down_during_a_hold_from_a_later_look_moves_at_once() 
 /// the slot it declined at 5 s reached the keyless waiter queued after it at once, its queue
 /// place is released, and no slot stays promised (a new request is placed at once).
 #[tokio::test(start_paused = true)]
-async fn trial_a_waiter_cancelled_while_holding_out_from_a_later_look_leaves_nothing_promised() {
-    let svc = trial_service(Duration::from_secs(900));
+async fn a_waiter_cancelled_while_holding_out_from_a_later_look_leaves_nothing_promised() {
+    let svc = wait_service(Duration::from_secs(900));
     let (_home, other, streaming, busy) =
-        trial_fleet_full(&svc, Duration::from_secs(1000), Duration::from_secs(5)).await;
-    let turn = trial_spawn_turn(&svc);
+        fleet_full(&svc, Duration::from_secs(1000), Duration::from_secs(5)).await;
+    let turn = spawn_turn(&svc);
     for _ in 0..8 {
         tokio::task::yield_now().await;
     }
@@ -1454,7 +1454,7 @@ async fn trial_a_waiter_cancelled_while_holding_out_from_a_later_look_leaves_not
         tokio::task::yield_now().await;
     }
     assert_eq!(svc.stats().waiting, 2);
-    let d = tokio::time::timeout(TRIAL_LIMIT, behind)
+    let d = tokio::time::timeout(WAIT_LIMIT, behind)
         .await
         .expect("the request behind ends")
         .unwrap();
@@ -1470,7 +1470,7 @@ async fn trial_a_waiter_cancelled_while_holding_out_from_a_later_look_leaves_not
     assert_eq!(svc.stats().waiting, 0, "its place is released");
     // Nothing promised: a new keyless request takes the free slot at once.
     let req = request(None, Some(chain(&[556], 1000)), Reply::json(b"{}"));
-    let (d, _, _) = tokio::time::timeout(TRIAL_LIMIT, exchange(&svc, req))
+    let (d, _, _) = tokio::time::timeout(WAIT_LIMIT, exchange(&svc, req))
         .await
         .expect("ends");
     assert_eq!((d.backend.as_str(), d.waited), (other, None));
@@ -1484,13 +1484,13 @@ async fn trial_a_waiter_cancelled_while_holding_out_from_a_later_look_leaves_not
 /// Checks: with a short max_wait (20 s), a turn holding out from a later look (5 s) is
 /// not refused at the end of its wait while the other backend is free: it takes it at 20 s.
 #[tokio::test(start_paused = true)]
-async fn trial_a_hold_from_a_later_look_never_makes_a_short_wait_refuse_a_free_slot() {
+async fn a_hold_from_a_later_look_never_makes_a_short_wait_refuse_a_free_slot() {
     let max_wait = Duration::from_secs(20);
-    let svc = trial_service(max_wait);
+    let svc = wait_service(max_wait);
     let (_home, other, streaming, busy) =
-        trial_fleet_full(&svc, Duration::from_secs(1000), Duration::from_secs(5)).await;
-    let turn = trial_spawn_turn(&svc);
-    let (d, took) = tokio::time::timeout(TRIAL_LIMIT, turn)
+        fleet_full(&svc, Duration::from_secs(1000), Duration::from_secs(5)).await;
+    let turn = spawn_turn(&svc);
+    let (d, took) = tokio::time::timeout(WAIT_LIMIT, turn)
         .await
         .expect("the turn ends")
         .expect("answered, not refused");
@@ -1507,15 +1507,15 @@ async fn trial_a_hold_from_a_later_look_never_makes_a_short_wait_refuse_a_free_s
 /// first (it held out once), so when the other backend's slot frees after the patience
 /// ended (30 s) it takes it at once and is not held again.
 #[tokio::test(start_paused = true)]
-async fn trial_a_request_that_held_for_its_node_is_not_held_again_by_a_later_look() {
+async fn a_request_that_held_for_its_node_is_not_held_again_by_a_later_look() {
     let svc: Svc<_> = SessionAffinityLayer::new()
         .overflow(Overflow::wait(Duration::from_secs(900), 16))
         .node_patience(Duration::from_secs(20))
         .layer(fleet(&[("a", "n1"), ("b", "n2")], scripted()));
     let (_home, other, streaming, busy) =
-        trial_fleet_full(&svc, Duration::from_secs(1000), Duration::from_secs(30)).await;
-    let turn = trial_spawn_turn(&svc);
-    let (d, _) = tokio::time::timeout(TRIAL_LIMIT, turn)
+        fleet_full(&svc, Duration::from_secs(1000), Duration::from_secs(30)).await;
+    let turn = spawn_turn(&svc);
+    let (d, _) = tokio::time::timeout(WAIT_LIMIT, turn)
         .await
         .expect("the turn ends")
         .unwrap();
@@ -1535,8 +1535,8 @@ async fn trial_a_request_that_held_for_its_node_is_not_held_again_by_a_later_loo
 /// frees at 30 s, the other at 5 s: as the keyed turn does, it should hold out for the
 /// holder and land there at 30 s.
 #[tokio::test(start_paused = true)]
-async fn trial_a_keyless_request_that_found_the_fleet_full_ends_and_is_weighed() {
-    let svc = trial_service(Duration::from_secs(900));
+async fn a_keyless_request_that_found_the_fleet_full_ends_and_is_weighed() {
+    let svc = wait_service(Duration::from_secs(900));
     teach(&svc, Duration::from_secs(10)).await;
     let blocks: Vec<u64> = (0..10).map(|i| 4000 + i).collect();
     let (d, _, _) = exchange(
@@ -1556,7 +1556,7 @@ async fn trial_a_keyless_request_that_found_the_fleet_full_ends_and_is_weighed()
     let own = Reply::llama_stream(1000, 0, 5000, Duration::ZERO, Duration::from_secs(5));
     let busy = keep_busy(&svc, request(None, Some(chain(&[77], 1000)), own), other).await;
     let next = request(None, Some(chain(&blocks, 1000)), reused(10_000, 9000));
-    let (d, _, _) = tokio::time::timeout(TRIAL_LIMIT, exchange(&svc, next))
+    let (d, _, _) = tokio::time::timeout(WAIT_LIMIT, exchange(&svc, next))
         .await
         .expect("the keyless turn ends");
     busy.await.unwrap();
@@ -1574,10 +1574,10 @@ async fn trial_a_keyless_request_that_found_the_fleet_full_ends_and_is_weighed()
 /// though the fleet is full and a slot frees elsewhere first (5 s): it lands on its pinned
 /// backend when that frees (30 s).
 #[tokio::test(start_paused = true)]
-async fn trial_a_pinned_request_that_found_the_fleet_full_goes_only_to_its_pinned_backend() {
-    let svc = trial_service(Duration::from_secs(900));
+async fn a_pinned_request_that_found_the_fleet_full_goes_only_to_its_pinned_backend() {
+    let svc = wait_service(Duration::from_secs(900));
     let (home, _other, streaming, busy) =
-        trial_fleet_full(&svc, Duration::from_secs(30), Duration::from_secs(5)).await;
+        fleet_full(&svc, Duration::from_secs(30), Duration::from_secs(5)).await;
     let mut req = request(
         Some("s"),
         Some(chain(&SESSION_BLOCKS, 1000)),
@@ -1587,7 +1587,7 @@ async fn trial_a_pinned_request_that_found_the_fleet_full_goes_only_to_its_pinne
         .get_mut::<PromptFacts>()
         .unwrap()
         .stored_on = Some(home.as_str().into());
-    let (d, _, _) = tokio::time::timeout(TRIAL_LIMIT, exchange(&svc, req))
+    let (d, _, _) = tokio::time::timeout(WAIT_LIMIT, exchange(&svc, req))
         .await
         .expect("the pinned turn ends");
     assert_eq!(
@@ -1603,10 +1603,10 @@ async fn trial_a_pinned_request_that_found_the_fleet_full_goes_only_to_its_pinne
 /// Checks: a request pinned to the backend that does NOT hold its prefix is never held out
 /// for the prefix's holder: the pinned backend frees at 5 s and it goes there at once.
 #[tokio::test(start_paused = true)]
-async fn trial_a_pinned_request_is_not_held_out_for_the_holder_of_its_prefix() {
-    let svc = trial_service(Duration::from_secs(900));
+async fn a_pinned_request_is_not_held_out_for_the_holder_of_its_prefix() {
+    let svc = wait_service(Duration::from_secs(900));
     let (home, other, streaming, busy) =
-        trial_fleet_full(&svc, Duration::from_secs(1000), Duration::from_secs(5)).await;
+        fleet_full(&svc, Duration::from_secs(1000), Duration::from_secs(5)).await;
     let mut req = request(
         Some("s"),
         Some(chain(&SESSION_BLOCKS, 1000)),
@@ -1616,7 +1616,7 @@ async fn trial_a_pinned_request_is_not_held_out_for_the_holder_of_its_prefix() {
         .get_mut::<PromptFacts>()
         .unwrap()
         .stored_on = Some(other.into());
-    let (d, _, _) = tokio::time::timeout(TRIAL_LIMIT, exchange(&svc, req))
+    let (d, _, _) = tokio::time::timeout(WAIT_LIMIT, exchange(&svc, req))
         .await
         .expect("the pinned turn ends");
     assert_ne!(d.backend.as_str(), home);
@@ -1629,7 +1629,7 @@ async fn trial_a_pinned_request_is_not_held_out_for_the_holder_of_its_prefix() {
 }
 
 /// Sessions homed on a and on b, `n` of each, with their blocks.
-async fn trial_homed<S, P>(svc: &Svc<S, P>, n: usize) -> (Vec<(String, u64)>, Vec<(String, u64)>)
+async fn homed_on<S, P>(svc: &Svc<S, P>, n: usize) -> (Vec<(String, u64)>, Vec<(String, u64)>)
 where
     Svc<S, P>: tower::Service<Req, Response = Res, Error = tower_affinity::Error>,
     <Svc<S, P> as tower::Service<Req>>::Future: Send,
@@ -1639,7 +1639,7 @@ where
         let key = format!("h{k}");
         let first = request(
             Some(&key),
-            Some(chain(&trial_blocks(k)[..8], 1000)),
+            Some(chain(&own_blocks(k)[..8], 1000)),
             reused(8000, 0),
         );
         let d = exchange(svc, first).await.0;
@@ -1659,7 +1659,7 @@ where
     (on_a, on_b)
 }
 
-fn trial_blocks(k: u64) -> Vec<u64> {
+fn own_blocks(k: u64) -> Vec<u64> {
     (0..10).map(|i| 100_000 * (k + 1) + i).collect()
 }
 
@@ -1667,13 +1667,13 @@ fn trial_blocks(k: u64) -> Vec<u64> {
 /// nowhere); a frees after `a_busy`, b after `b_busy`. Checks: every request ends answered,
 /// never are both backends idle for two samples running while a request waits (a lost wake),
 /// and stats show nothing in flight or waiting at the end.
-async fn trial_mixed_waiters(a_busy: u64, b_busy: u64, each: u64) {
-    let svc = trial_service(Duration::from_secs(900));
+async fn mixed_waiters(a_busy: u64, b_busy: u64, each: u64) {
+    let svc = wait_service(Duration::from_secs(900));
     teach(&svc, Duration::from_secs(10)).await;
-    let (on_a, on_b) = trial_homed(&svc, 3).await;
+    let (on_a, on_b) = homed_on(&svc, 3).await;
     let hold = |(key, k): &(String, u64), backend: &str, secs: u64| {
         let long = Reply::llama_stream(9000, 8000, 5000, Duration::ZERO, Duration::from_secs(secs));
-        let req = request(Some(key), Some(chain(&trial_blocks(*k)[..9], 1000)), long);
+        let req = request(Some(key), Some(chain(&own_blocks(*k)[..9], 1000)), long);
         (req, backend.to_string())
     };
     let (ra, ba) = hold(&on_a[0], "a", a_busy);
@@ -1684,7 +1684,7 @@ async fn trial_mixed_waiters(a_busy: u64, b_busy: u64, each: u64) {
     let mut spawn = |req: Req| {
         let svc = svc.clone();
         turns.push(tokio::spawn(async move {
-            tokio::time::timeout(TRIAL_LIMIT, exchange(&svc, req))
+            tokio::time::timeout(WAIT_LIMIT, exchange(&svc, req))
                 .await
                 .map(|r| r.0)
         }));
@@ -1702,7 +1702,7 @@ async fn trial_mixed_waiters(a_busy: u64, b_busy: u64, each: u64) {
         for (key, k) in [&on_a[i], &on_b[i]] {
             spawn(request(
                 Some(key),
-                Some(chain(&trial_blocks(*k), 1000)),
+                Some(chain(&own_blocks(*k), 1000)),
                 answer(),
             ));
         }
@@ -1717,7 +1717,7 @@ async fn trial_mixed_waiters(a_busy: u64, b_busy: u64, each: u64) {
     let mut idle_runs = 0;
     let mut lost = Vec::new();
     let start = Instant::now();
-    while !turns.iter().all(|t| t.is_finished()) && start.elapsed() < TRIAL_LIMIT {
+    while !turns.iter().all(|t| t.is_finished()) && start.elapsed() < WAIT_LIMIT {
         tokio::time::sleep(Duration::from_secs(1)).await;
         let stats = svc.stats();
         let idle = svc.backends().iter().all(|b| b.in_flight == 0);
@@ -1736,9 +1736,6 @@ async fn trial_mixed_waiters(a_busy: u64, b_busy: u64, each: u64) {
         decisions.push(d);
     }
     assert_eq!(decisions.len(), n);
-    for d in &decisions {
-        eprintln!("{} {:?} {:?}", d.backend, d.outcome, d.waited);
-    }
     assert!(lost.is_empty(), "lost wakes (at, waiting): {lost:?}");
     fill_a.abort();
     fill_b.abort();
@@ -1748,27 +1745,27 @@ async fn trial_mixed_waiters(a_busy: u64, b_busy: u64, each: u64) {
 }
 
 #[tokio::test(start_paused = true)]
-async fn trial_mixed_waiters_a_frees_first() {
-    trial_mixed_waiters(20, 40, 10).await;
+async fn mixed_waiters_a_frees_first() {
+    mixed_waiters(20, 40, 10).await;
 }
 
 #[tokio::test(start_paused = true)]
-async fn trial_mixed_waiters_b_frees_first() {
-    trial_mixed_waiters(40, 20, 10).await;
+async fn mixed_waiters_b_frees_first() {
+    mixed_waiters(40, 20, 10).await;
 }
 
 #[tokio::test(start_paused = true)]
-async fn trial_mixed_waiters_both_free_at_once() {
-    trial_mixed_waiters(20, 20, 10).await;
+async fn mixed_waiters_both_free_at_once() {
+    mixed_waiters(20, 20, 10).await;
 }
 
 #[tokio::test(start_paused = true)]
-async fn trial_mixed_waiters_long_answers() {
-    trial_mixed_waiters(5, 300, 200).await;
+async fn mixed_waiters_long_answers() {
+    mixed_waiters(5, 300, 200).await;
 }
 
 /// Sends `req` to any service of this crate's response type and reads the answer to its end.
-async fn trial_exchange<T>(svc: &T, req: Req) -> Decision
+async fn decision_of<T>(svc: &T, req: Req) -> Decision
 where
     T: tower::Service<Req, Response = Res, Error = tower_affinity::Error> + Clone,
 {
@@ -1786,7 +1783,7 @@ where
 /// removed by discovery at 10 s. The turn must move to the free other backend at once, not
 /// wait out its hold for a backend that is gone, and never hang.
 #[tokio::test(start_paused = true)]
-async fn trial_home_removed_by_discovery_during_a_hold_from_a_later_look_moves_at_once() {
+async fn home_removed_by_discovery_during_a_hold_from_a_later_look_moves_at_once() {
     let (handle, stream) = tower_affinity::discover::channel();
     let backend = |node| {
         Backend::new(node, scripted())
@@ -1802,8 +1799,8 @@ async fn trial_home_removed_by_discovery_during_a_hold_from_a_later_look_moves_a
     // Teach both: 200 tokens/s, requests of 10 s.
     let lesson = || Reply::llama_stream(10_000, 0, 50_000, Duration::from_secs(10), Duration::ZERO);
     let (x, y) = tokio::join!(
-        trial_exchange(&svc, request(None, Some(chain(&[7, 8], 5000)), lesson())),
-        trial_exchange(&svc, request(None, Some(chain(&[9, 10], 5000)), lesson())),
+        decision_of(&svc, request(None, Some(chain(&[7, 8], 5000)), lesson())),
+        decision_of(&svc, request(None, Some(chain(&[9, 10], 5000)), lesson())),
     );
     assert_ne!(x.backend, y.backend);
     let first = request(
@@ -1811,7 +1808,7 @@ async fn trial_home_removed_by_discovery_during_a_hold_from_a_later_look_moves_a
         Some(chain(&SESSION_BLOCKS[..8], 1000)),
         reused(8000, 0),
     );
-    let home = trial_exchange(&svc, first).await.backend.to_string();
+    let home = decision_of(&svc, first).await.backend.to_string();
     let other = if home == "a" { "b" } else { "a" };
     let busy_for =
         |secs| Reply::llama_stream(9000, 8000, 5000, Duration::ZERO, Duration::from_secs(secs));
@@ -1851,12 +1848,12 @@ async fn trial_home_removed_by_discovery_during_a_hold_from_a_later_look_moves_a
             Some(chain(&SESSION_BLOCKS, 1000)),
             reused(10_000, 9000),
         );
-        tokio::spawn(async move { trial_exchange(&svc, next).await })
+        tokio::spawn(async move { decision_of(&svc, next).await })
     };
     tokio::time::sleep(Duration::from_secs(10)).await;
     assert_eq!(svc.stats().waiting, 1, "held out at 10 s");
     assert!(handle.remove(home.clone()));
-    let d = tokio::time::timeout(TRIAL_LIMIT, turn)
+    let d = tokio::time::timeout(WAIT_LIMIT, turn)
         .await
         .expect("the turn ends")
         .unwrap();
@@ -1873,7 +1870,7 @@ async fn trial_home_removed_by_discovery_during_a_hold_from_a_later_look_moves_a
 
 /// Keyless requests with prompts cached nowhere (`ids`), each answered after `secs`, queued
 /// one after another in tasks of their own.
-async fn trial_queue_keyless<S, P>(
+async fn queue_keyless<S, P>(
     svc: &Svc<S, P>,
     ids: &[u64],
     secs: u64,
@@ -1901,32 +1898,115 @@ where
 /// the other backend's slot frees at 5 s and declines it. Keyless waiters K1, K2, K3 queued
 /// after it in that order wait for any slot: the declined slot must go to the oldest, K1, at
 /// 5 s, as a freed slot goes to the oldest waiter it suits.
+/// Offers a, then c, then b (by id), leaving c out while it is hidden.
+struct AThenCThenB {
+    c_hidden: AtomicBool,
+}
+
+impl Placement for AThenCThenB {
+    fn place(&self, f: &FleetView<'_>, _: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
+        let hidden = self.c_hidden.load(Ordering::Relaxed);
+        for id in ["a", "c", "b"] {
+            if id == "c" && hidden {
+                continue;
+            }
+            let backend = f.backends().find(|b| b.id().as_str() == id).unwrap();
+            if c.offer(backend).is_break() {
+                return;
+            }
+        }
+    }
+}
+
+/// A waiter woken for b's slot takes c's instead, which its policy offers first, and gives it
+/// back to hold out for its own backend: both slots are free, so both go on to the waiters
+/// behind it, one each, at once.
 #[tokio::test(start_paused = true)]
-async fn trial_the_slot_a_later_hold_declines_goes_to_the_oldest_waiter_behind() {
-    let svc = trial_service(Duration::from_secs(900));
-    let (_home, other, streaming, busy) =
-        trial_fleet_full(&svc, Duration::from_secs(1000), Duration::from_secs(5)).await;
-    let turn = trial_spawn_turn(&svc);
+async fn a_later_hold_that_gave_back_another_backends_slot_passes_on_the_one_it_was_woken_for() {
+    let policy = Arc::new(AThenCThenB {
+        c_hidden: AtomicBool::new(true),
+    });
+    let svc: Svc<_, _> = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_secs(900), 16))
+        .placement(policy.clone())
+        .layer(fleet(&[("a", "n1"), ("b", "n2"), ("c", "n3")], scripted()));
+    // a and b learn 10 s requests read at 200 tokens a second; c reads as they do.
+    let lesson = || {
+        let (first, rest) = (Duration::from_secs(10), Duration::ZERO);
+        Reply::llama_stream(10_000, 0, 50_000, first, rest)
+    };
+    let (x, y) = tokio::join!(
+        exchange(&svc, request(None, Some(chain(&[7, 8], 5000)), lesson())),
+        exchange(&svc, request(None, Some(chain(&[9, 10], 5000)), lesson())),
+    );
+    assert_eq!((x.0.backend.as_str(), y.0.backend.as_str()), ("a", "b"));
+    let (home, streaming) = busy_home(&svc, Duration::from_secs(30)).await;
+    assert_eq!(home, "a");
+    let own = Reply::llama_stream(1000, 0, 5000, Duration::ZERO, Duration::from_secs(5));
+    let busy = keep_busy(&svc, request(None, Some(chain(&[77], 1000)), own), "b").await;
+    // The turn, then two keyless requests, all waiting for any slot with c hidden.
+    let turn = spawn_turn(&svc);
     for _ in 0..8 {
         tokio::task::yield_now().await;
     }
-    let ks = trial_queue_keyless(&svc, &[551, 552, 553], 100).await;
-    assert_eq!(svc.stats().waiting, 4);
+    let ks = queue_keyless(&svc, &[551, 552], 50).await;
+    assert_eq!(svc.stats().waiting, 3);
+    // c comes into view without a slot freeing: nobody looks until b's frees at 5 s.
+    policy.c_hidden.store(false, Ordering::Relaxed);
     let mut got = Vec::new();
     for k in ks {
-        let d = tokio::time::timeout(TRIAL_LIMIT, k)
+        let d = tokio::time::timeout(WAIT_LIMIT, k)
             .await
             .expect("ends")
             .unwrap();
         got.push((d.backend.to_string(), d.waited));
     }
-    eprintln!("{got:?}");
+    got.sort();
+    let at_5 = Some(Duration::from_secs(5));
+    assert_eq!(
+        got,
+        [("b".to_string(), at_5), ("c".to_string(), at_5)],
+        "both served when b freed"
+    );
+    let (d, _) = tokio::time::timeout(WAIT_LIMIT, turn)
+        .await
+        .expect("ends")
+        .unwrap();
+    assert_eq!(
+        (d.backend.as_str(), d.outcome, d.waited),
+        ("a", Outcome::HomeHit, Some(Duration::from_secs(30)))
+    );
+    busy.await.unwrap();
+    streaming.await.unwrap();
+    let stats = svc.stats();
+    assert_eq!((stats.in_flight, stats.waiting), (0, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_slot_a_later_hold_declines_goes_to_the_oldest_waiter_behind() {
+    let svc = wait_service(Duration::from_secs(900));
+    let (_home, other, streaming, busy) =
+        fleet_full(&svc, Duration::from_secs(1000), Duration::from_secs(5)).await;
+    let turn = spawn_turn(&svc);
+    for _ in 0..8 {
+        tokio::task::yield_now().await;
+    }
+    let ks = queue_keyless(&svc, &[551, 552, 553], 100).await;
+    assert_eq!(svc.stats().waiting, 4);
+    let mut got = Vec::new();
+    for k in ks {
+        let d = tokio::time::timeout(WAIT_LIMIT, k)
+            .await
+            .expect("ends")
+            .unwrap();
+        got.push((d.backend.to_string(), d.waited));
+    }
     assert_eq!(
         (got[0].0.as_str(), got[0].1),
         (other, Some(Duration::from_secs(5))),
         "K1, the oldest waiter behind, takes the declined slot: {got:?}"
     );
-    let _ = tokio::time::timeout(TRIAL_LIMIT, turn).await;
+    let _ = tokio::time::timeout(WAIT_LIMIT, turn).await;
     busy.await.unwrap();
     streaming.abort();
     let _ = streaming.await;
@@ -1941,8 +2021,8 @@ async fn trial_the_slot_a_later_hold_declines_goes_to_the_oldest_waiter_behind()
 /// backend is idle for two samples running (a lost wake: a freed slot left with a waiter
 /// that could use it asleep); nothing in flight or waiting at the end. Returns the decisions
 /// in queue order.
-async fn trial_pattern(a_busy: u64, b_busy: u64, each: u64, pattern: &str) -> Vec<Decision> {
-    let svc = trial_service(Duration::from_secs(900));
+async fn queue_pattern(a_busy: u64, b_busy: u64, each: u64, pattern: &str) -> Vec<Decision> {
+    let svc = wait_service(Duration::from_secs(900));
     teach(&svc, Duration::from_secs(10)).await;
     let need = pattern
         .chars()
@@ -1950,10 +2030,10 @@ async fn trial_pattern(a_busy: u64, b_busy: u64, each: u64, pattern: &str) -> Ve
         .count()
         .max(pattern.chars().filter(|&c| c == 'b').count())
         + 1;
-    let (on_a, on_b) = trial_homed(&svc, need).await;
+    let (on_a, on_b) = homed_on(&svc, need).await;
     let hold = |(key, k): &(String, u64), secs: u64| {
         let long = Reply::llama_stream(9000, 8000, 5000, Duration::ZERO, Duration::from_secs(secs));
-        request(Some(key), Some(chain(&trial_blocks(*k)[..9], 1000)), long)
+        request(Some(key), Some(chain(&own_blocks(*k)[..9], 1000)), long)
     };
     let fill_a = keep_busy(&svc, hold(&on_a[0], a_busy), "a").await;
     let fill_b = keep_busy(&svc, hold(&on_b[0], b_busy), "b").await;
@@ -1971,12 +2051,12 @@ async fn trial_pattern(a_busy: u64, b_busy: u64, each: u64, pattern: &str) -> Ve
             'a' => {
                 ia += 1;
                 let (key, k) = &on_a[ia - 1];
-                request(Some(key), Some(chain(&trial_blocks(*k), 1000)), answer)
+                request(Some(key), Some(chain(&own_blocks(*k), 1000)), answer)
             }
             'b' => {
                 ib += 1;
                 let (key, k) = &on_b[ib - 1];
-                request(Some(key), Some(chain(&trial_blocks(*k), 1000)), answer)
+                request(Some(key), Some(chain(&own_blocks(*k), 1000)), answer)
             }
             _ => {
                 ik += 1;
@@ -1993,7 +2073,7 @@ async fn trial_pattern(a_busy: u64, b_busy: u64, each: u64, pattern: &str) -> Ve
             c,
             placed,
             tokio::spawn(async move {
-                tokio::time::timeout(TRIAL_LIMIT, async move {
+                tokio::time::timeout(WAIT_LIMIT, async move {
                     let res = svc2.oneshot(req).await.expect("an answer");
                     set.store(true, Ordering::Relaxed);
                     let d = res
@@ -2015,7 +2095,7 @@ async fn trial_pattern(a_busy: u64, b_busy: u64, each: u64, pattern: &str) -> Ve
     let mut runs = 0;
     let mut lost = Vec::new();
     let start = Instant::now();
-    while !turns.iter().all(|(_, _, t)| t.is_finished()) && start.elapsed() < TRIAL_LIMIT {
+    while !turns.iter().all(|(_, _, t)| t.is_finished()) && start.elapsed() < WAIT_LIMIT {
         tokio::time::sleep(Duration::from_secs(1)).await;
         let keyless_waiting = turns
             .iter()
@@ -2031,9 +2111,8 @@ async fn trial_pattern(a_busy: u64, b_busy: u64, each: u64, pattern: &str) -> Ve
         }
     }
     let mut decisions = Vec::new();
-    for (c, _, t) in turns {
+    for (_, _, t) in turns {
         let d = t.await.unwrap().expect("every request ends");
-        eprintln!("{c} -> {} {:?} {:?}", d.backend, d.outcome, d.waited);
         decisions.push(d);
     }
     assert!(
@@ -2049,32 +2128,32 @@ async fn trial_pattern(a_busy: u64, b_busy: u64, each: u64, pattern: &str) -> Ve
 }
 
 #[tokio::test(start_paused = true)]
-async fn trial_pattern_b_waiters_hold_while_a_frees() {
-    trial_pattern(5, 300, 10, "bbk").await;
+async fn pattern_b_waiters_hold_while_a_frees() {
+    queue_pattern(5, 300, 10, "bbk").await;
 }
 
 #[tokio::test(start_paused = true)]
-async fn trial_pattern_b_waiters_hold_while_a_frees_many() {
-    trial_pattern(5, 300, 10, "bbbkbk").await;
+async fn pattern_b_waiters_hold_while_a_frees_many() {
+    queue_pattern(5, 300, 10, "bbbkbk").await;
 }
 
 #[tokio::test(start_paused = true)]
-async fn trial_pattern_interleaved_holds_on_both() {
-    trial_pattern(30, 60, 10, "abkbak").await;
+async fn pattern_interleaved_holds_on_both() {
+    queue_pattern(30, 60, 10, "abkbak").await;
 }
 
 #[tokio::test(start_paused = true)]
-async fn trial_pattern_keyless_first_then_holders() {
-    trial_pattern(5, 300, 50, "kbbbk").await;
+async fn pattern_keyless_first_then_holders() {
+    queue_pattern(5, 300, 50, "kbbbk").await;
 }
 
 /// Checks: keyless waiters (cached nowhere, never held) are served in their queue order
 /// though sessions queued before them hold out from later looks and decline the slots
 /// freed on a: the first keyless request is placed no later than the second.
 #[tokio::test(start_paused = true)]
-async fn trial_keyless_waiters_keep_their_order_behind_later_holds() {
+async fn keyless_waiters_keep_their_order_behind_later_holds() {
     for pattern in ["bbbkbk", "abkbak", "bkk"] {
-        let d = trial_pattern(5, 300, 10, pattern).await;
+        let d = queue_pattern(5, 300, 10, pattern).await;
         let ks: Vec<_> = pattern
             .char_indices()
             .filter(|&(_, c)| c == 'k')
@@ -2089,11 +2168,11 @@ async fn trial_keyless_waiters_keep_their_order_behind_later_holds() {
 
 /// `NodeThenBackend`, counting its calls: one per look for a slot.
 #[derive(Default)]
-struct TrialCounting {
+struct CountingLooks {
     looks: AtomicU64,
 }
 
-impl Placement for TrialCounting {
+impl Placement for CountingLooks {
     fn place(&self, f: &FleetView<'_>, r: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
         self.looks.fetch_add(1, Ordering::Relaxed);
         NodeThenBackend::new().place(f, r, c);
@@ -2105,19 +2184,19 @@ impl Placement for TrialCounting {
 /// waiter's, which takes it. A freed slot wakes one waiter at a time, so with six keyless
 /// waiters behind, no more than a few looks happen at 5 s (not one or more per waiter).
 #[tokio::test(start_paused = true)]
-async fn trial_a_slot_declined_by_a_later_hold_wakes_waiters_one_at_a_time() {
-    let policy = Arc::new(TrialCounting::default());
+async fn a_slot_declined_by_a_later_hold_wakes_waiters_one_at_a_time() {
+    let policy = Arc::new(CountingLooks::default());
     let svc: Svc<_, _> = SessionAffinityLayer::new()
         .overflow(Overflow::wait(Duration::from_secs(900), 64))
         .placement(policy.clone())
         .layer(fleet(&[("a", "n1"), ("b", "n2")], scripted()));
     let (_home, _other, streaming, busy) =
-        trial_fleet_full(&svc, Duration::from_secs(1000), Duration::from_secs(5)).await;
-    let turn = trial_spawn_turn(&svc);
+        fleet_full(&svc, Duration::from_secs(1000), Duration::from_secs(5)).await;
+    let turn = spawn_turn(&svc);
     for _ in 0..8 {
         tokio::task::yield_now().await;
     }
-    let ks = trial_queue_keyless(&svc, &[561, 562, 563, 564, 565, 566], 100).await;
+    let ks = queue_keyless(&svc, &[561, 562, 563, 564, 565, 566], 100).await;
     let before = policy.looks.load(Ordering::Relaxed);
     tokio::time::sleep(Duration::from_millis(5001)).await;
     let looks = policy.looks.load(Ordering::Relaxed) - before;
