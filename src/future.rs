@@ -424,9 +424,9 @@ where
                 let give_up = since.checked_add(max_wait).unwrap_or_else(far);
                 // Held out for one place (node patience, or a full backend holding the
                 // prefix) until the hold ends; then any slot will do.
-                let deadline = match since.checked_add(home.hold) {
-                    Some(t) if home.scope != Scope::Any => t.min(give_up),
-                    _ => give_up,
+                let deadline = match home.scope {
+                    Scope::Any => give_up,
+                    _ => hold_ends(since, home.hold, give_up),
                 };
                 let wake = shared
                     .next_recovery(since, deadline, &home)
@@ -446,6 +446,11 @@ where
             }
         }
     }
+}
+
+/// When a hold of `hold` from `from` ends: at the end of the wait at the latest.
+fn hold_ends(from: Instant, hold: Duration, give_up: Instant) -> Instant {
+    from.checked_add(hold).map_or(give_up, |t| t.min(give_up))
 }
 
 impl<S, P, ReqB, ResB> Future for ResponseFuture<S, P, ReqB>
@@ -547,7 +552,9 @@ where
                     }
                     let r = w.req.take().expect(POLLED_AFTER_COMPLETION);
                     let waited = Some(w.since.elapsed());
-                    // No hold from a look at the end of the wait, which would refuse it.
+                    // No hold from a look at the end of the wait, which would refuse it, nor
+                    // from one woken by a slot past that end before its timer fired: the
+                    // hold would end at once.
                     let look = w.ticket.look(waited, last || Instant::now() >= *w.give_up);
                     // Woken by a lifted mark, it must see the slots freed on that backend
                     // while marked, which woke nobody: see `SlotGuard`'s drop.
@@ -615,8 +622,7 @@ where
                                 *w.until = *w.give_up;
                             } else if home.scope != Scope::Any && look.may_hold {
                                 w.ticket.hold_for(home);
-                                let until = Instant::now().checked_add(home.hold);
-                                *w.until = until.map_or(*w.give_up, |t| t.min(*w.give_up));
+                                *w.until = hold_ends(Instant::now(), home.hold, *w.give_up);
                             }
                             let until = *w.until;
                             let wake = w

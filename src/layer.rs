@@ -227,10 +227,11 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// backend that has taught nothing yet is taken to read as the others do; until anything
     /// is learned, a request moves at once.
     ///
-    /// The choice is made when a slot elsewhere is first on offer: on arrival, or, for a
-    /// request that found every backend full and waits for any slot, when one frees on
-    /// another backend. A request holds out this way once; when its hold is over, any slot
-    /// will do.
+    /// The choice is made when a slot elsewhere is first on offer: on arrival, as the request
+    /// joins the wait queue (a slot freed in between), or, for a request that found every
+    /// backend full and waits for any slot, when one frees on another backend. A request holds
+    /// out this way once; when its hold is over, any slot will do, and the last look of its
+    /// wait ([`Overflow::Wait`]'s `max_wait`) takes a slot rather than hold out.
     pub fn wait_versus_move(mut self, enabled: bool) -> Self {
         self.config.wait_versus_move = enabled;
         self

@@ -15,7 +15,7 @@
 //! request that joined the queue waiting for any slot (the whole fleet was full) is judged
 //! when a slot elsewhere wakes it while the backend holding its prefix is still full, as a
 //! first look finding that slot would be, and may hold out from then. A request holds out
-//! once.
+//! once, and never at the last look of its wait, which would refuse it instead.
 //!
 //! A woken waiter stays in the queue, marked with the slot that woke it, until its task runs
 //! and looks for a slot; a freed slot passes over the waiters already woken, and over those
@@ -34,6 +34,11 @@
 //! went away), one that took a slot elsewhere, and one that found none it may take (it
 //! declines that slot, which then never comes back to it). So a freed slot is never left
 //! with a waiter that could use it asleep, and a slot no waiter takes wakes each at most once.
+//! One exception: a waiter whose look takes the slot that woke it and gives it back, to hold
+//! out for its own backend, frees it anew, and the wake it was given is spent (passing it on
+//! too would promise one slot twice). The new freeing does not know who declined the old, so
+//! they may be woken for it once more; as a request holds out once, that happens once a
+//! waiter at most.
 //!
 //! A slot freed on a backend that is down wakes nobody, as nobody may take it. The backend
 //! going down (a failure, a 503 answer, a probe) wakes every waiter to look once; each then
@@ -65,7 +70,7 @@ pub(crate) enum Scope {
 }
 
 /// What a look for a slot knows of the request's wait so far.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 pub(crate) struct Look {
     /// How long it has waited; `None` before it joined the queue.
     pub(crate) waited: Option<Duration>,
@@ -526,6 +531,35 @@ mod tests {
             "{most} counted waiting; at most {MAX_QUEUED} may wait"
         );
         assert_eq!(capacity.waiting.load(Ordering::SeqCst), 0);
+    }
+
+    /// A request holds out once: a ticket that joined the queue holding out (for its node, or
+    /// for the backend holding its prefix), or that was held out by a later look, is never
+    /// held again; one waiting for any slot may be, except at the last look of its wait.
+    #[test]
+    fn a_ticket_holds_out_once() {
+        let capacity = Arc::new(Capacity::default());
+        let home = |scope| WaitHome {
+            backend: Some(0),
+            node: Some(0),
+            scope,
+            hold: Duration::from_secs(5),
+        };
+        let may_hold = |t: &WaitTicket, last| t.look(Some(Duration::ZERO), last).may_hold;
+        for scope in [Scope::Node, Scope::Backend] {
+            let held = WaitTicket::take(&capacity, home(scope), 8).unwrap();
+            assert!(!may_hold(&held, false), "joined holding out for {scope:?}");
+        }
+        let mut any = WaitTicket::take(&capacity, home(Scope::Any), 8).unwrap();
+        assert!(may_hold(&any, false));
+        assert!(!may_hold(&any, true), "its last look");
+        any.hold_for(home(Scope::Backend));
+        any.widen();
+        assert_eq!(any.scope(), Scope::Any);
+        assert!(
+            !may_hold(&any, false),
+            "held out by a later look, its hold over"
+        );
     }
 
     /// The requests waiting for a backend are those whose cache is on it, whatever they wait

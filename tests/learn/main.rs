@@ -1503,11 +1503,11 @@ async fn a_hold_from_a_later_look_never_makes_a_short_wait_refuse_a_free_slot() 
     assert_eq!((stats.in_flight, stats.waiting), (0, 0));
 }
 
-/// Checks: with node patience, a turn that found the fleet full waits for its home node
-/// first (it held out once), so when the other backend's slot frees after the patience
-/// ended (30 s) it takes it at once and is not held again.
+/// Checks: with node patience, which turns wait versus move off, a turn that found the fleet
+/// full waits for its home node for its patience only, then takes the other backend's slot
+/// as it frees (30 s): no later look holds it for the backend holding its prefix.
 #[tokio::test(start_paused = true)]
-async fn a_request_that_held_for_its_node_is_not_held_again_by_a_later_look() {
+async fn with_node_patience_a_request_that_found_the_fleet_full_is_not_held_by_a_later_look() {
     let svc: Svc<_> = SessionAffinityLayer::new()
         .overflow(Overflow::wait(Duration::from_secs(900), 16))
         .node_patience(Duration::from_secs(20))
@@ -1894,10 +1894,6 @@ where
     tasks
 }
 
-/// Checks: the turn of "s" (queued first, the fleet full) holds out from a later look when
-/// the other backend's slot frees at 5 s and declines it. Keyless waiters K1, K2, K3 queued
-/// after it in that order wait for any slot: the declined slot must go to the oldest, K1, at
-/// 5 s, as a freed slot goes to the oldest waiter it suits.
 /// Offers a, then c, then b (by id), leaving c out while it is hidden.
 struct AThenCThenB {
     c_hidden: AtomicBool,
@@ -1982,6 +1978,10 @@ async fn a_later_hold_that_gave_back_another_backends_slot_passes_on_the_one_it_
     assert_eq!((stats.in_flight, stats.waiting), (0, 0));
 }
 
+/// Checks: the turn of "s" (queued first, the fleet full) holds out from a later look when
+/// the other backend's slot frees at 5 s and declines it. Keyless waiters K1, K2, K3 queued
+/// after it in that order wait for any slot: the declined slot must go to the oldest, K1, at
+/// 5 s, as a freed slot goes to the oldest waiter it suits.
 #[tokio::test(start_paused = true)]
 async fn the_slot_a_later_hold_declines_goes_to_the_oldest_waiter_behind() {
     let svc = wait_service(Duration::from_secs(900));
