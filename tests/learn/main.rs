@@ -223,6 +223,18 @@ where
     (decision, bytes, body.usage())
 }
 
+/// Checks that no request is left in flight or waiting.
+fn assert_idle<S, P>(svc: &Svc<S, P>) {
+    let stats = svc.stats();
+    assert_eq!((stats.in_flight, stats.waiting), (0, 0), "{stats:?}");
+}
+
+/// Stops a task that keeps a backend busy, and waits until it has stopped.
+async fn stop(task: tokio::task::JoinHandle<()>) {
+    task.abort();
+    let _ = task.await;
+}
+
 fn status<S, P>(svc: &Svc<S, P>, id: &str) -> BackendStatus {
     svc.backends()
         .into_iter()
@@ -854,8 +866,7 @@ async fn a_slot_found_on_joining_the_queue_is_weighed_against_waiting_for_the_ho
     assert_eq!(d.outcome, Outcome::HomeHit);
     assert_eq!(d.waited, Some(Duration::from_secs(5)));
     streaming.await.unwrap();
-    let stats = svc.stats();
-    assert_eq!((stats.in_flight, stats.waiting), (0, 0));
+    assert_idle(&svc);
     // Nothing is left promised: two requests of a second each take both slots at once.
     let slow = Reply {
         headers_after: Duration::from_secs(1),
@@ -891,8 +902,7 @@ async fn a_request_that_found_the_fleet_full_is_weighed_when_a_slot_elsewhere_fr
     );
     busy.await.unwrap();
     streaming.await.unwrap();
-    let stats = svc.stats();
-    assert_eq!((stats.in_flight, stats.waiting), (0, 0));
+    assert_idle(&svc);
 }
 
 /// As above, but the home stays busy: the turn holds out for it from the other slot's
@@ -1351,6 +1361,15 @@ async fn replicas_model_their_share_of_each_backends_cache_and_count_all_its_slo
 
 const WAIT_LIMIT: Duration = Duration::from_secs(1800);
 
+/// The decision of a turn spawned to wait, and how long it took; a turn that does not end
+/// within [`WAIT_LIMIT`] fails the test rather than hang it.
+async fn ended(turn: tokio::task::JoinHandle<(Decision, Duration)>) -> (Decision, Duration) {
+    tokio::time::timeout(WAIT_LIMIT, turn)
+        .await
+        .expect("the turn ends")
+        .unwrap()
+}
+
 /// A service of two one-slot backends a (n1), b (n2), waiting up to `max_wait`.
 fn wait_service(
     max_wait: Duration,
@@ -1416,19 +1435,14 @@ async fn home_marked_down_during_a_hold_from_a_later_look_moves_at_once() {
     assert_eq!(svc.stats().waiting, 1, "held out at 10 s");
     assert_eq!(status(&svc, other).in_flight, 0);
     assert!(svc.mark_down(&home, Some(Duration::from_secs(600))));
-    let (d, _) = tokio::time::timeout(WAIT_LIMIT, turn)
-        .await
-        .expect("the turn ends")
-        .unwrap();
+    let (d, _) = ended(turn).await;
     assert_eq!(
         (d.backend.as_str(), d.waited),
         (other, Some(Duration::from_secs(10)))
     );
     busy.await.unwrap();
-    streaming.abort();
-    let _ = streaming.await;
-    let stats = svc.stats();
-    assert_eq!((stats.in_flight, stats.waiting), (0, 0));
+    stop(streaming).await;
+    assert_idle(&svc);
 }
 
 /// Checks: a waiter cancelled while holding out from a later look leaves nothing behind:
@@ -1475,10 +1489,8 @@ async fn a_waiter_cancelled_while_holding_out_from_a_later_look_leaves_nothing_p
         .expect("ends");
     assert_eq!((d.backend.as_str(), d.waited), (other, None));
     busy.await.unwrap();
-    streaming.abort();
-    let _ = streaming.await;
-    let stats = svc.stats();
-    assert_eq!((stats.in_flight, stats.waiting), (0, 0));
+    stop(streaming).await;
+    assert_idle(&svc);
 }
 
 /// Checks: with a short max_wait (20 s), a turn holding out from a later look (5 s) is
@@ -1497,10 +1509,8 @@ async fn a_hold_from_a_later_look_never_makes_a_short_wait_refuse_a_free_slot() 
     assert_eq!((d.backend.as_str(), d.waited), (other, Some(max_wait)));
     assert_eq!(took, max_wait);
     busy.await.unwrap();
-    streaming.abort();
-    let _ = streaming.await;
-    let stats = svc.stats();
-    assert_eq!((stats.in_flight, stats.waiting), (0, 0));
+    stop(streaming).await;
+    assert_idle(&svc);
 }
 
 /// Checks: with node patience, which turns wait versus move off, a turn that found the fleet
@@ -1515,19 +1525,14 @@ async fn with_node_patience_a_request_that_found_the_fleet_full_is_not_held_by_a
     let (_home, other, streaming, busy) =
         fleet_full(&svc, Duration::from_secs(1000), Duration::from_secs(30)).await;
     let turn = spawn_turn(&svc);
-    let (d, _) = tokio::time::timeout(WAIT_LIMIT, turn)
-        .await
-        .expect("the turn ends")
-        .unwrap();
+    let (d, _) = ended(turn).await;
     assert_eq!(
         (d.backend.as_str(), d.waited),
         (other, Some(Duration::from_secs(30)))
     );
     busy.await.unwrap();
-    streaming.abort();
-    let _ = streaming.await;
-    let stats = svc.stats();
-    assert_eq!((stats.in_flight, stats.waiting), (0, 0));
+    stop(streaming).await;
+    assert_idle(&svc);
 }
 
 /// Checks: a keyless request (prompt chain only, cached on its backend) that finds the fleet
@@ -1561,8 +1566,7 @@ async fn a_keyless_request_that_found_the_fleet_full_ends_and_is_weighed() {
         .expect("the keyless turn ends");
     busy.await.unwrap();
     streaming.await.unwrap();
-    let stats = svc.stats();
-    assert_eq!((stats.in_flight, stats.waiting), (0, 0));
+    assert_idle(&svc);
     assert_eq!(
         (d.backend.as_str(), d.waited),
         (holder.as_str(), Some(Duration::from_secs(30))),
@@ -1596,8 +1600,7 @@ async fn a_pinned_request_that_found_the_fleet_full_goes_only_to_its_pinned_back
     );
     busy.await.unwrap();
     streaming.await.unwrap();
-    let stats = svc.stats();
-    assert_eq!((stats.in_flight, stats.waiting), (0, 0));
+    assert_idle(&svc);
 }
 
 /// Checks: a request pinned to the backend that does NOT hold its prefix is never held out
@@ -1740,8 +1743,7 @@ async fn mixed_waiters(a_busy: u64, b_busy: u64, each: u64) {
     fill_a.abort();
     fill_b.abort();
     let _ = (fill_a.await, fill_b.await);
-    let stats = svc.stats();
-    assert_eq!((stats.in_flight, stats.waiting), (0, 0));
+    assert_idle(&svc);
 }
 
 #[tokio::test(start_paused = true)]
@@ -1862,8 +1864,7 @@ async fn home_removed_by_discovery_during_a_hold_from_a_later_look_moves_at_once
         (other, Some(Duration::from_secs(10)))
     );
     busy.await.unwrap();
-    streaming.abort();
-    let _ = streaming.await;
+    stop(streaming).await;
     let stats = svc.stats();
     assert_eq!((stats.in_flight, stats.waiting), (0, 0));
 }
@@ -1974,8 +1975,7 @@ async fn a_later_hold_that_gave_back_another_backends_slot_passes_on_the_one_it_
     );
     busy.await.unwrap();
     streaming.await.unwrap();
-    let stats = svc.stats();
-    assert_eq!((stats.in_flight, stats.waiting), (0, 0));
+    assert_idle(&svc);
 }
 
 /// Checks: the turn of "s" (queued first, the fleet full) holds out from a later look when
@@ -2008,10 +2008,8 @@ async fn the_slot_a_later_hold_declines_goes_to_the_oldest_waiter_behind() {
     );
     let _ = tokio::time::timeout(WAIT_LIMIT, turn).await;
     busy.await.unwrap();
-    streaming.abort();
-    let _ = streaming.await;
-    let stats = svc.stats();
-    assert_eq!((stats.in_flight, stats.waiting), (0, 0));
+    stop(streaming).await;
+    assert_idle(&svc);
 }
 
 /// The fleet full: a busy for `a_busy`, b for `b_busy` (turns of sessions homed there).
@@ -2122,8 +2120,7 @@ async fn queue_pattern(a_busy: u64, b_busy: u64, each: u64, pattern: &str) -> Ve
     fill_a.abort();
     fill_b.abort();
     let _ = (fill_a.await, fill_b.await);
-    let stats = svc.stats();
-    assert_eq!((stats.in_flight, stats.waiting), (0, 0));
+    assert_idle(&svc);
     decisions
 }
 
