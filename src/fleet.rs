@@ -749,6 +749,9 @@ impl Load {
     }
 }
 
+/// The backend index of a [`SlotGuard`] given back unannounced: no fleet has that many.
+const UNANNOUNCED: u32 = u32::MAX;
+
 /// A taken slot: released exactly once, when dropped.
 pub(crate) struct SlotGuard {
     load: Arc<Load>,
@@ -791,6 +794,12 @@ impl SlotGuard {
     /// The slot's backend and node, by internal index.
     pub(crate) fn slot(&self) -> (u32, u32) {
         (self.backend, self.node)
+    }
+
+    /// Gives the slot back without waking a waiter for it: the caller holds the wake that
+    /// brought it to this backend, and passes it on with the waiters that declined it.
+    pub(crate) fn give_back_unannounced(mut self) {
+        self.backend = UNANNOUNCED;
     }
 
     /// The backend is expected to read `tokens` of this request's prompt (what the cache
@@ -922,7 +931,8 @@ impl Drop for SlotGuard {
         // this slot free.
         let down_until = self.load.down_until.load(Ordering::SeqCst);
         let capacity = self.capacity();
-        if down_until == 0 || capacity.now_ms(Instant::now()) >= down_until {
+        let awake = down_until == 0 || capacity.now_ms(Instant::now()) >= down_until;
+        if awake && self.backend != UNANNOUNCED {
             capacity.slot_freed(&self.load, self.backend, self.node);
         }
     }

@@ -358,7 +358,7 @@ where
                 shared.capacity.counters.count_no_backends();
                 State::fail(Error::NoBackends)
             }
-            Placed::Full { home, .. } => match overflow {
+            Placed::Full { home } => match overflow {
                 Overflow::Wait {
                     max_wait,
                     max_queued,
@@ -415,7 +415,7 @@ where
             // since, which it rules against (that slot, freed again by the ruling, may have
             // woken this very ticket: passed on); or for any slot, when nothing healthy is
             // left where it held out.
-            Placed::Full { home, .. } => {
+            Placed::Full { home } => {
                 ticket.hold_for(home);
                 let home = ticket.home();
                 let since = Instant::now();
@@ -555,7 +555,13 @@ where
                     // No hold from a look at the end of the wait, which would refuse it, nor
                     // from one woken by a slot past that end before its timer fired: the
                     // hold would end at once.
-                    let look = w.ticket.look(waited, last || Instant::now() >= *w.give_up);
+                    let look = Look {
+                        woken_for: match &woken {
+                            Woken::For(slot) => slot.backend(),
+                            _ => None,
+                        },
+                        ..w.ticket.look(waited, last || Instant::now() >= *w.give_up)
+                    };
                     // Woken by a lifted mark, it must see the slots freed on that backend
                     // while marked, which woke nobody: see `SlotGuard`'s drop.
                     std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
@@ -564,16 +570,11 @@ where
                         w.ticket.settle();
                     }
                     // Woken for a slot it could not take (its policy does not offer it, or
-                    // another request was quicker): another waiter may take it. A slot it
-                    // took there and gave back, ruling to hold out for its own backend, was
-                    // freed again as it was given back: that wake is spent, or one free slot
-                    // would be promised to two waiters.
+                    // another request was quicker), or took and gave back unannounced to hold
+                    // out for its own backend: another waiter may take it.
                     let woken = match (&placed, woken) {
-                        (Placed::Full { gave_back, .. }, Woken::For(slot)) => {
-                            match gave_back {
-                                Some(b) if slot.backend() == Some(*b) => slot.taken(),
-                                _ => drop(slot),
-                            }
+                        (Placed::Full { .. }, Woken::For(slot)) => {
+                            drop(slot);
                             Woken::No
                         }
                         (_, woken) => woken,
@@ -616,7 +617,7 @@ where
                         // at again. A look that found its hold over (nothing healthy left
                         // where it held out) waits for any slot from now on; one that holds
                         // it out for one place for the first time, for its hold from now.
-                        Placed::Full { home, .. } => {
+                        Placed::Full { home } => {
                             if home.scope == Scope::Any && w.ticket.scope() != Scope::Any {
                                 w.ticket.widen();
                                 *w.until = *w.give_up;

@@ -166,12 +166,9 @@ pub(crate) enum Placed<S> {
         /// The request's chain, owed to the chosen backend's cache model.
         record: Option<Record>,
     },
-    /// No candidate had a free slot, or waiting for `home` was ruled cheaper than the slot
-    /// taken on the backend `gave_back`, which was given back, and so freed again, at once.
-    Full {
-        home: WaitHome,
-        gave_back: Option<u32>,
-    },
+    /// No candidate had a free slot, or waiting for `home` was ruled cheaper than a slot
+    /// taken elsewhere, which was given back.
+    Full { home: WaitHome },
     /// The fleet is empty, or every backend offered is marked down.
     Empty,
 }
@@ -706,7 +703,6 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
                 (_, Some(_)) => wait_home(Scope::Backend, Duration::ZERO),
                 _ => wait_home(Scope::Any, Duration::ZERO),
             },
-            gave_back: None,
         };
         let mut context = 0;
         let (index, overcommitted) = match (candidates.claim(), candidates.first()) {
@@ -734,10 +730,15 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             let judged = look.may_hold && scope == Scope::Any && !overcommitted;
             if self.wait_versus_move && judged && target != index && !cache_passed_over {
                 if let Some(hold) = worth_waiting(t, target, index, chain, look.queued, now_ms) {
-                    drop(guard);
+                    // The slot that woke it goes back as it came, to be passed on with the
+                    // waiters that declined it (see `wait`); any other is freed anew.
+                    if look.woken_for == Some(index) {
+                        guard.give_back_unannounced();
+                    } else {
+                        drop(guard);
+                    }
                     return Placed::Full {
                         home: wait_home(Scope::Backend, hold),
-                        gave_back: Some(index),
                     };
                 }
             }

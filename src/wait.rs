@@ -34,11 +34,9 @@
 //! went away), one that took a slot elsewhere, and one that found none it may take (it
 //! declines that slot, which then never comes back to it). So a freed slot is never left
 //! with a waiter that could use it asleep, and a slot no waiter takes wakes each at most once.
-//! One exception: a waiter whose look takes the slot that woke it and gives it back, to hold
-//! out for its own backend, frees it anew, and the wake it was given is spent (passing it on
-//! too would promise one slot twice). The new freeing does not know who declined the old, so
-//! they may be woken for it once more; as a request holds out once, that happens once a
-//! waiter at most.
+//! A waiter whose look takes the slot that woke it and gives it back, to hold out for its own
+//! backend, gives it back unannounced and passes its wake on: a freeing announced as well
+//! would promise one slot twice, and would not know who had declined it.
 //!
 //! A slot freed on a backend that is down wakes nobody, as nobody may take it. The backend
 //! going down (a failure, a 503 answer, a probe) wakes every waiter to look once; each then
@@ -81,6 +79,10 @@ pub(crate) struct Look {
     pub(crate) may_hold: bool,
     /// Its place in the queue once it has one: only the waiters before it are ahead of it.
     pub(crate) queued: Option<u64>,
+    /// The backend whose freed slot woke it for this look, if one did: a slot there that it
+    /// takes and gives back, holding out, goes back unannounced, as the wake it holds is
+    /// passed on.
+    pub(crate) woken_for: Option<u32>,
 }
 
 impl Look {
@@ -91,6 +93,7 @@ impl Look {
             scope,
             may_hold: true,
             queued: None,
+            woken_for: None,
         }
     }
 }
@@ -456,6 +459,7 @@ impl WaitTicket {
             scope: self.home.scope,
             may_hold: !last && !self.held_out,
             queued: Some(self.seq),
+            woken_for: None,
         }
     }
 }

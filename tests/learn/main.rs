@@ -2176,6 +2176,75 @@ impl Placement for CountingLooks {
     }
 }
 
+/// Marks a request that its policy offers only the backend named.
+#[derive(Clone)]
+struct OnlyOn(&'static str);
+
+/// `NodeThenBackend`, except for requests marked [`OnlyOn`], which are offered their one
+/// backend and counted.
+#[derive(Default)]
+struct OnlyOnSome {
+    looks: AtomicU64,
+}
+
+impl Placement for OnlyOnSome {
+    fn place(&self, f: &FleetView<'_>, r: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
+        match r.extensions.get::<OnlyOn>() {
+            Some(OnlyOn(id)) => {
+                self.looks.fetch_add(1, Ordering::Relaxed);
+                let backend = f.backends().find(|b| b.id().as_str() == *id).unwrap();
+                let _ = c.offer(backend);
+            }
+            None => NodeThenBackend::new().place(f, r, c),
+        }
+    }
+}
+
+/// A waiter that declined a slot is not woken for it again when a later look takes that slot
+/// and gives it back to hold out: the slot goes back unannounced and its wake is passed on,
+/// with who declined it. Here the waiter queued first may take only the busy home; woken for
+/// the other backend's slot at 5 s, it declines it once, and the turn behind it holds out.
+#[tokio::test(start_paused = true)]
+async fn a_slot_given_back_by_a_later_hold_does_not_wake_those_that_declined_it_again() {
+    let policy = Arc::new(OnlyOnSome::default());
+    let svc: Svc<_, _> = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_secs(900), 16))
+        .placement(policy.clone())
+        .layer(fleet(&[("a", "n1"), ("b", "n2")], scripted()));
+    let (home, other, streaming, busy) =
+        fleet_full(&svc, Duration::from_secs(1000), Duration::from_secs(5)).await;
+    let home: &'static str = if home == "a" { "a" } else { "b" };
+    let mut only_home = request(None, Some(chain(&[991], 1000)), reused(1000, 0));
+    only_home.extensions_mut().insert(OnlyOn(home));
+    let waiter = {
+        let svc = svc.clone();
+        tokio::spawn(async move { decision_of(&svc, only_home).await })
+    };
+    for _ in 0..8 {
+        tokio::task::yield_now().await;
+    }
+    let turn = spawn_turn(&svc);
+    for _ in 0..8 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(svc.stats().waiting, 2);
+    let before = policy.looks.load(Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(
+        policy.looks.load(Ordering::Relaxed) - before,
+        1,
+        "the waiter that may take only its home looked once at 5 s"
+    );
+    // Both still wait, the turn holding out, with the other backend's slot free.
+    assert_eq!(svc.stats().waiting, 2);
+    assert_eq!(status(&svc, other).in_flight, 0);
+    waiter.abort();
+    turn.abort();
+    let _ = (waiter.await, turn.await);
+    busy.await.unwrap();
+    stop(streaming).await;
+}
+
 /// Checks: one slot freed (the other backend's, at 5 s) and declined by a turn holding out
 /// from a later look costs a bounded number of looks: the turn's, then the oldest keyless
 /// waiter's, which takes it. A freed slot wakes one waiter at a time, so with six keyless
