@@ -473,6 +473,12 @@ pub(crate) struct Load {
 /// request the backend runs.
 pub(crate) const UNLEARNED_CONTEXT_SCALE: f64 = 2.0;
 
+/// Whether `need` tokens of context fit beside the `held` ones within `limit`: they do when
+/// nothing is held, as a prompt longer than the whole context is the backend's to refuse.
+fn context_fits(held: u64, need: u64, limit: u64) -> bool {
+    held == 0 || held.saturating_add(need) <= limit
+}
+
 /// How many places [`Load`] has for the stamps of its requests in flight: a stamp keeps its
 /// place until it ends or a stamp a ring later takes it.
 pub(crate) const ENDED_RING: usize = 1024;
@@ -686,7 +692,7 @@ impl Load {
         let n = u64::from(need);
         self.context_in_flight
             .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |held| {
-                (held == 0 || held.saturating_add(n) <= limit).then(|| held + n)
+                context_fits(held, n, limit).then(|| held + n)
             })
             .ok()
             .map(|_| need)
@@ -709,7 +715,7 @@ impl Load {
             return true;
         }
         let held = self.context_in_flight.load(Ordering::Relaxed);
-        held == 0 || held.saturating_add(u64::from(need)) <= limit
+        context_fits(held, u64::from(need), limit)
     }
 
     /// Requests holding a slot.

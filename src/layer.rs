@@ -144,9 +144,10 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// [`RetryOnce`](crate::RetryOnce) sends elsewhere. Meanwhile the request holds its slot.
     ///
     /// Default [`READY_TIMEOUT`](Self::READY_TIMEOUT), 30 s; `None` waits as long as the
-    /// backend takes, and zero not at all. The slots are the backend's concurrency: a backend that takes as many
-    /// requests as its slots is always ready for the router's ([`HttpBackend`] always is), so
-    /// a wait this long means the backend is stuck, or takes fewer requests than its slots say.
+    /// backend takes, and zero not at all. The slots are the backend's concurrency: a backend
+    /// that takes as many requests as its slots is always ready for the router's
+    /// ([`HttpBackend`] always is), so a wait this long means the backend is stuck, or takes
+    /// fewer requests than its slots say.
     ///
     /// [`HttpBackend`]: crate::client::HttpBackend
     pub fn ready_timeout(mut self, timeout: impl Into<Option<Duration>>) -> Self {

@@ -16,9 +16,9 @@
 //! gives one, says the same; timings that say otherwise beside a usage are not the
 //! backend's, and the usage wins. A stream carries usage only when the client asked
 //! (`stream_options.include_usage`), or
-//! [`BodyKeyLayer::ask_stream_usage`](crate::key::BodyKeyLayer::ask_stream_usage) asked on its
-//! behalf; vLLM reports `cached_tokens` only with
-//! `--enable-prompt-tokens-details`, and leaves it out when it is 0, so an answer without it
+//! [`BodyKeyLayer::ask_stream_usage`](crate::key::BodyKeyLayer::ask_stream_usage) asked on
+//! its behalf; vLLM reports `cached_tokens` only with `--enable-prompt-tokens-details`, and
+//! leaves it out when it is 0, so an answer without it
 //! says nothing about reuse (see [`Usage::reused_tokens`]) until its backend has once said
 //! it, in that shape. vLLM's Anthropic endpoint (`/v1/messages`) reports `input_tokens`
 //! alone: its answers never say their reuse.

@@ -107,8 +107,7 @@ pub(crate) type Affinity =
 // === configuration ===
 
 /// One `--backend NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,context=TOKENS][,model=NAME]`,
-/// less its cache
-/// budget (see [`Config::cache_tokens`]).
+/// less its cache budget (see [`Config::cache_tokens`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct BackendSpec {
     /// The backend's name in decisions and metrics: `id=`, else the URL's `host:port`.

@@ -554,19 +554,11 @@ mod tests {
             ..fleet::radeon_vii_pair(3, 1 << 30)
         });
         cache::set_vram(cache::Vram::Run);
-        let prompt = |id, tokens| {
-            let blocks = vec![Block { id, tokens }].into();
-            let answer = Block {
-                id: id + 100,
-                tokens: 10,
-            };
-            http::Request::new(Prompt { blocks, answer })
-        };
-        let running = backend.clone().oneshot(prompt(1, 700)).await.unwrap();
+        let running = backend.clone().oneshot(ask(1, 700, 10)).await.unwrap();
         // 800 tokens do not fit beside 700; 100 would, but came later.
-        let long = tokio::spawn(backend.clone().oneshot(prompt(2, 800)));
+        let long = tokio::spawn(backend.clone().oneshot(ask(2, 800, 10)));
         tokio::task::yield_now().await;
-        let short = tokio::spawn(backend.clone().oneshot(prompt(3, 100)));
+        let short = tokio::spawn(backend.clone().oneshot(ask(3, 100, 10)));
         tokio::time::sleep(Duration::from_secs(60)).await;
         assert!(!long.is_finished() && !short.is_finished());
         running.into_body().collect().await.unwrap();

@@ -176,9 +176,7 @@ impl<B> HttpBackend<B> {
             Uri::from_parts(parts).map_err(|e| HttpBackendError::classify(e.into()))?;
         Ok(req)
     }
-}
 
-impl<B> HttpBackend<B> {
     /// `res`, the backend's answer, as it goes back to the client: the twin of
     /// [`prepare`](Self::prepare), for code that drives connections of its own to the
     /// backend. Hop-by-hop headers are dropped ([`strip_hop_by_hop`](super::strip_hop_by_hop)),

@@ -4,8 +4,9 @@
 //! session's [`Home`] and the request's facts. It offers candidates to a [`Candidates`] sink,
 //! best first; the service takes the first one with room (a free slot, and on a backend with a
 //! [context limit](crate::Backend::context_tokens) room for the request's prompt) and tells the
-//! policy to stop by returning [`ControlFlow::Break`]. Offering lazily is what keeps a home hit free of any scan:
-//! the policy offers the home, the slot is free, and nothing else is computed.
+//! policy to stop by returning [`ControlFlow::Break`]. Offering lazily is what keeps a home hit
+//! free of any scan: the policy offers the home, the slot is free, and nothing else is
+//! computed.
 //!
 //! The default policy is [`NodeThenBackend`]. [`RoundRobin`], [`LeastLoaded`] and the
 //! stateless [`Rendezvous`] are baselines behind the same trait, so a simulator or a benchmark
