@@ -13,7 +13,9 @@
 //!
 //! Scenarios (whole call path unless `policy_`): `direct`, `home_hit`, `home_hit_chain` (a
 //! prompt chain on every request, growing two links a turn), `home_hit_chain_unread` (the same
-//! chains where the service does not look), `new_session`,
+//! chains where the service does not look), `home_hit_chain_limited` (the same, each backend
+//! taking at most 32,768 tokens a request, as a probe of llama-server's `/slots` gives),
+//! `new_session`,
 //! `keyless`, `header_home_hit`, `header_keyless` (a request with an OpenAI client's headers
 //! and no key, through the default `HeaderKey`: every name looked up), `header_keyless_7` (the
 //! same, the defaults less `thread_id`, as they were before it), `policy_home_hit`, `policy_new_session`, `policy_keyless`,
@@ -109,7 +111,7 @@ fn main() {
             measure_calls(reqs, &mut |r| drop(black_box(call_now(&mut svc, r))));
             eprintln!("{:?}", svc.stats());
         }
-        "home_hit_chain" | "home_hit_chain_unread" => {
+        "home_hit_chain" | "home_hit_chain_unread" | "home_hit_chain_limited" => {
             // Home hits whose requests carry a prompt chain that grows by two links a turn, as
             // `BodyKeyLayer` would attach: the cache model's lookup and update on each. With
             // `_unread`, the same chains under a type the service does not read: the requests
@@ -129,10 +131,16 @@ fn main() {
                 r
             };
             // Caches at their budgets, as in a fleet that has run a while (see `fill_caches`).
+            let fleet = match what {
+                "home_hit_chain_limited" => {
+                    shape.fleet_with_request_context(1, CACHE_TOKENS, 32_768)
+                }
+                _ => shape.fleet_with_cache(1, CACHE_TOKENS),
+            };
             let mut svc = SessionAffinityLayer::new()
                 .key(ExtensionKey)
                 .decision_extension(extension)
-                .layer(shape.fleet_with_cache(1, CACHE_TOKENS));
+                .layer(fleet);
             common::fill_caches(&mut svc, 20 * sessions);
             for i in 0..sessions {
                 drop(call_now(&mut svc, with(i, 0)));

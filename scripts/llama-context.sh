@@ -18,10 +18,19 @@
 #                 answer may take), on a proxy that has seen no answer yet, so that it counts
 #                 a token as two bytes: the second request waits for the first, and both are
 #                 answered.
-# Exits 0 when the three come out so.
 #
-# Environment: TA_CACHE_DIR (~/.cache/tower-affinity), TA_CONTEXT_PORT (18095, the proxy on
-# the next port), TA_PROXY_BIN.
+# Then a slot's share of the context: two more llama-servers, `small` (`-np 2 -c 2048`: 1,024
+# tokens a slot) and `large` (`-np 1 -c 4096`), and a conversation of two turns, the second
+# about 1,500 tokens:
+#   slots-direct  the second turn straight to `small`: 400, "exceeds the available context
+#                 size";
+#   slots-proxy   through the proxy over both (slot counts and contexts read from /slots), the
+#                 first turn on `small` (sessions are tried until one goes there): the second
+#                 goes to `large`, and is answered.
+# Exits 0 when the five come out so.
+#
+# Environment: TA_CACHE_DIR (~/.cache/tower-affinity), TA_CONTEXT_PORT (18095; the proxy on
+# the next port, `small` and `large` on the two after), TA_PROXY_BIN.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -113,5 +122,66 @@ wait "$PROXY_PID" 2>/dev/null || true
 start_proxy slots=2,context=1016
 pair proxy-context "http://127.0.0.1:$PROXY_PORT" || fail=1
 grep -c "Context size has been exceeded" "$LOGS/llama.log" | sed 's/^/llama-server errors "Context size has been exceeded": /'
+kill "$PROXY_PID"
+wait "$PROXY_PID" 2>/dev/null || true
+
+# --- a slot's share of the context ---
+SMALL=$((PORT + 2))
+LARGE=$((PORT + 3))
+LD_LIBRARY_PATH="$BIN" "$BIN/llama-server" -m "$MODEL" --host 127.0.0.1 --port "$SMALL" \
+    -np 2 -c 2048 -t 1 --cache-ram 0 >"$LOGS/small.log" 2>&1 &
+PIDS+=($!)
+LD_LIBRARY_PATH="$BIN" "$BIN/llama-server" -m "$MODEL" --host 127.0.0.1 --port "$LARGE" \
+    -np 1 -c 4096 -t 1 --cache-ram 0 >"$LOGS/large.log" 2>&1 &
+PIDS+=($!)
+wait_up "http://127.0.0.1:$SMALL/health"
+wait_up "http://127.0.0.1:$LARGE/health"
+"$TA_PROXY_BIN" --listen "127.0.0.1:$PROXY_PORT" \
+    --backend "n1=http://127.0.0.1:$SMALL,id=small" \
+    --backend "n2=http://127.0.0.1:$LARGE,id=large" >"$LOGS/proxy-slots.log" 2>&1 &
+PROXY_PID=$!
+PIDS+=("$PROXY_PID")
+wait_up "http://127.0.0.1:$PROXY_PORT/metrics"
+
+# conversation RUN URL: a short turn, then a long one, under sessions tried until the first
+# turn goes to `small` (through the proxy); exits 0 if the run came out as its name says.
+conversation() {
+    python3 - "$@" <<'PY'
+import json, sys, urllib.error, urllib.request
+
+run, url = sys.argv[1], sys.argv[2] + "/v1/chat/completions"
+first = [{"role": "user", "content": "Name a colour."}]
+
+def ask(messages, session):
+    body = json.dumps({"messages": messages, "max_tokens": 8, "temperature": 0}).encode()
+    headers = {"content-type": "application/json", "x-session-id": session}
+    req = urllib.request.Request(url, body, headers)
+    try:
+        r = urllib.request.urlopen(req, timeout=600)
+        j = json.load(r)
+        text = j["choices"][0]["message"]["content"]
+        return r.status, r.headers.get("x-affinity-backend", "-"), j["usage"]["prompt_tokens"], text
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("x-affinity-backend", "-"), e.read().decode(errors="replace")[:140], ""
+
+for i in range(16):
+    session = f"{run}-{i}"
+    status, backend, tokens, text = ask(first, session)
+    print(f"{run}: first turn of {session}: {status} on {backend}, {tokens} tokens")
+    if run == "slots-direct" or backend == "small":
+        break
+rules = " ".join(f"Rule {i}: keep the code tidy." for i in range(200))
+second = first + [{"role": "assistant", "content": text}, {"role": "user", "content": rules}]
+status, backend, tokens, _ = ask(second, session)
+print(f"{run}: second turn: {status} on {backend}: {tokens}")
+ok = status == 400 if run == "slots-direct" else (status == 200 and backend == "large")
+print(f"{run}: {'as expected' if ok else 'NOT as expected'}")
+sys.exit(0 if ok else 1)
+PY
+}
+
+conversation slots-direct "http://127.0.0.1:$SMALL" || fail=1
+conversation slots-proxy "http://127.0.0.1:$PROXY_PORT" || fail=1
+grep "request context read from /slots" "$LOGS/proxy-slots.log" | sed 's/^.*backend=/proxy: backend=/' || true
 echo "logs: $LOGS"
 exit "$fail"

@@ -158,6 +158,7 @@ pub struct Backend<S> {
     prompt_cache_bytes: Option<u64>,
     cache_tokens: u64,
     context: Option<NonZeroU64>,
+    request_context: Option<NonZeroU64>,
     extensions: http::Extensions,
 }
 
@@ -172,6 +173,7 @@ impl<S> Backend<S> {
             prompt_cache_bytes: None,
             cache_tokens: Self::DEFAULT_CACHE_TOKENS,
             context: None,
+            request_context: None,
             extensions: http::Extensions::new(),
         }
     }
@@ -272,6 +274,56 @@ impl<S> Backend<S> {
         self.context
     }
 
+    /// Sets the most tokens of context one request can take on the backend: with `-np N` and
+    /// no `--kv-unified`, llama-server gives each slot `-c / N` and refuses a longer prompt
+    /// (`400`, `exceed_context_size_error`); vLLM's `--max-model-len`; SGLang's
+    /// `--context-length`. llama-server's `/slots` says it, as each slot's `n_ctx`, and a
+    /// [health probe](crate::health::HealthProbe) reads it there when it is not given. Without
+    /// it, a backend given [`context_tokens`](Self::context_tokens) takes a request of up to
+    /// those.
+    ///
+    /// A request whose prompt is longer than this does not go to the backend while another
+    /// backend up takes prompts that long: it is placed as if the backend were passed over
+    /// (see [`Candidates::pass_over`](crate::placement::Candidates::pass_over)), so that a
+    /// conversation that outgrows its home's slots moves to a backend whose slots hold it,
+    /// rather than be refused at home. Where no backend up takes it, it is placed as if no
+    /// backend had a limit, and the backend answers for itself.
+    ///
+    /// A prompt's tokens are the [prompt chain](crate::PromptChain)'s estimate, scaled by
+    /// what the backend's answers have taught of its own tokens per token of the estimate;
+    /// until then, the estimate as it is (four bytes a token): counted short, a prompt goes
+    /// where it would have gone without the limit. A request without a chain counts none.
+    ///
+    /// ```
+    /// use std::num::NonZeroU64;
+    /// use tower_affinity::Backend;
+    ///
+    /// // llama-server -c 65536 -np 4: 16,384 tokens a slot.
+    /// let b = Backend::new("gpu-0", ()).request_context_tokens(NonZeroU64::new(16_384).unwrap());
+    /// assert_eq!(b.request_context_limit().map(NonZeroU64::get), Some(16_384));
+    /// // One KV cache for all slots: a request may take all of it.
+    /// let u = Backend::new("gpu-1", ()).context_tokens(NonZeroU64::new(65_536).unwrap());
+    /// assert_eq!(u.request_context_limit().map(NonZeroU64::get), Some(65_536));
+    /// ```
+    pub fn request_context_tokens(mut self, tokens: NonZeroU64) -> Self {
+        self.request_context = Some(tokens);
+        self
+    }
+
+    /// The most tokens of context one request can take on the backend: those given with
+    /// [`request_context_tokens`](Self::request_context_tokens), else those its running
+    /// requests share ([`context_tokens`](Self::context_tokens)), if either was given.
+    pub fn request_context_limit(&self) -> Option<NonZeroU64> {
+        self.request_context.or(self.context)
+    }
+
+    /// Whether the request context was given with
+    /// [`request_context_tokens`](Self::request_context_tokens); if not, a health probe
+    /// reading llama-server's `/slots` sets it from the slots' `n_ctx`.
+    pub fn request_context_given(&self) -> bool {
+        self.request_context.is_some()
+    }
+
     /// Whether the slot count was given with [`slots`](Self::slots); if not, the backend has
     /// one slot until something (a health probe reading `/slots`, say) says how many.
     ///
@@ -354,6 +406,7 @@ impl<S> Backend<S> {
             prompt_cache_bytes: self.prompt_cache_bytes,
             cache_tokens: self.cache_tokens,
             context: self.context,
+            request_context: self.request_context,
             extensions: self.extensions,
         }
     }
@@ -368,6 +421,7 @@ impl<S> fmt::Debug for Backend<S> {
             .field("prompt_cache_bytes", &self.prompt_cache_bytes)
             .field("cache_tokens", &self.cache_tokens)
             .field("context", &self.context)
+            .field("request_context", &self.request_context)
             .finish_non_exhaustive()
     }
 }
@@ -438,6 +492,9 @@ pub(crate) struct Load {
     pub(crate) context: AtomicU64,
     /// Of them, the tokens its requests holding a slot take, by the router's estimate.
     pub(crate) context_in_flight: AtomicU64,
+    /// The most tokens of context one request can take ([`Backend::request_context_limit`]);
+    /// 0: no limit.
+    pub(crate) request_context: AtomicU64,
     /// Free slots promised to waiters woken for them and not yet running: other requests
     /// do not take them (see [`wait`](crate::wait)).
     pub(crate) reserved: AtomicU32,
@@ -535,6 +592,7 @@ impl Load {
             slots: AtomicU32::new(slots.get()),
             context: AtomicU64::new(0),
             context_in_flight: AtomicU64::new(0),
+            request_context: AtomicU64::new(0),
             reserved: AtomicU32::new(0),
             down_until: AtomicU64::new(0),
             failures: AtomicU64::new(0),
@@ -706,6 +764,18 @@ impl Load {
         }
         (self.context_in_flight).fetch_add(u64::from(need), Ordering::AcqRel);
         need
+    }
+
+    /// Whether a prompt of `prompt_tokens` by the chain's estimate is longer than one request
+    /// can take here ([`Backend::request_context_limit`]): scaled by the backend's own tokens
+    /// per token of the estimate, as its answers taught, and until then as estimated.
+    pub(crate) fn too_small_for(&self, prompt_tokens: u64) -> bool {
+        let limit = self.request_context.load(Ordering::Relaxed);
+        if limit == 0 || prompt_tokens == 0 {
+            return false;
+        }
+        let scale = self.learned.token_scale().unwrap_or(1.0);
+        prompt_tokens as f64 * scale > limit as f64
     }
 
     /// Whether `need` tokens of context fit here now (see [`take_context`](Self::take_context)).
@@ -1007,6 +1077,9 @@ pub(crate) struct Topology {
     pub(crate) live_nodes: RankSet,
     /// Sum of the live backends' slots.
     pub(crate) total_slots: u32,
+    /// Whether a live backend has a request context limit
+    /// ([`Backend::request_context_limit`]): without one, no request looks for them.
+    pub(crate) request_limits: bool,
     by_id: HashMap<BackendId, u32>,
     node_by_id: HashMap<NodeId, u32>,
     /// Forgotten nodes' indexes, the earliest forgotten first; one is given to a new node only
@@ -1026,6 +1099,15 @@ pub(crate) fn name_digest(name: &str) -> u64 {
 }
 
 impl Topology {
+    /// Notes whether a live backend has a request context limit, after a change of the
+    /// fleet. O(backends).
+    pub(crate) fn note_request_limits(&mut self) {
+        self.request_limits = self
+            .live
+            .indexes()
+            .any(|i| self.member(i).load.request_context.load(Ordering::Relaxed) != 0);
+    }
+
     pub(crate) fn member(&self, index: u32) -> &Member {
         &self.members[index as usize]
     }
@@ -1338,6 +1420,11 @@ impl<S> Fleet<Backend<S>> {
         m.extensions = backend.extensions.clone();
         let context = backend.context.map_or(0, NonZeroU64::get);
         m.load.context.store(context, Ordering::Relaxed);
+        let request_context = backend.request_context_limit().map_or(0, NonZeroU64::get);
+        m.load
+            .request_context
+            .store(request_context, Ordering::Relaxed);
+        self.topology.note_request_limits();
         if self.backends.len() <= index {
             self.backends.resize_with(index + 1, || None);
         }
@@ -1348,6 +1435,7 @@ impl<S> Fleet<Backend<S>> {
         match self.topology.remove(id) {
             Some(index) => {
                 self.backends[index as usize] = None;
+                self.topology.note_request_limits();
                 true
             }
             None => false,
@@ -1409,6 +1497,9 @@ pub struct BackendStatus {
     pub context_limit: Option<u64>,
     /// Of them, the tokens its requests in flight take, by the router's estimate.
     pub context_in_flight: u64,
+    /// The most tokens of context one request can take, if known
+    /// ([`Backend::request_context_limit`], or learned by a health probe).
+    pub request_context_limit: Option<u64>,
     /// Answers that reported their usage (see
     /// [`SessionAffinityLayer::observe_usage`](crate::SessionAffinityLayer::observe_usage)).
     pub usage_reports: u64,
@@ -1487,6 +1578,8 @@ impl Topology {
             unread_tokens: l.unread_tokens.load(Ordering::Relaxed),
             context_limit: Some(m.load.context.load(Ordering::Relaxed)).filter(|&c| c > 0),
             context_in_flight: m.load.context_in_flight.load(Ordering::Relaxed),
+            request_context_limit: Some(m.load.request_context.load(Ordering::Relaxed))
+                .filter(|&c| c > 0),
             usage_reports: l.reports.load(Ordering::Relaxed),
             prompt_tokens: l.prompt_tokens.load(Ordering::Relaxed),
             reused_tokens: l.reused_tokens.load(Ordering::Relaxed),
@@ -1861,6 +1954,20 @@ mod tests {
         assert!(!l.try_acquire());
         assert!(l.force_acquire());
         assert_eq!(l.in_flight(), 3);
+    }
+
+    #[test]
+    fn a_prompt_is_too_long_for_a_request_context_by_the_backends_own_tokens() {
+        let l = Load::new(nz(4), Arc::default(), &"a".into(), &"n".into());
+        assert!(!l.too_small_for(u64::MAX), "no limit");
+        l.request_context.store(1_000, Ordering::Relaxed);
+        // Until answers teach the scale, as estimated.
+        assert!(!l.too_small_for(1_000));
+        assert!(l.too_small_for(1_001));
+        l.learned.set_token_scale(1.25);
+        assert!(!l.too_small_for(800));
+        assert!(l.too_small_for(801));
+        assert!(!l.too_small_for(0), "a request without a chain counts none");
     }
 
     #[test]

@@ -840,7 +840,9 @@ fn worth_waiting(
     let load = &stay.load;
     let prompt = chain.tokens();
     let room = load.has_free_slot() && load.has_context_for(load.context_need(prompt));
-    if load.health(now_ms).0 || room {
+    // A backend too small for the prompt would refuse it, where the chosen one takes it.
+    let too_small = load.too_small_for(prompt) && !go.load.too_small_for(prompt);
+    if load.health(now_ms).0 || room || too_small {
         return None;
     }
     let lacks = |m: &Member| prompt.saturating_sub(reuse(&m.cache.lock(), chain).1);

@@ -142,6 +142,26 @@ impl Shape {
         }))
     }
 
+    /// [`fleet_with_cache`](Self::fleet_with_cache), each backend taking at most `context`
+    /// tokens a request, as a health probe reading llama-server's `/slots` gives them.
+    #[allow(dead_code)]
+    pub(crate) fn fleet_with_request_context(
+        &self,
+        slots: u32,
+        tokens: u64,
+        context: u64,
+    ) -> StaticFleet<Mock> {
+        let slots = NonZeroU32::new(slots).unwrap_or(NonZeroU32::MIN);
+        let context = std::num::NonZeroU64::new(context).unwrap_or(std::num::NonZeroU64::MIN);
+        StaticFleet::new(self.names().into_iter().map(|(id, node)| {
+            let b = Backend::new(node, mock())
+                .slots(slots)
+                .cache_tokens(tokens)
+                .request_context_tokens(context);
+            (id, b)
+        }))
+    }
+
     /// The same fleet as a live discovery channel, as a proxy whose backends come and go has:
     /// the stream stays open as long as the handle lives.
     pub(crate) fn live_fleet(&self, slots: u32) -> (FleetHandle<Mock>, FleetChannel<Mock>) {

@@ -106,7 +106,7 @@ pub(crate) type Affinity =
 
 // === configuration ===
 
-/// One `--backend NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,context=TOKENS][,model=NAME]`,
+/// One `--backend NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,context=TOKENS][,request-context=TOKENS][,model=NAME]`,
 /// less its cache budget (see [`Config::cache_tokens`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct BackendSpec {
@@ -120,12 +120,15 @@ pub(crate) struct BackendSpec {
     /// `context=`: the tokens of context its running requests share (see
     /// [`Backend::context_tokens`]); `None`, only its slots count.
     pub(crate) context: Option<NonZeroU64>,
+    /// `request-context=`: the most tokens of context one request can take there (see
+    /// [`Backend::request_context_tokens`]); `None`, read from `/slots` by the probe.
+    pub(crate) request_context: Option<NonZeroU64>,
     /// The model it serves: the backends of a model are a fleet of their own (see
     /// [`Proxy`]); `None`, the fleet of the requests that name no other.
     pub(crate) model: Option<String>,
 }
 
-/// One `--backend-dns NAME:PORT[,context=TOKENS][,model=NAME]`.
+/// One `--backend-dns NAME:PORT[,context=TOKENS][,request-context=TOKENS][,model=NAME]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct DnsSpec {
     pub(crate) target: DnsTarget,
@@ -133,6 +136,9 @@ pub(crate) struct DnsSpec {
     pub(crate) model: Option<String>,
     /// The context each of its backends' requests share (see [`BackendSpec::context`]).
     pub(crate) context: Option<NonZeroU64>,
+    /// The most one request can take on each of its backends (see
+    /// [`BackendSpec::request_context`]).
+    pub(crate) request_context: Option<NonZeroU64>,
 }
 
 /// `--policy`.
@@ -607,6 +613,9 @@ impl Proxy {
                 if let Some(context) = spec.context {
                     backend = backend.context_tokens(context);
                 }
+                if let Some(tokens) = spec.request_context {
+                    backend = backend.request_context_tokens(tokens);
+                }
                 Ok((spec.id.as_str(), backend))
             })
             .collect::<Result<Vec<_>, BoxError>>()?;
@@ -618,6 +627,9 @@ impl Proxy {
                     DnsFleet::builder(d.target.clone()).removal_grace(config.dns_removal_grace);
                 if let Some(context) = d.context {
                     builder = builder.context_tokens(context);
+                }
+                if let Some(tokens) = d.request_context {
+                    builder = builder.request_context_tokens(tokens);
                 }
                 let builder = config
                     .dns_servers

@@ -18,7 +18,7 @@ An OpenAI-compatible reverse proxy that keeps each agent session on the llama-se
 that holds its prompt cache: same backend, else same node, else elsewhere.
 
   --listen ADDR              address to serve on (default 127.0.0.1:8080)
-  --backend NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,context=TOKENS][,model=NAME]
+  --backend NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,context=TOKENS][,request-context=TOKENS][,model=NAME]
                              a backend on host NODE (repeat for each). slots: requests
                              it serves at once (llama-server -np); without it, read from
                              /slots. id: its name (default: the URL's host:port).
@@ -27,14 +27,18 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
                              128k). context: for a llama-server whose slots share one
                              KV cache (no -np, or --kv-unified), its -c less the longest
                              answer; the requests in flight there are kept within it,
-                             by their prompts (default: only slots count). model: the
-                             model it serves (see Models below)
-  --backend-dns NAME:PORT[,context=TOKENS][,model=NAME]
+                             by their prompts (default: only slots count).
+                             request-context: the most tokens one request can take
+                             there (llama-server's -c divided by -np); a prompt
+                             longer goes to a backend that takes it, if one is up
+                             (default: read from /slots, each slot's n_ctx, else
+                             context). model: the model it serves (see Models below)
+  --backend-dns NAME:PORT[,context=TOKENS][,request-context=TOKENS][,model=NAME]
                              the backends behind a DNS name: its A/AAAA records with
                              PORT, or SRV records for _SVC._PROTO.NAME (a Kubernetes
                              headless service, Consul, docker compose), re-resolved as
                              their TTL says (5s to 60s); each backend's node is its IP;
-                             context and model as for --backend
+                             context, request-context and model as for --backend
   --dns-server IP:PORT       ask this nameserver for --backend-dns names (repeat for
                              more; default: the system's resolver configuration)
   --dns-removal-grace DURATION
@@ -73,7 +77,7 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
   --probe-failures N         failed probes in a row that take a backend down
                              (default 1; a 503, loading, does at once)
   --probe-successes N        ready probes in a row that bring it up again (default 1)
-  --no-slots-probe           do not read slot counts from /slots
+  --no-slots-probe           do not read slot counts and slot contexts from /slots
   --ask-stream-usage         ask a chat or completions stream that did not ask for its
                              usage to carry it, and take that chunk out of the answer
                              again (for vLLM and SGLang, whose streams otherwise report
@@ -189,24 +193,29 @@ where
                 let v = value()?;
                 let bad = |why: &str| {
                     format!(
-                        "--backend-dns {v:?}: {why} (expected NAME:PORT[,context=TOKENS][,model=NAME])"
+                        "--backend-dns {v:?}: {why} (expected NAME:PORT[,context=TOKENS][,request-context=TOKENS][,model=NAME])"
                     )
                 };
                 let mut parts = v.split(',');
                 let name = parts.next().unwrap_or_default();
-                let (mut model, mut context) = (None, None);
+                let (mut model, mut context, mut request_context) = (None, None, None);
+                let mut given: Vec<&str> = Vec::new();
                 for option in parts {
+                    if let Some((name, _)) = option.split_once('=') {
+                        if given.contains(&name) {
+                            return Err(bad(&format!("{name}= is given twice")));
+                        }
+                        given.push(name);
+                    }
                     match option.split_once('=') {
-                        Some(("model", _)) if model.is_some() => {
-                            return Err(bad("model= is given twice"))
-                        }
-                        Some(("context", _)) if context.is_some() => {
-                            return Err(bad("context= is given twice"))
-                        }
                         Some(("model", m)) => model = Some(model_name(m).map_err(|why| bad(&why))?),
-                        Some(("context", n)) => {
-                            let n = tokens("context", n).map_err(|why| bad(&why))?;
-                            context = NonZeroU64::new(n);
+                        Some((name @ ("context" | "request-context"), n)) => {
+                            let n = tokens(name, n).map_err(|why| bad(&why))?;
+                            let n = NonZeroU64::new(n);
+                            match name {
+                                "context" => context = n,
+                                _ => request_context = n,
+                            }
                         }
                         _ => return Err(bad(&format!("unknown option {option:?}"))),
                     }
@@ -223,6 +232,7 @@ where
                     target,
                     model,
                     context,
+                    request_context,
                 });
             }
             "--dns-server" => {
@@ -341,11 +351,11 @@ fn names() -> String {
     names.join(", ")
 }
 
-/// `NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,context=TOKENS][,model=NAME]`: the backend, and its `cache=`
+/// `NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,context=TOKENS][,request-context=TOKENS][,model=NAME]`: the backend, and its `cache=`
 /// in tokens if given.
 pub(crate) fn backend(spec: &str) -> Result<(BackendSpec, Option<u64>), String> {
     let bad = |why: &str| {
-        format!("--backend {spec:?}: {why} (expected NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,context=TOKENS][,model=NAME])")
+        format!("--backend {spec:?}: {why} (expected NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,context=TOKENS][,request-context=TOKENS][,model=NAME])")
     };
     let (node, rest) = spec.split_once('=').ok_or_else(|| bad("no NODE="))?;
     if node.is_empty() {
@@ -381,6 +391,7 @@ pub(crate) fn backend(spec: &str) -> Result<(BackendSpec, Option<u64>), String> 
     let mut id = authority.to_string();
     let mut cache = None;
     let mut context = None;
+    let mut request_context = None;
     let mut model = None;
     let mut given: Vec<&str> = Vec::new();
     for option in parts {
@@ -401,6 +412,10 @@ pub(crate) fn backend(spec: &str) -> Result<(BackendSpec, Option<u64>), String> 
                 let n = tokens("context", n).map_err(|why| bad(&why))?;
                 context = NonZeroU64::new(n);
             }
+            Some(("request-context", n)) => {
+                let n = tokens("request-context", n).map_err(|why| bad(&why))?;
+                request_context = NonZeroU64::new(n);
+            }
             Some(("model", name)) => model = Some(model_name(name).map_err(|why| bad(&why))?),
             _ => return Err(bad(&format!("unknown option {option:?}"))),
         }
@@ -412,6 +427,7 @@ pub(crate) fn backend(spec: &str) -> Result<(BackendSpec, Option<u64>), String> 
         authority,
         slots,
         context,
+        request_context,
         model,
     };
     Ok((spec, cache))

@@ -1,5 +1,6 @@
 //! One probe of one backend: `GET /health`, then `GET /slots` if asked.
 
+use std::num::NonZeroU64;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -25,11 +26,13 @@ pub(crate) enum Health {
     Failed(String),
 }
 
-/// What `/slots` said: how many slots, and how many of them are processing.
+/// What `/slots` said: how many slots, how many of them are processing, and the most tokens
+/// of context a slot has (`n_ctx`: one request's most on the backend), if given.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Slots {
     pub(crate) total: u32,
     pub(crate) busy: u32,
+    pub(crate) n_ctx: Option<NonZeroU64>,
 }
 
 /// The result of one probe.
@@ -67,7 +70,8 @@ pub(crate) async fn check(
     Checked { health, slots }
 }
 
-/// llama-server's `/slots`: a JSON array, one object per slot, each with `is_processing`.
+/// llama-server's `/slots`: a JSON array, one object per slot, each with `is_processing` and
+/// `n_ctx` (the slot's share of `-c`, or all of it with `--kv-unified`).
 pub(crate) fn parse_slots(body: &[u8]) -> Option<Slots> {
     let slots: Vec<serde_json::Value> = serde_json::from_slice(body).ok()?;
     let total = u32::try_from(slots.len()).ok().filter(|&n| n > 0)?;
@@ -75,9 +79,15 @@ pub(crate) fn parse_slots(body: &[u8]) -> Option<Slots> {
         .iter()
         .filter(|s| s.get("is_processing").and_then(serde_json::Value::as_bool) == Some(true))
         .count();
+    let n_ctx = slots
+        .iter()
+        .filter_map(|s| s.get("n_ctx").and_then(serde_json::Value::as_u64))
+        .max()
+        .and_then(NonZeroU64::new);
     Some(Slots {
         total,
         busy: u32::try_from(busy).unwrap_or(total),
+        n_ctx,
     })
 }
 
@@ -116,7 +126,30 @@ mod tests {
     #[test]
     fn slots_are_counted_and_busy_ones_too() {
         let body = br#"[{"id":0,"is_processing":true},{"id":1,"is_processing":false},{"id":2}]"#;
-        assert_eq!(parse_slots(body), Some(Slots { total: 3, busy: 1 }));
+        let n_ctx = None;
+        assert_eq!(
+            parse_slots(body),
+            Some(Slots {
+                total: 3,
+                busy: 1,
+                n_ctx
+            })
+        );
+        // llama-server 0.94's shape, `-np 2 -c 8192`: each slot has half.
+        let body = br#"[{"id":0,"n_ctx":4096,"speculative":false,"is_processing":false},
+            {"id":1,"n_ctx":4096,"speculative":false,"is_processing":true}]"#;
+        let n_ctx = NonZeroU64::new(4096);
+        assert_eq!(
+            parse_slots(body),
+            Some(Slots {
+                total: 2,
+                busy: 1,
+                n_ctx
+            })
+        );
+        // A count that is not one is left out.
+        let body = br#"[{"id":0,"n_ctx":-1},{"id":1,"n_ctx":"8192"},{"id":2,"n_ctx":0}]"#;
+        assert_eq!(parse_slots(body).unwrap().n_ctx, None);
         assert_eq!(parse_slots(b"[]"), None);
         assert_eq!(parse_slots(b"{}"), None);
         assert_eq!(parse_slots(b"not json"), None);

@@ -42,6 +42,14 @@ use crate::{Backend, BackendId};
 /// in [`ProbeStatus::slots_error`], and a `warn` line says so once, while the count is still
 /// unknown. Give such backends their count with [`Backend::slots`](crate::Backend::slots).
 ///
+/// `/slots` also says how many tokens of context each slot has (`n_ctx`: llama-server's `-c`
+/// divided by `-np`, or all of it with `--kv-unified`): the most one request can take there.
+/// For a backend that does not give its own
+/// ([`Backend::request_context_given`](crate::Backend::request_context_given)), it becomes its
+/// [request context](crate::Backend::request_context_tokens), announced as a slot count is; a
+/// backend whose slot count is given is asked `/slots` for it too, until an answer cannot be
+/// read.
+///
 /// Each transition is logged once (`info` up, `warn` down) and counted
 /// ([`ProbeStatus::transitions`], [`Prober::transitions`]).
 ///
@@ -130,8 +138,8 @@ impl HealthProbe {
         self
     }
 
-    /// Whether to learn the slot count of backends given without one from `/slots` (on by
-    /// default).
+    /// Whether to learn the slot count and the request context of backends given without them
+    /// from `/slots` (on by default).
     pub fn learn_slots(mut self, on: bool) -> Self {
         self.learn_slots = on;
         self

@@ -59,11 +59,11 @@ struct Target<S> {
     status: ProbeStatus,
 }
 
-/// A learned slot count, for the backend to be announced again with it.
+/// A slot count or request context learned, for the backend to be announced again with
+/// what was learned of it.
 pub(crate) struct Update {
     id: BackendId,
     generation: u64,
-    slots: NonZeroU32,
 }
 
 impl<S> Clone for Prober<S> {
@@ -152,10 +152,10 @@ impl<S: Clone> Prober<S> {
         S: ProbeTarget,
     {
         let mut state = self.shared.state.lock();
-        let learned = match state.get_mut(id) {
+        match state.get_mut(id) {
             Some(t) => {
-                t.backend = backend.clone();
-                t.status.slots.filter(|_| self.learns(&t.backend))
+                t.backend = backend;
+                (self.with_learned(&t.backend, &t.status)).unwrap_or_else(|| t.backend.clone())
             }
             None => {
                 let generation = self.shared.generations.fetch_add(1, Ordering::Relaxed);
@@ -168,12 +168,8 @@ impl<S: Clone> Prober<S> {
                     },
                 );
                 self.shared.fresh.notify_one();
-                None
+                backend
             }
-        };
-        match learned {
-            Some(slots) => backend.slots(slots),
-            None => backend,
         }
     }
 
@@ -184,17 +180,43 @@ impl<S: Clone> Prober<S> {
 
     /// `update` as a backend to announce, if it is still the backend it was learned for: as
     /// the inner stream last announced it (a service, node or budget announced since the
-    /// count was read stands), with the count learned, unless it now gives its own.
+    /// count was read stands), with what was learned of it, unless it now gives its own.
     pub(crate) fn still_current(&self, update: Update) -> Option<(BackendId, Backend<S>)> {
         let state = self.shared.state.lock();
         let t = state.get(&update.id)?;
-        let current = t.generation == update.generation && self.learns(&t.backend);
-        current.then(|| (update.id, t.backend.clone().slots(update.slots)))
+        if t.generation != update.generation {
+            return None;
+        }
+        let backend = self.with_learned(&t.backend, &t.status)?;
+        Some((update.id, backend))
+    }
+
+    /// `backend` with what `/slots` taught of it where it does not give its own (its slot
+    /// count, its request context); `None` if nothing applies.
+    fn with_learned(&self, backend: &Backend<S>, status: &ProbeStatus) -> Option<Backend<S>> {
+        let slots = status.slots.filter(|_| self.learns_slots(backend));
+        let context = (status.request_context).filter(|_| self.learns_context(backend));
+        if slots.is_none() && context.is_none() {
+            return None;
+        }
+        let mut backend = backend.clone();
+        if let Some(slots) = slots {
+            backend = backend.slots(slots);
+        }
+        if let Some(context) = context {
+            backend = backend.request_context_tokens(context);
+        }
+        Some(backend)
     }
 
     /// Whether the slot count of `backend` is learned from `/slots`.
-    fn learns(&self, backend: &Backend<S>) -> bool {
+    fn learns_slots(&self, backend: &Backend<S>) -> bool {
         self.shared.config.learn_slots && !backend.slots_given()
+    }
+
+    /// Whether the request context of `backend` is learned from `/slots`.
+    fn learns_context(&self, backend: &Backend<S>) -> bool {
+        self.shared.config.learn_slots && !backend.request_context_given()
     }
 }
 
@@ -257,7 +279,11 @@ where
                 .iter()
                 .filter(|(_, t)| !only_new || t.status.probes == 0)
                 .map(|(id, t)| {
-                    let slots = self.learns(&t.backend) || self.shared.config.busy_slots;
+                    // For its request context alone, a backend is not asked again once
+                    // its `/slots` could not be read (vLLM and SGLang have none).
+                    let context = self.learns_context(&t.backend) && t.status.slots_error.is_none();
+                    let slots = self.learns_slots(&t.backend) || self.shared.config.busy_slots;
+                    let slots = slots || context;
                     let uri = t.backend.service().base_uri().clone();
                     (id.clone(), t.generation, uri, slots)
                 })
@@ -318,7 +344,10 @@ where
         let Some(t) = state.get_mut(id).filter(|t| t.generation == generation) else {
             return (None, None, String::new());
         };
-        let learns = self.learns(&t.backend);
+        let (learns_slots, learns_context) = (
+            self.learns_slots(&t.backend),
+            self.learns_context(&t.backend),
+        );
         let s = &mut t.status;
         s.probes += 1;
         let mut mark = None;
@@ -364,7 +393,7 @@ where
                 // Once, when it starts failing: a backend whose count is still unknown serves
                 // as one slot meanwhile, which a proxy in front of a many-slot server must not
                 // miss.
-                if learns && s.slots.is_none() && s.slots_error.is_none() {
+                if learns_slots && s.slots.is_none() && s.slots_error.is_none() {
                     tracing::warn!(
                         backend = %id,
                         error = %reason,
@@ -378,16 +407,27 @@ where
                 s.slots_error = None;
                 s.busy_slots = Some(read.busy);
                 let total = NonZeroU32::new(read.total);
+                let mut learned = false;
                 if s.slots != total {
                     s.slots = total;
-                    if let (true, Some(total)) = (learns, total) {
+                    if let (true, Some(total)) = (learns_slots, total) {
                         tracing::info!(backend = %id, slots = total.get(), "slot count read from /slots");
-                        update = Some(Update {
-                            id: id.clone(),
-                            generation,
-                            slots: total,
-                        });
+                        learned = true;
                     }
+                }
+                // A count missing from a later answer keeps the last one read.
+                if read.n_ctx.is_some() && s.request_context != read.n_ctx {
+                    s.request_context = read.n_ctx;
+                    if let (true, Some(n)) = (learns_context, read.n_ctx) {
+                        tracing::info!(backend = %id, tokens = n.get(), "request context read from /slots (n_ctx)");
+                        learned = true;
+                    }
+                }
+                if learned {
+                    update = Some(Update {
+                        id: id.clone(),
+                        generation,
+                    });
                 }
             }
         }
@@ -442,7 +482,11 @@ mod tests {
         let generation = prober.shared.state.lock()[&id].generation;
         let checked = Checked {
             health: Health::Ready,
-            slots: Some(Ok(Slots { total: 4, busy: 0 })),
+            slots: Some(Ok(Slots {
+                total: 4,
+                busy: 0,
+                n_ctx: None,
+            })),
         };
         let (_, update, _) = prober.record(&id, generation, checked);
         // Announced again, at another address, before the learned count went out.
@@ -457,7 +501,11 @@ mod tests {
         let generation = prober.shared.state.lock()[&id].generation;
         let checked = Checked {
             health: Health::Ready,
-            slots: Some(Ok(Slots { total: 8, busy: 0 })),
+            slots: Some(Ok(Slots {
+                total: 8,
+                busy: 0,
+                n_ctx: None,
+            })),
         };
         let (_, update, _) = prober.record(&id, generation, checked);
         let given = at("http://10.0.0.2:8080/").slots(NonZeroU32::new(2).unwrap());

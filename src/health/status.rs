@@ -1,6 +1,6 @@
 //! [`ProbeStatus`]: what the probe knows of one backend.
 
-use std::num::NonZeroU32;
+use std::num::{NonZeroU32, NonZeroU64};
 
 use crate::BackendId;
 
@@ -28,6 +28,11 @@ pub struct ProbeStatus {
     pub slots: Option<NonZeroU32>,
     /// Slots that `/slots` last showed processing a request (`is_processing: true`), if read.
     pub busy_slots: Option<u32>,
+    /// The most tokens of context one request can take, as `/slots` last gave it (the
+    /// slots' `n_ctx`), if read: the backend's
+    /// [request context](crate::Backend::request_context_tokens) unless it was announced
+    /// with its own.
+    pub request_context: Option<NonZeroU64>,
     /// Why its last `/slots` could not be read (llama-server run with `--no-slots` answers
     /// 501), while it cannot; `None` once it is read, or when it is not asked.
     pub slots_error: Option<String>,
@@ -46,6 +51,7 @@ impl ProbeStatus {
             last_error: None,
             slots: None,
             busy_slots: None,
+            request_context: None,
             slots_error: None,
         }
     }

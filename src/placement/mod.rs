@@ -180,6 +180,11 @@ pub struct Candidates<'a> {
     prompt_tokens: u64,
     /// The tokens of context taken with the chosen backend's slot.
     context: u32,
+    /// Whether a backend up, not passed over, takes a prompt as long as the request's: asked
+    /// once a backend too small for it is offered ([`Backend::request_context_tokens`]).
+    ///
+    /// [`Backend::request_context_tokens`]: crate::Backend::request_context_tokens
+    taken_elsewhere: Option<bool>,
 }
 
 enum Mode<'a> {
@@ -208,6 +213,7 @@ impl<'a> Candidates<'a> {
             chosen: None,
             prompt_tokens,
             context: 0,
+            taken_elsewhere: None,
         }
     }
 
@@ -225,6 +231,7 @@ impl<'a> Candidates<'a> {
             chosen: None,
             prompt_tokens: 0,
             context: 0,
+            taken_elsewhere: None,
         }
     }
 
@@ -242,13 +249,16 @@ impl<'a> Candidates<'a> {
             chosen: None,
             prompt_tokens: 0,
             context: 0,
+            taken_elsewhere: None,
         }
     }
 
     /// Offers `backend`. Returns `Break` when the service has taken it (stop offering), and
     /// `Continue` when it is full (offer the next one).
     ///
-    /// A backend marked down is passed over, as is a backend from another view.
+    /// A backend marked down is passed over, as is a backend from another view, and one
+    /// too short for the request's prompt while another backend up takes it
+    /// ([`Backend::request_context_tokens`](crate::Backend::request_context_tokens)).
     pub fn offer(&mut self, backend: BackendRef<'_>) -> ControlFlow<()> {
         if self.chosen.is_some() {
             return ControlFlow::Break(());
@@ -272,6 +282,14 @@ impl<'a> Candidates<'a> {
             }
             (false, true) => tracing::info!(backend = %member.id, "backend up: cooldown over"),
             (false, false) => {}
+        }
+        if self.prompt_tokens > 0
+            && self.topology.request_limits
+            && load.too_small_for(self.prompt_tokens)
+            && self.taken_elsewhere()
+        {
+            self.pass_over_index(index);
+            return ControlFlow::Continue(());
         }
         self.first.get_or_insert(index);
         let taken = match &mut self.mode {
@@ -314,6 +332,23 @@ impl<'a> Candidates<'a> {
             }
             None => false,
         }
+    }
+
+    /// Whether a backend up and not passed over takes the request's prompt
+    /// ([`Backend::request_context_tokens`](crate::Backend::request_context_tokens)); if
+    /// none does, the limits are no reason to pass a backend over, and the backend answers
+    /// for itself. O(backends), once a request, asked only once a backend too small for the
+    /// prompt is offered.
+    #[cold]
+    fn taken_elsewhere(&mut self) -> bool {
+        let (t, now_ms, prompt) = (self.topology, self.now_ms, self.prompt_tokens);
+        let passed_over = &self.passed_over;
+        *self.taken_elsewhere.get_or_insert_with(|| {
+            t.live.indexes().any(|i| {
+                let load = &t.member(i).load;
+                !passed(passed_over, i) && !load.is_down(now_ms) && !load.too_small_for(prompt)
+            })
+        })
     }
 
     /// Whether `backend` is marked down (a failure's cooldown, a probe's mark): an offer of it
@@ -391,22 +426,25 @@ impl<'a> Candidates<'a> {
     /// assert_eq!(order.len(), 2);
     /// ```
     pub fn pass_over(&mut self, backend: BackendRef<'_>) {
-        if !backend.belongs_to(self.topology) {
-            return;
+        if backend.belongs_to(self.topology) {
+            self.pass_over_index(backend.index);
         }
-        let word = backend.index as usize / 64;
+    }
+
+    /// Passes over the backend of index `index` (see [`pass_over`](Self::pass_over)).
+    fn pass_over_index(&mut self, index: u32) {
+        let word = index as usize / 64;
         if self.passed_over.len() <= word {
             let words = self.topology.members.len().div_ceil(64).max(word + 1);
             self.passed_over.resize(words, 0);
         }
-        self.passed_over[word] |= 1 << (backend.index % 64);
+        self.passed_over[word] |= 1 << (index % 64);
     }
 
-    /// Whether the policy passed over the backend of index `index`.
+    /// Whether the policy passed over the backend of index `index`, or the service did, as
+    /// too small for the request's prompt.
     pub(crate) fn is_passed_over(&self, index: u32) -> bool {
-        self.passed_over
-            .get(index as usize / 64)
-            .is_some_and(|w| w >> (index % 64) & 1 == 1)
+        passed(&self.passed_over, index)
     }
 
     /// Whether the policy passed over every live backend that is not down: it has no backend
@@ -461,6 +499,12 @@ impl<'a> Candidates<'a> {
     pub(crate) fn saw_down(&self) -> bool {
         self.down
     }
+}
+
+/// Whether the bit of `index` is set in `bits`.
+fn passed(bits: &[u64], index: u32) -> bool {
+    bits.get(index as usize / 64)
+        .is_some_and(|w| w >> (index % 64) & 1 == 1)
 }
 
 /// A slot taken for a request and not claimed by the service gives itself back: a policy that

@@ -137,6 +137,7 @@ impl Stub {
             authority: Authority::try_from(self.addr.to_string()).unwrap(),
             slots: Some(std::num::NonZeroU32::new(64).unwrap()),
             context: None,
+            request_context: None,
             model: None,
         }
     }

@@ -3,7 +3,7 @@
 
 use std::io::Write;
 use std::net::SocketAddr;
-use std::num::NonZeroU32;
+use std::num::{NonZeroU32, NonZeroU64};
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,6 +35,8 @@ struct Stub {
     slots: Mutex<Vec<bool>>,
     /// `/slots` answers this status with no slots, when not 0 (llama-server's `--no-slots`: 501).
     slots_status: AtomicU16,
+    /// Each slot's `n_ctx`, left out when `None`; 4096 until set.
+    n_ctx: Mutex<Option<Value>>,
     health_hits: AtomicUsize,
     slots_hits: AtomicUsize,
 }
@@ -54,12 +56,19 @@ async fn slots(State(s): State<Arc<Stub>>) -> Result<axum::Json<Value>, StatusCo
         0 => {}
         status => return Err(StatusCode::from_u16(status).unwrap()),
     }
+    let n_ctx = s.n_ctx.lock().clone();
     let slots: Vec<Value> = s
         .slots
         .lock()
         .iter()
         .enumerate()
-        .map(|(id, busy)| json!({"id": id, "n_ctx": 4096, "is_processing": busy}))
+        .map(|(id, busy)| {
+            let mut slot = json!({"id": id, "is_processing": busy});
+            if let Some(n) = &n_ctx {
+                slot["n_ctx"] = n.clone();
+            }
+            slot
+        })
         .collect();
     Ok(axum::Json(Value::Array(slots)))
 }
@@ -68,6 +77,7 @@ async fn start(count: usize) -> (SocketAddr, Arc<Stub>) {
     let stub = Arc::new(Stub {
         health: AtomicU16::new(200),
         slots: Mutex::new(vec![false; count]),
+        n_ctx: Mutex::new(Some(json!(4096))),
         ..Stub::default()
     });
     let app = Router::new()
@@ -252,7 +262,12 @@ async fn a_loading_backend_is_down_until_two_probes_find_it_ready() {
     let two = NonZeroU32::new(2).unwrap();
     let (affinity, prober) = balancer(
         HealthProbe::new(),
-        vec![("a", Backend::new("n", http(addr)).slots(two))],
+        vec![(
+            "a",
+            Backend::new("n", http(addr))
+                .slots(two)
+                .request_context_tokens(NonZeroU64::MIN),
+        )],
     );
 
     prober.round(&affinity).await;
@@ -273,7 +288,7 @@ async fn a_loading_backend_is_down_until_two_probes_find_it_ready() {
     assert_eq!(
         stub.slots_hits.load(Ordering::Relaxed),
         0,
-        "its slots were given"
+        "its slots and context were given"
     );
 }
 
@@ -352,19 +367,40 @@ async fn no_answer_within_the_timeout_and_a_refused_connection_are_failures() {
 async fn slots_are_learned_from_slots_and_followed_when_they_change() {
     let (a, stub_a) = start(3).await;
     let (b, stub_b) = start(4).await;
+    let (c, stub_c) = start(4).await;
     let two = NonZeroU32::new(2).unwrap();
+    let given = NonZeroU64::new(1_000).unwrap();
     let (affinity, prober) = balancer(
         HealthProbe::new(),
         vec![
             ("a", Backend::new("n", http(a))),
             ("b", Backend::new("n", http(b)).slots(two)),
+            (
+                "c",
+                Backend::new("n", http(c))
+                    .slots(two)
+                    .request_context_tokens(given),
+            ),
         ],
     );
     prober.round(&affinity).await;
     assert_eq!(status(&affinity, "a").slots, 3, "learned");
     assert_eq!(status(&affinity, "b").slots, 2, "given");
-    assert_eq!(stub_b.slots_hits.load(Ordering::Relaxed), 0);
+    // Each slot's `n_ctx` is what one request can take there, unless given.
+    assert_eq!(status(&affinity, "a").request_context_limit, Some(4096));
+    assert_eq!(status(&affinity, "b").request_context_limit, Some(4096));
+    assert_eq!(status(&affinity, "c").request_context_limit, Some(1_000));
+    // Asked for its context alone, with its slots given; not at all with both given.
+    assert!(stub_b.slots_hits.load(Ordering::Relaxed) > 0);
+    assert_eq!(stub_c.slots_hits.load(Ordering::Relaxed), 0);
     assert_eq!(prober.status("a").unwrap().busy_slots, Some(0));
+    *stub_b.n_ctx.lock() = Some(json!(8192));
+    prober.round(&affinity).await;
+    assert_eq!(status(&affinity, "b").request_context_limit, Some(8192));
+    // A `/slots` without it keeps the last one read.
+    *stub_b.n_ctx.lock() = None;
+    prober.round(&affinity).await;
+    assert_eq!(status(&affinity, "b").request_context_limit, Some(8192));
 
     *stub_a.slots.lock() = vec![true, true, false, false, false];
     prober.round(&affinity).await;

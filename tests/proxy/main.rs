@@ -602,6 +602,80 @@ async fn the_probe_marks_a_loading_backend_down_until_ready_and_learns_slots() {
     assert!(!status("a").healthy, "an unreachable backend is down");
 }
 
+/// llama-server run with `-np` gives each slot its share of `-c` and refuses a longer prompt
+/// (400). The probe reads each backend's share from `/slots` (`n_ctx`): a conversation that
+/// outgrows its home's slots moves to a backend whose slots take it, and stays there, rather
+/// than be refused at home.
+#[tokio::test]
+async fn a_conversation_that_outgrows_its_homes_slots_moves_to_a_backend_that_takes_it() {
+    let (small, large) = (Stub::start("small", 2).await, Stub::start("large", 2).await);
+    small.set_context(2_000);
+    large.set_context(100_000);
+    let proxy = start(config(&[("node-a", &small), ("node-b", &large)])).await;
+    proxy.proxy.probe_all().await;
+    assert_eq!(proxy.status("small").request_context_limit, Some(2_000));
+    assert_eq!(proxy.status("large").request_context_limit, Some(100_000));
+    // A conversation whose first turn went to the small backend.
+    let (mut c, mut session) = (None, String::new());
+    for i in 0..32 {
+        session = format!("c{i}");
+        let mut conversation = Conversation::new(&session);
+        let answer = proxy
+            .post_json(&[("x-session-id", &session)], &conversation.next(json!({})))
+            .await;
+        assert_eq!(answer.status, 200);
+        conversation.answered(&answer);
+        if answer.backend() == "small" {
+            c = Some(conversation);
+            break;
+        }
+    }
+    let mut c = c.expect("no conversation went to the small backend");
+    let turn = |c: &mut Conversation| {
+        let body = c.next(json!({}));
+        let session = session.clone();
+        let proxy = &proxy;
+        async move { proxy.post_json(&[("x-session-id", &session)], &body).await }
+    };
+    // Turns that fit its home stay there, and teach the router its tokens.
+    for _ in 0..3 {
+        let answer = turn(&mut c).await;
+        assert_eq!((answer.status.as_u16(), answer.backend()), (200, "small"));
+        c.answered(&answer);
+    }
+    // A tool's output of 3,000 tokens: past what a slot of the home takes.
+    c.messages
+        .push(json!({"role": "user", "content": "y".repeat(3_000)}));
+    for i in 0..4 {
+        let answer = turn(&mut c).await;
+        assert_eq!(
+            answer.status,
+            200,
+            "{i}: {}",
+            String::from_utf8_lossy(&answer.body)
+        );
+        let outcome = if i == 0 {
+            "cross-node-spill"
+        } else {
+            "home-hit"
+        };
+        assert_eq!(
+            (answer.backend(), answer.outcome()),
+            ("large", outcome),
+            "{i}"
+        );
+        c.answered(&answer);
+    }
+    assert!(c.prompt_tokens() > 3_000);
+    assert_eq!(
+        small
+            .state
+            .refused
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+}
+
 #[tokio::test]
 async fn the_probe_finds_a_shared_store_down_in_every_fleet_before_any_request() {
     let a = Stub::start("a", 2).await;
@@ -1972,7 +2046,7 @@ fn every_option_parses_and_bad_values_are_explained() {
         ),
         (
             vec!["--backend-dns", "llm.internal:8080,slots=2"],
-            "unknown option \"slots=2\" (expected NAME:PORT[,context=TOKENS][,model=NAME])",
+            "unknown option \"slots=2\" (expected NAME:PORT[,context=TOKENS][,request-context=TOKENS][,model=NAME])",
         ),
         (
             vec!["--backend-dns", "llm.internal:8080,context=0"],
@@ -2085,6 +2159,27 @@ fn a_backends_context_is_tokens_as_its_cache_is() {
         assert!(e.contains("context"), "{bad}: {e}");
     }
     assert!(cli::USAGE.contains("[,context=TOKENS]"));
+}
+
+#[test]
+fn a_backends_request_context_is_tokens_as_its_context_is() {
+    let spec = cli::backend("n=http://x:1,request-context=16k").unwrap().0;
+    assert_eq!(spec.request_context.map(|n| n.get()), Some(16 * 1024));
+    assert_eq!(spec.context, None);
+    assert_eq!(
+        cli::backend("n=http://x:1").unwrap().0.request_context,
+        None
+    );
+    for bad in [
+        "request-context=0",
+        "request-context=",
+        "request-context=2x",
+        "request-context=1,request-context=2",
+    ] {
+        let e = cli::backend(&format!("n=http://x:1,{bad}")).unwrap_err();
+        assert!(e.contains("request-context"), "{bad}: {e}");
+    }
+    assert!(cli::USAGE.contains("[,request-context=TOKENS]"));
 }
 
 /// `context=` reaches the balancer: a backend's running requests are kept within it, by

@@ -4258,3 +4258,172 @@ async fn a_prompt_that_does_not_fit_never_makes_a_free_slot_look_taken() {
     drop(held);
     assert_eq!(refused, 0, "requests refused with a slot free");
 }
+
+// === a request context: the most one request can take ===
+
+/// A fleet of one-node backends `(id, slots, request context)`.
+fn fleet_with_request_context(
+    spec: &[(&str, u32, u64)],
+    streams: &Streams,
+) -> StaticFleet<MockService> {
+    StaticFleet::new(spec.iter().map(|&(id, slots, tokens)| {
+        let tokens = std::num::NonZeroU64::new(tokens).unwrap();
+        let b = Backend::new(id, backend(id, streams))
+            .slots(nz(slots))
+            .request_context_tokens(tokens);
+        (id, b)
+    }))
+}
+
+/// A request of `session` whose prompt is the blocks `(digest, tokens)`, answered at once,
+/// or streamed until its sender is dropped with `stream`.
+fn turn_of(session: &str, blocks: &[(u64, u32)], stream: bool) -> Req {
+    let mut req = request(Some(session), stream.then_some("stream"));
+    let chain = PromptChain::from_blocks(blocks.iter().copied());
+    req.extensions_mut().insert(PromptFacts::from_chain(chain));
+    req
+}
+
+/// A session whose first turn, `first`, went to `backend`: sessions `s0`, `s1`... are tried
+/// in turn.
+async fn session_homed_on<S>(svc: &mut S, backend: &str, first: &[(u64, u32)]) -> String
+where
+    S: Service<Req, Response = Res, Error = Error>,
+{
+    for i in 0..64 {
+        let session = format!("s{i}");
+        let res = send_req(svc, turn_of(&session, first, false))
+            .await
+            .unwrap();
+        let home = decision(&res).backend;
+        res.into_body().collect().await.unwrap();
+        if home.as_str() == backend {
+            return session;
+        }
+    }
+    panic!("no session homed on {backend}");
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_prompt_too_long_for_its_homes_slots_goes_to_a_backend_whose_slots_take_it() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new().layer(fleet_with_request_context(
+        &[("small", 2, 1_000), ("large", 2, 8_000)],
+        &streams,
+    ));
+    let s = session_homed_on(&mut svc, "small", &[(1, 500)]).await;
+    // The conversation outgrows its home's 1,000 tokens a request.
+    let res = send_req(&mut svc, turn_of(&s, &[(1, 500), (2, 1_500)], false))
+        .await
+        .unwrap();
+    let d = decision(&res);
+    assert_eq!(
+        (d.backend.as_str(), d.outcome),
+        ("large", Outcome::CrossNodeSpill)
+    );
+    res.into_body().collect().await.unwrap();
+    // Its new home takes it from then on.
+    let res = send_req(
+        &mut svc,
+        turn_of(&s, &[(1, 500), (2, 1_500), (3, 100)], false),
+    )
+    .await
+    .unwrap();
+    let d = decision(&res);
+    assert_eq!((d.backend.as_str(), d.outcome), ("large", Outcome::HomeHit));
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_prompt_too_long_for_every_backend_goes_where_placement_sends_it() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new().layer(fleet_with_request_context(
+        &[("a", 2, 1_000), ("b", 2, 1_000)],
+        &streams,
+    ));
+    let s = session_homed_on(&mut svc, "a", &[(1, 500)]).await;
+    // Too long for both: the limits are no reason to move it, and its home answers.
+    let res = send_req(&mut svc, turn_of(&s, &[(1, 500), (2, 5_000)], false))
+        .await
+        .unwrap();
+    let d = decision(&res);
+    assert_eq!((d.backend.as_str(), d.outcome), ("a", Outcome::HomeHit));
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn with_every_backend_that_takes_it_down_a_prompt_goes_where_placement_sends_it() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new().layer(fleet_with_request_context(
+        &[("small", 2, 1_000), ("large", 2, 8_000)],
+        &streams,
+    ));
+    let s = session_homed_on(&mut svc, "small", &[(1, 500)]).await;
+    svc.mark_down("large", Some(Duration::from_secs(60)));
+    let res = send_req(&mut svc, turn_of(&s, &[(1, 500), (2, 1_500)], false))
+        .await
+        .unwrap();
+    let d = decision(&res);
+    assert_eq!((d.backend.as_str(), d.outcome), ("small", Outcome::HomeHit));
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_request_too_long_for_a_backend_waits_for_one_that_takes_it_rather_than_take_its_slot() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_secs(60), 8))
+        .layer(fleet_with_request_context(
+            &[("small", 1, 1_000), ("large", 1, 8_000)],
+            &streams,
+        ));
+    let s = session_homed_on(&mut svc, "small", &[(1, 500)]).await;
+    // Both busy.
+    let x = send_req(&mut svc, turn_of("x", &[(9, 10)], true))
+        .await
+        .unwrap();
+    let (_, x_tx) = streams.take().unwrap();
+    let y = send_req(&mut svc, turn_of("y", &[(8, 10)], true))
+        .await
+        .unwrap();
+    let (_, y_tx) = streams.take().unwrap();
+    let ((on_small, small_tx), (on_large, large_tx)) = match decision(&x).backend.as_str() {
+        "small" => ((x, x_tx), (y, y_tx)),
+        _ => ((y, y_tx), (x, x_tx)),
+    };
+    assert_eq!(decision(&on_large).backend.as_str(), "large");
+    svc.ready().await.unwrap();
+    let mut long = tokio_test::task::spawn(svc.call(turn_of(&s, &[(1, 500), (2, 1_500)], false)));
+    assert_pending!(long.poll());
+    // Its home frees: too small for it, so it waits on.
+    drop(small_tx);
+    on_small.into_body().collect().await.unwrap();
+    tokio::time::advance(Duration::from_secs(1)).await;
+    assert_pending!(long.poll());
+    assert_eq!(in_flight(&svc, "small"), 0);
+    // The backend that takes it frees.
+    drop(large_tx);
+    on_large.into_body().collect().await.unwrap();
+    tokio::time::advance(Duration::from_secs(1)).await;
+    let res = assert_ready!(long.poll()).unwrap();
+    let d = decision(&res);
+    assert_eq!(
+        (d.backend.as_str(), d.waited),
+        ("large", Some(Duration::from_secs(2)))
+    );
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_backend_given_only_a_shared_context_takes_a_request_of_up_to_all_of_it() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new().layer(fleet_with_context(
+        &[("a1", 2, Some(1_000)), ("b1", 2, Some(8_000))],
+        &streams,
+    ));
+    // 3,000 tokens (6,000 counted before answers teach otherwise) of a 1,000-token context:
+    // the backend whose context takes them all.
+    for i in 0..4 {
+        let res = send_req(&mut svc, prompt(&format!("s{i}"), i, 3_000))
+            .await
+            .unwrap();
+        assert_eq!(decision(&res).backend.as_str(), "b1");
+    }
+    assert_eq!(status(&svc, "a1").request_context_limit, Some(1_000));
+}

@@ -58,6 +58,11 @@ pub(crate) struct StubState {
     /// Streams as vLLM does: usage only when the request asks
     /// (`stream_options.include_usage`), in a chunk of its own; no timings.
     usage_when_asked: std::sync::atomic::AtomicBool,
+    /// Each slot's context when set (0: not set, `/slots` says 4096 and nothing is refused):
+    /// a longer prompt is refused as llama-server with `-np` refuses it.
+    context: AtomicUsize,
+    /// Prompts refused as longer than `context`.
+    pub(crate) refused: AtomicUsize,
 }
 
 /// How long a timed stub takes over a chat: the tokens it reads (not cached) at `prefill`
@@ -103,6 +108,8 @@ impl Stub {
             timing,
             busy: Arc::new(Semaphore::new(slots)),
             usage_when_asked: Default::default(),
+            context: AtomicUsize::new(0),
+            refused: AtomicUsize::new(0),
         });
         let router = Router::new()
             .route("/health", get(health))
@@ -139,6 +146,12 @@ impl Stub {
     /// What `/health` answers: 200 ready, 503 loading.
     pub(crate) fn set_health(&self, status: u16) {
         self.state.health.store(status, Ordering::Relaxed);
+    }
+
+    /// Gives each slot `tokens` of context: `/slots` says so (`n_ctx`), and a longer prompt is
+    /// refused with llama-server's 400 (`exceed_context_size_error`).
+    pub(crate) fn set_context(&self, tokens: usize) {
+        self.state.context.store(tokens, Ordering::Relaxed);
     }
 
     /// From now on, streams carry usage as vLLM's do: only when asked, in a last chunk of its
@@ -190,8 +203,12 @@ async fn health(State(s): State<Arc<StubState>>) -> Response {
 }
 
 async fn slots_list(State(s): State<Arc<StubState>>) -> Response {
+    let n_ctx = match s.context.load(Ordering::Relaxed) {
+        0 => 4096,
+        n => n,
+    };
     let slots: Vec<Value> = (0..s.slots)
-        .map(|id| json!({"id": id, "n_ctx": 4096, "is_processing": false}))
+        .map(|id| json!({"id": id, "n_ctx": n_ctx, "is_processing": false}))
         .collect();
     axum::Json(slots).into_response()
 }
@@ -233,8 +250,18 @@ async fn chat(State(s): State<Arc<StubState>>, body: Bytes) -> Response {
         return (StatusCode::BAD_REQUEST, "body is not JSON").into_response();
     };
     let messages = req["messages"].as_array().cloned().unwrap_or_default();
-    let n = s.chats.fetch_add(1, Ordering::Relaxed) + 1;
     let prompt = tokens(&messages);
+    let context = s.context.load(Ordering::Relaxed);
+    if context > 0 && prompt > context {
+        s.refused.fetch_add(1, Ordering::Relaxed);
+        let message = format!(
+            "request ({prompt} tokens) exceeds the available context size ({context} tokens), try increasing it"
+        );
+        let error = json!({"error": {"code": 400, "message": message,
+            "type": "exceed_context_size_error", "n_prompt_tokens": prompt, "n_ctx": context}});
+        return (StatusCode::BAD_REQUEST, axum::Json(error)).into_response();
+    }
+    let n = s.chats.fetch_add(1, Ordering::Relaxed) + 1;
     let answer = format!("{} answer {n}", s.name);
     // A timed stub holds a slot from here to the answer's last byte.
     let slot = match s.timing {

@@ -81,6 +81,7 @@ pub struct DnsFleetBuilder {
     slots: Option<NonZeroU32>,
     cache_tokens: u64,
     context: Option<NonZeroU64>,
+    request_context: Option<NonZeroU64>,
     extensions: http::Extensions,
 }
 
@@ -111,6 +112,7 @@ impl DnsFleetBuilder {
             slots: None,
             cache_tokens: Backend::<()>::DEFAULT_CACHE_TOKENS,
             context: None,
+            request_context: None,
             extensions: http::Extensions::new(),
         }
     }
@@ -240,6 +242,14 @@ impl DnsFleetBuilder {
         self
     }
 
+    /// The most tokens of context one request can take on each backend (see
+    /// [`Backend::request_context_tokens`]). Default: none given; a
+    /// [health probe](crate::health::HealthProbe) reads it from llama-server's `/slots`.
+    pub fn request_context_tokens(mut self, tokens: NonZeroU64) -> Self {
+        self.request_context = Some(tokens);
+        self
+    }
+
     /// Attaches `value` to each backend of this name (see [`Backend::extension`]): the
     /// tenant or the GPU the name stands for, for a policy of your own to read.
     pub fn extension<T: Clone + Send + Sync + 'static>(mut self, value: T) -> Self {
@@ -276,6 +286,7 @@ impl DnsFleetBuilder {
             slots: self.slots,
             cache_tokens: self.cache_tokens,
             context: self.context,
+            request_context: self.request_context,
             extensions: self.extensions,
         };
         Ok(DnsFleet::start(resolver, self.target, self.schedule, make))
@@ -335,6 +346,7 @@ impl fmt::Debug for DnsFleetBuilder {
             .field("slots", &self.slots)
             .field("cache_tokens", &self.cache_tokens)
             .field("context", &self.context)
+            .field("request_context", &self.request_context)
             .finish_non_exhaustive()
     }
 }

@@ -65,6 +65,7 @@ pub(crate) struct Make<S> {
     pub(crate) slots: Option<NonZeroU32>,
     pub(crate) cache_tokens: u64,
     pub(crate) context: Option<NonZeroU64>,
+    pub(crate) request_context: Option<NonZeroU64>,
     pub(crate) extensions: http::Extensions,
 }
 
@@ -78,6 +79,10 @@ impl<S> Make<S> {
         };
         let backend = match self.context {
             Some(tokens) => backend.context_tokens(tokens),
+            None => backend,
+        };
+        let backend = match self.request_context {
+            Some(tokens) => backend.request_context_tokens(tokens),
             None => backend,
         };
         Ok(backend.cache_tokens(self.cache_tokens))
