@@ -4,7 +4,9 @@
 //! session's [`Home`] and the request's facts. It offers candidates to a [`Candidates`] sink,
 //! best first; the service takes the first one with room (a free slot, and on a backend with a
 //! [context limit](crate::Backend::context_tokens) room for the request's prompt) and tells the
-//! policy to stop by returning [`ControlFlow::Break`]. Offering lazily is what keeps a home hit
+//! policy to stop by returning [`ControlFlow::Break`]. A backend whose
+//! [request context](crate::Backend::request_context_tokens) is too small for the prompt is
+//! passed over while another backend up takes it. Offering lazily is what keeps a home hit
 //! free of any scan: the policy offers the home, the slot is free, and nothing else is
 //! computed.
 //!
@@ -257,7 +259,7 @@ impl<'a> Candidates<'a> {
     /// `Continue` when it is full (offer the next one).
     ///
     /// A backend marked down is passed over, as is a backend from another view, and one
-    /// too short for the request's prompt while another backend up takes it
+    /// too small for the request's prompt while another backend up takes it
     /// ([`Backend::request_context_tokens`](crate::Backend::request_context_tokens)).
     pub fn offer(&mut self, backend: BackendRef<'_>) -> ControlFlow<()> {
         if self.chosen.is_some() {
