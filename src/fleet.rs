@@ -282,12 +282,13 @@ impl<S> Backend<S> {
     /// it, a backend given [`context_tokens`](Self::context_tokens) takes a request of up to
     /// those.
     ///
-    /// A request whose prompt is longer than this does not go to the backend while another
-    /// backend up takes prompts that long: it is placed as if the backend were passed over
-    /// (see [`Candidates::pass_over`](crate::placement::Candidates::pass_over)), so that a
-    /// conversation that outgrows its home's slots moves to a backend whose slots hold it,
-    /// rather than be refused at home. Where no backend up takes it, it is placed as if no
-    /// backend had a limit, and the backend answers for itself.
+    /// A request whose prompt is longer than this does not go to the backend while a backend
+    /// up with a larger request context (or none) takes it: it is placed as if the backend
+    /// were passed over (see [`Candidates::pass_over`](crate::placement::Candidates::pass_over)),
+    /// so that a conversation that outgrows its home's slots moves to a backend whose slots
+    /// hold it, rather than be refused at home. Where no backend up takes it, it is placed as
+    /// if no backend had a limit, and the backend answers for itself; so too between backends
+    /// of the same limit, whose estimates of a prompt differ only by what each has learned.
     ///
     /// A prompt's tokens are the [prompt chain](crate::PromptChain)'s estimate, scaled by
     /// what the backend's answers have taught of its own tokens per token of the estimate;
@@ -769,6 +770,25 @@ impl Load {
     /// Whether a prompt of `prompt_tokens` by the chain's estimate is longer than one request
     /// can take here ([`Backend::request_context_limit`]): scaled by the backend's own tokens
     /// per token of the estimate, as its answers taught, and until then as estimated.
+    /// The most tokens one request can take here ([`Backend::request_context_limit`]),
+    /// `u64::MAX` without a limit.
+    pub(crate) fn request_limit(&self) -> u64 {
+        match self.request_context.load(Ordering::Relaxed) {
+            0 => u64::MAX,
+            n => n,
+        }
+    }
+
+    /// Whether a prompt of `prompt_tokens` is too long here and `other`, whose limit is
+    /// larger, takes it: the backends' own estimates of a prompt's tokens differ a little
+    /// (each scales the chain's by what its answers taught), so between backends of the
+    /// same limit neither is too small for the other.
+    pub(crate) fn smaller_than(&self, other: &Load, prompt_tokens: u64) -> bool {
+        self.request_limit() < other.request_limit()
+            && self.too_small_for(prompt_tokens)
+            && !other.too_small_for(prompt_tokens)
+    }
+
     pub(crate) fn too_small_for(&self, prompt_tokens: u64) -> bool {
         let limit = self.request_context.load(Ordering::Relaxed);
         if limit == 0 || prompt_tokens == 0 {
@@ -1968,6 +1988,20 @@ mod tests {
         assert!(!l.too_small_for(800));
         assert!(l.too_small_for(801));
         assert!(!l.too_small_for(0), "a request without a chain counts none");
+        // Smaller than another only with a smaller limit.
+        let same = Load::new(nz(4), Arc::default(), &"b".into(), &"n".into());
+        same.request_context.store(1_000, Ordering::Relaxed);
+        assert!(
+            !l.smaller_than(&same, 900),
+            "1,125 here, 900 there, of the same 1,000"
+        );
+        let larger = Load::new(nz(4), Arc::default(), &"c".into(), &"n".into());
+        larger.request_context.store(2_000, Ordering::Relaxed);
+        assert!(l.smaller_than(&larger, 900));
+        assert!(!l.smaller_than(&larger, 700), "taken here");
+        assert!(!l.smaller_than(&larger, 2_001), "too long there too");
+        let unlimited = Load::new(nz(4), Arc::default(), &"d".into(), &"n".into());
+        assert!(l.smaller_than(&unlimited, 900));
     }
 
     #[test]

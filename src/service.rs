@@ -841,7 +841,7 @@ fn worth_waiting(
     let prompt = chain.tokens();
     let room = load.has_free_slot() && load.has_context_for(load.context_need(prompt));
     // A backend too small for the prompt would refuse it, where the chosen one takes it.
-    let too_small = load.too_small_for(prompt) && !go.load.too_small_for(prompt);
+    let too_small = load.smaller_than(&go.load, prompt);
     if load.health(now_ms).0 || room || too_small {
         return None;
     }

@@ -6,7 +6,7 @@
 //! [context limit](crate::Backend::context_tokens) room for the request's prompt) and tells the
 //! policy to stop by returning [`ControlFlow::Break`]. A backend whose
 //! [request context](crate::Backend::request_context_tokens) is too small for the prompt is
-//! passed over while another backend up takes it. Offering lazily is what keeps a home hit
+//! passed over while one up with a larger request context takes it. Offering lazily is what keeps a home hit
 //! free of any scan: the policy offers the home, the slot is free, and nothing else is
 //! computed.
 //!
@@ -182,11 +182,10 @@ pub struct Candidates<'a> {
     prompt_tokens: u64,
     /// The tokens of context taken with the chosen backend's slot.
     context: u32,
-    /// Whether a backend up, not passed over, takes a prompt as long as the request's: asked
-    /// once a backend too small for it is offered ([`Backend::request_context_tokens`]).
-    ///
-    /// [`Backend::request_context_tokens`]: crate::Backend::request_context_tokens
-    taken_elsewhere: Option<bool>,
+    /// The largest [request context](crate::Backend::request_context_tokens) of the backends
+    /// up, not passed over, that take a prompt as long as the request's (`u64::MAX`: one
+    /// without a limit; 0: none): found once a backend too small for it is offered.
+    largest_taking: Option<u64>,
 }
 
 enum Mode<'a> {
@@ -215,7 +214,7 @@ impl<'a> Candidates<'a> {
             chosen: None,
             prompt_tokens,
             context: 0,
-            taken_elsewhere: None,
+            largest_taking: None,
         }
     }
 
@@ -233,7 +232,7 @@ impl<'a> Candidates<'a> {
             chosen: None,
             prompt_tokens: 0,
             context: 0,
-            taken_elsewhere: None,
+            largest_taking: None,
         }
     }
 
@@ -251,7 +250,7 @@ impl<'a> Candidates<'a> {
             chosen: None,
             prompt_tokens: 0,
             context: 0,
-            taken_elsewhere: None,
+            largest_taking: None,
         }
     }
 
@@ -259,7 +258,7 @@ impl<'a> Candidates<'a> {
     /// `Continue` when it is full (offer the next one).
     ///
     /// A backend marked down is passed over, as is a backend from another view, and one
-    /// too small for the request's prompt while another backend up takes it
+    /// too small for the request's prompt while one up with a larger request context takes it
     /// ([`Backend::request_context_tokens`](crate::Backend::request_context_tokens)).
     pub fn offer(&mut self, backend: BackendRef<'_>) -> ControlFlow<()> {
         if self.chosen.is_some() {
@@ -288,7 +287,7 @@ impl<'a> Candidates<'a> {
         if self.prompt_tokens > 0
             && self.topology.request_limits
             && load.too_small_for(self.prompt_tokens)
-            && self.taken_elsewhere()
+            && self.largest_taking() > load.request_limit()
         {
             self.pass_over_index(index);
             return ControlFlow::Continue(());
@@ -336,20 +335,26 @@ impl<'a> Candidates<'a> {
         }
     }
 
-    /// Whether a backend up and not passed over takes the request's prompt
-    /// ([`Backend::request_context_tokens`](crate::Backend::request_context_tokens)); if
-    /// none does, the limits are no reason to pass a backend over, and the backend answers
-    /// for itself. O(backends), once a request, asked only once a backend too small for the
-    /// prompt is offered.
+    /// The largest request context of the backends up and not passed over that take the
+    /// request's prompt ([`Backend::request_context_tokens`](crate::Backend::request_context_tokens)):
+    /// a backend too small for the prompt is passed over only for a larger one that takes
+    /// it. If none does, the limits are no reason to pass a backend over, and the backend
+    /// answers for itself; nor between backends of the same limit, whose estimates of the
+    /// prompt differ only by what each has learned. O(backends), once a request, asked only
+    /// once a backend too small for the prompt is offered.
     #[cold]
-    fn taken_elsewhere(&mut self) -> bool {
+    fn largest_taking(&mut self) -> u64 {
         let (t, now_ms, prompt) = (self.topology, self.now_ms, self.prompt_tokens);
         let passed_over = &self.passed_over;
-        *self.taken_elsewhere.get_or_insert_with(|| {
-            t.live.indexes().any(|i| {
-                let load = &t.member(i).load;
-                !passed(passed_over, i) && !load.is_down(now_ms) && !load.too_small_for(prompt)
-            })
+        *self.largest_taking.get_or_insert_with(|| {
+            t.live
+                .indexes()
+                .filter(|&i| !passed(passed_over, i))
+                .map(|i| &*t.member(i).load)
+                .filter(|l| !l.is_down(now_ms) && !l.too_small_for(prompt))
+                .map(Load::request_limit)
+                .max()
+                .unwrap_or(0)
         })
     }
 
@@ -588,4 +593,54 @@ pub(crate) fn most_free_slots(
         candidates.offer(b)?;
     }
     ControlFlow::Continue(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::num::NonZeroU32;
+    use std::sync::atomic::Ordering;
+
+    use super::*;
+
+    /// Backends `(limit, learned scale)` of one slot each on one node; 0 is no limit.
+    fn topology(backends: &[(u64, Option<f64>)]) -> Topology {
+        let mut t = Topology::default();
+        for (i, &(limit, scale)) in backends.iter().enumerate() {
+            let id = format!("b{i}");
+            let index = t.insert(id.into(), &"n".into(), NonZeroU32::MIN, None, 1_000);
+            let load = &t.member(index).load;
+            load.request_context.store(limit, Ordering::Relaxed);
+            if let Some(scale) = scale {
+                load.learned.set_token_scale(scale);
+            }
+        }
+        t.note_request_limits();
+        t
+    }
+
+    /// The backend a request of `prompt` tokens takes when offered every backend in order.
+    fn taken(t: &Topology, prompt: u64) -> Option<u32> {
+        let mut c = Candidates::acquire(t, 1, prompt);
+        for i in 0..t.members.len() as u32 {
+            if c.offer(BackendRef::new(t, i)).is_break() {
+                break;
+            }
+        }
+        c.claim()
+    }
+
+    #[test]
+    fn between_backends_of_the_same_request_context_their_estimates_move_nothing() {
+        // The first counts the prompt's 950 as 1,045, the second as 903: both take 1,000 a
+        // request, so the first is not passed over for the second.
+        let t = topology(&[(1_000, Some(1.1)), (1_000, Some(0.95))]);
+        assert_eq!(taken(&t, 950), Some(0));
+        // A larger limit that takes it is what a backend too small is passed over for.
+        let t = topology(&[(1_000, Some(1.1)), (2_000, Some(0.95))]);
+        assert_eq!(taken(&t, 950), Some(1));
+        // As is a backend without a limit.
+        let t = topology(&[(1_000, None), (0, None)]);
+        assert_eq!(taken(&t, 1_500), Some(1));
+        assert_eq!(taken(&t, 900), Some(0));
+    }
 }
