@@ -289,6 +289,8 @@ impl<S> Backend<S> {
     /// hold it, rather than be refused at home. Where no backend up takes it, it is placed as
     /// if no backend had a limit, and the backend answers for itself; so too between backends
     /// of the same limit, whose estimates of a prompt differ only by what each has learned.
+    /// A request that continues a response stored on a backend goes there all the same
+    /// ([`PromptFacts::stored_on`](crate::key::PromptFacts::stored_on)).
     ///
     /// A prompt's tokens are the [prompt chain](crate::PromptChain)'s estimate, scaled by
     /// what the backend's answers have taught of its own tokens per token of the estimate;

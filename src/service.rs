@@ -570,7 +570,10 @@ fn offer_pinned(
     backend: u32,
     prompt_tokens: u64,
 ) -> Option<(u32, Candidates<'_>)> {
-    let mut c = Candidates::acquire(t, now_ms, prompt_tokens).only_backend(Some(backend));
+    // Too small for the prompt or not, the backend storing the response answers it.
+    let mut c = Candidates::acquire(t, now_ms, prompt_tokens)
+        .only_backend(Some(backend))
+        .any_size();
     let _ = c.offer(BackendRef::new(t, backend));
     (c.chosen().is_some() || c.first().is_some()).then_some((backend, c))
 }

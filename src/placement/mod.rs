@@ -186,6 +186,9 @@ pub struct Candidates<'a> {
     /// up, not passed over, that take a prompt as long as the request's (`u64::MAX`: one
     /// without a limit; 0: none): found once a backend too small for it is offered.
     largest_taking: Option<u64>,
+    /// Whether a backend too small for the prompt is passed over (not for a request that
+    /// continues a response stored on one backend, which goes there or nowhere).
+    sized: bool,
 }
 
 enum Mode<'a> {
@@ -215,6 +218,7 @@ impl<'a> Candidates<'a> {
             prompt_tokens,
             context: 0,
             largest_taking: None,
+            sized: true,
         }
     }
 
@@ -233,6 +237,7 @@ impl<'a> Candidates<'a> {
             prompt_tokens: 0,
             context: 0,
             largest_taking: None,
+            sized: true,
         }
     }
 
@@ -251,6 +256,7 @@ impl<'a> Candidates<'a> {
             prompt_tokens: 0,
             context: 0,
             largest_taking: None,
+            sized: true,
         }
     }
 
@@ -285,6 +291,7 @@ impl<'a> Candidates<'a> {
             (false, false) => {}
         }
         if self.prompt_tokens > 0
+            && self.sized
             && self.topology.request_limits
             && load.too_small_for(self.prompt_tokens)
             && self.largest_taking() > load.request_limit()
@@ -474,6 +481,12 @@ impl<'a> Candidates<'a> {
     /// Counts only `backend`.
     pub(crate) fn only_backend(mut self, backend: Option<u32>) -> Self {
         self.only_backend = backend;
+        self
+    }
+
+    /// Passes over no backend as too small for the prompt.
+    pub(crate) fn any_size(mut self) -> Self {
+        self.sized = false;
         self
     }
 

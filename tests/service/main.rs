@@ -4427,3 +4427,19 @@ async fn a_backend_given_only_a_shared_context_takes_a_request_of_up_to_all_of_i
     }
     assert_eq!(status(&svc, "a1").request_context_limit, Some(1_000));
 }
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_request_continuing_a_response_stored_on_a_backend_too_small_for_it_goes_there() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new().layer(fleet_with_request_context(
+        &[("small", 2, 1_000), ("large", 2, 8_000)],
+        &streams,
+    ));
+    // Only the backend storing the response knows it: it answers, too small or not.
+    let mut req = request(Some("s"), None);
+    let mut facts = PromptFacts::from_chain(PromptChain::from_blocks([(1, 1_500)]));
+    facts.stored_on = Some("small".into());
+    req.extensions_mut().insert(facts);
+    let res = send_req(&mut svc, req).await.unwrap();
+    assert_eq!(decision(&res).backend.as_str(), "small");
+}
