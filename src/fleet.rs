@@ -286,11 +286,11 @@ impl<S> Backend<S> {
     /// up with a larger request context (or none) takes it: it is placed as if the backend
     /// were passed over (see [`Candidates::pass_over`](crate::placement::Candidates::pass_over)),
     /// so that a conversation that outgrows its home's slots moves to a backend whose slots
-    /// hold it, rather than be refused at home. Where no backend up takes it, it is placed as
-    /// if no backend had a limit, and the backend answers for itself; so too between backends
-    /// of the same limit, whose estimates of a prompt differ only by what each has learned.
-    /// A request that continues a response stored on a backend goes there all the same
-    /// ([`PromptFacts::stored_on`](crate::key::PromptFacts::stored_on)).
+    /// hold it, rather than be refused at home. Where the policy offers no backend up that
+    /// takes it, it is placed as if no backend had a limit, and the backend answers for
+    /// itself; so too between backends of the same limit, whose estimates of a prompt differ
+    /// only by what each has learned. A request that continues a response stored on a backend
+    /// goes there all the same ([`PromptFacts::stored_on`](crate::key::PromptFacts::stored_on)).
     ///
     /// A prompt's tokens are the [prompt chain](crate::PromptChain)'s estimate, scaled by
     /// what the backend's answers have taught of its own tokens per token of the estimate;
@@ -1099,9 +1099,9 @@ pub(crate) struct Topology {
     pub(crate) live_nodes: RankSet,
     /// Sum of the live backends' slots.
     pub(crate) total_slots: u32,
-    /// Whether a live backend has a request context limit
-    /// ([`Backend::request_context_limit`]): without one, no request looks for them.
-    pub(crate) request_limits: bool,
+    /// Live backends with a request context limit ([`Backend::request_context_limit`]):
+    /// without one, no request looks for them.
+    pub(crate) request_limits: u32,
     by_id: HashMap<BackendId, u32>,
     node_by_id: HashMap<NodeId, u32>,
     /// Forgotten nodes' indexes, the earliest forgotten first; one is given to a new node only
@@ -1121,13 +1121,9 @@ pub(crate) fn name_digest(name: &str) -> u64 {
 }
 
 impl Topology {
-    /// Notes whether a live backend has a request context limit, after a change of the
-    /// fleet. O(backends).
-    pub(crate) fn note_request_limits(&mut self) {
-        self.request_limits = self
-            .live
-            .indexes()
-            .any(|i| self.member(i).load.request_context.load(Ordering::Relaxed) != 0);
+    /// Whether the live backend of index `index`, if live, has a request context limit.
+    fn has_request_limit(&self, index: Option<u32>) -> bool {
+        index.is_some_and(|i| self.member(i).load.request_context.load(Ordering::Relaxed) != 0)
     }
 
     pub(crate) fn member(&self, index: u32) -> &Member {
@@ -1431,6 +1427,7 @@ impl<S> Fleet<Backend<S>> {
         let budget = backend
             .cache_tokens
             .div_ceil(u64::from(self.topology.replicas.max(1)));
+        let had_limit = (self.topology).has_request_limit(self.topology.index_of(id.as_str()));
         let index = self.topology.insert(
             id,
             &backend.node,
@@ -1446,7 +1443,9 @@ impl<S> Fleet<Backend<S>> {
         m.load
             .request_context
             .store(request_context, Ordering::Relaxed);
-        self.topology.note_request_limits();
+        let t = &mut self.topology;
+        t.request_limits =
+            t.request_limits + u32::from(request_context != 0) - u32::from(had_limit);
         if self.backends.len() <= index {
             self.backends.resize_with(index + 1, || None);
         }
@@ -1454,10 +1453,11 @@ impl<S> Fleet<Backend<S>> {
     }
 
     pub(crate) fn remove(&mut self, id: &BackendId) -> bool {
+        let had_limit = (self.topology).has_request_limit(self.topology.index_of(id.as_str()));
         match self.topology.remove(id) {
             Some(index) => {
                 self.backends[index as usize] = None;
-                self.topology.note_request_limits();
+                self.topology.request_limits -= u32::from(had_limit);
                 true
             }
             None => false,

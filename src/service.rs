@@ -671,19 +671,30 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         let is_pinned = pinned.is_some();
         let mut only_node = home_node.filter(|_| scope == Scope::Node);
         let mut only_backend = cache_backend.filter(|_| scope == Scope::Backend);
+        let mut any_size = false;
         let mut candidates = match pinned.map(|(_, c)| c) {
             Some(c) => c,
             None => loop {
                 let mut c = Candidates::acquire(t, now_ms, prompt_tokens)
                     .only_node(only_node)
                     .only_backend(only_backend);
+                if any_size {
+                    c = c.any_size();
+                }
                 self.placement.place(&view, &request, &mut c);
-                // Nothing healthy left where it waits: nothing to wait for there.
-                let narrowed = only_node.is_some() || only_backend.is_some();
-                if narrowed && c.chosen().is_none() && c.first().is_none() {
-                    only_node = None;
-                    only_backend = None;
-                    continue;
+                if c.chosen().is_none() && c.first().is_none() {
+                    // Nothing healthy left where it waits: nothing to wait for there.
+                    if only_node.is_some() || only_backend.is_some() {
+                        only_node = None;
+                        only_backend = None;
+                        continue;
+                    }
+                    // The policy offered no backend up that takes the prompt (it left out,
+                    // or passed over, those that do): placed as if no backend had a limit.
+                    if c.passed_too_small() && !any_size {
+                        any_size = true;
+                        continue;
+                    }
                 }
                 break c;
             },

@@ -41,6 +41,9 @@ pub(crate) struct Checked {
     pub(crate) health: Health,
     /// `None` when not asked; why not, when asked and not readable.
     pub(crate) slots: Option<Result<Slots, String>>,
+    /// `/slots` answered that the backend has none: 404 (vLLM, SGLang) or 501
+    /// (llama-server's `--no-slots`).
+    pub(crate) no_slots: bool,
 }
 
 /// Probes `base`: `/health`, then `/slots` if `slots` and the backend is ready.
@@ -56,8 +59,13 @@ pub(crate) async fn check(
         Ok((status, _)) => Health::Failed(format!("/health answered {status}")),
         Err(e) => Health::Failed(format!("/health: {e}")),
     };
+    let mut no_slots = false;
     let slots = if slots && health == Health::Ready {
         Some(match get(&client, &base, "/slots", timeout).await {
+            Ok((status @ (StatusCode::NOT_FOUND | StatusCode::NOT_IMPLEMENTED), _)) => {
+                no_slots = true;
+                Err(format!("/slots answered {status}"))
+            }
             Ok((StatusCode::OK, body)) => parse_slots(&body).ok_or_else(|| {
                 "/slots gave no count: a non-empty JSON array was expected".to_string()
             }),
@@ -67,7 +75,11 @@ pub(crate) async fn check(
     } else {
         None
     };
-    Checked { health, slots }
+    Checked {
+        health,
+        slots,
+        no_slots,
+    }
 }
 
 /// llama-server's `/slots`: a JSON array, one object per slot, each with `is_processing` and

@@ -47,8 +47,8 @@ use crate::{Backend, BackendId};
 /// For a backend that does not give its own
 /// ([`Backend::request_context_given`](crate::Backend::request_context_given)), it becomes its
 /// [request context](crate::Backend::request_context_tokens), announced as a slot count is; a
-/// backend whose slot count is given is asked `/slots` for it too, until an answer cannot be
-/// read.
+/// backend whose slot count is given is asked `/slots` for it too, until `/slots` answers that
+/// it has none (404, 501).
 ///
 /// Each transition is logged once (`info` up, `warn` down) and counted
 /// ([`ProbeStatus::transitions`], [`Prober::transitions`]).

@@ -279,9 +279,9 @@ where
                 .iter()
                 .filter(|(_, t)| !only_new || t.status.probes == 0)
                 .map(|(id, t)| {
-                    // For its request context alone, a backend is not asked again once
-                    // its `/slots` could not be read (vLLM and SGLang have none).
-                    let context = self.learns_context(&t.backend) && t.status.slots_error.is_none();
+                    // For its request context alone, a backend is not asked again once its
+                    // `/slots` answered that it has none (vLLM and SGLang have none).
+                    let context = self.learns_context(&t.backend) && !t.status.no_slots;
                     let slots = self.learns_slots(&t.backend) || self.shared.config.busy_slots;
                     let slots = slots || context;
                     let uri = t.backend.service().base_uri().clone();
@@ -402,9 +402,11 @@ where
                     );
                 }
                 s.slots_error = Some(reason);
+                s.no_slots = checked.no_slots;
             }
             Some(Ok(read)) => {
                 s.slots_error = None;
+                s.no_slots = false;
                 s.busy_slots = Some(read.busy);
                 let total = NonZeroU32::new(read.total);
                 let mut learned = false;
@@ -487,6 +489,7 @@ mod tests {
                 busy: 0,
                 n_ctx: None,
             })),
+            no_slots: false,
         };
         let (_, update, _) = prober.record(&id, generation, checked);
         // Announced again, at another address, before the learned count went out.
@@ -506,6 +509,7 @@ mod tests {
                 busy: 0,
                 n_ctx: None,
             })),
+            no_slots: false,
         };
         let (_, update, _) = prober.record(&id, generation, checked);
         let given = at("http://10.0.0.2:8080/").slots(NonZeroU32::new(2).unwrap());

@@ -34,8 +34,11 @@ pub struct ProbeStatus {
     /// with its own.
     pub request_context: Option<NonZeroU64>,
     /// Why its last `/slots` could not be read (llama-server run with `--no-slots` answers
-    /// 501), while it cannot; `None` once it is read, or when it is not asked.
+    /// 501), while it cannot; `None` once it is read, or while it has never been asked.
     pub slots_error: Option<String>,
+    /// `/slots` answered that the backend has none (404, 501): it is not asked again for its
+    /// request context alone.
+    pub(crate) no_slots: bool,
 }
 
 impl ProbeStatus {
@@ -53,6 +56,7 @@ impl ProbeStatus {
             busy_slots: None,
             request_context: None,
             slots_error: None,
+            no_slots: false,
         }
     }
 }

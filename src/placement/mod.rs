@@ -189,6 +189,8 @@ pub struct Candidates<'a> {
     /// Whether a backend too small for the prompt is passed over (not for a request that
     /// continues a response stored on one backend, which goes there or nowhere).
     sized: bool,
+    /// Whether a backend offered was passed over as too small for the prompt.
+    passed_too_small: bool,
 }
 
 enum Mode<'a> {
@@ -219,6 +221,7 @@ impl<'a> Candidates<'a> {
             context: 0,
             largest_taking: None,
             sized: true,
+            passed_too_small: false,
         }
     }
 
@@ -238,6 +241,7 @@ impl<'a> Candidates<'a> {
             context: 0,
             largest_taking: None,
             sized: true,
+            passed_too_small: false,
         }
     }
 
@@ -257,6 +261,7 @@ impl<'a> Candidates<'a> {
             context: 0,
             largest_taking: None,
             sized: true,
+            passed_too_small: false,
         }
     }
 
@@ -292,11 +297,12 @@ impl<'a> Candidates<'a> {
         }
         if self.prompt_tokens > 0
             && self.sized
-            && self.topology.request_limits
+            && self.topology.request_limits > 0
             && load.too_small_for(self.prompt_tokens)
             && self.largest_taking() > load.request_limit()
         {
             self.pass_over_index(index);
+            self.passed_too_small = true;
             return ControlFlow::Continue(());
         }
         self.first.get_or_insert(index);
@@ -490,6 +496,11 @@ impl<'a> Candidates<'a> {
         self
     }
 
+    /// Whether a backend offered was passed over as too small for the prompt.
+    pub(crate) fn passed_too_small(&self) -> bool {
+        self.passed_too_small
+    }
+
     /// The backend whose slot was taken, if any.
     pub(crate) fn chosen(&self) -> Option<u32> {
         self.chosen
@@ -626,8 +637,8 @@ mod tests {
             if let Some(scale) = scale {
                 load.learned.set_token_scale(scale);
             }
+            t.request_limits += u32::from(limit != 0);
         }
-        t.note_request_limits();
         t
     }
 

@@ -577,3 +577,51 @@ async fn the_probe_reports_through_mark_health() {
     prober.round(&marks).await;
     assert_eq!(*marks.0.lock(), ["down a", "up a"]);
 }
+
+/// A backend with its slot count given is asked `/slots` for its request context: a failed
+/// answer (a timeout while llama-server's loop is busy with a long prefill, a 500 from a proxy
+/// in front of it) does not stop that; only an answer that it has no `/slots` does.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_transient_slots_failure_does_not_stop_the_request_context_being_learned() {
+    let (b, stub_b) = start(2).await;
+    stub_b.slots_status.store(500, Ordering::Relaxed);
+    let two = NonZeroU32::new(2).unwrap();
+    let (affinity, prober) = balancer(
+        HealthProbe::new(),
+        vec![("b", Backend::new("n", http(b)).slots(two))],
+    );
+    prober.round(&affinity).await;
+    assert_eq!(status(&affinity, "b").request_context_limit, None);
+    // It answers again.
+    stub_b.slots_status.store(0, Ordering::Relaxed);
+    for _ in 0..3 {
+        prober.round(&affinity).await;
+    }
+    assert_eq!(
+        status(&affinity, "b").request_context_limit,
+        Some(4096),
+        "never asked again after one failed /slots (hits: {})",
+        stub_b.slots_hits.load(Ordering::Relaxed)
+    );
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_backend_with_its_slots_given_and_no_slots_endpoint_is_not_asked_again_for_its_context() {
+    let (b, stub_b) = start(2).await;
+    stub_b.slots_status.store(404, Ordering::Relaxed);
+    let two = NonZeroU32::new(2).unwrap();
+    let (affinity, prober) = balancer(
+        HealthProbe::new(),
+        vec![("b", Backend::new("n", http(b)).slots(two))],
+    );
+    for _ in 0..3 {
+        prober.round(&affinity).await;
+    }
+    assert_eq!(stub_b.slots_hits.load(Ordering::Relaxed), 1);
+    let s = prober.status("b").unwrap();
+    assert_eq!(
+        s.slots_error.as_deref(),
+        Some("/slots answered 404 Not Found")
+    );
+    assert_eq!(status(&affinity, "b").request_context_limit, None);
+}

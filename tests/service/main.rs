@@ -4428,18 +4428,320 @@ async fn a_backend_given_only_a_shared_context_takes_a_request_of_up_to_all_of_i
     assert_eq!(status(&svc, "a1").request_context_limit, Some(1_000));
 }
 
+/// A request continuing a response that a backend stores goes to that backend or nowhere
+/// ("the service has the last word"): no other backend can answer it, whatever its request
+/// context. A prompt too long for the storing backend's slots must not be sent to another
+/// backend, which does not store the response.
 #[tokio::test(flavor = "current_thread", start_paused = true)]
-async fn a_request_continuing_a_response_stored_on_a_backend_too_small_for_it_goes_there() {
+async fn a_request_continuing_a_stored_response_goes_to_the_backend_storing_it_even_if_too_small_for_it(
+) {
     let streams = Streams::default();
     let mut svc = SessionAffinityLayer::new().layer(fleet_with_request_context(
         &[("small", 2, 1_000), ("large", 2, 8_000)],
         &streams,
     ));
-    // Only the backend storing the response knows it: it answers, too small or not.
-    let mut req = request(Some("s"), None);
-    let mut facts = PromptFacts::from_chain(PromptChain::from_blocks([(1, 1_500)]));
-    facts.stored_on = Some("small".into());
-    req.extensions_mut().insert(facts);
-    let res = send_req(&mut svc, req).await.unwrap();
+    // Keyless and keyed alike.
+    for session in [None, Some("s")] {
+        let mut req = chained("x", None, &[(1, 500), (2, 1_500)], Some("small"));
+        if session.is_none() {
+            req.headers_mut().remove("x-session-id");
+        }
+        let res = send_req(&mut svc, req).await.unwrap();
+        assert_eq!(
+            decision(&res).backend.as_str(),
+            "small",
+            "a request continuing a response stored on `small` was sent to a backend that does \
+             not store it ({session:?})"
+        );
+        res.into_body().collect().await.unwrap();
+    }
+}
+
+/// Offers every backend but `large` in the fleet's order, then passes `large` over: a
+/// policy that applies its rule (a tenant's, say) after the wrapped one has offered.
+#[derive(Clone, Copy)]
+struct PassesOverLargeLast;
+
+impl Placement for PassesOverLargeLast {
+    fn place(
+        &self,
+        fleet: &tower_affinity::placement::FleetView<'_>,
+        _: &tower_affinity::placement::PlacementRequest<'_>,
+        c: &mut tower_affinity::placement::Candidates<'_>,
+    ) {
+        for b in fleet.backends().filter(|b| b.id().as_str() != "large") {
+            if c.offer(b).is_break() {
+                return;
+            }
+        }
+        for b in fleet.backends().filter(|b| b.id().as_str() == "large") {
+            c.pass_over(b);
+        }
+    }
+}
+
+/// The only backend that takes the prompt is passed over by the policy: no backend up and
+/// not passed over takes it, so placement is as without limits, whatever the order of the
+/// policy's offers and pass-overs. It must not be refused as if the fleet had no backend.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn with_the_only_backend_that_takes_it_passed_over_after_an_offer_a_prompt_goes_where_placement_sends_it(
+) {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .placement(PassesOverLargeLast)
+        .layer(fleet_with_request_context(
+            &[("small", 2, 1_000), ("large", 2, 8_000)],
+            &streams,
+        ));
+    // Fits small: served there.
+    let res = send_req(&mut svc, turn_of("s", &[(1, 500)], false))
+        .await
+        .unwrap();
     assert_eq!(decision(&res).backend.as_str(), "small");
+    res.into_body().collect().await.unwrap();
+    // Too long for small; large, which takes it, is passed over by the policy.
+    let res = send_req(&mut svc, turn_of("s", &[(1, 500), (2, 1_500)], false)).await;
+    match res {
+        Ok(res) => assert_eq!(decision(&res).backend.as_str(), "small"),
+        Err(e) => panic!("refused ({e:?}) though `small` is up, free and offered"),
+    }
+}
+
+/// A policy of a user's own that serves some requests from `a1` only (a model only `a1`
+/// runs, as `SomeOnlyOnA1`): another backend's request context, which the policy would never
+/// offer, is no reason to keep a request off `a1`, free.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_backend_the_policy_never_offers_does_not_keep_a_long_prompt_off_the_one_it_offers() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .placement(SomeOnlyOnA1)
+        .overflow(Overflow::wait(Duration::from_secs(30), 8))
+        .layer(fleet_with_request_context(
+            &[("a1", 2, 1_000), ("b1", 2, 8_000)],
+            &streams,
+        ));
+    let mut req = turn_of("s", &[(1, 500), (2, 1_500)], false);
+    req.extensions_mut().insert(OnlyA1);
+    let started = tokio::time::Instant::now();
+    match send_req(&mut svc, req).await {
+        Ok(res) => assert_eq!(decision(&res).backend.as_str(), "a1"),
+        Err(e) => panic!(
+            "refused ({e:?}) after waiting {:?}, with `a1` free all along",
+            started.elapsed()
+        ),
+    }
+}
+
+/// A slot freed on a backend too small for the oldest waiter, whose home it
+/// is, goes on to a later waiter that it takes.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_slot_too_small_for_its_first_waiter_goes_on_to_one_it_takes() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_secs(60), 8))
+        .layer(fleet_with_request_context(
+            &[("small", 1, 1_000), ("large", 1, 8_000)],
+            &streams,
+        ));
+    let s = session_homed_on(&mut svc, "small", &[(1, 500)]).await;
+    let x = send_req(&mut svc, turn_of("x", &[(9, 10)], true))
+        .await
+        .unwrap();
+    let (_, x_tx) = streams.take().unwrap();
+    let y = send_req(&mut svc, turn_of("y", &[(8, 10)], true))
+        .await
+        .unwrap();
+    let (_, y_tx) = streams.take().unwrap();
+    let ((on_small, small_tx), (y, _y_tx)) = match decision(&x).backend.as_str() {
+        "small" => ((x, x_tx), (y, y_tx)),
+        _ => ((y, y_tx), (x, x_tx)),
+    };
+    assert_eq!(decision(&on_small).backend.as_str(), "small");
+    svc.ready().await.unwrap();
+    let mut long = tokio_test::task::spawn(svc.call(turn_of(&s, &[(1, 500), (2, 1_500)], false)));
+    assert_pending!(long.poll());
+    svc.ready().await.unwrap();
+    let mut short = tokio_test::task::spawn(svc.call(turn_of("z", &[(7, 10)], false)));
+    assert_pending!(short.poll());
+    drop(small_tx);
+    on_small.into_body().collect().await.unwrap();
+    // Whoever is woken first, the short one ends on small at once.
+    for _ in 0..4 {
+        if long.is_woken() {
+            assert_pending!(long.poll());
+        }
+        if short.is_woken() {
+            break;
+        }
+    }
+    assert!(
+        short.is_woken(),
+        "the short waiter sleeps beside a free slot it can take"
+    );
+    let d = decision(&assert_ready!(short.poll()).unwrap());
+    assert_eq!(
+        (d.backend.as_str(), d.waited),
+        ("small", Some(Duration::ZERO))
+    );
+    drop(y);
+}
+
+/// Under node patience, a session whose home node has only backends too small
+/// for its prompt does not wait for that node.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn node_patience_does_not_hold_a_prompt_for_a_home_node_too_small_for_it() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_secs(60), 8))
+        .node_patience(Duration::from_secs(10))
+        .layer(fleet_with_request_context(
+            &[("small", 1, 1_000), ("large", 1, 8_000)],
+            &streams,
+        ));
+    let s = session_homed_on(&mut svc, "small", &[(1, 500)]).await;
+    // Its home busy.
+    let mut held = None;
+    for i in 0..16 {
+        let r = send_req(&mut svc, turn_of(&format!("h{i}"), &[(100 + i, 10)], true))
+            .await
+            .unwrap();
+        let (_, tx) = streams.take().unwrap();
+        if decision(&r).backend.as_str() == "small" {
+            held = Some((r, tx));
+            break;
+        }
+        drop(tx);
+        r.into_body().collect().await.unwrap();
+    }
+    let _held = held.expect("nothing on small");
+    let started = tokio::time::Instant::now();
+    let res = send_req(&mut svc, turn_of(&s, &[(1, 500), (2, 1_500)], false))
+        .await
+        .unwrap();
+    let d = decision(&res);
+    assert_eq!(
+        (d.backend.as_str(), started.elapsed()),
+        ("large", Duration::ZERO)
+    );
+}
+
+/// A request context given, changed or taken away by discovery, in place or
+/// with the backend's removal, takes effect on the next placement.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_request_context_follows_discovery_updates_and_removals() {
+    let streams = Streams::default();
+    let (handle, stream) = discover::channel();
+    let tokens = |n| std::num::NonZeroU64::new(n).unwrap();
+    let add = |id: &str, limit: Option<u64>| {
+        let mut b = Backend::new(id, backend(id, &streams)).slots(nz(4));
+        if let Some(n) = limit {
+            b = b.request_context_tokens(tokens(n));
+        }
+        handle.insert(id.to_string(), b);
+    };
+    add("small", None);
+    add("large", None);
+    let mut svc = SessionAffinityLayer::new().layer(stream);
+    let s = session_homed_on(&mut svc, "small", &[(1, 500)]).await;
+    let long = || turn_of(&s, &[(1, 500), (2, 1_500)], false);
+    let on = |res: &Res| decision(res).backend.as_str().to_string();
+    // No limit anywhere: home.
+    let res = send_req(&mut svc, long()).await.unwrap();
+    assert_eq!(on(&res), "small");
+    res.into_body().collect().await.unwrap();
+    // Small given a limit in place: the turn goes to large.
+    add("small", Some(1_000));
+    let res = send_req(&mut svc, long()).await.unwrap();
+    assert_eq!(on(&res), "large");
+    res.into_body().collect().await.unwrap();
+    // Large removed: nothing up takes it, and it goes to the one backend left.
+    handle.remove("large".to_string());
+    let res = send_req(&mut svc, long()).await.unwrap();
+    assert_eq!(on(&res), "small");
+    res.into_body().collect().await.unwrap();
+    assert_eq!(status(&svc, "small").request_context_limit, Some(1_000));
+    // Its limit raised in place: no longer too small, and the status says so.
+    add("small", Some(4_000));
+    let res = send_req(&mut svc, long()).await.unwrap();
+    assert_eq!(on(&res), "small");
+    assert_eq!(status(&svc, "small").request_context_limit, Some(4_000));
+}
+
+/// A keyless prompt whose own prefix is on a backend too small for it goes to
+/// one that takes it; its outcome says keyless, not a hit on a prefix it did not use.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_keyless_prompt_whose_prefix_is_on_a_backend_too_small_for_it_goes_elsewhere() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new().layer(fleet_with_request_context(
+        &[("small", 2, 1_000), ("large", 2, 8_000)],
+        &streams,
+    ));
+    let keyless = |blocks: &[(u64, u32)]| {
+        let mut req = request(None, None);
+        let chain = PromptChain::from_blocks(blocks.iter().copied());
+        req.extensions_mut().insert(PromptFacts::from_chain(chain));
+        req
+    };
+    let mut first = None;
+    for i in 0..64 {
+        let res = send_req(&mut svc, keyless(&[(100 + i, 500)]))
+            .await
+            .unwrap();
+        let on = decision(&res).backend;
+        res.into_body().collect().await.unwrap();
+        if on.as_str() == "small" {
+            first = Some(100 + i);
+            break;
+        }
+    }
+    let d = first.expect("no keyless prompt on small");
+    // Fits: back to its prefix.
+    let res = send_req(&mut svc, keyless(&[(d, 500), (3, 100)]))
+        .await
+        .unwrap();
+    assert_eq!(
+        (decision(&res).backend.as_str(), decision(&res).outcome),
+        ("small", Outcome::PrefixHit)
+    );
+    res.into_body().collect().await.unwrap();
+    let res = send_req(&mut svc, keyless(&[(d, 500), (3, 100), (4, 1_500)]))
+        .await
+        .unwrap();
+    assert_eq!(
+        (decision(&res).backend.as_str(), decision(&res).outcome),
+        ("large", Outcome::Keyless)
+    );
+}
+
+/// Under `Overflow::Overcommit`, a prompt too long for the free backend is
+/// overcommitted on the full one that takes it, not sent to the free one.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn overcommit_puts_a_long_prompt_on_the_full_backend_that_takes_it() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::Overcommit)
+        .layer(fleet_with_request_context(
+            &[("small", 1, 1_000), ("large", 1, 8_000)],
+            &streams,
+        ));
+    let mut held = None;
+    for i in 0..16 {
+        let r = send_req(&mut svc, turn_of(&format!("h{i}"), &[(100 + i, 10)], true))
+            .await
+            .unwrap();
+        let (_, tx) = streams.take().unwrap();
+        if decision(&r).backend.as_str() == "large" {
+            held = Some((r, tx));
+            break;
+        }
+        drop(tx);
+        r.into_body().collect().await.unwrap();
+    }
+    let _held = held.expect("nothing on large");
+    assert_eq!(in_flight(&svc, "small"), 0);
+    let res = send_req(&mut svc, turn_of("z", &[(1, 500), (2, 1_500)], false))
+        .await
+        .unwrap();
+    let d = decision(&res);
+    assert_eq!((d.backend.as_str(), d.overcommitted), ("large", true));
 }
