@@ -769,9 +769,6 @@ impl Load {
         need
     }
 
-    /// Whether a prompt of `prompt_tokens` by the chain's estimate is longer than one request
-    /// can take here ([`Backend::request_context_limit`]): scaled by the backend's own tokens
-    /// per token of the estimate, as its answers taught, and until then as estimated.
     /// The most tokens one request can take here ([`Backend::request_context_limit`]),
     /// `u64::MAX` without a limit.
     pub(crate) fn request_limit(&self) -> u64 {
@@ -791,6 +788,9 @@ impl Load {
             && !other.too_small_for(prompt_tokens)
     }
 
+    /// Whether a prompt of `prompt_tokens` by the chain's estimate is longer than one request
+    /// can take here ([`Backend::request_context_limit`]): scaled by the backend's own tokens
+    /// per token of the estimate, as its answers taught, and until then as estimated.
     pub(crate) fn too_small_for(&self, prompt_tokens: u64) -> bool {
         let limit = self.request_context.load(Ordering::Relaxed);
         if limit == 0 || prompt_tokens == 0 {

@@ -6,9 +6,9 @@
 //! [context limit](crate::Backend::context_tokens) room for the request's prompt) and tells the
 //! policy to stop by returning [`ControlFlow::Break`]. A backend whose
 //! [request context](crate::Backend::request_context_tokens) is too small for the prompt is
-//! passed over while one up with a larger request context takes it. Offering lazily is what keeps a home hit
-//! free of any scan: the policy offers the home, the slot is free, and nothing else is
-//! computed.
+//! passed over while one up with a larger request context takes it. Offering lazily is what
+//! keeps a home hit free of any scan: the policy offers the home, the slot is free, and
+//! nothing else is computed.
 //!
 //! The default policy is [`NodeThenBackend`]. [`RoundRobin`], [`LeastLoaded`] and the
 //! stateless [`Rendezvous`] are baselines behind the same trait, so a simulator or a benchmark

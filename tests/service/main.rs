@@ -4304,6 +4304,25 @@ where
     panic!("no session homed on {backend}");
 }
 
+/// A streamed request holding a slot on `backend` until the returned sender is dropped:
+/// requests of sessions `h0`, `h1`... are sent until one goes there (the others end at once).
+async fn hold_on<S>(svc: &mut S, streams: &Streams, backend: &str) -> (Res, mock::OpenStream)
+where
+    S: Service<Req, Response = Res, Error = Error>,
+{
+    for i in 0..16 {
+        let req = turn_of(&format!("h{i}"), &[(100 + i, 10)], true);
+        let res = send_req(svc, req).await.unwrap();
+        let open = streams.take().unwrap();
+        if decision(&res).backend.as_str() == backend {
+            return (res, open);
+        }
+        drop(open);
+        res.into_body().collect().await.unwrap();
+    }
+    panic!("no request went to {backend}");
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_prompt_too_long_for_its_homes_slots_goes_to_a_backend_whose_slots_take_it() {
     let streams = Streams::default();
@@ -4376,19 +4395,8 @@ async fn a_request_too_long_for_a_backend_waits_for_one_that_takes_it_rather_tha
         ));
     let s = session_homed_on(&mut svc, "small", &[(1, 500)]).await;
     // Both busy.
-    let x = send_req(&mut svc, turn_of("x", &[(9, 10)], true))
-        .await
-        .unwrap();
-    let (_, x_tx) = streams.take().unwrap();
-    let y = send_req(&mut svc, turn_of("y", &[(8, 10)], true))
-        .await
-        .unwrap();
-    let (_, y_tx) = streams.take().unwrap();
-    let ((on_small, small_tx), (on_large, large_tx)) = match decision(&x).backend.as_str() {
-        "small" => ((x, x_tx), (y, y_tx)),
-        _ => ((y, y_tx), (x, x_tx)),
-    };
-    assert_eq!(decision(&on_large).backend.as_str(), "large");
+    let (on_small, small_tx) = hold_on(&mut svc, &streams, "small").await;
+    let (on_large, large_tx) = hold_on(&mut svc, &streams, "large").await;
     svc.ready().await.unwrap();
     let mut long = tokio_test::task::spawn(svc.call(turn_of(&s, &[(1, 500), (2, 1_500)], false)));
     assert_pending!(long.poll());
@@ -4532,8 +4540,8 @@ async fn a_backend_the_policy_never_offers_does_not_keep_a_long_prompt_off_the_o
     }
 }
 
-/// A slot freed on a backend too small for the oldest waiter, whose home it
-/// is, goes on to a later waiter that it takes.
+/// A slot freed on a backend too small for the oldest waiter, whose home it is, goes on to a
+/// later waiter that it takes.
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_slot_too_small_for_its_first_waiter_goes_on_to_one_it_takes() {
     let streams = Streams::default();
@@ -4544,19 +4552,8 @@ async fn a_slot_too_small_for_its_first_waiter_goes_on_to_one_it_takes() {
             &streams,
         ));
     let s = session_homed_on(&mut svc, "small", &[(1, 500)]).await;
-    let x = send_req(&mut svc, turn_of("x", &[(9, 10)], true))
-        .await
-        .unwrap();
-    let (_, x_tx) = streams.take().unwrap();
-    let y = send_req(&mut svc, turn_of("y", &[(8, 10)], true))
-        .await
-        .unwrap();
-    let (_, y_tx) = streams.take().unwrap();
-    let ((on_small, small_tx), (y, _y_tx)) = match decision(&x).backend.as_str() {
-        "small" => ((x, x_tx), (y, y_tx)),
-        _ => ((y, y_tx), (x, x_tx)),
-    };
-    assert_eq!(decision(&on_small).backend.as_str(), "small");
+    let (on_small, small_tx) = hold_on(&mut svc, &streams, "small").await;
+    let (y, _y_tx) = hold_on(&mut svc, &streams, "large").await;
     svc.ready().await.unwrap();
     let mut long = tokio_test::task::spawn(svc.call(turn_of(&s, &[(1, 500), (2, 1_500)], false)));
     assert_pending!(long.poll());
@@ -4586,8 +4583,8 @@ async fn a_slot_too_small_for_its_first_waiter_goes_on_to_one_it_takes() {
     drop(y);
 }
 
-/// Under node patience, a session whose home node has only backends too small
-/// for its prompt does not wait for that node.
+/// Under node patience, a session whose home node has only backends too small for its prompt
+/// does not wait for that node.
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn node_patience_does_not_hold_a_prompt_for_a_home_node_too_small_for_it() {
     let streams = Streams::default();
@@ -4600,20 +4597,7 @@ async fn node_patience_does_not_hold_a_prompt_for_a_home_node_too_small_for_it()
         ));
     let s = session_homed_on(&mut svc, "small", &[(1, 500)]).await;
     // Its home busy.
-    let mut held = None;
-    for i in 0..16 {
-        let r = send_req(&mut svc, turn_of(&format!("h{i}"), &[(100 + i, 10)], true))
-            .await
-            .unwrap();
-        let (_, tx) = streams.take().unwrap();
-        if decision(&r).backend.as_str() == "small" {
-            held = Some((r, tx));
-            break;
-        }
-        drop(tx);
-        r.into_body().collect().await.unwrap();
-    }
-    let _held = held.expect("nothing on small");
+    let _held = hold_on(&mut svc, &streams, "small").await;
     let started = tokio::time::Instant::now();
     let res = send_req(&mut svc, turn_of(&s, &[(1, 500), (2, 1_500)], false))
         .await
@@ -4724,20 +4708,7 @@ async fn overcommit_puts_a_long_prompt_on_the_full_backend_that_takes_it() {
             &[("small", 1, 1_000), ("large", 1, 8_000)],
             &streams,
         ));
-    let mut held = None;
-    for i in 0..16 {
-        let r = send_req(&mut svc, turn_of(&format!("h{i}"), &[(100 + i, 10)], true))
-            .await
-            .unwrap();
-        let (_, tx) = streams.take().unwrap();
-        if decision(&r).backend.as_str() == "large" {
-            held = Some((r, tx));
-            break;
-        }
-        drop(tx);
-        r.into_body().collect().await.unwrap();
-    }
-    let _held = held.expect("nothing on large");
+    let _held = hold_on(&mut svc, &streams, "large").await;
     assert_eq!(in_flight(&svc, "small"), 0);
     let res = send_req(&mut svc, turn_of("z", &[(1, 500), (2, 1_500)], false))
         .await
