@@ -1444,8 +1444,8 @@ impl<S> Fleet<Backend<S>> {
             .request_context
             .store(request_context, Ordering::Relaxed);
         let t = &mut self.topology;
-        t.request_limits =
-            t.request_limits + u32::from(request_context != 0) - u32::from(had_limit);
+        t.request_limits = (t.request_limits + u32::from(request_context != 0))
+            .saturating_sub(u32::from(had_limit));
         if self.backends.len() <= index {
             self.backends.resize_with(index + 1, || None);
         }
@@ -1457,7 +1457,8 @@ impl<S> Fleet<Backend<S>> {
         match self.topology.remove(id) {
             Some(index) => {
                 self.backends[index as usize] = None;
-                self.topology.request_limits -= u32::from(had_limit);
+                let t = &mut self.topology;
+                t.request_limits = t.request_limits.saturating_sub(u32::from(had_limit));
                 true
             }
             None => false,
@@ -1976,6 +1977,36 @@ mod tests {
         assert!(!l.try_acquire());
         assert!(l.force_acquire());
         assert_eq!(l.in_flight(), 3);
+    }
+
+    #[test]
+    fn the_fleet_counts_its_live_backends_with_a_request_context_through_every_change() {
+        let mut f: Fleet<Backend<()>> = Fleet::new(1, crate::metrics::Labels::default());
+        let limited = |n: u64| Backend::new("n", ()).request_context_tokens(n.try_into().unwrap());
+        let count = |f: &Fleet<Backend<()>>| f.topology.request_limits;
+        f.insert("a".into(), limited(1_000));
+        f.insert("b".into(), Backend::new("n", ()));
+        assert_eq!(count(&f), 1);
+        // Updated in place: with another limit, then without one, then with one again.
+        f.insert("a".into(), limited(2_000));
+        assert_eq!(count(&f), 1);
+        f.insert("a".into(), Backend::new("n", ()));
+        assert_eq!(count(&f), 0);
+        f.insert("b".into(), limited(500));
+        f.insert("a".into(), limited(500));
+        assert_eq!(count(&f), 2);
+        // Removed, removed again, and back before its index is reused.
+        assert!(f.remove(&"a".into()));
+        assert!(!f.remove(&"a".into()));
+        assert_eq!(count(&f), 1);
+        f.insert(
+            "a".into(),
+            Backend::new("n", ()).context_tokens(800.try_into().unwrap()),
+        );
+        assert_eq!(count(&f), 2, "a shared context is a request's most too");
+        assert!(f.remove(&"b".into()));
+        assert!(f.remove(&"a".into()));
+        assert_eq!(count(&f), 0);
     }
 
     #[test]
