@@ -288,9 +288,10 @@ impl<S> Backend<S> {
     /// so that a conversation that outgrows its home's slots moves to a backend whose slots
     /// hold it, rather than be refused at home. Where the policy offers no backend up that
     /// takes it, it is placed as if no backend had a limit, and the backend answers for
-    /// itself; so too between backends of the same limit, whose estimates of a prompt differ
-    /// only by what each has learned. A request that continues a response stored on a backend
-    /// goes there all the same ([`PromptFacts::stored_on`](crate::key::PromptFacts::stored_on)).
+    /// itself. A prompt never moves between backends of the same limit, whose estimates of it
+    /// differ only by what each has learned: one that a backend finds too long goes to a
+    /// larger one or stays. A request that continues a response stored on a backend goes
+    /// there all the same ([`PromptFacts::stored_on`](crate::key::PromptFacts::stored_on)).
     ///
     /// A prompt's tokens are the [prompt chain](crate::PromptChain)'s estimate, scaled by
     /// what the backend's answers have taught of its own tokens per token of the estimate;
@@ -1977,6 +1978,45 @@ mod tests {
         assert!(!l.try_acquire());
         assert!(l.force_acquire());
         assert_eq!(l.in_flight(), 3);
+    }
+
+    /// The count stays that of the live backends with a request context through random
+    /// inserts (with a limit, a shared context or neither), updates, removals of live and
+    /// unknown ids, returns before and after an index is reused, models forgotten past
+    /// `KEPT_REMOVED`, and copies of the fleet.
+    #[test]
+    fn the_count_of_backends_with_a_request_context_holds_through_random_changes() {
+        let mut fleet: Fleet<Backend<()>> = Fleet::new(1, crate::metrics::Labels::default());
+        let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for step in 0..20_000 {
+            let id = BackendId::from(format!("b{}", next() % 90));
+            match next() % 5 {
+                0 | 1 => {
+                    let mut b = Backend::new(format!("n{}", next() % 4), ());
+                    match next() % 3 {
+                        0 => b = b.request_context_tokens(NonZeroU64::new(1_000).unwrap()),
+                        1 => b = b.context_tokens(NonZeroU64::new(2_000).unwrap()),
+                        _ => {}
+                    }
+                    fleet.insert(id, b);
+                }
+                2 | 3 => {
+                    fleet.remove(&id);
+                }
+                _ => fleet = fleet.clone(),
+            }
+            let t = &fleet.topology;
+            let counted = (t.members.iter())
+                .filter(|m| m.live && m.load.request_context.load(Ordering::Relaxed) != 0)
+                .count() as u32;
+            assert_eq!(t.request_limits, counted, "at step {step}");
+        }
     }
 
     #[test]

@@ -191,6 +191,10 @@ pub struct Candidates<'a> {
     sized: bool,
     /// Whether a backend offered was passed over as too small for the prompt.
     passed_too_small: bool,
+    /// The largest request context of the backends passed over as too small (0: none): one
+    /// of no larger a limit is passed over too, as it would refuse the prompt as well, though
+    /// it may count the prompt a little shorter.
+    passed_limit: u64,
 }
 
 enum Mode<'a> {
@@ -222,6 +226,7 @@ impl<'a> Candidates<'a> {
             largest_taking: None,
             sized: true,
             passed_too_small: false,
+            passed_limit: 0,
         }
     }
 
@@ -242,6 +247,7 @@ impl<'a> Candidates<'a> {
             largest_taking: None,
             sized: true,
             passed_too_small: false,
+            passed_limit: 0,
         }
     }
 
@@ -262,6 +268,7 @@ impl<'a> Candidates<'a> {
             largest_taking: None,
             sized: true,
             passed_too_small: false,
+            passed_limit: 0,
         }
     }
 
@@ -298,11 +305,12 @@ impl<'a> Candidates<'a> {
         if self.prompt_tokens > 0
             && self.sized
             && self.topology.request_limits > 0
-            && load.too_small_for(self.prompt_tokens)
+            && (load.too_small_for(self.prompt_tokens) || load.request_limit() <= self.passed_limit)
             && self.largest_taking() > load.request_limit()
         {
             self.pass_over_index(index);
             self.passed_too_small = true;
+            self.passed_limit = self.passed_limit.max(load.request_limit());
             return ControlFlow::Continue(());
         }
         self.first.get_or_insert(index);
@@ -350,11 +358,10 @@ impl<'a> Candidates<'a> {
 
     /// The largest request context of the backends up and not passed over that take the
     /// request's prompt ([`Backend::request_context_tokens`](crate::Backend::request_context_tokens)):
-    /// a backend too small for the prompt is passed over only for a larger one that takes
-    /// it. If none does, the limits are no reason to pass a backend over, and the backend
-    /// answers for itself; nor between backends of the same limit, whose estimates of the
-    /// prompt differ only by what each has learned. O(backends), once a request, asked only
-    /// once a backend too small for the prompt is offered.
+    /// a backend too small for the prompt (or of no larger a limit than one that was) is
+    /// passed over only for a larger one that takes it. If none does, the limits are no
+    /// reason to pass a backend over, and the backend answers for itself. O(backends), once a
+    /// request, asked only once a backend too small for the prompt is offered.
     #[cold]
     fn largest_taking(&mut self) -> u64 {
         let (t, now_ms, prompt) = (self.topology, self.now_ms, self.prompt_tokens);
@@ -666,5 +673,13 @@ mod tests {
         let t = topology(&[(1_000, None), (0, None)]);
         assert_eq!(taken(&t, 1_500), Some(1));
         assert_eq!(taken(&t, 900), Some(0));
+    }
+
+    #[test]
+    fn a_backend_too_small_is_passed_over_for_a_larger_one_not_for_one_of_its_own_limit() {
+        // b0 counts 950 as 1,045 of its 1,000; b1, of the same 1,000, as 903; b2 takes
+        // 2,000: b1 would refuse the prompt as b0 would, and it goes to b2.
+        let t = topology(&[(1_000, Some(1.1)), (1_000, Some(0.95)), (2_000, None)]);
+        assert_eq!(taken(&t, 950), Some(2));
     }
 }
