@@ -67,6 +67,7 @@
 //! | `tower_affinity_backend_in_flight` | gauge | `backend`, `node` | (published) |
 //! | `tower_affinity_backend_context_tokens` | gauge | `backend`, `node` | tokens of its shared context its requests in flight take, by the router's estimate; 0 without [`Backend::context_tokens`](crate::Backend::context_tokens) (published) |
 //! | `tower_affinity_backend_slots` | gauge | `backend`, `node` | (published) |
+//! | `tower_affinity_backend_request_context_tokens` | gauge | `backend`, `node` | the most tokens of context one request can take there, given or read from `/slots`; 0 without a limit ([`Backend::request_context_tokens`](crate::Backend::request_context_tokens); published) |
 //! | `tower_affinity_backend_healthy` | gauge | `backend`, `node` | 1 or 0 (published; 0 once the backend has left the fleet, as every level of it) |
 //! | `tower_affinity_backend_cached_tokens` | gauge | `backend`, `node` | what the cache model says it holds (published) |
 //! | `tower_affinity_backend_cache_budget_tokens` | gauge | `backend`, `node` | the budget the cache model keeps it to (published) |
@@ -262,10 +263,11 @@ pub(crate) struct BackendMetrics {
 
 /// The per-backend gauges [`publish`] sets.
 #[cfg(feature = "metrics")]
-const LEVELS: [&str; 8] = [
+const LEVELS: [&str; 9] = [
     "tower_affinity_backend_in_flight",
     "tower_affinity_backend_context_tokens",
     "tower_affinity_backend_slots",
+    "tower_affinity_backend_request_context_tokens",
     "tower_affinity_backend_healthy",
     "tower_affinity_backend_cached_tokens",
     "tower_affinity_backend_cache_budget_tokens",
@@ -371,11 +373,12 @@ impl BackendMetrics {
         for name in BACKEND_COUNTERS {
             self.counter(name).increment(0);
         }
-        let [in_flight, context, slots, healthy, cached, budget, conversations, prefill] =
+        let [in_flight, context, slots, request_context, healthy, cached, budget, conversations, prefill] =
             LEVELS.map(|name| self.gauge(name));
         in_flight.set(f64::from(b.in_flight));
         context.set(b.context_in_flight as f64);
         slots.set(f64::from(b.slots));
+        request_context.set(b.request_context_limit.unwrap_or(0) as f64);
         healthy.set(if b.healthy { 1.0 } else { 0.0 });
         cached.set(b.cached_tokens as f64);
         budget.set(b.cache_budget as f64);
@@ -480,7 +483,7 @@ enum Kind {
 /// Each metric's help, as an exporter shows it (Prometheus's `# HELP`); the store's come with
 /// its [counters](StoreStats::counters).
 #[cfg(feature = "metrics")]
-const HELP: [(&str, Kind, &str); 33] = [
+const HELP: [(&str, Kind, &str); 34] = [
     (
         "tower_affinity_decisions_total",
         Kind::Counter,
@@ -615,6 +618,11 @@ const HELP: [(&str, Kind, &str); 33] = [
         "tower_affinity_backend_slots",
         Kind::Gauge,
         "Requests the backend serves at once",
+    ),
+    (
+        "tower_affinity_backend_request_context_tokens",
+        Kind::Gauge,
+        "The most tokens of context one request can take on the backend; 0 without a limit",
     ),
     (
         "tower_affinity_backend_healthy",

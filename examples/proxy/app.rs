@@ -950,7 +950,7 @@ impl Collector for AffinityCollector {
         }
 
         type Read = fn(&BackendStatus) -> i64;
-        let per_backend: [(&str, &str, Read); 7] = [
+        let per_backend: [(&str, &str, Read); 8] = [
             (
                 "tower_affinity_backend_in_flight",
                 "Requests on the backend whose response has not ended",
@@ -980,6 +980,11 @@ impl Collector for AffinityCollector {
                 "tower_affinity_backend_slots",
                 "Requests the backend serves at once",
                 |b| i64::from(b.slots),
+            ),
+            (
+                "tower_affinity_backend_request_context_tokens",
+                "The most tokens of context one request can take on the backend; 0 without a limit",
+                |b| b.request_context_limit.map_or(0, |n| i64::try_from(n).unwrap_or(i64::MAX)),
             ),
             (
                 "tower_affinity_backend_healthy",

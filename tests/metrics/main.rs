@@ -205,6 +205,10 @@ fn decisions_reported_tokens_and_levels_reach_the_recorder() {
         Some(&DebugValue::Gauge(0.0.into()))
     );
     assert_eq!(
+        gauge("tower_affinity_backend_request_context_tokens"),
+        Some(&DebugValue::Gauge(0.0.into()))
+    );
+    assert_eq!(
         value(&snapshot, MetricKind::Gauge, "tower_affinity_sessions", &[]),
         Some(&DebugValue::Gauge(1.0.into()))
     );
@@ -375,6 +379,7 @@ fn a_backend_that_left_reads_zero_and_counters_start_at_zero() {
         "slots",
         "in_flight",
         "context_tokens",
+        "request_context_tokens",
         "cached_tokens",
         "cache_budget_tokens",
         "conversations",

@@ -615,6 +615,16 @@ async fn a_conversation_that_outgrows_its_homes_slots_moves_to_a_backend_that_ta
     proxy.proxy.probe_all().await;
     assert_eq!(proxy.status("small").request_context_limit, Some(2_000));
     assert_eq!(proxy.status("large").request_context_limit, Some(100_000));
+    let metrics = String::from_utf8(proxy.get("/metrics").await.body.to_vec()).unwrap();
+    for line in [
+        r#"tower_affinity_backend_request_context_tokens{backend="small",node="node-a"} 2000"#,
+        r#"tower_affinity_backend_request_context_tokens{backend="large",node="node-b"} 100000"#,
+    ] {
+        assert!(
+            metrics.lines().any(|l| l == line),
+            "{line} not in:\n{metrics}"
+        );
+    }
     // A conversation whose first turn went to the small backend.
     let (mut c, mut session) = (None, String::new());
     for i in 0..32 {
