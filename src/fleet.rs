@@ -1100,9 +1100,6 @@ pub(crate) struct Topology {
     pub(crate) live_nodes: RankSet,
     /// Sum of the live backends' slots.
     pub(crate) total_slots: u32,
-    /// Live backends with a request context limit ([`Backend::request_context_limit`]):
-    /// without one, no request looks for them.
-    pub(crate) request_limits: u32,
     by_id: HashMap<BackendId, u32>,
     node_by_id: HashMap<NodeId, u32>,
     /// Forgotten nodes' indexes, the earliest forgotten first; one is given to a new node only
@@ -1122,11 +1119,6 @@ pub(crate) fn name_digest(name: &str) -> u64 {
 }
 
 impl Topology {
-    /// Whether the live backend of index `index`, if live, has a request context limit.
-    fn has_request_limit(&self, index: Option<u32>) -> bool {
-        index.is_some_and(|i| self.member(i).load.request_context.load(Ordering::Relaxed) != 0)
-    }
-
     pub(crate) fn member(&self, index: u32) -> &Member {
         &self.members[index as usize]
     }
@@ -1428,7 +1420,6 @@ impl<S> Fleet<Backend<S>> {
         let budget = backend
             .cache_tokens
             .div_ceil(u64::from(self.topology.replicas.max(1)));
-        let had_limit = (self.topology).has_request_limit(self.topology.index_of(id.as_str()));
         let index = self.topology.insert(
             id,
             &backend.node,
@@ -1444,9 +1435,6 @@ impl<S> Fleet<Backend<S>> {
         m.load
             .request_context
             .store(request_context, Ordering::Relaxed);
-        let t = &mut self.topology;
-        t.request_limits = (t.request_limits + u32::from(request_context != 0))
-            .saturating_sub(u32::from(had_limit));
         if self.backends.len() <= index {
             self.backends.resize_with(index + 1, || None);
         }
@@ -1454,12 +1442,9 @@ impl<S> Fleet<Backend<S>> {
     }
 
     pub(crate) fn remove(&mut self, id: &BackendId) -> bool {
-        let had_limit = (self.topology).has_request_limit(self.topology.index_of(id.as_str()));
         match self.topology.remove(id) {
             Some(index) => {
                 self.backends[index as usize] = None;
-                let t = &mut self.topology;
-                t.request_limits = t.request_limits.saturating_sub(u32::from(had_limit));
                 true
             }
             None => false,
@@ -1978,75 +1963,6 @@ mod tests {
         assert!(!l.try_acquire());
         assert!(l.force_acquire());
         assert_eq!(l.in_flight(), 3);
-    }
-
-    /// The count stays that of the live backends with a request context through random
-    /// inserts (with a limit, a shared context or neither), updates, removals of live and
-    /// unknown ids, returns before and after an index is reused, models forgotten past
-    /// `KEPT_REMOVED`, and copies of the fleet.
-    #[test]
-    fn the_count_of_backends_with_a_request_context_holds_through_random_changes() {
-        let mut fleet: Fleet<Backend<()>> = Fleet::new(1, crate::metrics::Labels::default());
-        let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
-        for step in 0..20_000 {
-            let id = BackendId::from(format!("b{}", next() % 90));
-            match next() % 5 {
-                0 | 1 => {
-                    let mut b = Backend::new(format!("n{}", next() % 4), ());
-                    match next() % 3 {
-                        0 => b = b.request_context_tokens(NonZeroU64::new(1_000).unwrap()),
-                        1 => b = b.context_tokens(NonZeroU64::new(2_000).unwrap()),
-                        _ => {}
-                    }
-                    fleet.insert(id, b);
-                }
-                2 | 3 => {
-                    fleet.remove(&id);
-                }
-                _ => fleet = fleet.clone(),
-            }
-            let t = &fleet.topology;
-            let counted = (t.members.iter())
-                .filter(|m| m.live && m.load.request_context.load(Ordering::Relaxed) != 0)
-                .count() as u32;
-            assert_eq!(t.request_limits, counted, "at step {step}");
-        }
-    }
-
-    #[test]
-    fn the_fleet_counts_its_live_backends_with_a_request_context_through_every_change() {
-        let mut f: Fleet<Backend<()>> = Fleet::new(1, crate::metrics::Labels::default());
-        let limited = |n: u64| Backend::new("n", ()).request_context_tokens(n.try_into().unwrap());
-        let count = |f: &Fleet<Backend<()>>| f.topology.request_limits;
-        f.insert("a".into(), limited(1_000));
-        f.insert("b".into(), Backend::new("n", ()));
-        assert_eq!(count(&f), 1);
-        // Updated in place: with another limit, then without one, then with one again.
-        f.insert("a".into(), limited(2_000));
-        assert_eq!(count(&f), 1);
-        f.insert("a".into(), Backend::new("n", ()));
-        assert_eq!(count(&f), 0);
-        f.insert("b".into(), limited(500));
-        f.insert("a".into(), limited(500));
-        assert_eq!(count(&f), 2);
-        // Removed, removed again, and back before its index is reused.
-        assert!(f.remove(&"a".into()));
-        assert!(!f.remove(&"a".into()));
-        assert_eq!(count(&f), 1);
-        f.insert(
-            "a".into(),
-            Backend::new("n", ()).context_tokens(800.try_into().unwrap()),
-        );
-        assert_eq!(count(&f), 2, "a shared context is a request's most too");
-        assert!(f.remove(&"b".into()));
-        assert!(f.remove(&"a".into()));
-        assert_eq!(count(&f), 0);
     }
 
     #[test]

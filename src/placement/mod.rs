@@ -189,8 +189,6 @@ pub struct Candidates<'a> {
     /// Whether a backend too small for the prompt is passed over (not for a request that
     /// continues a response stored on one backend, which goes there or nowhere).
     sized: bool,
-    /// Whether a backend offered was passed over as too small for the prompt.
-    passed_too_small: bool,
     /// The largest request context of the backends passed over as too small (0: none): one
     /// of no larger a limit is passed over too, as it would refuse the prompt as well, though
     /// it may count the prompt a little shorter.
@@ -225,7 +223,6 @@ impl<'a> Candidates<'a> {
             context: 0,
             largest_taking: None,
             sized: true,
-            passed_too_small: false,
             passed_limit: 0,
         }
     }
@@ -246,7 +243,6 @@ impl<'a> Candidates<'a> {
             context: 0,
             largest_taking: None,
             sized: true,
-            passed_too_small: false,
             passed_limit: 0,
         }
     }
@@ -267,7 +263,6 @@ impl<'a> Candidates<'a> {
             context: 0,
             largest_taking: None,
             sized: true,
-            passed_too_small: false,
             passed_limit: 0,
         }
     }
@@ -304,12 +299,11 @@ impl<'a> Candidates<'a> {
         }
         if self.prompt_tokens > 0
             && self.sized
-            && self.topology.request_limits > 0
-            && (load.too_small_for(self.prompt_tokens) || load.request_limit() <= self.passed_limit)
+            && (load.too_small_for(self.prompt_tokens)
+                || (self.passed_limit > 0 && load.request_limit() <= self.passed_limit))
             && self.largest_taking() > load.request_limit()
         {
             self.pass_over_index(index);
-            self.passed_too_small = true;
             self.passed_limit = self.passed_limit.max(load.request_limit());
             return ControlFlow::Continue(());
         }
@@ -505,7 +499,7 @@ impl<'a> Candidates<'a> {
 
     /// Whether a backend offered was passed over as too small for the prompt.
     pub(crate) fn passed_too_small(&self) -> bool {
-        self.passed_too_small
+        self.passed_limit > 0
     }
 
     /// The backend whose slot was taken, if any.
@@ -644,7 +638,6 @@ mod tests {
             if let Some(scale) = scale {
                 load.learned.set_token_scale(scale);
             }
-            t.request_limits += u32::from(limit != 0);
         }
         t
     }
