@@ -67,6 +67,9 @@ usage: cargo run --release --example swarm -- [options]
   --trace-chains C  blocks (default) | turn-ends: the router's chains of a replayed trace
                     cut at its blocks only, or also where each turn's prompt ends (as a
                     chat body's chain is cut at its messages)
+  --trace-answers A dropped (default) | kept: a replayed trace's later turns as the trace
+                    gives them, or each as its previous turn's prompt and answer and then the
+                    trace's new tokens, as an agent sends them
   --slot-policy P   llama (default) | llama-no-idle | llama-unified | save-all | paged: how
                     a backend keeps KV between requests. llama and save-all keep each slot's
                     last state and save it to the RAM cache, which they search (llama: as
@@ -140,6 +143,9 @@ struct Options {
     keyless: bool,
     oracle: bool,
     trace_chains: trace::Chains,
+    /// `--trace-answers kept`: each later turn of a trace extends its previous turn's prompt
+    /// and answer.
+    answers_kept: bool,
     slot_policy: cache::SlotPolicy,
     vram: cache::Vram,
     gpu_work: backend::GpuWork,
@@ -189,6 +195,7 @@ impl Default for Options {
             keyless: false,
             oracle: false,
             trace_chains: trace::Chains::Blocks,
+            answers_kept: false,
             slot_policy: cache::SlotPolicy::Llama,
             vram: cache::Vram::Run,
             gpu_work: backend::GpuWork::Prompts,
@@ -247,7 +254,7 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String>
     let mut o = Options::default();
     let mut args = args.into_iter();
     // Flags that only some runs read: given to another, they would be ignored without a word.
-    let (mut replica_flag, mut chains_given) = (None, false);
+    let (mut replica_flag, mut chains_given, mut answers_given) = (None, false, false);
     while let Some(flag) = args.next() {
         if flag == "-h" || flag == "--help" {
             return Err(String::new());
@@ -315,6 +322,15 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String>
                 let v = value()?;
                 o.trace_chains = trace::Chains::parse(&v).ok_or_else(|| bad(&v))?;
             }
+            "--trace-answers" => {
+                answers_given = true;
+                let v = value()?;
+                o.answers_kept = match v.as_str() {
+                    "dropped" => false,
+                    "kept" => true,
+                    _ => return Err(bad(&v)),
+                };
+            }
             "--routers" => {
                 let v = value()?;
                 o.replicas.routers = v.parse().ok().filter(|&n| n >= 1).ok_or_else(|| bad(&v))?;
@@ -355,6 +371,16 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String>
     }
     if chains_given && o.trace.is_none() {
         return Err("--trace-chains is for a replayed trace: give --trace FILE".into());
+    }
+    if answers_given && o.trace.is_none() {
+        return Err("--trace-answers is for a replayed trace: give --trace FILE".into());
+    }
+    if o.answers_kept && o.trace_chains == trace::Chains::TurnEnds {
+        return Err(
+            "--trace-answers kept cuts every prompt where its previous turn ended: \
+             --trace-chains turn-ends adds nothing to it"
+                .into(),
+        );
     }
     if o.replicas.routers > MAX_ROUTERS {
         return Err(format!(
@@ -722,6 +748,11 @@ fn replay(o: &Options, path: &Path) -> Result<Vec<Table>, String> {
     let text =
         std::fs::read_to_string(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
     let t = trace::Trace::parse(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let t = if o.answers_kept {
+        t.with_answers_kept()
+    } else {
+        t
+    };
     if t.out_of_order > 0 {
         let _ = writeln!(
             std::io::stderr(),
@@ -762,9 +793,10 @@ fn replay(o: &Options, path: &Path) -> Result<Vec<Table>, String> {
             t.later_turns(),
             span.as_secs_f64(),
             trace::BLOCK_TOKENS,
-            match o.trace_chains {
-                trace::Chains::Blocks => "",
-                trace::Chains::TurnEnds => " (chains also cut at turn ends)",
+            match (o.trace_chains, o.answers_kept) {
+                (_, true) => " (each later turn extends its previous prompt and answer)",
+                (trace::Chains::Blocks, false) => "",
+                (trace::Chains::TurnEnds, false) => " (chains also cut at turn ends)",
             },
             o.describe_fleet(fleet),
             human_bytes(ram),
@@ -1095,7 +1127,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("swarm-trace-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("tiny.jsonl");
-        std::fs::write(&path, text).unwrap();
+        std::fs::write(&path, &text).unwrap();
         let o = Options {
             scenario: Scenario::Trace,
             trace: Some(path.clone()),
@@ -1103,7 +1135,14 @@ mod tests {
             ..Options::default()
         };
         let tables = replay(&o, &path).unwrap();
-        let without = replay(&Options { oracle: false, ..o }, &path).unwrap();
+        let without = replay(
+            &Options {
+                oracle: false,
+                ..o.clone()
+            },
+            &path,
+        )
+        .unwrap();
         let _ = std::fs::remove_dir_all(&dir);
         assert!(without[0].row("NTB+oracle").is_none());
         let t = &tables[0];
@@ -1124,6 +1163,24 @@ mod tests {
                 (4, 2, 2048),
                 "{t}"
             );
+        }
+        // With the answers kept, each later turn reuses its previous prompt and answer whole
+        // (1,100 and 20 tokens), and so would the ideal.
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(&path, &text).unwrap();
+        let kept = Options {
+            answers_kept: true,
+            oracle: false,
+            ..o
+        };
+        let tables = replay(&kept, &path).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(tables[0]
+            .title
+            .contains("extends its previous prompt and answer"));
+        for t in [&tables[0], &tables[2]] {
+            let ntb = t.row("NodeThenBackend").unwrap();
+            assert_eq!((ntb.hits, ntb.reused, ntb.ideal), (2, 2240, 2240), "{t}");
         }
     }
 
@@ -1197,6 +1254,16 @@ mod tests {
         assert!(parse(&["--trace", "t.jsonl", "--scenario", "all"]).is_ok());
         let err = parse(&["--scenario", "overload", "--trace-chains", "turn-ends"]).unwrap_err();
         assert!(err.contains("--trace FILE"), "{err}");
+        let err = parse(&["--trace-answers", "kept"]).unwrap_err();
+        assert!(err.contains("--trace FILE"), "{err}");
+        let trace = ["--scenario", "trace", "--trace", "t.jsonl"];
+        let kept = [&trace[..], &["--trace-answers", "kept"]].concat();
+        assert!(parse(&kept).unwrap().answers_kept);
+        let both = [&kept[..], &["--trace-chains", "turn-ends"]].concat();
+        assert!(parse(&both).unwrap_err().contains("adds nothing"));
+        let dropped = [&trace[..], &["--trace-answers", "dropped"]].concat();
+        assert!(!parse(&dropped).unwrap().answers_kept);
+        assert!(parse(&[&trace[..], &["--trace-answers", "some"]].concat()).is_err());
         for flag in [
             &["--shared-store"][..],
             &["--entry", "sticky"],

@@ -14,7 +14,7 @@ use serde::Deserialize;
 use tokio::time::Instant;
 
 use crate::backend::Prompt;
-use crate::cache::{Block, Blocks};
+use crate::cache::{self, Block, Blocks};
 use crate::report::TurnRecord;
 use crate::sim::{self, Svc, TurnInput};
 use tower_affinity::PromptChain;
@@ -126,6 +126,73 @@ impl Trace {
     /// Requests that continue an earlier one.
     pub(crate) fn later_turns(&self) -> usize {
         self.requests.len() - self.conversations.len()
+    }
+}
+
+impl Trace {
+    /// The trace as agents that keep their answers send it (`--trace-answers kept`): each
+    /// later turn's prompt is its previous turn's prompt and answer, then the trace's tokens
+    /// beyond them (none when the turn grew by less than the answer). The trace's own turns
+    /// keep neither: its lengths grow by less than the answer in most of them, and a turn's
+    /// partial last block gets a new hash in the next. So, as a backend that compares tokens
+    /// sees an agent's conversation, a turn's state (its prompt and answer) is a prefix of the
+    /// next turn's prompt. The ideal is recomputed over these prompts, an answer seen once its
+    /// request was.
+    pub(crate) fn with_answers_kept(&self) -> Trace {
+        let mut requests = self.requests.clone();
+        for conversation in &self.conversations {
+            for pair in conversation.windows(2) {
+                let (p, i) = (pair[0], pair[1]);
+                let trace = &self.requests[i];
+                let mut blocks = requests[p].blocks.to_vec();
+                blocks.push(answer_of(p, &requests[p]));
+                // Where the turn's own tokens resume, counted in the trace's turn.
+                let start = u64::from(self.requests[p].input) + u64::from(self.requests[p].output);
+                let end = u64::from(trace.input);
+                if start < end {
+                    let k = (start / u64::from(BLOCK_TOKENS)) as usize;
+                    let block = trace.blocks[k];
+                    let block_end = (k as u64 + 1) * u64::from(BLOCK_TOKENS);
+                    let skipped = start % u64::from(BLOCK_TOKENS);
+                    blocks.push(Block {
+                        id: if skipped == 0 {
+                            block.id
+                        } else {
+                            block.id | REST_IDS
+                        },
+                        tokens: (block_end.min(end) - start) as u32,
+                    });
+                    blocks.extend_from_slice(&trace.blocks[k + 1..]);
+                }
+                let r = &mut requests[i];
+                r.input = cache::tokens(&blocks) as u32;
+                r.blocks = blocks.into();
+            }
+        }
+        let mut seen: HashSet<Block> = HashSet::new();
+        for (i, r) in requests.iter_mut().enumerate() {
+            r.ideal = r
+                .blocks
+                .iter()
+                .take_while(|b| seen.contains(b))
+                .map(|b| u64::from(b.tokens))
+                .sum();
+            seen.extend(r.blocks.iter().copied());
+            seen.insert(answer_of(i, r));
+        }
+        Trace {
+            requests,
+            conversations: self.conversations.clone(),
+            out_of_order: self.out_of_order,
+        }
+    }
+}
+
+/// The answer request `i` generates, as the backend keeps it after the prompt.
+pub(crate) fn answer_of(i: usize, r: &TraceRequest) -> Block {
+    Block {
+        id: ANSWER_IDS | i as u64,
+        tokens: r.output,
     }
 }
 
@@ -297,11 +364,8 @@ pub(crate) async fn replay(
                     conversation: c as u32,
                     session: keyed.then_some(name.as_str()),
                     prompt: Prompt {
+                        answer: answer_of(i, &r),
                         blocks: r.blocks,
-                        answer: Block {
-                            id: ANSWER_IDS | i as u64,
-                            tokens: r.output,
-                        },
                     },
                     prev_prompt,
                     compaction: false,
@@ -393,6 +457,50 @@ mod tests {
             ids(&chains[2]),
             [(1, 512), (2, 100), (3 | REST_IDS, 412), (7, 512), (8, 10)]
         );
+    }
+
+    #[test]
+    fn with_answers_kept_each_turn_extends_its_previous_prompt_and_answer() {
+        let text = [
+            // Turn 1 ends inside its second block and answers in 10 tokens.
+            line(0, 612, &[1, 2]),
+            // Turn 2 fills that block and goes on: after turn 1's 612 tokens and answer, the
+            // rest of block 3 and block 4.
+            line(10, 1536, &[1, 3, 4]),
+            // Turn 3 grew by less than turn 2's answer: turn 2's prompt and answer.
+            line(20, 1540, &[1, 3, 5, 6]),
+            // Another conversation sharing the first block.
+            line(30, 700, &[1, 9]),
+        ]
+        .join("\n");
+        let t = Trace::parse(&text).unwrap();
+        assert_eq!(t.conversations, vec![vec![0, 1, 2], vec![3]]);
+        let kept = t.with_answers_kept();
+        let ids = |i: usize| {
+            let r = &kept.requests[i];
+            r.blocks
+                .iter()
+                .map(|b| (b.id, b.tokens))
+                .collect::<Vec<_>>()
+        };
+        let answer = |i: u64| (ANSWER_IDS | i, 10);
+        assert_eq!(ids(0), [(1, 512), (2, 100)]);
+        assert_eq!(
+            ids(1),
+            [(1, 512), (2, 100), answer(0), (3 | REST_IDS, 402), (4, 512)]
+        );
+        let mut third = ids(1);
+        third.push(answer(1));
+        assert_eq!(ids(2), third);
+        assert_eq!(ids(3), [(1, 512), (9, 188)]);
+        // The prompts' lengths: the trace's, or the previous prompt and answer if longer.
+        let input: Vec<u32> = kept.requests.iter().map(|r| r.input).collect();
+        assert_eq!(input, [612, 1536, 1546, 700]);
+        // The ideal reuses each earlier prompt and answer.
+        let ideal: Vec<u64> = kept.requests.iter().map(|r| r.ideal).collect();
+        assert_eq!(ideal, [0, 622, 1546, 512]);
+        // The trace as given is left as it was.
+        assert_eq!(t.requests[2].input, 1540);
     }
 
     #[test]
