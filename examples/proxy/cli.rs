@@ -77,7 +77,8 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
   --probe-failures N         failed probes in a row that take a backend down
                              (default 1; a 503, loading, does at once)
   --probe-successes N        ready probes in a row that bring it up again (default 1)
-  --no-slots-probe           do not read slot counts and slot contexts from /slots
+  --no-slots-probe           do not read slot counts and slot contexts from /slots, nor
+                             vLLM's and SGLang's contexts from /v1/models
   --ask-stream-usage         ask a chat or completions stream that did not ask for its
                              usage to carry it, and take that chunk out of the answer
                              again (for vLLM and SGLang, whose streams otherwise report

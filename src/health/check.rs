@@ -1,4 +1,5 @@
-//! One probe of one backend: `GET /health`, then `GET /slots` if asked.
+//! One probe of one backend: `GET /health`, then `GET /slots` if asked, then `GET /v1/models`
+//! for a backend without slots whose request context is learned.
 
 use std::num::NonZeroU64;
 use std::time::Duration;
@@ -44,14 +45,20 @@ pub(crate) struct Checked {
     /// `/slots` answered that the backend has none: 404 (vLLM, SGLang) or 501
     /// (llama-server's `--no-slots`).
     pub(crate) no_slots: bool,
+    /// The largest `max_model_len` of `/v1/models` (vLLM's and SGLang's most tokens one
+    /// request can take), when asked and given.
+    pub(crate) max_model_len: Option<NonZeroU64>,
 }
 
-/// Probes `base`: `/health`, then `/slots` if `slots` and the backend is ready.
+/// Probes `base`: `/health`, then `/slots` if `slots` and the backend is ready. With
+/// `models`, a ready backend without slots (its `/slots` answered so now, or was not asked)
+/// is asked `/v1/models` for its `max_model_len`.
 pub(crate) async fn check(
     client: ProbeClient,
     base: Uri,
     timeout: Duration,
     slots: bool,
+    models: bool,
 ) -> Checked {
     let health = match get(&client, &base, "/health", timeout).await {
         Ok((StatusCode::OK, _)) => Health::Ready,
@@ -75,11 +82,33 @@ pub(crate) async fn check(
     } else {
         None
     };
+    let models = models && health == Health::Ready && (no_slots || slots.is_none());
+    let max_model_len = if models {
+        match get(&client, &base, "/v1/models", timeout).await {
+            Ok((StatusCode::OK, body)) => parse_max_model_len(&body),
+            _ => None,
+        }
+    } else {
+        None
+    };
     Checked {
         health,
         slots,
         no_slots,
+        max_model_len,
     }
+}
+
+/// vLLM's and SGLang's `/v1/models`: `{"data": [{"id": .., "max_model_len": ..}, ..]}`, the
+/// largest of the models' (a server's LoRA adapters share its base model's).
+pub(crate) fn parse_max_model_len(body: &[u8]) -> Option<NonZeroU64> {
+    let list: serde_json::Value = serde_json::from_slice(body).ok()?;
+    list.get("data")?
+        .as_array()?
+        .iter()
+        .filter_map(|m| m.get("max_model_len").and_then(serde_json::Value::as_u64))
+        .max()
+        .and_then(NonZeroU64::new)
 }
 
 /// llama-server's `/slots`: a JSON array, one object per slot, each with `is_processing` and
@@ -165,5 +194,36 @@ mod tests {
         assert_eq!(parse_slots(b"[]"), None);
         assert_eq!(parse_slots(b"{}"), None);
         assert_eq!(parse_slots(b"not json"), None);
+    }
+
+    #[test]
+    fn max_model_len_is_the_largest_a_models_list_gives() {
+        // vLLM's shape: a base model and a LoRA adapter on it.
+        let body = br#"{"object":"list","data":[
+            {"id":"qwen","object":"model","owned_by":"vllm","root":"qwen","max_model_len":32768},
+            {"id":"qwen-lora","object":"model","owned_by":"vllm","parent":"qwen","max_model_len":32768}]}"#;
+        assert_eq!(parse_max_model_len(body), NonZeroU64::new(32768));
+        let body =
+            br#"{"data":[{"id":"a","max_model_len":8192},{"id":"b","max_model_len":131072}]}"#;
+        assert_eq!(parse_max_model_len(body), NonZeroU64::new(131072));
+        // llama-server's shape has none (its `meta.n_ctx_train` is the model's training
+        // context, not the server's); neither has a count that is not one.
+        let body = br#"{"object":"list","data":[{"id":"m","meta":{"n_ctx_train":131072}}]}"#;
+        assert_eq!(parse_max_model_len(body), None);
+        for body in [
+            &br#"{"data":[{"id":"a","max_model_len":0}]}"#[..],
+            br#"{"data":[{"id":"a","max_model_len":"8192"}]}"#,
+            br#"{"data":[{"id":"a","max_model_len":-1}]}"#,
+            br#"{"data":{}}"#,
+            br#"[]"#,
+            b"not json",
+        ] {
+            assert_eq!(
+                parse_max_model_len(body),
+                None,
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
     }
 }

@@ -9,6 +9,7 @@
 //!                  registers                                 mark_down / mark_up
 //!                      v                                             |
 //!                   Prober --- GET /health, /slots each interval ----+
+//!                                  (/v1/models without slots)
 //! ```
 //!
 //! The balancer keeps one health mechanism: a backend marked down is passed over by

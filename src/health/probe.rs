@@ -48,7 +48,10 @@ use crate::{Backend, BackendId};
 /// ([`Backend::request_context_given`](crate::Backend::request_context_given)), it becomes its
 /// [request context](crate::Backend::request_context_tokens), announced as a slot count is; a
 /// backend whose slot count is given is asked `/slots` for it too, until `/slots` answers that
-/// it has none (404, 501).
+/// it has none (404, 501). Such a backend is asked `GET /v1/models` instead: vLLM and SGLang
+/// give each model's `max_model_len` there, past which they refuse a prompt with a 400, and
+/// the largest becomes the backend's request context the same way. (llama-server's
+/// `/v1/models` gives its model's training context, not the server's, and is not read.)
 ///
 /// Each transition is logged once (`info` up, `warn` down) and counted
 /// ([`ProbeStatus::transitions`], [`Prober::transitions`]).
@@ -139,7 +142,7 @@ impl HealthProbe {
     }
 
     /// Whether to learn the slot count and the request context of backends given without them
-    /// from `/slots` (on by default).
+    /// from `/slots`, and `/v1/models` for a backend without slots (on by default).
     pub fn learn_slots(mut self, on: bool) -> Self {
         self.learn_slots = on;
         self

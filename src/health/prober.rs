@@ -191,8 +191,8 @@ impl<S: Clone> Prober<S> {
         Some((update.id, backend))
     }
 
-    /// `backend` with what `/slots` taught of it where it does not give its own (its slot
-    /// count, its request context); `None` if nothing applies.
+    /// `backend` with what `/slots` (or `/v1/models`) taught of it where it does not give its
+    /// own (its slot count, its request context); `None` if nothing applies.
     fn with_learned(&self, backend: &Backend<S>, status: &ProbeStatus) -> Option<Backend<S>> {
         let slots = status.slots.filter(|_| self.learns_slots(backend));
         let context = (status.request_context).filter(|_| self.learns_context(backend));
@@ -214,7 +214,7 @@ impl<S: Clone> Prober<S> {
         self.shared.config.learn_slots && !backend.slots_given()
     }
 
-    /// Whether the request context of `backend` is learned from `/slots`.
+    /// Whether the request context of `backend` is learned from `/slots` (or `/v1/models`).
     fn learns_context(&self, backend: &Backend<S>) -> bool {
         self.shared.config.learn_slots && !backend.request_context_given()
     }
@@ -273,7 +273,7 @@ where
     async fn round_of<H: MarkHealth>(&self, health: &H, only_new: bool, check_store: bool) {
         // The fleet as the balancer has it: what its stream has announced so far.
         health.apply_discovery();
-        let jobs: Vec<(BackendId, u64, Uri, bool)> = {
+        let jobs: Vec<(BackendId, u64, Uri, bool, bool)> = {
             let state = self.shared.state.lock();
             state
                 .iter()
@@ -284,16 +284,21 @@ where
                     let context = self.learns_context(&t.backend) && !t.status.no_slots;
                     let slots = self.learns_slots(&t.backend) || self.shared.config.busy_slots;
                     let slots = slots || context;
+                    // A backend without slots gives its request context in `/v1/models`.
+                    let models = self.learns_context(&t.backend);
                     let uri = t.backend.service().base_uri().clone();
-                    (id.clone(), t.generation, uri, slots)
+                    (id.clone(), t.generation, uri, slots, models)
                 })
                 .collect()
         };
         let mut probes = JoinSet::new();
-        for (id, generation, uri, slots) in jobs {
+        for (id, generation, uri, slots, models) in jobs {
             let client = self.shared.client.clone();
             let timeout = self.shared.config.timeout;
-            probes.spawn(async move { (id, generation, check(client, uri, timeout, slots).await) });
+            probes.spawn(async move {
+                let checked = check(client, uri, timeout, slots, models).await;
+                (id, generation, checked)
+            });
         }
         // A whole round checks the shared store too, beside the backends.
         let store = (!only_new && check_store).then(|| health.check_store());
@@ -386,7 +391,7 @@ where
             s.transitions += 1;
             self.shared.transitions.fetch_add(1, Ordering::Relaxed);
         }
-        let mut update = None;
+        let mut learned = false;
         match checked.slots {
             None => {}
             Some(Err(reason)) => {
@@ -409,7 +414,6 @@ where
                 s.no_slots = false;
                 s.busy_slots = Some(read.busy);
                 let total = NonZeroU32::new(read.total);
-                let mut learned = false;
                 if s.slots != total {
                     s.slots = total;
                     if let (true, Some(total)) = (learns_slots, total) {
@@ -425,14 +429,23 @@ where
                         learned = true;
                     }
                 }
-                if learned {
-                    update = Some(Update {
-                        id: id.clone(),
-                        generation,
-                    });
-                }
             }
         }
+        // A later answer without it keeps the last one read, as `n_ctx` does.
+        if let Some(n) = checked
+            .max_model_len
+            .filter(|&n| s.request_context != Some(n))
+        {
+            s.request_context = Some(n);
+            if learns_context {
+                tracing::info!(backend = %id, tokens = n.get(), "request context read from /v1/models (max_model_len)");
+                learned = true;
+            }
+        }
+        let update = learned.then(|| Update {
+            id: id.clone(),
+            generation,
+        });
         (mark, update, t.backend.node().to_string())
     }
 }
@@ -490,6 +503,7 @@ mod tests {
                 n_ctx: None,
             })),
             no_slots: false,
+            max_model_len: None,
         };
         let (_, update, _) = prober.record(&id, generation, checked);
         // Announced again, at another address, before the learned count went out.
@@ -510,6 +524,7 @@ mod tests {
                 n_ctx: None,
             })),
             no_slots: false,
+            max_model_len: None,
         };
         let (_, update, _) = prober.record(&id, generation, checked);
         let given = at("http://10.0.0.2:8080/").slots(NonZeroU32::new(2).unwrap());

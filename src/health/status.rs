@@ -29,7 +29,8 @@ pub struct ProbeStatus {
     /// Slots that `/slots` last showed processing a request (`is_processing: true`), if read.
     pub busy_slots: Option<u32>,
     /// The most tokens of context one request can take, as `/slots` last gave it (the
-    /// slots' `n_ctx`), if read: the backend's
+    /// slots' `n_ctx`), or for a backend without slots `/v1/models` (vLLM's and SGLang's
+    /// `max_model_len`), if read: the backend's
     /// [request context](crate::Backend::request_context_tokens) unless it was announced
     /// with its own.
     pub request_context: Option<NonZeroU64>,

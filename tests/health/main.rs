@@ -37,8 +37,11 @@ struct Stub {
     slots_status: AtomicU16,
     /// Each slot's `n_ctx`, left out when `None`; 4096 until set.
     n_ctx: Mutex<Option<Value>>,
+    /// `/v1/models`' answer (vLLM's shape), 404 when `None`.
+    models: Mutex<Option<Value>>,
     health_hits: AtomicUsize,
     slots_hits: AtomicUsize,
+    models_hits: AtomicUsize,
 }
 
 async fn health(State(s): State<Arc<Stub>>) -> (StatusCode, &'static str) {
@@ -73,6 +76,15 @@ async fn slots(State(s): State<Arc<Stub>>) -> Result<axum::Json<Value>, StatusCo
     Ok(axum::Json(Value::Array(slots)))
 }
 
+async fn models(State(s): State<Arc<Stub>>) -> Result<axum::Json<Value>, StatusCode> {
+    s.models_hits.fetch_add(1, Ordering::Relaxed);
+    s.models
+        .lock()
+        .clone()
+        .map(axum::Json)
+        .ok_or(StatusCode::NOT_FOUND)
+}
+
 async fn start(count: usize) -> (SocketAddr, Arc<Stub>) {
     let stub = Arc::new(Stub {
         health: AtomicU16::new(200),
@@ -83,6 +95,7 @@ async fn start(count: usize) -> (SocketAddr, Arc<Stub>) {
     let app = Router::new()
         .route("/health", get(health))
         .route("/slots", get(slots))
+        .route("/v1/models", get(models))
         .with_state(stub.clone());
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -624,4 +637,89 @@ async fn a_backend_with_its_slots_given_and_no_slots_endpoint_is_not_asked_again
         Some("/slots answered 404 Not Found")
     );
     assert_eq!(status(&affinity, "b").request_context_limit, None);
+}
+
+/// vLLM's `/v1/models` for one model of `max_model_len` tokens, and a LoRA adapter on it.
+fn vllm_models(max_model_len: u64) -> Value {
+    json!({"object": "list", "data": [
+        {"id": "qwen", "object": "model", "owned_by": "vllm", "max_model_len": max_model_len},
+        {"id": "qwen-lora", "object": "model", "owned_by": "vllm", "parent": "qwen",
+         "max_model_len": max_model_len},
+    ]})
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_backend_without_slots_learns_its_request_context_from_v1_models() {
+    let logs = logs();
+    // Two vLLM-like backends (no `/slots`), one with its slot count given; a third given its
+    // request context.
+    let mut stubs = Vec::new();
+    for _ in 0..3 {
+        let (addr, stub) = start(0).await;
+        stub.slots_status.store(404, Ordering::Relaxed);
+        *stub.models.lock() = Some(vllm_models(32_768));
+        stubs.push((addr, stub));
+    }
+    let two = NonZeroU32::new(2).unwrap();
+    let given = NonZeroU64::new(1_000).unwrap();
+    let (affinity, prober) = balancer(
+        HealthProbe::new(),
+        vec![
+            ("v", Backend::new("n", http(stubs[0].0)).slots(two)),
+            ("w", Backend::new("n", http(stubs[1].0))),
+            (
+                "x",
+                Backend::new("n", http(stubs[2].0)).request_context_tokens(given),
+            ),
+        ],
+    );
+    prober.round(&affinity).await;
+    assert_eq!(status(&affinity, "v").request_context_limit, Some(32_768));
+    assert_eq!(status(&affinity, "w").request_context_limit, Some(32_768));
+    assert_eq!(status(&affinity, "x").request_context_limit, Some(1_000));
+    assert_eq!(
+        prober.status("w").unwrap().request_context,
+        NonZeroU64::new(32_768)
+    );
+    // The slot counts are what they were: given, and one slot until one is read.
+    assert_eq!(status(&affinity, "v").slots, 2);
+    assert_eq!(status(&affinity, "w").slots, 1);
+    assert_eq!(stubs[2].1.models_hits.load(Ordering::Relaxed), 0, "given");
+    assert_eq!(logs.count("v", "request context read from /v1/models"), 1);
+
+    // Restarted with a longer context: followed, `/slots` not asked again for it.
+    *stubs[0].1.models.lock() = Some(vllm_models(65_536));
+    prober.round(&affinity).await;
+    assert_eq!(status(&affinity, "v").request_context_limit, Some(65_536));
+    assert_eq!(stubs[0].1.slots_hits.load(Ordering::Relaxed), 1);
+    // An answer without it, or none, keeps the last one read.
+    *stubs[0].1.models.lock() = Some(json!({"object": "list", "data": []}));
+    *stubs[1].1.models.lock() = None;
+    prober.round(&affinity).await;
+    assert_eq!(status(&affinity, "v").request_context_limit, Some(65_536));
+    assert_eq!(status(&affinity, "w").request_context_limit, Some(32_768));
+    let s = prober.status("w").unwrap();
+    assert!((s.up, s.failures) == (true, 0), "{s:?}");
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_backend_with_slots_is_not_asked_its_models() {
+    let (a, stub_a) = start(2).await;
+    *stub_a.models.lock() = Some(vllm_models(131_072));
+    let (affinity, prober) = balancer(HealthProbe::new(), vec![("a", Backend::new("n", http(a)))]);
+    for _ in 0..2 {
+        prober.round(&affinity).await;
+    }
+    // `/slots` says each slot's context; `/v1/models` is not asked.
+    assert_eq!(status(&affinity, "a").request_context_limit, Some(4096));
+    assert_eq!(stub_a.models_hits.load(Ordering::Relaxed), 0);
+    // Nor with learning off.
+    let (b, stub_b) = start(0).await;
+    stub_b.slots_status.store(404, Ordering::Relaxed);
+    *stub_b.models.lock() = Some(vllm_models(131_072));
+    let probe = HealthProbe::new().learn_slots(false);
+    let (affinity, prober) = balancer(probe, vec![("b", Backend::new("n", http(b)))]);
+    prober.round(&affinity).await;
+    assert_eq!(status(&affinity, "b").request_context_limit, None);
+    assert_eq!(stub_b.models_hits.load(Ordering::Relaxed), 0);
 }
