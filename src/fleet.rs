@@ -282,8 +282,9 @@ impl<S> Backend<S> {
     /// it, a backend given [`context_tokens`](Self::context_tokens) takes a request of up to
     /// those.
     ///
-    /// A request whose prompt is longer than this does not go to the backend while a backend
-    /// up with a larger request context (or none) takes it: it is placed as if the backend
+    /// A request whose prompt is this long or longer (it must leave its answer a token) does
+    /// not go to the backend while a backend up with a larger request context (or none)
+    /// takes it: it is placed as if the backend
     /// were passed over (see [`Candidates::pass_over`](crate::placement::Candidates::pass_over)),
     /// so that a conversation that outgrows its home's slots moves to a backend whose slots
     /// hold it, rather than be refused at home. Where the policy offers no backend up that
@@ -789,16 +790,18 @@ impl Load {
             && !other.too_small_for(prompt_tokens)
     }
 
-    /// Whether a prompt of `prompt_tokens` by the chain's estimate is longer than one request
+    /// Whether a prompt of `prompt_tokens` by the chain's estimate is more than one request
     /// can take here ([`Backend::request_context_limit`]): scaled by the backend's own tokens
-    /// per token of the estimate, as its answers taught, and until then as estimated.
+    /// per token of the estimate, as its answers taught, and until then as estimated. A
+    /// prompt must leave the answer a token: llama-server refuses one of `n_ctx` tokens or
+    /// more, vLLM one of `max_model_len` or more.
     pub(crate) fn too_small_for(&self, prompt_tokens: u64) -> bool {
         let limit = self.request_context.load(Ordering::Relaxed);
         if limit == 0 || prompt_tokens == 0 {
             return false;
         }
         let scale = self.learned.token_scale().unwrap_or(1.0);
-        prompt_tokens as f64 * scale > limit as f64
+        prompt_tokens as f64 * scale >= limit as f64
     }
 
     /// Whether `need` tokens of context fit here now (see [`take_context`](Self::take_context)).
@@ -1970,12 +1973,13 @@ mod tests {
         let l = Load::new(nz(4), Arc::default(), &"a".into(), &"n".into());
         assert!(!l.too_small_for(u64::MAX), "no limit");
         l.request_context.store(1_000, Ordering::Relaxed);
-        // Until answers teach the scale, as estimated.
-        assert!(!l.too_small_for(1_000));
-        assert!(l.too_small_for(1_001));
+        // Until answers teach the scale, as estimated; a prompt of the whole limit leaves
+        // the answer no token, and is refused.
+        assert!(!l.too_small_for(999));
+        assert!(l.too_small_for(1_000));
         l.learned.set_token_scale(1.25);
-        assert!(!l.too_small_for(800));
-        assert!(l.too_small_for(801));
+        assert!(!l.too_small_for(799));
+        assert!(l.too_small_for(800));
         assert!(!l.too_small_for(0), "a request without a chain counts none");
         // Smaller than another only with a smaller limit.
         let same = Load::new(nz(4), Arc::default(), &"b".into(), &"n".into());

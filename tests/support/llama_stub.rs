@@ -252,7 +252,8 @@ async fn chat(State(s): State<Arc<StubState>>, body: Bytes) -> Response {
     let messages = req["messages"].as_array().cloned().unwrap_or_default();
     let prompt = tokens(&messages);
     let context = s.context.load(Ordering::Relaxed);
-    if context > 0 && prompt > context {
+    // As llama-server: a prompt must leave its answer a token.
+    if context > 0 && prompt >= context {
         s.refused.fetch_add(1, Ordering::Relaxed);
         let message = format!(
             "request ({prompt} tokens) exceeds the available context size ({context} tokens), try increasing it"
