@@ -297,6 +297,22 @@ impl<B> ResponseBody<B> {
         self.decision.as_ref()
     }
 
+    /// Takes the decision kept in the body, if any: for a body read whole and given back as
+    /// bytes.
+    pub(crate) fn take_decision(self: Pin<&mut Self>) -> Option<Decision> {
+        self.project().decision.take()
+    }
+
+    /// A body of `data` that holds no slot, keeping `decision` as the body it replaces did.
+    pub(crate) fn read_back(data: Bytes, decision: Option<Decision>) -> Self {
+        ResponseBody {
+            kind: InnerOrBytes::bytes(data),
+            guard: None,
+            decision,
+            observe: None,
+        }
+    }
+
     /// A body of fixed bytes that holds no slot: used for error responses.
     pub fn full(data: Bytes) -> Self {
         ResponseBody {

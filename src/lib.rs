@@ -157,7 +157,7 @@ pub use fleet::{Backend, BackendId, BackendStatus, NodeId};
 pub use future::ResponseFuture;
 pub use layer::SessionAffinityLayer;
 pub use overflow::Overflow;
-pub use retry::RetryOnce;
+pub use retry::{ContextRefusal, ReadRefusals, ReadRefusalsFuture, ReadRefusalsLayer, RetryOnce};
 pub use service::SessionAffinity;
 pub use stats::{Decision, Outcome, ParseOutcomeError, Reuse, Stats};
 pub use table::Sessions;

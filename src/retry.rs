@@ -1,16 +1,28 @@
-//! [`RetryOnce`]: retry a request whose backend failed before answering, or answered 503.
+//! [`RetryOnce`]: retry a request whose backend failed before answering, answered 503, or
+//! refused its prompt as too long for its context ([`ReadRefusals`], [`ContextRefusal`]).
 
-use std::future::{ready, Ready};
+use std::fmt;
+use std::future::{ready, Future, Ready};
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
 
+use bytes::{Buf, Bytes, BytesMut};
 use http::StatusCode;
+use http_body::Body;
+use pin_project_lite::pin_project;
 use tower::retry::Policy;
+use tower::{Layer, Service};
 
-use crate::{BoxError, Error};
+use crate::{BackendId, BoxError, Decision, Error, ResponseBody};
 
 /// A [`tower::retry::Policy`] that retries a request once when its backend failed before
 /// sending a response ([`Error::Backend`]), or answered `503 Service Unavailable` (it serves
-/// nothing now: llama-server answers so while it loads its model). Nothing has reached the
-/// client yet, so the retry is invisible to it; the 503's body is dropped. The backend is
+/// nothing now: llama-server answers so while it loads its model), or refused the prompt as
+/// too long for its context (a [`ContextRefusal`] on the answer, which [`ReadRefusals`]
+/// puts there). Nothing has reached the client yet, so the retry is invisible to it; the
+/// 503's body is dropped. A refused request is retried with the refusal among its
+/// extensions: the balancer then counts the prompt as the refusing backend did and passes
+/// over that backend, and any whose request context is no larger, for one that takes it. The backend is
 /// marked down in either case (see [`SessionAffinityLayer::failure_cooldown`]), so the retry
 /// is placed on the next candidate. With the cooldown turned off (`Duration::ZERO`) nothing
 /// marks it down, and the retry is placed as the first attempt was: a session's retry goes
@@ -50,6 +62,19 @@ impl RetryOnce {
         self.retried = true;
         Some(ready(()))
     }
+
+    /// Whether to retry an answer refusing the prompt as too long: once, with the refusal
+    /// among the request's extensions.
+    fn refused<B, ResB>(
+        &mut self,
+        req: &mut http::Request<B>,
+        res: &http::Response<ResB>,
+    ) -> Option<Ready<()>> {
+        let refusal = res.extensions().get::<ContextRefusal>()?;
+        let retry = self.once(true)?;
+        req.extensions_mut().insert(refusal.clone());
+        Some(retry)
+    }
 }
 
 /// Nothing reached the client: the backend failed before answering, or answered that it
@@ -67,9 +92,14 @@ impl<B: Clone, ResB> Policy<http::Request<B>, http::Response<ResB>, Error> for R
 
     fn retry(
         &mut self,
-        _req: &mut http::Request<B>,
+        req: &mut http::Request<B>,
         result: &mut Result<http::Response<ResB>, Error>,
     ) -> Option<Self::Future> {
+        if let Ok(res) = result {
+            if res.status() == StatusCode::BAD_REQUEST {
+                return self.refused(req, res);
+            }
+        }
         self.once(failed(result.as_ref()))
     }
 
@@ -85,9 +115,14 @@ impl<B: Clone, ResB> Policy<http::Request<B>, http::Response<ResB>, BoxError> fo
 
     fn retry(
         &mut self,
-        _req: &mut http::Request<B>,
+        req: &mut http::Request<B>,
         result: &mut Result<http::Response<ResB>, BoxError>,
     ) -> Option<Self::Future> {
+        if let Ok(res) = result {
+            if res.status() == StatusCode::BAD_REQUEST {
+                return self.refused(req, res);
+            }
+        }
         let failed = match result {
             Ok(res) => failed::<ResB>(Ok(res)),
             Err(e) => e
@@ -99,5 +134,282 @@ impl<B: Clone, ResB> Policy<http::Request<B>, http::Response<ResB>, BoxError> fo
 
     fn clone_request(&mut self, req: &http::Request<B>) -> Option<http::Request<B>> {
         Some(req.clone())
+    }
+}
+
+// === a refusal of a prompt too long ===
+
+/// A backend refused a request's prompt as longer than one request can take there: its count
+/// of the prompt's tokens and the context it has for a request. llama-server answers so,
+/// with `400 exceed_context_size_error`, for a prompt of its slot's `n_ctx` tokens or more.
+///
+/// [`ReadRefusals`] puts it among a refusal's extensions, naming the backend from the
+/// answer's [`Decision`]; [`RetryOnce`] moves it into the request it retries. A request that
+/// carries it is placed by it: the backend named, and any whose
+/// [request context](crate::Backend::request_context_tokens) is no larger than the prompt's
+/// tokens, are passed over while a backend up takes the prompt. The prompt's tokens are the
+/// refusing backend's count, which holds exactly for backends serving the same model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ContextRefusal {
+    /// The backend that refused the prompt, when known.
+    pub backend: Option<BackendId>,
+    /// The prompt's tokens, as that backend counted them.
+    pub prompt_tokens: u64,
+    /// The most tokens one request can take on that backend (llama-server's slot `n_ctx`).
+    pub context_tokens: u64,
+}
+
+impl ContextRefusal {
+    /// A refusal of a prompt of `prompt_tokens` by a backend that takes `context_tokens` a
+    /// request, on no backend named.
+    pub fn new(prompt_tokens: u64, context_tokens: u64) -> Self {
+        ContextRefusal {
+            backend: None,
+            prompt_tokens,
+            context_tokens,
+        }
+    }
+
+    /// The same refusal, by `backend`.
+    pub fn by(mut self, backend: impl Into<BackendId>) -> Self {
+        self.backend = Some(backend.into());
+        self
+    }
+
+    /// llama-server's refusal, from its answer's body:
+    /// `{"error": {"type": "exceed_context_size_error", "n_prompt_tokens": N, "n_ctx": M, ..}}`.
+    /// `None` for any other body.
+    ///
+    /// ```
+    /// use tower_affinity::ContextRefusal;
+    ///
+    /// let body = br#"{"error":{"code":400,"message":"request (6024 tokens) exceeds the available context size (4096 tokens), try increasing it","type":"exceed_context_size_error","n_prompt_tokens":6024,"n_ctx":4096}}"#;
+    /// assert_eq!(ContextRefusal::from_body(body), Some(ContextRefusal::new(6024, 4096)));
+    /// assert_eq!(ContextRefusal::from_body(br#"{"error":{"type":"invalid_request_error"}}"#), None);
+    /// ```
+    pub fn from_body(body: &[u8]) -> Option<Self> {
+        let answer: serde_json::Value = serde_json::from_slice(body).ok()?;
+        let error = answer.get("error")?;
+        if error.get("type")?.as_str()? != "exceed_context_size_error" {
+            return None;
+        }
+        let count = |name: &str| error.get(name)?.as_u64().filter(|&n| n > 0);
+        Some(ContextRefusal::new(
+            count("n_prompt_tokens")?,
+            count("n_ctx")?,
+        ))
+    }
+}
+
+/// The most of a `400` answer [`ReadRefusals`] reads: llama-server's refusal is a few
+/// hundred bytes.
+const REFUSAL_LIMIT: u64 = 16 * 1024;
+
+/// A [`Layer`] for [`ReadRefusals`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ReadRefusalsLayer {
+    _priv: (),
+}
+
+impl ReadRefusalsLayer {
+    /// The layer.
+    pub const fn new() -> Self {
+        ReadRefusalsLayer { _priv: () }
+    }
+}
+
+impl<S> Layer<S> for ReadRefusalsLayer {
+    type Service = ReadRefusals<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        ReadRefusals::new(inner)
+    }
+}
+
+/// Reads the body of each `400` answer of a [`SessionAffinity`](crate::SessionAffinity)
+/// (of up to 16 KiB, its length known), and marks a refusal of the prompt as too long for
+/// the backend's context with a [`ContextRefusal`] among the answer's extensions, for
+/// [`RetryOnce`] to retry the request on a backend that takes it. The answer goes on with the
+/// same status, headers and bytes. Other answers pass as they are, unread.
+///
+/// A conversation outgrows a backend's slots on a turn whose prompt the balancer estimates
+/// from its bytes, in the backend's tokens as its answers taught (see
+/// [`Backend::request_context_tokens`](crate::Backend::request_context_tokens)): a prompt
+/// of denser text than that backend's average (numbers, another language, minified code)
+/// can be more tokens than estimated, and be refused where it was sent. Read and retried, it
+/// is answered by a backend that takes it, and a keyed conversation's home moves there.
+///
+/// Put it inside the retry, so that the retry sees the mark; the request body must be
+/// `Clone` for the retry (buffer it first). The cost on other answers is a look at the
+/// status; a refusal is answered after its body is read whole (a few hundred bytes, read at
+/// once). A `400` of unknown length, or longer, is not read, and its trailers, if it has
+/// any, are not passed on.
+///
+/// ```
+/// use tower::retry::Retry;
+/// use tower::Layer;
+/// use tower_affinity::{ReadRefusalsLayer, RetryOnce};
+///
+/// # fn wrap<S>(affinity: S) -> Retry<RetryOnce, tower_affinity::ReadRefusals<S>> {
+/// let balancer = Retry::new(RetryOnce::new(), ReadRefusalsLayer::new().layer(affinity));
+/// # balancer }
+/// ```
+#[derive(Clone, Debug)]
+pub struct ReadRefusals<S> {
+    inner: S,
+}
+
+impl<S> ReadRefusals<S> {
+    /// Reads the refusals of `inner`.
+    pub const fn new(inner: S) -> Self {
+        ReadRefusals { inner }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+}
+
+impl<S, ReqB, B> Service<http::Request<ReqB>> for ReadRefusals<S>
+where
+    S: Service<http::Request<ReqB>, Response = http::Response<ResponseBody<B>>, Error = Error>,
+    B: Body,
+    B::Data: From<Bytes>,
+    B::Error: Into<BoxError>,
+{
+    type Response = http::Response<ResponseBody<B>>;
+    type Error = Error;
+    type Future = ReadRefusalsFuture<S::Future, B>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<ReqB>) -> Self::Future {
+        ReadRefusalsFuture {
+            state: ReadState::Call {
+                fut: self.inner.call(req),
+            },
+        }
+    }
+}
+
+pin_project! {
+    /// The response future of [`ReadRefusals`].
+    pub struct ReadRefusalsFuture<F, B> {
+        #[pin]
+        state: ReadState<F, B>,
+    }
+}
+
+pin_project! {
+    #[project = ReadStateProj]
+    enum ReadState<F, B> {
+        Call { #[pin] fut: F },
+        Read {
+            parts: Option<http::response::Parts>,
+            #[pin]
+            body: ResponseBody<B>,
+            read: BytesMut,
+        },
+    }
+}
+
+impl<F, B> fmt::Debug for ReadRefusalsFuture<F, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match self.state {
+            ReadState::Call { .. } => "call",
+            ReadState::Read { .. } => "read",
+        };
+        f.debug_struct("ReadRefusalsFuture")
+            .field("state", &state)
+            .finish()
+    }
+}
+
+impl<F, B> Future for ReadRefusalsFuture<F, B>
+where
+    F: Future<Output = Result<http::Response<ResponseBody<B>>, Error>>,
+    B: Body,
+    B::Data: From<Bytes>,
+    B::Error: Into<BoxError>,
+{
+    type Output = Result<http::Response<ResponseBody<B>>, Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut state = self.project().state;
+        loop {
+            match state.as_mut().project() {
+                ReadStateProj::Call { fut } => {
+                    let res = ready!(fut.poll(cx))?;
+                    let length = res.body().size_hint().upper();
+                    if res.status() != StatusCode::BAD_REQUEST
+                        || length.is_none_or(|n| n > REFUSAL_LIMIT)
+                    {
+                        return Poll::Ready(Ok(res));
+                    }
+                    let (parts, body) = res.into_parts();
+                    let read = BytesMut::with_capacity(length.unwrap_or(0) as usize);
+                    state.set(ReadState::Read {
+                        parts: Some(parts),
+                        body,
+                        read,
+                    });
+                }
+                ReadStateProj::Read {
+                    parts,
+                    mut body,
+                    read,
+                } => {
+                    while let Some(frame) = ready!(body.as_mut().poll_frame(cx)) {
+                        match frame {
+                            Ok(frame) => {
+                                if let Ok(mut data) = frame.into_data() {
+                                    while data.has_remaining() {
+                                        let chunk = data.chunk();
+                                        read.extend_from_slice(chunk);
+                                        let n = chunk.len();
+                                        data.advance(n);
+                                    }
+                                }
+                            }
+                            Err(e) => {
+                                let parts = parts.take().expect("polled after completion");
+                                let decision = parts
+                                    .extensions
+                                    .get::<Decision>()
+                                    .cloned()
+                                    .or_else(|| body.as_mut().take_decision());
+                                let backend = decision
+                                    .map_or_else(|| BackendId::from("unknown"), |d| d.backend);
+                                return Poll::Ready(Err(Error::backend(backend, e)));
+                            }
+                        }
+                    }
+                    let mut parts = parts.take().expect("polled after completion");
+                    let read = read.split().freeze();
+                    let decision = body.as_mut().take_decision();
+                    if let Some(refusal) = ContextRefusal::from_body(&read) {
+                        let backend = parts
+                            .extensions
+                            .get::<Decision>()
+                            .or(decision.as_ref())
+                            .map(|d| d.backend.clone());
+                        let refusal = ContextRefusal { backend, ..refusal };
+                        tracing::debug!(
+                            backend = ?refusal.backend,
+                            prompt_tokens = refusal.prompt_tokens,
+                            context_tokens = refusal.context_tokens,
+                            "prompt refused as too long for the backend's context"
+                        );
+                        parts.extensions.insert(refusal);
+                    }
+                    let body = ResponseBody::read_back(read, decision);
+                    return Poll::Ready(Ok(http::Response::from_parts(parts, body)));
+                }
+            }
+        }
     }
 }

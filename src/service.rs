@@ -33,7 +33,9 @@ use crate::stats::{Decision, Outcome, Stats};
 use crate::store::{HomeStore, Homes, StoreAnswer, StoreState, StoreStats};
 use crate::table::{HomeEntry, SessionStore, SessionTable, Sessions};
 use crate::wait::{Look, Scope, WaitHome};
-use crate::{Backend, BackendId, BackendStatus, Overflow, PromptChain, ResponseBody};
+use crate::{
+    Backend, BackendId, BackendStatus, ContextRefusal, Overflow, PromptChain, ResponseBody,
+};
 
 /// The most discovery changes applied in one readiness poll, so a stream that never stops
 /// yielding cannot hold a caller forever.
@@ -664,6 +666,11 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         };
         // A pinned backend that is down is placed around as any request would be.
         let prompt_tokens = chain.map_or(0, PromptChain::tokens);
+        // A retry of a prompt a backend refused as too long counts it as that backend did.
+        let refusal = extensions.get::<ContextRefusal>().map(|r| {
+            let backend = r.backend.as_ref().and_then(|id| t.index_of(id.as_str()));
+            (backend, r.prompt_tokens, r.context_tokens)
+        });
         let pinned = pinned.and_then(|b| offer_pinned(t, now_ms, b, prompt_tokens));
         if let Some((b, _)) = &pinned {
             (cache_backend, cache_node) = (Some(*b), Some(t.member(*b).node));
@@ -676,6 +683,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             Some(c) => c,
             None => loop {
                 let mut c = Candidates::acquire(t, now_ms, prompt_tokens)
+                    .refused(refusal)
                     .only_node(only_node)
                     .only_backend(only_backend);
                 if any_size {

@@ -7,8 +7,9 @@
 //! From the library: each backend is a `client::HttpBackend` (target rewrite, hop-by-hop
 //! headers, timeouts, failures by kind), probed by `health::HealthProbe` (`/health`,
 //! `/slots`), behind `BodyKeyLayer` (body limit, read timeout, key, prompt chain and model),
-//! `RetryOnce` and a `SessionAffinity` for each model's fleet ([`ByModel`] picks it by the
-//! body's `model`; with no `model=` given there is one).
+//! `RetryOnce`, `ReadRefusals` (a prompt refused as too long is retried where it fits) and a
+//! `SessionAffinity` for each model's fleet ([`ByModel`] picks it by the body's `model`; with
+//! no `model=` given there is one).
 //!
 //! From tower-http, around the whole front service:
 //! - `TraceLayer`: a `request` span per request (method, URI, request id) with its response
@@ -86,8 +87,8 @@ use tower_affinity::key::{
 use tower_affinity::placement::{LeastLoaded, NodeThenBackend, Placement, Rendezvous, RoundRobin};
 use tower_affinity::store::{RedisStore, StoreState, StoreStats};
 use tower_affinity::{
-    Backend, BackendStatus, BoxError, Decision, ErrorToResponse, Outcome, Overflow, ResponseBody,
-    RetryOnce, Reuse, SessionAffinity, SessionAffinityLayer, Stats,
+    Backend, BackendStatus, BoxError, Decision, ErrorToResponse, Outcome, Overflow, ReadRefusals,
+    ResponseBody, RetryOnce, Reuse, SessionAffinity, SessionAffinityLayer, Stats,
 };
 use tower_http::request_id::{
     MakeRequestId, PropagateRequestIdLayer, RequestId, SetRequestIdLayer,
@@ -679,7 +680,10 @@ impl Proxy {
         let routes = (self.fleets.iter().zip(&self.wait_seconds))
             .map(|(fleet, wait_seconds)| ModelRoute {
                 model: fleet.model.clone(),
-                service: ErrorToResponse::new(Retry::new(RetryOnce::new(), fleet.affinity.clone())),
+                service: ErrorToResponse::new(Retry::new(
+                    RetryOnce::new(),
+                    ReadRefusals::new(fleet.affinity.clone()),
+                )),
                 wait_seconds: wait_seconds.clone(),
             })
             .collect();
@@ -1156,8 +1160,9 @@ type Reported = (&'static str, &'static str, fn(&BackendStatus) -> u64);
 
 // === serving ===
 
-/// One model's balancer, with one retry, as a request reaches it.
-type Balancer = ErrorToResponse<Retry<RetryOnce, Affinity>>;
+/// One model's balancer, with one retry (of a failure, or of a prompt refused as too long
+/// for its backend's context), as a request reaches it.
+type Balancer = ErrorToResponse<Retry<RetryOnce, ReadRefusals<Affinity>>>;
 
 /// Everything but `/metrics`: the body read for its key, prompt chain and model, then that
 /// model's balancer.

@@ -193,6 +193,12 @@ pub struct Candidates<'a> {
     /// of no larger a limit is passed over too, as it would refuse the prompt as well, though
     /// it may count the prompt a little shorter.
     passed_limit: u64,
+    /// A backend's refusal of the prompt as too long ([`ContextRefusal`](crate::ContextRefusal)):
+    /// the prompt's tokens as it counted them (0: none), which count instead of the estimate.
+    counted: u64,
+    /// The backend that refused it (`u32::MAX`: none in the fleet), and the context it has
+    /// for a request.
+    refused: (u32, u64),
 }
 
 enum Mode<'a> {
@@ -224,6 +230,8 @@ impl<'a> Candidates<'a> {
             largest_taking: None,
             sized: true,
             passed_limit: 0,
+            counted: 0,
+            refused: (u32::MAX, 0),
         }
     }
 
@@ -244,6 +252,8 @@ impl<'a> Candidates<'a> {
             largest_taking: None,
             sized: true,
             passed_limit: 0,
+            counted: 0,
+            refused: (u32::MAX, 0),
         }
     }
 
@@ -264,6 +274,8 @@ impl<'a> Candidates<'a> {
             largest_taking: None,
             sized: true,
             passed_limit: 0,
+            counted: 0,
+            refused: (u32::MAX, 0),
         }
     }
 
@@ -297,14 +309,11 @@ impl<'a> Candidates<'a> {
             (false, true) => tracing::info!(backend = %member.id, "backend up: cooldown over"),
             (false, false) => {}
         }
-        if self.prompt_tokens > 0
+        if (self.prompt_tokens > 0 || self.counted > 0)
             && self.sized
-            && (load.too_small_for(self.prompt_tokens)
-                || (self.passed_limit > 0 && load.request_limit() <= self.passed_limit))
-            && self.largest_taking() > load.request_limit()
+            && self.too_small_while_another_takes(index, load)
         {
             self.pass_over_index(index);
-            self.passed_limit = self.passed_limit.max(load.request_limit());
             return ControlFlow::Continue(());
         }
         self.first.get_or_insert(index);
@@ -358,18 +367,57 @@ impl<'a> Candidates<'a> {
     /// request, asked only once a backend too small for the prompt is offered.
     #[cold]
     fn largest_taking(&mut self) -> u64 {
-        let (t, now_ms, prompt) = (self.topology, self.now_ms, self.prompt_tokens);
-        let passed_over = &self.passed_over;
-        *self.largest_taking.get_or_insert_with(|| {
-            t.live
-                .indexes()
-                .filter(|&i| !passed(passed_over, i))
-                .map(|i| &*t.member(i).load)
-                .filter(|l| !l.is_down(now_ms) && !l.too_small_for(prompt))
-                .map(Load::request_limit)
-                .max()
-                .unwrap_or(0)
-        })
+        if let Some(largest) = self.largest_taking {
+            return largest;
+        }
+        let t = self.topology;
+        let largest = t
+            .live
+            .indexes()
+            .filter(|&i| !self.is_passed_over(i))
+            .map(|i| (i, &*t.member(i).load))
+            .filter(|&(i, l)| !l.is_down(self.now_ms) && !self.too_long_for(i, l))
+            .map(|(i, l)| self.limit_of(i, l))
+            .max()
+            .unwrap_or(0);
+        *self.largest_taking.insert(largest)
+    }
+
+    /// Whether backend `index` is to be passed over as too small for the prompt: it is, or
+    /// its limit is no larger than one passed over as too small, and a backend up with a
+    /// larger limit takes the prompt. Records the limit passed over.
+    fn too_small_while_another_takes(&mut self, index: u32, load: &Load) -> bool {
+        let too_long = self.too_long_for(index, load);
+        if !too_long && self.passed_limit == 0 {
+            return false;
+        }
+        let limit = self.limit_of(index, load);
+        if !(too_long || limit <= self.passed_limit) || self.largest_taking() <= limit {
+            return false;
+        }
+        self.passed_limit = self.passed_limit.max(limit);
+        true
+    }
+
+    /// The most tokens one request can take on backend `index` (`u64::MAX`: no limit): its
+    /// [request context](crate::Backend::request_context_tokens), or what it said it has when
+    /// it refused the prompt, if less.
+    fn limit_of(&self, index: u32, load: &Load) -> u64 {
+        let (backend, context) = self.refused;
+        match load.request_limit() {
+            limit if index == backend => limit.min(context),
+            limit => limit,
+        }
+    }
+
+    /// Whether backend `index` is too small for the prompt: by a refusal's count of its tokens
+    /// where the request carries one, else by its chain's estimate in the backend's tokens.
+    fn too_long_for(&self, index: u32, load: &Load) -> bool {
+        if self.counted > 0 {
+            self.counted >= self.limit_of(index, load)
+        } else {
+            load.too_small_for(self.prompt_tokens)
+        }
     }
 
     /// Whether `backend` is marked down (a failure's cooldown, a probe's mark): an offer of it
@@ -488,6 +536,16 @@ impl<'a> Candidates<'a> {
     /// Counts only `backend`.
     pub(crate) fn only_backend(mut self, backend: Option<u32>) -> Self {
         self.only_backend = backend;
+        self
+    }
+
+    /// Counts the prompt as a backend's refusal of it did (its tokens, and the refusing
+    /// backend's index in the fleet and context for a request), rather than by its estimate.
+    pub(crate) fn refused(mut self, refusal: Option<(Option<u32>, u64, u64)>) -> Self {
+        if let Some((backend, tokens, context)) = refusal {
+            self.counted = tokens;
+            self.refused = (backend.unwrap_or(u32::MAX), context);
+        }
         self
     }
 

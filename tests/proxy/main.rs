@@ -686,6 +686,83 @@ async fn a_conversation_that_outgrows_its_homes_slots_moves_to_a_backend_that_ta
     );
 }
 
+/// A turn denser than its home's average (a tool's output of numbers, which the backends
+/// count a token a digit): estimated under the home's slot context, refused there, and
+/// answered through the retry by a backend that takes it; its next turns go there.
+#[tokio::test]
+async fn a_turn_its_home_refuses_as_too_long_is_answered_by_a_backend_that_takes_it() {
+    let (small, large) = (Stub::start("small", 2).await, Stub::start("large", 2).await);
+    small.set_context(2_000);
+    large.set_context(100_000);
+    for stub in [&small, &large] {
+        stub.set_digit_tokens(4);
+    }
+    let proxy = start(config(&[("node-a", &small), ("node-b", &large)])).await;
+    proxy.proxy.probe_all().await;
+    // A conversation whose first turn went to the small backend.
+    let (mut c, mut session) = (None, String::new());
+    for i in 0..32 {
+        session = format!("d{i}");
+        let mut conversation = Conversation::new(&session);
+        let answer = proxy
+            .post_json(&[("x-session-id", &session)], &conversation.next(json!({})))
+            .await;
+        assert_eq!(answer.status, 200);
+        conversation.answered(&answer);
+        if answer.backend() == "small" {
+            c = Some(conversation);
+            break;
+        }
+    }
+    let mut c = c.expect("no conversation went to the small backend");
+    let turn = |c: &mut Conversation| {
+        let body = c.next(json!({}));
+        let session = session.clone();
+        let proxy = &proxy;
+        async move { proxy.post_json(&[("x-session-id", &session)], &body).await }
+    };
+    // Prose: the router learns a token a byte.
+    for _ in 0..3 {
+        let answer = turn(&mut c).await;
+        assert_eq!((answer.status.as_u16(), answer.backend()), (200, "small"));
+        c.answered(&answer);
+    }
+    // 600 digits: 600 bytes, under the home's 2,000 by the router's estimate, but 2,400
+    // tokens by the backends' count.
+    c.messages
+        .push(json!({"role": "user", "content": "0123456789".repeat(60)}));
+    let answer = turn(&mut c).await;
+    assert_eq!(
+        (answer.status.as_u16(), answer.backend(), answer.outcome()),
+        (200, "large", "cross-node-spill"),
+        "{}",
+        String::from_utf8_lossy(&answer.body)
+    );
+    c.answered(&answer);
+    assert_eq!(
+        small
+            .state
+            .refused
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    for _ in 0..2 {
+        let answer = turn(&mut c).await;
+        assert_eq!(
+            (answer.status.as_u16(), answer.backend(), answer.outcome()),
+            (200, "large", "home-hit")
+        );
+        c.answered(&answer);
+    }
+    assert_eq!(
+        small
+            .state
+            .refused
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+}
+
 #[tokio::test]
 async fn the_probe_finds_a_shared_store_down_in_every_fleet_before_any_request() {
     let a = Stub::start("a", 2).await;

@@ -63,6 +63,9 @@ pub(crate) struct StubState {
     context: AtomicUsize,
     /// Prompts refused as longer than `context`.
     pub(crate) refused: AtomicUsize,
+    /// Tokens an ASCII digit counts (1 until set), as a tokenizer that reads numbers digit by
+    /// digit counts a text of numbers denser than prose.
+    digit_tokens: AtomicUsize,
 }
 
 /// How long a timed stub takes over a chat: the tokens it reads (not cached) at `prefill`
@@ -110,6 +113,7 @@ impl Stub {
             usage_when_asked: Default::default(),
             context: AtomicUsize::new(0),
             refused: AtomicUsize::new(0),
+            digit_tokens: AtomicUsize::new(1),
         });
         let router = Router::new()
             .route("/health", get(health))
@@ -152,6 +156,11 @@ impl Stub {
     /// refused with llama-server's 400 (`exceed_context_size_error`).
     pub(crate) fn set_context(&self, tokens: usize) {
         self.state.context.store(tokens, Ordering::Relaxed);
+    }
+
+    /// Counts each ASCII digit of a prompt as `tokens` tokens (a byte of anything else is one).
+    pub(crate) fn set_digit_tokens(&self, tokens: usize) {
+        self.state.digit_tokens.store(tokens, Ordering::Relaxed);
     }
 
     /// From now on, streams carry usage as vLLM's do: only when asked, in a last chunk of its
@@ -213,10 +222,12 @@ async fn slots_list(State(s): State<Arc<StubState>>) -> Response {
     axum::Json(slots).into_response()
 }
 
-fn tokens(messages: &[Value]) -> usize {
+fn tokens(s: &StubState, messages: &[Value]) -> usize {
+    let digit = s.digit_tokens.load(Ordering::Relaxed);
     messages
         .iter()
-        .map(|m| m["content"].as_str().map_or(0, str::len))
+        .filter_map(|m| m["content"].as_str())
+        .map(|text| text.len() + (digit - 1) * text.bytes().filter(u8::is_ascii_digit).count())
         .sum()
 }
 
@@ -232,7 +243,7 @@ fn cached_tokens(s: &StubState, messages: &[Value], answer: &str) -> usize {
                 .zip(messages)
                 .take_while(|(a, b)| a == b)
                 .count();
-            tokens(&messages[..shared])
+            tokens(s, &messages[..shared])
         })
         .max()
         .unwrap_or(0);
@@ -250,7 +261,7 @@ async fn chat(State(s): State<Arc<StubState>>, body: Bytes) -> Response {
         return (StatusCode::BAD_REQUEST, "body is not JSON").into_response();
     };
     let messages = req["messages"].as_array().cloned().unwrap_or_default();
-    let prompt = tokens(&messages);
+    let prompt = tokens(&s, &messages);
     let context = s.context.load(Ordering::Relaxed);
     // As llama-server: a prompt must leave its answer a token.
     if context > 0 && prompt >= context {

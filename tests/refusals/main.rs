@@ -1,0 +1,382 @@
+//! A prompt its backend refuses as too long for its context, read (`ReadRefusals`) and retried
+//! (`RetryOnce`) on a backend that takes it, with mock llama-servers on paused time.
+
+use std::num::{NonZeroU32, NonZeroU64};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::StatusCode;
+use http_body::{Frame, SizeHint};
+use http_body_util::BodyExt;
+use tower::retry::Retry;
+use tower::util::BoxCloneSyncService;
+use tower::{Layer, Service, ServiceExt};
+use tower_affinity::discover::StaticFleet;
+use tower_affinity::key::PromptFacts;
+use tower_affinity::{
+    Backend, BoxError, ContextRefusal, Decision, Error, Outcome, PromptChain, ReadRefusals,
+    ReadRefusalsLayer, ResponseBody, RetryOnce, SessionAffinityLayer,
+};
+
+type Req = http::Request<String>;
+type Mock = BoxCloneSyncService<Req, http::Response<MockBody>, BoxError>;
+type Res = http::Response<ResponseBody<MockBody>>;
+
+/// A mock answer's body: its bytes with their length known, the same bytes of unknown length,
+/// or some bytes of a length it says and then a failure.
+enum MockBody {
+    Full(Option<Bytes>),
+    Chunked(Option<Bytes>),
+    Broken { said: u64, sent: bool },
+}
+
+impl http_body::Body for MockBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        Poll::Ready(match self.get_mut() {
+            MockBody::Full(data) | MockBody::Chunked(data) => {
+                data.take().map(|d| Ok(Frame::data(d)))
+            }
+            MockBody::Broken { sent, .. } if !*sent => {
+                *sent = true;
+                Some(Ok(Frame::data(Bytes::from_static(b"{\"error\""))))
+            }
+            MockBody::Broken { .. } => Some(Err("connection reset".into())),
+        })
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            MockBody::Full(data) => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+            MockBody::Chunked(_) => SizeHint::default(),
+            MockBody::Broken { said, .. } => SizeHint::with_exact(*said),
+        }
+    }
+}
+
+/// The header giving the prompt's tokens as the backends count them.
+const TOKENS: &str = "x-tokens";
+
+/// A mock llama-server named `name` whose slots take `context` tokens: a prompt of that many
+/// tokens or more (by the request's `x-tokens`) is refused with llama-server's `400`, with its
+/// length known. `x-other-400` gets another `400`; `x-chunked-400` a refusal of unknown length;
+/// `x-broken-400` a refusal whose body fails. `calls` counts the requests it got.
+fn llama(name: &'static str, context: u64, calls: Arc<AtomicUsize>) -> Mock {
+    BoxCloneSyncService::new(tower::service_fn(move |req: Req| {
+        calls.fetch_add(1, Ordering::Relaxed);
+        let header = |h: &str| req.headers().get(h).is_some();
+        let tokens: u64 = req
+            .headers()
+            .get(TOKENS)
+            .and_then(|v| v.to_str().ok()?.parse().ok())
+            .unwrap_or(0);
+        let refusal = format!(
+            r#"{{"error":{{"code":400,"message":"request ({tokens} tokens) exceeds the available context size ({context} tokens), try increasing it","type":"exceed_context_size_error","n_prompt_tokens":{tokens},"n_ctx":{context}}}}}"#
+        );
+        let res = http::Response::builder().header("x-served-by", name);
+        let res = if header("x-other-400") {
+            let body = r#"{"error":{"code":400,"message":"'messages' is required","type":"invalid_request_error"}}"#;
+            res.status(StatusCode::BAD_REQUEST)
+                .body(MockBody::Full(Some(Bytes::from(body))))
+        } else if tokens >= context && header("x-chunked-400") {
+            res.status(StatusCode::BAD_REQUEST)
+                .body(MockBody::Chunked(Some(Bytes::from(refusal))))
+        } else if tokens >= context && header("x-broken-400") {
+            let said = refusal.len() as u64;
+            res.status(StatusCode::BAD_REQUEST)
+                .body(MockBody::Broken { said, sent: false })
+        } else if tokens >= context {
+            res.status(StatusCode::BAD_REQUEST)
+                .body(MockBody::Full(Some(Bytes::from(refusal))))
+        } else {
+            res.body(MockBody::Full(Some(Bytes::from(name))))
+        };
+        std::future::ready(Ok::<_, BoxError>(res.unwrap()))
+    }))
+}
+
+/// `(name, node, context a slot, whether the balancer is given that context)`, one slot each;
+/// and each backend's count of the requests it got.
+fn fleet(spec: &[(&'static str, &str, u64, bool)]) -> (StaticFleet<Mock>, Vec<Arc<AtomicUsize>>) {
+    let calls: Vec<_> = spec.iter().map(|_| Arc::default()).collect();
+    let fleet = StaticFleet::new(spec.iter().zip(&calls).map(
+        |(&(name, node, context, given), calls)| {
+            let mut b = Backend::new(node, llama(name, context, Arc::clone(calls)))
+                .slots(NonZeroU32::new(1).unwrap());
+            if given {
+                b = b.request_context_tokens(NonZeroU64::new(context).unwrap());
+            }
+            (name, b)
+        },
+    ));
+    (fleet, calls)
+}
+
+/// A turn of `session` whose prompt the backends count as `tokens`, and whose chain estimates
+/// `estimate`: its first block is the conversation's, shared by its turns.
+fn turn(session: Option<&str>, estimate: u32, tokens: u64) -> Req {
+    let mut req = http::Request::post("/v1/chat/completions");
+    if let Some(s) = session {
+        req = req.header("x-session-id", s);
+    }
+    let mut req = req.header(TOKENS, tokens).body(String::new()).unwrap();
+    let opening = session.map_or(7, |s| s.len() as u64);
+    let chain = PromptChain::from_blocks([(opening, 100), (u64::from(estimate), estimate - 100)]);
+    req.extensions_mut().insert(PromptFacts::from_chain(chain));
+    req
+}
+
+async fn send<S>(svc: &mut S, req: Req) -> Res
+where
+    S: Service<Req, Response = Res, Error = Error>,
+{
+    svc.ready().await.unwrap().call(req).await.unwrap()
+}
+
+fn decision(res: &Res) -> Decision {
+    res.extensions().get::<Decision>().cloned().unwrap()
+}
+
+async fn text(res: Res) -> String {
+    String::from_utf8(res.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap()
+}
+
+type Balancer = Retry<
+    RetryOnce,
+    ReadRefusals<
+        tower_affinity::SessionAffinity<
+            StaticFleet<Mock>,
+            tower_affinity::key::HeaderKey,
+            tower_affinity::placement::NodeThenBackend,
+        >,
+    >,
+>;
+
+fn balancer(fleet: StaticFleet<Mock>) -> Balancer {
+    let affinity = SessionAffinityLayer::new().layer(fleet);
+    Retry::new(RetryOnce::new(), ReadRefusalsLayer::new().layer(affinity))
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_prompt_its_home_refuses_as_too_long_is_retried_on_a_backend_that_takes_it() {
+    let (fleet, calls) = fleet(&[
+        ("small", "node-a", 1_000, true),
+        ("large", "node-b", 100_000, true),
+    ]);
+    let mut svc = balancer(fleet);
+    // A conversation homed on the small backend: its first turns fit.
+    let mut session = None;
+    for i in 0..32 {
+        let s = format!("s{i}");
+        let res = send(&mut svc, turn(Some(&s), 300, 300)).await;
+        if decision(&res).backend.as_str() == "small" {
+            session = Some(s);
+            break;
+        }
+    }
+    let session = session.expect("no session homed on the small backend");
+    let before = calls[0].load(Ordering::Relaxed);
+    // Its next turn is estimated at 600 tokens, under the home's 1,000, but holds 1,500 by
+    // the backends' count (denser text than the home's average): refused at home, and
+    // answered by the large backend; the client sees the answer alone.
+    let res = send(&mut svc, turn(Some(&session), 600, 1_500)).await;
+    let d = decision(&res);
+    assert_eq!(
+        (res.status(), d.backend.as_str()),
+        (StatusCode::OK, "large")
+    );
+    assert_eq!(d.outcome, Outcome::CrossNodeSpill);
+    assert!(res.extensions().get::<ContextRefusal>().is_none());
+    assert_eq!(text(res).await, "large");
+    assert_eq!(
+        calls[0].load(Ordering::Relaxed),
+        before + 1,
+        "refused once at home"
+    );
+    // Its home is there now.
+    let res = send(&mut svc, turn(Some(&session), 700, 1_700)).await;
+    assert_eq!(decision(&res).backend.as_str(), "large");
+    assert_eq!(decision(&res).outcome, Outcome::HomeHit);
+    assert_eq!(calls[0].load(Ordering::Relaxed), before + 1);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn without_reading_refusals_the_refusal_reaches_the_client() {
+    let (fleet, _) = fleet(&[
+        ("small", "node-a", 1_000, true),
+        ("large", "node-b", 100_000, true),
+    ]);
+    let affinity = SessionAffinityLayer::new().layer(fleet);
+    let mut svc = Retry::new(RetryOnce::new(), affinity);
+    let mut refused = 0;
+    for i in 0..8 {
+        let s = format!("s{i}");
+        send(&mut svc, turn(Some(&s), 300, 300)).await;
+        let res = send(&mut svc, turn(Some(&s), 600, 1_500)).await;
+        if res.status() == StatusCode::BAD_REQUEST {
+            refused += 1;
+            assert!(text(res).await.contains("exceed_context_size_error"));
+        }
+    }
+    assert!(
+        refused > 0,
+        "no conversation was homed on the small backend"
+    );
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_refusal_passes_over_the_backend_that_refused_though_its_limit_was_not_given() {
+    // No limits given: the refusal alone says the first backend is too small.
+    let (fleet, calls) = fleet(&[
+        ("small", "node-a", 1_000, false),
+        ("large", "node-a", 100_000, false),
+    ]);
+    let mut svc = balancer(fleet);
+    for i in 0..8 {
+        let s = format!("k{i}");
+        send(&mut svc, turn(Some(&s), 300, 300)).await;
+        let res = send(&mut svc, turn(Some(&s), 600, 1_500)).await;
+        assert_eq!(
+            (res.status(), decision(&res).backend.as_str()),
+            (StatusCode::OK, "large"),
+            "{i}"
+        );
+    }
+    assert!(calls[0].load(Ordering::Relaxed) > 0);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_refusal_that_no_backend_can_take_is_answered_as_it_was_after_one_retry() {
+    let (fleet, calls) = fleet(&[("a", "node-a", 1_000, true), ("b", "node-b", 2_000, true)]);
+    let mut svc = balancer(fleet);
+    // Estimated short, 5,000 tokens by the backends' count: more than either takes.
+    let res = send(&mut svc, turn(None, 300, 5_000)).await;
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    let refusal = res.extensions().get::<ContextRefusal>().cloned().unwrap();
+    assert_eq!(refusal.prompt_tokens, 5_000);
+    let body = text(res).await;
+    assert!(body.contains("\"n_prompt_tokens\":5000"), "{body}");
+    let total: usize = calls.iter().map(|c| c.load(Ordering::Relaxed)).sum();
+    assert_eq!(total, 2, "tried once, retried once");
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn other_answers_pass_unread_and_unretried() {
+    let (fleet, calls) = fleet(&[
+        ("small", "node-a", 1_000, true),
+        ("large", "node-b", 100_000, true),
+    ]);
+    let mut svc = balancer(fleet);
+    // Another 400: its bytes reach the client, and it is not retried.
+    let mut req = turn(None, 300, 300);
+    req.headers_mut()
+        .insert("x-other-400", http::HeaderValue::from_static("1"));
+    let res = send(&mut svc, req).await;
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    assert!(res.extensions().get::<ContextRefusal>().is_none());
+    assert!(text(res).await.contains("invalid_request_error"));
+    let total = || {
+        calls
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .sum::<usize>()
+    };
+    assert_eq!(total(), 1);
+    // A refusal of unknown length is not read: it reaches the client as it came.
+    let mut req = turn(None, 300, 200_000);
+    req.headers_mut()
+        .insert("x-chunked-400", http::HeaderValue::from_static("1"));
+    let res = send(&mut svc, req).await;
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    assert!(res.extensions().get::<ContextRefusal>().is_none());
+    assert!(text(res).await.contains("exceed_context_size_error"));
+    assert_eq!(total(), 2);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_refusal_whose_body_fails_is_the_backends_failure() {
+    let (fleet, _) = fleet(&[("small", "node-a", 1_000, true)]);
+    let affinity = SessionAffinityLayer::new().layer(fleet);
+    let mut svc = ReadRefusalsLayer::new().layer(affinity.clone());
+    let mut req = turn(None, 300, 5_000);
+    req.headers_mut()
+        .insert("x-broken-400", http::HeaderValue::from_static("1"));
+    let err = svc.ready().await.unwrap().call(req).await.unwrap_err();
+    match err {
+        Error::Backend {
+            backend, source, ..
+        } => {
+            assert_eq!(backend.as_str(), "small");
+            assert!(source.to_string().contains("connection reset"), "{source}");
+        }
+        e => panic!("{e:?}"),
+    }
+    assert_eq!(affinity.stats().in_flight, 0, "the slot is free again");
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_refusal_names_its_backend_from_the_decision_kept_in_the_body() {
+    let (fleet, _) = fleet(&[
+        ("small", "node-a", 1_000, false),
+        ("large", "node-a", 100_000, false),
+    ]);
+    let affinity = SessionAffinityLayer::new()
+        .decision_extension(false)
+        .layer(fleet);
+    let mut svc = ReadRefusalsLayer::new().layer(affinity);
+    for i in 0..8 {
+        let res = send(&mut svc, turn(Some(&format!("d{i}")), 600, 1_500)).await;
+        if res.status() != StatusCode::BAD_REQUEST {
+            continue;
+        }
+        let refusal = res.extensions().get::<ContextRefusal>().cloned().unwrap();
+        assert_eq!(refusal.backend.as_ref().map(|b| b.as_str()), Some("small"));
+        assert_eq!(
+            (refusal.prompt_tokens, refusal.context_tokens),
+            (1_500, 1_000)
+        );
+        // The body keeps its decision, and its bytes.
+        let body = res.into_body();
+        assert_eq!(body.decision().map(|d| d.backend.as_str()), Some("small"));
+        let bytes = body.collect().await.unwrap().to_bytes();
+        assert!(ContextRefusal::from_body(&bytes).is_some());
+        return;
+    }
+    panic!("no request went to the small backend");
+}
+
+#[test]
+fn only_llama_servers_refusal_of_a_prompt_too_long_is_read_as_one() {
+    let refusal = br#"{"error":{"code":400,"message":"request (256 tokens) exceeds the available context size (256 tokens), try increasing it","type":"exceed_context_size_error","n_prompt_tokens":256,"n_ctx":256}}"#;
+    assert_eq!(
+        ContextRefusal::from_body(refusal),
+        Some(ContextRefusal::new(256, 256))
+    );
+    for body in [
+        &br#"{"error":{"type":"exceed_context_size_error","n_prompt_tokens":256}}"#[..],
+        br#"{"error":{"type":"exceed_context_size_error","n_prompt_tokens":0,"n_ctx":256}}"#,
+        br#"{"error":{"type":"exceed_context_size_error","n_prompt_tokens":"256","n_ctx":256}}"#,
+        br#"{"error":{"type":"invalid_request_error","n_prompt_tokens":256,"n_ctx":256}}"#,
+        br#"{"type":"exceed_context_size_error","n_prompt_tokens":256,"n_ctx":256}"#,
+        br#"{"error":"exceed_context_size_error"}"#,
+        b"request too long",
+        b"",
+    ] {
+        assert_eq!(
+            ContextRefusal::from_body(body),
+            None,
+            "{}",
+            String::from_utf8_lossy(body)
+        );
+    }
+}
