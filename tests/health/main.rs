@@ -39,6 +39,8 @@ struct Stub {
     n_ctx: Mutex<Option<Value>>,
     /// `/v1/models`' answer (vLLM's shape), 404 when `None`.
     models: Mutex<Option<Value>>,
+    /// `/v1/models` never answers.
+    models_hang: AtomicBool,
     health_hits: AtomicUsize,
     slots_hits: AtomicUsize,
     models_hits: AtomicUsize,
@@ -78,6 +80,9 @@ async fn slots(State(s): State<Arc<Stub>>) -> Result<axum::Json<Value>, StatusCo
 
 async fn models(State(s): State<Arc<Stub>>) -> Result<axum::Json<Value>, StatusCode> {
     s.models_hits.fetch_add(1, Ordering::Relaxed);
+    if s.models_hang.load(Ordering::Relaxed) {
+        std::future::pending::<()>().await;
+    }
     s.models
         .lock()
         .clone()
@@ -722,4 +727,47 @@ async fn a_backend_with_slots_is_not_asked_its_models() {
     prober.round(&affinity).await;
     assert_eq!(status(&affinity, "b").request_context_limit, None);
     assert_eq!(stub_b.models_hits.load(Ordering::Relaxed), 0);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn v1_models_is_asked_only_of_a_ready_backend_and_its_context_announced_once() {
+    let logs = logs();
+    let (addr, stub) = start(0).await;
+    stub.slots_status.store(404, Ordering::Relaxed);
+    *stub.models.lock() = Some(vllm_models(8_192));
+    let probe = HealthProbe::new()
+        .timeout(Duration::from_secs(2))
+        .failure_threshold(1);
+    let (affinity, prober) = balancer(probe, vec![("m1", Backend::new("n", http(addr)))]);
+    for _ in 0..3 {
+        prober.round(&affinity).await;
+    }
+    // Read each round, announced once: an unchanged context is not announced again.
+    assert_eq!(stub.models_hits.load(Ordering::Relaxed), 3);
+    assert_eq!(logs.count("m1", "request context read from /v1/models"), 1);
+    assert_eq!(status(&affinity, "m1").request_context_limit, Some(8_192));
+    // Loading or failing: `/v1/models` is not asked (it would only add a timeout).
+    for code in [503, 500] {
+        stub.health.store(code, Ordering::Relaxed);
+        prober.round(&affinity).await;
+    }
+    assert_eq!(stub.models_hits.load(Ordering::Relaxed), 3);
+    assert!(!prober.status("m1").unwrap().up);
+    // A `/slots` failing otherwise than with "none" (a 500 from a proxy) is no reason either.
+    stub.health.store(200, Ordering::Relaxed);
+    stub.slots_status.store(500, Ordering::Relaxed);
+    prober.round(&affinity).await;
+    assert_eq!(stub.models_hits.load(Ordering::Relaxed), 3);
+    // A `/v1/models` that never answers holds the probe for its timeout, and takes nothing
+    // down nor the context away.
+    stub.slots_status.store(404, Ordering::Relaxed);
+    stub.models_hang.store(true, Ordering::Relaxed);
+    let started = tokio::time::Instant::now();
+    prober.round(&affinity).await;
+    let took = started.elapsed();
+    assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(3), "{took:?}");
+    let s = prober.status("m1").unwrap();
+    assert!(s.up && s.failures == 0, "{s:?}");
+    assert_eq!(status(&affinity, "m1").request_context_limit, Some(8_192));
+    assert!(status(&affinity, "m1").healthy);
 }
