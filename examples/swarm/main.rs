@@ -559,8 +559,14 @@ fn bound_note(runs: &[Run], fleet: &[BackendSpec]) -> String {
 }
 
 /// What caches of blocks would have reused of each policy's requests (see
-/// [`bound::block_reuse`]).
-fn block_bound_note(runs: &[Run], fleet: &[BackendSpec], trace: &trace::Trace) -> String {
+/// [`bound::block_reuse`]). With `answers_kept`, each request's answer is held after its
+/// prompt, as the backends hold it: the next turn's prompt goes on past it.
+fn block_bound_note(
+    runs: &[Run],
+    fleet: &[BackendSpec],
+    trace: &trace::Trace,
+    answers_kept: bool,
+) -> String {
     use bound::Stores;
     let capacity: std::collections::HashMap<BackendId, u64> = fleet
         .iter()
@@ -573,15 +579,22 @@ fn block_bound_note(runs: &[Run], fleet: &[BackendSpec], trace: &trace::Trace) -
             let mut records: Vec<&TurnRecord> = r.records.iter().collect();
             records.sort_by_key(|t| (t.conversation, t.sent));
             let mut next = vec![0usize; trace.conversations.len()];
-            let requests: Vec<(&TurnRecord, &[cache::Block])> = records
+            let requests: Vec<(&TurnRecord, Vec<cache::Block>)> = records
                 .into_iter()
                 .filter_map(|t| {
                     let c = t.conversation as usize;
                     let i = *trace.conversations.get(c)?.get(next[c])?;
                     next[c] += 1;
-                    Some((t, &trace.requests[i].blocks[..]))
+                    let r = &trace.requests[i];
+                    let mut blocks = r.blocks.to_vec();
+                    if answers_kept {
+                        blocks.push(trace::answer_of(i, r));
+                    }
+                    Some((t, blocks))
                 })
                 .collect();
+            let requests: Vec<(&TurnRecord, &[cache::Block])> =
+                requests.iter().map(|(t, b)| (*t, &b[..])).collect();
             let rate = |stores| 100.0 * bound::block_reuse(&requests, &capacity, stores);
             format!(
                 "{} {:.1}%/{:.1}%",
@@ -807,7 +820,7 @@ fn replay(o: &Options, path: &Path) -> Result<Vec<Table>, String> {
                 .into(),
             ram_note(&runs),
             reported_note(&runs),
-            block_bound_note(&runs, &fleet.backends(ram), &t),
+            block_bound_note(&runs, &fleet.backends(ram), &t, o.answers_kept),
         ];
         notes.extend(store_note(&runs));
         let label = format!(
@@ -1181,6 +1194,13 @@ mod tests {
         for t in [&tables[0], &tables[2]] {
             let ntb = t.row("NodeThenBackend").unwrap();
             assert_eq!((ntb.hits, ntb.reused, ntb.ideal), (2, 2240, 2240), "{t}");
+            // Caches of blocks as large as the fleet's hold each prompt and its answer too.
+            let blocks = t
+                .notes
+                .iter()
+                .find(|n| n.starts_with("caches of blocks"))
+                .unwrap();
+            assert!(blocks.contains("NodeThenBackend 100.0%/100.0%"), "{blocks}");
         }
     }
 
