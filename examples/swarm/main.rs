@@ -763,6 +763,7 @@ fn replay(o: &Options, path: &Path) -> Result<Vec<Table>, String> {
     let t = trace::Trace::parse(&text).map_err(|e| format!("{}: {e}", path.display()))?;
     let t = if o.answers_kept {
         t.with_answers_kept()
+            .map_err(|e| format!("{}: {e}", path.display()))?
     } else {
         t
     };

@@ -138,7 +138,8 @@ impl Trace {
     /// sees an agent's conversation, a turn's state (its prompt and answer) is a prefix of the
     /// next turn's prompt. The ideal is recomputed over these prompts, an answer seen once its
     /// request was.
-    pub(crate) fn with_answers_kept(&self) -> Trace {
+    /// A conversation whose prompt would grow past `u32::MAX` tokens is an error.
+    pub(crate) fn with_answers_kept(&self) -> Result<Trace, String> {
         let mut requests = self.requests.clone();
         for conversation in &self.conversations {
             for pair in conversation.windows(2) {
@@ -165,7 +166,14 @@ impl Trace {
                     blocks.extend_from_slice(&trace.blocks[k + 1..]);
                 }
                 let r = &mut requests[i];
-                r.input = cache::tokens(&blocks) as u32;
+                r.input = u32::try_from(cache::tokens(&blocks)).map_err(|_| {
+                    format!(
+                        "with its answers kept, request {} (by timestamp) would hold more than \
+                         {} tokens",
+                        i + 1,
+                        u32::MAX
+                    )
+                })?;
                 r.blocks = blocks.into();
             }
         }
@@ -180,11 +188,11 @@ impl Trace {
             seen.extend(r.blocks.iter().copied());
             seen.insert(answer_of(i, r));
         }
-        Trace {
+        Ok(Trace {
             requests,
             conversations: self.conversations.clone(),
             out_of_order: self.out_of_order,
-        }
+        })
     }
 }
 
@@ -475,7 +483,7 @@ mod tests {
         .join("\n");
         let t = Trace::parse(&text).unwrap();
         assert_eq!(t.conversations, vec![vec![0, 1, 2], vec![3]]);
-        let kept = t.with_answers_kept();
+        let kept = t.with_answers_kept().unwrap();
         let ids = |i: usize| {
             let r = &kept.requests[i];
             r.blocks
@@ -501,6 +509,26 @@ mod tests {
         assert_eq!(ideal, [0, 622, 1546, 512]);
         // The trace as given is left as it was.
         assert_eq!(t.requests[2].input, 1540);
+    }
+
+    #[test]
+    fn with_answers_kept_refuses_a_prompt_past_u32_tokens() {
+        // Answers of 3e9 tokens: the third turn would hold two of them.
+        let big = |ts: u64, input: u32, ids: &[u64]| {
+            format!(
+                r#"{{"timestamp": {ts}, "input_length": {input}, "output_length": 3000000000, "hash_ids": {ids:?}}}"#
+            )
+        };
+        let text = [
+            big(0, 612, &[1, 2]),
+            big(10, 1536, &[1, 3, 4]),
+            big(20, 2048, &[1, 3, 5, 6]),
+        ]
+        .join("\n");
+        let t = Trace::parse(&text).unwrap();
+        assert_eq!(t.conversations, vec![vec![0, 1, 2]]);
+        let err = t.with_answers_kept().unwrap_err();
+        assert!(err.contains("request 3"), "{err}");
     }
 
     #[test]

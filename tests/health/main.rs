@@ -765,7 +765,10 @@ async fn v1_models_is_asked_only_of_a_ready_backend_and_its_context_announced_on
     let started = tokio::time::Instant::now();
     prober.round(&affinity).await;
     let took = started.elapsed();
-    assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(3), "{took:?}");
+    assert!(
+        took >= Duration::from_secs(2) && took < Duration::from_secs(3),
+        "{took:?}"
+    );
     let s = prober.status("m1").unwrap();
     assert!(s.up && s.failures == 0, "{s:?}");
     assert_eq!(status(&affinity, "m1").request_context_limit, Some(8_192));
