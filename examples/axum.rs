@@ -27,7 +27,9 @@ use tower_affinity::client::HttpBackend;
 use tower_affinity::discover::StaticFleet;
 use tower_affinity::health::{HealthProbe, ProbeTask};
 use tower_affinity::key::{BodyKeyLayer, ExtensionKey, FirstOf, HeaderKey};
-use tower_affinity::{Backend, BoxError, ErrorToResponseLayer, RetryOnce, SessionAffinityLayer};
+use tower_affinity::{
+    Backend, BoxError, ErrorToResponseLayer, ReadRefusalsLayer, RetryOnce, SessionAffinityLayer,
+};
 
 /// The proxy: one `HttpBackend` per backend (`(id, node, url)`), probed for `/health` and
 /// `/slots`, behind the balancer with one retry, the key read from headers or the JSON body,
@@ -88,6 +90,9 @@ async fn proxy(backends: &[(&str, &str, String)]) -> Result<(Router, ProbeTask),
         .layer(BodyKeyLayer::new().read_timeout(Duration::from_secs(60)))
         .layer(ErrorToResponseLayer::new())
         .layer(RetryLayer::new(RetryOnce::new()))
+        // Marks a prompt refused as too long for its backend's slots, for the retry to send
+        // it to a backend that takes it.
+        .layer(ReadRefusalsLayer::new())
         .service(affinity);
     let app = Router::new()
         .route("/metrics", get(metrics))

@@ -26,8 +26,12 @@
 #                 size";
 #   slots-proxy   through the proxy over both (slot counts and contexts read from /slots), the
 #                 first turn on `small` (sessions are tried until one goes there): the second
-#                 goes to `large`, and is answered.
-# Exits 0 when the five come out so.
+#                 goes to `large`, and is answered;
+#   dense-proxy   through the same proxy, a conversation on `small` whose second turn (574
+#                 tokens) stays there and whose third is a tool's output of digits, far more
+#                 tokens than the proxy estimates from its bytes: `small` refuses it, and the
+#                 proxy retries it on `large`, which answers.
+# Exits 0 when the six come out so.
 #
 # Environment: TA_CACHE_DIR (~/.cache/tower-affinity), TA_CONTEXT_PORT (18095; the proxy on
 # the next port, `small` and `large` on the two after), TA_PROXY_BIN.
@@ -183,5 +187,59 @@ PY
 conversation slots-direct "http://127.0.0.1:$SMALL" || fail=1
 conversation slots-proxy "http://127.0.0.1:$PROXY_PORT" || fail=1
 grep "request context read from /slots" "$LOGS/proxy-slots.log" | sed 's/^.*backend=/proxy: backend=/' || true
+
+# dense URL: a conversation homed on `small` (two turns of prose, which teach the proxy the
+# backends' tokens a byte; the second, under 600 tokens, stays home), then a tool's output of
+# 1,200 digits: about 300 tokens by the proxy's estimate, the turn under `small`'s 1,024 a
+# slot, but a token a digit by the model's own tokenizer, over 1,600 tokens in all. `small`
+# refuses it (400); the proxy reads the refusal and retries the turn on `large`. Exits 0 if
+# the prose turn stayed home and the dense turn is answered on `large`.
+dense() {
+    python3 - "$@" <<'PY'
+import json, sys, urllib.error, urllib.request
+
+url = sys.argv[1] + "/v1/chat/completions"
+
+def ask(messages, session):
+    body = json.dumps({"messages": messages, "max_tokens": 8, "temperature": 0}).encode()
+    headers = {"content-type": "application/json", "x-session-id": session}
+    req = urllib.request.Request(url, body, headers)
+    try:
+        r = urllib.request.urlopen(req, timeout=600)
+        j = json.load(r)
+        text = j["choices"][0]["message"]["content"]
+        where = f'{r.headers.get("x-affinity-backend", "-")} ({r.headers.get("x-affinity-outcome", "-")})'
+        return r.status, where, j["usage"]["prompt_tokens"], text
+    except urllib.error.HTTPError as e:
+        where = f'{e.headers.get("x-affinity-backend", "-")} ({e.headers.get("x-affinity-outcome", "-")})'
+        return e.code, where, e.read().decode(errors="replace")[:140], ""
+
+rules = " ".join("Rule: keep the code tidy and the tests green." for _ in range(30))
+for i in range(16):
+    session = f"dense-{i}"
+    messages = [{"role": "user", "content": f"Conversation {i}. " + rules}]
+    status, backend, tokens, text = ask(messages, session)
+    print(f"dense-proxy: first turn of {session}: {status} on {backend}, {tokens} tokens")
+    if backend.startswith("small"):
+        break
+more = " ".join("Rule: name things for what they do." for _ in range(20))
+messages += [{"role": "assistant", "content": text}, {"role": "user", "content": more}]
+status, backend, tokens, text = ask(messages, session)
+print(f"dense-proxy: prose turn: {status} on {backend}, {tokens} tokens")
+prose_home = backend.startswith("small")
+digits = "".join(str(i % 10) for i in range(1200))
+messages += [{"role": "assistant", "content": text}, {"role": "user", "content": digits}]
+status, backend, tokens, _ = ask(messages, session)
+print(f"dense-proxy: dense turn: {status} on {backend}: {tokens}")
+ok = prose_home and status == 200 and backend.startswith("large")
+print(f"dense-proxy: {'as expected' if ok else 'NOT as expected'}")
+sys.exit(0 if ok else 1)
+PY
+}
+
+refused_before=$(grep -c "exceeds the available context size" "$LOGS/small.log" || true)
+dense "http://127.0.0.1:$PROXY_PORT" || fail=1
+refused_after=$(grep -c "exceeds the available context size" "$LOGS/small.log" || true)
+echo "dense-proxy: prompts small refused meanwhile: $((refused_after - refused_before))"
 echo "logs: $LOGS"
 exit "$fail"

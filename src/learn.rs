@@ -89,10 +89,17 @@ pub(crate) struct Learned {
     /// model said this backend lacked: what it still has to read before it can start on
     /// another prompt.
     pub(crate) unread_tokens: AtomicU64,
-    /// The backend's prompt tokens per token of the chain's estimate (an `f64`'s bits; 0
-    /// until learned, read as 1): the chain counts four bytes a token, the backend's own
-    /// tokenizer may count otherwise, and the prefill rate is in the backend's tokens.
-    token_scale: AtomicU64,
+    /// The backend's prompt tokens per token of the chain's estimate is the ratio of these
+    /// two averages (each an `f64`'s bits; 0 until learned): of the prompt tokens the
+    /// backend reported, and of the chain's estimates of the same prompts. The chain counts
+    /// four bytes a token, the backend's own tokenizer may count otherwise, and the prefill
+    /// rate is in the backend's tokens. A ratio of averages, not an average of ratios: a
+    /// short prompt (a title to write, a question of a line) is mostly the chat template's
+    /// own tokens, and its ratio says nothing of a long prompt's, which carries the weight.
+    /// The two are written one after the other; a reader between them sees the ratio of one
+    /// answer before, at most.
+    scale_tokens: AtomicU64,
+    scale_estimates: AtomicU64,
 }
 
 /// What placement predicted for a request on the backend it chose, kept for its answer.
@@ -183,11 +190,9 @@ impl Learned {
         self.prompt_tokens
             .fetch_add(usage.prompt_tokens, Ordering::Relaxed);
         self.reused_tokens.fetch_add(reused, Ordering::Relaxed);
-        if let Some(p) = predicted.filter(|p| p.prompt_tokens > 0) {
-            blend(
-                &self.token_scale,
-                usage.prompt_tokens as f64 / p.prompt_tokens as f64,
-            );
+        if let Some(p) = predicted.filter(|p| p.prompt_tokens > 0 && usage.prompt_tokens > 0) {
+            blend(&self.scale_tokens, usage.prompt_tokens as f64);
+            blend(&self.scale_estimates, p.prompt_tokens as f64);
         }
         let read = usage.prompt_tokens.saturating_sub(reused);
         // The time the prompt took to read: llama.cpp says; a stream's first byte tells.
@@ -281,7 +286,7 @@ impl Learned {
     /// `prior`: what the fleet's other backends taught.
     pub(crate) fn read_time_or(&self, tokens: u64, prior: &Prior) -> Option<Duration> {
         let rate = self.prefill_rate().or(prior.rate)?;
-        let scale = load_f64(&self.token_scale).or(prior.scale).unwrap_or(1.0);
+        let scale = self.token_scale().or(prior.scale).unwrap_or(1.0);
         Some(duration_of(tokens as f64 * scale / rate))
     }
 
@@ -292,18 +297,23 @@ impl Learned {
 
     /// Whether the backend has taught how many of its tokens a token of the chain's estimate is.
     pub(crate) fn knows_scale(&self) -> bool {
-        load_f64(&self.token_scale).is_some()
+        self.token_scale().is_some()
     }
 
     /// The backend's prompt tokens per token of the chain's estimate, once learned.
     pub(crate) fn token_scale(&self) -> Option<f64> {
-        load_f64(&self.token_scale)
+        let tokens = load_f64(&self.scale_tokens)?;
+        let estimates = load_f64(&self.scale_estimates)?;
+        Some(tokens / estimates).filter(|s| s.is_finite())
     }
 
-    /// Teaches the scale as if the answers had.
+    /// Teaches the scale as if the answers had (of prompts of 1,024 tokens by the estimate).
     #[cfg(test)]
     pub(crate) fn set_token_scale(&self, scale: f64) {
-        self.token_scale.store(scale.to_bits(), Ordering::Relaxed);
+        self.scale_estimates
+            .store(1024f64.to_bits(), Ordering::Relaxed);
+        self.scale_tokens
+            .store((scale * 1024.0).to_bits(), Ordering::Relaxed);
     }
 
     /// The time to read `tokens` after the prompts of the requests in flight that have not
@@ -333,7 +343,7 @@ impl Prior {
             if let Some(r) = l.prefill_rate() {
                 rates = (rates.0 + r, rates.1 + 1);
             }
-            if let Some(s) = load_f64(&l.token_scale) {
+            if let Some(s) = l.token_scale() {
                 scales = (scales.0 + s, scales.1 + 1);
             }
         }
@@ -412,6 +422,16 @@ mod tests {
         assert_eq!(l.token_scale(), Some(4.0));
         // 2,500 tokens of the estimate are 10,000 of the backend's: 50 s, not 12.5 s.
         assert_eq!(l.read_time(2_500), Some(Duration::from_secs(50)));
+        // A short prompt, mostly the chat template's own tokens (27 of a question the chain
+        // counts as 4), moves it little: the ratio of the averages, not the average of the
+        // ratios (which would make it 4.7).
+        let short = Prediction {
+            prompt_tokens: 4,
+            ..p
+        };
+        l.learn(&answer(27, Some(0), 100), Some(short));
+        let scale = l.token_scale().unwrap();
+        assert!((scale - 4.0).abs() < 0.01, "{scale}");
         // Without a prediction (no chain) nothing is learned of the scale.
         let l = Learned::default();
         l.learn(&answer(10_000, Some(0), 50_000), None);
