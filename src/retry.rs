@@ -16,21 +16,24 @@ use tower::{Layer, Service};
 use crate::{BackendId, BoxError, Decision, Error, ResponseBody};
 
 /// A [`tower::retry::Policy`] that retries a request once when its backend failed before
-/// sending a response ([`Error::Backend`]), or answered `503 Service Unavailable` (it serves
+/// sending a response ([`Error::Backend`]), answered `503 Service Unavailable` (it serves
 /// nothing now: llama-server answers so while it loads its model), or refused the prompt as
-/// too long for its context (a [`ContextRefusal`] on the answer, which [`ReadRefusals`]
-/// puts there). Nothing has reached the client yet, so the retry is invisible to it; the
-/// 503's body is dropped. A refused request is retried with the refusal among its
+/// too long for its context (a [`ContextRefusal`] on the answer, which [`ReadRefusals`] puts
+/// there). Nothing has reached the client yet, so the retry is invisible to it; the 503's
+/// body is dropped.
+///
+/// A backend that failed or answered 503 is marked down (see
+/// [`SessionAffinityLayer::failure_cooldown`]), so the retry is placed on the next
+/// candidate. With the cooldown turned off (`Duration::ZERO`) nothing marks it down, and the
+/// retry is placed as the first attempt was: a session's retry goes back to its home, the
+/// backend that just failed. A refused request is retried with the refusal among its
 /// extensions: the balancer then counts the prompt as the refusing backend did and passes
-/// over that backend, and any whose request context is no larger, for one that takes it. The backend is
-/// marked down in either case (see [`SessionAffinityLayer::failure_cooldown`]), so the retry
-/// is placed on the next candidate. With the cooldown turned off (`Duration::ZERO`) nothing
-/// marks it down, and the retry is placed as the first attempt was: a session's retry goes
-/// back to its home, the backend that just failed. Other answers, errors included, are the
-/// backend's to give. A failure that is the request's own is not retried: its body failed on
-/// its way to the backend (the client went away, a body limit), or it is not one a proxy
-/// forwards (a `CONNECT`, a transfer coding other than `chunked`). The backend is not at
-/// fault, and the same request would fail again.
+/// over that backend, and any whose request context is no larger, for one that takes it;
+/// the backend that refused stays up. Other answers, errors included, are the backend's to
+/// give. A failure that is the request's own is not retried: its body failed on its way to
+/// the backend (the client went away, a body limit), or it is not one a proxy forwards (a
+/// `CONNECT`, a transfer coding other than `chunked`). The backend is not at fault, and the
+/// same request would fail again.
 ///
 /// The request body must be `Clone`: buffer it first (a `Full<Bytes>` body is).
 ///

@@ -27,7 +27,7 @@ use crate::key::{KeyExtractor, PromptFacts, SessionKey};
 use crate::learn::{Learned, Prior};
 use crate::placement::{
     request_prefix, BackendRef, Candidates, FleetView, Home, HomeCache, NodeRef, Placement,
-    PlacementRequest,
+    PlacementRequest, Refused,
 };
 use crate::stats::{Decision, Outcome, Stats};
 use crate::store::{HomeStore, Homes, StoreAnswer, StoreState, StoreStats};
@@ -667,9 +667,10 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         // A pinned backend that is down is placed around as any request would be.
         let prompt_tokens = chain.map_or(0, PromptChain::tokens);
         // A retry of a prompt a backend refused as too long counts it as that backend did.
-        let refusal = extensions.get::<ContextRefusal>().map(|r| {
-            let backend = r.backend.as_ref().and_then(|id| t.index_of(id.as_str()));
-            (backend, r.prompt_tokens, r.context_tokens)
+        let refused = extensions.get::<ContextRefusal>().map(|r| Refused {
+            tokens: r.prompt_tokens,
+            backend: r.backend.as_ref().and_then(|id| t.index_of(id.as_str())),
+            context: r.context_tokens,
         });
         let pinned = pinned.and_then(|b| offer_pinned(t, now_ms, b, prompt_tokens));
         if let Some((b, _)) = &pinned {
@@ -683,9 +684,11 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             Some(c) => c,
             None => loop {
                 let mut c = Candidates::acquire(t, now_ms, prompt_tokens)
-                    .refused(refusal)
                     .only_node(only_node)
                     .only_backend(only_backend);
+                if let Some(r) = &refused {
+                    c.count_as_refused(r);
+                }
                 if any_size {
                     c = c.any_size();
                 }

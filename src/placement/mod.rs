@@ -184,8 +184,11 @@ pub struct Candidates<'a> {
     context: u32,
     /// The largest [request context](crate::Backend::request_context_tokens) of the backends
     /// up, not passed over, that take a prompt as long as the request's (`u64::MAX`: one
-    /// without a limit; 0: none): found once a backend too small for it is offered.
-    largest_taking: Option<u64>,
+    /// without a limit; 0: none): found once a backend too small for it is offered
+    /// ([`NOT_LOOKED`] until then, which no limit is: a sentinel rather than an `Option`, so
+    /// that the sink every request builds stays within 128 bytes, which it is moved in without
+    /// a call to `memcpy`).
+    largest_taking: u64,
     /// Whether a backend too small for the prompt is passed over (not for a request that
     /// continues a response stored on one backend, which goes there or nowhere).
     sized: bool,
@@ -193,12 +196,24 @@ pub struct Candidates<'a> {
     /// of no larger a limit is passed over too, as it would refuse the prompt as well, though
     /// it may count the prompt a little shorter.
     passed_limit: u64,
-    /// A backend's refusal of the prompt as too long ([`ContextRefusal`](crate::ContextRefusal)):
-    /// the prompt's tokens as it counted them (0: none), which count instead of the estimate.
-    counted: u64,
-    /// The backend that refused it (`u32::MAX`: none in the fleet), and the context it has
-    /// for a request.
-    refused: (u32, u64),
+    /// A backend's refusal of the prompt as too long, which counts instead of the estimate
+    /// ([`ContextRefusal`](crate::ContextRefusal)); by reference, so that the sink every
+    /// request builds stays as small as it was.
+    refused: Option<&'a Refused>,
+}
+
+/// [`Candidates`]' largest limit that takes the prompt, before it is looked for.
+const NOT_LOOKED: u64 = u64::MAX - 1;
+
+/// A backend's refusal of a request's prompt as too long, as placement reads it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Refused {
+    /// The prompt's tokens, as the backend counted them.
+    pub(crate) tokens: u64,
+    /// The backend that refused it, if it is in the fleet.
+    pub(crate) backend: Option<u32>,
+    /// The most tokens one request can take there, as it said.
+    pub(crate) context: u64,
 }
 
 enum Mode<'a> {
@@ -227,11 +242,10 @@ impl<'a> Candidates<'a> {
             chosen: None,
             prompt_tokens,
             context: 0,
-            largest_taking: None,
+            largest_taking: NOT_LOOKED,
             sized: true,
             passed_limit: 0,
-            counted: 0,
-            refused: (u32::MAX, 0),
+            refused: None,
         }
     }
 
@@ -249,11 +263,10 @@ impl<'a> Candidates<'a> {
             chosen: None,
             prompt_tokens: 0,
             context: 0,
-            largest_taking: None,
+            largest_taking: NOT_LOOKED,
             sized: true,
             passed_limit: 0,
-            counted: 0,
-            refused: (u32::MAX, 0),
+            refused: None,
         }
     }
 
@@ -271,11 +284,10 @@ impl<'a> Candidates<'a> {
             chosen: None,
             prompt_tokens: 0,
             context: 0,
-            largest_taking: None,
+            largest_taking: NOT_LOOKED,
             sized: true,
             passed_limit: 0,
-            counted: 0,
-            refused: (u32::MAX, 0),
+            refused: None,
         }
     }
 
@@ -309,7 +321,7 @@ impl<'a> Candidates<'a> {
             (false, true) => tracing::info!(backend = %member.id, "backend up: cooldown over"),
             (false, false) => {}
         }
-        if (self.prompt_tokens > 0 || self.counted > 0)
+        if (self.prompt_tokens > 0 || self.refused.is_some())
             && self.sized
             && self.too_small_while_another_takes(index, load)
         {
@@ -367,8 +379,8 @@ impl<'a> Candidates<'a> {
     /// request, asked only once a backend too small for the prompt is offered.
     #[cold]
     fn largest_taking(&mut self) -> u64 {
-        if let Some(largest) = self.largest_taking {
-            return largest;
+        if self.largest_taking != NOT_LOOKED {
+            return self.largest_taking;
         }
         let t = self.topology;
         let largest = t
@@ -380,7 +392,13 @@ impl<'a> Candidates<'a> {
             .map(|(i, l)| self.limit_of(i, l))
             .max()
             .unwrap_or(0);
-        *self.largest_taking.insert(largest)
+        // A limit of `NOT_LOOKED` tokens, were one given, reads as none.
+        self.largest_taking = if largest == NOT_LOOKED {
+            u64::MAX
+        } else {
+            largest
+        };
+        self.largest_taking
     }
 
     /// Whether backend `index` is to be passed over as too small for the prompt: it is, or
@@ -403,20 +421,18 @@ impl<'a> Candidates<'a> {
     /// [request context](crate::Backend::request_context_tokens), or what it said it has when
     /// it refused the prompt, if less.
     fn limit_of(&self, index: u32, load: &Load) -> u64 {
-        let (backend, context) = self.refused;
-        match load.request_limit() {
-            limit if index == backend => limit.min(context),
-            limit => limit,
+        match (load.request_limit(), self.refused) {
+            (limit, Some(r)) if r.backend == Some(index) => limit.min(r.context),
+            (limit, _) => limit,
         }
     }
 
     /// Whether backend `index` is too small for the prompt: by a refusal's count of its tokens
     /// where the request carries one, else by its chain's estimate in the backend's tokens.
     fn too_long_for(&self, index: u32, load: &Load) -> bool {
-        if self.counted > 0 {
-            self.counted >= self.limit_of(index, load)
-        } else {
-            load.too_small_for(self.prompt_tokens)
+        match self.refused {
+            Some(r) => r.tokens >= self.limit_of(index, load),
+            None => load.too_small_for(self.prompt_tokens),
         }
     }
 
@@ -539,14 +555,9 @@ impl<'a> Candidates<'a> {
         self
     }
 
-    /// Counts the prompt as a backend's refusal of it did (its tokens, and the refusing
-    /// backend's index in the fleet and context for a request), rather than by its estimate.
-    pub(crate) fn refused(mut self, refusal: Option<(Option<u32>, u64, u64)>) -> Self {
-        if let Some((backend, tokens, context)) = refusal {
-            self.counted = tokens;
-            self.refused = (backend.unwrap_or(u32::MAX), context);
-        }
-        self
+    /// Counts the prompt as a backend's refusal of it did, rather than by its estimate.
+    pub(crate) fn count_as_refused(&mut self, refused: &'a Refused) {
+        self.refused = Some(refused);
     }
 
     /// Passes over no backend as too small for the prompt.
