@@ -33,6 +33,9 @@
 //!   backend's `/health` and `/slots` and marks it down and up.
 //! - [`SessionAffinityLayer`] builds [`SessionAffinity`], a `tower::Service` for your axum or
 //!   hyper proxy. Its [`ResponseBody`] releases the request's slot when the body ends.
+//! - [`RetryOnce`], a retry policy for tower's `RetryLayer`: a request whose backend failed,
+//!   answered 503, or refused its prompt as too long for its context ([`ReadRefusals`] reads
+//!   such a refusal into a [`ContextRefusal`]) is retried once where it fits.
 //!
 //! # Example
 //!
@@ -102,7 +105,7 @@
 //   body.rs      ResponseBody: holds the slot until the body ends; InnerOrBytes, shared with key/
 //   overflow.rs  what a request does when every candidate is full
 //   error.rs     Error, its HTTP mapping, ErrorToResponse
-//   retry.rs     RetryOnce
+//   retry.rs     RetryOnce; ReadRefusals, ContextRefusal
 //   fleet.rs     nodes, backends, slot counters, health (discovery applied here)
 //   table.rs     the session table
 //   store/       the shared store of homes for router replicas: the HomeStore trait,
