@@ -144,7 +144,9 @@ impl<B: Clone, ResB> Policy<http::Request<B>, http::Response<ResB>, BoxError> fo
 
 /// A backend refused a request's prompt as longer than one request can take there: its count
 /// of the prompt's tokens and the context it has for a request. llama-server answers so,
-/// with `400 exceed_context_size_error`, for a prompt of its slot's `n_ctx` tokens or more.
+/// with `400 exceed_context_size_error`, for a prompt of its slot's `n_ctx` tokens or more;
+/// vLLM and SGLang with a `400` whose message states their context length (see
+/// [`from_body`](Self::from_body)).
 ///
 /// [`ReadRefusals`] puts it among a refusal's extensions, naming the backend from the
 /// answer's [`Decision`]; [`RetryOnce`] moves it into the request it retries. A request that
@@ -157,9 +159,11 @@ impl<B: Clone, ResB> Policy<http::Request<B>, http::Response<ResB>, BoxError> fo
 pub struct ContextRefusal {
     /// The backend that refused the prompt, when known.
     pub backend: Option<BackendId>,
-    /// The prompt's tokens, as that backend counted them.
+    /// The prompt's tokens, as that backend counted them; where it did not say, at least
+    /// its context.
     pub prompt_tokens: u64,
-    /// The most tokens one request can take on that backend (llama-server's slot `n_ctx`).
+    /// The most tokens one request can take on that backend (llama-server's slot `n_ctx`,
+    /// vLLM's `max_model_len`, SGLang's context length).
     pub context_tokens: u64,
 }
 
@@ -180,33 +184,64 @@ impl ContextRefusal {
         self
     }
 
-    /// llama-server's refusal, from its answer's body:
-    /// `{"error": {"type": "exceed_context_size_error", "n_prompt_tokens": N, "n_ctx": M, ..}}`.
-    /// `None` for any other body.
+    /// A refusal, from its answer's body: llama-server's
+    /// `{"error": {"type": "exceed_context_size_error", "n_prompt_tokens": N, "n_ctx": M, ..}}`;
+    /// or a message that says the model's context length in words, as vLLM's and SGLang's do
+    /// (`"This model's maximum context length is M tokens. However, ..."`, `"... longer than
+    /// the model's context length (M tokens)"`, `"... the maximum model length of M"`), in
+    /// `message` or `error.message`. Such a message's count of the prompt, where it gives
+    /// one, is worded differently from version to version, and may count the answer's
+    /// `max_tokens` too: the prompt is taken to be at least `M` tokens, which passes over
+    /// backends of no larger a context, as the request needs. `None` for any other body.
     ///
     /// ```
     /// use tower_affinity::ContextRefusal;
     ///
     /// let body = br#"{"error":{"code":400,"message":"request (6024 tokens) exceeds the available context size (4096 tokens), try increasing it","type":"exceed_context_size_error","n_prompt_tokens":6024,"n_ctx":4096}}"#;
     /// assert_eq!(ContextRefusal::from_body(body), Some(ContextRefusal::new(6024, 4096)));
+    /// let vllm = br#"{"object":"error","message":"This model's maximum context length is 32768 tokens. However, you requested 40000 tokens (39000 in the messages, 1000 in the completion). Please reduce the length of the messages or completion.","type":"BadRequestError","param":null,"code":400}"#;
+    /// assert_eq!(ContextRefusal::from_body(vllm), Some(ContextRefusal::new(32768, 32768)));
     /// assert_eq!(ContextRefusal::from_body(br#"{"error":{"type":"invalid_request_error"}}"#), None);
     /// ```
     pub fn from_body(body: &[u8]) -> Option<Self> {
         let answer: serde_json::Value = serde_json::from_slice(body).ok()?;
-        let error = answer.get("error")?;
-        if error.get("type")?.as_str()? != "exceed_context_size_error" {
-            return None;
+        let error = answer.get("error");
+        let kind = error.and_then(|e| e.get("type")?.as_str());
+        if let (Some(error), Some("exceed_context_size_error")) = (error, kind) {
+            let count = |name: &str| error.get(name)?.as_u64().filter(|&n| n > 0);
+            return Some(ContextRefusal::new(
+                count("n_prompt_tokens")?,
+                count("n_ctx")?,
+            ));
         }
-        let count = |name: &str| error.get(name)?.as_u64().filter(|&n| n > 0);
-        Some(ContextRefusal::new(
-            count("n_prompt_tokens")?,
-            count("n_ctx")?,
-        ))
+        let message = (error.and_then(|e| e.get("message")))
+            .or_else(|| answer.get("message"))?
+            .as_str()?;
+        let context = context_length_in(message)?;
+        Some(ContextRefusal::new(context, context))
     }
 }
 
-/// The most of a `400` answer [`ReadRefusals`] reads: llama-server's refusal is a few
-/// hundred bytes.
+/// The model's context length that `message` states: the number right after "context
+/// length" or "model length" (a word or a parenthesis between them at most).
+fn context_length_in(message: &str) -> Option<u64> {
+    let lower = message.to_ascii_lowercase();
+    ["context length", "model length"]
+        .iter()
+        .find_map(|phrase| {
+            let rest = &lower[lower.find(phrase)? + phrase.len()..];
+            let start = rest
+                .find(|c: char| c.is_ascii_digit())
+                .filter(|&at| at <= 5)?;
+            let digits = &rest[start..];
+            let end = digits
+                .find(|c: char| !c.is_ascii_digit())
+                .unwrap_or(digits.len());
+            digits[..end].parse().ok().filter(|&n| n > 0)
+        })
+}
+
+/// The most of a `400` answer [`ReadRefusals`] reads: a refusal is a few hundred bytes.
 const REFUSAL_LIMIT: u64 = 16 * 1024;
 
 /// A [`Layer`] for [`ReadRefusals`].

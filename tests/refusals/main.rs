@@ -356,7 +356,50 @@ async fn a_refusal_names_its_backend_from_the_decision_kept_in_the_body() {
 }
 
 #[test]
-fn only_llama_servers_refusal_of_a_prompt_too_long_is_read_as_one() {
+fn vllms_and_sglangs_refusals_are_read_from_their_words() {
+    let refusals = [
+        // vLLM, in its versions' words.
+        (
+            r#"{"object":"error","message":"This model's maximum context length is 32768 tokens. However, you requested 40000 tokens (39000 in the messages, 1000 in the completion). Please reduce the length of the messages or completion.","type":"BadRequestError","param":null,"code":400}"#,
+            32_768,
+        ),
+        (
+            r#"{"error":{"message":"This model's maximum context length is 8192 tokens. However, your request has 9000 input tokens. Please reduce the length of the input messages.","type":"BadRequestError","param":null,"code":400}}"#,
+            8_192,
+        ),
+        (
+            r#"{"error":{"message":"The decoder prompt (length 5000) is longer than the maximum model length of 4096. Make sure that `max_model_len` is no smaller than the number of text tokens.","type":"BadRequestError","code":400}}"#,
+            4_096,
+        ),
+        // SGLang.
+        (
+            r#"{"object":"error","message":"The input (150000 tokens) is longer than the model's context length (131072 tokens).","type":"BadRequestError","param":null,"code":400}"#,
+            131_072,
+        ),
+        (
+            r#"{"object":"error","message":"Requested token count exceeds the model's maximum context length of 4096 tokens. You requested a total of 5000 tokens","type":"BadRequestError","code":400}"#,
+            4_096,
+        ),
+    ];
+    for (body, context) in refusals {
+        assert_eq!(
+            ContextRefusal::from_body(body.as_bytes()),
+            Some(ContextRefusal::new(context, context)),
+            "{body}"
+        );
+    }
+    for body in [
+        r#"{"object":"error","message":"'messages' is required","type":"BadRequestError","code":400}"#,
+        r#"{"error":{"message":"context length exceeded","type":"BadRequestError"}}"#,
+        r#"{"error":{"message":"the context length is not what 12 people said","type":"x"}}"#,
+        r#"{"message":"maximum context length is 0 tokens"}"#,
+    ] {
+        assert_eq!(ContextRefusal::from_body(body.as_bytes()), None, "{body}");
+    }
+}
+
+#[test]
+fn llama_servers_refusal_is_read_from_its_fields() {
     let refusal = br#"{"error":{"code":400,"message":"request (256 tokens) exceeds the available context size (256 tokens), try increasing it","type":"exceed_context_size_error","n_prompt_tokens":256,"n_ctx":256}}"#;
     assert_eq!(
         ContextRefusal::from_body(refusal),
@@ -368,6 +411,7 @@ fn only_llama_servers_refusal_of_a_prompt_too_long_is_read_as_one() {
         br#"{"error":{"type":"exceed_context_size_error","n_prompt_tokens":"256","n_ctx":256}}"#,
         br#"{"error":{"type":"invalid_request_error","n_prompt_tokens":256,"n_ctx":256}}"#,
         br#"{"type":"exceed_context_size_error","n_prompt_tokens":256,"n_ctx":256}"#,
+        br#"{"error":{"type":"exceed_context_size_error","message":"context length (256 tokens)"}}"#,
         br#"{"error":"exceed_context_size_error"}"#,
         b"request too long",
         b"",
