@@ -424,3 +424,82 @@ fn llama_servers_refusal_is_read_from_its_fields() {
         );
     }
 }
+
+/// A session homed on the backend `name` (by its first turn, estimated and counted at 300).
+async fn homed_on(svc: &mut Balancer, name: &str, prefix: &str) -> String {
+    for i in 0..64 {
+        let s = format!("{prefix}{i}");
+        let res = send(svc, turn(Some(&s), 300, 300)).await;
+        if decision(&res).backend.as_str() == name {
+            return s;
+        }
+    }
+    panic!("no session homed on {name}");
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_refusal_passes_over_another_backend_whose_limit_its_count_reaches() {
+    // Two small backends on one node (the second a little larger), a large one on another.
+    let (fleet, calls) = fleet(&[
+        ("small-a", "node-a", 1_000, true),
+        ("small-b", "node-a", 1_200, true),
+        ("large", "node-b", 100_000, true),
+    ]);
+    let mut svc = balancer(fleet);
+    let session = homed_on(&mut svc, "small-a", "t").await;
+    let before = calls[1].load(Ordering::Relaxed);
+    // Estimated at 600 (under either small backend's limit), 1,500 by the count of the one
+    // that refused it: the other small one, larger than the refuser, would refuse it too,
+    // and is passed over.
+    let res = send(&mut svc, turn(Some(&session), 600, 1_500)).await;
+    assert_eq!(
+        (res.status(), decision(&res).backend.as_str()),
+        (StatusCode::OK, "large")
+    );
+    assert_eq!(
+        calls[1].load(Ordering::Relaxed),
+        before,
+        "small-b not tried"
+    );
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_refused_retry_that_waits_for_a_slot_keeps_its_refusal_when_woken() {
+    let (fleet, calls) = fleet(&[
+        ("small", "node-a", 1_000, true),
+        ("large", "node-b", 100_000, true),
+    ]);
+    let affinity = SessionAffinityLayer::new()
+        .overflow(tower_affinity::Overflow::wait(
+            std::time::Duration::from_secs(60),
+            8,
+        ))
+        .layer(fleet);
+    let mut svc = Retry::new(
+        RetryOnce::new(),
+        ReadRefusalsLayer::new().layer(affinity.clone()),
+    );
+    let session = homed_on(&mut svc, "small", "w").await;
+    // The large backend's one slot is held by an answer not yet read.
+    let held = send(&mut svc, turn(None, 5_000, 5_000)).await;
+    assert_eq!(decision(&held).backend.as_str(), "large");
+    let before = calls[0].load(Ordering::Relaxed);
+    // Refused at home; its retry waits for the large backend, not for the small one that
+    // refused it (free all along).
+    let mut task = Box::pin(async {
+        let res = send(&mut svc, turn(Some(&session), 600, 1_500)).await;
+        (res.status(), decision(&res).backend, text(res).await)
+    });
+    tokio::select! {
+        _ = &mut task => panic!("answered while the large backend was full"),
+        () = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
+    }
+    drop(held);
+    let (status, backend, body) = task.await;
+    assert_eq!(
+        (status, backend.as_str(), body.as_str()),
+        (StatusCode::OK, "large", "large")
+    );
+    assert_eq!(calls[0].load(Ordering::Relaxed), before + 1, "refused once");
+    assert_eq!(affinity.stats().in_flight, 0);
+}
