@@ -28,7 +28,7 @@ use tower_affinity::placement::{
     Candidates, FleetView, NodeThenBackend, Placement, PlacementRequest,
 };
 use tower_affinity::{
-    Backend, BackendStatus, Decision, Outcome, Overflow, PromptChain, ResponseBody,
+    Backend, BackendStatus, ContextRefusal, Decision, Outcome, Overflow, PromptChain, ResponseBody,
     SessionAffinity, SessionAffinityLayer, Usage,
 };
 
@@ -987,6 +987,51 @@ async fn the_last_look_of_a_wait_takes_a_slot_elsewhere_rather_than_hold_out_for
     );
     assert_eq!(took, max_wait);
     streaming.abort();
+}
+
+/// Offers every backend but the one that refused the request's prompt, if it carries a
+/// refusal; else places as `NodeThenBackend` does.
+#[derive(Clone, Debug, Default)]
+struct AvoidsTheRefuser(NodeThenBackend);
+
+impl Placement for AvoidsTheRefuser {
+    fn place(&self, fleet: &FleetView<'_>, req: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
+        let refuser = req.extensions.get::<ContextRefusal>();
+        let Some(refuser) = refuser.and_then(|r| r.backend.clone()) else {
+            return self.0.place(fleet, req, c);
+        };
+        for b in fleet.backends().filter(|b| *b.id() != refuser) {
+            if c.offer(b).is_break() {
+                return;
+            }
+        }
+    }
+}
+
+/// A retry of a prompt its home refused as too long, from a policy that never offers the
+/// refuser, is not held for that home, full though it is and cheaper to wait for than moving
+/// by what it learned: the wait's look for the home finds no candidate, and widens at once.
+#[tokio::test(start_paused = true)]
+async fn a_retry_is_not_held_for_the_backend_that_refused_its_prompt() {
+    let svc: Svc<_, AvoidsTheRefuser> = SessionAffinityLayer::new()
+        .placement(AvoidsTheRefuser::default())
+        .layer(fleet(&[("a", "n1"), ("b", "n2")], scripted()));
+    // As in the test above: waiting for the home (5 s) costs less than moving (50 s).
+    teach(&svc, Duration::from_secs(10)).await;
+    let (home, streaming) = busy_home(&svc, Duration::from_secs(5)).await;
+    let mut req = request(
+        Some("s"),
+        Some(chain(&SESSION_BLOCKS, 1000)),
+        reused(10_000, 0),
+    );
+    req.extensions_mut()
+        .insert(ContextRefusal::new(12_000, 4_096).by(home.as_str()));
+    let t0 = Instant::now();
+    let (d, _, _) = exchange(&svc, req).await;
+    assert_ne!(d.backend.as_str(), home);
+    assert_eq!((d.waited, t0.elapsed()), (None, Duration::ZERO), "{d:?}");
+    streaming.await.unwrap();
+    assert_idle(&svc);
 }
 
 #[tokio::test(start_paused = true)]
