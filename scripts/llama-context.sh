@@ -147,38 +147,52 @@ PROXY_PID=$!
 PIDS+=("$PROXY_PID")
 wait_up "http://127.0.0.1:$PROXY_PORT/metrics"
 
-# conversation RUN URL: a short turn, then a long one, under sessions tried until the first
-# turn goes to `small` (through the proxy); exits 0 if the run came out as its name says.
-conversation() {
-    python3 - "$@" <<'PY'
-import json, sys, urllib.error, urllib.request
+# The turns' client, for the runs below: ask(url, messages, session) sends one turn and
+# returns its status, where it went ("backend (outcome)" from the proxy's headers, "-" when
+# sent straight), its prompt tokens (or the refusal's first bytes) and its answer's text.
+cat >"$LOGS/turns.py" <<'PY'
+import json, urllib.error, urllib.request
 
-run, url = sys.argv[1], sys.argv[2] + "/v1/chat/completions"
-first = [{"role": "user", "content": "Name a colour."}]
-
-def ask(messages, session):
+def ask(url, messages, session):
     body = json.dumps({"messages": messages, "max_tokens": 8, "temperature": 0}).encode()
     headers = {"content-type": "application/json", "x-session-id": session}
-    req = urllib.request.Request(url, body, headers)
+    req = urllib.request.Request(url + "/v1/chat/completions", body, headers)
     try:
         r = urllib.request.urlopen(req, timeout=600)
         j = json.load(r)
         text = j["choices"][0]["message"]["content"]
-        return r.status, r.headers.get("x-affinity-backend", "-"), j["usage"]["prompt_tokens"], text
+        return r.status, where(r.headers), j["usage"]["prompt_tokens"], text
     except urllib.error.HTTPError as e:
-        return e.code, e.headers.get("x-affinity-backend", "-"), e.read().decode(errors="replace")[:140], ""
+        return e.code, where(e.headers), e.read().decode(errors="replace")[:140], ""
+
+def where(headers):
+    backend = headers.get("x-affinity-backend")
+    return f'{backend} ({headers.get("x-affinity-outcome", "-")})' if backend else "-"
+PY
+
+# conversation RUN URL: a short turn, then a long one, under sessions tried until the first
+# turn goes to `small` (through the proxy); exits 0 if the run came out as its name says.
+conversation() {
+    python3 - "$LOGS" "$@" <<'PY'
+import sys
+sys.path.insert(0, sys.argv[1])
+from turns import ask
+
+run, url = sys.argv[2], sys.argv[3]
+first = [{"role": "user", "content": "Name a colour."}]
+ask_turn = lambda messages, session: ask(url, messages, session)
 
 for i in range(16):
     session = f"{run}-{i}"
-    status, backend, tokens, text = ask(first, session)
+    status, backend, tokens, text = ask_turn(first, session)
     print(f"{run}: first turn of {session}: {status} on {backend}, {tokens} tokens")
-    if run == "slots-direct" or backend == "small":
+    if run == "slots-direct" or backend.startswith("small"):
         break
 rules = " ".join(f"Rule {i}: keep the code tidy." for i in range(200))
 second = first + [{"role": "assistant", "content": text}, {"role": "user", "content": rules}]
-status, backend, tokens, _ = ask(second, session)
+status, backend, tokens, _ = ask_turn(second, session)
 print(f"{run}: second turn: {status} on {backend}: {tokens}")
-ok = status == 400 if run == "slots-direct" else (status == 200 and backend == "large")
+ok = status == 400 if run == "slots-direct" else (status == 200 and backend.startswith("large"))
 print(f"{run}: {'as expected' if ok else 'NOT as expected'}")
 sys.exit(0 if ok else 1)
 PY
@@ -195,24 +209,13 @@ grep "request context read from /slots" "$LOGS/proxy-slots.log" | sed 's/^.*back
 # refuses it (400); the proxy reads the refusal and retries the turn on `large`. Exits 0 if
 # the prose turn stayed home and the dense turn is answered on `large`.
 dense() {
-    python3 - "$@" <<'PY'
-import json, sys, urllib.error, urllib.request
+    python3 - "$LOGS" "$@" <<'PY'
+import sys
+sys.path.insert(0, sys.argv[1])
+from turns import ask as ask_at
 
-url = sys.argv[1] + "/v1/chat/completions"
-
-def ask(messages, session):
-    body = json.dumps({"messages": messages, "max_tokens": 8, "temperature": 0}).encode()
-    headers = {"content-type": "application/json", "x-session-id": session}
-    req = urllib.request.Request(url, body, headers)
-    try:
-        r = urllib.request.urlopen(req, timeout=600)
-        j = json.load(r)
-        text = j["choices"][0]["message"]["content"]
-        where = f'{r.headers.get("x-affinity-backend", "-")} ({r.headers.get("x-affinity-outcome", "-")})'
-        return r.status, where, j["usage"]["prompt_tokens"], text
-    except urllib.error.HTTPError as e:
-        where = f'{e.headers.get("x-affinity-backend", "-")} ({e.headers.get("x-affinity-outcome", "-")})'
-        return e.code, where, e.read().decode(errors="replace")[:140], ""
+url = sys.argv[2]
+ask = lambda messages, session: ask_at(url, messages, session)
 
 rules = " ".join("Rule: keep the code tidy and the tests green." for _ in range(30))
 for i in range(16):

@@ -179,6 +179,28 @@ impl Running {
             .await
     }
 
+    /// A keyed conversation whose first turn went to `backend`: sessions `{prefix}0`,
+    /// `{prefix}1`... are tried in turn.
+    async fn conversation_on(&self, backend: &str, prefix: &str) -> Conversation {
+        for i in 0..32 {
+            let mut c = Conversation::new(&format!("{prefix}{i}"));
+            let answer = self.turn(&mut c).await;
+            assert_eq!(answer.status, 200);
+            c.answered(&answer);
+            if answer.backend() == backend {
+                return c;
+            }
+        }
+        panic!("no conversation went to {backend}");
+    }
+
+    /// The next turn of keyed conversation `c`, its name its session key.
+    async fn turn(&self, c: &mut Conversation) -> Answer {
+        let body = c.next(json!({}));
+        let session = c.name.clone();
+        self.post_json(&[("x-session-id", &session)], &body).await
+    }
+
     async fn get(&self, path: &str) -> Answer {
         self.fetch(
             Request::get(self.url(path))
@@ -626,30 +648,10 @@ async fn a_conversation_that_outgrows_its_homes_slots_moves_to_a_backend_that_ta
         );
     }
     // A conversation whose first turn went to the small backend.
-    let (mut c, mut session) = (None, String::new());
-    for i in 0..32 {
-        session = format!("c{i}");
-        let mut conversation = Conversation::new(&session);
-        let answer = proxy
-            .post_json(&[("x-session-id", &session)], &conversation.next(json!({})))
-            .await;
-        assert_eq!(answer.status, 200);
-        conversation.answered(&answer);
-        if answer.backend() == "small" {
-            c = Some(conversation);
-            break;
-        }
-    }
-    let mut c = c.expect("no conversation went to the small backend");
-    let turn = |c: &mut Conversation| {
-        let body = c.next(json!({}));
-        let session = session.clone();
-        let proxy = &proxy;
-        async move { proxy.post_json(&[("x-session-id", &session)], &body).await }
-    };
+    let mut c = proxy.conversation_on("small", "c").await;
     // Turns that fit its home stay there, and teach the router its tokens.
     for _ in 0..3 {
-        let answer = turn(&mut c).await;
+        let answer = proxy.turn(&mut c).await;
         assert_eq!((answer.status.as_u16(), answer.backend()), (200, "small"));
         c.answered(&answer);
     }
@@ -657,7 +659,7 @@ async fn a_conversation_that_outgrows_its_homes_slots_moves_to_a_backend_that_ta
     c.messages
         .push(json!({"role": "user", "content": "y".repeat(3_000)}));
     for i in 0..4 {
-        let answer = turn(&mut c).await;
+        let answer = proxy.turn(&mut c).await;
         assert_eq!(
             answer.status,
             200,
@@ -700,30 +702,10 @@ async fn a_turn_its_home_refuses_as_too_long_is_answered_by_a_backend_that_takes
     let proxy = start(config(&[("node-a", &small), ("node-b", &large)])).await;
     proxy.proxy.probe_all().await;
     // A conversation whose first turn went to the small backend.
-    let (mut c, mut session) = (None, String::new());
-    for i in 0..32 {
-        session = format!("d{i}");
-        let mut conversation = Conversation::new(&session);
-        let answer = proxy
-            .post_json(&[("x-session-id", &session)], &conversation.next(json!({})))
-            .await;
-        assert_eq!(answer.status, 200);
-        conversation.answered(&answer);
-        if answer.backend() == "small" {
-            c = Some(conversation);
-            break;
-        }
-    }
-    let mut c = c.expect("no conversation went to the small backend");
-    let turn = |c: &mut Conversation| {
-        let body = c.next(json!({}));
-        let session = session.clone();
-        let proxy = &proxy;
-        async move { proxy.post_json(&[("x-session-id", &session)], &body).await }
-    };
+    let mut c = proxy.conversation_on("small", "d").await;
     // Prose: the router learns a token a byte.
     for _ in 0..3 {
-        let answer = turn(&mut c).await;
+        let answer = proxy.turn(&mut c).await;
         assert_eq!((answer.status.as_u16(), answer.backend()), (200, "small"));
         c.answered(&answer);
     }
@@ -731,7 +713,7 @@ async fn a_turn_its_home_refuses_as_too_long_is_answered_by_a_backend_that_takes
     // tokens by the backends' count.
     c.messages
         .push(json!({"role": "user", "content": "0123456789".repeat(60)}));
-    let answer = turn(&mut c).await;
+    let answer = proxy.turn(&mut c).await;
     assert_eq!(
         (answer.status.as_u16(), answer.backend(), answer.outcome()),
         (200, "large", "cross-node-spill"),
@@ -747,7 +729,7 @@ async fn a_turn_its_home_refuses_as_too_long_is_answered_by_a_backend_that_takes
         1
     );
     for _ in 0..2 {
-        let answer = turn(&mut c).await;
+        let answer = proxy.turn(&mut c).await;
         assert_eq!(
             (answer.status.as_u16(), answer.backend(), answer.outcome()),
             (200, "large", "home-hit")
