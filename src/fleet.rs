@@ -277,17 +277,18 @@ impl<S> Backend<S> {
     /// Sets the most tokens of context one request can take on the backend: with `-np N` and
     /// no `--kv-unified`, llama-server gives each slot `-c / N` and refuses a longer prompt
     /// (`400`, `exceed_context_size_error`); vLLM's `--max-model-len`; SGLang's
-    /// `--context-length`. llama-server's `/slots` says it, as each slot's `n_ctx`, and a
+    /// `--context-length`. llama-server's `/slots` says it, as each slot's `n_ctx`, vLLM's and
+    /// SGLang's `/v1/models` as `max_model_len`, and a
     /// [health probe](crate::health::HealthProbe) reads it there when it is not given. Without
     /// it, a backend given [`context_tokens`](Self::context_tokens) takes a request of up to
     /// those.
     ///
     /// A request whose prompt is this long or longer (it must leave its answer a token) does
     /// not go to the backend while a backend up with a larger request context (or none)
-    /// takes it: it is placed as if the backend
-    /// were passed over (see [`Candidates::pass_over`](crate::placement::Candidates::pass_over)),
-    /// so that a conversation that outgrows its home's slots moves to a backend whose slots
-    /// hold it, rather than be refused at home. Where the policy offers no backend up that
+    /// takes it: it is placed as if the backend were passed over (see
+    /// [`Candidates::pass_over`](crate::placement::Candidates::pass_over)), so that a
+    /// conversation that outgrows its home's slots moves to a backend whose slots hold it,
+    /// rather than be refused at home. Where the policy offers no backend up that
     /// takes it, it is placed as if no backend had a limit, and the backend answers for
     /// itself. A prompt never moves between backends of the same limit, whose estimates of it
     /// differ only by what each has learned: one that a backend finds too long goes to a
@@ -297,7 +298,10 @@ impl<S> Backend<S> {
     /// A prompt's tokens are the [prompt chain](crate::PromptChain)'s estimate, scaled by
     /// what the backend's answers have taught of its own tokens per token of the estimate;
     /// until then, the estimate as it is (four bytes a token): counted short, a prompt goes
-    /// where it would have gone without the limit. A request without a chain counts none.
+    /// where it would have gone without the limit. A request without a chain counts none. A
+    /// prompt of denser text than the backend's average can be more tokens than estimated and
+    /// be refused: [`ReadRefusals`](crate::ReadRefusals) and [`RetryOnce`](crate::RetryOnce)
+    /// retry it where it fits, counted as the backend counted it.
     ///
     /// ```
     /// use std::num::NonZeroU64;

@@ -295,7 +295,9 @@ impl<'a> Candidates<'a> {
     /// `Continue` when it is full (offer the next one).
     ///
     /// A backend marked down is passed over, as is a backend from another view, and one
-    /// too small for the request's prompt while one up with a larger request context takes it
+    /// too small for the request's prompt (by its chain's estimate, or as a backend's
+    /// [refusal](crate::ContextRefusal) of it counted it) while one up with a larger request
+    /// context takes it
     /// ([`Backend::request_context_tokens`](crate::Backend::request_context_tokens)).
     pub fn offer(&mut self, backend: BackendRef<'_>) -> ControlFlow<()> {
         if self.chosen.is_some() {
