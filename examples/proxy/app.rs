@@ -649,6 +649,13 @@ impl Proxy {
     /// The balancer of the requests that name no model of another fleet: with one fleet, the
     /// balancer.
     #[cfg_attr(not(test), expect(dead_code, reason = "the tests read it"))]
+    #[cfg_attr(
+        test,
+        allow(
+            dead_code,
+            reason = "tests/proxy reads it, the example's own tests do not"
+        )
+    )]
     pub(crate) fn affinity(&self) -> &Affinity {
         &self.fleets[self.default].affinity
     }
@@ -660,6 +667,13 @@ impl Proxy {
 
     /// The default fleet's probe, for what it found.
     #[cfg_attr(not(test), expect(dead_code, reason = "the tests read it"))]
+    #[cfg_attr(
+        test,
+        allow(
+            dead_code,
+            reason = "tests/proxy reads it, the example's own tests do not"
+        )
+    )]
     pub(crate) fn prober(&self) -> &Prober<Upstream> {
         &self.fleets[self.default].prober
     }
