@@ -693,11 +693,24 @@ async fn a_conversation_that_outgrows_its_homes_slots_moves_to_a_backend_that_ta
 /// answered through the retry by a backend that takes it; its next turns go there.
 #[tokio::test]
 async fn a_turn_its_home_refuses_as_too_long_is_answered_by_a_backend_that_takes_it() {
+    a_dense_turn_refused_at_home_is_answered_elsewhere(false).await;
+}
+
+/// The same, the home refusing as vLLM does: its message states its context length.
+#[tokio::test]
+async fn a_turn_its_home_refuses_in_vllms_words_is_answered_by_a_backend_that_takes_it() {
+    a_dense_turn_refused_at_home_is_answered_elsewhere(true).await;
+}
+
+async fn a_dense_turn_refused_at_home_is_answered_elsewhere(vllm: bool) {
     let (small, large) = (Stub::start("small", 2).await, Stub::start("large", 2).await);
     small.set_context(2_000);
     large.set_context(100_000);
     for stub in [&small, &large] {
         stub.set_digit_tokens(4);
+        if vllm {
+            stub.refuse_as_vllm();
+        }
     }
     let proxy = start(config(&[("node-a", &small), ("node-b", &large)])).await;
     proxy.proxy.probe_all().await;

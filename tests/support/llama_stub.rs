@@ -66,6 +66,8 @@ pub(crate) struct StubState {
     /// Tokens an ASCII digit counts (1 until set), as a tokenizer that reads numbers digit by
     /// digit counts a text of numbers denser than prose.
     digit_tokens: AtomicUsize,
+    /// Refuses a prompt too long in vLLM's words rather than llama-server's fields.
+    refuses_as_vllm: std::sync::atomic::AtomicBool,
 }
 
 /// How long a timed stub takes over a chat: the tokens it reads (not cached) at `prefill`
@@ -114,6 +116,7 @@ impl Stub {
             context: AtomicUsize::new(0),
             refused: AtomicUsize::new(0),
             digit_tokens: AtomicUsize::new(1),
+            refuses_as_vllm: Default::default(),
         });
         let router = Router::new()
             .route("/health", get(health))
@@ -156,6 +159,12 @@ impl Stub {
     /// refused with llama-server's 400 (`exceed_context_size_error`).
     pub(crate) fn set_context(&self, tokens: usize) {
         self.state.context.store(tokens, Ordering::Relaxed);
+    }
+
+    /// From now on, refuses a prompt too long as vLLM does: a `400` whose message states its
+    /// context length, without llama-server's counts.
+    pub(crate) fn refuse_as_vllm(&self) {
+        self.state.refuses_as_vllm.store(true, Ordering::Relaxed);
     }
 
     /// Counts each ASCII digit of a prompt as `tokens` tokens (a byte of anything else is one).
@@ -269,8 +278,17 @@ async fn chat(State(s): State<Arc<StubState>>, body: Bytes) -> Response {
         let message = format!(
             "request ({prompt} tokens) exceeds the available context size ({context} tokens), try increasing it"
         );
-        let error = json!({"error": {"code": 400, "message": message,
-            "type": "exceed_context_size_error", "n_prompt_tokens": prompt, "n_ctx": context}});
+        let error = if s.refuses_as_vllm.load(Ordering::Relaxed) {
+            let message = format!(
+                "This model's maximum context length is {context} tokens. However, you requested {} tokens ({prompt} in the messages, 3 in the completion). Please reduce the length of the messages or completion.",
+                prompt + 3
+            );
+            json!({"object": "error", "message": message, "type": "BadRequestError",
+                "param": null, "code": 400})
+        } else {
+            json!({"error": {"code": 400, "message": message,
+                "type": "exceed_context_size_error", "n_prompt_tokens": prompt, "n_ctx": context}})
+        };
         return (StatusCode::BAD_REQUEST, axum::Json(error)).into_response();
     }
     let n = s.chats.fetch_add(1, Ordering::Relaxed) + 1;
