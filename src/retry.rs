@@ -6,7 +6,7 @@ use std::future::{ready, Future, Ready};
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{BufMut, Bytes, BytesMut};
 use http::StatusCode;
 use http_body::Body;
 use pin_project_lite::pin_project;
@@ -404,24 +404,15 @@ where
                     while let Some(frame) = ready!(body.as_mut().poll_frame(cx)) {
                         match frame {
                             Ok(frame) => {
-                                if let Ok(mut data) = frame.into_data() {
-                                    while data.has_remaining() {
-                                        let chunk = data.chunk();
-                                        read.extend_from_slice(chunk);
-                                        let n = chunk.len();
-                                        data.advance(n);
-                                    }
+                                if let Ok(data) = frame.into_data() {
+                                    read.put(data);
                                 }
                             }
                             Err(e) => {
                                 let parts = parts.take().expect("polled after completion");
-                                let decision = parts
-                                    .extensions
-                                    .get::<Decision>()
-                                    .cloned()
-                                    .or_else(|| body.as_mut().take_decision());
-                                let backend = decision
-                                    .map_or_else(|| BackendId::from("unknown"), |d| d.backend);
+                                let decision = body.as_mut().take_decision();
+                                let backend = answered_by(&parts, decision.as_ref())
+                                    .unwrap_or_else(|| BackendId::from("unknown"));
                                 return Poll::Ready(Err(Error::backend(backend, e)));
                             }
                         }
@@ -430,11 +421,7 @@ where
                     let read = read.split().freeze();
                     let decision = body.as_mut().take_decision();
                     if let Some(refusal) = ContextRefusal::from_body(&read) {
-                        let backend = parts
-                            .extensions
-                            .get::<Decision>()
-                            .or(decision.as_ref())
-                            .map(|d| d.backend.clone());
+                        let backend = answered_by(&parts, decision.as_ref());
                         let refusal = ContextRefusal { backend, ..refusal };
                         tracing::debug!(
                             backend = ?refusal.backend,
@@ -450,4 +437,10 @@ where
             }
         }
     }
+}
+
+/// The backend that gave an answer: by its decision, in its extensions or `kept` in its body.
+fn answered_by(parts: &http::response::Parts, kept: Option<&Decision>) -> Option<BackendId> {
+    let decision = parts.extensions.get::<Decision>().or(kept)?;
+    Some(decision.backend.clone())
 }

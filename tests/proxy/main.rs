@@ -679,13 +679,7 @@ async fn a_conversation_that_outgrows_its_homes_slots_moves_to_a_backend_that_ta
         c.answered(&answer);
     }
     assert!(c.prompt_tokens() > 3_000);
-    assert_eq!(
-        small
-            .state
-            .refused
-            .load(std::sync::atomic::Ordering::Relaxed),
-        0
-    );
+    assert_eq!(small.refused(), 0);
 }
 
 /// A turn denser than its home's average (a tool's output of numbers, which the backends
@@ -734,13 +728,7 @@ async fn a_dense_turn_refused_at_home_is_answered_elsewhere(vllm: bool) {
         String::from_utf8_lossy(&answer.body)
     );
     c.answered(&answer);
-    assert_eq!(
-        small
-            .state
-            .refused
-            .load(std::sync::atomic::Ordering::Relaxed),
-        1
-    );
+    assert_eq!(small.refused(), 1);
     for _ in 0..2 {
         let answer = proxy.turn(&mut c).await;
         assert_eq!(
@@ -749,13 +737,7 @@ async fn a_dense_turn_refused_at_home_is_answered_elsewhere(vllm: bool) {
         );
         c.answered(&answer);
     }
-    assert_eq!(
-        small
-            .state
-            .refused
-            .load(std::sync::atomic::Ordering::Relaxed),
-        1
-    );
+    assert_eq!(small.refused(), 1);
 }
 
 #[tokio::test]

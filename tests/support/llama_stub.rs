@@ -161,6 +161,11 @@ impl Stub {
         self.state.context.store(tokens, Ordering::Relaxed);
     }
 
+    /// Prompts refused as longer than a slot's context so far.
+    pub(crate) fn refused(&self) -> usize {
+        self.state.refused.load(Ordering::Relaxed)
+    }
+
     /// From now on, refuses a prompt too long as vLLM does: a `400` whose message states its
     /// context length, without llama-server's counts.
     pub(crate) fn refuse_as_vllm(&self) {
