@@ -280,7 +280,8 @@ where
                 .filter(|(_, t)| !only_new || t.status.probes == 0)
                 .map(|(id, t)| {
                     // For its request context alone, a backend is not asked again once its
-                    // `/slots` answered that it has none (vLLM and SGLang have none).
+                    // `/slots` answered that it has none (vLLM and SGLang have none), until
+                    // it fails or loads.
                     let context = self.learns_context(&t.backend) && !t.status.no_slots;
                     let slots = self.learns_slots(&t.backend) || self.shared.config.busy_slots;
                     let slots = slots || context;
@@ -356,6 +357,11 @@ where
         let s = &mut t.status;
         s.probes += 1;
         let mut mark = None;
+        if checked.health != Health::Ready {
+            // Failing or loading, it may be restarting as another server: once ready again,
+            // `/slots` is asked again even if this one had none.
+            s.no_slots = false;
+        }
         match checked.health {
             Health::Ready => {
                 s.loading = false;

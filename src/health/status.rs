@@ -38,7 +38,8 @@ pub struct ProbeStatus {
     /// 501), while it cannot; `None` once it is read, or while it has never been asked.
     pub slots_error: Option<String>,
     /// `/slots` answered that the backend has none (404, 501): it is not asked again for its
-    /// request context alone.
+    /// request context alone, until the backend fails or loads (a restart, perhaps as
+    /// another server).
     pub(crate) no_slots: bool,
 }
 

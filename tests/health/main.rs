@@ -708,6 +708,45 @@ async fn a_backend_without_slots_learns_its_request_context_from_v1_models() {
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_backend_restarted_as_another_server_is_asked_its_slots_again() {
+    // vLLM-like (no `/slots`), its slot count given: its context comes from `/v1/models`.
+    let (addr, stub) = start(2).await;
+    stub.slots_status.store(404, Ordering::Relaxed);
+    *stub.models.lock() = Some(vllm_models(32_768));
+    let two = NonZeroU32::new(2).unwrap();
+    let probe = HealthProbe::new().failure_threshold(1);
+    let (affinity, prober) = balancer(probe, vec![("v", Backend::new("n", http(addr)).slots(two))]);
+    for _ in 0..2 {
+        prober.round(&affinity).await;
+    }
+    assert_eq!(status(&affinity, "v").request_context_limit, Some(32_768));
+    assert_eq!(stub.slots_hits.load(Ordering::Relaxed), 1, "asked once");
+    // Restarted as llama-server at the same address: loading, then ready with slots of
+    // 4,096 tokens each and no `max_model_len`.
+    stub.health.store(503, Ordering::Relaxed);
+    prober.round(&affinity).await;
+    assert!(!prober.status("v").unwrap().up);
+    stub.health.store(200, Ordering::Relaxed);
+    stub.slots_status.store(0, Ordering::Relaxed);
+    *stub.models.lock() = None;
+    prober.round(&affinity).await;
+    assert_eq!(stub.slots_hits.load(Ordering::Relaxed), 2);
+    assert_eq!(status(&affinity, "v").request_context_limit, Some(4_096));
+    assert_eq!(status(&affinity, "v").slots, 2, "the count given stays");
+    // And a server without slots again is asked once more, then no longer.
+    stub.health.store(500, Ordering::Relaxed);
+    prober.round(&affinity).await;
+    stub.health.store(200, Ordering::Relaxed);
+    stub.slots_status.store(404, Ordering::Relaxed);
+    *stub.models.lock() = Some(vllm_models(16_384));
+    for _ in 0..3 {
+        prober.round(&affinity).await;
+    }
+    assert_eq!(stub.slots_hits.load(Ordering::Relaxed), 3);
+    assert_eq!(status(&affinity, "v").request_context_limit, Some(16_384));
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_backend_with_slots_is_not_asked_its_models() {
     let (a, stub_a) = start(2).await;
     *stub_a.models.lock() = Some(vllm_models(131_072));
