@@ -611,6 +611,50 @@ fn block_bound_note(
     )
 }
 
+/// Each policy's missed later turns (compactions aside): those sent to the backend that served
+/// the conversation's previous turn, by what that backend still held of it (a slot holding a
+/// shorter prefix, such as what the conversations share; a state in RAM holding too little;
+/// nothing), and those sent elsewhere. A miss that stayed is one the backend dropped, whatever
+/// the router predicted: sent elsewhere, it would have been read again there too.
+fn misses_note(runs: &[Run]) -> String {
+    let v: Vec<String> = runs
+        .iter()
+        .map(|r| {
+            let n = misses(&r.records);
+            format!(
+                "{} {} ({}/{}/{}) / {}",
+                r.policy.name(),
+                n[0] + n[1] + n[2],
+                n[0],
+                n[1],
+                n[2],
+                n[3]
+            )
+        })
+        .collect();
+    format!(
+        "missed later turns sent where the previous turn was served (of them, what that backend \
+         still held: a slot's shorter prefix / a state in RAM / nothing) / sent elsewhere: {}",
+        v.join(", ")
+    )
+}
+
+/// The missed later turns of [`misses_note`]: those that stayed, by what their backend found
+/// (a slot's shorter prefix, a state in RAM, nothing), then those sent elsewhere.
+fn misses(records: &[TurnRecord]) -> [usize; 4] {
+    let mut n = [0; 4];
+    for t in records.iter().filter(|t| t.eligible() && !t.hit()) {
+        let i = match (t.moved_node || t.moved_backend, t.source) {
+            (true, _) => 3,
+            (false, Source::Slot) => 0,
+            (false, Source::Ram) => 1,
+            (false, Source::Cold) => 2,
+        };
+        n[i] += 1;
+    }
+    n
+}
+
 /// The reuse the backends reported, as the service read it from their answers, and how often
 /// it was far below the cache model's prediction.
 fn reported_note(runs: &[Run]) -> String {
@@ -697,6 +741,7 @@ fn study(o: &Options) -> Table {
         calibration_note(&runs),
         ram_note(&runs),
         reported_note(&runs),
+        misses_note(&runs),
         bound_note(&runs, &fleet.backends(o.ram_bytes)),
     ];
     notes.extend(store_note(&runs));
@@ -742,6 +787,7 @@ fn overload(o: &Options) -> Vec<Table> {
             let mut notes = vec![
                 ram_note(&runs),
                 reported_note(&runs),
+                misses_note(&runs),
                 bound_note(&runs, &specs),
                 crowding_note(&runs, &specs),
             ];
@@ -821,6 +867,7 @@ fn replay(o: &Options, path: &Path) -> Result<Vec<Table>, String> {
                 .into(),
             ram_note(&runs),
             reported_note(&runs),
+            misses_note(&runs),
             block_bound_note(&runs, &fleet.backends(ram), &t, o.answers_kept),
         ];
         notes.extend(store_note(&runs));
@@ -1029,6 +1076,30 @@ mod tests {
         assert!(rate(c.crowded) + 0.1 < rate(c.roomy), "{note}");
         // Most of the run, no more crowding than 36 on 34 forces.
         assert!(c.fewest.0 * 2 > c.fewest.1, "{note}");
+    }
+
+    #[test]
+    fn under_overload_node_then_backend_misses_turns_where_their_backend_dropped_them() {
+        // Round robin loses its turns by moving them; `NodeThenBackend` keeps its turns where
+        // their cache was, and what it misses there the backend no longer held.
+        let o = options(Scenario::Overload, 30);
+        let runs = agent_runs(FleetKind::Study, &AgentConfig::study(36, 30), &o, 8 << 30);
+        let note = misses_note(&runs);
+        let of = |p| misses(&runs.iter().find(|r| r.policy == p).unwrap().records);
+        let stayed = |n: [usize; 4]| n[0] + n[1] + n[2];
+        let (rr, ntb) = (of(Policy::RoundRobin), of(Policy::NodeThenBackend));
+        assert!(rr[3] > 4 * stayed(rr), "{note}");
+        assert!(stayed(ntb) > 2 * ntb[3], "{note}");
+        // Every miss is counted once.
+        let row = Row::new(
+            "NodeThenBackend",
+            &runs
+                .iter()
+                .find(|r| r.policy == Policy::NodeThenBackend)
+                .unwrap()
+                .records,
+        );
+        assert_eq!(ntb.iter().sum::<usize>(), row.eligible - row.hits, "{note}");
     }
 
     /// The overload scenario's runs at 8 GiB, `turns` turns, on backends of slot policy `policy`.
