@@ -27,11 +27,15 @@
 #   slots-proxy   through the proxy over both (slot counts and contexts read from /slots), the
 #                 first turn on `small` (sessions are tried until one goes there): the second
 #                 goes to `large`, and is answered;
-#   dense-proxy   through the same proxy, a conversation on `small` whose second turn (574
-#                 tokens) stays there and whose third is a tool's output of digits, far more
-#                 tokens than the proxy estimates from its bytes: `small` refuses it, and the
-#                 proxy retries it on `large`, which answers.
-# Exits 0 when the six come out so.
+#   digits-proxy  through the same proxy, a conversation on `small` whose second turn (574
+#                 tokens) stays there and whose third is a tool's output of 1,200 digits,
+#                 which the model's tokenizer counts a token each, as the proxy estimates
+#                 them: the proxy sends it to `large` at once, and `small` refuses nothing;
+#   dense-proxy   the same with a third turn of 1,000 bytes of punctuation (as minified or
+#                 generated text runs), some 700 tokens that the proxy estimates at 250 from
+#                 their bytes: `small` refuses it, and the proxy retries it on `large`,
+#                 which answers.
+# Exits 0 when the seven come out so.
 #
 # Environment: TA_CACHE_DIR (~/.cache/tower-affinity), TA_CONTEXT_PORT (18095; the proxy on
 # the next port, `small` and `large` on the two after), TA_PROXY_BIN.
@@ -202,47 +206,56 @@ conversation slots-direct "http://127.0.0.1:$SMALL" || fail=1
 conversation slots-proxy "http://127.0.0.1:$PROXY_PORT" || fail=1
 grep "request context read from /slots" "$LOGS/proxy-slots.log" | sed 's/^.*backend=/proxy: backend=/' || true
 
-# dense URL: a conversation homed on `small` (two turns of prose, which teach the proxy the
-# backends' tokens a byte; the second, under 600 tokens, stays home), then a tool's output of
-# 1,200 digits: about 300 tokens by the proxy's estimate, the turn under `small`'s 1,024 a
-# slot, but a token a digit by the model's own tokenizer, over 1,600 tokens in all. `small`
-# refuses it (400); the proxy reads the refusal and retries the turn on `large`. Exits 0 if
-# the prose turn stayed home and the dense turn is answered on `large`.
+# dense RUN URL: a conversation homed on `small` (two turns of prose, which teach the proxy
+# the backends' tokens a byte; the second, under 600 tokens, stays home), then a turn over
+# `small`'s 1,024 tokens a slot by the model's own tokenizer: for digits-proxy 1,200 digits,
+# a token each, as the proxy estimates them; for dense-proxy 1,000 bytes of punctuation,
+# about 700 tokens, which the proxy estimates at four bytes a token (250), the turn under the
+# slot's context. Exits 0 if the prose turn stayed home and the third is answered on `large`.
 dense() {
     python3 - "$LOGS" "$@" <<'PY'
-import sys
+import random, sys
 sys.path.insert(0, sys.argv[1])
 from turns import ask as ask_at
 
-url = sys.argv[2]
+run, url = sys.argv[2], sys.argv[3]
 ask = lambda messages, session: ask_at(url, messages, session)
 
 rules = " ".join("Rule: keep the code tidy and the tests green." for _ in range(30))
 for i in range(16):
-    session = f"dense-{i}"
-    messages = [{"role": "user", "content": f"Conversation {i}. " + rules}]
+    session = f"{run}-{i}"
+    messages = [{"role": "user", "content": f"Conversation {run} {i}. " + rules}]
     status, backend, tokens, text = ask(messages, session)
-    print(f"dense-proxy: first turn of {session}: {status} on {backend}, {tokens} tokens")
+    print(f"{run}: first turn of {session}: {status} on {backend}, {tokens} tokens")
     if backend.startswith("small"):
         break
 more = " ".join("Rule: name things for what they do." for _ in range(20))
 messages += [{"role": "assistant", "content": text}, {"role": "user", "content": more}]
 status, backend, tokens, text = ask(messages, session)
-print(f"dense-proxy: prose turn: {status} on {backend}, {tokens} tokens")
+print(f"{run}: prose turn: {status} on {backend}, {tokens} tokens")
 prose_home = backend.startswith("small")
-digits = "".join(str(i % 10) for i in range(1200))
-messages += [{"role": "assistant", "content": text}, {"role": "user", "content": digits}]
+if run == "digits-proxy":
+    third = "".join(str(i % 10) for i in range(1200))
+else:
+    rnd = random.Random(7)
+    third = "".join(rnd.choice("#%&*+<=>@^|~;:,.?!") for _ in range(1000))
+messages += [{"role": "assistant", "content": text}, {"role": "user", "content": third}]
 status, backend, tokens, _ = ask(messages, session)
-print(f"dense-proxy: dense turn: {status} on {backend}: {tokens}")
+print(f"{run}: third turn: {status} on {backend}: {tokens}")
 ok = prose_home and status == 200 and backend.startswith("large")
-print(f"dense-proxy: {'as expected' if ok else 'NOT as expected'}")
+print(f"{run}: {'as expected' if ok else 'NOT as expected'}")
 sys.exit(0 if ok else 1)
 PY
 }
 
-refused_before=$(grep -c "exceeds the available context size" "$LOGS/small.log" || true)
-dense "http://127.0.0.1:$PROXY_PORT" || fail=1
-refused_after=$(grep -c "exceeds the available context size" "$LOGS/small.log" || true)
-echo "dense-proxy: prompts small refused meanwhile: $((refused_after - refused_before))"
+refusals() { grep -c "exceeds the available context size" "$LOGS/small.log" || true; }
+for run in digits-proxy dense-proxy; do
+    before=$(refusals)
+    dense "$run" "http://127.0.0.1:$PROXY_PORT" || fail=1
+    refused=$(($(refusals) - before))
+    want=$([[ "$run" == digits-proxy ]] && echo 0 || echo 1)
+    echo "$run: prompts small refused meanwhile: $refused (expected $want)"
+    [[ "$refused" == "$want" ]] || fail=1
+done
 echo "logs: $LOGS"
 exit "$fail"

@@ -35,7 +35,7 @@
 //! the wait was.
 //!
 //! Tokens are counted as the backend counts them: the cache model's figures are the chain's
-//! estimate (four bytes a token), and each answer teaches the backend's own tokens per token
+//! estimate (four bytes a token, a digit a token), and each answer teaches the backend's own tokens per token
 //! of the estimate. A backend that has not taught its prefill rate or that scale yet (a new
 //! one, or one this router replica has not sent to yet) is taken to read as the fleet's others
 //! do, on average. Until the home's request time and some backend's rate are learned, the
@@ -92,7 +92,7 @@ pub(crate) struct Learned {
     /// The backend's prompt tokens per token of the chain's estimate is the ratio of these
     /// two averages (each an `f64`'s bits; 0 until learned): of the prompt tokens the
     /// backend reported, and of the chain's estimates of the same prompts. The chain counts
-    /// four bytes a token, the backend's own tokenizer may count otherwise, and the prefill
+    /// four bytes a token and a digit a token, the backend's own tokenizer may count otherwise, and the prefill
     /// rate is in the backend's tokens. A ratio of averages, not an average of ratios: a
     /// short prompt (a title to write, a question of a line) is mostly the chat template's
     /// own tokens, and its ratio says nothing of a long prompt's, which carries the weight.

@@ -682,27 +682,48 @@ async fn a_conversation_that_outgrows_its_homes_slots_moves_to_a_backend_that_ta
     assert_eq!(small.refused(), 0);
 }
 
-/// A turn denser than its home's average (a tool's output of numbers, which the backends
-/// count a token a digit): estimated under the home's slot context, refused there, and
-/// answered through the retry by a backend that takes it; its next turns go there.
+/// A turn of numbers, which the backends count a token a digit as the router estimates them:
+/// over the home's slot context by the estimate, sent where it fits, and never refused.
+#[tokio::test]
+async fn a_turn_of_digits_too_long_for_its_home_goes_where_it_fits_unrefused() {
+    a_dense_turn_is_answered_elsewhere(Dense::AsEstimated).await;
+}
+
+/// A turn denser than the router's estimate (a stub counting a digit as many tokens, denser
+/// than any tokenizer): estimated under the home's slot context, refused there, and answered
+/// through the retry by a backend that takes it; its next turns go there.
 #[tokio::test]
 async fn a_turn_its_home_refuses_as_too_long_is_answered_by_a_backend_that_takes_it() {
-    a_dense_turn_refused_at_home_is_answered_elsewhere(false).await;
+    a_dense_turn_is_answered_elsewhere(Dense::Refused { vllm: false }).await;
 }
 
 /// The same, the home refusing as vLLM does: its message states its context length.
 #[tokio::test]
 async fn a_turn_its_home_refuses_in_vllms_words_is_answered_by_a_backend_that_takes_it() {
-    a_dense_turn_refused_at_home_is_answered_elsewhere(true).await;
+    a_dense_turn_is_answered_elsewhere(Dense::Refused { vllm: true }).await;
 }
 
-async fn a_dense_turn_refused_at_home_is_answered_elsewhere(vllm: bool) {
+/// How the backends count [`a_dense_turn_is_answered_elsewhere`]'s digits.
+#[derive(Clone, Copy)]
+enum Dense {
+    /// As many tokens as the router estimates (a token a digit, at the scale prose taught).
+    AsEstimated,
+    /// Four times as many, refused in llama-server's words or vLLM's.
+    Refused { vllm: bool },
+}
+
+async fn a_dense_turn_is_answered_elsewhere(dense: Dense) {
     let (small, large) = (Stub::start("small", 2).await, Stub::start("large", 2).await);
     small.set_context(2_000);
     large.set_context(100_000);
+    // Prose is counted a token a byte, so the router learns four tokens an estimated token.
+    let (digit_tokens, digits, refusals) = match dense {
+        Dense::AsEstimated => (4, 600, 0),
+        Dense::Refused { .. } => (16, 150, 1),
+    };
     for stub in [&small, &large] {
-        stub.set_digit_tokens(4);
-        if vllm {
+        stub.set_digit_tokens(digit_tokens);
+        if let Dense::Refused { vllm: true } = dense {
             stub.refuse_as_vllm();
         }
     }
@@ -716,10 +737,10 @@ async fn a_dense_turn_refused_at_home_is_answered_elsewhere(vllm: bool) {
         assert_eq!((answer.status.as_u16(), answer.backend()), (200, "small"));
         c.answered(&answer);
     }
-    // 600 digits: 600 bytes, under the home's 2,000 by the router's estimate, but 2,400
-    // tokens by the backends' count.
+    // 2,400 tokens by the backends' count: 600 digits, over the home's 2,000 by the router's
+    // estimate too; or 150, under it by the estimate.
     c.messages
-        .push(json!({"role": "user", "content": "0123456789".repeat(60)}));
+        .push(json!({"role": "user", "content": "0123456789".repeat(digits / 10)}));
     let answer = proxy.turn(&mut c).await;
     assert_eq!(
         (answer.status.as_u16(), answer.backend(), answer.outcome()),
@@ -728,7 +749,7 @@ async fn a_dense_turn_refused_at_home_is_answered_elsewhere(vllm: bool) {
         String::from_utf8_lossy(&answer.body)
     );
     c.answered(&answer);
-    assert_eq!(small.refused(), 1);
+    assert_eq!(small.refused(), refusals);
     for _ in 0..2 {
         let answer = proxy.turn(&mut c).await;
         assert_eq!(
@@ -737,7 +758,7 @@ async fn a_dense_turn_refused_at_home_is_answered_elsewhere(vllm: bool) {
         );
         c.answered(&answer);
     }
-    assert_eq!(small.refused(), 1);
+    assert_eq!(small.refused(), refusals);
 }
 
 #[tokio::test]

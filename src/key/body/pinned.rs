@@ -1,10 +1,12 @@
 //! What the parse computes, held still. Chain digests are kept in shared stores across router
 //! versions, so a change to the parse that changes them is a change of format, never a
 //! speed-up:
-//! - the chains (every link's digest, bytes and tokens), the key, the message count and the
-//!   leading digest of a set of representative bodies, pinned as computed at `840f860`, and
-//!   changed since by one change of format only: a message's `content` of one text part is
-//!   hashed as its text (the Anthropic and Responses bodies' chains);
+//! - the chains (every link's digest and bytes, and apart from them its estimated tokens),
+//!   the key, the message count and the leading digest of a set of representative bodies,
+//!   pinned as computed at `840f860`, and changed since by one change of format only: a
+//!   message's `content` of one text part is hashed as its text (the Anthropic and Responses
+//!   bodies' chains). The estimates (the last column) changed once, when digits came to count
+//!   a token each; the digests did not;
 //! - for random bodies, the parse that reads prompt items member by member against the one
 //!   that keeps them whole (the parse of `840f860`).
 
@@ -141,19 +143,22 @@ fn fingerprint(config: &Config, body: &[u8]) -> String {
         |d| d.iter().map(|b| format!("{b:02x}")).collect(),
     );
     let links = facts.chain.links();
-    let mut all = Vec::with_capacity(links.len() * 24);
+    // The links' digests and bytes (the format), apart from their token estimates.
+    let mut all = Vec::with_capacity(links.len() * 16);
+    let mut tokens = Vec::with_capacity(links.len() * 8);
     for l in links {
         all.extend_from_slice(&l.digest.to_le_bytes());
         all.extend_from_slice(&l.bytes.to_le_bytes());
-        all.extend_from_slice(&l.tokens.to_le_bytes());
+        tokens.extend_from_slice(&l.tokens.to_le_bytes());
     }
     format!(
-        "{} {} {leading} {} {:016x} {:016x}",
+        "{} {} {leading} {} {:016x} {:016x} {:016x}",
         key.map_or_else(|| "-".to_string(), |k| k.to_string()),
         facts.messages,
         links.len(),
         links.last().map_or(0, |l| l.digest),
         xxh3_64(&all),
+        xxh3_64(&tokens),
     )
 }
 
@@ -175,42 +180,42 @@ fn configs() -> [(&'static str, Config); 2] {
 }
 
 const PINNED: &[&str] = &[
-    "default/chat: a24a7f55f278dd49fb1f99c5507800cb 5 9579c1aa1fe5d09baa0578619f873483d1e165ddc17d21cd08986c395380d6de 6 b25a60a741057716 3df17464ce6cda8e",
-    "default/long chat: - 82 4910828240e3f912f5caac8ea876724bd62313073f44f9bc1424504bd2948125 174 37973b2a45472c0c 5b3ec518a1ea394d",
-    "default/anthropic: 76f768bd67e2f88ad056626942cb142b 3 d2bd7405b018f66f3a53845649eef057932321934811ab9993341a0fae3370b0 6 f5a13e1bffd6d351 2454b149b88190e3",
-    "default/responses: eb3102a6cb586765d01fad324523ec0b 0 - 4 88094c994a2894f8 c6cfe7eb622a6c72",
-    "default/responses text: - 0 - 1 e150e8c5de41cb2e d290206d6233aaa7",
-    "default/prompt: - 0 - 6 ca0903fbe576331d e3a825a820824b88",
-    "default/pretty chat: a24a7f55f278dd49fb1f99c5507800cb 5 9579c1aa1fe5d09baa0578619f873483d1e165ddc17d21cd08986c395380d6de 6 b25a60a741057716 3df17464ce6cda8e",
-    "default/escapes: - 5 3b30c8318b9c015d872c5c22ce71a80922d7427969b72f26ab41cbd574e079be 5 299df30ce5701e16 68136982604dd8e1",
-    "default/unicode: - 2 35ea14e01efbc87c92e104ffb9d352e3b5d0ae62135c68a763c23a4fdfc4a3b2 2 f4e52b197c806def 07e63319652ec15e",
-    "default/whitespace: 4cf28831d09470e8185fbb6ace85c0ae 2 87dca167f821386b42bba23dd2c9d781429ef9e2783e196f3279e1ac1bbde85d 2 d72ea4225b3d57e8 63ec9d68299585fc",
-    "default/numbers: - 2 0992fca74d4cc8060ab7669a2ad122a6f059ce70475a5efabd808f3df4968aef 2 b23b9f5b541cf4c9 53c4a868bcbb5a45",
-    "default/deep: - 1 0d0ce008686806cefb2386af80bbb495dc8279da83466a8fc0bb25faa9660142 1 549e01a8bd8e46ab 9aa3e92025208e83",
-    "default/too deep: - 0 - 0 0000000000000000 2d06800538d394c2",
-    "default/not json: - 0 - 0 0000000000000000 2d06800538d394c2",
-    "default/messages twice: - 2 f5084a39404ce7f4167fd02b477c2e1993867e60d0f22f3f6a9c29ace05d0095 2 827b80fec4ef9ce0 e51cf2da0d1883ca",
-    "default/lone surrogate: - 2 - 2 e6cfd4e1021a2709 25d8124e52e70693",
-    "default/huge number: - 3 - 3 6a35ff4679a3da5d 2ee474a9574ea16c",
-    "default/scalar items: 2d711642b726b04401627ca9fbac32f5 5 e549e0082769274e3fe3d6cf06317bd2b58086ad4d9af9d9b9b7d2a19fb890ee 5 a4b2e5ec88d8eb5a 601c191107722f01",
-    "messages/chat: a24a7f55f278dd49fb1f99c5507800cb 5 9579c1aa1fe5d09baa0578619f873483d1e165ddc17d21cd08986c395380d6de 6 b25a60a741057716 3df17464ce6cda8e",
-    "messages/long chat: - 82 4910828240e3f912f5caac8ea876724bd62313073f44f9bc1424504bd2948125 174 37973b2a45472c0c 5b3ec518a1ea394d",
-    "messages/anthropic: - 3 d2bd7405b018f66f3a53845649eef057932321934811ab9993341a0fae3370b0 6 f5a13e1bffd6d351 2454b149b88190e3",
-    "messages/responses: - 0 - 4 88094c994a2894f8 c6cfe7eb622a6c72",
-    "messages/responses text: - 0 - 1 e150e8c5de41cb2e d290206d6233aaa7",
-    "messages/prompt: - 0 - 6 ca0903fbe576331d e3a825a820824b88",
-    "messages/pretty chat: a24a7f55f278dd49fb1f99c5507800cb 5 9579c1aa1fe5d09baa0578619f873483d1e165ddc17d21cd08986c395380d6de 6 b25a60a741057716 3df17464ce6cda8e",
-    "messages/escapes: - 5 3b30c8318b9c015d872c5c22ce71a80922d7427969b72f26ab41cbd574e079be 5 f53bf5357c5772a4 d601a2054c1e03f4",
-    "messages/unicode: - 2 35ea14e01efbc87c92e104ffb9d352e3b5d0ae62135c68a763c23a4fdfc4a3b2 2 f406e6e95e246ac3 0324e796bf98ee8c",
-    "messages/whitespace: 4cf28831d09470e8185fbb6ace85c0ae 2 87dca167f821386b42bba23dd2c9d781429ef9e2783e196f3279e1ac1bbde85d 2 ed1c7077fcf5edb5 94c9eec05ebe750d",
-    "messages/numbers: - 2 0992fca74d4cc8060ab7669a2ad122a6f059ce70475a5efabd808f3df4968aef 2 97f4722546f5fe09 bc2964ff833193f7",
-    "messages/deep: - 0 - 0 0000000000000000 2d06800538d394c2",
-    "messages/too deep: - 0 - 0 0000000000000000 2d06800538d394c2",
-    "messages/not json: - 0 - 0 0000000000000000 2d06800538d394c2",
-    "messages/messages twice: - 2 f5084a39404ce7f4167fd02b477c2e1993867e60d0f22f3f6a9c29ace05d0095 2 827b80fec4ef9ce0 e51cf2da0d1883ca",
-    "messages/lone surrogate: - 0 - 0 0000000000000000 2d06800538d394c2",
-    "messages/huge number: - 0 - 0 0000000000000000 2d06800538d394c2",
-    "messages/scalar items: 2d711642b726b04401627ca9fbac32f5 5 e549e0082769274e3fe3d6cf06317bd2b58086ad4d9af9d9b9b7d2a19fb890ee 5 a4b2e5ec88d8eb5a 601c191107722f01",
+    "default/chat: a24a7f55f278dd49fb1f99c5507800cb 5 9579c1aa1fe5d09baa0578619f873483d1e165ddc17d21cd08986c395380d6de 6 b25a60a741057716 2815276db02dd4d7 714221fb8fb2786a",
+    "default/long chat: - 82 4910828240e3f912f5caac8ea876724bd62313073f44f9bc1424504bd2948125 174 37973b2a45472c0c 59a8c9d83d1f7533 d1e3c014448e5c50",
+    "default/anthropic: 76f768bd67e2f88ad056626942cb142b 3 d2bd7405b018f66f3a53845649eef057932321934811ab9993341a0fae3370b0 6 f5a13e1bffd6d351 f2d04379011b9656 78fde535ff980a14",
+    "default/responses: eb3102a6cb586765d01fad324523ec0b 0 - 4 88094c994a2894f8 698f65adb5ea00b7 6c3e42cf53dae6f0",
+    "default/responses text: - 0 - 1 e150e8c5de41cb2e 901488440799eda6 ca22290ad95e7178",
+    "default/prompt: - 0 - 6 ca0903fbe576331d ee33e533b885fa6d 6638dd8c47c5cd22",
+    "default/pretty chat: a24a7f55f278dd49fb1f99c5507800cb 5 9579c1aa1fe5d09baa0578619f873483d1e165ddc17d21cd08986c395380d6de 6 b25a60a741057716 2815276db02dd4d7 714221fb8fb2786a",
+    "default/escapes: - 5 3b30c8318b9c015d872c5c22ce71a80922d7427969b72f26ab41cbd574e079be 5 299df30ce5701e16 a597050aeffdc13e c6699a67da2b5c0a",
+    "default/unicode: - 2 35ea14e01efbc87c92e104ffb9d352e3b5d0ae62135c68a763c23a4fdfc4a3b2 2 f4e52b197c806def c800eda164e63db1 3867dbca3722d60a",
+    "default/whitespace: 4cf28831d09470e8185fbb6ace85c0ae 2 87dca167f821386b42bba23dd2c9d781429ef9e2783e196f3279e1ac1bbde85d 2 d72ea4225b3d57e8 8df01a2a196983c3 fe7a2d6a5a005d51",
+    "default/numbers: - 2 0992fca74d4cc8060ab7669a2ad122a6f059ce70475a5efabd808f3df4968aef 2 b23b9f5b541cf4c9 735223c40a03eab2 67fcacc2cdf098f1",
+    "default/deep: - 1 0d0ce008686806cefb2386af80bbb495dc8279da83466a8fc0bb25faa9660142 1 549e01a8bd8e46ab b8a7de4cbce0437a 73db933494b531da",
+    "default/too deep: - 0 - 0 0000000000000000 2d06800538d394c2 2d06800538d394c2",
+    "default/not json: - 0 - 0 0000000000000000 2d06800538d394c2 2d06800538d394c2",
+    "default/messages twice: - 2 f5084a39404ce7f4167fd02b477c2e1993867e60d0f22f3f6a9c29ace05d0095 2 827b80fec4ef9ce0 eb4849ee2a96949b 84fb2a0114c59cd4",
+    "default/lone surrogate: - 2 - 2 e6cfd4e1021a2709 706e62e078e75581 68da59f670931ae6",
+    "default/huge number: - 3 - 3 6a35ff4679a3da5d 4af16eafeb5b98e2 5185e5e9c356469c",
+    "default/scalar items: 2d711642b726b04401627ca9fbac32f5 5 e549e0082769274e3fe3d6cf06317bd2b58086ad4d9af9d9b9b7d2a19fb890ee 5 a4b2e5ec88d8eb5a 671d26a36412f75e 49ea4df0a1ca5f8c",
+    "messages/chat: a24a7f55f278dd49fb1f99c5507800cb 5 9579c1aa1fe5d09baa0578619f873483d1e165ddc17d21cd08986c395380d6de 6 b25a60a741057716 2815276db02dd4d7 714221fb8fb2786a",
+    "messages/long chat: - 82 4910828240e3f912f5caac8ea876724bd62313073f44f9bc1424504bd2948125 174 37973b2a45472c0c 59a8c9d83d1f7533 d1e3c014448e5c50",
+    "messages/anthropic: - 3 d2bd7405b018f66f3a53845649eef057932321934811ab9993341a0fae3370b0 6 f5a13e1bffd6d351 f2d04379011b9656 78fde535ff980a14",
+    "messages/responses: - 0 - 4 88094c994a2894f8 698f65adb5ea00b7 6c3e42cf53dae6f0",
+    "messages/responses text: - 0 - 1 e150e8c5de41cb2e 901488440799eda6 ca22290ad95e7178",
+    "messages/prompt: - 0 - 6 ca0903fbe576331d ee33e533b885fa6d 6638dd8c47c5cd22",
+    "messages/pretty chat: a24a7f55f278dd49fb1f99c5507800cb 5 9579c1aa1fe5d09baa0578619f873483d1e165ddc17d21cd08986c395380d6de 6 b25a60a741057716 2815276db02dd4d7 714221fb8fb2786a",
+    "messages/escapes: - 5 3b30c8318b9c015d872c5c22ce71a80922d7427969b72f26ab41cbd574e079be 5 f53bf5357c5772a4 b8bf58f3e28c79b4 c78d720a1d2e65a7",
+    "messages/unicode: - 2 35ea14e01efbc87c92e104ffb9d352e3b5d0ae62135c68a763c23a4fdfc4a3b2 2 f406e6e95e246ac3 888680cc3f5b959e 3867dbca3722d60a",
+    "messages/whitespace: 4cf28831d09470e8185fbb6ace85c0ae 2 87dca167f821386b42bba23dd2c9d781429ef9e2783e196f3279e1ac1bbde85d 2 ed1c7077fcf5edb5 7965d5bd52110c05 555c886d9b23c0cb",
+    "messages/numbers: - 2 0992fca74d4cc8060ab7669a2ad122a6f059ce70475a5efabd808f3df4968aef 2 97f4722546f5fe09 ee0c8b960f125da4 eccb8cf908a3019d",
+    "messages/deep: - 0 - 0 0000000000000000 2d06800538d394c2 2d06800538d394c2",
+    "messages/too deep: - 0 - 0 0000000000000000 2d06800538d394c2 2d06800538d394c2",
+    "messages/not json: - 0 - 0 0000000000000000 2d06800538d394c2 2d06800538d394c2",
+    "messages/messages twice: - 2 f5084a39404ce7f4167fd02b477c2e1993867e60d0f22f3f6a9c29ace05d0095 2 827b80fec4ef9ce0 eb4849ee2a96949b 84fb2a0114c59cd4",
+    "messages/lone surrogate: - 0 - 0 0000000000000000 2d06800538d394c2 2d06800538d394c2",
+    "messages/huge number: - 0 - 0 0000000000000000 2d06800538d394c2 2d06800538d394c2",
+    "messages/scalar items: 2d711642b726b04401627ca9fbac32f5 5 e549e0082769274e3fe3d6cf06317bd2b58086ad4d9af9d9b9b7d2a19fb890ee 5 a4b2e5ec88d8eb5a 671d26a36412f75e 49ea4df0a1ca5f8c",
 ];
 
 #[test]

@@ -14,7 +14,7 @@
 //!
 //! A long string that is an encoded payload (base64, or a `data:` URI: an image, a document)
 //! is digested as any string, but counted as [`OPAQUE_TOKENS`] tokens at most rather than a
-//! token per four bytes: a vision model reads an image as a few hundred to a few thousand
+//! token per four bytes (and a digit): a vision model reads an image as a few hundred to a few thousand
 //! tokens, however many bytes its encoding takes.
 
 use std::borrow::Cow;
