@@ -34,11 +34,15 @@
 #   dense-proxy   the same with a third turn of 1,000 bytes of punctuation (as minified or
 #                 generated text runs), some 700 tokens that the proxy estimates at 250 from
 #                 their bytes: `small` refuses it, and the proxy retries it on `large`,
-#                 which answers.
-# Exits 0 when the seven come out so.
+#                 which answers;
+#   alone-proxy   through a proxy over `small` alone, a conversation's turn of some 1,800
+#                 tokens: `small` refuses it once, and no other backend taking it, the
+#                 refusal is the answer (it is not sent again).
+# Exits 0 when the eight come out so.
 #
 # Environment: TA_CACHE_DIR (~/.cache/tower-affinity), TA_CONTEXT_PORT (18095; the proxy on
-# the next port, `small` and `large` on the two after), TA_PROXY_BIN.
+# the next port, `small` and `large` on the two after, the last proxy on the next),
+# TA_PROXY_BIN.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -257,5 +261,35 @@ for run in digits-proxy dense-proxy; do
     echo "$run: prompts small refused meanwhile: $refused (expected $want)"
     [[ "$refused" == "$want" ]] || fail=1
 done
+
+# alone: a proxy over `small` alone; a conversation's second turn of 1,200 digits is more
+# than a slot takes, by the estimate too; sent home all the same (no backend takes it), it is
+# refused once, and the refusal is the answer. Exits 0 if so.
+ALONE_PORT=$((PORT + 4))
+"$TA_PROXY_BIN" --listen "127.0.0.1:$ALONE_PORT" \
+    --backend "n1=http://127.0.0.1:$SMALL,id=small" >"$LOGS/proxy-alone.log" 2>&1 &
+PIDS+=($!)
+wait_up "http://127.0.0.1:$ALONE_PORT/metrics"
+before=$(refusals)
+python3 - "$LOGS" "http://127.0.0.1:$ALONE_PORT" <<'PY' || fail=1
+import sys
+sys.path.insert(0, sys.argv[1])
+from turns import ask
+
+url = sys.argv[2]
+messages = [{"role": "user", "content": "Name a colour."}]
+status, backend, tokens, text = ask(url, messages, "alone")
+print(f"alone-proxy: first turn: {status} on {backend}, {tokens} tokens")
+digits = "".join(str(i % 10) for i in range(1200))
+messages += [{"role": "assistant", "content": text}, {"role": "user", "content": digits}]
+status, backend, body, _ = ask(url, messages, "alone")
+print(f"alone-proxy: second turn: {status} on {backend}: {body}")
+ok = status == 400 and backend == "small (home-hit)"
+print(f"alone-proxy: {'as expected' if ok else 'NOT as expected'}")
+sys.exit(0 if ok else 1)
+PY
+refused=$(($(refusals) - before))
+echo "alone-proxy: prompts small refused meanwhile: $refused (expected 1)"
+[[ "$refused" == 1 ]] || fail=1
 echo "logs: $LOGS"
 exit "$fail"

@@ -1573,6 +1573,16 @@ impl Topology {
         }
     }
 
+    /// Whether a backend up other than `except` has room for a prompt of `tokens` tokens:
+    /// a request context larger than that, or none known.
+    pub(crate) fn takes_elsewhere(&self, tokens: u64, except: Option<&str>, now_ms: u64) -> bool {
+        self.live.indexes().map(|i| self.member(i)).any(|m| {
+            except != Some(m.id.as_str())
+                && !m.load.is_down(now_ms)
+                && m.load.request_limit() > tokens
+        })
+    }
+
     /// Backend `index`'s status.
     fn status_of(&self, i: u32, now_ms: u64) -> BackendStatus {
         let m = self.member(i);

@@ -4,11 +4,13 @@
 use std::fmt;
 use std::future::{ready, Future, Ready};
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use http::StatusCode;
 use http_body::Body;
+use parking_lot::Mutex;
 use pin_project_lite::pin_project;
 use tower::retry::Policy;
 use tower::{Layer, Service};
@@ -67,15 +69,27 @@ impl RetryOnce {
     }
 
     /// Whether to retry an answer refusing the prompt as too long: once, with the refusal
-    /// among the request's extensions.
+    /// among the request's extensions, and the answer as [`ReadRefusals`] read it, for it to
+    /// give back if no other backend takes the prompt.
     fn refused<B, ResB>(
         &mut self,
         req: &mut http::Request<B>,
-        res: &http::Response<ResB>,
+        res: &mut http::Response<ResB>,
     ) -> Option<Ready<()>> {
-        let refusal = res.extensions().get::<ContextRefusal>()?;
+        let refusal = res.extensions().get::<ContextRefusal>()?.clone();
         let retry = self.once(true)?;
-        req.extensions_mut().insert(refusal.clone());
+        if let Some(read) = res.extensions_mut().remove::<RefusalRead>() {
+            let first = FirstAnswer {
+                status: res.status(),
+                version: res.version(),
+                headers: std::mem::take(res.headers_mut()),
+                extensions: std::mem::take(res.extensions_mut()),
+                read,
+            };
+            let first = KeptAnswer(Arc::new(Mutex::new(Some(first))));
+            req.extensions_mut().insert(first);
+        }
+        req.extensions_mut().insert(refusal);
         Some(retry)
     }
 }
@@ -244,6 +258,66 @@ fn context_length_in(message: &str) -> Option<u64> {
 /// The most of a `400` answer [`ReadRefusals`] reads: a refusal is a few hundred bytes.
 const REFUSAL_LIMIT: u64 = 16 * 1024;
 
+/// A balancer that says whether a prompt refused as too long fits on a backend other than the
+/// one that refused it. [`ReadRefusals`] asks it before a retry is sent: where no other
+/// backend takes the prompt, the refusal is answered as it came, rather than sent again to be
+/// refused again (in a fleet of one slot context, every refusal). [`SessionAffinity`]
+/// implements it; a service wrapping one implements it by asking the one it wraps:
+///
+/// ```
+/// use tower_affinity::{ContextRefusal, FitsElsewhere};
+///
+/// /// A service of one's own around the balancer.
+/// struct Audited<S>(S);
+///
+/// impl<S: FitsElsewhere> FitsElsewhere for Audited<S> {
+///     fn fits_elsewhere(&self, refusal: &ContextRefusal) -> bool {
+///         self.0.fits_elsewhere(refusal)
+///     }
+/// }
+/// ```
+///
+/// [`SessionAffinity`]: crate::SessionAffinity
+pub trait FitsElsewhere {
+    /// Whether a backend up, other than [`refusal.backend`](ContextRefusal::backend), can take
+    /// a prompt of [`refusal.prompt_tokens`](ContextRefusal::prompt_tokens): its request
+    /// context is larger, or not known.
+    fn fits_elsewhere(&self, refusal: &ContextRefusal) -> bool;
+}
+
+/// What [`ReadRefusals`] read of a refusal, beside its [`ContextRefusal`]: the body, and the
+/// decision it kept, for [`RetryOnce`] to keep with the retried request.
+#[derive(Clone)]
+struct RefusalRead {
+    bytes: Bytes,
+    decision: Option<Decision>,
+}
+
+/// A refusal as it came, among the extensions of its retried request, for [`ReadRefusals`] to
+/// give back when no backend but the one that refused takes the prompt. Taken once.
+#[derive(Clone)]
+struct KeptAnswer(Arc<Mutex<Option<FirstAnswer>>>);
+
+struct FirstAnswer {
+    status: StatusCode,
+    version: http::Version,
+    headers: http::HeaderMap,
+    extensions: http::Extensions,
+    read: RefusalRead,
+}
+
+impl FirstAnswer {
+    fn into_response<B>(self) -> http::Response<ResponseBody<B>> {
+        let body = ResponseBody::read_back(self.read.bytes, self.read.decision);
+        let mut res = http::Response::new(body);
+        *res.status_mut() = self.status;
+        *res.version_mut() = self.version;
+        *res.headers_mut() = self.headers;
+        *res.extensions_mut() = self.extensions;
+        res
+    }
+}
+
 /// A [`Layer`] for [`ReadRefusals`].
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ReadRefusalsLayer {
@@ -277,6 +351,10 @@ impl<S> Layer<S> for ReadRefusalsLayer {
 /// of denser text than that backend's average (numbers, another language, minified code)
 /// can be more tokens than estimated, and be refused where it was sent. Read and retried, it
 /// is answered by a backend that takes it, and a keyed conversation's home moves there.
+///
+/// A retry is sent only where a backend other than the one that refused may take the prompt
+/// (see [`FitsElsewhere`]): otherwise the retried request is answered with the refusal as it
+/// came, its decision the first placement's, and no backend sees it again.
 ///
 /// Put it inside the retry, so that the retry sees the mark; the request body must be
 /// `Clone` for the retry (buffer it first). The cost on other answers is a look at the
@@ -312,7 +390,8 @@ impl<S> ReadRefusals<S> {
 
 impl<S, ReqB, B> Service<http::Request<ReqB>> for ReadRefusals<S>
 where
-    S: Service<http::Request<ReqB>, Response = http::Response<ResponseBody<B>>, Error = Error>,
+    S: Service<http::Request<ReqB>, Response = http::Response<ResponseBody<B>>, Error = Error>
+        + FitsElsewhere,
     B: Body,
     B::Data: From<Bytes>,
     B::Error: Into<BoxError>,
@@ -325,7 +404,22 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: http::Request<ReqB>) -> Self::Future {
+    fn call(&mut self, mut req: http::Request<ReqB>) -> Self::Future {
+        if let Some(kept) = req.extensions_mut().remove::<KeptAnswer>() {
+            let refusal = req.extensions().get::<ContextRefusal>();
+            if refusal.is_some_and(|r| !self.inner.fits_elsewhere(r)) {
+                if let Some(first) = kept.0.lock().take() {
+                    tracing::debug!(
+                        backend = ?refusal.and_then(|r| r.backend.as_ref()),
+                        "prompt refused as too long fits no other backend: the refusal is the answer"
+                    );
+                    let res = Some(first.into_response());
+                    return ReadRefusalsFuture {
+                        state: ReadState::Answered { res },
+                    };
+                }
+            }
+        }
         ReadRefusalsFuture {
             state: ReadState::Call {
                 fut: self.inner.call(req),
@@ -346,6 +440,7 @@ pin_project! {
     #[project = ReadStateProj]
     enum ReadState<F, B> {
         Call { #[pin] fut: F },
+        Answered { res: Option<http::Response<ResponseBody<B>>> },
         Read {
             parts: Option<http::response::Parts>,
             #[pin]
@@ -359,6 +454,7 @@ impl<F, B> fmt::Debug for ReadRefusalsFuture<F, B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = match self.state {
             ReadState::Call { .. } => "call",
+            ReadState::Answered { .. } => "answered",
             ReadState::Read { .. } => "read",
         };
         f.debug_struct("ReadRefusalsFuture")
@@ -396,6 +492,9 @@ where
                         read,
                     });
                 }
+                ReadStateProj::Answered { res } => {
+                    return Poll::Ready(Ok(res.take().expect("polled after completion")));
+                }
                 ReadStateProj::Read {
                     parts,
                     mut body,
@@ -430,6 +529,10 @@ where
                             "prompt refused as too long for the backend's context"
                         );
                         parts.extensions.insert(refusal);
+                        parts.extensions.insert(RefusalRead {
+                            bytes: read.clone(),
+                            decision: decision.clone(),
+                        });
                     }
                     let body = ResponseBody::read_back(read, decision);
                     return Poll::Ready(Ok(http::Response::from_parts(parts, body)));

@@ -974,6 +974,20 @@ where
     }
 }
 
+impl<D, K, P, S> crate::FitsElsewhere for SessionAffinity<D, K, P>
+where
+    D: Discover<Key = BackendId, Service = Backend<S>>,
+{
+    fn fits_elsewhere(&self, refusal: &crate::ContextRefusal) -> bool {
+        let now = self.shared.capacity.now_ms(Instant::now());
+        let except = refusal.backend.as_ref().map(|b| b.as_str());
+        let fleet = self.shared.fleet.load();
+        fleet
+            .topology
+            .takes_elsewhere(refusal.prompt_tokens, except, now)
+    }
+}
+
 impl<D: Discover, K: Clone, P> Clone for SessionAffinity<D, K, P> {
     fn clone(&self) -> Self {
         SessionAffinity {

@@ -256,7 +256,7 @@ async fn a_refusal_passes_over_the_backend_that_refused_though_its_limit_was_not
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
-async fn a_refusal_that_no_backend_can_take_is_answered_as_it_was_after_one_retry() {
+async fn a_refusal_that_no_backend_can_take_is_answered_as_it_came_without_a_retry() {
     let (fleet, calls) = fleet(&[("a", "node-a", 1_000, true), ("b", "node-b", 2_000, true)]);
     let mut svc = balancer(fleet);
     // Estimated short, 5,000 tokens by the backends' count: more than either takes.
@@ -264,10 +264,68 @@ async fn a_refusal_that_no_backend_can_take_is_answered_as_it_was_after_one_retr
     assert_eq!(res.status(), StatusCode::BAD_REQUEST);
     let refusal = res.extensions().get::<ContextRefusal>().cloned().unwrap();
     assert_eq!(refusal.prompt_tokens, 5_000);
+    let refuser = refusal.backend.clone().unwrap();
+    // The first answer, its decision the first placement's.
+    let d = decision(&res);
+    assert_eq!((d.backend.clone(), d.outcome), (refuser, Outcome::Keyless));
+    assert!(res.headers().contains_key("x-served-by"));
     let body = text(res).await;
     assert!(body.contains("\"n_prompt_tokens\":5000"), "{body}");
     let total: usize = calls.iter().map(|c| c.load(Ordering::Relaxed)).sum();
-    assert_eq!(total, 2, "tried once, retried once");
+    assert_eq!(total, 1, "not sent again");
+    assert_eq!(svc.get_ref().get_ref().stats().placed(), 1);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn in_a_fleet_of_one_slot_context_a_refused_turn_stays_home_unretried() {
+    let (fleet, calls) = fleet(&[("a", "node-a", 1_000, true), ("b", "node-b", 1_000, true)]);
+    let mut svc = balancer(fleet);
+    let home = decision(&send(&mut svc, turn(Some("s"), 300, 300)).await).backend;
+    // Counted at 1,200 by the backends: neither takes it.
+    let res = send(&mut svc, turn(Some("s"), 600, 1_200)).await;
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(
+        (decision(&res).backend, decision(&res).outcome),
+        (home.clone(), Outcome::HomeHit)
+    );
+    let total = || {
+        calls
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .sum::<usize>()
+    };
+    assert_eq!(total(), 2);
+    // The conversation, compacted, is home again.
+    let res = send(&mut svc, turn(Some("s"), 200, 200)).await;
+    assert_eq!(
+        (res.status(), decision(&res).backend),
+        (StatusCode::OK, home)
+    );
+    assert_eq!(total(), 3);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_refusal_is_retried_where_another_backends_context_is_not_known() {
+    // `b`'s limit is not given: it may take the prompt, and is tried.
+    let (fleet, calls) = fleet(&[("a", "node-a", 1_000, true), ("b", "node-b", 2_000, false)]);
+    let mut svc = balancer(fleet);
+    let count = |i: usize| calls[i].load(Ordering::Relaxed);
+    let mut refused_by_a = 0;
+    for i in 0..8 {
+        let (a, b) = (count(0), count(1));
+        let res = send(&mut svc, turn(Some(&format!("k{i}")), 300, 5_000)).await;
+        assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+        if count(0) > a {
+            // Refused by `a`, then by `b`: the answer is the retry's.
+            refused_by_a += 1;
+            assert_eq!(decision(&res).backend.as_str(), "b");
+            assert_eq!(count(1), b + 1, "retried on b");
+        } else {
+            // Refused by `b` first: `a`'s limit is known to be too small.
+            assert_eq!(count(1), b + 1, "not retried");
+        }
+    }
+    assert!(refused_by_a > 0, "no first turn went to a");
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
