@@ -73,7 +73,7 @@ async fn proxy(backends: &[(&str, &str, String)]) -> Result<(Router, ProbeTask),
         .key(FirstOf::new(HeaderKey::default(), ExtensionKey))
         .decision_headers(true)
         .layer(fleet);
-    // Before the first request: slot counts known, a loading backend down.
+    // Before the first request: slot counts known, a loading or unreachable backend down.
     prober.round(&affinity).await;
     let probes = prober.spawn(affinity.clone());
 

@@ -25,11 +25,13 @@ use crate::{Backend, BackendId};
 /// Each probe is `GET /health`:
 ///
 /// - 200: ready. A backend that is down comes up after
-///   [`success_threshold`](Self::success_threshold) of these in a row.
+///   [`success_threshold`](Self::success_threshold) of these in a row (after its first, if it
+///   has never been ready).
 /// - 503: loading (llama-server answers so while it loads its model). The backend goes down
 ///   at once and stays down until ready.
 /// - anything else, or no answer within [`timeout`](Self::timeout): a failure. The backend
-///   goes down after [`failure_threshold`](Self::failure_threshold) in a row.
+///   goes down after [`failure_threshold`](Self::failure_threshold) in a row; one that has
+///   never been ready (unreachable when the proxy starts), at its first.
 ///
 /// For a backend whose slot count was not given ([`Backend::slots_given`]), a ready backend
 /// is also asked `GET /slots` (llama-server's: a JSON array, one object per slot): its length
@@ -129,13 +131,14 @@ impl HealthProbe {
     }
 
     /// Failed probes in a row that take a backend down (at least 1). A 503 takes it down at
-    /// once.
+    /// once, and so does any failure of a backend that has never been ready.
     pub fn failure_threshold(mut self, n: u32) -> Self {
         self.failure_threshold = n.max(1);
         self
     }
 
-    /// Ready probes in a row that bring a backend that is down up again (at least 1).
+    /// Ready probes in a row that bring a backend that is down up again (at least 1). One that
+    /// has never been ready comes up at its first.
     pub fn success_threshold(mut self, n: u32) -> Self {
         self.success_threshold = n.max(1);
         self

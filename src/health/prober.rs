@@ -367,7 +367,8 @@ where
                 s.loading = false;
                 s.failures = 0;
                 s.successes = s.successes.saturating_add(1);
-                if !s.up && s.successes >= config.success_threshold {
+                let first = !std::mem::replace(&mut s.ready_once, true);
+                if !s.up && (first || s.successes >= config.success_threshold) {
                     s.up = true;
                     mark = Some(Mark::Up);
                 }
@@ -386,7 +387,7 @@ where
                 s.loading = false;
                 s.successes = 0;
                 s.failures = s.failures.saturating_add(1);
-                if s.up && s.failures >= config.failure_threshold {
+                if s.up && (!s.ready_once || s.failures >= config.failure_threshold) {
                     s.up = false;
                     mark = Some(Mark::Down(reason.clone()));
                 }

@@ -41,6 +41,9 @@ pub struct ProbeStatus {
     /// request context alone, until the backend fails or loads (a restart, perhaps as
     /// another server).
     pub(crate) no_slots: bool,
+    /// Whether `/health` has ever answered ready: until it has, one failure takes the
+    /// backend down and one success brings it up (there is no record to debounce).
+    pub(crate) ready_once: bool,
 }
 
 impl ProbeStatus {
@@ -59,6 +62,7 @@ impl ProbeStatus {
             request_context: None,
             slots_error: None,
             no_slots: false,
+            ready_once: false,
         }
     }
 }

@@ -276,7 +276,6 @@ async fn a_store_slower_than_the_interval_does_not_hold_the_probes_back() {
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_loading_backend_is_down_until_two_probes_find_it_ready() {
     let (addr, stub) = start(2).await;
-    stub.health.store(503, Ordering::Relaxed);
     let two = NonZeroU32::new(2).unwrap();
     let (affinity, prober) = balancer(
         HealthProbe::new(),
@@ -288,6 +287,9 @@ async fn a_loading_backend_is_down_until_two_probes_find_it_ready() {
         )],
     );
 
+    // Ready once, then loading its model again (restarted).
+    prober.round(&affinity).await;
+    stub.health.store(503, Ordering::Relaxed);
     prober.round(&affinity).await;
     assert!(!status(&affinity, "a").healthy, "503 is down at once");
     let s = prober.status("a").unwrap();
@@ -311,13 +313,52 @@ async fn a_loading_backend_is_down_until_two_probes_find_it_ready() {
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
-async fn three_failures_in_a_row_take_a_backend_down_each_interval() {
+async fn a_backend_never_ready_goes_down_at_its_first_failure_and_up_at_its_first_success() {
+    // One that refuses connections when the proxy starts: nothing listens at its port.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = dead.local_addr().unwrap().port();
+    drop(dead);
     let (addr, stub) = start(2).await;
     stub.health.store(500, Ordering::Relaxed);
+    let off: SocketAddr = ([127, 0, 0, 1], port).into();
+    let (affinity, prober) = balancer(
+        HealthProbe::new(),
+        vec![
+            ("off", Backend::new("n", http(off))),
+            ("failing", Backend::new("n", http(addr))),
+        ],
+    );
+    // The round before the first request: both down already.
+    prober.round(&affinity).await;
+    for id in ["off", "failing"] {
+        let s = prober.status(id).unwrap();
+        assert!(!s.up && s.failures == 1, "{s:?}");
+        assert!(!status(&affinity, id).healthy, "{id}");
+    }
+    // Ready for the first time: up at once.
+    stub.health.store(200, Ordering::Relaxed);
+    prober.round(&affinity).await;
+    assert!(status(&affinity, "failing").healthy);
+    assert_eq!(prober.status("failing").unwrap().transitions, 2);
+    // From then on, the thresholds: a failure alone does not take it down.
+    stub.health.store(500, Ordering::Relaxed);
+    prober.round(&affinity).await;
+    assert!(
+        status(&affinity, "failing").healthy,
+        "one failure is not enough"
+    );
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn three_failures_in_a_row_take_a_backend_down_each_interval() {
+    let (addr, stub) = start(2).await;
     let (affinity, prober) = balancer(
         HealthProbe::new().interval(Duration::from_secs(1)),
         vec![("a", Backend::new("n", http(addr)))],
     );
+    // Ready once; then failing.
+    prober.round(&affinity).await;
+    stub.health.store(500, Ordering::Relaxed);
     let task = prober.clone().spawn(affinity.clone());
 
     // Rounds at 0 s, 1 s and 2 s.
