@@ -376,8 +376,13 @@ fn digits(bytes: &[u8]) -> u64 {
     if n * 8 <= bytes.len() as u64 {
         return n;
     }
+    // An escape's four bytes, past those of the one before: a `\u` among them (as in the
+    // text `\u\u1234`, escaped) takes off no digit twice.
+    let mut done = 0;
     for escape in ESCAPE.find_iter(bytes) {
-        let hex = &bytes[escape + 2..(escape + 6).min(bytes.len())];
+        let end = (escape + 6).min(bytes.len());
+        let hex = &bytes[(escape + 2).max(done)..end];
+        done = end;
         n -= short_digits(hex);
     }
     n
@@ -482,6 +487,20 @@ mod tests {
         assert_eq!(digits(&long), 40);
         assert_eq!(short_digits(&long), 40);
         assert_eq!(short_digits(br"\\u662f"), 3, "an escaped backslash");
+    }
+
+    #[test]
+    fn no_digit_is_taken_off_twice_for_escapes_that_overlap() {
+        // The text `\u\u5555`, escaped in JSON: each `\u` found (an escaped backslash's
+        // second byte, then `u`) has the next one in its four bytes.
+        let text = br"\\u\\u5555".repeat(8);
+        assert!(text.len() >= SHORT);
+        let n = digits(&text);
+        assert!(n <= ascii_digits(&text), "{n} digits");
+        let mut b = ChainBuilder::new(64);
+        b.feed(&text);
+        let c = b.finish();
+        assert!(c.tokens() <= text.len() as u64, "{} tokens", c.tokens());
     }
 
     #[test]
