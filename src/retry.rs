@@ -15,6 +15,7 @@ use pin_project_lite::pin_project;
 use tower::retry::Policy;
 use tower::{Layer, Service};
 
+use crate::key::PromptFacts;
 use crate::{BackendId, BoxError, Decision, Error, ResponseBody};
 
 /// A [`tower::retry::Policy`] that retries a request once when its backend failed before
@@ -262,7 +263,8 @@ const REFUSAL_LIMIT: u64 = 16 * 1024;
 /// one that refused it. [`ReadRefusals`] asks it before a retry is sent: where no other
 /// backend takes the prompt, the refusal is answered as it came, rather than sent again to be
 /// refused again (in a fleet of one slot context, every refusal). [`SessionAffinity`]
-/// implements it; a service wrapping one implements it by asking the one it wraps:
+/// implements it, and `ReadRefusals` wraps the balancer itself; a service of your own between
+/// them implements it by asking the one it wraps (tower's own wrappers do not):
 ///
 /// ```
 /// use tower_affinity::{ContextRefusal, FitsElsewhere};
@@ -353,8 +355,9 @@ impl<S> Layer<S> for ReadRefusalsLayer {
 /// is answered by a backend that takes it, and a keyed conversation's home moves there.
 ///
 /// A retry is sent only where a backend other than the one that refused may take the prompt
-/// (see [`FitsElsewhere`]): otherwise the retried request is answered with the refusal as it
-/// came, its decision the first placement's, and no backend sees it again.
+/// (see [`FitsElsewhere`]), and the request does not continue a response stored on the one
+/// that refused (where it would go again): otherwise the retried request is answered with
+/// the refusal as it came, its decision the first placement's, and no backend sees it again.
 ///
 /// Put it inside the retry, so that the retry sees the mark; the request body must be
 /// `Clone` for the retry (buffer it first). The cost on other answers is a look at the
@@ -407,7 +410,11 @@ where
     fn call(&mut self, mut req: http::Request<ReqB>) -> Self::Future {
         if let Some(kept) = req.extensions_mut().remove::<KeptAnswer>() {
             let refusal = req.extensions().get::<ContextRefusal>();
-            if refusal.is_some_and(|r| !self.inner.fits_elsewhere(r)) {
+            // A request continuing a response stored where it was refused goes there again.
+            let pinned = req.extensions().get::<PromptFacts>();
+            let pinned = pinned.and_then(|f| f.stored_on.as_ref());
+            let goes_back = |r: &ContextRefusal| pinned.is_some() && pinned == r.backend.as_ref();
+            if refusal.is_some_and(|r| goes_back(r) || !self.inner.fits_elsewhere(r)) {
                 if let Some(first) = kept.0.lock().take() {
                     tracing::debug!(
                         backend = ?refusal.and_then(|r| r.backend.as_ref()),

@@ -305,6 +305,25 @@ async fn in_a_fleet_of_one_slot_context_a_refused_turn_stays_home_unretried() {
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_refused_request_continuing_a_response_stored_where_it_was_refused_is_not_retried() {
+    let (fleet, calls) = fleet(&[
+        ("small", "node-a", 1_000, true),
+        ("large", "node-b", 100_000, true),
+    ]);
+    let mut svc = balancer(fleet);
+    // A Responses request continuing a response `small` stored: it goes there whatever its
+    // size, and a retry would go there again.
+    let mut req = turn(None, 300, 1_500);
+    let facts = req.extensions_mut().get_mut::<PromptFacts>().unwrap();
+    facts.stored_on = Some("small".into());
+    let res = send(&mut svc, req).await;
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(decision(&res).backend.as_str(), "small");
+    let count = |i: usize| calls[i].load(Ordering::Relaxed);
+    assert_eq!((count(0), count(1)), (1, 0), "refused once, not sent again");
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_refusal_is_retried_where_another_backends_context_is_not_known() {
     // `b`'s limit is not given: it may take the prompt, and is tried.
     let (fleet, calls) = fleet(&[("a", "node-a", 1_000, true), ("b", "node-b", 2_000, false)]);
