@@ -243,8 +243,9 @@ impl<S> Backend<S> {
     /// itself (400); the limit is not needed there.
     ///
     /// A prompt's tokens are the [prompt chain](crate::PromptChain)'s estimate (four bytes a
-    /// token, a digit a token), scaled by what the backend's answers have taught of its own tokens per token
-    /// of the estimate (see [`observe_usage`](crate::SessionAffinityLayer::observe_usage)).
+    /// token, a digit a token), scaled by what the backend's answers have taught of its own
+    /// tokens per token of the estimate (see
+    /// [`observe_usage`](crate::SessionAffinityLayer::observe_usage)).
     /// Until its first answer that reports its usage, a token is counted as two bytes, on the
     /// safe side: a prompt counted short could overfill the context, and the failures that
     /// follow report nothing to learn from. A request without a chain counts none. Tokens a
@@ -297,8 +298,8 @@ impl<S> Backend<S> {
     ///
     /// A prompt's tokens are the [prompt chain](crate::PromptChain)'s estimate, scaled by
     /// what the backend's answers have taught of its own tokens per token of the estimate;
-    /// until then, the estimate as it is (four bytes a token, a digit a token): counted short, a prompt goes
-    /// where it would have gone without the limit. A request without a chain counts none. A
+    /// until then, the estimate as it is (four bytes a token, a digit a token): counted short,
+    /// a prompt goes where it would have gone without the limit. A request without a chain counts none. A
     /// prompt of denser text than the backend's average can be more tokens than estimated and
     /// be refused: [`ReadRefusals`](crate::ReadRefusals) and [`RetryOnce`](crate::RetryOnce)
     /// retry it where it fits, counted as the backend counted it.

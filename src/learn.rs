@@ -35,8 +35,8 @@
 //! the wait was.
 //!
 //! Tokens are counted as the backend counts them: the cache model's figures are the chain's
-//! estimate (four bytes a token, a digit a token), and each answer teaches the backend's own tokens per token
-//! of the estimate. A backend that has not taught its prefill rate or that scale yet (a new
+//! estimate (four bytes a token, a digit a token), and each answer teaches the backend's own
+//! tokens per token of the estimate. A backend that has not taught its prefill rate or that scale yet (a new
 //! one, or one this router replica has not sent to yet) is taken to read as the fleet's others
 //! do, on average. Until the home's request time and some backend's rate are learned, the
 //! request moves at once, as it did before anything was learned.

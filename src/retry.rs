@@ -418,7 +418,7 @@ where
                 if let Some(first) = kept.0.lock().take() {
                     tracing::debug!(
                         backend = ?refusal.and_then(|r| r.backend.as_ref()),
-                        "prompt refused as too long fits no other backend: the refusal is the answer"
+                        "a prompt refused as too long fits no other backend: the refusal answers"
                     );
                     let res = Some(first.into_response());
                     return ReadRefusalsFuture {
