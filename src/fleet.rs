@@ -282,7 +282,9 @@ impl<S> Backend<S> {
     /// SGLang's `/v1/models` as `max_model_len`, and a
     /// [health probe](crate::health::HealthProbe) reads it there when it is not given. Without
     /// it, a backend given [`context_tokens`](Self::context_tokens) takes a request of up to
-    /// those.
+    /// those. Where none is known, a refusal read by [`ReadRefusals`](crate::ReadRefusals)
+    /// and retried sets it (llama-server's `n_ctx`, the context vLLM's and SGLang's message
+    /// states), until the backend is announced again.
     ///
     /// A request whose prompt is this long or longer (it must leave its answer a token) does
     /// not go to the backend while a backend up with a larger request context (or none)
@@ -783,6 +785,15 @@ impl Load {
             0 => u64::MAX,
             n => n,
         }
+    }
+
+    /// Takes `tokens` as the most one request can take here, if no limit is known: what the
+    /// backend said when it refused a prompt as too long. An announcement sets the limit as
+    /// it gives it (none, say), until the next refusal.
+    pub(crate) fn learn_request_limit(&self, tokens: u64) {
+        let _ =
+            self.request_context
+                .compare_exchange(0, tokens, Ordering::Relaxed, Ordering::Relaxed);
     }
 
     /// Whether a prompt of `prompt_tokens` is too long here and `other`, whose limit is
@@ -1515,7 +1526,7 @@ pub struct BackendStatus {
     /// Of them, the tokens its requests in flight take, by the router's estimate.
     pub context_in_flight: u64,
     /// The most tokens of context one request can take, if known
-    /// ([`Backend::request_context_limit`], or learned by a health probe).
+    /// ([`Backend::request_context_limit`], or learned by a health probe or from a refusal).
     pub request_context_limit: Option<u64>,
     /// Answers that reported their usage (see
     /// [`SessionAffinityLayer::observe_usage`](crate::SessionAffinityLayer::observe_usage)).

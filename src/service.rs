@@ -672,6 +672,16 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             backend: r.backend.as_ref().and_then(|id| t.index_of(id.as_str())),
             context: r.context_tokens,
         });
+        // The refusing backend's word for its limit stands where none is known, for the
+        // requests after this one too.
+        if let Some(Refused {
+            backend: Some(b),
+            context,
+            ..
+        }) = refused
+        {
+            t.member(b).load.learn_request_limit(context);
+        }
         let pinned = pinned.and_then(|b| offer_pinned(t, now_ms, b, prompt_tokens));
         if let Some((b, _)) = &pinned {
             (cache_backend, cache_node) = (Some(*b), Some(t.member(*b).node));

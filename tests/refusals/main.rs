@@ -324,6 +324,42 @@ async fn a_refused_request_continuing_a_response_stored_where_it_was_refused_is_
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_refusal_teaches_a_backend_its_limit_where_none_was_known() {
+    // Neither backend's limit is given (no health probe).
+    let (fleet, calls) = fleet(&[
+        ("small", "node-a", 1_000, false),
+        ("large", "node-b", 100_000, false),
+    ]);
+    let mut svc = balancer(fleet);
+    let limit = |svc: &Balancer, id: &str| {
+        let all = svc.get_ref().get_ref().backends();
+        all.into_iter()
+            .find(|b| b.id.as_str() == id)
+            .unwrap()
+            .request_context_limit
+    };
+    svc.get_ref().get_ref().apply_discovery();
+    assert_eq!(limit(&svc, "small"), None);
+    // Prompts too long for `small` until one is sent there and refused.
+    let mut i = 0;
+    while calls[0].load(Ordering::Relaxed) == 0 {
+        let res = send(&mut svc, turn(Some(&format!("s{i}")), 1_500, 1_500)).await;
+        assert_eq!(res.status(), StatusCode::OK);
+        i += 1;
+        assert!(i < 16, "no prompt went to small");
+    }
+    assert_eq!(limit(&svc, "small"), Some(1_000), "the refusal's n_ctx");
+    assert_eq!(limit(&svc, "large"), None);
+    // From then on such prompts go to `large` at once, new conversations as well.
+    let refused = calls[0].load(Ordering::Relaxed);
+    for j in 0..8 {
+        let res = send(&mut svc, turn(Some(&format!("t{j}")), 1_500, 1_500)).await;
+        assert_eq!(decision(&res).backend.as_str(), "large");
+    }
+    assert_eq!(calls[0].load(Ordering::Relaxed), refused);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_refusal_is_retried_where_another_backends_context_is_not_known() {
     // `b`'s limit is not given: it may take the prompt, and is tried.
     let (fleet, calls) = fleet(&[("a", "node-a", 1_000, true), ("b", "node-b", 2_000, false)]);
