@@ -369,10 +369,10 @@ fn digits(bytes: &[u8]) -> u64 {
         return short_digits(bytes);
     }
     let mut n = ascii_digits(bytes);
-    // Escapes are looked for only where digits are dense, as in escaped text (half its bytes)
-    // or numbers: in code or prose (a digit in twenty bytes or fewer) the odd escaped
-    // character counts a few tokens long, and the search would cost more than the count. An
-    // escaped backslash before a `u` reads as an escape too.
+    // Escapes are looked for only where digits are dense (more than a byte in eight), as in
+    // escaped text (half its bytes) or numbers: in code or prose (a digit in twenty bytes or
+    // so) the odd escaped character counts a few tokens long, and the search would cost more
+    // than the count. An escaped backslash before a `u` reads as an escape too.
     if n * 8 <= bytes.len() as u64 {
         return n;
     }
