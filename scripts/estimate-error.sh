@@ -7,8 +7,10 @@
 #
 #   scripts/estimate-error.sh
 #
-# Fifteen conversations of fourteen turns each are built from this repository's own text:
-# a system prompt and a request of prose, then answers of prose and tool outputs of code
+# Fifteen conversations of fourteen turns each are built from this repository's own text as
+# commit `14ec3cc` has it (TA_ESTIMATE_TEXT_AT names another), so that runs of the script at
+# any two commits estimate and count the same conversations: a system prompt and a request
+# of prose, then answers of prose and tool outputs of code
 # (`src/`), prose (the README and BENCHMARKS), JSON (a file listing) or logs (lines with
 # numbers), in five mixes (mostly code, mostly prose, ...). Each turn's body is estimated by
 # the crate (`PromptFacts::from_body`, in a small program built against this checkout) and
@@ -21,19 +23,15 @@
 #     share that would send a turn home that the home refuses (its count past the context,
 #     its scaled estimate under it), with the scale as now.
 #
-# Environment: TA_CACHE_DIR (~/.cache/tower-affinity), TA_ESTIMATE_PORT (18097).
+# Environment: TA_CACHE_DIR (~/.cache/tower-affinity), TA_ESTIMATE_PORT (18097),
+# TA_ESTIMATE_TEXT_AT (14ec3cc).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-CACHE="${TA_CACHE_DIR:-$HOME/.cache/tower-affinity}"
-BIN="$CACHE/bin"
-MODEL="$CACHE/models/gemma-3-270m-q4_k_m.gguf"
 PORT="${TA_ESTIMATE_PORT:-18097}"
-
-[[ -x "$BIN/llama-server" && -f "$MODEL" ]] || {
-    echo "no cached llama-server or model in $CACHE: run scripts/e2e-llama.sh --setup-only first" >&2
-    exit 2
-}
+TEXT_AT="${TA_ESTIMATE_TEXT_AT:-14ec3cc}"
+# shellcheck source=llama-common.sh
+source "$ROOT/scripts/llama-common.sh"
 
 WORK="$(mktemp -d)"
 PIDS=()
@@ -69,15 +67,12 @@ ESTIMATE="${CARGO_TARGET_DIR:-$ROOT/target}/estimate-error/release/estimate"
 LD_LIBRARY_PATH="$BIN" "$BIN/llama-server" -m "$MODEL" --host 127.0.0.1 --port "$PORT" \
     -np 1 -c 65536 -t 2 >"$WORK/llama.log" 2>&1 &
 PIDS+=($!)
-for _ in $(seq 1 240); do
-    curl -s -m 2 -o /dev/null -w '%{http_code}' "http://127.0.0.1:$PORT/health" | grep -q 200 && break
-    sleep 0.5
-done
+wait_up "http://127.0.0.1:$PORT/health"
 
-python3 - "$ROOT" "$WORK" "$ESTIMATE" "http://127.0.0.1:$PORT" <<'PY'
-import glob, json, os, random, subprocess, sys, urllib.request
+python3 - "$ROOT" "$WORK" "$ESTIMATE" "http://127.0.0.1:$PORT" "$TEXT_AT" <<'PY'
+import json, os, random, subprocess, sys, urllib.request
 
-root, work, estimate, url = sys.argv[1:5]
+root, work, estimate, url, text_at = sys.argv[1:6]
 random.seed(1)
 
 def post(path, obj):
@@ -89,17 +84,26 @@ def counted(messages):
     prompt = post("/apply-template", {"messages": messages})["prompt"]
     return len(post("/tokenize", {"content": prompt, "parse_special": True})["tokens"])
 
-sources = sorted(glob.glob(root + "/src/**/*.rs", recursive=True))
-code = [open(f).read() for f in sources]
-prose = [open(root + "/" + f).read() for f in ("README.md", "BENCHMARKS.md", "CHANGELOG.md")]
+def git(*args):
+    return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True,
+                          check=True).stdout
+
+def text(path):
+    return git("show", f"{text_at}:{path}")
+
+sources = sorted(f for f in git("ls-tree", "-r", "--name-only", text_at, "src").split()
+                 if f.endswith(".rs"))
+texts = {f: text(f) for f in sources}
+code = [texts[f] for f in sources]
+prose = [text(f) for f in ("README.md", "BENCHMARKS.md", "CHANGELOG.md")]
 
 def piece(text, n):
     i = random.randrange(0, max(1, len(text) - n))
     return text[i:i + n]
 
 def listing(n):
-    files = [{"path": os.path.relpath(f, root), "size": os.path.getsize(f),
-              "lines": open(f).read().count("\n")} for f in random.sample(sources, 20)]
+    files = [{"path": f, "size": len(texts[f].encode()), "lines": texts[f].count("\n")}
+             for f in random.sample(sources, 20)]
     return json.dumps({"files": files}, indent=2)[:n]
 
 def log(n):

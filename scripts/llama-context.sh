@@ -46,16 +46,10 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-CACHE="${TA_CACHE_DIR:-$HOME/.cache/tower-affinity}"
-BIN="$CACHE/bin"
-MODEL="$CACHE/models/gemma-3-270m-q4_k_m.gguf"
 PORT="${TA_CONTEXT_PORT:-18095}"
 PROXY_PORT=$((PORT + 1))
-
-[[ -x "$BIN/llama-server" && -f "$MODEL" ]] || {
-    echo "no cached llama-server or model in $CACHE: run scripts/e2e-llama.sh --setup-only first" >&2
-    exit 2
-}
+# shellcheck source=llama-common.sh
+source "$ROOT/scripts/llama-common.sh"
 if [[ -z "${TA_PROXY_BIN:-}" ]]; then
     (cd "$ROOT" && cargo build --release --features health,dns,redis --example proxy) >&2
     TA_PROXY_BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release/examples/proxy"
@@ -64,15 +58,6 @@ fi
 LOGS="$(mktemp -d)"
 PIDS=()
 trap 'kill "${PIDS[@]}" 2>/dev/null || true' EXIT
-
-wait_up() { # url
-    for _ in $(seq 1 240); do
-        curl -s -m 2 -o /dev/null -w '%{http_code}' "$1" | grep -q 200 && return 0
-        sleep 0.5
-    done
-    echo "no answer from $1" >&2
-    return 1
-}
 
 LD_LIBRARY_PATH="$BIN" "$BIN/llama-server" -m "$MODEL" --host 127.0.0.1 --port "$PORT" \
     -np 2 -c 1024 --kv-unified -t 2 --cache-ram 0 >"$LOGS/llama.log" 2>&1 &

@@ -41,15 +41,10 @@
 # Environment: TA_CACHE_DIR (~/.cache/tower-affinity), TA_SLOTS_PORT (18090).
 set -euo pipefail
 
-CACHE="${TA_CACHE_DIR:-$HOME/.cache/tower-affinity}"
-BIN="$CACHE/bin"
-MODEL="$CACHE/models/gemma-3-270m-q4_k_m.gguf"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PORT="${TA_SLOTS_PORT:-18090}"
-
-[[ -x "$BIN/llama-server" && -f "$MODEL" ]] || {
-    echo "no cached llama-server or model in $CACHE: run scripts/e2e-llama.sh --setup-only first" >&2
-    exit 2
-}
+# shellcheck source=llama-common.sh
+source "$ROOT/scripts/llama-common.sh"
 
 # run_case CASE LOG SLOTS CONTEXT [llama-server flags...]
 run_case() {
@@ -59,10 +54,7 @@ run_case() {
         -np "$slots" -c "$ctx" -t 2 --cache-ram 256 "$@" >"$log" 2>&1 &
     local pid=$!
     trap 'kill $pid 2>/dev/null || true' RETURN
-    for _ in $(seq 1 120); do
-        curl -s -m 2 "http://127.0.0.1:$PORT/health" | grep -q '"ok"' && break
-        sleep 0.5
-    done
+    wait_up "http://127.0.0.1:$PORT/health"
     python3 - "$case" "$PORT" <<'PY'
 import json, sys, urllib.request
 
