@@ -21,7 +21,9 @@
 //! same, the defaults less `thread_id`, as they were before it), `policy_home_hit`, `policy_new_session`, `policy_keyless`,
 //! `policy_view`; `home_hit_noext`, `new_session_noext` and `keyless_noext` build the service
 //! with `.decision_extension(false)`; `direct_resext` and `home_hit_resext` use backends whose
-//! responses already carry an extension, as responses through hyper-util's client do. Optional arguments: the fleet (`2x2`, `16x8`, `64x8`, `256x8`; default 16x8)
+//! responses already carry an extension, as responses through hyper-util's client do;
+//! `chain_body` is `PromptFacts::from_body` alone on the 256 KiB chat body of
+//! `--bench chain`. Optional arguments: the fleet (`2x2`, `16x8`, `64x8`, `256x8`; default 16x8)
 //! and the number of sessions placed first (default 1024; home hits cycle over them).
 //!
 //! Run by `cargo bench` without a scenario, it prints this usage and exits.
@@ -37,8 +39,8 @@ use tower_affinity::{PromptChain, SessionAffinityLayer, Sessions};
 mod common;
 
 use common::{
-    call_now, header_request, key, keyless_request, mock, mock_with_extension, request, Mock, Req,
-    Shape,
+    call_now, chat_body, header_request, key, keyless_request, mock, mock_with_extension, request,
+    Mock, Req, Shape,
 };
 
 /// The cache budget of each backend in the chain scenarios: room for its share of the live
@@ -86,6 +88,12 @@ fn main() {
         None => (what, mock),
     };
     match what {
+        "chain_body" => {
+            let body = chat_body(256 << 10);
+            measure_policy(n, &mut |_| {
+                drop(black_box(PromptFacts::from_body(black_box(&body))));
+            });
+        }
         "direct" => {
             let mut b = backend();
             let reqs = (0..n).map(|i| request(Some(key(i % sessions)))).collect();

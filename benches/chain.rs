@@ -33,33 +33,7 @@ use tower_affinity::{Decision, Outcome, PromptChain, SessionAffinityLayer};
 #[path = "common/mod.rs"]
 mod common;
 
-use common::{call_now, key, request, Shape};
-
-/// A chat body of about `bytes` bytes.
-fn chat_body(bytes: usize) -> Vec<u8> {
-    let code = "fn main() {\n    println!(\"hello, {}\", name);\n}\n".repeat(64);
-    let mut messages = vec![
-        serde_json::json!({"role": "system", "content": "You are a coding agent. ".repeat(350)}),
-        serde_json::json!({"role": "user", "content": "Build the todo app in the spec.\n".repeat(120)}),
-    ];
-    let mut n = 0;
-    while serde_json::to_vec(&messages).map_or(0, |v| v.len()) < bytes {
-        n += 1;
-        messages.push(serde_json::json!({
-            "role": "assistant",
-            "content": format!("Step {n}: reading the file."),
-            "tool_calls": [{"id": format!("call_{n}"), "type": "function",
-                "function": {"name": "read_file", "arguments": "{\"path\":\"src/main.rs\"}"}}]
-        }));
-        messages.push(serde_json::json!({
-            "role": "tool", "tool_call_id": format!("call_{n}"), "content": code
-        }));
-    }
-    serde_json::to_vec(&serde_json::json!({
-        "model": "qwen", "stream": true, "messages": messages
-    }))
-    .expect("a body")
-}
+use common::{call_now, chat_body, key, request, Shape};
 
 /// A completions body whose prompt is one string of about `bytes` bytes.
 fn text_body(bytes: usize) -> Vec<u8> {

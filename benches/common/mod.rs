@@ -327,3 +327,30 @@ pub(crate) fn rotating_rounds<T: Copy + Default, const N: usize>(
         })
         .collect()
 }
+
+/// A coding agent's chat body of about `bytes` bytes: an 8 KiB system prompt, a spec, then
+/// tool calls and tool outputs of about 3 KiB of code, with escapes.
+pub(crate) fn chat_body(bytes: usize) -> Vec<u8> {
+    let code = "fn main() {\n    println!(\"hello, {}\", name);\n}\n".repeat(64);
+    let mut messages = vec![
+        serde_json::json!({"role": "system", "content": "You are a coding agent. ".repeat(350)}),
+        serde_json::json!({"role": "user", "content": "Build the todo app in the spec.\n".repeat(120)}),
+    ];
+    let mut n = 0;
+    while serde_json::to_vec(&messages).map_or(0, |v| v.len()) < bytes {
+        n += 1;
+        messages.push(serde_json::json!({
+            "role": "assistant",
+            "content": format!("Step {n}: reading the file."),
+            "tool_calls": [{"id": format!("call_{n}"), "type": "function",
+                "function": {"name": "read_file", "arguments": "{\"path\":\"src/main.rs\"}"}}]
+        }));
+        messages.push(serde_json::json!({
+            "role": "tool", "tool_call_id": format!("call_{n}"), "content": code
+        }));
+    }
+    serde_json::to_vec(&serde_json::json!({
+        "model": "qwen", "stream": true, "messages": messages
+    }))
+    .expect("a body")
+}
