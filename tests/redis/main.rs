@@ -546,12 +546,30 @@ fn keyless_turn(chain: tower_affinity::PromptChain) -> Req {
 /// Where a keyless prompt's tip's home is kept.
 fn prompt_key(chain: &tower_affinity::PromptChain) -> String {
     let links = chain.links();
-    let tip = links[links.len().saturating_sub(2)].digest;
+    link_key(links[links.len().saturating_sub(2)].digest)
+}
+
+/// Where a keyless prompt's last link's home is kept (written after the tip's).
+fn last_link_key(chain: &tower_affinity::PromptChain) -> String {
+    link_key(chain.links().last().unwrap().digest)
+}
+
+fn link_key(digest: u64) -> String {
     format!(
-        "{}{}{tip:016x}",
+        "{}{}{digest:016x}",
         RedisStore::DEFAULT_PREFIX,
         RedisStore::PROMPT_PREFIX
     )
+}
+
+/// Until both of a keyless turn's writes (its tip's, then its last link's) have landed.
+async fn until_prompt_stored(
+    conn: &mut redis::aio::MultiplexedConnection,
+    chain: &tower_affinity::PromptChain,
+    backend: &str,
+) {
+    until_stored(conn, &prompt_key(chain), backend).await;
+    until_stored(conn, &last_link_key(chain), backend).await;
 }
 
 /// Conversation `c` through replicas `a` and `b` (the same one twice: one replica): its
@@ -580,7 +598,7 @@ async fn keyless_conversation(
     assert_ne!(spilled, backend(&first), "the second turn spilled");
     drop((first, second));
     if let Some(conn) = conn.as_deref_mut() {
-        until_stored(conn, &prompt_key(&second_chain), &spilled).await;
+        until_prompt_stored(conn, &second_chain, &spilled).await;
     }
     let mut later = Vec::new();
     for turn in 2..6 {
@@ -594,7 +612,7 @@ async fn keyless_conversation(
         let landed = backend(&res);
         drop(res);
         if let Some(conn) = conn.as_deref_mut() {
-            until_stored(conn, &prompt_key(&chain), &landed).await;
+            until_prompt_stored(conn, &chain, &landed).await;
         }
         later.push(landed);
     }
