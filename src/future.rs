@@ -28,6 +28,7 @@ use crate::error::BoxError;
 use crate::fleet::SlotGuard;
 use crate::key::{PromptFacts, SessionKey};
 use crate::placement::Placement;
+use crate::retry::FirstAnswer;
 use crate::service::{Placed, Shared};
 use crate::stats::Decision;
 use crate::store::PendingRead;
@@ -78,6 +79,10 @@ pin_project! {
         // Reading the session's home from the shared store, before placing.
         Read {
             reading: Box<Reading<S, P, ReqB>>,
+        },
+        // A retried refusal answered with the refusal as it came.
+        Answered {
+            first: Option<Box<FirstAnswer>>,
         },
         Done {
             error: Option<Error>,
@@ -358,6 +363,7 @@ where
                 shared.capacity.counters.count_no_backends();
                 State::fail(Error::NoBackends)
             }
+            Placed::Answered(first) => State::Answered { first: Some(first) },
             Placed::Full { home } => match overflow {
                 Overflow::Wait {
                     max_wait,
@@ -409,6 +415,10 @@ where
                 ticket.settle();
                 shared.capacity.counters.count_no_backends();
                 State::fail(Error::NoBackends)
+            }
+            Placed::Answered(first) => {
+                ticket.settle();
+                State::Answered { first: Some(first) }
             }
             // This look sees the fleet as it is now, and may wait for other slots than the
             // first: for the full backend holding its prefix, rather than for a slot freed
@@ -608,6 +618,9 @@ where
                             w.shared.capacity.counters.count_no_backends();
                             state.set(State::fail(Error::NoBackends));
                         }
+                        Placed::Answered(first) => {
+                            state.set(State::Answered { first: Some(first) });
+                        }
                         Placed::Full { .. } if last => {
                             w.shared.capacity.counters.count_rejected();
                             let retry_after = w.shared.retry_after();
@@ -660,6 +673,10 @@ where
                         (None, _) => {}
                     }
                     state.set(Self::place(&shared, key, req));
+                }
+                StateProj::Answered { first } => {
+                    let first = first.take().expect(POLLED_AFTER_COMPLETION);
+                    return Poll::Ready(Ok(first.into_response()));
                 }
                 StateProj::Done { error } => {
                     let e = error.take().expect(POLLED_AFTER_COMPLETION);
@@ -719,7 +736,7 @@ where
             State::NotReady { .. } => "waiting for its backend to be ready",
             State::Wait { .. } => "waiting for a slot",
             State::Read { .. } => "reading its session's home",
-            State::Done { .. } => "done",
+            State::Answered { .. } | State::Done { .. } => "done",
         };
         f.debug_struct("ResponseFuture")
             .field("state", &state)

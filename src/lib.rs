@@ -35,8 +35,8 @@
 //!   hyper proxy. Its [`ResponseBody`] releases the request's slot when the body ends.
 //! - [`RetryOnce`], a retry policy for tower's `RetryLayer`: a request whose backend failed,
 //!   answered 503, or refused its prompt as too long for its context ([`ReadRefusals`] reads
-//!   such a refusal into a [`ContextRefusal`]) is retried once where it fits, and not at all
-//!   where no other backend takes it ([`FitsElsewhere`]).
+//!   such a refusal into a [`ContextRefusal`]) is retried once where it fits; where no other
+//!   backend takes it, the balancer answers the retry with the refusal as it came.
 //!
 //! # Example
 //!
@@ -106,7 +106,7 @@
 //   body.rs      ResponseBody: holds the slot until the body ends; InnerOrBytes, shared with key/
 //   overflow.rs  what a request does when every candidate is full
 //   error.rs     Error, its HTTP mapping, ErrorToResponse
-//   retry.rs     RetryOnce; ReadRefusals, ContextRefusal, FitsElsewhere
+//   retry.rs     RetryOnce; ReadRefusals, ContextRefusal
 //   fleet.rs     nodes, backends, slot counters, health (discovery applied here)
 //   table.rs     the session table
 //   store/       the shared store of homes for router replicas: the HomeStore trait,
@@ -161,9 +161,7 @@ pub use fleet::{Backend, BackendId, BackendStatus, NodeId};
 pub use future::ResponseFuture;
 pub use layer::SessionAffinityLayer;
 pub use overflow::Overflow;
-pub use retry::{
-    ContextRefusal, FitsElsewhere, ReadRefusals, ReadRefusalsFuture, ReadRefusalsLayer, RetryOnce,
-};
+pub use retry::{ContextRefusal, ReadRefusals, ReadRefusalsFuture, ReadRefusalsLayer, RetryOnce};
 pub use service::SessionAffinity;
 pub use stats::{Decision, Outcome, ParseOutcomeError, Reuse, Stats};
 pub use table::Sessions;

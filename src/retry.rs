@@ -15,7 +15,6 @@ use pin_project_lite::pin_project;
 use tower::retry::Policy;
 use tower::{Layer, Service};
 
-use crate::key::PromptFacts;
 use crate::{BackendId, BoxError, Decision, Error, ResponseBody};
 
 /// A [`tower::retry::Policy`] that retries a request once when its backend failed before
@@ -70,8 +69,8 @@ impl RetryOnce {
     }
 
     /// Whether to retry an answer refusing the prompt as too long: once, with the refusal
-    /// among the request's extensions, and the answer as [`ReadRefusals`] read it, for it to
-    /// give back if no other backend takes the prompt.
+    /// among the request's extensions, and the answer as [`ReadRefusals`] read it, for the
+    /// balancer to give back if no other backend takes the prompt.
     fn refused<B, ResB>(
         &mut self,
         req: &mut http::Request<B>,
@@ -259,34 +258,6 @@ fn context_length_in(message: &str) -> Option<u64> {
 /// The most of a `400` answer [`ReadRefusals`] reads: a refusal is a few hundred bytes.
 const REFUSAL_LIMIT: u64 = 16 * 1024;
 
-/// A balancer that says whether a prompt refused as too long fits on a backend other than the
-/// one that refused it. [`ReadRefusals`] asks it before a retry is sent: where no other
-/// backend takes the prompt, the refusal is answered as it came, rather than sent again to be
-/// refused again (in a fleet of one slot context, every refusal). [`SessionAffinity`]
-/// implements it, and `ReadRefusals` wraps the balancer itself; a service of your own between
-/// them implements it by asking the one it wraps (tower's own wrappers do not):
-///
-/// ```
-/// use tower_affinity::{ContextRefusal, FitsElsewhere};
-///
-/// /// A service of one's own around the balancer.
-/// struct Audited<S>(S);
-///
-/// impl<S: FitsElsewhere> FitsElsewhere for Audited<S> {
-///     fn fits_elsewhere(&self, refusal: &ContextRefusal) -> bool {
-///         self.0.fits_elsewhere(refusal)
-///     }
-/// }
-/// ```
-///
-/// [`SessionAffinity`]: crate::SessionAffinity
-pub trait FitsElsewhere {
-    /// Whether a backend up, other than [`refusal.backend`](ContextRefusal::backend), can take
-    /// a prompt of [`refusal.prompt_tokens`](ContextRefusal::prompt_tokens): its request
-    /// context is larger, or not known.
-    fn fits_elsewhere(&self, refusal: &ContextRefusal) -> bool;
-}
-
 /// What [`ReadRefusals`] read of a refusal, beside its [`ContextRefusal`]: the body, and the
 /// decision it kept, for [`RetryOnce`] to keep with the retried request.
 #[derive(Clone)]
@@ -295,12 +266,20 @@ struct RefusalRead {
     decision: Option<Decision>,
 }
 
-/// A refusal as it came, among the extensions of its retried request, for [`ReadRefusals`] to
+/// A refusal as it came, among the extensions of its retried request, for the balancer to
 /// give back when no backend but the one that refused takes the prompt. Taken once.
 #[derive(Clone)]
-struct KeptAnswer(Arc<Mutex<Option<FirstAnswer>>>);
+pub(crate) struct KeptAnswer(Arc<Mutex<Option<FirstAnswer>>>);
 
-struct FirstAnswer {
+impl KeptAnswer {
+    /// The refusal, if no one has taken it yet.
+    pub(crate) fn take(&self) -> Option<FirstAnswer> {
+        self.0.lock().take()
+    }
+}
+
+/// A refused answer's parts, as they came, to be given back whole.
+pub(crate) struct FirstAnswer {
     status: StatusCode,
     version: http::Version,
     headers: http::HeaderMap,
@@ -309,7 +288,7 @@ struct FirstAnswer {
 }
 
 impl FirstAnswer {
-    fn into_response<B>(self) -> http::Response<ResponseBody<B>> {
+    pub(crate) fn into_response<B>(self) -> http::Response<ResponseBody<B>> {
         let body = ResponseBody::read_back(self.read.bytes, self.read.decision);
         let mut res = http::Response::new(body);
         *res.status_mut() = self.status;
@@ -341,11 +320,11 @@ impl<S> Layer<S> for ReadRefusalsLayer {
     }
 }
 
-/// Reads the body of each `400` answer of a [`SessionAffinity`](crate::SessionAffinity)
-/// (of up to 16 KiB, its length known), and marks a refusal of the prompt as too long for
-/// the backend's context with a [`ContextRefusal`] among the answer's extensions, for
-/// [`RetryOnce`] to retry the request on a backend that takes it. The answer goes on with the
-/// same status, headers and bytes. Other answers pass as they are, unread.
+/// Reads the body of each `400` answer of a [`SessionAffinity`] (of up to 16 KiB, its length
+/// known), and marks a refusal of the prompt as too long for the backend's context with a
+/// [`ContextRefusal`] among the answer's extensions, for [`RetryOnce`] to retry the request
+/// on a backend that takes it. The answer goes on with the same status, headers and bytes.
+/// Other answers pass as they are, unread.
 ///
 /// A conversation outgrows a backend's slots on a turn whose prompt the balancer estimates
 /// from its bytes, in the backend's tokens as its answers taught (see
@@ -354,10 +333,13 @@ impl<S> Layer<S> for ReadRefusalsLayer {
 /// can be more tokens than estimated, and be refused where it was sent. Read and retried, it
 /// is answered by a backend that takes it, and a keyed conversation's home moves there.
 ///
-/// A retry is sent only where a backend other than the one that refused may take the prompt
-/// (see [`FitsElsewhere`]), and the request does not continue a response stored on the one
-/// that refused (where it would go again): otherwise the retried request is answered with
-/// the refusal as it came, its decision the first placement's, and no backend sees it again.
+/// The retried request carries the refusal as it came. A [`SessionAffinity`] balancer
+/// answers it with that refusal, its decision the first placement's, where no backend up
+/// other than the one that refused may take the prompt (its request context larger, or not
+/// known), or where the request continues a response stored on the one that refused (it would
+/// go there again): no backend sees it twice. Services between `ReadRefusals` and the
+/// balancer (a concurrency limit, a request's mapping) are no matter, as long as they pass
+/// the request's extensions on.
 ///
 /// Put it inside the retry, so that the retry sees the mark; the request body must be
 /// `Clone` for the retry (buffer it first). The cost on other answers is a look at the
@@ -374,6 +356,8 @@ impl<S> Layer<S> for ReadRefusalsLayer {
 /// let balancer = Retry::new(RetryOnce::new(), ReadRefusalsLayer::new().layer(affinity));
 /// # balancer }
 /// ```
+///
+/// [`SessionAffinity`]: crate::SessionAffinity
 #[derive(Clone, Debug)]
 pub struct ReadRefusals<S> {
     inner: S,
@@ -393,8 +377,7 @@ impl<S> ReadRefusals<S> {
 
 impl<S, ReqB, B> Service<http::Request<ReqB>> for ReadRefusals<S>
 where
-    S: Service<http::Request<ReqB>, Response = http::Response<ResponseBody<B>>, Error = Error>
-        + FitsElsewhere,
+    S: Service<http::Request<ReqB>, Response = http::Response<ResponseBody<B>>, Error = Error>,
     B: Body,
     B::Data: From<Bytes>,
     B::Error: Into<BoxError>,
@@ -407,26 +390,7 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, mut req: http::Request<ReqB>) -> Self::Future {
-        if let Some(kept) = req.extensions_mut().remove::<KeptAnswer>() {
-            let refusal = req.extensions().get::<ContextRefusal>();
-            // A request continuing a response stored where it was refused goes there again.
-            let pinned = req.extensions().get::<PromptFacts>();
-            let pinned = pinned.and_then(|f| f.stored_on.as_ref());
-            let goes_back = |r: &ContextRefusal| pinned.is_some() && pinned == r.backend.as_ref();
-            if refusal.is_some_and(|r| goes_back(r) || !self.inner.fits_elsewhere(r)) {
-                if let Some(first) = kept.0.lock().take() {
-                    tracing::debug!(
-                        backend = ?refusal.and_then(|r| r.backend.as_ref()),
-                        "a prompt refused as too long fits no other backend: the refusal answers"
-                    );
-                    let res = Some(first.into_response());
-                    return ReadRefusalsFuture {
-                        state: ReadState::Answered { res },
-                    };
-                }
-            }
-        }
+    fn call(&mut self, req: http::Request<ReqB>) -> Self::Future {
         ReadRefusalsFuture {
             state: ReadState::Call {
                 fut: self.inner.call(req),
@@ -447,7 +411,6 @@ pin_project! {
     #[project = ReadStateProj]
     enum ReadState<F, B> {
         Call { #[pin] fut: F },
-        Answered { res: Option<http::Response<ResponseBody<B>>> },
         Read {
             parts: Option<http::response::Parts>,
             #[pin]
@@ -461,7 +424,6 @@ impl<F, B> fmt::Debug for ReadRefusalsFuture<F, B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = match self.state {
             ReadState::Call { .. } => "call",
-            ReadState::Answered { .. } => "answered",
             ReadState::Read { .. } => "read",
         };
         f.debug_struct("ReadRefusalsFuture")
@@ -498,9 +460,6 @@ where
                         body,
                         read,
                     });
-                }
-                ReadStateProj::Answered { res } => {
-                    return Poll::Ready(Ok(res.take().expect("polled after completion")));
                 }
                 ReadStateProj::Read {
                     parts,

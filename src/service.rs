@@ -173,6 +173,8 @@ pub(crate) enum Placed<S> {
     Full { home: WaitHome },
     /// The fleet is empty, or every backend offered is marked down.
     Empty,
+    /// A retried refusal that no other backend takes: the refusal answers.
+    Answered(Box<crate::retry::FirstAnswer>),
 }
 
 /// Settings the layer hands to the service.
@@ -667,20 +669,32 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         // A pinned backend that is down is placed around as any request would be.
         let prompt_tokens = chain.map_or(0, PromptChain::tokens);
         // A retry of a prompt a backend refused as too long counts it as that backend did.
-        let refused = extensions.get::<ContextRefusal>().map(|r| Refused {
+        let refusal = extensions.get::<ContextRefusal>();
+        let refused = refusal.map(|r| Refused {
             tokens: r.prompt_tokens,
             backend: r.backend.as_ref().and_then(|id| t.index_of(id.as_str())),
             context: r.context_tokens,
         });
-        // The refusing backend's word for its limit stands where none is known, for the
-        // requests after this one too.
-        if let Some(Refused {
-            backend: Some(b),
-            context,
-            ..
-        }) = refused
-        {
-            t.member(b).load.learn_request_limit(context);
+        if let (Some(r), Some(refused)) = (refusal, &refused) {
+            // The refusing backend's word for its limit stands where none is known, for the
+            // requests after this one too.
+            if let Some(b) = refused.backend {
+                t.member(b).load.learn_request_limit(r.context_tokens);
+            }
+            // Where no other backend takes the prompt, or the request continues a response
+            // stored where it was refused, the refusal as it came is the answer.
+            let goes_back = pinned.is_some() && pinned == refused.backend;
+            let except = r.backend.as_ref().map(BackendId::as_str);
+            if goes_back || !t.takes_elsewhere(r.prompt_tokens, except, now_ms) {
+                let kept = extensions.get::<crate::retry::KeptAnswer>();
+                if let Some(first) = kept.and_then(crate::retry::KeptAnswer::take) {
+                    tracing::debug!(
+                        backend = ?r.backend,
+                        "a prompt refused as too long fits no other backend: the refusal answers"
+                    );
+                    return Placed::Answered(Box::new(first));
+                }
+            }
         }
         let pinned = pinned.and_then(|b| offer_pinned(t, now_ms, b, prompt_tokens));
         if let Some((b, _)) = &pinned {
@@ -981,20 +995,6 @@ where
             ask_for_identity(req.headers_mut());
         }
         ResponseFuture::new(&self.shared, key, req)
-    }
-}
-
-impl<D, K, P, S> crate::FitsElsewhere for SessionAffinity<D, K, P>
-where
-    D: Discover<Key = BackendId, Service = Backend<S>>,
-{
-    fn fits_elsewhere(&self, refusal: &crate::ContextRefusal) -> bool {
-        let now = self.shared.capacity.now_ms(Instant::now());
-        let except = refusal.backend.as_ref().map(|b| b.as_str());
-        let fleet = self.shared.fleet.load();
-        fleet
-            .topology
-            .takes_elsewhere(refusal.prompt_tokens, except, now)
     }
 }
 

@@ -277,6 +277,44 @@ async fn a_refusal_that_no_backend_can_take_is_answered_as_it_came_without_a_ret
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn services_between_reading_refusals_and_the_balancer_keep_both_answers() {
+    // A concurrency limit and a request's mapping between `ReadRefusals` and the balancer:
+    // the balancer still answers a refusal no other backend takes with the refusal, and
+    // retries one that fits elsewhere.
+    let (fleet, calls) = fleet(&[("a", "node-a", 1_000, true), ("b", "node-b", 2_000, true)]);
+    let affinity = SessionAffinityLayer::new().layer(fleet);
+    let mapped = tower::ServiceBuilder::new()
+        .concurrency_limit(8)
+        .map_request(|mut req: Req| {
+            req.headers_mut()
+                .insert("x-mapped", http::HeaderValue::from_static("1"));
+            req
+        })
+        .service(affinity);
+    let mut svc = Retry::new(RetryOnce::new(), ReadRefusalsLayer::new().layer(mapped));
+    let total = || {
+        calls
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .sum::<usize>()
+    };
+    // 5,000 tokens by the backends' count: neither takes it.
+    let res = send(&mut svc, turn(None, 300, 5_000)).await;
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    let refuser = res.extensions().get::<ContextRefusal>().cloned().unwrap();
+    assert_eq!(Some(decision(&res).backend), refuser.backend);
+    assert!(text(res).await.contains("\"n_prompt_tokens\":5000"));
+    assert_eq!(total(), 1, "not sent again");
+    // 1,500: `b` takes it, wherever it went first.
+    let res = send(&mut svc, turn(None, 300, 1_500)).await;
+    assert_eq!(
+        (res.status(), decision(&res).backend.as_str()),
+        (StatusCode::OK, "b")
+    );
+    assert!((2..=3).contains(&total()), "{}", total());
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn in_a_fleet_of_one_slot_context_a_refused_turn_stays_home_unretried() {
     let (fleet, calls) = fleet(&[("a", "node-a", 1_000, true), ("b", "node-b", 1_000, true)]);
     let mut svc = balancer(fleet);
@@ -361,26 +399,33 @@ async fn a_refusal_teaches_a_backend_its_limit_where_none_was_known() {
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_refusal_is_retried_where_another_backends_context_is_not_known() {
-    // `b`'s limit is not given: it may take the prompt, and is tried.
+    // `b`'s limit is not given: it may take the prompt, and is tried, until a refusal of its
+    // own, retried, has told the balancer its limit.
     let (fleet, calls) = fleet(&[("a", "node-a", 1_000, true), ("b", "node-b", 2_000, false)]);
     let mut svc = balancer(fleet);
     let count = |i: usize| calls[i].load(Ordering::Relaxed);
-    let mut refused_by_a = 0;
-    for i in 0..8 {
-        let (a, b) = (count(0), count(1));
-        let res = send(&mut svc, turn(Some(&format!("k{i}")), 300, 5_000)).await;
-        assert_eq!(res.status(), StatusCode::BAD_REQUEST);
-        if count(0) > a {
-            // Refused by `a`, then by `b`: the answer is the retry's.
-            refused_by_a += 1;
-            assert_eq!(decision(&res).backend.as_str(), "b");
-            assert_eq!(count(1), b + 1, "retried on b");
-        } else {
-            // Refused by `b` first: `a`'s limit is known to be too small.
-            assert_eq!(count(1), b + 1, "not retried");
-        }
-    }
-    assert!(refused_by_a > 0, "no first turn went to a");
+    let on_a = homed_on(&mut svc, "a", "on-a-").await;
+    let on_b = homed_on(&mut svc, "b", "on-b-").await;
+    let long = |s: &str| turn(Some(s), 300, 5_000);
+    // Refused by `a`, then by `b`: the answer is the retry's.
+    let (a, b) = (count(0), count(1));
+    let res = send(&mut svc, long(&on_a)).await;
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(decision(&res).backend.as_str(), "b");
+    assert_eq!((count(0), count(1)), (a + 1, b + 1), "retried on b");
+    // Refused by `b` first: `a`'s limit is known to be too small, so not retried; and the
+    // retried request has told the balancer `b`'s limit.
+    let (a, b) = (count(0), count(1));
+    let res = send(&mut svc, long(&on_b)).await;
+    assert_eq!(decision(&res).backend.as_str(), "b");
+    assert_eq!((count(0), count(1)), (a, b + 1), "not retried");
+    // Another session homed on `a`: its refusal is the answer now.
+    let on_a = homed_on(&mut svc, "a", "again-on-a-").await;
+    let (a, b) = (count(0), count(1));
+    let res = send(&mut svc, long(&on_a)).await;
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(decision(&res).backend.as_str(), "a");
+    assert_eq!((count(0), count(1)), (a + 1, b), "not retried on b");
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
