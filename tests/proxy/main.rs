@@ -761,6 +761,38 @@ async fn a_dense_turn_is_answered_elsewhere(dense: Dense) {
     assert_eq!(small.refused(), refusals);
 }
 
+/// Two backends of the same slot context, a turn denser than the router's estimate: refused
+/// where it was sent, and that refusal is what the client gets, as the backend gave it. No
+/// other backend takes the prompt, so none is sent it again.
+#[tokio::test]
+async fn a_turn_no_backend_takes_gets_its_refusal_and_is_sent_nowhere_else() {
+    let (a, b) = (Stub::start("a", 2).await, Stub::start("b", 2).await);
+    for stub in [&a, &b] {
+        stub.set_context(2_000);
+        stub.set_digit_tokens(16);
+    }
+    let proxy = start(config(&[("node-a", &a), ("node-b", &b)])).await;
+    proxy.proxy.probe_all().await;
+    let mut c = proxy.conversation_on("a", "e").await;
+    for _ in 0..3 {
+        let answer = proxy.turn(&mut c).await;
+        assert_eq!((answer.status.as_u16(), answer.backend()), (200, "a"));
+        c.answered(&answer);
+    }
+    // 150 digits: 2,400 tokens by the backends' count, under 2,000 by the estimate.
+    c.messages
+        .push(json!({"role": "user", "content": "0123456789".repeat(15)}));
+    let answer = proxy.turn(&mut c).await;
+    let body = String::from_utf8_lossy(&answer.body);
+    assert_eq!(
+        (answer.status.as_u16(), answer.backend(), answer.outcome()),
+        (400, "a", "home-hit"),
+        "{body}"
+    );
+    assert!(body.contains("exceed_context_size_error"), "{body}");
+    assert_eq!((a.refused(), b.refused()), (1, 0));
+}
+
 #[tokio::test]
 async fn the_probe_finds_a_shared_store_down_in_every_fleet_before_any_request() {
     let a = Stub::start("a", 2).await;
