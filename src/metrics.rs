@@ -50,6 +50,8 @@
 //! | `tower_affinity_rejected_total` | counter | | requests refused: no slot, no room to wait |
 //! | `tower_affinity_no_backends_total` | counter | | requests refused: no backend |
 //! | `tower_affinity_abandoned_total` | counter | | requests their caller gave up on while they waited for a slot or the shared store |
+//! | `tower_affinity_refusals_retried_total` | counter | | requests placed again after a backend refused their prompt as too long for its context |
+//! | `tower_affinity_refusals_answered_total` | counter | | requests retried after such a refusal and answered with it: no other backend takes the prompt |
 //! | `tower_affinity_backend_errors_total` | counter | | requests whose backend failed or answered 503, over the fleet |
 //! | `tower_affinity_discovery_errors_total` | counter | | errors from the discovery stream |
 //! | `tower_affinity_backend_failures_total` | counter | `backend`, `node` | requests that failed on this backend, or that it answered with 503 |
@@ -462,12 +464,14 @@ pub(crate) fn event(labels: &Labels, name: &'static str) {
 /// The fleet's counters, which count events: published at 0 until their first, so that a
 /// query's rate or ratio reads 0, not nothing.
 #[cfg(feature = "metrics")]
-const EVENTS: [&str; 7] = [
+const EVENTS: [&str; 9] = [
     "tower_affinity_waited_total",
     "tower_affinity_overcommitted_total",
     "tower_affinity_rejected_total",
     "tower_affinity_no_backends_total",
     "tower_affinity_abandoned_total",
+    "tower_affinity_refusals_retried_total",
+    "tower_affinity_refusals_answered_total",
     "tower_affinity_backend_errors_total",
     "tower_affinity_discovery_errors_total",
 ];
@@ -483,7 +487,7 @@ enum Kind {
 /// Each metric's help, as an exporter shows it (Prometheus's `# HELP`); the store's come with
 /// its [counters](StoreStats::counters).
 #[cfg(feature = "metrics")]
-const HELP: [(&str, Kind, &str); 34] = [
+const HELP: [(&str, Kind, &str); 36] = [
     (
         "tower_affinity_decisions_total",
         Kind::Counter,
@@ -533,6 +537,16 @@ const HELP: [(&str, Kind, &str); 34] = [
         "tower_affinity_abandoned_total",
         Kind::Counter,
         "Requests their caller gave up on while they waited for a slot or the shared store",
+    ),
+    (
+        "tower_affinity_refusals_retried_total",
+        Kind::Counter,
+        "Requests placed again after a backend refused their prompt as too long for its context",
+    ),
+    (
+        "tower_affinity_refusals_answered_total",
+        Kind::Counter,
+        "Requests retried after such a refusal and answered with it: no other backend takes the prompt",
     ),
     (
         "tower_affinity_backend_errors_total",

@@ -692,6 +692,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
                         backend = ?r.backend,
                         "a prompt refused as too long fits no other backend: the refusal answers"
                     );
+                    self.capacity.counters.count_refusal(true);
                     return Placed::Answered(Box::new(first));
                 }
             }
@@ -862,6 +863,9 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             store.placed_prompt(chain, &decision);
         }
         self.capacity.counters.record(&decision);
+        if refusal.is_some() {
+            self.capacity.counters.count_refusal(false);
+        }
         Placed::Dispatch {
             service,
             guard,

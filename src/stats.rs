@@ -212,11 +212,20 @@ pub struct Stats {
     /// Requests refused because no backend was up: the fleet empty, or every backend down.
     pub no_backends: u64,
     /// Requests their caller gave up on (dropped the response future) while they waited for
-    /// a slot, or for the shared store's answer: neither placed nor refused. With [`rejected`](Self::rejected) and
-    /// [`no_backends`](Self::no_backends), they and the outcomes add up to the requests the
-    /// service was called with (a request [`RetryOnce`](crate::RetryOnce) retries is called
-    /// twice).
+    /// a slot, or for the shared store's answer: neither placed nor refused. With
+    /// [`rejected`](Self::rejected), [`no_backends`](Self::no_backends) and
+    /// [`refusals_answered`](Self::refusals_answered), they and the outcomes add up to the
+    /// requests the service was called with (a request [`RetryOnce`](crate::RetryOnce)
+    /// retries is called twice).
     pub abandoned: u64,
+    /// Requests placed again after a backend refused their prompt as too long for its context
+    /// (a [`ContextRefusal`](crate::ContextRefusal) among their extensions; also counted by
+    /// outcome): the prompt chain's estimate of its tokens fell short there.
+    pub refusals_retried: u64,
+    /// Requests retried after such a refusal and answered with it: no backend up but the one
+    /// that refused may take the prompt, or the request continues a response stored there.
+    /// Neither placed nor refused.
+    pub refusals_answered: u64,
     /// Requests whose backend failed, or answered 503 Service Unavailable (each is passed over
     /// for the failure cooldown).
     pub backend_errors: u64,
@@ -346,6 +355,8 @@ pub(crate) struct Counters {
     pub(crate) rejected: AtomicU64,
     pub(crate) no_backends: AtomicU64,
     pub(crate) abandoned: AtomicU64,
+    pub(crate) refusals_retried: AtomicU64,
+    pub(crate) refusals_answered: AtomicU64,
     pub(crate) backend_errors: AtomicU64,
     pub(crate) discovery_errors: AtomicU64,
     pub(crate) usage_reports: AtomicU64,
@@ -384,6 +395,24 @@ impl Counters {
     pub(crate) fn count_abandoned(&self) {
         bump(&self.abandoned);
         crate::metrics::event(&self.labels, "tower_affinity_abandoned_total");
+    }
+
+    /// A request a backend refused as too long was placed again (`answered`: false), or
+    /// answered with that refusal.
+    pub(crate) fn count_refusal(&self, answered: bool) {
+        let (counter, name) = if answered {
+            (
+                &self.refusals_answered,
+                "tower_affinity_refusals_answered_total",
+            )
+        } else {
+            (
+                &self.refusals_retried,
+                "tower_affinity_refusals_retried_total",
+            )
+        };
+        bump(counter);
+        crate::metrics::event(&self.labels, name);
     }
 
     pub(crate) fn count_discovery_error(&self) {
@@ -444,6 +473,8 @@ impl Counters {
             rejected: l(&self.rejected),
             no_backends: l(&self.no_backends),
             abandoned: l(&self.abandoned),
+            refusals_retried: l(&self.refusals_retried),
+            refusals_answered: l(&self.refusals_answered),
             backend_errors: l(&self.backend_errors),
             discovery_errors: l(&self.discovery_errors),
             usage_reports: l(&self.usage_reports),

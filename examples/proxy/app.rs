@@ -904,7 +904,7 @@ impl Collector for AffinityCollector {
         }
         let as_i64 = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
         type Counted = (&'static str, &'static str, fn(&Stats) -> u64);
-        let fleet_counters: [Counted; 6] = [
+        let fleet_counters: [Counted; 8] = [
             (
                 "tower_affinity_waited",
                 "Requests that waited for a slot before being placed",
@@ -929,6 +929,16 @@ impl Collector for AffinityCollector {
                 "tower_affinity_abandoned",
                 "Requests whose client left while they waited for a slot or the shared store",
                 |s| s.abandoned,
+            ),
+            (
+                "tower_affinity_refusals_retried",
+                "Requests sent again after a backend refused their prompt as too long for its context",
+                |s| s.refusals_retried,
+            ),
+            (
+                "tower_affinity_refusals_answered",
+                "Requests refused as too long that no other backend takes, answered with the refusal",
+                |s| s.refusals_answered,
             ),
             (
                 "tower_affinity_backend_errors",

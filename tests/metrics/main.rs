@@ -390,7 +390,14 @@ fn a_backend_that_left_reads_zero_and_counters_start_at_zero() {
     // Nothing refused yet, and no compaction: published at 0, not missing.
     let counter =
         |name: &str, labels: &[(&str, &str)]| value(&snapshot, MetricKind::Counter, name, labels);
-    for name in ["rejected", "no_backends", "abandoned", "backend_errors"] {
+    for name in [
+        "rejected",
+        "no_backends",
+        "abandoned",
+        "refusals_retried",
+        "refusals_answered",
+        "backend_errors",
+    ] {
         let name = format!("tower_affinity_{name}_total");
         assert_eq!(counter(&name, &[]), Some(&DebugValue::Counter(0)), "{name}");
     }

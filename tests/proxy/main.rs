@@ -791,6 +791,16 @@ async fn a_turn_no_backend_takes_gets_its_refusal_and_is_sent_nowhere_else() {
     );
     assert!(body.contains("exceed_context_size_error"), "{body}");
     assert_eq!((a.refused(), b.refused()), (1, 0));
+    let metrics = String::from_utf8(proxy.get("/metrics").await.body.to_vec()).unwrap();
+    for line in [
+        "tower_affinity_refusals_answered_total 1",
+        "tower_affinity_refusals_retried_total 0",
+    ] {
+        assert!(
+            metrics.lines().any(|l| l == line),
+            "{line} not in:\n{metrics}"
+        );
+    }
 }
 
 #[tokio::test]

@@ -208,6 +208,8 @@ async fn a_prompt_its_home_refuses_as_too_long_is_retried_on_a_backend_that_take
     assert_eq!(decision(&res).backend.as_str(), "large");
     assert_eq!(decision(&res).outcome, Outcome::HomeHit);
     assert_eq!(calls[0].load(Ordering::Relaxed), before + 1);
+    let stats = svc.get_ref().get_ref().stats();
+    assert_eq!((stats.refusals_retried, stats.refusals_answered), (1, 0));
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
@@ -273,7 +275,9 @@ async fn a_refusal_that_no_backend_can_take_is_answered_as_it_came_without_a_ret
     assert!(body.contains("\"n_prompt_tokens\":5000"), "{body}");
     let total: usize = calls.iter().map(|c| c.load(Ordering::Relaxed)).sum();
     assert_eq!(total, 1, "not sent again");
-    assert_eq!(svc.get_ref().get_ref().stats().placed(), 1);
+    let stats = svc.get_ref().get_ref().stats();
+    assert_eq!(stats.placed(), 1);
+    assert_eq!((stats.refusals_retried, stats.refusals_answered), (0, 1));
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
