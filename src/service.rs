@@ -676,6 +676,10 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             context: r.context_tokens,
         });
         if let (Some(r), Some(refused)) = (refusal, &refused) {
+            // Counted once, at its first look.
+            if look.queued.is_none() {
+                self.capacity.counters.count_refusal(false);
+            }
             // The refusing backend's word for its limit stands where none is known, for the
             // requests after this one too.
             if let Some(b) = refused.backend {
@@ -863,9 +867,6 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             store.placed_prompt(chain, &decision);
         }
         self.capacity.counters.record(&decision);
-        if refusal.is_some() {
-            self.capacity.counters.count_refusal(false);
-        }
         Placed::Dispatch {
             service,
             guard,

@@ -218,13 +218,16 @@ pub struct Stats {
     /// requests the service was called with (a request [`RetryOnce`](crate::RetryOnce)
     /// retries is called twice).
     pub abandoned: u64,
-    /// Requests placed again after a backend refused their prompt as too long for its context
-    /// (a [`ContextRefusal`](crate::ContextRefusal) among their extensions; also counted by
-    /// outcome): the prompt chain's estimate of its tokens fell short there.
+    /// Requests sent again after a backend refused their prompt as too long for its context
+    /// (a [`ContextRefusal`](crate::ContextRefusal) among their extensions, as
+    /// [`RetryOnce`](crate::RetryOnce) puts it): the prompt chain's estimate of its tokens
+    /// fell short there. Each is also placed (and counted by outcome), answered with the
+    /// refusal ([`refusals_answered`](Self::refusals_answered)), or refused or abandoned as
+    /// any request.
     pub refusals_retried: u64,
-    /// Requests retried after such a refusal and answered with it: no backend up but the one
-    /// that refused may take the prompt, or the request continues a response stored there.
-    /// Neither placed nor refused.
+    /// Of them, those answered with the refusal: no backend up but the one that refused may
+    /// take the prompt, or the request continues a response stored there. Neither placed nor
+    /// refused.
     pub refusals_answered: u64,
     /// Requests whose backend failed, or answered 503 Service Unavailable (each is passed over
     /// for the failure cooldown).
@@ -397,7 +400,7 @@ impl Counters {
         crate::metrics::event(&self.labels, "tower_affinity_abandoned_total");
     }
 
-    /// A request a backend refused as too long was placed again (`answered`: false), or
+    /// A request a backend refused as too long came back (`answered`: false), or was
     /// answered with that refusal.
     pub(crate) fn count_refusal(&self, answered: bool) {
         let (counter, name) = if answered {

@@ -937,7 +937,7 @@ impl Collector for AffinityCollector {
             ),
             (
                 "tower_affinity_refusals_answered",
-                "Requests refused as too long that no other backend takes, answered with the refusal",
+                "Of them, those answered with the refusal: no other backend takes the prompt",
                 |s| s.refusals_answered,
             ),
             (

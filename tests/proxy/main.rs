@@ -794,7 +794,7 @@ async fn a_turn_no_backend_takes_gets_its_refusal_and_is_sent_nowhere_else() {
     let metrics = String::from_utf8(proxy.get("/metrics").await.body.to_vec()).unwrap();
     for line in [
         "tower_affinity_refusals_answered_total 1",
-        "tower_affinity_refusals_retried_total 0",
+        "tower_affinity_refusals_retried_total 1",
     ] {
         assert!(
             metrics.lines().any(|l| l == line),
