@@ -527,6 +527,52 @@ fn crowding_note(runs: &[Run], fleet: &[BackendSpec]) -> String {
     )
 }
 
+/// Each policy's later turns split by their previous prompt's size against the backends' RAM
+/// cache: over half of the smallest backend's (two such states cannot both be kept there),
+/// and the rest, with the hits of each.
+fn large_states_note(runs: &[Run], fleet: &[BackendSpec]) -> String {
+    let half = large_state_tokens(fleet);
+    let pct = |(n, of): (usize, usize)| 100.0 * n as f64 / of.max(1) as f64;
+    let v: Vec<String> = runs
+        .iter()
+        .map(|r| {
+            let [large, rest] = by_state_size(&r.records, half);
+            format!(
+                "{} {} at {:.1}% / {} at {:.1}%",
+                r.policy.name(),
+                large.0,
+                pct((large.1, large.0)),
+                rest.0,
+                pct((rest.1, rest.0)),
+            )
+        })
+        .collect();
+    format!(
+        "later turns whose previous prompt was over half a backend's RAM cache ({} tokens), and \
+         their hits / the other later turns, and theirs: {}",
+        half,
+        v.join(", ")
+    )
+}
+
+/// Half the smallest RAM cache of `fleet`, in tokens.
+fn large_state_tokens(fleet: &[BackendSpec]) -> u64 {
+    let ram = |s: &BackendSpec| s.model.ram_bytes / s.model.kv_bytes_per_token.max(1);
+    fleet.iter().map(ram).min().unwrap_or(0) / 2
+}
+
+/// Eligible later turns, and their hits, whose previous prompt was over `tokens`; then the
+/// rest.
+fn by_state_size(records: &[TurnRecord], tokens: u64) -> [(usize, usize); 2] {
+    let mut n = [(0, 0); 2];
+    for t in records.iter().filter(|t| t.eligible()) {
+        let side = &mut n[usize::from(t.prev_prompt.unwrap_or(0) <= tokens)];
+        side.0 += 1;
+        side.1 += usize::from(t.hit());
+    }
+    n
+}
+
 /// Each policy's turns replayed against caches of whole sessions (see [`bound`]): pooled with
 /// foresight, pooled least recently used, and per backend least recently used where the policy
 /// sent each turn.
@@ -788,6 +834,7 @@ fn overload(o: &Options) -> Vec<Table> {
                 ram_note(&runs),
                 reported_note(&runs),
                 misses_note(&runs),
+                large_states_note(&runs, &specs),
                 bound_note(&runs, &specs),
                 crowding_note(&runs, &specs),
             ];
@@ -1100,6 +1147,29 @@ mod tests {
                 .records,
         );
         assert_eq!(ntb.iter().sum::<usize>(), row.eligible - row.hits, "{note}");
+    }
+
+    #[test]
+    fn under_overload_at_8_gib_the_turns_missed_most_are_those_of_states_over_half_the_ram() {
+        // A backend's 8 GiB of RAM holds 65,536 of the study model's tokens: two conversations
+        // over half of that cannot both be kept there, and their turns miss most.
+        let o = options(Scenario::Overload, 60);
+        let fleet = FleetKind::Study.backends(8 << 30);
+        let runs = agent_runs(FleetKind::Study, &AgentConfig::study(36, 60), &o, 8 << 30);
+        let half = large_state_tokens(&fleet);
+        assert_eq!(half, 32_768);
+        let ntb = runs
+            .iter()
+            .find(|r| r.policy == Policy::NodeThenBackend)
+            .unwrap();
+        let [large, rest] = by_state_size(&ntb.records, half);
+        let note = large_states_note(&runs, &fleet);
+        let missed = |(turns, hits): (usize, usize)| (turns - hits) as f64 / turns.max(1) as f64;
+        assert!(large.0 > 0 && rest.0 > 0, "{note}");
+        assert!(missed(large) > 2.0 * missed(rest), "{note}");
+        let row = Row::new("NodeThenBackend", &ntb.records);
+        assert_eq!(large.0 + rest.0, row.eligible, "{note}");
+        assert_eq!(large.1 + rest.1, row.hits, "{note}");
     }
 
     /// The overload scenario's runs at 8 GiB, `turns` turns, on backends of slot policy `policy`.
