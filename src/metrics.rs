@@ -51,7 +51,7 @@
 //! | `tower_affinity_no_backends_total` | counter | | requests refused: no backend |
 //! | `tower_affinity_abandoned_total` | counter | | requests their caller gave up on while they waited for a slot or the shared store |
 //! | `tower_affinity_refusals_retried_total` | counter | | requests sent again after a backend refused their prompt as too long for its context |
-//! | `tower_affinity_refusals_answered_total` | counter | | of them, those answered with the refusal: no other backend takes the prompt |
+//! | `tower_affinity_refusals_answered_total` | counter | | of them, those answered with the refusal: no other backend takes the prompt, or the request continues a response stored where it was refused |
 //! | `tower_affinity_backend_errors_total` | counter | | requests whose backend failed or answered 503, over the fleet |
 //! | `tower_affinity_discovery_errors_total` | counter | | errors from the discovery stream |
 //! | `tower_affinity_backend_failures_total` | counter | `backend`, `node` | requests that failed on this backend, or that it answered with 503 |
@@ -546,7 +546,7 @@ const HELP: [(&str, Kind, &str); 36] = [
     (
         "tower_affinity_refusals_answered_total",
         Kind::Counter,
-        "Of them, those answered with the refusal: no other backend takes the prompt",
+        "Of them, those answered with the refusal: no other backend takes the prompt, or the request continues a response stored where it was refused",
     ),
     (
         "tower_affinity_backend_errors_total",

@@ -338,8 +338,9 @@ impl<S> Layer<S> for ReadRefusalsLayer {
 /// other than the one that refused may take the prompt (its request context larger, or not
 /// known), or where the request continues a response stored on the one that refused (it would
 /// go there again): no backend sees it twice. Services between `ReadRefusals` and the
-/// balancer (a concurrency limit, a request's mapping) are no matter, as long as they pass
-/// the request's extensions on.
+/// balancer (a concurrency limit, a request's mapping, a buffer) are no matter, as long as
+/// they pass the request's extensions on and answer with the balancer's response and
+/// [`Error`] (map a boxed error back, as after tower's `Buffer`).
 ///
 /// Put it inside the retry, so that the retry sees the mark; the request body must be
 /// `Clone` for the retry (buffer it first). The cost on other answers is a look at the

@@ -937,7 +937,7 @@ impl Collector for AffinityCollector {
             ),
             (
                 "tower_affinity_refusals_answered",
-                "Of them, those answered with the refusal: no other backend takes the prompt",
+                "Of them, those answered with the refusal: no other backend takes the prompt, or the request continues a response stored where it was refused",
                 |s| s.refusals_answered,
             ),
             (

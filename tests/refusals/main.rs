@@ -669,3 +669,252 @@ async fn a_refused_retry_that_waits_for_a_slot_keeps_its_refusal_when_woken() {
     assert_eq!((stats.refusals_retried, stats.refusals_answered), (1, 0));
     assert_eq!(stats.waited, 1);
 }
+
+/// Every call of the balancer is exactly one of: placed (by outcome), rejected, refused for
+/// want of a backend, abandoned, or answered with a kept refusal.
+fn accounted(s: &tower_affinity::Stats) -> u64 {
+    s.placed() + s.rejected + s.no_backends + s.abandoned + s.refusals_answered
+}
+
+/// Counts the calls that reach the balancer.
+fn counting(n: &Arc<AtomicUsize>) -> impl Fn(Req) -> Req + Clone {
+    let n = Arc::clone(n);
+    move |req| {
+        n.fetch_add(1, Ordering::Relaxed);
+        req
+    }
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn tower_services_between_keep_the_refusal_where_the_refuser_is_the_only_backend_up() {
+    // `b` would take the prompt, but it is down: `a`, the only backend up, refuses it, and
+    // the client gets that refusal once, through a buffer, a concurrency limit and a mapping.
+    let (fleet, calls) = fleet(&[("a", "node-a", 1_000, true), ("b", "node-b", 2_000, true)]);
+    let affinity = SessionAffinityLayer::new().layer(fleet);
+    affinity.apply_discovery();
+    assert!(affinity.mark_down("b", None));
+    let reached = Arc::new(AtomicUsize::new(0));
+    let between = tower::ServiceBuilder::new()
+        .map_err(|e: BoxError| match e.downcast::<Error>() {
+            Ok(e) => *e,
+            Err(e) => Error::backend("buffer", e),
+        })
+        .buffer(8)
+        .concurrency_limit(4)
+        .map_request(counting(&reached))
+        .service(affinity.clone());
+    let mut svc = Retry::new(RetryOnce::new(), ReadRefusalsLayer::new().layer(between));
+    let res = send(&mut svc, turn(Some("s"), 300, 1_500)).await;
+    let d = decision(&res);
+    assert_eq!(
+        (res.status(), d.backend.as_str(), d.outcome),
+        (StatusCode::BAD_REQUEST, "a", Outcome::NewSession)
+    );
+    let body = text(res).await;
+    assert!(body.contains("\"n_prompt_tokens\":1500"), "{body}");
+    let sent: Vec<_> = calls.iter().map(|c| c.load(Ordering::Relaxed)).collect();
+    assert_eq!(sent, [1, 0], "refused once, sent nowhere else");
+    let stats = affinity.stats();
+    assert_eq!(
+        reached.load(Ordering::Relaxed),
+        2,
+        "the retry reaches the balancer"
+    );
+    assert_eq!((stats.refusals_retried, stats.refusals_answered), (1, 1));
+    assert_eq!(accounted(&stats), 2, "{stats:?}");
+    assert_eq!((stats.in_flight, stats.waiting), (0, 0));
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_refused_retry_waiting_for_a_slot_is_answered_with_its_refusal_once_none_else_takes_it() {
+    // The retry waits for `large`, full; `large` goes down meanwhile: no other backend takes
+    // the prompt now, and the waiting retry is answered with `small`'s refusal. Its place in
+    // the queue is given up, no slot is left taken, and the calls add up.
+    let (fleet, calls) = fleet(&[
+        ("small", "node-a", 1_000, true),
+        ("large", "node-b", 100_000, true),
+    ]);
+    let affinity = SessionAffinityLayer::new()
+        .overflow(tower_affinity::Overflow::wait(
+            std::time::Duration::from_secs(60),
+            8,
+        ))
+        .layer(fleet);
+    let reached = Arc::new(AtomicUsize::new(0));
+    let counted = tower::ServiceBuilder::new()
+        .map_request(counting(&reached))
+        .service(affinity.clone());
+    let mut svc = Retry::new(RetryOnce::new(), ReadRefusalsLayer::new().layer(counted));
+    let held = send(&mut svc, turn(None, 5_000, 5_000)).await;
+    assert_eq!(decision(&held).backend.as_str(), "large");
+    let small_before = calls[0].load(Ordering::Relaxed);
+    let mut task = Box::pin(async {
+        let res = send(&mut svc, turn(Some("w"), 600, 1_500)).await;
+        (res.status(), decision(&res), text(res).await)
+    });
+    tokio::select! {
+        _ = &mut task => panic!("answered while the large backend was full and up"),
+        () = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
+    }
+    assert_eq!(affinity.stats().waiting, 1);
+    assert!(affinity.mark_down("large", None));
+    let (status, d, body) = task.await;
+    assert_eq!(
+        (status, d.backend.as_str(), d.outcome),
+        (StatusCode::BAD_REQUEST, "small", Outcome::NewSession)
+    );
+    assert!(body.contains("\"n_prompt_tokens\":1500"), "{body}");
+    assert_eq!(calls[0].load(Ordering::Relaxed), small_before + 1);
+    drop(held);
+    let stats = affinity.stats();
+    assert_eq!((stats.waiting, stats.in_flight), (0, 0), "{stats:?}");
+    assert_eq!((stats.refusals_retried, stats.refusals_answered), (1, 1));
+    assert_eq!(stats.abandoned, 0);
+    assert_eq!(
+        accounted(&stats),
+        reached.load(Ordering::Relaxed) as u64,
+        "{stats:?}"
+    );
+    // `small`'s slot is free: a turn that fits takes it at once.
+    let res = send(&mut svc, turn(Some("w"), 300, 300)).await;
+    assert_eq!(
+        (res.status(), decision(&res).backend.as_str()),
+        (StatusCode::OK, "small")
+    );
+}
+
+/// A shared store that knows no home: every read answers at once, missing.
+#[derive(Debug)]
+struct EmptyStore;
+
+impl tower_affinity::store::HomeStore for EmptyStore {
+    fn read(
+        &self,
+        _: tower_affinity::key::SessionKey,
+        _: std::time::Duration,
+    ) -> tower_affinity::store::ReadHome {
+        Box::pin(async { Ok(tower_affinity::store::Lookup::Missing) })
+    }
+
+    fn write(
+        &self,
+        _: tower_affinity::key::SessionKey,
+        _: tower_affinity::store::StoredHome,
+        _: std::time::Duration,
+    ) -> tower_affinity::store::WriteHome {
+        Box::pin(async { Ok(()) })
+    }
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn with_a_shared_store_a_refusal_no_other_backend_takes_is_answered_after_the_read() {
+    let (fleet, calls) = fleet(&[("a", "node-a", 1_000, true), ("b", "node-b", 1_000, true)]);
+    let affinity = SessionAffinityLayer::new()
+        .home_store(EmptyStore)
+        .layer(fleet);
+    let mut svc = Retry::new(
+        RetryOnce::new(),
+        ReadRefusalsLayer::new().layer(affinity.clone()),
+    );
+    let res = send(&mut svc, turn(Some("s"), 300, 1_500)).await;
+    let first = decision(&res).backend;
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    let total: usize = calls.iter().map(|c| c.load(Ordering::Relaxed)).sum();
+    assert_eq!(total, 1, "refused by {first} only");
+    let stats = affinity.stats();
+    assert_eq!((stats.refusals_answered, stats.abandoned), (1, 0));
+    assert_eq!(accounted(&stats), 2, "{stats:?}");
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_waiting_retry_answered_when_woken_for_a_slot_passes_that_slot_on() {
+    // `small` (1,000, two slots) and `large` (limit not known, one slot, held). The retry of
+    // a turn `small` refused waits for `large`; so does a keyless turn too long for `small`.
+    // Another refusal, by `large` this time, teaches the balancer `large`'s limit (1,200), so
+    // that nothing but `small` could take the first turn now. A slot freed on `small` wakes
+    // the retry (its home is there): it is answered with its refusal, and the slot goes on
+    // to the other waiter, which takes it (any size, as nothing is large enough).
+    let calls: Vec<Arc<AtomicUsize>> = vec![Arc::default(), Arc::default()];
+    let fleet = StaticFleet::new([
+        (
+            "small",
+            Backend::new("node-a", llama("small", 1_000, Arc::clone(&calls[0])))
+                .slots(NonZeroU32::new(2).unwrap())
+                .request_context_tokens(NonZeroU64::new(1_000).unwrap()),
+        ),
+        (
+            "large",
+            Backend::new("node-b", llama("large", 2_000, Arc::clone(&calls[1])))
+                .slots(NonZeroU32::new(1).unwrap()),
+        ),
+    ]);
+    let affinity = SessionAffinityLayer::new()
+        .overflow(tower_affinity::Overflow::wait(
+            std::time::Duration::from_secs(60),
+            8,
+        ))
+        .layer(fleet);
+    let svc = Retry::new(
+        RetryOnce::new(),
+        ReadRefusalsLayer::new().layer(affinity.clone()),
+    );
+    let held = send(&mut svc.clone(), turn(None, 1_500, 300)).await;
+    assert_eq!(decision(&held).backend.as_str(), "large");
+    let mut s = svc.clone();
+    let mut retry = tokio_test::task::spawn(async move {
+        let res = send(&mut s, turn(Some("r"), 300, 1_500)).await;
+        (res.status(), decision(&res).backend)
+    });
+    assert!(retry.poll().is_pending());
+    let mut s = svc.clone();
+    let mut other = tokio_test::task::spawn(async move {
+        let res = send(&mut s, turn(None, 1_200, 900)).await;
+        (res.status(), decision(&res).backend)
+    });
+    assert!(other.poll().is_pending());
+    assert_eq!(affinity.stats().waiting, 2, "{:?}", affinity.stats());
+    // A refusal by `large`, read elsewhere: `large` takes 1,200 at most.
+    let mut x = turn(None, 300, 300);
+    x.extensions_mut()
+        .insert(ContextRefusal::new(5_000, 1_200).by("large"));
+    let x = affinity.clone().oneshot(x).await.unwrap();
+    assert_eq!(decision(&x).backend.as_str(), "small");
+    assert!(!retry.is_woken() && !other.is_woken());
+    drop(x);
+    assert!(retry.is_woken(), "the retry is woken for the freed slot");
+    let Poll::Ready((status, backend)) = retry.poll() else {
+        panic!("the retry not answered");
+    };
+    assert_eq!(
+        (status, backend.as_str()),
+        (StatusCode::BAD_REQUEST, "small")
+    );
+    assert!(
+        other.is_woken(),
+        "the slot is passed on to the other waiter"
+    );
+    let Poll::Ready((status, backend)) = other.poll() else {
+        panic!("the other waiter not placed");
+    };
+    assert_eq!((status, backend.as_str()), (StatusCode::OK, "small"));
+    drop(held);
+    let stats = affinity.stats();
+    assert_eq!(
+        (stats.waiting, stats.in_flight, stats.abandoned),
+        (0, 0, 0),
+        "{stats:?}"
+    );
+    // The retry and the request carrying `large`'s refusal, which was placed.
+    assert_eq!(
+        (stats.refusals_retried, stats.refusals_answered),
+        (2, 1),
+        "{stats:?}"
+    );
+    // `held`, the turn and its retry, the other waiter, the request carrying a refusal.
+    assert_eq!(accounted(&stats), 5, "{stats:?}");
+    assert_eq!(
+        calls[1].load(Ordering::Relaxed),
+        1,
+        "large served `held` only"
+    );
+}
