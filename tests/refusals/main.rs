@@ -151,16 +151,23 @@ async fn text(res: Res) -> String {
     String::from_utf8(res.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap()
 }
 
-type Balancer = Retry<
-    RetryOnce,
-    ReadRefusals<
-        tower_affinity::SessionAffinity<
-            StaticFleet<Mock>,
-            tower_affinity::key::HeaderKey,
-            tower_affinity::placement::NodeThenBackend,
-        >,
-    >,
+type Affinity = tower_affinity::SessionAffinity<
+    StaticFleet<Mock>,
+    tower_affinity::key::HeaderKey,
+    tower_affinity::placement::NodeThenBackend,
 >;
+
+type Balancer = Retry<RetryOnce, ReadRefusals<Affinity>>;
+
+/// The balancer over `fleet`, a request waiting up to a minute for a slot (eight at most).
+fn waiting(fleet: StaticFleet<Mock>) -> Affinity {
+    SessionAffinityLayer::new()
+        .overflow(tower_affinity::Overflow::wait(
+            std::time::Duration::from_secs(60),
+            8,
+        ))
+        .layer(fleet)
+}
 
 fn balancer(fleet: StaticFleet<Mock>) -> Balancer {
     let affinity = SessionAffinityLayer::new().layer(fleet);
@@ -631,12 +638,7 @@ async fn a_refused_retry_that_waits_for_a_slot_keeps_its_refusal_when_woken() {
         ("small", "node-a", 1_000, true),
         ("large", "node-b", 100_000, true),
     ]);
-    let affinity = SessionAffinityLayer::new()
-        .overflow(tower_affinity::Overflow::wait(
-            std::time::Duration::from_secs(60),
-            8,
-        ))
-        .layer(fleet);
+    let affinity = waiting(fleet);
     let mut svc = Retry::new(
         RetryOnce::new(),
         ReadRefusalsLayer::new().layer(affinity.clone()),
@@ -734,12 +736,7 @@ async fn a_refused_retry_waiting_for_a_slot_is_answered_with_its_refusal_once_no
         ("small", "node-a", 1_000, true),
         ("large", "node-b", 100_000, true),
     ]);
-    let affinity = SessionAffinityLayer::new()
-        .overflow(tower_affinity::Overflow::wait(
-            std::time::Duration::from_secs(60),
-            8,
-        ))
-        .layer(fleet);
+    let affinity = waiting(fleet);
     let reached = Arc::new(AtomicUsize::new(0));
     let counted = tower::ServiceBuilder::new()
         .map_request(counting(&reached))
@@ -848,12 +845,7 @@ async fn a_waiting_retry_answered_when_woken_for_a_slot_passes_that_slot_on() {
                 .slots(NonZeroU32::new(1).unwrap()),
         ),
     ]);
-    let affinity = SessionAffinityLayer::new()
-        .overflow(tower_affinity::Overflow::wait(
-            std::time::Duration::from_secs(60),
-            8,
-        ))
-        .layer(fleet);
+    let affinity = waiting(fleet);
     let svc = Retry::new(
         RetryOnce::new(),
         ReadRefusalsLayer::new().layer(affinity.clone()),
