@@ -401,7 +401,10 @@ impl Counters {
     }
 
     /// A request a backend refused as too long came back (`answered`: false), or was
-    /// answered with that refusal.
+    /// answered with that refusal. Out of line: it is rare, and the placement it is called
+    /// from stays as small as it was.
+    #[cold]
+    #[inline(never)]
     pub(crate) fn count_refusal(&self, answered: bool) {
         let (counter, name) = if answered {
             (
