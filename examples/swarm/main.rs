@@ -527,6 +527,46 @@ fn crowding_note(runs: &[Run], fleet: &[BackendSpec]) -> String {
     )
 }
 
+/// Reuse of the ideal split between first turns, whose ideal is what earlier conversations'
+/// prompts share with them, and later turns, with the first turns' share of the ideal.
+fn first_turns_note(runs: &[Run]) -> String {
+    let share = |(reused, ideal): (u64, u64)| 100.0 * reused as f64 / ideal.max(1) as f64;
+    let ideal_first = runs.first().map_or((0, 0), |r| {
+        let [first, later] = reuse_by_turn(&r.records);
+        (first.1, first.1 + later.1)
+    });
+    let v: Vec<String> = runs
+        .iter()
+        .map(|r| {
+            let [first, later] = reuse_by_turn(&r.records);
+            format!(
+                "{} {:.1}% / {:.1}%",
+                r.policy.name(),
+                share(first),
+                share(later)
+            )
+        })
+        .collect();
+    format!(
+        "reuse / ideal of first turns (what earlier conversations' prompts share with them; \
+         {:.1}% of the ideal) / of later turns: {}",
+        share(ideal_first),
+        v.join(", ")
+    )
+}
+
+/// Reused and ideal tokens of first turns and of later turns (as the table's reuse / ideal
+/// counts them).
+fn reuse_by_turn(records: &[TurnRecord]) -> [(u64, u64); 2] {
+    let mut n = [(0, 0); 2];
+    for t in records {
+        let side = &mut n[usize::from(t.prev_prompt.is_some())];
+        side.0 += t.reused;
+        side.1 += t.ideal;
+    }
+    n
+}
+
 /// Each policy's later turns split by their previous prompt's size against the backends' RAM
 /// cache: over half of the smallest backend's (two such states cannot both be kept there),
 /// and the rest, with the hits of each.
@@ -915,6 +955,7 @@ fn replay(o: &Options, path: &Path) -> Result<Vec<Table>, String> {
             ram_note(&runs),
             reported_note(&runs),
             misses_note(&runs),
+            first_turns_note(&runs),
             block_bound_note(&runs, &fleet.backends(ram), &t, o.answers_kept),
         ];
         notes.extend(store_note(&runs));
@@ -1263,6 +1304,53 @@ mod tests {
             keyed.row("NodeThenBackend").unwrap().compactions > 0,
             "{keyed}"
         );
+    }
+
+    #[test]
+    fn a_traces_reuse_is_split_between_first_turns_and_later_turns() {
+        // Two conversations of two turns, then a third conversation whose first prompt begins
+        // with the first one's two blocks: its ideal is those blocks, which only an earlier
+        // conversation's prompt holds.
+        let line = |ts: u64, input: u32, ids: &[u64]| {
+            format!(
+                r#"{{"timestamp": {ts}, "input_length": {input}, "output_length": 20, "hash_ids": {ids:?}}}"#
+            )
+        };
+        let text = [
+            line(0, 1100, &[1, 2, 3]),
+            line(100, 1100, &[4, 5, 6]),
+            line(30_000, 2100, &[1, 2, 7, 8, 9]),
+            line(31_000, 2100, &[4, 5, 10, 11, 12]),
+            line(40_000, 1600, &[1, 2, 13, 14]),
+        ]
+        .join("\n");
+        let dir = std::env::temp_dir().join(format!("swarm-first-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("shared.jsonl");
+        std::fs::write(&path, &text).unwrap();
+        let o = Options {
+            scenario: Scenario::Trace,
+            trace: Some(path.clone()),
+            ..Options::default()
+        };
+        let tables = replay(&o, &path).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let t = &tables[0];
+        let note = t
+            .notes
+            .iter()
+            .find(|n| n.starts_with("reuse / ideal of first turns"))
+            .expect("the trace's tables split reuse by turn");
+        // Ideal: 1,024 tokens of the third conversation's first turn, 2,048 of later turns.
+        assert!(note.contains("33.3% of the ideal"), "{note}");
+        // `NodeThenBackend` sends the new conversation where its prefix is, and every later
+        // turn home.
+        assert!(note.contains("NodeThenBackend 100.0% / 100.0%"), "{note}");
+        // Rendezvous sends later turns home too, and the new conversation by its key alone,
+        // here to a backend that does not hold the prefix.
+        assert!(note.contains("Rendezvous 0.0% / 100.0%"), "{note}");
+        let ntb = t.row("NodeThenBackend").unwrap();
+        assert_eq!((ntb.turns, ntb.reused, ntb.ideal), (5, 3072, 3072), "{t}");
     }
 
     #[test]
