@@ -1306,35 +1306,62 @@ mod tests {
         );
     }
 
+    /// A Mooncake trace of `(timestamp, input_length, hash_ids)` lines, in a directory of its
+    /// own that goes when it is dropped.
+    struct Trace {
+        dir: std::path::PathBuf,
+        path: std::path::PathBuf,
+    }
+
+    impl Trace {
+        fn write(name: &str, lines: &[(u64, u32, &[u64])]) -> Self {
+            let text: Vec<String> = lines
+                .iter()
+                .map(|(ts, input, ids)| {
+                    format!(
+                        r#"{{"timestamp": {ts}, "input_length": {input}, "output_length": 20, "hash_ids": {ids:?}}}"#
+                    )
+                })
+                .collect();
+            let dir = std::env::temp_dir().join(format!("swarm-{name}-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let path = dir.join(format!("{name}.jsonl"));
+            std::fs::write(&path, text.join("\n")).unwrap();
+            Trace { dir, path }
+        }
+
+        fn options(&self, oracle: bool) -> Options {
+            Options {
+                scenario: Scenario::Trace,
+                trace: Some(self.path.clone()),
+                oracle,
+                ..Options::default()
+            }
+        }
+    }
+
+    impl Drop for Trace {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
     #[test]
     fn a_traces_reuse_is_split_between_first_turns_and_later_turns() {
         // Two conversations of two turns, then a third conversation whose first prompt begins
         // with the first one's two blocks: its ideal is those blocks, which only an earlier
         // conversation's prompt holds.
-        let line = |ts: u64, input: u32, ids: &[u64]| {
-            format!(
-                r#"{{"timestamp": {ts}, "input_length": {input}, "output_length": 20, "hash_ids": {ids:?}}}"#
-            )
-        };
-        let text = [
-            line(0, 1100, &[1, 2, 3]),
-            line(100, 1100, &[4, 5, 6]),
-            line(30_000, 2100, &[1, 2, 7, 8, 9]),
-            line(31_000, 2100, &[4, 5, 10, 11, 12]),
-            line(40_000, 1600, &[1, 2, 13, 14]),
-        ]
-        .join("\n");
-        let dir = std::env::temp_dir().join(format!("swarm-first-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("shared.jsonl");
-        std::fs::write(&path, &text).unwrap();
-        let o = Options {
-            scenario: Scenario::Trace,
-            trace: Some(path.clone()),
-            ..Options::default()
-        };
-        let tables = replay(&o, &path).unwrap();
-        let _ = std::fs::remove_dir_all(&dir);
+        let trace = Trace::write(
+            "shared",
+            &[
+                (0, 1100, &[1, 2, 3]),
+                (100, 1100, &[4, 5, 6]),
+                (30_000, 2100, &[1, 2, 7, 8, 9]),
+                (31_000, 2100, &[4, 5, 10, 11, 12]),
+                (40_000, 1600, &[1, 2, 13, 14]),
+            ],
+        );
+        let tables = replay(&trace.options(false), &trace.path).unwrap();
         let t = &tables[0];
         let note = t
             .notes
@@ -1355,38 +1382,17 @@ mod tests {
 
     #[test]
     fn trace_replay_runs_a_small_trace_end_to_end() {
-        let line = |ts: u64, input: u32, ids: &[u64]| {
-            format!(
-                r#"{{"timestamp": {ts}, "input_length": {input}, "output_length": 20, "hash_ids": {ids:?}}}"#
-            )
-        };
-        let text = [
-            line(0, 1100, &[1, 2, 3]),
-            line(100, 1100, &[4, 5, 6]),
-            line(30_000, 2100, &[1, 2, 7, 8, 9]),
-            line(31_000, 2100, &[4, 5, 10, 11, 12]),
-        ]
-        .join("\n");
-        let dir = std::env::temp_dir().join(format!("swarm-trace-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("tiny.jsonl");
-        std::fs::write(&path, &text).unwrap();
-        let o = Options {
-            scenario: Scenario::Trace,
-            trace: Some(path.clone()),
-            oracle: true,
-            ..Options::default()
-        };
-        let tables = replay(&o, &path).unwrap();
-        let without = replay(
-            &Options {
-                oracle: false,
-                ..o.clone()
-            },
-            &path,
-        )
-        .unwrap();
-        let _ = std::fs::remove_dir_all(&dir);
+        let trace = Trace::write(
+            "tiny",
+            &[
+                (0, 1100, &[1, 2, 3]),
+                (100, 1100, &[4, 5, 6]),
+                (30_000, 2100, &[1, 2, 7, 8, 9]),
+                (31_000, 2100, &[4, 5, 10, 11, 12]),
+            ],
+        );
+        let tables = replay(&trace.options(true), &trace.path).unwrap();
+        let without = replay(&trace.options(false), &trace.path).unwrap();
         assert!(without[0].row("NTB+oracle").is_none());
         let t = &tables[0];
         let ntb = t.row("NodeThenBackend").unwrap();
@@ -1409,15 +1415,11 @@ mod tests {
         }
         // With the answers kept, each later turn reuses its previous prompt and answer whole
         // (1,100 and 20 tokens), and so would the ideal.
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(&path, &text).unwrap();
         let kept = Options {
             answers_kept: true,
-            oracle: false,
-            ..o
+            ..trace.options(false)
         };
-        let tables = replay(&kept, &path).unwrap();
-        let _ = std::fs::remove_dir_all(&dir);
+        let tables = replay(&kept, &trace.path).unwrap();
         assert!(tables[0]
             .title
             .contains("extends its previous prompt and answer"));
