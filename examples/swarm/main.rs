@@ -1308,12 +1308,12 @@ mod tests {
 
     /// A Mooncake trace of `(timestamp, input_length, hash_ids)` lines, in a directory of its
     /// own that goes when it is dropped.
-    struct Trace {
+    struct TraceFile {
         dir: std::path::PathBuf,
         path: std::path::PathBuf,
     }
 
-    impl Trace {
+    impl TraceFile {
         fn write(name: &str, lines: &[(u64, u32, &[u64])]) -> Self {
             let text: Vec<String> = lines
                 .iter()
@@ -1327,7 +1327,7 @@ mod tests {
             std::fs::create_dir_all(&dir).unwrap();
             let path = dir.join(format!("{name}.jsonl"));
             std::fs::write(&path, text.join("\n")).unwrap();
-            Trace { dir, path }
+            TraceFile { dir, path }
         }
 
         fn options(&self, oracle: bool) -> Options {
@@ -1340,7 +1340,7 @@ mod tests {
         }
     }
 
-    impl Drop for Trace {
+    impl Drop for TraceFile {
         fn drop(&mut self) {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
@@ -1351,7 +1351,7 @@ mod tests {
         // Two conversations of two turns, then a third conversation whose first prompt begins
         // with the first one's two blocks: its ideal is those blocks, which only an earlier
         // conversation's prompt holds.
-        let trace = Trace::write(
+        let trace = TraceFile::write(
             "shared",
             &[
                 (0, 1100, &[1, 2, 3]),
@@ -1382,7 +1382,7 @@ mod tests {
 
     #[test]
     fn trace_replay_runs_a_small_trace_end_to_end() {
-        let trace = Trace::write(
+        let trace = TraceFile::write(
             "tiny",
             &[
                 (0, 1100, &[1, 2, 3]),
