@@ -499,11 +499,15 @@ fn slots(fleet: &[BackendSpec]) -> std::collections::HashMap<BackendId, u32> {
         .collect()
 }
 
+/// `n` of `of`, in percent (0 of none).
+fn percent((n, of): (usize, usize)) -> f64 {
+    100.0 * n as f64 / of.max(1) as f64
+}
+
 /// Each policy's turns by whether the backend serving them homed more conversations than its
 /// slots (see [`bound::crowding`]).
 fn crowding_note(runs: &[Run], fleet: &[BackendSpec]) -> String {
     let slots = slots(fleet);
-    let pct = |(n, of): (usize, usize)| 100.0 * n as f64 / of.max(1) as f64;
     let v: Vec<String> = runs
         .iter()
         .map(|r| {
@@ -512,10 +516,10 @@ fn crowding_note(runs: &[Run], fleet: &[BackendSpec]) -> String {
                 "{} {} at {:.1}% / {} at {:.1}% / {:.0}%",
                 r.policy.name(),
                 c.crowded.0,
-                pct((c.crowded.1, c.crowded.0)),
+                percent((c.crowded.1, c.crowded.0)),
                 c.roomy.0,
-                pct((c.roomy.1, c.roomy.0)),
-                pct(c.fewest),
+                percent((c.roomy.1, c.roomy.0)),
+                percent(c.fewest),
             )
         })
         .collect();
@@ -572,7 +576,6 @@ fn reuse_by_turn(records: &[TurnRecord]) -> [(u64, u64); 2] {
 /// and the rest, with the hits of each.
 fn large_states_note(runs: &[Run], fleet: &[BackendSpec]) -> String {
     let half = large_state_tokens(fleet);
-    let pct = |(n, of): (usize, usize)| 100.0 * n as f64 / of.max(1) as f64;
     let v: Vec<String> = runs
         .iter()
         .map(|r| {
@@ -581,9 +584,9 @@ fn large_states_note(runs: &[Run], fleet: &[BackendSpec]) -> String {
                 "{} {} at {:.1}% / {} at {:.1}%",
                 r.policy.name(),
                 large.0,
-                pct((large.1, large.0)),
+                percent((large.1, large.0)),
                 rest.0,
-                pct((rest.1, rest.0)),
+                percent((rest.1, rest.0)),
             )
         })
         .collect();
