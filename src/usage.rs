@@ -357,8 +357,11 @@ fn parse_object(wire: &mut Wire, found: &mut bool, member: Member, b: &[u8]) -> 
                     *found = true;
                     Parsed::Done(n)
                 }
-                Err(e) if e.is_eof() || ends_in_a_number(b) => Parsed::Incomplete,
-                // Not what the APIs send: passed over whole, if it is JSON at all.
+                Err(e) if e.is_eof() => Parsed::Incomplete,
+                // Not what the APIs send: passed over whole, if it is JSON at all. A number
+                // cut short at the end of `b` (`812.`) fails here too: the pass over it says
+                // whether the object is whole, not the last byte of `b`, which may be the
+                // text after a whole one.
                 Err(_) => {
                     let mut values = serde_json::Deserializer::from_slice(b)
                         .into_iter::<serde::de::IgnoredAny>();
@@ -926,5 +929,30 @@ data: {\"timings\":{\"prompt_n\":100,\"cache_n\":800,\"prompt_ms\":-1.0}}\n\n";
         // A member named `x "usage`: its name ends in `usage"`, after an escaped quote.
         let body = br#"{"x \"usage":{"prompt_tokens":1}}"#;
         assert_eq!(Usage::from_body(body), None);
+    }
+
+    /// A mistyped object (in a tool's input, which a model writes; a float count) in a chunk
+    /// that ends where a number may go on (`e`, `.`, `-`) is whole all the same: it is passed
+    /// over, and what follows it in its chunk is read.
+    #[test]
+    fn what_follows_a_mistyped_object_in_its_chunk_is_read_whatever_the_chunk_ends_with() {
+        let anthropic: &[u8] = br#"{"content":[{"type":"tool_use","id":"t","name":"f","input":{"usage":{"input_tokens":"many"}}}],"usage":{"input_tokens":50,"cache_read_input_tokens":2000,"output_tokens":5,"service_tier":"standard"}}"#;
+        let stream: &[u8] = b"data: {\"usage\":{\"prompt_tokens\":1.5}}\n\n\
+data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"prompt_tokens_details\":{\"cached_tokens\":3}},\"model\":\"some-model\"}\n\ndata: [DONE]\n\n";
+        for body in [anthropic, stream] {
+            let whole = Usage::from_body(body);
+            assert!(whole.is_some(), "{}", String::from_utf8_lossy(body));
+            for cut in 1..body.len() {
+                let mut s = UsageScanner::default();
+                s.feed(&body[..cut]);
+                s.feed(&body[cut..]);
+                assert_eq!(
+                    s.finish(),
+                    whole,
+                    "cut at {cut}: {}",
+                    String::from_utf8_lossy(&body[..cut])
+                );
+            }
+        }
     }
 }
