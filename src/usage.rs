@@ -33,7 +33,7 @@
 //! Later figures overwrite earlier ones field by field, so the last chunk of a stream wins
 //! while a figure given only in its first event (Anthropic's `message_start`) stays. An
 //! object that is not what the APIs send (a count that is not a non-negative integer, say)
-//! is passed over whole.
+//! is passed over whole; a count past 2^32 tokens, which no prompt reaches, is left out.
 
 use std::time::Duration;
 
@@ -552,24 +552,35 @@ fn parse_typed<'de, T: Deserialize<'de>>(
     }
 }
 
+/// The largest count taken for one: 2^32 tokens, far past any model's context. A larger one is
+/// not a figure its backend measured (a C++ server's `size_t` gone below zero reads as
+/// 18446744073709551615), and is left out, so that the sums of figures kept per backend and
+/// per outcome cannot overflow.
+const MAX_COUNT: u64 = 1 << 32;
+
+/// `n`, if it is a count a backend may have measured (see [`MAX_COUNT`]).
+fn count(n: Option<u64>) -> Option<u64> {
+    n.filter(|&n| n <= MAX_COUNT)
+}
+
 fn add_usage(w: &mut Wire, u: UsageObject) {
-    set(&mut w.prompt_tokens, u.prompt_tokens);
+    set(&mut w.prompt_tokens, count(u.prompt_tokens));
     set(
         &mut w.prompt_cached,
-        u.prompt_tokens_details.and_then(|d| d.cached_tokens),
+        count(u.prompt_tokens_details.and_then(|d| d.cached_tokens)),
     );
-    set(&mut w.input_tokens, u.input_tokens);
+    set(&mut w.input_tokens, count(u.input_tokens));
     set(
         &mut w.input_cached,
-        u.input_tokens_details.and_then(|d| d.cached_tokens),
+        count(u.input_tokens_details.and_then(|d| d.cached_tokens)),
     );
-    set(&mut w.cache_read, u.cache_read_input_tokens);
-    set(&mut w.cache_creation, u.cache_creation_input_tokens);
+    set(&mut w.cache_read, count(u.cache_read_input_tokens));
+    set(&mut w.cache_creation, count(u.cache_creation_input_tokens));
 }
 
 fn add_timings(w: &mut Wire, t: TimingsObject) {
-    set(&mut w.prompt_n, t.prompt_n);
-    set(&mut w.cache_n, t.cache_n);
+    set(&mut w.prompt_n, count(t.prompt_n));
+    set(&mut w.cache_n, count(t.cache_n));
     set(
         &mut w.prompt_ms,
         t.prompt_ms.filter(|ms| ms.is_finite() && *ms >= 0.0),

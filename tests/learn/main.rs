@@ -454,6 +454,26 @@ fn reused(prompt: u64, reused: u64) -> Reply {
     }
 }
 
+/// A count no prompt reaches (a C++ server's `size_t` gone below zero is 18446744073709551615)
+/// is not a figure its backend measured: it is left out, and the figures the service adds up
+/// stay the answers' sums rather than overflowing.
+#[tokio::test(start_paused = true)]
+async fn a_usage_figure_no_prompt_reaches_is_left_out_not_added_up() {
+    let svc = service(&[("a", "n1")]);
+    let huge = u64::MAX;
+    let turns = [(None, huge, 0), (Some("s"), huge, huge), (None, 500, 100)];
+    for (session, prompt, reuse) in turns {
+        let (_, _, usage) = exchange(&svc, request(session, None, reused(prompt, reuse))).await;
+        if prompt == huge {
+            assert_eq!(usage, None);
+        }
+    }
+    let stats = svc.stats();
+    assert_eq!((stats.prompt_tokens, stats.reused_tokens), (500, 100));
+    let a = status(&svc, "a");
+    assert_eq!((a.prompt_tokens, a.reused_tokens), (500, 100));
+}
+
 /// What answers report is counted under how their requests were placed too, and over every
 /// outcome adds up to the fleet's figures.
 #[tokio::test(start_paused = true)]
