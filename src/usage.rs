@@ -724,6 +724,68 @@ mod tests {
         }
     }
 
+    /// One member of an answer's object: figures as the APIs send them, figures of the wrong
+    /// type (as a tool's input that a model wrote may hold), other members whose numbers end
+    /// where a chunk may cut them, and objects nesting these.
+    fn answer_member() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        let leaf = proptest::sample::select(vec![
+            r#""usage":{"prompt_tokens":7,"prompt_tokens_details":{"cached_tokens":3}}"#,
+            r#""usage":{"input_tokens":50,"cache_read_input_tokens":2000}"#,
+            r#""usage":{"prompt_tokens":12,"x":[1,2,{"y":-3}],"z":"e"}"#,
+            r#""usage":{"completion_tokens":2,"prompt_tokens":-0}"#,
+            r#""timings":{"prompt_n":5,"cache_n":2,"prompt_ms":1.5e2}"#,
+            r#""usage":{"prompt_tokens":1.5}"#,
+            r#""usage":{"prompt_tokens":1e2}"#,
+            r#""usage":{"input_tokens":"many"}"#,
+            r#""usage":[1,2.5]"#,
+            r#""usage":null"#,
+            r#""timings":{"prompt_n":-1,"cache_n":2}"#,
+            r#""timings":{"prompt_ms":"fast","prompt_n":3}"#,
+            r#""s":"a \"usage\":{\"prompt_tokens\":9} e""#,
+            r#""n":-1.5E+3"#,
+            r#""m":1e5"#,
+        ])
+        .prop_map(str::to_string);
+        leaf.prop_recursive(3, 20, 4, |inner| {
+            (
+                proptest::sample::select(vec!["input", "usage", "timings", "message"]),
+                proptest::collection::vec(inner, 0..4),
+            )
+                .prop_map(|(name, members)| format!("\"{name}\":{{{}}}", members.join(",")))
+        })
+    }
+
+    proptest::proptest! {
+        /// An answer, whole or a stream of events, reads the same wherever the network cuts
+        /// it: a mistyped object at the end of a chunk does not hide what follows it.
+        #[test]
+        fn an_answer_reads_the_same_wherever_it_is_cut(
+            events in proptest::collection::vec(proptest::collection::vec(answer_member(), 0..5), 1..4),
+            stream in proptest::bool::ANY,
+            spaced in proptest::bool::ANY,
+            cuts in proptest::collection::btree_set(0usize..600, 0..4),
+        ) {
+            let sep = if spaced { " ,\n " } else { "," };
+            let objects: Vec<String> =
+                events.iter().map(|members| format!("{{{}}}", members.join(sep))).collect();
+            let body = if stream {
+                objects.iter().map(|o| format!("data: {o}\n\n")).collect::<String>() + "data: [DONE]\n\n"
+            } else {
+                objects[0].clone()
+            };
+            let b = body.as_bytes();
+            let mut s = UsageScanner::default();
+            let mut at = 0;
+            for cut in cuts.into_iter().filter(|&c| c < b.len()) {
+                s.feed(&b[at..cut]);
+                at = cut;
+            }
+            s.feed(&b[at..]);
+            proptest::prop_assert_eq!(s.finish(), Usage::from_body(b), "{}", body);
+        }
+    }
+
     /// A tool's input in an Anthropic answer is an object a model wrote: `timings` in it
     /// disagree with the answer's usage, which wins, without their time. Timings that agree
     /// with the usage win wherever they are, before it too (a server that sorts its keys).
