@@ -120,8 +120,13 @@ struct Reading<S, P, ReqB> {
 impl<S, P, ReqB> Drop for Reading<S, P, ReqB> {
     fn drop(&mut self) {
         // Dropped before the store answered: the caller gave up on it, as on a waiting one.
-        if self.req.is_some() {
-            self.shared.capacity.counters.count_abandoned();
+        // A retry of a refused prompt is counted as one too, as its first look would have.
+        if let Some(req) = &self.req {
+            let counters = &self.shared.capacity.counters;
+            if req.extensions().get::<crate::ContextRefusal>().is_some() {
+                counters.count_refusal(false);
+            }
+            counters.count_abandoned();
         }
     }
 }

@@ -605,6 +605,12 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         let known = key.and_then(|k| self.table.get(k, now_ms));
         let fleet = self.fleet.load();
         let t = &fleet.topology;
+        // A retry of a prompt a backend refused as too long: counted once, at its first look,
+        // however that look ends (an empty fleet too).
+        let refusal = extensions.get::<ContextRefusal>();
+        if refusal.is_some() && look.queued.is_none() {
+            self.capacity.counters.count_refusal(false);
+        }
         if t.live.is_empty() {
             return Placed::Empty;
         }
@@ -669,17 +675,12 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         // A pinned backend that is down is placed around as any request would be.
         let prompt_tokens = chain.map_or(0, PromptChain::tokens);
         // A retry of a prompt a backend refused as too long counts it as that backend did.
-        let refusal = extensions.get::<ContextRefusal>();
         let refused = refusal.map(|r| Refused {
             tokens: r.prompt_tokens,
             backend: r.backend.as_ref().and_then(|id| t.index_of(id.as_str())),
             context: r.context_tokens,
         });
         if let (Some(r), Some(refused)) = (refusal, &refused) {
-            // Counted once, at its first look.
-            if look.queued.is_none() {
-                self.capacity.counters.count_refusal(false);
-            }
             // The refusing backend's word for its limit stands where none is known, for the
             // requests after this one too.
             if let Some(b) = refused.backend {

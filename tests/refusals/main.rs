@@ -910,3 +910,70 @@ async fn a_waiting_retry_answered_when_woken_for_a_slot_passes_that_slot_on() {
         "large served `held` only"
     );
 }
+
+/// A shared store whose reads never answer (its deadline is far off).
+#[derive(Debug)]
+struct SilentStore;
+
+impl tower_affinity::store::HomeStore for SilentStore {
+    fn read(
+        &self,
+        _: tower_affinity::key::SessionKey,
+        _: std::time::Duration,
+    ) -> tower_affinity::store::ReadHome {
+        Box::pin(std::future::pending())
+    }
+
+    fn write(
+        &self,
+        _: tower_affinity::key::SessionKey,
+        _: tower_affinity::store::StoredHome,
+        _: std::time::Duration,
+    ) -> tower_affinity::store::WriteHome {
+        Box::pin(async { Ok(()) })
+    }
+}
+
+/// A request carrying a backend's refusal, as `RetryOnce` sends it again.
+fn retried(session: Option<&str>) -> Req {
+    let mut req = turn(session, 600, 1_500);
+    req.extensions_mut()
+        .insert(ContextRefusal::new(1_500, 1_000).by("small"));
+    req
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_refused_retry_is_counted_retried_however_it_ends() {
+    // Sent again to a fleet that has no backend left: refused for want of one, and a retry.
+    let empty: StaticFleet<Mock> = StaticFleet::new(std::iter::empty::<(&str, Backend<Mock>)>());
+    let affinity = SessionAffinityLayer::new().layer(empty);
+    let err = affinity
+        .clone()
+        .oneshot(retried(Some("s")))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::NoBackends), "{err:?}");
+    let stats = affinity.stats();
+    assert_eq!(
+        (stats.no_backends, stats.refusals_retried),
+        (1, 1),
+        "{stats:?}"
+    );
+    // Given up on while the shared store is read: abandoned, and a retry.
+    let (fleet, _) = fleet(&[("small", "node-a", 1_000, true)]);
+    let affinity = SessionAffinityLayer::new()
+        .home_store(SilentStore)
+        .store_deadline(std::time::Duration::from_secs(3600))
+        .layer(fleet);
+    let mut svc = affinity.clone();
+    svc.ready().await.unwrap();
+    let mut fut = tokio_test::task::spawn(svc.call(retried(Some("s"))));
+    assert!(fut.poll().is_pending());
+    drop(fut);
+    let stats = affinity.stats();
+    assert_eq!(
+        (stats.abandoned, stats.refusals_retried),
+        (1, 1),
+        "{stats:?}"
+    );
+}
