@@ -4,11 +4,13 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
+use tokio::runtime::Handle;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
 use super::{HomeStore, Lookup, StoredHome};
@@ -222,7 +224,9 @@ pub(crate) struct Homes {
     up: AtomicBool,
     /// Whether a read is probing a store that is down.
     probing: AtomicBool,
-    writes_in_flight: AtomicUsize,
+    /// Places among the writes in flight, [`MAX_WRITES_IN_FLIGHT`] of them; a write holds
+    /// one until it ends.
+    room: Arc<Semaphore>,
     /// Homes whose last write failed, the latest for each session: written again when the
     /// store answers again.
     failed: Mutex<Failed>,
@@ -337,7 +341,7 @@ impl Homes {
             ttl,
             up: AtomicBool::new(true),
             probing: AtomicBool::new(false),
-            writes_in_flight: AtomicUsize::new(0),
+            room: Arc::new(Semaphore::new(MAX_WRITES_IN_FLIGHT)),
             failed: Mutex::default(),
             writes_failing: AtomicBool::new(false),
             // Two tips a keyless turn (its tip and its last link).
@@ -396,24 +400,21 @@ impl Homes {
         if up {
             bump(&self.counters.recoveries);
             let since = failed.down_since.take();
-            let homes = std::mem::take(&mut failed.homes);
-            drop(failed);
             // Homes that moved while it could not be written to, so that it does not send
             // their sessions back to where they were before. Only those that failed with the
             // outage (or as it began): one that failed while the store answered reads
             // (refusing writes, say) may have been written over by another replica since.
-            let homes: Vec<_> = homes
-                .into_iter()
-                .filter(|(_, (_, at))| since.is_none_or(|s| *at + WRITE_TIMEOUT >= s))
-                .collect();
+            failed
+                .homes
+                .retain(|_, (_, at)| since.is_none_or(|s| *at + WRITE_TIMEOUT >= s));
+            let keys: Vec<SessionKey> = failed.homes.keys().copied().collect();
+            drop(failed);
             tracing::info!(
                 store = ?self.store,
-                rewrites = homes.len(),
+                rewrites = keys.len(),
                 "shared session store answers again; reading homes from it"
             );
-            for (key, (home, _)) in homes {
-                self.write(key, home);
-            }
+            self.rewrite(keys);
         } else {
             failed.down_since = Some(Instant::now());
             bump(&self.counters.outages);
@@ -593,7 +594,7 @@ impl Homes {
         let links = chain.links();
         let last = links.len() - 1;
         let home = StoredHome::new(decision.backend.clone(), decision.node.clone());
-        if let Some(runtime) = self.admit_write() {
+        if let Some((runtime, room)) = self.admit_write() {
             let mut written = self.written.lock();
             for at in [tip, last] {
                 written.insert(links[at].digest, decision.backend.clone());
@@ -609,6 +610,7 @@ impl Homes {
             // Not written again after an outage, as a session's home is: the conversation's
             // next turn writes a tip of its own.
             runtime.spawn(async move {
+                let _room = room;
                 let both = async {
                     tip_write.await?;
                     match last_write {
@@ -625,7 +627,6 @@ impl Homes {
                     bump(&this.counters.write_errors);
                 }
                 this.wrote(error);
-                this.writes_in_flight.fetch_sub(1, Ordering::AcqRel);
             });
         }
     }
@@ -652,28 +653,63 @@ impl Homes {
 
     /// A place among the writes in flight, and the runtime to run one on; `None` (counted as
     /// dropped) if there is neither.
-    fn admit_write(&self) -> Option<tokio::runtime::Handle> {
+    fn admit_write(&self) -> Option<(Handle, OwnedSemaphorePermit)> {
         let c = &self.counters;
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        let Ok(runtime) = Handle::try_current() else {
             bump(&c.writes_dropped);
             return None;
         };
-        if self.writes_in_flight.fetch_add(1, Ordering::AcqRel) >= MAX_WRITES_IN_FLIGHT {
-            self.writes_in_flight.fetch_sub(1, Ordering::AcqRel);
+        let Ok(room) = self.room.clone().try_acquire_owned() else {
             bump(&c.writes_dropped);
             return None;
-        }
+        };
         bump(&c.writes);
-        Some(runtime)
+        Some((runtime, room))
     }
 
     fn write(self: &Arc<Self>, key: SessionKey, home: StoredHome) {
-        let Some(runtime) = self.admit_write() else {
+        if let Some((runtime, room)) = self.admit_write() {
+            self.send(&runtime, room, key, home);
+        }
+    }
+
+    /// Writes again, in a task of their own, the homes of `keys` that failed: each as a
+    /// place among the writes in flight frees (there may be more of them than places), and
+    /// as it is by then (a newer write of the session may have replaced or written it).
+    fn rewrite(self: &Arc<Self>, keys: Vec<SessionKey>) {
+        if keys.is_empty() {
+            return;
+        }
+        let Ok(runtime) = Handle::try_current() else {
             return;
         };
+        let this = self.clone();
+        runtime.clone().spawn(async move {
+            for key in keys {
+                let Ok(room) = this.room.clone().acquire_owned().await else {
+                    return;
+                };
+                let Some((home, _)) = this.failed.lock().homes.remove(&key) else {
+                    continue;
+                };
+                bump(&this.counters.writes);
+                this.send(&runtime, room, key, home);
+            }
+        });
+    }
+
+    /// Sends a write admitted to `room`, in a task of its own.
+    fn send(
+        self: &Arc<Self>,
+        runtime: &Handle,
+        room: OwnedSemaphorePermit,
+        key: SessionKey,
+        home: StoredHome,
+    ) {
         let write = self.store.write(key, home.clone(), self.ttl);
         let this = self.clone();
         runtime.spawn(async move {
+            let _room = room;
             let result = tokio::time::timeout(WRITE_TIMEOUT, write).await;
             let mut failed = this.failed.lock();
             let error = match result {
@@ -705,7 +741,6 @@ impl Homes {
             }
             drop(failed);
             this.wrote(error);
-            this.writes_in_flight.fetch_sub(1, Ordering::AcqRel);
         });
     }
 }

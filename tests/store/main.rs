@@ -739,3 +739,37 @@ fn outages_and_recoveries_agree_with_the_state_in_every_snapshot() {
     drop(runtime);
     assert_eq!(bad, None);
 }
+
+/// More homes fail in an outage than writes may be in flight at once (1,024), but fewer than
+/// are kept (4,096): every one of them is written when the store comes back, none dropped.
+#[tokio::test(start_paused = true)]
+async fn every_home_kept_through_an_outage_is_written_when_the_store_comes_back() {
+    let store = MemoryStore::new();
+    let svc = service(&store);
+    noticed(&svc, "warm", StoreState::Up).await;
+    store.down(true);
+    noticed(&svc, "probe", StoreState::Down).await;
+    // New sessions placed while it is down: each home's write fails.
+    const SESSIONS: usize = 3_000;
+    for i in 0..SESSIONS {
+        send(&svc, &format!("new-{i}")).await;
+        if i % 64 == 0 {
+            settle().await;
+        }
+    }
+    settle().await;
+    let before = svc.store_stats().unwrap();
+    assert_eq!(before.writes_dropped, 0, "{before:?}");
+    store.down(false);
+    noticed(&svc, "back", StoreState::Up).await;
+    for _ in 0..16 {
+        settle().await;
+    }
+    let homes = &store.0.lock().homes;
+    let missing = (0..SESSIONS)
+        .filter(|i| !homes.contains_key(&key(&format!("new-{i}"))))
+        .count();
+    let after = svc.store_stats().unwrap();
+    assert_eq!(missing, 0, "{missing} homes never written again: {after:?}");
+    assert_eq!(after.writes_dropped, 0, "{after:?}");
+}
