@@ -212,6 +212,12 @@ struct Failed {
     /// The latest home of each session whose write failed, and when it failed.
     homes: HashMap<SessionKey, (StoredHome, Instant)>,
     down_since: Option<Instant>,
+    /// The number of the newest write of each session with a write in flight (as many
+    /// entries as writes in flight at most): a write that fails after a newer one of its
+    /// session was sent is not kept, whether that one lands or fails (and is kept) later.
+    newest: HashMap<SessionKey, u64>,
+    /// Writes sent so far, which numbers them.
+    sent: u64,
 }
 
 /// A shared store as the service uses it.
@@ -707,11 +713,20 @@ impl Homes {
         home: StoredHome,
     ) {
         let write = self.store.write(key, home.clone(), self.ttl);
+        let mut failed = self.failed.lock();
+        failed.sent += 1;
+        let number = failed.sent;
+        failed.newest.insert(key, number);
+        drop(failed);
         let this = self.clone();
         runtime.spawn(async move {
             let _room = room;
             let result = tokio::time::timeout(WRITE_TIMEOUT, write).await;
             let mut failed = this.failed.lock();
+            let newest = failed.newest.get(&key) == Some(&number);
+            if newest {
+                failed.newest.remove(&key);
+            }
             let error = match result {
                 Ok(Ok(())) => {
                     // An older home that failed must not overwrite this one later.
@@ -725,6 +740,10 @@ impl Homes {
             };
             if error.is_some() {
                 bump(&this.counters.write_errors);
+            }
+            // A newer write of the session was sent since: its home, not this one, is kept
+            // if it fails.
+            if error.is_some() && newest {
                 let now = Instant::now();
                 if failed.homes.len() >= MAX_FAILED {
                     // A home that failed more than a write's time before the outage began (or

@@ -45,6 +45,8 @@ struct State {
     read_ttls: Vec<Duration>,
     /// Whether writes fail (reads follow `mode`).
     fail_writes: bool,
+    /// Whether writes made now never answer.
+    hang_writes: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -59,6 +61,7 @@ impl MemoryStore {
             writes: Vec::new(),
             read_ttls: Vec::new(),
             fail_writes: false,
+            hang_writes: false,
         })))
     }
 
@@ -109,6 +112,9 @@ impl HomeStore for MemoryStore {
     }
 
     fn write(&self, session: SessionKey, home: StoredHome, ttl: Duration) -> WriteHome {
+        if self.0.lock().hang_writes {
+            return Box::pin(std::future::pending());
+        }
         let state = self.0.clone();
         Box::pin(async move {
             let mut s = state.lock();
@@ -772,4 +778,45 @@ async fn every_home_kept_through_an_outage_is_written_when_the_store_comes_back(
     let after = svc.store_stats().unwrap();
     assert_eq!(missing, 0, "{missing} homes never written again: {after:?}");
     assert_eq!(after.writes_dropped, 0, "{after:?}");
+}
+
+/// A write that hangs until its second is over fails after a later write of the same session
+/// went through: the older home must not be written over the newer one at the store's next
+/// recovery.
+#[tokio::test(start_paused = true)]
+async fn a_write_that_fails_after_a_newer_one_landed_is_not_written_again() {
+    let store = MemoryStore::new();
+    let svc = service(&store);
+    let first = send(&svc, "s").await;
+    settle().await;
+    // Down: the session moves off its busy home, and that write hangs.
+    store.mode(Mode::Fail);
+    noticed(&svc, "t", StoreState::Down).await;
+    store.0.lock().hang_writes = true;
+    let moved = moved_off(&svc, "s", &first).await;
+    store.0.lock().hang_writes = false;
+    // Back, before the hanging write's second is over.
+    store.mode(Mode::Answer);
+    noticed(&svc, "u", StoreState::Up).await;
+    // The session moves twice more, each write landing: its latest home is a third backend.
+    let at_first = hold(&svc, "s").await;
+    let at_moved = hold(&svc, "s").await;
+    let latest = send(&svc, "s").await;
+    drop((at_first, at_moved));
+    settle().await;
+    assert_ne!(latest.backend, moved.backend);
+    assert_eq!(store.0.lock().homes[&key("s")].backend, latest.backend);
+    // The hanging write fails; a short outage and a recovery follow.
+    tokio::time::advance(Duration::from_millis(1_001)).await;
+    settle().await;
+    store.mode(Mode::Fail);
+    noticed(&svc, "v", StoreState::Down).await;
+    store.mode(Mode::Answer);
+    noticed(&svc, "w", StoreState::Up).await;
+    settle().await;
+    assert_eq!(
+        store.0.lock().homes[&key("s")].backend,
+        latest.backend,
+        "the older home, whose write failed last, was written over the newer one"
+    );
 }
