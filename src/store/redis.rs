@@ -8,6 +8,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Value;
+use tokio::time::Instant;
 
 use super::{HomeStore, Lookup, ReadHome, ReadPrompts, StoredHome, WriteHome};
 use crate::key::SessionKey;
@@ -31,8 +32,11 @@ use crate::key::SessionKey;
 ///
 /// One multiplexed connection, kept by the `redis` crate's connection manager, carries every
 /// command; when it breaks, the manager reconnects with exponential backoff, at most
-/// [`reconnect_interval`](RedisStoreBuilder::reconnect_interval) apart. The service reads
-/// within its own deadline, so a reconnect never holds up a request.
+/// [`reconnect_interval`](RedisStoreBuilder::reconnect_interval) apart. A server that
+/// refuses the store's commands as a replica (`READONLY`: a primary demoted by a failover
+/// while the store's address moved to the new one) is left for a new connection too, at
+/// most once an interval. The service reads within its own deadline, so a reconnect never
+/// holds up a request.
 ///
 /// ```no_run
 /// use tower::Layer;
@@ -63,13 +67,17 @@ pub struct RedisStore {
 /// The `redis` crate's manager reconnects after an I/O error only: once its connection
 /// attempts have all failed with another error (Redis refused the password in the URL, say),
 /// it answers every later command with that error and never tries again, so a Redis whose
-/// password is set right after that would never be read again. Such an error starts a new
-/// manager.
+/// password is set right after that would never be read again. Nor does it reconnect when
+/// the server it is connected to refuses writes as a replica (`READONLY`): a primary demoted
+/// by a failover, while the store's address moved to the new one. Such an error starts a new
+/// manager, at most once a reconnect interval.
 struct Connection {
     client: redis::Client,
     config: ConnectionManagerConfig,
-    /// The manager in use, and how many were started before it.
-    current: Mutex<(ConnectionManager, u64)>,
+    /// The least time between two managers started.
+    interval: Duration,
+    /// The manager in use, how many were started before it, and when it was started.
+    current: Mutex<(ConnectionManager, u64, Instant)>,
 }
 
 impl Connection {
@@ -90,21 +98,22 @@ impl Connection {
 
     /// The manager to send a command on, and its number for [`failed`](Self::failed).
     fn get(&self) -> (ConnectionManager, u64) {
-        self.current.lock().clone()
+        let current = self.current.lock();
+        (current.0.clone(), current.1)
     }
 
     /// A command sent on manager number `generation` failed with `e`: a new manager if it is
     /// an error the manager does not reconnect after, and no other replaced that one yet.
     fn failed(&self, generation: u64, e: &redis::RedisError) {
-        if e.kind() != redis::ErrorKind::AuthenticationFailed {
+        if e.kind() != redis::ErrorKind::AuthenticationFailed && e.code() != Some("READONLY") {
             return;
         }
         let mut current = self.current.lock();
-        if current.1 != generation {
+        if current.1 != generation || current.2.elapsed() < self.interval {
             return;
         }
         if let Ok(conn) = Self::start(&self.client, &self.config) {
-            *current = (conn, generation + 1);
+            *current = (conn, generation + 1, Instant::now());
         }
     }
 
@@ -254,7 +263,8 @@ impl RedisStoreBuilder {
             conn: Arc::new(Connection {
                 client,
                 config,
-                current: Mutex::new((conn, 0)),
+                interval: self.reconnect_interval,
+                current: Mutex::new((conn, 0, Instant::now())),
             }),
             prefix: self.prefix.into(),
         })

@@ -773,3 +773,90 @@ async fn a_homes_tip_tells_another_replica_a_compaction_and_an_old_value_still_r
         StoredHome::new("b2", "node-b").with_tip(tip_of(&next))
     );
 }
+
+/// A failover: the address the store connects to moves to the new primary, and the old one,
+/// which the store's connection still reaches, becomes its replica and refuses every write
+/// (`READONLY`), `GETEX` among them. The store connects again and reads the new primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_left_on_a_demoted_primary_connects_to_the_new_one() {
+    use std::sync::Arc;
+    use tower_affinity::store::{HomeStore, Lookup};
+    let Some(old) = RedisServer::start().await else {
+        return;
+    };
+    let new = RedisServer::start().await.unwrap();
+    // The address that moves: each connection made to it goes to the primary of the moment.
+    let primary = Arc::new(parking_lot::Mutex::new(old.port));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let to = primary.clone();
+    let forward = tokio::spawn(async move {
+        while let Ok((mut client, _)) = listener.accept().await {
+            let port = *to.lock();
+            tokio::spawn(async move {
+                if let Ok(mut server) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                }
+            });
+        }
+    });
+    let store = RedisStore::builder()
+        .reconnect_interval(Duration::from_millis(50))
+        .open(&format!("redis://{address}"))
+        .unwrap();
+    let session = SessionKey::from_bytes(b"a session");
+    let ttl = Duration::from_secs(60);
+    assert_eq!(store.read(session, ttl).await.unwrap(), Lookup::Missing);
+    // The failover. The sync between the servers goes through memory only: a snapshot on
+    // disk, in the working directory, would be loaded by every server started after it.
+    let mut demoted = old.client().await;
+    let mut admin = new.client().await;
+    for (to_new, name, value) in [
+        (true, "repl-diskless-sync", "yes"),
+        (true, "repl-diskless-sync-delay", "0"),
+        (false, "repl-diskless-load", "swapdb"),
+    ] {
+        let conn = if to_new { &mut admin } else { &mut demoted };
+        let () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(name)
+            .arg(value)
+            .query_async(conn)
+            .await
+            .unwrap();
+    }
+    *primary.lock() = new.port;
+    let () = redis::cmd("REPLICAOF")
+        .arg("127.0.0.1")
+        .arg(new.port)
+        .query_async(&mut demoted)
+        .await
+        .unwrap();
+    let home = StoredHome::new("a1", "node-a");
+    let () = redis::cmd("SET")
+        .arg(
+            RedisStore::builder()
+                .open(&new.url())
+                .unwrap()
+                .key_of(session),
+        )
+        .arg(home.encode())
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let start = Instant::now();
+    let mut last = None;
+    while start.elapsed() < Duration::from_secs(10) {
+        match store.read(session, ttl).await {
+            Ok(found) => {
+                assert_eq!(found, Lookup::Home(home));
+                forward.abort();
+                return;
+            }
+            Err(e) => last = Some(e.to_string()),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    forward.abort();
+    panic!("never read the new primary: {last:?}");
+}
