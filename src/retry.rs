@@ -32,10 +32,11 @@ use crate::{BackendId, BoxError, Decision, Error, ResponseBody};
 /// extensions: the balancer then counts the prompt as the refusing backend did and passes
 /// over that backend, and any whose request context is no larger, for one that takes it;
 /// the backend that refused stays up. Other answers, errors included, are the backend's to
-/// give. A failure that is the request's own is not retried: its body failed on its way to
-/// the backend (the client went away, a body limit), or it is not one a proxy forwards (a
-/// `CONNECT`, a transfer coding other than `chunked`). The backend is not at fault, and the
-/// same request would fail again.
+/// give. Where the retry of a failure finds no backend up (the one that failed was the only
+/// one), the answer is that failure, not [`Error::NoBackends`]. A failure that is the
+/// request's own is not retried: its body failed on its way to the backend (the client went
+/// away, a body limit), or it is not one a proxy forwards (a `CONNECT`, a transfer coding
+/// other than `chunked`). The backend is not at fault, and the same request would fail again.
 ///
 /// The request body must be `Clone`: buffer it first (a `Full<Bytes>` body is).
 ///
@@ -117,7 +118,12 @@ impl<B: Clone, ResB> Policy<http::Request<B>, http::Response<ResB>, Error> for R
                 return self.refused(req, res);
             }
         }
-        self.once(failed(result.as_ref()))
+        if self.retried {
+            KeptFailure::give_back(req, result, |e| matches!(e, Error::NoBackends));
+        }
+        let retry = self.once(failed(result.as_ref()))?;
+        KeptFailure::keep(req, result, Error::NoBackends);
+        Some(retry)
     }
 
     fn clone_request(&mut self, req: &http::Request<B>) -> Option<http::Request<B>> {
@@ -140,17 +146,66 @@ impl<B: Clone, ResB> Policy<http::Request<B>, http::Response<ResB>, BoxError> fo
                 return self.refused(req, res);
             }
         }
+        if self.retried {
+            let no_backends = |e: &BoxError| matches!(e.downcast_ref(), Some(Error::NoBackends));
+            KeptFailure::give_back(req, result, no_backends);
+        }
         let failed = match result {
             Ok(res) => failed::<ResB>(Ok(res)),
             Err(e) => e
                 .downcast_ref::<Error>()
                 .is_some_and(|e| failed::<ResB>(Err(e))),
         };
-        self.once(failed)
+        let retry = self.once(failed)?;
+        KeptFailure::keep(req, result, Error::NoBackends.into());
+        Some(retry)
     }
 
     fn clone_request(&mut self, req: &http::Request<B>) -> Option<http::Request<B>> {
         Some(req.clone())
+    }
+}
+
+// === a failure the retry found no other backend for ===
+
+/// The failure of a request's first attempt, among the extensions of its retry: where the
+/// retry finds no backend up ([`Error::NoBackends`]), as when the backend that failed was the
+/// only one, the client is told of the failure (a refused connection's 502 and its cause, a
+/// timeout's 504), not of a want of backends. Taken once.
+struct KeptFailure<E>(Arc<Mutex<Option<E>>>);
+
+impl<E> Clone for KeptFailure<E> {
+    fn clone(&self) -> Self {
+        KeptFailure(self.0.clone())
+    }
+}
+
+impl<E: Send + Sync + 'static> KeptFailure<E> {
+    /// Keeps the failure in `result`, if it is one, with `req`, about to be retried; what is
+    /// left in its place is dropped unread.
+    fn keep<B, ResB>(req: &mut http::Request<B>, result: &mut Result<ResB, E>, placeholder: E) {
+        if result.is_ok() {
+            return;
+        }
+        if let Err(first) = std::mem::replace(result, Err(placeholder)) {
+            req.extensions_mut()
+                .insert(KeptFailure(Arc::new(Mutex::new(Some(first)))));
+        }
+    }
+
+    /// The first attempt's failure, in place of the retry's want of backends.
+    fn give_back<B, ResB>(
+        req: &http::Request<B>,
+        result: &mut Result<ResB, E>,
+        no_backends: impl Fn(&E) -> bool,
+    ) {
+        if !result.as_ref().is_err_and(no_backends) {
+            return;
+        }
+        let kept = req.extensions().get::<KeptFailure<E>>();
+        if let Some(first) = kept.and_then(|k| k.0.lock().take()) {
+            *result = Err(first);
+        }
     }
 }
 

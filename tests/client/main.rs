@@ -677,3 +677,47 @@ async fn a_connect_or_a_body_in_another_transfer_coding_is_501_and_sent_nowhere(
     assert!(a.healthy && a.failures == 0);
     assert_eq!(svc.stats().placed(), 2, "neither retried");
 }
+
+/// The only backend fails: the retry finds no other backend up (the failure's cooldown passes
+/// that one over), and the client is told of the failure, its status and its cause, not that
+/// there were no backends: 502 for a refused connection, 504 past the response timeout.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn the_only_backend_failing_is_its_failure_after_the_retry_not_no_backends() {
+    let silent = raw(|stream| async move {
+        std::future::pending::<()>().await;
+        drop(stream);
+    })
+    .await;
+    let timing_out = HttpBackend::<Body>::builder()
+        .connect_timeout(None)
+        .response_timeout(Duration::from_secs(30))
+        .build(&url(silent))
+        .unwrap();
+    let refusing = HttpBackend::<Body>::builder()
+        .connect_timeout(None)
+        .build(&url(refused_port().await))
+        .unwrap();
+    for (backend, kind, status) in [
+        (refusing, FailureKind::Refused, StatusCode::BAD_GATEWAY),
+        (
+            timing_out,
+            FailureKind::Timeout,
+            StatusCode::GATEWAY_TIMEOUT,
+        ),
+    ] {
+        let affinity = SessionAffinityLayer::new()
+            .layer(StaticFleet::new([("only", Backend::new("n", backend))]));
+        let svc = RetryLayer::new(tower_affinity::RetryOnce::new()).layer(affinity.clone());
+        let e: Error = svc
+            .oneshot(Request::get("/").body(Body::default()).unwrap())
+            .await
+            .unwrap_err();
+        assert_eq!(e.status(), status, "{kind}: {e}");
+        assert_eq!(
+            HttpBackendError::of(&e).map(|e| e.kind()),
+            Some(kind),
+            "{e}"
+        );
+        assert_eq!(affinity.stats().in_flight, 0);
+    }
+}
