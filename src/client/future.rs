@@ -29,6 +29,12 @@ pub(crate) fn finish_response<T>(res: &mut http::Response<T>) -> Result<(), Http
             "the answer is in a transfer coding other than chunked",
         ));
     }
+    // The proxy answers in its own version (RFC 9110, section 6.2), as the request went on in
+    // the backend's: an HTTP/1.0 answer of no declared length, ended by the close, would go on
+    // so framed, where a cut is not told from the end.
+    if res.version() < http::Version::HTTP_11 {
+        *res.version_mut() = http::Version::HTTP_11;
+    }
     Ok(())
 }
 

@@ -26,6 +26,9 @@
 //!   other than `chunked`, is the backend's failure (502). Interim answers (`1xx`) other than
 //!   the `100 Continue` the server gives itself are not passed on: hyper-util's client does
 //!   not hand them over.
+//! - an answer goes on in HTTP/1.1 (or the client's own version) whatever the backend spoke,
+//!   as the request goes on in the backend's: an HTTP/1.0 backend's answer of no declared
+//!   length, which its close ends, goes on chunked, where a cut still shows.
 //!
 //! The response body is hyper's [`Incoming`](hyper::body::Incoming), streamed frame by frame;
 //! the balancer's [`ResponseBody`](crate::ResponseBody) holds the slot until it ends.

@@ -183,7 +183,8 @@ impl<B> HttpBackend<B> {
     /// and an answer no client can be handed is the backend's failure
     /// ([`FailureKind::Other`](super::FailureKind::Other), 502): a `101 Switching Protocols`,
     /// as no `Upgrade` is forwarded, or a body in a transfer coding other than `chunked`,
-    /// which would reach the client still coded and unmarked.
+    /// which would reach the client still coded and unmarked. An HTTP/1.0 answer is made
+    /// HTTP/1.1, the proxy's own version (RFC 9110, section 6.2).
     pub fn finish_response<T>(&self, res: &mut http::Response<T>) -> Result<(), HttpBackendError> {
         finish_response(res)
     }

@@ -1392,6 +1392,51 @@ async fn a_non_json_request_passes_through_byte_for_byte_with(mode: UpstreamMode
     );
 }
 
+/// An HTTP/1.0 backend's answer goes on in the proxy's own version, HTTP/1.1 (RFC 9110,
+/// section 6.2), as the request went on in the backend's: its stream, of no declared length,
+/// ended by the close of the backend's connection, reaches an HTTP/1.1 client chunked, so
+/// that a cut shows as a body error, as for any other backend's cut stream, rather than as
+/// the close that ends an HTTP/1.0 answer whole.
+#[tokio::test]
+async fn an_http10_backends_stream_goes_on_as_http11_and_its_cut_shows() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let cut = Arc::new(tokio::sync::Notify::new());
+    let cutting = cut.clone();
+    tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        let mut head = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => head.extend_from_slice(&buf[..n]),
+            }
+        }
+        let answer = b"HTTP/1.0 200 OK\r\ncontent-type: text/event-stream\r\n\r\ndata: {}\n\n";
+        stream.write_all(answer).await.unwrap();
+        cutting.notified().await;
+        // Cut: a reset, not the close that would end the answer.
+        #[allow(deprecated)]
+        let _ = stream.set_linger(Some(Duration::ZERO));
+        drop(stream);
+    });
+    let proxy = start(config_of(&[format!("node-a=http://{addr},slots=2,id=old")])).await;
+    let req = Request::get(proxy.url("/v1/events"))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let res = proxy.send(req).await;
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(res.version(), http::Version::HTTP_11);
+    let body = after_first_chunk(res).await;
+    cut.notify_one();
+    let rest = tokio::time::timeout(DEADLINE, body.collect())
+        .await
+        .expect("the cut stream did not end");
+    assert!(rest.is_err(), "a cut stream reached the client as whole");
+}
+
 #[tokio::test]
 async fn a_request_id_is_set_sent_to_the_backend_and_returned() {
     let a = Stub::start("a", 2).await;
