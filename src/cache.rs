@@ -208,14 +208,16 @@ impl Index {
 #[derive(Clone, Copy, Debug)]
 struct Evicted {
     digest: u64,
-    /// The link before it, unless `root`.
+    /// The link before it, or its own digest for a link that starts a chain (no link is
+    /// held under a link with its own digest: [`CacheModel::add`] goes on from the one held).
     parent: u64,
     /// [`Node::tokens`], with its mark.
     tokens: u32,
     stamp: u32,
+    /// The stamp of the record that first recorded it (see [`CacheModel::born`]).
+    born: u32,
     /// The stamp of the record whose room it made.
     by: u32,
-    root: bool,
 }
 
 /// The last [`LEN`](Self::LEN) links evicted to make room for records, oldest overwritten
@@ -559,7 +561,7 @@ impl CacheModel {
             if self.holds(e.digest) {
                 continue;
             }
-            let parent = if e.root {
+            let parent = if e.parent == e.digest {
                 NONE
             } else {
                 match self.node(e.parent) {
@@ -568,8 +570,10 @@ impl CacheModel {
                 }
             };
             let i = self.insert(e.digest, e.tokens & TOKENS, parent, e.stamp);
-            // Its mark too.
+            // Its mark too, and the record that first recorded it: a refusal of a record
+            // stamped `e.stamp` takes back only links it first recorded.
             self.nodes[i as usize].tokens = e.tokens;
+            self.born[i as usize] = e.born;
             self.push_back(i);
             self.evicted -= 1;
         }
@@ -744,18 +748,16 @@ impl CacheModel {
         while self.over_budget() {
             let tail = self.nodes[self.tail as usize];
             if by != 0 && tail.stamp != by {
-                let root = tail.parent == NONE;
                 self.log.push(Evicted {
                     digest: tail.digest,
-                    parent: if root {
-                        0
-                    } else {
-                        self.nodes[tail.parent as usize].digest
+                    parent: match tail.parent {
+                        NONE => tail.digest,
+                        p => self.nodes[p as usize].digest,
                     },
                     tokens: tail.tokens,
                     stamp: tail.stamp,
+                    born: self.born[self.tail as usize],
                     by,
-                    root,
                 });
             }
             self.evict_tail();
@@ -1424,6 +1426,37 @@ mod tests {
         let m = cell.lock();
         assert_eq!(m.held(sent.links()), 0, "taken back");
         assert_eq!(m.held(one(0).links()), 1, "put back");
+        m.check();
+    }
+
+    #[test]
+    fn a_link_put_back_keeps_the_record_that_first_recorded_it() {
+        // As in the test above: a prompt placed second and sent first, and the first's turn,
+        // which it goes on from, sent after it. Room for 600 tokens.
+        let cell = ModelCell::new(600);
+        let (turn, longer) = (chain(&[1, 2, 3]), chain(&[1, 2, 3, 4]));
+        let (first, second) = (cell.reserve(), cell.reserve());
+        {
+            let mut m = cell.lock();
+            let known = m.known_from(longer.links(), 0).links;
+            m.record_sent(longer.links(), known, second);
+            let known = m.known_from(turn.links(), 0).links;
+            m.record_sent(turn.links(), known, first);
+        }
+        let born = cell.lock().known_from(turn.links(), 0).born;
+        assert_eq!(born, first);
+        // A third prompt evicts both turns' links, and is refused: they are put back as
+        // they were, first recorded by the first turn.
+        let other = chain(&[10, 11, 12, 13, 14]);
+        let stamp = cell.reserve();
+        cell.lock().record_sent(other.links(), 0, stamp);
+        assert!(cell.lock().held(turn.links()) < 3, "evicted");
+        cell.lock().refused(other.links(), 0, stamp);
+        assert_eq!(cell.lock().known_from(turn.links(), 0).born, born);
+        // The second is refused, the first taken: the backend holds the first's prompt.
+        cell.lock().refused(longer.links(), 0, second);
+        let m = cell.lock();
+        assert_eq!(m.held(turn.links()), 3, "taken back from under the first");
         m.check();
     }
 
