@@ -515,7 +515,7 @@ impl CacheModel {
     /// `stamp`, unless they carry a later one (records settle in any order; a stamp never goes
     /// back).
     pub(crate) fn record(&mut self, chain: &[Link], known: usize, stamp: u32) {
-        self.add(chain, known, stamp);
+        self.add(chain, known, stamp, 0);
         self.evict();
     }
 
@@ -524,7 +524,7 @@ impl CacheModel {
     /// so that [`refused`](Self::refused) can put it back if the backend does not take the
     /// prompt after all.
     pub(crate) fn record_sent(&mut self, chain: &[Link], known: usize, stamp: u32) {
-        self.add(chain, known, stamp);
+        self.add(chain, known, stamp, stamp);
         self.evict_for(stamp);
     }
 
@@ -580,8 +580,15 @@ impl CacheModel {
         self.evict();
     }
 
-    /// Adds `chain`'s links after its first `known` (see [`record`](Self::record)).
-    fn add(&mut self, chain: &[Link], known: usize, stamp: u32) {
+    /// Adds `chain`'s links after its first `known` (see [`record`](Self::record)), making
+    /// room as it goes for the record stamped `by` (0: none; see [`evict_for`](Self::evict_for)),
+    /// so that the model never tracks more than one link past its bound. Evicting as it goes
+    /// evicts what evicting once the chain is in would: the links the chain passes have a
+    /// child each, or are not listed yet, so only other leaves go, least recently used first.
+    /// Once no other is left and a link still does not fit, it and the links after it are
+    /// the chain's own tail, which the eviction after drops: the links after it are counted
+    /// as evicted, and not added.
+    fn add(&mut self, chain: &[Link], known: usize, stamp: u32, by: u32) {
         if chain.is_empty() {
             return;
         }
@@ -595,12 +602,14 @@ impl CacheModel {
             self.touch(parent, stamp);
         }
         let mut tip = parent;
-        let links = self.index.len();
+        let mut added = false;
         for (i, link) in chain.iter().enumerate().skip(known) {
             let before = if i == 0 { 0 } else { chain[i - 1].tokens };
             let tokens =
                 u32::try_from(link.tokens.saturating_sub(before)).map_or(TOKENS, |t| t.min(TOKENS));
+            let links = self.index.len();
             tip = self.insert(link.digest, tokens, parent, stamp);
+            let new = self.index.len() > links;
             // A digest held already under another link (a 64-bit collision, chance or
             // crafted): the chain goes on from that link, and the one before it, left without
             // a child, is a leaf like any other, or it would never be evicted.
@@ -613,11 +622,23 @@ impl CacheModel {
             }
             self.touch(tip, stamp);
             parent = tip;
+            if new {
+                added = true;
+                self.evict_for(by);
+                if self.tokens > self.budget || self.index.len() > self.max_blocks {
+                    let rest = chain.len() - i - 1;
+                    self.evicted += rest as u64;
+                    if rest > 0 {
+                        self.evicted_through = latest(self.evicted_through, stamp);
+                    }
+                    break;
+                }
+            }
         }
         // The tip is the most recently used leaf; the links before it have a child each.
         if tip != NONE && self.nodes[tip as usize].children == 0 {
             // Nothing added: this very prompt was sent whole before.
-            if self.index.len() == links {
+            if !added {
                 self.nodes[tip as usize].tokens |= RESENT;
             }
             if self.listed(tip) {
@@ -669,6 +690,7 @@ impl CacheModel {
                 i
             }
             None => {
+                self.reserve_node();
                 self.nodes.push(node);
                 self.born.push(stamp);
                 (self.nodes.len() - 1) as u32
@@ -683,6 +705,24 @@ impl CacheModel {
             }
         }
         i
+    }
+
+    /// Room for one more node: by doubling, up to one past the bound on links (a record adds
+    /// a link before it evicts one), not to twice the bound. Past it (a late refusal puts back
+    /// what it evicted before evicting again), by as many as it puts back at most.
+    fn reserve_node(&mut self) {
+        let len = self.nodes.len();
+        if len < self.nodes.capacity() {
+            return;
+        }
+        let bound = self.max_blocks.saturating_add(1);
+        let target = if len < bound {
+            len.saturating_mul(2).max(16).min(bound)
+        } else {
+            len + EvictionLog::LEN
+        };
+        self.nodes.reserve_exact(target - len);
+        self.born.reserve_exact(target - self.born.len());
     }
 
     fn push_front(&mut self, i: u32) {
@@ -1529,6 +1569,38 @@ mod tests {
     }
 
     #[test]
+    fn a_model_at_its_bound_stays_within_its_memory_bound_whatever_the_chains() {
+        // The default budget: at most 8,192 links, under 770 KB. Conversations past the
+        // bound, then a prompt of as many new links as a chain has, sent and refused.
+        let cell = ModelCell::new(crate::Backend::<()>::DEFAULT_CACHE_TOKENS);
+        let blocks = |from: u64, n: u64, tokens: u32| {
+            PromptChain::from_blocks((from..from + n).map(|id| (id, tokens)))
+        };
+        for c in 0..400 {
+            cell.record_from(blocks(c << 20, 41, 16).links(), 0);
+        }
+        let huge = blocks(1 << 40, PromptChain::MAX_LINKS as u64, 16);
+        let stamp = cell.reserve();
+        cell.lock().record_sent(huge.links(), 0, stamp);
+        cell.lock().refused(huge.links(), 0, stamp);
+        for c in 400..800 {
+            cell.record_from(blocks(c << 20, 41, 16).links(), 0);
+        }
+        let m = cell.lock();
+        assert_eq!(m.blocks(), 8_192);
+        assert!(m.memory_bytes() < 770_000, "{} bytes", m.memory_bytes());
+        m.check();
+        drop(m);
+        // A budget of nothing, and links of no tokens: 1,024 links at most, at the bound's
+        // cost a link.
+        let mut m = CacheModel::new(0);
+        m.record_next(blocks(1 << 40, PromptChain::MAX_LINKS as u64, 0).links(), 0);
+        assert_eq!(m.blocks(), 1_024);
+        assert!(m.memory_bytes() < 1_024 * 94, "{} bytes", m.memory_bytes());
+        m.check();
+    }
+
+    #[test]
     fn a_tracked_link_costs_under_80_bytes() {
         let mut m = CacheModel::new(1 << 30);
         for s in 0..1_000u64 {
@@ -1665,7 +1737,9 @@ mod tests {
     fn op() -> impl proptest::strategy::Strategy<Value = Op> {
         use proptest::prelude::*;
         prop_oneof![
-            8 => (0u64..8, 1usize..16).prop_map(|(c, n)| Op::Record(c, n)),
+            7 => (0u64..8, 1usize..16).prop_map(|(c, n)| Op::Record(c, n)),
+            // Longer than the bound on links the models are given below.
+            1 => (0u64..8, 16usize..48).prop_map(|(c, n)| Op::Record(c, n)),
             1 => (0u32..6, 0u64..400).prop_map(|(back, tokens)| Op::Forget(back, tokens)),
             1 => (200u64..3_000).prop_map(Op::Budget),
         ]
@@ -1712,7 +1786,7 @@ mod tests {
                 proptest::prop_assert_eq!(m.blocks(), r.links.len());
                 proptest::prop_assert_eq!(m.conversations() as usize, r.leaves());
                 for c in 0..8 {
-                    let chain = conversation(c, 16);
+                    let chain = conversation(c, 48);
                     proptest::prop_assert_eq!(m.held(chain.links()), r.held(chain.links()));
                 }
             }
