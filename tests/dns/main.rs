@@ -27,6 +27,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures_core::Stream;
+use hickory_server::proto::rr::RecordType;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
@@ -389,6 +390,84 @@ async fn aaaa_records_and_the_ip_strategy() {
         answered(dual.handle().resolved(1)).await;
         assert_eq!(ready_shown(&mut dual).await, want, "{strategy:?}");
     }
+}
+
+/// A server failure for one record type of a dual-stack name is a failed resolution, as for
+/// the name: it keeps the fleet, rather than answer with the other family alone.
+#[tokio::test(start_paused = true)]
+async fn a_server_failure_for_one_address_family_keeps_the_fleet() {
+    let dns = start_dns().await;
+    dns.set_ips("dual.fleet.test.", 30, &["10.0.0.1", "fd00::1"])
+        .await;
+    for (strategy, fails, want) in [
+        // A first, AAAA only if there are none: an A query that fails is not "none".
+        (
+            IpStrategy::Ipv4ThenIpv6,
+            RecordType::A,
+            vec!["+10.0.0.1:8080@10.0.0.1"],
+        ),
+        (
+            IpStrategy::Ipv6ThenIpv4,
+            RecordType::AAAA,
+            vec!["+[fd00::1]:8080@fd00::1"],
+        ),
+        // Both: one family failing does not take the other's backends away.
+        (
+            IpStrategy::Ipv4AndIpv6,
+            RecordType::AAAA,
+            vec!["+10.0.0.1:8080@10.0.0.1", "+[fd00::1]:8080@fd00::1"],
+        ),
+        (
+            IpStrategy::Ipv4AndIpv6,
+            RecordType::A,
+            vec!["+10.0.0.1:8080@10.0.0.1", "+[fd00::1]:8080@fd00::1"],
+        ),
+    ] {
+        let mut fleet = builder(&dns, "dual.fleet.test.:8080")
+            .ip_strategy(strategy)
+            .build(|ep: &DnsEndpoint| ep.addr())
+            .unwrap();
+        let handle = fleet.handle();
+        answered(handle.resolved(1)).await;
+        assert_eq!(ready_shown(&mut fleet).await, want, "{strategy:?}");
+
+        dns.servfail("dual.fleet.test.", fails, true);
+        handle.refresh();
+        answered(handle.resolved(2)).await;
+        dns.servfail("dual.fleet.test.", fails, false);
+        assert_eq!(
+            ready_shown(&mut fleet).await,
+            Vec::<String>::new(),
+            "{strategy:?}, {fails} failing: the fleet changed"
+        );
+        let stats = handle.stats();
+        assert_eq!(
+            (stats.failures, stats.backends),
+            (1, want.len()),
+            "{strategy:?}, {fails} failing: {stats:?}"
+        );
+        let e = stats.last_error.unwrap();
+        assert_eq!(e.kind(), DnsErrorKind::ServerFailure, "{e}");
+    }
+
+    // An SRV target's addresses alike.
+    dns.set_srv(
+        "_llm._tcp.fleet.test.",
+        30,
+        &[(10, 5, 8001, "dual.fleet.test.")],
+    )
+    .await;
+    let mut fleet = builder(&dns, "_llm._tcp.fleet.test.")
+        .build(|ep: &DnsEndpoint| ep.addr())
+        .unwrap();
+    let handle = fleet.handle();
+    answered(handle.resolved(1)).await;
+    assert_eq!(ready_shown(&mut fleet).await, ["+10.0.0.1:8001@10.0.0.1"]);
+    dns.servfail("dual.fleet.test.", RecordType::A, true);
+    handle.refresh();
+    answered(handle.resolved(2)).await;
+    assert_eq!(ready_shown(&mut fleet).await, Vec::<String>::new());
+    assert_eq!(handle.failures(), 1);
 }
 
 #[tokio::test(start_paused = true)]

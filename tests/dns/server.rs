@@ -1,15 +1,21 @@
 //! An authoritative DNS server for the zone `fleet.test.` on 127.0.0.1 (UDP and TCP, one
 //! port), serving records from memory that a test changes between resolutions.
 
+use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use hickory_server::net::runtime::Time;
+use hickory_server::proto::op::ResponseCode;
 use hickory_server::proto::rr::rdata::{A, AAAA, SOA, SRV};
 use hickory_server::proto::rr::{LowerName, Name, RData, Record, RecordSet, RecordType, RrKey};
+use hickory_server::server::{Request, RequestHandler, ResponseHandler, ResponseInfo};
 use hickory_server::store::in_memory::InMemoryZoneHandler;
-use hickory_server::zone_handler::{AxfrPolicy, Catalog, ZoneType};
+use hickory_server::zone_handler::{AxfrPolicy, Catalog, MessageResponseBuilder, ZoneType};
 use hickory_server::Server;
+use parking_lot::Mutex;
 use tokio::net::{TcpListener, UdpSocket};
 
 pub(crate) const ZONE: &str = "fleet.test.";
@@ -17,7 +23,53 @@ pub(crate) const ZONE: &str = "fleet.test.";
 pub(crate) struct Dns {
     pub(crate) addr: SocketAddr,
     zone: Arc<InMemoryZoneHandler>,
-    server: Option<Server<Catalog>>,
+    failing: Failing,
+    server: Option<Server<Flaky>>,
+}
+
+/// The (name, type) queries answered SERVFAIL instead of from the zone.
+type Failing = Arc<Mutex<Vec<(LowerName, RecordType)>>>;
+
+/// The zone's catalog, but SERVFAIL for the queries in `failing`: a server that fails one
+/// record type of a name and answers the others, as an overloaded or broken upstream does.
+struct Flaky {
+    catalog: Catalog,
+    failing: Failing,
+}
+
+// `RequestHandler` is an `async_trait`: its method spelled out, without the macro.
+impl RequestHandler for Flaky {
+    fn handle_request<'a, 'b, 'f, R, T>(
+        &'a self,
+        request: &'b Request,
+        mut response_handle: R,
+    ) -> Pin<Box<dyn Future<Output = ResponseInfo> + Send + 'f>>
+    where
+        R: ResponseHandler + 'f,
+        T: Time + 'f,
+        'a: 'f,
+        'b: 'f,
+        Self: 'f,
+    {
+        Box::pin(async move {
+            let fails = request.request_info().is_ok_and(|info| {
+                let key = (info.query.name().clone(), info.query.query_type());
+                self.failing.lock().contains(&key)
+            });
+            if !fails {
+                return self
+                    .catalog
+                    .handle_request::<R, T>(request, response_handle)
+                    .await;
+            }
+            let response = MessageResponseBuilder::new(&request.queries, None)
+                .error_msg(&request.metadata, ResponseCode::ServFail);
+            response_handle
+                .send_response(response)
+                .await
+                .expect("a SERVFAIL sent")
+        })
+    }
 }
 
 impl Dns {
@@ -47,6 +99,7 @@ impl Dns {
             let mut dns = Dns {
                 addr,
                 zone,
+                failing: Failing::default(),
                 server: None,
             };
             dns.serve(udp, tcp);
@@ -58,7 +111,10 @@ impl Dns {
     fn serve(&mut self, udp: UdpSocket, tcp: TcpListener) {
         let mut catalog = Catalog::new();
         catalog.upsert(LowerName::from(name(ZONE)), vec![self.zone.clone()]);
-        let mut server = Server::new(catalog);
+        let mut server = Server::new(Flaky {
+            catalog,
+            failing: self.failing.clone(),
+        });
         server.register_socket(udp);
         server.register_listener(tcp, Duration::from_secs(5), 1024);
         self.server = Some(server);
@@ -93,6 +149,17 @@ impl Dns {
             set.add_rdata(d);
         }
         records.insert(key, Arc::new(set));
+    }
+
+    /// Answers queries for `owner`'s records of `rtype` with SERVFAIL (`fail`), or from the
+    /// zone again.
+    pub(crate) fn servfail(&self, owner: &str, rtype: RecordType, fail: bool) {
+        let key = (LowerName::from(name(owner)), rtype);
+        let mut failing = self.failing.lock();
+        failing.retain(|k| *k != key);
+        if fail {
+            failing.push(key);
+        }
     }
 
     /// `owner`'s A or AAAA records, by the addresses' family.

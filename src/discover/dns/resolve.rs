@@ -2,9 +2,13 @@
 //! that gave them.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::SocketAddr;
+use std::future::{poll_fn, Future};
+use std::net::{IpAddr, SocketAddr};
+use std::pin::pin;
+use std::task::Poll;
 
-use hickory_resolver::proto::rr::RData;
+use hickory_resolver::config::LookupIpStrategy;
+use hickory_resolver::proto::rr::{RData, RecordType};
 use hickory_resolver::TokioResolver;
 use tokio::task::JoinSet;
 
@@ -41,13 +45,9 @@ pub(crate) async fn resolve(
 }
 
 async fn host(resolver: &TokioResolver, name: &str, port: u16) -> Result<Resolution, DnsError> {
-    let lookup = resolver
-        .lookup_ip(name)
-        .await
-        .map_err(|e| DnsError::resolve(&format!("{name} A/AAAA"), &e))?;
-    let ttl = lookup.as_lookup().answers().iter().map(|r| r.ttl).min();
-    let endpoints = lookup
-        .iter()
+    let (ips, ttl) = addresses(resolver, name).await?;
+    let endpoints = ips
+        .into_iter()
         .map(|ip| {
             let addr = SocketAddr::new(ip, port);
             (addr, DnsEndpoint::new(addr))
@@ -57,6 +57,134 @@ async fn host(resolver: &TokioResolver, name: &str, port: u16) -> Result<Resolut
         endpoints,
         ttl: ttl.unwrap_or(0),
     })
+}
+
+/// `name`'s addresses as the resolver's [`IpStrategy`](super::IpStrategy) says, and the
+/// shortest TTL of the records that gave them.
+///
+/// One record type's query failing (a timeout, SERVFAIL) fails the whole: only a name that
+/// has none of a type (NXDOMAIN, or no records) lets the other type stand alone. hickory's
+/// own `lookup_ip` takes any failure of the first type for "none" and answers with the
+/// second alone, or with the type that answered alone of the two asked together: a
+/// transient failure would swap a dual-stack fleet's backends for their other addresses.
+async fn addresses(
+    resolver: &TokioResolver,
+    name: &str,
+) -> Result<(Vec<IpAddr>, Option<u32>), DnsError> {
+    if name.parse::<IpAddr>().is_ok() {
+        // A literal address resolves to itself, without a query.
+        let lookup = resolver
+            .lookup_ip(name)
+            .await
+            .map_err(|e| DnsError::resolve(&format!("{name} A/AAAA"), &e))?;
+        let ttl = lookup.as_lookup().answers().iter().map(|r| r.ttl).min();
+        return Ok((lookup.iter().collect(), ttl));
+    }
+    use RecordType::{A, AAAA};
+    // The first type, the second if any, and whether both are asked together.
+    let (first, second, together) = match resolver.options().ip_strategy {
+        LookupIpStrategy::Ipv4Only => (A, None, false),
+        LookupIpStrategy::Ipv6Only => (AAAA, None, false),
+        LookupIpStrategy::Ipv4thenIpv6 => (A, Some(AAAA), false),
+        LookupIpStrategy::Ipv6thenIpv4 => (AAAA, Some(A), false),
+        LookupIpStrategy::Ipv4AndIpv6 => (A, Some(AAAA), true),
+        LookupIpStrategy::Ipv6AndIpv4 => (AAAA, Some(A), true),
+    };
+    let families = match second {
+        None => vec![family(resolver, name, first).await?],
+        Some(second) if together => {
+            let (first, second) = both(
+                family(resolver, name, first),
+                family(resolver, name, second),
+            )
+            .await;
+            vec![first?, second?]
+        }
+        // The second only if the name has none of the first.
+        Some(second) => match family(resolver, name, first).await? {
+            Err(_) => vec![family(resolver, name, second).await?],
+            found => vec![found],
+        },
+    };
+    let mut none = None;
+    let (mut ips, mut ttl) = (Vec::new(), None::<u32>);
+    for family in families {
+        match family {
+            Ok((found, t)) => {
+                ips.extend(found);
+                ttl = match (ttl, t) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
+            }
+            Err(e) => {
+                none.get_or_insert(e);
+            }
+        }
+    }
+    match none {
+        Some(e) if ips.is_empty() => Err(e),
+        _ => Ok((ips, ttl)),
+    }
+}
+
+/// `name`'s addresses of one record type and their shortest TTL; `Ok(Err(..))` if it has none
+/// (no such name, or no records of the type); an error if the query failed.
+async fn family(
+    resolver: &TokioResolver,
+    name: &str,
+    rtype: RecordType,
+) -> Result<Result<(Vec<IpAddr>, Option<u32>), DnsError>, DnsError> {
+    let what = format!("{name} {rtype}");
+    let lookup = match resolver.lookup(name, rtype).await {
+        Ok(lookup) => lookup,
+        Err(e) => {
+            let e = DnsError::resolve(&what, &e);
+            return match e.kind() {
+                DnsErrorKind::NoSuchName | DnsErrorKind::NoRecords => Ok(Err(e)),
+                _ => Err(e),
+            };
+        }
+    };
+    let answers = lookup.answers();
+    let ips: Vec<IpAddr> = answers
+        .iter()
+        .filter_map(|r| r.data.ip_addr())
+        .filter(|ip| ip.is_ipv4() == (rtype == RecordType::A))
+        .collect();
+    if ips.is_empty() {
+        return Ok(Err(DnsError::new(
+            DnsErrorKind::NoRecords,
+            format!("{what}: no records"),
+        )));
+    }
+    Ok(Ok((ips, answers.iter().map(|r| r.ttl).min())))
+}
+
+/// Runs `a` and `b` at the same time; both outputs.
+async fn both<A: Future, B: Future>(a: A, b: B) -> (A::Output, B::Output) {
+    let (mut a, mut b) = (pin!(a), pin!(b));
+    let (mut out_a, mut out_b) = (None, None);
+    poll_fn(|cx| {
+        if out_a.is_none() {
+            if let Poll::Ready(out) = a.as_mut().poll(cx) {
+                out_a = Some(out);
+            }
+        }
+        if out_b.is_none() {
+            if let Poll::Ready(out) = b.as_mut().poll(cx) {
+                out_b = Some(out);
+            }
+        }
+        match (out_a.take(), out_b.take()) {
+            (Some(a), Some(b)) => Poll::Ready((a, b)),
+            (a, b) => {
+                (out_a, out_b) = (a, b);
+                Poll::Pending
+            }
+        }
+    })
+    .await
 }
 
 /// One SRV record's target and what it said.
@@ -97,11 +225,11 @@ async fn srv(resolver: &TokioResolver, name: &str) -> Result<Resolution, DnsErro
     for host in hosts {
         let resolver = resolver.clone();
         lookups.spawn(async move {
-            let found = resolver.lookup_ip(host.as_str()).await;
+            let found = addresses(&resolver, host.as_str()).await;
             (host, found)
         });
     }
-    let mut addresses: BTreeMap<String, Vec<std::net::IpAddr>> = BTreeMap::new();
+    let mut targets: BTreeMap<String, Vec<IpAddr>> = BTreeMap::new();
     while let Some(done) = lookups.join_next().await {
         let Ok((host, found)) = done else {
             return Err(DnsError::new(
@@ -110,14 +238,14 @@ async fn srv(resolver: &TokioResolver, name: &str) -> Result<Resolution, DnsErro
             ));
         };
         match found {
-            Ok(ips) => {
-                if let Some(t) = ips.as_lookup().answers().iter().map(|r| r.ttl).min() {
+            Ok((ips, t)) => {
+                if let Some(t) = t {
                     ttl = ttl.min(t);
                 }
-                addresses.insert(host, ips.iter().collect());
+                targets.insert(host, ips);
             }
             Err(e) => {
-                let e = DnsError::resolve(&format!("{host} A/AAAA (SRV target of {name})"), &e);
+                let e = DnsError::new(e.kind(), format!("{e} (SRV target of {name})"));
                 match e.kind() {
                     // A target that is gone is not a backend; the others still are.
                     DnsErrorKind::NoSuchName | DnsErrorKind::NoRecords => {
@@ -133,7 +261,7 @@ async fn srv(resolver: &TokioResolver, name: &str) -> Result<Resolution, DnsErro
     let mut endpoints = BTreeMap::new();
     for r in records {
         let host = r.target.strip_suffix('.').unwrap_or(&r.target);
-        for &ip in addresses.get(&r.target).into_iter().flatten() {
+        for &ip in targets.get(&r.target).into_iter().flatten() {
             let addr = SocketAddr::new(ip, r.port);
             endpoints.entry(addr).or_insert_with(|| {
                 DnsEndpoint::from_srv(addr, host.to_string(), r.priority, r.weight)
