@@ -548,6 +548,47 @@ async fn srv_records_give_targets_and_ports() {
     assert_eq!(handle.stats().backends, 3);
 }
 
+/// An SRV record on port 0 names no reachable server (Consul answers so for a service
+/// registered without a port): it is left out, as a target of "." is, and as a host target
+/// on port 0 is refused. Priority and weight 0 are records like any other.
+#[tokio::test(start_paused = true)]
+async fn an_srv_record_on_port_0_is_left_out() {
+    let dns = start_dns().await;
+    dns.set_ips("gpu-a.fleet.test.", 30, &["10.0.0.1"]).await;
+    dns.set_ips("gpu-b.fleet.test.", 30, &["10.0.0.2"]).await;
+    dns.set_srv(
+        "_llm._tcp.fleet.test.",
+        30,
+        &[
+            (10, 5, 0, "gpu-a.fleet.test."),
+            (0, 0, 8001, "gpu-b.fleet.test."),
+        ],
+    )
+    .await;
+    let mut fleet = builder(&dns, "_llm._tcp.fleet.test.")
+        .build(|ep: &DnsEndpoint| ep.addr())
+        .unwrap();
+    let handle = fleet.handle();
+    answered(handle.resolved(1)).await;
+    assert_eq!(ready_shown(&mut fleet).await, ["+10.0.0.2:8001@10.0.0.2"]);
+
+    // Every record on port 0: no address, a failed resolution that keeps the fleet.
+    dns.set_srv(
+        "_llm._tcp.fleet.test.",
+        30,
+        &[
+            (10, 5, 0, "gpu-a.fleet.test."),
+            (0, 0, 0, "gpu-b.fleet.test."),
+        ],
+    )
+    .await;
+    handle.refresh();
+    answered(handle.resolved(2)).await;
+    assert_eq!(ready_shown(&mut fleet).await, Vec::<String>::new());
+    let e = handle.last_error().unwrap();
+    assert_eq!(e.kind(), DnsErrorKind::NoRecords, "{e}");
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_ttl_decides_the_next_resolution_between_floor_and_ceiling() {
     let dns = start_dns().await;

@@ -6,7 +6,8 @@
 //! - `NAME:PORT`: the name's A/AAAA records (see [`IpStrategy`]), each address a backend on
 //!   `PORT`;
 //! - `_SERVICE._PROTO.NAME`: its SRV records, each target host's addresses a backend on the
-//!   record's port (priority and weight are not used: every target is a backend).
+//!   record's port (priority and weight are not used: every target is a backend; a record
+//!   on port 0 or with the target "." names none).
 //!
 //! It resolves again when the answer's shortest TTL runs out, but no sooner than a floor and no
 //! later than a ceiling, and yields tower [`Change`](tower::discover::Change)s for what

@@ -206,8 +206,9 @@ async fn srv(resolver: &TokioResolver, name: &str) -> Result<Resolution, DnsErro
         let RData::SRV(srv) = &record.data else {
             continue;
         };
-        // A target of "." says the service is not offered there (RFC 2782).
-        if srv.target.is_root() {
+        // A target of "." says the service is not offered there (RFC 2782); port 0 names
+        // no server to connect to (Consul answers so for a service registered without one).
+        if srv.target.is_root() || srv.port == 0 {
             continue;
         }
         ttl = ttl.min(record.ttl);
