@@ -13,8 +13,11 @@ use hyper_util::client::legacy::Client;
 /// The client the probe sends with.
 pub(crate) type ProbeClient = Client<HttpConnector, Empty<Bytes>>;
 
-/// The most of a probe answer read: `/slots` of a large server is a few KiB a slot.
-const BODY_LIMIT: usize = 1 << 20;
+/// The most of a probe answer read. `/slots` is a few KiB a slot, but a llama-server run with
+/// `LLAMA_SERVER_SLOTS_DEBUG` (as releases before that switch did always) adds each slot's
+/// last prompt and answer as text: 30,571 bytes for a slot that read 13,024 tokens of code,
+/// so about 300 KB a slot of 128k tokens, and 32 MiB for a hundred of them.
+const BODY_LIMIT: usize = 32 << 20;
 
 /// What `/health` said.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -37,6 +37,8 @@ struct Stub {
     slots_status: AtomicU16,
     /// Each slot's `n_ctx`, left out when `None`; 4096 until set.
     n_ctx: Mutex<Option<Value>>,
+    /// Each slot's last prompt, as text, when set (llama-server's `LLAMA_SERVER_SLOTS_DEBUG`).
+    prompt: Mutex<Option<String>>,
     /// `/v1/models`' answer (vLLM's shape), 404 when `None`.
     models: Mutex<Option<Value>>,
     /// `/v1/models` never answers.
@@ -62,6 +64,7 @@ async fn slots(State(s): State<Arc<Stub>>) -> Result<axum::Json<Value>, StatusCo
         status => return Err(StatusCode::from_u16(status).unwrap()),
     }
     let n_ctx = s.n_ctx.lock().clone();
+    let prompt = s.prompt.lock().clone();
     let slots: Vec<Value> = s
         .slots
         .lock()
@@ -71,6 +74,9 @@ async fn slots(State(s): State<Arc<Stub>>) -> Result<axum::Json<Value>, StatusCo
             let mut slot = json!({"id": id, "is_processing": busy});
             if let Some(n) = &n_ctx {
                 slot["n_ctx"] = n.clone();
+            }
+            if let Some(p) = &prompt {
+                slot["prompt"] = json!(p);
             }
             slot
         })
@@ -473,6 +479,20 @@ async fn slots_are_learned_from_slots_and_followed_when_they_change() {
     prober.round(&affinity).await;
     assert_eq!(status(&affinity, "a").slots, 5);
     assert_eq!(s.transitions, 0);
+}
+
+/// A llama-server run with `LLAMA_SERVER_SLOTS_DEBUG` answers `/slots` with each slot's last
+/// prompt as text: long conversations on a few slots make megabytes, still read.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn slots_that_carry_their_prompts_are_read_however_long() {
+    let (a, stub) = start(4).await;
+    // About 128k tokens of code a slot, as the debug switch shows it: 2.4 MB in all.
+    *stub.prompt.lock() = Some("def f(x):\n    return x + 1\n".repeat(22_000));
+    *stub.slots.lock() = vec![true, false, true, false];
+    let (affinity, prober) = balancer(HealthProbe::new(), vec![("a", Backend::new("n", http(a)))]);
+    prober.round(&affinity).await;
+    assert_eq!(status(&affinity, "a").slots, 4);
+    assert_eq!(prober.status("a").unwrap().busy_slots, Some(2));
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
