@@ -1425,7 +1425,10 @@ pub(crate) async fn serve(
     force: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let mode = front.shared.upstream;
-    let header_timeout = front.shared.header_timeout;
+    // hyper adds it to the time now, which panics past what the clock holds: a timeout that
+    // long is as good as one of thirty years.
+    let header_timeout =
+        (front.shared.header_timeout).map(|t| t.min(Duration::from_secs(30 * 365 * 86_400)));
     // An `x-request-id` for a request that comes without one; it goes on to the backend with
     // the other headers, and back on the response.
     let ids = ServiceBuilder::new().layer(SetRequestIdLayer::x_request_id(RequestIds::new()));

@@ -274,3 +274,45 @@ async fn an_http1_stream_outlasting_the_header_timeout_ends_and_the_next_request
     res.into_body().collect().await.unwrap();
     assert!(!conn.is_finished());
 }
+
+/// A header timeout too long for the clock (`--header-timeout 10000000000000000000`, some
+/// 300 billion years) is as good as none: each connection's header timer and HTTP/2 ping
+/// were set by adding it to the clock, which panicked, so every connection was dropped
+/// unanswered.
+#[tokio::test(start_paused = true)]
+async fn a_header_timeout_too_long_for_the_clock_serves_http1_and_http2() {
+    let a = Stub::start("a", 2).await;
+    let mut c = config(&[("node-a", &a)]);
+    let args = [
+        "--backend",
+        "n=http://x:1",
+        "--header-timeout",
+        "10000000000000000000",
+    ];
+    let crate::cli::Command::Run(parsed) = crate::cli::parse(args).unwrap() else {
+        panic!("a run");
+    };
+    c.header_timeout = parsed.config.header_timeout;
+    assert!(c.header_timeout.is_some());
+    let proxy = start(c).await;
+    // HTTP/1, two requests on one connection.
+    assert_eq!(proxy.get("/health").await.status, StatusCode::OK);
+    assert_eq!(proxy.get("/health").await.status, StatusCode::OK);
+    // HTTP/2.
+    let stream = TcpStream::connect(proxy.addr).await.unwrap();
+    let (mut tx, conn) = hyper::client::conn::http2::handshake::<_, _, Full<Bytes>>(
+        TokioExecutor::new(),
+        TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let req = Request::get(format!("http://{}/health", proxy.addr))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let res = tokio::time::timeout(DEADLINE, tx.send_request(req))
+        .await
+        .expect("no response in time")
+        .expect("the HTTP/2 connection failed");
+    assert_eq!(res.status(), StatusCode::OK);
+}
