@@ -49,7 +49,7 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
                              Redis (or Valkey), e.g. redis://127.0.0.1:6379: a session
                              that moved on one instance is followed by all
   --redis-timeout DURATION   longest wait for Redis's answer before placing from the
-                             local table (default 5ms)
+                             local table (default 5ms; more than 0)
   --replicas N               this instance is one of N behind a balancer that spreads
                              turns evenly: it sees about 1/N of each backend's
                              requests, so it models 1/N of its cache (default 1);
@@ -245,7 +245,14 @@ where
             }
             "--dns-removal-grace" => config.dns_removal_grace = duration(&flag, &value()?)?,
             "--redis" => config.redis = Some(value()?),
-            "--redis-timeout" => config.redis_timeout = duration(&flag, &value()?)?,
+            "--redis-timeout" => {
+                config.redis_timeout = duration(&flag, &value()?)?;
+                if config.redis_timeout.is_zero() {
+                    return Err(
+                        "--redis-timeout must be more than 0: a read that may not wait gets no answer, and the store would be down for good".into(),
+                    );
+                }
+            }
             "--replicas" => {
                 let v = value()?;
                 config.replicas = v.parse().map_err(|_| {

@@ -2287,6 +2287,29 @@ fn every_option_parses_and_bad_values_are_explained() {
     assert!(matches!(cli::parse(["--help"]), Ok(cli::Command::Help)));
 }
 
+/// `--redis-timeout 0` is refused, as `--probe-timeout 0` is: where the other timeouts' 0
+/// turns them off, a store read that may not wait gets no answer, so the store went down at
+/// its first read and again at each check after a recovery, its homes unread.
+#[test]
+fn a_redis_timeout_of_zero_is_refused() {
+    let args = |timeout: &'static str| {
+        [
+            "--backend",
+            "n=http://127.0.0.1:8081",
+            "--redis",
+            "redis://127.0.0.1:6379",
+            "--redis-timeout",
+            timeout,
+        ]
+    };
+    let err = cli::parse(args("0")).map(|_| ()).unwrap_err();
+    assert!(err.contains("--redis-timeout must be more than 0"), "{err}");
+    let cli::Command::Run(run) = cli::parse(args("1ms")).unwrap() else {
+        panic!("not a run");
+    };
+    assert_eq!(run.config.redis_timeout, Duration::from_millis(1));
+}
+
 /// A switch takes no value: `--ask-stream-usage=false` is refused, not read as the switch.
 #[test]
 fn a_switch_given_a_value_is_refused() {
