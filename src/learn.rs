@@ -202,7 +202,10 @@ impl Learned {
         if let Some(t) = read_time.filter(|_| read >= MIN_READ_FOR_RATE) {
             blend(&self.prefill_rate, read as f64 / t.as_secs_f64().max(1e-3));
         }
-        let verdict = predicted.map_or(Verdict::Fine, |p| {
+        // An answer that counts no prompt says nothing of what was reused of the one sent
+        // (Ollama's reports 0 for a prompt it found whole in its cache).
+        let verdict = predicted.filter(|_| usage.prompt_tokens > 0);
+        let verdict = verdict.map_or(Verdict::Fine, |p| {
             let predicted = p.held_tokens as f64 / p.prompt_tokens.max(1) as f64;
             let measured = reused as f64 / usage.prompt_tokens.max(1) as f64;
             if predicted >= MIN_PREDICTED_SHARE && measured < predicted / 2.0 && !p.pending {

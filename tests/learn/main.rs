@@ -570,6 +570,53 @@ async fn a_backend_reusing_far_less_than_predicted_corrects_the_model() {
     );
 }
 
+/// An answer that reports a prompt of 0 tokens says nothing of what the backend reused of
+/// the prompt it was sent (Ollama's OpenAI endpoint reports `prompt_tokens: 0` for a prompt
+/// it found whole in its cache, ollama/ollama#5370): it is no sign of an eviction. Read as
+/// one, it made the model forget the home's conversation and every one used before it, and
+/// their next turns left their warm homes as cold homes.
+#[tokio::test(start_paused = true)]
+async fn an_answer_reporting_a_prompt_of_no_tokens_corrects_nothing() {
+    let svc = service(&[("a", "n1")]);
+    exchange(
+        &svc,
+        request(Some("old"), Some(chain(&[1, 2, 3], 1000)), reused(3000, 0)),
+    )
+    .await;
+    exchange(
+        &svc,
+        request(
+            Some("new"),
+            Some(chain(&[10, 11, 12], 1000)),
+            reused(3000, 0),
+        ),
+    )
+    .await;
+    // "new"'s second turn, predicted held: the answer counts no prompt at all.
+    let (d, _, usage) = exchange(
+        &svc,
+        request(
+            Some("new"),
+            Some(chain(&[10, 11, 12, 13], 1000)),
+            reused(0, 0),
+        ),
+    )
+    .await;
+    assert_eq!(d.outcome, Outcome::HomeHit);
+    assert_eq!(usage.map(|u| u.prompt_tokens), Some(0));
+    let corrections = status(&svc, "a").corrections;
+    // Nothing was learned of an eviction: both conversations are still home.
+    for (session, next) in [("old", [1, 2, 3, 4]), ("new", [10, 11, 12, 14])] {
+        let (d, _, _) = exchange(
+            &svc,
+            request(Some(session), Some(chain(&next, 1000)), reused(4000, 3000)),
+        )
+        .await;
+        assert_eq!(d.outcome, Outcome::HomeHit, "{session}");
+    }
+    assert_eq!(corrections, 0);
+}
+
 /// Two conversations that open alike start on one backend at once. The second cannot reuse
 /// the opening the first is still reading (llama-server shares no prefix between busy
 /// slots), so it reuses none of what the model predicted. That shortfall is not an eviction:
