@@ -61,6 +61,8 @@ pub(crate) struct Watch {
     pub(crate) cache: Option<Arc<ModelCell>>,
     /// How the request was placed: the answer's figures are counted under it too.
     pub(crate) outcome: Outcome,
+    /// Whether the backend answered with a success.
+    pub(crate) success: bool,
 }
 
 impl Watch {
@@ -70,6 +72,7 @@ impl Watch {
             prediction: None,
             cache: None,
             outcome,
+            success: false,
         }
     }
 }
@@ -156,7 +159,7 @@ impl Observe {
         let answer = Answer {
             usage: self.scanner.finish(),
             first_byte: self.first_byte.map(ms),
-            duration: ms(now),
+            duration: Some(ms(now)).filter(|_| self.watch.success),
             stream: self.stream,
         };
         let (usage, verdict) = guard.learned().learn(&answer, self.watch.prediction);

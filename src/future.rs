@@ -201,6 +201,7 @@ impl Dispatched {
         let cache = self.record.take().and_then(|r| r.answer(taken));
         if let Some(w) = self.watch.as_mut() {
             w.cache = cache;
+            w.success = taken;
         }
         respond(res, self.guard, self.decision, self.finish, self.watch)
     }

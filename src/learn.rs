@@ -126,8 +126,9 @@ pub(crate) struct Answer {
     pub(crate) usage: Option<Usage>,
     /// Dispatch to the first byte of the body.
     pub(crate) first_byte: Option<Duration>,
-    /// Dispatch to the end of the body.
-    pub(crate) duration: Duration,
+    /// Dispatch to the end of the body; `None` for an answer other than a success (a request
+    /// turned down at once), whose time says nothing of how long requests take.
+    pub(crate) duration: Option<Duration>,
     /// Whether the body streamed (SSE): its first byte came after the prompt was read.
     pub(crate) stream: bool,
 }
@@ -166,7 +167,9 @@ impl Learned {
         answer: &Answer,
         predicted: Option<Prediction>,
     ) -> (Option<Usage>, Verdict) {
-        blend(&self.duration_ms, answer.duration.as_secs_f64() * 1000.0);
+        if let Some(d) = answer.duration {
+            blend(&self.duration_ms, d.as_secs_f64() * 1000.0);
+        }
         if let Some(t) = answer.first_byte {
             self.first_byte_ms
                 .fetch_add(t.as_millis() as u64, Ordering::Relaxed);
@@ -372,7 +375,7 @@ mod tests {
                 zero_left_out: true,
             }),
             first_byte: Some(Duration::from_millis(first_byte_ms)),
-            duration: Duration::from_secs(10),
+            duration: Some(Duration::from_secs(10)),
             stream: true,
         }
     }

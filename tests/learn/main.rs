@@ -1101,6 +1101,40 @@ async fn a_retry_is_not_held_for_the_backend_that_refused_its_prompt() {
     assert_idle(&svc);
 }
 
+/// An error answer (a request the backend turned down at once: malformed, refused as too
+/// long, or while it loads its model) says nothing of how long its requests take to answer.
+/// Taken for one, a few quick ones made a backend whose answers take minutes look as if its
+/// slots freed in seconds, and a turn whose home was busy waited for it rather than move.
+#[tokio::test(start_paused = true)]
+async fn an_error_answer_teaches_nothing_of_how_long_requests_take() {
+    let svc = service(&[("a", "n1"), ("b", "n2")]);
+    // Requests take 200 s: a busy home's slot is due far later than moving costs (50 s).
+    teach(&svc, Duration::from_secs(200)).await;
+    let home = first_turn(&svc, "s").await;
+    let before = status(&svc, &home).request_time;
+    let turned_down = || {
+        Reply {
+        status: http::StatusCode::BAD_REQUEST,
+        headers_after: Duration::from_millis(20),
+        ..Reply::json(br#"{"error":{"code":400,"message":"'messages' is required","type":"invalid_request_error"}}"#)
+    }
+    };
+    for _ in 0..5 {
+        let (d, _, _) = exchange(&svc, request(Some("s"), None, turned_down())).await;
+        assert_eq!(d.backend.as_str(), home);
+    }
+    let after = status(&svc, &home).request_time;
+    let streaming = hold_home(&svc, "s", &home, Duration::from_secs(200)).await;
+    let (d, _) = next_turn(&svc).await;
+    assert_eq!(
+        (d.backend.as_str() != home, d.waited),
+        (true, None),
+        "{d:?}"
+    );
+    assert_eq!(after, before);
+    streaming.abort();
+}
+
 #[tokio::test(start_paused = true)]
 async fn move_at_once_when_the_wait_would_cost_more_than_moving() {
     let svc = service(&[("a", "n1"), ("b", "n2")]);
