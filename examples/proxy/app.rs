@@ -1266,8 +1266,11 @@ impl Future for ByModelFuture {
         if let Some(waited) = res.extensions().get::<Decision>().and_then(|d| d.waited) {
             route.wait_seconds.observe(waited.as_secs_f64());
         }
-        // The balancer's own 503 (no backend of the fleet up), with several fleets: which.
+        // The balancer's own 503 (no backend of the fleet up), with several fleets: which. A
+        // backend's 503 has its decision (among the extensions, as the balancer puts it): it
+        // goes on as the backend gave it.
         let refused = res.status() == StatusCode::SERVICE_UNAVAILABLE
+            && res.extensions().get::<Decision>().is_none()
             && res.body().decision().is_none()
             && res
                 .extensions()

@@ -1906,6 +1906,33 @@ async fn a_fleet_with_no_backend_up_says_which_model_it_serves() {
     assert_eq!(proxy.post_json(&[], &body).await.status, StatusCode::OK);
 }
 
+/// With several fleets, a 503 that a backend gave (both backends of the default fleet
+/// loading, the retry's answer passed through) goes to the client as the backend gave it: the
+/// text naming the fleet is for the balancer's own 503 alone. It replaced the backend's body
+/// under the backend's `content-length`, which the new body did not match.
+#[tokio::test]
+async fn with_several_fleets_a_backends_own_503_passes_through_as_it_came() {
+    let (a, b, coder) = (
+        Stub::start("a", 2).await,
+        Stub::start("b", 2).await,
+        Stub::start("coder", 2).await,
+    );
+    let backends = [
+        format!("node-a={},slots=2,id=a", a.url()),
+        format!("node-b={},slots=2,id=b", b.url()),
+        format!("node-c={},slots=2,id=coder,model=qwen3-coder", coder.url()),
+    ];
+    let proxy = start(config_of(&backends)).await;
+    // Loading, and not probed since: the first answers 503, the retry on the other too.
+    a.set_health(503);
+    b.set_health(503);
+    let res = proxy.get("/health").await;
+    assert_eq!(res.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(matches!(res.backend(), "a" | "b"), "{}", res.backend());
+    assert_eq!(res.header("content-type"), "application/json");
+    assert_eq!(res.json()["error"]["message"], "Loading model");
+}
+
 #[tokio::test]
 async fn a_model_is_retrieved_by_its_name_escaped_or_not() {
     let a = Stub::start("a", 2).await;
