@@ -118,7 +118,9 @@ impl NodeThenBackend {
 
     /// Bounds the load new sessions may add to one backend: a backend whose share of taken
     /// slots would exceed `1 + epsilon` times the fleet's is passed over for new sessions while
-    /// another has room below the bound. Negative or non-finite values are read as 0.
+    /// another has room below the bound. At low load none may have (one request more is a
+    /// large share of a backend of a few slots): the bound then passes no backend over.
+    /// Negative or non-finite values are read as 0.
     pub fn load_bound(mut self, epsilon: f64) -> Self {
         self.load_bound = Some(self::epsilon(epsilon));
         self
