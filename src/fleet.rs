@@ -499,6 +499,10 @@ pub(crate) struct Load {
     /// through [`in_flight`](Self::in_flight).
     pub(crate) in_flight: AtomicU32,
     pub(crate) slots: AtomicU32,
+    /// Its node's index, as the latest fleet has it: a backend announced again on another
+    /// node moves with its requests in flight, so that their slots, freed, wake the requests
+    /// held for the node it is on now.
+    pub(crate) node: AtomicU32,
     /// The tokens of context its running requests share ([`Backend::context_tokens`]); 0:
     /// no limit.
     pub(crate) context: AtomicU64,
@@ -602,6 +606,7 @@ impl Load {
         Load {
             in_flight: AtomicU32::new(0),
             slots: AtomicU32::new(slots.get()),
+            node: AtomicU32::new(0),
             context: AtomicU64::new(0),
             context_in_flight: AtomicU64::new(0),
             request_context: AtomicU64::new(0),
@@ -874,7 +879,6 @@ const UNANNOUNCED: u32 = u32::MAX;
 pub(crate) struct SlotGuard {
     load: Arc<Load>,
     backend: u32,
-    node: u32,
     /// When the slot was taken (fleet milliseconds).
     since_ms: u64,
     /// Prompt tokens the backend is expected to read for this request and has not yet
@@ -890,12 +894,11 @@ pub(crate) struct SlotGuard {
 
 impl SlotGuard {
     /// Holds the slot just taken on `load`, at fleet time `now_ms`.
-    pub(crate) fn new(load: &Arc<Load>, backend: u32, node: u32, now_ms: u64) -> Self {
+    pub(crate) fn new(load: &Arc<Load>, backend: u32, now_ms: u64) -> Self {
         load.learned.started_ms.fetch_add(now_ms, Ordering::Relaxed);
         SlotGuard {
             load: load.clone(),
             backend,
-            node,
             since_ms: now_ms,
             unread: 0,
             stamp: 0,
@@ -909,9 +912,14 @@ impl SlotGuard {
         self
     }
 
-    /// The slot's backend and node, by internal index.
-    pub(crate) fn slot(&self) -> (u32, u32) {
-        (self.backend, self.node)
+    /// The slot's backend, by internal index.
+    pub(crate) fn backend(&self) -> u32 {
+        self.backend
+    }
+
+    /// The node its backend is on now, by internal index.
+    fn node(&self) -> u32 {
+        self.load.node.load(Ordering::Relaxed)
     }
 
     /// Gives the slot back without waking a waiter for it: the caller holds the wake that
@@ -983,7 +991,7 @@ impl SlotGuard {
     pub(crate) fn pass_room_on(&self) {
         if self.load.has_context_limit() && self.load.has_free_slot() {
             self.capacity()
-                .slot_freed(&self.load, self.backend, self.node);
+                .slot_freed(&self.load, self.backend, self.node());
         }
     }
 
@@ -1051,7 +1059,7 @@ impl Drop for SlotGuard {
         let capacity = self.capacity();
         let awake = down_until == 0 || capacity.now_ms(Instant::now()) >= down_until;
         if awake && self.backend != UNANNOUNCED {
-            capacity.slot_freed(&self.load, self.backend, self.node);
+            capacity.slot_freed(&self.load, self.backend, self.node());
         }
     }
 }
@@ -1321,6 +1329,7 @@ impl Topology {
             m.prompt_cache_bytes = prompt_cache_bytes;
             m.cache.lock().set_budget(cache_tokens);
             m.load.slots.store(slots.get(), Ordering::Relaxed);
+            m.load.node.store(node, Ordering::Relaxed);
             self.release_node(old_node);
             self.attach(index);
             return index;
@@ -1368,6 +1377,10 @@ impl Topology {
             index
         };
         self.by_id.insert(id, index);
+        self.members[index as usize]
+            .load
+            .node
+            .store(node, Ordering::Relaxed);
         self.attach(index);
         index
     }
@@ -1881,12 +1894,12 @@ mod tests {
         let load = Arc::new(Load::new(nz(1), Arc::default(), &"a".into(), &"n".into()));
         let _ = load.mark_down(u64::MAX, 0);
         assert!(load.try_acquire());
-        SlotGuard::new(&load, 0, 0, 1).fail(std::time::Duration::from_secs(5));
+        SlotGuard::new(&load, 0, 1).fail(std::time::Duration::from_secs(5));
         assert_eq!(load.down_until.load(Ordering::Relaxed), u64::MAX);
         // Up, then failed: down for the cooldown only.
         load.down_until.store(0, Ordering::Relaxed);
         assert!(load.try_acquire());
-        SlotGuard::new(&load, 0, 0, 1).fail(std::time::Duration::from_secs(5));
+        SlotGuard::new(&load, 0, 1).fail(std::time::Duration::from_secs(5));
         let until = load.down_until.load(Ordering::Relaxed);
         assert!(until > 0 && until < u64::MAX);
     }
@@ -2035,13 +2048,13 @@ mod tests {
         l.learned.set_token_scale(1.0);
         assert_eq!(l.context_need(600), 600);
         assert_eq!(l.try_acquire_for(600), Some(600));
-        let first = SlotGuard::new(&l, 0, 0, 0).with_context(600);
+        let first = SlotGuard::new(&l, 0, 0).with_context(600);
         // 600 more would pass 1,000: no slot is kept for it.
         assert!(!l.has_context_for(600));
         assert_eq!(l.try_acquire_for(600), None);
         assert_eq!(l.in_flight(), 1);
         assert_eq!(l.try_acquire_for(400), Some(400));
-        let second = SlotGuard::new(&l, 0, 0, 0).with_context(400);
+        let second = SlotGuard::new(&l, 0, 0).with_context(400);
         assert_eq!(l.context_in_flight.load(Ordering::Relaxed), 1_000);
         drop((first, second));
         assert_eq!(

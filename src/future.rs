@@ -607,7 +607,7 @@ where
                             // the queue (or as the call unwinds, if the backend's service
                             // panics), to the waiter that slot suits.
                             let unused = match woken {
-                                Woken::For(slot) if slot.backend() == Some(guard.slot().0) => {
+                                Woken::For(slot) if slot.backend() == Some(guard.backend()) => {
                                     slot.taken();
                                     guard.pass_room_on();
                                     None

@@ -780,7 +780,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         }
         drop(candidates);
         let m = t.member(index);
-        let mut guard = SlotGuard::new(&m.load, index, m.node, now_ms).with_context(context);
+        let mut guard = SlotGuard::new(&m.load, index, now_ms).with_context(context);
         if let (Some(chain), Some(target)) = (chain, cache_backend) {
             let judged = look.may_hold && scope == Scope::Any && !overcommitted;
             if self.wait_versus_move && judged && target != index && !cache_passed_over {

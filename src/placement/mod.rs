@@ -617,10 +617,7 @@ impl Drop for Candidates<'_> {
         if let (Mode::Acquire, Some(index)) = (&self.mode, self.chosen) {
             // Released as any taken slot is: its guard, dropped at once.
             let member = self.topology.member(index);
-            drop(
-                SlotGuard::new(&member.load, index, member.node, self.now_ms)
-                    .with_context(self.context),
-            );
+            drop(SlotGuard::new(&member.load, index, self.now_ms).with_context(self.context));
         }
     }
 }

@@ -4717,3 +4717,53 @@ async fn overcommit_puts_a_long_prompt_on_the_full_backend_that_takes_it() {
     let d = decision(&res);
     assert_eq!((d.backend.as_str(), d.overcommitted), ("large", true));
 }
+
+/// A fleet of `a1` on node `a` and `b1` on node `b`, one slot each, announced on a channel
+/// that the test can announce again on, with node patience of 10 s.
+fn patient_channel(
+    streams: &Streams,
+) -> (
+    discover::FleetHandle<MockService>,
+    SessionAffinity<
+        discover::FleetChannel<MockService>,
+        HeaderKey,
+        tower_affinity::placement::NodeThenBackend,
+    >,
+) {
+    let (handle, stream) = discover::channel::<MockService>();
+    for (id, node) in [("a1", "a"), ("b1", "b")] {
+        handle.insert(id, Backend::new(node, backend(id, streams)).slots(nz(1)));
+    }
+    let svc = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_secs(60), 8))
+        .node_patience(Duration::from_secs(10))
+        .layer(stream);
+    (handle, svc)
+}
+
+/// A backend announced again on another node, while a request placed before the move is in
+/// flight there: a session held for its home node (the new one) is woken when that request
+/// ends, as for any slot freed on its node.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_slot_taken_before_its_backend_moved_node_wakes_the_requests_held_for_the_new_node() {
+    let streams = Streams::default();
+    let (handle, mut svc) = patient_channel(&streams);
+    let first = send(&mut svc, Some("x"), Some("stream")).await.unwrap();
+    let home = decision(&first).backend;
+    let (_, tx) = streams.take().unwrap();
+    handle.insert(
+        home.as_str(),
+        Backend::new("c", backend(home.as_str(), &streams)).slots(nz(1)),
+    );
+    svc.ready().await.unwrap();
+    let mut next = tokio_test::task::spawn(svc.call(request(Some("x"), None)));
+    assert_pending!(next.poll(), "held for its home's node, now c");
+    tokio::time::advance(Duration::from_secs(1)).await;
+    drop(tx);
+    first.into_body().collect().await.unwrap();
+    assert!(next.is_woken(), "its home's slot freed");
+    let res = assert_ready!(next.poll()).unwrap();
+    let d = decision(&res);
+    assert_eq!((d.backend, d.node.as_str()), (home, "c"));
+    assert_eq!(d.waited, Some(Duration::from_secs(1)));
+}
