@@ -643,6 +643,11 @@ where
                             } else if home.scope != Scope::Any && look.may_hold {
                                 w.ticket.hold_for(home);
                                 *w.until = hold_ends(Instant::now(), home.hold, *w.give_up);
+                            } else if home.scope == w.ticket.scope() {
+                                // Held as it was, for where its home is now: a backend
+                                // announced again on another node takes its sessions'
+                                // holds along. Its hold ends when it did.
+                                w.ticket.hold_for(home);
                             }
                             let until = *w.until;
                             let wake = w

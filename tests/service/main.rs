@@ -4767,3 +4767,46 @@ async fn a_slot_taken_before_its_backend_moved_node_wakes_the_requests_held_for_
     assert_eq!((d.backend, d.node.as_str()), (home, "c"));
     assert_eq!(d.waited, Some(Duration::from_secs(1)));
 }
+
+/// Requests held for their home's node when the home is announced again on another node
+/// follow it there: a slot freed on the home after the move wakes them.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn requests_held_for_their_homes_node_follow_it_to_its_new_node() {
+    let streams = Streams::default();
+    let (handle, mut svc) = patient_channel(&streams);
+    // Two sessions homed on the same backend, then a request holding it.
+    let home = turn(&mut svc, "x").await.backend;
+    let mut y = 0;
+    while turn(&mut svc, &format!("y{y}")).await.backend != home {
+        y += 1;
+    }
+    let y = format!("y{y}");
+    let first = send(&mut svc, Some("x"), Some("stream")).await.unwrap();
+    assert_eq!(decision(&first).backend, home);
+    let (_, tx) = streams.take().unwrap();
+    let mut held = waiters(&mut svc, &["x", y.as_str()]).await;
+    // The home moves to node c.
+    handle.insert(
+        home.as_str(),
+        Backend::new("c", backend(home.as_str(), &streams)).slots(nz(1)),
+    );
+    svc.ready().await.unwrap();
+    for w in &mut held {
+        assert_pending!(w.poll(), "its home, on c now, is still full");
+    }
+    tokio::time::advance(Duration::from_secs(1)).await;
+    drop(tx);
+    first.into_body().collect().await.unwrap();
+    // The first waiter takes the slot (and its answer ends); the second is woken for it.
+    let mut second = held.pop().unwrap();
+    let mut x = held.pop().unwrap();
+    assert!(x.is_woken(), "its home's slot freed");
+    let res = assert_ready!(x.poll()).unwrap();
+    assert_eq!(decision(&res).node.as_str(), "c");
+    res.into_body().collect().await.unwrap();
+    assert!(second.is_woken(), "its home's slot freed again");
+    let res = assert_ready!(second.poll()).unwrap();
+    let d = decision(&res);
+    assert_eq!((d.backend, d.node.as_str()), (home, "c"));
+    assert_eq!(d.waited, Some(Duration::from_secs(1)));
+}
