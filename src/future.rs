@@ -643,10 +643,17 @@ where
                             } else if home.scope != Scope::Any && look.may_hold {
                                 w.ticket.hold_for(home);
                                 *w.until = hold_ends(Instant::now(), home.hold, *w.give_up);
-                            } else if home.scope == w.ticket.scope() {
+                            } else if home.scope != Scope::Any
+                                && home.scope == w.ticket.scope()
+                                && home.backend.is_some()
+                                && home.backend == w.ticket.home().backend
+                            {
                                 // Held as it was, for where its home is now: a backend
                                 // announced again on another node takes its sessions'
-                                // holds along. Its hold ends when it did.
+                                // holds along. Its hold ends when it did. (Only that: a
+                                // request that waits for any slot, or for a home that is
+                                // another backend now, waits as the look that held it
+                                // chose.)
                                 w.ticket.hold_for(home);
                             }
                             let until = *w.until;
