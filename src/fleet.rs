@@ -1250,6 +1250,8 @@ impl Topology {
     fn attach(&mut self, index: u32) {
         let m = &self.members[index as usize];
         let (node, slots) = (m.node, m.load.slots.load(Ordering::Relaxed));
+        // What its slots, freed, wake: the requests held for the node it is on now.
+        m.load.node.store(node, Ordering::Relaxed);
         let ranked = self.ranked(index);
         let n = &mut self.nodes[node as usize];
         n.backends.put(ranked);
@@ -1329,7 +1331,6 @@ impl Topology {
             m.prompt_cache_bytes = prompt_cache_bytes;
             m.cache.lock().set_budget(cache_tokens);
             m.load.slots.store(slots.get(), Ordering::Relaxed);
-            m.load.node.store(node, Ordering::Relaxed);
             self.release_node(old_node);
             self.attach(index);
             return index;
@@ -1377,10 +1378,6 @@ impl Topology {
             index
         };
         self.by_id.insert(id, index);
-        self.members[index as usize]
-            .load
-            .node
-            .store(node, Ordering::Relaxed);
         self.attach(index);
         index
     }

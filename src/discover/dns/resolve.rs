@@ -2,10 +2,7 @@
 //! that gave them.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::future::{poll_fn, Future};
 use std::net::{IpAddr, SocketAddr};
-use std::pin::pin;
-use std::task::Poll;
 
 use hickory_resolver::config::LookupIpStrategy;
 use hickory_resolver::proto::rr::{RData, RecordType};
@@ -93,7 +90,7 @@ async fn addresses(
     let families = match second {
         None => vec![family(resolver, name, first).await?],
         Some(second) if together => {
-            let (first, second) = both(
+            let (first, second) = futures_util::future::join(
                 family(resolver, name, first),
                 family(resolver, name, second),
             )
@@ -159,32 +156,6 @@ async fn family(
         )));
     }
     Ok(Ok((ips, answers.iter().map(|r| r.ttl).min())))
-}
-
-/// Runs `a` and `b` at the same time; both outputs.
-async fn both<A: Future, B: Future>(a: A, b: B) -> (A::Output, B::Output) {
-    let (mut a, mut b) = (pin!(a), pin!(b));
-    let (mut out_a, mut out_b) = (None, None);
-    poll_fn(|cx| {
-        if out_a.is_none() {
-            if let Poll::Ready(out) = a.as_mut().poll(cx) {
-                out_a = Some(out);
-            }
-        }
-        if out_b.is_none() {
-            if let Poll::Ready(out) = b.as_mut().poll(cx) {
-                out_b = Some(out);
-            }
-        }
-        match (out_a.take(), out_b.take()) {
-            (Some(a), Some(b)) => Poll::Ready((a, b)),
-            (a, b) => {
-                (out_a, out_b) = (a, b);
-                Poll::Pending
-            }
-        }
-    })
-    .await
 }
 
 /// One SRV record's target and what it said.
