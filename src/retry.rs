@@ -87,8 +87,7 @@ impl RetryOnce {
                 extensions: std::mem::take(res.extensions_mut()),
                 read,
             };
-            let first = KeptAnswer(Arc::new(Mutex::new(Some(first))));
-            req.extensions_mut().insert(first);
+            req.extensions_mut().insert(Kept::new(first));
         }
         req.extensions_mut().insert(refusal);
         Some(retry)
@@ -119,10 +118,10 @@ impl<B: Clone, ResB> Policy<http::Request<B>, http::Response<ResB>, Error> for R
             }
         }
         if self.retried {
-            KeptFailure::give_back(req, result, |e| matches!(e, Error::NoBackends));
+            Kept::give_back(req, result, |e| matches!(e, Error::NoBackends));
         }
         let retry = self.once(failed(result.as_ref()))?;
-        KeptFailure::keep(req, result, Error::NoBackends);
+        Kept::keep(req, result, Error::NoBackends);
         Some(retry)
     }
 
@@ -148,7 +147,7 @@ impl<B: Clone, ResB> Policy<http::Request<B>, http::Response<ResB>, BoxError> fo
         }
         if self.retried {
             let no_backends = |e: &BoxError| matches!(e.downcast_ref(), Some(Error::NoBackends));
-            KeptFailure::give_back(req, result, no_backends);
+            Kept::give_back(req, result, no_backends);
         }
         let failed = match result {
             Ok(res) => failed::<ResB>(Ok(res)),
@@ -157,7 +156,7 @@ impl<B: Clone, ResB> Policy<http::Request<B>, http::Response<ResB>, BoxError> fo
                 .is_some_and(|e| failed::<ResB>(Err(e))),
         };
         let retry = self.once(failed)?;
-        KeptFailure::keep(req, result, Error::NoBackends.into());
+        Kept::keep(req, result, Error::NoBackends.into());
         Some(retry)
     }
 
@@ -166,21 +165,35 @@ impl<B: Clone, ResB> Policy<http::Request<B>, http::Response<ResB>, BoxError> fo
     }
 }
 
-// === a failure the retry found no other backend for ===
+// === what a first attempt gave, kept for its retry ===
 
-/// The failure of a request's first attempt, among the extensions of its retry: where the
-/// retry finds no backend up ([`Error::NoBackends`]), as when the backend that failed was the
-/// only one, the client is told of the failure (a refused connection's 502 and its cause, a
-/// timeout's 504), not of a want of backends. Taken once.
-struct KeptFailure<E>(Arc<Mutex<Option<E>>>);
+/// What a request's first attempt gave, among the extensions of its retry, for whoever
+/// answers the retry to give back in its place; taken once. A refusal as it came
+/// (`Kept<FirstAnswer>`), which the balancer gives back where no other backend takes the
+/// prompt; a failure (`Kept<Error>`, or `Kept<BoxError>` behind layers that box errors),
+/// given back where the retry finds no backend up ([`Error::NoBackends`]), as when the backend
+/// that failed was the only one: the client is told of the failure (a refused connection's
+/// 502 and its cause, a timeout's 504), not of a want of backends.
+pub(crate) struct Kept<T>(Arc<Mutex<Option<T>>>);
 
-impl<E> Clone for KeptFailure<E> {
+impl<T> Clone for Kept<T> {
     fn clone(&self) -> Self {
-        KeptFailure(self.0.clone())
+        Kept(self.0.clone())
     }
 }
 
-impl<E: Send + Sync + 'static> KeptFailure<E> {
+impl<T> Kept<T> {
+    fn new(first: T) -> Self {
+        Kept(Arc::new(Mutex::new(Some(first))))
+    }
+
+    /// What the first attempt gave, if no one has taken it yet.
+    pub(crate) fn take(&self) -> Option<T> {
+        self.0.lock().take()
+    }
+}
+
+impl<E: Send + Sync + 'static> Kept<E> {
     /// Keeps the failure in `result`, if it is one, with `req`, about to be retried; what is
     /// left in its place is dropped unread.
     fn keep<B, ResB>(req: &mut http::Request<B>, result: &mut Result<ResB, E>, placeholder: E) {
@@ -188,8 +201,7 @@ impl<E: Send + Sync + 'static> KeptFailure<E> {
             return;
         }
         if let Err(first) = std::mem::replace(result, Err(placeholder)) {
-            req.extensions_mut()
-                .insert(KeptFailure(Arc::new(Mutex::new(Some(first)))));
+            req.extensions_mut().insert(Kept::new(first));
         }
     }
 
@@ -202,8 +214,8 @@ impl<E: Send + Sync + 'static> KeptFailure<E> {
         if !result.as_ref().is_err_and(no_backends) {
             return;
         }
-        let kept = req.extensions().get::<KeptFailure<E>>();
-        if let Some(first) = kept.and_then(|k| k.0.lock().take()) {
+        let kept = req.extensions().get::<Kept<E>>();
+        if let Some(first) = kept.and_then(Kept::take) {
             *result = Err(first);
         }
     }
@@ -319,18 +331,6 @@ const REFUSAL_LIMIT: u64 = 16 * 1024;
 struct RefusalRead {
     bytes: Bytes,
     decision: Option<Decision>,
-}
-
-/// A refusal as it came, among the extensions of its retried request, for the balancer to
-/// give back when no backend but the one that refused takes the prompt. Taken once.
-#[derive(Clone)]
-pub(crate) struct KeptAnswer(Arc<Mutex<Option<FirstAnswer>>>);
-
-impl KeptAnswer {
-    /// The refusal, if no one has taken it yet.
-    pub(crate) fn take(&self) -> Option<FirstAnswer> {
-        self.0.lock().take()
-    }
 }
 
 /// A refused answer's parts, as they came, to be given back whole.

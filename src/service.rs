@@ -691,8 +691,8 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             let goes_back = pinned.is_some() && pinned == refused.backend;
             let except = r.backend.as_ref().map(BackendId::as_str);
             if goes_back || !t.takes_elsewhere(r.prompt_tokens, except, now_ms) {
-                let kept = extensions.get::<crate::retry::KeptAnswer>();
-                if let Some(first) = kept.and_then(crate::retry::KeptAnswer::take) {
+                let kept = extensions.get::<crate::retry::Kept<crate::retry::FirstAnswer>>();
+                if let Some(first) = kept.and_then(crate::retry::Kept::take) {
                     tracing::debug!(
                         backend = ?r.backend,
                         "a prompt refused as too long fits no other backend: the refusal answers"
