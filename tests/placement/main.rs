@@ -1313,6 +1313,20 @@ fn a_larger_load_bound_lets_new_sessions_onto_busier_backends() {
     assert_eq!(choose(0.0), Some(winner));
 }
 
+#[test]
+fn at_low_load_the_load_bound_passes_no_backend_over() {
+    // The key's first choice has 2 of 4 slots taken, the others none: four times the fleet's
+    // average. With this session the average is 3 of 16 slots; any other backend would be at
+    // 1 of 4, 1.33 times it, past 1.25: none stays within the bound, and the key's order
+    // stands (README, "How it places a request").
+    let base = four_nodes_of_four_slots;
+    let k = key("hot");
+    let winner = base().choose(&NodeThenBackend::new(), k, None).unwrap();
+    let busy = base().in_flight(winner.as_str(), 2);
+    let bounded = NodeThenBackend::new().load_bound(0.25);
+    assert_eq!(busy.choose(&bounded, k, None), Some(winner));
+}
+
 /// The first key whose rendezvous order puts `first` first.
 fn key_drawn_to(fleet: &Snapshot, first: &str) -> SessionKey {
     (0..KEYS_TRIED)
