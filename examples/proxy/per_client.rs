@@ -112,6 +112,12 @@ pub(crate) fn send(
     async move {
         let failed = |e: Box<dyn std::error::Error + Send + Sync>| HttpBackendError::classify(e);
         let base = http.base_uri().clone();
+        // The request line carries the target in origin-form, as the pooled client writes it.
+        // Prepared before a connection is taken: a request not forwarded (a `CONNECT`, a body
+        // in a transfer coding other than `chunked`) would otherwise close a free connection,
+        // or open one only to close it.
+        // (The pooled client, past the bound, prepares it again, to the same effect.)
+        let req = http.prepare(req, false)?;
         let mut tx = match conns.take(&base) {
             Ok(tx) => tx,
             Err(true) => {
@@ -131,8 +137,6 @@ pub(crate) fn send(
             }
             Err(false) => return http.oneshot(req).await,
         };
-        // The request line carries the target in origin-form, as the pooled client writes it.
-        let req = http.prepare(req, false)?;
         let sent = tx.send_request(req);
         conns.put(base, tx);
         let mut res = match http.response_timeout() {

@@ -2784,3 +2784,62 @@ async fn after_first_chunk(res: Response<Incoming>) -> Incoming {
         .unwrap();
     body
 }
+
+/// A request the proxy does not forward (a body in a transfer coding other than `chunked`,
+/// answered 501) costs a per-client connection nothing: it neither opens a backend
+/// connection nor closes the free one the client connection holds.
+#[tokio::test]
+async fn per_client_a_request_not_forwarded_keeps_the_backend_connection() {
+    let a = Stub::start("a", 2).await;
+    let proxy = start(upstream(config(&[("node-a", &a)]), UpstreamMode::PerClient)).await;
+
+    let stream = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+    let (mut tx, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+    let conn = tokio::spawn(conn);
+    let mut send = async |req: Request<Full<Bytes>>| {
+        let res = tokio::time::timeout(DEADLINE, tx.send_request(req))
+            .await
+            .expect("no response in time")
+            .unwrap();
+        let status = res.status();
+        tokio::time::timeout(DEADLINE, res.into_body().collect())
+            .await
+            .expect("no body in time")
+            .unwrap();
+        status
+    };
+    let get = || {
+        Request::get("/v1/models")
+            .header("host", proxy.addr.to_string())
+            .body(Full::new(Bytes::new()))
+            .unwrap()
+    };
+    assert_eq!(send(get()).await, StatusCode::CREATED);
+    assert_eq!(a.connections(), 1);
+    let coded = Request::post("/v1/chat/completions")
+        .header("host", proxy.addr.to_string())
+        .header("transfer-encoding", "gzip, chunked")
+        .body(Full::new(Bytes::from_static(b"not really gzip")))
+        .unwrap();
+    assert_eq!(send(coded).await, StatusCode::NOT_IMPLEMENTED);
+    assert_eq!(send(get()).await, StatusCode::CREATED);
+    assert_eq!(
+        a.echoed().len(),
+        2,
+        "the coded request never reached the backend"
+    );
+    assert_eq!(
+        a.connections(),
+        1,
+        "the free backend connection served the third request too"
+    );
+    drop(tx);
+    tokio::time::timeout(DEADLINE, conn)
+        .await
+        .expect("the client connection did not close")
+        .unwrap()
+        .unwrap();
+}
