@@ -4,7 +4,8 @@
 //! (one of `HeaderKey::DEFAULT_NAMES`, or the bytes up to the first `:`), the rest is its
 //! value; lines whose name or value `http` refuses are skipped, as a server would refuse them.
 //! `HeaderKey`, `FirstOf<HeaderKey, ExtensionKey>` and a `HeaderKey` with a configured name
-//! are checked against a plain model of their rules.
+//! are checked against a plain model of their rules. (A configured name may be Claude Code's
+//! agent id header, which qualifies its session's.)
 
 #![no_main]
 
@@ -12,14 +13,28 @@ use http::{HeaderName, HeaderValue, Request};
 use libfuzzer_sys::fuzz_target;
 use tower_affinity::key::{ExtensionKey, FirstOf, HeaderKey, KeyExtractor, SessionKey};
 
-/// The model: the first named header (in order of names) whose first value is not blank.
+/// The model: the first named header (in order of names) whose first value is not blank;
+/// Claude Code's session with a sub-agent's non-blank agent id, both.
 fn model(headers: &http::HeaderMap, names: &[HeaderName]) -> Option<SessionKey> {
     for name in names {
         let Some(v) = headers.get(name) else { continue };
         let t = v.as_bytes().trim_ascii();
-        if !t.is_empty() {
-            return Some(SessionKey::from_bytes(t));
+        if t.is_empty() {
+            continue;
         }
+        let agent = headers
+            .get("x-claude-code-agent-id")
+            .map(|a| a.as_bytes().trim_ascii())
+            .filter(|a| !a.is_empty());
+        return Some(match agent {
+            Some(agent) if name == "x-claude-code-session-id" => {
+                let mut both = t.to_vec();
+                both.push(b'\n');
+                both.extend_from_slice(agent);
+                SessionKey::from_bytes(&both)
+            }
+            _ => SessionKey::from_bytes(t),
+        });
     }
     None
 }

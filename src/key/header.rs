@@ -13,7 +13,7 @@ use super::{KeyExtractor, SessionKey};
 /// |---|---|
 /// | `X-Session-Affinity` | opencode (custom providers), and any client told to |
 /// | `X-Session-Id` | opencode (custom providers), and any client told to |
-/// | `X-Claude-Code-Session-Id` | Claude Code (2.1.86 on) |
+/// | `X-Claude-Code-Session-Id` | Claude Code (2.1.86 on); with a sub-agent's `X-Claude-Code-Agent-Id` (2.1.139 on), both together |
 /// | `thread-id` | Codex CLI: the agent thread; a sub-agent has its own |
 /// | `thread_id` | Codex CLI before 0.131 (its last releases): the agent thread |
 /// | `session-id` | Codex CLI: the session, shared by its threads |
@@ -22,10 +22,15 @@ use super::{KeyExtractor, SessionKey};
 ///
 /// Codex sends `thread-id` and `session-id` together (its last releases before 0.131,
 /// `thread_id` and `session_id`); the thread comes first because each has a prompt of its
-/// own. An empty value falls through to the next name; so does a value made only of spaces
-/// or tabs. When a header is repeated, its first value counts. Values are taken as raw bytes
-/// without the ASCII whitespace around them (HTTP/1 parsers strip it anyway, so `" v "` and
-/// `"v"` are one session), and a value that is not UTF-8 still names a session.
+/// own. Claude Code's sub-agents, each with a prompt of its own too, share their session's
+/// `X-Claude-Code-Session-Id` and add an `X-Claude-Code-Agent-Id` of their own: where the key
+/// is read from the first, it is the digest of both, so each sub-agent is a session of its
+/// own within its session (the main agent, which sends no agent id, keeps its session's key;
+/// the agent id qualifies no other header). An empty value falls through to the next name; so
+/// does a value made only of spaces or tabs. When a header is repeated, its first value
+/// counts. Values are taken as raw bytes without the ASCII whitespace around them (HTTP/1
+/// parsers strip it anyway, so `" v "` and `"v"` are one session), and a value that is not
+/// UTF-8 still names a session.
 ///
 /// ```
 /// use tower_affinity::key::{HeaderKey, KeyExtractor, SessionKey};
@@ -67,6 +72,11 @@ impl HeaderKey {
     /// `X-Claude-Code-Session-Id`: Claude Code's session, on every request since 2.1.86.
     pub const CLAUDE_CODE_SESSION_ID: HeaderName =
         HeaderName::from_static("x-claude-code-session-id");
+    /// `X-Claude-Code-Agent-Id`: a Claude Code sub-agent's own id (2.1.139 on), beside its
+    /// session's; the main agent sends none. Not a key by itself: it qualifies
+    /// [`CLAUDE_CODE_SESSION_ID`](Self::CLAUDE_CODE_SESSION_ID), so that each sub-agent, with a
+    /// prompt of its own, is a session of its own within its session.
+    pub const CLAUDE_CODE_AGENT_ID: HeaderName = HeaderName::from_static("x-claude-code-agent-id");
     /// `thread-id`: the Codex CLI's agent thread. A sub-agent is a thread of its own, with its
     /// own prompt, in the session of the agent that spawned it.
     pub const THREAD_ID: HeaderName = HeaderName::from_static("thread-id");
@@ -209,9 +219,24 @@ impl<B> KeyExtractor<http::Request<B>> for HeaderKey {
         self.names.iter().find_map(|name| {
             let value = headers.get(name)?.as_bytes();
             let trimmed = value.trim_ascii();
-            (!trimmed.is_empty()).then(|| SessionKey::from_bytes(trimmed))
+            if trimmed.is_empty() {
+                return None;
+            }
+            if *name == Self::CLAUDE_CODE_SESSION_ID {
+                if let Some(agent) = claude_code_agent(headers) {
+                    // A line break is in no header value: no plain value digests alike.
+                    return Some(SessionKey::from_bytes(&[trimmed, b"\n", agent].concat()));
+                }
+            }
+            Some(SessionKey::from_bytes(trimmed))
         })
     }
+}
+
+/// The `X-Claude-Code-Agent-Id` of a Claude Code sub-agent's request, trimmed, if not blank.
+fn claude_code_agent(headers: &http::HeaderMap) -> Option<&[u8]> {
+    let agent = headers.get(HeaderKey::CLAUDE_CODE_AGENT_ID)?.as_bytes();
+    Some(agent.trim_ascii()).filter(|a| !a.is_empty())
 }
 
 #[cfg(test)]
@@ -296,6 +321,48 @@ mod tests {
             HeaderKey::default().extract(&blank),
             Some(SessionKey::from_bytes(b"s"))
         );
+    }
+
+    #[test]
+    fn a_claude_code_sub_agent_is_keyed_by_its_agent_id_within_its_session() {
+        let session = SessionKey::from_bytes(b"s");
+        let key = |headers: &[(&str, &[u8])]| HeaderKey::default().extract(&req(headers));
+        let sub = key(&[
+            ("x-claude-code-session-id", b"s"),
+            ("x-claude-code-agent-id", b"a1"),
+        ]);
+        assert!(sub.is_some());
+        assert_ne!(sub, Some(session));
+        assert_ne!(sub, Some(SessionKey::from_bytes(b"a1")));
+        // Its id, as the session's, trimmed; another agent, or session, another key.
+        let spaced = key(&[
+            ("x-claude-code-session-id", b" s"),
+            ("x-claude-code-agent-id", b"a1 "),
+        ]);
+        assert_eq!(spaced, sub);
+        let other_agent = key(&[
+            ("x-claude-code-session-id", b"s"),
+            ("x-claude-code-agent-id", b"a2"),
+        ]);
+        let other_session = key(&[
+            ("x-claude-code-session-id", b"t"),
+            ("x-claude-code-agent-id", b"a1"),
+        ]);
+        assert_ne!(other_agent, sub);
+        assert_ne!(other_session, sub);
+        // A blank agent id is the main agent: the session's key.
+        let main = key(&[
+            ("x-claude-code-session-id", b"s"),
+            ("x-claude-code-agent-id", b" "),
+        ]);
+        assert_eq!(main, Some(session));
+        // An agent id alone names nothing, and qualifies no other header.
+        assert_eq!(key(&[("x-claude-code-agent-id", b"a1")]), None);
+        let affinity = key(&[
+            ("x-session-affinity", b"s"),
+            ("x-claude-code-agent-id", b"a1"),
+        ]);
+        assert_eq!(affinity, Some(session));
     }
 
     #[test]

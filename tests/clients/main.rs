@@ -297,6 +297,63 @@ async fn claude_code_before_its_session_header_is_keyed_by_metadata_user_id() {
     assert_ne!(other.key, first.key);
 }
 
+/// Claude Code 2.1.139 and later: a sub-agent's requests carry `X-Claude-Code-Agent-Id` (its
+/// own id) beside the session's header, the main agent's none. Each sub-agent, with a prompt
+/// of its own, is a session of its own within the session, as a Codex thread is; the main
+/// agent's key is its session's.
+#[tokio::test(flavor = "current_thread")]
+async fn claude_code_keys_each_sub_agent_by_its_agent_id_within_the_session() {
+    let proxy = Proxy::new();
+    let path = "/v1/messages?beta=true";
+    let main_headers = claude_headers(Some(CLAUDE_SESSION));
+    let main = proxy
+        .send(
+            path,
+            &main_headers,
+            claude_body(CLAUDE_SESSION, "fix the test"),
+        )
+        .await;
+    assert_eq!(main.key, key(CLAUDE_SESSION));
+
+    let mut subagents = Vec::new();
+    for agent in ["a8f3c2e1b4d5f607", "a19e0d7c6b5a4f32"] {
+        let mut headers = claude_headers(Some(CLAUDE_SESSION));
+        headers.push(("x-claude-code-agent-id", agent));
+        let first = proxy
+            .send(
+                path,
+                &headers,
+                claude_body(CLAUDE_SESSION, "search for callers"),
+            )
+            .await;
+        assert_eq!(first.outcome, Outcome::NewSession, "sub-agent {agent}");
+        assert_ne!(first.key, main.key, "sub-agent {agent}");
+        assert_ne!(first.key, key(agent), "scoped to its session: {agent}");
+        let second = proxy
+            .send(
+                path,
+                &headers,
+                claude_body(CLAUDE_SESSION, "and their tests"),
+            )
+            .await;
+        assert_second_turn_is_home(&first, &second);
+        subagents.push(first.key);
+    }
+    assert_ne!(subagents[0], subagents[1]);
+
+    // The same agent id in another session is another key.
+    let mut headers = claude_headers(Some(CLAUDE_OTHER_SESSION));
+    headers.push(("x-claude-code-agent-id", "a8f3c2e1b4d5f607"));
+    let other = proxy
+        .send(
+            path,
+            &headers,
+            claude_body(CLAUDE_OTHER_SESSION, "search for callers"),
+        )
+        .await;
+    assert!(!subagents.contains(&other.key));
+}
+
 // === Codex CLI ===
 
 const CODEX_SESSION: &str = "019a7c2e-5b1d-7d40-9c3e-2f8a6b4d1e07";
