@@ -112,11 +112,15 @@ pub(crate) fn hit_rate(
 ) -> f64 {
     let mut order: Vec<&TurnRecord> = records.iter().collect();
     order.sort_by_key(|t| (t.sent, t.conversation));
+    // A state's next use is its conversation's next turn, unless that turn is a compaction,
+    // which rewrites the history: then the state is never used again.
     let mut next = vec![usize::MAX; order.len()];
     let mut seen: HashMap<u32, usize> = HashMap::new();
     for (i, t) in order.iter().enumerate().rev() {
         if let Some(j) = seen.insert(t.conversation, i) {
-            next[i] = j;
+            if !order[j].compaction {
+                next[i] = j;
+            }
         }
     }
     let mut by_backend: HashMap<BackendId, usize> = HashMap::new();
@@ -477,6 +481,16 @@ mod tests {
         assert_eq!(c.fewest, (4, 4));
         assert_eq!(c.crowded.0, 2);
         assert_eq!(c.roomy.0, 0);
+    }
+
+    #[test]
+    fn furthest_ahead_evicts_first_a_state_whose_next_turn_is_a_compaction() {
+        // Room for one state. Conversation 1's state is needed at turn 3; conversation 0's
+        // next turn (2) compacts, so its state is never used again: evicting it keeps 1 warm.
+        let mut r = turns(&[(1, "a"), (0, "a"), (0, "a"), (1, "a")], 100);
+        r[2].compaction = true;
+        let rate = rate(&r, &[("a", 100)], Stores::Pooled, Evict::FurthestAhead);
+        assert_eq!(rate, 1.0);
     }
 
     #[test]
