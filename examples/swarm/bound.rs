@@ -102,14 +102,14 @@ impl Store {
 }
 
 /// The share of eligible turns (those with a previous turn, compactions excepted) that the
-/// stores would have served warm. `capacity` gives each backend's tokens (its KV and RAM);
-/// a backend it does not name holds nothing.
+/// stores would have served warm; `None` without an eligible turn. `capacity` gives each
+/// backend's tokens (its KV and RAM); a backend it does not name holds nothing.
 pub(crate) fn hit_rate(
     records: &[TurnRecord],
     capacity: &HashMap<BackendId, u64>,
     stores: Stores,
     evict: Evict,
-) -> f64 {
+) -> Option<f64> {
     let mut order: Vec<&TurnRecord> = records.iter().collect();
     order.sort_by_key(|t| (t.sent, t.conversation));
     // A state's next use is its conversation's next turn, unless that turn is a compaction,
@@ -169,7 +169,7 @@ pub(crate) fn hit_rate(
             all[s].make_room(evict);
         }
     }
-    hits as f64 / eligible.max(1) as f64
+    (eligible > 0).then(|| hits as f64 / eligible as f64)
 }
 
 /// A cache of blocks of `capacity` tokens, evicting the least recently used block first.
@@ -224,14 +224,14 @@ impl BlockStore {
 }
 
 /// The prompt tokens caches of blocks would have reused, as a share of the ideal (what one
-/// infinite cache would have): `requests` are each request's record and prompt blocks, in any
-/// order (they are replayed in the order sent). `capacity` gives each backend's tokens; a
-/// backend it does not name holds nothing.
+/// infinite cache would have); `None` when the ideal is nothing. `requests` are each
+/// request's record and prompt blocks, in any order (they are replayed in the order sent).
+/// `capacity` gives each backend's tokens; a backend it does not name holds nothing.
 pub(crate) fn block_reuse(
     requests: &[(&TurnRecord, &[Block])],
     capacity: &HashMap<BackendId, u64>,
     stores: Stores,
-) -> f64 {
+) -> Option<f64> {
     let mut order: Vec<&(&TurnRecord, &[Block])> = requests.iter().collect();
     order.sort_by_key(|(t, _)| (t.sent, t.conversation));
     let mut all: HashMap<Option<&BackendId>, BlockStore> = match stores {
@@ -269,7 +269,7 @@ pub(crate) fn block_reuse(
             store.put(blocks);
         }
     }
-    reused as f64 / ideal.max(1) as f64
+    (ideal > 0).then(|| reused as f64 / ideal as f64)
 }
 
 /// Eligible turns and their hits, on backends homing more conversations than they have slots
@@ -358,7 +358,7 @@ mod tests {
 
     fn rate(records: &[TurnRecord], only: &[(&str, u64)], stores: Stores, e: Evict) -> f64 {
         let capacity = only.iter().map(|&(b, n)| (b.into(), n)).collect();
-        hit_rate(records, &capacity, stores, e)
+        hit_rate(records, &capacity, stores, e).expect("a later turn")
     }
 
     #[test]
@@ -426,7 +426,7 @@ mod tests {
         let requests: Vec<(&TurnRecord, &[Block])> =
             requests.iter().map(|(t, b)| (t, &b[..])).collect();
         let capacity = cap.iter().map(|&(b, n)| (b.into(), n)).collect();
-        block_reuse(&requests, &capacity, stores)
+        block_reuse(&requests, &capacity, stores).expect("an ideal to share")
     }
 
     #[test]

@@ -504,6 +504,11 @@ fn percent((n, of): (usize, usize)) -> f64 {
     100.0 * n as f64 / of.max(1) as f64
 }
 
+/// A share in percent, or `-` when there was nothing to share.
+fn share_or_dash(share: Option<f64>) -> String {
+    share.map_or_else(|| "-".to_owned(), |s| format!("{:.1}%", 100.0 * s))
+}
+
 /// Each policy's turns by whether the backend serving them homed more conversations than its
 /// slots (see [`bound::crowding`]).
 fn crowding_note(runs: &[Run], fleet: &[BackendSpec]) -> String {
@@ -534,7 +539,9 @@ fn crowding_note(runs: &[Run], fleet: &[BackendSpec]) -> String {
 /// Reuse of the ideal split between first turns, whose ideal is what earlier conversations'
 /// prompts share with them, and later turns, with the first turns' share of the ideal.
 fn first_turns_note(runs: &[Run]) -> String {
-    let share = |(reused, ideal): (u64, u64)| 100.0 * reused as f64 / ideal.max(1) as f64;
+    let share = |(reused, ideal): (u64, u64)| {
+        share_or_dash((ideal > 0).then(|| reused as f64 / ideal as f64))
+    };
     let ideal_first = runs.first().map_or((0, 0), |r| {
         let [first, later] = reuse_by_turn(&r.records);
         (first.1, first.1 + later.1)
@@ -543,17 +550,12 @@ fn first_turns_note(runs: &[Run]) -> String {
         .iter()
         .map(|r| {
             let [first, later] = reuse_by_turn(&r.records);
-            format!(
-                "{} {:.1}% / {:.1}%",
-                r.policy.name(),
-                share(first),
-                share(later)
-            )
+            format!("{} {} / {}", r.policy.name(), share(first), share(later))
         })
         .collect();
     format!(
         "reuse / ideal of first turns (what earlier conversations' prompts share with them; \
-         {:.1}% of the ideal) / of later turns: {}",
+         {} of the ideal) / of later turns: {}",
         share(ideal_first),
         v.join(", ")
     )
@@ -628,10 +630,11 @@ fn bound_note(runs: &[Run], fleet: &[BackendSpec]) -> String {
     let v: Vec<String> = runs
         .iter()
         .map(|r| {
-            let rate =
-                |stores, evict| 100.0 * bound::hit_rate(&r.records, &capacity, stores, evict);
+            let rate = |stores, evict| {
+                share_or_dash(bound::hit_rate(&r.records, &capacity, stores, evict))
+            };
             format!(
-                "{} {:.1}%/{:.1}%/{:.1}%",
+                "{} {}/{}/{}",
                 r.policy.name(),
                 rate(Stores::Pooled, Evict::FurthestAhead),
                 rate(Stores::Pooled, Evict::LeastRecentlyUsed),
@@ -684,9 +687,9 @@ fn block_bound_note(
                 .collect();
             let requests: Vec<(&TurnRecord, &[cache::Block])> =
                 requests.iter().map(|(t, b)| (*t, &b[..])).collect();
-            let rate = |stores| 100.0 * bound::block_reuse(&requests, &capacity, stores);
+            let rate = |stores| share_or_dash(bound::block_reuse(&requests, &capacity, stores));
             format!(
-                "{} {:.1}%/{:.1}%",
+                "{} {}/{}",
                 r.policy.name(),
                 rate(Stores::Pooled),
                 rate(Stores::PerBackend),
@@ -1381,6 +1384,33 @@ mod tests {
         assert!(note.contains("Rendezvous 0.0% / 100.0%"), "{note}");
         let ntb = t.row("NodeThenBackend").unwrap();
         assert_eq!((ntb.turns, ntb.reused, ntb.ideal), (5, 3072, 3072), "{t}");
+    }
+
+    #[test]
+    fn a_run_with_nothing_to_count_prints_no_share_of_it() {
+        // One turn per agent: no later turn, so no hit rate, in the table or in the bounds.
+        let t = study(&options(Scenario::Study, 1));
+        let bounds = t
+            .notes
+            .iter()
+            .find(|n| n.starts_with("caches of whole sessions"))
+            .unwrap();
+        assert!(bounds.contains("NodeThenBackend -/-/-"), "{bounds}");
+        assert!(!bounds.contains('%'), "{bounds}");
+        // One request: nothing an ideal cache could have reused, so no share of it.
+        let trace = TraceFile::write("single", &[(0, 1100, &[1, 2, 3])]);
+        let tables = replay(&trace.options(false), &trace.path).unwrap();
+        let t = &tables[0];
+        let ntb = t.to_string();
+        let row = ntb
+            .lines()
+            .find(|l| l.starts_with("NodeThenBackend"))
+            .unwrap();
+        assert!(row.trim_end().ends_with(" -"), "{t}");
+        for note in ["caches of blocks", "reuse / ideal of first turns"] {
+            let n = t.notes.iter().find(|n| n.starts_with(note)).unwrap();
+            assert!(n.contains("NodeThenBackend -"), "{n}");
+        }
     }
 
     #[test]

@@ -130,12 +130,9 @@ impl Row {
         share(self.hits, self.eligible)
     }
 
-    pub(crate) fn reuse_of_ideal(&self) -> f64 {
-        if self.ideal == 0 {
-            0.0
-        } else {
-            self.reused as f64 / self.ideal as f64
-        }
+    /// The reused tokens as a share of the ideal's; `None` when the ideal is nothing.
+    pub(crate) fn reuse_of_ideal(&self) -> Option<f64> {
+        (self.ideal > 0).then(|| self.reused as f64 / self.ideal as f64)
     }
 }
 
@@ -229,7 +226,10 @@ impl fmt::Display for Table {
                 secs(r.p90),
             )?;
             if self.ideal {
-                write!(f, " {:>12.1}%", 100.0 * r.reuse_of_ideal())?;
+                match r.reuse_of_ideal() {
+                    Some(share) => write!(f, " {:>12.1}%", 100.0 * share)?,
+                    None => write!(f, " {:>13}", "-")?,
+                }
             }
             writeln!(f)?;
         }
