@@ -63,7 +63,8 @@ usage: cargo run --release --example swarm -- [options]
   --shared-store    the replicas share one store of homes (as through Redis)
   --replica-slots S all (default) | share: each replica counts all of every backend's
                     slots (a backend queues what they send beyond them), or is given its
-                    share of them, so that together they never exceed them
+                    share of them (rounded up: together they exceed them by
+                    less than one a replica)
   --trace-chains C  blocks (default) | turn-ends: the router's chains of a replayed trace
                     cut at its blocks only, or also where each turn's prompt ends (as a
                     chat body's chain is cut at its messages)

@@ -7,7 +7,8 @@
 //! cache, as the README says to run replicas. It counts only its own requests in flight: with
 //! every backend's slots each (the default), a backend queues what its slots cannot take at
 //! once, as llama-server does; with `--replica-slots share`, each is given its share of every
-//! backend's slots instead, so that together they never send a backend more than its slots.
+//! backend's slots instead, rounded up, so that together they send a backend its slots at
+//! most, and less than one more a replica where their number does not divide the slots.
 //!
 //! A turn enters at a replica chosen at random (an L4 balancer without affinity) or by its
 //! session (consistent hashing at the ingress; a keyless turn still enters at random).
