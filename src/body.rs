@@ -138,6 +138,16 @@ impl Observe {
         first
     }
 
+    /// The answer's first byte came at `at`: on the histograms now, however the answer ends
+    /// (read whole, cut, or dropped midway by a client that stopped reading).
+    fn first_byte(&self, guard: &SlotGuard, at: Instant) {
+        let capacity = guard.capacity();
+        let after = capacity.now_ms(at).saturating_sub(guard.since_ms());
+        let after = Duration::from_millis(after);
+        guard.metrics().first_byte(after);
+        crate::metrics::first_byte(&capacity.counters.labels, self.watch.outcome, after);
+    }
+
     /// The body is dropped before its end: if the answer has reported its figures in full,
     /// they are learned as at its end; otherwise nothing is (a stream cut short).
     fn end_if_reported(&mut self, guard: &SlotGuard) {
@@ -163,10 +173,6 @@ impl Observe {
             stream: self.stream,
         };
         let (usage, verdict) = guard.learned().learn(&answer, self.watch.prediction);
-        if let Some(t) = answer.first_byte {
-            guard.metrics().first_byte(t);
-            crate::metrics::first_byte(&capacity.counters.labels, self.watch.outcome, t);
-        }
         if let Some(u) = usage {
             let correction = verdict == Verdict::HeldLess;
             guard
@@ -359,6 +365,9 @@ where
                 Some(Ok(f)) => {
                     // A one-chunk answer ends when it starts: one reading of the clock.
                     let now = f.data_ref().and_then(|data| observe.data(data.chunk()));
+                    if let (Some(first), Some(guard)) = (now, this.guard.as_ref()) {
+                        observe.first_byte(guard, first);
+                    }
                     // A body that knows it has ended may not be polled again.
                     if this.kind.is_end_stream() {
                         if let Some(guard) = this.guard.as_ref() {

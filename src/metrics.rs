@@ -36,7 +36,10 @@
 //!
 //! The histograms are what the exporter makes of them: `metrics-exporter-prometheus` renders
 //! a summary unless it is given buckets (`set_buckets`, or `set_buckets_for_metric`); waits
-//! run to `max_wait` (60 s by default) and a cold prompt's first byte to minutes.
+//! run to `max_wait` (60 s by default) and a cold prompt's first byte to minutes. The
+//! first-byte histograms time the answers read for their usage (JSON or SSE, not compressed:
+//! see [`observe_usage`](crate::SessionAffinityLayer::observe_usage)), each as its first byte
+//! comes, whether the answer then ends, is cut, or is dropped by its client.
 //!
 //! | name | kind | labels | what |
 //! |---|---|---|---|

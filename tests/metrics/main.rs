@@ -739,3 +739,85 @@ fn with_every_kind_dropped_when_idle_only_the_backends_that_left_lose_their_seri
         );
     });
 }
+
+/// Runs `f` as [`recorded`] does, on paused time.
+fn recorded_paused<T>(f: impl std::future::Future<Output = T>) -> (T, Vec<Entry>) {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter: Snapshotter = recorder.snapshotter();
+    let out = metrics::with_local_recorder(&recorder, || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .unwrap()
+            .block_on(f)
+    });
+    (out, snapshotter.snapshot().into_vec())
+}
+
+/// A stream's first byte is on the histograms once it has come, however the answer ends: a
+/// client that stops reading mid-stream (a "stop generating"), or a backend that cuts it.
+#[test]
+fn a_streams_first_byte_counts_when_its_answer_is_dropped_or_cut_midway() {
+    type Chunks = Vec<Result<http_body::Frame<Bytes>, std::io::Error>>;
+    let ((), snapshot) = recorded_paused(async {
+        // Two seconds of prefill, a first token, then the stream goes on (`/drop`) or is cut.
+        let streams = service_fn(|req: http::Request<String>| async move {
+            tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+            let first: Chunks = vec![Ok(http_body::Frame::data(Bytes::from_static(
+                b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n",
+            )))];
+            let rest: Chunks = match req.uri().path() {
+                "/drop" => Vec::new(),
+                _ => vec![Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof))],
+            };
+            let body = tokio_stream::StreamExt::chain(
+                tokio_stream::iter(first),
+                tokio_stream::StreamExt::chain(tokio_stream::iter(rest), tokio_stream::pending()),
+            );
+            let mut res = http::Response::new(http_body_util::StreamBody::new(body));
+            res.headers_mut()
+                .insert("content-type", "text/event-stream".parse().unwrap());
+            Ok::<_, Infallible>(res)
+        });
+        let fleet = StaticFleet::new([(
+            "s1",
+            Backend::new("node-s", streams).slots(NonZeroU32::new(2).unwrap()),
+        )]);
+        let svc = SessionAffinityLayer::new().layer(fleet);
+        for (path, session) in [("/drop", "a"), ("/cut", "b")] {
+            let req = http::Request::post(path)
+                .header("x-session-id", session)
+                .body(String::new())
+                .unwrap();
+            let mut body = svc.clone().oneshot(req).await.unwrap().into_body();
+            let first = body.frame().await.unwrap().unwrap();
+            assert!(first.is_data());
+            if path == "/cut" {
+                assert!(body.frame().await.unwrap().is_err());
+            }
+            drop(body);
+        }
+        assert_eq!(svc.stats().in_flight, 0);
+    });
+    let seconds = |name: &str, labels: &[(&str, &str)]| -> Vec<f64> {
+        match value(&snapshot, MetricKind::Histogram, name, labels) {
+            Some(DebugValue::Histogram(v)) => v.iter().map(|x| x.into_inner()).collect(),
+            other => panic!("{name}: {other:?}"),
+        }
+    };
+    assert_eq!(
+        seconds(
+            "tower_affinity_backend_first_byte_seconds",
+            &[("backend", "s1"), ("node", "node-s")]
+        ),
+        vec![2.0, 2.0]
+    );
+    assert_eq!(
+        seconds(
+            "tower_affinity_first_byte_seconds",
+            &[("outcome", "new-session")]
+        ),
+        vec![2.0, 2.0]
+    );
+}
