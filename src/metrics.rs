@@ -77,7 +77,7 @@
 //! | `tower_affinity_backend_cached_tokens` | gauge | `backend`, `node` | what the cache model says it holds (published) |
 //! | `tower_affinity_backend_cache_budget_tokens` | gauge | `backend`, `node` | the budget the cache model keeps it to (published) |
 //! | `tower_affinity_backend_conversations` | gauge | `backend`, `node` | conversations it homes (published) |
-//! | `tower_affinity_backend_prefill_tokens_per_second` | gauge | `backend`, `node` | its learned prefill rate (published) |
+//! | `tower_affinity_backend_prefill_tokens_per_second` | gauge | `backend`, `node` | its learned prefill rate; no series until it is learned (published) |
 //! | `tower_affinity_store_up` | gauge | | with a [shared store](crate::store): 1 while its reads answer in time, 0 while it is down; checked with each [probe](crate::health) round (published) |
 //! | `tower_affinity_store_reads_total` | counter | | reads sent to the store (published, as the counters below) |
 //! | `tower_affinity_store_hits_total` | counter | | reads that found a home on a live backend in time |
@@ -379,17 +379,20 @@ impl BackendMetrics {
             self.counter(name).increment(0);
         }
         let [in_flight, context, slots, request_context, healthy, cached, budget, conversations, prefill] =
-            LEVELS.map(|name| self.gauge(name));
-        in_flight.set(f64::from(b.in_flight));
-        context.set(b.context_in_flight as f64);
-        slots.set(f64::from(b.slots));
-        request_context.set(b.request_context_limit.unwrap_or(0) as f64);
-        healthy.set(if b.healthy { 1.0 } else { 0.0 });
-        cached.set(b.cached_tokens as f64);
-        budget.set(b.cache_budget as f64);
-        conversations.set(f64::from(b.conversations));
+            LEVELS;
+        let set = |name, value: f64| self.gauge(name).set(value);
+        set(in_flight, f64::from(b.in_flight));
+        set(context, b.context_in_flight as f64);
+        set(slots, f64::from(b.slots));
+        set(request_context, b.request_context_limit.unwrap_or(0) as f64);
+        set(healthy, if b.healthy { 1.0 } else { 0.0 });
+        set(cached, b.cached_tokens as f64);
+        set(budget, b.cache_budget as f64);
+        set(conversations, f64::from(b.conversations));
+        // Not looked up before it is learned: a recorder shows a gauge it was asked for, at
+        // 0, and a rate of 0 would read as a backend that reads nothing.
         if let Some(rate) = b.prefill_rate {
-            prefill.set(f64::from(rate));
+            set(prefill, f64::from(rate));
         }
     }
 

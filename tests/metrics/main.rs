@@ -821,3 +821,58 @@ fn a_streams_first_byte_counts_when_its_answer_is_dropped_or_cut_midway() {
         vec![2.0, 2.0]
     );
 }
+
+/// A backend's prefill rate is published once learned; before, it has no series: a rate of 0
+/// would read as a backend that reads nothing, and drag down any average over the fleet.
+#[test]
+fn a_prefill_rate_not_learned_yet_is_not_published_as_zero() {
+    // llama-server's answer: 1,000 tokens read in half a second.
+    const TIMED: &str = r#"{"usage":{"prompt_tokens":1024},"timings":{"prompt_n":1000,"cache_n":24,"prompt_ms":500.0}}"#;
+    let (taught, snapshot) = recorded(async {
+        let backend = service_fn(|req: http::Request<String>| async move {
+            let answer = match req.uri().path() {
+                "/timed" => TIMED,
+                _ => ANSWER,
+            };
+            let mut res = http::Response::new(Full::new(Bytes::from_static(answer.as_bytes())));
+            res.headers_mut()
+                .insert("content-type", "application/json".parse().unwrap());
+            Ok::<_, Infallible>(res)
+        });
+        let fleet = StaticFleet::new([
+            ("a1", Backend::new("node-a", backend)),
+            ("a2", Backend::new("node-a", backend)),
+        ]);
+        let svc = SessionAffinityLayer::new().layer(fleet);
+        // One answer on each backend (a slot each): one that teaches a rate, one that does
+        // not. Both in flight at once, so that each takes a backend of its own.
+        let mut answers = Vec::new();
+        for (path, session) in [("/timed", "s"), ("/", "t")] {
+            let req = http::Request::post(path)
+                .header("x-session-id", session)
+                .body(String::new())
+                .unwrap();
+            answers.push(svc.clone().oneshot(req).await.unwrap());
+        }
+        let mut served = Vec::new();
+        for res in answers {
+            let decision = res.extensions().get::<tower_affinity::Decision>().unwrap();
+            served.push(decision.backend.to_string());
+            res.into_body().collect().await.unwrap();
+        }
+        assert_ne!(served[0], served[1]);
+        svc.publish_metrics();
+        served.swap_remove(0)
+    });
+    let other = if taught == "a1" { "a2" } else { "a1" };
+    let rate = |backend: &str| {
+        value(
+            &snapshot,
+            MetricKind::Gauge,
+            "tower_affinity_backend_prefill_tokens_per_second",
+            &[("backend", backend)],
+        )
+    };
+    assert_eq!(rate(&taught), Some(&DebugValue::Gauge(2000.0.into())));
+    assert_eq!(rate(other), None);
+}
