@@ -876,3 +876,90 @@ fn a_prefill_rate_not_learned_yet_is_not_published_as_zero() {
     assert_eq!(rate(&taught), Some(&DebugValue::Gauge(2000.0.into())));
     assert_eq!(rate(other), None);
 }
+
+/// The series the `metrics` module's docs list, as `(name, kind, labels)`: the rows of its
+/// table.
+fn documented_series() -> Vec<(String, String, Vec<String>)> {
+    let source = include_str!("../../src/metrics.rs");
+    let mut rows: Vec<_> = source
+        .lines()
+        .filter_map(|line| line.strip_prefix("//! | `tower_affinity_"))
+        .map(|row| {
+            let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+            let name = format!("tower_affinity_{}", cells[0].trim_end_matches('`'));
+            let kind = cells[1].to_string();
+            let mut labels: Vec<String> = (cells[2].split(','))
+                .map(|l| l.trim().trim_matches('`').to_string())
+                .filter(|l| !l.is_empty())
+                .collect();
+            labels.sort();
+            (name, kind, labels)
+        })
+        .collect();
+    rows.sort();
+    rows
+}
+
+/// Every series the balancer writes is in the `metrics` module's table, under its kind and
+/// with its labels, and every series the table lists is written: a request that waited, its
+/// answers' first bytes, a shared store's counters, and what `publish_metrics` sets.
+#[test]
+fn the_metrics_modules_table_is_every_series_written() {
+    let ((), snapshot) = recorded(async {
+        let fleet = StaticFleet::new([("a1", Backend::new("node-a", service_fn(answering)))]);
+        let svc = SessionAffinityLayer::new()
+            .home_store(Forgetful)
+            .layer(fleet);
+        let req = || {
+            http::Request::post("/v1/chat/completions")
+                .header("x-session-id", "s")
+                .body(String::new())
+                .unwrap()
+        };
+        // The one slot held by the first answer's body: the second request waits for it.
+        let first = svc.clone().oneshot(req()).await.unwrap();
+        let second = tokio::spawn(svc.clone().oneshot(req()));
+        for _ in 0..8 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(svc.stats().waiting, 1);
+        first.into_body().collect().await.unwrap();
+        let second = second.await.unwrap().unwrap();
+        assert!(second
+            .extensions()
+            .get::<tower_affinity::Decision>()
+            .unwrap()
+            .waited
+            .is_some());
+        second.into_body().collect().await.unwrap();
+        tokio::task::yield_now().await;
+        svc.publish_metrics();
+    });
+    let kind = |k: MetricKind| match k {
+        MetricKind::Counter => "counter",
+        MetricKind::Gauge => "gauge",
+        MetricKind::Histogram => "histogram",
+    };
+    let mut written: Vec<(String, String, Vec<String>)> = snapshot
+        .iter()
+        .map(|(k, ..)| {
+            // The series' own labels: the balancer adds none of its own here.
+            let mut labels: Vec<String> = k.key().labels().map(|l| l.key().to_string()).collect();
+            labels.sort();
+            (
+                k.key().name().to_string(),
+                kind(k.kind()).to_string(),
+                labels,
+            )
+        })
+        .collect();
+    written.sort();
+    written.dedup();
+    let documented = documented_series();
+    let missing: Vec<_> = documented.iter().filter(|s| !written.contains(s)).collect();
+    let undocumented: Vec<_> = written.iter().filter(|s| !documented.contains(s)).collect();
+    assert!(
+        missing.is_empty() && undocumented.is_empty(),
+        "listed in src/metrics.rs but not written: {missing:?}\nwritten but not listed: {undocumented:?}"
+    );
+}
