@@ -2360,6 +2360,100 @@ fn a_switch_given_a_value_is_refused() {
     assert!(!run.config.decision_headers);
 }
 
+// === what the docs say of the command line and of /metrics ===
+
+/// The metric names `passage` gives, braces expanded and labels left out:
+/// `` `tower_affinity_{a,b}_total{outcome}` `` is `tower_affinity_a_total` and
+/// `tower_affinity_b_total`.
+fn named_metrics(passage: &str) -> Vec<String> {
+    fn expand(name: &str) -> Vec<String> {
+        let Some(open) = name.find('{') else {
+            return vec![name.to_string()];
+        };
+        let close = open + name[open..].find('}').expect("a closing brace");
+        let (head, tail) = (&name[..open], &name[close + 1..]);
+        let inner = &name[open + 1..close];
+        if !inner.contains(',') && tail.is_empty() {
+            // Labels.
+            return vec![head.to_string()];
+        }
+        inner
+            .split(',')
+            .flat_map(|alt| expand(&format!("{head}{alt}{tail}")))
+            .collect()
+    }
+    let mut names: Vec<String> = passage
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .filter(|code| code.starts_with("tower_affinity_"))
+        .flat_map(expand)
+        .collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// The series names a scrape holds, from its `# TYPE` lines (a counter's with its `_total`).
+fn scraped_metrics(scrape: &str) -> Vec<String> {
+    let mut names: Vec<String> = scrape
+        .lines()
+        .filter_map(|line| line.strip_prefix("# TYPE "))
+        .filter_map(|typed| Some(typed.split_once(' ')?.0.to_string()))
+        .collect();
+    names.sort();
+    names
+}
+
+/// The README's "Metrics" under "Running it as a proxy" names every series `/metrics`
+/// serves, and `/metrics` serves every one it names: those of a shared store and of a DNS
+/// name with `--redis` and `--backend-dns` (of the store's counters, the README names some
+/// and points at the rest).
+#[tokio::test]
+async fn the_readme_names_every_series_of_the_proxys_metrics() {
+    let readme = include_str!("../../README.md");
+    let start = readme
+        .find("- **Metrics.** `GET /metrics`")
+        .expect("the proxy's metrics in the README");
+    let end = start
+        + readme[start..]
+            .find("- **Models.**")
+            .expect("the next item");
+    let named = named_metrics(&readme[start..end]);
+
+    let a = Stub::start("a", 2).await;
+    let dns = dns_server::Dns::start().await;
+    // A port nothing listens on: the store is down, and its series are served all the same.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let redis_port = dead.local_addr().unwrap().port();
+    drop(dead);
+    let proxy = start_args(vec![
+        "--backend".into(),
+        format!("node-a={},slots=2,id=a", a.url()),
+        "--backend-dns".into(),
+        "missing.fleet.test:8080".into(),
+        "--dns-server".into(),
+        dns.addr.to_string(),
+        "--redis".into(),
+        format!("redis://127.0.0.1:{redis_port}"),
+        "--probe-interval".into(),
+        "0".into(),
+    ])
+    .await;
+    let scrape = String::from_utf8(proxy.get("/metrics").await.body.to_vec()).unwrap();
+    let scraped = scraped_metrics(&scrape);
+    let store = |name: &String| name.starts_with("tower_affinity_store_");
+    let unnamed: Vec<_> = (scraped.iter())
+        .filter(|s| !named.contains(s) && !store(s))
+        .collect();
+    let unserved: Vec<_> = named.iter().filter(|n| !scraped.contains(n)).collect();
+    assert!(
+        unnamed.is_empty() && unserved.is_empty(),
+        "served but not in the README: {unnamed:?}\nin the README but not served: {unserved:?}\n{scrape}"
+    );
+    assert!(scraped.iter().any(store), "{scrape}");
+}
+
 #[test]
 fn cache_budgets_are_tokens_plain_or_in_units_of_1024() {
     for (v, tokens) in [
