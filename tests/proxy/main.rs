@@ -2362,6 +2362,97 @@ fn a_switch_given_a_value_is_refused() {
 
 // === what the docs say of the command line and of /metrics ===
 
+/// The flags `--help` lists: the first words of its option lines (`  -v, --verbose  ...`).
+fn help_flags() -> Vec<String> {
+    let mut flags: Vec<String> = cli::USAGE
+        .lines()
+        .filter(|line| line.starts_with("  -"))
+        .flat_map(|line| {
+            line.split_whitespace()
+                .map(|word| word.trim_end_matches(','))
+                .take_while(|word| word.starts_with('-'))
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    flags.sort();
+    flags
+}
+
+/// The flags the parser matches on: the `"-..."` patterns of `cli::parse`'s arms.
+fn parsed_flags() -> Vec<String> {
+    let source = include_str!("../../examples/proxy/cli.rs");
+    let start = source.find("pub(crate) fn parse").expect("cli::parse");
+    let end = start
+        + source[start..]
+            .find("\nfn ")
+            .expect("the function after parse");
+    let mut flags: Vec<String> = source[start..end]
+        .split('"')
+        .skip(1)
+        .step_by(2)
+        .filter(|s| {
+            let name = s.trim_start_matches('-');
+            (s.starts_with("--") || s.len() == 2 && s.starts_with('-'))
+                && !name.is_empty()
+                && name.chars().all(|c| c.is_ascii_lowercase() || c == '-')
+        })
+        .map(str::to_string)
+        .collect();
+    flags.sort();
+    flags.dedup();
+    flags
+}
+
+/// The flags the README's table under "Running it as a proxy" lists, from its rows' first
+/// cells (`` | `--overflow O`, `--max-wait D` | ``).
+fn readme_flags() -> Vec<String> {
+    let readme = include_str!("../../README.md");
+    let start = readme
+        .find("| flag | meaning (default) |")
+        .expect("the README's table of flags");
+    let mut flags: Vec<String> = readme[start..]
+        .lines()
+        .skip(2)
+        .take_while(|line| line.starts_with('|'))
+        .flat_map(|line| {
+            let first = line.split(" | ").next().unwrap_or_default();
+            first
+                .split('`')
+                .skip(1)
+                .step_by(2)
+                .filter_map(|code| code.split_whitespace().next())
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    flags.sort();
+    flags
+}
+
+/// `--help` lists every flag the parser takes and no other, each one it lists is taken, and
+/// the README's table lists the same (`--help` itself aside).
+#[test]
+fn help_the_parser_and_the_readme_name_the_same_flags() {
+    let help = help_flags();
+    assert!(help.len() > 20, "{help:?}");
+    assert_eq!(help, parsed_flags(), "--help against cli::parse");
+    for flag in &help {
+        let err = cli::parse([flag.as_str()]).map(|_| ()).err();
+        assert!(
+            !err.as_deref()
+                .unwrap_or_default()
+                .contains("unknown argument"),
+            "{flag}: {err:?}"
+        );
+    }
+    let without_help: Vec<_> = (help.iter())
+        .filter(|f| !matches!(f.as_str(), "-h" | "--help"))
+        .cloned()
+        .collect();
+    assert_eq!(readme_flags(), without_help, "README.md against --help");
+}
+
 /// The metric names `passage` gives, braces expanded and labels left out:
 /// `` `tower_affinity_{a,b}_total{outcome}` `` is `tower_affinity_a_total` and
 /// `tower_affinity_b_total`.
