@@ -12,8 +12,10 @@
 //! few entries around that point, which the lookup has just brought into cache. A shard grows by doubling up to its bound at three quarters' load, so a full table
 //! costs about 43 bytes a session (see `BENCHMARKS.md`).
 //!
-//! The service talks to the table through [`SessionStore`], a small interface that a shared
-//! store (one table for several router processes) can implement later.
+//! The service talks to the table through [`SessionStore`], a small interface. Homes shared
+//! by several router processes do not replace the table: a
+//! [`HomeStore`](crate::store::HomeStore) is read first, and a home it names in time on a live
+//! backend becomes the session's entry here (see [`store`](crate::store)).
 
 use std::time::Duration;
 
