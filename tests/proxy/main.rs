@@ -2453,6 +2453,137 @@ fn help_the_parser_and_the_readme_name_the_same_flags() {
     assert_eq!(readme_flags(), without_help, "README.md against --help");
 }
 
+/// Every default `--help` and the README's table state is the parser's: each phrase is in
+/// both texts (whitespace aside), and the option left out has that value.
+#[test]
+fn the_defaults_help_and_the_readme_state_are_the_parsers() {
+    let flat = |text: &str| text.split_whitespace().collect::<Vec<_>>().join(" ");
+    let help = flat(cli::USAGE);
+    let readme = include_str!("../../README.md");
+    let start = readme.find("| flag | meaning (default) |").unwrap();
+    let end = start + readme[start..].find("\n\n").unwrap();
+    let table = flat(&readme[start..end]);
+    let cli::Command::Run(run) = cli::parse(["--backend", "n=http://127.0.0.1:8081"]).unwrap()
+    else {
+        panic!("not a run");
+    };
+    let c = &run.config;
+    let secs = Duration::from_secs;
+    let defaults: [(&str, &str, bool); 19] = [
+        (
+            "(default 127.0.0.1:8080)",
+            "(`127.0.0.1:8080`)",
+            run.listen == SocketAddr::from(([127, 0, 0, 1], 8080)),
+        ),
+        (
+            "(k = 1024; default 128k)",
+            "(131,072 when left out)",
+            c.cache_tokens("127.0.0.1:8081") == 128 * 1024,
+        ),
+        (
+            "(default 0s: gone",
+            "(0s: gone at once)",
+            c.dns_removal_grace.is_zero(),
+        ),
+        (
+            "(default 5ms; more than 0)",
+            "(5 ms; more than 0)",
+            c.redis_timeout == Duration::from_millis(5),
+        ),
+        (
+            "cache (default 1)",
+            "spreads turns evenly (1)",
+            c.replicas.get() == 1,
+        ),
+        (
+            "node-then-backend (default)",
+            "(`node-then-backend`)",
+            c.policy.name() == "node-then-backend",
+        ),
+        (
+            "wait (default) | overcommit | reject",
+            "`wait` up to `D`",
+            matches!(c.overflow, Overflow::Wait { .. }),
+        ),
+        (
+            "with --overflow wait (default 60s)",
+            "(60 s, at most",
+            matches!(c.overflow, Overflow::Wait { max_wait, .. } if max_wait == secs(60)),
+        ),
+        (
+            "(default 1024; 0: none wait",
+            "`N` = 1024 waiting)",
+            matches!(
+                c.overflow,
+                Overflow::Wait {
+                    max_queued: 1024,
+                    ..
+                }
+            ),
+        ),
+        (
+            "connect timeout (default 2s; 0 turns it off)",
+            "connect timeout (2 s; `0` turns it off)",
+            c.connect_timeout == Some(secs(2)),
+        ),
+        (
+            "(default 10m; 0 turns it off)",
+            "(10 min; `0` turns it off)",
+            c.response_timeout == Some(secs(600)),
+        ),
+        (
+            "is passed over (default 5s)",
+            "is passed over (5 s)",
+            c.failure_cooldown == secs(5),
+        ),
+        (
+            "0 turns the probe off (default 2s)",
+            "(every 2 s; `0` turns it off)",
+            c.probe_interval == Some(secs(2)),
+        ),
+        (
+            "for a probe answer (default 2s)",
+            "active health probe",
+            c.probe_timeout == secs(2),
+        ),
+        (
+            "take a backend down (default 1;",
+            "take a backend down (1;",
+            c.probe_failures == 1,
+        ),
+        (
+            "bring it up again (default 1)",
+            "bring it up again (1)",
+            c.probe_successes == 1,
+        ),
+        (
+            "e.g. 16MiB (default)",
+            "(16 MiB, then 413)",
+            c.body_limit == 16 << 20,
+        ),
+        (
+            "(default 60s; 0 turns it off); slower is 408",
+            "(60 s, then 408; `0` turns it off)",
+            c.read_timeout == Some(secs(60)),
+        ),
+        (
+            "HTTP/2 ping's answer (default 30s; 0 turns it off)",
+            "send a request's headers (30 s; `0` turns it off)",
+            c.header_timeout == Some(secs(30)),
+        ),
+    ];
+    for (in_help, in_readme, holds) in defaults {
+        assert!(help.contains(in_help), "--help: {in_help:?}");
+        assert!(table.contains(in_readme), "README.md: {in_readme:?}");
+        assert!(holds, "{in_help:?} is not the default");
+    }
+    assert!(help.contains("pooled (default)") && table.contains("(`pooled`)"));
+    assert_eq!(c.upstream, UpstreamMode::Pooled);
+    // Switches: the decision headers on, the rest off.
+    assert!(c.decision_headers && c.probe_slots && !c.ask_stream_usage && !run.verbose);
+    assert_eq!(run.worker_threads, None);
+}
+
 /// The metric names `passage` gives, braces expanded and labels left out:
 /// `` `tower_affinity_{a,b}_total{outcome}` `` is `tower_affinity_a_total` and
 /// `tower_affinity_b_total`.
