@@ -2584,6 +2584,27 @@ fn the_defaults_help_and_the_readme_state_are_the_parsers() {
     assert_eq!(run.worker_threads, None);
 }
 
+/// The session keys `--help` names are the proxy's: the default headers, then the default
+/// body fields, in the order they are tried.
+#[test]
+fn the_session_keys_help_names_are_the_ones_read_in_their_order() {
+    use tower_affinity::key::{BodyKeyLayer, HeaderKey};
+    let help = cli::USAGE.split_whitespace().collect::<Vec<_>>().join(" ");
+    let start = help
+        .find("Session keys: the headers ")
+        .expect("the keys in --help");
+    let listed = help[start..]
+        .split_once(": the headers ")
+        .and_then(|(_, rest)| rest.split_once(". "))
+        .map(|(keys, _)| keys)
+        .unwrap();
+    let (headers, fields) = listed.split_once(", then the JSON body's ").unwrap();
+    let headers: Vec<String> = headers.split(", ").map(str::to_ascii_lowercase).collect();
+    assert_eq!(headers, HeaderKey::DEFAULT_NAMES, "{listed}");
+    let fields: Vec<&str> = fields.split(", ").collect();
+    assert_eq!(fields, BodyKeyLayer::DEFAULT_FIELDS, "{listed}");
+}
+
 /// The metric names `passage` gives, braces expanded and labels left out:
 /// `` `tower_affinity_{a,b}_total{outcome}` `` is `tower_affinity_a_total` and
 /// `tower_affinity_b_total`.
