@@ -96,9 +96,9 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
                              HTTP/2 ping's answer (default 30s; 0 turns it off);
                              slower closes the connection
   --upstream U               pooled (default): one pool of backend connections for
-                             all clients | per-client: each client connection opens
-                             and drives its own (fewer hand-offs; more connections,
-                             which llama-server pays a thread each for)
+                             all clients | per-client: each HTTP/1 client connection
+                             opens and drives its own (fewer hand-offs; more
+                             connections, which llama-server pays a thread each for)
   --worker-threads N         tokio worker threads (default: tokio's, one per CPU
                              unless TOKIO_WORKER_THREADS says otherwise)
   -v, --verbose              debug logs
