@@ -45,12 +45,16 @@ fn value<'a>(
         .map(|(.., v)| v)
 }
 
-/// Runs `f` on a current-thread runtime with a recorder of its own installed: what `f`
-/// returned, and what the recorder holds then.
-/// A backend's answer: a chat completion (or a message, on `/v1/messages`) with its usage.
+/// llama-server's answer with its timings: 1,000 tokens read in half a second, a prefill
+/// rate of 2,000 tokens a second learned.
+const TIMED_ANSWER: &str = r#"{"usage":{"prompt_tokens":1024},"timings":{"prompt_n":1000,"cache_n":24,"prompt_ms":500.0}}"#;
+
+/// A backend's answer: a chat completion (or a message, on `/v1/messages`, or one with
+/// llama-server's timings, on `/timed`) with its usage.
 async fn answering(req: http::Request<String>) -> Result<http::Response<Full<Bytes>>, Infallible> {
     let answer = match req.uri().path() {
         "/v1/messages" => MESSAGES_ANSWER,
+        "/timed" => TIMED_ANSWER,
         _ => ANSWER,
     };
     let mut res = http::Response::new(Full::new(Bytes::from_static(answer.as_bytes())));
@@ -64,6 +68,8 @@ async fn empty(_req: http::Request<String>) -> Result<http::Response<String>, In
     Ok(http::Response::new(String::new()))
 }
 
+/// Runs `f` on a current-thread runtime with a recorder of its own installed: what `f`
+/// returned, and what the recorder holds then.
 fn recorded<T>(f: impl std::future::Future<Output = T>) -> (T, Vec<Entry>) {
     let recorder = DebuggingRecorder::new();
     let snapshotter: Snapshotter = recorder.snapshotter();
@@ -826,12 +832,10 @@ fn a_streams_first_byte_counts_when_its_answer_is_dropped_or_cut_midway() {
 /// would read as a backend that reads nothing, and drag down any average over the fleet.
 #[test]
 fn a_prefill_rate_not_learned_yet_is_not_published_as_zero() {
-    // llama-server's answer: 1,000 tokens read in half a second.
-    const TIMED: &str = r#"{"usage":{"prompt_tokens":1024},"timings":{"prompt_n":1000,"cache_n":24,"prompt_ms":500.0}}"#;
     let (taught, snapshot) = recorded(async {
         let backend = service_fn(|req: http::Request<String>| async move {
             let answer = match req.uri().path() {
-                "/timed" => TIMED,
+                "/timed" => TIMED_ANSWER,
                 _ => ANSWER,
             };
             let mut res = http::Response::new(Full::new(Bytes::from_static(answer.as_bytes())));
@@ -902,7 +906,8 @@ fn documented_series() -> Vec<(String, String, Vec<String>)> {
 
 /// Every series the balancer writes is in the `metrics` module's table, under its kind and
 /// with its labels, and every series the table lists is written: a request that waited, its
-/// answers' first bytes, a shared store's counters, and what `publish_metrics` sets.
+/// answers' first bytes, a shared store's counters, and what `publish_metrics` sets (a prefill
+/// rate among them, learned from the answers' timings).
 #[test]
 fn the_metrics_modules_table_is_every_series_written() {
     let ((), snapshot) = recorded(async {
@@ -911,7 +916,7 @@ fn the_metrics_modules_table_is_every_series_written() {
             .home_store(Forgetful)
             .layer(fleet);
         let req = || {
-            http::Request::post("/v1/chat/completions")
+            http::Request::post("/timed")
                 .header("x-session-id", "s")
                 .body(String::new())
                 .unwrap()
