@@ -942,7 +942,7 @@ impl Collector for AffinityCollector {
             ),
             (
                 "tower_affinity_backend_errors",
-                "Requests whose backend failed before answering, or answered 503 (each retried once)",
+                "Attempts whose backend failed before answering, or answered 503 (a first attempt is retried once; its retry is counted too)",
                 |s| s.backend_errors,
             ),
         ];
