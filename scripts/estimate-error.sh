@@ -30,12 +30,17 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PORT="${TA_ESTIMATE_PORT:-18097}"
 TEXT_AT="${TA_ESTIMATE_TEXT_AT:-14ec3cc}"
-# shellcheck source=llama-common.sh
+# shellcheck source-path=SCRIPTDIR source=llama-common.sh
 source "$ROOT/scripts/llama-common.sh"
+need_free_port "$PORT" TA_ESTIMATE_PORT
+command -v cargo >/dev/null || { echo "cargo is needed (it builds the estimator)" >&2; exit 2; }
+git -C "$ROOT" cat-file -e "$TEXT_AT^{commit}" 2>/dev/null || {
+    echo "the conversations are built from commit $TEXT_AT: this needs git and a clone that has it" \
+        "(not a shallow one), or set TA_ESTIMATE_TEXT_AT" >&2
+    exit 2
+}
 
 WORK="$(mktemp -d)"
-PIDS=()
-trap 'kill "${PIDS[@]}" 2>/dev/null || true' EXIT
 
 # The estimator: each file given is a request body; prints its path and the chain's tokens.
 mkdir -p "$WORK/est/src"
@@ -67,7 +72,7 @@ ESTIMATE="${CARGO_TARGET_DIR:-$ROOT/target}/estimate-error/release/estimate"
 LD_LIBRARY_PATH="$BIN" "$BIN/llama-server" -m "$MODEL" --host 127.0.0.1 --port "$PORT" \
     -np 1 -c 65536 -t 2 >"$WORK/llama.log" 2>&1 &
 PIDS+=($!)
-wait_up "http://127.0.0.1:$PORT/health"
+wait_up "http://127.0.0.1:$PORT/health" "$!" "$WORK/llama.log"
 
 python3 - "$ROOT" "$WORK" "$ESTIMATE" "http://127.0.0.1:$PORT" "$TEXT_AT" <<'PY'
 import json, os, random, subprocess, sys, urllib.request

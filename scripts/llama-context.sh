@@ -48,21 +48,25 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PORT="${TA_CONTEXT_PORT:-18095}"
 PROXY_PORT=$((PORT + 1))
-# shellcheck source=llama-common.sh
+# shellcheck source-path=SCRIPTDIR source=llama-common.sh
 source "$ROOT/scripts/llama-common.sh"
+for p in "$PORT" $((PORT + 1)) $((PORT + 2)) $((PORT + 3)) $((PORT + 4)); do
+    need_free_port "$p" TA_CONTEXT_PORT
+done
 if [[ -z "${TA_PROXY_BIN:-}" ]]; then
+    command -v cargo >/dev/null || { echo "cargo is needed to build the proxy (or set TA_PROXY_BIN)" >&2; exit 2; }
     (cd "$ROOT" && cargo build --release --features health,dns,redis --example proxy) >&2
     TA_PROXY_BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release/examples/proxy"
 fi
+[[ -x "$TA_PROXY_BIN" ]] || { echo "no proxy binary at $TA_PROXY_BIN" >&2; exit 2; }
 
 LOGS="$(mktemp -d)"
-PIDS=()
-trap 'kill "${PIDS[@]}" 2>/dev/null || true' EXIT
+echo "logs: $LOGS"
 
 LD_LIBRARY_PATH="$BIN" "$BIN/llama-server" -m "$MODEL" --host 127.0.0.1 --port "$PORT" \
     -np 2 -c 1024 --kv-unified -t 2 --cache-ram 0 >"$LOGS/llama.log" 2>&1 &
 PIDS+=($!)
-wait_up "http://127.0.0.1:$PORT/health"
+wait_up "http://127.0.0.1:$PORT/health" "$!" "$LOGS/llama.log"
 
 # pair RUN URL: two prompts at once; prints each answer's status, and exits 0 if the run
 # came out as its name says it should.
@@ -107,38 +111,38 @@ start_proxy() { # backend options
         --backend "n=http://127.0.0.1:$PORT,$1" >"$LOGS/proxy-$1.log" 2>&1 &
     PROXY_PID=$!
     PIDS+=("$PROXY_PID")
-    wait_up "http://127.0.0.1:$PROXY_PORT/metrics"
+    wait_up "http://127.0.0.1:$PROXY_PORT/metrics" "$PROXY_PID" "$LOGS/proxy-$1.log"
 }
 
 fail=0
 pair direct "http://127.0.0.1:$PORT" || fail=1
 start_proxy slots=2
 pair proxy "http://127.0.0.1:$PROXY_PORT" || fail=1
-kill "$PROXY_PID"
-wait "$PROXY_PID" 2>/dev/null || true
+stop_pids "$PROXY_PID"
 start_proxy slots=2,context=1016
 pair proxy-context "http://127.0.0.1:$PROXY_PORT" || fail=1
 grep -c "Context size has been exceeded" "$LOGS/llama.log" | sed 's/^/llama-server errors "Context size has been exceeded": /'
-kill "$PROXY_PID"
-wait "$PROXY_PID" 2>/dev/null || true
+stop_pids "$PROXY_PID"
 
 # --- a slot's share of the context ---
 SMALL=$((PORT + 2))
 LARGE=$((PORT + 3))
 LD_LIBRARY_PATH="$BIN" "$BIN/llama-server" -m "$MODEL" --host 127.0.0.1 --port "$SMALL" \
     -np 2 -c 2048 -t 1 --cache-ram 0 >"$LOGS/small.log" 2>&1 &
-PIDS+=($!)
+SMALL_PID=$!
+PIDS+=("$SMALL_PID")
 LD_LIBRARY_PATH="$BIN" "$BIN/llama-server" -m "$MODEL" --host 127.0.0.1 --port "$LARGE" \
     -np 1 -c 4096 -t 1 --cache-ram 0 >"$LOGS/large.log" 2>&1 &
-PIDS+=($!)
-wait_up "http://127.0.0.1:$SMALL/health"
-wait_up "http://127.0.0.1:$LARGE/health"
+LARGE_PID=$!
+PIDS+=("$LARGE_PID")
+wait_up "http://127.0.0.1:$SMALL/health" "$SMALL_PID" "$LOGS/small.log"
+wait_up "http://127.0.0.1:$LARGE/health" "$LARGE_PID" "$LOGS/large.log"
 "$TA_PROXY_BIN" --listen "127.0.0.1:$PROXY_PORT" \
     --backend "n1=http://127.0.0.1:$SMALL,id=small" \
     --backend "n2=http://127.0.0.1:$LARGE,id=large" >"$LOGS/proxy-slots.log" 2>&1 &
 PROXY_PID=$!
 PIDS+=("$PROXY_PID")
-wait_up "http://127.0.0.1:$PROXY_PORT/metrics"
+wait_up "http://127.0.0.1:$PROXY_PORT/metrics" "$PROXY_PID" "$LOGS/proxy-slots.log"
 
 # The turns' client, for the runs below: ask(url, messages, session) sends one turn and
 # returns its status, where it went ("backend (outcome)" from the proxy's headers, "-" when
@@ -254,7 +258,7 @@ ALONE_PORT=$((PORT + 4))
 "$TA_PROXY_BIN" --listen "127.0.0.1:$ALONE_PORT" \
     --backend "n1=http://127.0.0.1:$SMALL,id=small" >"$LOGS/proxy-alone.log" 2>&1 &
 PIDS+=($!)
-wait_up "http://127.0.0.1:$ALONE_PORT/metrics"
+wait_up "http://127.0.0.1:$ALONE_PORT/metrics" "$!" "$LOGS/proxy-alone.log"
 before=$(refusals)
 python3 - "$LOGS" "http://127.0.0.1:$ALONE_PORT" <<'PY' || fail=1
 import sys

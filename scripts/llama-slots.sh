@@ -43,19 +43,20 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PORT="${TA_SLOTS_PORT:-18090}"
-# shellcheck source=llama-common.sh
+# shellcheck source-path=SCRIPTDIR source=llama-common.sh
 source "$ROOT/scripts/llama-common.sh"
 
 # run_case CASE LOG SLOTS CONTEXT [llama-server flags...]
 run_case() {
-    local case="$1" log="$2" slots="$3" ctx="$4"
+    local case="$1" log="$2" slots="$3" ctx="$4" pid rc=0
     shift 4
+    need_free_port "$PORT" TA_SLOTS_PORT
     LD_LIBRARY_PATH="$BIN" "$BIN/llama-server" -m "$MODEL" --host 127.0.0.1 --port "$PORT" \
         -np "$slots" -c "$ctx" -t 2 --cache-ram 256 "$@" >"$log" 2>&1 &
-    local pid=$!
-    trap 'kill $pid 2>/dev/null || true' RETURN
-    wait_up "http://127.0.0.1:$PORT/health"
-    python3 - "$case" "$PORT" <<'PY'
+    pid=$!
+    PIDS+=("$pid")
+    wait_up "http://127.0.0.1:$PORT/health" "$pid" "$log" || rc=1
+    ((rc)) || python3 - "$case" "$PORT" <<'PY' || rc=1
 import json, sys, urllib.request
 
 case, port = sys.argv[1], sys.argv[2]
@@ -148,6 +149,9 @@ else:
 print(f"{case:>6}: {'as expected' if ok else 'NOT as expected'}")
 sys.exit(0 if ok else 1)
 PY
+    # Stopped, and waited for, before the next case's server takes the port.
+    stop_pids "$pid"
+    return "$rc"
 }
 
 LOGS="$(mktemp -d)"
