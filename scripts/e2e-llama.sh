@@ -85,6 +85,10 @@ TURNS="${TA_TURNS:-5}"
 LLAMA_THREADS="${TA_LLAMA_THREADS:-1}"
 read -r -a LLAMA_EXTRA <<<"${TA_LLAMA_EXTRA_ARGS:-}"
 BUILD_JOBS="${TA_BUILD_JOBS:-2}"
+if ((${#LLAMA_PORTS[@]} != 3)); then
+    echo "TA_LLAMA_PORTS must name 3 ports, not '${TA_LLAMA_PORTS:-}'" >&2
+    exit 64
+fi
 
 SETUP_ONLY=0
 KEYLESS=1
@@ -136,7 +140,8 @@ setup_venv() {
         say "venv: cached ($VENV)"
         return
     fi
-    say "venv: creating $VENV with cmake, ninja, openai"
+    say "venv: creating $VENV with cmake, ninja, openai (downloaded from PyPI)"
+    command -v python3 >/dev/null || die "python3 is needed (Debian: apt-get install python3 python3-venv)"
     mkdir -p "$CACHE"
     rm -rf "$VENV"
     python3 -m venv "$VENV"
@@ -207,6 +212,7 @@ setup_build() {
         return
     fi
     say "llama-server: building from $SRC (about 13 minutes on 2 cores, at nice 19; log: $CACHE/build.log)"
+    command -v c++ >/dev/null || die "a C++ compiler is needed to build llama-server (Debian: apt-get install build-essential)"
     local t0 cm
     t0=$(date +%s)
     cm="$VENV/bin/cmake"
@@ -279,15 +285,15 @@ pick_port() { # preferred -> PICKED_PORT = first free port >= preferred not pick
 
 http_code() { curl -s -o /dev/null -m 5 -w '%{http_code}' "$1" 2>/dev/null || true; }
 
-wait_http_200() { # url pid what timeout_s
-    local url=$1 pid=$2 what=$3 timeout=$4 i code=
-    for ((i = 0; i < timeout * 4; i++)); do
-        kill -0 "$pid" 2>/dev/null || return 1
+wait_http_200() { # url pid what timeout_s: bounded by timeout_s (each try by curl's -m 5)
+    local url=$1 pid=$2 what=$3 timeout=$4 code='' deadline=$((SECONDS + $4))
+    while ((SECONDS < deadline)); do
+        kill -0 "$pid" 2>/dev/null || { say "$what: exited before answering $url"; return 1; }
         code=$(http_code "$url")
         [[ "$code" == 200 ]] && return 0
         sleep 0.25
     done
-    say "$what: last status from $url was '${code}'"
+    say "$what: no 200 from $url within $timeout s (last status '${code}')"
     return 1
 }
 
@@ -311,7 +317,7 @@ start_llama_servers() {
     for i in "${!LLAMA_PORTS[@]}"; do
         port=${LLAMA_PORTS[$i]}
         wait_http_200 "http://127.0.0.1:$port/health" "${PIDS[$i]}" "llama-server :$port" 180 \
-            || { tail -20 "$LOG_DIR/llama-$port.log" >&2; die "llama-server on :$port did not become healthy"; }
+            || { tail -20 "$LOG_DIR/llama-$port.log" >&2; die "llama-server on :$port did not become healthy (log $LOG_DIR/llama-$port.log)"; }
         say "llama-server :$port healthy"
     done
 }
@@ -335,7 +341,7 @@ start_proxy() { # policy [label for the log's name, default: policy] [proxy flag
     shift $(($# < 2 ? $# : 2))
     port_busy "$PROXY_PORT" && die "port $PROXY_PORT is already in use (set TA_PROXY_PORT)"
     # The backends' models, with MODELS_GIVEN=1: the first two serve coder, the third titles.
-    local coder= titles=
+    local coder='' titles=
     if ((${MODELS_GIVEN:-0})); then coder=,model=coder titles=,model=titles; fi
     "$PROXY_BIN" --listen "127.0.0.1:$PROXY_PORT" \
         --backend "node-a=${LLAMA_URLS[0]},slots=2$coder" \
@@ -346,7 +352,7 @@ start_proxy() { # policy [label for the log's name, default: policy] [proxy flag
     PIDS+=("$PROXY_PID")
     say "proxy ($policy): pid $PROXY_PID on 127.0.0.1:$PROXY_PORT (log $log)"
     wait_http_200 "http://127.0.0.1:$PROXY_PORT/metrics" "$PROXY_PID" "proxy" 60 \
-        || { tail -30 "$log" >&2; die "proxy did not answer GET /metrics with 200"; }
+        || { tail -30 "$log" >&2; die "proxy did not answer GET /metrics with 200 (log $log)"; }
     say "proxy ($policy): GET /metrics -> 200"
 }
 
