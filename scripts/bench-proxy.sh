@@ -55,8 +55,10 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# shellcheck source=scripts/bench-common.sh
+# shellcheck source-path=SCRIPTDIR source=bench-common.sh
 . "$ROOT/scripts/bench-common.sh"
+# Debian puts nginx in /usr/sbin, which a user's PATH may lack.
+export PATH="$PATH:/usr/sbin:/sbin"
 CACHE="${TA_CACHE_DIR:-$HOME/.cache/tower-affinity}"
 VENV="$CACHE/bench-venv"
 SGLANG_ROUTER_VERSION="0.3.2"
@@ -141,9 +143,16 @@ fi
 install_deps() {
     local missing=()
     command -v wrk >/dev/null || missing+=(wrk)
-    command -v nginx >/dev/null || [[ -x /usr/sbin/nginx ]] || missing+=(nginx-light)
+    command -v nginx >/dev/null || missing+=(nginx-light)
+    command -v curl >/dev/null || missing+=(curl)
+    command -v python3 >/dev/null || missing+=(python3 python3-venv)
+    [[ -x /usr/bin/time ]] || missing+=(time)
     if ((${#missing[@]})); then
-        log "installing ${missing[*]}"
+        if ((EUID != 0)); then
+            log "needs ${missing[*]}: run apt-get install ${missing[*]} as root, then this again"
+            exit 2
+        fi
+        log "installing ${missing[*]} (apt-get)"
         apt-get update -qq
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
             "${missing[@]}" >/dev/null
@@ -164,10 +173,14 @@ install_deps() {
 
 # --- processes -------------------------------------------------------------------------------
 
-wait_http() { # URL what
-    local url=$1 what=$2
-    for _ in $(seq 300); do
-        if curl -sf -o /dev/null -X POST -H 'content-type: application/json' \
+wait_http() { # URL what PID LOG: until URL answers a chat completion, while PID runs (30 s)
+    local url=$1 what=$2 pid=$3 log=$4 deadline=$((SECONDS + 30))
+    while ((SECONDS < deadline)); do
+        if ! kill -0 "$pid" 2>/dev/null; then
+            log "$what exited before answering at $url (log $log)"
+            return 1
+        fi
+        if curl -sf -m 2 -o /dev/null -X POST -H 'content-type: application/json' \
             -H 'x-session-id: probe' \
             -d '{"model":"m","messages":[{"role":"user","content":"ping"}]}' \
             "$url/v1/chat/completions"; then
@@ -175,7 +188,7 @@ wait_http() { # URL what
         fi
         sleep 0.1
     done
-    log "$what did not answer at $url within 30 s"
+    log "$what did not answer at $url within 30 s (log $log)"
     return 1
 }
 
@@ -187,7 +200,7 @@ start_nginx() {
     NGINX_PID=$!
     PIDS+=("$NGINX_PID")
     BACKEND="http://127.0.0.1:$NGINX_PORT"
-    wait_http "$BACKEND" nginx
+    wait_http "$BACKEND" nginx "$NGINX_PID" "$WORK/nginx.log, $WORK/nginx/error.log"
 }
 
 # A reference point, not a contender: nginx itself as a reverse proxy (one worker, keep-alive
@@ -231,7 +244,8 @@ EOF
     TARGET_PID=$!
     PIDS+=("$TARGET_PID")
     TARGET_URL="http://127.0.0.1:$port"
-    wait_http "$TARGET_URL" "nginx as a proxy"
+    wait_http "$TARGET_URL" "nginx as a proxy" "$TARGET_PID" \
+        "$WORK/nginx-proxy.log, $WORK/nginx-proxy/error.log"
     # Its master and worker both count as the router.
     mapfile -t TARGET_PIDS < <(
         echo "$TARGET_PID"
@@ -263,7 +277,7 @@ start_ours() { # NAME [VAR=value for the proxy's environment...] [-- proxy optio
     TARGET_PID=$!
     PIDS+=("$TARGET_PID")
     TARGET_URL="http://127.0.0.1:$port"
-    wait_http "$TARGET_URL" "our proxy"
+    wait_http "$TARGET_URL" "our proxy" "$TARGET_PID" "$WORK/proxy-$name.log"
 }
 
 # The floor, not a contender: examples/passthrough.rs, the same HTTP parts as ours with nothing
@@ -278,7 +292,7 @@ start_passthrough() { # pool | per-connection
     TARGET_PID=$!
     PIDS+=("$TARGET_PID")
     TARGET_URL="http://127.0.0.1:$port"
-    wait_http "$TARGET_URL" "the pass-through ($1)"
+    wait_http "$TARGET_URL" "the pass-through ($1)" "$TARGET_PID" "$WORK/passthrough-$1.log"
 }
 
 start_sglang() { # policy
@@ -291,7 +305,7 @@ start_sglang() { # policy
     TARGET_PID=$!
     PIDS+=("$TARGET_PID")
     TARGET_URL="http://127.0.0.1:$port"
-    wait_http "$TARGET_URL" "SGLang's router ($1)"
+    wait_http "$TARGET_URL" "SGLang's router ($1)" "$TARGET_PID" "$WORK/sglang-$1.log"
 }
 
 # --- measuring -------------------------------------------------------------------------------
