@@ -16,7 +16,7 @@
 # then per binary the medians, and against the first binary the median of the rounds' ratios.
 # Every run is bounded in time; everything it starts is stopped when it ends.
 set -euo pipefail
-# shellcheck source=scripts/bench-common.sh
+# shellcheck source-path=SCRIPTDIR source=bench-common.sh
 . "$(dirname "${BASH_SOURCE[0]}")/bench-common.sh"
 
 if (($# < 3)) || [[ ! $1 =~ ^[0-9]+$ ]]; then
@@ -25,30 +25,33 @@ if (($# < 3)) || [[ ! $1 =~ ^[0-9]+$ ]]; then
 fi
 ROUNDS=$1
 shift
-for tool in wrk nginx python3; do
-    command -v "$tool" >/dev/null || [[ -x /usr/sbin/$tool ]] || {
+export PATH="$PATH:/usr/sbin"
+for tool in wrk nginx python3 curl; do
+    command -v "$tool" >/dev/null || {
         echo "bench-ab: $tool is needed (scripts/bench-proxy.sh installs wrk and nginx)" >&2
         exit 2
     }
 done
-export PATH="$PATH:/usr/sbin"
 
 WORK=$(mktemp -d)
 PIDS=()
 cleanup() {
+    local rc=$?
     for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
     wait 2>/dev/null || true
-    rm -rf "$WORK"
+    if ((rc)); then echo "bench-ab: failed (exit $rc); logs in $WORK" >&2; else rm -rf "$WORK"; fi
 }
 trap cleanup EXIT
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_http() { # URL
-    for _ in $(seq 60); do
-        curl -s -o /dev/null -X POST "$1/v1/chat/completions" && return 0
+wait_http() { # URL PID LOG: until URL answers, while PID runs (30 s at most)
+    local deadline=$((SECONDS + 30))
+    while ((SECONDS < deadline)); do
+        kill -0 "$2" 2>/dev/null || { echo "bench-ab: the server for $1 exited (log $3)" >&2; return 1; }
+        curl -s -m 2 -o /dev/null -X POST "$1/v1/chat/completions" && return 0
         sleep 0.5
     done
-    echo "bench-ab: $1 did not answer within 30 s" >&2
+    echo "bench-ab: $1 did not answer within 30 s (log $3)" >&2
     return 1
 }
 ticks() { awk '{ print $14 + $15 }' "/proc/$1/stat"; }
@@ -57,7 +60,7 @@ NGINX_PORT=$(free_port)
 write_nginx_conf "$WORK/nginx" "$NGINX_PORT"
 nginx -e "$WORK/nginx/error.log" -c "$WORK/nginx/nginx.conf" -p "$WORK/nginx" >"$WORK/nginx.log" 2>&1 &
 PIDS+=($!)
-wait_http "http://127.0.0.1:$NGINX_PORT"
+wait_http "http://127.0.0.1:$NGINX_PORT" "$!" "$WORK/nginx.log"
 
 write_bench_lua "$WORK/bench.lua" 1024
 
@@ -70,7 +73,7 @@ for arg in "$@"; do
         --backend "node-a=http://127.0.0.1:$NGINX_PORT,slots=4096" --overflow overcommit \
         --probe-interval 0 >"$WORK/proxy-$name.log" 2>&1 &
     PIDS+=($!) PROXY_PIDS+=($!) NAMES+=("$name") URLS+=("http://127.0.0.1:$port")
-    wait_http "http://127.0.0.1:$port"
+    wait_http "http://127.0.0.1:$port" "$!" "$WORK/proxy-$name.log"
 done
 for url in "${URLS[@]}"; do
     wrk -t1 -c32 -d2s -s "$WORK/bench.lua" "$url/v1/chat/completions" >/dev/null
