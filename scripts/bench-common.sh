@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by bench-proxy.sh and bench-ab.sh: the nginx that stands in for a model server, and
 # the wrk script both drive the routers with.
 
