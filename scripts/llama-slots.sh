@@ -163,6 +163,7 @@ run_case no-idle "$LOGS/no-idle.log" 2 16384 --no-cache-idle-slots || status=1
 run_case unified "$LOGS/unified.log" 2 16384 --kv-unified || status=1
 run_case tie "$LOGS/tie.log" 2 16384 --cache-ram 0 || status=1
 run_case walk "$LOGS/walk.log" 2 16384 || status=1
-grep -h 'selected slot' "$LOGS"/*.log | sed 's/^[^|]*| task [^|]*| /  llama-server: /'
+# (No such line, from a server that never started, is no reason to stop before the verdict.)
+grep -h 'selected slot' "$LOGS"/*.log | sed 's/^[^|]*| task [^|]*| /  llama-server: /' || true
 [[ $status == 0 ]] && echo "PASS" || echo "FAIL (logs: $LOGS)"
 exit $status
