@@ -35,8 +35,8 @@
 #                 generated text runs), some 700 tokens that the proxy estimates at 250 from
 #                 their bytes: `small` refuses it, and the proxy retries it on `large`,
 #                 which answers;
-#   alone-proxy   through a proxy over `small` alone, a conversation's turn of some 1,800
-#                 tokens: `small` refuses it once, and no other backend taking it, the
+#   alone-proxy   through a proxy over `small` alone, a conversation's turn of some 1,300
+#                 tokens (1,200 digits): `small` refuses it once, and no other backend taking it, the
 #                 refusal is the answer (it is not sent again).
 # Exits 0 when the eight come out so.
 #
