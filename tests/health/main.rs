@@ -731,7 +731,10 @@ async fn a_backend_without_slots_learns_its_request_context_from_v1_models() {
     let (affinity, prober) = balancer(
         HealthProbe::new(),
         vec![
-            ("v", Backend::new("n", http(stubs[0].0)).slots(two)),
+            (
+                "v-slots-given",
+                Backend::new("n", http(stubs[0].0)).slots(two),
+            ),
             ("w", Backend::new("n", http(stubs[1].0))),
             (
                 "x",
@@ -740,7 +743,10 @@ async fn a_backend_without_slots_learns_its_request_context_from_v1_models() {
         ],
     );
     prober.round(&affinity).await;
-    assert_eq!(status(&affinity, "v").request_context_limit, Some(32_768));
+    assert_eq!(
+        status(&affinity, "v-slots-given").request_context_limit,
+        Some(32_768)
+    );
     assert_eq!(status(&affinity, "w").request_context_limit, Some(32_768));
     assert_eq!(status(&affinity, "x").request_context_limit, Some(1_000));
     assert_eq!(
@@ -748,21 +754,30 @@ async fn a_backend_without_slots_learns_its_request_context_from_v1_models() {
         NonZeroU64::new(32_768)
     );
     // The slot counts are what they were: given, and one slot until one is read.
-    assert_eq!(status(&affinity, "v").slots, 2);
+    assert_eq!(status(&affinity, "v-slots-given").slots, 2);
     assert_eq!(status(&affinity, "w").slots, 1);
     assert_eq!(stubs[2].1.models_hits.load(Ordering::Relaxed), 0, "given");
-    assert_eq!(logs.count("v", "request context read from /v1/models"), 1);
+    assert_eq!(
+        logs.count("v-slots-given", "request context read from /v1/models"),
+        1
+    );
 
     // Restarted with a longer context: followed, `/slots` not asked again for it.
     *stubs[0].1.models.lock() = Some(vllm_models(65_536));
     prober.round(&affinity).await;
-    assert_eq!(status(&affinity, "v").request_context_limit, Some(65_536));
+    assert_eq!(
+        status(&affinity, "v-slots-given").request_context_limit,
+        Some(65_536)
+    );
     assert_eq!(stubs[0].1.slots_hits.load(Ordering::Relaxed), 1);
     // An answer without it, or none, keeps the last one read.
     *stubs[0].1.models.lock() = Some(json!({"object": "list", "data": []}));
     *stubs[1].1.models.lock() = None;
     prober.round(&affinity).await;
-    assert_eq!(status(&affinity, "v").request_context_limit, Some(65_536));
+    assert_eq!(
+        status(&affinity, "v-slots-given").request_context_limit,
+        Some(65_536)
+    );
     assert_eq!(status(&affinity, "w").request_context_limit, Some(32_768));
     let s = prober.status("w").unwrap();
     assert!((s.up, s.failures) == (true, 0), "{s:?}");
