@@ -1327,6 +1327,19 @@ fn at_low_load_the_load_bound_passes_no_backend_over() {
     assert_eq!(busy.choose(&bounded, k, None), Some(winner));
 }
 
+#[test]
+fn the_load_bound_admits_a_backend_at_exactly_its_bound() {
+    // The key's first choice has 1 of 4 slots taken, the others none. With this session the
+    // fleet's average is 2 of 16 slots; with a margin of 1 the bound is twice that, 1 of 4,
+    // which any other backend would be at exactly: not past it, so it is admitted.
+    let base = four_nodes_of_four_slots;
+    let k = key("hot");
+    let winner = base().choose(&NodeThenBackend::new(), k, None).unwrap();
+    let busy = base().in_flight(winner.as_str(), 1);
+    let got = busy.choose(&NodeThenBackend::new().load_bound(1.0), k, None);
+    assert_eq!(got.as_ref(), Some(&order_from_scores(&busy, k.unwrap())[1]));
+}
+
 /// The first key whose rendezvous order puts `first` first.
 fn key_drawn_to(fleet: &Snapshot, first: &str) -> SessionKey {
     (0..KEYS_TRIED)
