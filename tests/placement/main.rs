@@ -1340,6 +1340,26 @@ fn the_load_bound_admits_a_backend_at_exactly_its_bound() {
     assert_eq!(got.as_ref(), Some(&order_from_scores(&busy, k.unwrap())[1]));
 }
 
+#[test]
+fn a_negative_or_non_finite_load_bound_is_read_as_zero() {
+    // The key's first choice has 3 of 4 slots taken, its second none, the others 2. With
+    // this session the fleet's average is 8 of 16 slots: with no margin only the second
+    // choice (1 of 4) stays within it. A negative margin would admit none, an infinite one
+    // every backend: either way the first choice.
+    let base = four_nodes_of_four_slots;
+    let k = key("hot");
+    let order = order_from_scores(&base(), k.unwrap());
+    let busy = order
+        .iter()
+        .enumerate()
+        .fold(base(), |s, (i, b)| s.in_flight(b.as_str(), [3, 0, 2, 2][i]));
+    let choose = |epsilon: f64| busy.choose(&NodeThenBackend::new().load_bound(epsilon), k, None);
+    assert_eq!(choose(0.0).as_ref(), Some(&order[1]));
+    for epsilon in [-1.0, f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+        assert_eq!(choose(epsilon), choose(0.0), "{epsilon}");
+    }
+}
+
 /// The first key whose rendezvous order puts `first` first.
 fn key_drawn_to(fleet: &Snapshot, first: &str) -> SessionKey {
     (0..KEYS_TRIED)
