@@ -971,6 +971,26 @@ fn a_replica_homes_on_a_backend_its_share_of_the_slots_not_all_of_them() {
 }
 
 #[test]
+fn a_replica_may_home_its_share_of_the_slots_rounded_up() {
+    // b1 (three slots) homes one conversation; a new one shares its system prompt. One of two
+    // replicas may home 1.5 of b1's slots, rounded up: a second conversation there is
+    // within it, though the new one's key prefers another backend.
+    let fleet = Snapshot::new()
+        .backend("a1", "node-a", 3)
+        .backend("a2", "node-a", 3)
+        .backend("b1", "node-b", 3)
+        .backend("b2", "node-b", 3)
+        .replicas(2)
+        .holds("b1", &chain(&[SYS, 10]));
+    let k = key_not_drawn_to(&fleet, |b| b == "b1");
+    let fleet = fleet.prompt(chain(&[SYS, 11]));
+    assert_eq!(
+        fleet.choose(&NodeThenBackend::new(), Some(k), None),
+        Some("b1".into())
+    );
+}
+
+#[test]
 fn no_conversation_bound_keeps_the_rendezvous_order() {
     let unbounded = NodeThenBackend::new().no_conversation_bound();
     let bounded = NodeThenBackend::new();
