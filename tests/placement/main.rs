@@ -573,6 +573,26 @@ fn a_keyless_request_goes_where_its_own_prefix_is_then_to_that_backends_node() {
 }
 
 #[test]
+fn a_keyless_request_whose_prefix_is_on_a_full_backend_goes_to_the_freest_backend_of_its_node() {
+    // b2 holds the conversation's prefix and is full; of the other backends on its node, b3
+    // has four free slots and b1 one.
+    let fleet = Snapshot::new()
+        .backend("a1", "node-a", 4)
+        .backend("b1", "node-b", 4)
+        .backend("b2", "node-b", 2)
+        .backend("b3", "node-b", 4)
+        .holds("b2", &chain(&[SYS, 11, 12]))
+        .in_flight("b1", 3)
+        .in_flight("b2", 2)
+        .prompt(chain(&[SYS, 11, 12, 13, 14]));
+    let p = NodeThenBackend::new();
+    assert_eq!(fleet.order(&p, None, None)[..3], ids(&["b2", "b3", "b1"]));
+    for _ in 0..20 {
+        assert_eq!(fleet.choose(&p, None, None), Some("b3".into()));
+    }
+}
+
+#[test]
 fn a_prefix_continued_by_several_conversations_is_not_own() {
     let next = chain(&[SYS, 24]);
     // Three conversations start with the same system prompt on b2.
