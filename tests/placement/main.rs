@@ -801,6 +801,28 @@ fn between_equally_loaded_backends_a_new_keyless_conversation_takes_the_one_with
 }
 
 #[test]
+fn a_new_keyless_conversation_is_placed_by_its_prompt_between_equal_backends() {
+    // Four idle backends alike: whatever the random number each placement draws, the same
+    // prompt goes to the same one (as a replay, or another router, would send it), and
+    // different prompts spread.
+    let p = NodeThenBackend::new();
+    let mut firsts = std::collections::HashSet::new();
+    for i in 0..16 {
+        let fleet = two_by_two_of_two().prompt(chain(&[SYS, 1_000 + i]));
+        let first = fleet.choose(&p, None, None).unwrap();
+        for _ in 0..8 {
+            assert_eq!(
+                fleet.choose(&p, None, None),
+                Some(first.clone()),
+                "prompt {i}"
+            );
+        }
+        firsts.insert(first);
+    }
+    assert!(firsts.len() > 1, "every prompt went to {firsts:?}");
+}
+
+#[test]
 fn a_keyless_prompt_sent_whole_once_before_goes_where_it_was_sent() {
     // A turn sent again (a retry, a second answer): b2 served it, and homes the only
     // conversation, so by load or by conversations it would be the last choice.
