@@ -998,10 +998,7 @@ fn a_replica_homes_on_a_backend_its_share_of_the_slots_not_all_of_them() {
             .holds("b1", &chain(&[SYS, 10]))
             .prompt(chain(&[SYS, 11]))
     };
-    let k = (0..)
-        .map(|i| SessionKey::from_bytes(format!("k{i}").as_bytes()))
-        .find(|&k| order_from_scores(&fleet(1), k)[0].as_str() == "b1")
-        .unwrap();
+    let k = key_drawn_to(&fleet(1), "b1");
     let p = NodeThenBackend::new();
     // A lone router lets b1 home as many as its slots.
     assert_eq!(fleet(1).choose(&p, Some(k), None), Some("b1".into()));
