@@ -743,4 +743,27 @@ mod tests {
         let t = topology(&[(1_000, Some(1.1)), (1_000, Some(0.95)), (2_000, None)]);
         assert_eq!(taken(&t, 950), Some(2));
     }
+
+    #[test]
+    fn a_slot_promised_to_a_woken_waiter_is_not_free() {
+        // b0 has one request in flight and two slots promised to waiters woken for them: one
+        // free slot of four. b1 has two in flight: two free. A request without a key or prompt
+        // goes to the freer.
+        let mut t = Topology::default();
+        let four = NonZeroU32::new(4).unwrap();
+        for id in ["b0", "b1"] {
+            t.insert(id.into(), &"n".into(), four, None, 1_000);
+        }
+        let (b0, b1) = (&t.member(0).load, &t.member(1).load);
+        assert!(b0.try_acquire());
+        b0.reserved.store(2, Ordering::Relaxed);
+        assert!(b1.try_acquire() && b1.try_acquire());
+        let free = |i| BackendRef::new(&t, i).free_slots();
+        assert_eq!((free(0), free(1)), (1, 2));
+        let extensions = http::Extensions::new();
+        let req = PlacementRequest::new(None, None, &extensions);
+        let mut c = Candidates::probe(&t, 1);
+        crate::placement::NodeThenBackend::new().place(&FleetView { topology: &t }, &req, &mut c);
+        assert_eq!(c.chosen(), Some(1));
+    }
 }
