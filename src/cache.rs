@@ -1418,6 +1418,24 @@ mod tests {
     }
 
     #[test]
+    fn a_prompt_whose_first_link_is_larger_than_the_budget_refused_leaves_the_model_as_it_was() {
+        // Its one link evicts every other conversation and then itself: the refusal puts back
+        // what it evicted of the others, and nothing of its own.
+        let cell = ModelCell::new(800);
+        let a = chain(&[1, 2, 3, 4]);
+        cell.lock().record_from(a.links(), 0, cell.reserve());
+        let huge = PromptChain::from_blocks([(100, 5_000)]);
+        let stamp = cell.reserve();
+        cell.lock().record_sent(huge.links(), 0, stamp);
+        assert_eq!(cell.lock().held(a.links()), 0, "evicted to make room");
+        cell.lock().refused(huge.links(), 0, stamp);
+        let m = cell.lock();
+        assert_eq!(m.held(huge.links()), 0, "taken back");
+        assert_eq!((m.held(a.links()), m.tokens()), (4, 400), "put back");
+        m.check();
+    }
+
+    #[test]
     fn a_refused_prompt_puts_back_only_the_last_links_the_log_keeps() {
         // More conversations evicted by one prompt than the log keeps: the refusal puts back
         // the most recently used of them, as many as the log holds.
