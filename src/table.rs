@@ -593,4 +593,25 @@ mod tests {
         }
         assert_eq!(shard.len, 8);
     }
+
+    #[test]
+    fn sessions_placed_again_within_a_second_outlive_a_stream_of_one_off_keys() {
+        // Every turn of a session in use looks its home up and records where it went, as the
+        // service does, all within one second: the record keeps it marked in use.
+        let t = SessionTable::new(Sessions::new().max_entries(1000));
+        let now = 1_000u64;
+        let mut one_off = 1u64 << 32;
+        for _ in 0..100 {
+            for s in 0..200 {
+                let _ = t.get(key(s), now);
+                t.put(key(s), home(0), now);
+            }
+            for _ in 0..300 {
+                t.put(key(one_off), home(1), now);
+                one_off += 1;
+            }
+        }
+        let kept = (0..200).filter(|&s| t.holds(key(s))).count();
+        assert!(kept >= 196, "kept {kept} of 200 sessions in use");
+    }
 }
