@@ -601,4 +601,26 @@ mod tests {
         drop(tickets);
         assert_eq!(capacity.waiting_for(0, None), 0);
     }
+
+    /// A later look that waits for the same kind of place keeps the hold the ticket has: the
+    /// hold runs from when the request first held out, not from each look.
+    #[test]
+    fn a_later_look_of_the_same_scope_keeps_the_hold() {
+        let capacity = Arc::new(Capacity::default());
+        let home = |scope, secs| WaitHome {
+            backend: Some(0),
+            node: Some(0),
+            scope,
+            hold: Duration::from_secs(secs),
+        };
+        let mut ticket = WaitTicket::take(&capacity, home(Scope::Backend, 5), 8).unwrap();
+        ticket.hold_for(home(Scope::Backend, 9));
+        assert_eq!(ticket.home().hold, Duration::from_secs(5));
+        ticket.hold_for(home(Scope::Node, 9));
+        assert_eq!(
+            ticket.home(),
+            home(Scope::Node, 9),
+            "another scope, its own hold"
+        );
+    }
 }
