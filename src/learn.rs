@@ -563,4 +563,13 @@ mod tests {
         assert_eq!(l.read_cost(Duration::ZERO, 2), Duration::ZERO);
         assert_eq!(l.read_cost(Duration::MAX, u32::MAX), Duration::MAX);
     }
+
+    #[test]
+    fn a_prompt_of_at_least_256_read_tokens_teaches_the_prefill_rate() {
+        let l = Learned::default();
+        l.learn(&answer(255, Some(0), 1_000), None);
+        assert_eq!(l.prefill_rate(), None, "255 read tokens teach nothing");
+        l.learn(&answer(1_256, Some(1_000), 1_000), None);
+        assert_eq!(l.prefill_rate(), Some(256.0));
+    }
 }
