@@ -572,4 +572,19 @@ mod tests {
         l.learn(&answer(1_256, Some(1_000), 1_000), None);
         assert_eq!(l.prefill_rate(), Some(256.0));
     }
+
+    #[test]
+    fn a_prediction_of_a_quarter_of_the_prompt_can_be_a_misprediction() {
+        let l = Learned::default();
+        let p = |held_tokens| Prediction {
+            prompt_tokens: 10_000,
+            held_tokens,
+            stamp: 0,
+            born: 0,
+            pending: false,
+        };
+        let verdict = |reused, p| l.learn(&answer(10_000, Some(reused), 10), Some(p)).1;
+        assert_eq!(verdict(1_000, p(2_500)), Verdict::HeldLess);
+        assert_eq!(verdict(1_000, p(2_499)), Verdict::Fine);
+    }
 }
