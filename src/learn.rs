@@ -587,4 +587,20 @@ mod tests {
         assert_eq!(verdict(1_000, p(2_500)), Verdict::HeldLess);
         assert_eq!(verdict(1_000, p(2_499)), Verdict::Fine);
     }
+
+    #[test]
+    fn only_far_more_reuse_than_predicted_says_the_backend_holds_more() {
+        let l = Learned::default();
+        let p = Prediction {
+            prompt_tokens: 10_000,
+            held_tokens: 3_000,
+            stamp: 0,
+            born: 0,
+            pending: false,
+        };
+        let verdict = |reused| l.learn(&answer(10_000, Some(reused), 10), Some(p)).1;
+        assert_eq!(verdict(5_000), Verdict::Fine, "more, not twice as much");
+        assert_eq!(verdict(6_000), Verdict::Fine, "twice as much exactly");
+        assert_eq!(verdict(6_100), Verdict::HeldMore);
+    }
 }
