@@ -766,4 +766,25 @@ mod tests {
         crate::placement::NodeThenBackend::new().place(&FleetView { topology: &t }, &req, &mut c);
         assert_eq!(c.chosen(), Some(1));
     }
+
+    #[test]
+    fn a_prompt_refused_at_exactly_its_context_passes_over_backends_of_that_limit() {
+        // b0 refused the prompt, counting it 1,000 tokens against a context of 1,000: a
+        // prompt as long as the context does not fit. b1, of the same limit, would refuse it
+        // too, and it goes to b2, which takes 2,000.
+        let t = topology(&[(1_000, None), (1_000, None), (2_000, None)]);
+        let refused = Refused {
+            tokens: 1_000,
+            backend: Some(0),
+            context: 1_000,
+        };
+        let mut c = Candidates::acquire(&t, 1, 900);
+        c.count_as_refused(&refused);
+        for i in 1..3 {
+            if c.offer(BackendRef::new(&t, i)).is_break() {
+                break;
+            }
+        }
+        assert_eq!(c.claim(), Some(2));
+    }
 }
