@@ -18,6 +18,11 @@ use tower_affinity::client::{FailureKind, HttpBackend, HttpBackendError};
 use tower_affinity::discover::StaticFleet;
 use tower_affinity::{Backend, Error, SessionAffinityLayer};
 
+#[path = "../support/refusing.rs"]
+mod refusing;
+
+use refusing::Refusing;
+
 type Body = Full<Bytes>;
 
 /// The longest any one exchange may take.
@@ -88,12 +93,6 @@ async fn stub(name: &'static str) -> (SocketAddr, Arc<Mutex<Vec<Seen>>>) {
         }
     });
     (addr, seen)
-}
-
-/// A loopback port with nothing listening on it.
-async fn refused_port() -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    listener.local_addr().unwrap()
 }
 
 /// A raw server that reads one request's head and then does `then` with the socket.
@@ -277,7 +276,8 @@ async fn http2_with_prior_knowledge_reaches_the_backend_as_http2() {
 
 #[tokio::test]
 async fn a_refused_connection_is_a_502_refusal() {
-    let backend = HttpBackend::new(&url(refused_port().await)).unwrap();
+    let refusing = Refusing::new();
+    let backend = HttpBackend::new(&url(refusing.addr)).unwrap();
     let e = call(&backend, Request::get("/").body(Body::default()).unwrap())
         .await
         .unwrap_err();
@@ -385,7 +385,8 @@ async fn a_body_cut_mid_response_fails_the_body_and_frees_the_slot() {
 #[tokio::test]
 async fn retry_once_moves_a_refused_request_to_another_backend() {
     let (live, seen) = stub("live").await;
-    let dead = refused_port().await;
+    let refusing = Refusing::new();
+    let dead = refusing.addr;
     let fleet = StaticFleet::new([
         (
             "dead",
@@ -431,7 +432,8 @@ async fn retry_once_moves_a_refused_request_to_another_backend() {
 
 #[tokio::test]
 async fn a_refusal_through_the_balancer_is_a_502_of_kind_refused() {
-    let backend = HttpBackend::new(&url(refused_port().await)).unwrap();
+    let refusing = Refusing::new();
+    let backend = HttpBackend::new(&url(refusing.addr)).unwrap();
     let svc =
         SessionAffinityLayer::new().layer(StaticFleet::new([("dead", Backend::new("n", backend))]));
     let e: Error = tokio::time::timeout(
@@ -693,9 +695,10 @@ async fn the_only_backend_failing_is_its_failure_after_the_retry_not_no_backends
         .response_timeout(Duration::from_secs(30))
         .build(&url(silent))
         .unwrap();
+    let refused = Refusing::new();
     let refusing = HttpBackend::<Body>::builder()
         .connect_timeout(None)
-        .build(&url(refused_port().await))
+        .build(&url(refused.addr))
         .unwrap();
     for (backend, kind, status) in [
         (refusing, FailureKind::Refused, StatusCode::BAD_GATEWAY),

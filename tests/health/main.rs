@@ -1,6 +1,9 @@
 //! `HealthProbe` against real HTTP stubs on loopback, on paused time: the probe's intervals
 //! and timeouts pass without the test waiting for them.
 
+#[path = "../support/refusing.rs"]
+mod refusing;
+
 use std::io::Write;
 use std::net::SocketAddr;
 use std::num::{NonZeroU32, NonZeroU64};
@@ -15,6 +18,7 @@ use axum::Router;
 use bytes::Bytes;
 use http_body_util::Full;
 use parking_lot::Mutex;
+use refusing::Refusing;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tower::Layer;
@@ -321,12 +325,10 @@ async fn a_loading_backend_is_down_until_two_probes_find_it_ready() {
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_backend_never_ready_goes_down_at_its_first_failure_and_up_at_its_first_success() {
     // One that refuses connections when the proxy starts: nothing listens at its port.
-    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = dead.local_addr().unwrap().port();
-    drop(dead);
+    let refusing = Refusing::new();
     let (addr, stub) = start(2).await;
     stub.health.store(500, Ordering::Relaxed);
-    let off: SocketAddr = ([127, 0, 0, 1], port).into();
+    let off: SocketAddr = refusing.addr;
     let (affinity, prober) = balancer(
         HealthProbe::new(),
         vec![
@@ -402,11 +404,8 @@ async fn three_failures_in_a_row_take_a_backend_down_each_interval() {
 async fn no_answer_within_the_timeout_and_a_refused_connection_are_failures() {
     let (addr, stub) = start(1).await;
     stub.hang.store(true, Ordering::Relaxed);
-    let gone = TcpListener::bind("127.0.0.1:0")
-        .await
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    let refusing = Refusing::new();
+    let gone = refusing.addr;
     let (affinity, prober) = balancer(
         HealthProbe::new()
             .timeout(Duration::from_secs(2))

@@ -25,7 +25,11 @@ mod proxy;
 #[allow(dead_code)]
 #[path = "../support/redis_server.rs"]
 mod redis_server;
+#[path = "../support/refusing.rs"]
+mod refusing;
 mod replicas;
+
+use refusing::Refusing;
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -807,9 +811,8 @@ async fn a_turn_no_backend_takes_gets_its_refusal_and_is_sent_nowhere_else() {
 async fn the_probe_finds_a_shared_store_down_in_every_fleet_before_any_request() {
     let a = Stub::start("a", 2).await;
     // A port nothing listens on.
-    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = dead.local_addr().unwrap().port();
-    drop(dead);
+    let refusing = Refusing::new();
+    let port = refusing.addr.port();
     let backends = [
         format!("n={},slots=2,id=a,model=one", a.url()),
         format!("n={},slots=2,id=b,model=two", a.url()),
@@ -1801,9 +1804,8 @@ async fn a_proxy_without_backends_answers_503() {
 /// on paused time.)
 #[tokio::test]
 async fn the_only_backend_failing_is_502_not_no_backends() {
-    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let refusing = closed.local_addr().unwrap();
-    drop(closed);
+    let closed = Refusing::new();
+    let refusing = closed.addr;
     let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
     let proxy = start(config_of(&[format!(
         "node-a=http://{refusing},slots=2,id=only"
@@ -2667,9 +2669,8 @@ async fn the_readme_names_every_series_of_the_proxys_metrics() {
     let a = Stub::start("a", 2).await;
     let dns = dns_server::Dns::start().await;
     // A port nothing listens on: the store is down, and its series are served all the same.
-    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let redis_port = dead.local_addr().unwrap().port();
-    drop(dead);
+    let refusing = Refusing::new();
+    let redis_port = refusing.addr.port();
     let proxy = start_args(vec![
         "--backend".into(),
         format!("node-a={},slots=2,id=a", a.url()),
