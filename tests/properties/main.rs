@@ -3,6 +3,8 @@
 //! removed, marked down and up by a probe, time passing; half the backends are ready only at
 //! their second readiness poll. Checked after every step and at the end.
 
+#[path = "../support/hang.rs"]
+mod hang;
 #[path = "../service/mock.rs"]
 mod mock;
 
@@ -485,6 +487,13 @@ impl Harness {
 /// after each step and at the end. `seed` seeds the placements' random numbers, so that a
 /// failing case replays.
 fn run(overflow: Overflow, patience: u64, seed: u64, ops: Vec<Op>) {
+    let case = format!("{:?}", (overflow, patience, seed, &ops));
+    hang::within_a_minute(&case, move || {
+        run_on_paused_time(overflow, patience, seed, ops)
+    });
+}
+
+fn run_on_paused_time(overflow: Overflow, patience: u64, seed: u64, ops: Vec<Op>) {
     // The whole run is one poll of the runtime's task: unconstrained, so that tokio's budget
     // for a task's poll does not run out and make timers read pending when they are due.
     paused_runtime().block_on(tokio::task::unconstrained(async move {

@@ -1,5 +1,7 @@
 //! The service's rules, one test each, with mock backends on paused time.
 
+#[path = "../support/hang.rs"]
+mod hang;
 mod mock;
 
 use std::convert::Infallible;
@@ -4385,38 +4387,44 @@ async fn with_every_backend_that_takes_it_down_a_prompt_goes_where_placement_sen
     assert_eq!((d.backend.as_str(), d.outcome), ("small", Outcome::HomeHit));
 }
 
-#[tokio::test(flavor = "current_thread", start_paused = true)]
-async fn a_request_too_long_for_a_backend_waits_for_one_that_takes_it_rather_than_take_its_slot() {
-    let streams = Streams::default();
-    let mut svc = SessionAffinityLayer::new()
-        .overflow(Overflow::wait(Duration::from_secs(60), 8))
-        .layer(fleet_with_request_context(
-            &[("small", 1, 1_000), ("large", 1, 8_000)],
-            &streams,
-        ));
-    let s = session_homed_on(&mut svc, "small", &[(1, 500)]).await;
-    // Both busy.
-    let (on_small, small_tx) = hold_on(&mut svc, &streams, "small").await;
-    let (on_large, large_tx) = hold_on(&mut svc, &streams, "large").await;
-    svc.ready().await.unwrap();
-    let mut long = tokio_test::task::spawn(svc.call(turn_of(&s, &[(1, 500), (2, 1_500)], false)));
-    assert_pending!(long.poll());
-    // Its home frees: too small for it, so it waits on.
-    drop(small_tx);
-    on_small.into_body().collect().await.unwrap();
-    tokio::time::advance(Duration::from_secs(1)).await;
-    assert_pending!(long.poll());
-    assert_eq!(in_flight(&svc, "small"), 0);
-    // The backend that takes it frees.
-    drop(large_tx);
-    on_large.into_body().collect().await.unwrap();
-    tokio::time::advance(Duration::from_secs(1)).await;
-    let res = assert_ready!(long.poll()).unwrap();
-    let d = decision(&res);
-    assert_eq!(
-        (d.backend.as_str(), d.waited),
-        ("large", Some(Duration::from_secs(2)))
-    );
+#[test]
+fn a_request_too_long_for_a_backend_waits_for_one_that_takes_it_rather_than_take_its_slot() {
+    // Bounded: a slot that circles between the waiters never lets a poll return.
+    hang::within_a_minute("a request waiting for a slot", || {
+        hang::paused_runtime().block_on(async {
+            let streams = Streams::default();
+            let mut svc = SessionAffinityLayer::new()
+                .overflow(Overflow::wait(Duration::from_secs(60), 8))
+                .layer(fleet_with_request_context(
+                    &[("small", 1, 1_000), ("large", 1, 8_000)],
+                    &streams,
+                ));
+            let s = session_homed_on(&mut svc, "small", &[(1, 500)]).await;
+            // Both busy.
+            let (on_small, small_tx) = hold_on(&mut svc, &streams, "small").await;
+            let (on_large, large_tx) = hold_on(&mut svc, &streams, "large").await;
+            svc.ready().await.unwrap();
+            let mut long =
+                tokio_test::task::spawn(svc.call(turn_of(&s, &[(1, 500), (2, 1_500)], false)));
+            assert_pending!(long.poll());
+            // Its home frees: too small for it, so it waits on.
+            drop(small_tx);
+            on_small.into_body().collect().await.unwrap();
+            tokio::time::advance(Duration::from_secs(1)).await;
+            assert_pending!(long.poll());
+            assert_eq!(in_flight(&svc, "small"), 0);
+            // The backend that takes it frees.
+            drop(large_tx);
+            on_large.into_body().collect().await.unwrap();
+            tokio::time::advance(Duration::from_secs(1)).await;
+            let res = assert_ready!(long.poll()).unwrap();
+            let d = decision(&res);
+            assert_eq!(
+                (d.backend.as_str(), d.waited),
+                ("large", Some(Duration::from_secs(2)))
+            );
+        })
+    });
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
@@ -4543,45 +4551,51 @@ async fn a_backend_the_policy_never_offers_does_not_keep_a_long_prompt_off_the_o
 
 /// A slot freed on a backend too small for the oldest waiter, whose home it is, goes on to a
 /// later waiter that it takes.
-#[tokio::test(flavor = "current_thread", start_paused = true)]
-async fn a_slot_too_small_for_its_first_waiter_goes_on_to_one_it_takes() {
-    let streams = Streams::default();
-    let mut svc = SessionAffinityLayer::new()
-        .overflow(Overflow::wait(Duration::from_secs(60), 8))
-        .layer(fleet_with_request_context(
-            &[("small", 1, 1_000), ("large", 1, 8_000)],
-            &streams,
-        ));
-    let s = session_homed_on(&mut svc, "small", &[(1, 500)]).await;
-    let (on_small, small_tx) = hold_on(&mut svc, &streams, "small").await;
-    let (y, _y_tx) = hold_on(&mut svc, &streams, "large").await;
-    svc.ready().await.unwrap();
-    let mut long = tokio_test::task::spawn(svc.call(turn_of(&s, &[(1, 500), (2, 1_500)], false)));
-    assert_pending!(long.poll());
-    svc.ready().await.unwrap();
-    let mut short = tokio_test::task::spawn(svc.call(turn_of("z", &[(7, 10)], false)));
-    assert_pending!(short.poll());
-    drop(small_tx);
-    on_small.into_body().collect().await.unwrap();
-    // Whoever is woken first, the short one ends on small at once.
-    for _ in 0..4 {
-        if long.is_woken() {
+#[test]
+fn a_slot_too_small_for_its_first_waiter_goes_on_to_one_it_takes() {
+    // Bounded: a slot that circles between the waiters never lets a poll return.
+    hang::within_a_minute("a request waiting for a slot", || {
+        hang::paused_runtime().block_on(async {
+            let streams = Streams::default();
+            let mut svc = SessionAffinityLayer::new()
+                .overflow(Overflow::wait(Duration::from_secs(60), 8))
+                .layer(fleet_with_request_context(
+                    &[("small", 1, 1_000), ("large", 1, 8_000)],
+                    &streams,
+                ));
+            let s = session_homed_on(&mut svc, "small", &[(1, 500)]).await;
+            let (on_small, small_tx) = hold_on(&mut svc, &streams, "small").await;
+            let (y, _y_tx) = hold_on(&mut svc, &streams, "large").await;
+            svc.ready().await.unwrap();
+            let mut long =
+                tokio_test::task::spawn(svc.call(turn_of(&s, &[(1, 500), (2, 1_500)], false)));
             assert_pending!(long.poll());
-        }
-        if short.is_woken() {
-            break;
-        }
-    }
-    assert!(
-        short.is_woken(),
-        "the short waiter sleeps beside a free slot it can take"
-    );
-    let d = decision(&assert_ready!(short.poll()).unwrap());
-    assert_eq!(
-        (d.backend.as_str(), d.waited),
-        ("small", Some(Duration::ZERO))
-    );
-    drop(y);
+            svc.ready().await.unwrap();
+            let mut short = tokio_test::task::spawn(svc.call(turn_of("z", &[(7, 10)], false)));
+            assert_pending!(short.poll());
+            drop(small_tx);
+            on_small.into_body().collect().await.unwrap();
+            // Whoever is woken first, the short one ends on small at once.
+            for _ in 0..4 {
+                if long.is_woken() {
+                    assert_pending!(long.poll());
+                }
+                if short.is_woken() {
+                    break;
+                }
+            }
+            assert!(
+                short.is_woken(),
+                "the short waiter sleeps beside a free slot it can take"
+            );
+            let d = decision(&assert_ready!(short.poll()).unwrap());
+            assert_eq!(
+                (d.backend.as_str(), d.waited),
+                ("small", Some(Duration::ZERO))
+            );
+            drop(y);
+        })
+    });
 }
 
 /// Under node patience, a session whose home node has only backends too small for its prompt
