@@ -4793,6 +4793,7 @@ async fn requests_held_for_their_homes_node_follow_it_to_its_new_node() {
     let mut y = 0;
     while turn(&mut svc, &format!("y{y}")).await.backend != home {
         y += 1;
+        assert!(y < 64, "no session of 64 homed on {home}");
     }
     let y = format!("y{y}");
     let first = send(&mut svc, Some("x"), Some("stream")).await.unwrap();
