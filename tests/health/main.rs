@@ -145,8 +145,11 @@ where
         .unwrap_or_else(|| panic!("no backend {id}"))
 }
 
-/// Every log line of this test binary: one global subscriber (a thread's own default would
-/// race the other tests over tracing's global per-callsite cache).
+/// What the crate logs on one test's thread: each test that counts log lines has its own, so
+/// that another test logging the same line at the same time does not count. One global
+/// subscriber routes each event to the buffer of the test on the thread that logged it (a
+/// current-thread runtime runs that test's tasks, the probe's too, on its thread); a thread's
+/// own default subscriber would race the other tests over tracing's global per-callsite cache.
 #[derive(Clone, Default)]
 struct Logs(Arc<Mutex<Vec<u8>>>);
 
@@ -161,9 +164,21 @@ impl Logs {
     }
 }
 
-impl Write for Logs {
+thread_local! {
+    // The buffer of the test on this thread, if it counts log lines.
+    static CAPTURE: std::cell::RefCell<Option<Logs>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Writes to the buffer of the test on the current thread, if any.
+struct ThreadLogs;
+
+impl Write for ThreadLogs {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().extend_from_slice(buf);
+        CAPTURE.with(|c| {
+            if let Some(logs) = c.borrow().as_ref() {
+                logs.0.lock().extend_from_slice(buf);
+            }
+        });
         Ok(buf.len())
     }
 
@@ -172,19 +187,20 @@ impl Write for Logs {
     }
 }
 
-fn logs() -> &'static Logs {
-    static LOGS: std::sync::OnceLock<Logs> = std::sync::OnceLock::new();
-    LOGS.get_or_init(|| {
-        let logs = Logs::default();
-        let writer = logs.clone();
+/// What this thread logs from now on: the binary's subscriber is set first, once.
+fn logs() -> Logs {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
         let subscriber = tracing_subscriber::fmt()
             .with_ansi(false)
             .with_max_level(tracing::Level::INFO)
-            .with_writer(move || writer.clone())
+            .with_writer(|| ThreadLogs)
             .finish();
-        tracing::subscriber::set_global_default(subscriber).unwrap();
-        logs
-    })
+        tracing::subscriber::set_global_default(subscriber).expect("the binary's one subscriber");
+    });
+    let logs = Logs::default();
+    CAPTURE.with(|c| *c.borrow_mut() = Some(logs.clone()));
+    logs
 }
 
 /// A shared store that refuses every read and write, or whose reads and writes never answer
@@ -515,7 +531,7 @@ async fn a_slots_answer_that_cannot_be_read_is_said_once_and_takes_nothing_down(
     );
     assert_eq!((s.slots, s.last_error), (None, None));
     prober.round(&affinity).await;
-    assert_eq!(warned(logs), 1, "said once while it lasts");
+    assert_eq!(warned(&logs), 1, "said once while it lasts");
 
     // An answer that is no array of slots says so too.
     stub.slots_status.store(0, Ordering::Relaxed);
@@ -535,7 +551,7 @@ async fn a_slots_answer_that_cannot_be_read_is_said_once_and_takes_nothing_down(
     stub.slots_status.store(500, Ordering::Relaxed);
     prober.round(&affinity).await;
     assert_eq!(status(&affinity, "noslots").slots, 3);
-    assert_eq!(warned(logs), 1);
+    assert_eq!(warned(&logs), 1);
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
