@@ -1600,15 +1600,15 @@ async fn a_full_backend_makes_requests_wait_and_metrics_show_it() {
             proxy.post_json(&[("x-session-id", "second")], &body).await
         })
     };
-    let mut waited = false;
-    for _ in 0..500 {
-        if proxy.proxy.affinity().stats().waiting == 1 {
-            waited = true;
-            break;
+    // Until the balancer holds it (a bounded wait for the event, not a fixed sleep).
+    let waiting = async {
+        while proxy.proxy.affinity().stats().waiting != 1 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    assert!(waited, "the second request should wait for the only slot");
+    };
+    tokio::time::timeout(DEADLINE, waiting)
+        .await
+        .expect("the second request should wait for the only slot");
     let metrics = String::from_utf8(proxy.get("/metrics").await.body.to_vec()).unwrap();
     assert!(metrics.contains("tower_affinity_waiting 1"), "{metrics}");
     assert!(
