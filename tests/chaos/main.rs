@@ -546,7 +546,8 @@ async fn chaos_ends_every_request_and_loses_no_slot() {
 /// backend hangs, the answer is 504.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backend_that_never_answers_is_passed_over_after_the_response_timeout() {
-    const TIMEOUT: Duration = Duration::from_millis(300);
+    // Long enough that a loaded machine's proxy and stub answer well within it.
+    const TIMEOUT: Duration = Duration::from_secs(1);
     let hung = Stub::start("h1").await;
     let fine = Stub::start("h2").await;
     hung.set(HANG, Duration::ZERO);
@@ -593,9 +594,14 @@ async fn a_backend_that_never_answers_is_passed_over_after_the_response_timeout(
     // times out, the retry times out too: 504.
     fine.set(HANG, Duration::ZERO);
     let both_hung = start_with(specs, timed).await;
+    let attempts =
+        || hung.state.chats.load(Ordering::Relaxed) + fine.state.chats.load(Ordering::Relaxed);
+    let before = attempts();
     let started = tokio::time::Instant::now();
     let (end, _) = turn(&client, both_hung.addr, 1_000).await;
     assert_eq!(end, End::Status(504));
+    assert_eq!(attempts() - before, 2, "the request and its one retry");
+    // Two timeouts, and scheduling on a loaded machine.
     assert!(started.elapsed() < 4 * TIMEOUT, "{:?}", started.elapsed());
     assert!(
         both_hung.settled().await,
