@@ -15,7 +15,6 @@ use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::io::Write;
-use std::net::SocketAddr;
 use std::num::NonZeroU32;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -925,9 +924,10 @@ async fn a_fleet_built_outside_a_runtime_starts_on_its_first_poll() {
 
 // === end to end: SessionAffinity over DNS, HTTP to stub backends ===
 
-/// A backend that answers every request with its name.
-async fn stub(name: &'static str, addr: SocketAddr) -> tokio::task::JoinHandle<()> {
-    let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
+/// A backend on `listener` that answers every request with its name.
+fn stub(name: &'static str, listener: std::net::TcpListener) -> tokio::task::JoinHandle<()> {
+    listener.set_nonblocking(true).unwrap();
+    let listener = tokio::net::TcpListener::from_std(listener).unwrap();
     tokio::spawn(async move {
         loop {
             let Ok((io, _)) = listener.accept().await else {
@@ -946,16 +946,14 @@ async fn stub(name: &'static str, addr: SocketAddr) -> tokio::task::JoinHandle<(
     })
 }
 
-/// Two loopback addresses with one free port on both: A records carry no port.
-async fn two_addresses() -> (SocketAddr, SocketAddr) {
+/// Listeners on two loopback addresses with one port: A records carry no port. Both are held
+/// from the start, so that no other test can take the port on either address meanwhile.
+fn two_listeners() -> (std::net::TcpListener, std::net::TcpListener) {
     for _ in 0..20 {
         let a = std::net::TcpListener::bind("127.0.0.2:0").unwrap();
         let port = a.local_addr().unwrap().port();
-        if std::net::TcpListener::bind(("127.0.0.3", port)).is_ok() {
-            return (
-                a.local_addr().unwrap(),
-                SocketAddr::from(([127, 0, 0, 3], port)),
-            );
+        if let Ok(b) = std::net::TcpListener::bind(("127.0.0.3", port)) {
+            return (a, b);
         }
     }
     panic!("no port free on both 127.0.0.2 and 127.0.0.3");
@@ -964,9 +962,13 @@ async fn two_addresses() -> (SocketAddr, SocketAddr) {
 #[tokio::test]
 async fn session_affinity_over_dns_routes_to_http_backends_and_follows_a_change() {
     let dns = start_dns().await;
-    let (a, b) = two_addresses().await;
-    let _a = stub("a", a).await;
-    let _b = stub("b", b).await;
+    let (listen_a, listen_b) = two_listeners();
+    let (a, b) = (
+        listen_a.local_addr().unwrap(),
+        listen_b.local_addr().unwrap(),
+    );
+    let _a = stub("a", listen_a);
+    let _b = stub("b", listen_b);
     dns.set_ips("llm.fleet.test.", 30, &["127.0.0.2"]).await;
 
     let client: Client<HttpConnector, Full<Bytes>> =
