@@ -95,10 +95,11 @@ async fn get(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> Option<
         .flatten()
 }
 
-/// Waits (bounded) until Redis holds `key`'s home on `backend`: writes are not awaited by the
-/// request that makes them.
+/// Waits (for at most 10 s, as a loaded machine may need) until Redis holds `key`'s home on
+/// `backend`: writes are not awaited by the request that makes them.
 async fn until_stored(conn: &mut redis::aio::MultiplexedConnection, key: &str, backend: &str) {
-    for _ in 0..500 {
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(10) {
         let v = get(conn, key).await;
         if v.as_deref()
             .and_then(|v| StoredHome::decode(v.as_bytes()))
