@@ -11,9 +11,9 @@ use std::time::Duration;
 const LIMIT: Duration = Duration::from_secs(60);
 
 /// Runs `test` on a thread of its own, passing on its panic; if it has not returned within a
-/// minute, says so, with `what` it was doing, and ends the test binary, since the hung thread cannot be stopped (and a
-/// panic would leave it spinning, or under proptest start a shrink whose every case could hang
-/// as long).
+/// minute, says so, with `what` it was doing, and ends the test binary, since the hung thread
+/// cannot be stopped (and a panic would leave it spinning, or under proptest start a shrink
+/// whose every case could hang as long).
 pub(crate) fn within_a_minute(what: &str, test: impl FnOnce() + Send + 'static) {
     let (done, finished) = mpsc::channel();
     let name = std::thread::current().name().map(str::to_string);
