@@ -1064,3 +1064,68 @@ async fn a_panicking_node_function_ends_the_stream_and_wakes_resolved() {
         "the stream ends with its task"
     );
 }
+
+/// An answer whose addresses all changed (a one-backend fleet whose pod came back elsewhere)
+/// announces the new backends before it removes the old ones: a balancer that applies the
+/// changes between the two (a request's readiness on another thread, while the new backend's
+/// service is being made) never finds its fleet empty, and answers no request 503 for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_whose_addresses_all_change_is_never_empty_between_the_changes() {
+    let dns = start_dns().await;
+    dns.set_ips("llm.fleet.test.", 30, &["10.0.0.1"]).await;
+    // The new address's service is made while the test looks at the balancer.
+    let (making, mut made) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    let held = Arc::new(Mutex::new(held));
+    let fleet = builder(&dns, "llm.fleet.test.:8080")
+        .build(move |ep: &DnsEndpoint| {
+            if ep.addr().ip().to_string() == "10.0.0.2" {
+                let _ = making.send(());
+                let _ = held.lock().recv_timeout(Duration::from_secs(10));
+            }
+            let name = ep.addr().to_string();
+            service_fn(move |_req: http::Request<String>| {
+                let name = name.clone();
+                async move { Ok::<_, Infallible>(http::Response::new(name)) }
+            })
+        })
+        .unwrap();
+    let handle = fleet.handle();
+    let svc = SessionAffinityLayer::new().layer(fleet);
+    tokio::time::timeout(Duration::from_secs(10), handle.resolved(1))
+        .await
+        .unwrap();
+    svc.apply_discovery();
+    let ids = |svc: &tower_affinity::SessionAffinity<_, _, _>| -> Vec<String> {
+        svc.backends().iter().map(|b| b.id.to_string()).collect()
+    };
+    assert_eq!(ids(&svc), ["10.0.0.1:8080"]);
+
+    dns.set_ips("llm.fleet.test.", 30, &["10.0.0.2"]).await;
+    handle.refresh();
+    tokio::time::timeout(Duration::from_secs(10), made.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    // The new backend's service is being made: the old backend still serves.
+    svc.apply_discovery();
+    assert_eq!(ids(&svc), ["10.0.0.1:8080"]);
+    let turn = http::Request::post("/v1/chat/completions")
+        .header("x-session-id", "agent-1")
+        .body(String::new())
+        .unwrap();
+    let res = svc
+        .clone()
+        .oneshot(turn)
+        .await
+        .expect("served by the old backend");
+    let decision = res.extensions().get::<Decision>().unwrap();
+    assert_eq!(decision.backend.as_str(), "10.0.0.1:8080");
+
+    release.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(10), handle.resolved(2))
+        .await
+        .unwrap();
+    svc.apply_discovery();
+    assert_eq!(ids(&svc), ["10.0.0.2:8080"]);
+}

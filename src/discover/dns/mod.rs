@@ -11,7 +11,8 @@
 //!
 //! It resolves again when the answer's shortest TTL runs out, but no sooner than a floor and no
 //! later than a ceiling, and yields tower [`Change`](tower::discover::Change)s for what
-//! changed: an insert for each new `IP:PORT`, a removal for each that went. A failed resolution
+//! changed: an insert for each new `IP:PORT`, a removal for each that went, the inserts first
+//! (a fleet whose addresses all changed is never empty between the two). A failed resolution
 //! keeps the fleet as it was, and is counted and logged (see [`DnsHandle`]); an answer with no
 //! address counts as failed, so DNS never empties the fleet.
 //!

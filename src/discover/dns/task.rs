@@ -114,6 +114,36 @@ pub(crate) async fn run<S>(
             Ok(found) => {
                 let now = Instant::now();
                 let (mut added, mut removed) = (0usize, 0usize);
+                unmade.retain(|addr| found.endpoints.contains_key(addr));
+                // The new backends first, the gone ones after: a balancer that applies the
+                // changes sent so far (on another thread, while a service below is made)
+                // never finds its fleet empty where the answer only moved it (a one-backend
+                // fleet whose pod came back at another address).
+                for (addr, ep) in &found.endpoints {
+                    if current.contains_key(addr) {
+                        continue;
+                    }
+                    let id = ep.id();
+                    let backend = match make.backend(ep) {
+                        Ok(backend) => backend,
+                        Err(e) => {
+                            if unmade.insert(*addr) {
+                                tracing::warn!(
+                                    dns = %target,
+                                    backend = %id,
+                                    error = %e,
+                                    "DNS: could not make the backend's service; left out"
+                                );
+                            }
+                            continue;
+                        }
+                    };
+                    unmade.remove(addr);
+                    added += 1;
+                    tracing::debug!(dns = %target, backend = %id, "DNS: backend found");
+                    let _ = tx.send(Change::Insert(id.clone(), backend));
+                    current.insert(*addr, id);
+                }
                 current.retain(|addr, id| {
                     if found.endpoints.contains_key(addr) {
                         if missing.remove(addr).is_some() {
@@ -148,32 +178,6 @@ pub(crate) async fn run<S>(
                     let _ = tx.send(Change::Remove(id.clone()));
                     false
                 });
-                unmade.retain(|addr| found.endpoints.contains_key(addr));
-                for (addr, ep) in &found.endpoints {
-                    if current.contains_key(addr) {
-                        continue;
-                    }
-                    let id = ep.id();
-                    let backend = match make.backend(ep) {
-                        Ok(backend) => backend,
-                        Err(e) => {
-                            if unmade.insert(*addr) {
-                                tracing::warn!(
-                                    dns = %target,
-                                    backend = %id,
-                                    error = %e,
-                                    "DNS: could not make the backend's service; left out"
-                                );
-                            }
-                            continue;
-                        }
-                    };
-                    unmade.remove(addr);
-                    added += 1;
-                    tracing::debug!(dns = %target, backend = %id, "DNS: backend found");
-                    let _ = tx.send(Change::Insert(id.clone(), backend));
-                    current.insert(*addr, id);
-                }
                 if added + removed > 0 {
                     tracing::info!(
                         dns = %target,
