@@ -77,7 +77,8 @@ pub(crate) async fn check(
                 Err(format!("/slots answered {status}"))
             }
             Ok((StatusCode::OK, body)) => parse_slots(&body).ok_or_else(|| {
-                "/slots gave no count: a non-empty JSON array was expected".to_string()
+                "/slots gave no count: a non-empty JSON array of slot objects was expected"
+                    .to_string()
             }),
             Ok((status, _)) => Err(format!("/slots answered {status}")),
             Err(e) => Err(format!("/slots: {e}")),
@@ -115,9 +116,15 @@ pub(crate) fn parse_max_model_len(body: &[u8]) -> Option<NonZeroU64> {
 }
 
 /// llama-server's `/slots`: a JSON array, one object per slot, each with `is_processing` and
-/// `n_ctx` (the slot's share of `-c`, or all of it with `--kv-unified`).
+/// `n_ctx` (the slot's share of `-c`, or all of it with `--kv-unified`). Anything else, an
+/// array of anything but objects included, gives no count.
 pub(crate) fn parse_slots(body: &[u8]) -> Option<Slots> {
     let slots: Vec<serde_json::Value> = serde_json::from_slice(body).ok()?;
+    // Each one an object, as llama-server gives them: an array of anything else is not its
+    // `/slots`, and its length no count.
+    if !slots.iter().all(serde_json::Value::is_object) {
+        return None;
+    }
     let total = u32::try_from(slots.len()).ok().filter(|&n| n > 0)?;
     let busy = slots
         .iter()
@@ -197,6 +204,21 @@ mod tests {
         assert_eq!(parse_slots(b"[]"), None);
         assert_eq!(parse_slots(b"{}"), None);
         assert_eq!(parse_slots(b"not json"), None);
+    }
+
+    /// Another server's answer at `/slots` (a catch-all route, a proxy's error list) is no
+    /// count: a hundred thousand zeros would otherwise be read as 65,536 slots, and the
+    /// balancer would send that backend as many requests at once.
+    #[test]
+    fn an_array_of_anything_but_slot_objects_gives_no_count() {
+        assert_eq!(parse_slots(b"[0,0,0]"), None);
+        assert_eq!(parse_slots(br#"["slot-0","slot-1"]"#), None);
+        assert_eq!(parse_slots(br#"[{"id":0},null]"#), None);
+        assert_eq!(parse_slots(br#"[[{"id":0}]]"#), None);
+        let zeros = format!("[{}0]", "0,".repeat(100_000));
+        assert_eq!(parse_slots(zeros.as_bytes()), None);
+        // An object without the fields llama-server gives is still a slot.
+        assert_eq!(parse_slots(b"[{}]").map(|s| s.total), Some(1));
     }
 
     #[test]

@@ -539,7 +539,7 @@ async fn a_slots_answer_that_cannot_be_read_is_said_once_and_takes_nothing_down(
     prober.round(&affinity).await;
     assert_eq!(
         prober.status("noslots").unwrap().slots_error.as_deref(),
-        Some("/slots gave no count: a non-empty JSON array was expected")
+        Some("/slots gave no count: a non-empty JSON array of slot objects was expected")
     );
 
     // Readable again: the count is learned and the reason goes.
