@@ -319,6 +319,10 @@ impl ProbeTarget for Upstream {
     fn base_uri(&self) -> &Uri {
         self.http.base_uri()
     }
+
+    fn http2_prior_knowledge(&self) -> bool {
+        self.http.http2_prior_knowledge()
+    }
 }
 
 /// The response future of [`Upstream`]: the pooled client's, or a client connection's own.

@@ -124,6 +124,24 @@ impl<B> HttpBackend<B> {
         self.inner.response_timeout
     }
 
+    /// Whether the backend is spoken to in HTTP/2 with prior knowledge
+    /// ([`Builder::http2_prior_knowledge`]); health probes are sent in the same version.
+    ///
+    /// ```
+    /// use http_body_util::Full;
+    /// use bytes::Bytes;
+    /// use tower_affinity::client::HttpBackend;
+    ///
+    /// let h2 = HttpBackend::<Full<Bytes>>::builder()
+    ///     .http2_prior_knowledge(true)
+    ///     .build("http://10.0.0.2:30000")
+    ///     .unwrap();
+    /// assert!(h2.http2_prior_knowledge());
+    /// ```
+    pub fn http2_prior_knowledge(&self) -> bool {
+        self.inner.version == Version::HTTP_2
+    }
+
     /// `req` as it goes to the backend: hop-by-hop headers dropped (`TE: trailers` sent on
     /// as the proxy's own when the client's `TE` accepts trailers, and a `Content-Length`
     /// that a `Transfer-Encoding` overrode dropped with it), `Host` set to the

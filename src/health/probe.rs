@@ -22,7 +22,8 @@ use crate::{Backend, BackendId};
 ///   [`Prober::round`]), and reports through the balancer's health marks
 ///   ([`SessionAffinity::mark_down`] and [`mark_up`]).
 ///
-/// Each probe is `GET /health`:
+/// Each probe is `GET /health`, in the HTTP version the backend is spoken to in (HTTP/2 with
+/// prior knowledge where [`ProbeTarget::http2_prior_knowledge`] says so, else HTTP/1.1):
 ///
 /// - 200: ready. A backend that is down comes up after
 ///   [`success_threshold`](Self::success_threshold) of these in a row (after its first, if it

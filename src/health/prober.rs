@@ -39,6 +39,8 @@ pub struct Prober<S> {
 struct Shared<S> {
     config: HealthProbe,
     client: ProbeClient,
+    /// For backends spoken to in HTTP/2 with prior knowledge.
+    client_h2: ProbeClient,
     state: Mutex<HashMap<BackendId, Target<S>>>,
     /// Generations of targets: a probe's answer for a backend removed meanwhile (and perhaps
     /// announced again) is dropped.
@@ -94,12 +96,16 @@ impl<S> Prober<S> {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(config.timeout));
         connector.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new()).build(connector);
+        let client = Client::builder(TokioExecutor::new()).build(connector.clone());
+        let client_h2 = Client::builder(TokioExecutor::new())
+            .http2_only(true)
+            .build(connector);
         let (updates, receiver) = mpsc::unbounded_channel();
         Prober {
             shared: Arc::new(Shared {
                 config,
                 client,
+                client_h2,
                 state: Mutex::default(),
                 generations: AtomicU64::new(0),
                 updates,
@@ -273,7 +279,7 @@ where
     async fn round_of<H: MarkHealth>(&self, health: &H, only_new: bool, check_store: bool) {
         // The fleet as the balancer has it: what its stream has announced so far.
         health.apply_discovery();
-        let jobs: Vec<(BackendId, u64, Uri, bool, bool)> = {
+        let jobs: Vec<(BackendId, u64, Uri, bool, bool, bool)> = {
             let state = self.shared.state.lock();
             state
                 .iter()
@@ -287,14 +293,19 @@ where
                     let slots = slots || context;
                     // A backend without slots gives its request context in `/v1/models`.
                     let models = self.learns_context(&t.backend);
-                    let uri = t.backend.service().base_uri().clone();
-                    (id.clone(), t.generation, uri, slots, models)
+                    let service = t.backend.service();
+                    let (uri, h2) = (service.base_uri().clone(), service.http2_prior_knowledge());
+                    (id.clone(), t.generation, uri, h2, slots, models)
                 })
                 .collect()
         };
         let mut probes = JoinSet::new();
-        for (id, generation, uri, slots, models) in jobs {
-            let client = self.shared.client.clone();
+        for (id, generation, uri, h2, slots, models) in jobs {
+            let client = if h2 {
+                self.shared.client_h2.clone()
+            } else {
+                self.shared.client.clone()
+            };
             let timeout = self.shared.config.timeout;
             probes.spawn(async move {
                 let checked = check(client, uri, timeout, slots, models).await;

@@ -16,11 +16,22 @@ use crate::{Backend, BackendId, SessionAffinity};
 pub trait ProbeTarget {
     /// `scheme://authority/` of the backend.
     fn base_uri(&self) -> &Uri;
+
+    /// Whether the backend is spoken to in HTTP/2 with prior knowledge (`h2c`), as the probe
+    /// then asks it too: a front that takes only HTTP/2 never answers an HTTP/1.1 probe.
+    /// HTTP/1.1 (`false`) unless implemented.
+    fn http2_prior_knowledge(&self) -> bool {
+        false
+    }
 }
 
 impl<B> ProbeTarget for HttpBackend<B> {
     fn base_uri(&self) -> &Uri {
         HttpBackend::base_uri(self)
+    }
+
+    fn http2_prior_knowledge(&self) -> bool {
+        HttpBackend::http2_prior_knowledge(self)
     }
 }
 

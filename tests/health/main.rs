@@ -17,6 +17,7 @@ use axum::routing::get;
 use axum::Router;
 use bytes::Bytes;
 use http_body_util::Full;
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use parking_lot::Mutex;
 use refusing::Refusing;
 use serde_json::{json, Value};
@@ -903,4 +904,46 @@ async fn v1_models_is_asked_only_of_a_ready_backend_and_its_context_announced_on
     assert!(s.up && s.failures == 0, "{s:?}");
     assert_eq!(status(&affinity, "m1").request_context_limit, Some(8_192));
     assert!(status(&affinity, "m1").healthy);
+}
+
+/// A backend spoken to in HTTP/2 with prior knowledge (an `h2c` front that takes nothing
+/// else) is probed in HTTP/2 too: asked in HTTP/1.1, it would never answer, and be down for
+/// good.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_backend_spoken_to_in_http2_is_probed_in_http2() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((io, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(
+                    |req: http::Request<hyper::body::Incoming>| async move {
+                        let body = match req.uri().path() {
+                            "/health" => json!({"status": "ok"}),
+                            "/slots" => json!([{"id": 0, "n_ctx": 4096}, {"id": 1, "n_ctx": 4096}]),
+                            _ => json!({"error": "not found"}),
+                        };
+                        let body = Full::new(Bytes::from(body.to_string()));
+                        Ok::<_, std::convert::Infallible>(http::Response::new(body))
+                    },
+                );
+                let http2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+                let _ = http2.serve_connection(TokioIo::new(io), svc).await;
+            });
+        }
+    });
+    let backend = HttpBackend::builder()
+        .http2_prior_knowledge(true)
+        .build(&format!("http://{addr}"))
+        .unwrap();
+    let (affinity, prober) = balancer(HealthProbe::new(), vec![("h2", Backend::new("n", backend))]);
+    prober.round(&affinity).await;
+    let s = prober.status("h2").unwrap();
+    assert!(s.up && s.last_error.is_none(), "{s:?}");
+    let b = status(&affinity, "h2");
+    assert!(b.healthy);
+    assert_eq!((b.slots, b.request_context_limit), (2, Some(4096)));
 }
