@@ -1,6 +1,6 @@
 //! [`Prober`]: probes the backends its stream announced, and reports what it finds.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::future::{poll_fn, Future};
 use std::num::NonZeroU32;
@@ -84,6 +84,22 @@ impl<S> fmt::Debug for Prober<S> {
             .finish_non_exhaustive()
     }
 }
+
+/// One backend's probe: where, and what to ask.
+struct Job {
+    id: BackendId,
+    generation: u64,
+    uri: Uri,
+    /// Spoken to in HTTP/2 with prior knowledge.
+    h2: bool,
+    /// `/slots` asked too.
+    slots: bool,
+    /// `/v1/models` asked too, if it has no slots.
+    models: bool,
+}
+
+/// A probe's answer, and the backend (and generation) it is for.
+type ProbeAnswer = (BackendId, u64, Checked);
 
 /// What one probe's answer calls for, done outside the lock.
 enum Mark {
@@ -234,13 +250,35 @@ where
     /// up through `health`, and announces learned slot counts (applied before this returns).
     /// Checks the balancer's shared store beside them ([`MarkHealth::check_store`]).
     pub async fn round<H: MarkHealth>(&self, health: &H) {
-        self.round_of(health, false, true).await;
+        // The fleet as the balancer has it: what its stream has announced so far.
+        health.apply_discovery();
+        let mut probes = JoinSet::new();
+        for job in self.jobs(false, &HashSet::new()) {
+            probes.spawn(self.probe(job));
+        }
+        let store = health.check_store();
+        let mut announced = false;
+        let backends = async {
+            while let Some(done) = probes.join_next().await {
+                let Ok((id, generation, checked)) = done else {
+                    continue;
+                };
+                announced |= self.settle(health, &id, generation, checked);
+            }
+        };
+        tokio::join!(store, backends);
+        if announced {
+            health.apply_discovery();
+        }
     }
 
     /// Probes every backend each interval, and a backend announced later at once, until the
     /// returned [`ProbeTask`] is dropped; each interval the shared store is checked too, in a
     /// task of its own, one check at a time, so that a store slower than the interval does not
-    /// hold the probes back. Needs a tokio runtime.
+    /// hold the probes back. Each backend's probe runs on its own, and its answer is acted on
+    /// as it comes: a backend slow to answer (up to the [timeout](HealthProbe::timeout) for
+    /// each of its requests) holds back no other's probes, and is not probed again until its
+    /// probe is done. Needs a tokio runtime.
     #[must_use = "probing stops when the returned ProbeTask is dropped: keep it"]
     pub fn spawn<H>(self, health: H) -> ProbeTask
     where
@@ -249,103 +287,131 @@ where
         let task = tokio::spawn(async move {
             let mut tick = tokio::time::interval(self.shared.config.interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            // The shared store's check, in a task of its own beside the rounds, one at a
+            // The shared store's check, in a task of its own beside the probes, one at a
             // time: a store that does not answer holds its check up to its deadline, which
             // may be longer than the interval, and the backends' probes do not wait for it.
-            // Aborted with this task.
+            // Aborted with this task, as the probes are.
             let mut store_check = JoinSet::new();
+            let mut probes = JoinSet::new();
+            // The backends (and generations) whose probe is out, by task.
+            let mut out: HashMap<tokio::task::Id, (BackendId, u64)> = HashMap::new();
             loop {
+                enum Next {
+                    Tick,
+                    Fresh,
+                    Answer(Result<(tokio::task::Id, ProbeAnswer), tokio::task::JoinError>),
+                }
                 let fresh = self.shared.fresh.notified();
                 let mut fresh = std::pin::pin!(fresh);
-                let only_new = poll_fn(|cx| {
+                let next = poll_fn(|cx| {
                     if tick.poll_tick(cx).is_ready() {
-                        return Poll::Ready(false);
+                        return Poll::Ready(Next::Tick);
                     }
-                    fresh.as_mut().poll(cx).map(|()| true)
+                    if let Poll::Ready(Some(done)) = probes.poll_join_next_with_id(cx) {
+                        return Poll::Ready(Next::Answer(done));
+                    }
+                    fresh.as_mut().poll(cx).map(|()| Next::Fresh)
                 })
                 .await;
+                let only_new = match next {
+                    Next::Answer(done) => {
+                        let task = match &done {
+                            Ok((task, _)) => *task,
+                            Err(e) => e.id(),
+                        };
+                        out.remove(&task);
+                        if let Ok((_, (id, generation, checked))) = done {
+                            if self.settle(&health, &id, generation, checked) {
+                                health.apply_discovery();
+                            }
+                        }
+                        continue;
+                    }
+                    Next::Tick => false,
+                    Next::Fresh => true,
+                };
                 while store_check.try_join_next().is_some() {}
                 if !only_new && store_check.is_empty() {
                     store_check.spawn(health.check_store());
                 }
-                self.round_of(&health, only_new, false).await;
+                // The fleet as the balancer has it: what its stream has announced so far.
+                health.apply_discovery();
+                let busy: HashSet<(BackendId, u64)> = out.values().cloned().collect();
+                for job in self.jobs(only_new, &busy) {
+                    let backend = (job.id.clone(), job.generation);
+                    let task = probes.spawn(self.probe(job)).id();
+                    out.insert(task, backend);
+                }
             }
         });
         ProbeTask { task }
     }
 
-    /// A round: of the backends not probed yet if `only_new`, else of all of them, with the
-    /// shared store's check beside them if `check_store` too.
-    async fn round_of<H: MarkHealth>(&self, health: &H, only_new: bool, check_store: bool) {
-        // The fleet as the balancer has it: what its stream has announced so far.
-        health.apply_discovery();
-        let jobs: Vec<(BackendId, u64, Uri, bool, bool, bool)> = {
-            let state = self.shared.state.lock();
-            state
-                .iter()
-                .filter(|(_, t)| !only_new || t.status.probes == 0)
-                .map(|(id, t)| {
-                    // For its request context alone, a backend is not asked again once its
-                    // `/slots` answered that it has none (vLLM and SGLang have none), until
-                    // it fails or loads.
-                    let context = self.learns_context(&t.backend) && !t.status.no_slots;
-                    let slots = self.learns_slots(&t.backend) || self.shared.config.busy_slots;
-                    let slots = slots || context;
+    /// The probes to send: to the backends not probed yet if `only_new`, else to all of them,
+    /// but those whose probe is out (`busy`).
+    fn jobs(&self, only_new: bool, busy: &HashSet<(BackendId, u64)>) -> Vec<Job> {
+        let state = self.shared.state.lock();
+        state
+            .iter()
+            .filter(|(_, t)| !only_new || t.status.probes == 0)
+            .filter(|(id, t)| !busy.contains(&((*id).clone(), t.generation)))
+            .map(|(id, t)| {
+                // For its request context alone, a backend is not asked again once its
+                // `/slots` answered that it has none (vLLM and SGLang have none), until it
+                // fails or loads.
+                let context = self.learns_context(&t.backend) && !t.status.no_slots;
+                let slots = self.learns_slots(&t.backend) || self.shared.config.busy_slots;
+                let service = t.backend.service();
+                Job {
+                    id: id.clone(),
+                    generation: t.generation,
+                    uri: service.base_uri().clone(),
+                    h2: service.http2_prior_knowledge(),
+                    slots: slots || context,
                     // A backend without slots gives its request context in `/v1/models`.
-                    let models = self.learns_context(&t.backend);
-                    let service = t.backend.service();
-                    let (uri, h2) = (service.base_uri().clone(), service.http2_prior_knowledge());
-                    (id.clone(), t.generation, uri, h2, slots, models)
-                })
-                .collect()
-        };
-        let mut probes = JoinSet::new();
-        for (id, generation, uri, h2, slots, models) in jobs {
-            let client = if h2 {
-                self.shared.client_h2.clone()
-            } else {
-                self.shared.client.clone()
-            };
-            let timeout = self.shared.config.timeout;
-            probes.spawn(async move {
-                let checked = check(client, uri, timeout, slots, models).await;
-                (id, generation, checked)
-            });
-        }
-        // A whole round checks the shared store too, beside the backends.
-        let store = (!only_new && check_store).then(|| health.check_store());
-        let store = async move {
-            if let Some(check) = store {
-                check.await;
-            }
-        };
-        let mut announced = false;
-        let backends = async {
-            while let Some(done) = probes.join_next().await {
-                let Ok((id, generation, checked)) = done else {
-                    continue;
-                };
-                let (mark, update, node) = self.record(&id, generation, checked);
-                match mark {
-                    Some(Mark::Down(reason)) => {
-                        health.mark_down(&id);
-                        tracing::warn!(backend = %id, node = %node, %reason, "backend down until /health is 200");
-                    }
-                    Some(Mark::Up) => {
-                        health.mark_up(&id);
-                        tracing::info!(backend = %id, node = %node, "backend up: /health is 200");
-                    }
-                    None => {}
+                    models: self.learns_context(&t.backend),
                 }
-                if let Some(update) = update {
-                    announced |= self.shared.updates.send(update).is_ok();
-                }
-            }
+            })
+            .collect()
+    }
+
+    /// One backend's probe, to run in a task of its own.
+    fn probe(&self, job: Job) -> impl Future<Output = ProbeAnswer> + Send + 'static {
+        let client = if job.h2 {
+            self.shared.client_h2.clone()
+        } else {
+            self.shared.client.clone()
         };
-        tokio::join!(store, backends);
-        if announced {
-            health.apply_discovery();
+        let timeout = self.shared.config.timeout;
+        async move {
+            let checked = check(client, job.uri, timeout, job.slots, job.models).await;
+            (job.id, job.generation, checked)
         }
+    }
+
+    /// Acts on one probe's answer: records it, marks the backend down or up through `health`
+    /// (logged once), and sends what was learned of it for the stream to announce; returns
+    /// whether it sent something.
+    fn settle<H: MarkHealth>(
+        &self,
+        health: &H,
+        id: &BackendId,
+        generation: u64,
+        checked: Checked,
+    ) -> bool {
+        let (mark, update, node) = self.record(id, generation, checked);
+        match mark {
+            Some(Mark::Down(reason)) => {
+                health.mark_down(id);
+                tracing::warn!(backend = %id, node = %node, %reason, "backend down until /health is 200");
+            }
+            Some(Mark::Up) => {
+                health.mark_up(id);
+                tracing::info!(backend = %id, node = %node, "backend up: /health is 200");
+            }
+            None => {}
+        }
+        update.is_some_and(|update| self.shared.updates.send(update).is_ok())
     }
 
     /// Records one probe's answer; returns the transition it makes, the slot update it calls

@@ -38,6 +38,8 @@ struct Stub {
     hang: AtomicBool,
     /// Its slots, each `true` while processing.
     slots: Mutex<Vec<bool>>,
+    /// `/slots` never answers (llama-server busy with a long prefill answers it late).
+    slots_hang: AtomicBool,
     /// `/slots` answers this status with no slots, when not 0 (llama-server's `--no-slots`: 501).
     slots_status: AtomicU16,
     /// Each slot's `n_ctx`, left out when `None`; 4096 until set.
@@ -64,6 +66,9 @@ async fn health(State(s): State<Arc<Stub>>) -> (StatusCode, &'static str) {
 
 async fn slots(State(s): State<Arc<Stub>>) -> Result<axum::Json<Value>, StatusCode> {
     s.slots_hits.fetch_add(1, Ordering::Relaxed);
+    if s.slots_hang.load(Ordering::Relaxed) {
+        std::future::pending::<()>().await;
+    }
     match s.slots_status.load(Ordering::Relaxed) {
         0 => {}
         status => return Err(StatusCode::from_u16(status).unwrap()),
@@ -415,6 +420,44 @@ async fn three_failures_in_a_row_take_a_backend_down_each_interval() {
         probes,
         "dropping the task stops it"
     );
+}
+
+/// Each backend is probed each interval, whatever the others take to answer: a backend whose
+/// `/slots` answers late (llama-server busy with a long prefill) holds no other backend's
+/// probes back, and is not asked again while its probe is out.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_backend_slow_to_answer_holds_back_no_other_backends_probes() {
+    let (a, stub_a) = start(1).await;
+    let (busy, stub_busy) = start(2).await;
+    stub_busy.slots_hang.store(true, Ordering::Relaxed);
+    let (affinity, prober) = balancer(
+        HealthProbe::new()
+            .interval(Duration::from_secs(1))
+            .timeout(Duration::from_secs(5)),
+        vec![
+            ("a", Backend::new("n", http(a))),
+            ("busy", Backend::new("n", http(busy))),
+        ],
+    );
+    let _task = prober.clone().spawn(affinity.clone());
+    // Ready at 0 s; failing from then on: probed at 1, 2 and 3 s, and down at the third.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(prober.status("a").unwrap().up);
+    stub_a.health.store(500, Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let s = prober.status("a").unwrap();
+    assert_eq!((s.probes, s.failures, s.up), (4, 3, false), "{s:?}");
+    assert!(!status(&affinity, "a").healthy);
+    // Its `/slots` still out, the busy one is up, and was asked once.
+    assert!(status(&affinity, "busy").healthy);
+    assert_eq!(stub_busy.health_hits.load(Ordering::Relaxed), 1);
+    assert_eq!(prober.status("busy").unwrap().probes, 0);
+    // Its answer in (a timeout at 5 s), it is probed again at the next interval.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let s = prober.status("busy").unwrap();
+    assert_eq!(s.probes, 1);
+    assert!(s.up, "a /slots that does not answer takes nothing down");
+    assert!(stub_busy.health_hits.load(Ordering::Relaxed) >= 2);
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
