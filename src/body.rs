@@ -37,6 +37,11 @@ pin_project! {
         guard: Option<SlotGuard>,
         decision: Option<Decision>,
         observe: Option<Box<Observe>>,
+        // How long its backend is passed over when the body fails while it is read whole,
+        // before any of it reaches the client (see `read_whole`).
+        failure_cooldown: Duration,
+        // Whether the body is read whole before any of it reaches the client.
+        read_whole: bool,
     }
 
     impl<B> PinnedDrop for ResponseBody<B> {
@@ -277,12 +282,15 @@ impl<B> ResponseBody<B> {
         guard: SlotGuard,
         decision: Option<Decision>,
         observe: Option<Box<Observe>>,
+        failure_cooldown: Duration,
     ) -> Self {
         ResponseBody {
             kind: InnerOrBytes::Inner { inner },
             guard: Some(guard),
             decision,
             observe,
+            failure_cooldown,
+            read_whole: false,
         }
     }
 
@@ -312,6 +320,16 @@ impl<B> ResponseBody<B> {
         self.project().decision.take()
     }
 
+    /// The body is about to be read whole before any of it reaches the client (a `400` that
+    /// [`ReadRefusals`](crate::ReadRefusals) reads): should it fail, the request fails with
+    /// its backend's failure, which a retry sends elsewhere, so the backend is counted as
+    /// failed and passed over for the failure cooldown, as one that fails before answering
+    /// is, rather than counted as an answer cut short.
+    pub(crate) fn read_whole(mut self) -> Self {
+        self.read_whole = true;
+        self
+    }
+
     /// A body of `data` that holds no slot, keeping `decision` as the body it replaces did.
     pub(crate) fn read_back(data: Bytes, decision: Option<Decision>) -> Self {
         ResponseBody {
@@ -319,6 +337,8 @@ impl<B> ResponseBody<B> {
             guard: None,
             decision,
             observe: None,
+            failure_cooldown: Duration::ZERO,
+            read_whole: false,
         }
     }
 
@@ -329,6 +349,8 @@ impl<B> ResponseBody<B> {
             guard: None,
             decision: None,
             observe: None,
+            failure_cooldown: Duration::ZERO,
+            read_whole: false,
         }
     }
 }
@@ -386,10 +408,18 @@ where
         }
         // The end of the stream, or an error that ends it: the slot is free again.
         if !matches!(frame, Some(Ok(_))) {
-            if let (Some(Err(_)), Some(guard)) = (&frame, this.guard.as_ref()) {
-                guard.count_cut_answer();
+            match (&frame, this.guard.take()) {
+                // Nothing reached the client: the backend failed before it answered, and
+                // the request is retried as for any failure, elsewhere.
+                (Some(Err(_)), Some(guard)) if *this.read_whole => {
+                    guard.count_failure();
+                    if !this.failure_cooldown.is_zero() {
+                        guard.fail(*this.failure_cooldown);
+                    }
+                }
+                (Some(Err(_)), Some(guard)) => guard.count_cut_answer(),
+                _ => {}
             }
-            this.guard.take();
         }
         Poll::Ready(frame)
     }

@@ -1502,14 +1502,17 @@ pub struct BackendStatus {
     pub in_flight: u32,
     /// Whether it is taking requests (not marked down).
     pub healthy: bool,
-    /// Requests that failed on it before it answered (its readiness or its call failed), or
-    /// that it answered with 503 Service Unavailable, counted since discovery first named it.
+    /// Requests that failed on it before it answered (its readiness or its call failed, or
+    /// the body of a `400` that [`ReadRefusals`](crate::ReadRefusals) read), or that it
+    /// answered with 503 Service Unavailable, counted since discovery first named it.
     /// The fleet's total is [`Stats::backend_errors`](crate::Stats::backend_errors).
     pub failures: u64,
     /// Answers it began and did not finish (their body failed: the backend cut its stream,
     /// or its connection dropped), counted since discovery first named it. Such an answer
     /// does not mark the backend down, as the client has part of it already; this count is
-    /// how an operator sees a backend that keeps cutting its answers.
+    /// how an operator sees a backend that keeps cutting its answers. (A `400` whose body
+    /// fails while [`ReadRefusals`](crate::ReadRefusals) reads it reached no client: it
+    /// counts among the `failures`, and marks the backend down.)
     pub cut_answers: u64,
     /// Conversations the cache model says it homes: the tips of the prompts it holds.
     pub conversations: u32,

@@ -741,7 +741,10 @@ fn respond<B>(
     } else {
         Some(decision)
     };
-    http::Response::from_parts(parts, ResponseBody::new(body, guard, decision, observe))
+    http::Response::from_parts(
+        parts,
+        ResponseBody::new(body, guard, decision, observe, finish.failure_cooldown),
+    )
 }
 
 impl<S, P, ReqB> fmt::Debug for ResponseFuture<S, P, ReqB>

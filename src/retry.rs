@@ -401,7 +401,10 @@ impl<S> Layer<S> for ReadRefusalsLayer {
 /// `Clone` for the retry (buffer it first). The cost on other answers is a look at the
 /// status; a refusal is answered after its body is read whole (a few hundred bytes, read at
 /// once). A `400` of unknown length, or longer, is not read, and its trailers, if it has
-/// any, are not passed on.
+/// any, are not passed on. A `400` whose body fails as it is read is its backend's failure
+/// ([`Error::Backend`]), which reached no client: the backend is passed over for the
+/// failure cooldown, as one that fails before answering is, and [`RetryOnce`] sends the
+/// request elsewhere.
 ///
 /// ```
 /// use tower::retry::Retry;
@@ -513,7 +516,7 @@ where
                     let read = BytesMut::with_capacity(length.unwrap_or(0) as usize);
                     state.set(ReadState::Read {
                         parts: Some(parts),
-                        body,
+                        body: body.read_whole(),
                         read,
                     });
                 }
@@ -530,10 +533,14 @@ where
                                 }
                             }
                             Err(e) => {
+                                // The body marked its backend down (the failure cooldown),
+                                // as for a failure before an answer: a retry goes elsewhere.
                                 let parts = parts.take().expect("polled after completion");
                                 let decision = body.as_mut().take_decision();
                                 let backend = answered_by(&parts, decision.as_ref())
                                     .unwrap_or_else(|| BackendId::from("unknown"));
+                                let e: BoxError = e.into();
+                                tracing::warn!(%backend, error = %e, "backend failed while its 400 was read");
                                 return Poll::Ready(Err(Error::backend(backend, e)));
                             }
                         }

@@ -493,6 +493,50 @@ async fn a_refusal_whose_body_fails_is_the_backends_failure() {
     assert_eq!(affinity.stats().in_flight, 0, "the slot is free again");
 }
 
+/// A `400` whose body fails while `ReadRefusals` reads it is a failure of its backend, which
+/// `RetryOnce` retries: the backend is passed over for the failure cooldown, as one that
+/// failed before answering is, so that the retry does not go back to it.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_refusal_whose_body_fails_marks_its_backend_down_and_the_retry_goes_elsewhere() {
+    let (fleet, calls) = fleet(&[
+        ("small", "node-a", 1_000, false),
+        ("large", "node-b", 100_000, false),
+    ]);
+    let affinity = SessionAffinityLayer::new().layer(fleet);
+    let mut svc = Retry::new(
+        RetryOnce::new(),
+        ReadRefusalsLayer::new().layer(affinity.clone()),
+    );
+    let session = homed_on(&mut svc, "small", "f").await;
+    let before = calls[0].load(Ordering::Relaxed);
+    let errors = affinity.stats().backend_errors;
+    let mut req = turn(Some(&session), 600, 1_500);
+    req.headers_mut()
+        .insert("x-broken-400", http::HeaderValue::from_static("1"));
+    let res = svc.ready().await.unwrap().call(req).await;
+    let res = res.expect("the retry is answered elsewhere");
+    assert_eq!(
+        (res.status(), decision(&res).backend.as_str()),
+        (StatusCode::OK, "large")
+    );
+    assert_eq!(
+        calls[0].load(Ordering::Relaxed),
+        before + 1,
+        "small tried once"
+    );
+    let small = affinity
+        .backends()
+        .into_iter()
+        .find(|b| b.id.as_str() == "small")
+        .unwrap();
+    assert!(!small.healthy, "{small:?}");
+    assert_eq!((small.failures, small.cut_answers), (1, 0), "{small:?}");
+    assert_eq!(affinity.stats().backend_errors, errors + 1);
+    // Up again after the cooldown.
+    tokio::time::sleep(std::time::Duration::from_secs(6)).await;
+    assert!(affinity.backends().iter().all(|b| b.healthy));
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_refusal_names_its_backend_from_the_decision_kept_in_the_body() {
     let (fleet, _) = fleet(&[
