@@ -14,7 +14,7 @@
 //! through a current-thread Tokio runtime. Prints each round's p50 and p99 and the medians
 //! over the rounds. Then the same for conversations whose requests carry their prompt chain,
 //! one link longer than its last turn's: keyless ones, for which the store is read for the
-//! homes of the tip and the links before it (one `MGET`), and keyed ones, each of whose turns
+//! homes of the tip and the links before it (in one round trip), and keyed ones, each of whose turns
 //! writes where its prompt ended.
 
 use std::convert::Infallible;

@@ -19,16 +19,22 @@ use crate::key::SessionKey;
 ///   [`RedisStore::DEFAULT_PREFIX`]: `tower-affinity:home:ba7816bf8f01cfea414140de5dae2223`.
 /// - **Values:** a [`StoredHome`] in its versioned format,
 ///   `{"v":1,"backend":..,"node":..,"tip":..}`.
-/// - **Reads:** `GETEX key PX ttl`, which also keeps an active session's home for the idle
-///   timeout again. A key of another type (`WRONGTYPE`) or a value in another format reads as
-///   [`Lookup::Garbage`].
+/// - **Reads:** `GETRANGE key 0 16384` and `PEXPIRE key ttl`, in one round trip: the value,
+///   of which no more than 16 KiB is sent, and the active session's home kept for the idle
+///   timeout again. A key of another type (`WRONGTYPE`), a value in another format, or one
+///   longer than 16 KiB (a home is about a hundred bytes) reads as [`Lookup::Garbage`],
+///   never as a failure of the store: a value of megabytes read whole could take longer than
+///   the deadline, and hold up the connection every read shares. A home whose encoding is
+///   longer than that (backend and node names of kilobytes) is not written: its write fails.
 /// - **Writes:** `SET key value PX ttl`: the last write wins (see the [module
 ///   docs](crate::store) for why).
 /// - **Keyless conversations:** the home of a turn's prompt under
 ///   `prefix` + [`PROMPT_PREFIX`](RedisStore::PROMPT_PREFIX) + the prompt's 64-bit digest in
 ///   hex, `tower-affinity:home:prompt:00abcdef01234567`, written with `SET .. PX` as a
 ///   session's home is; a keyless request reads the digests of its prompt's last few
-///   boundaries with one `MGET`.
+///   boundaries in one round trip, a `GETRANGE` of each, bounded as a session's read is.
+/// - **Commands:** `GETRANGE`, `PEXPIRE` and `SET` on keys under the prefix, and `PING`: what
+///   a Redis ACL user for the store must be allowed.
 ///
 /// One multiplexed connection, kept by the `redis` crate's connection manager, carries every
 /// command; when it breaks, the manager reconnects with exponential backoff, at most
@@ -123,6 +129,26 @@ impl Connection {
         let result = cmd.query_async(&mut conn).await;
         if let Err(e) = &result {
             self.failed(generation, e);
+        }
+        result
+    }
+
+    /// Sends `pipe` (whose errors are ignored): each command's answer, or its error, in its
+    /// place.
+    async fn query_each(
+        &self,
+        pipe: &redis::Pipeline,
+    ) -> redis::RedisResult<Vec<redis::RedisResult<Value>>> {
+        let (mut conn, generation) = self.get();
+        let result: redis::RedisResult<Vec<redis::RedisResult<Value>>> =
+            pipe.query_async(&mut conn).await;
+        match &result {
+            Err(e) => self.failed(generation, e),
+            Ok(answers) => {
+                for e in answers.iter().filter_map(|a| a.as_ref().err()) {
+                    self.failed(generation, e);
+                }
+            }
         }
         result
     }
@@ -324,21 +350,54 @@ fn px(ttl: Duration) -> u64 {
         .clamp(1, MAX_PX)
 }
 
+/// The longest value the store reads, in bytes. A home is a hundred bytes or so; a longer
+/// value is not one, and is not read whole: a value of megabytes (another program's, under
+/// the same prefix), read whole, could take longer than the read's deadline to arrive, hold
+/// up every other command on the one connection meanwhile, and be taken for an outage.
+const MAX_VALUE: usize = 16 * 1024;
+
+/// `GETRANGE key 0 MAX_VALUE`: a value up to a byte past the longest the store reads, so
+/// that a longer one is known as such without being sent whole.
+fn get_bounded(pipe: &mut redis::Pipeline, key: &str) {
+    pipe.cmd("GETRANGE").arg(key).arg(0).arg(MAX_VALUE);
+}
+
+/// What a `GETRANGE` of [`get_bounded`] found, given that an empty string is no home: a
+/// value of another type (`WRONGTYPE`), or longer than [`MAX_VALUE`], is garbage.
+fn lookup(answer: redis::RedisResult<Value>, empty: Lookup) -> Result<Lookup, redis::RedisError> {
+    match answer {
+        Ok(Value::BulkString(v)) if v.is_empty() => Ok(empty),
+        Ok(Value::BulkString(v)) if v.len() <= MAX_VALUE => {
+            Ok(StoredHome::decode(&v).map_or(Lookup::Garbage, Lookup::Home))
+        }
+        Ok(_) => Ok(Lookup::Garbage),
+        Err(e) if e.code() == Some("WRONGTYPE") => Ok(Lookup::Garbage),
+        Err(e) => Err(e),
+    }
+}
+
 impl HomeStore for RedisStore {
     fn read(&self, session: SessionKey, ttl: Duration) -> ReadHome {
         let conn = self.conn.clone();
-        let mut cmd = redis::cmd("GETEX");
-        cmd.arg(self.key_of(session)).arg("PX").arg(px(ttl));
+        let key = self.key_of(session);
+        // One round trip: the value, bounded, and its expiry set again (`1` if the key
+        // exists, which tells an empty string from no key).
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors();
+        get_bounded(&mut pipe, &key);
+        pipe.cmd("PEXPIRE").arg(&key).arg(px(ttl));
         Box::pin(async move {
-            match conn.query::<Value>(&cmd).await {
-                Ok(Value::Nil) => Ok(Lookup::Missing),
-                Ok(Value::BulkString(v)) => {
-                    Ok(StoredHome::decode(&v).map_or(Lookup::Garbage, Lookup::Home))
-                }
-                Ok(_) => Ok(Lookup::Garbage),
-                Err(e) if e.code() == Some("WRONGTYPE") => Ok(Lookup::Garbage),
-                Err(e) => Err(e.into()),
-            }
+            let mut answers = conn.query_each(&pipe).await?.into_iter();
+            let (Some(value), Some(kept)) = (answers.next(), answers.next()) else {
+                return Ok(Lookup::Garbage);
+            };
+            // A server that does not take the expiry (`READONLY`: a replica) fails the read,
+            // as it would fail the write that follows.
+            let empty = match kept? {
+                Value::Int(0) => Lookup::Missing,
+                _ => Lookup::Garbage,
+            };
+            Ok(lookup(value, empty)?)
         })
     }
 
@@ -348,31 +407,25 @@ impl HomeStore for RedisStore {
 
     fn read_prompts(&self, prompts: &[u64], _ttl: Duration) -> ReadPrompts {
         let conn = self.conn.clone();
-        // One command, one round trip. MGET keeps the keys' expiry as it is: each turn of a
-        // conversation writes its own prompt's key, with a fresh one.
-        let mut cmd = redis::cmd("MGET");
+        // One round trip. The keys' expiry stays as it is: each turn of a conversation writes
+        // its own prompt's key, with a fresh one.
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors();
         for &p in prompts {
-            cmd.arg(self.key_of_prompt(p));
+            get_bounded(&mut pipe, &self.key_of_prompt(p));
         }
         let asked = prompts.len();
         Box::pin(async move {
             if asked == 0 {
                 return Ok(Vec::new());
             }
-            let lookup = |v: Value| match v {
-                // MGET answers nil for a key that holds another type too.
-                Value::Nil => Lookup::Missing,
-                Value::BulkString(v) => {
-                    StoredHome::decode(&v).map_or(Lookup::Garbage, Lookup::Home)
-                }
-                _ => Lookup::Garbage,
-            };
-            match conn.query::<Value>(&cmd).await? {
-                Value::Array(values) if values.len() == asked => {
-                    Ok(values.into_iter().map(lookup).collect())
-                }
-                _ => Ok(vec![Lookup::Garbage; asked]),
+            let answers = conn.query_each(&pipe).await?;
+            if answers.len() != asked {
+                return Ok(vec![Lookup::Garbage; asked]);
             }
+            // A missing key reads as an empty string.
+            let found = answers.into_iter().map(|a| lookup(a, Lookup::Missing));
+            Ok(found.collect::<Result<_, _>>()?)
         })
     }
 
@@ -382,11 +435,20 @@ impl HomeStore for RedisStore {
 }
 
 impl RedisStore {
-    /// `SET key home PX ttl`.
+    /// `SET key home PX ttl`; an error, sending nothing, for a home longer than the store
+    /// reads.
     fn set(&self, key: String, home: &StoredHome, ttl: Duration) -> WriteHome {
         let conn = self.conn.clone();
+        let value = home.encode();
+        if value.len() > MAX_VALUE {
+            let error = format!(
+                "a home of {} bytes, longer than the {MAX_VALUE} a store reads (its backend's and node's names)",
+                value.len()
+            );
+            return Box::pin(std::future::ready(Err(error.into())));
+        }
         let mut cmd = redis::cmd("SET");
-        cmd.arg(key).arg(home.encode()).arg("PX").arg(px(ttl));
+        cmd.arg(key).arg(value).arg("PX").arg(px(ttl));
         Box::pin(async move {
             conn.query::<()>(&cmd).await?;
             Ok(())

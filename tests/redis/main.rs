@@ -781,7 +781,7 @@ async fn a_homes_tip_tells_another_replica_a_compaction_and_an_old_value_still_r
 
 /// A failover: the address the store connects to moves to the new primary, and the old one,
 /// which the store's connection still reaches, becomes its replica and refuses every write
-/// (`READONLY`), `GETEX` among them. The store connects again and reads the new primary.
+/// (`READONLY`), the `PEXPIRE` of a read among them. The store connects again and reads the new primary.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_left_on_a_demoted_primary_connects_to_the_new_one() {
     use std::sync::Arc;
@@ -864,4 +864,166 @@ async fn a_store_left_on_a_demoted_primary_connects_to_the_new_one() {
     }
     forward.abort();
     panic!("never read the new primary: {last:?}");
+}
+
+// === values that are not homes ===
+
+/// A loopback address forwarding each connection to the Redis on `port`, whose answers reach
+/// the client at `rate` bytes a second at most (what the client sends goes at once): a slow
+/// link, on which what a read takes is the size of what it reads. Stops with the task.
+async fn slow_link(port: u16, rate: usize) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        let mut links = tokio::task::JoinSet::new();
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
+                continue;
+            };
+            let (mut from_client, mut to_client) = client.into_split();
+            let (mut from_server, mut to_server) = server.into_split();
+            links.spawn(async move {
+                let _ = tokio::io::copy(&mut from_client, &mut to_server).await;
+            });
+            links.spawn(async move {
+                // A hundredth of a second's worth at a time.
+                let mut buf = vec![0; (rate / 100).max(1)];
+                while let Ok(n) = from_server.read(&mut buf).await {
+                    if n == 0 || to_client.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            });
+        }
+    });
+    (address, task)
+}
+
+/// A value far larger than a home under a session's key, or a keyless prompt's, is a value
+/// that is not a home: counted as garbage and written over, not an outage. Read whole, on a
+/// link where it takes longer than the deadline, it timed out, marked the store down, and
+/// held the connection every other read shares until it was through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_value_under_a_key_is_garbage_not_an_outage() {
+    let Some(redis) = RedisServer::start().await else {
+        return;
+    };
+    let mut conn = redis.client().await;
+    let chain = keyless_chain(0, 1);
+    // 64 MiB each, made in Redis (zeros, then an `x`) rather than sent to it.
+    for key in [key_of("huge"), prompt_key(&chain)] {
+        let _: i64 = redis::cmd("SETRANGE")
+            .arg(&key)
+            .arg((64 << 20) - 1)
+            .arg("x")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+    // 4 MiB a second: 16 s for the value, past the patient deadline.
+    let (link, task) = slow_link(redis.port, 4 << 20).await;
+    let svc = replica(&format!("redis://{link}"), PATIENT, RECONNECT);
+    let d = decision(&send(&svc, "huge").await);
+    assert_eq!(d.outcome, Outcome::NewSession);
+    let keyless = svc.clone().oneshot(keyless_turn(chain)).await.unwrap();
+    drop(keyless);
+    // And a read after them is answered at once.
+    let other = decision(&send(&svc, "other").await);
+    let s = svc.store_stats().unwrap();
+    assert_eq!(
+        (s.reads, s.garbage, s.misses, s.timeouts, s.errors, s.outages),
+        (3, 2, 2, 0, 0, 0),
+        "{s:?}"
+    );
+    assert_eq!(s.state, StoreState::Up);
+    // The session's home is written over the value.
+    until_stored(&mut conn, &key_of("huge"), d.backend.as_str()).await;
+    until_stored(&mut conn, &key_of("other"), other.backend.as_str()).await;
+    task.abort();
+}
+
+/// What the store reads each kind of value as, its expiry kept as `GETEX` kept it, and a home
+/// too long to be read back is not written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_kind_of_value_reads_as_what_it_is() {
+    use tower_affinity::store::{HomeStore, Lookup};
+    let Some(redis) = RedisServer::start().await else {
+        return;
+    };
+    let mut conn = redis.client().await;
+    let store = RedisStore::open(&redis.url()).unwrap();
+    let home = StoredHome::new("a1", "node-a");
+    // The home's value, padded to past 16 KiB: JSON still, but no home is that long.
+    let padded = format!("{}{}", home.encode(), " ".repeat(16 * 1024));
+    let values: [(&str, Option<&str>, Lookup); 4] = [
+        ("missing", None, Lookup::Missing),
+        ("empty", Some(""), Lookup::Garbage),
+        ("home", Some(&home.encode()), Lookup::Home(home.clone())),
+        ("padded", Some(&padded), Lookup::Garbage),
+    ];
+    let ttl = Duration::from_secs(60);
+    let session = |name: &str| SessionKey::from_bytes(name.as_bytes());
+    let prompt = |i: usize| 1_000 + i as u64;
+    for (i, (name, value, _)) in values.iter().enumerate() {
+        if let Some(v) = value {
+            for key in [store.key_of(session(name)), store.key_of_prompt(prompt(i))] {
+                let () = redis::cmd("SET")
+                    .arg(key)
+                    .arg(*v)
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap();
+            }
+        }
+    }
+    let _: i64 = redis::cmd("HSET")
+        .arg(store.key_of(session("hash")))
+        .arg("field")
+        .arg("value")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    for (name, _, expected) in &values {
+        assert_eq!(
+            &store.read(session(name), ttl).await.unwrap(),
+            expected,
+            "{name}"
+        );
+    }
+    assert_eq!(
+        store.read(session("hash"), ttl).await.unwrap(),
+        Lookup::Garbage
+    );
+    // The read kept the home for the ttl.
+    let kept: i64 = redis::cmd("PTTL")
+        .arg(store.key_of(session("home")))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(kept > 0 && kept <= 60_000, "{kept}");
+    // The same, by prompts, in one read, with a key of another type among them.
+    let mut asked: Vec<u64> = (0..values.len()).map(prompt).collect();
+    let _: i64 = redis::cmd("HSET")
+        .arg(store.key_of_prompt(7))
+        .arg("field")
+        .arg("value")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    asked.push(7);
+    let mut expected: Vec<Lookup> = values.iter().map(|v| v.2.clone()).collect();
+    // Without the expiry's answer, an empty string is no key.
+    expected[1] = Lookup::Missing;
+    expected.push(Lookup::Garbage);
+    assert_eq!(store.read_prompts(&asked, ttl).await.unwrap(), expected);
+    // A home whose names are too long to be read back is not written.
+    let long = StoredHome::new("b".repeat(16 * 1024), "node-b");
+    let e = store
+        .write(session("long"), long, ttl)
+        .await
+        .expect_err("too long");
+    assert!(e.to_string().contains("longer than"), "{e}");
+    assert_eq!(get(&mut conn, &store.key_of(session("long"))).await, None);
 }
