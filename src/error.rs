@@ -41,7 +41,9 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 #[non_exhaustive]
 pub enum Error {
     /// No backend can take the request: the fleet is empty (none discovered yet, or all
-    /// removed), or every backend is marked down (a failure cooldown, a probe's mark).
+    /// removed), every backend is marked down (a failure cooldown, a probe's mark), or the
+    /// placement policy [passed over](crate::placement::Candidates::pass_over) every one that
+    /// is up.
     NoBackends,
     /// Every candidate was full and the request could not wait (or waited too long, or too
     /// many were waiting already). Try again after `retry_after`.

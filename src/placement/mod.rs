@@ -121,8 +121,9 @@ pub use view::{BackendRef, FleetView, Home, HomeCache, NodeRef, PlacementRequest
 /// do I/O: it runs on every request, on the request's path.
 ///
 /// A policy that offers nothing leaves the request without a backend; the service then
-/// answers [`Error::NoBackends`](crate::Error::NoBackends) if the fleet is empty, or if the
-/// policy [passed over](Candidates::pass_over) every backend that is up (it has none for the
+/// answers [`Error::NoBackends`](crate::Error::NoBackends) if the fleet is empty, if every
+/// backend is down (a policy may leave those out, [`Candidates::is_down`]), or if the policy
+/// [passed over](Candidates::pass_over) every backend that is up (it has none for the
 /// request), and otherwise treats the request as finding no free slot. A policy that panics
 /// loses its request, not the slot it may have taken.
 ///
@@ -534,15 +535,15 @@ impl<'a> Candidates<'a> {
         passed(&self.passed_over, index)
     }
 
-    /// Whether the policy passed over every live backend that is not down: it has no backend
-    /// for the request, as an empty fleet has none. O(backends); asked only when nothing was
-    /// offered.
+    /// Whether the policy passed over every live backend that is not down (none, when every
+    /// one is down): it has no backend for the request, as an empty fleet has none. A policy
+    /// that leaves the backends down out of its offers rather than offering them lands here
+    /// when they all are. O(backends); asked only when nothing was offered.
     pub(crate) fn passed_over_every_backend_up(&self) -> bool {
-        !self.passed_over.is_empty()
-            && (0..self.topology.members.len() as u32).all(|i| {
-                let m = self.topology.member(i);
-                !m.live || self.is_passed_over(i) || m.load.is_down(self.now_ms)
-            })
+        (0..self.topology.members.len() as u32).all(|i| {
+            let m = self.topology.member(i);
+            !m.live || self.is_passed_over(i) || m.load.is_down(self.now_ms)
+        })
     }
 
     /// Counts only the backends of `node`.

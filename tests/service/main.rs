@@ -3874,6 +3874,63 @@ async fn a_prefix_held_only_where_the_policy_passes_over_is_not_a_spill() {
     assert_eq!(decision(&res).outcome, Outcome::CrossNodeSpill);
 }
 
+/// The backends up with the fewest requests in flight first: a policy that leaves out those
+/// marked down rather than offering them.
+#[derive(Clone, Copy)]
+struct UpOnly;
+
+impl Placement for UpOnly {
+    fn place(
+        &self,
+        fleet: &tower_affinity::placement::FleetView<'_>,
+        _: &tower_affinity::placement::PlacementRequest<'_>,
+        c: &mut tower_affinity::placement::Candidates<'_>,
+    ) {
+        let mut up: Vec<_> = fleet.backends().filter(|b| !c.is_down(*b)).collect();
+        up.sort_by_key(|b| b.in_flight());
+        for b in up {
+            if c.offer(b).is_break() {
+                return;
+            }
+        }
+    }
+}
+
+/// A policy that offers nothing while every backend is down has no backend for the request:
+/// it fails at once with `NoBackends`, as when the policy offers the backends down, rather
+/// than waiting out its `max_wait` for a slot and being told `Saturated`.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_policy_offering_nothing_while_every_backend_is_down_has_no_backends() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .placement(UpOnly)
+        .overflow(Overflow::wait(Duration::from_secs(60), 8))
+        .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
+    svc.ready().await.unwrap();
+    assert!(svc.mark_down("a1", None) && svc.mark_down("b1", None));
+    let started = tokio::time::Instant::now();
+    let err = send(&mut svc, Some("s"), None).await.unwrap_err();
+    assert!(matches!(err, Error::NoBackends), "{err}");
+    assert_eq!(started.elapsed(), Duration::ZERO);
+    let stats = svc.stats();
+    assert_eq!((stats.no_backends, stats.rejected), (1, 0));
+    // Rejecting at once, as much: no backend, not a full fleet.
+    let mut svc = SessionAffinityLayer::new()
+        .placement(UpOnly)
+        .overflow(Overflow::Reject)
+        .layer(fleet(&[("a1", "a", 1)], &streams));
+    svc.ready().await.unwrap();
+    assert!(svc.mark_down("a1", None));
+    let err = send(&mut svc, None, None).await.unwrap_err();
+    assert!(matches!(err, Error::NoBackends), "{err}");
+    // One back up, and full: that one is waited for, as before.
+    assert!(svc.mark_up("a1"));
+    let held = send(&mut svc, Some("t"), Some("stream")).await.unwrap();
+    let err = send(&mut svc, Some("u"), None).await.unwrap_err();
+    assert!(matches!(err, Error::Saturated { .. }), "{err}");
+    drop(held);
+}
+
 /// Which tenant a backend serves, or a request comes from.
 #[derive(Clone, Debug, PartialEq)]
 struct Tenant(&'static str);
