@@ -99,6 +99,15 @@ impl Index {
         }
     }
 
+    /// An empty index that takes `n` entries without growing: at most three quarters full.
+    fn with_room_for(n: usize) -> Self {
+        let slots = (n.saturating_mul(4) / 3 + 1).next_power_of_two().max(16);
+        Index {
+            slots: vec![EMPTY; slots],
+            len: 0,
+        }
+    }
+
     fn mask(&self) -> usize {
         self.slots.len() - 1
     }
@@ -365,6 +374,9 @@ impl CacheModel {
     /// Changes the budget (discovery updated the backend); evicts down to it. The same budget
     /// declared again (the backend announced again for another reason: its slot count
     /// learned, say) keeps what its answers grew it to.
+    ///
+    /// A lower budget gives back the memory its links took beyond the new bound on links, so
+    /// that the model costs what a model built with that budget would.
     pub(crate) fn set_budget(&mut self, budget: u64) {
         if budget == self.declared {
             return;
@@ -373,6 +385,48 @@ impl CacheModel {
         self.declared = budget;
         self.max_blocks = Self::max_blocks(budget);
         self.evict();
+        if self.nodes.capacity() > self.max_blocks.saturating_add(1) {
+            self.compact();
+        }
+    }
+
+    /// Moves the links held to the front of fresh storage of their own size, and the index
+    /// to one as small as their number allows: what evictions freed is given back. O(links
+    /// held, and storage before). What each link is (its digest, tokens, mark, stamps, and
+    /// place in the tree and in the leaf list) is kept; only where it is stored changes, and
+    /// no node index lives beyond the lock.
+    fn compact(&mut self) {
+        let held = self.index.len();
+        let mut moved_to = vec![NONE; self.nodes.len()];
+        let mut nodes = Vec::with_capacity(held);
+        let mut born = Vec::with_capacity(held);
+        let mut index = Index::with_room_for(held);
+        for slot in self.index.slots.iter().filter(|s| s.key != 0) {
+            let (key, old) = (slot.key, slot.node);
+            let new = nodes.len() as u32;
+            moved_to[old as usize] = new;
+            nodes.push(self.nodes[old as usize]);
+            born.push(self.born[old as usize]);
+            if let Err(at) = index.entry(key) {
+                index.fill(at, key, new);
+            }
+        }
+        let to = |i: u32| {
+            if i == NONE {
+                NONE
+            } else {
+                moved_to[i as usize]
+            }
+        };
+        for n in &mut nodes {
+            (n.parent, n.prev, n.next) = (to(n.parent), to(n.prev), to(n.next));
+        }
+        self.head = to(self.head);
+        self.tail = to(self.tail);
+        self.nodes = nodes;
+        self.born = born;
+        self.index = index;
+        self.free = Vec::new();
     }
 
     fn node(&self, digest: u64) -> Option<u32> {
@@ -1315,6 +1369,56 @@ mod tests {
     }
 
     #[test]
+    fn a_lowered_budget_gives_back_the_memory_beyond_its_bound() {
+        // 3,000 conversations of 20 links, 60,000 links in all, on a budget of 2^20 tokens
+        // (65,536 links at most): several megabytes.
+        let mut m = CacheModel::new(1 << 20);
+        let conversation =
+            |c: u64| PromptChain::from_blocks((0..20).map(move |i| ((c << 20) | i, 16)));
+        for c in 0..3_000 {
+            m.record_next(conversation(c).links(), 0);
+        }
+        assert_eq!(m.blocks(), 60_000);
+        let before = m.memory_bytes();
+        // Announced again with the default budget: the bound of that budget, as a model built
+        // with it keeps to (under 770 KB).
+        m.set_budget(crate::Backend::<()>::DEFAULT_CACHE_TOKENS);
+        m.check();
+        assert_eq!(m.blocks(), 8_192);
+        assert!(
+            m.memory_bytes() < 770_000,
+            "{} of {before} bytes",
+            m.memory_bytes()
+        );
+        // What it keeps is the most recently used, as before: the latest conversations whole,
+        // the oldest of those kept cut to a prefix.
+        assert_eq!(m.held(conversation(2_999).links()), 20);
+        assert_eq!(m.held(conversation(2_591).links()), 20);
+        assert_eq!(m.held(conversation(2_590).links()), 12);
+        assert_eq!(m.held(conversation(2_589).links()), 0);
+        assert_eq!(m.conversations(), 410);
+        // It goes on as any model: a conversation used again outlives those before it.
+        m.record_next(conversation(2_591).links(), 20);
+        for c in 3_000..3_400 {
+            m.record_next(conversation(c).links(), 0);
+        }
+        m.check();
+        assert_eq!(m.blocks(), 8_192);
+        assert_eq!(m.held(conversation(2_591).links()), 20);
+        assert_eq!(m.held(conversation(2_590).links()), 0);
+        assert_eq!(m.held(conversation(2_592).links()), 0);
+        assert!(m.memory_bytes() < 770_000, "{} bytes", m.memory_bytes());
+        // Raised again, it grows again.
+        m.set_budget(1 << 20);
+        for c in 3_400..4_000 {
+            m.record_next(conversation(c).links(), 0);
+        }
+        m.check();
+        assert_eq!(m.held(conversation(2_591).links()), 20);
+        assert_eq!(m.blocks(), 8_192 + 12_000);
+    }
+
+    #[test]
     fn held_more_on_a_budget_near_the_top_of_the_range_never_wraps() {
         for declared in [u64::MAX, u64::MAX - 15, 1 << 63, u64::MAX / 3 * 2] {
             let mut m = CacheModel::new(declared);
@@ -1796,6 +1900,9 @@ mod tests {
                         m.set_budget(b);
                         m.max_blocks = 40;
                         m.evict();
+                        // Moved to storage of its own size, as a lowered bound on links
+                        // does: the same model, link for link and leaf for leaf.
+                        m.compact();
                         while r.tokens > budget || r.links.len() > 40 {
                             r.evict_oldest(u32::MAX);
                         }
@@ -1874,6 +1981,7 @@ mod tests {
             budget in 300u64..3_000,
             before in proptest::collection::vec((0u64..8, 1usize..16), 0..20),
             refused in (0u64..8, 1usize..16),
+            compacted in proptest::bool::ANY,
         ) {
             let cell = ModelCell::new(budget);
             for (c, n) in before {
@@ -1890,6 +1998,11 @@ mod tests {
             let mut m = cell.lock();
             let known = m.known_from(chain.links(), 0).links;
             m.record_sent(chain.links(), known, stamp);
+            if compacted {
+                // Moved to storage of its own size while the prompt was on its way (its
+                // backend announced again with a lower budget): nothing changes.
+                m.compact();
+            }
             m.refused(chain.links(), known, stamp);
             m.check();
             proptest::prop_assert_eq!(m.tokens(), tokens);

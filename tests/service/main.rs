@@ -3461,6 +3461,45 @@ where
     svc.backends().iter().map(|b| b.cached_tokens).sum()
 }
 
+/// A backend announced again with a lower cache budget keeps its model to that budget, in
+/// links and tokens and in the memory they take: what the larger budget's links took is given
+/// back, and the conversations it keeps are the latest, as before.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_backend_announced_again_with_a_lower_budget_gives_back_its_models_memory() {
+    let streams = Streams::default();
+    let (handle, stream) = discover::channel();
+    let announce = |tokens| Backend::new("n", backend("a", &streams)).cache_tokens(tokens);
+    handle.insert("a", announce(1 << 22));
+    let mut svc = SessionAffinityLayer::new().layer(stream);
+    // Eight conversations of 8,000 links of 16 tokens: 64,000 links, megabytes of model.
+    let conversation = |c: u64, links: u64| {
+        tower_affinity::PromptChain::from_blocks((0..links).map(move |i| ((c << 32) | i, 16)))
+    };
+    for c in 0..8 {
+        let chain = conversation(c, 8_000);
+        let res = send_req(&mut svc, chained_request(&format!("s{c}"), &chain))
+            .await
+            .unwrap();
+        res.into_body().collect().await.unwrap();
+    }
+    let before = svc.stats().cache_model_bytes;
+    assert!(before > 3_000_000, "{before} bytes");
+    // The default budget now: 8,192 links at most, under 770 KB, as a backend announced
+    // with it from the start.
+    handle.insert("a", announce(Backend::<()>::DEFAULT_CACHE_TOKENS));
+    svc.ready().await.unwrap();
+    let status = &svc.backends()[0];
+    assert_eq!(status.cache_budget, Backend::<()>::DEFAULT_CACHE_TOKENS);
+    assert_eq!(status.cached_tokens, Backend::<()>::DEFAULT_CACHE_TOKENS);
+    let after = svc.stats().cache_model_bytes;
+    assert!(after < 770_000, "{after} of {before} bytes");
+    // The latest conversation is kept whole, and its next turn is a home hit.
+    let res = send_req(&mut svc, chained_request("s7", &conversation(7, 8_001)))
+        .await
+        .unwrap();
+    assert_eq!(decision(&res).outcome, Outcome::HomeHit);
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_chain_goes_into_the_cache_model_once_its_request_is_on_its_way() {
     let mut svc = chained_stack(TWO_BY_TWO);
