@@ -46,7 +46,8 @@ pub enum Error {
     /// is up.
     NoBackends,
     /// Every candidate was full and the request could not wait (or waited too long, or too
-    /// many were waiting already). Try again after `retry_after`.
+    /// many were waiting already). Try again after `retry_after`, which the message and the
+    /// `Retry-After` header give in whole seconds, rounded up, at least 1.
     #[non_exhaustive]
     Saturated {
         /// A hint for the client's `Retry-After`.
@@ -178,12 +179,20 @@ impl Error {
             res.extensions_mut().insert(backend.clone());
         }
         if let Some(after) = self.retry_after() {
-            let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
             res.headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
+                .insert(header::RETRY_AFTER, HeaderValue::from(whole_seconds(after)));
         }
         res
     }
+}
+
+/// A `Retry-After` in whole seconds, as the header gives it: rounded up, at least 1 (0 would
+/// ask for the retry at once), and `u64::MAX` for a wait longer than that.
+fn whole_seconds(after: Duration) -> u64 {
+    let secs = after
+        .as_secs()
+        .saturating_add(u64::from(after.subsec_nanos() > 0));
+    secs.max(1)
 }
 
 /// [`Error::response_for`] a boxed error.
@@ -250,7 +259,7 @@ impl fmt::Display for Error {
             Error::Saturated { retry_after } => write!(
                 f,
                 "all backends are at capacity; retry after {} s",
-                retry_after.as_secs_f64().ceil()
+                whole_seconds(*retry_after)
             ),
             // The request's own fault: the backend did nothing wrong.
             Error::Backend { backend, source } => match request_fault(&**source) {
@@ -536,6 +545,28 @@ mod tests {
         assert_eq!(res.extensions().get::<BackendId>().unwrap().as_str(), "b");
         let body = res.into_body().collect().await;
         assert_eq!(body.unwrap().to_bytes(), "backend b failed: broken");
+    }
+
+    #[test]
+    fn a_retry_after_of_any_length_is_the_same_whole_seconds_in_the_text_and_the_header() {
+        let max = u64::MAX.to_string();
+        for (after, secs) in [
+            (Duration::ZERO, "1"),
+            (Duration::from_millis(1), "1"),
+            (Duration::from_secs(1), "1"),
+            (Duration::from_millis(1_500), "2"),
+            (Duration::from_secs(u64::MAX), max.as_str()),
+            (Duration::MAX, max.as_str()),
+        ] {
+            let e = Error::saturated(after);
+            assert_eq!(
+                e.to_string(),
+                format!("all backends are at capacity; retry after {secs} s"),
+                "{after:?}"
+            );
+            let res = e.into_response::<()>();
+            assert_eq!(res.headers()[header::RETRY_AFTER], secs, "{after:?}");
+        }
     }
 
     #[test]
