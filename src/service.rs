@@ -261,6 +261,31 @@ where
     D: Discover<Key = BackendId, Service = Backend<S>>,
 {
     /// A snapshot of the decision counters and gauges.
+    ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use tower::{service_fn, Layer, ServiceExt};
+    /// use tower_affinity::{discover::StaticFleet, Backend, SessionAffinityLayer};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// let backend = service_fn(|_: http::Request<String>| async {
+    ///     Ok::<_, Infallible>(http::Response::new(String::new()))
+    /// });
+    /// let svc = SessionAffinityLayer::new()
+    ///     .layer(StaticFleet::new([("gpu-0", Backend::new("host-a", backend))]));
+    /// let turn = || {
+    ///     let req = http::Request::post("/v1/chat/completions").header("x-session-id", "agent-1");
+    ///     req.body(String::new()).unwrap()
+    /// };
+    /// for _ in 0..3 {
+    ///     svc.clone().oneshot(turn()).await.unwrap();
+    /// }
+    /// let stats = svc.stats();
+    /// assert_eq!((stats.new_sessions, stats.home_hits), (1, 2));
+    /// assert_eq!((stats.sessions, stats.in_flight), (1, 0));
+    /// # }
+    /// ```
     pub fn stats(&self) -> Stats {
         let s = &self.shared;
         Stats {
@@ -354,7 +379,40 @@ where
     /// health probes; a backend whose service fails is marked down on its own (see
     /// [`SessionAffinityLayer::failure_cooldown`]).
     ///
+    /// A mark replaces the one before, longer or shorter: a cooldown of zero brings the
+    /// backend back at once.
+    ///
     /// [`SessionAffinityLayer::failure_cooldown`]: crate::SessionAffinityLayer::failure_cooldown
+    ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use tower::{service_fn, Layer, ServiceExt};
+    /// use tower_affinity::{discover::StaticFleet, Backend, Error, SessionAffinityLayer};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// let backend = service_fn(|_: http::Request<String>| async {
+    ///     Ok::<_, Infallible>(http::Response::new(String::new()))
+    /// });
+    /// let svc = SessionAffinityLayer::new()
+    ///     .layer(StaticFleet::new([("gpu-0", Backend::new("host-a", backend))]));
+    /// // Not applied from discovery yet: no such backend.
+    /// assert!(!svc.mark_down("gpu-0", None));
+    /// svc.apply_discovery();
+    /// assert!(svc.mark_down("gpu-0", None));
+    /// assert!(!svc.backends()[0].healthy);
+    /// // Every backend down: no backend for the request.
+    /// let req = || http::Request::new(String::new());
+    /// let err = svc.clone().oneshot(req()).await.unwrap_err();
+    /// assert!(matches!(err, Error::NoBackends));
+    /// assert!(svc.mark_up("gpu-0"));
+    /// assert!(svc.clone().oneshot(req()).await.is_ok());
+    /// // Down for a minute, then that mark replaced by one of no time: up again.
+    /// svc.mark_down("gpu-0", Some(std::time::Duration::from_secs(60)));
+    /// svc.mark_down("gpu-0", Some(std::time::Duration::ZERO));
+    /// assert!(svc.backends()[0].healthy);
+    /// # }
+    /// ```
     pub fn mark_down(&self, id: &str, cooldown: Option<Duration>) -> bool {
         let fleet = self.shared.fleet.load();
         let Some(i) = fleet.topology.index_of(id) else {

@@ -3913,6 +3913,52 @@ async fn a_prefix_held_only_where_the_policy_passes_over_is_not_a_spill() {
     assert_eq!(decision(&res).outcome, Outcome::CrossNodeSpill);
 }
 
+/// `Overflow::wait` at its edges: no room in the queue, or no time to wait, refuses a request
+/// that finds the fleet full at once, as `Reject` does; a wait too long for the clock waits
+/// until a slot frees, however long that takes.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_wait_of_no_time_or_no_room_refuses_at_once_and_one_of_no_end_is_served() {
+    let streams = Streams::default();
+    for overflow in [
+        Overflow::wait(Duration::ZERO, 8),
+        Overflow::wait(Duration::MAX, 0),
+    ] {
+        let mut svc = SessionAffinityLayer::new()
+            .overflow(overflow)
+            .layer(fleet(&[("a1", "a", 1)], &streams));
+        let held = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+        let started = tokio::time::Instant::now();
+        let err = send(&mut svc, Some("t"), None).await.unwrap_err();
+        assert!(
+            matches!(err, Error::Saturated { .. }),
+            "{overflow:?}: {err}"
+        );
+        assert_eq!(started.elapsed(), Duration::ZERO, "{overflow:?}");
+        let stats = svc.stats();
+        assert_eq!((stats.rejected, stats.waiting), (1, 0), "{overflow:?}");
+        drop(held);
+        streams.take().unwrap();
+    }
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::MAX, usize::MAX))
+        .layer(fleet(&[("a1", "a", 1)], &streams));
+    let held = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+    svc.ready().await.unwrap();
+    let mut waiting = tokio_test::task::spawn(svc.call(request(Some("t"), None)));
+    assert_pending!(waiting.poll());
+    tokio::time::sleep(Duration::from_secs(30 * 86_400)).await;
+    assert_pending!(waiting.poll());
+    assert_eq!(svc.stats().waiting, 1);
+    drop(held);
+    streams.take().unwrap();
+    assert!(waiting.is_woken());
+    let res = assert_ready!(waiting.poll()).unwrap();
+    assert_eq!(
+        decision(&res).waited,
+        Some(Duration::from_secs(30 * 86_400))
+    );
+}
+
 /// The backends up with the fewest requests in flight first: a policy that leaves out those
 /// marked down rather than offering them.
 #[derive(Clone, Copy)]
