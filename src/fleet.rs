@@ -207,6 +207,11 @@ impl<S> Backend<S> {
     ///
     /// 0 says the backend keeps nothing cached: every turn after the first finds its home
     /// cold ([`Outcome::ColdHome`](crate::Outcome::ColdHome)) and is placed like a new session.
+    ///
+    /// Announced again with another budget, the backend's model keeps to the new one from
+    /// then on: a lower budget evicts its least recently used prompts at once, and the model
+    /// keeps within the memory bound of the new budget, as if announced with it from the
+    /// start.
     pub fn cache_tokens(mut self, tokens: u64) -> Self {
         self.cache_tokens = tokens;
         self
