@@ -286,23 +286,86 @@ where
     }
 }
 
-/// The `main` of a bench with paired rounds: criterion's groups, then `paired(full)` unless a
-/// filter other than "paired" was given. `full` is false when `cargo test` runs the binary
-/// (without `--bench`): criterion then runs each benchmark once, and the rounds should be
-/// brief too.
+/// The `main` of a bench with paired rounds: criterion's groups, then the paired rounds as
+/// [`paired_rounds`] says for the binary's arguments.
 #[allow(dead_code)]
 pub(crate) fn main_with_paired(groups: fn(), paired: impl FnOnce(bool)) {
-    let full = std::env::args().any(|a| a == "--bench");
-    let filters: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
+    let args: Vec<String> = std::env::args().skip(1).collect();
     groups();
     criterion::Criterion::default()
         .configure_from_args()
         .final_summary();
-    if filters.is_empty() || filters.iter().any(|f| "paired".contains(f.as_str())) {
-        paired(full);
+    match paired_rounds(&args) {
+        Rounds::Full => paired(true),
+        Rounds::Brief => paired(false),
+        Rounds::Skipped => {}
+    }
+}
+
+/// How a bench's paired rounds run for the arguments criterion was given.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Rounds {
+    /// Measured: `cargo bench`, no filter or one that "paired" contains.
+    Full,
+    /// Run once and brief, as criterion runs each benchmark once: `cargo test` (no
+    /// `--bench`), or `--test`.
+    Brief,
+    /// Not run: a filter the rounds do not match, `--list`, or `--ignored`.
+    Skipped,
+}
+
+/// Criterion's options that take a value (the next argument unless given as `--name=value`):
+/// that value is no filter.
+const VALUED: [&str; 20] = [
+    "-c",
+    "--color",
+    "--colour",
+    "-s",
+    "--save-baseline",
+    "-b",
+    "--baseline",
+    "--baseline-lenient",
+    "--format",
+    "--profile-time",
+    "--load-baseline",
+    "--sample-size",
+    "--warm-up-time",
+    "--measurement-time",
+    "--nresamples",
+    "--noise-threshold",
+    "--confidence-level",
+    "--significance-level",
+    "--plotting-backend",
+    "--output-format",
+];
+
+/// What the paired rounds do for a bench binary's arguments (the program's name left out).
+/// The filter is taken as a part of "paired", as criterion takes a plain word as a part of a
+/// benchmark's name.
+#[allow(dead_code)]
+pub(crate) fn paired_rounds(args: &[String]) -> Rounds {
+    let flag = |f: &str| args.iter().any(|a| a == f);
+    if flag("--list") || flag("--ignored") {
+        return Rounds::Skipped;
+    }
+    let mut filter = None;
+    let mut valued = false;
+    for a in args {
+        if std::mem::take(&mut valued) {
+            continue;
+        }
+        if a.starts_with('-') {
+            valued = VALUED.contains(&a.as_str());
+        } else if filter.is_none() {
+            filter = Some(a.as_str());
+        }
+    }
+    if filter.is_some_and(|f| !"paired".contains(f)) {
+        Rounds::Skipped
+    } else if flag("--bench") && !flag("--test") {
+        Rounds::Full
+    } else {
+        Rounds::Brief
     }
 }
 

@@ -1,0 +1,58 @@
+//! What the bench binaries do with their own arguments, and that they hold to the commands
+//! BENCHMARKS.md gives for them.
+
+#[path = "../../benches/common/mod.rs"]
+mod common;
+
+use common::{paired_rounds, Rounds};
+
+fn rounds(args: &str) -> Rounds {
+    let args: Vec<String> = args.split_whitespace().map(str::to_owned).collect();
+    paired_rounds(&args)
+}
+
+#[test]
+fn cargo_bench_measures_the_paired_rounds_with_no_filter_or_paired() {
+    assert_eq!(rounds("--bench"), Rounds::Full);
+    assert_eq!(rounds("--bench paired"), Rounds::Full);
+    assert_eq!(rounds("--bench pair"), Rounds::Full);
+}
+
+#[test]
+fn a_filter_of_criterion_benchmarks_skips_the_paired_rounds() {
+    assert_eq!(rounds("--bench chained/"), Rounds::Skipped);
+    assert_eq!(
+        rounds("--bench chain/(from_body|serde_skip)/256KiB$ --noplot"),
+        Rounds::Skipped
+    );
+    assert_eq!(
+        rounds("--bench policy/home_hit --warm-up-time 1 --measurement-time 2"),
+        Rounds::Skipped
+    );
+}
+
+#[test]
+fn an_options_value_is_no_filter() {
+    assert_eq!(rounds("--bench --sample-size 10"), Rounds::Full);
+    assert_eq!(
+        rounds("--bench --save-baseline before paired"),
+        Rounds::Full
+    );
+    assert_eq!(rounds("--bench --measurement-time=5"), Rounds::Full);
+    assert_eq!(rounds("--bench -s before"), Rounds::Full);
+}
+
+#[test]
+fn test_mode_runs_brief_rounds_as_criterion_runs_each_benchmark_once() {
+    // `cargo test --all-targets` runs the binary without `--bench`.
+    assert_eq!(rounds(""), Rounds::Brief);
+    assert_eq!(rounds("--bench --test"), Rounds::Brief);
+    assert_eq!(rounds("--bench paired --test"), Rounds::Brief);
+}
+
+#[test]
+fn listing_the_benchmarks_runs_no_rounds() {
+    assert_eq!(rounds("--bench --list"), Rounds::Skipped);
+    assert_eq!(rounds("--list"), Rounds::Skipped);
+    assert_eq!(rounds("--bench --ignored"), Rounds::Skipped);
+}
