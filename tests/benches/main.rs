@@ -56,3 +56,27 @@ fn listing_the_benchmarks_runs_no_rounds() {
     assert_eq!(rounds("--list"), Rounds::Skipped);
     assert_eq!(rounds("--bench --ignored"), Rounds::Skipped);
 }
+
+/// The functions of `source` whose names callgrind's `--toggle-collect='*measure*'` matches.
+fn toggled(source: &str) -> Vec<&str> {
+    source
+        .split("fn ")
+        .skip(1)
+        .map(|rest| {
+            rest.split(|c: char| !(c.is_alphanumeric() || c == '_'))
+                .next()
+        })
+        .filter_map(|name| name.filter(|n| n.contains("measure")))
+        .collect()
+}
+
+/// BENCHMARKS.md divides what callgrind counts under `--toggle-collect='*measure*'` by the
+/// number of measured calls: nothing else, a warm-up say, may run inside a function so named.
+#[test]
+fn callgrind_counts_only_the_measured_loops() {
+    assert_eq!(
+        toggled(include_str!("../../benches/callgrind.rs")),
+        ["measure_calls", "measure_policy"]
+    );
+    assert_eq!(toggled(include_str!("../../benches/usage.rs")), ["measure"]);
+}
