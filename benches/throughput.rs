@@ -53,7 +53,7 @@ use tower::buffer::Buffer;
 use tower::discover::ServiceList;
 use tower::load::{CompleteOnResponse, PendingRequests};
 use tower::{Layer, Service, ServiceExt};
-use tower_affinity::key::SessionKey;
+use tower_affinity::key::{HeaderKey, KeyExtractor, SessionKey};
 use tower_affinity::SessionAffinityLayer;
 
 #[path = "common/mod.rs"]
@@ -85,10 +85,11 @@ fn p2c_of(backend: fn() -> Mock) -> P2c {
 /// The `affinity_bare` key extractor: the default `HeaderKey`'s headers, in its order, with
 /// FNV-1a in place of SHA-256 (bench only).
 fn bare_key() -> impl Fn(&Req) -> Option<SessionKey> + Clone + Send + Sync + 'static {
-    let names = [
-        http::HeaderName::from_static("x-session-affinity"),
-        http::HeaderName::from_static("x-session-id"),
-    ];
+    let names: Vec<http::HeaderName> = HeaderKey::DEFAULT_NAMES
+        .iter()
+        .copied()
+        .map(http::HeaderName::from_static)
+        .collect();
     move |req: &Req| {
         names.iter().find_map(|name| {
             let raw = req.headers().get(name)?.as_bytes().trim_ascii();
@@ -99,6 +100,25 @@ fn bare_key() -> impl Fn(&Req) -> Option<SessionKey> + Clone + Send + Sync + 'st
                 .then(|| SessionKey::from_u128(u128::from(mix64(h)) << 64 | u128::from(h)))
         })
     }
+}
+
+/// `affinity_bare` stands in for the default extractor: it finds a key in a request carrying
+/// any one of the default names, as the default does, and looks every name up in a request
+/// carrying none.
+fn check_bare_key() {
+    let (bare, default) = (bare_key(), HeaderKey::default());
+    for name in HeaderKey::DEFAULT_NAMES {
+        let mut req = http::Request::new(());
+        req.headers_mut()
+            .insert(*name, http::HeaderValue::from_static("agent-1"));
+        assert!(default.extract(&req).is_some(), "the default reads {name}");
+        assert!(
+            bare(&req).is_some(),
+            "affinity_bare reads {name} as the default does"
+        );
+    }
+    let keyless = Mix::Keyless.request(0);
+    assert!(bare(&keyless).is_none() && default.extract(&keyless).is_none());
 }
 
 /// How a bench makes its `i`-th request.
@@ -435,6 +455,7 @@ fn report(runtime: &str, mix: Mix, n: u64, times: &[[Duration; CONTENDERS]]) {
 }
 
 fn main() {
+    check_bare_key();
     common::main_with_paired(benches, |full| {
         if full {
             paired(21, 100_000);
