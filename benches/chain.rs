@@ -13,9 +13,10 @@
 //! - Paired rounds (`paired` in the filter, or no filter): home hits on 16x8 through the
 //!   service, with a prompt chain on each request, and with the same chains where the
 //!   service does not read them (the requests cost the same to build and drop), in rotating
-//!   rounds. Each call is timed twice: until its backend is handed the request (the call
-//!   path, where the models are read), and to the end of the response future's first poll
-//!   (where the chain is recorded). The differences are what the cache model adds to each.
+//!   rounds. Both services are built alike (the same budgets, filled with the same older
+//!   conversations) and place each session on the same backend. Each call is timed twice:
+//!   until its backend is handed the request (the call path, where the models are read), and
+//!   to the end of the response future's first poll (where the chain is recorded). The differences are what the cache model adds to each.
 //!   Then the same on 2x2, eight sessions a backend as on 16x8: a fleet whose models (about
 //!   1 MB) mostly stay in this machine's caches, so what the model costs when its reads are
 //!   mostly not memory misses.
@@ -112,15 +113,17 @@ fn chain_of(s: u64, cycle: u64, t: u64) -> PromptChain {
 /// backend (from the call until the backend is handed the request), and the whole call.
 fn paired(shape: Shape, rounds: usize, calls: u64) {
     let sessions = SESSIONS_PER_BACKEND * (shape.nodes * shape.per_node) as u64;
-    let mut bare = SessionAffinityLayer::new()
-        .key(ExtensionKey)
-        .layer(shape.fleet_of(1, common::mock_timed));
-    // Caches at their budgets, as in a fleet that has run a while: each link recorded evicts
-    // an older conversation's, and no table grows.
-    let mut chained = SessionAffinityLayer::new()
-        .key(ExtensionKey)
-        .layer(shape.fleet_with_cache_of(1, 200_000, common::mock_timed));
-    common::fill_caches(&mut chained, 20 * sessions);
+    // Both contenders built alike, caches at their budgets as in a fleet that has run a
+    // while (each link recorded evicts an older conversation's, and no table grows): they
+    // differ only in whether the requests' chains are read.
+    let build = || {
+        let mut svc = SessionAffinityLayer::new()
+            .key(ExtensionKey)
+            .layer(shape.fleet_with_cache_of(1, 200_000, common::mock_timed));
+        common::fill_caches(&mut svc, 20 * sessions);
+        svc
+    };
+    let (mut bare, mut chained) = (build(), build());
     let with_chain = |i: u64| {
         let (s, n) = (i % sessions, i / sessions);
         let mut req = request(Some(key(s)));
@@ -128,12 +131,30 @@ fn paired(shape: Shape, rounds: usize, calls: u64) {
         req.extensions_mut().insert(PromptFacts::from_chain(chain));
         req
     };
+    // The same request, its chain under a type the service does not read.
+    let unread = |i: u64| {
+        let mut req = with_chain(i);
+        let facts = req.extensions_mut().remove::<PromptFacts>();
+        req.extensions_mut().insert(common::Unread(facts));
+        req
+    };
     // Every session placed once, so that every measured call is a home hit (or, once in 64
-    // turns, a compaction).
+    // turns, a compaction); each in both services on the same backend, as new conversations
+    // that no backend holds a prefix of.
     for i in 0..sessions {
-        drop(call_now(&mut bare, request(Some(key(i)))));
-        drop(call_now(&mut chained, with_chain(i)));
+        let homes = [
+            call_now(&mut bare, unread(i)),
+            call_now(&mut chained, with_chain(i)),
+        ]
+        .map(|res| {
+            res.extensions()
+                .get::<Decision>()
+                .map(|d| d.backend.clone())
+        });
+        assert_eq!(homes[0], homes[1], "session {i} placed alike in both");
     }
+    let tables = [&bare, &chained].map(|svc| svc.stats().sessions);
+    assert_eq!(tables[0], tables[1], "both tables hold the same sessions");
     // Each contender's own count of calls, so that each session's turns follow one another.
     let mut next = [sessions; 2];
     let mut outcomes = [0u64; 2];
@@ -150,12 +171,7 @@ fn paired(shape: Shape, rounds: usize, calls: u64) {
             let n = CHUNK.min(calls - done);
             let from = first + done;
             if who == 0 {
-                buf.extend((from..from + n).map(|i| {
-                    let mut req = with_chain(i);
-                    let facts = req.extensions_mut().remove::<PromptFacts>();
-                    req.extensions_mut().insert(common::Unread(facts));
-                    req
-                }));
+                buf.extend((from..from + n).map(unread));
             } else {
                 buf.extend((from..from + n).map(with_chain));
             }
