@@ -1,4 +1,5 @@
-//! Memory per tracked session, and allocations per request (issue 6, part 3).
+//! Memory per tracked session and per prompt-chain link, and allocations per request (issue 6,
+//! part 3; BENCHMARKS.md, 5c).
 //!
 //! A counting global allocator (`stats_alloc`, a thin wrapper over the system allocator that
 //! counts every allocation, reallocation and free) measures the bytes the service holds after
@@ -7,11 +8,14 @@
 //! `stats().session_table_bytes`. Then `2n` more sessions go through the full table, to show
 //! that eviction keeps the footprint flat.
 //!
-//! Second, the allocations one request makes on the whole call path (requests are built before
+//! Second, the cache model's bytes per prompt-chain link: conversations of growing chains
+//! placed through the service.
+//!
+//! Third, the allocations one request makes on the whole call path (requests are built before
 //! the counted region; the mock backend itself allocates nothing).
 //!
 //! Counted bytes are the sizes requested from the allocator; the allocator's own per-block
-//! overhead is not included. Not a criterion bench: it prints two Markdown tables.
+//! overhead is not included. Not a criterion bench: it prints three Markdown tables.
 //!
 //! Run with `cargo bench --bench memory`.
 

@@ -11,8 +11,8 @@
 //!   request sent straight to one mock backend; the router's own cost is `call/* - call/direct`.
 //! - `key/*`: the SHA-256 digest of a session id alone, and the default `HeaderKey` extractor
 //!   finding a key (`header`) and finding none in a keyless request's headers (`header_none`).
-//! - `chained/*`: keyless requests with prompt chains, over fleets whose cache models are at
-//!   their budgets: what asking every backend's model costs (see [`chained`]).
+//! - `chained/*`: keyless requests with prompt chains, over fleets whose cache models hold
+//!   other conversations: what asking every backend's model costs (see [`chained`]).
 //! - `table/*`: home hits through the service with 1 thousand, 100 thousand and 1 million
 //!   sessions in the table, on keys spread over the whole table; `table/bare_read/*`: one
 //!   dependent random read in a plain array of the same size (the memory latency alone).
@@ -329,8 +329,9 @@ fn chained_keyless(first: u64, own: u64) -> Req {
 /// that open alike with none the backends hold (other agents' conversations fill their
 /// models), so a backend answers from the chain's first link; `keyless_shared/*`: every
 /// conversation, those in the models too, opening with one link every backend holds, so each
-/// searches its model for where the chain leaves it. Models at their budgets (32,768 tokens a
-/// backend, 4 slots, requests sent beyond the slots).
+/// searches its model for where the chain leaves it. Models of 32,768 tokens a backend holding
+/// eight conversations of 1,000 tokens each when the timing starts, and each timed request's
+/// after it; 4 slots, requests sent beyond the slots.
 fn chained(c: &mut Criterion) {
     let mut g = c.benchmark_group("chained");
     for shape in [Shape::new(16, 8), Shape::new(64, 8), Shape::new(256, 8)] {
