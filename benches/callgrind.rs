@@ -24,7 +24,9 @@
 //! responses already carry an extension, as responses through hyper-util's client do;
 //! `chain_body` is `PromptFacts::from_body` alone on the 256 KiB chat body of
 //! `--bench chain`. Optional arguments: the fleet (`2x2`, `16x8`, `64x8`, `256x8`; default 16x8)
-//! and the number of sessions placed first (default 1024; home hits cycle over them).
+//! and the number of sessions placed first (default 1024; home hits cycle over them). An
+//! unknown scenario, or an argument it cannot read, is an error (exit status 2), not the
+//! default.
 //!
 //! Run by `cargo bench` without a scenario, it prints this usage and exits.
 
@@ -40,7 +42,7 @@ mod common;
 
 use common::{
     call_now, chat_body, header_request, key, keyless_request, mock, mock_with_extension, request,
-    Mock, Req, Shape,
+    CallgrindArgs, Mock, Req,
 };
 
 /// The cache budget of each backend in the chain scenarios: room for its share of the live
@@ -69,14 +71,13 @@ fn main() {
         println!("usage: callgrind SCENARIO N [FLEET] [SESSIONS] (see the source's doc comment)");
         return;
     };
-    let n: u64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(10_000);
-    let shape = match args.get(2).map(String::as_str).unwrap_or("16x8") {
-        "2x2" => Shape::new(2, 2),
-        "64x8" => Shape::new(64, 8),
-        "256x8" => Shape::new(256, 8),
-        _ => Shape::new(16, 8),
+    let CallgrindArgs { n, shape, sessions } = match CallgrindArgs::parse(&args[1..]) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("callgrind: {e}");
+            std::process::exit(2);
+        }
     };
-    let sessions: u64 = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(1024);
     // `home_hit_noext` and the like: the same scenario with `.decision_extension(false)`;
     // `direct_resext`, `home_hit_resext`: backends whose responses already carry an extension.
     let (what, extension) = match what.strip_suffix("_noext") {
@@ -192,6 +193,9 @@ fn main() {
                 _ => drop(black_box(snap.choose(&p, None, None))),
             });
         }
-        other => eprintln!("unknown scenario {other}"),
+        other => {
+            eprintln!("callgrind: unknown scenario {other} (see the source's doc comment)");
+            std::process::exit(2);
+        }
     }
 }

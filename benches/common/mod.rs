@@ -78,7 +78,7 @@ pub(crate) fn mock_with_extension() -> Mock {
 }
 
 /// A fleet shape: nodes x backends per node.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Shape {
     pub(crate) nodes: usize,
     pub(crate) per_node: usize,
@@ -188,6 +188,45 @@ pub(crate) const SHAPES: [Shape; 4] = [
     Shape::new(64, 8),
     Shape::new(256, 8),
 ];
+
+/// The callgrind bench's arguments after its scenario: `N [FLEET] [SESSIONS]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct CallgrindArgs {
+    /// Calls (or policy decisions) inside `measure*`.
+    pub(crate) n: u64,
+    /// The fleet.
+    pub(crate) shape: Shape,
+    /// Sessions placed first.
+    pub(crate) sessions: u64,
+}
+
+impl CallgrindArgs {
+    /// Reads `N [FLEET] [SESSIONS]` (defaults 10,000, 16x8, 1,024). What it cannot read is an
+    /// error, not the default: the total is divided by `N`, and a fleet mistyped would be
+    /// another run's.
+    pub(crate) fn parse(args: &[String]) -> Result<Self, String> {
+        let count = |at: usize, what: &str, default: u64| match args.get(at) {
+            None => Ok(default),
+            Some(v) => v
+                .parse::<u64>()
+                .map_err(|_| format!("{what} must be a whole number, not {v:?}")),
+        };
+        let n = count(0, "N", 10_000)?;
+        let shape = match args.get(1) {
+            None => Shape::new(16, 8),
+            Some(f) => SHAPES
+                .into_iter()
+                .find(|s| s.label() == *f)
+                .ok_or_else(|| format!("FLEET is 2x2, 16x8, 64x8 or 256x8, not {f:?}"))?,
+        };
+        // Home hits cycle over the sessions placed first.
+        let sessions = count(2, "SESSIONS", 1024)?;
+        if sessions == 0 {
+            return Err("SESSIONS must be at least 1".into());
+        }
+        Ok(CallgrindArgs { n, shape, sessions })
+    }
+}
 
 /// A finaliser that spreads every input bit over the output (SplitMix64).
 pub(crate) const fn mix(mut x: u64) -> u64 {

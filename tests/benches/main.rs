@@ -80,3 +80,33 @@ fn callgrind_counts_only_the_measured_loops() {
     );
     assert_eq!(toggled(include_str!("../../benches/usage.rs")), ["measure"]);
 }
+
+fn callgrind(args: &str) -> Result<(u64, String, u64), String> {
+    let args: Vec<String> = args.split_whitespace().map(str::to_owned).collect();
+    let a = common::CallgrindArgs::parse(&args)?;
+    Ok((a.n, a.shape.label(), a.sessions))
+}
+
+#[test]
+fn callgrind_takes_its_documented_arguments_and_defaults() {
+    assert_eq!(callgrind(""), Ok((10_000, "16x8".into(), 1024)));
+    assert_eq!(callgrind("10000 16x8"), Ok((10_000, "16x8".into(), 1024)));
+    assert_eq!(callgrind("5000 256x8"), Ok((5_000, "256x8".into(), 1024)));
+    assert_eq!(
+        callgrind("20000 64x8 100000"),
+        Ok((20_000, "64x8".into(), 100_000))
+    );
+    assert_eq!(callgrind("200 2x2"), Ok((200, "2x2".into(), 1024)));
+}
+
+/// A count the run is divided by, or a fleet, that the bench cannot read is refused, not
+/// replaced by the default: the figures would be another run's.
+#[test]
+fn callgrind_refuses_arguments_it_cannot_read() {
+    assert!(callgrind("10k").is_err());
+    assert!(callgrind("10000 64X8").is_err());
+    assert!(callgrind("10000 32x8").is_err());
+    assert!(callgrind("10000 16x8 many").is_err());
+    // Home hits cycle over the sessions placed first: there must be one.
+    assert!(callgrind("10000 16x8 0").is_err());
+}
