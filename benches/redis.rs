@@ -6,6 +6,8 @@
 //! cargo bench --features redis --bench redis [-- ROUNDS REQUESTS]
 //! ```
 //!
+//! (`ROUNDS` and `REQUESTS` whole numbers, at least 1; anything else is an error.)
+//!
 //! Starts its own `redis-server` (Debian's package) on a free loopback port. Two services over
 //! the same 16 mock backends (4 nodes of 4, 8 slots each, answering at once, cache budgets
 //! that hold every conversation), one with the store and one without, take turns for 21
@@ -30,6 +32,9 @@ use tower_affinity::discover::StaticFleet;
 use tower_affinity::key::PromptFacts;
 use tower_affinity::store::RedisStore;
 use tower_affinity::{Backend, Decision, Outcome, PromptChain, SessionAffinityLayer};
+
+#[path = "common/mod.rs"]
+mod common;
 
 type Req = http::Request<String>;
 type Mock = BoxCloneService<Req, http::Response<String>, Infallible>;
@@ -225,8 +230,13 @@ fn main() {
         .skip(1)
         .filter(|a| !a.starts_with('-'))
         .collect();
-    let rounds: usize = args.first().and_then(|s| s.parse().ok()).unwrap_or(21);
-    let n: u64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(2_000);
+    let (rounds, n) = match common::redis_args(&args) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("redis: {e}");
+            std::process::exit(2);
+        }
+    };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

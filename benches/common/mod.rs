@@ -205,13 +205,7 @@ impl CallgrindArgs {
     /// error, not the default: the total is divided by `N`, and a fleet mistyped would be
     /// another run's.
     pub(crate) fn parse(args: &[String]) -> Result<Self, String> {
-        let count = |at: usize, what: &str, default: u64| match args.get(at) {
-            None => Ok(default),
-            Some(v) => v
-                .parse::<u64>()
-                .map_err(|_| format!("{what} must be a whole number, not {v:?}")),
-        };
-        let n = count(0, "N", 10_000)?;
+        let n = count_arg(args, 0, "N", 10_000)?;
         let shape = match args.get(1) {
             None => Shape::new(16, 8),
             Some(f) => SHAPES
@@ -220,11 +214,34 @@ impl CallgrindArgs {
                 .ok_or_else(|| format!("FLEET is 2x2, 16x8, 64x8 or 256x8, not {f:?}"))?,
         };
         // Home hits cycle over the sessions placed first.
-        let sessions = count(2, "SESSIONS", 1024)?;
+        let sessions = count_arg(args, 2, "SESSIONS", 1024)?;
         if sessions == 0 {
             return Err("SESSIONS must be at least 1".into());
         }
         Ok(CallgrindArgs { n, shape, sessions })
+    }
+}
+
+/// The redis bench's arguments, `[ROUNDS] [REQUESTS]` (the words after `--`, options left
+/// out): rounds, and requests a round, each at least one (medians and percentiles of none do
+/// not exist). What it cannot read is an error, not the default.
+pub(crate) fn redis_args(args: &[String]) -> Result<(usize, u64), String> {
+    let rounds = count_arg(args, 0, "ROUNDS", 21)?;
+    let n = count_arg(args, 1, "REQUESTS", 2_000)?;
+    if rounds == 0 || n == 0 {
+        return Err("ROUNDS and REQUESTS must be at least 1".into());
+    }
+    let rounds = usize::try_from(rounds).map_err(|_| format!("ROUNDS {rounds} is too many"))?;
+    Ok((rounds, n))
+}
+
+/// The whole number `args[at]`, called `what` in an error, or `default` without one.
+fn count_arg(args: &[String], at: usize, what: &str, default: u64) -> Result<u64, String> {
+    match args.get(at) {
+        None => Ok(default),
+        Some(v) => v
+            .parse()
+            .map_err(|_| format!("{what} must be a whole number, not {v:?}")),
     }
 }
 

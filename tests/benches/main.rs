@@ -110,3 +110,26 @@ fn callgrind_refuses_arguments_it_cannot_read() {
     // Home hits cycle over the sessions placed first: there must be one.
     assert!(callgrind("10000 16x8 0").is_err());
 }
+
+fn redis(args: &str) -> Result<(usize, u64), String> {
+    let args: Vec<String> = args.split_whitespace().map(str::to_owned).collect();
+    common::redis_args(&args)
+}
+
+#[test]
+fn the_redis_bench_takes_rounds_and_requests() {
+    assert_eq!(redis(""), Ok((21, 2_000)));
+    assert_eq!(redis("5"), Ok((5, 2_000)));
+    assert_eq!(redis("5 100"), Ok((5, 100)));
+}
+
+/// Medians and percentiles of no rounds, or of rounds of no requests, do not exist: the
+/// bench refuses them rather than panic, and refuses a count it cannot read rather than
+/// measure another.
+#[test]
+fn the_redis_bench_refuses_no_rounds_no_requests_and_what_it_cannot_read() {
+    assert!(redis("0").is_err());
+    assert!(redis("21 0").is_err());
+    assert!(redis("twenty").is_err());
+    assert!(redis("21 2k").is_err());
+}
