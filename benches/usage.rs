@@ -23,7 +23,8 @@
 //!     target/release/deps/usage-<hash> callgrind json_4k observed 10000
 //! ```
 //!
-//! (`json_4k` or `sse_64`; `observed` or `unobserved`; divide the total by the count.)
+//! (`json_4k` or `sse_64`; `observed` or `unobserved`; divide the total by the count. Any
+//! other word is an error, exit status 2.)
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -40,6 +41,9 @@ use tower::{service_fn, Layer, Service};
 use tower_affinity::discover::StaticFleet;
 use tower_affinity::key::BodyKeyLayer;
 use tower_affinity::{Backend, SessionAffinityLayer, Usage};
+
+#[path = "common/mod.rs"]
+mod common;
 
 /// A chat completion of about 4 KiB, usage last.
 fn json_answer() -> Bytes {
@@ -162,7 +166,7 @@ fn bench_path(c: &mut Criterion, name: &str) {
 }
 
 #[inline(never)]
-fn measure<S>(svc: &mut S, count: usize)
+fn measure<S>(svc: &mut S, count: u64)
 where
     S: Service<
         http::Request<()>,
@@ -252,12 +256,14 @@ criterion_group!(usage, benches);
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("callgrind") {
-        let (content_type, frames) = args
-            .get(2)
-            .and_then(|a| answer(a))
-            .expect("usage: callgrind json_4k|sse_64 observed|unobserved COUNT");
-        let observed = args.get(3).map(String::as_str) != Some("unobserved");
-        let count = args.get(4).and_then(|n| n.parse().ok()).unwrap_or(10_000);
+        let (name, observed, count) = match common::usage_args(&args[2..]) {
+            Ok(a) => a,
+            Err(e) => {
+                eprintln!("usage bench: {e}");
+                std::process::exit(2);
+            }
+        };
+        let (content_type, frames) = answer(name).expect("usage_args names a known answer");
         let mut svc = service(content_type, frames, observed);
         // Warm: the first answers allocate what later ones reuse. Not named `measure*`, so
         // that callgrind's `--toggle-collect='*measure*'` counts the measured answers alone.

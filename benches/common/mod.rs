@@ -235,6 +235,25 @@ pub(crate) fn redis_args(args: &[String]) -> Result<(usize, u64), String> {
     Ok((rounds, n))
 }
 
+/// The usage bench's arguments after `callgrind`: `json_4k|sse_64 [observed|unobserved]
+/// [COUNT]`: the answer, whether it is observed, and the count. What it cannot read is an
+/// error, not the default.
+pub(crate) fn usage_args(args: &[String]) -> Result<(&str, bool, u64), String> {
+    let answer = args
+        .first()
+        .filter(|a| ["json_4k", "sse_64"].contains(&a.as_str()))
+        .ok_or(
+            "the answer is json_4k or sse_64 (callgrind json_4k|sse_64 observed|unobserved COUNT)",
+        )?;
+    let observed = match args.get(1).map(String::as_str) {
+        None | Some("observed") => true,
+        Some("unobserved") => false,
+        Some(v) => return Err(format!("observed or unobserved, not {v:?}")),
+    };
+    let count = count_arg(args, 2, "COUNT", 10_000)?;
+    Ok((answer, observed, count))
+}
+
 /// The whole number `args[at]`, called `what` in an error, or `default` without one.
 fn count_arg(args: &[String], at: usize, what: &str, default: u64) -> Result<u64, String> {
     match args.get(at) {

@@ -133,3 +133,32 @@ fn the_redis_bench_refuses_no_rounds_no_requests_and_what_it_cannot_read() {
     assert!(redis("twenty").is_err());
     assert!(redis("21 2k").is_err());
 }
+
+fn usage(args: &str) -> Result<(String, bool, u64), String> {
+    let args: Vec<String> = args.split_whitespace().map(str::to_owned).collect();
+    common::usage_args(&args).map(|(a, o, n)| (a.to_owned(), o, n))
+}
+
+#[test]
+fn the_usage_bench_takes_an_answer_whether_observed_and_a_count() {
+    assert_eq!(
+        usage("json_4k observed 10000"),
+        Ok(("json_4k".into(), true, 10_000))
+    );
+    assert_eq!(
+        usage("sse_64 unobserved 500"),
+        Ok(("sse_64".into(), false, 500))
+    );
+    assert_eq!(usage("sse_64"), Ok(("sse_64".into(), true, 10_000)));
+}
+
+/// The observer's cost is observed less unobserved: a mistyped `unobserved` measured as
+/// observed, or a count that is not the one the total is divided by, gives a wrong figure
+/// with nothing said.
+#[test]
+fn the_usage_bench_refuses_what_it_cannot_read() {
+    assert!(usage("").is_err());
+    assert!(usage("json_8k observed 10000").is_err());
+    assert!(usage("json_4k unobservd 10000").is_err());
+    assert!(usage("json_4k observed 10k").is_err());
+}
