@@ -1,10 +1,10 @@
 //! The proxy's command line.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::num::{NonZeroU32, NonZeroU64, NonZeroUsize};
 use std::time::Duration;
 
-use http::uri::Scheme;
+use http::uri::{Authority, Scheme};
 use http::Uri;
 use tower_affinity::discover::dns::DnsTarget;
 use tower_affinity::Overflow;
@@ -21,7 +21,8 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
   --backend NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,context=TOKENS][,request-context=TOKENS][,model=NAME]
                              a backend on host NODE (repeat for each). slots: requests
                              it serves at once (llama-server -np); without it, read from
-                             /slots. id: its name (default: the URL's host:port).
+                             /slots. id: its name (default: the URL's host:port, port
+                             80 when the URL gives none).
                              cache: tokens of prompt it keeps cached, its slots' KV
                              plus its --cache-ram, as 65536 or 64k (k = 1024; default
                              128k). context: for a llama-server whose slots share one
@@ -396,7 +397,7 @@ pub(crate) fn backend(spec: &str) -> Result<(BackendSpec, Option<u64>), String> 
         ));
     }
     let mut slots = None;
-    let mut id = authority.to_string();
+    let mut id = default_id(&authority).map_err(|why| bad(&why))?;
     let mut cache = None;
     let mut context = None;
     let mut request_context = None;
@@ -439,6 +440,31 @@ pub(crate) fn backend(spec: &str) -> Result<(BackendSpec, Option<u64>), String> 
         model,
     };
     Ok((spec, cache))
+}
+
+/// A backend's id unless given `id=`: its URL's `host:port`, written one way for each server,
+/// so that one server given twice is refused as such and an address that a `--backend-dns`
+/// name resolves to is that name's backend: the port 80 when the URL leaves it out (`http://x`
+/// is `http://x:80`), a host name in lower case (as DNS compares names), an IP address as
+/// `DnsEndpoint::id` writes it (`[fd00::7]:8080`).
+fn default_id(authority: &Authority) -> Result<String, String> {
+    let host = authority.host();
+    // `:99999` parses, but reads as no port; `:0` reaches no server. Refused here, with the
+    // other command-line errors, rather than by the client once the proxy has started.
+    let port_given = authority.as_str().len() > host.len() + 1;
+    let port = match authority.port_u16() {
+        Some(port) if port > 0 => port,
+        None if !port_given => 80,
+        _ => return Err("the URL's port must be a number from 1 to 65535".into()),
+    };
+    let bare = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    Ok(match bare.parse::<IpAddr>() {
+        Ok(ip) => SocketAddr::new(ip, port).to_string(),
+        Err(_) => format!("{}:{port}", host.to_ascii_lowercase()),
+    })
 }
 
 /// A `model=` name: what a request body's `model` must be to go to its fleet, so neither empty

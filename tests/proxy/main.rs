@@ -2835,6 +2835,52 @@ async fn two_backends_with_one_id_are_refused() {
     assert!(err.to_string().contains("given twice"), "{err}");
 }
 
+/// A backend's id is its URL's `host:port` written one way for each server: the port 80 when
+/// the URL leaves it out, a host name in lower case, an address as `--backend-dns` names the
+/// backend at it. So `http://gpu-a` and `http://gpu-a:80` are one backend, which is refused
+/// twice as any other, and an address a name resolves to is that name's backend.
+#[tokio::test]
+async fn a_backend_given_with_or_without_its_default_port_is_one_backend() {
+    for (url, id) in [
+        ("http://gpu-a", "gpu-a:80"),
+        ("http://gpu-a/", "gpu-a:80"),
+        ("http://gpu-a:80", "gpu-a:80"),
+        ("http://GPU-A:080", "gpu-a:80"),
+        ("http://gpu-a:8081", "gpu-a:8081"),
+        ("http://10.0.0.7", "10.0.0.7:80"),
+        ("http://[::1]", "[::1]:80"),
+        ("http://[FD00:0::7]:8080", "[fd00::7]:8080"),
+    ] {
+        let spec = cli::backend(&format!("n={url}")).unwrap().0;
+        assert_eq!(spec.id, id, "{url}");
+    }
+    let address = "[fd00::7]:8080".parse::<SocketAddr>().unwrap();
+    let named = tower_affinity::discover::dns::DnsEndpoint::new(address).id();
+    assert_eq!(
+        cli::backend("n=http://[FD00::0:7]:8080").unwrap().0.id,
+        named.as_str()
+    );
+    // `id=` is kept as given.
+    assert_eq!(cli::backend("n=http://x,id=GPU0").unwrap().0.id, "GPU0");
+
+    let (bare, port) = (cli::backend("n=http://127.0.0.1"), "m=http://127.0.0.1:80");
+    let specs = vec![bare.unwrap().0, cli::backend(port).unwrap().0];
+    let err = Proxy::new(Config::new(specs)).await.unwrap_err();
+    assert!(
+        err.to_string().contains("\"127.0.0.1:80\" is given twice"),
+        "{err}"
+    );
+
+    // A port that is none is refused with the other command-line errors, before anything runs.
+    for url in ["http://x:0", "http://x:99999", "http://x:65536"] {
+        let err = cli::parse(["--backend", &format!("n={url}")]).unwrap_err();
+        assert!(
+            err.contains("port must be a number from 1 to 65535"),
+            "{url}: {err}"
+        );
+    }
+}
+
 /// A proxy, without probes, over `--backend-dns` entries `names`, on a nameserver on loopback
 /// where `llama.fleet.test` is 127.0.0.1 and a stub serves: each entry is `NAME`, to which the
 /// stub's port is added, or has `{port}` where it goes. The proxy, the stub and the nameserver.
