@@ -415,7 +415,7 @@ pub(crate) fn backend(spec: &str) -> Result<(BackendSpec, Option<u64>), String> 
                 let n: u32 = n.parse().map_err(|_| bad("slots must be a number"))?;
                 slots = Some(NonZeroU32::new(n).ok_or_else(|| bad("slots must be at least 1"))?);
             }
-            Some(("id", name)) if !name.is_empty() => id = name.to_string(),
+            Some(("id", name)) => id = id_name(name).map_err(|why| bad(&why))?,
             Some(("cache", n)) => cache = Some(tokens("cache", n).map_err(|why| bad(&why))?),
             Some(("context", n)) => {
                 let n = tokens("context", n).map_err(|why| bad(&why))?;
@@ -465,6 +465,21 @@ fn default_id(authority: &Authority) -> Result<String, String> {
         Ok(ip) => SocketAddr::new(ip, port).to_string(),
         Err(_) => format!("{}:{port}", host.to_ascii_lowercase()),
     })
+}
+
+/// An `id=` name: what headers and metrics call the backend, so neither empty (which read
+/// as an unknown option) nor with spaces around it, which its `x-affinity-backend` header
+/// would lose and its metrics' labels keep.
+fn id_name(name: &str) -> Result<String, String> {
+    if name.is_empty() {
+        Err("id= needs a name (left out, the URL's host:port)".into())
+    } else if name.trim() != name {
+        Err(format!(
+            "id={name:?} has spaces around it, which its x-affinity-backend header would lose"
+        ))
+    } else {
+        Ok(name.to_string())
+    }
 }
 
 /// A `model=` name: what a request body's `model` must be to go to its fleet, so neither empty

@@ -2266,6 +2266,8 @@ fn every_option_parses_and_bad_values_are_explained() {
             vec!["--backend", "n=http://x:1,model="],
             "model= needs the name",
         ),
+        (vec!["--backend", "n=http://x:1,id="], "id= needs a name"),
+        (vec!["--backend", "n=http://x:1,id= gpu0"], "spaces around it"),
         (
             vec!["--backend", "n=http://x:1,model= qwen"],
             "spaces around it",
