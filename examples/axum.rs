@@ -1,6 +1,8 @@
-//! An axum reverse proxy with session affinity, health probes, retries and Prometheus metrics, in front of four
-//! tiny stand-ins for llama-server on loopback (two nodes of two backends each). It sends a
-//! few sessions' turns through the proxy, prints where each landed, and exits.
+//! An axum reverse proxy with session affinity, health probes, retries and Prometheus
+//! metrics, in front of four tiny stand-ins for llama-server on loopback (two nodes of two
+//! backends each). It sends a few sessions' turns through the proxy, prints where each
+//! landed, and exits; its test (`cargo test --features health,metrics --example axum`)
+//! checks where they land.
 //!
 //! ```sh
 //! cargo run --features health,metrics --example axum
@@ -16,6 +18,7 @@ use axum::routing::get;
 use axum::Router;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use metrics_exporter_prometheus::PrometheusBuilder;
@@ -115,8 +118,9 @@ async fn start_backend(name: &'static str) -> std::io::Result<SocketAddr> {
     Ok(addr)
 }
 
-#[tokio::main]
-async fn main() -> Result<(), BoxError> {
+/// The four stand-ins and the proxy in front of them, on loopback: the proxy's address, and
+/// its probe task.
+async fn start() -> Result<(SocketAddr, ProbeTask), BoxError> {
     let mut backends = Vec::new();
     for (id, node) in [
         ("a1", "node-a"),
@@ -126,41 +130,51 @@ async fn main() -> Result<(), BoxError> {
     ] {
         backends.push((id, node, format!("http://{}", start_backend(id).await?)));
     }
-    let (app, _probes) = proxy(&backends).await?;
+    let (app, probes) = proxy(&backends).await?;
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     tokio::spawn(async move { axum::serve(listener, app).await });
-    println!("proxy on http://{addr}, four backends on two nodes\n");
+    Ok((addr, probes))
+}
 
-    let client = Client::builder(TokioExecutor::new()).build_http::<Body>();
-    println!(
-        "{:<10} {:>4}  {:<8} {:<7} {:<16} answer",
-        "session", "turn", "backend", "node", "outcome"
-    );
-    for turn in 1..=3 {
-        for session in ["agent-1", "agent-2", "agent-3", ""] {
-            let req = http::Request::post(format!("http://{addr}/v1/chat/completions"))
-                .header("x-session-id", session)
-                .body(Body::from(r#"{"messages":[]}"#))?;
-            let res = client.request(req).await?;
-            let header = |name: &str| {
-                let value = res.headers().get(name).and_then(|v| v.to_str().ok());
-                value.unwrap_or("-").to_string()
-            };
-            let (backend, node) = (header("x-affinity-backend"), header("x-affinity-node"));
-            let outcome = header("x-affinity-outcome");
-            let answer = res.into_body().collect().await?.to_bytes();
-            let session = if session.is_empty() {
-                "(none)"
-            } else {
-                session
-            };
-            println!(
-                "{session:<10} {turn:>4}  {backend:<8} {node:<7} {outcome:<16} {}",
-                String::from_utf8_lossy(&answer)
-            );
-        }
-    }
+/// Where a turn landed, as the decision headers say, and what the backend answered.
+struct Landed {
+    backend: String,
+    node: String,
+    outcome: String,
+    answer: String,
+}
+
+/// One turn of `session` (none if empty) through the proxy at `addr`.
+async fn turn(
+    client: &Client<HttpConnector, Body>,
+    addr: SocketAddr,
+    session: &str,
+) -> Result<Landed, BoxError> {
+    let req = http::Request::post(format!("http://{addr}/v1/chat/completions"))
+        .header("x-session-id", session)
+        .body(Body::from(r#"{"messages":[]}"#))?;
+    let res = client.request(req).await?;
+    let header = |name: &str| {
+        let value = res.headers().get(name).and_then(|v| v.to_str().ok());
+        value.unwrap_or("-").to_string()
+    };
+    let (backend, node) = (header("x-affinity-backend"), header("x-affinity-node"));
+    let outcome = header("x-affinity-outcome");
+    let answer = res.into_body().collect().await?.to_bytes();
+    Ok(Landed {
+        backend,
+        node,
+        outcome,
+        answer: String::from_utf8_lossy(&answer).into_owned(),
+    })
+}
+
+/// The lines of the proxy's `/metrics` that count its decisions.
+async fn decisions(
+    client: &Client<HttpConnector, Body>,
+    addr: SocketAddr,
+) -> Result<Vec<String>, BoxError> {
     let metrics = client
         .get(format!("http://{addr}/metrics").parse()?)
         .await?
@@ -168,13 +182,94 @@ async fn main() -> Result<(), BoxError> {
         .collect()
         .await?
         .to_bytes();
-    let decisions = String::from_utf8_lossy(&metrics);
-    println!("\n/metrics, the decisions:");
-    for line in decisions
+    Ok(String::from_utf8_lossy(&metrics)
         .lines()
         .filter(|l| l.starts_with("tower_affinity_decisions_total"))
-    {
+        .map(str::to_string)
+        .collect())
+}
+
+#[tokio::main]
+async fn main() -> Result<(), BoxError> {
+    let (addr, _probes) = start().await?;
+    println!("proxy on http://{addr}, four backends on two nodes\n");
+
+    let client = Client::builder(TokioExecutor::new()).build_http::<Body>();
+    println!(
+        "{:<10} {:>4}  {:<8} {:<7} {:<16} answer",
+        "session", "turn", "backend", "node", "outcome"
+    );
+    for n in 1..=3 {
+        for session in ["agent-1", "agent-2", "agent-3", ""] {
+            let Landed {
+                backend,
+                node,
+                outcome,
+                answer,
+            } = turn(&client, addr, session).await?;
+            let session = if session.is_empty() {
+                "(none)"
+            } else {
+                session
+            };
+            println!("{session:<10} {n:>4}  {backend:<8} {node:<7} {outcome:<16} {answer}");
+        }
+    }
+    println!("\n/metrics, the decisions:");
+    for line in decisions(&client, addr).await? {
         println!("  {line}");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The demonstration, checked: each session's turns go to the backend that served its
+    /// first, which answers them; a keyless turn is placed by load; `/metrics` counts both.
+    #[tokio::test]
+    async fn sessions_return_home_through_the_proxy_and_metrics_count_them() {
+        let run = async {
+            let (addr, _probes) = start().await?;
+            let client = Client::builder(TokioExecutor::new()).build_http::<Body>();
+            let mut homes = Vec::new();
+            for session in ["agent-1", "agent-2", "agent-3"] {
+                let first = turn(&client, addr, session).await?;
+                assert_eq!(first.outcome, "new-session", "{session}");
+                assert_eq!(first.answer, format!("answered by {}", first.backend));
+                for _ in 0..2 {
+                    let next = turn(&client, addr, session).await?;
+                    assert_eq!(next.outcome, "home-hit", "{session}");
+                    assert_eq!((&next.backend, &next.node), (&first.backend, &first.node));
+                    assert_eq!(next.answer, first.answer);
+                }
+                homes.push(first.backend);
+            }
+            homes.sort();
+            homes.dedup();
+            assert_eq!(
+                homes.len(),
+                3,
+                "three new sessions on three of four backends"
+            );
+            assert_eq!(turn(&client, addr, "").await?.outcome, "keyless");
+            let counted = decisions(&client, addr).await?;
+            for line in [
+                r#"tower_affinity_decisions_total{outcome="new-session"} 3"#,
+                r#"tower_affinity_decisions_total{outcome="home-hit"} 6"#,
+                r#"tower_affinity_decisions_total{outcome="keyless"} 1"#,
+            ] {
+                assert!(
+                    counted.iter().any(|l| l == line),
+                    "{line} not in {counted:?}"
+                );
+            }
+            Ok::<_, BoxError>(())
+        };
+        tokio::time::timeout(Duration::from_secs(20), run)
+            .await
+            .expect("the demonstration ran within 20 s")
+            .unwrap();
+    }
 }
