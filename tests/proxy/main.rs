@@ -492,6 +492,78 @@ async fn second_signal_stops_the_proxy_with_a_stream_open(http2: bool) {
     a.release_streams();
 }
 
+/// Ctrl-C stops accepting and lets an open stream finish: new connections are refused, the
+/// stream goes on to its end, its slot is freed, and then the proxy stops of itself.
+#[tokio::test]
+async fn a_first_signal_lets_an_open_stream_finish_and_then_the_proxy_stops() {
+    for (http2, mode) in [
+        (false, UpstreamMode::Pooled),
+        (true, UpstreamMode::Pooled),
+        (false, UpstreamMode::PerClient),
+    ] {
+        first_signal_lets_a_stream_finish(http2, mode).await;
+    }
+}
+
+async fn first_signal_lets_a_stream_finish(http2: bool, mode: UpstreamMode) {
+    let what = format!("http2 {http2}, {mode:?}");
+    let a = Stub::start("a", 2).await;
+    let proxy = Arc::new(
+        Proxy::new(upstream(config(&[("node-a", &a)]), mode))
+            .await
+            .unwrap(),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (first, first_signal) = oneshot::channel::<()>();
+    let mut server = tokio::spawn(app::serve(
+        listener,
+        proxy.front(),
+        async {
+            let _ = first_signal.await;
+        },
+        std::future::pending(),
+    ));
+    a.hold_streams();
+    let client = Client::builder(TokioExecutor::new())
+        .http2_only(http2)
+        .build_http::<Full<Bytes>>();
+    let url = format!("http://{addr}/v1/chat/completions");
+    let body = open_stream(&client, url, "streamer", None).await;
+
+    first.send(()).unwrap();
+    // Accepting stops: a new connection is refused once the serving loop has seen the signal
+    // and dropped its listener.
+    let mut refused = false;
+    for _ in 0..100 {
+        if tokio::net::TcpStream::connect(addr).await.is_err() {
+            refused = true;
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert!(refused, "{what}: still accepting after the signal");
+    assert!(!server.is_finished(), "{what}: stopped with a stream open");
+    assert_eq!(proxy.affinity().stats().in_flight, 1, "{what}");
+
+    a.release_streams();
+    let rest = tokio::time::timeout(DEADLINE, body.collect())
+        .await
+        .unwrap_or_else(|_| panic!("{what}: the stream did not finish"));
+    let rest = rest.unwrap_or_else(|e| panic!("{what}: the stream was cut: {e}"));
+    assert!(!rest.to_bytes().is_empty(), "{what}");
+    let finished = a
+        .state
+        .streams_finished
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(finished, 1, "{what}");
+    let stopped = tokio::time::timeout(DEADLINE, &mut server)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: the proxy did not stop once the stream ended"));
+    assert!(matches!(stopped, Ok(Ok(()))), "{what}: {stopped:?}");
+    assert_eq!(proxy.affinity().stats().in_flight, 0, "{what}");
+}
+
 // === health ===
 
 #[tokio::test]
