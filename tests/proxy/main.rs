@@ -2619,7 +2619,7 @@ fn the_defaults_help_and_the_readme_state_are_the_parsers() {
         ),
         (
             "for a probe answer (default 2s)",
-            "active health probe",
+            "the longest wait for a probe's answer (2 s; more than 0)",
             c.probe_timeout == secs(2),
         ),
         (
