@@ -512,6 +512,27 @@ pub(crate) fn tokens(name: &str, v: &str) -> Result<u64, String> {
     Ok(n)
 }
 
+/// The runtime's worker threads: `--worker-threads` if given, else `TOKIO_WORKER_THREADS`
+/// (`env`) if set, else `None`, tokio's default. The variable is read here, not by tokio,
+/// which panics on a value that is not a count of at least 1.
+pub(crate) fn worker_threads(
+    given: Option<NonZeroUsize>,
+    env: Option<&std::ffi::OsStr>,
+) -> Result<Option<NonZeroUsize>, String> {
+    match (given, env) {
+        (Some(n), _) => Ok(Some(n)),
+        (None, None) => Ok(None),
+        (None, Some(v)) => (v.to_str())
+            .and_then(|v| v.parse().ok())
+            .map(Some)
+            .ok_or_else(|| {
+                format!(
+                    "TOKIO_WORKER_THREADS={v:?}: expected a number of threads, at least 1 (or --worker-threads N)"
+                )
+            }),
+    }
+}
+
 /// A count of at least 1.
 pub(crate) fn count(flag: &str, v: &str) -> Result<u32, String> {
     v.parse()

@@ -33,7 +33,15 @@ use app::Proxy;
 use cli::Command;
 
 fn main() -> ExitCode {
-    let args = match cli::parse(std::env::args().skip(1)) {
+    let parsed = cli::parse(std::env::args().skip(1)).and_then(|command| match command {
+        Command::Run(mut args) => {
+            let env = std::env::var_os("TOKIO_WORKER_THREADS");
+            args.worker_threads = cli::worker_threads(args.worker_threads, env.as_deref())?;
+            Ok(Command::Run(args))
+        }
+        help => Ok(help),
+    });
+    let args = match parsed {
         Ok(Command::Run(args)) => *args,
         Ok(Command::Help) => {
             // Not `println!`, which panics when the reader has gone (`proxy --help | head`).
@@ -61,6 +69,7 @@ fn main() -> ExitCode {
 
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     runtime.enable_all();
+    // Given, tokio does not read `TOKIO_WORKER_THREADS` itself (and panic on a bad one).
     if let Some(n) = args.worker_threads {
         runtime.worker_threads(n.get());
     }

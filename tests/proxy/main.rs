@@ -2403,6 +2403,26 @@ fn a_redis_timeout_of_zero_is_refused() {
     assert_eq!(run.config.redis_timeout, Duration::from_millis(1));
 }
 
+/// `TOKIO_WORKER_THREADS`, which `--help` names, is read as `--worker-threads` is: a value
+/// that is no count of threads is a command-line error, where tokio would panic on it.
+/// `--worker-threads` wins, the variable then unread, as tokio has it.
+#[test]
+fn a_bad_tokio_worker_threads_is_an_error_not_a_panic() {
+    use std::ffi::OsStr;
+    let three = std::num::NonZeroUsize::new(3);
+    for bad in ["abc", "0", "-1", "", " 2", "1.5"] {
+        let err = cli::worker_threads(None, Some(OsStr::new(bad))).unwrap_err();
+        assert!(err.contains("TOKIO_WORKER_THREADS"), "{bad:?}: {err}");
+        assert!(err.contains("at least 1"), "{bad:?}: {err}");
+    }
+    assert_eq!(cli::worker_threads(None, Some(OsStr::new("3"))), Ok(three));
+    assert_eq!(cli::worker_threads(None, None), Ok(None));
+    assert_eq!(
+        cli::worker_threads(three, Some(OsStr::new("abc"))),
+        Ok(three)
+    );
+}
+
 /// A switch takes no value: `--ask-stream-usage=false` is refused, not read as the switch.
 #[test]
 fn a_switch_given_a_value_is_refused() {
