@@ -902,6 +902,42 @@ async fn a_service_that_cannot_be_made_is_left_out_and_tried_again() {
     assert_eq!((handle.stats().backends, handle.failures()), (2, 0));
 }
 
+#[tokio::test(start_paused = true)]
+async fn an_answer_whose_new_services_all_fail_keeps_the_old_backends() {
+    let dns = start_dns().await;
+    dns.set_ips("llm.fleet.test.", 30, &["10.0.0.1"]).await;
+    let mut fleet = builder(&dns, "llm.fleet.test.:8080")
+        .try_build(|ep: &DnsEndpoint| {
+            if ep.ip().to_string() == "10.0.0.2" {
+                return Err("no client for this one");
+            }
+            Ok(ep.addr())
+        })
+        .unwrap();
+    let handle = fleet.handle();
+    answered(handle.resolved(1)).await;
+    assert_eq!(ready_shown(&mut fleet).await, ["+10.0.0.1:8080@10.0.0.1"]);
+
+    // The backend moved to an address whose service cannot be made: removing the old one
+    // would empty the fleet, so it stays.
+    dns.set_ips("llm.fleet.test.", 30, &["10.0.0.2"]).await;
+    handle.refresh();
+    answered(handle.resolved(2)).await;
+    assert!(ready(&mut fleet).await.is_empty());
+    assert_eq!(handle.stats().backends, 1);
+
+    // Once one of the answer's addresses is made, the old one goes.
+    dns.set_ips("llm.fleet.test.", 30, &["10.0.0.2", "10.0.0.3"])
+        .await;
+    handle.refresh();
+    answered(handle.resolved(3)).await;
+    assert_eq!(
+        ready_shown(&mut fleet).await,
+        ["+10.0.0.3:8080@10.0.0.3", "-10.0.0.1:8080"]
+    );
+    assert_eq!((handle.stats().backends, handle.failures()), (1, 0));
+}
+
 #[tokio::test]
 async fn a_fleet_built_outside_a_runtime_starts_on_its_first_poll() {
     let dns = start_dns().await;

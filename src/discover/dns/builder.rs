@@ -272,7 +272,9 @@ impl DnsFleetBuilder {
 
     /// As [`build`](Self::build), for a service that can fail to be made (a client whose
     /// configuration is refused): an address whose service fails is left out of the fleet,
-    /// logged once, and tried again at each resolution.
+    /// logged once, and tried again at each resolution. Where no address of an answer could
+    /// be made, the backends it left out stay until one is: the fleet is never emptied by
+    /// services that fail.
     pub fn try_build<S, F, E>(self, service: F) -> Result<DnsFleet<S>, DnsError>
     where
         F: Fn(&DnsEndpoint) -> Result<S, E> + Send + Sync + 'static,

@@ -14,7 +14,9 @@
 //! changed: an insert for each new `IP:PORT`, a removal for each that went, the inserts first
 //! (a fleet whose addresses all changed is never empty between the two). A failed resolution
 //! keeps the fleet as it was, and is counted and logged (see [`DnsHandle`]); an answer with no
-//! address counts as failed, so DNS never empties the fleet.
+//! address counts as failed, and an answer none of whose addresses could be made into a
+//! backend (see [`DnsFleetBuilder::try_build`]) keeps the old backends until one is, so DNS
+//! never empties the fleet.
 //!
 //! Queries go to the system's nameservers (`/etc/resolv.conf`, with its search domains), or to
 //! those given with [`DnsFleetBuilder::nameserver`]. Resolution uses [hickory-resolver],

@@ -109,6 +109,9 @@ pub(crate) async fn run<S>(
     // Addresses in the fleet that the successful answers since have all left out, each with
     // the time of the first of them: removed once missing for the removal grace.
     let mut missing: BTreeMap<SocketAddr, Instant> = BTreeMap::new();
+    // Whether the last answer's removals were held back because they would empty the fleet:
+    // logged once when that starts.
+    let mut holding = false;
     loop {
         let wait = match resolve(&resolver, &target).await {
             Ok(found) => {
@@ -144,6 +147,22 @@ pub(crate) async fn run<S>(
                     let _ = tx.send(Change::Insert(id.clone(), backend));
                     current.insert(*addr, id);
                 }
+                // No address of the answer in the fleet (their services all failed): the
+                // removals would empty it, so the old backends stay, as on a failed
+                // resolution, until one of the answer's is made.
+                let held = !current.is_empty()
+                    && !found
+                        .endpoints
+                        .keys()
+                        .any(|addr| current.contains_key(addr));
+                if held && !holding {
+                    tracing::warn!(
+                        dns = %target,
+                        backends = current.len(),
+                        "DNS: no backend of the answer could be made; keeping the last fleet"
+                    );
+                }
+                holding = held;
                 current.retain(|addr, id| {
                     if found.endpoints.contains_key(addr) {
                         if missing.remove(addr).is_some() {
@@ -169,7 +188,7 @@ pub(crate) async fn run<S>(
                             *since.insert(now)
                         }
                     };
-                    if now.saturating_duration_since(since) < schedule.grace {
+                    if held || now.saturating_duration_since(since) < schedule.grace {
                         return true;
                     }
                     missing.remove(addr);
