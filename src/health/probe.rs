@@ -125,9 +125,23 @@ impl HealthProbe {
         self
     }
 
-    /// The longest wait for each answer, `/health` and `/slots` alike; connecting counts.
+    /// The longest wait for each answer, `/health` and `/slots` alike; connecting counts (at
+    /// least 1 ms).
+    ///
+    /// A probe that may not wait gets no answer, so zero is taken as the floor, 1 ms, rather
+    /// than failing every probe and taking the whole fleet down. A timeout shorter than a
+    /// backend takes to answer still fails its probes: give one that suits the network.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_affinity::health::HealthProbe;
+    ///
+    /// // A slow link to the backends: wait up to 5 s for each answer.
+    /// let probe = HealthProbe::new().timeout(Duration::from_secs(5));
+    /// # drop(probe);
+    /// ```
     pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
+        self.timeout = timeout.max(Duration::from_millis(1));
         self
     }
 

@@ -488,6 +488,31 @@ async fn no_answer_within_the_timeout_and_a_refused_connection_are_failures() {
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_zero_timeout_is_the_floor_of_1_ms_and_a_ready_backend_stays_up() {
+    let (addr, _stub) = start(1).await;
+    let (hung_addr, hung) = start(1).await;
+    hung.hang.store(true, Ordering::Relaxed);
+    let (affinity, prober) = balancer(
+        HealthProbe::new().timeout(Duration::ZERO),
+        vec![
+            ("ready", Backend::new("n", http(addr))),
+            ("hung", Backend::new("n", http(hung_addr))),
+        ],
+    );
+    prober.round(&affinity).await;
+    let ready = prober.status("ready").unwrap();
+    assert!(
+        ready.up,
+        "a probe that may not wait gets no answer: {ready:?}"
+    );
+    assert!(status(&affinity, "ready").healthy);
+    // A backend that does not answer still fails, at the floor.
+    let hung = prober.status("hung").unwrap();
+    assert!(!hung.up);
+    assert!(hung.last_error.unwrap().contains("no answer within 1ms"));
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn slots_are_learned_from_slots_and_followed_when_they_change() {
     let (a, stub_a) = start(3).await;
     let (b, stub_b) = start(4).await;
