@@ -560,7 +560,7 @@ where
                     // Woken by a freed slot, by the deadline, by a cooldown's end, or by the
                     // discovery stream (a backend may have come): the changes that are ready
                     // go in first. Once a poll, as in readiness, so that a stream that never
-                    // stops yielding cannot hold it: a drain that inserts a backend wakes
+                    // stops yielding cannot hold it: a drain that changes the fleet wakes
                     // every waiter, this one too, which would look again in this same poll.
                     if !drained {
                         drained = true;

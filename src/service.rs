@@ -510,7 +510,7 @@ where
         let seen = discovery.signal.woken.load(Ordering::Acquire);
         let mut own = Context::from_waker(&discovery.waker);
         let mut next: Option<Fleet<Backend<S>>> = None;
-        let mut inserted = false;
+        let mut changed = false;
         let mut more = true;
         for _ in 0..DRAIN_LIMIT {
             let Some(d) = slot.as_mut() else {
@@ -526,7 +526,7 @@ where
             match std::pin::pin!(next_change).poll(&mut own) {
                 Poll::Ready(Some(Ok(change))) => {
                     let fleet = next.get_or_insert_with(|| Fleet::clone(&shared.fleet.load()));
-                    inserted |= apply(fleet, change);
+                    changed |= apply(fleet, change);
                 }
                 Poll::Ready(Some(Err(e))) => {
                     let e: BoxError = e.into();
@@ -545,8 +545,11 @@ where
         }
         if let Some(fleet) = next {
             shared.fleet.store(Arc::new(fleet));
-            if inserted {
-                // New room: let waiting requests try again, on the new fleet.
+            if changed {
+                // Waiting requests look again, on the new fleet: a backend inserted may have
+                // room for them; one removed may be the one they wait for (placed on the
+                // fleet before this drain, after the stream's wake-up that woke the waiters
+                // then), whose slots, freed, wake none of them now.
                 shared.capacity.wake_all();
             }
         }
@@ -563,7 +566,8 @@ where
     }
 }
 
-/// Applies one discovery change to `fleet`; returns whether a backend was inserted.
+/// Applies one discovery change to `fleet`; returns whether it changed the fleet (a backend
+/// inserted, or one removed that was in it).
 fn apply<S>(fleet: &mut Fleet<Backend<S>>, change: Change<BackendId, Backend<S>>) -> bool {
     match change {
         Change::Insert(id, backend) => {
@@ -572,10 +576,11 @@ fn apply<S>(fleet: &mut Fleet<Backend<S>>, change: Change<BackendId, Backend<S>>
             true
         }
         Change::Remove(id) => {
-            if fleet.remove(&id) {
+            let removed = fleet.remove(&id);
+            if removed {
                 tracing::debug!(backend = %id, "backend removed");
             }
-            false
+            removed
         }
     }
 }

@@ -1680,6 +1680,38 @@ async fn a_waiting_request_comes_back_for_the_changes_one_drain_left() {
     );
 }
 
+/// More changes come at once than one drain applies (256), the removal of the backend a
+/// request waits for among the last. Readiness applies the first part, the request is placed
+/// on the fleet as that left it and waits for the backend's one slot, and readiness applies
+/// the rest before the waiting request first looks: the removal must wake it, and it fails at
+/// once with no backend left, rather than waiting out its `max_wait` for a slot that no
+/// longer exists.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_removal_applied_by_another_drain_wakes_the_request_waiting_for_it() {
+    let streams = Streams::default();
+    let (handle, mut svc, held) = one_slot_held(&streams).await;
+    svc.ready().await.unwrap();
+    for i in 0..300 {
+        handle.remove(format!("never-there-{i}"));
+    }
+    handle.remove("a1");
+    svc.ready().await.unwrap();
+    assert_eq!(svc.backends().len(), 1, "the first drain stops at 256");
+    let mut waiting = tokio_test::task::spawn(svc.call(request(Some("t"), None)));
+    svc.ready().await.unwrap();
+    assert!(svc.backends().is_empty(), "the second drain removes a1");
+    let failed = match waiting.poll() {
+        std::task::Poll::Ready(res) => res.unwrap_err(),
+        std::task::Poll::Pending => panic!(
+            "still waiting for a removed backend; waiting: {}",
+            svc.stats().waiting
+        ),
+    };
+    assert!(matches!(failed, Error::NoBackends), "{failed}");
+    assert_eq!(svc.stats().waiting, 0);
+    drop(held);
+}
+
 /// A waiting request applies at most one drain's changes a poll (256), as readiness does: a
 /// drain that inserts a backend wakes every waiter, the one draining too, and it drained
 /// again within the same poll, for as long as changes were ready: a discovery stream that
