@@ -61,7 +61,7 @@
 #   TA_LLAMA_THREADS     -t for each llama-server     (1; 3 servers share 2 cores)
 #   TA_LLAMA_EXTRA_ARGS  extra llama-server flags     ("")
 #   TA_BUILD_JOBS        cmake -j                     (2)
-#   TA_LOG_DIR           where logs go                ($TA_CACHE_DIR/logs/<timestamp>)
+#   TA_LOG_DIR           where logs go                ($TA_CACHE_DIR/logs/<timestamp>-<random>)
 #   TA_PROXY_BIN         run this proxy binary instead of building --example proxy
 set -euo pipefail
 
@@ -390,8 +390,15 @@ say "setup done in $(( $(date +%s) - T_START )) s"
 
 command -v curl >/dev/null || die "curl is required"
 [[ -n "${TA_PROXY_BIN:-}" ]] || command -v cargo >/dev/null || die "cargo is required"
-LOG_DIR="${TA_LOG_DIR:-$CACHE/logs/$(date +%Y%m%d-%H%M%S)}"
-mkdir -p "$LOG_DIR"
+# A directory of its own for each run, the time first so that they sort: two runs started
+# within the same second would otherwise write over each other's logs.
+if [[ -n "${TA_LOG_DIR:-}" ]]; then
+    LOG_DIR=$TA_LOG_DIR
+    mkdir -p "$LOG_DIR"
+else
+    mkdir -p "$CACHE/logs"
+    LOG_DIR=$(mktemp -d "$CACHE/logs/$(date +%Y%m%d-%H%M%S)-XXXXXX")
+fi
 say "logs in $LOG_DIR"
 
 build_proxy
