@@ -54,6 +54,10 @@ const ALPHA: f64 = 0.25;
 /// time is mostly the fixed cost of a request.
 const MIN_READ_FOR_RATE: u64 = 256;
 
+/// A read timed shorter than this was not timed: no backend reads `MIN_READ_FOR_RATE` tokens
+/// in under a millisecond.
+const MIN_READ_TIME: Duration = Duration::from_millis(1);
+
 /// A request is a misprediction when the backend reused less than half the share of its
 /// prompt the cache model predicted, and the model predicted at least this share.
 const MIN_PREDICTED_SHARE: f64 = 0.25;
@@ -198,12 +202,17 @@ impl Learned {
             blend(&self.scale_estimates, p.prompt_tokens as f64);
         }
         let read = usage.prompt_tokens.saturating_sub(reused);
-        // The time the prompt took to read: llama.cpp says; a stream's first byte tells.
+        // The time the prompt took to read: llama.cpp says; a stream's first byte tells. A
+        // read of `MIN_READ_FOR_RATE` tokens or more timed under `MIN_READ_TIME` was not
+        // timed (a server that reports 0 for a time it does not measure, a first byte on a
+        // paused clock), and one such sample would multiply the learned rate a thousandfold.
+        let timed = |t: &Duration| *t >= MIN_READ_TIME;
         let read_time = usage
             .prompt_time
-            .or(answer.first_byte.filter(|_| answer.stream));
+            .filter(timed)
+            .or(answer.first_byte.filter(|_| answer.stream).filter(timed));
         if let Some(t) = read_time.filter(|_| read >= MIN_READ_FOR_RATE) {
-            blend(&self.prefill_rate, read as f64 / t.as_secs_f64().max(1e-3));
+            blend(&self.prefill_rate, read as f64 / t.as_secs_f64());
         }
         // An answer that counts no prompt says nothing of what was reused of the one sent
         // (Ollama's reports 0 for a prompt it found whole in its cache).
@@ -562,6 +571,32 @@ mod tests {
         assert_eq!(l.read_cost(read, 0), read);
         assert_eq!(l.read_cost(Duration::ZERO, 2), Duration::ZERO);
         assert_eq!(l.read_cost(Duration::MAX, u32::MAX), Duration::MAX);
+    }
+
+    /// A prompt time of 0 (a server that reports a time it does not measure) is not a read of
+    /// thousands of tokens in no time: it teaches nothing, and the stream's first byte, if
+    /// any, times the read instead.
+    #[test]
+    fn a_read_timed_at_under_a_millisecond_does_not_poison_the_prefill_rate() {
+        let l = Learned::default();
+        l.learn(&answer(10_000, Some(0), 50_000), None);
+        assert_eq!(l.prefill_rate(), Some(200.0));
+        for prompt_time in [Duration::ZERO, Duration::from_micros(999)] {
+            let mut untimed = answer(10_000, Some(0), 1_000);
+            untimed.usage.as_mut().unwrap().prompt_time = Some(prompt_time);
+            untimed.stream = false;
+            l.learn(&untimed, None);
+            assert_eq!(l.prefill_rate(), Some(200.0), "{prompt_time:?}");
+        }
+        // A stream's first byte at once, as a paused clock gives, teaches nothing either.
+        l.learn(&answer(10_000, Some(0), 0), None);
+        assert_eq!(l.prefill_rate(), Some(200.0));
+        // Without a time of its own, the first byte of its stream times the read.
+        let mut untimed = answer(10_000, Some(0), 50_000);
+        untimed.usage.as_mut().unwrap().prompt_time = Some(Duration::ZERO);
+        let fresh = Learned::default();
+        fresh.learn(&untimed, None);
+        assert_eq!(fresh.prefill_rate(), Some(200.0));
     }
 
     #[test]
