@@ -202,15 +202,16 @@ impl Learned {
             blend(&self.scale_estimates, p.prompt_tokens as f64);
         }
         let read = usage.prompt_tokens.saturating_sub(reused);
-        // The time the prompt took to read: llama.cpp says; a stream's first byte tells. A
-        // read of `MIN_READ_FOR_RATE` tokens or more timed under `MIN_READ_TIME` was not
+        // The time the prompt took to read: llama.cpp says; a stream's first byte tells,
+        // unless the stream opened before the read (a Responses stream's `response.created`).
+        // A read of `MIN_READ_FOR_RATE` tokens or more timed under `MIN_READ_TIME` was not
         // timed (a server that reports 0 for a time it does not measure, a first byte on a
         // paused clock), and one such sample would multiply the learned rate a thousandfold.
         let timed = |t: &Duration| *t >= MIN_READ_TIME;
-        let read_time = usage
-            .prompt_time
-            .filter(timed)
-            .or(answer.first_byte.filter(|_| answer.stream).filter(timed));
+        let first_byte = answer
+            .first_byte
+            .filter(|_| answer.stream && !usage.opens_before_read);
+        let read_time = usage.prompt_time.filter(timed).or(first_byte.filter(timed));
         if let Some(t) = read_time.filter(|_| read >= MIN_READ_FOR_RATE) {
             blend(&self.prefill_rate, read as f64 / t.as_secs_f64());
         }
@@ -382,6 +383,7 @@ mod tests {
                 reused_tokens: reused,
                 prompt_time: None,
                 zero_left_out: true,
+                opens_before_read: false,
             }),
             first_byte: Some(Duration::from_millis(first_byte_ms)),
             duration: Some(Duration::from_secs(10)),

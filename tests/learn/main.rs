@@ -318,6 +318,61 @@ async fn llama_cpp_timings_on_the_last_chunk_give_the_figures_and_the_prefill_ra
     assert_eq!(a.request_time, Some(Duration::from_secs(52)));
 }
 
+/// A Responses stream (vLLM's, SGLang's) opens with `response.created` and
+/// `response.in_progress` as soon as the request is taken, and gives its usage in
+/// `response.completed`: its first byte came before the prompt was read, and does not time
+/// the read. A chat stream of the same timing does.
+#[tokio::test(start_paused = true)]
+async fn a_responses_streams_first_byte_does_not_time_the_prompt() {
+    let svc = service(&[("a", "n1")]);
+    let opened = b"event: response.created\ndata: {\"type\":\"response.created\",\"sequence_number\":0,\"response\":{\"id\":\"r1\",\"object\":\"response\",\"status\":\"in_progress\",\"output\":[],\"usage\":null}}\n\n\
+event: response.in_progress\ndata: {\"type\":\"response.in_progress\",\"sequence_number\":1,\"response\":{\"id\":\"r1\",\"object\":\"response\",\"status\":\"in_progress\",\"output\":[],\"usage\":null}}\n\n";
+    let completed = b"event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"sequence_number\":2,\"delta\":\"done\"}\n\n\
+event: response.completed\ndata: {\"type\":\"response.completed\",\"sequence_number\":3,\"response\":{\"id\":\"r1\",\"object\":\"response\",\"status\":\"completed\",\"usage\":{\"input_tokens\":10256,\"input_tokens_details\":{\"cached_tokens\":256},\"output_tokens\":1,\"output_tokens_details\":{\"reasoning_tokens\":0},\"total_tokens\":10257}}}\n\n";
+    let reply = Reply {
+        status: http::StatusCode::OK,
+        headers_after: Duration::ZERO,
+        content_type: Some("text/event-stream"),
+        encoding: None,
+        frames: vec![
+            (Duration::from_millis(20), Ok(Bytes::from_static(opened))),
+            (Duration::from_secs(50), Ok(Bytes::from_static(completed))),
+        ],
+    };
+    let (d, _, usage) = exchange(&svc, request(None, None, reply)).await;
+    let usage = usage.expect("the stream's usage");
+    assert_eq!(
+        (usage.prompt_tokens, usage.reused_tokens),
+        (10_256, Some(256))
+    );
+    let a = status(&svc, d.backend.as_str());
+    assert_eq!(a.prefill_rate, None, "10,000 tokens read in 20 ms");
+    // A chat stream's first chunk is its first token: it came after the read.
+    let chat = Reply {
+        frames: vec![
+            (
+                Duration::from_secs(50),
+                Ok(Bytes::from_static(
+                    b"data: {\"choices\":[{\"delta\":{\"role\":\"assistant\"}}]}\n\n",
+                )),
+            ),
+            (
+                Duration::from_secs(1),
+                Ok(Bytes::from_static(
+                    b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":10256,\"prompt_tokens_details\":{\"cached_tokens\":256}}}\n\ndata: [DONE]\n\n",
+                )),
+            ),
+        ],
+        ..Reply::json(b"{}")
+    };
+    let chat = Reply {
+        content_type: Some("text/event-stream"),
+        ..chat
+    };
+    exchange(&svc, request(None, None, chat)).await;
+    assert_eq!(status(&svc, "a").prefill_rate, Some(200));
+}
+
 #[tokio::test(start_paused = true)]
 async fn answers_that_cannot_be_read_pass_through_untouched_with_no_figure() {
     let svc = service(&[("a", "n1")]);
