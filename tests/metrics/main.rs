@@ -683,6 +683,67 @@ fn a_backends_series_dropped_as_idle_come_back_with_its_next_events() {
     });
 }
 
+/// The series by outcome are looked up at each event in the recorder installed then: a
+/// recorder installed after the service was built and had taken requests gets them, and a
+/// series it dropped as idle comes back with its next event.
+#[test]
+fn series_by_outcome_reach_a_recorder_installed_later_and_come_back_once_dropped_as_idle() {
+    let fleet = StaticFleet::new([(
+        "a1",
+        Backend::new("node-a", service_fn(answering)).slots(NonZeroU32::new(2).unwrap()),
+    )]);
+    let svc = SessionAffinityLayer::new().layer(fleet);
+    let turn = || async {
+        let req = http::Request::post("/v1/chat/completions")
+            .header("x-session-id", "s")
+            .body(String::new())
+            .unwrap();
+        let res = svc.clone().oneshot(req).await.unwrap();
+        res.into_body().collect().await.unwrap();
+    };
+    // Before any recorder: the facade's no-op one.
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap()
+        .block_on(turn());
+    let recorder = dropping_idle_series();
+    let prometheus = recorder.handle();
+    let series = |text: &str, name: &str| {
+        let prefix = format!("{name}{{outcome=\"home-hit\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()).map(str::to_owned))
+    };
+    let decisions = "tower_affinity_decisions_total";
+    let prompt = "tower_affinity_prompt_tokens_total";
+    let first_byte = "tower_affinity_first_byte_seconds_count";
+    run_with(&recorder, async {
+        turn().await;
+        let text = prometheus.render();
+        assert_eq!(series(&text, decisions).as_deref(), Some("1"), "{text}");
+        assert_eq!(series(&text, prompt).as_deref(), Some("1200"), "{text}");
+        assert_eq!(series(&text, first_byte).as_deref(), Some("1"), "{text}");
+        let mut gone = false;
+        for _ in 0..1000 {
+            let text = prometheus.render();
+            if [decisions, prompt, first_byte]
+                .iter()
+                .all(|name| series(&text, name).is_none())
+            {
+                gone = true;
+                break;
+            }
+        }
+        assert!(gone);
+        turn().await;
+        let text = prometheus.render();
+        for name in [decisions, first_byte] {
+            assert_eq!(series(&text, name).as_deref(), Some("1"), "{name}: {text}");
+        }
+        assert_eq!(series(&text, prompt).as_deref(), Some("1200"), "{text}");
+    });
+}
+
 /// Under churn (a rolling restart's new ids), an exporter dropping every kind of idle series
 /// keeps the series of the fleet and of its live backends, which `publish_metrics` touches,
 /// and drops those of the backends that left: their number does not grow with the ids
