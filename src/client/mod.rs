@@ -4,7 +4,8 @@
 //! client sent it. [`HttpBackend`] does that for a backend at `http://host:port`:
 //!
 //! - the request keeps its method, path, query, headers and body; its URI gets the backend's
-//!   scheme and authority, and `Host` the backend's;
+//!   scheme and authority, and `Host` the backend's; a body that knows its exact length goes
+//!   with that length as its `Content-Length`, whatever a layer that rewrote it left there;
 //! - hop-by-hop headers (RFC 9110, section 7.6.1: [`HOP_BY_HOP`] and those `Connection`
 //!   names) are dropped both ways ([`strip_hop_by_hop`]); a client whose `TE` accepts
 //!   trailers has the backend asked for them, and the response's trailers and its `Trailer`

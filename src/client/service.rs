@@ -144,11 +144,12 @@ impl<B> HttpBackend<B> {
 
     /// `req` as it goes to the backend: hop-by-hop headers dropped (`TE: trailers` sent on
     /// as the proxy's own when the client's `TE` accepts trailers, and a `Content-Length`
-    /// that a `Transfer-Encoding` overrode dropped with it), `Host` set to the
-    /// backend's, `Cookie` fields joined into one for an HTTP/1.1 backend (an HTTP/2 client
-    /// may split them), the version the backend connection speaks, and, if `absolute`, the
-    /// backend's scheme and authority in its URI (else its URI in origin-form, `/path?query`,
-    /// for a connection of the caller's own).
+    /// that a `Transfer-Encoding` overrode dropped with it), a `Content-Length` that the
+    /// body's own exact length contradicts made that length (a layer that rewrote the body
+    /// may leave the client's), `Host` set to the backend's, `Cookie` fields joined into one
+    /// for an HTTP/1.1 backend (an HTTP/2 client may split them), the version the backend
+    /// connection speaks, and, if `absolute`, the backend's scheme and authority in its URI
+    /// (else its URI in origin-form, `/path?query`, for a connection of the caller's own).
     ///
     /// A `CONNECT`, and a body in a transfer coding other than `chunked`, are refused
     /// ([`FailureKind::Unsupported`](super::FailureKind::Unsupported), 501).
@@ -156,7 +157,10 @@ impl<B> HttpBackend<B> {
         &self,
         mut req: Request<B>,
         absolute: bool,
-    ) -> Result<Request<B>, HttpBackendError> {
+    ) -> Result<Request<B>, HttpBackendError>
+    where
+        B: http_body::Body,
+    {
         let inner = &*self.inner;
         if req.method() == http::Method::CONNECT {
             return Err(HttpBackendError::unsupported("a CONNECT is not forwarded"));
@@ -166,6 +170,9 @@ impl<B> HttpBackend<B> {
             return Err(HttpBackendError::unsupported(
                 "a transfer coding other than chunked is not forwarded",
             ));
+        }
+        if let Some(len) = req.body().size_hint().exact() {
+            agree_content_length(req.headers_mut(), len);
         }
         if trailers {
             // `TE` is the connection's: the proxy asks its own, as it passes trailers on.
@@ -205,6 +212,26 @@ impl<B> HttpBackend<B> {
     /// HTTP/1.1, the proxy's own version (RFC 9110, section 6.2).
     pub fn finish_response<T>(&self, res: &mut http::Response<T>) -> Result<(), HttpBackendError> {
         finish_response(res)
+    }
+}
+
+/// Makes the `Content-Length` of `headers`, if there is one, the body's exact `len`. The
+/// connection frames the body by that field, not by the body: one that says less cuts the
+/// body short at the backend, unseen, and one that says more (or a stream's length that
+/// differs, over HTTP/2) fails the request as if the backend had.
+fn agree_content_length(headers: &mut http::HeaderMap, len: u64) {
+    let mut declared = headers.get_all(header::CONTENT_LENGTH).iter();
+    let agrees = match (declared.next(), declared.next()) {
+        (None, _) => return,
+        (Some(v), None) => {
+            let digits = v.as_bytes();
+            digits.iter().all(u8::is_ascii_digit)
+                && std::str::from_utf8(digits).is_ok_and(|d| d.parse() == Ok(len))
+        }
+        (Some(_), Some(_)) => false,
+    };
+    if !agrees {
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
     }
 }
 
@@ -512,5 +539,36 @@ mod tests {
         assert!(!req.headers().contains_key("x-hop"));
         let req = b.prepare(req, false).unwrap();
         assert_eq!(req.uri(), "/v1/chat?x=1");
+    }
+
+    #[test]
+    fn a_content_length_goes_as_the_body_says_when_the_body_knows_its_length() {
+        fn declared<T>(req: &Request<T>) -> String {
+            let v: Vec<_> = req
+                .headers()
+                .get_all(header::CONTENT_LENGTH)
+                .iter()
+                .collect();
+            format!("{v:?}")
+        }
+        let b = Backend::new("http://10.0.0.1:8080").unwrap();
+        // An empty body is 0 long, whatever was declared; with nothing declared, nothing is
+        // added here (the connection adds what it needs).
+        let req = Request::post("/").header("content-length", "7");
+        let req = b.prepare(req.body(Empty::new()).unwrap(), true).unwrap();
+        assert_eq!(declared(&req), r#"["0"]"#);
+        let req = Request::post("/").body(Empty::new()).unwrap();
+        assert_eq!(declared(&b.prepare(req, true).unwrap()), "[]");
+
+        // A stream that does not know its length keeps the declared one, by which the
+        // connection frames it.
+        type Stream = http_body_util::StreamBody<
+            tokio_stream::Iter<std::vec::IntoIter<Result<http_body::Frame<bytes::Bytes>, String>>>,
+        >;
+        let b = HttpBackend::<Stream>::new("http://10.0.0.1:8080").unwrap();
+        let body = http_body_util::StreamBody::new(tokio_stream::iter(vec![]));
+        let req = Request::post("/").header("content-length", "7");
+        let req = b.prepare(req.body(body).unwrap(), true).unwrap();
+        assert_eq!(declared(&req), r#"["7"]"#);
     }
 }

@@ -724,3 +724,51 @@ async fn the_only_backend_failing_is_its_failure_after_the_retry_not_no_backends
         assert_eq!(affinity.stats().in_flight, 0);
     }
 }
+
+/// A layer in front that rewrote the body but left the client's `Content-Length` must not
+/// have the body cut short at the backend (HTTP/1.1 frames it by that field), nor fail the
+/// request as the backend's fault (a longer one, or HTTP/2's check of the stream's length),
+/// which would pass over a sound backend: the body's own length goes with it.
+#[tokio::test]
+async fn a_content_length_the_body_contradicts_is_sent_as_the_bodys_length() {
+    let (addr, seen) = stub("a").await;
+    for http2 in [false, true] {
+        let backend = HttpBackend::<Body>::builder()
+            .http2_prior_knowledge(http2)
+            .build(&url(addr))
+            .unwrap();
+        for (declared, body) in [
+            (&["1"][..], "abc"),
+            (&["10"][..], "ab"),
+            (&["3", "3"][..], "abc"),
+            (&["+3"][..], "abc"),
+            (&["3"][..], "abc"),
+        ] {
+            seen.lock().clear();
+            let mut req = Request::post("/v1/chat/completions")
+                .body(Full::new(Bytes::from_static(body.as_bytes())))
+                .unwrap();
+            for v in declared {
+                req.headers_mut()
+                    .append(http::header::CONTENT_LENGTH, v.parse().unwrap());
+            }
+            let res = call(&backend, req)
+                .await
+                .unwrap_or_else(|e| panic!("http2 {http2}, {declared:?}: {e}"));
+            assert_eq!(res.status(), 200);
+            let s = seen.lock()[0].clone();
+            assert_eq!(s.body, body, "http2 {http2}, {declared:?}");
+            let lengths: Vec<_> = s
+                .headers
+                .get_all("content-length")
+                .iter()
+                .map(|v| v.to_str().unwrap().to_string())
+                .collect();
+            assert_eq!(
+                lengths,
+                [body.len().to_string()],
+                "http2 {http2}, {declared:?}"
+            );
+        }
+    }
+}
