@@ -97,7 +97,8 @@ impl fmt::Display for FailureKind {
 /// chain, which is what makes [`Error::status`](crate::Error::status) 504.
 ///
 /// Its `Display` says the kind and the chain's root cause (`connection refused: Connection
-/// refused (os error 111)`): hyper's own messages name only the step that failed.
+/// refused (os error 111)`, `timed out connecting: deadline has elapsed`, `timed out: no
+/// response headers within 300s`): hyper's own messages name only the step that failed.
 ///
 /// [source]: std::error::Error::source
 ///
@@ -190,6 +191,8 @@ impl fmt::Display for HttpBackendError {
         let what = match self.kind {
             FailureKind::Refused => "connection refused",
             FailureKind::Reset => "connection reset before the response",
+            // The root cause of a connect timeout says only that a deadline passed.
+            FailureKind::Timeout if connecting(&*self.source) => "timed out connecting",
             FailureKind::Timeout => "timed out",
             FailureKind::Connect => "could not connect",
             FailureKind::Other => "request failed",
@@ -210,6 +213,18 @@ impl StdError for HttpBackendError {
     fn source(&self) -> Option<&(dyn StdError + 'static)> {
         Some(&*self.source)
     }
+}
+
+/// Whether `e`'s chain has hyper-util's client failing to connect.
+fn connecting(e: &(dyn StdError + 'static)) -> bool {
+    let mut next = Some(e);
+    while let Some(e) = next {
+        if let Some(client) = e.downcast_ref::<hyper_util::client::legacy::Error>() {
+            return client.is_connect();
+        }
+        next = e.source();
+    }
+    false
 }
 
 /// The kind of the first cause in `e`'s chain that tells one.

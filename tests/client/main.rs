@@ -354,6 +354,38 @@ async fn no_response_headers_within_the_timeout_is_a_504_timeout() {
     assert!(!svc.backends()[0].healthy);
 }
 
+/// No connection within the connect timeout: a listener whose backlog is full drops the
+/// connection's SYN, as a host that is down or cut off does. A 504 that says it was the
+/// connection that timed out, not the answer.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn no_connection_within_the_connect_timeout_is_a_504_timeout_that_says_so() {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = socket.listen(1).unwrap();
+    let addr = listener.local_addr().unwrap();
+    // Never accepted: with these the backlog is full.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        held.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+    }
+    // The response timeout bounds the test should a connection be made after all.
+    let backend = HttpBackend::<Body>::builder()
+        .connect_timeout(Duration::from_secs(2))
+        .response_timeout(Duration::from_secs(10))
+        .build(&url(addr))
+        .unwrap();
+    let started = tokio::time::Instant::now();
+    let e = backend
+        .oneshot(Request::get("/").body(Body::default()).unwrap())
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), FailureKind::Timeout, "{e}");
+    assert_eq!(e.status(), 504);
+    assert_eq!(started.elapsed(), Duration::from_secs(2));
+    assert!(e.to_string().starts_with("timed out connecting: "), "{e}");
+    drop((listener, held));
+}
+
 #[tokio::test]
 async fn a_body_cut_mid_response_fails_the_body_and_frees_the_slot() {
     let addr = raw(|mut stream| async move {
