@@ -1,4 +1,4 @@
-//! [`SentBody`]: the request body as the client sends it, with a note of whether it failed.
+//! [`SentBody`]: the request body as the client sends it, with a note of how its sending goes.
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -8,20 +8,44 @@ use std::task::{Context, Poll};
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
+/// How the sending of a request's body goes, as its [`SentBody`] sees it: what the client's
+/// error, or the response timeout, cannot tell.
+#[derive(Debug, Default)]
+pub(crate) struct Sending {
+    /// The body yielded an error.
+    failed: AtomicBool,
+    /// The connection asked for the body's next frame and the body had none yet: the
+    /// request's sender, not the backend, is being waited on.
+    waiting: AtomicBool,
+}
+
+impl Sending {
+    /// Whether the body yielded an error.
+    pub(crate) fn failed(&self) -> bool {
+        self.failed.load(Ordering::Acquire)
+    }
+
+    /// Whether the body owes the connection a frame that it asked for.
+    pub(crate) fn waiting(&self) -> bool {
+        self.waiting.load(Ordering::Acquire)
+    }
+}
+
 pin_project! {
-    /// A request body that sets `failed` if it yields an error: the client's error then says
-    /// only that the connection or stream failed (HTTP/2 resets the stream), not that the
-    /// request's own body, not the backend, was the cause.
+    /// A request body that notes in its [`Sending`] whether it yields an error, and whether
+    /// the connection is waiting on it: the client's error then says only that the
+    /// connection or stream failed (HTTP/2 resets the stream), and a response timeout only
+    /// that no answer came, not that the request's own body, not the backend, was the cause.
     pub(crate) struct SentBody<B> {
         #[pin]
         inner: B,
-        failed: Arc<AtomicBool>,
+        sending: Arc<Sending>,
     }
 }
 
 impl<B> SentBody<B> {
-    pub(crate) fn new(inner: B, failed: Arc<AtomicBool>) -> Self {
-        SentBody { inner, failed }
+    pub(crate) fn new(inner: B, sending: Arc<Sending>) -> Self {
+        SentBody { inner, sending }
     }
 }
 
@@ -35,8 +59,11 @@ impl<B: Body> Body for SentBody<B> {
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         let this = self.project();
         let frame = this.inner.poll_frame(cx);
+        this.sending
+            .waiting
+            .store(frame.is_pending(), Ordering::Release);
         if let Poll::Ready(Some(Err(_))) = &frame {
-            this.failed.store(true, Ordering::Release);
+            this.sending.failed.store(true, Ordering::Release);
         }
         frame
     }

@@ -30,8 +30,9 @@ pub enum FailureKind {
     /// Anything else: a protocol error, a request the client could not send.
     Other,
     /// The request's own body failed while it was being sent: the client went away or sent
-    /// too slowly, or a limit of the proxy's cut it short. The request's fault, not the
-    /// backend's: 400, and the balancer does not pass the backend over for it.
+    /// too slowly (the response timeout passed with the body still arriving from it), or a
+    /// limit of the proxy's cut it short. The request's fault, not the backend's: 400, and
+    /// the balancer does not pass the backend over for it.
     RequestBody,
     /// The request asks for what a proxy cannot forward as sent: a `CONNECT`, or a transfer
     /// coding other than `chunked` (RFC 9112, section 6.1), whose body would reach the
@@ -161,6 +162,19 @@ impl HttpBackendError {
             source: io::Error::new(
                 io::ErrorKind::TimedOut,
                 format!("no response headers within {after:?}"),
+            )
+            .into(),
+        }
+    }
+
+    /// The response timeout, `after`, passed with the request's own body still arriving from
+    /// its sender.
+    pub(crate) fn request_body_late(after: Duration) -> Self {
+        HttpBackendError {
+            kind: FailureKind::RequestBody,
+            source: io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("the body was still arriving after {after:?}, the response timeout"),
             )
             .into(),
         }

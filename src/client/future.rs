@@ -3,7 +3,6 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
@@ -11,6 +10,7 @@ use std::time::Duration;
 use hyper::body::Incoming;
 use pin_project_lite::pin_project;
 
+use super::body::Sending;
 use super::error::HttpBackendError;
 use super::hop_by_hop::strip;
 
@@ -56,7 +56,7 @@ pin_project! {
             #[pin]
             deadline: Option<tokio::time::Sleep>,
             after: Duration,
-            body_failed: Arc<AtomicBool>,
+            sending: Arc<Sending>,
         },
         Failed { error: Option<HttpBackendError> },
     }
@@ -66,14 +66,14 @@ impl ResponseFuture {
     pub(crate) fn new(
         fut: hyper_util::client::legacy::ResponseFuture,
         timeout: Option<Duration>,
-        body_failed: Arc<AtomicBool>,
+        sending: Arc<Sending>,
     ) -> Self {
         ResponseFuture {
             state: State::Sending {
                 fut,
                 deadline: timeout.map(tokio::time::sleep),
                 after: timeout.unwrap_or_default(),
-                body_failed,
+                sending,
             },
         }
     }
@@ -100,11 +100,11 @@ impl Future for ResponseFuture {
                 fut,
                 deadline,
                 after,
-                body_failed,
+                sending,
             } => {
                 if let Poll::Ready(res) = Pin::new(fut).poll(cx) {
                     let mut res = res.map_err(|e| {
-                        if body_failed.load(Ordering::Acquire) {
+                        if sending.failed() {
                             HttpBackendError::request_body(e.into())
                         } else {
                             HttpBackendError::classify(e.into())
@@ -114,7 +114,13 @@ impl Future for ResponseFuture {
                 }
                 if let Some(deadline) = deadline.as_pin_mut() {
                     ready!(deadline.poll(cx));
-                    return Poll::Ready(Err(HttpBackendError::response_timeout(*after)));
+                    // A body still awaited from the client holds the request up, not the
+                    // backend: a client that sends too slowly must not pass it over.
+                    return Poll::Ready(Err(if sending.waiting() {
+                        HttpBackendError::request_body_late(*after)
+                    } else {
+                        HttpBackendError::response_timeout(*after)
+                    }));
                 }
                 Poll::Pending
             }

@@ -17,7 +17,8 @@
 //!   so [`RetryOnce`](crate::RetryOnce) retries them elsewhere and the failure cooldown
 //!   passes the backend over, as for any backend service; a timeout answers 504, the rest 502.
 //!   A request whose own body failed while it was sent (the client went away, a body limit
-//!   or read timeout of the proxy's) is the request's fault, not the backend's:
+//!   or read timeout of the proxy's), or was still arriving from the client when the response
+//!   timeout passed, is the request's fault, not the backend's:
 //!   [`FailureKind::RequestBody`], 400, and the backend is not passed over. So is a request
 //!   it does not forward: a `CONNECT`, or a body in a transfer coding other than `chunked`
 //!   ([`FailureKind::Unsupported`], 501, sent nowhere);

@@ -2,7 +2,6 @@
 
 use std::fmt;
 use std::marker::PhantomData;
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -14,7 +13,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
-use super::body::SentBody;
+use super::body::{Sending, SentBody};
 use super::error::{HttpBackendError, InvalidBackendUrl};
 use super::future::{finish_response, ResponseFuture};
 use super::hop_by_hop::{accepts_trailers, strip};
@@ -38,7 +37,8 @@ use super::hop_by_hop::{accepts_trailers, strip};
 /// [`BodyKeyLayer`](crate::key::BodyKeyLayer), which buffers every body, that is
 /// `Full<Bytes>` (from `http-body-util`), whatever body the server hands the layer (axum's
 /// `Body`, hyper's `Incoming`); without it, the server's own body type. A body that fails
-/// while it is sent (the client went away, a body limit) fails the request with
+/// while it is sent (the client went away, a body limit), or is still arriving from the
+/// client when the response timeout passes, fails the request with
 /// [`FailureKind::RequestBody`](super::FailureKind::RequestBody), 400: the backend is not
 /// at fault and is not passed over.
 ///
@@ -274,15 +274,16 @@ where
     fn call(&mut self, req: Request<B>) -> Self::Future {
         match self.prepare(req, true) {
             Ok(req) => {
-                // Set if the request's body fails while it is sent: the request's fault, which
-                // the client's error does not tell apart from the backend's (HTTP/2 resets the
-                // stream).
-                let failed = Arc::new(AtomicBool::new(false));
-                let req = req.map(|body| SentBody::new(body, failed.clone()));
+                // Whether the request's body fails while it is sent, or is still awaited from
+                // the client when the response timeout passes: the request's fault, which the
+                // client's error does not tell apart from the backend's (HTTP/2 resets the
+                // stream), nor the timeout.
+                let sending = Arc::new(Sending::default());
+                let req = req.map(|body| SentBody::new(body, sending.clone()));
                 ResponseFuture::new(
                     self.inner.client.request(req),
                     self.inner.response_timeout,
-                    failed,
+                    sending,
                 )
             }
             Err(e) => ResponseFuture::failed(e),
@@ -372,7 +373,10 @@ impl<B> Builder<B> {
     /// as long as it takes. An LLM answer that is not streamed comes after its whole prompt is
     /// read and its whole reply written: minutes on modest GPUs. Past it the request fails
     /// with [`FailureKind::Timeout`](super::FailureKind::Timeout), which the balancer
-    /// answers with 504, and the backend is passed over for the failure cooldown.
+    /// answers with 504, and the backend is passed over for the failure cooldown; unless the
+    /// request's own body was then still awaited from the client, which sent it too slowly:
+    /// that is [`FailureKind::RequestBody`](super::FailureKind::RequestBody), 400, and the
+    /// backend is not passed over.
     pub fn response_timeout(mut self, timeout: impl Into<Option<Duration>>) -> Self {
         self.response_timeout = timeout.into();
         self

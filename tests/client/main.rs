@@ -386,6 +386,94 @@ async fn no_connection_within_the_connect_timeout_is_a_504_timeout_that_says_so(
     drop((listener, held));
 }
 
+/// A request body that sends its first bytes and then nothing more, its sender still there:
+/// a client that trickles its upload, or stalls.
+type Trickle = http_body_util::combinators::BoxBody<Bytes, Infallible>;
+
+fn trickling() -> Request<Trickle> {
+    use tokio_stream::StreamExt as _;
+    let first = Ok(http_body::Frame::data(Bytes::from_static(
+        b"{\"messages\":",
+    )));
+    let frames = tokio_stream::iter([first]).chain(tokio_stream::pending());
+    Request::post("/v1/chat/completions")
+        .header("x-session-id", "s-1")
+        .body(BodyExt::boxed(http_body_util::StreamBody::new(frames)))
+        .unwrap()
+}
+
+/// A hyper server on loopback (HTTP/1.1 and HTTP/2) that reads each request's whole body and
+/// then never answers.
+async fn silent_after_the_body() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let svc = hyper::service::service_fn(|req: Request<hyper::body::Incoming>| async {
+                req.into_body().collect().await?;
+                std::future::pending::<Result<Response<Body>, hyper::Error>>().await
+            });
+            tokio::spawn(async move {
+                let _ = hyper_util::server::conn::auto::Builder::new(
+                    hyper_util::rt::TokioExecutor::new(),
+                )
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                .await;
+            });
+        }
+    });
+    addr
+}
+
+/// The response timeout passing while the request's own body is still awaited from the
+/// client is the client's slowness, not the backend's: the request's fault (400), and the
+/// backend, which waited for the rest of the body, is not passed over. A client trickling its
+/// bodies must not be able to mark backends down. Once the body is all sent, the timeout is
+/// the backend's.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_response_timeout_while_the_body_still_arrives_is_the_requests_fault() {
+    // Both read the whole body before they answer; the second never does.
+    let (addr, seen) = stub("a").await;
+    let silent = silent_after_the_body().await;
+    for http2 in [false, true] {
+        let builder = HttpBackend::<Trickle>::builder()
+            .connect_timeout(None)
+            .http2_prior_knowledge(http2)
+            .response_timeout(Duration::from_secs(30));
+        let sent = builder.build(&url(silent)).unwrap();
+        let whole = trickling().map(|_| {
+            let frames = [Ok(http_body::Frame::data(Bytes::from_static(b"{}")))];
+            BodyExt::boxed(http_body_util::StreamBody::new(tokio_stream::iter(frames)))
+        });
+        let e = sent.oneshot(whole).await.unwrap_err();
+        assert_eq!(e.kind(), FailureKind::Timeout, "http2 {http2}: {e}");
+
+        let backend = builder.build(&url(addr)).unwrap();
+        let started = tokio::time::Instant::now();
+        let e = backend.clone().oneshot(trickling()).await.unwrap_err();
+        assert_eq!(e.kind(), FailureKind::RequestBody, "http2 {http2}: {e}");
+        assert_eq!(e.status(), 400);
+        assert!(e.to_string().contains("still arriving after 30s"), "{e}");
+        assert_eq!(started.elapsed(), Duration::from_secs(30));
+
+        let svc = SessionAffinityLayer::new()
+            .layer(StaticFleet::new([("a", Backend::new("n", backend))]));
+        let e: Error = svc.clone().oneshot(trickling()).await.unwrap_err();
+        assert_eq!(e.status(), 400, "http2 {http2}: {e}");
+        let a = &svc.backends()[0];
+        assert!(
+            a.healthy,
+            "http2 {http2}: a slow client marked the backend down"
+        );
+        assert_eq!(a.failures, 0);
+        assert_eq!(svc.stats().backend_errors, 0);
+    }
+    assert!(seen.lock().is_empty());
+}
+
 #[tokio::test]
 async fn a_body_cut_mid_response_fails_the_body_and_frees_the_slot() {
     let addr = raw(|mut stream| async move {
