@@ -407,7 +407,8 @@ impl CacheModel {
             moved_to[old as usize] = new;
             nodes.push(self.nodes[old as usize]);
             born.push(self.born[old as usize]);
-            if let Err(at) = index.entry(key) {
+            // Sized for every link held, so it never grows: `find` rather than `entry`.
+            if let Err(at) = index.find(key) {
                 index.fill(at, key, new);
             }
         }
