@@ -281,21 +281,24 @@ fn by_outcome(name: &'static str, outcome: Outcome) -> Key {
     Key::from_static_parts(name, label)
 }
 
-/// One backend's series' labels; nothing without the feature.
+/// One backend's series' keys; nothing without the feature.
 ///
-/// Each event looks its series up in the recorder by them rather than keeping the handles
+/// Each event looks its series up in the recorder by its key rather than keeping the handles
 /// the recorder gave when the backend was discovered: an exporter with an idle timeout
 /// drops a series quiet for that long (a backend without traffic overnight), and a handle
-/// kept from before writes to what it dropped, never rendered again.
+/// kept from before writes to what it dropped, never rendered again. The keys are built once,
+/// with the backend: the macros would build one at each event, its labels' vector allocated
+/// and hashed anew (three allocations for an answer that reports its usage).
 #[derive(Debug)]
 pub(crate) struct BackendMetrics {
     /// The balancer's labels, for the fleet-wide series it also counts in.
     #[cfg(feature = "metrics")]
     fleet: Labels,
-    /// The backend's own labels, then the balancer's; shared, so that a lookup copies no
-    /// string.
+    /// The keys of the backend's series, its own labels then the balancer's: its counters in
+    /// the order of [`BACKEND_COUNTERS`], then its histogram, then its gauges in the order of
+    /// [`LEVELS`].
     #[cfg(feature = "metrics")]
-    labels: Arc<[Label]>,
+    keys: Box<[Key]>,
 }
 
 /// The per-backend gauges [`publish`] sets.
@@ -323,50 +326,81 @@ const BACKEND_COUNTERS: [&str; 6] = [
     "tower_affinity_backend_corrections_total",
 ];
 
+/// Where each of a backend's counters is in [`BACKEND_COUNTERS`] (and its key in
+/// [`BackendMetrics::keys`]).
+#[cfg(feature = "metrics")]
+const FAILURES: usize = 0;
+#[cfg(feature = "metrics")]
+const CUT_ANSWERS: usize = 1;
+#[cfg(feature = "metrics")]
+const PROMPT_TOKENS: usize = 2;
+#[cfg(feature = "metrics")]
+const REUSED_TOKENS: usize = 3;
+#[cfg(feature = "metrics")]
+const UNREPORTED_PROMPT_TOKENS: usize = 4;
+#[cfg(feature = "metrics")]
+const CORRECTIONS: usize = 5;
+
+/// A backend's histogram, and where its key is in [`BackendMetrics::keys`].
+#[cfg(feature = "metrics")]
+const FIRST_BYTE: (&str, usize) = (
+    "tower_affinity_backend_first_byte_seconds",
+    BACKEND_COUNTERS.len(),
+);
+
+/// Where the first of a backend's gauges' keys is in [`BackendMetrics::keys`].
+#[cfg(feature = "metrics")]
+const FIRST_LEVEL: usize = FIRST_BYTE.1 + 1;
+
 impl BackendMetrics {
     #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
     pub(crate) fn new(backend: &BackendId, node: &NodeId, fleet: &Labels) -> Self {
         #[cfg(feature = "metrics")]
         {
-            let labels = fleet.of_backend(backend.as_str(), node.as_str()).into();
+            let labels = fleet.of_backend(backend.as_str(), node.as_str());
+            let names = BACKEND_COUNTERS
+                .iter()
+                .chain([&FIRST_BYTE.0])
+                .chain(&LEVELS);
             let metrics = BackendMetrics {
                 fleet: fleet.clone(),
-                labels,
+                keys: names
+                    .map(|&name| Key::from_parts(name, labels.clone()))
+                    .collect(),
             };
             // Its counters and histogram are there from its discovery on, at 0.
-            for name in BACKEND_COUNTERS {
-                let _ = metrics.counter(name);
+            for i in 0..BACKEND_COUNTERS.len() {
+                let _ = metrics.counter(i);
             }
-            let _ = metrics.histogram("tower_affinity_backend_first_byte_seconds");
+            let _ = metrics.histogram(FIRST_BYTE.1);
             metrics
         }
         #[cfg(not(feature = "metrics"))]
         BackendMetrics {}
     }
 
-    /// The backend's counter `name`, as the recorder has it now.
+    /// The backend's counter `i` (of [`BACKEND_COUNTERS`]), as the recorder has it now.
     #[cfg(feature = "metrics")]
-    fn counter(&self, name: &'static str) -> Counter {
-        counter!(name, self.labels.iter())
+    fn counter(&self, i: usize) -> Counter {
+        metrics::with_recorder(|r| r.register_counter(&self.keys[i], &METADATA))
     }
 
-    /// The backend's histogram `name`, as the recorder has it now.
+    /// The backend's histogram whose key is `i`, as the recorder has it now.
     #[cfg(feature = "metrics")]
-    fn histogram(&self, name: &'static str) -> Histogram {
-        histogram!(name, self.labels.iter())
+    fn histogram(&self, i: usize) -> Histogram {
+        metrics::with_recorder(|r| r.register_histogram(&self.keys[i], &METADATA))
     }
 
-    /// The backend's gauge `name`, as the recorder has it now.
+    /// The backend's gauge `i` (of [`LEVELS`]), as the recorder has it now.
     #[cfg(feature = "metrics")]
-    fn gauge(&self, name: &'static str) -> Gauge {
-        gauge!(name, self.labels.iter())
+    fn gauge(&self, i: usize) -> Gauge {
+        metrics::with_recorder(|r| r.register_gauge(&self.keys[FIRST_LEVEL + i], &METADATA))
     }
 
     pub(crate) fn failure(&self) {
         #[cfg(feature = "metrics")]
         {
-            self.counter("tower_affinity_backend_failures_total")
-                .increment(1);
+            self.counter(FAILURES).increment(1);
             self.fleet
                 .counter("tower_affinity_backend_errors_total")
                 .increment(1);
@@ -375,8 +409,7 @@ impl BackendMetrics {
 
     pub(crate) fn cut_answer(&self) {
         #[cfg(feature = "metrics")]
-        self.counter("tower_affinity_backend_cut_answers_total")
-            .increment(1);
+        self.counter(CUT_ANSWERS).increment(1);
     }
 
     #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
@@ -386,18 +419,13 @@ impl BackendMetrics {
             // Only the answers that said their reuse count against it.
             match reused {
                 Some(reused) => {
-                    self.counter("tower_affinity_backend_prompt_tokens_total")
-                        .increment(prompt);
-                    self.counter("tower_affinity_backend_reused_tokens_total")
-                        .increment(reused);
+                    self.counter(PROMPT_TOKENS).increment(prompt);
+                    self.counter(REUSED_TOKENS).increment(reused);
                 }
-                None => self
-                    .counter("tower_affinity_backend_unreported_prompt_tokens_total")
-                    .increment(prompt),
+                None => self.counter(UNREPORTED_PROMPT_TOKENS).increment(prompt),
             }
             if correction {
-                self.counter("tower_affinity_backend_corrections_total")
-                    .increment(1);
+                self.counter(CORRECTIONS).increment(1);
             }
         }
     }
@@ -407,24 +435,26 @@ impl BackendMetrics {
     /// the fleet, however quiet, and drops those of the backends that have left it.
     #[cfg(feature = "metrics")]
     pub(crate) fn publish(&self, b: &BackendStatus) {
-        for name in BACKEND_COUNTERS {
-            self.counter(name).increment(0);
+        for i in 0..BACKEND_COUNTERS.len() {
+            self.counter(i).increment(0);
         }
-        let [in_flight, context, slots, request_context, healthy, cached, budget, conversations, prefill] =
-            LEVELS;
-        let set = |name, value: f64| self.gauge(name).set(value);
-        set(in_flight, f64::from(b.in_flight));
-        set(context, b.context_in_flight as f64);
-        set(slots, f64::from(b.slots));
-        set(request_context, b.request_context_limit.unwrap_or(0) as f64);
-        set(healthy, if b.healthy { 1.0 } else { 0.0 });
-        set(cached, b.cached_tokens as f64);
-        set(budget, b.cache_budget as f64);
-        set(conversations, f64::from(b.conversations));
+        let levels = [
+            f64::from(b.in_flight),
+            b.context_in_flight as f64,
+            f64::from(b.slots),
+            b.request_context_limit.unwrap_or(0) as f64,
+            if b.healthy { 1.0 } else { 0.0 },
+            b.cached_tokens as f64,
+            b.cache_budget as f64,
+            f64::from(b.conversations),
+        ];
+        for (i, value) in levels.into_iter().enumerate() {
+            self.gauge(i).set(value);
+        }
         // Not looked up before it is learned: a recorder shows a gauge it was asked for, at
         // 0, and a rate of 0 would read as a backend that reads nothing.
         if let Some(rate) = b.prefill_rate {
-            set(prefill, f64::from(rate));
+            self.gauge(levels.len()).set(f64::from(rate));
         }
     }
 
@@ -433,16 +463,15 @@ impl BackendMetrics {
     /// backends count only those in the fleet.
     pub(crate) fn removed(&self) {
         #[cfg(feature = "metrics")]
-        for name in LEVELS {
-            self.gauge(name).set(0.0);
+        for i in 0..LEVELS.len() {
+            self.gauge(i).set(0.0);
         }
     }
 
     #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
     pub(crate) fn first_byte(&self, after: Duration) {
         #[cfg(feature = "metrics")]
-        self.histogram("tower_affinity_backend_first_byte_seconds")
-            .record(after.as_secs_f64());
+        self.histogram(FIRST_BYTE.1).record(after.as_secs_f64());
     }
 }
 
