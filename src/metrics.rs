@@ -136,8 +136,37 @@ use crate::{BackendStatus, Stats};
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Labels {
     #[cfg(feature = "metrics")]
-    extra: Option<Arc<[Label]>>,
+    extra: Option<Arc<Extra>>,
 }
+
+/// A balancer's own labels, and the keys of its series by outcome in them.
+#[cfg(feature = "metrics")]
+#[derive(Debug)]
+struct Extra {
+    labels: Box<[Label]>,
+    /// Each series of [`BY_OUTCOME`] for each outcome (in the order of [`Outcome::ALL`]):
+    /// built once, where a key built at each request would allocate and hash its labels.
+    by_outcome: Box<[Key]>,
+}
+
+/// The fleet-wide series by outcome, written at every request.
+#[cfg(feature = "metrics")]
+#[derive(Clone, Copy, Debug)]
+enum ByOutcome {
+    Decisions,
+    PromptTokens,
+    ReusedTokens,
+    FirstByte,
+}
+
+/// The names of the series of [`ByOutcome`], in its order.
+#[cfg(feature = "metrics")]
+const BY_OUTCOME: [&str; 4] = [
+    "tower_affinity_decisions_total",
+    "tower_affinity_prompt_tokens_total",
+    "tower_affinity_reused_tokens_total",
+    "tower_affinity_first_byte_seconds",
+];
 
 /// Why a balancer's label `name` with `value` would be refused or clash, if it would: `given`
 /// says whether the balancer has a label of that name already.
@@ -180,15 +209,36 @@ impl Labels {
             .iter()
             .map(|(k, v)| Label::new(shared(k), shared(v)))
             .collect();
+        if extra.is_empty() {
+            return Labels { extra: None };
+        }
+        let by_outcome = BY_OUTCOME
+            .iter()
+            .flat_map(|&name| {
+                let extra = &extra;
+                Outcome::ALL.iter().map(move |&outcome| {
+                    let own = [outcome_label(outcome)];
+                    Key::from_parts(
+                        name,
+                        own.into_iter()
+                            .chain(extra.iter().cloned())
+                            .collect::<Vec<_>>(),
+                    )
+                })
+            })
+            .collect();
         Labels {
-            extra: (!extra.is_empty()).then(|| extra.into()),
+            extra: Some(Arc::new(Extra {
+                labels: extra.into(),
+                by_outcome,
+            })),
         }
     }
 
     /// `own` (a series' own labels), then the balancer's.
     fn with<const N: usize>(&self, own: [Label; N]) -> Vec<Label> {
         own.into_iter()
-            .chain(self.extra.iter().flat_map(|x| x.iter().cloned()))
+            .chain(self.extra.iter().flat_map(|x| x.labels.iter().cloned()))
             .collect()
     }
 
@@ -209,12 +259,14 @@ impl Labels {
     }
 
     /// A fleet-wide counter by outcome.
-    fn counter_by(&self, name: &'static str, outcome: Outcome) -> Counter {
+    fn counter_by(&self, series: ByOutcome, outcome: Outcome) -> Counter {
         match &self.extra {
             None => metrics::with_recorder(|r| {
-                r.register_counter(&by_outcome(name, outcome), &METADATA)
+                r.register_counter(&by_outcome(series, outcome), &METADATA)
             }),
-            Some(_) => counter!(name, self.with([outcome_label(outcome)])),
+            Some(extra) => metrics::with_recorder(|r| {
+                r.register_counter(extra.key(series, outcome), &METADATA)
+            }),
         }
     }
 
@@ -227,12 +279,14 @@ impl Labels {
     }
 
     /// A fleet-wide histogram by outcome.
-    fn histogram_by(&self, name: &'static str, outcome: Outcome) -> Histogram {
+    fn histogram_by(&self, series: ByOutcome, outcome: Outcome) -> Histogram {
         match &self.extra {
             None => metrics::with_recorder(|r| {
-                r.register_histogram(&by_outcome(name, outcome), &METADATA)
+                r.register_histogram(&by_outcome(series, outcome), &METADATA)
             }),
-            Some(_) => histogram!(name, self.with([outcome_label(outcome)])),
+            Some(extra) => metrics::with_recorder(|r| {
+                r.register_histogram(extra.key(series, outcome), &METADATA)
+            }),
         }
     }
 
@@ -242,6 +296,14 @@ impl Labels {
             None => gauge!(name),
             Some(_) => gauge!(name, self.with([])),
         }
+    }
+}
+
+#[cfg(feature = "metrics")]
+impl Extra {
+    /// The key of `series` by `outcome`, the balancer's labels after its own.
+    fn key(&self, series: ByOutcome, outcome: Outcome) -> &Key {
+        &self.by_outcome[series as usize * Outcome::ALL.len() + outcome as usize]
     }
 }
 
@@ -276,9 +338,9 @@ const fn outcome_label(outcome: Outcome) -> Label {
 /// exporter dropped as idle, is found again). The macros build a vector of the labels for a
 /// value not written in the call (`"outcome" => label`): 48 bytes at every request.
 #[cfg(feature = "metrics")]
-fn by_outcome(name: &'static str, outcome: Outcome) -> Key {
+fn by_outcome(series: ByOutcome, outcome: Outcome) -> Key {
     let label = std::slice::from_ref(&OUTCOME_LABELS[outcome as usize]);
-    Key::from_static_parts(name, label)
+    Key::from_static_parts(BY_OUTCOME[series as usize], label)
 }
 
 /// One backend's series' keys; nothing without the feature.
@@ -481,7 +543,7 @@ pub(crate) fn decision(labels: &Labels, d: &Decision) {
     #[cfg(feature = "metrics")]
     {
         labels
-            .counter_by("tower_affinity_decisions_total", d.outcome)
+            .counter_by(ByOutcome::Decisions, d.outcome)
             .increment(1);
         if let Some(waited) = d.waited {
             labels.counter("tower_affinity_waited_total").increment(1);
@@ -504,10 +566,10 @@ pub(crate) fn reuse(labels: &Labels, outcome: Outcome, prompt: u64, reused: u64)
     #[cfg(feature = "metrics")]
     {
         labels
-            .counter_by("tower_affinity_prompt_tokens_total", outcome)
+            .counter_by(ByOutcome::PromptTokens, outcome)
             .increment(prompt);
         labels
-            .counter_by("tower_affinity_reused_tokens_total", outcome)
+            .counter_by(ByOutcome::ReusedTokens, outcome)
             .increment(reused);
     }
 }
@@ -517,7 +579,7 @@ pub(crate) fn reuse(labels: &Labels, outcome: Outcome, prompt: u64, reused: u64)
 pub(crate) fn first_byte(labels: &Labels, outcome: Outcome, after: Duration) {
     #[cfg(feature = "metrics")]
     labels
-        .histogram_by("tower_affinity_first_byte_seconds", outcome)
+        .histogram_by(ByOutcome::FirstByte, outcome)
         .record(after.as_secs_f64());
 }
 
@@ -758,15 +820,13 @@ pub(crate) fn publish(fleet: &Labels, stats: &Stats) {
         fleet.counter(name).increment(0);
     }
     for &outcome in Outcome::ALL {
-        fleet
-            .counter_by("tower_affinity_decisions_total", outcome)
-            .increment(0);
-        fleet
-            .counter_by("tower_affinity_prompt_tokens_total", outcome)
-            .increment(0);
-        fleet
-            .counter_by("tower_affinity_reused_tokens_total", outcome)
-            .increment(0);
+        for series in [
+            ByOutcome::Decisions,
+            ByOutcome::PromptTokens,
+            ByOutcome::ReusedTokens,
+        ] {
+            fleet.counter_by(series, outcome).increment(0);
+        }
     }
     let level = |name, value: usize| fleet.gauge(name).set(value as f64);
     level(
@@ -797,10 +857,31 @@ mod tests {
 
     #[test]
     fn each_outcomes_series_carries_its_own_label() {
-        for &outcome in Outcome::ALL {
-            let key = by_outcome("x", outcome);
-            let labels: Vec<_> = key.labels().map(|l| (l.key(), l.value())).collect();
-            assert_eq!(labels, [("outcome", outcome.as_str())]);
+        let labelled = Labels::new(&[("fleet".into(), "a".into())]);
+        let extra = labelled.extra.as_ref().expect("a label");
+        for (i, series) in [
+            ByOutcome::Decisions,
+            ByOutcome::PromptTokens,
+            ByOutcome::ReusedTokens,
+            ByOutcome::FirstByte,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            for &outcome in Outcome::ALL {
+                let labels = |key: &Key| -> Vec<_> {
+                    key.labels()
+                        .map(|l| (l.key().to_owned(), l.value().to_owned()))
+                        .collect()
+                };
+                let own = ("outcome".to_owned(), outcome.as_str().to_owned());
+                let key = by_outcome(series, outcome);
+                assert_eq!(key.name(), BY_OUTCOME[i]);
+                assert_eq!(labels(&key), std::slice::from_ref(&own));
+                let key = extra.key(series, outcome);
+                assert_eq!(key.name(), BY_OUTCOME[i]);
+                assert_eq!(labels(key), [own, ("fleet".to_owned(), "a".to_owned())]);
+            }
         }
     }
 

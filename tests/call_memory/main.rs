@@ -67,11 +67,19 @@ const HOT: u64 = 64;
 const N: u64 = 1_000;
 
 fn main() {
-    let checks: [(&str, fn()); 2] = [
+    let checks: [(&str, fn()); 3] = [
         ("a_home_hit_allocates_nothing", a_home_hit_allocates_nothing),
+        ("reading_an_answer_allocates_only_its_readers_state", || {
+            reading_an_answer_allocates_only_its_readers_state(SessionAffinityLayer::new())
+        }),
         (
-            "reading_an_answer_allocates_only_its_readers_state",
-            reading_an_answer_allocates_only_its_readers_state,
+            "reading_an_answer_allocates_only_its_readers_state_under_a_balancers_labels",
+            || {
+                let layer = SessionAffinityLayer::new();
+                #[cfg(feature = "metrics")]
+                let layer = layer.metrics_labels([("fleet", "qwen3-coder")]);
+                reading_an_answer_allocates_only_its_readers_state(layer)
+            },
         ),
     ];
     for (name, check) in checks {
@@ -99,13 +107,13 @@ fn a_home_hit_allocates_nothing() {
 
 /// An answer read to the end: the first byte timed, the usage learned and counted, on its
 /// backend's series too.
-fn reading_an_answer_allocates_only_its_readers_state() {
+fn reading_an_answer_allocates_only_its_readers_state(layer: SessionAffinityLayer) {
     let slots = NonZeroU32::new(1_000).expect("not zero");
     let backends = Shape::new(2, 2).names().into_iter().map(|(id, node)| {
         let backend = service_fn(answer as fn(Req) -> _);
         (id, Backend::new(node, backend).slots(slots))
     });
-    let mut svc = SessionAffinityLayer::new()
+    let mut svc = layer
         .key(ExtensionKey)
         .decision_extension(false)
         .layer(StaticFleet::new(backends));
