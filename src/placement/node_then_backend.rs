@@ -427,7 +427,9 @@ fn offer_near(backend: BackendRef<'_>, c: &mut Candidates<'_>) -> ControlFlow<()
 }
 
 /// Offers the least loaded backend with a free slot by [`spread_load`] (ties: the most free
-/// slots, then the first from `random`), then every backend by free slots. O(backends).
+/// slots, then the first from `random`), then every backend by free slots. A backend down or
+/// passed over is left out of the look for the least loaded: offered, it would take nothing,
+/// and the conversation would go by free slots alone. O(backends).
 fn least_loaded_for_new(
     fleet: &FleetView<'_>,
     random: u64,
@@ -440,7 +442,7 @@ fn least_loaded_for_new(
     let start = (random % n as u64) as usize;
     let mut best: Option<((u64, u64, u64), u32, BackendRef<'_>)> = None;
     for b in (0..n).filter_map(|i| fleet.backend_at((start + i) % n)) {
-        if b.free_slots() == 0 {
+        if b.free_slots() == 0 || c.is_down(b) || c.is_passed_over(b.index) {
             continue;
         }
         let load = spread_load(fleet, &b);

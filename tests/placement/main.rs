@@ -1507,3 +1507,31 @@ fn new_sessions_spread_over_the_backends_of_a_node_in_proportion_to_slots() {
     let share = new_sessions_share(&fleet, "big");
     assert!((share - 0.75).abs() < 0.03, "share {share}");
 }
+
+#[test]
+fn a_new_keyless_conversation_left_off_a_backend_goes_to_the_next_fewest_conversations() {
+    // a and c home none, b ten, and every backend has as many free slots. With a down, or
+    // passed over by a policy wrapping this one, a new conversation goes to c, whichever way
+    // its prompt breaks the tie between a and c: not to b, as it would by free slots alone.
+    let fleet = |prompt: u64| {
+        (0..10)
+            .fold(
+                Snapshot::new()
+                    .backend("a", "n", 4)
+                    .backend("b", "n", 4)
+                    .backend("c", "n", 4),
+                |s, i| s.holds("b", &chain(&[600 + i])),
+            )
+            .prompt(chain(&[SYS, prompt]))
+    };
+    for i in 0..20 {
+        let down = fleet(6_000 + i).down("a");
+        let got = down.choose(&NodeThenBackend::new(), None, None);
+        assert_eq!(got, Some("c".into()), "down, prompt {i}");
+        let keep_off_a = PassingOver(|b: &tower_affinity::placement::BackendRef<'_>| {
+            b.id().as_str() == "a"
+        });
+        let got = fleet(6_000 + i).choose(&keep_off_a, None, None);
+        assert_eq!(got, Some("c".into()), "passed over, prompt {i}");
+    }
+}
