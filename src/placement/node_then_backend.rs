@@ -121,6 +121,10 @@ impl NodeThenBackend {
     /// another has room below the bound. At low load none may have (one request more is a
     /// large share of a backend of a few slots): the bound then passes no backend over.
     /// Negative or non-finite values are read as 0.
+    ///
+    /// With the [conversation bound](Self::conversation_bound) (on by default), a new session
+    /// takes the first backend in its rendezvous order within both bounds, then within the
+    /// load bound alone, then within the conversation bound alone, then any.
     pub fn load_bound(mut self, epsilon: f64) -> Self {
         self.load_bound = Some(self::epsilon(epsilon));
         self
@@ -301,14 +305,25 @@ impl Placement for NodeThenBackend {
                 if self.offer_holders(fleet, req, cold, c).is_break() {
                     return;
                 }
+                let conversations = self
+                    .conversation_bound
+                    .filter(|_| req.chain.is_some())
+                    .map(|e| Bound::conversations(fleet, e));
                 if let Some(e) = self.load_bound {
-                    let bound = Bound::load(fleet, e);
-                    if offer_nodes(fleet, key, None, bound, c).is_break() {
+                    let load = Bound::load(fleet, e);
+                    // Within both bounds first: the load bound alone would take a backend
+                    // homing more than its share of conversations while another is within
+                    // both.
+                    if let Some(both) = conversations.and_then(|b| load.and(b)) {
+                        if offer_nodes(fleet, key, None, both, c).is_break() {
+                            return;
+                        }
+                    }
+                    if offer_nodes(fleet, key, None, load, c).is_break() {
                         return;
                     }
                 }
-                if let Some(e) = self.conversation_bound.filter(|_| req.chain.is_some()) {
-                    let bound = Bound::conversations(fleet, e);
+                if let Some(bound) = conversations {
                     if offer_nodes(fleet, key, None, bound, c).is_break() {
                         return;
                     }
@@ -333,6 +348,12 @@ enum Bound {
         per_slot: f64,
         replicas: u32,
     },
+    /// Both of the above.
+    Both {
+        limit: f64,
+        per_slot: f64,
+        replicas: u32,
+    },
 }
 
 impl Bound {
@@ -352,6 +373,20 @@ impl Bound {
         }
     }
 
+    /// This load bound and `other`, a conversation bound, both (`None` for other bounds).
+    fn and(self, other: Bound) -> Option<Self> {
+        match (self, other) {
+            (Bound::Load { limit }, Bound::Conversations { per_slot, replicas }) => {
+                Some(Bound::Both {
+                    limit,
+                    per_slot,
+                    replicas,
+                })
+            }
+            _ => None,
+        }
+    }
+
     fn admits(&self, b: &BackendRef<'_>) -> bool {
         self.admits_homing(b, b.conversations())
     }
@@ -368,6 +403,14 @@ impl Bound {
             Bound::Conversations { per_slot, replicas } => {
                 let floor = (slots / f64::from(replicas)).ceil();
                 f64::from(homed.saturating_add(1)) <= (per_slot * slots).ceil().max(floor)
+            }
+            Bound::Both {
+                limit,
+                per_slot,
+                replicas,
+            } => {
+                Bound::Load { limit }.admits_homing(b, homed)
+                    && Bound::Conversations { per_slot, replicas }.admits_homing(b, homed)
             }
         }
     }

@@ -1528,10 +1528,36 @@ fn a_new_keyless_conversation_left_off_a_backend_goes_to_the_next_fewest_convers
         let down = fleet(6_000 + i).down("a");
         let got = down.choose(&NodeThenBackend::new(), None, None);
         assert_eq!(got, Some("c".into()), "down, prompt {i}");
-        let keep_off_a = PassingOver(|b: &tower_affinity::placement::BackendRef<'_>| {
-            b.id().as_str() == "a"
-        });
+        let keep_off_a =
+            PassingOver(|b: &tower_affinity::placement::BackendRef<'_>| b.id().as_str() == "a");
         let got = fleet(6_000 + i).choose(&keep_off_a, None, None);
         assert_eq!(got, Some("c".into()), "passed over, prompt {i}");
     }
+}
+
+#[test]
+fn with_a_load_bound_a_new_session_still_keeps_within_the_conversation_bound() {
+    // The key prefers a1, which homes five conversations: a sixth would pass its bound (4,
+    // its slots). a1 and the key's second choice are idle, the other two have 2 of 4 slots
+    // taken: both idle backends are within a load bound of 0.25, and only the second choice
+    // within both bounds.
+    let base = (0..5).fold(four_nodes_of_four_slots(), |s, i| {
+        s.holds("a1", &chain(&[900 + i]))
+    });
+    let k = key_drawn_to(&base, "a1");
+    let order = order_from_scores(&base, k);
+    let fleet = order[2..]
+        .iter()
+        .fold(base, |s, b| s.in_flight(b.as_str(), 2))
+        .prompt(chain(&[20_000]));
+    let conversations_only = NodeThenBackend::new();
+    assert_eq!(
+        fleet.choose(&conversations_only, Some(k), None),
+        Some(order[1].clone())
+    );
+    let both = NodeThenBackend::new().load_bound(0.25);
+    assert_eq!(fleet.choose(&both, Some(k), None), Some(order[1].clone()));
+    // Within the load bound only a1 is idle: the load bound comes first, and a1 takes it.
+    let busy = fleet.in_flight(order[1].as_str(), 2);
+    assert_eq!(busy.choose(&both, Some(k), None), Some(order[0].clone()));
 }
