@@ -125,6 +125,22 @@ impl NodeThenBackend {
     /// With the [conversation bound](Self::conversation_bound) (on by default), a new session
     /// takes the first backend in its rendezvous order within both bounds, then within the
     /// load bound alone, then within the conversation bound alone, then any.
+    ///
+    /// ```
+    /// use tower_affinity::key::SessionKey;
+    /// use tower_affinity::placement::{NodeThenBackend, Snapshot};
+    ///
+    /// let fleet = || Snapshot::new().backend("a", "a", 4).backend("b", "b", 4);
+    /// let key = Some(SessionKey::from_bytes(b"s"));
+    /// let first = fleet().choose(&NodeThenBackend::new(), key, None).unwrap();
+    /// let other = if first.as_str() == "a" { "b" } else { "a" };
+    /// // The key's first choice has 3 of its 4 slots taken, the other none: with this session,
+    /// // 4 of the fleet's 8. The first choice would be at 4 of 4, past 1.25 times that.
+    /// let busy = fleet().in_flight(first.as_str(), 3);
+    /// assert_eq!(busy.choose(&NodeThenBackend::new(), key, None), Some(first));
+    /// let bounded = NodeThenBackend::new().load_bound(0.25);
+    /// assert_eq!(busy.choose(&bounded, key, None), Some(other.into()));
+    /// ```
     pub fn load_bound(mut self, epsilon: f64) -> Self {
         self.load_bound = Some(self::epsilon(epsilon));
         self
