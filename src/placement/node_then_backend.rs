@@ -3,8 +3,8 @@ use std::ops::ControlFlow;
 use crate::key::SessionKey;
 
 use super::{
-    freer_of_two, most_free_slots, BackendRef, Candidates, FleetView, HomeCache, NodeRef,
-    Placement, PlacementRequest,
+    freer_of_two, most_free_slots, rendezvous, BackendRef, Candidates, FleetView, HomeCache,
+    NodeRef, Placement, PlacementRequest,
 };
 
 /// The default policy: keep a session close to the cache that served it last.
@@ -486,33 +486,41 @@ fn offer_near(backend: BackendRef<'_>, c: &mut Candidates<'_>) -> ControlFlow<()
 }
 
 /// Offers the least loaded backend with a free slot by [`spread_load`] (ties: the most free
-/// slots, then the first from `random`), then every backend by free slots. A backend down or
-/// passed over is left out of the look for the least loaded: offered, it would take nothing,
-/// and the conversation would go by free slots alone. O(backends).
+/// slots, then the highest [`tie_rank`](rendezvous::tie_rank) for `tie`, which every router
+/// computes alike whatever order it discovered the backends in), then every backend by free
+/// slots. A backend down or passed over is left out of the look for the least loaded:
+/// offered, it would take nothing, and the conversation would go by free slots alone.
+/// O(backends).
 fn least_loaded_for_new(
     fleet: &FleetView<'_>,
-    random: u64,
+    tie: u64,
     c: &mut Candidates<'_>,
 ) -> ControlFlow<()> {
     let n = fleet.len();
     if n == 0 {
         return ControlFlow::Continue(());
     }
-    let start = (random % n as u64) as usize;
+    let rank = |b: &BackendRef<'_>| rendezvous::tie_rank(tie, b.member().digest);
     let mut best: Option<((u64, u64, u64), u32, BackendRef<'_>)> = None;
-    for b in (0..n).filter_map(|i| fleet.backend_at((start + i) % n)) {
+    for b in (0..n).filter_map(|i| fleet.backend_at(i)) {
         if b.free_slots() == 0 || c.is_down(b) || c.is_passed_over(b.index) {
             continue;
         }
         let load = spread_load(fleet, &b);
-        let better = match best {
+        let better = match &best {
             None => true,
-            Some((l, free, _)) => load < l || (load == l && b.free_slots() > free),
+            Some((l, free, x)) => {
+                load < *l
+                    || (load == *l
+                        && (b.free_slots() > *free
+                            || (b.free_slots() == *free && rank(&b) > rank(x))))
+            }
         };
         if better {
             best = Some((load, b.free_slots(), b));
         }
     }
+    let start = (tie % n as u64) as usize;
     if let Some((_, _, b)) = best {
         c.offer(b)?;
     }

@@ -21,6 +21,13 @@ pub(crate) const fn mix(mut x: u64) -> u64 {
     x
 }
 
+/// A pseudo-random rank of the name with digest `digest` for a request's own number `tie`
+/// (its prompt's digest, say): the same on every router, whatever order it discovered its
+/// names in. Higher is better.
+pub(crate) const fn tie_rank(tie: u64, digest: u64) -> u64 {
+    mix(tie ^ mix(digest))
+}
+
 /// 53 pseudo-random bits for the pair (key, name).
 fn bits(key: SessionKey, digest: u64) -> u64 {
     mix(key.lo64() ^ mix(digest ^ key.hi64())) >> 11

@@ -803,8 +803,8 @@ fn between_equally_loaded_backends_a_new_keyless_conversation_takes_the_one_with
 #[test]
 fn a_new_keyless_conversation_is_placed_by_its_prompt_between_equal_backends() {
     // Four idle backends alike: whatever the random number each placement draws, the same
-    // prompt goes to the same one (as a replay, or another router, would send it), and
-    // different prompts spread.
+    // prompt goes to the same one (as a replay, or another router, would send it: see the
+    // next test), and different prompts spread.
     let p = NodeThenBackend::new();
     let mut firsts = std::collections::HashSet::new();
     for i in 0..16 {
@@ -820,6 +820,34 @@ fn a_new_keyless_conversation_is_placed_by_its_prompt_between_equal_backends() {
         firsts.insert(first);
     }
     assert!(firsts.len() > 1, "every prompt went to {firsts:?}");
+}
+
+#[test]
+fn a_new_keyless_conversation_goes_where_another_router_discovering_backends_otherwise_sends_it() {
+    // The same four idle backends, discovered in opposite orders by two routers: each prompt
+    // goes to the same backend on both, and different prompts still spread.
+    let p = NodeThenBackend::new();
+    let reversed = || {
+        Snapshot::new()
+            .backend("b2", "node-b", 2)
+            .backend("b1", "node-b", 2)
+            .backend("a2", "node-a", 2)
+            .backend("a1", "node-a", 2)
+    };
+    let mut firsts = std::collections::HashSet::new();
+    for i in 0..32 {
+        let prompt = chain(&[SYS, 2_000 + i]);
+        let here = two_by_two_of_two().prompt(prompt.clone());
+        let there = reversed().prompt(prompt);
+        let first = here.choose(&p, None, None).unwrap();
+        assert_eq!(
+            there.choose(&p, None, None),
+            Some(first.clone()),
+            "prompt {i}"
+        );
+        firsts.insert(first);
+    }
+    assert_eq!(firsts.len(), 4, "32 prompts went to {firsts:?}");
 }
 
 #[test]
