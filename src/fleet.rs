@@ -1623,7 +1623,9 @@ impl Topology {
             node: self.node(m.node).id.clone(),
             slots: m.load.slots.load(Ordering::Relaxed),
             in_flight: m.load.in_flight(),
-            healthy: !m.load.health(now_ms).0,
+            // Read only: a cooldown that has passed is placement's to clear, and to log as the
+            // backend's return.
+            healthy: !m.load.is_down(now_ms),
             failures: m.load.failures.load(Ordering::Relaxed),
             cut_answers: m.load.cut_answers.load(Ordering::Relaxed),
             conversations: cache.conversations(),
@@ -1907,6 +1909,19 @@ mod tests {
         SlotGuard::new(&load, 0, 1).fail(std::time::Duration::from_secs(5));
         let until = load.down_until.load(Ordering::Relaxed);
         assert!(until > 0 && until < u64::MAX);
+    }
+
+    #[test]
+    fn reading_a_backends_status_leaves_the_end_of_its_cooldown_to_placement() {
+        let mut t = Topology::default();
+        let a = t.insert("a".into(), &"n".into(), nz(1), None, 1000);
+        let load = t.member(a).load.clone();
+        assert!(load.mark_down(2_000, 1_000));
+        assert!(!t.status(1_500)[0].healthy);
+        // The cooldown is over: the status says so, and placement still finds the backend's
+        // return to log.
+        assert!(t.status(2_500)[0].healthy);
+        assert_eq!(load.health(2_500), (false, true));
     }
 
     #[test]
