@@ -1389,7 +1389,8 @@ impl Topology {
 
     /// How many removed backends keep their cache models, the latest removed: one that
     /// comes back (a restart, a flapping DNS record) finds its sessions and what its cache
-    /// held. Older ones forget theirs (up to about 700 KB each), so that a fleet scaled down
+    /// held. Older ones forget theirs (up to 770 KB each at the default budget, 1.1 MB once
+    /// grown to twice it: see [`cache`](crate::cache)), so that a fleet scaled down
     /// by thousands does not keep their models for good; their sessions are placed anew if
     /// they return.
     pub(crate) const KEPT_REMOVED: usize = 64;
