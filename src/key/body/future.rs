@@ -293,7 +293,7 @@ where
                     };
                     let mut bytes = buf.take();
                     let (mut sniff, mut strip) = (None, None);
-                    if config.reads(&parts.headers) {
+                    if config.reads(&parts) {
                         let inspected = config.inspect_request(&bytes);
                         let facts = inspected.facts;
                         if let Some(key) = inspected.key {

@@ -65,11 +65,13 @@ impl Config {
         self.tops = tops;
     }
 
-    /// Whether the body is read at all: not when a header already names the session.
-    pub(crate) fn reads(&self, headers: &http::HeaderMap) -> bool {
-        self.skip_when
-            .as_ref()
-            .is_none_or(|header| !header.finds_key(headers))
+    /// Whether the body is read at all: not when a header already names the session, but for
+    /// a Responses API request while stored responses are pinned. Its body may name a stored
+    /// response that only the backend that answered it can continue, and its answer's id is
+    /// what later requests name: the key in a header says neither.
+    pub(crate) fn reads(&self, parts: &http::request::Parts) -> bool {
+        let pins = self.pin_stored_responses && parts.uri.path().ends_with("/responses");
+        pins || (self.skip_when.as_ref()).is_none_or(|header| !header.finds_key(&parts.headers))
     }
 
     /// What a body says about its session and its prompt.

@@ -58,7 +58,7 @@ use crate::key::HeaderKey;
 ///   empty chain: its prompt is not known here.
 /// - A request whose headers already name its session can skip the parse
 ///   ([`skip_when_header`]), at the price of its chain: the cache model then learns nothing
-///   from it.
+///   from it. A Responses request is read all the same while stored responses are pinned.
 /// - A body over the limit (default [`DEFAULT_LIMIT`](Self::DEFAULT_LIMIT), 16 MiB: long agent
 ///   prompts run to a few hundred kilobytes) is answered `413 Payload Too Large` with a
 ///   plain-text reason, from its `Content-Length` before reading when it has one. A body
@@ -158,7 +158,10 @@ impl BodyKeyLayer {
 
     /// Leaves the body unread when `header` finds a key on the request: such a request gets
     /// neither a [`SessionKey`](crate::key::SessionKey) nor [`PromptFacts`](crate::key::PromptFacts) from this layer. Its body is still
-    /// buffered (the limit and the read timeout still apply) and forwarded unchanged.
+    /// buffered (the limit and the read timeout still apply) and forwarded unchanged. A
+    /// Responses API request (a path ending in `/responses`) is read all the same while
+    /// [`pin_stored_responses`](Self::pin_stored_responses) is on: it may name a stored
+    /// response that only the backend that answered it can continue.
     ///
     /// This saves parsing the body when the key is in a header and headers win anyway, as
     /// with `FirstOf::new(HeaderKey::default(), ExtensionKey)` behind the layer. Leave it off

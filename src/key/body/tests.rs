@@ -1060,3 +1060,42 @@ async fn a_layer_told_the_backends_share_stored_responses_pins_none() {
     assert_eq!(seen[1].chain.common_prefix(&seen[0].chain), 1);
     assert_eq!(seen[1].stored_on, None);
 }
+
+/// A Responses request may name a stored response that only one backend can continue: its
+/// body is read, and its answer's id remembered, whatever its headers say.
+#[tokio::test]
+async fn skip_when_header_still_reads_a_responses_body_for_its_stored_response() {
+    use crate::key::HeaderKey;
+    let (inner, seen) = responses_backend(vec![
+        vec![br#"{"id":"resp_1"}"#],
+        vec![br#"{"id":"resp_2"}"#],
+    ]);
+    let svc = BodyKeyLayer::new()
+        .skip_when_header(HeaderKey::default())
+        .layer(inner);
+    for body in [
+        r#"{"input":"q1"}"#,
+        r#"{"previous_response_id":"resp_1","input":"q2"}"#,
+    ] {
+        let req = http::Request::post("/v1/responses")
+            .header("x-session-id", "run-1")
+            .body(Full::new(Bytes::from_static(body.as_bytes())))
+            .unwrap();
+        let res = svc.clone().oneshot(req).await.unwrap();
+        res.into_body().collect().await.unwrap();
+    }
+    let seen = seen.lock().clone();
+    assert_eq!(seen[1].stored_on, Some("gpu-0".into()));
+    assert_eq!(seen[1].chain.common_prefix(&seen[0].chain), 1);
+
+    // Where the backends share their stored responses, nothing needs the body.
+    let layer = BodyKeyLayer::new()
+        .skip_when_header(HeaderKey::default())
+        .pin_stored_responses(false);
+    let req = http::Request::post("/v1/responses")
+        .header("x-session-id", "run-1")
+        .body(Full::new(Bytes::from_static(br#"{"input":"q1"}"#)))
+        .unwrap();
+    let (_, seen) = run(layer, req).await;
+    assert!(seen.facts.is_none());
+}
