@@ -300,7 +300,10 @@ where
                             parts.extensions.insert(key);
                         }
                         let known = !facts.chain.is_empty();
+                        // An answer not stored can never be continued: remembering it would
+                        // only push out those that can.
                         if (known || inspected.continues)
+                            && !inspected.unstored
                             && parts.uri.path().ends_with("/responses")
                         {
                             // What the answer's id will stand for: this prompt, unless it

@@ -118,6 +118,7 @@ impl Config {
             },
             streams_unasked: false,
             continues: false,
+            unstored: false,
         };
         // Most bodies that are not a JSON object are spotted without running the parser.
         if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
@@ -135,6 +136,7 @@ impl Config {
         };
         out.facts.model = found.model.map(Arc::from);
         out.streams_unasked = found.stream == Some(true) && !found.stream_options;
+        out.unstored = found.store == Some(false);
         let previous = found.previous.as_deref().filter(|id| !id.is_empty());
         out.continues = previous.is_some();
         // A response not remembered (another router process answered it, or it was
@@ -188,6 +190,9 @@ pub(crate) struct Inspected {
     pub(crate) streams_unasked: bool,
     /// It names a previous response (`previous_response_id`).
     pub(crate) continues: bool,
+    /// It asks that its answer not be stored (`"store": false`, as the Codex CLI sends): no
+    /// later request can name that answer as its previous response.
+    pub(crate) unstored: bool,
 }
 
 /// One pass over `body`: what it holds, `None` if there is more after the object, an error if
@@ -254,6 +259,8 @@ struct Found<'de> {
     stream: Option<bool>,
     /// Whether `stream_options` is given at all.
     stream_options: bool,
+    /// `store`, if it is a boolean (the last one given).
+    store: Option<bool>,
 }
 
 /// The top-level object: keeps the members named in `tops` and the prompt's members, skips
@@ -314,6 +321,10 @@ impl<'de> Visitor<'de> for TopLevel<'_, 'de> {
                     found.stream_options = true;
                     continue;
                 }
+                Member::Store => {
+                    found.store = map.next_value::<Flag>()?.0;
+                    continue;
+                }
                 Member::Top { index, part } => (index, part),
             };
             // A key field's first key: each field that starts with it, and the rest of its
@@ -362,6 +373,8 @@ enum Member {
     /// `stream` and `stream_options`, not key fields.
     Stream,
     StreamOptions,
+    /// `store`, not a key field.
+    Store,
     /// Anything else: skipped.
     Other,
 }
@@ -395,6 +408,7 @@ impl<'de> Visitor<'de> for MemberName<'_> {
             (None, None) if name == "model" => Member::Model,
             (None, None) if name == "stream" => Member::Stream,
             (None, None) if name == "stream_options" => Member::StreamOptions,
+            (None, None) if name == "store" => Member::Store,
             (None, None) => Member::Other,
         })
     }
@@ -606,7 +620,7 @@ impl<'de> Visitor<'de> for Skip {
     ignore_other_values!();
 }
 
-/// A value that counts only if it is a boolean (`stream`'s): anything else is checked as
+/// A value that counts only if it is a boolean (`stream`'s, `store`'s): anything else is checked as
 /// [`Skip`] checks it and forgotten, nothing built.
 struct Flag(Option<bool>);
 

@@ -1099,3 +1099,35 @@ async fn skip_when_header_still_reads_a_responses_body_for_its_stored_response()
     let (_, seen) = run(layer, req).await;
     assert!(seen.facts.is_none());
 }
+
+/// A response to a request with `"store": false` (the Codex CLI's) is stored nowhere and can
+/// never be continued: remembering it would push out the responses that can.
+#[tokio::test]
+async fn responses_stored_nowhere_do_not_push_out_those_stored() {
+    let n = super::responses::StoredResponses::DEFAULT_CAPACITY;
+    let answers = (0..n + 2).map(|i| {
+        let id: &'static str = Box::leak(format!(r#"{{"id":"resp_{i}"}}"#).into_boxed_str());
+        vec![id.as_bytes()]
+    });
+    let (inner, seen) = responses_backend(answers.collect());
+    let svc = BodyKeyLayer::new().layer(inner);
+    let send = |body: String| {
+        let req = http::Request::post("/v1/responses")
+            .body(Full::new(Bytes::from(body)))
+            .unwrap();
+        let svc = svc.clone();
+        async move {
+            let res = svc.oneshot(req).await.unwrap();
+            res.into_body().collect().await.unwrap();
+        }
+    };
+    send(r#"{"input":"stored"}"#.into()).await;
+    for i in 0..n {
+        send(format!(r#"{{"store":false,"input":"turn {i}"}}"#)).await;
+    }
+    send(r#"{"previous_response_id":"resp_0","input":"next"}"#.into()).await;
+    let seen = seen.lock();
+    let next = seen.last().unwrap();
+    assert_eq!(next.stored_on, Some("gpu-0".into()));
+    assert_eq!(next.chain.common_prefix(&seen[0].chain), 1);
+}
