@@ -32,7 +32,7 @@ use crate::retry::FirstAnswer;
 use crate::service::{Placed, Shared};
 use crate::stats::Decision;
 use crate::store::PendingRead;
-use crate::wait::{Look, Scope, WaitHome, WaitTicket, Woken};
+use crate::wait::{Look, Scope, WaitTicket, Woken};
 use crate::{Backend, Error, Overflow, ResponseBody};
 
 type SharedOf<S, P> = Arc<Shared<Backend<S>, P>>;
@@ -353,53 +353,60 @@ where
         } else {
             Scope::Node
         };
-        let state = match shared.place(key, req.extensions(), overcommit, &Look::first(scope)) {
-            Placed::Dispatch {
-                service,
-                guard,
-                decision,
-                watch,
-                record,
-            } => State::call(
-                (service, guard, decision, watch, record),
-                req,
-                shared.finish,
-            ),
-            Placed::Empty => {
-                shared.capacity.counters.count_no_backends();
-                State::fail(Error::NoBackends)
-            }
-            Placed::Answered(first) => State::Answered { first: Some(first) },
-            Placed::Full { home } => match overflow {
-                Overflow::Wait {
-                    max_wait,
-                    max_queued,
-                } => Self::wait(shared.clone(), key, req, home, max_wait, max_queued),
-                Overflow::Overcommit | Overflow::Reject => {
+        let mut look = Look::first(scope);
+        loop {
+            return match shared.place(key, req.extensions(), overcommit, &look) {
+                Placed::Dispatch {
+                    service,
+                    guard,
+                    decision,
+                    watch,
+                    record,
+                } => State::call(
+                    (service, guard, decision, watch, record),
+                    req,
+                    shared.finish,
+                ),
+                Placed::Empty => {
+                    shared.capacity.counters.count_no_backends();
+                    State::fail(Error::NoBackends)
+                }
+                Placed::Answered(first) => State::Answered { first: Some(first) },
+                Placed::Full { home } => {
+                    if let Overflow::Wait {
+                        max_wait,
+                        max_queued,
+                    } = overflow
+                    {
+                        match WaitTicket::take(&shared.capacity, home, max_queued) {
+                            Some(ticket) => return Self::wait(shared, key, req, ticket, max_wait),
+                            // No room in the queue: a request that held out for one place
+                            // (its home node, the full backend holding its prefix) looks once
+                            // more for a slot anywhere, as it would if it could not wait.
+                            None if home.scope != Scope::Any && look.first => {
+                                look = Look::no_room_to_wait();
+                                continue;
+                            }
+                            None => {}
+                        }
+                    }
                     shared.capacity.counters.count_rejected();
                     State::fail(Error::Saturated {
                         retry_after: shared.retry_after(),
                     })
                 }
-            },
-        };
-        state
+            };
+        }
     }
 
+    /// Waits for a slot, in the queue `ticket` has joined.
     fn wait(
-        shared: SharedOf<S, P>,
+        shared: &SharedOf<S, P>,
         key: Option<SessionKey>,
         req: http::Request<ReqB>,
-        home: WaitHome,
+        mut ticket: WaitTicket,
         max_wait: Duration,
-        max_queued: usize,
     ) -> State<S, P, ReqB> {
-        let Some(mut ticket) = WaitTicket::take(&shared.capacity, home, max_queued) else {
-            shared.capacity.counters.count_rejected();
-            return State::fail(Error::Saturated {
-                retry_after: shared.retry_after(),
-            });
-        };
         // A slot may have freed between the first attempt and joining the queue.
         match shared.place(key, req.extensions(), false, &ticket.look(None, false)) {
             Placed::Dispatch {
@@ -456,7 +463,7 @@ where
                         give_up,
                         since,
                         ticket,
-                        shared,
+                        shared: shared.clone(),
                     }),
                 }
             }

@@ -162,7 +162,8 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// A move between nodes costs the whole prompt again (minutes for a long agent context on a
     /// modest GPU); a turn on the home node often frees a slot within seconds. Applies only under
     /// [`Overflow::Wait`], within its `max_wait`; the wait counts as waiting. A home node with
-    /// no healthy backend is not waited for.
+    /// no healthy backend is not waited for, and a request that finds no room in the queue
+    /// (`max_queued` requests waiting already) takes a slot on another node at once.
     pub fn node_patience(mut self, patience: Duration) -> Self {
         self.config.node_patience = patience;
         self
@@ -232,7 +233,8 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// joins the wait queue (a slot freed in between), or, for a request that found every
     /// backend full and waits for any slot, when one frees on another backend. A request holds
     /// out this way once; when its hold is over, any slot will do, and the last look of its
-    /// wait ([`Overflow::Wait`]'s `max_wait`) takes a slot rather than hold out.
+    /// wait ([`Overflow::Wait`]'s `max_wait`) takes a slot rather than hold out, as does a
+    /// request that finds no room in the queue (its `max_queued`).
     pub fn wait_versus_move(mut self, enabled: bool) -> Self {
         self.config.wait_versus_move = enabled;
         self

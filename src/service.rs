@@ -671,7 +671,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         // A retry of a prompt a backend refused as too long: counted once, at its first look,
         // however that look ends (an empty fleet too).
         let refusal = extensions.get::<ContextRefusal>();
-        if refusal.is_some() && look.queued.is_none() {
+        if refusal.is_some() && look.first {
             self.capacity.counters.count_refusal(false);
         }
         if t.live.is_empty() {

@@ -15,7 +15,8 @@
 //! request that joined the queue waiting for any slot (the whole fleet was full) is judged
 //! when a slot elsewhere wakes it while the backend holding its prefix is still full, as a
 //! first look finding that slot would be, and may hold out from then. A request holds out
-//! once, and never at the last look of its wait, which would refuse it instead.
+//! once, and never at the last look of its wait, which would refuse it instead; nor when the
+//! queue has no room for it, where it looks once more for any slot before it is refused.
 //!
 //! A woken waiter stays in the queue, marked with the slot that woke it, until its task runs
 //! and looks for a slot; a freed slot passes over the waiters already woken, and over those
@@ -83,6 +84,9 @@ pub(crate) struct Look {
     /// takes and gives back, holding out, goes back unannounced, as the wake it holds is
     /// passed on.
     pub(crate) woken_for: Option<u32>,
+    /// Whether this is the request's first look, where what it brings (a retried refusal)
+    /// is counted.
+    pub(crate) first: bool,
 }
 
 impl Look {
@@ -94,6 +98,19 @@ impl Look {
             may_hold: true,
             queued: None,
             woken_for: None,
+            first: true,
+        }
+    }
+
+    /// The look of a request that held out for one place (its home node, or the full
+    /// backend holding its prefix) and found no room in the queue to wait there: any slot
+    /// will do, as if it could not wait at all.
+    pub(crate) fn no_room_to_wait() -> Self {
+        Look {
+            scope: Scope::Any,
+            may_hold: false,
+            first: false,
+            ..Look::first(Scope::Any)
         }
     }
 }
@@ -460,6 +477,7 @@ impl WaitTicket {
             may_hold: !last && !self.held_out,
             queued: Some(self.seq),
             woken_for: None,
+            first: false,
         }
     }
 }

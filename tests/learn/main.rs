@@ -941,6 +941,23 @@ async fn wait_for_the_full_backend_holding_the_prefix_when_its_slot_frees_sooner
     streaming.await.unwrap();
 }
 
+/// Waiting for the full backend holding the prefix would be cheaper, but the queue has no room
+/// for the request: it cannot wait, so it moves at once rather than being refused.
+#[tokio::test(start_paused = true)]
+async fn a_request_that_would_wait_for_the_holder_moves_when_the_queue_has_no_room() {
+    let svc = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_secs(60), 0))
+        .layer(fleet(&[("a", "n1"), ("b", "n2")], scripted()));
+    teach(&svc, Duration::from_secs(10)).await;
+    let (home, streaming) = busy_home(&svc, Duration::from_secs(5)).await;
+    let (d, took) = next_turn(&svc).await;
+    assert_ne!(d.backend.as_str(), home);
+    assert_eq!((d.waited, took), (None, Duration::ZERO));
+    streaming.await.unwrap();
+    let stats = svc.stats();
+    assert_eq!((stats.rejected, stats.waiting), (0, 0));
+}
+
 /// The full backend holding the prefix is down: no slot there will serve the request while
 /// the mark lasts, so it moves at once however much moving costs.
 #[tokio::test(start_paused = true)]

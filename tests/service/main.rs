@@ -2786,6 +2786,46 @@ async fn node_patience_still_takes_a_free_slot_on_the_home_node() {
     assert_eq!((d.outcome, d.node), (Outcome::SameNodeSpill, home.node));
 }
 
+/// A request held for its home node that finds no room in the queue to wait (`max_queued`
+/// requests wait already, or none may) takes the free slot on another node, as it would
+/// without patience, rather than being refused: it is held only while it may wait.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_request_held_for_its_node_with_no_room_to_wait_spills_rather_than_being_refused() {
+    let streams = Streams::default();
+    for max_queued in [0, 1] {
+        let mut svc = SessionAffinityLayer::new()
+            .overflow(Overflow::wait(Duration::from_secs(60), max_queued))
+            .node_patience(Duration::from_secs(10))
+            .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
+        let first = send(&mut svc, Some("x"), Some("stream")).await.unwrap();
+        let home = decision(&first).backend;
+        // Another session of the same home waits for its node, filling a queue of one.
+        let mut queued = Vec::new();
+        if max_queued == 1 {
+            svc.ready().await.unwrap();
+            let mut w = tokio_test::task::spawn(svc.call(request(Some("x"), None)));
+            assert_pending!(w.poll());
+            queued.push(w);
+        }
+        assert_eq!(svc.stats().waiting, max_queued);
+        let started = tokio::time::Instant::now();
+        let res = send(&mut svc, Some("x"), None).await;
+        let res = res.unwrap_or_else(|e| panic!("max_queued {max_queued}: {e}"));
+        let d = decision(&res);
+        assert_eq!(started.elapsed(), Duration::ZERO);
+        assert_eq!(
+            d.outcome,
+            Outcome::CrossNodeSpill,
+            "max_queued {max_queued}"
+        );
+        assert_ne!(d.backend, home);
+        let stats = svc.stats();
+        assert_eq!((stats.rejected, stats.abandoned), (0, 0));
+        drop((res, queued, first));
+        while streams.take().is_some() {}
+    }
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn node_patience_applies_only_when_requests_may_wait() {
     let streams = Streams::default();
