@@ -475,13 +475,13 @@ fn ram_note(runs: &[Run]) -> String {
         .iter()
         .map(|r| {
             let restores = r.records.iter().filter(|t| t.source == Source::Ram).count();
-            let (over, admitted) = r.over_vram;
+            // Paged backends count no admissions: their pool bounds the KV itself.
             format!(
-                "{} {}/{}/{:.1}%",
+                "{} {}/{}/{}",
                 r.policy.name(),
                 restores,
                 r.ram_evictions,
-                100.0 * over as f64 / admitted.max(1) as f64
+                count_share_or_dash(r.over_vram)
             )
         })
         .collect();
@@ -500,9 +500,9 @@ fn slots(fleet: &[BackendSpec]) -> std::collections::HashMap<BackendId, u32> {
         .collect()
 }
 
-/// `n` of `of`, in percent (0 of none).
-fn percent((n, of): (usize, usize)) -> f64 {
-    100.0 * n as f64 / of.max(1) as f64
+/// `n` of `of` as a share, or `-` when `of` is 0 (see [`share_or_dash`]).
+fn count_share_or_dash((n, of): (u64, u64)) -> String {
+    share_or_dash((of > 0).then(|| n as f64 / of as f64))
 }
 
 /// A share in percent, or `-` when there was nothing to share.
@@ -518,14 +518,15 @@ fn crowding_note(runs: &[Run], fleet: &[BackendSpec]) -> String {
         .iter()
         .map(|r| {
             let c = bound::crowding(&r.records, &slots);
+            // Every turn counts in the last share: the run sent some.
+            let fewest = 100.0 * c.fewest.0 as f64 / c.fewest.1.max(1) as f64;
             format!(
-                "{} {} at {:.1}% / {} at {:.1}% / {:.0}%",
+                "{} {} at {} / {} at {} / {fewest:.0}%",
                 r.policy.name(),
                 c.crowded.0,
-                percent((c.crowded.1, c.crowded.0)),
+                count_share_or_dash((c.crowded.1 as u64, c.crowded.0 as u64)),
                 c.roomy.0,
-                percent((c.roomy.1, c.roomy.0)),
-                percent(c.fewest),
+                count_share_or_dash((c.roomy.1 as u64, c.roomy.0 as u64)),
             )
         })
         .collect();
@@ -584,12 +585,12 @@ fn large_states_note(runs: &[Run], fleet: &[BackendSpec]) -> String {
         .map(|r| {
             let [large, rest] = by_state_size(&r.records, half);
             format!(
-                "{} {} at {:.1}% / {} at {:.1}%",
+                "{} {} at {} / {} at {}",
                 r.policy.name(),
                 large.0,
-                percent((large.1, large.0)),
+                count_share_or_dash((large.1 as u64, large.0 as u64)),
                 rest.0,
-                percent((rest.1, rest.0)),
+                count_share_or_dash((rest.1 as u64, rest.0 as u64)),
             )
         })
         .collect();
@@ -1387,6 +1388,26 @@ mod tests {
         assert!(note.contains("Rendezvous 0.0% / 100.0%"), "{note}");
         let ntb = t.row("NodeThenBackend").unwrap();
         assert_eq!((ntb.turns, ntb.reused, ntb.ideal), (5, 3072, 3072), "{t}");
+    }
+
+    #[test]
+    fn the_overload_notes_print_no_share_of_turns_or_admissions_there_were_none_of() {
+        // At 64 GiB no state is over half a backend's RAM cache; on the datacenter fleet's
+        // 128 slots no backend homes more conversations than its slots.
+        let o = options(Scenario::Overload, 3);
+        let cfg = AgentConfig::study(4, 3);
+        let runs = agent_runs(FleetKind::Study, &cfg, &o, 64 << 30);
+        let note = large_states_note(&runs, &FleetKind::Study.backends(64 << 30));
+        assert!(note.contains("NodeThenBackend 0 at - / 8 at "), "{note}");
+        let runs = agent_runs(FleetKind::Datacenter, &cfg, &o, 8 << 30);
+        let note = crowding_note(&runs, &FleetKind::Datacenter.backends(8 << 30));
+        assert!(note.contains("NodeThenBackend 0 at - / 8 at "), "{note}");
+        // Paged backends count no admissions beyond the VRAM: their pool bounds the KV.
+        cache::set_slot_policy(cache::SlotPolicy::Paged);
+        let runs = agent_runs(FleetKind::Study, &cfg, &o, 8 << 30);
+        cache::set_slot_policy(cache::SlotPolicy::Llama);
+        let note = ram_note(&runs);
+        assert!(note.contains("NodeThenBackend 0/0/-"), "{note}");
     }
 
     #[test]
