@@ -1438,6 +1438,17 @@ mod tests {
     }
 
     #[test]
+    fn a_traces_title_gives_its_span_from_its_first_request() {
+        let trace = TraceFile::write(
+            "late",
+            &[(1_000_000, 1100, &[1, 2, 3]), (1_010_000, 2100, &[1, 2, 7, 8, 9])],
+        );
+        let tables = replay(&trace.options(false), &trace.path).unwrap();
+        let title = &tables[0].title;
+        assert!(title.contains(" over 10 s,"), "{title}");
+    }
+
+    #[test]
     fn trace_replay_runs_a_small_trace_end_to_end() {
         let trace = TraceFile::write(
             "tiny",

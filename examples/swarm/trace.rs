@@ -1,8 +1,8 @@
 //! Replaying a Mooncake trace (kvcache-ai/Mooncake, `FAST25-release/traces/`).
 //!
-//! One JSON object a line: `timestamp` (arrival, ms), `input_length` and `output_length`
-//! (tokens), `hash_ids` (the prompt's 512-token blocks; ids are chained, so equal ids at equal
-//! positions mean an equal prefix). The trace has no session ids: a request whose blocks extend
+//! One JSON object a line: `timestamp` (arrival, ms; replayed from the first request's),
+//! `input_length` and `output_length` (tokens), `hash_ids` (the prompt's 512-token blocks; ids
+//! are chained, so equal ids at equal positions mean an equal prefix). The trace has no session ids: a request whose blocks extend
 //! all but the last block of an earlier request continues that request's conversation (the last
 //! block of a turn is usually partial, so its hash changes when the next turn appends to it).
 //! A turn that is already continued starts a new conversation instead of a second branch.
@@ -25,8 +25,9 @@ pub(crate) const BLOCK_TOKENS: u32 = 512;
 /// Answer blocks: ids no prompt block can have.
 const ANSWER_IDS: u64 = 1 << 63;
 
-/// The latest timestamp a trace may have: a century (36,525 days), in ms. The replay's paused
-/// clock advances by bounded steps, so a later one would keep it stepping for minutes to hours.
+/// The latest timestamp a trace may have after its first request's: a century (36,525 days),
+/// in ms. The replay's paused clock advances by bounded steps, so a later one would keep it
+/// stepping for minutes to hours.
 const MAX_TIMESTAMP_MS: u64 = 36_525 * 24 * 3600 * 1000;
 
 #[derive(Debug, Deserialize)]
@@ -40,6 +41,7 @@ struct Line {
 /// One request of the trace.
 #[derive(Clone, Debug)]
 pub(crate) struct TraceRequest {
+    /// Arrival, after the trace's first request.
     pub(crate) at: Duration,
     pub(crate) blocks: Blocks,
     pub(crate) input: u32,
@@ -67,14 +69,6 @@ impl Trace {
                 continue;
             }
             let line: Line = serde_json::from_str(l).map_err(|e| format!("line {}: {e}", n + 1))?;
-            if line.timestamp > MAX_TIMESTAMP_MS {
-                return Err(format!(
-                    "line {}: timestamp {} is more than a century ({MAX_TIMESTAMP_MS} ms) after \
-                     the trace's start; timestamps are milliseconds from the first request",
-                    n + 1,
-                    line.timestamp
-                ));
-            }
             // Each block's tokens are taken from the length, so the two must agree: a length
             // far beyond its ids made one block of billions of tokens.
             let blocks = line.input_length.div_ceil(BLOCK_TOKENS);
@@ -87,11 +81,31 @@ impl Trace {
                     line.input_length
                 ));
             }
-            lines.push(line);
+            lines.push((n, line));
         }
-        if lines.is_empty() {
+        // Timestamps count from the trace's first request: a trace cut from a longer one, or
+        // stamped with the time of day, is replayed from its first request on.
+        let Some(first) = lines.iter().map(|(_, l)| l.timestamp).min() else {
             return Err("no requests: the trace has no lines".into());
+        };
+        if let Some((n, l)) = lines
+            .iter()
+            .find(|(_, l)| l.timestamp - first > MAX_TIMESTAMP_MS)
+        {
+            return Err(format!(
+                "line {}: timestamp {} is more than a century ({MAX_TIMESTAMP_MS} ms) after \
+                 the trace's first request (at {first}); timestamps are milliseconds",
+                n + 1,
+                l.timestamp
+            ));
         }
+        let mut lines: Vec<Line> = lines
+            .into_iter()
+            .map(|(_, l)| Line {
+                timestamp: l.timestamp - first,
+                ..l
+            })
+            .collect();
         let mut latest = 0;
         let out_of_order = lines
             .iter()
@@ -546,8 +560,13 @@ mod tests {
             err.starts_with("line 2: timestamp 18446744073709551615"),
             "{err}"
         );
-        assert!(Trace::parse(&line(MAX_TIMESTAMP_MS, 1, &[1])).is_ok());
-        assert!(Trace::parse(&line(MAX_TIMESTAMP_MS + 1, 1, &[1])).is_err());
+        // A century after the first request, wherever the trace starts.
+        for start in [0, 5] {
+            let trace = |last| [line(start, 1, &[1]), line(start + last, 1, &[2])].join("\n");
+            assert!(Trace::parse(&trace(MAX_TIMESTAMP_MS)).is_ok());
+            let err = Trace::parse(&trace(MAX_TIMESTAMP_MS + 1)).unwrap_err();
+            assert!(err.starts_with("line 2: "), "{err}");
+        }
         // Ids and length disagree: one block of 4.29e9 tokens, or ten blocks for 100 tokens.
         for bad in [line(0, u32::MAX, &[1, 2, 3]), line(0, 100, &[1, 2])] {
             let err = Trace::parse(&bad).unwrap_err();
@@ -565,6 +584,21 @@ mod tests {
     }
 
     #[test]
+    fn timestamps_count_from_the_first_request() {
+        // Stamped with the time of day (ms since 1970), as a trace cut from a longer one or
+        // logged by a server is: replayed from its first request, 10 s long.
+        let text = [
+            line(1_733_480_010_000, 1, &[2]),
+            line(1_733_480_000_000, 1, &[1]),
+        ]
+        .join("\n");
+        let t = Trace::parse(&text).unwrap();
+        let at: Vec<u64> = t.requests.iter().map(|r| r.at.as_millis() as u64).collect();
+        assert_eq!(at, [0, 10_000]);
+        assert_eq!(t.out_of_order, 1);
+    }
+
+    #[test]
     fn lines_out_of_order_are_counted_and_replayed_in_timestamp_order() {
         let text = [
             line(5, 1, &[1]),
@@ -576,7 +610,8 @@ mod tests {
         let t = Trace::parse(&text).unwrap();
         assert_eq!(t.out_of_order, 2);
         let at: Vec<u64> = t.requests.iter().map(|r| r.at.as_millis() as u64).collect();
-        assert_eq!(at, [2, 5, 7, 9]);
+        // Counted from the first request's, at 2.
+        assert_eq!(at, [0, 3, 5, 7]);
         let sorted = [line(1, 1, &[1]), line(1, 1, &[2]), line(3, 1, &[3])].join("\n");
         assert_eq!(Trace::parse(&sorted).unwrap().out_of_order, 0);
     }
