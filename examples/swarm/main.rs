@@ -941,11 +941,11 @@ fn replay(o: &Options, path: &Path) -> Result<Vec<Table>, String> {
             "no session keys"
         };
         let title = format!(
-            "trace: {name}, {} requests in {} conversations ({} later turns) over {:.0} s, \
-             {}-token blocks{}, {keys}; {}; RAM cache {}",
-            t.requests.len(),
-            t.conversations.len(),
-            t.later_turns(),
+            "trace: {name}, {} in {} ({}) over {:.0} s, {}-token blocks{}, {keys}; {}; RAM \
+             cache {}",
+            counted(t.requests.len() as u64, "request"),
+            counted(t.conversations.len() as u64, "conversation"),
+            counted(t.later_turns() as u64, "later turn"),
             span.as_secs_f64(),
             trace::BLOCK_TOKENS,
             match (o.trace_chains, o.answers_kept) {
@@ -1441,11 +1441,33 @@ mod tests {
     fn a_traces_title_gives_its_span_from_its_first_request() {
         let trace = TraceFile::write(
             "late",
-            &[(1_000_000, 1100, &[1, 2, 3]), (1_010_000, 2100, &[1, 2, 7, 8, 9])],
+            &[
+                (1_000_000, 1100, &[1, 2, 3]),
+                (1_010_000, 2100, &[1, 2, 7, 8, 9]),
+            ],
         );
         let tables = replay(&trace.options(false), &trace.path).unwrap();
         let title = &tables[0].title;
         assert!(title.contains(" over 10 s,"), "{title}");
+    }
+
+    #[test]
+    fn a_traces_title_counts_one_of_a_thing_in_the_singular() {
+        let trace = TraceFile::write(
+            "pair",
+            &[(0, 1100, &[1, 2, 3]), (100, 2100, &[1, 2, 7, 8, 9])],
+        );
+        let title = &replay(&trace.options(false), &trace.path).unwrap()[0].title;
+        assert!(
+            title.contains("2 requests in 1 conversation (1 later turn) over"),
+            "{title}"
+        );
+        let trace = TraceFile::write("one", &[(0, 1100, &[1, 2, 3])]);
+        let title = &replay(&trace.options(false), &trace.path).unwrap()[0].title;
+        assert!(
+            title.contains("1 request in 1 conversation (0 later turns) over"),
+            "{title}"
+        );
     }
 
     #[test]
