@@ -256,6 +256,8 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String>
     let mut args = args.into_iter();
     // Flags that only some runs read: given to another, they would be ignored without a word.
     let (mut replica_flag, mut chains_given, mut answers_given) = (None, false, false);
+    // The agents' flags: a trace replays its own conversations, with no random draw.
+    let mut agent_flag = None;
     while let Some(flag) = args.next() {
         if flag == "-h" || flag == "--help" {
             return Err(String::new());
@@ -274,14 +276,17 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String>
                 o.scenario = Scenario::parse(&v).ok_or_else(|| bad(&v))?;
             }
             "--sessions" => {
+                agent_flag = Some(flag.clone());
                 let v = value()?;
                 o.sessions = Some(v.parse().ok().filter(|&n| n > 0).ok_or_else(|| bad(&v))?);
             }
             "--turns" => {
+                agent_flag = Some(flag.clone());
                 let v = value()?;
                 o.turns = v.parse().ok().filter(|&n| n > 0).ok_or_else(|| bad(&v))?;
             }
             "--seed" => {
+                agent_flag = Some(flag.clone());
                 let v = value()?;
                 o.seed = v.parse().map_err(|_| bad(&v))?;
             }
@@ -364,6 +369,12 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String>
     if let Some(flag) = replica_flag.filter(|_| o.replicas.routers < 2) {
         return Err(format!(
             "{flag} is for router replicas: give --routers 2 or more"
+        ));
+    }
+    if let Some(flag) = agent_flag.filter(|_| o.scenario == Scenario::Trace) {
+        return Err(format!(
+            "{flag} is for the agents (--scenario study, two-on-two, overload or all): a \
+             trace replays its own conversations"
         ));
     }
     let replays = matches!(o.scenario, Scenario::Trace | Scenario::All);
@@ -1603,6 +1614,12 @@ mod tests {
         assert!(parse(&kept).unwrap().answers_kept);
         let both = [&kept[..], &["--trace-chains", "turn-ends"]].concat();
         assert!(parse(&both).unwrap_err().contains("adds nothing"));
+        for flag in [["--sessions", "4"], ["--turns", "10"], ["--seed", "2"]] {
+            let err = parse(&[&trace[..], &flag].concat()).unwrap_err();
+            assert!(err.starts_with(flag[0]) && err.contains("agents"), "{err}");
+            let all = [&flag[..], &["--scenario", "all", "--trace", "t.jsonl"]].concat();
+            assert!(parse(&all).is_ok(), "{all:?}");
+        }
         let dropped = [&trace[..], &["--trace-answers", "dropped"]].concat();
         assert!(!parse(&dropped).unwrap().answers_kept);
         assert!(parse(&[&trace[..], &["--trace-answers", "some"]].concat()).is_err());
