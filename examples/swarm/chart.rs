@@ -8,12 +8,14 @@ use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use crate::report::Table;
 
-const COLORS: [RGBColor; 5] = [
+/// One colour a policy: the five of every run and `--oracle`'s sixth.
+const COLORS: [RGBColor; 6] = [
     RGBColor(0xd6, 0x4f, 0x3e),
     RGBColor(0xe8, 0x9f, 0x2b),
     RGBColor(0x4a, 0x7f, 0xc1),
     RGBColor(0x3a, 0x9a, 0x5b),
     RGBColor(0x1f, 0x5f, 0x3a),
+    RGBColor(0x7b, 0x4f, 0xa6),
 ];
 
 pub(crate) fn draw(path: &Path, title: &str, tables: &[Table]) -> Result<(), Box<dyn Error>> {
@@ -152,5 +154,43 @@ fn short(s: f64) -> String {
         format!("{s:.1}")
     } else {
         format!("{s:.0}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::Row;
+    use crate::sim::Policy;
+
+    #[test]
+    fn every_policy_has_a_colour_of_its_own_with_the_oracle_too() {
+        let rows: Vec<Row> = Policy::ALL
+            .iter()
+            .chain([&Policy::Oracle])
+            .map(|p| Row::new(p.name(), &[]))
+            .collect();
+        let table = Table {
+            label: "t".into(),
+            title: "t".into(),
+            rows,
+            ideal: false,
+            notes: vec![],
+        };
+        let dir = std::env::temp_dir().join(format!("swarm-chart-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("chart.svg");
+        draw(&path, "t", &[table]).unwrap();
+        let svg = std::fs::read_to_string(&path).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut fills: Vec<&str> = svg
+            .split("fill=\"#")
+            .skip(1)
+            .map(|s| &s[..6])
+            .filter(|c| !["000000", "FFFFFF"].contains(c))
+            .collect();
+        fills.sort_unstable();
+        fills.dedup();
+        assert_eq!(fills.len(), 6, "{fills:?}");
     }
 }
