@@ -76,11 +76,7 @@ pub(crate) fn draw(path: &Path, title: &str, tables: &[Table]) -> Result<(), Box
         .draw()?;
     for (j, policy) in policies.iter().enumerate() {
         let color = COLORS[j % COLORS.len()];
-        let values: Vec<(usize, f64)> = tables
-            .iter()
-            .enumerate()
-            .filter_map(|(g, t)| Some((g, 100.0 * t.row(policy)?.hit_rate())))
-            .collect();
+        let values = hit_rates(tables, policy);
         hits.draw_series(values.iter().map(|&(g, v)| {
             let (x0, x1) = bar(g, j);
             Rectangle::new([(x0, 0.0), (x1, v)], color.filled())
@@ -149,6 +145,19 @@ pub(crate) fn draw(path: &Path, title: &str, tables: &[Table]) -> Result<(), Box
     Ok(())
 }
 
+/// `policy`'s hit rate in each table, in percent, by the table's index: none where it sent
+/// no later turn, for which the table prints `-`.
+fn hit_rates(tables: &[Table], policy: &str) -> Vec<(usize, f64)> {
+    tables
+        .iter()
+        .enumerate()
+        .filter_map(|(g, t)| {
+            let r = t.row(policy).filter(|r| r.eligible > 0)?;
+            Some((g, 100.0 * r.hit_rate()))
+        })
+        .collect()
+}
+
 fn short(s: f64) -> String {
     if s < 10.0 {
         format!("{s:.1}")
@@ -162,6 +171,25 @@ mod tests {
     use super::*;
     use crate::report::Row;
     use crate::sim::Policy;
+
+    #[test]
+    fn a_table_without_later_turns_draws_no_hit_rate() {
+        let row = |eligible, hits| Row {
+            eligible,
+            hits,
+            ..Row::new("NodeThenBackend", &[])
+        };
+        let table = |row| Table {
+            label: String::new(),
+            title: String::new(),
+            rows: vec![row],
+            ideal: false,
+            notes: vec![],
+        };
+        let tables = [table(row(0, 0)), table(row(4, 3))];
+        assert_eq!(hit_rates(&tables, "NodeThenBackend"), [(1, 75.0)]);
+        assert_eq!(hit_rates(&tables, "RoundRobin"), []);
+    }
 
     #[test]
     fn every_policy_has_a_colour_of_its_own_with_the_oracle_too() {
