@@ -74,7 +74,7 @@ use tower::discover::Change;
 use tower::retry::Retry;
 use tower::util::Oneshot;
 use tower::{Layer, Service, ServiceBuilder, ServiceExt};
-use tower_affinity::client::{HttpBackend, HttpBackendError};
+use tower_affinity::client::{BackendBody, HttpBackend, HttpBackendError};
 use tower_affinity::discover::dns::{
     DnsEndpoint, DnsFleet, DnsFleetBuilder, DnsHandle, DnsStats, DnsTarget,
 };
@@ -298,7 +298,7 @@ pub(crate) struct Upstream {
 }
 
 impl Service<Request<ReqBody>> for Upstream {
-    type Response = Response<Incoming>;
+    type Response = Response<BackendBody>;
     type Error = HttpBackendError;
     type Future = UpstreamFuture;
 
@@ -328,7 +328,7 @@ impl ProbeTarget for Upstream {
 /// The response future of [`Upstream`]: the pooled client's, or a client connection's own.
 pub(crate) type UpstreamFuture = Route<
     tower_affinity::client::ResponseFuture,
-    Pin<Box<dyn Future<Output = Result<Response<Incoming>, HttpBackendError>> + Send>>,
+    Pin<Box<dyn Future<Output = Result<Response<BackendBody>, HttpBackendError>> + Send>>,
 >;
 
 /// The proxy's discovery: the `--backend`s, then as they change the backends behind each
@@ -1220,7 +1220,7 @@ pub(crate) struct ByModel {
 }
 
 impl Service<Request<ReqBody>> for ByModel {
-    type Response = Response<ResponseBody<Incoming>>;
+    type Response = Response<ResponseBody<BackendBody>>;
     type Error = Infallible;
     type Future = ByModelFuture;
 
@@ -1260,7 +1260,7 @@ pin_project! {
 }
 
 impl Future for ByModelFuture {
-    type Output = Result<Response<ResponseBody<Incoming>>, Infallible>;
+    type Output = Result<Response<ResponseBody<BackendBody>>, Infallible>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
@@ -1293,7 +1293,7 @@ impl Future for ByModelFuture {
 
 /// The response body of [`Front`]: a backend's (or the balancer's refusal), or the proxy's
 /// own answer.
-pub(crate) type FrontBody = Either<BodyKeyResponseBody<ResponseBody<Incoming>>, Full<Bytes>>;
+pub(crate) type FrontBody = Either<BodyKeyResponseBody<ResponseBody<BackendBody>>, Full<Bytes>>;
 
 /// The proxy's front service, one clone per request: `/metrics` answered here, every other
 /// request forwarded.

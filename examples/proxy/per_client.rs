@@ -20,12 +20,11 @@ use std::task::{Context, Poll, Waker};
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use http::{Response, Uri};
-use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
 use parking_lot::Mutex;
 use pin_project_lite::pin_project;
 use tower::ServiceExt;
-use tower_affinity::client::{HttpBackend, HttpBackendError};
+use tower_affinity::client::{BackendBody, HttpBackend, HttpBackendError};
 
 use crate::app::ReqBody;
 
@@ -102,12 +101,13 @@ pub(crate) fn current() -> Option<Arc<ClientConns>> {
 /// Sends `req` on one of `conns`' connections to `http`'s backend, opening one if none is
 /// free, or through the pooled client if `conns` has [`MAX_PER_BACKEND`] to it already. The
 /// request is prepared, the response's hop-by-hop headers dropped and the response timeout
-/// applied as [`HttpBackend`] does for the pooled client.
+/// applied, and the body given the idle timeout between its frames, as [`HttpBackend`] does for
+/// the pooled client.
 pub(crate) fn send(
     conns: Arc<ClientConns>,
     http: &HttpBackend<ReqBody>,
     req: http::Request<ReqBody>,
-) -> impl Future<Output = Result<Response<Incoming>, HttpBackendError>> + Send + 'static {
+) -> impl Future<Output = Result<Response<BackendBody>, HttpBackendError>> + Send + 'static {
     let http = http.clone();
     async move {
         let failed = |e: Box<dyn std::error::Error + Send + Sync>| HttpBackendError::classify(e);
@@ -145,7 +145,8 @@ pub(crate) fn send(
                 .await
                 .map_err(|_| HttpBackendError::response_timeout(after))?,
         }
-        .map_err(|e| failed(e.into()))?;
+        .map_err(|e| failed(e.into()))?
+        .map(|body| http.response_body(body));
         http.finish_response(&mut res)?;
         Ok(res)
     }

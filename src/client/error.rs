@@ -22,8 +22,9 @@ pub enum FailureKind {
     Refused,
     /// The connection was reset or closed before the response headers were complete.
     Reset,
-    /// No connection within the connect timeout, or no response headers within the response
-    /// timeout.
+    /// No connection within the connect timeout, no response headers within the response
+    /// timeout, or, as the error of an answer's body, no frame of it within the idle timeout
+    /// between frames.
     Timeout,
     /// The connection could not be made for another reason (name resolution, say).
     Connect,
@@ -162,6 +163,18 @@ impl HttpBackendError {
             source: io::Error::new(
                 io::ErrorKind::TimedOut,
                 format!("no response headers within {after:?}"),
+            )
+            .into(),
+        }
+    }
+
+    /// The backend's answer, begun, sent nothing for `after`, its idle timeout between frames.
+    pub(crate) fn body_idle(after: Duration) -> Self {
+        HttpBackendError {
+            kind: FailureKind::Timeout,
+            source: io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("no frame of the body within {after:?} of the last"),
             )
             .into(),
         }

@@ -7,9 +7,9 @@ use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
-use hyper::body::Incoming;
 use pin_project_lite::pin_project;
 
+use super::backend_body::BackendBody;
 use super::body::Sending;
 use super::error::HttpBackendError;
 use super::hop_by_hop::strip;
@@ -40,8 +40,8 @@ pub(crate) fn finish_response<T>(res: &mut http::Response<T>) -> Result<(), Http
 
 pin_project! {
     /// The response future of [`HttpBackend`](super::HttpBackend): the client's, with a
-    /// deadline for the response headers if one is set, errors classified, and hop-by-hop
-    /// headers dropped from the response.
+    /// deadline for the response headers if one is set, errors classified, hop-by-hop
+    /// headers dropped from the response, and its body a [`BackendBody`].
     pub struct ResponseFuture {
         #[pin]
         state: State,
@@ -56,6 +56,8 @@ pin_project! {
             #[pin]
             deadline: Option<tokio::time::Sleep>,
             after: Duration,
+            // The idle timeout between the frames of the answer's body.
+            idle: Option<Duration>,
             sending: Arc<Sending>,
         },
         Failed { error: Option<HttpBackendError> },
@@ -66,6 +68,7 @@ impl ResponseFuture {
     pub(crate) fn new(
         fut: hyper_util::client::legacy::ResponseFuture,
         timeout: Option<Duration>,
+        idle: Option<Duration>,
         sending: Arc<Sending>,
     ) -> Self {
         ResponseFuture {
@@ -73,6 +76,7 @@ impl ResponseFuture {
                 fut,
                 deadline: timeout.map(tokio::time::sleep),
                 after: timeout.unwrap_or_default(),
+                idle,
                 sending,
             },
         }
@@ -92,7 +96,7 @@ impl fmt::Debug for ResponseFuture {
 }
 
 impl Future for ResponseFuture {
-    type Output = Result<http::Response<Incoming>, HttpBackendError>;
+    type Output = Result<http::Response<BackendBody>, HttpBackendError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project().state.project() {
@@ -100,6 +104,7 @@ impl Future for ResponseFuture {
                 fut,
                 deadline,
                 after,
+                idle,
                 sending,
             } => {
                 if let Poll::Ready(res) = Pin::new(fut).poll(cx) {
@@ -110,7 +115,10 @@ impl Future for ResponseFuture {
                             HttpBackendError::classify(e.into())
                         }
                     })?;
-                    return Poll::Ready(finish_response(&mut res).map(|()| res));
+                    let idle = *idle;
+                    return Poll::Ready(
+                        finish_response(&mut res).map(|()| res.map(|b| BackendBody::new(b, idle))),
+                    );
                 }
                 if let Some(deadline) = deadline.as_pin_mut() {
                     ready!(deadline.poll(cx));

@@ -11,7 +11,9 @@
 //!   trailers has the backend asked for them, and the response's trailers and its `Trailer`
 //!   header pass;
 //! - connections are pooled; HTTP/1.1 by default, HTTP/2 with prior knowledge on request;
-//! - a connect timeout and a response-header timeout ([`Builder`]);
+//! - a connect timeout, a response-header timeout and an idle timeout between the frames of
+//!   an answer's body ([`Builder`]); TCP keepalive on its connections, so that a backend host
+//!   that vanishes (no FIN, no RST) fails its requests instead of holding them forever;
 //! - failures are [`HttpBackendError`]s of a [`FailureKind`]: refused, reset, timeout, ... each
 //!   with its status. Inside the balancer they become [`Error::Backend`](crate::Error::Backend),
 //!   so [`RetryOnce`](crate::RetryOnce) retries them elsewhere and the failure cooldown
@@ -32,8 +34,8 @@
 //!   as the request goes on in the backend's: an HTTP/1.0 backend's answer of no declared
 //!   length, which its close ends, goes on chunked, where a cut still shows.
 //!
-//! The response body is hyper's [`Incoming`](hyper::body::Incoming), streamed frame by frame;
-//! the balancer's [`ResponseBody`](crate::ResponseBody) holds the slot until it ends.
+//! The response body is a [`BackendBody`], hyper's [`Incoming`](hyper::body::Incoming)
+//! streamed frame by frame; the balancer's [`ResponseBody`](crate::ResponseBody) holds the slot until it ends.
 //!
 //! # Example
 //!
@@ -57,12 +59,14 @@
 //! # Ok(()) }
 //! ```
 
+mod backend_body;
 mod body;
 mod error;
 mod future;
 mod hop_by_hop;
 mod service;
 
+pub use backend_body::BackendBody;
 pub use error::{FailureKind, HttpBackendError, InvalidBackendUrl};
 pub use future::ResponseFuture;
 pub use hop_by_hop::{strip_hop_by_hop, HOP_BY_HOP};

@@ -13,6 +13,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
+use super::backend_body::BackendBody;
 use super::body::{Sending, SentBody};
 use super::error::{HttpBackendError, InvalidBackendUrl};
 use super::future::{finish_response, ResponseFuture};
@@ -24,8 +25,13 @@ use super::hop_by_hop::{accepts_trailers, strip};
 /// The request keeps its method, path, query, headers and body; its URI gets the backend's
 /// scheme and authority, and `Host` the backend's host. Hop-by-hop headers
 /// ([`strip_hop_by_hop`](super::strip_hop_by_hop)) are dropped from the request and from the
-/// response. The response body is hyper's [`Incoming`](hyper::body::Incoming), streamed as
-/// the backend sends it.
+/// response. The response body is a [`BackendBody`]: hyper's
+/// [`Incoming`](hyper::body::Incoming), streamed as the backend sends it, failing past the
+/// [idle timeout between frames](Builder::body_idle_timeout) if one is set.
+///
+/// Its connections have TCP keepalive on ([`Builder::tcp_keepalive`]): a backend host that
+/// vanishes (powered off, its network cut, no FIN or RST sent) fails the requests it was
+/// answering within about a minute, where the connection would otherwise wait forever.
 ///
 /// Cheap to clone (one reference count): the balancer clones it for every request. Clones
 /// share one pool of connections. Always ready: the pool opens connections as needed.
@@ -70,6 +76,7 @@ struct Inner<B> {
     host: HeaderValue,
     version: Version,
     response_timeout: Option<Duration>,
+    body_idle_timeout: Option<Duration>,
 }
 
 impl<B> Clone for HttpBackend<B> {
@@ -86,6 +93,7 @@ impl<B> fmt::Debug for HttpBackend<B> {
             .field("base", &self.inner.base)
             .field("version", &self.inner.version)
             .field("response_timeout", &self.inner.response_timeout)
+            .field("body_idle_timeout", &self.inner.body_idle_timeout)
             .finish_non_exhaustive()
     }
 }
@@ -113,8 +121,8 @@ impl<B> HttpBackend<B> {
         &self.inner.base
     }
 
-    /// The connector the pooled client connects with (its connect timeout set), for code that
-    /// drives connections of its own to this backend.
+    /// The connector the pooled client connects with (its connect timeout and TCP keepalive
+    /// set), for code that drives connections of its own to this backend.
     pub fn connector(&self) -> &HttpConnector {
         &self.inner.connector
     }
@@ -122,6 +130,29 @@ impl<B> HttpBackend<B> {
     /// The response-header timeout, if any.
     pub fn response_timeout(&self) -> Option<Duration> {
         self.inner.response_timeout
+    }
+
+    /// The idle timeout between the frames of an answer's body, if any
+    /// ([`Builder::body_idle_timeout`]).
+    pub fn body_idle_timeout(&self) -> Option<Duration> {
+        self.inner.body_idle_timeout
+    }
+
+    /// `body`, an answer's body from a connection of the caller's own to this backend, as
+    /// this backend's own answers come: a [`BackendBody`] with its idle timeout between
+    /// frames. The twin of [`finish_response`](Self::finish_response) for the body.
+    ///
+    /// ```no_run
+    /// # async fn doc(
+    /// #     backend: tower_affinity::client::HttpBackend<http_body_util::Full<bytes::Bytes>>,
+    /// #     res: http::Response<hyper::body::Incoming>,
+    /// # ) -> Result<(), Box<dyn std::error::Error>> {
+    /// let mut res = res.map(|body| backend.response_body(body));
+    /// backend.finish_response(&mut res)?;
+    /// # Ok(()) }
+    /// ```
+    pub fn response_body(&self, body: hyper::body::Incoming) -> BackendBody {
+        BackendBody::new(body, self.inner.body_idle_timeout)
     }
 
     /// Whether the backend is spoken to in HTTP/2 with prior knowledge
@@ -273,7 +304,7 @@ where
     B::Data: Send,
     B::Error: Into<crate::BoxError>,
 {
-    type Response = http::Response<hyper::body::Incoming>;
+    type Response = http::Response<BackendBody>;
     type Error = HttpBackendError;
     type Future = ResponseFuture;
 
@@ -294,6 +325,7 @@ where
                 ResponseFuture::new(
                     self.inner.client.request(req),
                     self.inner.response_timeout,
+                    self.inner.body_idle_timeout,
                     sending,
                 )
             }
@@ -323,6 +355,8 @@ where
 pub struct Builder<B> {
     connect_timeout: Option<Duration>,
     response_timeout: Option<Duration>,
+    body_idle_timeout: Option<Duration>,
+    tcp_keepalive: Option<Duration>,
     http2: bool,
     pool_idle_timeout: Option<Duration>,
     pool_max_idle_per_host: usize,
@@ -340,6 +374,8 @@ impl<B> Clone for Builder<B> {
         Builder {
             connect_timeout: self.connect_timeout,
             response_timeout: self.response_timeout,
+            body_idle_timeout: self.body_idle_timeout,
+            tcp_keepalive: self.tcp_keepalive,
             http2: self.http2,
             pool_idle_timeout: self.pool_idle_timeout,
             pool_max_idle_per_host: self.pool_max_idle_per_host,
@@ -353,6 +389,8 @@ impl<B> fmt::Debug for Builder<B> {
         f.debug_struct("Builder")
             .field("connect_timeout", &self.connect_timeout)
             .field("response_timeout", &self.response_timeout)
+            .field("body_idle_timeout", &self.body_idle_timeout)
+            .field("tcp_keepalive", &self.tcp_keepalive)
             .field("http2", &self.http2)
             .field("pool_idle_timeout", &self.pool_idle_timeout)
             .field("pool_max_idle_per_host", &self.pool_max_idle_per_host)
@@ -361,12 +399,18 @@ impl<B> fmt::Debug for Builder<B> {
 }
 
 impl<B> Builder<B> {
-    /// The defaults: 2 s to connect, no response-header timeout, HTTP/1.1, idle connections
-    /// closed after 90 s.
+    /// The default of [`tcp_keepalive`](Self::tcp_keepalive).
+    const TCP_KEEPALIVE: Duration = Duration::from_secs(30);
+
+    /// The defaults: 2 s to connect, no response-header timeout, no idle timeout between the
+    /// frames of an answer's body, TCP keepalive after 30 s of silence, HTTP/1.1, idle
+    /// connections closed after 90 s.
     pub fn new() -> Self {
         Builder {
             connect_timeout: Some(Duration::from_secs(2)),
             response_timeout: None,
+            body_idle_timeout: None,
+            tcp_keepalive: Some(Self::TCP_KEEPALIVE),
             http2: false,
             pool_idle_timeout: Some(Duration::from_secs(90)),
             pool_max_idle_per_host: usize::MAX,
@@ -390,6 +434,64 @@ impl<B> Builder<B> {
     /// backend is not passed over.
     pub fn response_timeout(mut self, timeout: impl Into<Option<Duration>>) -> Self {
         self.response_timeout = timeout.into();
+        self
+    }
+
+    /// The longest silence between two frames of an answer's body, once its first frame came;
+    /// `None` (the default) waits as long as it takes. Past it the body fails with an
+    /// [`HttpBackendError`] of kind [`Timeout`](super::FailureKind::Timeout), its connection
+    /// is closed (over HTTP/2, its stream reset), and the balancer frees the request's slot
+    /// and counts the answer as cut short, as for any body that fails midway. At least 1 ms: a zero would fail every answer of
+    /// more than one frame.
+    ///
+    /// The wait for the first frame is not counted: a server that sends its headers before it
+    /// has read the prompt (an SSE stream's, often) sends its first token only once it has,
+    /// minutes later for a long prompt on modest GPUs, and bounding that is the
+    /// [response timeout](Self::response_timeout)'s business (for the headers) or the
+    /// client's. Once tokens flow they come steadily, a few to a hundred a second, but a
+    /// server may still pause an answer for as long as a prompt's reading takes (vLLM, when
+    /// it preempts a request for room and computes its prompt again): how long a pause is
+    /// sound depends on the fleet, hence no default. A backend host that vanished is found
+    /// without it, by [TCP keepalive](Self::tcp_keepalive); this one finds a backend that is
+    /// up but stuck mid-answer.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use http_body_util::Full;
+    /// use bytes::Bytes;
+    /// use tower_affinity::client::HttpBackend;
+    ///
+    /// let backend = HttpBackend::<Full<Bytes>>::builder()
+    ///     .body_idle_timeout(Duration::from_secs(120))
+    ///     .build("http://10.0.0.1:8080")
+    ///     .unwrap();
+    /// assert_eq!(backend.body_idle_timeout(), Some(Duration::from_secs(120)));
+    /// ```
+    pub fn body_idle_timeout(mut self, timeout: impl Into<Option<Duration>>) -> Self {
+        self.body_idle_timeout = timeout.into().map(|t| t.max(Duration::from_millis(1)));
+        self
+    }
+
+    /// TCP keepalive on the backend's connections: after `idle` without a byte either way the
+    /// system probes the peer, again every third of `idle` (at least 1 s), and closes the
+    /// connection after three probes unanswered. `None` turns it off. On by default, after 30
+    /// s: a backend host that vanishes (powered off, its network cut: no FIN, no RST) fails
+    /// the requests it was answering within about a minute, as a reset connection does,
+    /// instead of holding their slots and their clients forever, whether it vanished before
+    /// its answer's headers or midway through its body. A live host's system answers the
+    /// probes however long its server takes to answer. At least 1 s, the system's unit.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use http_body_util::Full;
+    /// use bytes::Bytes;
+    /// use tower_affinity::client::HttpBackend;
+    ///
+    /// let builder = HttpBackend::<Full<Bytes>>::builder().tcp_keepalive(Duration::from_secs(15));
+    /// # let _ = builder;
+    /// ```
+    pub fn tcp_keepalive(mut self, idle: impl Into<Option<Duration>>) -> Self {
+        self.tcp_keepalive = idle.into().map(|t| t.max(Duration::from_secs(1)));
         self
     }
 
@@ -463,6 +565,11 @@ impl<B> Builder<B> {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(self.connect_timeout);
         connector.set_nodelay(true);
+        connector.set_keepalive(self.tcp_keepalive);
+        if let Some(idle) = self.tcp_keepalive {
+            connector.set_keepalive_interval(Some((idle / 3).max(Duration::from_secs(1))));
+            connector.set_keepalive_retries(Some(3));
+        }
         let mut client = Client::builder(TokioExecutor::new());
         client
             .pool_idle_timeout(self.pool_idle_timeout)
@@ -485,6 +592,7 @@ impl<B> Builder<B> {
                     Version::HTTP_11
                 },
                 response_timeout: self.response_timeout,
+                body_idle_timeout: self.body_idle_timeout,
             }),
         })
     }

@@ -16,6 +16,7 @@ fn send<T: Send>() {}
 fn sync<T: Sync>() {}
 fn clone<T: Clone>() {}
 fn send_sync<T: Send + Sync>() {}
+fn unpin<T: Unpin>() {}
 /// What `BoxError` and `?` need of an error.
 fn boxable<E: std::error::Error + Send + Sync + 'static>() {}
 
@@ -35,6 +36,10 @@ fn the_balancer_its_future_and_its_body_are_send() {
     send_sync::<Balancer<Probed>>();
     send::<Future>();
     send_sync::<tower_affinity::ResponseBody<Incoming>>();
+    // What an `HttpBackend` answers with, as hyper's own body is: axum needs it `Send`, and
+    // `BodyExt::frame` on it, `Unpin`.
+    send_sync::<tower_affinity::ResponseBody<tower_affinity::client::BackendBody>>();
+    unpin::<tower_affinity::client::BackendBody>();
 }
 
 #[test]

@@ -14,7 +14,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tower::retry::RetryLayer;
 use tower::{Layer, ServiceExt};
-use tower_affinity::client::{FailureKind, HttpBackend, HttpBackendError};
+use tower_affinity::client::{BackendBody, FailureKind, HttpBackend, HttpBackendError};
 use tower_affinity::discover::StaticFleet;
 use tower_affinity::{Backend, Error, SessionAffinityLayer};
 
@@ -141,7 +141,7 @@ fn url(addr: SocketAddr) -> String {
 async fn call(
     backend: &HttpBackend<Body>,
     req: Request<Body>,
-) -> Result<Response<hyper::body::Incoming>, HttpBackendError> {
+) -> Result<Response<BackendBody>, HttpBackendError> {
     tokio::time::timeout(DEADLINE, backend.clone().oneshot(req))
         .await
         .expect("no answer in time")
@@ -697,9 +697,7 @@ async fn answering_raw(answer: &'static [u8]) -> SocketAddr {
     .await
 }
 
-async fn sent_through(
-    addr: SocketAddr,
-) -> Result<Response<hyper::body::Incoming>, HttpBackendError> {
+async fn sent_through(addr: SocketAddr) -> Result<Response<BackendBody>, HttpBackendError> {
     let backend = HttpBackend::<Body>::new(&url(addr)).unwrap();
     let req = Request::get("/").body(Body::default()).unwrap();
     tokio::time::timeout(DEADLINE, backend.oneshot(req))
@@ -891,4 +889,126 @@ async fn a_content_length_the_body_contradicts_is_sent_as_the_bodys_length() {
             );
         }
     }
+}
+
+/// A backend host that vanishes (powered off, its network cut) sends no FIN and no RST: only
+/// TCP keepalive finds it gone. On by default, after 30 s of silence and then every 10 s,
+/// three probes unanswered: a minute. Set on the connector the pooled client connects with.
+#[tokio::test]
+async fn connections_have_tcp_keepalive_so_a_vanished_host_fails_its_requests() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let keepalive = |builder: tower_affinity::client::Builder<Body>| async move {
+        let backend = builder.build(&url(addr)).unwrap();
+        let io = backend
+            .connector()
+            .clone()
+            .oneshot(backend.base_uri().clone())
+            .await
+            .unwrap();
+        let socket = socket2::SockRef::from(io.inner());
+        socket.keepalive().unwrap().then(|| {
+            (
+                socket.tcp_keepalive_time().unwrap(),
+                socket.tcp_keepalive_interval().unwrap(),
+                socket.tcp_keepalive_retries().unwrap(),
+            )
+        })
+    };
+    let secs = Duration::from_secs;
+    assert_eq!(
+        keepalive(HttpBackend::builder()).await,
+        Some((secs(30), secs(10), 3))
+    );
+    assert_eq!(
+        keepalive(HttpBackend::builder().tcp_keepalive(secs(90))).await,
+        Some((secs(90), secs(30), 3))
+    );
+    // Below the system's unit of a second, the least it takes.
+    assert_eq!(
+        keepalive(HttpBackend::builder().tcp_keepalive(Duration::from_millis(10))).await,
+        Some((secs(1), secs(1), 3))
+    );
+    assert_eq!(
+        keepalive(HttpBackend::builder().tcp_keepalive(None)).await,
+        None
+    );
+    drop(listener);
+}
+
+/// A backend that stops sending midway through its answer, its connection open (stuck, or
+/// its host gone): past the idle timeout between frames the body fails and says why, its
+/// connection is closed at once, the slot is free and the answer counted as cut. The wait for
+/// the first frame, a long prompt's reading after early headers, is not counted.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_body_silent_past_the_idle_timeout_between_frames_fails_and_lets_its_connection_go() {
+    let closed = Arc::new(tokio::sync::Notify::new());
+    let seen_close = closed.clone();
+    let addr = raw(move |mut stream| {
+        let closed = seen_close.clone();
+        async move {
+            let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+                        transfer-encoding: chunked\r\n\r\n";
+            stream.write_all(head.as_bytes()).await.unwrap();
+            // Reading the prompt, for longer than the idle timeout.
+            tokio::time::sleep(Duration::from_secs(300)).await;
+            stream.write_all(b"5\r\nfirst\r\n").await.unwrap();
+            // Then nothing, the connection open, until the proxy closes it.
+            let mut buf = [0u8; 64];
+            while let Ok(n) = stream.read(&mut buf).await {
+                if n == 0 {
+                    break;
+                }
+            }
+            closed.notify_one();
+        }
+    })
+    .await;
+    let backend = HttpBackend::<Body>::builder()
+        .connect_timeout(None)
+        .body_idle_timeout(Duration::from_secs(60))
+        .build(&url(addr))
+        .unwrap();
+    assert_eq!(backend.body_idle_timeout(), Some(Duration::from_secs(60)));
+    let svc =
+        SessionAffinityLayer::new().layer(StaticFleet::new([("a", Backend::new("n", backend))]));
+    let res = svc
+        .clone()
+        .oneshot(
+            Request::post("/v1/chat/completions")
+                .body(Body::default())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(res.status(), 200);
+    let mut body = res.into_body();
+    let bound = Duration::from_secs(3600);
+    let started = tokio::time::Instant::now();
+    let first = tokio::time::timeout(bound, body.frame()).await.unwrap();
+    let first = first.unwrap().unwrap().into_data().unwrap();
+    assert_eq!(first, "first");
+    assert_eq!(started.elapsed(), Duration::from_secs(300));
+
+    let started = tokio::time::Instant::now();
+    let next = tokio::time::timeout(bound, body.frame())
+        .await
+        .expect("a silent body never ended");
+    let e = next.unwrap().unwrap_err();
+    assert_eq!(started.elapsed(), Duration::from_secs(60));
+    assert!(
+        e.to_string()
+            .contains("no frame of the body within 60s of the last"),
+        "{e}"
+    );
+    let e = HttpBackendError::of(&Error::backend("a", e)).map(|e| e.kind());
+    assert_eq!(e, Some(FailureKind::Timeout));
+    // Its connection is let go while the body is still held.
+    tokio::time::timeout(Duration::from_secs(1), closed.notified())
+        .await
+        .expect("the silent connection was kept open");
+    assert_eq!(svc.stats().in_flight, 0);
+    let a = &svc.backends()[0];
+    assert_eq!(a.cut_answers, 1);
+    assert!(body.frame().await.is_none());
 }
