@@ -246,6 +246,12 @@ impl<B> HttpBackend<B> {
     }
 }
 
+/// `timeout`, or 1 ms if it is shorter: the floor of the builder's timeouts, where a zero
+/// would fail every connection or request at once (as `HealthProbe::timeout` has it).
+fn at_least_a_millisecond(timeout: Duration) -> Duration {
+    timeout.max(Duration::from_millis(1))
+}
+
 /// Makes the `Content-Length` of `headers`, if there is one, the body's exact `len`. The
 /// connection frames the body by that field, not by the body: one that says less cuts the
 /// body short at the backend, unseen, and one that says more (or a stream's length that
@@ -418,9 +424,20 @@ impl<B> Builder<B> {
         }
     }
 
-    /// The longest wait for a connection; `None` waits as long as the system does.
+    /// The longest wait for a connection; `None` waits as long as the system does. At least
+    /// 1 ms: a zero would fail every connection before it could be made.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use http_body_util::Full;
+    /// use bytes::Bytes;
+    /// use tower_affinity::client::HttpBackend;
+    ///
+    /// let builder = HttpBackend::<Full<Bytes>>::builder().connect_timeout(Duration::from_millis(500));
+    /// # let _ = builder;
+    /// ```
     pub fn connect_timeout(mut self, timeout: impl Into<Option<Duration>>) -> Self {
-        self.connect_timeout = timeout.into();
+        self.connect_timeout = timeout.into().map(at_least_a_millisecond);
         self
     }
 
@@ -431,9 +448,23 @@ impl<B> Builder<B> {
     /// answers with 504, and the backend is passed over for the failure cooldown; unless the
     /// request's own body was then still awaited from the client, which sent it too slowly:
     /// that is [`FailureKind::RequestBody`](super::FailureKind::RequestBody), 400, and the
-    /// backend is not passed over.
+    /// backend is not passed over. At least 1 ms: a zero would fail every request, and pass
+    /// over every backend.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use http_body_util::Full;
+    /// use bytes::Bytes;
+    /// use tower_affinity::client::HttpBackend;
+    ///
+    /// let backend = HttpBackend::<Full<Bytes>>::builder()
+    ///     .response_timeout(Duration::from_secs(600))
+    ///     .build("http://10.0.0.1:8080")
+    ///     .unwrap();
+    /// assert_eq!(backend.response_timeout(), Some(Duration::from_secs(600)));
+    /// ```
     pub fn response_timeout(mut self, timeout: impl Into<Option<Duration>>) -> Self {
-        self.response_timeout = timeout.into();
+        self.response_timeout = timeout.into().map(at_least_a_millisecond);
         self
     }
 
@@ -468,7 +499,7 @@ impl<B> Builder<B> {
     /// assert_eq!(backend.body_idle_timeout(), Some(Duration::from_secs(120)));
     /// ```
     pub fn body_idle_timeout(mut self, timeout: impl Into<Option<Duration>>) -> Self {
-        self.body_idle_timeout = timeout.into().map(|t| t.max(Duration::from_millis(1)));
+        self.body_idle_timeout = timeout.into().map(at_least_a_millisecond);
         self
     }
 
@@ -634,6 +665,28 @@ mod tests {
         ] {
             Backend::new(url).unwrap_or_else(|e| panic!("{url}: {e}"));
         }
+    }
+
+    /// A zero timeout would fail every connection, or every request (and mark every backend
+    /// down): each has a floor, as `HealthProbe::timeout` has; `None` turns one off.
+    #[test]
+    fn a_zero_timeout_is_the_floor_not_a_failure_of_every_request() {
+        let ms = Duration::from_millis;
+        let zero = Builder::<Empty<bytes::Bytes>>::new()
+            .connect_timeout(Duration::ZERO)
+            .response_timeout(Duration::ZERO)
+            .body_idle_timeout(Duration::ZERO);
+        assert_eq!(zero.connect_timeout, Some(ms(1)));
+        let backend = zero.build("http://10.0.0.1:8080").unwrap();
+        assert_eq!(backend.response_timeout(), Some(ms(1)));
+        assert_eq!(backend.body_idle_timeout(), Some(ms(1)));
+        let off = Builder::<Empty<bytes::Bytes>>::new()
+            .connect_timeout(None)
+            .response_timeout(None);
+        assert_eq!(off.connect_timeout, None);
+        assert_eq!(off.response_timeout, None);
+        let kept = Builder::<Empty<bytes::Bytes>>::new().connect_timeout(ms(2));
+        assert_eq!(kept.connect_timeout, Some(ms(2)));
     }
 
     #[test]
