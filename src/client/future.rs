@@ -24,6 +24,13 @@ pub(crate) fn finish_response<T>(res: &mut http::Response<T>) -> Result<(), Http
             "the backend switched protocols unasked",
         ));
     }
+    // 600 to 999 parse as a status, but HTTP has none (RFC 9110, section 15): a malformed
+    // answer, to be taken as a server error, and no client can be handed it as it is.
+    if res.status().as_u16() > 599 {
+        return Err(HttpBackendError::bad_answer(
+            "the status is out of range (past 599)",
+        ));
+    }
     if !strip(res.headers_mut()) {
         return Err(HttpBackendError::bad_answer(
             "the answer is in a transfer coding other than chunked",

@@ -26,8 +26,9 @@
 //!   ([`FailureKind::Unsupported`], 501, sent nowhere);
 //! - an answer framed by `Transfer-Encoding` goes on without the `Content-Length` it
 //!   overrode; one the proxy cannot hand on, a `101 Switching Protocols` (no `Upgrade` is
-//!   forwarded, so upgrades and WebSockets are not carried) or a body in a transfer coding
-//!   other than `chunked`, is the backend's failure (502). Interim answers (`1xx`) other than
+//!   forwarded, so upgrades and WebSockets are not carried), a status from 600 to 999
+//!   (none in HTTP: a malformed answer) or a body in a transfer coding other than
+//!   `chunked`, is the backend's failure (502). Interim answers (`1xx`) other than
 //!   the `100 Continue` the server gives itself are not passed on: hyper-util's client does
 //!   not hand them over.
 //! - an answer goes on in HTTP/1.1 (or the client's own version) whatever the backend spoke,

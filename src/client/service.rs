@@ -238,8 +238,9 @@ impl<B> HttpBackend<B> {
     /// backend. Hop-by-hop headers are dropped ([`strip_hop_by_hop`](super::strip_hop_by_hop)),
     /// and an answer no client can be handed is the backend's failure
     /// ([`FailureKind::Other`](super::FailureKind::Other), 502): a `101 Switching Protocols`,
-    /// as no `Upgrade` is forwarded, or a body in a transfer coding other than `chunked`,
-    /// which would reach the client still coded and unmarked. An HTTP/1.0 answer is made
+    /// as no `Upgrade` is forwarded, a status from 600 to 999, which HTTP does not have (RFC
+    /// 9110, section 15: a client takes it as a server error), or a body in a transfer coding
+    /// other than `chunked`, which would reach the client still coded and unmarked. An HTTP/1.0 answer is made
     /// HTTP/1.1, the proxy's own version (RFC 9110, section 6.2).
     pub fn finish_response<T>(&self, res: &mut http::Response<T>) -> Result<(), HttpBackendError> {
         finish_response(res)

@@ -760,6 +760,53 @@ async fn an_unasked_upgrade_or_an_answer_in_another_transfer_coding_is_a_failed_
     assert!(chunked.headers().is_empty());
 }
 
+/// A status out of HTTP's range, 600 to 999 (RFC 9110, section 15: invalid, to be taken as a
+/// server error), is a malformed answer: not passed to the client, which may take it for
+/// anything or choke on it, but the backend's failure, 502, passed over for the cooldown and
+/// retried elsewhere, as a 101 it was not asked for is. 599 is a status, and goes on.
+#[tokio::test]
+async fn a_status_past_599_is_a_malformed_answer_and_the_backends_failure() {
+    for answer in [
+        &b"HTTP/1.1 600 Odd\r\nContent-Length: 2\r\n\r\nok"[..],
+        &b"HTTP/1.1 999 Odd\r\nContent-Length: 2\r\n\r\nok"[..],
+    ] {
+        let addr = answering_raw(answer).await;
+        let e = sent_through(addr).await.unwrap_err();
+        assert_eq!(
+            (e.kind(), e.status()),
+            (FailureKind::Other, StatusCode::BAD_GATEWAY),
+            "{e}"
+        );
+        assert!(e.to_string().contains("out of range"), "{e}");
+    }
+    let addr = answering_raw(b"HTTP/1.1 599 Odd\r\nContent-Length: 2\r\n\r\nok").await;
+    assert_eq!(sent_through(addr).await.unwrap().status(), 599);
+
+    // Through the balancer and its retry: the backend is counted as failed and passed over,
+    // and with no other to retry on, its failure is the answer.
+    let odd = answering_raw(b"HTTP/1.1 700 Odd\r\nContent-Length: 2\r\n\r\nok").await;
+    let affinity = SessionAffinityLayer::new().layer(StaticFleet::new([(
+        "odd",
+        Backend::new("n", HttpBackend::<Body>::new(&url(odd)).unwrap()),
+    )]));
+    let svc = RetryLayer::new(tower_affinity::RetryOnce::new()).layer(affinity.clone());
+    let req = Request::get("/").body(Body::default()).unwrap();
+    let e: Error = tokio::time::timeout(DEADLINE, svc.oneshot(req))
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(e.status(), StatusCode::BAD_GATEWAY, "{e}");
+    let odd = &affinity.backends()[0];
+    assert_eq!((odd.failures, odd.healthy), (1, false));
+    assert_eq!(affinity.stats().in_flight, 0);
+    // The same check for an answer on a connection of the caller's own.
+    let backend = HttpBackend::<Body>::new("http://127.0.0.1:1").unwrap();
+    let mut res = Response::new(());
+    *res.status_mut() = StatusCode::from_u16(600).unwrap();
+    let e = backend.finish_response(&mut res).unwrap_err();
+    assert_eq!(e.kind(), FailureKind::Other, "{e}");
+}
+
 /// A `CONNECT`, and a body in a transfer coding other than chunked, are not forwarded: 501,
 /// sent nowhere, and no fault of the backend's, which stays up and is not retried.
 #[tokio::test]
