@@ -4,7 +4,7 @@ use std::fmt;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{header, HeaderValue, StatusCode};
+use http::{header, HeaderMap, HeaderValue, StatusCode};
 
 use crate::body::ResponseBody;
 use crate::BackendId;
@@ -20,7 +20,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// |---|---|---|
 /// | [`NoBackends`](Error::NoBackends) | 503 Service Unavailable | |
 /// | [`Saturated`](Error::Saturated) | 429 Too Many Requests | `Retry-After: <seconds>` |
-/// | [`Backend`](Error::Backend) | 502 Bad Gateway; 504 Gateway Timeout if the backend timed out; 400 Bad Request if the request's own body failed on its way to an `HttpBackend`; 501 Not Implemented for a request an `HttpBackend` does not forward (a `CONNECT`, a transfer coding other than `chunked`) | |
+/// | [`Backend`](Error::Backend) | 502 Bad Gateway; 504 Gateway Timeout if the backend timed out; 400 Bad Request if the request's own body failed on its way to an `HttpBackend`; 501 Not Implemented for a request an `HttpBackend` does not forward (a `CONNECT`, a transfer coding other than `chunked`); 503 Service Unavailable for the backend's own 503, given back by [`RetryOnce`](crate::RetryOnce) where its retry found no backend up | the backend's `Retry-After`, for its 503 |
 ///
 /// A backend "timed out" when its error, or any error in its [source] chain, is an
 /// [`io::Error`](std::io::Error) of kind [`TimedOut`](std::io::ErrorKind::TimedOut), or the
@@ -84,16 +84,29 @@ impl Error {
             Error::Saturated { .. } => StatusCode::TOO_MANY_REQUESTS,
             Error::Backend { source, .. } => match request_fault(&**source) {
                 Some(status) => status,
+                None if unavailable(&**source).is_some() => StatusCode::SERVICE_UNAVAILABLE,
                 None if timed_out(&**source) => StatusCode::GATEWAY_TIMEOUT,
                 None => StatusCode::BAD_GATEWAY,
             },
         }
     }
 
-    /// The `Retry-After` hint, for [`Error::Saturated`].
+    /// The `Retry-After` hint: for [`Error::Saturated`]; and for a backend's own `503`, that
+    /// [`RetryOnce`](crate::RetryOnce) gives back where its retry found no backend up, the
+    /// backend's, when it gave one in seconds (one given as a date is not read here, and
+    /// goes on as it came in [`into_response`](Self::into_response)).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_affinity::Error;
+    ///
+    /// assert_eq!(Error::saturated(Duration::from_secs(2)).retry_after(), Some(Duration::from_secs(2)));
+    /// assert_eq!(Error::NoBackends.retry_after(), None);
+    /// ```
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
             Error::Saturated { retry_after } => Some(*retry_after),
+            Error::Backend { source, .. } => unavailable(&**source).and_then(Unavailable::seconds),
             _ => None,
         }
     }
@@ -178,9 +191,18 @@ impl Error {
         if let Some(backend) = failed {
             res.extensions_mut().insert(backend.clone());
         }
-        if let Some(after) = self.retry_after() {
-            res.headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(whole_seconds(after)));
+        let hint = match self {
+            Error::Saturated { retry_after } => {
+                Some(HeaderValue::from(whole_seconds(*retry_after)))
+            }
+            // The backend's own, as it gave it: in seconds, or a date.
+            Error::Backend { source, .. } => {
+                unavailable(&**source).and_then(|u| u.retry_after.clone())
+            }
+            _ => None,
+        };
+        if let Some(hint) = hint {
+            res.headers_mut().insert(header::RETRY_AFTER, hint);
         }
         res
     }
@@ -236,6 +258,51 @@ pub(crate) fn request_at_fault(e: &(dyn std::error::Error + 'static)) -> bool {
     request_fault(e).is_some()
 }
 
+/// A backend's answer `503 Service Unavailable`, as the failure it is: what
+/// [`RetryOnce`](crate::RetryOnce) keeps of it (the answer's body is dropped, which frees its
+/// slot) and gives back, as the source of an [`Error::Backend`], where its retry finds no
+/// backend up. That error answers 503, with the backend's `Retry-After` if it gave one.
+#[derive(Debug)]
+pub(crate) struct Unavailable {
+    retry_after: Option<HeaderValue>,
+}
+
+impl Unavailable {
+    /// The 503 whose answer had `headers`.
+    pub(crate) fn new(headers: &HeaderMap) -> Self {
+        Unavailable {
+            retry_after: headers.get(header::RETRY_AFTER).cloned(),
+        }
+    }
+
+    /// The backend's `Retry-After`, if it gave it in seconds (`delta-seconds`).
+    fn seconds(&self) -> Option<Duration> {
+        let digits = self.retry_after.as_ref()?.as_bytes();
+        if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
+            return None;
+        }
+        let secs = std::str::from_utf8(digits).ok()?.parse().ok()?;
+        Some(Duration::from_secs(secs))
+    }
+}
+
+impl fmt::Display for Unavailable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("it answered 503 Service Unavailable")?;
+        match self.retry_after.as_ref().map(HeaderValue::to_str) {
+            Some(Ok(after)) => write!(f, ", Retry-After: {after}"),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl std::error::Error for Unavailable {}
+
+/// The backend's 503 that `e` is, if it is one.
+fn unavailable<'e>(e: &'e (dyn std::error::Error + 'static)) -> Option<&'e Unavailable> {
+    e.downcast_ref()
+}
+
 /// Whether `e` or an error in its source chain is a timeout.
 fn timed_out(e: &(dyn std::error::Error + 'static)) -> bool {
     let mut next = Some(e);
@@ -268,6 +335,9 @@ impl fmt::Display for Error {
                     "the request's own body failed on its way to backend {backend}"
                 ),
                 Some(_) => write!(f, "the request cannot be forwarded to backend {backend}"),
+                None if unavailable(&**source).is_some() => {
+                    write!(f, "backend {backend} is unavailable")
+                }
                 // What it failed with is the source's to say.
                 None => write!(f, "backend {backend} failed"),
             },

@@ -33,7 +33,9 @@ use crate::{BackendId, BoxError, Decision, Error, ResponseBody};
 /// over that backend, and any whose request context is no larger, for one that takes it;
 /// the backend that refused stays up. Other answers, errors included, are the backend's to
 /// give. Where the retry of a failure finds no backend up (the one that failed was the only
-/// one), the answer is that failure, not [`Error::NoBackends`]. A failure that is the
+/// one), the answer is that failure, not [`Error::NoBackends`]; for a 503, an
+/// [`Error::Backend`] of that backend that answers 503 with its `Retry-After`, if it gave
+/// one (its body is not kept: it would hold the backend's slot). A failure that is the
 /// request's own is not retried: its body failed on its way to the backend (the client went
 /// away, a body limit), or it is not one a proxy forwards (a `CONNECT`, a transfer coding
 /// other than `chunked`). The backend is not at fault, and the same request would fail again.
@@ -94,6 +96,16 @@ impl RetryOnce {
     }
 }
 
+/// A `503` answer, `res`, as the failure to give back where its retry finds no backend up:
+/// its backend's, 503, with its `Retry-After`.
+fn unavailable<ResB>(res: &http::Response<ResB>) -> Error {
+    let backend = res.extensions().get::<Decision>().map_or_else(
+        || BackendId::from("unknown"),
+        |decision| decision.backend.clone(),
+    );
+    Error::backend(backend, crate::error::Unavailable::new(res.headers()))
+}
+
 /// Nothing reached the client: the backend failed before answering, or answered that it
 /// serves nothing now.
 fn failed<ResB>(result: Result<&http::Response<ResB>, &Error>) -> bool {
@@ -121,7 +133,10 @@ impl<B: Clone, ResB> Policy<http::Request<B>, http::Response<ResB>, Error> for R
             Kept::give_back(req, result, |e| matches!(e, Error::NoBackends));
         }
         let retry = self.once(failed(result.as_ref()))?;
-        Kept::keep(req, result, Error::NoBackends);
+        match result {
+            Ok(res) => Kept::insert(req, unavailable(res)),
+            Err(_) => Kept::keep(req, result, Error::NoBackends),
+        }
         Some(retry)
     }
 
@@ -156,7 +171,10 @@ impl<B: Clone, ResB> Policy<http::Request<B>, http::Response<ResB>, BoxError> fo
                 .is_some_and(|e| failed::<ResB>(Err(e))),
         };
         let retry = self.once(failed)?;
-        Kept::keep(req, result, Error::NoBackends.into());
+        match result {
+            Ok(res) => Kept::insert(req, BoxError::from(unavailable(res))),
+            Err(_) => Kept::keep(req, result, Error::NoBackends.into()),
+        }
         Some(retry)
     }
 
@@ -173,7 +191,8 @@ impl<B: Clone, ResB> Policy<http::Request<B>, http::Response<ResB>, BoxError> fo
 /// prompt; a failure (`Kept<Error>`, or `Kept<BoxError>` behind layers that box errors),
 /// given back where the retry finds no backend up ([`Error::NoBackends`]), as when the backend
 /// that failed was the only one: the client is told of the failure (a refused connection's
-/// 502 and its cause, a timeout's 504), not of a want of backends.
+/// 502 and its cause, a timeout's 504, a 503 with the backend's `Retry-After`), not of a
+/// want of backends.
 pub(crate) struct Kept<T>(Arc<Mutex<Option<T>>>);
 
 impl<T> Clone for Kept<T> {
@@ -203,6 +222,11 @@ impl<E: Send + Sync + 'static> Kept<E> {
         if let Err(first) = std::mem::replace(result, Err(placeholder)) {
             req.extensions_mut().insert(Kept::new(first));
         }
+    }
+
+    /// Keeps `first`, a failure the first attempt amounts to, with `req`, about to be retried.
+    fn insert<B>(req: &mut http::Request<B>, first: E) {
+        req.extensions_mut().insert(Kept::new(first));
     }
 
     /// The first attempt's failure, in place of the retry's want of backends.

@@ -1059,3 +1059,62 @@ async fn a_body_silent_past_the_idle_timeout_between_frames_fails_and_lets_its_c
     assert_eq!(a.cut_answers, 1);
     assert!(body.frame().await.is_none());
 }
+
+/// The only backend answers 503 (llama-server loading its model) with its `Retry-After`: the
+/// 503 passes it over for the failure cooldown, so the retry finds no backend up. The client
+/// is told the backend's 503 and when to come back, as the backend said, not only that no
+/// backend was available.
+#[tokio::test]
+async fn the_only_backends_503_keeps_its_retry_after_when_the_retry_finds_no_other() {
+    for (answer, hint) in [
+        (
+            &b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 30\r\nContent-Length: 13\r\n\r\nLoading model"[..],
+            Some("30"),
+        ),
+        (
+            &b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: Wed, 21 Oct 2037 07:28:00 GMT\r\nContent-Length: 0\r\n\r\n"[..],
+            Some("Wed, 21 Oct 2037 07:28:00 GMT"),
+        ),
+        (
+            &b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n"[..],
+            None,
+        ),
+    ] {
+        let addr = answering_raw(answer).await;
+        let fleet = || {
+            SessionAffinityLayer::new().layer(StaticFleet::new([(
+                "loading",
+                Backend::new("n", HttpBackend::<Body>::new(&url(addr)).unwrap()),
+            )]))
+        };
+        let affinity = fleet();
+        let req = || Request::get("/").body(Body::default()).unwrap();
+        let svc = RetryLayer::new(tower_affinity::RetryOnce::new()).layer(affinity.clone());
+        let e: Error = tokio::time::timeout(DEADLINE, svc.oneshot(req()))
+            .await
+            .unwrap()
+            .unwrap_err();
+        assert!(matches!(e, Error::Backend { .. }), "{hint:?}: {e:?}");
+        assert_eq!(e.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let seconds = hint.and_then(|h| h.parse().ok()).map(Duration::from_secs);
+        assert_eq!(e.retry_after(), seconds);
+        assert!(e.to_string().contains("loading"), "{e}");
+        let res = e.into_response::<Body>();
+        assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let given = res.headers().get(http::header::RETRY_AFTER);
+        assert_eq!(given.map(|v| v.to_str().unwrap()), hint);
+        assert_eq!(affinity.stats().in_flight, 0);
+
+        // Behind a layer that boxes errors, the same.
+        let boxed = tower::util::MapErrLayer::new(tower_affinity::BoxError::from).layer(fleet());
+        let svc = RetryLayer::new(tower_affinity::RetryOnce::new()).layer(boxed);
+        let e = tokio::time::timeout(DEADLINE, svc.oneshot(req()))
+            .await
+            .unwrap()
+            .unwrap_err();
+        let res = Error::response_for::<Body>(&*e);
+        assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE, "{e}");
+        let given = res.headers().get(http::header::RETRY_AFTER);
+        assert_eq!(given.map(|v| v.to_str().unwrap()), hint);
+    }
+}
