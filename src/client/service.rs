@@ -247,6 +247,9 @@ impl<B> HttpBackend<B> {
     }
 }
 
+/// The TCP keepalive probes left unanswered that close a connection.
+const KEEPALIVE_PROBES: u32 = 3;
+
 /// `timeout`, or 1 ms if it is shorter: the floor of the builder's timeouts, where a zero
 /// would fail every connection or request at once (as `HealthProbe::timeout` has it).
 fn at_least_a_millisecond(timeout: Duration) -> Duration {
@@ -513,6 +516,12 @@ impl<B> Builder<B> {
     /// its answer's headers or midway through its body. A live host's system answers the
     /// probes however long its server takes to answer. At least 1 s, the system's unit.
     ///
+    /// Probes go only over a connection with nothing in flight. On Linux, bytes sent that the
+    /// backend's host leaves unacknowledged (an HTTP/2 window update sent as it vanished, a
+    /// request still on its way) close the connection after as long as the probes would
+    /// (`TCP_USER_TIMEOUT`), not after the quarter of an hour of the retransmissions; so do
+    /// bytes its server leaves unread that long with its receive buffer full.
+    ///
     /// ```
     /// use std::time::Duration;
     /// use http_body_util::Full;
@@ -599,8 +608,15 @@ impl<B> Builder<B> {
         connector.set_nodelay(true);
         connector.set_keepalive(self.tcp_keepalive);
         if let Some(idle) = self.tcp_keepalive {
-            connector.set_keepalive_interval(Some((idle / 3).max(Duration::from_secs(1))));
-            connector.set_keepalive_retries(Some(3));
+            let interval = (idle / 3).max(Duration::from_secs(1));
+            connector.set_keepalive_interval(Some(interval));
+            connector.set_keepalive_retries(Some(KEEPALIVE_PROBES));
+            // Keepalive probes only a connection with nothing in flight: bytes the vanished
+            // host never acknowledges (an HTTP/2 window update sent as it went, a request
+            // still on its way) leave the connection to the retransmissions, a quarter of an
+            // hour. They are given as long as the probes.
+            #[cfg(any(target_os = "android", target_os = "fuchsia", target_os = "linux"))]
+            connector.set_tcp_user_timeout(Some(idle + interval * KEEPALIVE_PROBES));
         }
         let mut client = Client::builder(TokioExecutor::new());
         client

@@ -941,6 +941,9 @@ async fn a_content_length_the_body_contradicts_is_sent_as_the_bodys_length() {
 /// A backend host that vanishes (powered off, its network cut) sends no FIN and no RST: only
 /// TCP keepalive finds it gone. On by default, after 30 s of silence and then every 10 s,
 /// three probes unanswered: a minute. Set on the connector the pooled client connects with.
+/// Keepalive probes only a connection with nothing in flight: on Linux, bytes the host
+/// never acknowledges (an HTTP/2 window update sent as it vanished) are given as long
+/// (`TCP_USER_TIMEOUT`), not the quarter of an hour of the retransmissions.
 #[tokio::test]
 async fn connections_have_tcp_keepalive_so_a_vanished_host_fails_its_requests() {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -954,6 +957,15 @@ async fn connections_have_tcp_keepalive_so_a_vanished_host_fails_its_requests() 
             .await
             .unwrap();
         let socket = socket2::SockRef::from(io.inner());
+        #[cfg(target_os = "linux")]
+        {
+            let unacknowledged = socket.tcp_user_timeout().unwrap();
+            let probed = socket.keepalive().unwrap().then(|| {
+                let time = socket.tcp_keepalive_time().unwrap();
+                time + socket.tcp_keepalive_interval().unwrap() * 3
+            });
+            assert_eq!(unacknowledged, probed);
+        }
         socket.keepalive().unwrap().then(|| {
             (
                 socket.tcp_keepalive_time().unwrap(),
