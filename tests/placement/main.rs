@@ -1589,3 +1589,34 @@ fn with_a_load_bound_a_new_session_still_keeps_within_the_conversation_bound() {
     let busy = fleet.in_flight(order[1].as_str(), 2);
     assert_eq!(busy.choose(&both, Some(k), None), Some(order[0].clone()));
 }
+
+// Rules whose regressions no test above would see: each test fails on a small change to the
+// rule it is named after.
+
+#[test]
+fn a_new_keyless_conversation_whose_least_loaded_backend_is_down_goes_to_the_next_freest() {
+    // a1 is idle but down; b1 has three slots free, b2 one. Past the down backend, the freest
+    // takes the conversation, not the first with any slot free.
+    let fleet = || {
+        Snapshot::new()
+            .backend("a1", "node-a", 4)
+            .backend("b1", "node-b", 4)
+            .backend("b2", "node-b", 4)
+            .in_flight("b1", 1)
+            .in_flight("b2", 3)
+            .down("a1")
+    };
+    for i in 0..20 {
+        let fleet = fleet().prompt(chain(&[SYS, 4_000 + i]));
+        assert_eq!(
+            fleet.choose(&NodeThenBackend::new(), None, None),
+            Some("b1".into()),
+            "prompt {i}"
+        );
+    }
+    assert_eq!(
+        fleet().choose(&LeastLoaded::new(), None, None),
+        Some("b1".into()),
+        "the least loaded baseline"
+    );
+}
