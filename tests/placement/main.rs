@@ -1620,3 +1620,26 @@ fn a_new_keyless_conversation_whose_least_loaded_backend_is_down_goes_to_the_nex
         "the least loaded baseline"
     );
 }
+
+#[test]
+fn a_prefix_two_backends_hold_as_far_is_not_own_though_neither_continues_it() {
+    // The same opening, sent once to a1 and once to b2 (two conversations that start alike):
+    // a tip on each, continued on neither. It identifies no one conversation.
+    let fleet = || {
+        two_by_two_with(4)
+            .holds("a1", &chain(&[SYS, 21]))
+            .holds("b2", &chain(&[SYS, 21]))
+    };
+    let tied = fleet();
+    let prefix = tied.view().longest_prefix(&chain(&[SYS, 21, 23])).unwrap();
+    assert_eq!(prefix.links, 2);
+    assert!(!prefix.own);
+    assert!(!prefix.only);
+    // So a new keyless conversation opening so is not drawn to the first holder scanned: of
+    // the two holders, the one with fewer requests in flight takes it.
+    let busy_a1 = fleet().in_flight("a1", 2).prompt(chain(&[SYS, 21, 23]));
+    assert_eq!(
+        busy_a1.choose(&NodeThenBackend::new(), None, None),
+        Some("b2".into())
+    );
+}
