@@ -5039,3 +5039,27 @@ async fn requests_held_for_their_homes_node_follow_it_to_its_new_node() {
     assert_eq!((d.backend, d.node.as_str()), (home, "c"));
     assert_eq!(d.waited, Some(Duration::from_secs(1)));
 }
+
+// Waiting rules whose regressions no test above would see: each test fails on a small change
+// to the rule it is named after.
+
+/// Node patience holds a request within its `max_wait`: a patience longer than the wait ends
+/// with the wait, and the request is refused when its `max_wait` is up, not its patience.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn node_patience_longer_than_max_wait_ends_with_the_wait() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_secs(30), 8))
+        .node_patience(Duration::from_secs(60))
+        .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
+    // Both backends busy: the session's home, and the other with a new session.
+    let first = send(&mut svc, Some("x"), Some("stream")).await.unwrap();
+    let other = send(&mut svc, Some("y"), Some("stream")).await.unwrap();
+    assert_ne!(decision(&first).backend, decision(&other).backend);
+    let started = tokio::time::Instant::now();
+    let err = send(&mut svc, Some("x"), None).await.unwrap_err();
+    assert_eq!(started.elapsed(), Duration::from_secs(30));
+    assert!(matches!(err, Error::Saturated { .. }), "{err}");
+    let stats = svc.stats();
+    assert_eq!((stats.waiting, stats.rejected), (0, 1));
+}
