@@ -15,6 +15,7 @@ use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 use tokio::time::Instant;
 
+use crate::api::Api;
 use crate::cache::{ModelCell, Verdict};
 use crate::fleet::SlotGuard;
 use crate::learn::{Answer, Prediction};
@@ -68,6 +69,8 @@ pub(crate) struct Watch {
     pub(crate) outcome: Outcome,
     /// Whether the backend answered with a success.
     pub(crate) success: bool,
+    /// The API the request spoke: whether its answer's stream opens before the prompt is read.
+    pub(crate) api: Api,
 }
 
 impl Watch {
@@ -78,6 +81,7 @@ impl Watch {
             cache: None,
             outcome,
             success: false,
+            api: Api::Other,
         }
     }
 }
@@ -175,7 +179,7 @@ impl Observe {
             usage: self.scanner.finish(),
             first_byte: self.first_byte.map(ms),
             duration: Some(ms(now)).filter(|_| self.watch.success),
-            stream: self.stream,
+            stream: self.stream && !self.watch.api.opens_before_read(),
         };
         let (usage, verdict) = guard.learned().learn(&answer, self.watch.prediction);
         if let Some(u) = usage {

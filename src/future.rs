@@ -22,6 +22,7 @@ use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 use tower::Service;
 
+use crate::api::Api;
 use crate::body::{Observe, Watch};
 use crate::cache::Record;
 use crate::error::BoxError;
@@ -148,6 +149,9 @@ struct Dispatched {
     finish: Finish,
     watch: Option<Watch>,
     record: Option<Record>,
+    /// The API the request speaks, told by its path while the request is at hand: what its
+    /// answer is read as.
+    api: Api,
 }
 
 /// A request placed on a backend that was not ready, and not yet sent to it: dropped so (its
@@ -202,6 +206,7 @@ impl Dispatched {
         if let Some(w) = self.watch.as_mut() {
             w.cache = cache;
             w.success = taken;
+            w.api = self.api;
         }
         respond(res, self.guard, self.decision, self.finish, self.watch)
     }
@@ -216,6 +221,7 @@ impl Dispatched {
             finish,
             watch: _,
             record,
+            api: _,
         } = self;
         // The backend failed before answering: what it was sent is taken back.
         if let Some(r) = record {
@@ -252,7 +258,9 @@ where
 {
     /// Sends the request to its backend: called at once if the backend is ready now (polled
     /// with a waker that does nothing, which is enough to learn that), else readied later
-    /// with the response future's own waker.
+    /// with the response future's own waker. Inlined: out of line, the moves of what it
+    /// is handed cost more than all it does.
+    #[inline(always)]
     fn call(placed: Chosen<S>, req: http::Request<ReqB>, finish: Finish) -> Self {
         let (mut service, guard, decision, watch, record) = placed;
         let dispatched = Dispatched {
@@ -261,6 +269,7 @@ where
             finish,
             watch,
             record,
+            api: Api::of(req.uri().path()),
         };
         match service.poll_ready(&mut Context::from_waker(Waker::noop())) {
             Poll::Ready(Ok(())) => State::Call {

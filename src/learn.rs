@@ -133,7 +133,9 @@ pub(crate) struct Answer {
     /// Dispatch to the end of the body; `None` for an answer other than a success (a request
     /// turned down at once), whose time says nothing of how long requests take.
     pub(crate) duration: Option<Duration>,
-    /// Whether the body streamed (SSE): its first byte came after the prompt was read.
+    /// Whether the body streamed (SSE) in an API whose stream sends nothing before the
+    /// prompt is read (not a Responses stream, which opens with `response.created`): its
+    /// first byte came after the read, and times it.
     pub(crate) stream: bool,
 }
 
@@ -203,14 +205,12 @@ impl Learned {
         }
         let read = usage.prompt_tokens.saturating_sub(reused);
         // The time the prompt took to read: llama.cpp says; a stream's first byte tells,
-        // unless the stream opened before the read (a Responses stream's `response.created`).
+        // unless the stream opened before the read (see `Answer::stream`).
         // A read of `MIN_READ_FOR_RATE` tokens or more timed under `MIN_READ_TIME` was not
         // timed (a server that reports 0 for a time it does not measure, a first byte on a
         // paused clock), and one such sample would multiply the learned rate a thousandfold.
         let timed = |t: &Duration| *t >= MIN_READ_TIME;
-        let first_byte = answer
-            .first_byte
-            .filter(|_| answer.stream && !usage.opens_before_read);
+        let first_byte = answer.first_byte.filter(|_| answer.stream);
         let read_time = usage.prompt_time.filter(timed).or(first_byte.filter(timed));
         if let Some(t) = read_time.filter(|_| read >= MIN_READ_FOR_RATE) {
             blend(&self.prefill_rate, read as f64 / t.as_secs_f64());
@@ -383,7 +383,6 @@ mod tests {
                 reused_tokens: reused,
                 prompt_time: None,
                 zero_left_out: true,
-                opens_before_read: false,
             }),
             first_byte: Some(Duration::from_millis(first_byte_ms)),
             duration: Some(Duration::from_secs(10)),

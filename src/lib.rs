@@ -123,6 +123,7 @@
 //   client/      (feature `client`) HttpBackend: service, future, error, hop_by_hop
 //   health/      (feature `health`) HealthProbe: the discovery adapter, the prober, its checks
 
+mod api;
 mod body;
 mod cache;
 mod chain;

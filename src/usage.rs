@@ -11,9 +11,10 @@
 //! | OpenAI Responses | `usage.input_tokens` | `usage.input_tokens_details.cached_tokens` |
 //! | SGLang's native `/generate` | not read (`meta_info.prompt_tokens`) | not read (`meta_info.cached_tokens`); its OpenAI endpoints are read as above |
 //!
-//! A Responses stream opens with `response.created` before the backend has read the prompt,
-//! so its first byte does not time the read; a chat or Anthropic stream's first byte is its
-//! first token's, which does.
+//! Which API an answer is in is the request's to say (its path): the figures alone do not
+//! tell a Responses answer from one of vLLM's Anthropic endpoint, which both give
+//! `input_tokens` without Anthropic's cache figures. Only what the figures mean depends on
+//! it, not how they are read.
 //!
 //! llama.cpp's `timings` win where present: they are exact, and they ride on the last chunk
 //! of a stream whether or not the client asked for usage. llama-server's usage, where it
@@ -74,11 +75,6 @@ pub struct Usage {
     /// backend may leave the reused figure out when it is 0: vLLM does. In the other shapes
     /// a missing figure means the backend does not report one (vLLM's Anthropic endpoint).
     pub(crate) zero_left_out: bool,
-    /// The answer is in the OpenAI Responses shape (`usage.input_tokens` without Anthropic's
-    /// cache figures), whose stream opens with `response.created` and
-    /// `response.in_progress` as soon as the request is taken, before the backend has read
-    /// the prompt (vLLM's and SGLang's do): its first byte does not time the read.
-    pub(crate) opens_before_read: bool,
 }
 
 impl Usage {
@@ -294,11 +290,9 @@ impl UsageScanner {
                 reused_tokens: Some(cached),
                 prompt_time,
                 zero_left_out: false,
-                opens_before_read: false,
             }),
             _ => None,
         };
-        let mut responses = false;
         let (prompt_tokens, reused_tokens) = if let Some(p) = w.prompt_tokens {
             (p, w.prompt_cached)
         } else if w.cache_read.is_some() || w.cache_creation.is_some() {
@@ -311,7 +305,6 @@ impl UsageScanner {
                 .saturating_add(w.cache_creation.unwrap_or(0));
             (total, Some(read))
         } else if let Some(p) = w.input_tokens {
-            responses = true;
             (p, w.input_cached)
         } else {
             return timings;
@@ -323,7 +316,6 @@ impl UsageScanner {
             // the prompt; complete ones that disagree with the usage do not.
             prompt_time: prompt_time.filter(|_| timings.is_none()),
             zero_left_out: w.prompt_tokens.is_some(),
-            opens_before_read: responses,
         };
         // llama-server's usage and timings say the same; timings that say otherwise are not
         // the backend's (a model's tool input, which an Anthropic answer carries as an
@@ -335,10 +327,7 @@ impl UsageScanner {
                         .reused_tokens
                         .is_none_or(|r| t.reused_tokens == Some(r)) =>
             {
-                Some(Usage {
-                    opens_before_read: responses,
-                    ..t
-                })
+                Some(t)
             }
             _ => Some(reported),
         }
@@ -851,20 +840,6 @@ mod tests {
         let body = br#"{"object":"response","usage":{"input_tokens":3000,"input_tokens_details":{"cached_tokens":2900},"output_tokens":7}}"#;
         let u = Usage::from_body(body).unwrap();
         assert_eq!((u.prompt_tokens, u.reused_tokens), (3000, Some(2900)));
-    }
-
-    /// Only the Responses shape marks a stream that opens before the backend reads the
-    /// prompt (`response.created`), whichever figures win.
-    #[test]
-    fn only_a_responses_answer_opens_before_the_read() {
-        let opens = |body: &[u8]| Usage::from_body(body).unwrap().opens_before_read;
-        assert!(opens(br#"{"response":{"usage":{"input_tokens":3000,"input_tokens_details":{"cached_tokens":2900}}}}"#));
-        assert!(opens(br#"{"usage":{"input_tokens":3000,"input_tokens_details":{"cached_tokens":2900}},"timings":{"prompt_n":100,"cache_n":2900,"prompt_ms":9.0}}"#));
-        assert!(!opens(CHAT));
-        assert!(!opens(
-            br#"{"usage":{"input_tokens":50,"cache_read_input_tokens":2000}}"#
-        ));
-        assert!(!opens(br#"{"timings":{"prompt_n":100,"cache_n":2900}}"#));
     }
 
     #[test]

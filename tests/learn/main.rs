@@ -63,6 +63,17 @@ impl Reply {
         Reply::new("application/json", &[body])
     }
 
+    /// An SSE stream of these frames, each after its delay.
+    fn sse(frames: &[(Duration, &'static [u8])]) -> Self {
+        Reply {
+            frames: frames
+                .iter()
+                .map(|&(after, f)| (after, Ok(Bytes::from_static(f))))
+                .collect(),
+            ..Reply::new("text/event-stream", &[])
+        }
+    }
+
     /// An SSE stream of llama-server's shape: a first chunk after `first`, then after
     /// `rest` the last chunk, with its usage and timings.
     fn llama_stream(
@@ -187,7 +198,12 @@ fn chain(ids: &[u64], tokens: u32) -> PromptChain {
 }
 
 fn request(session: Option<&str>, chain: Option<PromptChain>, reply: Reply) -> Req {
-    let mut req = http::Request::post("/v1/chat/completions");
+    request_to("/v1/chat/completions", session, chain, reply)
+}
+
+/// A request to `path`, as [`request`] makes one.
+fn request_to(path: &str, session: Option<&str>, chain: Option<PromptChain>, reply: Reply) -> Req {
+    let mut req = http::Request::post(path);
     if let Some(s) = session {
         req = req.header("x-session-id", s);
     }
@@ -318,6 +334,33 @@ async fn llama_cpp_timings_on_the_last_chunk_give_the_figures_and_the_prefill_ra
     assert_eq!(a.request_time, Some(Duration::from_secs(52)));
 }
 
+/// Whether a stream opens before its prompt is read is the request's API's to say, not the
+/// shape of its usage: an Anthropic stream's first event (`message_start`) follows the read,
+/// also from a server whose usage gives `input_tokens` alone, as vLLM's `/v1/messages` does,
+/// a shape a Responses answer has too. Here its reuse comes from timings without their time
+/// (an older llama-server's, a fork's): the first byte times the read.
+#[tokio::test(start_paused = true)]
+async fn an_anthropic_stream_with_input_tokens_alone_times_the_read_at_its_first_byte() {
+    let svc = service(&[("a", "n1")]);
+    let reply = Reply::sse(&[
+        (
+            Duration::from_secs(50),
+            b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"m1\",\"type\":\"message\",\"role\":\"assistant\",\"content\":[],\"usage\":{\"input_tokens\":10256,\"output_tokens\":0}}}\n\n",
+        ),
+        (
+            Duration::from_secs(1),
+            b"event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"input_tokens\":10256,\"output_tokens\":1},\"timings\":{\"prompt_n\":10000,\"cache_n\":256}}\n\nevent: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
+        ),
+    ]);
+    let (d, _, usage) = exchange(&svc, request_to("/v1/messages", None, None, reply)).await;
+    let usage = usage.expect("the stream's usage");
+    assert_eq!(
+        (usage.prompt_tokens, usage.reused_tokens, usage.prompt_time),
+        (10_256, Some(256), None)
+    );
+    assert_eq!(status(&svc, d.backend.as_str()).prefill_rate, Some(200));
+}
+
 /// A Responses stream (vLLM's, SGLang's) opens with `response.created` and
 /// `response.in_progress` as soon as the request is taken, and gives its usage in
 /// `response.completed`: its first byte came before the prompt was read, and does not time
@@ -339,7 +382,7 @@ event: response.completed\ndata: {\"type\":\"response.completed\",\"sequence_num
             (Duration::from_secs(50), Ok(Bytes::from_static(completed))),
         ],
     };
-    let (d, _, usage) = exchange(&svc, request(None, None, reply)).await;
+    let (d, _, usage) = exchange(&svc, request_to("/v1/responses", None, None, reply)).await;
     let usage = usage.expect("the stream's usage");
     assert_eq!(
         (usage.prompt_tokens, usage.reused_tokens),
