@@ -1,9 +1,17 @@
-//! The API a request speaks, told by its path, and what that says of its answer's stream.
+//! The API a request speaks, told by its path, and where its answer's stream says the
+//! backend has read the prompt.
 //!
 //! A chat, Anthropic or legacy completions stream sends nothing before its first token: its
-//! first byte follows the backend's read of the prompt, and times it. A Responses stream
-//! opens with lifecycle events (`response.created`, `response.in_progress`) that vLLM and
-//! SGLang send as soon as the request is taken, before the read: its first byte does not.
+//! first byte follows the backend's read of the prompt. A Responses stream opens with
+//! lifecycle events (`response.created`, `response.in_progress`) that vLLM and SGLang send as
+//! soon as the request is taken, before the read (llama-server sends them with the first
+//! token, or with its prompt progress while it reads); the first event after them
+//! (`response.output_item.added`, a `response.output_text.delta`, or `response.completed`
+//! for an empty answer) follows the read. [`Opening`] finds it as the bytes pass.
+
+use std::sync::LazyLock;
+
+use memchr::memmem::Finder;
 
 /// The API a request speaks, by the end of its path (a prefix such as `/v1`, or the path a
 /// router mounts the service at, does not matter).
@@ -41,10 +49,137 @@ impl Api {
         }
     }
 
-    /// Whether a stream of this API opens before its prompt is read: a Responses stream
-    /// does.
-    pub(crate) fn opens_before_read(self) -> bool {
-        self == Api::Responses
+    /// Whether a stream of this API may open before its prompt is read: a Responses stream
+    /// does, and one of a path not known is watched for the same events (which a stream of
+    /// another shape does not send: its first event ends the watch).
+    pub(crate) fn may_open_before_read(self) -> bool {
+        matches!(self, Api::Responses | Api::Other)
+    }
+}
+
+/// The events a Responses stream opens with, before the prompt is read.
+const OPENERS: [&[u8]; 3] = [
+    b"response.created",
+    b"response.in_progress",
+    b"response.queued",
+];
+
+/// What each of them starts with as a JSON string, as a data line without an `event` field
+/// carries them.
+static QUOTE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"response."));
+
+/// Whether `data` holds one of the openers' names as a JSON string.
+fn names_an_opener(data: &[u8]) -> bool {
+    QUOTE.find_iter(data).any(|at| {
+        let name = &data[at + 1..];
+        OPENERS
+            .iter()
+            .any(|o| name.starts_with(o) && name.get(o.len()) == Some(&b'"'))
+    })
+}
+
+/// The bytes kept of each line: enough for `event: response.in_progress`, and for a data
+/// line's `{"type":"response.in_progress"` with some space about it.
+const HEAD: usize = 64;
+
+/// Finds, in an SSE stream fed to it chunk by chunk, the first event that is not one of a
+/// Responses stream's opening lifecycle events: the first that follows the prompt's read.
+///
+/// An event's type is its `event` field (vLLM, llama-server and OpenAI send one with each);
+/// without one, its data names an opening type as a string within its first bytes
+/// (`{"type":"response.created",…`), or it is taken to follow the read, as a chat stream's
+/// first event does. Only the head of each line is kept: the memory is fixed, however long
+/// an event (`response.created` echoes the request's instructions and tools) or however it
+/// is cut into chunks. Lines end with LF, CRLF or CR, as SSE has it.
+#[derive(Debug)]
+pub(crate) struct Opening {
+    /// The first bytes of the current line.
+    head: [u8; HEAD],
+    /// The bytes of the current line so far, its head and the rest.
+    line: usize,
+    /// The last byte read ended a line with CR: an LF right after it ends no other line.
+    after_cr: bool,
+    /// The current event has said that it is one of the opening events.
+    opener: bool,
+}
+
+impl Default for Opening {
+    fn default() -> Self {
+        Opening {
+            head: [0; HEAD],
+            line: 0,
+            after_cr: false,
+            opener: false,
+        }
+    }
+}
+
+impl Opening {
+    /// Reads a chunk; `true` if an event that follows the prompt's read begins in it. Once
+    /// it has said so, the scanner has nothing more to find, and is fed no more.
+    pub(crate) fn feed(&mut self, mut bytes: &[u8]) -> bool {
+        if self.after_cr && !bytes.is_empty() {
+            self.after_cr = false;
+            if bytes[0] == b'\n' {
+                bytes = &bytes[1..];
+            }
+        }
+        while let Some(at) = memchr::memchr2(b'\n', b'\r', bytes) {
+            self.keep(&bytes[..at]);
+            let cr = bytes[at] == b'\r';
+            bytes = &bytes[at + 1..];
+            if cr {
+                match bytes.first() {
+                    Some(b'\n') => bytes = &bytes[1..],
+                    Some(_) => {}
+                    None => self.after_cr = true,
+                }
+            }
+            if self.line_ended() {
+                return true;
+            }
+        }
+        self.keep(bytes);
+        false
+    }
+
+    /// Keeps what fits of `part`, the next bytes of the current line, in its head.
+    fn keep(&mut self, part: &[u8]) {
+        if let Some(room) = self.head.get_mut(self.line..) {
+            let n = room.len().min(part.len());
+            room[..n].copy_from_slice(&part[..n]);
+        }
+        self.line = self.line.saturating_add(part.len());
+    }
+
+    /// The current line has ended: `true` if it shows that its event follows the read.
+    fn line_ended(&mut self) -> bool {
+        let len = std::mem::take(&mut self.line);
+        if len == 0 {
+            // A blank line ends the event.
+            self.opener = false;
+            return false;
+        }
+        let line = &self.head[..len.min(HEAD)];
+        // A line without a colon is a field without a value; one that starts with it is a
+        // comment (`: ping`). Neither says what the event is.
+        let Some(colon) = memchr::memchr(b':', line) else {
+            return false;
+        };
+        let value = &line[colon + 1..];
+        let value = value.strip_prefix(b" ").unwrap_or(value);
+        match &line[..colon] {
+            b"event" => {
+                // A name longer than the head is none of the openers.
+                self.opener = len <= HEAD && OPENERS.contains(&value);
+                !self.opener
+            }
+            b"data" if !self.opener => {
+                self.opener = names_an_opener(value);
+                !self.opener
+            }
+            _ => false,
+        }
     }
 }
 
@@ -70,9 +205,106 @@ mod tests {
         ] {
             assert_eq!(Api::of(path), api, "{path}");
         }
-        assert!(Api::Responses.opens_before_read());
-        for api in [Api::Chat, Api::Completions, Api::Messages, Api::Other] {
-            assert!(!api.opens_before_read(), "{api:?}");
+        assert!(Api::Responses.may_open_before_read() && Api::Other.may_open_before_read());
+        for api in [Api::Chat, Api::Completions, Api::Messages] {
+            assert!(!api.may_open_before_read(), "{api:?}");
         }
+    }
+
+    /// vLLM's stream of a short answer: the lifecycle events when the request is taken, the
+    /// output once the prompt is read.
+    const VLLM: &[u8] = b"event: response.created\ndata: {\"response\":{\"id\":\"resp_1\",\"instructions\":\"be brief: \\\"response.output_text.delta\\\"\",\"object\":\"response\",\"output\":[],\"status\":\"in_progress\",\"text\":{\"format\":{\"type\":\"text\"}}},\"sequence_number\":0,\"type\":\"response.created\"}\n\n\
+event: response.in_progress\ndata: {\"response\":{\"id\":\"resp_1\",\"object\":\"response\",\"output\":[],\"status\":\"in_progress\"},\"sequence_number\":1,\"type\":\"response.in_progress\"}\n\n\
+event: response.output_item.added\ndata: {\"item\":{\"id\":\"m1\",\"content\":[],\"role\":\"assistant\",\"status\":\"in_progress\",\"type\":\"message\"},\"output_index\":0,\"sequence_number\":2,\"type\":\"response.output_item.added\"}\n\n\
+event: response.output_text.delta\ndata: {\"delta\":\"hi\",\"sequence_number\":3,\"type\":\"response.output_text.delta\"}\n\n";
+
+    /// Where in `body`, fed in pieces of `piece` bytes, the scanner first says the read is
+    /// past: the end of the piece it says it in.
+    fn found_in_pieces(body: &[u8], piece: usize) -> Option<usize> {
+        let mut o = Opening::default();
+        let mut at = 0;
+        for chunk in body.chunks(piece) {
+            at += chunk.len();
+            if o.feed(chunk) {
+                return Some(at);
+            }
+        }
+        None
+    }
+
+    #[test]
+    fn the_first_event_after_the_opening_ones_follows_the_read_however_the_stream_is_cut() {
+        let output = memchr::memmem::find(VLLM, b"event: response.output_item.added").unwrap();
+        // Told at the end of the output event's first line.
+        let told = output + "event: response.output_item.added\n".len();
+        for piece in 1..=VLLM.len() {
+            let at = found_in_pieces(VLLM, piece).expect("found");
+            assert!(
+                at >= told && at < told + piece,
+                "{piece}: at {at}, told at {told}"
+            );
+        }
+        // Nothing before it is taken for it.
+        assert_eq!(found_in_pieces(&VLLM[..told - 1], 7), None);
+    }
+
+    #[test]
+    fn line_ends_of_every_kind_are_read() {
+        for end in ["\n", "\r\n", "\r"] {
+            let body = format!(
+                "event: response.created{end}data: {{}}{end}{end}: ping{end}{end}event: response.in_progress{end}data: {{}}{end}{end}event: response.output_text.delta{end}data: {{}}{end}{end}"
+            );
+            let b = body.as_bytes();
+            let told = body.find("event: response.output_text.delta").unwrap()
+                + "event: response.output_text.delta".len()
+                + 1;
+            for piece in 1..=b.len() {
+                let at = found_in_pieces(b, piece).expect("found");
+                assert!(
+                    at >= told && at < told + piece,
+                    "{end:?} {piece}: at {at}, told at {told}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn without_an_event_field_the_data_says_its_type_in_its_first_bytes() {
+        let opened = b"data: {\"type\":\"response.created\",\"response\":{\"id\":\"r\"}}\n\n\
+data: { \"type\": \"response.in_progress\" }\n\n";
+        let mut o = Opening::default();
+        assert!(!o.feed(opened));
+        assert!(o.feed(b"data: {\"type\":\"response.output_text.delta\",\"delta\":\"hi\"}\n\n"));
+        // A chat stream's first event follows the read.
+        let mut o = Opening::default();
+        assert!(o.feed(b"data: {\"choices\":[{\"delta\":{\"role\":\"assistant\"}}]}\n\n"));
+        // An event field wins over the data.
+        let mut o = Opening::default();
+        assert!(!o.feed(b"event: response.created\ndata: {\"type\":\"x\"}\n\n"));
+        assert!(
+            o.feed(b"event: response.output_item.added\ndata: {\"type\":\"response.created\"}\n\n")
+        );
+    }
+
+    #[test]
+    fn a_long_line_is_kept_to_its_head() {
+        let mut o = Opening::default();
+        assert!(!o.feed(b"event: response.created\ndata: {\"response\":{\"instructions\":\""));
+        for _ in 0..1_000 {
+            assert!(!o.feed(&[b'x'; 1024]));
+        }
+        assert!(!o.feed(b"\"}}\n\n"));
+        // An event name longer than the head is no opener.
+        let long = format!("event: response.created{}\n", "x".repeat(HEAD));
+        assert!(Opening::default().feed(long.as_bytes()));
+        // Nor is one that only begins as an opener does.
+        assert!(Opening::default().feed(b"event: response.created.later\n"));
+    }
+
+    #[test]
+    fn comments_and_other_fields_say_nothing() {
+        let mut o = Opening::default();
+        assert!(!o.feed(b": keep-alive\n\nid: 1\nretry: 10\n\nevent\n\n"));
+        assert!(o.feed(b"event: error\ndata: {}\n\n"));
     }
 }

@@ -15,7 +15,7 @@ use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 use tokio::time::Instant;
 
-use crate::api::Api;
+use crate::api::{Api, Opening};
 use crate::cache::{ModelCell, Verdict};
 use crate::fleet::SlotGuard;
 use crate::learn::{Answer, Prediction};
@@ -69,7 +69,8 @@ pub(crate) struct Watch {
     pub(crate) outcome: Outcome,
     /// Whether the backend answered with a success.
     pub(crate) success: bool,
-    /// The API the request spoke: whether its answer's stream opens before the prompt is read.
+    /// The API the request spoke: whether its answer's stream may open before the prompt is
+    /// read.
     pub(crate) api: Api,
 }
 
@@ -90,8 +91,14 @@ impl Watch {
 #[derive(Debug)]
 pub(crate) struct Observe {
     scanner: UsageScanner,
+    /// For a stream that may open before its prompt is read (a Responses stream's lifecycle
+    /// events), what finds the first event after the read; `None` for an answer whose first
+    /// byte follows the read.
+    opening: Option<Opening>,
     watch: Watch,
     stream: bool,
+    /// When the first byte that follows the prompt's read came: the first byte, or a
+    /// Responses stream's first event after those that open it.
     first_byte: Option<Instant>,
     /// The figures, once the body has ended.
     usage: Option<Usage>,
@@ -129,6 +136,7 @@ impl Observe {
         }
         Some(Box::new(Observe {
             scanner: UsageScanner::default(),
+            opening: (stream && watch.api.may_open_before_read()).then(Opening::default),
             watch,
             stream,
             first_byte: None,
@@ -137,14 +145,27 @@ impl Observe {
         }))
     }
 
-    /// Reads a chunk; returns the time it read for the first byte, if this is the first chunk.
+    /// Reads a chunk; returns the time it read for the first byte, if the chunk holds the
+    /// first byte that follows the prompt's read.
     fn data(&mut self, chunk: &[u8]) -> Option<Instant> {
-        let first = self.first_byte.is_none().then(Instant::now);
-        if first.is_some() {
-            self.first_byte = first;
-        }
+        let first = match self.first_byte {
+            None => self.first(chunk),
+            Some(_) => None,
+        };
         self.scanner.feed(chunk);
         first
+    }
+
+    /// Reads a chunk before the first byte that follows the prompt's read: the time it came,
+    /// if the chunk holds it. Out of line: it is for the first chunks only.
+    #[inline(never)]
+    fn first(&mut self, chunk: &[u8]) -> Option<Instant> {
+        if !self.opening.as_mut().is_none_or(|o| o.feed(chunk)) {
+            return None;
+        }
+        let now = Instant::now();
+        self.first_byte = Some(now);
+        Some(now)
     }
 
     /// The answer's first byte came at `at`: on the histograms now, however the answer ends
@@ -179,7 +200,7 @@ impl Observe {
             usage: self.scanner.finish(),
             first_byte: self.first_byte.map(ms),
             duration: Some(ms(now)).filter(|_| self.watch.success),
-            stream: self.stream && !self.watch.api.opens_before_read(),
+            stream: self.stream,
         };
         let (usage, verdict) = guard.learned().learn(&answer, self.watch.prediction);
         if let Some(u) = usage {
@@ -382,15 +403,28 @@ where
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         let mut this = self.project();
         let frame = ready!(this.kind.as_mut().poll_frame(cx));
-        if let (Some(Ok(_)), Some(guard)) = (&frame, this.guard.as_mut()) {
-            // The answer has begun: its backend has read the prompt.
-            guard.prompt_read();
+        let mut now = None;
+        match (&frame, this.observe.as_mut()) {
+            (Some(Ok(f)), Some(observe)) => {
+                // A one-chunk answer ends when it starts: one reading of the clock.
+                now = f.data_ref().and_then(|data| observe.data(data.chunk()));
+                if let (Some(_), Some(guard)) = (now, this.guard.as_mut()) {
+                    // The answer's first byte after the read (a Responses stream's, after
+                    // the events that open it): its backend has read the prompt.
+                    guard.prompt_read();
+                }
+            }
+            (Some(Ok(_)), None) => {
+                if let Some(guard) = this.guard.as_mut() {
+                    // The answer has begun: its backend has read the prompt.
+                    guard.prompt_read();
+                }
+            }
+            _ => {}
         }
         if let Some(observe) = this.observe.as_mut() {
             match &frame {
-                Some(Ok(f)) => {
-                    // A one-chunk answer ends when it starts: one reading of the clock.
-                    let now = f.data_ref().and_then(|data| observe.data(data.chunk()));
+                Some(Ok(_)) => {
                     if let (Some(first), Some(guard)) = (now, this.guard.as_ref()) {
                         observe.first_byte(guard, first);
                     }

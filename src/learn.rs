@@ -128,14 +128,15 @@ pub(crate) struct Prediction {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Answer {
     pub(crate) usage: Option<Usage>,
-    /// Dispatch to the first byte of the body.
+    /// Dispatch to the first byte of the body that follows the prompt's read: its first
+    /// byte, or for a Responses stream the first event after those that open it
+    /// (`response.created`, `response.in_progress`), which come before the read.
     pub(crate) first_byte: Option<Duration>,
     /// Dispatch to the end of the body; `None` for an answer other than a success (a request
     /// turned down at once), whose time says nothing of how long requests take.
     pub(crate) duration: Option<Duration>,
-    /// Whether the body streamed (SSE) in an API whose stream sends nothing before the
-    /// prompt is read (not a Responses stream, which opens with `response.created`): its
-    /// first byte came after the read, and times it.
+    /// Whether the body streamed (SSE): its first byte came as soon as the prompt was read,
+    /// and times the read.
     pub(crate) stream: bool,
 }
 
@@ -204,8 +205,8 @@ impl Learned {
             blend(&self.scale_estimates, p.prompt_tokens as f64);
         }
         let read = usage.prompt_tokens.saturating_sub(reused);
-        // The time the prompt took to read: llama.cpp says; a stream's first byte tells,
-        // unless the stream opened before the read (see `Answer::stream`).
+        // The time the prompt took to read: llama.cpp says; a stream's first byte after the
+        // read tells (see `Answer::first_byte`).
         // A read of `MIN_READ_FOR_RATE` tokens or more timed under `MIN_READ_TIME` was not
         // timed (a server that reports 0 for a time it does not measure, a first byte on a
         // paused clock), and one such sample would multiply the learned rate a thousandfold.

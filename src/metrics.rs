@@ -39,14 +39,16 @@
 //! run to `max_wait` (60 s by default) and a cold prompt's first byte to minutes. The
 //! first-byte histograms time the answers read for their usage (JSON or SSE, not compressed:
 //! see [`observe_usage`](crate::SessionAffinityLayer::observe_usage)), each as its first byte
-//! comes, whether the answer then ends, is cut, or is dropped by its client.
+//! comes, whether the answer then ends, is cut, or is dropped by its client. A Responses
+//! stream's first byte is that of its first event after `response.created` and
+//! `response.in_progress`, which its backend sends before it has read the prompt.
 //!
 //! | name | kind | labels | what |
 //! |---|---|---|---|
 //! | `tower_affinity_decisions_total` | counter | `outcome` | requests placed, by [`Outcome`] |
 //! | `tower_affinity_prompt_tokens_total` | counter | `outcome` | prompt tokens of the answers that said how many they reused, by their requests' outcome ([`Stats::reuse`](crate::Stats::reuse)) |
 //! | `tower_affinity_reused_tokens_total` | counter | `outcome` | of them, reused from the backends' caches: a home hit's share near 1 and a cold home's near 0 say the cache model is right |
-//! | `tower_affinity_first_byte_seconds` | histogram | `outcome` | dispatch to the answer's first byte, by the request's outcome: what a cold prefill costs against a warm one |
+//! | `tower_affinity_first_byte_seconds` | histogram | `outcome` | dispatch to the answer's first byte (a Responses stream's first event after those that open it), by the request's outcome: what a cold prefill costs against a warm one |
 //! | `tower_affinity_waited_total` | counter | | requests that waited for a slot |
 //! | `tower_affinity_wait_seconds` | histogram | | how long they waited |
 //! | `tower_affinity_overcommitted_total` | counter | | requests sent beyond a backend's slots |

@@ -363,57 +363,74 @@ async fn an_anthropic_stream_with_input_tokens_alone_times_the_read_at_its_first
 
 /// A Responses stream (vLLM's, SGLang's) opens with `response.created` and
 /// `response.in_progress` as soon as the request is taken, and gives its usage in
-/// `response.completed`: its first byte came before the prompt was read, and does not time
-/// the read. A chat stream of the same timing does.
+/// `response.completed`: its first byte comes before the prompt is read. The first event
+/// after those (`response.output_item.added`) follows the read: it times the read, and the
+/// backend's backlog keeps the prompt until then, wherever the network cuts the events. A
+/// stream to a path the service does not know is watched for the same events.
 #[tokio::test(start_paused = true)]
-async fn a_responses_streams_first_byte_does_not_time_the_prompt() {
+async fn a_responses_stream_times_the_read_at_its_first_event_after_the_opening_ones() {
+    for path in ["/v1/responses", "/api/respond"] {
+        responses_stream_to(path).await;
+    }
+}
+
+async fn responses_stream_to(path: &str) {
     let svc = service(&[("a", "n1")]);
-    let opened = b"event: response.created\ndata: {\"type\":\"response.created\",\"sequence_number\":0,\"response\":{\"id\":\"r1\",\"object\":\"response\",\"status\":\"in_progress\",\"output\":[],\"usage\":null}}\n\n\
-event: response.in_progress\ndata: {\"type\":\"response.in_progress\",\"sequence_number\":1,\"response\":{\"id\":\"r1\",\"object\":\"response\",\"status\":\"in_progress\",\"output\":[],\"usage\":null}}\n\n";
-    let completed = b"event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"sequence_number\":2,\"delta\":\"done\"}\n\n\
-event: response.completed\ndata: {\"type\":\"response.completed\",\"sequence_number\":3,\"response\":{\"id\":\"r1\",\"object\":\"response\",\"status\":\"completed\",\"usage\":{\"input_tokens\":10256,\"input_tokens_details\":{\"cached_tokens\":256},\"output_tokens\":1,\"output_tokens_details\":{\"reasoning_tokens\":0},\"total_tokens\":10257}}}\n\n";
-    let reply = Reply {
-        status: http::StatusCode::OK,
-        headers_after: Duration::ZERO,
-        content_type: Some("text/event-stream"),
-        encoding: None,
-        frames: vec![
-            (Duration::from_millis(20), Ok(Bytes::from_static(opened))),
-            (Duration::from_secs(50), Ok(Bytes::from_static(completed))),
-        ],
-    };
-    let (d, _, usage) = exchange(&svc, request_to("/v1/responses", None, None, reply)).await;
-    let usage = usage.expect("the stream's usage");
+    let opened: &[u8] = b"event: response.created\ndata: {\"response\":{\"id\":\"r1\",\"object\":\"response\",\"status\":\"in_progress\",\"output\":[],\"usage\":null},\"sequence_number\":0,\"type\":\"response.created\"}\n\n\
+event: response.in_progress\ndata: {\"response\":{\"id\":\"r1\",\"object\":\"response\",\"status\":\"in_progress\",\"output\":[],\"usage\":null},\"sequence_number\":1,\"type\":\"response.in_progress\"}\n\nevent: response.outp";
+    let output: &[u8] = b"ut_item.added\ndata: {\"item\":{\"id\":\"m1\",\"content\":[],\"role\":\"assistant\",\"status\":\"in_progress\",\"type\":\"message\"},\"output_index\":0,\"sequence_number\":2,\"type\":\"response.output_item.added\"}\n\n\
+event: response.output_text.delta\ndata: {\"delta\":\"done\",\"sequence_number\":3,\"type\":\"response.output_text.delta\"}\n\n";
+    let completed: &[u8] = b"event: response.completed\ndata: {\"type\":\"response.completed\",\"sequence_number\":4,\"response\":{\"id\":\"r1\",\"object\":\"response\",\"status\":\"completed\",\"usage\":{\"input_tokens\":10256,\"input_tokens_details\":{\"cached_tokens\":256},\"output_tokens\":1,\"output_tokens_details\":{\"reasoning_tokens\":0},\"total_tokens\":10257}}}\n\n";
+    let reply = Reply::sse(&[
+        (Duration::from_millis(20), opened),
+        (Duration::from_secs(50), output),
+        (Duration::from_secs(2), completed),
+    ]);
+    let req = request_to(path, None, Some(chain(&[1, 2, 3], 1_000)), reply);
+    let res = svc.clone().oneshot(req).await.expect("an answer");
+    let mut body = res.into_body();
+    let mut frame = async || body.frame().await.expect("a frame").expect("data");
+    frame().await;
+    let a = status(&svc, "a");
+    assert_eq!(
+        (a.unread_tokens, a.first_byte_time),
+        (3_000, None),
+        "{path}: opened, not read yet"
+    );
+    frame().await;
+    assert_eq!(status(&svc, "a").unread_tokens, 0, "{path}: read");
+    frame().await;
+    assert!(body.frame().await.is_none());
+    let usage = body.usage().expect("the stream's usage");
     assert_eq!(
         (usage.prompt_tokens, usage.reused_tokens),
         (10_256, Some(256))
     );
-    let a = status(&svc, d.backend.as_str());
-    assert_eq!(a.prefill_rate, None, "10,000 tokens read in 20 ms");
-    // A chat stream's first chunk is its first token: it came after the read.
-    let chat = Reply {
-        frames: vec![
-            (
-                Duration::from_secs(50),
-                Ok(Bytes::from_static(
-                    b"data: {\"choices\":[{\"delta\":{\"role\":\"assistant\"}}]}\n\n",
-                )),
-            ),
-            (
-                Duration::from_secs(1),
-                Ok(Bytes::from_static(
-                    b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":10256,\"prompt_tokens_details\":{\"cached_tokens\":256}}}\n\ndata: [DONE]\n\n",
-                )),
-            ),
-        ],
-        ..Reply::json(b"{}")
-    };
-    let chat = Reply {
-        content_type: Some("text/event-stream"),
-        ..chat
-    };
+    let a = status(&svc, "a");
+    // 10,000 tokens read in 50.02 s, not in 20 ms.
+    assert_eq!(a.prefill_rate, Some(200), "{path}");
+    assert_eq!(a.first_byte_time, Some(Duration::from_millis(50_020)));
+    assert_eq!(a.request_time, Some(Duration::from_millis(52_020)));
+}
+
+/// A chat stream's first chunk is its first token: it came after the read, and times it.
+#[tokio::test(start_paused = true)]
+async fn a_chat_streams_first_byte_times_the_read() {
+    let svc = service(&[("a", "n1")]);
+    let chat = Reply::sse(&[
+        (
+            Duration::from_secs(50),
+            b"data: {\"choices\":[{\"delta\":{\"role\":\"assistant\"}}]}\n\n",
+        ),
+        (
+            Duration::from_secs(1),
+            b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":10256,\"prompt_tokens_details\":{\"cached_tokens\":256}}}\n\ndata: [DONE]\n\n",
+        ),
+    ]);
     exchange(&svc, request(None, None, chat)).await;
-    assert_eq!(status(&svc, "a").prefill_rate, Some(200));
+    let a = status(&svc, "a");
+    assert_eq!(a.prefill_rate, Some(200));
+    assert_eq!(a.first_byte_time, Some(Duration::from_secs(50)));
 }
 
 #[tokio::test(start_paused = true)]
