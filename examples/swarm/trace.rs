@@ -2,9 +2,10 @@
 //!
 //! One JSON object a line: `timestamp` (arrival, ms; replayed from the first request's),
 //! `input_length` and `output_length` (tokens), `hash_ids` (the prompt's 512-token blocks; ids
-//! are chained, so equal ids at equal positions mean an equal prefix). The trace has no session ids: a request whose blocks extend
-//! all but the last block of an earlier request continues that request's conversation (the last
-//! block of a turn is usually partial, so its hash changes when the next turn appends to it).
+//! are chained, so equal ids at equal positions mean an equal prefix). The trace has no session
+//! ids: a request whose blocks extend all but the last block of an earlier request continues
+//! that request's conversation (the last block of a turn is usually partial, so its hash
+//! changes when the next turn appends to it).
 //! A turn that is already continued starts a new conversation instead of a second branch.
 
 use std::collections::{HashMap, HashSet};

@@ -36,7 +36,8 @@
 //!   length, which its close ends, goes on chunked, where a cut still shows.
 //!
 //! The response body is a [`BackendBody`], hyper's [`Incoming`](hyper::body::Incoming)
-//! streamed frame by frame; the balancer's [`ResponseBody`](crate::ResponseBody) holds the slot until it ends.
+//! streamed frame by frame; the balancer's [`ResponseBody`](crate::ResponseBody) holds the
+//! slot until it ends.
 //!
 //! # Example
 //!

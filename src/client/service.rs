@@ -240,8 +240,8 @@ impl<B> HttpBackend<B> {
     /// ([`FailureKind::Other`](super::FailureKind::Other), 502): a `101 Switching Protocols`,
     /// as no `Upgrade` is forwarded, a status from 600 to 999, which HTTP does not have (RFC
     /// 9110, section 15: a client takes it as a server error), or a body in a transfer coding
-    /// other than `chunked`, which would reach the client still coded and unmarked. An HTTP/1.0 answer is made
-    /// HTTP/1.1, the proxy's own version (RFC 9110, section 6.2).
+    /// other than `chunked`, which would reach the client still coded and unmarked. An
+    /// HTTP/1.0 answer is made HTTP/1.1, the proxy's own version (RFC 9110, section 6.2).
     pub fn finish_response<T>(&self, res: &mut http::Response<T>) -> Result<(), HttpBackendError> {
         finish_response(res)
     }
@@ -437,7 +437,8 @@ impl<B> Builder<B> {
     /// use bytes::Bytes;
     /// use tower_affinity::client::HttpBackend;
     ///
-    /// let builder = HttpBackend::<Full<Bytes>>::builder().connect_timeout(Duration::from_millis(500));
+    /// let builder =
+    ///     HttpBackend::<Full<Bytes>>::builder().connect_timeout(Duration::from_millis(500));
     /// # let _ = builder;
     /// ```
     pub fn connect_timeout(mut self, timeout: impl Into<Option<Duration>>) -> Self {
@@ -476,8 +477,8 @@ impl<B> Builder<B> {
     /// `None` (the default) waits as long as it takes. Past it the body fails with an
     /// [`HttpBackendError`] of kind [`Timeout`](super::FailureKind::Timeout), its connection
     /// is closed (over HTTP/2, its stream reset), and the balancer frees the request's slot
-    /// and counts the answer as cut short, as for any body that fails midway. At least 1 ms: a zero would fail every answer of
-    /// more than one frame.
+    /// and counts the answer as cut short, as for any body that fails midway. At least 1 ms:
+    /// a zero would fail every answer of more than one frame.
     ///
     /// The wait for the first frame is not counted: a server that sends its headers before it
     /// has read the prompt (an SSE stream's, often) sends its first token only once it has,
