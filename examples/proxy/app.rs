@@ -192,6 +192,9 @@ pub(crate) struct Config {
     /// A backend past it has failed the request: it is passed over for `failure_cooldown`
     /// and the request is retried once elsewhere.
     pub(crate) response_timeout: Option<Duration>,
+    /// The longest silence between two frames of a backend's answer once its first came;
+    /// `None` (the default) waits as long as it takes.
+    pub(crate) body_idle_timeout: Option<Duration>,
     pub(crate) failure_cooldown: Duration,
     pub(crate) body_limit: usize,
     pub(crate) read_timeout: Option<Duration>,
@@ -254,6 +257,7 @@ impl Config {
             // Long: a non-streamed answer comes after its whole prompt is read and its whole
             // reply written, minutes on modest GPUs.
             response_timeout: Some(Duration::from_secs(600)),
+            body_idle_timeout: None,
             failure_cooldown: Duration::from_secs(5),
             body_limit: BodyKeyLayer::DEFAULT_LIMIT,
             read_timeout: Some(Duration::from_secs(60)),
@@ -507,7 +511,8 @@ impl Proxy {
         let labelled = models.len() > 1;
         let http = HttpBackend::<ReqBody>::builder()
             .connect_timeout(config.connect_timeout)
-            .response_timeout(config.response_timeout);
+            .response_timeout(config.response_timeout)
+            .body_idle_timeout(config.body_idle_timeout);
         let mut fleets = Vec::new();
         let mut dns_handles = Vec::new();
         for &model in &models {

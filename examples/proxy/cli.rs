@@ -69,6 +69,10 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
                              10m; 0 turns it off); a backend past it is passed over
                              for the failure cooldown, the request is retried once
                              elsewhere, else 504
+  --body-idle-timeout DURATION
+                             longest silence between two frames of a backend's
+                             answer once its first came (default 0: none); past it
+                             the answer is cut short and its connection closed
   --failure-cooldown DURATION
                              how long a backend that failed a request is passed over
                              (default 5s)
@@ -281,6 +285,10 @@ where
             "--response-timeout" => {
                 let d = duration(&flag, &value()?)?;
                 config.response_timeout = (!d.is_zero()).then_some(d);
+            }
+            "--body-idle-timeout" => {
+                let d = duration(&flag, &value()?)?;
+                config.body_idle_timeout = (!d.is_zero()).then_some(d);
             }
             "--failure-cooldown" => config.failure_cooldown = duration(&flag, &value()?)?,
             "--probe-interval" => {

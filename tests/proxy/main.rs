@@ -2196,6 +2196,8 @@ fn every_option_parses_and_bad_values_are_explained() {
         "250ms",
         "--response-timeout",
         "0",
+        "--body-idle-timeout",
+        "90s",
         "--failure-cooldown",
         "1m",
         "--probe-interval",
@@ -2240,6 +2242,7 @@ fn every_option_parses_and_bad_values_are_explained() {
     assert_eq!(c.overflow, Overflow::wait(Duration::from_millis(1500), 7));
     assert_eq!(c.connect_timeout, Some(Duration::from_millis(250)));
     assert_eq!(c.response_timeout, None);
+    assert_eq!(c.body_idle_timeout, Some(Duration::from_secs(90)));
     assert_eq!(c.failure_cooldown, Duration::from_secs(60));
     assert_eq!(c.probe_interval, None);
     assert_eq!(c.probe_timeout, Duration::from_secs(3));
@@ -2256,6 +2259,7 @@ fn every_option_parses_and_bad_values_are_explained() {
     };
     let d = &defaults.config;
     assert_eq!(d.response_timeout, Some(Duration::from_secs(600)));
+    assert_eq!(d.body_idle_timeout, None);
     assert_eq!(d.read_timeout, Some(Duration::from_secs(60)));
     assert_eq!(d.header_timeout, Some(Duration::from_secs(30)));
     assert_eq!(d.connect_timeout, Some(Duration::from_secs(2)));
