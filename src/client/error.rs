@@ -158,38 +158,35 @@ impl HttpBackendError {
 
     /// No response headers within `after`.
     pub fn response_timeout(after: Duration) -> Self {
-        HttpBackendError {
-            kind: FailureKind::Timeout,
-            source: io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!("no response headers within {after:?}"),
-            )
-            .into(),
-        }
+        Self::timed_out(
+            FailureKind::Timeout,
+            format!("no response headers within {after:?}"),
+        )
     }
 
     /// The backend's answer, begun, sent nothing for `after`, its idle timeout between frames.
     pub(crate) fn body_idle(after: Duration) -> Self {
-        HttpBackendError {
-            kind: FailureKind::Timeout,
-            source: io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!("no frame of the body within {after:?} of the last"),
-            )
-            .into(),
-        }
+        Self::timed_out(
+            FailureKind::Timeout,
+            format!("no frame of the body within {after:?} of the last"),
+        )
     }
 
     /// The response timeout, `after`, passed with the request's own body still arriving from
     /// its sender.
     pub(crate) fn request_body_late(after: Duration) -> Self {
+        Self::timed_out(
+            FailureKind::RequestBody,
+            format!("the body was still arriving after {after:?}, the response timeout"),
+        )
+    }
+
+    /// A failure of `kind` whose source is an [`io::Error`] of kind
+    /// [`TimedOut`](io::ErrorKind::TimedOut) saying `what`.
+    fn timed_out(kind: FailureKind, what: String) -> Self {
         HttpBackendError {
-            kind: FailureKind::RequestBody,
-            source: io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!("the body was still arriving after {after:?}, the response timeout"),
-            )
-            .into(),
+            kind,
+            source: io::Error::new(io::ErrorKind::TimedOut, what).into(),
         }
     }
 
