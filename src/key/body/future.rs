@@ -293,7 +293,10 @@ where
                     };
                     let mut bytes = buf.take();
                     let (mut sniff, mut strip) = (None, None);
-                    if config.reads(&parts) {
+                    // A Responses API request: its answer's id may be remembered, and its body
+                    // is read for the stored response it names, whatever its headers say.
+                    let responses = parts.uri.path().ends_with("/responses");
+                    if config.reads(&parts.headers, responses) {
                         let inspected = config.inspect_request(&bytes);
                         let facts = inspected.facts;
                         if let Some(key) = inspected.key {
@@ -302,10 +305,7 @@ where
                         let known = !facts.chain.is_empty();
                         // An answer not stored can never be continued: remembering it would
                         // only push out those that can.
-                        if (known || inspected.continues)
-                            && !inspected.unstored
-                            && parts.uri.path().ends_with("/responses")
-                        {
+                        if (known || inspected.continues) && !inspected.unstored && responses {
                             // What the answer's id will stand for: this prompt, unless it
                             // continues a conversation not known here.
                             let chain = known.then(|| facts.chain.clone());

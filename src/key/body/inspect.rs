@@ -68,10 +68,11 @@ impl Config {
     /// Whether the body is read at all: not when a header already names the session, but for
     /// a Responses API request while stored responses are pinned. Its body may name a stored
     /// response that only the backend that answered it can continue, and its answer's id is
-    /// what later requests name: the key in a header says neither.
-    pub(crate) fn reads(&self, parts: &http::request::Parts) -> bool {
-        let pins = self.pin_stored_responses && parts.uri.path().ends_with("/responses");
-        pins || (self.skip_when.as_ref()).is_none_or(|header| !header.finds_key(&parts.headers))
+    /// what later requests name: the key in a header says neither. `responses`: whether the
+    /// request is one to the Responses API.
+    pub(crate) fn reads(&self, headers: &http::HeaderMap, responses: bool) -> bool {
+        (self.skip_when.as_ref()).is_none_or(|header| !header.finds_key(headers))
+            || (self.pin_stored_responses && responses)
     }
 
     /// What a body says about its session and its prompt.
