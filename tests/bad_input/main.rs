@@ -1,6 +1,6 @@
 //! Bad input: header keys that are not UTF-8, long or repeated; JSON bodies that are malformed,
 //! deeply nested, oversize or slow; an empty fleet; discovery streams that fail, end or never
-//! yield. Each has a defined answer (a status code, a keyless pass-through or an error from the
+//! yield; a failure cooldown too short for the fleet's clock. Each has a defined answer (a status code, a keyless pass-through or an error from the
 //! service) and none panics or buffers without bound.
 //!
 //! The front is the proxy's stack without the network: [`BodyKeyLayer`] in front of
@@ -648,4 +648,39 @@ async fn a_discovery_channel_whose_handles_are_dropped_keeps_the_fleet() {
     }
     assert_eq!(first.outcome, Some(Outcome::NewSession));
     assert_eq!(svc.backends().len(), 2);
+}
+
+/// A failure cooldown shorter than a millisecond still passes the failed backend over for
+/// the retry that follows at once: it is counted in whole milliseconds, rounded up, not
+/// rounded away to none.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_failure_cooldown_under_a_millisecond_still_sends_the_retry_elsewhere() {
+    let calls = Calls::default();
+    let refusing: Echo = BoxCloneSyncService::new(tower::service_fn(|_: Request<Full<Bytes>>| {
+        std::future::ready(Err::<http::Response<Full<Bytes>>, BoxError>(
+            "connection refused".into(),
+        ))
+    }));
+    let fleet = StaticFleet::new([
+        ("a1", Backend::new("node-a", refusing)),
+        ("b1", Backend::new("node-b", echo(&calls))),
+    ]);
+    let svc = SessionAffinityLayer::new()
+        .failure_cooldown(Duration::from_micros(500))
+        .layer(fleet);
+    let retrying = tower::retry::Retry::new(tower_affinity::RetryOnce::new(), svc.clone());
+    for n in 0..16 {
+        let req = Request::post("/v1/chat/completions")
+            .header("x-session-id", format!("s{n}"))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let answer = retrying.clone().oneshot(req).await;
+        assert!(answer.is_ok(), "s{n}: {answer:?}");
+        // The cooldown over, the next session finds both backends up.
+        tokio::time::advance(Duration::from_millis(1)).await;
+    }
+    // Some sessions began on the refusing backend, and were answered by the other.
+    let failed = svc.stats().backend_errors;
+    assert!((1..16).contains(&failed), "{failed}");
+    assert_eq!(calls.get(), 16);
 }
