@@ -53,7 +53,17 @@ pub enum Error {
         /// A hint for the client's `Retry-After`.
         retry_after: Duration,
     },
-    /// The chosen backend failed.
+    /// The chosen backend failed before answering (its readiness or its call failed, or it
+    /// was not ready within the [ready timeout]), or while [`ReadRefusals`] read its `400`;
+    /// or, where [`RetryOnce`]'s retry found no other backend up, it answered `503` (its
+    /// [source] then says so). With an `HttpBackend`, also a request that could not be sent
+    /// to it through its own fault: its body failed on its way, or it is not one a proxy
+    /// forwards ([`Error::status`] says which, and the backend is not passed over for it).
+    ///
+    /// [ready timeout]: crate::SessionAffinityLayer::ready_timeout
+    /// [`ReadRefusals`]: crate::ReadRefusals
+    /// [`RetryOnce`]: crate::RetryOnce
+    /// [source]: std::error::Error::source
     #[non_exhaustive]
     Backend {
         /// The backend that failed.
@@ -111,8 +121,10 @@ impl Error {
         }
     }
 
-    /// An HTTP response for this error: its status, `Retry-After` when saturated, and a short
-    /// plain-text body. [`ErrorToResponse`] applies it to every error of a service.
+    /// An HTTP response for this error: its [status](Self::status), `Retry-After` when
+    /// saturated (and the backend's own, as it gave it, for a backend's `503` given back by
+    /// [`RetryOnce`](crate::RetryOnce)), and a short plain-text body. [`ErrorToResponse`]
+    /// applies it to every error of a service.
     ///
     /// The body of a [`Backend`](Error::Backend) error names the backend and says what its
     /// error says (`backend gpu-0 failed: connection refused: ...`; for a request whose own

@@ -193,7 +193,10 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// logged and counted (`outages`). On a busy host (a router sharing two cores with its
     /// backends' clients, say) a few reads a half hour miss 5 ms with nothing wrong, each a
     /// short outage that recovers within tens of milliseconds; alert on outages that last, or
-    /// give the store a deadline that suits the host.
+    /// give the store a deadline that suits the host. A deadline shorter than the store's
+    /// round trip (zero, say) finds it down at every read, and the probes that would find it
+    /// up again too: the local table then places every request, and the store is written to
+    /// but never read.
     pub fn store_deadline(mut self, deadline: Duration) -> Self {
         self.config.store_deadline = deadline;
         self

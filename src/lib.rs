@@ -16,7 +16,9 @@
 //! ```
 //!
 //! - [`key`]: [`SessionKey`](key::SessionKey) digests, the [`KeyExtractor`](key::KeyExtractor)
-//!   trait and the header and extension extractors.
+//!   trait and the header and extension extractors; [`BodyKeyLayer`](key::BodyKeyLayer), which
+//!   buffers a request's body (so that a retry can send it again) and reads its key and its
+//!   prompt's [`PromptChain`] from the JSON.
 //! - [`placement`]: the [`Placement`](placement::Placement) trait over a read-only view, the
 //!   default [`NodeThenBackend`](placement::NodeThenBackend) and the baselines. The view holds
 //!   the *cache model*: per backend, which links of the requests' [`PromptChain`]s it
@@ -30,13 +32,19 @@
 //! - `client` (feature `client`): `HttpBackend`, a backend's service over hyper-util's
 //!   pooled client, with hop-by-hop headers dropped, timeouts and failures by kind.
 //! - `health` (feature `health`): `HealthProbe`, a discovery adapter that probes each
-//!   backend's `/health` and `/slots` and marks it down and up.
+//!   backend's `/health` and `/slots` (and `/v1/models` for a backend without slots) and
+//!   marks it down and up.
+//! - `metrics` (feature `metrics`): the series the balancer writes through the `metrics`
+//!   facade.
 //! - [`SessionAffinityLayer`] builds [`SessionAffinity`], a `tower::Service` for your axum or
 //!   hyper proxy. Its [`ResponseBody`] releases the request's slot when the body ends.
 //! - [`RetryOnce`], a retry policy for tower's `RetryLayer`: a request whose backend failed,
 //!   answered 503, or refused its prompt as too long for its context ([`ReadRefusals`] reads
 //!   such a refusal into a [`ContextRefusal`]) is retried once where it fits; where no other
 //!   backend takes it, the balancer answers the retry with the refusal as it came.
+//! - [`Error`], why a request was not served, and the HTTP answer each maps to (429, 503, 502,
+//!   504, ...); [`ErrorToResponse`] answers a service's errors so, for axum's
+//!   `fallback_service`.
 //!
 //! # Example
 //!
@@ -95,6 +103,8 @@
 )]
 
 // Layout: one concept a file.
+//   api.rs       the API a request speaks, told by its path, and where its answer's stream
+//                says the backend has read the prompt
 //   layer.rs     SessionAffinityLayer, the builder
 //   service.rs   SessionAffinity: discovery, placement attempts, stats
 //   future.rs    ResponseFuture: waiting for a slot, then driving the backend
@@ -118,10 +128,15 @@
 //                (feature dns: target, endpoint, builder, the stream, its task, one resolution,
 //                the handle, errors)
 //   key/         SessionKey, extractors; key/body/, the body-reading layer (layer, service,
-//                future, body, and the parse: inspect, prompt, facts)
-//   placement/   the Placement trait, its view, rendezvous, NodeThenBackend, baselines
-//   client/      (feature `client`) HttpBackend: service, future, error, hop_by_hop
-//   health/      (feature `health`) HealthProbe: the discovery adapter, the prober, its checks
+//                future, body, and the parse: inspect, leading, canonical, prompt, facts,
+//                pinned; responses, the Responses API's stored responses; ask, a stream's
+//                usage asked on the client's behalf)
+//   placement/   the Placement trait, its view, rendezvous, NodeThenBackend, baselines,
+//                Snapshot (a fleet view for tests)
+//   client/      (feature `client`) HttpBackend: service, future, error, hop_by_hop, the
+//                request body as sent (body) and the answer's (backend_body)
+//   health/      (feature `health`) HealthProbe: the discovery adapter, the prober, its checks,
+//                each backend's status, and what it needs of a backend and of the balancer
 
 mod api;
 mod body;
