@@ -407,6 +407,11 @@ impl<S> ErrorToResponse<S> {
         }
     }
 
+    /// A layer that wraps services in `ErrorToResponse`.
+    pub const fn layer() -> ErrorToResponseLayer {
+        ErrorToResponseLayer::new()
+    }
+
     /// The wrapped service.
     pub fn get_ref(&self) -> &S {
         &self.inner
@@ -442,8 +447,8 @@ pub struct ErrorToResponseLayer {
 
 impl ErrorToResponseLayer {
     /// The layer.
-    pub fn new() -> Self {
-        ErrorToResponseLayer::default()
+    pub const fn new() -> Self {
+        ErrorToResponseLayer { _priv: () }
     }
 }
 

@@ -452,9 +452,24 @@ impl<S> ReadRefusals<S> {
         ReadRefusals { inner }
     }
 
+    /// A layer that wraps services in `ReadRefusals`.
+    pub const fn layer() -> ReadRefusalsLayer {
+        ReadRefusalsLayer::new()
+    }
+
     /// The inner service.
     pub fn get_ref(&self) -> &S {
         &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// The inner service, unwrapped.
+    pub fn into_inner(self) -> S {
+        self.inner
     }
 }
 

@@ -1021,3 +1021,21 @@ async fn a_refused_retry_is_counted_retried_however_it_ends() {
         "{stats:?}"
     );
 }
+
+/// `ReadRefusals` is made and taken apart as tower's and tower-http's middleware are, and as
+/// `ErrorToResponse` is: a layer from the type, and the balancer back by reference, mutably
+/// and whole.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn read_refusals_gives_its_balancer_back() {
+    let (fleet, _) = fleet(&[("a", "node-a", 1_000, true)]);
+    let mut svc = tower::ServiceBuilder::new()
+        .layer(tower_affinity::ErrorToResponse::<Affinity>::layer())
+        .layer(ReadRefusals::<Affinity>::layer())
+        .service(SessionAffinityLayer::new().layer(fleet));
+    let res = svc.ready().await.unwrap().call(turn(None, 300, 5_000));
+    assert_eq!(res.await.unwrap().status(), StatusCode::BAD_REQUEST);
+    let read: &mut ReadRefusals<Affinity> = svc.get_mut();
+    assert_eq!(read.get_mut().stats().placed(), 1);
+    let affinity: Affinity = svc.into_inner().into_inner();
+    assert_eq!(affinity.stats().placed(), 1);
+}
