@@ -28,8 +28,9 @@
 //!   second and at most 1,024 at once (more are dropped and counted,
 //!   [`StoreStats::writes_dropped`]); the homes whose write failed (the latest of each
 //!   session, up to 4,096) are written again when the store comes back, each as a place
-//!   among the writes in flight frees (none of them dropped), so that it does not send their
-//!   sessions back to where they were before the outage. A value that is not a
+//!   among the writes in flight frees (none of them dropped, but none whose session has a
+//!   newer write in flight), so that it does not send their sessions back to where they were
+//!   before the outage. A value that is not a
 //!   home (a key holding something else) is ignored and counted ([`StoreStats::garbage`]),
 //!   and so is a home on a backend this replica does not know (removed from the fleet, or
 //!   not yet discovered: [`StoreStats::unknown_backends`]); the request is placed as if the

@@ -695,9 +695,17 @@ impl Homes {
                 let Ok(room) = this.room.clone().acquire_owned().await else {
                     return;
                 };
-                let Some((home, _)) = this.failed.lock().homes.remove(&key) else {
+                let mut failed = this.failed.lock();
+                let Some((home, _)) = failed.homes.remove(&key) else {
                     continue;
                 };
+                // A newer home of the session is being written (held up, say, while the
+                // store reconnected): sent now, this one would be numbered after it and
+                // could land after it. That one is kept in its place if it fails.
+                if failed.newest.contains_key(&key) {
+                    continue;
+                }
+                drop(failed);
                 bump(&this.counters.writes);
                 this.send(&runtime, room, key, home);
             }

@@ -47,6 +47,9 @@ struct State {
     fail_writes: bool,
     /// Whether writes made now never answer.
     hang_writes: bool,
+    /// While set, writes made now wait for a permit of this semaphore (first come, first
+    /// served), then land.
+    gate: Option<Arc<tokio::sync::Semaphore>>,
 }
 
 #[derive(Clone, Debug)]
@@ -62,6 +65,7 @@ impl MemoryStore {
             read_ttls: Vec::new(),
             fail_writes: false,
             hang_writes: false,
+            gate: None,
         })))
     }
 
@@ -116,7 +120,11 @@ impl HomeStore for MemoryStore {
             return Box::pin(std::future::pending());
         }
         let state = self.0.clone();
+        let gate = self.0.lock().gate.clone();
         Box::pin(async move {
+            if let Some(gate) = gate {
+                gate.acquire().await.expect("never closed").forget();
+            }
             let mut s = state.lock();
             if s.fail_writes {
                 return Err("connection refused".into());
@@ -819,4 +827,40 @@ async fn a_write_that_fails_after_a_newer_one_landed_is_not_written_again() {
         latest.backend,
         "the older home, whose write failed last, was written over the newer one"
     );
+}
+
+/// A Redis coming back: the writes held up while it was away (the connection's commands wait
+/// for it to reconnect) land as it answers again, in the order they were sent. A session
+/// whose write failed in the outage and which has moved again since, its newer home's write
+/// among those held up, is not written again with the older home at the recovery: that one
+/// would land last and send the session back.
+#[tokio::test(start_paused = true)]
+async fn a_home_moved_again_while_its_write_waits_is_not_written_over_at_the_recovery() {
+    let store = MemoryStore::new();
+    let svc = service(&store);
+    let first = send(&svc, "s").await;
+    settle().await;
+    // Down: the session moves off its busy home, and that write fails.
+    store.down(true);
+    let moved = moved_off(&svc, "s", &first).await;
+    assert_eq!(svc.store_stats().unwrap().write_errors, 1);
+    // Writes now wait for the store to come back. The session moves again: its write waits.
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    {
+        let mut s = store.0.lock();
+        s.fail_writes = false;
+        s.gate = Some(gate.clone());
+    }
+    let latest = moved_off(&svc, "s", &moved).await;
+    // Back: the probe finds it up, and the writes held up land in their order.
+    store.mode(Mode::Answer);
+    noticed(&svc, "u", StoreState::Up).await;
+    gate.add_permits(64);
+    settle().await;
+    assert_eq!(
+        store.0.lock().homes[&key("s")].backend,
+        latest.backend,
+        "the home that failed in the outage was written over the session's latest"
+    );
+    assert_eq!(send(&svc, "s").await.backend, latest.backend);
 }
