@@ -34,7 +34,10 @@ use crate::key::SessionKey;
 ///   session's home is; a keyless request reads the digests of its prompt's last few
 ///   boundaries in one round trip, a `GETRANGE` of each, bounded as a session's read is.
 /// - **Commands:** `GETRANGE`, `PEXPIRE` and `SET` on keys under the prefix, and `PING`: what
-///   a Redis ACL user for the store must be allowed.
+///   a Redis ACL user for the store must be allowed; and `SELECT` if the URL names a database
+///   other than 0 (`redis://user:pass@host/1`), which each connection selects as it opens.
+///   Refused that, no connection opens: every read fails with "Redis server refused to
+///   switch database", until the user may, and the store connects again.
 ///
 /// One multiplexed connection, kept by the `redis` crate's connection manager, carries every
 /// command; when it breaks, the manager reconnects with exponential backoff, at most
@@ -71,12 +74,14 @@ pub struct RedisStore {
 /// The store's connection manager, and what it takes to start another.
 ///
 /// The `redis` crate's manager reconnects after an I/O error only: once its connection
-/// attempts have all failed with another error (Redis refused the password in the URL, say),
-/// it answers every later command with that error and never tries again, so a Redis whose
-/// password is set right after that would never be read again. Nor does it reconnect when
-/// the server it is connected to refuses writes as a replica (`READONLY`): a primary demoted
-/// by a failover, while the store's address moved to the new one. Such an error starts a new
-/// manager, at most once a reconnect interval.
+/// attempts have all failed with another error (Redis refused the password in the URL, or the
+/// `SELECT` of the URL's database), it answers every later command with that error and never
+/// tries again, so a Redis whose password is set right after that would never be read again.
+/// Nor does it reconnect when the server it is connected to refuses writes as a replica
+/// (`READONLY`): a primary demoted by a failover, while the store's address moved to the new
+/// one. A refused password, a `READONLY`, or a read that fails whole with an error other than
+/// I/O (its commands fail one by one, in their places: an error of the whole is the
+/// connection's) starts a new manager, at most once a reconnect interval.
 struct Connection {
     client: redis::Client,
     config: ConnectionManagerConfig,
@@ -102,7 +107,8 @@ impl Connection {
         Ok(conn)
     }
 
-    /// The manager to send a command on, and its number for [`failed`](Self::failed).
+    /// The manager to send a command on, and its number for [`failed`](Self::failed) and
+    /// [`replace`](Self::replace).
     fn get(&self) -> (ConnectionManager, u64) {
         let current = self.current.lock();
         (current.0.clone(), current.1)
@@ -114,6 +120,12 @@ impl Connection {
         if e.kind() != redis::ErrorKind::AuthenticationFailed && e.code() != Some("READONLY") {
             return;
         }
+        self.replace(generation);
+    }
+
+    /// A new manager in place of number `generation`, unless another replaced it already or it
+    /// was started less than an interval ago.
+    fn replace(&self, generation: u64) {
         let mut current = self.current.lock();
         if current.1 != generation || current.2.elapsed() < self.interval {
             return;
@@ -143,7 +155,12 @@ impl Connection {
         let result: redis::RedisResult<Vec<redis::RedisResult<Value>>> =
             pipe.query_async(&mut conn).await;
         match &result {
-            Err(e) => self.failed(generation, e),
+            // The pipeline's commands fail one by one, in their places: an error of the
+            // whole is the connection's. The manager starts again after an I/O error only;
+            // after another (a database that `SELECT` was refused, a handshake answered with
+            // something else than Redis' answers), it would answer every command with it.
+            Err(e) if !e.is_io_error() => self.replace(generation),
+            Err(_) => {}
             Ok(answers) => {
                 for e in answers.iter().filter_map(|a| a.as_ref().err()) {
                     self.failed(generation, e);

@@ -481,6 +481,65 @@ async fn a_store_refused_its_password_connects_once_the_password_is_right() {
     panic!("never read Redis with the right password: {last:?}");
 }
 
+/// A Redis ACL user for the store that may not `SELECT` the database its URL names: every
+/// connection is refused as it opens, with an error the `redis` crate's manager does not
+/// reconnect after. Once the user may, the store connects and reads Redis again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_refused_its_database_connects_once_it_is_allowed() {
+    use tower_affinity::store::HomeStore;
+    let Some(redis) = RedisServer::start().await else {
+        return;
+    };
+    let mut admin = redis.client().await;
+    let acl = |rules: &[&str]| {
+        let mut cmd = redis::cmd("ACL");
+        cmd.arg("SETUSER").arg("store").arg(rules);
+        cmd
+    };
+    let () = acl(&[
+        "on",
+        ">pw",
+        "~tower-affinity:*",
+        "+getrange",
+        "+pexpire",
+        "+set",
+        "+ping",
+    ])
+    .query_async(&mut admin)
+    .await
+    .unwrap();
+    let store = RedisStore::builder()
+        .reconnect_interval(Duration::from_millis(50))
+        .open(&format!("redis://store:pw@127.0.0.1:{}/1", redis.port))
+        .unwrap();
+    let session = SessionKey::from_bytes(b"a session");
+    let ttl = Duration::from_secs(60);
+    let mut refused = false;
+    for _ in 0..100 {
+        if let Err(e) = store.read(session, ttl).await {
+            assert!(e.to_string().contains("switch database"), "{e}");
+            refused = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(refused, "the database was never refused");
+    let () = acl(&["+select"]).query_async(&mut admin).await.unwrap();
+    let start = Instant::now();
+    let mut last = None;
+    while start.elapsed() < Duration::from_secs(10) {
+        match store.read(session, ttl).await {
+            Ok(found) => {
+                assert_eq!(found, tower_affinity::store::Lookup::Missing);
+                return;
+            }
+            Err(e) => last = Some(e.to_string()),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("never read Redis once its database was allowed: {last:?}");
+}
+
 /// A session table that never forgets (an idle timeout of `Duration::MAX`, which it takes as
 /// its longest) has a store that keeps homes as long: Redis refuses a `PX` that takes the
 /// expiry past its clock's range, which failed every read and write.
