@@ -185,10 +185,10 @@ pub type ReadPrompts =
 ///
 /// The service reads a session's home before placing its request and writes it when a
 /// placement changes it; see the [module docs](self) for when, with which deadline, and what
-/// happens when the store fails. Both methods return at once with a future; the service
-/// drives the read within its deadline (dropping it when the deadline passes) and the write in
-/// a task of its own, so neither may rely on being polled to completion. They run on a Tokio
-/// runtime.
+/// happens when the store fails. Every method returns at once with a future; the service
+/// drives the reads within its deadline (dropping them when the deadline passes) and the
+/// writes in tasks of their own, so none may rely on being polled to completion. They run on
+/// a Tokio runtime.
 ///
 /// Keys are [`SessionKey`] digests; the store never sees a raw session key.
 pub trait HomeStore: fmt::Debug + Send + Sync + 'static {

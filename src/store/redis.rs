@@ -203,7 +203,20 @@ impl RedisStore {
         }
     }
 
-    /// The Redis key of a session's home.
+    /// The Redis key of a session's home: the prefix, then the session's digest in hex.
+    ///
+    /// ```no_run
+    /// # #[tokio::main] async fn main() {
+    /// use tower_affinity::key::SessionKey;
+    /// use tower_affinity::store::RedisStore;
+    ///
+    /// let store = RedisStore::open("redis://127.0.0.1:6379").unwrap();
+    /// assert_eq!(
+    ///     store.key_of(SessionKey::from_bytes(b"abc")),
+    ///     "tower-affinity:home:ba7816bf8f01cfea414140de5dae2223"
+    /// );
+    /// # }
+    /// ```
     pub fn key_of(&self, session: SessionKey) -> String {
         format!("{}{session}", self.prefix)
     }
@@ -254,6 +267,28 @@ fn tcp_settings() -> redis::io::tcp::TcpSettings {
 impl RedisStoreBuilder {
     /// The prefix of every key the store reads and writes. Default
     /// [`RedisStore::DEFAULT_PREFIX`].
+    ///
+    /// Give each fleet sharing a Redis a prefix of its own (a fleet for each model, say): the
+    /// same session key sent to two fleets (an agent's turns and its title requests, to two
+    /// models) is one key under one prefix, and each fleet would write its own backend over
+    /// the other's, find a backend it does not know ([`StoreStats::unknown_backends`]), and
+    /// share none of that session's moves between its replicas.
+    ///
+    /// ```no_run
+    /// # #[tokio::main] async fn main() {
+    /// use tower_affinity::key::SessionKey;
+    /// use tower_affinity::store::RedisStore;
+    ///
+    /// let coder = RedisStore::builder()
+    ///     .prefix("tower-affinity:home:model=coder:")
+    ///     .open("redis://127.0.0.1:6379")
+    ///     .unwrap();
+    /// let key = coder.key_of(SessionKey::from_bytes(b"abc"));
+    /// assert_eq!(key, "tower-affinity:home:model=coder:ba7816bf8f01cfea414140de5dae2223");
+    /// # }
+    /// ```
+    ///
+    /// [`StoreStats::unknown_backends`]: crate::store::StoreStats::unknown_backends
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
         self

@@ -1003,8 +1003,8 @@ async fn a_huge_value_under_a_key_is_garbage_not_an_outage() {
     task.abort();
 }
 
-/// What the store reads each kind of value as, its expiry kept as `GETEX` kept it, and a home
-/// too long to be read back is not written.
+/// What the store reads each kind of value as, its expiry kept by the read's `PEXPIRE`, and a
+/// home too long to be read back is not written.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_kind_of_value_reads_as_what_it_is() {
     use tower_affinity::store::{HomeStore, Lookup};
