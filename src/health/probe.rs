@@ -34,6 +34,31 @@ use crate::{Backend, BackendId};
 ///   goes down after [`failure_threshold`](Self::failure_threshold) in a row; one that has
 ///   never been ready (unreachable when the proxy starts), at its first.
 ///
+/// What the servers answer there:
+///
+/// - llama-server answers at once: 503 with a JSON error (`"Loading model"`) while it loads
+///   its model, then 200 with `{"status":"ok"}`.
+/// - vLLM serves HTTP only once its model is loaded (before, a connection is refused or not
+///   answered: a failure), then answers 200 with no body, and 503 once its engine has died.
+/// - SGLang answers 503 while it starts and while it shuts down. Otherwise its `/health` (in
+///   recent releases the same as `/health_generate`) has the model generate one token and
+///   answers 200 once anything comes out of the scheduler, looking once a second: it takes
+///   a second at least, longer while the scheduler reads a long prompt with nothing else to
+///   give out, and answers 503 after 20 s of nothing (`SGLANG_HEALTH_CHECK_TIMEOUT`). A
+///   [`timeout`](Self::timeout) of a second or less fails every probe of an SGLang backend,
+///   and one of a few seconds (the default 2 s) takes a backend that is busy reading a long
+///   prompt down for a while; for SGLang give one above its own 20 s, so that its 503 says
+///   when it is stuck:
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_affinity::health::HealthProbe;
+///
+/// // SGLang backends: wait longer than SGLang's own health check does.
+/// let probe = HealthProbe::new().timeout(Duration::from_secs(25));
+/// # drop(probe);
+/// ```
+///
 /// For a backend whose slot count was not given ([`Backend::slots_given`]), a ready backend
 /// is also asked `GET /slots` (llama-server's: a JSON array, one object per slot): its length
 /// becomes the backend's slot count, announced again through the stream whenever it changes
@@ -130,7 +155,13 @@ impl HealthProbe {
     ///
     /// A probe that may not wait gets no answer, so zero is taken as the floor, 1 ms, rather
     /// than failing every probe and taking the whole fleet down. A timeout shorter than a
-    /// backend takes to answer still fails its probes: give one that suits the network.
+    /// backend takes to answer still fails its probes: give one that suits the network, and
+    /// the servers (SGLang's `/health` takes a second at least, and up to 20 s while it reads
+    /// a long prompt: see [`HealthProbe`]).
+    ///
+    /// [`Prober::spawn`] does not probe a backend again while its probe is out: with a
+    /// timeout longer than the [`interval`](Self::interval), a backend that does not answer
+    /// is probed about once a timeout, the others each interval still.
     ///
     /// ```
     /// use std::time::Duration;

@@ -5,6 +5,24 @@ use std::num::{NonZeroU32, NonZeroU64};
 use crate::BackendId;
 
 /// What the probe knows of one backend, from [`Prober::status`](super::Prober::status).
+///
+/// ```
+/// use tower_affinity::health::Prober;
+///
+/// /// One line for each backend the probe has down, and why.
+/// fn down<S>(prober: &Prober<S>) -> Vec<String> {
+///     let mut lines: Vec<String> = (prober.statuses().into_iter())
+///         .filter(|s| !s.up)
+///         .map(|s| {
+///             let why = if s.loading { "loading" } else { "failing" };
+///             let error = s.last_error.unwrap_or_default();
+///             format!("{}: {why} after {} probes ({error})", s.id, s.probes)
+///         })
+///         .collect();
+///     lines.sort();
+///     lines
+/// }
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ProbeStatus {
@@ -12,7 +30,8 @@ pub struct ProbeStatus {
     pub id: BackendId,
     /// Whether the probe has it up. A backend starts up, as the balancer has it.
     pub up: bool,
-    /// Whether its last `/health` answered 503: the model is loading.
+    /// Whether its last `/health` answered 503: llama-server loading its model, SGLang
+    /// starting, shutting down or stuck, vLLM with its engine dead.
     pub loading: bool,
     /// Probes in a row that failed (503 counts as one).
     pub failures: u32,

@@ -13,6 +13,32 @@ use crate::{Backend, BackendId, SessionAffinity};
 /// probe appends `/health` and `/slots`.
 ///
 /// Implemented for [`HttpBackend`]; implement it for a service of your own that wraps one.
+///
+/// ```
+/// use http::Uri;
+/// use tower_affinity::client::HttpBackend;
+/// use tower_affinity::health::ProbeTarget;
+///
+/// /// A backend service of one's own (one that adds a header to each request, say), around
+/// /// the `HttpBackend` that sends them: probed where that one sends.
+/// #[derive(Clone, Debug)]
+/// struct Tagged<B>(HttpBackend<B>);
+///
+/// impl<B> ProbeTarget for Tagged<B> {
+///     fn base_uri(&self) -> &Uri {
+///         self.0.base_uri()
+///     }
+///
+///     fn http2_prior_knowledge(&self) -> bool {
+///         self.0.http2_prior_knowledge()
+///     }
+/// }
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let backend = Tagged(HttpBackend::<String>::new("http://10.0.0.1:8080")?);
+/// assert_eq!(backend.base_uri(), "http://10.0.0.1:8080/");
+/// # Ok(()) }
+/// ```
 pub trait ProbeTarget {
     /// `scheme://authority/` of the backend.
     fn base_uri(&self) -> &Uri;
@@ -40,6 +66,35 @@ impl<B> ProbeTarget for HttpBackend<B> {
 /// Implemented for [`SessionAffinity`], whose
 /// [`mark_down`](SessionAffinity::mark_down) and [`mark_up`](SessionAffinity::mark_up) the
 /// probe calls; a test can implement it to watch the probe alone.
+///
+/// ```
+/// use parking_lot::Mutex;
+/// use tower_affinity::health::MarkHealth;
+/// use tower_affinity::BackendId;
+///
+/// /// Keeps the marks the probe sends, in order.
+/// #[derive(Debug, Default)]
+/// struct Marks(Mutex<Vec<(BackendId, bool)>>);
+///
+/// impl MarkHealth for Marks {
+///     fn mark_down(&self, id: &BackendId) -> bool {
+///         self.0.lock().push((id.clone(), false));
+///         true
+///     }
+///
+///     fn mark_up(&self, id: &BackendId) -> bool {
+///         self.0.lock().push((id.clone(), true));
+///         true
+///     }
+///
+///     // No balancer: nothing to apply.
+///     fn apply_discovery(&self) {}
+/// }
+///
+/// let marks = Marks::default();
+/// marks.mark_down(&BackendId::from("gpu-0"));
+/// assert_eq!(*marks.0.lock(), [(BackendId::from("gpu-0"), false)]);
+/// ```
 pub trait MarkHealth {
     /// Marks backend `id` down until [`mark_up`](Self::mark_up). Returns `false` if there is
     /// no such backend.
