@@ -253,7 +253,7 @@ where
         // The fleet as the balancer has it: what its stream has announced so far.
         health.apply_discovery();
         let mut probes = JoinSet::new();
-        for job in self.jobs(false, &HashSet::new()) {
+        for job in self.jobs(|_, _| true) {
             probes.spawn(self.probe(job));
         }
         let store = health.check_store();
@@ -278,7 +278,8 @@ where
     /// hold the probes back. Each backend's probe runs on its own, and its answer is acted on
     /// as it comes: a backend slow to answer (up to the [timeout](HealthProbe::timeout) for
     /// each of its requests) holds back no other's probes, and is not probed again until its
-    /// probe is done. Needs a tokio runtime.
+    /// probe is done; if an interval ended meanwhile, it is probed again as soon as it is
+    /// (a backend that does not answer, once a timeout). Needs a tokio runtime.
     #[must_use = "probing stops when the returned ProbeTask is dropped: keep it"]
     pub fn spawn<H>(self, health: H) -> ProbeTask
     where
@@ -295,6 +296,11 @@ where
             let mut probes = JoinSet::new();
             // The backends (and generations) whose probe is out, by task.
             let mut out: HashMap<tokio::task::Id, (BackendId, u64)> = HashMap::new();
+            // Those of them whose interval ended while their probe was out: probed again as
+            // soon as it is in. A backend that does not answer, with the timeout as long as
+            // the interval (the defaults), would otherwise be probed every other interval, and
+            // its failures take twice as long to take it down.
+            let mut owed: HashSet<(BackendId, u64)> = HashSet::new();
             loop {
                 enum Next {
                     Tick,
@@ -319,10 +325,20 @@ where
                             Ok((task, _)) => *task,
                             Err(e) => e.id(),
                         };
-                        out.remove(&task);
+                        let backend = out.remove(&task);
                         if let Ok((_, (id, generation, checked))) = done {
                             if self.settle(&health, &id, generation, checked) {
                                 health.apply_discovery();
+                            }
+                        }
+                        if let Some(backend) = backend.filter(|b| owed.remove(b)) {
+                            let (id, generation) = &backend;
+                            let wanted = |i: &BackendId, t: &Target<S>| {
+                                i == id && t.generation == *generation
+                            };
+                            for job in self.jobs(wanted) {
+                                let task = probes.spawn(self.probe(job)).id();
+                                out.insert(task, backend.clone());
                             }
                         }
                         continue;
@@ -337,7 +353,15 @@ where
                 // The fleet as the balancer has it: what its stream has announced so far.
                 health.apply_discovery();
                 let busy: HashSet<(BackendId, u64)> = out.values().cloned().collect();
-                for job in self.jobs(only_new, &busy) {
+                let wanted = |id: &BackendId, t: &Target<S>| {
+                    (!only_new || t.status.probes == 0)
+                        && !busy.contains(&(id.clone(), t.generation))
+                };
+                let jobs = self.jobs(wanted);
+                if !only_new {
+                    owed.extend(busy);
+                }
+                for job in jobs {
                     let backend = (job.id.clone(), job.generation);
                     let task = probes.spawn(self.probe(job)).id();
                     out.insert(task, backend);
@@ -347,14 +371,12 @@ where
         ProbeTask { task }
     }
 
-    /// The probes to send: to the backends not probed yet if `only_new`, else to all of them,
-    /// but those whose probe is out (`busy`).
-    fn jobs(&self, only_new: bool, busy: &HashSet<(BackendId, u64)>) -> Vec<Job> {
+    /// The probes to send: to the backends `wanted` says.
+    fn jobs(&self, wanted: impl Fn(&BackendId, &Target<S>) -> bool) -> Vec<Job> {
         let state = self.shared.state.lock();
         state
             .iter()
-            .filter(|(_, t)| !only_new || t.status.probes == 0)
-            .filter(|(id, t)| !busy.contains(&((*id).clone(), t.generation)))
+            .filter(|(id, t)| wanted(id, t))
             .map(|(id, t)| {
                 // For its request context alone, a backend is not asked again once its
                 // `/slots` answered that it has none (vLLM and SGLang have none), until it

@@ -452,12 +452,13 @@ async fn a_backend_slow_to_answer_holds_back_no_other_backends_probes() {
     assert!(status(&affinity, "busy").healthy);
     assert_eq!(stub_busy.health_hits.load(Ordering::Relaxed), 1);
     assert_eq!(prober.status("busy").unwrap().probes, 0);
-    // Its answer in (a timeout at 5 s), it is probed again at the next interval.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Its answer in (a timeout at 5 s), it is probed again at once: intervals ended while its
+    // probe was out.
+    tokio::time::sleep(Duration::from_millis(1600)).await;
     let s = prober.status("busy").unwrap();
     assert_eq!(s.probes, 1);
     assert!(s.up, "a /slots that does not answer takes nothing down");
-    assert!(stub_busy.health_hits.load(Ordering::Relaxed) >= 2);
+    assert_eq!(stub_busy.health_hits.load(Ordering::Relaxed), 2);
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
@@ -1014,4 +1015,38 @@ async fn a_backend_spoken_to_in_http2_is_probed_in_http2() {
     let b = status(&affinity, "h2");
     assert!(b.healthy);
     assert_eq!((b.slots, b.request_context_limit), (2, Some(4096)));
+}
+
+/// A backend that does not answer is probed again as soon as its probe runs out, when an
+/// interval ended meanwhile, rather than at the next interval: with the timeout as long as the
+/// interval (the defaults, 2 s each) or a little longer, three failures in a row take it down
+/// after three timeouts, where they took five intervals.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_backend_that_does_not_answer_is_probed_again_as_soon_as_its_probe_runs_out() {
+    for (timeout, down_by) in [(2000, 6500), (2500, 8000)] {
+        let (addr, stub) = start(1).await;
+        let (affinity, prober) = balancer(
+            HealthProbe::new().timeout(Duration::from_millis(timeout)),
+            vec![("hung", Backend::new("n", http(addr)))],
+        );
+        prober.round(&affinity).await;
+        assert!(prober.status("hung").unwrap().up);
+        stub.hang.store(true, Ordering::Relaxed);
+        let task = prober.clone().spawn(affinity.clone());
+        tokio::time::sleep(Duration::from_millis(down_by)).await;
+        let s = prober.status("hung").unwrap();
+        assert_eq!(
+            (s.failures, s.up),
+            (3, false),
+            "timeout {timeout} ms: {s:?}"
+        );
+        assert!(!status(&affinity, "hung").healthy);
+        // The round, then one probe at a time: the fourth is out.
+        assert_eq!(
+            stub.health_hits.load(Ordering::Relaxed),
+            5,
+            "timeout {timeout} ms"
+        );
+        drop(task);
+    }
 }
