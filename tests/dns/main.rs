@@ -1165,3 +1165,48 @@ async fn a_fleet_whose_addresses_all_change_is_never_empty_between_the_changes()
     svc.apply_discovery();
     assert_eq!(ids(&svc), ["10.0.0.2:8080"]);
 }
+
+/// Changes the stream has not yielded yet are merged as they come: a balancer that takes no
+/// request for a while (it applies discovery as requests come) finds, after the quiet spell,
+/// where the fleet is now, not every answer on the way there, and the services built for
+/// addresses that came and went meanwhile are dropped rather than held until then.
+#[tokio::test(start_paused = true)]
+async fn changes_not_yet_taken_are_merged_into_what_changed_since() {
+    let dns = start_dns().await;
+    dns.set_ips("llm.fleet.test.", 5, &["10.0.0.1", "10.0.0.2"])
+        .await;
+    let built = Arc::new(());
+    let mut fleet = builder(&dns, "llm.fleet.test.:8080")
+        .min_interval(Duration::from_secs(1))
+        .build({
+            let built = built.clone();
+            move |ep: &DnsEndpoint| (ep.addr(), built.clone())
+        })
+        .unwrap();
+    let handle = fleet.handle();
+    answered(handle.resolved(1)).await;
+    assert_eq!(ready(&mut fleet).await.len(), 2);
+
+    // A server that names one of 10.0.0.2, 10.0.0.3 and 10.0.0.4 beside 10.0.0.1 each time,
+    // thirty times, while nobody takes the changes.
+    for n in 2..=31u64 {
+        let other = format!("10.0.0.{}", 2 + n % 3);
+        dns.set_ips("llm.fleet.test.", 5, &["10.0.0.1", &other])
+            .await;
+        tokio::time::advance(Duration::from_secs(5)).await;
+        answered(handle.resolved(n)).await;
+        // The services the stream holds for its consumer: one an address at most.
+        assert!(
+            Arc::strong_count(&built) <= 1 + 4,
+            "answer {n}: {} services held",
+            Arc::strong_count(&built) - 1
+        );
+    }
+    // The last answer named 10.0.0.1 and 10.0.0.3 (31 % 3 == 1): 10.0.0.2 went, 10.0.0.3 came.
+    assert_eq!(
+        ready_shown(&mut fleet).await,
+        ["+10.0.0.3:8080@10.0.0.3", "-10.0.0.2:8080"]
+    );
+    assert_eq!(handle.stats().backends, 2);
+    assert_eq!(handle.failures(), 0);
+}

@@ -4,15 +4,16 @@ use std::convert::Infallible;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use futures_core::Stream;
 use hickory_resolver::TokioResolver;
-use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tower::discover::Change;
 
 use super::builder::DnsFleetBuilder;
+use super::changes::Changes;
 use super::endpoint::DnsEndpoint;
 use super::error::DnsError;
 use super::handle::DnsHandle;
@@ -38,7 +39,12 @@ use crate::{Backend, BackendId};
 /// error, and ends only if its resolving task does.
 ///
 /// Resolution runs in a task of its own, so a changed fleet is ready for the next request
-/// even after a quiet spell. Dropping the stream stops it.
+/// even after a quiet spell. Dropping the stream stops it. The changes the stream has not
+/// yielded yet are merged as they come: it owes at most one change a backend, what differs
+/// from what it has yielded so far (an address that came and went meanwhile is not
+/// announced; one that went and came back is an insert that updates it), the inserts first.
+/// A balancer that takes no request for hours finds the fleet as it is now, not every
+/// answer on the way.
 ///
 /// With a literal address, which resolves to itself without a query:
 ///
@@ -65,7 +71,7 @@ use crate::{Backend, BackendId};
 ///
 /// See [the module docs](super) for one under [`SessionAffinity`](crate::SessionAffinity).
 pub struct DnsFleet<S> {
-    rx: mpsc::UnboundedReceiver<Change<BackendId, Backend<S>>>,
+    changes: Arc<Changes<S>>,
     handle: DnsHandle,
     task: Task,
 }
@@ -93,15 +99,24 @@ impl<S: Send + 'static> DnsFleet<S> {
         schedule: Schedule,
         make: Make<S>,
     ) -> Self {
-        let (tx, rx) = mpsc::unbounded_channel();
+        let changes = Changes::new();
         let handle = DnsHandle::new(target);
-        let work: Pin<Box<dyn Future<Output = ()> + Send>> =
-            Box::pin(run(resolver, handle.clone(), schedule, make, tx));
+        let work: Pin<Box<dyn Future<Output = ()> + Send>> = Box::pin(run(
+            resolver,
+            handle.clone(),
+            schedule,
+            make,
+            changes.clone(),
+        ));
         let task = match tokio::runtime::Handle::try_current() {
             Ok(rt) => Task::Running(rt.spawn(work)),
             Err(_) => Task::Waiting(Some(work)),
         };
-        DnsFleet { rx, handle, task }
+        DnsFleet {
+            changes,
+            handle,
+            task,
+        }
     }
 }
 
@@ -141,7 +156,7 @@ impl<S> Stream for DnsFleet<S> {
                 }
             }
         }
-        this.rx.poll_recv(cx).map(|c| c.map(Ok))
+        this.changes.poll_next(cx).map(|c| c.map(Ok))
     }
 }
 

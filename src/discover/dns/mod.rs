@@ -75,12 +75,14 @@
 //   endpoint.rs  DnsEndpoint: one address, as the service and node functions see it
 //   builder.rs   DnsFleetBuilder, IpStrategy: the resolver, the schedule, the backends
 //   fleet.rs     DnsFleet: the discovery stream
+//   changes.rs   the changes announced and not yet yielded, merged: one a backend at most
 //   task.rs      the resolving task: resolve, diff, announce, wait
 //   resolve.rs   one resolution: addresses and the shortest TTL
 //   handle.rs    DnsHandle, DnsStats: counters, last error, refresh
 //   error.rs     DnsError, DnsErrorKind
 
 mod builder;
+mod changes;
 mod endpoint;
 mod error;
 mod fleet;

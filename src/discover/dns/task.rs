@@ -11,10 +11,10 @@ use std::task::Poll;
 use std::time::Duration;
 
 use hickory_resolver::TokioResolver;
-use tokio::sync::mpsc::UnboundedSender;
 use tokio::time::Instant;
 use tower::discover::Change;
 
+use super::changes::Changes;
 use super::endpoint::DnsEndpoint;
 use super::handle::DnsHandle;
 use super::resolve::resolve;
@@ -95,11 +95,12 @@ pub(crate) async fn run<S>(
     handle: DnsHandle,
     schedule: Schedule,
     make: Make<S>,
-    tx: UnboundedSender<Change<BackendId, Backend<S>>>,
+    changes: Arc<Changes<S>>,
 ) {
     // However the task ends, its end is seen: a panic in the service or node function (or
-    // anywhere here) would otherwise leave `DnsHandle::resolved` waiting for good.
-    let _closed = ClosedOnDrop(handle.clone());
+    // anywhere here) would otherwise leave `DnsHandle::resolved` waiting for good, and the
+    // stream open.
+    let tx = ClosedOnDrop(handle.clone(), changes);
     let target = handle.target().clone();
     let shared = handle.shared();
     let mut current: BTreeMap<SocketAddr, BackendId> = BTreeMap::new();
@@ -144,7 +145,7 @@ pub(crate) async fn run<S>(
                     unmade.remove(addr);
                     added += 1;
                     tracing::debug!(dns = %target, backend = %id, "DNS: backend found");
-                    let _ = tx.send(Change::Insert(id.clone(), backend));
+                    tx.1.send(Change::Insert(id.clone(), backend));
                     current.insert(*addr, id);
                 }
                 // No address of the answer in the fleet (their services all failed): the
@@ -194,7 +195,7 @@ pub(crate) async fn run<S>(
                     missing.remove(addr);
                     removed += 1;
                     tracing::debug!(dns = %target, backend = %id, "DNS: backend gone");
-                    let _ = tx.send(Change::Remove(id.clone()));
+                    tx.1.send(Change::Remove(id.clone()));
                     false
                 });
                 if added + removed > 0 {
@@ -232,18 +233,21 @@ pub(crate) async fn run<S>(
                 schedule.retry
             }
         };
-        if tx.is_closed() {
+        // The stream gone (it aborts this task too): nobody to announce to.
+        if Arc::strong_count(&tx.1) == 1 {
             return;
         }
         sleep_or_refresh(wait, &handle).await;
     }
 }
 
-/// Marks the resolving task gone when dropped: at its end, its abort, or a panic in it.
-struct ClosedOnDrop(DnsHandle);
+/// Marks the resolving task gone when dropped, to the handle and to the stream: at its end,
+/// its abort, or a panic in it.
+struct ClosedOnDrop<S>(DnsHandle, Arc<Changes<S>>);
 
-impl Drop for ClosedOnDrop {
+impl<S> Drop for ClosedOnDrop<S> {
     fn drop(&mut self) {
+        self.1.close();
         self.0.shared().closed();
     }
 }
