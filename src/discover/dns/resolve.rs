@@ -13,6 +13,9 @@ use super::endpoint::DnsEndpoint;
 use super::error::{DnsError, DnsErrorKind};
 use super::target::{DnsTarget, TargetKind};
 
+/// The TTL of a literal address, as hickory gives it: a day, so the ceiling.
+const LITERAL_TTL: u32 = 86_400;
+
 /// What one resolution found.
 #[derive(Debug)]
 pub(crate) struct Resolution {
@@ -68,14 +71,12 @@ async fn addresses(
     resolver: &TokioResolver,
     name: &str,
 ) -> Result<(Vec<IpAddr>, Option<u32>), DnsError> {
-    if name.parse::<IpAddr>().is_ok() {
-        // A literal address resolves to itself, without a query.
-        let lookup = resolver
-            .lookup_ip(name)
-            .await
-            .map_err(|e| DnsError::resolve(&format!("{name} A/AAAA"), &e))?;
-        let ttl = lookup.as_lookup().answers().iter().map(|r| r.ttl).min();
-        return Ok((lookup.iter().collect(), ttl));
+    if let Ok(ip) = name.parse::<IpAddr>() {
+        // A literal address resolves to itself, without a query. Not through hickory's
+        // `lookup_ip`: under an `ndots` over 4 (Kubernetes gives pods 5) it looks an IPv4
+        // address up against each search domain first, waits out a nameserver that does not
+        // answer, and takes what one that does answers for it.
+        return Ok((vec![ip], Some(LITERAL_TTL)));
     }
     use RecordType::{A, AAAA};
     // The first type, the second if any, and whether both are asked together.
@@ -244,4 +245,52 @@ async fn srv(resolver: &TokioResolver, name: &str) -> Result<Resolution, DnsErro
         endpoints,
         ttl: if ttl == u32::MAX { 0 } else { ttl },
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use hickory_resolver::config::{ConnectionConfig, NameServerConfig, ResolverConfig};
+    use hickory_resolver::net::runtime::TokioRuntimeProvider;
+    use hickory_resolver::proto::rr::Name;
+
+    use super::*;
+
+    /// A literal address resolves to itself without a query, even under a configuration
+    /// whose `ndots` it does not reach (Kubernetes gives pods `ndots:5`, under which hickory
+    /// tries `10.0.0.1` against each search domain first, and would take whatever those
+    /// answer for it).
+    #[tokio::test(start_paused = true)]
+    async fn a_literal_address_is_not_looked_up_under_search_domains() {
+        // A nameserver that receives and never answers.
+        let server = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let port = server.local_addr().unwrap().port();
+        let mut udp = ConnectionConfig::udp();
+        udp.port = port;
+        let ns = NameServerConfig::new("127.0.0.1".parse().unwrap(), true, vec![udp]);
+        let search = vec![Name::from_ascii("default.svc.cluster.local.").unwrap()];
+        let config = ResolverConfig::from_parts(None, search, vec![ns]);
+        let mut builder =
+            TokioResolver::builder_with_config(config, TokioRuntimeProvider::default());
+        builder.options_mut().ndots = 5;
+        builder.options_mut().timeout = Duration::from_secs(1);
+        builder.options_mut().attempts = 1;
+        let resolver = builder.build().unwrap();
+
+        let start = tokio::time::Instant::now();
+        for (target, want) in [("10.0.0.1", "10.0.0.1:8080"), ("::1", "[::1]:8080")] {
+            let found = resolve(&resolver, &DnsTarget::host(target, 8080).unwrap())
+                .await
+                .unwrap();
+            let addrs: Vec<String> = found.endpoints.keys().map(|a| a.to_string()).collect();
+            assert_eq!(addrs, [want]);
+        }
+        assert_eq!(start.elapsed(), Duration::ZERO, "waited for a nameserver");
+        let mut buf = [0u8; 512];
+        assert!(
+            server.try_recv(&mut buf).is_err(),
+            "a literal address was sent to the nameserver"
+        );
+    }
 }
