@@ -1210,3 +1210,40 @@ async fn changes_not_yet_taken_are_merged_into_what_changed_since() {
     assert_eq!(handle.stats().backends, 2);
     assert_eq!(handle.failures(), 0);
 }
+
+/// A docker compose service named `llama_server` is reachable as that name: an underscore
+/// inside a label is no valid host name, but DNS carries it, and docker's DNS (and Consul's,
+/// for a node so named) answers for it. Taken as a target, and as an SRV record's target.
+#[tokio::test(start_paused = true)]
+async fn a_name_with_an_underscore_resolves() {
+    let dns = start_dns().await;
+    dns.set_ips("llama_server.fleet.test.", 30, &["10.0.0.1"])
+        .await;
+    let mut fleet = builder(&dns, "llama_server.fleet.test.:8080")
+        .build(|ep: &DnsEndpoint| ep.addr())
+        .unwrap();
+    answered(fleet.handle().resolved(1)).await;
+    assert_eq!(fleet.handle().last_error().map(|e| e.to_string()), None);
+    assert_eq!(ready_shown(&mut fleet).await, ["+10.0.0.1:8080@10.0.0.1"]);
+
+    dns.set_srv(
+        "_llm._tcp.fleet.test.",
+        30,
+        &[(10, 5, 8001, "llama_server.fleet.test.")],
+    )
+    .await;
+    let mut fleet = builder(&dns, "_llm._tcp.fleet.test.")
+        .build(|ep: &DnsEndpoint| ep.clone())
+        .unwrap();
+    answered(fleet.handle().resolved(1)).await;
+    assert_eq!(fleet.handle().last_error().map(|e| e.to_string()), None);
+    let changes = ready(&mut fleet).await;
+    let [Change::Insert(id, backend)] = &changes[..] else {
+        panic!("{:?}", changes.iter().map(show).collect::<Vec<_>>());
+    };
+    assert_eq!(id.as_str(), "10.0.0.1:8001");
+    assert_eq!(
+        backend.service().srv_host(),
+        Some("llama_server.fleet.test")
+    );
+}

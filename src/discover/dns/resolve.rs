@@ -5,13 +5,13 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
 
 use hickory_resolver::config::LookupIpStrategy;
-use hickory_resolver::proto::rr::{RData, RecordType};
+use hickory_resolver::proto::rr::{Name, RData, RecordType};
 use hickory_resolver::TokioResolver;
 use tokio::task::JoinSet;
 
 use super::endpoint::DnsEndpoint;
 use super::error::{DnsError, DnsErrorKind};
-use super::target::{DnsTarget, TargetKind};
+use super::target::{dns_name, DnsTarget, TargetKind};
 
 /// The TTL of a literal address, as hickory gives it: a day, so the ceiling.
 const LITERAL_TTL: u32 = 86_400;
@@ -78,6 +78,7 @@ async fn addresses(
         // answer, and takes what one that does answers for it.
         return Ok((vec![ip], Some(LITERAL_TTL)));
     }
+    let name = &parsed(name)?;
     use RecordType::{A, AAAA};
     // The first type, the second if any, and whether both are asked together.
     let (first, second, together) = match resolver.options().ip_strategy {
@@ -130,11 +131,11 @@ async fn addresses(
 /// (no such name, or no records of the type); an error if the query failed.
 async fn family(
     resolver: &TokioResolver,
-    name: &str,
+    name: &Name,
     rtype: RecordType,
 ) -> Result<Result<(Vec<IpAddr>, Option<u32>), DnsError>, DnsError> {
     let what = format!("{name} {rtype}");
-    let lookup = match resolver.lookup(name, rtype).await {
+    let lookup = match resolver.lookup(name.clone(), rtype).await {
         Ok(lookup) => lookup,
         Err(e) => {
             let e = DnsError::resolve(&what, &e);
@@ -159,6 +160,17 @@ async fn family(
     Ok(Ok((ips, answers.iter().map(|r| r.ttl).min())))
 }
 
+/// `name` as asked for (see [`dns_name`]); a target's was checked when it was made, an SRV
+/// record's target came as a name.
+fn parsed(name: &str) -> Result<Name, DnsError> {
+    dns_name(name).map_err(|e| {
+        DnsError::new(
+            DnsErrorKind::InvalidTarget,
+            format!("invalid DNS name {name:?}: {e}"),
+        )
+    })
+}
+
 /// One SRV record's target and what it said.
 struct SrvRecord {
     target: String,
@@ -169,7 +181,7 @@ struct SrvRecord {
 
 async fn srv(resolver: &TokioResolver, name: &str) -> Result<Resolution, DnsError> {
     let lookup = resolver
-        .srv_lookup(name)
+        .srv_lookup(parsed(name)?)
         .await
         .map_err(|e| DnsError::resolve(&format!("{name} SRV"), &e))?;
     let mut ttl = u32::MAX;

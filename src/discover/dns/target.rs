@@ -4,6 +4,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use hickory_resolver::proto::rr::Name;
+use hickory_resolver::proto::ProtoError;
 
 use super::error::{DnsError, DnsErrorKind};
 
@@ -92,9 +93,21 @@ fn checked(name: &str) -> Result<String, DnsError> {
         return Err(invalid(name, "the name is empty"));
     }
     if name.parse::<std::net::IpAddr>().is_err() {
-        Name::from_utf8(name).map_err(|e| invalid(name, &e.to_string()))?;
+        dns_name(name).map_err(|e| invalid(name, &e.to_string()))?;
     }
     Ok(name.to_string())
+}
+
+/// `name` as the name asked for. An ASCII name is taken as it is written, underscores
+/// included (`llama_server`, a docker compose service; hickory's own reading of a string,
+/// by IDNA's rules for host names, refuses one anywhere but at a label's start); any other
+/// goes through IDNA.
+pub(crate) fn dns_name(name: &str) -> Result<Name, ProtoError> {
+    if name.is_ascii() {
+        Name::from_ascii(name)
+    } else {
+        Name::from_utf8(name)
+    }
 }
 
 fn invalid(name: &str, why: &str) -> DnsError {
@@ -170,6 +183,9 @@ mod tests {
         assert_eq!(t.to_string(), "[::1]:9000");
         let t: DnsTarget = "10.0.0.1:80".parse().unwrap();
         assert_eq!(t.to_string(), "10.0.0.1:80");
+        // A docker compose service's name may have an underscore.
+        let t: DnsTarget = "llama_server:8080".parse().unwrap();
+        assert_eq!((t.name(), t.port()), ("llama_server", Some(8080)));
         let t: DnsTarget = "_llm._tcp.backends.test.".parse().unwrap();
         assert_eq!(
             (t.name(), t.port(), t.is_srv()),
