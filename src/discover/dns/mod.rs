@@ -22,6 +22,19 @@
 //! those given with [`DnsFleetBuilder::nameserver`]. Resolution uses [hickory-resolver],
 //! without its cache; the feature needs Rust 1.88 or later, as hickory-resolver 0.26 does.
 //!
+//! A name without a trailing dot is tried under the search domains as the configuration's
+//! `ndots` says. In a Kubernetes pod (`ndots:5`) `llm.default.svc.cluster.local:8080` is
+//! asked under three or four search domains, where it does not exist, before it is asked as
+//! it is, at every resolution; `llm.default.svc.cluster.local.:8080` is asked once. Under
+//! search domains, hickory reports a resolution by the last name it tried: a short name
+//! (`llm:8080`) whose query timed out under the domain where it exists is asked under the
+//! others next, and fails as no such name (the fleet is kept all the same).
+//!
+//! One [`DnsFleet`] follows one name. Streams of several can be merged (`select` of
+//! `futures`); an `IP:PORT` that two names give is then one backend, which a removal from
+//! either takes out: to keep it while any name gives it, count the names of each id before
+//! a change is passed on, as the proxy example does.
+//!
 //! By default the fleet is what each answer says: a server that answers with a different
 //! subset of a large record set each time (round-robin DNS whose answers are cut short, some
 //! Consul setups) makes the fleet change each time, and the sessions homed on a backend left
