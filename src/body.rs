@@ -169,8 +169,13 @@ impl Observe {
     }
 
     /// The answer's first byte came at `at`: on the histograms now, however the answer ends
-    /// (read whole, cut, or dropped midway by a client that stopped reading).
+    /// (read whole, cut, or dropped midway by a client that stopped reading). Not an error's:
+    /// it comes without the prompt read (a refusal, a 503 while the model loads), and would
+    /// read as the fastest prefill of all.
     fn first_byte(&self, guard: &SlotGuard, at: Instant) {
+        if !self.watch.success {
+            return;
+        }
         let capacity = guard.capacity();
         let after = capacity.now_ms(at).saturating_sub(guard.since_ms());
         let after = Duration::from_millis(after);
@@ -198,7 +203,7 @@ impl Observe {
         let ms = |t: Instant| Duration::from_millis(capacity.now_ms(t).saturating_sub(since));
         let answer = Answer {
             usage: self.scanner.finish(),
-            first_byte: self.first_byte.map(ms),
+            first_byte: self.first_byte.filter(|_| self.watch.success).map(ms),
             duration: Some(ms(now)).filter(|_| self.watch.success),
             stream: self.stream,
         };

@@ -1564,9 +1564,9 @@ pub struct BackendStatus {
     pub prefill_rate: Option<u32>,
     /// How long its requests take, dispatch to the end of the answer (a moving average).
     pub request_time: Option<Duration>,
-    /// Its mean time to first byte, over every answer so far: for a Responses stream, to its
-    /// first event after `response.created` and `response.in_progress`, which the backend
-    /// sends before it has read the prompt.
+    /// Its mean time to first byte, over every successful answer so far (an error comes at
+    /// once): for a Responses stream, to its first event after `response.created` and
+    /// `response.in_progress`, which the backend sends before it has read the prompt.
     pub first_byte_time: Option<Duration>,
 }
 

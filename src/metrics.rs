@@ -37,18 +37,19 @@
 //! The histograms are what the exporter makes of them: `metrics-exporter-prometheus` renders
 //! a summary unless it is given buckets (`set_buckets`, or `set_buckets_for_metric`); waits
 //! run to `max_wait` (60 s by default) and a cold prompt's first byte to minutes. The
-//! first-byte histograms time the answers read for their usage (JSON or SSE, not compressed:
-//! see [`observe_usage`](crate::SessionAffinityLayer::observe_usage)), each as its first byte
-//! comes, whether the answer then ends, is cut, or is dropped by its client. A Responses
-//! stream's first byte is that of its first event after `response.created` and
-//! `response.in_progress`, which its backend sends before it has read the prompt.
+//! first-byte histograms time the successful (2xx) answers read for their usage (JSON or SSE,
+//! not compressed: see [`observe_usage`](crate::SessionAffinityLayer::observe_usage)), each as
+//! its first byte comes, whether the answer then ends, is cut, or is dropped by its client (an
+//! error comes at once, its prompt unread: it is not timed). A Responses stream's first byte
+//! is that of its first event after `response.created` and `response.in_progress`, which its
+//! backend sends before it has read the prompt.
 //!
 //! | name | kind | labels | what |
 //! |---|---|---|---|
 //! | `tower_affinity_decisions_total` | counter | `outcome` | requests placed, by [`Outcome`] |
 //! | `tower_affinity_prompt_tokens_total` | counter | `outcome` | prompt tokens of the answers that said how many they reused, by their requests' outcome ([`Stats::reuse`](crate::Stats::reuse)) |
 //! | `tower_affinity_reused_tokens_total` | counter | `outcome` | of them, reused from the backends' caches: a home hit's share near 1 and a cold home's near 0 say the cache model is right |
-//! | `tower_affinity_first_byte_seconds` | histogram | `outcome` | dispatch to the answer's first byte (a Responses stream's first event after those that open it), by the request's outcome: what a cold prefill costs against a warm one |
+//! | `tower_affinity_first_byte_seconds` | histogram | `outcome` | dispatch to a successful answer's first byte (a Responses stream's first event after those that open it), by the request's outcome: what a cold prefill costs against a warm one |
 //! | `tower_affinity_waited_total` | counter | | requests that waited for a slot |
 //! | `tower_affinity_wait_seconds` | histogram | | how long they waited |
 //! | `tower_affinity_overcommitted_total` | counter | | requests sent beyond a backend's slots |
@@ -65,7 +66,7 @@
 //! | `tower_affinity_backend_reused_tokens_total` | counter | `backend`, `node` | of them, reused from its cache |
 //! | `tower_affinity_backend_unreported_prompt_tokens_total` | counter | `backend`, `node` | prompt tokens of its answers that did not say (vLLM's Anthropic endpoint, or vLLM without `--enable-prompt-tokens-details`) |
 //! | `tower_affinity_backend_corrections_total` | counter | `backend`, `node` | answers far below the cache model's prediction |
-//! | `tower_affinity_backend_first_byte_seconds` | histogram | `backend`, `node` | dispatch to the answer's first byte |
+//! | `tower_affinity_backend_first_byte_seconds` | histogram | `backend`, `node` | dispatch to its successful answer's first byte |
 //! | `tower_affinity_in_flight` | gauge | | requests in flight (published) |
 //! | `tower_affinity_waiting` | gauge | | requests waiting for a slot (published) |
 //! | `tower_affinity_sessions` | gauge | | sessions in the table (published) |
@@ -637,7 +638,7 @@ const HELP: [(&str, Kind, &str); 36] = [
     (
         "tower_affinity_first_byte_seconds",
         Kind::Histogram,
-        "Dispatch to the answer's first byte, by the request's outcome",
+        "Dispatch to a successful answer's first byte, by the request's outcome",
     ),
     (
         "tower_affinity_waited_total",
@@ -722,7 +723,7 @@ const HELP: [(&str, Kind, &str); 36] = [
     (
         "tower_affinity_backend_first_byte_seconds",
         Kind::Histogram,
-        "Dispatch to the backend's first byte of answer",
+        "Dispatch to the first byte of the backend's successful answer",
     ),
     (
         "tower_affinity_in_flight",

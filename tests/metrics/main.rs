@@ -12,7 +12,7 @@ use tower::{service_fn, Layer, Service, ServiceExt};
 use tower_affinity::discover::StaticFleet;
 use tower_affinity::key::SessionKey;
 use tower_affinity::store::{HomeStore, Lookup, ReadHome, StoredHome, WriteHome};
-use tower_affinity::{Backend, SessionAffinityLayer};
+use tower_affinity::{Backend, Outcome, SessionAffinityLayer};
 
 const ANSWER: &str =
     r#"{"usage":{"prompt_tokens":1200,"prompt_tokens_details":{"cached_tokens":1024}}}"#;
@@ -887,6 +887,71 @@ fn a_streams_first_byte_counts_when_its_answer_is_dropped_or_cut_midway() {
         ),
         vec![2.0, 2.0]
     );
+}
+
+/// An error answer comes at once, without reading the prompt (llama-server's refusal of a
+/// prompt too long for its context, its 503 while it loads its model): it is no first byte
+/// of an answer, and would read as the fastest prefill of all.
+#[test]
+fn an_error_answers_first_byte_is_not_timed() {
+    let (mean, snapshot) = recorded_paused(async {
+        let backend = service_fn(|req: http::Request<String>| async move {
+            let (status, answer) = match req.uri().path() {
+                "/refused" => (
+                    http::StatusCode::BAD_REQUEST,
+                    r#"{"error":{"code":400,"message":"the request exceeds the available context size"}}"#,
+                ),
+                _ => {
+                    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+                    (http::StatusCode::OK, ANSWER)
+                }
+            };
+            let mut res = http::Response::new(Full::new(Bytes::from_static(answer.as_bytes())));
+            *res.status_mut() = status;
+            res.headers_mut()
+                .insert("content-type", "application/json".parse().unwrap());
+            Ok::<_, Infallible>(res)
+        });
+        let fleet = StaticFleet::new([("a1", Backend::new("node-a", backend))]);
+        let svc = SessionAffinityLayer::new().layer(fleet);
+        for path in ["/refused", "/"] {
+            let req = http::Request::post(path)
+                .header("x-session-id", "s")
+                .body(String::new())
+                .unwrap();
+            let res = svc.clone().oneshot(req).await.unwrap();
+            res.into_body().collect().await.unwrap();
+        }
+        svc.backends()[0].first_byte_time
+    });
+    let seconds = |name: &str, labels: &[(&str, &str)]| -> Vec<f64> {
+        match value(&snapshot, MetricKind::Histogram, name, labels) {
+            Some(DebugValue::Histogram(v)) => v.iter().map(|x| x.into_inner()).collect(),
+            other => panic!("{name}: {other:?}"),
+        }
+    };
+    let backend = [("backend", "a1"), ("node", "node-a")];
+    assert_eq!(
+        seconds("tower_affinity_backend_first_byte_seconds", &backend),
+        vec![2.0]
+    );
+    let by_outcome: Vec<f64> = Outcome::ALL
+        .iter()
+        .filter_map(|o| {
+            value(
+                &snapshot,
+                MetricKind::Histogram,
+                "tower_affinity_first_byte_seconds",
+                &[("outcome", o.as_str())],
+            )
+        })
+        .flat_map(|v| match v {
+            DebugValue::Histogram(v) => v.iter().map(|x| x.into_inner()).collect::<Vec<_>>(),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(by_outcome, vec![2.0]);
+    assert_eq!(mean, Some(std::time::Duration::from_secs(2)));
 }
 
 /// A backend's prefill rate is published once learned; before, it has no series: a rate of 0
