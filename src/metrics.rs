@@ -803,13 +803,16 @@ const HELP: [(&str, Kind, &str); 36] = [
 ];
 
 /// Gives the recorder each metric's help (cheap: a recorder keeps the last it was given).
+/// No unit: each name carries its own, as Prometheus's conventions have it (`_seconds`), and
+/// an exporter that adds a metric's unit to its name (`metrics-exporter-prometheus`'s
+/// `set_enable_unit_suffix`) would write `_seconds_seconds`.
 #[cfg(feature = "metrics")]
 fn describe() {
     for (name, kind, help) in HELP {
         match kind {
             Kind::Counter => metrics::describe_counter!(name, help),
             Kind::Gauge => metrics::describe_gauge!(name, help),
-            Kind::Histogram => metrics::describe_histogram!(name, metrics::Unit::Seconds, help),
+            Kind::Histogram => metrics::describe_histogram!(name, help),
         }
     }
 }

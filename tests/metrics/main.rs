@@ -221,6 +221,40 @@ fn decisions_reported_tokens_and_levels_reach_the_recorder() {
     every_metric_has_help(&snapshot);
 }
 
+/// The names carry their units, as Prometheus has them (`_seconds`, `_bytes`, `_tokens`):
+/// an exporter told to add each metric's unit to its name (`metrics-exporter-prometheus`'s
+/// `set_enable_unit_suffix`) writes them as they are, not `_seconds_seconds`.
+#[test]
+fn an_exporter_adding_units_to_names_writes_each_unit_once() {
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .set_enable_unit_suffix(true)
+        .set_buckets(&[0.1, 1.0, 10.0, 100.0])
+        .unwrap()
+        .build_recorder();
+    let handle = recorder.handle();
+    run_with(&recorder, async {
+        let fleet = StaticFleet::new([("a1", Backend::new("node-a", service_fn(answering)))]);
+        let svc = SessionAffinityLayer::new().layer(fleet);
+        let req = http::Request::post("/v1/chat/completions")
+            .header("x-session-id", "s")
+            .body(String::new())
+            .unwrap();
+        let res = svc.clone().oneshot(req).await.unwrap();
+        res.into_body().collect().await.unwrap();
+        svc.publish_metrics();
+    });
+    let text = handle.render();
+    for name in [
+        "tower_affinity_first_byte_seconds_bucket{",
+        "tower_affinity_backend_first_byte_seconds_count{",
+        "tower_affinity_session_table_bytes ",
+        "tower_affinity_backend_cached_tokens{",
+    ] {
+        assert!(text.contains(name), "{name} in {text}");
+    }
+    assert!(!text.contains("_seconds_seconds"), "{text}");
+}
+
 /// A store that keeps nothing: every read finds no home, every write succeeds.
 #[derive(Debug)]
 struct Forgetful;
