@@ -1327,6 +1327,7 @@ impl Topology {
                 // was announced again, so it starts healthy.
                 self.free.retain(|&f| f != index);
                 m.load.unretire();
+                m.load.metrics.returned();
                 m.load.down_until.store(0, Ordering::SeqCst);
             }
             let m = &mut self.members[index as usize];

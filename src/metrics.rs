@@ -364,6 +364,12 @@ pub(crate) struct BackendMetrics {
     /// [`LEVELS`].
     #[cfg(feature = "metrics")]
     keys: Box<[Key]>,
+    /// Whether the backend has left the fleet, held while its levels are set: a scrape that
+    /// read the fleet before the backend left, and sets its levels after its removal zeroed
+    /// them, sets nothing (they would read as a backend in the fleet until the exporter's
+    /// idle timeout, or for good without one).
+    #[cfg(feature = "metrics")]
+    gone: parking_lot::Mutex<bool>,
 }
 
 /// The per-backend gauges [`publish`] sets.
@@ -432,6 +438,7 @@ impl BackendMetrics {
                 keys: names
                     .map(|&name| Key::from_parts(name, labels.clone()))
                     .collect(),
+                gone: parking_lot::Mutex::new(false),
             };
             // Its counters and histogram are there from its discovery on, at 0.
             for i in 0..BACKEND_COUNTERS.len() {
@@ -497,9 +504,14 @@ impl BackendMetrics {
 
     /// Sets the backend's level gauges from its status `b`, and touches its counters: an
     /// exporter that drops idle series (`MetricKindMask::ALL`) keeps those of the backends in
-    /// the fleet, however quiet, and drops those of the backends that have left it.
+    /// the fleet, however quiet, and drops those of the backends that have left it. Nothing,
+    /// once the backend has left (`b` was read off a fleet from before).
     #[cfg(feature = "metrics")]
     pub(crate) fn publish(&self, b: &BackendStatus) {
+        let gone = self.gone.lock();
+        if *gone {
+            return;
+        }
         for i in 0..BACKEND_COUNTERS.len() {
             self.counter(i).increment(0);
         }
@@ -528,8 +540,21 @@ impl BackendMetrics {
     /// backends count only those in the fleet.
     pub(crate) fn removed(&self) {
         #[cfg(feature = "metrics")]
-        for i in 0..LEVELS.len() {
-            self.gauge(i).set(0.0);
+        {
+            let mut gone = self.gone.lock();
+            *gone = true;
+            for i in 0..LEVELS.len() {
+                self.gauge(i).set(0.0);
+            }
+        }
+    }
+
+    /// The backend is back in the fleet (announced again after it left): its levels are
+    /// published again.
+    pub(crate) fn returned(&self) {
+        #[cfg(feature = "metrics")]
+        {
+            *self.gone.lock() = false;
         }
     }
 
@@ -889,6 +914,47 @@ mod tests {
                 assert_eq!(labels(key), [own, ("fleet".to_owned(), "a".to_owned())]);
             }
         }
+    }
+
+    /// A scrape that read the fleet before a backend left and publishes its levels after
+    /// (`publish_metrics` on one thread, discovery on another) sets nothing: the levels the
+    /// removal zeroed stay 0, where they would read as a backend still in the fleet, its
+    /// slots counted in their sum. Announced again, the backend is published again.
+    #[test]
+    fn a_fleet_read_before_a_backend_left_does_not_publish_it_after() {
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        use metrics_util::MetricKind;
+        use std::num::NonZeroU32;
+
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let slots = || {
+            snapshotter
+                .snapshot()
+                .into_vec()
+                .into_iter()
+                .find(|(k, ..)| {
+                    k.kind() == MetricKind::Gauge
+                        && k.key().name() == "tower_affinity_backend_slots"
+                })
+                .map(|(.., v)| v)
+        };
+        let gauge = |v: f64| Some(DebugValue::Gauge(v.into()));
+        metrics::with_local_recorder(&recorder, || {
+            let mut fleet = crate::fleet::Topology::default();
+            let two = NonZeroU32::new(2).unwrap();
+            fleet.insert("a".into(), &"n".into(), two, None, 1_000);
+            fleet.publish_levels(0);
+            assert_eq!(slots(), gauge(2.0));
+            let before = fleet.clone();
+            fleet.remove(&"a".into());
+            assert_eq!(slots(), gauge(0.0));
+            before.publish_levels(0);
+            assert_eq!(slots(), gauge(0.0), "published after it left");
+            fleet.insert("a".into(), &"n".into(), two, None, 1_000);
+            fleet.publish_levels(0);
+            assert_eq!(slots(), gauge(2.0), "announced again");
+        });
     }
 
     #[test]
