@@ -50,8 +50,8 @@
 //! | `tower_affinity_prompt_tokens_total` | counter | `outcome` | prompt tokens of the answers that said how many they reused, by their requests' outcome ([`Stats::reuse`](crate::Stats::reuse)) |
 //! | `tower_affinity_reused_tokens_total` | counter | `outcome` | of them, reused from the backends' caches: a home hit's share near 1 and a cold home's near 0 say the cache model is right |
 //! | `tower_affinity_first_byte_seconds` | histogram | `outcome` | dispatch to a successful answer's first byte (a Responses stream's first event after those that open it), by the request's outcome: what a cold prefill costs against a warm one |
-//! | `tower_affinity_waited_total` | counter | | requests that waited for a slot |
-//! | `tower_affinity_wait_seconds` | histogram | | how long they waited |
+//! | `tower_affinity_waited_total` | counter | | requests placed after waiting for a slot (a wait that ends in a refusal counts in `rejected`, one its caller gave up on in `abandoned`) |
+//! | `tower_affinity_wait_seconds` | histogram | | how long they waited before being placed |
 //! | `tower_affinity_overcommitted_total` | counter | | requests sent beyond a backend's slots |
 //! | `tower_affinity_rejected_total` | counter | | requests refused: no slot, no room to wait |
 //! | `tower_affinity_no_backends_total` | counter | | requests refused: no backend |
@@ -673,7 +673,7 @@ const HELP: [(&str, Kind, &str); 36] = [
     (
         "tower_affinity_wait_seconds",
         Kind::Histogram,
-        "How long requests that waited for a slot waited",
+        "How long requests placed after waiting for a slot waited",
     ),
     (
         "tower_affinity_overcommitted_total",

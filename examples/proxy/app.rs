@@ -564,7 +564,7 @@ impl Proxy {
         };
         let (name, help) = (
             "tower_affinity_wait_seconds",
-            "How long requests that waited for a free slot, and were answered, waited before being placed (tower_affinity_waited_total counts every wait)",
+            "How long requests that waited for a free slot, and were answered, waited before being placed (tower_affinity_waited_total counts every wait that ended in a placement)",
         );
         let mut registry = Registry::default();
         let wait_seconds = if labelled {
