@@ -42,7 +42,9 @@
 //! its first byte comes, whether the answer then ends, is cut, or is dropped by its client (an
 //! error comes at once, its prompt unread: it is not timed). A Responses stream's first byte
 //! is that of its first event after `response.created` and `response.in_progress`, which its
-//! backend sends before it has read the prompt.
+//! backend sends before it has read the prompt. An answer that is not streamed (a request
+//! without `"stream": true`) comes whole: its first byte comes after the generation too, so
+//! the prefill's cost shows only in the streams'.
 //!
 //! | name | kind | labels | what |
 //! |---|---|---|---|
