@@ -366,12 +366,22 @@ pub(crate) struct BackendMetrics {
     /// [`LEVELS`].
     #[cfg(feature = "metrics")]
     keys: Box<[Key]>,
-    /// Whether the backend has left the fleet, held while its levels are set: a scrape that
-    /// read the fleet before the backend left, and sets its levels after its removal zeroed
-    /// them, sets nothing (they would read as a backend in the fleet until the exporter's
-    /// idle timeout, or for good without one).
+    /// What of the backend's levels is published, held while they are set.
     #[cfg(feature = "metrics")]
-    gone: parking_lot::Mutex<bool>,
+    published: parking_lot::Mutex<Published>,
+}
+
+/// What of a backend's levels is published.
+#[cfg(feature = "metrics")]
+#[derive(Debug, Default)]
+struct Published {
+    /// The backend has left the fleet: a scrape that read the fleet before it left, and sets
+    /// its levels after its removal zeroed them, sets nothing (they would read as a backend
+    /// in the fleet until the exporter's idle timeout, or for good without one).
+    gone: bool,
+    /// Its prefill rate has a series (it was learned): zeroed when the backend leaves, where
+    /// one never learned gets none.
+    rate: bool,
 }
 
 /// The per-backend gauges [`publish`] sets.
@@ -440,7 +450,7 @@ impl BackendMetrics {
                 keys: names
                     .map(|&name| Key::from_parts(name, labels.clone()))
                     .collect(),
-                gone: parking_lot::Mutex::new(false),
+                published: parking_lot::Mutex::default(),
             };
             // Its counters and histogram are there from its discovery on, at 0.
             for i in 0..BACKEND_COUNTERS.len() {
@@ -510,8 +520,8 @@ impl BackendMetrics {
     /// once the backend has left (`b` was read off a fleet from before).
     #[cfg(feature = "metrics")]
     pub(crate) fn publish(&self, b: &BackendStatus) {
-        let gone = self.gone.lock();
-        if *gone {
+        let mut published = self.published.lock();
+        if published.gone {
             return;
         }
         for i in 0..BACKEND_COUNTERS.len() {
@@ -534,18 +544,25 @@ impl BackendMetrics {
         // 0, and a rate of 0 would read as a backend that reads nothing.
         if let Some(rate) = b.prefill_rate {
             self.gauge(levels.len()).set(f64::from(rate));
+            published.rate = true;
         }
     }
 
     /// The backend left the fleet: its levels read 0 from now on (a recorder keeps a series
     /// once set; the exporter's idle timeout is what drops it), so that sums over the
-    /// backends count only those in the fleet.
+    /// backends count only those in the fleet. A prefill rate never learned gets no series.
     pub(crate) fn removed(&self) {
         #[cfg(feature = "metrics")]
         {
-            let mut gone = self.gone.lock();
-            *gone = true;
-            for i in 0..LEVELS.len() {
+            let mut published = self.published.lock();
+            published.gone = true;
+            // The prefill rate is the last of the levels.
+            let levels = if published.rate {
+                LEVELS.len()
+            } else {
+                LEVELS.len() - 1
+            };
+            for i in 0..levels {
                 self.gauge(i).set(0.0);
             }
         }
@@ -556,7 +573,7 @@ impl BackendMetrics {
     pub(crate) fn returned(&self) {
         #[cfg(feature = "metrics")]
         {
-            *self.gone.lock() = false;
+            self.published.lock().gone = false;
         }
     }
 

@@ -427,6 +427,12 @@ fn a_backend_that_left_reads_zero_and_counters_start_at_zero() {
         let name = format!("tower_affinity_backend_{name}");
         assert_eq!(level(&name, "a2"), Some(&gauge(0.0)), "{name}");
     }
+    // A prefill rate it never learned has no series, gone or not: a 0 would drag down an
+    // average over the fleet.
+    assert_eq!(
+        level("tower_affinity_backend_prefill_tokens_per_second", "a2"),
+        None
+    );
     // Nothing refused yet, and no compaction: published at 0, not missing.
     let counter =
         |name: &str, labels: &[(&str, &str)]| value(&snapshot, MetricKind::Counter, name, labels);
@@ -1039,6 +1045,36 @@ fn a_prefill_rate_not_learned_yet_is_not_published_as_zero() {
     };
     assert_eq!(rate(&taught), Some(&DebugValue::Gauge(2000.0.into())));
     assert_eq!(rate(other), None);
+}
+
+/// A learned prefill rate reads 0 once its backend has left, as every level of it.
+#[test]
+fn a_learned_prefill_rate_reads_zero_once_its_backend_has_left() {
+    let ((), snapshot) = recorded(async {
+        let (handle, fleet) = tower_affinity::discover::channel();
+        handle.insert("a1", Backend::new("node-a", service_fn(answering)));
+        let mut svc = SessionAffinityLayer::new().layer(fleet);
+        svc.ready().await.unwrap();
+        let req = http::Request::post("/timed")
+            .header("x-session-id", "s")
+            .body(String::new())
+            .unwrap();
+        let res = svc.clone().oneshot(req).await.unwrap();
+        res.into_body().collect().await.unwrap();
+        svc.publish_metrics();
+        handle.remove("a1");
+        svc.ready().await.unwrap();
+        svc.publish_metrics();
+    });
+    assert_eq!(
+        value(
+            &snapshot,
+            MetricKind::Gauge,
+            "tower_affinity_backend_prefill_tokens_per_second",
+            &[("backend", "a1")],
+        ),
+        Some(&DebugValue::Gauge(0.0.into()))
+    );
 }
 
 /// The series the `metrics` module's docs list, as `(name, kind, labels)`: the rows of its
