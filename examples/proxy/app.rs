@@ -195,6 +195,9 @@ pub(crate) struct Config {
     /// The longest silence between two frames of a backend's answer once its first came;
     /// `None` (the default) waits as long as it takes.
     pub(crate) body_idle_timeout: Option<Duration>,
+    /// TCP keepalive on the backends' connections: probed after this long without a byte,
+    /// so that a backend host that vanished fails its requests; `None` turns it off.
+    pub(crate) tcp_keepalive: Option<Duration>,
     pub(crate) failure_cooldown: Duration,
     pub(crate) body_limit: usize,
     pub(crate) read_timeout: Option<Duration>,
@@ -258,6 +261,7 @@ impl Config {
             // reply written, minutes on modest GPUs.
             response_timeout: Some(Duration::from_secs(600)),
             body_idle_timeout: None,
+            tcp_keepalive: Some(Duration::from_secs(30)),
             failure_cooldown: Duration::from_secs(5),
             body_limit: BodyKeyLayer::DEFAULT_LIMIT,
             read_timeout: Some(Duration::from_secs(60)),
@@ -277,6 +281,16 @@ impl Config {
             redis_timeout: SessionAffinityLayer::STORE_DEADLINE,
             replicas: NonZeroU32::MIN,
         }
+    }
+
+    /// The client options every backend's connections are made with, the `--backend`s' and
+    /// those a `--backend-dns` name gives.
+    pub(crate) fn http(&self) -> tower_affinity::client::Builder<ReqBody> {
+        HttpBackend::<ReqBody>::builder()
+            .connect_timeout(self.connect_timeout)
+            .response_timeout(self.response_timeout)
+            .body_idle_timeout(self.body_idle_timeout)
+            .tcp_keepalive(self.tcp_keepalive)
     }
 
     /// The cache budget of the backend with id `id`, in tokens: what the cache model assumes
@@ -509,10 +523,7 @@ impl Proxy {
         }
         let default = models.iter().position(Option::is_none).unwrap_or(0);
         let labelled = models.len() > 1;
-        let http = HttpBackend::<ReqBody>::builder()
-            .connect_timeout(config.connect_timeout)
-            .response_timeout(config.response_timeout)
-            .body_idle_timeout(config.body_idle_timeout);
+        let http = config.http();
         let mut fleets = Vec::new();
         let mut dns_handles = Vec::new();
         for &model in &models {

@@ -73,6 +73,12 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
                              longest silence between two frames of a backend's
                              answer once its first came (default 0: none); past it
                              the answer is cut short and its connection closed
+  --tcp-keepalive DURATION   TCP keepalive on backend connections: after this long
+                             without a byte either way the system probes the backend's
+                             host, again every third of it, and closes the connection
+                             after three probes unanswered, so that a host that
+                             vanished fails its requests (default 30s; 0 turns it off;
+                             whole seconds, at most 32767s)
   --failure-cooldown DURATION
                              how long a backend that failed a request is passed over
                              (default 5s)
@@ -290,6 +296,7 @@ where
                 let d = duration(&flag, &value()?)?;
                 config.body_idle_timeout = (!d.is_zero()).then_some(d);
             }
+            "--tcp-keepalive" => config.tcp_keepalive = tcp_keepalive(&value()?)?,
             "--failure-cooldown" => config.failure_cooldown = duration(&flag, &value()?)?,
             "--probe-interval" => {
                 let d = duration(&flag, &value()?)?;
@@ -571,6 +578,23 @@ pub(crate) fn duration(flag: &str, v: &str) -> Result<Duration, String> {
         ));
     }
     Ok(d)
+}
+
+/// `--tcp-keepalive`: a duration in whole seconds, the system's unit, from 1 s to 32767 s,
+/// the most Linux takes (`TCP_KEEPIDLE`; past it the system would keep its own two hours);
+/// `0` turns keepalive off.
+pub(crate) fn tcp_keepalive(v: &str) -> Result<Option<Duration>, String> {
+    const MOST: Duration = Duration::from_secs(32767);
+    let d = duration("--tcp-keepalive", v)?;
+    if d.is_zero() {
+        return Ok(None);
+    }
+    if d.subsec_nanos() != 0 || d > MOST {
+        return Err(format!(
+            "--tcp-keepalive {v:?}: whole seconds from 1s to 32767s (the system counts keepalive in seconds, up to that), or 0 to turn it off"
+        ));
+    }
+    Ok(Some(d))
 }
 
 /// Bytes, or with `KiB`, `MiB`, `GiB`.

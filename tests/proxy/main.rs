@@ -2198,6 +2198,8 @@ fn every_option_parses_and_bad_values_are_explained() {
         "0",
         "--body-idle-timeout",
         "90s",
+        "--tcp-keepalive",
+        "1.5m",
         "--failure-cooldown",
         "1m",
         "--probe-interval",
@@ -2243,6 +2245,7 @@ fn every_option_parses_and_bad_values_are_explained() {
     assert_eq!(c.connect_timeout, Some(Duration::from_millis(250)));
     assert_eq!(c.response_timeout, None);
     assert_eq!(c.body_idle_timeout, Some(Duration::from_secs(90)));
+    assert_eq!(c.tcp_keepalive, Some(Duration::from_secs(90)));
     assert_eq!(c.failure_cooldown, Duration::from_secs(60));
     assert_eq!(c.probe_interval, None);
     assert_eq!(c.probe_timeout, Duration::from_secs(3));
@@ -2260,6 +2263,7 @@ fn every_option_parses_and_bad_values_are_explained() {
     let d = &defaults.config;
     assert_eq!(d.response_timeout, Some(Duration::from_secs(600)));
     assert_eq!(d.body_idle_timeout, None);
+    assert_eq!(d.tcp_keepalive, Some(Duration::from_secs(30)));
     assert_eq!(d.read_timeout, Some(Duration::from_secs(60)));
     assert_eq!(d.header_timeout, Some(Duration::from_secs(30)));
     assert_eq!(d.connect_timeout, Some(Duration::from_secs(2)));
@@ -2326,6 +2330,23 @@ fn every_option_parses_and_bad_values_are_explained() {
             "pooled or per-client",
         ),
         (
+            vec!["--backend", "n=http://x:1", "--tcp-keepalive", "off"],
+            "--tcp-keepalive \"off\": expected a duration",
+        ),
+        // The system counts keepalive in whole seconds, and takes at most 32767 of them.
+        (
+            vec!["--backend", "n=http://x:1", "--tcp-keepalive", "500ms"],
+            "--tcp-keepalive \"500ms\": whole seconds from 1s to 32767s",
+        ),
+        (
+            vec!["--backend", "n=http://x:1", "--tcp-keepalive", "1.5s"],
+            "whole seconds from 1s to 32767s",
+        ),
+        (
+            vec!["--backend", "n=http://x:1", "--tcp-keepalive", "32768"],
+            "whole seconds from 1s to 32767s",
+        ),
+        (
             vec!["--backend", "n=http://x:1", "--probe-timeout", "0"],
             "--probe-timeout must be more than 0",
         ),
@@ -2382,6 +2403,55 @@ fn every_option_parses_and_bad_values_are_explained() {
         assert!(err.contains(needle), "{args:?}: {err}");
     }
     assert!(matches!(cli::parse(["--help"]), Ok(cli::Command::Help)));
+}
+
+/// `--tcp-keepalive` reaches the backends' connections, as the system sees them: probed after
+/// that long without a byte, then every third of it, three probes; `0` turns keepalive off;
+/// left out, the client's default of 30 s. A host that vanished (no FIN, no RST) is found
+/// only so.
+#[tokio::test]
+async fn tcp_keepalive_sets_the_backend_connections_keepalive() {
+    use tower::ServiceExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let keepalive = |given: &[&str]| {
+        let mut args = vec!["--backend".to_string(), format!("n={url}")];
+        args.extend(given.iter().map(|s| s.to_string()));
+        let cli::Command::Run(run) = cli::parse(args).unwrap() else {
+            panic!("not a run");
+        };
+        let backend = run.config.http().build(&url).unwrap();
+        async move {
+            let connect = backend
+                .connector()
+                .clone()
+                .oneshot(backend.base_uri().clone());
+            let io = tokio::time::timeout(DEADLINE, connect)
+                .await
+                .expect("no connection in time")
+                .unwrap();
+            let socket = socket2::SockRef::from(io.inner());
+            socket.keepalive().unwrap().then(|| {
+                (
+                    socket.tcp_keepalive_time().unwrap(),
+                    socket.tcp_keepalive_interval().unwrap(),
+                    socket.tcp_keepalive_retries().unwrap(),
+                )
+            })
+        }
+    };
+    let secs = Duration::from_secs;
+    assert_eq!(keepalive(&[]).await, Some((secs(30), secs(10), 3)));
+    assert_eq!(
+        keepalive(&["--tcp-keepalive", "1.5m"]).await,
+        Some((secs(90), secs(30), 3))
+    );
+    assert_eq!(
+        keepalive(&["--tcp-keepalive=32767"]).await,
+        Some((secs(32767), secs(10922), 3))
+    );
+    assert_eq!(keepalive(&["--tcp-keepalive", "0"]).await, None);
+    drop(listener);
 }
 
 /// `--redis-timeout 0` is refused, as `--probe-timeout 0` is: where the other timeouts' 0
@@ -2569,7 +2639,7 @@ fn the_defaults_help_and_the_readme_state_are_the_parsers() {
     };
     let c = &run.config;
     let secs = Duration::from_secs;
-    let defaults: [(&str, &str, bool); 19] = [
+    let defaults: [(&str, &str, bool); 20] = [
         (
             "(default 127.0.0.1:8080)",
             "(`127.0.0.1:8080`)",
@@ -2630,6 +2700,11 @@ fn the_defaults_help_and_the_readme_state_are_the_parsers() {
             "(default 10m; 0 turns it off)",
             "(10 min; `0` turns it off)",
             c.response_timeout == Some(secs(600)),
+        ),
+        (
+            "fails its requests (default 30s; 0 turns it off;",
+            "instead of holding their slots (30 s; `0` turns it off;",
+            c.tcp_keepalive == Some(secs(30)),
         ),
         (
             "is passed over (default 5s)",
