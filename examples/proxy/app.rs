@@ -497,16 +497,7 @@ impl Proxy {
     /// Builds a balancer over each model's backends. The fleets are in place when this
     /// returns, so probes and metrics see them before the first request.
     pub(crate) async fn new(config: Config) -> Result<Self, BoxError> {
-        let mut ids = HashSet::new();
-        for b in &config.backends {
-            if !ids.insert(b.id.as_str()) {
-                return Err(format!(
-                    "backend id {:?} is given twice: give each server once (a server listed twice counts its slots twice), or name different servers apart with id=NAME",
-                    b.id
-                )
-                .into());
-            }
-        }
+        one_id_each(&config.backends)?;
         // The models, in the order first given.
         let mut models: Vec<Option<&str>> = Vec::new();
         let given = (config.backends.iter().map(|b| b.model.as_deref()))
@@ -555,7 +546,7 @@ impl Proxy {
                 }
                 let store = store
                     .open(url)
-                    .map_err(|e| format!("--redis {url:?}: {e}"))?;
+                    .map_err(|e| format!("--redis {:?}: {e}", redis_url_shown(url)))?;
                 layer = layer.home_store(store).store_deadline(config.redis_timeout);
             }
             let affinity = layer.layer(fleet);
@@ -778,6 +769,33 @@ impl Proxy {
         (self.fleets.iter())
             .map(|f| f.prober.clone().spawn(f.affinity.clone()))
             .collect()
+    }
+}
+
+/// Refuses two backends of one id: one server given twice would count its slots twice.
+pub(crate) fn one_id_each(backends: &[BackendSpec]) -> Result<(), String> {
+    let mut ids = HashSet::new();
+    for b in backends {
+        if !ids.insert(b.id.as_str()) {
+            return Err(format!(
+                "backend id {:?} is given twice: give each server once (a server listed twice counts its slots twice), or name different servers apart with id=NAME",
+                b.id
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A Redis URL as errors show it: its user info (`user:password@`), which holds the
+/// password, as `***@`, so that no log keeps it.
+pub(crate) fn redis_url_shown(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    match authority.rfind('@') {
+        Some(at) => format!("{scheme}://***{}", &rest[at..]),
+        None => url.to_string(),
     }
 }
 

@@ -9,7 +9,9 @@ use http::Uri;
 use tower_affinity::discover::dns::DnsTarget;
 use tower_affinity::Overflow;
 
-use crate::app::{BackendSpec, Config, DnsSpec, Policy, UpstreamMode};
+use crate::app::{
+    one_id_each, redis_url_shown, BackendSpec, Config, DnsSpec, Policy, UpstreamMode,
+};
 
 pub(crate) const USAGE: &str = "\
 usage: proxy --listen ADDR (--backend NODE=URL[,...] | --backend-dns NAME:PORT)... [options]
@@ -255,7 +257,15 @@ where
                 config.dns_servers.push(addr);
             }
             "--dns-removal-grace" => config.dns_removal_grace = duration(&flag, &value()?)?,
-            "--redis" => config.redis = Some(value()?),
+            "--redis" => {
+                let url = value()?;
+                // Read here, without connecting, so that a URL the store cannot use is a
+                // command-line error; shown without its password.
+                if let Err(e) = redis::IntoConnectionInfo::into_connection_info(url.as_str()) {
+                    return Err(format!("--redis {:?}: {e}", redis_url_shown(&url)));
+                }
+                config.redis = Some(url);
+            }
             "--redis-timeout" => {
                 config.redis_timeout = duration(&flag, &value()?)?;
                 if config.redis_timeout.is_zero() {
@@ -361,6 +371,7 @@ where
             ))
         }
     };
+    one_id_each(&backends).map_err(|e| format!("--backend: {e}"))?;
     config.backends = backends;
     Ok(Command::Run(Box::new(Args {
         listen,

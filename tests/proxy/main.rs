@@ -3006,6 +3006,55 @@ async fn two_backends_with_one_id_are_refused() {
         .await
         .unwrap_err();
     assert!(err.to_string().contains("given twice"), "{err}");
+    // On the command line, with its other errors (exit code 2, before anything runs).
+    let err = cli::parse([
+        "--backend",
+        "n=http://127.0.0.1:1",
+        "--backend",
+        "m=http://127.0.0.1:1/",
+    ])
+    .map(|_| ())
+    .unwrap_err();
+    assert!(
+        err.contains("--backend: backend id \"127.0.0.1:1\" is given twice"),
+        "{err}"
+    );
+}
+
+/// A `--redis` URL the store cannot use is a command-line error (exit code 2, before anything
+/// runs), not the proxy's failure once started; and no error shows its password, which a log
+/// would keep.
+#[tokio::test]
+async fn a_redis_url_that_cannot_be_used_is_refused_without_its_password() {
+    let redis =
+        |url: &str| cli::parse(["--backend", "n=http://127.0.0.1:1", "--redis", url]).map(|_| ());
+    for (url, shown) in [
+        (
+            "rediss://default:s3cret@redis.internal:6380",
+            "\"rediss://***@redis.internal:6380\"",
+        ),
+        (
+            "redis://:s3cret@127.0.0.1:6379/db",
+            "\"redis://***@127.0.0.1:6379/db\"",
+        ),
+        ("redis://127.0.0.1:6379/db", "\"redis://127.0.0.1:6379/db\""),
+    ] {
+        let err = redis(url).unwrap_err();
+        assert!(
+            err.starts_with(&format!("--redis {shown}: ")),
+            "{url}: {err}"
+        );
+        assert!(!err.contains("s3cret"), "{url}: {err}");
+    }
+    assert!(redis("redis://:s3cret@127.0.0.1:6379/2").is_ok());
+    // A configuration built in code is checked when the proxy starts: the same words.
+    let mut config = config_of(&["n=http://127.0.0.1:1".to_string()]);
+    config.redis = Some("rediss://default:s3cret@redis.internal:6380".into());
+    let err = Proxy::new(config).await.unwrap_err().to_string();
+    assert!(
+        err.starts_with("--redis \"rediss://***@redis.internal:6380\": "),
+        "{err}"
+    );
 }
 
 /// A backend's id is its URL's `host:port` written one way for each server: the port 80 when
