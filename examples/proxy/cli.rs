@@ -292,7 +292,9 @@ where
             "--max-wait" => max_wait = duration(&flag, &value()?)?,
             "--max-queued" => {
                 let v = value()?;
-                max_queued = v.parse().map_err(|e| format!("--max-queued {v:?}: {e}"))?;
+                max_queued = v.parse().map_err(|_| {
+                    format!("--max-queued {v:?}: expected a number of requests, 0 or more")
+                })?;
             }
             "--connect-timeout" => {
                 let d = duration(&flag, &value()?)?;

@@ -2297,6 +2297,10 @@ fn every_option_parses_and_bad_values_are_explained() {
             "duration",
         ),
         (
+            vec!["--backend", "n=http://x:1", "--max-queued", "-1"],
+            "--max-queued \"-1\": expected a number of requests, 0 or more",
+        ),
+        (
             vec!["--backend", "n=http://x:1", "--overflow", "drop"],
             "wait, overcommit or reject",
         ),
