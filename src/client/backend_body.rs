@@ -116,10 +116,13 @@ impl Body for BackendBody {
                 if this.inner.as_ref().is_some_and(Body::is_end_stream) {
                     this.deadline = None;
                 } else {
-                    let at = Instant::now() + after;
-                    match this.deadline.as_mut() {
-                        Some(deadline) => deadline.as_mut().reset(at),
-                        None => this.deadline = Some(Box::pin(tokio::time::sleep_until(at))),
+                    // A timeout too long for the clock to hold never comes: none at all.
+                    match (Instant::now().checked_add(after), this.deadline.as_mut()) {
+                        (None, _) => this.deadline = None,
+                        (Some(at), Some(deadline)) => deadline.as_mut().reset(at),
+                        (Some(at), None) => {
+                            this.deadline = Some(Box::pin(tokio::time::sleep_until(at)))
+                        }
                     }
                 }
                 Poll::Ready(Some(Ok(frame)))

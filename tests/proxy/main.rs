@@ -420,6 +420,40 @@ async fn a_stream_reaches_the_client_before_it_ends_and_holds_its_slot_until_the
     );
 }
 
+/// A `--body-idle-timeout` too long for the clock to hold (some 300 billion years: the
+/// command line takes up to `u64::MAX` seconds) is as none: a stream goes through whole,
+/// where the deadline set at its first frame overflowed the clock and panicked, and the
+/// client got no answer.
+#[tokio::test]
+async fn a_body_idle_timeout_too_long_for_the_clock_lets_a_stream_through() {
+    let a = Stub::start("a", 2).await;
+    let spec = format!("node-a={},slots=2,id=a", a.url());
+    let args = [
+        "--backend",
+        &spec,
+        "--body-idle-timeout",
+        "10000000000000000000",
+    ];
+    let cli::Command::Run(run) = cli::parse(args).unwrap() else {
+        panic!("not a run");
+    };
+    let mut config = run.config;
+    assert!(config.body_idle_timeout > Some(Duration::from_secs(i64::MAX as u64)));
+    config.probe_interval = None;
+    let proxy = start(config).await;
+    let body = Conversation::new("streamer").next(json!({"stream": true}));
+    let req = Request::post(proxy.url("/v1/chat/completions"))
+        .header("x-session-id", "streamer")
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .unwrap();
+    let answer = proxy.fetch(req).await;
+    assert_eq!(answer.status, 200);
+    let text = String::from_utf8_lossy(&answer.body);
+    assert!(text.ends_with("data: [DONE]\n\n"), "{text:?}");
+    assert_eq!(proxy.status("a").in_flight, 0);
+}
+
 /// Ctrl-C stops accepting and lets an open stream finish; a second Ctrl-C does not wait for
 /// it: the proxy stops at once.
 #[tokio::test]
