@@ -129,10 +129,15 @@ pub(crate) struct BackendSpec {
     pub(crate) model: Option<String>,
 }
 
-/// One `--backend-dns NAME:PORT[,context=TOKENS][,request-context=TOKENS][,model=NAME]`.
+/// One `--backend-dns NAME:PORT[,slots=N][,cache=TOKENS][,context=TOKENS][,request-context=TOKENS][,model=NAME]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct DnsSpec {
     pub(crate) target: DnsTarget,
+    /// Each of its backends' slots (see [`BackendSpec::slots`]); `None`, read from `/slots`.
+    pub(crate) slots: Option<NonZeroU32>,
+    /// Each of its backends' cache budget in tokens; `None`, the default (see
+    /// [`Config::cache_tokens`]).
+    pub(crate) cache_tokens: Option<u64>,
     /// The model its backends serve (see [`BackendSpec::model`]).
     pub(crate) model: Option<String>,
     /// The context each of its backends' requests share (see [`BackendSpec::context`]).
@@ -637,6 +642,12 @@ impl Proxy {
                 let http = http.clone();
                 let mut builder =
                     DnsFleet::builder(d.target.clone()).removal_grace(config.dns_removal_grace);
+                if let Some(slots) = d.slots {
+                    builder = builder.slots(slots);
+                }
+                if let Some(tokens) = d.cache_tokens {
+                    builder = builder.cache_tokens(tokens);
+                }
                 if let Some(context) = d.context {
                     builder = builder.context_tokens(context);
                 }

@@ -36,12 +36,14 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
                              longer goes to a backend that takes it, if one is up
                              (default: read from /slots, each slot's n_ctx, else
                              context). model: the model it serves (see Models below)
-  --backend-dns NAME:PORT[,context=TOKENS][,request-context=TOKENS][,model=NAME]
+  --backend-dns NAME:PORT[,slots=N][,cache=TOKENS][,context=TOKENS][,request-context=TOKENS][,model=NAME]
                              the backends behind a DNS name: its A/AAAA records with
                              PORT, or SRV records for _SVC._PROTO.NAME (a Kubernetes
                              headless service, Consul, docker compose), re-resolved as
                              their TTL says (5s to 60s); each backend's node is its IP;
-                             context, request-context and model as for --backend
+                             slots, cache, context, request-context and model as for
+                             --backend, for each backend (give slots for vLLM and
+                             SGLang, which have no /slots)
   --dns-server IP:PORT       ask this nameserver for --backend-dns names (repeat for
                              more; default: the system's resolver configuration)
   --dns-removal-grace DURATION
@@ -207,12 +209,13 @@ where
                 let v = value()?;
                 let bad = |why: &str| {
                     format!(
-                        "--backend-dns {v:?}: {why} (expected NAME:PORT[,context=TOKENS][,request-context=TOKENS][,model=NAME])"
+                        "--backend-dns {v:?}: {why} (expected NAME:PORT[,slots=N][,cache=TOKENS][,context=TOKENS][,request-context=TOKENS][,model=NAME])"
                     )
                 };
                 let mut parts = v.split(',');
                 let name = parts.next().unwrap_or_default();
                 let (mut model, mut context, mut request_context) = (None, None, None);
+                let (mut slots, mut cache_tokens) = (None, None);
                 let mut given: Vec<&str> = Vec::new();
                 for option in parts {
                     if let Some((name, _)) = option.split_once('=') {
@@ -223,6 +226,10 @@ where
                     }
                     match option.split_once('=') {
                         Some(("model", m)) => model = Some(model_name(m).map_err(|why| bad(&why))?),
+                        Some(("slots", n)) => slots = Some(slot_count(n).map_err(|why| bad(&why))?),
+                        Some(("cache", n)) => {
+                            cache_tokens = Some(tokens("cache", n).map_err(|why| bad(&why))?)
+                        }
                         Some((name @ ("context" | "request-context"), n)) => {
                             let n = tokens(name, n).map_err(|why| bad(&why))?;
                             let n = NonZeroU64::new(n);
@@ -244,6 +251,8 @@ where
                 }
                 config.backend_dns.push(DnsSpec {
                     target,
+                    slots,
+                    cache_tokens,
                     model,
                     context,
                     request_context,
@@ -439,10 +448,7 @@ pub(crate) fn backend(spec: &str) -> Result<(BackendSpec, Option<u64>), String> 
             given.push(name);
         }
         match option.split_once('=') {
-            Some(("slots", n)) => {
-                let n: u32 = n.parse().map_err(|_| bad("slots must be a number"))?;
-                slots = Some(NonZeroU32::new(n).ok_or_else(|| bad("slots must be at least 1"))?);
-            }
+            Some(("slots", n)) => slots = Some(slot_count(n).map_err(|why| bad(&why))?),
             Some(("id", name)) => id = id_name(name).map_err(|why| bad(&why))?,
             Some(("cache", n)) => cache = Some(tokens("cache", n).map_err(|why| bad(&why))?),
             Some(("context", n)) => {
@@ -522,6 +528,14 @@ fn model_name(name: &str) -> Result<String, String> {
     } else {
         Ok(name.to_string())
     }
+}
+
+/// A `slots=` count: at least 1.
+fn slot_count(n: &str) -> Result<NonZeroU32, String> {
+    let n: u32 = n
+        .parse()
+        .map_err(|_| "slots must be a number".to_string())?;
+    NonZeroU32::new(n).ok_or_else(|| "slots must be at least 1".into())
 }
 
 /// A count of tokens for the option `name`: `131072`, or with `k`/`K` for 1024, `128k`. At

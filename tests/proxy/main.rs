@@ -2408,8 +2408,20 @@ fn every_option_parses_and_bad_values_are_explained() {
             "spaces around it",
         ),
         (
-            vec!["--backend-dns", "llm.internal:8080,slots=2"],
-            "unknown option \"slots=2\" (expected NAME:PORT[,context=TOKENS][,request-context=TOKENS][,model=NAME])",
+            vec!["--backend-dns", "llm.internal:8080,id=gpu0"],
+            "unknown option \"id=gpu0\" (expected NAME:PORT[,slots=N][,cache=TOKENS][,context=TOKENS][,request-context=TOKENS][,model=NAME])",
+        ),
+        (
+            vec!["--backend-dns", "llm.internal:8080,slots=0"],
+            "slots must be at least 1",
+        ),
+        (
+            vec!["--backend-dns", "llm.internal:8080,slots=many"],
+            "slots must be a number",
+        ),
+        (
+            vec!["--backend-dns", "llm.internal:8080,cache=8GiB"],
+            "number of tokens",
         ),
         (
             vec!["--backend-dns", "llm.internal:8080,context=0"],
@@ -3160,6 +3172,26 @@ async fn dns_proxy(names: &[&str]) -> (Running, Stub, dns_server::Dns) {
     args.extend(["--dns-server".into(), dns.addr.to_string()]);
     args.extend(["--probe-interval".into(), "0".into()]);
     (start_args(args).await, stub, dns)
+}
+
+/// `--backend-dns` takes `slots=` and `cache=` as `--backend` does, for each backend the name
+/// gives: a vLLM or SGLang fleet behind a Kubernetes headless service, which has no `/slots`
+/// to read, served one request at a time a backend, its slots left idle.
+#[tokio::test(start_paused = true)]
+async fn backend_dns_gives_its_backends_slots_and_cache_budgets() {
+    let (proxy, stub, _dns) = dns_proxy(&["llama.fleet.test:{port},slots=6,cache=64k"]).await;
+    let id = format!("127.0.0.1:{}", stub.addr.port());
+    let affinity = proxy.proxy.affinity();
+    // The name resolves in the background: a bounded wait (on the paused clock) for it.
+    for _ in 0..200 {
+        affinity.apply_discovery();
+        if affinity.backends().iter().any(|b| b.id.as_str() == id) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let status = proxy.status(&id);
+    assert_eq!((status.slots, status.cache_budget), (6, 64 * 1024));
 }
 
 /// A proxy started from the command line `args`.
