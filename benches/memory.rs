@@ -17,7 +17,8 @@
 //! Counted bytes are the sizes requested from the allocator; the allocator's own per-block
 //! overhead is not included. Not a criterion bench: it prints three Markdown tables.
 //!
-//! Run with `cargo bench --bench memory`.
+//! Run with `cargo bench --bench memory`. Under `cargo test`, which runs it once to show that
+//! it works, the sizes are smaller (tables of 1 to 4 thousand sessions, 1,000 requests).
 
 use std::alloc::System;
 use std::hint::black_box;
@@ -49,7 +50,7 @@ fn per_session() {
         "| table bound | sessions placed | sessions held | bytes held (allocator) | bytes/session (allocator) | session_table_bytes | bytes/session (accounting) | accounting / allocator | after 2x more sessions: bytes/session (allocator) |"
     );
     println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
-    for n in [1_000u64, 100_000, 1_000_000] {
+    for n in common::sized([1_000u64, 100_000, 1_000_000], [1_000, 2_000, 4_000]) {
         let region = Region::new(GLOBAL);
         let bound = usize::try_from(n).expect("fits");
         let mut svc = SessionAffinityLayer::new()
@@ -101,7 +102,11 @@ fn per_block() {
         "| conversations x turns | links tracked | bytes held (allocator, less the session table's) | bytes/link (allocator) | cache_model_bytes | bytes/link (accounting) |"
     );
     println!("|---:|---:|---:|---:|---:|---:|");
-    for (sessions, turns) in [(128u64, 16u64), (1_024, 16), (4_096, 8)] {
+    let sizes = common::sized(
+        [(128u64, 16u64), (1_024, 16), (4_096, 8)],
+        [(128, 16), (256, 16), (512, 8)],
+    );
+    for (sessions, turns) in sizes {
         let mut svc = SessionAffinityLayer::new()
             .key(ExtensionKey)
             .layer(shape.fleet(1));
@@ -148,11 +153,11 @@ fn count(n: u64, make: impl Fn(u64) -> Req, mut run: impl FnMut(Req)) -> (f64, f
 }
 
 fn per_request() {
-    const N: u64 = 100_000;
+    let n = common::sized(100_000, 1_000);
     const HOT: u64 = 1024;
     let shape = Shape::new(16, 8);
     println!(
-        "## Allocations per request (fleet {}, {N} requests each)\n",
+        "## Allocations per request (fleet {}, {n} requests each)\n",
         shape.label()
     );
     println!("| path | allocations/request | bytes allocated/request |");
@@ -165,7 +170,7 @@ fn per_request() {
     row(
         "direct to the mock backend",
         count(
-            N,
+            n,
             |i| request(Some(key(i))),
             |r| drop(black_box(call_now(&mut backend, r))),
         ),
@@ -180,7 +185,7 @@ fn per_request() {
     row(
         "affinity: home hit",
         count(
-            N,
+            n,
             |i| request(Some(key(i % HOT))),
             |r| drop(black_box(call_now(&mut svc, r))),
         ),
@@ -188,7 +193,7 @@ fn per_request() {
     row(
         "affinity: new session (table filling, 100,000 bound)",
         count(
-            N,
+            n,
             |i| request(Some(key(HOT + i))),
             |r| drop(black_box(call_now(&mut svc, r))),
         ),
@@ -196,15 +201,15 @@ fn per_request() {
     row(
         "affinity: new session (full table, evicting)",
         count(
-            N,
-            |i| request(Some(key(HOT + N + i))),
+            n,
+            |i| request(Some(key(HOT + n + i))),
             |r| drop(black_box(call_now(&mut svc, r))),
         ),
     );
     row(
         "affinity: keyless",
         count(
-            N,
+            n,
             |_| request(None),
             |r| drop(black_box(call_now(&mut svc, r))),
         ),
@@ -220,7 +225,7 @@ fn per_request() {
     row(
         "affinity: home hit, `decision_extension(false)`",
         count(
-            N,
+            n,
             |i| request(Some(key(i % HOT))),
             |r| drop(black_box(call_now(&mut svc, r))),
         ),
@@ -231,7 +236,7 @@ fn per_request() {
     row(
         "direct to a mock backend whose responses carry an extension",
         count(
-            N,
+            n,
             |i| request(Some(key(i))),
             |r| drop(black_box(call_now(&mut backend, r))),
         ),
@@ -245,7 +250,7 @@ fn per_request() {
     row(
         "affinity: home hit, same backend",
         count(
-            N,
+            n,
             |i| request(Some(key(i % HOT))),
             |r| drop(black_box(call_now(&mut svc, r))),
         ),
@@ -258,7 +263,7 @@ fn per_request() {
     row(
         "affinity: home hit, key from header (SHA-256)",
         count(
-            N,
+            n,
             |i| header_request(i % HOT),
             |r| drop(black_box(call_now(&mut svc, r))),
         ),

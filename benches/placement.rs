@@ -19,7 +19,9 @@
 //!
 //! Requests are built outside the timed region, in chunks of 1024.
 //!
-//! Run with `cargo bench --bench placement`.
+//! Run with `cargo bench --bench placement`. Under `cargo test`, which runs each benchmark once
+//! to show that it works, the tables hold 1 to 4 thousand sessions and `chained/*` runs on 16x8
+//! alone.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -334,7 +336,10 @@ fn chained_keyless(first: u64, own: u64) -> Req {
 /// after it; 4 slots, requests sent beyond the slots.
 fn chained(c: &mut Criterion) {
     let mut g = c.benchmark_group("chained");
-    for shape in [Shape::new(16, 8), Shape::new(64, 8), Shape::new(256, 8)] {
+    // Under `cargo test`, the smallest: filling 256x8's models asks each of 2,048 backends for
+    // every one of 16,384 conversations, a minute unoptimised.
+    let all = [Shape::new(16, 8), Shape::new(64, 8), Shape::new(256, 8)];
+    for &shape in common::sized(&all[..], &all[..1]) {
         let backends = (shape.nodes * shape.per_node) as u64;
         for (name, first) in [("keyless_chain", None), ("keyless_shared", Some(7u64))] {
             let mut svc = SessionAffinityLayer::new()
@@ -366,6 +371,11 @@ fn chained(c: &mut Criterion) {
 
 /// The table sizes of `table/*` and of the paired table rounds.
 const TABLE_SIZES: [u64; 3] = [1_000, 100_000, 1_000_000];
+
+/// [`TABLE_SIZES`] when measuring; under `cargo test`, tables small enough to fill at once.
+fn table_sizes() -> [u64; 3] {
+    common::sized(TABLE_SIZES, [1_000, 2_000, 4_000])
+}
 
 /// A prime that divides none of the table sizes: visiting `i * STRIDE mod n` touches every
 /// session once per `n` calls, in an order the caches cannot follow.
@@ -411,7 +421,7 @@ fn random_cycle(bytes: usize) -> Vec<usize> {
 /// Home hits with 1 thousand to 1 million sessions in the table, on keys spread over it.
 fn table(c: &mut Criterion) {
     let mut g = c.benchmark_group("table");
-    for n in TABLE_SIZES {
+    for n in table_sizes() {
         let mut svc = filled_table(n);
         let before = svc.stats();
         let mut cursor = 0u64;
@@ -546,14 +556,15 @@ const WORKING_SET: u64 = 1_000;
 /// table grows), and one dependent random read in an array as big as the million-session table.
 /// The ratios to 1 thousand are taken within each round.
 fn paired_tables(rounds: usize, calls: u64) {
-    let mut svcs: Vec<(u64, Svc)> = TABLE_SIZES.iter().map(|&n| (n, filled_table(n))).collect();
+    let table_sizes = table_sizes();
+    let mut svcs: Vec<(u64, Svc)> = table_sizes.iter().map(|&n| (n, filled_table(n))).collect();
     let largest = svcs
         .last()
         .map_or(0, |(_, s)| s.stats().session_table_bytes);
     let next = random_cycle(largest);
     let mut at = 0usize;
     let mut cursor = 0u64;
-    let sizes = TABLE_SIZES.len();
+    let sizes = table_sizes.len();
     let run = |who: usize| -> f64 {
         let t = if who == sizes {
             let start = Instant::now();
@@ -583,7 +594,7 @@ fn paired_tables(rounds: usize, calls: u64) {
          | working set: {WORKING_SET} sessions, median | ratio to 1 thousand, median (min to max) |"
     );
     println!("|---:|---:|---:|---:|---:|");
-    for (who, n) in TABLE_SIZES.iter().enumerate() {
+    for (who, n) in table_sizes.iter().enumerate() {
         let mut cells = vec![];
         for first in [0, sizes + 1] {
             let (t, _, _) = median(per_call.iter().map(|r| r[first + who]).collect());

@@ -437,10 +437,32 @@ pub(crate) fn paired_rounds(args: &[String]) -> Rounds {
     }
     if filter.is_some_and(|f| !"paired".contains(f)) {
         Rounds::Skipped
-    } else if flag("--bench") && !flag("--test") {
+    } else if measures(args) {
         Rounds::Full
     } else {
         Rounds::Brief
+    }
+}
+
+/// Whether a bench binary given `args` (the program's name left out) measures: `cargo bench`
+/// passes `--bench`; `cargo test`, which runs every bench once to show that it works, passes
+/// neither it nor criterion's `--test`.
+#[allow(dead_code)]
+pub(crate) fn measures(args: &[String]) -> bool {
+    let flag = |f: &str| args.iter().any(|a| a == f);
+    flag("--bench") && !flag("--test")
+}
+
+/// `full` when this binary measures ([`measures`] its arguments), else `brief`: a setup that
+/// alone takes long unoptimised (a million sessions placed, a mebibyte's prompt chain) runs
+/// at the brief size under `cargo test`, which only shows that the bench works.
+#[allow(dead_code)]
+pub(crate) fn sized<T>(full: T, brief: T) -> T {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if measures(&args) {
+        full
+    } else {
+        brief
     }
 }
 

@@ -4,7 +4,7 @@
 #[path = "../../benches/common/mod.rs"]
 mod common;
 
-use common::{paired_rounds, Rounds};
+use common::{measures, paired_rounds, Rounds};
 
 fn rounds(args: &str) -> Rounds {
     let args: Vec<String> = args.split_whitespace().map(str::to_owned).collect();
@@ -48,6 +48,20 @@ fn test_mode_runs_brief_rounds_as_criterion_runs_each_benchmark_once() {
     assert_eq!(rounds(""), Rounds::Brief);
     assert_eq!(rounds("--bench --test"), Rounds::Brief);
     assert_eq!(rounds("--bench paired --test"), Rounds::Brief);
+}
+
+#[test]
+fn only_cargo_bench_measures_at_full_size() {
+    let measures = |args: &str| {
+        let args: Vec<String> = args.split_whitespace().map(str::to_owned).collect();
+        measures(&args)
+    };
+    assert!(measures("--bench"));
+    assert!(measures("--bench table/ --sample-size 10"));
+    // `cargo test --all-targets`, and criterion's own test mode: the brief sizes.
+    assert!(!measures(""));
+    assert!(!measures("--bench --test"));
+    assert!(!measures("table/"));
 }
 
 #[test]
