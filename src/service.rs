@@ -380,7 +380,7 @@ where
     /// [`SessionAffinityLayer::failure_cooldown`]).
     ///
     /// A mark replaces the one before, longer or shorter: a cooldown of zero brings the
-    /// backend back at once.
+    /// backend back at once. Any other is counted in whole milliseconds, rounded up.
     ///
     /// [`SessionAffinityLayer::failure_cooldown`]: crate::SessionAffinityLayer::failure_cooldown
     ///
@@ -419,9 +419,7 @@ where
             return false;
         };
         let now = Instant::now();
-        let until = cooldown
-            .and_then(|c| now.checked_add(c))
-            .map_or(u64::MAX, |t| self.shared.capacity.now_ms(t));
+        let until = self.shared.capacity.down_until(now, cooldown);
         let now_ms = self.shared.capacity.now_ms(now);
         let look_again = fleet.topology.member(i).load.mark_down(until, now_ms);
         // At debug level: the caller (a health probe) knows why, and says so in its own log.

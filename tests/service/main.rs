@@ -868,6 +868,31 @@ async fn slots_freed_on_a_backend_that_is_down_wake_no_waiter() {
 /// then one with a cooldown) wakes the waiting requests: their timers were set for the mark it
 /// replaces, or for none, and the slots freed on the backend meanwhile woke nobody.
 #[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_mark_down_under_a_millisecond_still_passes_the_backend_over() {
+    let streams = Streams::default();
+    let mut svc =
+        SessionAffinityLayer::new().layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
+    let home = decision(&send(&mut svc, Some("s"), None).await.unwrap()).backend;
+    // The fleet's clock counts milliseconds: a shorter mark still outlasts the one it began in.
+    assert!(svc.mark_down(home.as_str(), Some(Duration::from_micros(500))));
+    let res = send(&mut svc, Some("s"), None).await.unwrap();
+    assert_ne!(
+        decision(&res).backend,
+        home,
+        "placed on a backend marked down"
+    );
+    drop(res);
+    tokio::time::advance(Duration::from_millis(1)).await;
+    let res = send(&mut svc, Some("s"), None).await.unwrap();
+    assert_eq!(decision(&res).outcome, Outcome::HomeHit, "its new home");
+    // The mark over, the backend takes sessions again.
+    svc.mark_down(decision(&res).backend.as_str(), None);
+    drop(res);
+    let res = send(&mut svc, Some("s"), None).await.unwrap();
+    assert_eq!(decision(&res).backend, home);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_mark_down_ending_sooner_than_the_one_it_replaces_wakes_the_waiters() {
     for first in [None, Some(Duration::from_secs(30))] {
         let streams = Streams::default();
