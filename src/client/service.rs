@@ -250,6 +250,10 @@ impl<B> HttpBackend<B> {
 /// The TCP keepalive probes left unanswered that close a connection.
 const KEEPALIVE_PROBES: u32 = 3;
 
+/// The longest silence before keepalive probes that Linux takes, in seconds
+/// (`MAX_TCP_KEEPIDLE`).
+const MAX_KEEPALIVE: u64 = 32_767;
+
 /// `timeout`, or 1 ms if it is shorter: the floor of the builder's timeouts, where a zero
 /// would fail every connection or request at once (as `HealthProbe::timeout` has it).
 fn at_least_a_millisecond(timeout: Duration) -> Duration {
@@ -515,7 +519,9 @@ impl<B> Builder<B> {
     /// the requests it was answering within about a minute, as a reset connection does,
     /// instead of holding their slots and their clients forever, whether it vanished before
     /// its answer's headers or midway through its body. A live host's system answers the
-    /// probes however long its server takes to answer. At least 1 s, the system's unit.
+    /// probes however long its server takes to answer. In whole seconds, the system's unit: at
+    /// least 1 s, and at most 32,767 s (about 9 hours), the longest Linux takes (it refuses a
+    /// longer one, and keeps its own two hours).
     ///
     /// Probes go only over a connection with nothing in flight. On Linux, bytes sent that the
     /// backend's host leaves unacknowledged (an HTTP/2 window update sent as it vanished, a
@@ -533,7 +539,8 @@ impl<B> Builder<B> {
     /// # let _ = builder;
     /// ```
     pub fn tcp_keepalive(mut self, idle: impl Into<Option<Duration>>) -> Self {
-        self.tcp_keepalive = idle.into().map(|t| t.max(Duration::from_secs(1)));
+        self.tcp_keepalive =
+            (idle.into()).map(|t| Duration::from_secs(t.as_secs().clamp(1, MAX_KEEPALIVE)));
         self
     }
 
@@ -609,7 +616,8 @@ impl<B> Builder<B> {
         connector.set_nodelay(true);
         connector.set_keepalive(self.tcp_keepalive);
         if let Some(idle) = self.tcp_keepalive {
-            let interval = (idle / 3).max(Duration::from_secs(1));
+            // Whole seconds, as the system counts them (the builder's idle is).
+            let interval = Duration::from_secs((idle.as_secs() / 3).max(1));
             connector.set_keepalive_interval(Some(interval));
             connector.set_keepalive_retries(Some(KEEPALIVE_PROBES));
             // Keepalive probes only a connection with nothing in flight: bytes the vanished

@@ -988,6 +988,12 @@ async fn connections_have_tcp_keepalive_so_a_vanished_host_fails_its_requests() 
         keepalive(HttpBackend::builder().tcp_keepalive(Duration::from_millis(10))).await,
         Some((secs(1), secs(1), 3))
     );
+    // Above Linux's limit, which the system refuses, keeping its own two hours: the most it
+    // takes.
+    assert_eq!(
+        keepalive(HttpBackend::builder().tcp_keepalive(secs(86_400))).await,
+        Some((secs(32_767), secs(10_922), 3))
+    );
     assert_eq!(
         keepalive(HttpBackend::builder().tcp_keepalive(None)).await,
         None
