@@ -487,14 +487,15 @@ impl Capacity {
 
     /// When a down mark of `cooldown` from `now` ends, on the fleet's clock: rounded up to its
     /// next millisecond, so that a mark shorter than one still outlasts the millisecond it
-    /// began in (the retry that follows a failure at once passes the backend over). `None`, or
-    /// a time past the clock's end, is `u64::MAX`: until further notice.
+    /// began in (the retry that follows a failure at once passes the backend over). Zero ends
+    /// now: up. `None`, or a time past the clock's end, is `u64::MAX`: until further notice.
     pub(crate) fn down_until(&self, now: Instant, cooldown: Option<Duration>) -> u64 {
-        let Some(end) = cooldown.and_then(|c| now.checked_add(c)) else {
+        let Some((cooldown, end)) = cooldown.and_then(|c| Some((c, now.checked_add(c)?))) else {
             return u64::MAX;
         };
         let part = end.saturating_duration_since(self.epoch).subsec_nanos() % 1_000_000;
-        self.now_ms(end).saturating_add(u64::from(part != 0))
+        let up = !cooldown.is_zero() && part != 0;
+        self.now_ms(end).saturating_add(u64::from(up))
     }
 
     /// The instant the fleet's clock reads `ms` at.
@@ -1908,6 +1909,25 @@ mod tests {
         assert_eq!(t.resolve(a, g), None);
         assert_eq!(t.index_of("a"), None);
         assert_eq!(t.live_nodes.indexes().collect::<Vec<_>>(), vec![0]);
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_down_mark_ends_at_its_time_rounded_up_and_one_of_zero_now() {
+        let capacity = Capacity::default();
+        // 1.3 ms on the fleet's clock: between two of its ticks.
+        let now = Instant::now() + Duration::from_micros(300);
+        let now_ms = capacity.now_ms(now);
+        let until = |c: Option<Duration>| capacity.down_until(now, c);
+        assert_eq!(until(Some(Duration::ZERO)), now_ms, "up at once");
+        assert_eq!(until(Some(Duration::from_micros(100))), now_ms + 1);
+        assert_eq!(
+            until(Some(Duration::from_micros(700))),
+            now_ms + 1,
+            "on a tick"
+        );
+        assert_eq!(until(Some(Duration::from_millis(2))), now_ms + 3);
+        assert_eq!(until(None), u64::MAX);
+        assert_eq!(until(Some(Duration::MAX)), u64::MAX);
     }
 
     #[tokio::test(flavor = "current_thread", start_paused = true)]
