@@ -203,6 +203,11 @@ pub(crate) struct Config {
     /// TCP keepalive on the backends' connections: probed after this long without a byte,
     /// so that a backend host that vanished fails its requests; `None` turns it off.
     pub(crate) tcp_keepalive: Option<Duration>,
+    /// TCP keepalive on the clients' connections, as `tcp_keepalive` on the backends': a
+    /// client whose host vanished while its request waited on a long prompt's reading, no
+    /// byte going either way, is disconnected and its request ended, its slot freed; `None`
+    /// turns it off (see [`accept`]).
+    pub(crate) client_tcp_keepalive: Option<Duration>,
     pub(crate) failure_cooldown: Duration,
     pub(crate) body_limit: usize,
     pub(crate) read_timeout: Option<Duration>,
@@ -267,6 +272,7 @@ impl Config {
             response_timeout: Some(Duration::from_secs(600)),
             body_idle_timeout: None,
             tcp_keepalive: Some(Duration::from_secs(30)),
+            client_tcp_keepalive: Some(Duration::from_secs(30)),
             failure_cooldown: Duration::from_secs(5),
             body_limit: BodyKeyLayer::DEFAULT_LIMIT,
             read_timeout: Some(Duration::from_secs(60)),
@@ -735,6 +741,7 @@ impl Proxy {
                 models: self.model_list(),
                 upstream: self.config.upstream,
                 header_timeout: self.config.header_timeout,
+                client_tcp_keepalive: self.config.client_tcp_keepalive,
             }),
             forward,
         }
@@ -1354,6 +1361,7 @@ struct FrontShared {
     models: Option<ModelList>,
     upstream: UpstreamMode,
     header_timeout: Option<Duration>,
+    client_tcp_keepalive: Option<Duration>,
 }
 
 /// The models given, as OpenAI's API lists them.
@@ -1477,6 +1485,7 @@ pub(crate) async fn serve(
     force: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let mode = front.shared.upstream;
+    let keepalive = front.shared.client_tcp_keepalive;
     // hyper adds it to the time now, which panics past what the clock holds: a timeout that
     // long is as good as one of thirty years.
     let header_timeout =
@@ -1489,7 +1498,16 @@ pub(crate) async fn serve(
     // `TraceLayer` would only cost every request its clock readings and wrappers.
     if tracing::level_filters::LevelFilter::current() < tracing::Level::DEBUG {
         let service = ids.layer(propagate).service(front);
-        return serve_with(listener, service, mode, header_timeout, shutdown, force).await;
+        return serve_with(
+            listener,
+            service,
+            mode,
+            header_timeout,
+            keepalive,
+            shutdown,
+            force,
+        )
+        .await;
     }
     let service = ids
         .layer(
@@ -1513,7 +1531,16 @@ pub(crate) async fn serve(
         )
         .layer(propagate)
         .service(front);
-    serve_with(listener, service, mode, header_timeout, shutdown, force).await
+    serve_with(
+        listener,
+        service,
+        mode,
+        header_timeout,
+        keepalive,
+        shutdown,
+        force,
+    )
+    .await
 }
 
 /// The serving loop of [`serve`], over the front service with its tower-http layers.
@@ -1532,12 +1559,14 @@ pub(crate) async fn serve(
 ///   and closes the connection if the ping is not answered within as long again, open
 ///   streams or not (the peer is gone or stuck).
 ///
-/// Open responses are not bounded: a stream runs as long as its backend sends.
+/// Open responses are not bounded: a stream runs as long as its backend sends. A client whose
+/// host vanished, open request or not, is found by TCP keepalive (see [`accept`]).
 async fn serve_with<S, B>(
     listener: tokio::net::TcpListener,
     service: S,
     mode: UpstreamMode,
     header_timeout: Option<Duration>,
+    keepalive: Option<Duration>,
     shutdown: impl Future<Output = ()> + Send + 'static,
     force: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()>
@@ -1552,7 +1581,9 @@ where
     B::Error: Into<BoxError>,
 {
     let mut builder = auto::Builder::new(TokioExecutor::new());
-    // hyper's timeouts take effect only with a timer.
+    // hyper's timeouts take effect only with a timer. Half-close stays off: hyper then reads
+    // an HTTP/1 connection whose request waits on its answer, and so sees its client go (a
+    // close, or the error TCP keepalive gives for a vanished host) with nothing sent yet.
     builder
         .http1()
         .timer(TokioTimer::new())
@@ -1570,8 +1601,8 @@ where
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
         let stream = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
+            accepted = accept(&listener, keepalive) => match accepted {
+                Ok(stream) => stream,
                 Err(e) => {
                     accept_error(e).await;
                     continue;
@@ -1611,6 +1642,70 @@ where
     Ok(())
 }
 
+/// The keepalive probes left unanswered that close a client connection, as the client's
+/// backend connections have it.
+const KEEPALIVE_PROBES: u32 = 3;
+
+/// Accepts the next client connection and sets its socket up: `TCP_NODELAY`, and with
+/// `keepalive`, TCP keepalive as the library's client has it on backend connections
+/// (`Builder::tcp_keepalive`): after `keepalive` without a byte either way the system probes
+/// the client's host, again every third of it (at least 1 s), and closes the connection after
+/// three probes unanswered. A client whose host vanished (its lid closed, its network cut: no
+/// FIN, no RST) while its request waited on a long prompt's reading, nothing flowing for
+/// minutes, is so found within about twice `keepalive`: hyper, reading the connection while
+/// a request is open, gets the error and drops the connection, and with it the request, its
+/// backend call and its slot. On Linux, bytes the client's host leaves unacknowledged (an
+/// answer's first chunks sent as it vanished) close the connection after as long
+/// (`TCP_USER_TIMEOUT`) rather than after the retransmissions' quarter of an hour; so do
+/// bytes a client leaves unread that long with its receive buffer full.
+///
+/// An option the system refuses is logged; the connection is served without it.
+pub(crate) async fn accept(
+    listener: &tokio::net::TcpListener,
+    keepalive: Option<Duration>,
+) -> std::io::Result<tokio::net::TcpStream> {
+    let (stream, _) = listener.accept().await?;
+    let socket = socket2::SockRef::from(&stream);
+    // Streamed answers go out a few bytes a token: not held back waiting for the client's
+    // acknowledgement of the last ones (Nagle's algorithm, 40 ms against a delayed ACK).
+    if let Err(e) = socket.set_tcp_nodelay(true) {
+        tracing::debug!(error = %e, "TCP_NODELAY not set on a client connection");
+    }
+    if let Some(idle) = keepalive {
+        // Whole seconds, as the system counts them (`--client-tcp-keepalive` is), up to the
+        // most Linux takes.
+        let idle = Duration::from_secs(idle.as_secs().clamp(1, 32_767));
+        let interval = Duration::from_secs((idle.as_secs() / 3).max(1));
+        let params = socket2::TcpKeepalive::new().with_time(idle);
+        #[cfg(any(
+            target_os = "android",
+            target_os = "dragonfly",
+            target_os = "freebsd",
+            target_os = "fuchsia",
+            target_os = "illumos",
+            target_os = "ios",
+            target_os = "linux",
+            target_os = "macos",
+            target_os = "netbsd",
+        ))]
+        let params = params
+            .with_interval(interval)
+            .with_retries(KEEPALIVE_PROBES);
+        if let Err(e) = socket.set_tcp_keepalive(&params) {
+            tracing::debug!(error = %e, "TCP keepalive not set on a client connection");
+        }
+        // Keepalive probes only a connection with nothing in flight: bytes the vanished
+        // host never acknowledges (an answer's first chunks, sent as it went) leave the
+        // connection to the retransmissions, a quarter of an hour. They are given as long as
+        // the probes.
+        #[cfg(any(target_os = "android", target_os = "fuchsia", target_os = "linux"))]
+        if let Err(e) = socket.set_tcp_user_timeout(Some(idle + interval * KEEPALIVE_PROBES)) {
+            tracing::debug!(error = %e, "TCP_USER_TIMEOUT not set on a client connection");
+        }
+    }
+    Ok(stream)
+}
+
 /// What the connections are told to do: serve, shut down gracefully (finish what is open),
 /// or end at once.
 const SERVING: u8 = 0;
@@ -1641,11 +1736,6 @@ where
     B::Data: Send,
     B::Error: Into<BoxError>,
 {
-    // Streamed answers go out a few bytes a token: not held back waiting for the client's
-    // acknowledgement of the last ones (Nagle's algorithm, 40 ms against a delayed ACK).
-    if let Err(e) = stream.set_nodelay(true) {
-        tracing::debug!(error = %e, "TCP_NODELAY not set on a client connection");
-    }
     // Peeked, not read: hyper reads them again.
     let mut first = [0; H2_PREFACE.len()];
     let peek = stream.peek(&mut first);

@@ -83,6 +83,13 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
                              after three probes unanswered, so that a host that
                              vanished fails its requests (default 30s; 0 turns it off;
                              whole seconds, at most 32767s)
+  --client-tcp-keepalive DURATION
+                             TCP keepalive on client connections, as --tcp-keepalive
+                             on backend ones, so that a client whose host vanished
+                             (lid closed, network cut) in a long prompt's reading is
+                             disconnected and its request ended, its slot freed
+                             (default 30s; 0 turns it off; whole seconds, at most
+                             32767s)
   --failure-cooldown DURATION
                              how long a backend that failed a request is passed over
                              (default 5s)
@@ -317,7 +324,10 @@ where
                 let d = duration(&flag, &value()?)?;
                 config.body_idle_timeout = (!d.is_zero()).then_some(d);
             }
-            "--tcp-keepalive" => config.tcp_keepalive = tcp_keepalive(&value()?)?,
+            "--tcp-keepalive" => config.tcp_keepalive = tcp_keepalive(&flag, &value()?)?,
+            "--client-tcp-keepalive" => {
+                config.client_tcp_keepalive = tcp_keepalive(&flag, &value()?)?
+            }
             "--failure-cooldown" => config.failure_cooldown = duration(&flag, &value()?)?,
             "--probe-interval" => {
                 let d = duration(&flag, &value()?)?;
@@ -607,18 +617,18 @@ pub(crate) fn duration(flag: &str, v: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
-/// `--tcp-keepalive`: a duration in whole seconds, the system's unit, from 1 s to 32767 s,
-/// the most Linux takes (`TCP_KEEPIDLE`; past it the system would keep its own two hours);
-/// `0` turns keepalive off.
-pub(crate) fn tcp_keepalive(v: &str) -> Result<Option<Duration>, String> {
+/// `--tcp-keepalive` and `--client-tcp-keepalive` (`flag`): a duration in whole seconds, the
+/// system's unit, from 1 s to 32767 s, the most Linux takes (`TCP_KEEPIDLE`; past it the
+/// system would keep its own two hours); `0` turns keepalive off.
+pub(crate) fn tcp_keepalive(flag: &str, v: &str) -> Result<Option<Duration>, String> {
     const MOST: Duration = Duration::from_secs(32767);
-    let d = duration("--tcp-keepalive", v)?;
+    let d = duration(flag, v)?;
     if d.is_zero() {
         return Ok(None);
     }
     if d.subsec_nanos() != 0 || d > MOST {
         return Err(format!(
-            "--tcp-keepalive {v:?}: whole seconds from 1s to 32767s (the system counts keepalive in seconds, up to that), or 0 to turn it off"
+            "{flag} {v:?}: whole seconds from 1s to 32767s (the system counts keepalive in seconds, up to that), or 0 to turn it off"
         ));
     }
     Ok(Some(d))

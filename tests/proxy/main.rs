@@ -2234,6 +2234,7 @@ fn every_option_parses_and_bad_values_are_explained() {
         "90s",
         "--tcp-keepalive",
         "1.5m",
+        "--client-tcp-keepalive=2m",
         "--failure-cooldown",
         "1m",
         "--probe-interval",
@@ -2280,6 +2281,7 @@ fn every_option_parses_and_bad_values_are_explained() {
     assert_eq!(c.response_timeout, None);
     assert_eq!(c.body_idle_timeout, Some(Duration::from_secs(90)));
     assert_eq!(c.tcp_keepalive, Some(Duration::from_secs(90)));
+    assert_eq!(c.client_tcp_keepalive, Some(Duration::from_secs(120)));
     assert_eq!(c.failure_cooldown, Duration::from_secs(60));
     assert_eq!(c.probe_interval, None);
     assert_eq!(c.probe_timeout, Duration::from_secs(3));
@@ -2298,6 +2300,7 @@ fn every_option_parses_and_bad_values_are_explained() {
     assert_eq!(d.response_timeout, Some(Duration::from_secs(600)));
     assert_eq!(d.body_idle_timeout, None);
     assert_eq!(d.tcp_keepalive, Some(Duration::from_secs(30)));
+    assert_eq!(d.client_tcp_keepalive, Some(Duration::from_secs(30)));
     assert_eq!(d.read_timeout, Some(Duration::from_secs(60)));
     assert_eq!(d.header_timeout, Some(Duration::from_secs(30)));
     assert_eq!(d.connect_timeout, Some(Duration::from_secs(2)));
@@ -2383,6 +2386,18 @@ fn every_option_parses_and_bad_values_are_explained() {
         (
             vec!["--backend", "n=http://x:1", "--tcp-keepalive", "32768"],
             "whole seconds from 1s to 32767s",
+        ),
+        (
+            vec!["--backend", "n=http://x:1", "--client-tcp-keepalive", "off"],
+            "--client-tcp-keepalive \"off\": expected a duration",
+        ),
+        (
+            vec!["--backend", "n=http://x:1", "--client-tcp-keepalive", "2.5s"],
+            "--client-tcp-keepalive \"2.5s\": whole seconds from 1s to 32767s",
+        ),
+        (
+            vec!["--backend", "n=http://x:1", "--client-tcp-keepalive=10h"],
+            "--client-tcp-keepalive \"10h\": whole seconds from 1s to 32767s",
         ),
         (
             vec!["--backend", "n=http://x:1", "--probe-timeout", "0"],
@@ -2502,6 +2517,139 @@ async fn tcp_keepalive_sets_the_backend_connections_keepalive() {
     );
     assert_eq!(keepalive(&["--tcp-keepalive", "0"]).await, None);
     drop(listener);
+}
+
+/// `--client-tcp-keepalive` reaches the connections the proxy accepts, as the system sees
+/// them: `TCP_NODELAY`, and probed after that long without a byte, then every third of it,
+/// three probes, and on Linux bytes left unacknowledged as long as the probes take closing
+/// it too (`TCP_USER_TIMEOUT`); `0` turns keepalive off; left out, 30 s, as on backend
+/// connections. A client whose host vanished (no FIN, no RST) while its request waits on a
+/// long prompt's reading is found only so: the connection closed, the request and its slot
+/// go with it (see `a_client_that_goes_away_releases_its_slot` in tests/chaos). Read on a
+/// loopback connection accepted by `app::accept`, which the proxy's accept loop takes each
+/// connection from.
+#[tokio::test]
+async fn client_tcp_keepalive_sets_the_accepted_connections_keepalive() {
+    let accepted = |given: &[&str]| {
+        let mut args = vec!["--backend", "n=http://127.0.0.1:1"];
+        args.extend_from_slice(given);
+        let cli::Command::Run(run) = cli::parse(args).unwrap() else {
+            panic!("not a run");
+        };
+        let keepalive = run.config.client_tcp_keepalive;
+        async move {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let both = async {
+                tokio::join!(
+                    app::accept(&listener, keepalive),
+                    tokio::net::TcpStream::connect(addr)
+                )
+            };
+            let (stream, client) = tokio::time::timeout(DEADLINE, both)
+                .await
+                .expect("no connection in time");
+            let (stream, _client) = (stream.unwrap(), client.unwrap());
+            let socket = socket2::SockRef::from(&stream);
+            assert!(socket.tcp_nodelay().unwrap(), "TCP_NODELAY");
+            let probed = socket.keepalive().unwrap().then(|| {
+                (
+                    socket.tcp_keepalive_time().unwrap(),
+                    socket.tcp_keepalive_interval().unwrap(),
+                    socket.tcp_keepalive_retries().unwrap(),
+                )
+            });
+            #[cfg(target_os = "linux")]
+            assert_eq!(
+                socket.tcp_user_timeout().unwrap(),
+                probed.map(|(time, interval, probes)| time + interval * probes),
+                "TCP_USER_TIMEOUT"
+            );
+            probed
+        }
+    };
+    let secs = Duration::from_secs;
+    assert_eq!(accepted(&[]).await, Some((secs(30), secs(10), 3)));
+    assert_eq!(
+        accepted(&["--client-tcp-keepalive", "1.5m"]).await,
+        Some((secs(90), secs(30), 3))
+    );
+    assert_eq!(
+        accepted(&["--client-tcp-keepalive=1"]).await,
+        Some((secs(1), secs(1), 3))
+    );
+    assert_eq!(
+        accepted(&["--client-tcp-keepalive=32767"]).await,
+        Some((secs(32767), secs(10922), 3))
+    );
+    assert_eq!(accepted(&["--client-tcp-keepalive", "0"]).await, None);
+    // Each side's own: the backends' keepalive off leaves the clients' on, and the other way.
+    assert_eq!(
+        accepted(&["--tcp-keepalive", "0"]).await,
+        Some((secs(30), secs(10), 3))
+    );
+}
+
+/// A client connection that fails while its request waits on a long prompt's reading, no
+/// byte going either way (here reset; a vanished host's keepalive fails it alike, with a
+/// timeout where this has a reset), ends its request: the backend's connection is closed,
+/// which stops llama-server's work on it, and the slot is free. A failed read, not only a
+/// closed one (`chaos::a_client_that_goes_away_releases_its_slot`), is a client gone.
+#[tokio::test]
+async fn a_client_connection_failing_while_its_prompt_is_read_ends_the_backend_call() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    for mode in [UpstreamMode::Pooled, UpstreamMode::PerClient] {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (got, got_request) = oneshot::channel();
+        let (ended, backend_closed) = oneshot::channel();
+        tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let mut seen = Vec::new();
+            let mut buf = [0u8; 4096];
+            let mut got = Some(got);
+            // Reads the prompt and never answers, until the proxy closes the connection.
+            loop {
+                match stream.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => seen.extend_from_slice(&buf[..n]),
+                }
+                if seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                    if let Some(got) = got.take() {
+                        let _ = got.send(());
+                    }
+                }
+            }
+            let _ = ended.send(());
+        });
+        let spec = format!("node-a=http://{addr},slots=1,id=a");
+        let proxy = start(upstream(config_of(&[spec]), mode)).await;
+        let body = Conversation::new("vanishing").next(json!({"stream": true}));
+        let body = body.to_string();
+        let head = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: proxy\r\n\
+             content-type: application/json\r\nx-session-id: vanishing\r\n\
+             content-length: {}\r\n\r\n",
+            body.len()
+        );
+        let mut client = tokio::net::TcpStream::connect(proxy.addr).await.unwrap();
+        client.write_all(head.as_bytes()).await.unwrap();
+        client.write_all(body.as_bytes()).await.unwrap();
+        tokio::time::timeout(DEADLINE, got_request)
+            .await
+            .expect("the request did not reach the backend")
+            .unwrap();
+        assert_eq!(proxy.status("a").in_flight, 1, "{mode:?}");
+        // A reset, not the close a client that leaves sends.
+        #[allow(deprecated)]
+        client.set_linger(Some(Duration::ZERO)).unwrap();
+        drop(client);
+        tokio::time::timeout(DEADLINE, backend_closed)
+            .await
+            .unwrap_or_else(|_| panic!("{mode:?}: the backend call went on"))
+            .unwrap();
+        assert_eq!(proxy.status("a").in_flight, 0, "{mode:?}: the slot is held");
+    }
 }
 
 /// `--redis-timeout 0` is refused, as `--probe-timeout 0` is: where the other timeouts' 0
@@ -2689,7 +2837,7 @@ fn the_defaults_help_and_the_readme_state_are_the_parsers() {
     };
     let c = &run.config;
     let secs = Duration::from_secs;
-    let defaults: [(&str, &str, bool); 20] = [
+    let defaults: [(&str, &str, bool); 21] = [
         (
             "(default 127.0.0.1:8080)",
             "(`127.0.0.1:8080`)",
@@ -2755,6 +2903,11 @@ fn the_defaults_help_and_the_readme_state_are_the_parsers() {
             "fails its requests (default 30s; 0 turns it off;",
             "instead of holding their slots (30 s; `0` turns it off;",
             c.tcp_keepalive == Some(secs(30)),
+        ),
+        (
+            "its slot freed (default 30s; 0 turns it off;",
+            "and its backend slot freed (30 s; `0` turns it off;",
+            c.client_tcp_keepalive == Some(secs(30)),
         ),
         (
             "is passed over (default 5s)",
