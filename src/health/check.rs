@@ -5,7 +5,7 @@ use std::num::NonZeroU64;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{StatusCode, Uri};
+use http::{HeaderMap, Request, StatusCode, Uri};
 use http_body_util::{BodyExt, Empty, Limited};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
@@ -59,11 +59,12 @@ pub(crate) struct Checked {
 pub(crate) async fn check(
     client: ProbeClient,
     base: Uri,
+    headers: &HeaderMap,
     timeout: Duration,
     slots: bool,
     models: bool,
 ) -> Checked {
-    let health = match get(&client, &base, "/health", timeout).await {
+    let health = match get(&client, &base, "/health", headers, timeout).await {
         Ok((StatusCode::OK, _)) => Health::Ready,
         Ok((StatusCode::SERVICE_UNAVAILABLE, _)) => Health::Loading,
         Ok((status, _)) => Health::Failed(format!("/health answered {status}")),
@@ -71,24 +72,26 @@ pub(crate) async fn check(
     };
     let mut no_slots = false;
     let slots = if slots && health == Health::Ready {
-        Some(match get(&client, &base, "/slots", timeout).await {
-            Ok((status @ (StatusCode::NOT_FOUND | StatusCode::NOT_IMPLEMENTED), _)) => {
-                no_slots = true;
-                Err(format!("/slots answered {status}"))
-            }
-            Ok((StatusCode::OK, body)) => parse_slots(&body).ok_or_else(|| {
-                "/slots gave no count: a non-empty JSON array of slot objects was expected"
-                    .to_string()
-            }),
-            Ok((status, _)) => Err(format!("/slots answered {status}")),
-            Err(e) => Err(format!("/slots: {e}")),
-        })
+        Some(
+            match get(&client, &base, "/slots", headers, timeout).await {
+                Ok((status @ (StatusCode::NOT_FOUND | StatusCode::NOT_IMPLEMENTED), _)) => {
+                    no_slots = true;
+                    Err(format!("/slots answered {status}"))
+                }
+                Ok((StatusCode::OK, body)) => parse_slots(&body).ok_or_else(|| {
+                    "/slots gave no count: a non-empty JSON array of slot objects was expected"
+                        .to_string()
+                }),
+                Ok((status, _)) => Err(format!("/slots answered {status}")),
+                Err(e) => Err(format!("/slots: {e}")),
+            },
+        )
     } else {
         None
     };
     let models = models && health == Health::Ready && (no_slots || slots.is_none());
     let max_model_len = if models {
-        match get(&client, &base, "/v1/models", timeout).await {
+        match get(&client, &base, "/v1/models", headers, timeout).await {
             Ok((StatusCode::OK, body)) => parse_max_model_len(&body),
             _ => None,
         }
@@ -142,19 +145,23 @@ pub(crate) fn parse_slots(body: &[u8]) -> Option<Slots> {
     })
 }
 
-/// `GET base + path`: its status and body, within `timeout`.
+/// `GET base + path` with `headers`: its status and body, within `timeout`.
 async fn get(
     client: &ProbeClient,
     base: &Uri,
     path: &'static str,
+    headers: &HeaderMap,
     timeout: Duration,
 ) -> Result<(StatusCode, Bytes), String> {
     let mut parts = base.clone().into_parts();
     parts.path_and_query = Some(http::uri::PathAndQuery::from_static(path));
     let uri = Uri::from_parts(parts).map_err(|e| e.to_string())?;
+    let mut req = Request::new(Empty::new());
+    *req.uri_mut() = uri;
+    *req.headers_mut() = headers.clone();
     let fetch = async {
         let res = client
-            .get(uri)
+            .request(req)
             .await
             .map_err(|e| crate::client::HttpBackendError::classify(e.into()).to_string())?;
         let status = res.status();

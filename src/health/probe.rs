@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use futures_core::TryStream;
+use http::{HeaderMap, HeaderName, HeaderValue};
 use tower::discover::Change;
 
 use super::discover::Probed;
@@ -108,6 +109,38 @@ use crate::{Backend, BackendId};
 /// # Ok(()) }
 /// ```
 ///
+/// # Backends run with an API key
+///
+/// Their `/health` answers without the key, but what the probe reads besides does not, unless
+/// it is given the key with [`header`](Self::header) (`Authorization: Bearer KEY` serves all
+/// three servers):
+///
+/// - llama-server with `--api-key` answers `/health`, `/v1/health`, `/models` and
+///   `/v1/models` (and its web UI's files) without the key, and once its model is loaded
+///   every other path, `/slots` among them, with a 401 (the key goes in
+///   `Authorization: Bearer KEY`, or in `X-Api-Key`). Without it the backend counts as one
+///   slot, and a `warn` line says so.
+/// - vLLM with `--api-key` (or `VLLM_API_KEY`) wants `Authorization: Bearer KEY` on every
+///   path that starts with `/v1`, `/v1/models` among them, and on no other (`/health`,
+///   `/slots`' 404). Without it the backend's request context is not learned.
+/// - SGLang with `--api-key` wants it on every path but those that start with `/health` or
+///   `/metrics` (and in recent releases `/ready`): `/slots` answers 401 rather than 404, and
+///   the backend's request context is not learned.
+///
+/// ```
+/// use http::header::AUTHORIZATION;
+/// use http::HeaderValue;
+/// use tower_affinity::health::HealthProbe;
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// // Backends started with `--api-key sk-backends`.
+/// let key = HeaderValue::from_str("Bearer sk-backends")?;
+/// let probe = HealthProbe::new().header(AUTHORIZATION, key);
+/// // The key is never shown.
+/// assert!(!format!("{probe:?}").contains("sk-backends"));
+/// # Ok(()) }
+/// ```
+///
 /// [`SessionAffinityLayer::layer`]: tower::Layer::layer
 /// [`SessionAffinity::mark_down`]: crate::SessionAffinity::mark_down
 /// [`mark_up`]: crate::SessionAffinity::mark_up
@@ -122,6 +155,8 @@ pub struct HealthProbe {
     pub(crate) success_threshold: u32,
     pub(crate) learn_slots: bool,
     pub(crate) busy_slots: bool,
+    /// Sent with every probe request; each value marked sensitive.
+    pub(crate) headers: HeaderMap,
 }
 
 impl Default for HealthProbe {
@@ -141,6 +176,7 @@ impl HealthProbe {
             success_threshold: 2,
             learn_slots: true,
             busy_slots: false,
+            headers: HeaderMap::new(),
         }
     }
 
@@ -201,6 +237,34 @@ impl HealthProbe {
     /// slot count was given (off by default).
     pub fn busy_slots(mut self, on: bool) -> Self {
         self.busy_slots = on;
+        self
+    }
+
+    /// A header to send with every probe request, `/health`, `/slots` and `/v1/models` alike:
+    /// the API key of backends that want one (see [`HealthProbe`], "Backends run with an API
+    /// key"). Given again, with the same name or another, it is sent too, as
+    /// [`http::request::Builder::header`] adds it.
+    ///
+    /// The value is taken as a secret, whatever its name: it is [marked
+    /// sensitive](HeaderValue::set_sensitive), so the probe's `Debug` output (and so the
+    /// [`Prober`]'s) shows `Sensitive` in its place, and HTTP/2 sends it as never indexed. The
+    /// probe logs no header.
+    ///
+    /// ```
+    /// use http::{HeaderName, HeaderValue};
+    /// use tower_affinity::health::HealthProbe;
+    ///
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// // The key read from the environment, not written in the code.
+    /// let key = std::env::var("BACKEND_API_KEY").unwrap_or_else(|_| "sk-test".into());
+    /// let probe = HealthProbe::new()
+    ///     .header(HeaderName::from_static("x-api-key"), HeaderValue::from_str(&key)?);
+    /// assert_eq!(format!("{probe:?}").matches("Sensitive").count(), 1);
+    /// # Ok(()) }
+    /// ```
+    pub fn header(mut self, name: HeaderName, mut value: HeaderValue) -> Self {
+        value.set_sensitive(true);
+        self.headers.append(name, value);
         self
     }
 

@@ -405,8 +405,9 @@ where
             self.shared.client.clone()
         };
         let timeout = self.shared.config.timeout;
+        let headers = self.shared.config.headers.clone();
         async move {
-            let checked = check(client, job.uri, timeout, job.slots, job.models).await;
+            let checked = check(client, job.uri, &headers, timeout, job.slots, job.models).await;
             (job.id, job.generation, checked)
         }
     }

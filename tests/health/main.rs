@@ -50,13 +50,35 @@ struct Stub {
     models: Mutex<Option<Value>>,
     /// `/v1/models` never answers.
     models_hang: AtomicBool,
+    /// The `Authorization` that `/slots` and `/v1/models` want, when set (a llama-server or a
+    /// vLLM run with `--api-key`): 401 without it. `/health` answers without it.
+    authorization: Mutex<Option<&'static str>>,
+    /// The `Authorization` each `/health` came with, if any.
+    health_authorization: Mutex<Vec<Option<String>>>,
     health_hits: AtomicUsize,
     slots_hits: AtomicUsize,
     models_hits: AtomicUsize,
 }
 
-async fn health(State(s): State<Arc<Stub>>) -> (StatusCode, &'static str) {
+/// Whether `headers` carry the key the stub wants, if it wants one.
+fn authorized(s: &Stub, headers: &axum::http::HeaderMap) -> Result<(), StatusCode> {
+    match *s.authorization.lock() {
+        Some(wanted) if headers.get("authorization").is_none_or(|v| v != wanted) => {
+            Err(StatusCode::UNAUTHORIZED)
+        }
+        _ => Ok(()),
+    }
+}
+
+async fn health(
+    State(s): State<Arc<Stub>>,
+    headers: axum::http::HeaderMap,
+) -> (StatusCode, &'static str) {
     s.health_hits.fetch_add(1, Ordering::Relaxed);
+    let authorization = headers
+        .get("authorization")
+        .map(|v| v.to_str().unwrap().to_string());
+    s.health_authorization.lock().push(authorization);
     if s.hang.load(Ordering::Relaxed) {
         std::future::pending::<()>().await;
     }
@@ -64,8 +86,12 @@ async fn health(State(s): State<Arc<Stub>>) -> (StatusCode, &'static str) {
     (status, "{}")
 }
 
-async fn slots(State(s): State<Arc<Stub>>) -> Result<axum::Json<Value>, StatusCode> {
+async fn slots(
+    State(s): State<Arc<Stub>>,
+    headers: axum::http::HeaderMap,
+) -> Result<axum::Json<Value>, StatusCode> {
     s.slots_hits.fetch_add(1, Ordering::Relaxed);
+    authorized(&s, &headers)?;
     if s.slots_hang.load(Ordering::Relaxed) {
         std::future::pending::<()>().await;
     }
@@ -94,8 +120,12 @@ async fn slots(State(s): State<Arc<Stub>>) -> Result<axum::Json<Value>, StatusCo
     Ok(axum::Json(Value::Array(slots)))
 }
 
-async fn models(State(s): State<Arc<Stub>>) -> Result<axum::Json<Value>, StatusCode> {
+async fn models(
+    State(s): State<Arc<Stub>>,
+    headers: axum::http::HeaderMap,
+) -> Result<axum::Json<Value>, StatusCode> {
     s.models_hits.fetch_add(1, Ordering::Relaxed);
+    authorized(&s, &headers)?;
     if s.models_hang.load(Ordering::Relaxed) {
         std::future::pending::<()>().await;
     }
@@ -1049,4 +1079,85 @@ async fn a_backend_that_does_not_answer_is_probed_again_as_soon_as_its_probe_run
         );
         drop(task);
     }
+}
+
+/// A probe given the backends' API key sends it with every request: a llama-server run with
+/// `--api-key` gives its slots (it answers `/slots` with a 401 without the key, and counted
+/// as one slot), a vLLM run with one its `max_model_len` (its `/v1/models` wants the key too).
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_probe_given_the_backends_api_key_reads_slots_and_models_that_want_it() {
+    let (llama, llama_stub) = start(4).await;
+    let (vllm, vllm_stub) = start(0).await;
+    vllm_stub.slots_status.store(404, Ordering::Relaxed);
+    *vllm_stub.models.lock() = Some(vllm_models(32_768));
+    for stub in [&llama_stub, &vllm_stub] {
+        *stub.authorization.lock() = Some("Bearer k");
+    }
+    let backends = || {
+        vec![
+            ("llama", Backend::new("n", http(llama))),
+            ("vllm", Backend::new("n", http(vllm)).slots(NonZeroU32::MIN)),
+        ]
+    };
+
+    // Without the key: up, as `/health` is public, but one slot and no context.
+    let (affinity, prober) = balancer(HealthProbe::new(), backends());
+    prober.round(&affinity).await;
+    assert!(status(&affinity, "llama").healthy);
+    assert_eq!(status(&affinity, "llama").slots, 1);
+    assert_eq!(
+        prober.status("llama").unwrap().slots_error.as_deref(),
+        Some("/slots answered 401 Unauthorized")
+    );
+    assert_eq!(status(&affinity, "vllm").request_context_limit, None);
+
+    // With it: read, and sent to `/health` too.
+    let bearer = axum::http::HeaderValue::from_static("Bearer k");
+    let probe = HealthProbe::new().header(axum::http::header::AUTHORIZATION, bearer);
+    let (affinity, prober) = balancer(probe, backends());
+    prober.round(&affinity).await;
+    assert_eq!(status(&affinity, "llama").slots, 4);
+    assert_eq!(status(&affinity, "llama").request_context_limit, Some(4096));
+    assert_eq!(prober.status("llama").unwrap().slots_error, None);
+    assert_eq!(
+        status(&affinity, "vllm").request_context_limit,
+        Some(32_768)
+    );
+    let seen = llama_stub.health_authorization.lock().clone();
+    assert_eq!(seen, [None, Some("Bearer k".to_string())]);
+}
+
+/// The key given to the probe is a secret: neither the probe's nor the prober's `Debug`
+/// shows it, nor does anything the probe logs or reports, with a key the backend refuses.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn the_probes_api_key_is_never_shown_nor_logged() {
+    let logs = logs();
+    let (a, stub) = start(2).await;
+    *stub.authorization.lock() = Some("Bearer right");
+    let key = "Bearer sk-wrong-9f2c";
+    let probe = HealthProbe::new()
+        .header(
+            axum::http::header::AUTHORIZATION,
+            axum::http::HeaderValue::from_static(key),
+        )
+        .header(
+            axum::http::HeaderName::from_static("x-api-key"),
+            axum::http::HeaderValue::from_static("sk-other-77aa"),
+        );
+    assert!(!format!("{probe:?}").contains("sk-"), "{probe:?}");
+    let (affinity, prober) = balancer(probe, vec![("a", Backend::new("n", http(a)))]);
+    prober.round(&affinity).await;
+    let s = prober.status("a").unwrap();
+    assert_eq!(
+        s.slots_error.as_deref(),
+        Some("/slots answered 401 Unauthorized")
+    );
+    assert_eq!(logs.count("a", "slot count not readable from /slots"), 1);
+    let shown = format!(
+        "{prober:?} {:?} {s:?} {}",
+        prober.config(),
+        String::from_utf8_lossy(&logs.0.lock())
+    );
+    assert!(!shown.contains("sk-"), "{shown}");
+    assert!(shown.contains("Sensitive"), "{shown}");
 }
