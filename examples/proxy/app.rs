@@ -228,6 +228,9 @@ pub(crate) struct Config {
     pub(crate) probe_successes: u32,
     /// Learn the slot count of backends given without `slots=` from llama-server's `/slots`.
     pub(crate) probe_slots: bool,
+    /// `--probe-header`: sent with every probe request (the backends' API key), each value
+    /// marked sensitive, so that `Debug` does not show it.
+    pub(crate) probe_headers: Vec<(header::HeaderName, HeaderValue)>,
     /// Ask streams for their usage on the clients' behalf.
     pub(crate) ask_stream_usage: bool,
     /// Say on each answer where it was placed and why (`x-affinity-*`): off between tenants,
@@ -282,6 +285,7 @@ impl Config {
             probe_failures: 1,
             probe_successes: 1,
             probe_slots: true,
+            probe_headers: Vec::new(),
             ask_stream_usage: false,
             decision_headers: true,
             upstream: UpstreamMode::Pooled,
@@ -535,13 +539,17 @@ impl Proxy {
             dns_handles.extend(dns.into_iter().map(|h| (label.clone(), h)));
             // Without `slots=`, one slot until the probe reads `/slots`. The probe's settings
             // apply to rounds run by hand too, when the background probe is off.
-            let (fleet, prober) = HealthProbe::new()
+            let mut probe = HealthProbe::new()
                 .interval(config.probe_interval.unwrap_or(Duration::from_secs(2)))
                 .timeout(config.probe_timeout)
                 .failure_threshold(config.probe_failures)
                 .success_threshold(config.probe_successes)
-                .learn_slots(config.probe_slots)
-                .discover(fleet);
+                .learn_slots(config.probe_slots);
+            // The backends' API key, if they want one.
+            for (name, value) in &config.probe_headers {
+                probe = probe.header(name.clone(), value.clone());
+            }
+            let (fleet, prober) = probe.discover(fleet);
             let mut layer = SessionAffinityLayer::new()
                 .key(FirstOf::new(HeaderKey::default(), ExtensionKey))
                 .placement(config.policy.build())

@@ -4,6 +4,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::num::{NonZeroU32, NonZeroU64, NonZeroUsize};
 use std::time::Duration;
 
+use http::header::{HeaderName, HeaderValue};
 use http::uri::{Authority, Scheme};
 use http::Uri;
 use tower_affinity::discover::dns::DnsTarget;
@@ -101,6 +102,14 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
   --probe-successes N        ready probes in a row that bring it up again (default 1)
   --no-slots-probe           do not read slot counts and slot contexts from /slots, nor
                              vLLM's and SGLang's contexts from /v1/models
+  --probe-header 'NAME: VALUE'
+                             a header to send with every probe request (repeat for
+                             others; none by default), e.g. 'Authorization: Bearer KEY'
+                             for backends run with --api-key: their /health answers
+                             without the key, but llama-server's /slots and vLLM's and
+                             SGLang's /v1/models do not. The value is never shown.
+                             Requests are forwarded with their clients' own headers,
+                             not these
   --ask-stream-usage         ask a chat or completions stream that did not ask for its
                              usage to carry it, and take that chunk out of the answer
                              again (for vLLM and SGLang, whose streams otherwise report
@@ -340,6 +349,13 @@ where
                         "--probe-timeout must be more than 0: a probe that may not wait gets no answer (--probe-interval 0 turns probing off)".into(),
                     );
                 }
+            }
+            "--probe-header" => {
+                let (name, value) = probe_header(&value()?)?;
+                if config.probe_headers.iter().any(|(n, _)| *n == name) {
+                    return Err(format!("--probe-header {:?}: given twice", name.as_str()));
+                }
+                config.probe_headers.push((name, value));
             }
             "--probe-failures" => config.probe_failures = count(&flag, &value()?)?,
             "--probe-successes" => config.probe_successes = count(&flag, &value()?)?,
@@ -583,6 +599,33 @@ pub(crate) fn worker_threads(
                 )
             }),
     }
+}
+
+/// `--probe-header 'NAME: VALUE'`: the header, its value marked sensitive. No error shows
+/// the value, which is a key as a rule.
+pub(crate) fn probe_header(v: &str) -> Result<(HeaderName, HeaderValue), String> {
+    let (name, value) = v.split_once(':').ok_or_else(|| {
+        "--probe-header: expected NAME: VALUE, such as 'Authorization: Bearer KEY'".to_string()
+    })?;
+    let name = HeaderName::from_bytes(name.trim().as_bytes()).map_err(|_| {
+        format!(
+            "--probe-header {:?}: not a header name (expected NAME: VALUE, such as 'Authorization: Bearer KEY')",
+            name.trim()
+        )
+    })?;
+    let value = value.trim();
+    let bad = |why: &str| format!("--probe-header {:?}: {why}", name.as_str());
+    if value.is_empty() {
+        return Err(bad("the value is empty"));
+    }
+    if name == http::header::AUTHORIZATION && value.eq_ignore_ascii_case("bearer") {
+        // `Bearer $KEY` with the variable unset.
+        return Err(bad("Bearer with no key after it (an unset variable?)"));
+    }
+    let mut value = HeaderValue::from_str(value)
+        .map_err(|_| bad("the value may hold only visible ASCII characters, spaces and tabs"))?;
+    value.set_sensitive(true);
+    Ok((name, value))
 }
 
 /// A count of at least 1.

@@ -734,6 +734,111 @@ async fn the_probe_marks_a_loading_backend_down_until_ready_and_learns_slots() {
     assert!(!status("a").healthy, "an unreachable backend is down");
 }
 
+/// `--probe-header` gives the probe the backends' API key: a llama-server run with `--api-key`
+/// answers `/slots` with a 401 without it, and counted as one slot whatever its `-np`.
+#[tokio::test]
+async fn probe_header_gives_the_probe_the_backends_api_key() {
+    let a = Stub::start("a", 3).await;
+    a.require_api_key("sk-backends");
+    let config = |extra: &[&str]| {
+        let backend = format!("node-a={},id=a", a.url());
+        let mut args = vec!["--backend", backend.as_str(), "--probe-interval", "0"];
+        args.extend(extra);
+        let cli::Command::Run(run) = cli::parse(args).unwrap() else {
+            panic!("not a run");
+        };
+        run.config
+    };
+    let without = start(config(&[])).await;
+    without.proxy.probe_all().await;
+    assert!(without.status("a").healthy, "/health wants no key");
+    assert_eq!(without.status("a").slots, 1, "/slots answered 401");
+
+    let with = start(config(&[
+        "--probe-header",
+        "Authorization: Bearer sk-backends",
+    ]))
+    .await;
+    with.proxy.probe_all().await;
+    assert_eq!(with.status("a").slots, 3, "read from /slots");
+}
+
+/// `--probe-header NAME: VALUE` takes a header for each, marked sensitive; a bad one is a
+/// command-line error (exit code 2) that names the flag, and neither its errors nor the
+/// parsed configuration's `Debug` show the value: a key, as a rule.
+#[test]
+fn probe_header_is_name_colon_value_and_its_value_is_never_shown() {
+    let parse = |headers: &[&str]| {
+        let mut args = vec!["--backend", "n=http://x:1"];
+        for h in headers {
+            args.extend(["--probe-header", h]);
+        }
+        cli::parse(args)
+    };
+    let Ok(cli::Command::Run(run)) = parse(&["Authorization:  Bearer sk-1 ", "X-Api-Key:sk-2"])
+    else {
+        panic!("not a run");
+    };
+    let headers: Vec<_> = (run.config.probe_headers.iter())
+        .map(|(n, v)| (n.as_str(), v.to_str().unwrap(), v.is_sensitive()))
+        .collect();
+    assert_eq!(
+        headers,
+        [
+            ("authorization", "Bearer sk-1", true),
+            ("x-api-key", "sk-2", true)
+        ]
+    );
+    let shown = format!("{run:?}");
+    assert!(
+        !shown.contains("sk-") && shown.contains("Sensitive"),
+        "{shown}"
+    );
+    // `--probe-header=...` as the other flags take it.
+    let inline = cli::parse(["--backend", "n=http://x:1", "--probe-header=X-Api-Key: a=b"]);
+    let Ok(cli::Command::Run(inline)) = inline else {
+        panic!("not a run");
+    };
+    assert_eq!(inline.config.probe_headers[0].1, "a=b");
+
+    for (headers, needle) in [
+        (
+            vec!["Authorization Bearer sk-1"],
+            "--probe-header: expected NAME: VALUE",
+        ),
+        (
+            vec!["Auth orization: sk-1"],
+            "--probe-header \"Auth orization\": not a header name",
+        ),
+        (vec![": sk-1"], "--probe-header \"\": not a header name"),
+        (
+            vec!["X-Api-Key: "],
+            "--probe-header \"x-api-key\": the value is empty",
+        ),
+        // `Bearer $KEY`, the variable unset.
+        (
+            vec!["Authorization: Bearer "],
+            "Bearer with no key after it",
+        ),
+        (
+            vec!["X-Api-Key: sk-\u{1}1"],
+            "only visible ASCII characters",
+        ),
+        (
+            vec!["X-Api-Key: sk-\u{e9}1"],
+            "only visible ASCII characters",
+        ),
+        (
+            vec!["Authorization: Bearer sk-1", "authorization: Bearer sk-2"],
+            "--probe-header \"authorization\": given twice",
+        ),
+    ] {
+        let err = parse(&headers).map(|_| ()).unwrap_err();
+        assert!(err.contains(needle), "{headers:?}: {err}");
+        assert!(!err.contains("sk-"), "{headers:?}: {err}");
+    }
+}
+
 /// llama-server run with `-np` gives each slot its share of `-c` and refuses a longer prompt
 /// (400). The probe reads each backend's share from `/slots` (`n_ctx`): a conversation that
 /// outgrows its home's slots moves to a backend whose slots take it, and stays there, rather
@@ -2837,7 +2942,7 @@ fn the_defaults_help_and_the_readme_state_are_the_parsers() {
     };
     let c = &run.config;
     let secs = Duration::from_secs;
-    let defaults: [(&str, &str, bool); 21] = [
+    let defaults: [(&str, &str, bool); 22] = [
         (
             "(default 127.0.0.1:8080)",
             "(`127.0.0.1:8080`)",
@@ -2923,6 +3028,11 @@ fn the_defaults_help_and_the_readme_state_are_the_parsers() {
             "for a probe answer (default 2s)",
             "the longest wait for a probe's answer (2 s; more than 0)",
             c.probe_timeout == secs(2),
+        ),
+        (
+            "others; none by default)",
+            "repeated for others (none)",
+            c.probe_headers.is_empty(),
         ),
         (
             "take a backend down (default 1;",

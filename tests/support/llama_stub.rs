@@ -68,6 +68,9 @@ pub(crate) struct StubState {
     digit_tokens: AtomicUsize,
     /// Refuses a prompt too long in vLLM's words rather than llama-server's fields.
     refuses_as_vllm: std::sync::atomic::AtomicBool,
+    /// The key of a llama-server run with `--api-key`, if set: `/slots` answers 401 without
+    /// it (`/health` does not want it).
+    api_key: Mutex<Option<String>>,
 }
 
 /// How long a timed stub takes over a chat: the tokens it reads (not cached) at `prefill`
@@ -117,6 +120,7 @@ impl Stub {
             refused: AtomicUsize::new(0),
             digit_tokens: AtomicUsize::new(1),
             refuses_as_vllm: Default::default(),
+            api_key: Mutex::new(None),
         });
         let router = Router::new()
             .route("/health", get(health))
@@ -148,6 +152,12 @@ impl Stub {
             }
             tokio::task::yield_now().await;
         }
+    }
+
+    /// From now on, wants `key` as llama-server run with `--api-key KEY` does: `/slots`
+    /// answers 401 unless sent `Authorization: Bearer KEY`.
+    pub(crate) fn require_api_key(&self, key: &str) {
+        *self.state.api_key.lock() = Some(key.to_string());
     }
 
     /// What `/health` answers: 200 ready, 503 loading.
@@ -225,7 +235,14 @@ async fn health(State(s): State<Arc<StubState>>) -> Response {
     (status, axum::Json(body)).into_response()
 }
 
-async fn slots_list(State(s): State<Arc<StubState>>) -> Response {
+async fn slots_list(State(s): State<Arc<StubState>>, headers: HeaderMap) -> Response {
+    if let Some(key) = s.api_key.lock().as_deref() {
+        let given = headers.get("authorization").and_then(|v| v.to_str().ok());
+        if given != Some(format!("Bearer {key}").as_str()) {
+            let error = json!({"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}});
+            return (StatusCode::UNAUTHORIZED, axum::Json(error)).into_response();
+        }
+    }
     let n_ctx = match s.context.load(Ordering::Relaxed) {
         0 => 4096,
         n => n,
