@@ -82,6 +82,13 @@ pub(crate) async fn check(
                     "/slots gave no count: a non-empty JSON array of slot objects was expected"
                         .to_string()
                 }),
+                // llama-server run with `--api-key`: its `/health` answers without the key.
+                Ok((status @ (StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN), _)) => {
+                    Err(format!(
+                        "/slots answered {status}: the backend wants an API key, and the probe \
+                         was given none or another (HealthProbe::header)"
+                    ))
+                }
                 Ok((status, _)) => Err(format!("/slots answered {status}")),
                 Err(e) => Err(format!("/slots: {e}")),
             },

@@ -1107,7 +1107,10 @@ async fn a_probe_given_the_backends_api_key_reads_slots_and_models_that_want_it(
     assert_eq!(status(&affinity, "llama").slots, 1);
     assert_eq!(
         prober.status("llama").unwrap().slots_error.as_deref(),
-        Some("/slots answered 401 Unauthorized")
+        Some(
+            "/slots answered 401 Unauthorized: the backend wants an API key, and the probe \
+             was given none or another (HealthProbe::header)"
+        )
     );
     assert_eq!(status(&affinity, "vllm").request_context_limit, None);
 
@@ -1150,7 +1153,10 @@ async fn the_probes_api_key_is_never_shown_nor_logged() {
     let s = prober.status("a").unwrap();
     assert_eq!(
         s.slots_error.as_deref(),
-        Some("/slots answered 401 Unauthorized")
+        Some(
+            "/slots answered 401 Unauthorized: the backend wants an API key, and the probe \
+             was given none or another (HealthProbe::header)"
+        )
     );
     assert_eq!(logs.count("a", "slot count not readable from /slots"), 1);
     let shown = format!(
