@@ -2112,6 +2112,19 @@ mod tests {
     }
 
     #[test]
+    fn a_known_prefix_is_followed_to_the_tip_of_a_chain_held_whole() {
+        let mut m = CacheModel::new(10_000);
+        let turn = chain(&[1, 2, 3, 4]);
+        m.record(turn.links(), 0, 7);
+        // The same prompt sent again, two links known: every link is found, its tip too.
+        let known = m.known_from(turn.links(), 2);
+        assert_eq!((known.links, known.last_used, known.born), (4, 7, 7));
+        assert_eq!(m.record_from(turn.links(), 2, 8), (4, 7));
+        assert!(m.resent(turn.links()[3].digest));
+        m.check();
+    }
+
+    #[test]
     fn a_session_recorded_after_the_last_eviction_is_kept_and_an_older_one_is_looked_up() {
         // Room for two conversations of 300 tokens.
         let cell = ModelCell::new(600);
