@@ -554,6 +554,16 @@ mod tests {
     }
 
     #[test]
+    fn a_block_link_covers_every_block_before_it() {
+        let a = PromptChain::from_blocks([(1, 10), (2, 10), (3, 10)]);
+        let b = PromptChain::from_blocks([(9, 10), (2, 10), (3, 10)]);
+        // The same blocks after another first one: no link is shared.
+        for (x, y) in a.links().iter().zip(b.links()) {
+            assert_ne!(x.digest, y.digest);
+        }
+    }
+
+    #[test]
     fn a_block_boundary_at_the_end_of_a_part_is_one_link() {
         let c = chain(&[b"abcd", b"efgh"], 4);
         assert_eq!(c.len(), 2);
