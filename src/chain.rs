@@ -564,6 +564,25 @@ mod tests {
     }
 
     #[test]
+    fn only_leading_links_count_as_a_common_prefix() {
+        // Hand-made digests: a chain's digests cover their prefix, so equal links after a
+        // difference take a collision; they are still not part of the shared prefix.
+        let made = |digests: &[u64]| PromptChain {
+            links: digests
+                .iter()
+                .enumerate()
+                .map(|(i, &digest)| Link {
+                    digest,
+                    bytes: 4 * (i as u64 + 1),
+                    tokens: i as u64 + 1,
+                })
+                .collect(),
+        };
+        assert_eq!(made(&[1, 2, 3]).common_prefix(&made(&[1, 9, 3])), 1);
+        assert_eq!(made(&[1, 2, 3]).common_prefix(&made(&[8, 2, 3])), 0);
+    }
+
+    #[test]
     fn a_block_boundary_at_the_end_of_a_part_is_one_link() {
         let c = chain(&[b"abcd", b"efgh"], 4);
         assert_eq!(c.len(), 2);
