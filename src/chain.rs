@@ -583,6 +583,22 @@ mod tests {
     }
 
     #[test]
+    fn a_continued_chain_covers_the_chain_it_continues() {
+        let go_on = |base: &PromptChain| {
+            let mut b = ChainBuilder::continuing(base, 64);
+            b.feed(b"the same new input");
+            b.boundary();
+            b.finish()
+        };
+        let (one, two) = (chain(&[b"first"], 64), chain(&[b"second"], 64));
+        let (a, b) = (go_on(&one), go_on(&two));
+        assert_eq!((a.len(), b.len()), (2, 2));
+        assert_eq!(a.common_prefix(&one), 1);
+        // The same input after another response is another prompt.
+        assert_ne!(a.links()[1].digest, b.links()[1].digest);
+    }
+
+    #[test]
     fn a_block_boundary_at_the_end_of_a_part_is_one_link() {
         let c = chain(&[b"abcd", b"efgh"], 4);
         assert_eq!(c.len(), 2);
