@@ -599,6 +599,17 @@ mod tests {
     }
 
     #[test]
+    fn a_chain_continued_from_one_of_text_counts_on_as_if_built_in_one_go() {
+        // Five bytes, two tokens: not a whole number of tokens' bytes.
+        let base = chain(&[b"abcde"], 64);
+        assert_eq!(base.tokens(), 2);
+        let mut more = ChainBuilder::continuing(&base, 64);
+        more.feed(b"fgh");
+        more.boundary();
+        assert_eq!(more.finish().tokens(), chain(&[b"abcdefgh"], 64).tokens());
+    }
+
+    #[test]
     fn a_block_boundary_at_the_end_of_a_part_is_one_link() {
         let c = chain(&[b"abcd", b"efgh"], 4);
         assert_eq!(c.len(), 2);
