@@ -610,6 +610,14 @@ mod tests {
     }
 
     #[test]
+    fn a_tip_fingerprint_is_never_zero() {
+        // 0 means "no chain": a digest whose low 16 bits are 0 takes 1.
+        assert_eq!(tip_of(0xabcd_0000), 1);
+        assert_eq!(tip_of(0xabcd_0001), 1);
+        assert_eq!(tip_of(0xabcd_1234), 0x1234);
+    }
+
+    #[test]
     fn a_block_boundary_at_the_end_of_a_part_is_one_link() {
         let c = chain(&[b"abcd", b"efgh"], 4);
         assert_eq!(c.len(), 2);
