@@ -618,6 +618,26 @@ mod tests {
     }
 
     #[test]
+    fn the_position_of_a_digest_is_that_of_its_last_link() {
+        // Hand-made digests: a chain's digests cover their prefix, so a digest given twice
+        // takes a collision; the later link is the one a turn ending there went on from.
+        let c = PromptChain {
+            links: [5, 6, 5, 7]
+                .iter()
+                .enumerate()
+                .map(|(i, &digest)| Link {
+                    digest,
+                    bytes: 4 * (i as u64 + 1),
+                    tokens: i as u64 + 1,
+                })
+                .collect(),
+        };
+        assert_eq!(c.position_of(5), Some(2));
+        assert_eq!(c.position_of(7), Some(3));
+        assert_eq!(c.position_of(8), None);
+    }
+
+    #[test]
     fn a_block_boundary_at_the_end_of_a_part_is_one_link() {
         let c = chain(&[b"abcd", b"efgh"], 4);
         assert_eq!(c.len(), 2);
