@@ -1569,6 +1569,27 @@ mod tests {
     }
 
     #[test]
+    fn a_refused_prompt_puts_back_what_it_evicted_across_the_end_of_the_log() {
+        let one = |id: u64| PromptChain::from_blocks([(id, 30)]);
+        let mut m = CacheModel::new(30);
+        // Each prompt evicts the one before: 510 evictions logged, the log full and its next
+        // entry one before its last slot.
+        for s in 1..=511u32 {
+            m.record_sent(one(u64::from(s)).links(), 0, s);
+        }
+        let pair = PromptChain::from_blocks([(1_000, 15), (1_001, 15)]);
+        m.record_sent(pair.links(), 0, 512);
+        // Evicts the pair, its tip logged in the log's last slot and its head in the first.
+        let refused = one(2_000);
+        m.record_sent(refused.links(), 0, 513);
+        assert_eq!(m.held(pair.links()), 0);
+        m.refused(refused.links(), 0, 513);
+        assert_eq!(m.held(pair.links()), 2, "the head put back before its tip");
+        assert_eq!(m.held(refused.links()), 0);
+        m.check();
+    }
+
+    #[test]
     fn evictions_made_by_no_sent_prompt_leave_the_log_to_those_that_were() {
         // Room for one more conversation than there are: `a`, then as many others as the
         // log keeps, and a prompt sent that pushes `a` out.
