@@ -2146,6 +2146,20 @@ mod tests {
     }
 
     #[test]
+    fn no_stamp_is_earlier_than_any_stamp_past_half_the_clock_too() {
+        for stamp in [1, 7, 1 << 31, (1 << 31) + 1, u32::MAX] {
+            assert_eq!(latest(0, stamp), stamp);
+        }
+        // A model whose stamps are past half the clock notes its evictions all the same.
+        let mut m = CacheModel::new(100);
+        let start = u32::MAX - 10;
+        m.record(chain(&[1]).links(), 0, start);
+        m.record(chain(&[2]).links(), 0, start + 1);
+        assert_eq!(m.held(chain(&[1]).links()), 0);
+        assert_eq!(m.evicted_through, start);
+    }
+
+    #[test]
     fn a_session_recorded_after_the_last_eviction_is_kept_and_an_older_one_is_looked_up() {
         // Room for two conversations of 300 tokens.
         let cell = ModelCell::new(600);
