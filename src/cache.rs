@@ -2186,6 +2186,7 @@ mod tests {
         cell.lock()
             .record_from(chain(&[4, 5, 6, 10]).links(), 3, early);
         assert!(cell.kept_since(late));
+        assert_eq!(cell.lock().known_from(b.links(), 0).last_used, late);
     }
 
     proptest::proptest! {
