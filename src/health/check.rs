@@ -49,8 +49,8 @@ pub(crate) struct Checked {
     /// (llama-server's `--no-slots`).
     pub(crate) no_slots: bool,
     /// The largest `max_model_len` of `/v1/models` (vLLM's and SGLang's most tokens one
-    /// request can take), when asked and given.
-    pub(crate) max_model_len: Option<NonZeroU64>,
+    /// request can take): `None` when not asked; why not, when asked and not readable.
+    pub(crate) max_model_len: Option<Result<NonZeroU64, String>>,
 }
 
 /// Probes `base`: `/health`, then `/slots` if `slots` and the backend is ready. With
@@ -98,10 +98,24 @@ pub(crate) async fn check(
     };
     let models = models && health == Health::Ready && (no_slots || slots.is_none());
     let max_model_len = if models {
-        match get(&client, &base, "/v1/models", headers, timeout).await {
-            Ok((StatusCode::OK, body)) => parse_max_model_len(&body),
-            _ => None,
-        }
+        Some(
+            match get(&client, &base, "/v1/models", headers, timeout).await {
+                Ok((StatusCode::OK, body)) => parse_max_model_len(&body).ok_or_else(|| {
+                    "/v1/models gave no max_model_len: a JSON object whose `data` lists \
+                     models with `max_model_len` was expected"
+                        .to_string()
+                }),
+                // vLLM and SGLang run with `--api-key` want it on every path under `/v1`.
+                Ok((status @ (StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN), _)) => {
+                    Err(format!(
+                        "/v1/models answered {status}: the backend wants an API key, and the \
+                         probe was given none or another (HealthProbe::header)"
+                    ))
+                }
+                Ok((status, _)) => Err(format!("/v1/models answered {status}")),
+                Err(e) => Err(format!("/v1/models: {e}")),
+            },
+        )
     } else {
         None
     };

@@ -79,8 +79,11 @@ use crate::{Backend, BackendId};
 /// backend whose slot count is given is asked `/slots` for it too, until `/slots` answers that
 /// it has none (404, 501). Such a backend is asked `GET /v1/models` instead: vLLM and SGLang
 /// give each model's `max_model_len` there, past which they refuse a prompt with a 400, and
-/// the largest becomes the backend's request context the same way. (llama-server's
-/// `/v1/models` gives its model's training context, not the server's, and is not read.)
+/// the largest becomes the backend's request context the same way. A `/v1/models` that
+/// cannot be read leaves the context as it was: the reason is in
+/// [`ProbeStatus::models_error`], and a `warn` line says so once, while the context is still
+/// unknown. (llama-server's `/v1/models` gives its model's training context, not the
+/// server's, and is not read.)
 ///
 /// Each transition is logged once (`info` up, `warn` down) and counted
 /// ([`ProbeStatus::transitions`], [`Prober::transitions`]).
@@ -122,7 +125,8 @@ use crate::{Backend, BackendId};
 ///   slot, and a `warn` line says so.
 /// - vLLM with `--api-key` (or `VLLM_API_KEY`) wants `Authorization: Bearer KEY` on every
 ///   path that starts with `/v1`, `/v1/models` among them, and on no other (`/health`,
-///   `/slots`' 404). Without it the backend's request context is not learned.
+///   `/slots`' 404). Without it the backend's request context is not learned, and a `warn`
+///   line says so.
 /// - SGLang with `--api-key` wants it on every path but those that start with `/health` or
 ///   `/metrics` (and in recent releases `/ready`): `/slots` answers 401 rather than 404, and
 ///   the backend's request context is not learned.
@@ -146,6 +150,7 @@ use crate::{Backend, BackendId};
 /// [`mark_up`]: crate::SessionAffinity::mark_up
 /// [`ProbeStatus::busy_slots`]: super::ProbeStatus::busy_slots
 /// [`ProbeStatus::slots_error`]: super::ProbeStatus::slots_error
+/// [`ProbeStatus::models_error`]: super::ProbeStatus::models_error
 /// [`ProbeStatus::transitions`]: super::ProbeStatus::transitions
 #[derive(Clone, Debug)]
 pub struct HealthProbe {

@@ -538,15 +538,30 @@ where
                 }
             }
         }
-        // A later answer without it keeps the last one read, as `n_ctx` does.
-        if let Some(n) = checked
-            .max_model_len
-            .filter(|&n| s.request_context != Some(n))
-        {
-            s.request_context = Some(n);
-            if learns_context {
-                tracing::info!(backend = %id, tokens = n.get(), "request context read from /v1/models (max_model_len)");
-                learned = true;
+        match checked.max_model_len {
+            None => {}
+            Some(Err(reason)) => {
+                // Once, when it starts failing, as for `/slots`.
+                if learns_context && s.request_context.is_none() && s.models_error.is_none() {
+                    tracing::warn!(
+                        backend = %id,
+                        error = %reason,
+                        "request context not readable from /v1/models: it stays unknown until \
+                         it is, or until the backend is announced with its request context"
+                    );
+                }
+                // A later answer without it keeps the last one read, as `n_ctx` does.
+                s.models_error = Some(reason);
+            }
+            Some(Ok(n)) => {
+                s.models_error = None;
+                if s.request_context != Some(n) {
+                    s.request_context = Some(n);
+                    if learns_context {
+                        tracing::info!(backend = %id, tokens = n.get(), "request context read from /v1/models (max_model_len)");
+                        learned = true;
+                    }
+                }
             }
         }
         let update = learned.then(|| Update {

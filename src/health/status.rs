@@ -56,6 +56,10 @@ pub struct ProbeStatus {
     /// Why its last `/slots` could not be read (llama-server run with `--no-slots` answers
     /// 501), while it cannot; `None` once it is read, or while it has never been asked.
     pub slots_error: Option<String>,
+    /// Why its last `/v1/models` could not be read for the request context (a vLLM or SGLang
+    /// run with `--api-key` answers 401 without it), while it cannot; `None` once it is read,
+    /// or while it has never been asked.
+    pub models_error: Option<String>,
     /// `/slots` answered that the backend has none (404, 501): it is not asked again for its
     /// request context alone, until the backend fails or loads (a restart, perhaps as
     /// another server).
@@ -80,6 +84,7 @@ impl ProbeStatus {
             busy_slots: None,
             request_context: None,
             slots_error: None,
+            models_error: None,
             no_slots: false,
             ready_once: false,
         }

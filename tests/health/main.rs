@@ -91,6 +91,10 @@ async fn slots(
     headers: axum::http::HeaderMap,
 ) -> Result<axum::Json<Value>, StatusCode> {
     s.slots_hits.fetch_add(1, Ordering::Relaxed);
+    // A server without the route (vLLM, SGLang) answers 404 with or without its key.
+    if s.slots_status.load(Ordering::Relaxed) == 404 {
+        return Err(StatusCode::NOT_FOUND);
+    }
     authorized(&s, &headers)?;
     if s.slots_hang.load(Ordering::Relaxed) {
         std::future::pending::<()>().await;
@@ -1086,6 +1090,7 @@ async fn a_backend_that_does_not_answer_is_probed_again_as_soon_as_its_probe_run
 /// as one slot), a vLLM run with one its `max_model_len` (its `/v1/models` wants the key too).
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_probe_given_the_backends_api_key_reads_slots_and_models_that_want_it() {
+    let logs = logs();
     let (llama, llama_stub) = start(4).await;
     let (vllm, vllm_stub) = start(0).await;
     vllm_stub.slots_status.store(404, Ordering::Relaxed);
@@ -1100,8 +1105,10 @@ async fn a_probe_given_the_backends_api_key_reads_slots_and_models_that_want_it(
         ]
     };
 
-    // Without the key: up, as `/health` is public, but one slot and no context.
+    // Without the key: up, as `/health` is public, but one slot and no context, and both
+    // say why (each logged once, however many rounds fail).
     let (affinity, prober) = balancer(HealthProbe::new(), backends());
+    prober.round(&affinity).await;
     prober.round(&affinity).await;
     assert!(status(&affinity, "llama").healthy);
     assert_eq!(status(&affinity, "llama").slots, 1);
@@ -1113,6 +1120,15 @@ async fn a_probe_given_the_backends_api_key_reads_slots_and_models_that_want_it(
         )
     );
     assert_eq!(status(&affinity, "vllm").request_context_limit, None);
+    assert_eq!(
+        prober.status("vllm").unwrap().models_error.as_deref(),
+        Some(
+            "/v1/models answered 401 Unauthorized: the backend wants an API key, and the \
+             probe was given none or another (HealthProbe::header)"
+        )
+    );
+    assert_eq!(logs.count("vllm", "not readable from /v1/models"), 1);
+    assert_eq!(logs.count("llama", "not readable from /slots"), 1);
 
     // With it: read, and sent to `/health` too.
     let bearer = axum::http::HeaderValue::from_static("Bearer k");
@@ -1126,8 +1142,9 @@ async fn a_probe_given_the_backends_api_key_reads_slots_and_models_that_want_it(
         status(&affinity, "vllm").request_context_limit,
         Some(32_768)
     );
+    assert_eq!(prober.status("vllm").unwrap().models_error, None);
     let seen = llama_stub.health_authorization.lock().clone();
-    assert_eq!(seen, [None, Some("Bearer k".to_string())]);
+    assert_eq!(seen, [None, None, Some("Bearer k".to_string())]);
 }
 
 /// The key given to the probe is a secret: neither the probe's nor the prober's `Debug`
