@@ -249,6 +249,11 @@ where
     /// Probes every backend once, at once, and acts on what it finds: marks backends down and
     /// up through `health`, and announces learned slot counts (applied before this returns).
     /// Checks the balancer's shared store beside them ([`MarkHealth::check_store`]).
+    ///
+    /// For a proxy that drives its own schedule, or a test, in place of
+    /// [`spawn`](Self::spawn): not beside it. Two probes of one backend that run at once, one
+    /// from each, may be acted on in either order, so an older answer can undo a newer one
+    /// until the next probe.
     pub async fn round<H: MarkHealth>(&self, health: &H) {
         // The fleet as the balancer has it: what its stream has announced so far.
         health.apply_discovery();
