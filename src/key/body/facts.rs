@@ -93,8 +93,10 @@ impl PromptFacts {
     pub const LEADING_MESSAGES: usize = 2;
 
     /// The bytes of a block inside a long message or a text prompt: about 512 tokens, the
-    /// block size of vLLM's and Mooncake's KV caches. A message that is partly shared with an
-    /// earlier one matches up to its last whole block in common.
+    /// block of a Mooncake trace's `hash_ids`. A message that is partly shared with an
+    /// earlier one matches up to its last whole block in common; the backends reuse more
+    /// finely (vLLM's KV cache blocks are 16 tokens by default, llama-server and SGLang
+    /// reuse a prefix to the token), so up to a block more than the chain says.
     pub const BLOCK_BYTES: usize = 2048;
 
     /// The SHA-256 of the leading messages as `serde_json` writes them as `Value`s (keys
