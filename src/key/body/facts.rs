@@ -18,9 +18,12 @@ use crate::{BackendId, PromptChain};
 /// The [leading digest](Self::leading_digest) covers the first
 /// [`LEADING_MESSAGES`](Self::LEADING_MESSAGES) entries of an OpenAI-style `messages` array
 /// (as re-serialized, so insignificant whitespace does not matter): requests that share it
-/// share their system prompt and first message. It is a hint for grouping prefixes, never a
-/// session key: the agents of one swarm all share it. The facts keep those messages' text
-/// and compute the digest when it is asked for.
+/// share their system prompt and first message. An Anthropic body's `messages` are digested
+/// alike, but its system prompt stands apart, in `system`: there the digest covers the first
+/// user message and the reply to it, and requests with other system prompts may share it.
+/// It is a hint for grouping prefixes, never a session key: the agents of one swarm all
+/// share it. The facts keep those messages' text and compute the digest when it is asked
+/// for.
 ///
 /// ```
 /// use tower_affinity::key::PromptFacts;
@@ -89,7 +92,8 @@ impl PartialEq for PromptFacts {
 impl Eq for PromptFacts {}
 
 impl PromptFacts {
-    /// How many messages the digest covers: the system prompt and the first user message.
+    /// How many messages the digest covers: in an OpenAI-style `messages` array, the system
+    /// prompt and the first user message.
     pub const LEADING_MESSAGES: usize = 2;
 
     /// The bytes of a block inside a long message or a text prompt: about 512 tokens, the
