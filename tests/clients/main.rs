@@ -693,7 +693,7 @@ async fn opencode_is_keyed_by_its_session_affinity_header() {
 // === OpenAI SDK users ===
 
 #[tokio::test(flavor = "current_thread")]
-async fn openai_sdk_users_are_keyed_by_prompt_cache_key() {
+async fn openai_sdk_users_are_keyed_by_prompt_cache_key_else_by_user() {
     let proxy = Proxy::new();
     let path = "/v1/chat/completions";
     let headers = [
@@ -716,6 +716,20 @@ async fn openai_sdk_users_are_keyed_by_prompt_cache_key() {
     assert_eq!(first.key, key("conversation-8841"));
     assert_eq!(first.body_key, first.key);
     let second = proxy.send(path, &headers, body("shorter")).await;
+    assert_second_turn_is_home(&first, &second);
+
+    // Without `prompt_cache_key`, `user` names the session.
+    let by_user = |turn: &str| {
+        let mut body = body(turn);
+        body.as_object_mut().unwrap().remove("prompt_cache_key");
+        body
+    };
+    let first = proxy
+        .send(path, &headers, by_user("summarise the log"))
+        .await;
+    assert_eq!(first.key, key("team-a"));
+    assert_eq!(first.body_key, first.key);
+    let second = proxy.send(path, &headers, by_user("shorter")).await;
     assert_second_turn_is_home(&first, &second);
 }
 
