@@ -394,6 +394,15 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String>
                 .into(),
         );
     }
+    // A paged backend keeps its KV in one pool that moves blocks to host memory when the GPU
+    // is full: it never waits for room, and `--vram wait` would change nothing but the title.
+    if o.vram == cache::Vram::Wait && o.slot_policy == cache::SlotPolicy::Paged {
+        return Err(
+            "--vram wait is for llama-server's slots: a paged backend (--slot-policy paged) \
+             moves blocks to host memory to make room, and never waits for it"
+                .into(),
+        );
+    }
     if o.replicas.routers > MAX_ROUTERS {
         return Err(format!(
             "--routers: {} is too many: at most {MAX_ROUTERS}",
@@ -1620,6 +1629,13 @@ mod tests {
             let all = [&flag[..], &["--scenario", "all", "--trace", "t.jsonl"]].concat();
             assert!(parse(&all).is_ok(), "{all:?}");
         }
+        let err = parse(&["--vram", "wait", "--slot-policy", "paged"]).unwrap_err();
+        assert!(
+            err.starts_with("--vram wait") && err.contains("paged"),
+            "{err}"
+        );
+        assert!(parse(&["--vram", "wait", "--slot-policy", "save-all"]).is_ok());
+        assert!(parse(&["--vram", "run", "--slot-policy", "paged"]).is_ok());
         let dropped = [&trace[..], &["--trace-answers", "dropped"]].concat();
         assert!(!parse(&dropped).unwrap().answers_kept);
         assert!(parse(&[&trace[..], &["--trace-answers", "some"]].concat()).is_err());
