@@ -505,9 +505,14 @@ fn ram_note(runs: &[Run]) -> String {
             )
         })
         .collect();
+    // A paged backend keeps blocks, not states: what it drops from host memory is blocks.
+    let evicted = match cache::slot_policy() {
+        cache::SlotPolicy::Paged => "blocks dropped from host memory",
+        _ => "states evicted from RAM",
+    };
     format!(
-        "turns restored from RAM / states evicted from RAM / admissions after which the busy \
-         slots' KV exceeded the VRAM (the simulation runs them; a backend could not): {}",
+        "turns restored from RAM / {evicted} / admissions after which the busy slots' KV \
+         exceeded the VRAM (the simulation runs them; a backend could not): {}",
         v.join(", ")
     )
 }
@@ -1428,6 +1433,23 @@ mod tests {
         cache::set_slot_policy(cache::SlotPolicy::Llama);
         let note = ram_note(&runs);
         assert!(note.contains("NodeThenBackend 0/0/-"), "{note}");
+    }
+
+    #[test]
+    fn the_ram_line_of_paged_backends_counts_blocks_not_states() {
+        // A paged backend drops blocks from host memory one by one: its count is of blocks.
+        let o = options(Scenario::Overload, 2);
+        let cfg = AgentConfig::study(2, 2);
+        cache::set_slot_policy(cache::SlotPolicy::Paged);
+        let paged = ram_note(&agent_runs(FleetKind::TwoSlots, &cfg, &o, 8 << 30));
+        cache::set_slot_policy(cache::SlotPolicy::Llama);
+        assert!(
+            paged.contains("/ blocks dropped from host memory /"),
+            "{paged}"
+        );
+        assert!(!paged.contains("states"), "{paged}");
+        let llama = ram_note(&agent_runs(FleetKind::TwoSlots, &cfg, &o, 8 << 30));
+        assert!(llama.contains("/ states evicted from RAM /"), "{llama}");
     }
 
     #[test]
