@@ -69,7 +69,7 @@ impl Trace {
             if l.trim().is_empty() {
                 continue;
             }
-            let line: Line = serde_json::from_str(l).map_err(|e| format!("line {}: {e}", n + 1))?;
+            let line: Line = serde_json::from_str(l).map_err(|e| bad_json(n + 1, &e))?;
             // Each block's tokens are taken from the length, so the two must agree: a length
             // far beyond its ids made one block of billions of tokens.
             let blocks = line.input_length.div_ceil(BLOCK_TOKENS);
@@ -216,6 +216,18 @@ pub(crate) fn answer_of(i: usize, r: &TraceRequest) -> Block {
     Block {
         id: ANSWER_IDS | i as u64,
         tokens: r.output,
+    }
+}
+
+/// `line N, column C: what` for a line that is no request. serde_json's message ends with
+/// where in the text it read, `at line 1 column C`: the line is the trace's line's own first,
+/// which, after the trace's line number, would read as another line of the trace.
+fn bad_json(line: usize, e: &serde_json::Error) -> String {
+    let message = e.to_string();
+    let at = format!(" at line {} column {}", e.line(), e.column());
+    match message.strip_suffix(&at) {
+        Some(what) => format!("line {line}, column {}: {what}", e.column()),
+        None => format!("line {line}: {message}"),
     }
 }
 
@@ -550,6 +562,15 @@ mod tests {
     fn a_bad_line_is_reported_with_its_number() {
         let err = Trace::parse(&format!("{}\nnot json", line(0, 1, &[1]))).unwrap_err();
         assert!(err.starts_with("line 2"), "{err}");
+        // The position in the line is its column alone: no `line 1` of serde_json's own.
+        let ms = r#"{"timestamp": 1.5, "input_length": 1, "output_length": 1, "hash_ids": [2]}"#;
+        let err = Trace::parse(&format!("{}\n{ms}", line(0, 1, &[1]))).unwrap_err();
+        assert_eq!(
+            err,
+            "line 2, column 17: invalid type: floating point `1.5`, expected u64"
+        );
+        let err = Trace::parse(&format!("{}\n{{", line(0, 1, &[1]))).unwrap_err();
+        assert_eq!(err, "line 2, column 1: EOF while parsing an object");
     }
 
     #[test]
