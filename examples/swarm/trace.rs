@@ -64,6 +64,8 @@ pub(crate) struct Trace {
 
 impl Trace {
     pub(crate) fn parse(text: &str) -> Result<Trace, String> {
+        // A file saved with a byte order mark, as some editors write UTF-8, begins with it.
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
         let mut lines = Vec::new();
         for (n, l) in text.lines().enumerate() {
             if l.trim().is_empty() {
@@ -603,6 +605,17 @@ mod tests {
             let err = Trace::parse(empty).unwrap_err();
             assert!(err.starts_with("no requests"), "{err}");
         }
+    }
+
+    #[test]
+    fn a_byte_order_mark_before_the_first_line_is_skipped() {
+        let text = format!("\u{feff}{}\n{}", line(0, 1, &[1]), line(5, 1, &[2]));
+        let t = Trace::parse(&text).unwrap();
+        assert_eq!(t.requests.len(), 2);
+        // Anywhere else it is no JSON.
+        let text = format!("{}\n\u{feff}{}", line(0, 1, &[1]), line(5, 1, &[2]));
+        let err = Trace::parse(&text).unwrap_err();
+        assert!(err.starts_with("line 2, column 1: "), "{err}");
     }
 
     #[test]
