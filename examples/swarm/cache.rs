@@ -252,7 +252,8 @@ impl RamCache {
     /// Saves a slot's state. A state that an entry already contains is not saved again: under
     /// [`SlotPolicy::SaveAll`] that entry becomes the most recently used, under llama-server's
     /// policies it keeps its place (`server_prompt_cache::alloc` skips it). Entries the new
-    /// state contains are dropped; a state larger than the whole budget is not kept.
+    /// state contains are dropped; a state larger than the whole budget is not kept
+    /// (`server_prompt_cache::alloc` skips it: "exceeds cache size limit").
     /// Returns the tokens copied: 0 when nothing was saved.
     pub(crate) fn save(&mut self, blocks: Blocks, policy: SlotPolicy) -> u64 {
         let n = tokens(&blocks);
