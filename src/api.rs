@@ -57,6 +57,27 @@ impl Api {
     }
 }
 
+/// The ends of the paths that count or convert a prompt's tokens without reading it into a
+/// cache: Anthropic's `/v1/messages/count_tokens` (llama-server serves it too), OpenAI's
+/// `/v1/responses/input_tokens`, and llama-server's, vLLM's and SGLang's `/tokenize`,
+/// `/detokenize` and llama-server's `/apply-template`.
+const ASIDE: [&str; 5] = [
+    "/count_tokens",
+    "/input_tokens",
+    "/tokenize",
+    "/detokenize",
+    "/apply-template",
+];
+
+/// Whether a request to `path` reads no prompt into a backend's cache (see [`ASIDE`]): it is
+/// sent where there is room, without its session, its prompt chain, a wait or an answer
+/// watched, so that it neither moves its session's home nor tells the cache model of a
+/// prompt no cache holds.
+pub(crate) fn reads_no_prompt(path: &str) -> bool {
+    let path = path.strip_suffix('/').unwrap_or(path);
+    ASIDE.iter().any(|a| path.ends_with(a))
+}
+
 /// The events a Responses stream opens with, before the prompt is read.
 const OPENERS: [&[u8]; 3] = [
     b"response.created",
@@ -208,6 +229,35 @@ mod tests {
         assert!(Api::Responses.may_open_before_read() && Api::Other.may_open_before_read());
         for api in [Api::Chat, Api::Completions, Api::Messages] {
             assert!(!api.may_open_before_read(), "{api:?}");
+        }
+    }
+
+    #[test]
+    fn token_counts_and_conversions_read_no_prompt() {
+        for path in [
+            "/v1/messages/count_tokens",
+            "/v1/messages/count_tokens/",
+            "/anthropic/v1/messages/count_tokens",
+            "/v1/responses/input_tokens",
+            "/tokenize",
+            "/detokenize",
+            "/apply-template",
+        ] {
+            assert!(reads_no_prompt(path), "{path}");
+        }
+        for path in [
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/v1/messages",
+            "/v1/responses",
+            "/v1/responses/resp_1",
+            "/generate",
+            "/v1/count_tokens_of_mine",
+            "/s",
+            "/",
+            "",
+        ] {
+            assert!(!reads_no_prompt(path), "{path}");
         }
     }
 

@@ -315,6 +315,38 @@ where
         }
     }
 
+    /// A request that reads no prompt into a cache (a token count: see
+    /// [`reads_no_prompt`](crate::api::reads_no_prompt)): placed as a keyless request without
+    /// a chain, on a free slot or else the first candidate (it takes no slot of the backend's
+    /// own), its answer not watched. Its session's home, the cache models and the shared
+    /// store are left as they were.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn aside(shared: &SharedOf<S, P>, req: http::Request<ReqB>) -> Self {
+        let none = http::Extensions::new();
+        let state = match shared.place(None, &none, true, &Look::first(Scope::Any)) {
+            Placed::Dispatch {
+                service,
+                guard,
+                decision,
+                record,
+                ..
+            } => State::call((service, guard, decision, None, record), req, shared.finish),
+            Placed::Empty => {
+                shared.capacity.counters.count_no_backends();
+                State::fail(Error::NoBackends)
+            }
+            Placed::Answered(first) => State::Answered { first: Some(first) },
+            Placed::Full { .. } => {
+                shared.capacity.counters.count_rejected();
+                State::fail(Error::Saturated {
+                    retry_after: shared.retry_after(),
+                })
+            }
+        };
+        ResponseFuture { state }
+    }
+
     /// With a shared store: reads the session's home (or a keyless request's, by its prompt)
     /// before placing, unless the store is down. Out of line, so that the path without a
     /// store stays as it was.

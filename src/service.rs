@@ -1057,6 +1057,9 @@ where
 
     #[inline]
     fn call(&mut self, mut req: http::Request<ReqB>) -> Self::Future {
+        if crate::api::reads_no_prompt(req.uri().path()) {
+            return ResponseFuture::aside(&self.shared, req);
+        }
         let key = self.key.extract(&req);
         if self.shared.observe {
             ask_for_identity(req.headers_mut());

@@ -30,7 +30,10 @@ pub enum Outcome {
     NewSession,
     /// The request had no session key, and no backend held a prefix of its own conversation
     /// (see [`PrefixHit`](Self::PrefixHit)): placed as a new conversation (where a prefix many
-    /// conversations share is held, else by load).
+    /// conversations share is held, else by load). A token count (Anthropic's
+    /// `/v1/messages/count_tokens`, OpenAI's `/v1/responses/input_tokens`, `/tokenize`,
+    /// `/detokenize`, `/apply-template`), which reads no prompt into a cache, is placed as
+    /// one without a prompt, whatever its key: it neither moves its session's home nor waits.
     Keyless,
     /// The home backend had been removed; the session was placed again.
     Replaced,

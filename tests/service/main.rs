@@ -3422,6 +3422,65 @@ async fn a_turn_of_another_conversation_under_the_key_goes_where_its_own_prefix_
     );
 }
 
+/// An Anthropic token count of `messages` under the session header `header`, as Claude Code
+/// sends one (at start, for `/context`) beside its turns.
+async fn count_tokens(svc: &mut Chat, header: &str, messages: &[serde_json::Value]) -> Decision {
+    let body = serde_json::json!({ "model": "m", "messages": messages });
+    let body = Bytes::from(serde_json::to_vec(&body).unwrap());
+    let req = http::Request::post("/v1/messages/count_tokens")
+        .header(http::header::CONTENT_LENGTH, body.len())
+        .header("x-claude-code-session-id", header)
+        .body(http_body_util::Full::new(body))
+        .unwrap();
+    let res = ServiceExt::<JsonReq>::ready(svc)
+        .await
+        .unwrap()
+        .call(req)
+        .await
+        .unwrap();
+    assert_eq!(res.status(), http::StatusCode::OK);
+    res.extensions().get::<Decision>().cloned().unwrap()
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_token_count_leaves_its_session_where_it_was_and_never_waits() {
+    let mut svc = chat_stack(TWO_BY_TWO, Backend::<()>::DEFAULT_CACHE_TOKENS);
+    let key = "agent-1";
+    let mut main = Conversation::new("main");
+    let first = chat_turn(&mut svc, None, Some(key), &main.0).await;
+    main.next_turn(1);
+    // The second turn still streaming, its backend full, when the agent counts the
+    // conversation's tokens under the session.
+    let (second, streaming) = chat_send(&mut svc, None, Some(key), &main.0).await;
+    assert_eq!(second.backend, first.backend);
+    let count = count_tokens(&mut svc, key, &main.0).await;
+    assert_eq!(count.outcome, Outcome::Keyless);
+    assert_ne!(count.backend, first.backend, "the home is full");
+    drop(streaming);
+    // The next turn goes home: the count moved nothing, and told no cache model of a prompt.
+    main.next_turn(2);
+    let third = chat_turn(&mut svc, None, Some(key), &main.0).await;
+    assert_eq!(
+        (third.outcome, &third.backend),
+        (Outcome::HomeHit, &first.backend)
+    );
+    assert_eq!(chat_status(&svc, count.backend.as_str()).conversations, 0);
+
+    // With every slot taken, a count goes at once rather than waiting for one.
+    let mut held = Vec::new();
+    for i in 0..4 {
+        let other = Conversation::new(&format!("other-{i}"));
+        held.push(chat_send(&mut svc, None, Some(&format!("other-{i}")), &other.0).await);
+    }
+    let started = tokio::time::Instant::now();
+    let count = count_tokens(&mut svc, key, &main.0).await;
+    assert_eq!(count.outcome, Outcome::Keyless);
+    assert_eq!(count.waited, None);
+    assert_eq!(started.elapsed(), Duration::ZERO);
+    let stats = svc.get_ref().stats();
+    assert_eq!(stats.sessions, 5);
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_session_whose_home_evicted_it_is_a_cold_home() {
     // Room on each backend for delta's first three turns, not for two conversations.
