@@ -36,8 +36,9 @@ else the exit code is 1. The proxy counts these requests too: the token totals
 include them.
 With ``--resend-every K``, every Kth turn is sent a second time, whole, as a
 client retrying it would (not streamed); the resend is a hit when it went to the
-backend that served the turn and that backend reused at least the threshold of
-its prompt. With ``--assert-min-hit F`` the exit code is 1 unless the share of
+backend that served the turn, as the x-affinity-backend headers of both name it (a
+resend without the header is a miss), and that backend reused at least the
+threshold of its prompt. With ``--assert-min-hit F`` the exit code is 1 unless the share of
 hits among later turns, and among resends, is >= F (``--assert-min-hit 1.0``:
 every later turn and every resend must hit).
 Any request error exits 2.
@@ -251,7 +252,14 @@ def resend(client, args, session: int, turn: int, messages, first: TurnRecord) -
         outcome=raw.headers.get(OUTCOME_HEADER, "-"),
         first_backend=first.backend,
     )
-    r.hit = r.backend == first.backend and prompt > 0 and (cached or 0) >= args.reuse_threshold * prompt
+    # Where the two went is known only from the proxy's header: without it ("-" on both) the
+    # resend cannot count as sent where the turn went.
+    r.hit = (
+        r.backend != "-"
+        and r.backend == first.backend
+        and prompt > 0
+        and (cached or 0) >= args.reuse_threshold * prompt
+    )
     return r
 
 
@@ -503,6 +511,7 @@ def main() -> int:
             f"session {r.session} turn {r.turn} sent again: backend {r.backend} (first {r.first_backend}), "
             f"outcome {r.outcome}, cached {'-' if r.cached_tokens is None else r.cached_tokens} "
             f"of {r.prompt_tokens}: {'hit' if r.hit else 'MISS'}"
+            + (f" (no {BACKEND_HEADER} header)" if r.backend == "-" else "")
         )
     resend_hits = sum(1 for r in resends if r.hit)
     resend_share = resend_hits / len(resends) if resends else 1.0
