@@ -35,13 +35,20 @@ done
 
 WORK=$(mktemp -d)
 PIDS=()
+WRK_PID=
 cleanup() {
     local rc=$?
-    for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+    trap - EXIT INT TERM
+    for p in "${PIDS[@]}" $WRK_PID; do kill "$p" 2>/dev/null || true; done
     wait 2>/dev/null || true
     if ((rc)); then echo "bench-ab: failed (exit $rc); logs in $WORK" >&2; else rm -rf "$WORK"; fi
+    exit "$rc"
 }
 trap cleanup EXIT
+# Without these, Ctrl-C or SIGTERM reached the EXIT trap with status 0: it took the run for
+# a success and removed its logs.
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 wait_http() { # URL PID LOG: until URL answers, while PID runs (30 s at most)
@@ -55,6 +62,16 @@ wait_http() { # URL PID LOG: until URL answers, while PID runs (30 s at most)
     return 1
 }
 ticks() { awk '{ print $14 + $15 }' "/proc/$1/stat"; }
+# run_wrk OUT WRK-ARGS...: wrk, its output into OUT, as a child of this shell that it waits
+# for: a signal to the script ends the wait at once, and the EXIT trap stops wrk.
+run_wrk() {
+    local out=$1
+    shift
+    wrk "$@" >"$out" 2>&1 &
+    WRK_PID=$!
+    wait "$WRK_PID"
+    WRK_PID=
+}
 
 NGINX_PORT=$(free_port)
 write_nginx_conf "$WORK/nginx" "$NGINX_PORT"
@@ -80,17 +97,21 @@ for url in "${URLS[@]}"; do
 done
 
 n=${#NAMES[@]}
+# In this shell, not a pipeline's subshell, so that a signal stops the rounds at once.
 for ((r = 0; r < ROUNDS; r++)); do
     for ((k = 0; k < n; k++)); do
         i=$(((k + r) % n))
         load=$(cut -d' ' -f1 /proc/loadavg)
         t0=$(ticks "${PROXY_PIDS[$i]}")
-        c32=$(wrk -t1 -c32 -d5s -s "$WORK/bench.lua" "${URLS[$i]}/v1/chat/completions" | grep '^RESULT')
+        run_wrk "$WORK/wrk-c32.txt" -t1 -c32 -d5s -s "$WORK/bench.lua" "${URLS[$i]}/v1/chat/completions"
         t1=$(ticks "${PROXY_PIDS[$i]}")
-        c1=$(wrk -t1 -c1 -d4s -s "$WORK/bench.lua" "${URLS[$i]}/v1/chat/completions" | grep '^RESULT')
-        echo "round=$r name=${NAMES[$i]} load=$load ticks=$((t1 - t0)) c32 $c32 c1 $c1"
+        run_wrk "$WORK/wrk-c1.txt" -t1 -c1 -d4s -s "$WORK/bench.lua" "${URLS[$i]}/v1/chat/completions"
+        c32=$(grep '^RESULT' "$WORK/wrk-c32.txt")
+        c1=$(grep '^RESULT' "$WORK/wrk-c1.txt")
+        echo "round=$r name=${NAMES[$i]} load=$load ticks=$((t1 - t0)) c32 $c32 c1 $c1" |
+            tee -a "$WORK/runs.txt"
     done
-done | tee "$WORK/runs.txt"
+done
 
 python3 - "$WORK/runs.txt" "$(getconf CLK_TCK)" "${NAMES[0]}" <<'EOF'
 import collections, re, statistics as st, sys
