@@ -61,7 +61,14 @@ wait_http() { # URL PID LOG: until URL answers, while PID runs (30 s at most)
     echo "bench-ab: $1 did not answer within 30 s (log $3)" >&2
     return 1
 }
-ticks() { awk '{ print $14 + $15 }' "/proc/$1/stat"; }
+# ticks PID: its utime + stime in clock ticks, fields 14 and 15 of /proc/PID/stat counted
+# after the command name, which may hold spaces (a binary named `my proxy`).
+ticks() {
+    local stat f
+    stat=$(<"/proc/$1/stat")
+    read -r -a f <<<"${stat##*) }"
+    echo $((f[11] + f[12]))
+}
 # run_wrk OUT WRK-ARGS...: wrk, its output into OUT, as a child of this shell that it waits
 # for: a signal to the script ends the wait at once, and the EXIT trap stops wrk.
 run_wrk() {
