@@ -62,22 +62,42 @@ wait_http() { # URL PID LOG: until URL answers, while PID runs (30 s at most)
     return 1
 }
 # ticks PID: its utime + stime in clock ticks, fields 14 and 15 of /proc/PID/stat counted
-# after the command name, which may hold spaces (a binary named `my proxy`).
+# after the command name, which may hold spaces (a binary named `my proxy`); fails once the
+# process has exited (a zombie included).
 ticks() {
     local stat f
-    stat=$(<"/proc/$1/stat")
+    stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
     read -r -a f <<<"${stat##*) }"
+    [[ ${f[0]} != Z ]] || return 1
     echo $((f[11] + f[12]))
+}
+# proxy_ticks I R: ticks of binary I, in round R; fails the run, naming the binary and showing
+# the end of its log, once it has exited.
+proxy_ticks() {
+    ticks "${PROXY_PIDS[$1]}" && return 0
+    echo "bench-ab: ${NAMES[$1]} (${BINS[$1]}) exited in round $2; the end of its log" \
+        "$WORK/proxy-${NAMES[$1]}.log:" >&2
+    tail -n 5 "$WORK/proxy-${NAMES[$1]}.log" >&2
+    exit 1
+}
+# wrk_failed I R OUT: wrk against binary I failed in round R: names the binary if it exited,
+# else shows wrk's output OUT; fails the run either way.
+wrk_failed() {
+    proxy_ticks "$1" "$2" >/dev/null
+    echo "bench-ab: wrk failed against ${NAMES[$1]} in round $2; its output:" >&2
+    cat "$3" >&2
+    exit 1
 }
 # run_wrk OUT WRK-ARGS...: wrk, its output into OUT, as a child of this shell that it waits
 # for: a signal to the script ends the wait at once, and the EXIT trap stops wrk.
 run_wrk() {
-    local out=$1
+    local out=$1 rc=0
     shift
     wrk "$@" >"$out" 2>&1 &
     WRK_PID=$!
-    wait "$WRK_PID"
+    wait "$WRK_PID" || rc=$?
     WRK_PID=
+    return "$rc"
 }
 
 NGINX_PORT=$(free_port)
@@ -88,7 +108,7 @@ wait_http "http://127.0.0.1:$NGINX_PORT" "$!" "$WORK/nginx.log"
 
 write_bench_lua "$WORK/bench.lua" 1024
 
-NAMES=() PROXY_PIDS=() URLS=()
+NAMES=() BINS=() PROXY_PIDS=() URLS=()
 for arg in "$@"; do
     name=${arg%%=*} bin=${arg#*=}
     [[ -x $bin ]] || { echo "bench-ab: $bin is not an executable" >&2; exit 2; }
@@ -96,7 +116,7 @@ for arg in "$@"; do
     TOKIO_WORKER_THREADS=1 "$bin" --listen "127.0.0.1:$port" \
         --backend "node-a=http://127.0.0.1:$NGINX_PORT,slots=4096" --overflow overcommit \
         --probe-interval 0 >"$WORK/proxy-$name.log" 2>&1 &
-    PIDS+=($!) PROXY_PIDS+=($!) NAMES+=("$name") URLS+=("http://127.0.0.1:$port")
+    PIDS+=($!) PROXY_PIDS+=($!) NAMES+=("$name") BINS+=("$bin") URLS+=("http://127.0.0.1:$port")
     wait_http "http://127.0.0.1:$port" "$!" "$WORK/proxy-$name.log"
 done
 for url in "${URLS[@]}"; do
@@ -109,10 +129,15 @@ for ((r = 0; r < ROUNDS; r++)); do
     for ((k = 0; k < n; k++)); do
         i=$(((k + r) % n))
         load=$(cut -d' ' -f1 /proc/loadavg)
-        t0=$(ticks "${PROXY_PIDS[$i]}")
-        run_wrk "$WORK/wrk-c32.txt" -t1 -c32 -d5s -s "$WORK/bench.lua" "${URLS[$i]}/v1/chat/completions"
-        t1=$(ticks "${PROXY_PIDS[$i]}")
-        run_wrk "$WORK/wrk-c1.txt" -t1 -c1 -d4s -s "$WORK/bench.lua" "${URLS[$i]}/v1/chat/completions"
+        t0=$(proxy_ticks "$i" "$r")
+        # A binary that exits mid-run fails wrk (it cannot connect) or the ticks after it: both
+        # name the binary.
+        run_wrk "$WORK/wrk-c32.txt" -t1 -c32 -d5s -s "$WORK/bench.lua" \
+            "${URLS[$i]}/v1/chat/completions" || wrk_failed "$i" "$r" "$WORK/wrk-c32.txt"
+        t1=$(proxy_ticks "$i" "$r")
+        run_wrk "$WORK/wrk-c1.txt" -t1 -c1 -d4s -s "$WORK/bench.lua" \
+            "${URLS[$i]}/v1/chat/completions" || wrk_failed "$i" "$r" "$WORK/wrk-c1.txt"
+        proxy_ticks "$i" "$r" >/dev/null
         c32=$(grep '^RESULT' "$WORK/wrk-c32.txt")
         c1=$(grep '^RESULT' "$WORK/wrk-c1.txt")
         echo "round=$r name=${NAMES[$i]} load=$load ticks=$((t1 - t0)) c32 $c32 c1 $c1" |
