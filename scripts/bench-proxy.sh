@@ -146,6 +146,8 @@ install_deps() {
     command -v nginx >/dev/null || missing+=(nginx-light)
     command -v curl >/dev/null || missing+=(curl)
     command -v python3 >/dev/null || missing+=(python3 python3-venv)
+    # pgrep finds nginx's workers, whose CPU time counts; pkill stops wrk under /usr/bin/time.
+    command -v pgrep >/dev/null && command -v pkill >/dev/null || missing+=(procps)
     [[ -x /usr/bin/time ]] || missing+=(time)
     if ((${#missing[@]})); then
         if ((EUID != 0)); then
