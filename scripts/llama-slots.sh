@@ -66,8 +66,13 @@ def ask(messages):
     body = json.dumps({"messages": messages, "max_tokens": 8, "temperature": 0}).encode()
     req = urllib.request.Request(url, body, {"content-type": "application/json"})
     r = json.load(urllib.request.urlopen(req, timeout=300))
-    t = r.get("timings", {})
-    return r["choices"][0]["message"]["content"], r["usage"]["prompt_tokens"], t.get("cache_n", 0)
+    # Every case is judged by the tokens reused: an answer without them is no 0 (which some
+    # cases expect), but no verdict.
+    cache_n = (r.get("timings") or {}).get("cache_n")
+    if not isinstance(cache_n, int):
+        print(f"{case:>6}: NOT as expected: the answer has no timings.cache_n to judge it by")
+        sys.exit(1)
+    return r["choices"][0]["message"]["content"], r["usage"]["prompt_tokens"], cache_n
 
 system = " ".join(f"Rule {i}: keep the code tidy and the tests green." for i in range(150))
 code = "fn main() { println!(\"hello, {}\", name); }\n" * 20
