@@ -23,12 +23,13 @@
 #     share that would send a turn home that the home refuses (its count past the context,
 #     its scaled estimate under it), with the scale as now.
 #
-# Environment: TA_CACHE_DIR (~/.cache/tower-affinity), TA_ESTIMATE_PORT (18097),
+# Environment: TA_CACHE_DIR (~/.cache/tower-affinity), TA_ESTIMATE_PORT (18100, clear of
+# the default ports of e2e-llama.sh, llama-slots.sh and llama-context.sh, beside which it runs),
 # TA_ESTIMATE_TEXT_AT (14ec3cc).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PORT="${TA_ESTIMATE_PORT:-18097}"
+PORT="${TA_ESTIMATE_PORT:-18100}"
 TEXT_AT="${TA_ESTIMATE_TEXT_AT:-14ec3cc}"
 # shellcheck source-path=SCRIPTDIR source=llama-common.sh
 source "$ROOT/scripts/llama-common.sh"
