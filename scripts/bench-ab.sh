@@ -19,8 +19,9 @@ set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=bench-common.sh
 . "$(dirname "${BASH_SOURCE[0]}")/bench-common.sh"
 
-if (($# < 3)) || [[ ! $1 =~ ^[0-9]+$ ]]; then
-    echo "usage: $0 ROUNDS NAME=BINARY NAME=BINARY..." >&2
+# At least one round: none would print no figure at all, and exit 0.
+if (($# < 3)) || [[ ! $1 =~ ^[1-9][0-9]*$ ]]; then
+    echo "usage: $0 ROUNDS NAME=BINARY NAME=BINARY... (ROUNDS: 1 or more)" >&2
     exit 2
 fi
 ROUNDS=$1
