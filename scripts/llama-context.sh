@@ -155,7 +155,9 @@ wait_up "http://127.0.0.1:$PROXY_PORT/metrics" "$PROXY_PID" "$LOGS/proxy-slots.l
 
 # The turns' client, for the runs below: ask(url, messages, session) sends one turn and
 # returns its status, where it went ("backend (outcome)" from the proxy's headers, "-" when
-# sent straight), its prompt tokens (or the refusal's first bytes) and its answer's text.
+# sent straight), its prompt tokens (or the refusal's first bytes) and its answer's text. No
+# answer, or a 200 that is no chat completion, has no status (None) and says what it was, so
+# that the run prints its verdict as it does for any other answer.
 cat >"$LOGS/turns.py" <<'PY'
 import json, urllib.error, urllib.request
 
@@ -165,11 +167,15 @@ def ask(url, messages, session):
     req = urllib.request.Request(url + "/v1/chat/completions", body, headers)
     try:
         r = urllib.request.urlopen(req, timeout=600)
-        j = json.load(r)
-        text = j["choices"][0]["message"]["content"]
-        return r.status, where(r.headers), j["usage"]["prompt_tokens"], text
     except urllib.error.HTTPError as e:
         return e.code, where(e.headers), e.read().decode(errors="replace")[:140], ""
+    except OSError as e:  # refused, dropped, timed out
+        return None, "-", f"no answer: {type(e).__name__}: {e}", ""
+    try:
+        j = json.load(r)
+        return r.status, where(r.headers), j["usage"]["prompt_tokens"], j["choices"][0]["message"]["content"]
+    except (OSError, ValueError, LookupError, TypeError) as e:
+        return None, where(r.headers), f"no chat completion: {type(e).__name__}: {e}", ""
 
 def where(headers):
     backend = headers.get("x-affinity-backend")
