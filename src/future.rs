@@ -419,7 +419,13 @@ where
                         max_queued,
                     } = overflow
                     {
-                        match WaitTicket::take(&shared.capacity, home, max_queued) {
+                        // A wait of no time is none: refused here, as with no room in the
+                        // queue, without a place in it or a timer (which needs tokio's time
+                        // driver).
+                        let ticket = (!max_wait.is_zero())
+                            .then(|| WaitTicket::take(&shared.capacity, home, max_queued))
+                            .flatten();
+                        match ticket {
                             Some(ticket) => return Self::wait(shared, key, req, ticket, max_wait),
                             // No room in the queue: a request that held out for one place
                             // (its home node, the full backend holding its prefix) looks once

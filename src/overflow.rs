@@ -21,8 +21,9 @@ pub enum Overflow {
     /// preference order, as soon as any slot frees: a home that frees first gets its session
     /// back. At most `max_queued` requests wait at once; beyond that, and after `max_wait`, the
     /// request fails with [`Error::Saturated`](crate::Error::Saturated). A `max_queued` of 0,
-    /// or a `max_wait` of zero, lets no request wait: it fails as under [`Overflow::Reject`].
-    /// A `max_wait` too long for the clock waits as long as it takes.
+    /// or a `max_wait` of zero, lets no request wait: it fails as under [`Overflow::Reject`]
+    /// (and needs no time driver). A `max_wait` too long for the clock waits as long as it
+    /// takes.
     ///
     /// The queue is the service's, shared by every request it places: where requests must
     /// not wait behind each other's (tenants with backends of their own), give each its own

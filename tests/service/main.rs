@@ -4115,6 +4115,50 @@ async fn a_wait_of_no_time_or_no_room_refuses_at_once_and_one_of_no_end_is_serve
     );
 }
 
+/// A wait of no time is no wait: a request that finds the fleet full is refused by `call`
+/// itself, as under `Reject`. It takes no place in the queue, so it is never counted waiting,
+/// and a slot that frees before its future is first polled does not serve it after all.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_wait_of_no_time_takes_no_place_in_the_queue() {
+    let streams = Streams::default();
+    for overflow in [Overflow::wait(Duration::ZERO, 8), Overflow::Reject] {
+        let mut svc = SessionAffinityLayer::new()
+            .overflow(overflow)
+            .layer(fleet(&[("a1", "a", 1)], &streams));
+        let held = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+        svc.ready().await.unwrap();
+        let mut refused = tokio_test::task::spawn(svc.call(request(Some("t"), None)));
+        assert_eq!(svc.stats().waiting, 0, "{overflow:?}");
+        drop(held);
+        streams.take().unwrap();
+        let err = assert_ready!(refused.poll()).unwrap_err();
+        assert!(
+            matches!(err, Error::Saturated { .. }),
+            "{overflow:?}: {err}"
+        );
+        let stats = svc.stats();
+        assert_eq!((stats.rejected, stats.abandoned), (1, 0), "{overflow:?}");
+    }
+}
+
+/// A wait of no time needs no timer: on a runtime without tokio's time driver, a request that
+/// finds the fleet full is refused, not a panic.
+#[test]
+fn a_wait_of_no_time_needs_no_time_driver() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let streams = Streams::default();
+        let mut svc = SessionAffinityLayer::new()
+            .overflow(Overflow::wait(Duration::ZERO, 8))
+            .layer(fleet(&[("a1", "a", 1)], &streams));
+        let _held = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+        let err = send(&mut svc, Some("t"), None).await.unwrap_err();
+        assert!(matches!(err, Error::Saturated { .. }), "{err}");
+    });
+}
+
 /// The backends up with the fewest requests in flight first: a policy that leaves out those
 /// marked down rather than offering them.
 #[derive(Clone, Copy)]
