@@ -28,7 +28,10 @@
 //! (placement: microseconds) can still take the slot; the waiter then passes the wake on, as
 //! for any slot it does not take, and goes on waiting. A woken request whose caller neither polls
 //! nor drops it keeps the slot promised until it does one or the other: a caller that stops
-//! polling a response future should drop it.
+//! polling a response future should drop it. Waiters woken all at once (the fleet changed, a
+//! backend went down) stay in the queue too, each with the slot promised to it if one was: a
+//! slot that frees before they run is promised to one of them as any freed slot is, not left
+//! to the first request to arrive.
 //!
 //! A woken waiter that does not take its slot passes it on as the freeing would have, to the
 //! waiter it suits best, however that one is held: one dropped before its task ran (its client
@@ -53,6 +56,8 @@ use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 use std::task::Waker;
 use std::time::Duration;
+
+use tokio::time::Instant;
 
 use crate::fleet::{Capacity, Load};
 
@@ -143,6 +148,9 @@ struct Waiter {
     waker: Waker,
     /// The slot that woke it, promised to it until its task runs.
     woken_for: Option<Slot>,
+    /// Whether it was woken with every waiter since its task last looked (the fleet
+    /// changed): it looks again, whatever it was promised.
+    all: bool,
 }
 
 /// A freed slot: its backend's load (where the promise is counted), its backend and node.
@@ -200,7 +208,8 @@ impl Capacity {
         if self.waiting.load(Ordering::SeqCst) == 0 {
             return;
         }
-        self.pass_on(Slot {
+        // Its guard found the backend up.
+        self.promise(Slot {
             load: load.clone(),
             backend,
             node,
@@ -209,11 +218,23 @@ impl Capacity {
     }
 
     /// Passes on a slot a woken waiter did not take, as its freeing would have, to a waiter
-    /// that has not declined it.
+    /// that has not declined it: unless its backend is down now, as a slot freed there wakes
+    /// nobody (a promise can outlive the backend's going down, which woke every waiter to
+    /// look; their timers bring them back when it comes back).
     pub(crate) fn pass_on(&self, slot: Slot) {
         if self.waiting.load(Ordering::SeqCst) == 0 {
             return;
         }
+        // Sequentially consistent, as in a slot guard's drop: see there.
+        let down_until = slot.load.down_until.load(Ordering::SeqCst);
+        if down_until != 0 && self.now_ms(Instant::now()) < down_until {
+            return;
+        }
+        self.promise(slot);
+    }
+
+    /// Promises `slot` to the waiter it suits best that has not declined it, and wakes it.
+    fn promise(&self, slot: Slot) {
         let mut list = self.waiters.lock();
         let (backend, node) = (slot.backend, slot.node);
         // One pass: the oldest whose cache is on the backend, else the oldest on its node,
@@ -266,17 +287,26 @@ impl Capacity {
         u32::try_from(n).unwrap_or(u32::MAX)
     }
 
-    /// Wakes every waiter: the fleet has changed (a backend came or came back).
+    /// Wakes every waiter to look again: the fleet has changed (a backend came, came back,
+    /// left or went down). Each stays queued, with the slot promised to it if one was, so
+    /// that a slot freed before it runs is promised as any freed slot is: to the waiter it
+    /// suits best, not to whichever request arrives first.
     pub(crate) fn wake_all(&self) {
         if self.waiting.load(Ordering::SeqCst) == 0 {
             return;
         }
-        let woken: Vec<Waiter> = self.waiters.lock().queue.drain(..).collect();
-        for w in woken {
-            if let Some(slot) = &w.woken_for {
-                slot.unpromise();
-            }
-            w.waker.wake();
+        let mut list = self.waiters.lock();
+        let wakers: Vec<Waker> = list
+            .queue
+            .iter_mut()
+            .map(|w| {
+                w.all = true;
+                w.waker.clone()
+            })
+            .collect();
+        drop(list);
+        for waker in wakers {
+            waker.wake();
         }
     }
 }
@@ -287,7 +317,8 @@ pub(crate) enum Woken {
     /// Nothing: its deadline, if anything.
     No,
     /// A slot freed (its promise now taken back: the request looks for a slot as any
-    /// other does). Unless the request takes it, it is passed on.
+    /// other does), with every waiter woken too or not. Unless the request takes it, it is
+    /// passed on.
     For(Unclaimed),
     /// Every waiter was woken: the fleet changed.
     All,
@@ -372,6 +403,7 @@ impl WaitTicket {
             home,
             waker: Waker::noop().clone(),
             woken_for: None,
+            all: false,
         });
         drop(list);
         Some(WaitTicket {
@@ -391,6 +423,7 @@ impl WaitTicket {
         match list.find(self.seq) {
             Some(w) => {
                 w.waker.clone_from(waker);
+                let all = std::mem::take(&mut w.all);
                 match w.woken_for.take() {
                     Some(slot) => {
                         slot.unpromise();
@@ -400,16 +433,19 @@ impl WaitTicket {
                             seq: self.seq,
                         })
                     }
+                    None if all => Woken::All,
                     None => Woken::No,
                 }
             }
-            // Woken with every waiter: back in the queue, in its place.
+            // Never so (a ticket is queued from its taking to its drop); were it, it would
+            // go back in its place and look.
             None => {
                 list.insert(Waiter {
                     seq: self.seq,
                     home: self.home,
                     waker: waker.clone(),
                     woken_for: None,
+                    all: false,
                 });
                 Woken::All
             }

@@ -1835,6 +1835,86 @@ async fn a_fleet_change_before_a_woken_waiter_runs_keeps_its_slot_free() {
     assert_eq!((decision(&x).waited, decision(&y).waited), (None, None));
 }
 
+/// A slot that frees while requests wait is promised to one of them even when every waiter
+/// is woken (a backend marked down, a fleet change) before that one runs, the slot freed
+/// before that wake or after it: a request arriving before the waiter runs does not take it.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_slot_freed_around_a_wake_of_every_waiter_is_still_promised_to_one() {
+    for freed_first in [false, true] {
+        let streams = Streams::default();
+        let mut svc = SessionAffinityLayer::new()
+            .overflow(Overflow::wait(Duration::from_secs(60), 8))
+            .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
+        let on_a = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+        let on_b = send(&mut svc, Some("t"), Some("stream")).await.unwrap();
+        let a = if decision(&on_a).backend.as_str() == "a1" {
+            on_a
+        } else {
+            on_b
+        };
+        svc.ready().await.unwrap();
+        let mut waiting = tokio_test::task::spawn(svc.call(request(Some("w"), None)));
+        assert_pending!(waiting.poll());
+        // a1's slot frees, and b1 goes down, which wakes every waiter to look; then, before
+        // the waiter runs, another request comes.
+        let mut a = Some(a);
+        if freed_first {
+            a.take();
+        }
+        assert!(svc.mark_down("b1", Some(Duration::from_secs(10))));
+        assert!(waiting.is_woken());
+        a.take();
+        svc.ready().await.unwrap();
+        let mut later = tokio_test::task::spawn(svc.call(request(Some("x"), None)));
+        assert_pending!(
+            later.poll(),
+            "the later arrival took the waiter's slot (freed first: {freed_first})"
+        );
+        let res = assert_ready!(waiting.poll()).unwrap();
+        assert_eq!(decision(&res).backend.as_str(), "a1");
+        drop(res);
+        assert_ready!(later.poll()).unwrap();
+        while streams.take().is_some() {}
+    }
+}
+
+/// A slot promised to a waiter on a backend that goes down before the waiter runs is not
+/// passed on when that waiter cannot take it: nobody may take a slot there, and the other
+/// waiters, woken by the mark, have looked already.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_promise_on_a_backend_gone_down_is_passed_to_nobody() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_secs(60), 8))
+        .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
+    let on_a = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+    let on_b = send(&mut svc, Some("t"), Some("stream")).await.unwrap();
+    let (a, _b) = if decision(&on_a).backend.as_str() == "a1" {
+        (on_a, on_b)
+    } else {
+        (on_b, on_a)
+    };
+    let mut waiting = waiters(&mut svc, &["w1", "w2"]).await;
+    // a1's slot frees, promised to the oldest waiter; then a1 goes down, which wakes both.
+    drop(a);
+    assert!(waiting[0].is_woken() && !waiting[1].is_woken());
+    assert!(svc.mark_down("a1", Some(Duration::from_secs(10))));
+    assert!(waiting[1].is_woken());
+    // The younger looks first, then the older, which cannot take the slot promised to it.
+    assert_pending!(waiting[1].poll());
+    assert_pending!(waiting[0].poll());
+    assert!(
+        !waiting[1].is_woken(),
+        "a slot on a backend that is down woke a waiter"
+    );
+    // Back up, a1 serves the oldest.
+    tokio::time::advance(Duration::from_secs(10)).await;
+    assert!(waiting[0].is_woken());
+    let res = assert_ready!(waiting[0].poll()).unwrap();
+    assert_eq!(decision(&res).backend.as_str(), "a1");
+    while streams.take().is_some() {}
+}
+
 /// Two nodes of one one-slot backend each, node patience of five minutes; session "s" homed,
 /// its home's slot held by a stream of it. Returns the service, the home and that stream.
 async fn patient_with_home_held(
