@@ -168,13 +168,12 @@ enum Parsed {
 
 impl UsageScanner {
     /// Reads one chunk of the body.
-    pub(crate) fn feed(&mut self, chunk: &[u8]) {
-        if chunk.is_empty() {
-            return;
-        }
-        match self.capturing {
-            Some(member) => self.capture_more(member, chunk),
-            None => self.scan(chunk),
+    pub(crate) fn feed(&mut self, mut chunk: &[u8]) {
+        while !chunk.is_empty() {
+            match self.capturing {
+                Some(member) => chunk = self.capture_more(member, chunk),
+                None => return self.scan(chunk),
+            }
         }
     }
 
@@ -254,19 +253,33 @@ impl UsageScanner {
         }
     }
 
-    /// Goes on reading a value that an earlier chunk began.
-    fn capture_more(&mut self, member: Member, bytes: &[u8]) {
+    /// Goes on reading a value that an earlier chunk began; returns what is left of `bytes` to
+    /// read after it.
+    fn capture_more<'b>(&mut self, member: Member, bytes: &'b [u8]) -> &'b [u8] {
         let before = self.capture.len();
         let take = bytes.len().min(CAPTURE_LIMIT - before);
         self.capture.extend_from_slice(&bytes[..take]);
-        let used = match self.parse(member) {
-            Parsed::Done(end) => end.saturating_sub(before),
-            Parsed::Incomplete if self.capture.len() == CAPTURE_LIMIT => take,
-            Parsed::Incomplete => return,
+        let end = match self.parse(member) {
+            Parsed::Done(end) => end,
+            Parsed::Incomplete if self.capture.len() == CAPTURE_LIMIT => CAPTURE_LIMIT,
+            Parsed::Incomplete => return &[],
         };
         self.capturing = None;
         self.carry_len = 0;
-        self.scan(&bytes[used..]);
+        if end >= before {
+            return &bytes[end - before..];
+        }
+        // Not JSON after all: only its brace is passed over, and what follows it, which
+        // earlier chunks brought, is scanned as reading the body whole scans it (a member
+        // looked for may be there). Its own bytes are in the capture: the chunk goes on after
+        // them.
+        let mut captured = std::mem::take(&mut self.capture);
+        self.scan(&captured[end..]);
+        if self.capturing.is_none() {
+            captured.clear();
+            self.capture = captured;
+        }
+        &bytes[take..]
     }
 
     /// Parses the object captured from its `{`.
@@ -731,7 +744,8 @@ mod tests {
 
     /// One member of an answer's object: figures as the APIs send them, figures of the wrong
     /// type (as a tool's input that a model wrote may hold), other members whose numbers end
-    /// where a chunk may cut them, and objects nesting these.
+    /// where a chunk may cut them, a value that is not JSON (a broken answer), and objects
+    /// nesting these.
     fn answer_member() -> impl proptest::strategy::Strategy<Value = String> {
         use proptest::prelude::*;
         let leaf = proptest::sample::select(vec![
@@ -750,6 +764,7 @@ mod tests {
             r#""s":"a \"usage\":{\"prompt_tokens\":9} e""#,
             r#""n":-1.5E+3"#,
             r#""m":1e5"#,
+            r#""broken":{"q":?}"#,
         ])
         .prop_map(str::to_string);
         leaf.prop_recursive(3, 20, 4, |inner| {
@@ -1029,6 +1044,39 @@ data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"prompt_tokens_details\":{
                     whole,
                     "cut at {cut}: {}",
                     String::from_utf8_lossy(&body[..cut])
+                );
+            }
+        }
+    }
+
+    /// A value that is not JSON at all (a broken answer) is passed over by its brace alone,
+    /// and what follows the brace is read, also where earlier chunks brought it: an answer
+    /// reads the same wherever it is cut, broken or not.
+    #[test]
+    fn what_follows_the_brace_of_a_value_that_is_not_json_is_read_wherever_the_chunk_ends() {
+        let broken: &[u8] =
+            br#"{"usage":{"a":{"usage":{"prompt_tokens":5,"prompt_tokens_details":{"cached_tokens":3}}},"b":!}}"#;
+        let stream: &[u8] = b"data: {\"timings\":{\"x\":[{\"timings\":{\"prompt_n\":4,\"cache_n\":2}}],\"y\":tru}}\n\n\
+data: {\"usage\":{\"e\":{\"usage\":{\"input_tokens\":9}},\"f\":?}}\n\ndata: [DONE]\n\n";
+        for (body, want) in [(broken, (5, Some(3))), (stream, (9, None))] {
+            let whole = Usage::from_body(body).expect("a figure");
+            assert_eq!((whole.prompt_tokens, whole.reused_tokens), want);
+            for cut in 1..body.len() {
+                let mut s = UsageScanner::default();
+                s.feed(&body[..cut]);
+                s.feed(&body[cut..]);
+                assert_eq!(
+                    s.finish(),
+                    Some(whole),
+                    "cut at {cut}: {}",
+                    String::from_utf8_lossy(&body[..cut])
+                );
+            }
+            for piece in [1, 2, 3, 7] {
+                assert_eq!(
+                    scan_in_pieces(body, piece),
+                    Some(whole),
+                    "pieces of {piece}"
                 );
             }
         }
