@@ -66,7 +66,7 @@
 //! | `tower_affinity_backend_cut_answers_total` | counter | `backend`, `node` | answers it began and cut before their end (their body failed); they mark nothing down ([`BackendStatus::cut_answers`](crate::BackendStatus::cut_answers)) |
 //! | `tower_affinity_backend_prompt_tokens_total` | counter | `backend`, `node` | prompt tokens of its answers that said how many they reused |
 //! | `tower_affinity_backend_reused_tokens_total` | counter | `backend`, `node` | of them, reused from its cache |
-//! | `tower_affinity_backend_unreported_prompt_tokens_total` | counter | `backend`, `node` | prompt tokens of its answers that did not say (vLLM's Anthropic endpoint, or vLLM without `--enable-prompt-tokens-details`) |
+//! | `tower_affinity_backend_unreported_prompt_tokens_total` | counter | `backend`, `node` | prompt tokens of its answers that did not say (vLLM's Anthropic endpoint, vLLM without `--enable-prompt-tokens-details`, or SGLang without `--enable-cache-report`) |
 //! | `tower_affinity_backend_corrections_total` | counter | `backend`, `node` | answers far below the cache model's prediction |
 //! | `tower_affinity_backend_first_byte_seconds` | histogram | `backend`, `node` | dispatch to its successful answer's first byte |
 //! | `tower_affinity_in_flight` | gauge | | requests in flight (published) |

@@ -245,8 +245,8 @@ pub struct Stats {
     /// prompt_tokens` is the reuse placement achieved.
     pub reused_tokens: u64,
     /// Prompt tokens of the answers that did not say how many they reused (a backend that
-    /// does not report it, such as vLLM without `--enable-prompt-tokens-details`, or vLLM's
-    /// Anthropic endpoint): counted apart, so that they do not read as reusing nothing.
+    /// does not report it, such as vLLM without `--enable-prompt-tokens-details`, SGLang
+    /// without `--enable-cache-report`, or vLLM's Anthropic endpoint): counted apart, so that they do not read as reusing nothing.
     pub unreported_prompt_tokens: u64,
     /// Answers that reused less than half the share of their prompt the cache model
     /// predicted, where it predicted at least a quarter (each corrected it).

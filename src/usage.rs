@@ -25,7 +25,8 @@
 //! its behalf; vLLM reports `cached_tokens` only with `--enable-prompt-tokens-details`, and
 //! leaves it out when it is 0, so an answer without it
 //! says nothing about reuse (see [`Usage::reused_tokens`]) until its backend has once said
-//! it, in that shape. vLLM's Anthropic endpoint (`/v1/messages`) reports `input_tokens`
+//! it, in that shape. SGLang reports it only with `--enable-cache-report` (0 included).
+//! vLLM's Anthropic endpoint (`/v1/messages`) reports `input_tokens`
 //! alone: its answers never say their reuse.
 //!
 //! The scanner looks for the members `"usage"` and `"timings"` wherever they are (top level of
@@ -66,8 +67,8 @@ pub struct Usage {
     /// Tokens of prompt the answer was for, reused and read alike.
     pub prompt_tokens: u64,
     /// Of those, the tokens the backend took from its cache. `None` when the answer does not
-    /// say (a backend that does not report it, or vLLM without
-    /// `--enable-prompt-tokens-details`).
+    /// say (a backend that does not report it, vLLM without
+    /// `--enable-prompt-tokens-details`, SGLang without `--enable-cache-report`).
     pub reused_tokens: Option<u64>,
     /// How long the backend took to read the rest (llama.cpp's `timings.prompt_ms`), if it says.
     pub prompt_time: Option<Duration>,

@@ -224,7 +224,9 @@ impl BodyKeyLayer {
     ///
     /// OpenAI-compatible servers put usage in a stream only when the request says
     /// `"stream_options": {"include_usage": true}`, in a last chunk of its own (`"choices":
-    /// []`); vLLM and SGLang send no other figure. llama.cpp puts its `timings` on the last
+    /// []`); vLLM and SGLang send no other figure, and theirs says what they reused only
+    /// with `--enable-prompt-tokens-details` (vLLM) or `--enable-cache-report` (SGLang).
+    /// llama.cpp puts its `timings` on the last
     /// chunk of every stream, so a fleet of llama-servers does not need this. Turn it on only
     /// for backends that take `stream_options` (OpenAI's API, vLLM, SGLang and llama.cpp
     /// do): one that refused the member would refuse the request.
