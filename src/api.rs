@@ -7,7 +7,10 @@
 //! soon as the request is taken, before the read (llama-server sends them with the first
 //! token, or with its prompt progress while it reads); the first event after them
 //! (`response.output_item.added`, a `response.output_text.delta`, or `response.completed`
-//! for an empty answer) follows the read. [`Opening`] finds it as the bytes pass.
+//! for an empty answer) follows the read. And llama-server, asked for its prompt's progress
+//! (`"return_progress": true`, as its web UI asks), sends chunks carrying `prompt_progress`
+//! while it reads, in a stream of any API: the first chunk without it follows the read.
+//! [`Opening`] finds it as the bytes pass.
 
 use std::sync::LazyLock;
 
@@ -49,9 +52,11 @@ impl Api {
         }
     }
 
-    /// Whether a stream of this API may open before its prompt is read: a Responses stream
-    /// does, and one of a path not known is watched for the same events (which a stream of
-    /// another shape does not send: its first event ends the watch).
+    /// Whether a stream of this API may open with the Responses API's lifecycle events,
+    /// before its prompt is read: a Responses stream does, and one of a path not known is
+    /// watched for the same events (which a stream of another shape does not send: its first
+    /// event ends the watch). A stream of any API may open with llama-server's progress
+    /// chunks (see [`Opening`]).
     pub(crate) fn may_open_before_read(self) -> bool {
         matches!(self, Api::Responses | Api::Other)
     }
@@ -89,6 +94,13 @@ const OPENERS: [&[u8]; 3] = [
 /// carries them.
 static QUOTE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"response."));
 
+/// The member llama-server puts on the chunks it sends while it reads a prompt, asked to
+/// (`return_progress`). As the name of a member, not text in a string, where its quotes are
+/// escaped.
+const PROGRESS: &[u8] = b"\"prompt_progress\":";
+
+static PROGRESS_FINDER: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(PROGRESS));
+
 /// Whether `data` holds one of the openers' names as a JSON string.
 fn names_an_opener(data: &[u8]) -> bool {
     QUOTE.find_iter(data).any(|at| {
@@ -103,39 +115,51 @@ fn names_an_opener(data: &[u8]) -> bool {
 /// line's `{"type":"response.in_progress"` with some space about it.
 const HEAD: usize = 64;
 
-/// Finds, in an SSE stream fed to it chunk by chunk, the first event that is not one of a
-/// Responses stream's opening lifecycle events: the first that follows the prompt's read.
+/// Finds, in an SSE stream fed to it chunk by chunk, the first event that is not one sent
+/// before the prompt is read: a Responses stream's opening lifecycle events (for the APIs
+/// that send them, see [`Api::may_open_before_read`]), and llama-server's progress chunks
+/// (a data line with a `prompt_progress` member, in a stream of any API).
 ///
 /// An event's type is its `event` field (vLLM, llama-server and OpenAI send one with each);
 /// without one, its data names an opening type as a string within its first bytes
 /// (`{"type":"response.created",…`), or it is taken to follow the read, as a chat stream's
-/// first event does. Only the head of each line is kept: the memory is fixed, however long
-/// an event (`response.created` echoes the request's instructions and tools) or however it
-/// is cut into chunks. Lines end with LF, CRLF or CR, as SSE has it.
+/// first event does, unless it carries `prompt_progress` anywhere. Only the head of each line
+/// is kept, and its last few bytes (for a member name that a chunk's end cuts): the memory is
+/// fixed, however long an event (`response.created` echoes the request's instructions and
+/// tools) or however it is cut into chunks. Lines end with LF, CRLF or CR, as SSE has it.
 #[derive(Debug)]
 pub(crate) struct Opening {
+    /// Whether the Responses API's lifecycle events are looked for.
+    lifecycle: bool,
     /// The first bytes of the current line.
     head: [u8; HEAD],
     /// The bytes of the current line so far, its head and the rest.
     line: usize,
+    /// The last bytes of the current line, for a `prompt_progress` name cut between chunks.
+    tail: [u8; PROGRESS.len() - 1],
+    /// The current line holds a `prompt_progress` member name.
+    progress: bool,
     /// The last byte read ended a line with CR: an LF right after it ends no other line.
     after_cr: bool,
     /// The current event has said that it is one of the opening events.
     opener: bool,
 }
 
-impl Default for Opening {
-    fn default() -> Self {
+impl Opening {
+    /// A scanner for a stream of an API that sends the Responses lifecycle events before the
+    /// read (`lifecycle`), or only llama-server's progress chunks.
+    pub(crate) fn new(lifecycle: bool) -> Self {
         Opening {
+            lifecycle,
             head: [0; HEAD],
             line: 0,
+            tail: [0; PROGRESS.len() - 1],
+            progress: false,
             after_cr: false,
             opener: false,
         }
     }
-}
 
-impl Opening {
     /// Reads a chunk; `true` if an event that follows the prompt's read begins in it. Once
     /// it has said so, the scanner has nothing more to find, and is fed no more.
     pub(crate) fn feed(&mut self, mut bytes: &[u8]) -> bool {
@@ -164,11 +188,35 @@ impl Opening {
         false
     }
 
-    /// Keeps what fits of `part`, the next bytes of the current line, in its head.
+    /// Keeps what fits of `part`, the next bytes of the current line, in its head, and looks
+    /// for a `prompt_progress` name in it, also one that the bytes before it began.
     fn keep(&mut self, part: &[u8]) {
+        if part.is_empty() {
+            return;
+        }
         if let Some(room) = self.head.get_mut(self.line..) {
             let n = room.len().min(part.len());
             room[..n].copy_from_slice(&part[..n]);
+        }
+        if !self.progress {
+            let t = self.tail.len();
+            let before = self.line.min(t);
+            // The name across the line's bytes before `part` and its first ones.
+            let mut window = [0u8; 2 * (PROGRESS.len() - 1)];
+            let first = part.len().min(t);
+            window[..before].copy_from_slice(&self.tail[t - before..]);
+            window[before..before + first].copy_from_slice(&part[..first]);
+            self.progress = PROGRESS_FINDER
+                .find(&window[..before + first])
+                .or_else(|| PROGRESS_FINDER.find(part))
+                .is_some();
+            // The line's last bytes, newest at the end.
+            if part.len() >= t {
+                self.tail.copy_from_slice(&part[part.len() - t..]);
+            } else {
+                self.tail.copy_within(part.len().., 0);
+                self.tail[t - part.len()..].copy_from_slice(part);
+            }
         }
         self.line = self.line.saturating_add(part.len());
     }
@@ -176,6 +224,7 @@ impl Opening {
     /// The current line has ended: `true` if it shows that its event follows the read.
     fn line_ended(&mut self) -> bool {
         let len = std::mem::take(&mut self.line);
+        let progress = std::mem::take(&mut self.progress);
         if len == 0 {
             // A blank line ends the event.
             self.opener = false;
@@ -190,13 +239,13 @@ impl Opening {
         let value = &line[colon + 1..];
         let value = value.strip_prefix(b" ").unwrap_or(value);
         match &line[..colon] {
-            b"event" => {
+            b"event" if self.lifecycle => {
                 // A name longer than the head is none of the openers.
                 self.opener = len <= HEAD && OPENERS.contains(&value);
                 !self.opener
             }
             b"data" if !self.opener => {
-                self.opener = names_an_opener(value);
+                self.opener = progress || self.lifecycle && names_an_opener(value);
                 !self.opener
             }
             _ => false,
@@ -271,7 +320,12 @@ event: response.output_text.delta\ndata: {\"delta\":\"hi\",\"sequence_number\":3
     /// Where in `body`, fed in pieces of `piece` bytes, the scanner first says the read is
     /// past: the end of the piece it says it in.
     fn found_in_pieces(body: &[u8], piece: usize) -> Option<usize> {
-        let mut o = Opening::default();
+        found_in_pieces_of(body, piece, true)
+    }
+
+    /// As [`found_in_pieces`], by a scanner that looks for the lifecycle events or not.
+    fn found_in_pieces_of(body: &[u8], piece: usize, lifecycle: bool) -> Option<usize> {
+        let mut o = Opening::new(lifecycle);
         let mut at = 0;
         for chunk in body.chunks(piece) {
             at += chunk.len();
@@ -322,14 +376,14 @@ event: response.output_text.delta\ndata: {\"delta\":\"hi\",\"sequence_number\":3
     fn without_an_event_field_the_data_says_its_type_in_its_first_bytes() {
         let opened = b"data: {\"type\":\"response.created\",\"response\":{\"id\":\"r\"}}\n\n\
 data: { \"type\": \"response.in_progress\" }\n\n";
-        let mut o = Opening::default();
+        let mut o = Opening::new(true);
         assert!(!o.feed(opened));
         assert!(o.feed(b"data: {\"type\":\"response.output_text.delta\",\"delta\":\"hi\"}\n\n"));
         // A chat stream's first event follows the read.
-        let mut o = Opening::default();
+        let mut o = Opening::new(true);
         assert!(o.feed(b"data: {\"choices\":[{\"delta\":{\"role\":\"assistant\"}}]}\n\n"));
         // An event field wins over the data.
-        let mut o = Opening::default();
+        let mut o = Opening::new(true);
         assert!(!o.feed(b"event: response.created\ndata: {\"type\":\"x\"}\n\n"));
         assert!(
             o.feed(b"event: response.output_item.added\ndata: {\"type\":\"response.created\"}\n\n")
@@ -338,7 +392,7 @@ data: { \"type\": \"response.in_progress\" }\n\n";
 
     #[test]
     fn a_long_line_is_kept_to_its_head() {
-        let mut o = Opening::default();
+        let mut o = Opening::new(true);
         assert!(!o.feed(b"event: response.created\ndata: {\"response\":{\"instructions\":\""));
         for _ in 0..1_000 {
             assert!(!o.feed(&[b'x'; 1024]));
@@ -346,15 +400,76 @@ data: { \"type\": \"response.in_progress\" }\n\n";
         assert!(!o.feed(b"\"}}\n\n"));
         // An event name longer than the head is no opener.
         let long = format!("event: response.created{}\n", "x".repeat(HEAD));
-        assert!(Opening::default().feed(long.as_bytes()));
+        assert!(Opening::new(true).feed(long.as_bytes()));
         // Nor is one that only begins as an opener does.
-        assert!(Opening::default().feed(b"event: response.created.later\n"));
+        assert!(Opening::new(true).feed(b"event: response.created.later\n"));
     }
 
     #[test]
     fn comments_and_other_fields_say_nothing() {
-        let mut o = Opening::default();
+        let mut o = Opening::new(true);
         assert!(!o.feed(b": keep-alive\n\nid: 1\nretry: 10\n\nevent\n\n"));
         assert!(o.feed(b"event: error\ndata: {}\n\n"));
+    }
+
+    /// A chunk of llama-server's chat stream, with `tail` at the end of its object.
+    fn llama_chunk(delta: &str, tail: &str) -> String {
+        format!(
+            "data: {{\"choices\":[{{\"finish_reason\":null,\"index\":0,\"delta\":{delta}}}],\"created\":1764547200,\"id\":\"chatcmpl-1\",\"model\":\"qwen\",\"system_fingerprint\":\"b7000-abc\",\"object\":\"chat.completion.chunk\"{tail}}}\n\n"
+        )
+    }
+
+    /// llama-server asked for its prompt's progress (`return_progress`) sends a chunk with a
+    /// `prompt_progress` member, at the end of its object, as it reads each batch of the
+    /// prompt: the first chunk without it (the first token) follows the read, in a stream of
+    /// any API, however the stream is cut.
+    #[test]
+    fn llama_servers_progress_chunks_come_before_the_read_however_the_stream_is_cut() {
+        let role = r#"{"role":"assistant","content":null}"#;
+        let progress = |processed: u32| {
+            llama_chunk(
+                role,
+                &format!(
+                    r#","prompt_progress":{{"total":30000,"cache":0,"processed":{processed},"time_ms":10240.5}}"#
+                ),
+            )
+        };
+        let token = llama_chunk(r#"{"content":"the \"prompt_progress\": field"}"#, "");
+        let stream = progress(2048) + &progress(30000) + &token;
+        let b = stream.as_bytes();
+        // Told at the end of the token's data line.
+        let told = stream.len() - 1;
+        for lifecycle in [false, true] {
+            for piece in 1..=b.len() {
+                let at = found_in_pieces_of(b, piece, lifecycle).expect("found");
+                assert!(
+                    at >= told && at < told + piece,
+                    "{lifecycle} {piece}: at {at}, told at {told}"
+                );
+            }
+            // The name written in a token's text is escaped: no progress.
+            let one = token.as_bytes();
+            assert_eq!(found_in_pieces_of(one, 1, lifecycle), Some(one.len() - 1));
+        }
+        // CRLF line ends (told at the CR), and a progress chunk with an event field.
+        let crlf = stream.replace("\n", "\r\n");
+        let told = crlf.len() - "\n\r\n".len();
+        assert_eq!(found_in_pieces_of(crlf.as_bytes(), 1, false), Some(told));
+        let evented = format!("event: response.in_progress\n{}{token}", progress(2048));
+        let told = evented.len() - 1;
+        assert_eq!(found_in_pieces_of(evented.as_bytes(), 1, false), Some(told));
+    }
+
+    /// A stream of an API other than Responses is not watched for its lifecycle events: a
+    /// chat stream's first event follows the read, whatever it says.
+    #[test]
+    fn only_a_responses_stream_is_watched_for_the_lifecycle_events() {
+        let opened = b"event: response.created\ndata: {\"type\":\"response.created\"}\n\n";
+        assert!(!Opening::new(true).feed(opened));
+        assert!(Opening::new(false).feed(opened));
+        // A comment or an event field alone is no first event, in a stream of any API.
+        let mut o = Opening::new(false);
+        assert!(!o.feed(b": ping\n\nevent: message_start\n"));
+        assert!(o.feed(b"data: {\"type\":\"message_start\"}\n\n"));
     }
 }

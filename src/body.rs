@@ -91,14 +91,14 @@ impl Watch {
 #[derive(Debug)]
 pub(crate) struct Observe {
     scanner: UsageScanner,
-    /// For a stream that may open before its prompt is read (a Responses stream's lifecycle
-    /// events), what finds the first event after the read; `None` for an answer whose first
-    /// byte follows the read.
+    /// For a stream, which may open before its prompt is read (a Responses stream's lifecycle
+    /// events, llama-server's progress chunks), what finds the first event after the read;
+    /// `None` for a JSON answer, whose first byte follows the read.
     opening: Option<Opening>,
     watch: Watch,
     stream: bool,
-    /// When the first byte that follows the prompt's read came: the first byte, or a
-    /// Responses stream's first event after those that open it.
+    /// When the first byte that follows the prompt's read came: a JSON answer's first byte,
+    /// or a stream's first event after those sent while the prompt is read.
     first_byte: Option<Instant>,
     /// The figures, once the body has ended.
     usage: Option<Usage>,
@@ -136,7 +136,7 @@ impl Observe {
         }
         Some(Box::new(Observe {
             scanner: UsageScanner::default(),
-            opening: (stream && watch.api.may_open_before_read()).then(Opening::default),
+            opening: stream.then(|| Opening::new(watch.api.may_open_before_read())),
             watch,
             stream,
             first_byte: None,

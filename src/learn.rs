@@ -129,8 +129,8 @@ pub(crate) struct Prediction {
 pub(crate) struct Answer {
     pub(crate) usage: Option<Usage>,
     /// Dispatch to the first byte of the body that follows the prompt's read: its first
-    /// byte, or for a Responses stream the first event after those that open it
-    /// (`response.created`, `response.in_progress`), which come before the read.
+    /// byte, or for a stream the first event after those sent before the read (a Responses
+    /// stream's `response.created`, `response.in_progress`; llama-server's progress chunks).
     pub(crate) first_byte: Option<Duration>,
     /// Dispatch to the end of the body; `None` for an answer other than a success (a request
     /// turned down at once), whose time says nothing of how long requests take.

@@ -413,6 +413,57 @@ event: response.output_text.delta\ndata: {\"delta\":\"done\",\"sequence_number\"
     assert_eq!(a.request_time, Some(Duration::from_millis(52_020)));
 }
 
+/// llama-server asked for its prompt's progress (`"return_progress": true`, as its web UI
+/// asks) streams a chunk with a `prompt_progress` member as it reads each batch of the
+/// prompt: those come before the read. Its first token follows it: that times the read, and
+/// the backend's backlog keeps the prompt until then.
+#[tokio::test(start_paused = true)]
+async fn llama_servers_progress_chunks_are_not_the_first_byte_after_the_read() {
+    let svc = service(&[("a", "n1")]);
+    let chunk = |delta: &str, tail: &str| {
+        Bytes::from(format!(
+            "data: {{\"choices\":[{{\"finish_reason\":null,\"index\":0,\"delta\":{delta}}}],\"created\":1764547200,\"id\":\"chatcmpl-1\",\"model\":\"qwen\",\"object\":\"chat.completion.chunk\"{tail}}}\n\n"
+        ))
+    };
+    let role = r#"{"role":"assistant","content":null}"#;
+    let progress = |processed: u32| {
+        chunk(
+            role,
+            &format!(
+                r#","prompt_progress":{{"total":10256,"cache":256,"processed":{processed},"time_ms":1.5}}"#
+            ),
+        )
+    };
+    let last = Bytes::from_static(b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":10256,\"prompt_tokens_details\":{\"cached_tokens\":256}}}\n\ndata: [DONE]\n\n");
+    let reply = Reply {
+        frames: vec![
+            (Duration::from_millis(20), Ok(progress(2_304))),
+            (Duration::from_secs(25), Ok(progress(10_256))),
+            (
+                Duration::from_secs(25),
+                Ok(chunk(r#"{"content":"Done."}"#, "")),
+            ),
+            (Duration::from_secs(1), Ok(last)),
+        ],
+        ..Reply::sse(&[])
+    };
+    let req = request(None, Some(chain(&[1, 2, 3], 1_000)), reply);
+    let res = svc.clone().oneshot(req).await.expect("an answer");
+    let mut body = res.into_body();
+    let mut frame = async || body.frame().await.expect("a frame").expect("data");
+    frame().await;
+    frame().await;
+    assert_eq!(status(&svc, "a").unread_tokens, 3_000, "reading, not read");
+    frame().await;
+    assert_eq!(status(&svc, "a").unread_tokens, 0, "read");
+    frame().await;
+    assert!(body.frame().await.is_none());
+    let a = status(&svc, "a");
+    // 10,000 tokens read in 50.02 s, not in 20 ms.
+    assert_eq!(a.first_byte_time, Some(Duration::from_millis(50_020)));
+    assert_eq!(a.prefill_rate, Some(200));
+}
+
 /// A chat stream's first chunk is its first token: it came after the read, and times it.
 #[tokio::test(start_paused = true)]
 async fn a_chat_streams_first_byte_times_the_read() {
