@@ -35,9 +35,12 @@
 //! parsed. A member name inside a string is escaped (`\"usage\"`) and is not taken for one.
 //! A tool's input in an Anthropic answer is an object, not a string, so a model can write
 //! members there: `timings` it writes disagree with the answer's usage, which wins over
-//! them; a `usage` it writes is overwritten by the answer's, field by field, as below.
-//! Later figures overwrite earlier ones field by field, so the last chunk of a stream wins
-//! while a figure given only in its first event (Anthropic's `message_start`) stays. An
+//! them; a `usage` it writes comes before the answer's own (every API puts its usage after
+//! its content), which replaces it whole: in an answer that is one JSON object, a usage
+//! object with a prompt figure replaces every prompt figure before it, of any shape. In a
+//! stream, which carries a tool's input as a string, later figures overwrite earlier ones
+//! field by field, so the last chunk wins while a figure given only in its first event
+//! (Anthropic's `message_start`) stays. An
 //! object that is not what the APIs send (a count that is not a non-negative integer, say)
 //! is passed over whole; a count past 2^32 tokens, which no prompt reaches, is left out.
 
@@ -121,11 +124,17 @@ pub(crate) struct UsageScanner {
     capturing: Option<Member>,
     wire: Wire,
     found: bool,
+    /// Whether the body's first byte other than whitespace has been read.
+    begun: bool,
 }
 
 /// The figures seen so far, field by field.
 #[derive(Clone, Copy, Debug, Default)]
 struct Wire {
+    /// The body is one JSON object (its first byte other than whitespace is `{`), not a
+    /// stream of events: its own usage comes after its content, and a usage object with a
+    /// prompt figure replaces the prompt figures before it (see [`add_usage`]).
+    one_object: bool,
     prompt_tokens: Option<u64>,
     prompt_cached: Option<u64>,
     input_tokens: Option<u64>,
@@ -170,6 +179,12 @@ enum Parsed {
 impl UsageScanner {
     /// Reads one chunk of the body.
     pub(crate) fn feed(&mut self, mut chunk: &[u8]) {
+        if !self.begun {
+            if let Some(&first) = chunk.iter().find(|b| !b.is_ascii_whitespace()) {
+                self.begun = true;
+                self.wire.one_object = first == b'{';
+            }
+        }
         while !chunk.is_empty() {
             match self.capturing {
                 Some(member) => chunk = self.capture_more(member, chunk),
@@ -582,7 +597,29 @@ fn count(n: Option<u64>) -> Option<u64> {
     n.filter(|&n| n <= MAX_COUNT)
 }
 
+/// Adds a usage object's figures: field by field in a stream, where an Anthropic stream gives
+/// some in its first event and others in its last, and a model's text is in strings; in an
+/// answer that is one object, a usage object with a prompt figure first clears those before
+/// it, which can only be what a model wrote into a tool's input (an object in an Anthropic
+/// answer), of any shape and fields.
 fn add_usage(w: &mut Wire, u: UsageObject) {
+    let prompt_figure = [
+        u.prompt_tokens,
+        u.input_tokens,
+        u.cache_read_input_tokens,
+        u.cache_creation_input_tokens,
+    ]
+    .into_iter()
+    .any(|n| count(n).is_some());
+    if w.one_object && prompt_figure {
+        *w = Wire {
+            one_object: true,
+            prompt_n: w.prompt_n,
+            cache_n: w.cache_n,
+            prompt_ms: w.prompt_ms,
+            ..Wire::default()
+        };
+    }
     set(&mut w.prompt_tokens, count(u.prompt_tokens));
     set(
         &mut w.prompt_cached,
@@ -1081,5 +1118,29 @@ data: {\"usage\":{\"e\":{\"usage\":{\"input_tokens\":9}},\"f\":?}}\n\ndata: [DON
                 );
             }
         }
+    }
+
+    /// A model writes a tool's input in an Anthropic answer as an object, where it can write
+    /// a `usage` of any shape (a request body it means to send, say). In an answer that is
+    /// one JSON object, the answer's own usage comes after its content, and replaces such a
+    /// one whole, figures it does not give and its shape too.
+    #[test]
+    fn a_usage_a_model_wrote_into_a_tools_input_gives_way_to_the_answers_own() {
+        let anthropic: &[u8] = br#"{"id":"m1","type":"message","role":"assistant","content":[{"type":"tool_use","id":"t","name":"post","input":{"url":"/v1/chat/completions","body":{"usage":{"prompt_tokens":5,"prompt_tokens_details":{"cached_tokens":0},"cache_creation_input_tokens":7000}}}}],"model":"m","stop_reason":"tool_use","stop_sequence":null,"usage":{"cache_read_input_tokens":2000,"input_tokens":50,"output_tokens":5}}"#;
+        // vLLM's Anthropic endpoint, which gives `input_tokens` alone: no reuse is said.
+        let vllm: &[u8] = br#"{"id":"m1","type":"message","role":"assistant","content":[{"type":"tool_use","id":"t","name":"f","input":{"usage":{"input_tokens":1,"cache_read_input_tokens":900}}}],"usage":{"input_tokens":1100,"output_tokens":5}}"#;
+        for (body, want) in [(anthropic, (2050, Some(2000))), (vllm, (1100, None))] {
+            let u = Usage::from_body(body).unwrap();
+            assert_eq!((u.prompt_tokens, u.reused_tokens), want);
+            assert!(!u.zero_left_out);
+            for piece in [1, 5, 64] {
+                assert_eq!(scan_in_pieces(body, piece), Some(u), "pieces of {piece}");
+            }
+        }
+        // Leading whitespace before the object is still one object.
+        let mut spaced = b" \r\n".to_vec();
+        spaced.extend_from_slice(anthropic);
+        let u = scan_in_pieces(&spaced, 1).unwrap();
+        assert_eq!((u.prompt_tokens, u.reused_tokens), (2050, Some(2000)));
     }
 }
