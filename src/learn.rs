@@ -192,6 +192,12 @@ impl Learned {
             None => {}
         }
         self.reports.fetch_add(1, Ordering::Relaxed);
+        // Every answer counts its prompt in the backend's tokens, whether or not it says
+        // what it reused.
+        if let Some(p) = predicted.filter(|p| p.prompt_tokens > 0 && usage.prompt_tokens > 0) {
+            blend(&self.scale_tokens, usage.prompt_tokens as f64);
+            blend(&self.scale_estimates, p.prompt_tokens as f64);
+        }
         let Some(reused) = usage.reused_tokens else {
             self.unreported_prompt_tokens
                 .fetch_add(usage.prompt_tokens, Ordering::Relaxed);
@@ -200,10 +206,6 @@ impl Learned {
         self.prompt_tokens
             .fetch_add(usage.prompt_tokens, Ordering::Relaxed);
         self.reused_tokens.fetch_add(reused, Ordering::Relaxed);
-        if let Some(p) = predicted.filter(|p| p.prompt_tokens > 0 && usage.prompt_tokens > 0) {
-            blend(&self.scale_tokens, usage.prompt_tokens as f64);
-            blend(&self.scale_estimates, p.prompt_tokens as f64);
-        }
         let read = usage.prompt_tokens.saturating_sub(reused);
         // The time the prompt took to read: llama.cpp says; a stream's first byte after the
         // read tells (see `Answer::first_byte`).
@@ -639,5 +641,23 @@ mod tests {
         assert_eq!(verdict(5_000), Verdict::Fine, "more, not twice as much");
         assert_eq!(verdict(6_000), Verdict::Fine, "twice as much exactly");
         assert_eq!(verdict(6_100), Verdict::HeldMore);
+    }
+
+    /// An answer that does not say what it reused still counts its prompt in the backend's
+    /// tokens: it teaches the scale, though not the prefill rate, which needs what was read.
+    #[test]
+    fn an_answer_that_does_not_say_its_reuse_teaches_the_scale() {
+        let l = Learned::default();
+        let p = Prediction {
+            prompt_tokens: 2_500,
+            held_tokens: 0,
+            stamp: 0,
+            born: 0,
+            pending: false,
+        };
+        let (u, verdict) = l.learn(&answer(10_000, None, 50_000), Some(p));
+        assert_eq!((u.unwrap().reused_tokens, verdict), (None, Verdict::Fine));
+        assert_eq!(l.token_scale(), Some(4.0));
+        assert_eq!(l.prefill_rate(), None);
     }
 }

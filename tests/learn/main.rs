@@ -620,6 +620,44 @@ fn reused(prompt: u64, reused: u64) -> Reply {
     }
 }
 
+/// An answer that does not say what it reused still says how many tokens its prompt was, in
+/// the backend's own count: it teaches the backend's tokens per token of the chain's estimate
+/// (vLLM without `--enable-prompt-tokens-details`, an Anthropic endpoint that gives
+/// `input_tokens` alone). Until then a backend with a context counts each token of the
+/// estimate as two, and holds requests back that fit.
+#[tokio::test(start_paused = true)]
+async fn an_answer_that_does_not_say_its_reuse_teaches_the_backends_token_count() {
+    let fleet = StaticFleet::new([(
+        "a",
+        Backend::new("n1", scripted())
+            .slots(NonZeroU32::new(4).unwrap())
+            .context_tokens(std::num::NonZeroU64::new(6_000).unwrap()),
+    )]);
+    let svc: Svc<_> = SessionAffinityLayer::new().layer(fleet);
+    let said = |body: &'static [u8], path: &str, ids: &[u64]| {
+        request_to(path, None, Some(chain(ids, 2_000)), Reply::json(body))
+    };
+    let chat: &[u8] = br#"{"choices":[],"usage":{"prompt_tokens":2000,"completion_tokens":1}}"#;
+    let anthropic: &[u8] =
+        br#"{"type":"message","content":[],"usage":{"input_tokens":2000,"output_tokens":1}}"#;
+    for (body, path, ids) in [
+        (chat, "/v1/chat/completions", &[1][..]),
+        (anthropic, "/v1/messages", &[2][..]),
+    ] {
+        let (_, _, usage) = exchange(&svc, said(body, path, ids)).await;
+        assert_eq!(usage.unwrap().reused_tokens, None);
+    }
+    assert_eq!(status(&svc, "a").unreported_prompt_tokens, 4_000);
+    // A prompt of 2,000 tokens by the estimate takes 2,000 of the backend's, not 4,000.
+    let held = svc
+        .clone()
+        .oneshot(said(chat, "/v1/chat/completions", &[3]))
+        .await
+        .expect("an answer");
+    assert_eq!(status(&svc, "a").context_in_flight, 2_000);
+    drop(held);
+}
+
 /// A count no prompt reaches (a C++ server's `size_t` gone below zero is 18446744073709551615)
 /// is not a figure its backend measured: it is left out, and the figures the service adds up
 /// stay the answers' sums rather than overflowing.
