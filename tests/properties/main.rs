@@ -620,11 +620,18 @@ fn block_tokens() -> impl Strategy<Value = Vec<u32>> {
     prop_oneof![Just(vec![1; 8]), proptest::collection::vec(1..700u32, 8),]
 }
 
+/// What a backend's cache model may cost a link of its bound on links, as `src/cache.rs`
+/// states it (under 770 KB at the default budget's 8,192 links).
+const MODEL_BYTES_PER_LINK: usize = 94;
+/// The log of a backend's last 256 evictions, 32 bytes each.
+const EVICTION_LOG_BYTES: usize = 256 * 32;
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
 
     /// Whatever chains the service records, no backend's model holds more tokens than its
-    /// budget, or more links than one per 16 tokens of it (at least 1,024).
+    /// budget, or more links than one per 16 tokens of it (at least 1,024), and the models
+    /// hold no more memory than the bound their docs state for those links.
     #[test]
     fn the_cache_model_never_exceeds_its_bound(
         budgets in proptest::collection::vec(budget(), 3),
@@ -649,6 +656,14 @@ proptest! {
                 .enumerate()
                 .map(|(i, &b)| (format!("b{i}"), b))
                 .collect();
+            let max_blocks =
+                |budget: u64| usize::try_from(budget / 16).unwrap().max(1024);
+            // The memory bound the cache model's docs state: under 94 bytes a link of the
+            // bound on links, and the log of the last 256 evictions, 8 KiB.
+            let max_bytes: usize = budgets
+                .iter()
+                .map(|&b| max_blocks(b) * MODEL_BYTES_PER_LINK + EVICTION_LOG_BYTES)
+                .sum();
             for (session, blocks) in turns {
                 let chain = PromptChain::from_blocks(
                     blocks.iter().map(|&i| (u64::from(i), tokens[usize::from(i)])),
@@ -658,11 +673,13 @@ proptest! {
                 drop(res.unwrap());
                 for b in svc.backends() {
                     let budget = budget_of[b.id.as_str()];
-                    let max_blocks = usize::try_from(budget / 16).unwrap().max(1024);
+                    let max_blocks = max_blocks(budget);
                     assert!(b.cached_tokens <= budget, "{b:?} over {budget} tokens");
                     assert!(b.cached_blocks <= max_blocks, "{b:?} over {max_blocks} links");
                     assert!(b.conversations as usize <= b.cached_blocks, "{b:?}");
                 }
+                let bytes = svc.stats().cache_model_bytes;
+                assert!(bytes <= max_bytes, "the models hold {bytes} bytes, over {max_bytes}");
             }
             assert!(svc.stats().cache_model_bytes > 0);
         });
