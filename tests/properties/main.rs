@@ -689,28 +689,41 @@ proptest! {
 #[derive(Clone, Debug)]
 enum ChainOp {
     /// The next turn of conversation `conv`, keyed or not; with `fail`, the backend it goes to
-    /// fails it (and is marked down, holding the conversation's earlier turns).
+    /// fails it (and is marked down, holding the conversation's earlier turns); with `hold`,
+    /// its answer's body stays open, holding its slot, until a `Release`.
     Turn {
         conv: u8,
         keyed: bool,
         fail: bool,
+        hold: bool,
     },
+    /// Ends one answer held open.
+    Release(usize),
     Insert {
         backend: u8,
         node: u8,
         slots: u32,
     },
     Remove(u8),
+    /// A health probe marks the backend up, or down for 2 s or until further notice.
+    Probe {
+        backend: u8,
+        up: bool,
+        for_2s: bool,
+    },
     Advance(u64),
 }
 
 fn chain_op() -> impl Strategy<Value = ChainOp> {
     prop_oneof![
-        8 => (0..4u8, any::<bool>(), proptest::bool::weighted(0.2))
-            .prop_map(|(conv, keyed, fail)| ChainOp::Turn { conv, keyed, fail }),
+        8 => (0..4u8, any::<bool>(), proptest::bool::weighted(0.2), proptest::bool::weighted(0.4))
+            .prop_map(|(conv, keyed, fail, hold)| ChainOp::Turn { conv, keyed, fail, hold }),
+        3 => any::<usize>().prop_map(ChainOp::Release),
         1 => (0..BACKENDS, 0..3u8, 1..3u32)
             .prop_map(|(backend, node, slots)| ChainOp::Insert { backend, node, slots }),
         2 => (0..BACKENDS).prop_map(ChainOp::Remove),
+        2 => (0..BACKENDS, any::<bool>(), any::<bool>())
+            .prop_map(|(backend, up, for_2s)| ChainOp::Probe { backend, up, for_2s }),
         1 => (1..8u64).prop_map(ChainOp::Advance),
     ]
 }
@@ -725,77 +738,174 @@ fn conversation(conv: u8, turn: u32) -> PromptChain {
     PromptChain::from_blocks(blocks)
 }
 
+type ChainSvc = SessionAffinity<FleetChannel<MockService>, HeaderKey, NodeThenBackend>;
+
+/// The fleet as the test knows it, to check each placement against when it is made.
+#[derive(Default)]
+struct Fleet {
+    live: HashSet<String>,
+    down_until: HashMap<String, tokio::time::Instant>,
+}
+
+impl Fleet {
+    fn up(&self) -> Vec<String> {
+        let now = tokio::time::Instant::now();
+        let mut up: Vec<String> = self
+            .live
+            .iter()
+            .filter(|b| self.down_until.get(*b).is_none_or(|&t| t <= now))
+            .cloned()
+            .collect();
+        up.sort();
+        up
+    }
+
+    /// Checks what a request's poll came to, made now; keeps an answer held open.
+    fn settle(
+        &mut self,
+        poll: Poll<Result<Res, Error>>,
+        fail: bool,
+        hold: bool,
+        open: &mut Vec<Res>,
+    ) -> bool {
+        let up = self.up();
+        match poll {
+            Poll::Pending => return false,
+            Poll::Ready(Ok(res)) => {
+                let d = res.extensions().get::<Decision>().cloned().unwrap();
+                let id = d.backend.to_string();
+                assert!(self.live.contains(&id), "placed on removed backend {id}");
+                assert!(up.contains(&id), "placed on {id}, which is down");
+                if hold {
+                    open.push(res);
+                }
+            }
+            Poll::Ready(Err(Error::Backend { backend, .. })) => {
+                let id = backend.to_string();
+                assert!(fail, "{id} failed unasked");
+                assert!(self.live.contains(&id), "placed on removed backend {id}");
+                assert!(up.contains(&id), "placed on {id}, which is down");
+                let until = tokio::time::Instant::now() + COOLDOWN;
+                let at = self.down_until.entry(id).or_insert(until);
+                *at = (*at).max(until);
+            }
+            Poll::Ready(Err(Error::NoBackends)) => {
+                assert!(up.is_empty(), "turned away while {up:?} were up");
+            }
+            // Full: every slot it may take is held, or its wait ran out.
+            Poll::Ready(Err(Error::Saturated { .. })) => {}
+            Poll::Ready(Err(e)) => panic!("unexpected error {e}"),
+        }
+        true
+    }
+}
+
+fn drain(svc: &mut ChainSvc) {
+    let mut ready = spawn(std::future::poll_fn(|cx| svc.poll_ready(cx)));
+    assert!(matches!(ready.poll(), Poll::Ready(Ok(()))), "always ready");
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
     /// With prompts whose prefixes the backends hold, no request goes to a backend that is
-    /// removed or marked down, though the one holding its prefix (or its home) is; and a
-    /// request is turned away only when every live backend is down.
+    /// removed or marked down (by a failure or a probe), though the one holding its prefix
+    /// (or its home) is: placed at once, or after waiting for a slot (answers held open fill
+    /// the backends), held for its home's node, or overcommitted. A request is turned away
+    /// as having no backend only when every live backend is down.
     #[test]
     fn no_request_goes_to_a_removed_or_down_backend_whatever_it_holds(
+        overflow in overflow(),
+        patience in prop_oneof![Just(0u64), Just(5u64)],
         ops in proptest::collection::vec(chain_op(), 1..60),
     ) {
-        paused_runtime().block_on(async move {
+        paused_runtime().block_on(tokio::task::unconstrained(async move {
             let (handle, stream) = discover::channel();
             let streams = Streams::default();
-            let mut svc = SessionAffinityLayer::new()
-                .overflow(Overflow::Reject)
+            let mut svc: ChainSvc = SessionAffinityLayer::new()
+                .overflow(overflow)
                 .failure_cooldown(COOLDOWN)
+                .node_patience(Duration::from_secs(patience))
                 .layer(stream);
-            let mut live: HashSet<String> = HashSet::new();
-            let mut down_until: HashMap<String, tokio::time::Instant> = HashMap::new();
+            let mut fleet = Fleet::default();
+            let mut open: Vec<Res> = Vec::new();
+            let mut pending: Vec<(Fut, bool, bool)> = Vec::new();
             let mut turns = [0u32; 4];
             let setup = (0..3u8).map(|b| ChainOp::Insert { backend: b, node: b % 2, slots: 1 });
             for op in setup.chain(ops) {
                 match op {
-                    ChainOp::Turn { conv, keyed, fail } => {
+                    ChainOp::Turn { conv, keyed, fail, hold } => {
+                        drain(&mut svc);
                         let chain = conversation(conv, turns[usize::from(conv)]);
                         turns[usize::from(conv)] += 1;
                         let session = keyed.then(|| format!("c{conv}"));
-                        let req = chain_request(session, chain, fail);
-                        let now = tokio::time::Instant::now();
-                        let up: Vec<&String> = live
-                            .iter()
-                            .filter(|b| down_until.get(*b).is_none_or(|&t| t <= now))
-                            .collect();
-                        let res = tower::ServiceExt::ready(&mut svc).await.unwrap().call(req).await;
-                        match res {
-                            Ok(res) => {
-                                let d = res.extensions().get::<Decision>().cloned().unwrap();
-                                let id = d.backend.to_string();
-                                assert!(live.contains(&id), "placed on removed backend {id}");
-                                assert!(up.contains(&&id), "placed on {id}, which is down");
-                            }
-                            Err(Error::Backend { backend, .. }) => {
-                                let id = backend.to_string();
-                                assert!(fail, "{id} failed unasked");
-                                assert!(live.contains(&id), "placed on removed backend {id}");
-                                assert!(up.contains(&&id), "placed on {id}, which is down");
-                                down_until.insert(id, now + COOLDOWN);
-                            }
-                            Err(Error::NoBackends | Error::Saturated { .. }) => {
-                                assert!(up.is_empty(), "turned away while {up:?} were up");
-                            }
-                            Err(e) => panic!("unexpected error {e}"),
+                        let mut fut = spawn(svc.call(chain_request(session, chain, fail)));
+                        let poll = fut.poll();
+                        if !fleet.settle(poll, fail, hold, &mut open) {
+                            pending.push((fut, fail, hold));
                         }
                     }
+                    ChainOp::Release(i) if !open.is_empty() => {
+                        drop(open.swap_remove(i % open.len()));
+                    }
+                    ChainOp::Release(_) => {}
                     ChainOp::Insert { backend: b, node, slots } => {
                         let id = format!("b{b}");
                         let be = Backend::new(format!("n{node}"), backend(&id, &streams))
                             .slots(NonZeroU32::new(slots).unwrap());
                         handle.insert(id.clone(), be);
-                        live.insert(id);
+                        fleet.live.insert(id);
+                        drain(&mut svc);
                     }
                     ChainOp::Remove(b) => {
                         let id = format!("b{b}");
                         handle.remove(id.clone());
-                        live.remove(&id);
-                        down_until.remove(&id);
+                        fleet.live.remove(&id);
+                        fleet.down_until.remove(&id);
+                        drain(&mut svc);
+                    }
+                    ChainOp::Probe { backend: b, up, for_2s } => {
+                        drain(&mut svc);
+                        let id = format!("b{b}");
+                        // Until further notice: as good as forever here.
+                        let (cooldown, down) = match for_2s {
+                            true => (Some(Duration::from_secs(2)), Duration::from_secs(2)),
+                            false => (None, Duration::from_secs(10 * 365 * 86_400)),
+                        };
+                        if up {
+                            if svc.mark_up(&id) {
+                                fleet.down_until.remove(&id);
+                            }
+                        } else if svc.mark_down(&id, cooldown) {
+                            let until = tokio::time::Instant::now() + down;
+                            fleet.down_until.insert(id, until);
+                        }
                     }
                     ChainOp::Advance(secs) => tokio::time::advance(Duration::from_secs(secs)).await,
                 }
+                // Waiting requests make progress when slots free, backends come or go, or
+                // time passes; the woken ones run before the next step, as an executor
+                // runs woken tasks (a bounded number of rounds).
+                for round in 0..64 {
+                    let before = pending.len();
+                    let mut still = Vec::new();
+                    for (mut fut, fail, hold) in std::mem::take(&mut pending) {
+                        if round > 0 && !fut.is_woken() {
+                            still.push((fut, fail, hold));
+                            continue;
+                        }
+                        let poll = fut.poll();
+                        if !fleet.settle(poll, fail, hold, &mut open) {
+                            still.push((fut, fail, hold));
+                        }
+                    }
+                    pending = still;
+                    if pending.len() == before && pending.iter().all(|p| !p.0.is_woken()) {
+                        break;
+                    }
+                }
             }
-        });
+        }));
     }
 }
 
