@@ -23,8 +23,8 @@ use tower_affinity::discover::{self, FleetChannel};
 use tower_affinity::key::{HeaderKey, PromptFacts, SessionKey};
 use tower_affinity::placement::{NodeThenBackend, Snapshot};
 use tower_affinity::{
-    Backend, Decision, Error, Overflow, PromptChain, ResponseBody, ResponseFuture, SessionAffinity,
-    SessionAffinityLayer,
+    Backend, BackendId, Decision, Error, Overflow, PromptChain, ResponseBody, ResponseFuture,
+    SessionAffinity, SessionAffinityLayer,
 };
 
 const BACKENDS: u8 = 6;
@@ -919,19 +919,60 @@ fn slotted(slots: &[u32], nodes: usize) -> Snapshot {
         })
 }
 
-/// Places `n` new conversations one after another, each starting with the same 2,000-token
-/// system prompt and then its own first message, recording each on the backend chosen (as
-/// the service does); returns how many each backend took.
-fn place_sharing_a_prefix(mut fleet: Snapshot, n: u32, keyed: bool) -> HashMap<String, u32> {
+/// How the conversations of a case look: `shared` links (a system prompt, a spec) that every
+/// conversation starts with, then `own` links of its own first turn; between new
+/// conversations, `later[i]` picks an earlier one whose next turn its home serves.
+#[derive(Clone, Debug)]
+struct Shape {
+    shared: u64,
+    own: u64,
+    later: Vec<u8>,
+}
+
+fn shape() -> impl Strategy<Value = Shape> {
+    (
+        1..4u64,
+        1..4u64,
+        proptest::collection::vec(any::<u8>(), 0..60),
+    )
+        .prop_map(|(shared, own, later)| Shape { shared, own, later })
+}
+
+/// Places `n` new conversations one after another, each starting with the same prefix and
+/// then its own first turn, recording each on the backend chosen (as the service does), and
+/// between them the later turns of earlier ones on their homes; returns how many new
+/// conversations each backend took.
+fn place_sharing_a_prefix(
+    mut fleet: Snapshot,
+    n: u32,
+    keyed: bool,
+    shape: &Shape,
+) -> HashMap<String, u32> {
     let p = NodeThenBackend::new();
     let mut took = HashMap::new();
+    let mut placed: Vec<(Vec<(u64, u32)>, BackendId)> = Vec::new();
     for i in 0..n {
-        let chain = PromptChain::from_blocks([(1, 2_000), (10_000 + u64::from(i), 100)]);
+        let blocks: Vec<(u64, u32)> = (0..shape.shared)
+            .map(|s| (1 + s, 1_000))
+            .chain((0..shape.own).map(|o| (10_000 + 10 * u64::from(i) + o, 100)))
+            .collect();
+        let chain = PromptChain::from_blocks(blocks.iter().copied());
         let key = keyed.then(|| SessionKey::from_u128(u128::from(i) * 7_919 + 1));
         fleet = fleet.prompt(chain.clone());
         let id = fleet.choose(&p, key, None).unwrap();
         fleet = fleet.holds(id.as_str(), &chain);
         *took.entry(id.to_string()).or_insert(0) += 1;
+        placed.push((blocks, id));
+        if let Some(&c) = shape.later.get(i as usize) {
+            let c = usize::from(c) % placed.len();
+            let (blocks, home) = &mut placed[c];
+            let next = (1_000_000 + 1_000 * c as u64 + blocks.len() as u64, 80);
+            blocks.push(next);
+            fleet = fleet.holds(
+                home.as_str(),
+                &PromptChain::from_blocks(blocks.iter().copied()),
+            );
+        }
     }
     took
 }
@@ -968,17 +1009,19 @@ fn check_spread(slots: &[u32], took: &HashMap<String, u32>, n: u32) -> Result<()
 }
 
 proptest! {
-    /// A system prompt every conversation shares draws new conversations only up to the
-    /// conversation bound: none pins them to one backend, keyed or keyless. Backends of two
-    /// slots or more; see the next property for one-slot backends.
+    /// A prefix every conversation shares (a system prompt, and a spec after it) draws new
+    /// conversations only up to the conversation bound, while earlier conversations go on:
+    /// none pins them to one backend, keyed or keyless. Backends of two slots or more; see
+    /// the next property for one-slot backends.
     #[test]
     fn a_prefix_shared_by_every_conversation_never_pins_new_conversations_to_one_backend(
         slots in proptest::collection::vec(2..5u32, 2..8),
         nodes in 1..4usize,
         n in 1..60u32,
         keyed in any::<bool>(),
+        shape in shape(),
     ) {
-        let took = place_sharing_a_prefix(slotted(&slots, nodes), n, keyed);
+        let took = place_sharing_a_prefix(slotted(&slots, nodes), n, keyed, &shape);
         check_spread(&slots, &took, n)?;
     }
 
@@ -989,8 +1032,9 @@ proptest! {
         nodes in 1..4usize,
         n in 1..60u32,
         keyed in any::<bool>(),
+        shape in shape(),
     ) {
-        let took = place_sharing_a_prefix(slotted(&slots, nodes), n, keyed);
+        let took = place_sharing_a_prefix(slotted(&slots, nodes), n, keyed, &shape);
         check_spread(&slots, &took, n)?;
     }
 }
