@@ -271,6 +271,22 @@ mod tests {
         let key = HeaderKey::default();
         let names: Vec<&str> = key.names().iter().map(HeaderName::as_str).collect();
         assert_eq!(names, HeaderKey::DEFAULT_NAMES);
+        // The order the docs and the README give: the explicit affinity headers, Claude Code,
+        // then Codex's thread before its session (each older spelling after the newer),
+        // then Goose.
+        assert_eq!(
+            names,
+            [
+                "x-session-affinity",
+                "x-session-id",
+                "x-claude-code-session-id",
+                "thread-id",
+                "thread_id",
+                "session-id",
+                "session_id",
+                "agent-session-id",
+            ]
+        );
         assert_eq!(
             HeaderKey::new(HeaderKey::DEFAULT_NAMES).names(),
             HeaderKey::default().names()
