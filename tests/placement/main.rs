@@ -1489,6 +1489,41 @@ fn a_larger_conversation_bound_lets_a_backend_home_more_than_its_share() {
     assert_eq!(first(1.5).as_str(), "b1");
 }
 
+/// The default conversation bound is the one the docs state, `1 + 0.25` times a backend's
+/// share: four backends of four slots, 19 conversations homed and a 20th coming, so a
+/// backend's share is 5 and it may home 6.25, rounded up 7. b1, the new key's first choice,
+/// takes a 7th conversation, not an 8th (with an epsilon of 0.2 or less it would take no 7th;
+/// above 0.4, an 8th).
+#[test]
+fn the_default_conversation_bound_is_a_quarter_over_a_backends_share() {
+    assert_eq!(NodeThenBackend::DEFAULT_CONVERSATION_BOUND, 0.25);
+    let homing = |b1: u64| {
+        let others = 19 - b1;
+        let mut fleet = two_by_two_with(4);
+        for c in 0..19 {
+            let b = match c {
+                c if c < b1 => "b1",
+                c if c < b1 + others / 3 => "a1",
+                c if c < b1 + 2 * (others / 3) => "a2",
+                _ => "b2",
+            };
+            fleet = fleet.holds(b, &chain(&[30_000 + c]));
+        }
+        assert_eq!(conversations(&fleet, "b1"), b1 as u32);
+        fleet.prompt(chain(&[40_000]))
+    };
+    for (b1, takes) in [(6, true), (7, false)] {
+        let fleet = homing(b1);
+        let k = key_drawn_to(&fleet, "b1");
+        let first = fleet
+            .choose(&NodeThenBackend::new(), Some(k), None)
+            .unwrap();
+        assert_eq!(first.as_str() == "b1", takes, "b1 homing {b1}: {first}");
+        let stated = NodeThenBackend::new().conversation_bound(0.25);
+        assert_eq!(fleet.choose(&stated, Some(k), None), Some(first));
+    }
+}
+
 #[test]
 fn a_request_without_a_chain_takes_its_rendezvous_order_unbounded() {
     let fleet = b1_at_its_bound();
