@@ -906,6 +906,15 @@ fn a_long_message_is_cut_into_blocks_too() {
     assert!(c.len() >= 6, "{c:?}");
     // Sizes grow link by link.
     assert!(c.links().windows(2).all(|w| w[0].bytes < w[1].bytes));
+    // A tool output that differs only past its first blocks (a longer run of the same
+    // command, say) still matches up to the last whole block the two have in common: the
+    // system prompt and the five whole blocks of the shorter message.
+    let longer = format!("{tool}{}", "w".repeat(block));
+    let other = chain_of(&format!(
+        r#"{{"messages":[{{"role":"system","content":"s"}},{{"role":"tool","content":"{longer}"}}]}}"#
+    ));
+    // All but the first chain's last link, which ends inside a block.
+    assert_eq!(other.common_prefix(&c), c.len() - 1, "{c:?}");
 }
 
 #[test]
