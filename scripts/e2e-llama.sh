@@ -411,7 +411,7 @@ start_llama_servers
 start_proxy node-then-backend
 AFF_RC=0
 # Every second turn streamed: the proxy reads the usage of both kinds of answer.
-run_driver node-then-backend --assert-min-hit 1.0 --stream-every 2 || AFF_RC=$?
+run_driver node-then-backend --assert-min-hit 1.0 --stream-every 2 --count-tokens || AFF_RC=$?
 # The proxy's own account of the reuse, against the sums of llama-server's per-request
 # figures the driver saw: within 1%.
 METRICS_RC=0

@@ -41,9 +41,14 @@ resend without the header is a miss), and that backend reused at least the
 threshold of its prompt. With ``--assert-min-hit F`` the exit code is 1 unless the share of
 hits among later turns, and among resends, is >= F (``--assert-min-hit 1.0``:
 every later turn and every resend must hit).
+With ``--count-tokens``, before each later turn the session counts its conversation's
+tokens as Claude Code does (Anthropic's ``/v1/messages/count_tokens`` under the
+session's header); the exit code is 1 unless every count is answered with its
+``input_tokens`` and placed apart from the session (``x-affinity-outcome: keyless``).
 Any request error exits 2.
 
-Only the official ``openai`` client is used (``pip install openai``).
+Only the official ``openai`` client is used (``pip install openai``), and the
+standard library for the token counts.
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ import random
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import asdict, dataclass, field
 
 try:
@@ -210,6 +217,58 @@ def side(client, args, session: int, turn: int) -> Side:
     )
 
 
+@dataclass
+class Count:
+    """A token count sent before a later turn with --count-tokens."""
+
+    session: int
+    turn: int
+    status: int
+    input_tokens: int | None
+    backend: str
+    outcome: str
+
+    @property
+    def ok(self) -> bool:
+        """Answered, with a count, and placed apart from the session (keyless)."""
+        return self.status == 200 and (self.input_tokens or 0) > 0 and self.outcome == "keyless"
+
+
+# The --count-tokens requests, from every session's thread.
+token_counts: list[Count] = []
+
+
+def count_tokens(args, sid: str | None, session: int, turn: int, messages) -> Count:
+    """Counts the conversation's tokens as Claude Code does (Anthropic's
+    /v1/messages/count_tokens, under the session's header): llama-server answers it without
+    reading the prompt into a slot, and the proxy places it apart from the session."""
+    system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
+    body = {"model": args.model, "system": system, "messages": [m for m in messages if m["role"] != "system"]}
+    headers = {"content-type": "application/json", "authorization": f"Bearer {args.api_key}"}
+    if sid is not None:
+        headers[SESSION_HEADER] = sid
+    url = args.base_url.rstrip("/") + "/messages/count_tokens"
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
+    status, data, got = 0, {}, {}
+    try:
+        with urllib.request.urlopen(req, timeout=args.timeout) as res:
+            status, got = res.status, res.headers
+            data = json.loads(res.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        status, got = e.code, e.headers
+    except (urllib.error.URLError, OSError, ValueError):
+        pass
+    n = data.get("input_tokens") if isinstance(data, dict) else None
+    return Count(
+        session=session,
+        turn=turn,
+        status=status,
+        input_tokens=n if isinstance(n, int) else None,
+        backend=got.get(BACKEND_HEADER, "-") if got else "-",
+        outcome=got.get(OUTCOME_HEADER, "-") if got else "-",
+    )
+
+
 def _cached_tokens(completion, raw_json: dict) -> tuple[int | None, str]:
     usage = getattr(completion, "usage", None)
     details = getattr(usage, "prompt_tokens_details", None) if usage is not None else None
@@ -282,6 +341,8 @@ def run_session(args, session: int, log) -> tuple[list[TurnRecord], list[Resend]
     for turn in range(1, args.turns + 1):
         if turn > 1:
             messages.append({"role": "user", "content": tool_output(args.run_id, session, turn)})
+            if args.count_tokens:
+                token_counts.append(count_tokens(args, None if args.keyless else sid, session, turn, messages))
         t0 = time.monotonic()
         stream = args.stream_every > 0 and turn % args.stream_every == 0
         if stream:
@@ -436,6 +497,12 @@ def main() -> int:
         default=None,
         help="the backend id (x-affinity-backend) that must answer every --side-model request, and no turn",
     )
+    ap.add_argument(
+        "--count-tokens",
+        action="store_true",
+        help="before each later turn, count the conversation's tokens under the session "
+        "(/v1/messages/count_tokens); exit 1 unless each is answered and placed keyless",
+    )
     ap.add_argument("--run-id", default=None, help="salt for session ids and tool output (default: random)")
     ap.add_argument("--label", default="", help="printed in the summary line")
     ap.add_argument("--json-out", default=None, help="write all per-turn records to this file")
@@ -540,6 +607,11 @@ def main() -> int:
         f"{(total_cached / total_prompt if total_prompt else 0):.0%}; "
         + (f"resends where sent and reused: {resend_hits}/{len(resends)}; " if resends else "")
         + (f"title requests: {len(side_requests)}; " if side_requests else "")
+        + (
+            f"token counts answered and placed keyless: {sum(c.ok for c in token_counts)}/{len(token_counts)}; "
+            if args.count_tokens
+            else ""
+        )
         + f"wall {wall:.1f} s"
     )
     if args.json_out:
@@ -550,7 +622,8 @@ def main() -> int:
                  "served": served, "outcomes": outcomes,
                  "records": [asdict(r) for r in records],
                  "resends": [asdict(r) for r in resends],
-                 "sides": [asdict(t) for t in side_requests], "errors": errors},
+                 "sides": [asdict(t) for t in side_requests],
+                 "counts": [asdict(c) for c in token_counts], "errors": errors},
                 f,
                 indent=2,
             )
@@ -566,6 +639,21 @@ def main() -> int:
             print(f"STREAM: {e}", file=sys.stderr)
         print(f"ASSERTION FAILED: {len(stream_errors)} streams not as the client asked", file=sys.stderr)
         return 1
+    if args.count_tokens:
+        wrong = [c for c in token_counts if not c.ok]
+        for c in wrong:
+            print(
+                f"COUNT: session {c.session} turn {c.turn}: status {c.status}, input_tokens "
+                f"{c.input_tokens}, backend {c.backend}, outcome {c.outcome}",
+                file=sys.stderr,
+            )
+        if wrong or len(token_counts) != args.sessions * (args.turns - 1):
+            print(
+                f"ASSERTION FAILED: {len(wrong)} of {len(token_counts)} token counts not answered "
+                f"or not placed keyless",
+                file=sys.stderr,
+            )
+            return 1
     if args.side_backend:
         astray = [t for t in side_requests if t.backend != args.side_backend]
         crossed = [r for r in records if r.backend == args.side_backend]
