@@ -784,6 +784,38 @@ fn a_new_keyless_conversation_weighs_each_backends_load_by_its_slots() {
 }
 
 #[test]
+fn between_backends_homing_as_many_conversations_a_new_keyless_conversation_takes_the_one_holding_fewer_tokens_for_its_slots(
+) {
+    // Idle, and homing as many conversations for their slots, this one counted (3 for 3, 2
+    // for 2): big holds 500 tokens for its 3 slots, small 100 for its 2. The tokens decide,
+    // though big has more free slots.
+    let p = NodeThenBackend::new();
+    let fleet = || {
+        Snapshot::new()
+            .backend("big", "n", 3)
+            .backend("small", "n", 2)
+            .holds("big", &chain(&[840, 841, 842, 843]))
+            .holds("big", &chain(&[844]))
+            .holds("small", &chain(&[850]))
+    };
+    assert_eq!(
+        (
+            conversations(&fleet(), "big"),
+            conversations(&fleet(), "small")
+        ),
+        (2, 1)
+    );
+    for i in 0..20 {
+        let fleet = fleet().prompt(chain(&[SYS, 4_100 + i]));
+        assert_eq!(
+            fleet.choose(&p, None, None),
+            Some("small".into()),
+            "prompt {i}"
+        );
+    }
+}
+
+#[test]
 fn between_equally_loaded_backends_a_new_keyless_conversation_takes_the_one_with_more_free_slots() {
     // Idle and homing nothing, x (3 slots) and y (4) weigh the same by conversations for
     // their slots as the policy scales them to whole numbers (the fleet's 8 slots over 3, and
