@@ -769,6 +769,29 @@ mod tests {
     }
 
     #[test]
+    fn a_new_keyless_conversation_passes_over_the_least_loaded_backend_if_its_slots_are_promised() {
+        // x is idle and homes nothing, but both its slots are promised to waiters woken for
+        // them: it has no free slot. Of the backends with one, y is the least loaded (nothing
+        // in flight), though w has more free slots. The new conversation goes to y, not to the
+        // freest backend as it would had x been offered first and found full.
+        let mut t = Topology::default();
+        for (id, slots) in [("x", 2), ("y", 2), ("w", 8)] {
+            let slots = NonZeroU32::new(slots).unwrap();
+            t.insert(id.into(), &"n".into(), slots, None, 100_000);
+        }
+        t.member(0).load.reserved.store(2, Ordering::Relaxed);
+        let held = crate::PromptChain::from_blocks([(7, 100)]);
+        t.member(1).cache.record_from(held.links(), 0);
+        assert!(t.member(2).load.try_acquire());
+        let prompt = crate::PromptChain::from_blocks([(1, 2_000), (2, 100)]);
+        let extensions = http::Extensions::new();
+        let req = PlacementRequest::new(None, None, &extensions).chain(Some(&prompt));
+        let mut c = Candidates::probe(&t, 1);
+        crate::placement::NodeThenBackend::new().place(&FleetView { topology: &t }, &req, &mut c);
+        assert_eq!(c.chosen(), Some(1));
+    }
+
+    #[test]
     fn a_prompt_refused_at_exactly_its_context_passes_over_backends_of_that_limit() {
         // b0 refused the prompt, counting it 1,000 tokens against a context of 1,000: a
         // prompt as long as the context does not fit. b1, of the same limit, would refuse it
