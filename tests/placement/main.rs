@@ -855,6 +855,25 @@ fn a_new_keyless_conversation_is_placed_by_its_prompt_between_equal_backends() {
 }
 
 #[test]
+fn a_new_keyless_conversations_backend_between_equals_is_the_same_in_every_version() {
+    // Routers of different versions side by side (a rolling upgrade) must agree on where a new
+    // keyless conversation goes when the backends are alike, as they agree on a new session's
+    // order: the prompt breaks the tie the same way in each. These were computed once; a
+    // change to the tie's digest, its mixing or the way it is ranked fails here.
+    let p = NodeThenBackend::new();
+    let firsts: Vec<String> = (0..12)
+        .map(|i| {
+            let fleet = two_by_two_of_two().prompt(chain(&[SYS, 1_000 + i]));
+            fleet.choose(&p, None, None).unwrap().to_string()
+        })
+        .collect();
+    let pinned = [
+        "b1", "a1", "b2", "b2", "a2", "b2", "a1", "b1", "a2", "a2", "b2", "b1",
+    ];
+    assert_eq!(firsts, pinned);
+}
+
+#[test]
 fn a_new_keyless_conversation_goes_where_another_router_discovering_backends_otherwise_sends_it() {
     // The same four idle backends, discovered in opposite orders by two routers: each prompt
     // goes to the same backend on both, and different prompts still spread.
