@@ -225,6 +225,18 @@ fn a_removed_home_sends_the_session_to_its_node_first() {
 }
 
 #[test]
+fn a_removed_home_is_no_cold_home_and_its_node_still_comes_first() {
+    // What the model said of the home went with it: the session's node is where it was
+    // served last, and comes first, whatever the home held before it was removed.
+    let p = NodeThenBackend::new();
+    let fleet = two_by_two().home_cache(HomeCache::Evicted).remove("a1");
+    for i in 0..16 {
+        let k = key(&format!("s{i}"));
+        assert_eq!(fleet.order(&p, k, Some("a1"))[0].as_str(), "a2", "key {i}");
+    }
+}
+
+#[test]
 fn a_backend_marked_down_is_passed_over() {
     let fleet = two_by_two().down("a1");
     let p = NodeThenBackend::new();
