@@ -3635,6 +3635,29 @@ async fn a_home_that_evicted_a_later_conversation_but_kept_a_one_block_turn_is_a
     assert_eq!(cached_tokens(&svc), 102_000);
 }
 
+/// A turn with a prompt chain after one without is no compaction: nothing was known of the
+/// last turn's prompt, so nothing says this one rewrote it. It goes home, a home hit.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_turn_with_a_prompt_chain_after_one_without_is_a_home_hit_not_a_compaction() {
+    let mut svc = chained_stack(TWO_BY_TWO);
+    let res = ServiceExt::<http::Request<String>>::ready(&mut svc)
+        .await
+        .unwrap()
+        .call(request(Some("s"), None))
+        .await
+        .unwrap();
+    let first = res.extensions().get::<Decision>().cloned().unwrap();
+    drop(res);
+    assert_eq!(first.outcome, Outcome::NewSession);
+    let chain = tower_affinity::PromptChain::from_blocks([(1, 2_000), (2, 100)]);
+    let res = call_chained(&mut svc, "s", &chain).await.await.unwrap();
+    let second = res.extensions().get::<Decision>().unwrap();
+    assert_eq!(
+        (second.outcome, &second.backend),
+        (Outcome::HomeHit, &first.backend)
+    );
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_new_keyless_conversation_sharing_only_the_system_prompt_is_not_a_prefix_hit() {
     let mut svc = chat_stack(TWO_BY_TWO, Backend::<()>::DEFAULT_CACHE_TOKENS);
