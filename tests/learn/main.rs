@@ -1193,6 +1193,41 @@ async fn a_request_that_found_the_fleet_full_is_weighed_when_a_slot_elsewhere_fr
     assert_idle(&svc);
 }
 
+/// A turn of another conversation under the key (a sub-agent's: it does not extend the key's
+/// last turn, but extends a prompt of its own held elsewhere) has its cache where its own
+/// prefix is, not at the key's home: it is weighed against waiting for that backend, as a
+/// home hit is against waiting for its home.
+#[tokio::test(start_paused = true)]
+async fn a_turn_of_another_conversation_under_the_key_waits_for_the_full_backend_holding_its_own_prefix(
+) {
+    let svc = service(&[("a", "n1"), ("b", "n2")]);
+    // Requests take 10 s; moving costs reading 10,000 tokens at 200 tokens/s: 50 s.
+    teach(&svc, Duration::from_secs(10)).await;
+    // The key's last turn is on its home, busy for 2 s.
+    let (home, streaming) = busy_home(&svc, Duration::from_secs(2)).await;
+    let other = if home == "a" { "b" } else { "a" };
+    // The sub-agent's conversation, 10,000 tokens, is on the other backend, busy for 5 s.
+    let sub = || (300..310).collect::<Vec<u64>>();
+    let opening = Reply::llama_stream(10_000, 0, 5000, Duration::ZERO, Duration::from_secs(5));
+    let busy = keep_busy(
+        &svc,
+        request(None, Some(chain(&sub(), 1000)), opening),
+        other,
+    )
+    .await;
+    // Its next turn, under the key: the fleet is full; the home frees first, but the other
+    // backend, 3 s later, costs less than reading the sub-agent's prompt again there.
+    let turn = chain(&[sub(), vec![310, 311]].concat(), 1000);
+    let (d, _, _) = exchange(&svc, request(Some("s"), Some(turn), reused(12_000, 10_000))).await;
+    assert_eq!(
+        (d.backend.as_str(), d.outcome, d.waited),
+        (other, Outcome::PrefixHit, Some(Duration::from_secs(5)))
+    );
+    busy.await.unwrap();
+    streaming.await.unwrap();
+    assert_idle(&svc);
+}
+
 /// As above, but the home stays busy: the turn holds out for it from the other slot's
 /// freeing for as long as moving costs more than staying, then takes that slot. A request
 /// holds out once: the look at the hold's end is not weighed again, though the home still
