@@ -43,6 +43,9 @@ pub(super) fn ask(body: &[u8]) -> Option<Bytes> {
     Some(out.freeze())
 }
 
+/// The most bytes [`UsageStrip`] holds back; past it, it takes nothing out.
+const HOLD_LIMIT: usize = 1 << 20;
+
 /// Takes the usage chunk the client did not ask for out of an SSE stream, as its bytes pass.
 ///
 /// Events are passed on as soon as they are whole, but for a chunk that finishes a choice (a
@@ -51,7 +54,9 @@ pub(super) fn ask(body: &[u8]) -> Option<Bytes> {
 /// asked for (llama.cpp moves its `timings` onto the last chunk it sends). When the usage chunk
 /// comes (`"choices": []` and a `usage` object), it is dropped, and its members other than
 /// `choices` and `usage` that the held chunk lacks are put at the end of that chunk. After the
-/// one usage chunk, the rest of the stream passes as it comes.
+/// one usage chunk, the rest of the stream passes as it comes. It holds back at most
+/// [`HOLD_LIMIT`] bytes: from a stream that would make it hold more (an event that does not
+/// end with a blank line of LF or CRLF), it takes nothing out, and all passes as it comes.
 #[derive(Debug, Default)]
 pub(super) struct UsageStrip {
     /// Whole events held back: the chunks that finish a choice.
@@ -87,6 +92,12 @@ impl UsageStrip {
             from = end;
         }
         self.partial.drain(..start);
+        // More held back than any usage chunk's wait needs (an event that does not end, as
+        // in a stream whose lines end with a lone CR, or a run of finishing chunks): nothing
+        // is taken out, and all passes as it comes, in fixed memory.
+        if self.held.len() + self.partial.len() > HOLD_LIMIT {
+            self.stripped = true;
+        }
         if self.stripped {
             out.append(&mut self.held);
             out.append(&mut self.partial);
@@ -334,6 +345,22 @@ mod tests {
             let out = strip_in_pieces(asked.as_bytes(), piece);
             assert_eq!(String::from_utf8_lossy(&out), unasked, "pieces of {piece}");
         }
+    }
+
+    #[test]
+    fn a_stream_whose_events_never_end_passes_once_a_mebibyte_is_held() {
+        // Lines that end with a lone CR: no event ends, as far as the strip can tell.
+        let event = format!("data: {}\r\r", r#"{"choices":[{"delta":{"content":"x"}}]}"#);
+        let mut strip = UsageStrip::default();
+        let (mut fed, mut out) = (0, 0);
+        for _ in 0..(2 * HOLD_LIMIT / event.len()) {
+            fed += event.len();
+            out += strip.feed(Bytes::from(event.clone())).len();
+            assert!(strip.held.len() + strip.partial.len() <= HOLD_LIMIT + event.len());
+        }
+        out += strip.finish().len();
+        assert_eq!(out, fed, "every byte passes, once");
+        assert!(strip.stripped && strip.is_empty());
     }
 
     #[test]

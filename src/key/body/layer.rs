@@ -244,7 +244,9 @@ impl BodyKeyLayer {
     ///   backend that moves them onto its last chunk had them without usage asked for
     ///   (llama.cpp's `timings`). The chunk finishing a choice is held back until the next
     ///   event for this; every other event passes on as soon as it is whole. The answer's
-    ///   `Content-Length`, if it had one, is removed.
+    ///   `Content-Length`, if it had one, is removed. At most 1 MiB is held back: past it (an
+    ///   event that never ends with a blank line of LF or CRLF, as in a stream whose lines
+    ///   end with a lone CR), nothing is taken out, and the rest passes as it comes.
     ///
     /// So a client gets the very bytes it would have had without the router from a backend
     /// whose stream with usage is its stream without it plus that chunk, with members moved as
