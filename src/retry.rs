@@ -40,7 +40,10 @@ use crate::{BackendId, BoxError, Decision, Error, ResponseBody};
 /// away, a body limit), or it is not one a proxy forwards (a `CONNECT`, a transfer coding
 /// other than `chunked`). The backend is not at fault, and the same request would fail again.
 ///
-/// The request body must be `Clone`: buffer it first (a `Full<Bytes>` body is).
+/// The request body must be `Clone`: buffer it first (a `Full<Bytes>` body is). The retry is
+/// a request of its own to the balancer: under [`Overflow::Wait`](crate::Overflow::Wait) it may
+/// wait for a slot as the first attempt may, so a request retried can wait up to twice
+/// `max_wait` in all.
 ///
 /// ```
 /// use tower::retry::RetryLayer;
