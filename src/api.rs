@@ -63,9 +63,10 @@ impl Api {
 }
 
 /// The ends of the paths that count or convert a prompt's tokens without reading it into a
-/// cache: Anthropic's `/v1/messages/count_tokens` (llama-server serves it too), OpenAI's
-/// `/v1/responses/input_tokens`, and llama-server's, vLLM's and SGLang's `/tokenize`,
-/// `/detokenize` and llama-server's `/apply-template`.
+/// cache: Anthropic's `/v1/messages/count_tokens` and OpenAI's `/v1/responses/input_tokens`
+/// (llama-server serves both, and `/v1/chat/completions/input_tokens`, tokenizing without a
+/// slot), llama-server's, vLLM's and SGLang's `/tokenize` and `/detokenize`, and
+/// llama-server's `/apply-template`.
 const ASIDE: [&str; 5] = [
     "/count_tokens",
     "/input_tokens",
@@ -288,6 +289,7 @@ mod tests {
             "/v1/messages/count_tokens/",
             "/anthropic/v1/messages/count_tokens",
             "/v1/responses/input_tokens",
+            "/v1/chat/completions/input_tokens",
             "/tokenize",
             "/detokenize",
             "/apply-template",
