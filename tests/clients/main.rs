@@ -135,6 +135,32 @@ impl Proxy {
     }
 }
 
+impl Proxy {
+    /// Sends a request its session's key is not asked of (a token count): its decision, and
+    /// the keys the extractor found meanwhile (none).
+    async fn send_aside(
+        &self,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: serde_json::Value,
+    ) -> (Decision, Vec<Option<SessionKey>>) {
+        let mut req = http::Request::post(path).header("content-type", "application/json");
+        for (name, value) in headers {
+            req = req.header(*name, *value);
+        }
+        let body = Full::new(Bytes::from(serde_json::to_vec(&body).unwrap()));
+        self.last_key.lock().clear();
+        let res = self
+            .svc
+            .clone()
+            .oneshot(req.body(body).unwrap())
+            .await
+            .unwrap();
+        let keys = std::mem::take(&mut *self.last_key.lock());
+        (res.extensions().get::<Decision>().unwrap().clone(), keys)
+    }
+}
+
 fn key(raw: &str) -> Option<SessionKey> {
     Some(SessionKey::from_bytes(raw.as_bytes()))
 }
@@ -206,6 +232,37 @@ async fn claude_code_is_keyed_by_its_session_header() {
 
     let second = proxy
         .send(path, &headers, claude_body(CLAUDE_SESSION, "now run it"))
+        .await;
+    assert_second_turn_is_home(&first, &second);
+}
+
+/// Claude Code counts a conversation's tokens (at its start, for `/context`) under the
+/// session's header: the count is placed apart from the session, which stays where it was.
+#[tokio::test(flavor = "current_thread")]
+async fn claude_codes_token_counts_are_placed_apart_from_its_session() {
+    let proxy = Proxy::new();
+    let headers = claude_headers(Some(CLAUDE_SESSION));
+    let first = proxy
+        .send(
+            "/v1/messages?beta=true",
+            &headers,
+            claude_body(CLAUDE_SESSION, "fix the test"),
+        )
+        .await;
+    let mut count = claude_body(CLAUDE_SESSION, "fix the test");
+    count.as_object_mut().unwrap().remove("max_tokens");
+    count.as_object_mut().unwrap().remove("stream");
+    let (counted, keys) = proxy
+        .send_aside("/v1/messages/count_tokens?beta=true", &headers, count)
+        .await;
+    assert_eq!(counted.outcome, Outcome::Keyless);
+    assert!(keys.is_empty(), "its key was not asked for: {keys:?}");
+    let second = proxy
+        .send(
+            "/v1/messages?beta=true",
+            &headers,
+            claude_body(CLAUDE_SESSION, "now run it"),
+        )
         .await;
     assert_second_turn_is_home(&first, &second);
 }
