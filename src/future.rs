@@ -317,14 +317,19 @@ where
 
     /// A request that reads no prompt into a cache (a token count: see
     /// [`reads_no_prompt`](crate::api::reads_no_prompt)): placed as a keyless request without
-    /// a chain, on a free slot or else the first candidate (it takes no slot of the backend's
-    /// own), its answer not watched. Its session's home, the cache models and the shared
-    /// store are left as they were.
+    /// a chain, on a free slot or else beyond the first candidate's slots, its answer not
+    /// watched. Its session's home, the cache models and the shared store are left as they
+    /// were. The policy still sees its other extensions (a tenant a layer in front named):
+    /// only its prompt facts are kept from placement, and put back for the backend.
     #[cold]
     #[inline(never)]
-    pub(crate) fn aside(shared: &SharedOf<S, P>, req: http::Request<ReqB>) -> Self {
-        let none = http::Extensions::new();
-        let state = match shared.place(None, &none, true, &Look::first(Scope::Any)) {
+    pub(crate) fn aside(shared: &SharedOf<S, P>, mut req: http::Request<ReqB>) -> Self {
+        let facts = req.extensions_mut().remove::<PromptFacts>();
+        let placed = shared.place(None, req.extensions(), true, &Look::first(Scope::Any));
+        if let Some(facts) = facts {
+            req.extensions_mut().insert(facts);
+        }
+        let state = match placed {
             Placed::Dispatch {
                 service,
                 guard,

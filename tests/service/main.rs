@@ -4388,6 +4388,36 @@ async fn a_policy_places_by_what_discovery_attached_to_each_backend() {
     assert!(matches!(err, Error::NoBackends), "{err}");
 }
 
+/// A token count is placed apart from its session, but by the same policy, which sees what
+/// the request carries: a tenant's count goes to one of its own backends, as its turns do.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_token_count_is_placed_by_what_its_request_carries() {
+    let streams = Streams::default();
+    let (handle, stream) = discover::channel::<MockService>();
+    for (id, tenant) in [("a1", "acme"), ("g1", "globex")] {
+        let b = Backend::new("n", backend(id, &streams))
+            .slots(nz(4))
+            .extension(Tenant(tenant));
+        handle.insert(id, b);
+    }
+    let mut svc = SessionAffinityLayer::new()
+        .placement(OwnTenant)
+        .overflow(Overflow::Reject)
+        .layer(stream);
+    for (tenant, own) in [("acme", "a1"), ("globex", "g1")] {
+        for path in ["/v1/messages/count_tokens", "/tokenize"] {
+            let mut req = http::Request::post(path)
+                .header("x-session-id", tenant)
+                .body(String::new())
+                .unwrap();
+            req.extensions_mut().insert(Tenant(tenant));
+            let res = send_req(&mut svc, req).await.expect(path);
+            let d = decision(&res);
+            assert_eq!((d.backend.as_str(), d.outcome), (own, Outcome::Keyless));
+        }
+    }
+}
+
 /// A compaction that no backend holds a prefix of waits for its home as any turn of its
 /// session does: a slot freed there goes to it before an older request waiting only for that
 /// node.
