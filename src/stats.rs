@@ -151,7 +151,9 @@ pub struct Decision {
     pub outcome: Outcome,
     /// How long the request waited for a slot, if it waited.
     pub waited: Option<Duration>,
-    /// Whether it was sent beyond the backend's slots ([`Overflow::Overcommit`]).
+    /// Whether it was sent beyond the backend's slots: under [`Overflow::Overcommit`], or, under
+    /// any overflow, a token count that found every slot taken (it never waits: see
+    /// [`Outcome::Keyless`]).
     ///
     /// [`Overflow::Overcommit`]: crate::Overflow::Overcommit
     pub overcommitted: bool,
