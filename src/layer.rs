@@ -164,7 +164,8 @@ impl<K, P> SessionAffinityLayer<K, P> {
     ///
     /// A move between nodes costs the whole prompt again (minutes for a long agent context on a
     /// modest GPU); a turn on the home node often frees a slot within seconds. Applies only under
-    /// [`Overflow::Wait`], within its `max_wait`; the wait counts as waiting. A home node with
+    /// [`Overflow::Wait`], within its `max_wait` (not at all with a `max_wait` of zero or a
+    /// `max_queued` of 0, which let no request wait); the wait counts as waiting. A home node with
     /// no healthy backend is not waited for, and a request that finds no room in the queue
     /// (`max_queued` requests waiting already) takes a slot on another node at once.
     pub fn node_patience(mut self, patience: Duration) -> Self {
@@ -215,8 +216,9 @@ impl<K, P> SessionAffinityLayer<K, P> {
     }
 
     /// Whether a request whose cache is on a full backend may wait for it rather than move
-    /// (default: yes, under [`Overflow::Wait`] and without
-    /// [`node_patience`](Self::node_patience)). A request's cache is its home, while the
+    /// (default: yes, under an [`Overflow::Wait`] that lets requests wait, a `max_wait` above
+    /// zero and a `max_queued` above 0, and without [`node_patience`](Self::node_patience)).
+    /// A request's cache is its home, while the
     /// cache model says the home holds the session; else the backend holding its own prefix
     /// (see [`FleetView::longest_prefix`](crate::placement::FleetView::longest_prefix)); and
     /// for a request without a key, the one backend holding the most of its prompt, whether

@@ -211,6 +211,13 @@ where
         let labels = crate::metrics::Labels::default();
         let fleet = Fleet::new(config.replicas.get(), labels);
         let capacity = fleet.topology.capacity.clone();
+        // A wait of no time, or with no room for anyone, is none: as under `Reject`, a
+        // request is never held out for one place (its home's node, the full backend holding
+        // its prefix), which it could not wait for, and is placed in one look.
+        let waits = matches!(
+            config.overflow,
+            Overflow::Wait { max_wait, max_queued } if !max_wait.is_zero() && max_queued > 0
+        );
         // Woken once already: the first readiness drains.
         let signal = Arc::new(Signal {
             woken: AtomicU64::new(1),
@@ -239,11 +246,11 @@ where
                     failure_cooldown: config.failure_cooldown,
                     ready_timeout: config.ready_timeout,
                 },
-                node_patience: match config.overflow {
-                    Overflow::Wait { .. } => config.node_patience,
-                    _ => Duration::ZERO,
+                node_patience: match waits {
+                    true => config.node_patience,
+                    false => Duration::ZERO,
                 },
-                wait_versus_move: matches!(config.overflow, Overflow::Wait { .. })
+                wait_versus_move: waits
                     && config.node_patience.is_zero()
                     && config.wait_versus_move,
                 observe: config.observe_usage,

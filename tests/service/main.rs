@@ -4262,6 +4262,56 @@ fn a_wait_of_no_time_needs_no_time_driver() {
     });
 }
 
+/// `NodeThenBackend`, counting the looks it is asked for.
+#[derive(Clone)]
+struct CountsLooks(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+impl Placement for CountsLooks {
+    fn place(
+        &self,
+        fleet: &tower_affinity::placement::FleetView<'_>,
+        req: &tower_affinity::placement::PlacementRequest<'_>,
+        c: &mut tower_affinity::placement::Candidates<'_>,
+    ) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        tower_affinity::placement::NodeThenBackend::new().place(fleet, req, c)
+    }
+}
+
+/// A wait that lets no request wait (of no time, or with no room in the queue) places as
+/// `Reject` does: in one look, never held out for one place it could not wait for (its home's
+/// node; or the full backend holding its prefix, for which a look gives back the free slot it
+/// took, leaving it to any request arriving before the next look).
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_wait_that_lets_no_request_wait_places_in_one_look_as_reject_does() {
+    for overflow in [
+        Overflow::Reject,
+        Overflow::wait(Duration::ZERO, 8),
+        Overflow::wait(Duration::from_secs(60), 0),
+    ] {
+        let streams = Streams::default();
+        let looks = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut svc = SessionAffinityLayer::new()
+            .placement(CountsLooks(looks.clone()))
+            .overflow(overflow)
+            .node_patience(Duration::from_secs(300))
+            .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
+        // Session "s" homed, its home node full with its own stream.
+        let held = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+        let home = decision(&held).backend.clone();
+        looks.store(0, std::sync::atomic::Ordering::Relaxed);
+        let res = send(&mut svc, Some("s"), None).await.unwrap();
+        assert_ne!(decision(&res).backend, home, "{overflow:?}");
+        assert_eq!(
+            looks.load(std::sync::atomic::Ordering::Relaxed),
+            1,
+            "{overflow:?}"
+        );
+        drop((held, res));
+        while streams.take().is_some() {}
+    }
+}
+
 /// The backends up with the fewest requests in flight first: a policy that leaves out those
 /// marked down rather than offering them.
 #[derive(Clone, Copy)]
