@@ -1931,6 +1931,19 @@ async fn each_model_has_a_fleet_of_its_own_and_its_own_series() {
             "{served:?}"
         );
     }
+    // A token count goes to its model's fleet too, placed apart from the session (the stub
+    // echoes a path it does not serve, with a 201).
+    let count = json!({"model": "qwen3-4b", "messages": [{"role": "user", "content": "Count."}]});
+    let req = Request::post(proxy.url("/v1/messages/count_tokens"))
+        .header("content-type", "application/json")
+        .header("x-session-id", "agent-1")
+        .body(Full::new(Bytes::from(count.to_string())))
+        .unwrap();
+    let res = proxy.fetch(req).await;
+    assert_eq!(
+        (res.status, res.backend(), res.outcome()),
+        (StatusCode::CREATED, "small", "keyless")
+    );
     // Without a model, or not JSON: the fleet without a model.
     let res = proxy
         .post_json(
@@ -1945,7 +1958,7 @@ async fn each_model_has_a_fleet_of_its_own_and_its_own_series() {
     assert_eq!(models, [None, Some("qwen3-4b")]);
     // The proxy lists the models given; the fleet without one serves any other name.
     assert_eq!(listed_models(&proxy).await, ["qwen3-4b"]);
-    assert_eq!(fleets[1].affinity.stats().placed(), 3);
+    assert_eq!(fleets[1].affinity.stats().placed(), 4);
 
     let metrics = String::from_utf8(proxy.get("/metrics").await.body.to_vec()).unwrap();
     for line in [
