@@ -97,20 +97,7 @@ impl Proxy {
     }
 
     async fn send(&self, path: &str, headers: &[(&str, &str)], body: serde_json::Value) -> Placed {
-        let mut req = http::Request::post(path).header("content-type", "application/json");
-        for (name, value) in headers {
-            req = req.header(*name, *value);
-        }
-        let body = Full::new(Bytes::from(serde_json::to_vec(&body).unwrap()));
-        self.last_key.lock().clear();
-        let res = self
-            .svc
-            .clone()
-            .oneshot(req.body(body).unwrap())
-            .await
-            .unwrap();
-
-        let keys = std::mem::take(&mut *self.last_key.lock());
+        let (res, keys) = self.round_trip(path, headers, body).await;
         assert!(!keys.is_empty(), "the request was placed by a key or none");
         assert!(keys.iter().all(|k| *k == keys[0]), "{keys:?}");
         let decision = res
@@ -144,6 +131,18 @@ impl Proxy {
         headers: &[(&str, &str)],
         body: serde_json::Value,
     ) -> (Decision, Vec<Option<SessionKey>>) {
+        let (res, keys) = self.round_trip(path, headers, body).await;
+        (res.extensions().get::<Decision>().unwrap().clone(), keys)
+    }
+
+    /// Posts `body` to `path` with `headers`: the response, and the keys the extractor found
+    /// meanwhile.
+    async fn round_trip(
+        &self,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: serde_json::Value,
+    ) -> (http::Response<()>, Vec<Option<SessionKey>>) {
         let mut req = http::Request::post(path).header("content-type", "application/json");
         for (name, value) in headers {
             req = req.header(*name, *value);
@@ -157,7 +156,7 @@ impl Proxy {
             .await
             .unwrap();
         let keys = std::mem::take(&mut *self.last_key.lock());
-        (res.extensions().get::<Decision>().unwrap().clone(), keys)
+        (res, keys)
     }
 }
 
