@@ -123,10 +123,10 @@ impl Error {
 
     /// An HTTP response for this error: its [status](Self::status), `Retry-After` when
     /// saturated (and the backend's own, as it gave it, for a backend's `503` given back by
-    /// [`RetryOnce`](crate::RetryOnce)), and a short plain-text body. [`ErrorToResponse`]
-    /// applies it to every error of a service.
+    /// [`RetryOnce`](crate::RetryOnce)), and a JSON body with a short message
+    /// ([`Error::json_body`]). [`ErrorToResponse`] applies it to every error of a service.
     ///
-    /// The body of a [`Backend`](Error::Backend) error names the backend and says what its
+    /// The message of a [`Backend`](Error::Backend) error names the backend and says what its
     /// error says (`backend gpu-0 failed: connection refused: ...`; for a request whose own
     /// body failed on its way, `the request's own body failed on its way to backend gpu-0:`
     /// and the cause, as `client went away`); map the error yourself
@@ -148,7 +148,7 @@ impl Error {
     /// - `tower::load_shed`'s `Overloaded`: `503 Service Unavailable`;
     /// - anything else: `500 Internal Server Error`.
     ///
-    /// Each with a short plain-text body saying what `e` says. [`ErrorToResponse`] applies
+    /// Each with a JSON body ([`Error::json_body`]) whose message says what `e` says. [`ErrorToResponse`] applies
     /// it to every error of the service it wraps.
     ///
     /// [source]: std::error::Error::source
@@ -183,7 +183,41 @@ impl Error {
         } else {
             StatusCode::INTERNAL_SERVER_ERROR
         };
-        text_response(status, e.to_string())
+        json_response(status, &e.to_string())
+    }
+
+    /// The body of every error response this crate makes: the error object llama-server
+    /// answers its own errors with (OpenAI's shape), so that a client reads the router's
+    /// refusals as it reads the backend's.
+    ///
+    /// ```json
+    /// {"error":{"code":503,"message":"no backends available","type":"unavailable_error"}}
+    /// ```
+    ///
+    /// `code` is the status; `type` is `rate_limit_error` for 429, `not_supported_error` for
+    /// 501, `unavailable_error` for 503, `timeout_error` for 504, `invalid_request_error` for
+    /// any other 4xx and `server_error` for the rest. For a proxy's own refusals in the same
+    /// shape:
+    ///
+    /// ```
+    /// use http::StatusCode;
+    /// use tower_affinity::Error;
+    ///
+    /// let body = Error::json_body(StatusCode::UNAUTHORIZED, "no \"api key\"");
+    /// assert_eq!(
+    ///     &body[..],
+    ///     br#"{"error":{"code":401,"message":"no \"api key\"","type":"invalid_request_error"}}"#
+    /// );
+    /// ```
+    pub fn json_body(status: StatusCode, message: &str) -> Bytes {
+        let object = serde_json::json!({
+            "error": {
+                "code": status.as_u16(),
+                "message": message,
+                "type": error_type(status),
+            }
+        });
+        Bytes::from(object.to_string())
     }
 
     fn response<B>(&self) -> http::Response<ResponseBody<B>> {
@@ -199,7 +233,7 @@ impl Error {
             Error::Backend { backend, source } => (format!("{self}: {source}"), Some(backend)),
             _ => (self.to_string(), None),
         };
-        let mut res = text_response(self.status(), text);
+        let mut res = json_response(self.status(), &text);
         if let Some(backend) = failed {
             res.extensions_mut().insert(backend.clone());
         }
@@ -234,15 +268,28 @@ fn boxed_response<B>(e: BoxError) -> http::Response<ResponseBody<B>> {
     Error::response_for(&*e)
 }
 
-/// A response of `status` with `text` as its plain-text body.
-fn text_response<B>(status: StatusCode, text: String) -> http::Response<ResponseBody<B>> {
-    let mut res = http::Response::new(ResponseBody::full(Bytes::from(text)));
+/// A response of `status` with `message` in its JSON body ([`Error::json_body`]).
+fn json_response<B>(status: StatusCode, message: &str) -> http::Response<ResponseBody<B>> {
+    let mut res = http::Response::new(ResponseBody::full(Error::json_body(status, message)));
     *res.status_mut() = status;
     res.headers_mut().insert(
         header::CONTENT_TYPE,
-        HeaderValue::from_static("text/plain; charset=utf-8"),
+        HeaderValue::from_static("application/json"),
     );
     res
+}
+
+/// The `type` of an error object answered with `status`: llama-server's names where it has
+/// one for the status, else the nearest of OpenAI's and Anthropic's.
+fn error_type(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        429 => "rate_limit_error",
+        501 => "not_supported_error",
+        503 => "unavailable_error",
+        504 => "timeout_error",
+        400..=499 => "invalid_request_error",
+        _ => "server_error",
+    }
 }
 
 /// The status of a failure that is the request's own, not the backend's (an
@@ -621,6 +668,35 @@ mod tests {
         assert_eq!(second.call(()).await.unwrap().status(), 200);
     }
 
+    #[test]
+    fn an_error_body_is_llama_servers_error_object_with_the_type_of_its_status() {
+        for (status, kind) in [
+            (400, "invalid_request_error"),
+            (408, "invalid_request_error"),
+            (413, "invalid_request_error"),
+            (429, "rate_limit_error"),
+            (500, "server_error"),
+            (501, "not_supported_error"),
+            (502, "server_error"),
+            (503, "unavailable_error"),
+            (504, "timeout_error"),
+        ] {
+            let status = StatusCode::from_u16(status).unwrap();
+            // Quotes, a line break and a control character: escaped, the JSON still whole.
+            let body = Error::json_body(status, "a \"b\"\nc\u{1}");
+            let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(
+                body,
+                serde_json::json!({"error": {"code": status.as_u16(), "message": "a \"b\"\nc\u{1}", "type": kind}}),
+                "{status}"
+            );
+        }
+        let res = Error::saturated(Duration::from_secs(2))
+            .into_response::<http_body_util::Empty<Bytes>>();
+        assert_eq!(res.headers()[header::CONTENT_TYPE], "application/json");
+        assert_eq!(res.headers()[header::RETRY_AFTER], "2");
+    }
+
     #[tokio::test]
     async fn a_backend_failure_is_said_once_in_the_chain_and_whole_in_the_answer() {
         use http_body_util::BodyExt;
@@ -630,8 +706,13 @@ mod tests {
         assert_eq!(std::error::Error::source(&e).unwrap().to_string(), "broken");
         let res = e.into_response::<http_body_util::Full<Bytes>>();
         assert_eq!(res.extensions().get::<BackendId>().unwrap().as_str(), "b");
-        let body = res.into_body().collect().await;
-        assert_eq!(body.unwrap().to_bytes(), "backend b failed: broken");
+        assert_eq!(res.headers()[header::CONTENT_TYPE], "application/json");
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(
+            body,
+            serde_json::json!({"error": {"code": 502, "message": "backend b failed: broken", "type": "server_error"}})
+        );
     }
 
     #[test]

@@ -1345,7 +1345,8 @@ impl Future for ByModelFuture {
                 Some(model) => format!("no backends available for model {model:?}"),
                 None => "no backends available for the models not given a fleet".to_string(),
             };
-            *res.body_mut() = ResponseBody::full(Bytes::from(text));
+            *res.body_mut() =
+                ResponseBody::full(tower_affinity::Error::json_body(res.status(), &text));
         }
         Poll::Ready(Ok(res))
     }

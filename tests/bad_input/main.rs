@@ -83,6 +83,15 @@ struct Answer {
     body: Bytes,
 }
 
+/// The message of a refusal's JSON error body.
+fn message(body: &[u8]) -> String {
+    let body: serde_json::Value = serde_json::from_slice(body).expect("a JSON error body");
+    body["error"]["message"]
+        .as_str()
+        .expect("an error message")
+        .to_owned()
+}
+
 /// Sends `req` through `BodyKeyLayer` -> `ErrorToResponse` -> `svc` and reads the whole answer.
 async fn through<S, B>(layer: &BodyKeyLayer, svc: S, req: Request<B>) -> Answer
 where
@@ -446,9 +455,7 @@ async fn an_oversize_body_is_413_and_takes_no_slot() {
         .unwrap();
     let a = through(&layer, svc.clone(), declared).await;
     assert_eq!(a.status, StatusCode::PAYLOAD_TOO_LARGE);
-    assert!(a
-        .body
-        .starts_with(b"request body is larger than the limit of 1000 bytes"));
+    assert!(message(&a.body).starts_with("request body is larger than the limit of 1000 bytes"));
     // Declared as huge as a u64 goes.
     let huge = Request::post("/")
         .header(header::CONTENT_LENGTH, u64::MAX.to_string())
@@ -506,9 +513,7 @@ async fn a_slow_body_is_408_at_the_read_deadline() {
         .unwrap();
     let a = through(&layer, svc.clone(), slow).await;
     assert_eq!(a.status, StatusCode::REQUEST_TIMEOUT);
-    assert!(a
-        .body
-        .starts_with(b"request body did not arrive within 30 s"));
+    assert!(message(&a.body).starts_with("request body did not arrive within 30 s"));
     assert_eq!(start.elapsed(), Duration::from_secs(30));
     // A stalled body: the same.
     let stalled = Request::post("/")
@@ -560,7 +565,7 @@ async fn a_body_that_fails_mid_read_is_400() {
         .unwrap();
     let a = through(&BodyKeyLayer::new(), svc.clone(), req).await;
     assert_eq!(a.status, StatusCode::BAD_REQUEST);
-    assert!(a.body.starts_with(b"failed to read the request body"));
+    assert!(message(&a.body).starts_with("failed to read the request body"));
     assert_eq!((calls.get(), svc.stats().in_flight), (0, 0));
 }
 
@@ -568,7 +573,7 @@ async fn a_body_that_fails_mid_read_is_400() {
 
 type Changes = Vec<Result<Change<BackendId, Backend<Echo>>, &'static str>>;
 
-/// An empty fleet is 503 with a plain-text reason, whatever made it empty: no backend yet,
+/// An empty fleet is 503 with its reason in a JSON error body, whatever made it empty: no backend yet,
 /// every backend removed, or every backend marked down.
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn an_empty_or_all_down_fleet_is_503() {
@@ -580,7 +585,10 @@ async fn an_empty_or_all_down_fleet_is_503() {
         .layer(stream);
     let a = through(&layer, svc.clone(), post(r#"{"user":"u"}"#)).await;
     assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(&a.body[..], b"no backends available");
+    assert_eq!(
+        &a.body[..],
+        br#"{"error":{"code":503,"message":"no backends available","type":"unavailable_error"}}"#
+    );
 
     handle.insert("a1", Backend::new("node-a", echo(&calls)));
     let a = through(&layer, svc.clone(), post(r#"{"user":"u"}"#)).await;

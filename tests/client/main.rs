@@ -621,7 +621,9 @@ async fn a_request_body_that_fails_on_its_way_is_400_and_no_fault_of_the_backend
             .await
             .unwrap()
             .to_bytes();
-        let text = String::from_utf8_lossy(&text);
+        let body: serde_json::Value = serde_json::from_slice(&text).unwrap();
+        assert_eq!(body["error"]["code"], 400, "http2 {http2}");
+        let text = body["error"]["message"].as_str().unwrap_or_default();
         assert!(
             text.starts_with("the request's own body failed on its way to backend a: ")
                 && !text.contains("backend a failed"),

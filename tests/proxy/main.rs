@@ -2038,8 +2038,10 @@ async fn the_only_backend_failing_is_502_not_no_backends() {
     let res = proxy.post_json(&[], &body).await;
     let text = String::from_utf8_lossy(&res.body);
     assert_eq!(res.status, StatusCode::BAD_GATEWAY, "{text}");
+    let body: serde_json::Value = serde_json::from_slice(&res.body).unwrap();
+    let message = body["error"]["message"].as_str().unwrap_or_default();
     assert!(
-        text.starts_with("backend only failed: connection refused"),
+        message.starts_with("backend only failed: connection refused"),
         "{text}"
     );
     assert_eq!(proxy.status("only").failures, 1);
@@ -2112,7 +2114,9 @@ async fn a_fleet_with_no_backend_up_says_which_model_it_serves() {
         let body = json!({"model": model, "messages": [{"role": "user", "content": "hi"}]});
         let res = proxy.post_json(&[], &body).await;
         assert_eq!(res.status, StatusCode::SERVICE_UNAVAILABLE, "{model}");
-        assert_eq!(String::from_utf8_lossy(&res.body), says);
+        let body: serde_json::Value = serde_json::from_slice(&res.body).unwrap();
+        assert_eq!(body["error"]["message"], says, "{model}");
+        assert_eq!(body["error"]["type"], "unavailable_error", "{model}");
     }
     // Ready again (two probes): served.
     small.set_health(200);

@@ -3921,6 +3921,17 @@ async fn error_to_response_answers_the_balancers_errors_behind_a_buffer() {
     assert_eq!(decision(&res).backend.as_str(), "a1");
 }
 
+/// The message of an error answer's JSON body.
+async fn error_message<B>(res: http::Response<B>) -> String
+where
+    B: http_body::Body,
+    B::Error: std::fmt::Debug,
+{
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    body["error"]["message"].as_str().unwrap().to_owned()
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn error_to_response_answers_a_tower_timeout_504_and_frees_the_slot() {
     let streams = Streams::default();
@@ -3928,10 +3939,7 @@ async fn error_to_response_answers_a_tower_timeout_504_and_frees_the_slot() {
     let timed = tower::timeout::TimeoutLayer::new(Duration::from_secs(5)).layer(svc.clone());
     let res = answer(timed, request(Some("s"), Some("hang"))).await;
     assert_eq!(res.status(), 504);
-    assert_eq!(
-        res.into_body().collect().await.unwrap().to_bytes(),
-        "request timed out"
-    );
+    assert_eq!(error_message(res).await, "request timed out");
     assert_eq!(in_flight(&svc, "a1"), 0, "the dropped call freed its slot");
 }
 
@@ -3954,10 +3962,7 @@ async fn error_to_response_answers_a_shed_request_503_and_any_other_error_500() 
     });
     let res = answer(failing, request(None, None)).await;
     assert_eq!(res.status(), 500);
-    assert_eq!(
-        res.into_body().collect().await.unwrap().to_bytes(),
-        "the layer's own failure"
-    );
+    assert_eq!(error_message(res).await, "the layer's own failure");
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]

@@ -15,8 +15,8 @@ use crate::body::InnerOrBytes;
 // === BodyKeyResponseBody ===
 
 pin_project! {
-    /// The response body of [`BodyKey`]: the inner service's body, or the plain-text reason a
-    /// request was refused (`413`, `408`, `400`).
+    /// The response body of [`BodyKey`]: the inner service's body, or the JSON error body a
+    /// request was refused with (`413`, `408`, `400`; [`Error::json_body`](crate::Error::json_body)).
     ///
     /// [`get_ref`](Self::get_ref) reaches the inner body: behind the layer, a
     /// [`SessionAffinity`](crate::SessionAffinity)'s [`ResponseBody`](crate::ResponseBody),

@@ -100,29 +100,30 @@ impl Rejection {
         let (status, message) = match self {
             Rejection::TooLarge(limit) => (
                 StatusCode::PAYLOAD_TOO_LARGE,
-                format!("request body is larger than the limit of {limit} bytes\n"),
+                format!("request body is larger than the limit of {limit} bytes"),
             ),
             Rejection::Timeout(t) => (
                 StatusCode::REQUEST_TIMEOUT,
-                format!("request body did not arrive within {} s\n", t.as_secs_f64()),
+                format!("request body did not arrive within {} s", t.as_secs_f64()),
             ),
             // A limit of a layer outside this one (tower-http's `RequestBodyLimitLayer`, on a
             // body without a `Content-Length`) is the client's to hear as 413, as axum's
             // extractors answer it.
             Rejection::Read(e) if over_a_limit(&*e) => (
                 StatusCode::PAYLOAD_TOO_LARGE,
-                format!("request body is larger than the limit: {e}\n"),
+                format!("request body is larger than the limit: {e}"),
             ),
             Rejection::Read(e) => (
                 StatusCode::BAD_REQUEST,
-                format!("failed to read the request body: {e}\n"),
+                format!("failed to read the request body: {e}"),
             ),
         };
-        let mut res = http::Response::new(BodyKeyResponseBody::bytes(Bytes::from(message)));
+        let body = crate::Error::json_body(status, &message);
+        let mut res = http::Response::new(BodyKeyResponseBody::bytes(body));
         *res.status_mut() = status;
         res.headers_mut().insert(
             header::CONTENT_TYPE,
-            HeaderValue::from_static("text/plain; charset=utf-8"),
+            HeaderValue::from_static("application/json"),
         );
         res
     }

@@ -61,8 +61,9 @@ use crate::key::HeaderKey;
 ///   ([`skip_when_header`]), at the price of its chain: the cache model then learns nothing
 ///   from it. A Responses request is read all the same while stored responses are pinned.
 /// - A body over the limit (default [`DEFAULT_LIMIT`](Self::DEFAULT_LIMIT), 16 MiB: long agent
-///   prompts run to a few hundred kilobytes) is answered `413 Payload Too Large` with a
-///   plain-text reason, from its `Content-Length` before reading when it has one. A body
+///   prompts run to a few hundred kilobytes) is answered `413 Payload Too Large` with its
+///   reason in a JSON error body ([`Error::json_body`](crate::Error::json_body)), from its
+///   `Content-Length` before reading when it has one. A body
 ///   that fails to arrive is answered `400`, or `408` past the [read
 ///   timeout](Self::read_timeout).
 /// - Trailers are dropped: a buffered body has nowhere to carry them.

@@ -239,8 +239,12 @@ async fn a_declared_length_over_the_limit_is_413_before_reading() {
         .unwrap();
     let (res, seen) = run(BodyKeyLayer::new().limit(10), req).await;
     assert_eq!(res.status(), StatusCode::PAYLOAD_TOO_LARGE);
-    assert!(res.body().contains("limit of 10 bytes"), "{}", res.body());
-    assert_eq!(res.headers()["content-type"], "text/plain; charset=utf-8");
+    assert_eq!(res.headers()["content-type"], "application/json");
+    let body: serde_json::Value = serde_json::from_str(res.body()).unwrap();
+    assert_eq!(body["error"]["code"], 413);
+    assert_eq!(body["error"]["type"], "invalid_request_error");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("limit of 10 bytes"), "{message}");
     assert!(seen.body.is_none());
 }
 
