@@ -70,7 +70,47 @@ const DRAIN_LIMIT: usize = 256;
 /// Clones share the backend services: the service and its futures are `Send` when each
 /// backend service is `Send + Sync`. tower's `BoxCloneService` is not `Sync`; box backends as
 /// `BoxCloneSyncService`.
-pub struct SessionAffinity<D: Discover, K, P> {
+///
+/// `K` and `P` default to the layer's defaults, [`HeaderKey`] and [`NodeThenBackend`], so
+/// that the type a field or axum's `State` holds names only what was changed:
+///
+/// ```
+/// use bytes::Bytes;
+/// use http_body_util::Full;
+/// use tower::util::BoxCloneSyncService;
+/// use tower::Layer;
+/// use tower_affinity::discover::StaticFleet;
+/// use tower_affinity::key::{ExtensionKey, FirstOf, HeaderKey};
+/// use tower_affinity::{Backend, SessionAffinity, SessionAffinityLayer};
+///
+/// type Http = BoxCloneSyncService<
+///     http::Request<Full<Bytes>>,
+///     http::Response<String>,
+///     std::convert::Infallible,
+/// >;
+/// // The default key and placement.
+/// type Plain = SessionAffinity<StaticFleet<Http>>;
+/// // The key read from headers, else from the body.
+/// type Keyed = SessionAffinity<StaticFleet<Http>, FirstOf<HeaderKey, ExtensionKey>>;
+///
+/// # fn backend() -> Http { unimplemented!() }
+/// # fn doc() {
+/// let fleet = || StaticFleet::new([("gpu-0", Backend::new("host-a", backend()))]);
+/// let plain: Plain = SessionAffinityLayer::new().layer(fleet());
+/// let keyed: Keyed = SessionAffinityLayer::new()
+///     .key(FirstOf::new(HeaderKey::default(), ExtensionKey))
+///     .layer(fleet());
+/// # let _ = (plain, keyed);
+/// # }
+/// ```
+///
+/// [`HeaderKey`]: crate::key::HeaderKey
+/// [`NodeThenBackend`]: crate::placement::NodeThenBackend
+pub struct SessionAffinity<
+    D: Discover,
+    K = crate::key::HeaderKey,
+    P = crate::placement::NodeThenBackend,
+> {
     /// Holds the discovery stream too, behind [`Drain`]: response futures waiting for a slot
     /// drain it as readiness does.
     shared: Arc<Shared<D::Service, P>>,
