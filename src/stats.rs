@@ -268,7 +268,22 @@ pub struct Stats {
     /// Gauge: requests waiting for a slot.
     pub waiting: usize,
     /// What the answers reported, by outcome: see [`reuse`](Self::reuse).
-    pub(crate) reuse: [Reuse; Outcome::ALL.len()],
+    pub(crate) reuse: ReuseByOutcome,
+}
+
+/// What the answers reported, by the outcome of their requests, indexed by `Outcome as
+/// usize`. Its `Debug` names each outcome, so that `Stats`'s reads as what it counts rather
+/// than as nine figures in an order of the crate's own.
+#[derive(Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct ReuseByOutcome(pub(crate) [Reuse; Outcome::ALL.len()]);
+
+impl fmt::Debug for ReuseByOutcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let by_name = Outcome::ALL
+            .iter()
+            .map(|&o| (o.as_str(), &self.0[o as usize]));
+        f.debug_map().entries(by_name).finish()
+    }
 }
 
 /// What the answers of the requests placed one way reported: their prompt tokens, and how
@@ -324,7 +339,7 @@ impl Stats {
     /// # }
     /// ```
     pub fn reuse(&self, outcome: Outcome) -> Reuse {
-        self.reuse[outcome as usize]
+        self.reuse.0[outcome as usize]
     }
 
     /// The count for one outcome.
@@ -493,8 +508,29 @@ impl Counters {
             corrections: l(&self.corrections),
             prompt_tokens: reuse.iter().map(|r| r.prompt_tokens).sum(),
             reused_tokens: reuse.iter().map(|r| r.reused_tokens).sum(),
-            reuse,
+            reuse: ReuseByOutcome(reuse),
             ..Stats::default()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_debug_names_the_outcome_of_each_reuse_figure() {
+        let counters = Counters::default();
+        counters.count_reuse(Outcome::ColdHome, 1_000, 40);
+        let shown = format!("{:?}", counters.snapshot());
+        assert!(
+            shown.contains(r#""cold-home": Reuse { prompt_tokens: 1000, reused_tokens: 40 }"#),
+            "{shown}"
+        );
+        assert_eq!(
+            shown.matches("Reuse {").count(),
+            Outcome::ALL.len(),
+            "{shown}"
+        );
     }
 }
