@@ -1572,7 +1572,9 @@ pub struct BackendStatus {
     /// Answers that reused less than half the share of their prompt the cache model
     /// predicted, where it predicted at least a quarter; each corrected the model. Few against `usage_reports` means the model predicts well.
     pub corrections: u64,
-    /// The prompt tokens it reads a second, learned from its answers.
+    /// The prompt tokens it reads a second, learned from its answers that read at least 256
+    /// tokens of their prompt (reused tokens aside: a shorter read's time is mostly the
+    /// request's fixed cost). `None` until one has, however many shorter ones came.
     pub prefill_rate: Option<u32>,
     /// How long its requests take, dispatch to the end of the answer (a moving average).
     pub request_time: Option<Duration>,

@@ -82,7 +82,7 @@
 //! | `tower_affinity_backend_cached_tokens` | gauge | `backend`, `node` | what the cache model says it holds (published) |
 //! | `tower_affinity_backend_cache_budget_tokens` | gauge | `backend`, `node` | the budget the cache model keeps it to (published) |
 //! | `tower_affinity_backend_conversations` | gauge | `backend`, `node` | conversations it homes (published) |
-//! | `tower_affinity_backend_prefill_tokens_per_second` | gauge | `backend`, `node` | its learned prefill rate; no series until it is learned (published) |
+//! | `tower_affinity_backend_prefill_tokens_per_second` | gauge | `backend`, `node` | its learned prefill rate; no series until it is learned, from an answer that read 256 prompt tokens or more (published) |
 //! | `tower_affinity_store_up` | gauge | | with a [shared store](crate::store): 1 while its reads answer in time, 0 while it is down; checked with each [probe](crate::health) round (published) |
 //! | `tower_affinity_store_reads_total` | counter | | reads sent to the store (published, as the counters below) |
 //! | `tower_affinity_store_hits_total` | counter | | reads that found a home on a live backend in time |
