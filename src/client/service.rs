@@ -23,7 +23,10 @@ use super::hop_by_hop::{accepts_trailers, strip};
 /// scheme and authority, through hyper-util's pooled client.
 ///
 /// The request keeps its method, path, query, headers and body; its URI gets the backend's
-/// scheme and authority, and `Host` the backend's host. Hop-by-hop headers
+/// scheme and authority, and `Host` the backend's host. The path is the one the service is
+/// called with: behind axum's `nest_service`, which takes the nested prefix off the URI, a
+/// client's `/v1/chat/completions` would reach the backend as `/chat/completions` (mount the
+/// stack with `fallback_service`, or `route_service` at whole paths). Hop-by-hop headers
 /// ([`strip_hop_by_hop`](super::strip_hop_by_hop)) are dropped from the request and from the
 /// response. The response body is a [`BackendBody`]: hyper's
 /// [`Incoming`](hyper::body::Incoming), streamed as the backend sends it, failing past the
