@@ -77,7 +77,7 @@
 //! | `tower_affinity_backend_in_flight` | gauge | `backend`, `node` | (published) |
 //! | `tower_affinity_backend_context_tokens` | gauge | `backend`, `node` | tokens of its shared context its requests in flight take, by the router's estimate; 0 without [`Backend::context_tokens`](crate::Backend::context_tokens) (published) |
 //! | `tower_affinity_backend_slots` | gauge | `backend`, `node` | (published) |
-//! | `tower_affinity_backend_request_context_tokens` | gauge | `backend`, `node` | the most tokens of context one request can take there, given or read from `/slots`; 0 without a limit ([`Backend::request_context_tokens`](crate::Backend::request_context_tokens); published) |
+//! | `tower_affinity_backend_request_context_tokens` | gauge | `backend`, `node` | the most tokens of context one request can take there, given or read by the [probe](crate::health) (`/slots`, `/props`, `/v1/models`); 0 without a limit ([`Backend::request_context_tokens`](crate::Backend::request_context_tokens); published) |
 //! | `tower_affinity_backend_healthy` | gauge | `backend`, `node` | 1 or 0 (published; 0 once the backend has left the fleet, as every level of it) |
 //! | `tower_affinity_backend_cached_tokens` | gauge | `backend`, `node` | what the cache model says it holds (published) |
 //! | `tower_affinity_backend_cache_budget_tokens` | gauge | `backend`, `node` | the budget the cache model keeps it to (published) |

@@ -30,12 +30,13 @@ pub(crate) enum Health {
     Failed(String),
 }
 
-/// What `/slots` said: how many slots, how many of them are processing, and the most tokens
-/// of context a slot has (`n_ctx`: one request's most on the backend), if given.
+/// What `/slots` (or llama-server's `/props`) said: how many slots, how many of them are
+/// processing (`/slots` alone says), and the most tokens of context a slot has (`n_ctx`: one
+/// request's most on the backend), if given.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Slots {
     pub(crate) total: u32,
-    pub(crate) busy: u32,
+    pub(crate) busy: Option<u32>,
     pub(crate) n_ctx: Option<NonZeroU64>,
 }
 
@@ -45,6 +46,8 @@ pub(crate) struct Checked {
     pub(crate) health: Health,
     /// `None` when not asked; why not, when asked and not readable.
     pub(crate) slots: Option<Result<Slots, String>>,
+    /// Where the slots were read: `/slots`, or llama-server's `/props`.
+    pub(crate) slots_from: &'static str,
     /// `/slots` answered that the backend has none: 404 (vLLM, SGLang) or 501
     /// (llama-server's `--no-slots`).
     pub(crate) no_slots: bool,
@@ -53,7 +56,8 @@ pub(crate) struct Checked {
     pub(crate) max_model_len: Option<Result<NonZeroU64, String>>,
 }
 
-/// Probes `base`: `/health`, then `/slots` if `slots` and the backend is ready. With
+/// Probes `base`: `/health`, then `/slots` if `slots` and the backend is ready (first
+/// `/props`, with `props`: a llama-server, whose `/props` answers for its slots too). With
 /// `models`, a ready backend without slots (its `/slots` answered so now, or was not asked)
 /// is asked `/v1/models` for its `max_model_len`.
 pub(crate) async fn check(
@@ -63,6 +67,7 @@ pub(crate) async fn check(
     timeout: Duration,
     slots: bool,
     models: bool,
+    props: bool,
 ) -> Checked {
     let health = match get(&client, &base, "/health", headers, timeout).await {
         Ok((StatusCode::OK, _)) => Health::Ready,
@@ -71,7 +76,27 @@ pub(crate) async fn check(
         Err(e) => Health::Failed(format!("/health: {e}")),
     };
     let mut no_slots = false;
-    let slots = if slots && health == Health::Ready {
+    // A llama-server run with `--sleep-idle-seconds` unloads its model once idle that long,
+    // and reloads it for the next request. `/slots` is one: asked at every probe, it would
+    // keep the server from ever sleeping, and it wakes one asleep. `/props` is none, and gives
+    // the slot count and a slot's context too (not the busy slots); whatever it does not
+    // give, `/slots` is asked.
+    let from_props = if props && slots && health == Health::Ready {
+        match get(&client, &base, "/props", headers, timeout).await {
+            Ok((StatusCode::OK, body)) => parse_props(&body),
+            _ => None,
+        }
+    } else {
+        None
+    };
+    let slots_from = if from_props.is_some() {
+        "/props"
+    } else {
+        "/slots"
+    };
+    let slots = if let Some(read) = from_props {
+        Some(Ok(read))
+    } else if slots && health == Health::Ready {
         Some(
             match get(&client, &base, "/slots", headers, timeout).await {
                 Ok((status @ (StatusCode::NOT_FOUND | StatusCode::NOT_IMPLEMENTED), _)) => {
@@ -122,9 +147,31 @@ pub(crate) async fn check(
     Checked {
         health,
         slots,
+        slots_from,
         no_slots,
         max_model_len,
     }
+}
+
+/// llama-server's `/props`: its slot count (`total_slots`, its `-np`) and a slot's context
+/// (`default_generation_settings.n_ctx`, as each slot of `/slots` gives it), both needed;
+/// busy slots it does not say. Anything else gives none.
+pub(crate) fn parse_props(body: &[u8]) -> Option<Slots> {
+    #[derive(serde::Deserialize)]
+    struct Props {
+        total_slots: u64,
+        default_generation_settings: Settings,
+    }
+    #[derive(serde::Deserialize)]
+    struct Settings {
+        n_ctx: u64,
+    }
+    let props: Props = serde_json::from_slice(body).ok()?;
+    Some(Slots {
+        total: u32::try_from(props.total_slots).ok().filter(|&n| n > 0)?,
+        busy: None,
+        n_ctx: Some(NonZeroU64::new(props.default_generation_settings.n_ctx)?),
+    })
 }
 
 /// vLLM's and SGLang's `/v1/models`: `{"data": [{"id": .., "max_model_len": ..}, ..]}`, the
@@ -161,7 +208,7 @@ pub(crate) fn parse_slots(body: &[u8]) -> Option<Slots> {
         .and_then(NonZeroU64::new);
     Some(Slots {
         total,
-        busy: u32::try_from(busy).unwrap_or(total),
+        busy: Some(u32::try_from(busy).unwrap_or(total)),
         n_ctx,
     })
 }
@@ -210,7 +257,7 @@ mod tests {
             parse_slots(body),
             Some(Slots {
                 total: 3,
-                busy: 1,
+                busy: Some(1),
                 n_ctx
             })
         );
@@ -222,7 +269,7 @@ mod tests {
             parse_slots(body),
             Some(Slots {
                 total: 2,
-                busy: 1,
+                busy: Some(1),
                 n_ctx
             })
         );
@@ -247,6 +294,36 @@ mod tests {
         assert_eq!(parse_slots(zeros.as_bytes()), None);
         // An object without the fields llama-server gives is still a slot.
         assert_eq!(parse_slots(b"[{}]").map(|s| s.total), Some(1));
+    }
+
+    #[test]
+    fn props_give_the_slots_and_their_context_but_not_the_busy_ones() {
+        // llama-server 0.94's shape, `-np 2 -c 8192`, cut short (asleep or not alike).
+        let body = br#"{"default_generation_settings":{"params":{"seed":4294967295},"n_ctx":4096},
+            "total_slots":2,"model_alias":"m","endpoint_slots":true,"is_sleeping":true}"#;
+        let n_ctx = NonZeroU64::new(4096);
+        let busy = None;
+        assert_eq!(
+            parse_props(body),
+            Some(Slots {
+                total: 2,
+                busy,
+                n_ctx
+            })
+        );
+        // Each is needed, and a count that is one.
+        for body in [
+            &br#"{"total_slots":2}"#[..],
+            br#"{"default_generation_settings":{"n_ctx":4096}}"#,
+            br#"{"total_slots":0,"default_generation_settings":{"n_ctx":4096}}"#,
+            br#"{"total_slots":2,"default_generation_settings":{"n_ctx":0}}"#,
+            br#"{"total_slots":"2","default_generation_settings":{"n_ctx":4096}}"#,
+            br#"{"total_slots":-1,"default_generation_settings":{"n_ctx":4096}}"#,
+            b"[]",
+            b"not json",
+        ] {
+            assert_eq!(parse_props(body), None, "{}", String::from_utf8_lossy(body));
+        }
     }
 
     #[test]

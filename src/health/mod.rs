@@ -9,6 +9,7 @@
 //!                  registers                                 mark_down / mark_up
 //!                      v                                             |
 //!                   Prober --- GET /health, /slots each interval ----+
+//!                                  (/props once /slots was read)
 //!                                  (/v1/models without slots)
 //! ```
 //!

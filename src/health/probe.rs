@@ -64,8 +64,14 @@ use crate::{Backend, BackendId};
 /// is also asked `GET /slots` (llama-server's: a JSON array, one object per slot): its length
 /// becomes the backend's slot count, announced again through the stream whenever it changes
 /// (an update that keeps the backend's sessions). The slots processing a request
-/// (`is_processing: true`) are recorded too ([`ProbeStatus::busy_slots`]); with
-/// [`busy_slots`](Self::busy_slots) every backend is asked. A `/slots` that cannot be read (a
+/// (`is_processing: true`) are recorded too ([`ProbeStatus::busy_slots`]). Once its `/slots`
+/// was read, a llama-server is asked `GET /props` in its place, which gives the slot count
+/// (`total_slots`) and a slot's context (`default_generation_settings.n_ctx`) but not the busy
+/// slots: `/slots` is a request to its model, which wakes a llama-server run with
+/// `--sleep-idle-seconds` (its model reloaded) and, asked at every probe, would keep it from
+/// ever sleeping; `/props` does neither. `/slots` is asked again when `/props` does not give
+/// them. With [`busy_slots`](Self::busy_slots) every backend is asked `/slots` at every probe,
+/// for its busy slots. A `/slots` that cannot be read (a
 /// llama-server run with `--no-slots` answers 501; vLLM and SGLang have none) leaves the count
 /// as it was, one slot until one is read, and does not take the backend down: the reason is
 /// in [`ProbeStatus::slots_error`], and a `warn` line says so once, while the count is still
@@ -82,8 +88,9 @@ use crate::{Backend, BackendId};
 /// the largest becomes the backend's request context the same way. A `/v1/models` that
 /// cannot be read leaves the context as it was: the reason is in
 /// [`ProbeStatus::models_error`], and a `warn` line says so once, while the context is still
-/// unknown. (llama-server's `/v1/models` gives its model's training context, not the
-/// server's, and is not read.)
+/// unknown. (llama-server's `/v1/models` is not read: it gives its model's training context,
+/// `meta.n_ctx_train`, and in recent releases a slot's, `meta.n_ctx`, which some of its
+/// forks give as the whole context of all slots.)
 ///
 /// Each transition is logged once (`info` up, `warn` down) and counted
 /// ([`ProbeStatus::transitions`], [`Prober::transitions`]).
@@ -238,8 +245,10 @@ impl HealthProbe {
         self
     }
 
-    /// Whether to read `/slots` of every ready backend, for its busy slots, even when its
-    /// slot count was given (off by default).
+    /// Whether to read `/slots` of every ready backend at every probe, for its busy slots
+    /// ([`ProbeStatus::busy_slots`](super::ProbeStatus::busy_slots)), even when its slot count
+    /// was given (off by default). Each `/slots` is a request to a llama-server's model: one
+    /// run with `--sleep-idle-seconds` then never sleeps (see [`HealthProbe`]).
     pub fn busy_slots(mut self, on: bool) -> Self {
         self.busy_slots = on;
         self

@@ -96,6 +96,8 @@ struct Job {
     slots: bool,
     /// `/v1/models` asked too, if it has no slots.
     models: bool,
+    /// `/props` asked for the slots before `/slots`.
+    props: bool,
 }
 
 /// A probe's answer, and the backend (and generation) it is for.
@@ -397,6 +399,9 @@ where
                     slots: slots || context,
                     // A backend without slots gives its request context in `/v1/models`.
                     models: self.learns_context(&t.backend),
+                    // A llama-server (one whose `/slots` was read), unless its busy slots
+                    // are wanted, which only `/slots` gives. The others are not asked it.
+                    props: t.status.slots.is_some() && !self.shared.config.busy_slots,
                 }
             })
             .collect()
@@ -412,7 +417,10 @@ where
         let timeout = self.shared.config.timeout;
         let headers = self.shared.config.headers.clone();
         async move {
-            let checked = check(client, job.uri, &headers, timeout, job.slots, job.models).await;
+            let checked = check(
+                client, job.uri, &headers, timeout, job.slots, job.models, job.props,
+            )
+            .await;
             (job.id, job.generation, checked)
         }
     }
@@ -524,12 +532,12 @@ where
             Some(Ok(read)) => {
                 s.slots_error = None;
                 s.no_slots = false;
-                s.busy_slots = Some(read.busy);
+                s.busy_slots = read.busy;
                 let total = NonZeroU32::new(read.total);
                 if s.slots != total {
                     s.slots = total;
                     if let (true, Some(total)) = (learns_slots, total) {
-                        tracing::info!(backend = %id, slots = total.get(), "slot count read from /slots");
+                        tracing::info!(backend = %id, slots = total.get(), "slot count read from {}", checked.slots_from);
                         learned = true;
                     }
                 }
@@ -537,7 +545,7 @@ where
                 if read.n_ctx.is_some() && s.request_context != read.n_ctx {
                     s.request_context = read.n_ctx;
                     if let (true, Some(n)) = (learns_context, read.n_ctx) {
-                        tracing::info!(backend = %id, tokens = n.get(), "request context read from /slots (n_ctx)");
+                        tracing::info!(backend = %id, tokens = n.get(), "request context read from {} (n_ctx)", checked.slots_from);
                         learned = true;
                     }
                 }
@@ -626,9 +634,10 @@ mod tests {
             health: Health::Ready,
             slots: Some(Ok(Slots {
                 total: 4,
-                busy: 0,
+                busy: Some(0),
                 n_ctx: None,
             })),
+            slots_from: "/slots",
             no_slots: false,
             max_model_len: None,
         };
@@ -647,9 +656,10 @@ mod tests {
             health: Health::Ready,
             slots: Some(Ok(Slots {
                 total: 8,
-                busy: 0,
+                busy: Some(0),
                 n_ctx: None,
             })),
+            slots_from: "/slots",
             no_slots: false,
             max_model_len: None,
         };

@@ -45,7 +45,10 @@ pub struct ProbeStatus {
     pub last_error: Option<String>,
     /// Its slot count as `/slots` last gave it, if read.
     pub slots: Option<NonZeroU32>,
-    /// Slots that `/slots` last showed processing a request (`is_processing: true`), if read.
+    /// Slots that `/slots` showed processing a request (`is_processing: true`), if the last
+    /// probe read them: every probe does with [`busy_slots`](super::HealthProbe::busy_slots);
+    /// otherwise a llama-server's slots are read from its `/props` once its `/slots` was, and
+    /// this is `None`.
     pub busy_slots: Option<u32>,
     /// The most tokens of context one request can take, as `/slots` last gave it (the
     /// slots' `n_ctx`), or for a backend without slots `/v1/models` (vLLM's and SGLang's

@@ -50,6 +50,8 @@ struct Stub {
     models: Mutex<Option<Value>>,
     /// `/v1/models` never answers.
     models_hang: AtomicBool,
+    /// `/props`' answer (llama-server's), 404 when `None`.
+    props: Mutex<Option<Value>>,
     /// The `Authorization` that `/slots` and `/v1/models` want, when set (a llama-server or a
     /// vLLM run with `--api-key`): 401 without it. `/health` answers without it.
     authorization: Mutex<Option<&'static str>>,
@@ -58,6 +60,7 @@ struct Stub {
     health_hits: AtomicUsize,
     slots_hits: AtomicUsize,
     models_hits: AtomicUsize,
+    props_hits: AtomicUsize,
 }
 
 /// Whether `headers` carry the key the stub wants, if it wants one.
@@ -140,6 +143,15 @@ async fn models(
         .ok_or(StatusCode::NOT_FOUND)
 }
 
+async fn props(State(s): State<Arc<Stub>>) -> Result<axum::Json<Value>, StatusCode> {
+    s.props_hits.fetch_add(1, Ordering::Relaxed);
+    s.props
+        .lock()
+        .clone()
+        .map(axum::Json)
+        .ok_or(StatusCode::NOT_FOUND)
+}
+
 async fn start(count: usize) -> (SocketAddr, Arc<Stub>) {
     let stub = Arc::new(Stub {
         health: AtomicU16::new(200),
@@ -151,6 +163,7 @@ async fn start(count: usize) -> (SocketAddr, Arc<Stub>) {
         .route("/health", get(health))
         .route("/slots", get(slots))
         .route("/v1/models", get(models))
+        .route("/props", get(props))
         .with_state(stub.clone());
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -598,6 +611,70 @@ async fn slots_are_learned_from_slots_and_followed_when_they_change() {
     prober.round(&affinity).await;
     assert_eq!(status(&affinity, "a").slots, 5);
     assert_eq!(s.transitions, 0);
+}
+
+/// A llama-server run with `--sleep-idle-seconds` unloads its model once idle that long; a
+/// request to `/slots` wakes it and counts as activity, so asked at every probe it would never
+/// sleep. Once its `/slots` was read, its slot count and context are read from `/props`, which
+/// neither wakes it nor keeps it awake, and followed there; `/slots` is asked again only when
+/// `/props` does not give them.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_llama_server_is_read_from_props_once_its_slots_were_read_and_so_may_sleep() {
+    let (addr, stub) = start(3).await;
+    let (affinity, prober) = balancer(
+        HealthProbe::new(),
+        vec![("a", Backend::new("n", http(addr)))],
+    );
+    let props = |slots: u32, sleeping: bool| {
+        json!({
+            "default_generation_settings": {"n_ctx": 4096},
+            "total_slots": slots,
+            "is_sleeping": sleeping,
+        })
+    };
+    *stub.props.lock() = Some(props(3, false));
+    prober.round(&affinity).await;
+    assert_eq!(status(&affinity, "a").slots, 3);
+    assert_eq!(prober.status("a").unwrap().busy_slots, Some(0));
+    // Not asked before `/slots` says the backend is a llama-server.
+    assert_eq!(stub.props_hits.load(Ordering::Relaxed), 0);
+    let slots_asked = stub.slots_hits.load(Ordering::Relaxed);
+
+    *stub.props.lock() = Some(props(3, true));
+    for _ in 0..3 {
+        prober.round(&affinity).await;
+    }
+    assert_eq!(
+        stub.slots_hits.load(Ordering::Relaxed),
+        slots_asked,
+        "/slots asked"
+    );
+    assert_eq!(stub.props_hits.load(Ordering::Relaxed), 3);
+    assert_eq!(stub.models_hits.load(Ordering::Relaxed), 0);
+    let a = status(&affinity, "a");
+    assert!(a.healthy);
+    assert_eq!((a.slots, a.request_context_limit), (3, Some(4096)));
+    // `/props` does not say which slots are busy.
+    let s = prober.status("a").unwrap();
+    assert_eq!((s.busy_slots, s.slots_error), (None, None));
+
+    // Restarted with more slots, each with less context: followed from `/props`.
+    *stub.props.lock() = Some(json!({
+        "default_generation_settings": {"n_ctx": 2048},
+        "total_slots": 4,
+        "is_sleeping": false,
+    }));
+    prober.round(&affinity).await;
+    let a = status(&affinity, "a");
+    assert_eq!((a.slots, a.request_context_limit), (4, Some(2048)));
+    assert_eq!(stub.slots_hits.load(Ordering::Relaxed), slots_asked);
+
+    // A `/props` that does not give them (another server now): `/slots` again.
+    *stub.props.lock() = None;
+    *stub.slots.lock() = vec![true, false];
+    prober.round(&affinity).await;
+    assert_eq!(status(&affinity, "a").slots, 2);
+    assert_eq!(prober.status("a").unwrap().busy_slots, Some(1));
 }
 
 /// A llama-server run with `LLAMA_SERVER_SLOTS_DEBUG` answers `/slots` with each slot's last
