@@ -125,11 +125,11 @@ use crate::{Backend, BackendId};
 /// it is given the key with [`header`](Self::header) (`Authorization: Bearer KEY` serves all
 /// three servers):
 ///
-/// - llama-server with `--api-key` answers `/health`, `/v1/health`, `/models` and
-///   `/v1/models` (and its web UI's files) without the key, and once its model is loaded
-///   every other path, `/slots` among them, with a 401 (the key goes in
-///   `Authorization: Bearer KEY`, or in `X-Api-Key`). Without it the backend counts as one
-///   slot, and a `warn` line says so.
+/// - llama-server with `--api-key` answers `/health` and `/v1/health` (and its web UI's
+///   files) without the key (older releases also `/models` and `/v1/models`; 0.94 not),
+///   and once its model is loaded every other path, `/slots` and `/props` among them, with a
+///   401 (the key goes in `Authorization: Bearer KEY`, or in `X-Api-Key`). Without it the
+///   backend counts as one slot, and a `warn` line says so.
 /// - vLLM with `--api-key` (or `VLLM_API_KEY`) wants `Authorization: Bearer KEY` on every
 ///   path that starts with `/v1`, `/v1/models` among them, and on no other (`/health`,
 ///   `/slots`' 404). Without it the backend's request context is not learned, and a `warn`
