@@ -227,6 +227,25 @@ impl Observe {
         if verdict == Verdict::HeldLess {
             bump(&capacity.counters.corrections);
         }
+        // One line an answer for an operator who asks (`debug`): what the backend said it
+        // reused of the prompt, where the request was placed and why. A backend id that is no
+        // header value (see `DecisionHeaders`) is left out of it.
+        tracing::debug!(
+            backend = guard
+                .headers()
+                .backend()
+                .as_ref()
+                .and_then(|v| v.to_str().ok())
+                .map(tracing::field::display),
+            outcome = %self.watch.outcome,
+            success = self.watch.success,
+            prompt_tokens = usage.map(|u| u.prompt_tokens),
+            reused_tokens = usage.and_then(|u| u.reused_tokens),
+            prompt_ms = usage.and_then(|u| u.prompt_time).map(|t| t.as_millis() as u64),
+            first_byte_ms = answer.first_byte.map(|t| t.as_millis() as u64),
+            ms = answer.duration.map(|t| t.as_millis() as u64),
+            "answer read"
+        );
         if verdict != Verdict::Fine {
             if let (Some(cache), Some(p)) = (&self.watch.cache, self.watch.prediction) {
                 // What the model over-predicted, in the chain's estimate of tokens.

@@ -288,6 +288,15 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// [`wait_versus_move`](Self::wait_versus_move). An answer that is not JSON or SSE, is
     /// compressed, or reports nothing costs one header check.
     ///
+    /// Each answer read ends with a `tracing` event at `debug` level, `answer read`, that
+    /// says it per request: `backend`, `outcome`, `success`, then as the answer gave them
+    /// `prompt_tokens`, `reused_tokens` and `prompt_ms`, and the router's `first_byte_ms`
+    /// and `ms` (of a success). For one line a turn, whether it found its prefix warm:
+    ///
+    /// ```text
+    /// DEBUG tower_affinity::body: answer read backend=gpu-0 outcome=home-hit success=true prompt_tokens=31200 reused_tokens=30950 prompt_ms=410 first_byte_ms=460 ms=5120
+    /// ```
+    ///
     /// So that answers can be read, a request that names an `Accept-Encoding` goes to its
     /// backend with `Accept-Encoding: identity` (a backend behind a compressing proxy would
     /// otherwise answer gzip: no usage, and no stored response's id for
