@@ -18,7 +18,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 ///
 /// | variant | status | headers |
 /// |---|---|---|
-/// | [`NoBackends`](Error::NoBackends) | 503 Service Unavailable | |
+/// | [`NoBackends`](Error::NoBackends) | 503 Service Unavailable | `Retry-After: <seconds>` when a backend's failure cooldown is the first to end |
 /// | [`Saturated`](Error::Saturated) | 429 Too Many Requests | `Retry-After: <seconds>` |
 /// | [`Backend`](Error::Backend) | 502 Bad Gateway; 504 Gateway Timeout if the backend timed out; 400 Bad Request if the request's own body failed on its way to an `HttpBackend`; 501 Not Implemented for a request an `HttpBackend` does not forward (a `CONNECT`, a transfer coding other than `chunked`); 503 Service Unavailable for the backend's own 503, given back by [`RetryOnce`](crate::RetryOnce) where its retry found no backend up | the backend's `Retry-After`, for its 503 |
 ///
@@ -43,8 +43,16 @@ pub enum Error {
     /// No backend can take the request: the fleet is empty (none discovered yet, or all
     /// removed), every backend is marked down (a failure cooldown, a probe's mark), or the
     /// placement policy [passed over](crate::placement::Candidates::pass_over) every one that
-    /// is up.
-    NoBackends,
+    /// is up. `retry_after` is when the first of the backends down for a failure cooldown
+    /// comes back (a llama-server restarting: its refused connection took it down for the
+    /// cooldown), which the message and the `Retry-After` header give in whole seconds,
+    /// rounded up; `None` when none is (the fleet is empty, or its backends are down until a
+    /// probe says otherwise).
+    #[non_exhaustive]
+    NoBackends {
+        /// A hint for the client's `Retry-After`.
+        retry_after: Option<Duration>,
+    },
     /// Every candidate was full and the request could not wait (or waited too long, or too
     /// many were waiting already). Try again after `retry_after`, which the message and the
     /// `Retry-After` header give in whole seconds, rounded up, at least 1.
@@ -79,6 +87,24 @@ impl Error {
         Error::Saturated { retry_after }
     }
 
+    /// [`Error::NoBackends`]: none can take the request; the first back after `retry_after`,
+    /// if known.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_affinity::Error;
+    ///
+    /// let e = Error::no_backends(Some(Duration::from_millis(4_200)));
+    /// assert_eq!(e.to_string(), "no backends available; retry after 5 s");
+    /// let res = e.into_response::<http_body_util::Empty<bytes::Bytes>>();
+    /// assert_eq!(res.status(), 503);
+    /// assert_eq!(res.headers()["retry-after"], "5");
+    /// assert_eq!(Error::no_backends(None).to_string(), "no backends available");
+    /// ```
+    pub fn no_backends(retry_after: Option<Duration>) -> Self {
+        Error::NoBackends { retry_after }
+    }
+
     /// [`Error::Backend`]: `backend` failed with `source`.
     pub fn backend(backend: impl Into<BackendId>, source: impl Into<BoxError>) -> Self {
         Error::Backend {
@@ -90,7 +116,7 @@ impl Error {
     /// The HTTP status this error maps to.
     pub fn status(&self) -> StatusCode {
         match self {
-            Error::NoBackends => StatusCode::SERVICE_UNAVAILABLE,
+            Error::NoBackends { .. } => StatusCode::SERVICE_UNAVAILABLE,
             Error::Saturated { .. } => StatusCode::TOO_MANY_REQUESTS,
             Error::Backend { source, .. } => match request_fault(&**source) {
                 Some(status) => status,
@@ -101,7 +127,8 @@ impl Error {
         }
     }
 
-    /// The `Retry-After` hint: for [`Error::Saturated`]; and for a backend's own `503`, that
+    /// The `Retry-After` hint: for [`Error::Saturated`]; for [`Error::NoBackends`], when a
+    /// backend's failure cooldown ends; and for a backend's own `503`, that
     /// [`RetryOnce`](crate::RetryOnce) gives back where its retry found no backend up, the
     /// backend's, when it gave one in seconds (one given as a date is not read here, and
     /// goes on as it came in [`into_response`](Self::into_response)).
@@ -111,13 +138,13 @@ impl Error {
     /// use tower_affinity::Error;
     ///
     /// assert_eq!(Error::saturated(Duration::from_secs(2)).retry_after(), Some(Duration::from_secs(2)));
-    /// assert_eq!(Error::NoBackends.retry_after(), None);
+    /// assert_eq!(Error::no_backends(None).retry_after(), None);
     /// ```
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
             Error::Saturated { retry_after } => Some(*retry_after),
+            Error::NoBackends { retry_after } => *retry_after,
             Error::Backend { source, .. } => unavailable(&**source).and_then(Unavailable::seconds),
-            _ => None,
         }
     }
 
@@ -241,11 +268,13 @@ impl Error {
             Error::Saturated { retry_after } => {
                 Some(HeaderValue::from(whole_seconds(*retry_after)))
             }
+            Error::NoBackends { retry_after } => {
+                retry_after.map(|after| HeaderValue::from(whole_seconds(after)))
+            }
             // The backend's own, as it gave it: in seconds, or a date.
             Error::Backend { source, .. } => {
                 unavailable(&**source).and_then(|u| u.retry_after.clone())
             }
-            _ => None,
         };
         if let Some(hint) = hint {
             res.headers_mut().insert(header::RETRY_AFTER, hint);
@@ -381,7 +410,14 @@ fn timed_out(e: &(dyn std::error::Error + 'static)) -> bool {
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Error::NoBackends => f.write_str("no backends available"),
+            Error::NoBackends { retry_after: None } => f.write_str("no backends available"),
+            Error::NoBackends {
+                retry_after: Some(after),
+            } => write!(
+                f,
+                "no backends available; retry after {} s",
+                whole_seconds(*after)
+            ),
             Error::Saturated { retry_after } => write!(
                 f,
                 "all backends are at capacity; retry after {} s",
@@ -588,7 +624,9 @@ where
                 .poll(cx)
                 .map(|r| Ok(r.unwrap_or_else(|e| boxed_response(e.into())))),
             StateProj::Failed { error } => std::task::Poll::Ready(Ok(boxed_response(
-                error.take().unwrap_or_else(|| Error::NoBackends.into()),
+                error
+                    .take()
+                    .unwrap_or_else(|| Error::no_backends(None).into()),
             ))),
         }
     }

@@ -337,10 +337,7 @@ where
                 record,
                 ..
             } => State::call((service, guard, decision, None, record), req, shared.finish),
-            Placed::Empty => {
-                shared.capacity.counters.count_no_backends();
-                State::fail(Error::NoBackends)
-            }
+            Placed::Empty => State::fail(shared.no_backends()),
             Placed::Answered(first) => State::Answered { first: Some(first) },
             Placed::Full { .. } => {
                 shared.capacity.counters.count_rejected();
@@ -413,10 +410,7 @@ where
                     req,
                     shared.finish,
                 ),
-                Placed::Empty => {
-                    shared.capacity.counters.count_no_backends();
-                    State::fail(Error::NoBackends)
-                }
+                Placed::Empty => State::fail(shared.no_backends()),
                 Placed::Answered(first) => State::Answered { first: Some(first) },
                 Placed::Full { home } => {
                     if let Overflow::Wait {
@@ -478,8 +472,7 @@ where
             }
             Placed::Empty => {
                 ticket.settle();
-                shared.capacity.counters.count_no_backends();
-                State::fail(Error::NoBackends)
+                State::fail(shared.no_backends())
             }
             Placed::Answered(first) => {
                 ticket.settle();
@@ -680,8 +673,8 @@ where
                             drop(unused);
                         }
                         Placed::Empty => {
-                            w.shared.capacity.counters.count_no_backends();
-                            state.set(State::fail(Error::NoBackends));
+                            let error = w.shared.no_backends();
+                            state.set(State::fail(error));
                         }
                         Placed::Answered(first) => {
                             state.set(State::Answered { first: Some(first) });

@@ -133,12 +133,12 @@ impl<B: Clone, ResB> Policy<http::Request<B>, http::Response<ResB>, Error> for R
             }
         }
         if self.retried {
-            Kept::give_back(req, result, |e| matches!(e, Error::NoBackends));
+            Kept::give_back(req, result, |e| matches!(e, Error::NoBackends { .. }));
         }
         let retry = self.once(failed(result.as_ref()))?;
         match result {
             Ok(res) => Kept::insert(req, unavailable(res)),
-            Err(_) => Kept::keep(req, result, Error::NoBackends),
+            Err(_) => Kept::keep(req, result, Error::no_backends(None)),
         }
         Some(retry)
     }
@@ -164,7 +164,8 @@ impl<B: Clone, ResB> Policy<http::Request<B>, http::Response<ResB>, BoxError> fo
             }
         }
         if self.retried {
-            let no_backends = |e: &BoxError| matches!(e.downcast_ref(), Some(Error::NoBackends));
+            let no_backends =
+                |e: &BoxError| matches!(e.downcast_ref(), Some(Error::NoBackends { .. }));
             Kept::give_back(req, result, no_backends);
         }
         let failed = match result {
@@ -176,7 +177,7 @@ impl<B: Clone, ResB> Policy<http::Request<B>, http::Response<ResB>, BoxError> fo
         let retry = self.once(failed)?;
         match result {
             Ok(res) => Kept::insert(req, BoxError::from(unavailable(res))),
-            Err(_) => Kept::keep(req, result, Error::NoBackends.into()),
+            Err(_) => Kept::keep(req, result, Error::no_backends(None).into()),
         }
         Some(retry)
     }

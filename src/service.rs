@@ -34,7 +34,7 @@ use crate::store::{HomeStore, Homes, StoreAnswer, StoreState, StoreStats};
 use crate::table::{HomeEntry, SessionStore, SessionTable, Sessions};
 use crate::wait::{Look, Scope, WaitHome};
 use crate::{
-    Backend, BackendId, BackendStatus, ContextRefusal, Overflow, PromptChain, ResponseBody,
+    Backend, BackendId, BackendStatus, ContextRefusal, Error, Overflow, PromptChain, ResponseBody,
 };
 
 /// The most discovery changes applied in one readiness poll, so a stream that never stops
@@ -451,7 +451,7 @@ where
     /// // Every backend down: no backend for the request.
     /// let req = || http::Request::new(String::new());
     /// let err = svc.clone().oneshot(req()).await.unwrap_err();
-    /// assert!(matches!(err, Error::NoBackends));
+    /// assert!(matches!(err, Error::NoBackends { .. }));
     /// assert!(svc.mark_up("gpu-0"));
     /// assert!(svc.clone().oneshot(req()).await.is_ok());
     /// // Down for a minute, then that mark replaced by one of no time: up again.
@@ -643,6 +643,27 @@ impl<B, P> Shared<B, P> {
 
     pub(crate) fn retry_after(&self) -> Duration {
         Overflow::RETRY_AFTER
+    }
+
+    /// The refusal of a request no backend can take, counted: with the time until the first
+    /// backend down for a failure cooldown comes back, if one is. (Out of line and cold: the
+    /// fleet is read again, which a placement that found nothing can afford.)
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn no_backends(&self) -> Error {
+        self.capacity.counters.count_no_backends();
+        let now_ms = self.capacity.now_ms(Instant::now());
+        let fleet = self.fleet.load();
+        let until = fleet
+            .topology
+            .members
+            .iter()
+            .filter(|m| m.live)
+            .map(|m| m.load.down_until.load(Ordering::Relaxed))
+            // `u64::MAX` is down until a probe says otherwise: no time to give.
+            .filter(|&u| u > now_ms && u < u64::MAX)
+            .min();
+        Error::no_backends(until.map(|u| Duration::from_millis(u - now_ms)))
     }
 
     /// When the first failure cooldown still running on a backend `home` waits for ends, if

@@ -293,7 +293,7 @@ impl Harness {
                 }
             }
             Poll::Ready(Err(Error::Saturated { .. })) => {}
-            Poll::Ready(Err(Error::NoBackends)) => {
+            Poll::Ready(Err(Error::NoBackends { .. })) => {
                 assert!(self.up_backends_with_room().is_empty());
             }
             Poll::Ready(Err(e)) => panic!("unexpected error {e}"),
@@ -789,7 +789,7 @@ impl Fleet {
                 let at = self.down_until.entry(id).or_insert(until);
                 *at = (*at).max(until);
             }
-            Poll::Ready(Err(Error::NoBackends)) => {
+            Poll::Ready(Err(Error::NoBackends { .. })) => {
                 assert!(up.is_empty(), "turned away while {up:?} were up");
             }
             // Full: every slot it may take is held, or its wait ran out.

@@ -996,7 +996,7 @@ async fn a_refused_retry_is_counted_retried_however_it_ends() {
         .oneshot(retried(Some("s")))
         .await
         .unwrap_err();
-    assert!(matches!(err, Error::NoBackends), "{err:?}");
+    assert!(matches!(err, Error::NoBackends { .. }), "{err:?}");
     let stats = affinity.stats();
     assert_eq!(
         (stats.no_backends, stats.refusals_retried),

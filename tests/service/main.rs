@@ -1413,7 +1413,7 @@ async fn an_empty_fleet_answers_no_backends() {
     let (_handle, stream) = discover::channel::<MockService>();
     let mut svc = SessionAffinityLayer::new().layer(stream);
     let err = send(&mut svc, Some("s"), None).await.unwrap_err();
-    assert!(matches!(err, Error::NoBackends));
+    assert!(matches!(err, Error::NoBackends { .. }));
     assert_eq!(err.status(), 503);
     assert_eq!(svc.stats().no_backends, 1);
 }
@@ -1732,7 +1732,7 @@ async fn a_removal_applied_by_another_drain_wakes_the_request_waiting_for_it() {
             svc.stats().waiting
         ),
     };
-    assert!(matches!(failed, Error::NoBackends), "{failed}");
+    assert!(matches!(failed, Error::NoBackends { .. }), "{failed}");
     assert_eq!(svc.stats().waiting, 0);
     drop(held);
 }
@@ -2977,7 +2977,7 @@ async fn concurrent_first_requests_all_see_the_discovered_fleet() {
         for call in calls {
             let outcome = call.await.unwrap();
             assert!(
-                !matches!(outcome, Err(Error::NoBackends)),
+                !matches!(outcome, Err(Error::NoBackends { .. })),
                 "a first request found no backends"
             );
         }
@@ -4072,6 +4072,70 @@ fn avoiding(mut req: Req, names: &'static [&'static str]) -> Req {
 
 /// A policy that passes over every backend that is up has none for the request: it fails at
 /// once with `NoBackends`, as over an empty fleet, rather than waiting out its `max_wait` for
+/// With every backend down, the refusal says when the first failure cooldown ends, so that a
+/// client retries then (a llama-server restarting) rather than at once; a backend down until
+/// a probe says otherwise, or an empty fleet, gives no time.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn with_every_backend_down_the_refusal_says_when_the_first_cooldown_ends() {
+    let streams = Streams::default();
+    let mut svc =
+        SessionAffinityLayer::new().layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
+    svc.apply_discovery();
+    let retry_after = |err: &Error| match err {
+        Error::NoBackends { retry_after, .. } => *retry_after,
+        other => panic!("{other}"),
+    };
+    // Down until a probe says otherwise: no time to give.
+    assert!(svc.mark_down("a1", None));
+    assert!(svc.mark_down("b1", None));
+    let err = send(&mut svc, Some("s"), None).await.unwrap_err();
+    assert_eq!(retry_after(&err), None);
+    assert_eq!(
+        answer(svc.clone(), request(Some("s"), None))
+            .await
+            .headers()
+            .get("retry-after"),
+        None
+    );
+    // One of them in a failure cooldown of 5 s, 1.5 s of it gone: 3.5 s left, said as 4.
+    svc.mark_down("b1", Some(Duration::from_secs(5)));
+    tokio::time::advance(Duration::from_millis(1_500)).await;
+    let err = send(&mut svc, Some("s"), None).await.unwrap_err();
+    assert_eq!(retry_after(&err), Some(Duration::from_millis(3_500)));
+    assert_eq!(err.to_string(), "no backends available; retry after 4 s");
+    let res = answer(svc.clone(), request(Some("s"), None)).await;
+    assert_eq!(res.status(), 503);
+    assert_eq!(res.headers()["retry-after"], "4");
+    // The other's shorter cooldown is the first to end.
+    svc.mark_down("a1", Some(Duration::from_secs(2)));
+    let err = send(&mut svc, Some("s"), None).await.unwrap_err();
+    assert_eq!(retry_after(&err), Some(Duration::from_secs(2)));
+    // When it has, the request is served there.
+    tokio::time::advance(Duration::from_secs(2)).await;
+    let res = send(&mut svc, Some("s"), None).await.unwrap();
+    assert_eq!(decision(&res).backend.as_str(), "a1");
+    assert_eq!(svc.stats().no_backends, 5);
+}
+
+/// An empty fleet gives no time to come back after.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn an_empty_fleet_gives_no_time_to_retry_after() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new().layer(fleet(&[], &streams));
+    let err = send(&mut svc, Some("s"), None).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::NoBackends {
+                retry_after: None,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(err.retry_after(), None);
+}
+
 /// a slot it would never take (and being told `Saturated`).
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_policy_passing_over_every_backend_up_has_no_backends() {
@@ -4083,13 +4147,13 @@ async fn a_policy_passing_over_every_backend_up_has_no_backends() {
     let started = tokio::time::Instant::now();
     let req = avoiding(request(Some("s"), None), &["a1", "b1"]);
     let err = send_req(&mut svc, req).await.unwrap_err();
-    assert!(matches!(err, Error::NoBackends), "{err}");
+    assert!(matches!(err, Error::NoBackends { .. }), "{err}");
     assert_eq!(started.elapsed(), Duration::ZERO);
     // One passed over and the other down: none either.
     assert!(svc.mark_down("b1", None));
     let req = avoiding(request(Some("s"), None), &["a1"]);
     let err = send_req(&mut svc, req).await.unwrap_err();
-    assert!(matches!(err, Error::NoBackends), "{err}");
+    assert!(matches!(err, Error::NoBackends { .. }), "{err}");
     assert_eq!(svc.stats().no_backends, 2);
     // One left it may take, but full: that one is waited for.
     assert!(svc.mark_up("b1"));
@@ -4353,7 +4417,7 @@ async fn a_policy_offering_nothing_while_every_backend_is_down_has_no_backends()
     assert!(svc.mark_down("a1", None) && svc.mark_down("b1", None));
     let started = tokio::time::Instant::now();
     let err = send(&mut svc, Some("s"), None).await.unwrap_err();
-    assert!(matches!(err, Error::NoBackends), "{err}");
+    assert!(matches!(err, Error::NoBackends { .. }), "{err}");
     assert_eq!(started.elapsed(), Duration::ZERO);
     let stats = svc.stats();
     assert_eq!((stats.no_backends, stats.rejected), (1, 0));
@@ -4365,7 +4429,7 @@ async fn a_policy_offering_nothing_while_every_backend_is_down_has_no_backends()
     svc.ready().await.unwrap();
     assert!(svc.mark_down("a1", None));
     let err = send(&mut svc, None, None).await.unwrap_err();
-    assert!(matches!(err, Error::NoBackends), "{err}");
+    assert!(matches!(err, Error::NoBackends { .. }), "{err}");
     // One back up, and full: that one is waited for, as before.
     assert!(svc.mark_up("a1"));
     let held = send(&mut svc, Some("t"), Some("stream")).await.unwrap();
@@ -4440,7 +4504,7 @@ async fn a_policy_places_by_what_discovery_attached_to_each_backend() {
     }
     assert_eq!(seen.into_iter().collect::<Vec<_>>(), ["a1", "g1"]);
     let err = send_req(&mut svc, of("globex", "g")).await.unwrap_err();
-    assert!(matches!(err, Error::NoBackends), "{err}");
+    assert!(matches!(err, Error::NoBackends { .. }), "{err}");
 }
 
 /// A token count is placed apart from its session, but by the same policy, which sees what

@@ -712,7 +712,7 @@ async fn client(id: usize, svc: Svc, s: Settings, deadline: Instant, tally: Arc<
                     // Back off a little, as a client told to retry later would.
                     tokio::time::sleep(Duration::from_millis(5 + rng.below(30))).await;
                 }
-                Err(Error::NoBackends) => {
+                Err(Error::NoBackends { .. }) => {
                     bump(&tally.no_backends);
                     tokio::time::sleep(Duration::from_millis(5 + rng.below(20))).await;
                 }
