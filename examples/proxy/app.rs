@@ -798,6 +798,27 @@ impl Proxy {
     }
 }
 
+/// The proxy's log at `level`: to stderr, coloured only on a terminal, so that log files stay
+/// plain text. A line that cannot be written is dropped: tracing-subscriber would otherwise
+/// report the failure with `eprintln!`, which panics when stderr is a pipe whose reader has
+/// gone (`proxy 2>&1 | tee log` with `tee` stopped, a log shipper restarted), and the proxy
+/// would stop with it, or lose the task that logged (a probe's, for good).
+pub(crate) fn logs(
+    level: tracing::Level,
+) -> tracing_subscriber::fmt::SubscriberBuilder<
+    tracing_subscriber::fmt::format::DefaultFields,
+    tracing_subscriber::fmt::format::Format,
+    tracing_subscriber::filter::LevelFilter,
+    fn() -> std::io::Stderr,
+> {
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr as fn() -> std::io::Stderr)
+        .with_ansi(ansi)
+        .log_internal_errors(false)
+}
+
 /// Refuses two backends of one id: one server given twice would count its slots twice.
 pub(crate) fn one_id_each(backends: &[BackendSpec]) -> Result<(), String> {
     let mut ids = HashSet::new();

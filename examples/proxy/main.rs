@@ -59,13 +59,7 @@ fn main() -> ExitCode {
     } else {
         tracing::Level::INFO
     };
-    // Logs go to stderr, coloured only on a terminal so log files stay plain text.
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    tracing_subscriber::fmt()
-        .with_max_level(level)
-        .with_writer(std::io::stderr)
-        .with_ansi(ansi)
-        .init();
+    app::logs(level).init();
 
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     runtime.enable_all();

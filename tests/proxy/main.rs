@@ -2817,6 +2817,37 @@ fn a_bad_tokio_worker_threads_is_an_error_not_a_panic() {
     );
 }
 
+/// The proxy's log goes on when its stderr is a pipe whose reader has gone (`proxy 2>&1 |
+/// tee log`, `tee` stopped): the line is lost, the proxy is not. The test runs itself again
+/// with stderr such a pipe, and the run logs there.
+#[test]
+fn a_log_whose_reader_has_gone_loses_the_line_not_the_proxy() {
+    const CHILD: &str = "TOWER_AFFINITY_TEST_LOG_TO_A_CLOSED_PIPE";
+    const NAME: &str = "a_log_whose_reader_has_gone_loses_the_line_not_the_proxy";
+    if std::env::var_os(CHILD).is_some() {
+        let logs = app::logs(tracing::Level::INFO).finish();
+        tracing::subscriber::with_default(logs, || {
+            tracing::info!(backend = "gpu-0", "backend up");
+            tracing::warn!("and a second line");
+        });
+        return;
+    }
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let status = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([NAME, "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD, "1")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(writer)
+        .status()
+        .unwrap();
+    assert!(
+        status.success(),
+        "logging to a pipe whose reader has gone ended the run: {status}"
+    );
+}
+
 /// A switch takes no value: `--ask-stream-usage=false` is refused, not read as the switch.
 #[test]
 fn a_switch_given_a_value_is_refused() {
