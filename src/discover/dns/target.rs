@@ -125,6 +125,14 @@ impl FromStr for DnsTarget {
         if s.starts_with('_') {
             return DnsTarget::srv(s);
         }
+        // `http://llm.internal:8080`, as a backend's URL is written: read as a name and a
+        // port, it would be refused for a reason that misleads (an IPv6 address's brackets).
+        if let Some((scheme, _)) = s.split_once("://") {
+            return Err(invalid(
+                s,
+                &format!("a DNS target is NAME:PORT, not a URL: leave out {scheme}://"),
+            ));
+        }
         let Some((name, port)) = s.rsplit_once(':') else {
             return Err(invalid(
                 s,
@@ -206,6 +214,10 @@ mod tests {
             ("fd00::1:8080", "[ADDRESS]:PORT"),
             ("fd00::7", "[ADDRESS]:PORT"),
             ("[fd00::1:8080", "[ADDRESS]:PORT"),
+            // A URL, as a backend's is written: the scheme is what is wrong.
+            ("http://backends.test:8080", "not a URL: leave out http://"),
+            ("http://backends.test", "not a URL: leave out http://"),
+            ("http://[fd00::1]:8080", "not a URL: leave out http://"),
         ] {
             let e = bad.parse::<DnsTarget>().unwrap_err();
             assert_eq!(e.kind(), DnsErrorKind::InvalidTarget, "{bad}");
