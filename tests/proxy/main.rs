@@ -2047,6 +2047,78 @@ async fn the_only_backend_failing_is_502_not_no_backends() {
     assert_eq!(proxy.status("only").failures, 1);
 }
 
+/// A backend that closes a pooled connection just as a request goes out on it (llama-server
+/// closes its connection after each streamed answer, unannounced, and a request a freed
+/// slot lets through takes it back from the pool before the close is seen) never read that
+/// request: it is sent again on another connection, and the backend is not failed for it.
+#[tokio::test]
+async fn a_request_on_a_connection_its_backend_closed_unanswered_is_sent_again_on_another() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // Each connection: its first request answered, its second read and left unanswered, the
+    // connection closed.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        for _ in 0..16 {
+            let Ok((mut conn, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut seen = Vec::new();
+                let mut buf = [0u8; 4096];
+                for answered in [true, false] {
+                    // One request: its head, then the body its Content-Length gives.
+                    let want = loop {
+                        if let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
+                            let head = String::from_utf8_lossy(&seen[..end]).to_ascii_lowercase();
+                            let length = (head.lines())
+                                .find_map(|l| l.strip_prefix("content-length:"))
+                                .map_or(0, |n| n.trim().parse::<usize>().unwrap());
+                            break end + 4 + length;
+                        }
+                        match conn.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => seen.extend_from_slice(&buf[..n]),
+                        }
+                    };
+                    while seen.len() < want {
+                        match conn.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => seen.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    seen.drain(..want);
+                    if !answered {
+                        return;
+                    }
+                    let body = r#"{"choices":[{"message":{"role":"assistant","content":"hi"}}]}"#;
+                    let head = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                        body.len()
+                    );
+                    if conn.write_all((head + body).as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let proxy = start(config_of(&[format!(
+        "node-a=http://{addr},slots=2,id=only"
+    )]))
+    .await;
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+    for turn in 0..3 {
+        let res = proxy.post_json(&[("x-session-id", "s")], &body).await;
+        let text = String::from_utf8_lossy(&res.body);
+        assert_eq!(res.status, StatusCode::OK, "turn {turn}: {text}");
+        assert_eq!(res.backend(), "only");
+    }
+    assert_eq!(proxy.status("only").failures, 0);
+    assert!(proxy.status("only").healthy);
+    server.abort();
+}
+
 /// When every backend names its model, a request naming none of them goes to the first
 /// model given.
 #[tokio::test]
