@@ -63,7 +63,10 @@ async fn proxy(backends: &[(&str, &str, String)]) -> Result<(Router, ProbeTask),
     });
     let http = HttpBackend::<Full<Bytes>>::builder()
         .connect_timeout(Duration::from_secs(2))
-        .response_timeout(Duration::from_secs(600));
+        .response_timeout(Duration::from_secs(600))
+        // llama-server closes its connection after each streamed answer, unannounced: a
+        // request sent on it just then, never read, is sent again on another.
+        .resend_on_close(true);
     let mut fleet = Vec::new();
     for (id, node, url) in backends {
         // No `.slots(n)`: the probe reads them from `/slots`.

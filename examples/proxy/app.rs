@@ -74,7 +74,7 @@ use tower::discover::Change;
 use tower::retry::Retry;
 use tower::util::Oneshot;
 use tower::{Layer, Service, ServiceBuilder, ServiceExt};
-use tower_affinity::client::{BackendBody, FailureKind, HttpBackend, HttpBackendError};
+use tower_affinity::client::{BackendBody, HttpBackend, HttpBackendError};
 use tower_affinity::discover::dns::{
     DnsEndpoint, DnsFleet, DnsFleetBuilder, DnsHandle, DnsStats, DnsTarget,
 };
@@ -306,6 +306,8 @@ impl Config {
             .response_timeout(self.response_timeout)
             .body_idle_timeout(self.body_idle_timeout)
             .tcp_keepalive(self.tcp_keepalive)
+            // llama-server closes its connection after each streamed answer, unannounced.
+            .resend_on_close(true)
     }
 
     /// The cache budget of the backend with id `id`, in tokens: what the cache model assumes
@@ -343,59 +345,7 @@ impl Service<Request<ReqBody>> for Upstream {
     fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
         match self.per_client.then(per_client::current).flatten() {
             Some(conns) => Route::Right(Box::pin(per_client::send(conns, &self.http, req))),
-            None => {
-                let again = copy_of(&req);
-                Route::Left(Pooled {
-                    fut: self.http.call(req),
-                    again: Some((self.http.clone(), again)),
-                })
-            }
-        }
-    }
-}
-
-/// `req` again, to be sent once more: its method, URI, version, headers and body (the
-/// extensions are the balancer's, read before the request reaches its backend).
-fn copy_of(req: &Request<ReqBody>) -> Request<ReqBody> {
-    let mut copy = Request::new(req.body().clone());
-    *copy.method_mut() = req.method().clone();
-    *copy.uri_mut() = req.uri().clone();
-    *copy.version_mut() = req.version();
-    *copy.headers_mut() = req.headers().clone();
-    copy
-}
-
-pin_project! {
-    /// The response future of a request on the pooled client: sent once more, on another
-    /// connection, if the one it went out on closed before any answer came.
-    ///
-    /// A pooled connection can be closed by its backend just as a request goes out on it:
-    /// llama-server closes its connection after each streamed answer, without saying so in
-    /// advance (no `Connection: close`), and a request that a freed slot lets through at that
-    /// moment takes the connection back from the pool before its close is seen. The backend
-    /// never read that request; counted as its failure, it would be passed over for the
-    /// failure cooldown, healthy, and its sessions moved. A backend that is really gone fails
-    /// the second sending too (its connection refused), and that is its failure.
-    pub(crate) struct Pooled {
-        #[pin]
-        fut: tower_affinity::client::ResponseFuture,
-        again: Option<(HttpBackend<ReqBody>, Request<ReqBody>)>,
-    }
-}
-
-impl Future for Pooled {
-    type Output = Result<Response<BackendBody>, HttpBackendError>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let mut this = self.as_mut().project();
-        let answer = ready!(this.fut.as_mut().poll(cx));
-        match (answer, this.again.take()) {
-            (Err(e), Some((mut http, req))) if e.kind() == FailureKind::Reset => {
-                tracing::debug!(backend = %http.base_uri(), error = %e, "connection closed before the answer; sent again");
-                this.fut.set(http.call(req));
-                this.fut.poll(cx)
-            }
-            (answer, _) => Poll::Ready(answer),
+            None => Route::Left(self.http.call(req)),
         }
     }
 }
@@ -412,7 +362,7 @@ impl ProbeTarget for Upstream {
 
 /// The response future of [`Upstream`]: the pooled client's, or a client connection's own.
 pub(crate) type UpstreamFuture = Route<
-    Pooled,
+    tower_affinity::client::ResponseFuture,
     Pin<Box<dyn Future<Output = Result<Response<BackendBody>, HttpBackendError>> + Send>>,
 >;
 

@@ -11,7 +11,7 @@ use pin_project_lite::pin_project;
 
 use super::backend_body::BackendBody;
 use super::body::Sending;
-use super::error::HttpBackendError;
+use super::error::{FailureKind, HttpBackendError};
 use super::hop_by_hop::strip;
 
 /// `res` as it goes back to the client (see
@@ -45,6 +45,10 @@ pub(crate) fn finish_response<T>(res: &mut http::Response<T>) -> Result<(), Http
     Ok(())
 }
 
+/// Sends a copy of the request once more: the client's future, and what its body does.
+pub(crate) type Again =
+    Box<dyn FnOnce() -> (hyper_util::client::legacy::ResponseFuture, Arc<Sending>) + Send>;
+
 pin_project! {
     /// The response future of [`HttpBackend`](super::HttpBackend): the client's, with a
     /// deadline for the response headers if one is set, errors classified, hop-by-hop
@@ -66,6 +70,8 @@ pin_project! {
             // The idle timeout between the frames of the answer's body.
             idle: Option<Duration>,
             sending: Arc<Sending>,
+            // The request once more, if its connection closes before any answer.
+            again: Option<Again>,
         },
         Failed { error: Option<HttpBackendError> },
     }
@@ -77,6 +83,7 @@ impl ResponseFuture {
         timeout: Option<Duration>,
         idle: Option<Duration>,
         sending: Arc<Sending>,
+        again: Option<Again>,
     ) -> Self {
         ResponseFuture {
             state: State::Sending {
@@ -85,6 +92,7 @@ impl ResponseFuture {
                 after: timeout.unwrap_or_default(),
                 idle,
                 sending,
+                again,
             },
         }
     }
@@ -113,19 +121,29 @@ impl Future for ResponseFuture {
                 after,
                 idle,
                 sending,
+                again,
             } => {
-                if let Poll::Ready(res) = Pin::new(fut).poll(cx) {
-                    let mut res = res.map_err(|e| {
-                        if sending.failed() {
-                            HttpBackendError::request_body(e.into())
-                        } else {
-                            HttpBackendError::classify(e.into())
+                while let Poll::Ready(res) = Pin::new(&mut *fut).poll(cx) {
+                    let e = match res {
+                        Ok(mut res) => {
+                            let idle = *idle;
+                            return Poll::Ready(
+                                finish_response(&mut res)
+                                    .map(|()| res.map(|b| BackendBody::new(b, idle))),
+                            );
                         }
-                    })?;
-                    let idle = *idle;
-                    return Poll::Ready(
-                        finish_response(&mut res).map(|()| res.map(|b| BackendBody::new(b, idle))),
-                    );
+                        Err(e) if sending.failed() => HttpBackendError::request_body(e.into()),
+                        Err(e) => HttpBackendError::classify(e.into()),
+                    };
+                    // Its connection closed before any answer: the backend never read it
+                    // (see `Builder::resend_on_close`). Sent once more, on another.
+                    match again.take() {
+                        Some(send) if e.kind() == FailureKind::Reset => {
+                            tracing::debug!(error = %e, "connection closed before any answer; the request sent again");
+                            (*fut, *sending) = send();
+                        }
+                        _ => return Poll::Ready(Err(e)),
+                    }
                 }
                 if let Some(deadline) = deadline.as_pin_mut() {
                     ready!(deadline.poll(cx));

@@ -16,7 +16,7 @@ use hyper_util::rt::TokioExecutor;
 use super::backend_body::BackendBody;
 use super::body::{Sending, SentBody};
 use super::error::{HttpBackendError, InvalidBackendUrl};
-use super::future::{finish_response, ResponseFuture};
+use super::future::{finish_response, Again, ResponseFuture};
 use super::hop_by_hop::{accepts_trailers, strip};
 
 /// One backend reached over HTTP: a `tower::Service` that sends each request to the backend's
@@ -35,6 +35,11 @@ use super::hop_by_hop::{accepts_trailers, strip};
 /// Its connections have TCP keepalive on ([`Builder::tcp_keepalive`]): a backend host that
 /// vanishes (powered off, its network cut, no FIN or RST sent) fails the requests it was
 /// answering within about a minute, where the connection would otherwise wait forever.
+///
+/// In front of llama-server, turn on [`Builder::resend_on_close`]: it closes its connection
+/// after each streamed answer, unannounced, and a request that goes out on it just then is
+/// never read; sent again on another connection, it is answered, where it would otherwise
+/// count as the backend's failure.
 ///
 /// Cheap to clone (one reference count): the balancer clones it for every request. Clones
 /// share one pool of connections. Always ready: the pool opens connections as needed.
@@ -80,6 +85,22 @@ struct Inner<B> {
     version: Version,
     response_timeout: Option<Duration>,
     body_idle_timeout: Option<Duration>,
+    /// A copy of a request to send once more ([`Builder::resend_on_close`]).
+    resend: Option<Copy<B>>,
+}
+
+/// Makes a copy of a request, to send it once more.
+type Copy<B> = fn(&Request<B>) -> Request<B>;
+
+/// `req` again: its method, URI, version, headers and body. (Its extensions are the
+/// caller's, and nothing of them goes on the wire.)
+fn copy_request<B: Clone>(req: &Request<B>) -> Request<B> {
+    let mut copy = Request::new(req.body().clone());
+    *copy.method_mut() = req.method().clone();
+    *copy.uri_mut() = req.uri().clone();
+    *copy.version_mut() = req.version();
+    *copy.headers_mut() = req.headers().clone();
+    copy
 }
 
 impl<B> Clone for HttpBackend<B> {
@@ -97,6 +118,7 @@ impl<B> fmt::Debug for HttpBackend<B> {
             .field("version", &self.inner.version)
             .field("response_timeout", &self.inner.response_timeout)
             .field("body_idle_timeout", &self.inner.body_idle_timeout)
+            .field("resend_on_close", &self.inner.resend.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -333,21 +355,38 @@ where
     fn call(&mut self, req: Request<B>) -> Self::Future {
         match self.prepare(req, true) {
             Ok(req) => {
-                // Whether the request's body fails while it is sent, or is still awaited from
-                // the client when the response timeout passes: the request's fault, which the
-                // client's error does not tell apart from the backend's (HTTP/2 resets the
-                // stream), nor the timeout.
-                let sending = Arc::new(Sending::default());
-                let req = req.map(|body| SentBody::new(body, sending.clone()));
+                let again = self.inner.resend.map(|copy| {
+                    let (inner, req) = (self.inner.clone(), copy(&req));
+                    Box::new(move || inner.send(req)) as Again
+                });
+                let (fut, sending) = self.inner.send(req);
                 ResponseFuture::new(
-                    self.inner.client.request(req),
+                    fut,
                     self.inner.response_timeout,
                     self.inner.body_idle_timeout,
                     sending,
+                    again,
                 )
             }
             Err(e) => ResponseFuture::failed(e),
         }
+    }
+}
+
+impl<B> Inner<B>
+where
+    B: http_body::Body + Send + Unpin + 'static,
+    B::Data: Send,
+    B::Error: Into<crate::BoxError>,
+{
+    /// Sends `req`, prepared, on the pool. The [`Sending`] says whether the request's body
+    /// failed while it was sent, or was still awaited from the client when the response
+    /// timeout passed: the request's fault, which the client's error does not tell apart
+    /// from the backend's (HTTP/2 resets the stream), nor the timeout.
+    fn send(&self, req: Request<B>) -> (hyper_util::client::legacy::ResponseFuture, Arc<Sending>) {
+        let sending = Arc::new(Sending::default());
+        let req = req.map(|body| SentBody::new(body, sending.clone()));
+        (self.client.request(req), sending)
     }
 }
 
@@ -377,6 +416,7 @@ pub struct Builder<B> {
     http2: bool,
     pool_idle_timeout: Option<Duration>,
     pool_max_idle_per_host: usize,
+    resend: Option<Copy<B>>,
     _body: PhantomData<fn(B)>,
 }
 
@@ -396,6 +436,7 @@ impl<B> Clone for Builder<B> {
             http2: self.http2,
             pool_idle_timeout: self.pool_idle_timeout,
             pool_max_idle_per_host: self.pool_max_idle_per_host,
+            resend: self.resend,
             _body: PhantomData,
         }
     }
@@ -411,6 +452,7 @@ impl<B> fmt::Debug for Builder<B> {
             .field("http2", &self.http2)
             .field("pool_idle_timeout", &self.pool_idle_timeout)
             .field("pool_max_idle_per_host", &self.pool_max_idle_per_host)
+            .field("resend_on_close", &self.resend.is_some())
             .finish()
     }
 }
@@ -431,6 +473,7 @@ impl<B> Builder<B> {
             http2: false,
             pool_idle_timeout: Some(Duration::from_secs(90)),
             pool_max_idle_per_host: usize::MAX,
+            resend: None,
             _body: PhantomData,
         }
     }
@@ -653,8 +696,45 @@ impl<B> Builder<B> {
                 },
                 response_timeout: self.response_timeout,
                 body_idle_timeout: self.body_idle_timeout,
+                resend: self.resend,
             }),
         })
+    }
+}
+
+impl<B: Clone> Builder<B> {
+    /// Send a request once more, on another connection, when the connection it went out on
+    /// closes before any answer comes (off by default; for a request body that is `Clone`,
+    /// as [`BodyKeyLayer`](crate::key::BodyKeyLayer)'s `Full<Bytes>` is). Turn it on in front
+    /// of llama-server.
+    ///
+    /// llama-server closes its connection after each streamed answer, without saying so
+    /// ahead (no `Connection: close`). The slot that answer frees lets a waiting request
+    /// through at that very moment, and the request goes out on the same connection, taken
+    /// back from the pool before the close is seen: the backend never reads it, and it fails
+    /// with [`FailureKind::Reset`](super::FailureKind::Reset). Counted as the backend's
+    /// failure, a healthy backend is passed over for the failure cooldown and its sessions
+    /// move. Sent again, it is answered. A backend that is really gone fails the second
+    /// sending too (its connection refused), and that is its failure. The response timeout
+    /// counts from the first sending.
+    ///
+    /// Each request then keeps a copy of its head (and a clone of its body) until its
+    /// answer's headers come.
+    ///
+    /// ```
+    /// use http_body_util::Full;
+    /// use bytes::Bytes;
+    /// use tower_affinity::client::HttpBackend;
+    ///
+    /// let backend = HttpBackend::<Full<Bytes>>::builder()
+    ///     .resend_on_close(true)
+    ///     .build("http://10.0.0.1:8080")
+    ///     .unwrap();
+    /// assert!(format!("{backend:?}").contains("resend_on_close: true"));
+    /// ```
+    pub fn resend_on_close(mut self, on: bool) -> Self {
+        self.resend = on.then_some(copy_request::<B> as Copy<B>);
+        self
     }
 }
 

@@ -311,6 +311,101 @@ async fn a_connection_closed_before_any_answer_is_a_reset() {
     assert_eq!(e.kind(), FailureKind::Reset, "{e}");
 }
 
+/// A server that answers the first request on each connection and closes the connection
+/// after reading the second, unanswered: as llama-server closes its connection after a
+/// streamed answer while a request goes out on it. Counts its connections.
+async fn answering_one_a_connection() -> (SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let connections = Arc::new(AtomicUsize::new(0));
+    let counted = connections.clone();
+    let addr = raw(move |mut stream| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        async move {
+            let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+            if stream.write_all(answer).await.is_err() {
+                return;
+            }
+            // The next request's head, read and left unanswered.
+            let (mut head, mut buf) = (Vec::new(), [0u8; 1024]);
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                match stream.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => head.extend_from_slice(&buf[..n]),
+                }
+            }
+        }
+    })
+    .await;
+    (addr, connections)
+}
+
+#[tokio::test]
+async fn a_request_on_a_connection_closed_unanswered_is_sent_again_on_another_when_asked() {
+    use std::sync::atomic::Ordering;
+    let get = || Request::get("/v1/models").body(Body::default()).unwrap();
+    // Asked: the second request, on the first connection, is sent again on a second one.
+    let (addr, connections) = answering_one_a_connection().await;
+    let backend = HttpBackend::builder()
+        .resend_on_close(true)
+        .build(&url(addr))
+        .unwrap();
+    for turn in 0..2 {
+        let res = call(&backend, get()).await.unwrap();
+        assert_eq!(res.status(), 200, "turn {turn}");
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], b"ok", "turn {turn}");
+    }
+    assert_eq!(connections.load(Ordering::SeqCst), 2);
+    // Not asked (the default): the second request fails, its connection reset.
+    let (addr, _) = answering_one_a_connection().await;
+    let backend = HttpBackend::new(&url(addr)).unwrap();
+    let res = call(&backend, get()).await.unwrap();
+    res.into_body().collect().await.unwrap();
+    let e = call(&backend, get()).await.unwrap_err();
+    assert_eq!(e.kind(), FailureKind::Reset, "{e}");
+}
+
+/// A backend that is gone fails the second sending too: the failure is its, once.
+#[tokio::test]
+async fn a_request_sent_again_to_a_backend_that_is_gone_fails_as_refused() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(async move {
+        // One connection: its first request answered, its second read, then the listener
+        // closed with the connection, as a backend that stops.
+        let (mut stream, _) = listener.accept().await.unwrap();
+        let (mut head, mut buf) = (Vec::new(), [0u8; 1024]);
+        for answered in [true, false] {
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                match stream.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => head.extend_from_slice(&buf[..n]),
+                }
+            }
+            head.clear();
+            if answered {
+                let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                stream.write_all(answer).await.unwrap();
+            }
+        }
+    });
+    let backend = HttpBackend::builder()
+        .resend_on_close(true)
+        .build(&url(addr))
+        .unwrap();
+    let get = || Request::get("/").body(Body::default()).unwrap();
+    let res = call(&backend, get()).await.unwrap();
+    res.into_body().collect().await.unwrap();
+    // The server reads the second request and stops, listener and all, before answering.
+    let second = tokio::spawn({
+        let backend = backend.clone();
+        async move { call(&backend, get()).await }
+    });
+    server.await.unwrap();
+    let e = second.await.unwrap().unwrap_err();
+    assert_eq!(e.kind(), FailureKind::Refused, "{e}");
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn no_response_headers_within_the_timeout_is_a_504_timeout() {
     // Reads the request, then never answers; the socket stays open.
