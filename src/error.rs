@@ -47,7 +47,8 @@ pub enum Error {
     /// comes back (a llama-server restarting: its refused connection took it down for the
     /// cooldown), which the message and the `Retry-After` header give in whole seconds,
     /// rounded up; `None` when none is (the fleet is empty, or its backends are down until a
-    /// probe says otherwise).
+    /// probe says otherwise). A backend the policy passed over for the request does not
+    /// count: its coming back does not serve it.
     #[non_exhaustive]
     NoBackends {
         /// A hint for the client's `Retry-After`.

@@ -337,7 +337,7 @@ where
                 record,
                 ..
             } => State::call((service, guard, decision, None, record), req, shared.finish),
-            Placed::Empty => State::fail(shared.no_backends()),
+            Placed::Empty { retry_after } => State::fail(shared.no_backends(retry_after)),
             Placed::Answered(first) => State::Answered { first: Some(first) },
             Placed::Full { .. } => {
                 shared.capacity.counters.count_rejected();
@@ -410,7 +410,7 @@ where
                     req,
                     shared.finish,
                 ),
-                Placed::Empty => State::fail(shared.no_backends()),
+                Placed::Empty { retry_after } => State::fail(shared.no_backends(retry_after)),
                 Placed::Answered(first) => State::Answered { first: Some(first) },
                 Placed::Full { home } => {
                     if let Overflow::Wait {
@@ -470,9 +470,9 @@ where
                     shared.finish,
                 )
             }
-            Placed::Empty => {
+            Placed::Empty { retry_after } => {
                 ticket.settle();
-                State::fail(shared.no_backends())
+                State::fail(shared.no_backends(retry_after))
             }
             Placed::Answered(first) => {
                 ticket.settle();
@@ -672,8 +672,8 @@ where
                             state.set(State::call(placed, r, finish));
                             drop(unused);
                         }
-                        Placed::Empty => {
-                            let error = w.shared.no_backends();
+                        Placed::Empty { retry_after } => {
+                            let error = w.shared.no_backends(retry_after);
                             state.set(State::fail(error));
                         }
                         Placed::Answered(first) => {

@@ -211,8 +211,9 @@ pub(crate) enum Placed<S> {
     /// No candidate had a free slot, or waiting for `home` was ruled cheaper than a slot
     /// taken elsewhere, which was given back.
     Full { home: WaitHome },
-    /// The fleet is empty, or every backend offered is marked down.
-    Empty,
+    /// The fleet is empty, or every backend offered is marked down: `retry_after` is when
+    /// the first of those the request may go to, down for a failure cooldown, comes back.
+    Empty { retry_after: Option<Duration> },
     /// A retried refusal that no other backend takes: the refusal answers.
     Answered(Box<crate::retry::FirstAnswer>),
 }
@@ -646,24 +647,13 @@ impl<B, P> Shared<B, P> {
     }
 
     /// The refusal of a request no backend can take, counted: with the time until the first
-    /// backend down for a failure cooldown comes back, if one is. (Out of line and cold: the
-    /// fleet is read again, which a placement that found nothing can afford.)
+    /// backend it may go to, down for a failure cooldown, comes back, if one is
+    /// ([`Placed::Empty`]).
     #[cold]
     #[inline(never)]
-    pub(crate) fn no_backends(&self) -> Error {
+    pub(crate) fn no_backends(&self, retry_after: Option<Duration>) -> Error {
         self.capacity.counters.count_no_backends();
-        let now_ms = self.capacity.now_ms(Instant::now());
-        let fleet = self.fleet.load();
-        let until = fleet
-            .topology
-            .members
-            .iter()
-            .filter(|m| m.live)
-            .map(|m| m.load.down_until.load(Ordering::Relaxed))
-            // `u64::MAX` is down until a probe says otherwise: no time to give.
-            .filter(|&u| u > now_ms && u < u64::MAX)
-            .min();
-        Error::no_backends(until.map(|u| Duration::from_millis(u - now_ms)))
+        Error::no_backends(retry_after)
     }
 
     /// When the first failure cooldown still running on a backend `home` waits for ends, if
@@ -692,6 +682,20 @@ impl<B, P> Shared<B, P> {
             .min()?;
         Some(self.capacity.instant_at(until)).filter(|&t| t < by)
     }
+}
+
+/// How long until the first backend the request may go to (one the policy did not pass over),
+/// down for a failure cooldown, comes back: the `Retry-After` of its refusal. A backend the
+/// policy passed over coming back does not serve it, and one down until a probe says
+/// otherwise (`u64::MAX`) gives no time.
+#[cold]
+fn first_back(t: &Topology, now_ms: u64, candidates: &Candidates<'_>) -> Option<Duration> {
+    let until = (0..t.members.len() as u32)
+        .filter(|&i| t.member(i).live && !candidates.is_passed_over(i))
+        .map(|i| t.member(i).load.down_until.load(Ordering::Relaxed))
+        .filter(|&u| u > now_ms && u < u64::MAX)
+        .min()?;
+    Some(Duration::from_millis(until - now_ms))
 }
 
 /// Offers a request that continues a stored response the one backend that stores it: the
@@ -741,7 +745,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             self.capacity.counters.count_refusal(false);
         }
         if t.live.is_empty() {
-            return Placed::Empty;
+            return Placed::Empty { retry_after: None };
         }
         let home_backend = known.and_then(|h| t.resolve(h.backend, h.generation));
         // A backend can move to another node (discovery updated it): its node now is the home
@@ -897,7 +901,8 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
                 (i, true)
             }
             (None, None) if candidates.saw_down() || candidates.passed_over_every_backend_up() => {
-                return Placed::Empty
+                let retry_after = first_back(t, now_ms, &candidates);
+                return Placed::Empty { retry_after };
             }
             _ => return full(),
         };

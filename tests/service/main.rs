@@ -4070,8 +4070,6 @@ fn avoiding(mut req: Req, names: &'static [&'static str]) -> Req {
     req
 }
 
-/// A policy that passes over every backend that is up has none for the request: it fails at
-/// once with `NoBackends`, as over an empty fleet, rather than waiting out its `max_wait` for
 /// With every backend down, the refusal says when the first failure cooldown ends, so that a
 /// client retries then (a llama-server restarting) rather than at once; a backend down until
 /// a probe says otherwise, or an empty fleet, gives no time.
@@ -4136,6 +4134,48 @@ async fn an_empty_fleet_gives_no_time_to_retry_after() {
     assert_eq!(err.retry_after(), None);
 }
 
+/// A backend the policy passes over is no backend for the request, down or up: the end of
+/// its failure cooldown is no time to retry after. The first cooldown to end among those the
+/// request may go to is.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_backend_passed_over_gives_no_time_to_retry_after() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .placement(AvoidNamed)
+        .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
+    svc.apply_discovery();
+    // a1 passed over, back in 2 s; b1 down until a probe says otherwise: no time to give.
+    svc.mark_down("a1", Some(Duration::from_secs(2)));
+    assert!(svc.mark_down("b1", None));
+    let err = send_req(&mut svc, avoiding(request(Some("s"), None), &["a1"]))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::NoBackends {
+                retry_after: None,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let res = answer(svc.clone(), avoiding(request(Some("s"), None), &["a1"])).await;
+    assert_eq!(res.status(), 503);
+    assert_eq!(res.headers().get("retry-after"), None);
+    // b1 in a cooldown of 5 s: that one, not a1's 2 s.
+    svc.mark_down("b1", Some(Duration::from_secs(5)));
+    let err = send_req(&mut svc, avoiding(request(Some("s"), None), &["a1"]))
+        .await
+        .unwrap_err();
+    assert_eq!(err.retry_after(), Some(Duration::from_secs(5)), "{err}");
+    // Neither passed over: a1's, the first to end.
+    let err = send(&mut svc, Some("s"), None).await.unwrap_err();
+    assert_eq!(err.retry_after(), Some(Duration::from_secs(2)), "{err}");
+}
+
+/// A policy that passes over every backend that is up has none for the request: it fails at
+/// once with `NoBackends`, as over an empty fleet, rather than waiting out its `max_wait` for
 /// a slot it would never take (and being told `Saturated`).
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_policy_passing_over_every_backend_up_has_no_backends() {
