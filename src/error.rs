@@ -222,10 +222,11 @@ impl Error {
     /// {"error":{"code":503,"message":"no backends available","type":"unavailable_error"}}
     /// ```
     ///
-    /// `code` is the status; `type` is `rate_limit_error` for 429, `not_supported_error` for
-    /// 501, `unavailable_error` for 503, `timeout_error` for 504, `invalid_request_error` for
-    /// any other 4xx and `server_error` for the rest. For a proxy's own refusals in the same
-    /// shape:
+    /// `code` is the status; `type` is llama-server's for the statuses it names,
+    /// `authentication_error` for 401, `permission_error` for 403, `not_found_error` for 404,
+    /// `not_supported_error` for 501 and `unavailable_error` for 503, else `rate_limit_error`
+    /// for 429, `timeout_error` for 504, `invalid_request_error` for any other 4xx and
+    /// `server_error` for the rest. For a proxy's own refusals in the same shape:
     ///
     /// ```
     /// use http::StatusCode;
@@ -234,7 +235,7 @@ impl Error {
     /// let body = Error::json_body(StatusCode::UNAUTHORIZED, "no \"api key\"");
     /// assert_eq!(
     ///     &body[..],
-    ///     br#"{"error":{"code":401,"message":"no \"api key\"","type":"invalid_request_error"}}"#
+    ///     br#"{"error":{"code":401,"message":"no \"api key\"","type":"authentication_error"}}"#
     /// );
     /// ```
     pub fn json_body(status: StatusCode, message: &str) -> Bytes {
@@ -313,6 +314,9 @@ fn json_response<B>(status: StatusCode, message: &str) -> http::Response<Respons
 /// one for the status, else the nearest of OpenAI's and Anthropic's.
 fn error_type(status: StatusCode) -> &'static str {
     match status.as_u16() {
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
         429 => "rate_limit_error",
         501 => "not_supported_error",
         503 => "unavailable_error",
@@ -711,6 +715,9 @@ mod tests {
     fn an_error_body_is_llama_servers_error_object_with_the_type_of_its_status() {
         for (status, kind) in [
             (400, "invalid_request_error"),
+            (401, "authentication_error"),
+            (403, "permission_error"),
+            (404, "not_found_error"),
             (408, "invalid_request_error"),
             (413, "invalid_request_error"),
             (429, "rate_limit_error"),
