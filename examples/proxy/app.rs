@@ -1364,10 +1364,16 @@ impl Future for ByModelFuture {
                 .get::<tower_affinity::BackendId>()
                 .is_none();
         if refused && this.routes.routes.len() > 1 {
-            let text = match &route.model {
+            let mut text = match &route.model {
                 Some(model) => format!("no backends available for model {model:?}"),
                 None => "no backends available for the models not given a fleet".to_string(),
             };
+            // The balancer's time to retry after (a failure cooldown's end), said in the
+            // message as the balancer says it.
+            let after = res.headers().get(header::RETRY_AFTER);
+            if let Some(after) = after.and_then(|v| v.to_str().ok()) {
+                text = format!("{text}; retry after {after} s");
+            }
             *res.body_mut() =
                 ResponseBody::full(tower_affinity::Error::json_body(res.status(), &text));
         }

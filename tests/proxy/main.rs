@@ -2198,6 +2198,36 @@ async fn a_fleet_with_no_backend_up_says_which_model_it_serves() {
     assert_eq!(proxy.post_json(&[], &body).await.status, StatusCode::OK);
 }
 
+/// With several fleets, the balancer's 503 that names the fleet keeps its time to retry
+/// after: a fleet whose only backend refused a connection is back when its failure cooldown
+/// ends, and the message says so with the `Retry-After` header, as the balancer's own does.
+#[tokio::test]
+async fn with_several_fleets_the_503_naming_the_fleet_says_when_to_retry() {
+    let closed = Refusing::new();
+    let small = Stub::start("small", 2).await;
+    let backends = [
+        format!("node-a={},slots=2,id=small", small.url()),
+        format!(
+            "node-b=http://{},slots=2,id=coder,model=qwen3-coder",
+            closed.addr
+        ),
+    ];
+    let proxy = start(config_of(&backends)).await;
+    let body = json!({"model": "qwen3-coder", "messages": [{"role": "user", "content": "hi"}]});
+    // Refused: the backend's failure, and its cooldown begins.
+    let res = proxy.post_json(&[], &body).await;
+    assert_eq!(res.status, StatusCode::BAD_GATEWAY);
+    let res = proxy.post_json(&[], &body).await;
+    assert_eq!(res.status, StatusCode::SERVICE_UNAVAILABLE);
+    let after = res.header("retry-after");
+    assert!(after.parse::<u64>().is_ok_and(|s| s >= 1), "{after:?}");
+    let body: serde_json::Value = serde_json::from_slice(&res.body).unwrap();
+    assert_eq!(
+        body["error"]["message"],
+        format!("no backends available for model \"qwen3-coder\"; retry after {after} s")
+    );
+}
+
 /// With several fleets, a 503 that a backend gave (both backends of the default fleet
 /// loading, the retry's answer passed through) goes to the client as the backend gave it: the
 /// text naming the fleet is for the balancer's own 503 alone. It replaced the backend's body
