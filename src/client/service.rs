@@ -718,6 +718,13 @@ impl<B: Clone> Builder<B> {
     /// sending too (its connection refused), and that is its failure. The response timeout
     /// counts from the first sending.
     ///
+    /// A closed connection does not say whether the backend read the request: every request
+    /// whose connection closes before its answer's headers is sent again, one the backend
+    /// did read too (it crashed on it and was back at once, or something between cut the
+    /// connection while the backend was still reading a long prompt). A model server then
+    /// reads that prompt a second time; a backend whose requests act on something, and may
+    /// not run twice, is no backend for this setting.
+    ///
     /// Each request then keeps a copy of its head (and a clone of its body) until its
     /// answer's headers come.
     ///
