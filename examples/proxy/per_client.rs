@@ -20,11 +20,13 @@ use std::task::{Context, Poll, Waker};
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use http::{Response, Uri};
+use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
 use parking_lot::Mutex;
 use pin_project_lite::pin_project;
+use tokio::time::Instant;
 use tower::ServiceExt;
-use tower_affinity::client::{BackendBody, HttpBackend, HttpBackendError};
+use tower_affinity::client::{BackendBody, FailureKind, HttpBackend, HttpBackendError};
 
 use crate::app::ReqBody;
 
@@ -110,46 +112,97 @@ pub(crate) fn send(
 ) -> impl Future<Output = Result<Response<BackendBody>, HttpBackendError>> + Send + 'static {
     let http = http.clone();
     async move {
-        let failed = |e: Box<dyn std::error::Error + Send + Sync>| HttpBackendError::classify(e);
-        let base = http.base_uri().clone();
         // The request line carries the target in origin-form, as the pooled client writes it.
         // Prepared before a connection is taken: a request not forwarded (a `CONNECT`, a body
         // in a transfer coding other than `chunked`) would otherwise close a free connection,
         // or open one only to close it.
         // (The pooled client, past the bound, prepares it again, to the same effect.)
         let req = http.prepare(req, false)?;
-        let mut tx = match conns.take(&base) {
-            Ok(tx) => tx,
-            Err(true) => {
-                let io = http
-                    .connector()
-                    .clone()
-                    .oneshot(base.clone())
-                    .await
-                    .map_err(|e| failed(e.into()))?;
-                let (tx, conn) = http1::handshake(io).await.map_err(|e| failed(e.into()))?;
-                conns.drive(Box::pin(async move {
-                    if let Err(e) = conn.await {
-                        tracing::debug!(error = %e, "backend connection ended with an error");
-                    }
-                }));
-                tx
+        let again = http.resends_on_close().then(|| copy_of(&req));
+        let mut sent_at = None;
+        let res = match (send_own(&conns, &http, req, &mut sent_at).await, again) {
+            (Sent::Pooled(req), _) => return http.oneshot(req).await,
+            // Its connection closed before any answer: llama-server closes its connection
+            // after each streamed answer, unannounced, and the next request of this client
+            // connection can go out on it before the close is seen. The backend never read
+            // it: sent once more, on another connection, as the pooled client does
+            // (`Builder::resend_on_close`).
+            (Sent::Own(Err(e)), Some(req)) if e.kind() == FailureKind::Reset => {
+                tracing::debug!(backend = %http.base_uri(), error = %e, "connection closed before any answer; the request sent again");
+                match send_own(&conns, &http, req, &mut sent_at).await {
+                    Sent::Pooled(req) => return http.oneshot(req).await,
+                    Sent::Own(res) => res,
+                }
             }
-            Err(false) => return http.oneshot(req).await,
+            (Sent::Own(res), _) => res,
         };
-        let sent = tx.send_request(req);
-        conns.put(base, tx);
-        let mut res = match http.response_timeout() {
-            None => sent.await,
-            Some(after) => tokio::time::timeout(after, sent)
-                .await
-                .map_err(|_| HttpBackendError::response_timeout(after))?,
-        }
-        .map_err(|e| failed(e.into()))?
-        .map(|body| http.response_body(body));
+        let mut res = res?.map(|body| http.response_body(body));
         http.finish_response(&mut res)?;
         Ok(res)
     }
+}
+
+/// What [`send_own`] did with a request.
+enum Sent {
+    /// Sent on a connection of the client connection's own: the answer's head, or why none.
+    Own(Result<Response<Incoming>, HttpBackendError>),
+    /// Not sent: the client connection has [`MAX_PER_BACKEND`] connections to the backend
+    /// already, and the pooled client is to serve it.
+    Pooled(http::Request<ReqBody>),
+}
+
+/// Sends `req`, prepared, on one of `conns`' connections to `http`'s backend, opening one if
+/// none is free (one that closed is dropped). The response timeout counts from `sent_at`, the
+/// first sending's instant, which it sets if it is not set yet.
+async fn send_own(
+    conns: &ClientConns,
+    http: &HttpBackend<ReqBody>,
+    req: http::Request<ReqBody>,
+    sent_at: &mut Option<Instant>,
+) -> Sent {
+    let failed = |e: Box<dyn std::error::Error + Send + Sync>| HttpBackendError::classify(e);
+    let base = http.base_uri().clone();
+    let mut tx = match conns.take(&base) {
+        Ok(tx) => tx,
+        Err(true) => {
+            let io = match http.connector().clone().oneshot(base.clone()).await {
+                Ok(io) => io,
+                Err(e) => return Sent::Own(Err(failed(e.into()))),
+            };
+            let (tx, conn) = match http1::handshake(io).await {
+                Ok(handshake) => handshake,
+                Err(e) => return Sent::Own(Err(failed(e.into()))),
+            };
+            conns.drive(Box::pin(async move {
+                if let Err(e) = conn.await {
+                    tracing::debug!(error = %e, "backend connection ended with an error");
+                }
+            }));
+            tx
+        }
+        Err(false) => return Sent::Pooled(req),
+    };
+    let sent = tx.send_request(req);
+    conns.put(base, tx);
+    let sent_at = *sent_at.get_or_insert_with(Instant::now);
+    Sent::Own(match http.response_timeout() {
+        None => sent.await.map_err(|e| failed(e.into())),
+        Some(after) => match tokio::time::timeout_at(sent_at + after, sent).await {
+            Ok(res) => res.map_err(|e| failed(e.into())),
+            Err(_) => Err(HttpBackendError::response_timeout(after)),
+        },
+    })
+}
+
+/// `req` again, to be sent once more: its method, URI, version, headers and body (the
+/// extensions are the balancer's, read before the request reaches its backend).
+fn copy_of(req: &http::Request<ReqBody>) -> http::Request<ReqBody> {
+    let mut copy = http::Request::new(req.body().clone());
+    *copy.method_mut() = req.method().clone();
+    *copy.uri_mut() = req.uri().clone();
+    *copy.version_mut() = req.version();
+    *copy.headers_mut() = req.headers().clone();
+    copy
 }
 
 pin_project! {

@@ -163,6 +163,26 @@ impl<B> HttpBackend<B> {
         self.inner.body_idle_timeout
     }
 
+    /// Whether a request whose connection closes before any answer is sent once more
+    /// ([`Builder::resend_on_close`]): code that drives connections of its own to this
+    /// backend does the same on them.
+    ///
+    /// ```
+    /// use http_body_util::Full;
+    /// use bytes::Bytes;
+    /// use tower_affinity::client::HttpBackend;
+    ///
+    /// let backend = HttpBackend::<Full<Bytes>>::builder()
+    ///     .resend_on_close(true)
+    ///     .build("http://10.0.0.1:8080")
+    ///     .unwrap();
+    /// assert!(backend.resends_on_close());
+    /// assert!(!HttpBackend::<Full<Bytes>>::new("http://10.0.0.1:8080").unwrap().resends_on_close());
+    /// ```
+    pub fn resends_on_close(&self) -> bool {
+        self.inner.resend.is_some()
+    }
+
     /// `body`, an answer's body from a connection of the caller's own to this backend, as
     /// this backend's own answers come: a [`BackendBody`] with its idle timeout between
     /// frames. The twin of [`finish_response`](Self::finish_response) for the body.

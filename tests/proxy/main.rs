@@ -2053,6 +2053,26 @@ async fn the_only_backend_failing_is_502_not_no_backends() {
 /// request: it is sent again on another connection, and the backend is not failed for it.
 #[tokio::test]
 async fn a_request_on_a_connection_its_backend_closed_unanswered_is_sent_again_on_another() {
+    a_request_on_a_connection_its_backend_closed_unanswered_is_sent_again_on_another_with(
+        UpstreamMode::Pooled,
+    )
+    .await;
+}
+
+/// The same on a client connection's own backend connection: the client's next request goes
+/// out on it as soon as the previous answer ends.
+#[tokio::test]
+async fn per_client_a_request_on_a_connection_its_backend_closed_unanswered_is_sent_again_on_another(
+) {
+    a_request_on_a_connection_its_backend_closed_unanswered_is_sent_again_on_another_with(
+        UpstreamMode::PerClient,
+    )
+    .await;
+}
+
+async fn a_request_on_a_connection_its_backend_closed_unanswered_is_sent_again_on_another_with(
+    mode: UpstreamMode,
+) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     // Each connection: its first request answered, its second read and left unanswered, the
     // connection closed.
@@ -2103,19 +2123,17 @@ async fn a_request_on_a_connection_its_backend_closed_unanswered_is_sent_again_o
             });
         }
     });
-    let proxy = start(config_of(&[format!(
-        "node-a=http://{addr},slots=2,id=only"
-    )]))
-    .await;
+    let spec = format!("node-a=http://{addr},slots=2,id=only");
+    let proxy = start(upstream(config_of(&[spec]), mode)).await;
     let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
     for turn in 0..3 {
         let res = proxy.post_json(&[("x-session-id", "s")], &body).await;
         let text = String::from_utf8_lossy(&res.body);
-        assert_eq!(res.status, StatusCode::OK, "turn {turn}: {text}");
+        assert_eq!(res.status, StatusCode::OK, "{mode:?}, turn {turn}: {text}");
         assert_eq!(res.backend(), "only");
     }
-    assert_eq!(proxy.status("only").failures, 0);
-    assert!(proxy.status("only").healthy);
+    assert_eq!(proxy.status("only").failures, 0, "{mode:?}");
+    assert!(proxy.status("only").healthy, "{mode:?}");
     server.abort();
 }
 
