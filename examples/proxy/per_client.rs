@@ -118,7 +118,7 @@ pub(crate) fn send(
         // or open one only to close it.
         // (The pooled client, past the bound, prepares it again, to the same effect.)
         let req = http.prepare(req, false)?;
-        let again = http.resends_on_close().then(|| copy_of(&req));
+        let again = http.resend_copy(&req);
         let mut sent_at = None;
         let res = match (send_own(&conns, &http, req, &mut sent_at).await, again) {
             (Sent::Pooled(req), _) => return http.oneshot(req).await,
@@ -192,17 +192,6 @@ async fn send_own(
             Err(_) => Err(HttpBackendError::response_timeout(after)),
         },
     })
-}
-
-/// `req` again, to be sent once more: its method, URI, version, headers and body (the
-/// extensions are the balancer's, read before the request reaches its backend).
-fn copy_of(req: &http::Request<ReqBody>) -> http::Request<ReqBody> {
-    let mut copy = http::Request::new(req.body().clone());
-    *copy.method_mut() = req.method().clone();
-    *copy.uri_mut() = req.uri().clone();
-    *copy.version_mut() = req.version();
-    *copy.headers_mut() = req.headers().clone();
-    copy
 }
 
 pin_project! {

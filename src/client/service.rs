@@ -163,24 +163,27 @@ impl<B> HttpBackend<B> {
         self.inner.body_idle_timeout
     }
 
-    /// Whether a request whose connection closes before any answer is sent once more
-    /// ([`Builder::resend_on_close`]): code that drives connections of its own to this
-    /// backend does the same on them.
+    /// A copy of `req` to send once more if its connection closes before any answer, when
+    /// [`Builder::resend_on_close`] is on (else `None`): for code that drives connections of
+    /// its own to this backend, to do as the pooled client does.
     ///
     /// ```
     /// use http_body_util::Full;
     /// use bytes::Bytes;
     /// use tower_affinity::client::HttpBackend;
     ///
+    /// let req = http::Request::post("/v1/chat/completions").body(Full::new(Bytes::from("{}"))).unwrap();
     /// let backend = HttpBackend::<Full<Bytes>>::builder()
     ///     .resend_on_close(true)
     ///     .build("http://10.0.0.1:8080")
     ///     .unwrap();
-    /// assert!(backend.resends_on_close());
-    /// assert!(!HttpBackend::<Full<Bytes>>::new("http://10.0.0.1:8080").unwrap().resends_on_close());
+    /// let again = backend.resend_copy(&req).unwrap();
+    /// assert_eq!((again.method(), again.uri()), (req.method(), req.uri()));
+    /// let off = HttpBackend::<Full<Bytes>>::new("http://10.0.0.1:8080").unwrap();
+    /// assert!(off.resend_copy(&req).is_none());
     /// ```
-    pub fn resends_on_close(&self) -> bool {
-        self.inner.resend.is_some()
+    pub fn resend_copy(&self, req: &Request<B>) -> Option<Request<B>> {
+        self.inner.resend.map(|copy| copy(req))
     }
 
     /// `body`, an answer's body from a connection of the caller's own to this backend, as
