@@ -1,5 +1,6 @@
-//! One probe of one backend: `GET /health`, then `GET /slots` if asked, then `GET /v1/models`
-//! for a backend without slots whose request context is learned.
+//! One probe of one backend: `GET /health`, then `GET /slots` if asked (llama-server's
+//! `GET /props` before it, or after its 501), then `GET /v1/models` for a backend without
+//! slots whose request context is learned.
 
 use std::num::NonZeroU64;
 use std::time::Duration;
@@ -48,8 +49,8 @@ pub(crate) struct Checked {
     pub(crate) slots: Option<Result<Slots, String>>,
     /// Where the slots were read: `/slots`, or llama-server's `/props`.
     pub(crate) slots_from: &'static str,
-    /// `/slots` answered that the backend has none: 404 (vLLM, SGLang) or 501
-    /// (llama-server's `--no-slots`).
+    /// `/slots` answered that the backend has none: 404 (vLLM, SGLang), or 501
+    /// (llama-server's `--no-slots`) and its `/props` did not give them either.
     pub(crate) no_slots: bool,
     /// The largest `max_model_len` of `/v1/models` (vLLM's and SGLang's most tokens one
     /// request can take): `None` when not asked; why not, when asked and not readable.
@@ -57,9 +58,10 @@ pub(crate) struct Checked {
 }
 
 /// Probes `base`: `/health`, then `/slots` if `slots` and the backend is ready (first
-/// `/props`, with `props`: a llama-server, whose `/props` answers for its slots too). With
-/// `models`, a ready backend without slots (its `/slots` answered so now, or was not asked)
-/// is asked `/v1/models` for its `max_model_len`.
+/// `/props`, with `props`: a llama-server, whose `/props` answers for its slots too; and
+/// after a 501, llama-server's `--no-slots`, if not asked first). With `models`, a ready
+/// backend without slots (its `/slots` answered so now, or was not asked) is asked
+/// `/v1/models` for its `max_model_len`.
 pub(crate) async fn check(
     client: ProbeClient,
     base: Uri,
@@ -76,29 +78,39 @@ pub(crate) async fn check(
         Err(e) => Health::Failed(format!("/health: {e}")),
     };
     let mut no_slots = false;
-    // A llama-server run with `--sleep-idle-seconds` unloads its model once idle that long,
-    // and reloads it for the next request. `/slots` is one: asked at every probe, it would
-    // keep the server from ever sleeping, and it wakes one asleep. `/props` is none, and gives
-    // the slot count and a slot's context too (not the busy slots); whatever it does not
-    // give, `/slots` is asked.
-    let from_props = if props && slots && health == Health::Ready {
-        match get(&client, &base, "/props", headers, timeout).await {
-            Ok((StatusCode::OK, body)) => parse_props(&body),
-            _ => None,
-        }
-    } else {
-        None
-    };
-    let slots_from = if from_props.is_some() {
-        "/props"
-    } else {
-        "/slots"
-    };
-    let slots = if let Some(read) = from_props {
-        Some(Ok(read))
-    } else if slots && health == Health::Ready {
-        Some(
-            match get(&client, &base, "/slots", headers, timeout).await {
+    let mut slots_from = "/slots";
+    let slots = if slots && health == Health::Ready {
+        // A llama-server run with `--sleep-idle-seconds` unloads its model once idle that
+        // long, and reloads it for the next request. `/slots` is one: asked at every probe,
+        // it would keep the server from ever sleeping, and it wakes one asleep. `/props` is
+        // none, and gives the slot count and a slot's context too (not the busy slots);
+        // whatever it does not give, `/slots` is asked.
+        let from_props = if props {
+            read_props(&client, &base, headers, timeout).await
+        } else {
+            None
+        };
+        Some(match from_props {
+            Some(read) => {
+                slots_from = "/props";
+                Ok(read)
+            }
+            None => match get(&client, &base, "/slots", headers, timeout).await {
+                // A llama-server run with `--no-slots`: it has slots, and only its `/slots`
+                // is turned off; its `/props` still gives their count and context (unless
+                // just asked). vLLM and SGLang answer 404, and are not asked it.
+                Ok((StatusCode::NOT_IMPLEMENTED, _)) if !props => {
+                    match read_props(&client, &base, headers, timeout).await {
+                        Some(read) => {
+                            slots_from = "/props";
+                            Ok(read)
+                        }
+                        None => {
+                            no_slots = true;
+                            Err(format!("/slots answered {}", StatusCode::NOT_IMPLEMENTED))
+                        }
+                    }
+                }
                 Ok((status @ (StatusCode::NOT_FOUND | StatusCode::NOT_IMPLEMENTED), _)) => {
                     no_slots = true;
                     Err(format!("/slots answered {status}"))
@@ -117,7 +129,7 @@ pub(crate) async fn check(
                 Ok((status, _)) => Err(format!("/slots answered {status}")),
                 Err(e) => Err(format!("/slots: {e}")),
             },
-        )
+        })
     } else {
         None
     };
@@ -150,6 +162,19 @@ pub(crate) async fn check(
         slots_from,
         no_slots,
         max_model_len,
+    }
+}
+
+/// `GET /props`, read as llama-server's ([`parse_props`]); `None` if it does not give them.
+async fn read_props(
+    client: &ProbeClient,
+    base: &Uri,
+    headers: &HeaderMap,
+    timeout: Duration,
+) -> Option<Slots> {
+    match get(client, base, "/props", headers, timeout).await {
+        Ok((StatusCode::OK, body)) => parse_props(&body),
+        _ => None,
     }
 }
 

@@ -71,24 +71,26 @@ use crate::{Backend, BackendId};
 /// `--sleep-idle-seconds` (its model reloaded) and, asked at every probe, would keep it from
 /// ever sleeping; `/props` does neither. `/slots` is asked again when `/props` does not give
 /// them. With [`busy_slots`](Self::busy_slots) every backend is asked `/slots` at every probe,
-/// for its busy slots. A `/slots` that cannot be read (a
-/// llama-server run with `--no-slots` answers 501; vLLM and SGLang have none) leaves the count
-/// as it was, one slot until one is read, and does not take the backend down: the reason is
-/// in [`ProbeStatus::slots_error`], and a `warn` line says so once, while the count is still
+/// for its busy slots. A llama-server run with `--no-slots` answers `/slots` with 501: it is
+/// asked `/props` then, and from then on as one whose `/slots` was read (its busy slots are
+/// never known). A `/slots` that cannot be read otherwise (vLLM and SGLang have none, and
+/// answer 404; a 501 whose `/props` does not give the slots either) leaves the count as it
+/// was, one slot until one is read, and does not take the backend down: the reason is in
+/// [`ProbeStatus::slots_error`], and a `warn` line says so once, while the count is still
 /// unknown. Give such backends their count with [`Backend::slots`](crate::Backend::slots).
 ///
 /// `/slots` also says how many tokens of context each slot has (`n_ctx`: llama-server's `-c`
 /// divided by `-np`, or all of it with `--kv-unified`): the most one request can take there.
 /// For a backend that does not give its own
 /// ([`Backend::request_context_given`](crate::Backend::request_context_given)), it becomes its
-/// [request context](crate::Backend::request_context_tokens), announced as a slot count is; a
-/// backend whose slot count is given is asked `/slots` for it too, until `/slots` answers that
-/// it has none (404, 501). Such a backend is asked `GET /v1/models` instead: vLLM and SGLang
-/// give each model's `max_model_len` there, past which they refuse a prompt with a 400, and
-/// the largest becomes the backend's request context the same way. A `/v1/models` that
-/// cannot be read leaves the context as it was: the reason is in
-/// [`ProbeStatus::models_error`], and a `warn` line says so once, while the context is still
-/// unknown. (llama-server's `/v1/models` is not read: it gives its model's training context,
+/// [request context](crate::Backend::request_context_tokens), announced as a slot count is
+/// (`/props` gives it too); a backend whose slot count is given is asked `/slots` for it too,
+/// until `/slots` answers that it has none (404, or 501 with no `/props` that gives it). Such
+/// a backend is asked `GET /v1/models` instead: vLLM and SGLang give each model's
+/// `max_model_len` there, past which they refuse a prompt with a 400, and the largest becomes
+/// the backend's request context the same way. A `/v1/models` that cannot be read leaves the
+/// context as it was: the reason is in [`ProbeStatus::models_error`], and a `warn` line says
+/// so once, while the context is still unknown. (llama-server's `/v1/models` is not read: it gives its model's training context,
 /// `meta.n_ctx_train`, and in recent releases a slot's, `meta.n_ctx`, which some of its
 /// forks give as the whole context of all slots.)
 ///

@@ -399,8 +399,9 @@ where
                     slots: slots || context,
                     // A backend without slots gives its request context in `/v1/models`.
                     models: self.learns_context(&t.backend),
-                    // A llama-server (one whose `/slots` was read), unless its busy slots
-                    // are wanted, which only `/slots` gives. The others are not asked it.
+                    // A llama-server (one whose slots were read: from `/slots`, or from
+                    // `/props` after its 501), unless its busy slots are wanted, which only
+                    // `/slots` gives. The others are not asked it.
                     props: t.status.slots.is_some() && !self.shared.config.busy_slots,
                 }
             })

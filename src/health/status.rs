@@ -43,29 +43,31 @@ pub struct ProbeStatus {
     pub transitions: u64,
     /// Why its last failed probe failed.
     pub last_error: Option<String>,
-    /// Its slot count as `/slots` last gave it, if read.
+    /// Its slot count as `/slots` (or a llama-server's `/props`) last gave it, if read.
     pub slots: Option<NonZeroU32>,
     /// Slots that `/slots` showed processing a request (`is_processing: true`), if the last
     /// probe read them: every probe does with [`busy_slots`](super::HealthProbe::busy_slots);
-    /// otherwise a llama-server's slots are read from its `/props` once its `/slots` was, and
-    /// this is `None`.
+    /// otherwise a llama-server's slots are read from its `/props` once its `/slots` was (or
+    /// answered 501, as one run with `--no-slots` does), and this is `None`.
     pub busy_slots: Option<u32>,
-    /// The most tokens of context one request can take, as `/slots` last gave it (the
-    /// slots' `n_ctx`), or for a backend without slots `/v1/models` (vLLM's and SGLang's
+    /// The most tokens of context one request can take, as `/slots` (or a llama-server's
+    /// `/props`) last gave it (the slots' `n_ctx`), or for a backend without slots `/v1/models` (vLLM's and SGLang's
     /// `max_model_len`), if read: the backend's
     /// [request context](crate::Backend::request_context_tokens) unless it was announced
     /// with its own.
     pub request_context: Option<NonZeroU64>,
-    /// Why its last `/slots` could not be read (llama-server run with `--no-slots` answers
-    /// 501), while it cannot; `None` once it is read, or while it has never been asked.
+    /// Why its last `/slots` could not be read (vLLM and SGLang answer 404; a llama-server
+    /// run with `--no-slots` answers 501, and is read from its `/props` then, unless that
+    /// does not give the slots either), while it cannot; `None` once the slots are read, or
+    /// while it has never been asked.
     pub slots_error: Option<String>,
     /// Why its last `/v1/models` could not be read for the request context (a vLLM or SGLang
     /// run with `--api-key` answers 401 without it), while it cannot; `None` once it is read,
     /// or while it has never been asked.
     pub models_error: Option<String>,
-    /// `/slots` answered that the backend has none (404, 501): it is not asked again for its
-    /// request context alone, until the backend fails or loads (a restart, perhaps as
-    /// another server).
+    /// `/slots` answered that the backend has none (404, or 501 with no slots from `/props`):
+    /// it is not asked again for its request context alone, until the backend fails or loads
+    /// (a restart, perhaps as another server).
     pub(crate) no_slots: bool,
     /// Whether `/health` has ever answered ready: until it has, one failure takes the
     /// backend down and one success brings it up (there is no record to debounce).

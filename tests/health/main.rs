@@ -52,6 +52,8 @@ struct Stub {
     models_hang: AtomicBool,
     /// `/props`' answer (llama-server's), 404 when `None`.
     props: Mutex<Option<Value>>,
+    /// `/props` answers this status instead, when not 0.
+    props_status: AtomicU16,
     /// The `Authorization` that `/slots` and `/v1/models` want, when set (a llama-server or a
     /// vLLM run with `--api-key`): 401 without it. `/health` answers without it.
     authorization: Mutex<Option<&'static str>>,
@@ -145,6 +147,10 @@ async fn models(
 
 async fn props(State(s): State<Arc<Stub>>) -> Result<axum::Json<Value>, StatusCode> {
     s.props_hits.fetch_add(1, Ordering::Relaxed);
+    match s.props_status.load(Ordering::Relaxed) {
+        0 => {}
+        status => return Err(StatusCode::from_u16(status).unwrap()),
+    }
     s.props
         .lock()
         .clone()
@@ -735,6 +741,121 @@ async fn a_slots_answer_that_cannot_be_read_is_said_once_and_takes_nothing_down(
     assert_eq!(warned(&logs), 1);
 }
 
+/// A llama-server run with `--no-slots` answers `/slots` with 501, but has slots: its
+/// `/props` gives their count and context, and is asked in place of `/slots` from then on,
+/// as for a llama-server whose `/slots` was read. Not for its busy slots, which neither says.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_llama_server_run_with_no_slots_is_read_from_props() {
+    let logs = logs();
+    // llama-server 0.94 `--no-slots -np 2 -c 8192`, cut short.
+    let no_slots_props = json!({
+        "default_generation_settings": {"n_ctx": 4096},
+        "total_slots": 2,
+        "endpoint_slots": false,
+        "is_sleeping": false,
+    });
+    let mut stubs = Vec::new();
+    for _ in 0..3 {
+        let (addr, stub) = start(0).await;
+        stub.slots_status.store(501, Ordering::Relaxed);
+        *stub.props.lock() = Some(no_slots_props.clone());
+        stubs.push((addr, stub));
+    }
+    let five = NonZeroU32::new(5).unwrap();
+    let (affinity, prober) = balancer(
+        HealthProbe::new(),
+        vec![
+            ("a", Backend::new("n", http(stubs[0].0))),
+            // Its context alone is learned.
+            ("b", Backend::new("n", http(stubs[1].0)).slots(five)),
+        ],
+    );
+    prober.round(&affinity).await;
+    let a = status(&affinity, "a");
+    assert!(a.healthy);
+    assert_eq!((a.slots, a.request_context_limit), (2, Some(4096)));
+    let b = status(&affinity, "b");
+    assert_eq!((b.slots, b.request_context_limit), (5, Some(4096)));
+    for id in ["a", "b"] {
+        let s = prober.status(id).unwrap();
+        assert_eq!((s.slots, s.busy_slots), (NonZeroU32::new(2), None));
+        assert_eq!((s.slots_error, s.models_error), (None, None));
+        assert_eq!(logs.count(id, "slot count not readable"), 0);
+    }
+    assert_eq!(logs.count("a", "slot count read from /props"), 1);
+    assert_eq!(logs.count("b", "request context read from /props"), 1);
+
+    // From then on `/props` alone, and followed there.
+    *stubs[0].1.props.lock() = Some(json!({
+        "default_generation_settings": {"n_ctx": 2048},
+        "total_slots": 4,
+    }));
+    for _ in 0..3 {
+        prober.round(&affinity).await;
+    }
+    let a = status(&affinity, "a");
+    assert_eq!((a.slots, a.request_context_limit), (4, Some(2048)));
+    for (_, stub) in &stubs[..2] {
+        let hits = |n: &AtomicUsize| n.load(Ordering::Relaxed);
+        assert_eq!(
+            (hits(&stub.slots_hits), hits(&stub.props_hits)),
+            (1, 4),
+            "/slots and /props asked"
+        );
+        // llama-server's `/v1/models` gives no context of the server's.
+        assert_eq!(hits(&stub.models_hits), 0);
+    }
+
+    // Asked `/slots` at every probe for its busy slots: the count is read from `/props` still.
+    let (affinity, prober) = balancer(
+        HealthProbe::new().busy_slots(true),
+        vec![("c", Backend::new("n", http(stubs[2].0)))],
+    );
+    prober.round(&affinity).await;
+    assert_eq!(status(&affinity, "c").slots, 2);
+    let s = prober.status("c").unwrap();
+    assert_eq!((s.busy_slots, s.slots_error), (None, None));
+}
+
+/// A `/slots` that answers 501 with a `/props` that does not give the slots either is no
+/// count: the backend counts as one slot, with the reason of its `/slots`, and it is said
+/// once, as before `/props` was asked after a 501.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_501_at_slots_and_no_slots_from_props_is_no_count() {
+    let logs = logs();
+    let (addr, stub) = start(3).await;
+    stub.slots_status.store(501, Ordering::Relaxed);
+    stub.props_status.store(501, Ordering::Relaxed);
+    *stub.props.lock() =
+        Some(json!({"default_generation_settings": {"n_ctx": 4096}, "total_slots": 3}));
+    let (affinity, prober) = balancer(
+        HealthProbe::new(),
+        vec![("a", Backend::new("n", http(addr)))],
+    );
+    for _ in 0..2 {
+        prober.round(&affinity).await;
+    }
+    let a = status(&affinity, "a");
+    assert!(a.healthy);
+    assert_eq!((a.slots, a.request_context_limit), (1, None));
+    let s = prober.status("a").unwrap();
+    assert_eq!(
+        s.slots_error.as_deref(),
+        Some("/slots answered 501 Not Implemented")
+    );
+    assert_eq!(logs.count("a", "slot count not readable from /slots"), 1);
+    // Each probe asks `/props` once, after `/slots`.
+    assert_eq!(stub.slots_hits.load(Ordering::Relaxed), 2);
+    assert_eq!(stub.props_hits.load(Ordering::Relaxed), 2);
+
+    // A `/props` that answers is read at the next probe.
+    stub.props_status.store(0, Ordering::Relaxed);
+    prober.round(&affinity).await;
+    let a = status(&affinity, "a");
+    assert_eq!((a.slots, a.request_context_limit), (3, Some(4096)));
+    assert_eq!(prober.status("a").unwrap().slots_error, None);
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn busy_slots_reads_slots_of_every_backend_and_learns_nothing_from_a_given_count() {
     let (b, stub_b) = start(4).await;
@@ -893,6 +1014,8 @@ async fn a_backend_with_its_slots_given_and_no_slots_endpoint_is_not_asked_again
         prober.round(&affinity).await;
     }
     assert_eq!(stub_b.slots_hits.load(Ordering::Relaxed), 1);
+    // A 404 is no llama-server's: its `/props` is not asked.
+    assert_eq!(stub_b.props_hits.load(Ordering::Relaxed), 0);
     let s = prober.status("b").unwrap();
     assert_eq!(
         s.slots_error.as_deref(),
