@@ -10,11 +10,12 @@
 //! stopped server) lets the clock run.
 
 mod server;
+#[path = "../support/logs.rs"]
+mod support_logs;
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::future::Future;
-use std::io::Write;
 use std::num::NonZeroU32;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -627,74 +628,17 @@ async fn the_ttl_decides_the_next_resolution_between_floor_and_ceiling() {
     drop(fleet);
 }
 
-/// Collects what the crate logs on one test's thread, for counting its warnings.
-#[derive(Clone, Default)]
-struct Logs(Arc<Mutex<Vec<u8>>>);
-
-thread_local! {
-    // The test on this thread that collects what is logged here, if any.
-    static CAPTURE: std::cell::RefCell<Option<Logs>> = const { std::cell::RefCell::new(None) };
-}
-
-/// The one subscriber of this test binary, set before any test logs (every test starts with
-/// [`start_dns`], which installs it): each event goes to the buffer of the test whose
-/// thread logged it (a current-thread runtime runs that test's tasks on its thread), or
-/// nowhere. One global subscriber, rather than one set per test for its thread, leaves no
+/// Starts a DNS server for a test, the binary's one subscriber first (every test starts
+/// with it): one global subscriber, rather than one set per test for its thread, leaves no
 /// callsite whose interest another thread's first use decided without it.
-fn install_logs() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        let subscriber = tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::INFO)
-            .with_ansi(false)
-            .with_writer(|| ThreadLogs)
-            .finish();
-        tracing::subscriber::set_global_default(subscriber).expect("the binary's one subscriber");
-    });
-}
-
-/// Starts a DNS server for a test, the binary's subscriber first.
 async fn start_dns() -> Dns {
-    install_logs();
+    support_logs::install(tracing::Level::INFO);
     Dns::start().await
-}
-
-/// What this thread logs, from now on, for `Logs::count`.
-fn capture_logs() -> Logs {
-    install_logs();
-    let logs = Logs::default();
-    CAPTURE.with(|c| *c.borrow_mut() = Some(logs.clone()));
-    logs
-}
-
-/// Writes to the buffer of the test on the current thread.
-struct ThreadLogs;
-
-impl Write for ThreadLogs {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        CAPTURE.with(|c| {
-            if let Some(logs) = c.borrow().as_ref() {
-                logs.0.lock().extend_from_slice(buf);
-            }
-        });
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Logs {
-    fn count(&self, needle: &str) -> usize {
-        String::from_utf8_lossy(&self.0.lock())
-            .matches(needle)
-            .count()
-    }
 }
 
 #[tokio::test(start_paused = true)]
 async fn nxdomain_keeps_the_fleet_counts_and_logs_once() {
-    let logs = capture_logs();
+    let logs = support_logs::capture(tracing::Level::INFO);
     let dns = start_dns().await;
     dns.set_ips("llm.fleet.test.", 30, &["10.0.0.1", "10.0.0.2"])
         .await;
@@ -725,7 +669,7 @@ async fn nxdomain_keeps_the_fleet_counts_and_logs_once() {
         "a failure changed the fleet"
     );
     assert_eq!(
-        logs.count("DNS resolution failed; keeping the last fleet"),
+        logs.count(&["DNS resolution failed; keeping the last fleet"]),
         1
     );
 
@@ -740,7 +684,7 @@ async fn nxdomain_keeps_the_fleet_counts_and_logs_once() {
         stats.last_error.map(|e| e.kind()),
         Some(DnsErrorKind::NoSuchName)
     );
-    assert_eq!(logs.count("DNS resolution recovered"), 1);
+    assert_eq!(logs.count(&["DNS resolution recovered"]), 1);
 
     // A name outside the server's zone is refused: a server failure, also kept.
     let other = builder(&dns, "llm.elsewhere.test.:8080")

@@ -3,8 +3,9 @@
 
 #[path = "../support/refusing.rs"]
 mod refusing;
+#[path = "../support/logs.rs"]
+mod support_logs;
 
-use std::io::Write;
 use std::net::SocketAddr;
 use std::num::{NonZeroU32, NonZeroU64};
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicUsize, Ordering};
@@ -21,6 +22,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use parking_lot::Mutex;
 use refusing::Refusing;
 use serde_json::{json, Value};
+use support_logs::Logs;
 use tokio::net::TcpListener;
 use tower::Layer;
 use tower_affinity::client::HttpBackend;
@@ -204,62 +206,14 @@ where
         .unwrap_or_else(|| panic!("no backend {id}"))
 }
 
-/// What the crate logs on one test's thread: each test that counts log lines has its own, so
-/// that another test logging the same line at the same time does not count. One global
-/// subscriber routes each event to the buffer of the test on the thread that logged it (a
-/// current-thread runtime runs that test's tasks, the probe's too, on its thread); a thread's
-/// own default subscriber would race the other tests over tracing's global per-callsite cache.
-#[derive(Clone, Default)]
-struct Logs(Arc<Mutex<Vec<u8>>>);
-
-impl Logs {
-    /// Lines that say `what` of backend `id`.
-    fn count(&self, id: &str, what: &str) -> usize {
-        let backend = format!("backend={id} ");
-        String::from_utf8_lossy(&self.0.lock())
-            .lines()
-            .filter(|l| l.contains(what) && l.contains(&backend))
-            .count()
-    }
-}
-
-thread_local! {
-    // The buffer of the test on this thread, if it counts log lines.
-    static CAPTURE: std::cell::RefCell<Option<Logs>> = const { std::cell::RefCell::new(None) };
-}
-
-/// Writes to the buffer of the test on the current thread, if any.
-struct ThreadLogs;
-
-impl Write for ThreadLogs {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        CAPTURE.with(|c| {
-            if let Some(logs) = c.borrow().as_ref() {
-                logs.0.lock().extend_from_slice(buf);
-            }
-        });
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-/// What this thread logs from now on: the binary's subscriber is set first, once.
+/// What this thread logs from now on.
 fn logs() -> Logs {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        let subscriber = tracing_subscriber::fmt()
-            .with_ansi(false)
-            .with_max_level(tracing::Level::INFO)
-            .with_writer(|| ThreadLogs)
-            .finish();
-        tracing::subscriber::set_global_default(subscriber).expect("the binary's one subscriber");
-    });
-    let logs = Logs::default();
-    CAPTURE.with(|c| *c.borrow_mut() = Some(logs.clone()));
-    logs
+    support_logs::capture(tracing::Level::INFO)
+}
+
+/// The lines `logs` has that say `what` of backend `id`.
+fn said(logs: &Logs, id: &str, what: &str) -> usize {
+    logs.count(&[what, &format!("backend={id} ")])
 }
 
 /// A shared store that refuses every read and write, or whose reads and writes never answer
@@ -700,7 +654,7 @@ async fn slots_that_carry_their_prompts_are_read_however_long() {
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_slots_answer_that_cannot_be_read_is_said_once_and_takes_nothing_down() {
     let logs = logs();
-    let warned = |logs: &Logs| logs.count("noslots", "slot count not readable from /slots");
+    let warned = |logs: &Logs| said(logs, "noslots", "slot count not readable from /slots");
     let (a, stub) = start(3).await;
     stub.slots_status.store(501, Ordering::Relaxed);
     let (affinity, prober) = balancer(
@@ -780,10 +734,10 @@ async fn a_llama_server_run_with_no_slots_is_read_from_props() {
         let s = prober.status(id).unwrap();
         assert_eq!((s.slots, s.busy_slots), (NonZeroU32::new(2), None));
         assert_eq!((s.slots_error, s.models_error), (None, None));
-        assert_eq!(logs.count(id, "slot count not readable"), 0);
+        assert_eq!(said(&logs, id, "slot count not readable"), 0);
     }
-    assert_eq!(logs.count("a", "slot count read from /props"), 1);
-    assert_eq!(logs.count("b", "request context read from /props"), 1);
+    assert_eq!(said(&logs, "a", "slot count read from /props"), 1);
+    assert_eq!(said(&logs, "b", "request context read from /props"), 1);
 
     // From then on `/props` alone, and followed there.
     *stubs[0].1.props.lock() = Some(json!({
@@ -843,7 +797,7 @@ async fn a_501_at_slots_and_no_slots_from_props_is_no_count() {
         s.slots_error.as_deref(),
         Some("/slots answered 501 Not Implemented")
     );
-    assert_eq!(logs.count("a", "slot count not readable from /slots"), 1);
+    assert_eq!(said(&logs, "a", "slot count not readable from /slots"), 1);
     // Each probe asks `/props` once, after `/slots`.
     assert_eq!(stub.slots_hits.load(Ordering::Relaxed), 2);
     assert_eq!(stub.props_hits.load(Ordering::Relaxed), 2);
@@ -930,9 +884,12 @@ async fn each_transition_is_logged_once() {
     for _ in 0..5 {
         prober.round(&affinity).await;
     }
-    assert_eq!(logs.count("logged", "backend down until /health is 200"), 1);
-    assert_eq!(logs.count("logged", "backend up: /health is 200"), 1);
-    assert_eq!(logs.count("logged", "slot count read from /slots"), 1);
+    assert_eq!(
+        said(&logs, "logged", "backend down until /health is 200"),
+        1
+    );
+    assert_eq!(said(&logs, "logged", "backend up: /health is 200"), 1);
+    assert_eq!(said(&logs, "logged", "slot count read from /slots"), 1);
     assert_eq!(prober.transitions(), 2);
 }
 
@@ -1077,7 +1034,11 @@ async fn a_backend_without_slots_learns_its_request_context_from_v1_models() {
     assert_eq!(status(&affinity, "w").slots, 1);
     assert_eq!(stubs[2].1.models_hits.load(Ordering::Relaxed), 0, "given");
     assert_eq!(
-        logs.count("v-slots-given", "request context read from /v1/models"),
+        said(
+            &logs,
+            "v-slots-given",
+            "request context read from /v1/models"
+        ),
         1
     );
 
@@ -1178,7 +1139,7 @@ async fn v1_models_is_asked_only_of_a_ready_backend_and_its_context_announced_on
     }
     // Read each round, announced once: an unchanged context is not announced again.
     assert_eq!(stub.models_hits.load(Ordering::Relaxed), 3);
-    assert_eq!(logs.count("m1", "request context read from /v1/models"), 1);
+    assert_eq!(said(&logs, "m1", "request context read from /v1/models"), 1);
     assert_eq!(status(&affinity, "m1").request_context_limit, Some(8_192));
     // Loading or failing: `/v1/models` is not asked (it would only add a timeout).
     for code in [503, 500] {
@@ -1327,8 +1288,8 @@ async fn a_probe_given_the_backends_api_key_reads_slots_and_models_that_want_it(
              probe was given none or another (HealthProbe::header)"
         )
     );
-    assert_eq!(logs.count("vllm", "not readable from /v1/models"), 1);
-    assert_eq!(logs.count("llama", "not readable from /slots"), 1);
+    assert_eq!(said(&logs, "vllm", "not readable from /v1/models"), 1);
+    assert_eq!(said(&logs, "llama", "not readable from /slots"), 1);
 
     // With it: read, and sent to `/health` too.
     let bearer = axum::http::HeaderValue::from_static("Bearer k");
@@ -1375,12 +1336,8 @@ async fn the_probes_api_key_is_never_shown_nor_logged() {
              was given none or another (HealthProbe::header)"
         )
     );
-    assert_eq!(logs.count("a", "slot count not readable from /slots"), 1);
-    let shown = format!(
-        "{prober:?} {:?} {s:?} {}",
-        prober.config(),
-        String::from_utf8_lossy(&logs.0.lock())
-    );
+    assert_eq!(said(&logs, "a", "slot count not readable from /slots"), 1);
+    let shown = format!("{prober:?} {:?} {s:?} {}", prober.config(), logs.text());
     assert!(!shown.contains("sk-"), "{shown}");
     assert!(shown.contains("Sensitive"), "{shown}");
 }

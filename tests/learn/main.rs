@@ -6,6 +6,8 @@
 //! tokio's paused clock.
 
 mod ask;
+#[path = "../support/logs.rs"]
+mod support_logs;
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -288,57 +290,13 @@ async fn usage_in_a_json_answer_is_counted_for_its_backend_and_the_body_is_uncha
     );
 }
 
-/// Log lines written on this thread, from the binary's one subscriber (set once, at
-/// `debug`): a subscriber of each test's own would race the others over tracing's global
-/// per-callsite cache.
-#[derive(Clone, Default)]
-struct Logs(Arc<parking_lot::Mutex<Vec<u8>>>);
-
-thread_local! {
-    static CAPTURE: std::cell::RefCell<Option<Logs>> = const { std::cell::RefCell::new(None) };
-}
-
-/// Writes to the buffer of the test on the current thread, if any.
-struct ThreadLogs;
-
-impl std::io::Write for ThreadLogs {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        CAPTURE.with(|c| {
-            if let Some(logs) = c.borrow().as_ref() {
-                logs.0.lock().extend_from_slice(buf);
-            }
-        });
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-/// What this thread logs from now on.
-fn logs() -> Logs {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        let subscriber = tracing_subscriber::fmt()
-            .with_ansi(false)
-            .with_max_level(tracing::Level::DEBUG)
-            .with_writer(|| ThreadLogs)
-            .finish();
-        tracing::subscriber::set_global_default(subscriber).expect("the binary's one subscriber");
-    });
-    let logs = Logs::default();
-    CAPTURE.with(|c| *c.borrow_mut() = Some(logs.clone()));
-    logs
-}
-
 #[tokio::test(start_paused = true)]
 async fn each_answer_read_is_one_debug_line_with_the_reuse_its_backend_said() {
-    let logs = logs();
+    let logs = support_logs::capture(tracing::Level::DEBUG);
     let svc = service(&[("a", "n1")]);
     exchange(&svc, request(Some("s"), None, Reply::json(CHAT_ANSWER))).await;
     exchange(&svc, request(Some("s"), None, Reply::json(b"{}"))).await;
-    let text = String::from_utf8_lossy(&logs.0.lock()).into_owned();
+    let text = logs.text();
     let lines: Vec<&str> = text.lines().filter(|l| l.contains("answer read")).collect();
     assert_eq!(lines.len(), 2, "{text}");
     for field in [
