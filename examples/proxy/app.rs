@@ -44,6 +44,7 @@ use std::collections::{HashMap, HashSet};
 use std::convert::Infallible;
 use std::fmt;
 use std::future::Future;
+use std::net::SocketAddr;
 use std::num::{NonZeroU32, NonZeroU64};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -830,6 +831,42 @@ pub(crate) fn one_id_each(backends: &[BackendSpec]) -> Result<(), String> {
                 "backend id {:?} is given twice: give each server once (a server listed twice counts its slots twice), or name different servers apart with id=NAME",
                 b.id
             ));
+        }
+    }
+    Ok(())
+}
+
+/// How long a `--backend` host's name may take to resolve at start before it is passed over.
+const RESOLVE_WITHIN: Duration = Duration::from_secs(2);
+
+/// Finds two backends whose hosts resolve to one address, for a warning: one server given
+/// under two names (`http://127.0.0.1:8081` and `http://localhost:8081`) has two ids, and
+/// would count its slots twice; but two servers behind one front that routes by `Host` (an
+/// ingress) are given so too. A name that does not resolve within [`RESOLVE_WITHIN`] is
+/// passed over: it may come up later.
+pub(crate) async fn one_server_each(backends: &[BackendSpec]) -> Result<(), String> {
+    let lookups = backends.iter().map(|b| async move {
+        let host = b.authority.host();
+        let host = (host.strip_prefix('[').and_then(|h| h.strip_suffix(']'))).unwrap_or(host);
+        let port = b.authority.port_u16().unwrap_or(80);
+        match tokio::time::timeout(RESOLVE_WITHIN, tokio::net::lookup_host((host, port))).await {
+            Ok(Ok(addrs)) => addrs.collect(),
+            _ => Vec::new(),
+        }
+    });
+    let resolved: Vec<Vec<SocketAddr>> = futures_util::future::join_all(lookups).await;
+    let mut first: HashMap<SocketAddr, usize> = HashMap::new();
+    for (i, addrs) in resolved.iter().enumerate() {
+        for &addr in addrs {
+            let j = *first.entry(addr).or_insert(i);
+            if j != i {
+                let flag = |b: &BackendSpec| format!("{}={}://{}", b.node, b.scheme, b.authority);
+                return Err(format!(
+                    "--backend {:?} and --backend {:?} are both at {addr}: if they are one server, give it once, or its slots count twice (two servers behind one front that routes by Host are fine)",
+                    flag(&backends[j]),
+                    flag(&backends[i]),
+                ));
+            }
         }
     }
     Ok(())

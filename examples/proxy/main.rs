@@ -68,7 +68,14 @@ fn main() -> ExitCode {
         runtime.worker_threads(n.get());
     }
     let result = match runtime.build() {
-        Ok(runtime) => runtime.block_on(run(args)),
+        Ok(runtime) => {
+            // A warning, not a refusal: two names of one address may be two servers behind
+            // a front that routes by `Host`, which each backend is sent.
+            if let Err(e) = runtime.block_on(app::one_server_each(&args.config.backends)) {
+                tracing::warn!("{e}");
+            }
+            runtime.block_on(run(args))
+        }
         Err(e) => Err(e.into()),
     };
     match result {

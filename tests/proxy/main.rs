@@ -3502,6 +3502,54 @@ async fn two_backends_with_one_id_are_refused() {
     );
 }
 
+/// One server given under two names (`127.0.0.1` and `localhost`, which resolve alike here)
+/// has two ids: the start warns, naming both its flags. Two ports of one host are two
+/// servers, and a name that does not resolve now says nothing: it may come up later. (Not on
+/// paused time: the names resolve on a thread of their own.)
+#[tokio::test]
+async fn one_server_given_under_two_names_is_warned_of() {
+    let resolved: Vec<_> = tokio::net::lookup_host("localhost:1")
+        .await
+        .unwrap()
+        .collect();
+    assert!(
+        resolved.contains(&"127.0.0.1:1".parse().unwrap()),
+        "{resolved:?}"
+    );
+    let check = |urls: &[&str]| {
+        let specs: Vec<_> = (urls.iter().enumerate())
+            .map(|(i, url)| cli::backend(&format!("n{i}={url}")).unwrap().0)
+            .collect();
+        async move { app::one_server_each(&specs).await }
+    };
+    let err = check(&["http://127.0.0.1:8081", "http://localhost:8081"])
+        .await
+        .unwrap_err();
+    assert!(
+        err.starts_with("--backend \"n0=http://127.0.0.1:8081\" and --backend \"n1=http://localhost:8081\" are both at 127.0.0.1:8081: if they are one server, "),
+        "{err}"
+    );
+    // Without its port, a URL's is 80.
+    let err = check(&[
+        "http://localhost",
+        "http://10.0.0.7:80",
+        "http://127.0.0.1:80",
+    ])
+    .await
+    .unwrap_err();
+    assert!(err.contains("both at 127.0.0.1:80"), "{err}");
+
+    assert_eq!(
+        check(&["http://127.0.0.1:8081", "http://localhost:8082"]).await,
+        Ok(())
+    );
+    // A label longer than DNS's 63 bytes: a name no resolver answers, refused without asking
+    // any nameserver.
+    let nowhere = |host: &str| format!("http://{}.{host}:8081", "a".repeat(64));
+    let (a, b) = (nowhere("a.test"), nowhere("b.test"));
+    assert_eq!(check(&["http://127.0.0.1:8081", &a, &b]).await, Ok(()));
+}
+
 /// A `--redis` URL the store cannot use is a command-line error (exit code 2, before anything
 /// runs), not the proxy's failure once started; and no error shows its password, which a log
 /// would keep.
