@@ -150,7 +150,8 @@ impl Error {
     }
 
     /// An HTTP response for this error: its [status](Self::status), `Retry-After` when
-    /// saturated (and the backend's own, as it gave it, for a backend's `503` given back by
+    /// saturated or when with no backend up a failure cooldown is the first to end (and the
+    /// backend's own, as it gave it, for a backend's `503` given back by
     /// [`RetryOnce`](crate::RetryOnce)), and a JSON body with a short message
     /// ([`Error::json_body`]). [`ErrorToResponse`] applies it to every error of a service.
     ///
@@ -176,8 +177,8 @@ impl Error {
     /// - `tower::load_shed`'s `Overloaded`: `503 Service Unavailable`;
     /// - anything else: `500 Internal Server Error`.
     ///
-    /// Each with a JSON body ([`Error::json_body`]) whose message says what `e` says. [`ErrorToResponse`] applies
-    /// it to every error of the service it wraps.
+    /// Each with a JSON body ([`Error::json_body`]) whose message says what `e` says.
+    /// [`ErrorToResponse`] applies it to every error of the service it wraps.
     ///
     /// [source]: std::error::Error::source
     ///
