@@ -50,7 +50,8 @@ pub(crate) struct Checked {
     /// Where the slots were read: `/slots`, or llama-server's `/props`.
     pub(crate) slots_from: &'static str,
     /// `/slots` answered that the backend has none: 404 (vLLM, SGLang), or 501
-    /// (llama-server's `--no-slots`) and its `/props` did not give them either.
+    /// (llama-server's `--no-slots`) and its `/props` answered without them (not one that
+    /// gave no answer: asked again at the next probe).
     pub(crate) no_slots: bool,
     /// The largest `max_model_len` of `/v1/models` (vLLM's and SGLang's most tokens one
     /// request can take): `None` when not asked; why not, when asked and not readable.
@@ -85,35 +86,45 @@ pub(crate) async fn check(
         // it would keep the server from ever sleeping, and it wakes one asleep. `/props` is
         // none, and gives the slot count and a slot's context too (not the busy slots);
         // whatever it does not give, `/slots` is asked.
-        let from_props = if props {
-            read_props(&client, &base, headers, timeout).await
+        let asked = if props {
+            Some(read_props(&client, &base, headers, timeout).await)
         } else {
             None
         };
-        Some(match from_props {
-            Some(read) => {
+        Some(match asked {
+            Some(Props::Read(read)) => {
                 slots_from = "/props";
                 Ok(read)
             }
-            None => match get(&client, &base, "/slots", headers, timeout).await {
+            asked => match get(&client, &base, "/slots", headers, timeout).await {
                 // A llama-server run with `--no-slots`: it has slots, and only its `/slots`
-                // is turned off; its `/props` still gives their count and context (unless
-                // just asked). vLLM and SGLang answer 404, and are not asked it.
-                Ok((StatusCode::NOT_IMPLEMENTED, _)) if !props => {
-                    match read_props(&client, &base, headers, timeout).await {
-                        Some(read) => {
+                // is turned off; its `/props` still gives their count and context (asked
+                // now, unless just asked). vLLM and SGLang answer 404, and are not asked it.
+                Ok((StatusCode::NOT_IMPLEMENTED, _)) => {
+                    let props = match asked {
+                        Some(props) => props,
+                        None => read_props(&client, &base, headers, timeout).await,
+                    };
+                    match props {
+                        Props::Read(read) => {
                             slots_from = "/props";
                             Ok(read)
                         }
-                        None => {
+                        Props::Without => {
                             no_slots = true;
                             Err(format!("/slots answered {}", StatusCode::NOT_IMPLEMENTED))
                         }
+                        // A `/props` that gave no answer (busy, or slow) has not said that
+                        // there are none: asked again at the next probe.
+                        Props::Unanswered(e) => Err(format!(
+                            "/slots answered {}, and /props gave no answer: {e}",
+                            StatusCode::NOT_IMPLEMENTED
+                        )),
                     }
                 }
-                Ok((status @ (StatusCode::NOT_FOUND | StatusCode::NOT_IMPLEMENTED), _)) => {
+                Ok((StatusCode::NOT_FOUND, _)) => {
                     no_slots = true;
-                    Err(format!("/slots answered {status}"))
+                    Err(format!("/slots answered {}", StatusCode::NOT_FOUND))
                 }
                 Ok((StatusCode::OK, body)) => parse_slots(&body).ok_or_else(|| {
                     "/slots gave no count: a non-empty JSON array of slot objects was expected"
@@ -165,16 +176,27 @@ pub(crate) async fn check(
     }
 }
 
-/// `GET /props`, read as llama-server's ([`parse_props`]); `None` if it does not give them.
+/// What a llama-server's `/props` said of its slots.
+enum Props {
+    /// Their count and context ([`parse_props`]).
+    Read(Slots),
+    /// It answered without them.
+    Without,
+    /// It gave no answer in time, or its connection failed (why): nothing said.
+    Unanswered(String),
+}
+
+/// `GET /props`, read as llama-server's ([`parse_props`]).
 async fn read_props(
     client: &ProbeClient,
     base: &Uri,
     headers: &HeaderMap,
     timeout: Duration,
-) -> Option<Slots> {
+) -> Props {
     match get(client, base, "/props", headers, timeout).await {
-        Ok((StatusCode::OK, body)) => parse_props(&body),
-        _ => None,
+        Ok((StatusCode::OK, body)) => parse_props(&body).map_or(Props::Without, Props::Read),
+        Ok(_) => Props::Without,
+        Err(e) => Props::Unanswered(e),
     }
 }
 

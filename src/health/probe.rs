@@ -85,14 +85,14 @@ use crate::{Backend, BackendId};
 /// ([`Backend::request_context_given`](crate::Backend::request_context_given)), it becomes its
 /// [request context](crate::Backend::request_context_tokens), announced as a slot count is
 /// (`/props` gives it too); a backend whose slot count is given is asked `/slots` for it too,
-/// until `/slots` answers that it has none (404, or 501 with no `/props` that gives it). Such
-/// a backend is asked `GET /v1/models` instead: vLLM and SGLang give each model's
+/// until `/slots` answers that it has none (404, or 501 with a `/props` that answers without
+/// it). Such a backend is asked `GET /v1/models` instead: vLLM and SGLang give each model's
 /// `max_model_len` there, past which they refuse a prompt with a 400, and the largest becomes
 /// the backend's request context the same way. A `/v1/models` that cannot be read leaves the
 /// context as it was: the reason is in [`ProbeStatus::models_error`], and a `warn` line says
-/// so once, while the context is still unknown. (llama-server's `/v1/models` is not read: it gives its model's training context,
-/// `meta.n_ctx_train`, and in recent releases a slot's, `meta.n_ctx`, which some of its
-/// forks give as the whole context of all slots.)
+/// so once, while the context is still unknown. (llama-server's `/v1/models` is not read: it
+/// gives its model's training context, `meta.n_ctx_train`, and in recent releases a slot's,
+/// `meta.n_ctx`, which some of its forks give as the whole context of all slots.)
 ///
 /// Each transition is logged once (`info` up, `warn` down) and counted
 /// ([`ProbeStatus::transitions`], [`Prober::transitions`]).

@@ -65,9 +65,9 @@ pub struct ProbeStatus {
     /// run with `--api-key` answers 401 without it), while it cannot; `None` once it is read,
     /// or while it has never been asked.
     pub models_error: Option<String>,
-    /// `/slots` answered that the backend has none (404, or 501 with no slots from `/props`):
-    /// it is not asked again for its request context alone, until the backend fails or loads
-    /// (a restart, perhaps as another server).
+    /// `/slots` answered that the backend has none (404, or 501 with a `/props` that answered
+    /// without them): it is not asked again for its request context alone, until the backend
+    /// fails or loads (a restart, perhaps as another server).
     pub(crate) no_slots: bool,
     /// Whether `/health` has ever answered ready: until it has, one failure takes the
     /// backend down and one success brings it up (there is no record to debounce).

@@ -56,6 +56,8 @@ struct Stub {
     props: Mutex<Option<Value>>,
     /// `/props` answers this status instead, when not 0.
     props_status: AtomicU16,
+    /// `/props` never answers.
+    props_hang: AtomicBool,
     /// The `Authorization` that `/slots` and `/v1/models` want, when set (a llama-server or a
     /// vLLM run with `--api-key`): 401 without it. `/health` answers without it.
     authorization: Mutex<Option<&'static str>>,
@@ -149,6 +151,9 @@ async fn models(
 
 async fn props(State(s): State<Arc<Stub>>) -> Result<axum::Json<Value>, StatusCode> {
     s.props_hits.fetch_add(1, Ordering::Relaxed);
+    if s.props_hang.load(Ordering::Relaxed) {
+        std::future::pending::<()>().await;
+    }
     match s.props_status.load(Ordering::Relaxed) {
         0 => {}
         status => return Err(StatusCode::from_u16(status).unwrap()),
@@ -808,6 +813,48 @@ async fn a_501_at_slots_and_no_slots_from_props_is_no_count() {
     let a = status(&affinity, "a");
     assert_eq!((a.slots, a.request_context_limit), (3, Some(4096)));
     assert_eq!(prober.status("a").unwrap().slots_error, None);
+}
+
+/// A `--no-slots` llama-server whose `/props` gave no answer in time (busy, or not yet
+/// listening on it) has not said that it has no slots: it is asked again at the next probe,
+/// and its context is learned and followed then. Taken as "none", a backend announced with
+/// its slot count was not asked again until it failed or loaded, its context never learned.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_no_slots_llama_server_whose_props_did_not_answer_is_asked_again() {
+    let (addr, stub) = start(0).await;
+    stub.slots_status.store(501, Ordering::Relaxed);
+    *stub.props.lock() =
+        Some(json!({"default_generation_settings": {"n_ctx": 4096}, "total_slots": 2}));
+    // Its context alone is learned.
+    let five = NonZeroU32::new(5).unwrap();
+    let (affinity, prober) = balancer(
+        HealthProbe::new(),
+        vec![("a", Backend::new("n", http(addr)).slots(five))],
+    );
+    // At its first probe (after `/slots`' 501) and once it was read (before `/slots`).
+    for read_before in [false, true] {
+        stub.props_hang.store(true, Ordering::Relaxed);
+        prober.round(&affinity).await;
+        let s = prober.status("a").unwrap();
+        assert!(s.up, "{read_before}: {s:?}");
+        assert_eq!(
+            s.slots_error.as_deref(),
+            Some("/slots answered 501 Not Implemented, and /props gave no answer: no answer within 2s"),
+            "{read_before}"
+        );
+        stub.props_hang.store(false, Ordering::Relaxed);
+        let n_ctx = if read_before { 2048 } else { 4096 };
+        *stub.props.lock() =
+            Some(json!({"default_generation_settings": {"n_ctx": n_ctx}, "total_slots": 2}));
+        prober.round(&affinity).await;
+        let a = status(&affinity, "a");
+        assert_eq!(
+            (a.slots, a.request_context_limit),
+            (5, Some(n_ctx)),
+            "{read_before}"
+        );
+        assert_eq!(prober.status("a").unwrap().slots_error, None);
+    }
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
