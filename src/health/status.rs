@@ -51,8 +51,8 @@ pub struct ProbeStatus {
     /// answered 501, as one run with `--no-slots` does), and this is `None`.
     pub busy_slots: Option<u32>,
     /// The most tokens of context one request can take, as `/slots` (or a llama-server's
-    /// `/props`) last gave it (the slots' `n_ctx`), or for a backend without slots `/v1/models` (vLLM's and SGLang's
-    /// `max_model_len`), if read: the backend's
+    /// `/props`) last gave it (the slots' `n_ctx`), or for a backend without slots
+    /// `/v1/models` (vLLM's and SGLang's `max_model_len`), if read: the backend's
     /// [request context](crate::Backend::request_context_tokens) unless it was announced
     /// with its own.
     pub request_context: Option<NonZeroU64>,
