@@ -4121,16 +4121,7 @@ async fn an_empty_fleet_gives_no_time_to_retry_after() {
     let streams = Streams::default();
     let mut svc = SessionAffinityLayer::new().layer(fleet(&[], &streams));
     let err = send(&mut svc, Some("s"), None).await.unwrap_err();
-    assert!(
-        matches!(
-            err,
-            Error::NoBackends {
-                retry_after: None,
-                ..
-            }
-        ),
-        "{err}"
-    );
+    assert!(matches!(err, Error::NoBackends { .. }), "{err}");
     assert_eq!(err.retry_after(), None);
 }
 
@@ -4150,16 +4141,8 @@ async fn a_backend_passed_over_gives_no_time_to_retry_after() {
     let err = send_req(&mut svc, avoiding(request(Some("s"), None), &["a1"]))
         .await
         .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            Error::NoBackends {
-                retry_after: None,
-                ..
-            }
-        ),
-        "{err}"
-    );
+    assert!(matches!(err, Error::NoBackends { .. }), "{err}");
+    assert_eq!(err.retry_after(), None);
     let res = answer(svc.clone(), avoiding(request(Some("s"), None), &["a1"])).await;
     assert_eq!(res.status(), 503);
     assert_eq!(res.headers().get("retry-after"), None);
