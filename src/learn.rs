@@ -414,10 +414,7 @@ mod tests {
         huge.usage.as_mut().unwrap().prompt_time = Some(Duration::from_secs(1_000_000_000_000_000));
         let p = Prediction {
             prompt_tokens: 1,
-            held_tokens: 0,
-            stamp: 0,
-            born: 0,
-            pending: false,
+            ..Prediction::default()
         };
         l.learn(&huge, Some(p));
         assert_eq!(l.read_time(u64::MAX), Some(Duration::MAX));
@@ -432,10 +429,7 @@ mod tests {
         // as 10,000 (a byte each), read cold in 50 s: 200 of its tokens a second.
         let p = Prediction {
             prompt_tokens: 2_500,
-            held_tokens: 0,
-            stamp: 0,
-            born: 0,
-            pending: false,
+            ..Prediction::default()
         };
         l.learn(&answer(10_000, Some(0), 50_000), Some(p));
         assert_eq!(l.token_scale(), Some(4.0));
@@ -462,10 +456,7 @@ mod tests {
     fn a_backend_that_taught_nothing_yet_reads_as_the_others_do() {
         let p = |tokens| Prediction {
             prompt_tokens: tokens,
-            held_tokens: 0,
-            stamp: 0,
-            born: 0,
-            pending: false,
+            ..Prediction::default()
         };
         let (a, b, new) = (Learned::default(), Learned::default(), Learned::default());
         // a reads 200 of its tokens a second, b 600; both count four of theirs a chain token.
@@ -525,9 +516,7 @@ mod tests {
         let p = Prediction {
             prompt_tokens: 10_000,
             held_tokens: 9_000,
-            stamp: 0,
-            born: 0,
-            pending: false,
+            ..Prediction::default()
         };
         let verdict = |reused, p| l.learn(&answer(10_000, Some(reused), 10), Some(p)).1;
         assert_eq!(verdict(8_800, p), Verdict::Fine);
@@ -618,9 +607,7 @@ mod tests {
         let p = |held_tokens| Prediction {
             prompt_tokens: 10_000,
             held_tokens,
-            stamp: 0,
-            born: 0,
-            pending: false,
+            ..Prediction::default()
         };
         let verdict = |reused, p| l.learn(&answer(10_000, Some(reused), 10), Some(p)).1;
         assert_eq!(verdict(1_000, p(2_500)), Verdict::HeldLess);
@@ -633,9 +620,7 @@ mod tests {
         let p = Prediction {
             prompt_tokens: 10_000,
             held_tokens: 3_000,
-            stamp: 0,
-            born: 0,
-            pending: false,
+            ..Prediction::default()
         };
         let verdict = |reused| l.learn(&answer(10_000, Some(reused), 10), Some(p)).1;
         assert_eq!(verdict(5_000), Verdict::Fine, "more, not twice as much");
@@ -650,10 +635,7 @@ mod tests {
         let l = Learned::default();
         let p = Prediction {
             prompt_tokens: 2_500,
-            held_tokens: 0,
-            stamp: 0,
-            born: 0,
-            pending: false,
+            ..Prediction::default()
         };
         let (u, verdict) = l.learn(&answer(10_000, None, 50_000), Some(p));
         assert_eq!((u.unwrap().reused_tokens, verdict), (None, Verdict::Fine));

@@ -1073,17 +1073,22 @@ data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"prompt_tokens_details\":{
         for body in [anthropic, stream] {
             let whole = Usage::from_body(body);
             assert!(whole.is_some(), "{}", String::from_utf8_lossy(body));
-            for cut in 1..body.len() {
-                let mut s = UsageScanner::default();
-                s.feed(&body[..cut]);
-                s.feed(&body[cut..]);
-                assert_eq!(
-                    s.finish(),
-                    whole,
-                    "cut at {cut}: {}",
-                    String::from_utf8_lossy(&body[..cut])
-                );
-            }
+            reads_alike_wherever_cut(body, whole);
+        }
+    }
+
+    /// Checks that `body`, cut in two anywhere and fed a piece at a time, reads as `whole`.
+    fn reads_alike_wherever_cut(body: &[u8], whole: Option<Usage>) {
+        for cut in 1..body.len() {
+            let mut s = UsageScanner::default();
+            s.feed(&body[..cut]);
+            s.feed(&body[cut..]);
+            assert_eq!(
+                s.finish(),
+                whole,
+                "cut at {cut}: {}",
+                String::from_utf8_lossy(&body[..cut])
+            );
         }
     }
 
@@ -1099,17 +1104,7 @@ data: {\"usage\":{\"e\":{\"usage\":{\"input_tokens\":9}},\"f\":?}}\n\ndata: [DON
         for (body, want) in [(broken, (5, Some(3))), (stream, (9, None))] {
             let whole = Usage::from_body(body).expect("a figure");
             assert_eq!((whole.prompt_tokens, whole.reused_tokens), want);
-            for cut in 1..body.len() {
-                let mut s = UsageScanner::default();
-                s.feed(&body[..cut]);
-                s.feed(&body[cut..]);
-                assert_eq!(
-                    s.finish(),
-                    Some(whole),
-                    "cut at {cut}: {}",
-                    String::from_utf8_lossy(&body[..cut])
-                );
-            }
+            reads_alike_wherever_cut(body, Some(whole));
             for piece in [1, 2, 3, 7] {
                 assert_eq!(
                     scan_in_pieces(body, piece),
