@@ -237,6 +237,9 @@ pub(crate) struct Config {
     /// Say on each answer where it was placed and why (`x-affinity-*`): off between tenants,
     /// as they tell a client what the caches hold.
     pub(crate) decision_headers: bool,
+    /// Send once more a request whose backend connection closed before any answer
+    /// (`client::Builder::resend_on_close`).
+    pub(crate) resend_on_close: bool,
     /// How requests reach the backends.
     pub(crate) upstream: UpstreamMode,
     /// `--backend-dns`: names whose records are backends too.
@@ -289,6 +292,7 @@ impl Config {
             probe_headers: Vec::new(),
             ask_stream_usage: false,
             decision_headers: true,
+            resend_on_close: true,
             upstream: UpstreamMode::Pooled,
             backend_dns: Vec::new(),
             dns_servers: Vec::new(),
@@ -308,7 +312,7 @@ impl Config {
             .body_idle_timeout(self.body_idle_timeout)
             .tcp_keepalive(self.tcp_keepalive)
             // llama-server closes its connection after each streamed answer, unannounced.
-            .resend_on_close(true)
+            .resend_on_close(self.resend_on_close)
     }
 
     /// The cache budget of the backend with id `id`, in tokens: what the cache model assumes

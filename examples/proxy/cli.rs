@@ -117,6 +117,11 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
   --no-decision-headers      leave out the x-affinity-backend, -node and -outcome headers
                              (they tell a client where its prompt was placed, and so
                              what the caches hold: leave them out between tenants)
+  --no-resend-on-close       fail a request whose backend connection closed before any
+                             answer, rather than send it once more on another (on by
+                             default: llama-server closes its connection after each
+                             streamed answer; off for backends whose requests must not
+                             run twice)
   --body-limit SIZE          largest request body, e.g. 16MiB (default); larger is 413
   --read-timeout DURATION    longest time to receive a request body (default 60s;
                              0 turns it off); slower is 408
@@ -195,6 +200,7 @@ where
                 | "--no-slots-probe"
                 | "--ask-stream-usage"
                 | "--no-decision-headers"
+                | "--no-resend-on-close"
         );
         if let (true, Some(v)) = (switch, &inline) {
             // `--ask-stream-usage=false` would otherwise turn it on.
@@ -208,6 +214,7 @@ where
             "--no-slots-probe" => config.probe_slots = false,
             "--ask-stream-usage" => config.ask_stream_usage = true,
             "--no-decision-headers" => config.decision_headers = false,
+            "--no-resend-on-close" => config.resend_on_close = false,
             "--listen" => {
                 let v = value()?;
                 listen = v

@@ -2974,6 +2974,7 @@ fn a_switch_given_a_value_is_refused() {
     for switch in [
         "--ask-stream-usage",
         "--no-slots-probe",
+        "--no-resend-on-close",
         "--verbose",
         "--help",
     ] {
@@ -2993,12 +2994,14 @@ fn a_switch_given_a_value_is_refused() {
         "--ask-stream-usage",
         "--no-slots-probe",
         "--no-decision-headers",
+        "--no-resend-on-close",
     ])
     .unwrap() else {
         panic!("not a run");
     };
     assert!(run.config.ask_stream_usage && !run.config.probe_slots);
     assert!(!run.config.decision_headers);
+    assert!(format!("{:?}", run.config.http()).contains("resend_on_close: false"));
 }
 
 // === what the docs say of the command line and of /metrics ===
