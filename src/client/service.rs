@@ -75,6 +75,9 @@ pub struct HttpBackend<B> {
 
 struct Inner<B> {
     client: Client<HttpConnector, SentBody<B>>,
+    /// With [`Builder::resend_on_close`]: a client that keeps no idle connection, for the
+    /// requests sent again, so that each goes out on a new one.
+    fresh: Option<Client<HttpConnector, SentBody<B>>>,
     connector: HttpConnector,
     /// `scheme://authority/`.
     base: Uri,
@@ -380,9 +383,9 @@ where
             Ok(req) => {
                 let again = self.inner.resend.map(|copy| {
                     let (inner, req) = (self.inner.clone(), copy(&req));
-                    Box::new(move || inner.send(req)) as Again
+                    Box::new(move || inner.send(req, true)) as Again
                 });
-                let (fut, sending) = self.inner.send(req);
+                let (fut, sending) = self.inner.send(req, false);
                 ResponseFuture::new(
                     fut,
                     self.inner.response_timeout,
@@ -402,14 +405,23 @@ where
     B::Data: Send,
     B::Error: Into<crate::BoxError>,
 {
-    /// Sends `req`, prepared, on the pool. The [`Sending`] says whether the request's body
-    /// failed while it was sent, or was still awaited from the client when the response
-    /// timeout passed: the request's fault, which the client's error does not tell apart
-    /// from the backend's (HTTP/2 resets the stream), nor the timeout.
-    fn send(&self, req: Request<B>) -> (hyper_util::client::legacy::ResponseFuture, Arc<Sending>) {
+    /// Sends `req`, prepared, on the pool, or on a new connection if `fresh` (and sending
+    /// again is on). The [`Sending`] says whether the request's body failed while it was
+    /// sent, or was still awaited from the client when the response timeout passed: the
+    /// request's fault, which the client's error does not tell apart from the backend's
+    /// (HTTP/2 resets the stream), nor the timeout.
+    fn send(
+        &self,
+        req: Request<B>,
+        fresh: bool,
+    ) -> (hyper_util::client::legacy::ResponseFuture, Arc<Sending>) {
         let sending = Arc::new(Sending::default());
         let req = req.map(|body| SentBody::new(body, sending.clone()));
-        (self.client.request(req), sending)
+        let client = match &self.fresh {
+            Some(new) if fresh => new,
+            _ => &self.client,
+        };
+        (client.request(req), sending)
     }
 }
 
@@ -696,17 +708,24 @@ impl<B> Builder<B> {
             #[cfg(any(target_os = "android", target_os = "fuchsia", target_os = "linux"))]
             connector.set_tcp_user_timeout(Some(idle + interval * KEEPALIVE_PROBES));
         }
-        let mut client = Client::builder(TokioExecutor::new());
-        client
-            .pool_idle_timeout(self.pool_idle_timeout)
-            .pool_max_idle_per_host(self.pool_max_idle_per_host)
-            .http2_only(self.http2)
-            // Without a timer the pool never closes idle connections.
-            .pool_timer(hyper_util::rt::TokioTimer::new());
-        let client = client.build(connector.clone());
+        let client = |max_idle| {
+            let mut client = Client::builder(TokioExecutor::new());
+            client
+                .pool_idle_timeout(self.pool_idle_timeout)
+                .pool_max_idle_per_host(max_idle)
+                .http2_only(self.http2)
+                // Without a timer the pool never closes idle connections.
+                .pool_timer(hyper_util::rt::TokioTimer::new());
+            client.build(connector.clone())
+        };
+        // A request sent again goes out on a connection of its own: another idle one in the
+        // pool may have been closed unseen as well (several streams ending at once).
+        let fresh = self.resend.map(|_| client(0));
+        let client = client(self.pool_max_idle_per_host);
         Ok(HttpBackend {
             inner: Arc::new(Inner {
                 client,
+                fresh,
                 connector,
                 base,
                 scheme,
@@ -737,9 +756,10 @@ impl<B: Clone> Builder<B> {
     /// back from the pool before the close is seen: the backend never reads it, and it fails
     /// with [`FailureKind::Reset`](super::FailureKind::Reset). Counted as the backend's
     /// failure, a healthy backend is passed over for the failure cooldown and its sessions
-    /// move. Sent again, it is answered. A backend that is really gone fails the second
-    /// sending too (its connection refused), and that is its failure. The response timeout
-    /// counts from the first sending.
+    /// move. Sent again, on a connection opened for it (another idle one in the pool may have
+    /// closed unseen too, when several streams end at once), it is answered. A backend that
+    /// is really gone fails the second sending too (its connection refused), and that is its
+    /// failure. The response timeout counts from the first sending.
     ///
     /// A closed connection does not say whether the backend read the request: every request
     /// whose connection closes before its answer's headers is sent again, one the backend

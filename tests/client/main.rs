@@ -365,6 +365,29 @@ async fn a_request_on_a_connection_closed_unanswered_is_sent_again_on_another_wh
     assert_eq!(e.kind(), FailureKind::Reset, "{e}");
 }
 
+/// Two idle connections in the pool closed unseen at once (two streams ended together): the
+/// request sent again goes out on a connection opened for it, not on the other stale one.
+#[tokio::test]
+async fn a_request_sent_again_goes_out_on_a_new_connection_not_another_idle_one() {
+    use std::sync::atomic::Ordering;
+    let (addr, connections) = answering_one_a_connection().await;
+    let backend = HttpBackend::builder()
+        .resend_on_close(true)
+        .build(&url(addr))
+        .unwrap();
+    let get = || Request::get("/v1/models").body(Body::default()).unwrap();
+    // Two at once: two connections, each answered once and back in the pool.
+    let (a, b) = tokio::join!(call(&backend, get()), call(&backend, get()));
+    for res in [a, b] {
+        res.unwrap().into_body().collect().await.unwrap();
+    }
+    assert_eq!(connections.load(Ordering::SeqCst), 2);
+    // Each idle one now closes when it reads a request: the third is answered on a third.
+    let res = call(&backend, get()).await.unwrap();
+    assert_eq!(res.status(), 200);
+    assert_eq!(connections.load(Ordering::SeqCst), 3);
+}
+
 /// A backend that is gone fails the second sending too: the failure is its, once.
 #[tokio::test]
 async fn a_request_sent_again_to_a_backend_that_is_gone_fails_as_refused() {
