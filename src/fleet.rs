@@ -538,6 +538,8 @@ pub(crate) struct Load {
     pub(crate) failures: AtomicU64,
     /// Answers it began and did not finish: their body failed.
     pub(crate) cut_answers: AtomicU64,
+    /// Answers to requests sent to it again (see [`SentAgain`](crate::SentAgain)).
+    pub(crate) sent_again: AtomicU64,
     /// What this backend's answers have taught.
     pub(crate) learned: Learned,
     /// Its event handles (nothing without the `metrics` feature).
@@ -632,6 +634,7 @@ impl Load {
             down_until: AtomicU64::new(0),
             failures: AtomicU64::new(0),
             cut_answers: AtomicU64::new(0),
+            sent_again: AtomicU64::new(0),
             learned: Learned::default(),
             metrics: BackendMetrics::new(id, node, &capacity.counters.labels),
             capacity,
@@ -1025,6 +1028,13 @@ impl SlotGuard {
     pub(crate) fn count_cut_answer(&self) {
         self.load.cut_answers.fetch_add(1, Ordering::Relaxed);
         self.load.metrics.cut_answer();
+    }
+
+    /// Counts an answer to a request that was sent to this backend again (see
+    /// [`SentAgain`](crate::SentAgain)).
+    pub(crate) fn count_sent_again(&self) {
+        self.load.sent_again.fetch_add(1, Ordering::Relaxed);
+        self.load.metrics.sent_again();
     }
 
     /// Marks the backend this slot belongs to down for `cooldown`, then releases the slot.
@@ -1532,6 +1542,14 @@ pub struct BackendStatus {
     /// fails while [`ReadRefusals`](crate::ReadRefusals) reads it reached no client: it
     /// counts among the `failures`, and marks the backend down.)
     pub cut_answers: u64,
+    /// Answers it gave to requests sent to it a second time, their first connection closed
+    /// before any answer (a backend service marks such an answer [`SentAgain`](crate::SentAgain):
+    /// [`HttpBackend`'s](crate::client::HttpBackend)
+    /// [`resend_on_close`](crate::client::Builder::resend_on_close) does), counted since
+    /// discovery first named it. The requests were answered; a count that grows says the
+    /// backend closes connections a request was sent on (llama-server after each streamed
+    /// answer).
+    pub sent_again: u64,
     /// Conversations the cache model says it homes: the tips of the prompts it holds.
     pub conversations: u32,
     /// Tokens of prompt the cache model says it holds.
@@ -1645,6 +1663,7 @@ impl Topology {
             healthy: !m.load.is_down(now_ms),
             failures: m.load.failures.load(Ordering::Relaxed),
             cut_answers: m.load.cut_answers.load(Ordering::Relaxed),
+            sent_again: m.load.sent_again.load(Ordering::Relaxed),
             conversations: cache.conversations(),
             cached_tokens: cache.tokens(),
             cache_budget: cache.budget(),

@@ -767,6 +767,9 @@ fn respond<B>(
     watch: Option<Watch>,
 ) -> http::Response<ResponseBody<B>> {
     let (mut parts, body) = res.into_parts();
+    if parts.extensions.get::<crate::SentAgain>().is_some() {
+        guard.count_sent_again();
+    }
     let observe = watch.and_then(|w| Observe::new(&parts.headers, w));
     if finish.decision_headers {
         let h = &mut parts.headers;

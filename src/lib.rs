@@ -179,7 +179,7 @@ pub use layer::SessionAffinityLayer;
 pub use overflow::Overflow;
 pub use retry::{ContextRefusal, ReadRefusals, ReadRefusalsFuture, ReadRefusalsLayer, RetryOnce};
 pub use service::SessionAffinity;
-pub use stats::{Decision, Outcome, ParseOutcomeError, Reuse, Stats};
+pub use stats::{Decision, Outcome, ParseOutcomeError, Reuse, SentAgain, Stats};
 pub use table::Sessions;
 pub use usage::Usage;
 

@@ -64,6 +64,7 @@
 //! | `tower_affinity_discovery_errors_total` | counter | | errors from the discovery stream |
 //! | `tower_affinity_backend_failures_total` | counter | `backend`, `node` | requests that failed on this backend, or that it answered with 503 |
 //! | `tower_affinity_backend_cut_answers_total` | counter | `backend`, `node` | answers it began and cut before their end (their body failed); they mark nothing down ([`BackendStatus::cut_answers`](crate::BackendStatus::cut_answers)) |
+//! | `tower_affinity_backend_sent_again_total` | counter | `backend`, `node` | answers to requests sent to it a second time, their first connection closed before any answer ([`BackendStatus::sent_again`](crate::BackendStatus::sent_again)) |
 //! | `tower_affinity_backend_prompt_tokens_total` | counter | `backend`, `node` | prompt tokens of its answers that said how many they reused |
 //! | `tower_affinity_backend_reused_tokens_total` | counter | `backend`, `node` | of them, reused from its cache |
 //! | `tower_affinity_backend_unreported_prompt_tokens_total` | counter | `backend`, `node` | prompt tokens of its answers that did not say (vLLM's Anthropic endpoint, vLLM without `--enable-prompt-tokens-details`, or SGLang without `--enable-cache-report`) |
@@ -400,13 +401,14 @@ const LEVELS: [&str; 9] = [
 
 /// A backend's counters.
 #[cfg(feature = "metrics")]
-const BACKEND_COUNTERS: [&str; 6] = [
+const BACKEND_COUNTERS: [&str; 7] = [
     "tower_affinity_backend_failures_total",
     "tower_affinity_backend_cut_answers_total",
     "tower_affinity_backend_prompt_tokens_total",
     "tower_affinity_backend_reused_tokens_total",
     "tower_affinity_backend_unreported_prompt_tokens_total",
     "tower_affinity_backend_corrections_total",
+    "tower_affinity_backend_sent_again_total",
 ];
 
 /// Where each of a backend's counters is in [`BACKEND_COUNTERS`] (and its key in
@@ -423,6 +425,8 @@ const REUSED_TOKENS: usize = 3;
 const UNREPORTED_PROMPT_TOKENS: usize = 4;
 #[cfg(feature = "metrics")]
 const CORRECTIONS: usize = 5;
+#[cfg(feature = "metrics")]
+const SENT_AGAIN: usize = 6;
 
 /// A backend's histogram, and where its key is in [`BackendMetrics::keys`].
 #[cfg(feature = "metrics")]
@@ -494,6 +498,11 @@ impl BackendMetrics {
     pub(crate) fn cut_answer(&self) {
         #[cfg(feature = "metrics")]
         self.counter(CUT_ANSWERS).increment(1);
+    }
+
+    pub(crate) fn sent_again(&self) {
+        #[cfg(feature = "metrics")]
+        self.counter(SENT_AGAIN).increment(1);
     }
 
     #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
@@ -663,7 +672,7 @@ enum Kind {
 /// Each metric's help, as an exporter shows it (Prometheus's `# HELP`); the store's come with
 /// its [counters](StoreStats::counters).
 #[cfg(feature = "metrics")]
-const HELP: [(&str, Kind, &str); 36] = [
+const HELP: [(&str, Kind, &str); 37] = [
     (
         "tower_affinity_decisions_total",
         Kind::Counter,
@@ -763,6 +772,11 @@ const HELP: [(&str, Kind, &str); 36] = [
         "tower_affinity_backend_corrections_total",
         Kind::Counter,
         "Answers that reused far less than the cache model predicted",
+    ),
+    (
+        "tower_affinity_backend_sent_again_total",
+        Kind::Counter,
+        "Answers to requests sent to the backend a second time, their first connection closed before any answer",
     ),
     (
         "tower_affinity_backend_first_byte_seconds",

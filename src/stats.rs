@@ -182,6 +182,25 @@ impl Decision {
     pub const OUTCOME_HEADER: HeaderName = HeaderName::from_static("x-affinity-outcome");
 }
 
+/// A mark in a backend's response: the backend service sent the request a second time, its
+/// first connection having closed before any answer.
+/// [`HttpBackend`](crate::client::HttpBackend) marks its answers so with
+/// [`resend_on_close`](crate::client::Builder::resend_on_close); a backend service of your
+/// own that sends again may do the same. The balancer counts each for the backend that
+/// answered ([`BackendStatus::sent_again`](crate::BackendStatus::sent_again), and the
+/// `tower_affinity_backend_sent_again_total` series of the [`metrics`](crate::metrics)
+/// feature), and leaves the mark in the response.
+///
+/// ```
+/// use tower_affinity::SentAgain;
+///
+/// let mut res = http::Response::new(());
+/// res.extensions_mut().insert(SentAgain);
+/// assert!(res.extensions().get::<SentAgain>().is_some());
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SentAgain;
+
 /// A snapshot of the service's counters. Counters only grow; gauges are read at the snapshot.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]

@@ -1159,7 +1159,7 @@ impl Collector for AffinityCollector {
         }
         // What the backends' answers reported: reused over prompt tokens is the reuse
         // placement achieved, one PromQL division.
-        let per_backend: [Reported; 6] = [
+        let per_backend: [Reported; 7] = [
             (
                 "tower_affinity_backend_failures",
                 "Requests that failed on the backend before it answered, or that it answered 503",
@@ -1169,6 +1169,11 @@ impl Collector for AffinityCollector {
                 "tower_affinity_backend_cut_answers",
                 "Answers the backend began and cut before their end",
                 |b| b.cut_answers,
+            ),
+            (
+                "tower_affinity_backend_sent_again",
+                "Answers to requests sent to the backend a second time, their first connection closed before any answer",
+                |b| b.sent_again,
             ),
             (
                 "tower_affinity_backend_prompt_tokens",

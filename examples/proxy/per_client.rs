@@ -27,6 +27,7 @@ use pin_project_lite::pin_project;
 use tokio::time::Instant;
 use tower::ServiceExt;
 use tower_affinity::client::{BackendBody, FailureKind, HttpBackend, HttpBackendError};
+use tower_affinity::SentAgain;
 
 use crate::app::ReqBody;
 
@@ -120,24 +121,32 @@ pub(crate) fn send(
         let req = http.prepare(req, false)?;
         let again = http.resend_copy(&req);
         let mut sent_at = None;
-        let res = match (send_own(&conns, &http, req, &mut sent_at).await, again) {
+        let (res, sent_again) = match (send_own(&conns, &http, req, &mut sent_at).await, again) {
             (Sent::Pooled(req), _) => return http.oneshot(req).await,
             // Its connection closed before any answer: llama-server closes its connection
             // after each streamed answer, unannounced, and the next request of this client
             // connection can go out on it before the close is seen. The backend never read
             // it: sent once more, on another connection, as the pooled client does
-            // (`Builder::resend_on_close`).
+            // (`Builder::resend_on_close`), and its answer marked so for the balancer to count.
             (Sent::Own(Err(e)), Some(req)) if e.kind() == FailureKind::Reset => {
                 tracing::debug!(backend = %http.base_uri(), error = %e, "connection closed before any answer; the request sent again");
                 match send_own(&conns, &http, req, &mut sent_at).await {
-                    Sent::Pooled(req) => return http.oneshot(req).await,
-                    Sent::Own(res) => res,
+                    Sent::Pooled(req) => {
+                        return http.oneshot(req).await.map(|mut res| {
+                            res.extensions_mut().insert(SentAgain);
+                            res
+                        })
+                    }
+                    Sent::Own(res) => (res, true),
                 }
             }
-            (Sent::Own(res), _) => res,
+            (Sent::Own(res), _) => (res, false),
         };
         let mut res = res?.map(|body| http.response_body(body));
         http.finish_response(&mut res)?;
+        if sent_again {
+            res.extensions_mut().insert(SentAgain);
+        }
         Ok(res)
     }
 }

@@ -72,6 +72,8 @@ pin_project! {
             sending: Arc<Sending>,
             // The request once more, if its connection closes before any answer.
             again: Option<Again>,
+            // Whether it was sent once more: its answer is marked `SentAgain`.
+            sent_again: bool,
         },
         Failed { error: Option<HttpBackendError> },
     }
@@ -93,6 +95,7 @@ impl ResponseFuture {
                 idle,
                 sending,
                 again,
+                sent_again: false,
             },
         }
     }
@@ -122,10 +125,14 @@ impl Future for ResponseFuture {
                 idle,
                 sending,
                 again,
+                sent_again,
             } => {
                 while let Poll::Ready(res) = Pin::new(&mut *fut).poll(cx) {
                     let e = match res {
                         Ok(mut res) => {
+                            if *sent_again {
+                                res.extensions_mut().insert(crate::SentAgain);
+                            }
                             let idle = *idle;
                             return Poll::Ready(
                                 finish_response(&mut res)
@@ -141,6 +148,7 @@ impl Future for ResponseFuture {
                         Some(send) if e.kind() == FailureKind::Reset => {
                             tracing::debug!(error = %e, "connection closed before any answer; the request sent again");
                             (*fut, *sending) = send();
+                            *sent_again = true;
                         }
                         _ => return Poll::Ready(Err(e)),
                     }

@@ -768,6 +768,11 @@ impl<B: Clone> Builder<B> {
     /// reads that prompt a second time; a backend whose requests act on something, and may
     /// not run twice, is no backend for this setting.
     ///
+    /// An answer to a request sent again carries [`SentAgain`](crate::SentAgain) in its
+    /// extensions: the balancer counts it for the backend
+    /// ([`BackendStatus::sent_again`](crate::BackendStatus::sent_again)), where a count that
+    /// grows says how often the backend closes a connection a request was sent on.
+    ///
     /// Each request then keeps a copy of its head (and a clone of its body) until its
     /// answer's headers come.
     ///

@@ -352,6 +352,12 @@ async fn a_request_on_a_connection_closed_unanswered_is_sent_again_on_another_wh
     for turn in 0..2 {
         let res = call(&backend, get()).await.unwrap();
         assert_eq!(res.status(), 200, "turn {turn}");
+        // Marked, for the balancer to count, when it was sent again.
+        let marked = res
+            .extensions()
+            .get::<tower_affinity::SentAgain>()
+            .is_some();
+        assert_eq!(marked, turn == 1, "turn {turn}");
         let body = res.into_body().collect().await.unwrap().to_bytes();
         assert_eq!(&body[..], b"ok", "turn {turn}");
     }

@@ -2134,6 +2134,21 @@ async fn a_request_on_a_connection_its_backend_closed_unanswered_is_sent_again_o
     }
     assert_eq!(proxy.status("only").failures, 0, "{mode:?}");
     assert!(proxy.status("only").healthy, "{mode:?}");
+    // Turn 1 found its connection closed, and was counted; so did turn 2 on the client
+    // connection's own (the pool keeps no connection opened for a request sent again).
+    let again = match mode {
+        UpstreamMode::Pooled => 1,
+        UpstreamMode::PerClient => 2,
+    };
+    assert_eq!(proxy.status("only").sent_again, again, "{mode:?}");
+    let metrics = String::from_utf8(proxy.get("/metrics").await.body.to_vec()).unwrap();
+    let line = metrics
+        .lines()
+        .find(|l| l.starts_with("tower_affinity_backend_sent_again_total{"));
+    assert!(
+        line.is_some_and(|l| l.contains(r#"backend="only""#) && l.ends_with(&format!(" {again}"))),
+        "{mode:?}: {line:?} in:\n{metrics}"
+    );
     server.abort();
 }
 

@@ -4672,6 +4672,40 @@ async fn an_answer_cut_midway_is_counted_on_its_backend_and_marks_nothing() {
     );
 }
 
+/// An answer its backend service marks [`SentAgain`] (its request was sent a second time) is
+/// counted for that backend, and only such answers are.
+#[tokio::test]
+async fn an_answer_marked_sent_again_is_counted_on_its_backend() {
+    let marks = tower::service_fn(|req: Req| async move {
+        let mut res = http::Response::new(http_body_util::Full::new(Bytes::from_static(b"ok")));
+        if req.headers().contains_key("x-again") {
+            res.extensions_mut().insert(tower_affinity::SentAgain);
+        }
+        Ok::<_, Infallible>(res)
+    });
+    let svc = SessionAffinityLayer::new().layer(StaticFleet::new([(
+        "a1",
+        Backend::new("a", marks).slots(nz(1)),
+    )]));
+    for again in [true, false, true] {
+        let mut req = request(Some("s"), None);
+        if again {
+            req.headers_mut()
+                .insert("x-again", http::HeaderValue::from_static("1"));
+        }
+        let res = svc.clone().oneshot(req).await.unwrap();
+        assert_eq!(
+            res.extensions()
+                .get::<tower_affinity::SentAgain>()
+                .is_some(),
+            again
+        );
+        res.into_body().collect().await.unwrap();
+    }
+    let status = svc.backends().into_iter().next().unwrap();
+    assert_eq!((status.sent_again, status.failures), (2, 0));
+}
+
 // === a context its running requests share ===
 
 /// A fleet of one-node backends `(id, slots, context)`, with a context limit where given.
