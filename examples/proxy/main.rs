@@ -50,7 +50,10 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         Err(e) => {
-            eprintln!("proxy: {e}");
+            // Nor `eprintln!`, which panics when stderr is a pipe whose reader has gone: the
+            // exit status (2, not a panic's 101) still says it.
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "proxy: {e}");
             return ExitCode::from(2);
         }
     };
