@@ -228,7 +228,10 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// cache model says the home holds the session; else the backend holding its own prefix
     /// (see [`FleetView::longest_prefix`](crate::placement::FleetView::longest_prefix)); and
     /// for a request without a key, the one backend holding the most of its prompt, whether
-    /// or not that prefix is the conversation's own.
+    /// or not that prefix is the conversation's own. Only while the placement policy offers
+    /// that backend first: one it passes over, or offers after another (`NodeThenBackend`
+    /// does so with a holder of a new conversation's opening that homes its share of the
+    /// conversations the opening drew), is not waited for.
     ///
     /// The request waits when the backend's slot is expected to free sooner than another
     /// backend would read the part of the prompt it lacks, and at most that long; then it

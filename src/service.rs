@@ -906,8 +906,11 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             }
             _ => return full(),
         };
-        // A backend the policy passed over is no home to wait for, nor one to be judged by.
-        let cache_passed_over = cache_backend.is_some_and(|b| candidates.is_passed_over(b));
+        // A backend the policy passed over is no home to wait for, nor one to be judged by;
+        // nor is one it did not offer first (`NodeThenBackend`'s busy holder of a new
+        // conversation's opening that homes its share of the conversations it drew).
+        let cache_passed_over = cache_backend
+            .is_some_and(|b| candidates.is_passed_over(b) || candidates.first() != Some(b));
         let own_prefix = own_prefix.filter(|&p| !candidates.is_passed_over(p));
         if !overcommitted {
             context = candidates.context();

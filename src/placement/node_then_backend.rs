@@ -52,7 +52,10 @@ use super::{
 ///   prefix there: a system prompt every conversation shares draws new ones only up to the
 ///   bound, while a long prefix few others continue (a conversation's last prompt that ended
 ///   inside a block, whose ragged end the next turn drops; a branch) draws the next turn to
-///   where it is held, however many other conversations that backend homes;
+///   where it is held, however many other conversations that backend homes. With every slot
+///   of the holder taken, its share is of the conversations that branch from the prompt's
+///   prefixes anywhere, not of every conversation the models remember: agents that open at
+///   once with a prompt first read there are not all drawn to one backend's slots;
 /// - new conversations, keyed or keyless, are spread by the conversations each backend homes
 ///   (the cache model's count), not only by requests in flight: agents think between turns, so
 ///   in flight is near zero when each sends one turn at a time. A keyless one goes to the
@@ -157,7 +160,11 @@ impl NodeThenBackend {
     /// A backend holding some of a new conversation's prompt is offered first unless the
     /// conversations that branch from that prefix there already reach the bound: those are
     /// what the prefix drew, and the conversations it homes besides came by other prefixes or
-    /// by load. A prefix every conversation shares is branched from by all of them, so it
+    /// by load. While every slot of it is taken, the bound there is its share of the
+    /// conversations that branch from the prompt's prefixes on any backend, not of all the
+    /// fleet's: the models remember conversations long ended, and agents that open at once
+    /// with a prompt first read on one backend would otherwise all go to it (and wait for its
+    /// slots, where reading the prompt elsewhere costs more), then share them. A prefix every conversation shares is branched from by all of them, so it
     /// draws new ones only up to the bound. What this leaves open: a backend may hold several
     /// prefixes that each draw up to the bound, so it may home more than its share when the
     /// conversations fall into groups sharing a long prefix each.
@@ -215,20 +222,42 @@ impl NodeThenBackend {
         let (Some(chain), Some(e)) = (req.chain, self.conversation_bound) else {
             return ControlFlow::Continue(());
         };
-        let bound = Bound::conversations(fleet, e);
+        // Each holder, with the conversations held there that branch from the longest prefix
+        // it holds: what the prompt's prefixes drew there.
         let mut none_likely = true;
-        let mut holders: Vec<(usize, (u64, u64, u64), BackendRef<'_>)> = fleet
+        let mut drawn = 0u64;
+        let held: Vec<(usize, u32, BackendRef<'_>)> = fleet
             .backends()
             .filter_map(|b| {
                 let (links, branches) = b.cached_links_and_branches(chain, none_likely);
                 none_likely = links == 0;
-                let holds = links > 0 && links < chain.len() && bound.admits_homing(&b, branches);
+                drawn += u64::from(branches);
+                (links > 0 && links < chain.len()).then_some((links, branches, b))
+            })
+            .collect();
+        // A holder draws new conversations within the bound over every conversation the
+        // fleet's models hold, conversations long ended among them. With every slot taken,
+        // only within its share of those the prompt's prefixes drew: agents that open with a
+        // prompt first read there would otherwise all wait for it, then share its slots.
+        let all = Bound::conversations(fleet, e);
+        let busy = Bound::among(fleet, drawn, e);
+        let mut holders: Vec<(usize, (u64, u64, u64), BackendRef<'_>)> = held
+            .into_iter()
+            .filter(|(_, branches, b)| {
+                let bound = if b.in_flight() < b.slots() {
+                    &all
+                } else {
+                    &busy
+                };
+                bound.admits_homing(b, *branches)
+            })
+            .map(|(links, _, b)| {
                 let order = match req.key {
                     // Higher scores first: ranks that sort ascending.
                     Some(key) => (u64::MAX - b.rendezvous_score(key).to_bits(), 0, 0),
                     None => spread_load(fleet, &b),
                 };
-                holds.then_some((links, order, b))
+                (links, order, b)
             })
             .collect();
         holders.sort_by_key(|&(links, order, b)| {
@@ -384,9 +413,14 @@ impl Bound {
     }
 
     fn conversations(fleet: &FleetView<'_>, epsilon: f64) -> Self {
+        Self::among(fleet, fleet.conversations(), epsilon)
+    }
+
+    /// The conversation bound for a backend's share of `conversations`, by slots.
+    fn among(fleet: &FleetView<'_>, conversations: u64, epsilon: f64) -> Self {
         let slots = fleet.topology.total_slots.max(1);
         Bound {
-            per_slot: (1.0 + epsilon) * (fleet.conversations() + 1) as f64 / f64::from(slots),
+            per_slot: (1.0 + epsilon) * (conversations + 1) as f64 / f64::from(slots),
             replicas: fleet.topology.replicas.max(1),
             ..Bound::NONE
         }

@@ -1679,6 +1679,32 @@ async fn a_keyless_opening_that_another_prompt_continues_does_not_wait_for_its_h
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_new_conversation_is_not_held_for_a_busy_holder_already_homing_its_share_of_the_prefixs_conversations(
+) {
+    // Agents that open with the same 8,000 tokens, on one-slot backends. Two conversations of
+    // that opening went to its holder; the holder is busy for 5 s with the first one's next
+    // turn. A third new conversation would wait there rather than read the opening elsewhere
+    // (40 s), and be the third conversation homed on one slot: but the holder homes two of
+    // the two that the opening drew, past its share (1.25 x 3 x 1/2, rounded up: 2, and
+    // its one slot), so the policy offers the free backend first, and the request is not
+    // held for the holder.
+    let svc = service(&[("a", "n1"), ("b", "n2")]);
+    teach(&svc, Duration::from_secs(10)).await;
+    let opening = |own: u64| chain(&[100, 101, 102, 103, 104, 105, 106, 107, own], 1000);
+    let (d, _, _) = exchange(&svc, request(None, Some(opening(900)), reused(9000, 0))).await;
+    let holder = d.backend.to_string();
+    let (d, _, _) = exchange(&svc, request(None, Some(opening(901)), reused(9000, 8000))).await;
+    assert_eq!(d.backend.as_str(), holder, "the opening draws the second");
+    let next = chain(&[100, 101, 102, 103, 104, 105, 106, 107, 900, 910], 1000);
+    let long = Reply::llama_stream(10_000, 9000, 5000, Duration::ZERO, Duration::from_secs(5));
+    let streaming = keep_busy(&svc, request(None, Some(next), long), &holder).await;
+    let (d, _, _) = exchange(&svc, request(None, Some(opening(902)), reused(9000, 0))).await;
+    assert_ne!(d.backend.as_str(), holder);
+    assert_eq!(d.waited, None);
+    streaming.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
 async fn move_at_once_while_nothing_is_learned() {
     let svc = service(&[("a", "n1"), ("b", "n2")]);
     let (home, streaming) = busy_home(&svc, Duration::from_secs(5)).await;

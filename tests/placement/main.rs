@@ -1079,6 +1079,45 @@ fn the_conversation_bound_counts_against_a_holder_only_the_conversations_sharing
     assert_ne!(shared.choose(&p, Some(k), None), Some("b1".into()));
 }
 
+/// Two nodes of two backends, two slots each, whose models remember 32 conversations of
+/// their own, eight a backend (conversations of earlier hours, long ended); then a system
+/// prompt read first on b1, where two conversations now branch from it.
+fn new_system_prompt_on_b1_of_a_fleet_with_a_past() -> Snapshot {
+    let past = (0..32u64).fold(two_by_two_of_two(), |s, i| {
+        s.holds(["a1", "a2", "b1", "b2"][i as usize % 4], &chain(&[500 + i]))
+    });
+    past.holds("b1", &chain(&[SYS, 21]))
+        .holds("b1", &chain(&[SYS, 22]))
+}
+
+#[test]
+fn a_holder_with_every_slot_taken_draws_only_its_share_of_the_conversations_its_prefix_drew() {
+    // Four agents start at once on a new system prompt: two run on b1, whose two slots they
+    // take. Against the 34 conversations the fleet remembers, b1 homing a third would be far
+    // within its share (1.25 x 35 x 2/8, rounded up: 11), and it would wait there, a third
+    // conversation on two slots; but the system prompt drew two, and b1 homes both, its
+    // share of them and more (1.25 x 3 x 2/8, rounded up, is 1; its slots, 2). It is not
+    // the first offered (which a request waits for when reading the prefix elsewhere costs
+    // more than the wait): keyless, a backend with room is; keyed, the one its key prefers.
+    let busy = new_system_prompt_on_b1_of_a_fleet_with_a_past()
+        .in_flight("b1", 2)
+        .prompt(chain(&[SYS, 23]));
+    let p = NodeThenBackend::new();
+    assert_ne!(busy.order(&p, None, None)[0].as_str(), "b1");
+    let k = key_not_drawn_to(&busy, |b| b == "b1");
+    assert_eq!(
+        busy.order(&p, Some(k), None)[0],
+        order_from_scores(&busy, k)[0]
+    );
+    // With a slot free there, the bound counts every conversation the fleet remembers: b1
+    // draws the third, which its prefix saves reading.
+    let free = new_system_prompt_on_b1_of_a_fleet_with_a_past()
+        .in_flight("b1", 1)
+        .prompt(chain(&[SYS, 23]));
+    assert_eq!(free.order(&p, None, None)[0].as_str(), "b1");
+    assert_eq!(free.order(&p, Some(k), None)[0].as_str(), "b1");
+}
+
 #[test]
 fn a_replica_homes_on_a_backend_its_share_of_the_slots_not_all_of_them() {
     // b1 (two slots) homes one conversation; a new one shares its system prompt and prefers
