@@ -73,6 +73,49 @@ pub use session_key::SessionKey;
 ///     .unwrap();
 /// assert!(by_tenant.extract(&req).is_some());
 /// ```
+///
+/// A type of your own implements the trait for the requests it reads. Implemented for
+/// `http::Request<B>` of any body `B`, it serves behind [`BodyKeyLayer`] and without it alike;
+/// one implemented for your server's body type only (hyper's `Incoming`) does not compile
+/// behind the layer. The balancer clones its extractor, so derive `Clone`. Here the bearer
+/// token of `Authorization` names the session, after the agents' headers:
+///
+/// ```
+/// use bytes::Bytes;
+/// use http_body_util::Full;
+/// use tower::Layer;
+/// use tower_affinity::discover::StaticFleet;
+/// use tower_affinity::key::{ExtensionKey, FirstOf, HeaderKey, KeyExtractor, SessionKey};
+/// use tower_affinity::{Backend, SessionAffinityLayer};
+///
+/// /// The token of `Authorization: Bearer TOKEN`.
+/// #[derive(Clone, Copy, Debug)]
+/// struct BearerKey;
+///
+/// impl<B> KeyExtractor<http::Request<B>> for BearerKey {
+///     fn extract(&self, req: &http::Request<B>) -> Option<SessionKey> {
+///         let value = req.headers().get(http::header::AUTHORIZATION)?.as_bytes();
+///         let token = value.strip_prefix(b"Bearer ")?.trim_ascii();
+///         (!token.is_empty()).then(|| SessionKey::from_bytes(token))
+///     }
+/// }
+///
+/// let req = http::Request::post("/v1/chat/completions")
+///     .header("authorization", "Bearer sk-agent-7")
+///     .body(Full::new(Bytes::new()))
+///     .unwrap();
+/// assert_eq!(BearerKey.extract(&req), Some(SessionKey::from_bytes(b"sk-agent-7")));
+///
+/// // The agents' headers first, then the token, then a key a `BodyKeyLayer` read.
+/// let key = FirstOf::new(HeaderKey::default(), FirstOf::new(BearerKey, ExtensionKey));
+/// # let backend = tower::service_fn(|_: http::Request<Full<Bytes>>| async {
+/// #     Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
+/// # });
+/// let svc = SessionAffinityLayer::new()
+///     .key(key)
+///     .layer(StaticFleet::new([("gpu-0", Backend::new("host-a", backend))]));
+/// # let _ = svc;
+/// ```
 pub trait KeyExtractor<Req> {
     /// The session key of `req`, if it has one.
     fn extract(&self, req: &Req) -> Option<SessionKey>;
