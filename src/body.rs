@@ -347,6 +347,13 @@ impl<B> ResponseBody<B> {
     /// and the tokens its backend reused. `None` before the end, for an answer that reports
     /// nothing (or is neither JSON nor SSE, or is compressed), and for one cut short.
     ///
+    /// The end is the poll that returns `None`, or the frame after which the body's
+    /// [`is_end_stream`](Body::is_end_stream) is true: a server need not poll a body past
+    /// that, and hyper's does not (an answer of known length, such as a JSON answer with its
+    /// `Content-Length`, is dropped once its bytes are written). A body of your own around
+    /// this one that logs the usage reads it there, or when it is dropped, not only at
+    /// `None`; forward `is_end_stream` and `size_hint` too.
+    ///
     /// The same figures add up per backend in
     /// [`SessionAffinity::backends`](crate::SessionAffinity::backends). Behind a
     /// [`BodyKeyLayer`](crate::key::BodyKeyLayer), this body is reached through

@@ -20,8 +20,9 @@ pin_project! {
     ///
     /// [`get_ref`](Self::get_ref) reaches the inner body: behind the layer, a
     /// [`SessionAffinity`](crate::SessionAffinity)'s [`ResponseBody`](crate::ResponseBody),
-    /// with the [usage](crate::ResponseBody::usage) its answer reported once read to the end,
-    /// and the [decision](crate::ResponseBody::decision) when it is kept in the body:
+    /// with the [usage](crate::ResponseBody::usage) its answer reported once read to the end
+    /// (which a server such as hyper's reaches without polling for `None`: see there), and the
+    /// [decision](crate::ResponseBody::decision) when it is kept in the body:
     ///
     /// ```
     /// # async fn doc(res: http::Response<tower_affinity::key::BodyKeyResponseBody<
