@@ -14,6 +14,12 @@
 //! - a connect timeout, a response-header timeout and an idle timeout between the frames of
 //!   an answer's body ([`Builder`]); TCP keepalive on its connections, so that a backend host
 //!   that vanishes (no FIN, no RST) fails its requests instead of holding them forever;
+//! - with [`Builder::resend_on_close`] (off by default; for a request body that is `Clone`, as
+//!   [`BodyKeyLayer`](crate::key::BodyKeyLayer)'s `Full<Bytes>` is), a request whose
+//!   connection closes before any answer is sent once more, on a connection opened for it:
+//!   turn it on in front of llama-server, which closes its connection after each streamed
+//!   answer, unannounced, so that a request sent on it just then, never read, does not fail
+//!   a healthy backend;
 //! - failures are [`HttpBackendError`]s of a [`FailureKind`]: refused, reset, timeout, ... each
 //!   with its status. Inside the balancer they become [`Error::Backend`](crate::Error::Backend),
 //!   so [`RetryOnce`](crate::RetryOnce) retries them elsewhere and the failure cooldown
