@@ -19,8 +19,9 @@
 //! (unless it has one), sent to the backend and returned; `-v` logs a span per request.
 //! `--help` lists every option.
 //!
-//! It is wiring over the library's features `client` (`HttpBackend`) and `health`
-//! (`HealthProbe`): `cargo run --features health,dns,redis --example proxy -- ...`.
+//! It is wiring over the library's features `client` (`HttpBackend`), `health`
+//! (`HealthProbe`), `dns` (`DnsFleet`, for `--backend-dns`) and `redis` (`RedisStore`, for
+//! `--redis`): `cargo run --features health,dns,redis --example proxy -- ...`.
 
 mod app;
 mod cli;
