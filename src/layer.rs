@@ -309,7 +309,9 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// So that answers can be read, a request that names an `Accept-Encoding` goes to its
     /// backend with `Accept-Encoding: identity` (a backend behind a compressing proxy would
     /// otherwise answer gzip: no usage, and no stored response's id for
-    /// [`BodyKeyLayer`](crate::key::BodyKeyLayer) to pin the next turn by). Compress towards
+    /// [`BodyKeyLayer`](crate::key::BodyKeyLayer) to pin the next turn by). A `GET` or `HEAD`,
+    /// which sends no prompt, keeps the client's: llama-server serves its web UI only
+    /// gzip-compressed, and answers `415` to a request that does not accept gzip. Compress towards
     /// clients in your own stack (tower-http's `CompressionLayer`) if you want to. Turned off,
     /// the header goes as the client sent it.
     pub fn observe_usage(mut self, enabled: bool) -> Self {

@@ -1078,9 +1078,17 @@ impl<B, P> Shared<B, P> {
 /// Asks the backend for an answer without a content coding when the client accepts one:
 /// answers are read as they pass (their usage; `BodyKeyLayer` reads a stored response's id),
 /// which a compressed answer cannot be. Compressing towards the client is the proxy's to do.
+///
+/// A `GET` or `HEAD` sends no prompt, and its answer reports no usage: it keeps the client's
+/// `Accept-Encoding`. llama-server serves its web UI (`GET /`) only gzip-compressed, and
+/// answers `415` to a request that does not accept gzip.
 #[inline]
-fn ask_for_identity(headers: &mut http::HeaderMap) {
+fn ask_for_identity<B>(req: &mut http::Request<B>) {
     use http::header::ACCEPT_ENCODING;
+    if *req.method() == http::Method::GET || *req.method() == http::Method::HEAD {
+        return;
+    }
+    let headers = req.headers_mut();
     if headers.contains_key(ACCEPT_ENCODING) {
         headers.insert(ACCEPT_ENCODING, http::HeaderValue::from_static("identity"));
     }
@@ -1138,7 +1146,7 @@ where
         }
         let key = self.key.extract(&req);
         if self.shared.observe {
-            ask_for_identity(req.headers_mut());
+            ask_for_identity(&mut req);
         }
         ResponseFuture::new(&self.shared, key, req)
     }

@@ -12,11 +12,12 @@
 //! agent's own session header (`HeaderKey::default()`), else from the JSON body
 //! (`prompt_cache_key`, `user`, `metadata.user_id`). Requests are forwarded as sent but for the
 //! scheme, authority and `Host` (the backend's), hop-by-hop headers and `Accept-Encoding`
-//! (`identity`, so that the answer's usage can be read); responses stream back frame by frame,
-//! and the backend's slot is held until the response ends. A request whose backend fails before
-//! answering is retried once elsewhere. `/health` (and `/slots`) of each backend is polled;
-//! `GET /metrics` answers in the Prometheus text format. Each request gets an `x-request-id`
-//! (unless it has one), sent to the backend and returned; `-v` logs a span per request.
+//! (`identity`, so that the answer's usage can be read, except on a `GET` or `HEAD`);
+//! responses stream back frame by frame, and the backend's slot is held until the response
+//! ends. A request whose backend fails before answering is retried once elsewhere. `/health`
+//! (and `/slots`) of each backend is polled; `GET /metrics` answers in the Prometheus text
+//! format. Each request gets an `x-request-id` (unless it has one), sent to the backend and
+//! returned; `-v` logs a span per request.
 //! `--help` lists every option.
 //!
 //! It is wiring over the library's features `client` (`HttpBackend`), `health`

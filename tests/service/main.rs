@@ -1119,6 +1119,61 @@ async fn a_backend_is_asked_for_an_answer_it_can_be_read_in() {
     assert_eq!(sent(blind(), Some("gzip")).await.as_deref(), Some("gzip"));
 }
 
+#[tokio::test]
+async fn a_get_or_head_keeps_the_clients_accept_encoding() {
+    // llama-server serves its web UI (`GET /`) only gzip-compressed: asked for `identity`, it
+    // answers 415.
+    async fn sent(method: http::Method, path: &str) -> (http::StatusCode, Option<String>) {
+        let backend = tower::service_fn(|req: http::Request<String>| async move {
+            let gzip = req
+                .headers()
+                .get("accept-encoding")
+                .is_some_and(|v| v.to_str().unwrap().contains("gzip"));
+            let sent = req.headers().get("accept-encoding").cloned();
+            let mut res = http::Response::new(http_body_util::Full::new(Bytes::new()));
+            if !gzip {
+                *res.status_mut() = http::StatusCode::UNSUPPORTED_MEDIA_TYPE;
+            }
+            if let Some(v) = sent {
+                res.headers_mut().insert("x-sent", v);
+            }
+            Ok::<_, Infallible>(res)
+        });
+        let svc = SessionAffinityLayer::new()
+            .layer(StaticFleet::new([("a1", Backend::new("a", backend))]));
+        let req = http::Request::builder()
+            .method(method)
+            .uri(path)
+            .header("accept-encoding", "gzip, deflate, br")
+            .body(String::new())
+            .unwrap();
+        let res = svc.oneshot(req).await.unwrap();
+        let sent = res
+            .headers()
+            .get("x-sent")
+            .map(|v| v.to_str().unwrap().to_string());
+        (res.status(), sent)
+    }
+    for (method, path) in [
+        (http::Method::GET, "/"),
+        (http::Method::HEAD, "/index.html"),
+    ] {
+        assert_eq!(
+            sent(method.clone(), path).await,
+            (http::StatusCode::OK, Some("gzip, deflate, br".to_string())),
+            "{method} {path}"
+        );
+    }
+    // A prompt's answer is still asked for as it can be read.
+    assert_eq!(
+        sent(http::Method::POST, "/v1/chat/completions").await,
+        (
+            http::StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Some("identity".to_string())
+        )
+    );
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_503_from_the_retry_too_is_the_answer_and_both_are_passed_over() {
     let streams = Streams::default();
