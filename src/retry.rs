@@ -550,8 +550,11 @@ where
                 ReadStateProj::Call { fut } => {
                     let res = ready!(fut.poll(cx))?;
                     let length = res.body().size_hint().upper();
+                    // A refusal the balancer gave back (its retry found no other backend
+                    // that takes the prompt) was read already, on its first way back.
                     if res.status() != StatusCode::BAD_REQUEST
                         || length.is_none_or(|n| n > REFUSAL_LIMIT)
+                        || res.extensions().get::<ContextRefusal>().is_some()
                     {
                         return Poll::Ready(Ok(res));
                     }

@@ -1,6 +1,9 @@
 //! A prompt its backend refuses as too long for its context, read (`ReadRefusals`) and retried
 //! (`RetryOnce`) on a backend that takes it, with mock llama-servers on paused time.
 
+#[path = "../support/logs.rs"]
+mod support_logs;
+
 use std::num::{NonZeroU32, NonZeroU64};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -285,6 +288,22 @@ async fn a_refusal_that_no_backend_can_take_is_answered_as_it_came_without_a_ret
     let stats = svc.get_ref().get_ref().stats();
     assert_eq!(stats.placed(), 1);
     assert_eq!((stats.refusals_retried, stats.refusals_answered), (1, 1));
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_refusal_given_back_is_read_and_logged_once() {
+    let logs = support_logs::capture(tracing::Level::DEBUG);
+    let (fleet, calls) = fleet(&[("a", "node-a", 1_000, true), ("b", "node-b", 2_000, true)]);
+    let mut svc = balancer(fleet);
+    // More than either takes: refused once, and given back by the retry.
+    let res = send(&mut svc, turn(None, 300, 5_000)).await;
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    let body = text(res).await;
+    assert!(body.contains("\"n_prompt_tokens\":5000"), "{body}");
+    let total: usize = calls.iter().map(|c| c.load(Ordering::Relaxed)).sum();
+    assert_eq!(total, 1);
+    let refused = "prompt refused as too long for the backend's context";
+    assert_eq!(logs.count(&[refused]), 1, "{}", logs.text());
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
