@@ -1,8 +1,9 @@
 # shellcheck shell=bash
 # Sourced by the scripts that run the llama-server `scripts/e2e-llama.sh --setup-only` cached
-# (llama-slots.sh, llama-context.sh, estimate-error.sh): where it is, a check that it and the
-# tools are there, the processes started (stopped on every exit, Ctrl-C included), a check
-# that a port is free, and a wait for a server to answer.
+# (llama-slots.sh, llama-context.sh, estimate-error.sh, llama-churn.sh, llama-openings.sh):
+# where it is, a check that it and the tools are there, the processes started (stopped on every
+# exit, Ctrl-C included), a check that a port is free, a wait for a server to answer, and two
+# llama-servers started for a proxy in front.
 
 CACHE="${TA_CACHE_DIR:-$HOME/.cache/tower-affinity}"
 BIN="$CACHE/bin"
@@ -77,4 +78,33 @@ wait_up() {
     echo "no 200 from $url within 120 s (last status '$code'); the end of $log:" >&2
     tail -n 20 "$log" >&2
     return 1
+}
+
+# two_llamas_and_a_proxy VARIABLE DEFAULT: the three ports the environment VARIABLE names
+# (else DEFAULT: two llama-servers, then the proxy) in PORTS, each checked free; the proxy's
+# release build (or TA_PROXY_BIN) in PROXY, checked there; a new log directory in LOGS; and two
+# llama-servers of two slots each (`-np 2 -c 8192`) on the first two ports, up.
+two_llamas_and_a_proxy() {
+    local var=$1 i port
+    read -r -a PORTS <<<"${!var:-$2}"
+    ((${#PORTS[@]} == 3)) || {
+        echo "$var must name 3 ports, not '${!var:-}'" >&2
+        exit 2
+    }
+    PROXY="${TA_PROXY_BIN:-$ROOT/target/release/examples/proxy}"
+    [[ -x "$PROXY" ]] || {
+        echo "no proxy at $PROXY: cargo build --release --features health,dns,redis --example proxy" >&2
+        exit 2
+    }
+    LOGS="$(mktemp -d)"
+    echo "logs in $LOGS"
+    for port in "${PORTS[@]}"; do need_free_port "$port" "$var"; done
+    for i in 0 1; do
+        LD_LIBRARY_PATH="$BIN" "$BIN/llama-server" -m "$MODEL" --host 127.0.0.1 \
+            --port "${PORTS[$i]}" -np 2 -c 8192 -t 1 >"$LOGS/llama-$i.log" 2>&1 &
+        PIDS+=("$!")
+    done
+    for i in 0 1; do
+        wait_up "http://127.0.0.1:${PORTS[$i]}/health" "${PIDS[$i]}" "$LOGS/llama-$i.log"
+    done
 }

@@ -25,30 +25,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source-path=SCRIPTDIR source=llama-common.sh
 source "$ROOT/scripts/llama-common.sh"
 
-PROXY="${TA_PROXY_BIN:-$ROOT/target/release/examples/proxy}"
-read -r -a PORTS <<<"${TA_OPENINGS_PORTS:-18098 18099 18100}"
-((${#PORTS[@]} == 3)) || {
-    echo "TA_OPENINGS_PORTS must name 3 ports, not '${TA_OPENINGS_PORTS:-}'" >&2
-    exit 2
-}
 ROUNDS="${TA_OPENINGS_ROUNDS:-5}"
 AGENTS="${TA_OPENINGS_AGENTS:-4}"
-[[ -x "$PROXY" ]] || {
-    echo "no proxy at $PROXY: cargo build --release --features health,dns,redis --example proxy" >&2
-    exit 2
-}
-LOGS="$(mktemp -d)"
-echo "logs in $LOGS"
-
-for port in "${PORTS[@]}"; do need_free_port "$port" TA_OPENINGS_PORTS; done
-for i in 0 1; do
-    LD_LIBRARY_PATH="$BIN" "$BIN/llama-server" -m "$MODEL" --host 127.0.0.1 \
-        --port "${PORTS[$i]}" -np 2 -c 8192 -t 1 >"$LOGS/llama-$i.log" 2>&1 &
-    PIDS+=("$!")
-done
-for i in 0 1; do
-    wait_up "http://127.0.0.1:${PORTS[$i]}/health" "${PIDS[$i]}" "$LOGS/llama-$i.log"
-done
+two_llamas_and_a_proxy TA_OPENINGS_PORTS "18098 18099 18100"
 "$PROXY" --listen "127.0.0.1:${PORTS[2]}" -v \
     --backend "node-a=http://127.0.0.1:${PORTS[0]},id=a" \
     --backend "node-b=http://127.0.0.1:${PORTS[1]},id=b" "$@" >"$LOGS/proxy.log" 2>&1 &
