@@ -164,10 +164,11 @@ impl NodeThenBackend {
     /// conversations that branch from the prompt's prefixes on any backend, not of all the
     /// fleet's: the models remember conversations long ended, and agents that open at once
     /// with a prompt first read on one backend would otherwise all go to it (and wait for its
-    /// slots, where reading the prompt elsewhere costs more), then share them. A prefix every conversation shares is branched from by all of them, so it
-    /// draws new ones only up to the bound. What this leaves open: a backend may hold several
-    /// prefixes that each draw up to the bound, so it may home more than its share when the
-    /// conversations fall into groups sharing a long prefix each.
+    /// slots, where reading the prompt elsewhere costs more), then share them. A prefix every
+    /// conversation shares is branched from by all of them, so it draws new ones only up to
+    /// the bound. What this leaves open: a backend may hold several prefixes that each draw
+    /// up to the bound, so it may home more than its share when the conversations fall into
+    /// groups sharing a long prefix each.
     ///
     /// The bound needs the cache model's counts, which come from prompt chains: a request
     /// without one (no body-reading layer in front) takes its rendezvous order unbounded.
