@@ -187,9 +187,9 @@ impl Decision {
 /// [`HttpBackend`](crate::client::HttpBackend) marks its answers so with
 /// [`resend_on_close`](crate::client::Builder::resend_on_close); a backend service of your
 /// own that sends again may do the same. The balancer counts each for the backend that
-/// answered ([`BackendStatus::sent_again`](crate::BackendStatus::sent_again), and the
-/// `tower_affinity_backend_sent_again_total` series of the [`metrics`](crate::metrics)
-/// feature), and leaves the mark in the response.
+/// answered ([`BackendStatus::sent_again`](crate::BackendStatus::sent_again), and with the
+/// `metrics` feature the `tower_affinity_backend_sent_again_total` series), and leaves the
+/// mark in the response.
 ///
 /// ```
 /// use tower_affinity::SentAgain;
