@@ -72,6 +72,8 @@ pub(crate) struct Watch {
     /// The API the request spoke: whether its answer's stream may open before the prompt is
     /// read.
     pub(crate) api: Api,
+    /// How long the request waited for a slot before its dispatch, if it waited.
+    pub(crate) waited: Option<Duration>,
 }
 
 impl Watch {
@@ -83,6 +85,7 @@ impl Watch {
             outcome,
             success: false,
             api: Api::Other,
+            waited: None,
         }
     }
 }
@@ -244,6 +247,7 @@ impl Observe {
             prompt_ms = usage.and_then(|u| u.prompt_time).map(|t| t.as_millis() as u64),
             first_byte_ms = answer.first_byte.map(|t| t.as_millis() as u64),
             ms = answer.duration.map(|t| t.as_millis() as u64),
+            waited_ms = self.watch.waited.map(|t| t.as_millis() as u64),
             "answer read"
         );
         if verdict != Verdict::Fine {

@@ -300,7 +300,8 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// Each answer read ends with a `tracing` event at `debug` level, `answer read`, that
     /// says it per request: `backend`, `outcome`, `success`, then as the answer gave them
     /// `prompt_tokens`, `reused_tokens` and `prompt_ms`, and the router's `first_byte_ms`
-    /// and `ms` (of a success). For one line a turn, whether it found its prefix warm:
+    /// and `ms` (of a success, from its dispatch), and `waited_ms` when it waited for a slot
+    /// before that. For one line a turn, whether it found its prefix warm:
     ///
     /// ```text
     /// DEBUG tower_affinity::body: answer read backend=gpu-0 outcome=home-hit success=true prompt_tokens=31200 reused_tokens=30950 prompt_ms=410 first_byte_ms=460 ms=5120

@@ -979,7 +979,10 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             node: t.node_mark(m.node),
             mark,
         };
-        let watch = self.observe.then(|| Watch::new(outcome));
+        let watch = self.observe.then(|| Watch {
+            waited,
+            ..Watch::new(outcome)
+        });
         // The chain goes into the chosen backend's model once the request is on its way (see
         // `Record`), knowing what that backend held already: all of the last turn on a home
         // hit, the prefix found on the backend that holds it.

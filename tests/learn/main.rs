@@ -314,6 +314,28 @@ async fn each_answer_read_is_one_debug_line_with_the_reuse_its_backend_said() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn an_answer_read_after_a_wait_for_a_slot_says_how_long_it_waited() {
+    let logs = support_logs::capture(tracing::Level::DEBUG);
+    let svc = service(&[("a", "n1")]);
+    // The one slot is busy for 5 s; the session's next turn waits for it.
+    let long = Reply::llama_stream(100, 0, 500, Duration::ZERO, Duration::from_secs(5));
+    let streaming = keep_busy(&svc, request(Some("s"), None, long), "a").await;
+    let (d, _, _) = exchange(&svc, request(Some("s"), None, Reply::json(CHAT_ANSWER))).await;
+    assert_eq!(d.waited, Some(Duration::from_secs(5)));
+    streaming.await.unwrap();
+    let text = logs.text();
+    let lines: Vec<&str> = text.lines().filter(|l| l.contains("answer read")).collect();
+    assert_eq!(lines.len(), 2, "{text}");
+    // The first did not wait; the second's `ms` counts from its dispatch, after the wait.
+    assert!(lines.iter().any(|l| l.contains("waited_ms=5000")), "{text}");
+    assert_eq!(
+        lines.iter().filter(|l| l.contains("waited_ms=")).count(),
+        1,
+        "{text}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn usage_in_an_sse_stream_split_over_frames_is_read() {
     let svc = service(&[("a", "n1")]);
     let frames: &[&'static [u8]] = &[
