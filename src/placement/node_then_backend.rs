@@ -198,6 +198,19 @@ impl NodeThenBackend {
 }
 
 impl NodeThenBackend {
+    /// The conversation bound over the fleet's conversations for a new conversation, if it
+    /// applies (the bound is on and the request carries a chain). O(backends): read once a
+    /// placement.
+    fn new_session_bound(
+        &self,
+        fleet: &FleetView<'_>,
+        req: &PlacementRequest<'_>,
+    ) -> Option<Bound> {
+        self.conversation_bound
+            .filter(|_| req.chain.is_some())
+            .map(|e| Bound::conversations(fleet, e))
+    }
+
     /// Offers the backends that hold some of a new conversation's prompt, the longest prefix
     /// first, passing over any where the conversations that share the prefix, branching
     /// from it there, already reach the backend's share of conversations: a prefix many
@@ -212,15 +225,18 @@ impl NodeThenBackend {
     /// slots. A prompt already held whole draws nothing here: sent whole once before and
     /// without a key, it is a turn sent again, which its own prefix placed; otherwise it says
     /// nothing of which conversation it is. `cold`, a cold home, comes after the other
-    /// backends holding as much. O(backends x log links).
+    /// backends holding as much. `all` is the conversation bound over the fleet's
+    /// conversations ([`new_session_bound`](Self::new_session_bound)), which the caller's
+    /// later passes use too. O(backends x log links).
     fn offer_holders(
         &self,
         fleet: &FleetView<'_>,
         req: &PlacementRequest<'_>,
+        all: Option<Bound>,
         cold: Option<u32>,
         c: &mut Candidates<'_>,
     ) -> ControlFlow<()> {
-        let (Some(chain), Some(e)) = (req.chain, self.conversation_bound) else {
+        let (Some(chain), Some(all), Some(e)) = (req.chain, all, self.conversation_bound) else {
             return ControlFlow::Continue(());
         };
         // Each holder, with the conversations held there that branch from the longest prefix
@@ -240,7 +256,6 @@ impl NodeThenBackend {
         // fleet's models hold, conversations long ended among them. With every slot taken,
         // only within its share of those the prompt's prefixes drew: agents that open with a
         // prompt first read there would otherwise all wait for it, then share its slots.
-        let all = Bound::conversations(fleet, e);
         let busy = Bound::among(fleet, drawn, e);
         let mut holders: Vec<(usize, (u64, u64, u64), BackendRef<'_>)> = held
             .into_iter()
@@ -297,7 +312,8 @@ impl Placement for NodeThenBackend {
                 }
             }
             if let Some(chain) = req.chain {
-                if self.offer_holders(fleet, req, None, c).is_break() {
+                let all = self.new_session_bound(fleet, req);
+                if self.offer_holders(fleet, req, all, None, c).is_break() {
                     return;
                 }
                 // Ties are broken by the prompt itself, so a replay places alike every time.
@@ -348,13 +364,13 @@ impl Placement for NodeThenBackend {
                         return;
                     }
                 }
-                if self.offer_holders(fleet, req, cold, c).is_break() {
+                let conversations = self.new_session_bound(fleet, req);
+                if self
+                    .offer_holders(fleet, req, conversations, cold, c)
+                    .is_break()
+                {
                     return;
                 }
-                let conversations = self
-                    .conversation_bound
-                    .filter(|_| req.chain.is_some())
-                    .map(|e| Bound::conversations(fleet, e));
                 if let Some(e) = self.load_bound {
                     let load = Bound::load(fleet, e);
                     // Within both bounds first: the load bound alone would take a backend
