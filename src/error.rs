@@ -457,7 +457,12 @@ impl std::error::Error for Error {
 
 /// Turns a service's errors into HTTP responses, making it infallible, as
 /// `axum::Router::fallback_service` requires. (axum's `HandleErrorLayer` does the same with
-/// `|e: tower_affinity::Error| async move { e.into_response::<Body>() }`.)
+/// `|e: tower_affinity::Error| async move { e.into_response::<Body>() }` over the balancer
+/// and layers that keep its error, a [`BodyKeyLayer`](crate::key::BodyKeyLayer) or tower's
+/// `ConcurrencyLimit`; under one that boxes it, tower's `Timeout`, `Buffer` or `LoadShed`,
+/// with `|e: BoxError| async move { Error::response_for::<Body>(&*e) }`, as below. Given
+/// `|e: Error|` there, axum's compile error says only that `HandleError<..>` is not a
+/// `Service`.)
 ///
 /// The service's errors are this crate's [`Error`] ([`Error::into_response`]), or, with
 /// tower's layers between (`Buffer`, `Timeout`, `LoadShed`), boxed errors
@@ -473,6 +478,56 @@ impl std::error::Error for Error {
 /// use tower_affinity::ErrorToResponse;
 ///
 /// let app: axum::Router = axum::Router::new().fallback_service(ErrorToResponse::new(svc));
+/// # }
+/// ```
+///
+/// The same answers from axum's `HandleErrorLayer`, in front of tower's `Timeout` and
+/// `ConcurrencyLimit`. A request the timeout gives up on frees its slot (or its place in the
+/// wait queue: [`Stats::abandoned`](crate::Stats::abandoned)); the timeout bounds the wait
+/// for the answer's headers, not a streamed answer's body, and the concurrency limit gives
+/// its permit back with the headers too: the backends' slots are what bound the answers
+/// being streamed.
+///
+/// ```
+/// use std::convert::Infallible;
+/// use std::time::Duration;
+///
+/// use axum::body::Body;
+/// use axum::error_handling::HandleErrorLayer;
+/// use axum::Router;
+/// use bytes::Bytes;
+/// use http_body_util::Full;
+/// use tower::{service_fn, Layer, ServiceBuilder, ServiceExt};
+/// use tower_affinity::discover::StaticFleet;
+/// use tower_affinity::key::BodyKeyLayer;
+/// use tower_affinity::{Backend, BoxError, Error, SessionAffinityLayer};
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() {
+/// // A backend that never answers.
+/// let backend = service_fn(|_req: http::Request<Full<Bytes>>| async {
+///     std::future::pending::<Result<http::Response<Body>, Infallible>>().await
+/// });
+/// let balancer = SessionAffinityLayer::new()
+///     .layer(StaticFleet::new([("gpu-0", Backend::new("host-a", backend))]));
+/// let forward = ServiceBuilder::new()
+///     // `Timeout` boxes the errors under it: the handler takes a `BoxError`.
+///     .layer(HandleErrorLayer::new(|e: BoxError| async move {
+///         Error::response_for::<Body>(&*e)
+///     }))
+///     .timeout(Duration::from_secs(600))
+///     .concurrency_limit(256)
+///     .layer(BodyKeyLayer::new())
+///     .service(balancer.clone());
+/// let app = Router::new().fallback_service(forward);
+///
+/// let req = http::Request::post("/v1/chat/completions")
+///     .header("x-session-id", "agent-1")
+///     .body(Body::from("{}"))
+///     .unwrap();
+/// let res = app.oneshot(req).await.unwrap();
+/// assert_eq!(res.status(), 504);
+/// assert_eq!(balancer.stats().in_flight, 0, "the slot is free again");
 /// # }
 /// ```
 #[derive(Debug)]
