@@ -24,7 +24,8 @@ pub mod dns;
 pub use dns::DnsFleet;
 
 /// A fixed fleet: yields an insert for each backend, then ends. The service keeps the fleet
-/// after the stream ends.
+/// after the stream ends, and nothing changes it then: for a fleet listed at the start and
+/// changed at run time, insert the list through a [`channel`]'s [`FleetHandle`] instead.
 ///
 /// Ids name backends: an id given twice is one backend, the later entry updating the earlier
 /// (its node, slots and service), as a discovery insert of a known id does, with a warning in
@@ -108,7 +109,31 @@ pub struct FleetChannel<S> {
 /// Inserts, updates and removes backends of a running service.
 ///
 /// Changes are applied the next time the service is polled for readiness, which every
-/// request does.
+/// request does, or at once by
+/// [`SessionAffinity::apply_discovery`](crate::SessionAffinity::apply_discovery): until
+/// then, [`backends`](crate::SessionAffinity::backends) lists the fleet as it was, and
+/// [`mark_down`](crate::SessionAffinity::mark_down) knows no backend just inserted.
+///
+/// ```
+/// use std::convert::Infallible;
+/// use tower::{service_fn, Layer};
+/// use tower_affinity::{discover, Backend, SessionAffinityLayer};
+///
+/// let backend = service_fn(|_: http::Request<String>| async {
+///     Ok::<_, Infallible>(http::Response::new(String::new()))
+/// });
+/// // A fleet listed at the start, changed at run time.
+/// let (fleet, stream) = discover::channel();
+/// for (id, node) in [("gpu-0", "host-a"), ("gpu-1", "host-b")] {
+///     fleet.insert(id, Backend::new(node, backend.clone()));
+/// }
+/// let balancer = SessionAffinityLayer::new().layer(stream);
+/// fleet.remove("gpu-1");
+/// fleet.insert("gpu-2", Backend::new("host-c", backend));
+/// balancer.apply_discovery();
+/// let ids: Vec<_> = balancer.backends().iter().map(|b| b.id.to_string()).collect();
+/// assert_eq!(ids, ["gpu-0", "gpu-2"]);
+/// ```
 pub struct FleetHandle<S> {
     tx: mpsc::UnboundedSender<Change<BackendId, Backend<S>>>,
 }
