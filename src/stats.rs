@@ -127,9 +127,13 @@ impl fmt::Display for ParseOutcomeError {
 
 impl std::error::Error for ParseOutcomeError {}
 
-/// Where a request went and why. Every response carries one in its extensions, or, with
-/// [`decision_extension(false)`](crate::SessionAffinityLayer::decision_extension), in its body
-/// ([`ResponseBody::decision`](crate::ResponseBody::decision)).
+/// Where a request went and why. Every answer of a backend carries one in its extensions, or,
+/// with [`decision_extension(false)`](crate::SessionAffinityLayer::decision_extension), in its
+/// body ([`ResponseBody::decision`](crate::ResponseBody::decision)). A response made for an
+/// [`Error`](crate::Error) ([`Error::into_response`](crate::Error::into_response), as
+/// [`ErrorToResponse`](crate::ErrorToResponse) and [`Error::response_for`](crate::Error::response_for)
+/// make them) carries none: the backend that failed, if one did, is in its extensions as a
+/// [`BackendId`](crate::BackendId).
 ///
 /// ```
 /// # async fn doc(res: http::Response<()>) {
@@ -139,6 +143,14 @@ impl std::error::Error for ParseOutcomeError {}
 ///     println!("{} on {}: {}", d.backend, d.node, d.outcome);
 /// }
 /// # }
+/// ```
+///
+/// ```
+/// use tower_affinity::{BackendId, Decision, Error};
+///
+/// let res = Error::backend("gpu-0", "connection refused").into_response::<String>();
+/// assert!(res.extensions().get::<Decision>().is_none());
+/// assert_eq!(res.extensions().get::<BackendId>().unwrap().as_str(), "gpu-0");
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
