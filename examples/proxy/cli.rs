@@ -96,7 +96,7 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
                              (default 5s)
   --probe-interval DURATION  how often /health (and /slots) is polled; 0 turns the
                              probe off (default 2s)
-  --probe-timeout DURATION   longest wait for a probe answer (default 2s)
+  --probe-timeout DURATION   longest a probe takes, /slots included (default 2s)
   --probe-failures N         failed probes in a row that take a backend down
                              (default 1; a 503, loading, does at once)
   --probe-successes N        ready probes in a row that bring it up again (default 1)

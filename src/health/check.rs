@@ -63,6 +63,9 @@ pub(crate) struct Checked {
 /// after a 501, llama-server's `--no-slots`, if not asked first). With `models`, a ready
 /// backend without slots (its `/slots` answered so now, or was not asked) is asked
 /// `/v1/models` for its `max_model_len`.
+///
+/// All of it within `timeout`: each request has what its predecessors left of it, so that a
+/// probe is never out longer than the timeout the operator gave, whatever it asks.
 pub(crate) async fn check(
     client: ProbeClient,
     base: Uri,
@@ -72,6 +75,10 @@ pub(crate) async fn check(
     models: bool,
     props: bool,
 ) -> Checked {
+    let timeout = Timeout {
+        deadline: tokio::time::Instant::now() + timeout,
+        whole: timeout,
+    };
     let health = match get(&client, &base, "/health", headers, timeout).await {
         Ok((StatusCode::OK, _)) => Health::Ready,
         Ok((StatusCode::SERVICE_UNAVAILABLE, _)) => Health::Loading,
@@ -191,7 +198,7 @@ async fn read_props(
     client: &ProbeClient,
     base: &Uri,
     headers: &HeaderMap,
-    timeout: Duration,
+    timeout: Timeout,
 ) -> Props {
     match get(client, base, "/props", headers, timeout).await {
         Ok((StatusCode::OK, body)) => parse_props(&body).map_or(Props::Without, Props::Read),
@@ -260,14 +267,28 @@ pub(crate) fn parse_slots(body: &[u8]) -> Option<Slots> {
     })
 }
 
-/// `GET base + path` with `headers`: its status and body, within `timeout`.
+/// When a probe's time runs out, and how long it was given (for the error).
+#[derive(Clone, Copy)]
+struct Timeout {
+    deadline: tokio::time::Instant,
+    whole: Duration,
+}
+
+/// `GET base + path` with `headers`: its status and body, before `timeout` runs out.
 async fn get(
     client: &ProbeClient,
     base: &Uri,
     path: &'static str,
     headers: &HeaderMap,
-    timeout: Duration,
+    timeout: Timeout,
 ) -> Result<(StatusCode, Bytes), String> {
+    if tokio::time::Instant::now() >= timeout.deadline {
+        // Spent on what was asked before.
+        return Err(format!(
+            "not asked: the probe's {:?} ran out before",
+            timeout.whole
+        ));
+    }
     let mut parts = base.clone().into_parts();
     parts.path_and_query = Some(http::uri::PathAndQuery::from_static(path));
     let uri = Uri::from_parts(parts).map_err(|e| e.to_string())?;
@@ -287,9 +308,9 @@ async fn get(
             .to_bytes();
         Ok((status, body))
     };
-    tokio::time::timeout(timeout, fetch)
+    tokio::time::timeout_at(timeout.deadline, fetch)
         .await
-        .map_err(|_| format!("no answer within {timeout:?}"))?
+        .map_err(|_| format!("no answer within {:?}", timeout.whole))?
 }
 
 #[cfg(test)]

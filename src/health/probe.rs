@@ -200,8 +200,10 @@ impl HealthProbe {
         self
     }
 
-    /// The longest wait for each answer, `/health` and `/slots` alike; connecting counts (at
-    /// least 1 ms).
+    /// The longest a probe of one backend is out, all it asks (`/health`, and `/props`,
+    /// `/slots` or `/v1/models` after it) and connecting included (at least 1 ms): what
+    /// `/health` leaves of it is what the others have, and one that gets no answer in the
+    /// time left fails as if it had none (`/slots` takes nothing down: see [`HealthProbe`]).
     ///
     /// A probe that may not wait gets no answer, so zero is taken as the floor, 1 ms, rather
     /// than failing every probe and taking the whole fleet down. A timeout shorter than a
@@ -217,7 +219,7 @@ impl HealthProbe {
     /// use std::time::Duration;
     /// use tower_affinity::health::HealthProbe;
     ///
-    /// // A slow link to the backends: wait up to 5 s for each answer.
+    /// // A slow link to the backends: wait up to 5 s for each probe.
     /// let probe = HealthProbe::new().timeout(Duration::from_secs(5));
     /// # drop(probe);
     /// ```

@@ -283,8 +283,8 @@ where
     /// returned [`ProbeTask`] is dropped; each interval the shared store is checked too, in a
     /// task of its own, one check at a time, so that a store slower than the interval does not
     /// hold the probes back. Each backend's probe runs on its own, and its answer is acted on
-    /// as it comes: a backend slow to answer (up to the [timeout](HealthProbe::timeout) for
-    /// each of its requests) holds back no other's probes, and is not probed again until its
+    /// as it comes: a backend slow to answer (up to the [timeout](HealthProbe::timeout), which
+    /// bounds each probe whole) holds back no other's probes, and is not probed again until its
     /// probe is done; if an interval ended meanwhile, it is probed again as soon as it is
     /// (a backend that does not answer, once a timeout). Needs a tokio runtime.
     #[must_use = "probing stops when the returned ProbeTask is dropped: keep it"]

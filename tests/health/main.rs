@@ -500,6 +500,40 @@ async fn no_answer_within_the_timeout_and_a_refused_connection_are_failures() {
     assert!(affinity.backends().iter().all(|b| !b.healthy));
 }
 
+/// The timeout bounds a probe whole: a llama-server that answers `/health` but neither its
+/// `/props` nor its `/slots` (busy) is probed again after one timeout, not one for each.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_probe_asking_more_than_health_is_out_no_longer_than_its_timeout() {
+    let (addr, stub) = start(2).await;
+    *stub.props.lock() =
+        Some(json!({"default_generation_settings": {"n_ctx": 4096}, "total_slots": 2}));
+    let (affinity, prober) = balancer(
+        HealthProbe::new().timeout(Duration::from_secs(2)),
+        vec![("a", Backend::new("n", http(addr)))],
+    );
+    prober.round(&affinity).await;
+    assert_eq!(status(&affinity, "a").slots, 2);
+    stub.props_hang.store(true, Ordering::Relaxed);
+    stub.slots_hang.store(true, Ordering::Relaxed);
+    let started = tokio::time::Instant::now();
+    prober.round(&affinity).await;
+    assert!(
+        started.elapsed() <= Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    // `/props` took it all: `/slots` was not asked.
+    assert_eq!(stub.props_hits.load(Ordering::Relaxed), 1);
+    assert_eq!(stub.slots_hits.load(Ordering::Relaxed), 1);
+    let s = prober.status("a").unwrap();
+    assert!(s.up, "{s:?}");
+    assert_eq!(
+        s.slots_error.as_deref(),
+        Some("/slots: not asked: the probe's 2s ran out before")
+    );
+    assert_eq!(status(&affinity, "a").slots, 2);
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_zero_timeout_is_the_floor_of_1_ms_and_a_ready_backend_stays_up() {
     let (addr, _stub) = start(1).await;
@@ -837,11 +871,13 @@ async fn a_no_slots_llama_server_whose_props_did_not_answer_is_asked_again() {
         prober.round(&affinity).await;
         let s = prober.status("a").unwrap();
         assert!(s.up, "{read_before}: {s:?}");
-        assert_eq!(
-            s.slots_error.as_deref(),
-            Some("/slots answered 501 Not Implemented, and /props gave no answer: no answer within 2s"),
-            "{read_before}"
-        );
+        // Asked first, `/props` took all of the probe's time.
+        let error = if read_before {
+            "/slots: not asked: the probe's 2s ran out before"
+        } else {
+            "/slots answered 501 Not Implemented, and /props gave no answer: no answer within 2s"
+        };
+        assert_eq!(s.slots_error.as_deref(), Some(error), "{read_before}");
         stub.props_hang.store(false, Ordering::Relaxed);
         let n_ctx = if read_before { 2048 } else { 4096 };
         *stub.props.lock() =

@@ -3211,8 +3211,8 @@ fn the_defaults_help_and_the_readme_state_are_the_parsers() {
             c.probe_interval == Some(secs(2)),
         ),
         (
-            "for a probe answer (default 2s)",
-            "the longest wait for a probe's answer (2 s; more than 0)",
+            "takes, /slots included (default 2s)",
+            "together (2 s; more than 0)",
             c.probe_timeout == secs(2),
         ),
         (
