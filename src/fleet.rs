@@ -485,17 +485,24 @@ impl Capacity {
             .clamp(1, u64::MAX - 1)
     }
 
-    /// When a down mark of `cooldown` from `now` ends, on the fleet's clock: rounded up to its
-    /// next millisecond, so that a mark shorter than one still outlasts the millisecond it
-    /// began in (the retry that follows a failure at once passes the backend over). Zero ends
-    /// now: up. `None`, or a time past the clock's end, is `u64::MAX`: until further notice.
+    /// When a down mark of `cooldown` from `now` ends, on the fleet's clock: the millisecond
+    /// its end falls in, but never the one it began in, so that a mark shorter than a
+    /// millisecond still outlasts it (the retry that follows a failure at once passes the
+    /// backend over). Zero ends now: up. `None`, or a time past the clock's end, is
+    /// `u64::MAX`: until further notice.
+    ///
+    /// Not rounded up past its end: the time left of a mark, read on this clock (the
+    /// `Retry-After` of a refusal, [`first_back`](crate::service)), is then never more than
+    /// its cooldown, and a cooldown of whole seconds is said in those seconds, not one more.
     pub(crate) fn down_until(&self, now: Instant, cooldown: Option<Duration>) -> u64 {
         let Some((cooldown, end)) = cooldown.and_then(|c| Some((c, now.checked_add(c)?))) else {
             return u64::MAX;
         };
-        let part = end.saturating_duration_since(self.epoch).subsec_nanos() % 1_000_000;
-        let up = !cooldown.is_zero() && part != 0;
-        self.now_ms(end).saturating_add(u64::from(up))
+        let began = self.now_ms(now);
+        if cooldown.is_zero() {
+            return began;
+        }
+        self.now_ms(end).max(began.saturating_add(1))
     }
 
     /// The instant the fleet's clock reads `ms` at.
@@ -1933,7 +1940,7 @@ mod tests {
     }
 
     #[tokio::test(flavor = "current_thread", start_paused = true)]
-    async fn a_down_mark_ends_at_its_time_rounded_up_and_one_of_zero_now() {
+    async fn a_down_mark_ends_in_the_millisecond_of_its_time_and_one_of_zero_now() {
         let capacity = Capacity::default();
         // 1.3 ms on the fleet's clock: between two of its ticks.
         let now = Instant::now() + Duration::from_micros(300);
@@ -1946,7 +1953,8 @@ mod tests {
             now_ms + 1,
             "on a tick"
         );
-        assert_eq!(until(Some(Duration::from_millis(2))), now_ms + 3);
+        // 3.3 ms: the tick of 3 ms, not the next.
+        assert_eq!(until(Some(Duration::from_millis(2))), now_ms + 2);
         assert_eq!(until(None), u64::MAX);
         assert_eq!(until(Some(Duration::MAX)), u64::MAX);
     }

@@ -132,8 +132,9 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// once: the next placement skips the backend (see [`RetryOnce`](crate::RetryOnce)).
     /// With zero it does not: a session's retry goes back to the backend that failed it.
     ///
-    /// The cooldown is counted in whole milliseconds, rounded up: any but zero passes the
-    /// backend over for at least the retry that follows at once.
+    /// The cooldown is counted on a clock of whole milliseconds, and ends in the one its time
+    /// falls in: any but zero passes the backend over for at least the retry that follows at
+    /// once.
     pub fn failure_cooldown(mut self, cooldown: Duration) -> Self {
         self.config.failure_cooldown = cooldown;
         self

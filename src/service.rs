@@ -428,7 +428,8 @@ where
     /// [`SessionAffinityLayer::failure_cooldown`]).
     ///
     /// A mark replaces the one before, longer or shorter: a cooldown of zero brings the
-    /// backend back at once. Any other is counted in whole milliseconds, rounded up.
+    /// backend back at once. Any other is counted on a clock of whole milliseconds, and ends
+    /// in the one its time falls in, but never the one it began in.
     ///
     /// [`SessionAffinityLayer::failure_cooldown`]: crate::SessionAffinityLayer::failure_cooldown
     ///

@@ -4170,6 +4170,30 @@ async fn with_every_backend_down_the_refusal_says_when_the_first_cooldown_ends()
     assert_eq!(svc.stats().no_backends, 5);
 }
 
+/// A refusal right after a backend went down for a cooldown of whole seconds says those
+/// seconds, not one more: the mark ends in the millisecond its time falls in, so the time left
+/// read on the fleet's clock of milliseconds is never more than the cooldown.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_cooldown_of_whole_seconds_is_said_in_those_seconds_not_one_more() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new().layer(fleet(&[("a1", "a", 1)], &streams));
+    svc.apply_discovery();
+    // Between two ticks of the fleet's clock, as any real failure is.
+    tokio::time::advance(Duration::from_micros(1_400)).await;
+    svc.mark_down("a1", Some(Duration::from_secs(5)));
+    let err = send(&mut svc, Some("s"), None).await.unwrap_err();
+    assert!(matches!(err, Error::NoBackends { .. }), "{err}");
+    let after = err.retry_after().unwrap();
+    assert!(after <= Duration::from_secs(5), "{after:?}");
+    assert_eq!(err.to_string(), "no backends available; retry after 5 s");
+    let res = answer(svc.clone(), request(Some("s"), None)).await;
+    assert_eq!(res.headers()["retry-after"], "5");
+    // Retried when it says, the backend is back.
+    tokio::time::advance(after).await;
+    let res = send(&mut svc, Some("s"), None).await.unwrap();
+    assert_eq!(decision(&res).backend.as_str(), "a1");
+}
+
 /// An empty fleet gives no time to come back after.
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn an_empty_fleet_gives_no_time_to_retry_after() {
