@@ -505,6 +505,8 @@ pub(crate) struct Proxy {
     registry: Arc<Registry>,
     /// Each fleet's, in the order of `fleets`.
     wait_seconds: Vec<Histogram>,
+    /// One for each `--backend-dns` name: the first probes wait for its first answer.
+    dns: Vec<DnsHandle>,
 }
 
 impl fmt::Debug for Proxy {
@@ -610,6 +612,7 @@ impl Proxy {
             registry.register(name, help, wait_seconds.clone());
             vec![wait_seconds]
         };
+        let dns = dns_handles.iter().map(|(_, h)| h.clone()).collect();
         registry.register_collector(Box::new(AffinityCollector {
             fleets: fleets
                 .iter()
@@ -624,6 +627,7 @@ impl Proxy {
             config,
             registry: Arc::new(registry),
             wait_seconds,
+            dns,
         })
     }
 
@@ -788,7 +792,15 @@ impl Proxy {
     /// Probes every backend once, now: marks the loading and the unreachable down, the ready
     /// up, and reads slot counts. The fleets are probed together: one whose backends do not
     /// answer holds the others back one probe timeout at most.
+    ///
+    /// A `--backend-dns` name's backends are known once its first answer is in, which the
+    /// probes wait for, one probe timeout at most (a nameserver that does not answer takes
+    /// its resolver's timeouts to fail): else they were probed only at the first interval's
+    /// end, and the requests before it found them one slot each and a loading one up.
     pub(crate) async fn probe_all(&self) {
+        let first = self.dns.iter().map(|dns| dns.resolved(1));
+        let answers = futures_util::future::join_all(first);
+        let _ = tokio::time::timeout(self.config.probe_timeout, answers).await;
         let rounds = (self.fleets.iter()).map(|fleet| fleet.prober.round(&fleet.affinity));
         futures_util::future::join_all(rounds).await;
     }

@@ -3691,6 +3691,29 @@ async fn backend_dns_gives_its_backends_slots_and_cache_budgets() {
     assert_eq!((status.slots, status.cache_budget), (6, 64 * 1024));
 }
 
+/// The first probes, before the first request, wait for a `--backend-dns` name's first
+/// answer: its backends' slot counts are read then, as a `--backend`'s are, not one slot each
+/// until the first interval ends.
+#[tokio::test(start_paused = true)]
+async fn the_first_probes_wait_for_a_dns_names_first_answer() {
+    let stub = Stub::start("a1", 3).await;
+    let dns = dns_server::Dns::start().await;
+    dns.set_ips("llama.fleet.test.", 60, &["127.0.0.1"]).await;
+    let port = stub.addr.port();
+    let proxy = start_args(vec![
+        "--backend-dns".into(),
+        format!("llama.fleet.test:{port}"),
+        "--dns-server".into(),
+        dns.addr.to_string(),
+        "--probe-interval".into(),
+        "1h".into(),
+    ])
+    .await;
+    proxy.proxy.probe_all().await;
+    let status = proxy.status(&format!("127.0.0.1:{port}"));
+    assert_eq!((status.slots, status.healthy), (3, true));
+}
+
 /// A proxy started from the command line `args`.
 async fn start_args(args: Vec<String>) -> Running {
     let cli::Command::Run(parsed) = cli::parse(args).unwrap() else {
