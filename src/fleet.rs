@@ -13,7 +13,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::num::{NonZeroU32, NonZeroU64};
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,8 +23,10 @@ use crate::cache::ModelCell;
 use crate::learn::Learned;
 use crate::metrics::BackendMetrics;
 use crate::placement::rendezvous::{RankSet, Ranked};
+use crate::slots::SlotTable;
 use crate::stats::Counters;
 use crate::wait::WaitList;
+use crate::{AssignedSlot, PromptChain};
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
@@ -159,6 +161,7 @@ pub struct Backend<S> {
     cache_tokens: u64,
     context: Option<NonZeroU64>,
     request_context: Option<NonZeroU64>,
+    assign_slots: bool,
     extensions: http::Extensions,
 }
 
@@ -174,6 +177,7 @@ impl<S> Backend<S> {
             cache_tokens: Self::DEFAULT_CACHE_TOKENS,
             context: None,
             request_context: None,
+            assign_slots: false,
             extensions: http::Extensions::new(),
         }
     }
@@ -341,6 +345,40 @@ impl<S> Backend<S> {
         self.request_context.is_some()
     }
 
+    /// Has the router assign this backend's slots: each request it sends here takes one of
+    /// the backend's [`slots`](Self::slots), numbered from 0, and carries it as an
+    /// [`AssignedSlot`] extension, which
+    /// the `client` feature's `IdSlotLayer` sends as llama-server's `id_slot`. For llama-server
+    /// only: vLLM and SGLang share their KV by prefix and have no slots to assign.
+    ///
+    /// llama-server, left to choose, gives a request the idle slot whose last prompt shares
+    /// the most with it, even when another slot is empty, and keeps only what they share of
+    /// that slot's state when it is more than half of it: two conversations of one system
+    /// prompt whose turns come out of step take each other's slot, and each drops the other's
+    /// tail. The router knows what it sent to each slot and gives a request the slot holding
+    /// its conversation's last prompt; else a slot never used; else the one sharing the most
+    /// with it, if that is more than a tenth of it (among equals, the least recently used);
+    /// else the least recently used. Each router replica assigns the slots on its own: with several in front
+    /// of one backend, their requests take each other's slots, and one sent to a busy slot
+    /// waits there for it.
+    ///
+    /// ```
+    /// use std::num::NonZeroU32;
+    /// use tower_affinity::Backend;
+    ///
+    /// let backend = Backend::new("gpu-0", ()).slots(NonZeroU32::new(4).unwrap()).assign_slots();
+    /// assert!(backend.slots_assigned());
+    /// ```
+    pub fn assign_slots(mut self) -> Self {
+        self.assign_slots = true;
+        self
+    }
+
+    /// Whether the router assigns this backend's slots ([`assign_slots`](Self::assign_slots)).
+    pub fn slots_assigned(&self) -> bool {
+        self.assign_slots
+    }
+
     /// Whether the slot count was given with [`slots`](Self::slots); if not, the backend has
     /// one slot until something (a health probe reading `/slots`, say) says how many.
     ///
@@ -413,7 +451,8 @@ impl<S> Backend<S> {
         &self.service
     }
 
-    /// The same backend with another service: its node, slots, budgets and extensions kept.
+    /// The same backend with another service: its node, slots, budgets, extensions and
+    /// whether its slots are assigned kept.
     pub fn map_service<T>(self, f: impl FnOnce(S) -> T) -> Backend<T> {
         Backend {
             service: f(self.service),
@@ -424,6 +463,7 @@ impl<S> Backend<S> {
             cache_tokens: self.cache_tokens,
             context: self.context,
             request_context: self.request_context,
+            assign_slots: self.assign_slots,
             extensions: self.extensions,
         }
     }
@@ -439,6 +479,7 @@ impl<S> fmt::Debug for Backend<S> {
             .field("cache_tokens", &self.cache_tokens)
             .field("context", &self.context)
             .field("request_context", &self.request_context)
+            .field("assign_slots", &self.assign_slots)
             .finish_non_exhaustive()
     }
 }
@@ -564,6 +605,11 @@ pub(crate) struct Load {
     /// there, and a record without a request here that takes the place of one still in
     /// flight does not read as in flight.
     in_flight_stamps: [AtomicU32; ENDED_RING],
+    /// Whether the router assigns this backend's slots ([`Backend::assign_slots`]): read
+    /// before `slot_table` is locked, so that other backends' requests do not lock it.
+    assigns_slots: AtomicBool,
+    /// Its slots, when the router assigns them.
+    slot_table: Mutex<Option<SlotTable>>,
 }
 
 /// A backend's tokens per token of the prompt chain's estimate (four bytes a token) that the
@@ -649,7 +695,21 @@ impl Load {
             // Every stamp not yet begun reads as ended: a record without a request here (one
             // learned from another replica) has nothing in flight.
             in_flight_stamps: std::array::from_fn(|_| AtomicU32::new(0)),
+            assigns_slots: AtomicBool::new(false),
+            slot_table: Mutex::new(None),
         }
+    }
+
+    /// Whether the router assigns this backend's slots from now on. A table already kept
+    /// stays as it is while they are assigned; it goes when they no longer are.
+    pub(crate) fn assign_slots(&self, on: bool) {
+        let mut table = self.slot_table.lock();
+        match (on, table.is_some()) {
+            (true, false) => *table = Some(SlotTable::default()),
+            (false, true) => *table = None,
+            _ => {}
+        }
+        self.assigns_slots.store(on, Ordering::Relaxed);
     }
 
     /// The place of `stamp` in [`in_flight_stamps`](Self::in_flight_stamps).
@@ -918,6 +978,8 @@ pub(crate) struct SlotGuard {
     /// The tokens of the backend's context the request takes (see
     /// [`Load::take_context_or_give_back`]): 32 bits, which fill the struct's padding.
     context: u32,
+    /// The slot the router assigned the request, if it assigns the backend's slots.
+    assigned: Option<u32>,
 }
 
 impl SlotGuard {
@@ -931,7 +993,26 @@ impl SlotGuard {
             unread: 0,
             stamp: 0,
             context: 0,
+            assigned: None,
         }
+    }
+
+    /// Assigns the request one of the backend's slots for `chain`, if the router assigns
+    /// them ([`Backend::assign_slots`]) and one is free by its count; it is free again when
+    /// the guard drops.
+    pub(crate) fn assign_slot(&mut self, chain: Option<&PromptChain>) -> Option<AssignedSlot> {
+        if !self.load.assigns_slots.load(Ordering::Relaxed) {
+            return None;
+        }
+        let slots = self.load.slots.load(Ordering::Relaxed);
+        let index = self.load.slot_table.lock().as_mut()?.assign(slots, chain)?;
+        self.assigned = Some(index);
+        Some(AssignedSlot::new(index))
+    }
+
+    /// The slot assigned to the request, if any.
+    pub(crate) fn assigned_slot(&self) -> Option<AssignedSlot> {
+        self.assigned.map(AssignedSlot::new)
     }
 
     /// The request holds `tokens` of the backend's context too, given back with the slot.
@@ -1069,6 +1150,11 @@ impl SlotGuard {
 impl Drop for SlotGuard {
     fn drop(&mut self) {
         self.prompt_read();
+        if let Some(index) = self.assigned.take() {
+            if let Some(table) = self.load.slot_table.lock().as_mut() {
+                table.release(index);
+            }
+        }
         if self.stamp != 0 {
             self.load.end(self.stamp);
         }
@@ -1499,6 +1585,7 @@ impl<S> Fleet<Backend<S>> {
         m.load
             .request_context
             .store(request_context, Ordering::Relaxed);
+        m.load.assign_slots(backend.assign_slots);
         if self.backends.len() <= index {
             self.backends.resize_with(index + 1, || None);
         }

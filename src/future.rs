@@ -261,8 +261,11 @@ where
     /// with the response future's own waker. Inlined: out of line, the moves of what it
     /// is handed cost more than all it does.
     #[inline(always)]
-    fn call(placed: Chosen<S>, req: http::Request<ReqB>, finish: Finish) -> Self {
+    fn call(placed: Chosen<S>, mut req: http::Request<ReqB>, finish: Finish) -> Self {
         let (mut service, guard, decision, watch, record) = placed;
+        if let Some(slot) = guard.assigned_slot() {
+            req.extensions_mut().insert(slot);
+        }
         let dispatched = Dispatched {
             guard,
             decision,

@@ -5579,3 +5579,120 @@ async fn node_patience_longer_than_max_wait_ends_with_the_wait() {
     let stats = svc.stats();
     assert_eq!((stats.waiting, stats.rejected), (0, 1));
 }
+
+// === slots the router assigns ===
+
+/// A backend declared with `assign_slots` receives each request with the slot the router gave
+/// it: two conversations of one system prompt, whose turns come out of step, each keep a slot
+/// of their own (llama-server would give the second the first's idle slot, by what they
+/// share); a slot is free again when its answer ends; a backend without the option gets no
+/// slot.
+#[tokio::test]
+async fn a_backend_whose_slots_are_assigned_gets_each_conversation_on_a_slot_of_its_own() {
+    let seen = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let slots = |seen: std::sync::Arc<parking_lot::Mutex<Vec<Option<u32>>>>| {
+        tower::service_fn(move |req: Req| {
+            let slot = req
+                .extensions()
+                .get::<tower_affinity::AssignedSlot>()
+                .map(|s| s.index());
+            seen.lock().push(slot);
+            async move {
+                Ok::<_, Infallible>(http::Response::new(http_body_util::Full::new(
+                    Bytes::from_static(b"ok"),
+                )))
+            }
+        })
+    };
+    let svc = SessionAffinityLayer::new().layer(StaticFleet::new([(
+        "a1",
+        Backend::new("a", slots(seen.clone()))
+            .slots(nz(2))
+            .assign_slots(),
+    )]));
+    // System prompt blocks 1 and 2; conversation x goes on with 3, y with 7.
+    let turns = [
+        ("x", vec![1, 2, 3]),
+        ("y", vec![1, 2, 7]),
+        ("x", vec![1, 2, 3, 4]),
+        ("y", vec![1, 2, 7, 8]),
+        ("x", vec![1, 2, 3, 4, 5]),
+    ];
+    for (session, blocks) in turns {
+        let blocks: Vec<(u64, u32)> = blocks.into_iter().map(|b| (b, 100)).collect();
+        let res = svc
+            .clone()
+            .oneshot(chained(session, None, &blocks, None))
+            .await
+            .unwrap();
+        res.into_body().collect().await.unwrap();
+    }
+    assert_eq!(
+        *seen.lock(),
+        [Some(0), Some(1), Some(0), Some(1), Some(0)],
+        "each conversation on its own slot"
+    );
+    assert_eq!(in_flight(&svc, "a1"), 0);
+
+    let unassigned = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let svc = SessionAffinityLayer::new().layer(StaticFleet::new([(
+        "a1",
+        Backend::new("a", slots(unassigned.clone())).slots(nz(2)),
+    )]));
+    let res = svc
+        .oneshot(chained("x", None, &[(1, 100)], None))
+        .await
+        .unwrap();
+    res.into_body().collect().await.unwrap();
+    assert_eq!(*unassigned.lock(), [None]);
+}
+
+/// While a request holds its slot, the next request to the backend is given another: the
+/// router never names a slot that one of its requests still holds.
+#[tokio::test]
+async fn a_slot_held_by_a_request_in_flight_is_not_assigned_again() {
+    let seen = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let record = seen.clone();
+    let svc = SessionAffinityLayer::new().layer(StaticFleet::new([(
+        "a1",
+        Backend::new(
+            "a",
+            tower::service_fn(move |req: Req| {
+                record.lock().push(
+                    req.extensions()
+                        .get::<tower_affinity::AssignedSlot>()
+                        .map(|s| s.index()),
+                );
+                async move {
+                    Ok::<_, Infallible>(http::Response::new(http_body_util::Full::new(
+                        Bytes::from_static(b"ok"),
+                    )))
+                }
+            }),
+        )
+        .slots(nz(2))
+        .assign_slots(),
+    )]));
+    // The same conversation twice at once: the second cannot have the first's slot.
+    let first = svc
+        .clone()
+        .oneshot(chained("x", None, &[(1, 100)], None))
+        .await
+        .unwrap();
+    let second = svc
+        .clone()
+        .oneshot(chained("x", None, &[(1, 100), (2, 100)], None))
+        .await
+        .unwrap();
+    assert_eq!(*seen.lock(), [Some(0), Some(1)]);
+    first.into_body().collect().await.unwrap();
+    second.into_body().collect().await.unwrap();
+    // Both free: the conversation's latest prompt is on slot 1.
+    let third = svc
+        .clone()
+        .oneshot(chained("x", None, &[(1, 100), (2, 100), (3, 100)], None))
+        .await
+        .unwrap();
+    third.into_body().collect().await.unwrap();
+    assert_eq!(*seen.lock(), [Some(0), Some(1), Some(1)]);
+}

@@ -1,0 +1,270 @@
+//! Slots assigned by the router: which of a backend's slots each request takes.
+//!
+//! llama-server gives a request the idle slot whose last prompt shares the most with it,
+//! even when another slot is empty, and keeps only what the request shares of the slot's
+//! state when that is more than half of it. Two conversations of one system prompt whose
+//! turns come out of step then take each other's slot, and each drops the other's tail.
+//! A backend declared with [`Backend::assign_slots`](crate::Backend::assign_slots) has its
+//! slots assigned by the router instead, which knows what it sent to each: a request is
+//! given the slot holding its conversation's last prompt, else a slot never used, else the
+//! least recently used of those sharing the most with it. The request carries the slot as
+//! an [`AssignedSlot`] extension, which the backend's client sends as llama-server's
+//! `id_slot`.
+
+/// The slot of its backend that the router assigned a request to, as a request extension on
+/// the request the backend's service receives (see
+/// [`Backend::assign_slots`](crate::Backend::assign_slots)). Slots are numbered from 0, as
+/// llama-server numbers them; its `id_slot` field takes the number.
+///
+/// ```
+/// use tower_affinity::AssignedSlot;
+///
+/// # fn doc(req: http::Request<()>) {
+/// if let Some(slot) = req.extensions().get::<AssignedSlot>() {
+///     println!("slot {}", slot.index());
+/// }
+/// # }
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AssignedSlot(u32);
+
+impl AssignedSlot {
+    /// The slot numbered `index`, from 0.
+    pub const fn new(index: u32) -> Self {
+        AssignedSlot(index)
+    }
+
+    /// The slot's number, from 0.
+    pub const fn index(self) -> u32 {
+        self.0
+    }
+}
+
+use crate::PromptChain;
+
+/// What the router knows of one slot of a backend whose slots it assigns.
+#[derive(Debug, Default)]
+struct Slot {
+    /// The chain of the last request sent to it, if it had one.
+    chain: Option<PromptChain>,
+    /// Whether a request was ever sent to it (an empty slot takes a new conversation without
+    /// dropping another's state).
+    used: bool,
+    busy: bool,
+    /// When a request last left it, on the table's own count.
+    last_used: u64,
+}
+
+/// The slots of a backend whose slots the router assigns: which are busy, and what each was
+/// last sent.
+#[derive(Debug, Default)]
+pub(crate) struct SlotTable {
+    slots: Vec<Slot>,
+    clock: u64,
+}
+
+/// llama-server's default `--slot-prompt-similarity`: a slot sharing no more than this share
+/// of a prompt is as good as any other for it.
+const SIMILAR: f64 = 0.1;
+
+impl SlotTable {
+    /// Assigns one of the first `count` slots to a request with `chain` and marks it busy;
+    /// `None` if each of them is busy. In order of preference:
+    ///
+    /// 1. the slot whose last prompt the chain goes on from (the conversation's own), the
+    ///    longest if several;
+    /// 2. a slot never used: nothing held there is dropped;
+    /// 3. the slot sharing the longest prefix with the chain, when that is more than a tenth
+    ///    of it, and among equals the least recently used;
+    /// 4. the least recently used slot.
+    ///
+    /// O(slots x log links).
+    pub(crate) fn assign(&mut self, count: u32, chain: Option<&PromptChain>) -> Option<u32> {
+        let count = count as usize;
+        if self.slots.len() < count {
+            self.slots.resize_with(count, Slot::default);
+        }
+        let total = chain.map_or(0, PromptChain::tokens).max(1);
+        let share = |tokens: u64| tokens as f64 / total as f64;
+        // (index, tokens shared, whether the slot's prompt is all shared, last used)
+        let idle = self.slots[..count]
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| !s.busy)
+            .map(|(i, s)| {
+                let (links, tokens) = match (chain, &s.chain) {
+                    (Some(c), Some(held)) => {
+                        let n = common_links(c, held);
+                        (n, c.tokens_at(n))
+                    }
+                    _ => (0, 0),
+                };
+                let own = links > 0 && s.chain.as_ref().is_some_and(|h| links == h.len());
+                (i, tokens, own, s.used, s.last_used)
+            });
+        let own = idle
+            .clone()
+            .filter(|&(_, _, own, _, _)| own)
+            .max_by_key(|&(i, n, ..)| (n, std::cmp::Reverse(i)));
+        let best = idle
+            .clone()
+            .filter(|&(_, _, _, used, _)| used)
+            .max_by_key(|&(i, n, _, _, at)| (n, std::cmp::Reverse(at), std::cmp::Reverse(i)));
+        let empty = idle.clone().find(|&(_, _, _, used, _)| !used);
+        let least_recent = idle.min_by_key(|&(i, _, _, _, at)| (at, i));
+        let chosen = match (own, empty, best) {
+            (Some(own), ..) => own,
+            (None, Some(empty), _) => empty,
+            (None, None, Some(best)) if share(best.1) > SIMILAR => best,
+            _ => least_recent?,
+        };
+        let slot = &mut self.slots[chosen.0];
+        slot.busy = true;
+        slot.used = true;
+        slot.chain = chain.cloned();
+        Some(chosen.0 as u32)
+    }
+
+    /// The request on slot `index` has ended.
+    pub(crate) fn release(&mut self, index: u32) {
+        self.clock += 1;
+        if let Some(slot) = self.slots.get_mut(index as usize) {
+            slot.busy = false;
+            slot.last_used = self.clock;
+        }
+    }
+}
+
+/// How many leading links two chains share: a link's digest covers its whole prefix, so
+/// equal links at one place mean equal prefixes up to there. O(log links).
+fn common_links(a: &PromptChain, b: &PromptChain) -> usize {
+    let (a, b) = (a.links(), b.links());
+    let (mut lo, mut hi) = (0, a.len().min(b.len()));
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if a[mid].digest == b[mid].digest {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A chain of 100-token blocks with these ids.
+    fn chain(ids: &[u64]) -> PromptChain {
+        PromptChain::from_blocks(ids.iter().map(|&id| (id, 100)))
+    }
+
+    /// A table of as many slots as `chains`, slot `i` given `chains[i]` (each new chain
+    /// takes the next empty slot while the others are busy), then all released in order.
+    fn table_holding(chains: &[Option<PromptChain>]) -> SlotTable {
+        let mut t = SlotTable::default();
+        let n = chains.len() as u32;
+        for (i, c) in chains.iter().enumerate() {
+            assert_eq!(t.assign(n, c.as_ref()), Some(i as u32));
+        }
+        for i in 0..n {
+            t.release(i);
+        }
+        t
+    }
+
+    #[test]
+    fn a_conversation_goes_back_to_the_slot_holding_its_last_prompt() {
+        // Slot 0 holds the conversation's last prompt; slot 1 another that goes on from it
+        // (a branch), sharing as much with the next turn, and used less recently.
+        let mut t = table_holding(&[Some(chain(&[1, 2])), Some(chain(&[1, 2, 3, 4]))]);
+        assert_eq!(t.assign(2, Some(&chain(&[1, 2]))), Some(0));
+        t.release(0);
+        assert_eq!(t.assign(2, Some(&chain(&[1, 2, 5]))), Some(0));
+    }
+
+    #[test]
+    fn a_new_conversation_takes_an_empty_slot_rather_than_drop_anothers_tail() {
+        // Slot 0 holds a conversation whose first two blocks (a system prompt) a new one
+        // shares: llama-server would take slot 0 by similarity, keep two thirds of it, and
+        // drop its last block.
+        let held = chain(&[1, 2, 3]);
+        let mut t = SlotTable::default();
+        assert_eq!(t.assign(3, Some(&held)), Some(0));
+        t.release(0);
+        assert_eq!(t.assign(3, Some(&chain(&[1, 2, 9]))), Some(1));
+    }
+
+    #[test]
+    fn among_slots_sharing_as_much_the_least_recently_used_is_taken() {
+        let mut t = table_holding(&[Some(chain(&[1, 2, 3])), Some(chain(&[1, 2, 4]))]);
+        // Slot 0 was released first: least recently used.
+        assert_eq!(t.assign(2, Some(&chain(&[1, 2, 5]))), Some(0));
+        t.release(0);
+        // Now slot 1 is.
+        assert_eq!(t.assign(2, Some(&chain(&[1, 2, 6]))), Some(1));
+    }
+
+    #[test]
+    fn with_no_slot_empty_a_prompt_sharing_a_tenth_takes_the_slot_sharing_most() {
+        let mut t = table_holding(&[Some(chain(&[1, 2, 3])), Some(chain(&[5, 6, 7]))]);
+        // Shares 100 of 500 tokens with slot 1 (a fifth), nothing with slot 0.
+        assert_eq!(t.assign(2, Some(&chain(&[5, 9, 10, 11, 12]))), Some(1));
+    }
+
+    #[test]
+    fn a_prompt_sharing_nothing_takes_the_least_recently_used_slot() {
+        let mut t = table_holding(&[Some(chain(&[1, 2, 3])), Some(chain(&[5, 6, 7]))]);
+        t.assign(2, Some(&chain(&[5, 6, 7, 8])));
+        t.release(1);
+        assert_eq!(t.assign(2, Some(&chain(&[20, 21]))), Some(0));
+    }
+
+    #[test]
+    fn a_request_without_a_chain_takes_an_empty_slot_then_the_least_recently_used() {
+        let mut t = SlotTable::default();
+        assert_eq!(t.assign(2, Some(&chain(&[1]))), Some(0));
+        assert_eq!(t.assign(2, None), Some(1));
+        t.release(1);
+        t.release(0);
+        // Slot 1 was released first; it held no chain, so what it holds is not known.
+        assert_eq!(t.assign(2, None), Some(1));
+        assert!(t.slots[1].chain.is_none());
+    }
+
+    #[test]
+    fn no_slot_is_assigned_while_every_slot_is_busy_and_a_released_one_is_free_again() {
+        let mut t = SlotTable::default();
+        assert_eq!(t.assign(2, None), Some(0));
+        assert_eq!(t.assign(2, None), Some(1));
+        assert_eq!(t.assign(2, None), None);
+        t.release(1);
+        assert_eq!(t.assign(2, None), Some(1));
+    }
+
+    #[test]
+    fn a_slot_count_that_shrinks_assigns_only_the_slots_left_and_one_that_grows_adds_empty_ones() {
+        let mut t = SlotTable::default();
+        assert_eq!(t.assign(4, Some(&chain(&[1]))), Some(0));
+        assert_eq!(t.assign(1, Some(&chain(&[2]))), None);
+        t.release(0);
+        assert_eq!(t.assign(1, Some(&chain(&[2]))), Some(0));
+        assert_eq!(t.assign(6, Some(&chain(&[3]))), Some(1));
+    }
+
+    #[test]
+    fn releasing_a_slot_never_assigned_changes_nothing() {
+        let mut t = SlotTable::default();
+        t.release(7);
+        assert_eq!(t.assign(1, None), Some(0));
+    }
+
+    #[test]
+    fn common_links_finds_the_shared_prefix() {
+        assert_eq!(common_links(&chain(&[1, 2, 3]), &chain(&[1, 2, 4, 5])), 2);
+        assert_eq!(common_links(&chain(&[1, 2]), &chain(&[1, 2, 3])), 2);
+        assert_eq!(common_links(&chain(&[9]), &chain(&[1, 2, 3])), 0);
+        assert_eq!(common_links(&chain(&[]), &chain(&[1])), 0);
+    }
+}
