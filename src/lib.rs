@@ -30,7 +30,8 @@
 //! - [`store`]: homes shared by router replicas, through the [`HomeStore`](store::HomeStore)
 //!   trait; with the `redis` feature, `store::RedisStore` keeps them in Redis.
 //! - `client` (feature `client`): `HttpBackend`, a backend's service over hyper-util's
-//!   pooled client, with hop-by-hop headers dropped, timeouts and failures by kind.
+//!   pooled client, with hop-by-hop headers dropped, timeouts and failures by kind; `IdSlot`,
+//!   which sends llama-server the slot the router assigned a request to ([`AssignedSlot`]).
 //! - `health` (feature `health`): `HealthProbe`, a discovery adapter that probes each
 //!   backend's `/health` and `/slots` (and `/v1/models` for a backend without slots) and
 //!   marks it down and up.
@@ -122,6 +123,7 @@
 //   store/       the shared store of homes for router replicas: the HomeStore trait,
 //                StoredHome and its value format, the service's side (deadline, writes,
 //                up/down state, counters: shared.rs), RedisStore (redis.rs, `redis` feature)
+//   slots.rs     AssignedSlot: the backend slot the router assigned a request to
 //   stats.rs     Decision, Outcome, counters
 //   usage.rs     Usage: the prompt and reused tokens a backend's answer reports, and its scanner
 //   discover/    static and channel-fed discovery (mod.rs); dns/, discovery from a DNS name
@@ -134,7 +136,8 @@
 //   placement/   the Placement trait, its view, rendezvous, NodeThenBackend, baselines,
 //                Snapshot (a fleet view for tests)
 //   client/      (feature `client`) HttpBackend: service, future, error, hop_by_hop, the
-//                request body as sent (body) and the answer's (backend_body)
+//                request body as sent (body) and the answer's (backend_body); IdSlot, the
+//                assigned slot written into the body as llama-server's `id_slot` (id_slot)
 //   health/      (feature `health`) HealthProbe: the discovery adapter, the prober, its checks,
 //                each backend's status, and what it needs of a backend and of the balancer
 

@@ -41,6 +41,9 @@
 //!   as the request goes on in the backend's: an HTTP/1.0 backend's answer of no declared
 //!   length, which its close ends, goes on chunked, where a cut still shows.
 //!
+//! In front of llama-server, [`IdSlot`] sends the slot the router assigned a request to (an
+//! [`AssignedSlot`](crate::AssignedSlot) extension) as the body's `id_slot`.
+//!
 //! The response body is a [`BackendBody`], hyper's [`Incoming`](hyper::body::Incoming)
 //! streamed frame by frame; the balancer's [`ResponseBody`](crate::ResponseBody) holds the
 //! slot until it ends.
@@ -72,10 +75,12 @@ mod body;
 mod error;
 mod future;
 mod hop_by_hop;
+mod id_slot;
 mod service;
 
 pub use backend_body::BackendBody;
 pub use error::{FailureKind, HttpBackendError, InvalidBackendUrl};
 pub use future::ResponseFuture;
 pub use hop_by_hop::{strip_hop_by_hop, HOP_BY_HOP};
+pub use id_slot::{IdSlot, IdSlotLayer};
 pub use service::{Builder, HttpBackend};

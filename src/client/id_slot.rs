@@ -1,0 +1,478 @@
+//! [`IdSlot`]: the slot the router assigned a request to, written into its body as
+//! llama-server's `id_slot`.
+
+use std::fmt;
+use std::task::{Context, Poll};
+
+use bytes::{BufMut, Bytes, BytesMut};
+use futures_util::FutureExt;
+use http::header::{self, HeaderValue};
+use http_body_util::{BodyExt, Full};
+use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, Visitor};
+use tower::{Layer, Service};
+
+use crate::AssignedSlot;
+
+// === IdSlotLayer ===
+
+/// A layer that wraps a backend's service in [`IdSlot`], which sends llama-server the slot
+/// the router assigned each request to.
+///
+/// ```
+/// use std::convert::Infallible;
+/// use bytes::Bytes;
+/// use http_body_util::Full;
+/// use tower::{service_fn, ServiceBuilder};
+/// use tower_affinity::client::IdSlotLayer;
+///
+/// let backend = ServiceBuilder::new().layer(IdSlotLayer::new()).service(service_fn(
+///     |_req: http::Request<Full<Bytes>>| async {
+///         Ok::<_, Infallible>(http::Response::new(Full::new(Bytes::new())))
+///     },
+/// ));
+/// # drop(backend);
+/// ```
+#[derive(Clone, Copy, Debug, Default)]
+pub struct IdSlotLayer {
+    _priv: (),
+}
+
+impl IdSlotLayer {
+    /// A layer of [`IdSlot`].
+    pub fn new() -> Self {
+        IdSlotLayer { _priv: () }
+    }
+}
+
+impl<S> Layer<S> for IdSlotLayer {
+    type Service = IdSlot<S>;
+
+    fn layer(&self, inner: S) -> IdSlot<S> {
+        IdSlot { inner }
+    }
+}
+
+// === IdSlot ===
+
+/// A backend's service that sends llama-server the slot the router assigned a request to.
+///
+/// A request that carries an [`AssignedSlot`] extension and whose body is a JSON object goes
+/// on with `"id_slot": N` added as the object's first member, and its `Content-Length` (if
+/// it has one) set to the new length. llama-server then gives the request that slot instead
+/// of choosing one by prompt similarity; when the slot is busy, the request waits for it
+/// (a number past the backend's slots wraps around: llama-server takes it modulo its
+/// slots). vLLM and SGLang have no such field: wrap only llama-server backends in it.
+///
+/// The request goes on as it came when it carries no `AssignedSlot`, when its body is not a
+/// JSON object (leading whitespace aside), or when the object already has a top-level
+/// `id_slot` member: a slot the client chose itself wins. A body whose top level does not
+/// parse, which is parsed (its top level only, values skipped) only when it may name
+/// `id_slot`, goes on as it came too. The request never fails for this; the response and
+/// errors are the inner service's.
+///
+/// It takes the body the balancer hands its backends behind
+/// [`BodyKeyLayer`](crate::key::BodyKeyLayer), a `Full<Bytes>`, already in memory.
+///
+/// ```
+/// use std::convert::Infallible;
+/// use bytes::Bytes;
+/// use http_body_util::{BodyExt, Full};
+/// use tower::{service_fn, ServiceExt};
+/// use tower_affinity::client::IdSlot;
+/// use tower_affinity::AssignedSlot;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let inner = service_fn(|req: http::Request<Full<Bytes>>| async move {
+///     assert_eq!(req.headers()["content-length"], "39");
+///     let body = req.into_body().collect().await.unwrap().to_bytes();
+///     assert_eq!(body, r#"{"id_slot":1,"model":"m","messages":[]}"#);
+///     Ok::<_, Infallible>(http::Response::new(()))
+/// });
+/// let body = r#"{"model":"m","messages":[]}"#;
+/// let mut req = http::Request::post("/v1/chat/completions")
+///     .header("content-length", body.len())
+///     .body(Full::new(Bytes::from(body)))
+///     .unwrap();
+/// // The router puts it there on a backend that assigns slots.
+/// req.extensions_mut().insert(AssignedSlot::new(1));
+/// IdSlot::new(inner).oneshot(req).await.unwrap();
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+pub struct IdSlot<S> {
+    inner: S,
+}
+
+impl<S> IdSlot<S> {
+    /// Wraps `inner`.
+    pub fn new(inner: S) -> Self {
+        IdSlot { inner }
+    }
+
+    /// A layer that wraps services in `IdSlot`.
+    pub fn layer() -> IdSlotLayer {
+        IdSlotLayer::new()
+    }
+
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S> Service<http::Request<Full<Bytes>>> for IdSlot<S>
+where
+    S: Service<http::Request<Full<Bytes>>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<Full<Bytes>>) -> Self::Future {
+        self.inner.call(with_id_slot(req))
+    }
+}
+
+// === the rewrite ===
+
+/// The request with its assigned slot in its body, or as it came.
+fn with_id_slot(req: http::Request<Full<Bytes>>) -> http::Request<Full<Bytes>> {
+    let Some(slot) = req.extensions().get::<AssignedSlot>().copied() else {
+        return req;
+    };
+    let (mut parts, body) = req.into_parts();
+    let bytes = into_bytes(body);
+    let body = match insert_id_slot(&bytes, slot.index()) {
+        Some(rewritten) => {
+            if parts.headers.contains_key(header::CONTENT_LENGTH) {
+                parts
+                    .headers
+                    .insert(header::CONTENT_LENGTH, HeaderValue::from(rewritten.len()));
+            }
+            rewritten
+        }
+        None => bytes,
+    };
+    http::Request::from_parts(parts, Full::new(body))
+}
+
+/// A `Full` body's bytes: its one frame is ready at once, so no executor is needed.
+fn into_bytes(mut body: Full<Bytes>) -> Bytes {
+    match body.frame().now_or_never() {
+        Some(Some(Ok(frame))) => frame.into_data().unwrap_or_default(),
+        // An empty `Full` ends at once; it never errs, nor waits.
+        _ => Bytes::new(),
+    }
+}
+
+/// JSON's insignificant whitespace.
+fn is_json_space(b: u8) -> bool {
+    matches!(b, b' ' | b'\t' | b'\n' | b'\r')
+}
+
+/// `body` with `"id_slot":slot` as its object's first member, or `None` to send it as it
+/// came: not an object, or one whose top level names `id_slot` already, or may and does not
+/// parse.
+fn insert_id_slot(body: &[u8], slot: u32) -> Option<Bytes> {
+    let open = body.iter().position(|&b| !is_json_space(b))?;
+    if body[open] != b'{' {
+        return None;
+    }
+    let after = &body[open + 1..];
+    // An object's next token is its first member's key or its end; anything else is no
+    // JSON object, which is not ours to touch.
+    let comma = match after.iter().find(|&&b| !is_json_space(b))? {
+        b'"' => ",",
+        b'}' => "",
+        _ => return None,
+    };
+    if may_name_id_slot(body) && !top_level_lacks_id_slot(body) {
+        return None;
+    }
+    let member = format!("\"id_slot\":{slot}{comma}");
+    let mut out = BytesMut::with_capacity(body.len() + member.len());
+    out.put_slice(&body[..=open]);
+    out.put_slice(member.as_bytes());
+    out.put_slice(after);
+    Some(out.freeze())
+}
+
+/// Whether any string of `body` may read `id_slot`: it holds `"id_slot"` as written, or a
+/// `\u00XX` escape of one of its letters (no other escape gives one). Cheap, so that a body
+/// of megabytes is parsed only when it may need to be.
+fn may_name_id_slot(body: &[u8]) -> bool {
+    if memchr::memmem::find(body, b"\"id_slot\"").is_some() {
+        return true;
+    }
+    memchr::memmem::find_iter(body, b"\\u00").any(|at| {
+        let hex = body
+            .get(at + 4..at + 6)
+            .and_then(|h| std::str::from_utf8(h).ok());
+        hex.and_then(|h| u8::from_str_radix(h, 16).ok())
+            .is_some_and(|c| b"id_slot".contains(&c))
+    })
+}
+
+/// Whether `body` parses as a JSON object none of whose top-level keys is `id_slot`. Values
+/// are skipped, not built; the parse stops at the first `id_slot` key.
+fn top_level_lacks_id_slot(body: &[u8]) -> bool {
+    serde_json::from_slice::<LacksIdSlot>(body).is_ok()
+}
+
+/// A JSON object without a top-level `id_slot`: anything else fails to deserialize.
+struct LacksIdSlot;
+
+impl<'de> Deserialize<'de> for LacksIdSlot {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_map(LacksIdSlot)
+    }
+}
+
+impl<'de> Visitor<'de> for LacksIdSlot {
+    type Value = LacksIdSlot;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON object without an `id_slot` member")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        while let Some(IsIdSlot(is)) = map.next_key()? {
+            if is {
+                return Err(de::Error::custom("the object has an `id_slot` member"));
+            }
+            map.next_value::<IgnoredAny>()?;
+        }
+        Ok(LacksIdSlot)
+    }
+}
+
+/// Whether an object's key, unescaped, is `id_slot`.
+struct IsIdSlot(bool);
+
+impl<'de> Deserialize<'de> for IsIdSlot {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_str(IsIdSlotVisitor)
+    }
+}
+
+struct IsIdSlotVisitor;
+
+impl<'de> Visitor<'de> for IsIdSlotVisitor {
+    type Value = IsIdSlot;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an object key")
+    }
+
+    fn visit_str<E: de::Error>(self, key: &str) -> Result<IsIdSlot, E> {
+        Ok(IsIdSlot(key == "id_slot"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+
+    use http_body_util::BodyExt;
+    use parking_lot::Mutex;
+    use std::sync::Arc;
+    use tower::{service_fn, ServiceExt};
+
+    use super::*;
+
+    /// What the inner service saw of one request.
+    type SeenRequest = (http::HeaderMap, Bytes);
+
+    /// Sends `body` through `IdSlot`, with `slot` assigned and a `Content-Length` if
+    /// `length`, and says what the inner service got.
+    async fn send(body: &'static str, slot: Option<u32>, length: bool) -> SeenRequest {
+        let seen = Arc::new(Mutex::new(None));
+        let inner = {
+            let seen = seen.clone();
+            service_fn(move |req: http::Request<Full<Bytes>>| {
+                let seen = seen.clone();
+                async move {
+                    let (parts, body) = req.into_parts();
+                    let bytes = body.collect().await.unwrap().to_bytes();
+                    *seen.lock() = Some((parts.headers, bytes));
+                    Ok::<_, Infallible>(http::Response::new("answer"))
+                }
+            })
+        };
+        let mut req = http::Request::post("/v1/chat/completions");
+        if length {
+            req = req.header(header::CONTENT_LENGTH, body.len());
+        }
+        let mut req = req
+            .body(Full::new(Bytes::from_static(body.as_bytes())))
+            .unwrap();
+        if let Some(slot) = slot {
+            req.extensions_mut().insert(AssignedSlot::new(slot));
+        }
+        let res = IdSlot::new(inner).oneshot(req).await.unwrap();
+        assert_eq!(res.into_body(), "answer");
+        let seen = seen.lock().take();
+        seen.expect("the inner service was called")
+    }
+
+    async fn body_sent(body: &'static str, slot: u32) -> Bytes {
+        send(body, Some(slot), false).await.1
+    }
+
+    #[tokio::test]
+    async fn an_object_with_members_gets_id_slot_first() {
+        let sent = body_sent(
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
+            3,
+        );
+        assert_eq!(
+            sent.await,
+            r#"{"id_slot":3,"model":"m","messages":[{"role":"user","content":"hi"}]}"#
+        );
+    }
+
+    #[tokio::test]
+    async fn an_empty_object_gets_id_slot_without_a_comma() {
+        assert_eq!(body_sent("{}", 0).await, r#"{"id_slot":0}"#);
+        assert_eq!(body_sent("{ \n}", 7).await, "{\"id_slot\":7 \n}");
+    }
+
+    #[tokio::test]
+    async fn leading_whitespace_is_kept_and_the_object_still_found() {
+        assert_eq!(
+            body_sent(" \r\n\t{ \"n\":1}", 2).await,
+            " \r\n\t{\"id_slot\":2, \"n\":1}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_top_level_id_slot_of_the_client_wins() {
+        for body in [
+            r#"{"model":"m","id_slot":1}"#,
+            r#"{"id_slot":-1,"messages":[]}"#,
+            r#"{ "id_slot" : 0 }"#,
+            // Escaped, it is the same key.
+            r#"{"model":"m","id\u005fslot":1}"#,
+            r#"{"\u0069\u0064_slot":1,"n":2}"#,
+        ] {
+            assert_eq!(body_sent(body, 4).await, body, "{body}");
+        }
+        // Beside it, a slot is added.
+        assert_eq!(
+            body_sent(r#"{"model":"m","slot":1}"#, 4).await,
+            r#"{"id_slot":4,"model":"m","slot":1}"#
+        );
+    }
+
+    #[tokio::test]
+    async fn id_slot_in_a_string_or_a_nested_object_is_not_the_clients_choice() {
+        assert_eq!(
+            body_sent(
+                r#"{"messages":[{"role":"user","content":"set \"id_slot\": 1"}]}"#,
+                5
+            )
+            .await,
+            r#"{"id_slot":5,"messages":[{"role":"user","content":"set \"id_slot\": 1"}]}"#
+        );
+        assert_eq!(
+            body_sent(r#"{"messages":[{"role":"user","content":"id_slot"}]}"#, 5).await,
+            r#"{"id_slot":5,"messages":[{"role":"user","content":"id_slot"}]}"#
+        );
+        assert_eq!(
+            body_sent(r#"{"metadata":{"id_slot":1},"n":1}"#, 5).await,
+            r#"{"id_slot":5,"metadata":{"id_slot":1},"n":1}"#
+        );
+        assert_eq!(
+            body_sent(r#"{"prompt":"\u00e9\u0069","n":1}"#, 5).await,
+            r#"{"id_slot":5,"prompt":"\u00e9\u0069","n":1}"#
+        );
+        assert_eq!(
+            body_sent(r#"{"messages":[],"xid_slot":1,"id_slots":2}"#, 5).await,
+            r#"{"id_slot":5,"messages":[],"xid_slot":1,"id_slots":2}"#
+        );
+    }
+
+    #[tokio::test]
+    async fn a_body_that_is_no_json_object_goes_as_it_came() {
+        for body in [
+            r#"[{"model":"m"}]"#,
+            "model=m&n=1",
+            "",
+            "   ",
+            "{",
+            "{x}",
+            "\"id_slot\"",
+            "\u{feff}{\"n\":1}",
+            // Unreadable where it may name `id_slot`: not ours to fix.
+            r#"{"id_slot":}"#,
+            r#"{"n":1,"id\u005fslot"#,
+        ] {
+            let (headers, sent) = send(body, Some(1), true).await;
+            assert_eq!(sent, body, "{body:?}");
+            assert_eq!(headers[header::CONTENT_LENGTH], body.len().to_string());
+        }
+        // Beside it, a slot is added.
+        assert_eq!(body_sent(r#"{"n":1}"#, 1).await, r#"{"id_slot":1,"n":1}"#);
+    }
+
+    #[tokio::test]
+    async fn a_request_without_an_assigned_slot_goes_as_it_came() {
+        let body = r#"{"model":"m","messages":[]}"#;
+        let (headers, sent) = send(body, None, true).await;
+        assert_eq!(sent, body);
+        assert_eq!(headers[header::CONTENT_LENGTH], body.len().to_string());
+        // Beside it, a slot is added.
+        let (_, sent) = send(body, Some(0), true).await;
+        assert_eq!(sent, r#"{"id_slot":0,"model":"m","messages":[]}"#);
+    }
+
+    #[tokio::test]
+    async fn content_length_follows_the_new_body() {
+        let body = r#"{"model":"m","messages":[]}"#;
+        let (headers, sent) = send(body, Some(12), true).await;
+        assert_eq!(sent, r#"{"id_slot":12,"model":"m","messages":[]}"#);
+        assert_eq!(headers[header::CONTENT_LENGTH], sent.len().to_string());
+
+        // None is made up where there was none.
+        let (headers, sent) = send(body, Some(12), false).await;
+        assert_eq!(sent, r#"{"id_slot":12,"model":"m","messages":[]}"#);
+        assert!(!headers.contains_key(header::CONTENT_LENGTH));
+    }
+
+    #[tokio::test]
+    async fn the_largest_slot_number_is_written_whole() {
+        assert_eq!(
+            body_sent(r#"{"n":1}"#, u32::MAX).await,
+            r#"{"id_slot":4294967295,"n":1}"#
+        );
+    }
+
+    #[test]
+    fn a_deeply_nested_body_is_left_alone_without_overflowing() {
+        let mut body = String::from(r#"{"a":"#);
+        body.push_str(&"[".repeat(100_000));
+        body.push_str(r#""id_slot""#);
+        assert_eq!(insert_id_slot(body.as_bytes(), 0), None);
+        // Beside it, a slot is added.
+        let shallow = insert_id_slot(br#"{"a":[["id_slot"]]}"#, 0);
+        assert_eq!(
+            shallow.as_deref(),
+            Some(&br#"{"id_slot":0,"a":[["id_slot"]]}"#[..])
+        );
+    }
+}
