@@ -123,7 +123,7 @@
 //   store/       the shared store of homes for router replicas: the HomeStore trait,
 //                StoredHome and its value format, the service's side (deadline, writes,
 //                up/down state, counters: shared.rs), RedisStore (redis.rs, `redis` feature)
-//   slots.rs     AssignedSlot: the backend slot the router assigned a request to
+//   slots.rs     AssignedSlot, and the table of a backend's slots the router assigns
 //   stats.rs     Decision, Outcome, counters
 //   usage.rs     Usage: the prompt and reused tokens a backend's answer reports, and its scanner
 //   discover/    static and channel-fed discovery (mod.rs); dns/, discovery from a DNS name

@@ -9,7 +9,7 @@
 //! given the slot holding its conversation's last prompt, else a slot never used, else the
 //! least recently used of those sharing the most with it. The request carries the slot as
 //! an [`AssignedSlot`] extension, which the backend's client sends as llama-server's
-//! `id_slot`.
+//! `id_slot` (with the `client` feature, `client::IdSlot` writes it into the body).
 
 /// The slot of its backend that the router assigned a request to, as a request extension on
 /// the request the backend's service receives (see
