@@ -210,8 +210,12 @@ impl tower::Service<http::Request<Prompt>> for SimBackend {
     fn call(&mut self, req: http::Request<Prompt>) -> Self::Future {
         let inner = self.inner.clone();
         Box::pin(async move {
+            let slot = req
+                .extensions()
+                .get::<tower_affinity::AssignedSlot>()
+                .map(|s| s.index() as usize);
             let prompt = req.into_body();
-            let (admission, first_token, work) = admit(&inner, &prompt.blocks).await;
+            let (admission, first_token, work) = admit(&inner, &prompt.blocks, slot).await;
             tokio::time::sleep_until(first_token).await;
             let served = Served {
                 reused: admission.reused,
@@ -261,7 +265,11 @@ impl tower::Service<http::Request<Prompt>> for SimBackend {
 /// prompt's own work (restore and prefill, without the queue). Under `--vram wait` the
 /// requests are admitted in the order they came, as a scheduler that waits for room serves
 /// its queue: a long prompt is not passed by shorter ones that fit.
-async fn admit(inner: &Inner, prompt: &Blocks) -> (Admission, Instant, Duration) {
+async fn admit(
+    inner: &Inner,
+    prompt: &Blocks,
+    slot: Option<usize>,
+) -> (Admission, Instant, Duration) {
     let _turn = {
         let mut s = inner.state.lock();
         s.cache.waits_for_vram().then(|| {
@@ -279,7 +287,7 @@ async fn admit(inner: &Inner, prompt: &Blocks) -> (Admission, Instant, Duration)
         {
             let mut s = inner.state.lock();
             let first = ticket.is_none_or(|t| s.queue.front() == Some(&t));
-            if let Some(a) = first.then(|| s.cache.admit(prompt)).flatten() {
+            if let Some(a) = first.then(|| s.cache.admit_in(prompt, slot)).flatten() {
                 let now = Instant::now();
                 let start = s.gpu_free.max(now);
                 let mut work = inner

@@ -627,7 +627,16 @@ impl BackendCache {
     /// Takes an idle slot for `prompt` and finds its longest cached prefix; `None` when every
     /// slot is busy, or under [`Vram::Wait`] when the prompt's KV does not fit beside the busy
     /// slots'.
+    #[cfg(test)]
     pub(crate) fn admit(&mut self, prompt: &Blocks) -> Option<Admission> {
+        self.admit_in(prompt, None)
+    }
+
+    /// [`admit`](Self::admit), in the slot a request names (`id_slot`, as the router assigned
+    /// it; llama-server wraps a number past its slots around) when it does: `None` while that
+    /// slot is busy, as llama-server defers the request until it frees. A paged backend has no
+    /// slots to name, and takes none.
+    pub(crate) fn admit_in(&mut self, prompt: &Blocks, named: Option<usize>) -> Option<Admission> {
         if self.pool.is_some() {
             return self.admit_paged(prompt);
         }
@@ -638,18 +647,32 @@ impl BackendCache {
                 return None;
             }
         }
-        let idle = self.slots.iter().enumerate().filter(|(_, s)| !s.busy);
-        // As `server_context::get_available_slot`: the longest prefix, among equals the first
-        // slot; below the similarity threshold, the least recently used, among equals the last.
-        let (best, lcp) = idle
-            .clone()
-            .map(|(i, s)| (i, common_prefix(&s.kv, prompt)))
-            .max_by_key(|&(i, n)| (n, std::cmp::Reverse(i)))?;
-        let (slot, slot_lcp, by_similarity) = if lcp as f64 / total as f64 > SLOT_SIMILARITY {
-            (best, lcp, true)
-        } else {
-            let (i, s) = idle.max_by_key(|(_, s)| std::cmp::Reverse(s.last_used))?;
-            (i, common_prefix(&s.kv, prompt), false)
+        let share = |n: u64| n as f64 / total as f64;
+        let (slot, slot_lcp, by_similarity) = match named {
+            // As `server_context::get_available_slot` with `id_slot`: that slot, and its
+            // state kept as by similarity when the prompt shares more than the threshold.
+            Some(i) => {
+                let i = i % self.slots.len().max(1);
+                let s = self.slots.get(i).filter(|s| !s.busy)?;
+                let lcp = common_prefix(&s.kv, prompt);
+                (i, lcp, share(lcp) > SLOT_SIMILARITY)
+            }
+            None => {
+                let idle = self.slots.iter().enumerate().filter(|(_, s)| !s.busy);
+                // As `server_context::get_available_slot`: the longest prefix, among equals
+                // the first slot; below the similarity threshold, the least recently used,
+                // among equals the last.
+                let (best, lcp) = idle
+                    .clone()
+                    .map(|(i, s)| (i, common_prefix(&s.kv, prompt)))
+                    .max_by_key(|&(i, n)| (n, std::cmp::Reverse(i)))?;
+                if share(lcp) > SLOT_SIMILARITY {
+                    (best, lcp, true)
+                } else {
+                    let (i, s) = idle.max_by_key(|(_, s)| std::cmp::Reverse(s.last_used))?;
+                    (i, common_prefix(&s.kv, prompt), false)
+                }
+            }
         };
         self.clock += 1;
         let s = &mut self.slots[slot];
@@ -889,6 +912,28 @@ mod tests {
         // turn (which the slot now shares nothing with) finds it there.
         let (source, reused, saved) = a_then_b_then_a(&[b(30, 500)]);
         assert_eq!((source, reused, saved), (Source::Ram, 2040, 1));
+    }
+
+    #[test]
+    fn a_slot_named_by_the_request_is_taken_and_a_busy_one_makes_it_wait() {
+        // A and B share a system prompt: left to choose, llama-server gives B A's idle slot
+        // by similarity and drops A's tail (the `tie` case, without a RAM cache). Told slot
+        // 0 for B, it takes the empty slot, and A's next turn finds all of A in slot 1.
+        set_slot_policy(SlotPolicy::Llama);
+        let mut c = BackendCache::new(2, u64::MAX, RamCache::new(0, 1));
+        let a = blocks(&[b(1, 50), b(10, 1000)]);
+        let sa = c.admit_in(&a, Some(1)).unwrap().slot;
+        c.release(sa, a.clone());
+        let bb = blocks(&[b(1, 50), b(20, 1000)]);
+        let sb = c.admit_in(&bb, Some(0)).unwrap();
+        assert_eq!((sa, sb.slot, sb.reused), (1, 0, 0));
+        let a2 = blocks(&[b(1, 50), b(10, 1000), b(11, 10)]);
+        let again = c.admit_in(&a2, Some(1)).unwrap();
+        assert_eq!((again.slot, again.reused), (1, 1050));
+        // Slot 0 is still B's, busy: a request naming it waits, and so does one naming 2,
+        // which wraps around to 0 as llama-server's slot numbers do.
+        assert!(c.admit_in(&bb, Some(0)).is_none());
+        assert!(c.admit_in(&bb, Some(2)).is_none());
     }
 
     #[test]

@@ -93,6 +93,8 @@ usage: cargo run --release --example swarm -- [options]
   --router-context  the routers give each backend its VRAM's tokens as the context its
                     running requests share (Backend::context_tokens): a prompt that does
                     not fit there beside those in flight finds the backend full
+  --assign-slots    the routers assign each llama-server backend's slots
+                    (Backend::assign_slots; the backend takes the slot a request names)
   --oracle          adds NTB+oracle: NodeThenBackend told what the simulated caches
                     really hold, the same rules with a perfect cache model (not an
                     upper bound: greedy rules can do worse knowing more)
@@ -151,6 +153,7 @@ struct Options {
     vram: cache::Vram,
     gpu_work: backend::GpuWork,
     router_context: bool,
+    assign_slots: bool,
     replicas: routers::Replicas,
 }
 
@@ -178,7 +181,17 @@ impl Options {
             true => "; routers count each backend's VRAM as its context",
             false => "",
         };
-        fleet.describe().to_owned() + &self.replicas.describe() + slots + vram + gpu + context
+        let assigned = match self.assign_slots {
+            true => "; routers assign the slots",
+            false => "",
+        };
+        fleet.describe().to_owned()
+            + &self.replicas.describe()
+            + slots
+            + vram
+            + gpu
+            + context
+            + assigned
     }
 }
 
@@ -201,6 +214,7 @@ impl Default for Options {
             vram: cache::Vram::Run,
             gpu_work: backend::GpuWork::Prompts,
             router_context: false,
+            assign_slots: false,
             replicas: routers::Replicas {
                 routers: 1,
                 entry: routers::Entry::Random,
@@ -310,6 +324,7 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String>
             "--out" => o.out = Some(value()?.into()),
             "--keyless" => o.keyless = true,
             "--router-context" => o.router_context = true,
+            "--assign-slots" => o.assign_slots = true,
             "--oracle" => o.oracle = true,
             "--slot-policy" => {
                 let v = value()?;
@@ -1048,6 +1063,7 @@ fn main() {
     cache::set_vram(o.vram);
     backend::set_gpu_work(o.gpu_work);
     sim::set_router_context(o.router_context);
+    sim::set_assign_slots(o.assign_slots);
     let started = Instant::now();
     let tables = match run(&o) {
         Ok(t) => t,
@@ -1275,6 +1291,22 @@ mod tests {
         let ntb = |t: &Table| t.row("NodeThenBackend").unwrap().hit_rate();
         assert!(ntb(&paged) >= 0.9, "{paged}");
         assert!(ntb(&paged) > ntb(&llama), "{paged}{llama}");
+    }
+
+    #[test]
+    fn under_overload_assigning_llama_servers_slots_keeps_nine_turns_in_ten_warm() {
+        // The router gives each conversation its own slot, and a new one an empty slot, where
+        // llama-server would give it the idle slot of another sharing the agents' prompt.
+        let at_8_gib = |assign| {
+            sim::set_assign_slots(assign);
+            let runs = overload_at_8_gib(cache::SlotPolicy::Llama, 60);
+            sim::set_assign_slots(false);
+            table(String::new(), String::new(), &runs, false, vec![])
+        };
+        let (assigned, chosen) = (at_8_gib(true), at_8_gib(false));
+        let ntb = |t: &Table| t.row("NodeThenBackend").unwrap().hit_rate();
+        assert!(ntb(&assigned) >= 0.9, "{assigned}");
+        assert!(ntb(&assigned) > ntb(&chosen) + 0.02, "{assigned}{chosen}");
     }
 
     #[test]

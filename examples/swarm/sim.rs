@@ -132,6 +132,13 @@ impl Placement for Oracle {
 
 thread_local! {
     static ROUTER_CONTEXT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    static ASSIGN_SLOTS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the routers built on this thread from now on assign each backend's slots
+/// (`--assign-slots`, [`Backend::assign_slots`]).
+pub(crate) fn set_assign_slots(on: bool) {
+    ASSIGN_SLOTS.with(|c| c.set(on));
 }
 
 /// Whether the routers built on this thread from now on give each backend its VRAM's tokens
@@ -170,6 +177,10 @@ pub(crate) fn build(policy: Policy, fleet: &[BackendSpec]) -> (Svc, Vec<SimBacke
                         b.context_tokens(vram)
                     }
                     _ => b,
+                };
+                let b = match ASSIGN_SLOTS.with(std::cell::Cell::get) {
+                    true => b.assign_slots(),
+                    false => b,
                 };
                 (s.id.as_str(), b)
             }));
