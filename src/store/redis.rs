@@ -45,7 +45,10 @@ use crate::key::SessionKey;
 /// refuses the store's commands as a replica (`READONLY`: a primary demoted by a failover
 /// while the store's address moved to the new one) is left for a new connection too, at
 /// most once an interval. The service reads within its own deadline, so a reconnect never
-/// holds up a request.
+/// holds up a request. Nor does a read see why a connection cannot open (it gives up at its
+/// deadline while the manager still tries): the store logs that error itself, as a warning
+/// naming the Redis's address and database (never its password), once for each error in a
+/// row, and a line when a connection opens again.
 ///
 /// ```no_run
 /// use tower::Layer;
@@ -85,6 +88,8 @@ pub struct RedisStore {
 struct Connection {
     client: redis::Client,
     config: ConnectionManagerConfig,
+    /// What the log last said of the connection's attempts.
+    report: Arc<Report>,
     /// The least time between two managers started.
     interval: Duration,
     /// The manager in use, how many were started before it, and when it was started.
@@ -92,17 +97,23 @@ struct Connection {
 }
 
 impl Connection {
-    /// A manager, connecting in the background.
+    /// A manager, connecting in the background; how its first connection went is logged
+    /// through `report`.
     fn start(
         client: &redis::Client,
         config: &ConnectionManagerConfig,
+        report: &Arc<Report>,
     ) -> redis::RedisResult<ConnectionManager> {
         let conn = ConnectionManager::new_lazy_with_config(client.clone(), config.clone())?;
         // Connect now, in the background, so that the first request does not wait for the
-        // connection and its handshake.
+        // connection and its handshake. The reads never see why a connection cannot open:
+        // the manager retries for seconds, and they give up at their deadline; this `PING`
+        // waits for the attempts' end, and logs their error.
         let mut first = conn.clone();
+        let report = report.clone();
         tokio::spawn(async move {
-            let _ = redis::cmd("PING").query_async::<()>(&mut first).await;
+            let answer = redis::cmd("PING").query_async::<()>(&mut first).await;
+            report.connected(answer.err());
         });
         Ok(conn)
     }
@@ -130,7 +141,7 @@ impl Connection {
         if current.1 != generation || current.2.elapsed() < self.interval {
             return;
         }
-        if let Ok(conn) = Self::start(&self.client, &self.config) {
+        if let Ok(conn) = Self::start(&self.client, &self.config, &self.report) {
             *current = (conn, generation + 1, Instant::now());
         }
     }
@@ -335,17 +346,80 @@ impl RedisStoreBuilder {
             .set_connection_timeout(Some(self.connect_timeout))
             // The service bounds reads by its deadline and writes by a second.
             .set_response_timeout(None);
-        let conn =
-            Connection::start(&client, &config).map_err(|e| RedisOpenError(OpenKind::Redis(e)))?;
+        let prefix: Arc<str> = self.prefix.into();
+        let report = Arc::new(Report {
+            prefix: prefix.clone(),
+            addr: client.get_connection_info().addr().to_string(),
+            db: client.get_connection_info().redis_settings().db(),
+            last: Mutex::new(None),
+        });
+        let conn = Connection::start(&client, &config, &report)
+            .map_err(|e| RedisOpenError(OpenKind::Redis(e)))?;
         Ok(RedisStore {
             conn: Arc::new(Connection {
                 client,
                 config,
+                report,
                 interval: self.reconnect_interval,
                 current: Mutex::new((conn, 0, Instant::now())),
             }),
-            prefix: self.prefix.into(),
+            prefix,
         })
+    }
+}
+
+/// Logs why the store's connection cannot open, which its reads cannot say: they give up at
+/// their deadline ("no answer") while the manager still tries, and only its last attempt's
+/// error (a refused password or database, a host that does not resolve, a port that refuses
+/// connections) tells the operator what to fix. Once for each error in a row, and once when a
+/// connection opens again, so that a password wrong for hours is one line, not one a second.
+struct Report {
+    prefix: Arc<str>,
+    /// Where the store connects (`host:port`), never its password.
+    addr: String,
+    db: i64,
+    /// The error last logged, until a connection opens.
+    last: Mutex<Option<String>>,
+}
+
+impl Report {
+    /// A manager's first connection opened (`None`) or failed with `error`.
+    fn connected(&self, error: Option<redis::RedisError>) {
+        let error = error.map(|e| e.to_string());
+        let mut last = self.last.lock();
+        if *last == error {
+            return;
+        }
+        let was = std::mem::replace(&mut *last, error.clone());
+        drop(last);
+        let store = StoreName(&self.prefix);
+        match error {
+            Some(error) => tracing::warn!(
+                store = ?store,
+                redis = %self.addr,
+                db = self.db,
+                %error,
+                "cannot connect to the shared session store; trying again"
+            ),
+            None if was.is_some() => tracing::info!(
+                store = ?store,
+                redis = %self.addr,
+                db = self.db,
+                "connected to the shared session store"
+            ),
+            None => {}
+        }
+    }
+}
+
+/// A store named in the log as its `Debug` names it.
+struct StoreName<'a>(&'a str);
+
+impl fmt::Debug for StoreName<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("prefix", &self.0)
+            .finish_non_exhaustive()
     }
 }
 
@@ -510,8 +584,6 @@ impl RedisStore {
 
 impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RedisStore")
-            .field("prefix", &self.prefix)
-            .finish_non_exhaustive()
+        StoreName(&self.prefix).fmt(f)
     }
 }

@@ -25,6 +25,8 @@ type Svc = tower_affinity::SessionAffinity<
     tower_affinity::placement::NodeThenBackend,
 >;
 
+#[path = "../support/logs.rs"]
+mod logs;
 #[path = "../support/redis_server.rs"]
 mod redis_server;
 
@@ -479,6 +481,97 @@ async fn a_store_refused_its_password_connects_once_the_password_is_right() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     panic!("never read Redis with the right password: {last:?}");
+}
+
+/// A store that cannot connect says why in the log (its reads only time out at their
+/// deadline while the connection manager still tries): a refused password, once however
+/// long it stays wrong and never with the password; a port that refuses connections; and
+/// once it connects, that it did.
+#[tokio::test]
+async fn a_store_that_cannot_connect_logs_why_once() {
+    let Some(redis) = RedisServer::start().await else {
+        return;
+    };
+    let logs = logs::capture(tracing::Level::INFO);
+    let mut admin = redis.client().await;
+    let () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("requirepass")
+        .arg("right")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let reconnect = Duration::from_millis(50);
+    let wrong = replica(
+        &format!("redis://:s3cret@127.0.0.1:{}/2", redis.port),
+        Duration::from_millis(20),
+        reconnect,
+    );
+    let why = [
+        "cannot connect to the shared session store",
+        "authentication",
+    ];
+    let start = Instant::now();
+    // Requests go on (each probes the store while it is down, and a probe's failure starts
+    // the manager again) until the refusal was logged, and some more.
+    let mut logged = None;
+    for i in 0..400 {
+        let res = send(&wrong, &format!("agent-{}", i % 4)).await;
+        assert_eq!(res.status(), http::StatusCode::OK);
+        if logged.is_none() && logs.count(&why) > 0 {
+            logged = Some(start.elapsed());
+        }
+        if logged.is_some_and(|at| start.elapsed() > at + 10 * reconnect) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert!(start.elapsed() < Duration::from_secs(20), "{}", logs.text());
+    }
+    let text = logs.text();
+    assert!(
+        logged.is_some(),
+        "the refused password was never logged: {text}"
+    );
+    assert_eq!(logs.count(&why), 1, "{text}");
+    assert_eq!(logs.count(&why[..1]), 1, "{text}");
+    assert_eq!(logs.count(&["127.0.0.1", "db=2"]), 1, "{text}");
+    assert!(!text.contains("s3cret"), "{text}");
+    // The password set right: the store connects, and says so.
+    let () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("requirepass")
+        .arg("s3cret")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let connected = ["connected to the shared session store"];
+    for i in 0..400 {
+        if logs.count(&connected) > 0 {
+            break;
+        }
+        send(&wrong, &format!("agent-{}", i % 4)).await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert!(start.elapsed() < Duration::from_secs(40), "{}", logs.text());
+    }
+    assert_eq!(logs.count(&connected), 1, "{}", logs.text());
+
+    // Nothing listens on the port of a Redis that is gone.
+    let mut gone = RedisServer::start().await.unwrap();
+    let url = gone.url();
+    gone.kill().await;
+    let _refused = replica(&url, Duration::from_millis(20), reconnect);
+    for _ in 0..200 {
+        if logs.count(&["cannot connect", "refused"]) > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(
+        logs.count(&["cannot connect", "refused"]),
+        1,
+        "{}",
+        logs.text()
+    );
 }
 
 /// A Redis ACL user for the store that may not `SELECT` the database its URL names: every
