@@ -75,7 +75,7 @@ use tower::discover::Change;
 use tower::retry::Retry;
 use tower::util::Oneshot;
 use tower::{Layer, Service, ServiceBuilder, ServiceExt};
-use tower_affinity::client::{BackendBody, HttpBackend, HttpBackendError};
+use tower_affinity::client::{write_id_slot, BackendBody, HttpBackend, HttpBackendError};
 use tower_affinity::discover::dns::{
     DnsEndpoint, DnsFleet, DnsFleetBuilder, DnsHandle, DnsStats, DnsTarget,
 };
@@ -108,7 +108,7 @@ pub(crate) type Affinity =
 
 // === configuration ===
 
-/// One `--backend NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,context=TOKENS][,request-context=TOKENS][,model=NAME]`,
+/// One `--backend NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,context=TOKENS][,request-context=TOKENS][,model=NAME][,assign-slots]`,
 /// less its cache budget (see [`Config::cache_tokens`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct BackendSpec {
@@ -128,9 +128,11 @@ pub(crate) struct BackendSpec {
     /// The model it serves: the backends of a model are a fleet of their own (see
     /// [`Proxy`]); `None`, the fleet of the requests that name no other.
     pub(crate) model: Option<String>,
+    /// `assign-slots`: the proxy assigns its slots (see [`Backend::assign_slots`]).
+    pub(crate) assign_slots: bool,
 }
 
-/// One `--backend-dns NAME:PORT[,slots=N][,cache=TOKENS][,context=TOKENS][,request-context=TOKENS][,model=NAME]`.
+/// One `--backend-dns NAME:PORT[,slots=N][,cache=TOKENS][,context=TOKENS][,request-context=TOKENS][,model=NAME][,assign-slots]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct DnsSpec {
     pub(crate) target: DnsTarget,
@@ -146,6 +148,9 @@ pub(crate) struct DnsSpec {
     /// The most one request can take on each of its backends (see
     /// [`BackendSpec::request_context`]).
     pub(crate) request_context: Option<NonZeroU64>,
+    /// Whether the proxy assigns each of its backends' slots (see
+    /// [`BackendSpec::assign_slots`]).
+    pub(crate) assign_slots: bool,
 }
 
 /// `--policy`.
@@ -348,6 +353,9 @@ impl Service<Request<ReqBody>> for Upstream {
     }
 
     fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        // The slot the balancer assigned, if this backend's are (`assign-slots`), as
+        // llama-server's `id_slot`.
+        let req = write_id_slot(req);
         match self.per_client.then(per_client::current).flatten() {
             Some(conns) => Route::Right(Box::pin(per_client::send(conns, &self.http, req))),
             None => Route::Left(self.http.call(req)),
@@ -658,6 +666,9 @@ impl Proxy {
                 if let Some(tokens) = spec.request_context {
                     backend = backend.request_context_tokens(tokens);
                 }
+                if spec.assign_slots {
+                    backend = backend.assign_slots();
+                }
                 Ok((spec.id.as_str(), backend))
             })
             .collect::<Result<Vec<_>, BoxError>>()?;
@@ -678,6 +689,9 @@ impl Proxy {
                 }
                 if let Some(tokens) = d.request_context {
                     builder = builder.request_context_tokens(tokens);
+                }
+                if d.assign_slots {
+                    builder = builder.assign_slots();
                 }
                 let builder = config
                     .dns_servers

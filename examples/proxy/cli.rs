@@ -21,7 +21,7 @@ An OpenAI-compatible reverse proxy that keeps each agent session on the llama-se
 that holds its prompt cache: same backend, else same node, else elsewhere.
 
   --listen ADDR              address to serve on (default 127.0.0.1:8080)
-  --backend NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,context=TOKENS][,request-context=TOKENS][,model=NAME]
+  --backend NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,context=TOKENS][,request-context=TOKENS][,model=NAME][,assign-slots]
                              a backend on host NODE (repeat for each). slots: requests
                              it serves at once (llama-server -np); without it, read from
                              /slots. id: its name (default: the URL's host:port, port
@@ -36,15 +36,19 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
                              there (llama-server's -c divided by -np); a prompt
                              longer goes to a backend that takes it, if one is up
                              (default: read from /slots, each slot's n_ctx, else
-                             context). model: the model it serves (see Models below)
-  --backend-dns NAME:PORT[,slots=N][,cache=TOKENS][,context=TOKENS][,request-context=TOKENS][,model=NAME]
+                             context). model: the model it serves (see Models below).
+                             assign-slots: for a llama-server, the proxy gives each
+                             request a slot (as id_slot): a conversation's own slot,
+                             else an empty one, not another conversation's that shares
+                             its system prompt (default: llama-server chooses)
+  --backend-dns NAME:PORT[,slots=N][,cache=TOKENS][,context=TOKENS][,request-context=TOKENS][,model=NAME][,assign-slots]
                              the backends behind a DNS name: its A/AAAA records with
                              PORT, or SRV records for _SVC._PROTO.NAME (a Kubernetes
                              headless service, Consul, docker compose), re-resolved as
                              their TTL says (5s to 60s); each backend's node is its IP;
-                             slots, cache, context, request-context and model as for
-                             --backend, for each backend (give slots for vLLM and
-                             SGLang, which have no /slots)
+                             slots, cache, context, request-context, model and
+                             assign-slots as for --backend, for each backend (give
+                             slots for vLLM and SGLang, which have no /slots)
   --dns-server IP:PORT       ask this nameserver for --backend-dns names (repeat for
                              more; default: the system's resolver configuration)
   --dns-removal-grace DURATION
@@ -232,15 +236,23 @@ where
                 let v = value()?;
                 let bad = |why: &str| {
                     format!(
-                        "--backend-dns {v:?}: {why} (expected NAME:PORT[,slots=N][,cache=TOKENS][,context=TOKENS][,request-context=TOKENS][,model=NAME])"
+                        "--backend-dns {v:?}: {why} (expected NAME:PORT[,slots=N][,cache=TOKENS][,context=TOKENS][,request-context=TOKENS][,model=NAME][,assign-slots])"
                     )
                 };
                 let mut parts = v.split(',');
                 let name = parts.next().unwrap_or_default();
                 let (mut model, mut context, mut request_context) = (None, None, None);
                 let (mut slots, mut cache_tokens) = (None, None);
+                let mut assign_slots = false;
                 let mut given: Vec<&str> = Vec::new();
                 for option in parts {
+                    if option == "assign-slots" {
+                        if assign_slots {
+                            return Err(bad("assign-slots is given twice"));
+                        }
+                        assign_slots = true;
+                        continue;
+                    }
                     if let Some((name, _)) = option.split_once('=') {
                         if given.contains(&name) {
                             return Err(bad(&format!("{name}= is given twice")));
@@ -279,6 +291,7 @@ where
                     model,
                     context,
                     request_context,
+                    assign_slots,
                 });
             }
             "--dns-server" => {
@@ -430,11 +443,11 @@ fn names() -> String {
     names.join(", ")
 }
 
-/// `NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,context=TOKENS][,request-context=TOKENS][,model=NAME]`: the backend, and its `cache=`
+/// `NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,context=TOKENS][,request-context=TOKENS][,model=NAME][,assign-slots]`: the backend, and its `cache=`
 /// in tokens if given.
 pub(crate) fn backend(spec: &str) -> Result<(BackendSpec, Option<u64>), String> {
     let bad = |why: &str| {
-        format!("--backend {spec:?}: {why} (expected NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,context=TOKENS][,request-context=TOKENS][,model=NAME])")
+        format!("--backend {spec:?}: {why} (expected NODE=URL[,slots=N][,id=NAME][,cache=TOKENS][,context=TOKENS][,request-context=TOKENS][,model=NAME][,assign-slots])")
     };
     let (node, rest) = spec.split_once('=').ok_or_else(|| bad("no NODE="))?;
     if node.is_empty() {
@@ -472,8 +485,16 @@ pub(crate) fn backend(spec: &str) -> Result<(BackendSpec, Option<u64>), String> 
     let mut context = None;
     let mut request_context = None;
     let mut model = None;
+    let mut assign_slots = false;
     let mut given: Vec<&str> = Vec::new();
     for option in parts {
+        if option == "assign-slots" {
+            if assign_slots {
+                return Err(bad("assign-slots is given twice"));
+            }
+            assign_slots = true;
+            continue;
+        }
         if let Some((name, _)) = option.split_once('=') {
             if given.contains(&name) {
                 return Err(bad(&format!("{name}= is given twice")));
@@ -505,6 +526,7 @@ pub(crate) fn backend(spec: &str) -> Result<(BackendSpec, Option<u64>), String> 
         context,
         request_context,
         model,
+        assign_slots,
     };
     Ok((spec, cache))
 }

@@ -144,14 +144,31 @@ where
     }
 
     fn call(&mut self, req: http::Request<Full<Bytes>>) -> Self::Future {
-        self.inner.call(with_id_slot(req))
+        self.inner.call(write_id_slot(req))
     }
 }
 
 // === the rewrite ===
 
-/// The request with its assigned slot in its body, or as it came.
-fn with_id_slot(req: http::Request<Full<Bytes>>) -> http::Request<Full<Bytes>> {
+/// What [`IdSlot`] does to a request, for a backend service of your own that cannot be
+/// wrapped: the request with its [`AssignedSlot`] written into its JSON body as
+/// `"id_slot": N` (and its `Content-Length` to match), or as it came.
+///
+/// ```
+/// use bytes::Bytes;
+/// use http_body_util::{BodyExt, Full};
+/// use tower_affinity::client::write_id_slot;
+/// use tower_affinity::AssignedSlot;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let mut req = http::Request::new(Full::new(Bytes::from_static(br#"{"messages":[]}"#)));
+/// req.extensions_mut().insert(AssignedSlot::new(1));
+/// let body = write_id_slot(req).into_body().collect().await.unwrap().to_bytes();
+/// assert_eq!(body, r#"{"id_slot":1,"messages":[]}"#);
+/// # }
+/// ```
+pub fn write_id_slot(req: http::Request<Full<Bytes>>) -> http::Request<Full<Bytes>> {
     let Some(slot) = req.extensions().get::<AssignedSlot>().copied() else {
         return req;
     };

@@ -82,5 +82,5 @@ pub use backend_body::BackendBody;
 pub use error::{FailureKind, HttpBackendError, InvalidBackendUrl};
 pub use future::ResponseFuture;
 pub use hop_by_hop::{strip_hop_by_hop, HOP_BY_HOP};
-pub use id_slot::{IdSlot, IdSlotLayer};
+pub use id_slot::{write_id_slot, IdSlot, IdSlotLayer};
 pub use service::{Builder, HttpBackend};

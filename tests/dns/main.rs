@@ -791,7 +791,7 @@ async fn the_node_function_names_each_backend_s_node() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn an_extension_and_a_context_given_to_the_builder_are_on_each_backend() {
+async fn an_extension_a_context_and_assigned_slots_given_to_the_builder_are_on_each_backend() {
     #[derive(Clone, Debug, PartialEq)]
     struct Tenant(&'static str);
     let dns = start_dns().await;
@@ -801,6 +801,7 @@ async fn an_extension_and_a_context_given_to_the_builder_are_on_each_backend() {
     let mut fleet = builder(&dns, "acme.fleet.test.:8080")
         .extension(Tenant("acme"))
         .context_tokens(context)
+        .assign_slots()
         .build(|ep: &DnsEndpoint| ep.addr())
         .unwrap();
     answered(fleet.handle().resolved(1)).await;
@@ -812,6 +813,7 @@ async fn an_extension_and_a_context_given_to_the_builder_are_on_each_backend() {
         };
         assert_eq!(backend.extensions().get::<Tenant>(), Some(&Tenant("acme")));
         assert_eq!(backend.context_limit(), Some(context));
+        assert!(backend.slots_assigned());
     }
 }
 

@@ -4039,3 +4039,37 @@ async fn per_client_a_request_not_forwarded_keeps_the_backend_connection() {
         .unwrap()
         .unwrap();
 }
+
+/// `assign-slots`: the proxy sends each chat with the slot it assigned as `id_slot`, each
+/// conversation on a slot of its own though two share their system prompt; a backend
+/// without the option gets no `id_slot`, whatever the client sent.
+#[tokio::test]
+async fn a_backend_given_assign_slots_gets_each_conversation_on_a_slot_of_its_own() {
+    let (a, b) = (Stub::start("a", 2).await, Stub::start("b", 2).await);
+    let proxy = start(config_of(&[format!(
+        "node-a={},slots=2,id=a,assign-slots",
+        a.url()
+    )]))
+    .await;
+    let system = json!({"role": "system", "content": "You are a careful coding assistant."});
+    let mut histories = [vec![system.clone()], vec![system.clone()]];
+    for turn in 0..2 {
+        for (agent, history) in histories.iter_mut().enumerate() {
+            history.push(json!({"role": "user", "content": format!("agent {agent}, turn {turn}")}));
+            let answer = proxy
+                .post_json(&[], &json!({"model": "m", "messages": history}))
+                .await;
+            assert_eq!(answer.status, 200);
+            let content = answer.json()["choices"][0]["message"]["content"].clone();
+            history.push(json!({"role": "assistant", "content": content}));
+        }
+    }
+    assert_eq!(a.id_slots(), [Some(0), Some(1), Some(0), Some(1)]);
+
+    let plain = start(config(&[("node-b", &b)])).await;
+    let answer = plain
+        .post_json(&[], &json!({"model": "m", "messages": [system]}))
+        .await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(b.id_slots(), [None]);
+}

@@ -45,6 +45,8 @@ pub(crate) struct StubState {
     /// Prompts served, as their messages, most recent last.
     cache: Mutex<Vec<Vec<Value>>>,
     pub(crate) chats: AtomicUsize,
+    /// Each chat's `id_slot`, in the order they came (`None`: not given).
+    pub(crate) id_slots: Mutex<Vec<Option<u64>>>,
     pub(crate) streams_finished: AtomicUsize,
     /// Streams send their first chunk, then take a permit before the rest.
     gate: Semaphore,
@@ -109,6 +111,7 @@ impl Stub {
             health: AtomicU16::new(200),
             cache: Mutex::new(Vec::new()),
             chats: AtomicUsize::new(0),
+            id_slots: Mutex::new(Vec::new()),
             streams_finished: AtomicUsize::new(0),
             gate: Semaphore::new(Semaphore::MAX_PERMITS),
             echoed: Mutex::new(Vec::new()),
@@ -208,6 +211,11 @@ impl Stub {
     /// Connections the stub has accepted.
     pub(crate) fn connections(&self) -> usize {
         self.state.connections.load(Ordering::Relaxed)
+    }
+
+    /// Each chat's `id_slot`, in the order they came (`None`: not given).
+    pub(crate) fn id_slots(&self) -> Vec<Option<u64>> {
+        self.state.id_slots.lock().clone()
     }
 
     pub(crate) fn chats(&self) -> usize {
@@ -313,6 +321,7 @@ async fn chat(State(s): State<Arc<StubState>>, body: Bytes) -> Response {
         };
         return (StatusCode::BAD_REQUEST, axum::Json(error)).into_response();
     }
+    s.id_slots.lock().push(req["id_slot"].as_u64());
     let n = s.chats.fetch_add(1, Ordering::Relaxed) + 1;
     let answer = format!("{} answer {n}", s.name);
     // A timed stub holds a slot from here to the answer's last byte.

@@ -82,6 +82,7 @@ pub struct DnsFleetBuilder {
     cache_tokens: u64,
     context: Option<NonZeroU64>,
     request_context: Option<NonZeroU64>,
+    assign_slots: bool,
     extensions: http::Extensions,
 }
 
@@ -113,6 +114,7 @@ impl DnsFleetBuilder {
             cache_tokens: Backend::<()>::DEFAULT_CACHE_TOKENS,
             context: None,
             request_context: None,
+            assign_slots: false,
             extensions: http::Extensions::new(),
         }
     }
@@ -250,6 +252,13 @@ impl DnsFleetBuilder {
         self
     }
 
+    /// Has the router assign each backend's slots (see [`Backend::assign_slots`]): for
+    /// llama-servers. Default: not assigned.
+    pub fn assign_slots(mut self) -> Self {
+        self.assign_slots = true;
+        self
+    }
+
     /// Attaches `value` to each backend of this name (see [`Backend::extension`]): the
     /// tenant or the GPU the name stands for, for a policy of your own to read.
     pub fn extension<T: Clone + Send + Sync + 'static>(mut self, value: T) -> Self {
@@ -289,6 +298,7 @@ impl DnsFleetBuilder {
             cache_tokens: self.cache_tokens,
             context: self.context,
             request_context: self.request_context,
+            assign_slots: self.assign_slots,
             extensions: self.extensions,
         };
         Ok(DnsFleet::start(resolver, self.target, self.schedule, make))
@@ -349,6 +359,7 @@ impl fmt::Debug for DnsFleetBuilder {
             .field("cache_tokens", &self.cache_tokens)
             .field("context", &self.context)
             .field("request_context", &self.request_context)
+            .field("assign_slots", &self.assign_slots)
             .finish_non_exhaustive()
     }
 }

@@ -66,6 +66,7 @@ pub(crate) struct Make<S> {
     pub(crate) cache_tokens: u64,
     pub(crate) context: Option<NonZeroU64>,
     pub(crate) request_context: Option<NonZeroU64>,
+    pub(crate) assign_slots: bool,
     pub(crate) extensions: http::Extensions,
 }
 
@@ -84,6 +85,10 @@ impl<S> Make<S> {
         let backend = match self.request_context {
             Some(tokens) => backend.request_context_tokens(tokens),
             None => backend,
+        };
+        let backend = match self.assign_slots {
+            true => backend.assign_slots(),
+            false => backend,
         };
         Ok(backend.cache_tokens(self.cache_tokens))
     }
