@@ -9,16 +9,26 @@
 #   cargo build --release --features health,dns,redis --example proxy
 #   scripts/llama-openings.sh [PROXY_ARGS...]
 #
-# Each round: four agents at once, no session key, four chat turns each (`max_tokens` 16, not
-# streamed), all opening with the same system prompt of about 500 tokens, new each round. For
+# Each round: four agents at once (or one every TA_OPENINGS_STAGGER seconds), no session key,
+# four chat turns each (`max_tokens` 16, not streamed), all opening with the same system prompt
+# of about 500 tokens, new each round. For
 # each round: how many conversations each backend took, the later turns sent where the
 # conversation's previous turn was served, the share of their prompt tokens llama-server
 # reused (`timings.cache_n` over `cache_n + prompt_n`), and the round's time. Exits 0 when in
 # every round each backend took conversations and the later turns reused at least 80%.
+# Agents that open apart and think between turns (TA_OPENINGS_STAGGER=8 TA_OPENINGS_THINK=6)
+# send their turns out of step: llama-server, left to choose, gives a turn the idle slot that
+# shares the most with it, another conversation's of the same system prompt, and drops that
+# one's tail; with TA_OPENINGS_BACKEND_OPTIONS=,assign-slots the proxy gives each
+# conversation a slot of its own. Rounds that put three or four conversations on a backend
+# of two slots fall short either way (BENCHMARKS.md, part 31).
 #
 # Environment: TA_CACHE_DIR (~/.cache/tower-affinity), TA_PROXY_BIN
 # (target/release/examples/proxy), TA_OPENINGS_PORTS ("18098 18099 18100": two llama-servers,
-# then the proxy), TA_OPENINGS_ROUNDS (5), TA_OPENINGS_AGENTS (4).
+# then the proxy), TA_OPENINGS_ROUNDS (5), TA_OPENINGS_AGENTS (4), TA_OPENINGS_STAGGER (0:
+# seconds between one agent's opening and the next's), TA_OPENINGS_THINK (0: seconds an agent
+# thinks between its turns, as agents run tools), TA_OPENINGS_BACKEND_OPTIONS (added to each
+# --backend, e.g. ",assign-slots").
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -27,19 +37,23 @@ source "$ROOT/scripts/llama-common.sh"
 
 ROUNDS="${TA_OPENINGS_ROUNDS:-5}"
 AGENTS="${TA_OPENINGS_AGENTS:-4}"
+STAGGER="${TA_OPENINGS_STAGGER:-0}"
+THINK="${TA_OPENINGS_THINK:-0}"
+OPTIONS="${TA_OPENINGS_BACKEND_OPTIONS:-}"
 two_llamas_and_a_proxy TA_OPENINGS_PORTS "18098 18099 18100"
 "$PROXY" --listen "127.0.0.1:${PORTS[2]}" -v \
-    --backend "node-a=http://127.0.0.1:${PORTS[0]},id=a" \
-    --backend "node-b=http://127.0.0.1:${PORTS[1]},id=b" "$@" >"$LOGS/proxy.log" 2>&1 &
+    --backend "node-a=http://127.0.0.1:${PORTS[0]},id=a$OPTIONS" \
+    --backend "node-b=http://127.0.0.1:${PORTS[1]},id=b$OPTIONS" "$@" >"$LOGS/proxy.log" 2>&1 &
 PIDS+=("$!")
 wait_up "http://127.0.0.1:${PORTS[2]}/metrics" "$!" "$LOGS/proxy.log"
 sleep 2 # the first probes read the slot counts
 
 rc=0
-python3 - "${PORTS[2]}" "$ROUNDS" "$AGENTS" <<'PY' || rc=1
+python3 - "${PORTS[2]}" "$ROUNDS" "$AGENTS" "$STAGGER" "$THINK" <<'PY' || rc=1
 import collections, http.client, json, sys, threading, time
 
 port, rounds, agents = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+stagger, think = float(sys.argv[4]), float(sys.argv[5])
 turns = 4
 
 def post(body):
@@ -54,7 +68,10 @@ def agent(r, a, out):
     system = f"Round {r}. You are a careful coding assistant. " + " ".join(
         f"Rule {i}: keep answers short and exact." for i in range(40))
     history = [{"role": "system", "content": system}]
+    time.sleep(a * stagger)
     for t in range(turns):
+        if t > 0:
+            time.sleep(think)
         history.append({"role": "user", "content":
                         f"Agent {a}, turn {t}: explain item {a * 10 + t} in one line, with detail {'x' * (50 * t)}."})
         status, backend, data = post({"model": "m", "messages": history, "max_tokens": 16, "temperature": 0})
