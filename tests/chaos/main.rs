@@ -139,6 +139,7 @@ impl Stub {
             context: None,
             request_context: None,
             model: None,
+            assign_slots: false,
         }
     }
 }
