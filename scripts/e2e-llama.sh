@@ -63,6 +63,7 @@
 #   TA_BUILD_JOBS        cmake -j                     (2)
 #   TA_LOG_DIR           where logs go                ($TA_CACHE_DIR/logs/<timestamp>-<random>)
 #   TA_PROXY_BIN         run this proxy binary instead of building --example proxy
+#   TA_BACKEND_OPTIONS   added to each --backend      ("", e.g. ",assign-slots")
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -343,10 +344,11 @@ start_proxy() { # policy [label for the log's name, default: policy] [proxy flag
     # The backends' models, with MODELS_GIVEN=1: the first two serve coder, the third titles.
     local coder='' titles=
     if ((${MODELS_GIVEN:-0})); then coder=,model=coder titles=,model=titles; fi
+    local more="${TA_BACKEND_OPTIONS:-}"
     "$PROXY_BIN" --listen "127.0.0.1:$PROXY_PORT" \
-        --backend "node-a=${LLAMA_URLS[0]},slots=2$coder" \
-        --backend "node-a=${LLAMA_URLS[1]},slots=2$coder" \
-        --backend "node-b=${LLAMA_URLS[2]},slots=2$titles" \
+        --backend "node-a=${LLAMA_URLS[0]},slots=2$coder$more" \
+        --backend "node-a=${LLAMA_URLS[1]},slots=2$coder$more" \
+        --backend "node-b=${LLAMA_URLS[2]},slots=2$titles$more" \
         --policy "$policy" "$@" >"$log" 2>&1 &
     PROXY_PID=$!
     PIDS+=("$PROXY_PID")

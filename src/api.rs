@@ -57,6 +57,12 @@ impl Api {
     /// watched for the same events (which a stream of another shape does not send: its first
     /// event ends the watch). A stream of any API may open with llama-server's progress
     /// chunks (see [`Opening`]).
+    /// Whether a backend runs the request in one of its slots: a completion of one of the
+    /// APIs, not a token count, a template or a health check.
+    pub(crate) fn runs_in_a_slot(self) -> bool {
+        self != Api::Other
+    }
+
     pub(crate) fn may_open_before_read(self) -> bool {
         matches!(self, Api::Responses | Api::Other)
     }

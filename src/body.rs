@@ -479,6 +479,17 @@ where
                 Some(Err(_)) => observe.done = true,
             }
         }
+        // The backend's last frame, or an event stream's last event: the slot it was
+        // assigned is free on the backend.
+        if let (Some(Ok(f)), Some(guard)) = (&frame, this.guard.as_mut()) {
+            if guard.holds_assigned_slot()
+                && (this.kind.is_end_stream()
+                    || f.data_ref()
+                        .is_some_and(|d| crate::slots::ends_answer(d.chunk())))
+            {
+                guard.release_assigned_slot();
+            }
+        }
         // The end of the stream, or an error that ends it: the slot is free again.
         if !matches!(frame, Some(Ok(_))) {
             match (&frame, this.guard.take()) {

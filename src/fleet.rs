@@ -1010,9 +1010,22 @@ impl SlotGuard {
         Some(AssignedSlot::new(index))
     }
 
-    /// The slot assigned to the request, if any.
-    pub(crate) fn assigned_slot(&self) -> Option<AssignedSlot> {
-        self.assigned.map(AssignedSlot::new)
+    /// Whether the request still holds a slot the router assigned it.
+    pub(crate) fn holds_assigned_slot(&self) -> bool {
+        self.assigned.is_some()
+    }
+
+    /// The backend has sent the whole answer: the slot assigned to the request is free for
+    /// the next, though the answer may not have reached the client yet. A server drops a body
+    /// of known length only once it has written it, and a client stops reading an event
+    /// stream at its last event: either may send its next turn before the body's end is
+    /// polled, and that turn's own slot is free on the backend already.
+    pub(crate) fn release_assigned_slot(&mut self) {
+        if let Some(index) = self.assigned.take() {
+            if let Some(table) = self.load.slot_table.lock().as_mut() {
+                table.release(index);
+            }
+        }
     }
 
     /// The request holds `tokens` of the backend's context too, given back with the slot.
@@ -1150,11 +1163,7 @@ impl SlotGuard {
 impl Drop for SlotGuard {
     fn drop(&mut self) {
         self.prompt_read();
-        if let Some(index) = self.assigned.take() {
-            if let Some(table) = self.load.slot_table.lock().as_mut() {
-                table.release(index);
-            }
-        }
+        self.release_assigned_slot();
         if self.stamp != 0 {
             self.load.end(self.stamp);
         }

@@ -262,9 +262,16 @@ where
     /// is handed cost more than all it does.
     #[inline(always)]
     fn call(placed: Chosen<S>, mut req: http::Request<ReqB>, finish: Finish) -> Self {
-        let (mut service, guard, decision, watch, record) = placed;
-        if let Some(slot) = guard.assigned_slot() {
-            req.extensions_mut().insert(slot);
+        let (mut service, mut guard, decision, watch, record) = placed;
+        let api = Api::of(req.uri().path());
+        // A backend whose slots the router assigns gets the slot of a request it runs in one
+        // (a token count takes none, and would make the router forget what the slot holds).
+        if api.runs_in_a_slot() {
+            let facts = req.extensions().get::<PromptFacts>();
+            let chain = facts.map(|f| &f.chain).filter(|c| !c.is_empty());
+            if let Some(slot) = guard.assign_slot(chain) {
+                req.extensions_mut().insert(slot);
+            }
         }
         let dispatched = Dispatched {
             guard,
@@ -272,7 +279,7 @@ where
             finish,
             watch,
             record,
-            api: Api::of(req.uri().path()),
+            api,
         };
         match service.poll_ready(&mut Context::from_waker(Waker::noop())) {
             Poll::Ready(Ok(())) => State::Call {

@@ -1009,7 +1009,6 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             store.placed_prompt(chain, &decision);
         }
         self.capacity.counters.record(&decision);
-        guard.assign_slot(chain);
         Placed::Dispatch {
             service,
             guard,

@@ -135,6 +135,20 @@ impl SlotTable {
     }
 }
 
+/// Whether an answer's chunk ends the answer: the last event of an OpenAI-compatible stream
+/// (`data: [DONE]`) or of an Anthropic one (`message_stop`). A client that reads an event
+/// stream stops at it and may send its next turn before the stream's end is polled. Looks at
+/// the chunk's last 64 bytes only, where the marker of a stream's last event is: O(1) a
+/// chunk, whatever its size. A marker split over two chunks is missed, and the slot is free
+/// at the stream's end instead.
+pub(crate) fn ends_answer(chunk: &[u8]) -> bool {
+    const MARKERS: [&[u8]; 2] = [b"data: [DONE]", b"\"message_stop\""];
+    let tail = &chunk[chunk.len().saturating_sub(64)..];
+    MARKERS
+        .iter()
+        .any(|m| tail.windows(m.len()).any(|w| w == *m))
+}
+
 /// How many leading links two chains share: a link's digest covers its whole prefix, so
 /// equal links at one place mean equal prefixes up to there. O(log links).
 fn common_links(a: &PromptChain, b: &PromptChain) -> usize {
@@ -258,6 +272,24 @@ mod tests {
         let mut t = SlotTable::default();
         t.release(7);
         assert_eq!(t.assign(1, None), Some(0));
+    }
+
+    #[test]
+    fn an_event_streams_last_event_ends_the_answer() {
+        assert!(ends_answer(b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n"));
+        assert!(ends_answer(
+            b"event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n"
+        ));
+        assert!(!ends_answer(b"data: {\"choices\":[{\"delta\":{}}]}\n\n"));
+        assert!(!ends_answer(
+            b"{\"content\":\"data: [DONE] was said early\"}"
+                .iter()
+                .chain([b' '; 80].iter())
+                .copied()
+                .collect::<Vec<u8>>()
+                .as_slice()
+        ));
+        assert!(!ends_answer(b""));
     }
 
     #[test]

@@ -5696,3 +5696,148 @@ async fn a_slot_held_by_a_request_in_flight_is_not_assigned_again() {
     third.into_body().collect().await.unwrap();
     assert_eq!(*seen.lock(), [Some(0), Some(1), Some(1)]);
 }
+
+/// A conversation's next turn sent as soon as its last answer's bytes are read, before the
+/// server has dropped that answer's body (hyper's drops a body of known length only once it
+/// has written it), goes to its own slot: the backend sent the whole answer, so that slot is
+/// free there, though the request still holds its place on the backend until the body drops.
+#[tokio::test]
+async fn a_turn_sent_before_the_last_answers_body_is_dropped_gets_its_own_slot() {
+    let seen = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let record = seen.clone();
+    let svc = SessionAffinityLayer::new().layer(StaticFleet::new([(
+        "a1",
+        Backend::new(
+            "a",
+            tower::service_fn(move |req: Req| {
+                record.lock().push(
+                    req.extensions()
+                        .get::<tower_affinity::AssignedSlot>()
+                        .map(|s| s.index()),
+                );
+                async move {
+                    Ok::<_, Infallible>(http::Response::new(http_body_util::Full::new(
+                        Bytes::from_static(b"ok"),
+                    )))
+                }
+            }),
+        )
+        .slots(nz(3))
+        .assign_slots(),
+    )]));
+    // Conversations x and y take slots 0 and 1; y's answer is read to its last byte and
+    // kept, as a server keeps it until written.
+    let turn = |session: &str, blocks: &[u64]| {
+        let blocks: Vec<(u64, u32)> = blocks.iter().map(|&b| (b, 100)).collect();
+        chained(session, None, &blocks, None)
+    };
+    let x = svc.clone().oneshot(turn("x", &[1, 2])).await.unwrap();
+    let y = svc.clone().oneshot(turn("y", &[1, 3])).await.unwrap();
+    x.into_body().collect().await.unwrap();
+    let mut y = y.into_body();
+    let frame = y.frame().await.unwrap().unwrap();
+    assert_eq!(frame.into_data().unwrap(), "ok");
+    assert!(http_body::Body::is_end_stream(&y));
+    // y's next turn: its own slot 1, not the empty slot 2 nor x's slot 0.
+    let next = svc.clone().oneshot(turn("y", &[1, 3, 4])).await.unwrap();
+    assert_eq!(*seen.lock(), [Some(0), Some(1), Some(1)]);
+    drop(y);
+    next.into_body().collect().await.unwrap();
+    assert_eq!(in_flight(&svc, "a1"), 0);
+}
+
+/// The same for an event stream: a client stops reading at `data: [DONE]` and sends its next
+/// turn before the stream's end is polled; that turn goes to its own slot.
+#[tokio::test]
+async fn a_turn_sent_at_its_last_answers_done_event_gets_its_own_slot() {
+    type Events = http_body_util::StreamBody<
+        futures_util::stream::Iter<std::vec::IntoIter<Result<http_body::Frame<Bytes>, Infallible>>>,
+    >;
+    let seen = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let record = seen.clone();
+    let svc = SessionAffinityLayer::new().layer(StaticFleet::new([(
+        "a1",
+        Backend::new(
+            "a",
+            tower::service_fn(move |req: Req| {
+                record.lock().push(
+                    req.extensions()
+                        .get::<tower_affinity::AssignedSlot>()
+                        .map(|s| s.index()),
+                );
+                let events = vec![
+                    Ok(http_body::Frame::data(Bytes::from_static(
+                        b"data: {\"choices\":[{\"delta\":{\"content\":\"ok\"}}]}\n\n",
+                    ))),
+                    Ok(http_body::Frame::data(Bytes::from_static(
+                        b"data: [DONE]\n\n",
+                    ))),
+                ];
+                let body: Events =
+                    http_body_util::StreamBody::new(futures_util::stream::iter(events));
+                async move { Ok::<_, Infallible>(http::Response::new(body)) }
+            }),
+        )
+        .slots(nz(3))
+        .assign_slots(),
+    )]));
+    let turn = |session: &str, blocks: &[u64]| {
+        let blocks: Vec<(u64, u32)> = blocks.iter().map(|&b| (b, 100)).collect();
+        chained(session, None, &blocks, None)
+    };
+    let x = svc.clone().oneshot(turn("x", &[1, 2])).await.unwrap();
+    let y = svc.clone().oneshot(turn("y", &[1, 3])).await.unwrap();
+    x.into_body().collect().await.unwrap();
+    let mut y = y.into_body();
+    for _ in 0..2 {
+        y.frame().await.unwrap().unwrap();
+    }
+    let next = svc.clone().oneshot(turn("y", &[1, 3, 4])).await.unwrap();
+    assert_eq!(*seen.lock(), [Some(0), Some(1), Some(1)]);
+    drop(y);
+    next.into_body().collect().await.unwrap();
+    assert_eq!(in_flight(&svc, "a1"), 0);
+}
+
+/// A token count (or any request a backend does not run in a slot) is given no slot, and the
+/// slot of the conversation it counts is still known to hold that conversation.
+#[tokio::test]
+async fn a_token_count_takes_no_assigned_slot_and_leaves_the_conversations_own() {
+    let seen = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let record = seen.clone();
+    let svc = SessionAffinityLayer::new().layer(StaticFleet::new([(
+        "a1",
+        Backend::new(
+            "a",
+            tower::service_fn(move |req: Req| {
+                record.lock().push((
+                    req.uri().path().to_owned(),
+                    req.extensions()
+                        .get::<tower_affinity::AssignedSlot>()
+                        .map(|s| s.index()),
+                ));
+                async move {
+                    Ok::<_, Infallible>(http::Response::new(http_body_util::Full::new(
+                        Bytes::from_static(b"ok"),
+                    )))
+                }
+            }),
+        )
+        .slots(nz(2))
+        .assign_slots(),
+    )]));
+    let blocks = |ids: &[u64]| -> Vec<(u64, u32)> { ids.iter().map(|&b| (b, 100)).collect() };
+    for (path, ids) in [
+        ("/v1/chat/completions", &[1u64, 2][..]),
+        ("/v1/messages/count_tokens", &[1, 2, 3]),
+        ("/tokenize", &[1, 2, 3]),
+        ("/v1/chat/completions", &[1, 2, 3]),
+    ] {
+        let mut req = chained("x", None, &blocks(ids), None);
+        *req.uri_mut() = path.parse().unwrap();
+        let res = svc.clone().oneshot(req).await.unwrap();
+        res.into_body().collect().await.unwrap();
+    }
+    let slots: Vec<_> = seen.lock().iter().map(|(_, slot)| *slot).collect();
+    assert_eq!(slots, [Some(0), None, None, Some(0)], "{:?}", seen.lock());
+}
