@@ -2473,9 +2473,9 @@ fn every_option_parses_and_bad_values_are_explained() {
     let args = [
         "--listen=0.0.0.0:9000",
         "--backend",
-        "n=http://localhost:8081,id=gpu0,cache=64k,model=qwen3-coder",
+        "n=http://localhost:8081,id=gpu0,cache=64k,model=qwen3-coder,assign-slots",
         "--backend-dns",
-        "small.llm.internal:8080,model=qwen3-4b,context=96k",
+        "small.llm.internal:8080,model=qwen3-4b,context=96k,assign-slots",
         "--policy=round-robin",
         "--overflow",
         "wait",
@@ -2525,12 +2525,14 @@ fn every_option_parses_and_bad_values_are_explained() {
     assert_eq!(c.backends[0].id, "gpu0");
     assert_eq!(c.backends[0].slots, None);
     assert_eq!(c.backends[0].model.as_deref(), Some("qwen3-coder"));
+    assert!(c.backends[0].assign_slots);
     assert_eq!(
         c.backend_dns[0].target.to_string(),
         "small.llm.internal:8080"
     );
     assert_eq!(c.backend_dns[0].model.as_deref(), Some("qwen3-4b"));
     assert_eq!(c.backend_dns[0].context.map(|n| n.get()), Some(96 * 1024));
+    assert!(c.backend_dns[0].assign_slots);
     assert_eq!(c.cache_tokens("gpu0"), 64 * 1024);
     assert_eq!(c.policy, app::Policy::RoundRobin);
     assert_eq!(c.overflow, Overflow::wait(Duration::from_millis(1500), 7));
@@ -2681,7 +2683,19 @@ fn every_option_parses_and_bad_values_are_explained() {
         ),
         (
             vec!["--backend-dns", "llm.internal:8080,id=gpu0"],
-            "unknown option \"id=gpu0\" (expected NAME:PORT[,slots=N][,cache=TOKENS][,context=TOKENS][,request-context=TOKENS][,model=NAME])",
+            "unknown option \"id=gpu0\" (expected NAME:PORT[,slots=N][,cache=TOKENS][,context=TOKENS][,request-context=TOKENS][,model=NAME][,assign-slots])",
+        ),
+        (
+            vec!["--backend-dns", "llm.internal:8080,assign-slots,assign-slots"],
+            "assign-slots is given twice",
+        ),
+        (
+            vec!["--backend", "n=http://x:1,assign-slots,assign-slots"],
+            "assign-slots is given twice",
+        ),
+        (
+            vec!["--backend", "n=http://x:1,assign-slots=yes"],
+            "unknown option \"assign-slots=yes\"",
         ),
         (
             vec!["--backend-dns", "llm.internal:8080,slots=0"],
