@@ -1001,13 +1001,18 @@ impl SlotGuard {
     /// them ([`Backend::assign_slots`]) and one is free by its count; it is free again when
     /// the guard drops.
     pub(crate) fn assign_slot(&mut self, chain: Option<&PromptChain>) -> Option<AssignedSlot> {
-        if !self.load.assigns_slots.load(Ordering::Relaxed) {
+        if !self.assigns_slots() {
             return None;
         }
         let slots = self.load.slots.load(Ordering::Relaxed);
         let index = self.load.slot_table.lock().as_mut()?.assign(slots, chain)?;
         self.assigned = Some(index);
         Some(AssignedSlot::new(index))
+    }
+
+    /// Whether the router assigns this backend's slots ([`Backend::assign_slots`]).
+    pub(crate) fn assigns_slots(&self) -> bool {
+        self.load.assigns_slots.load(Ordering::Relaxed)
     }
 
     /// Whether the request still holds a slot the router assigned it.

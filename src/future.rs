@@ -266,7 +266,7 @@ where
         let api = Api::of(req.uri().path());
         // A backend whose slots the router assigns gets the slot of a request it runs in one
         // (a token count takes none, and would make the router forget what the slot holds).
-        if api.runs_in_a_slot() {
+        if api.runs_in_a_slot() && guard.assigns_slots() {
             let facts = req.extensions().get::<PromptFacts>();
             let chain = facts.map(|f| &f.chain).filter(|c| !c.is_empty());
             if let Some(slot) = guard.assign_slot(chain) {
