@@ -15,6 +15,8 @@
 //! prompt chain on every request, growing two links a turn), `home_hit_chain_unread` (the same
 //! chains where the service does not look), `home_hit_chain_limited` (the same, each backend
 //! taking at most 32,768 tokens a request, as a probe of llama-server's `/slots` gives),
+//! `home_hit_chain_completions` (the same on a chat completion's path),
+//! `home_hit_chain_assigned` (that, on backends whose slots the router assigns),
 //! `new_session`,
 //! `keyless`, `header_home_hit`, `header_keyless` (a request with an OpenAI client's headers
 //! and no key, through the default `HeaderKey`: every name looked up), `header_keyless_7` (the
@@ -120,7 +122,11 @@ fn main() {
             measure_calls(reqs, &mut |r| drop(black_box(call_now(&mut svc, r))));
             eprintln!("{:?}", svc.stats());
         }
-        "home_hit_chain" | "home_hit_chain_unread" | "home_hit_chain_limited" => {
+        "home_hit_chain"
+        | "home_hit_chain_unread"
+        | "home_hit_chain_limited"
+        | "home_hit_chain_completions"
+        | "home_hit_chain_assigned" => {
             // Home hits whose requests carry a prompt chain that grows by two links a turn, as
             // `BodyKeyLayer` would attach: the cache model's lookup and update on each. With
             // `_unread`, the same chains under a type the service does not read: the requests
@@ -130,8 +136,17 @@ fn main() {
                 let links = (0..20 + 2 * t).map(|i| (s << 32 | i, 50));
                 PromptFacts::from_chain(PromptChain::from_blocks(links))
             };
+            // A completion's path, which a backend whose slots the router assigns is given
+            // one for (the other cases' requests have none).
+            let completions = matches!(
+                what,
+                "home_hit_chain_completions" | "home_hit_chain_assigned"
+            );
             let with = |s: u64, t: u64| {
                 let mut r = request(Some(key(s)));
+                if completions {
+                    *r.uri_mut() = http::Uri::from_static("/v1/chat/completions");
+                }
                 if unread {
                     r.extensions_mut().insert(common::Unread(chain(s, t)));
                 } else {
@@ -144,6 +159,7 @@ fn main() {
                 "home_hit_chain_limited" => {
                     shape.fleet_with_request_context(1, CACHE_TOKENS, 32_768)
                 }
+                "home_hit_chain_assigned" => shape.fleet_with_assigned_slots(1, CACHE_TOKENS),
                 _ => shape.fleet_with_cache(1, CACHE_TOKENS),
             };
             let mut svc = SessionAffinityLayer::new()

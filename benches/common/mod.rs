@@ -109,6 +109,20 @@ impl Shape {
         self.fleet_of(slots, mock)
     }
 
+    /// [`fleet_with_cache`](Self::fleet_with_cache), the router assigning each backend's
+    /// slots.
+    #[allow(dead_code)]
+    pub(crate) fn fleet_with_assigned_slots(&self, slots: u32, tokens: u64) -> StaticFleet<Mock> {
+        let slots = NonZeroU32::new(slots).unwrap_or(NonZeroU32::MIN);
+        StaticFleet::new(self.names().into_iter().map(|(id, node)| {
+            let b = Backend::new(node, mock())
+                .slots(slots)
+                .cache_tokens(tokens)
+                .assign_slots();
+            (id, b)
+        }))
+    }
+
     /// The same fleet of backends made by `backend`.
     pub(crate) fn fleet_of(&self, slots: u32, backend: fn() -> Mock) -> StaticFleet<Mock> {
         let slots = NonZeroU32::new(slots).unwrap_or(NonZeroU32::MIN);
