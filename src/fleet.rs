@@ -978,9 +978,13 @@ pub(crate) struct SlotGuard {
     /// The tokens of the backend's context the request takes (see
     /// [`Load::take_context_or_give_back`]): 32 bits, which fill the struct's padding.
     context: u32,
-    /// The slot the router assigned the request, if it assigns the backend's slots.
-    assigned: Option<u32>,
+    /// The slot the router assigned the request, if it assigns the backend's slots
+    /// ([`NO_SLOT`] if not): 32 bits, which fill the struct's padding too.
+    assigned: u32,
 }
+
+/// [`SlotGuard::assigned`] when no slot is assigned.
+const NO_SLOT: u32 = u32::MAX;
 
 impl SlotGuard {
     /// Holds the slot just taken on `load`, at fleet time `now_ms`.
@@ -993,7 +997,7 @@ impl SlotGuard {
             unread: 0,
             stamp: 0,
             context: 0,
-            assigned: None,
+            assigned: NO_SLOT,
         }
     }
 
@@ -1006,7 +1010,7 @@ impl SlotGuard {
         }
         let slots = self.load.slots.load(Ordering::Relaxed);
         let index = self.load.slot_table.lock().as_mut()?.assign(slots, chain)?;
-        self.assigned = Some(index);
+        self.assigned = index;
         Some(AssignedSlot::new(index))
     }
 
@@ -1017,7 +1021,7 @@ impl SlotGuard {
 
     /// Whether the request still holds a slot the router assigned it.
     pub(crate) fn holds_assigned_slot(&self) -> bool {
-        self.assigned.is_some()
+        self.assigned != NO_SLOT
     }
 
     /// The backend has sent the whole answer: the slot assigned to the request is free for
@@ -1026,7 +1030,8 @@ impl SlotGuard {
     /// stream at its last event: either may send its next turn before the body's end is
     /// polled, and that turn's own slot is free on the backend already.
     pub(crate) fn release_assigned_slot(&mut self) {
-        if let Some(index) = self.assigned.take() {
+        let index = std::mem::replace(&mut self.assigned, NO_SLOT);
+        if index != NO_SLOT {
             if let Some(table) = self.load.slot_table.lock().as_mut() {
                 table.release(index);
             }

@@ -262,25 +262,20 @@ where
     /// is handed cost more than all it does.
     #[inline(always)]
     fn call(placed: Chosen<S>, mut req: http::Request<ReqB>, finish: Finish) -> Self {
-        let (mut service, mut guard, decision, watch, record) = placed;
-        let api = Api::of(req.uri().path());
-        // A backend whose slots the router assigns gets the slot of a request it runs in one
-        // (a token count takes none, and would make the router forget what the slot holds).
-        if api.runs_in_a_slot() && guard.assigns_slots() {
-            let facts = req.extensions().get::<PromptFacts>();
-            let chain = facts.map(|f| &f.chain).filter(|c| !c.is_empty());
-            if let Some(slot) = guard.assign_slot(chain) {
-                req.extensions_mut().insert(slot);
-            }
-        }
-        let dispatched = Dispatched {
+        let (mut service, guard, decision, watch, record) = placed;
+        let mut dispatched = Dispatched {
             guard,
             decision,
             finish,
             watch,
             record,
-            api,
+            api: Api::of(req.uri().path()),
         };
+        // A backend whose slots the router assigns gets the slot of a request it runs in one
+        // (a token count takes none, and would make the router forget what the slot holds).
+        if dispatched.api.runs_in_a_slot() && dispatched.guard.assigns_slots() {
+            assign_slot(&mut dispatched.guard, &mut req);
+        }
         match service.poll_ready(&mut Context::from_waker(Waker::noop())) {
             Poll::Ready(Ok(())) => State::Call {
                 fut: service.call(req),
@@ -297,6 +292,18 @@ where
 
     fn fail(error: Error) -> Self {
         State::Done { error: Some(error) }
+    }
+}
+
+/// Assigns `req` one of its backend's slots, which the router assigns, and puts it in the
+/// request's extensions. Out of line: the other requests' path does not carry it.
+#[cold]
+#[inline(never)]
+fn assign_slot<B>(guard: &mut SlotGuard, req: &mut http::Request<B>) {
+    let facts = req.extensions().get::<PromptFacts>();
+    let chain = facts.map(|f| &f.chain).filter(|c| !c.is_empty());
+    if let Some(slot) = guard.assign_slot(chain) {
+        req.extensions_mut().insert(slot);
     }
 }
 
