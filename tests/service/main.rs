@@ -5582,6 +5582,58 @@ async fn node_patience_longer_than_max_wait_ends_with_the_wait() {
 
 // === slots the router assigns ===
 
+/// The slots a backend's requests came with, in order (`None`: no slot assigned).
+type SlotsSeen = std::sync::Arc<parking_lot::Mutex<Vec<Option<u32>>>>;
+
+/// A backend of `slots` slots, assigned by the router if `assigned`, that answers each request
+/// with the body `answer` makes and notes the slot it came with.
+fn slot_backend<B, F>(
+    slots: u32,
+    assigned: bool,
+    answer: F,
+) -> (
+    SlotsSeen,
+    SessionAffinity<
+        StaticFleet<
+            impl Service<Req, Response = http::Response<B>, Error = Infallible, Future: Send>
+                + Clone
+                + Send,
+        >,
+    >,
+)
+where
+    F: Fn() -> B + Clone + Send + 'static,
+    B: Send + 'static,
+{
+    let seen = SlotsSeen::default();
+    let record = seen.clone();
+    let service = tower::service_fn(move |req: Req| {
+        let slot = req.extensions().get::<tower_affinity::AssignedSlot>();
+        record.lock().push(slot.map(|s| s.index()));
+        let body = answer();
+        async move { Ok::<_, Infallible>(http::Response::new(body)) }
+    });
+    let backend = Backend::new("a", service).slots(nz(slots));
+    let backend = if assigned {
+        backend.assign_slots()
+    } else {
+        backend
+    };
+    let svc = SessionAffinityLayer::new().layer(StaticFleet::new([("a1", backend)]));
+    (seen, svc)
+}
+
+/// An answer of known length.
+fn ok_body() -> http_body_util::Full<Bytes> {
+    http_body_util::Full::new(Bytes::from_static(b"ok"))
+}
+
+/// Session `session`'s turn of 100-token blocks `ids`, on a chat completion's path.
+fn slot_turn(session: &str, ids: &[u64]) -> Req {
+    let blocks: Vec<(u64, u32)> = ids.iter().map(|&b| (b, 100)).collect();
+    chained(session, None, &blocks, None)
+}
+
 /// A backend declared with `assign_slots` receives each request with the slot the router gave
 /// it: two conversations of one system prompt, whose turns come out of step, each keep a slot
 /// of their own (llama-server would give the second the first's idle slot, by what they
@@ -5589,42 +5641,17 @@ async fn node_patience_longer_than_max_wait_ends_with_the_wait() {
 /// slot.
 #[tokio::test]
 async fn a_backend_whose_slots_are_assigned_gets_each_conversation_on_a_slot_of_its_own() {
-    let seen = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
-    let slots = |seen: std::sync::Arc<parking_lot::Mutex<Vec<Option<u32>>>>| {
-        tower::service_fn(move |req: Req| {
-            let slot = req
-                .extensions()
-                .get::<tower_affinity::AssignedSlot>()
-                .map(|s| s.index());
-            seen.lock().push(slot);
-            async move {
-                Ok::<_, Infallible>(http::Response::new(http_body_util::Full::new(
-                    Bytes::from_static(b"ok"),
-                )))
-            }
-        })
-    };
-    let svc = SessionAffinityLayer::new().layer(StaticFleet::new([(
-        "a1",
-        Backend::new("a", slots(seen.clone()))
-            .slots(nz(2))
-            .assign_slots(),
-    )]));
+    let (seen, svc) = slot_backend(2, true, ok_body);
     // System prompt blocks 1 and 2; conversation x goes on with 3, y with 7.
-    let turns = [
-        ("x", vec![1, 2, 3]),
-        ("y", vec![1, 2, 7]),
-        ("x", vec![1, 2, 3, 4]),
-        ("y", vec![1, 2, 7, 8]),
-        ("x", vec![1, 2, 3, 4, 5]),
+    let turns: [(&str, &[u64]); 5] = [
+        ("x", &[1, 2, 3]),
+        ("y", &[1, 2, 7]),
+        ("x", &[1, 2, 3, 4]),
+        ("y", &[1, 2, 7, 8]),
+        ("x", &[1, 2, 3, 4, 5]),
     ];
-    for (session, blocks) in turns {
-        let blocks: Vec<(u64, u32)> = blocks.into_iter().map(|b| (b, 100)).collect();
-        let res = svc
-            .clone()
-            .oneshot(chained(session, None, &blocks, None))
-            .await
-            .unwrap();
+    for (session, ids) in turns {
+        let res = svc.clone().oneshot(slot_turn(session, ids)).await.unwrap();
         res.into_body().collect().await.unwrap();
     }
     assert_eq!(
@@ -5634,15 +5661,8 @@ async fn a_backend_whose_slots_are_assigned_gets_each_conversation_on_a_slot_of_
     );
     assert_eq!(in_flight(&svc, "a1"), 0);
 
-    let unassigned = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
-    let svc = SessionAffinityLayer::new().layer(StaticFleet::new([(
-        "a1",
-        Backend::new("a", slots(unassigned.clone())).slots(nz(2)),
-    )]));
-    let res = svc
-        .oneshot(chained("x", None, &[(1, 100)], None))
-        .await
-        .unwrap();
+    let (unassigned, svc) = slot_backend(2, false, ok_body);
+    let res = svc.oneshot(slot_turn("x", &[1])).await.unwrap();
     res.into_body().collect().await.unwrap();
     assert_eq!(*unassigned.lock(), [None]);
 }
@@ -5651,46 +5671,17 @@ async fn a_backend_whose_slots_are_assigned_gets_each_conversation_on_a_slot_of_
 /// router never names a slot that one of its requests still holds.
 #[tokio::test]
 async fn a_slot_held_by_a_request_in_flight_is_not_assigned_again() {
-    let seen = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
-    let record = seen.clone();
-    let svc = SessionAffinityLayer::new().layer(StaticFleet::new([(
-        "a1",
-        Backend::new(
-            "a",
-            tower::service_fn(move |req: Req| {
-                record.lock().push(
-                    req.extensions()
-                        .get::<tower_affinity::AssignedSlot>()
-                        .map(|s| s.index()),
-                );
-                async move {
-                    Ok::<_, Infallible>(http::Response::new(http_body_util::Full::new(
-                        Bytes::from_static(b"ok"),
-                    )))
-                }
-            }),
-        )
-        .slots(nz(2))
-        .assign_slots(),
-    )]));
+    let (seen, svc) = slot_backend(2, true, ok_body);
     // The same conversation twice at once: the second cannot have the first's slot.
-    let first = svc
-        .clone()
-        .oneshot(chained("x", None, &[(1, 100)], None))
-        .await
-        .unwrap();
-    let second = svc
-        .clone()
-        .oneshot(chained("x", None, &[(1, 100), (2, 100)], None))
-        .await
-        .unwrap();
+    let first = svc.clone().oneshot(slot_turn("x", &[1])).await.unwrap();
+    let second = svc.clone().oneshot(slot_turn("x", &[1, 2])).await.unwrap();
     assert_eq!(*seen.lock(), [Some(0), Some(1)]);
     first.into_body().collect().await.unwrap();
     second.into_body().collect().await.unwrap();
     // Both free: the conversation's latest prompt is on slot 1.
     let third = svc
         .clone()
-        .oneshot(chained("x", None, &[(1, 100), (2, 100), (3, 100)], None))
+        .oneshot(slot_turn("x", &[1, 2, 3]))
         .await
         .unwrap();
     third.into_body().collect().await.unwrap();
@@ -5703,43 +5694,22 @@ async fn a_slot_held_by_a_request_in_flight_is_not_assigned_again() {
 /// free there, though the request still holds its place on the backend until the body drops.
 #[tokio::test]
 async fn a_turn_sent_before_the_last_answers_body_is_dropped_gets_its_own_slot() {
-    let seen = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
-    let record = seen.clone();
-    let svc = SessionAffinityLayer::new().layer(StaticFleet::new([(
-        "a1",
-        Backend::new(
-            "a",
-            tower::service_fn(move |req: Req| {
-                record.lock().push(
-                    req.extensions()
-                        .get::<tower_affinity::AssignedSlot>()
-                        .map(|s| s.index()),
-                );
-                async move {
-                    Ok::<_, Infallible>(http::Response::new(http_body_util::Full::new(
-                        Bytes::from_static(b"ok"),
-                    )))
-                }
-            }),
-        )
-        .slots(nz(3))
-        .assign_slots(),
-    )]));
+    let (seen, svc) = slot_backend(3, true, ok_body);
     // Conversations x and y take slots 0 and 1; y's answer is read to its last byte and
     // kept, as a server keeps it until written.
-    let turn = |session: &str, blocks: &[u64]| {
-        let blocks: Vec<(u64, u32)> = blocks.iter().map(|&b| (b, 100)).collect();
-        chained(session, None, &blocks, None)
-    };
-    let x = svc.clone().oneshot(turn("x", &[1, 2])).await.unwrap();
-    let y = svc.clone().oneshot(turn("y", &[1, 3])).await.unwrap();
+    let x = svc.clone().oneshot(slot_turn("x", &[1, 2])).await.unwrap();
+    let y = svc.clone().oneshot(slot_turn("y", &[1, 3])).await.unwrap();
     x.into_body().collect().await.unwrap();
     let mut y = y.into_body();
     let frame = y.frame().await.unwrap().unwrap();
     assert_eq!(frame.into_data().unwrap(), "ok");
     assert!(http_body::Body::is_end_stream(&y));
     // y's next turn: its own slot 1, not the empty slot 2 nor x's slot 0.
-    let next = svc.clone().oneshot(turn("y", &[1, 3, 4])).await.unwrap();
+    let next = svc
+        .clone()
+        .oneshot(slot_turn("y", &[1, 3, 4]))
+        .await
+        .unwrap();
     assert_eq!(*seen.lock(), [Some(0), Some(1), Some(1)]);
     drop(y);
     next.into_body().collect().await.unwrap();
@@ -5750,49 +5720,30 @@ async fn a_turn_sent_before_the_last_answers_body_is_dropped_gets_its_own_slot()
 /// turn before the stream's end is polled; that turn goes to its own slot.
 #[tokio::test]
 async fn a_turn_sent_at_its_last_answers_done_event_gets_its_own_slot() {
-    type Events = http_body_util::StreamBody<
-        futures_util::stream::Iter<std::vec::IntoIter<Result<http_body::Frame<Bytes>, Infallible>>>,
-    >;
-    let seen = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
-    let record = seen.clone();
-    let svc = SessionAffinityLayer::new().layer(StaticFleet::new([(
-        "a1",
-        Backend::new(
-            "a",
-            tower::service_fn(move |req: Req| {
-                record.lock().push(
-                    req.extensions()
-                        .get::<tower_affinity::AssignedSlot>()
-                        .map(|s| s.index()),
-                );
-                let events = vec![
-                    Ok(http_body::Frame::data(Bytes::from_static(
-                        b"data: {\"choices\":[{\"delta\":{\"content\":\"ok\"}}]}\n\n",
-                    ))),
-                    Ok(http_body::Frame::data(Bytes::from_static(
-                        b"data: [DONE]\n\n",
-                    ))),
-                ];
-                let body: Events =
-                    http_body_util::StreamBody::new(futures_util::stream::iter(events));
-                async move { Ok::<_, Infallible>(http::Response::new(body)) }
-            }),
-        )
-        .slots(nz(3))
-        .assign_slots(),
-    )]));
-    let turn = |session: &str, blocks: &[u64]| {
-        let blocks: Vec<(u64, u32)> = blocks.iter().map(|&b| (b, 100)).collect();
-        chained(session, None, &blocks, None)
+    let events = || {
+        let events: Vec<Result<http_body::Frame<Bytes>, Infallible>> = vec![
+            Ok(http_body::Frame::data(Bytes::from_static(
+                b"data: {\"choices\":[{\"delta\":{\"content\":\"ok\"}}]}\n\n",
+            ))),
+            Ok(http_body::Frame::data(Bytes::from_static(
+                b"data: [DONE]\n\n",
+            ))),
+        ];
+        http_body_util::StreamBody::new(futures_util::stream::iter(events))
     };
-    let x = svc.clone().oneshot(turn("x", &[1, 2])).await.unwrap();
-    let y = svc.clone().oneshot(turn("y", &[1, 3])).await.unwrap();
+    let (seen, svc) = slot_backend(3, true, events);
+    let x = svc.clone().oneshot(slot_turn("x", &[1, 2])).await.unwrap();
+    let y = svc.clone().oneshot(slot_turn("y", &[1, 3])).await.unwrap();
     x.into_body().collect().await.unwrap();
     let mut y = y.into_body();
     for _ in 0..2 {
         y.frame().await.unwrap().unwrap();
     }
-    let next = svc.clone().oneshot(turn("y", &[1, 3, 4])).await.unwrap();
+    let next = svc
+        .clone()
+        .oneshot(slot_turn("y", &[1, 3, 4]))
+        .await
+        .unwrap();
     assert_eq!(*seen.lock(), [Some(0), Some(1), Some(1)]);
     drop(y);
     next.into_body().collect().await.unwrap();
@@ -5803,41 +5754,17 @@ async fn a_turn_sent_at_its_last_answers_done_event_gets_its_own_slot() {
 /// slot of the conversation it counts is still known to hold that conversation.
 #[tokio::test]
 async fn a_token_count_takes_no_assigned_slot_and_leaves_the_conversations_own() {
-    let seen = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
-    let record = seen.clone();
-    let svc = SessionAffinityLayer::new().layer(StaticFleet::new([(
-        "a1",
-        Backend::new(
-            "a",
-            tower::service_fn(move |req: Req| {
-                record.lock().push((
-                    req.uri().path().to_owned(),
-                    req.extensions()
-                        .get::<tower_affinity::AssignedSlot>()
-                        .map(|s| s.index()),
-                ));
-                async move {
-                    Ok::<_, Infallible>(http::Response::new(http_body_util::Full::new(
-                        Bytes::from_static(b"ok"),
-                    )))
-                }
-            }),
-        )
-        .slots(nz(2))
-        .assign_slots(),
-    )]));
-    let blocks = |ids: &[u64]| -> Vec<(u64, u32)> { ids.iter().map(|&b| (b, 100)).collect() };
+    let (seen, svc) = slot_backend(2, true, ok_body);
     for (path, ids) in [
         ("/v1/chat/completions", &[1u64, 2][..]),
         ("/v1/messages/count_tokens", &[1, 2, 3]),
         ("/tokenize", &[1, 2, 3]),
         ("/v1/chat/completions", &[1, 2, 3]),
     ] {
-        let mut req = chained("x", None, &blocks(ids), None);
+        let mut req = slot_turn("x", ids);
         *req.uri_mut() = path.parse().unwrap();
         let res = svc.clone().oneshot(req).await.unwrap();
         res.into_body().collect().await.unwrap();
     }
-    let slots: Vec<_> = seen.lock().iter().map(|(_, slot)| *slot).collect();
-    assert_eq!(slots, [Some(0), None, None, Some(0)], "{:?}", seen.lock());
+    assert_eq!(*seen.lock(), [Some(0), None, None, Some(0)]);
 }
