@@ -345,11 +345,12 @@ impl<S> Backend<S> {
         self.request_context.is_some()
     }
 
-    /// Has the router assign this backend's slots: each request it sends here takes one of
-    /// the backend's [`slots`](Self::slots), numbered from 0, and carries it as an
-    /// [`AssignedSlot`] extension, which
-    /// the `client` feature's `IdSlotLayer` sends as llama-server's `id_slot`. For llama-server
-    /// only: vLLM and SGLang share their KV by prefix and have no slots to assign.
+    /// Has the router assign this backend's slots: each completion it sends here (a chat,
+    /// completions, Messages or Responses request; not a token count) takes one of the
+    /// backend's [`slots`](Self::slots), numbered from 0, and carries it as an
+    /// [`AssignedSlot`] extension, which the `client` feature's `IdSlot` sends as
+    /// llama-server's `id_slot`. For llama-server only: vLLM and SGLang share their KV by
+    /// prefix and have no slots to assign.
     ///
     /// llama-server, left to choose, gives a request the idle slot whose last prompt shares
     /// the most with it, even when another slot is empty, and keeps only what they share of
@@ -358,9 +359,12 @@ impl<S> Backend<S> {
     /// tail. The router knows what it sent to each slot and gives a request the slot holding
     /// its conversation's last prompt; else a slot never used; else the one sharing the most
     /// with it, if that is more than a tenth of it (among equals, the least recently used);
-    /// else the least recently used. Each router replica assigns the slots on its own: with several in front
-    /// of one backend, their requests take each other's slots, and one sent to a busy slot
-    /// waits there for it.
+    /// else the least recently used. The slot is free again once the answer's last byte or
+    /// event has been read. Each router replica assigns the slots on its own: with several
+    /// in front of one backend, their requests take each other's slots, and one sent to a
+    /// busy slot waits there for it. The router keeps 32 bytes for each slot, and the prompt
+    /// chain of the last request sent to it (24 bytes a link: at most 192 KiB, for a prompt
+    /// of [`PromptChain::MAX_LINKS`] links).
     ///
     /// ```
     /// use std::num::NonZeroU32;

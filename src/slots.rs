@@ -42,7 +42,8 @@ impl AssignedSlot {
 
 use crate::PromptChain;
 
-/// What the router knows of one slot of a backend whose slots it assigns.
+/// What the router knows of one slot of a backend whose slots it assigns: 32 bytes, and the
+/// chain it keeps.
 #[derive(Debug, Default)]
 struct Slot {
     /// The chain of the last request sent to it, if it had one.
@@ -290,6 +291,11 @@ mod tests {
                 .as_slice()
         ));
         assert!(!ends_answer(b""));
+    }
+
+    #[test]
+    fn a_slot_takes_32_bytes_besides_its_chain() {
+        assert_eq!(std::mem::size_of::<Slot>(), 32);
     }
 
     #[test]
