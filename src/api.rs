@@ -52,12 +52,6 @@ impl Api {
         }
     }
 
-    /// Whether a backend runs the request in one of its slots: a completion of one of the
-    /// APIs, not a token count, a template or a health check.
-    pub(crate) fn runs_in_a_slot(self) -> bool {
-        self != Api::Other
-    }
-
     /// Whether a stream of this API may open with the Responses API's lifecycle events,
     /// before its prompt is read: a Responses stream does, and one of a path not known is
     /// watched for the same events (which a stream of another shape does not send: its first

@@ -345,9 +345,10 @@ impl<S> Backend<S> {
         self.request_context.is_some()
     }
 
-    /// Has the router assign this backend's slots: each completion it sends here (a chat,
-    /// completions, Messages or Responses request; not a token count) takes one of the
-    /// backend's [`slots`](Self::slots), numbered from 0, and carries it as an
+    /// Has the router assign this backend's slots: each request it sends here that
+    /// llama-server runs in a slot (a completion of any of the APIs, an embedding, a
+    /// reranking; not a token count) takes one of the backend's [`slots`](Self::slots),
+    /// numbered from 0, and carries it as an
     /// [`AssignedSlot`] extension, which the `client` feature's `IdSlot` sends as
     /// llama-server's `id_slot`. For llama-server only: vLLM and SGLang share their KV by
     /// prefix and have no slots to assign.

@@ -271,9 +271,8 @@ where
             record,
             api: Api::of(req.uri().path()),
         };
-        // A backend whose slots the router assigns gets the slot of a request it runs in one
-        // (a token count takes none, and would make the router forget what the slot holds).
-        if dispatched.api.runs_in_a_slot() && dispatched.guard.assigns_slots() {
+        // A backend whose slots the router assigns gets the slot of a request it runs in one.
+        if dispatched.guard.assigns_slots() {
             assign_slot(&mut dispatched.guard, &mut req);
         }
         match service.poll_ready(&mut Context::from_waker(Waker::noop())) {
@@ -296,10 +295,15 @@ where
 }
 
 /// Assigns `req` one of its backend's slots, which the router assigns, and puts it in the
-/// request's extensions. Out of line: the other requests' path does not carry it.
+/// request's extensions, if the backend runs it in a slot (a token count takes none, and
+/// would make the router forget what the slot holds). Out of line: the other requests' path
+/// does not carry it.
 #[cold]
 #[inline(never)]
 fn assign_slot<B>(guard: &mut SlotGuard, req: &mut http::Request<B>) {
+    if !crate::slots::takes_a_slot(req.uri().path()) {
+        return;
+    }
     let facts = req.extensions().get::<PromptFacts>();
     let chain = facts.map(|f| &f.chain).filter(|c| !c.is_empty());
     if let Some(slot) = guard.assign_slot(chain) {

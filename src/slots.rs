@@ -136,6 +136,26 @@ impl SlotTable {
     }
 }
 
+/// Whether llama-server runs a request to `path` in one of its slots: a completion (OpenAI's
+/// chat and completions, Anthropic's Messages, the Responses API, llama-server's own
+/// `/completion` and `/infill`), an embedding or a reranking; not a token count, a template,
+/// a tokenization or a health check.
+pub(crate) fn takes_a_slot(path: &str) -> bool {
+    const ENDS: [&str; 9] = [
+        "/completion",
+        "/completions",
+        "/messages",
+        "/responses",
+        "/infill",
+        "/embedding",
+        "/embeddings",
+        "/rerank",
+        "/reranking",
+    ];
+    let path = path.strip_suffix('/').unwrap_or(path);
+    ENDS.iter().any(|end| path.ends_with(end))
+}
+
 /// Whether an answer's chunk ends the answer: the last event of an OpenAI-compatible stream
 /// (`data: [DONE]`) or of an Anthropic one (`message_stop`). A client that reads an event
 /// stream stops at it and may send its next turn before the stream's end is polled. Looks at
@@ -291,6 +311,40 @@ mod tests {
                 .as_slice()
         ));
         assert!(!ends_answer(b""));
+    }
+
+    #[test]
+    fn completions_embeddings_and_rerankings_take_a_slot_and_token_counts_do_not() {
+        for path in [
+            "/v1/chat/completions",
+            "/chat/completions/",
+            "/v1/completions",
+            "/completion",
+            "/v1/messages",
+            "/v1/responses",
+            "/infill",
+            "/v1/embeddings",
+            "/embedding",
+            "/v1/rerank",
+            "/reranking",
+        ] {
+            assert!(takes_a_slot(path), "{path}");
+        }
+        for path in [
+            "/v1/messages/count_tokens",
+            "/v1/responses/input_tokens",
+            "/v1/chat/completions/input_tokens",
+            "/v1/chat/completions/control",
+            "/tokenize",
+            "/detokenize",
+            "/apply-template",
+            "/health",
+            "/slots",
+            "/",
+            "",
+        ] {
+            assert!(!takes_a_slot(path), "{path}");
+        }
     }
 
     #[test]
