@@ -87,43 +87,44 @@ impl SlotTable {
         }
         let total = chain.map_or(0, PromptChain::tokens).max(1);
         let share = |tokens: u64| tokens as f64 / total as f64;
-        // (index, tokens shared, whether the slot's prompt is all shared, last used)
-        let idle = self.slots[..count]
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| !s.busy)
-            .map(|(i, s)| {
-                let (links, tokens) = match (chain, &s.chain) {
-                    (Some(c), Some(held)) => {
-                        let n = common_links(c, held);
-                        (n, c.tokens_at(n))
-                    }
-                    _ => (0, 0),
-                };
-                let own = links > 0 && s.chain.as_ref().is_some_and(|h| links == h.len());
-                (i, tokens, own, s.used, s.last_used)
-            });
-        let own = idle
-            .clone()
-            .filter(|&(_, _, own, _, _)| own)
-            .max_by_key(|&(i, n, ..)| (n, std::cmp::Reverse(i)));
-        let best = idle
-            .clone()
-            .filter(|&(_, _, _, used, _)| used)
-            .max_by_key(|&(i, n, _, _, at)| (n, std::cmp::Reverse(at), std::cmp::Reverse(i)));
-        let empty = idle.clone().find(|&(_, _, _, used, _)| !used);
-        let least_recent = idle.min_by_key(|&(i, _, _, _, at)| (at, i));
+        // One pass over the idle slots: the longest own slot, the first empty one, the used
+        // one sharing the most (among equals the least recently used), the least recently
+        // used; each the first of its equals.
+        let (mut own, mut empty, mut best, mut least_recent) = (None, None, None, None);
+        let (mut own_tokens, mut best_key, mut least_at) = (0, (0, u64::MAX), u64::MAX);
+        for (i, s) in self.slots[..count].iter().enumerate() {
+            if s.busy {
+                continue;
+            }
+            let links = match (chain, &s.chain) {
+                (Some(c), Some(held)) => common_links(c, held),
+                _ => 0,
+            };
+            let tokens = chain.map_or(0, |c| c.tokens_at(links));
+            let owned = links > 0 && s.chain.as_ref().is_some_and(|h| links == h.len());
+            if owned && (own.is_none() || tokens > own_tokens) {
+                (own, own_tokens) = (Some(i), tokens);
+            }
+            if !s.used {
+                empty = empty.or(Some(i));
+            } else if best.is_none() || (tokens, u64::MAX - s.last_used) > best_key {
+                (best, best_key) = (Some(i), (tokens, u64::MAX - s.last_used));
+            }
+            if least_recent.is_none() || s.last_used < least_at {
+                (least_recent, least_at) = (Some(i), s.last_used);
+            }
+        }
         let chosen = match (own, empty, best) {
             (Some(own), ..) => own,
             (None, Some(empty), _) => empty,
-            (None, None, Some(best)) if share(best.1) > SIMILAR => best,
+            (None, None, Some(best)) if share(best_key.0) > SIMILAR => best,
             _ => least_recent?,
         };
-        let slot = &mut self.slots[chosen.0];
+        let slot = &mut self.slots[chosen];
         slot.busy = true;
         slot.used = true;
         slot.chain = chain.cloned();
-        Some(chosen.0 as u32)
+        Some(chosen as u32)
     }
 
     /// The request on slot `index` has ended.

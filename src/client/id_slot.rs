@@ -268,36 +268,15 @@ impl<'de> Visitor<'de> for LacksIdSlot {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        while let Some(IsIdSlot(is)) = map.next_key()? {
-            if is {
+        // Keys come unescaped; a body reaches here only when it may name `id_slot`, so the
+        // key's allocation is rare.
+        while let Some(key) = map.next_key::<String>()? {
+            if key == "id_slot" {
                 return Err(de::Error::custom("the object has an `id_slot` member"));
             }
             map.next_value::<IgnoredAny>()?;
         }
         Ok(LacksIdSlot)
-    }
-}
-
-/// Whether an object's key, unescaped, is `id_slot`.
-struct IsIdSlot(bool);
-
-impl<'de> Deserialize<'de> for IsIdSlot {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer.deserialize_str(IsIdSlotVisitor)
-    }
-}
-
-struct IsIdSlotVisitor;
-
-impl<'de> Visitor<'de> for IsIdSlotVisitor {
-    type Value = IsIdSlot;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("an object key")
-    }
-
-    fn visit_str<E: de::Error>(self, key: &str) -> Result<IsIdSlot, E> {
-        Ok(IsIdSlot(key == "id_slot"))
     }
 }
 
