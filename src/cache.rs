@@ -21,7 +21,9 @@
 //! backend with the default budget stays under 770 KB at its 8,192 links (565 KB measured at
 //! the bound), and under 1.1 MB at 16,384 once its answers have grown its budget to twice the
 //! declared one (1,057 KB measured). A backend that has evicted also keeps its last 256
-//! evictions, 8 KiB, to put back what a prompt it refused evicted.
+//! evictions, 8 KiB, to put back what a prompt it refused evicted, and counts its leaves by when
+//! they were last recorded (768 bytes), so that the conversations still going on can be told
+//! from those long ended.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -309,6 +311,110 @@ pub(crate) struct CacheModel {
     /// The stamps of the latest records the backend did not take (0: none), so that the
     /// next turn of a session whose last turn was refused is not taken for a compaction.
     refusals: [u32; REFUSALS],
+    /// How many leaves were last recorded when: the conversations with a turn lately.
+    recent: Recent,
+}
+
+/// The leaves counted by when they were last recorded, in buckets of [`Recent::GRAIN_S`]
+/// seconds on the fleet's clock, the latest [`Recent::LEN`] of them (at least ten minutes),
+/// 768 bytes. A bucket begins at a record's stamp and time; a leaf counts in the bucket its
+/// stamp falls in, and leaves it when it gains a child, is recorded again or is evicted. A
+/// leaf older than the oldest bucket counts in none: its conversation had no turn for ten
+/// minutes. Each change finds its bucket from the newest, so a leaf recorded lately costs a
+/// comparison or two.
+#[derive(Debug)]
+struct Recent {
+    /// Oldest first from `next` on, as a ring.
+    buckets: [Bucket; Recent::LEN],
+    len: usize,
+    next: usize,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Bucket {
+    /// Seconds of the fleet's clock it began at.
+    secs: u32,
+    /// The stamp of the record that began it: leaves stamped from it on (to the next
+    /// bucket's) count here.
+    first: u32,
+    leaves: u32,
+}
+
+impl Default for Recent {
+    fn default() -> Self {
+        Recent {
+            buckets: [Bucket::default(); Recent::LEN],
+            len: 0,
+            next: 0,
+        }
+    }
+}
+
+impl Recent {
+    const LEN: usize = 64;
+    const GRAIN_S: u32 = 10;
+
+    fn at(&self, k: usize) -> usize {
+        (self.next + Self::LEN - self.len + k) % Self::LEN
+    }
+
+    /// A record stamped `stamp` sent at `now_ms`: begins a bucket if the newest is
+    /// [`GRAIN_S`](Self::GRAIN_S) old. A record stamped before the newest bucket began counts
+    /// in an older one, by its stamp.
+    fn note(&mut self, now_ms: u64, stamp: u32) {
+        let secs = u32::try_from(now_ms / 1_000).unwrap_or(u32::MAX);
+        if self.len > 0 {
+            let newest = self.buckets[self.at(self.len - 1)];
+            if secs < newest.secs.saturating_add(Self::GRAIN_S) || !later(stamp, newest.first) {
+                return;
+            }
+        }
+        self.buckets[self.next] = Bucket {
+            secs,
+            first: stamp,
+            leaves: 0,
+        };
+        self.next = (self.next + 1) % Self::LEN;
+        self.len = (self.len + 1).min(Self::LEN);
+    }
+
+    /// Where the bucket a leaf stamped `stamp` counts in is, if any.
+    fn find(&self, stamp: u32) -> Option<usize> {
+        // Older than the oldest bucket (the least recently used leaves, which evictions take):
+        // at once.
+        if self.len == 0 || later(self.buckets[self.at(0)].first, stamp) {
+            return None;
+        }
+        (0..self.len)
+            .rev()
+            .map(|k| self.at(k))
+            .find(|&i| !later(self.buckets[i].first, stamp))
+    }
+
+    fn add(&mut self, stamp: u32) {
+        if let Some(i) = self.find(stamp) {
+            self.buckets[i].leaves += 1;
+        }
+    }
+
+    fn remove(&mut self, stamp: u32) {
+        if let Some(i) = self.find(stamp) {
+            let b = &mut self.buckets[i];
+            b.leaves = b.leaves.saturating_sub(1);
+        }
+    }
+
+    /// Leaves recorded since about `since_ms` (the buckets that end after it), or `None` if
+    /// no record's time is known.
+    fn since(&self, since_ms: u64) -> Option<u32> {
+        (self.len > 0).then(|| {
+            (0..self.len)
+                .map(|k| self.buckets[self.at(k)])
+                .filter(|b| (u64::from(b.secs) + u64::from(Self::GRAIN_S)) * 1_000 > since_ms)
+                .map(|b| b.leaves)
+                .sum()
+        })
+    }
 }
 
 /// What a model holds of a chain: see [`CacheModel::known_from`].
@@ -346,6 +452,23 @@ impl CacheModel {
             clock: 0,
             evicted_through: 0,
             refusals: [0; REFUSALS],
+            recent: Recent::default(),
+        }
+    }
+
+    /// Notes that the record stamped `stamp` is sent at `now_ms` on the fleet's clock: before
+    /// it is recorded, so that its tip counts from this time.
+    pub(crate) fn note_sent(&mut self, now_ms: u64, stamp: u32) {
+        self.recent.note(now_ms, stamp);
+    }
+
+    /// Conversations with a turn sent since about `since_ms` on the fleet's clock (to
+    /// [`Recent::GRAIN_S`]; at most ten minutes back): the leaves recorded since. All of them
+    /// for 0, or when no record's time is known. O(buckets).
+    pub(crate) fn live_conversations(&self, since_ms: u64) -> u32 {
+        match since_ms {
+            0 => self.leaves,
+            _ => self.recent.since(since_ms).unwrap_or(self.leaves),
         }
     }
 
@@ -710,8 +833,14 @@ impl CacheModel {
     /// stamp as its first: this record sent it too, so that a refusal of the later one
     /// ([`refused`](Self::refused)) does not take it back.
     fn touch(&mut self, i: u32, stamp: u32) {
-        let n = &mut self.nodes[i as usize];
-        n.stamp = latest(n.stamp, stamp);
+        let was = self.nodes[i as usize].stamp;
+        let now = latest(was, stamp);
+        self.nodes[i as usize].stamp = now;
+        // A leaf moves to the bucket of its new stamp.
+        if now != was && self.listed(i) {
+            self.recent.remove(was);
+            self.recent.add(now);
+        }
         let born = &mut self.born[i as usize];
         if later(*born, stamp) {
             *born = stamp;
@@ -796,6 +925,7 @@ impl CacheModel {
         }
         self.head = i;
         self.leaves += 1;
+        self.recent.add(self.nodes[i as usize].stamp);
     }
 
     fn push_back(&mut self, i: u32) {
@@ -812,6 +942,7 @@ impl CacheModel {
         }
         self.tail = i;
         self.leaves += 1;
+        self.recent.add(self.nodes[i as usize].stamp);
     }
 
     /// Takes leaf `i` out of the leaf list.
@@ -831,6 +962,8 @@ impl CacheModel {
         n.prev = NONE;
         n.next = NONE;
         self.leaves -= 1;
+        let stamp = n.stamp;
+        self.recent.remove(stamp);
     }
 
     /// Drops least recently used leaves until the model fits its budget.
@@ -965,12 +1098,16 @@ impl CacheModel {
         assert_eq!(leaves, self.leaves);
         assert_eq!(tokens, self.tokens);
         let mut walked = 0;
+        let mut bucketed = 0;
         let mut i = self.head;
         while i != NONE {
             walked += 1;
+            bucketed += u32::from(self.recent.find(self.nodes[i as usize].stamp).is_some());
             i = self.nodes[i as usize].next;
         }
         assert_eq!(walked, self.leaves);
+        // Each leaf counts in the bucket its stamp falls in, if any.
+        assert_eq!(self.recent.since(1).unwrap_or(0), bucketed);
     }
 }
 
@@ -1137,19 +1274,28 @@ struct Owed {
     known: usize,
     /// The stamp reserved for it at placement.
     stamp: u32,
+    /// When it was placed, on the fleet's clock.
+    at_ms: u64,
     settled: bool,
 }
 
 impl Record {
     /// `chain` owed to `cache`, whose backend was known to hold its first `known` links, with
-    /// the `stamp` reserved for it.
-    pub(crate) fn new(cache: Arc<ModelCell>, chain: PromptChain, known: usize, stamp: u32) -> Self {
+    /// the `stamp` reserved for it when it was placed, at `at_ms` on the fleet's clock.
+    pub(crate) fn new(
+        cache: Arc<ModelCell>,
+        chain: PromptChain,
+        known: usize,
+        stamp: u32,
+        at_ms: u64,
+    ) -> Self {
         Record {
             owed: Some(Owed {
                 cache,
                 chain,
                 known,
                 stamp,
+                at_ms,
                 settled: false,
             }),
         }
@@ -1162,6 +1308,7 @@ impl Record {
         let links = owed.chain.links();
         let mut model = owed.cache.lock();
         let known = model.known_from(links, owed.known);
+        model.note_sent(owed.at_ms, owed.stamp);
         model.record_sent(links, known.links, owed.stamp);
         drop(model);
         let held = known.links;
@@ -1196,7 +1343,9 @@ impl Owed {
             (false, false) => self.cache.lock().note_refused(self.stamp),
             (true, false) => self.cache.lock().refused(links, self.known, self.stamp),
             (false, true) => {
-                self.cache.lock().record_from(links, self.known, self.stamp);
+                let mut model = self.cache.lock();
+                model.note_sent(self.at_ms, self.stamp);
+                model.record_from(links, self.known, self.stamp);
             }
         }
     }
@@ -1243,6 +1392,38 @@ mod tests {
         m.record_next(next.links(), 3);
         assert_eq!(m.conversations(), 1);
         assert_eq!(m.tokens(), 500);
+        m.check();
+    }
+
+    #[test]
+    fn conversations_with_no_turn_since_a_time_are_not_live() {
+        let mut m = CacheModel::new(100_000);
+        let send = |m: &mut CacheModel, secs: u64, ids: &[u64]| {
+            let c = chain(ids);
+            let stamp = m.clock.wrapping_add(1).max(1);
+            m.note_sent(secs * 1_000, stamp);
+            let known = m.held(c.links());
+            m.record(c.links(), known, stamp);
+        };
+        send(&mut m, 0, &[1, 2]);
+        send(&mut m, 100, &[3, 4]);
+        send(&mut m, 400, &[5, 6]);
+        assert_eq!(m.conversations(), 3);
+        assert_eq!(m.live_conversations(300_000), 1);
+        assert_eq!(m.live_conversations(50_000), 2);
+        assert_eq!(m.live_conversations(0), 3);
+        // The first conversation's next turn: live again, and counted once.
+        send(&mut m, 500, &[1, 2, 7]);
+        assert_eq!((m.conversations(), m.live_conversations(300_000)), (3, 2));
+        // The second's prompt sent again whole moves it to its new time.
+        send(&mut m, 600, &[3, 4]);
+        assert_eq!(m.live_conversations(550_000), 1);
+        m.check();
+        // Ten minutes on: only the new conversation had a turn in the last five; all are
+        // held.
+        send(&mut m, 1_300, &[8]);
+        assert_eq!((m.conversations(), m.live_conversations(1_000_000)), (4, 1));
+        assert_eq!(m.live_conversations(390_000), 4);
         m.check();
     }
 
@@ -1982,12 +2163,17 @@ mod tests {
             let cell = ModelCell::new(budget);
             cell.lock().max_blocks = 40;
             let mut waiting: Vec<(PromptChain, usize, u32)> = Vec::new();
+            // Seven seconds between sends: buckets of the live count begin and fall out of
+            // its ring as the prompts go.
+            let mut now = 0;
             for op in ops.into_iter().chain((0..80).map(|_| Sent::Answer(0, true))) {
                 match op {
                     Sent::Send(c, n) => {
                         let chain = conversation(c, n);
                         let stamp = cell.reserve();
                         let mut m = cell.lock();
+                        now += 7_000;
+                        m.note_sent(now, stamp);
                         let known = m.known_from(chain.links(), 0).links;
                         m.record_sent(chain.links(), known, stamp);
                         drop(m);
@@ -2005,6 +2191,9 @@ mod tests {
                 m.check();
                 proptest::prop_assert!(m.blocks() <= 40);
                 proptest::prop_assert!(m.tokens() <= budget);
+                proptest::prop_assert!(
+                    m.live_conversations(now.saturating_sub(60_000).max(1)) <= m.conversations()
+                );
             }
         }
 

@@ -771,7 +771,10 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             home_links = links;
             Home::new(backend, NodeRef::new(t, node)).cache(cache)
         });
-        let view = FleetView { topology: t };
+        let view = FleetView {
+            topology: t,
+            now_ms,
+        };
         let prefix = request_prefix(&view, key, home, chain);
         let request = PlacementRequest::new(key, home, extensions)
             .random(self.draw())
@@ -994,7 +997,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
                     .filter(|p| p.backend.index == index)
                     .map_or(0, |p| p.links),
             };
-            Record::new(m.cache.clone(), chain.clone(), known, mark)
+            Record::new(m.cache.clone(), chain.clone(), known, mark, now_ms)
         });
         drop(fleet);
         if let Some(k) = key {

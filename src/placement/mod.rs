@@ -764,7 +764,14 @@ mod tests {
         let extensions = http::Extensions::new();
         let req = PlacementRequest::new(None, None, &extensions);
         let mut c = Candidates::probe(&t, 1);
-        crate::placement::NodeThenBackend::new().place(&FleetView { topology: &t }, &req, &mut c);
+        crate::placement::NodeThenBackend::new().place(
+            &FleetView {
+                topology: &t,
+                now_ms: 0,
+            },
+            &req,
+            &mut c,
+        );
         assert_eq!(c.chosen(), Some(1));
     }
 
@@ -787,7 +794,14 @@ mod tests {
         let extensions = http::Extensions::new();
         let req = PlacementRequest::new(None, None, &extensions).chain(Some(&prompt));
         let mut c = Candidates::probe(&t, 1);
-        crate::placement::NodeThenBackend::new().place(&FleetView { topology: &t }, &req, &mut c);
+        crate::placement::NodeThenBackend::new().place(
+            &FleetView {
+                topology: &t,
+                now_ms: 0,
+            },
+            &req,
+            &mut c,
+        );
         assert_eq!(c.chosen(), Some(1));
     }
 

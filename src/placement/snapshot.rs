@@ -190,6 +190,7 @@ impl Snapshot {
     pub fn view(&self) -> FleetView<'_> {
         FleetView {
             topology: &self.topology,
+            now_ms: 0,
         }
     }
 

@@ -17,6 +17,8 @@ use super::rendezvous::{self, RankSet};
 #[derive(Clone, Copy)]
 pub struct FleetView<'a> {
     pub(crate) topology: &'a Topology,
+    /// Now, on the fleet's clock (0 in a [`Snapshot`](super::Snapshot)).
+    pub(crate) now_ms: u64,
 }
 
 impl<'a> FleetView<'a> {
@@ -294,6 +296,12 @@ impl<'a> BackendRef<'a> {
     /// holds.
     pub fn conversations(&self) -> u32 {
         self.member().cache.lock().conversations()
+    }
+
+    /// [`conversations`](Self::conversations) with a turn since `since_ms` on the fleet's
+    /// clock (0: all of them).
+    pub(crate) fn conversations_since(&self, since_ms: u64) -> u32 {
+        self.member().cache.lock().live_conversations(since_ms)
     }
 
     /// Tokens of prompt the cache model says this backend holds, over all conversations.

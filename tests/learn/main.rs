@@ -1726,6 +1726,45 @@ async fn a_new_conversation_is_not_held_for_a_busy_holder_already_homing_its_sha
     streaming.await.unwrap();
 }
 
+/// Where a new opening's conversations go after four conversations of ten minutes ago, on two
+/// one-slot backends, with `policy`: the backend of each of three conversations that start
+/// with an opening of 8,000 tokens new to the fleet, the holder's first.
+async fn an_openings_conversations_after_a_pause(policy: NodeThenBackend) -> Vec<String> {
+    let svc = SessionAffinityLayer::new()
+        .placement(policy)
+        .layer(fleet(&[("a", "n1"), ("b", "n2")], scripted()));
+    for c in 0..4 {
+        let own = chain(&[500 + c, 600 + c], 1000);
+        exchange(&svc, request(None, Some(own), reused(2000, 0))).await;
+    }
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    let opening = |own: u64| chain(&[100, 101, 102, 103, 104, 105, 106, 107, own], 1000);
+    let mut placed = Vec::new();
+    for own in 900..903 {
+        // Each after the first says it reused the opening (where it was not held, the model
+        // grows its budget, which changes nothing here).
+        let reply = reused(9000, if own == 900 { 0 } else { 8000 });
+        let (d, _, _) = exchange(&svc, request(None, Some(opening(own)), reply)).await;
+        placed.push(d.backend.to_string());
+    }
+    assert_idle(&svc);
+    placed
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_new_openings_holder_draws_its_share_of_the_conversations_still_going_on() {
+    // Counted against the six conversations the models remember, the holder's share takes
+    // the third too (1.25 x 7 / 2, rounded up: 5 on a slot); counted against those with a
+    // turn in the last five minutes, the third finds it at its share (1.25 x 3 / 2, rounded
+    // up: 2) and goes to the other backend, which has no conversation going on.
+    let live = an_openings_conversations_after_a_pause(NodeThenBackend::new()).await;
+    assert_eq!(live[1], live[0], "the opening draws the second");
+    assert_ne!(live[2], live[0]);
+    let all = NodeThenBackend::new().live_window(Duration::ZERO);
+    let all = an_openings_conversations_after_a_pause(all).await;
+    assert_eq!((&all[1], &all[2]), (&all[0], &all[0]));
+}
+
 #[tokio::test(start_paused = true)]
 async fn move_at_once_while_nothing_is_learned() {
     let svc = service(&[("a", "n1"), ("b", "n2")]);
