@@ -49,6 +49,10 @@ usage: cargo run --release --example swarm -- [options]
   --sessions N      agents (default: study 8, two-on-two 2, overload 36)
   --turns N         turns per agent (default 60)
   --seed N          seed of every random draw (default 1)
+  --waves N         agents come in N waves (default 1), each with a system prompt and spec
+                    of its own: a new kind of agent, or a new task, that the fleet has not
+                    read before; wave w starts at w times --wave-gap
+  --wave-gap SECS   seconds between the waves' starts (default 600)
   --trace FILE      Mooncake-format JSONL trace, for --scenario trace (traces are published
                     in kvcache-ai/Mooncake, FAST25-release/traces/)
   --ram-cache SIZE  RAM prompt cache of each backend, e.g. 8GiB, 512MiB (default 8GiB);
@@ -95,6 +99,9 @@ usage: cargo run --release --example swarm -- [options]
                     not fit there beside those in flight finds the backend full
   --assign-slots    the routers assign each llama-server backend's slots
                     (Backend::assign_slots; the backend takes the slot a request names)
+  --live-window S   seconds since its last turn that a conversation counts where
+                    NodeThenBackend spreads new ones (default 300; 0: every conversation
+                    the cache models remember)
   --oracle          adds NTB+oracle: NodeThenBackend told what the simulated caches
                     really hold, the same rules with a perfect cache model (not an
                     upper bound: greedy rules can do worse knowing more)
@@ -139,6 +146,8 @@ struct Options {
     sessions: Option<u32>,
     turns: u32,
     seed: u64,
+    waves: u32,
+    wave_gap: Duration,
     trace: Option<PathBuf>,
     ram_bytes: u64,
     fleet: Option<FleetKind>,
@@ -154,6 +163,7 @@ struct Options {
     gpu_work: backend::GpuWork,
     router_context: bool,
     assign_slots: bool,
+    live_window: Option<Duration>,
     replicas: routers::Replicas,
 }
 
@@ -185,6 +195,14 @@ impl Options {
             true => "; routers assign the slots",
             false => "",
         };
+        let live = match self.live_window {
+            Some(Duration::ZERO) => "; new conversations spread by all the models remember".into(),
+            Some(w) => format!(
+                "; new conversations spread by those with a turn in the last {} s",
+                w.as_secs_f64()
+            ),
+            None => String::new(),
+        };
         fleet.describe().to_owned()
             + &self.replicas.describe()
             + slots
@@ -192,6 +210,7 @@ impl Options {
             + gpu
             + context
             + assigned
+            + &live
     }
 }
 
@@ -202,6 +221,8 @@ impl Default for Options {
             sessions: None,
             turns: 60,
             seed: 1,
+            waves: 1,
+            wave_gap: Duration::from_secs(600),
             trace: None,
             ram_bytes: 8 << 30,
             fleet: None,
@@ -215,6 +236,7 @@ impl Default for Options {
             gpu_work: backend::GpuWork::Prompts,
             router_context: false,
             assign_slots: false,
+            live_window: None,
             replicas: routers::Replicas {
                 routers: 1,
                 entry: routers::Entry::Random,
@@ -304,6 +326,17 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String>
                 let v = value()?;
                 o.seed = v.parse().map_err(|_| bad(&v))?;
             }
+            "--waves" => {
+                agent_flag = Some(flag.clone());
+                let v = value()?;
+                o.waves = v.parse().ok().filter(|&n| n > 0).ok_or_else(|| bad(&v))?;
+            }
+            "--wave-gap" => {
+                agent_flag = Some(flag.clone());
+                let v = value()?;
+                let secs: f64 = v.parse().map_err(|_| bad(&v))?;
+                o.wave_gap = Duration::try_from_secs_f64(secs).map_err(|_| bad(&v))?;
+            }
             "--trace" => o.trace = Some(value()?.into()),
             "--ram-cache" => {
                 let v = value()?;
@@ -325,6 +358,11 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String>
             "--keyless" => o.keyless = true,
             "--router-context" => o.router_context = true,
             "--assign-slots" => o.assign_slots = true,
+            "--live-window" => {
+                let v = value()?;
+                let secs: f64 = v.parse().map_err(|_| bad(&v))?;
+                o.live_window = Some(Duration::try_from_secs_f64(secs).map_err(|_| bad(&v))?);
+            }
             "--oracle" => o.oracle = true,
             "--slot-policy" => {
                 let v = value()?;
@@ -430,7 +468,14 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String>
         Scenario::Overload | Scenario::All => 36,
         Scenario::Trace => 0,
     };
-    let turns = u64::from(o.sessions.unwrap_or(default_sessions)) * u64::from(o.turns);
+    let sessions = o.sessions.unwrap_or(default_sessions);
+    if o.waves > sessions.max(1) {
+        return Err(format!(
+            "--waves: {} waves need as many sessions at least (--sessions {sessions})",
+            o.waves
+        ));
+    }
+    let turns = u64::from(sessions) * u64::from(o.turns);
     if turns > MAX_AGENT_TURNS {
         return Err(format!(
             "--sessions x --turns: {turns} turns is too many: at most {MAX_AGENT_TURNS} a run"
@@ -548,6 +593,26 @@ fn count_share_or_dash((n, of): (u64, u64)) -> String {
 /// A share in percent, or `-` when there was nothing to share.
 fn share_or_dash(share: Option<f64>) -> String {
     share.map_or_else(|| "-".to_owned(), |s| format!("{:.1}%", 100.0 * s))
+}
+
+/// Each policy's hit rate in each wave of agents, with `--waves`.
+fn waves_note(runs: &[Run], cfg: &AgentConfig) -> Option<String> {
+    (cfg.waves > 1).then(|| {
+        let v: Vec<String> = runs
+            .iter()
+            .map(|r| {
+                let mut n = vec![(0u64, 0u64); cfg.waves as usize];
+                for t in r.records.iter().filter(|t| t.eligible()) {
+                    let w = &mut n[workload::wave_of(cfg, t.conversation) as usize];
+                    w.0 += u64::from(t.hit());
+                    w.1 += 1;
+                }
+                let rates: Vec<String> = n.into_iter().map(count_share_or_dash).collect();
+                format!("{} {}", r.policy.name(), rates.join(" / "))
+            })
+            .collect();
+        format!("hit rate of each wave, in order: {}", v.join(", "))
+    })
 }
 
 /// Each policy's turns by whether the backend serving them homed more conversations than its
@@ -858,14 +923,38 @@ fn keys(o: &Options) -> &'static str {
     }
 }
 
+/// The agents of a scenario whose default is `sessions` of them.
+fn agents(o: &Options, sessions: u32) -> AgentConfig {
+    let mut cfg = AgentConfig::study(o.sessions.unwrap_or(sessions), o.turns);
+    cfg.waves = o.waves;
+    cfg.wave_gap = o.wave_gap;
+    cfg
+}
+
+/// The agents' waves, for a title: nothing for one wave.
+fn waves(cfg: &AgentConfig) -> String {
+    match cfg.waves {
+        0 | 1 => String::new(),
+        n => format!(
+            ", {} of a system prompt and spec of their own, {} s apart",
+            counted(n, "wave"),
+            cfg.wave_gap.as_secs_f64()
+        ),
+    }
+}
+
 fn study(o: &Options) -> Table {
     let fleet = o.fleet.unwrap_or(FleetKind::Study);
-    let cfg = AgentConfig::study(o.sessions.unwrap_or(8), o.turns);
+    let cfg = agents(o, 8);
     let runs = agent_runs(fleet, &cfg, o, o.ram_bytes);
     let title = format!(
-        "study: {} x {}, same system prompt and spec, {}; {}; RAM cache {}; seed {}",
+        "study: {} x {}, {}, {}; {}; RAM cache {}; seed {}",
         counted(cfg.sessions, "session"),
         counted(cfg.turns, "turn"),
+        match cfg.waves {
+            0 | 1 => "same system prompt and spec".to_owned(),
+            _ => waves(&cfg)[2..].to_owned(),
+        },
         keys(o),
         o.describe_fleet(fleet),
         human_bytes(o.ram_bytes),
@@ -878,20 +967,25 @@ fn study(o: &Options) -> Table {
         misses_note(&runs),
         bound_note(&runs, &fleet.backends(o.ram_bytes)),
     ];
+    notes.extend(waves_note(&runs, &cfg));
+    if cfg.waves > 1 {
+        notes.push(crowding_note(&runs, &fleet.backends(o.ram_bytes)));
+    }
     notes.extend(store_note(&runs));
     table("study".into(), title, &runs, false, notes)
 }
 
 fn two_on_two(o: &Options) -> Table {
     let fleet = o.fleet.unwrap_or(FleetKind::TwoSlots);
-    let mut cfg = AgentConfig::study(o.sessions.unwrap_or(2), o.turns);
+    let mut cfg = agents(o, 2);
     // Both start together, so the first turns find each other's slot busy.
     cfg.start_spread = Duration::ZERO;
     let runs = agent_runs(fleet, &cfg, o, o.ram_bytes);
     let title = format!(
-        "two-on-two: {} x {}, {}; {}; RAM cache {}; seed {}",
+        "two-on-two: {} x {}{}, {}; {}; RAM cache {}; seed {}",
         counted(cfg.sessions, "session"),
         counted(cfg.turns, "turn"),
+        waves(&cfg),
         keys(o),
         o.describe_fleet(fleet),
         human_bytes(o.ram_bytes),
@@ -902,17 +996,18 @@ fn two_on_two(o: &Options) -> Table {
 
 fn overload(o: &Options) -> Vec<Table> {
     let fleet = o.fleet.unwrap_or(FleetKind::Study);
-    let cfg = AgentConfig::study(o.sessions.unwrap_or(36), o.turns);
+    let cfg = agents(o, 36);
     [o.ram_bytes, o.ram_bytes * 8]
         .into_iter()
         .map(|ram| {
             let runs = agent_runs(fleet, &cfg, o, ram);
             let specs = fleet.backends(ram);
             let title = format!(
-                "overload: {} x {} on {}, {}; {}; RAM cache {}; seed {}",
+                "overload: {} x {} on {}{}, {}; {}; RAM cache {}; seed {}",
                 counted(cfg.sessions, "session"),
                 counted(cfg.turns, "turn"),
                 counted(specs.iter().map(|s| s.model.slots).sum::<u32>(), "slot"),
+                waves(&cfg),
                 keys(o),
                 o.describe_fleet(fleet),
                 human_bytes(ram),
@@ -926,6 +1021,7 @@ fn overload(o: &Options) -> Vec<Table> {
                 bound_note(&runs, &specs),
                 crowding_note(&runs, &specs),
             ];
+            notes.extend(waves_note(&runs, &cfg));
             notes.extend(store_note(&runs));
             table(
                 format!("overload, {}", human_bytes(ram)),
@@ -1064,6 +1160,7 @@ fn main() {
     backend::set_gpu_work(o.gpu_work);
     sim::set_router_context(o.router_context);
     sim::set_assign_slots(o.assign_slots);
+    sim::set_live_window(o.live_window);
     let started = Instant::now();
     let tables = match run(&o) {
         Ok(t) => t,

@@ -72,8 +72,16 @@ impl Policy {
             Policy::RoundRobin => Arc::new(RoundRobin::new()),
             Policy::LeastLoaded => Arc::new(LeastLoaded::new()),
             Policy::Rendezvous => Arc::new(Rendezvous),
-            Policy::NodeThenBackend | Policy::Patient => Arc::new(NodeThenBackend::new()),
+            Policy::NodeThenBackend | Policy::Patient => Arc::new(node_then_backend()),
         }
+    }
+}
+
+/// `NodeThenBackend` with the live window of [`set_live_window`].
+fn node_then_backend() -> NodeThenBackend {
+    match LIVE_WINDOW.with(std::cell::Cell::get) {
+        Some(w) => NodeThenBackend::new().live_window(w),
+        None => NodeThenBackend::new(),
     }
 }
 
@@ -126,13 +134,20 @@ impl Placement for Oracle {
                 }
             }
         }
-        NodeThenBackend::new().place(fleet, req, c)
+        node_then_backend().place(fleet, req, c)
     }
 }
 
 thread_local! {
     static ROUTER_CONTEXT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     static ASSIGN_SLOTS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    static LIVE_WINDOW: std::cell::Cell<Option<Duration>> = const { std::cell::Cell::new(None) };
+}
+
+/// The live window of the `NodeThenBackend` routers built on this thread from now on
+/// (`--live-window`, [`NodeThenBackend::live_window`]); `None`: its default.
+pub(crate) fn set_live_window(window: Option<Duration>) {
+    LIVE_WINDOW.with(|c| c.set(window));
 }
 
 /// Whether the routers built on this thread from now on assign each backend's slots

@@ -53,6 +53,11 @@ pub(crate) struct AgentConfig {
     pub(crate) summary_tokens: u32,
     /// Whether agents send their session's key; without one the router has only the chains.
     pub(crate) keyed: bool,
+    /// The agents come in this many waves, each with a system prompt and spec of its own that
+    /// no earlier wave sent; the sessions are split between them in order.
+    pub(crate) waves: u32,
+    /// Wave `w`'s sessions start at `w` times this, plus their offset in `start_spread`.
+    pub(crate) wave_gap: Duration,
 }
 
 impl AgentConfig {
@@ -88,6 +93,8 @@ impl AgentConfig {
             compact_at: 60_000,
             summary_tokens: 4_000,
             keyed: true,
+            waves: 1,
+            wave_gap: Duration::from_secs(600),
         }
     }
 }
@@ -106,17 +113,19 @@ struct Agent {
 }
 
 impl Agent {
-    fn new(cfg: &AgentConfig, session: u32, rng: Rng) -> Self {
+    /// Session `session` of wave `wave`.
+    fn new(cfg: &AgentConfig, session: u32, wave: u32, rng: Rng) -> Self {
+        let shared = 2 * u64::from(wave);
         Agent {
             session: u64::from(session),
             rng,
             blocks: vec![
                 Block {
-                    id: SYSTEM_ID,
+                    id: SYSTEM_ID + shared,
                     tokens: cfg.system_tokens,
                 },
                 Block {
-                    id: SPEC_ID,
+                    id: SPEC_ID + shared,
                     tokens: cfg.spec_tokens,
                 },
             ],
@@ -159,14 +168,22 @@ impl Agent {
     }
 }
 
+/// The wave session `s` comes in: the sessions split between the waves in order, as evenly as
+/// they divide.
+pub(crate) fn wave_of(cfg: &AgentConfig, s: u32) -> u32 {
+    let waves = cfg.waves.clamp(1, cfg.sessions.max(1));
+    (u64::from(s) * u64::from(waves) / u64::from(cfg.sessions.max(1))) as u32
+}
+
 /// Runs the swarm against `svc` and returns every turn, session by session.
 pub(crate) async fn run(svc: Svc, cfg: &AgentConfig, seed: u64) -> Vec<TurnRecord> {
     let root = Rng::new(seed);
     let mut tasks = Vec::new();
     for s in 0..cfg.sessions {
         let mut rng = root.fork(u64::from(s));
-        let start = cfg.start_spread.mul_f64(rng.f64());
-        let mut agent = Agent::new(cfg, s, rng);
+        let wave = wave_of(cfg, s);
+        let start = cfg.wave_gap * wave + cfg.start_spread.mul_f64(rng.f64());
+        let mut agent = Agent::new(cfg, s, wave, rng);
         let cfg = cfg.clone();
         let svc = svc.clone();
         tasks.push(tokio::task::spawn_local(async move {
@@ -212,8 +229,8 @@ mod tests {
         let mut cfg = AgentConfig::study(2, 0);
         cfg.compact_at = 12_000;
         let root = Rng::new(1);
-        let mut a = Agent::new(&cfg, 0, root.fork(0));
-        let mut b = Agent::new(&cfg, 1, root.fork(1));
+        let mut a = Agent::new(&cfg, 0, 0, root.fork(0));
+        let mut b = Agent::new(&cfg, 1, 0, root.fork(1));
         let (pa, pb) = (a.prompt(&cfg), b.prompt(&cfg));
         assert_eq!(pa.blocks, pb.blocks);
         assert_ne!(pa.answer.id, pb.answer.id);
