@@ -64,7 +64,8 @@ impl<S> Layer<S> for IdSlotLayer {
 /// slots). vLLM and SGLang have no such field: wrap only llama-server backends in it.
 ///
 /// The request goes on as it came when it carries no `AssignedSlot`, when its body is not a
-/// JSON object (leading whitespace aside), or when the object already has a top-level
+/// JSON object (a leading byte order mark and whitespace aside, which llama-server skips too),
+/// or when the object already has a top-level
 /// `id_slot` member: a slot the client chose itself wins. A body whose top level does not
 /// parse, which is parsed (its top level only, values skipped) only when it may name
 /// `id_slot`, goes on as it came too. The request never fails for this; the response and
@@ -202,11 +203,17 @@ fn is_json_space(b: u8) -> bool {
     matches!(b, b' ' | b'\t' | b'\n' | b'\r')
 }
 
+/// The UTF-8 byte order mark, which llama-server's JSON parser skips at the start of a body.
+const BOM: &[u8] = b"\xef\xbb\xbf";
+
 /// `body` with `"id_slot":slot` as its object's first member, or `None` to send it as it
 /// came: not an object, or one whose top level names `id_slot` already, or may and does not
 /// parse.
 fn insert_id_slot(body: &[u8], slot: u32) -> Option<Bytes> {
-    let open = body.iter().position(|&b| !is_json_space(b))?;
+    // A body that opens with a byte order mark is one llama-server reads, and runs in the
+    // slot it names: the mark stays, and the object after it is looked for as after none.
+    let from = if body.starts_with(BOM) { BOM.len() } else { 0 };
+    let open = from + body[from..].iter().position(|&b| !is_json_space(b))?;
     if body[open] != b'{' {
         return None;
     }
@@ -218,7 +225,7 @@ fn insert_id_slot(body: &[u8], slot: u32) -> Option<Bytes> {
         b'}' => "",
         _ => return None,
     };
-    if may_name_id_slot(body) && !top_level_lacks_id_slot(body) {
+    if may_name_id_slot(body) && !top_level_lacks_id_slot(&body[from..]) {
         return None;
     }
     let member = format!("\"id_slot\":{slot}{comma}");
@@ -357,6 +364,21 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_body_after_a_byte_order_mark_gets_id_slot_as_llama_server_reads_it() {
+        assert_eq!(
+            body_sent("\u{feff}{\"n\":1}", 2).await,
+            "\u{feff}{\"id_slot\":2,\"n\":1}"
+        );
+        assert_eq!(
+            body_sent("\u{feff} \n{}", 2).await,
+            "\u{feff} \n{\"id_slot\":2}"
+        );
+        // Its own `id_slot` is still found.
+        let own = "\u{feff}{\"id_slot\":1,\"n\":1}";
+        assert_eq!(body_sent(own, 2).await, own);
+    }
+
+    #[tokio::test]
     async fn a_top_level_id_slot_of_the_client_wins() {
         for body in [
             r#"{"model":"m","id_slot":1}"#,
@@ -413,7 +435,8 @@ mod tests {
             "{",
             "{x}",
             "\"id_slot\"",
-            "\u{feff}{\"n\":1}",
+            // A byte order mark after whitespace, which llama-server refuses.
+            " \u{feff}{\"n\":1}",
             // Unreadable where it may name `id_slot`: not ours to fix.
             r#"{"id_slot":}"#,
             r#"{"n":1,"id\u005fslot"#,
@@ -470,5 +493,233 @@ mod tests {
             shallow.as_deref(),
             Some(&br#"{"id_slot":0,"a":[["id_slot"]]}"#[..])
         );
+    }
+
+    /// `write_id_slot` over any body: arbitrary bytes, and JSON of every shape written every
+    /// way JSON allows (keys with escapes, duplicate keys, huge numbers, whitespace), whole
+    /// or cut short, after a byte order mark or not.
+    mod properties {
+        use std::collections::BTreeMap;
+
+        use proptest::collection::vec;
+        use proptest::prelude::*;
+        use proptest::sample::select;
+        use serde_json::value::RawValue;
+
+        use super::*;
+
+        /// A JSON value, to be written out with the liberties JSON allows.
+        #[derive(Clone, Debug)]
+        enum Json {
+            Literal(&'static str),
+            Str(String),
+            Arr(Vec<Json>),
+            Obj(Vec<(String, Json)>),
+        }
+
+        /// JSON's literals, and numbers, some of which no 64-bit float or integer holds.
+        const LITERALS: &[&str] = &[
+            "null",
+            "true",
+            "false",
+            "0",
+            "-0",
+            "-1",
+            "1.5",
+            "1e400",
+            "-1e-400",
+            "123456789012345678901234567890123456789",
+        ];
+
+        const STRINGS: &[&str] = &[
+            "",
+            "id_slot",
+            "\"id_slot\": 1",
+            "data: [DONE]",
+            "\\",
+            "\"",
+            "é",
+            "\u{0}",
+            "\u{feff}",
+            "\n",
+            "{",
+        ];
+
+        const KEYS: &[&str] = &[
+            "id_slot", "model", "messages", "n", "id_slots", "xid_slot", "", "Id_slot",
+        ];
+
+        fn json() -> impl Strategy<Value = Json> {
+            let leaf = prop_oneof![
+                select(LITERALS).prop_map(Json::Literal),
+                select(STRINGS).prop_map(|s| Json::Str(s.to_string())),
+                any::<String>().prop_map(Json::Str),
+            ];
+            leaf.prop_recursive(4, 24, 5, |inner| {
+                let key = prop_oneof![
+                    4 => select(KEYS).prop_map(str::to_string),
+                    1 => any::<String>(),
+                ];
+                prop_oneof![
+                    vec(inner.clone(), 0..4).prop_map(Json::Arr),
+                    vec((key, inner), 0..5).prop_map(Json::Obj),
+                ]
+            })
+        }
+
+        /// Writes `s` as a JSON string, escaping each character as `\uXXXX` where `escape`
+        /// says (cycled), else only where JSON must.
+        fn write_str(out: &mut String, s: &str, escape: &[bool]) {
+            out.push('"');
+            for (i, c) in s.chars().enumerate() {
+                let forced = c == '"' || c == '\\' || (c as u32) < 0x20;
+                let chosen = !escape.is_empty() && escape[i % escape.len()];
+                // What JSON must escape is in the Basic Multilingual Plane, as `\uXXXX` is.
+                if forced || (chosen && (c as u32) < 0x10000) {
+                    out.push_str(&format!("\\u{:04x}", c as u32));
+                } else {
+                    out.push(c);
+                }
+            }
+            out.push('"');
+        }
+
+        /// Writes `j` with `space` (cycled) between its tokens, and keys escaped by `escape`.
+        fn write(out: &mut String, j: &Json, space: &[&str], escape: &[bool], at: &mut usize) {
+            let ws = |out: &mut String, at: &mut usize| {
+                if !space.is_empty() {
+                    out.push_str(space[*at % space.len()]);
+                    *at += 1;
+                }
+            };
+            match j {
+                Json::Literal(l) => out.push_str(l),
+                Json::Str(s) => write_str(out, s, &[]),
+                Json::Arr(items) => {
+                    out.push('[');
+                    for (i, item) in items.iter().enumerate() {
+                        if i > 0 {
+                            out.push(',');
+                        }
+                        ws(out, at);
+                        write(out, item, space, escape, at);
+                    }
+                    ws(out, at);
+                    out.push(']');
+                }
+                Json::Obj(members) => {
+                    out.push('{');
+                    for (i, (key, value)) in members.iter().enumerate() {
+                        if i > 0 {
+                            out.push(',');
+                        }
+                        ws(out, at);
+                        write_str(out, key, escape);
+                        ws(out, at);
+                        out.push(':');
+                        ws(out, at);
+                        write(out, value, space, escape, at);
+                    }
+                    ws(out, at);
+                    out.push('}');
+                }
+            }
+        }
+
+        /// What a body is: its top-level members (each value as written; a duplicate key's
+        /// last), if it is a JSON object after a byte order mark llama-server skips; `Err` if
+        /// it is JSON of another kind; `Ok(None)` if it is no JSON.
+        fn members(body: &[u8]) -> Result<Option<BTreeMap<String, String>>, ()> {
+            let body = body.strip_prefix(b"\xef\xbb\xbf").unwrap_or(body);
+            if let Ok(map) = serde_json::from_slice::<BTreeMap<String, Box<RawValue>>>(body) {
+                let map = map.into_iter().map(|(k, v)| (k, v.get().to_string()));
+                return Ok(Some(map.collect()));
+            }
+            match serde_json::from_slice::<IgnoredAny>(body) {
+                Ok(_) => Err(()),
+                Err(_) => Ok(None),
+            }
+        }
+
+        /// Sends `body` through `write_id_slot` with `slot` assigned and its length declared,
+        /// and checks what comes out.
+        fn check(body: &[u8], slot: u32) -> Result<(), TestCaseError> {
+            let mut req = http::Request::post("/v1/chat/completions")
+                .header(header::CONTENT_LENGTH, body.len())
+                .body(Full::new(Bytes::copy_from_slice(body)))
+                .unwrap();
+            req.extensions_mut().insert(AssignedSlot::new(slot));
+            let (parts, out) = write_id_slot(req).into_parts();
+            let out = into_bytes(out);
+            prop_assert_eq!(
+                &parts.headers[header::CONTENT_LENGTH],
+                &out.len().to_string()
+            );
+            match members(body) {
+                Ok(Some(before)) if !before.contains_key("id_slot") => {
+                    let Ok(Some(mut after)) = members(&out) else {
+                        return Err(TestCaseError::fail(format!("no JSON object: {out:?}")));
+                    };
+                    prop_assert_eq!(after.remove("id_slot"), Some(slot.to_string()));
+                    prop_assert_eq!(&after, &before);
+                    // Only the member is added, first: the rest goes byte for byte.
+                    let at = body.iter().position(|&b| b == b'{').unwrap();
+                    let comma = if before.is_empty() { "" } else { "," };
+                    let member = format!("\"id_slot\":{slot}{comma}");
+                    let want = [&body[..=at], member.as_bytes(), &body[at + 1..]].concat();
+                    prop_assert_eq!(&out[..], &want[..]);
+                }
+                // Another kind of JSON, or an object with an `id_slot` of its own.
+                Ok(Some(_)) | Err(()) => prop_assert_eq!(&out[..], body),
+                // No JSON: it may gain the member (it is only parsed if it may name
+                // `id_slot`), but stays no JSON, for the backend to refuse as it would have.
+                Ok(None) => prop_assert!(out == body || matches!(members(&out), Ok(None))),
+            }
+            Ok(())
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(3000))]
+
+            #[test]
+            fn json_of_any_shape_gets_id_slot_only_where_its_top_level_lacks_one(
+                j in json(),
+                top in vec((select(&["id_slot", "model", "n", "Id_slot"][..]), json()), 0..4),
+                space in vec(select(&["", " ", "\n\t ", "\r\n"][..]), 0..4),
+                escape in vec(any::<bool>(), 0..4),
+                lead in select(&["", " ", "\u{feff}", "\u{feff} \n", " \u{feff}"][..]),
+                trail in select(&["", " \n", "x", "}", ",", "{\"id_slot\":1}"][..]),
+                cut in any::<Option<prop::sample::Index>>(),
+                slot in prop_oneof![Just(0u32), Just(u32::MAX), any::<u32>()],
+            ) {
+                // The value itself, or an object of members around it.
+                let j = match top.is_empty() {
+                    true => j,
+                    false => Json::Obj(
+                        top.into_iter().map(|(k, v)| (k.to_string(), v)).chain([("v".into(), j)])
+                            .collect(),
+                    ),
+                };
+                let mut text = String::from(lead);
+                write(&mut text, &j, &space, &escape, &mut 0);
+                text.push_str(trail);
+                let mut body = text.into_bytes();
+                if let Some(cut) = cut {
+                    body.truncate(cut.index(body.len() + 1));
+                }
+                check(&body, slot)?;
+            }
+
+            #[test]
+            fn any_bytes_go_through_without_a_panic(
+                body in prop_oneof![
+                    vec(any::<u8>(), 0..64),
+                    vec(select(&b"{}[]\":,\\u005fidslot 0\n\xef\xbb\xbf"[..]), 0..48),
+                ],
+                slot in any::<u32>(),
+            ) {
+                check(&body, slot)?;
+            }
+        }
     }
 }
