@@ -158,17 +158,22 @@ pub(crate) fn takes_a_slot(path: &str) -> bool {
 }
 
 /// Whether an answer's chunk ends the answer: the last event of an OpenAI-compatible stream
-/// (`data: [DONE]`) or of an Anthropic one (`message_stop`). A client that reads an event
-/// stream stops at it and may send its next turn before the stream's end is polled. Looks at
-/// the chunk's last 64 bytes only, where the marker of a stream's last event is: O(1) a
-/// chunk, whatever its size. A marker split over two chunks is missed, and the slot is free
-/// at the stream's end instead.
+/// (`data: [DONE]` and its line end) or of an Anthropic one (`"message_stop"`). A client that
+/// reads an event stream stops at it and may send its next turn before the stream's end is
+/// polled. Neither is taken for one an answer's text holds: in a JSON string a line end is
+/// escaped, and so are the quotes around `message_stop`, so a chunk cut just after an answer
+/// says `data: [DONE]` frees nothing while the backend still generates. Looks at the chunk's
+/// last 64 bytes only, where the marker of a stream's last event is: O(1) a chunk, whatever
+/// its size. A marker split over two chunks (`[DONE]` from its line end too) is missed, and
+/// the slot is free at the stream's end instead.
 pub(crate) fn ends_answer(chunk: &[u8]) -> bool {
-    const MARKERS: [&[u8]; 2] = [b"data: [DONE]", b"\"message_stop\""];
+    const DONE: &[u8] = b"data: [DONE]";
+    const STOP: &[u8] = b"\"message_stop\"";
     let tail = &chunk[chunk.len().saturating_sub(64)..];
-    MARKERS
-        .iter()
-        .any(|m| tail.windows(m.len()).any(|w| w == *m))
+    let done = tail
+        .windows(DONE.len() + 1)
+        .any(|w| w.starts_with(DONE) && matches!(w[DONE.len()], b'\n' | b'\r'));
+    done || tail.windows(STOP.len()).any(|w| w == STOP)
 }
 
 /// How many leading links two chains share: a link's digest covers its whole prefix, so
@@ -312,6 +317,21 @@ mod tests {
                 .as_slice()
         ));
         assert!(!ends_answer(b""));
+        assert!(ends_answer(b"data: [DONE]\r\n\r\n"));
+    }
+
+    #[test]
+    fn an_answer_that_says_what_ends_a_stream_in_its_text_does_not_end_it() {
+        // A frame cut in the middle of an event, just after the answer's words.
+        assert!(!ends_answer(
+            b"data: {\"choices\":[{\"delta\":{\"content\":\"ends with data: [DONE]"
+        ));
+        assert!(!ends_answer(br#"{"content":"data: [DONE]"}"#));
+        assert!(!ends_answer(br#"{"text":"\"message_stop\""#));
+        // The stream's own last event, whole.
+        assert!(ends_answer(
+            b"data: {\"choices\":[{\"delta\":{\"content\":\"data: [DONE]\"}}]}\n\ndata: [DONE]\n\n"
+        ));
     }
 
     #[test]

@@ -5742,6 +5742,42 @@ async fn a_turn_sent_at_its_last_answers_done_event_gets_its_own_slot() {
     next_turn_read_before_the_end_gets_its_own_slot(events, 2).await;
 }
 
+/// An answer that speaks of `data: [DONE]` in its text does not free its slot: a frame cut in
+/// the middle of an event, just after those words, is no stream's last event. A request sent
+/// meanwhile that goes on from the slot's prompt is given an empty slot, not the one the
+/// backend is still generating in, where it would wait for the whole answer.
+#[tokio::test]
+async fn an_answer_that_says_done_in_its_text_holds_its_slot_to_its_last_event() {
+    let events = || {
+        let events: Vec<Result<http_body::Frame<Bytes>, Infallible>> = [
+            &b"data: {\"choices\":[{\"delta\":{\"content\":\"an SSE stream ends with data: [DONE]"
+                [..],
+            b"\"}}]}\n\n",
+            b"data: [DONE]\n\n",
+        ]
+        .into_iter()
+        .map(|frame| Ok(http_body::Frame::data(Bytes::from_static(frame))))
+        .collect();
+        http_body_util::StreamBody::new(futures_util::stream::iter(events))
+    };
+    let (seen, svc) = slot_backend(3, true, events);
+    let x = svc.clone().oneshot(slot_turn("x", &[1, 2])).await.unwrap();
+    let y = svc.clone().oneshot(slot_turn("y", &[1, 3])).await.unwrap();
+    x.into_body().collect().await.unwrap();
+    let mut y = y.into_body();
+    y.frame().await.unwrap().unwrap();
+    // A branch of y's conversation: y's slot would be its own, were it free.
+    let branch = svc
+        .clone()
+        .oneshot(slot_turn("z", &[1, 3, 5]))
+        .await
+        .unwrap();
+    assert_eq!(*seen.lock(), [Some(0), Some(1), Some(2)]);
+    y.collect().await.unwrap();
+    branch.into_body().collect().await.unwrap();
+    assert_eq!(in_flight(&svc, "a1"), 0);
+}
+
 /// A token count (or any request a backend does not run in a slot) is given no slot, and the
 /// slot of the conversation it counts is still known to hold that conversation.
 #[tokio::test]
