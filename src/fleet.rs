@@ -613,7 +613,7 @@ pub(crate) struct Load {
     /// Whether the router assigns this backend's slots ([`Backend::assign_slots`]): read
     /// before `slot_table` is locked, so that other backends' requests do not lock it.
     assigns_slots: AtomicBool,
-    /// Its slots, when the router assigns them.
+    /// Its slots, once the router has assigned them.
     slot_table: Mutex<Option<SlotTable>>,
 }
 
@@ -706,12 +706,16 @@ impl Load {
     }
 
     /// Whether the router assigns this backend's slots from now on. A table already kept
-    /// stays as it is while they are assigned; it goes when they no longer are.
+    /// stays as it is while they are assigned. When they no longer are, it forgets what each
+    /// slot was sent (the backend chooses the slots meanwhile) but stays: a request still in
+    /// flight on a slot it was assigned keeps that slot busy, and its end frees that slot
+    /// only, were they assigned again (a new table would give its slot to another request,
+    /// and its end would free the slot of a request that came after).
     pub(crate) fn assign_slots(&self, on: bool) {
         let mut table = self.slot_table.lock();
-        match (on, table.is_some()) {
-            (true, false) => *table = Some(SlotTable::default()),
-            (false, true) => *table = None,
+        match (on, table.as_mut()) {
+            (true, None) => *table = Some(SlotTable::default()),
+            (false, Some(table)) => table.forget(),
             _ => {}
         }
         self.assigns_slots.store(on, Ordering::Relaxed);

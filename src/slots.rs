@@ -127,6 +127,14 @@ impl SlotTable {
         Some(chosen as u32)
     }
 
+    /// Forgets what each slot was sent, as the backend chooses its slots for a while: which
+    /// are busy is kept, for the requests in flight on them.
+    pub(crate) fn forget(&mut self) {
+        for slot in &mut self.slots {
+            slot.chain = None;
+        }
+    }
+
     /// The request on slot `index` has ended.
     pub(crate) fn release(&mut self, index: u32) {
         self.clock += 1;
@@ -292,6 +300,18 @@ mod tests {
         t.release(0);
         assert_eq!(t.assign(1, Some(&chain(&[2]))), Some(0));
         assert_eq!(t.assign(6, Some(&chain(&[3]))), Some(1));
+    }
+
+    #[test]
+    fn a_table_that_forgets_keeps_its_busy_slots_and_drops_their_chains() {
+        let mut t = table_holding(&[Some(chain(&[1, 2])), Some(chain(&[5, 6]))]);
+        assert_eq!(t.assign(3, Some(&chain(&[1, 2, 3]))), Some(0));
+        t.forget();
+        assert!(t.slots.iter().all(|s| s.chain.is_none()));
+        // Slot 0 is still busy; slot 2 was never used.
+        assert_eq!(t.assign(3, Some(&chain(&[5, 6, 7]))), Some(2));
+        t.release(0);
+        assert_eq!(t.assign(3, None), Some(1));
     }
 
     #[test]

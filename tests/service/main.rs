@@ -5778,6 +5778,54 @@ async fn an_answer_that_says_done_in_its_text_holds_its_slot_to_its_last_event()
     assert_eq!(in_flight(&svc, "a1"), 0);
 }
 
+/// A backend announced again without `assign_slots`, then with it, while a request it was
+/// assigned a slot is in flight: the router still knows that slot busy, and the request's end
+/// frees its own slot only, never one given to a later request.
+#[tokio::test]
+async fn a_slot_in_flight_while_assignment_is_turned_off_and_on_is_still_known_busy() {
+    let seen = SlotsSeen::default();
+    let record = seen.clone();
+    let service = tower::service_fn(move |req: Req| {
+        let slot = req.extensions().get::<tower_affinity::AssignedSlot>();
+        record.lock().push(slot.map(|s| s.index()));
+        async move { Ok::<_, Infallible>(http::Response::new(ok_body())) }
+    });
+    let (handle, stream) = discover::channel();
+    let announce = |assigned: bool| {
+        let backend = Backend::new("a", service.clone()).slots(nz(3));
+        handle.insert(
+            "a1",
+            if assigned {
+                backend.assign_slots()
+            } else {
+                backend
+            },
+        );
+    };
+    announce(true);
+    let svc = SessionAffinityLayer::new().layer(stream);
+    // x's answer is not read yet: it holds slot 0.
+    let x = svc.clone().oneshot(slot_turn("x", &[1, 2])).await.unwrap();
+    announce(false);
+    svc.apply_discovery();
+    announce(true);
+    svc.apply_discovery();
+    // y does not take x's slot, which the backend is still generating in.
+    let y = svc.clone().oneshot(slot_turn("y", &[5, 6])).await.unwrap();
+    // x's end frees x's slot, not y's: a branch of y's conversation, sent while y is in
+    // flight, is not given y's slot.
+    drop(x);
+    let branch = svc
+        .clone()
+        .oneshot(slot_turn("z", &[5, 6, 7]))
+        .await
+        .unwrap();
+    assert_eq!(*seen.lock(), [Some(0), Some(1), Some(2)]);
+    y.into_body().collect().await.unwrap();
+    branch.into_body().collect().await.unwrap();
+    assert_eq!(in_flight(&svc, "a1"), 0);
+}
+
 /// A token count (or any request a backend does not run in a slot) is given no slot, and the
 /// slot of the conversation it counts is still known to hold that conversation.
 #[tokio::test]
