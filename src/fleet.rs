@@ -346,8 +346,9 @@ impl<S> Backend<S> {
     }
 
     /// Has the router assign this backend's slots: each request it sends here that
-    /// llama-server runs in a slot (a completion of any of the APIs, an embedding, a
-    /// reranking; not a token count) takes one of the backend's [`slots`](Self::slots),
+    /// llama-server runs in the slot it names (a completion of any of the APIs; not an
+    /// embedding or a reranking, which llama-server places itself whatever they name, nor a
+    /// token count) takes one of the backend's [`slots`](Self::slots),
     /// numbered from 0, and carries it as an
     /// [`AssignedSlot`] extension, which the `client` feature's `IdSlot` sends as
     /// llama-server's `id_slot`. For llama-server only: vLLM and SGLang share their KV by

@@ -271,7 +271,8 @@ where
             record,
             api: Api::of(req.uri().path()),
         };
-        // A backend whose slots the router assigns gets the slot of a request it runs in one.
+        // A backend whose slots the router assigns gets the slot of a request it runs in the
+        // slot it names.
         if dispatched.guard.assigns_slots() {
             assign_slot(&mut dispatched.guard, &mut req);
         }
@@ -295,8 +296,9 @@ where
 }
 
 /// Assigns `req` one of its backend's slots, which the router assigns, and puts it in the
-/// request's extensions, if the backend runs it in a slot (a token count takes none, and
-/// would make the router forget what the slot holds). Out of line: the other requests' path
+/// request's extensions, if the backend runs it in the slot it names (a token count takes
+/// none, and an embedding is placed by llama-server whatever it names: either would make the
+/// router forget what the slot holds). Out of line: the other requests' path
 /// does not carry it.
 #[cold]
 #[inline(never)]

@@ -145,21 +145,19 @@ impl SlotTable {
     }
 }
 
-/// Whether llama-server runs a request to `path` in one of its slots: a completion (OpenAI's
-/// chat and completions, Anthropic's Messages, the Responses API, llama-server's own
-/// `/completion` and `/infill`), an embedding or a reranking; not a token count, a template,
-/// a tokenization or a health check.
+/// Whether llama-server runs a request to `path` in the slot its `id_slot` names: a
+/// completion (OpenAI's chat and completions, Anthropic's Messages, the Responses API,
+/// llama-server's own `/completion` and `/infill`); not an embedding or a reranking, which
+/// it runs in slots of its own choosing whatever the request names (a slot assigned to one
+/// would be counted as holding its input while another slot does), nor a token count, a
+/// template, a tokenization or a health check, which take none.
 pub(crate) fn takes_a_slot(path: &str) -> bool {
-    const ENDS: [&str; 9] = [
+    const ENDS: [&str; 5] = [
         "/completion",
         "/completions",
         "/messages",
         "/responses",
         "/infill",
-        "/embedding",
-        "/embeddings",
-        "/rerank",
-        "/reranking",
     ];
     let path = path.strip_suffix('/').unwrap_or(path);
     ENDS.iter().any(|end| path.ends_with(end))
@@ -355,7 +353,7 @@ mod tests {
     }
 
     #[test]
-    fn completions_embeddings_and_rerankings_take_a_slot_and_token_counts_do_not() {
+    fn completions_take_a_slot_and_embeddings_rerankings_and_token_counts_do_not() {
         for path in [
             "/v1/chat/completions",
             "/chat/completions/",
@@ -364,14 +362,14 @@ mod tests {
             "/v1/messages",
             "/v1/responses",
             "/infill",
-            "/v1/embeddings",
-            "/embedding",
-            "/v1/rerank",
-            "/reranking",
         ] {
             assert!(takes_a_slot(path), "{path}");
         }
         for path in [
+            "/v1/embeddings",
+            "/embedding",
+            "/v1/rerank",
+            "/reranking",
             "/v1/messages/count_tokens",
             "/v1/responses/input_tokens",
             "/v1/chat/completions/input_tokens",
