@@ -368,11 +368,31 @@ impl<S> Backend<S> {
     /// chain of the last request sent to it (24 bytes a link: at most 192 KiB, for a prompt
     /// of [`PromptChain::MAX_LINKS`] links).
     ///
+    /// Three things make it work:
+    ///
+    /// - the slot must reach llama-server in the request's body: wrap the backend's service
+    ///   in the `client` feature's `IdSlot` (`client::IdSlotLayer`; its docs wire a whole
+    ///   proxy), or call `client::write_id_slot` in a service of your own. The extension is
+    ///   put on the request the backend's service receives, after placement: a layer in
+    ///   front of the balancer sees none. Without it llama-server chooses its slots, and the
+    ///   router's count of them is wrong;
+    /// - [`BodyKeyLayer`](crate::key::BodyKeyLayer) in front of the balancer reads each
+    ///   request's prompt chain: without it every request is a new conversation to the
+    ///   router, given an empty slot, else the least recently used;
+    /// - the slot count llama-server has (its `-np`), given or learned by the health probe:
+    ///   a number past its slots wraps around onto one that may be in use, where the request
+    ///   waits while another slot is idle.
+    ///
+    /// A request sent while each of its slots is busy (with [`Overflow::Overcommit`](crate::Overflow::Overcommit),
+    /// or a count that changed) is given none, and llama-server chooses.
+    ///
     /// ```
     /// use std::num::NonZeroU32;
     /// use tower_affinity::Backend;
     ///
-    /// let backend = Backend::new("gpu-0", ()).slots(NonZeroU32::new(4).unwrap()).assign_slots();
+    /// # let service = ();
+    /// // `service`: the backend's, in `client::IdSlot` (or one that sends the slot itself).
+    /// let backend = Backend::new("gpu-0", service).slots(NonZeroU32::new(4).unwrap()).assign_slots();
     /// assert!(backend.slots_assigned());
     /// ```
     pub fn assign_slots(mut self) -> Self {

@@ -18,19 +18,44 @@ use crate::AssignedSlot;
 /// A layer that wraps a backend's service in [`IdSlot`], which sends llama-server the slot
 /// the router assigned each request to.
 ///
+/// It goes between the balancer and each llama-server's HTTP client, around the service a
+/// [`Backend`](crate::Backend) declared with
+/// [`assign_slots`](crate::Backend::assign_slots) is given: the balancer puts the request's
+/// [`AssignedSlot`] among its extensions just before it calls that service, so a layer in
+/// front of the balancer sees none. In front of the balancer,
+/// [`BodyKeyLayer`](crate::key::BodyKeyLayer) reads each request's prompt chain, by which
+/// a conversation gets back the slot holding its last prompt, and hands the body on whole,
+/// as the `Full<Bytes>` that `IdSlot` rewrites. A proxy of your own, served with hyper or
+/// axum:
+///
 /// ```
-/// use std::convert::Infallible;
+/// use std::num::NonZeroU32;
 /// use bytes::Bytes;
 /// use http_body_util::Full;
-/// use tower::{service_fn, ServiceBuilder};
-/// use tower_affinity::client::IdSlotLayer;
+/// use tower::{Layer, ServiceBuilder};
+/// use tower_affinity::client::{HttpBackend, IdSlotLayer};
+/// use tower_affinity::discover::StaticFleet;
+/// use tower_affinity::key::BodyKeyLayer;
+/// use tower_affinity::{Backend, BoxError, ErrorToResponseLayer, SessionAffinityLayer};
 ///
-/// let backend = ServiceBuilder::new().layer(IdSlotLayer::new()).service(service_fn(
-///     |_req: http::Request<Full<Bytes>>| async {
-///         Ok::<_, Infallible>(http::Response::new(Full::new(Bytes::new())))
-///     },
-/// ));
-/// # drop(backend);
+/// # fn main() -> Result<(), BoxError> {
+/// let http = HttpBackend::<Full<Bytes>>::builder();
+/// let slots = NonZeroU32::new(4).unwrap(); // llama-server's `-np 4`
+/// let mut fleet = Vec::new();
+/// for (id, node, url) in [("a1", "node-a", "http://10.0.0.1:8080"), ("b1", "node-b", "http://10.0.0.2:8080")] {
+///     let llama = IdSlotLayer::new().layer(http.build(url)?);
+///     fleet.push((id, Backend::new(node, llama).slots(slots).assign_slots()));
+/// }
+/// let affinity = SessionAffinityLayer::new().layer(StaticFleet::new(fleet));
+/// let proxy = ServiceBuilder::new()
+///     .layer(BodyKeyLayer::new())
+///     .layer(ErrorToResponseLayer::new())
+///     .service(affinity);
+/// // Serve `proxy` (an `http::Request<hyper::body::Incoming>` service), e.g. with axum's
+/// // `Router::new().fallback_service(proxy)` or hyper-util's `TowerToHyperService`.
+/// # drop(proxy);
+/// # Ok(())
+/// # }
 /// ```
 #[derive(Clone, Copy, Debug, Default)]
 pub struct IdSlotLayer {
