@@ -378,25 +378,47 @@ impl Recent {
         self.len = (self.len + 1).min(Self::LEN);
     }
 
-    /// Where the bucket a leaf stamped `stamp` counts in is, if any.
+    /// Where the bucket a leaf stamped `stamp` counts in is, if any: the newest first, where
+    /// a leaf just recorded counts; then the oldest, where the least recently used leaves,
+    /// which evictions take, count, if they count at all; else by binary search, the buckets
+    /// beginning at stamps in order.
+    #[inline]
     fn find(&self, stamp: u32) -> Option<usize> {
-        // Older than the oldest bucket (the least recently used leaves, which evictions take):
-        // at once.
-        if self.len == 0 || later(self.buckets[self.at(0)].first, stamp) {
+        if self.len == 0 {
             return None;
         }
-        (0..self.len)
-            .rev()
-            .map(|k| self.at(k))
-            .find(|&i| !later(self.buckets[i].first, stamp))
+        let newest = self.at(self.len - 1);
+        if !later(self.buckets[newest].first, stamp) {
+            return Some(newest);
+        }
+        if later(self.buckets[self.at(0)].first, stamp) {
+            return None;
+        }
+        // The least recently used leaves are in the oldest buckets.
+        if self.len > 1 && later(self.buckets[self.at(1)].first, stamp) {
+            return Some(self.at(0));
+        }
+        // The first of bucket `lo` is at or before `stamp`, that of `hi` after it.
+        let (mut lo, mut hi) = (1, self.len - 1);
+        while hi - lo > 1 {
+            let mid = (lo + hi) / 2;
+            if later(self.buckets[self.at(mid)].first, stamp) {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+        }
+        Some(self.at(lo))
     }
 
+    #[inline]
     fn add(&mut self, stamp: u32) {
         if let Some(i) = self.find(stamp) {
             self.buckets[i].leaves += 1;
         }
     }
 
+    #[inline]
     fn remove(&mut self, stamp: u32) {
         if let Some(i) = self.find(stamp) {
             let b = &mut self.buckets[i];
@@ -832,15 +854,17 @@ impl CacheModel {
     /// a record stamped later (placed after this one, sent before it) takes this record's
     /// stamp as its first: this record sent it too, so that a refusal of the later one
     /// ([`refused`](Self::refused)) does not take it back.
+    #[inline]
     fn touch(&mut self, i: u32, stamp: u32) {
         let was = self.nodes[i as usize].stamp;
         let now = latest(was, stamp);
-        self.nodes[i as usize].stamp = now;
-        // A leaf moves to the bucket of its new stamp.
+        // A leaf used again leaves the leaf list, and its bucket, by its old stamp: the record
+        // touching it goes on from it (it gains a child) or ends there (it is listed again as
+        // the most recently used, in the bucket of its new stamp).
         if now != was && self.listed(i) {
-            self.recent.remove(was);
-            self.recent.add(now);
+            self.unlink(i);
         }
+        self.nodes[i as usize].stamp = now;
         let born = &mut self.born[i as usize];
         if later(*born, stamp) {
             *born = stamp;
@@ -911,6 +935,7 @@ impl CacheModel {
         self.born.reserve_exact(target - self.born.len());
     }
 
+    #[inline]
     fn push_front(&mut self, i: u32) {
         let old = self.head;
         {
@@ -928,6 +953,7 @@ impl CacheModel {
         self.recent.add(self.nodes[i as usize].stamp);
     }
 
+    #[inline]
     fn push_back(&mut self, i: u32) {
         let old = self.tail;
         {
@@ -946,6 +972,7 @@ impl CacheModel {
     }
 
     /// Takes leaf `i` out of the leaf list.
+    #[inline]
     fn unlink(&mut self, i: u32) {
         let Node { prev, next, .. } = self.nodes[i as usize];
         if prev != NONE {
