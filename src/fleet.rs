@@ -362,10 +362,11 @@ impl<S> Backend<S> {
     /// its conversation's last prompt; else a slot never used; else the one sharing the most
     /// with it, if that is more than a tenth of it (among equals, the least recently used);
     /// else the least recently used. The slot is free again once the answer's last byte or
-    /// event has been read. Each router replica assigns the slots on its own: with several
+    /// event has been read; a request the backend does not run (it answers with an error,
+    /// or fails with none) leaves the slot holding what it held. Each router replica assigns the slots on its own: with several
     /// in front of one backend, their requests take each other's slots, and one sent to a
-    /// busy slot waits there for it. The router keeps 32 bytes for each slot, and the prompt
-    /// chain of the last request sent to it (24 bytes a link: at most 192 KiB, for a prompt
+    /// busy slot waits there for it. The router keeps 48 bytes for each slot, and the prompt
+    /// chain of the last request sent to it (and while a request is on it, of the one before) (24 bytes a link: at most 192 KiB, for a prompt
     /// of [`PromptChain::MAX_LINKS`] links).
     ///
     /// Three things make it work:
@@ -1064,6 +1065,18 @@ impl SlotGuard {
         if index != NO_SLOT {
             if let Some(table) = self.load.slot_table.lock().as_mut() {
                 table.release(index);
+            }
+        }
+    }
+
+    /// The backend did not run the request in the slot the router assigned it (it refused
+    /// the request, or never got it): the slot is free, and is known to hold what it held
+    /// before, as the backend's cache model takes back the request's chain.
+    pub(crate) fn put_back_assigned_slot(&mut self) {
+        let index = std::mem::replace(&mut self.assigned, NO_SLOT);
+        if index != NO_SLOT {
+            if let Some(table) = self.load.slot_table.lock().as_mut() {
+                table.put_back(index);
             }
         }
     }

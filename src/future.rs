@@ -155,14 +155,17 @@ struct Dispatched {
 }
 
 /// A request placed on a backend that was not ready, and not yet sent to it: dropped so (its
-/// caller gave up), the chain it owes the backend's cache model is taken back, for the backend
-/// never saw it.
+/// caller gave up), the chain it owes the backend's cache model is taken back, and the slot
+/// assigned to it holds what it held, for the backend never saw it.
 struct Unsent(Option<Dispatched>);
 
 impl Drop for Unsent {
     fn drop(&mut self) {
-        if let Some(record) = self.0.as_mut().and_then(|d| d.record.take()) {
-            record.answer(false);
+        if let Some(d) = self.0.as_mut() {
+            d.guard.put_back_assigned_slot();
+            if let Some(record) = d.record.take() {
+                record.answer(false);
+            }
         }
     }
 }
@@ -188,7 +191,8 @@ impl Dispatched {
     /// The backend's response with the decision attached, its body holding the slot. The
     /// chain recorded for it stands if the backend answered with a success, and is taken
     /// back if not: a backend that refused the prompt (too long for its context, say) did
-    /// not take it into its cache. A backend that answered 503 serves nothing now (llama-server
+    /// not take it into its cache, nor into the slot the router assigned it, which is free
+    /// at once and holds what it held. A backend that answered 503 serves nothing now (llama-server
     /// while it loads its model): it is passed over for the failure cooldown.
     fn respond<B>(mut self, res: http::Response<B>) -> http::Response<ResponseBody<B>> {
         let status = res.status();
@@ -202,6 +206,9 @@ impl Dispatched {
             }
         }
         let taken = status.is_success();
+        if !taken {
+            self.guard.put_back_assigned_slot();
+        }
         let cache = self.record.take().and_then(|r| r.answer(taken));
         if let Some(w) = self.watch.as_mut() {
             w.cache = cache;
@@ -216,14 +223,16 @@ impl Dispatched {
     /// way to an `HttpBackend`, which is no fault of the backend's.
     fn fail(self, e: BoxError) -> Error {
         let Dispatched {
-            guard,
+            mut guard,
             decision,
             finish,
             watch: _,
             record,
             api: _,
         } = self;
-        // The backend failed before answering: what it was sent is taken back.
+        // The backend failed before answering: what it was sent is taken back, from its
+        // cache model and from the slot assigned to it.
+        guard.put_back_assigned_slot();
         if let Some(r) = record {
             r.answer(false);
         }

@@ -42,15 +42,20 @@ impl AssignedSlot {
 
 use crate::PromptChain;
 
-/// What the router knows of one slot of a backend whose slots it assigns: 32 bytes, and the
-/// chain it keeps.
+/// What the router knows of one slot of a backend whose slots it assigns: 48 bytes, and the
+/// chains it keeps.
 #[derive(Debug, Default)]
 struct Slot {
     /// The chain of the last request sent to it, if it had one.
     chain: Option<PromptChain>,
+    /// While a request is on it, the chain it held before: what it holds still if the
+    /// backend does not run the request (refuses it, or never gets it).
+    before: Option<PromptChain>,
     /// Whether a request was ever sent to it (an empty slot takes a new conversation without
     /// dropping another's state).
     used: bool,
+    /// While a request is on it, whether one was sent to it before.
+    used_before: bool,
     busy: bool,
     /// When a request last left it, on the table's own count.
     last_used: u64,
@@ -122,8 +127,8 @@ impl SlotTable {
         };
         let slot = &mut self.slots[chosen];
         slot.busy = true;
-        slot.used = true;
-        slot.chain = chain.cloned();
+        slot.used_before = std::mem::replace(&mut slot.used, true);
+        slot.before = std::mem::replace(&mut slot.chain, chain.cloned());
         Some(chosen as u32)
     }
 
@@ -140,7 +145,21 @@ impl SlotTable {
         self.clock += 1;
         if let Some(slot) = self.slots.get_mut(index as usize) {
             slot.busy = false;
+            slot.before = None;
             slot.last_used = self.clock;
+        }
+    }
+
+    /// The request on slot `index` has ended without the backend running it there: it
+    /// refused the request (llama-server answers 400 to a prompt longer than a slot's
+    /// context, before it touches the slot) or never got it. The slot holds what it held
+    /// before, and was used when it was used before: a conversation whose last prompt is
+    /// there still gets it back.
+    pub(crate) fn put_back(&mut self, index: u32) {
+        if let Some(slot) = self.slots.get_mut(index as usize).filter(|s| s.busy) {
+            slot.busy = false;
+            slot.chain = slot.before.take();
+            slot.used = slot.used_before;
         }
     }
 }
@@ -387,8 +406,30 @@ mod tests {
     }
 
     #[test]
-    fn a_slot_takes_32_bytes_besides_its_chain() {
-        assert_eq!(std::mem::size_of::<Slot>(), 32);
+    fn a_slot_takes_48_bytes_besides_its_chains() {
+        assert_eq!(std::mem::size_of::<Slot>(), 48);
+    }
+
+    #[test]
+    fn a_slot_put_back_holds_what_it_held_before_and_keeps_its_place_in_the_lru_order() {
+        let mut t = table_holding(&[Some(chain(&[1, 2])), Some(chain(&[5, 6]))]);
+        // Slot 0 is the least recently used: a prompt sharing nothing takes it, and is
+        // refused there.
+        assert_eq!(t.assign(2, Some(&chain(&[20, 21]))), Some(0));
+        t.put_back(0);
+        // Slot 0 still holds [1, 2]: its conversation goes back there.
+        assert_eq!(t.assign(2, Some(&chain(&[1, 2, 3]))), Some(0));
+        t.release(0);
+        // An empty slot put back is empty still; one released after a run is not.
+        let mut t = SlotTable::default();
+        assert_eq!(t.assign(2, Some(&chain(&[1]))), Some(0));
+        t.put_back(0);
+        assert_eq!(t.assign(2, Some(&chain(&[2]))), Some(0));
+        t.release(0);
+        assert_eq!(t.assign(2, Some(&chain(&[3]))), Some(1));
+        // Putting back a slot no request is on changes nothing.
+        t.put_back(0);
+        assert_eq!(t.slots[0].chain, Some(chain(&[2])));
     }
 
     #[test]

@@ -5866,3 +5866,69 @@ async fn an_embedding_or_a_reranking_takes_no_assigned_slot_and_leaves_the_conve
     }
     assert_eq!(*seen.lock(), [Some(0), None, None, None, Some(0)]);
 }
+
+/// Conversations x and y on slots 0 and 1 (0 the least recently used) of a backend whose
+/// slots the router assigns, then a prompt of conversation z, sharing nothing with them,
+/// marked `mark`: it is given slot 0, and the backend does not run it, refusing one marked
+/// `x-refuse` with a 400 (as llama-server does a prompt longer than a slot's context, before
+/// it touches the slot) and failing one marked `x-fail` (no answer at all). x and y then go
+/// on, each on its own slot.
+async fn a_request_not_run_leaves_its_slot_to_its_conversation(mark: &'static str) {
+    let seen = SlotsSeen::default();
+    let record = seen.clone();
+    let service = tower::service_fn(move |req: Req| {
+        let slot = req.extensions().get::<tower_affinity::AssignedSlot>();
+        record.lock().push(slot.map(|s| s.index()));
+        let (refuse, fail) = (
+            req.headers().contains_key("x-refuse"),
+            req.headers().contains_key("x-fail"),
+        );
+        async move {
+            if fail {
+                return Err(std::io::Error::other("connection reset"));
+            }
+            let status = if refuse { 400 } else { 200 };
+            let res = http::Response::builder().status(status).body(ok_body());
+            Ok(res.unwrap())
+        }
+    });
+    let backend = Backend::new("a", service).slots(nz(2)).assign_slots();
+    let svc = SessionAffinityLayer::new()
+        .failure_cooldown(Duration::ZERO)
+        .layer(StaticFleet::new([("a1", backend)]));
+    for (session, ids) in [("x", &[1u64, 2][..]), ("y", &[5, 6])] {
+        let res = svc.clone().oneshot(slot_turn(session, ids)).await.unwrap();
+        res.into_body().collect().await.unwrap();
+    }
+    let mut req = slot_turn("z", &[20, 21]);
+    req.headers_mut()
+        .insert(mark, http::HeaderValue::from_static("1"));
+    if let Ok(res) = svc.clone().oneshot(req).await {
+        assert_eq!(res.status(), 400);
+        res.into_body().collect().await.unwrap();
+    }
+    for (session, ids) in [("x", &[1u64, 2, 3][..]), ("y", &[5, 6, 7])] {
+        let res = svc.clone().oneshot(slot_turn(session, ids)).await.unwrap();
+        res.into_body().collect().await.unwrap();
+    }
+    assert_eq!(
+        *seen.lock(),
+        [Some(0), Some(1), Some(0), Some(0), Some(1)],
+        "x and y back on their own slots"
+    );
+    assert_eq!(in_flight(&svc, "a1"), 0);
+}
+
+/// A request the backend refuses (llama-server's 400 to a prompt longer than a slot's
+/// context) leaves the slot assigned to it holding what it held: the conversation whose last
+/// prompt is there gets it back, rather than take another's slot and drop both caches.
+#[tokio::test]
+async fn a_slot_whose_request_is_refused_still_holds_its_conversation() {
+    a_request_not_run_leaves_its_slot_to_its_conversation("x-refuse").await;
+}
+
+/// The same for a request that fails on its way, with no answer at all.
+#[tokio::test]
+async fn a_slot_whose_request_failed_still_holds_its_conversation() {
+    a_request_not_run_leaves_its_slot_to_its_conversation("x-fail").await;
+}
