@@ -468,6 +468,7 @@ where
             self.learns_slots(&t.backend),
             self.learns_context(&t.backend),
         );
+        let given = t.backend.slots_given().then(|| t.backend.slot_count());
         let s = &mut t.status;
         s.probes += 1;
         let mut mark = None;
@@ -540,6 +541,23 @@ where
                     if let (true, Some(total)) = (learns_slots, total) {
                         tracing::info!(backend = %id, slots = total.get(), "slot count read from {}", checked.slots_from);
                         learned = true;
+                    }
+                    // Once for each count read: a count given that is more than the server
+                    // runs (a `slots=4` for a llama-server's `-np 2`) sends it requests it
+                    // makes wait, unseen, and the ids of slots assigned past its count name
+                    // its slots in use, as llama-server takes an `id_slot` modulo its slots.
+                    if let (Some(given), Some(total)) = (given, total) {
+                        if given > total {
+                            tracing::warn!(
+                                backend = %id,
+                                given = given.get(),
+                                listed = total.get(),
+                                "more slots given than {} lists: the requests past them wait in \
+                                 the server, unseen by placement, and an id_slot assigned past \
+                                 them names a slot in use",
+                                checked.slots_from
+                            );
+                        }
                     }
                 }
                 // A count missing from a later answer keeps the last one read.

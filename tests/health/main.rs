@@ -1041,6 +1041,43 @@ async fn a_transient_slots_failure_does_not_stop_the_request_context_being_learn
     );
 }
 
+/// A backend given more slots than its `/slots` lists (a `slots=4` for a llama-server run
+/// with `-np 2`) is warned of, once: the requests past its slots would wait in the server,
+/// and an `id_slot` assigned past them names one of its slots in use. One given its count, or
+/// fewer (a replica's share), is not.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_backend_given_more_slots_than_its_slots_lists_is_warned_of_once() {
+    let logs = logs();
+    let (a, _stub_a) = start(2).await;
+    let (b, _stub_b) = start(2).await;
+    let (c, _stub_c) = start(2).await;
+    let given = |n| NonZeroU32::new(n).unwrap();
+    let (affinity, prober) = balancer(
+        HealthProbe::new(),
+        vec![
+            (
+                "a",
+                Backend::new("n", http(a)).slots(given(4)).assign_slots(),
+            ),
+            (
+                "b",
+                Backend::new("n", http(b)).slots(given(2)).assign_slots(),
+            ),
+            ("c", Backend::new("n", http(c)).slots(given(1))),
+        ],
+    );
+    for _ in 0..3 {
+        prober.round(&affinity).await;
+    }
+    let warning = "more slots given than /slots lists";
+    assert_eq!(said(&logs, "a", warning), 1, "{}", logs.text());
+    assert!(logs.text().contains("given=4 listed=2"), "{}", logs.text());
+    assert_eq!(said(&logs, "b", warning), 0);
+    assert_eq!(said(&logs, "c", warning), 0);
+    // The count given stands: the warning changes nothing.
+    assert_eq!(status(&affinity, "a").slots, 4);
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_backend_with_its_slots_given_and_no_slots_endpoint_is_not_asked_again_for_its_context() {
     let (b, stub_b) = start(2).await;
