@@ -346,17 +346,19 @@ impl<S> Backend<S> {
     }
 
     /// Has the router assign this backend's slots: each request it sends here that
-    /// llama-server runs in the slot it names (a completion of any of the APIs; not an
-    /// embedding or a reranking, which llama-server places itself whatever they name, nor a
-    /// token count) takes one of the backend's [`slots`](Self::slots),
+    /// llama-server runs in the slot it names (a completion of OpenAI's APIs or
+    /// llama-server's own; not an Anthropic Messages request, an embedding or a reranking,
+    /// which llama-server places itself whatever they name, nor a token count) takes one of
+    /// the backend's [`slots`](Self::slots),
     /// numbered from 0, and carries it as an
     /// [`AssignedSlot`] extension, which the `client` feature's `IdSlot` sends as
     /// llama-server's `id_slot`. For llama-server only: vLLM and SGLang share their KV by
     /// prefix and have no slots to assign. llama-server reads `id_slot` in its own
     /// `/completion`, in OpenAI's chat and completions and in the Responses API, but not in
     /// Anthropic's Messages (`/v1/messages`), whose conversion to a chat completion keeps only
-    /// a few of the body's fields: there it chooses the slot itself, by similarity, and a
-    /// conversation's own slot is the one it takes as long as it holds the conversation.
+    /// a few of the body's fields: such a request takes no slot, as an embedding does, and
+    /// llama-server chooses one by similarity (a conversation's own, as long as it holds the
+    /// conversation).
     ///
     /// llama-server, left to choose, gives a request the idle slot whose last prompt shares
     /// the most with it, even when another slot is empty, and keeps only what they share of

@@ -165,19 +165,14 @@ impl SlotTable {
 }
 
 /// Whether llama-server runs a request to `path` in the slot its `id_slot` names: a
-/// completion (OpenAI's chat and completions, Anthropic's Messages, the Responses API,
-/// llama-server's own `/completion` and `/infill`); not an embedding or a reranking, which
-/// it runs in slots of its own choosing whatever the request names (a slot assigned to one
-/// would be counted as holding its input while another slot does), nor a token count, a
-/// template, a tokenization or a health check, which take none.
+/// completion (OpenAI's chat and completions, the Responses API, llama-server's own
+/// `/completion` and `/infill`); not an Anthropic Messages request, whose conversion to a
+/// chat completion drops `id_slot`, nor an embedding or a reranking, which it runs in slots
+/// of its own choosing whatever the request names (a slot assigned to one would be counted as
+/// holding its prompt while another slot does), nor a token count, a template, a
+/// tokenization or a health check, which take none.
 pub(crate) fn takes_a_slot(path: &str) -> bool {
-    const ENDS: [&str; 5] = [
-        "/completion",
-        "/completions",
-        "/messages",
-        "/responses",
-        "/infill",
-    ];
+    const ENDS: [&str; 4] = ["/completion", "/completions", "/responses", "/infill"];
     let path = path.strip_suffix('/').unwrap_or(path);
     ENDS.iter().any(|end| path.ends_with(end))
 }
@@ -372,19 +367,19 @@ mod tests {
     }
 
     #[test]
-    fn completions_take_a_slot_and_embeddings_rerankings_and_token_counts_do_not() {
+    fn completions_take_a_slot_and_anthropic_messages_embeddings_and_token_counts_do_not() {
         for path in [
             "/v1/chat/completions",
             "/chat/completions/",
             "/v1/completions",
             "/completion",
-            "/v1/messages",
             "/v1/responses",
             "/infill",
         ] {
             assert!(takes_a_slot(path), "{path}");
         }
         for path in [
+            "/v1/messages",
             "/v1/embeddings",
             "/embedding",
             "/v1/rerank",

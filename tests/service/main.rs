@@ -5845,18 +5845,20 @@ async fn a_token_count_takes_no_assigned_slot_and_leaves_the_conversations_own()
     assert_eq!(*seen.lock(), [Some(0), None, None, Some(0)]);
 }
 
-/// An embedding or a reranking is given no slot: llama-server runs them in slots of its own
-/// choosing, whatever `id_slot` they carry, so a slot assigned to one would be counted as
+/// An embedding, a reranking or an Anthropic Messages request is given no slot: llama-server
+/// runs them in slots of its own choosing, whatever `id_slot` they carry, so a slot assigned to one would be counted as
 /// holding its input, and the conversation whose prompt that slot still holds would be sent
 /// elsewhere on its next turn.
 #[tokio::test]
-async fn an_embedding_or_a_reranking_takes_no_assigned_slot_and_leaves_the_conversations_own() {
+async fn a_request_llama_server_places_itself_takes_no_assigned_slot_and_leaves_the_conversations_own(
+) {
     let (seen, svc) = slot_backend(2, true, ok_body);
     for (path, session, ids) in [
         ("/v1/chat/completions", "x", &[1u64, 2][..]),
         ("/v1/embeddings", "e", &[7]),
         ("/embedding", "e", &[8]),
         ("/v1/rerank", "r", &[9]),
+        ("/v1/messages", "m", &[10]),
         ("/v1/chat/completions", "x", &[1, 2, 3]),
     ] {
         let mut req = slot_turn(session, ids);
@@ -5864,7 +5866,7 @@ async fn an_embedding_or_a_reranking_takes_no_assigned_slot_and_leaves_the_conve
         let res = svc.clone().oneshot(req).await.unwrap();
         res.into_body().collect().await.unwrap();
     }
-    assert_eq!(*seen.lock(), [Some(0), None, None, None, Some(0)]);
+    assert_eq!(*seen.lock(), [Some(0), None, None, None, None, Some(0)]);
 }
 
 /// Conversations x and y on slots 0 and 1 (0 the least recently used) of a backend whose
