@@ -317,17 +317,21 @@ pub(crate) struct CacheModel {
 
 /// The leaves counted by when they were last recorded, in buckets of [`Recent::GRAIN_S`]
 /// seconds on the fleet's clock, the latest [`Recent::LEN`] of them (at least ten minutes),
-/// 768 bytes. A bucket begins at a record's stamp and time; a leaf counts in the bucket its
+/// 792 bytes. A bucket begins at a record's stamp and time; a leaf counts in the bucket its
 /// stamp falls in, and leaves it when it gains a child, is recorded again or is evicted. A
 /// leaf older than the oldest bucket counts in none: its conversation had no turn for ten
-/// minutes. Each change finds its bucket from the newest, so a leaf recorded lately costs a
-/// comparison or two.
+/// minutes. The buckets from the one a count last started at are kept added up as leaves come
+/// and go, so that a count moves on from the last one: O(1) a change and, amortized, a count.
 #[derive(Debug)]
 struct Recent {
-    /// Oldest first from `next` on, as a ring.
+    /// Bucket `n` of those begun is at `n % LEN` while it is one of the latest `LEN`.
     buckets: [Bucket; Recent::LEN],
-    len: usize,
-    next: usize,
+    /// Buckets begun so far.
+    begun: u64,
+    /// The bucket the last count started at, never older than the oldest kept.
+    from: u64,
+    /// The leaves of that bucket and of those after it.
+    counted: u32,
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -344,8 +348,9 @@ impl Default for Recent {
     fn default() -> Self {
         Recent {
             buckets: [Bucket::default(); Recent::LEN],
-            len: 0,
-            next: 0,
+            begun: 0,
+            from: 0,
+            counted: 0,
         }
     }
 }
@@ -354,88 +359,121 @@ impl Recent {
     const LEN: usize = 64;
     const GRAIN_S: u32 = 10;
 
-    fn at(&self, k: usize) -> usize {
-        (self.next + Self::LEN - self.len + k) % Self::LEN
+    fn bucket(&self, n: u64) -> &Bucket {
+        &self.buckets[(n % Self::LEN as u64) as usize]
+    }
+
+    fn bucket_mut(&mut self, n: u64) -> &mut Bucket {
+        &mut self.buckets[(n % Self::LEN as u64) as usize]
+    }
+
+    /// The oldest bucket kept.
+    fn oldest(&self) -> u64 {
+        self.begun.saturating_sub(Self::LEN as u64)
     }
 
     /// A record stamped `stamp` sent at `now_ms`: begins a bucket if the newest is
-    /// [`GRAIN_S`](Self::GRAIN_S) old. A record stamped before the newest bucket began counts
-    /// in an older one, by its stamp.
+    /// [`GRAIN_S`](Self::GRAIN_S) old, in the place of the oldest. A record stamped before the
+    /// newest bucket began counts in an older one, by its stamp.
     fn note(&mut self, now_ms: u64, stamp: u32) {
         let secs = u32::try_from(now_ms / 1_000).unwrap_or(u32::MAX);
-        if self.len > 0 {
-            let newest = self.buckets[self.at(self.len - 1)];
+        if self.begun > 0 {
+            let newest = self.bucket(self.begun - 1);
             if secs < newest.secs.saturating_add(Self::GRAIN_S) || !later(stamp, newest.first) {
                 return;
             }
         }
-        self.buckets[self.next] = Bucket {
+        if self.begun >= Self::LEN as u64 {
+            let gone = self.begun - Self::LEN as u64;
+            if self.from == gone {
+                self.counted = self.counted.saturating_sub(self.bucket(gone).leaves);
+                self.from = gone + 1;
+            }
+        }
+        let n = self.begun;
+        *self.bucket_mut(n) = Bucket {
             secs,
             first: stamp,
             leaves: 0,
         };
-        self.next = (self.next + 1) % Self::LEN;
-        self.len = (self.len + 1).min(Self::LEN);
+        self.begun += 1;
     }
 
-    /// Where the bucket a leaf stamped `stamp` counts in is, if any: the newest first, where
-    /// a leaf just recorded counts; then the oldest, where the least recently used leaves,
-    /// which evictions take, count, if they count at all; else by binary search, the buckets
+    /// The bucket a leaf stamped `stamp` counts in, if any: the newest first, where a leaf
+    /// just recorded counts; then the oldest, where the least recently used leaves, which
+    /// evictions take, count, if they count at all; else by binary search, the buckets
     /// beginning at stamps in order.
     #[inline]
-    fn find(&self, stamp: u32) -> Option<usize> {
-        if self.len == 0 {
+    fn find(&self, stamp: u32) -> Option<u64> {
+        if self.begun == 0 {
             return None;
         }
-        let newest = self.at(self.len - 1);
-        if !later(self.buckets[newest].first, stamp) {
+        let newest = self.begun - 1;
+        if !later(self.bucket(newest).first, stamp) {
             return Some(newest);
         }
-        if later(self.buckets[self.at(0)].first, stamp) {
+        let oldest = self.oldest();
+        if later(self.bucket(oldest).first, stamp) {
             return None;
         }
-        // The least recently used leaves are in the oldest buckets.
-        if self.len > 1 && later(self.buckets[self.at(1)].first, stamp) {
-            return Some(self.at(0));
-        }
         // The first of bucket `lo` is at or before `stamp`, that of `hi` after it.
-        let (mut lo, mut hi) = (1, self.len - 1);
+        let (mut lo, mut hi) = (oldest, newest);
+        if later(self.bucket(lo + 1).first, stamp) {
+            return Some(lo);
+        }
+        lo += 1;
         while hi - lo > 1 {
-            let mid = (lo + hi) / 2;
-            if later(self.buckets[self.at(mid)].first, stamp) {
+            let mid = lo + (hi - lo) / 2;
+            if later(self.bucket(mid).first, stamp) {
                 hi = mid;
             } else {
                 lo = mid;
             }
         }
-        Some(self.at(lo))
+        Some(lo)
     }
 
     #[inline]
     fn add(&mut self, stamp: u32) {
-        if let Some(i) = self.find(stamp) {
-            self.buckets[i].leaves += 1;
+        if let Some(n) = self.find(stamp) {
+            self.bucket_mut(n).leaves += 1;
+            if n >= self.from {
+                self.counted += 1;
+            }
         }
     }
 
     #[inline]
     fn remove(&mut self, stamp: u32) {
-        if let Some(i) = self.find(stamp) {
-            let b = &mut self.buckets[i];
-            b.leaves = b.leaves.saturating_sub(1);
+        if let Some(n) = self.find(stamp) {
+            let b = self.bucket_mut(n);
+            if b.leaves > 0 {
+                b.leaves -= 1;
+                if n >= self.from {
+                    self.counted -= 1;
+                }
+            }
         }
     }
 
-    /// Leaves recorded since about `since_ms` (the buckets that end after it), or `None` if
-    /// no record's time is known.
-    fn since(&self, since_ms: u64) -> Option<u32> {
-        (self.len > 0).then(|| {
-            (0..self.len)
-                .map(|k| self.buckets[self.at(k)])
-                .filter(|b| (u64::from(b.secs) + u64::from(Self::GRAIN_S)) * 1_000 > since_ms)
-                .map(|b| b.leaves)
-                .sum()
-        })
+    /// Leaves recorded since about `since_ms` (those of the buckets that end after it), or
+    /// `None` if no record's time is known. Moves on from the last count's first bucket; a
+    /// count from further back adds the buckets up again.
+    fn since(&mut self, since_ms: u64) -> Option<u32> {
+        if self.begun == 0 {
+            return None;
+        }
+        let ends_after =
+            |b: &Bucket| (u64::from(b.secs) + u64::from(Self::GRAIN_S)) * 1_000 > since_ms;
+        if self.from > self.oldest() && ends_after(self.bucket(self.from - 1)) {
+            self.from = self.oldest();
+            self.counted = (self.from..self.begun).map(|n| self.bucket(n).leaves).sum();
+        }
+        while self.from < self.begun && !ends_after(self.bucket(self.from)) {
+            self.counted -= self.bucket(self.from).leaves;
+            self.from += 1;
+        }
+        Some(self.counted)
     }
 }
 
@@ -486,8 +524,8 @@ impl CacheModel {
 
     /// Conversations with a turn sent since about `since_ms` on the fleet's clock (to
     /// [`Recent::GRAIN_S`]; at most ten minutes back): the leaves recorded since. All of them
-    /// for 0, or when no record's time is known. O(buckets).
-    pub(crate) fn live_conversations(&self, since_ms: u64) -> u32 {
+    /// for 0, or when no record's time is known. O(1), amortized.
+    pub(crate) fn live_conversations(&mut self, since_ms: u64) -> u32 {
         match since_ms {
             0 => self.leaves,
             _ => self.recent.since(since_ms).unwrap_or(self.leaves),
@@ -1133,8 +1171,14 @@ impl CacheModel {
             i = self.nodes[i as usize].next;
         }
         assert_eq!(walked, self.leaves);
-        // Each leaf counts in the bucket its stamp falls in, if any.
-        assert_eq!(self.recent.since(1).unwrap_or(0), bucketed);
+        // Each leaf counts in the bucket its stamp falls in, if any, and the count from the
+        // last one started at is the sum of its buckets'.
+        let r = &self.recent;
+        let all: u32 = (r.oldest()..r.begun).map(|n| r.bucket(n).leaves).sum();
+        assert_eq!(all, bucketed);
+        let counted: u32 = (r.from..r.begun).map(|n| r.bucket(n).leaves).sum();
+        assert!(r.from >= r.oldest());
+        assert_eq!(r.counted, counted);
     }
 }
 
@@ -1451,6 +1495,34 @@ mod tests {
         send(&mut m, 1_300, &[8]);
         assert_eq!((m.conversations(), m.live_conversations(1_000_000)), (4, 1));
         assert_eq!(m.live_conversations(390_000), 4);
+        m.check();
+    }
+
+    #[test]
+    fn the_live_count_keeps_its_latest_buckets_and_counts_from_any_start() {
+        // A hundred conversations of one turn, one every ten seconds: a bucket each.
+        let mut m = CacheModel::new(1 << 20);
+        for i in 0..100u64 {
+            let stamp = m.clock.wrapping_add(1).max(1);
+            m.note_sent(i * 10_000, stamp);
+            m.record(chain(&[1_000 + i]).links(), 0, stamp);
+            m.check();
+        }
+        assert_eq!(m.conversations(), 100);
+        // The last five minutes: the conversations from 690 s on.
+        assert_eq!(m.live_conversations(690_000), 31);
+        // Only the latest 64 buckets are kept.
+        assert_eq!(m.live_conversations(1), 64);
+        m.check();
+        assert_eq!(m.live_conversations(690_000), 31);
+        // Back to an earlier start: counted again.
+        assert_eq!(m.live_conversations(500_000), 50);
+        m.check();
+        // A conversation of 400 s has its next turn: it counts in the latest bucket.
+        let stamp = m.clock.wrapping_add(1).max(1);
+        m.note_sent(1_000_000, stamp);
+        m.record(chain(&[1_040, 7]).links(), 1, stamp);
+        assert_eq!(m.live_conversations(690_000), 32);
         m.check();
     }
 
@@ -2190,8 +2262,8 @@ mod tests {
             let cell = ModelCell::new(budget);
             cell.lock().max_blocks = 40;
             let mut waiting: Vec<(PromptChain, usize, u32)> = Vec::new();
-            // Seven seconds between sends: buckets of the live count begin and fall out of
-            // its ring as the prompts go.
+            // Thirteen seconds between sends: a bucket of the live count begins with each,
+            // and the oldest fall out of its ring as the prompts go.
             let mut now = 0;
             for op in ops.into_iter().chain((0..80).map(|_| Sent::Answer(0, true))) {
                 match op {
@@ -2199,7 +2271,7 @@ mod tests {
                         let chain = conversation(c, n);
                         let stamp = cell.reserve();
                         let mut m = cell.lock();
-                        now += 7_000;
+                        now += 13_000;
                         m.note_sent(now, stamp);
                         let known = m.known_from(chain.links(), 0).links;
                         m.record_sent(chain.links(), known, stamp);
@@ -2214,13 +2286,15 @@ mod tests {
                         }
                     }
                 }
-                let m = cell.lock();
+                let mut m = cell.lock();
                 m.check();
                 proptest::prop_assert!(m.blocks() <= 40);
                 proptest::prop_assert!(m.tokens() <= budget);
-                proptest::prop_assert!(
-                    m.live_conversations(now.saturating_sub(60_000).max(1)) <= m.conversations()
-                );
+                // Counts over a minute and over five, in turn: each moves on from the other's.
+                let minute = m.live_conversations(now.saturating_sub(60_000).max(1));
+                let five = m.live_conversations(now.saturating_sub(300_000).max(1));
+                proptest::prop_assert!(minute <= five && five <= m.conversations());
+                m.check();
             }
         }
 

@@ -341,7 +341,7 @@ fn spread_load(fleet: &FleetView<'_>, b: &BackendRef<'_>, since_ms: u64) -> (u64
     let total_slots = u64::from(fleet.topology.total_slots.max(1));
     let slots = u64::from(b.slots().max(1));
     let (conversations, tokens) = {
-        let model = b.member().cache.lock();
+        let mut model = b.member().cache.lock();
         (
             u64::from(model.live_conversations(since_ms)),
             model.tokens(),
@@ -514,7 +514,13 @@ impl Bound {
     }
 
     fn admits(&self, b: &BackendRef<'_>) -> bool {
-        self.admits_homing(b, b.conversations_since(self.since_ms))
+        // The conversations are counted (a lock of the backend's model) only for a bound on
+        // them.
+        let homed = match self.per_slot {
+            f64::INFINITY => 0,
+            _ => b.conversations_since(self.since_ms),
+        };
+        self.admits_homing(b, homed)
     }
 
     /// [`admits`](Self::admits), counting `homed` conversations against a conversation bound
