@@ -177,9 +177,9 @@ impl Policy {
             .map_or("?", |(n, _)| n)
     }
 
-    fn build(self) -> Arc<dyn Placement> {
+    fn build(self, live_window: Duration) -> Arc<dyn Placement> {
         match self {
-            Policy::NodeThenBackend => Arc::new(NodeThenBackend::new()),
+            Policy::NodeThenBackend => Arc::new(NodeThenBackend::new().live_window(live_window)),
             Policy::RoundRobin => Arc::new(RoundRobin::new()),
             Policy::LeastLoaded => Arc::new(LeastLoaded::new()),
             Policy::Rendezvous => Arc::new(Rendezvous),
@@ -196,6 +196,8 @@ pub(crate) struct Config {
     /// spec built field by field needs no budget.
     pub(crate) cache_tokens: HashMap<String, u64>,
     pub(crate) policy: Policy,
+    /// `NodeThenBackend::live_window`, for `--policy node-then-backend`.
+    pub(crate) live_window: Duration,
     pub(crate) overflow: Overflow,
     /// The longest wait for a backend connection; `None` waits as long as the system does.
     pub(crate) connect_timeout: Option<Duration>,
@@ -277,6 +279,7 @@ impl Config {
             backends,
             cache_tokens: HashMap::new(),
             policy: Policy::NodeThenBackend,
+            live_window: NodeThenBackend::DEFAULT_LIVE_WINDOW,
             overflow: Overflow::default(),
             connect_timeout: Some(Duration::from_secs(2)),
             // Long: a non-streamed answer comes after its whole prompt is read and its whole
@@ -569,7 +572,7 @@ impl Proxy {
             let (fleet, prober) = probe.discover(fleet);
             let mut layer = SessionAffinityLayer::new()
                 .key(FirstOf::new(HeaderKey::default(), ExtensionKey))
-                .placement(config.policy.build())
+                .placement(config.policy.build(config.live_window))
                 .overflow(config.overflow)
                 .failure_cooldown(config.failure_cooldown)
                 .replicas(config.replicas)

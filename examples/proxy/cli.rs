@@ -67,6 +67,9 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
                              backend queues the excess (slots=S/N caps an instance)
   --policy P                 node-then-backend (default) | round-robin | least-loaded |
                              rendezvous
+  --live-window DURATION     node-then-backend spreads new conversations by those
+                             with a turn within it (default 5m; 0: every
+                             conversation the cache models remember)
   --overflow O               wait (default) | overcommit | reject: when every
                              candidate is full
   --max-wait DURATION        longest wait for a slot with --overflow wait (default 60s)
@@ -333,6 +336,7 @@ where
                     .map(|(_, p)| *p)
                     .ok_or_else(|| format!("--policy {v:?}: expected one of {}", names()))?;
             }
+            "--live-window" => config.live_window = duration(&flag, &value()?)?,
             "--overflow" => overflow = value()?,
             "--max-wait" => max_wait = duration(&flag, &value()?)?,
             "--max-queued" => {

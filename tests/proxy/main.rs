@@ -3142,7 +3142,7 @@ fn the_defaults_help_and_the_readme_state_are_the_parsers() {
     };
     let c = &run.config;
     let secs = Duration::from_secs;
-    let defaults: [(&str, &str, bool); 22] = [
+    let defaults: [(&str, &str, bool); 23] = [
         (
             "(default 127.0.0.1:8080)",
             "(`127.0.0.1:8080`)",
@@ -3172,6 +3172,11 @@ fn the_defaults_help_and_the_readme_state_are_the_parsers() {
             "node-then-backend (default)",
             "(`node-then-backend`)",
             c.policy.name() == "node-then-backend",
+        ),
+        (
+            "(default 5m; 0: every",
+            "(`5m`; `0` counts every",
+            c.live_window == secs(300),
         ),
         (
             "wait (default) | overcommit | reject",
