@@ -21,14 +21,17 @@
 # shares the most with it, another conversation's of the same system prompt, and drops that
 # one's tail; with TA_OPENINGS_BACKEND_OPTIONS=,assign-slots the proxy gives each
 # conversation a slot of its own. Rounds that put three or four conversations on a backend
-# of two slots fall short either way (BENCHMARKS.md, part 31).
+# of two slots fall short either way (BENCHMARKS.md, part 31). With a pause between rounds
+# longer than the proxy's --live-window (TA_OPENINGS_PAUSE=330), the conversations of the
+# rounds before count no more where a round's new ones are spread (part 32).
 #
 # Environment: TA_CACHE_DIR (~/.cache/tower-affinity), TA_PROXY_BIN
 # (target/release/examples/proxy), TA_OPENINGS_PORTS ("18098 18099 18100": two llama-servers,
 # then the proxy), TA_OPENINGS_ROUNDS (5), TA_OPENINGS_AGENTS (4), TA_OPENINGS_STAGGER (0:
 # seconds between one agent's opening and the next's), TA_OPENINGS_THINK (0: seconds an agent
-# thinks between its turns, as agents run tools), TA_OPENINGS_BACKEND_OPTIONS (added to each
-# --backend, e.g. ",assign-slots").
+# thinks between its turns, as agents run tools), TA_OPENINGS_PAUSE (0: seconds between one
+# round's end and the next's start), TA_OPENINGS_BACKEND_OPTIONS (added to each --backend,
+# e.g. ",assign-slots").
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -39,6 +42,7 @@ ROUNDS="${TA_OPENINGS_ROUNDS:-5}"
 AGENTS="${TA_OPENINGS_AGENTS:-4}"
 STAGGER="${TA_OPENINGS_STAGGER:-0}"
 THINK="${TA_OPENINGS_THINK:-0}"
+PAUSE="${TA_OPENINGS_PAUSE:-0}"
 OPTIONS="${TA_OPENINGS_BACKEND_OPTIONS:-}"
 two_llamas_and_a_proxy TA_OPENINGS_PORTS "18098 18099 18100"
 "$PROXY" --listen "127.0.0.1:${PORTS[2]}" -v \
@@ -49,11 +53,11 @@ wait_up "http://127.0.0.1:${PORTS[2]}/metrics" "$!" "$LOGS/proxy.log"
 sleep 2 # the first probes read the slot counts
 
 rc=0
-python3 - "${PORTS[2]}" "$ROUNDS" "$AGENTS" "$STAGGER" "$THINK" <<'PY' || rc=1
+python3 - "${PORTS[2]}" "$ROUNDS" "$AGENTS" "$STAGGER" "$THINK" "$PAUSE" <<'PY' || rc=1
 import collections, http.client, json, sys, threading, time
 
 port, rounds, agents = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-stagger, think = float(sys.argv[4]), float(sys.argv[5])
+stagger, think, pause = float(sys.argv[4]), float(sys.argv[5]), float(sys.argv[6])
 turns = 4
 
 def post(body):
@@ -85,6 +89,8 @@ def agent(r, a, out):
 
 ok = True
 for r in range(rounds):
+    if r > 0:
+        time.sleep(pause)
     out, start = [], time.time()
     threads = [threading.Thread(target=agent, args=(r, a, out)) for a in range(agents)]
     for t in threads:
