@@ -369,11 +369,12 @@ impl<S> Backend<S> {
     /// with it, if that is more than a tenth of it (among equals, the least recently used);
     /// else the least recently used. The slot is free again once the answer's last byte or
     /// event has been read; a request the backend does not run (it answers with an error,
-    /// or fails with none) leaves the slot holding what it held. Each router replica assigns the slots on its own: with several
-    /// in front of one backend, their requests take each other's slots, and one sent to a
-    /// busy slot waits there for it. The router keeps 48 bytes for each slot, and the prompt
-    /// chain of the last request sent to it (and while a request is on it, of the one before) (24 bytes a link: at most 192 KiB, for a prompt
-    /// of [`PromptChain::MAX_LINKS`] links).
+    /// or fails with none) leaves the slot holding what it held. Each router replica assigns
+    /// the slots on its own: with several in front of one backend, their requests take each
+    /// other's slots, and one sent to a busy slot waits there for it. The router keeps 48
+    /// bytes for each slot, and the prompt chain of the last request sent to it (and while a
+    /// request is on it, of the one before; 24 bytes a link: at most 192 KiB, for a prompt of
+    /// [`PromptChain::MAX_LINKS`] links).
     ///
     /// Three things make it work:
     ///
@@ -390,8 +391,9 @@ impl<S> Backend<S> {
     ///   a number past its slots wraps around onto one that may be in use, where the request
     ///   waits while another slot is idle.
     ///
-    /// A request sent while each of its slots is busy (with [`Overflow::Overcommit`](crate::Overflow::Overcommit),
-    /// or a count that changed) is given none, and llama-server chooses.
+    /// A request sent while each of its slots is busy (with
+    /// [`Overflow::Overcommit`](crate::Overflow::Overcommit), or a count that changed) is given
+    /// none, and llama-server chooses.
     ///
     /// ```
     /// use std::num::NonZeroU32;
@@ -399,7 +401,9 @@ impl<S> Backend<S> {
     ///
     /// # let service = ();
     /// // `service`: the backend's, in `client::IdSlot` (or one that sends the slot itself).
-    /// let backend = Backend::new("gpu-0", service).slots(NonZeroU32::new(4).unwrap()).assign_slots();
+    /// let backend = Backend::new("gpu-0", service)
+    ///     .slots(NonZeroU32::new(4).unwrap())
+    ///     .assign_slots();
     /// assert!(backend.slots_assigned());
     /// ```
     pub fn assign_slots(mut self) -> Self {

@@ -42,7 +42,11 @@ use crate::AssignedSlot;
 /// let http = HttpBackend::<Full<Bytes>>::builder();
 /// let slots = NonZeroU32::new(4).unwrap(); // llama-server's `-np 4`
 /// let mut fleet = Vec::new();
-/// for (id, node, url) in [("a1", "node-a", "http://10.0.0.1:8080"), ("b1", "node-b", "http://10.0.0.2:8080")] {
+/// let servers = [
+///     ("a1", "node-a", "http://10.0.0.1:8080"),
+///     ("b1", "node-b", "http://10.0.0.2:8080"),
+/// ];
+/// for (id, node, url) in servers {
 ///     let llama = IdSlotLayer::new().layer(http.build(url)?);
 ///     fleet.push((id, Backend::new(node, llama).slots(slots).assign_slots()));
 /// }

@@ -141,10 +141,9 @@ impl NodeThenBackend {
     /// 25 minutes apart, reuse 94.4%, 87.0% and 84.7% of their later turns counting every
     /// conversation, and 94.4%, 96.6% and 90.7% with the default window.
     ///
-    /// Read to about ten seconds, and at most ten minutes back (a longer window counts
-    /// every conversation of the last ten minutes, and those the model recorded without a
-    /// time). `Duration::ZERO` counts every conversation the models hold, as before this
-    /// window.
+    /// Read to about ten seconds. Each backend keeps the times of its last 64 spans of ten
+    /// seconds that had a record, at least ten minutes: a longer window reaches back no
+    /// further. `Duration::ZERO` counts every conversation the models hold.
     ///
     /// ```
     /// use std::time::Duration;

@@ -5846,9 +5846,9 @@ async fn a_token_count_takes_no_assigned_slot_and_leaves_the_conversations_own()
 }
 
 /// An embedding, a reranking or an Anthropic Messages request is given no slot: llama-server
-/// runs them in slots of its own choosing, whatever `id_slot` they carry, so a slot assigned to one would be counted as
-/// holding its input, and the conversation whose prompt that slot still holds would be sent
-/// elsewhere on its next turn.
+/// runs them in slots of its own choosing, whatever `id_slot` they carry, so a slot assigned
+/// to one would be counted as holding its input, and the conversation whose prompt that slot
+/// still holds would be sent elsewhere on its next turn.
 #[tokio::test]
 async fn a_request_llama_server_places_itself_takes_no_assigned_slot_and_leaves_the_conversations_own(
 ) {
