@@ -771,10 +771,7 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             home_links = links;
             Home::new(backend, NodeRef::new(t, node)).cache(cache)
         });
-        let view = FleetView {
-            topology: t,
-            now_ms,
-        };
+        let view = FleetView::at(t, now_ms);
         let prefix = request_prefix(&view, key, home, chain);
         let request = PlacementRequest::new(key, home, extensions)
             .random(self.draw())

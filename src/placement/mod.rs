@@ -764,14 +764,7 @@ mod tests {
         let extensions = http::Extensions::new();
         let req = PlacementRequest::new(None, None, &extensions);
         let mut c = Candidates::probe(&t, 1);
-        crate::placement::NodeThenBackend::new().place(
-            &FleetView {
-                topology: &t,
-                now_ms: 0,
-            },
-            &req,
-            &mut c,
-        );
+        crate::placement::NodeThenBackend::new().place(&FleetView::at(&t, 0), &req, &mut c);
         assert_eq!(c.chosen(), Some(1));
     }
 
@@ -794,14 +787,7 @@ mod tests {
         let extensions = http::Extensions::new();
         let req = PlacementRequest::new(None, None, &extensions).chain(Some(&prompt));
         let mut c = Candidates::probe(&t, 1);
-        crate::placement::NodeThenBackend::new().place(
-            &FleetView {
-                topology: &t,
-                now_ms: 0,
-            },
-            &req,
-            &mut c,
-        );
+        crate::placement::NodeThenBackend::new().place(&FleetView::at(&t, 0), &req, &mut c);
         assert_eq!(c.chosen(), Some(1));
     }
 

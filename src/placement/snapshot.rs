@@ -188,10 +188,7 @@ impl Snapshot {
 
     /// The view a policy would get.
     pub fn view(&self) -> FleetView<'_> {
-        FleetView {
-            topology: &self.topology,
-            now_ms: 0,
-        }
+        FleetView::at(&self.topology, 0)
     }
 
     /// The random number of the next placement: a fixed sequence, so tests repeat.

@@ -22,6 +22,12 @@ pub struct FleetView<'a> {
 }
 
 impl<'a> FleetView<'a> {
+    /// A view of `topology` at `now_ms` on the fleet's clock (0: none, as a
+    /// [`Snapshot`](super::Snapshot)'s).
+    pub(crate) fn at(topology: &'a Topology, now_ms: u64) -> Self {
+        FleetView { topology, now_ms }
+    }
+
     /// The live backends, in the order they were discovered or last updated (an update, such
     /// as a new slot count, moves a backend to the end).
     pub fn backends(&self) -> impl ExactSizeIterator<Item = BackendRef<'a>> + Clone + 'a {
