@@ -601,18 +601,26 @@ fn waves_note(runs: &[Run], cfg: &AgentConfig) -> Option<String> {
         let v: Vec<String> = runs
             .iter()
             .map(|r| {
-                let mut n = vec![(0u64, 0u64); cfg.waves as usize];
-                for t in r.records.iter().filter(|t| t.eligible()) {
-                    let w = &mut n[workload::wave_of(cfg, t.conversation) as usize];
-                    w.0 += u64::from(t.hit());
-                    w.1 += 1;
-                }
-                let rates: Vec<String> = n.into_iter().map(count_share_or_dash).collect();
+                let rates: Vec<String> = hits_by_wave(&r.records, cfg)
+                    .into_iter()
+                    .map(count_share_or_dash)
+                    .collect();
                 format!("{} {}", r.policy.name(), rates.join(" / "))
             })
             .collect();
         format!("hit rate of each wave, in order: {}", v.join(", "))
     })
+}
+
+/// The hits and the later turns (compactions aside) of each wave of agents.
+fn hits_by_wave(records: &[TurnRecord], cfg: &AgentConfig) -> Vec<(u64, u64)> {
+    let mut n = vec![(0, 0); cfg.waves.max(1) as usize];
+    for t in records.iter().filter(|t| t.eligible()) {
+        let w = &mut n[workload::wave_of(cfg, t.conversation) as usize];
+        w.0 += u64::from(t.hit());
+        w.1 += 1;
+    }
+    n
 }
 
 /// Each policy's turns by whether the backend serving them homed more conversations than its
@@ -1404,6 +1412,37 @@ mod tests {
         let ntb = |t: &Table| t.row("NodeThenBackend").unwrap().hit_rate();
         assert!(ntb(&assigned) >= 0.9, "{assigned}");
         assert!(ntb(&assigned) > ntb(&chosen) + 0.02, "{assigned}{chosen}");
+    }
+
+    #[test]
+    fn keyless_agents_in_waves_are_spread_by_the_conversations_with_a_turn_lately() {
+        // Three waves of 34 keyless agents on 34 slots, 25 minutes apart, each opening with a
+        // system prompt no earlier wave sent. Counted against every conversation the models
+        // remember, a backend's share grows with each wave, and the first backend to read a
+        // wave's prompt draws many of its agents onto its slots.
+        let later_waves = |window| {
+            sim::set_live_window(window);
+            let o = Options {
+                keyless: true,
+                ..options(Scenario::Study, 20)
+            };
+            let mut cfg = AgentConfig::study(102, 20);
+            (cfg.waves, cfg.wave_gap) = (3, Duration::from_secs(1500));
+            let runs = agent_runs(FleetKind::Study, &cfg, &o, 8 << 30);
+            sim::set_live_window(None);
+            let ntb = runs.iter().find(|r| r.policy == Policy::NodeThenBackend);
+            hits_by_wave(&ntb.unwrap().records, &cfg)
+                .into_iter()
+                .map(|(hits, of)| hits as f64 / of.max(1) as f64)
+                .collect::<Vec<f64>>()
+        };
+        let (lately, all) = (later_waves(None), later_waves(Some(Duration::ZERO)));
+        assert!(lately[1..].iter().all(|&r| r >= 0.9), "{lately:?}");
+        let mean = |v: &[f64]| v[1..].iter().sum::<f64>() / 2.0;
+        assert!(
+            mean(&lately) > mean(&all) + 0.05,
+            "{lately:?} against {all:?}"
+        );
     }
 
     #[test]
