@@ -22,7 +22,7 @@
 //! the bound), and under 1.1 MB at 16,384 once its answers have grown its budget to twice the
 //! declared one (1,057 KB measured). A backend that has evicted also keeps its last 256
 //! evictions, 8 KiB, to put back what a prompt it refused evicted, and counts its leaves by when
-//! they were last recorded (768 bytes), so that the conversations still going on can be told
+//! they were last recorded (792 bytes), so that the conversations still going on can be told
 //! from those long ended.
 
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -523,8 +523,9 @@ impl CacheModel {
     }
 
     /// Conversations with a turn sent since about `since_ms` on the fleet's clock (to
-    /// [`Recent::GRAIN_S`]; at most ten minutes back): the leaves recorded since. All of them
-    /// for 0, or when no record's time is known. O(1), amortized.
+    /// [`Recent::GRAIN_S`], and no further back than the buckets kept, ten minutes at least):
+    /// the leaves recorded since. All of them for 0, or when no record's time is known. O(1),
+    /// amortized.
     pub(crate) fn live_conversations(&mut self, since_ms: u64) -> u32 {
         match since_ms {
             0 => self.leaves,
