@@ -248,6 +248,7 @@ impl Observe {
             first_byte_ms = answer.first_byte.map(|t| t.as_millis() as u64),
             ms = answer.duration.map(|t| t.as_millis() as u64),
             waited_ms = self.watch.waited.map(|t| t.as_millis() as u64),
+            slot = guard.assigned_slot(),
             "answer read"
         );
         if verdict != Verdict::Fine {

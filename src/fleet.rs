@@ -1020,12 +1020,17 @@ pub(crate) struct SlotGuard {
     /// [`Load::take_context_or_give_back`]): 32 bits, which fill the struct's padding.
     context: u32,
     /// The slot the router assigned the request, if it assigns the backend's slots
-    /// ([`NO_SLOT`] if not): 32 bits, which fill the struct's padding too.
+    /// ([`NO_SLOT`] if not), with [`SLOT_FREED`] set once it is free again: 32 bits, which
+    /// fill the struct's padding too.
     assigned: u32,
 }
 
 /// [`SlotGuard::assigned`] when no slot is assigned.
 const NO_SLOT: u32 = u32::MAX;
+
+/// Set in [`SlotGuard::assigned`] once the slot is free again: its number stays, for the
+/// answer's debug line. No backend has 2^31 slots.
+const SLOT_FREED: u32 = 1 << 31;
 
 impl SlotGuard {
     /// Holds the slot just taken on `load`, at fleet time `now_ms`.
@@ -1051,6 +1056,9 @@ impl SlotGuard {
         }
         let slots = self.load.slots.load(Ordering::Relaxed);
         let index = self.load.slot_table.lock().as_mut()?.assign(slots, chain)?;
+        if index & SLOT_FREED != 0 {
+            return None;
+        }
         self.assigned = index;
         Some(AssignedSlot::new(index))
     }
@@ -1062,7 +1070,19 @@ impl SlotGuard {
 
     /// Whether the request still holds a slot the router assigned it.
     pub(crate) fn holds_assigned_slot(&self) -> bool {
-        self.assigned != NO_SLOT
+        self.assigned & SLOT_FREED == 0
+    }
+
+    /// The slot the router assigned the request, if any, held still or freed.
+    pub(crate) fn assigned_slot(&self) -> Option<u32> {
+        (self.assigned != NO_SLOT).then_some(self.assigned & !SLOT_FREED)
+    }
+
+    /// The slot the request still holds, now marked free.
+    fn free_assigned_slot(&mut self) -> Option<u32> {
+        let held = self.holds_assigned_slot().then_some(self.assigned);
+        self.assigned |= SLOT_FREED;
+        held
     }
 
     /// The backend has sent the whole answer: the slot assigned to the request is free for
@@ -1071,8 +1091,7 @@ impl SlotGuard {
     /// stream at its last event: either may send its next turn before the body's end is
     /// polled, and that turn's own slot is free on the backend already.
     pub(crate) fn release_assigned_slot(&mut self) {
-        let index = std::mem::replace(&mut self.assigned, NO_SLOT);
-        if index != NO_SLOT {
+        if let Some(index) = self.free_assigned_slot() {
             if let Some(table) = self.load.slot_table.lock().as_mut() {
                 table.release(index);
             }
@@ -1083,8 +1102,7 @@ impl SlotGuard {
     /// the request, or never got it): the slot is free, and is known to hold what it held
     /// before, as the backend's cache model takes back the request's chain.
     pub(crate) fn put_back_assigned_slot(&mut self) {
-        let index = std::mem::replace(&mut self.assigned, NO_SLOT);
-        if index != NO_SLOT {
+        if let Some(index) = self.free_assigned_slot() {
             if let Some(table) = self.load.slot_table.lock().as_mut() {
                 table.put_back(index);
             }

@@ -308,9 +308,37 @@ async fn each_answer_read_is_one_debug_line_with_the_reuse_its_backend_said() {
     ] {
         assert!(lines[0].contains(field), "{field} in {}", lines[0]);
     }
-    // An answer without figures says so by their absence.
+    // An answer without figures says so by their absence, and one whose backend's slots the
+    // router does not assign names none.
     assert!(lines[1].contains("outcome=home-hit "), "{}", lines[1]);
     assert!(!lines[1].contains("prompt_tokens="), "{}", lines[1]);
+    assert!(!lines.iter().any(|l| l.contains("slot=")), "{text}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_answer_read_names_the_slot_the_router_assigned_its_request() {
+    // The line is written once the answer has been read, after its slot is free again: an
+    // operator compares it with the slot llama-server says it took.
+    let logs = support_logs::capture(tracing::Level::DEBUG);
+    let backend = Backend::new("n1", scripted())
+        .slots(NonZeroU32::new(2).unwrap())
+        .cache_tokens(1 << 20)
+        .assign_slots();
+    let svc = SessionAffinityLayer::new().layer(StaticFleet::new([("a", backend)]));
+    for (session, ids) in [("x", [1, 2]), ("y", [5, 6])] {
+        let req = request(
+            Some(session),
+            Some(chain(&ids, 100)),
+            Reply::json(CHAT_ANSWER),
+        );
+        exchange(&svc, req).await;
+    }
+    let text = logs.text();
+    let lines: Vec<&str> = text.lines().filter(|l| l.contains("answer read")).collect();
+    assert_eq!(lines.len(), 2, "{text}");
+    assert!(lines[0].contains("slot=0"), "{}", lines[0]);
+    assert!(lines[1].contains("slot=1"), "{}", lines[1]);
+    assert_idle(&svc);
 }
 
 #[tokio::test(start_paused = true)]
