@@ -693,6 +693,15 @@ async fn nxdomain_keeps_the_fleet_counts_and_logs_once() {
     answered(other.handle().resolved(1)).await;
     let e = other.handle().last_error().unwrap();
     assert_eq!(e.kind(), DnsErrorKind::ServerFailure, "{e}");
+    // It never resolved: there is no fleet of it to keep, and the warning says so.
+    assert_eq!(
+        logs.count(&["DNS resolution failed; no backend from this name yet"]),
+        1
+    );
+    assert_eq!(
+        logs.count(&["DNS resolution failed; keeping the last fleet"]),
+        1
+    );
 }
 
 #[tokio::test(start_paused = true)]

@@ -225,7 +225,14 @@ pub(crate) async fn run<S>(
             }
             Err(e) => {
                 let run = shared.failed(e.clone());
-                if run == 1 {
+                if run == 1 && current.is_empty() {
+                    // A name that never resolved has no fleet to keep.
+                    tracing::warn!(
+                        dns = %target,
+                        error = %e,
+                        "DNS resolution failed; no backend from this name yet"
+                    );
+                } else if run == 1 {
                     tracing::warn!(
                         dns = %target,
                         error = %e,
