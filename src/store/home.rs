@@ -1,6 +1,7 @@
 //! [`StoredHome`]: a session's home as a shared store holds it, and its value format.
 
 use std::fmt;
+use std::time::{Duration, SystemTime};
 
 use crate::{BackendId, NodeId};
 
@@ -11,9 +12,12 @@ use crate::{BackendId, NodeId};
 /// Its value format, version 1, is a small JSON object:
 ///
 /// ```text
-/// {"v":1,"backend":"gpu-0","node":"host-a","tip":"9f86d081884c7d65"}
+/// {"v":1,"backend":"gpu-0","node":"host-a","tip":"9f86d081884c7d65","placed":1796601600000}
 /// ```
 ///
+/// `placed`, optional, is when the turn that wrote the home was placed, in milliseconds since
+/// the Unix epoch by the writing replica's clock: a home written again after an outage
+/// replaces only an older one (see [`HomeStore::rewrite`](super::HomeStore::rewrite)).
 /// `tip`, optional, is the digest of the prompt of the turn that placed the home, where that
 /// turn ended (a [`PromptChain`](crate::PromptChain) link, 16 hex digits): a replica that reads
 /// the home finds it in the next turn's prompt (the home holds the prompt up to there) or
@@ -21,7 +25,8 @@ use crate::{BackendId, NodeId};
 /// written before it came in, reads as a home whose cache is not known. A reader ignores
 /// members it does not know, and a value whose `v` is not 1 is not read (a later format
 /// that older readers must not read takes a new version). Build one with
-/// [`new`](StoredHome::new) and [`with_tip`](StoredHome::with_tip); its fields are for reading.
+/// [`new`](StoredHome::new), [`with_tip`](StoredHome::with_tip) and
+/// [`with_placed`](StoredHome::with_placed); its fields are for reading.
 ///
 /// ```
 /// use tower_affinity::store::StoredHome;
@@ -35,7 +40,12 @@ use crate::{BackendId, NodeId};
 /// let placed = home.with_tip(0x9f86_d081_884c_7d65);
 /// let value = placed.encode();
 /// assert_eq!(value, r#"{"v":1,"backend":"gpu-0","node":"host-a","tip":"9f86d081884c7d65"}"#);
-/// assert_eq!(StoredHome::decode(value.as_bytes()), Some(placed));
+/// assert_eq!(StoredHome::decode(value.as_bytes()), Some(placed.clone()));
+///
+/// let at = std::time::UNIX_EPOCH + std::time::Duration::from_millis(1_796_601_600_000);
+/// let dated = placed.with_placed(at);
+/// assert!(dated.encode().ends_with(r#","placed":1796601600000}"#));
+/// assert_eq!(StoredHome::decode(dated.encode().as_bytes()), Some(dated));
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -47,6 +57,9 @@ pub struct StoredHome {
     /// Where the prompt of the turn that placed the home ended: the digest of that chain
     /// link. `None` if the turn had no prompt chain, or the value was written without it.
     pub tip: Option<u64>,
+    /// When the turn that wrote the home was placed, to the millisecond. `None` if the value
+    /// was written without it.
+    pub placed: Option<SystemTime>,
 }
 
 /// The version [`StoredHome::encode`] writes and [`StoredHome::decode`] reads.
@@ -59,6 +72,7 @@ impl StoredHome {
             backend: backend.into(),
             node: node.into(),
             tip: None,
+            placed: None,
         }
     }
 
@@ -69,6 +83,14 @@ impl StoredHome {
         self
     }
 
+    /// The home with `placed`, when the turn that wrote it was placed. Kept to the
+    /// millisecond; a time before the Unix epoch is kept as the epoch.
+    pub fn with_placed(mut self, placed: SystemTime) -> Self {
+        let millis = Duration::from_millis(placed_millis(placed));
+        self.placed = Some(SystemTime::UNIX_EPOCH.checked_add(millis).unwrap_or(placed));
+        self
+    }
+
     /// The home in the value format, version 1.
     pub fn encode(&self) -> String {
         // By hand, so that the members come in this order; serde_json escapes the names.
@@ -76,8 +98,11 @@ impl StoredHome {
         let tip = self
             .tip
             .map_or(String::new(), |t| format!(r#","tip":"{t:016x}""#));
+        let placed = self.placed.map_or(String::new(), |p| {
+            format!(r#","placed":{}"#, placed_millis(p))
+        });
         format!(
-            r#"{{"v":{VERSION},"backend":{},"node":{}{tip}}}"#,
+            r#"{{"v":{VERSION},"backend":{},"node":{}{tip}{placed}}}"#,
             quote(self.backend.as_str()),
             quote(self.node.as_str())
         )
@@ -85,7 +110,8 @@ impl StoredHome {
 
     /// Reads a value in the format [`encode`](Self::encode) writes; `None` if it is anything
     /// else (not JSON, another version, a name missing or not a string, an empty backend). A
-    /// `tip` that is not 16 hex digits is left out: the home is still one.
+    /// `tip` that is not 16 hex digits, or a `placed` that is not a whole number of
+    /// milliseconds a clock can hold, is left out: the home is still one.
     pub fn decode(value: &[u8]) -> Option<Self> {
         let v: serde_json::Value = serde_json::from_slice(value).ok()?;
         if v.get("v")?.as_u64()? != VERSION {
@@ -101,11 +127,22 @@ impl StoredHome {
             .and_then(|t| t.as_str())
             .filter(|t| t.len() == 16 && t.bytes().all(|b| b.is_ascii_hexdigit()))
             .and_then(|t| u64::from_str_radix(t, 16).ok());
+        let placed = v
+            .get("placed")
+            .and_then(|p| p.as_u64())
+            .and_then(|ms| SystemTime::UNIX_EPOCH.checked_add(Duration::from_millis(ms)));
         Some(StoredHome {
             tip,
+            placed,
             ..StoredHome::new(backend, node)
         })
     }
+}
+
+/// Milliseconds since the Unix epoch; 0 before it, `u64::MAX` past what 64 bits hold.
+pub(crate) fn placed_millis(at: SystemTime) -> u64 {
+    at.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 impl fmt::Debug for StoredHome {
@@ -113,6 +150,9 @@ impl fmt::Debug for StoredHome {
         write!(f, "StoredHome({} on {}", self.backend, self.node)?;
         if let Some(t) = self.tip {
             write!(f, ", tip {t:016x}")?;
+        }
+        if let Some(p) = self.placed {
+            write!(f, ", placed {}", placed_millis(p))?;
         }
         f.write_str(")")
     }
@@ -177,6 +217,34 @@ mod tests {
         for tip in [0, 1, u64::MAX, 0x0123_4567_89ab_cdef] {
             let h = home.clone().with_tip(tip);
             assert_eq!(StoredHome::decode(h.encode().as_bytes()), Some(h));
+        }
+    }
+
+    #[test]
+    fn a_placed_time_survives_the_format_to_the_millisecond_and_a_bad_one_is_left_out() {
+        let home = StoredHome::new("a", "n").with_tip(7);
+        let at = SystemTime::UNIX_EPOCH + Duration::from_nanos(1_796_601_600_123_456_789);
+        let dated = home.clone().with_placed(at);
+        let millis = SystemTime::UNIX_EPOCH + Duration::from_millis(1_796_601_600_123);
+        assert_eq!(dated.placed, Some(millis));
+        assert_eq!(StoredHome::decode(dated.encode().as_bytes()), Some(dated));
+        let before = SystemTime::UNIX_EPOCH - Duration::from_secs(1);
+        assert_eq!(
+            home.clone().with_placed(before).placed,
+            Some(SystemTime::UNIX_EPOCH)
+        );
+        for v in [
+            &br#"{"v":1,"backend":"a","node":"n","tip":"0000000000000007","placed":"5"}"#[..],
+            br#"{"v":1,"backend":"a","node":"n","tip":"0000000000000007","placed":-5}"#,
+            br#"{"v":1,"backend":"a","node":"n","tip":"0000000000000007","placed":1.5}"#,
+            br#"{"v":1,"backend":"a","node":"n","tip":"0000000000000007","placed":null}"#,
+        ] {
+            assert_eq!(
+                StoredHome::decode(v),
+                Some(home.clone()),
+                "{:?}",
+                String::from_utf8_lossy(v)
+            );
         }
     }
 }

@@ -30,7 +30,8 @@
 //!   session, up to 4,096) are written again when the store comes back, each as a place
 //!   among the writes in flight frees (none of them dropped, but none whose session has a
 //!   newer write in flight), so that it does not send their sessions back to where they were
-//!   before the outage. A value that is not a
+//!   before the outage; each replaces only a home placed before it (see "Which write wins"
+//!   below). A value that is not a
 //!   home (a key holding something else) is ignored and counted ([`StoreStats::garbage`]),
 //!   and so is a home on a backend this replica does not know (removed from the fleet, or
 //!   not yet discovered: [`StoreStats::unknown_backends`]); the request is placed as if the
@@ -105,6 +106,13 @@
 //! still the one I read") would refuse exactly those writes and leave the store on a home
 //! that no longer holds the session.
 //!
+//! Except for a write sent again after an outage ([`HomeStore::rewrite`]): it is old by then.
+//! While the store was down, another replica may have placed a later turn of the session and
+//! written it once the store came back. So every home carries when its turn was placed
+//! ([`StoredHome::placed`], by the writing replica's clock), and a home written again
+//! replaces only a home placed before it (`RedisStore` compares the two in one script). Two
+//! replicas' clocks need only agree to well within the time between a session's turns.
+//!
 //! Counters and the store's state: [`SessionAffinity::store_stats`].
 //!
 //! ```
@@ -173,7 +181,8 @@ pub enum Lookup {
 /// The future of a [`HomeStore::read`].
 pub type ReadHome = Pin<Box<dyn Future<Output = Result<Lookup, BoxError>> + Send + 'static>>;
 
-/// The future of a [`HomeStore::write`] (and of a [`HomeStore::write_prompt`]).
+/// The future of a [`HomeStore::write`] (and of a [`HomeStore::rewrite`] and a
+/// [`HomeStore::write_prompt`]).
 pub type WriteHome = Pin<Box<dyn Future<Output = Result<(), BoxError>> + Send + 'static>>;
 
 /// The future of a [`HomeStore::read_prompts`]: what the store holds for each digest asked, in
@@ -199,6 +208,21 @@ pub trait HomeStore: fmt::Debug + Send + Sync + 'static {
     /// Records `home` as the home of `session`, replacing any earlier value, to be forgotten
     /// after `ttl` without a read.
     fn write(&self, session: SessionKey, home: StoredHome, ttl: Duration) -> WriteHome;
+
+    /// Records `home` as the home of `session`, as [`write`](Self::write) does, unless the
+    /// store holds a home placed after it: a write that failed while the store was down,
+    /// sent again once it answers. Another replica may have placed a later turn of the
+    /// session meanwhile and written that; its home, where the newest cache is, must stay.
+    ///
+    /// `home.placed` is when the home was placed ([`StoredHome::placed`]). A store that can
+    /// compare and set keeps the held home when it is a home whose `placed` is later than
+    /// this one's, or that has none (a writer that does not say when; its home may be the
+    /// later); it writes over no home, garbage, and earlier homes. The default writes it as
+    /// `write` does: the last write wins, and a store without a compare may send a session
+    /// back to where it was before an outage.
+    fn rewrite(&self, session: SessionKey, home: StoredHome, ttl: Duration) -> WriteHome {
+        self.write(session, home, ttl)
+    }
 
     /// Reads the homes of keyless conversations by the digests of their prompts (see
     /// "Keyless conversations" in the [module docs](self)): for each digest in `prompts`,
@@ -233,6 +257,10 @@ impl<T: HomeStore + ?Sized> HomeStore for std::sync::Arc<T> {
         (**self).write(session, home, ttl)
     }
 
+    fn rewrite(&self, session: SessionKey, home: StoredHome, ttl: Duration) -> WriteHome {
+        (**self).rewrite(session, home, ttl)
+    }
+
     fn read_prompts(&self, prompts: &[u64], ttl: Duration) -> ReadPrompts {
         (**self).read_prompts(prompts, ttl)
     }
@@ -249,6 +277,10 @@ impl<T: HomeStore + ?Sized> HomeStore for Box<T> {
 
     fn write(&self, session: SessionKey, home: StoredHome, ttl: Duration) -> WriteHome {
         (**self).write(session, home, ttl)
+    }
+
+    fn rewrite(&self, session: SessionKey, home: StoredHome, ttl: Duration) -> WriteHome {
+        (**self).rewrite(session, home, ttl)
     }
 
     fn read_prompts(&self, prompts: &[u64], ttl: Duration) -> ReadPrompts {

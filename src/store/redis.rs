@@ -10,6 +10,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Value;
 use tokio::time::Instant;
 
+use super::home::placed_millis;
 use super::{HomeStore, Lookup, ReadHome, ReadPrompts, StoredHome, WriteHome};
 use crate::key::SessionKey;
 
@@ -18,7 +19,7 @@ use crate::key::SessionKey;
 /// - **Keys:** the session's digest in hex (32 characters) under a prefix, by default
 ///   [`RedisStore::DEFAULT_PREFIX`]: `tower-affinity:home:ba7816bf8f01cfea414140de5dae2223`.
 /// - **Values:** a [`StoredHome`] in its versioned format,
-///   `{"v":1,"backend":..,"node":..,"tip":..}`.
+///   `{"v":1,"backend":..,"node":..,"tip":..,"placed":..}`.
 /// - **Reads:** `GETRANGE key 0 16384` and `PEXPIRE key ttl`, in one round trip: the value,
 ///   of which no more than 16 KiB is sent, and the active session's home kept for the idle
 ///   timeout again. A key of another type (`WRONGTYPE`), a value in another format, or one
@@ -27,13 +28,17 @@ use crate::key::SessionKey;
 ///   the deadline, and hold up the connection every read shares. A home whose encoding is
 ///   longer than that (backend and node names of kilobytes) is not written: its write fails.
 /// - **Writes:** `SET key value PX ttl`: the last write wins (see the [module
-///   docs](crate::store) for why).
+///   docs](crate::store) for why). A home written again after an outage
+///   ([`HomeStore::rewrite`]) is compared with the one the key holds and set, both in one
+///   Lua script (`EVAL`): it is set over no home, garbage, or a home placed before it, and
+///   not over one placed later or one that does not say when.
 /// - **Keyless conversations:** the home of a turn's prompt under
 ///   `prefix` + [`PROMPT_PREFIX`](RedisStore::PROMPT_PREFIX) + the prompt's 64-bit digest in
 ///   hex, `tower-affinity:home:prompt:00abcdef01234567`, written with `SET .. PX` as a
 ///   session's home is; a keyless request reads the digests of its prompt's last few
 ///   boundaries in one round trip, a `GETRANGE` of each, bounded as a session's read is.
-/// - **Commands:** `GETRANGE`, `PEXPIRE` and `SET` on keys under the prefix, and `PING`: what
+/// - **Commands:** `GETRANGE`, `PEXPIRE`, `SET`, and `EVAL` of a script that runs `GET` and
+///   `SET`, on keys under the prefix, and `PING`: what
 ///   a Redis ACL user for the store must be allowed; and `SELECT` if the URL names a database
 ///   other than 0 (`redis://user:pass@host/1`), which each connection selects as it opens.
 ///   Refused that, no connection opens: every read fails with "Redis server refused to
@@ -482,6 +487,30 @@ fn px(ttl: Duration) -> u64 {
 /// up every other command on the one connection meanwhile, and be taken for an outage.
 const MAX_VALUE: usize = 16 * 1024;
 
+/// Sets `KEYS[1]` to the home `ARGV[1]` with `PX` `ARGV[2]`, unless it holds a home (a
+/// value [`StoredHome::decode`] reads: JSON of version 1, a backend that is a string not
+/// empty, a node that is a string) whose `placed` is later than `ARGV[3]` (when the home set
+/// was placed, in milliseconds; `-1` for a home that does not say), or that has no `placed`
+/// a reader takes (a whole number of milliseconds). Anything else is set over: no key, a key
+/// of another type, a value longer than `ARGV[4]` ([`MAX_VALUE`]) or not a home. `1` if it
+/// set the home.
+const REWRITE: &str = r#"
+local held = redis.pcall('GET', KEYS[1])
+if type(held) == 'string' and #held <= tonumber(ARGV[4]) then
+  local read, home = pcall(cjson.decode, held)
+  if read and type(home) == 'table' and home.v == 1 and type(home.backend) == 'string'
+      and home.backend ~= '' and type(home.node) == 'string' then
+    local placed = home.placed
+    if type(placed) ~= 'number' or placed < 0 or placed ~= math.floor(placed)
+        or placed > tonumber(ARGV[3]) then
+      return 0
+    end
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"#;
+
 /// `GETRANGE key 0 MAX_VALUE`: a value up to a byte past the longest the store reads, so
 /// that a longer one is known as such without being sent whole.
 fn get_bounded(pipe: &mut redis::Pipeline, key: &str) {
@@ -528,7 +557,11 @@ impl HomeStore for RedisStore {
     }
 
     fn write(&self, session: SessionKey, home: StoredHome, ttl: Duration) -> WriteHome {
-        self.set(self.key_of(session), &home, ttl)
+        self.set(self.key_of(session), &home, ttl, false)
+    }
+
+    fn rewrite(&self, session: SessionKey, home: StoredHome, ttl: Duration) -> WriteHome {
+        self.set(self.key_of(session), &home, ttl, true)
     }
 
     fn read_prompts(&self, prompts: &[u64], _ttl: Duration) -> ReadPrompts {
@@ -556,14 +589,15 @@ impl HomeStore for RedisStore {
     }
 
     fn write_prompt(&self, prompt: u64, home: StoredHome, ttl: Duration) -> WriteHome {
-        self.set(self.key_of_prompt(prompt), &home, ttl)
+        self.set(self.key_of_prompt(prompt), &home, ttl, false)
     }
 }
 
 impl RedisStore {
-    /// `SET key home PX ttl`; an error, sending nothing, for a home longer than the store
+    /// `SET key home PX ttl`, or (`again`) the [`REWRITE`] script, which sets it only over
+    /// a home placed before it; an error, sending nothing, for a home longer than the store
     /// reads.
-    fn set(&self, key: String, home: &StoredHome, ttl: Duration) -> WriteHome {
+    fn set(&self, key: String, home: &StoredHome, ttl: Duration, again: bool) -> WriteHome {
         let conn = self.conn.clone();
         let value = home.encode();
         if value.len() > MAX_VALUE {
@@ -573,8 +607,19 @@ impl RedisStore {
             );
             return Box::pin(std::future::ready(Err(error.into())));
         }
-        let mut cmd = redis::cmd("SET");
-        cmd.arg(key).arg(value).arg("PX").arg(px(ttl));
+        let cmd = if again {
+            let placed = home
+                .placed
+                .map_or(-1, |p| i64::try_from(placed_millis(p)).unwrap_or(i64::MAX));
+            let mut cmd = redis::cmd("EVAL");
+            cmd.arg(REWRITE).arg(1).arg(key).arg(value);
+            cmd.arg(px(ttl)).arg(placed).arg(MAX_VALUE);
+            cmd
+        } else {
+            let mut cmd = redis::cmd("SET");
+            cmd.arg(key).arg(value).arg("PX").arg(px(ttl));
+            cmd
+        };
         Box::pin(async move {
             conn.query::<()>(&cmd).await?;
             Ok(())

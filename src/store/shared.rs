@@ -6,7 +6,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use parking_lot::Mutex;
 use tokio::runtime::Handle;
@@ -218,6 +218,15 @@ struct Failed {
     newest: HashMap<SessionKey, u64>,
     /// Writes sent so far, which numbers them.
     sent: u64,
+}
+
+/// Whether a write is a placement's own, or one sent again after an outage.
+#[derive(Clone, Copy, Debug)]
+enum Attempt {
+    /// Written over whatever the store holds: the last write wins.
+    First,
+    /// Written only over a home placed before it ([`HomeStore::rewrite`]).
+    Again,
 }
 
 /// A shared store as the service uses it.
@@ -580,7 +589,9 @@ impl Homes {
                 backend: decision.backend.clone(),
                 node: decision.node.clone(),
                 tip,
-            };
+                placed: None,
+            }
+            .with_placed(SystemTime::now());
             self.write(key, home);
         }
     }
@@ -599,7 +610,8 @@ impl Homes {
         };
         let links = chain.links();
         let last = links.len() - 1;
-        let home = StoredHome::new(decision.backend.clone(), decision.node.clone());
+        let home = StoredHome::new(decision.backend.clone(), decision.node.clone())
+            .with_placed(SystemTime::now());
         if let Some((runtime, room)) = self.admit_write() {
             let mut written = self.written.lock();
             for at in [tip, last] {
@@ -675,7 +687,7 @@ impl Homes {
 
     fn write(self: &Arc<Self>, key: SessionKey, home: StoredHome) {
         if let Some((runtime, room)) = self.admit_write() {
-            self.send(&runtime, room, key, home);
+            self.send(&runtime, room, key, home, Attempt::First);
         }
     }
 
@@ -707,7 +719,7 @@ impl Homes {
                 }
                 drop(failed);
                 bump(&this.counters.writes);
-                this.send(&runtime, room, key, home);
+                this.send(&runtime, room, key, home, Attempt::Again);
             }
         });
     }
@@ -719,8 +731,12 @@ impl Homes {
         room: OwnedSemaphorePermit,
         key: SessionKey,
         home: StoredHome,
+        attempt: Attempt,
     ) {
-        let write = self.store.write(key, home.clone(), self.ttl);
+        let write = match attempt {
+            Attempt::First => self.store.write(key, home.clone(), self.ttl),
+            Attempt::Again => self.store.rewrite(key, home.clone(), self.ttl),
+        };
         let mut failed = self.failed.lock();
         failed.sent += 1;
         let number = failed.sent;

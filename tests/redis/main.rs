@@ -399,10 +399,9 @@ async fn redis_holds_digests_under_the_prefix_never_raw_keys() {
         let key = format!("test-fleet:home:{}", SessionKey::from_bytes(s.as_bytes()));
         until_stored(&mut conn, &key, d.backend.as_str()).await;
         let v = get(&mut conn, &key).await.unwrap();
-        assert_eq!(
-            StoredHome::decode(v.as_bytes()),
-            Some(StoredHome::new(d.backend.as_str(), d.node.as_str()))
-        );
+        let h = StoredHome::decode(v.as_bytes()).unwrap();
+        assert_eq!((&h.backend, &h.node, h.tip), (&d.backend, &d.node, None));
+        assert!(h.placed.is_some(), "{h:?}");
         let ttl: i64 = redis::cmd("PTTL")
             .arg(&key)
             .query_async(&mut conn)
@@ -925,10 +924,9 @@ async fn a_homes_tip_tells_another_replica_a_compaction_and_an_old_value_still_r
         ("b2", Outcome::HomeHit)
     );
     until_tip(&mut conn, "old", tip_of(&next)).await;
-    assert_eq!(
-        stored(&mut conn, "old").await,
-        StoredHome::new("b2", "node-b").with_tip(tip_of(&next))
-    );
+    let h = stored(&mut conn, "old").await;
+    assert_eq!((h.backend.as_str(), h.node.as_str()), ("b2", "node-b"));
+    assert!(h.placed.is_some(), "{h:?}");
 }
 
 /// A failover: the address the store connects to moves to the new primary, and the old one,
@@ -1178,4 +1176,207 @@ async fn every_kind_of_value_reads_as_what_it_is() {
         .expect_err("too long");
     assert!(e.to_string().contains("longer than"), "{e}");
     assert_eq!(get(&mut conn, &store.key_of(session("long"))).await, None);
+}
+
+/// A home sent again after an outage is set over what the store's readers would not keep
+/// (no key, garbage, a key of another type, a value too long to read) and over a home placed
+/// before it or at the same millisecond, and not over a home placed later or one whose
+/// `placed` a reader does not take: the script's rule agrees with `StoredHome::decode`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_home_sent_again_is_set_only_over_no_home_or_one_placed_before_it() {
+    use std::time::{SystemTime, UNIX_EPOCH};
+    use tower_affinity::store::{HomeStore, Lookup};
+    let Some(redis) = RedisServer::start().await else {
+        return;
+    };
+    let mut conn = redis.client().await;
+    let store = RedisStore::open(&redis.url()).unwrap();
+    let at = |ms: u64| UNIX_EPOCH + Duration::from_millis(ms);
+    let placed = |ms: u64| StoredHome::new("b1", "node-b").with_placed(at(ms));
+    let sent = StoredHome::new("a1", "node-a").with_placed(at(2_000_000));
+    let bare = StoredHome::new("b1", "node-b");
+    let padded = format!("{}{}", placed(1).encode(), " ".repeat(16 * 1024));
+    // What the key holds before, and whether the home sent again is set over it.
+    let cases: [(&str, Option<String>, bool); 11] = [
+        ("missing", None, true),
+        ("garbage", Some("not a home".into()), true),
+        ("padded", Some(padded), true),
+        ("earlier", Some(placed(1_999_999).encode()), true),
+        ("same", Some(placed(2_000_000).encode()), true),
+        ("later", Some(placed(2_000_001).encode()), false),
+        ("undated", Some(bare.encode()), false),
+        (
+            "fraction",
+            Some(r#"{"v":1,"backend":"b1","node":"node-b","placed":1.5}"#.into()),
+            false,
+        ),
+        (
+            "negative",
+            Some(r#"{"v":1,"backend":"b1","node":"node-b","placed":-1}"#.into()),
+            false,
+        ),
+        (
+            "text",
+            Some(r#"{"v":1,"backend":"b1","node":"node-b","placed":"1"}"#.into()),
+            false,
+        ),
+        (
+            "version 2",
+            Some(r#"{"v":2,"backend":"b1","node":"node-b","placed":1}"#.into()),
+            true,
+        ),
+    ];
+    let ttl = Duration::from_secs(60);
+    let session = |name: &str| SessionKey::from_bytes(name.as_bytes());
+    for (name, value, _) in &cases {
+        if let Some(v) = value {
+            let () = redis::cmd("SET")
+                .arg(store.key_of(session(name)))
+                .arg(v)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+        }
+    }
+    let _: i64 = redis::cmd("HSET")
+        .arg(store.key_of(session("hash")))
+        .arg("field")
+        .arg("value")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    for (name, value, set) in cases.iter().chain([&("hash", None, true)]) {
+        // The rule as a reader sees the value: a home it reads is kept unless placed before.
+        let read = store.read(session(name), ttl).await.unwrap();
+        let reader_keeps = match &read {
+            Lookup::Home(h) => h.placed.is_none_or(|p| p > at(2_000_000)),
+            _ => false,
+        };
+        assert_eq!(!reader_keeps, *set, "{name}: read as {read:?}");
+        store
+            .rewrite(session(name), sent.clone(), ttl)
+            .await
+            .unwrap();
+        let now = get(&mut conn, &store.key_of(session(name))).await;
+        let expected = if *set {
+            Some(sent.encode())
+        } else {
+            value.clone()
+        };
+        assert_eq!(now, expected, "{name}");
+    }
+    // Set with the ttl.
+    let kept: i64 = redis::cmd("PTTL")
+        .arg(store.key_of(session("missing")))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(kept > 0 && kept <= 60_000, "{kept}");
+    // A home that does not say when it was placed is set over no home only.
+    store
+        .rewrite(session("earlier"), bare.clone(), ttl)
+        .await
+        .unwrap();
+    store
+        .rewrite(session("fresh"), bare.clone(), ttl)
+        .await
+        .unwrap();
+    let (earlier, fresh) = (
+        get(&mut conn, &store.key_of(session("earlier"))).await,
+        get(&mut conn, &store.key_of(session("fresh"))).await,
+    );
+    assert_eq!(earlier, Some(sent.encode()));
+    assert_eq!(fresh, Some(bare.encode()));
+    // Today's clock, in milliseconds, is far within what the script's numbers hold exactly.
+    let today = StoredHome::new("a1", "node-a").with_placed(SystemTime::now());
+    store.rewrite(session("later"), today, ttl).await.unwrap();
+    let later = get(&mut conn, &store.key_of(session("later"))).await;
+    assert_eq!(
+        later
+            .and_then(|v| StoredHome::decode(v.as_bytes()))
+            .map(|h| h.backend.to_string()),
+        Some("a1".into())
+    );
+}
+
+/// Redis is killed and restarted empty. Replica A placed a session's turn while it was
+/// down, and its write failed; replica B places the session's next turn once it is back.
+/// When A finds the store again, it sends its failed home again: the store keeps B's,
+/// placed later, and A follows it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_home_sent_again_after_an_outage_keeps_the_one_another_replica_placed_since() {
+    let Some(mut redis) = RedisServer::start().await else {
+        return;
+    };
+    let a = replica(&redis.url(), PATIENT, RECONNECT);
+    let mut conn = redis.client().await;
+    let key = key_of("agent-1");
+    let first = send(&a, "agent-1").await;
+    let home = decision(&first);
+    until_stored(&mut conn, &key, home.backend.as_str()).await;
+    // Down: A's next turn of the session spills off its busy home, and the write fails.
+    redis.kill().await;
+    let second = send(&a, "agent-1").await;
+    let spilled = decision(&second);
+    assert_ne!(spilled.backend, home.backend);
+    drop((first, second));
+    let start = Instant::now();
+    while a.store_stats().unwrap().write_errors == 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the write never failed"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert_eq!(a.store_stats().unwrap().state, StoreState::Down);
+    // Back, empty. B, new, places the session's next turn and writes it.
+    redis.restart().await;
+    let mut conn = redis.client().await;
+    let b = replica(&redis.url(), PATIENT, RECONNECT);
+    let by_b = decision(&send(&b, "agent-1").await);
+    assert_ne!(by_b.backend, spilled.backend);
+    until_stored(&mut conn, &key, by_b.backend.as_str()).await;
+    // A finds the store again (its requests probe it) and sends its failed home again.
+    let start = Instant::now();
+    while a.store_stats().unwrap().state != StoreState::Up {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "A never found the store"
+        );
+        send(&a, "agent-2").await;
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let start = Instant::now();
+    while eval_calls(&mut conn).await == 0 {
+        let held = get(&mut conn, &key)
+            .await
+            .and_then(|v| StoredHome::decode(v.as_bytes()));
+        assert_ne!(
+            held.map(|h| h.backend),
+            Some(spilled.backend.clone()),
+            "A's failed home was set over B's, placed later"
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "A never sent its home again"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    until_stored(&mut conn, &key, by_b.backend.as_str()).await;
+    // The replicas agree on the session again.
+    assert_eq!(decision(&send(&a, "agent-1").await).backend, by_b.backend);
+}
+
+/// How many `EVAL`s the server ran: its `INFO commandstats` line `cmdstat_eval:calls=N,..`.
+async fn eval_calls(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(conn)
+        .await
+        .unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_eval:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
 }

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::convert::Infallible;
 use std::num::NonZeroU32;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use parking_lot::Mutex;
 use tokio::time::Instant;
@@ -42,6 +42,8 @@ struct State {
     /// Keyless conversations' homes, by their prompts' tips.
     prompts: HashMap<u64, StoredHome>,
     writes: Vec<(SessionKey, StoredHome, Duration)>,
+    /// The homes sent again after an outage, written or not.
+    rewrites: Vec<(SessionKey, StoredHome)>,
     read_ttls: Vec<Duration>,
     /// Whether writes fail (reads follow `mode`).
     fail_writes: bool,
@@ -62,6 +64,7 @@ impl MemoryStore {
             homes: HashMap::new(),
             prompts: HashMap::new(),
             writes: Vec::new(),
+            rewrites: Vec::new(),
             read_ttls: Vec::new(),
             fail_writes: false,
             hang_writes: false,
@@ -116,23 +119,13 @@ impl HomeStore for MemoryStore {
     }
 
     fn write(&self, session: SessionKey, home: StoredHome, ttl: Duration) -> WriteHome {
-        if self.0.lock().hang_writes {
-            return Box::pin(std::future::pending());
-        }
-        let state = self.0.clone();
-        let gate = self.0.lock().gate.clone();
-        Box::pin(async move {
-            if let Some(gate) = gate {
-                gate.acquire().await.expect("never closed").forget();
-            }
-            let mut s = state.lock();
-            if s.fail_writes {
-                return Err("connection refused".into());
-            }
-            s.writes.push((session, home.clone(), ttl));
-            s.homes.insert(session, home);
-            Ok(())
-        })
+        self.land(session, home, ttl, false)
+    }
+
+    /// As a store that compares and sets: kept when the store holds a home placed later, or
+    /// one that does not say when.
+    fn rewrite(&self, session: SessionKey, home: StoredHome, ttl: Duration) -> WriteHome {
+        self.land(session, home, ttl, true)
     }
 
     fn read_prompts(&self, prompts: &[u64], _ttl: Duration) -> ReadPrompts {
@@ -152,6 +145,37 @@ impl HomeStore for MemoryStore {
     fn write_prompt(&self, prompt: u64, home: StoredHome, _ttl: Duration) -> WriteHome {
         self.0.lock().prompts.insert(prompt, home);
         Box::pin(async { Ok(()) })
+    }
+}
+
+impl MemoryStore {
+    /// A write landing: over whatever the store holds, or (`again`) only over no home or one
+    /// placed before it.
+    fn land(&self, session: SessionKey, home: StoredHome, ttl: Duration, again: bool) -> WriteHome {
+        if self.0.lock().hang_writes {
+            return Box::pin(std::future::pending());
+        }
+        let state = self.0.clone();
+        let gate = self.0.lock().gate.clone();
+        Box::pin(async move {
+            if let Some(gate) = gate {
+                gate.acquire().await.expect("never closed").forget();
+            }
+            let mut s = state.lock();
+            if s.fail_writes {
+                return Err("connection refused".into());
+            }
+            if again {
+                s.rewrites.push((session, home.clone()));
+                let held = s.homes.get(&session).map(|h| h.placed);
+                if held.is_some_and(|placed| placed.is_none_or(|p| Some(p) > home.placed)) {
+                    return Ok(());
+                }
+            }
+            s.writes.push((session, home.clone(), ttl));
+            s.homes.insert(session, home);
+            Ok(())
+        })
     }
 }
 
@@ -269,15 +293,20 @@ async fn a_home_in_the_store_is_followed_and_not_written_again() {
 async fn a_new_home_is_written_with_the_idle_timeout_and_only_when_it_changes() {
     let store = MemoryStore::new();
     let svc = service(&store);
+    let before = SystemTime::now() - Duration::from_millis(1);
     let d = send(&svc, "s").await;
+    let after = SystemTime::now();
     assert_eq!(d.outcome, Outcome::NewSession);
     settle().await;
     let writes = store.writes();
     assert_eq!(writes.len(), 1);
     assert_eq!(writes[0].0, key("s"));
+    // With when it was placed, to the millisecond.
+    let placed = writes[0].1.placed.expect("placed");
+    assert!(before <= placed && placed <= after, "{writes:?}");
     assert_eq!(
         writes[0].1,
-        StoredHome::new(d.backend.as_str(), d.node.as_str())
+        StoredHome::new(d.backend.as_str(), d.node.as_str()).with_placed(placed)
     );
     assert_eq!(writes[0].2, IDLE);
     // Later turns find it there: nothing more to write.
@@ -433,6 +462,7 @@ async fn a_home_that_failed_to_be_written_is_written_when_the_store_comes_back()
     let first = send(&svc, "s").await;
     settle().await;
     assert_eq!(store.writes().len(), 1);
+    assert!(first_placed(&store).is_some());
     // Down: reads and writes fail. The session moves (its home is busy), and the write fails.
     store.down(true);
     let moved = moved_off(&svc, "s", &first).await;
@@ -444,6 +474,10 @@ async fn a_home_that_failed_to_be_written_is_written_when_the_store_comes_back()
     settle().await;
     assert_eq!(svc.store_stats().unwrap().state, StoreState::Up);
     assert_eq!(store.0.lock().homes[&key("s")].backend, moved.backend);
+    // Sent again as such, with when it was placed: over the home placed before it.
+    let rewrites = store.0.lock().rewrites.clone();
+    assert_eq!(rewrites.len(), 1, "{rewrites:?}");
+    assert!(rewrites[0].1.placed >= first_placed(&store), "{rewrites:?}");
     // So the next read sends the session where it went, not back to its old home.
     assert_eq!(send(&svc, "s").await.backend, moved.backend);
 }
@@ -612,9 +646,12 @@ async fn a_chained_turn_writes_where_its_prompt_ended_even_at_home() {
     let writes = store.writes();
     assert_eq!(writes.len(), 2, "{writes:?}");
     let tip = next.links()[next.len() - 2].digest;
+    let placed = writes[1].1.placed.expect("placed");
     assert_eq!(
         writes[1].1,
-        StoredHome::new(first.backend.as_str(), first.node.as_str()).with_tip(tip)
+        StoredHome::new(first.backend.as_str(), first.node.as_str())
+            .with_tip(tip)
+            .with_placed(placed)
     );
 }
 
@@ -863,4 +900,54 @@ async fn a_home_moved_again_while_its_write_waits_is_not_written_over_at_the_rec
         "the home that failed in the outage was written over the session's latest"
     );
     assert_eq!(send(&svc, "s").await.backend, latest.backend);
+}
+
+/// When the store's first write says its home was placed.
+fn first_placed(store: &MemoryStore) -> Option<SystemTime> {
+    store.writes()[0].1.placed
+}
+
+/// A home whose write failed in an outage is sent again when the store comes back, but
+/// another replica placed a later turn of the session meanwhile and wrote it: the store keeps
+/// that one, where the newest cache is, and this replica follows it.
+#[tokio::test(start_paused = true)]
+async fn a_home_sent_again_after_an_outage_does_not_replace_one_placed_later() {
+    let store = MemoryStore::new();
+    let svc = service(&store);
+    let first = send(&svc, "s").await;
+    settle().await;
+    // Down: the session moves off its busy home, and that write fails.
+    store.down(true);
+    let moved = moved_off(&svc, "s", &first).await;
+    assert_eq!(svc.store_stats().unwrap().write_errors, 1);
+    // Another replica places the session's next turn on a third backend, a second later, and
+    // its write lands as the store comes back.
+    let later = ["a1", "a2", "b1", "b2"]
+        .into_iter()
+        .find(|b| *b != first.backend.as_str() && *b != moved.backend.as_str())
+        .unwrap();
+    let node = if later.starts_with('a') {
+        "node-a"
+    } else {
+        "node-b"
+    };
+    let placed = SystemTime::now() + Duration::from_secs(1);
+    store
+        .0
+        .lock()
+        .homes
+        .insert(key("s"), StoredHome::new(later, node).with_placed(placed));
+    store.down(false);
+    noticed(&svc, "u", StoreState::Up).await;
+    settle().await;
+    let rewrites = store.0.lock().rewrites.clone();
+    assert_eq!(rewrites.len(), 1, "{rewrites:?}");
+    assert_eq!(rewrites[0].1.backend, moved.backend);
+    assert!(rewrites[0].1.placed < Some(placed), "{rewrites:?}");
+    assert_eq!(
+        store.0.lock().homes[&key("s")].backend.as_str(),
+        later,
+        "the home sent again replaced the one placed after it"
+    );
+    assert_eq!(send(&svc, "s").await.backend.as_str(), later);
 }
