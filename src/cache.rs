@@ -317,10 +317,10 @@ pub(crate) struct CacheModel {
 
 /// The leaves counted by when they were last recorded, in buckets of [`Recent::GRAIN_S`]
 /// seconds on the fleet's clock, the latest [`Recent::LEN`] of them (at least ten minutes),
-/// 792 bytes. A bucket begins at a record's stamp and time; a leaf counts in the bucket its
-/// stamp falls in, and leaves it when it gains a child, is recorded again or is evicted. A
-/// leaf older than the oldest bucket counts in none: its conversation had no turn for ten
-/// minutes. The buckets from the one a count last started at are kept added up as leaves come
+/// 792 bytes. A bucket begins at a record's stamp and time, the stamp later than any recorded
+/// before; a leaf counts in the bucket its stamp falls in, and leaves it when it gains a
+/// child, is recorded again or is evicted. A leaf older than the oldest bucket counts in none:
+/// its conversation had no turn for ten minutes. The buckets from the one a count last started at are kept added up as leaves come
 /// and go, so that a count moves on from the last one: O(1) a change and, amortized, a count.
 #[derive(Debug)]
 struct Recent {
@@ -372,10 +372,15 @@ impl Recent {
         self.begun.saturating_sub(Self::LEN as u64)
     }
 
-    /// A record stamped `stamp` sent at `now_ms`: begins a bucket if the newest is
-    /// [`GRAIN_S`](Self::GRAIN_S) old, in the place of the oldest. A record stamped before the
+    /// A record stamped `stamp` sent at `now_ms`, on a model whose latest stamp recorded is
+    /// `clock` (0: none): begins a bucket if the newest is [`GRAIN_S`](Self::GRAIN_S) old and
+    /// `stamp` is later than `clock`, in the place of the oldest. A bucket so begun holds no
+    /// leaf yet, so a leaf stays in the bucket it was counted in. A record stamped before the
     /// newest bucket began counts in an older one, by its stamp.
-    fn note(&mut self, now_ms: u64, stamp: u32) {
+    fn note(&mut self, now_ms: u64, stamp: u32, clock: u32) {
+        if clock != 0 && !later(stamp, clock) {
+            return;
+        }
         let secs = u32::try_from(now_ms / 1_000).unwrap_or(u32::MAX);
         if self.begun > 0 {
             let newest = self.bucket(self.begun - 1);
@@ -519,7 +524,7 @@ impl CacheModel {
     /// Notes that the record stamped `stamp` is sent at `now_ms` on the fleet's clock: before
     /// it is recorded, so that its tip counts from this time.
     pub(crate) fn note_sent(&mut self, now_ms: u64, stamp: u32) {
-        self.recent.note(now_ms, stamp);
+        self.recent.note(now_ms, stamp, self.clock);
     }
 
     /// Conversations with a turn sent since about `since_ms` on the fleet's clock (to
@@ -1164,19 +1169,23 @@ impl CacheModel {
         assert_eq!(leaves, self.leaves);
         assert_eq!(tokens, self.tokens);
         let mut walked = 0;
-        let mut bucketed = 0;
+        let r = &self.recent;
+        let mut bucketed = [0u32; Recent::LEN];
         let mut i = self.head;
         while i != NONE {
             walked += 1;
-            bucketed += u32::from(self.recent.find(self.nodes[i as usize].stamp).is_some());
+            if let Some(n) = r.find(self.nodes[i as usize].stamp) {
+                bucketed[(n % Recent::LEN as u64) as usize] += 1;
+            }
             i = self.nodes[i as usize].next;
         }
         assert_eq!(walked, self.leaves);
         // Each leaf counts in the bucket its stamp falls in, if any, and the count from the
         // last one started at is the sum of its buckets'.
-        let r = &self.recent;
-        let all: u32 = (r.oldest()..r.begun).map(|n| r.bucket(n).leaves).sum();
-        assert_eq!(all, bucketed);
+        for n in r.oldest()..r.begun {
+            let at = (n % Recent::LEN as u64) as usize;
+            assert_eq!(r.bucket(n).leaves, bucketed[at], "bucket {n}");
+        }
         let counted: u32 = (r.from..r.begun).map(|n| r.bucket(n).leaves).sum();
         assert!(r.from >= r.oldest());
         assert_eq!(r.counted, counted);
@@ -1496,6 +1505,29 @@ mod tests {
         send(&mut m, 1_300, &[8]);
         assert_eq!((m.conversations(), m.live_conversations(1_000_000)), (4, 1));
         assert_eq!(m.live_conversations(390_000), 4);
+        m.check();
+    }
+
+    #[test]
+    fn a_bucket_of_the_live_count_begins_only_later_than_every_stamp_recorded() {
+        let cell = ModelCell::new(100_000);
+        let send = |cell: &ModelCell, at_ms: u64, stamp: u32, ids: &[u64]| {
+            let c = chain(ids);
+            let mut m = cell.lock();
+            m.note_sent(at_ms, stamp);
+            let known = m.known_from(c.links(), 0).links;
+            m.record_sent(c.links(), known, stamp);
+        };
+        // A prompt placed; before it is sent, a conversation learned from elsewhere is
+        // recorded with a later stamp and no time.
+        let placed = cell.reserve();
+        cell.record_from(chain(&[9, 1]).links(), 0);
+        send(&cell, 1_000, placed, &[1, 2]);
+        // Both conversations have their next turns.
+        send(&cell, 5_000, cell.reserve(), &[9, 1, 3]);
+        send(&cell, 6_000, cell.reserve(), &[1, 2, 4]);
+        let mut m = cell.lock();
+        assert_eq!((m.conversations(), m.live_conversations(1)), (2, 2));
         m.check();
     }
 
@@ -2236,25 +2268,41 @@ mod tests {
 
     #[derive(Clone, Debug)]
     enum Sent {
-        /// Conversation `c`'s first `n` links sent.
-        Send(u64, usize),
+        /// Conversation `c`'s first `n` links placed: a stamp reserved, and the fleet's clock
+        /// read `step` milliseconds after the last placement's reading (before it, when
+        /// negative: another thread read it before that one reserved its stamp).
+        Place(u64, usize, i64),
+        /// The `i`th prompt placed and not sent yet (modulo how many) sent.
+        Send(usize),
         /// The `i`th prompt still waiting (modulo how many wait) answered, or refused.
         Answer(usize, bool),
+        /// Conversation `c`'s first `n` links learned from elsewhere: recorded with no time.
+        Learn(u64, usize),
     }
 
     fn sent() -> impl proptest::strategy::Strategy<Value = Sent> {
         use proptest::prelude::*;
+        // Steps of a few seconds, so that a bucket of the live count begins now and then,
+        // some back, and gaps longer than the buckets kept reach.
+        let step = prop_oneof![
+            6 => -3_000i64..30_000,
+            1 => 600_000i64..2_000_000,
+        ];
         prop_oneof![
-            (0u64..8, 1usize..16).prop_map(|(c, n)| Sent::Send(c, n)),
-            (0usize..8, any::<bool>()).prop_map(|(i, ok)| Sent::Answer(i, ok)),
+            3 => (0u64..8, 1usize..16, step).prop_map(|(c, n, s)| Sent::Place(c, n, s)),
+            3 => (0usize..8).prop_map(Sent::Send),
+            3 => (0usize..8, any::<bool>()).prop_map(|(i, ok)| Sent::Answer(i, ok)),
+            1 => (0u64..8, 1usize..16).prop_map(|(c, n)| Sent::Learn(c, n)),
         ]
     }
 
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(500))]
 
-        /// Prompts sent, answered and refused in any order: the model stays whole and within
-        /// its bounds.
+        /// Prompts placed, sent, answered and refused in any order, at times that need not
+        /// follow their stamps, with prompts learned from elsewhere between them: the model
+        /// stays whole and within its bounds, and each leaf counts in the bucket of the live
+        /// count its stamp falls in.
         #[test]
         fn prompts_answered_or_refused_in_any_order_keep_the_model_whole(
             budget in 300u64..3_000,
@@ -2262,18 +2310,21 @@ mod tests {
         ) {
             let cell = ModelCell::new(budget);
             cell.lock().max_blocks = 40;
+            let mut placed: Vec<(PromptChain, u32, u64)> = Vec::new();
             let mut waiting: Vec<(PromptChain, usize, u32)> = Vec::new();
-            // Thirteen seconds between sends: a bucket of the live count begins with each,
-            // and the oldest fall out of its ring as the prompts go.
-            let mut now = 0;
-            for op in ops.into_iter().chain((0..80).map(|_| Sent::Answer(0, true))) {
+            let mut now = 0u64;
+            let drain = (0..80).flat_map(|_| [Sent::Send(0), Sent::Answer(0, true)]);
+            for op in ops.into_iter().chain(drain) {
                 match op {
-                    Sent::Send(c, n) => {
-                        let chain = conversation(c, n);
-                        let stamp = cell.reserve();
+                    Sent::Place(c, n, step) => {
+                        now = now.saturating_add_signed(step);
+                        placed.push((conversation(c, n), cell.reserve(), now));
+                    }
+                    Sent::Send(_) if placed.is_empty() => {}
+                    Sent::Send(i) => {
+                        let (chain, stamp, at) = placed.remove(i % placed.len());
                         let mut m = cell.lock();
-                        now += 13_000;
-                        m.note_sent(now, stamp);
+                        m.note_sent(at, stamp);
                         let known = m.known_from(chain.links(), 0).links;
                         m.record_sent(chain.links(), known, stamp);
                         drop(m);
@@ -2285,6 +2336,9 @@ mod tests {
                         if !ok {
                             cell.lock().refused(chain.links(), known, stamp);
                         }
+                    }
+                    Sent::Learn(c, n) => {
+                        cell.record_from(conversation(c, n).links(), 0);
                     }
                 }
                 let mut m = cell.lock();
