@@ -319,9 +319,10 @@ pub(crate) struct CacheModel {
 /// seconds on the fleet's clock, the latest [`Recent::LEN`] of them (at least ten minutes),
 /// 792 bytes. A bucket begins at a record's stamp and time, the stamp later than any recorded
 /// before; a leaf counts in the bucket its stamp falls in, and leaves it when it gains a
-/// child, is recorded again or is evicted. A leaf older than the oldest bucket counts in none:
-/// its conversation had no turn for ten minutes. The buckets from the one a count last started at are kept added up as leaves come
-/// and go, so that a count moves on from the last one: O(1) a change and, amortized, a count.
+/// child, is recorded again or is evicted. A leaf older than the oldest bucket counts in
+/// none: its conversation had no turn for ten minutes. The buckets from the one a count last
+/// started at are kept added up as leaves come and go, so that a count moves on from the
+/// last one: O(1) a change and, amortized, a count.
 #[derive(Debug)]
 struct Recent {
     /// Bucket `n` of those begun is at `n % LEN` while it is one of the latest `LEN`.
@@ -1291,11 +1292,17 @@ impl ModelCell {
         stamp != 0 && (evicted == 0 || later(stamp, evicted))
     }
 
-    /// Records `chain` as held with a stamp of its own (see [`CacheModel::record_from`]) and
-    /// returns the stamp, for the session entry that will point here.
-    pub(crate) fn record_from(&self, chain: &[Link], at_least: usize) -> u32 {
+    /// Records `chain` as held with a stamp of its own (see [`CacheModel::record_from`]),
+    /// learned at `now_ms` on the fleet's clock (0: no clock; the live count then takes it as
+    /// of the newest bucket), and returns the stamp, for the session entry that will point
+    /// here.
+    pub(crate) fn record_from(&self, chain: &[Link], at_least: usize, now_ms: u64) -> u32 {
         let stamp = self.reserve();
-        self.lock().record_from(chain, at_least, stamp);
+        let mut m = self.lock();
+        if now_ms > 0 {
+            m.note_sent(now_ms, stamp);
+        }
+        m.record_from(chain, at_least, stamp);
         stamp
     }
 }
@@ -1521,13 +1528,29 @@ mod tests {
         // A prompt placed; before it is sent, a conversation learned from elsewhere is
         // recorded with a later stamp and no time.
         let placed = cell.reserve();
-        cell.record_from(chain(&[9, 1]).links(), 0);
+        cell.record_from(chain(&[9, 1]).links(), 0, 0);
         send(&cell, 1_000, placed, &[1, 2]);
         // Both conversations have their next turns.
         send(&cell, 5_000, cell.reserve(), &[9, 1, 3]);
         send(&cell, 6_000, cell.reserve(), &[1, 2, 4]);
         let mut m = cell.lock();
         assert_eq!((m.conversations(), m.live_conversations(1)), (2, 2));
+        m.check();
+    }
+
+    #[test]
+    fn a_conversation_learned_from_elsewhere_counts_as_live_from_when_it_was_learned() {
+        let cell = ModelCell::new(100_000);
+        let placed = cell.reserve();
+        {
+            let mut m = cell.lock();
+            m.note_sent(1_000, placed);
+            m.record_sent(chain(&[1]).links(), 0, placed);
+        }
+        // Learned 700 s later (another replica served its latest turn): a turn of late.
+        cell.record_from(chain(&[2]).links(), 0, 700_000);
+        let mut m = cell.lock();
+        assert_eq!((m.conversations(), m.live_conversations(400_000)), (2, 1));
         m.check();
     }
 
@@ -2043,7 +2066,7 @@ mod tests {
             }
             let conversations = links / 20;
             for c in 0..conversations {
-                cell.record_from(blocks(c << 20, 41, 16).links(), 0);
+                cell.record_from(blocks(c << 20, 41, 16).links(), 0, 0);
             }
             let huge = blocks(1 << 40, PromptChain::MAX_LINKS as u64, 16);
             for _ in 0..3 {
@@ -2052,7 +2075,7 @@ mod tests {
                 cell.lock().refused(huge.links(), 0, stamp);
             }
             for c in conversations..2 * conversations {
-                cell.record_from(blocks(c << 20, 41, 16).links(), 0);
+                cell.record_from(blocks(c << 20, 41, 16).links(), 0, 0);
             }
             let m = cell.lock();
             assert_eq!(m.blocks(), links as usize);
@@ -2338,7 +2361,7 @@ mod tests {
                         }
                     }
                     Sent::Learn(c, n) => {
-                        cell.record_from(conversation(c, n).links(), 0);
+                        cell.record_from(conversation(c, n).links(), 0, 0);
                     }
                 }
                 let mut m = cell.lock();

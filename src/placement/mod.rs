@@ -781,7 +781,7 @@ mod tests {
         }
         t.member(0).load.reserved.store(2, Ordering::Relaxed);
         let held = crate::PromptChain::from_blocks([(7, 100)]);
-        t.member(1).cache.record_from(held.links(), 0);
+        t.member(1).cache.record_from(held.links(), 0, 0);
         assert!(t.member(2).load.try_acquire());
         let prompt = crate::PromptChain::from_blocks([(1, 2_000), (2, 100)]);
         let extensions = http::Extensions::new();

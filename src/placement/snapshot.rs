@@ -107,7 +107,10 @@ impl Snapshot {
     /// service does for every dispatched request. Unknown ids are ignored.
     pub fn holds(self, id: &str, chain: &PromptChain) -> Self {
         if let Some(i) = self.topology.index_any(id) {
-            self.topology.member(i).cache.record_from(chain.links(), 0);
+            self.topology
+                .member(i)
+                .cache
+                .record_from(chain.links(), 0, 0);
         }
         self
     }

@@ -834,7 +834,9 @@ impl<B, P> Shared<B, P> {
         if ahead || here.is_none() {
             // Recorded here and now, so the entry below carries the record's stamp.
             let mark = match (at, chain) {
-                (Some(at), Some(chain)) if ahead => m.cache.record_from(&chain.links()[..=at], 0),
+                (Some(at), Some(chain)) if ahead => {
+                    m.cache.record_from(&chain.links()[..=at], 0, now_ms)
+                }
                 _ => 0,
             };
             // Without a tip (a value written without one), where the session's last prompt
@@ -886,7 +888,8 @@ impl<B, P> Shared<B, P> {
                 return;
             }
             let held = &chain.links()[..=at];
-            t.member(index).cache.record_from(held, 0);
+            let now_ms = self.capacity.now_ms(Instant::now());
+            t.member(index).cache.record_from(held, 0, now_ms);
             return;
         }
     }
