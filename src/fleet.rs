@@ -371,7 +371,11 @@ impl<S> Backend<S> {
     /// event has been read; a request the backend does not run (it answers with an error,
     /// or fails with none) leaves the slot holding what it held. Each router replica assigns
     /// the slots on its own: with several in front of one backend, their requests take each
-    /// other's slots, and one sent to a busy slot waits there for it. The router keeps 48
+    /// other's slots, one sent to a busy slot waits there for it, and a conversation whose
+    /// turns enter different replicas changes slots. Leave it off where several replicas share
+    /// a backend: in the swarm's overload scenario at 8 GiB two replicas entered at random
+    /// with the shared store reuse 68.5% of later turns with it and 83.7% without it, and
+    /// entered by session 77.5% and 80.3% (means of 16 seeds). The router keeps 48
     /// bytes for each slot, and the prompt chain of the last request sent to it (and while a
     /// request is on it, of the one before; 24 bytes a link: at most 192 KiB, for a prompt of
     /// [`PromptChain::MAX_LINKS`] links).
