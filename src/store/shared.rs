@@ -245,7 +245,8 @@ pub(crate) struct Homes {
     /// Homes whose last write failed, the latest for each session: written again when the
     /// store answers again.
     failed: Mutex<Failed>,
-    /// Whether the last write failed: a change is logged once.
+    /// Whether writes were logged as failing while the store answered reads, and none has
+    /// landed since: each change is logged once.
     writes_failing: AtomicBool,
     /// The keyless prompts' tips this replica wrote, with the backend it wrote for each.
     written: Mutex<Written>,
@@ -651,21 +652,27 @@ impl Homes {
 
     /// A write ended, failing with `error` or not. Writes failing while reads succeed (a
     /// store out of memory refuses writes and answers reads) mark no outage, so the change is
-    /// logged here, once each way: the homes placed meanwhile are not shared.
+    /// logged here, once each way: the homes placed meanwhile are not shared. A write that
+    /// fails while the store is down is its outage's, which is logged as such: it is not
+    /// logged here, nor is the first write that lands after it.
     fn wrote(&self, error: Option<String>) {
-        let failing = error.is_some();
-        if self.writes_failing.swap(failing, Ordering::AcqRel) == failing {
-            return;
-        }
         match error {
-            Some(error) if self.up.load(Ordering::Acquire) => tracing::warn!(
-                store = ?self.store,
-                %error,
-                "writes to the shared session store fail (its reads last answered); homes placed now are not shared"
-            ),
-            // The store is down: its outage was logged.
-            Some(_) => {}
-            None => tracing::info!(store = ?self.store, "shared session store takes writes again"),
+            // The store is down: its outage was logged, and its recovery will be.
+            Some(_) if !self.up.load(Ordering::Acquire) => {}
+            Some(error) => {
+                if !self.writes_failing.swap(true, Ordering::AcqRel) {
+                    tracing::warn!(
+                        store = ?self.store,
+                        %error,
+                        "writes to the shared session store fail (its reads last answered); homes placed now are not shared"
+                    );
+                }
+            }
+            None => {
+                if self.writes_failing.swap(false, Ordering::AcqRel) {
+                    tracing::info!(store = ?self.store, "shared session store takes writes again");
+                }
+            }
         }
     }
 
@@ -947,10 +954,8 @@ mod tests {
         }
     }
 
-    /// Several balancers may each have a store (a fleet for each model): what one logs
-    /// names it.
-    #[test]
-    fn what_the_store_logs_names_the_store() {
+    /// What `run` logs, at any level.
+    fn logs_of(run: impl FnOnce()) -> String {
         #[derive(Clone, Default)]
         struct Buffer(Arc<Mutex<Vec<u8>>>);
         impl std::io::Write for Buffer {
@@ -968,19 +973,67 @@ mod tests {
             .with_ansi(false)
             .with_writer(move || writer.clone())
             .finish();
-        let homes = Homes::new(
+        tracing::subscriber::with_default(subscriber, run);
+        let logs = String::from_utf8(buffer.0.lock().clone()).unwrap();
+        logs
+    }
+
+    fn named() -> Arc<Homes> {
+        Arc::new(Homes::new(
             Arc::new(Named),
             Duration::from_millis(5),
             Duration::ZERO,
             10,
-        );
-        tracing::subscriber::with_default(subscriber, || {
+        ))
+    }
+
+    /// Several balancers may each have a store (a fleet for each model): what one logs
+    /// names it.
+    #[test]
+    fn what_the_store_logs_names_the_store() {
+        let homes = named();
+        let logs = logs_of(|| {
             homes.wrote(Some("refused".into()));
             homes.wrote(None);
         });
-        let logs = String::from_utf8(buffer.0.lock().clone()).unwrap();
         assert_eq!(logs.lines().count(), 2, "{logs}");
         assert!(logs.lines().all(|l| l.contains("store=Named")), "{logs}");
+    }
+
+    /// Writes that fail while the store is down are its outage's, which the log has told:
+    /// the first write that lands after it is no news, and a write the store refuses once it
+    /// answers again (at `maxmemory`, say) is.
+    #[test]
+    fn the_log_says_writes_land_again_only_after_it_said_they_fail() {
+        let homes = named();
+        let logs = logs_of(|| {
+            homes.mark(false, &"connection refused");
+            homes.wrote(Some("connection refused".into()));
+            homes.mark(true, &"answered");
+            homes.wrote(None);
+            homes.mark(false, &"connection refused");
+            homes.wrote(Some("connection refused".into()));
+            homes.mark(true, &"answered");
+            homes.wrote(Some("OOM command not allowed".into()));
+            homes.wrote(None);
+        });
+        let said: Vec<&str> = logs
+            .lines()
+            .map(|l| {
+                [
+                    "unavailable",
+                    "answers again",
+                    "writes to",
+                    "takes writes again",
+                ]
+                .into_iter()
+                .find(|m| l.contains(m))
+                .unwrap_or(l)
+            })
+            .collect();
+        let outage = ["unavailable", "answers again"];
+        let refused = ["writes to", "takes writes again"];
+        assert_eq!(said, [outage, outage, refused].concat(), "{logs}");
     }
 
     #[test]
