@@ -583,6 +583,7 @@ impl Proxy {
                 if let Some(model) = model {
                     store = store.prefix(format!("tower-affinity:home:model={model}:"));
                 }
+                refuse_redis_tls(url)?;
                 let store = store
                     .open(url)
                     .map_err(|e| format!("--redis {:?}: {e}", redis_url_shown(url)))?;
@@ -901,6 +902,20 @@ pub(crate) async fn one_server_each(backends: &[BackendSpec]) -> Result<(), Stri
                 ));
             }
         }
+    }
+    Ok(())
+}
+
+/// Refuses a TLS URL (`rediss://`, `valkeys://`) in words an operator can act on: the
+/// proxy's `redis` dependency is built without TLS, and that crate's own error speaks of a
+/// feature that no flag of the proxy turns on.
+pub(crate) fn refuse_redis_tls(url: &str) -> Result<(), String> {
+    let scheme = url.split_once("://").map_or("", |(scheme, _)| scheme);
+    if scheme.eq_ignore_ascii_case("rediss") || scheme.eq_ignore_ascii_case("valkeys") {
+        return Err(format!(
+            "--redis {:?}: a TLS URL ({scheme}://), and this proxy is built without TLS for Redis: give a redis:// URL, on a network you trust or through a TLS tunnel on this host (stunnel, say)",
+            redis_url_shown(url)
+        ));
     }
     Ok(())
 }

@@ -11,7 +11,8 @@ use tower_affinity::discover::dns::DnsTarget;
 use tower_affinity::Overflow;
 
 use crate::app::{
-    one_id_each, redis_url_shown, BackendSpec, Config, DnsSpec, Policy, UpstreamMode,
+    one_id_each, redis_url_shown, refuse_redis_tls, BackendSpec, Config, DnsSpec, Policy,
+    UpstreamMode,
 };
 
 pub(crate) const USAGE: &str = "\
@@ -57,7 +58,8 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
                              (default 0s: gone at the first answer without it)
   --redis URL                share session homes with other proxy instances through
                              Redis (or Valkey), e.g. redis://127.0.0.1:6379: a session
-                             that moved on one instance is followed by all
+                             that moved on one instance is followed by all (no TLS:
+                             rediss:// is refused)
   --redis-timeout DURATION   longest wait for Redis's answer before placing from the
                              local table (default 5ms; more than 0)
   --replicas N               this instance is one of N behind a balancer that spreads
@@ -309,6 +311,7 @@ where
                 let url = value()?;
                 // Read here, without connecting, so that a URL the store cannot use is a
                 // command-line error; shown without its password.
+                refuse_redis_tls(&url)?;
                 if let Err(e) = redis::IntoConnectionInfo::into_connection_info(url.as_str()) {
                     return Err(format!("--redis {:?}: {e}", redis_url_shown(&url)));
                 }

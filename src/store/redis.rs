@@ -326,8 +326,8 @@ impl RedisStoreBuilder {
 
     /// The store on the Redis at `url`. It starts connecting in the background and returns at
     /// once, so a Redis that is down at start does not stop the router; an error here is a URL
-    /// it cannot use, or a call outside a Tokio runtime (the store runs its connection on
-    /// it).
+    /// it cannot use (a TLS one, `rediss://`, among them: this crate builds the `redis` crate
+    /// without TLS), or a call outside a Tokio runtime (the store runs its connection on it).
     pub fn open(self, url: &str) -> Result<RedisStore, RedisOpenError> {
         let info = redis::IntoConnectionInfo::into_connection_info(url)
             .map_err(|e| RedisOpenError(OpenKind::Redis(e)))?

@@ -3587,6 +3587,34 @@ async fn one_server_given_under_two_names_is_warned_of() {
     assert_eq!(check(&["http://127.0.0.1:8081", &a, &b]).await, Ok(()));
 }
 
+/// A TLS URL (`rediss://`, `valkeys://`) is refused in words an operator can act on: this
+/// proxy has no TLS for Redis (the `redis` crate's own error speaks of "the feature", which
+/// the proxy's command line cannot turn on); from the command line and from a configuration
+/// built in code alike.
+#[tokio::test]
+async fn a_tls_redis_url_is_refused_as_one_this_proxy_cannot_reach() {
+    for url in [
+        "rediss://default:s3cret@redis.internal:6380",
+        "valkeys://redis.internal:6380/1",
+    ] {
+        let parsed = cli::parse(["--backend", "n=http://127.0.0.1:1", "--redis", url]);
+        let mut config = config_of(&["n=http://127.0.0.1:1".to_string()]);
+        config.redis = Some(url.into());
+        let started = Proxy::new(config).await.map(|_| ());
+        for err in [
+            parsed.map(|_| ()).unwrap_err(),
+            started.unwrap_err().to_string(),
+        ] {
+            assert!(
+                err.contains("this proxy is built without TLS for Redis"),
+                "{url}: {err}"
+            );
+            assert!(!err.contains("the feature"), "{url}: {err}");
+            assert!(!err.contains("s3cret"), "{url}: {err}");
+        }
+    }
+}
+
 /// A `--redis` URL the store cannot use is a command-line error (exit code 2, before anything
 /// runs), not the proxy's failure once started; and no error shows its password, which a log
 /// would keep.
