@@ -587,6 +587,10 @@ impl Proxy {
                 let store = store
                     .open(url)
                     .map_err(|e| format!("--redis {:?}: {e}", redis_url_shown(url)))?;
+                // Connected before serving, so that the first reads (the health probe's check,
+                // the first requests) do not take the connection's opening for an outage. A
+                // Redis down then is logged by the store; serving starts without it.
+                let _ = tokio::time::timeout(STORE_CONNECT_WAIT, store.connected()).await;
                 layer = layer.home_store(store).store_deadline(config.redis_timeout);
             }
             let affinity = layer.layer(fleet);
@@ -905,6 +909,9 @@ pub(crate) async fn one_server_each(backends: &[BackendSpec]) -> Result<(), Stri
     }
     Ok(())
 }
+
+/// The longest the proxy waits at its start for Redis's first connection to open.
+const STORE_CONNECT_WAIT: Duration = Duration::from_secs(1);
 
 /// Refuses a TLS URL (`rediss://`, `valkeys://`) in words an operator can act on: the
 /// proxy's `redis` dependency is built without TLS, and that crate's own error speaks of a

@@ -200,6 +200,36 @@ impl RedisStore {
     /// The key prefix unless [`RedisStoreBuilder::prefix`] sets another.
     pub const DEFAULT_PREFIX: &'static str = "tower-affinity:home:";
 
+    /// Waits until the store's first attempts to connect have ended, and says whether a
+    /// connection opened. The store connects in the background from
+    /// [`open`](RedisStoreBuilder::open) on; a read made before it is open waits for it, and
+    /// the service gives up on a read at its deadline (5 ms by default) and marks the store
+    /// down until a read answers in time. A proxy that awaits this before it serves (bounded:
+    /// a Redis that is down makes the attempts go on for seconds) starts with the store up.
+    /// `false` when they failed: the store has logged why, and keeps trying.
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use tower_affinity::store::RedisStore;
+    ///
+    /// # #[tokio::main]
+    /// # async fn main() -> Result<(), tower_affinity::store::RedisOpenError> {
+    /// let store = RedisStore::open("redis://127.0.0.1:6379")?;
+    /// // At most a second: serving goes on without the store meanwhile.
+    /// let _ = tokio::time::timeout(Duration::from_secs(1), store.connected()).await;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn connected(&self) -> impl std::future::Future<Output = bool> + Send + 'static {
+        let mut opened = self.conn.report.opened.subscribe();
+        async move {
+            match opened.wait_for(Option::is_some).await {
+                Ok(state) => state.unwrap_or(false),
+                Err(_) => false,
+            }
+        }
+    }
+
     /// What follows the prefix in the keys of keyless conversations' homes (see
     /// [`key_of_prompt`](Self::key_of_prompt)).
     pub const PROMPT_PREFIX: &'static str = "prompt:";
@@ -357,6 +387,7 @@ impl RedisStoreBuilder {
             addr: client.get_connection_info().addr().to_string(),
             db: client.get_connection_info().redis_settings().db(),
             last: Mutex::new(None),
+            opened: tokio::sync::watch::Sender::new(None),
         });
         let conn = Connection::start(&client, &config, &report)
             .map_err(|e| RedisOpenError(OpenKind::Redis(e)))?;
@@ -385,11 +416,15 @@ struct Report {
     db: i64,
     /// The error last logged, until a connection opens.
     last: Mutex<Option<String>>,
+    /// Whether the last manager's first connection opened; `None` while its first attempts
+    /// go on.
+    opened: tokio::sync::watch::Sender<Option<bool>>,
 }
 
 impl Report {
     /// A manager's first connection opened (`None`) or failed with `error`.
     fn connected(&self, error: Option<redis::RedisError>) {
+        self.opened.send_replace(Some(error.is_none()));
         let error = error.map(|e| e.to_string());
         let mut last = self.last.lock();
         if *last == error {

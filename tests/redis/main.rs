@@ -1380,3 +1380,33 @@ async fn eval_calls(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
         .and_then(|n| n.parse().ok())
         .unwrap_or(0)
 }
+
+/// A store says when its first connection opened, and when its attempts failed: a proxy
+/// that waits for it before serving starts with the store up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_says_whether_its_first_connection_opened() {
+    let Some(redis) = RedisServer::start().await else {
+        return;
+    };
+    let bounded = Duration::from_secs(10);
+    let store = RedisStore::open(&redis.url()).unwrap();
+    assert!(tokio::time::timeout(bounded, store.connected())
+        .await
+        .unwrap());
+    // Asked again, it says so at once.
+    assert!(tokio::time::timeout(bounded, store.connected())
+        .await
+        .unwrap());
+    // A port nothing listens on: the attempts fail, quickly with a short reconnect interval.
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let refused = RedisStore::builder()
+        .reconnect_interval(Duration::from_millis(20))
+        .open(&format!("redis://127.0.0.1:{port}"))
+        .unwrap();
+    assert!(!tokio::time::timeout(bounded, refused.connected())
+        .await
+        .unwrap());
+}
