@@ -41,8 +41,10 @@ use crate::key::SessionKey;
 ///   `SET`, on keys under the prefix, and `PING`: what
 ///   a Redis ACL user for the store must be allowed; and `SELECT` if the URL names a database
 ///   other than 0 (`redis://user:pass@host/1`), which each connection selects as it opens.
-///   Refused that, no connection opens: every read fails with "Redis server refused to
-///   switch database", until the user may, and the store connects again.
+///   Refused that, no connection opens: reads find the store down (they give up at their
+///   deadline while the connection's attempts go on), the store logs "Redis server refused
+///   to switch database" once its attempts have ended, seconds later, and it connects once
+///   the user may.
 ///
 /// One multiplexed connection, kept by the `redis` crate's connection manager, carries every
 /// command; when it breaks, the manager reconnects with exponential backoff, at most
