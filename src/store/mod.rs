@@ -66,9 +66,10 @@
 //!   fresh sign, the replica's own old write would keep conversations on backends that
 //!   have evicted them: with two replicas entered at random in the swarm's overload
 //!   scenario at 8 GiB, keyless conversations through the store reached 82.6% of turns warm
-//!   over seeds 1 to 16 with this rule, 71.4% without it, when it came in (84.5% now). On the swarm's replay of a
-//!   Mooncake trace, where conversations are short and share long prefixes, the rule costs
-//!   2 to 5 points of the ideal reuse (README, "Router replicas").
+//!   over seeds 1 to 16 with this rule, 71.4% without it, when it came in (84.5% now). On
+//!   the swarm's replay of a Mooncake trace, where conversations are short and share long
+//!   prefixes, the rule costs 2 to 5 points of the ideal reuse (README, "Router
+//!   replicas").
 //!
 //! A conversation's first turn finds nothing (no earlier turn was written); its second finds
 //! the first's last link, its first message. One whose whole first prompt is the same as

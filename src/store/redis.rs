@@ -37,8 +37,8 @@ use crate::key::SessionKey;
 ///   hex, `tower-affinity:home:prompt:00abcdef01234567`, written with `SET .. PX` as a
 ///   session's home is; a keyless request reads the digests of its prompt's last few
 ///   boundaries in one round trip, a `GETRANGE` of each, bounded as a session's read is.
-/// - **Commands:** `GETRANGE`, `PEXPIRE`, `SET`, and `EVAL` of a script that runs `GET` and
-///   `SET`, on keys under the prefix, and `PING`: what
+/// - **Commands:** `GETRANGE`, `PEXPIRE`, `SET`, `GET` and `EVAL` (of a script that runs
+///   `GET` and `SET`), on keys under the prefix, and `PING`: what
 ///   a Redis ACL user for the store must be allowed; and `SELECT` if the URL names a database
 ///   other than 0 (`redis://user:pass@host/1`), which each connection selects as it opens.
 ///   Refused that, no connection opens: reads find the store down (they give up at their
@@ -202,6 +202,10 @@ impl RedisStore {
     /// The key prefix unless [`RedisStoreBuilder::prefix`] sets another.
     pub const DEFAULT_PREFIX: &'static str = "tower-affinity:home:";
 
+    /// What follows the prefix in the keys of keyless conversations' homes (see
+    /// [`key_of_prompt`](Self::key_of_prompt)).
+    pub const PROMPT_PREFIX: &'static str = "prompt:";
+
     /// Waits until the store's first attempts to connect have ended, and says whether a
     /// connection opened. The store connects in the background from
     /// [`open`](RedisStoreBuilder::open) on; a read made before it is open waits for it, and
@@ -231,10 +235,6 @@ impl RedisStore {
             }
         }
     }
-
-    /// What follows the prefix in the keys of keyless conversations' homes (see
-    /// [`key_of_prompt`](Self::key_of_prompt)).
-    pub const PROMPT_PREFIX: &'static str = "prompt:";
 
     /// A store on the Redis at `url` (`redis://host:port/db`) with the default options.
     /// See [`RedisStoreBuilder::open`].
