@@ -2299,7 +2299,8 @@ mod tests {
         Send(usize),
         /// The `i`th prompt still waiting (modulo how many wait) answered, or refused.
         Answer(usize, bool),
-        /// Conversation `c`'s first `n` links learned from elsewhere: recorded with no time.
+        /// Conversation `c`'s first `n` links learned from elsewhere: recorded at the last
+        /// placement's time (`c` even) or with no time.
         Learn(u64, usize),
     }
 
@@ -2361,7 +2362,9 @@ mod tests {
                         }
                     }
                     Sent::Learn(c, n) => {
-                        cell.record_from(conversation(c, n).links(), 0, 0);
+                        // Learned now, or with no time (a fleet without a clock).
+                        let at = if c % 2 == 0 { now } else { 0 };
+                        cell.record_from(conversation(c, n).links(), 0, at);
                     }
                 }
                 let mut m = cell.lock();
