@@ -209,8 +209,9 @@ struct Counters {
 /// Homes whose last write failed, and when the store last went down.
 #[derive(Debug, Default)]
 struct Failed {
-    /// The latest home of each session whose write failed, and when it failed.
-    homes: HashMap<SessionKey, (StoredHome, Instant)>,
+    /// The latest home of each session whose write failed, when it failed, and the number
+    /// of that write: a write sent before it that lands later does not make it needless.
+    homes: HashMap<SessionKey, (StoredHome, Instant, u64)>,
     down_since: Option<Instant>,
     /// The number of the newest write of each session with a write in flight (as many
     /// entries as writes in flight at most): a write that fails after a newer one of its
@@ -422,7 +423,7 @@ impl Homes {
             // (refusing writes, say) may have been written over by another replica since.
             failed
                 .homes
-                .retain(|_, (_, at)| since.is_none_or(|s| *at + WRITE_TIMEOUT >= s));
+                .retain(|_, (_, at, _)| since.is_none_or(|s| *at + WRITE_TIMEOUT >= s));
             let keys: Vec<SessionKey> = failed.homes.keys().copied().collect();
             drop(failed);
             tracing::info!(
@@ -715,7 +716,7 @@ impl Homes {
                     return;
                 };
                 let mut failed = this.failed.lock();
-                let Some((home, _)) = failed.homes.remove(&key) else {
+                let Some((home, _, _)) = failed.homes.remove(&key) else {
                     continue;
                 };
                 // A newer home of the session is being written (held up, say, while the
@@ -760,8 +761,10 @@ impl Homes {
             }
             let error = match result {
                 Ok(Ok(())) => {
-                    // An older home that failed must not overwrite this one later.
-                    if !failed.homes.is_empty() {
+                    // An older home that failed must not overwrite this one later. A newer
+                    // one that failed is still to be written: this one, sent before it,
+                    // landed after it failed.
+                    if failed.homes.get(&key).is_some_and(|f| f.2 < number) {
                         failed.homes.remove(&key);
                     }
                     None
@@ -783,10 +786,10 @@ impl Homes {
                     let since = failed.down_since.unwrap_or(now);
                     failed
                         .homes
-                        .retain(|_, (_, at)| *at + WRITE_TIMEOUT >= since);
+                        .retain(|_, (_, at, _)| *at + WRITE_TIMEOUT >= since);
                 }
                 if failed.homes.len() < MAX_FAILED || failed.homes.contains_key(&key) {
-                    failed.homes.insert(key, (home, now));
+                    failed.homes.insert(key, (home, now, number));
                 }
             }
             drop(failed);

@@ -951,3 +951,42 @@ async fn a_home_sent_again_after_an_outage_does_not_replace_one_placed_later() {
     );
     assert_eq!(send(&svc, "s").await.backend.as_str(), later);
 }
+
+/// A session moves twice while the store is down: the first move's write is slow, the
+/// second's fails at once, and then the slow one lands. The store holds the older home; the
+/// newer one, whose write failed, is still written when the store comes back.
+#[tokio::test(start_paused = true)]
+async fn a_failed_home_is_kept_when_an_older_write_of_its_session_lands_after_it() {
+    let store = MemoryStore::new();
+    let svc = service(&store);
+    let first = send(&svc, "s").await;
+    settle().await;
+    store.mode(Mode::Fail);
+    noticed(&svc, "t", StoreState::Down).await;
+    // The first move's write waits at the gate.
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    store.0.lock().gate = Some(gate.clone());
+    let moved = moved_off(&svc, "s", &first).await;
+    // The second move's write fails.
+    {
+        let mut s = store.0.lock();
+        s.gate = None;
+        s.fail_writes = true;
+    }
+    let latest = moved_off(&svc, "s", &moved).await;
+    // The slow write lands: the store holds the older home.
+    store.0.lock().fail_writes = false;
+    gate.add_permits(1);
+    settle().await;
+    assert_eq!(store.0.lock().homes[&key("s")].backend, moved.backend);
+    // Back: the newer home is written again over it.
+    store.mode(Mode::Answer);
+    noticed(&svc, "u", StoreState::Up).await;
+    settle().await;
+    assert_eq!(
+        store.0.lock().homes[&key("s")].backend,
+        latest.backend,
+        "the older write's landing dropped the newer home that failed"
+    );
+    assert_eq!(send(&svc, "s").await.backend, latest.backend);
+}
