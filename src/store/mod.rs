@@ -27,7 +27,8 @@
 //!   log, [`StoreStats::recoveries`]). Writes are sent whatever the state, each bounded by a
 //!   second and at most 1,024 at once (more are dropped and counted,
 //!   [`StoreStats::writes_dropped`]); the homes whose write failed (the latest of each
-//!   session, up to 4,096) are written again when the store comes back, each as a place
+//!   session, up to 4,096) are written again when the store comes back (a write sent before
+//!   it came back that fails after, as it fails), each as a place
 //!   among the writes in flight frees (none of them dropped, but none whose session has a
 //!   newer write in flight), so that it does not send their sessions back to where they were
 //!   before the outage; each replaces only a home placed before it (see "Which write wins"

@@ -219,6 +219,9 @@ struct Failed {
     newest: HashMap<SessionKey, u64>,
     /// Writes sent so far, which numbers them.
     sent: u64,
+    /// Times the store came back up: a write sent before a recovery that fails after it
+    /// failed with the outage.
+    recovered: u64,
 }
 
 /// Whether a write is a placement's own, or one sent again after an outage.
@@ -416,6 +419,7 @@ impl Homes {
         }
         if up {
             bump(&self.counters.recoveries);
+            failed.recovered += 1;
             let since = failed.down_since.take();
             // Homes that moved while it could not be written to, so that it does not send
             // their sessions back to where they were before. Only those that failed with the
@@ -749,6 +753,7 @@ impl Homes {
         failed.sent += 1;
         let number = failed.sent;
         failed.newest.insert(key, number);
+        let recovered = failed.recovered;
         drop(failed);
         let this = self.clone();
         runtime.spawn(async move {
@@ -792,8 +797,21 @@ impl Homes {
                     failed.homes.insert(key, (home, now, number));
                 }
             }
+            // Sent before the store came back and failed after it (hung until its second
+            // was over): it failed with the outage, whose recovery wrote again only the homes
+            // that had failed by then. Written again now; one that fails again is kept as
+            // failed while the store answered.
+            let again = error.is_some()
+                && recovered != failed.recovered
+                && this.up.load(Ordering::Acquire)
+                && failed.homes.get(&key).is_some_and(|f| f.2 == number);
             drop(failed);
-            this.wrote(error);
+            if again {
+                // The outage's failure, which the log told: not a write the store refuses.
+                this.rewrite(vec![key]);
+            } else {
+                this.wrote(error);
+            }
         });
     }
 }

@@ -990,3 +990,32 @@ async fn a_failed_home_is_kept_when_an_older_write_of_its_session_lands_after_it
     );
     assert_eq!(send(&svc, "s").await.backend, latest.backend);
 }
+
+/// A write made while the store is down hangs, the store comes back, and the write fails
+/// after that, its second over: it failed with the outage, and is written again at once, not
+/// kept until a recovery that would no longer count it as the outage's.
+#[tokio::test(start_paused = true)]
+async fn a_write_of_the_outage_that_fails_after_the_recovery_is_written_again() {
+    let store = MemoryStore::new();
+    let svc = service(&store);
+    let first = send(&svc, "s").await;
+    settle().await;
+    store.mode(Mode::Fail);
+    noticed(&svc, "t", StoreState::Down).await;
+    // Down: the session moves off its busy home, and that write hangs.
+    store.0.lock().hang_writes = true;
+    let moved = moved_off(&svc, "s", &first).await;
+    store.0.lock().hang_writes = false;
+    // Back, before the hanging write's second is over; then it fails.
+    store.mode(Mode::Answer);
+    noticed(&svc, "u", StoreState::Up).await;
+    tokio::time::advance(Duration::from_millis(1_001)).await;
+    settle().await;
+    assert_eq!(svc.store_stats().unwrap().write_errors, 1);
+    assert_eq!(
+        store.0.lock().homes[&key("s")].backend,
+        moved.backend,
+        "the home that failed with the outage was not written again"
+    );
+    assert_eq!(send(&svc, "s").await.backend, moved.backend);
+}
