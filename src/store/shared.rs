@@ -69,11 +69,13 @@ pub struct StoreStats {
     /// Reads that failed: a request's (the local table answered) or a check's.
     pub errors: u64,
     /// Reads that found something that is not a home (another format, another key type);
-    /// ignored.
+    /// ignored. A keyless request's read, of several links, counts once by what it found:
+    /// here if no link held a home and one held something else.
     pub garbage: u64,
     /// Homes found on a backend this replica does not know: one removed from the fleet (a
     /// scale-down, a backend renamed), or not yet discovered here. Ignored, as no home: a
-    /// fleet that changes counts some, and nothing is wrong with the store.
+    /// fleet that changes counts some, and nothing is wrong with the store. A keyless
+    /// request's read counts here once if every home it found is on such a backend.
     pub unknown_backends: u64,
     /// Requests that did not wait for the store because it was down (one of them at a time
     /// sends a probe read, counted in `reads`, that no request waits for).
@@ -483,16 +485,20 @@ impl Homes {
             bump(&this.counters.prompt_reads);
             let read = this.store.read_prompts(&digests, this.ttl);
             this.bounded(read, probe, move |c, found: Vec<Lookup>| {
+                // One read, counted once: as a hit or an unknown backend once resolved
+                // against the fleet if it found a home, else as garbage if a link held some,
+                // else as a miss.
                 let mut homes = Vec::new();
+                let mut garbage = false;
                 for (&at, lookup) in positions.iter().zip(found) {
                     match lookup {
                         Lookup::Home(home) => homes.push((at, home)),
                         Lookup::Missing => {}
-                        Lookup::Garbage => bump(&c.garbage),
+                        Lookup::Garbage => garbage = true,
                     }
                 }
                 if homes.is_empty() {
-                    bump(&c.misses);
+                    bump(if garbage { &c.garbage } else { &c.misses });
                     return Read::Nothing;
                 }
                 Read::Prompt(homes)
@@ -902,7 +908,6 @@ impl<B, P> Shared<B, P> {
         let t = &fleet.topology;
         for (at, home) in found {
             let Some(index) = t.index_of(home.backend.as_str()) else {
-                bump(&homes.counters.unknown_backends);
                 continue;
             };
             bump(&homes.counters.hits);
@@ -920,6 +925,8 @@ impl<B, P> Shared<B, P> {
             t.member(index).cache.record_from(held, 0, now_ms);
             return;
         }
+        // Every home found is on a backend this replica does not know: one read, counted once.
+        bump(&homes.counters.unknown_backends);
     }
 }
 

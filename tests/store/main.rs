@@ -130,6 +130,10 @@ impl HomeStore for MemoryStore {
 
     fn read_prompts(&self, prompts: &[u64], _ttl: Duration) -> ReadPrompts {
         let s = self.0.lock();
+        if s.mode == Mode::Garbage {
+            let found = vec![Lookup::Garbage; prompts.len()];
+            return Box::pin(async move { Ok(found) });
+        }
         let found = prompts
             .iter()
             .map(|p| {
@@ -1018,4 +1022,34 @@ async fn a_write_of_the_outage_that_fails_after_the_recovery_is_written_again() 
         "the home that failed with the outage was not written again"
     );
     assert_eq!(send(&svc, "s").await.backend, moved.backend);
+}
+
+/// A keyless request's read asks for several links at once; it is still one read, counted
+/// once by what it found, as a session's read is.
+#[tokio::test(start_paused = true)]
+async fn a_keyless_read_counts_once_whatever_each_link_found() {
+    let store = MemoryStore::new();
+    let svc = replica(&store);
+    // Garbage at every link.
+    store.mode(Mode::Garbage);
+    send_keyless(&svc, conversation(1, 5)).await;
+    let s = svc.store_stats().unwrap();
+    assert_eq!((s.reads, s.garbage, s.misses), (1, 1, 0), "{s:?}");
+    // Homes at two links, both on a backend this replica does not know.
+    store.mode(Mode::Answer);
+    let chain = conversation(11, 5);
+    store.put_prompt(&chain, 3, "gpu-98", "node-y");
+    store.put_prompt(&chain, 4, "gpu-99", "node-z");
+    send_keyless(&svc, chain).await;
+    let s = svc.store_stats().unwrap();
+    assert_eq!((s.reads, s.unknown_backends, s.hits), (2, 1, 0), "{s:?}");
+    // One on an unknown backend, the shorter on a known one: a hit.
+    let chain = conversation(21, 5);
+    store.put_prompt(&chain, 4, "gpu-99", "node-z");
+    store.put_prompt(&chain, 3, "b1", "node-b");
+    send_keyless(&svc, chain).await;
+    let s = svc.store_stats().unwrap();
+    assert_eq!((s.reads, s.unknown_backends, s.hits), (3, 1, 1), "{s:?}");
+    let outcomes = s.hits + s.misses + s.garbage + s.unknown_backends + s.timeouts + s.errors;
+    assert_eq!(outcomes, s.reads, "{s:?}");
 }
