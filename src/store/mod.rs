@@ -112,7 +112,8 @@
 //! While the store was down, another replica may have placed a later turn of the session and
 //! written it once the store came back. So every home carries when its turn was placed
 //! ([`StoredHome::placed`], by the writing replica's clock), and a home written again
-//! replaces only a home placed before it (`RedisStore` compares the two in one script). Two
+//! replaces only a home placed before it (`RedisStore` reads the key, and sets the home only
+//! if the key still holds what it read). Two
 //! replicas' clocks need only agree to well within the time between a session's turns.
 //!
 //! Counters and the store's state: [`SessionAffinity::store_stats`].

@@ -29,16 +29,18 @@ use crate::key::SessionKey;
 ///   longer than that (backend and node names of kilobytes) is not written: its write fails.
 /// - **Writes:** `SET key value PX ttl`: the last write wins (see the [module
 ///   docs](crate::store) for why). A home written again after an outage
-///   ([`HomeStore::rewrite`]) is compared with the one the key holds and set, both in one
-///   Lua script (`EVAL`): it is set over no home, garbage, or a home placed before it, and
-///   not over one placed later or one that does not say when.
+///   ([`HomeStore::rewrite`]) is set over no home, garbage, or a home placed before it, and
+///   not over one placed later or one that does not say when, each as a read takes the
+///   value ([`StoredHome::decode`]): the key is read as a read does, and the home set by a
+///   Lua script (`EVAL`) only if the key still holds what was read; else read and judged
+///   again, up to 4 times (each time, another write landed in between).
 /// - **Keyless conversations:** the home of a turn's prompt under
 ///   `prefix` + [`PROMPT_PREFIX`](RedisStore::PROMPT_PREFIX) + the prompt's 64-bit digest in
 ///   hex, `tower-affinity:home:prompt:00abcdef01234567`, written with `SET .. PX` as a
 ///   session's home is; a keyless request reads the digests of its prompt's last few
 ///   boundaries in one round trip, a `GETRANGE` of each, bounded as a session's read is.
-/// - **Commands:** `GETRANGE`, `PEXPIRE`, `SET`, `GET` and `EVAL` (of a script that runs
-///   `GET` and `SET`), on keys under the prefix, and `PING`: what
+/// - **Commands:** `GETRANGE`, `PEXPIRE`, `SET` and `EVAL` (of a script that runs `GETRANGE`
+///   and `SET`), on keys under the prefix, and `PING`: what
 ///   a Redis ACL user for the store must be allowed; and `SELECT` if the URL names a database
 ///   other than 0 (`redis://user:pass@host/1`), which each connection selects as it opens.
 ///   Refused that, no connection opens: reads find the store down (they give up at their
@@ -524,29 +526,32 @@ fn px(ttl: Duration) -> u64 {
 /// up every other command on the one connection meanwhile, and be taken for an outage.
 const MAX_VALUE: usize = 16 * 1024;
 
-/// Sets `KEYS[1]` to the home `ARGV[1]` with `PX` `ARGV[2]`, unless it holds a home (a
-/// value [`StoredHome::decode`] reads: JSON of version 1, a backend that is a string not
-/// empty, a node that is a string) whose `placed` is later than `ARGV[3]` (when the home set
-/// was placed, in milliseconds; `-1` for a home that does not say), or that has no `placed`
-/// a reader takes (a whole number of milliseconds). Anything else is set over: no key, a key
-/// of another type, a value longer than `ARGV[4]` ([`MAX_VALUE`]) or not a home. `1` if it
-/// set the home.
-const REWRITE: &str = r#"
-local held = redis.pcall('GET', KEYS[1])
-if type(held) == 'string' and #held <= tonumber(ARGV[4]) then
-  local read, home = pcall(cjson.decode, held)
-  if read and type(home) == 'table' and home.v == 1 and type(home.backend) == 'string'
-      and home.backend ~= '' and type(home.node) == 'string' then
-    local placed = home.placed
-    if type(placed) ~= 'number' or placed < 0 or placed ~= math.floor(placed)
-        or placed > tonumber(ARGV[3]) then
-      return 0
-    end
-  end
+/// Sets `KEYS[1]` to the home `ARGV[1]` with `PX` `ARGV[2]` if it still holds what a read
+/// of it found: `GETRANGE KEYS[1] 0 ARGV[4]` answers the string `ARGV[3]` (`ARGV[5]` is
+/// `s`), or fails (`ARGV[5]` is `e`: a key of another type). `1` if it set the home.
+///
+/// Whether the value read is a home that must stay is judged by [`StoredHome::decode`] in
+/// the store, not here: a JSON reader in Lua takes values that `decode` does not (`1.0` for
+/// `1`, hex numbers, `Infinity`, names that are not UTF-8) and reads some numbers otherwise.
+const SET_IF_HELD: &str = r#"
+local held = redis.pcall('GETRANGE', KEYS[1], 0, tonumber(ARGV[4]))
+local same
+if type(held) == 'string' then
+  same = ARGV[5] == 's' and held == ARGV[3]
+else
+  same = ARGV[5] == 'e'
+end
+if not same then
+  return 0
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 "#;
+
+/// How many times a home sent again is read and set before the store gives up: each time,
+/// the key changed between the read and the set (another write landed), and the next read
+/// judges the new value.
+const REWRITE_ATTEMPTS: usize = 4;
 
 /// `GETRANGE key 0 MAX_VALUE`: a value up to a byte past the longest the store reads, so
 /// that a longer one is known as such without being sent whole.
@@ -631,8 +636,8 @@ impl HomeStore for RedisStore {
 }
 
 impl RedisStore {
-    /// `SET key home PX ttl`, or (`again`) the [`REWRITE`] script, which sets it only over
-    /// a home placed before it; an error, sending nothing, for a home longer than the store
+    /// `SET key home PX ttl`, or (`again`) [`rewrite_once`] until done, which sets it only
+    /// over a value that does not read as a home placed after it; an error, sending nothing, for a home longer than the store
     /// reads.
     fn set(&self, key: String, home: &StoredHome, ttl: Duration, again: bool) -> WriteHome {
         let conn = self.conn.clone();
@@ -644,24 +649,65 @@ impl RedisStore {
             );
             return Box::pin(std::future::ready(Err(error.into())));
         }
-        let cmd = if again {
-            let placed = home
-                .placed
-                .map_or(-1, |p| i64::try_from(placed_millis(p)).unwrap_or(i64::MAX));
-            let mut cmd = redis::cmd("EVAL");
-            cmd.arg(REWRITE).arg(1).arg(key).arg(value);
-            cmd.arg(px(ttl)).arg(placed).arg(MAX_VALUE);
-            cmd
-        } else {
-            let mut cmd = redis::cmd("SET");
-            cmd.arg(key).arg(value).arg("PX").arg(px(ttl));
-            cmd
-        };
+        if again {
+            let placed = home.placed.map(placed_millis);
+            return Box::pin(async move {
+                for _ in 0..REWRITE_ATTEMPTS {
+                    if rewrite_once(&conn, &key, &value, placed, ttl).await? {
+                        return Ok(());
+                    }
+                }
+                // Written over at every attempt: by writes that came after this home's.
+                Ok(())
+            });
+        }
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(key).arg(value).arg("PX").arg(px(ttl));
         Box::pin(async move {
             conn.query::<()>(&cmd).await?;
             Ok(())
         })
     }
+}
+
+/// One attempt of a home sent again, `value`, placed at `placed` (milliseconds): reads the
+/// key as a read does, and keeps what it holds if that reads as a home placed later than
+/// `placed`, or one that does not say when (any home, for a `value` that does not say
+/// either); else sets `value` if the key still holds what was read. `true` when done (kept
+/// or set), `false` when the key changed in between.
+async fn rewrite_once(
+    conn: &Connection,
+    key: &str,
+    value: &str,
+    placed: Option<u64>,
+    ttl: Duration,
+) -> Result<bool, crate::BoxError> {
+    let mut pipe = redis::pipe();
+    pipe.ignore_errors();
+    get_bounded(&mut pipe, key);
+    let answer = conn.query_each(&pipe).await?.into_iter().next();
+    let answer = answer.ok_or("no answer to GETRANGE")?;
+    let (kind, held) = match &answer {
+        Ok(Value::BulkString(v)) => ("s", v.clone()),
+        Ok(other) => return Err(format!("GETRANGE answered {other:?}").into()),
+        // A key of another type; any other error fails the lookup below.
+        Err(_) => ("e", Vec::new()),
+    };
+    if let Lookup::Home(h) = lookup(answer, Lookup::Missing)? {
+        let held_placed = h.placed.map(placed_millis);
+        let keep = match (held_placed, placed) {
+            (None, _) | (Some(_), None) => true,
+            (Some(h), Some(p)) => h > p,
+        };
+        if keep {
+            return Ok(true);
+        }
+    }
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(SET_IF_HELD).arg(1).arg(key).arg(value).arg(px(ttl));
+    cmd.arg(held).arg(MAX_VALUE).arg(kind);
+    let set: i64 = conn.query(&cmd).await?;
+    Ok(set == 1)
 }
 
 impl fmt::Debug for RedisStore {

@@ -1181,7 +1181,7 @@ async fn every_kind_of_value_reads_as_what_it_is() {
 /// A home sent again after an outage is set over what the store's readers would not keep
 /// (no key, garbage, a key of another type, a value too long to read) and over a home placed
 /// before it or at the same millisecond, and not over a home placed later or one whose
-/// `placed` a reader does not take: the script's rule agrees with `StoredHome::decode`.
+/// `placed` a reader does not take: the store's rule agrees with `StoredHome::decode`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_home_sent_again_is_set_only_over_no_home_or_one_placed_before_it() {
     use std::time::{SystemTime, UNIX_EPOCH};
@@ -1347,7 +1347,7 @@ async fn a_home_sent_again_after_an_outage_keeps_the_one_another_replica_placed_
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let start = Instant::now();
-    while eval_calls(&mut conn).await == 0 {
+    while rewrite_reads(&mut conn).await == 0 {
         let held = get(&mut conn, &key)
             .await
             .and_then(|v| StoredHome::decode(v.as_bytes()));
@@ -1367,18 +1367,24 @@ async fn a_home_sent_again_after_an_outage_keeps_the_one_another_replica_placed_
     assert_eq!(decision(&send(&a, "agent-1").await).backend, by_b.backend);
 }
 
-/// How many `EVAL`s the server ran: its `INFO commandstats` line `cmdstat_eval:calls=N,..`.
-async fn eval_calls(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
+/// How many reads of homes sent again the server answered: its `GETRANGE`s less its
+/// `PEXPIRE`s, as a session's read sends one of each, and a home sent again a `GETRANGE`
+/// alone (with no keyless requests, which read prompts by `GETRANGE` alone too).
+async fn rewrite_reads(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
     let info: String = redis::cmd("INFO")
         .arg("commandstats")
         .query_async(conn)
         .await
         .unwrap();
-    info.lines()
-        .find_map(|l| l.strip_prefix("cmdstat_eval:calls="))
-        .and_then(|rest| rest.split(',').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0)
+    // `cmdstat_getrange:calls=N,..`
+    let calls = |name: &str| -> u64 {
+        info.lines()
+            .find_map(|l| l.strip_prefix(&format!("cmdstat_{name}:calls=")))
+            .and_then(|rest| rest.split(',').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    };
+    calls("getrange").saturating_sub(calls("pexpire"))
 }
 
 /// A store says when its first connection opened, and when its attempts failed: a proxy
@@ -1409,4 +1415,144 @@ async fn a_store_says_whether_its_first_connection_opened() {
     assert!(!tokio::time::timeout(bounded, refused.connected())
         .await
         .unwrap());
+}
+
+/// A value of JSON, or nearly: members picked from those a home has, spelled every way a
+/// JSON reader might take or refuse (numbers with a fraction or an exponent, in hex, with a
+/// leading zero, infinite; names not UTF-8; deep nesting; members twice), by the `n`th draw
+/// of a fixed sequence.
+fn jsonish(n: u64) -> Vec<u8> {
+    let mut state = n.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x2545_f491_4f6c_dd1d;
+    let mut pick = |len: usize| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % len as u64) as usize
+    };
+    let numbers: [&[u8]; 18] = [
+        b"1",
+        b"1.0",
+        b"1e0",
+        b"01",
+        b"0x1",
+        b"2",
+        b"-1",
+        b"-0",
+        b"1999999",
+        b"2000000",
+        b"2000001",
+        b"2000001.0",
+        b"2.000001e6",
+        b"1.5",
+        b"Infinity",
+        b"NaN",
+        b"18446744073709551616",
+        b"1e400",
+    ];
+    let others: [&[u8]; 8] = [
+        b"\"1\"",
+        b"\"b1\"",
+        b"\"\"",
+        b"null",
+        b"true",
+        b"\"\xff\"",
+        b"\"\\u00fc\"",
+        b"[1]",
+    ];
+    let value = |pick: &mut dyn FnMut(usize) -> usize| -> Vec<u8> {
+        if pick(2) == 0 {
+            numbers[pick(numbers.len())].to_vec()
+        } else {
+            others[pick(others.len())].to_vec()
+        }
+    };
+    let mut members: Vec<Vec<u8>> = Vec::new();
+    for name in ["v", "backend", "node", "placed", "tip", "x"] {
+        // Usually the member a home has; else another value, or none; now and then twice.
+        let times = [1, 1, 1, 0, 2][pick(5)];
+        for _ in 0..times {
+            let v = match (name, pick(3)) {
+                ("v", 0 | 1) => b"1".to_vec(),
+                ("backend", 0 | 1) => b"\"b1\"".to_vec(),
+                ("node", 0 | 1) => b"\"node-b\"".to_vec(),
+                ("tip", 0 | 1) => b"\"0000000000000007\"".to_vec(),
+                ("x", 0) => {
+                    let depth = [1, 126, 127, 128, 200][pick(5)];
+                    [b"[".repeat(depth), b"]".repeat(depth)].concat()
+                }
+                _ => value(&mut pick),
+            };
+            members.push([format!("\"{name}\":").into_bytes(), v].concat());
+        }
+    }
+    let space: [&[u8]; 3] = [b"", b" ", b"\n\t"];
+    let mut out = space[pick(3)].to_vec();
+    out.push(b'{');
+    out.extend(members.join(&b","[..]));
+    out.push(b'}');
+    out.extend(space[pick(3)]);
+    match pick(12) {
+        0 => out.extend(b" x"),
+        1 => out = [b"[".to_vec(), out, b"]".to_vec()].concat(),
+        _ => {}
+    }
+    out
+}
+
+/// The Lua script that sets a home sent again and `StoredHome::decode` agree on every value:
+/// the home is set exactly when a reader of the value held would not keep it (it reads no
+/// home, or one placed before the home sent). 600 values, one round trip or two each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_home_sent_again_is_set_exactly_when_a_reader_would_not_keep_the_value_held() {
+    use std::time::UNIX_EPOCH;
+    use tower_affinity::store::HomeStore;
+    let Some(redis) = RedisServer::start().await else {
+        return;
+    };
+    let mut conn = redis.client().await;
+    let store = RedisStore::open(&redis.url()).unwrap();
+    let sent_at = UNIX_EPOCH + Duration::from_millis(2_000_000);
+    let sent = StoredHome::new("a1", "node-a").with_placed(sent_at);
+    let ttl = Duration::from_secs(60);
+    let started = Instant::now();
+    let mut disagree = Vec::new();
+    let mut kept = 0;
+    for n in 0..600 {
+        let value = jsonish(n);
+        let session = SessionKey::from_bytes(format!("jsonish-{n}").as_bytes());
+        let key = store.key_of(session);
+        let () = redis::cmd("SET")
+            .arg(&key)
+            .arg(&value)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let held = StoredHome::decode(&value);
+        let reader_keeps = held
+            .as_ref()
+            .is_some_and(|h| h.placed.is_none_or(|p| p > sent_at));
+        kept += usize::from(reader_keeps);
+        store.rewrite(session, sent.clone(), ttl).await.unwrap();
+        let now: Vec<u8> = redis::cmd("GET")
+            .arg(&key)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let set = now == sent.encode().into_bytes();
+        if set == reader_keeps {
+            disagree.push(format!(
+                "{:?}: read as {held:?}, set {set}",
+                String::from_utf8_lossy(&value)
+            ));
+        }
+    }
+    assert!(
+        disagree.is_empty(),
+        "{} of 600 values:\n{}",
+        disagree.len(),
+        disagree.join("\n")
+    );
+    // The draws hold both kinds, plenty of each.
+    assert!((20..580).contains(&kept), "{kept} of 600 kept");
+    assert!(started.elapsed() < Duration::from_secs(30));
 }
