@@ -637,8 +637,8 @@ impl HomeStore for RedisStore {
 
 impl RedisStore {
     /// `SET key home PX ttl`, or (`again`) [`rewrite_once`] until done, which sets it only
-    /// over a value that does not read as a home placed after it; an error, sending nothing, for a home longer than the store
-    /// reads.
+    /// over a value that does not read as a home placed after it; an error, sending nothing,
+    /// for a home longer than the store reads.
     fn set(&self, key: String, home: &StoredHome, ttl: Duration, again: bool) -> WriteHome {
         let conn = self.conn.clone();
         let value = home.encode();
