@@ -238,7 +238,8 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// backend would read the part of the prompt it lacks, and at most that long; then it
     /// moves. Both figures are learned from the backends' answers (see
     /// [`observe_usage`](Self::observe_usage)): the wait from how long their requests take and
-    /// how long those in flight have run, the cost of moving from the backend's measured
+    /// how long those in flight have run (a slot freed there and promised to a waiting request
+    /// counts as one that starts now), the cost of moving from the backend's measured
     /// prefill rate and the prompts it has been sent and has not answered yet (a backend
     /// reads one prompt after another: a move there waits behind them). The move's read is
     /// counted for the requests that reach that backend while it lasts, too, as they wait

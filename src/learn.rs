@@ -13,7 +13,8 @@
 //! - the wait for a slot there is estimated from its requests in flight (how long they have
 //!   run, on average, from the sum of their start times) against how long its requests take
 //!   (learned), and from the requests already waiting whose cache is there: its next slots go
-//!   to them first, one every request time over its requests in flight;
+//!   to them first, one every request time over its requests in flight. A slot freed there
+//!   and promised to a waiter that has not run yet is a request starting now, that waiter's;
 //! - the cost of moving is the prompt tokens the other backend would read again (what the
 //!   cache model says it lacks), after those it is still reading for the requests it has not
 //!   answered yet, divided by its learned prefill rate. A backend reads one prompt after
@@ -254,10 +255,13 @@ impl Learned {
         (n > 0).then(|| Duration::from_millis(self.first_byte_ms.load(Ordering::Relaxed) / n))
     }
 
-    /// The estimated wait for a slot on a backend whose `in_flight` requests fill it, with
-    /// `ahead` requests waiting for its slots before this one, at fleet time `now_ms`; `None`
-    /// until its request time is learned.
+    /// The estimated wait for a slot on a backend whose `in_flight` requests and `promised`
+    /// slots fill it, with `ahead` requests waiting for its slots before this one, at fleet
+    /// time `now_ms`; `None` until its request time is learned.
     ///
+    /// A promised slot has freed and is held for a waiter that has not run yet (see
+    /// [`wait`](crate::wait)): it counts as a request that starts now, and as one of the
+    /// requests ahead, as a freed slot goes first to the oldest waiter whose cache is there.
     /// Its requests' starts are taken as spread evenly: the oldest of `n` has then run
     /// `2n / (n + 1)` times their mean age, and its slot frees when it reaches the learned
     /// request time; the slots after it free one every `1 / n` of that time, the first
@@ -265,15 +269,19 @@ impl Learned {
     pub(crate) fn wait_estimate(
         &self,
         in_flight: u32,
+        promised: u32,
         ahead: u32,
         now_ms: u64,
     ) -> Option<Duration> {
         let took = load_f64(&self.duration_ms)?;
-        if in_flight == 0 {
+        let running = in_flight.saturating_add(promised);
+        if running == 0 {
             return Some(Duration::ZERO);
         }
-        let n = f64::from(in_flight);
-        let started = self.started_ms.load(Ordering::Relaxed) as f64 / n;
+        let ahead = ahead.saturating_sub(promised);
+        let n = f64::from(running);
+        let starts = self.started_ms.load(Ordering::Relaxed) as f64;
+        let started = (starts + f64::from(promised) * now_ms as f64) / n;
         let mean_age = (now_ms as f64 - started).max(0.0);
         let oldest = mean_age * 2.0 * n / (n + 1.0);
         let first = (took - oldest).max(0.0);
@@ -419,7 +427,7 @@ mod tests {
         l.learn(&huge, Some(p));
         assert_eq!(l.read_time(u64::MAX), Some(Duration::MAX));
         assert_eq!(l.read_cost(Duration::MAX, 3), Duration::MAX);
-        assert_eq!(l.wait_estimate(1, 0, u64::MAX), Some(Duration::ZERO));
+        assert_eq!(l.wait_estimate(1, 0, 0, u64::MAX), Some(Duration::ZERO));
     }
 
     #[test]
@@ -537,19 +545,37 @@ mod tests {
     #[test]
     fn wait_estimate_from_the_requests_in_flight() {
         let l = Learned::default();
-        assert_eq!(l.wait_estimate(2, 0, 1_000), None);
+        assert_eq!(l.wait_estimate(2, 0, 0, 1_000), None);
         l.learn(&answer(1, Some(0), 1), None); // a 10 s request
                                                // Two requests started at 0 s and 4 s; now is 6 s: mean age 4 s, the oldest about
                                                // 5.3 s, so about 4.7 s to go.
         l.started_ms.store(4_000, Ordering::Relaxed);
-        let w = l.wait_estimate(2, 0, 6_000).unwrap();
+        let w = l.wait_estimate(2, 0, 0, 6_000).unwrap();
         assert!((w.as_secs_f64() - 4.667).abs() < 0.01, "{w:?}");
         // Requests older than the learned time: a slot is due now.
-        assert_eq!(l.wait_estimate(2, 0, 60_000), Some(Duration::ZERO));
+        assert_eq!(l.wait_estimate(2, 0, 0, 60_000), Some(Duration::ZERO));
         // Three requests ahead, waiting for its slots: the first frees in about 4.7 s and
         // the next every 5 s, so this one's is the fourth, in about 19.7 s.
-        let w = l.wait_estimate(2, 3, 6_000).unwrap();
+        let w = l.wait_estimate(2, 0, 3, 6_000).unwrap();
         assert!((w.as_secs_f64() - 19.667).abs() < 0.01, "{w:?}");
+    }
+
+    /// A slot freed and promised to a waiter that has not run yet is that waiter's request,
+    /// starting now: a backend whose one slot is promised so frees it in a request time, not
+    /// at once, and the waiter holding the promise is not ahead of a request twice.
+    #[test]
+    fn a_promised_slot_counts_as_a_request_starting_now() {
+        let l = Learned::default();
+        l.learn(&answer(1, Some(0), 1), None); // a 10 s request
+        assert_eq!(
+            l.wait_estimate(0, 1, 1, 6_000),
+            Some(Duration::from_secs(10))
+        );
+        // One request in flight since 0 s, one slot promised at 6 s, one more waiting ahead:
+        // the mean age is 3 s, the oldest about 4 s old, its slot due in about 6 s, and the
+        // next 5 s later.
+        let w = l.wait_estimate(1, 1, 2, 6_000).unwrap();
+        assert!((w.as_secs_f64() - 11.0).abs() < 0.01, "{w:?}");
     }
 
     #[test]

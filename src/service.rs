@@ -1064,7 +1064,11 @@ fn worth_waiting(
     // The requests waiting for it already (those queued before this one, if it waits too)
     // take its next slots first.
     let ahead = t.capacity.waiting_for(target, queued);
-    let wait = load.learned.wait_estimate(in_flight, ahead, now_ms)?;
+    // Its free slots promised to waiters that have not run yet are theirs: taken now.
+    let promised = load.reserved.load(Ordering::Relaxed);
+    let wait = load
+        .learned
+        .wait_estimate(in_flight, promised, ahead, now_ms)?;
     (wait < saving).then_some(saving)
 }
 

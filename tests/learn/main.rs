@@ -1546,6 +1546,67 @@ async fn a_request_behind_others_waiting_for_the_holder_counts_their_turns_in_it
     streaming.await.unwrap();
 }
 
+/// A home whose one slot has freed and is promised to a request waiting for it, which has not
+/// run yet, is as full as one whose request is in flight: the slot is that request's for as
+/// long as requests take. A turn homed there counts that, and moves at once when moving costs
+/// less; it is not told its wait is none because no request holds the slot yet.
+#[tokio::test(start_paused = true)]
+async fn a_home_whose_free_slot_is_promised_to_a_waiter_is_no_wait_of_no_time() {
+    let svc = service(&[("a", "n1"), ("b", "n2")]);
+    // Requests take 200 s. A move reads the 10,000 tokens it lacks in 50 s, and about 12.5 s
+    // more for the requests reaching the other backend meanwhile; staying reads 1,000 in
+    // 5 s: waiting is worth up to about 57.5 s.
+    teach(&svc, Duration::from_secs(200)).await;
+    let home = first_turn(&svc, "s").await;
+    let mut other = None;
+    for n in 0..16 {
+        let k = format!("w{n}");
+        if first_turn(&svc, &k).await == home {
+            other = Some(k);
+            break;
+        }
+    }
+    let other = other.expect("a second session homed with the first");
+    // A turn of "s" holds the home, its answer unread; 190 s later its slot is due in about
+    // 10 s, so the next turn of the other session waits for it.
+    let long = Reply::llama_stream(9000, 8000, 5000, Duration::ZERO, Duration::from_secs(10));
+    let busy = request(
+        Some("s"),
+        Some(chain(&SESSION_BLOCKS[..9], 1000)),
+        long.clone(),
+    );
+    let held = svc.clone().oneshot(busy).await.unwrap();
+    assert_eq!(
+        held.extensions()
+            .get::<Decision>()
+            .unwrap()
+            .backend
+            .as_str(),
+        home
+    );
+    tokio::time::advance(Duration::from_secs(190)).await;
+    let next = request(
+        Some(&other),
+        Some(chain(&SESSION_BLOCKS, 1000)),
+        reused(10_000, 9000),
+    );
+    let mut waiter = tokio_test::task::spawn(svc.clone().oneshot(next));
+    assert!(waiter.poll().is_pending());
+    assert_eq!(svc.stats().waiting, 1, "waits for its home");
+    // The home's slot frees and is promised to that waiter, which has not run yet: the next
+    // turn of "s" would wait some 200 s for it, and moves at once.
+    drop(held);
+    let (d, _) = next_turn(&svc).await;
+    assert_ne!(d.backend.as_str(), home, "{d:?}");
+    assert_eq!(d.waited, None, "{d:?}");
+    let res = waiter.await.unwrap();
+    let d = res.extensions().get::<Decision>().unwrap();
+    assert_eq!(
+        (d.backend.as_str(), d.outcome),
+        (home.as_str(), Outcome::HomeHit)
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_wait_for_the_holder_ends_when_moving_would_have_cost_less() {
     // Waits may last longer than the default minute.
