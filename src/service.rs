@@ -643,6 +643,16 @@ impl<B, P> Shared<B, P> {
         self.discovery.due()
     }
 
+    /// Whether a request could join the wait queue now: fewer than `max_queued` wait.
+    fn queue_has_room(&self) -> bool {
+        match self.overflow {
+            Overflow::Wait { max_queued, .. } => {
+                self.capacity.waiting.load(Ordering::Relaxed) < max_queued
+            }
+            _ => false,
+        }
+    }
+
     pub(crate) fn retry_after(&self) -> Duration {
         Overflow::RETRY_AFTER
     }
@@ -724,9 +734,10 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
     ///
     /// A look that would move the request away from the full backend holding its prefix,
     /// while any slot will do and the look may hold it (it has not held out for one place
-    /// yet), may wait for that backend instead, when the answers learned so far say waiting
-    /// is cheaper (see [`learn`](crate::learn)). So a request that found the whole fleet
-    /// full is judged when a slot elsewhere frees, as one finding that slot at once would be.
+    /// yet) and the request is queued or the queue has room for it, may wait for that
+    /// backend instead, when the answers learned so far say waiting is cheaper (see
+    /// [`learn`](crate::learn)). So a request that found the whole fleet full is judged when
+    /// a slot elsewhere frees, as one finding that slot at once would be.
     pub(crate) fn place(
         &self,
         key: Option<SessionKey>,
@@ -921,7 +932,15 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         let mut guard = SlotGuard::new(&m.load, index, now_ms).with_context(context);
         if let (Some(chain), Some(target)) = (chain, cache_backend) {
             let judged = look.may_hold && scope == Scope::Any && !overcommitted;
-            if self.wait_versus_move && judged && target != index && !cache_passed_over {
+            // A request not queued yet holds out only if the queue has room for it: the slot
+            // it gives back is freed anew, and may be promised to a waiter that will not take
+            // it before the request's look for any slot, which would then find none.
+            if self.wait_versus_move
+                && judged
+                && target != index
+                && !cache_passed_over
+                && (look.queued.is_some() || self.queue_has_room())
+            {
                 if let Some(hold) = worth_waiting(t, target, index, chain, look.queued, now_ms) {
                     // The slot that woke it goes back as it came, to be passed on with the
                     // waiters that declined it (see `wait`); any other is freed anew.

@@ -16,7 +16,9 @@
 //! when a slot elsewhere wakes it while the backend holding its prefix is still full, as a
 //! first look finding that slot would be, and may hold out from then. A request holds out
 //! once, and never at the last look of its wait, which would refuse it instead; nor when the
-//! queue has no room for it, where it looks once more for any slot before it is refused.
+//! queue has no room for it: one not queued yet is not held out for the backend holding its
+//! prefix while the queue is full, and one held out for its home node (or that found the
+//! queue filled meanwhile) looks once more for any slot before it is refused.
 //!
 //! A woken waiter stays in the queue, marked with the slot that woke it, until its task runs
 //! and looks for a slot; a freed slot passes over the waiters already woken, and over those

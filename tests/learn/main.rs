@@ -1182,6 +1182,62 @@ async fn a_request_that_would_wait_for_the_holder_moves_when_the_queue_has_no_ro
     assert_eq!((stats.rejected, stats.waiting), (0, 0));
 }
 
+/// The one backend a request that carries it may go to.
+#[derive(Clone, Copy, Debug)]
+struct Only(&'static str);
+
+/// `NodeThenBackend`, except that a request carrying [`Only`] is offered that backend alone.
+#[derive(Clone, Debug, Default)]
+struct OnlyNamed(NodeThenBackend);
+
+impl Placement for OnlyNamed {
+    fn place(&self, fleet: &FleetView<'_>, req: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
+        let Some(&Only(id)) = req.extensions.get::<Only>() else {
+            return self.0.place(fleet, req, c);
+        };
+        if let Some(b) = fleet.backends().find(|b| b.id().as_str() == id) {
+            let _ = c.offer(b);
+        }
+    }
+}
+
+/// Waiting for the full backend holding the prefix would be cheaper, but the queue is full,
+/// of a request that may go to that backend alone: the turn cannot wait, and takes the free
+/// slot elsewhere rather than give it back (promised to that waiter, which would not take
+/// it) and be refused.
+#[tokio::test(start_paused = true)]
+async fn a_request_that_cannot_wait_for_the_holder_takes_the_slot_it_ruled_against() {
+    let svc: Svc<_, OnlyNamed> = SessionAffinityLayer::new()
+        .placement(OnlyNamed::default())
+        .overflow(Overflow::wait(Duration::from_secs(60), 1))
+        .layer(fleet(&[("a", "n1"), ("b", "n2")], scripted()));
+    teach(&svc, Duration::from_secs(10)).await;
+    let (home, streaming) = busy_home(&svc, Duration::from_secs(5)).await;
+    let home: &'static str = if home == "a" { "a" } else { "b" };
+    let mut only_home = request(None, None, Reply::json(b"{}"));
+    only_home.extensions_mut().insert(Only(home));
+    let mut waiter = tokio_test::task::spawn(svc.clone().oneshot(only_home));
+    assert!(waiter.poll().is_pending());
+    assert_eq!(svc.stats().waiting, 1, "the queue is full");
+    let next = request(
+        Some("s"),
+        Some(chain(&SESSION_BLOCKS, 1000)),
+        reused(10_000, 9000),
+    );
+    let res = svc.clone().oneshot(next).await.expect("a slot was free");
+    let d = res.extensions().get::<Decision>().unwrap();
+    assert_ne!(d.backend.as_str(), home);
+    assert_eq!(d.waited, None);
+    drop(res);
+    let res = waiter.await.unwrap();
+    assert_eq!(
+        res.extensions().get::<Decision>().unwrap().backend.as_str(),
+        home
+    );
+    streaming.await.unwrap();
+    assert_eq!(svc.stats().rejected, 0);
+}
+
 /// The full backend holding the prefix is down: no slot there will serve the request while
 /// the mark lasts, so it moves at once however much moving costs.
 #[tokio::test(start_paused = true)]
