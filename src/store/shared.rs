@@ -66,7 +66,8 @@ pub struct StoreStats {
     /// check's, or, while the store is down, the probe's, which no request waits for (those
     /// requests are counted in `skipped`).
     pub timeouts: u64,
-    /// Reads that failed: a request's (the local table answered) or a check's.
+    /// Reads that failed: a request's (the local table answered), a check's, or, while the
+    /// store is down, the probe's.
     pub errors: u64,
     /// Reads that found something that is not a home (another format, another key type);
     /// ignored. A keyless request's read, of several links, counts once by what it found:
