@@ -19,8 +19,11 @@ pin_project! {
     /// [`Prober`], and the backends whose slot count the prober learned, announced again.
     ///
     /// A backend announced without a slot count ([`Backend::slots_given`]) and again later
-    /// keeps the count learned for it. The stream does not end when the inner one does: the
-    /// prober may still learn slot counts.
+    /// keeps the count learned for it. Announced again at another address, it is probed as
+    /// another server: the answers of probes sent to the old address are dropped, and its
+    /// failures and successes in a row start over (whether it is up, and what was learned of
+    /// it, stay until the new server's probes say otherwise). The stream does not end when
+    /// the inner one does: the prober may still learn slot counts.
     pub struct Probed<D, S> {
         #[pin]
         inner: D,

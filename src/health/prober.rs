@@ -43,7 +43,7 @@ struct Shared<S> {
     client_h2: ProbeClient,
     state: Mutex<HashMap<BackendId, Target<S>>>,
     /// Generations of targets: a probe's answer for a backend removed meanwhile (and perhaps
-    /// announced again) is dropped.
+    /// announced again), or announced again at another address, is dropped.
     generations: AtomicU64,
     /// Learned slot counts, for the stream to announce.
     updates: mpsc::UnboundedSender<Update>,
@@ -178,6 +178,19 @@ impl<S: Clone> Prober<S> {
         let mut state = self.shared.state.lock();
         match state.get_mut(id) {
             Some(t) => {
+                let (was, now) = (t.backend.service(), backend.service());
+                if was.base_uri() != now.base_uri()
+                    || was.http2_prior_knowledge() != now.http2_prior_knowledge()
+                {
+                    // Another server from now on: the answers of probes sent to the old one
+                    // are dropped, and its failures and successes in a row do not count for
+                    // this one. Up or down stays as it was, as the balancer keeps its mark
+                    // on an update.
+                    t.generation = self.shared.generations.fetch_add(1, Ordering::Relaxed);
+                    t.status.failures = 0;
+                    t.status.successes = 0;
+                    t.status.no_slots = false;
+                }
                 t.backend = backend;
                 (self.with_learned(&t.backend, &t.status)).unwrap_or_else(|| t.backend.clone())
             }
@@ -661,13 +674,13 @@ mod tests {
             max_model_len: None,
         };
         let (_, update, _) = prober.record(&id, generation, checked);
-        // Announced again, at another address, before the learned count went out.
-        prober.announced(&id, at("http://10.0.0.2:8080/"));
-        let (_, backend) = prober.still_current(update.unwrap()).unwrap();
-        assert_eq!(
-            backend.service(),
-            &At(Uri::from_static("http://10.0.0.2:8080/"))
+        // Announced again, on another node, before the learned count went out.
+        prober.announced(
+            &id,
+            Backend::new("m", At(Uri::from_static("http://10.0.0.1:8080/"))),
         );
+        let (_, backend) = prober.still_current(update.unwrap()).unwrap();
+        assert_eq!(backend.node().to_string(), "m");
         assert_eq!(backend.slot_count().get(), 4);
         // Announced with a count of its own: that stands, the learned one is not sent.
         let generation = prober.shared.state.lock()[&id].generation;
@@ -683,8 +696,54 @@ mod tests {
             max_model_len: None,
         };
         let (_, update, _) = prober.record(&id, generation, checked);
-        let given = at("http://10.0.0.2:8080/").slots(NonZeroU32::new(2).unwrap());
+        let given = at("http://10.0.0.1:8080/").slots(NonZeroU32::new(2).unwrap());
         prober.announced(&id, given);
         assert!(prober.still_current(update.unwrap()).is_none());
+    }
+    fn failed() -> Checked {
+        Checked {
+            health: Health::Failed("/health: connection refused".into()),
+            slots: None,
+            slots_from: "/slots",
+            no_slots: false,
+            max_model_len: None,
+        }
+    }
+
+    #[test]
+    fn a_probe_answer_from_the_address_a_backend_had_before_its_update_is_dropped() {
+        let prober = Prober::new(HealthProbe::new());
+        let id = BackendId::from("a");
+        prober.announced(&id, at("http://10.0.0.1:8080/"));
+        let old = prober.shared.state.lock()[&id].generation;
+        // Moved to another server while a probe of the old one is out; that one's failure
+        // comes after, and would take down at once a backend never found ready.
+        prober.announced(&id, at("http://10.0.0.2:8080/"));
+        let (mark, update, _) = prober.record(&id, old, failed());
+        assert!(mark.is_none() && update.is_none());
+        let status = prober.status("a").unwrap();
+        assert!(status.up);
+        assert_eq!((status.probes, status.failures), (0, 0));
+    }
+
+    #[test]
+    fn failures_of_a_backends_old_address_do_not_count_toward_its_threshold_at_the_new_one() {
+        let prober = Prober::new(HealthProbe::new().failure_threshold(3));
+        let id = BackendId::from("a");
+        prober.announced(&id, at("http://10.0.0.1:8080/"));
+        let generation = || prober.shared.state.lock()[&id].generation;
+        let ready = Checked {
+            health: Health::Ready,
+            ..failed()
+        };
+        prober.record(&id, generation(), ready);
+        prober.record(&id, generation(), failed());
+        prober.record(&id, generation(), failed());
+        prober.announced(&id, at("http://10.0.0.2:8080/"));
+        // The new server's first failure is its first in a row.
+        let (mark, _, _) = prober.record(&id, generation(), failed());
+        assert!(mark.is_none());
+        assert_eq!(prober.status("a").unwrap().failures, 1);
+        assert!(prober.status("a").unwrap().up);
     }
 }
