@@ -337,6 +337,16 @@ impl ChainBuilder {
         self.hasher.update(&[0x1d, kind]);
     }
 
+    /// Ends a part of decoded text (a string member): marks its end with a byte that UTF-8 text
+    /// never holds, then ends it as [`boundary`](Self::boundary) does. Decoded text may hold
+    /// the bytes that mark parts and boundaries (`\u001e`, written in JSON), which raw JSON
+    /// never does: without this, a string could end on the digest of a prompt whose next
+    /// part it spells out.
+    pub(crate) fn text_boundary(&mut self) {
+        self.hasher.update(&[0xff]);
+        self.boundary();
+    }
+
     /// Ends a part (a message): adds a link unless the last block just added one, and marks
     /// the boundary in the digest so that the same bytes split otherwise differ.
     pub(crate) fn boundary(&mut self) {

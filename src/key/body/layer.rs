@@ -34,9 +34,12 @@ use crate::key::HeaderKey;
 ///   Anthropic's `cache_control` markers (clients move those from turn to turn) and without
 ///   the `cch=` value of Claude Code's billing line (new with every request; llama-server
 ///   leaves it out too); a message's `content` of one text part is hashed as its text, which
-///   chat templates render alike. Tokens are estimated at four bytes each and a digit
-///   each (tokenizers split numbers into digits, or runs of three; a `\uXXXX` escape's
-///   digits aside); a long base64 string or `data:` URI (an image) at 1,024 at most:
+///   chat templates render alike. A member given as a string (`system`, `instructions`,
+///   `input`, `prompt`) is hashed as its text, marked so that it shares no digest with an
+///   array whose JSON the text spells out, nor with a longer prompt whose message boundaries
+///   it spells out. Tokens are estimated at four bytes each and a digit each (tokenizers
+///   split numbers into digits, or runs of three; a `\uXXXX` escape's digits aside); a long
+///   base64 string or `data:` URI (an image) at 1,024 at most:
 ///
 ///   | request | the prompt, in order |
 ///   |---|---|

@@ -2,7 +2,10 @@
 //!
 //! The parse keeps each prompt member of the top-level object: an array as its [`Items`], a
 //! string as its text. The chain then takes the members in the order a chat template renders
-//! them (tools, the system prompt, then the conversation) and ends a part at every item. An
+//! them (tools, the system prompt, then the conversation) and ends a part at every item. A
+//! string member is one part, hashed as its decoded text, marked apart from an array's items
+//! and ended with a byte that no UTF-8 text holds: no text shares a link with an array whose
+//! JSON it spells out, or with a longer prompt whose part boundaries it spells out. An
 //! item is hashed in a canonical form of its JSON: no whitespace between tokens, and no
 //! `cache_control` member (Anthropic clients move that marker to the newest message every
 //! turn, which would otherwise change an old message's digest). The `cch=` value of Claude
@@ -67,6 +70,9 @@ impl Part {
         })
     }
 }
+
+/// Added to a [`Part`]'s mark where the member is a string, fed as its decoded text.
+const TEXT: u8 = 0x80;
 
 /// A prompt member as the parse kept it.
 #[derive(Debug, Default)]
@@ -134,7 +140,9 @@ impl<'de> PromptMembers<'de> {
                     }
                 }
                 PartValue::Text(text) if !text.is_empty() && part.takes_text() => {
-                    chain.mark(part as u8);
+                    // Decoded text, not raw JSON: a kind of its own, so that no string shares
+                    // a link with an array whose JSON it spells out.
+                    chain.mark(part as u8 | TEXT);
                     let text = text.as_bytes();
                     if let Some(nonce) = billing_nonce(text) {
                         chain.feed(&text[..nonce.start]);
@@ -144,7 +152,7 @@ impl<'de> PromptMembers<'de> {
                     } else {
                         chain.feed(text);
                     }
-                    chain.boundary();
+                    chain.text_boundary();
                 }
                 PartValue::Text(_) | PartValue::Other => {}
             }

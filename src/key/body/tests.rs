@@ -1144,3 +1144,30 @@ async fn responses_stored_nowhere_do_not_push_out_those_stored() {
     assert_eq!(next.stored_on, Some("gpu-0".into()));
     assert_eq!(next.chain.common_prefix(&seen[0].chain), 1);
 }
+
+#[test]
+fn a_string_member_shares_no_link_with_json_or_boundaries_written_in_its_text() {
+    // A system prompt whose text is the JSON of a text block, against that block.
+    let block = r#"{"type":"text","text":"hi"}"#;
+    let as_text = serde_json::json!({ "system": block }).to_string();
+    let as_block = format!(r#"{{"system":[{block}]}}"#);
+    let (text, items) = (chain_of(&as_text), chain_of(&as_block));
+    assert_eq!((text.len(), items.len()), (1, 1));
+    assert_ne!(text.links()[0].digest, items.links()[0].digest);
+    // The same when the text is long enough to be cut into blocks: not even the first is shared.
+    let long = format!(r#"{{"type":"text","text":"{}"}}"#, "a".repeat(5_000));
+    let as_text = serde_json::json!({ "system": long }).to_string();
+    let as_block = format!(r#"{{"system":[{long}]}}"#);
+    assert_eq!(chain_of(&as_text).common_prefix(&chain_of(&as_block)), 0);
+    // A string whose text holds the bytes that end a part and begin a message does not end
+    // on the digest of the prompt with that message.
+    let message = r#"{"role":"user","content":"u"}"#;
+    let two = format!(r#"{{"system":"s","messages":[{message}]}}"#);
+    let forged =
+        serde_json::json!({ "system": format!("s\u{1e}\u{1d}\u{3}{message}") }).to_string();
+    let (two, forged) = (chain_of(&two), chain_of(&forged));
+    assert_eq!((two.len(), forged.len()), (2, 1));
+    for link in two.links() {
+        assert_ne!(link.digest, forged.links()[0].digest);
+    }
+}
