@@ -244,27 +244,119 @@ pub(crate) fn parse_max_model_len(body: &[u8]) -> Option<NonZeroU64> {
 /// `n_ctx` (the slot's share of `-c`, or all of it with `--kv-unified`). Anything else, an
 /// array of anything but objects included, gives no count.
 pub(crate) fn parse_slots(body: &[u8]) -> Option<Slots> {
-    let slots: Vec<serde_json::Value> = serde_json::from_slice(body).ok()?;
-    // Each one an object, as llama-server gives them: an array of anything else is not its
-    // `/slots`, and its length no count.
-    if !slots.iter().all(serde_json::Value::is_object) {
-        return None;
-    }
-    let total = u32::try_from(slots.len()).ok().filter(|&n| n > 0)?;
-    let busy = slots
-        .iter()
-        .filter(|s| s.get("is_processing").and_then(serde_json::Value::as_bool) == Some(true))
-        .count();
-    let n_ctx = slots
-        .iter()
-        .filter_map(|s| s.get("n_ctx").and_then(serde_json::Value::as_u64))
-        .max()
-        .and_then(NonZeroU64::new);
+    // Read one slot object at a time, keeping only the counts: a body of millions of empty
+    // objects (the probe reads up to its limit) costs no more memory than one slot's.
+    let tally: SlotsTally = serde_json::from_slice(body).ok()?;
+    let total = u32::try_from(tally.total).ok().filter(|&n| n > 0)?;
     Some(Slots {
         total,
-        busy: Some(u32::try_from(busy).unwrap_or(total)),
-        n_ctx,
+        busy: Some(u32::try_from(tally.busy).unwrap_or(total)),
+        n_ctx: NonZeroU64::new(tally.n_ctx),
     })
+}
+
+/// What a `/slots` array says: how many slot objects, how many of them have
+/// `"is_processing": true`, and the largest `n_ctx` that is a whole number (0 if none). A
+/// member given twice counts as its last, as a JSON object read whole keeps it.
+#[derive(Default)]
+struct SlotsTally {
+    total: u64,
+    busy: u64,
+    n_ctx: u64,
+}
+
+impl<'de> serde::Deserialize<'de> for SlotsTally {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Each;
+        impl<'de> serde::de::Visitor<'de> for Each {
+            type Value = SlotsTally;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an array of slot objects")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<SlotsTally, A::Error> {
+                let mut tally = SlotsTally::default();
+                while let Some(slot) = seq.next_element::<Slot>()? {
+                    tally.total += 1;
+                    tally.busy += u64::from(slot.busy);
+                    tally.n_ctx = tally.n_ctx.max(slot.n_ctx);
+                }
+                Ok(tally)
+            }
+        }
+        d.deserialize_seq(Each)
+    }
+}
+
+/// One slot object of `/slots`, of which only `is_processing` and `n_ctx` are kept; anything
+/// but an object is an error, and so no count.
+struct Slot {
+    busy: bool,
+    n_ctx: u64,
+}
+
+impl<'de> serde::Deserialize<'de> for Slot {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Members;
+        impl<'de> serde::de::Visitor<'de> for Members {
+            type Value = Slot;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a slot object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Slot, A::Error> {
+                let mut slot = Slot {
+                    busy: false,
+                    n_ctx: 0,
+                };
+                while let Some(key) = map.next_key::<SlotMember>()? {
+                    match key {
+                        SlotMember::IsProcessing => {
+                            let v: serde_json::Value = map.next_value()?;
+                            slot.busy = v.as_bool() == Some(true);
+                        }
+                        SlotMember::NCtx => {
+                            let v: serde_json::Value = map.next_value()?;
+                            slot.n_ctx = v.as_u64().unwrap_or(0);
+                        }
+                        SlotMember::Other => {
+                            map.next_value::<serde::de::IgnoredAny>()?;
+                        }
+                    }
+                }
+                Ok(slot)
+            }
+        }
+        d.deserialize_map(Members)
+    }
+}
+
+/// A slot object's member name, as far as the count reads it.
+enum SlotMember {
+    IsProcessing,
+    NCtx,
+    Other,
+}
+
+impl<'de> serde::Deserialize<'de> for SlotMember {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Name;
+        impl serde::de::Visitor<'_> for Name {
+            type Value = SlotMember;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a member name")
+            }
+            fn visit_str<E: serde::de::Error>(self, name: &str) -> Result<SlotMember, E> {
+                Ok(match name {
+                    "is_processing" => SlotMember::IsProcessing,
+                    "n_ctx" => SlotMember::NCtx,
+                    _ => SlotMember::Other,
+                })
+            }
+        }
+        d.deserialize_identifier(Name)
+    }
 }
 
 /// When a probe's time runs out, and how long it was given (for the error).
@@ -362,6 +454,92 @@ mod tests {
         assert_eq!(parse_slots(zeros.as_bytes()), None);
         // An object without the fields llama-server gives is still a slot.
         assert_eq!(parse_slots(b"[{}]").map(|s| s.total), Some(1));
+    }
+
+    use proptest::strategy::Strategy as _;
+
+    /// The count as it was read before, whole: the reference the count one slot at a time
+    /// must agree with.
+    fn parse_slots_whole(body: &[u8]) -> Option<Slots> {
+        let slots: Vec<serde_json::Value> = serde_json::from_slice(body).ok()?;
+        if !slots.iter().all(serde_json::Value::is_object) {
+            return None;
+        }
+        let total = u32::try_from(slots.len()).ok().filter(|&n| n > 0)?;
+        let busy = slots
+            .iter()
+            .filter(|s| s.get("is_processing").and_then(serde_json::Value::as_bool) == Some(true))
+            .count();
+        let n_ctx = slots
+            .iter()
+            .filter_map(|s| s.get("n_ctx").and_then(serde_json::Value::as_u64))
+            .max()
+            .and_then(NonZeroU64::new);
+        Some(Slots {
+            total,
+            busy: Some(u32::try_from(busy).unwrap_or(total)),
+            n_ctx,
+        })
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2_000))]
+
+        /// Any array of slot-like objects (and some that are not objects) is counted one slot
+        /// at a time as it was read whole: members given twice, of any type, escaped names.
+        #[test]
+        fn slots_counted_one_at_a_time_agree_with_the_body_read_whole(
+            slots in proptest::collection::vec(
+                proptest::prop_oneof![
+                    8 => proptest::collection::vec(
+                        (
+                            proptest::prop_oneof![
+                                proptest::strategy::Just("is_processing"),
+                                proptest::strategy::Just("n_ctx"),
+                                proptest::strategy::Just("id"),
+                                proptest::strategy::Just("n_\\u0063tx"),
+                                proptest::strategy::Just("is_processing\\u0000"),
+                            ],
+                            proptest::prop_oneof![
+                                proptest::strategy::Just("true"),
+                                proptest::strategy::Just("false"),
+                                proptest::strategy::Just("null"),
+                                proptest::strategy::Just("0"),
+                                proptest::strategy::Just("-1"),
+                                proptest::strategy::Just("4096"),
+                                proptest::strategy::Just("1.5"),
+                                proptest::strategy::Just("18446744073709551615"),
+                                proptest::strategy::Just("18446744073709551616"),
+                                proptest::strategy::Just("\"8192\""),
+                                proptest::strategy::Just("[true]"),
+                                proptest::strategy::Just("{\"n_ctx\":5}"),
+                            ],
+                        ),
+                        0..4,
+                    )
+                    .prop_map(|members: Vec<(&str, &str)>| {
+                        let members: Vec<String> =
+                            members.iter().map(|(k, v)| format!("\"{k}\":{v}")).collect();
+                        format!("{{{}}}", members.join(","))
+                    }),
+                    1 => proptest::prop_oneof![
+                        proptest::strategy::Just("0".to_string()),
+                        proptest::strategy::Just("null".to_string()),
+                        proptest::strategy::Just("[]".to_string()),
+                        proptest::strategy::Just("\"slot\"".to_string()),
+                    ],
+                ],
+                0..6,
+            ),
+        ) {
+            let body = format!("[{}]", slots.join(","));
+            proptest::prop_assert_eq!(
+                parse_slots(body.as_bytes()),
+                parse_slots_whole(body.as_bytes()),
+                "{}",
+                body
+            );
+        }
     }
 
     #[test]
