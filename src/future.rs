@@ -826,6 +826,11 @@ fn respond<B>(
         parts.extensions.insert(decision);
         None
     } else {
+        // A 503 is dropped by `RetryOnce`, decision and body, and given back as its backend's
+        // failure where the retry finds no backend up: that failure names the backend by this.
+        if parts.status == http::StatusCode::SERVICE_UNAVAILABLE {
+            parts.extensions.insert(decision.backend.clone());
+        }
         Some(decision)
     };
     http::Response::from_parts(

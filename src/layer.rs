@@ -216,7 +216,9 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// allocations `http::Extensions` makes for it on every response (three when the backend's
     /// response has no extensions yet, one when it has). Behind a
     /// [`BodyKeyLayer`](crate::key::BodyKeyLayer), its body reaches this one through
-    /// [`BodyKeyResponseBody::get_ref`](crate::key::BodyKeyResponseBody::get_ref).
+    /// [`BodyKeyResponseBody::get_ref`](crate::key::BodyKeyResponseBody::get_ref). A `503`
+    /// answer then carries its backend's [`BackendId`](crate::BackendId) as an extension, by
+    /// which [`RetryOnce`](crate::RetryOnce) names the backend in the failure it gives back.
     pub fn decision_extension(mut self, enabled: bool) -> Self {
         self.config.decision_extension = enabled;
         self

@@ -100,12 +100,14 @@ impl RetryOnce {
 }
 
 /// A `503` answer, `res`, as the failure to give back where its retry finds no backend up:
-/// its backend's, 503, with its `Retry-After`.
+/// its backend's, 503, with its `Retry-After`. The backend is named by the answer's
+/// [`Decision`], or, with the decision kept in the body, by the [`BackendId`] the balancer puts
+/// among a 503's extensions.
 fn unavailable<ResB>(res: &http::Response<ResB>) -> Error {
-    let backend = res.extensions().get::<Decision>().map_or_else(
-        || BackendId::from("unknown"),
-        |decision| decision.backend.clone(),
-    );
+    let extensions = res.extensions();
+    let backend = (extensions.get::<Decision>().map(|d| &d.backend))
+        .or_else(|| extensions.get::<BackendId>())
+        .map_or_else(|| BackendId::from("unknown"), BackendId::clone);
     Error::backend(backend, crate::error::Unavailable::new(res.headers()))
 }
 

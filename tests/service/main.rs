@@ -5934,3 +5934,32 @@ async fn a_slot_whose_request_is_refused_still_holds_its_conversation() {
 async fn a_slot_whose_request_failed_still_holds_its_conversation() {
     a_request_not_run_leaves_its_slot_to_its_conversation("x-fail").await;
 }
+
+/// The 503 of a lone backend, given back where its retry finds no backend up, names that
+/// backend when the decision is kept in the body (`decision_extension(false)`) too.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_503_given_back_names_its_backend_without_the_decision_extension() {
+    let streams = Streams::default();
+    let svc = SessionAffinityLayer::new()
+        .decision_extension(false)
+        .failure_cooldown(Duration::from_secs(5))
+        .layer(fleet(&[("a1", "a", 1)], &streams));
+    let mut retrying = tower::retry::RetryLayer::new(RetryOnce::new()).layer(svc.clone());
+    let mut req = request(Some("s"), None);
+    req.headers_mut()
+        .append("x-unavailable-on", http::HeaderValue::from_static("a1"));
+    let err = retrying.ready().await.unwrap().call(req).await.unwrap_err();
+    match &err {
+        Error::Backend { backend, .. } => assert_eq!(backend.as_str(), "a1", "{err}"),
+        other => panic!("{other}"),
+    }
+    let res = err.into_response::<MockBody>();
+    assert_eq!(res.status(), 503);
+    assert_eq!(
+        res.extensions()
+            .get::<tower_affinity::BackendId>()
+            .unwrap()
+            .as_str(),
+        "a1"
+    );
+}
