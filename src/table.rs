@@ -299,12 +299,17 @@ fn words(key: SessionKey) -> Words {
     let (hi, lo) = (key.hi64(), key.lo64());
     // 96 bits kept, the low word folded into the first: a key built with
     // `SessionKey::from_u128` from a small number differs from another in those bits. A key
-    // whose words kept are all zero (one in 2^96) would read as an empty slot: shift it.
+    // whose words kept are all zero (one in 2^96, or the number 0) would read as an empty slot:
+    // it stands in as words no number with a pattern gives.
     match [(hi >> 32) as u32 ^ lo as u32, hi as u32, (lo >> 32) as u32] {
-        EMPTY => [0, 0, 1],
+        EMPTY => STAND_IN,
         w => w,
     }
 }
+
+/// The words kept for a key whose words are all zero: digits with no pattern, so that no key
+/// built from a small number shares them.
+const STAND_IN: Words = [0x85eb_ca6b, 0xc2b2_ae35, 0x27d4_eb2f];
 
 impl SessionTable {
     pub(crate) fn new(config: Sessions) -> Self {
@@ -526,6 +531,20 @@ mod tests {
                 .map(|h| h.backend);
             assert_eq!(got, Some(k));
         }
+    }
+
+    #[test]
+    fn the_key_zero_is_no_other_small_numbers_session() {
+        // The key 0 keeps all-zero words, which mark an empty slot; the words it stands in as
+        // must not be those of another key built from a small number (2^32 keeps [0, 0, 1]).
+        let t = SessionTable::new(Sessions::new().max_entries(10));
+        let now = 1_000u64;
+        t.put(SessionKey::from_u128(0), home(1), now);
+        assert_eq!(t.get(SessionKey::from_u128(1 << 32), now), None);
+        t.put(SessionKey::from_u128(1 << 32), home(2), now);
+        assert_eq!(t.get(SessionKey::from_u128(0), now), Some(home(1)));
+        assert_eq!(t.get(SessionKey::from_u128(1 << 32), now), Some(home(2)));
+        assert_eq!(t.len(), 2);
     }
 
     #[test]
