@@ -298,10 +298,13 @@ pub(crate) struct SessionTable {
 fn words(key: SessionKey) -> Words {
     let (hi, lo) = (key.hi64(), key.lo64());
     // 96 bits kept, the low word folded into the first: a key built with
-    // `SessionKey::from_u128` from a small number differs from another in those bits. A key
-    // whose words kept are all zero (one in 2^96, or the number 0) would read as an empty slot:
-    // it stands in as words no number with a pattern gives.
-    match [(hi >> 32) as u32 ^ lo as u32, hi as u32, (lo >> 32) as u32] {
+    // `SessionKey::from_u128` from a small number differs from another in those bits. The low
+    // word is scrambled first (an odd multiplier, so no two low words are alike after it): a
+    // small number in the high word is then not the same fold as the same number in the low
+    // word. A key whose words kept are all zero (one in 2^96, or the number 0) would read as
+    // an empty slot: it stands in as words no number with a pattern gives.
+    let low = (lo as u32).wrapping_mul(0x9e37_79b1);
+    match [(hi >> 32) as u32 ^ low, hi as u32, (lo >> 32) as u32] {
         EMPTY => STAND_IN,
         w => w,
     }
@@ -545,6 +548,26 @@ mod tests {
         assert_eq!(t.get(SessionKey::from_u128(0), now), Some(home(1)));
         assert_eq!(t.get(SessionKey::from_u128(1 << 32), now), Some(home(2)));
         assert_eq!(t.len(), 2);
+    }
+
+    #[test]
+    fn a_small_number_in_the_top_word_is_not_the_same_number_in_the_low_word() {
+        // Keys laid out as a number in the top 32 bits and another in the low 32 bits
+        // (`a << 96 | b`) are sessions of their own: 1 << 96 is not 1, nor (1 << 96) | 1 the key 0.
+        let t = SessionTable::new(Sessions::new().max_entries(10));
+        let now = 1_000u64;
+        let keys = [0u128, 1, 1 << 96, (1 << 96) | 1, 2 << 96, (2 << 96) | 3];
+        for (i, &k) in keys.iter().enumerate() {
+            t.put(SessionKey::from_u128(k), home(i as u32), now);
+        }
+        assert_eq!(t.len(), 6);
+        for (i, &k) in keys.iter().enumerate() {
+            assert_eq!(
+                t.get(SessionKey::from_u128(k), now),
+                Some(home(i as u32)),
+                "{k:#x}"
+            );
+        }
     }
 
     #[test]
