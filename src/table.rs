@@ -656,4 +656,107 @@ mod tests {
         let kept = (0..200).filter(|&s| t.holds(key(s))).count();
         assert!(kept >= 196, "kept {kept} of 200 sessions in use");
     }
+
+    mod model {
+        use std::collections::HashMap;
+
+        use proptest::prelude::*;
+
+        use super::*;
+
+        /// Keys a table meets: digests, and numbers given to `SessionKey::from_u128`.
+        fn keys() -> Vec<SessionKey> {
+            let mut k: Vec<SessionKey> = (0..6u64).map(key).collect();
+            k.extend(
+                [
+                    0u128,
+                    1,
+                    2,
+                    1 << 32,
+                    1 << 64,
+                    1 << 96,
+                    (1 << 96) | 1,
+                    u128::MAX,
+                ]
+                .map(SessionKey::from_u128),
+            );
+            k
+        }
+
+        #[derive(Clone, Debug)]
+        enum Op {
+            Put(usize, u32),
+            Get(usize),
+            Advance(u64),
+        }
+
+        fn op(n: usize) -> impl Strategy<Value = Op> {
+            prop_oneof![
+                3 => (0..n, 0..4u32).prop_map(|(k, b)| Op::Put(k, b)),
+                3 => (0..n).prop_map(Op::Get),
+                1 => prop_oneof![Just(0u64), Just(1), Just(999), Just(1_000), Just(1_001), 0..5_000u64]
+                    .prop_map(Op::Advance),
+            ]
+        }
+
+        fn timeout() -> impl Strategy<Value = Duration> {
+            prop_oneof![
+                Just(Duration::ZERO),
+                Just(Duration::from_millis(500)),
+                Just(Duration::from_secs(1)),
+                Just(Duration::from_secs(2)),
+                Just(Duration::MAX),
+            ]
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+            /// Against a map of key to home and time last used: the table answers a home only
+            /// if it is the key's own last one, used no longer ago than the timeout in whole
+            /// seconds; with room for every key it forgets nothing else; a home just recorded
+            /// is found; it never holds more than its bound.
+            #[test]
+            fn the_table_answers_what_a_map_with_times_answers(
+                bound in prop_oneof![Just(1usize), Just(2), Just(3), Just(7), Just(14), Just(1_000), Just(5_000)],
+                idle in timeout(),
+                start_ms in prop_oneof![Just(0u64), Just(1), Just(999), 0..10_000u64],
+                ops in proptest::collection::vec(op(14), 1..120),
+            ) {
+                let keys = keys();
+                let t = SessionTable::new(Sessions::new().max_entries(bound).idle_timeout(idle));
+                let idle_secs = idle.as_secs();
+                let mut model: HashMap<usize, (HomeEntry, u64)> = HashMap::new();
+                let mut now = start_ms;
+                let live = |then: u64, now: u64| now / 1000 - then / 1000 <= idle_secs;
+                for op in ops {
+                    match op {
+                        Op::Put(k, b) => {
+                            t.put(keys[k], home(b), now);
+                            model.insert(k, (home(b), now));
+                            prop_assert_eq!(t.get(keys[k], now), Some(home(b)));
+                        }
+                        Op::Get(k) => {
+                            let want = model
+                                .get(&k)
+                                .filter(|&&(_, then)| live(then, now))
+                                .map(|&(h, _)| h);
+                            let got = t.get(keys[k], now);
+                            if bound >= keys.len() {
+                                prop_assert_eq!(got, want, "key {}", k);
+                            } else if got.is_some() {
+                                prop_assert_eq!(got, want, "key {}", k);
+                            }
+                            match got {
+                                Some(h) => model.insert(k, (h, now)),
+                                None => model.remove(&k),
+                            };
+                        }
+                        Op::Advance(ms) => now += ms,
+                    }
+                    prop_assert!(t.len() <= bound, "{} entries, bound {}", t.len(), bound);
+                }
+            }
+        }
+    }
 }
