@@ -1,16 +1,20 @@
-//! The session table: key digest -> home backend, node and last-seen time.
+//! The session table: key digest -> home backend (with its generation), node, the last
+//! prompt's tip and cache-model mark, and last-seen time.
 //!
 //! Bounded in entries (sampled least-recently-used eviction, among the entries next to where
-//! the new key goes) and in idle age (an entry idle longer than the
-//! timeout is treated as absent and is the first to be reused), and sharded by the key's
-//! digest so concurrent requests rarely meet on one lock.
+//! the new key goes) and in idle age (an entry idle longer than the timeout is treated as
+//! absent; an eviction takes it before any other entry it looks at, but one elsewhere in the
+//! shard stays, and is counted, until a key placed near it takes its slot), and sharded by the
+//! key's digest so concurrent requests rarely meet on one lock.
 //!
 //! Each shard is an open-addressing table (linear probing) whose slots hold the 32-byte entries
 //! themselves, so a lookup in a table far larger than the CPU's caches costs one memory access,
-//! not one for an index and another for the entry. Keys are digests already, so nothing is
-//! hashed: the probe starts where 64 bits of the digest point. An eviction looks only at the
-//! few entries around that point, which the lookup has just brought into cache. A shard grows by doubling up to its bound at three quarters' load, so a full table
-//! costs about 43 bytes a session (see `BENCHMARKS.md`).
+//! not one for an index and another for the entry. Keys are digests already, so no hash runs
+//! over them: the probe starts where the kept bits, mixed by one multiplication, point (keys
+//! built from numbers need not be random). An eviction looks only at the few entries around
+//! that point, which the lookup has just brought into cache. A shard grows by doubling up to
+//! its bound at three quarters' load, so a full table costs about 43 bytes a session (see
+//! `BENCHMARKS.md`).
 //!
 //! The service talks to the table through [`SessionStore`], a small interface. Homes shared
 //! by several router processes do not replace the table: a
@@ -113,8 +117,8 @@ pub(crate) trait SessionStore: Send + Sync {
 #[derive(Clone, Copy, Debug)]
 #[repr(align(32))]
 struct Entry {
-    /// The key's digest, its first 96 bits (two keys alike in those are one in 2^96); all
-    /// zero marks an empty slot.
+    /// 96 bits of the key's digest, the low word folded into the top one (see [`words`]; two
+    /// digests alike in those are one in 2^96); all zero marks an empty slot.
     key: Words,
     /// Seconds on the fleet's clock when last used, in the low 31 bits; the top bit is "used
     /// again since it came in".
