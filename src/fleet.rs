@@ -1987,6 +1987,98 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+        /// Whatever backends come, change slots, move, go and come back, with requests in
+        /// flight throughout: the sums of slots are those of the live backends, each node
+        /// ranks its live backends and only nodes with one are ranked, the requests in flight
+        /// are those held, a removed backend takes no slot, and a session's record of a
+        /// backend names that backend or none.
+        #[test]
+        fn the_fleets_counts_and_sets_are_those_of_its_live_backends(
+            ops in proptest::collection::vec((0u8..4, 0u8..8, 0u8..4, 1u32..5), 1..150),
+        ) {
+            let mut t = Topology::default();
+            let mut held: Vec<(String, Arc<Load>)> = Vec::new();
+            let mut records: Vec<(String, u32, u16)> = Vec::new();
+            for (op, backend, node, slots) in ops {
+                let id = format!("b{backend}");
+                match op {
+                    0 | 1 => {
+                        let i = t.insert(
+                            id.as_str().into(),
+                            &format!("n{node}").as_str().into(),
+                            nz(slots),
+                            None,
+                            100,
+                        );
+                        records.push((id, i, t.member(i).generation));
+                    }
+                    2 => {
+                        t.remove(&id.as_str().into());
+                    }
+                    _ => {
+                        if let Some(i) = t.index_of(&id) {
+                            let load = t.member(i).load.clone();
+                            if load.try_acquire() || load.force_acquire() {
+                                held.push((id, load));
+                            }
+                        } else if let Some(at) = (!held.is_empty()).then(|| slots as usize % held.len()) {
+                            let (_, load) = held.swap_remove(at);
+                            load.in_flight.fetch_sub(1, Ordering::SeqCst);
+                        }
+                    }
+                }
+                let live: Vec<u32> = (0..t.members.len() as u32)
+                    .filter(|&i| t.member(i).live)
+                    .collect();
+                let slots_of = |i: u32| t.member(i).load.slots.load(Ordering::Relaxed);
+                proptest::prop_assert_eq!(t.total_slots, live.iter().map(|&i| slots_of(i)).sum::<u32>());
+                let mut ranked: Vec<u32> = t.live.indexes().collect();
+                ranked.sort_unstable();
+                proptest::prop_assert_eq!(&ranked, &live);
+                for (n, entry) in t.nodes.iter().enumerate() {
+                    let on: Vec<u32> = live.iter().copied().filter(|&i| t.member(i).node == n as u32).collect();
+                    let mut ranked: Vec<u32> = entry.backends.indexes().collect();
+                    ranked.sort_unstable();
+                    proptest::prop_assert_eq!(&ranked, &on, "node {}", n);
+                    proptest::prop_assert_eq!(entry.slots, on.iter().map(|&i| slots_of(i)).sum::<u32>());
+                    let drawn = t.live_nodes.indexes().any(|x| x == n as u32);
+                    proptest::prop_assert_eq!(drawn, !on.is_empty(), "node {} drawn", n);
+                    for &i in &on {
+                        proptest::prop_assert_eq!(t.member(i).load.node.load(Ordering::Relaxed), n as u32);
+                    }
+                }
+                proptest::prop_assert_eq!(t.in_flight(), held.len());
+                let mut free: Vec<u32> = t.free.iter().copied().collect();
+                free.sort_unstable();
+                free.dedup();
+                proptest::prop_assert_eq!(free.len(), t.free.len(), "an index freed twice");
+                proptest::prop_assert!(free.iter().all(|&i| !t.member(i).live));
+                for (id, &i) in &t.by_id {
+                    proptest::prop_assert_eq!(&t.member(i).id, id);
+                }
+                for m in &t.members {
+                    if !m.live {
+                        proptest::prop_assert!(!m.load.try_acquire() && !m.load.force_acquire());
+                    }
+                }
+                for (id, i, generation) in &records {
+                    if let Some(r) = t.resolve(*i, *generation) {
+                        proptest::prop_assert_eq!(t.member(r).id.as_str(), id.as_str());
+                    }
+                }
+                for (id, load) in &held {
+                    let same = t.index_of(id).is_some_and(|i| Arc::ptr_eq(&t.member(i).load, load));
+                    if !same {
+                        proptest::prop_assert!(t.members.iter().any(|m| Arc::ptr_eq(&m.load, load)), "{} in flight and not counted", id);
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn a_backend_announced_again_with_the_same_budget_keeps_what_its_model_learned() {
         let mut t = Topology::default();
