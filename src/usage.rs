@@ -1138,4 +1138,75 @@ data: {\"usage\":{\"e\":{\"usage\":{\"input_tokens\":9}},\"f\":?}}\n\ndata: [DON
         let u = scan_in_pieces(&spaced, 1).unwrap();
         assert_eq!((u.prompt_tokens, u.reused_tokens), (2050, Some(2000)));
     }
+
+    /// An answer's prompt tokens and the reused ones.
+    type Figures = (u64, Option<u64>);
+
+    /// Answers in the shapes the servers send, with what each says: llama-server's chat
+    /// stream (usage and timings on its last chunk), its Anthropic answer, Anthropic's stream
+    /// (figures in `message_start`, cumulative ones in `message_delta`), a Responses stream's
+    /// last event, and vLLM's chat answer. Their text holds what is looked for: escapes,
+    /// quoted member names, characters of several bytes.
+    const REAL_ANSWERS: [(&[u8], Figures); 5] = [
+        (
+            "data: {\"choices\":[{\"finish_reason\":null,\"index\":0,\"delta\":{\"content\":\"caf\u{e9} \\\"usage\\\":{\\\"prompt_tokens\\\":1} \u{1f600}\"}}],\"created\":1754523863,\"id\":\"chatcmpl-1\",\"model\":\"m\",\"system_fingerprint\":\"b6097\",\"object\":\"chat.completion.chunk\"}\n\n\
+data: {\"choices\":[{\"finish_reason\":\"stop\",\"index\":0,\"delta\":{}}],\"created\":1754523863,\"id\":\"chatcmpl-1\",\"model\":\"m\",\"system_fingerprint\":\"b6097\",\"object\":\"chat.completion.chunk\"}\n\n\
+data: {\"choices\":[],\"created\":1754523863,\"id\":\"chatcmpl-1\",\"model\":\"m\",\"system_fingerprint\":\"b6097\",\"object\":\"chat.completion.chunk\",\"usage\":{\"completion_tokens\":247,\"prompt_tokens\":1085,\"total_tokens\":1332},\"timings\":{\"cache_n\":1024,\"prompt_n\":61,\"prompt_ms\":203.378,\"prompt_per_token_ms\":3.334,\"prompt_per_second\":299.9,\"predicted_n\":247,\"predicted_ms\":933.63,\"predicted_per_token_ms\":3.77,\"predicted_per_second\":264.55}}\n\n\
+data: [DONE]\n\n".as_bytes(),
+            (1085, Some(1024)),
+        ),
+        (
+            br#"{"id":"chatcmpl-2","type":"message","role":"assistant","content":[{"type":"text","text":"\u00e9 \"usage\": {"},{"type":"tool_use","id":"t1","name":"post","input":{"usage":{"input_tokens":1,"cache_read_input_tokens":9},"note":"x\\"}}],"model":"m","stop_reason":"tool_use","stop_sequence":null,"usage":{"cache_read_input_tokens":1900,"input_tokens":150,"output_tokens":12}}"#,
+            (2050, Some(1900)),
+        ),
+        (
+            b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_1\",\"type\":\"message\",\"role\":\"assistant\",\"content\":[],\"model\":\"claude\",\"stop_reason\":null,\"stop_sequence\":null,\"usage\":{\"input_tokens\":100,\"cache_creation_input_tokens\":20,\"cache_read_input_tokens\":3000,\"output_tokens\":1,\"service_tier\":\"standard\"}}}\n\n\
+event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0,\"content_block\":{\"type\":\"tool_use\",\"id\":\"toolu_1\",\"name\":\"f\",\"input\":{}}}\n\n\
+event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"input_json_delta\",\"partial_json\":\"{\\\"usage\\\": {\\\"input_tokens\\\": 7\"}}\n\n\
+event: content_block_stop\ndata: {\"type\":\"content_block_stop\",\"index\":0}\n\n\
+event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"tool_use\",\"stop_sequence\":null},\"usage\":{\"input_tokens\":100,\"cache_creation_input_tokens\":20,\"cache_read_input_tokens\":3000,\"output_tokens\":15}}\n\n\
+event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
+            (3120, Some(3000)),
+        ),
+        (
+            b"event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"resp_1\",\"object\":\"response\",\"status\":\"in_progress\",\"usage\":null}}\n\n\
+event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"item_id\":\"msg_1\",\"delta\":\"\\\"timings\\\":{\\\"prompt_n\\\":5}\"}\n\n\
+event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"resp_1\",\"object\":\"response\",\"status\":\"completed\",\"output\":[],\"usage\":{\"input_tokens\":5000,\"input_tokens_details\":{\"cached_tokens\":4864},\"output_tokens\":40,\"output_tokens_details\":{\"reasoning_tokens\":0},\"total_tokens\":5040}}}\n\n",
+            (5000, Some(4864)),
+        ),
+        (
+            br#"{"id":"chatcmpl-3","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":null,"tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{\"usage\": {\"prompt_tokens\": 3}}"}}]},"finish_reason":"tool_calls"}],"service_tier":null,"system_fingerprint":null,"usage":{"prompt_tokens":812,"total_tokens":830,"completion_tokens":18,"prompt_tokens_details":{"cached_tokens":768}},"prompt_logprobs":null,"kv_transfer_params":null}"#,
+            (812, Some(768)),
+        ),
+    ];
+
+    /// Each answer in a real shape, cut anywhere into three pieces or fed a byte at a time,
+    /// gives the figures it gives whole, and those are the ones its server reported.
+    #[test]
+    fn a_real_answer_reads_alike_however_its_bytes_are_split() {
+        for (body, want) in REAL_ANSWERS {
+            let whole = Usage::from_body(body).expect("a figure");
+            assert_eq!((whole.prompt_tokens, whole.reused_tokens), want);
+            reads_alike_wherever_cut(body, Some(whole));
+            assert_eq!(scan_in_pieces(body, 1), Some(whole));
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn a_real_answer_cut_in_three_anywhere_reads_as_it_does_whole(
+            which in 0..REAL_ANSWERS.len(),
+            a in proptest::prelude::any::<proptest::sample::Index>(),
+            b in proptest::prelude::any::<proptest::sample::Index>(),
+        ) {
+            let (body, _) = REAL_ANSWERS[which];
+            let (a, b) = (a.index(body.len() + 1), b.index(body.len() + 1));
+            let (x, y) = (a.min(b), a.max(b));
+            let mut s = UsageScanner::default();
+            for piece in [&body[..x], &body[x..y], &body[y..]] {
+                s.feed(piece);
+            }
+            proptest::prop_assert_eq!(s.finish(), Usage::from_body(body), "cuts at {} and {}", x, y);
+        }
+    }
 }
