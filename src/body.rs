@@ -106,6 +106,11 @@ pub(crate) struct Observe {
     /// The figures, once the body has ended.
     usage: Option<Usage>,
     done: bool,
+    /// For a stream, whether the last chunk read with bytes in it held a `usage` or
+    /// `timings` object or the stream's last event (see [`ends_answer`](crate::slots::ends_answer)):
+    /// a client that drops the body then has read the answer to its end. An Anthropic stream
+    /// gives its prompt's figures in its first event, before the answer is written.
+    at_end: bool,
 }
 
 impl Observe {
@@ -145,6 +150,7 @@ impl Observe {
             first_byte: None,
             usage: None,
             done: false,
+            at_end: false,
         }))
     }
 
@@ -155,7 +161,11 @@ impl Observe {
             None => self.first(chunk),
             Some(_) => None,
         };
+        let before = self.scanner.objects_read();
         self.scanner.feed(chunk);
+        if self.stream && !chunk.is_empty() {
+            self.at_end = self.scanner.objects_read() != before || crate::slots::ends_answer(chunk);
+        }
         first
     }
 
@@ -187,9 +197,14 @@ impl Observe {
     }
 
     /// The body is dropped before its end: if the answer has reported its figures in full,
-    /// they are learned as at its end; otherwise nothing is (a stream cut short).
+    /// they are learned as at its end; otherwise nothing is (a stream cut short). A stream
+    /// has reported them in full when the last chunk read held figures (the usage chunk,
+    /// `response.completed`, llama-server's last chunk) or its last event (`data: [DONE]`,
+    /// `message_stop`): an Anthropic stream's figures in its first event, `message_start`,
+    /// are not its end, and a client that stops it in the middle has not read the answer.
     fn end_if_reported(&mut self, guard: &SlotGuard) {
-        if !self.done && self.scanner.finish().is_some() {
+        let ended = !self.stream || self.at_end;
+        if !self.done && ended && self.scanner.finish().is_some() {
             self.end(guard, None);
         }
     }

@@ -123,7 +123,8 @@ pub(crate) struct UsageScanner {
     capture: Vec<u8>,
     capturing: Option<Member>,
     wire: Wire,
-    found: bool,
+    /// How many `usage` and `timings` objects have been read.
+    found: u32,
     /// Whether the body's first byte other than whitespace has been read.
     begun: bool,
 }
@@ -303,9 +304,15 @@ impl UsageScanner {
         parse_object(&mut self.wire, &mut self.found, member, &self.capture)
     }
 
+    /// How many `usage` and `timings` objects have been read so far: a chunk that raises it
+    /// held one.
+    pub(crate) fn objects_read(&self) -> u32 {
+        self.found
+    }
+
     /// The figures of the whole body, once it has ended.
     pub(crate) fn finish(&self) -> Option<Usage> {
-        if !self.found {
+        if self.found == 0 {
             return None;
         }
         let w = &self.wire;
@@ -365,7 +372,7 @@ impl UsageScanner {
 
 /// Parses the object that `b` begins with (at its `{`), adding its figures to `wire`; or says
 /// that `b` ends before the object does.
-fn parse_object(wire: &mut Wire, found: &mut bool, member: Member, b: &[u8]) -> Parsed {
+fn parse_object(wire: &mut Wire, found: &mut u32, member: Member, b: &[u8]) -> Parsed {
     match b.first() {
         None => Parsed::Incomplete,
         Some(b'{') => {
@@ -373,7 +380,7 @@ fn parse_object(wire: &mut Wire, found: &mut bool, member: Member, b: &[u8]) -> 
             if member == Member::Usage {
                 if let Some((o, n)) = Plain::usage(b) {
                     add_usage(wire, o);
-                    *found = true;
+                    *found = found.saturating_add(1);
                     return Parsed::Done(n);
                 }
             }
@@ -388,7 +395,7 @@ fn parse_object(wire: &mut Wire, found: &mut bool, member: Member, b: &[u8]) -> 
             };
             match typed {
                 Ok(((), n)) => {
-                    *found = true;
+                    *found = found.saturating_add(1);
                     Parsed::Done(n)
                 }
                 Err(e) if e.is_eof() => Parsed::Incomplete,

@@ -2935,3 +2935,38 @@ async fn a_slot_declined_by_a_later_hold_wakes_waiters_one_at_a_time() {
     streaming.abort();
     let _ = (busy.await, streaming.await);
 }
+
+/// An Anthropic stream gives its prompt's figures in its first event, `message_start`,
+/// before the answer is written: a client that stops it in the middle (a "stop generating")
+/// and drops the body has not read the answer, which is counted as cut short, not learned
+/// as a whole one. One read to its last event, `message_stop`, and dropped before its end
+/// is polled, is learned.
+#[tokio::test(start_paused = true)]
+async fn an_anthropic_stream_dropped_midway_is_not_counted_and_one_read_to_its_last_event_is() {
+    let svc = service(&[("a", "n1")]);
+    let start: &'static [u8] = b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_1\",\"type\":\"message\",\"role\":\"assistant\",\"content\":[],\"usage\":{\"input_tokens\":100,\"cache_read_input_tokens\":3000,\"output_tokens\":1}}}\n\n";
+    let text: &'static [u8] = b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Hel\"}}\n\n";
+    let stop: &'static [u8] = b"event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":9}}\n\nevent: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
+    let stopped = Reply::new("text/event-stream", &[start, text]);
+    let whole = Reply::new("text/event-stream", &[start, text, stop]);
+    for (mut reply, frames, counted) in [(stopped, 2, 0), (whole, 3, 1)] {
+        // The rest of the stream, or its end, a long while later.
+        reply
+            .frames
+            .push((Duration::from_secs(3_600), Ok(Bytes::from_static(b""))));
+        let res = svc
+            .clone()
+            .oneshot(request_to("/v1/messages", None, None, reply))
+            .await
+            .expect("an answer");
+        let mut body = res.into_body();
+        for _ in 0..frames {
+            body.frame().await.expect("a frame").expect("data");
+        }
+        drop(body);
+        let a = status(&svc, "a");
+        assert_eq!((a.in_flight, a.usage_reports), (0, counted));
+    }
+    let a = status(&svc, "a");
+    assert_eq!((a.prompt_tokens, a.reused_tokens), (3_100, 3_000));
+}
