@@ -164,7 +164,11 @@ impl Observe {
         let before = self.scanner.objects_read();
         self.scanner.feed(chunk);
         if self.stream && !chunk.is_empty() {
-            self.at_end = self.scanner.objects_read() != before || crate::slots::ends_answer(chunk);
+            // The last event is looked for only once figures were read (an Anthropic stream,
+            // from its first event on): before that, a stream dropped is not learned anyway,
+            // and the look costs a token chunk of an OpenAI stream nothing.
+            let read = self.scanner.objects_read();
+            self.at_end = read != before || (read > 0 && crate::slots::ends_answer(chunk));
         }
         first
     }
