@@ -333,30 +333,13 @@ impl<'de> serde::Deserialize<'de> for Slot {
 }
 
 /// A slot object's member name, as far as the count reads it.
+#[derive(serde::Deserialize)]
+#[serde(field_identifier, rename_all = "snake_case")]
 enum SlotMember {
     IsProcessing,
     NCtx,
+    #[serde(other)]
     Other,
-}
-
-impl<'de> serde::Deserialize<'de> for SlotMember {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Name;
-        impl serde::de::Visitor<'_> for Name {
-            type Value = SlotMember;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a member name")
-            }
-            fn visit_str<E: serde::de::Error>(self, name: &str) -> Result<SlotMember, E> {
-                Ok(match name {
-                    "is_processing" => SlotMember::IsProcessing,
-                    "n_ctx" => SlotMember::NCtx,
-                    _ => SlotMember::Other,
-                })
-            }
-        }
-        d.deserialize_identifier(Name)
-    }
 }
 
 /// When a probe's time runs out, and how long it was given (for the error).
