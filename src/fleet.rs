@@ -1720,11 +1720,14 @@ pub struct BackendStatus {
     pub healthy: bool,
     /// Requests that failed on it before it answered (its readiness or its call failed, or
     /// the body of a `400` that [`ReadRefusals`](crate::ReadRefusals) read), or that it
-    /// answered with 503 Service Unavailable, counted since discovery first named it.
-    /// The fleet's total is [`Stats::backend_errors`](crate::Stats::backend_errors).
+    /// answered with 503 Service Unavailable, counted since it joined the fleet. A backend
+    /// announced again after its place went to another (its last requests had ended, and a
+    /// new backend was announced) starts again from 0, as its cache model does; its
+    /// `metrics` series go on from where they were. The fleet's total, removed backends'
+    /// included, is [`Stats::backend_errors`](crate::Stats::backend_errors).
     pub failures: u64,
     /// Answers it began and did not finish (their body failed: the backend cut its stream,
-    /// or its connection dropped), counted since discovery first named it. Such an answer
+    /// or its connection dropped), counted as [`failures`](Self::failures) are. Such an answer
     /// does not mark the backend down, as the client has part of it already; this count is
     /// how an operator sees a backend that keeps cutting its answers. (A `400` whose body
     /// fails while [`ReadRefusals`](crate::ReadRefusals) reads it reached no client: it
@@ -1733,8 +1736,8 @@ pub struct BackendStatus {
     /// Answers it gave to requests sent to it a second time, their first connection closed
     /// before any answer (a backend service marks such an answer [`SentAgain`](crate::SentAgain):
     /// [`HttpBackend`'s](crate::client::HttpBackend)
-    /// [`resend_on_close`](crate::client::Builder::resend_on_close) does), counted since
-    /// discovery first named it. The requests were answered; a count that grows says the
+    /// [`resend_on_close`](crate::client::Builder::resend_on_close) does), counted as
+    /// [`failures`](Self::failures) are. The requests were answered; a count that grows says the
     /// backend closes connections a request was sent on (llama-server after each streamed
     /// answer).
     pub sent_again: u64,
