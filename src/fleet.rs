@@ -7,8 +7,8 @@
 //! Backends live in a vector and are named internally by their index. An index and its
 //! generation together name one backend for its lifetime: a session table entry that points at
 //! a removed backend is recognised by a changed generation. Removing a backend frees its index
-//! for reuse, but re-inserting the same id before that reuses the index and generation, so the
-//! sessions homed there stay.
+//! for reuse once 64 others have been removed after it, but re-inserting the same id before
+//! that takes back the index and generation, so the sessions homed there stay.
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -1550,13 +1550,15 @@ impl Topology {
             return index;
         }
         let digest = name_digest(id.as_str());
-        // The index removed longest ago whose last requests have ended: one still streaming
-        // keeps its member, so that `in_flight` counts them until they end. Retired, it takes
-        // no request again, even one placed on a fleet from before its removal.
-        let reusable = self
-            .free
-            .iter()
-            .position(|&i| self.members[i as usize].load.retired_and_idle());
+        // The index removed longest ago of those that forgot their models (see
+        // `KEPT_REMOVED`: the latest removed keep theirs, and their places, for their return)
+        // and whose last requests have ended: one still streaming keeps its member, so that
+        // `in_flight` counts them until they end. Retired, it takes no request again, even one
+        // placed on a fleet from before its removal.
+        let reusable = self.free.iter().position(|&i| {
+            let m = &self.members[i as usize];
+            m.forgotten && m.load.retired_and_idle()
+        });
         let index = if let Some(index) = reusable.and_then(|at| self.free.remove(at)) {
             let m = &mut self.members[index as usize];
             self.by_id.remove(&m.id);
@@ -1596,9 +1598,9 @@ impl Topology {
         index
     }
 
-    /// How many removed backends keep their cache models, the latest removed: one that
-    /// comes back (a restart, a flapping DNS record) finds its sessions and what its cache
-    /// held. Older ones forget theirs (up to 770 KB each at the default budget, 1.1 MB once
+    /// How many removed backends keep their cache models and their places, the latest
+    /// removed: one that comes back (a restart, a flapping DNS record) finds its sessions and
+    /// what its cache held, however many backends joined meanwhile. Older ones forget theirs (up to 770 KB each at the default budget, 1.1 MB once
     /// grown to twice it: see [`cache`](crate::cache)), so that a fleet scaled down
     /// by thousands does not keep their models for good; their sessions are placed anew if
     /// they return.
@@ -1721,9 +1723,9 @@ pub struct BackendStatus {
     /// Requests that failed on it before it answered (its readiness or its call failed, or
     /// the body of a `400` that [`ReadRefusals`](crate::ReadRefusals) read), or that it
     /// answered with 503 Service Unavailable, counted since it joined the fleet. A backend
-    /// announced again after its place went to another (its last requests had ended, and a
-    /// new backend was announced) starts again from 0, as its cache model does; its
-    /// `metrics` series go on from where they were. The fleet's total, removed backends'
+    /// removed and announced again keeps its counts, unless 64 other backends were removed
+    /// after it: then it starts again from 0, as its cache model and its sessions do, while
+    /// its `metrics` series go on from where they were. The fleet's total, removed backends'
     /// included, is [`Stats::backend_errors`](crate::Stats::backend_errors).
     pub failures: u64,
     /// Answers it began and did not finish (their body failed: the backend cut its stream,
@@ -1922,12 +1924,13 @@ mod tests {
             let ip = format!("10.1.{}.{}", i / 256, i % 256);
             t.insert(i.to_string().into(), &ip.as_str().into(), nz(1), None, 1000);
         }
-        // Each newcomer took the index of the backend removed before it, which let go of its
-        // node: two nodes known, the host's and the last address's, and the indexes of those
-        // forgotten last waiting to be given again.
-        let most = 3 + Topology::NODES_KEPT_FORGOTTEN;
+        // Each newcomer took the index of a backend that forgot its model, which let go of
+        // its node: the nodes known are the host's, the last address's and those of the
+        // removed backends that keep their places, and the indexes of those forgotten last
+        // wait to be given again.
+        let most = 3 + Topology::KEPT_REMOVED + Topology::NODES_KEPT_FORGOTTEN;
         assert!(t.nodes.len() <= most, "{} nodes", t.nodes.len());
-        assert_eq!(t.node_by_id.len(), 2);
+        assert_eq!(t.node_by_id.len(), 2 + Topology::KEPT_REMOVED);
         assert_eq!(
             t.resolve_node(mark),
             None,
@@ -2122,22 +2125,59 @@ mod tests {
                 None,
                 1000,
             );
-            assert_eq!(t.resolve_node(mark), None, "named {ip}");
+            // Its node is known while a0 keeps its place (see `KEPT_REMOVED`), then never
+            // again: the mark names no newcomer's.
+            let named = t.resolve_node(mark).map(|n| t.node(n).id.clone());
+            assert!(named.is_none_or(|n| n.as_str() == "ip0"), "named {ip}");
+        }
+        assert_eq!(t.resolve_node(mark), None);
+    }
+
+    /// Removes `KEPT_REMOVED` backends named `prefix{i}` that were never announced before
+    /// (announcing them first): every backend removed before them forgets its model.
+    fn push_out_removed(t: &mut Topology, prefix: &str) {
+        let ids: Vec<BackendId> = (0..Topology::KEPT_REMOVED)
+            .map(|i| format!("{prefix}{i}").into())
+            .collect();
+        for id in &ids {
+            t.insert(id.clone(), &"n".into(), nz(1), None, 1000);
+        }
+        for id in &ids {
+            t.remove(id);
         }
     }
 
     #[test]
-    fn a_new_backend_takes_the_index_of_the_one_removed_earliest() {
+    fn a_newcomer_takes_no_place_a_removed_backend_keeps() {
+        let mut t = Topology::default();
+        let b0 = t.insert("b0".into(), &"n".into(), nz(1), None, 1000);
+        let g0 = t.member(b0).generation;
+        let chain = crate::PromptChain::from_blocks([(1, 100), (2, 100)]);
+        t.member(b0).cache.lock().record(chain.links(), 0, 1);
+        t.remove(&"b0".into());
+        // A newcomer while b0 restarts (a rolling restart with the fleet scaled up, or a
+        // flapping DNS record): a place of its own.
+        let c = t.insert("c".into(), &"n".into(), nz(1), None, 1000);
+        assert_ne!(c, b0);
+        assert_eq!(t.insert("b0".into(), &"n".into(), nz(1), None, 1000), b0);
+        assert_eq!(t.resolve(b0, g0), Some(b0), "b0 takes its sessions back");
+        assert_eq!(t.member(b0).cache.lock().held(chain.links()), 2);
+    }
+
+    #[test]
+    fn a_newcomer_takes_the_place_of_the_backend_forgotten_earliest() {
         let mut t = Topology::default();
         let b0 = t.insert("b0".into(), &"n".into(), nz(1), None, 1000);
         let b1 = t.insert("b1".into(), &"n".into(), nz(1), None, 1000);
-        let g1 = t.member(b1).generation;
         t.remove(&"b0".into());
         t.remove(&"b1".into());
-        // A newcomer while b1 restarts: b0's index, not b1's.
+        push_out_removed(&mut t, "f");
+        let members = t.members.len();
         assert_eq!(t.insert("c".into(), &"n".into(), nz(1), None, 1000), b0);
-        assert_eq!(t.insert("b1".into(), &"n".into(), nz(1), None, 1000), b1);
-        assert_eq!(t.resolve(b1, g1), Some(b1), "b1 takes its sessions back");
+        assert_eq!(t.insert("d".into(), &"n".into(), nz(1), None, 1000), b1);
+        // The latest removed keep their places: the next newcomer takes a new one.
+        t.insert("e".into(), &"n".into(), nz(1), None, 1000);
+        assert_eq!(t.members.len(), members + 1);
     }
 
     #[test]
@@ -2150,6 +2190,7 @@ mod tests {
         // Placed on a fleet from before the removal, a request takes no slot on it now.
         assert!(!load.try_acquire() && !load.force_acquire());
         assert_eq!(load.in_flight(), 1);
+        push_out_removed(&mut t, "f");
         let b = t.insert("b".into(), &"n".into(), nz(1), None, 1000);
         assert_ne!(b, a, "a's request still streams");
         assert_eq!(t.in_flight(), 1);
@@ -2208,6 +2249,7 @@ mod tests {
         let a = t.insert("a".into(), &"n".into(), nz(1), None, 1000);
         let g = t.member(a).generation;
         t.remove(&"a".into());
+        push_out_removed(&mut t, "f");
         let b = t.insert("b".into(), &"n".into(), nz(1), None, 1000);
         assert_eq!(a, b);
         assert_eq!(t.resolve(a, g), None);
