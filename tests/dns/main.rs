@@ -728,6 +728,47 @@ async fn a_name_without_addresses_keeps_the_fleet_and_says_no_records() {
     assert_eq!(handle.stats().backends, 1);
 }
 
+/// A name with no address says what each record type's query answered: the default asks A,
+/// then AAAA, and an error naming the last alone ("AAAA: no records") would send an operator
+/// looking at IPv6 when the name's A records are what is missing.
+#[tokio::test(start_paused = true)]
+async fn a_name_without_addresses_is_reported_for_each_record_type_asked() {
+    let dns = start_dns().await;
+    // The name exists, with an SRV record and no address.
+    dns.set_srv("bare.fleet.test.", 30, &[(10, 5, 8001, "gpu.fleet.test.")])
+        .await;
+    for (target, strategy, want) in [
+        (
+            "gone.fleet.test.:8080",
+            IpStrategy::Ipv4ThenIpv6,
+            "gone.fleet.test. A: no such name (NXDOMAIN); gone.fleet.test. AAAA: no such name (NXDOMAIN)",
+        ),
+        (
+            "bare.fleet.test.:8080",
+            IpStrategy::Ipv6ThenIpv4,
+            "bare.fleet.test. AAAA: no records; bare.fleet.test. A: no records",
+        ),
+        (
+            "bare.fleet.test.:8080",
+            IpStrategy::Ipv4AndIpv6,
+            "bare.fleet.test. A: no records; bare.fleet.test. AAAA: no records",
+        ),
+        (
+            "bare.fleet.test.:8080",
+            IpStrategy::Ipv4Only,
+            "bare.fleet.test. A: no records",
+        ),
+    ] {
+        let fleet = builder(&dns, target)
+            .ip_strategy(strategy)
+            .build(|ep: &DnsEndpoint| ep.addr())
+            .unwrap();
+        answered(fleet.handle().resolved(1)).await;
+        let e = fleet.handle().last_error().unwrap();
+        assert_eq!(e.to_string(), want, "{strategy:?}");
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_stopped_server_keeps_the_fleet_until_it_answers_again() {
     let mut dns = start_dns().await;

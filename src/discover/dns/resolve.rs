@@ -101,11 +101,11 @@ async fn addresses(
         }
         // The second only if the name has none of the first.
         Some(second) => match family(resolver, name, first).await? {
-            Err(_) => vec![family(resolver, name, second).await?],
+            Err(none) => vec![Err(none), family(resolver, name, second).await?],
             found => vec![found],
         },
     };
-    let mut none = None;
+    let mut none = Vec::new();
     let (mut ips, mut ttl) = (Vec::new(), None::<u32>);
     for family in families {
         match family {
@@ -116,13 +116,17 @@ async fn addresses(
                     (a, b) => a.or(b),
                 };
             }
-            Err(e) => {
-                none.get_or_insert(e);
-            }
+            Err(e) => none.push(e),
         }
     }
-    match none {
-        Some(e) if ips.is_empty() => Err(e),
+    match none.split_first() {
+        // No address of any type asked: what each type's query said, of the first's kind.
+        Some((first, rest)) if ips.is_empty() => {
+            let message = rest
+                .iter()
+                .fold(first.to_string(), |message, e| format!("{message}; {e}"));
+            Err(DnsError::new(first.kind(), message))
+        }
         _ => Ok((ips, ttl)),
     }
 }
