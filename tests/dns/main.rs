@@ -589,6 +589,67 @@ async fn an_srv_record_on_port_0_is_left_out() {
     assert_eq!(e.kind(), DnsErrorKind::NoRecords, "{e}");
 }
 
+/// An SRV answer none of whose records gives an address keeps the fleet, and its error says
+/// why: the records are there, and their targets have no address (with what the first
+/// target's lookup said), or name no server. "No addresses" alone sends an operator to the
+/// SRV records, which are fine.
+#[tokio::test(start_paused = true)]
+async fn an_srv_answer_without_addresses_says_which_targets_have_none_and_why() {
+    let dns = start_dns().await;
+    dns.set_ips("gpu-a.fleet.test.", 30, &["10.0.0.1"]).await;
+    dns.set_srv(
+        "_llm._tcp.fleet.test.",
+        30,
+        &[(10, 5, 8001, "gpu-a.fleet.test.")],
+    )
+    .await;
+    let mut fleet = builder(&dns, "_llm._tcp.fleet.test.")
+        .build(|ep: &DnsEndpoint| ep.addr())
+        .unwrap();
+    let handle = fleet.handle();
+    answered(handle.resolved(1)).await;
+    assert_eq!(ready_shown(&mut fleet).await, ["+10.0.0.1:8001@10.0.0.1"]);
+
+    dns.set_srv(
+        "_llm._tcp.fleet.test.",
+        30,
+        &[
+            (10, 5, 8001, "gone-b.fleet.test."),
+            (10, 5, 8002, "gone-b.fleet.test."),
+            (10, 5, 8001, "gone-c.fleet.test."),
+            (10, 5, 0, "gpu-a.fleet.test."),
+        ],
+    )
+    .await;
+    handle.refresh();
+    answered(handle.resolved(2)).await;
+    assert!(ready(&mut fleet).await.is_empty(), "the fleet changed");
+    let e = handle.last_error().unwrap();
+    assert_eq!(e.kind(), DnsErrorKind::NoRecords, "{e}");
+    assert_eq!(
+        e.to_string(),
+        "SRV _llm._tcp.fleet.test.: no addresses: 3 records whose target has none \
+         (gone-b.fleet.test. A: no such name (NXDOMAIN); \
+         gone-b.fleet.test. AAAA: no such name (NXDOMAIN); and 1 more target), \
+         1 record on port 0 or with the target \".\""
+    );
+
+    // Every record naming no server.
+    dns.set_srv(
+        "_llm._tcp.fleet.test.",
+        30,
+        &[(10, 5, 0, "gpu-a.fleet.test."), (10, 5, 8001, ".")],
+    )
+    .await;
+    handle.refresh();
+    answered(handle.resolved(3)).await;
+    assert_eq!(
+        handle.last_error().unwrap().to_string(),
+        "SRV _llm._tcp.fleet.test.: no addresses: 2 records on port 0 or with the target \".\""
+    );
+    assert_eq!(handle.stats().backends, 1);
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_ttl_decides_the_next_resolution_between_floor_and_ceiling() {
     let dns = start_dns().await;

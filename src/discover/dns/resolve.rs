@@ -190,6 +190,8 @@ async fn srv(resolver: &TokioResolver, name: &str) -> Result<Resolution, DnsErro
         .map_err(|e| DnsError::resolve(&format!("{name} SRV"), &e))?;
     let mut ttl = u32::MAX;
     let mut records = Vec::new();
+    // Records that name no server: port 0, or the target ".".
+    let mut unserved = 0usize;
     for record in lookup.answers() {
         let RData::SRV(srv) = &record.data else {
             continue;
@@ -197,6 +199,7 @@ async fn srv(resolver: &TokioResolver, name: &str) -> Result<Resolution, DnsErro
         // A target of "." says the service is not offered there (RFC 2782); port 0 names
         // no server to connect to (Consul answers so for a service registered without one).
         if srv.target.is_root() || srv.port == 0 {
+            unserved += 1;
             continue;
         }
         ttl = ttl.min(record.ttl);
@@ -219,6 +222,8 @@ async fn srv(resolver: &TokioResolver, name: &str) -> Result<Resolution, DnsErro
         });
     }
     let mut targets: BTreeMap<String, Vec<IpAddr>> = BTreeMap::new();
+    // The targets without an address, and what their lookups said.
+    let mut unresolved: BTreeMap<String, DnsError> = BTreeMap::new();
     while let Some(done) = lookups.join_next().await {
         let Ok((host, found)) = done else {
             return Err(DnsError::new(
@@ -233,21 +238,28 @@ async fn srv(resolver: &TokioResolver, name: &str) -> Result<Resolution, DnsErro
                 }
                 targets.insert(host, ips);
             }
-            Err(e) => {
-                let e = DnsError::new(e.kind(), format!("{e} (SRV target of {name})"));
-                match e.kind() {
-                    // A target that is gone is not a backend; the others still are.
-                    DnsErrorKind::NoSuchName | DnsErrorKind::NoRecords => {
-                        tracing::debug!(error = %e, "SRV target has no address; left out");
-                    }
-                    // A target not resolved now may still be there: keep the last fleet.
-                    _ => return Err(e),
+            Err(e) => match e.kind() {
+                // A target that is gone is not a backend; the others still are.
+                DnsErrorKind::NoSuchName | DnsErrorKind::NoRecords => {
+                    tracing::debug!(error = %e, srv = name, "SRV target has no address; left out");
+                    unresolved.insert(host, e);
                 }
-            }
+                // A target not resolved now may still be there: keep the last fleet.
+                _ => {
+                    return Err(DnsError::new(
+                        e.kind(),
+                        format!("{e} (SRV target of {name})"),
+                    ))
+                }
+            },
         }
     }
 
     let mut endpoints = BTreeMap::new();
+    let unresolved_records = records
+        .iter()
+        .filter(|r| unresolved.contains_key(&r.target))
+        .count();
     for r in records {
         let host = r.target.strip_suffix('.').unwrap_or(&r.target);
         for &ip in targets.get(&r.target).into_iter().flatten() {
@@ -257,10 +269,55 @@ async fn srv(resolver: &TokioResolver, name: &str) -> Result<Resolution, DnsErro
             });
         }
     }
+    if endpoints.is_empty() {
+        return Err(no_addresses(
+            name,
+            unserved,
+            unresolved_records,
+            &unresolved,
+        ));
+    }
     Ok(Resolution {
         endpoints,
         ttl: if ttl == u32::MAX { 0 } else { ttl },
     })
+}
+
+/// The error of an SRV answer that gave no address: how many records named no server, how
+/// many had targets without an address, and what the first such target's lookup said.
+fn no_addresses(
+    name: &str,
+    unserved: usize,
+    unresolved_records: usize,
+    unresolved: &BTreeMap<String, DnsError>,
+) -> DnsError {
+    let records = |n: usize| match n {
+        1 => "1 record".to_string(),
+        n => format!("{n} records"),
+    };
+    let mut why = Vec::new();
+    if let Some((_, first)) = unresolved.first_key_value() {
+        let more = match unresolved.len() - 1 {
+            0 => String::new(),
+            1 => "; and 1 more target".to_string(),
+            n => format!("; and {n} more targets"),
+        };
+        why.push(format!(
+            "{} whose target has none ({first}{more})",
+            records(unresolved_records)
+        ));
+    }
+    if unserved > 0 {
+        why.push(format!(
+            "{} on port 0 or with the target \".\"",
+            records(unserved)
+        ));
+    }
+    let message = match why.is_empty() {
+        true => format!("SRV {name}: no addresses"),
+        false => format!("SRV {name}: no addresses: {}", why.join(", ")),
+    };
+    DnsError::new(DnsErrorKind::NoRecords, message)
 }
 
 #[cfg(test)]
