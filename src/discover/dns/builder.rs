@@ -120,7 +120,11 @@ impl DnsFleetBuilder {
     }
 
     /// Asks this nameserver (UDP, and TCP for long answers, on its port) instead of the
-    /// system's configuration. Call again to add more; they are tried in turn.
+    /// system's configuration. Call again to add more. A query goes to two of them at once,
+    /// the fastest so far first, and the first answer is taken whatever it says ("no such
+    /// name" and a server failure included): give only nameservers that serve the same
+    /// names. The others are asked when those fail to answer, within the
+    /// [`timeout`](Self::timeout) and [`attempts`](Self::attempts).
     pub fn nameserver(mut self, addr: SocketAddr) -> Self {
         self.nameservers.push(addr);
         self

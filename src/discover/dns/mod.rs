@@ -32,8 +32,10 @@
 //!
 //! One [`DnsFleet`] follows one name. Streams of several can be merged (`select` of
 //! `futures`); an `IP:PORT` that two names give is then one backend, which a removal from
-//! either takes out: to keep it while any name gives it, count the names of each id before
-//! a change is passed on, as the proxy example does.
+//! either takes out: to keep it while any name gives it, keep the set of names that give
+//! each id, and pass a removal on only once the set is empty, as the proxy example does. A
+//! count of inserts does not do: a name's insert of an id it gave before is an update (see
+//! [`DnsFleet`]).
 //!
 //! By default the fleet is what each answer says: a server that answers with a different
 //! subset of a large record set each time (round-robin DNS whose answers are cut short, some
