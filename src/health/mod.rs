@@ -19,7 +19,8 @@
 //! does not answer, until it is ready again. The seam is the [`MarkHealth`] trait, which
 //! [`SessionAffinity`](crate::SessionAffinity) implements; a backend's service gives the
 //! probe its address through [`ProbeTarget`], which
-//! [`HttpBackend`](crate::client::HttpBackend) implements.
+//! [`HttpBackend`](crate::client::HttpBackend) implements, and
+//! [`IdSlot`](crate::client::IdSlot) around one.
 //!
 //! What the probe found of each backend, its transitions and its busy slots, is in
 //! [`Prober::status`] ([`ProbeStatus`]), for metrics and logs.

@@ -6,13 +6,14 @@ use std::pin::Pin;
 use http::Uri;
 use tower::discover::Discover;
 
-use crate::client::HttpBackend;
+use crate::client::{HttpBackend, IdSlot};
 use crate::{Backend, BackendId, SessionAffinity};
 
 /// A backend service the probe can reach: its base URI, `scheme://authority/`, to which the
 /// probe appends `/health` and `/slots`.
 ///
-/// Implemented for [`HttpBackend`]; implement it for a service of your own that wraps one.
+/// Implemented for [`HttpBackend`], and for an [`IdSlot`] around a target (probed where the
+/// service it wraps sends); implement it for a service of your own that wraps one.
 ///
 /// ```
 /// use http::Uri;
@@ -58,6 +59,17 @@ impl<B> ProbeTarget for HttpBackend<B> {
 
     fn http2_prior_knowledge(&self) -> bool {
         HttpBackend::http2_prior_knowledge(self)
+    }
+}
+
+/// An `IdSlot` sends its requests through the service it wraps: the probe reaches that one.
+impl<S: ProbeTarget> ProbeTarget for IdSlot<S> {
+    fn base_uri(&self) -> &Uri {
+        self.get_ref().base_uri()
+    }
+
+    fn http2_prior_knowledge(&self) -> bool {
+        self.get_ref().http2_prior_knowledge()
     }
 }
 

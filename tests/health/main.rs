@@ -25,7 +25,7 @@ use serde_json::{json, Value};
 use support_logs::Logs;
 use tokio::net::TcpListener;
 use tower::Layer;
-use tower_affinity::client::HttpBackend;
+use tower_affinity::client::{HttpBackend, IdSlotLayer};
 use tower_affinity::discover::{self, StaticFleet};
 use tower_affinity::health::{HealthProbe, MarkHealth, Prober};
 use tower_affinity::{Backend, BackendStatus, SessionAffinity, SessionAffinityLayer};
@@ -1076,6 +1076,21 @@ async fn a_backend_given_more_slots_than_its_slots_lists_is_warned_of_once() {
     assert_eq!(said(&logs, "c", warning), 0);
     // The count given stands: the warning changes nothing.
     assert_eq!(status(&affinity, "a").slots, 4);
+}
+
+/// A llama-server whose slots the router assigns goes behind `IdSlot`, around its
+/// `HttpBackend`: the probe reaches it where that `HttpBackend` sends, and learns its slots.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn an_id_slot_backend_is_probed_where_its_http_backend_sends() {
+    let (addr, stub) = start(3).await;
+    let llama = IdSlotLayer::new().layer(http(addr));
+    let fleet = StaticFleet::new([("a", Backend::new("n", llama).assign_slots())]);
+    let (fleet, prober) = HealthProbe::new().discover(fleet);
+    let affinity = SessionAffinityLayer::new().layer(fleet);
+    prober.round(&affinity).await;
+    assert!(stub.health_hits.load(Ordering::Relaxed) > 0);
+    let a = affinity.backends().pop().unwrap();
+    assert_eq!((a.id.as_str(), a.slots), ("a", 3), "learned through IdSlot");
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
