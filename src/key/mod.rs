@@ -10,6 +10,8 @@
 //!   send (Claude Code, Codex CLI, Goose; see [`HeaderKey::DEFAULT_NAMES`]); configurable;
 //! - [`ExtensionKey`]: a [`SessionKey`] that an earlier layer put in the request's extensions;
 //! - [`FirstOf`]: the first of two extractors that finds a key;
+//! - [`NoKey`]: never a key, so that every request is placed by its prompt chain, else by
+//!   load;
 //! - any `Fn(&Req) -> Option<SessionKey>` closure.
 //!
 //! [`BodyKeyLayer`] reads keys from JSON bodies (`prompt_cache_key`, `user`, ...) in front of
