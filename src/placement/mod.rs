@@ -84,7 +84,8 @@
 //! let fleet = Snapshot::new()
 //!     .backend("a1", "node-a", 2)
 //!     .backend("b1", "node-b", 4)
-//!     .in_flight("a1", 1);
+//!     .in_flight("a1", 1)
+//!     .home_cache(HomeCache::Holds);
 //! let key = Some(SessionKey::from_bytes(b"agent-1"));
 //! // At home on a1, which holds it: a1, though node-b is freer.
 //! assert_eq!(fleet.choose(&HomeElseFreestNode, key, Some("a1")), Some("a1".into()));
