@@ -38,6 +38,13 @@ use tokio::time::Instant;
 /// let id = BackendId::from("gpu-0");
 /// assert_eq!(id.as_str(), "gpu-0");
 /// assert_eq!(id, "gpu-0"); // compares with a name as given
+///
+/// // From names kept elsewhere, by reference or shared.
+/// let names = vec![String::from("gpu-1"), String::from("gpu-2")];
+/// let ids: Vec<BackendId> = names.iter().map(BackendId::from).collect();
+/// assert_eq!(ids, ["gpu-1", "gpu-2"]);
+/// let shared: std::sync::Arc<str> = "gpu-3".into();
+/// assert_eq!(BackendId::from(shared), "gpu-3");
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BackendId(Arc<str>);
@@ -107,6 +114,18 @@ macro_rules! impl_name {
         impl From<String> for $t {
             fn from(s: String) -> Self {
                 $t(s.into())
+            }
+        }
+
+        impl From<&String> for $t {
+            fn from(s: &String) -> Self {
+                $t(s.as_str().into())
+            }
+        }
+
+        impl From<Arc<str>> for $t {
+            fn from(s: Arc<str>) -> Self {
+                $t(s)
             }
         }
 
