@@ -665,6 +665,11 @@ impl<B> Builder<B> {
             return Err(bad("the scheme must be http"));
         }
         let authority = uri.authority().cloned().ok_or_else(|| bad("no host"))?;
+        // `http://:8080` (a host left out, as a variable that was not set leaves it) parses
+        // with an empty host: every request would fail on a name lookup that names nothing.
+        if matches!(authority.host(), "" | "[]") {
+            return Err(bad("no host"));
+        }
         if authority.as_str().contains('@') {
             return Err(bad("user info is not supported"));
         }
@@ -851,6 +856,22 @@ mod tests {
         assert_eq!(off.response_timeout, None);
         let kept = Builder::<Empty<bytes::Bytes>>::new().connect_timeout(ms(2));
         assert_eq!(kept.connect_timeout, Some(ms(2)));
+    }
+
+    #[test]
+    fn a_backend_url_without_a_host_is_refused() {
+        for url in [
+            "http://:8080",
+            "http://:8080/",
+            "http://[]:8080",
+            "http://:",
+        ] {
+            let e = Backend::new(url).map(|b| b.inner.base.clone());
+            let e = e.expect_err(url).to_string();
+            assert!(e.contains("no host"), "{url}: {e}");
+        }
+        // Beside them, a host of one letter is one.
+        Backend::new("http://x:8080").unwrap();
     }
 
     #[test]
