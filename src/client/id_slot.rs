@@ -94,7 +94,8 @@ impl<S> Layer<S> for IdSlotLayer {
 ///
 /// The request goes on as it came when it carries no `AssignedSlot`, when its body is not a
 /// JSON object (a leading byte order mark and whitespace aside, which llama-server skips too),
-/// or when the object already has a top-level
+/// when it is in a content coding (a `Content-Encoding` other than `identity`: its bytes are
+/// the coding's, whatever they open with), or when the object already has a top-level
 /// `id_slot` member: a slot the client chose itself wins. A body whose top level does not
 /// parse, which is parsed (its top level only, values skipped) only when it may name
 /// `id_slot`, goes on as it came too. The request never fails for this; the response and
@@ -182,7 +183,8 @@ where
 
 /// What [`IdSlot`] does to a request, for a backend service of your own that cannot be
 /// wrapped: the request with its [`AssignedSlot`] written into its JSON body as
-/// `"id_slot": N` (and its `Content-Length` to match), or as it came.
+/// `"id_slot": N` (and its `Content-Length` to match), or as it came (see [`IdSlot`] for
+/// when).
 ///
 /// ```
 /// use bytes::Bytes;
@@ -202,6 +204,9 @@ pub fn write_id_slot(req: http::Request<Full<Bytes>>) -> http::Request<Full<Byte
     let Some(slot) = req.extensions().get::<AssignedSlot>().copied() else {
         return req;
     };
+    if is_coded(req.headers()) {
+        return req;
+    }
     let (mut parts, body) = req.into_parts();
     let bytes = into_bytes(body);
     let body = match insert_id_slot(&bytes, slot.index()) {
@@ -216,6 +221,17 @@ pub fn write_id_slot(req: http::Request<Full<Bytes>>) -> http::Request<Full<Byte
         None => bytes,
     };
     http::Request::from_parts(parts, Full::new(body))
+}
+
+/// Whether `headers` declare a content coding other than `identity` (`Content-Encoding:
+/// gzip`, say): the body's bytes are then the coding's, not JSON, whatever they open with.
+fn is_coded(headers: &http::HeaderMap) -> bool {
+    headers.get_all(header::CONTENT_ENCODING).iter().any(|v| {
+        v.as_bytes()
+            .split(|&b| b == b',')
+            .map(<[u8]>::trim_ascii)
+            .any(|c| !c.is_empty() && !c.eq_ignore_ascii_case(b"identity"))
+    })
 }
 
 /// A `Full` body's bytes: its one frame is ready at once, so no executor is needed.
@@ -487,6 +503,39 @@ mod tests {
         // Beside it, a slot is added.
         let (_, sent) = send(body, Some(0), true).await;
         assert_eq!(sent, r#"{"id_slot":0,"model":"m","messages":[]}"#);
+    }
+
+    #[tokio::test]
+    async fn a_body_in_a_content_coding_goes_as_it_came() {
+        async fn sent(coding: &'static str) -> Bytes {
+            let seen = Arc::new(Mutex::new(None));
+            let inner = {
+                let seen = seen.clone();
+                service_fn(move |req: http::Request<Full<Bytes>>| {
+                    let seen = seen.clone();
+                    async move {
+                        *seen.lock() = Some(req.into_body().collect().await.unwrap().to_bytes());
+                        Ok::<_, Infallible>(http::Response::new(()))
+                    }
+                })
+            };
+            let mut req = http::Request::post("/v1/chat/completions")
+                .header(header::CONTENT_ENCODING, coding)
+                .body(Full::new(Bytes::from_static(br#"{"n":1}"#)))
+                .unwrap();
+            req.extensions_mut().insert(AssignedSlot::new(2));
+            IdSlot::new(inner).oneshot(req).await.unwrap();
+            let sent = seen.lock().take();
+            sent.unwrap()
+        }
+        // Bytes that open like a JSON object are the coding's all the same.
+        for coding in ["br", "gzip", "identity, gzip", " Deflate "] {
+            assert_eq!(sent(coding).await, r#"{"n":1}"#, "{coding}");
+        }
+        // Beside them, `identity` is no coding.
+        for coding in ["identity", "IDENTITY", ""] {
+            assert_eq!(sent(coding).await, r#"{"id_slot":2,"n":1}"#, "{coding:?}");
+        }
     }
 
     #[tokio::test]
