@@ -146,7 +146,10 @@ impl DnsFleetBuilder {
     }
 
     /// The wait after a failed resolution. Default
-    /// [`DEFAULT_RETRY_INTERVAL`](Self::DEFAULT_RETRY_INTERVAL).
+    /// [`DEFAULT_RETRY_INTERVAL`](Self::DEFAULT_RETRY_INTERVAL). It is not held to the
+    /// [`min_interval`](Self::min_interval) floor: a wait of zero asks again at once, as
+    /// often as the nameservers fail, which a nameserver that refuses at once makes a busy
+    /// loop.
     pub fn retry_interval(mut self, interval: Duration) -> Self {
         self.schedule.retry = interval;
         self
