@@ -133,10 +133,13 @@ impl SlotTable {
     }
 
     /// Forgets what each slot was sent, as the backend chooses its slots for a while: which
-    /// are busy is kept, for the requests in flight on them.
+    /// are busy is kept, for the requests in flight on them. What a busy slot held before its
+    /// request is forgotten too: were that request put back, the backend may have given the
+    /// slot to another request since.
     pub(crate) fn forget(&mut self) {
         for slot in &mut self.slots {
             slot.chain = None;
+            slot.before = None;
         }
     }
 
@@ -324,6 +327,21 @@ mod tests {
         assert_eq!(t.assign(3, Some(&chain(&[5, 6, 7]))), Some(2));
         t.release(0);
         assert_eq!(t.assign(3, None), Some(1));
+    }
+
+    #[test]
+    fn a_slot_put_back_after_its_table_forgot_holds_nothing_known() {
+        let mut t = table_holding(&[Some(chain(&[5, 6])), Some(chain(&[1, 2]))]);
+        // The conversation of slot 1 goes on there, and the table forgets while it is on.
+        assert_eq!(t.assign(2, Some(&chain(&[1, 2, 3]))), Some(1));
+        t.forget();
+        // The backend did not run it; meanwhile it chooses its slots, and may have given this
+        // one to another request: what the slot holds is not known.
+        t.put_back(1);
+        assert!(t.slots[1].chain.is_none());
+        // So the conversation's next prompt is no more at home on slot 1 than on slot 0,
+        // the least recently used.
+        assert_eq!(t.assign(2, Some(&chain(&[1, 2, 4]))), Some(0));
     }
 
     #[test]
