@@ -445,6 +445,184 @@ mod tests {
         assert_eq!(t.slots[0].chain, Some(chain(&[2])));
     }
 
+    /// A step of the property test below.
+    #[derive(Clone, Debug)]
+    enum Step {
+        /// A request with the chain of these blocks (none: no chain) assigned one of the
+        /// first `count` slots.
+        Assign(u32, Vec<u8>),
+        /// The `i`th busy slot (modulo how many) released.
+        Release(usize),
+        /// The `i`th busy slot (modulo how many) put back.
+        PutBack(usize),
+        /// The table forgets what its slots hold.
+        Forget,
+    }
+
+    /// The tokens of block `id`: uneven, so that shares above and below a tenth both occur.
+    fn block_tokens(id: u8) -> u32 {
+        [40, 300, 900, 15][usize::from(id) % 4]
+    }
+
+    /// What the router knows of one slot, kept the plain way.
+    #[derive(Clone, Debug, Default)]
+    struct Known {
+        held: Option<Vec<u8>>,
+        before: Option<Vec<u8>>,
+        used: bool,
+        used_before: bool,
+        busy: bool,
+        /// The step at which a request last left it (0: never).
+        left: u64,
+    }
+
+    /// Tokens of the blocks `a` and `b` share from the start.
+    fn shared_tokens(a: &[u8], b: &[u8]) -> u64 {
+        a.iter()
+            .zip(b)
+            .take_while(|(x, y)| x == y)
+            .map(|(&x, _)| u64::from(block_tokens(x)))
+            .sum()
+    }
+
+    /// The slot the rules of [`SlotTable::assign`] give `chain` among the first `count`,
+    /// each rule read the plain way, the first of equals taken.
+    fn rule_choice(slots: &[Known], count: usize, chain: &[u8]) -> Option<usize> {
+        let idle: Vec<usize> = (0..count).filter(|&i| !slots[i].busy).collect();
+        let tokens = |h: &[u8]| shared_tokens(chain, h);
+        let own = idle
+            .iter()
+            .copied()
+            .filter(|&i| {
+                slots[i]
+                    .held
+                    .as_ref()
+                    .is_some_and(|h| !h.is_empty() && chain.starts_with(h))
+            })
+            .fold(None, |best: Option<usize>, i| match best {
+                Some(b)
+                    if tokens(slots[b].held.as_ref().unwrap())
+                        >= tokens(slots[i].held.as_ref().unwrap()) =>
+                {
+                    Some(b)
+                }
+                _ => Some(i),
+            });
+        if own.is_some() {
+            return own;
+        }
+        if let Some(&empty) = idle.iter().find(|&&i| !slots[i].used) {
+            return Some(empty);
+        }
+        let share = |i: usize| slots[i].held.as_deref().map_or(0, tokens);
+        let total = chain
+            .iter()
+            .map(|&b| u64::from(block_tokens(b)))
+            .sum::<u64>()
+            .max(1);
+        let best = idle
+            .iter()
+            .copied()
+            .fold(None, |best: Option<usize>, i| match best {
+                Some(b)
+                    if (share(b), std::cmp::Reverse(slots[b].left))
+                        >= (share(i), std::cmp::Reverse(slots[i].left)) =>
+                {
+                    Some(b)
+                }
+                _ => Some(i),
+            });
+        if let Some(b) = best.filter(|&b| share(b) as f64 / total as f64 > SIMILAR) {
+            return Some(b);
+        }
+        idle.iter().copied().min_by_key(|&i| slots[i].left)
+    }
+
+    fn step() -> impl proptest::strategy::Strategy<Value = Step> {
+        use proptest::prelude::*;
+        prop_oneof![
+            4 => (1u32..=5, proptest::collection::vec(0u8..4, 0..6))
+                .prop_map(|(count, blocks)| Step::Assign(count, blocks)),
+            3 => (0usize..8).prop_map(Step::Release),
+            1 => (0usize..8).prop_map(Step::PutBack),
+            1 => Just(Step::Forget),
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(500))]
+
+        /// Requests assigned, released and put back in any order, slot counts that grow and
+        /// shrink, and tables that forget: no slot is given to two requests at once, none at
+        /// or past the count, a request is refused a slot only when each is busy, and each
+        /// choice is the one the rules make over what the router knows of each slot.
+        #[test]
+        fn slots_assigned_in_any_order_follow_the_rules_and_are_never_shared(
+            steps in proptest::collection::vec(step(), 1..60),
+        ) {
+            let mut t = SlotTable::default();
+            let mut known: Vec<Known> = Vec::new();
+            let mut clock = 0;
+            for step in steps {
+                let busy: Vec<usize> = (0..known.len()).filter(|&i| known[i].busy).collect();
+                match step {
+                    Step::Assign(count, blocks) => {
+                        let n = count as usize;
+                        if known.len() < n {
+                            known.resize_with(n, Known::default);
+                        }
+                        let chain = (!blocks.is_empty()).then(|| {
+                            PromptChain::from_blocks(
+                                blocks.iter().map(|&b| (u64::from(b), block_tokens(b))),
+                            )
+                        });
+                        let got = t.assign(count, chain.as_ref()).map(|i| i as usize);
+                        let want = rule_choice(&known, n, &blocks);
+                        proptest::prop_assert_eq!(got, want, "{:?}", known);
+                        if let Some(i) = got {
+                            proptest::prop_assert!(i < n);
+                            let k = &mut known[i];
+                            proptest::prop_assert!(!k.busy);
+                            k.busy = true;
+                            k.used_before = std::mem::replace(&mut k.used, true);
+                            k.before = std::mem::replace(
+                                &mut k.held,
+                                (!blocks.is_empty()).then_some(blocks),
+                            );
+                        } else {
+                            proptest::prop_assert!(known[..n].iter().all(|k| k.busy));
+                        }
+                    }
+                    Step::Release(i) if !busy.is_empty() => {
+                        let i = busy[i % busy.len()];
+                        t.release(i as u32);
+                        clock += 1;
+                        let k = &mut known[i];
+                        (k.busy, k.before, k.left) = (false, None, clock);
+                    }
+                    Step::PutBack(i) if !busy.is_empty() => {
+                        let i = busy[i % busy.len()];
+                        t.put_back(i as u32);
+                        let k = &mut known[i];
+                        k.busy = false;
+                        k.held = k.before.take();
+                        k.used = k.used_before;
+                    }
+                    Step::Forget => {
+                        t.forget();
+                        for k in &mut known {
+                            (k.held, k.before) = (None, None);
+                        }
+                    }
+                    Step::Release(_) | Step::PutBack(_) => {}
+                }
+                for (i, k) in known.iter().enumerate() {
+                    proptest::prop_assert_eq!(t.slots[i].busy, k.busy);
+                }
+            }
+        }
+    }
+
     #[test]
     fn common_links_finds_the_shared_prefix() {
         assert_eq!(common_links(&chain(&[1, 2, 3]), &chain(&[1, 2, 4, 5])), 2);
