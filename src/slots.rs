@@ -7,7 +7,8 @@
 //! A backend declared with [`Backend::assign_slots`](crate::Backend::assign_slots) has its
 //! slots assigned by the router instead, which knows what it sent to each: a request is
 //! given the slot holding its conversation's last prompt, else a slot never used, else the
-//! least recently used of those sharing the most with it. The request carries the slot as
+//! one sharing the most with it when that is more than a tenth of it (among equals the least
+//! recently used), else the least recently used. The request carries the slot as
 //! an [`AssignedSlot`] extension, which the backend's client sends as llama-server's
 //! `id_slot` (with the `client` feature, `client::IdSlot` writes it into the body).
 
