@@ -182,22 +182,48 @@ pub(crate) fn takes_a_slot(path: &str) -> bool {
 }
 
 /// Whether an answer's chunk ends the answer: the last event of an OpenAI-compatible stream
-/// (`data: [DONE]` and its line end) or of an Anthropic one (`"message_stop"`). A client that
-/// reads an event stream stops at it and may send its next turn before the stream's end is
-/// polled. Neither is taken for one an answer's text holds: in a JSON string a line end is
-/// escaped, and so are the quotes around `message_stop`, so a chunk cut just after an answer
-/// says `data: [DONE]` frees nothing while the backend still generates. Looks at the chunk's
-/// last 64 bytes only, where the marker of a stream's last event is: O(1) a chunk, whatever
-/// its size. A marker split over two chunks (`[DONE]` from its line end too) is missed, and
-/// the slot is free at the stream's end instead.
+/// (`data: [DONE]` and its line end), of an Anthropic one (`"message_stop"`), or of a
+/// Responses one (a whole `response.completed`, `response.failed` or `response.incomplete`
+/// event: llama-server sends no `[DONE]` there). A client that reads an event stream stops at
+/// it and may send its next turn before the stream's end is polled. Neither is taken for one
+/// an answer's text holds: in a JSON string a line end is escaped, and so are the quotes
+/// around `message_stop`, so a chunk cut just after an answer says `data: [DONE]` frees
+/// nothing while the backend still generates. Looks at the chunk's last 64 bytes, where the
+/// marker of a stream's last event is, and at its first 40 for a Responses event, which
+/// names itself at its start and carries the whole response after: O(1) a chunk, whatever
+/// its size. A marker split over two chunks (`[DONE]` from its line end too, or a Responses
+/// event from its blank line) is missed, and the slot is free at the stream's end instead.
 pub(crate) fn ends_answer(chunk: &[u8]) -> bool {
     const DONE: &[u8] = b"data: [DONE]";
     const STOP: &[u8] = b"\"message_stop\"";
     let tail = &chunk[chunk.len().saturating_sub(64)..];
     let done = tail
         .windows(DONE.len() + 1)
-        .any(|w| w.starts_with(DONE) && matches!(w[DONE.len()], b'\n' | b'\r'));
-    done || tail.windows(STOP.len()).any(|w| w == STOP)
+        .any(|w| w.starts_with(DONE) && matches!(w[DONE.len()], b'\n' | b'\r'))
+        || tail.windows(STOP.len()).any(|w| w == STOP);
+    done || ends_responses(chunk)
+}
+
+/// Whether a chunk is one whole last event of a Responses stream: it begins with the event
+/// (its `event:` line, or its `data:` line when the stream names no events) and ends with
+/// the blank line after it. Its data is one line of JSON, so the blank line is the event's.
+fn ends_responses(chunk: &[u8]) -> bool {
+    const LAST: [&[u8]; 3] = [b"completed", b"failed", b"incomplete"];
+    let whole = chunk.ends_with(b"\n\n") || chunk.ends_with(b"\r\n\r\n");
+    let named = |rest: &[u8], end: &[u8]| {
+        LAST.iter().any(|name| {
+            rest.strip_prefix(*name)
+                .is_some_and(|rest| rest.starts_with(end))
+        })
+    };
+    whole
+        && if let Some(rest) = chunk.strip_prefix(b"event: response.") {
+            named(rest, b"\n") || named(rest, b"\r\n")
+        } else if let Some(rest) = chunk.strip_prefix(b"data: {\"type\":\"response.") {
+            named(rest, b"\"")
+        } else {
+            false
+        }
 }
 
 /// How many leading links two chains share: a link's digest covers its whole prefix, so
@@ -369,6 +395,45 @@ mod tests {
         ));
         assert!(!ends_answer(b""));
         assert!(ends_answer(b"data: [DONE]\r\n\r\n"));
+    }
+
+    #[test]
+    fn a_responses_streams_last_event_ends_the_answer_whole_and_only_whole() {
+        // The whole response follows the event's name: far more than 64 bytes.
+        let text = "x".repeat(300);
+        let last = |head: &str, end: &str| {
+            format!(
+                "{head}data: {{\"type\":\"response.completed\",\"response\":{{\"output_text\":\"{text}\"}}}}{end}"
+            )
+        };
+        assert!(ends_answer(
+            last("event: response.completed\n", "\n\n").as_bytes()
+        ));
+        assert!(ends_answer(
+            last("event: response.completed\r\n", "\r\n\r\n").as_bytes()
+        ));
+        // A stream that names no events.
+        assert!(ends_answer(last("", "\n\n").as_bytes()));
+        for name in ["failed", "incomplete"] {
+            let event = format!("event: response.{name}\ndata: {{}}\n\n");
+            assert!(ends_answer(event.as_bytes()), "{name}");
+        }
+        // Cut before its blank line, it may go on in the next chunk.
+        assert!(!ends_answer(
+            last("event: response.completed\n", "").as_bytes()
+        ));
+        assert!(!ends_answer(
+            last("event: response.completed\n", "\n").as_bytes()
+        ));
+        // Other events, and names that only begin alike.
+        for event in [
+            "event: response.output_text.delta\ndata: {\"delta\":\"response.completed\"}\n\n",
+            "event: response.completed_soon\ndata: {}\n\n",
+            "data: {\"type\":\"response.created\"}\n\n",
+            "data: {\"type\":\"response.completedx\"}\n\n",
+        ] {
+            assert!(!ends_answer(event.as_bytes()), "{event}");
+        }
     }
 
     #[test]

@@ -5742,6 +5742,27 @@ async fn a_turn_sent_at_its_last_answers_done_event_gets_its_own_slot() {
     next_turn_read_before_the_end_gets_its_own_slot(events, 2).await;
 }
 
+/// The same for a Responses stream, which llama-server ends with `response.completed` and
+/// no `[DONE]`: a client stops reading at that event, whose data is the whole response, and
+/// its next turn goes to its own slot.
+#[tokio::test]
+async fn a_turn_sent_at_its_last_answers_response_completed_event_gets_its_own_slot() {
+    let events = || {
+        let completed = format!(
+            "event: response.completed\ndata: {{\"type\":\"response.completed\",\"response\":{{\"output\":[{{\"type\":\"message\",\"content\":[{{\"type\":\"output_text\",\"text\":\"{}\"}}]}}]}}}}\n\n",
+            "ok ".repeat(100)
+        );
+        let events: Vec<Result<http_body::Frame<Bytes>, Infallible>> = vec![
+            Ok(http_body::Frame::data(Bytes::from_static(
+                b"event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"ok\"}\n\n",
+            ))),
+            Ok(http_body::Frame::data(Bytes::from(completed))),
+        ];
+        http_body_util::StreamBody::new(futures_util::stream::iter(events))
+    };
+    next_turn_read_before_the_end_gets_its_own_slot(events, 2).await;
+}
+
 /// An answer that speaks of `data: [DONE]` in its text does not free its slot: a frame cut in
 /// the middle of an event, just after those words, is no stream's last event. A request sent
 /// meanwhile that goes on from the slot's prompt is given an empty slot, not the one the
