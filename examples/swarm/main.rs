@@ -1399,19 +1399,19 @@ mod tests {
     }
 
     #[test]
-    fn under_overload_assigning_llama_servers_slots_keeps_nine_turns_in_ten_warm() {
-        // The router gives each conversation its own slot, and a new one an empty slot, where
-        // llama-server would give it the idle slot of another sharing the agents' prompt.
+    fn under_overload_assigning_the_slots_of_llama_servers_that_clear_idle_slots_loses_hits() {
+        // With a unified KV cache, llama-server saves and clears every idle slot as a task
+        // starts. A conversation sent to its own slot then names an empty slot, for which
+        // llama-server searches no RAM cache: it reads its prompt again.
         let at_8_gib = |assign| {
             sim::set_assign_slots(assign);
-            let runs = overload_at_8_gib(cache::SlotPolicy::Llama, 60);
+            let runs = overload_at_8_gib(cache::SlotPolicy::LlamaUnified, 60);
             sim::set_assign_slots(false);
             table(String::new(), String::new(), &runs, false, vec![])
         };
         let (assigned, chosen) = (at_8_gib(true), at_8_gib(false));
         let ntb = |t: &Table| t.row("NodeThenBackend").unwrap().hit_rate();
-        assert!(ntb(&assigned) >= 0.9, "{assigned}");
-        assert!(ntb(&assigned) > ntb(&chosen) + 0.02, "{assigned}{chosen}");
+        assert!(ntb(&assigned) + 0.1 < ntb(&chosen), "{assigned}{chosen}");
     }
 
     #[test]
