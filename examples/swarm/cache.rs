@@ -132,6 +132,11 @@ pub(crate) enum Vram {
     /// Waits until the busy slots leave it room, as a backend with one KV cache for all its
     /// slots must. A prompt larger than the whole VRAM runs once no slot is busy.
     Wait,
+    /// Each slot has a context of its own, an equal share of the VRAM, as llama-server with
+    /// `-np` given splits its context: no idle slot's state goes to RAM to make room for
+    /// another's, and an admission whose prompt is larger than its slot's share is counted
+    /// (llama-server would refuse it).
+    Split,
 }
 
 impl Vram {
@@ -139,6 +144,7 @@ impl Vram {
         match s {
             "run" => Some(Vram::Run),
             "wait" => Some(Vram::Wait),
+            "split" => Some(Vram::Split),
             _ => None,
         }
     }
@@ -735,7 +741,11 @@ impl BackendCache {
         }
         self.make_room();
         self.admitted += 1;
-        if self.busy_tokens() > self.vram_tokens {
+        let over = match self.vram {
+            Vram::Split => total > self.vram_tokens / self.slots.len().max(1) as u64,
+            Vram::Run | Vram::Wait => self.busy_tokens() > self.vram_tokens,
+        };
+        if over {
             self.over_vram += 1;
         }
         Some(Admission {
@@ -765,8 +775,12 @@ impl BackendCache {
             .sum()
     }
 
-    /// Moves idle slots' states to RAM, least recently used first, until the slots fit in VRAM.
+    /// Moves idle slots' states to RAM, least recently used first, until the slots fit in VRAM;
+    /// with [`Vram::Split`], none: each slot's state fits in a context of its own.
     fn make_room(&mut self) {
+        if self.vram == Vram::Split {
+            return;
+        }
         loop {
             let used: u64 = self.slots.iter().map(|s| tokens(&s.kv)).sum();
             if used <= self.vram_tokens {
@@ -1193,6 +1207,31 @@ mod tests {
         set_vram(Vram::Run);
         assert!(c.admit(&blocks(&[b(4, 5_000)])).is_some());
         assert!(c.admit(&blocks(&[b(5, 10)])).is_none());
+    }
+
+    #[test]
+    fn slots_with_contexts_of_their_own_keep_their_states_when_the_vram_is_full() {
+        // Two slots, 1,000 tokens of VRAM: A's 600 idle on one, then B's 600 on the other.
+        let a_then_b = |vram: Vram| {
+            set_slot_policy(SlotPolicy::Llama);
+            set_vram(vram);
+            let mut c = BackendCache::new(2, 1_000, RamCache::new(1 << 30, 1));
+            set_vram(Vram::Run);
+            let a = blocks(&[b(1, 600)]);
+            let s = c.admit(&a).unwrap().slot;
+            c.release(s, a);
+            let other = c.admit(&blocks(&[b(2, 600)])).unwrap().slot;
+            (c, s, other)
+        };
+        // Shared: A's state goes to RAM for room, and its slot is empty.
+        let (c, s, _) = a_then_b(Vram::Run);
+        assert!(c.slots[s].kv.is_empty());
+        assert_eq!(c.over_vram(), (0, 2));
+        // Split: A keeps its slot; each prompt fits in its slot's 500 tokens or is counted.
+        let (c, s, other) = a_then_b(Vram::Split);
+        assert_ne!(s, other);
+        assert_eq!(tokens(&c.slots[s].kv), 600);
+        assert_eq!(c.over_vram(), (2, 2));
     }
 
     /// A paged backend of `slots` slots, `gpu` tokens of KV on the GPU and `host` in host

@@ -27,7 +27,10 @@
 //! share of the context). The RAM line under each table counts how often that happens.
 //! `--vram wait` makes a backend wait for room instead, serving its queue in order
 //! ([`Vram::Wait`](crate::cache::Vram::Wait)). llama-server itself does neither: it clears
-//! idle slots, then halves its batch, and in the end fails the requests it runs.
+//! idle slots, then halves its batch, and in the end fails the requests it runs. By default
+//! the slots share the VRAM, as llama-server's unified KV cache does, and an idle slot's state
+//! goes to RAM to make room for another's; `--vram split` gives each slot a context of its own
+//! instead, as llama-server with `-np` given does ([`Vram::Split`](crate::cache::Vram::Split)).
 //!
 //! Also not modelled by default: a backend's other slots decode at full pace while it reads a
 //! prompt, and a state saved to the RAM cache costs no time; llama-server does both in the

@@ -86,9 +86,13 @@ usage: cargo run --release --example swarm -- [options]
                     whenever another prompt takes the slot); paged keeps every prompt's
                     blocks in one pool shared by prefix, GPU then host memory, as vLLM and
                     SGLang do
-  --vram V          run (default) | wait: a llama-server backend runs a prompt whose KV does
-                    not fit in the VRAM beside its busy slots' (counted under each table), or
-                    waits until they leave it room
+  --vram V          run (default) | wait | split: a llama-server backend runs a prompt whose
+                    KV does not fit in the VRAM beside its busy slots' (counted under each
+                    table), or waits until they leave it room; its idle slots' states go to
+                    RAM, least recently used first, to make room. split: each slot has a
+                    context of its own, a share of the VRAM, as llama-server with -np given:
+                    no idle slot's state goes to RAM for room, and prompts over a slot's
+                    share are counted
   --gpu-work W      prompts (default) | all: what takes a backend's GPU time. prompts:
                     reading prompts and restoring states, one after another, while its
                     slots decode beside them and saving a state to RAM is free; all: as
@@ -182,6 +186,7 @@ impl Options {
         let vram = match self.vram {
             cache::Vram::Run => "",
             cache::Vram::Wait => "; a prompt waits for room in VRAM",
+            cache::Vram::Split => "; each slot a context of its own (-np)",
         };
         let gpu = match self.gpu_work {
             backend::GpuWork::Prompts => "",
@@ -449,10 +454,10 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Options, String>
     }
     // A paged backend keeps its KV in one pool that moves blocks to host memory when the GPU
     // is full: it never waits for room, and `--vram wait` would change nothing but the title.
-    if o.vram == cache::Vram::Wait && o.slot_policy == cache::SlotPolicy::Paged {
+    if o.vram != cache::Vram::Run && o.slot_policy == cache::SlotPolicy::Paged {
         return Err(
-            "--vram wait is for llama-server's slots: a paged backend (--slot-policy paged) \
-             moves blocks to host memory to make room, and never waits for it"
+            "--vram wait and split are for llama-server's slots: a paged backend (--slot-policy \
+             paged) moves blocks to host memory to make room, and never waits for it"
                 .into(),
         );
     }
