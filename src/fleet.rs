@@ -393,8 +393,17 @@ impl<S> Backend<S> {
     /// other's slots, one sent to a busy slot waits there for it, and a conversation whose
     /// turns enter different replicas changes slots. Leave it off where several replicas share
     /// a backend: in the swarm's overload scenario at 8 GiB two replicas entered at random
-    /// with the shared store reuse 68.5% of later turns with it and 83.7% without it, and
-    /// entered by session 77.5% and 80.3% (means of 16 seeds). The router keeps 48
+    /// with the shared store reuse 59.0% of later turns with it and 83.7% without it, and
+    /// entered by session 69.2% and 80.3% (means of 16 seeds).
+    ///
+    /// Only for llama-server with `-np` given, whose slots each keep their KV in a context of
+    /// their own: llama-server searches no RAM cache (`--cache-ram`) for a request that names
+    /// an empty slot, and with a unified KV cache (its default without `-np`, or
+    /// `--kv-unified`) an idle slot's state is saved to RAM and cleared as each task starts,
+    /// so a conversation sent to its own slot would find it empty and read its whole prompt
+    /// again. In the swarm's overload at 8 GiB, slots sharing the VRAM as a unified cache
+    /// does, this cost 10.5 points (87.3% of later turns warm without it, 76.8% with it),
+    /// and more where idle slots are cleared. The router keeps 48
     /// bytes for each slot, and the prompt chain of the last request sent to it (and while a
     /// request is on it, of the one before; 24 bytes a link: at most 192 KiB, for a prompt of
     /// [`PromptChain::MAX_LINKS`] links).
