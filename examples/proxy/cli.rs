@@ -547,10 +547,18 @@ fn default_id(authority: &Authority) -> Result<String, String> {
     let host = authority.host();
     // `:99999` parses, but reads as no port; `:0` reaches no server. Refused here, with the
     // other command-line errors, rather than by the client once the proxy has started.
-    let port_given = authority.as_str().len() > host.len() + 1;
+    let port_given = authority.as_str().len() > host.len();
     let port = match authority.port_u16() {
         Some(port) if port > 0 => port,
         None if !port_given => 80,
+        // `http://gpu-a:`, as `http://gpu-a:$PORT` reads with the variable unset: port 80
+        // would be a guess.
+        None if authority.as_str().ends_with(':') => {
+            return Err(
+                "the URL's port is empty (an unset variable?): give it, or leave out the colon for port 80"
+                    .into(),
+            )
+        }
         _ => return Err("the URL's port must be a number from 1 to 65535".into()),
     };
     let bare = host

@@ -3697,6 +3697,27 @@ async fn a_backend_given_with_or_without_its_default_port_is_one_backend() {
     }
 }
 
+/// A backend URL whose port is empty (`http://gpu-a:`, as `http://gpu-a:$PORT` reads with the
+/// variable unset) is refused at the command line, not taken for port 80: that backend would
+/// be another server, or none.
+#[test]
+fn a_backend_url_with_an_empty_port_is_refused_not_taken_for_port_80() {
+    for url in [
+        "http://gpu-a:",
+        "http://gpu-a:/",
+        "http://10.0.0.7:",
+        "http://[::1]:",
+    ] {
+        let err = cli::parse(["--backend", &format!("n={url},slots=2")]).unwrap_err();
+        assert!(
+            err.contains("the URL's port is empty (an unset variable?)"),
+            "{url}: {err}"
+        );
+    }
+    // Left out with its colon, the port is 80.
+    assert_eq!(cli::backend("n=http://gpu-a").unwrap().0.id, "gpu-a:80");
+}
+
 /// A proxy, without probes, over `--backend-dns` entries `names`, on a nameserver on loopback
 /// where `llama.fleet.test` is 127.0.0.1 and a stub serves: each entry is `NAME`, to which the
 /// stub's port is added, or has `{port}` where it goes. The proxy, the stub and the nameserver.
