@@ -1609,8 +1609,9 @@ impl Future for FrontFuture {
     }
 }
 
-/// Serves `front` on `listener` until `shutdown` resolves, then stops accepting and lets open
-/// responses finish, unless `force` resolves first: then it closes the connections still open
+/// Serves `front` on `listener` until `shutdown` resolves (the first Ctrl-C or SIGTERM), then
+/// logs that it is shutting down, stops accepting and lets open responses finish, unless
+/// `force` resolves first: then it closes the connections still open
 /// and returns (a second Ctrl-C, with a stream that would run for minutes, or a backend that
 /// never answers).
 pub(crate) async fn serve(
@@ -1765,6 +1766,11 @@ where
         };
     }
     drop(listener);
+    // Said here, before the connections are told: the line that says the proxy stopped
+    // comes once `serve` has returned, so the two are logged in the order they happen.
+    tracing::info!(
+        "shutting down: no new connections, open responses finish (a second Ctrl-C or SIGTERM stops at once)"
+    );
     drop(stopped);
     let _ = stop.send(GRACEFUL);
     tokio::select! {

@@ -147,10 +147,8 @@ async fn run(args: cli::Args) -> Result<(), tower_affinity::BoxError> {
 /// finish, a second given later stops at once.
 async fn count_signals(mut signals: Signals, count: tokio::sync::watch::Sender<u32>) {
     signals.next().await;
+    // The serving loop logs that it is shutting down.
     count.send_replace(1);
-    tracing::info!(
-        "shutting down: no new connections, open responses finish (a second Ctrl-C or SIGTERM stops at once)"
-    );
     // One signal may come more than once: `timeout` forwards it to the proxy and to its
     // process group, the proxy among them. Those come within moments of each other; a second
     // signal is one given later.

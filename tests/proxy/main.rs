@@ -17,6 +17,8 @@ mod idle_clients;
 #[allow(dead_code)]
 #[path = "../support/llama_stub.rs"]
 mod llama_stub;
+#[path = "../support/logs.rs"]
+mod logs;
 mod overload;
 #[path = "../../examples/proxy/per_client.rs"]
 mod per_client;
@@ -524,6 +526,40 @@ async fn second_signal_stops_the_proxy_with_a_stream_open(http2: bool) {
         .load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!(finished, 0);
     a.release_streams();
+}
+
+/// The first signal is logged by the serving loop as it stops accepting, so the line that says
+/// the proxy is shutting down comes before the one that says it stopped, which `main` logs once
+/// `serve` has returned: with no response open, at once.
+#[tokio::test]
+async fn the_shutdown_is_logged_before_the_serving_loop_returns() {
+    let logs = logs::capture(tracing::Level::INFO);
+    let a = Stub::start("a", 2).await;
+    let proxy = Arc::new(Proxy::new(config(&[("node-a", &a)])).await.unwrap());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let (first, first_signal) = oneshot::channel::<()>();
+    let server = tokio::spawn(app::serve(
+        listener,
+        proxy.front(),
+        async {
+            let _ = first_signal.await;
+        },
+        std::future::pending(),
+    ));
+    tokio::task::yield_now().await;
+    assert_eq!(logs.count(&["shutting down"]), 0, "{}", logs.text());
+    first.send(()).unwrap();
+    let stopped = tokio::time::timeout(DEADLINE, server).await.unwrap();
+    assert!(matches!(stopped, Ok(Ok(()))), "{stopped:?}");
+    assert_eq!(
+        logs.count(&[
+            "INFO",
+            "shutting down: no new connections, open responses finish"
+        ]),
+        1,
+        "{}",
+        logs.text()
+    );
 }
 
 /// Ctrl-C stops accepting and lets an open stream finish: new connections are refused, the
