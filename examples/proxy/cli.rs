@@ -38,10 +38,12 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
                              longer goes to a backend that takes it, if one is up
                              (default: read from /slots, each slot's n_ctx, else
                              context). model: the model it serves (see Models below).
-                             assign-slots: for a llama-server, the proxy gives each
-                             request a slot (as id_slot): a conversation's own slot,
-                             else an empty one, not another conversation's that shares
-                             its system prompt (default: llama-server chooses)
+                             assign-slots: for a llama-server started with -np, the
+                             proxy gives each request a slot (as id_slot): a
+                             conversation's own slot, else an empty one, not another
+                             conversation's that shares its system prompt (default:
+                             llama-server chooses; leave it off with a unified KV
+                             cache, which empties idle slots)
   --backend-dns NAME:PORT[,slots=N][,cache=TOKENS][,context=TOKENS][,request-context=TOKENS][,model=NAME][,assign-slots]
                              the backends behind a DNS name: its A/AAAA records with
                              PORT, or SRV records for _SVC._PROTO.NAME (a Kubernetes
