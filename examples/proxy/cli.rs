@@ -462,6 +462,13 @@ pub(crate) fn backend(spec: &str) -> Result<(BackendSpec, Option<u64>), String> 
     if node.is_empty() {
         return Err(bad("empty NODE"));
     }
+    if node.trim() != node {
+        // `gpu-a ` and `gpu-a` would be two nodes, and spills between them cross nodes.
+        return Err(bad(&format!(
+            "NODE {node:?} has spaces around it, which would make it another node than the \
+             same name without them"
+        )));
+    }
     let mut parts = rest.split(',');
     let url = parts.next().unwrap_or_default();
     let uri: Uri = url.parse().map_err(|e| bad(&format!("URL: {e}")))?;

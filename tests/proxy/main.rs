@@ -3754,6 +3754,17 @@ fn a_backend_url_with_an_empty_port_is_refused_not_taken_for_port_80() {
     assert_eq!(cli::backend("n=http://gpu-a").unwrap().0.id, "gpu-a:80");
 }
 
+/// A node name with spaces around it is refused: `gpu-a ` and `gpu-a` would be two nodes, and a
+/// spill between their backends would count as crossing nodes.
+#[test]
+fn a_node_name_with_spaces_around_it_is_refused() {
+    for node in ["gpu-a ", " gpu-a", "\tgpu-a"] {
+        let err = cli::parse(["--backend", &format!("{node}=http://127.0.0.1:8080")]).unwrap_err();
+        assert!(err.contains("has spaces around it"), "{node:?}: {err}");
+    }
+    assert!(cli::backend("gpu a=http://127.0.0.1:8080").is_ok());
+}
+
 /// A proxy, without probes, over `--backend-dns` entries `names`, on a nameserver on loopback
 /// where `llama.fleet.test` is 127.0.0.1 and a stub serves: each entry is `NAME`, to which the
 /// stub's port is added, or has `{port}` where it goes. The proxy, the stub and the nameserver.
