@@ -1780,3 +1780,34 @@ fn a_prefix_two_backends_hold_as_far_is_not_own_though_neither_continues_it() {
         Some("b2".into())
     );
 }
+
+#[test]
+fn a_new_keyless_conversation_drawn_to_a_shared_prefix_goes_where_another_router_discovering_backends_otherwise_sends_it(
+) {
+    // x and y each hold the system prompt and one conversation continuing it, and are alike
+    // in every count the policy reads. Two routers discovered them in opposite orders: a new
+    // keyless prompt sharing the system prompt goes to the same one of the two on both, and
+    // different prompts still spread over both.
+    let p = NodeThenBackend::new();
+    let fleet = |order: [&str; 2]| {
+        order
+            .iter()
+            .fold(Snapshot::new(), |s, id| s.backend(id, "n", 2))
+            .holds("x", &chain(&[SYS, 11]))
+            .holds("y", &chain(&[SYS, 12]))
+    };
+    let mut firsts = std::collections::HashSet::new();
+    for i in 0..16 {
+        let prompt = chain(&[SYS, 2_000 + i]);
+        let here = fleet(["x", "y"]).prompt(prompt.clone());
+        let there = fleet(["y", "x"]).prompt(prompt);
+        let first = here.choose(&p, None, None).unwrap();
+        assert_eq!(
+            there.choose(&p, None, None),
+            Some(first.clone()),
+            "prompt {i}"
+        );
+        firsts.insert(first);
+    }
+    assert_eq!(firsts.len(), 2, "16 prompts went to {firsts:?}");
+}
