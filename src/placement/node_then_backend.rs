@@ -646,3 +646,54 @@ fn least_loaded_for_new(
     }
     most_free_slots(fleet, start, c)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::num::NonZeroU32;
+
+    use super::*;
+    use crate::fleet::Topology;
+    use crate::placement::Candidates;
+
+    #[test]
+    fn a_removed_backends_last_requests_do_not_loosen_the_load_bound() {
+        // a and b, four slots each, on nodes of their own; c, of eight, was removed with its
+        // eight requests still streaming. With a session's key drawn to a, which serves three,
+        // the live fleet has 4 of its 8 slots taken with this session: a would be at 4 of 4,
+        // past 1.25 times that, and the session goes to b. Counting c's requests, the fleet
+        // would read 12 of 8 taken, and the bound would pass no backend over.
+        let four = NonZeroU32::new(4).unwrap();
+        let mut t = Topology::default();
+        let a = t.insert("a".into(), &"na".into(), four, None, 1_000);
+        let b = t.insert("b".into(), &"nb".into(), four, None, 1_000);
+        let c = t.insert(
+            "c".into(),
+            &"nc".into(),
+            four.saturating_mul(four),
+            None,
+            1_000,
+        );
+        for _ in 0..8 {
+            assert!(t.member(c).load.try_acquire());
+        }
+        t.remove(&"c".into());
+        for _ in 0..3 {
+            assert!(t.member(a).load.try_acquire());
+        }
+        let view = FleetView::at(&t, 1);
+        assert_eq!(view.in_flight(), 3, "the live backends' requests");
+        let extensions = http::Extensions::new();
+        let placed = |policy: &NodeThenBackend, key: SessionKey| {
+            let req = PlacementRequest::new(Some(key), None, &extensions);
+            let mut c = Candidates::probe(&t, 1);
+            policy.place(&view, &req, &mut c);
+            c.chosen()
+        };
+        let unbounded = NodeThenBackend::new();
+        let key = (0..1_000u32)
+            .map(|i| SessionKey::from_bytes(format!("k{i}").as_bytes()))
+            .find(|&k| placed(&unbounded, k) == Some(a))
+            .expect("a key drawn to a");
+        assert_eq!(placed(&unbounded.load_bound(0.25), key), Some(b));
+    }
+}

@@ -63,9 +63,11 @@ impl<'a> FleetView<'a> {
         self.topology.live.is_empty()
     }
 
-    /// Requests in flight over the whole fleet. O(backends): it sums their counters.
+    /// Requests in flight on the live backends, as [`backends`](Self::backends) lists them:
+    /// a removed backend's last requests, still streaming, take none of the slots the view
+    /// counts. O(backends): it sums their counters.
     pub fn in_flight(&self) -> usize {
-        self.topology.in_flight()
+        self.backends().map(|b| b.in_flight() as usize).sum()
     }
 
     /// Conversations the cache model says the live backends home, in all. O(backends).
