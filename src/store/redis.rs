@@ -21,8 +21,9 @@ use crate::key::SessionKey;
 /// - **Values:** a [`StoredHome`] in its versioned format,
 ///   `{"v":1,"backend":..,"node":..,"tip":..,"placed":..}`.
 /// - **Reads:** `GETRANGE key 0 16384` and `PEXPIRE key ttl`, in one round trip: the value,
-///   of which no more than 16 KiB is sent, and the active session's home kept for the idle
-///   timeout again. A key of another type (`WRONGTYPE`), a value in another format, or one
+///   of which no more than 16 KiB and a byte is sent (the end of a `GETRANGE` is inclusive:
+///   the byte past 16 KiB tells a value too long from one that fits), and the active
+///   session's home kept for the idle timeout again. A key of another type (`WRONGTYPE`), a value in another format, or one
 ///   longer than 16 KiB (a home is about a hundred bytes) reads as [`Lookup::Garbage`],
 ///   never as a failure of the store: a value of megabytes read whole could take longer than
 ///   the deadline, and hold up the connection every read shares. A home whose encoding is
