@@ -4,7 +4,10 @@
 //! move.
 //!
 //! Every figure is an atomic of the backend's [`Load`](crate::fleet::Load), written once per
-//! answer that reports one, so that reading them on the placement path takes no lock.
+//! answer that reports one, so that reading them on the placement path takes no lock. The
+//! prefill rate and the request time are moving averages of the median of each answer's
+//! figure and the two before it: one odd answer (a cached prompt said to be read in a
+//! millisecond, a request stalled for minutes) moves neither.
 //!
 //! # Wait versus move
 //!
@@ -44,6 +47,8 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
+
+use parking_lot::Mutex;
 
 use crate::cache::Verdict;
 use crate::Usage;
@@ -85,9 +90,13 @@ pub(crate) struct Learned {
     pub(crate) first_bytes: AtomicU64,
     /// Prompt tokens read per second (an `f64`'s bits; 0 until learned).
     prefill_rate: AtomicU64,
+    /// The last two prefill rates measured, for [`blend_median`].
+    prefill_samples: Mutex<[f64; 2]>,
     /// How long a request takes, dispatch to the end of its answer, in milliseconds (an
     /// `f64`'s bits; 0 until learned).
     duration_ms: AtomicU64,
+    /// The last two durations measured, for [`blend_median`].
+    duration_samples: Mutex<[f64; 2]>,
     /// The sum of the dispatch times (fleet milliseconds) of the requests in flight.
     pub(crate) started_ms: AtomicU64,
     /// Prompt tokens of the requests in flight that have no answer yet and that the cache
@@ -167,6 +176,27 @@ fn blend(a: &AtomicU64, sample: f64) {
     });
 }
 
+/// Blends into `a` the median of `sample` and the two before it in `recent` (0: none yet), so
+/// that one odd answer moves nothing: a prompt the backend found cached and said it read in a
+/// millisecond, a request stalled for ten minutes. Two in a row on the same side move the
+/// average as one sample does, so a backend that changed is followed one answer later. Until
+/// two samples are kept, each is blended as it comes.
+fn blend_median(a: &AtomicU64, recent: &Mutex<[f64; 2]>, sample: f64) {
+    if !(sample.is_finite() && sample > 0.0) {
+        return;
+    }
+    // Held while the average is written, so that answers ending together blend in turn.
+    let mut recent = recent.lock();
+    let [older, last] = *recent;
+    *recent = [last, sample];
+    let sample = if older > 0.0 {
+        older.min(last).max(older.max(last).min(sample))
+    } else {
+        sample
+    };
+    blend(a, sample);
+}
+
 impl Learned {
     /// Takes in one answer; returns its usage with the reuse filled in where this backend's
     /// habits say what an absent figure means, and how it compares with the cache model's prediction.
@@ -176,7 +206,8 @@ impl Learned {
         predicted: Option<Prediction>,
     ) -> (Option<Usage>, Verdict) {
         if let Some(d) = answer.duration {
-            blend(&self.duration_ms, d.as_secs_f64() * 1000.0);
+            let ms = d.as_secs_f64() * 1000.0;
+            blend_median(&self.duration_ms, &self.duration_samples, ms);
         }
         if let Some(t) = answer.first_byte {
             self.first_byte_ms
@@ -217,7 +248,8 @@ impl Learned {
         let first_byte = answer.first_byte.filter(|_| answer.stream);
         let read_time = usage.prompt_time.filter(timed).or(first_byte.filter(timed));
         if let Some(t) = read_time.filter(|_| read >= MIN_READ_FOR_RATE) {
-            blend(&self.prefill_rate, read as f64 / t.as_secs_f64());
+            let rate = read as f64 / t.as_secs_f64();
+            blend_median(&self.prefill_rate, &self.prefill_samples, rate);
         }
         // An answer that counts no prompt says nothing of what was reused of the one sent
         // (Ollama's reports 0 for a prompt it found whole in its cache).

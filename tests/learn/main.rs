@@ -409,6 +409,62 @@ async fn llama_cpp_timings_on_the_last_chunk_give_the_figures_and_the_prefill_ra
     assert_eq!(a.request_time, Some(Duration::from_secs(52)));
 }
 
+/// One odd answer, or two in a row on opposite sides, teaches nothing: a prompt the backend
+/// found cached, said to be read in a millisecond, and a request stalled for ten minutes.
+/// Without the median, the first would make the backend read 12,500 times faster for dozens
+/// of answers, and the second would more than double its learned request time.
+#[tokio::test(start_paused = true)]
+async fn one_odd_answer_moves_neither_the_prefill_rate_nor_the_request_time() {
+    let svc = service(&[("a", "n1")]);
+    let normal = || {
+        Reply::llama_stream(
+            10_000,
+            0,
+            50_000,
+            Duration::from_secs(50),
+            Duration::from_secs(2),
+        )
+    };
+    for _ in 0..3 {
+        exchange(&svc, request(None, None, normal())).await;
+    }
+    let learned = |svc: &Svc<_>| {
+        let a = status(svc, "a");
+        (a.prefill_rate, a.request_time)
+    };
+    let before = (Some(200), Some(Duration::from_secs(52)));
+    assert_eq!(learned(&svc), before);
+    let ms = Duration::from_millis(1);
+    let cached = Reply::llama_stream(10_000, 0, 1, ms, ms);
+    exchange(&svc, request(None, None, cached)).await;
+    assert_eq!(learned(&svc), before, "a read of 10,000 tokens in 1 ms");
+    let stalled = Reply::llama_stream(
+        10_000,
+        0,
+        50_000,
+        Duration::from_secs(50),
+        Duration::from_secs(600),
+    );
+    exchange(&svc, request(None, None, stalled)).await;
+    assert_eq!(learned(&svc), before, "a request of 650 s");
+    // Two in a row on the same side are followed: the backend changed.
+    let slower = || {
+        Reply::llama_stream(
+            10_000,
+            0,
+            100_000,
+            Duration::from_secs(100),
+            Duration::from_secs(4),
+        )
+    };
+    exchange(&svc, request(None, None, slower())).await;
+    exchange(&svc, request(None, None, slower())).await;
+    let (rate, took) = learned(&svc);
+    assert!(rate < Some(200), "{rate:?}");
+    assert!(took > Some(Duration::from_secs(52)), "{took:?}");
+    assert_idle(&svc);
+}
+
 /// Whether a stream opens before its prompt is read is the request's API's to say, not the
 /// shape of its usage: an Anthropic stream's first event (`message_start`) follows the read,
 /// also from a server whose usage gives `input_tokens` alone, as vLLM's `/v1/messages` does,
