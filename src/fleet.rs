@@ -1563,6 +1563,7 @@ impl Topology {
                 // was announced again, so it starts healthy.
                 self.free.retain(|&f| f != index);
                 m.load.unretire();
+                m.load.learned.returned();
                 m.load.metrics.returned();
                 m.load.down_until.store(0, Ordering::SeqCst);
             }

@@ -271,6 +271,15 @@ impl Learned {
         (Some(usage), verdict)
     }
 
+    /// The backend was removed and is announced again: it may be another server (another
+    /// address, another version), which may leave its reuse out in every answer. Whether it
+    /// says its reuse is learned again, so that an answer without it is not read as reusing
+    /// nothing, which would correct the cache model for conversations the backend holds.
+    /// The averages stay: the new server's answers move them.
+    pub(crate) fn returned(&self) {
+        self.says_reuse.store(false, Ordering::Relaxed);
+    }
+
     /// Prompt tokens read per second, once learned.
     pub(crate) fn prefill_rate(&self) -> Option<f64> {
         load_f64(&self.prefill_rate)

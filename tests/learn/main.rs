@@ -751,6 +751,38 @@ fn reused(prompt: u64, reused: u64) -> Reply {
     }
 }
 
+/// A backend removed and announced again may be another server, one that never says its
+/// reuse (vLLM without `--enable-prompt-tokens-details`): that the one before said it does not
+/// make the new one's answers read as reusing nothing, which would correct the cache model
+/// for a conversation the backend holds.
+#[tokio::test(start_paused = true)]
+async fn a_backend_announced_again_learns_again_whether_it_says_its_reuse() {
+    let (handle, stream) = tower_affinity::discover::channel();
+    let backend = || {
+        Backend::new("n1", scripted())
+            .slots(NonZeroU32::MIN)
+            .cache_tokens(1 << 20)
+    };
+    handle.insert("a", backend());
+    let svc = SessionAffinityLayer::new().layer(stream);
+    svc.apply_discovery();
+    let first = request(None, Some(chain(&[1, 2], 1000)), reused(2000, 0));
+    decision_of(&svc, first).await;
+    handle.remove("a");
+    svc.apply_discovery();
+    handle.insert("a", backend());
+    svc.apply_discovery();
+    let without: &'static [u8] = br#"{"usage":{"prompt_tokens":3000}}"#;
+    let next = request(None, Some(chain(&[1, 2, 3], 1000)), Reply::json(without));
+    let res = svc.clone().oneshot(next).await.expect("an answer");
+    let mut body = res.into_body();
+    while body.frame().await.is_some() {}
+    assert_eq!(body.usage().unwrap().reused_tokens, None);
+    let a = svc.backends().into_iter().next().expect("a backend");
+    assert_eq!((a.usage_reports, a.corrections), (2, 0));
+    assert_eq!(svc.stats().in_flight, 0);
+}
+
 /// An answer that does not say what it reused still says how many tokens its prompt was, in
 /// the backend's own count: it teaches the backend's tokens per token of the chain's estimate
 /// (vLLM without `--enable-prompt-tokens-details`, an Anthropic endpoint that gives
