@@ -273,6 +273,16 @@ pub(crate) enum UpstreamMode {
     PerClient,
 }
 
+impl UpstreamMode {
+    /// Its name on the command line.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            UpstreamMode::Pooled => "pooled",
+            UpstreamMode::PerClient => "per-client",
+        }
+    }
+}
+
 impl Config {
     pub(crate) fn new(backends: Vec<BackendSpec>) -> Self {
         Config {
@@ -734,6 +744,11 @@ impl Proxy {
         &self.fleets
     }
 
+    /// The configuration it was built with.
+    pub(crate) fn config(&self) -> &Config {
+        &self.config
+    }
+
     /// The default fleet's probe, for what it found.
     #[cfg_attr(not(test), expect(dead_code, reason = "the tests read it"))]
     #[cfg_attr(
@@ -858,6 +873,84 @@ pub(crate) fn logs(
         .with_writer(std::io::stderr as fn() -> std::io::Stderr)
         .with_ansi(ansi)
         .log_internal_errors(false)
+}
+
+/// Logs the fleet the proxy starts with: a line for each `--backend` (its node, URL, slots,
+/// cache budget, `context=`, `request-context=`, model and `assign-slots`) and for each
+/// `--backend-dns` name (the same for each of its backends). A field that is left out was not
+/// given and has no value to show.
+pub(crate) fn log_fleet(config: &Config) {
+    let from_slots = config.probe_interval.is_some() && config.probe_slots;
+    let slots = |given: Option<NonZeroU32>| match given {
+        Some(n) => n.to_string(),
+        None if from_slots => "from /slots".to_string(),
+        None => "1 (no slots= given, and /slots is not read)".to_string(),
+    };
+    // Without `request-context=`: each slot's context as `/slots` gives it, else `context=`.
+    let request_context = |given: Option<NonZeroU64>| match given {
+        Some(n) => Some(n.to_string()),
+        None if from_slots => Some("from /slots".to_string()),
+        None => None,
+    };
+    for b in &config.backends {
+        tracing::info!(
+            backend = %b.id,
+            node = %b.node,
+            url = %format!("{}://{}", b.scheme, b.authority),
+            slots = %slots(b.slots),
+            cache_tokens = config.cache_tokens(&b.id),
+            context = b.context.map(NonZeroU64::get),
+            request_context = request_context(b.request_context).map(tracing::field::display),
+            assign_slots = b.assign_slots,
+            // A backend given `model=` says so; the others, as without models, do not.
+            model = b.model.as_deref(),
+            "backend"
+        );
+    }
+    for d in &config.backend_dns {
+        tracing::info!(
+            name = %d.target,
+            slots = %slots(d.slots),
+            cache_tokens = d
+                .cache_tokens
+                .unwrap_or(Backend::<Upstream>::DEFAULT_CACHE_TOKENS),
+            context = d.context.map(NonZeroU64::get),
+            request_context = request_context(d.request_context).map(tracing::field::display),
+            assign_slots = d.assign_slots,
+            model = d.model.as_deref(),
+            "backends from DNS"
+        );
+    }
+}
+
+/// Logs that the proxy listens on `listen`, with the settings it serves by: the policy, what
+/// a request does when every candidate is full, the shared store (`--redis`, without its
+/// password), `--replicas`, `--upstream`, and whether it asks streams for their usage and
+/// answers with decision headers.
+pub(crate) fn log_listening(config: &Config, listen: SocketAddr) {
+    let (overflow, max_wait, max_queued) = match config.overflow {
+        Overflow::Wait {
+            max_wait,
+            max_queued,
+            ..
+        } => ("wait", Some(max_wait), Some(max_queued)),
+        Overflow::Overcommit => ("overcommit", None, None),
+        Overflow::Reject => ("reject", None, None),
+        _ => ("other", None, None),
+    };
+    tracing::info!(
+        %listen,
+        policy = config.policy.name(),
+        overflow,
+        max_wait = max_wait.map(tracing::field::debug),
+        max_queued,
+        redis = (config.redis.as_deref()).map(|url| tracing::field::display(redis_url_shown(url))),
+        replicas = config.replicas.get(),
+        upstream = config.upstream.name(),
+        ask_stream_usage = config.ask_stream_usage,
+        decision_headers = config.decision_headers,
+        "proxy listening"
+    );
 }
 
 /// Refuses two backends of one id: one server given twice would count its slots twice.

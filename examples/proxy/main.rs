@@ -94,24 +94,13 @@ fn main() -> ExitCode {
 
 async fn run(args: cli::Args) -> Result<(), tower_affinity::BoxError> {
     let config = args.config;
-    let policy = config.policy.name();
     let probe = config.probe_interval.is_some();
-    for b in &config.backends {
-        let slots = match b.slots {
-            Some(n) => n.to_string(),
-            None if probe && config.probe_slots => "from /slots".to_string(),
-            None => "1 (no slots= given, and /slots is not read)".to_string(),
-        };
-        let cache_tokens = config.cache_tokens(&b.id);
-        // A backend given `model=` says so; the others, as without models, do not.
-        let model = b.model.as_deref();
-        tracing::info!(backend = %b.id, node = %b.node, url = %format!("{}://{}", b.scheme, b.authority), %slots, cache_tokens, model, "backend");
-    }
+    app::log_fleet(&config);
     let proxy = Arc::new(Proxy::new(config).await?);
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| format!("--listen {}: {e}", args.listen))?;
-    tracing::info!(listen = %listener.local_addr()?, policy, "proxy listening");
+    app::log_listening(proxy.config(), listener.local_addr()?);
     if probe {
         // Before the first request: a loading backend is down and slot counts are known.
         proxy.probe_all().await;

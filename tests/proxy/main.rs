@@ -562,6 +562,102 @@ async fn the_shutdown_is_logged_before_the_serving_loop_returns() {
     );
 }
 
+/// The start log shows the fleet and the settings the proxy runs with: each backend's
+/// `context=`, `request-context=` and `assign-slots`, each `--backend-dns` name, and on the
+/// listening line the overflow mode, the store (without its password), `--replicas`,
+/// `--upstream`, `--ask-stream-usage` and `--no-decision-headers`.
+#[test]
+fn the_start_log_shows_the_fleet_and_the_settings_the_proxy_runs_with() {
+    let logs = logs::capture(tracing::Level::INFO);
+    let parsed = cli::parse([
+        "--listen",
+        "127.0.0.1:20901",
+        "--backend",
+        "a=http://127.0.0.1:20902,context=8k,request-context=4k,assign-slots",
+        "--backend",
+        "b=http://127.0.0.1:20903,slots=2",
+        "--backend-dns",
+        "llama.internal:20904,slots=2,context=16k,assign-slots",
+        "--overflow",
+        "reject",
+        "--replicas",
+        "2",
+        "--upstream",
+        "per-client",
+        "--redis",
+        "redis://:s3cret@127.0.0.1:20905",
+        "--ask-stream-usage",
+        "--no-decision-headers",
+    ]);
+    let Ok(cli::Command::Run(args)) = parsed else {
+        panic!("{parsed:?}");
+    };
+    app::log_fleet(&args.config);
+    app::log_listening(&args.config, args.listen);
+    let text = logs.text();
+    let a = [
+        "node=a",
+        "context=8192",
+        "request_context=4096",
+        "assign_slots=true",
+    ];
+    assert_eq!(logs.count(&a), 1, "{text}");
+    let b = ["node=b", "slots=2", "request_context=from /slots"];
+    assert_eq!(logs.count(&b), 1, "{text}");
+    assert_eq!(logs.count(&["node=b", "assign_slots=false"]), 1, "{text}");
+    assert_eq!(logs.count(&["node=b", " context="]), 0, "{text}");
+    let dns = [
+        "name=llama.internal:20904",
+        "slots=2",
+        "context=16384",
+        "assign_slots=true",
+    ];
+    assert_eq!(logs.count(&dns), 1, "{text}");
+    let listening = [
+        "proxy listening",
+        "listen=127.0.0.1:20901",
+        "overflow=\"reject\"",
+        "redis=redis://***@127.0.0.1:20905",
+        "replicas=2",
+        "upstream=\"per-client\"",
+        "ask_stream_usage=true",
+        "decision_headers=false",
+    ];
+    assert_eq!(logs.count(&listening), 1, "{text}");
+    assert!(!text.contains("s3cret"), "{text}");
+}
+
+/// With `--overflow wait` the listening line gives the longest wait and the most requests
+/// waiting; without `--redis`, no store.
+#[test]
+fn the_listening_line_gives_the_wait_bounds_of_overflow_wait() {
+    let logs = logs::capture(tracing::Level::INFO);
+    let parsed = cli::parse([
+        "--backend",
+        "a=http://127.0.0.1:20902",
+        "--max-wait",
+        "30s",
+        "--max-queued",
+        "16",
+    ]);
+    let Ok(cli::Command::Run(args)) = parsed else {
+        panic!("{parsed:?}");
+    };
+    app::log_listening(&args.config, args.listen);
+    let line = [
+        "proxy listening",
+        "overflow=\"wait\"",
+        "max_wait=30s",
+        "max_queued=16",
+        "replicas=1",
+        "upstream=\"pooled\"",
+        "ask_stream_usage=false",
+        "decision_headers=true",
+    ];
+    assert_eq!(logs.count(&line), 1, "{}", logs.text());
+    assert_eq!(logs.count(&["redis="]), 0, "{}", logs.text());
+}
+
 /// Ctrl-C stops accepting and lets an open stream finish: new connections are refused, the
 /// stream goes on to its end, its slot is freed, and then the proxy stops of itself.
 #[tokio::test]
