@@ -599,8 +599,17 @@ impl Proxy {
                     .map_err(|e| format!("--redis {:?}: {e}", redis_url_shown(url)))?;
                 // Connected before serving, so that the first reads (the health probe's check,
                 // the first requests) do not take the connection's opening for an outage. A
-                // Redis down then is logged by the store; serving starts without it.
-                let _ = tokio::time::timeout(STORE_CONNECT_WAIT, store.connected()).await;
+                // Redis down then is said here: the store logs only once its attempts run out,
+                // seconds later. Serving starts without it.
+                let wait = tokio::time::timeout(STORE_CONNECT_WAIT, store.connected()).await;
+                if !matches!(wait, Ok(true)) {
+                    tracing::warn!(
+                        redis = %redis_url_shown(url),
+                        model,
+                        waited = ?STORE_CONNECT_WAIT,
+                        "the shared session store is not connected; the proxy serves from its local tables until the store answers"
+                    );
+                }
                 layer = layer.home_store(store).store_deadline(config.redis_timeout);
             }
             let affinity = layer.layer(fleet);
@@ -1003,7 +1012,8 @@ pub(crate) async fn one_server_each(backends: &[BackendSpec]) -> Result<(), Stri
     Ok(())
 }
 
-/// The longest the proxy waits at its start for Redis's first connection to open.
+/// The longest the proxy waits at its start for Redis's first connection to open; a store
+/// not connected by then is logged as a warning, and serving starts without it.
 const STORE_CONNECT_WAIT: Duration = Duration::from_secs(1);
 
 /// Refuses a TLS URL (`rediss://`, `valkeys://`) in words an operator can act on: the

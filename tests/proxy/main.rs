@@ -658,6 +658,30 @@ fn the_listening_line_gives_the_wait_bounds_of_overflow_wait() {
     assert_eq!(logs.count(&["redis="]), 0, "{}", logs.text());
 }
 
+/// With the store down, the proxy says when its wait at start ends that it serves from its
+/// local tables until the store answers: the store itself warns only once its attempts to
+/// connect run out, seconds later.
+#[tokio::test(start_paused = true)]
+async fn a_store_not_connected_when_the_start_wait_ends_is_logged_then() {
+    let logs = logs::capture(tracing::Level::INFO);
+    // A port nothing listens on.
+    let refusing = Refusing::new();
+    let mut config = config_of(&["n=http://127.0.0.1:20906,slots=1".to_string()]);
+    let port = refusing.addr.port();
+    config.redis = Some(format!("redis://:s3cret@127.0.0.1:{port}"));
+    let started = tokio::time::Instant::now();
+    let _proxy = Proxy::new(config).await.unwrap();
+    let took = started.elapsed();
+    assert!(took <= Duration::from_secs(1), "the start took {took:?}");
+    let warning = [
+        "WARN",
+        "the proxy serves from its local tables until the store answers",
+        &format!("redis=redis://***@127.0.0.1:{port}"),
+    ];
+    assert_eq!(logs.count(&warning), 1, "{}", logs.text());
+    assert!(!logs.text().contains("s3cret"), "{}", logs.text());
+}
+
 /// Ctrl-C stops accepting and lets an open stream finish: new connections are refused, the
 /// stream goes on to its end, its slot is freed, and then the proxy stops of itself.
 #[tokio::test]
