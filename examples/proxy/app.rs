@@ -1030,17 +1030,44 @@ pub(crate) fn refuse_redis_tls(url: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// A Redis URL as errors show it: its user info (`user:password@`), which holds the
-/// password, as `***@`, so that no log keeps it.
+/// A Redis URL as errors and the log show it: its user info (`user:password@`), which holds
+/// the password, as `***@`, and the value of its query's `pass` (a Unix socket URL's
+/// password, `unix:///run/redis.sock?pass=...`) as `***`, so that no log keeps it.
 pub(crate) fn redis_url_shown(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_string();
     };
-    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
-    match authority.rfind('@') {
+    let (rest, fragment) = match rest.split_once('#') {
+        Some((rest, fragment)) => (rest, Some(fragment)),
+        None => (rest, None),
+    };
+    let (rest, query) = match rest.split_once('?') {
+        Some((rest, query)) => (rest, Some(query)),
+        None => (rest, None),
+    };
+    let authority = rest.split('/').next().unwrap_or_default();
+    let mut shown = match authority.rfind('@') {
         Some(at) => format!("{scheme}://***{}", &rest[at..]),
-        None => url.to_string(),
+        None => format!("{scheme}://{rest}"),
+    };
+    if let Some(query) = query {
+        // The `redis` crate decodes the query's names as a form's: `p%61ss` is `pass` too.
+        let pairs = query.split('&').map(|pair| match pair.split_once('=') {
+            Some((name, _))
+                if percent_decoded(&name.replace('+', " ")).as_deref() == Some("pass") =>
+            {
+                format!("{name}=***")
+            }
+            _ => pair.to_string(),
+        });
+        shown.push('?');
+        shown.push_str(&pairs.collect::<Vec<_>>().join("&"));
     }
+    if let Some(fragment) = fragment {
+        shown.push('#');
+        shown.push_str(fragment);
+    }
+    shown
 }
 
 /// The `model` label of a fleet's series, when there is more than one: its model, or empty

@@ -3807,6 +3807,36 @@ async fn a_redis_url_that_cannot_be_used_is_refused_without_its_password() {
     );
 }
 
+/// The password a Unix socket URL gives in its query (`?pass=`) is not shown either: not in a
+/// refusal of the URL, nor where the log names the store.
+#[test]
+fn a_redis_url_s_password_in_its_query_is_not_shown() {
+    let url = "unix:///run/redis.sock?db=x&pass=s3cret";
+    let parsed = cli::parse(["--backend", "n=http://127.0.0.1:1", "--redis", url]);
+    let err = parsed.map(|_| ()).unwrap_err();
+    assert!(
+        err.starts_with("--redis \"unix:///run/redis.sock?db=x&pass=***\": "),
+        "{err}"
+    );
+    for (url, shown) in [
+        (
+            "redis+unix:///run/redis.sock?p%61ss=s3cret&db=1",
+            "redis+unix:///run/redis.sock?p%61ss=***&db=1",
+        ),
+        (
+            "redis://:s3cret@127.0.0.1:6379/0?pass=s3cret",
+            "redis://***@127.0.0.1:6379/0?pass=***",
+        ),
+        (
+            "redis://127.0.0.1:6379/0?protocol=resp3",
+            "redis://127.0.0.1:6379/0?protocol=resp3",
+        ),
+        ("redis://127.0.0.1:6379", "redis://127.0.0.1:6379"),
+    ] {
+        assert_eq!(app::redis_url_shown(url), shown, "{url}");
+    }
+}
+
 /// A backend's id is its URL's `host:port` written one way for each server: the port 80 when
 /// the URL leaves it out, a host name in lower case, an address as `--backend-dns` names the
 /// backend at it. So `http://gpu-a` and `http://gpu-a:80` are one backend, which is refused
