@@ -562,6 +562,9 @@ impl Proxy {
         let http = config.http();
         let mut fleets = Vec::new();
         let mut dns_handles = Vec::new();
+        // One wait for every model's store, not one each: N models' stores down hold the start
+        // a second, not N.
+        let store_wait_ends = tokio::time::Instant::now() + STORE_CONNECT_WAIT;
         for &model in &models {
             let (fleet, dns) = Self::fleet(&config, &http, model)?;
             // A name's series carry its fleet's model too: the same name may serve two.
@@ -601,7 +604,7 @@ impl Proxy {
                 // the first requests) do not take the connection's opening for an outage. A
                 // Redis down then is said here: the store logs only once its attempts run out,
                 // seconds later. Serving starts without it.
-                let wait = tokio::time::timeout(STORE_CONNECT_WAIT, store.connected()).await;
+                let wait = tokio::time::timeout_at(store_wait_ends, store.connected()).await;
                 if !matches!(wait, Ok(true)) {
                     tracing::warn!(
                         redis = %redis_url_shown(url),
@@ -1012,8 +1015,9 @@ pub(crate) async fn one_server_each(backends: &[BackendSpec]) -> Result<(), Stri
     Ok(())
 }
 
-/// The longest the proxy waits at its start for Redis's first connection to open; a store
-/// not connected by then is logged as a warning, and serving starts without it.
+/// The longest the proxy waits at its start for Redis's first connections to open (one wait
+/// for every model's store); a store not connected by then is logged as a warning, and
+/// serving starts without it.
 const STORE_CONNECT_WAIT: Duration = Duration::from_secs(1);
 
 /// Refuses a TLS URL (`rediss://`, `valkeys://`) in words an operator can act on: the

@@ -682,6 +682,32 @@ async fn a_store_not_connected_when_the_start_wait_ends_is_logged_then() {
     assert!(!logs.text().contains("s3cret"), "{}", logs.text());
 }
 
+/// With the store down and several models, each with its own store, the start waits once for
+/// them all, not a second for each, and names each model's store in its warning.
+#[tokio::test(start_paused = true)]
+async fn the_stores_of_several_models_are_waited_for_once_at_the_start() {
+    let logs = logs::capture(tracing::Level::INFO);
+    let refusing = Refusing::new();
+    let mut config = config_of(&[
+        "n=http://127.0.0.1:20907,slots=1,model=one".to_string(),
+        "n=http://127.0.0.1:20908,slots=1,model=two".to_string(),
+        "n=http://127.0.0.1:20909,slots=1,model=three".to_string(),
+    ]);
+    config.redis = Some(format!("redis://127.0.0.1:{}", refusing.addr.port()));
+    let started = tokio::time::Instant::now();
+    let _proxy = Proxy::new(config).await.unwrap();
+    let took = started.elapsed();
+    assert!(took <= Duration::from_secs(1), "the start took {took:?}");
+    for model in ["one", "two", "three"] {
+        let warning = [
+            "WARN",
+            "the proxy serves from its local tables until the store answers",
+            &format!("model=\"{model}\""),
+        ];
+        assert_eq!(logs.count(&warning), 1, "{model}: {}", logs.text());
+    }
+}
+
 /// Ctrl-C stops accepting and lets an open stream finish: new connections are refused, the
 /// stream goes on to its end, its slot is freed, and then the proxy stops of itself.
 #[tokio::test]
