@@ -2,7 +2,9 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use super::{freer_of_two, most_free_slots, Candidates, FleetView, Placement, PlacementRequest};
+use super::{
+    freer_of_two, most_free_slots, Candidates, FleetView, Placement, PlacementRequest, Ties,
+};
 
 /// Every request to the next backend in turn, ignoring sessions.
 ///
@@ -88,7 +90,7 @@ impl Clone for LeastLoaded {
 impl Placement for LeastLoaded {
     fn place(&self, fleet: &FleetView<'_>, _: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
         let start = self.next.fetch_add(1, Ordering::Relaxed);
-        let _ = most_free_slots(fleet, start, c);
+        let _ = most_free_slots(fleet, Ties::Rotate(start), c);
     }
 }
 

@@ -656,35 +656,55 @@ pub(crate) fn freer_of_two(
             candidates.offer(second)?;
         }
     }
-    most_free_slots(fleet, 0, candidates)
+    most_free_slots(fleet, Ties::Rotate(0), candidates)
 }
 
-/// Offers the fleet's backends, most free slots first, starting the scan at `start` so that
-/// ties rotate when the caller rotates `start`. Used for keyless requests by every policy.
+/// How [`most_free_slots`] orders backends with as many free slots.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Ties {
+    /// By position in the fleet, from this one on: ties rotate when the caller rotates it.
+    Rotate(usize),
+    /// By [`tie_rank`](rendezvous::tie_rank) of this number and each backend's id, highest
+    /// first: the same on every router, whatever order it discovered the backends in.
+    Rank(u64),
+}
+
+/// Offers the fleet's backends, most free slots first, ties as `ties` says. Used for keyless
+/// requests by every policy.
 pub(crate) fn most_free_slots(
     fleet: &FleetView<'_>,
-    start: usize,
+    ties: Ties,
     candidates: &mut Candidates<'_>,
 ) -> ControlFlow<()> {
     let n = fleet.len();
     if n == 0 {
         return ControlFlow::Continue(());
     }
+    let (start, tie) = match ties {
+        Ties::Rotate(start) => (start, None),
+        Ties::Rank(tie) => (0, Some(tie)),
+    };
+    // Higher is better: free slots, then the rank (none when rotating).
+    let order = |b: &BackendRef<'_>| {
+        let rank = tie.map_or(0, |t| rendezvous::tie_rank(t, b.member().digest));
+        (b.free_slots(), rank)
+    };
     let rotated = (0..n).filter_map(|i| fleet.backend_at((start + i) % n));
     // One pass for the best; the full order only if the best was taken meanwhile.
-    let mut best: Option<BackendRef<'_>> = None;
+    let mut best: Option<((u32, u64), BackendRef<'_>)> = None;
     for b in rotated.clone() {
-        if best.is_none_or(|x| b.free_slots() > x.free_slots()) {
-            best = Some(b);
+        let o = order(&b);
+        if best.is_none_or(|(x, _)| o > x) {
+            best = Some((o, b));
         }
     }
-    if let Some(b) = best {
+    if let Some((_, b)) = best {
         candidates.offer(b)?;
     }
-    let mut rest: Vec<BackendRef<'_>> = rotated.collect();
-    // Stable: ties keep their rotated order.
-    rest.sort_by_key(|b| std::cmp::Reverse(b.free_slots()));
-    for b in rest {
+    let mut rest: Vec<((u32, u64), BackendRef<'_>)> = rotated.map(|b| (order(&b), b)).collect();
+    // Stable: ties of a rotation keep their rotated order.
+    rest.sort_by_key(|&(o, _)| std::cmp::Reverse(o));
+    for (_, b) in rest {
         candidates.offer(b)?;
     }
     ControlFlow::Continue(())

@@ -5,7 +5,7 @@ use crate::key::SessionKey;
 
 use super::{
     freer_of_two, most_free_slots, rendezvous, BackendRef, Candidates, FleetView, HomeCache,
-    NodeRef, Placement, PlacementRequest,
+    NodeRef, Placement, PlacementRequest, Ties,
 };
 
 /// The default policy: keep a session close to the cache that served it last.
@@ -607,9 +607,9 @@ fn offer_near(backend: BackendRef<'_>, c: &mut Candidates<'_>) -> ControlFlow<()
 /// Offers the least loaded backend with a free slot by [`spread_load`] (ties: the most free
 /// slots, then the highest [`tie_rank`](rendezvous::tie_rank) for `tie`, which every router
 /// computes alike whatever order it discovered the backends in), then every backend by free
-/// slots. A backend down or passed over is left out of the look for the least loaded:
-/// offered, it would take nothing, and the conversation would go by free slots alone.
-/// O(backends).
+/// slots, ties by the same rank. A backend down or passed over is left out of the look for
+/// the least loaded: offered, it would take nothing, and the conversation would go by free
+/// slots alone. O(backends).
 fn least_loaded_for_new(
     fleet: &FleetView<'_>,
     tie: u64,
@@ -640,11 +640,10 @@ fn least_loaded_for_new(
             best = Some((load, b.free_slots(), b));
         }
     }
-    let start = (tie % n as u64) as usize;
     if let Some((_, _, b)) = best {
         c.offer(b)?;
     }
-    most_free_slots(fleet, start, c)
+    most_free_slots(fleet, Ties::Rank(tie), c)
 }
 
 #[cfg(test)]

@@ -1811,3 +1811,34 @@ fn a_new_keyless_conversation_drawn_to_a_shared_prefix_goes_where_another_router
     }
     assert_eq!(firsts.len(), 2, "16 prompts went to {firsts:?}");
 }
+
+#[test]
+fn a_new_keyless_conversation_finding_every_backend_full_waits_where_another_router_discovering_backends_otherwise_sends_it(
+) {
+    // Every slot is taken: the backends are offered by free slots, all alike. Two routers that
+    // discovered them in opposite orders offer each prompt's backends in the same order, and
+    // different prompts go first to different backends.
+    let p = NodeThenBackend::new();
+    let full = |s: Snapshot| {
+        ["a1", "a2", "b1", "b2"]
+            .iter()
+            .fold(s, |s, id| s.in_flight(id, 2))
+    };
+    let reversed = || {
+        Snapshot::new()
+            .backend("b2", "node-b", 2)
+            .backend("b1", "node-b", 2)
+            .backend("a2", "node-a", 2)
+            .backend("a1", "node-a", 2)
+    };
+    let mut firsts = std::collections::HashSet::new();
+    for i in 0..32 {
+        let prompt = chain(&[SYS, 2_000 + i]);
+        let here = full(two_by_two_of_two()).prompt(prompt.clone());
+        let there = full(reversed()).prompt(prompt);
+        let order = here.order(&p, None, None);
+        assert_eq!(there.order(&p, None, None), order, "prompt {i}");
+        firsts.insert(order[0].clone());
+    }
+    assert_eq!(firsts.len(), 4, "32 prompts went first to {firsts:?}");
+}
