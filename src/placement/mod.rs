@@ -634,8 +634,11 @@ impl fmt::Debug for Candidates<'_> {
 }
 
 /// Offers two backends sampled with `random`, the one with more free slots first (power of
-/// two choices), then, if neither had a free slot, every backend by [`most_free_slots`]. O(1)
-/// while either sample has room, however large the fleet. Used for keyless requests.
+/// two choices), then, if neither had a free slot, every backend by [`most_free_slots`] with
+/// ties by `random`'s rank. A fleet of two backends or fewer is not sampled: it goes by free
+/// slots at once, so that equal backends share the requests whatever order they were
+/// discovered in. O(1) while either sample has room, however large the fleet. Used for
+/// keyless requests.
 pub(crate) fn freer_of_two(
     fleet: &FleetView<'_>,
     random: u64,
@@ -656,7 +659,7 @@ pub(crate) fn freer_of_two(
             candidates.offer(second)?;
         }
     }
-    most_free_slots(fleet, Ties::Rotate(0), candidates)
+    most_free_slots(fleet, Ties::Rank(random), candidates)
 }
 
 /// How [`most_free_slots`] orders backends with as many free slots.

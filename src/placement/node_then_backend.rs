@@ -70,7 +70,10 @@ use super::{
 ///   [`DEFAULT_CONVERSATION_BOUND`](NodeThenBackend::DEFAULT_CONVERSATION_BOUND)).
 ///
 /// A request without a key or chain goes to the freer of two backends sampled at random (power
-/// of two choices); if neither has a free slot, to the backend with the most free slots.
+/// of two choices); if neither has a free slot, to the backend with the most free slots, ties
+/// by a rank of the request's random number. Wherever a keyless request's backends have as
+/// many free slots, the tie goes by a rank of its prompt (or random number) and each backend's
+/// id, not by the order the backends were discovered in.
 ///
 /// Placement is by rendezvous score weighted by slots, at the node level and then within the
 /// node: a new session costs O(nodes + backends on the chosen node); a home hit costs one offer.

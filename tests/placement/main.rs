@@ -1842,3 +1842,24 @@ fn a_new_keyless_conversation_finding_every_backend_full_waits_where_another_rou
     }
     assert_eq!(firsts.len(), 4, "32 prompts went first to {firsts:?}");
 }
+
+#[test]
+fn a_keyless_request_without_a_prompt_between_two_equal_backends_goes_by_its_random_number_not_by_discovery_order(
+) {
+    // Two backends alike, discovered in opposite orders by two routers drawing the same random
+    // numbers: each draw picks the same backend on both, and the draws spread over both.
+    let p = NodeThenBackend::new();
+    let here = Snapshot::new().backend("x", "n", 2).backend("y", "n", 2);
+    let there = Snapshot::new().backend("y", "n", 2).backend("x", "n", 2);
+    let mut firsts = std::collections::HashSet::new();
+    for i in 0..16 {
+        let first = here.choose(&p, None, None).unwrap();
+        assert_eq!(
+            there.choose(&p, None, None),
+            Some(first.clone()),
+            "draw {i}"
+        );
+        firsts.insert(first);
+    }
+    assert_eq!(firsts.len(), 2, "16 draws went to {firsts:?}");
+}
