@@ -372,18 +372,22 @@ fn spread_load(fleet: &FleetView<'_>, b: &BackendRef<'_>, since_ms: u64) -> (u64
 impl Placement for NodeThenBackend {
     fn place(&self, fleet: &FleetView<'_>, req: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
         let Some(key) = req.key else {
+            // Ties are broken by the prompt itself, so a replay places alike every time, and so
+            // does another router, whatever order it discovered the backends in.
+            let tie = req
+                .chain
+                .and_then(|chain| chain.links().last())
+                .map_or(req.random, |l| l.digest);
             if let Some(p) = req.prefix.filter(|p| p.own) {
-                if offer_near(p.backend, c).is_break() {
+                if offer_near(p.backend, tie, c).is_break() {
                     return;
                 }
             }
-            if let Some(chain) = req.chain {
+            if req.chain.is_some() {
                 let all = self.new_session_bound(fleet, req);
                 if self.offer_holders(fleet, req, all, None, c).is_break() {
                     return;
                 }
-                // Ties are broken by the prompt itself, so a replay places alike every time.
-                let tie = chain.links().last().map_or(req.random, |l| l.digest);
                 let _ = least_loaded_for_new(fleet, tie, self.live_since(fleet), c);
             } else {
                 let _ = freer_of_two(fleet, req.random, c);
@@ -594,17 +598,22 @@ fn offer_own_prefix(
     offer_node(backend.node(), key, Some(backend.index), Bound::NONE, c)
 }
 
-/// Offers `backend`, then the other backends on its node, most free slots first: where a
+/// Offers `backend`, then the other backends on its node, most free slots first (ties: the
+/// highest [`tie_rank`](rendezvous::tie_rank) for `tie`, the same on every router): where a
 /// keyless conversation's prefix is, and the host-memory cache beside it.
-fn offer_near(backend: BackendRef<'_>, c: &mut Candidates<'_>) -> ControlFlow<()> {
+fn offer_near(backend: BackendRef<'_>, tie: u64, c: &mut Candidates<'_>) -> ControlFlow<()> {
     c.offer(backend)?;
-    let mut rest: Vec<BackendRef<'_>> = backend
+    let mut rest: Vec<((u32, u64), BackendRef<'_>)> = backend
         .node()
         .backends()
         .filter(|b| b.index != backend.index)
+        .map(|b| {
+            let rank = rendezvous::tie_rank(tie, b.member().digest);
+            ((b.free_slots(), rank), b)
+        })
         .collect();
-    rest.sort_by_key(|b| std::cmp::Reverse(b.free_slots()));
-    rest.into_iter().try_for_each(|b| c.offer(b))
+    rest.sort_unstable_by_key(|&(o, _)| std::cmp::Reverse(o));
+    rest.into_iter().try_for_each(|(_, b)| c.offer(b))
 }
 
 /// Offers the least loaded backend with a free slot by [`spread_load`] (ties: the most free

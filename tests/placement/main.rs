@@ -1863,3 +1863,49 @@ fn a_keyless_request_without_a_prompt_between_two_equal_backends_goes_by_its_ran
     }
     assert_eq!(firsts.len(), 2, "16 draws went to {firsts:?}");
 }
+
+#[test]
+fn a_keyless_request_whose_prefix_is_on_a_full_backend_takes_the_node_mate_another_router_discovering_backends_otherwise_takes(
+) {
+    // a1 holds the conversation's prefix and is full; a2 and a3, on its node, have as many
+    // free slots. Two routers discovered the backends in opposite orders: each prompt goes to
+    // the same node-mate on both, and different prompts spread over both.
+    let p = NodeThenBackend::new();
+    let fleet = |order: [(&str, &str); 4]| {
+        order
+            .iter()
+            .fold(Snapshot::new(), |s, (id, node)| s.backend(id, node, 2))
+            .holds("a1", &chain(&[SYS, 11, 12]))
+            .in_flight("a1", 2)
+    };
+    let forth = [
+        ("a1", "node-a"),
+        ("a2", "node-a"),
+        ("a3", "node-a"),
+        ("b1", "node-b"),
+    ];
+    let back = [
+        ("b1", "node-b"),
+        ("a3", "node-a"),
+        ("a2", "node-a"),
+        ("a1", "node-a"),
+    ];
+    let mut firsts = std::collections::HashSet::new();
+    for i in 0..16 {
+        let prompt = chain(&[SYS, 11, 12, 2_000 + i]);
+        let here = fleet(forth).prompt(prompt.clone());
+        let there = fleet(back).prompt(prompt);
+        let first = here.choose(&p, None, None).unwrap();
+        assert_eq!(
+            there.choose(&p, None, None),
+            Some(first.clone()),
+            "prompt {i}"
+        );
+        firsts.insert(first);
+    }
+    assert_eq!(
+        firsts,
+        ["a2", "a3"].into_iter().map(BackendId::from).collect(),
+        "16 prompts"
+    );
+}
