@@ -402,8 +402,8 @@ impl<S> Backend<S> {
     /// `--kv-unified`) an idle slot's state is saved to RAM and cleared as each task starts,
     /// so a conversation sent to its own slot would find it empty and read its whole prompt
     /// again. In the swarm's overload at 8 GiB, slots sharing the VRAM as a unified cache
-    /// does, this cost 10.5 points (87.3% of later turns warm without it, 76.8% with it),
-    /// and more where idle slots are cleared. The router keeps 48
+    /// does, this cost 8.8 points (86.8% of later turns warm without it, 78.0% with it, means
+    /// of eight seeds), and more where idle slots are cleared. The router keeps 48
     /// bytes for each slot, and the prompt chain of the last request sent to it (and while a
     /// request is on it, of the one before; 24 bytes a link: at most 192 KiB, for a prompt of
     /// [`PromptChain::MAX_LINKS`] links).
