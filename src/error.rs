@@ -18,7 +18,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 ///
 /// | variant | status | headers |
 /// |---|---|---|
-/// | [`NoBackends`](Error::NoBackends) | 503 Service Unavailable | `Retry-After: <seconds>` when a backend's failure cooldown is the first to end |
+/// | [`NoBackends`](Error::NoBackends) (the fleet is empty, every backend is down, or the placement policy passed over every backend up: the message says which) | 503 Service Unavailable | `Retry-After: <seconds>` when a backend's failure cooldown is the first to end |
 /// | [`Saturated`](Error::Saturated) | 429 Too Many Requests | `Retry-After: <seconds>` |
 /// | [`Backend`](Error::Backend) | 502 Bad Gateway; 504 Gateway Timeout if the backend timed out; 400 Bad Request if the request's own body failed on its way to an `HttpBackend`; 501 Not Implemented for a request an `HttpBackend` does not forward (a `CONNECT`, a transfer coding other than `chunked`); 503 Service Unavailable for the backend's own 503, given back by [`RetryOnce`](crate::RetryOnce) where its retry found no backend up | the backend's `Retry-After`, for its 503 |
 ///
@@ -49,10 +49,30 @@ pub enum Error {
     /// rounded up; `None` when none is (the fleet is empty, or its backends are down until a
     /// probe says otherwise). A backend the policy passed over for the request does not
     /// count: its coming back does not serve it.
+    ///
+    /// `backends` and `up` tell the cases apart, and the message says which it is: an empty
+    /// fleet (`backends` is 0), a fleet with every backend down (`up` is 0), or a policy that
+    /// placed the request on none of the backends up (`up` is more than 0).
+    ///
+    /// ```
+    /// # use tower_affinity::Error;
+    /// fn log(e: &Error) {
+    ///     if let Error::NoBackends { backends, up, .. } = e {
+    ///         if *up > 0 {
+    ///             eprintln!("the policy refused a request: {up} of {backends} backends up");
+    ///         }
+    ///     }
+    /// }
+    /// ```
     #[non_exhaustive]
     NoBackends {
         /// A hint for the client's `Retry-After`.
         retry_after: Option<Duration>,
+        /// How many backends the fleet had: 0 when it was empty.
+        backends: usize,
+        /// How many of them were up (not marked down), each one passed over by the placement
+        /// policy: 0 when the fleet was empty or every backend in it was down.
+        up: usize,
     },
     /// Every candidate was full and the request could not wait (or waited too long, or too
     /// many were waiting already). Try again after `retry_after`, which the message and the
@@ -89,7 +109,8 @@ impl Error {
     }
 
     /// [`Error::NoBackends`]: none can take the request; the first back after `retry_after`,
-    /// if known.
+    /// if known. It counts no backends (`backends` and `up` are 0): without a `retry_after`
+    /// its message says the fleet is empty; with one, only that no backends are available.
     ///
     /// ```
     /// use std::time::Duration;
@@ -100,10 +121,27 @@ impl Error {
     /// let res = e.into_response::<http_body_util::Empty<bytes::Bytes>>();
     /// assert_eq!(res.status(), 503);
     /// assert_eq!(res.headers()["retry-after"], "5");
-    /// assert_eq!(Error::no_backends(None).to_string(), "no backends available");
+    /// assert_eq!(
+    ///     Error::no_backends(None).to_string(),
+    ///     "no backends available: the fleet is empty"
+    /// );
     /// ```
     pub fn no_backends(retry_after: Option<Duration>) -> Self {
-        Error::NoBackends { retry_after }
+        Error::no_backends_of(retry_after, 0, 0)
+    }
+
+    /// [`Error::NoBackends`] over a fleet of `backends`, `up` of them up and passed over by
+    /// the policy.
+    pub(crate) fn no_backends_of(
+        retry_after: Option<Duration>,
+        backends: usize,
+        up: usize,
+    ) -> Self {
+        Error::NoBackends {
+            retry_after,
+            backends,
+            up,
+        }
     }
 
     /// [`Error::Backend`]: `backend` failed with `source`.
@@ -144,7 +182,7 @@ impl Error {
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
             Error::Saturated { retry_after } => Some(*retry_after),
-            Error::NoBackends { retry_after } => *retry_after,
+            Error::NoBackends { retry_after, .. } => *retry_after,
             Error::Backend { source, .. } => unavailable(&**source).and_then(Unavailable::seconds),
         }
     }
@@ -220,7 +258,7 @@ impl Error {
     /// refusals as it reads the backend's.
     ///
     /// ```json
-    /// {"error":{"code":503,"message":"no backends available","type":"unavailable_error"}}
+    /// {"error":{"code":503,"message":"no backends available: the fleet is empty","type":"unavailable_error"}}
     /// ```
     ///
     /// `code` is the status; `type` is llama-server's for the statuses it names,
@@ -271,7 +309,7 @@ impl Error {
             Error::Saturated { retry_after } => {
                 Some(HeaderValue::from(whole_seconds(*retry_after)))
             }
-            Error::NoBackends { retry_after } => {
+            Error::NoBackends { retry_after, .. } => {
                 retry_after.map(|after| HeaderValue::from(whole_seconds(after)))
             }
             // The backend's own, as it gave it: in seconds, or a date.
@@ -416,14 +454,32 @@ fn timed_out(e: &(dyn std::error::Error + 'static)) -> bool {
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Error::NoBackends { retry_after: None } => f.write_str("no backends available"),
             Error::NoBackends {
-                retry_after: Some(after),
-            } => write!(
-                f,
-                "no backends available; retry after {} s",
-                whole_seconds(*after)
-            ),
+                retry_after,
+                backends,
+                up,
+            } => {
+                match (*backends, *up) {
+                    // The policy's refusal, not the fleet's state.
+                    (backends, up @ 1..) => write!(
+                        f,
+                        "no backend for the request: the placement policy passed over every \
+                         backend up ({up} of {backends} in the fleet)"
+                    )?,
+                    // Counted by no one (`Error::no_backends`): an empty fleet has no
+                    // cooldown to wait for.
+                    (0, _) if retry_after.is_some() => f.write_str("no backends available")?,
+                    (0, _) => f.write_str("no backends available: the fleet is empty")?,
+                    (backends, 0) => write!(
+                        f,
+                        "no backends available: every backend is down ({backends} in the fleet)"
+                    )?,
+                }
+                match retry_after {
+                    Some(after) => write!(f, "; retry after {} s", whole_seconds(*after)),
+                    None => Ok(()),
+                }
+            }
             Error::Saturated { retry_after } => write!(
                 f,
                 "all backends are at capacity; retry after {} s",

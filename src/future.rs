@@ -369,7 +369,11 @@ where
                 record,
                 ..
             } => State::call((service, guard, decision, None, record), req, shared.finish),
-            Placed::Empty { retry_after } => State::fail(shared.no_backends(retry_after)),
+            Placed::Empty {
+                retry_after,
+                backends,
+                up,
+            } => State::fail(shared.no_backends(retry_after, backends, up)),
             Placed::Answered(first) => State::Answered { first: Some(first) },
             Placed::Full { .. } => {
                 shared.capacity.counters.count_rejected();
@@ -442,7 +446,11 @@ where
                     req,
                     shared.finish,
                 ),
-                Placed::Empty { retry_after } => State::fail(shared.no_backends(retry_after)),
+                Placed::Empty {
+                    retry_after,
+                    backends,
+                    up,
+                } => State::fail(shared.no_backends(retry_after, backends, up)),
                 Placed::Answered(first) => State::Answered { first: Some(first) },
                 Placed::Full { home } => {
                     if let Overflow::Wait {
@@ -502,9 +510,13 @@ where
                     shared.finish,
                 )
             }
-            Placed::Empty { retry_after } => {
+            Placed::Empty {
+                retry_after,
+                backends,
+                up,
+            } => {
                 ticket.settle();
-                State::fail(shared.no_backends(retry_after))
+                State::fail(shared.no_backends(retry_after, backends, up))
             }
             Placed::Answered(first) => {
                 ticket.settle();
@@ -704,8 +716,12 @@ where
                             state.set(State::call(placed, r, finish));
                             drop(unused);
                         }
-                        Placed::Empty { retry_after } => {
-                            let error = w.shared.no_backends(retry_after);
+                        Placed::Empty {
+                            retry_after,
+                            backends,
+                            up,
+                        } => {
+                            let error = w.shared.no_backends(retry_after, backends, up);
                             state.set(State::fail(error));
                         }
                         Placed::Answered(first) => {

@@ -211,9 +211,15 @@ pub(crate) enum Placed<S> {
     /// No candidate had a free slot, or waiting for `home` was ruled cheaper than a slot
     /// taken elsewhere, which was given back.
     Full { home: WaitHome },
-    /// The fleet is empty, or every backend offered is marked down: `retry_after` is when
-    /// the first of those the request may go to, down for a failure cooldown, comes back.
-    Empty { retry_after: Option<Duration> },
+    /// The fleet is empty, or every backend offered is marked down, or the policy passed
+    /// over every backend up: `retry_after` is when the first of those the request may go
+    /// to, down for a failure cooldown, comes back. The fleet had `backends`, `up` of them
+    /// up (and passed over).
+    Empty {
+        retry_after: Option<Duration>,
+        backends: usize,
+        up: usize,
+    },
     /// A retried refusal that no other backend takes: the refusal answers.
     Answered(Box<crate::retry::FirstAnswer>),
 }
@@ -658,13 +664,18 @@ impl<B, P> Shared<B, P> {
     }
 
     /// The refusal of a request no backend can take, counted: with the time until the first
-    /// backend it may go to, down for a failure cooldown, comes back, if one is
-    /// ([`Placed::Empty`]).
+    /// backend it may go to, down for a failure cooldown, comes back, if one is, and the
+    /// backends in the fleet and up ([`Placed::Empty`]).
     #[cold]
     #[inline(never)]
-    pub(crate) fn no_backends(&self, retry_after: Option<Duration>) -> Error {
+    pub(crate) fn no_backends(
+        &self,
+        retry_after: Option<Duration>,
+        backends: usize,
+        up: usize,
+    ) -> Error {
         self.capacity.counters.count_no_backends();
-        Error::no_backends(retry_after)
+        Error::no_backends_of(retry_after, backends, up)
     }
 
     /// When the first failure cooldown still running on a backend `home` waits for ends, if
@@ -707,6 +718,18 @@ fn first_back(t: &Topology, now_ms: u64, candidates: &Candidates<'_>) -> Option<
         .filter(|&u| u > now_ms && u < u64::MAX)
         .min()?;
     Some(Duration::from_millis(until - now_ms))
+}
+
+/// How many backends the fleet has, and how many of them are up (not marked down).
+#[cold]
+fn count_up(t: &Topology, now_ms: u64) -> (usize, usize) {
+    let live = || {
+        (0..t.members.len() as u32)
+            .map(|i| t.member(i))
+            .filter(|m| m.live)
+    };
+    let up = live().filter(|m| !m.load.is_down(now_ms)).count();
+    (live().count(), up)
 }
 
 /// Offers a request that continues a stored response the one backend that stores it: the
@@ -757,7 +780,11 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             self.capacity.counters.count_refusal(false);
         }
         if t.live.is_empty() {
-            return Placed::Empty { retry_after: None };
+            return Placed::Empty {
+                retry_after: None,
+                backends: 0,
+                up: 0,
+            };
         }
         let home_backend = known.and_then(|h| t.resolve(h.backend, h.generation));
         // A backend can move to another node (discovery updated it): its node now is the home
@@ -914,7 +941,12 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             }
             (None, None) if candidates.saw_down() || candidates.passed_over_every_backend_up() => {
                 let retry_after = first_back(t, now_ms, &candidates);
-                return Placed::Empty { retry_after };
+                let (backends, up) = count_up(t, now_ms);
+                return Placed::Empty {
+                    retry_after,
+                    backends,
+                    up,
+                };
             }
             _ => return full(),
         };

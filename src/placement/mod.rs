@@ -125,8 +125,9 @@ pub use view::{BackendRef, FleetView, Home, HomeCache, NodeRef, PlacementRequest
 /// answers [`Error::NoBackends`](crate::Error::NoBackends) if the fleet is empty, if every
 /// backend is down (a policy may leave those out, [`Candidates::is_down`]), or if the policy
 /// [passed over](Candidates::pass_over) every backend that is up (it has none for the
-/// request), and otherwise treats the request as finding no free slot. A policy that panics
-/// loses its request, not the slot it may have taken.
+/// request; the error's message then says so, and its `up` counts them), and otherwise
+/// treats the request as finding no free slot. A policy that panics loses its request, not
+/// the slot it may have taken.
 ///
 /// The service has the last word in two cases, whatever the policy: a request that continues
 /// a stored response goes to the backend storing it

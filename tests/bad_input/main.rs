@@ -587,7 +587,7 @@ async fn an_empty_or_all_down_fleet_is_503() {
     assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(
         &a.body[..],
-        br#"{"error":{"code":503,"message":"no backends available","type":"unavailable_error"}}"#
+        br#"{"error":{"code":503,"message":"no backends available: the fleet is empty","type":"unavailable_error"}}"#
     );
 
     handle.insert("a1", Backend::new("node-a", echo(&calls)));

@@ -4155,7 +4155,10 @@ async fn with_every_backend_down_the_refusal_says_when_the_first_cooldown_ends()
     tokio::time::advance(Duration::from_millis(1_500)).await;
     let err = send(&mut svc, Some("s"), None).await.unwrap_err();
     assert_eq!(retry_after(&err), Some(Duration::from_millis(3_500)));
-    assert_eq!(err.to_string(), "no backends available; retry after 4 s");
+    assert_eq!(
+        err.to_string(),
+        "no backends available: every backend is down (2 in the fleet); retry after 4 s"
+    );
     let res = answer(svc.clone(), request(Some("s"), None)).await;
     assert_eq!(res.status(), 503);
     assert_eq!(res.headers()["retry-after"], "4");
@@ -4185,7 +4188,10 @@ async fn a_cooldown_of_whole_seconds_is_said_in_those_seconds_not_one_more() {
     assert!(matches!(err, Error::NoBackends { .. }), "{err}");
     let after = err.retry_after().unwrap();
     assert!(after <= Duration::from_secs(5), "{after:?}");
-    assert_eq!(err.to_string(), "no backends available; retry after 5 s");
+    assert_eq!(
+        err.to_string(),
+        "no backends available: every backend is down (1 in the fleet); retry after 5 s"
+    );
     let res = answer(svc.clone(), request(Some("s"), None)).await;
     assert_eq!(res.headers()["retry-after"], "5");
     // Retried when it says, the backend is back.
@@ -4202,6 +4208,122 @@ async fn an_empty_fleet_gives_no_time_to_retry_after() {
     let err = send(&mut svc, Some("s"), None).await.unwrap_err();
     assert!(matches!(err, Error::NoBackends { .. }), "{err}");
     assert_eq!(err.retry_after(), None);
+}
+
+/// A refusal over an empty fleet says that the fleet is empty, in the error and in the 503's
+/// body, so that it is not read as backends down or as the policy's refusal.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_refusal_over_an_empty_fleet_says_the_fleet_is_empty() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new().layer(fleet(&[], &streams));
+    let says = "no backends available: the fleet is empty";
+    let err = send(&mut svc, Some("s"), None).await.unwrap_err();
+    assert_eq!(err.to_string(), says);
+    assert!(
+        matches!(
+            err,
+            Error::NoBackends {
+                backends: 0,
+                up: 0,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let res = answer(svc.clone(), request(Some("s"), None)).await;
+    assert_eq!(res.status(), 503);
+    assert_eq!(error_message(res).await, says);
+}
+
+/// A refusal with every backend down says that they are down and how many there are, not
+/// that the fleet is empty nor that the policy refused the request.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_refusal_with_every_backend_down_says_every_backend_is_down() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .placement(AvoidNamed)
+        .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
+    svc.apply_discovery();
+    assert!(svc.mark_down("a1", None));
+    assert!(svc.mark_down("b1", None));
+    let says = "no backends available: every backend is down (2 in the fleet)";
+    let err = send(&mut svc, Some("s"), None).await.unwrap_err();
+    assert_eq!(err.to_string(), says);
+    assert!(
+        matches!(
+            err,
+            Error::NoBackends {
+                backends: 2,
+                up: 0,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let res = answer(svc.clone(), request(Some("s"), None)).await;
+    assert_eq!(res.status(), 503);
+    assert_eq!(error_message(res).await, says);
+    // One passed over while down is down all the same: no backend up was passed over.
+    let req = avoiding(request(Some("s"), None), &["a1"]);
+    let err = send_req(&mut svc, req).await.unwrap_err();
+    assert_eq!(err.to_string(), says);
+}
+
+/// A refusal by the placement policy, which passed over every backend up, says so and how
+/// many backends were up, rather than that no backends are available; the status and the
+/// `Retry-After` stay those of any refusal for want of a backend.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_refusal_by_the_policy_says_the_policy_passed_over_every_backend_up() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .placement(AvoidNamed)
+        .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
+    svc.apply_discovery();
+    let says = "no backend for the request: the placement policy passed over every backend up \
+                (2 of 2 in the fleet)";
+    let req = avoiding(request(Some("s"), None), &["a1", "b1"]);
+    let err = send_req(&mut svc, req).await.unwrap_err();
+    assert_eq!(err.to_string(), says);
+    assert!(
+        matches!(
+            err,
+            Error::NoBackends {
+                backends: 2,
+                up: 2,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let req = avoiding(request(Some("s"), None), &["a1", "b1"]);
+    let res = answer(svc.clone(), req).await;
+    assert_eq!(res.status(), 503);
+    assert_eq!(res.headers().get("retry-after"), None);
+    assert_eq!(error_message(res).await, says);
+    // One up and passed over, the other down for a cooldown the request may wait out.
+    svc.mark_down("b1", Some(Duration::from_secs(3)));
+    let says = "no backend for the request: the placement policy passed over every backend up \
+                (1 of 2 in the fleet); retry after 3 s";
+    let req = avoiding(request(Some("s"), None), &["a1"]);
+    let err = send_req(&mut svc, req).await.unwrap_err();
+    assert_eq!(err.to_string(), says);
+    assert!(
+        matches!(
+            err,
+            Error::NoBackends {
+                backends: 2,
+                up: 1,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let req = avoiding(request(Some("s"), None), &["a1"]);
+    let res = answer(svc.clone(), req).await;
+    assert_eq!(res.status(), 503);
+    assert_eq!(res.headers()["retry-after"], "3");
+    assert_eq!(error_message(res).await, says);
+    assert_eq!(svc.stats().no_backends, 4);
 }
 
 /// A backend the policy passes over is no backend for the request, down or up: the end of
