@@ -23,7 +23,7 @@ use crate::cache::ModelCell;
 use crate::learn::Learned;
 use crate::metrics::BackendMetrics;
 use crate::placement::rendezvous::{RankSet, Ranked};
-use crate::slots::SlotTable;
+use crate::slots::{NamedSlot, SlotTable};
 use crate::stats::Counters;
 use crate::wait::WaitList;
 use crate::{AssignedSlot, PromptChain};
@@ -426,6 +426,21 @@ impl<S> Backend<S> {
     /// A request sent while each of its slots is busy (with
     /// [`Overflow::Overcommit`](crate::Overflow::Overcommit), or a count that changed) is given
     /// none, and llama-server chooses.
+    ///
+    /// A request whose body names its own slot (a top-level `id_slot`, which `IdSlot` leaves
+    /// as it is, and llama-server runs the request in) is assigned that slot, modulo the
+    /// backend's slots as llama-server wraps it, and never another: its prompt is recorded
+    /// there, and no other request is given the slot while it runs. If the slot is busy with
+    /// another of the router's requests, or `id_slot` names none (`-1`, with which
+    /// llama-server chooses, or a value not a non-negative integer), it is assigned none and
+    /// nothing is recorded of it; llama-server runs it after the request on that slot, and the
+    /// router, which counts the slot free when that request ends, may send another there to
+    /// wait. The router learns of `id_slot` from the facts
+    /// [`BodyKeyLayer`](crate::key::BodyKeyLayer) reads in its one pass over the body: a body
+    /// it leaves unread (a header names the session and
+    /// [`skip_when_header`](crate::key::BodyKeyLayer::skip_when_header) says so) is
+    /// assigned a slot of the router's choosing, which `IdSlot` does not write over the
+    /// client's.
     ///
     /// ```
     /// use std::num::NonZeroU32;
@@ -1081,13 +1096,24 @@ impl SlotGuard {
 
     /// Assigns the request one of the backend's slots for `chain`, if the router assigns
     /// them ([`Backend::assign_slots`]) and one is free by its count; it is free again when
-    /// the guard drops.
-    pub(crate) fn assign_slot(&mut self, chain: Option<&PromptChain>) -> Option<AssignedSlot> {
+    /// the guard drops. A request whose body names its slot (`named`) is assigned that one
+    /// if it is free, else none; one whose `id_slot` names no slot is assigned none.
+    pub(crate) fn assign_slot(
+        &mut self,
+        chain: Option<&PromptChain>,
+        named: NamedSlot,
+    ) -> Option<AssignedSlot> {
         if !self.assigns_slots() {
             return None;
         }
         let slots = self.load.slots.load(Ordering::Relaxed);
-        let index = self.load.slot_table.lock().as_mut()?.assign(slots, chain)?;
+        let mut table = self.load.slot_table.lock();
+        let table = table.as_mut()?;
+        let index = match named {
+            NamedSlot::Absent => table.assign(slots, chain)?,
+            NamedSlot::Slot(n) => table.assign_named(slots, n, chain)?,
+            NamedSlot::Other => return None,
+        };
         if index & SLOT_FREED != 0 {
             return None;
         }

@@ -31,6 +31,7 @@ use crate::key::{PromptFacts, SessionKey};
 use crate::placement::Placement;
 use crate::retry::FirstAnswer;
 use crate::service::{Placed, Shared};
+use crate::slots::NamedSlot;
 use crate::stats::Decision;
 use crate::store::PendingRead;
 use crate::wait::{Look, Scope, WaitTicket, Woken};
@@ -307,8 +308,9 @@ where
 /// Assigns `req` one of its backend's slots, which the router assigns, and puts it in the
 /// request's extensions, if the backend runs it in the slot it names (a token count takes
 /// none, and an embedding is placed by llama-server whatever it names: either would make the
-/// router forget what the slot holds). Out of line: the other requests' path
-/// does not carry it.
+/// router forget what the slot holds). A request whose body names its own slot (a top-level
+/// `id_slot`, which `client::IdSlot` leaves as it is) is assigned that slot or none, never
+/// another. Out of line: the other requests' path does not carry it.
 #[cold]
 #[inline(never)]
 fn assign_slot<B>(guard: &mut SlotGuard, req: &mut http::Request<B>) {
@@ -317,7 +319,8 @@ fn assign_slot<B>(guard: &mut SlotGuard, req: &mut http::Request<B>) {
     }
     let facts = req.extensions().get::<PromptFacts>();
     let chain = facts.map(|f| &f.chain).filter(|c| !c.is_empty());
-    if let Some(slot) = guard.assign_slot(chain) {
+    let named = facts.map_or(NamedSlot::Absent, |f| f.named_slot);
+    if let Some(slot) = guard.assign_slot(chain, named) {
         req.extensions_mut().insert(slot);
     }
 }

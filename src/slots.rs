@@ -8,7 +8,8 @@
 //! slots assigned by the router instead, which knows what it sent to each: a request is
 //! given the slot holding its conversation's last prompt, else a slot never used, else the
 //! one sharing the most with it when that is more than a tenth of it (among equals the least
-//! recently used), else the least recently used. The request carries the slot as
+//! recently used), else the least recently used; a request whose body names its own slot
+//! (`id_slot`) is given that one, or none if it is busy. The request carries the slot as
 //! an [`AssignedSlot`] extension, which the backend's client sends as llama-server's
 //! `id_slot` (with the `client` feature, `client::IdSlot` writes it into the body).
 
@@ -42,6 +43,23 @@ impl AssignedSlot {
 }
 
 use crate::PromptChain;
+
+/// What a request's body says of its own slot: a top-level `id_slot` member, which
+/// llama-server reads before any slot the router would have it take (`client::IdSlot` adds
+/// none to a body that has one).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum NamedSlot {
+    /// The body has no top-level `id_slot`, or was not read: the router may assign a slot.
+    #[default]
+    Absent,
+    /// `id_slot` is this non-negative integer: llama-server runs the request in that slot,
+    /// modulo its slots.
+    Slot(u64),
+    /// `id_slot` is anything else (`-1`, which has llama-server choose, `null`, a string, a
+    /// fraction): llama-server chooses the slot, or runs the request where the router cannot
+    /// tell.
+    Other,
+}
 
 /// What the router knows of one slot of a backend whose slots it assigns: 48 bytes, and the
 /// chains it keeps.
@@ -126,11 +144,41 @@ impl SlotTable {
             (None, None, Some(best)) if share(best_key.0) > SIMILAR => best,
             _ => least_recent?,
         };
-        let slot = &mut self.slots[chosen];
+        Some(self.take(chosen, chain))
+    }
+
+    /// Assigns a request with `chain` the slot its body names, `named` modulo the first
+    /// `count` slots (llama-server's own wrap), and marks it busy; `None` if that slot is
+    /// busy (llama-server runs the request there after the request on it, which the table
+    /// cannot hold twice) or `count` is 0. O(1).
+    pub(crate) fn assign_named(
+        &mut self,
+        count: u32,
+        named: u64,
+        chain: Option<&PromptChain>,
+    ) -> Option<u32> {
+        if count == 0 {
+            return None;
+        }
+        // Less than `count`: a `u32`.
+        let index = (named % u64::from(count)) as usize;
+        if self.slots.len() < count as usize {
+            self.slots.resize_with(count as usize, Slot::default);
+        }
+        if self.slots[index].busy {
+            return None;
+        }
+        Some(self.take(index, chain))
+    }
+
+    /// Marks slot `index` busy with a request of `chain`, keeping what it held for
+    /// [`put_back`](Self::put_back).
+    fn take(&mut self, index: usize, chain: Option<&PromptChain>) -> u32 {
+        let slot = &mut self.slots[index];
         slot.busy = true;
         slot.used_before = std::mem::replace(&mut slot.used, true);
         slot.before = std::mem::replace(&mut slot.chain, chain.cloned());
-        Some(chosen as u32)
+        index as u32
     }
 
     /// Forgets what each slot was sent, as the backend chooses its slots for a while: which

@@ -96,7 +96,11 @@ impl<S> Layer<S> for IdSlotLayer {
 /// JSON object (a leading byte order mark and whitespace aside, which llama-server skips too),
 /// when it is in a content coding (a `Content-Encoding` other than `identity`: its bytes are
 /// the coding's, whatever they open with), or when the object already has a top-level
-/// `id_slot` member: a slot the client chose itself wins. A body whose top level does not
+/// `id_slot` member: a slot the client chose itself wins. The router assigns such a request
+/// the slot it names, or none when that slot is busy or `id_slot` names none (see
+/// [`Backend::assign_slots`](crate::Backend::assign_slots)), so that what it knows of each
+/// slot stays true; `IdSlot` then has a slot to write only where the client wrote the same,
+/// modulo the slots. A body whose top level does not
 /// parse, which is parsed (its top level only, values skipped) only when it may name
 /// `id_slot`, goes on as it came too. The request never fails for this; the response and
 /// errors are the inner service's.

@@ -5969,6 +5969,122 @@ async fn a_slot_in_flight_while_assignment_is_turned_off_and_on_is_still_known_b
     assert_eq!(in_flight(&svc, "a1"), 0);
 }
 
+/// Session `session`'s turn of the user messages `messages`, with `id_slot` (as JSON) as the
+/// body's first member if given, its facts read from that body as `BodyKeyLayer` reads them.
+fn slot_turn_naming(session: &str, messages: &[&str], id_slot: Option<&str>) -> Req {
+    let messages: Vec<String> = messages
+        .iter()
+        .map(|m| format!(r#"{{"role":"user","content":"{m}"}}"#))
+        .collect();
+    let named = id_slot.map_or(String::new(), |n| format!(r#""id_slot":{n},"#));
+    let body = format!(
+        r#"{{{named}"model":"m","messages":[{}]}}"#,
+        messages.join(",")
+    );
+    let mut req = request(Some(session), None);
+    req.extensions_mut()
+        .insert(PromptFacts::from_body(body.as_bytes()));
+    *req.body_mut() = body;
+    req
+}
+
+/// A request whose body names its slot (`"id_slot": 1`, which `IdSlot` leaves as it is and
+/// llama-server runs it in) is assigned that slot, and its prompt is recorded there: the
+/// conversation's next turn, naming none, goes back to it, and a new conversation takes the
+/// slot still empty.
+#[tokio::test]
+async fn a_request_naming_its_slot_is_assigned_that_slot_and_its_prompt_recorded_there() {
+    let (seen, svc) = slot_backend(2, true, ok_body);
+    for (session, messages, id_slot) in [
+        ("x", &["hi"][..], Some("1")),
+        ("x", &["hi", "more"], None),
+        ("y", &["other"], None),
+    ] {
+        let req = slot_turn_naming(session, messages, id_slot);
+        let res = svc.clone().oneshot(req).await.unwrap();
+        res.into_body().collect().await.unwrap();
+    }
+    assert_eq!(*seen.lock(), [Some(1), Some(1), Some(0)]);
+    assert_eq!(in_flight(&svc, "a1"), 0);
+}
+
+/// While a request that named its slot is in flight there, that slot is assigned to no other
+/// request.
+#[tokio::test]
+async fn a_slot_named_by_a_request_in_flight_is_not_assigned_to_another() {
+    let (seen, svc) = slot_backend(2, true, ok_body);
+    let x = slot_turn_naming("x", &["hi"], Some("1"));
+    let x = svc.clone().oneshot(x).await.unwrap();
+    let y = svc
+        .clone()
+        .oneshot(slot_turn_naming("y", &["other"], None))
+        .await
+        .unwrap();
+    assert_eq!(*seen.lock(), [Some(1), Some(0)]);
+    x.into_body().collect().await.unwrap();
+    y.into_body().collect().await.unwrap();
+}
+
+/// A slot number past the backend's slots wraps around, as llama-server takes it modulo its
+/// slots: `"id_slot": 5` of two slots is slot 1.
+#[tokio::test]
+async fn a_named_slot_past_the_backends_slots_wraps_around() {
+    let (seen, svc) = slot_backend(2, true, ok_body);
+    let req = slot_turn_naming("x", &["hi"], Some("5"));
+    let res = svc.clone().oneshot(req).await.unwrap();
+    res.into_body().collect().await.unwrap();
+    assert_eq!(*seen.lock(), [Some(1)]);
+}
+
+/// A request naming a slot another request holds is assigned none, and nothing is recorded of
+/// it: the slot's conversation still goes back there, and the slot it did not take is still
+/// empty for a new conversation.
+#[tokio::test]
+async fn a_request_naming_a_busy_slot_is_assigned_none_and_records_nothing() {
+    let (seen, svc) = slot_backend(2, true, ok_body);
+    let x = svc
+        .clone()
+        .oneshot(slot_turn_naming("x", &["hi"], None))
+        .await
+        .unwrap();
+    let z = svc
+        .clone()
+        .oneshot(slot_turn_naming("z", &["else"], Some("0")))
+        .await
+        .unwrap();
+    x.into_body().collect().await.unwrap();
+    z.into_body().collect().await.unwrap();
+    for (session, messages) in [("x", &["hi", "more"][..]), ("y", &["other"])] {
+        let req = slot_turn_naming(session, messages, None);
+        let res = svc.clone().oneshot(req).await.unwrap();
+        res.into_body().collect().await.unwrap();
+    }
+    assert_eq!(*seen.lock(), [Some(0), None, Some(0), Some(1)]);
+    assert_eq!(in_flight(&svc, "a1"), 0);
+}
+
+/// A request whose `id_slot` names no slot (`-1`, with which llama-server chooses; `null`; a
+/// string; a fraction) is assigned none: `IdSlot` leaves its `id_slot` as it is, so a slot
+/// assigned to it would be counted as holding its prompt while another does.
+#[tokio::test]
+async fn a_request_whose_id_slot_names_no_slot_is_assigned_none() {
+    let (seen, svc) = slot_backend(2, true, ok_body);
+    for id_slot in ["-1", "null", r#""1""#, "1.5", "true"] {
+        let req = slot_turn_naming("x", &["hi"], Some(id_slot));
+        let res = svc.clone().oneshot(req).await.unwrap();
+        res.into_body().collect().await.unwrap();
+    }
+    assert_eq!(*seen.lock(), [None; 5]);
+    // Nothing was recorded: a new conversation takes the first empty slot.
+    let res = svc
+        .clone()
+        .oneshot(slot_turn_naming("y", &["other"], None))
+        .await
+        .unwrap();
+    res.into_body().collect().await.unwrap();
+    assert_eq!(seen.lock()[5], Some(0));
+}
+
 /// A token count (or any request a backend does not run in a slot) is given no slot, and the
 /// slot of the conversation it counts is still known to hold that conversation.
 #[tokio::test]

@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use super::inspect::Config;
 use super::leading::LeadingMessages;
+use crate::slots::NamedSlot;
 use crate::{BackendId, PromptChain};
 
 /// What a [`BodyKey`](super::BodyKey) learned about a request's prompt, put in the request's
@@ -24,6 +25,11 @@ use crate::{BackendId, PromptChain};
 /// It is a hint for grouping prefixes, never a session key: the agents of one swarm all
 /// share it. The facts keep those messages' text and compute the digest when it is asked
 /// for.
+///
+/// They keep the body's top-level `id_slot` too, read in the same pass: on a backend whose
+/// slots the router assigns ([`Backend::assign_slots`](crate::Backend::assign_slots)), a
+/// request that names its own slot is assigned that slot or none. Facts made with
+/// [`from_chain`](Self::from_chain) name no slot.
 ///
 /// ```
 /// use tower_affinity::key::PromptFacts;
@@ -73,11 +79,15 @@ pub struct PromptFacts {
     pub(super) leading: Option<LeadingMessages>,
     /// The body's top-level `model`, for [`model`](Self::model).
     pub(super) model: Option<Arc<str>>,
+    /// The body's top-level `id_slot`: the slot the client chose, which the router assigns
+    /// rather than one of its own choosing (see
+    /// [`Backend::assign_slots`](crate::Backend::assign_slots)).
+    pub(crate) named_slot: NamedSlot,
 }
 
 /// Facts are equal when their sizes, message counts, leading digests, chains, stored
-/// responses' backends and models are: the leading messages' whitespace does not count, as it
-/// does not in the digest.
+/// responses' backends, models and `id_slot`s are: the leading messages' whitespace does not
+/// count, as it does not in the digest.
 impl PartialEq for PromptFacts {
     fn eq(&self, other: &Self) -> bool {
         self.body_bytes == other.body_bytes
@@ -86,6 +96,7 @@ impl PartialEq for PromptFacts {
             && self.stored_on == other.stored_on
             && self.leading_digest() == other.leading_digest()
             && self.model == other.model
+            && self.named_slot == other.named_slot
     }
 }
 
@@ -165,6 +176,7 @@ impl PromptFacts {
             stored_on: None,
             leading: None,
             model: None,
+            named_slot: NamedSlot::Absent,
         }
     }
 }

@@ -16,6 +16,7 @@ use super::prompt::{self, Items, Part, PartValue, PromptMembers};
 use super::responses::StoredResponses;
 use super::PromptFacts;
 use crate::key::{HeaderKey, SessionKey};
+use crate::slots::NamedSlot;
 
 // === config ===
 
@@ -116,6 +117,7 @@ impl Config {
                 stored_on: None,
                 leading: None,
                 model: None,
+                named_slot: NamedSlot::Absent,
             },
             streams_unasked: false,
             continues: false,
@@ -136,6 +138,7 @@ impl Config {
             return out;
         };
         out.facts.model = found.model.map(Arc::from);
+        out.facts.named_slot = found.named_slot;
         out.streams_unasked = found.stream == Some(true) && !found.stream_options;
         out.unstored = found.store == Some(false);
         let previous = found.previous.as_deref().filter(|id| !id.is_empty());
@@ -231,6 +234,11 @@ pub(crate) fn key_at(value: &Value, path: &[String]) -> Option<SessionKey> {
     }
 }
 
+/// The slot an `id_slot` value names: a non-negative integer's, else none.
+fn named_slot_of(value: &Value) -> NamedSlot {
+    value.as_u64().map_or(NamedSlot::Other, NamedSlot::Slot)
+}
+
 /// The key a string names: its text trimmed, unless blank.
 fn key_of_str(s: &str) -> Option<SessionKey> {
     let trimmed = s.trim_ascii();
@@ -262,6 +270,8 @@ struct Found<'de> {
     stream_options: bool,
     /// `store`, if it is a boolean (the last one given).
     store: Option<bool>,
+    /// `id_slot`, if given (the last one given).
+    named_slot: NamedSlot,
 }
 
 /// The top-level object: keeps the members named in `tops` and the prompt's members, skips
@@ -326,6 +336,10 @@ impl<'de> Visitor<'de> for TopLevel<'_, 'de> {
                     found.store = map.next_value::<Flag>()?.0;
                     continue;
                 }
+                Member::IdSlot => {
+                    found.named_slot = map.next_value::<SlotNumber>()?.0;
+                    continue;
+                }
                 Member::Top { index, part } => (index, part),
             };
             // A key field's first key: each field that starts with it, and the rest of its
@@ -335,19 +349,21 @@ impl<'de> Visitor<'de> for TopLevel<'_, 'de> {
                 .filter(|(_, path)| path.first() == Some(first))
                 .map(|(field, path)| (field, &path[1..]))
                 .collect();
-            let keys = match part {
-                // A prompt member too (a field set so): kept whole, as the prompt has it.
-                Some(part) => {
-                    let value: Value = map.next_value()?;
-                    found.prompt.set(part, prompt::of_value(&value));
-                    let keys = paths
-                        .iter()
-                        .map(|&(field, rest)| (field, key_at(&value, rest)));
-                    keys.collect()
+            // A prompt member too (a field set so), or `id_slot`: kept whole, as the prompt
+            // has it. Else only the string or number at the end of each path is kept: the
+            // rest is checked and skipped, nothing built.
+            let keys = if part.is_some() || first == "id_slot" {
+                let value: Value = map.next_value()?;
+                match part {
+                    Some(part) => found.prompt.set(part, prompt::of_value(&value)),
+                    None => found.named_slot = named_slot_of(&value),
                 }
-                // Only the string or number at the end of each path is kept: the rest is
-                // checked and skipped, nothing built.
-                None => map.next_value_seed(KeyAt { paths })?,
+                let keys = paths
+                    .iter()
+                    .map(|&(field, rest)| (field, key_at(&value, rest)));
+                keys.collect()
+            } else {
+                map.next_value_seed(KeyAt { paths })?
             };
             for (field, key) in keys {
                 found.keys[field] = key;
@@ -376,6 +392,8 @@ enum Member {
     StreamOptions,
     /// `store`, not a key field.
     Store,
+    /// `id_slot`, not a key field.
+    IdSlot,
     /// Anything else: skipped.
     Other,
 }
@@ -410,6 +428,7 @@ impl<'de> Visitor<'de> for MemberName<'_> {
             (None, None) if name == "stream" => Member::Stream,
             (None, None) if name == "stream_options" => Member::StreamOptions,
             (None, None) if name == "store" => Member::Store,
+            (None, None) if name == "id_slot" => Member::IdSlot,
             (None, None) => Member::Other,
         })
     }
@@ -672,6 +691,63 @@ impl<'de> Visitor<'de> for FlagVisitor {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Flag, A::Error> {
         while map.next_entry::<Skip, Skip>()?.is_some() {}
         Ok(Flag(None))
+    }
+}
+
+/// `id_slot`'s value: the slot it names if it is a non-negative integer, anything else
+/// checked as [`Skip`] checks it and forgotten, nothing built.
+struct SlotNumber(NamedSlot);
+
+impl<'de> Deserialize<'de> for SlotNumber {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(SlotNumberVisitor)
+    }
+}
+
+struct SlotNumberVisitor;
+
+impl<'de> Visitor<'de> for SlotNumberVisitor {
+    type Value = SlotNumber;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_u64<E: de::Error>(self, n: u64) -> Result<SlotNumber, E> {
+        Ok(SlotNumber(NamedSlot::Slot(n)))
+    }
+
+    fn visit_i64<E: de::Error>(self, n: i64) -> Result<SlotNumber, E> {
+        Ok(SlotNumber(match u64::try_from(n) {
+            Ok(n) => NamedSlot::Slot(n),
+            Err(_) => NamedSlot::Other,
+        }))
+    }
+
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<SlotNumber, E> {
+        Ok(SlotNumber(NamedSlot::Other))
+    }
+
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<SlotNumber, E> {
+        Ok(SlotNumber(NamedSlot::Other))
+    }
+
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<SlotNumber, E> {
+        Ok(SlotNumber(NamedSlot::Other))
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<SlotNumber, E> {
+        Ok(SlotNumber(NamedSlot::Other))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<SlotNumber, A::Error> {
+        while seq.next_element::<Skip>()?.is_some() {}
+        Ok(SlotNumber(NamedSlot::Other))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<SlotNumber, A::Error> {
+        while map.next_entry::<Skip, Skip>()?.is_some() {}
+        Ok(SlotNumber(NamedSlot::Other))
     }
 }
 
