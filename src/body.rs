@@ -107,9 +107,12 @@ pub(crate) struct Observe {
     usage: Option<Usage>,
     done: bool,
     /// For a stream, whether the last chunk read with bytes in it held a `usage` or
-    /// `timings` object or the stream's last event (see [`ends_answer`](crate::slots::ends_answer)):
-    /// a client that drops the body then has read the answer to its end. An Anthropic stream
-    /// gives its prompt's figures in its first event, before the answer is written.
+    /// `timings` object whose choice is not going on (its last `finish_reason` is not null,
+    /// or it has none), or the stream's last event (see
+    /// [`ends_answer`](crate::slots::ends_answer)): a client that drops the body then has
+    /// read the answer to its end. An Anthropic stream gives its prompt's figures in its
+    /// first event, before the answer is written; vLLM with `continuous_usage_stats` and
+    /// llama-server with `timings_per_token` give figures in every chunk.
     at_end: bool,
 }
 
@@ -166,9 +169,16 @@ impl Observe {
         if self.stream && !chunk.is_empty() {
             // The last event is looked for only once figures were read (an Anthropic stream,
             // from its first event on): before that, a stream dropped is not learned anyway,
-            // and the look costs a token chunk of an OpenAI stream nothing.
+            // and the look costs a token chunk of an OpenAI stream nothing. A chunk with
+            // figures is the end unless its choice goes on (a token chunk of a stream with
+            // figures in every chunk): looked at only in a chunk with figures, one a stream
+            // that gives them once.
             let read = self.scanner.objects_read();
-            self.at_end = read != before || (read > 0 && crate::slots::ends_answer(chunk));
+            self.at_end = if read != before {
+                !crate::slots::choice_goes_on(chunk)
+            } else {
+                read > 0 && crate::slots::ends_answer(chunk)
+            };
         }
         first
     }
@@ -203,9 +213,12 @@ impl Observe {
     /// The body is dropped before its end: if the answer has reported its figures in full,
     /// they are learned as at its end; otherwise nothing is (a stream cut short). A stream
     /// has reported them in full when the last chunk read held figures (the usage chunk,
-    /// `response.completed`, llama-server's last chunk) or its last event (`data: [DONE]`,
-    /// `message_stop`): an Anthropic stream's figures in its first event, `message_start`,
-    /// are not its end, and a client that stops it in the middle has not read the answer.
+    /// `response.completed`, llama-server's last chunk) and no choice that goes on
+    /// (`"finish_reason":null`), or its last event (`data: [DONE]`, `message_stop`): an
+    /// Anthropic stream's figures in its first event, `message_start`, and the figures in
+    /// each token chunk of a stream that gives them in every chunk (vLLM's
+    /// `continuous_usage_stats`, llama-server's `timings_per_token`) are not its end, and a
+    /// client that stops it in the middle has not read the answer.
     fn end_if_reported(&mut self, guard: &SlotGuard) {
         let ended = !self.stream || self.at_end;
         if !self.done && ended && self.scanner.finish().is_some() {

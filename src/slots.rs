@@ -42,6 +42,10 @@ impl AssignedSlot {
     }
 }
 
+use std::sync::LazyLock;
+
+use memchr::memmem::Finder;
+
 use crate::PromptChain;
 
 /// What a request's body says of its own slot: a top-level `id_slot` member, which
@@ -250,6 +254,24 @@ pub(crate) fn ends_answer(chunk: &[u8]) -> bool {
         .any(|w| w.starts_with(DONE) && matches!(w[DONE.len()], b'\n' | b'\r'))
         || tail.windows(STOP.len()).any(|w| w == STOP);
     done || ends_responses(chunk)
+}
+
+/// Whether the last `"finish_reason"` in a chunk is `null`: the chunk's choice goes on, as
+/// in each token chunk of a stream that gives its figures in every chunk (vLLM with
+/// `continuous_usage_stats`, llama-server with `timings_per_token`). A chunk without one (a
+/// usage chunk with no choices, an Anthropic or Responses event) or whose last one names a
+/// reason (the choice's last chunk) does not go on. A `"finish_reason"` in an answer's text
+/// has its quotes escaped and is not taken for one.
+/// Searched forward, a vector at a time: on `usage/sse_64`'s last chunk, about 370
+/// instructions an answer against 1,100 for the reverse search (callgrind).
+pub(crate) fn choice_goes_on(chunk: &[u8]) -> bool {
+    const NAME: &[u8] = b"\"finish_reason\":";
+    static FINISH: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(NAME));
+    FINISH.find_iter(chunk).last().is_some_and(|at| {
+        chunk[at + NAME.len()..]
+            .trim_ascii_start()
+            .starts_with(b"null")
+    })
 }
 
 /// Whether a chunk is one whole last event of a Responses stream: it begins with the event
@@ -496,6 +518,31 @@ mod tests {
         assert!(ends_answer(
             b"data: {\"choices\":[{\"delta\":{\"content\":\"data: [DONE]\"}}]}\n\ndata: [DONE]\n\n"
         ));
+    }
+
+    #[test]
+    fn a_choice_goes_on_while_its_last_finish_reason_in_the_chunk_is_null() {
+        // vLLM's token chunk and its finish, llama-server's, one frame with both.
+        let token = b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hel\"},\"logprobs\":null,\"finish_reason\":null}],\"usage\":{\"prompt_tokens\":12}}\n\n";
+        let finish = b"data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\",\"stop_reason\":null}],\"usage\":{\"prompt_tokens\":12}}\n\n";
+        assert!(choice_goes_on(token));
+        assert!(!choice_goes_on(finish));
+        assert!(choice_goes_on(
+            b"{\"choices\":[{\"finish_reason\": null,\"index\":0}]}"
+        ));
+        assert!(!choice_goes_on(&[&token[..], &finish[..]].concat()));
+        assert!(choice_goes_on(&[&finish[..], &token[..]].concat()));
+        // No choice: a usage chunk, an Anthropic event; a name in the answer's text.
+        assert!(!choice_goes_on(
+            b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":12}}\n\n"
+        ));
+        assert!(!choice_goes_on(
+            b"data: {\"type\":\"message_start\",\"message\":{\"stop_reason\":null}}\n\n"
+        ));
+        assert!(!choice_goes_on(
+            br#"{"delta":{"content":"\"finish_reason\":null"}}"#
+        ));
+        assert!(!choice_goes_on(b""));
     }
 
     #[test]

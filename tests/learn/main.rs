@@ -3058,3 +3058,63 @@ async fn an_anthropic_stream_dropped_midway_is_not_counted_and_one_read_to_its_l
     let a = status(&svc, "a");
     assert_eq!((a.prompt_tokens, a.reused_tokens), (3_100, 3_000));
 }
+
+/// vLLM with `stream_options: {"include_usage": true, "continuous_usage_stats": true}`
+/// puts a usage object in every chunk, from the role's chunk on; llama-server with
+/// `timings_per_token` puts its timings in every chunk. Such a stream dropped before its
+/// last event (the chunk whose `finish_reason` is not null, the usage chunk after it,
+/// `data: [DONE]`) has not been read to its end and is not learned; dropped after it, it is.
+#[tokio::test(start_paused = true)]
+async fn a_stream_with_figures_in_every_chunk_is_learned_only_when_dropped_after_its_finish() {
+    // vLLM's chat chunks: the role, three tokens, the finish (its `stop_reason` null: an end
+    // of sequence), the usage chunk, `[DONE]`.
+    let vllm: Vec<&'static [u8]> = vec![
+        b"data: {\"id\":\"chatcmpl-9a1\",\"object\":\"chat.completion.chunk\",\"created\":1730000000,\"model\":\"qwen\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"logprobs\":null,\"finish_reason\":null}],\"usage\":{\"prompt_tokens\":1200,\"total_tokens\":1200,\"completion_tokens\":0}}\n\n",
+        b"data: {\"id\":\"chatcmpl-9a1\",\"object\":\"chat.completion.chunk\",\"created\":1730000000,\"model\":\"qwen\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hel\"},\"logprobs\":null,\"finish_reason\":null}],\"usage\":{\"prompt_tokens\":1200,\"total_tokens\":1201,\"completion_tokens\":1}}\n\n",
+        b"data: {\"id\":\"chatcmpl-9a1\",\"object\":\"chat.completion.chunk\",\"created\":1730000000,\"model\":\"qwen\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"lo\"},\"logprobs\":null,\"finish_reason\":null}],\"usage\":{\"prompt_tokens\":1200,\"total_tokens\":1202,\"completion_tokens\":2}}\n\n",
+        b"data: {\"id\":\"chatcmpl-9a1\",\"object\":\"chat.completion.chunk\",\"created\":1730000000,\"model\":\"qwen\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\".\"},\"logprobs\":null,\"finish_reason\":null}],\"usage\":{\"prompt_tokens\":1200,\"total_tokens\":1203,\"completion_tokens\":3}}\n\n",
+        b"data: {\"id\":\"chatcmpl-9a1\",\"object\":\"chat.completion.chunk\",\"created\":1730000000,\"model\":\"qwen\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"\"},\"logprobs\":null,\"finish_reason\":\"stop\",\"stop_reason\":null}],\"usage\":{\"prompt_tokens\":1200,\"total_tokens\":1204,\"completion_tokens\":4}}\n\n",
+        b"data: {\"id\":\"chatcmpl-9a1\",\"object\":\"chat.completion.chunk\",\"created\":1730000000,\"model\":\"qwen\",\"choices\":[],\"usage\":{\"prompt_tokens\":1200,\"total_tokens\":1204,\"completion_tokens\":4,\"prompt_tokens_details\":{\"cached_tokens\":1024}}}\n\n",
+        b"data: [DONE]\n\n",
+    ];
+    // llama-server's chunks with `timings_per_token`: two tokens, the finish.
+    let llama: Vec<&'static [u8]> = vec![
+        b"data: {\"choices\":[{\"finish_reason\":null,\"index\":0,\"delta\":{\"content\":\"Hel\"}}],\"created\":1730000000,\"id\":\"chatcmpl-Xy\",\"model\":\"qwen\",\"system_fingerprint\":\"b5000\",\"object\":\"chat.completion.chunk\",\"timings\":{\"prompt_n\":176,\"prompt_ms\":40.2,\"prompt_per_token_ms\":0.23,\"prompt_per_second\":4378.1,\"predicted_n\":1,\"predicted_ms\":0.1,\"predicted_per_token_ms\":0.1,\"predicted_per_second\":10000.0,\"cache_n\":1024}}\n\n",
+        b"data: {\"choices\":[{\"finish_reason\":null,\"index\":0,\"delta\":{\"content\":\"lo\"}}],\"created\":1730000000,\"id\":\"chatcmpl-Xy\",\"model\":\"qwen\",\"system_fingerprint\":\"b5000\",\"object\":\"chat.completion.chunk\",\"timings\":{\"prompt_n\":176,\"prompt_ms\":40.2,\"prompt_per_token_ms\":0.23,\"prompt_per_second\":4378.1,\"predicted_n\":2,\"predicted_ms\":12.3,\"predicted_per_token_ms\":6.1,\"predicted_per_second\":162.6,\"cache_n\":1024}}\n\n",
+        b"data: {\"choices\":[{\"finish_reason\":\"stop\",\"index\":0,\"delta\":{}}],\"created\":1730000000,\"id\":\"chatcmpl-Xy\",\"model\":\"qwen\",\"system_fingerprint\":\"b5000\",\"object\":\"chat.completion.chunk\",\"usage\":{\"completion_tokens\":2,\"prompt_tokens\":1200,\"total_tokens\":1202},\"timings\":{\"prompt_n\":176,\"prompt_ms\":40.2,\"prompt_per_token_ms\":0.23,\"prompt_per_second\":4378.1,\"predicted_n\":2,\"predicted_ms\":12.4,\"predicted_per_token_ms\":6.2,\"predicted_per_second\":161.3,\"cache_n\":1024}}\n\n",
+        b"data: [DONE]\n\n",
+    ];
+    for (name, frames, finish) in [("vllm", vllm, 4), ("llama-server", llama, 2)] {
+        for read in 1..=frames.len() {
+            let svc = service(&[("a", "n1")]);
+            let mut reply = Reply::new("text/event-stream", &frames);
+            // The rest of the stream, or its end, a long while later.
+            reply
+                .frames
+                .push((Duration::from_secs(3_600), Ok(Bytes::from_static(b""))));
+            let res = svc
+                .clone()
+                .oneshot(request(None, None, reply))
+                .await
+                .expect("an answer");
+            let mut body = res.into_body();
+            for _ in 0..read {
+                body.frame().await.expect("a frame").expect("data");
+            }
+            drop(body);
+            let a = status(&svc, "a");
+            let counted = u64::from(read > finish);
+            assert_eq!(
+                (a.in_flight, a.usage_reports),
+                (0, counted),
+                "{name}, dropped after {read} frames"
+            );
+            let prompt = a.prompt_tokens + a.unreported_prompt_tokens;
+            assert_eq!(
+                prompt,
+                1_200 * counted,
+                "{name}, dropped after {read} frames"
+            );
+        }
+    }
+}
