@@ -393,8 +393,8 @@ impl<S> Backend<S> {
     /// other's slots, one sent to a busy slot waits there for it, and a conversation whose
     /// turns enter different replicas changes slots. Leave it off where several replicas share
     /// a backend: in the swarm's overload scenario at 8 GiB two replicas entered at random
-    /// with the shared store reuse 59.0% of later turns with it and 83.7% without it, and
-    /// entered by session 69.2% and 80.3% (means of 16 seeds).
+    /// with the shared store reuse 59.2% of later turns with it and 84.2% without it, and
+    /// entered by session 69.3% and 80.3% (means of 16 seeds).
     ///
     /// Only for llama-server with `-np` given, whose slots each keep their KV in a context of
     /// their own: llama-server searches no RAM cache (`--cache-ram`) for a request that names
