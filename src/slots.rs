@@ -258,20 +258,24 @@ pub(crate) fn ends_answer(chunk: &[u8]) -> bool {
 
 /// Whether the last `"finish_reason"` in a chunk is `null`: the chunk's choice goes on, as
 /// in each token chunk of a stream that gives its figures in every chunk (vLLM with
-/// `continuous_usage_stats`, llama-server with `timings_per_token`). A chunk without one (a
-/// usage chunk with no choices, an Anthropic or Responses event) or whose last one names a
-/// reason (the choice's last chunk) does not go on. A `"finish_reason"` in an answer's text
-/// has its quotes escaped and is not taken for one.
+/// `continuous_usage_stats`, llama-server with `timings_per_token`). An Anthropic stream's
+/// `message_start`, whose figures come before the answer, goes on too. A chunk without
+/// either (a usage chunk with no choices, another Anthropic or Responses event) or whose
+/// last `"finish_reason"` names a reason (the choice's last chunk) does not go on. Neither
+/// name in an answer's text is taken for one: its quotes are escaped there.
 /// Searched forward, a vector at a time: on `usage/sse_64`'s last chunk, about 370
 /// instructions an answer against 1,100 for the reverse search (callgrind).
 pub(crate) fn choice_goes_on(chunk: &[u8]) -> bool {
     const NAME: &[u8] = b"\"finish_reason\":";
     static FINISH: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(NAME));
-    FINISH.find_iter(chunk).last().is_some_and(|at| {
+    static START: LazyLock<Finder<'static>> =
+        LazyLock::new(|| Finder::new(b"\"type\":\"message_start\""));
+    let null = FINISH.find_iter(chunk).last().is_some_and(|at| {
         chunk[at + NAME.len()..]
             .trim_ascii_start()
             .starts_with(b"null")
-    })
+    });
+    null || START.find(chunk).is_some()
 }
 
 /// Whether a chunk is one whole last event of a Responses stream: it begins with the event
@@ -532,15 +536,22 @@ mod tests {
         ));
         assert!(!choice_goes_on(&[&token[..], &finish[..]].concat()));
         assert!(choice_goes_on(&[&finish[..], &token[..]].concat()));
-        // No choice: a usage chunk, an Anthropic event; a name in the answer's text.
+        // An Anthropic stream's first event, whose figures come before the answer, goes on.
+        assert!(choice_goes_on(
+            b"data: {\"type\":\"message_start\",\"message\":{\"stop_reason\":null}}\n\n"
+        ));
+        // No choice: a usage chunk, Anthropic's last events; names in the answer's text.
         assert!(!choice_goes_on(
             b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":12}}\n\n"
         ));
         assert!(!choice_goes_on(
-            b"data: {\"type\":\"message_start\",\"message\":{\"stop_reason\":null}}\n\n"
+            b"data: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":9}}\n\n"
         ));
         assert!(!choice_goes_on(
             br#"{"delta":{"content":"\"finish_reason\":null"}}"#
+        ));
+        assert!(!choice_goes_on(
+            br#"{"delta":{"text":"\"type\":\"message_start\""}}"#
         ));
         assert!(!choice_goes_on(b""));
     }

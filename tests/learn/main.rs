@@ -3036,8 +3036,10 @@ async fn an_anthropic_stream_dropped_midway_is_not_counted_and_one_read_to_its_l
     let text: &'static [u8] = b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Hel\"}}\n\n";
     let stop: &'static [u8] = b"event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":9}}\n\nevent: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
     let stopped = Reply::new("text/event-stream", &[start, text]);
+    // Stopped at once, after the event that gives the prompt's figures.
+    let at_start = Reply::new("text/event-stream", &[start, text]);
     let whole = Reply::new("text/event-stream", &[start, text, stop]);
-    for (mut reply, frames, counted) in [(stopped, 2, 0), (whole, 3, 1)] {
+    for (mut reply, frames, counted) in [(at_start, 1, 0), (stopped, 2, 0), (whole, 3, 1)] {
         // The rest of the stream, or its end, a long while later.
         reply
             .frames
