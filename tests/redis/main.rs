@@ -1311,9 +1311,17 @@ async fn a_home_sent_again_after_an_outage_keeps_the_one_another_replica_placed_
     let a = replica(&redis.url(), PATIENT, RECONNECT);
     let mut conn = redis.client().await;
     let key = key_of("agent-1");
+    // Another session, homed elsewhere, whose next turn below writes nothing.
+    let other = decision(&send(&a, "agent-0").await);
+    until_stored(&mut conn, &key_of("agent-0"), other.backend.as_str()).await;
     let first = send(&a, "agent-1").await;
     let home = decision(&first);
+    assert_ne!(home.backend, other.backend);
     until_stored(&mut conn, &key, home.backend.as_str()).await;
+    // A's write of that home landed; its answer is read too before Redis goes, so that the
+    // write failing below is the next turn's: a read on A's connection after it, answered.
+    let again = decision(&send(&a, "agent-0").await);
+    assert_eq!(again.outcome, Outcome::HomeHit);
     // Down: A's next turn of the session spills off its busy home, and the write fails.
     redis.kill().await;
     let second = send(&a, "agent-1").await;
