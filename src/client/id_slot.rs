@@ -353,6 +353,21 @@ mod tests {
     /// Sends `body` through `IdSlot`, with `slot` assigned and a `Content-Length` if
     /// `length`, and says what the inner service got.
     async fn send(body: &'static str, slot: Option<u32>, length: bool) -> SeenRequest {
+        let mut req = http::Request::post("/v1/chat/completions");
+        if length {
+            req = req.header(header::CONTENT_LENGTH, body.len());
+        }
+        let mut req = req
+            .body(Full::new(Bytes::from_static(body.as_bytes())))
+            .unwrap();
+        if let Some(slot) = slot {
+            req.extensions_mut().insert(AssignedSlot::new(slot));
+        }
+        send_request(req).await
+    }
+
+    /// Sends `req` through `IdSlot`, and says what the inner service got.
+    async fn send_request(req: http::Request<Full<Bytes>>) -> SeenRequest {
         let seen = Arc::new(Mutex::new(None));
         let inner = {
             let seen = seen.clone();
@@ -366,16 +381,6 @@ mod tests {
                 }
             })
         };
-        let mut req = http::Request::post("/v1/chat/completions");
-        if length {
-            req = req.header(header::CONTENT_LENGTH, body.len());
-        }
-        let mut req = req
-            .body(Full::new(Bytes::from_static(body.as_bytes())))
-            .unwrap();
-        if let Some(slot) = slot {
-            req.extensions_mut().insert(AssignedSlot::new(slot));
-        }
         let res = IdSlot::new(inner).oneshot(req).await.unwrap();
         assert_eq!(res.into_body(), "answer");
         let seen = seen.lock().take();
@@ -512,25 +517,12 @@ mod tests {
     #[tokio::test]
     async fn a_body_in_a_content_coding_goes_as_it_came() {
         async fn sent(coding: &'static str) -> Bytes {
-            let seen = Arc::new(Mutex::new(None));
-            let inner = {
-                let seen = seen.clone();
-                service_fn(move |req: http::Request<Full<Bytes>>| {
-                    let seen = seen.clone();
-                    async move {
-                        *seen.lock() = Some(req.into_body().collect().await.unwrap().to_bytes());
-                        Ok::<_, Infallible>(http::Response::new(()))
-                    }
-                })
-            };
             let mut req = http::Request::post("/v1/chat/completions")
                 .header(header::CONTENT_ENCODING, coding)
                 .body(Full::new(Bytes::from_static(br#"{"n":1}"#)))
                 .unwrap();
             req.extensions_mut().insert(AssignedSlot::new(2));
-            IdSlot::new(inner).oneshot(req).await.unwrap();
-            let sent = seen.lock().take();
-            sent.unwrap()
+            send_request(req).await.1
         }
         // Bytes that open like a JSON object are the coding's all the same.
         for coding in ["br", "gzip", "identity, gzip", " Deflate "] {

@@ -324,7 +324,7 @@ impl<'de> Visitor<'de> for TopLevel<'_, 'de> {
                     continue;
                 }
                 Member::Stream => {
-                    found.stream = map.next_value::<Flag>()?.0;
+                    found.stream = map.next_value::<Scalar>()?.flag();
                     continue;
                 }
                 Member::StreamOptions => {
@@ -333,11 +333,11 @@ impl<'de> Visitor<'de> for TopLevel<'_, 'de> {
                     continue;
                 }
                 Member::Store => {
-                    found.store = map.next_value::<Flag>()?.0;
+                    found.store = map.next_value::<Scalar>()?.flag();
                     continue;
                 }
                 Member::IdSlot => {
-                    found.named_slot = map.next_value::<SlotNumber>()?.0;
+                    found.named_slot = map.next_value::<Scalar>()?.slot();
                     continue;
                 }
                 Member::Top { index, part } => (index, part),
@@ -640,114 +640,80 @@ impl<'de> Visitor<'de> for Skip {
     ignore_other_values!();
 }
 
-/// A value that counts only if it is a boolean (`stream`'s, `store`'s): anything else is checked as
-/// [`Skip`] checks it and forgotten, nothing built.
-struct Flag(Option<bool>);
+/// A member's value kept only if it is a boolean (`stream`'s, `store`'s) or a whole number
+/// not below 0 (`id_slot`'s): anything else is checked as [`Skip`] checks it and forgotten,
+/// nothing built.
+enum Scalar {
+    Bool(bool),
+    Whole(u64),
+    Other,
+}
 
-impl<'de> Deserialize<'de> for Flag {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer.deserialize_any(FlagVisitor)
+impl Scalar {
+    /// The boolean it is, if it is one.
+    fn flag(self) -> Option<bool> {
+        match self {
+            Scalar::Bool(b) => Some(b),
+            _ => None,
+        }
+    }
+
+    /// The slot it names as `id_slot`: a whole number's, else none.
+    fn slot(self) -> NamedSlot {
+        match self {
+            Scalar::Whole(n) => NamedSlot::Slot(n),
+            _ => NamedSlot::Other,
+        }
     }
 }
 
-struct FlagVisitor;
+impl<'de> Deserialize<'de> for Scalar {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(ScalarVisitor)
+    }
+}
 
-impl<'de> Visitor<'de> for FlagVisitor {
-    type Value = Flag;
+struct ScalarVisitor;
+
+impl<'de> Visitor<'de> for ScalarVisitor {
+    type Value = Scalar;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("any JSON value")
     }
 
-    fn visit_bool<E: de::Error>(self, b: bool) -> Result<Flag, E> {
-        Ok(Flag(Some(b)))
+    fn visit_bool<E: de::Error>(self, b: bool) -> Result<Scalar, E> {
+        Ok(Scalar::Bool(b))
     }
 
-    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Flag, E> {
-        Ok(Flag(None))
+    fn visit_u64<E: de::Error>(self, n: u64) -> Result<Scalar, E> {
+        Ok(Scalar::Whole(n))
     }
 
-    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Flag, E> {
-        Ok(Flag(None))
+    fn visit_i64<E: de::Error>(self, n: i64) -> Result<Scalar, E> {
+        Ok(u64::try_from(n).map_or(Scalar::Other, Scalar::Whole))
     }
 
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Flag, E> {
-        Ok(Flag(None))
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Scalar, E> {
+        Ok(Scalar::Other)
     }
 
-    fn visit_str<E: de::Error>(self, _: &str) -> Result<Flag, E> {
-        Ok(Flag(None))
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<Scalar, E> {
+        Ok(Scalar::Other)
     }
 
-    fn visit_unit<E: de::Error>(self) -> Result<Flag, E> {
-        Ok(Flag(None))
+    fn visit_unit<E: de::Error>(self) -> Result<Scalar, E> {
+        Ok(Scalar::Other)
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Flag, A::Error> {
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Scalar, A::Error> {
         while seq.next_element::<Skip>()?.is_some() {}
-        Ok(Flag(None))
+        Ok(Scalar::Other)
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Flag, A::Error> {
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Scalar, A::Error> {
         while map.next_entry::<Skip, Skip>()?.is_some() {}
-        Ok(Flag(None))
-    }
-}
-
-/// `id_slot`'s value: the slot it names if it is a non-negative integer, anything else
-/// checked as [`Skip`] checks it and forgotten, nothing built.
-struct SlotNumber(NamedSlot);
-
-impl<'de> Deserialize<'de> for SlotNumber {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer.deserialize_any(SlotNumberVisitor)
-    }
-}
-
-struct SlotNumberVisitor;
-
-impl<'de> Visitor<'de> for SlotNumberVisitor {
-    type Value = SlotNumber;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("any JSON value")
-    }
-
-    fn visit_u64<E: de::Error>(self, n: u64) -> Result<SlotNumber, E> {
-        Ok(SlotNumber(NamedSlot::Slot(n)))
-    }
-
-    fn visit_i64<E: de::Error>(self, n: i64) -> Result<SlotNumber, E> {
-        Ok(SlotNumber(match u64::try_from(n) {
-            Ok(n) => NamedSlot::Slot(n),
-            Err(_) => NamedSlot::Other,
-        }))
-    }
-
-    fn visit_bool<E: de::Error>(self, _: bool) -> Result<SlotNumber, E> {
-        Ok(SlotNumber(NamedSlot::Other))
-    }
-
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<SlotNumber, E> {
-        Ok(SlotNumber(NamedSlot::Other))
-    }
-
-    fn visit_str<E: de::Error>(self, _: &str) -> Result<SlotNumber, E> {
-        Ok(SlotNumber(NamedSlot::Other))
-    }
-
-    fn visit_unit<E: de::Error>(self) -> Result<SlotNumber, E> {
-        Ok(SlotNumber(NamedSlot::Other))
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<SlotNumber, A::Error> {
-        while seq.next_element::<Skip>()?.is_some() {}
-        Ok(SlotNumber(NamedSlot::Other))
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<SlotNumber, A::Error> {
-        while map.next_entry::<Skip, Skip>()?.is_some() {}
-        Ok(SlotNumber(NamedSlot::Other))
+        Ok(Scalar::Other)
     }
 }
 
