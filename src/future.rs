@@ -372,11 +372,7 @@ where
                 record,
                 ..
             } => State::call((service, guard, decision, None, record), req, shared.finish),
-            Placed::Empty {
-                retry_after,
-                backends,
-                up,
-            } => State::fail(shared.no_backends(retry_after, backends, up)),
+            Placed::Empty(none) => State::fail(shared.no_backends(none)),
             Placed::Answered(first) => State::Answered { first: Some(first) },
             Placed::Full { .. } => {
                 shared.capacity.counters.count_rejected();
@@ -449,11 +445,7 @@ where
                     req,
                     shared.finish,
                 ),
-                Placed::Empty {
-                    retry_after,
-                    backends,
-                    up,
-                } => State::fail(shared.no_backends(retry_after, backends, up)),
+                Placed::Empty(none) => State::fail(shared.no_backends(none)),
                 Placed::Answered(first) => State::Answered { first: Some(first) },
                 Placed::Full { home } => {
                     if let Overflow::Wait {
@@ -513,13 +505,9 @@ where
                     shared.finish,
                 )
             }
-            Placed::Empty {
-                retry_after,
-                backends,
-                up,
-            } => {
+            Placed::Empty(none) => {
                 ticket.settle();
-                State::fail(shared.no_backends(retry_after, backends, up))
+                State::fail(shared.no_backends(none))
             }
             Placed::Answered(first) => {
                 ticket.settle();
@@ -719,12 +707,8 @@ where
                             state.set(State::call(placed, r, finish));
                             drop(unused);
                         }
-                        Placed::Empty {
-                            retry_after,
-                            backends,
-                            up,
-                        } => {
-                            let error = w.shared.no_backends(retry_after, backends, up);
+                        Placed::Empty(none) => {
+                            let error = w.shared.no_backends(none);
                             state.set(State::fail(error));
                         }
                         Placed::Answered(first) => {

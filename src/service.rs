@@ -196,6 +196,16 @@ pub(crate) struct Shared<B, P> {
     discovery: Arc<dyn Drain<B, P>>,
 }
 
+/// What a request no backend can take is refused with ([`Error::NoBackends`]):
+/// `retry_after` is when the first backend the request may go to, down for a failure
+/// cooldown, comes back; the fleet had `backends`, `up` of them up (and passed over).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct NoBackend {
+    pub(crate) retry_after: Option<Duration>,
+    pub(crate) backends: usize,
+    pub(crate) up: usize,
+}
+
 /// The result of one placement attempt.
 pub(crate) enum Placed<S> {
     /// A slot was taken on a backend.
@@ -212,14 +222,8 @@ pub(crate) enum Placed<S> {
     /// taken elsewhere, which was given back.
     Full { home: WaitHome },
     /// The fleet is empty, or every backend offered is marked down, or the policy passed
-    /// over every backend up: `retry_after` is when the first of those the request may go
-    /// to, down for a failure cooldown, comes back. The fleet had `backends`, `up` of them
-    /// up (and passed over).
-    Empty {
-        retry_after: Option<Duration>,
-        backends: usize,
-        up: usize,
-    },
+    /// over every backend up.
+    Empty(NoBackend),
     /// A retried refusal that no other backend takes: the refusal answers.
     Answered(Box<crate::retry::FirstAnswer>),
 }
@@ -663,19 +667,12 @@ impl<B, P> Shared<B, P> {
         Overflow::RETRY_AFTER
     }
 
-    /// The refusal of a request no backend can take, counted: with the time until the first
-    /// backend it may go to, down for a failure cooldown, comes back, if one is, and the
-    /// backends in the fleet and up ([`Placed::Empty`]).
+    /// The refusal of a request no backend can take ([`Placed::Empty`]), counted.
     #[cold]
     #[inline(never)]
-    pub(crate) fn no_backends(
-        &self,
-        retry_after: Option<Duration>,
-        backends: usize,
-        up: usize,
-    ) -> Error {
+    pub(crate) fn no_backends(&self, none: NoBackend) -> Error {
         self.capacity.counters.count_no_backends();
-        Error::no_backends_of(retry_after, backends, up)
+        Error::no_backends_of(none.retry_after, none.backends, none.up)
     }
 
     /// When the first failure cooldown still running on a backend `home` waits for ends, if
@@ -780,11 +777,11 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             self.capacity.counters.count_refusal(false);
         }
         if t.live.is_empty() {
-            return Placed::Empty {
+            return Placed::Empty(NoBackend {
                 retry_after: None,
                 backends: 0,
                 up: 0,
-            };
+            });
         }
         let home_backend = known.and_then(|h| t.resolve(h.backend, h.generation));
         // A backend can move to another node (discovery updated it): its node now is the home
@@ -942,11 +939,11 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
             (None, None) if candidates.saw_down() || candidates.passed_over_every_backend_up() => {
                 let retry_after = first_back(t, now_ms, &candidates);
                 let (backends, up) = count_up(t, now_ms);
-                return Placed::Empty {
+                return Placed::Empty(NoBackend {
                     retry_after,
                     backends,
                     up,
-                };
+                });
             }
             _ => return full(),
         };
