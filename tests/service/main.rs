@@ -6222,3 +6222,170 @@ async fn a_503_given_back_names_its_backend_without_the_decision_extension() {
         "a1"
     );
 }
+
+// === whatever the caller does with a request, nothing it took stays taken ===
+
+/// What a backend and the service hold for requests, which are all back at rest once no
+/// request is left: slots, context, unread prompt tokens, waiters.
+fn at_rest<D, K, P, S>(svc: &SessionAffinity<D, K, P>) -> bool
+where
+    D: Discover<Key = tower_affinity::BackendId, Service = Backend<S>>,
+{
+    let stats = svc.stats();
+    (stats.in_flight, stats.waiting) == (0, 0)
+        && svc
+            .backends()
+            .iter()
+            .all(|b| b.in_flight == 0 && b.context_in_flight == 0 && b.unread_tokens == 0)
+}
+
+/// Every request the service was called with is placed, refused, or given up on.
+fn accounted<D, K, P, S>(svc: &SessionAffinity<D, K, P>, calls: u64) -> bool
+where
+    D: Discover<Key = tower_affinity::BackendId, Service = Backend<S>>,
+{
+    let s = svc.stats();
+    s.placed() + s.abandoned + s.rejected + s.no_backends + s.refusals_answered == calls
+}
+
+/// A response future dropped before its first poll gives back what its `call` took: the slot
+/// and context of a request called at once, of one whose backend was not ready, and the place
+/// in the queue of one waiting for a slot.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_response_future_dropped_before_its_first_poll_gives_back_what_its_call_took() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_secs(30), 8))
+        .layer(fleet_with_context(&[("a1", 2, Some(100_000))], &streams));
+    // Called at once, then dropped.
+    svc.ready().await.unwrap();
+    drop(svc.call(prompt("s1", 1, 1_000)));
+    assert!(at_rest(&svc), "{:?}", svc.backends());
+    // One slot taken by a stream; one request then waits for the other, and is dropped.
+    let held = send_req(&mut svc, prompt("s2", 2, 1_000)).await.unwrap();
+    let held2 = send_req(&mut svc, prompt("s3", 3, 1_000)).await.unwrap();
+    svc.ready().await.unwrap();
+    drop(svc.call(prompt("s4", 4, 1_000)));
+    assert_eq!(svc.stats().waiting, 0);
+    drop((held, held2));
+    assert!(at_rest(&svc), "{:?}", svc.backends());
+    assert!(accounted(&svc, 4), "{:?}", svc.stats());
+    assert_eq!(svc.stats().abandoned, 1);
+    // A backend not ready: its request dropped before it was polled.
+    let hangs = tower::service_fn(|_req: Req| async {
+        std::future::pending::<()>().await;
+        Ok::<_, Infallible>(http::Response::new(String::new()))
+    });
+    let one_at_a_time = tower::limit::ConcurrencyLimit::new(hangs, 1);
+    let mut svc = SessionAffinityLayer::new().layer(StaticFleet::new([(
+        "a1",
+        Backend::new("a", one_at_a_time)
+            .slots(nz(2))
+            .context_tokens(std::num::NonZeroU64::new(100_000).unwrap())
+            .assign_slots(),
+    )]));
+    ServiceExt::<Req>::ready(&mut svc).await.unwrap();
+    let mut sent = tokio_test::task::spawn(svc.call(slot_turn("s1", &[1])));
+    assert_pending!(sent.poll());
+    ServiceExt::<Req>::ready(&mut svc).await.unwrap();
+    drop(svc.call(slot_turn("s2", &[2])));
+    assert_eq!(status(&svc, "a1").in_flight, 1);
+    drop(sent);
+    assert!(at_rest(&svc), "{:?}", svc.backends());
+}
+
+/// A body polled again after its end gives nothing back twice: the slot of another request
+/// stays counted.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_body_polled_after_its_end_gives_nothing_back_twice() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new().layer(fleet(&[("a1", "a", 2)], &streams));
+    let other = send(&mut svc, Some("s1"), Some("stream")).await.unwrap();
+    let res = send(&mut svc, Some("s2"), None).await.unwrap();
+    let mut body = res.into_body();
+    assert_eq!(
+        body.frame().await.unwrap().unwrap().into_data().unwrap(),
+        "a1"
+    );
+    assert!(body.frame().await.is_none());
+    for _ in 0..3 {
+        assert!(body.frame().await.is_none());
+    }
+    drop(body);
+    assert_eq!(in_flight(&svc, "a1"), 1);
+    drop(other);
+    assert!(at_rest(&svc));
+}
+
+/// A backend whose future panics gives its slot back as its task unwinds, and a request
+/// waiting for that slot takes it.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_backend_that_panics_gives_its_slot_back_as_its_task_unwinds() {
+    let go = std::sync::Arc::new(tokio::sync::Notify::new());
+    let panic_when = go.clone();
+    let panics = tower::service_fn(move |req: Req| {
+        let go = panic_when.clone();
+        async move {
+            if req.headers().contains_key("x-panic") {
+                go.notified().await;
+                panic!("a bug in the backend");
+            }
+            Ok::<_, Infallible>(http::Response::new(String::from("ok")))
+        }
+    });
+    let svc = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_secs(30), 8))
+        .layer(StaticFleet::new([("a1", Backend::new("a", panics))]));
+    let mut req = request(Some("s1"), None);
+    req.headers_mut()
+        .insert("x-panic", http::HeaderValue::from_static("1"));
+    let panicking = tokio::spawn(svc.clone().oneshot(req));
+    tokio::task::yield_now().await;
+    assert_eq!(in_flight(&svc, "a1"), 1);
+    let waiting = tokio::spawn(svc.clone().oneshot(request(Some("s2"), None)));
+    tokio::task::yield_now().await;
+    assert_eq!(svc.stats().waiting, 1);
+    go.notify_one();
+    assert!(panicking.await.unwrap_err().is_panic());
+    let res = waiting.await.unwrap().unwrap();
+    assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), "ok");
+    assert!(at_rest(&svc));
+    assert!(accounted(&svc, 2), "{:?}", svc.stats());
+}
+
+/// A `call` no `poll_ready` preceded is placed on the fleet as discovery was last applied:
+/// on a service never polled, none, and it is refused as such; after a clone's readiness,
+/// the fleet that clone applied. Either way nothing stays counted.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_call_without_readiness_is_placed_on_the_fleet_as_last_applied() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new().layer(fleet(&[("a1", "a", 1)], &streams));
+    let err = svc.call(request(Some("s"), None)).await.unwrap_err();
+    assert!(matches!(err, Error::NoBackends { .. }), "{err}");
+    ServiceExt::<Req>::ready(&mut svc.clone()).await.unwrap();
+    let res = svc.call(request(Some("s"), None)).await.unwrap();
+    assert_eq!(decision(&res).backend.as_str(), "a1");
+    drop(res);
+    assert!(at_rest(&svc));
+    assert!(accounted(&svc, 2), "{:?}", svc.stats());
+}
+
+/// The body tells the backend's body's size and end as it has them, and still holds its slot
+/// until it is read to its end or dropped.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn the_body_tells_the_size_and_end_of_the_backends_body() {
+    let (_, mut svc) = slot_backend(1, false, ok_body);
+    let req = request(Some("s"), None);
+    let res = svc.ready().await.unwrap().call(req).await.unwrap();
+    let mut body = res.into_body();
+    assert_eq!(http_body::Body::size_hint(&body).exact(), Some(2));
+    assert!(!http_body::Body::is_end_stream(&body));
+    assert_eq!(
+        body.frame().await.unwrap().unwrap().into_data().unwrap(),
+        "ok"
+    );
+    assert!(http_body::Body::is_end_stream(&body));
+    assert_eq!(http_body::Body::size_hint(&body).exact(), Some(0));
+    assert!(body.frame().await.is_none());
+    assert!(at_rest(&svc));
+}
