@@ -1123,9 +1123,10 @@ impl CacheModel {
         self.remove_leaf(self.tail, true);
     }
 
-    /// Removes leaf `i`: evicted as the least recently used (its parent, if it becomes a
-    /// leaf, was used no later and goes last), or taken back (its parent, used by the same
-    /// record, goes first).
+    /// Removes leaf `i`: evicted as the least recently used, or taken back (its parent, used
+    /// by the same record, goes first). The parent of a leaf evicted, if it becomes a leaf, was
+    /// used no later and goes last, unless a prompt ended at it later (a turn sent again from
+    /// further back): then it goes after the leaves used before that prompt.
     fn remove_leaf(&mut self, i: u32, evicted: bool) {
         self.unlink(i);
         let node = self.nodes[i as usize];
@@ -1140,13 +1141,46 @@ impl CacheModel {
             let p = &mut self.nodes[node.parent as usize];
             p.children -= 1;
             if p.children == 0 {
-                if evicted {
-                    self.push_back(node.parent);
-                } else {
+                if !evicted {
                     self.push_front(node.parent);
+                } else if later(p.stamp, node.stamp) {
+                    self.place_by_stamp(node.parent);
+                } else {
+                    self.push_back(node.parent);
                 }
             }
         }
+    }
+
+    /// Lists leaf `i` after the leaves, from the least recently used on, whose stamps are
+    /// earlier than its own. O(those leaves).
+    fn place_by_stamp(&mut self, i: u32) {
+        let stamp = self.nodes[i as usize].stamp;
+        // The leaf it goes after, on the tail's side of it.
+        let mut older = NONE;
+        let mut at = self.tail;
+        while at != NONE && later(stamp, self.nodes[at as usize].stamp) {
+            older = at;
+            at = self.nodes[at as usize].prev;
+        }
+        if older == NONE {
+            self.push_back(i);
+            return;
+        }
+        let newer = self.nodes[older as usize].prev;
+        {
+            let n = &mut self.nodes[i as usize];
+            n.prev = newer;
+            n.next = older;
+        }
+        self.nodes[older as usize].prev = i;
+        if newer != NONE {
+            self.nodes[newer as usize].next = i;
+        } else {
+            self.head = i;
+        }
+        self.leaves += 1;
+        self.recent.add(stamp);
     }
 
     #[cfg(test)]
@@ -2042,6 +2076,25 @@ mod tests {
     }
 
     #[test]
+    fn a_prefix_sent_again_outlives_the_conversations_used_before_it() {
+        // Room for ten links of 100 tokens.
+        let mut m = CacheModel::new(1_000);
+        let (long, other, prefix) = (chain(&[1, 2, 3, 4]), chain(&[10, 11]), chain(&[1, 2]));
+        m.record_next(long.links(), 0);
+        m.record_next(other.links(), 0);
+        // The first two links of `long` sent again (a turn regenerated): the latest use.
+        m.record_next(prefix.links(), 2);
+        // Six new links evict what `long` held past the prefix.
+        m.record_next(chain(&[20, 21, 22, 23, 24, 25]).links(), 0);
+        assert_eq!((m.held(long.links()), m.held(other.links())), (2, 2));
+        // One more link: `other`, used before the prefix, goes first.
+        m.record_next(chain(&[30]).links(), 0);
+        assert_eq!(m.held(prefix.links()), 2);
+        assert_eq!(m.held(other.links()), 1);
+        m.check();
+    }
+
+    #[test]
     fn a_chain_larger_than_the_budget_keeps_what_fits() {
         let mut m = CacheModel::new(250);
         let c = chain(&[1, 2, 3, 4, 5]);
@@ -2113,10 +2166,6 @@ mod tests {
     struct Reference {
         links: std::collections::HashMap<u64, RefLink>,
         tokens: u64,
-        /// Ranks: a leaf used now takes the next high one; a link left a leaf by an eviction
-        /// takes the next low one (it was used no later than the leaf evicted).
-        high: i64,
-        low: i64,
         clock: u32,
     }
 
@@ -2124,7 +2173,10 @@ mod tests {
         parent: Option<u64>,
         tokens: u64,
         children: usize,
-        rank: i64,
+        /// The last record that passed through it or ended at it: the least recently used
+        /// leaf is the one with the earliest.
+        used: u32,
+        /// As the model stamps it: the records that add it or end at or pass from it.
         stamp: u32,
     }
 
@@ -2146,6 +2198,9 @@ mod tests {
             }
             self.clock += 1;
             let known = self.held(chain);
+            for link in &chain[..known] {
+                self.links.get_mut(&link.digest).unwrap().used = self.clock;
+            }
             let mut parent = known.checked_sub(1).map(|i| chain[i].digest);
             if let Some(p) = parent {
                 self.links.get_mut(&p).unwrap().stamp = self.clock;
@@ -2161,17 +2216,12 @@ mod tests {
                         parent,
                         tokens: link.tokens - before,
                         children: 0,
-                        rank: 0,
+                        used: self.clock,
                         stamp: self.clock,
                     },
                 );
                 self.tokens += link.tokens - before;
                 parent = Some(link.digest);
-            }
-            let tip = self.links.get_mut(&chain[chain.len() - 1].digest).unwrap();
-            if tip.children == 0 {
-                self.high += 1;
-                tip.rank = self.high;
             }
             while self.tokens > budget || self.links.len() > max_blocks {
                 if !self.evict_oldest(u32::MAX) {
@@ -2186,7 +2236,7 @@ mod tests {
                 .links
                 .iter()
                 .filter(|(_, l)| l.children == 0)
-                .min_by_key(|(_, l)| l.rank)
+                .min_by_key(|(_, l)| l.used)
             else {
                 return false;
             };
@@ -2198,10 +2248,6 @@ mod tests {
             if let Some(p) = gone.parent {
                 let p = self.links.get_mut(&p).unwrap();
                 p.children -= 1;
-                if p.children == 0 {
-                    self.low -= 1;
-                    p.rank = self.low;
-                }
             }
             true
         }
