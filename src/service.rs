@@ -221,8 +221,8 @@ pub(crate) enum Placed<S> {
     /// No candidate had a free slot, or waiting for `home` was ruled cheaper than a slot
     /// taken elsewhere, which was given back.
     Full { home: WaitHome },
-    /// The fleet is empty, or every backend offered is marked down, or the policy passed
-    /// over every backend up.
+    /// The fleet is empty, or every backend is marked down, or the policy passed over every
+    /// backend up.
     Empty(NoBackend),
     /// A retried refusal that no other backend takes: the refusal answers.
     Answered(Box<crate::retry::FirstAnswer>),
@@ -936,7 +936,11 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
                 context = load.force_context(load.context_need(prompt_tokens));
                 (i, true)
             }
-            (None, None) if candidates.saw_down() || candidates.passed_over_every_backend_up() => {
+            // Nothing healthy offered. Only a fleet with no backend up the policy left open
+            // has none for the request: a policy that offered backends down (or nothing)
+            // while one it neither offered nor passed over is up finds no free slot, and
+            // waits for what it offered to come back.
+            (None, None) if candidates.passed_over_every_backend_up() => {
                 let retry_after = first_back(t, now_ms, &candidates);
                 let (backends, up) = count_up(t, now_ms);
                 return Placed::Empty(NoBackend {

@@ -121,13 +121,16 @@ pub use view::{BackendRef, FleetView, Home, HomeCache, NodeRef, PlacementRequest
 /// offer returns [`ControlFlow::Break`] (the service took that backend). It must not block or
 /// do I/O: it runs on every request, on the request's path.
 ///
-/// A policy that offers nothing leaves the request without a backend; the service then
-/// answers [`Error::NoBackends`](crate::Error::NoBackends) if the fleet is empty, if every
-/// backend is down (a policy may leave those out, [`Candidates::is_down`]), or if the policy
+/// A policy that offers no backend up (nothing, or only backends that are down) leaves the
+/// request without a backend; the service then answers
+/// [`Error::NoBackends`](crate::Error::NoBackends) if the fleet is empty, if every backend is
+/// down (a policy may leave those out, [`Candidates::is_down`]), or if the policy
 /// [passed over](Candidates::pass_over) every backend that is up (it has none for the
 /// request; the error's message then says so, and its `up` counts them), and otherwise
-/// treats the request as finding no free slot. A policy that panics loses its request, not
-/// the slot it may have taken.
+/// treats the request as finding no free slot: under
+/// [`Overflow::Wait`](crate::Overflow::Wait) it waits, and looks again when a slot frees or
+/// a backend comes back. A backend left out of the offers is not passed over.
+/// A policy that panics loses its request, not the slot it may have taken.
 ///
 /// The service has the last word in two cases, whatever the policy: a request that continues
 /// a stored response goes to the backend storing it
@@ -176,7 +179,6 @@ pub struct Candidates<'a> {
     /// unallocated, otherwise): O(1) to mark and to check, however many it passes over.
     passed_over: Vec<u64>,
     now_ms: u64,
-    down: bool,
     mode: Mode<'a>,
     first: Option<u32>,
     chosen: Option<u32>,
@@ -239,7 +241,6 @@ impl<'a> Candidates<'a> {
             only_backend: None,
             passed_over: Vec::new(),
             now_ms,
-            down: false,
             mode: Mode::Acquire,
             first: None,
             chosen: None,
@@ -260,7 +261,6 @@ impl<'a> Candidates<'a> {
             only_backend: None,
             passed_over: Vec::new(),
             now_ms,
-            down: false,
             mode: Mode::Probe,
             first: None,
             chosen: None,
@@ -281,7 +281,6 @@ impl<'a> Candidates<'a> {
             only_backend: None,
             passed_over: Vec::new(),
             now_ms,
-            down: false,
             mode: Mode::Collect(into),
             first: None,
             chosen: None,
@@ -319,10 +318,7 @@ impl<'a> Candidates<'a> {
         }
         let load = &member.load;
         match load.health(self.now_ms) {
-            (true, _) => {
-                self.down = true;
-                return ControlFlow::Continue(());
-            }
+            (true, _) => return ControlFlow::Continue(()),
             (false, true) => tracing::info!(backend = %member.id, "backend up: cooldown over"),
             (false, false) => {}
         }
@@ -477,7 +473,9 @@ impl<'a> Candidates<'a> {
     /// offers of a backend that is down do. A policy that wraps another calls it first, to
     /// keep the other's order within rules of its own. O(1) a call. A policy that passes over
     /// every backend that is up has none for the request, which fails at once with
-    /// [`Error::NoBackends`](crate::Error::NoBackends) rather than waiting for a slot.
+    /// [`Error::NoBackends`](crate::Error::NoBackends) rather than waiting for a slot. Only
+    /// this call passes a backend over: one the policy leaves out of its offers while it is
+    /// up is not, and a request offered only backends down while it is up waits for them.
     ///
     /// The wrapped policy still sees the whole fleet: `NodeThenBackend`'s spreading bounds
     /// (its share of the fleet's slots, the fleet's average load) and
@@ -599,11 +597,6 @@ impl<'a> Candidates<'a> {
     /// The first healthy backend offered, whether or not it had room.
     pub(crate) fn first(&self) -> Option<u32> {
         self.first
-    }
-
-    /// Whether a backend was passed over because it was down.
-    pub(crate) fn saw_down(&self) -> bool {
-        self.down
     }
 }
 

@@ -4662,6 +4662,71 @@ async fn a_policy_offering_nothing_while_every_backend_is_down_has_no_backends()
     drop(held);
 }
 
+/// Offers only the backends the request names (`Avoid` read as the names to offer), in that
+/// order, and passes over none: the others are left out, not refused.
+#[derive(Clone, Copy)]
+struct OnlyNamed;
+
+impl Placement for OnlyNamed {
+    fn place(
+        &self,
+        fleet: &tower_affinity::placement::FleetView<'_>,
+        req: &tower_affinity::placement::PlacementRequest<'_>,
+        c: &mut tower_affinity::placement::Candidates<'_>,
+    ) {
+        let Some(Avoid(names)) = req.extensions.get::<Avoid>() else {
+            return;
+        };
+        for name in names.iter() {
+            if let Some(b) = fleet.backends().find(|b| b.id().as_str() == *name) {
+                if c.offer(b).is_break() {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// A policy that offers only backends that are down, while others are up that it neither
+/// offered nor passed over, has not refused the request: it finds no free slot, and waits
+/// for the backend it was offered to come back, rather than failing at once with
+/// `NoBackends` (whose message would say the policy passed over every backend up). Without
+/// a wait, it is refused as any request finding no free slot is.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_policy_offering_only_backends_down_while_others_are_up_waits_for_them() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .placement(OnlyNamed)
+        .overflow(Overflow::wait(Duration::from_secs(60), 8))
+        .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
+    svc.ready().await.unwrap();
+    svc.mark_down("a1", Some(Duration::from_secs(5)));
+    let mut waiting =
+        tokio_test::task::spawn(svc.call(avoiding(request(Some("s"), None), &["a1"])));
+    assert_pending!(waiting.poll());
+    tokio::time::advance(Duration::from_secs(5)).await;
+    assert!(waiting.is_woken());
+    let res = assert_ready!(waiting.poll()).unwrap();
+    let d = decision(&res);
+    assert_eq!(d.backend.as_str(), "a1");
+    assert_eq!(d.waited, Some(Duration::from_secs(5)));
+    assert_eq!(svc.stats().no_backends, 0);
+    drop(res);
+    // Rejecting at once: refused as finding no free slot, not for want of a backend.
+    let mut svc = SessionAffinityLayer::new()
+        .placement(OnlyNamed)
+        .overflow(Overflow::Reject)
+        .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
+    svc.ready().await.unwrap();
+    assert!(svc.mark_down("a1", None));
+    let err = send_req(&mut svc, avoiding(request(Some("s"), None), &["a1"]))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Saturated { .. }), "{err}");
+    let stats = svc.stats();
+    assert_eq!((stats.no_backends, stats.rejected), (0, 1));
+}
+
 /// Which tenant a backend serves, or a request comes from.
 #[derive(Clone, Debug, PartialEq)]
 struct Tenant(&'static str);
