@@ -88,7 +88,7 @@ use tower_affinity::key::{
 use tower_affinity::placement::{LeastLoaded, NodeThenBackend, Placement, Rendezvous, RoundRobin};
 use tower_affinity::store::{RedisStore, StoreState, StoreStats};
 use tower_affinity::{
-    Backend, BackendStatus, BoxError, Decision, ErrorToResponse, Outcome, Overflow, ReadRefusals,
+    Backend, BackendStatus, BoxError, Decision, Error, Outcome, Overflow, ReadRefusals,
     ResponseBody, RetryOnce, Reuse, SessionAffinity, SessionAffinityLayer, Stats,
 };
 use tower_http::request_id::{
@@ -790,10 +790,7 @@ impl Proxy {
         let routes = (self.fleets.iter().zip(&self.wait_seconds))
             .map(|(fleet, wait_seconds)| ModelRoute {
                 model: fleet.model.clone(),
-                service: ErrorToResponse::new(Retry::new(
-                    RetryOnce::new(),
-                    ReadRefusals::new(fleet.affinity.clone()),
-                )),
+                service: Retry::new(RetryOnce::new(), ReadRefusals::new(fleet.affinity.clone())),
                 wait_seconds: wait_seconds.clone(),
             })
             .collect();
@@ -1503,8 +1500,8 @@ type Reported = (&'static str, &'static str, fn(&BackendStatus) -> u64);
 // === serving ===
 
 /// One model's balancer, with one retry (of a failure, or of a prompt refused as too long
-/// for its backend's context), as a request reaches it.
-type Balancer = ErrorToResponse<Retry<RetryOnce, ReadRefusals<Affinity>>>;
+/// for its backend's context), as a request reaches it. [`ByModelFuture`] answers its errors.
+type Balancer = Retry<RetryOnce, ReadRefusals<Affinity>>;
 
 /// Everything but `/metrics`: the body read for its key, prompt chain and model, then that
 /// model's balancer.
@@ -1578,38 +1575,46 @@ impl Future for ByModelFuture {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
-        let mut res = ready!(this.fut.poll(cx))?;
         let route = &this.routes.routes[*this.index];
+        let res = match ready!(this.fut.poll(cx)) {
+            Ok(res) => res,
+            Err(e) => {
+                let several = this.routes.routes.len() > 1;
+                return Poll::Ready(Ok(answer_error(e, route.model.as_deref(), several)));
+            }
+        };
         // As the `metrics` feature records it: the requests that waited.
         if let Some(waited) = res.extensions().get::<Decision>().and_then(|d| d.waited) {
             route.wait_seconds.observe(waited.as_secs_f64());
         }
-        // The balancer's own 503 (no backend of the fleet up), with several fleets: which. A
-        // backend's 503 has its decision (among the extensions, as the balancer puts it): it
-        // goes on as the backend gave it.
-        let refused = res.status() == StatusCode::SERVICE_UNAVAILABLE
-            && res.extensions().get::<Decision>().is_none()
-            && res.body().decision().is_none()
-            && res
-                .extensions()
-                .get::<tower_affinity::BackendId>()
-                .is_none();
-        if refused && this.routes.routes.len() > 1 {
-            let mut text = match &route.model {
-                Some(model) => format!("no backends available for model {model:?}"),
-                None => "no backends available for the models not given a fleet".to_string(),
-            };
-            // The balancer's time to retry after (a failure cooldown's end), said in the
-            // message as the balancer says it.
-            let after = res.headers().get(header::RETRY_AFTER);
-            if let Some(after) = after.and_then(|v| v.to_str().ok()) {
-                text = format!("{text}; retry after {after} s");
-            }
-            *res.body_mut() =
-                ResponseBody::full(tower_affinity::Error::json_body(res.status(), &text));
-        }
         Poll::Ready(Ok(res))
     }
+}
+
+/// The answer to a request its balancer failed, as [`Error::into_response`] makes it. With
+/// several fleets, the balancer's own refusal for want of a backend ([`Error::NoBackends`])
+/// names the fleet first, `model "NAME": ` (or `the models not given a fleet: `), then says
+/// what the balancer's message says: the fleet is empty, every backend is down, or the policy
+/// passed over every backend up, with the counts and the time to retry after. Any other error
+/// is answered as the balancer's mapping answers it, and a 503 that a backend gave as its
+/// answer is no error here: it goes on as the backend gave it.
+fn answer_error(
+    e: Error,
+    model: Option<&str>,
+    several: bool,
+) -> Response<ResponseBody<BackendBody>> {
+    let named = match &e {
+        Error::NoBackends { .. } if several => Some(match model {
+            Some(model) => format!("model {model:?}: {e}"),
+            None => format!("the models not given a fleet: {e}"),
+        }),
+        _ => None,
+    };
+    let mut res = e.into_response();
+    if let Some(text) = named {
+        *res.body_mut() = ResponseBody::full(Error::json_body(res.status(), &text));
+    }
+    res
 }
 
 /// The response body of [`Front`]: a backend's (or the balancer's refusal), or the proxy's

@@ -2377,8 +2377,11 @@ async fn without_a_fleet_for_other_models_the_first_model_takes_them() {
     assert_eq!(other.backend(), "small");
 }
 
+/// With several fleets, the balancer's 503 for want of a backend names the fleet, then says
+/// what the balancer's own refusal says: here that every backend of the fleet is down, and
+/// how many it has, not only that none is available.
 #[tokio::test]
-async fn a_fleet_with_no_backend_up_says_which_model_it_serves() {
+async fn a_fleet_with_no_backend_up_says_which_model_it_serves_and_that_its_backends_are_down() {
     let (small, coder) = (Stub::start("small", 2).await, Stub::start("coder", 2).await);
     let backends = [
         format!("node-a={},slots=2,id=small", small.url()),
@@ -2391,11 +2394,12 @@ async fn a_fleet_with_no_backend_up_says_which_model_it_serves() {
     for (model, says) in [
         (
             "qwen3-coder",
-            "no backends available for model \"qwen3-coder\"",
+            "model \"qwen3-coder\": no backends available: every backend is down (1 in the fleet)",
         ),
         (
             "other",
-            "no backends available for the models not given a fleet",
+            "the models not given a fleet: no backends available: every backend is down \
+             (1 in the fleet)",
         ),
     ] {
         let body = json!({"model": model, "messages": [{"role": "user", "content": "hi"}]});
@@ -2439,7 +2443,10 @@ async fn with_several_fleets_the_503_naming_the_fleet_says_when_to_retry() {
     let body: serde_json::Value = serde_json::from_slice(&res.body).unwrap();
     assert_eq!(
         body["error"]["message"],
-        format!("no backends available for model \"qwen3-coder\"; retry after {after} s")
+        format!(
+            "model \"qwen3-coder\": no backends available: every backend is down \
+             (1 in the fleet); retry after {after} s"
+        )
     );
 }
 
