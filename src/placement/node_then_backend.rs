@@ -25,6 +25,12 @@ use super::{
 /// backend already more than `1 + epsilon` times as busy as the fleet on average, so one key
 /// space cannot pile sessions onto one backend; the skipped backends are still offered last.
 ///
+/// Its bounds only order the backends: in the end it offers every backend, and it
+/// [passes over](Candidates::pass_over) none. A request it places is refused with
+/// [`Error::NoBackends`](crate::Error::NoBackends) only when the fleet is empty or every
+/// backend is down (its `up` is 0), never because the policy passed over the backends up:
+/// while one is up, the request at worst finds no free slot.
+///
 /// # What the caches hold
 ///
 /// When the request carries a [prompt chain](crate::PromptChain) (put there by
@@ -169,10 +175,12 @@ impl NodeThenBackend {
     }
 
     /// Bounds the load new sessions may add to one backend: a backend whose share of taken
-    /// slots would exceed `1 + epsilon` times the fleet's is passed over for new sessions while
-    /// another has room below the bound. At low load none may have (one request more is a
-    /// large share of a backend of a few slots): the bound then passes no backend over.
-    /// Negative or non-finite values are read as 0.
+    /// slots would exceed `1 + epsilon` times the fleet's is offered to new sessions only
+    /// after the backends within the bound, so it takes one only when none of those does
+    /// (they are full, or down). It is skipped, not [passed over](Candidates::pass_over): a
+    /// request is never refused for the bound. At low load no backend may be within it (one
+    /// request more is a large share of a backend of a few slots): the bound then skips no
+    /// backend. Negative or non-finite values are read as 0.
     ///
     /// With the [conversation bound](Self::conversation_bound) (on by default), a new session
     /// takes the first backend in its rendezvous order within both bounds, then within the
