@@ -430,12 +430,12 @@ impl<S> Backend<S> {
     /// A request whose body names its own slot (a top-level `id_slot`, which `IdSlot` leaves
     /// as it is, and llama-server runs the request in) is assigned that slot, modulo the
     /// backend's slots as llama-server wraps it, and never another: its prompt is recorded
-    /// there, and no other request is given the slot while it runs. If the slot is busy with
-    /// another of the router's requests, or `id_slot` names none (`-1`, with which
-    /// llama-server chooses, or a value not a non-negative integer), it is assigned none and
-    /// nothing is recorded of it; llama-server runs it after the request on that slot, and the
-    /// router, which counts the slot free when that request ends, may send another there to
-    /// wait. The router learns of `id_slot` from the facts
+    /// there, and no other request is given the slot while it runs. If another request is
+    /// on the slot, llama-server runs this one there after it: the slot is taken until both
+    /// have ended, and then holds this one's prompt. A request whose `id_slot` names none
+    /// (`-1`, with which llama-server chooses, or a value not a non-negative integer) is
+    /// assigned none, and nothing is recorded of it. The router learns of `id_slot` from the
+    /// facts
     /// [`BodyKeyLayer`](crate::key::BodyKeyLayer) reads in its one pass over the body: a body
     /// it leaves unread (a header names the session and
     /// [`skip_when_header`](crate::key::BodyKeyLayer::skip_when_header) says so) is
@@ -1067,8 +1067,9 @@ pub(crate) struct SlotGuard {
     /// [`Load::take_context_or_give_back`]): 32 bits, which fill the struct's padding.
     context: u32,
     /// The slot the router assigned the request, if it assigns the backend's slots
-    /// ([`NO_SLOT`] if not), with [`SLOT_FREED`] set once it is free again: 32 bits, which
-    /// fill the struct's padding too.
+    /// ([`NO_SLOT`] if not), with [`SLOT_QUEUED`] set if the request was queued there
+    /// behind another and [`SLOT_FREED`] once it is free again: 32 bits, which fill the
+    /// struct's padding too.
     assigned: u32,
 }
 
@@ -1078,6 +1079,10 @@ const NO_SLOT: u32 = u32::MAX;
 /// Set in [`SlotGuard::assigned`] once the slot is free again: its number stays, for the
 /// answer's debug line. No backend has 2^31 slots.
 const SLOT_FREED: u32 = 1 << 31;
+
+/// Set in [`SlotGuard::assigned`] when the request named a slot that was taken, and was
+/// queued there (see [`SlotTable::assign_named`]). No backend has 2^30 slots.
+const SLOT_QUEUED: u32 = 1 << 30;
 
 impl SlotGuard {
     /// Holds the slot just taken on `load`, at fleet time `now_ms`.
@@ -1096,8 +1101,9 @@ impl SlotGuard {
 
     /// Assigns the request one of the backend's slots for `chain`, if the router assigns
     /// them ([`Backend::assign_slots`]) and one is free by its count; it is free again when
-    /// the guard drops. A request whose body names its slot (`named`) is assigned that one
-    /// if it is free, else none; one whose `id_slot` names no slot is assigned none.
+    /// the guard drops. A request whose body names its slot (`named`) is assigned that one,
+    /// free or not (queued behind the requests on it); one whose `id_slot` names no slot is
+    /// assigned none.
     pub(crate) fn assign_slot(
         &mut self,
         chain: Option<&PromptChain>,
@@ -1109,15 +1115,18 @@ impl SlotGuard {
         let slots = self.load.slots.load(Ordering::Relaxed);
         let mut table = self.load.slot_table.lock();
         let table = table.as_mut()?;
-        let index = match named {
-            NamedSlot::Absent => table.assign(slots, chain)?,
-            NamedSlot::Slot(n) => table.assign_named(slots, n, chain)?,
+        let (index, queued) = match named {
+            NamedSlot::Absent => (table.assign(slots, chain)?, false),
+            NamedSlot::Slot(n) => {
+                let taken = table.assign_named(slots, n, chain)?;
+                (taken.index, taken.queued)
+            }
             NamedSlot::Other => return None,
         };
-        if index & SLOT_FREED != 0 {
+        if index & (SLOT_FREED | SLOT_QUEUED) != 0 {
             return None;
         }
-        self.assigned = index;
+        self.assigned = if queued { index | SLOT_QUEUED } else { index };
         Some(AssignedSlot::new(index))
     }
 
@@ -1133,12 +1142,15 @@ impl SlotGuard {
 
     /// The slot the router assigned the request, if any, held still or freed.
     pub(crate) fn assigned_slot(&self) -> Option<u32> {
-        (self.assigned != NO_SLOT).then_some(self.assigned & !SLOT_FREED)
+        (self.assigned != NO_SLOT).then_some(self.assigned & !(SLOT_FREED | SLOT_QUEUED))
     }
 
-    /// The slot the request still holds, now marked free.
-    fn free_assigned_slot(&mut self) -> Option<u32> {
-        let held = self.holds_assigned_slot().then_some(self.assigned);
+    /// The slot the request still holds, and whether it was queued there, now marked free.
+    fn free_assigned_slot(&mut self) -> Option<(u32, bool)> {
+        let held = self.holds_assigned_slot().then_some((
+            self.assigned & !SLOT_QUEUED,
+            self.assigned & SLOT_QUEUED != 0,
+        ));
         self.assigned |= SLOT_FREED;
         held
     }
@@ -1149,9 +1161,9 @@ impl SlotGuard {
     /// stream at its last event: either may send its next turn before the body's end is
     /// polled, and that turn's own slot is free on the backend already.
     pub(crate) fn release_assigned_slot(&mut self) {
-        if let Some(index) = self.free_assigned_slot() {
+        if let Some((index, queued)) = self.free_assigned_slot() {
             if let Some(table) = self.load.slot_table.lock().as_mut() {
-                table.release(index);
+                table.release(index, queued);
             }
         }
     }
@@ -1160,9 +1172,9 @@ impl SlotGuard {
     /// the request, or never got it): the slot is free, and is known to hold what it held
     /// before, as the backend's cache model takes back the request's chain.
     pub(crate) fn put_back_assigned_slot(&mut self) {
-        if let Some(index) = self.free_assigned_slot() {
+        if let Some((index, queued)) = self.free_assigned_slot() {
             if let Some(table) = self.load.slot_table.lock().as_mut() {
-                table.put_back(index);
+                table.put_back(index, queued);
             }
         }
     }

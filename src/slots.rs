@@ -9,7 +9,8 @@
 //! given the slot holding its conversation's last prompt, else a slot never used, else the
 //! one sharing the most with it when that is more than a tenth of it (among equals the least
 //! recently used), else the least recently used; a request whose body names its own slot
-//! (`id_slot`) is given that one, or none if it is busy. The request carries the slot as
+//! (`id_slot`) is given that one, free or not: llama-server runs it there once the requests
+//! on it have run, and the slot is taken until it ends too. The request carries the slot as
 //! an [`AssignedSlot`] extension, which the backend's client sends as llama-server's
 //! `id_slot` (with the `client` feature, `client::IdSlot` writes it into the body).
 
@@ -69,7 +70,8 @@ pub(crate) enum NamedSlot {
 /// chains it keeps.
 #[derive(Debug, Default)]
 struct Slot {
-    /// The chain of the last request sent to it, if it had one.
+    /// The chain of the last request sent to it, if it had one: what it holds once the
+    /// requests on it have run.
     chain: Option<PromptChain>,
     /// While a request is on it, the chain it held before: what it holds still if the
     /// backend does not run the request (refuses it, or never gets it).
@@ -79,9 +81,28 @@ struct Slot {
     used: bool,
     /// While a request is on it, whether one was sent to it before.
     used_before: bool,
+    /// Whether the request the slot was assigned to while free is on it.
     busy: bool,
+    /// The requests that named the slot while it was taken, and wait for it or run in it:
+    /// llama-server runs each there in turn.
+    queued: u32,
     /// When a request last left it, on the table's own count.
     last_used: u64,
+}
+
+impl Slot {
+    /// Whether a request is on it, or waits for it on the backend.
+    fn taken(&self) -> bool {
+        self.busy || self.queued > 0
+    }
+}
+
+/// A slot the table gave a request: its number, and whether the request waits there behind
+/// another (it named a slot that was taken).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Taken {
+    pub(crate) index: u32,
+    pub(crate) queued: bool,
 }
 
 /// The slots of a backend whose slots the router assigns: which are busy, and what each was
@@ -98,7 +119,8 @@ const SIMILAR: f64 = 0.1;
 
 impl SlotTable {
     /// Assigns one of the first `count` slots to a request with `chain` and marks it busy;
-    /// `None` if each of them is busy. In order of preference:
+    /// `None` if each of them is taken (busy, or with a request queued there). In order of
+    /// preference:
     ///
     /// 1. the slot whose last prompt the chain goes on from (the conversation's own), the
     ///    longest if several;
@@ -121,7 +143,7 @@ impl SlotTable {
         let (mut own, mut empty, mut best, mut least_recent) = (None, None, None, None);
         let (mut own_tokens, mut best_key, mut least_at) = (0, (0, u64::MAX), u64::MAX);
         for (i, s) in self.slots[..count].iter().enumerate() {
-            if s.busy {
+            if s.taken() {
                 continue;
             }
             let links = match (chain, &s.chain) {
@@ -152,15 +174,17 @@ impl SlotTable {
     }
 
     /// Assigns a request with `chain` the slot its body names, `named` modulo the first
-    /// `count` slots (llama-server's own wrap), and marks it busy; `None` if that slot is
-    /// busy (llama-server runs the request there after the request on it, which the table
-    /// cannot hold twice) or `count` is 0. O(1).
+    /// `count` slots (llama-server's own wrap); `None` if `count` is 0. A free slot is marked
+    /// busy, as [`assign`](Self::assign) marks it. A taken one is given all the same, the
+    /// request queued there: llama-server runs it in that slot once the requests on it
+    /// have run, so the slot stays taken until it ends too, and holds its prompt then.
+    /// O(1).
     pub(crate) fn assign_named(
         &mut self,
         count: u32,
         named: u64,
         chain: Option<&PromptChain>,
-    ) -> Option<u32> {
+    ) -> Option<Taken> {
         if count == 0 {
             return None;
         }
@@ -169,10 +193,23 @@ impl SlotTable {
         if self.slots.len() < count as usize {
             self.slots.resize_with(count as usize, Slot::default);
         }
-        if self.slots[index].busy {
-            return None;
+        let slot = &mut self.slots[index];
+        if !slot.taken() {
+            return Some(Taken {
+                index: self.take(index, chain),
+                queued: false,
+            });
         }
-        Some(self.take(index, chain))
+        // Run after the requests on it, the request leaves its own prompt there; what the
+        // slot would hold were it not run depends on theirs, and is not kept.
+        slot.queued += 1;
+        slot.used = true;
+        slot.chain = chain.cloned();
+        slot.before = None;
+        Some(Taken {
+            index: index as u32,
+            queued: true,
+        })
     }
 
     /// Marks slot `index` busy with a request of `chain`, keeping what it held for
@@ -186,7 +223,7 @@ impl SlotTable {
     }
 
     /// Forgets what each slot was sent, as the backend chooses its slots for a while: which
-    /// are busy is kept, for the requests in flight on them. What a busy slot held before its
+    /// are taken is kept, for the requests in flight on them. What a busy slot held before its
     /// request is forgotten too: were that request put back, the backend may have given the
     /// slot to another request since.
     pub(crate) fn forget(&mut self) {
@@ -196,26 +233,44 @@ impl SlotTable {
         }
     }
 
-    /// The request on slot `index` has ended.
-    pub(crate) fn release(&mut self, index: u32) {
+    /// The request given slot `index` (`queued` there, or not: see [`Taken`]) has ended.
+    /// The slot is free once no other request is on it or queued there.
+    pub(crate) fn release(&mut self, index: u32, queued: bool) {
         self.clock += 1;
         if let Some(slot) = self.slots.get_mut(index as usize) {
-            slot.busy = false;
-            slot.before = None;
+            if queued {
+                slot.queued = slot.queued.saturating_sub(1);
+            } else {
+                slot.busy = false;
+            }
+            if !slot.taken() {
+                slot.before = None;
+            }
             slot.last_used = self.clock;
         }
     }
 
-    /// The request on slot `index` has ended without the backend running it there: it
-    /// refused the request (llama-server answers 400 to a prompt longer than a slot's
-    /// context, before it touches the slot) or never got it. The slot holds what it held
-    /// before, and was used when it was used before: a conversation whose last prompt is
-    /// there still gets it back.
-    pub(crate) fn put_back(&mut self, index: u32) {
-        if let Some(slot) = self.slots.get_mut(index as usize).filter(|s| s.busy) {
+    /// The request given slot `index` (`queued` there, or not: see [`Taken`]) has ended
+    /// without the backend running it there: it refused the request (llama-server answers
+    /// 400 to a prompt longer than a slot's context, before it touches the slot) or never
+    /// got it. A slot no request was queued on holds what it held before, and was used when
+    /// it was used before: a conversation whose last prompt is there still gets it back. A
+    /// request put back while one is queued there leaves the slot to the queued one, which
+    /// runs there; a queued request put back leaves it holding what the others on it leave,
+    /// which is not known.
+    pub(crate) fn put_back(&mut self, index: u32, queued: bool) {
+        let Some(slot) = self.slots.get_mut(index as usize) else {
+            return;
+        };
+        if queued && slot.queued > 0 {
+            slot.queued -= 1;
+            (slot.chain, slot.before) = (None, None);
+        } else if !queued && slot.busy {
             slot.busy = false;
-            slot.chain = slot.before.take();
-            slot.used = slot.used_before;
+            if slot.queued == 0 {
+                slot.chain = slot.before.take();
+                slot.used = slot.used_before;
+            }
         }
     }
 }
@@ -334,7 +389,7 @@ mod tests {
             assert_eq!(t.assign(n, c.as_ref()), Some(i as u32));
         }
         for i in 0..n {
-            t.release(i);
+            t.release(i, false);
         }
         t
     }
@@ -345,7 +400,7 @@ mod tests {
         // (a branch), sharing as much with the next turn, and used less recently.
         let mut t = table_holding(&[Some(chain(&[1, 2])), Some(chain(&[1, 2, 3, 4]))]);
         assert_eq!(t.assign(2, Some(&chain(&[1, 2]))), Some(0));
-        t.release(0);
+        t.release(0, false);
         assert_eq!(t.assign(2, Some(&chain(&[1, 2, 5]))), Some(0));
     }
 
@@ -357,7 +412,7 @@ mod tests {
         let held = chain(&[1, 2, 3]);
         let mut t = SlotTable::default();
         assert_eq!(t.assign(3, Some(&held)), Some(0));
-        t.release(0);
+        t.release(0, false);
         assert_eq!(t.assign(3, Some(&chain(&[1, 2, 9]))), Some(1));
     }
 
@@ -366,7 +421,7 @@ mod tests {
         let mut t = table_holding(&[Some(chain(&[1, 2, 3])), Some(chain(&[1, 2, 4]))]);
         // Slot 0 was released first: least recently used.
         assert_eq!(t.assign(2, Some(&chain(&[1, 2, 5]))), Some(0));
-        t.release(0);
+        t.release(0, false);
         // Now slot 1 is.
         assert_eq!(t.assign(2, Some(&chain(&[1, 2, 6]))), Some(1));
     }
@@ -382,7 +437,7 @@ mod tests {
     fn a_prompt_sharing_nothing_takes_the_least_recently_used_slot() {
         let mut t = table_holding(&[Some(chain(&[1, 2, 3])), Some(chain(&[5, 6, 7]))]);
         t.assign(2, Some(&chain(&[5, 6, 7, 8])));
-        t.release(1);
+        t.release(1, false);
         assert_eq!(t.assign(2, Some(&chain(&[20, 21]))), Some(0));
     }
 
@@ -391,8 +446,8 @@ mod tests {
         let mut t = SlotTable::default();
         assert_eq!(t.assign(2, Some(&chain(&[1]))), Some(0));
         assert_eq!(t.assign(2, None), Some(1));
-        t.release(1);
-        t.release(0);
+        t.release(1, false);
+        t.release(0, false);
         // Slot 1 was released first; it held no chain, so what it holds is not known.
         assert_eq!(t.assign(2, None), Some(1));
         assert!(t.slots[1].chain.is_none());
@@ -404,7 +459,7 @@ mod tests {
         assert_eq!(t.assign(2, None), Some(0));
         assert_eq!(t.assign(2, None), Some(1));
         assert_eq!(t.assign(2, None), None);
-        t.release(1);
+        t.release(1, false);
         assert_eq!(t.assign(2, None), Some(1));
     }
 
@@ -413,7 +468,7 @@ mod tests {
         let mut t = SlotTable::default();
         assert_eq!(t.assign(4, Some(&chain(&[1]))), Some(0));
         assert_eq!(t.assign(1, Some(&chain(&[2]))), None);
-        t.release(0);
+        t.release(0, false);
         assert_eq!(t.assign(1, Some(&chain(&[2]))), Some(0));
         assert_eq!(t.assign(6, Some(&chain(&[3]))), Some(1));
     }
@@ -426,7 +481,7 @@ mod tests {
         assert!(t.slots.iter().all(|s| s.chain.is_none()));
         // Slot 0 is still busy; slot 2 was never used.
         assert_eq!(t.assign(3, Some(&chain(&[5, 6, 7]))), Some(2));
-        t.release(0);
+        t.release(0, false);
         assert_eq!(t.assign(3, None), Some(1));
     }
 
@@ -438,7 +493,7 @@ mod tests {
         t.forget();
         // The backend did not run it; meanwhile it chooses its slots, and may have given this
         // one to another request: what the slot holds is not known.
-        t.put_back(1);
+        t.put_back(1, false);
         assert!(t.slots[1].chain.is_none());
         // So the conversation's next prompt is no more at home on slot 1 than on slot 0,
         // the least recently used.
@@ -446,9 +501,50 @@ mod tests {
     }
 
     #[test]
+    fn a_slot_named_while_taken_stays_taken_until_the_request_queued_there_ends() {
+        let mut t = SlotTable::default();
+        assert_eq!(t.assign(2, Some(&chain(&[1, 2]))), Some(0));
+        // Another request names slot 0 while the first is on it: llama-server runs it
+        // there next.
+        let queued = Taken {
+            index: 0,
+            queued: true,
+        };
+        assert_eq!(t.assign_named(2, 0, Some(&chain(&[7]))), Some(queued));
+        t.release(0, false);
+        // The first request's conversation goes on; slot 0 is not free, though its first
+        // request has ended.
+        assert_eq!(t.assign(2, Some(&chain(&[1, 2, 3]))), Some(1));
+        assert_eq!(t.assign(2, None), None);
+        t.release(0, true);
+        // Free now, and holding the queued request's prompt: its conversation goes back
+        // there.
+        t.release(1, false);
+        assert_eq!(t.assign(2, Some(&chain(&[7, 8]))), Some(0));
+    }
+
+    #[test]
+    fn a_request_put_back_before_the_one_queued_behind_it_leaves_the_slot_to_that_one() {
+        let mut t = table_holding(&[Some(chain(&[1, 2]))]);
+        assert_eq!(t.assign(1, Some(&chain(&[1, 2, 3]))), Some(0));
+        t.assign_named(1, 0, Some(&chain(&[7])));
+        // The first is refused: the queued one runs there, and leaves its prompt.
+        t.put_back(0, false);
+        assert_eq!(t.assign(1, None), None);
+        t.release(0, true);
+        assert_eq!(t.slots[0].chain, Some(chain(&[7])));
+        // A queued request put back leaves the slot holding what is not known.
+        t.assign(1, Some(&chain(&[7, 8])));
+        t.assign_named(1, 0, Some(&chain(&[9])));
+        t.put_back(0, true);
+        t.release(0, false);
+        assert_eq!(t.slots[0].chain, None);
+    }
+
+    #[test]
     fn releasing_a_slot_never_assigned_changes_nothing() {
         let mut t = SlotTable::default();
-        t.release(7);
+        t.release(7, false);
         assert_eq!(t.assign(1, None), Some(0));
     }
 
@@ -601,19 +697,19 @@ mod tests {
         // Slot 0 is the least recently used: a prompt sharing nothing takes it, and is
         // refused there.
         assert_eq!(t.assign(2, Some(&chain(&[20, 21]))), Some(0));
-        t.put_back(0);
+        t.put_back(0, false);
         // Slot 0 still holds [1, 2]: its conversation goes back there.
         assert_eq!(t.assign(2, Some(&chain(&[1, 2, 3]))), Some(0));
-        t.release(0);
+        t.release(0, false);
         // An empty slot put back is empty still; one released after a run is not.
         let mut t = SlotTable::default();
         assert_eq!(t.assign(2, Some(&chain(&[1]))), Some(0));
-        t.put_back(0);
+        t.put_back(0, false);
         assert_eq!(t.assign(2, Some(&chain(&[2]))), Some(0));
-        t.release(0);
+        t.release(0, false);
         assert_eq!(t.assign(2, Some(&chain(&[3]))), Some(1));
         // Putting back a slot no request is on changes nothing.
-        t.put_back(0);
+        t.put_back(0, false);
         assert_eq!(t.slots[0].chain, Some(chain(&[2])));
     }
 
@@ -623,9 +719,11 @@ mod tests {
         /// A request with the chain of these blocks (none: no chain) assigned one of the
         /// first `count` slots.
         Assign(u32, Vec<u8>),
-        /// The `i`th busy slot (modulo how many) released.
+        /// A request with the chain of these blocks naming slot `named` of the first `count`.
+        Named(u32, u64, Vec<u8>),
+        /// The `i`th request in flight (modulo how many) released.
         Release(usize),
-        /// The `i`th busy slot (modulo how many) put back.
+        /// The `i`th request in flight (modulo how many) put back.
         PutBack(usize),
         /// The table forgets what its slots hold.
         Forget,
@@ -644,8 +742,22 @@ mod tests {
         used: bool,
         used_before: bool,
         busy: bool,
+        queued: u32,
         /// The step at which a request last left it (0: never).
         left: u64,
+    }
+
+    impl Known {
+        fn taken(&self) -> bool {
+            self.busy || self.queued > 0
+        }
+
+        /// Given to a request of `blocks` while free.
+        fn take(&mut self, blocks: Vec<u8>) {
+            self.busy = true;
+            self.used_before = std::mem::replace(&mut self.used, true);
+            self.before = std::mem::replace(&mut self.held, (!blocks.is_empty()).then_some(blocks));
+        }
     }
 
     /// Tokens of the blocks `a` and `b` share from the start.
@@ -660,7 +772,7 @@ mod tests {
     /// The slot the rules of [`SlotTable::assign`] give `chain` among the first `count`,
     /// each rule read the plain way, the first of equals taken.
     fn rule_choice(slots: &[Known], count: usize, chain: &[u8]) -> Option<usize> {
-        let idle: Vec<usize> = (0..count).filter(|&i| !slots[i].busy).collect();
+        let idle: Vec<usize> = (0..count).filter(|&i| !slots[i].taken()).collect();
         let tokens = |h: &[u8]| shared_tokens(chain, h);
         let own = idle
             .iter()
@@ -715,6 +827,8 @@ mod tests {
         prop_oneof![
             4 => (1u32..=5, proptest::collection::vec(0u8..4, 0..6))
                 .prop_map(|(count, blocks)| Step::Assign(count, blocks)),
+            1 => (1u32..=5, 0u64..8, proptest::collection::vec(0u8..4, 0..6))
+                .prop_map(|(count, named, blocks)| Step::Named(count, named, blocks)),
             3 => (0usize..8).prop_map(Step::Release),
             1 => (0usize..8).prop_map(Step::PutBack),
             1 => Just(Step::Forget),
@@ -724,61 +838,98 @@ mod tests {
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(500))]
 
-        /// Requests assigned, released and put back in any order, slot counts that grow and
-        /// shrink, and tables that forget: no slot is given to two requests at once, none at
-        /// or past the count, a request is refused a slot only when each is busy, and each
-        /// choice is the one the rules make over what the router knows of each slot.
+        /// Requests assigned (by the rules or by the slot they name), released and put back
+        /// in any order, slot counts that grow and shrink, and tables that forget: no slot is
+        /// given by the rules to a request while another is on it or queued there, none at or
+        /// past the count, a request is refused a slot only when each is taken, each choice
+        /// is the one the rules make over what the router knows of each slot, and a slot is
+        /// taken exactly while a request given it has not ended.
         #[test]
         fn slots_assigned_in_any_order_follow_the_rules_and_are_never_shared(
             steps in proptest::collection::vec(step(), 1..60),
         ) {
             let mut t = SlotTable::default();
             let mut known: Vec<Known> = Vec::new();
+            // The requests in flight: the slot each was given, and whether it was queued.
+            let mut on: Vec<(usize, bool)> = Vec::new();
             let mut clock = 0;
+            let chain_of = |blocks: &[u8]| {
+                (!blocks.is_empty()).then(|| {
+                    PromptChain::from_blocks(
+                        blocks.iter().map(|&b| (u64::from(b), block_tokens(b))),
+                    )
+                })
+            };
             for step in steps {
-                let busy: Vec<usize> = (0..known.len()).filter(|&i| known[i].busy).collect();
                 match step {
                     Step::Assign(count, blocks) => {
                         let n = count as usize;
                         if known.len() < n {
                             known.resize_with(n, Known::default);
                         }
-                        let chain = (!blocks.is_empty()).then(|| {
-                            PromptChain::from_blocks(
-                                blocks.iter().map(|&b| (u64::from(b), block_tokens(b))),
-                            )
-                        });
+                        let chain = chain_of(&blocks);
                         let got = t.assign(count, chain.as_ref()).map(|i| i as usize);
                         let want = rule_choice(&known, n, &blocks);
                         proptest::prop_assert_eq!(got, want, "{:?}", known);
                         if let Some(i) = got {
                             proptest::prop_assert!(i < n);
-                            let k = &mut known[i];
-                            proptest::prop_assert!(!k.busy);
-                            k.busy = true;
-                            k.used_before = std::mem::replace(&mut k.used, true);
-                            k.before = std::mem::replace(
-                                &mut k.held,
-                                (!blocks.is_empty()).then_some(blocks),
-                            );
+                            proptest::prop_assert!(!known[i].taken());
+                            known[i].take(blocks);
+                            on.push((i, false));
                         } else {
-                            proptest::prop_assert!(known[..n].iter().all(|k| k.busy));
+                            proptest::prop_assert!(known[..n].iter().all(Known::taken));
                         }
                     }
-                    Step::Release(i) if !busy.is_empty() => {
-                        let i = busy[i % busy.len()];
-                        t.release(i as u32);
+                    Step::Named(count, named, blocks) => {
+                        let n = count as usize;
+                        if known.len() < n {
+                            known.resize_with(n, Known::default);
+                        }
+                        let chain = chain_of(&blocks);
+                        let got = t.assign_named(count, named, chain.as_ref());
+                        let i = (named % u64::from(count)) as usize;
+                        let queued = known[i].taken();
+                        proptest::prop_assert_eq!(got, Some(Taken { index: i as u32, queued }));
+                        let k = &mut known[i];
+                        if queued {
+                            k.queued += 1;
+                            k.used = true;
+                            k.held = (!blocks.is_empty()).then_some(blocks);
+                            k.before = None;
+                        } else {
+                            k.take(blocks);
+                        }
+                        on.push((i, queued));
+                    }
+                    Step::Release(r) if !on.is_empty() => {
+                        let (i, queued) = on.remove(r % on.len());
+                        t.release(i as u32, queued);
                         clock += 1;
                         let k = &mut known[i];
-                        (k.busy, k.before, k.left) = (false, None, clock);
+                        if queued {
+                            k.queued -= 1;
+                        } else {
+                            k.busy = false;
+                        }
+                        if !k.taken() {
+                            k.before = None;
+                        }
+                        k.left = clock;
                     }
-                    Step::PutBack(i) if !busy.is_empty() => {
-                        let i = busy[i % busy.len()];
-                        t.put_back(i as u32);
+                    Step::PutBack(r) if !on.is_empty() => {
+                        let (i, queued) = on.remove(r % on.len());
+                        t.put_back(i as u32, queued);
                         let k = &mut known[i];
-                        k.busy = false;
-                        k.held = k.before.take();
-                        k.used = k.used_before;
+                        if queued {
+                            k.queued -= 1;
+                            (k.held, k.before) = (None, None);
+                        } else {
+                            k.busy = false;
+                            if k.queued == 0 {
+                                k.held = k.before.take();
+                                k.used = k.used_before;
+                            }
+                        }
                     }
                     Step::Forget => {
                         t.forget();
@@ -790,6 +941,9 @@ mod tests {
                 }
                 for (i, k) in known.iter().enumerate() {
                     proptest::prop_assert_eq!(t.slots[i].busy, k.busy);
+                    proptest::prop_assert_eq!(t.slots[i].queued, k.queued);
+                    let requests = on.iter().filter(|&&(at, _)| at == i).count();
+                    proptest::prop_assert_eq!(k.taken(), requests > 0);
                 }
             }
         }

@@ -97,7 +97,8 @@ impl<S> Layer<S> for IdSlotLayer {
 /// when it is in a content coding (a `Content-Encoding` other than `identity`: its bytes are
 /// the coding's, whatever they open with), or when the object already has a top-level
 /// `id_slot` member: a slot the client chose itself wins. The router assigns such a request
-/// the slot it names, or none when that slot is busy or `id_slot` names none (see
+/// the slot it names (queued behind the request on it, if any), or none when `id_slot` names
+/// none (see
 /// [`Backend::assign_slots`](crate::Backend::assign_slots)), so that what it knows of each
 /// slot stays true; `IdSlot` then has a slot to write only where the client wrote the same,
 /// modulo the slots. A body whose top level does not

@@ -6101,11 +6101,12 @@ async fn a_named_slot_past_the_backends_slots_wraps_around() {
     assert_eq!(*seen.lock(), [Some(1)]);
 }
 
-/// A request naming a slot another request holds is assigned none, and nothing is recorded of
-/// it: the slot's conversation still goes back there, and the slot it did not take is still
-/// empty for a new conversation.
+/// A request naming a slot another request holds is queued there, as llama-server queues it:
+/// the slot stays taken until it ends too, though the request before it has ended, so the
+/// conversation that slot held goes on elsewhere rather than wait behind it; and the slot
+/// then holds the queued request's prompt, where its conversation goes back.
 #[tokio::test]
-async fn a_request_naming_a_busy_slot_is_assigned_none_and_records_nothing() {
+async fn a_request_naming_a_taken_slot_keeps_it_taken_until_it_ends_and_leaves_its_prompt_there() {
     let (seen, svc) = slot_backend(2, true, ok_body);
     let x = svc
         .clone()
@@ -6118,13 +6119,21 @@ async fn a_request_naming_a_busy_slot_is_assigned_none_and_records_nothing() {
         .await
         .unwrap();
     x.into_body().collect().await.unwrap();
+    // z runs on slot 0 now: x's next turn is not sent to wait there.
+    let next = svc
+        .clone()
+        .oneshot(slot_turn_naming("x", &["hi", "more"], None))
+        .await
+        .unwrap();
     z.into_body().collect().await.unwrap();
-    for (session, messages) in [("x", &["hi", "more"][..]), ("y", &["other"])] {
-        let req = slot_turn_naming(session, messages, None);
-        let res = svc.clone().oneshot(req).await.unwrap();
-        res.into_body().collect().await.unwrap();
-    }
-    assert_eq!(*seen.lock(), [Some(0), None, Some(0), Some(1)]);
+    next.into_body().collect().await.unwrap();
+    let res = svc
+        .clone()
+        .oneshot(slot_turn_naming("z", &["else", "again"], None))
+        .await
+        .unwrap();
+    res.into_body().collect().await.unwrap();
+    assert_eq!(*seen.lock(), [Some(0), Some(0), Some(1), Some(0)]);
     assert_eq!(in_flight(&svc, "a1"), 0);
 }
 
