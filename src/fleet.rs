@@ -384,7 +384,10 @@ impl<S> Backend<S> {
     /// that slot's state when it is more than half of it: two conversations of one system
     /// prompt whose turns come out of step take each other's slot, and each drops the other's
     /// tail. The router knows what it sent to each slot and gives a request the slot holding
-    /// its conversation's last prompt; else a slot never used; else the one sharing the most
+    /// its conversation's last prompt, or, for an earlier turn's prompt sent again (an answer
+    /// regenerated), the slot holding a later turn of it when the prompt is at least half of
+    /// what that slot holds (llama-server reuses the whole prompt there, and drops the rest);
+    /// else a slot never used; else the one sharing the most
     /// with it, if that is more than a tenth of it (among equals, the least recently used);
     /// else the least recently used. The slot is free again once the answer's last byte or
     /// event has been read; a request the backend does not run (it answers with an error,

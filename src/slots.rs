@@ -6,7 +6,9 @@
 //! turns come out of step then take each other's slot, and each drops the other's tail.
 //! A backend declared with [`Backend::assign_slots`](crate::Backend::assign_slots) has its
 //! slots assigned by the router instead, which knows what it sent to each: a request is
-//! given the slot holding its conversation's last prompt, else a slot never used, else the
+//! given the slot holding its conversation's last prompt (or an earlier turn's prompt sent
+//! again, the slot holding a later turn of it, when the prompt is at least half of what that
+//! slot holds: llama-server reuses all of it there), else a slot never used, else the
 //! one sharing the most with it when that is more than a tenth of it (among equals the least
 //! recently used), else the least recently used; a request whose body names its own slot
 //! (`id_slot`) is given that one, free or not: llama-server runs it there once the requests
@@ -122,8 +124,10 @@ impl SlotTable {
     /// `None` if each of them is taken (busy, or with a request queued there). In order of
     /// preference:
     ///
-    /// 1. the slot whose last prompt the chain goes on from (the conversation's own), the
-    ///    longest if several;
+    /// 1. the slot whose last prompt the chain goes on from (the conversation's own), or
+    ///    whose last prompt goes on from the whole chain (an earlier turn sent again, which
+    ///    llama-server reuses whole there) when the chain is at least half of it: the one
+    ///    sharing the most, and among equals the one holding the least past it;
     /// 2. a slot never used: nothing held there is dropped;
     /// 3. the slot sharing the longest prefix with the chain, when that is more than a tenth
     ///    of it, and among equals the least recently used;
@@ -141,7 +145,7 @@ impl SlotTable {
         // one sharing the most (among equals the least recently used), the least recently
         // used; each the first of its equals.
         let (mut own, mut empty, mut best, mut least_recent) = (None, None, None, None);
-        let (mut own_tokens, mut best_key, mut least_at) = (0, (0, u64::MAX), u64::MAX);
+        let (mut own_key, mut best_key, mut least_at) = ((0, 0), (0, u64::MAX), u64::MAX);
         for (i, s) in self.slots[..count].iter().enumerate() {
             if s.taken() {
                 continue;
@@ -151,9 +155,19 @@ impl SlotTable {
                 _ => 0,
             };
             let tokens = chain.map_or(0, |c| c.tokens_at(links));
-            let owned = links > 0 && s.chain.as_ref().is_some_and(|h| links == h.len());
-            if owned && (own.is_none() || tokens > own_tokens) {
-                (own, own_tokens) = (Some(i), tokens);
+            let (held_links, held_tokens) =
+                s.chain.as_ref().map_or((0, 0), |h| (h.len(), h.tokens()));
+            let owned = links > 0 && links == held_links;
+            // The slot's last prompt goes on from the whole chain: llama-server reuses all of
+            // it there and drops what follows, which is worth less when it is more than the
+            // chain (llama-server's own mark of a slot losing a large part of its state).
+            let prefix = links > 0
+                && chain.is_some_and(|c| links == c.len())
+                && held_tokens <= tokens.saturating_mul(2);
+            // Among equals, the slot dropping the least.
+            let key = (tokens, u64::MAX - held_tokens);
+            if (owned || prefix) && (own.is_none() || key > own_key) {
+                (own, own_key) = (Some(i), key);
             }
             if !s.used {
                 empty = empty.or(Some(i));
@@ -402,6 +416,38 @@ mod tests {
         assert_eq!(t.assign(2, Some(&chain(&[1, 2]))), Some(0));
         t.release(0, false);
         assert_eq!(t.assign(2, Some(&chain(&[1, 2, 5]))), Some(0));
+    }
+
+    #[test]
+    fn an_earlier_turn_sent_again_takes_the_slot_holding_a_later_one_rather_than_an_empty_one() {
+        // Slot 0 holds the conversation's second turn; its first turn is sent again (its
+        // answer regenerated): llama-server reuses the whole prompt there.
+        let mut t = SlotTable::default();
+        assert_eq!(t.assign(3, Some(&chain(&[1, 2, 3]))), Some(0));
+        t.release(0, false);
+        assert_eq!(t.assign(3, Some(&chain(&[1, 2]))), Some(0));
+        t.release(0, false);
+        // A slot holding that prompt exactly drops nothing: it is taken rather than one
+        // holding a later turn.
+        let mut t = table_holding(&[Some(chain(&[1, 2, 3])), Some(chain(&[1, 2])), None]);
+        assert_eq!(t.assign(3, Some(&chain(&[1, 2]))), Some(1));
+    }
+
+    #[test]
+    fn a_prompt_less_than_half_of_a_slots_last_prompt_takes_an_empty_slot_rather_than_drop_the_rest(
+    ) {
+        // Another conversation of the same system prompt and first message, sent while the
+        // first has gone on: taking slot 0 would drop three blocks to reuse two.
+        let mut t = SlotTable::default();
+        assert_eq!(t.assign(3, Some(&chain(&[1, 2, 3, 4, 5]))), Some(0));
+        t.release(0, false);
+        assert_eq!(t.assign(3, Some(&chain(&[1, 2]))), Some(1));
+        t.release(1, false);
+        // Half of it is enough.
+        let mut t = SlotTable::default();
+        assert_eq!(t.assign(3, Some(&chain(&[1, 2, 3, 4]))), Some(0));
+        t.release(0, false);
+        assert_eq!(t.assign(3, Some(&chain(&[1, 2]))), Some(0));
     }
 
     #[test]
@@ -774,23 +820,25 @@ mod tests {
     fn rule_choice(slots: &[Known], count: usize, chain: &[u8]) -> Option<usize> {
         let idle: Vec<usize> = (0..count).filter(|&i| !slots[i].taken()).collect();
         let tokens = |h: &[u8]| shared_tokens(chain, h);
+        let all = |h: &[u8]| h.iter().map(|&b| u64::from(block_tokens(b))).sum::<u64>();
         let own = idle
             .iter()
             .copied()
             .filter(|&i| {
-                slots[i]
-                    .held
-                    .as_ref()
-                    .is_some_and(|h| !h.is_empty() && chain.starts_with(h))
+                slots[i].held.as_ref().is_some_and(|h| {
+                    !h.is_empty() && chain.starts_with(h)
+                        || !chain.is_empty() && h.starts_with(chain) && all(h) <= 2 * all(chain)
+                })
             })
-            .fold(None, |best: Option<usize>, i| match best {
-                Some(b)
-                    if tokens(slots[b].held.as_ref().unwrap())
-                        >= tokens(slots[i].held.as_ref().unwrap()) =>
-                {
-                    Some(b)
+            .fold(None, |best: Option<usize>, i| {
+                let key = |i: usize| {
+                    let h = slots[i].held.as_ref().unwrap();
+                    (tokens(h), std::cmp::Reverse(all(h)))
+                };
+                match best {
+                    Some(b) if key(b) >= key(i) => Some(b),
+                    _ => Some(i),
                 }
-                _ => Some(i),
             });
         if own.is_some() {
             return own;

@@ -5854,6 +5854,18 @@ async fn a_backend_whose_slots_are_assigned_gets_each_conversation_on_a_slot_of_
     assert_eq!(*unassigned.lock(), [None]);
 }
 
+/// A conversation's earlier turn sent again (its answer regenerated) goes to the slot holding
+/// the turn after it, which llama-server reuses the whole prompt from, not to an empty slot.
+#[tokio::test]
+async fn an_earlier_turn_sent_again_goes_to_the_slot_holding_the_turn_after_it() {
+    let (seen, svc) = slot_backend(2, true, ok_body);
+    for ids in [&[1u64, 2][..], &[1, 2, 3], &[1, 2]] {
+        let res = svc.clone().oneshot(slot_turn("x", ids)).await.unwrap();
+        res.into_body().collect().await.unwrap();
+    }
+    assert_eq!(*seen.lock(), [Some(0), Some(0), Some(0)]);
+}
+
 /// While a request holds its slot, the next request to the backend is given another: the
 /// router never names a slot that one of its requests still holds.
 #[tokio::test]
