@@ -438,12 +438,10 @@ impl<S> Backend<S> {
     /// have ended, and then holds this one's prompt. A request whose `id_slot` names none
     /// (`-1`, with which llama-server chooses, or a value not a non-negative integer) is
     /// assigned none, and nothing is recorded of it. The router learns of `id_slot` from the
-    /// facts
-    /// [`BodyKeyLayer`](crate::key::BodyKeyLayer) reads in its one pass over the body: a body
-    /// it leaves unread (a header names the session and
-    /// [`skip_when_header`](crate::key::BodyKeyLayer::skip_when_header) says so) is
-    /// assigned a slot of the router's choosing, which `IdSlot` does not write over the
-    /// client's.
+    /// facts [`BodyKeyLayer`](crate::key::BodyKeyLayer) reads in its one pass over the body;
+    /// a body it leaves unread (a header names the session and
+    /// [`skip_when_header`](crate::key::BodyKeyLayer::skip_when_header) says so) is still
+    /// searched for `id_slot`, and one that names a slot gets facts saying only that.
     ///
     /// ```
     /// use std::num::NonZeroU32;

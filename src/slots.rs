@@ -289,6 +289,22 @@ impl SlotTable {
     }
 }
 
+/// Whether any string of `body` may read `id_slot`: it holds `"id_slot"` as written, or a
+/// `\u00XX` escape of one of its letters (no other escape gives one). Cheap, so that a body
+/// of megabytes is parsed only when it may need to be.
+pub(crate) fn may_name_id_slot(body: &[u8]) -> bool {
+    if memchr::memmem::find(body, b"\"id_slot\"").is_some() {
+        return true;
+    }
+    memchr::memmem::find_iter(body, b"\\u00").any(|at| {
+        let hex = body
+            .get(at + 4..at + 6)
+            .and_then(|h| std::str::from_utf8(h).ok());
+        hex.and_then(|h| u8::from_str_radix(h, 16).ok())
+            .is_some_and(|c| b"id_slot".contains(&c))
+    })
+}
+
 /// Whether llama-server runs a request to `path` in the slot its `id_slot` names: a
 /// completion (OpenAI's chat and completions, the Responses API, llama-server's own
 /// `/completion` and `/infill`); not an Anthropic Messages request, whose conversion to a

@@ -275,7 +275,7 @@ fn insert_id_slot(body: &[u8], slot: u32) -> Option<Bytes> {
         b'}' => "",
         _ => return None,
     };
-    if may_name_id_slot(body) && !top_level_lacks_id_slot(&body[from..]) {
+    if crate::slots::may_name_id_slot(body) && !top_level_lacks_id_slot(&body[from..]) {
         return None;
     }
     let member = format!("\"id_slot\":{slot}{comma}");
@@ -284,22 +284,6 @@ fn insert_id_slot(body: &[u8], slot: u32) -> Option<Bytes> {
     out.put_slice(member.as_bytes());
     out.put_slice(after);
     Some(out.freeze())
-}
-
-/// Whether any string of `body` may read `id_slot`: it holds `"id_slot"` as written, or a
-/// `\u00XX` escape of one of its letters (no other escape gives one). Cheap, so that a body
-/// of megabytes is parsed only when it may need to be.
-fn may_name_id_slot(body: &[u8]) -> bool {
-    if memchr::memmem::find(body, b"\"id_slot\"").is_some() {
-        return true;
-    }
-    memchr::memmem::find_iter(body, b"\\u00").any(|at| {
-        let hex = body
-            .get(at + 4..at + 6)
-            .and_then(|h| std::str::from_utf8(h).ok());
-        hex.and_then(|h| u8::from_str_radix(h, 16).ok())
-            .is_some_and(|c| b"id_slot".contains(&c))
-    })
 }
 
 /// Whether `body` parses as a JSON object none of whose top-level keys is `id_slot`. Values

@@ -28,7 +28,9 @@ use crate::{BackendId, PromptChain};
 ///
 /// They keep the body's top-level `id_slot` too, read in the same pass: on a backend whose
 /// slots the router assigns ([`Backend::assign_slots`](crate::Backend::assign_slots)), a
-/// request that names its own slot is assigned that slot or none. Facts made with
+/// request that names its own slot is assigned that slot or none. A body
+/// [`skip_when_header`](crate::key::BodyKeyLayer::skip_when_header) leaves unread gets facts
+/// only when it names its slot, and they say nothing else. Facts made with
 /// [`from_chain`](Self::from_chain) name no slot.
 ///
 /// ```

@@ -326,6 +326,10 @@ where
                             }
                             strip = Some(Box::default());
                         }
+                    } else if let Some(facts) = super::inspect::unread_facts(&bytes) {
+                        // Left unread, the body still says which slot llama-server runs it
+                        // in, when it names one: the router assigns it that slot.
+                        parts.extensions.insert(facts);
                     }
                     let req = http::Request::from_parts(parts, Full::new(bytes));
                     state.set(State::Calling {

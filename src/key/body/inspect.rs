@@ -234,6 +234,58 @@ pub(crate) fn key_at(value: &Value, path: &[String]) -> Option<SessionKey> {
     }
 }
 
+/// The facts of a body left unread (see [`Config::reads`]) that names its own slot: its
+/// top-level `id_slot` and its size, and nothing else (no chain, no model). `None` if it has
+/// no top-level `id_slot` or is no JSON object. Only a body that may name `id_slot` is parsed
+/// (its top level, other values skipped); any other costs a search of its bytes.
+pub(crate) fn unread_facts(body: &[u8]) -> Option<PromptFacts> {
+    if !crate::slots::may_name_id_slot(body) {
+        return None;
+    }
+    let TopIdSlot(named_slot) = serde_json::from_slice(body).ok()?;
+    (named_slot != NamedSlot::Absent).then(|| PromptFacts {
+        body_bytes: body.len(),
+        messages: 0,
+        chain: Default::default(),
+        stored_on: None,
+        leading: None,
+        model: None,
+        named_slot,
+    })
+}
+
+/// A JSON object's top-level `id_slot` (the last one given), its other values skipped.
+struct TopIdSlot(NamedSlot);
+
+impl<'de> Deserialize<'de> for TopIdSlot {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_map(TopIdSlotVisitor)
+    }
+}
+
+struct TopIdSlotVisitor;
+
+impl<'de> Visitor<'de> for TopIdSlotVisitor {
+    type Value = TopIdSlot;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<TopIdSlot, A::Error> {
+        let mut named = NamedSlot::Absent;
+        // Keys come unescaped; a body reaches here only when it may name `id_slot`.
+        while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+            if key == "id_slot" {
+                named = map.next_value::<Scalar>()?.slot();
+            } else {
+                map.next_value::<Skip>()?;
+            }
+        }
+        Ok(TopIdSlot(named))
+    }
+}
+
 /// The slot an `id_slot` value names: a non-negative integer's, else none.
 fn named_slot_of(value: &Value) -> NamedSlot {
     value.as_u64().map_or(NamedSlot::Other, NamedSlot::Slot)

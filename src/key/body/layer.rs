@@ -62,7 +62,8 @@ use crate::key::HeaderKey;
 ///   empty chain: its prompt is not known here.
 /// - A request whose headers already name its session can skip the parse
 ///   ([`skip_when_header`]), at the price of its chain: the cache model then learns nothing
-///   from it. A Responses request is read all the same while stored responses are pinned.
+///   from it. A Responses request is read all the same while stored responses are pinned,
+///   and a body that names its own slot (a top-level `id_slot`) gets facts of that alone.
 /// - A body over the limit (default [`DEFAULT_LIMIT`](Self::DEFAULT_LIMIT), 16 MiB: long agent
 ///   prompts run to a few hundred kilobytes) is answered `413 Payload Too Large` with its
 ///   reason in a JSON error body ([`Error::json_body`](crate::Error::json_body)), from its
@@ -167,6 +168,14 @@ impl BodyKeyLayer {
     /// Responses API request (a path ending in `/responses`) is read all the same while
     /// [`pin_stored_responses`](Self::pin_stored_responses) is on: it may name a stored
     /// response that only the backend that answered it can continue.
+    ///
+    /// A body left unread is still searched for `"id_slot"` (and for a `\u00XX` escape of one
+    /// of its letters), and one that may name it has its top level parsed, other values
+    /// skipped: a body with a top-level `id_slot` gets `PromptFacts` saying only that, with an
+    /// empty chain, so that a router assigning a llama-server's slots
+    /// ([`Backend::assign_slots`](crate::Backend::assign_slots)) gives the request the slot
+    /// llama-server runs it in. The search costs every request left unread a pass over its
+    /// bytes.
     ///
     /// This saves parsing the body when the key is in a header and headers win anyway, as
     /// with `FirstOf::new(HeaderKey::default(), ExtensionKey)` behind the layer. Leave it off

@@ -619,6 +619,40 @@ async fn skip_when_header_leaves_a_keyed_body_unread() {
     assert_eq!(seen.key, key("u"));
 }
 
+/// A body left unread still says which slot it names: llama-server runs the request in the
+/// slot of its top-level `id_slot`, so the router must assign it that one. Only that is read.
+#[tokio::test]
+async fn a_body_left_unread_still_gives_the_slot_its_id_slot_names() {
+    use crate::key::HeaderKey;
+    use crate::slots::NamedSlot;
+    let layer = BodyKeyLayer::new().skip_when_header(HeaderKey::default());
+    for (body, named) in [
+        (
+            &br#"{"user":"u","id_slot":1,"messages":[{"role":"user","content":"hi"}]}"#[..],
+            NamedSlot::Slot(1),
+        ),
+        (br#"{"id_slot":-1,"messages":[]}"#, NamedSlot::Other),
+        (br#"{"\u0069d_slot":2}"#, NamedSlot::Slot(2)),
+    ] {
+        let (res, seen) = run(layer.clone(), with_session_header("run-1", body)).await;
+        assert_eq!(res.status(), 200);
+        assert_eq!(seen.key, None);
+        let facts = seen.facts.expect("the slot's facts");
+        assert_eq!(facts.named_slot, named);
+        assert!(facts.chain.is_empty() && facts.model().is_none());
+        assert_eq!(seen.body.as_deref(), Some(body));
+    }
+    // No top-level `id_slot`: nothing.
+    for body in [
+        &br#"{"messages":[{"role":"user","content":"id_slot"}]}"#[..],
+        br#"{"metadata":{"id_slot":1}}"#,
+        br#"["id_slot"]"#,
+    ] {
+        let (_, seen) = run(layer.clone(), with_session_header("run-1", body)).await;
+        assert_eq!(seen.facts, None);
+    }
+}
+
 #[tokio::test]
 async fn skip_when_header_still_bounds_the_body() {
     use crate::key::HeaderKey;
