@@ -17,16 +17,19 @@
 //!   driven in the same task as the client connection, so a request never leaves the task
 //!   that read it. This is the least an HTTP/1 proxy built on hyper can do per request.
 //!
-//! Requests are forwarded as they come (HTTP/1.1, bodies streamed). Nothing is rewritten but
-//! the URI's scheme and authority for the pooled client. `TOKIO_WORKER_THREADS` sets the
+//! Clients may speak HTTP/1.1 or HTTP/2; requests go to the backend in HTTP/1.1, bodies
+//! streamed. Nothing is rewritten but what that takes: the URI's scheme and authority for the
+//! pooled client, and for one backend connection per client connection an HTTP/2 request's
+//! URI as its path and query, with its authority as `Host`. `TOKIO_WORKER_THREADS` sets the
 //! runtime's threads.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use http::header::HOST;
 use http::uri::{Authority, Scheme};
-use http::{Request, Response, StatusCode, Uri};
+use http::{HeaderValue, Request, Response, StatusCode, Uri, Version};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::client::conn::http1 as client_http1;
@@ -112,6 +115,8 @@ async fn serve_pooled(
     authority: Authority,
 ) {
     let service = service_fn(move |mut req: Request<Incoming>| {
+        // The backend is spoken to in HTTP/1.1, whatever the client spoke.
+        *req.version_mut() = Version::HTTP_11;
         let mut parts = req.uri().clone().into_parts();
         parts.scheme = Some(Scheme::HTTP);
         parts.authority = Some(authority.clone());
@@ -157,6 +162,7 @@ async fn serve_per_connection(stream: TcpStream, backend: SocketAddr) {
     let sender = Arc::new(tokio::sync::Mutex::new(sender));
     let service = service_fn(move |req: Request<Incoming>| {
         let sender = sender.clone();
+        let req = as_http1(req);
         async move {
             let mut sender = sender.lock().await;
             let sent = match sender.ready().await {
@@ -179,6 +185,24 @@ async fn serve_per_connection(stream: TcpStream, backend: SocketAddr) {
     }
 }
 
+/// `req` as an HTTP/1.1 request: an HTTP/2 client's absolute URI becomes its path and query,
+/// and its authority the `Host` header, as an HTTP/1.1 server expects them.
+fn as_http1(mut req: Request<Incoming>) -> Request<Incoming> {
+    *req.version_mut() = Version::HTTP_11;
+    if let Some(authority) = req.uri().authority().cloned() {
+        if !req.headers().contains_key(HOST) {
+            if let Ok(host) = HeaderValue::from_str(authority.as_str()) {
+                req.headers_mut().insert(HOST, host);
+            }
+        }
+        let path = req.uri().path_and_query().map_or("/", |p| p.as_str());
+        if let Ok(uri) = Uri::try_from(path) {
+            *req.uri_mut() = uri;
+        }
+    }
+    req
+}
+
 fn bad_gateway(e: &dyn std::fmt::Display) -> Response<Body> {
     let mut res = Response::new(
         Full::from(format!("bad gateway: {e}\n"))
@@ -187,4 +211,73 @@ fn bad_gateway(e: &dyn std::fmt::Display) -> Response<Body> {
     );
     *res.status_mut() = StatusCode::BAD_GATEWAY;
     res
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A backend that answers each request with its `Host` and its URI.
+    async fn start_backend() -> SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            loop {
+                let (stream, _) = listener.accept().await.unwrap();
+                let service = service_fn(|req: Request<Incoming>| async move {
+                    let host = req
+                        .headers()
+                        .get(HOST)
+                        .map(|h| h.to_str().unwrap().to_string());
+                    let seen = format!("{} {}", host.unwrap_or_default(), req.uri());
+                    Ok::<_, Infallible>(Response::new(Full::<bytes::Bytes>::from(seen)))
+                });
+                tokio::spawn(
+                    hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service),
+                );
+            }
+        });
+        addr
+    }
+
+    /// Sends `GET /v1/models?x=1` in HTTP/2 through a pass-through of the kind given.
+    async fn through(per_connection: bool) -> (StatusCode, String) {
+        let backend = start_backend().await;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (stream, _) = listener.accept().await.unwrap();
+            if per_connection {
+                serve_per_connection(stream, backend).await;
+            } else {
+                let pool = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+                let authority = Authority::try_from(backend.to_string()).unwrap();
+                serve_pooled(stream, pool, authority).await;
+            }
+        });
+        let client = Client::builder(TokioExecutor::new())
+            .http2_only(true)
+            .build_http::<Full<bytes::Bytes>>();
+        let uri: Uri = format!("http://{addr}/v1/models?x=1").parse().unwrap();
+        let res = client.get(uri).await.unwrap();
+        let status = res.status();
+        let body = res.into_body().collect().await.unwrap().to_bytes();
+        (status, String::from_utf8_lossy(&body).into_owned())
+    }
+
+    #[tokio::test]
+    async fn an_http2_client_is_forwarded_to_an_http1_backend_through_the_pool() {
+        let (status, body) = through(false).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert!(body.ends_with(" /v1/models?x=1"), "{body}");
+    }
+
+    #[tokio::test]
+    async fn an_http2_client_is_forwarded_to_an_http1_backend_on_its_own_connection() {
+        let (status, body) = through(true).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert!(body.ends_with(" /v1/models?x=1"), "{body}");
+        assert!(!body.starts_with(' '), "a Host header: {body}");
+    }
 }
