@@ -44,22 +44,34 @@ use tower_affinity::BoxError;
 /// What the proxy answers with: the backend's body, or a short error of its own.
 type Body = http_body_util::combinators::BoxBody<bytes::Bytes, hyper::Error>;
 
-const USAGE: &str = "usage: passthrough LISTEN_ADDR BACKEND_ADDR [--per-connection]";
+const USAGE: &str = "usage: passthrough LISTEN_ADDR BACKEND_ADDR [--per-connection]
+  each address an IP:PORT, such as 127.0.0.1:8080 (names such as localhost are not looked up)";
 
 fn main() -> std::process::ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let parsed = match args.as_slice() {
         [listen, backend, rest @ ..] if rest.iter().all(|a| a == "--per-connection") => {
             match (listen.parse(), backend.parse()) {
-                (Ok(l), Ok(b)) => Some((l, b, !rest.is_empty())),
-                _ => None,
+                (Ok(l), Ok(b)) => Ok((l, b, !rest.is_empty())),
+                (Err(_), _) => Err(format!(
+                    "passthrough: LISTEN_ADDR {listen:?} is not an IP:PORT"
+                )),
+                (_, Err(_)) => Err(format!(
+                    "passthrough: BACKEND_ADDR {backend:?} is not an IP:PORT"
+                )),
             }
         }
-        _ => None,
+        _ => Err(String::new()),
     };
-    let Some((listen, backend, per_connection)) = parsed else {
-        eprintln!("{USAGE}");
-        return std::process::ExitCode::from(2);
+    let (listen, backend, per_connection) = match parsed {
+        Ok(parsed) => parsed,
+        Err(why) => {
+            if !why.is_empty() {
+                eprintln!("{why}");
+            }
+            eprintln!("{USAGE}");
+            return std::process::ExitCode::from(2);
+        }
     };
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(r) => r,
