@@ -603,6 +603,23 @@ async fn without_a_ready_timeout_a_request_waits_for_its_backend() {
     assert_eq!(in_flight(&svc, "a1"), 0);
 }
 
+/// A ready timeout of zero does not wait for the timer: the first poll that finds the backend
+/// not ready fails the request.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn with_a_ready_timeout_of_zero_a_backend_not_ready_fails_its_request_at_once() {
+    let mut svc = SessionAffinityLayer::new()
+        .ready_timeout(Duration::ZERO)
+        .layer(StaticFleet::new([(
+            "a1",
+            Backend::new("a", MockService::new(NeverReady { fails: false })),
+        )]));
+    svc.ready().await.unwrap();
+    let mut call = tokio_test::task::spawn(svc.call(request(Some("s"), None)));
+    let err = assert_ready!(call.poll()).unwrap_err();
+    assert!(matches!(&err, Error::Backend { backend, .. } if backend.as_str() == "a1"));
+    assert_eq!((in_flight(&svc, "a1"), failures(&svc, "a1")), (0, 1));
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_backend_failing_readiness_fails_the_request_and_is_passed_over() {
     let streams = Streams::default();
