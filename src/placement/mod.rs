@@ -764,6 +764,28 @@ mod tests {
     }
 
     #[test]
+    fn a_backend_too_small_is_not_passed_over_for_a_larger_one_that_is_down() {
+        // b1 would take the prompt, but it is down: no backend up takes it, and b0, too
+        // small, answers for itself.
+        let t = topology(&[(1_000, None), (2_000, None)]);
+        let _ = t.member(1).load.mark_down(u64::MAX, 0);
+        assert_eq!(taken(&t, 1_500), Some(0));
+    }
+
+    #[test]
+    fn a_backend_too_small_is_not_passed_over_for_a_larger_one_the_policy_passed_over() {
+        let t = topology(&[(1_000, None), (2_000, None)]);
+        let mut c = Candidates::acquire(&t, 1, 1_500);
+        c.pass_over(BackendRef::new(&t, 1));
+        for i in 0..2 {
+            if c.offer(BackendRef::new(&t, i)).is_break() {
+                break;
+            }
+        }
+        assert_eq!(c.claim(), Some(0));
+    }
+
+    #[test]
     fn a_slot_promised_to_a_woken_waiter_is_not_free() {
         // b0 has one request in flight and two slots promised to waiters woken for them: one
         // free slot of four. b1 has two in flight: two free. A request without a key or prompt
