@@ -496,6 +496,23 @@ mod tests {
     }
 
     #[test]
+    fn a_prompt_sharing_exactly_a_tenth_with_a_slot_takes_the_least_recently_used() {
+        let mut t = table_holding(&[Some(chain(&[1, 2, 3])), Some(chain(&[5, 6, 7]))]);
+        // Shares 100 of 1,000 tokens with slot 1: a tenth, not more. Slot 0 was released
+        // first.
+        let prompt = chain(&[5, 9, 10, 11, 12, 13, 14, 15, 16, 17]);
+        assert_eq!(t.assign(2, Some(&prompt)), Some(0));
+    }
+
+    #[test]
+    fn a_named_slot_past_the_slot_count_wraps_around() {
+        let mut t = SlotTable::default();
+        assert_eq!(t.assign_named(3, 4, None).map(|s| s.index), Some(1));
+        assert_eq!(t.assign_named(3, 6, None).map(|s| s.index), Some(0));
+        assert_eq!(t.assign_named(3, 5, None).map(|s| s.index), Some(2));
+    }
+
+    #[test]
     fn a_prompt_sharing_nothing_takes_the_least_recently_used_slot() {
         let mut t = table_holding(&[Some(chain(&[1, 2, 3])), Some(chain(&[5, 6, 7]))]);
         t.assign(2, Some(&chain(&[5, 6, 7, 8])));
