@@ -1119,6 +1119,27 @@ fn a_holder_with_every_slot_taken_draws_only_its_share_of_the_conversations_its_
 }
 
 #[test]
+fn a_holder_with_every_slot_taken_is_offered_first_within_its_share_of_the_conversations_its_prefix_drew(
+) {
+    // a holds the system prompt, which six conversations continue there, and its five slots
+    // are taken; b, of one slot, holds nothing. Its share of the seven conversations the
+    // prefix drew with this one is 1.25 x 7 x 5/6, rounded up: 8, more than its slots. So a
+    // is offered first, keyless and keyed, though a key would prefer b.
+    let mut busy = Snapshot::new()
+        .backend("a", "node-a", 5)
+        .backend("b", "node-b", 1)
+        .in_flight("a", 5)
+        .prompt(chain(&[SYS, 30]));
+    for c in 11..17 {
+        busy = busy.holds("a", &chain(&[SYS, c]));
+    }
+    let p = NodeThenBackend::new();
+    assert_eq!(busy.order(&p, None, None)[0].as_str(), "a");
+    let k = key_not_drawn_to(&busy, |b| b == "a");
+    assert_eq!(busy.order(&p, Some(k), None)[0].as_str(), "a");
+}
+
+#[test]
 fn a_replica_homes_on_a_backend_its_share_of_the_slots_not_all_of_them() {
     // b1 (two slots) homes one conversation; a new one shares its system prompt and prefers
     // b1 by its key too. Few conversations: the bound is a backend's slots.
