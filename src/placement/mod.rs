@@ -659,7 +659,8 @@ pub(crate) fn freer_of_two(
 /// How [`most_free_slots`] orders backends with as many free slots.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Ties {
-    /// By position in the fleet, from this one on: ties rotate when the caller rotates it.
+    /// The tied backend at this number, modulo how many tie, counted by position in the
+    /// fleet: ties take turns evenly when the caller adds one to it on every call.
     Rotate(usize),
     /// By [`tie_rank`](rendezvous::tie_rank) of this number and each backend's id, highest
     /// first: the same on every router, whatever order it discovered the backends in.
@@ -686,20 +687,35 @@ pub(crate) fn most_free_slots(
         let rank = tie.map_or(0, |t| rendezvous::tie_rank(t, b.member().digest));
         (b.free_slots(), rank)
     };
-    let rotated = (0..n).filter_map(|i| fleet.backend_at((start + i) % n));
-    // One pass for the best; the full order only if the best was taken meanwhile.
-    let mut best: Option<((u32, u64), BackendRef<'_>)> = None;
-    for b in rotated.clone() {
+    // One pass for the best order and how many backends share it, a second for the tie
+    // whose turn it is: ties rotate among the backends that tie, not over the whole fleet.
+    // The first best stands in if the loads changed between the passes.
+    let mut best: Option<((u32, u64), usize, usize)> = None;
+    for (i, b) in (0..n).filter_map(|i| Some((i, fleet.backend_at(i)?))) {
         let o = order(&b);
-        if best.is_none_or(|(x, _)| o > x) {
-            best = Some((o, b));
+        match &mut best {
+            Some((x, _, count)) if o == *x => *count += 1,
+            Some((x, _, _)) if o < *x => {}
+            _ => best = Some((o, i, 1)),
         }
     }
-    if let Some((_, b)) = best {
+    let Some((best, first, count)) = best else {
+        return ControlFlow::Continue(());
+    };
+    let chosen = match start % count {
+        0 => first,
+        turn => (0..n)
+            .filter(|&i| fleet.backend_at(i).is_some_and(|b| order(&b) == best))
+            .nth(turn)
+            .unwrap_or(first),
+    };
+    if let Some(b) = fleet.backend_at(chosen) {
         candidates.offer(b)?;
     }
+    // The full order only if the best was taken meanwhile, from the tie chosen on.
+    let rotated = (0..n).filter_map(|i| fleet.backend_at((chosen + i) % n));
     let mut rest: Vec<((u32, u64), BackendRef<'_>)> = rotated.map(|b| (order(&b), b)).collect();
-    // Stable: ties of a rotation keep their rotated order.
+    // Stable: ties keep their order from the chosen one on.
     rest.sort_by_key(|&(o, _)| std::cmp::Reverse(o));
     for (_, b) in rest {
         candidates.offer(b)?;

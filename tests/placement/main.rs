@@ -368,6 +368,22 @@ fn least_loaded_rotates_among_ties() {
 }
 
 #[test]
+fn least_loaded_rotates_evenly_among_only_the_backends_that_tie() {
+    // a2 and b1 have two free slots, a1 and b2 one: the requests alternate between a2 and
+    // b1, whatever positions the others hold in the fleet.
+    let fleet = two_by_two_with(2).in_flight("a1", 1).in_flight("b2", 1);
+    let ll = LeastLoaded::new();
+    let picks: Vec<_> = (0..8)
+        .map(|_| fleet.choose(&ll, None, None).unwrap())
+        .collect();
+    assert_eq!(picks.iter().filter(|p| p.as_str() == "a2").count(), 4);
+    assert_eq!(picks.iter().filter(|p| p.as_str() == "b1").count(), 4);
+    for pair in picks.windows(2) {
+        assert_ne!(pair[0], pair[1], "{picks:?}");
+    }
+}
+
+#[test]
 fn an_empty_fleet_offers_nothing() {
     let empty = Snapshot::new();
     assert!(empty
