@@ -289,6 +289,15 @@ impl SlotTable {
     }
 }
 
+/// The UTF-8 byte order mark. llama-server's JSON parser skips it at the very start of a body
+/// and nowhere else: after whitespace, or a second time, the body is no JSON to it.
+const BOM: &[u8] = b"\xef\xbb\xbf";
+
+/// `body` after the byte order mark it opens with, if any: the JSON llama-server reads.
+pub(crate) fn after_bom(body: &[u8]) -> &[u8] {
+    body.strip_prefix(BOM).unwrap_or(body)
+}
+
 /// Whether any string of `body` may read `id_slot`: it holds `"id_slot"` as written, or a
 /// `\u00XX` escape of one of its letters (no other escape gives one). Cheap, so that a body
 /// of megabytes is parsed only when it may need to be.

@@ -253,16 +253,13 @@ fn is_json_space(b: u8) -> bool {
     matches!(b, b' ' | b'\t' | b'\n' | b'\r')
 }
 
-/// The UTF-8 byte order mark, which llama-server's JSON parser skips at the start of a body.
-const BOM: &[u8] = b"\xef\xbb\xbf";
-
 /// `body` with `"id_slot":slot` as its object's first member, or `None` to send it as it
 /// came: not an object, or one whose top level names `id_slot` already, or may and does not
 /// parse.
 fn insert_id_slot(body: &[u8], slot: u32) -> Option<Bytes> {
     // A body that opens with a byte order mark is one llama-server reads, and runs in the
     // slot it names: the mark stays, and the object after it is looked for as after none.
-    let from = if body.starts_with(BOM) { BOM.len() } else { 0 };
+    let from = body.len() - crate::slots::after_bom(body).len();
     let open = from + body[from..].iter().position(|&b| !is_json_space(b))?;
     if body[open] != b'{' {
         return None;

@@ -83,7 +83,8 @@ impl Config {
     /// object item member by member, strings as their text; what an array keeps bounded by
     /// the bytes it takes); everything else is checked and skipped without being built. A
     /// body is taken as JSON exactly when it parses as a
-    /// [`serde_json::Value`] (the same checks of strings and numbers, the same nesting limit),
+    /// [`serde_json::Value`] after the byte order mark it may open with, which llama-server
+    /// skips too (the same checks of strings and numbers, the same nesting limit),
     /// but inside the items of the prompt's arrays, which are checked as serde's raw values
     /// are: a lone surrogate's escape or a number past `f64`'s range is taken there.
     pub(crate) fn inspect(&self, body: &[u8]) -> (Option<SessionKey>, PromptFacts) {
@@ -123,6 +124,9 @@ impl Config {
             continues: false,
             unstored: false,
         };
+        // llama-server skips a byte order mark at the start of a body: the object after it
+        // is the request it runs.
+        let body = crate::slots::after_bom(body);
         // Most bodies that are not a JSON object are spotted without running the parser.
         if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
             return out;
@@ -236,13 +240,14 @@ pub(crate) fn key_at(value: &Value, path: &[String]) -> Option<SessionKey> {
 
 /// The facts of a body left unread (see [`Config::reads`]) that names its own slot: its
 /// top-level `id_slot` and its size, and nothing else (no chain, no model). `None` if it has
-/// no top-level `id_slot` or is no JSON object. Only a body that may name `id_slot` is parsed
+/// no top-level `id_slot` or is no JSON object (a leading byte order mark aside, which
+/// llama-server skips too). Only a body that may name `id_slot` is parsed
 /// (its top level, other values skipped); any other costs a search of its bytes.
 pub(crate) fn unread_facts(body: &[u8]) -> Option<PromptFacts> {
     if !crate::slots::may_name_id_slot(body) {
         return None;
     }
-    let TopIdSlot(named_slot) = serde_json::from_slice(body).ok()?;
+    let TopIdSlot(named_slot) = serde_json::from_slice(crate::slots::after_bom(body)).ok()?;
     (named_slot != NamedSlot::Absent).then(|| PromptFacts {
         body_bytes: body.len(),
         messages: 0,

@@ -25,7 +25,9 @@ use crate::key::HeaderKey;
 ///   into the request's extensions as a [`SessionKey`](crate::key::SessionKey); read it with
 ///   [`ExtensionKey`](crate::key::ExtensionKey), usually behind the headers:
 ///   `FirstOf::new(HeaderKey::default(), ExtensionKey)`.
-/// - A body that is not JSON, or has none of the fields, goes on without a key. The body is
+/// - A body that is not JSON, or has none of the fields, goes on without a key. A UTF-8 byte
+///   order mark at the very start of the body is skipped, as llama-server skips it; one
+///   anywhere else (after whitespace, or a second one) makes the body no JSON. The body is
 ///   parsed once (twice if it is not JSON, or if a prompt array holds an item that is neither
 ///   an object nor an array), keeping only the key fields, the leading messages and the prompt's members,
 ///   which become the facts' [`PromptChain`](crate::PromptChain): a digest at every message
@@ -170,9 +172,10 @@ impl BodyKeyLayer {
     /// response that only the backend that answered it can continue.
     ///
     /// A body left unread is still searched for `"id_slot"` (and for a `\u00XX` escape of one
-    /// of its letters), and one that may name it has its top level parsed, other values
-    /// skipped: a body with a top-level `id_slot` gets `PromptFacts` saying only that, with an
-    /// empty chain, so that a router assigning a llama-server's slots
+    /// of its letters), and one that may name it has its top level parsed (after a leading
+    /// byte order mark, as above), other values skipped: a body with a top-level `id_slot`
+    /// gets `PromptFacts` saying only that, with an empty chain, so that a router assigning
+    /// a llama-server's slots
     /// ([`Backend::assign_slots`](crate::Backend::assign_slots)) gives the request the slot
     /// llama-server runs it in. The search costs every request left unread a pass over its
     /// bytes.

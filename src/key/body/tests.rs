@@ -653,6 +653,71 @@ async fn a_body_left_unread_still_gives_the_slot_its_id_slot_names() {
     }
 }
 
+/// A body left unread that opens with a byte order mark names the slot of the object after
+/// it: llama-server skips the mark, and runs the request in that slot.
+#[tokio::test]
+async fn a_body_left_unread_gives_the_slot_its_id_slot_names_after_a_leading_byte_order_mark() {
+    use crate::key::HeaderKey;
+    use crate::slots::NamedSlot;
+    let layer = BodyKeyLayer::new().skip_when_header(HeaderKey::default());
+    for (body, named) in [
+        (&b"\xef\xbb\xbf{\"id_slot\":1}"[..], NamedSlot::Slot(1)),
+        (
+            b"\xef\xbb\xbf \n{\"messages\":[],\"id_slot\":3}",
+            NamedSlot::Slot(3),
+        ),
+    ] {
+        let (_, seen) = run(layer.clone(), with_session_header("run-1", body)).await;
+        assert_eq!(seen.key, None);
+        let facts = seen.facts.expect("the slot's facts");
+        assert_eq!(facts.named_slot, named);
+        assert_eq!(facts.body_bytes, body.len());
+        assert_eq!(seen.body.as_deref(), Some(body));
+    }
+    // A mark after whitespace, or a second one, is one llama-server refuses.
+    for body in [
+        &b" \xef\xbb\xbf{\"id_slot\":1}"[..],
+        b"\xef\xbb\xbf\xef\xbb\xbf{\"id_slot\":1}",
+    ] {
+        let (_, seen) = run(layer.clone(), with_session_header("run-1", body)).await;
+        assert_eq!(seen.facts, None);
+    }
+}
+
+/// llama-server's JSON parser skips a UTF-8 byte order mark at the start of a body, and runs
+/// the request the object after it describes: the layer reads that object as it would the
+/// same body without the mark.
+#[tokio::test]
+async fn a_body_after_a_leading_byte_order_mark_is_read_as_without_it() {
+    use crate::slots::NamedSlot;
+    let plain = br#"{"user":"u","id_slot":1,"messages":[{"role":"user","content":"hi"}]}"#;
+    let marked = b"\xef\xbb\xbf{\"user\":\"u\",\"id_slot\":1,\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}";
+    assert_eq!(&marked[3..], &plain[..]);
+    let (_, without) = run(BodyKeyLayer::new(), post(plain)).await;
+    let (res, seen) = run(BodyKeyLayer::new(), post(marked)).await;
+    assert_eq!(res.status(), 200);
+    assert_eq!(seen.key, key("u"));
+    assert_eq!(seen.body.as_deref(), Some(&marked[..]));
+    let (facts, without) = (seen.facts.unwrap(), without.facts.unwrap());
+    assert_eq!(facts.named_slot, NamedSlot::Slot(1));
+    assert_eq!(facts.messages, 1);
+    assert!(!facts.chain.is_empty());
+    assert_eq!(facts.chain, without.chain);
+    assert_eq!(facts.leading_digest(), without.leading_digest());
+    assert_eq!(facts.body_bytes, marked.len());
+    // A mark after whitespace, or a second one, is one llama-server refuses: no JSON.
+    for body in [
+        &b" \xef\xbb\xbf{\"user\":\"u\",\"id_slot\":1}"[..],
+        b"\xef\xbb\xbf\xef\xbb\xbf{\"user\":\"u\",\"id_slot\":1}",
+    ] {
+        let (_, seen) = run(BodyKeyLayer::new(), post(body)).await;
+        assert_eq!(seen.key, None);
+        let facts = seen.facts.unwrap();
+        assert_eq!(facts.named_slot, NamedSlot::Absent);
+        assert!(facts.chain.is_empty());
+    }
+}
+
 #[tokio::test]
 async fn skip_when_header_still_bounds_the_body() {
     use crate::key::HeaderKey;
