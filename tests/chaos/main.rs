@@ -68,7 +68,7 @@ struct StubState {
 struct Stub {
     addr: SocketAddr,
     state: Arc<StubState>,
-    server: Mutex<Option<JoinHandle<()>>>,
+    server: Mutex<Option<server::Served>>,
 }
 
 impl Stub {
@@ -97,13 +97,12 @@ impl Stub {
         *self.server.lock() = Some(server);
     }
 
-    /// Closes the listener and every open connection.
+    /// Closes the listener and every open connection, and returns once all have ended.
     async fn kill(&self) {
         let Some(server) = self.server.lock().take() else {
             return;
         };
-        server.abort();
-        let _ = server.await;
+        server.stop().await;
     }
 
     /// Listens again on the same port, if it is not listening. Gives up (and says so) if the
@@ -140,14 +139,6 @@ impl Stub {
             request_context: None,
             model: None,
             assign_slots: false,
-        }
-    }
-}
-
-impl Drop for Stub {
-    fn drop(&mut self) {
-        if let Some(s) = self.server.lock().take() {
-            s.abort();
         }
     }
 }

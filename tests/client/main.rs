@@ -18,6 +18,9 @@ use tower_affinity::client::{BackendBody, FailureKind, HttpBackend, HttpBackendE
 use tower_affinity::discover::StaticFleet;
 use tower_affinity::{Backend, Error, SessionAffinityLayer};
 
+#[allow(dead_code)]
+#[path = "../support/llama_stub.rs"]
+mod llama_stub;
 #[path = "../support/refusing.rs"]
 mod refusing;
 
@@ -1260,5 +1263,34 @@ async fn the_only_backends_503_keeps_its_retry_after_when_the_retry_finds_no_oth
         assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE, "{e}");
         let given = res.headers().get(http::header::RETRY_AFTER);
         assert_eq!(given.map(|v| v.to_str().unwrap()), hint);
+    }
+}
+
+/// A killed stub answers nothing more, not even on a connection a client pooled before the
+/// kill: `kill` returns once the stub's serving task and every connection it accepted have
+/// ended, on a runtime with several workers too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_stub_answers_no_request_on_a_pooled_connection() {
+    for round in 0..1_000 {
+        let stub = llama_stub::Stub::start("a", 1).await;
+        let backend = HttpBackend::<Body>::new(&stub.url()).unwrap();
+        let req = || Request::get("/health").body(Body::default()).unwrap();
+        let res = tokio::time::timeout(DEADLINE, backend.clone().oneshot(req()))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(res.status(), 200);
+        // Read to its end, the answer puts its connection back in the pool.
+        res.into_body().collect().await.unwrap();
+        stub.kill().await;
+        let next = tokio::time::timeout(DEADLINE, backend.oneshot(req()))
+            .await
+            .unwrap();
+        assert!(
+            next.is_err(),
+            "round {round}: a killed stub answered {:?}",
+            next.map(|r| r.status())
+        );
+        assert_eq!(stub.connections(), 1, "round {round}");
     }
 }

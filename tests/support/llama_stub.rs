@@ -23,7 +23,6 @@ use parking_lot::Mutex;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
-use tokio::task::JoinHandle;
 
 /// The most prompts a stub remembers.
 const CACHED_PROMPTS: usize = 16;
@@ -89,7 +88,7 @@ pub(crate) struct Timing {
 pub(crate) struct Stub {
     pub(crate) addr: SocketAddr,
     pub(crate) state: Arc<StubState>,
-    server: JoinHandle<()>,
+    server: server::Served,
 }
 
 impl Stub {
@@ -145,16 +144,11 @@ impl Stub {
         format!("http://{}", self.addr)
     }
 
-    /// Stops the stub: new connections are refused, open ones are closed.
+    /// Stops the stub: new connections are refused, open ones are closed. Returns once its
+    /// serving task and every connection have ended, so that no request sent after it, on a
+    /// pooled connection either, is answered.
     pub(crate) async fn kill(&self) {
-        self.server.abort();
-        // Let the runtime run the abort before the caller sends anything.
-        for _ in 0..100 {
-            if self.server.is_finished() {
-                break;
-            }
-            tokio::task::yield_now().await;
-        }
+        self.server.stop().await;
     }
 
     /// From now on, wants `key` as llama-server run with `--api-key KEY` does: `/slots`
@@ -224,12 +218,6 @@ impl Stub {
 
     pub(crate) fn echoed(&self) -> Vec<Echoed> {
         self.state.echoed.lock().clone()
-    }
-}
-
-impl Drop for Stub {
-    fn drop(&mut self) {
-        self.server.abort();
     }
 }
 
