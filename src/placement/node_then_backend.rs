@@ -70,7 +70,7 @@ use super::{
 ///   one turn at a time. A keyless one goes to the
 ///   backend with the fewest requests in flight for its slots, and among those (often all of
 ///   them) the fewest conversations for its slots: a busy backend reads a new prompt only
-///   after those it has. A keyed one takes its rendezvous order, passing over any backend
+///   after those it has. A keyed one takes its rendezvous order, skipping any backend
 ///   that would home more than `1 + epsilon` times its share of slots (see
 ///   [`conversation_bound`](NodeThenBackend::conversation_bound); default
 ///   [`DEFAULT_CONVERSATION_BOUND`](NodeThenBackend::DEFAULT_CONVERSATION_BOUND)).
@@ -206,7 +206,7 @@ impl NodeThenBackend {
         self
     }
 
-    /// Bounds the conversations one backend homes: a new keyed session passes over a backend
+    /// Bounds the conversations one backend homes: a new keyed session skips a backend
     /// that would then home more than `1 + epsilon` times its share of the fleet's
     /// conversations by slots (those with a turn within the [live window](Self::live_window);
     /// rounded up, and never fewer than its slots: over the router
@@ -270,10 +270,10 @@ impl NodeThenBackend {
     }
 
     /// Offers the backends that hold some of a new conversation's prompt, the longest prefix
-    /// first, passing over any where the conversations that share the prefix, branching
+    /// first, skipping any where the conversations that share the prefix, branching
     /// from it there, already reach the backend's share of conversations: a prefix many
     /// conversations share draws new ones only up to the bound, and the bound is what spreads
-    /// them. A prefix few others continue is not passed over for the conversations the
+    /// them. A prefix few others continue is not skipped for the conversations the
     /// backend homes besides: they did not come for this prefix, and a conversation whose
     /// turn ends inside a block (a text prompt, or a long message cut into blocks) leaves its
     /// ragged end behind as a conversation of its own at every turn, so a backend serving long
