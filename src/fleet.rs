@@ -441,7 +441,8 @@ impl<S> Backend<S> {
     /// facts [`BodyKeyLayer`](crate::key::BodyKeyLayer) reads in its one pass over the body;
     /// a body it leaves unread (a header names the session and
     /// [`skip_when_header`](crate::key::BodyKeyLayer::skip_when_header) says so) is still
-    /// searched for `id_slot`, and one that names a slot gets facts saying only that.
+    /// searched for `id_slot`, and one with a top-level `id_slot` gets facts saying only
+    /// that: the slot it names, or that it names none (`-1`), so that it is assigned none.
     ///
     /// ```
     /// use std::num::NonZeroU32;

@@ -30,7 +30,8 @@ use crate::{BackendId, PromptChain};
 /// slots the router assigns ([`Backend::assign_slots`](crate::Backend::assign_slots)), a
 /// request that names its own slot is assigned that slot or none. A body
 /// [`skip_when_header`](crate::key::BodyKeyLayer::skip_when_header) leaves unread gets facts
-/// only when it names its slot, and they say nothing else. Facts made with
+/// only when it has a top-level `id_slot` (one naming a slot, or none, as `-1` does), and
+/// they say nothing else. Facts made with
 /// [`from_chain`](Self::from_chain) name no slot.
 ///
 /// ```
