@@ -59,7 +59,7 @@ impl Placement for RoundRobin {
 /// Every request to the backend with the most free slots, ignoring sessions: the default
 /// routing of the measured study. Backends that tie take turns: each call takes the next of
 /// the tied backends in fleet order, so ties share the requests evenly whatever positions the
-/// other backends hold. O(backends) a call.
+/// other backends hold; a backend down takes no turn. O(backends) a call.
 ///
 /// ```
 /// use tower_affinity::placement::{LeastLoaded, Snapshot};

@@ -688,10 +688,15 @@ pub(crate) fn most_free_slots(
         (b.free_slots(), rank)
     };
     // One pass for the best order and how many backends share it, a second for the tie
-    // whose turn it is: ties rotate among the backends that tie, not over the whole fleet.
-    // The first best stands in if the loads changed between the passes.
+    // whose turn it is: ties rotate among the backends that tie, not over the whole fleet,
+    // nor over those down or passed over, which take nothing. The first best stands in if
+    // the loads changed between the passes.
+    let open = |b: &BackendRef<'_>| !candidates.is_down(*b) && !candidates.is_passed_over(b.index);
     let mut best: Option<((u32, u64), usize, usize)> = None;
     for (i, b) in (0..n).filter_map(|i| Some((i, fleet.backend_at(i)?))) {
+        if !open(&b) {
+            continue;
+        }
         let o = order(&b);
         match &mut best {
             Some((x, _, count)) if o == *x => *count += 1,
@@ -700,12 +705,17 @@ pub(crate) fn most_free_slots(
         }
     }
     let Some((best, first, count)) = best else {
+        // Every backend down or passed over: none would take the request.
         return ControlFlow::Continue(());
     };
     let chosen = match start % count {
         0 => first,
         turn => (0..n)
-            .filter(|&i| fleet.backend_at(i).is_some_and(|b| order(&b) == best))
+            .filter(|&i| {
+                fleet
+                    .backend_at(i)
+                    .is_some_and(|b| open(&b) && order(&b) == best)
+            })
             .nth(turn)
             .unwrap_or(first),
     };

@@ -384,6 +384,27 @@ fn least_loaded_rotates_evenly_among_only_the_backends_that_tie() {
 }
 
 #[test]
+fn least_loaded_rotates_evenly_among_the_tied_backends_that_are_up() {
+    // a2, b1 and b2 have two free slots, a1 one; b1 is down. The requests alternate between
+    // a2 and b2: b1's turns are not all handed to the tie after it.
+    let fleet = two_by_two_with(2).in_flight("a1", 1).down("b1");
+    let ll = LeastLoaded::new();
+    let picks: Vec<_> = (0..8)
+        .map(|_| fleet.choose(&ll, None, None).unwrap())
+        .collect();
+    assert_eq!(
+        picks.iter().filter(|p| p.as_str() == "a2").count(),
+        4,
+        "{picks:?}"
+    );
+    assert_eq!(
+        picks.iter().filter(|p| p.as_str() == "b2").count(),
+        4,
+        "{picks:?}"
+    );
+}
+
+#[test]
 fn an_empty_fleet_offers_nothing() {
     let empty = Snapshot::new();
     assert!(empty
