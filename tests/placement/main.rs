@@ -922,11 +922,33 @@ fn a_new_keyless_conversations_backend_between_equals_is_the_same_in_every_versi
     assert_eq!(firsts, pinned);
 }
 
+/// Places `n` new keyless conversations, the `i`th with `prompt(i)`, on two routers' views of
+/// one fleet that discovered its backends in different orders (`here`, `there`). Each goes
+/// to the same backend on both; the backends they went to.
+fn placed_alike_whatever_the_discovery_order(
+    n: u64,
+    here: impl Fn() -> Snapshot,
+    there: impl Fn() -> Snapshot,
+    prompt: impl Fn(u64) -> PromptChain,
+) -> std::collections::HashSet<BackendId> {
+    let p = NodeThenBackend::new();
+    let mut firsts = std::collections::HashSet::new();
+    for i in 0..n {
+        let first = here().prompt(prompt(i)).choose(&p, None, None).unwrap();
+        assert_eq!(
+            there().prompt(prompt(i)).choose(&p, None, None),
+            Some(first.clone()),
+            "prompt {i}"
+        );
+        firsts.insert(first);
+    }
+    firsts
+}
+
 #[test]
 fn a_new_keyless_conversation_goes_where_another_router_discovering_backends_otherwise_sends_it() {
     // The same four idle backends, discovered in opposite orders by two routers: each prompt
     // goes to the same backend on both, and different prompts still spread.
-    let p = NodeThenBackend::new();
     let reversed = || {
         Snapshot::new()
             .backend("b2", "node-b", 2)
@@ -934,19 +956,9 @@ fn a_new_keyless_conversation_goes_where_another_router_discovering_backends_oth
             .backend("a2", "node-a", 2)
             .backend("a1", "node-a", 2)
     };
-    let mut firsts = std::collections::HashSet::new();
-    for i in 0..32 {
-        let prompt = chain(&[SYS, 2_000 + i]);
-        let here = two_by_two_of_two().prompt(prompt.clone());
-        let there = reversed().prompt(prompt);
-        let first = here.choose(&p, None, None).unwrap();
-        assert_eq!(
-            there.choose(&p, None, None),
-            Some(first.clone()),
-            "prompt {i}"
-        );
-        firsts.insert(first);
-    }
+    let firsts = placed_alike_whatever_the_discovery_order(32, two_by_two_of_two, reversed, |i| {
+        chain(&[SYS, 2_000 + i])
+    });
     assert_eq!(firsts.len(), 4, "32 prompts went to {firsts:?}");
 }
 
@@ -1846,7 +1858,6 @@ fn a_new_keyless_conversation_drawn_to_a_shared_prefix_goes_where_another_router
     // in every count the policy reads. Two routers discovered them in opposite orders: a new
     // keyless prompt sharing the system prompt goes to the same one of the two on both, and
     // different prompts still spread over both.
-    let p = NodeThenBackend::new();
     let fleet = |order: [&str; 2]| {
         order
             .iter()
@@ -1854,19 +1865,12 @@ fn a_new_keyless_conversation_drawn_to_a_shared_prefix_goes_where_another_router
             .holds("x", &chain(&[SYS, 11]))
             .holds("y", &chain(&[SYS, 12]))
     };
-    let mut firsts = std::collections::HashSet::new();
-    for i in 0..16 {
-        let prompt = chain(&[SYS, 2_000 + i]);
-        let here = fleet(["x", "y"]).prompt(prompt.clone());
-        let there = fleet(["y", "x"]).prompt(prompt);
-        let first = here.choose(&p, None, None).unwrap();
-        assert_eq!(
-            there.choose(&p, None, None),
-            Some(first.clone()),
-            "prompt {i}"
-        );
-        firsts.insert(first);
-    }
+    let firsts = placed_alike_whatever_the_discovery_order(
+        16,
+        || fleet(["x", "y"]),
+        || fleet(["y", "x"]),
+        |i| chain(&[SYS, 2_000 + i]),
+    );
     assert_eq!(firsts.len(), 2, "16 prompts went to {firsts:?}");
 }
 
@@ -1928,7 +1932,6 @@ fn a_keyless_request_whose_prefix_is_on_a_full_backend_takes_the_node_mate_anoth
     // a1 holds the conversation's prefix and is full; a2 and a3, on its node, have as many
     // free slots. Two routers discovered the backends in opposite orders: each prompt goes to
     // the same node-mate on both, and different prompts spread over both.
-    let p = NodeThenBackend::new();
     let fleet = |order: [(&str, &str); 4]| {
         order
             .iter()
@@ -1948,19 +1951,12 @@ fn a_keyless_request_whose_prefix_is_on_a_full_backend_takes_the_node_mate_anoth
         ("a2", "node-a"),
         ("a1", "node-a"),
     ];
-    let mut firsts = std::collections::HashSet::new();
-    for i in 0..16 {
-        let prompt = chain(&[SYS, 11, 12, 2_000 + i]);
-        let here = fleet(forth).prompt(prompt.clone());
-        let there = fleet(back).prompt(prompt);
-        let first = here.choose(&p, None, None).unwrap();
-        assert_eq!(
-            there.choose(&p, None, None),
-            Some(first.clone()),
-            "prompt {i}"
-        );
-        firsts.insert(first);
-    }
+    let firsts = placed_alike_whatever_the_discovery_order(
+        16,
+        || fleet(forth),
+        || fleet(back),
+        |i| chain(&[SYS, 11, 12, 2_000 + i]),
+    );
     assert_eq!(
         firsts,
         ["a2", "a3"].into_iter().map(BackendId::from).collect(),
