@@ -471,6 +471,9 @@ where
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         let mut this = self.project();
         let frame = ready!(this.kind.as_mut().poll_frame(cx));
+        // The backend's last frame: a body that knows it has ended may not be polled again,
+        // so all its end does is done now, once.
+        let last = matches!(frame, Some(Ok(_))) && this.kind.is_end_stream();
         let mut now = None;
         match (&frame, this.observe.as_mut()) {
             (Some(Ok(f)), Some(observe)) => {
@@ -496,8 +499,7 @@ where
                     if let (Some(first), Some(guard)) = (now, this.guard.as_ref()) {
                         observe.first_byte(guard, first);
                     }
-                    // A body that knows it has ended may not be polled again.
-                    if this.kind.is_end_stream() {
+                    if last {
                         if let Some(guard) = this.guard.as_ref() {
                             observe.end(guard, now);
                         }
@@ -516,15 +518,16 @@ where
         // assigned is free on the backend.
         if let (Some(Ok(f)), Some(guard)) = (&frame, this.guard.as_mut()) {
             if guard.holds_assigned_slot()
-                && (this.kind.is_end_stream()
+                && (last
                     || f.data_ref()
                         .is_some_and(|d| crate::slots::ends_answer(d.chunk())))
             {
                 guard.release_assigned_slot();
             }
         }
-        // The end of the stream, or an error that ends it: the slot is free again.
-        if !matches!(frame, Some(Ok(_))) {
+        // The backend's last frame, the end of the stream, or an error that ends it: the slot
+        // is free again. Taken once: the end polled after the last frame finds none.
+        if last || !matches!(frame, Some(Ok(_))) {
             match (&frame, this.guard.take()) {
                 // Nothing reached the client: the backend failed before it answered, and
                 // the request is retried as for any failure, elsewhere.

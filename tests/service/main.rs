@@ -6492,3 +6492,32 @@ async fn the_body_tells_the_size_and_end_of_the_backends_body() {
     assert!(body.frame().await.is_none());
     assert!(at_rest(&svc));
 }
+
+/// A body whose last frame says it has ended gives its slot back with that frame: a caller
+/// that keeps the body and polls it no more leaves its backend free for the next request,
+/// and the end polled later counts nothing twice.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_body_gives_its_slot_back_with_its_last_frame() {
+    let (_, mut svc) = slot_backend(1, false, ok_body);
+    let req = request(Some("s"), None);
+    let res = svc.ready().await.unwrap().call(req).await.unwrap();
+    let mut body = res.into_body();
+    let frame = body.frame().await.unwrap().unwrap();
+    assert_eq!(frame.into_data().unwrap(), "ok");
+    assert!(http_body::Body::is_end_stream(&body));
+    // Kept, not polled again.
+    assert_eq!(in_flight(&svc, "a1"), 0);
+    assert!(at_rest(&svc), "{:?}", svc.backends());
+    // The one slot is free: the next request is placed on its first poll.
+    svc.ready().await.unwrap();
+    let mut next = tokio_test::task::spawn(svc.call(request(Some("t"), None)));
+    let res = assert_ready!(next.poll()).unwrap();
+    assert_eq!(in_flight(&svc, "a1"), 1);
+    assert_eq!(svc.stats().waiting, 0);
+    drop(res);
+    // The end polled later, and the body dropped, count nothing twice.
+    assert!(body.frame().await.is_none());
+    drop(body);
+    assert!(at_rest(&svc), "{:?}", svc.backends());
+    assert!(accounted(&svc, 2), "{:?}", svc.stats());
+}
