@@ -45,6 +45,16 @@ type Chosen<S> = (S, SlotGuard, Decision, Option<Watch>, Option<Record>);
 
 pin_project! {
     /// The response future of [`SessionAffinity`](crate::SessionAffinity).
+    ///
+    /// Dropped, it gives back the slot its request holds, polled or not. A request `call`
+    /// placed stays counted as placed, and its session's home stays where it was placed. One
+    /// whose backend was ready in `call` was handed to that backend's service there: dropped
+    /// before its first poll, its prompt's chain still goes into the backend's cache model
+    /// (and into the slot the router assigned it), as a service that does its work in `call`
+    /// may have sent it. A service that sends only once its future is polled, as
+    /// [`HttpBackend`](crate::client::HttpBackend) does, has sent nothing. A request whose
+    /// backend was not ready is taken back from the model and from its assigned slot; one
+    /// waiting for a slot or for the shared store is counted as abandoned.
     pub struct ResponseFuture<S, P, ReqB>
     where
         S: Service<http::Request<ReqB>>,
