@@ -754,6 +754,11 @@ async fn nxdomain_keeps_the_fleet_counts_and_logs_once() {
     answered(other.handle().resolved(1)).await;
     let e = other.handle().last_error().unwrap();
     assert_eq!(e.kind(), DnsErrorKind::ServerFailure, "{e}");
+    // It names the nameserver that refused.
+    assert!(
+        e.to_string().contains(&format!("nameserver {}", dns.addr)),
+        "{e}"
+    );
     // It never resolved: there is no fleet of it to keep, and the warning says so.
     assert_eq!(
         logs.count(&["DNS resolution failed; no backend from this name yet"]),
@@ -1303,4 +1308,30 @@ async fn a_name_with_an_underscore_resolves() {
         backend.service().srv_host(),
         Some("llama_server.fleet.test")
     );
+}
+
+/// A resolution that no nameserver answers names the nameserver it asked, and the name: a
+/// fleet given a wrong resolver address says which one.
+#[tokio::test(start_paused = true)]
+async fn a_resolution_no_nameserver_answers_names_the_nameserver_asked() {
+    support_logs::install(tracing::Level::INFO);
+    // A nameserver that receives and never answers.
+    let silent = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    let addr = silent.local_addr().unwrap();
+    let fleet = DnsFleet::builder("llm.fleet.test.:8080".parse().unwrap())
+        .nameserver(addr)
+        .timeout(Duration::from_secs(1))
+        .attempts(1)
+        .build(|ep: &DnsEndpoint| ep.addr())
+        .unwrap();
+    // Unanswered: the (paused) clock runs on to the query's timeout.
+    fleet.handle().resolved(1).await;
+    let e = fleet.handle().last_error().unwrap();
+    assert!(
+        matches!(e.kind(), DnsErrorKind::Timeout | DnsErrorKind::Connection),
+        "{e:?}"
+    );
+    let text = e.to_string();
+    assert!(text.contains("llm.fleet.test."), "{text}");
+    assert!(text.contains(&format!("nameserver {addr}")), "{text}");
 }

@@ -11,11 +11,13 @@ use hickory_resolver::config::{
     ConnectionConfig, LookupIpStrategy, NameServerConfig, ResolveHosts, ResolverConfig,
 };
 use hickory_resolver::net::runtime::TokioRuntimeProvider;
+use hickory_resolver::system_conf::read_system_conf;
 use hickory_resolver::TokioResolver;
 
 use super::endpoint::DnsEndpoint;
 use super::error::{DnsError, DnsErrorKind};
 use super::fleet::DnsFleet;
+use super::resolve::{nameservers, Resolver};
 use super::target::DnsTarget;
 use super::task::{Make, NodeOf, Schedule};
 use crate::{Backend, BoxError, NodeId};
@@ -311,15 +313,24 @@ impl DnsFleetBuilder {
         Ok(DnsFleet::start(resolver, self.target, self.schedule, make))
     }
 
-    fn resolver(&self) -> Result<TokioResolver, DnsError> {
+    /// The resolver, which names the nameservers it asks in its errors: those given, else
+    /// the system configuration's.
+    fn resolver(&self) -> Result<Resolver, DnsError> {
         let config = |e: &dyn fmt::Display| {
             DnsError::new(
                 DnsErrorKind::Config,
                 format!("setting up the resolver for {}: {e}", self.target),
             )
         };
-        let mut builder = if self.nameservers.is_empty() {
-            TokioResolver::builder_tokio().map_err(|e| config(&e))?
+        let (mut builder, asked) = if self.nameservers.is_empty() {
+            // As `TokioResolver::builder_tokio` does, with the configuration kept to name
+            // its nameservers.
+            let (system, options) = read_system_conf().map_err(|e| config(&e))?;
+            let asked = nameservers(&system);
+            let mut builder =
+                TokioResolver::builder_with_config(system, TokioRuntimeProvider::default());
+            *builder.options_mut() = options;
+            (builder, asked)
         } else {
             let servers = self
                 .nameservers
@@ -337,7 +348,7 @@ impl DnsFleetBuilder {
             );
             // The nameserver given is the whole truth: no /etc/hosts.
             builder.options_mut().use_hosts_file = ResolveHosts::Never;
-            builder
+            (builder, self.nameservers.clone())
         };
         let options = builder.options_mut();
         // Every resolution asks the server; the schedule honours the TTL instead.
@@ -349,7 +360,8 @@ impl DnsFleetBuilder {
         if let Some(attempts) = self.attempts {
             options.attempts = attempts;
         }
-        builder.build().map_err(|e| config(&e))
+        let resolver = builder.build().map_err(|e| config(&e))?;
+        Ok(Resolver::new(resolver, &asked))
     }
 }
 

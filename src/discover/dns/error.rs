@@ -9,6 +9,13 @@ use hickory_resolver::proto::op::ResponseCode;
 /// Why a [`DnsTarget`](super::DnsTarget) was refused, a resolver could not be built, or a
 /// resolution failed. Cheap to clone.
 ///
+/// Its text names the name and record type asked; where no answer about the name came
+/// ([`Timeout`](DnsErrorKind::Timeout), [`Connection`](DnsErrorKind::Connection),
+/// [`ServerFailure`](DnsErrorKind::ServerFailure), [`Other`](DnsErrorKind::Other)), the
+/// nameservers asked too: those given to
+/// [`DnsFleetBuilder::nameserver`](super::DnsFleetBuilder::nameserver), else the system
+/// configuration's.
+///
 /// ```
 /// use tower_affinity::discover::dns::{DnsErrorKind, DnsTarget};
 ///
@@ -51,8 +58,11 @@ impl DnsError {
         }
     }
 
-    /// A resolver error about `what` (the name and record type asked).
-    pub(crate) fn resolve(what: &str, e: &NetError) -> Self {
+    /// A resolver error about `what` (the name and record type asked). `asked` names the
+    /// nameservers the resolver asks (`nameserver 127.0.0.1:5353`), or is empty if they are not
+    /// known. Where no answer about the name came (a timeout, a failed connection, a server
+    /// failure), the message ends with it, so that a wrong resolver address shows.
+    pub(crate) fn resolve(what: &str, e: &NetError, asked: &str) -> Self {
         let kind = match e {
             NetError::Timeout => DnsErrorKind::Timeout,
             NetError::Io(_) | NetError::NoConnections | NetError::Busy => DnsErrorKind::Connection,
@@ -67,7 +77,8 @@ impl DnsError {
         let message = match kind {
             DnsErrorKind::NoSuchName => format!("{what}: no such name (NXDOMAIN)"),
             DnsErrorKind::NoRecords => format!("{what}: no records"),
-            _ => format!("{what}: {e}"),
+            _ if asked.is_empty() => format!("{what}: {e}"),
+            _ => format!("{what}: {e} ({asked})"),
         };
         DnsError::new(kind, message)
     }

@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use futures_core::Stream;
-use hickory_resolver::TokioResolver;
 use tokio::task::JoinHandle;
 use tower::discover::Change;
 
@@ -17,6 +16,7 @@ use super::changes::Changes;
 use super::endpoint::DnsEndpoint;
 use super::error::DnsError;
 use super::handle::DnsHandle;
+use super::resolve::Resolver;
 use super::target::DnsTarget;
 use super::task::{run, Make, Schedule};
 use crate::{Backend, BackendId};
@@ -94,7 +94,7 @@ impl<S: Send + 'static> DnsFleet<S> {
     }
 
     pub(crate) fn start(
-        resolver: TokioResolver,
+        resolver: Resolver,
         target: DnsTarget,
         schedule: Schedule,
         make: Make<S>,

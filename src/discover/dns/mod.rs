@@ -21,6 +21,10 @@
 //! Queries go to the system's nameservers (`/etc/resolv.conf`, with its search domains), or to
 //! those given with [`DnsFleetBuilder::nameserver`]. Resolution uses [hickory-resolver],
 //! without its cache; the feature needs Rust 1.88 or later, as hickory-resolver 0.26 does.
+//! A resolution that got no answer about the name (a timeout, a failed connection, a server
+//! failure) fails with an error that names the name, the record type and the nameservers
+//! asked, as in `llm.fleet.test. A: request timed out (nameserver 127.0.0.1:5353)`: a wrong
+//! resolver address shows in the log and in [`DnsHandle::last_error`].
 //!
 //! A name without a trailing dot is tried under the search domains as the configuration's
 //! `ndots` says. In a Kubernetes pod (`ndots:5`) `llm.default.svc.cluster.local:8080` is

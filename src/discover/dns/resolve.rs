@@ -3,8 +3,10 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 
-use hickory_resolver::config::LookupIpStrategy;
+use hickory_resolver::config::{LookupIpStrategy, ResolverConfig};
+use hickory_resolver::net::NetError;
 use hickory_resolver::proto::rr::{Name, RData, RecordType};
 use hickory_resolver::TokioResolver;
 use tokio::task::JoinSet;
@@ -16,6 +18,55 @@ use super::target::{dns_name, DnsTarget, TargetKind};
 /// The TTL of a literal address, as hickory gives it: a day, so the ceiling.
 const LITERAL_TTL: u32 = 86_400;
 
+/// A resolver, and the nameservers it asks as its errors name them.
+#[derive(Clone)]
+pub(crate) struct Resolver {
+    inner: TokioResolver,
+    /// The nameservers asked, as errors name them (`nameserver 127.0.0.1:5353`,
+    /// `nameservers 10.0.0.1:53, 10.0.0.2:53`); empty if none is known.
+    asked: Arc<str>,
+}
+
+impl Resolver {
+    /// `inner`, which asks `nameservers`.
+    pub(crate) fn new(inner: TokioResolver, nameservers: &[SocketAddr]) -> Self {
+        let list = nameservers
+            .iter()
+            .map(SocketAddr::to_string)
+            .collect::<Vec<_>>()
+            .join(", ");
+        let asked = match nameservers.len() {
+            0 => String::new(),
+            1 => format!("nameserver {list}"),
+            _ => format!("nameservers {list}"),
+        };
+        Resolver {
+            inner,
+            asked: asked.into(),
+        }
+    }
+
+    /// A resolver error about `what` (the name and record type asked).
+    fn error(&self, what: &str, e: &NetError) -> DnsError {
+        DnsError::resolve(what, e, &self.asked)
+    }
+}
+
+/// The nameservers `config` asks: each one's address on each port its connections use, in
+/// order, once each.
+pub(crate) fn nameservers(config: &ResolverConfig) -> Vec<SocketAddr> {
+    let mut out = Vec::new();
+    for ns in config.name_servers() {
+        for connection in &ns.connections {
+            let addr = SocketAddr::new(ns.ip, connection.port);
+            if !out.contains(&addr) {
+                out.push(addr);
+            }
+        }
+    }
+    out
+}
+
 /// What one resolution found.
 #[derive(Debug)]
 pub(crate) struct Resolution {
@@ -26,11 +77,11 @@ pub(crate) struct Resolution {
 
 /// Resolves `target` once. An answer with no address is an error: DNS never empties the fleet.
 pub(crate) async fn resolve(
-    resolver: &TokioResolver,
+    resolver: &Resolver,
     target: &DnsTarget,
 ) -> Result<Resolution, DnsError> {
     // Every resolution asks the server: the TTL is honoured here, by when the next one runs.
-    resolver.clear_cache();
+    resolver.inner.clear_cache();
     let resolution = match target.kind {
         TargetKind::Host(port) => host(resolver, &target.name, port).await?,
         TargetKind::Srv => srv(resolver, &target.name).await?,
@@ -44,7 +95,7 @@ pub(crate) async fn resolve(
     Ok(resolution)
 }
 
-async fn host(resolver: &TokioResolver, name: &str, port: u16) -> Result<Resolution, DnsError> {
+async fn host(resolver: &Resolver, name: &str, port: u16) -> Result<Resolution, DnsError> {
     let (ips, ttl) = addresses(resolver, name).await?;
     let endpoints = ips
         .into_iter()
@@ -68,7 +119,7 @@ async fn host(resolver: &TokioResolver, name: &str, port: u16) -> Result<Resolut
 /// second alone, or with the type that answered alone of the two asked together: a
 /// transient failure would swap a dual-stack fleet's backends for their other addresses.
 async fn addresses(
-    resolver: &TokioResolver,
+    resolver: &Resolver,
     name: &str,
 ) -> Result<(Vec<IpAddr>, Option<u32>), DnsError> {
     if let Ok(ip) = name.parse::<IpAddr>() {
@@ -81,7 +132,7 @@ async fn addresses(
     let name = &parsed(name)?;
     use RecordType::{A, AAAA};
     // The first type, the second if any, and whether both are asked together.
-    let (first, second, together) = match resolver.options().ip_strategy {
+    let (first, second, together) = match resolver.inner.options().ip_strategy {
         LookupIpStrategy::Ipv4Only => (A, None, false),
         LookupIpStrategy::Ipv6Only => (AAAA, None, false),
         LookupIpStrategy::Ipv4thenIpv6 => (A, Some(AAAA), false),
@@ -134,15 +185,15 @@ async fn addresses(
 /// `name`'s addresses of one record type and their shortest TTL; `Ok(Err(..))` if it has none
 /// (no such name, or no records of the type); an error if the query failed.
 async fn family(
-    resolver: &TokioResolver,
+    resolver: &Resolver,
     name: &Name,
     rtype: RecordType,
 ) -> Result<Result<(Vec<IpAddr>, Option<u32>), DnsError>, DnsError> {
     let what = format!("{name} {rtype}");
-    let lookup = match resolver.lookup(name.clone(), rtype).await {
+    let lookup = match resolver.inner.lookup(name.clone(), rtype).await {
         Ok(lookup) => lookup,
         Err(e) => {
-            let e = DnsError::resolve(&what, &e);
+            let e = resolver.error(&what, &e);
             return match e.kind() {
                 DnsErrorKind::NoSuchName | DnsErrorKind::NoRecords => Ok(Err(e)),
                 _ => Err(e),
@@ -183,11 +234,12 @@ struct SrvRecord {
     weight: u16,
 }
 
-async fn srv(resolver: &TokioResolver, name: &str) -> Result<Resolution, DnsError> {
+async fn srv(resolver: &Resolver, name: &str) -> Result<Resolution, DnsError> {
     let lookup = resolver
+        .inner
         .srv_lookup(parsed(name)?)
         .await
-        .map_err(|e| DnsError::resolve(&format!("{name} SRV"), &e))?;
+        .map_err(|e| resolver.error(&format!("{name} SRV"), &e))?;
     let mut ttl = u32::MAX;
     let mut records = Vec::new();
     // Records that name no server: port 0, or the target ".".
@@ -330,6 +382,29 @@ mod tests {
 
     use super::*;
 
+    /// The system configuration's nameservers are named once each, on the port they are
+    /// asked on: hickory gives each a UDP and a TCP connection.
+    #[cfg(all(unix, not(any(target_os = "android", target_vendor = "apple"))))]
+    #[test]
+    fn the_system_configuration_s_nameservers_are_named_once_each() {
+        use hickory_resolver::system_conf::parse_resolv_conf;
+
+        let (config, _) = parse_resolv_conf("nameserver 10.0.0.1\nnameserver fd00::1\n").unwrap();
+        let found = nameservers(&config);
+        let want: Vec<SocketAddr> = vec![
+            "10.0.0.1:53".parse().unwrap(),
+            "[fd00::1]:53".parse().unwrap(),
+        ];
+        assert_eq!(found, want);
+        let resolver = Resolver::new(
+            TokioResolver::builder_with_config(config, TokioRuntimeProvider::default())
+                .build()
+                .unwrap(),
+            &found,
+        );
+        assert_eq!(&*resolver.asked, "nameservers 10.0.0.1:53, [fd00::1]:53");
+    }
+
     /// A literal address resolves to itself without a query, even under a configuration
     /// whose `ndots` it does not reach (Kubernetes gives pods `ndots:5`, under which hickory
     /// tries `10.0.0.1` against each search domain first, and would take whatever those
@@ -349,7 +424,7 @@ mod tests {
         builder.options_mut().ndots = 5;
         builder.options_mut().timeout = Duration::from_secs(1);
         builder.options_mut().attempts = 1;
-        let resolver = builder.build().unwrap();
+        let resolver = Resolver::new(builder.build().unwrap(), &[server.local_addr().unwrap()]);
 
         let start = tokio::time::Instant::now();
         for (target, want) in [("10.0.0.1", "10.0.0.1:8080"), ("::1", "[::1]:8080")] {

@@ -10,14 +10,13 @@ use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
-use hickory_resolver::TokioResolver;
 use tokio::time::Instant;
 use tower::discover::Change;
 
 use super::changes::Changes;
 use super::endpoint::DnsEndpoint;
 use super::handle::DnsHandle;
-use super::resolve::resolve;
+use super::resolve::{resolve, Resolver};
 use crate::{Backend, BackendId, BoxError, NodeId};
 
 /// Builds a backend's service from its endpoint, or says why not.
@@ -96,7 +95,7 @@ impl<S> Make<S> {
 
 /// Resolves until the stream is dropped (which aborts this task) or stops listening.
 pub(crate) async fn run<S>(
-    resolver: TokioResolver,
+    resolver: Resolver,
     handle: DnsHandle,
     schedule: Schedule,
     make: Make<S>,
