@@ -18,10 +18,13 @@
 //!   that read it. This is the least an HTTP/1 proxy built on hyper can do per request.
 //!
 //! Clients may speak HTTP/1.1 or HTTP/2; requests go to the backend in HTTP/1.1, bodies
-//! streamed. Nothing is rewritten but what that takes: the URI's scheme and authority for the
-//! pooled client, and for one backend connection per client connection an HTTP/2 request's
-//! URI as its path and query, with its authority as `Host`. `TOKIO_WORKER_THREADS` sets the
-//! runtime's threads.
+//! streamed. Both ways rewrite the same and nothing more: the version; `Host`, which is always
+//! the backend's address (`BACKEND_ADDR`), whatever `Host` or `:authority` the client sent; and
+//! the URI, which gets the backend's scheme and authority for the pooled client and is only its
+//! path and query on a connection of its own. `Host` is the backend's, as the proxy example
+//! and the library's `HttpBackend` send it: the client's names this proxy, not the backend,
+//! and a backend behind a front that routes by `Host` needs its own. `TOKIO_WORKER_THREADS`
+//! sets the runtime's threads.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -108,15 +111,33 @@ async fn run(
     connector.set_nodelay(true);
     let client: Client<HttpConnector, Incoming> =
         Client::builder(TokioExecutor::new()).build(connector);
-    let authority = Authority::try_from(backend.to_string())?;
+    let backend = Backend::new(backend)?;
     loop {
         let (stream, _) = listener.accept().await?;
         let _ = stream.set_nodelay(true);
         if per_connection {
-            tokio::spawn(serve_per_connection(stream, backend));
+            tokio::spawn(serve_per_connection(stream, backend.clone()));
         } else {
-            tokio::spawn(serve_pooled(stream, client.clone(), authority.clone()));
+            tokio::spawn(serve_pooled(stream, client.clone(), backend.clone()));
         }
+    }
+}
+
+/// The backend's address, as a connection, a URI and `Host` take it.
+#[derive(Clone, Debug)]
+struct Backend {
+    addr: SocketAddr,
+    authority: Authority,
+    host: HeaderValue,
+}
+
+impl Backend {
+    fn new(addr: SocketAddr) -> Result<Self, BoxError> {
+        Ok(Backend {
+            addr,
+            authority: Authority::try_from(addr.to_string())?,
+            host: HeaderValue::try_from(addr.to_string())?,
+        })
     }
 }
 
@@ -124,14 +145,13 @@ async fn run(
 async fn serve_pooled(
     stream: TcpStream,
     client: Client<HttpConnector, Incoming>,
-    authority: Authority,
+    backend: Backend,
 ) {
-    let service = service_fn(move |mut req: Request<Incoming>| {
-        // The backend is spoken to in HTTP/1.1, whatever the client spoke.
-        *req.version_mut() = Version::HTTP_11;
+    let service = service_fn(move |req: Request<Incoming>| {
+        let mut req = as_http1(req, &backend.host);
         let mut parts = req.uri().clone().into_parts();
         parts.scheme = Some(Scheme::HTTP);
-        parts.authority = Some(authority.clone());
+        parts.authority = Some(backend.authority.clone());
         let uri = Uri::from_parts(parts);
         let sent = uri.map(|uri| {
             *req.uri_mut() = uri;
@@ -155,11 +175,11 @@ async fn serve_pooled(
 
 /// One backend connection for this client connection, driven by this task: the client's
 /// requests come one at a time, and each goes out on it.
-async fn serve_per_connection(stream: TcpStream, backend: SocketAddr) {
-    let upstream = match TcpStream::connect(backend).await {
+async fn serve_per_connection(stream: TcpStream, backend: Backend) {
+    let upstream = match TcpStream::connect(backend.addr).await {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("passthrough: connecting to {backend}: {e}");
+            eprintln!("passthrough: connecting to {}: {e}", backend.addr);
             return;
         }
     };
@@ -167,14 +187,21 @@ async fn serve_per_connection(stream: TcpStream, backend: SocketAddr) {
     let (sender, upstream_conn) = match client_http1::handshake(TokioIo::new(upstream)).await {
         Ok(pair) => pair,
         Err(e) => {
-            eprintln!("passthrough: handshake with {backend}: {e}");
+            eprintln!("passthrough: handshake with {}: {e}", backend.addr);
             return;
         }
     };
     let sender = Arc::new(tokio::sync::Mutex::new(sender));
     let service = service_fn(move |req: Request<Incoming>| {
         let sender = sender.clone();
-        let req = as_http1(req);
+        let mut req = as_http1(req, &backend.host);
+        // On a connection of its own, the URI is the path and query alone.
+        if req.uri().authority().is_some() {
+            let path = req.uri().path_and_query().map_or("/", |p| p.as_str());
+            if let Ok(uri) = Uri::try_from(path) {
+                *req.uri_mut() = uri;
+            }
+        }
         async move {
             let mut sender = sender.lock().await;
             let sent = match sender.ready().await {
@@ -197,21 +224,11 @@ async fn serve_per_connection(stream: TcpStream, backend: SocketAddr) {
     }
 }
 
-/// `req` as an HTTP/1.1 request: an HTTP/2 client's absolute URI becomes its path and query,
-/// and its authority the `Host` header, as an HTTP/1.1 server expects them.
-fn as_http1(mut req: Request<Incoming>) -> Request<Incoming> {
+/// `req` as the backend gets it, either way: in HTTP/1.1, whatever the client spoke, with
+/// `host` (the backend's address) as its `Host`, whatever the client's `Host` or `:authority`.
+fn as_http1(mut req: Request<Incoming>, host: &HeaderValue) -> Request<Incoming> {
     *req.version_mut() = Version::HTTP_11;
-    if let Some(authority) = req.uri().authority().cloned() {
-        if !req.headers().contains_key(HOST) {
-            if let Ok(host) = HeaderValue::from_str(authority.as_str()) {
-                req.headers_mut().insert(HOST, host);
-            }
-        }
-        let path = req.uri().path_and_query().map_or("/", |p| p.as_str());
-        if let Ok(uri) = Uri::try_from(path) {
-            *req.uri_mut() = uri;
-        }
-    }
+    req.headers_mut().insert(HOST, host.clone());
     req
 }
 
@@ -253,43 +270,63 @@ mod tests {
         addr
     }
 
-    /// Sends `GET /v1/models?x=1` in HTTP/2 through a pass-through of the kind given.
-    async fn through(per_connection: bool) -> (StatusCode, String) {
+    /// Sends `GET /v1/models?x=1`, in HTTP/2 or in HTTP/1.1, through a pass-through of the
+    /// kind given; the backend's address, the status, and what the backend saw.
+    async fn through(per_connection: bool, http2: bool) -> (SocketAddr, StatusCode, String) {
         let backend = start_backend().await;
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(async move {
             let (stream, _) = listener.accept().await.unwrap();
+            let backend = Backend::new(backend).unwrap();
             if per_connection {
                 serve_per_connection(stream, backend).await;
             } else {
                 let pool = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
-                let authority = Authority::try_from(backend.to_string()).unwrap();
-                serve_pooled(stream, pool, authority).await;
+                serve_pooled(stream, pool, backend).await;
             }
         });
         let client = Client::builder(TokioExecutor::new())
-            .http2_only(true)
+            .http2_only(http2)
             .build_http::<Full<bytes::Bytes>>();
         let uri: Uri = format!("http://{addr}/v1/models?x=1").parse().unwrap();
         let res = client.get(uri).await.unwrap();
         let status = res.status();
         let body = res.into_body().collect().await.unwrap().to_bytes();
-        (status, String::from_utf8_lossy(&body).into_owned())
+        (backend, status, String::from_utf8_lossy(&body).into_owned())
     }
 
     #[tokio::test]
     async fn an_http2_client_is_forwarded_to_an_http1_backend_through_the_pool() {
-        let (status, body) = through(false).await;
+        let (_, status, body) = through(false, true).await;
         assert_eq!(status, StatusCode::OK, "{body}");
         assert!(body.ends_with(" /v1/models?x=1"), "{body}");
     }
 
     #[tokio::test]
     async fn an_http2_client_is_forwarded_to_an_http1_backend_on_its_own_connection() {
-        let (status, body) = through(true).await;
+        let (_, status, body) = through(true, true).await;
         assert_eq!(status, StatusCode::OK, "{body}");
         assert!(body.ends_with(" /v1/models?x=1"), "{body}");
         assert!(!body.starts_with(' '), "a Host header: {body}");
+    }
+
+    /// Pooled or on its own connection, from an HTTP/2 client or an HTTP/1.1 one, a request
+    /// reaches the backend with the backend's address as `Host`, not the client's
+    /// `:authority` or `Host` (which name the pass-through).
+    #[tokio::test]
+    async fn both_ways_send_the_backend_s_address_as_host_whatever_the_client_spoke() {
+        let (mut seen, mut want) = (Vec::new(), Vec::new());
+        for per_connection in [false, true] {
+            for http2 in [true, false] {
+                let (backend, status, body) = through(per_connection, http2).await;
+                assert_eq!(status, StatusCode::OK, "{body}");
+                let way = format!("per connection: {per_connection}, HTTP/2: {http2}");
+                // The backend's `Host` and the path, as the backend answers them.
+                want.push(format!("{way}: {backend} /v1/models?x=1"));
+                seen.push(format!("{way}: {body}"));
+            }
+        }
+        assert_eq!(seen, want);
     }
 }
