@@ -59,10 +59,11 @@ use super::{
 ///   prefix there: a system prompt every conversation shares draws new ones only up to the
 ///   bound, while a long prefix few others continue (a conversation's last prompt that ended
 ///   inside a block, whose ragged end the next turn drops; a branch) draws the next turn to
-///   where it is held, however many other conversations that backend homes. With every slot
-///   of the holder taken, its share is of the conversations that branch from the prompt's
-///   prefixes anywhere, not of every conversation the models remember: agents that open at
-///   once with a prompt first read there are not all drawn to one backend's slots;
+///   where it is held, however many other conversations that backend homes. With no slot
+///   of the holder free (each taken, or promised to a request woken to take it), its share is
+///   of the conversations that branch from the prompt's prefixes anywhere, not of every
+///   conversation the models remember: agents that open at once with a prompt first read
+///   there are not all drawn to one backend's slots;
 /// - new conversations, keyed or keyless, are spread by the conversations each backend homes
 ///   (the cache model's count of those with a turn within the
 ///   [live window](NodeThenBackend::live_window), five minutes by default), not only by
@@ -218,9 +219,9 @@ impl NodeThenBackend {
     /// A backend holding some of a new conversation's prompt is offered first unless the
     /// conversations that branch from that prefix there already reach the bound: those are
     /// what the prefix drew, and the conversations it homes besides came by other prefixes or
-    /// by load. While every slot of it is taken, the bound there is its share of the
-    /// conversations that branch from the prompt's prefixes on any backend, not of all the
-    /// fleet's: some of those may have ended within the live window, and agents that open at once
+    /// by load. While no slot of it is free (each taken, or promised to a waiting request woken
+    /// for it), the bound there is its share of the conversations that branch from the
+    /// prompt's prefixes on any backend, not of all the fleet's: some of those may have ended within the live window, and agents that open at once
     /// with a prompt first read on one backend would otherwise all go to it (and wait for its
     /// slots, where reading the prompt elsewhere costs more), then share them. A prefix every
     /// conversation shares is branched from by all of them, so it draws new ones only up to
@@ -312,9 +313,10 @@ impl NodeThenBackend {
             })
             .collect();
         // A holder draws new conversations within the bound over the conversations with a
-        // turn within the live window, some ended among them. With every slot taken,
-        // only within its share of those the prompt's prefixes drew: agents that open with a
-        // prompt first read there would otherwise all wait for it, then share its slots.
+        // turn within the live window, some ended among them. With no slot free (taken, or
+        // promised to a woken waiter), only within its share of those the prompt's prefixes
+        // drew: agents that open with a prompt first read there would otherwise all wait for
+        // it, then share its slots.
         let busy = Bound::among(fleet, drawn, e, 0);
         // Ties between keyless holders go by a rank of the prompt that every router computes
         // alike, whatever order it discovered the backends in.
@@ -322,11 +324,7 @@ impl NodeThenBackend {
         let mut holders: Vec<(usize, HolderOrder, BackendRef<'_>)> = held
             .into_iter()
             .filter(|(_, branches, b)| {
-                let bound = if b.in_flight() < b.slots() {
-                    &all
-                } else {
-                    &busy
-                };
+                let bound = if b.free_slots() > 0 { &all } else { &busy };
                 bound.admits_homing(b, *branches)
             })
             .map(|(links, _, b)| {

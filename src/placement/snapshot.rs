@@ -171,6 +171,26 @@ impl Snapshot {
         self
     }
 
+    /// Sets how many of backend `id`'s slots are promised to waiting requests woken for them:
+    /// [`free_slots`](super::BackendRef::free_slots) leaves them out, as the service does
+    /// until those requests take them. Unknown ids are ignored.
+    ///
+    /// ```
+    /// use tower_affinity::placement::Snapshot;
+    ///
+    /// let fleet = Snapshot::new().backend("a", "n", 2).in_flight("a", 1).promised("a", 1);
+    /// let view = fleet.view();
+    /// let a = view.backend(&"a".into()).unwrap();
+    /// assert_eq!((a.in_flight(), a.free_slots()), (1, 0));
+    /// ```
+    pub fn promised(self, id: &str, promised: u32) -> Self {
+        if let Some(i) = self.topology.index_of(id) {
+            let load = &self.topology.member(i).load;
+            load.reserved.store(promised, Ordering::Relaxed);
+        }
+        self
+    }
+
     /// Marks backend `id` down: the service passes it over until it is marked up.
     pub fn down(self, id: &str) -> Self {
         if let Some(i) = self.topology.index_of(id) {

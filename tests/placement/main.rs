@@ -1168,6 +1168,25 @@ fn a_holder_with_every_slot_taken_draws_only_its_share_of_the_conversations_its_
 }
 
 #[test]
+fn a_holder_whose_free_slot_is_promised_to_a_waiting_request_draws_only_its_share_of_the_conversations_its_prefix_drew(
+) {
+    // As above, b1 homes the two conversations the new system prompt drew; one of its two
+    // slots is taken, and the other promised to a request woken to take it. No slot is free
+    // there, so the bound is its share of what the prefix drew, and b1 is not offered first.
+    let promised = new_system_prompt_on_b1_of_a_fleet_with_a_past()
+        .in_flight("b1", 1)
+        .promised("b1", 1)
+        .prompt(chain(&[SYS, 23]));
+    let p = NodeThenBackend::new();
+    assert_ne!(promised.order(&p, None, None)[0].as_str(), "b1");
+    let k = key_not_drawn_to(&promised, |b| b == "b1");
+    assert_eq!(
+        promised.order(&p, Some(k), None)[0],
+        order_from_scores(&promised, k)[0]
+    );
+}
+
+#[test]
 fn a_holder_with_every_slot_taken_is_offered_first_within_its_share_of_the_conversations_its_prefix_drew(
 ) {
     // a holds the system prompt, which six conversations continue there, and its five slots
