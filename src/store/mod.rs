@@ -99,22 +99,26 @@
 //! overload scenario at 8 GiB over seeds 1 to 16, this took the cold homes from 2,219 to 632
 //! (see `BENCHMARKS.md`).
 //!
-//! **Which write wins.** The last one. Two replicas that place the same session at the same
-//! moment both write, and the store keeps whichever arrives last; every replica then reads that
-//! one. Either is a good home: both backends served the same turn and hold its prompt. In the
-//! common case (one turn after another) the last write is the latest turn's, where the newest
-//! cache is, so "last wins" is also what keeps the store right after a replica placed a turn
-//! on its local table while the store was slow. A compare-and-set ("write only if the home is
-//! still the one I read") would refuse exactly those writes and leave the store on a home
-//! that no longer holds the session.
+//! **Which write wins.** The last one, unless the store holds a home placed after it. Two
+//! replicas that place the same session at the same moment both write, and the store keeps
+//! the home of the turn placed last (of the write that arrives last, for homes placed in the
+//! same millisecond); every replica then reads that one. Either is a good home: both backends
+//! served the same turn and hold its prompt. In the common case (one turn after another) the
+//! latest turn's home is where the newest cache is, so it is also what keeps the store right
+//! after a replica placed a turn on its local table while the store was slow. A
+//! compare-and-set ("write only if the home is still the one I read") would refuse exactly
+//! those writes and leave the store on a home that no longer holds the session.
 //!
-//! Except for a write sent again after an outage ([`HomeStore::rewrite`]): it is old by then.
-//! While the store was down, another replica may have placed a later turn of the session and
-//! written it once the store came back. So every home carries when its turn was placed
-//! ([`StoredHome::placed`], by the writing replica's clock), and a home written again
-//! replaces only a home placed before it (`RedisStore` reads the key, and sets the home only
-//! if the key still holds what it read). Two
-//! replicas' clocks need only agree to well within the time between a session's turns.
+//! Every home carries when its turn was placed ([`StoredHome::placed`], by the writing
+//! replica's clock), and a write does not replace a home placed after it: a write that lands
+//! late (held up on the way, or in a store that stalled, after the replica gave up on it) must
+//! not send the session back to where an earlier turn was. A write sent again after an
+//! outage ([`HomeStore::rewrite`]) is old by then: while the store was down, another replica
+//! may have placed a later turn of the session and written it once the store came back. It
+//! replaces only a home placed before it, and keeps one that does not say when
+//! (`RedisStore` sets a home only if the key does not hold a later one, in one script, or
+//! reads the key and sets the home only if the key still holds what it read). Two replicas'
+//! clocks need only agree to well within the time between a session's turns.
 //!
 //! Counters and the store's state: [`SessionAffinity::store_stats`].
 //!
@@ -209,7 +213,9 @@ pub trait HomeStore: fmt::Debug + Send + Sync + 'static {
     fn read(&self, session: SessionKey, ttl: Duration) -> ReadHome;
 
     /// Records `home` as the home of `session`, replacing any earlier value, to be forgotten
-    /// after `ttl` without a read.
+    /// after `ttl` without a read. A store that can compare and set keeps a home held whose
+    /// [`placed`](StoredHome::placed) is later than this one's (a write that landed late must
+    /// not replace a later turn's home), as `RedisStore` does.
     fn write(&self, session: SessionKey, home: StoredHome, ttl: Duration) -> WriteHome;
 
     /// Records `home` as the home of `session`, as [`write`](Self::write) does, unless the

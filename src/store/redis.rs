@@ -28,8 +28,17 @@ use crate::key::SessionKey;
 ///   never as a failure of the store: a value of megabytes read whole could take longer than
 ///   the deadline, and hold up the connection every read shares. A home whose encoding is
 ///   longer than that (backend and node names of kilobytes) is not written: its write fails.
-/// - **Writes:** `SET key value PX ttl`: the last write wins (see the [module
-///   docs](crate::store) for why). A home written again after an outage
+/// - **Writes:** a Lua script (`EVAL`) that runs `GETRANGE` and `SET key value PX ttl`:
+///   the home is set unless the key holds a home placed after it, so that a write that
+///   lands late (held up on the way, or in a Redis that stalled, after its sender gave up on
+///   it) never replaces a later turn's home. One round trip, as a plain `SET`; on Redis, a
+///   read of the key and a few pattern matches of its value. The script judges a value only
+///   in the form [`StoredHome::encode`] writes, with names of printable ASCII other than `"`
+///   and `\`; any other value it sends back, and the store judges it as a read does
+///   ([`StoredHome::decode`]) and sets the home only if the key still holds it (a second
+///   round trip). Among homes placed in the same millisecond, and over a home that does not
+///   say when, the last write wins (see the [module docs](crate::store)). A home without
+///   [`placed`](StoredHome::placed) is written with a plain `SET`. A home written again after an outage
 ///   ([`HomeStore::rewrite`]) is set over no home, garbage, or a home placed before it, and
 ///   not over one placed later or one that does not say when, each as a read takes the
 ///   value ([`StoredHome::decode`]): the key is read as a read does, and the home set by a
@@ -37,10 +46,9 @@ use crate::key::SessionKey;
 ///   again, up to 4 times (each time, another write landed in between).
 /// - **Keyless conversations:** the home of a turn's prompt under
 ///   `prefix` + [`PROMPT_PREFIX`](RedisStore::PROMPT_PREFIX) + the prompt's 64-bit digest in
-///   hex, `tower-affinity:home:prompt:00abcdef01234567`, written with `SET .. PX` as a
-///   session's home is; a keyless request reads the digests of its prompt's last few
+///   hex, `tower-affinity:home:prompt:00abcdef01234567`, written as a session's home is; a keyless request reads the digests of its prompt's last few
 ///   boundaries in one round trip, a `GETRANGE` of each, bounded as a session's read is.
-/// - **Commands:** `GETRANGE`, `PEXPIRE`, `SET` and `EVAL` (of a script that runs `GETRANGE`
+/// - **Commands:** `GETRANGE`, `PEXPIRE`, `SET` and `EVAL` (of scripts that run `GETRANGE`
 ///   and `SET`), on keys under the prefix, and `PING`: what
 ///   a Redis ACL user for the store must be allowed; and `SELECT` if the URL names a database
 ///   other than 0 (`redis://user:pass@host/1`), which each connection selects as it opens.
@@ -549,6 +557,45 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 "#;
 
+/// Sets `KEYS[1]` to the home `ARGV[1]`, placed at `ARGV[3]` (milliseconds since the Unix
+/// epoch, in decimal), with `PX` `ARGV[2]`, unless it holds a home placed later: `1` if it set
+/// the home, `0` if it kept the one held. Values up to `ARGV[4]` bytes (the longest a read
+/// takes) are judged here only in the form [`StoredHome::encode`] writes, with names of
+/// printable ASCII other than `"` and `\`, where no JSON reader could read them otherwise:
+/// no key, an empty string, a key of another type or a value too long to be a home is set
+/// over; a home that does not say when it was placed is set over; a home placed later is
+/// kept. Any other value is answered as it is, nothing set, for the store to judge as a read
+/// takes it ([`StoredHome::decode`]).
+const SET_UNLESS_LATER: &str = r#"
+local function set()
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+local max = tonumber(ARGV[4])
+local held = redis.pcall('GETRANGE', KEYS[1], 0, max)
+if type(held) ~= 'string' or held == '' or #held > max then
+  return set()
+end
+if string.find(held, '[^ -~]') then
+  return held
+end
+local head = '^{"v":1,"backend":"[^"\\]+","node":"[^"\\]*"'
+local tip = ',"tip":"' .. string.rep('%x', 16) .. '"'
+if string.find(held, head .. '}$') or string.find(held, head .. tip .. '}$') then
+  return set()
+end
+local placed = ',"placed":(%d+)}$'
+local at = string.match(held, head .. placed) or string.match(held, head .. tip .. placed)
+if not at or #at > 18 or (#at > 1 and string.sub(at, 1, 1) == '0') then
+  return held
+end
+local mine = ARGV[3]
+if #at > #mine or (#at == #mine and at > mine) then
+  return 0
+end
+return set()
+"#;
+
 /// How many times a home sent again is read and set before the store gives up: each time,
 /// the key changed between the read and the set (another write landed), and the next read
 /// judges the new value.
@@ -637,9 +684,10 @@ impl HomeStore for RedisStore {
 }
 
 impl RedisStore {
-    /// `SET key home PX ttl`, or (`again`) [`rewrite_once`] until done, which sets it only
-    /// over a value that does not read as a home placed after it; an error, sending nothing,
-    /// for a home longer than the store reads.
+    /// [`write_once`] until done, which sets the home unless the key holds a home placed after
+    /// it (`SET key home PX ttl` for a home that does not say when it was placed), or
+    /// (`again`) [`rewrite_once`] until done, which also keeps a home that does not say when;
+    /// an error, sending nothing, for a home longer than the store reads.
     fn set(&self, key: String, home: &StoredHome, ttl: Duration, again: bool) -> WriteHome {
         let conn = self.conn.clone();
         let value = home.encode();
@@ -662,13 +710,61 @@ impl RedisStore {
                 Ok(())
             });
         }
-        let mut cmd = redis::cmd("SET");
-        cmd.arg(key).arg(value).arg("PX").arg(px(ttl));
+        let Some(placed) = home.placed.map(placed_millis) else {
+            // Nothing to compare: the last write wins.
+            let mut cmd = redis::cmd("SET");
+            cmd.arg(key).arg(value).arg("PX").arg(px(ttl));
+            return Box::pin(async move {
+                conn.query::<()>(&cmd).await?;
+                Ok(())
+            });
+        };
         Box::pin(async move {
-            conn.query::<()>(&cmd).await?;
+            for _ in 0..REWRITE_ATTEMPTS {
+                if write_once(&conn, &key, &value, placed, ttl).await? {
+                    return Ok(());
+                }
+            }
+            // Written over at every attempt: by writes of homes placed after this one.
             Ok(())
         })
     }
+}
+
+/// One attempt of a write of `value`, placed at `placed` (milliseconds): [`SET_UNLESS_LATER`]
+/// in one round trip, and, for a value held that the script leaves to the store, that value
+/// judged as a read takes it and `value` set over it only if it is not a home placed later and
+/// the key still holds it. `true` when done (kept or set), `false` when the key changed in
+/// between.
+async fn write_once(
+    conn: &Connection,
+    key: &str,
+    value: &str,
+    placed: u64,
+    ttl: Duration,
+) -> Result<bool, crate::BoxError> {
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(SET_UNLESS_LATER)
+        .arg(1)
+        .arg(key)
+        .arg(value)
+        .arg(px(ttl));
+    cmd.arg(placed).arg(MAX_VALUE);
+    let held = match conn.query::<Value>(&cmd).await? {
+        Value::Int(_) => return Ok(true),
+        Value::BulkString(held) => held,
+        other => return Err(format!("EVAL answered {other:?}").into()),
+    };
+    if let Lookup::Home(h) = lookup(Ok(Value::BulkString(held.clone())), Lookup::Missing)? {
+        if h.placed.is_some_and(|h| placed_millis(h) > placed) {
+            return Ok(true);
+        }
+    }
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(SET_IF_HELD).arg(1).arg(key).arg(value).arg(px(ttl));
+    cmd.arg(held).arg(MAX_VALUE).arg("s");
+    let set: i64 = conn.query(&cmd).await?;
+    Ok(set == 1)
 }
 
 /// One attempt of a home sent again, `value`, placed at `placed` (milliseconds): reads the
