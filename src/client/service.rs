@@ -679,9 +679,13 @@ impl<B> Builder<B> {
             ));
         }
         // A port out of range (`:99999`) parses, but reads as none: the client would connect
-        // to port 80 of the host. Port 0 reaches no server.
+        // to port 80 of the host. Port 0 reaches no server. A port with a sign (`:+80`)
+        // parses too, and reads as the number: no URI has one.
         let port_given = authority.as_str().len() > authority.host().len() + 1;
-        if port_given && authority.port_u16().is_none_or(|p| p == 0) {
+        let digits = authority
+            .port()
+            .is_none_or(|p| p.as_str().bytes().all(|b| b.is_ascii_digit()));
+        if port_given && (!digits || authority.port_u16().is_none_or(|p| p == 0)) {
             return Err(bad("the port must be a number from 1 to 65535"));
         }
         let host = match authority.port_u16() {
@@ -832,6 +836,25 @@ mod tests {
             "http://x:",
             "http://x:65535",
         ] {
+            Backend::new(url).unwrap_or_else(|e| panic!("{url}: {e}"));
+        }
+    }
+
+    /// `http`'s parse takes a port with a sign (`:+80`, read as 80 by `u16`'s parse): no
+    /// URI has one, and such a URL is refused, as a port of anything but digits is.
+    #[test]
+    fn a_port_in_a_backend_url_is_digits_alone() {
+        for url in [
+            "http://x:+80",
+            "http://x:+8080/",
+            "http://[::1]:+9",
+            "http://x:-80",
+        ] {
+            let e = Backend::new(url).map(|b| b.inner.base.clone());
+            let e = e.expect_err(url).to_string();
+            assert!(e.contains("port"), "{url}: {e}");
+        }
+        for url in ["http://x:080", "http://[::1]:9"] {
             Backend::new(url).unwrap_or_else(|e| panic!("{url}: {e}"));
         }
     }
