@@ -114,6 +114,10 @@ pub(crate) struct Observe {
     /// first event, before the answer is written; vLLM with `continuous_usage_stats` and
     /// llama-server with `timings_per_token` give figures in every chunk.
     at_end: bool,
+    /// The request spoke Anthropic Messages: its stream ends with its last event,
+    /// `message_stop`, alone. Its figures come first, in `message_start`, and a frame that
+    /// cuts that event leaves them in a chunk that does not say whose they are.
+    messages: bool,
 }
 
 impl Observe {
@@ -146,6 +150,7 @@ impl Observe {
             return None;
         }
         Some(Box::new(Observe {
+            messages: watch.api == Api::Messages,
             scanner: UsageScanner::default(),
             opening: stream.then(|| Opening::new(watch.api.may_open_before_read())),
             watch,
@@ -172,9 +177,9 @@ impl Observe {
             // and the look costs a token chunk of an OpenAI stream nothing. A chunk with
             // figures is the end unless its choice goes on (a token chunk of a stream with
             // figures in every chunk): looked at only in a chunk with figures, one a stream
-            // that gives them once.
+            // that gives them once. An Anthropic stream ends with its last event only.
             let read = self.scanner.objects_read();
-            self.at_end = if read != before {
+            self.at_end = if read != before && !self.messages {
                 !crate::slots::choice_goes_on(chunk)
             } else {
                 read > 0 && crate::slots::ends_answer(chunk)
@@ -218,7 +223,9 @@ impl Observe {
     /// Anthropic stream's figures in its first event, `message_start`, and the figures in
     /// each token chunk of a stream that gives them in every chunk (vLLM's
     /// `continuous_usage_stats`, llama-server's `timings_per_token`) are not its end, and a
-    /// client that stops it in the middle has not read the answer.
+    /// client that stops it in the middle has not read the answer. The stream of an
+    /// Anthropic Messages request has been read to its end at `message_stop` only, however
+    /// its frames cut its events.
     fn end_if_reported(&mut self, guard: &SlotGuard) {
         let ended = !self.stream || self.at_end;
         if !self.done && ended && self.scanner.finish().is_some() {

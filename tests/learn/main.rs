@@ -3120,3 +3120,49 @@ async fn a_stream_with_figures_in_every_chunk_is_learned_only_when_dropped_after
         }
     }
 }
+
+/// An Anthropic stream's first event, `message_start`, carries the prompt's figures before
+/// the answer is written, and the frames a backend sends may cut it anywhere: after the
+/// event's type and before its usage ends, or in the middle of the type. A client that drops
+/// the body after it, whatever the cut, has not read the answer, which is not learned.
+#[tokio::test(start_paused = true)]
+async fn an_anthropic_stream_dropped_after_its_first_event_is_not_learned_wherever_the_event_is_cut(
+) {
+    const START: &str = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_1\",\"type\":\"message\",\"role\":\"assistant\",\"content\":[],\"usage\":{\"input_tokens\":100,\"cache_read_input_tokens\":3000,\"output_tokens\":1}}}\n\n";
+    let cuts = [
+        // In the usage object, after the type.
+        START.find("\"cache_read").unwrap(),
+        // In the middle of the type's value.
+        START.find("_start\",").unwrap(),
+        // In the event line.
+        START.find("start\ndata").unwrap(),
+    ];
+    for cut in cuts {
+        let svc = service(&[("a", "n1")]);
+        let (head, tail) = START.as_bytes().split_at(cut);
+        let mut reply = Reply::sse(&[]);
+        reply.frames = vec![
+            (Duration::ZERO, Ok(Bytes::copy_from_slice(head))),
+            (Duration::ZERO, Ok(Bytes::copy_from_slice(tail))),
+            // The rest of the stream, or its end, a long while later.
+            (Duration::from_secs(3_600), Ok(Bytes::new())),
+        ];
+        let res = svc
+            .clone()
+            .oneshot(request_to("/v1/messages", None, None, reply))
+            .await
+            .expect("an answer");
+        let mut body = res.into_body();
+        for _ in 0..2 {
+            body.frame().await.expect("a frame").expect("data");
+        }
+        drop(body);
+        let a = status(&svc, "a");
+        assert_eq!((a.in_flight, a.usage_reports), (0, 0), "cut at {cut}");
+        assert_eq!(
+            a.prompt_tokens + a.unreported_prompt_tokens,
+            0,
+            "cut at {cut}"
+        );
+    }
+}
