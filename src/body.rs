@@ -118,6 +118,10 @@ pub(crate) struct Observe {
     /// `message_stop`, alone. Its figures come first, in `message_start`, and a frame that
     /// cuts that event leaves them in a chunk that does not say whose they are.
     messages: bool,
+    /// A chunk with figures has named a choice after the first (see
+    /// [`names_a_later_choice`](crate::slots::names_a_later_choice)): the request asked for
+    /// several, and one choice's finish is not the answer's end.
+    several: bool,
 }
 
 impl Observe {
@@ -159,6 +163,7 @@ impl Observe {
             usage: None,
             done: false,
             at_end: false,
+            several: false,
         }))
     }
 
@@ -177,10 +182,13 @@ impl Observe {
             // and the look costs a token chunk of an OpenAI stream nothing. A chunk with
             // figures is the end unless its choice goes on (a token chunk of a stream with
             // figures in every chunk): looked at only in a chunk with figures, one a stream
-            // that gives them once. An Anthropic stream ends with its last event only.
+            // that gives them once. An Anthropic stream ends with its last event only; a
+            // stream of several choices, at the chunk after them.
             let read = self.scanner.objects_read();
             self.at_end = if read != before && !self.messages {
-                !crate::slots::choice_goes_on(chunk)
+                self.several = self.several || crate::slots::names_a_later_choice(chunk);
+                !crate::slots::choice_goes_on(chunk, self.several)
+                    || (self.several && crate::slots::ends_answer(chunk))
             } else {
                 read > 0 && crate::slots::ends_answer(chunk)
             };
@@ -223,7 +231,9 @@ impl Observe {
     /// Anthropic stream's figures in its first event, `message_start`, and the figures in
     /// each token chunk of a stream that gives them in every chunk (vLLM's
     /// `continuous_usage_stats`, llama-server's `timings_per_token`) are not its end, and a
-    /// client that stops it in the middle has not read the answer. The stream of an
+    /// client that stops it in the middle has not read the answer, nor has one that stops
+    /// a stream of several choices (`n`) at one choice's finish, while the others may still
+    /// stream: its end is the usage chunk after them, or `data: [DONE]`. The stream of an
     /// Anthropic Messages request has been read to its end at `message_stop` only, however
     /// its frames cut its events.
     fn end_if_reported(&mut self, guard: &SlotGuard) {

@@ -355,21 +355,41 @@ pub(crate) fn ends_answer(chunk: &[u8]) -> bool {
 /// `continuous_usage_stats`, llama-server with `timings_per_token`). An Anthropic stream's
 /// `message_start`, whose figures come before the answer, goes on too. A chunk without
 /// either (a usage chunk with no choices, another Anthropic or Responses event) or whose
-/// last `"finish_reason"` names a reason (the choice's last chunk) does not go on. Neither
-/// name in an answer's text is taken for one: its quotes are escaped there.
+/// last `"finish_reason"` names a reason (the choice's last chunk) does not go on, unless
+/// the stream has `several` choices (see [`names_a_later_choice`]): one choice's finish
+/// comes while the others may still stream, and only the chunk after the choices (the usage
+/// chunk, `data: [DONE]`) ends it. Neither name in an answer's text is taken for one: its
+/// quotes are escaped there.
 /// Searched forward, a vector at a time: on `usage/sse_64`'s last chunk, about 370
 /// instructions an answer against 1,100 for the reverse search (callgrind).
-pub(crate) fn choice_goes_on(chunk: &[u8]) -> bool {
+pub(crate) fn choice_goes_on(chunk: &[u8], several: bool) -> bool {
     const NAME: &[u8] = b"\"finish_reason\":";
     static FINISH: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(NAME));
     static START: LazyLock<Finder<'static>> =
         LazyLock::new(|| Finder::new(b"\"type\":\"message_start\""));
-    let null = FINISH.find_iter(chunk).last().is_some_and(|at| {
-        chunk[at + NAME.len()..]
-            .trim_ascii_start()
-            .starts_with(b"null")
+    let goes_on = FINISH.find_iter(chunk).last().is_some_and(|at| {
+        several
+            || chunk[at + NAME.len()..]
+                .trim_ascii_start()
+                .starts_with(b"null")
     });
-    null || START.find(chunk).is_some()
+    goes_on || START.find(chunk).is_some()
+}
+
+/// Whether a chunk names a choice other than the first (an `"index"` member whose number is
+/// not 0): the request asked for several (`n`), and a stream of them goes on after one
+/// choice's finish. A tool call's index (`tool_calls`, a second call's is 1) is taken for
+/// one as well: a stream of parallel tool calls then ends at its usage chunk or
+/// `data: [DONE]`, not at its finish. Only a member name, not text in a string, where its
+/// quotes are escaped; `"output_index"` and the like are other names.
+pub(crate) fn names_a_later_choice(chunk: &[u8]) -> bool {
+    const NAME: &[u8] = b"\"index\":";
+    static INDEX: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(NAME));
+    INDEX.find_iter(chunk).any(|at| {
+        let value = chunk[at + NAME.len()..].trim_ascii_start();
+        let digits = value.iter().take_while(|b| b.is_ascii_digit()).count();
+        digits > 0 && value[..digits] != *b"0"
+    })
 }
 
 /// Whether a chunk is one whole last event of a Responses stream: it begins with the event
@@ -713,31 +733,55 @@ mod tests {
         // vLLM's token chunk and its finish, llama-server's, one frame with both.
         let token = b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hel\"},\"logprobs\":null,\"finish_reason\":null}],\"usage\":{\"prompt_tokens\":12}}\n\n";
         let finish = b"data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\",\"stop_reason\":null}],\"usage\":{\"prompt_tokens\":12}}\n\n";
-        assert!(choice_goes_on(token));
-        assert!(!choice_goes_on(finish));
+        assert!(choice_goes_on(token, false));
+        assert!(!choice_goes_on(finish, false));
         assert!(choice_goes_on(
-            b"{\"choices\":[{\"finish_reason\": null,\"index\":0}]}"
+            b"{\"choices\":[{\"finish_reason\": null,\"index\":0}]}",
+            false
         ));
-        assert!(!choice_goes_on(&[&token[..], &finish[..]].concat()));
-        assert!(choice_goes_on(&[&finish[..], &token[..]].concat()));
+        assert!(!choice_goes_on(&[&token[..], &finish[..]].concat(), false));
+        assert!(choice_goes_on(&[&finish[..], &token[..]].concat(), false));
         // An Anthropic stream's first event, whose figures come before the answer, goes on.
         assert!(choice_goes_on(
-            b"data: {\"type\":\"message_start\",\"message\":{\"stop_reason\":null}}\n\n"
+            b"data: {\"type\":\"message_start\",\"message\":{\"stop_reason\":null}}\n\n",
+            false
         ));
         // No choice: a usage chunk, Anthropic's last events; names in the answer's text.
         assert!(!choice_goes_on(
-            b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":12}}\n\n"
+            b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":12}}\n\n",
+            false
         ));
         assert!(!choice_goes_on(
-            b"data: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":9}}\n\n"
+            b"data: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":9}}\n\n",
+            false
         ));
         assert!(!choice_goes_on(
-            br#"{"delta":{"content":"\"finish_reason\":null"}}"#
+            br#"{"delta":{"content":"\"finish_reason\":null"}}"#,
+            false
         ));
         assert!(!choice_goes_on(
-            br#"{"delta":{"text":"\"type\":\"message_start\""}}"#
+            br#"{"delta":{"text":"\"type\":\"message_start\""}}"#,
+            false
         ));
-        assert!(!choice_goes_on(b""));
+        assert!(!choice_goes_on(b"", false));
+    }
+
+    /// A stream of several choices (`n`) goes on after one choice's finish: only the chunk
+    /// with no finish at all (the usage chunk after the choices) does not go on.
+    #[test]
+    fn a_choices_finish_in_a_stream_of_several_is_not_the_answers_end() {
+        let first = b"data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":null}],\"usage\":{\"prompt_tokens\":12}}\n\n";
+        let second = b"data: {\"choices\":[{\"index\":1,\"delta\":{},\"finish_reason\":null}],\"usage\":{\"prompt_tokens\":12}}\n\n";
+        let finish = b"data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}],\"usage\":{\"prompt_tokens\":12}}\n\n";
+        let usage = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":12}}\n\n";
+        assert!(!names_a_later_choice(first));
+        assert!(names_a_later_choice(second));
+        assert!(names_a_later_choice(b"{\"index\": 10}"));
+        assert!(!names_a_later_choice(b"{\"index\":0,\"output_index\":3}"));
+        assert!(!names_a_later_choice(br#"{"content":"\"index\":1"}"#));
+        assert!(choice_goes_on(finish, true));
+        assert!(!choice_goes_on(finish, false));
+        assert!(!choice_goes_on(usage, true));
     }
 
     #[test]

@@ -3166,3 +3166,61 @@ async fn an_anthropic_stream_dropped_after_its_first_event_is_not_learned_wherev
         );
     }
 }
+
+/// A request may ask for several choices (`n`): vLLM streams each one's chunks, with
+/// `continuous_usage_stats` a usage object in every chunk, and each choice's finish
+/// (`finish_reason` not null) comes while the others may still stream. A client that drops
+/// the body after one choice's finish, or after every choice's, before the usage chunk that
+/// follows the choices, may not have read the answer to its end: it is not learned. Dropped
+/// after the usage chunk, it is.
+#[tokio::test(start_paused = true)]
+async fn a_stream_of_several_choices_is_not_learned_when_dropped_after_one_choices_finish() {
+    let chunk = |index: u32, delta: &str, finish: &str, completion: u32| {
+        format!(
+            "data: {{\"id\":\"chatcmpl-n2\",\"object\":\"chat.completion.chunk\",\"created\":1730000000,\"model\":\"qwen\",\"choices\":[{{\"index\":{index},\"delta\":{delta},\"logprobs\":null,\"finish_reason\":{finish}}}],\"usage\":{{\"prompt_tokens\":1200,\"total_tokens\":{},\"completion_tokens\":{completion}}}}}\n\n",
+            1200 + completion
+        )
+    };
+    let frames = [
+        chunk(0, r#"{"role":"assistant","content":""}"#, "null", 0),
+        chunk(1, r#"{"role":"assistant","content":""}"#, "null", 0),
+        chunk(0, r#"{"content":"Hi"}"#, "null", 1),
+        chunk(1, r#"{"content":"Hel"}"#, "null", 2),
+        // The first choice's finish: the second still streams.
+        chunk(0, r#"{"content":""}"#, "\"stop\"", 2),
+        chunk(1, r#"{"content":"lo"}"#, "null", 3),
+        chunk(1, r#"{"content":""}"#, "\"stop\"", 3),
+        "data: {\"id\":\"chatcmpl-n2\",\"object\":\"chat.completion.chunk\",\"created\":1730000000,\"model\":\"qwen\",\"choices\":[],\"usage\":{\"prompt_tokens\":1200,\"total_tokens\":1203,\"completion_tokens\":3,\"prompt_tokens_details\":{\"cached_tokens\":1024}}}\n\n".to_string(),
+        "data: [DONE]\n\n".to_string(),
+    ];
+    // The usage chunk after the choices is the 8th.
+    for read in 1..=frames.len() {
+        let svc = service(&[("a", "n1")]);
+        let mut reply = Reply::sse(&[]);
+        reply.frames = frames
+            .iter()
+            .map(|f| (Duration::ZERO, Ok(Bytes::from(f.clone()))))
+            .collect();
+        // The rest of the stream, or its end, a long while later.
+        reply
+            .frames
+            .push((Duration::from_secs(3_600), Ok(Bytes::new())));
+        let res = svc
+            .clone()
+            .oneshot(request(None, None, reply))
+            .await
+            .expect("an answer");
+        let mut body = res.into_body();
+        for _ in 0..read {
+            body.frame().await.expect("a frame").expect("data");
+        }
+        drop(body);
+        let a = status(&svc, "a");
+        let counted = u64::from(read >= 8);
+        assert_eq!(
+            (a.in_flight, a.usage_reports),
+            (0, counted),
+            "dropped after {read} frames"
+        );
+    }
+}
