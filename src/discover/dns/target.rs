@@ -147,7 +147,9 @@ impl FromStr for DnsTarget {
                 "an IPv6 address and its port are written [ADDRESS]:PORT",
             ));
         }
-        let port = port.parse::<u16>().map_err(|_| {
+        // `u16`'s parse takes a sign (`+8080`): a port is digits alone.
+        let digits = port.bytes().all(|b| b.is_ascii_digit());
+        let port = port.parse::<u16>().ok().filter(|_| digits).ok_or_else(|| {
             invalid(
                 s,
                 &format!("the port {port:?} is not a number from 1 to 65535"),
@@ -199,6 +201,18 @@ mod tests {
             (t.name(), t.port(), t.is_srv()),
             ("_llm._tcp.backends.test.", None, true)
         );
+    }
+
+    /// `u16`'s parse takes a sign (`+8080`); a port is digits alone.
+    #[test]
+    fn a_port_with_a_sign_is_not_a_number() {
+        for bad in ["backends.test:+8080", "[::1]:+80", "backends.test:-80"] {
+            let e = bad.parse::<DnsTarget>().unwrap_err();
+            assert_eq!(e.kind(), DnsErrorKind::InvalidTarget, "{bad}");
+            assert!(e.to_string().contains("not a number"), "{bad}: {e}");
+        }
+        let t: DnsTarget = "backends.test:08080".parse().unwrap();
+        assert_eq!(t.port(), Some(8080));
     }
 
     #[test]
