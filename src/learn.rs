@@ -40,9 +40,10 @@
 //!
 //! Tokens are counted as the backend counts them: the cache model's figures are the chain's
 //! estimate (four bytes a token, a digit a token), and each answer teaches the backend's own
-//! tokens per token of the estimate. A backend that has not taught its prefill rate or that scale yet (a new
-//! one, or one this router replica has not sent to yet) is taken to read as the fleet's others
-//! do, on average. Until the home's request time and some backend's rate are learned, the
+//! tokens per token of the estimate. A backend removed and announced again learns that scale
+//! again, as it may be another model with another tokenizer. A backend that has not taught its
+//! prefill rate or that scale yet (a new one, or one this router replica has not sent to yet)
+//! is taken to read as the fleet's others do, on average. Until the home's request time and some backend's rate are learned, the
 //! request moves at once, as it did before anything was learned.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -272,12 +273,19 @@ impl Learned {
     }
 
     /// The backend was removed and is announced again: it may be another server (another
-    /// address, another version), which may leave its reuse out in every answer. Whether it
-    /// says its reuse is learned again, so that an answer without it is not read as reusing
-    /// nothing, which would correct the cache model for conversations the backend holds.
-    /// The averages stay: the new server's answers move them.
+    /// address, another version, another model), which may leave its reuse out in every
+    /// answer. Whether it says its reuse is learned again, so that an answer without it is
+    /// not read as reusing nothing, which would correct the cache model for conversations
+    /// the backend holds. Its token scale is learned again too: another model counts a
+    /// prompt with another tokenizer, and the scale sizes the context a request takes there.
+    /// Until an answer teaches it again, it is taken as for a new backend; every answer
+    /// with a prediction teaches it, so the same server back costs one answer. The prefill
+    /// rate and the request time stay, as few answers teach them: the new server's answers
+    /// move them.
     pub(crate) fn returned(&self) {
         self.says_reuse.store(false, Ordering::Relaxed);
+        self.scale_tokens.store(0, Ordering::Relaxed);
+        self.scale_estimates.store(0, Ordering::Relaxed);
     }
 
     /// Prompt tokens read per second, once learned.

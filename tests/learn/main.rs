@@ -783,6 +783,53 @@ async fn a_backend_announced_again_learns_again_whether_it_says_its_reuse() {
     assert_eq!(svc.stats().in_flight, 0);
 }
 
+/// A backend removed and announced again may serve another model, whose tokenizer counts a
+/// prompt otherwise: its tokens per token of the chain's estimate are learned again, from its
+/// first answer, rather than blended into the old server's. The scale sizes the context a
+/// request takes there.
+#[tokio::test(start_paused = true)]
+async fn a_backend_announced_again_learns_its_token_scale_afresh() {
+    let (handle, stream) = tower_affinity::discover::channel();
+    let backend = || {
+        Backend::new("n1", scripted())
+            .slots(NonZeroU32::new(4).unwrap())
+            .context_tokens(std::num::NonZeroU64::new(100_000).unwrap())
+    };
+    handle.insert("a", backend());
+    let svc = SessionAffinityLayer::new().layer(stream);
+    svc.apply_discovery();
+    let said = |ids: &[u64], tokens: &'static [u8]| {
+        request(None, Some(chain(ids, 2_000)), Reply::json(tokens))
+    };
+    // The first server counts four of its tokens a token of the estimate.
+    let four: &[u8] = br#"{"usage":{"prompt_tokens":8000}}"#;
+    for id in 1..=3 {
+        decision_of(&svc, said(&[id], four)).await;
+    }
+    let held = svc
+        .clone()
+        .oneshot(said(&[4], four))
+        .await
+        .expect("an answer");
+    assert_eq!(svc.backends()[0].context_in_flight, 8_000);
+    drop(held);
+    handle.remove("a");
+    svc.apply_discovery();
+    handle.insert("a", backend());
+    svc.apply_discovery();
+    // The server back counts one; one answer says so.
+    let one: &[u8] = br#"{"usage":{"prompt_tokens":2000}}"#;
+    decision_of(&svc, said(&[5], one)).await;
+    let held = svc
+        .clone()
+        .oneshot(said(&[6], one))
+        .await
+        .expect("an answer");
+    assert_eq!(svc.backends()[0].context_in_flight, 2_000);
+    drop(held);
+    assert_eq!(svc.stats().in_flight, 0);
+}
+
 /// An answer that does not say what it reused still says how many tokens its prompt was, in
 /// the backend's own count: it teaches the backend's tokens per token of the chain's estimate
 /// (vLLM without `--enable-prompt-tokens-details`, an Anthropic endpoint that gives
