@@ -7,7 +7,8 @@
 //! answer that reports one, so that reading them on the placement path takes no lock. The
 //! prefill rate and the request time are moving averages of the median of each answer's
 //! figure and the two before it: one odd answer (a cached prompt said to be read in a
-//! millisecond, a request stalled for minutes) moves neither.
+//! millisecond, a request stalled for minutes) moves neither. Each moving average gives the
+//! newest figure a weight of 1/4.
 //!
 //! # Wait versus move
 //!
@@ -40,7 +41,12 @@
 //!
 //! Tokens are counted as the backend counts them: the cache model's figures are the chain's
 //! estimate (four bytes a token, a digit a token), and each answer teaches the backend's own
-//! tokens per token of the estimate. A backend removed and announced again learns that scale
+//! tokens per token of the estimate: a ratio of two moving averages, of the backend's counts
+//! and of the estimates, so that a long prompt weighs more than a short one. An answer that
+//! counts more than twice what the scale learned so far makes of its estimate, or less than
+//! half, moves nothing unless the answer before it was odd on the same side: a prompt the
+//! backend truncated or counted only in part does not halve the context a request is taken
+//! to need there. A backend removed and announced again learns that scale
 //! again, as it may be another model with another tokenizer. A backend that has not taught its
 //! prefill rate or that scale yet (a new one, or one this router replica has not sent to yet)
 //! is taken to read as the fleet's others do, on average. Until the home's request time and some backend's rate are learned, the
@@ -64,6 +70,10 @@ const MIN_READ_FOR_RATE: u64 = 256;
 /// A read timed shorter than this was not timed: no backend reads `MIN_READ_FOR_RATE` tokens
 /// in under a millisecond.
 const MIN_READ_TIME: Duration = Duration::from_millis(1);
+
+/// An answer whose prompt counts more than this many times the learned token scale's tokens,
+/// or fewer than its inverse, is odd: one alone teaches nothing of the scale.
+const ODD_SCALE: f64 = 2.0;
 
 /// A request is a misprediction when the backend reused less than half the share of its
 /// prompt the cache model predicted, and the model predicted at least this share.
@@ -112,9 +122,14 @@ pub(crate) struct Learned {
     /// short prompt (a title to write, a question of a line) is mostly the chat template's
     /// own tokens, and its ratio says nothing of a long prompt's, which carries the weight.
     /// The two are written one after the other; a reader between them sees the ratio of one
-    /// answer before, at most.
+    /// answer before, at most. An answer odd against the scale teaches nothing alone (see
+    /// [`learn_scale`](Self::learn_scale)).
     scale_tokens: AtomicU64,
     scale_estimates: AtomicU64,
+    /// The side of the learned scale the last answer's count fell on past [`ODD_SCALE`]:
+    /// -1 below, 1 above, 0 neither. Held while the scale is written, so that answers ending
+    /// together blend in turn.
+    scale_side: Mutex<i8>,
 }
 
 /// What placement predicted for a request on the backend it chose, kept for its answer.
@@ -228,8 +243,7 @@ impl Learned {
         // Every answer counts its prompt in the backend's tokens, whether or not it says
         // what it reused.
         if let Some(p) = predicted.filter(|p| p.prompt_tokens > 0 && usage.prompt_tokens > 0) {
-            blend(&self.scale_tokens, usage.prompt_tokens as f64);
-            blend(&self.scale_estimates, p.prompt_tokens as f64);
+            self.learn_scale(usage.prompt_tokens as f64, p.prompt_tokens as f64);
         }
         let Some(reused) = usage.reused_tokens else {
             self.unreported_prompt_tokens
@@ -272,6 +286,28 @@ impl Learned {
         (Some(usage), verdict)
     }
 
+    /// Takes in one answer's prompt: `tokens` by the backend's count, `estimate` by the
+    /// chain's. An answer that counts more than [`ODD_SCALE`] times what the learned scale
+    /// makes of its estimate, or less than its inverse, teaches nothing, unless the answer
+    /// before it was odd on the same side: one odd answer (a prompt the backend truncated to
+    /// its context, a count of only the tokens it did not find cached) moves nothing, and a
+    /// backend that changed is followed from its second answer on. An answer that is not odd
+    /// moves the scale toward its own ratio and at most to it: by at most that factor.
+    fn learn_scale(&self, tokens: f64, estimate: f64) {
+        let mut last = self.scale_side.lock();
+        let side = match self.token_scale() {
+            Some(s) if tokens > estimate * s * ODD_SCALE => 1,
+            Some(s) if tokens * ODD_SCALE < estimate * s => -1,
+            _ => 0,
+        };
+        let alone = side != 0 && side != *last;
+        *last = side;
+        if !alone {
+            blend(&self.scale_tokens, tokens);
+            blend(&self.scale_estimates, estimate);
+        }
+    }
+
     /// The backend was removed and is announced again: it may be another server (another
     /// address, another version, another model), which may leave its reuse out in every
     /// answer. Whether it says its reuse is learned again, so that an answer without it is
@@ -284,6 +320,8 @@ impl Learned {
     /// move them.
     pub(crate) fn returned(&self) {
         self.says_reuse.store(false, Ordering::Relaxed);
+        let mut side = self.scale_side.lock();
+        *side = 0;
         self.scale_tokens.store(0, Ordering::Relaxed);
         self.scale_estimates.store(0, Ordering::Relaxed);
     }

@@ -830,6 +830,55 @@ async fn a_backend_announced_again_learns_its_token_scale_afresh() {
     assert_eq!(svc.stats().in_flight, 0);
 }
 
+/// One answer far off the learned token scale (a long prompt the backend truncated to its
+/// context and counted as it kept it, a count of only the tokens it did not find cached)
+/// teaches nothing of it: in a ratio of averages a long prompt weighs the most, and that one
+/// would halve the context every request is taken to need there. Two in a row on the same
+/// side are followed: the backend changed.
+#[tokio::test(start_paused = true)]
+async fn one_answer_far_off_the_token_scale_does_not_move_it() {
+    let fleet = StaticFleet::new([(
+        "a",
+        Backend::new("n1", scripted())
+            .slots(NonZeroU32::new(4).unwrap())
+            .context_tokens(std::num::NonZeroU64::new(1_000_000).unwrap()),
+    )]);
+    let svc: Svc<_> = SessionAffinityLayer::new().layer(fleet);
+    let said = |ids: &[u64], tokens: &'static [u8]| {
+        request(None, Some(chain(ids, 2_000)), Reply::json(tokens))
+    };
+    let held_for = |ids: &'static [u64]| {
+        let svc = svc.clone();
+        async move {
+            let one: &[u8] = br#"{"usage":{"prompt_tokens":1}}"#;
+            let held = svc
+                .clone()
+                .oneshot(said(ids, one))
+                .await
+                .expect("an answer");
+            let context = status(&svc, "a").context_in_flight;
+            drop(held);
+            context
+        }
+    };
+    // Four of the backend's tokens a token of the estimate, on prompts of 2,000.
+    let four: &[u8] = br#"{"usage":{"prompt_tokens":8000}}"#;
+    for id in 1..=3 {
+        decision_of(&svc, said(&[id], four)).await;
+    }
+    assert_eq!(held_for(&[100]).await, 8_000);
+    // A prompt of 40,000 tokens by the estimate, counted as the 1,000 the backend kept.
+    let long: Vec<u64> = (10..30).collect();
+    let kept: &[u8] = br#"{"usage":{"prompt_tokens":1000}}"#;
+    decision_of(&svc, said(&long, kept)).await;
+    assert_eq!(held_for(&[101]).await, 8_000);
+    // A second in a row is followed.
+    let long: Vec<u64> = (30..50).collect();
+    decision_of(&svc, said(&long, kept)).await;
+    assert!(held_for(&[102]).await < 4_000);
+    assert_eq!(svc.stats().in_flight, 0);
+}
+
 /// An answer that does not say what it reused still says how many tokens its prompt was, in
 /// the backend's own count: it teaches the backend's tokens per token of the chain's estimate
 /// (vLLM without `--enable-prompt-tokens-details`, an Anthropic endpoint that gives
