@@ -1858,9 +1858,12 @@ pub struct BackendStatus {
     pub prefill_rate: Option<u32>,
     /// How long its requests take, dispatch to the end of the answer (a moving average).
     pub request_time: Option<Duration>,
-    /// Its mean time to first byte, over every successful answer so far (an error comes at
-    /// once): for a Responses stream, to its first event after `response.created` and
-    /// `response.in_progress`, which the backend sends before it has read the prompt.
+    /// Its time to first byte, over its successful answers (an error comes at once): a moving
+    /// average that gives the newest answer a weight of 1/4, of the median of each answer's
+    /// time and the two before it, so that one odd answer does not move it and a backend that
+    /// got slower or faster is followed from its second answer on. For a Responses stream,
+    /// the time to its first event after `response.created` and `response.in_progress`, which
+    /// the backend sends before it has read the prompt.
     pub first_byte_time: Option<Duration>,
 }
 

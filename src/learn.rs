@@ -5,10 +5,11 @@
 //!
 //! Every figure is an atomic of the backend's [`Load`](crate::fleet::Load), written once per
 //! answer that reports one, so that reading them on the placement path takes no lock. The
-//! prefill rate and the request time are moving averages of the median of each answer's
-//! figure and the two before it: one odd answer (a cached prompt said to be read in a
-//! millisecond, a request stalled for minutes) moves neither. Each moving average gives the
-//! newest figure a weight of 1/4.
+//! prefill rate, the request time and the time to first byte are moving averages of the
+//! median of each answer's figure and the two before it: one odd answer (a cached prompt said
+//! to be read in a millisecond, a request stalled for minutes) moves none of them, and a
+//! backend that got slower or faster is followed from its second answer on. Each moving
+//! average gives the newest figure a weight of 1/4.
 //!
 //! # Wait versus move
 //!
@@ -46,11 +47,12 @@
 //! counts more than twice what the scale learned so far makes of its estimate, or less than
 //! half, moves nothing unless the answer before it was odd on the same side: a prompt the
 //! backend truncated or counted only in part does not halve the context a request is taken
-//! to need there. A backend removed and announced again learns that scale
-//! again, as it may be another model with another tokenizer. A backend that has not taught its
-//! prefill rate or that scale yet (a new one, or one this router replica has not sent to yet)
-//! is taken to read as the fleet's others do, on average. Until the home's request time and some backend's rate are learned, the
-//! request moves at once, as it did before anything was learned.
+//! to need there. A backend removed and announced again learns that scale again, as it may
+//! be another model with another tokenizer. A backend that has not taught its prefill rate or
+//! that scale yet (a new one, or one this router replica has not sent to yet) is taken to
+//! read as the fleet's others do, on average. Until the home's request time and some
+//! backend's rate are learned, the request moves at once, as it did before anything was
+//! learned.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -96,18 +98,23 @@ pub(crate) struct Learned {
     /// shape: from then on an answer in that shape that leaves it out reused nothing (vLLM
     /// omits `cached_tokens` when it is 0).
     says_reuse: AtomicBool,
-    /// Time to first byte: sum in milliseconds, and count.
-    pub(crate) first_byte_ms: AtomicU64,
-    pub(crate) first_bytes: AtomicU64,
+    /// Time to first byte in milliseconds (an `f64`'s bits), a moving average of the median
+    /// of each answer's and the two before it; valid once `first_bytes` is not 0.
+    first_byte_ms: AtomicU64,
+    /// Answers that timed their first byte.
+    first_bytes: AtomicU64,
+    /// The last two times to first byte measured, for [`median`]. Held while the average is
+    /// written, so that answers ending together blend in turn.
+    first_byte_samples: Mutex<[Option<f64>; 2]>,
     /// Prompt tokens read per second (an `f64`'s bits; 0 until learned).
     prefill_rate: AtomicU64,
     /// The last two prefill rates measured, for [`blend_median`].
-    prefill_samples: Mutex<[f64; 2]>,
+    prefill_samples: Mutex<[Option<f64>; 2]>,
     /// How long a request takes, dispatch to the end of its answer, in milliseconds (an
     /// `f64`'s bits; 0 until learned).
     duration_ms: AtomicU64,
     /// The last two durations measured, for [`blend_median`].
-    duration_samples: Mutex<[f64; 2]>,
+    duration_samples: Mutex<[Option<f64>; 2]>,
     /// The sum of the dispatch times (fleet milliseconds) of the requests in flight.
     pub(crate) started_ms: AtomicU64,
     /// Prompt tokens of the requests in flight that have no answer yet and that the cache
@@ -192,25 +199,29 @@ fn blend(a: &AtomicU64, sample: f64) {
     });
 }
 
-/// Blends into `a` the median of `sample` and the two before it in `recent` (0: none yet), so
-/// that one odd answer moves nothing: a prompt the backend found cached and said it read in a
-/// millisecond, a request stalled for ten minutes. Two in a row on the same side move the
-/// average as one sample does, so a backend that changed is followed one answer later. Until
-/// two samples are kept, each is blended as it comes.
-fn blend_median(a: &AtomicU64, recent: &Mutex<[f64; 2]>, sample: f64) {
+/// Blends into `a` the median of `sample` and the two before it in `recent` (`None`: none
+/// yet), so that one odd answer moves nothing: a prompt the backend found cached and said it
+/// read in a millisecond, a request stalled for ten minutes. Two in a row on the same side
+/// move the average as one sample does, so a backend that changed is followed one answer
+/// later. Until two samples are kept, each is blended as it comes.
+fn blend_median(a: &AtomicU64, recent: &Mutex<[Option<f64>; 2]>, sample: f64) {
     if !(sample.is_finite() && sample > 0.0) {
         return;
     }
     // Held while the average is written, so that answers ending together blend in turn.
     let mut recent = recent.lock();
+    blend(a, median(&mut recent, sample));
+}
+
+/// The median of `sample` and the two before it in `recent`, or `sample` until two are kept;
+/// keeps `sample` in `recent` for the next.
+fn median(recent: &mut [Option<f64>; 2], sample: f64) -> f64 {
     let [older, last] = *recent;
-    *recent = [last, sample];
-    let sample = if older > 0.0 {
-        older.min(last).max(older.max(last).min(sample))
-    } else {
-        sample
-    };
-    blend(a, sample);
+    *recent = [last, Some(sample)];
+    match (older, last) {
+        (Some(older), Some(last)) => older.min(last).max(older.max(last).min(sample)),
+        _ => sample,
+    }
 }
 
 impl Learned {
@@ -226,9 +237,7 @@ impl Learned {
             blend_median(&self.duration_ms, &self.duration_samples, ms);
         }
         if let Some(t) = answer.first_byte {
-            self.first_byte_ms
-                .fetch_add(t.as_millis() as u64, Ordering::Relaxed);
-            self.first_bytes.fetch_add(1, Ordering::Relaxed);
+            self.learn_first_byte(t);
         }
         let Some(mut usage) = answer.usage else {
             return (None, Verdict::Fine);
@@ -286,6 +295,24 @@ impl Learned {
         (Some(usage), verdict)
     }
 
+    /// Takes in one answer's time to first byte: blended with a weight of [`ALPHA`], as the
+    /// median of it and the two before it, as the request time is. A first byte in no time
+    /// (a backend on the same host, a paused clock) is a figure like any other.
+    fn learn_first_byte(&self, t: Duration) {
+        let mut recent = self.first_byte_samples.lock();
+        let sample = median(&mut recent, t.as_secs_f64() * 1000.0);
+        let new = match self.first_bytes.load(Ordering::Relaxed) {
+            0 => sample,
+            _ => {
+                let old = f64::from_bits(self.first_byte_ms.load(Ordering::Relaxed));
+                old + ALPHA * (sample - old)
+            }
+        };
+        self.first_byte_ms.store(new.to_bits(), Ordering::Relaxed);
+        // After the figure: a reader that sees the count sees a figure.
+        self.first_bytes.fetch_add(1, Ordering::Release);
+    }
+
     /// Takes in one answer's prompt: `tokens` by the backend's count, `estimate` by the
     /// chain's. An answer that counts more than [`ODD_SCALE`] times what the learned scale
     /// makes of its estimate, or less than its inverse, teaches nothing, unless the answer
@@ -336,10 +363,14 @@ impl Learned {
         load_f64(&self.duration_ms).map(|ms| duration_of(ms / 1000.0))
     }
 
-    /// The mean time to first byte so far.
+    /// The time to first byte, once an answer timed it: a moving average of recent answers'
+    /// (see [`learn_first_byte`](Self::learn_first_byte)).
     pub(crate) fn first_byte_time(&self) -> Option<Duration> {
-        let n = self.first_bytes.load(Ordering::Relaxed);
-        (n > 0).then(|| Duration::from_millis(self.first_byte_ms.load(Ordering::Relaxed) / n))
+        let n = self.first_bytes.load(Ordering::Acquire);
+        (n > 0).then(|| {
+            let ms = f64::from_bits(self.first_byte_ms.load(Ordering::Relaxed));
+            duration_of(ms / 1000.0)
+        })
     }
 
     /// The estimated wait for a slot on a backend whose `in_flight` requests and `promised`

@@ -465,6 +465,32 @@ async fn one_odd_answer_moves_neither_the_prefill_rate_nor_the_request_time() {
     assert_idle(&svc);
 }
 
+/// The time to first byte follows a backend that got slower from its second slow answer on,
+/// however long it was fast before: a mean over every answer so far would take as many slow
+/// answers as fast ones to reach halfway. One odd answer alone does not move it.
+#[tokio::test(start_paused = true)]
+async fn the_time_to_first_byte_follows_recent_answers_not_all_of_them() {
+    let svc = service(&[("a", "n1")]);
+    let after = |secs: f64| Reply {
+        headers_after: Duration::from_secs_f64(secs),
+        ..Reply::json(b"{}")
+    };
+    let first_byte = |svc: &Svc<_>| status(svc, "a").first_byte_time.unwrap().as_secs_f64();
+    for _ in 0..20 {
+        exchange(&svc, request(None, None, after(50.0))).await;
+    }
+    assert_eq!(first_byte(&svc), 50.0);
+    exchange(&svc, request(None, None, after(0.001))).await;
+    assert_eq!(first_byte(&svc), 50.0, "one odd answer");
+    for _ in 0..6 {
+        exchange(&svc, request(None, None, after(100.0))).await;
+    }
+    // Five slow answers blended at a quarter each: 50 s + 50 s * (1 - 0.75^5).
+    let t = first_byte(&svc);
+    assert!((t - 88.13).abs() < 0.01, "{t}");
+    assert_idle(&svc);
+}
+
 /// Whether a stream opens before its prompt is read is the request's API's to say, not the
 /// shape of its usage: an Anthropic stream's first event (`message_start`) follows the read,
 /// also from a server whose usage gives `input_tokens` alone, as vLLM's `/v1/messages` does,
