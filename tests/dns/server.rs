@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hickory_server::net::runtime::Time;
-use hickory_server::proto::op::ResponseCode;
+use hickory_server::proto::op::{Header, HeaderCounts, ResponseCode};
 use hickory_server::proto::rr::rdata::{A, AAAA, SOA, SRV};
 use hickory_server::proto::rr::{LowerName, Name, RData, Record, RecordSet, RecordType, RrKey};
 use hickory_server::server::{Request, RequestHandler, ResponseHandler, ResponseInfo};
@@ -27,11 +27,13 @@ pub(crate) struct Dns {
     server: Option<Server<Flaky>>,
 }
 
-/// The (name, type) queries answered SERVFAIL instead of from the zone.
-type Failing = Arc<Mutex<Vec<(LowerName, RecordType)>>>;
+/// The (name, type) queries answered SERVFAIL (`true`) or not at all (`false`) instead of
+/// from the zone.
+type Failing = Arc<Mutex<Vec<((LowerName, RecordType), bool)>>>;
 
-/// The zone's catalog, but SERVFAIL for the queries in `failing`: a server that fails one
-/// record type of a name and answers the others, as an overloaded or broken upstream does.
+/// The zone's catalog, but SERVFAIL or no answer for the queries in `failing`: a server that
+/// fails one record type of a name and answers the others, as an overloaded or broken
+/// upstream does.
 struct Flaky {
     catalog: Catalog,
     failing: Failing,
@@ -52,15 +54,29 @@ impl RequestHandler for Flaky {
         Self: 'f,
     {
         Box::pin(async move {
-            let fails = request.request_info().is_ok_and(|info| {
+            let fails = request.request_info().ok().and_then(|info| {
                 let key = (info.query.name().clone(), info.query.query_type());
-                self.failing.lock().contains(&key)
+                let failing = self.failing.lock();
+                failing
+                    .iter()
+                    .find(|(k, _)| *k == key)
+                    .map(|(_, servfail)| *servfail)
             });
-            if !fails {
-                return self
-                    .catalog
-                    .handle_request::<R, T>(request, response_handle)
-                    .await;
+            match fails {
+                None => {
+                    return self
+                        .catalog
+                        .handle_request::<R, T>(request, response_handle)
+                        .await
+                }
+                // No answer: the query times out.
+                Some(false) => {
+                    return ResponseInfo::from(Header {
+                        metadata: request.metadata,
+                        counts: HeaderCounts::default(),
+                    })
+                }
+                Some(true) => {}
             }
             let response = MessageResponseBuilder::new(&request.queries, None)
                 .error_msg(&request.metadata, ResponseCode::ServFail);
@@ -154,11 +170,21 @@ impl Dns {
     /// Answers queries for `owner`'s records of `rtype` with SERVFAIL (`fail`), or from the
     /// zone again.
     pub(crate) fn servfail(&self, owner: &str, rtype: RecordType, fail: bool) {
+        self.fail(owner, rtype, fail.then_some(true));
+    }
+
+    /// Leaves queries for `owner`'s records of `rtype` unanswered, so that they time out
+    /// (`silent`), or answers them from the zone again.
+    pub(crate) fn silent(&self, owner: &str, rtype: RecordType, silent: bool) {
+        self.fail(owner, rtype, silent.then_some(false));
+    }
+
+    fn fail(&self, owner: &str, rtype: RecordType, servfail: Option<bool>) {
         let key = (LowerName::from(name(owner)), rtype);
         let mut failing = self.failing.lock();
-        failing.retain(|k| *k != key);
-        if fail {
-            failing.push(key);
+        failing.retain(|(k, _)| *k != key);
+        if let Some(servfail) = servfail {
+            failing.push((key, servfail));
         }
     }
 

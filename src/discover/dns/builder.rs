@@ -17,7 +17,7 @@ use hickory_resolver::TokioResolver;
 use super::endpoint::DnsEndpoint;
 use super::error::{DnsError, DnsErrorKind};
 use super::fleet::DnsFleet;
-use super::resolve::{nameservers, Resolver};
+use super::resolve::{nameservers, search_domains, Resolver};
 use super::target::DnsTarget;
 use super::task::{Make, NodeOf, Schedule};
 use crate::{Backend, BoxError, NodeId};
@@ -322,15 +322,16 @@ impl DnsFleetBuilder {
                 format!("setting up the resolver for {}: {e}", self.target),
             )
         };
-        let (mut builder, asked) = if self.nameservers.is_empty() {
+        let (mut builder, asked, search) = if self.nameservers.is_empty() {
             // As `TokioResolver::builder_tokio` does, with the configuration kept to name
-            // its nameservers.
+            // its nameservers and to search names under its domains.
             let (system, options) = read_system_conf().map_err(|e| config(&e))?;
             let asked = nameservers(&system);
+            let search = search_domains(&system);
             let mut builder =
                 TokioResolver::builder_with_config(system, TokioRuntimeProvider::default());
             *builder.options_mut() = options;
-            (builder, asked)
+            (builder, asked, search)
         } else {
             let servers = self
                 .nameservers
@@ -348,7 +349,7 @@ impl DnsFleetBuilder {
             );
             // The nameserver given is the whole truth: no /etc/hosts.
             builder.options_mut().use_hosts_file = ResolveHosts::Never;
-            (builder, self.nameservers.clone())
+            (builder, self.nameservers.clone(), Vec::new())
         };
         let options = builder.options_mut();
         // Every resolution asks the server; the schedule honours the TTL instead.
@@ -361,7 +362,7 @@ impl DnsFleetBuilder {
             options.attempts = attempts;
         }
         let resolver = builder.build().map_err(|e| config(&e))?;
-        Ok(Resolver::new(resolver, &asked))
+        Ok(Resolver::new(resolver, &asked, search))
     }
 }
 

@@ -29,10 +29,14 @@
 //! A name without a trailing dot is tried under the search domains as the configuration's
 //! `ndots` says. In a Kubernetes pod (`ndots:5`) `llm.default.svc.cluster.local:8080` is
 //! asked under three or four search domains, where it does not exist, before it is asked as
-//! it is, at every resolution; `llm.default.svc.cluster.local.:8080` is asked once. Under
-//! search domains, hickory reports a resolution by the last name it tried: a short name
-//! (`llm:8080`) whose query timed out under the domain where it exists is asked under the
-//! others next, and fails as no such name (the fleet is kept all the same).
+//! it is, at every resolution; `llm.default.svc.cluster.local.:8080` is asked once. Each
+//! record type asked is asked under one full name before the next full name is tried, and
+//! the first with an address is the answer. A full name whose query failed (a timeout, a
+//! server failure) while another type answered fails the resolution, as without search
+//! domains. One whose queries failed with no answer is passed over, as a system resolver
+//! passes it over: the name may still be found under a later domain; if it is not, the
+//! resolution fails with the first failure, not as no such name. Either way the fleet is
+//! kept.
 //!
 //! One [`DnsFleet`] follows one name. Streams of several can be merged (`select` of
 //! `futures`); an `IP:PORT` that two names give is then one backend, which a removal from

@@ -18,18 +18,23 @@ use super::target::{dns_name, DnsTarget, TargetKind};
 /// The TTL of a literal address, as hickory gives it: a day, so the ceiling.
 const LITERAL_TTL: u32 = 86_400;
 
-/// A resolver, and the nameservers it asks as its errors name them.
+/// A resolver, the domains a name is searched under, and the nameservers it asks as its
+/// errors name them.
 #[derive(Clone)]
 pub(crate) struct Resolver {
     inner: TokioResolver,
+    /// The domains a name without a trailing dot is tried under, in order (see
+    /// [`Resolver::candidates`]).
+    search: Arc<[Name]>,
     /// The nameservers asked, as errors name them (`nameserver 127.0.0.1:5353`,
     /// `nameservers 10.0.0.1:53, 10.0.0.2:53`); empty if none is known.
     asked: Arc<str>,
 }
 
 impl Resolver {
-    /// `inner`, which asks `nameservers`.
-    pub(crate) fn new(inner: TokioResolver, nameservers: &[SocketAddr]) -> Self {
+    /// `inner`, which asks `nameservers`, and searches names under `search` (see
+    /// [`search_domains`]).
+    pub(crate) fn new(inner: TokioResolver, nameservers: &[SocketAddr], search: Vec<Name>) -> Self {
         let list = nameservers
             .iter()
             .map(SocketAddr::to_string)
@@ -42,8 +47,38 @@ impl Resolver {
         };
         Resolver {
             inner,
+            search: search.into(),
             asked: asked.into(),
         }
+    }
+
+    /// The full names `name` is asked as, in order: as it is if it has a trailing dot;
+    /// else under each search domain, and as it is first if it has more dots than
+    /// `ndots` (or is under `localhost.`), last otherwise. The order hickory's own search
+    /// follows.
+    fn candidates(&self, name: &Name) -> Vec<Name> {
+        if name.is_fqdn() {
+            return vec![name.clone()];
+        }
+        let mut as_is = name.clone();
+        as_is.set_fqdn(true);
+        let as_is_first =
+            usize::from(name.num_labels()) > self.inner.options().ndots || name.is_localhost();
+        let mut out = Vec::with_capacity(self.search.len() + 1);
+        if as_is_first {
+            out.push(as_is.clone());
+        }
+        for domain in self.search.iter() {
+            if let Ok(under) = name.clone().append_domain(domain) {
+                if !out.contains(&under) {
+                    out.push(under);
+                }
+            }
+        }
+        if !out.contains(&as_is) {
+            out.push(as_is);
+        }
+        out
     }
 
     /// A resolver error about `what` (the name and record type asked).
@@ -62,6 +97,18 @@ pub(crate) fn nameservers(config: &ResolverConfig) -> Vec<SocketAddr> {
             if !out.contains(&addr) {
                 out.push(addr);
             }
+        }
+    }
+    out
+}
+
+/// The domains `config` searches a name under, in the order hickory asks them: its domain,
+/// then its search list, once each.
+pub(crate) fn search_domains(config: &ResolverConfig) -> Vec<Name> {
+    let mut out: Vec<Name> = Vec::new();
+    for domain in config.domain().into_iter().chain(config.search()) {
+        if !out.contains(domain) {
+            out.push(domain.clone());
         }
     }
     out
@@ -113,11 +160,21 @@ async fn host(resolver: &Resolver, name: &str, port: u16) -> Result<Resolution, 
 /// `name`'s addresses as the resolver's [`IpStrategy`](super::IpStrategy) says, and the
 /// shortest TTL of the records that gave them.
 ///
-/// One record type's query failing (a timeout, SERVFAIL) fails the whole: only a name that
-/// has none of a type (NXDOMAIN, or no records) lets the other type stand alone. hickory's
-/// own `lookup_ip` takes any failure of the first type for "none" and answers with the
-/// second alone, or with the type that answered alone of the two asked together: a
-/// transient failure would swap a dual-stack fleet's backends for their other addresses.
+/// One record type's query failing (a timeout, SERVFAIL) while the other answers fails the
+/// whole: only a name that has none of a type (NXDOMAIN, or no records) lets the other type
+/// stand alone. hickory's own `lookup_ip` takes any failure of the first type for "none" and
+/// answers with the second alone, or with the type that answered alone of the two asked
+/// together: a transient failure would swap a dual-stack fleet's backends for their other
+/// addresses.
+///
+/// A name without a trailing dot is asked under each search domain in turn (see
+/// [`Resolver::candidates`]), every type asked under one full name before the next full
+/// name. hickory searches each type on its own, and goes on to the next domain after a
+/// failed query as after "no such name": an A query that timed out under the domain where
+/// the name exists, followed by "no such name" under the next domain, reads as "no A
+/// records", and the AAAA records found under the first stand alone. Here a full name under
+/// which a query failed and none answered is passed over as a system resolver passes it
+/// over, and if no later one has an address, the resolution fails with that failure.
 async fn addresses(
     resolver: &Resolver,
     name: &str,
@@ -129,7 +186,46 @@ async fn addresses(
         // answer, and takes what one that does answers for it.
         return Ok((vec![ip], Some(LITERAL_TTL)));
     }
-    let name = &parsed(name)?;
+    let (mut failed, mut none) = (None, Vec::new());
+    for candidate in resolver.candidates(&parsed(name)?) {
+        match addresses_of(resolver, &candidate).await? {
+            Found::Addresses(ips, ttl) => return Ok((ips, ttl)),
+            Found::None(e) => none = e,
+            Found::Failed(e) => {
+                failed.get_or_insert(e);
+            }
+        }
+    }
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    // No address under any name asked: what each type's query said under the last, as
+    // hickory reports a search, of the first's kind.
+    let Some((first, rest)) = none.split_first() else {
+        return Err(DnsError::new(
+            DnsErrorKind::NoRecords,
+            format!("{name}: no addresses"),
+        ));
+    };
+    let message = rest
+        .iter()
+        .fold(first.to_string(), |message, e| format!("{message}; {e}"));
+    Err(DnsError::new(first.kind(), message))
+}
+
+/// What the record types asked under one full name gave.
+enum Found {
+    /// Addresses, and the shortest TTL of their records.
+    Addresses(Vec<IpAddr>, Option<u32>),
+    /// None of any type asked: what each type's query said.
+    None(Vec<DnsError>),
+    /// A query failed, and no other type asked has an address.
+    Failed(DnsError),
+}
+
+/// The addresses of the full name `name`, as [`addresses`] says; an error if a type's query
+/// failed while another type has addresses.
+async fn addresses_of(resolver: &Resolver, name: &Name) -> Result<Found, DnsError> {
     use RecordType::{A, AAAA};
     // The first type, the second if any, and whether both are asked together.
     let (first, second, together) = match resolver.inner.options().ip_strategy {
@@ -141,45 +237,45 @@ async fn addresses(
         LookupIpStrategy::Ipv6AndIpv4 => (AAAA, Some(A), true),
     };
     let families = match second {
-        None => vec![family(resolver, name, first).await?],
+        None => vec![family(resolver, name, first).await],
         Some(second) if together => {
             let (first, second) = futures_util::future::join(
                 family(resolver, name, first),
                 family(resolver, name, second),
             )
             .await;
-            vec![first?, second?]
+            vec![first, second]
         }
         // The second only if the name has none of the first.
-        Some(second) => match family(resolver, name, first).await? {
-            Err(none) => vec![Err(none), family(resolver, name, second).await?],
-            found => vec![found],
+        Some(second) => match family(resolver, name, first).await {
+            Ok(Err(none)) => vec![Ok(Err(none)), family(resolver, name, second).await],
+            other => vec![other],
         },
     };
-    let mut none = Vec::new();
+    let (mut failed, mut none) = (None, Vec::new());
     let (mut ips, mut ttl) = (Vec::new(), None::<u32>);
     for family in families {
         match family {
-            Ok((found, t)) => {
+            Ok(Ok((found, t))) => {
                 ips.extend(found);
                 ttl = match (ttl, t) {
                     (Some(a), Some(b)) => Some(a.min(b)),
                     (a, b) => a.or(b),
                 };
             }
-            Err(e) => none.push(e),
+            Ok(Err(e)) => none.push(e),
+            Err(e) => {
+                failed.get_or_insert(e);
+            }
         }
     }
-    match none.split_first() {
-        // No address of any type asked: what each type's query said, of the first's kind.
-        Some((first, rest)) if ips.is_empty() => {
-            let message = rest
-                .iter()
-                .fold(first.to_string(), |message, e| format!("{message}; {e}"));
-            Err(DnsError::new(first.kind(), message))
-        }
-        _ => Ok((ips, ttl)),
-    }
+    Ok(match (failed, ips.is_empty()) {
+        // One type failed, another answered: not "none of the first".
+        (Some(e), false) => return Err(e),
+        (Some(e), true) => Found::Failed(e),
+        (None, true) => Found::None(none),
+        (None, false) => Found::Addresses(ips, ttl),
+    })
 }
 
 /// `name`'s addresses of one record type and their shortest TTL; `Ok(Err(..))` if it has none
@@ -372,6 +468,13 @@ fn no_addresses(
     DnsError::new(DnsErrorKind::NoRecords, message)
 }
 
+// The DNS server of `tests/dns`, for resolutions under search domains, which the builder does
+// not set.
+#[cfg(test)]
+#[path = "../../../tests/dns/server.rs"]
+#[allow(dead_code)]
+mod test_server;
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -381,6 +484,79 @@ mod tests {
     use hickory_resolver::proto::rr::Name;
 
     use super::*;
+
+    use super::test_server as server;
+
+    /// A resolver that asks `dns` under the search domains `search` with `ndots:1`.
+    fn searching(dns: &server::Dns, search: &[&str], strategy: LookupIpStrategy) -> Resolver {
+        let (mut udp, mut tcp) = (ConnectionConfig::udp(), ConnectionConfig::tcp());
+        udp.port = dns.addr.port();
+        tcp.port = dns.addr.port();
+        let ns = NameServerConfig::new(dns.addr.ip(), true, vec![udp, tcp]);
+        let search = search
+            .iter()
+            .map(|s| Name::from_ascii(s).unwrap())
+            .collect();
+        let config = ResolverConfig::from_parts(None, search, vec![ns]);
+        let search = search_domains(&config);
+        let mut builder =
+            TokioResolver::builder_with_config(config, TokioRuntimeProvider::default());
+        let options = builder.options_mut();
+        options.ndots = 1;
+        options.timeout = Duration::from_secs(1);
+        options.attempts = 1;
+        options.cache_size = 0;
+        options.ip_strategy = strategy;
+        options.use_hosts_file = hickory_resolver::config::ResolveHosts::Never;
+        Resolver::new(builder.build().unwrap(), &[dns.addr], search)
+    }
+
+    /// Under search domains as under a full name, a record type whose query fails (a
+    /// timeout, SERVFAIL) under the domain where the name exists fails the resolution, while
+    /// the other type answers: it is not taken for "none of that type", which would swap a
+    /// dual-stack fleet's backends for their other addresses.
+    #[tokio::test(start_paused = true)]
+    async fn a_record_type_that_fails_under_a_search_domain_fails_the_resolution() {
+        use hickory_resolver::proto::rr::RecordType::A;
+
+        let dns = server::Dns::start().await;
+        dns.set_ips("llm.prod.fleet.test.", 30, &["10.0.0.1", "fd00::1"])
+            .await;
+        // `llm.prod` reaches `ndots:1`: asked as it is first (refused: outside the zone),
+        // then under each search domain; it exists under the first, not the second.
+        let target = DnsTarget::host("llm.prod", 8080).unwrap();
+        let addrs =
+            |r: &Resolution| -> Vec<String> { r.endpoints.keys().map(|a| a.to_string()).collect() };
+        for (strategy, want) in [
+            (LookupIpStrategy::Ipv4thenIpv6, vec!["10.0.0.1:8080"]),
+            (
+                LookupIpStrategy::Ipv4AndIpv6,
+                vec!["10.0.0.1:8080", "[fd00::1]:8080"],
+            ),
+        ] {
+            let resolver = searching(&dns, &["fleet.test.", "other.fleet.test."], strategy);
+            let found = resolve(&resolver, &target).await.unwrap();
+            assert_eq!(addrs(&found), want, "{strategy:?}");
+
+            // The name asked as it is was refused first (outside the server's zone): the
+            // error is the first failure, which is not "no such name".
+            for servfail in [false, true] {
+                match servfail {
+                    true => dns.servfail("llm.prod.fleet.test.", A, true),
+                    false => dns.silent("llm.prod.fleet.test.", A, true),
+                }
+                let found = resolve(&resolver, &target).await;
+                dns.servfail("llm.prod.fleet.test.", A, false);
+                match found {
+                    Ok(found) => panic!("{strategy:?}: resolved to {:?}", addrs(&found)),
+                    Err(e) => assert!(
+                        !matches!(e.kind(), DnsErrorKind::NoSuchName | DnsErrorKind::NoRecords),
+                        "{strategy:?}: {e}"
+                    ),
+                }
+            }
+        }
+    }
 
     /// The system configuration's nameservers are named once each, on the port they are
     /// asked on: hickory gives each a UDP and a TCP connection.
@@ -401,6 +577,7 @@ mod tests {
                 .build()
                 .unwrap(),
             &found,
+            Vec::new(),
         );
         assert_eq!(&*resolver.asked, "nameservers 10.0.0.1:53, [fd00::1]:53");
     }
@@ -419,12 +596,17 @@ mod tests {
         let ns = NameServerConfig::new("127.0.0.1".parse().unwrap(), true, vec![udp]);
         let search = vec![Name::from_ascii("default.svc.cluster.local.").unwrap()];
         let config = ResolverConfig::from_parts(None, search, vec![ns]);
+        let search = search_domains(&config);
         let mut builder =
             TokioResolver::builder_with_config(config, TokioRuntimeProvider::default());
         builder.options_mut().ndots = 5;
         builder.options_mut().timeout = Duration::from_secs(1);
         builder.options_mut().attempts = 1;
-        let resolver = Resolver::new(builder.build().unwrap(), &[server.local_addr().unwrap()]);
+        let resolver = Resolver::new(
+            builder.build().unwrap(),
+            &[server.local_addr().unwrap()],
+            search,
+        );
 
         let start = tokio::time::Instant::now();
         for (target, want) in [("10.0.0.1", "10.0.0.1:8080"), ("::1", "[::1]:8080")] {
