@@ -13,7 +13,7 @@ mod server;
 #[path = "../support/logs.rs"]
 mod support_logs;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::convert::Infallible;
 use std::future::Future;
 use std::num::NonZeroU32;
@@ -546,6 +546,47 @@ async fn srv_records_give_targets_and_ports() {
     assert!(e.to_string().contains("gpu-c.elsewhere.test"), "{e}");
     assert!(ready(&mut fleet).await.is_empty());
     assert_eq!(handle.stats().backends, 3);
+}
+
+/// An SRV answer's targets are looked up at most eight at a time: an answer with many
+/// targets is no burst of queries at the nameserver, one a target at once.
+#[tokio::test(start_paused = true)]
+async fn an_srv_answer_s_targets_are_looked_up_at_most_eight_at_a_time() {
+    let dns = start_dns().await;
+    let targets: Vec<String> = (0..20).map(|i| format!("gpu-{i}.fleet.test.")).collect();
+    let records: Vec<(u16, u16, u16, &str)> =
+        targets.iter().map(|t| (10, 5, 8001, t.as_str())).collect();
+    dns.set_srv("_llm._tcp.fleet.test.", 30, &records).await;
+    for (i, target) in targets.iter().enumerate() {
+        dns.set_ips(target, 30, &[&format!("10.0.1.{}", i + 1)])
+            .await;
+    }
+    let mut fleet = builder(&dns, "_llm._tcp.fleet.test.")
+        .build(|ep: &DnsEndpoint| ep.addr())
+        .unwrap();
+    let handle = fleet.handle();
+    // Every target looked up, eight at a time.
+    answered(handle.resolved(1)).await;
+    assert_eq!(ready(&mut fleet).await.len(), 20);
+
+    // No target answers: the first eight queries wait out their timeout together, and the
+    // resolution fails on the first before another target is asked.
+    for target in &targets {
+        dns.silent(target, RecordType::A, true);
+    }
+    let before = dns.asked().len();
+    handle.refresh();
+    // Unanswered: the (paused) clock runs on to the queries' timeout.
+    handle.resolved(2).await;
+    let asked: BTreeSet<String> = dns.asked()[before..]
+        .iter()
+        .filter(|(name, _)| name.starts_with("gpu-"))
+        .map(|(name, _)| name.clone())
+        .collect();
+    assert_eq!(asked.len(), 8, "{asked:?}");
+    let e = handle.last_error().unwrap();
+    assert_eq!(e.kind(), DnsErrorKind::Timeout, "{e}");
+    assert_eq!(handle.stats().backends, 20);
 }
 
 /// An SRV record on port 0 names no reachable server (Consul answers so for a service

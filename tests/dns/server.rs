@@ -24,6 +24,7 @@ pub(crate) struct Dns {
     pub(crate) addr: SocketAddr,
     zone: Arc<InMemoryZoneHandler>,
     failing: Failing,
+    asked: Asked,
     server: Option<Server<Flaky>>,
 }
 
@@ -37,7 +38,11 @@ type Failing = Arc<Mutex<Vec<((LowerName, RecordType), bool)>>>;
 struct Flaky {
     catalog: Catalog,
     failing: Failing,
+    asked: Asked,
 }
+
+/// The (name, type) of each query received, in order.
+type Asked = Arc<Mutex<Vec<(LowerName, RecordType)>>>;
 
 // `RequestHandler` is an `async_trait`: its method spelled out, without the macro.
 impl RequestHandler for Flaky {
@@ -56,6 +61,7 @@ impl RequestHandler for Flaky {
         Box::pin(async move {
             let fails = request.request_info().ok().and_then(|info| {
                 let key = (info.query.name().clone(), info.query.query_type());
+                self.asked.lock().push(key.clone());
                 let failing = self.failing.lock();
                 failing
                     .iter()
@@ -116,6 +122,7 @@ impl Dns {
                 addr,
                 zone,
                 failing: Failing::default(),
+                asked: Asked::default(),
                 server: None,
             };
             dns.serve(udp, tcp);
@@ -130,6 +137,7 @@ impl Dns {
         let mut server = Server::new(Flaky {
             catalog,
             failing: self.failing.clone(),
+            asked: self.asked.clone(),
         });
         server.register_socket(udp);
         server.register_listener(tcp, Duration::from_secs(5), 1024);
@@ -186,6 +194,12 @@ impl Dns {
         if let Some(servfail) = servfail {
             failing.push((key, servfail));
         }
+    }
+
+    /// The name and type of each query received so far, in order.
+    pub(crate) fn asked(&self) -> Vec<(String, RecordType)> {
+        let asked = self.asked.lock();
+        asked.iter().map(|(n, t)| (n.to_string(), *t)).collect()
     }
 
     /// `owner`'s A or AAAA records, by the addresses' family.

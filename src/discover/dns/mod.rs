@@ -7,7 +7,9 @@
 //!   `PORT`;
 //! - `_SERVICE._PROTO.NAME`: its SRV records, each target host's addresses a backend on the
 //!   record's port (priority and weight are not used: every target is a backend; a record
-//!   on port 0 or with the target "." names none).
+//!   on port 0 or with the target "." names none). The targets are looked up eight at a
+//!   time, so that a large record set sends the nameserver no burst of queries; a target
+//!   whose lookup fails (not one that has no address) fails the resolution at once.
 //!
 //! It resolves again when the answer's shortest TTL runs out, but no sooner than a floor and no
 //! later than a ceiling, and yields tower [`Change`](tower::discover::Change)s for what

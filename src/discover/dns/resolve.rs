@@ -322,6 +322,12 @@ fn parsed(name: &str) -> Result<Name, DnsError> {
     })
 }
 
+/// How many of an SRV answer's targets are looked up at a time. Each lookup is one or two
+/// queries (A, AAAA) on a socket of its own: an answer with hundreds of targets would
+/// otherwise send hundreds of queries at once, more than a local forwarder such as dnsmasq
+/// (150 by default) takes, and open as many sockets.
+const SRV_LOOKUPS: usize = 8;
+
 /// One SRV record's target and what it said.
 struct SrvRecord {
     target: String,
@@ -359,15 +365,19 @@ async fn srv(resolver: &Resolver, name: &str) -> Result<Resolution, DnsError> {
         });
     }
 
-    // Each target host once, all at the same time.
+    // Each target host once, `SRV_LOOKUPS` at a time.
     let hosts: BTreeSet<String> = records.iter().map(|r| r.target.clone()).collect();
+    let mut hosts = hosts.into_iter();
     let mut lookups = JoinSet::new();
-    for host in hosts {
+    let look_up = |lookups: &mut JoinSet<_>, host: String| {
         let resolver = resolver.clone();
         lookups.spawn(async move {
             let found = addresses(&resolver, host.as_str()).await;
             (host, found)
         });
+    };
+    for host in hosts.by_ref().take(SRV_LOOKUPS) {
+        look_up(&mut lookups, host);
     }
     let mut targets: BTreeMap<String, Vec<IpAddr>> = BTreeMap::new();
     // The targets without an address, and what their lookups said.
@@ -400,6 +410,9 @@ async fn srv(resolver: &Resolver, name: &str) -> Result<Resolution, DnsError> {
                     ))
                 }
             },
+        }
+        if let Some(host) = hosts.next() {
+            look_up(&mut lookups, host);
         }
     }
 
