@@ -1061,6 +1061,44 @@ async fn a_fleet_built_outside_a_runtime_starts_on_its_first_poll() {
     assert_eq!(handle.resolved(100).await, 1);
 }
 
+/// A fleet polled outside a tokio runtime cannot start its resolving task: it panics, as
+/// tokio's own spawn does, rather than end the stream, which a later poll inside a runtime
+/// would start again (a stream that has ended yields nothing more).
+#[tokio::test]
+async fn a_fleet_polled_outside_a_runtime_panics_rather_than_ends() {
+    let dns = start_dns().await;
+    dns.set_ips("llm.fleet.test.", 30, &["10.0.0.1"]).await;
+    let b = builder(&dns, "llm.fleet.test.:8080");
+    let (mut fleet, polled) = std::thread::spawn(move || {
+        let mut fleet = b.build(|ep: &DnsEndpoint| ep.addr()).unwrap();
+        let polled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            let poll = Pin::new(&mut fleet).poll_next(&mut cx);
+            format!("{:?}", poll.map(|c| c.map(|c| c.map(|c| show(&c)))))
+        }));
+        let polled = polled.map_err(|panic| match panic.downcast::<String>() {
+            Ok(message) => *message,
+            Err(panic) => panic
+                .downcast::<&str>()
+                .map(|m| m.to_string())
+                .unwrap_or_default(),
+        });
+        (fleet, polled)
+    })
+    .join()
+    .unwrap();
+    let message = polled.expect_err("polled outside a runtime without a panic");
+    assert!(message.contains("outside a tokio runtime"), "{message}");
+
+    // It never ended: polled inside a runtime, it resolves.
+    let handle = fleet.handle();
+    assert!(ready(&mut fleet).await.is_empty()); // spawns the resolving task
+    tokio::time::timeout(Duration::from_secs(10), handle.resolved(1))
+        .await
+        .unwrap();
+    assert_eq!(ready_shown(&mut fleet).await, ["+10.0.0.1:8080@10.0.0.1"]);
+}
+
 // === end to end: SessionAffinity over DNS, HTTP to stub backends ===
 
 /// A backend on `listener` that answers every request with its name.

@@ -39,7 +39,9 @@ use crate::{Backend, BackendId};
 /// error, and ends only if its resolving task does.
 ///
 /// Resolution runs in a task of its own, so a changed fleet is ready for the next request
-/// even after a quiet spell. Dropping the stream stops it. The changes the stream has not
+/// even after a quiet spell. Dropping the stream stops it. Built outside a tokio runtime,
+/// the stream starts the task on its first poll; polled outside a runtime before it has one,
+/// it panics, as `tokio::spawn` does. The changes the stream has not
 /// yielded yet are merged as they come: it owes at most one change a backend, what differs
 /// from what it has yielded so far (an address that came and went meanwhile is not
 /// announced; one that went and came back is an insert that updates it), the inserts first.
@@ -140,20 +142,16 @@ impl<S> Stream for DnsFleet<S> {
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = self.get_mut();
         if let Task::Waiting(work) = &mut this.task {
-            match tokio::runtime::Handle::try_current() {
-                Ok(rt) => {
-                    if let Some(work) = work.take() {
-                        this.task = Task::Running(rt.spawn(work));
-                    }
-                }
-                Err(_) => {
-                    tracing::error!(
-                        dns = %this.handle.target(),
-                        "DnsFleet polled outside a tokio runtime; it cannot resolve, and ends"
-                    );
-                    this.handle.shared().closed();
-                    return Poll::Ready(None);
-                }
+            // Not an end of the stream: one that ended here would start on a later poll
+            // inside a runtime, and yield after `None`.
+            let Ok(rt) = tokio::runtime::Handle::try_current() else {
+                panic!(
+                    "DnsFleet for {} polled outside a tokio runtime: its resolving task needs one",
+                    this.handle.target()
+                );
+            };
+            if let Some(work) = work.take() {
+                this.task = Task::Running(rt.spawn(work));
             }
         }
         this.changes.poll_next(cx).map(|c| c.map(Ok))
