@@ -278,8 +278,9 @@ impl DnsFleetBuilder {
     /// Builds the stream; `service` makes each new backend's service from its endpoint.
     ///
     /// Resolution starts at once if called inside a tokio runtime, else when the stream is
-    /// first polled, which must be inside one (see [`DnsFleet`]). Fails only if the resolver cannot be set up (as with no usable system
-    /// configuration); a name that does not resolve yet is a failed resolution, retried.
+    /// first polled, which must be inside one (see [`DnsFleet`]). Fails only if the resolver
+    /// cannot be set up (as with no usable system configuration); a name that does not resolve
+    /// yet is a failed resolution, retried.
     pub fn build<S, F>(self, service: F) -> Result<DnsFleet<S>, DnsError>
     where
         F: Fn(&DnsEndpoint) -> S + Send + Sync + 'static,

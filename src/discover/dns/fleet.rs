@@ -41,10 +41,10 @@ use crate::{Backend, BackendId};
 /// Resolution runs in a task of its own, so a changed fleet is ready for the next request
 /// even after a quiet spell. Dropping the stream stops it. Built outside a tokio runtime,
 /// the stream starts the task on its first poll; polled outside a runtime before it has one,
-/// it panics, as `tokio::spawn` does. The changes the stream has not
-/// yielded yet are merged as they come: it owes at most one change a backend, what differs
-/// from what it has yielded so far (an address that came and went meanwhile is not
-/// announced; one that went and came back is an insert that updates it), the inserts first.
+/// it panics, as `tokio::spawn` does. The changes the stream has not yielded yet are merged
+/// as they come: it owes at most one change a backend, what differs from what it has yielded
+/// so far (an address that came and went meanwhile is not announced; one that went and came
+/// back is an insert that updates it), the inserts first.
 /// A balancer that takes no request for hours finds the fleet as it is now, not every
 /// answer on the way.
 ///
