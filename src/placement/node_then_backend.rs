@@ -217,17 +217,17 @@ impl NodeThenBackend {
     /// non-finite values are read as 0.
     ///
     /// A backend holding some of a new conversation's prompt is offered first unless the
-    /// conversations that branch from that prefix there already reach the bound: those are
-    /// what the prefix drew, and the conversations it homes besides came by other prefixes or
-    /// by load. While no slot of it is free (each taken, or promised to a waiting request woken
-    /// for it), the bound there is its share of the conversations that branch from the
-    /// prompt's prefixes on any backend, not of all the fleet's: some of those may have ended within the live window, and agents that open at once
-    /// with a prompt first read on one backend would otherwise all go to it (and wait for its
-    /// slots, where reading the prompt elsewhere costs more), then share them. A prefix every
-    /// conversation shares is branched from by all of them, so it draws new ones only up to
-    /// the bound. What this leaves open: a backend may hold several prefixes that each draw
-    /// up to the bound, so it may home more than its share when the conversations fall into
-    /// groups sharing a long prefix each.
+    /// conversations that branch from that prefix there already reach the bound: those are what
+    /// the prefix drew, and the conversations it homes besides came by other prefixes or by
+    /// load. While no slot of it is free (each taken, or promised to a waiting request woken
+    /// for it), the bound there is its share of the conversations that branch from the prompt's
+    /// prefixes on any backend, not of all the fleet's: some of those may have ended within the
+    /// live window, and agents that open at once with a prompt first read on one backend would
+    /// otherwise all go to it (and wait for its slots, where reading the prompt elsewhere costs
+    /// more), then share them. A prefix every conversation shares is branched from by all of
+    /// them, so it draws new ones only up to the bound. What this leaves open: a backend may
+    /// hold several prefixes that each draw up to the bound, so it may home more than its share
+    /// when the conversations fall into groups sharing a long prefix each.
     ///
     /// The bound needs the cache model's counts, which come from prompt chains: a request
     /// without one (no body-reading layer in front) takes its rendezvous order unbounded.

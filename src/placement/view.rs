@@ -697,11 +697,11 @@ impl<'a> PlacementRequest<'a> {
     }
 }
 
-/// The prefix the service gives a request's placement: the longest prefix of its chain when
-/// it has no key, no home, a home that evicted it, or a prompt that does not extend the key's
-/// last one (a compaction, or another conversation under the same key). A keyed request's key says whose
-/// conversation it is, so a prompt held whole elsewhere was another's that opened alike: not
-/// its own.
+/// The prefix the service gives a request's placement: the longest prefix of its chain when it
+/// has no key, no home, a home that evicted it, or a prompt that does not extend the key's last
+/// one (a compaction, or another conversation under the same key). A keyed request's key says
+/// whose conversation it is, so a prompt held whole elsewhere was another's that opened alike:
+/// not its own.
 pub(crate) fn request_prefix<'a>(
     view: &FleetView<'a>,
     key: Option<SessionKey>,

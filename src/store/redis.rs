@@ -28,26 +28,27 @@ use crate::key::SessionKey;
 ///   never as a failure of the store: a value of megabytes read whole could take longer than
 ///   the deadline, and hold up the connection every read shares. A home whose encoding is
 ///   longer than that (backend and node names of kilobytes) is not written: its write fails.
-/// - **Writes:** a Lua script (`EVAL`) that runs `GETRANGE` and `SET key value PX ttl`:
-///   the home is set unless the key holds a home placed after it, so that a write that
-///   lands late (held up on the way, or in a Redis that stalled, after its sender gave up on
-///   it) never replaces a later turn's home. One round trip, as a plain `SET`; on Redis, a
-///   read of the key and a few pattern matches of its value. The script judges a value only
-///   in the form [`StoredHome::encode`] writes, with names of printable ASCII other than `"`
-///   and `\`; any other value it sends back, and the store judges it as a read does
-///   ([`StoredHome::decode`]) and sets the home only if the key still holds it (a second
-///   round trip). Among homes placed in the same millisecond, and over a home that does not
-///   say when, the last write wins (see the [module docs](crate::store)). A home without
-///   [`placed`](StoredHome::placed) is written with a plain `SET`. A home written again after an outage
-///   ([`HomeStore::rewrite`]) is set over no home, garbage, or a home placed before it, and
-///   not over one placed later or one that does not say when, each as a read takes the
-///   value ([`StoredHome::decode`]): the key is read as a read does, and the home set by a
-///   Lua script (`EVAL`) only if the key still holds what was read; else read and judged
-///   again, up to 4 times (each time, another write landed in between).
-/// - **Keyless conversations:** the home of a turn's prompt under
-///   `prefix` + [`PROMPT_PREFIX`](RedisStore::PROMPT_PREFIX) + the prompt's 64-bit digest in
-///   hex, `tower-affinity:home:prompt:00abcdef01234567`, written as a session's home is; a keyless request reads the digests of its prompt's last few
-///   boundaries in one round trip, a `GETRANGE` of each, bounded as a session's read is.
+/// - **Writes:** a Lua script (`EVAL`) that runs `GETRANGE` and `SET key value PX ttl`: the
+///   home is set unless the key holds a home placed after it, so that a write that lands late
+///   (held up on the way, or in a Redis that stalled, after its sender gave up on it) never
+///   replaces a later turn's home. One round trip, as a plain `SET`; on Redis, a read of the
+///   key and a few pattern matches of its value. The script judges a value only in the form
+///   [`StoredHome::encode`] writes, with names of printable ASCII other than `"` and `\`; any
+///   other value it sends back, and the store judges it as a read does ([`StoredHome::decode`])
+///   and sets the home only if the key still holds it (a second round trip). Among homes placed
+///   in the same millisecond, and over a home that does not say when, the last write wins (see
+///   the [module docs](crate::store)). A home without [`placed`](StoredHome::placed) is written
+///   with a plain `SET`. A home written again after an outage ([`HomeStore::rewrite`]) is set
+///   over no home, garbage, or a home placed before it, and not over one placed later or one
+///   that does not say when, each as a read takes the value ([`StoredHome::decode`]): the key
+///   is read as a read does, and the home set by a Lua script (`EVAL`) only if the key still
+///   holds what was read; else read and judged again, up to 4 times (each time, another write
+///   landed in between).
+/// - **Keyless conversations:** the home of a turn's prompt under `prefix` +
+///   [`PROMPT_PREFIX`](RedisStore::PROMPT_PREFIX) + the prompt's 64-bit digest in hex,
+///   `tower-affinity:home:prompt:00abcdef01234567`, written as a session's home is; a keyless
+///   request reads the digests of its prompt's last few boundaries in one round trip, a
+///   `GETRANGE` of each, bounded as a session's read is.
 /// - **Commands:** `GETRANGE`, `PEXPIRE`, `SET` and `EVAL` (of scripts that run `GETRANGE`
 ///   and `SET`), on keys under the prefix, and `PING`: what
 ///   a Redis ACL user for the store must be allowed; and `SELECT` if the URL names a database
