@@ -20,6 +20,10 @@ pub(crate) type ProbeClient = Client<HttpConnector, Empty<Bytes>>;
 /// so about 300 KB a slot of 128k tokens, and 32 MiB for a hundred of them.
 const BODY_LIMIT: usize = 32 << 20;
 
+/// The deadline of a probe whose timeout is past what the clock can count ahead: about 30
+/// years from now.
+const FAR_AHEAD: Duration = Duration::from_secs(86_400 * 365 * 30);
+
 /// What `/health` said.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Health {
@@ -75,8 +79,11 @@ pub(crate) async fn check(
     models: bool,
     props: bool,
 ) -> Checked {
+    // A timeout past what the clock can count ahead (`Duration::MAX`) waits as long as one
+    // that is as good as none.
+    let now = tokio::time::Instant::now();
     let timeout = Timeout {
-        deadline: tokio::time::Instant::now() + timeout,
+        deadline: now.checked_add(timeout).unwrap_or_else(|| now + FAR_AHEAD),
         whole: timeout,
     };
     let health = match get(&client, &base, "/health", headers, timeout).await {

@@ -206,7 +206,8 @@ impl HealthProbe {
     /// time left fails as if it had none (`/slots` takes nothing down: see [`HealthProbe`]).
     ///
     /// A probe that may not wait gets no answer, so zero is taken as the floor, 1 ms, rather
-    /// than failing every probe and taking the whole fleet down. A timeout shorter than a
+    /// than failing every probe and taking the whole fleet down. A timeout too long for the
+    /// clock to count ahead ([`Duration::MAX`]) waits about 30 years: as good as none. A timeout shorter than a
     /// backend takes to answer still fails its probes: give one that suits the network, and
     /// the servers (SGLang's `/health` takes a second at least, and up to 20 s while it reads
     /// a long prompt: see [`HealthProbe`]).

@@ -559,6 +559,32 @@ async fn a_zero_timeout_is_the_floor_of_1_ms_and_a_ready_backend_stays_up() {
     assert!(hung.last_error.unwrap().contains("no answer within 1ms"));
 }
 
+/// A timeout longer than the clock can count ahead (`Duration::MAX`, "no timeout") waits for
+/// the answer: the probe's deadline is as far ahead as the clock goes, not a panic in the
+/// probe's task that left every backend unprobed.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_timeout_past_what_the_clock_can_count_waits_for_the_answer() {
+    let (addr, _stub) = start(2).await;
+    let refusing = Refusing::new();
+    let gone = refusing.addr;
+    let (affinity, prober) = balancer(
+        HealthProbe::new().timeout(Duration::MAX),
+        vec![
+            ("ready", Backend::new("n", http(addr))),
+            ("gone", Backend::new("n", http(gone))),
+        ],
+    );
+    prober.round(&affinity).await;
+    let ready = prober.status("ready").unwrap();
+    assert_eq!(ready.probes, 1, "{ready:?}");
+    assert!(ready.up);
+    assert_eq!(status(&affinity, "ready").slots, 2);
+    let gone = prober.status("gone").unwrap();
+    assert_eq!(gone.probes, 1, "{gone:?}");
+    assert!(!gone.up);
+    assert!(!status(&affinity, "gone").healthy);
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn slots_are_learned_from_slots_and_followed_when_they_change() {
     let (a, stub_a) = start(3).await;
