@@ -527,6 +527,9 @@ where
             self.shared.transitions.fetch_add(1, Ordering::Relaxed);
         }
         let mut learned = false;
+        // Those this probe read, if it read them: a backend failing, or whose `/slots` did
+        // not answer, has none known rather than an earlier probe's.
+        s.busy_slots = None;
         match checked.slots {
             None => {}
             Some(Err(reason)) => {

@@ -933,6 +933,35 @@ async fn busy_slots_reads_slots_of_every_backend_and_learns_nothing_from_a_given
     assert_eq!(status(&affinity, "b").slots, 2, "the given count stays");
 }
 
+/// Busy slots are those the last probe read: a backend whose `/health` fails, or whose
+/// `/slots` does not answer, has none known, not the count of a probe before.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn busy_slots_are_unknown_once_a_probe_does_not_read_them() {
+    let (b, stub) = start(4).await;
+    *stub.slots.lock() = vec![true, false, true, true];
+    let (affinity, prober) = balancer(
+        HealthProbe::new().busy_slots(true),
+        vec![("b", Backend::new("n", http(b)))],
+    );
+    prober.round(&affinity).await;
+    assert_eq!(prober.status("b").unwrap().busy_slots, Some(3));
+    // `/slots` fails, `/health` is ready.
+    stub.slots_status.store(500, Ordering::Relaxed);
+    prober.round(&affinity).await;
+    let s = prober.status("b").unwrap();
+    assert!(s.slots_error.is_some(), "{s:?}");
+    assert_eq!(s.busy_slots, None, "{s:?}");
+    stub.slots_status.store(0, Ordering::Relaxed);
+    prober.round(&affinity).await;
+    assert_eq!(prober.status("b").unwrap().busy_slots, Some(3));
+    // `/health` fails: `/slots` is not asked.
+    stub.health.store(500, Ordering::Relaxed);
+    prober.round(&affinity).await;
+    let s = prober.status("b").unwrap();
+    assert!(s.last_error.is_some(), "{s:?}");
+    assert_eq!(s.busy_slots, None, "{s:?}");
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_backend_announced_again_keeps_its_learned_slots_and_a_removed_one_is_not_probed() {
     let (a, stub_a) = start(3).await;
