@@ -207,10 +207,10 @@ impl HealthProbe {
     ///
     /// A probe that may not wait gets no answer, so zero is taken as the floor, 1 ms, rather
     /// than failing every probe and taking the whole fleet down. A timeout too long for the
-    /// clock to count ahead ([`Duration::MAX`]) waits about 30 years: as good as none. A timeout shorter than a
-    /// backend takes to answer still fails its probes: give one that suits the network, and
-    /// the servers (SGLang's `/health` takes a second at least, and up to 20 s while it reads
-    /// a long prompt: see [`HealthProbe`]).
+    /// clock to count ahead ([`Duration::MAX`]) waits about 30 years: as good as none. A
+    /// timeout shorter than a backend takes to answer still fails its probes: give one that
+    /// suits the network, and the servers (SGLang's `/health` takes a second at least, and up
+    /// to 20 s while it reads a long prompt: see [`HealthProbe`]).
     ///
     /// [`Prober::spawn`] does not probe a backend again while its probe is out: with a
     /// timeout longer than the [`interval`](Self::interval), a backend that does not answer
