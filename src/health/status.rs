@@ -37,7 +37,8 @@ pub struct ProbeStatus {
     pub failures: u32,
     /// Probes in a row that found it ready.
     pub successes: u32,
-    /// Probes sent to it.
+    /// Probes of it whose answer (or failure) was recorded: not one dropped because the
+    /// backend was announced again at another address while it was out.
     pub probes: u64,
     /// Times the probe marked it down or up.
     pub transitions: u64,
