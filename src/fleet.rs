@@ -1330,7 +1330,12 @@ impl Drop for SlotGuard {
             (self.load.context_in_flight).fetch_sub(context, Ordering::SeqCst);
         }
         // Sequentially consistent, as the wait queue's count is read next: see `wait`.
-        self.load.in_flight.fetch_sub(1, Ordering::SeqCst);
+        let held = self.load.in_flight.fetch_sub(1, Ordering::SeqCst) & !RETIRED;
+        // A request beyond the slots (overcommitted, or in flight as the backend's slots
+        // were lowered) frees none as it ends: the backend is as full as before. Promised to
+        // a waiter, that slot would not exist, and the one that frees next would go to
+        // another waiter, which could take it before the first.
+        let freed = held <= self.load.slots.load(Ordering::Relaxed);
         // A slot on a backend that is down serves no waiter: they looked when it went down,
         // and their timers bring them back when it comes back. Sequentially consistent, as
         // is the lifting of a mark (`mark_up`, an announcement), which then wakes the waiters
@@ -1339,7 +1344,7 @@ impl Drop for SlotGuard {
         let down_until = self.load.down_until.load(Ordering::SeqCst);
         let capacity = self.capacity();
         let awake = down_until == 0 || capacity.now_ms(Instant::now()) >= down_until;
-        if awake && self.backend != UNANNOUNCED {
+        if freed && awake && self.backend != UNANNOUNCED {
             capacity.slot_freed(&self.load, self.backend, self.node());
         }
     }

@@ -44,9 +44,11 @@
 //! backend, gives it back unannounced and passes its wake on: a freeing announced as well
 //! would promise one slot twice, and would not know who had declined it.
 //!
-//! A slot freed on a backend that is down wakes nobody, as nobody may take it. The backend
-//! going down (a failure, a 503 answer, a probe) wakes every waiter to look once; each then
-//! waits with its timer set for the backend's return.
+//! A slot freed on a backend that is down wakes nobody, as nobody may take it. Nor does the
+//! end of a request beyond its backend's slots (overcommitted, as a token count is, or in
+//! flight as discovery lowered the count): it frees no slot, as the backend is as full as
+//! before. The backend going down (a failure, a 503 answer, a probe) wakes every waiter to
+//! look once; each then waits with its timer set for the backend's return.
 //!
 //! Joining the queue and freeing a slot each write one count and then read the other's
 //! (`waiting`, a backend's requests in flight), sequentially consistent with a fence on the

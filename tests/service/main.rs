@@ -6521,3 +6521,75 @@ async fn a_body_gives_its_slot_back_with_its_last_frame() {
     assert!(at_rest(&svc), "{:?}", svc.backends());
     assert!(accounted(&svc, 2), "{:?}", svc.stats());
 }
+
+/// A request sent beyond a backend's slots (a token count, which never waits) frees no slot
+/// as it ends: the backend is as full as before, so no waiter is woken for it. Woken, the
+/// oldest waiter would hold a promise of a slot that does not exist, and the slot that frees
+/// next would go to the waiter after it, which would then take it first.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_request_beyond_a_backends_slots_frees_none_as_it_ends() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new().layer(fleet(&[("a1", "a", 1)], &streams));
+    let holder = send(&mut svc, None, Some("stream")).await.unwrap();
+    let (_, holder_tx) = streams.take().unwrap();
+    let waiting = waiters(&mut svc, &["older", "younger"]).await;
+    let [mut older, mut younger] = <[_; 2]>::try_from(waiting).ok().unwrap();
+    // A token count goes beyond the one slot, and ends.
+    let count = http::Request::post("/tokenize")
+        .header("x-mode", "stream")
+        .body(String::new())
+        .unwrap();
+    let count = send_req(&mut svc, count).await.unwrap();
+    assert!(decision(&count).overcommitted);
+    let (_, count_tx) = streams.take().unwrap();
+    drop(count_tx);
+    count.into_body().collect().await.unwrap();
+    assert_eq!(in_flight(&svc, "a1"), 1);
+    assert!(!older.is_woken(), "no slot freed");
+    assert!(!younger.is_woken(), "no slot freed");
+    // The holder's end frees the slot: it goes to the older waiter.
+    drop(holder_tx);
+    holder.into_body().collect().await.unwrap();
+    assert!(older.is_woken());
+    let res = assert_ready!(older.poll()).unwrap();
+    assert_eq!(decision(&res).backend.as_str(), "a1");
+    assert_pending!(younger.poll());
+    drop(res);
+    assert_ready!(younger.poll()).unwrap();
+    assert_eq!(svc.stats().waiting, 0);
+}
+
+/// A request in flight beyond a backend's slots after discovery lowered them frees none as it
+/// ends, as an overcommitted one does not: the slot that frees below the new count goes to
+/// the oldest waiter.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_request_beyond_a_lowered_slot_count_frees_none_as_it_ends() {
+    let streams = Streams::default();
+    let (handle, stream) = discover::channel();
+    let a1 = || Backend::new("a", backend("a1", &streams));
+    handle.insert("a1", a1().slots(nz(2)));
+    let mut svc = SessionAffinityLayer::new().layer(stream);
+    let first = send(&mut svc, None, Some("stream")).await.unwrap();
+    let second = send(&mut svc, None, Some("stream")).await.unwrap();
+    let (_, first_tx) = streams.take().unwrap();
+    let (_, second_tx) = streams.take().unwrap();
+    let waiting = waiters(&mut svc, &["older", "younger"]).await;
+    let [mut older, mut younger] = <[_; 2]>::try_from(waiting).ok().unwrap();
+    // One slot now: the two in flight fill it and more.
+    handle.insert("a1", a1().slots(nz(1)));
+    svc.apply_discovery();
+    assert_pending!(older.poll());
+    assert_pending!(younger.poll());
+    drop(first_tx);
+    first.into_body().collect().await.unwrap();
+    assert!(!older.is_woken(), "no slot freed");
+    assert!(!younger.is_woken(), "no slot freed");
+    drop(second_tx);
+    second.into_body().collect().await.unwrap();
+    assert!(older.is_woken());
+    let res = assert_ready!(older.poll()).unwrap();
+    assert_eq!(decision(&res).backend.as_str(), "a1");
+    assert_pending!(younger.poll());
+    drop(res);
+    assert_ready!(younger.poll()).unwrap();
+}
