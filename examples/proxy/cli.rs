@@ -1,5 +1,6 @@
 //! The proxy's command line.
 
+use std::ffi::OsString;
 use std::net::{IpAddr, SocketAddr};
 use std::num::{NonZeroU32, NonZeroU64, NonZeroUsize};
 use std::time::Duration;
@@ -179,12 +180,26 @@ pub(crate) struct Args {
     pub(crate) config: Config,
 }
 
+/// Reads the arguments after the program's name. Each must be UTF-8 text: one that is not is
+/// an error that names it, where `std::env::args` would panic on it.
 pub(crate) fn parse<I>(args: I) -> Result<Command, String>
 where
     I: IntoIterator,
-    I::Item: Into<String>,
+    I::Item: Into<OsString>,
 {
-    let mut args = args.into_iter().map(Into::into);
+    let mut text = Vec::new();
+    for (n, arg) in args.into_iter().enumerate() {
+        match arg.into().into_string() {
+            Ok(arg) => text.push(arg),
+            Err(arg) => {
+                return Err(format!(
+                    "argument {} ({arg:?}) is not UTF-8: every argument is text",
+                    n + 1
+                ))
+            }
+        }
+    }
+    let mut args = text.into_iter();
     let mut listen: SocketAddr = ([127, 0, 0, 1], 8080).into();
     let mut verbose = false;
     let mut worker_threads = None;

@@ -35,7 +35,8 @@ use app::Proxy;
 use cli::Command;
 
 fn main() -> ExitCode {
-    let parsed = cli::parse(std::env::args().skip(1)).and_then(|command| match command {
+    // `args_os`: `args` panics on an argument that is not UTF-8.
+    let parsed = cli::parse(std::env::args_os().skip(1)).and_then(|command| match command {
         Command::Run(mut args) => {
             let env = std::env::var_os("TOKIO_WORKER_THREADS");
             args.worker_threads = cli::worker_threads(args.worker_threads, env.as_deref())?;

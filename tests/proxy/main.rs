@@ -3155,6 +3155,47 @@ fn a_bad_tokio_worker_threads_is_an_error_not_a_panic() {
     );
 }
 
+/// An argument that is not UTF-8 (a file name in another encoding, bytes from a script) is a
+/// command-line error that says which argument it is, wherever it comes: a flag, a value, a
+/// value given with `=`. The proxy reads its arguments with `std::env::args_os`, as
+/// `std::env::args` panics on such an argument.
+#[test]
+fn an_argument_that_is_not_utf8_is_an_error_not_a_panic() {
+    use std::ffi::OsString;
+    use std::os::unix::ffi::OsStringExt;
+    let bad = |text: &str| {
+        let mut bytes = text.as_bytes().to_vec();
+        bytes.push(0xff);
+        OsString::from_vec(bytes)
+    };
+    let cases = [
+        (vec!["--backend".into(), bad("n=http://x:1")], 2),
+        (
+            vec![bad("--verbose"), "--backend".into(), "n=http://x:1".into()],
+            1,
+        ),
+        (
+            vec![
+                "--backend".into(),
+                "n=http://x:1".into(),
+                bad("--listen=127.0.0.1:"),
+            ],
+            3,
+        ),
+    ];
+    for (args, position) in cases {
+        let shown = format!("{:?}", args[position - 1]);
+        let err = cli::parse(args).map(|_| ()).unwrap_err();
+        assert!(
+            err.contains(&format!("argument {position} ({shown})")),
+            "{shown}: {err}"
+        );
+        assert!(err.contains("not UTF-8"), "{err}");
+    }
+    let main = include_str!("../../examples/proxy/main.rs");
+    assert!(main.contains("cli::parse(std::env::args_os()"));
+}
+
 /// The proxy's log goes on when its stderr is a pipe whose reader has gone (`proxy 2>&1 |
 /// tee log`, `tee` stopped): the line is lost, the proxy is not. The test runs itself again
 /// with stderr such a pipe, and the run logs there.
