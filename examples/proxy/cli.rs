@@ -147,8 +147,8 @@ that holds its prompt cache: same backend, else same node, else elsewhere.
                              all clients | per-client: each HTTP/1 client connection
                              opens and drives its own (fewer hand-offs; more
                              connections, which llama-server pays a thread each for)
-  --worker-threads N         tokio worker threads (default: tokio's, one per CPU
-                             unless TOKIO_WORKER_THREADS says otherwise)
+  --worker-threads N         tokio worker threads, at most 1024 (default: tokio's, one
+                             per CPU unless TOKIO_WORKER_THREADS says otherwise)
   -v, --verbose              debug logs
   -h, --help                 this text
 
@@ -429,8 +429,8 @@ where
             }
             "--worker-threads" => {
                 let v = value()?;
-                worker_threads = Some(v.parse().map_err(|_| {
-                    format!("--worker-threads {v:?}: expected a number of threads, at least 1")
+                worker_threads = Some(thread_count(&v).ok_or_else(|| {
+                    format!("--worker-threads {v:?}: expected a number of threads, at least 1 and at most {MOST_WORKER_THREADS}")
                 })?);
             }
             other => return Err(format!("unknown argument {other:?} (see --help)")),
@@ -648,9 +648,22 @@ pub(crate) fn tokens(name: &str, v: &str) -> Result<u64, String> {
     Ok(n)
 }
 
+/// The most worker threads the runtime is given. Tokio starts every worker thread when the
+/// runtime is built; a count far past the CPUs (`80000` for `8`) ran out of memory or threads
+/// there and panicked, or left the proxy hung.
+pub(crate) const MOST_WORKER_THREADS: usize = 1024;
+
+/// A count of worker threads, from 1 to [`MOST_WORKER_THREADS`].
+fn thread_count(v: &str) -> Option<NonZeroUsize> {
+    v.parse()
+        .ok()
+        .filter(|n: &NonZeroUsize| n.get() <= MOST_WORKER_THREADS)
+}
+
 /// The runtime's worker threads: `--worker-threads` if given, else `TOKIO_WORKER_THREADS`
 /// (`env`) if set, else `None`, tokio's default. The variable is read here, not by tokio,
-/// which panics on a value that is not a count of at least 1.
+/// which panics on a value that is not a count of at least 1, and both are held to
+/// [`MOST_WORKER_THREADS`].
 pub(crate) fn worker_threads(
     given: Option<NonZeroUsize>,
     env: Option<&std::ffi::OsStr>,
@@ -659,11 +672,11 @@ pub(crate) fn worker_threads(
         (Some(n), _) => Ok(Some(n)),
         (None, None) => Ok(None),
         (None, Some(v)) => (v.to_str())
-            .and_then(|v| v.parse().ok())
+            .and_then(thread_count)
             .map(Some)
             .ok_or_else(|| {
                 format!(
-                    "TOKIO_WORKER_THREADS={v:?}: expected a number of threads, at least 1 (or --worker-threads N)"
+                    "TOKIO_WORKER_THREADS={v:?}: expected a number of threads, at least 1 and at most {MOST_WORKER_THREADS} (or --worker-threads N)"
                 )
             }),
     }

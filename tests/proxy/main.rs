@@ -3155,6 +3155,42 @@ fn a_bad_tokio_worker_threads_is_an_error_not_a_panic() {
     );
 }
 
+/// `--worker-threads` and `TOKIO_WORKER_THREADS` are held to `cli::MOST_WORKER_THREADS`: tokio
+/// starts every worker thread when its runtime is built, and a count far past the CPUs (a
+/// typo, `80000` for `8`) failed there with an allocation that aborted, an overflow that
+/// panicked, or a thread that could not be spawned.
+#[test]
+fn more_worker_threads_than_the_bound_are_refused() {
+    use std::ffi::OsStr;
+    let most = cli::MOST_WORKER_THREADS;
+    let parsed = |n: &str| {
+        cli::parse(["--backend", "n=http://x:1", "--worker-threads", n]).map(|run| match run {
+            cli::Command::Run(run) => run.worker_threads.map(|n| n.get()),
+            cli::Command::Help => panic!("not a run"),
+        })
+    };
+    assert_eq!(parsed(&most.to_string()), Ok(Some(most)));
+    let env = |n: &str| cli::worker_threads(None, Some(OsStr::new(n)));
+    assert_eq!(env(&most.to_string()).unwrap().map(|n| n.get()), Some(most));
+    let bound = format!("at most {most}");
+    for n in [
+        (most + 1).to_string(),
+        "99999999999".into(),
+        usize::MAX.to_string(),
+    ] {
+        let err = parsed(&n).unwrap_err();
+        assert!(err.contains(&format!("--worker-threads {n:?}")), "{err}");
+        assert!(err.contains(&bound), "{n}: {err}");
+        let err = env(&n).unwrap_err();
+        assert!(
+            err.contains(&format!("TOKIO_WORKER_THREADS={n:?}")),
+            "{err}"
+        );
+        assert!(err.contains(&bound), "{n}: {err}");
+    }
+    assert!(cli::USAGE.contains(&format!("tokio worker threads, {bound}")));
+}
+
 /// An argument that is not UTF-8 (a file name in another encoding, bytes from a script) is a
 /// command-line error that says which argument it is, wherever it comes: a flag, a value, a
 /// value given with `=`. The proxy reads its arguments with `std::env::args_os`, as
