@@ -345,7 +345,10 @@ where
             "--replicas" => {
                 let v = value()?;
                 config.replicas = v.parse().map_err(|_| {
-                    format!("--replicas {v:?}: expected a number of instances, at least 1")
+                    format!(
+                        "--replicas {v:?}: expected a number of instances, at least 1 and at most {}",
+                        u32::MAX
+                    )
                 })?;
             }
             "--policy" => {
@@ -362,7 +365,10 @@ where
             "--max-queued" => {
                 let v = value()?;
                 max_queued = v.parse().map_err(|_| {
-                    format!("--max-queued {v:?}: expected a number of requests, 0 or more")
+                    format!(
+                        "--max-queued {v:?}: expected a number of requests, 0 or more and at most {}",
+                        usize::MAX
+                    )
                 })?;
             }
             "--connect-timeout" => {
@@ -628,14 +634,19 @@ fn model_name(name: &str) -> Result<String, String> {
 fn slot_count(n: &str) -> Result<NonZeroU32, String> {
     let n: u32 = n
         .parse()
-        .map_err(|_| "slots must be a number".to_string())?;
+        .map_err(|_| format!("slots must be a number from 1 to {}", u32::MAX))?;
     NonZeroU32::new(n).ok_or_else(|| "slots must be at least 1".into())
 }
 
 /// A count of tokens for the option `name`: `131072`, or with `k`/`K` for 1024, `128k`. At
 /// least 1.
 pub(crate) fn tokens(name: &str, v: &str) -> Result<u64, String> {
-    let bad = || format!("{name}={v:?} must be a number of tokens such as 65536 or 64k");
+    let bad = || {
+        format!(
+            "{name}={v:?} must be a number of tokens such as 65536 or 64k, at most {}",
+            u64::MAX
+        )
+    };
     let (number, scale) = match v.strip_suffix(['k', 'K']) {
         Some(number) => (number, 1024),
         None => (v, 1),
@@ -711,10 +722,12 @@ pub(crate) fn probe_header(v: &str) -> Result<(HeaderName, HeaderValue), String>
 
 /// A count of at least 1.
 pub(crate) fn count(flag: &str, v: &str) -> Result<u32, String> {
-    v.parse()
-        .ok()
-        .filter(|&n| n > 0)
-        .ok_or_else(|| format!("{flag} {v:?}: expected a number, at least 1"))
+    v.parse().ok().filter(|&n| n > 0).ok_or_else(|| {
+        format!(
+            "{flag} {v:?}: expected a number, at least 1 and at most {}",
+            u32::MAX
+        )
+    })
 }
 
 /// `500ms`, `2s`, `1.5m`, `1h`, or plain seconds.
@@ -760,7 +773,12 @@ pub(crate) fn tcp_keepalive(flag: &str, v: &str) -> Result<Option<Duration>, Str
 
 /// Bytes, or with `KiB`, `MiB`, `GiB`.
 pub(crate) fn size(flag: &str, v: &str) -> Result<usize, String> {
-    let bad = || format!("{flag} {v:?}: expected a size such as 1048576, 512KiB, 16MiB");
+    let bad = || {
+        format!(
+            "{flag} {v:?}: expected a size such as 1048576, 512KiB, 16MiB, at most {} bytes",
+            usize::MAX
+        )
+    };
     let split = v.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(v.len());
     let (number, unit) = v.split_at(split);
     let number: usize = number.trim().parse().map_err(|_| bad())?;

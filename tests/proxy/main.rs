@@ -3155,6 +3155,55 @@ fn a_bad_tokio_worker_threads_is_an_error_not_a_panic() {
     );
 }
 
+/// A number past what its option holds (`slots=99999999999`, extra zeros) is refused with the
+/// option and the most it takes, not as a value that is no number at all.
+#[test]
+fn a_number_past_its_options_range_is_refused_with_the_range() {
+    let u32_max = format!("at most {}", u32::MAX);
+    let u64_max = format!("at most {}", u64::MAX);
+    let usize_max = format!("at most {}", usize::MAX);
+    let past = |n: u128| (n + 1).to_string();
+    let cases = [
+        (
+            vec!["--backend", "n=http://x:1,slots=99999999999"],
+            "slots must be a number from 1 to 4294967295".to_string(),
+        ),
+        (
+            vec!["--backend", "n=http://x:1,cache=99999999999999999999"],
+            u64_max.clone(),
+        ),
+        (
+            vec![
+                "--backend-dns",
+                "llm.internal:8080,context=18014398509481984k",
+            ],
+            u64_max.clone(),
+        ),
+    ];
+    for (args, needle) in cases {
+        let err = cli::parse(args.clone()).map(|_| ()).unwrap_err();
+        assert!(
+            err.contains(args[0]) && err.contains(&needle),
+            "{args:?}: {err}"
+        );
+    }
+    for (flag, value, needle) in [
+        ("--probe-failures", past(u32::MAX.into()), &u32_max),
+        ("--probe-successes", past(u32::MAX.into()), &u32_max),
+        ("--replicas", past(u32::MAX.into()), &u32_max),
+        ("--max-queued", past(usize::MAX as u128), &usize_max),
+        ("--body-limit", past(usize::MAX as u128), &usize_max),
+        ("--body-limit", "17179869184GiB".to_string(), &usize_max),
+    ] {
+        let args = ["--backend", "n=http://x:1", flag, value.as_str()];
+        let err = cli::parse(args).map(|_| ()).unwrap_err();
+        assert!(
+            err.contains(&format!("{flag} {value:?}")) && err.contains(needle.as_str()),
+            "{args:?}: {err}"
+        );
+    }
+}
+
 /// `--worker-threads` and `TOKIO_WORKER_THREADS` are held to `cli::MOST_WORKER_THREADS`: tokio
 /// starts every worker thread when its runtime is built, and a count far past the CPUs (a
 /// typo, `80000` for `8`) failed there with an allocation that aborted, an overflow that
