@@ -459,6 +459,12 @@ where
         }
     };
     one_id_each(&backends).map_err(|e| format!("--backend: {e}"))?;
+    if let Some(b) = backends.iter().find(|b| is_listen(&b.authority, listen)) {
+        return Err(format!(
+            "--backend {}={}://{}: the proxy listens there (--listen {listen}) and would send each request to itself; give --listen another address",
+            b.node, b.scheme, b.authority
+        ));
+    }
     config.backends = backends;
     Ok(Command::Run(Box::new(Args {
         listen,
@@ -599,6 +605,29 @@ fn default_id(authority: &Authority) -> Result<String, String> {
         Ok(ip) => SocketAddr::new(ip, port).to_string(),
         Err(_) => format!("{}:{port}", host.to_ascii_lowercase()),
     })
+}
+
+/// Whether a backend's URL (`authority`) reaches the proxy's own listening socket, `listen`:
+/// the same port on the same IP address, on a loopback address or `localhost` when the proxy
+/// listens on every address of that family, or on `localhost` when it listens on loopback.
+fn is_listen(authority: &Authority, listen: SocketAddr) -> bool {
+    if authority.port_u16().unwrap_or(80) != listen.port() {
+        return false;
+    }
+    let host = authority.host();
+    let bare = (host.strip_prefix('[').and_then(|h| h.strip_suffix(']'))).unwrap_or(host);
+    let own = listen.ip();
+    match bare.parse::<IpAddr>() {
+        Ok(ip) => {
+            ip == own
+                || (own.is_unspecified()
+                    && own.is_ipv4() == ip.is_ipv4()
+                    && (ip.is_loopback() || ip.is_unspecified()))
+        }
+        Err(_) => {
+            bare.eq_ignore_ascii_case("localhost") && (own.is_loopback() || own.is_unspecified())
+        }
+    }
 }
 
 /// An `id=` name: what headers and metrics call the backend, so neither empty (which read

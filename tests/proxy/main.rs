@@ -3155,6 +3155,45 @@ fn a_bad_tokio_worker_threads_is_an_error_not_a_panic() {
     );
 }
 
+/// A `--backend` whose URL is the proxy's own listening address is refused: the proxy would
+/// send each request, and each probe, to itself, and say only that the backend did not
+/// answer. Left out, `--listen` is `127.0.0.1:8080`, the port a llama-server takes by default.
+#[test]
+fn a_backend_at_the_proxys_own_listen_address_is_refused() {
+    let parse = |listen: Option<&str>, url: &str| {
+        let mut args = vec!["--backend".to_string(), format!("n={url}")];
+        if let Some(listen) = listen {
+            args.push(format!("--listen={listen}"));
+        }
+        cli::parse(args).map(|_| ())
+    };
+    for (listen, url) in [
+        (None, "http://127.0.0.1:8080"),
+        (None, "http://LOCALHOST:8080"),
+        (Some("127.0.0.1:80"), "http://127.0.0.1"),
+        (Some("0.0.0.0:9000"), "http://127.0.0.1:9000"),
+        (Some("0.0.0.0:9000"), "http://localhost:9000"),
+        (Some("[::]:9000"), "http://[::1]:9000"),
+        (Some("[::1]:9000"), "http://[0:0::1]:9000"),
+        (Some("10.0.0.5:9000"), "http://10.0.0.5:9000"),
+    ] {
+        let err = parse(listen, url).unwrap_err();
+        let listen = listen.unwrap_or("127.0.0.1:8080");
+        assert!(err.contains(&format!("--backend n={url}")), "{err}");
+        assert!(err.contains(&format!("(--listen {listen})")), "{err}");
+        assert!(err.contains("would send each request to itself"), "{err}");
+    }
+    for (listen, url) in [
+        (None, "http://127.0.0.1:8081"),
+        (Some("127.0.0.1:9000"), "http://127.0.0.2:9000"),
+        (Some("0.0.0.0:9000"), "http://[::1]:9000"),
+        (Some("0.0.0.0:9000"), "http://gpu-a:9000"),
+        (Some("127.0.0.1:0"), "http://127.0.0.1:8080"),
+    ] {
+        assert_eq!(parse(listen, url), Ok(()), "{url} on {listen:?}");
+    }
+}
+
 /// A number past what its option holds (`slots=99999999999`, extra zeros) is refused with the
 /// option and the most it takes, not as a value that is no number at all.
 #[test]
