@@ -772,7 +772,13 @@ pub(crate) fn duration(flag: &str, v: &str) -> Result<Duration, String> {
         "h" => 3600.0,
         _ => return Err(bad()),
     };
-    let d = Duration::try_from_secs_f64(number * scale).map_err(|_| bad())?;
+    let d = Duration::try_from_secs_f64(number * scale).map_err(|_| {
+        if number < 0.0 {
+            format!("{flag} {v:?}: a duration cannot be negative")
+        } else {
+            format!("{flag} {v:?}: too long, at most {}s", u64::MAX)
+        }
+    })?;
     // Below a millisecond a timeout or interval means nothing here (the balancer counts in
     // milliseconds), and one that rounds to 0 would turn its option off.
     if number != 0.0 && d < Duration::from_millis(1) {

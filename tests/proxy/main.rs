@@ -3243,6 +3243,30 @@ fn a_number_past_its_options_range_is_refused_with_the_range() {
     }
 }
 
+/// A duration that is negative or longer than a `Duration` holds is refused saying which, not
+/// as a value that is no duration at all.
+#[test]
+fn a_negative_or_too_long_duration_says_which() {
+    for (value, reason) in [
+        ("-1s", "cannot be negative".to_string()),
+        ("-0.5m", "cannot be negative".to_string()),
+        ("1e30", "expected a duration".to_string()),
+        (
+            "100000000000000000000",
+            format!("too long, at most {}s", u64::MAX),
+        ),
+        (
+            "9999999999999999h",
+            format!("too long, at most {}s", u64::MAX),
+        ),
+    ] {
+        let args = ["--backend", "n=http://x:1", "--max-wait", value];
+        let err = cli::parse(args).map(|_| ()).unwrap_err();
+        assert!(err.contains(&format!("--max-wait {value:?}: ")), "{err}");
+        assert!(err.contains(&reason), "{value}: {err}");
+    }
+}
+
 /// `--worker-threads` and `TOKIO_WORKER_THREADS` are held to `cli::MOST_WORKER_THREADS`: tokio
 /// starts every worker thread when its runtime is built, and a count far past the CPUs (a
 /// typo, `80000` for `8`) failed there with an allocation that aborted, an overflow that
