@@ -6550,12 +6550,7 @@ async fn a_request_beyond_a_backends_slots_frees_none_as_it_ends() {
     // The holder's end frees the slot: it goes to the older waiter.
     drop(holder_tx);
     holder.into_body().collect().await.unwrap();
-    assert!(older.is_woken());
-    let res = assert_ready!(older.poll()).unwrap();
-    assert_eq!(decision(&res).backend.as_str(), "a1");
-    assert_pending!(younger.poll());
-    drop(res);
-    assert_ready!(younger.poll()).unwrap();
+    older_then_younger(&mut older, &mut younger, "a1");
     assert_eq!(svc.stats().waiting, 0);
 }
 
@@ -6586,9 +6581,21 @@ async fn a_request_beyond_a_lowered_slot_count_frees_none_as_it_ends() {
     assert!(!younger.is_woken(), "no slot freed");
     drop(second_tx);
     second.into_body().collect().await.unwrap();
+    older_then_younger(&mut older, &mut younger, "a1");
+}
+
+/// The slot just freed on `backend` goes to the `older` of two waiters, woken for it, and
+/// once its answer is dropped, to the `younger`.
+fn older_then_younger<F>(
+    older: &mut tokio_test::task::Spawn<F>,
+    younger: &mut tokio_test::task::Spawn<F>,
+    backend: &str,
+) where
+    F: std::future::Future<Output = Result<Res, Error>>,
+{
     assert!(older.is_woken());
     let res = assert_ready!(older.poll()).unwrap();
-    assert_eq!(decision(&res).backend.as_str(), "a1");
+    assert_eq!(decision(&res).backend.as_str(), backend);
     assert_pending!(younger.poll());
     drop(res);
     assert_ready!(younger.poll()).unwrap();
