@@ -832,13 +832,11 @@ async fn a_backend_announced_again_learns_its_token_scale_afresh() {
     for id in 1..=3 {
         decision_of(&svc, said(&[id], four)).await;
     }
-    let held = svc
-        .clone()
-        .oneshot(said(&[4], four))
-        .await
-        .expect("an answer");
-    assert_eq!(svc.backends()[0].context_in_flight, 8_000);
-    drop(held);
+    let context = || svc.backends()[0].context_in_flight;
+    assert_eq!(
+        context_while_held(&svc, said(&[4], four), context).await,
+        8_000
+    );
     handle.remove("a");
     svc.apply_discovery();
     handle.insert("a", backend());
@@ -846,13 +844,10 @@ async fn a_backend_announced_again_learns_its_token_scale_afresh() {
     // The server back counts one; one answer says so.
     let one: &[u8] = br#"{"usage":{"prompt_tokens":2000}}"#;
     decision_of(&svc, said(&[5], one)).await;
-    let held = svc
-        .clone()
-        .oneshot(said(&[6], one))
-        .await
-        .expect("an answer");
-    assert_eq!(svc.backends()[0].context_in_flight, 2_000);
-    drop(held);
+    assert_eq!(
+        context_while_held(&svc, said(&[6], one), context).await,
+        2_000
+    );
     assert_eq!(svc.stats().in_flight, 0);
 }
 
@@ -874,18 +869,8 @@ async fn one_answer_far_off_the_token_scale_does_not_move_it() {
         request(None, Some(chain(ids, 2_000)), Reply::json(tokens))
     };
     let held_for = |ids: &'static [u64]| {
-        let svc = svc.clone();
-        async move {
-            let one: &[u8] = br#"{"usage":{"prompt_tokens":1}}"#;
-            let held = svc
-                .clone()
-                .oneshot(said(ids, one))
-                .await
-                .expect("an answer");
-            let context = status(&svc, "a").context_in_flight;
-            drop(held);
-            context
-        }
+        let one: &[u8] = br#"{"usage":{"prompt_tokens":1}}"#;
+        context_while_held(&svc, said(ids, one), || status(&svc, "a").context_in_flight)
     };
     // Four of the backend's tokens a token of the estimate, on prompts of 2,000.
     let four: &[u8] = br#"{"usage":{"prompt_tokens":8000}}"#;
@@ -2633,6 +2618,18 @@ async fn mixed_waiters_both_free_at_once() {
 #[tokio::test(start_paused = true)]
 async fn mixed_waiters_long_answers() {
     mixed_waiters(5, 300, 200).await;
+}
+
+/// What `context` reads (a backend's context in flight) while `req`'s answer is held, before
+/// the answer is dropped.
+async fn context_while_held<T>(svc: &T, req: Req, context: impl Fn() -> u64) -> u64
+where
+    T: tower::Service<Req, Response = Res, Error = tower_affinity::Error> + Clone,
+{
+    let held = svc.clone().oneshot(req).await.expect("an answer");
+    let now = context();
+    drop(held);
+    now
 }
 
 /// Sends `req` to any service of this crate's response type and reads the answer to its end.
