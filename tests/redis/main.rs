@@ -1513,7 +1513,6 @@ fn jsonish(n: u64) -> Vec<u8> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_home_sent_again_is_set_exactly_when_a_reader_would_not_keep_the_value_held() {
     use std::time::UNIX_EPOCH;
-    use tower_affinity::store::HomeStore;
     let Some(redis) = RedisServer::start().await else {
         return;
     };
@@ -1521,39 +1520,12 @@ async fn a_home_sent_again_is_set_exactly_when_a_reader_would_not_keep_the_value
     let store = RedisStore::open(&redis.url()).unwrap();
     let sent_at = UNIX_EPOCH + Duration::from_millis(2_000_000);
     let sent = StoredHome::new("a1", "node-a").with_placed(sent_at);
-    let ttl = Duration::from_secs(60);
     let started = Instant::now();
-    let mut disagree = Vec::new();
-    let mut kept = 0;
-    for n in 0..600 {
-        let value = jsonish(n);
-        let session = SessionKey::from_bytes(format!("jsonish-{n}").as_bytes());
-        let key = store.key_of(session);
-        let () = redis::cmd("SET")
-            .arg(&key)
-            .arg(&value)
-            .query_async(&mut conn)
-            .await
-            .unwrap();
-        let held = StoredHome::decode(&value);
-        let reader_keeps = held
-            .as_ref()
-            .is_some_and(|h| h.placed.is_none_or(|p| p > sent_at));
-        kept += usize::from(reader_keeps);
-        store.rewrite(session, sent.clone(), ttl).await.unwrap();
-        let now: Vec<u8> = redis::cmd("GET")
-            .arg(&key)
-            .query_async(&mut conn)
-            .await
-            .unwrap();
-        let set = now == sent.encode().into_bytes();
-        if set == reader_keeps {
-            disagree.push(format!(
-                "{:?}: read as {held:?}, set {set}",
-                String::from_utf8_lossy(&value)
-            ));
-        }
-    }
+    let values: Vec<Vec<u8>> = (0..600).map(jsonish).collect();
+    let keeps = |value: &[u8]| {
+        StoredHome::decode(value).is_some_and(|h| h.placed.is_none_or(|p| p > sent_at))
+    };
+    let (disagree, kept) = set_over(&store, &mut conn, &values, &sent, true, keeps).await;
     assert!(
         disagree.is_empty(),
         "{} of 600 values:\n{}",
@@ -1563,6 +1535,51 @@ async fn a_home_sent_again_is_set_exactly_when_a_reader_would_not_keep_the_value
     // The draws hold both kinds, plenty of each.
     assert!((20..580).contains(&kept), "{kept} of 600 kept");
     assert!(started.elapsed() < Duration::from_secs(30));
+}
+
+/// Each of `values` set under a key of its own, then `sent` written over it, sent again
+/// (`again`: `HomeStore::rewrite`) or not (`HomeStore::write`): the values where whether it
+/// was set disagrees with `keeps` (a reader of the value held keeps it, so it must not be
+/// set), and how many `keeps` kept.
+async fn set_over(
+    store: &RedisStore,
+    conn: &mut redis::aio::MultiplexedConnection,
+    values: &[Vec<u8>],
+    sent: &StoredHome,
+    again: bool,
+    keeps: impl Fn(&[u8]) -> bool,
+) -> (Vec<String>, usize) {
+    use tower_affinity::store::HomeStore;
+    let ttl = Duration::from_secs(60);
+    let mut disagree = Vec::new();
+    let mut kept = 0;
+    for (n, value) in values.iter().enumerate() {
+        let session = SessionKey::from_bytes(format!("set-over-{again}-{n}").as_bytes());
+        let key = store.key_of(session);
+        let () = redis::cmd("SET")
+            .arg(&key)
+            .arg(value)
+            .query_async(conn)
+            .await
+            .unwrap();
+        let reader_keeps = keeps(value);
+        kept += usize::from(reader_keeps);
+        if again {
+            store.rewrite(session, sent.clone(), ttl).await.unwrap();
+        } else {
+            store.write(session, sent.clone(), ttl).await.unwrap();
+        }
+        let now: Vec<u8> = redis::cmd("GET").arg(&key).query_async(conn).await.unwrap();
+        let set = now == sent.encode().into_bytes();
+        if set == reader_keeps {
+            disagree.push(format!(
+                "{:?}: read as {:?}, set {set}",
+                String::from_utf8_lossy(value),
+                StoredHome::decode(value)
+            ));
+        }
+    }
+    (disagree, kept)
 }
 
 /// A relay to `port` whose traffic toward Redis can be held: what a client sends while
@@ -1714,36 +1731,12 @@ async fn a_home_written_is_set_exactly_when_the_value_held_is_not_a_home_placed_
     values.extend((0..600).map(jsonish));
     values.push(Vec::new());
     values.push(b"x".repeat(20_000));
-    let mut disagree = Vec::new();
-    let mut kept = 0;
-    for (n, value) in values.iter().enumerate() {
-        let session = SessionKey::from_bytes(format!("written-{n}").as_bytes());
-        let key = store.key_of(session);
-        let () = redis::cmd("SET")
-            .arg(&key)
-            .arg(value)
-            .query_async(&mut conn)
-            .await
-            .unwrap();
-        let held = StoredHome::decode(value).filter(|_| value.len() <= 16 * 1024);
-        let reader_keeps = held
-            .as_ref()
-            .is_some_and(|h| h.placed.is_some_and(|p| p > sent_at));
-        kept += usize::from(reader_keeps);
-        store.write(session, sent.clone(), ttl).await.unwrap();
-        let now: Vec<u8> = redis::cmd("GET")
-            .arg(&key)
-            .query_async(&mut conn)
-            .await
-            .unwrap();
-        let set = now == sent.encode().into_bytes();
-        if set == reader_keeps {
-            disagree.push(format!(
-                "{:?}: read as {held:?}, set {set}",
-                String::from_utf8_lossy(value)
-            ));
-        }
-    }
+    let keeps = |value: &[u8]| {
+        StoredHome::decode(value)
+            .filter(|_| value.len() <= 16 * 1024)
+            .is_some_and(|h| h.placed.is_some_and(|p| p > sent_at))
+    };
+    let (disagree, kept) = set_over(&store, &mut conn, &values, &sent, false, keeps).await;
     assert!(
         disagree.is_empty(),
         "{} of {} values:\n{}",
