@@ -55,7 +55,7 @@ pub(crate) struct Checked {
     pub(crate) slots_from: &'static str,
     /// `/slots` answered that the backend has none: 404 (vLLM, SGLang), or 501
     /// (llama-server's `--no-slots`) and its `/props` answered without them (not one that
-    /// gave no answer: asked again at the next probe).
+    /// gave no answer or failed with a server error: asked again at the next probe).
     pub(crate) no_slots: bool,
     /// The largest `max_model_len` of `/v1/models` (vLLM's and SGLang's most tokens one
     /// request can take): `None` when not asked; why not, when asked and not readable.
@@ -128,10 +128,10 @@ pub(crate) async fn check(
                             no_slots = true;
                             Err(format!("/slots answered {}", StatusCode::NOT_IMPLEMENTED))
                         }
-                        // A `/props` that gave no answer (busy, or slow) has not said that
-                        // there are none: asked again at the next probe.
+                        // A `/props` that gave no answer (busy, slow, or failing) has not
+                        // said that there are none: asked again at the next probe.
                         Props::Unanswered(e) => Err(format!(
-                            "/slots answered {}, and /props gave no answer: {e}",
+                            "/slots answered {}, and /props did not say: {e}",
                             StatusCode::NOT_IMPLEMENTED
                         )),
                     }
@@ -196,7 +196,8 @@ enum Props {
     Read(Slots),
     /// It answered without them.
     Without,
-    /// It gave no answer in time, or its connection failed (why): nothing said.
+    /// It gave no answer in time, its connection failed, or it answered with a server error
+    /// other than 501 (why): nothing said.
     Unanswered(String),
 }
 
@@ -209,6 +210,11 @@ async fn read_props(
 ) -> Props {
     match get(client, base, "/props", headers, timeout).await {
         Ok((StatusCode::OK, body)) => parse_props(&body).map_or(Props::Without, Props::Read),
+        // A server busy or failing (500, 503) has not said that it has no slots; 501 says
+        // that it has no `/props`.
+        Ok((status, _)) if status.is_server_error() && status != StatusCode::NOT_IMPLEMENTED => {
+            Props::Unanswered(format!("it answered {status}"))
+        }
         Ok(_) => Props::Without,
         Err(e) => Props::Unanswered(e),
     }

@@ -875,6 +875,37 @@ async fn a_501_at_slots_and_no_slots_from_props_is_no_count() {
     assert_eq!(prober.status("a").unwrap().slots_error, None);
 }
 
+/// A `--no-slots` llama-server whose `/props` fails (500) has not said that it has no slots:
+/// the probe says why, and the next probe asks again and reads them once it answers. Read as
+/// "none", the backend took the 501 of its `/slots` for its reason, as if it had no slots.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_no_slots_llama_server_whose_props_fails_is_asked_again() {
+    let (addr, stub) = start(3).await;
+    stub.slots_status.store(501, Ordering::Relaxed);
+    stub.props_status.store(500, Ordering::Relaxed);
+    *stub.props.lock() =
+        Some(json!({"default_generation_settings": {"n_ctx": 4096}, "total_slots": 3}));
+    let (affinity, prober) = balancer(
+        HealthProbe::new(),
+        vec![("a", Backend::new("n", http(addr)))],
+    );
+    prober.round(&affinity).await;
+    let s = prober.status("a").unwrap();
+    assert!(s.up, "{s:?}");
+    assert_eq!(
+        s.slots_error.as_deref(),
+        Some(
+            "/slots answered 501 Not Implemented, and /props did not say: it answered 500 \
+             Internal Server Error"
+        )
+    );
+    stub.props_status.store(0, Ordering::Relaxed);
+    prober.round(&affinity).await;
+    let a = status(&affinity, "a");
+    assert_eq!((a.slots, a.request_context_limit), (3, Some(4096)));
+    assert_eq!(prober.status("a").unwrap().slots_error, None);
+}
+
 /// A `--no-slots` llama-server whose `/props` gave no answer in time (busy, or not yet
 /// listening on it) has not said that it has no slots: it is asked again at the next probe,
 /// and its context is learned and followed then. Taken as "none", a backend announced with
@@ -901,7 +932,7 @@ async fn a_no_slots_llama_server_whose_props_did_not_answer_is_asked_again() {
         let error = if read_before {
             "/slots: not asked: the probe's 2s ran out before"
         } else {
-            "/slots answered 501 Not Implemented, and /props gave no answer: no answer within 2s"
+            "/slots answered 501 Not Implemented, and /props did not say: no answer within 2s"
         };
         assert_eq!(s.slots_error.as_deref(), Some(error), "{read_before}");
         stub.props_hang.store(false, Ordering::Relaxed);
