@@ -208,6 +208,8 @@ where
     let mut overflow = "wait".to_string();
     let mut max_wait = Duration::from_secs(60);
     let mut max_queued = 1024;
+    // The options of one value given so far: a second would silently replace the first.
+    let mut given: Vec<String> = Vec::new();
     while let Some(arg) = args.next() {
         let (flag, inline) = match arg.split_once('=') {
             Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
@@ -233,6 +235,18 @@ where
             return Err(format!(
                 "{flag}={v}: {flag} takes no value (leave it out to turn it off)"
             ));
+        }
+        let repeatable = matches!(
+            flag.as_str(),
+            "--backend" | "--backend-dns" | "--dns-server" | "--probe-header"
+        );
+        if !switch && !repeatable && flag.starts_with("--") {
+            if given.contains(&flag) {
+                return Err(format!(
+                    "{flag} is given twice: it takes one value, and the second would replace the first"
+                ));
+            }
+            given.push(flag.clone());
         }
         match flag.as_str() {
             "-h" | "--help" => return Ok(Command::Help),

@@ -945,6 +945,65 @@ async fn probe_header_gives_the_probe_the_backends_api_key() {
     assert_eq!(with.status("a").slots, 3, "read from /slots");
 }
 
+/// An option that takes one value, given twice, is refused: the second would silently
+/// replace the first (a `--listen` typed again at the end of a long command line). Those
+/// that add one more (`--backend`, `--backend-dns`, `--dns-server`, `--probe-header`) and
+/// the switches may be given again.
+#[test]
+fn an_option_of_one_value_given_twice_is_refused() {
+    for (args, flag) in [
+        (
+            vec!["--listen", "127.0.0.1:1", "--listen", "127.0.0.1:2"],
+            "--listen",
+        ),
+        (
+            vec!["--policy", "rendezvous", "--policy=least-loaded"],
+            "--policy",
+        ),
+        (vec!["--max-wait=1s", "--max-wait=2s"], "--max-wait"),
+        (
+            vec!["--redis-timeout", "5ms", "--redis-timeout", "5ms"],
+            "--redis-timeout",
+        ),
+    ] {
+        let mut all = vec!["--backend", "n=http://x:1"];
+        all.extend(&args);
+        let Err(e) = cli::parse(all) else {
+            panic!("{args:?}: accepted");
+        };
+        assert_eq!(
+            e,
+            format!(
+                "{flag} is given twice: it takes one value, and the second would replace the first"
+            ),
+            "{args:?}"
+        );
+    }
+    let again = [
+        "--backend",
+        "a=http://x:1",
+        "--backend",
+        "b=http://y:1",
+        "--dns-server",
+        "127.0.0.1:53",
+        "--dns-server",
+        "127.0.0.1:54",
+        "--probe-header",
+        "A: 1",
+        "--probe-header",
+        "B: 2",
+        "-v",
+        "--verbose",
+        "--ask-stream-usage",
+        "--ask-stream-usage",
+    ];
+    assert!(
+        matches!(cli::parse(again), Ok(cli::Command::Run(_))),
+        "{:?}",
+        cli::parse(again).err()
+    );
+}
+
 /// `--probe-header NAME: VALUE` takes a header for each, marked sensitive; a bad one is a
 /// command-line error (exit code 2) that names the flag, and neither its errors nor the
 /// parsed configuration's `Debug` show the value: a key, as a rule.
