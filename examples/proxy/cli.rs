@@ -473,6 +473,31 @@ where
         }
     };
     one_id_each(&backends).map_err(|e| format!("--backend: {e}"))?;
+    // An option that another turns off would be ignored without a word.
+    let alone = |flag: &str, needs: &str| {
+        format!("{flag} is given without {needs}, and would do nothing: give {needs}, or leave {flag} out")
+    };
+    for flag in ["--max-wait", "--max-queued"] {
+        if overflow != "wait" && given.iter().any(|g| g == flag) {
+            return Err(alone(flag, "--overflow wait"));
+        }
+    }
+    if config.redis.is_none() && given.iter().any(|g| g == "--redis-timeout") {
+        return Err(alone("--redis-timeout", "--redis"));
+    }
+    if config.backend_dns.is_empty() {
+        if !config.dns_servers.is_empty() {
+            return Err(alone("--dns-server", "--backend-dns"));
+        }
+        if given.iter().any(|g| g == "--dns-removal-grace") {
+            return Err(alone("--dns-removal-grace", "--backend-dns"));
+        }
+    }
+    if !matches!(config.policy, Policy::NodeThenBackend)
+        && given.iter().any(|g| g == "--live-window")
+    {
+        return Err(alone("--live-window", "--policy node-then-backend"));
+    }
     if let Some(b) = backends.iter().find(|b| is_listen(&b.authority, listen)) {
         return Err(format!(
             "--backend {}={}://{}: the proxy listens there (--listen {listen}) and would send each request to itself; give --listen another address",

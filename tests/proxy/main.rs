@@ -945,6 +945,77 @@ async fn probe_header_gives_the_probe_the_backends_api_key() {
     assert_eq!(with.status("a").slots, 3, "read from /slots");
 }
 
+/// An option that another option turns off is refused, not ignored without a word: a wait's
+/// bounds without `--overflow wait`, the store's deadline without a store, the DNS options
+/// without a name to resolve, the live window with a policy that does not read it. Each
+/// with what it needs is taken.
+#[test]
+fn an_option_that_another_turns_off_is_refused() {
+    for (args, said) in [
+        (
+            vec!["--overflow", "reject", "--max-wait", "5s"],
+            "--max-wait is given without --overflow wait",
+        ),
+        (
+            vec!["--max-queued", "9", "--overflow=overcommit"],
+            "--max-queued is given without --overflow wait",
+        ),
+        (
+            vec!["--redis-timeout", "5ms"],
+            "--redis-timeout is given without --redis",
+        ),
+        (
+            vec!["--dns-server", "127.0.0.1:53"],
+            "--dns-server is given without --backend-dns",
+        ),
+        (
+            vec!["--dns-removal-grace", "1m"],
+            "--dns-removal-grace is given without --backend-dns",
+        ),
+        (
+            vec!["--policy", "round-robin", "--live-window", "0"],
+            "--live-window is given without --policy node-then-backend",
+        ),
+    ] {
+        let mut all = vec!["--backend", "n=http://x:1"];
+        all.extend(&args);
+        let Err(e) = cli::parse(all) else {
+            panic!("{args:?}: accepted");
+        };
+        assert!(e.starts_with(said), "{args:?}: {e}");
+    }
+    for args in [
+        vec![
+            "--overflow",
+            "wait",
+            "--max-wait",
+            "5s",
+            "--max-queued",
+            "9",
+        ],
+        vec!["--max-wait", "5s"],
+        vec!["--redis", "redis://127.0.0.1:1", "--redis-timeout", "5ms"],
+        vec![
+            "--backend-dns",
+            "llm.test:80",
+            "--dns-server",
+            "127.0.0.1:53",
+            "--dns-removal-grace",
+            "1m",
+        ],
+        vec!["--live-window", "0"],
+        vec!["--policy", "node-then-backend", "--live-window", "0"],
+    ] {
+        let mut all = vec!["--backend", "n=http://x:1"];
+        all.extend(&args);
+        assert!(
+            matches!(cli::parse(all.clone()), Ok(cli::Command::Run(_))),
+            "{args:?}: {:?}",
+            cli::parse(all).err()
+        );
+    }
+}
+
 /// An option that takes one value, given twice, is refused: the second would silently
 /// replace the first (a `--listen` typed again at the end of a long command line). Those
 /// that add one more (`--backend`, `--backend-dns`, `--dns-server`, `--probe-header`) and
@@ -984,6 +1055,8 @@ fn an_option_of_one_value_given_twice_is_refused() {
         "a=http://x:1",
         "--backend",
         "b=http://y:1",
+        "--backend-dns",
+        "llm.test:80",
         "--dns-server",
         "127.0.0.1:53",
         "--dns-server",
