@@ -33,7 +33,7 @@ pub struct Link {
     pub bytes: u64,
     /// Estimated tokens of the prompt up to this boundary. Read from a body: four bytes a
     /// token, and a digit a token (the digits of a JSON `\uXXXX` escape aside, where digits
-    /// are dense); an encoded payload (an image) at most 1,024.
+    /// are dense); an encoded payload (an image) at most 1,024; a token id of a `prompt` one.
     pub tokens: u64,
 }
 

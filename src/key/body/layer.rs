@@ -41,14 +41,15 @@ use crate::key::HeaderKey;
 ///   array whose JSON the text spells out, nor with a longer prompt whose message boundaries
 ///   it spells out. Tokens are estimated at four bytes each and a digit each (tokenizers
 ///   split numbers into digits, or runs of three; a `\uXXXX` escape's digits aside); a long
-///   base64 string or `data:` URI (an image) at 1,024 at most:
+///   base64 string or `data:` URI (an image) at 1,024 at most; a `prompt` of token ids (whole
+///   numbers, or arrays of them) at a token an id, each run of ids one part cut into blocks:
 ///
 ///   | request | the prompt, in order |
 ///   |---|---|
 ///   | OpenAI chat, `/v1/chat/completions` | `tools`, then each of `messages` |
 ///   | Anthropic Messages, `/v1/messages` | `tools`, `system`, then each of `messages` |
 ///   | OpenAI Responses, `/v1/responses` | `tools`, `instructions`, then `input` (each item) |
-///   | legacy completions, `/v1/completions` | `prompt`, as text (each string of an array) |
+///   | legacy completions, `/v1/completions` | `prompt`, as text (each string of an array) or token ids |
 ///
 /// - A Responses request that names `previous_response_id` sends only its new `input`; the
 ///   server puts the conversation that response ended in front of it. Its chain is the chain

@@ -19,6 +19,10 @@
 //! is digested as any string, but counted as [`OPAQUE_TOKENS`] tokens at most rather than a
 //! token per four bytes (and a digit): a vision model reads an image as a few hundred to a few thousand
 //! tokens, however many bytes its encoding takes.
+//!
+//! A `prompt` of token ids (an array of whole numbers, or of arrays of them) is what the model
+//! reads as it stands: each id counts one token, not a token a digit, and a run of ids is one
+//! part cut into blocks, as a text prompt is, not a part an id.
 
 use std::borrow::Cow;
 use std::ops::Range;
@@ -121,23 +125,36 @@ impl<'de> PromptMembers<'de> {
         for &part in parts {
             match self.get(part) {
                 PartValue::Items(items) => {
+                    let mut ids = false;
                     for item in &items.items {
+                        if token_ids(part, items.whole(item), &mut chain, &mut ids) {
+                            continue;
+                        }
                         chain.mark(part as u8);
                         items.canonical(item, &mut chain).ok()?;
                         chain.boundary();
                     }
                     for item in items.rest() {
+                        if token_ids(part, Some(item), &mut chain, &mut ids) {
+                            continue;
+                        }
                         chain.mark(part as u8);
                         canonical(item, &mut chain).ok()?;
                         chain.boundary();
                     }
+                    chain.boundary();
                 }
                 PartValue::Written(items) => {
+                    let mut ids = false;
                     for item in items {
+                        if token_ids(part, Some(item.as_bytes()), &mut chain, &mut ids) {
+                            continue;
+                        }
                         chain.mark(part as u8);
                         canonical(item.as_bytes(), &mut chain).ok()?;
                         chain.boundary();
                     }
+                    chain.boundary();
                 }
                 PartValue::Text(text) if !text.is_empty() && part.takes_text() => {
                     // Decoded text, not raw JSON: a kind of its own, so that no string shares
@@ -159,6 +176,59 @@ impl<'de> PromptMembers<'de> {
         }
         Some(chain.finish())
     }
+}
+
+/// Added to [`Part::Prompt`]'s mark where its items are token ids.
+const IDS: u8 = 0x40;
+
+/// The longest token id taken, in digits: a vocabulary's ids run to six or seven.
+const MAX_ID_DIGITS: usize = 19;
+
+/// Feeds `raw`, an item of `prompt`, as token ids if it is one (a whole number) or an array of
+/// them, and says whether it did. A model server reads such a prompt as those tokens: each id
+/// (and the comma after it) counts one token, where its digits would count a token each. A
+/// run of ids is one part, cut into blocks as a text prompt is, not a part an id: `ids` says
+/// whether the run is open (the caller ends it with a boundary before any other item).
+fn token_ids(part: Part, raw: Option<&[u8]>, chain: &mut ChainBuilder, ids: &mut bool) -> bool {
+    let Some(raw) = raw.filter(|_| part == Part::Prompt) else {
+        return false;
+    };
+    let raw = raw.trim_ascii();
+    if token_id(raw) {
+        if !std::mem::replace(ids, true) {
+            chain.mark(part as u8 | IDS);
+        }
+        feed_id(raw, chain);
+        return true;
+    }
+    if std::mem::take(ids) {
+        chain.boundary();
+    }
+    let Some(inner) = raw.strip_prefix(b"[").and_then(|r| r.strip_suffix(b"]")) else {
+        return false;
+    };
+    let list = inner.split(|&b| b == b',').map(<[u8]>::trim_ascii);
+    if inner.trim_ascii().is_empty() || !list.clone().all(token_id) {
+        return false;
+    }
+    chain.mark(part as u8 | IDS);
+    list.for_each(|id| feed_id(id, chain));
+    chain.boundary();
+    true
+}
+
+/// Whether `raw` (a JSON value) is a whole number not below 0, of at most [`MAX_ID_DIGITS`]
+/// digits.
+fn token_id(raw: &[u8]) -> bool {
+    (1..=MAX_ID_DIGITS).contains(&raw.len()) && raw.iter().all(u8::is_ascii_digit)
+}
+
+/// Feeds one token id and a comma, counted as one token.
+fn feed_id(id: &[u8], chain: &mut ChainBuilder) {
+    let mut buf = [0u8; MAX_ID_DIGITS + 2];
+    buf[..id.len()].copy_from_slice(id);
+    buf[id.len()] = b',';
+    chain.feed_opaque(&buf[..=id.len()], 1);
 }
 
 /// A prompt member the parse kept as a whole value (it is also a key field's first key).
@@ -264,6 +334,14 @@ impl<'de> Items<'de> {
         Span {
             at: at as u32,
             len: raw.len() as u32,
+        }
+    }
+
+    /// The raw JSON of `item`, if it is kept whole.
+    fn whole(&self, item: &Item) -> Option<&'de [u8]> {
+        match *item {
+            Item::Whole(span) => Some(self.text(span)),
+            _ => None,
         }
     }
 

@@ -999,6 +999,46 @@ fn a_completions_prompt_is_cut_into_blocks_so_a_growing_text_shares_them() {
 }
 
 #[test]
+fn a_prompt_of_token_ids_counts_a_token_an_id_and_is_cut_into_blocks_not_a_part_an_id() {
+    let ids = |n: usize, from: usize| -> Vec<String> {
+        (from..from + n)
+            .map(|i| (100_000 + i * 7_919 % 50_000).to_string())
+            .collect()
+    };
+    let flat = |ids: &[String]| chain_of(&format!(r#"{{"prompt":[{}]}}"#, ids.join(", ")));
+    // Six digits an id, one token each.
+    let first = ids(1_000, 0);
+    let one = flat(&first);
+    assert_eq!(one.tokens(), 1_000);
+    // Cut into blocks of the ids' bytes, as a text prompt is: the next turn's ids, which
+    // extend these, share every link but the last (a partial block).
+    assert_eq!(
+        one.len(),
+        (7 * 1_000usize).div_ceil(PromptFacts::BLOCK_BYTES)
+    );
+    let next = flat(&[first.clone(), ids(500, 1_000)].concat());
+    assert_eq!(next.tokens(), 1_500);
+    assert_eq!(next.common_prefix(&one), one.len() - 1);
+    // A long prompt is tracked to its end: one that differs near its end shares less than
+    // all its links.
+    let long = ids(100_000, 0);
+    let mut late = long.clone();
+    late[90_000] = "7".into();
+    let (long, late) = (flat(&long), flat(&late));
+    assert_eq!(long.tokens(), 100_000);
+    assert!(late.common_prefix(&long) < long.len(), "{long:?}");
+    // A batch of one, and whitespace, change nothing of the count.
+    let nested = chain_of(&format!(r#"{{"prompt":[[{}]]}}"#, first.join(",")));
+    assert_eq!(nested.tokens(), 1_000);
+    assert_eq!(nested, one);
+    // Ids split otherwise are another prompt; and text is text, as before.
+    let two = chain_of(r#"{"prompt":[[12,3],[4]]}"#);
+    assert_ne!(two, chain_of(r#"{"prompt":[[1,23],[4]]}"#));
+    assert_ne!(two, chain_of(r#"{"prompt":[12,3,4]}"#));
+    assert_eq!(chain_of(r#"{"prompt":["12345678"]}"#).tokens(), 8 + 1);
+}
+
+#[test]
 fn a_long_message_is_cut_into_blocks_too() {
     let block = PromptFacts::BLOCK_BYTES;
     let tool = "z".repeat(5 * block);
