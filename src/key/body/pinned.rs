@@ -7,7 +7,8 @@
 //!   message's `content` of one text part is hashed as its text (the Anthropic and Responses
 //!   bodies' chains), and a string member is marked as text and ended with a byte no UTF-8
 //!   text holds (the chains of the Responses bodies, whose `instructions` or `input` is a
-//!   string, and of the completions `prompt`). The estimates (the last column) changed once,
+//!   string, and of the completions `prompt`), and a `prompt` of token ids is fed an id at a
+//!   time as one part cut into blocks (its bodies were pinned then). The estimates (the last column) changed once,
 //!   when digits came to count a token each; the digests did not;
 //! - for random bodies, the parse that reads prompt items member by member against the one
 //!   that keeps them whole (the parse of `840f860`).
@@ -92,6 +93,9 @@ fn bodies() -> Vec<(&'static str, Vec<u8>)> {
     let unicode = "{\"messages\":[{\"role\":\"user\",\"content\":\"h\u{e9}llo \u{1F600} \u{6F22}\u{5B57}\"},{\"role\":\"user\",\"content\":\"\u{2028}\u{7f}\"}]}";
     let spaced = " \r\n{ \"messages\" :\t[ { \"role\" : \"user\" ,\n \"content\" : \"a  b\" } ,\r\n\t{\"role\":\"user\",\"n\":[ 1 , 2.50 , -3e2 , true , null ]} ] ,\"user\" : \" spaced \" } \n";
     let numbers = r#"{"messages":[{"role":"user","content":"x","n":1e2},{"z":-0,"a":1.50}]}"#;
+    let ids: Vec<u32> = (0..3_000u32)
+        .map(|n| n.wrapping_mul(2_654_435_761) % 151_936)
+        .collect();
     let deep = format!(r#"{{"messages":[{}{}]}}"#, "[".repeat(126), "]".repeat(126));
     vec![
         ("chat", to(chat)),
@@ -132,6 +136,11 @@ fn bodies() -> Vec<(&'static str, Vec<u8>)> {
         (
             "scalar items",
             br#"{"messages":["text",null,true,[1,"a"],{}],"user":"x"}"#.to_vec(),
+        ),
+        ("prompt ids", to(json!({"model": "qwen", "prompt": ids}))),
+        (
+            "prompt id lists",
+            br#"{"prompt":[[151644, 8948],[ 198 ],"text",[1,"a"],7,8]}"#.to_vec(),
         ),
     ]
 }
@@ -200,6 +209,8 @@ const PINNED: &[&str] = &[
     "default/lone surrogate: - 2 - 2 e6cfd4e1021a2709 706e62e078e75581 68da59f670931ae6",
     "default/huge number: - 3 - 3 6a35ff4679a3da5d 4af16eafeb5b98e2 5185e5e9c356469c",
     "default/scalar items: 2d711642b726b04401627ca9fbac32f5 5 e549e0082769274e3fe3d6cf06317bd2b58086ad4d9af9d9b9b7d2a19fb890ee 5 a4b2e5ec88d8eb5a 671d26a36412f75e 49ea4df0a1ca5f8c",
+    "default/prompt ids: - 0 - 10 67cc2ee9f938ac75 bb866df266b43455 25089725688f6d89",
+    "default/prompt id lists: - 0 - 5 2b7b8d61a7a0f0f3 4e6946fad26f0878 cb00040ee4e52758",
     "messages/chat: a24a7f55f278dd49fb1f99c5507800cb 5 9579c1aa1fe5d09baa0578619f873483d1e165ddc17d21cd08986c395380d6de 6 b25a60a741057716 2815276db02dd4d7 714221fb8fb2786a",
     "messages/long chat: - 82 4910828240e3f912f5caac8ea876724bd62313073f44f9bc1424504bd2948125 174 37973b2a45472c0c 59a8c9d83d1f7533 d1e3c014448e5c50",
     "messages/anthropic: - 3 d2bd7405b018f66f3a53845649eef057932321934811ab9993341a0fae3370b0 6 f5a13e1bffd6d351 f2d04379011b9656 78fde535ff980a14",
@@ -218,6 +229,8 @@ const PINNED: &[&str] = &[
     "messages/lone surrogate: - 0 - 0 0000000000000000 2d06800538d394c2 2d06800538d394c2",
     "messages/huge number: - 0 - 0 0000000000000000 2d06800538d394c2 2d06800538d394c2",
     "messages/scalar items: 2d711642b726b04401627ca9fbac32f5 5 e549e0082769274e3fe3d6cf06317bd2b58086ad4d9af9d9b9b7d2a19fb890ee 5 a4b2e5ec88d8eb5a 671d26a36412f75e 49ea4df0a1ca5f8c",
+    "messages/prompt ids: - 0 - 10 67cc2ee9f938ac75 bb866df266b43455 25089725688f6d89",
+    "messages/prompt id lists: - 0 - 5 2b7b8d61a7a0f0f3 4e6946fad26f0878 cb00040ee4e52758",
 ];
 
 #[test]
