@@ -1797,10 +1797,12 @@ pub struct BackendStatus {
     /// Requests that failed on it before it answered (its readiness or its call failed, or
     /// the body of a `400` that [`ReadRefusals`](crate::ReadRefusals) read), or that it
     /// answered with 503 Service Unavailable, counted since it joined the fleet. A backend
-    /// removed and announced again keeps its counts, unless 64 other backends were removed
-    /// after it: then it starts again from 0, as its cache model and its sessions do, while
-    /// its `metrics` series go on from where they were. The fleet's total, removed backends'
-    /// included, is [`Stats::backend_errors`](crate::Stats::backend_errors).
+    /// removed and announced again keeps its counts, unless a backend announced after 64
+    /// others were removed after it took its place meanwhile: then it starts again from 0,
+    /// while its `metrics` series go on from where they were. (Once 64 others were removed
+    /// after it, its cache model and its sessions are forgotten, place taken or not.) The
+    /// fleet's total, removed backends' included, is
+    /// [`Stats::backend_errors`](crate::Stats::backend_errors).
     pub failures: u64,
     /// Answers it began and did not finish (their body failed: the backend cut its stream,
     /// or its connection dropped), counted as [`failures`](Self::failures) are. Such an answer
@@ -2443,6 +2445,31 @@ mod tests {
         }
         let learned = newer + 1 + ring;
         assert!(l.has_ended(learned), "never began here");
+    }
+
+    /// `BackendStatus::failures` and the counts beside it: a backend whose model was
+    /// forgotten (64 others removed after it) but whose place no newcomer took keeps them
+    /// when announced again; one whose place was taken starts again from 0.
+    #[test]
+    fn a_backend_announced_again_keeps_its_counts_unless_its_place_was_taken() {
+        let mut t = Topology::default();
+        let a = t.insert("a".into(), &"n".into(), nz(1), None, 1000);
+        t.member(a).load.failures.fetch_add(1, Ordering::Relaxed);
+        t.remove(&"a".into());
+        push_out_removed(&mut t, "b");
+        assert!(t.member(a).forgotten);
+        assert_eq!(t.insert("a".into(), &"n".into(), nz(1), None, 1000), a);
+        assert_eq!(t.status_of(a, 0).failures, 1, "forgotten, its place kept");
+        t.remove(&"a".into());
+        push_out_removed(&mut t, "c");
+        let mut n = 0;
+        while t.member(a).id.as_str() == "a" {
+            t.insert(format!("z{n}").into(), &"n".into(), nz(1), None, 1000);
+            n += 1;
+        }
+        let back = t.insert("a".into(), &"n".into(), nz(1), None, 1000);
+        assert_ne!(back, a);
+        assert_eq!(t.status_of(back, 0).failures, 0, "its place taken");
     }
 
     #[test]
