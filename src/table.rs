@@ -10,8 +10,9 @@
 //! Each shard is an open-addressing table (linear probing) whose slots hold the 32-byte entries
 //! themselves, so a lookup in a table far larger than the CPU's caches costs one memory access,
 //! not one for an index and another for the entry. Keys are digests already, so no hash runs
-//! over them: the probe starts where the kept bits, mixed by one multiplication, point (keys
-//! built from numbers need not be random). An eviction looks only at the few entries around
+//! over them: an entry keeps the top 96 bits of the key times an odd number, which every bit
+//! of the key moves, and the probe starts where those bits, mixed by one more multiplication,
+//! point (keys built from numbers need not be random). An eviction looks only at the few entries around
 //! that point, which the lookup has just brought into cache. A shard grows by doubling up to
 //! its bound at three quarters' load, so a full table costs about 43 bytes a session (see
 //! `BENCHMARKS.md`).
@@ -117,8 +118,8 @@ pub(crate) trait SessionStore: Send + Sync {
 #[derive(Clone, Copy, Debug)]
 #[repr(align(32))]
 struct Entry {
-    /// 96 bits of the key's digest, the low word folded into the top one (see [`words`]; two
-    /// digests alike in those are one in 2^96); all zero marks an empty slot.
+    /// 96 bits of the key's digest times an odd number (see [`words`]; two keys alike in
+    /// those are one in 2^96); all zero marks an empty slot.
     key: Words,
     /// Seconds on the fleet's clock when last used, in the low 31 bits; the top bit is "used
     /// again since it came in".
@@ -300,19 +301,21 @@ pub(crate) struct SessionTable {
 }
 
 fn words(key: SessionKey) -> Words {
-    let (hi, lo) = (key.hi64(), key.lo64());
-    // 96 bits kept, the low word folded into the first: a key built with
-    // `SessionKey::from_u128` from a small number differs from another in those bits. The low
-    // word is scrambled first (an odd multiplier, so no two low words are alike after it): a
-    // small number in the high word is then not the same fold as the same number in the low
-    // word. A key whose words kept are all zero (one in 2^96, or the number 0) would read as
-    // an empty slot: it stands in as words no number with a pattern gives.
-    let low = (lo as u32).wrapping_mul(0x9e37_79b1);
-    match [(hi >> 32) as u32 ^ low, hi as u32, (lo >> 32) as u32] {
+    // The key times an odd number (no two keys give one product), of which the top 96 bits
+    // are kept: every bit of the key moves them, so two keys alike in those bits have
+    // differences no key built from numbers with a pattern has (one pair in 2^96, as for
+    // digests). A key whose words kept are all zero (the number 0, among others) would read
+    // as an empty slot: it stands in as words no number with a pattern gives.
+    let x = key.to_u128().wrapping_mul(MIX);
+    match [(x >> 96) as u32, (x >> 64) as u32, (x >> 32) as u32] {
         EMPTY => STAND_IN,
         w => w,
     }
 }
+
+/// The odd number a key is multiplied by before its top 96 bits are kept: digits with no
+/// pattern.
+const MIX: u128 = 0x2360_ed05_1fc6_5da4_4385_df64_9fcc_f645;
 
 /// The words kept for a key whose words are all zero: digits with no pattern, so that no key
 /// built from a small number shares them.
@@ -565,6 +568,33 @@ mod tests {
             t.put(SessionKey::from_u128(k), home(i as u32), now);
         }
         assert_eq!(t.len(), 6);
+        for (i, &k) in keys.iter().enumerate() {
+            assert_eq!(
+                t.get(SessionKey::from_u128(k), now),
+                Some(home(i as u32)),
+                "{k:#x}"
+            );
+        }
+    }
+
+    #[test]
+    fn keys_of_two_numbers_are_sessions_of_their_own_whatever_the_numbers() {
+        // Keys laid out as `a << 96 | b` whose kept words would be alike if the low word were
+        // folded into the top one by a fixed map (175 against `11_547 << 96 | 50_724`, for
+        // one): each is a session of its own, in a table of one shard.
+        let t = SessionTable::new(Sessions::new().max_entries(100));
+        let now = 1_000u64;
+        let pairs: [(u128, u128); 4] = [
+            (175, 11_547 << 96 | 50_724),
+            (875, 11_547 << 96 | 51_424),
+            (203, 11_547 << 96 | 50_752),
+            (7 << 96 | 591, (7 ^ 11_547) << 96 | 51_140),
+        ];
+        let keys: Vec<u128> = pairs.iter().flat_map(|&(a, b)| [a, b]).collect();
+        for (i, &k) in keys.iter().enumerate() {
+            t.put(SessionKey::from_u128(k), home(i as u32), now);
+        }
+        assert_eq!(t.len(), keys.len());
         for (i, &k) in keys.iter().enumerate() {
             assert_eq!(
                 t.get(SessionKey::from_u128(k), now),
