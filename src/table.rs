@@ -792,5 +792,99 @@ mod tests {
                 }
             }
         }
+
+        #[derive(Clone, Debug)]
+        enum ShardOp {
+            /// Places the key (evicting one near it if the shard is full), or uses it again.
+            Put(u32, u32),
+            /// Removes the key if it is held.
+            Remove(u32),
+        }
+
+        fn shard_op() -> impl Strategy<Value = ShardOp> {
+            prop_oneof![
+                3 => (1..40u32, 0..1_000u32).prop_map(|(k, s)| ShardOp::Put(k, s)),
+                1 => (1..40u32).prop_map(ShardOp::Remove),
+            ]
+        }
+
+        /// Words of a key: small numbers, so that their probes start anywhere.
+        fn shard_key(k: u32) -> Words {
+            words(SessionKey::from_u128(u128::from(k)))
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+            /// Against a map, through puts, evictions and removals in a small shard whose
+            /// probe runs are long and wrap around its end: every key held is found with its
+            /// own entry, no key taken out is, the count is the number of entries held, and
+            /// every entry lies in an unbroken run from where its probe starts.
+            #[test]
+            fn a_shard_finds_every_key_it_holds_after_evictions_and_removals(
+                bound in 1usize..=24,
+                ops in proptest::collection::vec(shard_op(), 1..200),
+            ) {
+                let mut shard = Shard::new(bound);
+                let mut model: HashMap<u32, u32> = HashMap::new();
+                for op in ops {
+                    match op {
+                        ShardOp::Put(k, s) => {
+                            let w = shard_key(k);
+                            let entry = Entry { key: w, home: home(k), stamp: s };
+                            if let Some(i) = shard.find(w) {
+                                shard.slots[i] = entry;
+                            } else {
+                                if shard.len >= shard.bound {
+                                    let at = shard.victim_near(w, |_| false);
+                                    let gone = shard.slots[at].key;
+                                    let (&g, _) = model
+                                        .iter()
+                                        .find(|&(&m, _)| shard_key(m) == gone)
+                                        .expect("the victim is a key held");
+                                    model.remove(&g);
+                                    shard.remove_at(at);
+                                }
+                                shard.grow_for_one_more();
+                                shard.place(entry);
+                            }
+                            model.insert(k, s);
+                        }
+                        ShardOp::Remove(k) => {
+                            if let Some(i) = shard.find(shard_key(k)) {
+                                shard.remove_at(i);
+                            }
+                            model.remove(&k);
+                        }
+                    }
+                    prop_assert!(shard.len <= bound);
+                    prop_assert_eq!(shard.len, model.len());
+                    let held = shard.slots.iter().filter(|e| e.key != EMPTY).count();
+                    prop_assert_eq!(held, shard.len);
+                    for k in 1..40u32 {
+                        let got = shard.find(shard_key(k)).map(|i| shard.slots[i]);
+                        match model.get(&k) {
+                            Some(&s) => {
+                                let e = got.expect("a key held is found");
+                                prop_assert_eq!(e.home, home(k));
+                                prop_assert_eq!(e.stamp, s);
+                            }
+                            None => prop_assert!(got.is_none(), "key {} was taken out", k),
+                        }
+                    }
+                    let n = shard.slots.len();
+                    for (i, e) in shard.slots.iter().enumerate() {
+                        if e.key == EMPTY {
+                            continue;
+                        }
+                        let mut j = shard.start(e.key);
+                        while j != i {
+                            prop_assert!(shard.slots[j].key != EMPTY, "a gap before slot {}", i);
+                            j = if j + 1 == n { 0 } else { j + 1 };
+                        }
+                    }
+                }
+            }
+        }
     }
 }
