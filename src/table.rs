@@ -10,12 +10,12 @@
 //! Each shard is an open-addressing table (linear probing) whose slots hold the 32-byte entries
 //! themselves, so a lookup in a table far larger than the CPU's caches costs one memory access,
 //! not one for an index and another for the entry. Keys are digests already, so no hash runs
-//! over them: an entry keeps the top 96 bits of the key times an odd number, which every bit
-//! of the key moves, and the probe starts where those bits, mixed by one more multiplication,
-//! point (keys built from numbers need not be random). An eviction looks only at the few entries around
-//! that point, which the lookup has just brought into cache. A shard grows by doubling up to
-//! its bound at three quarters' load, so a full table costs about 43 bytes a session (see
-//! `BENCHMARKS.md`).
+//! over them: an entry keeps the top 96 bits of the key times an odd number, which every bit of
+//! the key moves, and the probe starts where those bits, mixed by one more multiplication,
+//! point (keys built from numbers need not be random). An eviction looks only at the few
+//! entries around that point, which the lookup has just brought into cache. A shard grows by
+//! doubling up to its bound at three quarters' load, so a full table costs about 43 bytes a
+//! session (see `BENCHMARKS.md`).
 //!
 //! The service talks to the table through [`SessionStore`], a small interface. Homes shared
 //! by several router processes do not replace the table: a
