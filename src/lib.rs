@@ -33,8 +33,8 @@
 //!   pooled client, with hop-by-hop headers dropped, timeouts and failures by kind; `IdSlot`,
 //!   which sends llama-server the slot the router assigned a request to ([`AssignedSlot`]).
 //! - `health` (feature `health`): `HealthProbe`, a discovery adapter that probes each
-//!   backend's `/health` and `/slots` (and `/v1/models` for a backend without slots) and
-//!   marks it down and up.
+//!   backend's `/health` and `/slots` (a llama-server's `/props` for its slots' context, and
+//!   `/v1/models` for a backend without slots) and marks it down and up.
 //! - `metrics` (feature `metrics`): the series the balancer writes through the `metrics`
 //!   facade.
 //! - [`SessionAffinityLayer`] builds [`SessionAffinity`], a `tower::Service` for your axum or
