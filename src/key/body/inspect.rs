@@ -331,6 +331,33 @@ struct Found<'de> {
     named_slot: NamedSlot,
 }
 
+/// Whether the layer reads the top-level member `name` for itself: a key field starting with
+/// it leaves it read all the same. (`model` is not one: a key field starting with it reads it
+/// as a key only, as [`PromptFacts::model`] says.)
+fn read_for_itself(name: &str) -> bool {
+    matches!(
+        name,
+        "id_slot" | "previous_response_id" | "stream" | "stream_options" | "store"
+    )
+}
+
+impl Found<'_> {
+    /// Reads `value` as the member `name` the layer reads for itself, as the parse of that
+    /// member alone reads it.
+    fn set_own(&mut self, name: &str, value: &Value) {
+        match name {
+            "id_slot" => self.named_slot = named_slot_of(value),
+            "previous_response_id" => {
+                self.previous = value.as_str().map(|s| Cow::Owned(s.to_owned()));
+            }
+            "stream" => self.stream = value.as_bool(),
+            "stream_options" => self.stream_options = true,
+            "store" => self.store = value.as_bool(),
+            _ => {}
+        }
+    }
+}
+
 /// The top-level object: keeps the members named in `tops` and the prompt's members, skips
 /// the rest.
 struct TopLevel<'a, 'de> {
@@ -406,14 +433,15 @@ impl<'de> Visitor<'de> for TopLevel<'_, 'de> {
                 .filter(|(_, path)| path.first() == Some(first))
                 .map(|(field, path)| (field, &path[1..]))
                 .collect();
-            // A prompt member too (a field set so), or `id_slot`: kept whole, as the prompt
-            // has it. Else only the string or number at the end of each path is kept: the
-            // rest is checked and skipped, nothing built.
-            let keys = if part.is_some() || first == "id_slot" {
+            // A prompt member too (a field set so), or a member the layer reads for itself:
+            // kept whole, and read as it would be without the field. Else only the string or
+            // number at the end of each path is kept: the rest is checked and skipped,
+            // nothing built.
+            let keys = if part.is_some() || read_for_itself(first) {
                 let value: Value = map.next_value()?;
                 match part {
                     Some(part) => found.prompt.set(part, prompt::of_value(&value)),
-                    None => found.named_slot = named_slot_of(&value),
+                    None => found.set_own(first, &value),
                 }
                 let keys = paths
                     .iter()

@@ -145,7 +145,10 @@ impl BodyKeyLayer {
     }
 
     /// Sets the fields that name the session, tried in order. A dot reaches into nested
-    /// objects: `metadata.user_id`.
+    /// objects: `metadata.user_id`. A field may start with a member the layer reads for
+    /// itself (`stream`, `stream_options`, `store`, `previous_response_id`, `id_slot`): that
+    /// member is read all the same. One starting with `model` reads it as a key only (see
+    /// [`PromptFacts::model`](crate::key::PromptFacts::model)).
     ///
     /// ```
     /// let layer = tower_affinity::key::BodyKeyLayer::new().fields(["session.id", "user"]);

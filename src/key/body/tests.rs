@@ -1310,3 +1310,37 @@ fn a_string_member_shares_no_link_with_json_or_boundaries_written_in_its_text() 
         assert_ne!(link.digest, forged.links()[0].digest);
     }
 }
+
+#[test]
+fn a_member_the_layer_reads_for_itself_is_read_though_a_key_field_starts_with_it() {
+    // `stream_options` given: the client's own usage chunk must not be taken out. A previous
+    // response named: the request goes where that response is stored. `store: false`: the
+    // answer is not remembered.
+    let asked = br#"{"stream":true,"stream_options":{"include_usage":true},"user":"u"}"#;
+    let continues = br#"{"previous_response_id":"resp_1","store":false,"input":"hi"}"#;
+    let unasked = br#"{"stream":true,"user":"u"}"#;
+    let plain = config(&["user"]);
+    for field in [
+        "stream",
+        "stream.x",
+        "stream_options",
+        "stream_options.include_usage",
+        "store",
+        "previous_response_id",
+    ] {
+        let keyed = config(&[field, "user"]);
+        for body in [&asked[..], continues, unasked] {
+            let (want, got) = (plain.inspect_request(body), keyed.inspect_request(body));
+            assert_eq!(
+                (got.streams_unasked, got.continues, got.unstored),
+                (want.streams_unasked, want.continues, want.unstored),
+                "{field}: {}",
+                String::from_utf8_lossy(body)
+            );
+        }
+    }
+    // The field is a key all the same.
+    let i = config(&["previous_response_id"]).inspect_request(continues);
+    assert_eq!(i.key, key("resp_1"));
+    assert!(i.continues);
+}
