@@ -14,6 +14,52 @@ use super::rendezvous::{self, RankSet};
 /// Slot counts and in-flight counts are read live: another request may take a slot between
 /// the moment a policy reads a count and the moment the service tries the candidate, which is
 /// why the service, not the policy, takes the slot.
+///
+/// The view lists the backends in the fleet, down or up. Which are down (a failure's
+/// cooldown, a probe's mark) is read from the sink the policy offers to,
+/// [`Candidates::is_down`](super::Candidates::is_down), at the time of the placement. A policy
+/// that goes where the cache model says most of the request's prompt is held, ties by fewest
+/// requests in flight, and never offers a backend that is down:
+///
+/// ```
+/// use std::cmp::Reverse;
+///
+/// use tower_affinity::placement::{Candidates, FleetView, Placement, PlacementRequest, Snapshot};
+/// use tower_affinity::PromptChain;
+///
+/// #[derive(Clone)]
+/// struct LongestReuse;
+///
+/// impl Placement for LongestReuse {
+///     fn place(&self, fleet: &FleetView<'_>, req: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
+///         let reuse = |b: &tower_affinity::placement::BackendRef<'_>| {
+///             req.chain.map_or(0, |chain| b.cached_tokens(chain))
+///         };
+///         let mut up: Vec<_> = fleet.backends().filter(|b| !c.is_down(*b)).collect();
+///         up.sort_by_key(|b| (Reverse(reuse(b)), b.in_flight()));
+///         for b in up {
+///             if c.offer(b).is_break() {
+///                 return;
+///             }
+///         }
+///     }
+/// }
+///
+/// let opening = PromptChain::from_blocks([(1, 1_000)]);
+/// let turn = PromptChain::from_blocks([(1, 1_000), (2, 400)]);
+/// let fleet = Snapshot::new()
+///     .backend("a", "n", 2)
+///     .backend("b", "n", 2)
+///     .backend("c", "n", 2)
+///     .holds("a", &opening)
+///     .holds("b", &opening)
+///     .in_flight("a", 1)
+///     .prompt(turn);
+/// // a and b reuse 1,000 tokens, b with fewer in flight; c reuses none.
+/// assert_eq!(fleet.order(&LongestReuse, None, None), ["b", "a", "c"]);
+/// let fleet = fleet.down("b");
+/// assert_eq!(fleet.order(&LongestReuse, None, None), ["a", "c"]);
+/// ```
 #[derive(Clone, Copy)]
 pub struct FleetView<'a> {
     pub(crate) topology: &'a Topology,
@@ -28,8 +74,9 @@ impl<'a> FleetView<'a> {
         FleetView { topology, now_ms }
     }
 
-    /// The live backends, in the order they were discovered or last updated (an update, such
-    /// as a new slot count, moves a backend to the end).
+    /// The live backends (those in the fleet, down or up: see
+    /// [`Candidates::is_down`](super::Candidates::is_down)), in the order they were discovered
+    /// or last updated (an update, such as a new slot count, moves a backend to the end).
     pub fn backends(&self) -> impl ExactSizeIterator<Item = BackendRef<'a>> + Clone + 'a {
         let t = self.topology;
         t.live.indexes().map(move |i| BackendRef::new(t, i))
@@ -149,7 +196,8 @@ impl fmt::Debug for FleetView<'_> {
     }
 }
 
-/// One live backend, as a policy sees it.
+/// One live backend, as a policy sees it: one in the fleet, down or up (whether it is down is
+/// [`Candidates::is_down`](super::Candidates::is_down)'s to say).
 #[derive(Clone, Copy)]
 pub struct BackendRef<'a> {
     topology: &'a Topology,
