@@ -8,6 +8,8 @@ use tower_affinity::{BackendId, PromptChain};
 
 use proptest::prelude::*;
 
+mod own_policies;
+
 fn key(s: &str) -> Option<SessionKey> {
     Some(SessionKey::from_bytes(s.as_bytes()))
 }
