@@ -428,7 +428,8 @@ impl<S> Backend<S> {
     ///
     /// A request sent while each of its slots is busy (with
     /// [`Overflow::Overcommit`](crate::Overflow::Overcommit), or a count that changed) is given
-    /// none, and llama-server chooses.
+    /// none, and llama-server chooses; so is one whose body is in a content coding (a
+    /// `Content-Encoding` other than `identity`), which `IdSlot` cannot write into.
     ///
     /// A request whose body names its own slot (a top-level `id_slot`, which `IdSlot` leaves
     /// as it is, and llama-server runs the request in) is assigned that slot, modulo the

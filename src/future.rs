@@ -324,7 +324,9 @@ where
 #[cold]
 #[inline(never)]
 fn assign_slot<B>(guard: &mut SlotGuard, req: &mut http::Request<B>) {
-    if !crate::slots::takes_a_slot(req.uri().path()) {
+    // A body in a content coding is one `IdSlot` cannot write the slot into: llama-server
+    // chooses, so the router assigns none and keeps what it knows of each slot.
+    if !crate::slots::takes_a_slot(req.uri().path()) || crate::slots::is_coded(req.headers()) {
         return;
     }
     let facts = req.extensions().get::<PromptFacts>();

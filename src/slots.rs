@@ -314,6 +314,21 @@ pub(crate) fn may_name_id_slot(body: &[u8]) -> bool {
     })
 }
 
+/// Whether `headers` declare a content coding other than `identity` (`Content-Encoding:
+/// gzip`, say): the body's bytes are then the coding's, not JSON, whatever they open with, so
+/// no `id_slot` is written into it and none is assigned.
+pub(crate) fn is_coded(headers: &http::HeaderMap) -> bool {
+    headers
+        .get_all(http::header::CONTENT_ENCODING)
+        .iter()
+        .any(|v| {
+            v.as_bytes()
+                .split(|&b| b == b',')
+                .map(<[u8]>::trim_ascii)
+                .any(|c| !c.is_empty() && !c.eq_ignore_ascii_case(b"identity"))
+        })
+}
+
 /// Whether llama-server runs a request to `path` in the slot its `id_slot` names: a
 /// completion (OpenAI's chat and completions, the Responses API, llama-server's own
 /// `/completion` and `/infill`); not an Anthropic Messages request, whose conversion to a

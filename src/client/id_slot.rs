@@ -209,7 +209,7 @@ pub fn write_id_slot(req: http::Request<Full<Bytes>>) -> http::Request<Full<Byte
     let Some(slot) = req.extensions().get::<AssignedSlot>().copied() else {
         return req;
     };
-    if is_coded(req.headers()) {
+    if crate::slots::is_coded(req.headers()) {
         return req;
     }
     let (mut parts, body) = req.into_parts();
@@ -226,17 +226,6 @@ pub fn write_id_slot(req: http::Request<Full<Bytes>>) -> http::Request<Full<Byte
         None => bytes,
     };
     http::Request::from_parts(parts, Full::new(body))
-}
-
-/// Whether `headers` declare a content coding other than `identity` (`Content-Encoding:
-/// gzip`, say): the body's bytes are then the coding's, not JSON, whatever they open with.
-fn is_coded(headers: &http::HeaderMap) -> bool {
-    headers.get_all(header::CONTENT_ENCODING).iter().any(|v| {
-        v.as_bytes()
-            .split(|&b| b == b',')
-            .map(<[u8]>::trim_ascii)
-            .any(|c| !c.is_empty() && !c.eq_ignore_ascii_case(b"identity"))
-    })
 }
 
 /// A `Full` body's bytes: its one frame is ready at once, so no executor is needed.

@@ -6207,6 +6207,30 @@ async fn a_token_count_takes_no_assigned_slot_and_leaves_the_conversations_own()
     assert_eq!(*seen.lock(), [Some(0), None, None, Some(0)]);
 }
 
+/// A request whose body is in a content coding (`Content-Encoding: gzip`) is given no slot:
+/// `IdSlot` cannot write one into its bytes, so llama-server chooses, and a slot assigned to
+/// it would be counted as taken, and then as holding its prompt, while another slot runs it.
+#[tokio::test]
+async fn a_request_in_a_content_coding_takes_no_assigned_slot_and_leaves_the_conversations_own() {
+    let (seen, svc) = slot_backend(2, true, ok_body);
+    for (session, ids, coding) in [
+        ("x", &[1u64, 2][..], None),
+        ("g", &[7], Some("gzip")),
+        ("i", &[8], Some("identity")),
+        ("x", &[1, 2, 3], None),
+    ] {
+        let mut req = slot_turn(session, ids);
+        if let Some(coding) = coding {
+            let value = http::HeaderValue::from_static(coding);
+            req.headers_mut()
+                .insert(http::header::CONTENT_ENCODING, value);
+        }
+        let res = svc.clone().oneshot(req).await.unwrap();
+        res.into_body().collect().await.unwrap();
+    }
+    assert_eq!(*seen.lock(), [Some(0), None, Some(1), Some(0)]);
+}
+
 /// An embedding, a reranking or an Anthropic Messages request is given no slot: llama-server
 /// runs them in slots of its own choosing, whatever `id_slot` they carry, so a slot assigned
 /// to one would be counted as holding its input, and the conversation whose prompt that slot
