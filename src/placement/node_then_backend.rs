@@ -713,4 +713,38 @@ mod tests {
             .expect("a key drawn to a");
         assert_eq!(placed(&unbounded.load_bound(0.25), key), Some(b));
     }
+
+    #[test]
+    fn the_conversation_bound_counts_a_backends_conversations_within_the_live_window_only() {
+        // a and b, one slot each, on nodes of their own. a homes four conversations, the last
+        // turn of each ten minutes ago: past the live window of five minutes, none counts, so
+        // a new conversation drawn to a finds it within the bound (0 of at most 1). Counted all,
+        // the four put a past the bound, and the conversation goes to b.
+        let one = NonZeroU32::MIN;
+        let mut t = Topology::default();
+        let a = t.insert("a".into(), &"na".into(), one, None, 100_000);
+        let b = t.insert("b".into(), &"nb".into(), one, None, 100_000);
+        for c in 0..4u64 {
+            let old = crate::PromptChain::from_blocks([(100 + c, 100), (200 + c, 100)]);
+            t.member(a).cache.record_from(old.links(), 0, 1_000);
+        }
+        let now = 1_000 + 600_000;
+        let view = FleetView::at(&t, now);
+        let extensions = http::Extensions::new();
+        let prompt = crate::PromptChain::from_blocks([(900, 100), (901, 100)]);
+        let placed = |policy: &NodeThenBackend, key: SessionKey| {
+            let req = PlacementRequest::new(Some(key), None, &extensions).chain(Some(&prompt));
+            let mut c = Candidates::probe(&t, now);
+            policy.place(&view, &req, &mut c);
+            c.chosen()
+        };
+        let unbounded = NodeThenBackend::new().no_conversation_bound();
+        let key = (0..1_000u32)
+            .map(|i| SessionKey::from_bytes(format!("k{i}").as_bytes()))
+            .find(|&k| placed(&unbounded, k) == Some(a))
+            .expect("a key drawn to a");
+        assert_eq!(placed(&NodeThenBackend::new(), key), Some(a));
+        let all = NodeThenBackend::new().live_window(Duration::ZERO);
+        assert_eq!(placed(&all, key), Some(b));
+    }
 }
