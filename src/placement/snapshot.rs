@@ -3,6 +3,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::fleet::Topology;
 use crate::key::SessionKey;
+use crate::wait::{WaitHome, WaitTicket};
 use crate::{BackendId, PromptChain};
 
 use super::rendezvous;
@@ -30,6 +31,8 @@ pub struct Snapshot {
     home_cache: HomeCache,
     /// How many placements have drawn a random number.
     draws: AtomicU64,
+    /// Stand-ins for requests waiting for a slot, by the backend their cache is on.
+    waiting: Vec<(u32, WaitTicket)>,
 }
 
 impl Snapshot {
@@ -187,6 +190,28 @@ impl Snapshot {
         if let Some(i) = self.topology.index_of(id) {
             let load = &self.topology.member(i).load;
             load.reserved.store(promised, Ordering::Relaxed);
+        }
+        self
+    }
+
+    /// Sets how many requests wait for a slot with their cache on backend `id` (sessions homed
+    /// there, prompts whose longest prefix it holds):
+    /// [`BackendRef::waiting`](super::BackendRef::waiting) counts them. Unknown ids are
+    /// ignored.
+    pub fn waiting(mut self, id: &str, waiting: u32) -> Self {
+        let Some(i) = self.topology.index_of(id) else {
+            return self;
+        };
+        self.waiting.retain(|(b, _)| *b != i);
+        let home = WaitHome {
+            backend: Some(i),
+            node: Some(self.topology.member(i).node),
+            ..WaitHome::default()
+        };
+        for _ in 0..waiting {
+            if let Some(ticket) = WaitTicket::take(&self.topology.capacity, home, usize::MAX) {
+                self.waiting.push((i, ticket));
+            }
         }
         self
     }

@@ -241,6 +241,54 @@ impl<'a> BackendRef<'a> {
             .saturating_sub(promised)
     }
 
+    /// Requests waiting for a slot (with [`Overflow::Wait`](crate::Overflow::Wait), the
+    /// default) whose cache is on this backend: sessions homed here, and prompts whose longest
+    /// prefix is held here. A slot freed here goes to them before any other, so together with
+    /// [`in_flight`](Self::in_flight) it is this backend's queue, which `in_flight` alone
+    /// never shows past its slots. A request placed again as it waits counts itself. Waiters
+    /// whose cache is nowhere are not counted on any backend.
+    ///
+    /// It reads the wait queue (a lock, and a walk of the waiters, only when any wait), so a
+    /// policy that asks it for every backend on every placement pays for that under overload.
+    ///
+    /// ```
+    /// use tower_affinity::placement::{
+    ///     Candidates, FleetView, LeastLoaded, Placement, PlacementRequest, Snapshot,
+    /// };
+    ///
+    /// /// A session's home unless more than `max` requests wait for it; then the least loaded.
+    /// #[derive(Clone)]
+    /// struct HomeUnlessQueued {
+    ///     max: u32,
+    /// }
+    ///
+    /// impl Placement for HomeUnlessQueued {
+    ///     fn place(&self, fleet: &FleetView<'_>, req: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
+    ///         let home = req.home.and_then(|h| h.backend);
+    ///         if let Some(home) = home.filter(|b| b.waiting() <= self.max) {
+    ///             if c.offer(home).is_break() {
+    ///                 return;
+    ///             }
+    ///         }
+    ///         LeastLoaded::new().place(fleet, req, c);
+    ///     }
+    /// }
+    ///
+    /// let fleet = Snapshot::new()
+    ///     .backend("a", "n", 1)
+    ///     .backend("b", "n", 1)
+    ///     .in_flight("a", 1)
+    ///     .waiting("a", 3);
+    /// assert_eq!(fleet.view().backend(&"a".into()).unwrap().waiting(), 3);
+    /// let policy = HomeUnlessQueued { max: 2 };
+    /// assert_eq!(fleet.order(&policy, None, Some("a")), ["b", "a"]);
+    /// let fleet = fleet.waiting("a", 2);
+    /// assert_eq!(fleet.order(&policy, None, Some("a"))[0], "a");
+    /// ```
+    pub fn waiting(&self) -> u32 {
+        self.topology.capacity.waiting_for(self.index, None)
+    }
+
     /// The backend's prompt-cache budget in bytes, if discovery gave one.
     pub fn prompt_cache_bytes(&self) -> Option<u64> {
         self.member().prompt_cache_bytes

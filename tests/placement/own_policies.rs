@@ -41,13 +41,13 @@ impl Placement for LongestReuse {
 }
 
 /// Keyed sessions to their home, and only there (full, they wait for it, or under
-/// `Overflow::Overcommit` queue there) unless more than `max_queued` requests are in flight
-/// beyond its slots; then to the least loaded backend of the home's node, never another node.
-/// Requests without a home go to the least loaded backend of the fleet.
+/// `Overflow::Overcommit` queue there) unless more than `max_queued` requests queue for it;
+/// then to the least loaded backend of the home's node, never another node. Requests without
+/// a home go to the least loaded backend of the fleet.
 ///
-/// The queue read here is the backend's own (requests sent beyond its slots, as
-/// `Overflow::Overcommit` sends them); the requests the service holds waiting for a slot are
-/// not counted per backend in the view.
+/// A backend's queue is the requests the service holds waiting for a slot there
+/// (`BackendRef::waiting`, under `Overflow::Wait`) and those sent beyond its slots (its
+/// in-flight count past its slots, under `Overflow::Overcommit`).
 #[derive(Clone)]
 struct NodePinned {
     max_queued: u32,
@@ -55,7 +55,7 @@ struct NodePinned {
 
 impl Placement for NodePinned {
     fn place(&self, fleet: &FleetView<'_>, req: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
-        let queued = |b: &BackendRef<'_>| b.in_flight().saturating_sub(b.slots());
+        let queued = |b: &BackendRef<'_>| b.in_flight().saturating_sub(b.slots()) + b.waiting();
         let Some(home) = req.home.filter(|_| req.key.is_some()) else {
             let mut all: Vec<_> = fleet.backends().collect();
             all.sort_by_key(|b| b.in_flight());
@@ -160,6 +160,9 @@ fn node_pinned_sessions_leave_a_queued_home_for_its_least_loaded_neighbour_only(
     let over = fleet().in_flight("a1", 5);
     assert_eq!(over.order(&policy, s, Some("a1")), ids(&["a3", "a2"]));
     assert_eq!(over.choose(&policy, s, Some("a1")), Some("a3".into()));
+    // Two beyond its slots and one waiting for a slot there: over its queue too.
+    let waiting = fleet().in_flight("a1", 4).waiting("a1", 1);
+    assert_eq!(waiting.order(&policy, s, Some("a1")), ids(&["a3", "a2"]));
     // The home removed: its node is still where the session goes.
     let gone = fleet().remove("a1");
     assert_eq!(gone.order(&policy, s, Some("a1")), ids(&["a3", "a2"]));

@@ -762,6 +762,55 @@ async fn wait_returns_the_session_to_its_home_when_the_home_frees_first() {
     assert_eq!(svc.stats().waited, 1);
 }
 
+/// Records what `BackendRef::waiting` says of backend `a1` at each placement, then places
+/// as `NodeThenBackend` does.
+#[derive(Clone, Default)]
+struct SeesWaiting(std::sync::Arc<parking_lot::Mutex<Vec<u32>>>);
+
+impl Placement for SeesWaiting {
+    fn place(
+        &self,
+        fleet: &tower_affinity::placement::FleetView<'_>,
+        req: &tower_affinity::placement::PlacementRequest<'_>,
+        c: &mut tower_affinity::placement::Candidates<'_>,
+    ) {
+        let a1 = fleet
+            .backend(&"a1".into())
+            .map_or(u32::MAX, |b| b.waiting());
+        self.0.lock().push(a1);
+        tower_affinity::placement::NodeThenBackend::new().place(fleet, req, c);
+    }
+}
+
+/// A policy reads how many requests wait for a slot on a backend, those whose session is
+/// homed there: the queue that its in-flight count, bounded by its slots, does not show. A
+/// request with its cache nowhere is not counted there, and the count falls as they are
+/// served.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_policy_sees_the_requests_waiting_for_a_backend_that_its_cache_is_on() {
+    let streams = Streams::default();
+    let seen = SeesWaiting::default();
+    let mut svc = SessionAffinityLayer::new()
+        .placement(seen.clone())
+        .layer(fleet(&[("a1", "a", 1)], &streams));
+    let last = || *seen.0.lock().last().unwrap();
+    let mine = send(&mut svc, Some("mine"), Some("stream")).await.unwrap();
+    let (_, first_tx) = streams.take().unwrap();
+    assert_eq!(last(), 0);
+    let queued = waiters(&mut svc, &["mine", "new"]).await;
+    assert_eq!(svc.stats().waiting, 2);
+    // The new session's own look, once queued: only the turn homed on a1 waits for it.
+    assert_eq!(last(), 1);
+    drop(first_tx);
+    mine.into_body().collect().await.unwrap();
+    for w in queued {
+        w.await.unwrap().into_body().collect().await.unwrap();
+    }
+    assert_eq!(svc.stats().waiting, 0);
+    turn(&mut svc, "later").await;
+    assert_eq!(last(), 0);
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn wait_spills_when_another_backend_frees_first() {
     let streams = Streams::default();
