@@ -57,6 +57,9 @@ pub enum StoreState {
 #[non_exhaustive]
 pub struct StoreStats {
     /// Reads sent to the store, [`check_store`](crate::SessionAffinity::check_store)'s too.
+    /// The outcomes below may add up to fewer: a read whose request was dropped before it was
+    /// answered, and a home that the probe read of an outage found (no request waits for
+    /// it, so it is not looked up in the fleet), count here only.
     pub reads: u64,
     /// Reads that found a home naming a live backend, in time.
     pub hits: u64,
