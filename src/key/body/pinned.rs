@@ -3,13 +3,13 @@
 //! speed-up:
 //! - the chains (every link's digest and bytes, and apart from them its estimated tokens),
 //!   the key, the message count and the leading digest of a set of representative bodies,
-//!   pinned as computed at `840f860`, and changed since by two changes of format only: a
+//!   pinned as computed at `840f860`, and changed since by three changes of format only: a
 //!   message's `content` of one text part is hashed as its text (the Anthropic and Responses
-//!   bodies' chains), and a string member is marked as text and ended with a byte no UTF-8
-//!   text holds (the chains of the Responses bodies, whose `instructions` or `input` is a
-//!   string, and of the completions `prompt`), and a `prompt` of token ids is fed an id at a
-//!   time as one part cut into blocks (its bodies were pinned then). The estimates (the last column) changed once,
-//!   when digits came to count a token each; the digests did not;
+//!   bodies' chains); a string member is marked as text and ended with a byte no UTF-8 text
+//!   holds (the chains of the Responses bodies, whose `instructions` or `input` is a string,
+//!   and of the completions `prompt`); and a `prompt` of token ids is fed an id at a time as
+//!   one part cut into blocks (its bodies were pinned then). The estimates (the last column)
+//!   changed once, when digits came to count a token each; the digests did not;
 //! - for random bodies, the parse that reads prompt items member by member against the one
 //!   that keeps them whole (the parse of `840f860`).
 
