@@ -2563,6 +2563,32 @@ mod tests {
     }
 
     #[test]
+    fn a_guess_that_none_is_held_still_finds_every_link_held() {
+        let mut m = CacheModel::new(10_000);
+        m.record_next(chain(&[1, 2, 3]).links(), 0);
+        // Held whole, held in part, and not held at all: the same with either guess.
+        for (ids, held) in [
+            (&[1, 2, 3][..], 3),
+            (&[1, 2, 3, 4, 5][..], 3),
+            (&[1, 2, 7][..], 2),
+            (&[1, 9][..], 1),
+            (&[8, 9, 10][..], 0),
+            (&[8][..], 0),
+            (&[][..], 0),
+        ] {
+            let c = chain(ids);
+            assert_eq!(m.held(c.links()), held, "{ids:?}");
+            for none_likely in [false, true] {
+                assert_eq!(
+                    m.held_guessing(c.links(), none_likely),
+                    held,
+                    "{ids:?}, none likely: {none_likely}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn no_stamp_is_earlier_than_any_stamp_past_half_the_clock_too() {
         for stamp in [1, 7, 1 << 31, (1 << 31) + 1, u32::MAX] {
             assert_eq!(latest(0, stamp), stamp);
