@@ -171,6 +171,20 @@ fn scripted(
     })
 }
 
+/// A backend of four slots on node `n1`, answering as [`scripted`] does, whose slots share a
+/// context of `context` tokens.
+fn four_slots_of_context(
+    context: u64,
+) -> Backend<
+    impl tower::Service<Req, Response = http::Response<Scripted>, Error = Infallible, Future: Send>
+        + Clone
+        + Send,
+> {
+    Backend::new("n1", scripted())
+        .slots(NonZeroU32::new(4).unwrap())
+        .context_tokens(std::num::NonZeroU64::new(context).unwrap())
+}
+
 type Svc<S, P = tower_affinity::placement::NodeThenBackend> =
     SessionAffinity<StaticFleet<S>, tower_affinity::key::HeaderKey, P>;
 
@@ -816,11 +830,7 @@ async fn a_backend_announced_again_learns_again_whether_it_says_its_reuse() {
 #[tokio::test(start_paused = true)]
 async fn a_backend_announced_again_learns_its_token_scale_afresh() {
     let (handle, stream) = tower_affinity::discover::channel();
-    let backend = || {
-        Backend::new("n1", scripted())
-            .slots(NonZeroU32::new(4).unwrap())
-            .context_tokens(std::num::NonZeroU64::new(100_000).unwrap())
-    };
+    let backend = || four_slots_of_context(100_000);
     handle.insert("a", backend());
     let svc = SessionAffinityLayer::new().layer(stream);
     svc.apply_discovery();
@@ -858,12 +868,7 @@ async fn a_backend_announced_again_learns_its_token_scale_afresh() {
 /// side are followed: the backend changed.
 #[tokio::test(start_paused = true)]
 async fn one_answer_far_off_the_token_scale_does_not_move_it() {
-    let fleet = StaticFleet::new([(
-        "a",
-        Backend::new("n1", scripted())
-            .slots(NonZeroU32::new(4).unwrap())
-            .context_tokens(std::num::NonZeroU64::new(1_000_000).unwrap()),
-    )]);
+    let fleet = StaticFleet::new([("a", four_slots_of_context(1_000_000))]);
     let svc: Svc<_> = SessionAffinityLayer::new().layer(fleet);
     let said = |ids: &[u64], tokens: &'static [u8]| {
         request(None, Some(chain(ids, 2_000)), Reply::json(tokens))
@@ -897,12 +902,7 @@ async fn one_answer_far_off_the_token_scale_does_not_move_it() {
 /// estimate as two, and holds requests back that fit.
 #[tokio::test(start_paused = true)]
 async fn an_answer_that_does_not_say_its_reuse_teaches_the_backends_token_count() {
-    let fleet = StaticFleet::new([(
-        "a",
-        Backend::new("n1", scripted())
-            .slots(NonZeroU32::new(4).unwrap())
-            .context_tokens(std::num::NonZeroU64::new(6_000).unwrap()),
-    )]);
+    let fleet = StaticFleet::new([("a", four_slots_of_context(6_000))]);
     let svc: Svc<_> = SessionAffinityLayer::new().layer(fleet);
     let said = |body: &'static [u8], path: &str, ids: &[u64]| {
         request_to(path, None, Some(chain(ids, 2_000)), Reply::json(body))
