@@ -731,16 +731,7 @@ async fn a_stream_dropped_after_its_last_chunk_is_counted_and_one_cut_before_it_
     cut.frames
         .push((Duration::from_secs(3_600), Ok(Bytes::from_static(b""))));
     for (reply, frames, counted) in [(cut, 1, 0), (done, 2, 1)] {
-        let res = svc
-            .clone()
-            .oneshot(request(None, None, reply))
-            .await
-            .expect("an answer");
-        let mut body = res.into_body();
-        for _ in 0..frames {
-            body.frame().await.expect("a frame").expect("data");
-        }
-        drop(body);
+        read_then_drop(&svc, request(None, None, reply), frames).await;
         let a = status(&svc, "a");
         assert_eq!((a.in_flight, a.usage_reports), (0, counted));
     }
@@ -2632,6 +2623,19 @@ where
     now
 }
 
+/// Sends `req`, reads `frames` frames of its answer and drops the body there: a client that
+/// stops reading.
+async fn read_then_drop<T>(svc: &T, req: Req, frames: usize)
+where
+    T: tower::Service<Req, Response = Res, Error = tower_affinity::Error> + Clone,
+{
+    let res = svc.clone().oneshot(req).await.expect("an answer");
+    let mut body = res.into_body();
+    for _ in 0..frames {
+        body.frame().await.expect("a frame").expect("data");
+    }
+}
+
 /// Sends `req` to any service of this crate's response type and reads the answer to its end.
 async fn decision_of<T>(svc: &T, req: Req) -> Decision
 where
@@ -3163,16 +3167,7 @@ async fn an_anthropic_stream_dropped_midway_is_not_counted_and_one_read_to_its_l
         reply
             .frames
             .push((Duration::from_secs(3_600), Ok(Bytes::from_static(b""))));
-        let res = svc
-            .clone()
-            .oneshot(request_to("/v1/messages", None, None, reply))
-            .await
-            .expect("an answer");
-        let mut body = res.into_body();
-        for _ in 0..frames {
-            body.frame().await.expect("a frame").expect("data");
-        }
-        drop(body);
+        read_then_drop(&svc, request_to("/v1/messages", None, None, reply), frames).await;
         let a = status(&svc, "a");
         assert_eq!((a.in_flight, a.usage_reports), (0, counted));
     }
@@ -3213,16 +3208,7 @@ async fn a_stream_with_figures_in_every_chunk_is_learned_only_when_dropped_after
             reply
                 .frames
                 .push((Duration::from_secs(3_600), Ok(Bytes::from_static(b""))));
-            let res = svc
-                .clone()
-                .oneshot(request(None, None, reply))
-                .await
-                .expect("an answer");
-            let mut body = res.into_body();
-            for _ in 0..read {
-                body.frame().await.expect("a frame").expect("data");
-            }
-            drop(body);
+            read_then_drop(&svc, request(None, None, reply), read).await;
             let a = status(&svc, "a");
             let counted = u64::from(read > finish);
             assert_eq!(
@@ -3266,16 +3252,7 @@ async fn an_anthropic_stream_dropped_after_its_first_event_is_not_learned_wherev
             // The rest of the stream, or its end, a long while later.
             (Duration::from_secs(3_600), Ok(Bytes::new())),
         ];
-        let res = svc
-            .clone()
-            .oneshot(request_to("/v1/messages", None, None, reply))
-            .await
-            .expect("an answer");
-        let mut body = res.into_body();
-        for _ in 0..2 {
-            body.frame().await.expect("a frame").expect("data");
-        }
-        drop(body);
+        read_then_drop(&svc, request_to("/v1/messages", None, None, reply), 2).await;
         let a = status(&svc, "a");
         assert_eq!((a.in_flight, a.usage_reports), (0, 0), "cut at {cut}");
         assert_eq!(
@@ -3324,16 +3301,7 @@ async fn a_stream_of_several_choices_is_not_learned_when_dropped_after_one_choic
         reply
             .frames
             .push((Duration::from_secs(3_600), Ok(Bytes::new())));
-        let res = svc
-            .clone()
-            .oneshot(request(None, None, reply))
-            .await
-            .expect("an answer");
-        let mut body = res.into_body();
-        for _ in 0..read {
-            body.frame().await.expect("a frame").expect("data");
-        }
-        drop(body);
+        read_then_drop(&svc, request(None, None, reply), read).await;
         let a = status(&svc, "a");
         let counted = u64::from(read >= 8);
         assert_eq!(
