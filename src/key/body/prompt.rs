@@ -15,10 +15,11 @@
 //! `input_text`, `output_text`) is hashed as the string it holds: chat templates render the two
 //! alike, and clients switch an old message between them as they move their cache marks.
 //!
-//! A long string that is an encoded payload (base64, or a `data:` URI: an image, a document)
-//! is digested as any string, but counted as [`OPAQUE_TOKENS`] tokens at most rather than a
-//! token per four bytes (and a digit): a vision model reads an image as a few hundred to a few thousand
-//! tokens, however many bytes its encoding takes.
+//! A long string that is an encoded payload (base64, or a `data:` URI: an image, a document;
+//! broken into lines of one length or not) is digested as any string, but counted as
+//! [`OPAQUE_TOKENS`] tokens at most rather than a token per four bytes (and a digit): a vision
+//! model reads an image as a few hundred to a few thousand tokens, however many bytes its
+//! encoding takes.
 //!
 //! A `prompt` of token ids (an array of whole numbers, or of arrays of them) is what the model
 //! reads as it stands: each id counts one token, not a token a digit, and a run of ids is one
@@ -645,7 +646,10 @@ pub(crate) const OPAQUE_TOKENS: u64 = 1024;
 /// The tokens to count `text` (a string's content, raw or decoded) at, if it is an encoded
 /// payload: base64 (or base64url) from its start, or a `data:` URI. Only the first 256 bytes
 /// of the payload are looked at: nothing but the alphabet (a `\` only as JSON's escape of
-/// `/`), and letters of both cases, which numbers, hex and words run together lack.
+/// `/`), and letters of both cases, which numbers, hex and words run together lack. The
+/// alphabet may be broken into lines, as MIME and PEM encoders write it: line breaks (raw or
+/// JSON-escaped, `\n` or `\r\n`) after lines of one length, at least
+/// [`OPAQUE_MIN_LINE`] bytes long.
 fn opaque_tokens(text: &[u8]) -> Option<u64> {
     if text.len() < OPAQUE_MIN_BYTES {
         return None;
@@ -658,15 +662,46 @@ fn opaque_tokens(text: &[u8]) -> Option<u64> {
         None => text,
     };
     let probe = &payload[..payload.len().min(256)];
-    let alphabet = probe.iter().enumerate().all(|(i, &b)| match b {
-        b'\\' => probe.get(i + 1) == Some(&b'/'),
-        _ => b.is_ascii_alphanumeric() || matches!(b, b'+' | b'/' | b'=' | b'-' | b'_'),
-    });
-    let cases =
-        probe.iter().any(u8::is_ascii_uppercase) && probe.iter().any(u8::is_ascii_lowercase);
-    (probe.len() >= 64 && alphabet && cases)
-        .then(|| (text.len() as u64).div_ceil(4).min(OPAQUE_TOKENS))
+    let (mut line, mut width, mut chars) = (0, None, 0);
+    let (mut upper, mut lower) = (false, false);
+    let mut i = 0;
+    while i < probe.len() {
+        let (step, breaks) = match (probe[i], probe.get(i + 1)) {
+            (b'\\', Some(b'/')) => (2, false),
+            (b'\\', Some(b'n' | b'r')) => (2, true),
+            (b'\n' | b'\r', _) => (1, true),
+            (b, _)
+                if b.is_ascii_alphanumeric() || matches!(b, b'+' | b'/' | b'=' | b'-' | b'_') =>
+            {
+                (1, false)
+            }
+            _ => return None,
+        };
+        if !breaks {
+            (line, chars) = (line + 1, chars + 1);
+            upper |= probe[i].is_ascii_uppercase();
+            lower |= probe[i].is_ascii_lowercase();
+        } else if line > 0 {
+            // The first line sets the width; every later one that the probe holds whole
+            // keeps it (a `\r\n` ends one line, not two).
+            match width {
+                None if line >= OPAQUE_MIN_LINE => width = Some(line),
+                Some(w) if w == line => {}
+                _ => return None,
+            }
+            line = 0;
+        }
+        i += step;
+    }
+    if width.is_some_and(|w| line > w) {
+        return None;
+    }
+    (chars >= 64 && upper && lower).then(|| (text.len() as u64).div_ceil(4).min(OPAQUE_TOKENS))
 }
+
+/// The shortest line of an encoded payload broken into lines: PEM writes 64 bytes a line,
+/// MIME 76.
+const OPAQUE_MIN_LINE: usize = 60;
 
 // === the canonical form ===
 

@@ -974,6 +974,68 @@ fn an_encoded_image_is_digested_whole_and_counted_as_an_image() {
 }
 
 #[test]
+fn an_encoded_image_broken_into_lines_is_counted_as_an_image_not_as_text() {
+    // 780 KB of base64 as MIME (76 a line) and PEM (64 a line) encoders write it, the breaks
+    // escaped in the JSON as `\n` or `\r\n`.
+    let alphabet = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let lines = |width: usize, brk: &str| -> String {
+        let data: Vec<u8> = (0..780_000).map(|i| alphabet[i * 7 % 64]).collect();
+        let lines: Vec<&str> = data
+            .chunks(width)
+            .map(|l| std::str::from_utf8(l).unwrap())
+            .collect();
+        lines.join(brk)
+    };
+    for data in [lines(76, "\\n"), lines(76, "\\r\\n"), lines(64, "\\n")] {
+        let anthropic = chain_of(&format!(
+            r#"{{"messages":[{{"role":"user","content":[{{"type":"image","source":{{"type":"base64","media_type":"image/png","data":"{data}"}}}}]}}]}}"#
+        ));
+        let openai = chain_of(&format!(
+            r#"{{"messages":[{{"role":"user","content":[{{"type":"image_url","image_url":{{"url":"data:image/png;base64,{data}"}}}}]}}]}}"#
+        ));
+        // A whole string member is read decoded: the breaks are line feeds there.
+        let prompt = chain_of(&format!(r#"{{"prompt":"{data}"}}"#));
+        for chain in [anthropic, openai, prompt] {
+            let tokens = chain.tokens();
+            assert!((1024..1024 + 64).contains(&tokens), "{tokens} tokens");
+        }
+    }
+    // Text broken into lines stays text: long identifiers one a line (lines of many lengths), and
+    // upper-case hex one a line (one length, but letters of one case: the `n` of the escape
+    // is not a letter of the line).
+    let tool = |output: String| {
+        chain_of(&format!(
+            r#"{{"messages":[{{"role":"tool","tool_call_id":"c","content":"{output}"}}]}}"#
+        ))
+        .tokens()
+    };
+    let names: String = (0..2_000)
+        .map(|n| {
+            let of = "AllUsers".repeat(n % 4 + 3);
+            format!("getUserRecordNumber{n}From{of}TheDatabase\\n")
+        })
+        .collect();
+    let hashes: String = (0..1_000u64)
+        .map(|n| {
+            format!(
+                "{:016X}{:016X}{:016X}{:016X}\\n",
+                n.wrapping_mul(0x9e37_79b9_7f4a_7c15),
+                !n,
+                n,
+                n ^ 0x5555
+            )
+        })
+        .collect();
+    assert!(tool(names) > 30_000);
+    assert!(tool(hashes) > 16_000);
+    // A break before a line long enough, or lines of two lengths, is not an encoding's.
+    let short_first = format!("{}\\n{}", &lines(76, "")[..20], lines(76, "\\n"));
+    assert!(tool(short_first) > 100_000);
+    let uneven = lines(76, "\\n").replacen("\\n", "", 1);
+    assert!(tool(uneven) > 100_000);
+}
+
+#[test]
 fn a_responses_chain_covers_instructions_and_input() {
     let turn1 = r#"{"instructions":"be brief","input":[{"role":"user","content":"q1"}]}"#;
     let turn2 = r#"{"instructions":"be brief","input":[{"role":"user","content":"q1"},
