@@ -306,12 +306,16 @@ where
                         let known = !facts.chain.is_empty();
                         // An answer not stored can never be continued: remembering it would
                         // only push out those that can.
-                        if (known || inspected.continues) && !inspected.unstored && responses {
+                        if (known || inspected.continues.is_some())
+                            && !inspected.unstored
+                            && responses
+                        {
                             // What the answer's id will stand for: this prompt, unless it
                             // continues a conversation not known here.
                             let chain = known.then(|| facts.chain.clone());
                             let store = config.responses.clone();
-                            sniff = Some(Box::new(IdSniffer::new(chain, store)));
+                            sniff =
+                                Some(Box::new(IdSniffer::new(chain, inspected.continues, store)));
                         }
                         parts.extensions.insert(facts);
                         let asks = config.ask_stream_usage

@@ -121,7 +121,7 @@ impl Config {
                 named_slot: NamedSlot::Absent,
             },
             streams_unasked: false,
-            continues: false,
+            continues: None,
             unstored: false,
         };
         // llama-server skips a byte order mark at the start of a body: the object after it
@@ -146,7 +146,7 @@ impl Config {
         out.streams_unasked = found.stream == Some(true) && !found.stream_options;
         out.unstored = found.store == Some(false);
         let previous = found.previous.as_deref().filter(|id| !id.is_empty());
-        out.continues = previous.is_some();
+        out.continues = previous.map(|id| super::responses::digest(id.as_bytes()));
         // A response not remembered (another router process answered it, or it was
         // forgotten) leaves the prompt unknown: its chain stays empty, as does that of a
         // response that itself continued one not remembered.
@@ -196,8 +196,8 @@ pub(crate) struct Inspected {
     /// The body asks to be streamed (a top-level `"stream": true`) without saying anything
     /// of `stream_options`.
     pub(crate) streams_unasked: bool,
-    /// It names a previous response (`previous_response_id`).
-    pub(crate) continues: bool,
+    /// The digest of the previous response it names (`previous_response_id`), if any.
+    pub(crate) continues: Option<u64>,
     /// It asks that its answer not be stored (`"store": false`, as the Codex CLI sends): no
     /// later request can name that answer as its previous response.
     pub(crate) unstored: bool,

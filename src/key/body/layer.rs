@@ -56,8 +56,10 @@ use crate::key::HeaderKey;
 ///   of the request that response answered, then its input: the layer reads each Responses
 ///   answer's id from its first 4 KiB as it passes (the `id` of a JSON answer, or of the
 ///   `response` in a stream's first event) and remembers, for the latest 4,096, that chain
-///   and the backend that answered (the chains at most 2^20 links in all, 24 MiB: past
-///   that, the oldest chains are dropped first and their responses' backends kept; an
+///   and the backend that answered (a response that a later one continues is forgotten
+///   first, so the bound is on conversations, not turns; the chains at most 2^20 links in
+///   all, 24 MiB: past that, the chains of responses continued, then the oldest, are
+///   dropped first and their responses' backends kept; an
 ///   answer to a request with `"store": false` is stored nowhere, and not remembered). The
 ///   request goes to that backend, which alone stores the response (see
 ///   [`pin_stored_responses`](Self::pin_stored_responses)). A response it never saw (another

@@ -10,7 +10,9 @@
 //! stream's first event. The layer reads it from the answer's first bytes as they pass and
 //! remembers, for the latest responses (a bounded number of them), the chain of the request
 //! each answered and the backend that answered it (from the answer's
-//! [`Decision`](crate::Decision)).
+//! [`Decision`](crate::Decision)). A response that a later one continues is forgotten
+//! before any that none continues yet: a conversation goes on from its latest response, so
+//! the bound is on conversations, not on turns.
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
@@ -31,12 +33,14 @@ pub(crate) struct Stored {
     pub(crate) backend: Option<BackendId>,
 }
 
-/// The latest responses, by their ids' digests; the oldest is forgotten first, past
-/// `capacity` responses. Past `max_links` chain links in all (a response's chain is its
-/// whole prompt's, so a few long conversations would otherwise hold gigabytes), the oldest
-/// chains are dropped first and their responses kept: the backend a continuation must go to
-/// outlasts the prompt it continues, so that long chains, a client's own or another's, do
-/// not send continuations to backends that never stored their responses.
+/// The latest responses, by their ids' digests. Past `capacity` responses, those a later
+/// response continued (superseded) are forgotten first, the earliest superseded first; then the
+/// oldest. Past `max_links` chain links in all (a response's chain is its whole prompt's, so a
+/// few long conversations would otherwise hold gigabytes), the oldest chains are dropped first
+/// (the superseded ones' first: the responses continuing them hold their prompts) and their
+/// responses kept: the backend a continuation must go to outlasts the prompt it continues, so
+/// that long chains, a client's own or another's, do not send continuations to backends that
+/// never stored their responses.
 pub(crate) struct StoredResponses {
     store: Mutex<Store>,
     capacity: usize,
@@ -46,9 +50,12 @@ pub(crate) struct StoredResponses {
 #[derive(Default)]
 struct Store {
     responses: HashMap<u64, Stored>,
-    /// The responses' digests, oldest first.
+    /// The responses' digests, in the order they are forgotten: the superseded, then the
+    /// rest, oldest first.
     order: VecDeque<u64>,
-    /// How many of the oldest responses (the first of `order`) have no chain left to drop.
+    /// How many of the first of `order` are superseded.
+    superseded: usize,
+    /// How many of the first of `order` have no chain left to drop.
     dropped: usize,
     /// The links of every remembered chain.
     links: usize,
@@ -57,6 +64,40 @@ struct Store {
 /// The links a remembered response holds.
 fn links_of(stored: &Stored) -> usize {
     stored.chain.as_ref().map_or(0, PromptChain::len)
+}
+
+/// What a response is remembered under: its id's digest.
+pub(crate) fn digest(id: &[u8]) -> u64 {
+    xxh3_64(id)
+}
+
+impl Store {
+    /// Puts response `digest`, which a later one continues, after those superseded before it.
+    /// A response superseded already, or not remembered, stays where it is.
+    fn supersede(&mut self, digest: u64) {
+        // The response continued is most often the conversation's latest: look from the
+        // newest.
+        let Some(at) = self.order.iter().rposition(|&d| d == digest) else {
+            return;
+        };
+        if at < self.superseded {
+            return;
+        }
+        self.order.remove(at);
+        if at < self.dropped {
+            self.dropped -= 1;
+        }
+        let to = self.superseded;
+        self.order.insert(to, digest);
+        self.superseded += 1;
+        // The first `dropped` have no chain: the response joins them if it has none and
+        // lands among them, and ends them if it has one.
+        match self.responses.get(&digest).map(links_of) {
+            Some(0) if to <= self.dropped => self.dropped += 1,
+            Some(0) => {}
+            _ => self.dropped = self.dropped.min(to),
+        }
+    }
 }
 
 impl StoredResponses {
@@ -80,20 +121,28 @@ impl StoredResponses {
         self.store
             .lock()
             .responses
-            .get(&xxh3_64(id.as_bytes()))
+            .get(&digest(id.as_bytes()))
             .cloned()
     }
 
-    fn put(&self, id: &[u8], stored: Stored) {
-        let digest = xxh3_64(id);
+    /// Remembers response `id`; `continues`, the digest of the response it continues, is
+    /// superseded.
+    fn put(&self, id: &[u8], stored: Stored, continues: Option<u64>) {
+        let digest = digest(id);
         let mut store = self.store.lock();
         let store = &mut *store;
+        if let Some(previous) = continues.filter(|&p| p != digest) {
+            store.supersede(previous);
+        }
         store.links += links_of(&stored);
         if let Some(old) = store.responses.insert(digest, stored) {
             // Put again under its id (rare): it moves to the newest.
             store.links -= links_of(&old);
             if let Some(at) = store.order.iter().position(|&d| d == digest) {
                 store.order.remove(at);
+                if at < store.superseded {
+                    store.superseded -= 1;
+                }
                 if at < store.dropped {
                     store.dropped -= 1;
                 }
@@ -104,6 +153,7 @@ impl StoredResponses {
             let Some(old) = store.order.pop_front() else {
                 break;
             };
+            store.superseded = store.superseded.saturating_sub(1);
             store.dropped = store.dropped.saturating_sub(1);
             if let Some(old) = store.responses.remove(&old) {
                 store.links -= links_of(&old);
@@ -132,6 +182,20 @@ impl StoredResponses {
     fn links(&self) -> usize {
         self.store.lock().links
     }
+
+    /// Checks the store's counts against what it holds.
+    #[cfg(test)]
+    fn check(&self) {
+        let store = self.store.lock();
+        assert_eq!(store.order.len(), store.responses.len());
+        assert!(store.responses.len() <= self.capacity);
+        assert!(store.superseded <= store.order.len() && store.dropped <= store.order.len());
+        let links: usize = store.responses.values().map(links_of).sum();
+        assert_eq!(store.links, links);
+        for d in store.order.range(..store.dropped) {
+            assert_eq!(links_of(&store.responses[d]), 0);
+        }
+    }
 }
 
 impl fmt::Debug for StoredResponses {
@@ -151,18 +215,26 @@ pub(crate) struct IdSniffer {
     seen: Vec<u8>,
     /// What to remember, while the id is looked for.
     stored: Option<Stored>,
+    /// The digest of the response the request continues, if it names one.
+    continues: Option<u64>,
     store: Arc<StoredResponses>,
 }
 
 impl IdSniffer {
-    /// Looks for the id of the answer to a request whose chain is `chain` (`None`: not known).
-    pub(crate) fn new(chain: Option<PromptChain>, store: Arc<StoredResponses>) -> Self {
+    /// Looks for the id of the answer to a request whose chain is `chain` (`None`: not known)
+    /// and that continues the response of digest `continues`, if any.
+    pub(crate) fn new(
+        chain: Option<PromptChain>,
+        continues: Option<u64>,
+        store: Arc<StoredResponses>,
+    ) -> Self {
         IdSniffer {
             seen: Vec::new(),
             stored: Some(Stored {
                 chain,
                 backend: None,
             }),
+            continues,
             store,
         }
     }
@@ -183,7 +255,7 @@ impl IdSniffer {
         self.seen.extend_from_slice(&bytes[..bytes.len().min(room)]);
         if let Some(id) = response_id(&self.seen) {
             if let Some(stored) = self.stored.take() {
-                self.store.put(id, stored);
+                self.store.put(id, stored, self.continues);
             }
         } else if self.seen.len() >= LOOK {
             self.stored = None;
@@ -252,7 +324,7 @@ mod tests {
     fn an_id_split_over_frames_is_found_and_the_chain_remembered() {
         let store = Arc::new(StoredResponses::new(2, usize::MAX));
         let chain = PromptChain::from_blocks([(1, 10)]);
-        let mut sniff = IdSniffer::new(Some(chain.clone()), store.clone());
+        let mut sniff = IdSniffer::new(Some(chain.clone()), None, store.clone());
         sniff.answered_by(Some(BackendId::from("gpu-1")));
         sniff.feed(br#"{"id":"re"#);
         assert!(store.get("resp_1").is_none());
@@ -265,7 +337,11 @@ mod tests {
     #[test]
     fn an_answer_without_an_id_is_given_up_after_its_first_bytes() {
         let store = Arc::new(StoredResponses::new(2, usize::MAX));
-        let mut sniff = IdSniffer::new(Some(PromptChain::from_blocks([(1, 10)])), store.clone());
+        let mut sniff = IdSniffer::new(
+            Some(PromptChain::from_blocks([(1, 10)])),
+            None,
+            store.clone(),
+        );
         sniff.feed(&[b'x'; LOOK + 10]);
         sniff.feed(br#"{"id":"resp_late"}"#);
         assert_eq!(store.len(), 0);
@@ -282,10 +358,122 @@ mod tests {
                     chain,
                     backend: None,
                 },
+                None,
             );
         }
         assert!(store.get("resp_a").is_none());
         assert!(store.get("resp_b").is_some() && store.get("resp_c").is_some());
+    }
+
+    #[test]
+    fn a_response_continued_is_forgotten_before_those_none_continues() {
+        let store = StoredResponses::new(4, usize::MAX);
+        let put = |id: &str, continues: Option<&str>| {
+            let stored = Stored {
+                chain: Some(PromptChain::from_blocks([(digest(id.as_bytes()), 1)])),
+                backend: Some(BackendId::from(id)),
+            };
+            store.put(
+                id.as_bytes(),
+                stored,
+                continues.map(|c| digest(c.as_bytes())),
+            );
+            store.check();
+        };
+        let kept = |id: &str| {
+            store
+                .get(id)
+                .map(|s| (s.backend.is_some(), s.chain.is_some()))
+        };
+        // The oldest is another conversation's latest, then a conversation of three turns.
+        put("resp_other", None);
+        put("resp_1", None);
+        put("resp_2", Some("resp_1"));
+        put("resp_3", Some("resp_2"));
+        // Under the capacity, the turns continued keep their backends and chains (a branch
+        // goes on from them).
+        for id in ["resp_other", "resp_1", "resp_2", "resp_3"] {
+            assert_eq!(kept(id), Some((true, true)));
+        }
+        // Past the capacity, the earliest superseded goes first, then the next; the oldest
+        // response that none continues stays.
+        put("resp_4", Some("resp_3"));
+        assert_eq!(kept("resp_1"), None);
+        assert_eq!(kept("resp_2"), Some((true, true)));
+        put("resp_new", None);
+        assert_eq!(kept("resp_2"), None);
+        assert_eq!(kept("resp_other"), Some((true, true)));
+        // A branch from a response superseded already moves nothing; the last superseded
+        // goes.
+        put("resp_branch", Some("resp_3"));
+        assert_eq!(kept("resp_3"), None);
+        assert_eq!(kept("resp_other"), Some((true, true)));
+        // With nothing superseded left, the oldest goes. One continuing a response not
+        // remembered, or itself, supersedes nothing.
+        put("resp_5", Some("resp_gone"));
+        assert_eq!(kept("resp_other"), None);
+        put("resp_5", Some("resp_5"));
+        assert_eq!(kept("resp_5"), Some((true, true)));
+        assert_eq!(store.len(), 4);
+    }
+
+    #[test]
+    fn a_response_continued_loses_its_chain_before_those_none_continues() {
+        let store = StoredResponses::new(100, 6);
+        let put = |id: &str, continues: Option<&str>| {
+            let stored = Stored {
+                chain: Some(PromptChain::from_blocks([(1, 1), (2, 1)])),
+                backend: Some(BackendId::from(id)),
+            };
+            store.put(
+                id.as_bytes(),
+                stored,
+                continues.map(|c| digest(c.as_bytes())),
+            );
+            store.check();
+        };
+        let has_chain = |id: &str| store.get(id).is_some_and(|s| s.chain.is_some());
+        put("resp_other", None);
+        put("resp_1", None);
+        put("resp_2", Some("resp_1"));
+        assert!(has_chain("resp_other") && has_chain("resp_1") && has_chain("resp_2"));
+        // Past the links, the chain of the turn continued goes before the older one's.
+        put("resp_3", Some("resp_2"));
+        assert!(!has_chain("resp_1") && has_chain("resp_other"));
+        assert!(has_chain("resp_2") && has_chain("resp_3"));
+        assert_eq!(store.links(), 6);
+        // A branch from a superseded response whose chain is gone leaves it without one; the
+        // next superseded goes first still, and its backend stays.
+        put("resp_branch", Some("resp_1"));
+        assert!(!has_chain("resp_2") && has_chain("resp_other"));
+        assert_eq!(
+            store.get("resp_2").and_then(|s| s.backend),
+            Some(BackendId::from("resp_2"))
+        );
+    }
+
+    proptest::proptest! {
+        /// Whatever is put and continued, the store keeps its bounds and its counts.
+        #[test]
+        fn the_store_keeps_its_bounds_whatever_is_continued(
+            puts in proptest::collection::vec((0..12u8, proptest::option::of(0..12u8), 0..5u64), 1..80),
+            capacity in 1..8usize,
+            max_links in 0..12usize,
+        ) {
+            let store = StoredResponses::new(capacity, max_links);
+            for (id, continues, links) in puts {
+                let id = format!("resp_{id}");
+                let stored = Stored {
+                    chain: Some(PromptChain::from_blocks((0..links).map(|i| (i, 1)))),
+                    backend: None,
+                };
+                let continues = continues.map(|c| digest(format!("resp_{c}").as_bytes()));
+                store.put(id.as_bytes(), stored, continues);
+                store.check();
+                proptest::prop_assert!(store.len() <= capacity);
+                proptest::prop_assert!(store.get(&id).is_some());
+            }
+        }
     }
 
     #[test]
@@ -297,7 +485,7 @@ mod tests {
                 chain: chain(n),
                 backend: Some(BackendId::from("gpu-1")),
             };
-            store.put(id.as_bytes(), stored);
+            store.put(id.as_bytes(), stored, None);
         };
         let backend = |id: &str| store.get(id).and_then(|s| s.backend);
         let has_chain = |id: &str| store.get(id).is_some_and(|s| s.chain.is_some());

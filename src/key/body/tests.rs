@@ -1346,6 +1346,46 @@ async fn responses_stored_nowhere_do_not_push_out_those_stored() {
     assert_eq!(next.chain.common_prefix(&seen[0].chain), 1);
 }
 
+/// One conversation of many turns, each continuing the last, keeps one response that can be
+/// continued: those it continued are forgotten before another conversation's latest.
+#[tokio::test]
+async fn a_conversations_latest_response_outlasts_the_turns_another_conversation_moved_past() {
+    let n = super::responses::StoredResponses::DEFAULT_CAPACITY;
+    let answers = (0..n + 3).map(|i| {
+        let id: &'static str = Box::leak(format!(r#"{{"id":"resp_{i}"}}"#).into_boxed_str());
+        vec![id.as_bytes()]
+    });
+    let (inner, seen) = responses_backend(answers.collect());
+    let svc = BodyKeyLayer::new().layer(inner);
+    let send = |body: String| {
+        let req = http::Request::post("/v1/responses")
+            .body(Full::new(Bytes::from(body)))
+            .unwrap();
+        let svc = svc.clone();
+        async move {
+            let res = svc.oneshot(req).await.unwrap();
+            res.into_body().collect().await.unwrap();
+        }
+    };
+    send(r#"{"input":"the first conversation"}"#.into()).await;
+    send(r#"{"input":"the second conversation"}"#.into()).await;
+    for i in 1..=n {
+        send(format!(
+            r#"{{"previous_response_id":"resp_{i}","input":"turn {i}"}}"#
+        ))
+        .await;
+    }
+    send(r#"{"previous_response_id":"resp_0","input":"next"}"#.into()).await;
+    let seen = seen.lock();
+    let next = seen.last().unwrap();
+    assert_eq!(next.stored_on, Some("gpu-0".into()));
+    assert_eq!(next.chain.common_prefix(&seen[0].chain), 1);
+    // The second conversation goes on from its latest response as well.
+    let latest = &seen[n + 1];
+    assert_eq!(latest.stored_on, Some(format!("gpu-{n}").as_str().into()));
+    assert_eq!(latest.chain.common_prefix(&seen[1].chain), 1);
+}
+
 #[test]
 fn a_string_member_shares_no_link_with_json_or_boundaries_written_in_its_text() {
     // A system prompt whose text is the JSON of a text block, against that block.
@@ -1404,5 +1444,5 @@ fn a_member_the_layer_reads_for_itself_is_read_though_a_key_field_starts_with_it
     // The field is a key all the same.
     let i = config(&["previous_response_id"]).inspect_request(continues);
     assert_eq!(i.key, key("resp_1"));
-    assert!(i.continues);
+    assert!(i.continues.is_some());
 }
