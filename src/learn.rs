@@ -358,6 +358,13 @@ impl Learned {
         load_f64(&self.prefill_rate)
     }
 
+    /// Sets the prefill rate as if the answers had taught `tokens_per_second` (0: not
+    /// learned), for a [`Snapshot`](crate::placement::Snapshot).
+    pub(crate) fn set_prefill_rate(&self, tokens_per_second: u32) {
+        let rate = f64::from(tokens_per_second);
+        self.prefill_rate.store(rate.to_bits(), Ordering::Relaxed);
+    }
+
     /// How long a request takes, once learned.
     pub(crate) fn request_time(&self) -> Option<Duration> {
         load_f64(&self.duration_ms).map(|ms| duration_of(ms / 1000.0))

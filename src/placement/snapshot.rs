@@ -165,6 +165,61 @@ impl Snapshot {
         self
     }
 
+    /// Sets backend `id`'s prompt-cache budget in bytes, as
+    /// [`Backend::prompt_cache_bytes`](crate::Backend::prompt_cache_bytes) records it, for a
+    /// policy to read ([`BackendRef::prompt_cache_bytes`](super::BackendRef::prompt_cache_bytes)).
+    /// The cache model and the built-in policies do not read it. [`backend`](Self::backend)
+    /// called again for `id` clears it, as a backend announced again without a budget has
+    /// none. Unknown ids are ignored.
+    ///
+    /// ```
+    /// use tower_affinity::placement::Snapshot;
+    ///
+    /// let fleet = Snapshot::new()
+    ///     .backend("a", "n", 1)
+    ///     .backend("b", "n", 1)
+    ///     .prompt_cache_bytes("a", 8 << 30);
+    /// let view = fleet.view();
+    /// assert_eq!(view.backend(&"a".into()).unwrap().prompt_cache_bytes(), Some(8 << 30));
+    /// assert_eq!(view.backend(&"b".into()).unwrap().prompt_cache_bytes(), None);
+    /// ```
+    pub fn prompt_cache_bytes(mut self, id: &str, bytes: u64) -> Self {
+        if let Some(i) = self.topology.index_of(id) {
+            self.topology.members[i as usize].prompt_cache_bytes = Some(bytes);
+        }
+        self
+    }
+
+    /// Sets backend `id`'s prefill rate, the prompt tokens it reads a second, as its answers
+    /// would teach it (0: not learned). A backend of a `Snapshot` counts a prompt's tokens as
+    /// the chain estimates them and has no prompt left to read, so
+    /// [`BackendRef::time_to_read(tokens)`](super::BackendRef::time_to_read) answers `tokens /
+    /// tokens_per_second` seconds, and `None` until a rate other than 0 is set. Unknown ids
+    /// are ignored.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use tower_affinity::placement::Snapshot;
+    ///
+    /// let fleet = Snapshot::new()
+    ///     .backend("a", "n", 1)
+    ///     .backend("b", "n", 1)
+    ///     .prefill_rate("a", 400);
+    /// let view = fleet.view();
+    /// let a = view.backend(&"a".into()).unwrap();
+    /// assert_eq!(a.time_to_read(2_000), Some(Duration::from_secs(5)));
+    /// assert_eq!(a.time_to_read(100), Some(Duration::from_millis(250)));
+    /// assert_eq!(view.backend(&"b".into()).unwrap().time_to_read(2_000), None);
+    /// ```
+    pub fn prefill_rate(self, id: &str, tokens_per_second: u32) -> Self {
+        if let Some(i) = self.topology.index_of(id) {
+            let load = &self.topology.member(i).load;
+            load.learned.set_prefill_rate(tokens_per_second);
+        }
+        self
+    }
+
     /// Sets how many requests backend `id` is serving. Unknown ids are ignored.
     pub fn in_flight(self, id: &str, in_flight: u32) -> Self {
         if let Some(i) = self.topology.index_of(id) {

@@ -289,7 +289,9 @@ impl<'a> BackendRef<'a> {
         self.topology.capacity.waiting_for(self.index, None)
     }
 
-    /// The backend's prompt-cache budget in bytes, if discovery gave one.
+    /// The backend's prompt-cache budget in bytes, if discovery gave one
+    /// ([`Backend::prompt_cache_bytes`](crate::Backend::prompt_cache_bytes); in a test fleet,
+    /// [`Snapshot::prompt_cache_bytes`](super::Snapshot::prompt_cache_bytes)).
     pub fn prompt_cache_bytes(&self) -> Option<u64> {
         self.member().prompt_cache_bytes
     }
@@ -391,7 +393,8 @@ impl<'a> BackendRef<'a> {
     /// has been sent and not yet answered: the time to first
     /// token a request lacking `tokens` of its prompt here can expect. `None` until the
     /// backend's prefill rate is learned from its answers (see
-    /// [`wait_versus_move`](crate::SessionAffinityLayer::wait_versus_move)).
+    /// [`wait_versus_move`](crate::SessionAffinityLayer::wait_versus_move)); in a test fleet,
+    /// until [`Snapshot::prefill_rate`](super::Snapshot::prefill_rate) sets it.
     pub fn time_to_read(&self, tokens: u64) -> Option<Duration> {
         self.member().load.learned.time_to_read(tokens)
     }

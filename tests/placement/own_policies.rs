@@ -1,7 +1,8 @@
-//! Three policies a user might write, through the public API only, each tested on fleets
+//! Policies a user might write, through the public API only, each tested on fleets
 //! built by hand.
 
 use std::cmp::Reverse;
+use std::time::Duration;
 
 use tower_affinity::key::SessionKey;
 use tower_affinity::placement::{
@@ -94,6 +95,36 @@ impl Placement for FreestShare {
             let (fy, sy) = (u64::from(y.free_slots()), u64::from(y.slots()));
             (fy * sx).cmp(&(fx * sy))
         });
+        offer_all(all, c);
+    }
+}
+
+/// The backend with the largest prompt-cache budget first; those without one last, in the
+/// fleet's order.
+#[derive(Clone)]
+struct LargestPromptCache;
+
+impl Placement for LargestPromptCache {
+    fn place(&self, fleet: &FleetView<'_>, _: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
+        let mut all: Vec<_> = fleet.backends().collect();
+        all.sort_by_key(|b| Reverse(b.prompt_cache_bytes()));
+        offer_all(all, c);
+    }
+}
+
+/// The backend that would read the part of the prompt it lacks soonest, by its learned
+/// prefill rate; those that have not learned one last, in the fleet's order.
+#[derive(Clone)]
+struct SoonestRead;
+
+impl Placement for SoonestRead {
+    fn place(&self, fleet: &FleetView<'_>, req: &PlacementRequest<'_>, c: &mut Candidates<'_>) {
+        let Some(chain) = req.chain else {
+            return offer_all(fleet.backends(), c);
+        };
+        let lacks = |b: &BackendRef<'_>| chain.tokens() - b.cached_tokens(chain);
+        let mut all: Vec<_> = fleet.backends().collect();
+        all.sort_by_key(|b| b.time_to_read(lacks(b)).map_or((1, None), |t| (0, Some(t))));
         offer_all(all, c);
     }
 }
@@ -212,5 +243,75 @@ fn freest_share_sends_a_new_session_to_the_backend_with_most_of_its_slots_free()
     assert_eq!(
         promised.choose(&FreestShare, key("new"), None),
         Some("big".into())
+    );
+}
+
+#[test]
+fn a_policy_reads_the_prompt_cache_budget_a_snapshot_sets() {
+    let fleet = Snapshot::new()
+        .backend("none", "n1", 1)
+        .backend("small", "n1", 1)
+        .backend("big", "n2", 1)
+        .prompt_cache_bytes("small", 8 << 30)
+        .prompt_cache_bytes("big", 32 << 30)
+        .prompt_cache_bytes("unknown", 64 << 30);
+    assert_eq!(
+        fleet.order(&LargestPromptCache, None, None),
+        ids(&["big", "small", "none"])
+    );
+    // Set again, it replaces the first; the backend announced again has none.
+    let fleet = fleet.prompt_cache_bytes("none", 64 << 30);
+    assert_eq!(
+        fleet.order(&LargestPromptCache, None, None),
+        ids(&["none", "big", "small"])
+    );
+    let fleet = fleet.backend("none", "n1", 1);
+    assert_eq!(
+        fleet.order(&LargestPromptCache, None, None),
+        ids(&["big", "small", "none"])
+    );
+}
+
+#[test]
+fn a_policy_reads_the_prefill_rate_a_snapshot_sets() {
+    let held = PromptChain::from_blocks([(1, 8_000)]);
+    let prompt = PromptChain::from_blocks([(1, 8_000), (2, 2_000)]);
+    let fleet = Snapshot::new()
+        .backend("warm", "n1", 1)
+        .backend("cold", "n1", 1)
+        .backend("new", "n2", 1)
+        .holds("warm", &held)
+        .prefill_rate("warm", 100)
+        .prefill_rate("cold", 10_000)
+        .prefill_rate("unknown", 1)
+        .prompt(prompt.clone());
+    // warm reads the 2,000 tokens it lacks in 20 s, cold all 10,000 in 1 s; new has no rate.
+    let view = fleet.view();
+    let time = |id: &str, tokens| view.backend(&id.into()).unwrap().time_to_read(tokens);
+    assert_eq!(time("warm", 2_000), Some(Duration::from_secs(20)));
+    assert_eq!(time("cold", 10_000), Some(Duration::from_secs(1)));
+    assert_eq!(time("new", 10_000), None);
+    assert_eq!(
+        fleet.order(&SoonestRead, None, None),
+        ids(&["cold", "warm", "new"])
+    );
+    // At 200 tokens a second cold takes 50 s: warm first. At 0, cold has no rate.
+    let slower = fleet.prefill_rate("cold", 200);
+    assert_eq!(
+        slower.order(&SoonestRead, None, None),
+        ids(&["warm", "cold", "new"])
+    );
+    let unlearned = slower.prefill_rate("cold", 0);
+    assert_eq!(
+        unlearned.order(&SoonestRead, None, None),
+        ids(&["warm", "cold", "new"])
+    );
+    assert_eq!(
+        unlearned
+            .view()
+            .backend(&"cold".into())
+            .unwrap()
+            .time_to_read(1),
+        None
     );
 }
