@@ -1864,12 +1864,14 @@ pub struct BackendStatus {
     /// tokens of their prompt (reused tokens aside: a shorter read's time is mostly the
     /// request's fixed cost). `None` until one has, however many shorter ones came.
     pub prefill_rate: Option<u32>,
-    /// How long its requests take, dispatch to the end of the answer (a moving average).
+    /// How long its requests take, dispatch to the end of the answer: a moving average of
+    /// medians, as [`first_byte_time`](Self::first_byte_time) is.
     pub request_time: Option<Duration>,
     /// Its time to first byte, over its successful answers (an error comes at once): a moving
     /// average that gives the newest answer a weight of 1/4, of the median of each answer's
     /// time and the two before it, so that one odd answer does not move it and a backend that
-    /// got slower or faster is followed from its second answer on. For a Responses stream,
+    /// got slower or faster is followed from its second answer on. The first answer's time
+    /// stands until the third, whose median of the three replaces it. For a Responses stream,
     /// the time to its first event after `response.created` and `response.in_progress`, which
     /// the backend sends before it has read the prompt.
     pub first_byte_time: Option<Duration>,

@@ -9,7 +9,10 @@
 //! median of each answer's figure and the two before it: one odd answer (a cached prompt said
 //! to be read in a millisecond, a request stalled for minutes) moves none of them, and a
 //! backend that got slower or faster is followed from its second answer on. Each moving
-//! average gives the newest figure a weight of 1/4.
+//! average gives the newest figure a weight of 1/4. A backend's first answer teaches each
+//! figure alone until its third, whose median of the three replaces it: an odd first answer
+//! (a prompt read while the weights are paged in) is forgotten then, and an odd second one
+//! moves nothing.
 //!
 //! # Wait versus move
 //!
@@ -103,18 +106,18 @@ pub(crate) struct Learned {
     first_byte_ms: AtomicU64,
     /// Answers that timed their first byte.
     first_bytes: AtomicU64,
-    /// The last two times to first byte measured, for [`median`]. Held while the average is
+    /// The last times to first byte measured (see [`Recent`]). Held while the average is
     /// written, so that answers ending together blend in turn.
-    first_byte_samples: Mutex<[Option<f64>; 2]>,
+    first_byte_samples: Mutex<Recent>,
     /// Prompt tokens read per second (an `f64`'s bits; 0 until learned).
     prefill_rate: AtomicU64,
-    /// The last two prefill rates measured, for [`blend_median`].
-    prefill_samples: Mutex<[Option<f64>; 2]>,
+    /// The last prefill rates measured, for [`blend_median`].
+    prefill_samples: Mutex<Recent>,
     /// How long a request takes, dispatch to the end of its answer, in milliseconds (an
     /// `f64`'s bits; 0 until learned).
     duration_ms: AtomicU64,
-    /// The last two durations measured, for [`blend_median`].
-    duration_samples: Mutex<[Option<f64>; 2]>,
+    /// The last durations measured, for [`blend_median`].
+    duration_samples: Mutex<Recent>,
     /// The sum of the dispatch times (fleet milliseconds) of the requests in flight.
     pub(crate) started_ms: AtomicU64,
     /// Prompt tokens of the requests in flight that have no answer yet and that the cache
@@ -199,18 +202,46 @@ fn blend(a: &AtomicU64, sample: f64) {
     });
 }
 
-/// Blends into `a` the median of `sample` and the two before it in `recent` (`None`: none
-/// yet), so that one odd answer moves nothing: a prompt the backend found cached and said it
-/// read in a millisecond, a request stalled for ten minutes. Two in a row on the same side
-/// move the average as one sample does, so a backend that changed is followed one answer
-/// later. Until two samples are kept, each is blended as it comes.
-fn blend_median(a: &AtomicU64, recent: &Mutex<[Option<f64>; 2]>, sample: f64) {
+/// Takes `sample` into the average `a` (see [`Recent::next`]), so that one odd answer moves
+/// nothing: a prompt the backend found cached and said it read in a millisecond, a request
+/// stalled for ten minutes.
+fn blend_median(a: &AtomicU64, recent: &Mutex<Recent>, sample: f64) {
     if !(sample.is_finite() && sample > 0.0) {
         return;
     }
     // Held while the average is written, so that answers ending together blend in turn.
     let mut recent = recent.lock();
-    blend(a, median(&mut recent, sample));
+    if let Some(new) = recent.next(load_f64(a), sample) {
+        a.store(new.to_bits(), Ordering::Relaxed);
+    }
+}
+
+/// What a moving average of medians keeps between answers: the last two figures, and how
+/// many it has been given.
+#[derive(Debug, Default)]
+struct Recent {
+    samples: [Option<f64>; 2],
+    given: u8,
+}
+
+impl Recent {
+    /// Takes in `sample`; returns the average's new value, from `old` (`None`: not set), or
+    /// `None` to leave it as it is. The first figure starts the average; the second is kept
+    /// for the median alone, as either of the two may be the odd one; the median of the first
+    /// three replaces the first, so that an odd first answer is forgotten at the third and an
+    /// odd second one moves nothing. From the fourth on, the average moves by [`ALPHA`] of
+    /// the way to the median of the figure and the two before it: two in a row on the same
+    /// side move it as one figure does, so a backend that changed is followed one answer
+    /// later. An average set before any figure (a snapshot's) is blended with the first.
+    fn next(&mut self, old: Option<f64>, sample: f64) -> Option<f64> {
+        let median = median(&mut self.samples, sample);
+        self.given = self.given.saturating_add(1);
+        match (self.given, old) {
+            (2, _) => None,
+            (3, _) | (_, None) => Some(median),
+            (_, Some(old)) => Some(old + ALPHA * (median - old)),
+        }
+    }
 }
 
 /// The median of `sample` and the two before it in `recent`, or `sample` until two are kept;
@@ -295,20 +326,16 @@ impl Learned {
         (Some(usage), verdict)
     }
 
-    /// Takes in one answer's time to first byte: blended with a weight of [`ALPHA`], as the
-    /// median of it and the two before it, as the request time is. A first byte in no time
-    /// (a backend on the same host, a paused clock) is a figure like any other.
+    /// Takes in one answer's time to first byte: into a moving average of medians, as the
+    /// request time is (see [`Recent::next`]). A first byte in no time (a backend on the same
+    /// host, a paused clock) is a figure like any other.
     fn learn_first_byte(&self, t: Duration) {
         let mut recent = self.first_byte_samples.lock();
-        let sample = median(&mut recent, t.as_secs_f64() * 1000.0);
-        let new = match self.first_bytes.load(Ordering::Relaxed) {
-            0 => sample,
-            _ => {
-                let old = f64::from_bits(self.first_byte_ms.load(Ordering::Relaxed));
-                old + ALPHA * (sample - old)
-            }
-        };
-        self.first_byte_ms.store(new.to_bits(), Ordering::Relaxed);
+        let old = (self.first_bytes.load(Ordering::Relaxed) > 0)
+            .then(|| f64::from_bits(self.first_byte_ms.load(Ordering::Relaxed)));
+        if let Some(new) = recent.next(old, t.as_secs_f64() * 1000.0) {
+            self.first_byte_ms.store(new.to_bits(), Ordering::Relaxed);
+        }
         // After the figure: a reader that sees the count sees a figure.
         self.first_bytes.fetch_add(1, Ordering::Release);
     }
@@ -741,6 +768,45 @@ mod tests {
         let fresh = Learned::default();
         fresh.learn(&untimed, None);
         assert_eq!(fresh.prefill_rate(), Some(200.0));
+    }
+
+    /// A backend's first answers are as likely to be odd as any later one (its first prompt
+    /// read while its weights are paged in, a request stalled behind its warm-up): an odd
+    /// first answer is forgotten at the third, and an odd second one moves nothing. Blended
+    /// as they came, a first answer ten times slow left the learned request time more than
+    /// twice the backend's for nine answers.
+    #[test]
+    fn an_odd_first_or_second_answer_is_not_what_the_backend_is_taken_to_do() {
+        // 10,000 tokens read in `read_s`, the first byte then, the answer `took_s` after.
+        let timed = |read_s: u64, took_s: u64| Answer {
+            duration: Some(Duration::from_secs(took_s)),
+            ..answer(10_000, Some(0), read_s * 1_000)
+        };
+        let normal = || timed(50, 52);
+        let odd = || timed(500, 650);
+        let learned = |l: &Learned| (l.prefill_rate(), l.request_time(), l.first_byte_time());
+        let want = (
+            Some(200.0),
+            Some(Duration::from_secs(52)),
+            Some(Duration::from_secs(50)),
+        );
+        let first = Learned::default();
+        first.learn(&odd(), None);
+        first.learn(&normal(), None);
+        first.learn(&normal(), None);
+        assert_eq!(learned(&first), want, "an odd first answer");
+        let second = Learned::default();
+        second.learn(&normal(), None);
+        second.learn(&odd(), None);
+        assert_eq!(learned(&second), want, "an odd second answer");
+        second.learn(&normal(), None);
+        assert_eq!(learned(&second), want, "an odd second answer, then a third");
+        // From the fourth answer on, a backend that got slower is followed from its second
+        // slow answer, by a quarter of the way.
+        first.learn(&timed(100, 104), None);
+        assert_eq!(first.prefill_rate(), Some(200.0));
+        first.learn(&timed(100, 104), None);
+        assert_eq!(first.prefill_rate(), Some(175.0));
     }
 
     #[test]
