@@ -254,7 +254,9 @@ impl Observe {
         let since = guard.since_ms();
         let ms = |t: Instant| Duration::from_millis(capacity.now_ms(t).saturating_sub(since));
         let answer = Answer {
-            usage: self.scanner.finish(),
+            // An answer other than a success did not take its prompt: figures in it (a
+            // gateway's, the count of a prompt refused) say nothing of what the backend holds.
+            usage: self.scanner.finish().filter(|_| self.watch.success),
             first_byte: self.first_byte.filter(|_| self.watch.success).map(ms),
             duration: Some(ms(now)).filter(|_| self.watch.success),
             stream: self.stream,
@@ -399,7 +401,8 @@ impl<B> ResponseBody<B> {
 
     /// What the answer reported about its prompt, once the body has ended: its prompt tokens
     /// and the tokens its backend reused. `None` before the end, for an answer that reports
-    /// nothing (or is neither JSON nor SSE, or is compressed), and for one cut short.
+    /// nothing (or is neither JSON nor SSE, or is compressed), for one cut short, and for an
+    /// answer other than a success (2xx), which did not take its prompt.
     ///
     /// The end is the poll that returns `None`, or the frame after which the body's
     /// [`is_end_stream`](Body::is_end_stream) is true: a server need not poll a body past

@@ -299,7 +299,8 @@ impl<K, P> SessionAffinityLayer<K, P> {
     /// teach goes into [`BackendStatus`](crate::BackendStatus), the cache model (a backend
     /// that reused far less than predicted no longer holds what it evicted) and
     /// [`wait_versus_move`](Self::wait_versus_move). An answer that is not JSON or SSE, is
-    /// compressed, or reports nothing costs one header check.
+    /// compressed, or reports nothing costs one header check. An answer other than a success
+    /// (2xx) did not take its prompt: what it reports teaches nothing.
     ///
     /// Each answer read ends with a `tracing` event at `debug` level, `answer read`, that
     /// says it per request: `backend`, `outcome`, `success`, then as the answer gave them

@@ -163,6 +163,8 @@ pub(crate) struct Prediction {
 /// One answer, as the response body saw it.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Answer {
+    /// What the answer reported; `None` for an answer other than a success, which did not
+    /// take its prompt.
     pub(crate) usage: Option<Usage>,
     /// Dispatch to the first byte of the body that follows the prompt's read: its first
     /// byte, or for a stream the first event after those sent before the read (a Responses

@@ -1197,6 +1197,59 @@ async fn a_prompt_the_backend_refused_leaves_its_model_holding_what_it_held() {
     assert_eq!((a.cached_tokens, a.corrections), (5000, 0), "{a:?}");
 }
 
+/// An error answer did not take its prompt (the backend refused it, or failed on it): a
+/// usage in its body (a gateway's in front of the backend, the count of the prompt it
+/// refused) says nothing of what the backend holds or reuses. Read as an answer's, one that
+/// said no reuse corrected the model, which forgot the conversation the backend still held,
+/// and was counted among the backend's reports.
+#[tokio::test(start_paused = true)]
+async fn an_error_answers_usage_teaches_nothing() {
+    let svc = service(&[("a", "n1")]);
+    exchange(
+        &svc,
+        request(Some("held"), Some(chain(&[1, 2, 3], 1000)), reused(3000, 0)),
+    )
+    .await;
+    let before = status(&svc, "a");
+    for code in [
+        http::StatusCode::BAD_REQUEST,
+        http::StatusCode::INTERNAL_SERVER_ERROR,
+    ] {
+        let failed = Reply {
+            status: code,
+            ..Reply::json(
+                br#"{"error":{"code":500,"message":"generation failed","type":"server_error"},"usage":{"prompt_tokens":4000,"completion_tokens":0,"prompt_tokens_details":{"cached_tokens":0}}}"#,
+            )
+        };
+        let (_, _, usage) = exchange(
+            &svc,
+            request(Some("held"), Some(chain(&[1, 2, 3, 4], 1000)), failed),
+        )
+        .await;
+        let a = status(&svc, "a");
+        assert_eq!(
+            (a.usage_reports, a.prompt_tokens, a.corrections),
+            (before.usage_reports, before.prompt_tokens, 0),
+            "{code}: {a:?}"
+        );
+        assert_eq!(usage, None, "{code}");
+        assert_eq!(svc.stats().usage_reports, 1, "{code}");
+    }
+    // The conversation is still held there: its next turn is a hit, and predicted so.
+    let (d, _, _) = exchange(
+        &svc,
+        request(
+            Some("held"),
+            Some(chain(&[1, 2, 3, 4], 1000)),
+            reused(4000, 3000),
+        ),
+    )
+    .await;
+    assert_eq!(d.outcome, Outcome::HomeHit);
+    assert_eq!(status(&svc, "a").corrections, 0);
+    assert_idle(&svc);
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_turn_after_one_the_backend_refused_is_not_a_compaction() {
     let svc = service(&[("a", "n1")]);
