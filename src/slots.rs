@@ -343,7 +343,7 @@ pub(crate) fn takes_a_slot(path: &str) -> bool {
 }
 
 /// Whether an answer's chunk ends the answer: the last event of an OpenAI-compatible stream
-/// (`data: [DONE]` and its line end), of an Anthropic one (`"message_stop"`), or of a
+/// (`data: [DONE]`, or `data:[DONE]` without the space, and its line end), of an Anthropic one (`"message_stop"`), or of a
 /// Responses one (a whole `response.completed`, `response.failed` or `response.incomplete`
 /// event: llama-server sends no `[DONE]` there). A client that reads an event stream stops at
 /// it and may send its next turn before the stream's end is polled. Neither is taken for one
@@ -355,13 +355,18 @@ pub(crate) fn takes_a_slot(path: &str) -> bool {
 /// its size. A marker split over two chunks (`[DONE]` from its line end too, or a Responses
 /// event from its blank line) is missed, and the slot is free at the stream's end instead.
 pub(crate) fn ends_answer(chunk: &[u8]) -> bool {
-    const DONE: &[u8] = b"data: [DONE]";
+    const DONE: &[u8] = b"[DONE]";
     const STOP: &[u8] = b"\"message_stop\"";
     let tail = &chunk[chunk.len().saturating_sub(64)..];
-    let done = tail
-        .windows(DONE.len() + 1)
-        .any(|w| w.starts_with(DONE) && matches!(w[DONE.len()], b'\n' | b'\r'))
-        || tail.windows(STOP.len()).any(|w| w == STOP);
+    // `data:`, the one space SSE allows after a field's colon or none, `[DONE]`, a line end.
+    let done = memchr::memmem::find_iter(tail, DONE).any(|at| {
+        let before = &tail[..at];
+        before
+            .strip_suffix(b" ")
+            .unwrap_or(before)
+            .ends_with(b"data:")
+            && matches!(tail.get(at + DONE.len()), Some(b'\n' | b'\r'))
+    }) || tail.windows(STOP.len()).any(|w| w == STOP);
     done || ends_responses(chunk)
 }
 

@@ -739,6 +739,41 @@ async fn a_stream_dropped_after_its_last_chunk_is_counted_and_one_cut_before_it_
     assert_eq!((a.prompt_tokens, a.reused_tokens), (1_200, 1_000));
 }
 
+/// An event stream may write its fields without the space after the colon (`data:[DONE]`):
+/// an SSE client reads it as `data: [DONE]`, stops there and drops the body before its end.
+/// The answer it has read is counted, as it is for `data: [DONE]`; `[DONE]` without the
+/// space was taken for no last event, so its usage chunk, read whole, taught nothing.
+#[tokio::test(start_paused = true)]
+async fn a_stream_dropped_after_its_done_written_without_a_space_is_counted() {
+    let svc = service(&[("a", "n1")]);
+    for (done, counted) in [
+        (&b"data: [DONE]\n\n"[..], 1),
+        (b"data:[DONE]\n\n", 2),
+        (b"data:[DONE]\r\n\r\n", 3),
+    ] {
+        let mut reply = Reply::new(
+            "text/event-stream",
+            &[
+                b"data:{\"choices\":[],\"usage\":{\"prompt_tokens\":1200,\"prompt_tokens_details\":{\"cached_tokens\":1000}}}\n\n",
+            ],
+        );
+        reply
+            .frames
+            .push((Duration::ZERO, Ok(Bytes::copy_from_slice(done))));
+        reply
+            .frames
+            .push((Duration::from_secs(3_600), Ok(Bytes::from_static(b""))));
+        read_then_drop(&svc, request(None, None, reply), 2).await;
+        let a = status(&svc, "a");
+        assert_eq!(
+            (a.in_flight, a.usage_reports),
+            (0, counted),
+            "{}",
+            String::from_utf8_lossy(done)
+        );
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_backend_that_once_reported_its_reuse_reused_nothing_when_it_leaves_it_out() {
     // vLLM leaves `cached_tokens` out when it is 0.
