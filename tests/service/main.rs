@@ -6673,3 +6673,60 @@ fn older_then_younger<F>(
     drop(res);
     assert_ready!(younger.poll()).unwrap();
 }
+
+/// A retried refusal held for its home node that finds no room in the queue looks again for
+/// a slot anywhere: that look is not its first, and the refusal is counted once.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_retried_refusal_with_no_room_to_wait_for_its_node_is_counted_once() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_secs(60), 1))
+        .node_patience(Duration::from_secs(10))
+        .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
+    let first = send(&mut svc, Some("x"), Some("stream")).await.unwrap();
+    // Another session of the same home waits for its node, filling a queue of one.
+    svc.ready().await.unwrap();
+    let mut queued = tokio_test::task::spawn(svc.call(request(Some("x"), None)));
+    assert_pending!(queued.poll());
+    let mut req = request(Some("x"), None);
+    req.extensions_mut()
+        .insert(tower_affinity::ContextRefusal::new(100, 50));
+    let res = send_req(&mut svc, req).await.unwrap();
+    assert_eq!(decision(&res).outcome, Outcome::CrossNodeSpill);
+    assert_eq!(svc.stats().refusals_retried, 1);
+    drop((res, queued, first));
+}
+
+/// A slot promised to a waiter on a backend whose down mark has ended is passed on when that
+/// waiter leaves before it looks: the backend is up from the millisecond its mark ends, as it
+/// was when the slot freed, though no look has cleared the mark yet.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_promise_on_a_backend_whose_cooldown_has_ended_is_passed_on() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_secs(60), 8))
+        .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
+    let on_a = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+    let on_b = send(&mut svc, Some("t"), Some("stream")).await.unwrap();
+    let (a, _b) = if decision(&on_a).backend.as_str() == "a1" {
+        (on_a, on_b)
+    } else {
+        (on_b, on_a)
+    };
+    let mut waiting = waiters(&mut svc, &["w1", "w2"]).await;
+    // a1 goes down while busy, which wakes both waiters; neither looks before the end.
+    assert!(svc.mark_down("a1", Some(Duration::from_secs(10))));
+    // The mark ends this very millisecond, and nothing has looked at a1 since.
+    tokio::time::advance(Duration::from_secs(10)).await;
+    // a1's slot frees, promised to the oldest waiter, which leaves before it looks.
+    drop(a);
+    drop(waiting.remove(0));
+    // The promise goes on to the other: a request arriving now does not take the slot.
+    svc.ready().await.unwrap();
+    let mut late = tokio_test::task::spawn(svc.call(request(Some("late"), None)));
+    assert_pending!(late.poll(), "a later request took the slot passed on");
+    let res = assert_ready!(waiting[0].poll()).unwrap();
+    assert_eq!(decision(&res).backend.as_str(), "a1");
+    drop((res, late));
+    while streams.take().is_some() {}
+}
