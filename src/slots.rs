@@ -343,15 +343,15 @@ pub(crate) fn takes_a_slot(path: &str) -> bool {
 }
 
 /// Whether an answer's chunk ends the answer: the last event of an OpenAI-compatible stream
-/// (`data: [DONE]`, or `data:[DONE]` without the space, and its line end), of an Anthropic one (`"message_stop"`), or of a
-/// Responses one (a whole `response.completed`, `response.failed` or `response.incomplete`
-/// event: llama-server sends no `[DONE]` there). A client that reads an event stream stops at
-/// it and may send its next turn before the stream's end is polled. Neither is taken for one
-/// an answer's text holds: in a JSON string a line end is escaped, and so are the quotes
-/// around `message_stop`, so a chunk cut just after an answer says `data: [DONE]` frees
-/// nothing while the backend still generates. Looks at the chunk's last 64 bytes, where the
-/// marker of a stream's last event is, and at its first 40 for a Responses event, which
-/// names itself at its start and carries the whole response after: O(1) a chunk, whatever
+/// (`data: [DONE]`, or `data:[DONE]` without the space, and its line end), of an Anthropic one
+/// (`"message_stop"`), or of a Responses one (a whole `response.completed`, `response.failed`
+/// or `response.incomplete` event: llama-server sends no `[DONE]` there). A client that reads
+/// an event stream stops at it and may send its next turn before the stream's end is polled.
+/// Neither is taken for one an answer's text holds: in a JSON string a line end is escaped, and
+/// so are the quotes around `message_stop`, so a chunk cut just after an answer says `data:
+/// [DONE]` frees nothing while the backend still generates. Looks at the chunk's last 64 bytes,
+/// where the marker of a stream's last event is, and at its first 40 for a Responses event,
+/// which names itself at its start and carries the whole response after: O(1) a chunk, whatever
 /// its size. A marker split over two chunks (`[DONE]` from its line end too, or a Responses
 /// event from its blank line) is missed, and the slot is free at the stream's end instead.
 pub(crate) fn ends_answer(chunk: &[u8]) -> bool {
@@ -413,8 +413,8 @@ pub(crate) fn names_a_later_choice(chunk: &[u8]) -> bool {
 }
 
 /// Whether a chunk is one whole last event of a Responses stream: it begins with the event
-/// (its `event:` line, or its `data:` line when the stream names no events) and ends with
-/// the blank line after it. Its data is one line of JSON, so the blank line is the event's.
+/// (its `event:` line, or its `data:` line when the stream names no events; a space after
+/// the colon or none) and ends with the blank line after it. Its data is one line of JSON, so the blank line is the event's.
 fn ends_responses(chunk: &[u8]) -> bool {
     const LAST: [&[u8]; 3] = [b"completed", b"failed", b"incomplete"];
     let whole = chunk.ends_with(b"\n\n") || chunk.ends_with(b"\r\n\r\n");
@@ -424,10 +424,17 @@ fn ends_responses(chunk: &[u8]) -> bool {
                 .is_some_and(|rest| rest.starts_with(end))
         })
     };
+    // A field's value follows its colon after one space or none.
+    let field = |name: &[u8]| {
+        let value = chunk.strip_prefix(name)?;
+        Some(value.strip_prefix(b" ").unwrap_or(value))
+    };
     whole
-        && if let Some(rest) = chunk.strip_prefix(b"event: response.") {
+        && if let Some(rest) = field(b"event:").and_then(|v| v.strip_prefix(b"response.")) {
             named(rest, b"\n") || named(rest, b"\r\n")
-        } else if let Some(rest) = chunk.strip_prefix(b"data: {\"type\":\"response.") {
+        } else if let Some(rest) =
+            field(b"data:").and_then(|v| v.strip_prefix(b"{\"type\":\"response."))
+        {
             named(rest, b"\"")
         } else {
             false
@@ -732,6 +739,14 @@ mod tests {
         ] {
             assert!(!ends_answer(event.as_bytes()), "{event}");
         }
+    }
+
+    #[test]
+    fn a_responses_streams_last_event_ends_the_answer_without_a_space_after_its_colons() {
+        let last = |head: &str| format!("{head}data:{{\"type\":\"response.completed\"}}\n\n");
+        assert!(ends_answer(last("event:response.completed\n").as_bytes()));
+        assert!(ends_answer(last("").as_bytes()));
+        assert!(!ends_answer(last("event:response.created\n").as_bytes()));
     }
 
     #[test]
