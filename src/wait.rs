@@ -548,8 +548,28 @@ mod tests {
     use std::sync::Arc;
     use std::time::{Duration, Instant};
 
-    use super::{Scope, WaitHome, WaitTicket};
-    use crate::fleet::Capacity;
+    use std::num::NonZeroU32;
+    use std::task::{Wake, Waker};
+
+    use super::{Scope, WaitHome, WaitTicket, Woken};
+    use crate::fleet::{Capacity, SlotGuard, Topology};
+
+    /// A waker that records that it was woken.
+    #[derive(Default)]
+    struct Flag(AtomicBool);
+
+    impl Wake for Flag {
+        fn wake(self: Arc<Self>) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    impl Flag {
+        /// Whether it was woken since last asked.
+        fn woken(&self) -> bool {
+            self.0.swap(false, Ordering::SeqCst)
+        }
+    }
 
     /// Requests joining a full queue are refused without ever being counted as waiting: the
     /// count never reads more than `max_queued`, not even while a refused request is being
@@ -680,5 +700,51 @@ mod tests {
             home(Scope::Node, 9),
             "another scope, its own hold"
         );
+    }
+
+    /// A ticket that a look holds for one backend gives up at once a slot promised to it
+    /// elsewhere, to a waiter that takes it. The path: woken with every waiter (no slot
+    /// promised), its look takes the free slot on another backend and gives it back to wait
+    /// for the backend holding its prefix; that slot, freed anew, is promised to the ticket
+    /// itself, the oldest waiter for any slot, just before it holds out.
+    #[test]
+    fn a_held_ticket_passes_on_a_slot_promised_to_it_on_a_backend_it_does_not_wait_for() {
+        let mut t = Topology::default();
+        let one = NonZeroU32::MIN;
+        let x = t.insert("x".into(), &"nx".into(), one, None, 1000);
+        let y = t.insert("y".into(), &"ny".into(), one, None, 1000);
+        let capacity = t.capacity.clone();
+        let load_y = t.member(y).load.clone();
+        let home = |scope| WaitHome {
+            backend: Some(x),
+            node: Some(t.member(x).node),
+            scope,
+            hold: Duration::from_secs(5),
+        };
+        let mut ticket = WaitTicket::take(&capacity, home(Scope::Any), 8).unwrap();
+        let other = WaitTicket::take(&capacity, WaitHome::default(), 8).unwrap();
+        let (mine, its) = (Arc::new(Flag::default()), Arc::new(Flag::default()));
+        let (my_waker, its_waker) = (Waker::from(mine.clone()), Waker::from(its.clone()));
+        assert!(matches!(ticket.woken(&my_waker), Woken::No));
+        assert!(matches!(other.woken(&its_waker), Woken::No));
+        // The fleet changed: every waiter looks. The ticket's task runs first.
+        capacity.wake_all();
+        assert!(its.woken());
+        assert!(matches!(ticket.woken(&my_waker), Woken::All));
+        // Its look takes the slot on Y and gives it back, to wait for X.
+        assert!(load_y.try_acquire());
+        drop(SlotGuard::new(&load_y, y, 1));
+        assert!(mine.woken(), "Y promised to the ticket");
+        assert!(!its.woken());
+        ticket.hold_for(home(Scope::Backend));
+        assert!(
+            its.woken(),
+            "the other waiter is woken for Y before the ticket looks again"
+        );
+        match other.woken(&its_waker) {
+            Woken::For(slot) => assert_eq!(slot.backend(), Some(y)),
+            woken => panic!("the other waiter was woken by {woken:?}, not for Y"),
+        }
+        assert!(matches!(ticket.woken(&my_waker), Woken::No));
     }
 }
