@@ -362,6 +362,23 @@ struct Timeout {
     whole: Duration,
 }
 
+/// `path` under `base`: after the base's path, less its trailing `/` (a target sent under a
+/// prefix, `http://gateway/llama-a/`, is probed at `/llama-a/health`), with the base's query
+/// after it, if it has one.
+fn under(base: &Uri, path: &'static str) -> Result<Uri, String> {
+    let prefix = base.path().trim_end_matches('/');
+    let mut parts = base.clone().into_parts();
+    parts.path_and_query = Some(if prefix.is_empty() && base.query().is_none() {
+        http::uri::PathAndQuery::from_static(path)
+    } else {
+        let query = base.query().map(|q| format!("?{q}")).unwrap_or_default();
+        format!("{prefix}{path}{query}")
+            .parse()
+            .map_err(|e: http::uri::InvalidUri| e.to_string())?
+    });
+    Uri::from_parts(parts).map_err(|e| e.to_string())
+}
+
 /// `GET base + path` with `headers`: its status and body, before `timeout` runs out.
 async fn get(
     client: &ProbeClient,
@@ -377,9 +394,7 @@ async fn get(
             timeout.whole
         ));
     }
-    let mut parts = base.clone().into_parts();
-    parts.path_and_query = Some(http::uri::PathAndQuery::from_static(path));
-    let uri = Uri::from_parts(parts).map_err(|e| e.to_string())?;
+    let uri = under(base, path)?;
     let mut req = Request::new(Empty::new());
     *req.uri_mut() = uri;
     *req.headers_mut() = headers.clone();
@@ -404,6 +419,23 @@ async fn get(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_probe_path_is_joined_to_the_base_uri_whatever_its_form() {
+        for (base, want) in [
+            ("http://10.0.0.1:8080/", "http://10.0.0.1:8080/health"),
+            ("http://10.0.0.1:8080", "http://10.0.0.1:8080/health"),
+            ("http://[::1]:8080/", "http://[::1]:8080/health"),
+            ("http://[fe80::1]:8080", "http://[fe80::1]:8080/health"),
+            ("http://gw/llama-a/", "http://gw/llama-a/health"),
+            ("http://gw/llama-a", "http://gw/llama-a/health"),
+            ("http://gw/a/b//", "http://gw/a/b/health"),
+            ("http://gw/llama-a/?t=1", "http://gw/llama-a/health?t=1"),
+        ] {
+            let uri = under(&Uri::from_static(base), "/health").unwrap();
+            assert_eq!(uri.to_string(), want, "{base}");
+        }
+    }
 
     #[test]
     fn slots_are_counted_and_busy_ones_too() {

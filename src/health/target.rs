@@ -10,7 +10,9 @@ use crate::client::{HttpBackend, IdSlot};
 use crate::{Backend, BackendId, SessionAffinity};
 
 /// A backend service the probe can reach: its base URI, `scheme://authority/`, to which the
-/// probe appends `/health` and `/slots`.
+/// probe appends `/health` and `/slots`. A base with a path (a service that sends under a
+/// prefix, `http://gateway/llama-a/`) is probed under it (`/llama-a/health`), with or without
+/// its trailing `/`; a query on the base goes after each path.
 ///
 /// Implemented for [`HttpBackend`], and for an [`IdSlot`] around a target (probed where the
 /// service it wraps sends); implement it for a service of your own that wraps one.
@@ -41,7 +43,8 @@ use crate::{Backend, BackendId, SessionAffinity};
 /// # Ok(()) }
 /// ```
 pub trait ProbeTarget {
-    /// `scheme://authority/` of the backend.
+    /// `scheme://authority/` of the backend, or `scheme://authority/prefix/` for one reached
+    /// under a path prefix.
     fn base_uri(&self) -> &Uri;
 
     /// Whether the backend is spoken to in HTTP/2 with prior knowledge (`h2c`), as the probe

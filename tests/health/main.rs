@@ -1562,3 +1562,52 @@ async fn the_probes_api_key_is_never_shown_nor_logged() {
     assert!(!shown.contains("sk-"), "{shown}");
     assert!(shown.contains("Sensitive"), "{shown}");
 }
+
+/// A backend service of one's own that sends under a path prefix (a gateway that routes
+/// `/llama-a/...` to one server): its base URI has the prefix.
+#[derive(Clone, Debug)]
+struct Behind(http::Uri);
+
+impl tower_affinity::health::ProbeTarget for Behind {
+    fn base_uri(&self) -> &http::Uri {
+        &self.0
+    }
+}
+
+/// A base URI with a path prefix is probed under it, with or without a trailing `/`: the
+/// gateway's own `/health` (here a 404) is not the backend's.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_probe_path_goes_under_the_base_uris_path_prefix() {
+    use futures_util::StreamExt;
+
+    let stub = Arc::new(Stub {
+        health: AtomicU16::new(200),
+        slots: Mutex::new(vec![false; 3]),
+        n_ctx: Mutex::new(Some(json!(4096))),
+        ..Stub::default()
+    });
+    let backend = Router::new()
+        .route("/health", get(health))
+        .route("/slots", get(slots))
+        .route("/props", get(props))
+        .with_state(stub.clone());
+    let gateway = Router::new().nest("/llama-a", backend);
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, gateway).await });
+    for base in [
+        format!("http://{addr}/llama-a/"),
+        format!("http://{addr}/llama-a"),
+    ] {
+        let target = Behind(base.parse().unwrap());
+        let (mut fleet, prober) =
+            HealthProbe::new().discover(StaticFleet::new([("a", Backend::new("n", target))]));
+        fleet.next().await.unwrap().unwrap();
+        let marks = Marks::default();
+        prober.round(&marks).await;
+        let s = prober.status("a").unwrap();
+        assert!(s.up && s.last_error.is_none(), "{base}: {s:?}");
+        assert_eq!(s.slots.map(NonZeroU32::get), Some(3), "{base}");
+        assert!(marks.0.lock().is_empty(), "{base}");
+    }
+}
