@@ -254,8 +254,9 @@ pub(crate) fn parse_max_model_len(body: &[u8]) -> Option<NonZeroU64> {
 }
 
 /// llama-server's `/slots`: a JSON array, one object per slot, each with `is_processing` and
-/// `n_ctx` (the slot's share of `-c`, or all of it with `--kv-unified`). Anything else, an
-/// array of anything but objects included, gives no count.
+/// `n_ctx` (the slot's share of `-c`, or all of it with `--kv-unified`); releases of 2024
+/// give `state` in place of `is_processing` (0 idle, 1 processing). Anything else, an array
+/// of anything but objects included, gives no count.
 pub(crate) fn parse_slots(body: &[u8]) -> Option<Slots> {
     // Read one slot object at a time, keeping only the counts: a body of millions of empty
     // objects (the probe reads up to its limit) costs no more memory than one slot's.
@@ -268,8 +269,8 @@ pub(crate) fn parse_slots(body: &[u8]) -> Option<Slots> {
     })
 }
 
-/// What a `/slots` array says: how many slot objects, how many of them have
-/// `"is_processing": true`, and the largest `n_ctx` that is a whole number (0 if none). A
+/// What a `/slots` array says: how many slot objects, how many of them are busy
+/// (`"is_processing": true`, or without it a `state` other than 0), and the largest `n_ctx` that is a whole number (0 if none). A
 /// member given twice counts as its last, as a JSON object read whole keeps it.
 #[derive(Default)]
 struct SlotsTally {
@@ -303,8 +304,8 @@ impl<'de> serde::Deserialize<'de> for SlotsTally {
     }
 }
 
-/// One slot object of `/slots`, of which only `is_processing` and `n_ctx` are kept; anything
-/// but an object is an error, and so no count.
+/// One slot object of `/slots`, of which only whether it is busy and its `n_ctx` are kept;
+/// anything but an object is an error, and so no count.
 struct Slot {
     busy: bool,
     n_ctx: u64,
@@ -323,11 +324,17 @@ impl<'de> serde::Deserialize<'de> for Slot {
                     busy: false,
                     n_ctx: 0,
                 };
+                // `is_processing` where given; else `state` (llama-server's of 2024).
+                let (mut processing, mut state) = (None, None);
                 while let Some(key) = map.next_key::<SlotMember>()? {
                     match key {
                         SlotMember::IsProcessing => {
                             let v: serde_json::Value = map.next_value()?;
-                            slot.busy = v.as_bool() == Some(true);
+                            processing = Some(v.as_bool() == Some(true));
+                        }
+                        SlotMember::State => {
+                            let v: serde_json::Value = map.next_value()?;
+                            state = Some(v.as_u64().is_some_and(|n| n != 0));
                         }
                         SlotMember::NCtx => {
                             let v: serde_json::Value = map.next_value()?;
@@ -338,6 +345,7 @@ impl<'de> serde::Deserialize<'de> for Slot {
                         }
                     }
                 }
+                slot.busy = processing.or(state).unwrap_or(false);
                 Ok(slot)
             }
         }
@@ -350,6 +358,7 @@ impl<'de> serde::Deserialize<'de> for Slot {
 #[serde(field_identifier, rename_all = "snake_case")]
 enum SlotMember {
     IsProcessing,
+    State,
     NCtx,
     #[serde(other)]
     Other,
@@ -469,6 +478,18 @@ mod tests {
         assert_eq!(parse_slots(b"not json"), None);
     }
 
+    /// llama-server releases of 2024 give no `is_processing`, but `state`: 0 idle, 1
+    /// processing.
+    #[test]
+    fn a_slot_whose_state_is_not_idle_is_busy_where_is_processing_is_not_given() {
+        let body = br#"[{"n_ctx":4096,"id":0,"id_task":7,"state":1,"prompt":"hi"},
+            {"n_ctx":4096,"id":1,"id_task":-1,"state":0,"prompt":""}]"#;
+        assert_eq!(parse_slots(body).and_then(|s| s.busy), Some(1));
+        // `is_processing`, where given, says, whatever the order.
+        let body = br#"[{"state":1,"is_processing":false},{"is_processing":true,"state":0}]"#;
+        assert_eq!(parse_slots(body).and_then(|s| s.busy), Some(1));
+    }
+
     /// Another server's answer at `/slots` (a catch-all route, a proxy's error list) is no
     /// count: a hundred thousand zeros would otherwise be read as 65,536 slots, and the
     /// balancer would send that backend as many requests at once.
@@ -496,7 +517,13 @@ mod tests {
         let total = u32::try_from(slots.len()).ok().filter(|&n| n > 0)?;
         let busy = slots
             .iter()
-            .filter(|s| s.get("is_processing").and_then(serde_json::Value::as_bool) == Some(true))
+            .filter(|s| match s.get("is_processing") {
+                Some(v) => v.as_bool() == Some(true),
+                None => s
+                    .get("state")
+                    .and_then(serde_json::Value::as_u64)
+                    .is_some_and(|n| n != 0),
+            })
             .count();
         let n_ctx = slots
             .iter()
@@ -523,6 +550,7 @@ mod tests {
                         (
                             proptest::prop_oneof![
                                 proptest::strategy::Just("is_processing"),
+                                proptest::strategy::Just("state"),
                                 proptest::strategy::Just("n_ctx"),
                                 proptest::strategy::Just("id"),
                                 proptest::strategy::Just("n_\\u0063tx"),

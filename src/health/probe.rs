@@ -64,7 +64,8 @@ use crate::{Backend, BackendId};
 /// is also asked `GET /slots` (llama-server's: a JSON array, one object per slot): its length
 /// becomes the backend's slot count, announced again through the stream whenever it changes
 /// (an update that keeps the backend's sessions). The slots processing a request
-/// (`is_processing: true`) are recorded too ([`ProbeStatus::busy_slots`]). Once its `/slots`
+/// (`is_processing: true`; in llama-server's releases of 2024, which do not give it, a
+/// `state` other than 0) are recorded too ([`ProbeStatus::busy_slots`]). Once its `/slots`
 /// was read, a llama-server is asked `GET /props` in its place, which gives the slot count
 /// (`total_slots`) and a slot's context (`default_generation_settings.n_ctx`) but not the busy
 /// slots: `/slots` is a request to its model, which wakes a llama-server run with

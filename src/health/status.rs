@@ -46,7 +46,8 @@ pub struct ProbeStatus {
     pub last_error: Option<String>,
     /// Its slot count as `/slots` (or a llama-server's `/props`) last gave it, if read.
     pub slots: Option<NonZeroU32>,
-    /// Slots that `/slots` showed processing a request (`is_processing: true`), if the last
+    /// Slots that `/slots` showed processing a request (`is_processing: true`, or in
+    /// llama-server's releases of 2024 a `state` other than 0), if the last
     /// probe read them: every probe does with [`busy_slots`](super::HealthProbe::busy_slots);
     /// otherwise a llama-server's slots are read from its `/props` once its `/slots` was (or
     /// answered 501, as one run with `--no-slots` does), and this is `None`.
