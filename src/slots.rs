@@ -359,12 +359,15 @@ pub(crate) fn ends_answer(chunk: &[u8]) -> bool {
     const STOP: &[u8] = b"\"message_stop\"";
     let tail = &chunk[chunk.len().saturating_sub(64)..];
     // `data:`, the one space SSE allows after a field's colon or none, `[DONE]`, a line end.
-    let done = memchr::memmem::find_iter(tail, DONE).any(|at| {
+    // Each `[` of the tail, rather than a substring search, which a chunk of 64 bytes does
+    // not repay setting up.
+    let done = memchr::memchr_iter(b'[', tail).any(|at| {
         let before = &tail[..at];
         before
             .strip_suffix(b" ")
             .unwrap_or(before)
             .ends_with(b"data:")
+            && tail[at..].starts_with(DONE)
             && matches!(tail.get(at + DONE.len()), Some(b'\n' | b'\r'))
     }) || tail.windows(STOP.len()).any(|w| w == STOP);
     done || ends_responses(chunk)
