@@ -865,6 +865,19 @@ impl<B, P> Shared<B, P> {
         let now_ms = self.capacity.now_ms(Instant::now());
         let local = self.table.get(key, now_ms);
         let here = local.filter(|h| (h.backend, h.generation) == (index, m.generation));
+        // This replica's own last turn of the session went to another live backend and
+        // ended deeper in the prompt than the stored home's turn: the store is behind (that
+        // turn's write was lost, or the store was restored from an older copy). Its home
+        // is not taken, and this placement writes over it.
+        let elsewhere =
+            local.filter(|h| here.is_none() && t.resolve(h.backend, h.generation).is_some());
+        let behind = elsewhere
+            .zip(at)
+            .zip(chain)
+            .is_some_and(|((h, at), c)| c.tip_positions(h.tip).next().is_some_and(|own| own > at));
+        if behind {
+            return Some(StoreAnswer::Nothing);
+        }
         // Where this replica's own last turn of the session ended, if it placed it at this
         // home: a stored tip deeper in the prompt is a later turn.
         let own = here.and_then(|h| chain.and_then(|c| c.tip_positions(h.tip).next()));

@@ -1053,3 +1053,28 @@ async fn a_keyless_read_counts_once_whatever_each_link_found() {
     let outcomes = s.hits + s.misses + s.garbage + s.unknown_backends + s.timeouts + s.errors;
     assert_eq!(outcomes, s.reads, "{s:?}");
 }
+
+/// A store behind this replica (a write of its lost: a Redis restored from an older
+/// snapshot, or a failover that lost the last writes) holds the home of an earlier turn than
+/// the one this replica placed elsewhere since: the session stays where this replica's later
+/// turn went, and that home is written over the stale one.
+#[tokio::test(start_paused = true)]
+async fn a_home_the_store_holds_from_before_this_replicas_later_turn_elsewhere_is_not_taken() {
+    let store = MemoryStore::new();
+    let svc = service(&store);
+    let first = send_chain(&svc, "s", conversation(1, 1)).await;
+    let stale = store.0.lock().homes[&key("s")].clone();
+    assert_eq!(stale.backend, first.backend);
+    // The next turn goes elsewhere (its home is busy), and is written.
+    let busy = hold(&svc, "s").await;
+    let moved = send_chain(&svc, "s", conversation(1, 2)).await;
+    assert_ne!(moved.backend, first.backend);
+    drop(busy);
+    settle().await;
+    assert_eq!(store.0.lock().homes[&key("s")].backend, moved.backend);
+    // The store loses that write: it holds the first turn's home again.
+    store.0.lock().homes.insert(key("s"), stale);
+    let next = send_chain(&svc, "s", conversation(1, 3)).await;
+    assert_eq!(next.backend, moved.backend, "{next:?}");
+    assert_eq!(store.0.lock().homes[&key("s")].backend, moved.backend);
+}
