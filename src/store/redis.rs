@@ -57,6 +57,11 @@ use crate::key::SessionKey;
 ///   deadline while the connection's attempts go on), the store logs "Redis server refused
 ///   to switch database" once its attempts have ended, seconds later, and it connects once
 ///   the user may.
+/// - **Not Redis Cluster.** The store sends every command to the one server its URL names. A
+///   cluster node answers a key in a slot it does not serve with `MOVED`, which fails the
+///   read or write, and a failed read marks the store down: against a cluster of several
+///   primaries it is down most of the time. Give it a single primary (or an address that
+///   follows failovers to the new primary).
 ///
 /// One multiplexed connection, kept by the `redis` crate's connection manager, carries every
 /// command; when it breaks, the manager reconnects with exponential backoff, at most
