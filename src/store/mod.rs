@@ -95,12 +95,12 @@
 //! session there since: the backend has used it, though this replica's cache model, which
 //! sees only its own turns, may have let it age out. It then takes the home as holding the
 //! session up to the stored tip, and does not call it cold. A replica that served the latest
-//! turn itself goes by its own model. A replica whose own last turn of the session went to
-//! another backend and ended deeper in the prompt than the stored tip knows the store is
-//! behind (that turn's write was lost, or Redis came back from an older snapshot): it keeps
-//! its own home, as if the store had none, and writes it over the stale one. With two replicas entered at random, in the swarm's
+//! turn itself goes by its own model. With two replicas entered at random, in the swarm's
 //! overload scenario at 8 GiB over seeds 1 to 16, this took the cold homes from 2,219 to 632
-//! (see `BENCHMARKS.md`).
+//! (see `BENCHMARKS.md`). A replica whose own last turn of the session went to another
+//! backend and ended deeper in the prompt than the stored tip knows the store is behind
+//! (that turn's write was lost, or Redis came back from an older snapshot): it keeps its own
+//! home, as if the store had none, and writes it over the stale one.
 //!
 //! **Which write wins.** The last one, unless the store holds a home placed after it. Two
 //! replicas that place the same session at the same moment both write, and the store keeps
