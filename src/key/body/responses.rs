@@ -365,20 +365,32 @@ mod tests {
         assert!(store.get("resp_b").is_some() && store.get("resp_c").is_some());
     }
 
+    /// Puts response `id`, answered by a backend of the same name, with `chain`, continuing
+    /// the response `continues` names; then checks the store's counts.
+    fn put_continuing(
+        store: &StoredResponses,
+        id: &str,
+        chain: PromptChain,
+        continues: Option<&str>,
+    ) {
+        let stored = Stored {
+            chain: Some(chain),
+            backend: Some(BackendId::from(id)),
+        };
+        store.put(
+            id.as_bytes(),
+            stored,
+            continues.map(|c| digest(c.as_bytes())),
+        );
+        store.check();
+    }
+
     #[test]
     fn a_response_continued_is_forgotten_before_those_none_continues() {
         let store = StoredResponses::new(4, usize::MAX);
-        let put = |id: &str, continues: Option<&str>| {
-            let stored = Stored {
-                chain: Some(PromptChain::from_blocks([(digest(id.as_bytes()), 1)])),
-                backend: Some(BackendId::from(id)),
-            };
-            store.put(
-                id.as_bytes(),
-                stored,
-                continues.map(|c| digest(c.as_bytes())),
-            );
-            store.check();
+        let put = |id: &str, continues| {
+            let chain = PromptChain::from_blocks([(digest(id.as_bytes()), 1)]);
+            put_continuing(&store, id, chain, continues);
         };
         let kept = |id: &str| {
             store
@@ -420,17 +432,9 @@ mod tests {
     #[test]
     fn a_response_continued_loses_its_chain_before_those_none_continues() {
         let store = StoredResponses::new(100, 6);
-        let put = |id: &str, continues: Option<&str>| {
-            let stored = Stored {
-                chain: Some(PromptChain::from_blocks([(1, 1), (2, 1)])),
-                backend: Some(BackendId::from(id)),
-            };
-            store.put(
-                id.as_bytes(),
-                stored,
-                continues.map(|c| digest(c.as_bytes())),
-            );
-            store.check();
+        let put = |id: &str, continues| {
+            let chain = PromptChain::from_blocks([(1, 1), (2, 1)]);
+            put_continuing(&store, id, chain, continues);
         };
         let has_chain = |id: &str| store.get(id).is_some_and(|s| s.chain.is_some());
         put("resp_other", None);

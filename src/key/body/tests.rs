@@ -1199,14 +1199,37 @@ where
         > + Clone,
 {
     for body in bodies {
-        let req = http::Request::post("/v1/responses")
-            .body(Full::new(Bytes::from_static(body.as_bytes())))
-            .unwrap();
-        let res = svc.clone().oneshot(req).await.unwrap();
-        // The answer passes unchanged.
-        let bytes = res.into_body().collect().await.unwrap().to_bytes();
-        assert!(bytes.starts_with(b"{\"id\"") || bytes.starts_with(b"event:"));
+        send_response_body(svc, *body).await;
     }
+}
+
+/// Sends one Responses request of `body` through `svc` and reads its answer whole.
+async fn send_response_body<S>(svc: &S, body: impl Into<Bytes>)
+where
+    S: tower::Service<
+            http::Request<Full<Bytes>>,
+            Response = http::Response<BodyKeyResponseBody<http_body_util::StreamBody<Frames>>>,
+            Error = Infallible,
+        > + Clone,
+{
+    let req = http::Request::post("/v1/responses")
+        .body(Full::new(body.into()))
+        .unwrap();
+    let res = svc.clone().oneshot(req).await.unwrap();
+    // The answer passes unchanged.
+    let bytes = res.into_body().collect().await.unwrap().to_bytes();
+    assert!(bytes.starts_with(b"{\"id\"") || bytes.starts_with(b"event:"));
+}
+
+/// The layer over a backend that answers `n` requests with the ids `resp_0`, `resp_1` and on,
+/// the `i`-th from backend `gpu-i`, and the facts each request carried.
+fn numbered_responses(n: usize) -> (BodyKey<ResponsesBackend>, Arc<Mutex<Vec<PromptFacts>>>) {
+    let answers = (0..n).map(|i| {
+        let id: &'static str = Box::leak(format!(r#"{{"id":"resp_{i}"}}"#).into_boxed_str());
+        vec![id.as_bytes()]
+    });
+    let (inner, seen) = responses_backend(answers.collect());
+    (BodyKeyLayer::new().layer(inner), seen)
 }
 
 #[tokio::test]
@@ -1319,22 +1342,8 @@ async fn skip_when_header_still_reads_a_responses_body_for_its_stored_response()
 #[tokio::test]
 async fn responses_stored_nowhere_do_not_push_out_those_stored() {
     let n = super::responses::StoredResponses::DEFAULT_CAPACITY;
-    let answers = (0..n + 2).map(|i| {
-        let id: &'static str = Box::leak(format!(r#"{{"id":"resp_{i}"}}"#).into_boxed_str());
-        vec![id.as_bytes()]
-    });
-    let (inner, seen) = responses_backend(answers.collect());
-    let svc = BodyKeyLayer::new().layer(inner);
-    let send = |body: String| {
-        let req = http::Request::post("/v1/responses")
-            .body(Full::new(Bytes::from(body)))
-            .unwrap();
-        let svc = svc.clone();
-        async move {
-            let res = svc.oneshot(req).await.unwrap();
-            res.into_body().collect().await.unwrap();
-        }
-    };
+    let (svc, seen) = numbered_responses(n + 2);
+    let send = |body: String| send_response_body(&svc, body);
     send(r#"{"input":"stored"}"#.into()).await;
     for i in 0..n {
         send(format!(r#"{{"store":false,"input":"turn {i}"}}"#)).await;
@@ -1351,22 +1360,8 @@ async fn responses_stored_nowhere_do_not_push_out_those_stored() {
 #[tokio::test]
 async fn a_conversations_latest_response_outlasts_the_turns_another_conversation_moved_past() {
     let n = super::responses::StoredResponses::DEFAULT_CAPACITY;
-    let answers = (0..n + 3).map(|i| {
-        let id: &'static str = Box::leak(format!(r#"{{"id":"resp_{i}"}}"#).into_boxed_str());
-        vec![id.as_bytes()]
-    });
-    let (inner, seen) = responses_backend(answers.collect());
-    let svc = BodyKeyLayer::new().layer(inner);
-    let send = |body: String| {
-        let req = http::Request::post("/v1/responses")
-            .body(Full::new(Bytes::from(body)))
-            .unwrap();
-        let svc = svc.clone();
-        async move {
-            let res = svc.oneshot(req).await.unwrap();
-            res.into_body().collect().await.unwrap();
-        }
-    };
+    let (svc, seen) = numbered_responses(n + 3);
+    let send = |body: String| send_response_body(&svc, body);
     send(r#"{"input":"the first conversation"}"#.into()).await;
     send(r#"{"input":"the second conversation"}"#.into()).await;
     for i in 1..=n {
