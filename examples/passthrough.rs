@@ -27,6 +27,7 @@
 //! sets the runtime's threads.
 
 use std::convert::Infallible;
+use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -50,9 +51,25 @@ type Body = http_body_util::combinators::BoxBody<bytes::Bytes, hyper::Error>;
 const USAGE: &str = "usage: passthrough LISTEN_ADDR BACKEND_ADDR [--per-connection]
   each address an IP:PORT, such as 127.0.0.1:8080 (names such as localhost are not looked up)";
 
-fn main() -> std::process::ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let parsed = match args.as_slice() {
+/// Reads the arguments after the program's name: the two addresses and whether
+/// `--per-connection` is given. An argument that is not UTF-8 is an error that names it, where
+/// `std::env::args` would panic on it.
+fn parse<I: IntoIterator<Item = OsString>>(
+    args: I,
+) -> Result<(SocketAddr, SocketAddr, bool), String> {
+    let mut text = Vec::new();
+    for (n, arg) in args.into_iter().enumerate() {
+        match arg.into_string() {
+            Ok(arg) => text.push(arg),
+            Err(arg) => {
+                return Err(format!(
+                    "passthrough: argument {} ({arg:?}) is not UTF-8: every argument is text",
+                    n + 1
+                ))
+            }
+        }
+    }
+    match text.as_slice() {
         [listen, backend, rest @ ..] if rest.iter().all(|a| a == "--per-connection") => {
             match (listen.parse(), backend.parse()) {
                 (Ok(l), Ok(b)) => Ok((l, b, !rest.is_empty())),
@@ -65,8 +82,11 @@ fn main() -> std::process::ExitCode {
             }
         }
         _ => Err(String::new()),
-    };
-    let (listen, backend, per_connection) = match parsed {
+    }
+}
+
+fn main() -> std::process::ExitCode {
+    let (listen, backend, per_connection) = match parse(std::env::args_os().skip(1)) {
         Ok(parsed) => parsed,
         Err(why) => {
             if !why.is_empty() {
@@ -294,6 +314,38 @@ mod tests {
         let status = res.status();
         let body = res.into_body().collect().await.unwrap().to_bytes();
         (backend, status, String::from_utf8_lossy(&body).into_owned())
+    }
+
+    /// An argument that is not UTF-8 is refused with an error that names it, as any other bad
+    /// argument is (exit status 2), not a panic.
+    #[cfg(unix)]
+    #[test]
+    fn an_argument_that_is_not_utf8_is_refused_not_a_panic() {
+        use std::os::unix::ffi::OsStringExt;
+        let bad = OsString::from_vec(b"127.0.0.1:80\xff".to_vec());
+        for args in [
+            vec![bad.clone(), "127.0.0.1:8081".into()],
+            vec!["127.0.0.1:8080".into(), "127.0.0.1:8081".into(), bad],
+        ] {
+            let position = args.len();
+            let err = std::panic::catch_unwind(|| parse(args))
+                .expect("no panic")
+                .expect_err("an error");
+            assert!(err.contains("not UTF-8"), "{err}");
+            let shown = if position == 2 { 1 } else { 3 };
+            assert!(err.contains(&format!("argument {shown} ")), "{err}");
+        }
+        let ok = parse(["127.0.0.1:8080".into(), "127.0.0.1:8081".into()]);
+        assert_eq!(
+            ok,
+            Ok((
+                ([127, 0, 0, 1], 8080).into(),
+                ([127, 0, 0, 1], 8081).into(),
+                false
+            ))
+        );
+        let main = include_str!("passthrough.rs");
+        assert!(main.contains(&["parse(std::env::", "args_os()"].concat()));
     }
 
     #[tokio::test]
