@@ -132,8 +132,25 @@ async fn run(
     let client: Client<HttpConnector, Incoming> =
         Client::builder(TokioExecutor::new()).build(connector);
     let backend = Backend::new(backend)?;
+    serve(listener, client, backend, per_connection).await
+}
+
+/// Accepts client connections on `listener` and serves each in a task of its own, for good.
+/// A failed accept does not end it (see [`accept_error`]).
+async fn serve(
+    listener: TcpListener,
+    client: Client<HttpConnector, Incoming>,
+    backend: Backend,
+    per_connection: bool,
+) -> Result<(), BoxError> {
     loop {
-        let (stream, _) = listener.accept().await?;
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                accept_error(e).await;
+                continue;
+            }
+        };
         let _ = stream.set_nodelay(true);
         if per_connection {
             tokio::spawn(serve_per_connection(stream, backend.clone()));
@@ -141,6 +158,25 @@ async fn run(
             tokio::spawn(serve_pooled(stream, client.clone(), backend.clone()));
         }
     }
+}
+
+/// A failed accept: a connection that went away before it was accepted is nothing; anything
+/// else (out of file descriptors under a load test's many connections, say) is reported and
+/// accepting pauses for a second, so as not to spin while it lasts. Either way the server goes
+/// on, as the proxy example's does: the connections it serves end, and free what they hold.
+async fn accept_error(e: std::io::Error) {
+    use std::io::{ErrorKind, Write};
+    if matches!(
+        e.kind(),
+        ErrorKind::ConnectionRefused | ErrorKind::ConnectionAborted | ErrorKind::ConnectionReset
+    ) {
+        return;
+    }
+    let _ = writeln!(
+        std::io::stderr(),
+        "passthrough: accept failed: {e}; pausing for 1 s"
+    );
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
 }
 
 /// The backend's address, as a connection, a URI and `Host` take it.
@@ -346,6 +382,71 @@ mod tests {
         );
         let main = include_str!("passthrough.rs");
         assert!(main.contains(&["parse(std::env::", "args_os()"].concat()));
+    }
+
+    /// Out of file descriptors, the server pauses accepting and then serves again, rather than
+    /// end. The test runs itself again under `ulimit -n`, and that run fills the limit with
+    /// connections to the pass-through.
+    #[cfg(unix)]
+    #[test]
+    fn running_out_of_file_descriptors_pauses_accepting_and_does_not_end_the_server() {
+        const CHILD: &str = "PASSTHROUGH_TEST_FEW_FILE_DESCRIPTORS";
+        const NAME: &str =
+            "tests::running_out_of_file_descriptors_pauses_accepting_and_does_not_end_the_server";
+        if std::env::var_os(CHILD).is_some() {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .start_paused(true)
+                .build()
+                .unwrap()
+                .block_on(out_of_file_descriptors());
+            return;
+        }
+        let status = std::process::Command::new("sh")
+            .args(["-c", "ulimit -n 64 && exec \"$0\" \"$@\""])
+            .arg(std::env::current_exe().unwrap())
+            .args([NAME, "--exact", "--nocapture", "--test-threads=1"])
+            .env(CHILD, "1")
+            .stdin(std::process::Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success(), "the run under ulimit -n 64: {status}");
+    }
+
+    /// Connects to a pass-through until no file descriptor is left, lets it meet the limit in
+    /// its accept, closes those connections, and sends a request through it.
+    async fn out_of_file_descriptors() {
+        let backend = start_backend().await;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let pool = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+        let server = tokio::spawn(serve(listener, pool, Backend::new(backend).unwrap(), false));
+        let mut held = Vec::new();
+        loop {
+            match TcpStream::connect(addr).await {
+                Ok(stream) => held.push(stream),
+                Err(e) => {
+                    assert_eq!(e.raw_os_error(), Some(24), "EMFILE: {e}");
+                    break;
+                }
+            }
+            assert!(held.len() < 1000, "no limit met");
+        }
+        // The server's accept, with the backlog full of connections and no descriptor free.
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        assert!(
+            !server.is_finished(),
+            "the server ended: {:?}",
+            server.await
+        );
+        drop(held);
+        let client = Client::builder(TokioExecutor::new()).build_http::<Full<bytes::Bytes>>();
+        let uri: Uri = format!("http://{addr}/v1/models").parse().unwrap();
+        let res = tokio::time::timeout(std::time::Duration::from_secs(30), client.get(uri))
+            .await
+            .expect("an answer")
+            .unwrap();
+        assert_eq!(res.status(), StatusCode::OK);
     }
 
     #[tokio::test]
