@@ -498,12 +498,7 @@ where
     {
         return Err(alone("--live-window", "--policy node-then-backend"));
     }
-    if let Some(b) = backends.iter().find(|b| is_listen(&b.authority, listen)) {
-        return Err(format!(
-            "--backend {}={}://{}: the proxy listens there (--listen {listen}) and would send each request to itself; give --listen another address",
-            b.node, b.scheme, b.authority
-        ));
-    }
+    refuse_own_address(&backends, listen, listen, false)?;
     config.backends = backends;
     Ok(Command::Run(Box::new(Args {
         listen,
@@ -646,10 +641,48 @@ fn default_id(authority: &Authority) -> Result<String, String> {
     })
 }
 
+/// Refuses a backend whose URL reaches the proxy's own listening socket, bound to `listen`
+/// (`--listen` is `given`; see [`is_listen`]): the proxy would send each request to itself.
+fn refuse_own_address(
+    backends: &[BackendSpec],
+    listen: SocketAddr,
+    given: SocketAddr,
+    dual_stack: bool,
+) -> Result<(), String> {
+    match (backends.iter()).find(|b| is_listen(&b.authority, listen, dual_stack)) {
+        Some(b) => Err(format!(
+            "--backend {}={}://{}: the proxy listens there (--listen {given}) and would send each request to itself; give --listen another address",
+            b.node, b.scheme, b.authority
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Refuses a backend whose URL reaches `listener`, the socket bound to `--listen` (`given`),
+/// once it is bound: [`parse`] refuses what the address alone says, and only the socket says
+/// whether one on `[::]` takes IPv4 connections too (a dual-stack socket, the default on Linux
+/// and macOS), so that a backend on IPv4 loopback at its port is the proxy itself.
+pub(crate) fn refuse_own_listener(
+    listener: &tokio::net::TcpListener,
+    given: SocketAddr,
+    backends: &[BackendSpec],
+) -> Result<(), String> {
+    let listen = listener
+        .local_addr()
+        .map_err(|e| format!("--listen {given}: {e}"))?;
+    let dual_stack = listen.is_ipv6()
+        && listen.ip().is_unspecified()
+        && socket2::SockRef::from(listener)
+            .only_v6()
+            .is_ok_and(|only| !only);
+    refuse_own_address(backends, listen, given, dual_stack)
+}
+
 /// Whether a backend's URL (`authority`) reaches the proxy's own listening socket, `listen`:
 /// the same port on the same IP address, on a loopback address or `localhost` when the proxy
-/// listens on every address of that family, or on `localhost` when it listens on loopback.
-fn is_listen(authority: &Authority, listen: SocketAddr) -> bool {
+/// listens on every address of that family (and on an IPv4 one too when `dual_stack`, a socket
+/// on `[::]` that takes IPv4 connections), or on `localhost` when it listens on loopback.
+fn is_listen(authority: &Authority, listen: SocketAddr, dual_stack: bool) -> bool {
     if authority.port_u16().unwrap_or(80) != listen.port() {
         return false;
     }
@@ -660,7 +693,7 @@ fn is_listen(authority: &Authority, listen: SocketAddr) -> bool {
         Ok(ip) => {
             ip == own
                 || (own.is_unspecified()
-                    && own.is_ipv4() == ip.is_ipv4()
+                    && (own.is_ipv4() == ip.is_ipv4() || (dual_stack && ip.is_ipv4()))
                     && (ip.is_loopback() || ip.is_unspecified()))
         }
         Err(_) => {

@@ -95,12 +95,14 @@ fn main() -> ExitCode {
 
 async fn run(args: cli::Args) -> Result<(), tower_affinity::BoxError> {
     let config = args.config;
+    let backends = config.backends.clone();
     let probe = config.probe_interval.is_some();
     app::log_fleet(&config);
     let proxy = Arc::new(Proxy::new(config).await?);
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| format!("--listen {}: {e}", args.listen))?;
+    cli::refuse_own_listener(&listener, args.listen, &backends)?;
     app::log_listening(proxy.config(), listener.local_addr()?);
     if probe {
         // Before the first request: a loading backend is down and slot counts are known.

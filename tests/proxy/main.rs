@@ -3326,6 +3326,55 @@ fn a_backend_at_the_proxys_own_listen_address_is_refused() {
     }
 }
 
+/// A `--backend` on IPv4 loopback at the port of a `--listen [::]` socket that takes IPv4
+/// connections too (a dual-stack socket, the default on Linux) is refused once the socket is
+/// bound: the proxy would send each request to itself.
+#[tokio::test]
+async fn a_backend_on_ipv4_loopback_is_refused_where_a_listen_on_ipv6_any_takes_ipv4_too() {
+    let Ok(listener) = tokio::net::TcpListener::bind("[::]:0").await else {
+        // No IPv6 here.
+        return;
+    };
+    let port = listener.local_addr().unwrap().port();
+    let given: SocketAddr = "[::]:0".parse().unwrap();
+    let refused = |url: String| {
+        let spec = cli::backend(&format!("n={url}")).unwrap().0;
+        cli::refuse_own_listener(&listener, given, &[spec])
+    };
+    // What the socket does: with IPv6 only (`net.ipv6.bindv6only`), no loop, and no refusal.
+    let takes_ipv4 = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .is_ok();
+    if std::fs::read_to_string("/proc/sys/net/ipv6/bindv6only").is_ok_and(|v| v.trim() == "0") {
+        assert!(takes_ipv4, "a dual-stack socket on [::] takes 127.0.0.1");
+    }
+    for url in [
+        format!("http://127.0.0.1:{port}"),
+        format!("http://127.0.0.2:{port}"),
+        format!("http://0.0.0.0:{port}"),
+        format!("http://[::1]:{port}"),
+    ] {
+        let ipv4 = !url.contains('[');
+        match refused(url.clone()) {
+            Err(e) => {
+                assert!(takes_ipv4 || !ipv4, "{url}: {e}");
+                assert!(e.contains(&format!("--backend n={url}")), "{e}");
+                assert!(e.contains("(--listen [::]:0)"), "{e}");
+                assert!(e.contains("would send each request to itself"), "{e}");
+            }
+            Ok(()) => assert!(!takes_ipv4 && ipv4, "{url} is refused"),
+        }
+    }
+    // Another port, or an address that is not this host's, is another server.
+    let other = if port == u16::MAX { port - 1 } else { port + 1 };
+    for url in [
+        format!("http://127.0.0.1:{other}"),
+        format!("http://10.0.0.5:{port}"),
+    ] {
+        assert_eq!(refused(url.clone()), Ok(()), "{url}");
+    }
+}
+
 /// A number past what its option holds (`slots=99999999999`, extra zeros) is refused with the
 /// option and the most it takes, not as a value that is no number at all.
 #[test]
