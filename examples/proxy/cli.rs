@@ -681,7 +681,8 @@ pub(crate) fn refuse_own_listener(
 /// Whether a backend's URL (`authority`) reaches the proxy's own listening socket, `listen`:
 /// the same port on the same IP address, on a loopback address or `localhost` when the proxy
 /// listens on every address of that family (and on an IPv4 one too when `dual_stack`, a socket
-/// on `[::]` that takes IPv4 connections), or on `localhost` when it listens on loopback.
+/// on `[::]` that takes IPv4 connections), or on `localhost` when it listens on loopback. An
+/// IPv4 address may be written as IPv6, as `[::ffff:127.0.0.1]`.
 fn is_listen(authority: &Authority, listen: SocketAddr, dual_stack: bool) -> bool {
     if authority.port_u16().unwrap_or(80) != listen.port() {
         return false;
@@ -689,7 +690,9 @@ fn is_listen(authority: &Authority, listen: SocketAddr, dual_stack: bool) -> boo
     let host = authority.host();
     let bare = (host.strip_prefix('[').and_then(|h| h.strip_suffix(']'))).unwrap_or(host);
     let own = listen.ip();
-    match bare.parse::<IpAddr>() {
+    // An IPv4 address written as IPv6 (`[::ffff:127.0.0.1]`) is reached over IPv4, at that
+    // IPv4 address.
+    match bare.parse::<IpAddr>().map(|ip| ip.to_canonical()) {
         Ok(ip) => {
             ip == own
                 || (own.is_unspecified()

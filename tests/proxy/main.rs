@@ -3326,6 +3326,34 @@ fn a_backend_at_the_proxys_own_listen_address_is_refused() {
     }
 }
 
+/// A `--backend` at the proxy's own IPv4 address written as IPv6 (`[::ffff:127.0.0.1]`) is
+/// refused as the address itself is: a connection to it reaches the proxy over IPv4.
+#[test]
+fn a_backend_at_the_listen_address_written_as_ipv4_mapped_ipv6_is_refused() {
+    let parse = |listen: &str, url: &str| {
+        cli::parse(["--backend", &format!("n={url}"), "--listen", listen]).map(|_| ())
+    };
+    for (listen, url) in [
+        ("127.0.0.1:9000", "http://[::ffff:127.0.0.1]:9000"),
+        ("0.0.0.0:9000", "http://[::ffff:127.0.0.1]:9000"),
+        ("0.0.0.0:9000", "http://[::ffff:0.0.0.0]:9000"),
+        ("10.0.0.5:9000", "http://[::ffff:a00:5]:9000"),
+    ] {
+        let err = parse(listen, url).unwrap_err();
+        assert!(
+            err.contains("would send each request to itself"),
+            "{url}: {err}"
+        );
+    }
+    for (listen, url) in [
+        ("127.0.0.1:9000", "http://[::ffff:127.0.0.2]:9000"),
+        ("127.0.0.1:9000", "http://[::ffff:127.0.0.1]:9001"),
+        ("[::1]:9000", "http://[::ffff:127.0.0.1]:9000"),
+    ] {
+        assert_eq!(parse(listen, url), Ok(()), "{url} on {listen}");
+    }
+}
+
 /// A `--backend` on IPv4 loopback at the port of a `--listen [::]` socket that takes IPv4
 /// connections too (a dual-stack socket, the default on Linux) is refused once the socket is
 /// bound: the proxy would send each request to itself.
