@@ -20,7 +20,9 @@ use crate::BoxError;
 pub enum FailureKind {
     /// The backend refused the connection: nothing listens there.
     Refused,
-    /// The connection was reset or closed before the response headers were complete.
+    /// The connection was reset or closed before the response headers were complete; over
+    /// HTTP/2, also the backend's `GOAWAY` before them, or its refusal of the stream
+    /// (`REFUSED_STREAM`).
     Reset,
     /// No connection within the connect timeout, no response headers within the response
     /// timeout, or, as the error of an answer's body, no frame of it within the idle timeout
@@ -124,8 +126,9 @@ pub struct HttpBackendError {
 
 impl HttpBackendError {
     /// Wraps an error of hyper-util's client, hyper or the socket, with its kind read from its
-    /// source chain: a refused or reset connection (an [`io::Error`] of that kind, or hyper's
-    /// "connection closed before the message completed"), a timeout (an `io::Error` of kind
+    /// source chain: a refused or reset connection (an [`io::Error`] of that kind, hyper's
+    /// "connection closed before the message completed", or an HTTP/2 backend's `GOAWAY` or
+    /// `REFUSED_STREAM`), a timeout (an `io::Error` of kind
     /// `TimedOut` or tokio's `Elapsed`), another connect failure, or something else.
     pub fn classify(source: BoxError) -> Self {
         let kind = kind_of(&*source);
@@ -273,6 +276,14 @@ fn kind_of(e: &(dyn StdError + 'static)) -> FailureKind {
         }
         if let Some(client) = e.downcast_ref::<hyper_util::client::legacy::Error>() {
             connect |= client.is_connect();
+        }
+        // An HTTP/2 backend that closes the connection (`GOAWAY`) or refuses the stream
+        // (`REFUSED_STREAM`, which says it was not processed) before any answer: a reset.
+        if let Some(h2) = e.downcast_ref::<h2::Error>() {
+            let refused = h2.is_go_away() || h2.reason() == Some(h2::Reason::REFUSED_STREAM);
+            if h2.is_remote() && refused {
+                return FailureKind::Reset;
+            }
         }
         if let Some(h) = e.downcast_ref::<hyper::Error>() {
             if h.is_timeout() {

@@ -777,6 +777,11 @@ impl<B: Clone> Builder<B> {
     /// reads that prompt a second time; a backend whose requests act on something, and may
     /// not run twice, is no backend for this setting.
     ///
+    /// Over HTTP/2, a backend's `GOAWAY` before the answer, or its refusal of the stream
+    /// (`REFUSED_STREAM`), is such a close too: a backend that drains its connections (a
+    /// restart, a limit on a connection's age) turns down a stream that came too late, and
+    /// says it did not process it.
+    ///
     /// An answer to a request sent again carries [`SentAgain`](crate::SentAgain) in its
     /// extensions: the balancer counts it for the backend
     /// ([`BackendStatus::sent_again`](crate::BackendStatus::sent_again)), where a count that

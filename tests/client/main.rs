@@ -1294,3 +1294,127 @@ async fn a_killed_stub_answers_no_request_on_a_pooled_connection() {
         assert_eq!(stub.connections(), 1, "round {round}");
     }
 }
+
+/// How [`refusing_h2`] turns down the first request of its first connection.
+#[derive(Clone, Copy, Debug)]
+enum Refusal {
+    /// `GOAWAY` whose last stream is 0: no stream was processed, and the connection closes.
+    GoAway,
+    /// `RST_STREAM` with `REFUSED_STREAM`: the stream was not processed.
+    RefusedStream,
+    /// `RST_STREAM` with `NO_ERROR`: not a refusal, and nothing says what was processed.
+    ResetNoError,
+}
+
+/// An HTTP/2 server written frame by frame: its first connection turns down its first
+/// request as `refusal` says; every other request it answers `200` with no body. Counts its
+/// connections.
+async fn refusing_h2(refusal: Refusal) -> (SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let connections = Arc::new(AtomicUsize::new(0));
+    let counted = connections.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = listener.accept().await else {
+                continue;
+            };
+            let first = counted.fetch_add(1, Ordering::SeqCst) == 0;
+            tokio::spawn(async move {
+                let frame = |ty: u8, flags: u8, stream: u32, payload: &[u8]| {
+                    let len = (payload.len() as u32).to_be_bytes();
+                    let mut f = vec![len[1], len[2], len[3], ty, flags];
+                    f.extend_from_slice(&stream.to_be_bytes());
+                    f.extend_from_slice(payload);
+                    f
+                };
+                let mut preface = [0u8; 24];
+                if s.read_exact(&mut preface).await.is_err() {
+                    return;
+                }
+                let _ = s.write_all(&frame(4, 0, 0, &[])).await;
+                let mut refuse = first;
+                loop {
+                    let mut head = [0u8; 9];
+                    if s.read_exact(&mut head).await.is_err() {
+                        return;
+                    }
+                    let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+                    let mut payload = vec![0u8; len];
+                    if s.read_exact(&mut payload).await.is_err() {
+                        return;
+                    }
+                    let (ty, flags) = (head[3], head[4]);
+                    let stream = u32::from_be_bytes(head[5..9].try_into().unwrap()) & !(1 << 31);
+                    let out = match ty {
+                        // SETTINGS, acknowledged.
+                        4 if flags & 1 == 0 => frame(4, 1, 0, &[]),
+                        // HEADERS of a request.
+                        1 if refuse => {
+                            refuse = false;
+                            match refusal {
+                                Refusal::GoAway => frame(7, 0, 0, &[0; 8]),
+                                Refusal::RefusedStream => frame(3, 0, stream, &7u32.to_be_bytes()),
+                                Refusal::ResetNoError => frame(3, 0, stream, &0u32.to_be_bytes()),
+                            }
+                        }
+                        // `:status: 200` (static table entry 8), the stream's end.
+                        1 => frame(1, 0x4 | 0x1, stream, &[0x88]),
+                        _ => continue,
+                    };
+                    if s.write_all(&out).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, connections)
+}
+
+/// An HTTP/2 backend that turns a request down unprocessed (`GOAWAY` below its stream, or
+/// `REFUSED_STREAM`) closed the request's connection, or its stream, before any answer: a
+/// reset, as over HTTP/1.1, which `resend_on_close` sends once more on another connection.
+/// A stream reset with `NO_ERROR` says no such thing and stays a failure of another kind.
+#[tokio::test]
+async fn a_request_an_http2_backend_refused_unprocessed_is_a_reset_and_sent_again() {
+    use std::sync::atomic::Ordering;
+    let post = || {
+        Request::post("/v1/chat/completions")
+            .body(Body::from("{}"))
+            .unwrap()
+    };
+    for refusal in [Refusal::GoAway, Refusal::RefusedStream] {
+        let (addr, _) = refusing_h2(refusal).await;
+        let backend = HttpBackend::<Body>::builder()
+            .http2_prior_knowledge(true)
+            .build(&url(addr))
+            .unwrap();
+        let e = call(&backend, post()).await.unwrap_err();
+        assert_eq!(e.kind(), FailureKind::Reset, "{refusal:?}: {e}");
+
+        let (addr, connections) = refusing_h2(refusal).await;
+        let backend = HttpBackend::<Body>::builder()
+            .http2_prior_knowledge(true)
+            .resend_on_close(true)
+            .build(&url(addr))
+            .unwrap();
+        let res = call(&backend, post()).await.unwrap();
+        assert_eq!(res.status(), 200, "{refusal:?}");
+        assert!(res
+            .extensions()
+            .get::<tower_affinity::SentAgain>()
+            .is_some());
+        assert_eq!(connections.load(Ordering::SeqCst), 2, "{refusal:?}");
+    }
+    // Beside them, a stream reset without a refusal is no closed connection.
+    let (addr, _) = refusing_h2(Refusal::ResetNoError).await;
+    let backend = HttpBackend::<Body>::builder()
+        .http2_prior_knowledge(true)
+        .resend_on_close(true)
+        .build(&url(addr))
+        .unwrap();
+    let e = call(&backend, post()).await.unwrap_err();
+    assert_eq!(e.kind(), FailureKind::Other, "{e}");
+}
