@@ -231,7 +231,9 @@ impl<B> HttpBackend<B> {
     /// may leave the client's), `Host` set to the backend's, `Cookie` fields joined into one
     /// for an HTTP/1.1 backend (an HTTP/2 client may split them), the version the backend
     /// connection speaks, and, if `absolute`, the backend's scheme and authority in its URI
-    /// (else its URI in origin-form, `/path?query`, for a connection of the caller's own).
+    /// (else its URI in origin-form, `/path?query`, for an HTTP/1.1 connection of the
+    /// caller's own; for an HTTP/2 backend the scheme and authority are set either way, as
+    /// an HTTP/2 request carries them in its pseudo-header fields).
     ///
     /// A `CONNECT`, and a body in a transfer coding other than `chunked`, are refused
     /// ([`FailureKind::Unsupported`](super::FailureKind::Unsupported), 501).
@@ -269,7 +271,9 @@ impl<B> HttpBackend<B> {
         // The backend connection speaks its own version, whatever the client spoke.
         *req.version_mut() = inner.version;
         let mut parts = std::mem::take(req.uri_mut()).into_parts();
-        if absolute {
+        // An HTTP/2 request names its scheme and authority (`:scheme`, `:authority`): an
+        // HTTP/2 connection refuses one without, whatever its target's form.
+        if absolute || inner.version == Version::HTTP_2 {
             parts.scheme = Some(inner.scheme.clone());
             parts.authority = Some(inner.authority.clone());
         } else {

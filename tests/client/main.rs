@@ -1418,3 +1418,45 @@ async fn a_request_an_http2_backend_refused_unprocessed_is_a_reset_and_sent_agai
     let e = call(&backend, post()).await.unwrap_err();
     assert_eq!(e.kind(), FailureKind::Other, "{e}");
 }
+
+/// `prepare` for a connection of the caller's own: origin-form for HTTP/1.1, but over HTTP/2
+/// the scheme and authority stay, as the request's pseudo-header fields, without which an
+/// HTTP/2 connection refuses it.
+#[tokio::test]
+async fn a_request_prepared_for_an_http2_connection_of_ones_own_is_sent_on_it() {
+    let (addr, seen) = stub("own").await;
+    let backend = HttpBackend::<Body>::builder()
+        .http2_prior_knowledge(true)
+        .build(&url(addr))
+        .unwrap();
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let req = Request::post("/v1/chat/completions?x=%20y")
+        .body(Full::new(Bytes::from_static(b"{}")))
+        .unwrap();
+    let req = backend.prepare(req, false).unwrap();
+    let res = tokio::time::timeout(DEADLINE, sender.send_request(req))
+        .await
+        .expect("no answer in time")
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let seen = seen.lock()[0].clone();
+    assert_eq!(seen.version, Version::HTTP_2);
+    assert_eq!(
+        seen.uri.path_and_query().unwrap(),
+        "/v1/chat/completions?x=%20y"
+    );
+    assert_eq!(seen.uri.authority().unwrap().as_str(), addr.to_string());
+
+    // Over HTTP/1.1 the target stays in origin-form, as a request line carries it.
+    let http1 = HttpBackend::<Body>::new(&url(addr)).unwrap();
+    let req = Request::post("http://proxy/v1/completions").body(Body::default());
+    let req = http1.prepare(req.unwrap(), false).unwrap();
+    assert_eq!(req.uri(), "/v1/completions");
+}
