@@ -691,6 +691,146 @@ mod tests {
         assert!(kept >= 196, "kept {kept} of 200 sessions in use");
     }
 
+    #[test]
+    fn every_word_a_key_keeps_moves_where_its_probe_starts() {
+        // Keys with a pattern must not share one run of slots: a change in any one of the
+        // three words an entry keeps moves where its probe starts, whatever the other two hold.
+        let mut shard = Shard::new(1 << 16);
+        shard.slots = vec![Entry::VACANT; 1 << 12];
+        for others in [0u32, u32::MAX] {
+            for word in 0..3 {
+                let starts: std::collections::HashSet<usize> = (1..=64u32)
+                    .map(|v| {
+                        let mut w = [others; 3];
+                        w[word] = v;
+                        shard.start(w)
+                    })
+                    .collect();
+                assert!(
+                    starts.len() >= 48,
+                    "word {word} among {others:#x}: {} starts for 64 keys",
+                    starts.len()
+                );
+            }
+        }
+    }
+
+    /// A shard of 40 entries, all last used at second 100, and a key to place in it with the
+    /// slots held from where its probe starts, in probe order.
+    fn shard_of_forty() -> (Shard, Words, Vec<usize>) {
+        let mut shard = Shard::new(64);
+        for k in 1..=40u32 {
+            shard.grow_for_one_more();
+            shard.place(Entry {
+                key: words(SessionKey::from_u128(u128::from(k))),
+                home: home(k),
+                stamp: 100,
+            });
+        }
+        let new = words(SessionKey::from_u128(1_000));
+        let n = shard.slots.len();
+        let held: Vec<usize> = (0..n)
+            .map(|d| (shard.start(new) + d) % n)
+            .filter(|&i| shard.slots[i].key != EMPTY)
+            .collect();
+        assert!(held.len() > SAMPLE);
+        (shard, new, held)
+    }
+
+    #[test]
+    fn an_eviction_looks_only_at_the_entries_next_to_where_the_key_goes() {
+        // The least recently used entry of the shard lies past the sample: it stays, and the
+        // oldest entry among the first eight from the new key's start goes.
+        let (mut shard, new, held) = shard_of_forty();
+        let (in_sample, past_it) = (held[SAMPLE - 1], held[SAMPLE]);
+        shard.slots[in_sample].stamp = 50;
+        shard.slots[past_it].stamp = 1;
+        assert_eq!(shard.victim_near(new, |_| false), in_sample);
+    }
+
+    #[test]
+    fn an_entry_used_again_a_second_earlier_goes_before_one_never_used_again() {
+        // The "used again" bit orders entries only within one second.
+        let (mut shard, new, held) = shard_of_forty();
+        shard.slots[held[0]].stamp = 101;
+        shard.slots[held[1]].stamp = 100 | REFERENCED;
+        for &i in &held[2..SAMPLE] {
+            shard.slots[i].stamp = 200;
+        }
+        assert_eq!(shard.victim_near(new, |_| false), held[1]);
+    }
+
+    #[test]
+    fn a_shard_doubles_only_when_it_would_pass_three_quarters_load() {
+        let mut shard = Shard::new(10_000);
+        for k in 1..=5_000u32 {
+            shard.grow_for_one_more();
+            shard.place(Entry {
+                key: words(SessionKey::from_u128(u128::from(k))),
+                home: home(k),
+                stamp: 0,
+            });
+            let n = shard.slots.len();
+            assert!(shard.len * 4 <= n * 3, "{} entries in {n} slots", shard.len);
+            assert!(
+                n == 16 || shard.len * 8 > n * 3,
+                "{} entries in {n} slots",
+                shard.len
+            );
+        }
+    }
+
+    #[test]
+    fn the_table_counts_its_slots_at_32_bytes_each_and_its_own_parts() {
+        let t = SessionTable::new(Sessions::new().max_entries(100_000));
+        for n in 0..5_000 {
+            t.put(key(n), home(0), 1_000);
+        }
+        let slots: usize = t.shards.iter().map(|s| s.lock().slots.len()).sum();
+        assert_eq!(
+            t.memory_bytes(),
+            slots * 32
+                + std::mem::size_of::<SessionTable>()
+                + t.shards.len() * std::mem::size_of::<Mutex<Shard>>()
+        );
+    }
+
+    #[test]
+    fn a_session_put_at_the_end_of_the_clock_is_found_then() {
+        // Seconds past 2^31 - 1 stay at 2^31 - 1: they do not reach the "used again" bit.
+        let t = SessionTable::new(
+            Sessions::new()
+                .max_entries(10)
+                .idle_timeout(Duration::from_secs(60)),
+        );
+        t.put(key(1), home(1), u64::MAX);
+        assert_eq!(t.get(key(1), u64::MAX), Some(home(1)));
+    }
+
+    #[test]
+    fn keys_whose_products_differ_only_in_the_second_or_third_word_kept_are_two_sessions() {
+        // All 96 bits kept count: keys whose products with the mixing number are alike but in
+        // bit 64, or in bit 32, are sessions of their own.
+        let mut inverse = MIX;
+        for _ in 0..7 {
+            inverse = inverse.wrapping_mul(2u128.wrapping_sub(MIX.wrapping_mul(inverse)));
+        }
+        assert_eq!(MIX.wrapping_mul(inverse), 1);
+        let t = SessionTable::new(Sessions::new().max_entries(10));
+        let now = 1_000u64;
+        let keys = [
+            1u128,
+            1u128.wrapping_add((1u128 << 64).wrapping_mul(inverse)),
+            1u128.wrapping_add((1u128 << 32).wrapping_mul(inverse)),
+        ];
+        for (i, &k) in keys.iter().enumerate() {
+            t.put(SessionKey::from_u128(k), home(i as u32), now);
+        }
+        for (i, &k) in keys.iter().enumerate() {
+            assert_eq!(t.get(SessionKey::from_u128(k), now), Some(home(i as u32)));
+        }
+    }
+
     mod model {
         use std::collections::HashMap;
 
