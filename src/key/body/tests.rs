@@ -1190,28 +1190,14 @@ impl futures_core::Stream for Frames {
 }
 
 /// Sends each body to `/v1/responses` through `svc`, reading each answer whole.
-async fn send_responses<S>(svc: &S, bodies: &[&'static str])
-where
-    S: tower::Service<
-            http::Request<Full<Bytes>>,
-            Response = http::Response<BodyKeyResponseBody<http_body_util::StreamBody<Frames>>>,
-            Error = Infallible,
-        > + Clone,
-{
+async fn send_responses(svc: &BodyKey<ResponsesBackend>, bodies: &[&'static str]) {
     for body in bodies {
         send_response_body(svc, *body).await;
     }
 }
 
 /// Sends one Responses request of `body` through `svc` and reads its answer whole.
-async fn send_response_body<S>(svc: &S, body: impl Into<Bytes>)
-where
-    S: tower::Service<
-            http::Request<Full<Bytes>>,
-            Response = http::Response<BodyKeyResponseBody<http_body_util::StreamBody<Frames>>>,
-            Error = Infallible,
-        > + Clone,
-{
+async fn send_response_body(svc: &BodyKey<ResponsesBackend>, body: impl Into<Bytes>) {
     let req = http::Request::post("/v1/responses")
         .body(Full::new(body.into()))
         .unwrap();
