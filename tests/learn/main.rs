@@ -267,6 +267,24 @@ async fn stop(task: tokio::task::JoinHandle<()>) {
     let _ = task.await;
 }
 
+/// Sends session `held`'s turn of blocks 1 to 4 (1,000 tokens each), which reuses the first
+/// three, and checks that it goes home to `a` as the cache model predicted: a hit, and no
+/// correction.
+async fn held_turn_goes_home_as_predicted<S, P>(svc: &Svc<S, P>)
+where
+    Svc<S, P>: tower::Service<Req, Response = Res, Error = tower_affinity::Error>,
+    <Svc<S, P> as tower::Service<Req>>::Future: Send,
+{
+    let turn = request(
+        Some("held"),
+        Some(chain(&[1, 2, 3, 4], 1000)),
+        reused(4000, 3000),
+    );
+    let (d, _, _) = exchange(svc, turn).await;
+    assert_eq!(d.outcome, Outcome::HomeHit);
+    assert_eq!(status(svc, "a").corrections, 0);
+}
+
 fn status<S, P>(svc: &Svc<S, P>, id: &str) -> BackendStatus {
     svc.backends()
         .into_iter()
@@ -1206,17 +1224,7 @@ async fn a_prompt_the_backend_refused_leaves_its_model_holding_what_it_held() {
     let a = status(&svc, "a");
     assert_eq!((a.cached_tokens, a.conversations), (3000, 1), "{a:?}");
     // The first session's next turn still finds its home holding it.
-    let (d, _, _) = exchange(
-        &svc,
-        request(
-            Some("held"),
-            Some(chain(&[1, 2, 3, 4], 1000)),
-            reused(4000, 3000),
-        ),
-    )
-    .await;
-    assert_eq!(d.outcome, Outcome::HomeHit);
-    assert_eq!(status(&svc, "a").corrections, 0);
+    held_turn_goes_home_as_predicted(&svc).await;
     // Its next turn is refused for a passing reason; the one after still goes home, which
     // holds what it held before, and is predicted so (no correction).
     let failed = Reply {
@@ -1271,17 +1279,7 @@ async fn an_error_answers_usage_teaches_nothing() {
         assert_eq!(svc.stats().usage_reports, 1, "{code}");
     }
     // The conversation is still held there: its next turn is a hit, and predicted so.
-    let (d, _, _) = exchange(
-        &svc,
-        request(
-            Some("held"),
-            Some(chain(&[1, 2, 3, 4], 1000)),
-            reused(4000, 3000),
-        ),
-    )
-    .await;
-    assert_eq!(d.outcome, Outcome::HomeHit);
-    assert_eq!(status(&svc, "a").corrections, 0);
+    held_turn_goes_home_as_predicted(&svc).await;
     assert_idle(&svc);
 }
 
