@@ -1999,23 +1999,44 @@ async fn a_slot_freed_around_a_wake_of_every_waiter_is_still_promised_to_one() {
     }
 }
 
+type WaitingService = SessionAffinity<
+    StaticFleet<MockService>,
+    HeaderKey,
+    tower_affinity::placement::NodeThenBackend,
+>;
+
+/// Two one-slot backends on nodes of their own, `a1` and `b1`, under `Overflow::wait`, each
+/// busy with a stream, and requests of sessions `w1` then `w2` waiting for a slot. Returns the
+/// service, the stream on `a1`, the one on `b1`, and the waiters.
+async fn both_busy_two_waiting(
+    streams: &Streams,
+) -> (
+    WaitingService,
+    Res,
+    Res,
+    Vec<tokio_test::task::Spawn<<WaitingService as Service<Req>>::Future>>,
+) {
+    let mut svc = SessionAffinityLayer::new()
+        .overflow(Overflow::wait(Duration::from_secs(60), 8))
+        .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], streams));
+    let on_a = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
+    let on_b = send(&mut svc, Some("t"), Some("stream")).await.unwrap();
+    let (a, b) = if decision(&on_a).backend.as_str() == "a1" {
+        (on_a, on_b)
+    } else {
+        (on_b, on_a)
+    };
+    let waiting = waiters(&mut svc, &["w1", "w2"]).await;
+    (svc, a, b, waiting)
+}
+
 /// A slot promised to a waiter on a backend that goes down before the waiter runs is not
 /// passed on when that waiter cannot take it: nobody may take a slot there, and the other
 /// waiters, woken by the mark, have looked already.
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_promise_on_a_backend_gone_down_is_passed_to_nobody() {
     let streams = Streams::default();
-    let mut svc = SessionAffinityLayer::new()
-        .overflow(Overflow::wait(Duration::from_secs(60), 8))
-        .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
-    let on_a = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
-    let on_b = send(&mut svc, Some("t"), Some("stream")).await.unwrap();
-    let (a, _b) = if decision(&on_a).backend.as_str() == "a1" {
-        (on_a, on_b)
-    } else {
-        (on_b, on_a)
-    };
-    let mut waiting = waiters(&mut svc, &["w1", "w2"]).await;
+    let (svc, a, _b, mut waiting) = both_busy_two_waiting(&streams).await;
     // a1's slot frees, promised to the oldest waiter; then a1 goes down, which wakes both.
     drop(a);
     assert!(waiting[0].is_woken() && !waiting[1].is_woken());
@@ -6703,17 +6724,7 @@ async fn a_retried_refusal_with_no_room_to_wait_for_its_node_is_counted_once() {
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_promise_on_a_backend_whose_cooldown_has_ended_is_passed_on() {
     let streams = Streams::default();
-    let mut svc = SessionAffinityLayer::new()
-        .overflow(Overflow::wait(Duration::from_secs(60), 8))
-        .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
-    let on_a = send(&mut svc, Some("s"), Some("stream")).await.unwrap();
-    let on_b = send(&mut svc, Some("t"), Some("stream")).await.unwrap();
-    let (a, _b) = if decision(&on_a).backend.as_str() == "a1" {
-        (on_a, on_b)
-    } else {
-        (on_b, on_a)
-    };
-    let mut waiting = waiters(&mut svc, &["w1", "w2"]).await;
+    let (mut svc, a, _b, mut waiting) = both_busy_two_waiting(&streams).await;
     // a1 goes down while busy, which wakes both waiters; neither looks before the end.
     assert!(svc.mark_down("a1", Some(Duration::from_secs(10))));
     // The mark ends this very millisecond, and nothing has looked at a1 since.
