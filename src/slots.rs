@@ -415,9 +415,10 @@ pub(crate) fn names_a_later_choice(chunk: &[u8]) -> bool {
     })
 }
 
-/// Whether a chunk is one whole last event of a Responses stream: it begins with the event
-/// (its `event:` line, or its `data:` line when the stream names no events; a space after
-/// the colon or none) and ends with the blank line after it. Its data is one line of JSON, so the blank line is the event's.
+/// Whether a chunk is one whole last event of a Responses stream: it begins with the event (its
+/// `event:` line, or its `data:` line when the stream names no events; a space after the colon
+/// or none) and ends with the blank line after it. Its data is one line of JSON, so the blank
+/// line is the event's.
 fn ends_responses(chunk: &[u8]) -> bool {
     const LAST: [&[u8]; 3] = [b"completed", b"failed", b"incomplete"];
     let whole = chunk.ends_with(b"\n\n") || chunk.ends_with(b"\r\n\r\n");

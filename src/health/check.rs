@@ -270,8 +270,9 @@ pub(crate) fn parse_slots(body: &[u8]) -> Option<Slots> {
 }
 
 /// What a `/slots` array says: how many slot objects, how many of them are busy
-/// (`"is_processing": true`, or without it a `state` other than 0), and the largest `n_ctx` that is a whole number (0 if none). A
-/// member given twice counts as its last, as a JSON object read whole keeps it.
+/// (`"is_processing": true`, or without it a `state` other than 0), and the largest `n_ctx`
+/// that is a whole number (0 if none). A member given twice counts as its last, as a JSON
+/// object read whole keeps it.
 #[derive(Default)]
 struct SlotsTally {
     total: u64,
