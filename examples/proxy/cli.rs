@@ -17,7 +17,7 @@ use crate::app::{
 };
 
 pub(crate) const USAGE: &str = "\
-usage: proxy --listen ADDR (--backend NODE=URL[,...] | --backend-dns NAME:PORT)... [options]
+usage: proxy [--listen ADDR] (--backend NODE=URL[,...] | --backend-dns NAME:PORT)... [options]
 
 An OpenAI-compatible reverse proxy that keeps each agent session on the llama-server
 that holds its prompt cache: same backend, else same node, else elsewhere.
