@@ -715,17 +715,23 @@ mod tests {
         }
     }
 
+    /// Places session `k` (its key `k` as a number, its home `home(k)`) in `shard`, last used
+    /// at `stamp`, growing the shard first as the table does.
+    fn place_numbered(shard: &mut Shard, k: u32, stamp: u32) {
+        shard.grow_for_one_more();
+        shard.place(Entry {
+            key: words(SessionKey::from_u128(u128::from(k))),
+            home: home(k),
+            stamp,
+        });
+    }
+
     /// A shard of 40 entries, all last used at second 100, and a key to place in it with the
     /// slots held from where its probe starts, in probe order.
     fn shard_of_forty() -> (Shard, Words, Vec<usize>) {
         let mut shard = Shard::new(64);
-        for k in 1..=40u32 {
-            shard.grow_for_one_more();
-            shard.place(Entry {
-                key: words(SessionKey::from_u128(u128::from(k))),
-                home: home(k),
-                stamp: 100,
-            });
+        for k in 1..=40 {
+            place_numbered(&mut shard, k, 100);
         }
         let new = words(SessionKey::from_u128(1_000));
         let n = shard.slots.len();
@@ -763,13 +769,8 @@ mod tests {
     #[test]
     fn a_shard_doubles_only_when_it_would_pass_three_quarters_load() {
         let mut shard = Shard::new(10_000);
-        for k in 1..=5_000u32 {
-            shard.grow_for_one_more();
-            shard.place(Entry {
-                key: words(SessionKey::from_u128(u128::from(k))),
-                home: home(k),
-                stamp: 0,
-            });
+        for k in 1..=5_000 {
+            place_numbered(&mut shard, k, 0);
             let n = shard.slots.len();
             assert!(shard.len * 4 <= n * 3, "{} entries in {n} slots", shard.len);
             assert!(
