@@ -21,9 +21,13 @@ pin_project! {
     /// A backend announced without a slot count ([`Backend::slots_given`]) and again later
     /// keeps the count learned for it. Announced again at another address, it is probed as
     /// another server: the answers of probes sent to the old address are dropped, and its
-    /// failures and successes in a row start over (whether it is up, and what was learned of
-    /// it, stay until the new server's probes say otherwise). The stream does not end when
-    /// the inner one does: the prober may still learn slot counts.
+    /// failures and successes in a row start over. Whether it is up stays until the new
+    /// server's probes say otherwise. The slot count and request context learned at the old
+    /// address stay until the new server first answers ready, so that a server moved as it
+    /// was does not serve as one slot meanwhile; from that answer on, the backend has what
+    /// the new server says, and what it does not say is unknown (a count unknown is one
+    /// slot). The stream does not end when the inner one does: the prober may still learn
+    /// slot counts.
     pub struct Probed<D, S> {
         #[pin]
         inner: D,

@@ -95,6 +95,10 @@ use crate::{Backend, BackendId};
 /// gives its model's training context, `meta.n_ctx_train`, and in recent releases a slot's,
 /// `meta.n_ctx`, which some of its forks give as the whole context of all slots.)
 ///
+/// A backend announced again at another address is another server: the count and context
+/// read at the old address stand until the new server first answers ready, and then only
+/// what it says does (a server there without `/slots` has its count unknown: one slot).
+///
 /// Each transition is logged once (`info` up, `warn` down) and counted
 /// ([`ProbeStatus::transitions`], [`Prober::transitions`]).
 ///

@@ -59,6 +59,11 @@ struct Target<S> {
     backend: Backend<S>,
     generation: u64,
     status: ProbeStatus,
+    /// What `status` holds of the slots and the request context was read at the address the
+    /// backend had before it was announced again at this one. It stands until the server here
+    /// first answers ready, so that a server moved as it was loses nothing meanwhile; from
+    /// then on what this server says stands, and what it does not say is unknown.
+    inherited: bool,
 }
 
 /// A slot count or request context learned, for the backend to be announced again with
@@ -66,6 +71,9 @@ struct Target<S> {
 pub(crate) struct Update {
     id: BackendId,
     generation: u64,
+    /// A count or a context read at the backend's previous address was forgotten: the
+    /// backend is announced again even with nothing learned of it.
+    forgot: bool,
 }
 
 impl<S> Clone for Prober<S> {
@@ -170,7 +178,8 @@ impl<S> Prober<S> {
 
 impl<S: Clone> Prober<S> {
     /// The inner stream announced `backend`: registers it, and returns it as the balancer
-    /// should have it (with the slot count learned before, if its own was not given).
+    /// should have it (with the slot count learned before, if its own was not given; learned
+    /// at its previous address, if it moved, until the server at the new one answers).
     pub(crate) fn announced(&self, id: &BackendId, backend: Backend<S>) -> Backend<S>
     where
         S: ProbeTarget,
@@ -190,6 +199,9 @@ impl<S: Clone> Prober<S> {
                     t.status.failures = 0;
                     t.status.successes = 0;
                     t.status.no_slots = false;
+                    t.status.slots_error = None;
+                    t.status.models_error = None;
+                    t.inherited = true;
                 }
                 t.backend = backend;
                 (self.with_learned(&t.backend, &t.status)).unwrap_or_else(|| t.backend.clone())
@@ -202,6 +214,7 @@ impl<S: Clone> Prober<S> {
                         backend: backend.clone(),
                         generation,
                         status: ProbeStatus::new(id.clone()),
+                        inherited: false,
                     },
                 );
                 self.shared.fresh.notify_one();
@@ -224,7 +237,8 @@ impl<S: Clone> Prober<S> {
         if t.generation != update.generation {
             return None;
         }
-        let backend = self.with_learned(&t.backend, &t.status)?;
+        let backend = (self.with_learned(&t.backend, &t.status))
+            .or_else(|| update.forgot.then(|| t.backend.clone()))?;
         Some((update.id, backend))
     }
 
@@ -415,7 +429,10 @@ where
                     // A llama-server (one whose slots were read: from `/slots`, or from
                     // `/props` after its 501), unless its busy slots are wanted, which only
                     // `/slots` gives. The others are not asked it.
-                    props: t.status.slots.is_some() && !self.shared.config.busy_slots,
+                    // Not one whose count was read at its previous address.
+                    props: t.status.slots.is_some()
+                        && !t.inherited
+                        && !self.shared.config.busy_slots,
                 }
             })
             .collect()
@@ -482,6 +499,14 @@ where
             self.learns_context(&t.backend),
         );
         let given = t.backend.slots_given().then(|| t.backend.slot_count());
+        // The first ready answer of the server at a new address: what the old one said goes,
+        // and this answer says what stands.
+        let inherited = if t.inherited && checked.health == Health::Ready {
+            t.inherited = false;
+            Some((t.status.slots.take(), t.status.request_context.take()))
+        } else {
+            None
+        };
         let s = &mut t.status;
         s.probes += 1;
         let mut mark = None;
@@ -612,9 +637,15 @@ where
                 }
             }
         }
-        let update = learned.then(|| Update {
+        // What the old server said and this one does not: announced again without it.
+        let forgot = inherited.is_some_and(|(slots, context)| {
+            (learns_slots && slots.is_some() && s.slots.is_none())
+                || (learns_context && context.is_some() && s.request_context.is_none())
+        });
+        let update = (learned || forgot).then(|| Update {
             id: id.clone(),
             generation,
+            forgot,
         });
         (mark, update, t.backend.node().to_string())
     }

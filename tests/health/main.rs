@@ -1018,6 +1018,39 @@ async fn a_backend_announced_again_keeps_its_learned_slots_and_a_removed_one_is_
     assert!(affinity.backends().is_empty());
 }
 
+/// A backend announced again at another address is another server: once that one has
+/// answered, the balancer has what it says, not what the old one said. A server there without
+/// `/slots` (a vLLM, or a llama-server run with `--no-slots`) has an unknown count, taken as
+/// one slot, and no request context unless its `/v1/models` gives one.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_backend_announced_again_at_another_address_has_what_the_new_server_says_once_it_answered(
+) {
+    let (old, _old_stub) = start(4).await;
+    let (new, new_stub) = start(0).await;
+    new_stub.slots_status.store(404, Ordering::Relaxed);
+    let (handle, fleet) = discover::channel::<Http>();
+    let (fleet, prober) = HealthProbe::new().discover(fleet);
+    let affinity = SessionAffinityLayer::new().layer(fleet);
+    handle.insert("a", Backend::new("n", http(old)));
+    prober.round(&affinity).await;
+    let s = status(&affinity, "a");
+    assert_eq!((s.slots, s.request_context_limit), (4, Some(4096)));
+
+    handle.insert("a", Backend::new("n", http(new)));
+    affinity.apply_discovery();
+    // Before the new server's first answer, what the old one said stands.
+    assert_eq!(status(&affinity, "a").slots, 4);
+    prober.round(&affinity).await;
+    assert!(new_stub.slots_hits.load(Ordering::Relaxed) > 0);
+    let s = status(&affinity, "a");
+    assert_eq!((s.slots, s.request_context_limit), (1, None), "{s:?}");
+    let p = prober.status("a").unwrap();
+    assert_eq!((p.slots, p.request_context), (None, None), "{p:?}");
+    // A `/v1/models` there gives its request context.
+    *new_stub.models.lock() = Some(vllm_models(32_768));
+    prober.round(&affinity).await;
+    assert_eq!(status(&affinity, "a").request_context_limit, Some(32_768));
+}
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_backend_announced_later_is_probed_at_once() {
     let (a, stub_a) = start(3).await;
