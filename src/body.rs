@@ -260,6 +260,7 @@ impl Observe {
             first_byte: self.first_byte.filter(|_| self.watch.success).map(ms),
             duration: Some(ms(now)).filter(|_| self.watch.success),
             stream: self.stream,
+            returns: guard.returns(),
         };
         let (usage, verdict) = guard.learned().learn(&answer, self.watch.prediction);
         if let Some(u) = usage {

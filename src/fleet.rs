@@ -1074,6 +1074,9 @@ pub(crate) struct SlotGuard {
     /// behind another and [`SLOT_FREED`] once it is free again: 32 bits, which fill the
     /// struct's padding too.
     assigned: u32,
+    /// The backend's [`Learned::returns`] when the slot was taken: its answer teaches nothing
+    /// if the backend was announced again since.
+    returns: u32,
 }
 
 /// [`SlotGuard::assigned`] when no slot is assigned.
@@ -1092,6 +1095,7 @@ impl SlotGuard {
     pub(crate) fn new(load: &Arc<Load>, backend: u32, now_ms: u64) -> Self {
         load.learned.started_ms.fetch_add(now_ms, Ordering::Relaxed);
         SlotGuard {
+            returns: load.learned.returns.load(Ordering::Relaxed),
             load: load.clone(),
             backend,
             since_ms: now_ms,
@@ -1224,6 +1228,11 @@ impl SlotGuard {
     /// When the slot was taken (fleet milliseconds).
     pub(crate) fn since_ms(&self) -> u64 {
         self.since_ms
+    }
+
+    /// The backend's [`Learned::returns`] when the slot was taken.
+    pub(crate) fn returns(&self) -> u32 {
+        self.returns
     }
 
     /// What the backend's answers have taught.

@@ -51,13 +51,14 @@
 //! half, moves nothing unless the answer before it was odd on the same side: a prompt the
 //! backend truncated or counted only in part does not halve the context a request is taken
 //! to need there. A backend removed and announced again learns that scale again, as it may
-//! be another model with another tokenizer. A backend that has not taught its prefill rate or
-//! that scale yet (a new one, or one this router replica has not sent to yet) is taken to
-//! read as the fleet's others do, on average. Until the home's request time and some
+//! be another model with another tokenizer; an answer to a request sent to it before it came
+//! back is the old server's, and teaches nothing. A backend that has not taught its prefill
+//! rate or that scale yet (a new one, or one this router replica has not sent to yet) is
+//! taken to read as the fleet's others do, on average. Until the home's request time and some
 //! backend's rate are learned, the request moves at once, as it did before anything was
 //! learned.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -140,6 +141,10 @@ pub(crate) struct Learned {
     /// -1 below, 1 above, 0 neither. Held while the scale is written, so that answers ending
     /// together blend in turn.
     scale_side: Mutex<i8>,
+    /// Times the backend was announced again after its removal, wrapping: an answer to a
+    /// request dispatched before the last of them is the old server's, and teaches nothing
+    /// (see [`returned`](Self::returned)). Read once a dispatch, never written on it.
+    pub(crate) returns: AtomicU32,
 }
 
 /// What placement predicted for a request on the backend it chose, kept for its answer.
@@ -176,6 +181,9 @@ pub(crate) struct Answer {
     /// Whether the body streamed (SSE): its first byte came as soon as the prompt was read,
     /// and times the read.
     pub(crate) stream: bool,
+    /// The backend's [`returns`](Learned::returns) when its request was dispatched: an
+    /// answer to one dispatched before the backend was announced again teaches nothing.
+    pub(crate) returns: u32,
 }
 
 fn load_f64(a: &AtomicU64) -> Option<f64> {
@@ -260,11 +268,19 @@ fn median(recent: &mut [Option<f64>; 2], sample: f64) -> f64 {
 impl Learned {
     /// Takes in one answer; returns its usage with the reuse filled in where this backend's
     /// habits say what an absent figure means, and how it compares with the cache model's prediction.
+    ///
+    /// An answer to a request dispatched before the backend was announced again (see
+    /// [`returned`](Self::returned)) is counted, as it reported, and teaches nothing: it is
+    /// the old server's.
     pub(crate) fn learn(
         &self,
         answer: &Answer,
         predicted: Option<Prediction>,
     ) -> (Option<Usage>, Verdict) {
+        if answer.returns != self.returns.load(Ordering::Relaxed) {
+            self.count_only(answer.usage);
+            return (answer.usage, Verdict::Fine);
+        }
         if let Some(d) = answer.duration {
             let ms = d.as_secs_f64() * 1000.0;
             blend_median(&self.duration_ms, &self.duration_samples, ms);
@@ -328,6 +344,25 @@ impl Learned {
         (Some(usage), verdict)
     }
 
+    /// Counts `usage` in the reports as [`learn`](Self::learn) does, and learns nothing of it.
+    fn count_only(&self, usage: Option<Usage>) {
+        let Some(usage) = usage else {
+            return;
+        };
+        self.reports.fetch_add(1, Ordering::Relaxed);
+        let tokens = usage.prompt_tokens;
+        match usage.reused_tokens {
+            Some(reused) => {
+                self.prompt_tokens.fetch_add(tokens, Ordering::Relaxed);
+                self.reused_tokens.fetch_add(reused, Ordering::Relaxed);
+            }
+            None => {
+                self.unreported_prompt_tokens
+                    .fetch_add(tokens, Ordering::Relaxed);
+            }
+        }
+    }
+
     /// Takes in one answer's time to first byte: into a moving average of medians, as the
     /// request time is (see [`Recent::next`]). A first byte in no time (a backend on the same
     /// host, a paused clock) is a figure like any other.
@@ -373,8 +408,10 @@ impl Learned {
     /// Until an answer teaches it again, it is taken as for a new backend; every answer
     /// with a prediction teaches it, so the same server back costs one answer. The prefill
     /// rate and the request time stay, as few answers teach them: the new server's answers
-    /// move them.
+    /// move them. From now on, an answer to a request dispatched before teaches nothing: it
+    /// is the old server's, and would teach the new one its habits.
     pub(crate) fn returned(&self) {
+        self.returns.fetch_add(1, Ordering::Relaxed);
         self.says_reuse.store(false, Ordering::Relaxed);
         let mut side = self.scale_side.lock();
         *side = 0;
@@ -552,6 +589,7 @@ mod tests {
             first_byte: Some(Duration::from_millis(first_byte_ms)),
             duration: Some(Duration::from_secs(10)),
             stream: true,
+            returns: 0,
         }
     }
 

@@ -867,6 +867,63 @@ async fn a_backend_announced_again_learns_again_whether_it_says_its_reuse() {
     assert_eq!(svc.stats().in_flight, 0);
 }
 
+/// An answer to a request sent before its backend was removed and announced again is the
+/// old server's: it teaches the server back nothing. An old answer that said its reuse, ending
+/// after the backend came back, made the new server's answers without it read as reusing
+/// nothing; its time was taken as the new server's request time.
+#[tokio::test(start_paused = true)]
+async fn an_answer_to_a_request_sent_before_its_backend_came_back_teaches_nothing() {
+    let (handle, stream) = tower_affinity::discover::channel();
+    let backend = || {
+        Backend::new("n1", scripted())
+            .slots(NonZeroU32::MIN)
+            .cache_tokens(1 << 20)
+    };
+    handle.insert("a", backend());
+    let svc = SessionAffinityLayer::new().layer(stream);
+    svc.apply_discovery();
+    // The old server's answer says its reuse, and ends 10 s after its request was sent.
+    let slow = Reply {
+        headers_after: Duration::from_secs(10),
+        ..reused(2000, 0)
+    };
+    let old = request(None, Some(chain(&[1, 2], 1000)), slow);
+    let old = tokio::spawn({
+        let svc = svc.clone();
+        async move {
+            let mut body = svc.oneshot(old).await.expect("an answer").into_body();
+            while body.frame().await.is_some() {}
+            body.usage()
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    handle.remove("a");
+    svc.apply_discovery();
+    handle.insert("a", backend());
+    svc.apply_discovery();
+    let usage = old.await.unwrap();
+    assert_eq!(
+        usage.unwrap().reused_tokens,
+        Some(0),
+        "as the old server said"
+    );
+    let a = svc.backends().into_iter().next().expect("a backend");
+    assert_eq!(a.request_time, None, "{a:?}");
+    // The server back never says its reuse.
+    let without: &'static [u8] = br#"{"usage":{"prompt_tokens":3000}}"#;
+    let next = request(None, Some(chain(&[1, 2, 3], 1000)), Reply::json(without));
+    let mut body = svc
+        .clone()
+        .oneshot(next)
+        .await
+        .expect("an answer")
+        .into_body();
+    while body.frame().await.is_some() {}
+    assert_eq!(body.usage().unwrap().reused_tokens, None);
+    let a = svc.backends().into_iter().next().expect("a backend");
+    assert_eq!((a.usage_reports, a.corrections), (2, 0), "{a:?}");
+    assert_eq!(svc.stats().in_flight, 0);
+}
 /// A backend removed and announced again may serve another model, whose tokenizer counts a
 /// prompt otherwise: its tokens per token of the chain's estimate are learned again, from its
 /// first answer, rather than blended into the old server's. The scale sizes the context a
