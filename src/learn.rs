@@ -278,7 +278,9 @@ impl Learned {
         predicted: Option<Prediction>,
     ) -> (Option<Usage>, Verdict) {
         if answer.returns != self.returns.load(Ordering::Relaxed) {
-            self.count_only(answer.usage);
+            if let Some(usage) = &answer.usage {
+                self.count(usage);
+            }
             return (answer.usage, Verdict::Fine);
         }
         if let Some(d) = answer.duration {
@@ -297,20 +299,15 @@ impl Learned {
             None if self.says_reuse.load(Ordering::Relaxed) => usage.reused_tokens = Some(0),
             None => {}
         }
-        self.reports.fetch_add(1, Ordering::Relaxed);
+        self.count(&usage);
         // Every answer counts its prompt in the backend's tokens, whether or not it says
         // what it reused.
         if let Some(p) = predicted.filter(|p| p.prompt_tokens > 0 && usage.prompt_tokens > 0) {
             self.learn_scale(usage.prompt_tokens as f64, p.prompt_tokens as f64);
         }
         let Some(reused) = usage.reused_tokens else {
-            self.unreported_prompt_tokens
-                .fetch_add(usage.prompt_tokens, Ordering::Relaxed);
             return (Some(usage), Verdict::Fine);
         };
-        self.prompt_tokens
-            .fetch_add(usage.prompt_tokens, Ordering::Relaxed);
-        self.reused_tokens.fetch_add(reused, Ordering::Relaxed);
         let read = usage.prompt_tokens.saturating_sub(reused);
         // The time the prompt took to read: llama.cpp says; a stream's first byte after the
         // read tells (see `Answer::first_byte`).
@@ -344,11 +341,8 @@ impl Learned {
         (Some(usage), verdict)
     }
 
-    /// Counts `usage` in the reports as [`learn`](Self::learn) does, and learns nothing of it.
-    fn count_only(&self, usage: Option<Usage>) {
-        let Some(usage) = usage else {
-            return;
-        };
+    /// Counts `usage` in the reports: its prompt tokens, with those it reused if it says.
+    fn count(&self, usage: &Usage) {
         self.reports.fetch_add(1, Ordering::Relaxed);
         let tokens = usage.prompt_tokens;
         match usage.reused_tokens {
