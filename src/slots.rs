@@ -687,6 +687,30 @@ mod tests {
         assert_eq!(t.assign(1, None), Some(0));
     }
 
+    /// What a slot held before its request is kept only while a request is on it, for
+    /// [`SlotTable::put_back`]: a free slot keeps no chain but its own.
+    #[test]
+    fn a_free_slot_keeps_no_chain_from_before_its_last_request() {
+        let mut t = table_holding(&[Some(chain(&[1, 2]))]);
+        assert_eq!(t.assign(1, Some(&chain(&[1, 2, 3]))), Some(0));
+        assert_eq!(t.slots[0].before, Some(chain(&[1, 2])));
+        t.release(0, false);
+        assert!(t.slots[0].before.is_none());
+        assert_eq!(t.slots[0].chain, Some(chain(&[1, 2, 3])));
+    }
+
+    /// A queued request put back on a slot no request is queued on (its end counted once
+    /// already) changes nothing: the count does not go below zero, and what the slot holds
+    /// is kept.
+    #[test]
+    fn putting_back_a_queued_request_where_none_is_queued_changes_nothing() {
+        let mut t = table_holding(&[Some(chain(&[1, 2]))]);
+        t.put_back(0, true);
+        assert_eq!(t.slots[0].queued, 0);
+        assert_eq!(t.slots[0].chain, Some(chain(&[1, 2])));
+        assert_eq!(t.assign(1, Some(&chain(&[1, 2, 3]))), Some(0));
+    }
+
     #[test]
     fn an_event_streams_last_event_ends_the_answer() {
         assert!(ends_answer(b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n"));
