@@ -829,6 +829,25 @@ mod tests {
         assert!(!choice_goes_on(b"", false));
     }
 
+    /// A body is in a content coding when any coding it lists is not `identity`, in any
+    /// case, among empty list members.
+    #[test]
+    fn a_body_is_coded_when_a_coding_it_lists_is_not_identity() {
+        let coded = |values: &[&str]| {
+            let mut headers = http::HeaderMap::new();
+            for v in values {
+                headers.append(http::header::CONTENT_ENCODING, v.parse().unwrap());
+            }
+            is_coded(&headers)
+        };
+        assert!(!coded(&[]));
+        assert!(!coded(&["identity"]));
+        assert!(!coded(&["IDENTITY", " , identity"]));
+        assert!(coded(&["gzip"]));
+        assert!(coded(&["identity, gzip"]));
+        assert!(coded(&["identity", "br"]));
+    }
+
     /// A stream of several choices (`n`) goes on after one choice's finish: only the chunk
     /// with no finish at all (the usage chunk after the choices) does not go on.
     #[test]
@@ -842,6 +861,8 @@ mod tests {
         assert!(names_a_later_choice(b"{\"index\": 10}"));
         assert!(!names_a_later_choice(b"{\"index\":0,\"output_index\":3}"));
         assert!(!names_a_later_choice(br#"{"content":"\"index\":1"}"#));
+        // An index that is no number names no choice (a tool call's `"index": null`).
+        assert!(!names_a_later_choice(b"{\"index\": null}"));
         assert!(choice_goes_on(finish, true));
         assert!(!choice_goes_on(finish, false));
         assert!(!choice_goes_on(usage, true));
