@@ -893,4 +893,113 @@ mod tests {
         assert_eq!(l.token_scale(), Some(4.0));
         assert_eq!(l.prefill_rate(), None);
     }
+
+    /// The scale's first answer is taken whole; each answer after it that is not odd moves
+    /// both averages a quarter of the way to its own figures.
+    #[test]
+    fn the_token_scale_starts_at_its_first_answer_and_moves_a_quarter_of_the_way_to_each_next() {
+        let l = Learned::default();
+        let p = |tokens| Prediction {
+            prompt_tokens: tokens,
+            ..Prediction::default()
+        };
+        l.learn(&answer(4_000, Some(0), 10), Some(p(1_000)));
+        assert_eq!(l.token_scale(), Some(4.0));
+        // 2.4 tokens a token of the estimate: within twice the scale, not odd.
+        l.learn(&answer(12_000, Some(0), 10), Some(p(5_000)));
+        // (4,000 + 8,000 / 4) / (1,000 + 4,000 / 4).
+        assert_eq!(l.token_scale(), Some(3.0));
+    }
+
+    /// An answer that counts no prompt (Ollama's, for a prompt it found whole in its cache),
+    /// or a prediction of no prompt, teaches nothing of the token scale, even two in a row.
+    #[test]
+    fn an_answer_or_a_prediction_of_no_prompt_teaches_nothing_of_the_token_scale() {
+        let l = Learned::default();
+        let p = |tokens| Prediction {
+            prompt_tokens: tokens,
+            ..Prediction::default()
+        };
+        l.learn(&answer(10_000, Some(0), 10), Some(p(2_500)));
+        for _ in 0..2 {
+            l.learn(&answer(0, Some(0), 10), Some(p(1_000)));
+        }
+        assert_eq!(l.token_scale(), Some(4.0), "no prompt counted");
+        for _ in 0..2 {
+            l.learn(&answer(20_000, Some(0), 10), Some(p(0)));
+        }
+        assert_eq!(l.token_scale(), Some(4.0), "no prompt predicted");
+    }
+
+    #[test]
+    fn reusing_exactly_half_the_predicted_share_is_no_misprediction() {
+        let l = Learned::default();
+        let p = Prediction {
+            prompt_tokens: 10_000,
+            held_tokens: 5_000,
+            ..Prediction::default()
+        };
+        let verdict = |reused| l.learn(&answer(10_000, Some(reused), 10), Some(p)).1;
+        assert_eq!(verdict(2_500), Verdict::Fine, "half exactly");
+        assert_eq!(verdict(2_499), Verdict::HeldLess);
+    }
+
+    /// A backend reads one prompt after another: a read there waits for the prompts of its
+    /// requests in flight that have no answer yet.
+    #[test]
+    fn a_read_waits_behind_the_prompts_not_answered_yet() {
+        let l = Learned::default();
+        assert_eq!(l.time_to_read(2_000), None);
+        l.learn(&answer(10_000, Some(0), 50_000), None); // 200 tokens a second
+        assert_eq!(l.time_to_read(2_000), Some(Duration::from_secs(10)));
+        l.unread_tokens.store(4_000, Ordering::Relaxed);
+        assert_eq!(l.backlog(), 4_000);
+        assert_eq!(l.time_to_read(2_000), Some(Duration::from_secs(30)));
+    }
+
+    /// A backend knows its token scale once an answer with a prediction taught it, and not
+    /// after it was announced again.
+    #[test]
+    fn a_backend_knows_its_token_scale_from_an_answer_with_a_prediction_until_it_returns() {
+        let l = Learned::default();
+        assert!(!l.knows_scale());
+        l.learn(&answer(10_000, Some(0), 10), None);
+        assert!(!l.knows_scale(), "no prediction");
+        let p = Prediction {
+            prompt_tokens: 2_500,
+            ..Prediction::default()
+        };
+        l.learn(&answer(10_000, Some(0), 10), Some(p));
+        assert!(l.knows_scale());
+        l.returned();
+        assert!(!l.knows_scale());
+        assert_eq!(l.token_scale(), None);
+    }
+
+    /// An answer that counts more than twice what the token scale makes of its estimate, or
+    /// less than half, teaches nothing alone; one that counts twice or half exactly is not
+    /// odd, and moves the scale.
+    #[test]
+    fn an_answer_past_twice_or_half_the_token_scale_teaches_nothing_alone() {
+        let p = Prediction {
+            prompt_tokens: 2_500,
+            ..Prediction::default()
+        };
+        // Four tokens a token of the estimate, then answers of `tokens`.
+        let scale_after = |tokens: &[u64]| {
+            let l = Learned::default();
+            l.learn(&answer(10_000, Some(0), 10), Some(p));
+            for &t in tokens {
+                l.learn(&answer(t, Some(0), 10), Some(p));
+            }
+            l.token_scale()
+        };
+        assert_eq!(scale_after(&[20_001]), Some(4.0), "more than twice");
+        assert_eq!(scale_after(&[4_999]), Some(4.0), "less than half");
+        // Two odd answers on opposite sides are not a backend that changed.
+        assert_eq!(scale_after(&[20_001, 4_999]), Some(4.0), "one of each");
+        // (10,000 + 10,000 / 4) / 2,500 and (10,000 - 5,000 / 4) / 2,500.
+        assert_eq!(scale_after(&[20_000]), Some(5.0), "twice exactly");
+        assert_eq!(scale_after(&[5_000]), Some(3.5), "half exactly");
+    }
 }
