@@ -2715,4 +2715,43 @@ mod tests {
             assert_eq!(index.get(k), Some(v));
         }
     }
+
+    #[test]
+    fn every_turn_sent_within_a_bucket_s_ten_seconds_counts_in_that_bucket() {
+        // More conversations than there are buckets, all sent within one bucket's time: none
+        // begins a bucket of its own, so none falls out of the count.
+        let mut m = CacheModel::new(1 << 20);
+        for i in 0..100u64 {
+            let stamp = m.clock.wrapping_add(1).max(1);
+            m.note_sent(1_000_000 + i * 90, stamp);
+            m.record(chain(&[1_000 + i]).links(), 0, stamp);
+        }
+        assert_eq!(m.recent.begun, 1);
+        assert_eq!(m.live_conversations(1), 100);
+        m.check();
+    }
+
+    #[test]
+    fn a_live_count_from_time_zero_counts_every_conversation_held() {
+        // A conversation a bucket, more than are kept: those older than the oldest bucket
+        // count too.
+        let mut m = CacheModel::new(1 << 20);
+        for i in 0..100u64 {
+            let stamp = m.clock.wrapping_add(1).max(1);
+            m.note_sent(i * 10_000, stamp);
+            m.record(chain(&[1_000 + i]).links(), 0, stamp);
+        }
+        assert_eq!(m.live_conversations(1), 64);
+        assert_eq!(m.live_conversations(0), 100);
+        m.check();
+    }
+
+    #[test]
+    fn a_conversation_learned_with_no_clock_counts_as_live_while_no_time_is_known() {
+        let cell = ModelCell::new(100_000);
+        cell.record_from(chain(&[1, 2]).links(), 0, 0);
+        let mut m = cell.lock();
+        assert_eq!(m.live_conversations(60_000), 1);
+        m.check();
+    }
 }
