@@ -500,6 +500,17 @@ mod tests {
     }
 
     #[test]
+    fn escapes_are_looked_for_only_where_digits_are_more_than_one_byte_in_eight() {
+        // Sixty-four bytes, eight of them digits: one byte in eight, the escape's counted.
+        let mut bytes = br"\u1234 5678".to_vec();
+        bytes.resize(64, b'x');
+        assert_eq!(digits(&bytes), 8);
+        // One digit more: the escape's four are taken off.
+        bytes[63] = b'9';
+        assert_eq!(digits(&bytes), 9 - 4);
+    }
+
+    #[test]
     fn no_digit_is_taken_off_twice_for_escapes_that_overlap() {
         // The text `\u\u5555`, escaped in JSON: each `\u` found (an escaped backslash's
         // second byte, then `u`) has the next one in its four bytes.
