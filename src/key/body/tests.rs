@@ -1036,6 +1036,36 @@ fn an_encoded_image_broken_into_lines_is_counted_as_an_image_not_as_text() {
 }
 
 #[test]
+fn a_token_id_of_nineteen_digits_is_an_id_and_one_of_twenty_is_text() {
+    let (nineteen, twenty) = ("1".repeat(19), "1".repeat(20));
+    let ids = chain_of(&format!(r#"{{"prompt":[{nineteen},{nineteen}]}}"#));
+    assert_eq!(ids.tokens(), 2);
+    // Past the longest id taken, a number is counted a token a digit.
+    let text = chain_of(&format!(r#"{{"prompt":[{twenty}]}}"#));
+    assert_eq!(text.tokens(), 20);
+}
+
+#[test]
+fn base64_broken_into_lines_of_sixty_bytes_is_a_payload_and_of_fifty_nine_is_text() {
+    let alphabet = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let data: Vec<u8> = (0..60_000).map(|i| alphabet[i * 7 % 64]).collect();
+    let tool = |width: usize| {
+        let lines: Vec<&str> = data
+            .chunks(width)
+            .map(|l| std::str::from_utf8(l).unwrap())
+            .collect();
+        let output = lines.join("\\n");
+        chain_of(&format!(
+            r#"{{"messages":[{{"role":"tool","tool_call_id":"c","content":"{output}"}}]}}"#
+        ))
+        .tokens()
+    };
+    let (sixty, fifty_nine) = (tool(60), tool(59));
+    assert!((1024..1024 + 64).contains(&sixty), "{sixty} tokens");
+    assert!(fifty_nine > 15_000, "{fifty_nine} tokens");
+}
+
+#[test]
 fn a_responses_chain_covers_instructions_and_input() {
     let turn1 = r#"{"instructions":"be brief","input":[{"role":"user","content":"q1"}]}"#;
     let turn2 = r#"{"instructions":"be brief","input":[{"role":"user","content":"q1"},
