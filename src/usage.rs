@@ -1216,4 +1216,38 @@ event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{
             proptest::prop_assert_eq!(s.finish(), Usage::from_body(body), "cuts at {} and {}", x, y);
         }
     }
+    /// A member name the plain reader cannot read as it is (an escape, a control character)
+    /// is left to serde, which refuses what JSON does not allow: a usage object with such a
+    /// name gives no figure, however its other members read.
+    #[test]
+    fn a_name_with_a_bad_escape_or_a_control_character_is_left_to_serde() {
+        for b in [
+            &br#"{"prompt_tokens\:1200,"completion_tokens":12}"#[..],
+            b"{\"completion\x01tokens\":12,\"prompt_tokens\":1200}",
+        ] {
+            assert_eq!(Plain::usage(b), None, "{}", String::from_utf8_lossy(b));
+            assert_eq!(by_serde(b), None, "{}", String::from_utf8_lossy(b));
+            let mut body = br#"{"choices":[],"usage":"#.to_vec();
+            body.extend_from_slice(b);
+            body.push(b'}');
+            assert_eq!(
+                Usage::from_body(&body),
+                None,
+                "{}",
+                String::from_utf8_lossy(b)
+            );
+        }
+    }
+
+    /// A usage object of the wrong type is passed over whole: a member looked for inside it (a
+    /// `timings` a model wrote into a tool's input, in an Anthropic answer) is not read.
+    #[test]
+    fn what_a_mistyped_object_holds_is_passed_over_with_it() {
+        let body: &[u8] = br#"{"id":"m1","type":"message","role":"assistant","content":[{"type":"tool_use","id":"t","name":"report","input":{"usage":{"input_tokens":"many","timings":{"prompt_ms":9000.0}}}}],"model":"m","stop_reason":"tool_use","stop_sequence":null,"usage":{"cache_read_input_tokens":2000,"input_tokens":50,"output_tokens":5}}"#;
+        let u = Usage::from_body(body).unwrap();
+        assert_eq!(
+            (u.prompt_tokens, u.reused_tokens, u.prompt_time),
+            (2050, Some(2000), None)
+        );
+    }
 }
