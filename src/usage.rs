@@ -651,8 +651,10 @@ fn add_timings(w: &mut Wire, t: TimingsObject) {
 }
 
 /// The member named by what `before` ends with (the bytes just before a `{`): `"usage"` or
-/// `"timings"` and a colon, with whitespace anywhere between, and the name's opening quote not
-/// escaped (an odd run of backslashes before it puts it inside a string).
+/// `"timings"` and a colon, with whitespace anywhere between, and no backslash just before the
+/// name's opening quote: the opening quote of a member name follows `{`, `,` or whitespace,
+/// and a quote after a backslash is inside a string or ends one. Counting the run of
+/// backslashes instead would miscount one longer than the bytes looked back at.
 fn member_ending(before: &[u8]) -> Option<Member> {
     let name = before
         .trim_ascii_end()
@@ -665,8 +667,7 @@ fn member_ending(before: &[u8]) -> Option<Member> {
         (Member::Timings, name.strip_suffix(TIMINGS)?)
     };
     let rest = rest.strip_suffix(b"\"")?;
-    let slashes = rest.iter().rev().take_while(|&&c| c == b'\\').count();
-    (slashes % 2 == 0).then_some(member)
+    (rest.last() != Some(&b'\\')).then_some(member)
 }
 
 fn set<T>(slot: &mut Option<T>, value: Option<T>) {
@@ -1249,5 +1250,17 @@ event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{
             (u.prompt_tokens, u.reused_tokens, u.prompt_time),
             (2050, Some(2000), None)
         );
+    }
+
+    /// A member named `x\\\\…"usage` (backslashes, then an escaped quote) is not `usage`,
+    /// however long the run of backslashes before the quote is.
+    #[test]
+    fn a_name_ending_in_usage_after_a_long_run_of_backslashes_is_not_taken_for_one() {
+        let mut body = br#"{"content":[{"type":"tool_use","input":{"x"#.to_vec();
+        body.extend(std::iter::repeat_n(b'\\', 25));
+        body.extend_from_slice(br#""usage":{"input_tokens":1,"cache_read_input_tokens":9}}}]}"#);
+        assert!(serde_json::from_slice::<serde::de::IgnoredAny>(&body).is_ok());
+        assert_eq!(Usage::from_body(&body), None);
+        assert_eq!(scan_in_pieces(&body, 1), None);
     }
 }
