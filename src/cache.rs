@@ -2754,4 +2754,48 @@ mod tests {
         assert_eq!(m.live_conversations(60_000), 1);
         m.check();
     }
+
+    #[test]
+    fn the_index_s_memory_is_twelve_bytes_a_slot_and_counts_in_the_model_s() {
+        let mut m = CacheModel::new(1 << 30);
+        for s in 0..100u64 {
+            let ids: Vec<u64> = (0..50).map(|i| s * 1_000 + i).collect();
+            m.record_next(chain(&ids).links(), 0);
+        }
+        assert_eq!(m.blocks(), 5_000);
+        let slots = m.index.slots.capacity();
+        assert!(slots >= 5_000);
+        assert_eq!(m.index.memory_bytes(), slots * 12);
+        assert!(m.memory_bytes() >= slots * 12 + m.nodes.capacity() * 32);
+    }
+
+    #[test]
+    fn a_count_after_every_bucket_ended_is_zero_and_the_next_count_goes_back() {
+        // A conversation a bucket, more than are kept. A count later than every bucket's end
+        // passes them all; the next count, from within the newest, counts that one again.
+        let mut m = CacheModel::new(1 << 20);
+        for i in 0..100u64 {
+            let stamp = m.clock.wrapping_add(1).max(1);
+            m.note_sent(i * 10_000, stamp);
+            m.record(chain(&[1_000 + i]).links(), 0, stamp);
+        }
+        assert_eq!(m.live_conversations(10_000_000), 0);
+        m.check();
+        assert_eq!(m.live_conversations(995_000), 1);
+        assert_eq!(m.live_conversations(1), 64);
+        m.check();
+    }
+
+    #[test]
+    fn a_leaf_removed_from_a_bucket_that_does_not_count_it_leaves_the_counts_at_zero() {
+        // A leaf counts in no bucket when recorded before the oldest began, yet a bucket begun
+        // 2^31 stamps later takes it for its own: its removal finds a bucket without it.
+        let mut r = Recent::default();
+        r.note(0, 10, 0);
+        r.remove(10);
+        assert_eq!(r.bucket(0).leaves, 0);
+        assert_eq!(r.since(0), Some(0));
+        r.add(10);
+        assert_eq!(r.since(0), Some(1));
+    }
 }
