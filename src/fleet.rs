@@ -1061,8 +1061,10 @@ pub(crate) struct SlotGuard {
     /// When the slot was taken (fleet milliseconds).
     since_ms: u64,
     /// Prompt tokens the backend is expected to read for this request and has not yet
-    /// answered for: counted in its [`Learned::unread_tokens`] until the answer starts.
-    unread: u64,
+    /// answered for: counted in its [`Learned::unread_tokens`] until the answer starts. 32
+    /// bits (a prompt of more is counted as 2^32 - 1 tokens), so that the guard, which moves
+    /// with every response future, stays 40 bytes with [`returns`](Self::returns).
+    unread: u32,
     /// The stamp the request's prompt chain is recorded with on the backend's cache model (0:
     /// none), in flight there until the slot is released (see [`Load::has_ended`]).
     stamp: u32,
@@ -1211,9 +1213,11 @@ impl SlotGuard {
     /// The backend is expected to read `tokens` of this request's prompt (what the cache
     /// model says it lacks): they count in its backlog until its answer starts.
     pub(crate) fn reading(&mut self, tokens: u64) {
+        let room = u32::MAX - self.unread;
+        let tokens = u32::try_from(tokens).map_or(room, |t| t.min(room));
         self.unread += tokens;
         let unread = &self.load.learned.unread_tokens;
-        unread.fetch_add(tokens, Ordering::Relaxed);
+        unread.fetch_add(u64::from(tokens), Ordering::Relaxed);
     }
 
     /// The backend has answered: it has read this request's prompt.
@@ -1221,7 +1225,7 @@ impl SlotGuard {
         let tokens = std::mem::take(&mut self.unread);
         if tokens > 0 {
             let unread = &self.load.learned.unread_tokens;
-            unread.fetch_sub(tokens, Ordering::Relaxed);
+            unread.fetch_sub(u64::from(tokens), Ordering::Relaxed);
         }
     }
 
@@ -1978,6 +1982,27 @@ mod tests {
 
     fn nz(n: u32) -> NonZeroU32 {
         NonZeroU32::new(n).unwrap()
+    }
+
+    /// The guard moves with every response future: 40 bytes. Its prompt tokens not yet read
+    /// are 32 bits; a prompt past them counts as 2^32 - 1 tokens, added to the backend's
+    /// backlog and taken off it as one.
+    #[test]
+    fn a_slot_guard_is_forty_bytes_and_takes_off_the_backlog_what_it_put_on() {
+        assert_eq!(std::mem::size_of::<SlotGuard>(), 40);
+        let mut t = Topology::default();
+        let a = t.insert("a".into(), &"n1".into(), nz(1), None, 1000);
+        let load = t.member(a).load.clone();
+        assert!(load.try_acquire());
+        let mut guard = SlotGuard::new(&load, a, 5);
+        guard.reading(3);
+        guard.reading(u64::MAX);
+        assert_eq!(load.learned.backlog(), u64::from(u32::MAX));
+        guard.prompt_read();
+        assert_eq!(load.learned.backlog(), 0);
+        guard.reading(7);
+        drop(guard);
+        assert_eq!(load.learned.backlog(), 0);
     }
 
     #[test]
