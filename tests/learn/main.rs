@@ -185,6 +185,18 @@ fn four_slots_of_context(
         .context_tokens(std::num::NonZeroU64::new(context).unwrap())
 }
 
+/// A backend of one slot on node `n1`, answering as [`scripted`] does, with a cache budget
+/// of 1M tokens: each call the same type, for a test to announce it again.
+fn one_slot_backend() -> Backend<
+    impl tower::Service<Req, Response = http::Response<Scripted>, Error = Infallible, Future: Send>
+        + Clone
+        + Send,
+> {
+    Backend::new("n1", scripted())
+        .slots(NonZeroU32::MIN)
+        .cache_tokens(1 << 20)
+}
+
 type Svc<S, P = tower_affinity::placement::NodeThenBackend> =
     SessionAffinity<StaticFleet<S>, tower_affinity::key::HeaderKey, P>;
 
@@ -842,19 +854,14 @@ fn reused(prompt: u64, reused: u64) -> Reply {
 #[tokio::test(start_paused = true)]
 async fn a_backend_announced_again_learns_again_whether_it_says_its_reuse() {
     let (handle, stream) = tower_affinity::discover::channel();
-    let backend = || {
-        Backend::new("n1", scripted())
-            .slots(NonZeroU32::MIN)
-            .cache_tokens(1 << 20)
-    };
-    handle.insert("a", backend());
+    handle.insert("a", one_slot_backend());
     let svc = SessionAffinityLayer::new().layer(stream);
     svc.apply_discovery();
     let first = request(None, Some(chain(&[1, 2], 1000)), reused(2000, 0));
     decision_of(&svc, first).await;
     handle.remove("a");
     svc.apply_discovery();
-    handle.insert("a", backend());
+    handle.insert("a", one_slot_backend());
     svc.apply_discovery();
     let without: &'static [u8] = br#"{"usage":{"prompt_tokens":3000}}"#;
     let next = request(None, Some(chain(&[1, 2, 3], 1000)), Reply::json(without));
@@ -874,12 +881,7 @@ async fn a_backend_announced_again_learns_again_whether_it_says_its_reuse() {
 #[tokio::test(start_paused = true)]
 async fn an_answer_to_a_request_sent_before_its_backend_came_back_teaches_nothing() {
     let (handle, stream) = tower_affinity::discover::channel();
-    let backend = || {
-        Backend::new("n1", scripted())
-            .slots(NonZeroU32::MIN)
-            .cache_tokens(1 << 20)
-    };
-    handle.insert("a", backend());
+    handle.insert("a", one_slot_backend());
     let svc = SessionAffinityLayer::new().layer(stream);
     svc.apply_discovery();
     // The old server's answer says its reuse, and ends 10 s after its request was sent.
@@ -899,7 +901,7 @@ async fn an_answer_to_a_request_sent_before_its_backend_came_back_teaches_nothin
     tokio::time::sleep(Duration::from_secs(1)).await;
     handle.remove("a");
     svc.apply_discovery();
-    handle.insert("a", backend());
+    handle.insert("a", one_slot_backend());
     svc.apply_discovery();
     let usage = old.await.unwrap();
     assert_eq!(
@@ -924,6 +926,7 @@ async fn an_answer_to_a_request_sent_before_its_backend_came_back_teaches_nothin
     assert_eq!((a.usage_reports, a.corrections), (2, 0), "{a:?}");
     assert_eq!(svc.stats().in_flight, 0);
 }
+
 /// A backend removed and announced again may serve another model, whose tokenizer counts a
 /// prompt otherwise: its tokens per token of the chain's estimate are learned again, from its
 /// first answer, rather than blended into the old server's. The scale sizes the context a
