@@ -1503,6 +1503,14 @@ mod tests {
         PromptChain::from_blocks(ids.iter().map(|&id| (id, 100)))
     }
 
+    /// A turn sent at `at_ms` with the chain of `ids`, of which the first `known` links are
+    /// held: noted as sent, then recorded, with the model's next stamp.
+    fn turn_at(m: &mut CacheModel, at_ms: u64, ids: &[u64], known: usize) {
+        let stamp = m.clock.wrapping_add(1).max(1);
+        m.note_sent(at_ms, stamp);
+        m.record(chain(ids).links(), known, stamp);
+    }
+
     #[test]
     fn a_recorded_chain_is_held_and_its_extensions_are_found() {
         let mut m = CacheModel::new(10_000);
@@ -1593,9 +1601,7 @@ mod tests {
         // A hundred conversations of one turn, one every ten seconds: a bucket each.
         let mut m = CacheModel::new(1 << 20);
         for i in 0..100u64 {
-            let stamp = m.clock.wrapping_add(1).max(1);
-            m.note_sent(i * 10_000, stamp);
-            m.record(chain(&[1_000 + i]).links(), 0, stamp);
+            turn_at(&mut m, i * 10_000, &[1_000 + i], 0);
             m.check();
         }
         assert_eq!(m.conversations(), 100);
@@ -1609,9 +1615,7 @@ mod tests {
         assert_eq!(m.live_conversations(500_000), 50);
         m.check();
         // A conversation of 400 s has its next turn: it counts in the latest bucket.
-        let stamp = m.clock.wrapping_add(1).max(1);
-        m.note_sent(1_000_000, stamp);
-        m.record(chain(&[1_040, 7]).links(), 1, stamp);
+        turn_at(&mut m, 1_000_000, &[1_040, 7], 1);
         assert_eq!(m.live_conversations(690_000), 32);
         m.check();
     }
@@ -2722,9 +2726,7 @@ mod tests {
         // begins a bucket of its own, so none falls out of the count.
         let mut m = CacheModel::new(1 << 20);
         for i in 0..100u64 {
-            let stamp = m.clock.wrapping_add(1).max(1);
-            m.note_sent(1_000_000 + i * 90, stamp);
-            m.record(chain(&[1_000 + i]).links(), 0, stamp);
+            turn_at(&mut m, 1_000_000 + i * 90, &[1_000 + i], 0);
         }
         assert_eq!(m.recent.begun, 1);
         assert_eq!(m.live_conversations(1), 100);
@@ -2737,9 +2739,7 @@ mod tests {
         // count too.
         let mut m = CacheModel::new(1 << 20);
         for i in 0..100u64 {
-            let stamp = m.clock.wrapping_add(1).max(1);
-            m.note_sent(i * 10_000, stamp);
-            m.record(chain(&[1_000 + i]).links(), 0, stamp);
+            turn_at(&mut m, i * 10_000, &[1_000 + i], 0);
         }
         assert_eq!(m.live_conversations(1), 64);
         assert_eq!(m.live_conversations(0), 100);
@@ -2775,9 +2775,7 @@ mod tests {
         // passes them all; the next count, from within the newest, counts that one again.
         let mut m = CacheModel::new(1 << 20);
         for i in 0..100u64 {
-            let stamp = m.clock.wrapping_add(1).max(1);
-            m.note_sent(i * 10_000, stamp);
-            m.record(chain(&[1_000 + i]).links(), 0, stamp);
+            turn_at(&mut m, i * 10_000, &[1_000 + i], 0);
         }
         assert_eq!(m.live_conversations(10_000_000), 0);
         m.check();
