@@ -852,28 +852,28 @@ mod tests {
         assert_eq!(l.prefill_rate(), Some(256.0));
     }
 
+    /// The verdict on an answer reusing `reused` tokens of a prompt of 10,000, of which the
+    /// cache model predicted `held` held.
+    fn verdict_on(l: &Learned, held: u64, reused: u64) -> Verdict {
+        let p = Prediction {
+            prompt_tokens: 10_000,
+            held_tokens: held,
+            ..Prediction::default()
+        };
+        l.learn(&answer(10_000, Some(reused), 10), Some(p)).1
+    }
+
     #[test]
     fn a_prediction_of_a_quarter_of_the_prompt_can_be_a_misprediction() {
         let l = Learned::default();
-        let p = |held_tokens| Prediction {
-            prompt_tokens: 10_000,
-            held_tokens,
-            ..Prediction::default()
-        };
-        let verdict = |reused, p| l.learn(&answer(10_000, Some(reused), 10), Some(p)).1;
-        assert_eq!(verdict(1_000, p(2_500)), Verdict::HeldLess);
-        assert_eq!(verdict(1_000, p(2_499)), Verdict::Fine);
+        assert_eq!(verdict_on(&l, 2_500, 1_000), Verdict::HeldLess);
+        assert_eq!(verdict_on(&l, 2_499, 1_000), Verdict::Fine);
     }
 
     #[test]
     fn only_far_more_reuse_than_predicted_says_the_backend_holds_more() {
         let l = Learned::default();
-        let p = Prediction {
-            prompt_tokens: 10_000,
-            held_tokens: 3_000,
-            ..Prediction::default()
-        };
-        let verdict = |reused| l.learn(&answer(10_000, Some(reused), 10), Some(p)).1;
+        let verdict = |reused| verdict_on(&l, 3_000, reused);
         assert_eq!(verdict(5_000), Verdict::Fine, "more, not twice as much");
         assert_eq!(verdict(6_000), Verdict::Fine, "twice as much exactly");
         assert_eq!(verdict(6_100), Verdict::HeldMore);
@@ -934,14 +934,8 @@ mod tests {
     #[test]
     fn reusing_exactly_half_the_predicted_share_is_no_misprediction() {
         let l = Learned::default();
-        let p = Prediction {
-            prompt_tokens: 10_000,
-            held_tokens: 5_000,
-            ..Prediction::default()
-        };
-        let verdict = |reused| l.learn(&answer(10_000, Some(reused), 10), Some(p)).1;
-        assert_eq!(verdict(2_500), Verdict::Fine, "half exactly");
-        assert_eq!(verdict(2_499), Verdict::HeldLess);
+        assert_eq!(verdict_on(&l, 5_000, 2_500), Verdict::Fine, "half exactly");
+        assert_eq!(verdict_on(&l, 5_000, 2_499), Verdict::HeldLess);
     }
 
     /// A backend reads one prompt after another: a read there waits for the prompts of its
