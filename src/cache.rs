@@ -2150,13 +2150,19 @@ mod tests {
         m.check();
     }
 
-    #[test]
-    fn a_tracked_link_costs_under_80_bytes() {
+    /// A model of a large budget holding `n` conversations of 50 links each, none shared.
+    fn sessions_of_fifty_links(n: u64) -> CacheModel {
         let mut m = CacheModel::new(1 << 30);
-        for s in 0..1_000u64 {
+        for s in 0..n {
             let ids: Vec<u64> = (0..50).map(|i| s * 1_000 + i).collect();
             m.record_next(chain(&ids).links(), 0);
         }
+        m
+    }
+
+    #[test]
+    fn a_tracked_link_costs_under_80_bytes() {
+        let m = sessions_of_fifty_links(1_000);
         assert_eq!(m.blocks(), 50_000);
         let per_block = m.memory_bytes() / m.blocks();
         assert!(per_block < 80, "{per_block} bytes a link");
@@ -2757,11 +2763,7 @@ mod tests {
 
     #[test]
     fn the_index_s_memory_is_twelve_bytes_a_slot_and_counts_in_the_model_s() {
-        let mut m = CacheModel::new(1 << 30);
-        for s in 0..100u64 {
-            let ids: Vec<u64> = (0..50).map(|i| s * 1_000 + i).collect();
-            m.record_next(chain(&ids).links(), 0);
-        }
+        let m = sessions_of_fifty_links(100);
         assert_eq!(m.blocks(), 5_000);
         let slots = m.index.slots.capacity();
         assert!(slots >= 5_000);

@@ -648,10 +648,7 @@ mod tests {
 
     #[test]
     fn a_backend_that_taught_nothing_yet_reads_as_the_others_do() {
-        let p = |tokens| Prediction {
-            prompt_tokens: tokens,
-            ..Prediction::default()
-        };
+        let p = predicting;
         let (a, b, new) = (Learned::default(), Learned::default(), Learned::default());
         // a reads 200 of its tokens a second, b 600; both count four of theirs a chain token.
         a.learn(&answer(10_000, Some(0), 50_000), Some(p(2_500)));
@@ -852,6 +849,14 @@ mod tests {
         assert_eq!(l.prefill_rate(), Some(256.0));
     }
 
+    /// A prediction of a prompt of `tokens`, none of them held.
+    fn predicting(tokens: u64) -> Prediction {
+        Prediction {
+            prompt_tokens: tokens,
+            ..Prediction::default()
+        }
+    }
+
     /// The verdict on an answer reusing `reused` tokens of a prompt of 10,000, of which the
     /// cache model predicted `held` held.
     fn verdict_on(l: &Learned, held: u64, reused: u64) -> Verdict {
@@ -899,10 +904,7 @@ mod tests {
     #[test]
     fn the_token_scale_starts_at_its_first_answer_and_moves_a_quarter_of_the_way_to_each_next() {
         let l = Learned::default();
-        let p = |tokens| Prediction {
-            prompt_tokens: tokens,
-            ..Prediction::default()
-        };
+        let p = predicting;
         l.learn(&answer(4_000, Some(0), 10), Some(p(1_000)));
         assert_eq!(l.token_scale(), Some(4.0));
         // 2.4 tokens a token of the estimate: within twice the scale, not odd.
@@ -916,10 +918,7 @@ mod tests {
     #[test]
     fn an_answer_or_a_prediction_of_no_prompt_teaches_nothing_of_the_token_scale() {
         let l = Learned::default();
-        let p = |tokens| Prediction {
-            prompt_tokens: tokens,
-            ..Prediction::default()
-        };
+        let p = predicting;
         l.learn(&answer(10_000, Some(0), 10), Some(p(2_500)));
         for _ in 0..2 {
             l.learn(&answer(0, Some(0), 10), Some(p(1_000)));
