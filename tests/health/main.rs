@@ -1051,6 +1051,7 @@ async fn a_backend_announced_again_at_another_address_has_what_the_new_server_sa
     prober.round(&affinity).await;
     assert_eq!(status(&affinity, "a").request_context_limit, Some(32_768));
 }
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_backend_announced_later_is_probed_at_once() {
     let (a, stub_a) = start(3).await;
