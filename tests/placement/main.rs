@@ -726,6 +726,31 @@ fn a_backend_tells_how_much_of_a_prompt_its_cache_holds() {
 }
 
 #[test]
+fn the_fleet_counts_the_conversations_of_all_its_live_backends() {
+    // a1 homes two conversations, b1 one: three in all, their shared system prompt no more.
+    let fleet = two_by_two()
+        .holds("a1", &chain(&[SYS, 11, 12]))
+        .holds("a1", &chain(&[SYS, 21]))
+        .holds("b1", &chain(&[SYS, 31]));
+    assert_eq!(fleet.view().conversations(), 3);
+    // A removed backend's conversations leave the count.
+    assert_eq!(fleet.remove("a1").view().conversations(), 1);
+}
+
+#[test]
+fn a_fleet_view_debugs_as_its_backends_with_their_nodes_and_load() {
+    let fleet = Snapshot::new()
+        .backend("a1", "node-a", 2)
+        .backend("b1", "node-b", 1)
+        .in_flight("a1", 1);
+    let view = fleet.view();
+    let a1 = r#"Backend { id: "a1", node: "node-a", slots: 2, in_flight: 1 }"#;
+    assert_eq!(format!("{:?}", view.backend(&"a1".into()).unwrap()), a1);
+    let b1 = r#"Backend { id: "b1", node: "node-b", slots: 1, in_flight: 0 }"#;
+    assert_eq!(format!("{view:?}"), format!("[{a1}, {b1}]"));
+}
+
+#[test]
 fn a_keyless_request_with_no_prefix_goes_to_the_fewest_conversations_per_slot() {
     // Conversations for slots: a1 2 for 4, a2 0 for 1, b1 1 for 2, b2 2 for 2. Counting this
     // one, a1 is the least loaded per slot (3/4), though a2 homes none (1/1).
