@@ -567,6 +567,50 @@ async fn homes_refused_long_before_an_outage_do_not_crowd_out_one_that_failed_in
     );
 }
 
+/// An outage fails more writes than are kept (4,096): those kept are the first, each written
+/// when the store comes back, and a write that fails once they fill the room is not kept.
+/// They failed with the outage, so a failure seconds later, when room is wanted, does not
+/// push them out.
+#[tokio::test(start_paused = true)]
+async fn a_full_room_of_an_outages_failed_homes_keeps_them_and_takes_no_more() {
+    const KEPT: usize = 4_096;
+    let store = MemoryStore::new();
+    let svc = service(&store);
+    noticed(&svc, "warm", StoreState::Up).await;
+    store.down(true);
+    // The request that finds the outage is the first whose write fails.
+    noticed(&svc, "new-0", StoreState::Down).await;
+    for i in 1..KEPT {
+        send(&svc, &format!("new-{i}")).await;
+        if i % 64 == 0 {
+            settle().await;
+        }
+    }
+    settle().await;
+    assert_eq!(svc.store_stats().unwrap().write_errors, KEPT as u64);
+    // Two seconds on, still down, one more home fails: there is no room for it.
+    tokio::time::advance(Duration::from_secs(2)).await;
+    send(&svc, "late").await;
+    settle().await;
+    assert_eq!(svc.store_stats().unwrap().write_errors, KEPT as u64 + 1);
+    store.down(false);
+    noticed(&svc, "back", StoreState::Up).await;
+    for _ in 0..32 {
+        settle().await;
+    }
+    let s = svc.store_stats().unwrap();
+    assert_eq!(store.0.lock().rewrites.len(), KEPT, "{s:?}");
+    let homes = &store.0.lock().homes;
+    let missing = (0..KEPT)
+        .filter(|i| !homes.contains_key(&key(&format!("new-{i}"))))
+        .count();
+    assert_eq!(
+        missing, 0,
+        "{missing} homes of the outage never written again: {s:?}"
+    );
+    assert!(!homes.contains_key(&key("late")), "{s:?}");
+}
+
 // === replicas and prompt chains ===
 
 /// Backends whose cache models hold 10,000 tokens each.
