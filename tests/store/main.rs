@@ -611,6 +611,30 @@ async fn a_full_room_of_an_outages_failed_homes_keeps_them_and_takes_no_more() {
     assert!(!homes.contains_key(&key("late")), "{s:?}");
 }
 
+/// A home whose write failed in an outage, and then a newer home of the session written while
+/// the store took writes again (its reads still failing): the older home is not sent again
+/// at the recovery. A store without a compare and set would write it over the newer one.
+#[tokio::test(start_paused = true)]
+async fn a_failed_home_is_not_sent_again_once_a_newer_write_of_its_session_landed() {
+    let store = MemoryStore::new();
+    let svc = service(&store);
+    let first = send(&svc, "s").await;
+    settle().await;
+    store.down(true);
+    let moved = moved_off(&svc, "s", &first).await;
+    assert_eq!(svc.store_stats().unwrap().write_errors, 1);
+    // Writes land again, reads still fail: the session moves on, and that write lands.
+    store.0.lock().fail_writes = false;
+    let latest = moved_off(&svc, "s", &moved).await;
+    assert_eq!(store.0.lock().homes[&key("s")].backend, latest.backend);
+    store.mode(Mode::Answer);
+    noticed(&svc, "u", StoreState::Up).await;
+    settle().await;
+    let rewrites = store.0.lock().rewrites.clone();
+    assert!(rewrites.is_empty(), "{rewrites:?}");
+    assert_eq!(store.0.lock().homes[&key("s")].backend, latest.backend);
+}
+
 // === replicas and prompt chains ===
 
 /// Backends whose cache models hold 10,000 tokens each.
