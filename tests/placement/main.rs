@@ -751,6 +751,22 @@ fn a_fleet_view_debugs_as_its_backends_with_their_nodes_and_load() {
 }
 
 #[test]
+fn a_node_debugs_as_its_id_and_how_many_live_backends_it_has() {
+    let fleet = Snapshot::new()
+        .backend("a1", "node-a", 2)
+        .backend("a2", "node-a", 1)
+        .backend("b1", "node-b", 1);
+    let view = fleet.view();
+    let node = view.backend(&"a1".into()).unwrap().node();
+    assert_eq!(format!("{node:?}"), r#"Node { id: "node-a", backends: 2 }"#);
+    // A removed backend leaves the count.
+    let fleet = fleet.remove("a2");
+    let view = fleet.view();
+    let node = view.backend(&"a1".into()).unwrap().node();
+    assert_eq!(format!("{node:?}"), r#"Node { id: "node-a", backends: 1 }"#);
+}
+
+#[test]
 fn a_keyless_request_with_no_prefix_goes_to_the_fewest_conversations_per_slot() {
     // Conversations for slots: a1 2 for 4, a2 0 for 1, b1 1 for 2, b2 2 for 2. Counting this
     // one, a1 is the least loaded per slot (3/4), though a2 homes none (1/1).
