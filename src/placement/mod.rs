@@ -877,4 +877,17 @@ mod tests {
         }
         assert_eq!(c.claim(), Some(2));
     }
+
+    #[test]
+    fn two_samples_of_equal_free_slots_are_offered_from_the_random_numbers_low_then_high_bits() {
+        // Four backends, one free slot each. The first sample is at the low bits' position
+        // (5 % 4 = 1), the second at the high bits' distance past it (1 + 1 + 1 % 3 = 3);
+        // of two as free, the first sample goes first.
+        let t = topology(&[(0, None); 4]);
+        let mut seen = Vec::new();
+        let mut c = Candidates::collect(&t, 1, &mut seen);
+        let _ = freer_of_two(&FleetView::at(&t, 0), (1 << 32) | 5, &mut c);
+        drop(c);
+        assert_eq!(seen[..2], [1, 3]);
+    }
 }
