@@ -73,7 +73,8 @@ const TOKENS: &str = "x-tokens";
 /// A mock llama-server named `name` whose slots take `context` tokens: a prompt of that many
 /// tokens or more (by the request's `x-tokens`) is refused with llama-server's `400`, with its
 /// length known. `x-other-400` gets another `400`; `x-chunked-400` a refusal of unknown length;
-/// `x-broken-400` a refusal whose body fails. `calls` counts the requests it got.
+/// `x-broken-400` a refusal whose body fails; `x-refusal-bytes: N` a refusal padded with
+/// spaces to `N` bytes. `calls` counts the requests it got.
 fn llama(name: &'static str, context: u64, calls: Arc<AtomicUsize>) -> Mock {
     BoxCloneSyncService::new(tower::service_fn(move |req: Req| {
         calls.fetch_add(1, Ordering::Relaxed);
@@ -83,9 +84,17 @@ fn llama(name: &'static str, context: u64, calls: Arc<AtomicUsize>) -> Mock {
             .get(TOKENS)
             .and_then(|v| v.to_str().ok()?.parse().ok())
             .unwrap_or(0);
-        let refusal = format!(
+        let mut refusal = format!(
             r#"{{"error":{{"code":400,"message":"request ({tokens} tokens) exceeds the available context size ({context} tokens), try increasing it","type":"exceed_context_size_error","n_prompt_tokens":{tokens},"n_ctx":{context}}}}}"#
         );
+        let padded: Option<usize> = req
+            .headers()
+            .get("x-refusal-bytes")
+            .and_then(|v| v.to_str().ok()?.parse().ok());
+        if let Some(n) = padded {
+            let spaces = n.saturating_sub(refusal.len());
+            refusal.push_str(&" ".repeat(spaces));
+        }
         let res = http::Response::builder().header("x-served-by", name);
         let res = if header("x-other-400") {
             let body = r#"{"error":{"code":400,"message":"'messages' is required","type":"invalid_request_error"}}"#;
@@ -489,6 +498,62 @@ async fn other_answers_pass_unread_and_unretried() {
     assert!(res.extensions().get::<ContextRefusal>().is_none());
     assert!(text(res).await.contains("exceed_context_size_error"));
     assert_eq!(total(), 2);
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_refusal_of_up_to_16_kib_is_read_and_a_longer_one_passes_unread() {
+    let (fleet, calls) = fleet(&[
+        ("small", "node-a", 1_000, true),
+        ("large", "node-b", 100_000, true),
+    ]);
+    let mut svc = balancer(fleet);
+    let padded = |session: &str, bytes: usize| {
+        let mut req = turn(Some(session), 600, 1_500);
+        let v = http::HeaderValue::from(bytes);
+        req.headers_mut().insert("x-refusal-bytes", v);
+        req
+    };
+    // A refusal of 16 KiB exactly is read, and its request retried where it fits.
+    let session = homed_on(&mut svc, "small", "at-limit-").await;
+    let before = calls[0].load(Ordering::Relaxed);
+    let res = send(&mut svc, padded(&session, 16 * 1024)).await;
+    assert_eq!(
+        (res.status(), decision(&res).backend.as_str()),
+        (StatusCode::OK, "large")
+    );
+    assert_eq!(calls[0].load(Ordering::Relaxed), before + 1, "refused once");
+    // One byte longer, it is not read: it reaches the client as it came, unretried.
+    let session = homed_on(&mut svc, "small", "past-limit-").await;
+    let (small, large) = (
+        calls[0].load(Ordering::Relaxed),
+        calls[1].load(Ordering::Relaxed),
+    );
+    let res = send(&mut svc, padded(&session, 16 * 1024 + 1)).await;
+    assert_eq!(res.status(), StatusCode::BAD_REQUEST);
+    assert!(res.extensions().get::<ContextRefusal>().is_none());
+    let body = text(res).await;
+    assert_eq!(body.len(), 16 * 1024 + 1);
+    assert!(body.contains("exceed_context_size_error"));
+    assert_eq!(
+        (
+            calls[0].load(Ordering::Relaxed),
+            calls[1].load(Ordering::Relaxed)
+        ),
+        (small + 1, large)
+    );
+}
+
+/// A `ReadRefusalsFuture` shows in its debug output which step it is at.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_read_refusals_future_names_its_step_in_its_debug_output() {
+    let (fleet, _) = fleet(&[("a", "node-a", 1_000, true)]);
+    let mut svc = ReadRefusalsLayer::new().layer(SessionAffinityLayer::new().layer(fleet));
+    let fut = svc.ready().await.unwrap().call(turn(None, 300, 300));
+    assert_eq!(
+        format!("{fut:?}"),
+        r#"ReadRefusalsFuture { state: "call" }"#
+    );
+    assert_eq!(fut.await.unwrap().status(), StatusCode::OK);
 }
 
 #[tokio::test(flavor = "current_thread", start_paused = true)]
