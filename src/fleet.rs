@@ -2422,6 +2422,18 @@ mod tests {
     }
 
     #[test]
+    fn a_backend_is_up_in_the_millisecond_its_down_mark_ends_by_every_reading() {
+        let l = Load::new(nz(1), Arc::default(), &"a".into(), &"n".into());
+        assert!(l.mark_down(2_000, 1_000));
+        assert!(l.is_down(1_999));
+        assert_eq!(l.health(1_999), (true, false));
+        // The status, placement and the refusals read `is_down`; placement clears the mark
+        // with `health`: both say up from the millisecond the mark ends in.
+        assert!(!l.is_down(2_000), "up at its end, as health says");
+        assert_eq!(l.health(2_000), (false, true));
+    }
+
+    #[test]
     fn decision_header_values_follow_a_backend_to_its_new_node() {
         let h = DecisionHeaders::new(&"a".into(), &"n1".into());
         assert_eq!(h.backend().unwrap(), "a");
