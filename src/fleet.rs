@@ -2562,6 +2562,17 @@ mod tests {
     }
 
     #[test]
+    fn a_slot_promised_to_a_woken_waiter_is_not_free() {
+        let l = Load::new(nz(2), Arc::default(), &"a".into(), &"n".into());
+        assert!(l.try_acquire());
+        assert!(l.has_free_slot());
+        // The other slot is promised: none is free, to the look as to the taking.
+        l.reserved.store(1, Ordering::Relaxed);
+        assert!(!l.has_free_slot());
+        assert!(!l.try_acquire());
+    }
+
+    #[test]
     fn a_prompt_is_too_long_for_a_request_context_by_the_backends_own_tokens() {
         let l = Load::new(nz(4), Arc::default(), &"a".into(), &"n".into());
         assert!(!l.too_small_for(u64::MAX), "no limit");
