@@ -879,6 +879,29 @@ mod tests {
     }
 
     #[test]
+    fn the_backends_after_the_freest_are_offered_when_it_does_not_take_the_request() {
+        // b0 and b1 tie on free slots and b0 takes its turn first, but it is too small for
+        // the prompt of 1,500 tokens: b1, offered after it, takes the request.
+        let t = topology(&[(1_000, None), (2_000, None)]);
+        let mut c = Candidates::acquire(&t, 1, 1_500);
+        let _ = most_free_slots(&FleetView::at(&t, 0), Ties::Rotate(0), &mut c);
+        assert_eq!(c.claim(), Some(1));
+    }
+
+    #[test]
+    fn most_free_slots_offers_every_backend_freest_first_ties_from_the_chosen_one_on() {
+        // One slot each; b2's is taken. b0, b1 and b3 tie, and turn 1 of them is b1; then the
+        // rest, counted on from b1, freest first: b3, b0, and b2 last.
+        let t = topology(&[(0, None); 4]);
+        assert!(t.member(2).load.try_acquire());
+        let mut seen = Vec::new();
+        let mut c = Candidates::collect(&t, 1, &mut seen);
+        let _ = most_free_slots(&FleetView::at(&t, 0), Ties::Rotate(1), &mut c);
+        drop(c);
+        assert_eq!(seen, [1, 3, 0, 2]);
+    }
+
+    #[test]
     fn two_samples_of_equal_free_slots_are_offered_from_the_random_numbers_low_then_high_bits() {
         // Four backends, one free slot each. The first sample is at the low bits' position
         // (5 % 4 = 1), the second at the high bits' distance past it (1 + 1 + 1 % 3 = 3);
