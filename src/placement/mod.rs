@@ -902,6 +902,27 @@ mod tests {
     }
 
     #[test]
+    fn a_backend_that_refused_the_prompt_is_held_to_the_context_it_said_it_has() {
+        // b0 is declared to take 4,000 tokens a request but refused the prompt as 2,500
+        // tokens against the 2,000 it said it has: it is passed over for b1, which takes
+        // 3,000.
+        let t = topology(&[(4_000, None), (3_000, None)]);
+        let refused = Refused {
+            tokens: 2_500,
+            backend: Some(0),
+            context: 2_000,
+        };
+        let mut c = Candidates::acquire(&t, 1, 2_000);
+        c.count_as_refused(&refused);
+        for i in 0..2 {
+            if c.offer(BackendRef::new(&t, i)).is_break() {
+                break;
+            }
+        }
+        assert_eq!(c.claim(), Some(1));
+    }
+
+    #[test]
     fn two_samples_of_equal_free_slots_are_offered_from_the_random_numbers_low_then_high_bits() {
         // Four backends, one free slot each. The first sample is at the low bits' position
         // (5 % 4 = 1), the second at the high bits' distance past it (1 + 1 + 1 % 3 = 3);
