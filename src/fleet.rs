@@ -2249,6 +2249,66 @@ mod tests {
         assert_eq!(t.resolve_node(mark), None);
     }
 
+    #[test]
+    fn a_record_of_a_node_on_an_index_given_again_names_that_node() {
+        let mut t = Topology::default();
+        let mut reused = 0;
+        for i in 0..1_000u32 {
+            if i > 0 {
+                t.remove(&format!("a{}", i - 1).into());
+            }
+            let ip = format!("ip{i}");
+            let b = t.insert(
+                format!("a{i}").into(),
+                &ip.as_str().into(),
+                nz(1),
+                None,
+                1000,
+            );
+            let node = t.member(b).node;
+            reused += usize::from(t.node(node).generation > 0);
+            assert_eq!(t.resolve_node(t.node_mark(node)), Some(node), "{ip}");
+        }
+        assert!(reused > 0, "no node index was given again");
+    }
+
+    #[test]
+    fn a_prompt_is_taken_elsewhere_only_by_another_backend_up_whose_request_context_is_larger() {
+        let mut t = Topology::default();
+        let a = t.insert("a".into(), &"n".into(), nz(1), None, 1000);
+        let b = t.insert("b".into(), &"n".into(), nz(1), None, 1000);
+        t.member(a).load.learn_request_limit(100);
+        t.member(b).load.learn_request_limit(200);
+        assert!(t.takes_elsewhere(150, Some("a"), 0));
+        // A prompt as long as the request context does not fit it.
+        assert!(!t.takes_elsewhere(200, Some("a"), 0));
+        assert!(!t.takes_elsewhere(150, Some("b"), 0));
+        assert!(t.takes_elsewhere(150, None, 0));
+        assert!(t.member(b).load.mark_down(1_000, 0));
+        assert!(!t.takes_elsewhere(150, Some("a"), 500));
+        assert!(t.takes_elsewhere(150, Some("a"), 1_000));
+        t.remove(&"b".into());
+        assert!(!t.takes_elsewhere(150, Some("a"), 1_000));
+        // A backend with no limit known takes any prompt.
+        t.insert("c".into(), &"n".into(), nz(1), None, 1000);
+        assert!(t.takes_elsewhere(u64::MAX - 1, Some("a"), 1_000));
+    }
+
+    #[test]
+    fn a_status_names_no_context_limit_that_is_not_known() {
+        let mut t = Topology::default();
+        let a = t.insert("a".into(), &"n".into(), nz(1), None, 1000);
+        let s = &t.status(0)[0];
+        assert_eq!((s.context_limit, s.request_context_limit), (None, None));
+        t.member(a).load.context.store(4_000, Ordering::Relaxed);
+        t.member(a).load.learn_request_limit(1_000);
+        let s = &t.status(0)[0];
+        assert_eq!(
+            (s.context_limit, s.request_context_limit),
+            (Some(4_000), Some(1_000))
+        );
+    }
+
     /// Removes `KEPT_REMOVED` backends named `prefix{i}` that were never announced before
     /// (announcing them first): every backend removed before them forgets its model.
     fn push_out_removed(t: &mut Topology, prefix: &str) {
