@@ -2309,6 +2309,26 @@ mod tests {
         );
     }
 
+    #[test]
+    fn the_slot_a_request_was_assigned_is_named_without_its_queued_and_freed_marks() {
+        let mut t = Topology::default();
+        let a = t.insert("a".into(), &"n".into(), nz(4), None, 1000);
+        let load = t.member(a).load.clone();
+        assert!(load.try_acquire());
+        let mut guard = SlotGuard::new(&load, a, 0);
+        assert_eq!(guard.assigned_slot(), None);
+        guard.assigned = 3 | SLOT_QUEUED;
+        assert_eq!(
+            (guard.assigned_slot(), guard.holds_assigned_slot()),
+            (Some(3), true)
+        );
+        guard.release_assigned_slot();
+        assert_eq!(
+            (guard.assigned_slot(), guard.holds_assigned_slot()),
+            (Some(3), false)
+        );
+    }
+
     /// Removes `KEPT_REMOVED` backends named `prefix{i}` that were never announced before
     /// (announcing them first): every backend removed before them forgets its model.
     fn push_out_removed(t: &mut Topology, prefix: &str) {
