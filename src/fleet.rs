@@ -2329,6 +2329,20 @@ mod tests {
         );
     }
 
+    #[test]
+    fn a_slot_taken_after_its_backend_returned_records_how_often_it_returned() {
+        let mut t = Topology::default();
+        let a = t.insert("a".into(), &"n".into(), nz(1), None, 1000);
+        for _ in 0..2 {
+            t.remove(&"a".into());
+            assert_eq!(t.insert("a".into(), &"n".into(), nz(1), None, 1000), a);
+        }
+        let load = t.member(a).load.clone();
+        assert!(load.try_acquire());
+        let guard = SlotGuard::new(&load, a, 0);
+        assert_eq!(guard.returns(), 2);
+    }
+
     /// Removes `KEPT_REMOVED` backends named `prefix{i}` that were never announced before
     /// (announcing them first): every backend removed before them forgets its model.
     fn push_out_removed(t: &mut Topology, prefix: &str) {
