@@ -2561,6 +2561,52 @@ async fn a_wake_its_waiter_cannot_use_is_passed_on() {
     drop(x);
 }
 
+/// A waiter that takes the slot it was woken for, on a backend without a context limit,
+/// wakes no other waiter, even with another slot there free: each freed slot had its wake.
+/// (With a context limit, one request's end may free room for more than one:
+/// `one_end_that_frees_room_for_two_waiters_wakes_both`.) Here b1's second slot frees while
+/// its one waiter is already woken, and a request that only a1 serves queues beside the free
+/// slot: it is not woken to look.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_waiter_taking_its_slot_where_no_context_limit_applies_wakes_no_other() {
+    let streams = Streams::default();
+    let mut svc = SessionAffinityLayer::new()
+        .placement(SomeOnlyOnA1)
+        .overflow(Overflow::wait(Duration::from_secs(30), 8))
+        .layer(fleet(&[("a1", "a", 1), ("b1", "b", 2)], &streams));
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let res = send(&mut svc, None, Some("stream")).await.unwrap();
+        let (id, tx) = streams.take().unwrap();
+        held.push((id, res, tx));
+    }
+    let ids: Vec<_> = held.iter().map(|(id, ..)| id.as_str()).collect();
+    assert_eq!(ids, ["a1", "b1", "b1"]);
+    svc.ready().await.unwrap();
+    let mut waiter = tokio_test::task::spawn(svc.call(request(None, None)));
+    assert_pending!(waiter.poll());
+    // Both of b1's streams end: the first wakes the waiter, the second finds none to wake.
+    for (_, res, tx) in held.split_off(1) {
+        drop(tx);
+        res.into_body().collect().await.unwrap();
+    }
+    assert!(waiter.is_woken());
+    svc.ready().await.unwrap();
+    let mut only_a1 = request(None, None);
+    only_a1.extensions_mut().insert(OnlyA1);
+    let mut other = tokio_test::task::spawn(svc.call(only_a1));
+    assert_pending!(other.poll());
+    let res = assert_ready!(waiter.poll()).unwrap();
+    assert_eq!(decision(&res).backend.as_str(), "b1");
+    assert!(
+        !other.is_woken(),
+        "a slot taken on a backend without a context limit passes no room on"
+    );
+    assert_pending!(other.poll());
+    assert_eq!(svc.stats().waiting, 1);
+    drop((res, held));
+}
+
 /// Whether a request marked with it makes [`B1ThenA1`] panic when it looks: a bug in a policy
 /// of a user's own, set off after the request has joined the wait queue.
 #[derive(Clone, Default)]
