@@ -257,6 +257,18 @@ async fn noticed(svc: &Svc, session: &str, state: StoreState) {
 }
 
 /// Lets the writes' tasks run.
+/// A service on `store` whose session `s` moved off its busy home in an outage, that write
+/// failing: the service, and the session's first and second homes.
+async fn moved_in_an_outage(store: &MemoryStore) -> (Svc, Decision, Decision) {
+    let svc = service(store);
+    let first = send(&svc, "s").await;
+    settle().await;
+    store.down(true);
+    let moved = moved_off(&svc, "s", &first).await;
+    assert_eq!(svc.store_stats().unwrap().write_errors, 1);
+    (svc, first, moved)
+}
+
 async fn settle() {
     for _ in 0..8 {
         tokio::task::yield_now().await;
@@ -617,12 +629,7 @@ async fn a_full_room_of_an_outages_failed_homes_keeps_them_and_takes_no_more() {
 #[tokio::test(start_paused = true)]
 async fn a_failed_home_is_not_sent_again_once_a_newer_write_of_its_session_landed() {
     let store = MemoryStore::new();
-    let svc = service(&store);
-    let first = send(&svc, "s").await;
-    settle().await;
-    store.down(true);
-    let moved = moved_off(&svc, "s", &first).await;
-    assert_eq!(svc.store_stats().unwrap().write_errors, 1);
+    let (svc, _, moved) = moved_in_an_outage(&store).await;
     // Writes land again, reads still fail: the session moves on, and that write lands.
     store.0.lock().fail_writes = false;
     let latest = moved_off(&svc, "s", &moved).await;
@@ -946,13 +953,7 @@ async fn a_write_that_fails_after_a_newer_one_landed_is_not_written_again() {
 #[tokio::test(start_paused = true)]
 async fn a_home_moved_again_while_its_write_waits_is_not_written_over_at_the_recovery() {
     let store = MemoryStore::new();
-    let svc = service(&store);
-    let first = send(&svc, "s").await;
-    settle().await;
-    // Down: the session moves off its busy home, and that write fails.
-    store.down(true);
-    let moved = moved_off(&svc, "s", &first).await;
-    assert_eq!(svc.store_stats().unwrap().write_errors, 1);
+    let (svc, _, moved) = moved_in_an_outage(&store).await;
     // Writes now wait for the store to come back. The session moves again: its write waits.
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
     {
@@ -985,13 +986,7 @@ fn first_placed(store: &MemoryStore) -> Option<SystemTime> {
 #[tokio::test(start_paused = true)]
 async fn a_home_sent_again_after_an_outage_does_not_replace_one_placed_later() {
     let store = MemoryStore::new();
-    let svc = service(&store);
-    let first = send(&svc, "s").await;
-    settle().await;
-    // Down: the session moves off its busy home, and that write fails.
-    store.down(true);
-    let moved = moved_off(&svc, "s", &first).await;
-    assert_eq!(svc.store_stats().unwrap().write_errors, 1);
+    let (svc, first, moved) = moved_in_an_outage(&store).await;
     // Another replica places the session's next turn on a third backend, a second later, and
     // its write lands as the store comes back.
     let later = ["a1", "a2", "b1", "b2"]
