@@ -4688,11 +4688,11 @@ fn a_wait_of_no_time_needs_no_time_driver() {
     });
 }
 
-/// `NodeThenBackend`, counting the looks it is asked for.
+/// A policy, counting the looks it is asked for.
 #[derive(Clone)]
-struct CountsLooks(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+struct CountsLooks<P>(std::sync::Arc<std::sync::atomic::AtomicUsize>, P);
 
-impl Placement for CountsLooks {
+impl<P: Placement> Placement for CountsLooks<P> {
     fn place(
         &self,
         fleet: &tower_affinity::placement::FleetView<'_>,
@@ -4700,7 +4700,7 @@ impl Placement for CountsLooks {
         c: &mut tower_affinity::placement::Candidates<'_>,
     ) {
         self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        tower_affinity::placement::NodeThenBackend::new().place(fleet, req, c)
+        self.1.place(fleet, req, c)
     }
 }
 
@@ -4718,7 +4718,10 @@ async fn a_wait_that_lets_no_request_wait_places_in_one_look_as_reject_does() {
         let streams = Streams::default();
         let looks = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let mut svc = SessionAffinityLayer::new()
-            .placement(CountsLooks(looks.clone()))
+            .placement(CountsLooks(
+                looks.clone(),
+                tower_affinity::placement::NodeThenBackend::new(),
+            ))
             .overflow(overflow)
             .node_patience(Duration::from_secs(300))
             .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
@@ -4793,6 +4796,24 @@ async fn a_policy_offering_nothing_while_every_backend_is_down_has_no_backends()
     let err = send(&mut svc, Some("u"), None).await.unwrap_err();
     assert!(matches!(err, Error::Saturated { .. }), "{err}");
     drop(held);
+}
+
+/// A policy that offers nothing, having passed over no backend as too small for the prompt,
+/// is asked once a request: the look again as if no backend had a limit is for a request
+/// whose policy passed over those too small. A policy that keeps state between looks (a
+/// rotation, a count) would see two looks for one request.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_policy_that_offers_nothing_is_asked_once_a_request() {
+    let streams = Streams::default();
+    let looks = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut svc = SessionAffinityLayer::new()
+        .placement(CountsLooks(looks.clone(), UpOnly))
+        .layer(fleet(&[("a1", "a", 1), ("b1", "b", 1)], &streams));
+    svc.ready().await.unwrap();
+    assert!(svc.mark_down("a1", None) && svc.mark_down("b1", None));
+    let err = send(&mut svc, Some("s"), None).await.unwrap_err();
+    assert!(matches!(err, Error::NoBackends { .. }), "{err}");
+    assert_eq!(looks.load(std::sync::atomic::Ordering::Relaxed), 1);
 }
 
 /// Offers only the backends the request names (`Avoid` read as the names to offer), in that
