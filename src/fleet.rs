@@ -2696,6 +2696,29 @@ mod tests {
     }
 
     #[test]
+    fn no_need_or_no_limit_fits_beside_any_context_held() {
+        let l = Load::new(nz(4), Arc::default(), &"a".into(), &"n".into());
+        l.context.store(1_000, Ordering::Relaxed);
+        // Overcommitted: more held than the limit.
+        assert_eq!(l.force_context(1_500), 1_500);
+        assert!(!l.has_context_for(1));
+        assert!(
+            l.has_context_for(0),
+            "a request without a prompt needs no room"
+        );
+        // The limit taken away (announced again without one) while those still hold it.
+        l.context.store(0, Ordering::Relaxed);
+        assert!(l.has_context_for(600));
+    }
+
+    #[test]
+    fn a_forced_request_counts_no_context_on_a_backend_without_a_limit() {
+        let l = Load::new(nz(4), Arc::default(), &"a".into(), &"n".into());
+        assert_eq!(l.force_context(600), 0);
+        assert_eq!(l.context_in_flight.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
     fn a_slot_comes_with_context_only_while_the_prompt_fits_and_is_given_back_with_it() {
         let l = Arc::new(Load::new(nz(4), Arc::default(), &"a".into(), &"n".into()));
         // No limit: nothing counted.
