@@ -1511,6 +1511,16 @@ mod tests {
         m.record(chain(ids).links(), known, stamp);
     }
 
+    /// A model of 1M tokens that a hundred conversations of one turn each were sent to, the
+    /// first at `first_ms`, each `gap_ms` after the one before.
+    fn hundred_conversations(first_ms: u64, gap_ms: u64) -> CacheModel {
+        let mut m = CacheModel::new(1 << 20);
+        for i in 0..100u64 {
+            turn_at(&mut m, first_ms + i * gap_ms, &[1_000 + i], 0);
+        }
+        m
+    }
+
     #[test]
     fn a_recorded_chain_is_held_and_its_extensions_are_found() {
         let mut m = CacheModel::new(10_000);
@@ -2730,10 +2740,7 @@ mod tests {
     fn every_turn_sent_within_a_bucket_s_ten_seconds_counts_in_that_bucket() {
         // More conversations than there are buckets, all sent within one bucket's time: none
         // begins a bucket of its own, so none falls out of the count.
-        let mut m = CacheModel::new(1 << 20);
-        for i in 0..100u64 {
-            turn_at(&mut m, 1_000_000 + i * 90, &[1_000 + i], 0);
-        }
+        let mut m = hundred_conversations(1_000_000, 90);
         assert_eq!(m.recent.begun, 1);
         assert_eq!(m.live_conversations(1), 100);
         m.check();
@@ -2743,10 +2750,7 @@ mod tests {
     fn a_live_count_from_time_zero_counts_every_conversation_held() {
         // A conversation a bucket, more than are kept: those older than the oldest bucket
         // count too.
-        let mut m = CacheModel::new(1 << 20);
-        for i in 0..100u64 {
-            turn_at(&mut m, i * 10_000, &[1_000 + i], 0);
-        }
+        let mut m = hundred_conversations(0, 10_000);
         assert_eq!(m.live_conversations(1), 64);
         assert_eq!(m.live_conversations(0), 100);
         m.check();
@@ -2775,10 +2779,7 @@ mod tests {
     fn a_count_after_every_bucket_ended_is_zero_and_the_next_count_goes_back() {
         // A conversation a bucket, more than are kept. A count later than every bucket's end
         // passes them all; the next count, from within the newest, counts that one again.
-        let mut m = CacheModel::new(1 << 20);
-        for i in 0..100u64 {
-            turn_at(&mut m, i * 10_000, &[1_000 + i], 0);
-        }
+        let mut m = hundred_conversations(0, 10_000);
         assert_eq!(m.live_conversations(10_000_000), 0);
         m.check();
         assert_eq!(m.live_conversations(995_000), 1);

@@ -1217,6 +1217,7 @@ event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{
             proptest::prop_assert_eq!(s.finish(), Usage::from_body(body), "cuts at {} and {}", x, y);
         }
     }
+
     /// A member name the plain reader cannot read as it is (an escape, a control character)
     /// is left to serde, which refuses what JSON does not allow: a usage object with such a
     /// name gives no figure, however its other members read.
