@@ -274,7 +274,9 @@ pub struct ContextRefusal {
     /// its context.
     pub prompt_tokens: u64,
     /// The most tokens one request can take on that backend (llama-server's slot `n_ctx`,
-    /// vLLM's `max_model_len`, SGLang's context length).
+    /// vLLM's `max_model_len`, SGLang's context length); 0 where it did not say, which holds
+    /// that backend to fewer than `prompt_tokens` for this request, and teaches no limit for
+    /// the requests after it.
     pub context_tokens: u64,
 }
 

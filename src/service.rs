@@ -844,10 +844,15 @@ impl<S: Clone, P: Placement> Shared<Backend<S>, P> {
         // A pinned backend that is down is placed around as any request would be.
         let prompt_tokens = chain.map_or(0, PromptChain::tokens);
         // A retry of a prompt a backend refused as too long counts it as that backend did.
+        // A refusal that does not say the context holds the refuser to fewer tokens than the
+        // prompt's, as its answer showed.
         let refused = refusal.map(|r| Refused {
             tokens: r.prompt_tokens,
             backend: r.backend.as_ref().and_then(|id| t.index_of(id.as_str())),
-            context: r.context_tokens,
+            context: match r.context_tokens {
+                0 => r.prompt_tokens.max(1),
+                n => n,
+            },
         });
         if let (Some(r), Some(refused)) = (refusal, &refused) {
             // The refusing backend's word for its limit stands where none is known, for the

@@ -1123,3 +1123,52 @@ async fn read_refusals_gives_its_balancer_back() {
     let affinity: Affinity = svc.into_inner().into_inner();
     assert_eq!(affinity.stats().placed(), 1);
 }
+
+/// Offers only the backend that refused the request's prompt, if it carries a refusal by a
+/// backend named; else places as `NodeThenBackend` does.
+#[derive(Clone, Debug, Default)]
+struct OnlyTheRefuser(tower_affinity::placement::NodeThenBackend);
+
+impl tower_affinity::placement::Placement for OnlyTheRefuser {
+    fn place(
+        &self,
+        fleet: &tower_affinity::placement::FleetView<'_>,
+        req: &tower_affinity::placement::PlacementRequest<'_>,
+        c: &mut tower_affinity::placement::Candidates<'_>,
+    ) {
+        let refuser = req.extensions.get::<ContextRefusal>();
+        let Some(refuser) = refuser.and_then(|r| r.backend.clone()) else {
+            return self.0.place(fleet, req, c);
+        };
+        if let Some(b) = fleet.backends().find(|b| *b.id() == refuser) {
+            let _ = c.offer(b);
+        }
+    }
+}
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_refusal_that_does_not_say_its_context_is_placed_as_one_that_does() {
+    // A policy that offers only the refuser, which is too small while another backend takes
+    // the prompt: passed over, nothing offered takes the prompt, so the request is placed as
+    // if no backend had a limit, and the refuser answers it as it did before.
+    for context in [1_000, 0] {
+        let (fleet, calls) = fleet(&[
+            ("small", "node-a", 1_000, false),
+            ("large", "node-b", 100_000, false),
+        ]);
+        let mut svc = SessionAffinityLayer::new()
+            .placement(OnlyTheRefuser::default())
+            .layer(fleet);
+        let mut req = turn(Some("s"), 600, 1_500);
+        req.extensions_mut()
+            .insert(ContextRefusal::new(1_500, context).by("small"));
+        let res = svc.ready().await.unwrap().call(req).await;
+        let res = res.unwrap_or_else(|e| panic!("context {context}: {e:?}"));
+        assert_eq!(
+            (res.status(), decision(&res).backend.as_str()),
+            (StatusCode::BAD_REQUEST, "small"),
+            "context {context}"
+        );
+        assert_eq!(calls[0].load(Ordering::Relaxed), 1, "context {context}");
+    }
+}
