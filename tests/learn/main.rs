@@ -665,6 +665,34 @@ async fn llama_servers_progress_chunks_are_not_the_first_byte_after_the_read() {
     assert_eq!(a.prefill_rate, Some(200));
 }
 
+/// An answer not read for its usage (compressed, or neither JSON nor SSE) has read its
+/// prompt once its first frame comes: the backend's backlog no longer holds the prompt,
+/// though the body goes on.
+#[tokio::test(start_paused = true)]
+async fn an_answer_not_read_for_usage_has_read_its_prompt_at_its_first_frame() {
+    let svc = service(&[("a", "n1")]);
+    let mut gzip = Reply::json(b"\x1f\x8b");
+    gzip.encoding = Some("gzip");
+    let plain = Reply::new("text/plain", &[b"Done."]);
+    for (what, mut reply, blocks) in [("gzip", gzip, [1, 2, 3]), ("text/plain", plain, [4, 5, 6])] {
+        reply
+            .frames
+            .push((Duration::from_secs(5), Ok(Bytes::from_static(b"."))));
+        let req = request(None, Some(chain(&blocks, 1_000)), reply);
+        let res = svc.clone().oneshot(req).await.expect("an answer");
+        assert_eq!(
+            status(&svc, "a").unread_tokens,
+            3_000,
+            "{what}: not read yet"
+        );
+        let mut body = res.into_body();
+        body.frame().await.expect("a frame").expect("data");
+        assert_eq!(status(&svc, "a").unread_tokens, 0, "{what}: read");
+        body.frame().await.expect("a frame").expect("data");
+        assert!(body.frame().await.is_none());
+    }
+}
+
 /// A chat stream's first chunk is its first token: it came after the read, and times it.
 #[tokio::test(start_paused = true)]
 async fn a_chat_streams_first_byte_times_the_read() {
@@ -1146,6 +1174,47 @@ async fn a_backend_reusing_far_less_than_predicted_corrects_the_model() {
         1,
         "a prediction borne out is no correction"
     );
+}
+
+/// A backend that reused part of what the model predicted, far less than predicted, evicted
+/// the rest: the model forgets as many tokens as it over-predicted (the predicted share less
+/// the share the answer reused, of the prompt), oldest first.
+#[tokio::test(start_paused = true)]
+async fn a_backend_reusing_part_of_a_prediction_makes_the_model_forget_the_rest() {
+    let svc = service(&[("a", "n1")]);
+    exchange(
+        &svc,
+        request(Some("old"), Some(chain(&[1, 2], 1000)), reused(2000, 0)),
+    )
+    .await;
+    exchange(
+        &svc,
+        request(
+            Some("new"),
+            Some(chain(&[10, 11, 12], 1000)),
+            reused(3000, 0),
+        ),
+    )
+    .await;
+    // "new"'s second turn: 3,000 of its 4,000 tokens predicted held, 1,000 reused. The backend
+    // evicted 2,000 tokens used no later than "new"'s prefix: all of "old"'s.
+    let (d, _, _) = exchange(
+        &svc,
+        request(
+            Some("new"),
+            Some(chain(&[10, 11, 12, 13], 1000)),
+            reused(4000, 1000),
+        ),
+    )
+    .await;
+    assert_eq!(d.outcome, Outcome::HomeHit);
+    assert_eq!(status(&svc, "a").corrections, 1);
+    let (d, _, _) = exchange(
+        &svc,
+        request(Some("old"), Some(chain(&[1, 2, 3], 1000)), reused(3000, 0)),
+    )
+    .await;
+    assert_eq!(d.outcome, Outcome::ColdHome);
 }
 
 /// An answer that reports a prompt of 0 tokens says nothing of what the backend reused of
