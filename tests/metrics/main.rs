@@ -10,9 +10,9 @@ use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use metrics_util::{CompositeKey, MetricKind};
 use tower::{service_fn, Layer, Service, ServiceExt};
 use tower_affinity::discover::StaticFleet;
-use tower_affinity::key::SessionKey;
+use tower_affinity::key::{PromptFacts, SessionKey};
 use tower_affinity::store::{HomeStore, Lookup, ReadHome, StoredHome, WriteHome};
-use tower_affinity::{Backend, Outcome, SessionAffinityLayer};
+use tower_affinity::{Backend, Outcome, PromptChain, SessionAffinityLayer};
 
 const ANSWER: &str =
     r#"{"usage":{"prompt_tokens":1200,"prompt_tokens_details":{"cached_tokens":1024}}}"#;
@@ -305,6 +305,56 @@ fn an_answer_cut_midway_counts_on_its_backend() {
     assert_eq!(
         counter("tower_affinity_backend_failures_total"),
         Some(&DebugValue::Counter(0))
+    );
+}
+
+/// An answer that reused far less of its prompt than the cache model predicted counts a
+/// correction on its backend; an answer that reused what was predicted, or had nothing
+/// predicted, counts none.
+#[test]
+fn only_an_answer_reusing_far_less_than_predicted_counts_a_correction() {
+    let ((), snapshot) = recorded_paused(async {
+        // The backend reuses what the request's `x-reused` header says.
+        let reusing = service_fn(|req: http::Request<String>| async move {
+            let reused = req.headers()["x-reused"].to_str().unwrap().to_owned();
+            let prompt = req.headers()["x-prompt"].to_str().unwrap().to_owned();
+            let answer = format!(
+                r#"{{"usage":{{"prompt_tokens":{prompt},"prompt_tokens_details":{{"cached_tokens":{reused}}}}}}}"#
+            );
+            let mut res = http::Response::new(Full::new(Bytes::from(answer)));
+            res.headers_mut()
+                .insert("content-type", "application/json".parse().unwrap());
+            Ok::<_, Infallible>(res)
+        });
+        let fleet =
+            StaticFleet::new([("a1", Backend::new("node-a", reusing).cache_tokens(1 << 20))]);
+        let svc = SessionAffinityLayer::new().layer(fleet);
+        // Three turns of one session: nothing predicted; 3,000 tokens predicted and reused;
+        // 4,000 predicted and none reused.
+        for (blocks, reused) in [(3, 0), (4, 3_000), (5, 0)] {
+            let ids: Vec<u64> = (1..=blocks).collect();
+            let chain = PromptChain::from_blocks(ids.iter().map(|&id| (id, 1_000)));
+            let mut req = http::Request::post("/v1/chat/completions")
+                .header("x-session-id", "s")
+                .header("x-reused", reused.to_string())
+                .header("x-prompt", (blocks * 1_000).to_string())
+                .body(String::new())
+                .unwrap();
+            req.extensions_mut().insert(PromptFacts::from_chain(chain));
+            let res = svc.clone().oneshot(req).await.unwrap();
+            res.into_body().collect().await.unwrap();
+        }
+        assert_eq!(svc.stats().corrections, 1);
+    });
+    let backend = [("backend", "a1"), ("node", "node-a")];
+    assert_eq!(
+        value(
+            &snapshot,
+            MetricKind::Counter,
+            "tower_affinity_backend_corrections_total",
+            &backend
+        ),
+        Some(&DebugValue::Counter(1))
     );
 }
 
