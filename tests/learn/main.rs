@@ -797,6 +797,24 @@ async fn a_stream_dropped_after_its_last_chunk_is_counted_and_one_cut_before_it_
     assert_eq!((a.prompt_tokens, a.reused_tokens), (1_200, 1_000));
 }
 
+/// An empty data frame after a stream's last chunk leaves the stream read to its end: a
+/// client that drops the body then has read the answer, and it is counted.
+#[tokio::test(start_paused = true)]
+async fn an_empty_frame_after_a_streams_last_chunk_leaves_it_read_to_its_end() {
+    let svc = service(&[("a", "n1")]);
+    let mut reply = Reply::llama_stream(1_200, 1_000, 400, Duration::ZERO, Duration::ZERO);
+    reply
+        .frames
+        .push((Duration::ZERO, Ok(Bytes::from_static(b""))));
+    reply
+        .frames
+        .push((Duration::from_secs(3_600), Ok(Bytes::from_static(b""))));
+    read_then_drop(&svc, request(None, None, reply), 3).await;
+    let a = status(&svc, "a");
+    assert_eq!((a.in_flight, a.usage_reports), (0, 1));
+    assert_eq!((a.prompt_tokens, a.reused_tokens), (1_200, 1_000));
+}
+
 /// An event stream may write its fields without the space after the colon (`data:[DONE]`):
 /// an SSE client reads it as `data: [DONE]`, stops there and drops the body before its end.
 /// The answer it has read is counted, as it is for `data: [DONE]`; `[DONE]` without the
