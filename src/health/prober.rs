@@ -780,4 +780,27 @@ mod tests {
         assert_eq!(prober.status("a").unwrap().failures, 1);
         assert!(prober.status("a").unwrap().up);
     }
+
+    #[test]
+    fn a_backend_moved_from_a_server_that_said_nothing_to_one_that_says_nothing_is_not_announced_again(
+    ) {
+        let prober = Prober::new(HealthProbe::new());
+        let id = BackendId::from("a");
+        let generation = || prober.shared.state.lock()[&id].generation;
+        // Neither server gives slots nor a context: nothing learned at the old address, so
+        // nothing to forget at the new one.
+        let ready = || Checked {
+            health: Health::Ready,
+            slots: Some(Err("/slots answered 404 Not Found".into())),
+            slots_from: "/slots",
+            no_slots: true,
+            max_model_len: Some(Err("/v1/models answered 404 Not Found".into())),
+        };
+        prober.announced(&id, at("http://10.0.0.1:8080/"));
+        let (_, update, _) = prober.record(&id, generation(), ready());
+        assert!(update.is_none());
+        prober.announced(&id, at("http://10.0.0.2:8080/"));
+        let (_, update, _) = prober.record(&id, generation(), ready());
+        assert!(update.is_none(), "announced again with nothing changed");
+    }
 }
