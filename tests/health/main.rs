@@ -1645,3 +1645,69 @@ async fn a_probe_path_goes_under_the_base_uris_path_prefix() {
         assert!(marks.0.lock().is_empty(), "{base}");
     }
 }
+
+/// A backend given its request context and moved to a server without `/slots` loses the
+/// slot count read at the old address once the new server answers, though nothing else
+/// was learned there: it counts as one slot.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_backend_given_its_context_and_moved_to_a_server_without_slots_counts_one_slot() {
+    let (old, _old_stub) = start(4).await;
+    let (new, new_stub) = start(0).await;
+    new_stub.slots_status.store(404, Ordering::Relaxed);
+    let given = NonZeroU64::new(1_000).unwrap();
+    let (handle, fleet) = discover::channel::<Http>();
+    let (fleet, prober) = HealthProbe::new().discover(fleet);
+    let affinity = SessionAffinityLayer::new().layer(fleet);
+    handle.insert(
+        "a",
+        Backend::new("n", http(old)).request_context_tokens(given),
+    );
+    prober.round(&affinity).await;
+    assert_eq!(status(&affinity, "a").slots, 4);
+    handle.insert(
+        "a",
+        Backend::new("n", http(new)).request_context_tokens(given),
+    );
+    affinity.apply_discovery();
+    assert_eq!(
+        status(&affinity, "a").slots,
+        4,
+        "before the new server answers"
+    );
+    prober.round(&affinity).await;
+    assert!(new_stub.slots_hits.load(Ordering::Relaxed) > 0);
+    let a = status(&affinity, "a");
+    assert_eq!(
+        (a.slots, a.request_context_limit),
+        (1, Some(1_000)),
+        "{a:?}"
+    );
+}
+
+/// A backend announced again at another address while a probe of the old one is out is
+/// probed at the new one each interval, and not once more when the old probe runs out: that
+/// probe was owed to the old server.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_probe_owed_to_a_backends_old_address_is_not_sent_to_its_new_one() {
+    let (old, old_stub) = start(1).await;
+    let (new, new_stub) = start(1).await;
+    old_stub.hang.store(true, Ordering::Relaxed);
+    let (handle, fleet) = discover::channel::<Http>();
+    let (fleet, prober) = HealthProbe::new()
+        .interval(Duration::from_secs(1))
+        .timeout(Duration::from_millis(4500))
+        .discover(fleet);
+    let affinity = SessionAffinityLayer::new().layer(fleet);
+    handle.insert("a", Backend::new("n", http(old)));
+    affinity.apply_discovery();
+    let _task = prober.clone().spawn(affinity.clone());
+    // The old server's probe is out from 0 s to 4.5 s; intervals end at 1 s and 2 s meanwhile.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(old_stub.health_hits.load(Ordering::Relaxed), 1);
+    handle.insert("a", Backend::new("n", http(new)));
+    affinity.apply_discovery();
+    // The new server is probed at 3 s and 4 s, and at 5 s: not at 4.5 s as well.
+    tokio::time::sleep(Duration::from_millis(2700)).await;
+    assert_eq!(new_stub.health_hits.load(Ordering::Relaxed), 3);
+    assert_eq!(old_stub.health_hits.load(Ordering::Relaxed), 1);
+}
