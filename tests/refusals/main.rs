@@ -1172,3 +1172,47 @@ async fn a_refusal_that_does_not_say_its_context_is_placed_as_one_that_does() {
         assert_eq!(calls[0].load(Ordering::Relaxed), 1, "context {context}");
     }
 }
+
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_refused_request_continuing_a_response_stored_on_a_backend_down_is_retried_where_it_fits()
+{
+    let (fleet, calls) = fleet(&[
+        ("small", "node-a", 1_000, true),
+        ("large", "node-b", 100_000, true),
+        ("stored", "node-c", 100_000, true),
+    ]);
+    let affinity = waiting(fleet);
+    affinity.apply_discovery();
+    assert!(affinity.mark_down("stored", None));
+    let mut svc = Retry::new(
+        RetryOnce::new(),
+        ReadRefusalsLayer::new().layer(affinity.clone()),
+    );
+    // The large backend's one slot is held by an answer not yet read.
+    let held = send(&mut svc, turn(None, 5_000, 5_000)).await;
+    assert_eq!(decision(&held).backend.as_str(), "large");
+    // A request continuing a response `stored` stored: that backend is down, so it is placed
+    // around it, on `small`, which refuses it. Its retry is not held to where the response
+    // is stored, nor to the refuser: it waits for `large`, which takes it.
+    let mut req = turn(None, 300, 1_500);
+    let facts = req.extensions_mut().get_mut::<PromptFacts>().unwrap();
+    facts.stored_on = Some("stored".into());
+    let mut task = Box::pin(async {
+        let res = send(&mut svc, req).await;
+        (res.status(), decision(&res).backend, text(res).await)
+    });
+    tokio::select! {
+        _ = &mut task => panic!("answered while the large backend was full"),
+        () = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
+    }
+    drop(held);
+    let (status, backend, body) = task.await;
+    assert_eq!(
+        (status, backend.as_str(), body.as_str()),
+        (StatusCode::OK, "large", "large")
+    );
+    let sent: Vec<_> = calls.iter().map(|c| c.load(Ordering::Relaxed)).collect();
+    assert_eq!(sent, [1, 2, 0], "refused once on small, then sent to large");
+    let stats = affinity.stats();
+    assert_eq!((stats.refusals_retried, stats.refusals_answered), (1, 0));
+}
