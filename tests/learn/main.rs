@@ -3544,3 +3544,51 @@ async fn a_stream_of_several_choices_is_not_learned_when_dropped_after_one_choic
         );
     }
 }
+
+/// `req`, continuing a response stored on `backend`: it goes there.
+fn pinned_to(mut req: Req, backend: &str) -> Req {
+    let facts = req.extensions_mut().get_mut::<PromptFacts>().unwrap();
+    facts.stored_on = Some(backend.into());
+    req
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_keyless_turn_whose_prefix_two_full_backends_hold_alike_waits_for_neither() {
+    let svc = service(&[("a", "n1"), ("b", "n2"), ("c", "n3")]);
+    // Each backend reads a cold 10,000-token prompt in 50 s; requests take 10 s.
+    let lesson = || Reply::llama_stream(10_000, 0, 50_000, Duration::from_secs(10), Duration::ZERO);
+    let lessons = tokio::join!(
+        exchange(&svc, request(None, Some(chain(&[7, 8], 5000)), lesson())),
+        exchange(&svc, request(None, Some(chain(&[9, 10], 5000)), lesson())),
+        exchange(&svc, request(None, Some(chain(&[11, 12], 5000)), lesson())),
+    );
+    let mut taught = [lessons.0 .0, lessons.1 .0, lessons.2 .0].map(|d| d.backend.to_string());
+    taught.sort();
+    assert_eq!(taught, ["a", "b", "c"], "one lesson each");
+    // The same 8,000 tokens are held on a and on b, and nowhere else.
+    let opening = chain(&SESSION_BLOCKS[..8], 1000);
+    for b in ["a", "b"] {
+        let req = pinned_to(request(None, Some(opening.clone()), reused(8000, 0)), b);
+        assert_eq!(exchange(&svc, req).await.0.backend.as_str(), b);
+    }
+    // Both busy for 5 s, sooner than reading 8,000 tokens on c (40 s).
+    let mut busy = Vec::new();
+    for (b, ids) in [("a", [900, 901]), ("b", [910, 911])] {
+        let long = Reply::llama_stream(2000, 0, 1000, Duration::ZERO, Duration::from_secs(5));
+        let req = pinned_to(request(None, Some(chain(&ids, 1000)), long), b);
+        busy.push(keep_busy(&svc, req, b).await);
+    }
+    // A prompt extending them: a prefix that two backends hold alike is no one backend's to
+    // wait for. (Its last blocks rank a first among the holders.)
+    let mut ids = SESSION_BLOCKS[..8].to_vec();
+    ids.extend([508, 509]);
+    let (d, _, _) = exchange(
+        &svc,
+        request(None, Some(chain(&ids, 1000)), reused(10_000, 0)),
+    )
+    .await;
+    assert_eq!((d.backend.as_str(), d.waited), ("c", None));
+    for task in busy {
+        task.await.unwrap();
+    }
+}
