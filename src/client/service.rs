@@ -965,6 +965,93 @@ mod tests {
         assert_eq!(declared(&req), r#"["7"]"#);
     }
 
+    /// Every setting of a builder, to compare builders by.
+    type Settings = (
+        Option<Duration>,
+        Option<Duration>,
+        Option<Duration>,
+        Option<Duration>,
+        bool,
+        Option<Duration>,
+        usize,
+        bool,
+    );
+
+    fn settings<B>(b: &Builder<B>) -> Settings {
+        (
+            b.connect_timeout,
+            b.response_timeout,
+            b.body_idle_timeout,
+            b.tcp_keepalive,
+            b.http2,
+            b.pool_idle_timeout,
+            b.pool_max_idle_per_host,
+            b.resend.is_some(),
+        )
+    }
+
+    /// A builder with every setting changed from its default.
+    fn changed() -> Builder<Empty<bytes::Bytes>> {
+        Builder::new()
+            .connect_timeout(Duration::from_millis(5))
+            .response_timeout(Duration::from_millis(6))
+            .body_idle_timeout(Duration::from_millis(7))
+            .tcp_keepalive(Duration::from_secs(8))
+            .http2_prior_knowledge(true)
+            .pool_idle_timeout(None)
+            .pool_max_idle(3)
+            .resend_on_close(true)
+    }
+
+    #[test]
+    fn each_builder_setting_is_kept_as_given() {
+        let ms = Duration::from_millis;
+        assert_eq!(
+            settings(&changed()),
+            (
+                Some(ms(5)),
+                Some(ms(6)),
+                Some(ms(7)),
+                Some(Duration::from_secs(8)),
+                true,
+                None,
+                3,
+                true
+            )
+        );
+        let pool = Builder::<Empty<bytes::Bytes>>::new().pool_idle_timeout(ms(9));
+        assert_eq!(pool.pool_idle_timeout, Some(ms(9)));
+    }
+
+    /// A clone is how many backends are built alike.
+    #[test]
+    fn a_cloned_builder_keeps_every_setting() {
+        let builder = changed();
+        assert_eq!(settings(&builder.clone()), settings(&builder));
+    }
+
+    #[test]
+    fn a_builders_debug_shows_its_settings() {
+        let shown = format!("{:?}", changed());
+        for setting in [
+            "connect_timeout: Some(5ms)",
+            "http2: true",
+            "pool_idle_timeout: None",
+            "pool_max_idle_per_host: 3",
+            "resend_on_close: true",
+        ] {
+            assert!(shown.contains(setting), "{setting}: {shown}");
+        }
+    }
+
+    #[test]
+    fn http2_prior_knowledge_is_off_unless_asked_for() {
+        let http1 = Backend::new("http://x:8080").unwrap();
+        assert!(!http1.http2_prior_knowledge());
+        let h2 = Backend::builder().http2_prior_knowledge(true);
+        assert!(h2.build("http://x:8080").unwrap().http2_prior_knowledge());
+    }
+
     #[test]
     fn a_content_length_is_read_as_decimal_digits_only() {
         assert_eq!(decimal(b"0"), Some(0));
