@@ -362,6 +362,32 @@ mod tests {
         send(body, Some(slot), false).await.1
     }
 
+    /// An inner service that is as ready as it is told.
+    struct Readiness(Poll<Result<(), &'static str>>);
+
+    impl Service<http::Request<Full<Bytes>>> for Readiness {
+        type Response = ();
+        type Error = &'static str;
+        type Future = std::future::Ready<Result<(), &'static str>>;
+
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+            self.0
+        }
+
+        fn call(&mut self, _: http::Request<Full<Bytes>>) -> Self::Future {
+            std::future::ready(Ok(()))
+        }
+    }
+
+    #[test]
+    fn id_slot_is_ready_only_when_its_inner_service_is() {
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        for inner in [Poll::Pending, Poll::Ready(Err("gone")), Poll::Ready(Ok(()))] {
+            let mut svc = IdSlot::new(Readiness(inner));
+            assert_eq!(svc.poll_ready(&mut cx), inner);
+        }
+    }
+
     #[tokio::test]
     async fn an_object_with_members_gets_id_slot_first() {
         let sent = body_sent(
