@@ -1214,3 +1214,39 @@ fn the_metrics_modules_table_is_every_series_written() {
         "listed in src/metrics.rs but not written: {missing:?}\nwritten but not listed: {undocumented:?}"
     );
 }
+
+/// An answer its backend service marks [`SentAgain`](tower_affinity::SentAgain) counts on
+/// the backend that gave it; an answer without the mark counts nothing.
+#[test]
+fn an_answer_marked_sent_again_counts_on_its_backend() {
+    let ((), snapshot) = recorded_paused(async {
+        // A request to `/again` is answered as if sent a second time.
+        let backend = service_fn(|req: http::Request<String>| async move {
+            let mut res = http::Response::new(String::new());
+            if req.uri().path() == "/again" {
+                res.extensions_mut().insert(tower_affinity::SentAgain);
+            }
+            Ok::<_, Infallible>(res)
+        });
+        let fleet = StaticFleet::new([("a1", Backend::new("node-a", backend))]);
+        let svc = SessionAffinityLayer::new().layer(fleet);
+        for path in ["/again", "/"] {
+            let req = http::Request::post(path)
+                .header("x-session-id", "s")
+                .body(String::new())
+                .unwrap();
+            let res = svc.clone().oneshot(req).await.unwrap();
+            res.into_body().collect().await.unwrap();
+        }
+        assert_eq!(svc.backends()[0].sent_again, 1);
+    });
+    assert_eq!(
+        value(
+            &snapshot,
+            MetricKind::Counter,
+            "tower_affinity_backend_sent_again_total",
+            &[("backend", "a1"), ("node", "node-a")],
+        ),
+        Some(&DebugValue::Counter(1))
+    );
+}
