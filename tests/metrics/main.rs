@@ -1250,3 +1250,36 @@ fn an_answer_marked_sent_again_counts_on_its_backend() {
         Some(&DebugValue::Counter(1))
     );
 }
+
+/// Each request refused for want of a backend, and each error of the discovery stream,
+/// counts once on its fleet-wide counter.
+#[test]
+fn each_request_refused_without_a_backend_and_each_discovery_error_counts_once() {
+    type Boxed =
+        tower::util::BoxCloneSyncService<http::Request<String>, http::Response<String>, Infallible>;
+    type Changes = Vec<
+        Result<tower::discover::Change<tower_affinity::BackendId, Backend<Boxed>>, &'static str>,
+    >;
+    let ((), snapshot) = recorded_paused(async {
+        let changes: Changes = vec![Err("registry unreachable"), Err("registry unreachable")];
+        let svc = SessionAffinityLayer::new().layer(tokio_stream::iter(changes));
+        for _ in 0..3 {
+            let req = http::Request::post("/v1/chat/completions")
+                .header("x-session-id", "s")
+                .body(String::new())
+                .unwrap();
+            assert!(svc.clone().oneshot(req).await.is_err());
+        }
+        let stats = svc.stats();
+        assert_eq!((stats.no_backends, stats.discovery_errors), (3, 2));
+    });
+    let counter = |name: &str| value(&snapshot, MetricKind::Counter, name, &[]);
+    assert_eq!(
+        counter("tower_affinity_no_backends_total"),
+        Some(&DebugValue::Counter(3))
+    );
+    assert_eq!(
+        counter("tower_affinity_discovery_errors_total"),
+        Some(&DebugValue::Counter(2))
+    );
+}
