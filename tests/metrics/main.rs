@@ -12,7 +12,7 @@ use tower::{service_fn, Layer, Service, ServiceExt};
 use tower_affinity::discover::StaticFleet;
 use tower_affinity::key::{PromptFacts, SessionKey};
 use tower_affinity::store::{HomeStore, Lookup, ReadHome, StoredHome, WriteHome};
-use tower_affinity::{Backend, Outcome, PromptChain, SessionAffinityLayer};
+use tower_affinity::{Backend, Outcome, Overflow, PromptChain, SessionAffinityLayer};
 
 const ANSWER: &str =
     r#"{"usage":{"prompt_tokens":1200,"prompt_tokens_details":{"cached_tokens":1024}}}"#;
@@ -1282,4 +1282,139 @@ fn each_request_refused_without_a_backend_and_each_discovery_error_counts_once()
         counter("tower_affinity_discovery_errors_total"),
         Some(&DebugValue::Counter(2))
     );
+}
+
+/// Each level gauge reads the figure of its name: a backend's from its status, the fleet's
+/// from the service's stats, each figure a different number, two requests held in flight.
+#[test]
+fn each_level_reads_the_figure_it_is_named_after() {
+    let ((status, stats), snapshot) = recorded_paused(async {
+        let fleet = StaticFleet::new([(
+            "a1",
+            Backend::new("node-a", service_fn(answering))
+                .slots(NonZeroU32::new(4).unwrap())
+                .cache_tokens(1 << 20)
+                .context_tokens(std::num::NonZeroU64::new(100_000).unwrap())
+                .request_context_tokens(std::num::NonZeroU64::new(32_000).unwrap()),
+        )]);
+        let svc = SessionAffinityLayer::new().layer(fleet);
+        // Three sessions of different lengths; the last two answers held unread.
+        let mut held = Vec::new();
+        for (session, blocks) in [("s", 3_u64), ("t", 5), ("u", 7)] {
+            let ids: Vec<u64> = (1..=blocks).map(|id| id * 10 + blocks).collect();
+            let chain = PromptChain::from_blocks(ids.iter().map(|&id| (id, 1_000)));
+            let mut req = http::Request::post("/v1/chat/completions")
+                .header("x-session-id", session)
+                .body(String::new())
+                .unwrap();
+            req.extensions_mut().insert(PromptFacts::from_chain(chain));
+            let res = svc.clone().oneshot(req).await.unwrap();
+            if session == "s" {
+                res.into_body().collect().await.unwrap();
+            } else {
+                held.push(res);
+            }
+        }
+        svc.publish_metrics();
+        let status = svc.backends().remove(0);
+        (status, svc.stats())
+    });
+    let backend = [("backend", "a1"), ("node", "node-a")];
+    let gauge = |name: &str, labels: &[(&str, &str)]| match value(
+        &snapshot,
+        MetricKind::Gauge,
+        name,
+        labels,
+    ) {
+        Some(DebugValue::Gauge(v)) => v.into_inner(),
+        other => panic!("{name}: {other:?}"),
+    };
+    let levels = [
+        ("in_flight", status.in_flight as f64),
+        ("context_tokens", status.context_in_flight as f64),
+        ("slots", f64::from(status.slots)),
+        (
+            "request_context_tokens",
+            status.request_context_limit.unwrap() as f64,
+        ),
+        ("healthy", 1.0),
+        ("cached_tokens", status.cached_tokens as f64),
+        ("cache_budget_tokens", status.cache_budget as f64),
+        ("conversations", f64::from(status.conversations)),
+    ];
+    for (name, want) in levels {
+        let name = format!("tower_affinity_backend_{name}");
+        assert_eq!(gauge(&name, &backend), want, "{name}");
+    }
+    let fleet = [
+        ("in_flight", stats.in_flight as f64),
+        ("waiting", stats.waiting as f64),
+        ("sessions", stats.sessions as f64),
+        ("session_table_bytes", stats.session_table_bytes as f64),
+        ("cache_model_bytes", stats.cache_model_bytes as f64),
+    ];
+    for (name, want) in fleet {
+        let name = format!("tower_affinity_{name}");
+        assert_eq!(gauge(&name, &[]), want, "{name}");
+    }
+    // Each figure differs from the others of its kind: a gauge set from another reads wrong.
+    let mut figures: Vec<f64> = levels.iter().map(|(_, v)| *v).collect();
+    figures.sort_by(f64::total_cmp);
+    figures.dedup();
+    assert_eq!(figures.len(), levels.len(), "{levels:?}");
+    let mut figures: Vec<f64> = fleet.iter().map(|(_, v)| *v).collect();
+    figures.sort_by(f64::total_cmp);
+    figures.dedup();
+    assert_eq!(figures.len(), fleet.len(), "{fleet:?}");
+}
+
+/// A request sent beyond its backend's one slot counts as overcommitted, one refused counts
+/// as rejected, and one placed after waiting counts as waited, with how long it waited.
+#[test]
+fn a_request_overcommitted_rejected_or_placed_after_a_wait_counts_once() {
+    let ((), snapshot) = recorded_paused(async {
+        let one = NonZeroU32::new(1).unwrap();
+        let svc = |overflow| {
+            let fleet = StaticFleet::new([(
+                "a1",
+                Backend::new("node-a", service_fn(answering)).slots(one),
+            )]);
+            SessionAffinityLayer::new().overflow(overflow).layer(fleet)
+        };
+        let req = || {
+            http::Request::post("/v1/chat/completions")
+                .header("x-session-id", "s")
+                .body(String::new())
+                .unwrap()
+        };
+        for overflow in [Overflow::Overcommit, Overflow::Reject] {
+            let svc = svc(overflow);
+            let _held = svc.clone().oneshot(req()).await.unwrap();
+            let second = svc.clone().oneshot(req()).await;
+            assert_eq!(second.is_ok(), overflow == Overflow::Overcommit);
+        }
+        let svc = svc(Overflow::wait(std::time::Duration::from_secs(30), 8));
+        let held = svc.clone().oneshot(req()).await.unwrap();
+        let second = tokio::spawn(svc.clone().oneshot(req()));
+        tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+        assert_eq!(svc.stats().waiting, 1);
+        drop(held);
+        let second = second.await.unwrap().unwrap();
+        second.into_body().collect().await.unwrap();
+    });
+    let counter = |name: &str| value(&snapshot, MetricKind::Counter, name, &[]);
+    for name in ["overcommitted", "rejected", "waited"] {
+        let name = format!("tower_affinity_{name}_total");
+        assert_eq!(counter(&name), Some(&DebugValue::Counter(1)), "{name}");
+    }
+    let waits = match value(
+        &snapshot,
+        MetricKind::Histogram,
+        "tower_affinity_wait_seconds",
+        &[],
+    ) {
+        Some(DebugValue::Histogram(v)) => v.iter().map(|x| x.into_inner()).collect::<Vec<_>>(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(waits, [3.0]);
 }
