@@ -1418,3 +1418,25 @@ fn a_request_overcommitted_rejected_or_placed_after_a_wait_counts_once() {
     };
     assert_eq!(waits, [3.0]);
 }
+
+/// Label names that differ in a digit after their first character are two labels, as an
+/// exporter writes them: both are kept.
+#[test]
+fn label_names_differing_only_in_a_digit_are_both_kept() {
+    let ((), snapshot) = recorded(async {
+        let fleet = StaticFleet::new([("a1", Backend::new("node-a", service_fn(empty)))]);
+        let svc = SessionAffinityLayer::new()
+            .metrics_labels([("zone1", "eu"), ("zone2", "us")])
+            .layer(fleet);
+        svc.publish_metrics();
+    });
+    assert_eq!(
+        exact(
+            &snapshot,
+            MetricKind::Gauge,
+            "tower_affinity_sessions",
+            &[("zone1", "eu"), ("zone2", "us")],
+        ),
+        Some(&DebugValue::Gauge(0.0.into()))
+    );
+}
