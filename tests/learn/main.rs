@@ -1133,33 +1133,38 @@ async fn reported_reuse_is_counted_by_the_outcome_of_its_request() {
     );
 }
 
+/// Two sessions on `svc`'s one backend: "old"'s first turn of the blocks `old`, then "new"'s
+/// first turn of blocks 10 to 12, and its second turn of blocks 10 to 13, answered with
+/// `second` (the model predicts 3,000 of its 4,000 tokens held). 1,000 tokens a block.
+/// Returns the second turn's decision and the usage it reported.
+async fn old_then_new<S, P>(
+    svc: &Svc<S, P>,
+    old: &[u64],
+    second: Reply,
+) -> (Decision, Option<Usage>)
+where
+    Svc<S, P>: tower::Service<Req, Response = Res, Error = tower_affinity::Error>,
+    <Svc<S, P> as tower::Service<Req>>::Future: Send,
+{
+    let tokens = 1000 * old.len() as u64;
+    let first = request(Some("old"), Some(chain(old, 1000)), reused(tokens, 0));
+    assert_eq!(exchange(svc, first).await.0.outcome, Outcome::NewSession);
+    let first = request(
+        Some("new"),
+        Some(chain(&[10, 11, 12], 1000)),
+        reused(3000, 0),
+    );
+    exchange(svc, first).await;
+    let next = request(Some("new"), Some(chain(&[10, 11, 12, 13], 1000)), second);
+    let (d, _, usage) = exchange(svc, next).await;
+    (d, usage)
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_backend_reusing_far_less_than_predicted_corrects_the_model() {
     let svc = service(&[("a", "n1")]);
-    // Two sessions on the one backend: "old" first, then "new".
-    let old = [1, 2, 3];
-    let (d, _, _) = exchange(
-        &svc,
-        request(Some("old"), Some(chain(&old, 1000)), reused(3000, 0)),
-    )
-    .await;
-    assert_eq!(d.outcome, Outcome::NewSession);
-    let new = [10, 11, 12];
-    exchange(
-        &svc,
-        request(Some("new"), Some(chain(&new, 1000)), reused(3000, 0)),
-    )
-    .await;
     // "new"'s second turn: the model predicts its 3,000 tokens held, the backend reused none.
-    let (d, _, _) = exchange(
-        &svc,
-        request(
-            Some("new"),
-            Some(chain(&[10, 11, 12, 13], 1000)),
-            reused(4000, 0),
-        ),
-    )
-    .await;
+    let (d, _) = old_then_new(&svc, &[1, 2, 3], reused(4000, 0)).await;
     assert_eq!(d.outcome, Outcome::HomeHit);
     let a = status(&svc, "a");
     assert_eq!(a.corrections, 1);
@@ -1200,31 +1205,9 @@ async fn a_backend_reusing_far_less_than_predicted_corrects_the_model() {
 #[tokio::test(start_paused = true)]
 async fn a_backend_reusing_part_of_a_prediction_makes_the_model_forget_the_rest() {
     let svc = service(&[("a", "n1")]);
-    exchange(
-        &svc,
-        request(Some("old"), Some(chain(&[1, 2], 1000)), reused(2000, 0)),
-    )
-    .await;
-    exchange(
-        &svc,
-        request(
-            Some("new"),
-            Some(chain(&[10, 11, 12], 1000)),
-            reused(3000, 0),
-        ),
-    )
-    .await;
     // "new"'s second turn: 3,000 of its 4,000 tokens predicted held, 1,000 reused. The backend
     // evicted 2,000 tokens used no later than "new"'s prefix: all of "old"'s.
-    let (d, _, _) = exchange(
-        &svc,
-        request(
-            Some("new"),
-            Some(chain(&[10, 11, 12, 13], 1000)),
-            reused(4000, 1000),
-        ),
-    )
-    .await;
+    let (d, _) = old_then_new(&svc, &[1, 2], reused(4000, 1000)).await;
     assert_eq!(d.outcome, Outcome::HomeHit);
     assert_eq!(status(&svc, "a").corrections, 1);
     let (d, _, _) = exchange(
@@ -1243,30 +1226,8 @@ async fn a_backend_reusing_part_of_a_prediction_makes_the_model_forget_the_rest(
 #[tokio::test(start_paused = true)]
 async fn an_answer_reporting_a_prompt_of_no_tokens_corrects_nothing() {
     let svc = service(&[("a", "n1")]);
-    exchange(
-        &svc,
-        request(Some("old"), Some(chain(&[1, 2, 3], 1000)), reused(3000, 0)),
-    )
-    .await;
-    exchange(
-        &svc,
-        request(
-            Some("new"),
-            Some(chain(&[10, 11, 12], 1000)),
-            reused(3000, 0),
-        ),
-    )
-    .await;
     // "new"'s second turn, predicted held: the answer counts no prompt at all.
-    let (d, _, usage) = exchange(
-        &svc,
-        request(
-            Some("new"),
-            Some(chain(&[10, 11, 12, 13], 1000)),
-            reused(0, 0),
-        ),
-    )
-    .await;
+    let (d, usage) = old_then_new(&svc, &[1, 2, 3], reused(0, 0)).await;
     assert_eq!(d.outcome, Outcome::HomeHit);
     assert_eq!(usage.map(|u| u.prompt_tokens), Some(0));
     let corrections = status(&svc, "a").corrections;
