@@ -760,6 +760,25 @@ async fn a_refusal_passes_over_another_backend_whose_limit_its_count_reaches() {
     );
 }
 
+/// Sends `req` while `held`, an answer not yet read, keeps the large backend's one slot: it is
+/// not answered within a second, and once `held` is dropped the large backend answers it.
+async fn answered_by_large_once_freed(svc: &mut Balancer, req: Req, held: Res) {
+    let mut task = Box::pin(async {
+        let res = send(svc, req).await;
+        (res.status(), decision(&res).backend, text(res).await)
+    });
+    tokio::select! {
+        _ = &mut task => panic!("answered while the large backend was full"),
+        () = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
+    }
+    drop(held);
+    let (status, backend, body) = task.await;
+    assert_eq!(
+        (status, backend.as_str(), body.as_str()),
+        (StatusCode::OK, "large", "large")
+    );
+}
+
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn a_refused_retry_that_waits_for_a_slot_keeps_its_refusal_when_woken() {
     let (fleet, calls) = fleet(&[
@@ -778,20 +797,7 @@ async fn a_refused_retry_that_waits_for_a_slot_keeps_its_refusal_when_woken() {
     let before = calls[0].load(Ordering::Relaxed);
     // Refused at home; its retry waits for the large backend, not for the small one that
     // refused it (free all along).
-    let mut task = Box::pin(async {
-        let res = send(&mut svc, turn(Some(&session), 600, 1_500)).await;
-        (res.status(), decision(&res).backend, text(res).await)
-    });
-    tokio::select! {
-        _ = &mut task => panic!("answered while the large backend was full"),
-        () = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
-    }
-    drop(held);
-    let (status, backend, body) = task.await;
-    assert_eq!(
-        (status, backend.as_str(), body.as_str()),
-        (StatusCode::OK, "large", "large")
-    );
+    answered_by_large_once_freed(&mut svc, turn(Some(&session), 600, 1_500), held).await;
     assert_eq!(calls[0].load(Ordering::Relaxed), before + 1, "refused once");
     let stats = affinity.stats();
     assert_eq!(stats.in_flight, 0);
@@ -1197,20 +1203,7 @@ async fn a_refused_request_continuing_a_response_stored_on_a_backend_down_is_ret
     let mut req = turn(None, 300, 1_500);
     let facts = req.extensions_mut().get_mut::<PromptFacts>().unwrap();
     facts.stored_on = Some("stored".into());
-    let mut task = Box::pin(async {
-        let res = send(&mut svc, req).await;
-        (res.status(), decision(&res).backend, text(res).await)
-    });
-    tokio::select! {
-        _ = &mut task => panic!("answered while the large backend was full"),
-        () = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
-    }
-    drop(held);
-    let (status, backend, body) = task.await;
-    assert_eq!(
-        (status, backend.as_str(), body.as_str()),
-        (StatusCode::OK, "large", "large")
-    );
+    answered_by_large_once_freed(&mut svc, req, held).await;
     let sent: Vec<_> = calls.iter().map(|c| c.load(Ordering::Relaxed)).collect();
     assert_eq!(sent, [1, 2, 0], "refused once on small, then sent to large");
     let stats = affinity.stats();
