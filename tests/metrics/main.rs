@@ -99,6 +99,24 @@ fn dropping_idle_series() -> metrics_exporter_prometheus::PrometheusRecorder {
         .build_recorder()
 }
 
+/// Sends session `s` a turn to each of `paths` in turn, each answer read whole.
+async fn turns_to<S, B>(svc: &S, paths: &[&str])
+where
+    S: Service<http::Request<String>, Response = http::Response<B>> + Clone,
+    S::Error: std::fmt::Debug,
+    B: http_body::Body,
+    B::Error: std::fmt::Debug,
+{
+    for path in paths {
+        let req = http::Request::post(*path)
+            .header("x-session-id", "s")
+            .body(String::new())
+            .unwrap();
+        let res = svc.clone().oneshot(req).await.unwrap();
+        res.into_body().collect().await.unwrap();
+    }
+}
+
 #[test]
 fn decisions_reported_tokens_and_levels_reach_the_recorder() {
     let ((), snapshot) = recorded(async {
@@ -107,18 +125,15 @@ fn decisions_reported_tokens_and_levels_reach_the_recorder() {
             Backend::new("node-a", service_fn(answering)).slots(NonZeroU32::new(2).unwrap()),
         )]);
         let svc = SessionAffinityLayer::new().layer(fleet);
-        for path in [
-            "/v1/chat/completions",
-            "/v1/chat/completions",
-            "/v1/messages",
-        ] {
-            let req = http::Request::post(path)
-                .header("x-session-id", "s")
-                .body(String::new())
-                .unwrap();
-            let res = svc.clone().oneshot(req).await.unwrap();
-            res.into_body().collect().await.unwrap();
-        }
+        turns_to(
+            &svc,
+            &[
+                "/v1/chat/completions",
+                "/v1/chat/completions",
+                "/v1/messages",
+            ],
+        )
+        .await;
         svc.publish_metrics();
     });
     let counter =
@@ -1004,14 +1019,7 @@ fn an_error_answers_first_byte_is_not_timed() {
         });
         let fleet = StaticFleet::new([("a1", Backend::new("node-a", backend))]);
         let svc = SessionAffinityLayer::new().layer(fleet);
-        for path in ["/refused", "/"] {
-            let req = http::Request::post(path)
-                .header("x-session-id", "s")
-                .body(String::new())
-                .unwrap();
-            let res = svc.clone().oneshot(req).await.unwrap();
-            res.into_body().collect().await.unwrap();
-        }
+        turns_to(&svc, &["/refused", "/"]).await;
         svc.backends()[0].first_byte_time
     });
     let seconds = |name: &str, labels: &[(&str, &str)]| -> Vec<f64> {
@@ -1230,14 +1238,7 @@ fn an_answer_marked_sent_again_counts_on_its_backend() {
         });
         let fleet = StaticFleet::new([("a1", Backend::new("node-a", backend))]);
         let svc = SessionAffinityLayer::new().layer(fleet);
-        for path in ["/again", "/"] {
-            let req = http::Request::post(path)
-                .header("x-session-id", "s")
-                .body(String::new())
-                .unwrap();
-            let res = svc.clone().oneshot(req).await.unwrap();
-            res.into_body().collect().await.unwrap();
-        }
+        turns_to(&svc, &["/again", "/"]).await;
         assert_eq!(svc.backends()[0].sent_again, 1);
     });
     assert_eq!(
@@ -1274,13 +1275,14 @@ fn each_request_refused_without_a_backend_and_each_discovery_error_counts_once()
         assert_eq!((stats.no_backends, stats.discovery_errors), (3, 2));
     });
     let counter = |name: &str| value(&snapshot, MetricKind::Counter, name, &[]);
+    let counted = [
+        "tower_affinity_no_backends_total",
+        "tower_affinity_discovery_errors_total",
+    ]
+    .map(counter);
     assert_eq!(
-        counter("tower_affinity_no_backends_total"),
-        Some(&DebugValue::Counter(3))
-    );
-    assert_eq!(
-        counter("tower_affinity_discovery_errors_total"),
-        Some(&DebugValue::Counter(2))
+        counted,
+        [Some(&DebugValue::Counter(3)), Some(&DebugValue::Counter(2))]
     );
 }
 
