@@ -247,4 +247,16 @@ mod tests {
             );
         }
     }
+
+    #[test]
+    fn a_home_debugs_as_its_backend_node_tip_and_placed_millis() {
+        let home = StoredHome::new("gpu-0", "host-a");
+        assert_eq!(format!("{home:?}"), "StoredHome(gpu-0 on host-a)");
+        let at = SystemTime::UNIX_EPOCH + Duration::from_millis(1_796_601_600_000);
+        let dated = home.with_tip(0x9f).with_placed(at);
+        assert_eq!(
+            format!("{dated:?}"),
+            "StoredHome(gpu-0 on host-a, tip 000000000000009f, placed 1796601600000)"
+        );
+    }
 }
