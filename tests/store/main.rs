@@ -1141,3 +1141,28 @@ async fn a_home_the_store_holds_from_before_this_replicas_later_turn_elsewhere_i
     assert_eq!(next.backend, moved.backend, "{next:?}");
     assert_eq!(store.0.lock().homes[&key("s")].backend, moved.backend);
 }
+
+/// Another replica placed the turn this replica placed elsewhere (the same turn, sent to it
+/// again): the stored home ends where this replica's own last turn ended, so the store is
+/// not behind, and the session follows the store.
+#[tokio::test(start_paused = true)]
+async fn a_home_the_store_holds_from_the_turn_this_replica_placed_elsewhere_is_taken() {
+    let store = MemoryStore::new();
+    let svc = service(&store);
+    let first = send_chain(&svc, "s", conversation(1, 1)).await;
+    // The next turn goes elsewhere (its home is busy), and is written.
+    let busy = hold(&svc, "s").await;
+    let turn = conversation(1, 2);
+    let moved = send_chain(&svc, "s", turn.clone()).await;
+    assert_ne!(moved.backend, first.backend);
+    drop(busy);
+    settle().await;
+    // Another replica placed the same turn on the first home since.
+    let tip = turn.links()[turn.len() - 2].digest;
+    let other = StoredHome::new(first.backend.as_str(), first.node.as_str())
+        .with_tip(tip)
+        .with_placed(SystemTime::now());
+    store.0.lock().homes.insert(key("s"), other);
+    let next = send_chain(&svc, "s", conversation(1, 3)).await;
+    assert_eq!(next.backend, first.backend, "{next:?}");
+}
