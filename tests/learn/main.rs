@@ -1915,6 +1915,121 @@ async fn move_at_once_when_the_wait_would_cost_more_than_moving() {
     streaming.abort();
 }
 
+/// A backend removed and announced again keeps its prefill rate and forgets its token scale.
+/// Until an answer teaches the scale again, its reads are counted at the mean scale of the
+/// fleet's backends that know theirs, not at one token a token of the estimate. Here the
+/// busy home and the backend with room both forgot theirs: counted at one token a token,
+/// moving would save less than the wait for the home, and the turn would move.
+#[tokio::test(start_paused = true)]
+async fn a_backend_that_forgot_its_scale_reads_at_the_fleets_scale_while_it_knows_its_rate() {
+    let (handle, stream) = tower_affinity::discover::channel();
+    let backend = |node| {
+        Backend::new(node, scripted())
+            .slots(NonZeroU32::MIN)
+            .cache_tokens(1 << 20)
+    };
+    let nodes = [("a", "n1"), ("b", "n2"), ("c", "n3")];
+    let ids = nodes.map(|(id, _)| id);
+    for (id, node) in nodes {
+        handle.insert(id, backend(node));
+    }
+    let svc = SessionAffinityLayer::new().layer(stream);
+    svc.apply_discovery();
+    // Each reads 10,000 of its tokens in 50 s (200 tokens/s), a prompt of 5,000 by the
+    // estimate (2 of its tokens a token); its requests take 100 s.
+    let lesson = || {
+        Reply::llama_stream(
+            10_000,
+            0,
+            50_000,
+            Duration::from_secs(50),
+            Duration::from_secs(50),
+        )
+    };
+    let lessons = tokio::join!(
+        decision_of(&svc, request(None, Some(chain(&[7, 8], 2500)), lesson())),
+        decision_of(&svc, request(None, Some(chain(&[9, 10], 2500)), lesson())),
+        decision_of(&svc, request(None, Some(chain(&[11, 12], 2500)), lesson())),
+    );
+    let mut taught = [lessons.0, lessons.1, lessons.2].map(|d| d.backend.to_string());
+    taught.sort();
+    assert_eq!(taught, ids, "one lesson each");
+    let first = request(
+        Some("s"),
+        Some(chain(&SESSION_BLOCKS[..8], 1000)),
+        reused(8000, 0),
+    );
+    let home = decision_of(&svc, first).await.backend.to_string();
+    let home = ids.into_iter().find(|&id| id == home).unwrap();
+    let mut others = ids.into_iter().filter(|&id| id != home);
+    let (free, busy) = (others.next().unwrap(), others.next().unwrap());
+    // The home and the backend the next turn may move to come back: they keep their rates and
+    // their request times, and forget their scales.
+    for id in [home, free] {
+        let (_, node) = nodes.into_iter().find(|&(n, _)| n == id).unwrap();
+        assert!(handle.remove(id));
+        svc.apply_discovery();
+        handle.insert(id, backend(node));
+        svc.apply_discovery();
+    }
+    for id in ids {
+        let s = svc
+            .backends()
+            .into_iter()
+            .find(|s| s.id.as_str() == id)
+            .unwrap();
+        assert_eq!(
+            (s.prefill_rate, s.request_time),
+            (Some(200), Some(Duration::from_secs(100))),
+            "{id}"
+        );
+    }
+    let busy_for =
+        |secs| Reply::llama_stream(9000, 8000, 5000, Duration::ZERO, Duration::from_secs(secs));
+    let turn = request(
+        Some("s"),
+        Some(chain(&SESSION_BLOCKS[..9], 1000)),
+        busy_for(5),
+    );
+    let streaming = held_on(&svc, turn, home).await;
+    let own = pinned_to(request(None, Some(chain(&[77], 1000)), busy_for(100)), busy);
+    let held = held_on(&svc, own, busy).await;
+    // `busy` is full: the turn may move to `free` alone, and the fleet's scale is `busy`'s.
+    // The home's slot is due in 100 s. At 2 tokens a token, staying reads the 1,000 tokens
+    // the home lacks in 10 s; moving reads 10,000 on `free` in 100 s, and delays the requests
+    // reaching it meanwhile (one every 100 s) as long: 200 s, which saves 190 s, and the turn
+    // waits. At one token a token moving would cost 50 s + 25 s and save 70 s.
+    let next = request(
+        Some("s"),
+        Some(chain(&SESSION_BLOCKS, 1000)),
+        reused(10_000, 9000),
+    );
+    let d = decision_of(&svc, next).await;
+    assert_eq!(
+        (d.backend.as_str(), d.waited),
+        (home, Some(Duration::from_secs(5)))
+    );
+    streaming.await.unwrap();
+    held.await.unwrap();
+    assert_eq!(svc.stats().in_flight, 0);
+}
+
+/// Sends `req`, which must go to `backend`, and reads its answer in a task of its own, as
+/// [`keep_busy`] does, on any service of this crate's response type.
+async fn held_on<T>(svc: &T, req: Req, backend: &str) -> tokio::task::JoinHandle<()>
+where
+    T: tower::Service<Req, Response = Res, Error = tower_affinity::Error> + Clone,
+{
+    let res = svc.clone().oneshot(req).await.expect("an answer");
+    assert_eq!(
+        res.extensions().get::<Decision>().unwrap().backend.as_str(),
+        backend
+    );
+    tokio::spawn(async move {
+        let _ = res.into_body().collect().await;
+    })
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_request_behind_others_waiting_for_the_holder_counts_their_turns_in_its_wait() {
     let svc: Svc<_> = SessionAffinityLayer::new()
